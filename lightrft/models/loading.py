@@ -1,0 +1,70 @@
+"""Load HF causal LMs and tokenizers from a local directory or a hub id."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_GENERIC_TOKENIZERS = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _check_local(path: str | Path) -> None:
+    p = Path(path)
+    # A string that looks like a path (absolute, ./, ../) but does not exist is a user error, not
+    # a hub id: say so instead of letting the hub client time out.
+    if (p.is_absolute() or str(path).startswith((".", "~"))) and not p.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+
+
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
+    """The tokenizer (with its chat template) of a local HF directory or hub id.
+
+    A directory whose ``tokenizer_config.json`` names the generic fast tokenizer is loaded as
+    exactly that, so its ``tokenizer.json`` is used as written.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    _check_local(path)
+    cfg_file = Path(path) / "tokenizer_config.json"
+    if cfg_file.is_file():
+        tok_cls = json.loads(cfg_file.read_text()).get("tokenizer_class")
+        if tok_cls in _GENERIC_TOKENIZERS:
+            tok = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    else:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+):
+    """A ``transformers`` causal LM from a local directory or hub id, in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    _check_local(path)
+    kwargs = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.to(device)

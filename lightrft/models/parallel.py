@@ -1,0 +1,75 @@
+"""Activation checkpointing -> torch.compile per block -> FSDP2, in that order (as torchtitan)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin)."""
+    for path in ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers",
+                 "model.decoder.layers", "layers"):
+        mod = model
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        if isinstance(mod, nn.ModuleList):
+            return mod
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; "
+                     "pass a model with a `model.layers` ModuleList")
+
+
+def default_param_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 compute on accelerators, fp32 on CPU (CPU bf16 matmuls are slow and imprecise)."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    mesh=None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    shard: bool | None = None,
+) -> nn.Module:
+    """Prepare ``model`` for training in place and return it.
+
+    1. activation checkpointing wraps each decoder block (recompute in backward);
+    2. ``torch.compile`` compiles each block in place (names keep no ``_orig_mod.`` prefix);
+    3. FSDP2 ``fully_shard`` shards each block, then the root, with a ``MixedPrecisionPolicy``.
+
+    ``shard=None`` shards when a process group is initialised; a single plain process keeps
+    ordinary tensors so the same recipe runs unchanged on a laptop.
+    """
+    layers = decoder_layers(model)
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    if compile:
+        for layer in layers:
+            layer.compile(dynamic=True)
+    if shard is None:
+        shard = dist.is_available() and dist.is_initialized()
+    if not shard:
+        return model
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if param_dtype is None:
+        param_dtype = default_param_dtype(next(model.parameters()).device)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for i, layer in enumerate(layers):
+        # The last block is gathered again right away by the root's backward: keep it unsharded.
+        last = i == len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward and not last)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model

@@ -1,0 +1,61 @@
+"""Process-group set-up shared by the recipes: one process, torchrun on CPU (gloo) or GPU (nccl)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str | None = None) -> DistInfo:
+    """Initialise the default process group when launched by torchrun; otherwise stay single.
+
+    ``device``: "cpu", "cuda" or None (CUDA when available). Backend: nccl on CUDA, gloo on CPU.
+    """
+    want = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if want.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo",
+                                device_id=dev if dev.type == "cuda" else None)
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+    return DistInfo(0, 1, 0, dev)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(value: float | torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Sum a scalar over ranks (identity in a single process); returns a tensor."""
+    t = torch.as_tensor(value, dtype=torch.float64, device=device or "cpu").clone()
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+# Tests run on 2 cores: keep intra-op threads modest so two gloo ranks do not oversubscribe.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer, hidden-64 qwen2 model with a char-level tokenizer, saved as an HF directory."""
+    from lightrft.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", layers=2, hidden=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from lightrft.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", layers=2,
+                           hidden=64)
