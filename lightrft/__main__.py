@@ -1,0 +1,5 @@
+import sys
+
+from lightrft.cli import main
+
+sys.exit(main())

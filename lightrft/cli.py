@@ -1,0 +1,268 @@
+"""The ``lightrft`` command, modelled on torchtune's ``tune``.
+
+    lightrft ls                                   recipes and their configs
+    lightrft cp <recipe|config> <dest>            copy one out to edit it
+    lightrft cat <config>                         print a config
+    lightrft validate <config> [key=value ...]    check keys, types and components; loads no model
+    lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
+    lightrft tiny-model --out DIR [--arch qwen2|llama] [--layers N] [--hidden N] ...
+
+Recipes ship inside the package (``lightrft.recipes``) and run by path with ``runpy``; configs ship
+as ``lightrft.configs`` data. A config opens with its launch command, ``# lightrft run <recipe>
+--config ...``, which is how ``ls`` and ``validate`` know which recipe a config belongs to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+_LAUNCH = re.compile(r"^#\s*(?:lightrft|tune)\s+run\s+(?:--\S+\s+\S+\s+)*(\S+)")
+
+
+def _package_dir(module: str, fallback: Path) -> Path:
+    """Where a data package lives: its import location, else the source checkout."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return fallback
+
+
+def recipes_dir() -> Path:
+    return _package_dir("lightrft.recipes", RECIPES_DIR)
+
+
+def configs_dir() -> Path:
+    return _package_dir("lightrft.configs", CONFIGS_DIR)
+
+
+def list_recipes() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(recipes_dir().glob("*.py")) if not p.stem.startswith("_")}
+
+
+def list_configs() -> dict[str, Path]:
+    root = configs_dir()
+    return {p.relative_to(root).with_suffix("").as_posix(): p for p in sorted(root.rglob("*.yaml"))}
+
+
+def recipe_of_config(path: Path) -> str | None:
+    """The recipe named by a config's launch-command comment (``# lightrft run grpo --config``)."""
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            m = _LAUNCH.match(line.strip())
+            if m:
+                return Path(m.group(1)).stem
+    return None
+
+
+def resolve_recipe(name: str) -> Path:
+    p = Path(name)
+    if p.suffix == ".py":
+        if not p.is_file():
+            raise SystemExit(f"lightrft: recipe file not found: {name}")
+        return p.resolve()
+    recipes = list_recipes()
+    if name not in recipes:
+        raise SystemExit(f"lightrft: unknown recipe {name!r}; available: {', '.join(recipes)}")
+    return recipes[name]
+
+
+def resolve_config(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or p.is_file():
+        if not p.is_file():
+            raise SystemExit(f"lightrft: config file not found: {name}")
+        return p.resolve()
+    configs = list_configs()
+    if name not in configs:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(configs), n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise SystemExit(f"lightrft: unknown config {name!r}{hint}; see `lightrft ls`")
+    return configs[name]
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    by_recipe: dict[str, list[str]] = {name: [] for name in list_recipes()}
+    for name, path in list_configs().items():
+        by_recipe.setdefault(recipe_of_config(path) or "?", []).append(name)
+    width = max((len(r) for r in by_recipe), default=6) + 2
+    print(f"{'RECIPE':<{width}}CONFIG")
+    for recipe, configs in by_recipe.items():
+        for i, c in enumerate(configs or ["-"]):
+            print(f"{recipe if i == 0 else '':<{width}}{c}")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    recipes, configs = list_recipes(), list_configs()
+    if args.name in recipes:
+        src = recipes[args.name]
+    elif args.name in configs:
+        src = configs[args.name]
+    else:
+        raise SystemExit(f"lightrft: {args.name!r} is neither a recipe nor a config; "
+                         "see `lightrft ls`")
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / src.name
+    if dest.exists() and not args.force:
+        raise SystemExit(f"lightrft: {dest} exists; pass --force to overwrite")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+    print(f"copied {src.name} to {dest}")
+    return 0
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    print(resolve_config(args.config).read_text(), end="")
+    return 0
+
+
+def load_schema(recipe_path: Path):
+    """A recipe's ``CONFIG_SCHEMA``, read by importing the file without running its main."""
+    module = runpy.run_path(str(recipe_path), run_name="lightrft_recipe_schema")
+    if "CONFIG_SCHEMA" not in module:
+        raise SystemExit(f"lightrft: {recipe_path} defines no CONFIG_SCHEMA")
+    return module["CONFIG_SCHEMA"]
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from lightrft.config import ConfigError, check, load
+
+    path = resolve_config(args.config)
+    recipe = args.recipe or recipe_of_config(path)
+    if recipe is None:
+        raise SystemExit(f"lightrft: {path} does not open with `# lightrft run <recipe> ...`; "
+                         "pass --recipe")
+    try:
+        cfg, src = load(path, args.overrides)
+        check(cfg, load_schema(resolve_recipe(recipe)), src)
+    except ConfigError as e:
+        print(f"lightrft: {e}", file=sys.stderr)
+        return 2
+    print(f"{path}: valid config for recipe '{recipe}'")
+    return 0
+
+
+# torchrun flags that take a value; flags given as --flag=value need no table entry.
+_TORCHRUN_VALUE_FLAGS = {
+    "--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
+    "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_backend", "--rdzv-backend", "--rdzv_id",
+    "--rdzv-id", "--rdzv_conf", "--rdzv-conf", "--master_addr", "--master-addr", "--master_port",
+    "--master-port", "--max_restarts", "--max-restarts", "--monitor_interval",
+    "--monitor-interval", "--start_method", "--start-method", "--log_dir", "--log-dir",
+    "--redirects", "--tee", "--local_addr", "--local-addr", "--role", "--local-ranks-filter",
+    "--local_ranks_filter",
+}
+
+
+def cmd_run(argv: list[str]) -> int:
+    torchrun_args: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        flag = argv[i]
+        torchrun_args.append(flag)
+        if "=" not in flag and flag in _TORCHRUN_VALUE_FLAGS:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"lightrft: {flag} needs a value")
+            torchrun_args.append(argv[i + 1])
+            i += 1
+        i += 1
+    if i >= len(argv):
+        raise SystemExit("lightrft: usage: lightrft run [torchrun flags] <recipe> --config <cfg> "
+                         "[key=value ...]")
+    recipe = resolve_recipe(argv[i])
+    rest = argv[i + 1:]
+    # Resolve a config name to its path; everything else passes through to the recipe.
+    for j, a in enumerate(rest):
+        if a == "--config" and j + 1 < len(rest):
+            rest[j + 1] = str(resolve_config(rest[j + 1]))
+        elif a.startswith("--config="):
+            rest[j] = "--config=" + str(resolve_config(a.split("=", 1)[1]))
+    if torchrun_args:
+        from torch.distributed.run import main as torchrun_main
+
+        torchrun_main([*torchrun_args, str(recipe), *rest])
+        return 0
+    old_argv = sys.argv
+    sys.argv = [str(recipe), *rest]
+    try:
+        runpy.run_path(str(recipe), run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            return e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = old_argv
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from lightrft.models.tiny import make_tiny_model
+
+    out = make_tiny_model(args.out, arch=args.arch, layers=args.layers, hidden=args.hidden,
+                          heads=args.heads, kv_heads=args.kv_heads,
+                          intermediate=args.intermediate, max_positions=args.max_positions,
+                          tie_embeddings=args.tie_embeddings, seed=args.seed)
+    print(f"wrote tiny {args.arch} model to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightrft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("ls", help="list recipes and configs")
+    cp = sub.add_parser("cp", help="copy a recipe or config out for editing")
+    cp.add_argument("name")
+    cp.add_argument("dest")
+    cp.add_argument("--force", action="store_true")
+    cat = sub.add_parser("cat", help="print a config")
+    cat.add_argument("config")
+    v = sub.add_parser("validate", help="check a config without loading models")
+    v.add_argument("config")
+    v.add_argument("overrides", nargs="*")
+    v.add_argument("--recipe", help="recipe name, when the config has no launch comment")
+    sub.add_parser("run", help="run a recipe (torchrun flags before the recipe)", add_help=False)
+    t = sub.add_parser("tiny-model", help="write a tiny random-init HF model and tokenizer")
+    t.add_argument("--out", required=True)
+    t.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--hidden", type=int, default=64)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--intermediate", type=int, default=None)
+    t.add_argument("--max-positions", type=int, default=1024)
+    t.add_argument("--tie-embeddings", action="store_true")
+    t.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `run` forwards its arguments untouched (torchrun flags, --config, overrides).
+    if argv and argv[0] == "run":
+        return cmd_run(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "validate":
+        args.overrides = list(args.overrides)
+    return {"ls": cmd_ls, "cp": cmd_cp, "cat": cmd_cat, "validate": cmd_validate,
+            "tiny-model": cmd_tiny_model}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""YAML configs: torchtune-style parsing and ``_component_`` instantiation, checked strictly.
+
+A recipe declares the keys it reads in a module-level ``CONFIG_SCHEMA`` and decorates its entry
+point with :func:`parse`. Before any model loads, every key of the YAML and of the ``key=value``
+overrides is checked against the schema, and every ``_component_`` is imported and its keyword
+arguments bound to its signature. A misspelled key or a wrong-typed value fails with the file and
+line (or the override) and the closest valid names.
+
+Schema language (plain Python, so a copied recipe edits it in place)::
+
+    CONFIG_SCHEMA = {
+        "output_dir": str,                       # required
+        "seed": Optional[int],                   # may be absent or null
+        "optimizer": Component,                  # a mapping with `_component_`
+        "prepare": Optional[list[Component]],
+        "model": {"path": str, "dtype": Literal["float32", "bfloat16"]},   # nested keys
+        "extra": dict,                           # free-form mapping, not checked
+    }
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import inspect
+import sys
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+__all__ = [
+    "Component",
+    "ConfigError",
+    "check",
+    "instantiate",
+    "load",
+    "parse",
+]
+
+
+class Component:
+    """Schema marker: a mapping with a ``_component_`` dotted path and its keyword arguments."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message lists every problem found, each with its place."""
+
+
+@dataclass
+class Source:
+    """Where config keys came from, to point errors at a file line or an override."""
+
+    path: str | None = None
+    lines: dict[str, int] = field(default_factory=dict)
+    overrides: dict[str, str] = field(default_factory=dict)
+
+    def where(self, key: str) -> str:
+        if key in self.overrides:
+            return f"override '{self.overrides[key]}'"
+        if self.path is not None:
+            # A key inherited from a parent mapping points at the parent's line.
+            probe = key
+            while probe and probe not in self.lines:
+                probe = probe.rpartition(".")[0]
+            line = self.lines.get(probe)
+            return f"{self.path}:{line}" if line else self.path
+        return "config"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _yaml_lines(path: str) -> dict[str, int]:
+    """Map dotted key paths to 1-based line numbers of a YAML file."""
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                lines[key] = k.start_mark.line + 1
+                walk(v, key + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                key = f"{prefix}{i}"
+                lines[key] = v.start_mark.line + 1
+                walk(v, key + ".")
+
+    with open(path) as f:
+        walk(yaml.compose(f), "")
+    return lines
+
+
+def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[DictConfig, Source]:
+    """Load a YAML config and apply torchtune-style overrides (``a.b=1``, ``~a.b``).
+
+    Returns the merged config and a :class:`Source` for error messages.
+    """
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    path = str(path)
+    if not Path(path).is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        lines = _yaml_lines(path)
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
+    src = Source(path=path, lines=lines)
+    for arg in overrides:
+        if arg.startswith("--"):
+            raise ConfigError(f"unexpected flag {arg!r}: overrides are key=value or ~key")
+        if not arg.startswith("~") and "=" not in arg:
+            raise ConfigError(f"override {arg!r} must be key=value (or ~key to remove a key)")
+        key = arg.lstrip("~").split("=", 1)[0]
+        src.overrides[key] = arg
+    yaml_args = argparse.Namespace(**OmegaConf.to_container(raw, resolve=False))
+    try:
+        cfg = _merge_yaml_and_cli_args(yaml_args, list(overrides))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg, src
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def _resolve(dotted: str) -> Any:
+    from torchtune.config._utils import _get_component_from_path
+
+    return _get_component_from_path(dotted)
+
+
+def _type_name(t: Any) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+def _matches(value: Any, t: Any) -> bool:
+    """Whether a (YAML / override) value fits a simple annotation; unknown annotations pass."""
+    if t is Any or t is inspect.Parameter.empty:
+        return True
+    origin = typing.get_origin(t)
+    if origin is Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        return any(_matches(value, a) for a in typing.get_args(t))
+    if origin is Literal:
+        return value in typing.get_args(t)
+    if t is type(None):
+        return value is None
+    if t is bool:
+        return isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is str:
+        return isinstance(value, str)
+    if t in (list, tuple) or origin in (list, tuple, typing.Sequence):
+        return isinstance(value, (list, tuple, ListConfig))
+    if t is dict or origin is dict:
+        return isinstance(value, (dict, DictConfig))
+    # Tensors, dtypes, callables, classes...: a YAML scalar cannot be checked against them.
+    return not isinstance(value, str) or isinstance(t, type) and issubclass(t, str)
+
+
+def _closest(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> None:
+    if not isinstance(node, (dict, DictConfig)) or "_component_" not in node:
+        errors.append(f"{src.where(key)}: '{key}' must be a mapping with a '_component_' key")
+        return
+    target = node["_component_"]
+    try:
+        obj = _resolve(str(target))
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's path being wrong
+        errors.append(f"{src.where(key + '._component_')}: '{key}._component_: {target}' "
+                      f"cannot be imported ({type(e).__name__}: {e})")
+        return
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return
+    params = sig.parameters
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    try:
+        hints = typing.get_type_hints(obj.__init__ if inspect.isclass(obj) else obj)
+    except Exception:  # noqa: BLE001 - unresolvable forward references: fall back to defaults
+        hints = {}
+    for arg, value in node.items():
+        if arg == "_component_":
+            continue
+        sub = f"{key}.{arg}"
+        if arg not in params:
+            if not var_kw:
+                named = [n for n, p in params.items()
+                         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+                errors.append(f"{src.where(sub)}: unknown key '{sub}': {target} takes no "
+                              f"argument '{arg}'{_closest(arg, named)}")
+            continue
+        if isinstance(value, (dict, DictConfig)) and "_component_" in value:
+            _check_component(value, sub, src, errors)
+            continue
+        p = params[arg]
+        t = hints.get(arg, p.annotation)
+        if t is inspect.Parameter.empty and p.default not in (inspect.Parameter.empty, None):
+            t = type(p.default)
+        if value is not None and not _matches(value, t):
+            errors.append(f"{src.where(sub)}: '{sub}' expects {_type_name(t)}, got {value!r}")
+
+
+def _check(cfg: Any, schema: Any, key: str, src: Source, errors: list[str]) -> None:
+    if isinstance(schema, Mapping):
+        if not isinstance(cfg, (dict, DictConfig)):
+            errors.append(f"{src.where(key)}: '{key}' must be a mapping")
+            return
+        prefix = f"{key}." if key else ""
+        for k in cfg:
+            if k not in schema:
+                errors.append(f"{src.where(prefix + str(k))}: unknown key '{prefix}{k}'"
+                              f"{_closest(str(k), list(schema))}")
+        for k, sub in schema.items():
+            if k in cfg:
+                _check(cfg[k], sub, prefix + k, src, errors)
+            elif not _optional(sub):
+                errors.append(f"{src.where(key) if key else src.path or 'config'}: "
+                              f"missing required key '{prefix}{k}'")
+        return
+    if cfg is None:
+        if not _optional(schema):
+            errors.append(f"{src.where(key)}: '{key}' must not be null")
+        return
+    origin, args = typing.get_origin(schema), typing.get_args(schema)
+    if origin is Union:
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            _check(cfg, inner[0], key, src, errors)
+        elif not any(_matches(cfg, a) for a in inner):
+            errors.append(f"{src.where(key)}: '{key}' expects {_type_name(schema)}, got {cfg!r}")
+        return
+    if schema is Component:
+        _check_component(cfg, key, src, errors)
+    elif origin is list:
+        if not isinstance(cfg, (list, ListConfig)):
+            errors.append(f"{src.where(key)}: '{key}' must be a list")
+            return
+        for i, item in enumerate(cfg):
+            _check(item, args[0] if args else Any, f"{key}.{i}", src, errors)
+    elif schema is dict:
+        if not isinstance(cfg, (dict, DictConfig)):
+            errors.append(f"{src.where(key)}: '{key}' must be a mapping")
+    elif not _matches(cfg, schema):
+        errors.append(f"{src.where(key)}: '{key}' expects {_type_name(schema)}, got {cfg!r}")
+
+
+def _optional(schema: Any) -> bool:
+    return typing.get_origin(schema) is Union and type(None) in typing.get_args(schema)
+
+
+def check(cfg: DictConfig, schema: Mapping[str, Any], source: Source | None = None) -> None:
+    """Raise :class:`ConfigError` listing every unknown key, wrong type and bad component."""
+    src = source or Source()
+    errors: list[str] = []
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as e:  # noqa: BLE001 - interpolation errors name the key themselves
+        raise ConfigError(f"{src.path or 'config'}: {e}") from None
+    _check(resolved, schema, "", src, errors)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+# --------------------------------------------------------------------------- use
+
+
+def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
+    """Build the object a ``_component_`` node describes (nested components too).
+
+    Positional ``args`` and keyword ``kwargs`` are supplied by the recipe (e.g. the tokenizer or
+    the model's parameters) and win over the config's keys.
+    """
+    from torchtune import config as tt_config
+
+    if node is None:
+        return None
+    return tt_config.instantiate(node, *args, **kwargs)
+
+
+def _split_argv(argv: list[str]) -> tuple[str, list[str]]:
+    config_path, rest, i = None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a path")
+            config_path, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--config="):
+            config_path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    if config_path is None:
+        raise ConfigError("missing --config <path.yaml>")
+    return config_path, rest
+
+
+def parse(
+    recipe_main: Callable[[DictConfig], Any] | None = None, *, schema: Mapping | None = None
+) -> Callable[..., Any]:
+    """Decorate a recipe's ``recipe_main(cfg)``: read ``--config`` and overrides from ``sys.argv``,
+    check them against ``schema`` (the recipe's ``CONFIG_SCHEMA``), then call the recipe.
+
+    Works under ``lightrft run``, ``torchrun`` and torchtune's ``tune run``.
+    """
+    if recipe_main is None:
+        return functools.partial(parse, schema=schema)
+
+    @functools.wraps(recipe_main)
+    def wrapper() -> None:
+        try:
+            path, overrides = _split_argv(sys.argv[1:])
+            cfg, src = load(path, overrides)
+            if schema is not None:
+                check(cfg, schema, src)
+        except ConfigError as e:
+            print(f"lightrft: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        sys.exit(recipe_main(cfg))
+
+    return wrapper
+
