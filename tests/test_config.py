@@ -1,0 +1,120 @@
+"""Strict config checking: unknown keys, wrong types and bad components name their place."""
+
+from typing import Literal, Optional
+
+import pytest
+
+from lightrft.config import Component, ConfigError, check, instantiate, load
+
+SCHEMA = {
+    "output_dir": str,
+    "seed": Optional[int],
+    "steps": int,
+    "optimizer": Component,
+    "model": {"path": str, "dtype": Optional[Literal["float32", "bfloat16"]]},
+    "prepare": Optional[list[Component]],
+    "extra": Optional[dict],
+}
+
+YAML = """\
+# lightrft run sft --config this.yaml
+output_dir: /tmp/out
+seed: 1
+steps: 3
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 1e-3
+  weight_decay: 0.0
+model:
+  path: some/dir
+  dtype: float32
+"""
+
+
+@pytest.fixture
+def cfg_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(YAML)
+    return p
+
+
+def errors_of(path, overrides=(), schema=SCHEMA) -> str:
+    cfg, src = load(path, list(overrides))
+    with pytest.raises(ConfigError) as e:
+        check(cfg, schema, src)
+    return str(e.value)
+
+
+def test_valid_config_passes_and_overrides_apply(cfg_file):
+    cfg, src = load(cfg_file, ["steps=7", "optimizer.lr=0.5", "~seed"])
+    check(cfg, SCHEMA, src)
+    assert cfg.steps == 7 and cfg.optimizer.lr == 0.5 and "seed" not in cfg
+    assert isinstance(cfg.optimizer.lr, float)
+
+
+def test_unknown_top_level_key_in_yaml_names_file_line_and_suggestion(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(YAML + "stpes: 4\n")
+    msg = errors_of(p)
+    assert f"{p}:12: unknown key 'stpes'" in msg
+    assert "did you mean 'steps'" in msg
+
+
+def test_unknown_nested_key_and_component_argument(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(YAML.replace("  dtype: float32", "  dtyp: float32").replace(
+        "  weight_decay: 0.0", "  betass: [0.9, 0.95]"))
+    msg = errors_of(p)
+    assert f"{p}:11: unknown key 'model.dtyp'" in msg and "'dtype'" in msg
+    assert f"{p}:8: unknown key 'optimizer.betass'" in msg and "'betas'" in msg
+
+
+def test_typo_in_override_is_named(cfg_file):
+    msg = errors_of(cfg_file, ["optimizer.lrr=0.1"])
+    assert "override 'optimizer.lrr=0.1'" in msg and "did you mean 'lr'" in msg
+
+
+def test_wrong_type_override_fails(cfg_file):
+    msg = errors_of(cfg_file, ["optimizer.lr=abc"])
+    assert "override 'optimizer.lr=abc'" in msg and "'optimizer.lr' expects float" in msg
+    msg = errors_of(cfg_file, ["steps=many"])
+    assert "'steps' expects int, got 'many'" in msg
+
+
+def test_literal_choice_and_missing_required_key(cfg_file):
+    msg = errors_of(cfg_file, ["model.dtype=float64", "~steps"])
+    assert "'model.dtype' expects" in msg and "float64" in msg
+    assert "missing required key 'steps'" in msg
+
+
+def test_component_that_does_not_import_is_reported(cfg_file):
+    msg = errors_of(cfg_file, ["optimizer._component_=torch.optim.AdamWW"])
+    assert "optimizer._component_: torch.optim.AdamWW' cannot be imported" in msg
+
+
+def test_list_of_components_checked(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(YAML + "prepare:\n  - _component_: lightrft.models.tiny.make_tiny_model\n"
+                 "    out_dir: x\n    layerz: 2\n")
+    msg = errors_of(p)
+    assert f"{p}:15: unknown key 'prepare.0.layerz'" in msg and "'layers'" in msg
+
+
+def test_all_problems_reported_at_once(cfg_file):
+    msg = errors_of(cfg_file, ["stepz=1", "optimizer.lr=abc"])
+    assert msg.count("\n") >= 2
+
+
+def test_bad_override_syntax_and_missing_file(cfg_file, tmp_path):
+    with pytest.raises(ConfigError, match="must be key=value"):
+        load(cfg_file, ["steps"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load(tmp_path / "nope.yaml")
+
+
+def test_instantiate_builds_component(cfg_file):
+    import torch
+
+    cfg, _ = load(cfg_file)
+    opt = instantiate(cfg.optimizer, [torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == 1e-3
