@@ -1,0 +1,28 @@
+"""Rewards: rule-based verifiers and their weighted per-label combination. Each reward function
+takes ``(prompts, responses, references, labels)`` lists and returns one float per sample."""
+
+from lightrft.rewards.base import (
+    CombinedReward,
+    RewardError,
+    RewardFunction,
+    RewardOutput,
+    build_reward,
+    check_reward_output,
+)
+from lightrft.rewards.math_answer import answers_match, extract_answer, normalize_answer
+from lightrft.rewards.verifiers import GSM8KVerifier, MathVerifier, ThinkFormatReward
+
+__all__ = [
+    "CombinedReward",
+    "GSM8KVerifier",
+    "MathVerifier",
+    "RewardError",
+    "RewardFunction",
+    "RewardOutput",
+    "ThinkFormatReward",
+    "answers_match",
+    "build_reward",
+    "check_reward_output",
+    "extract_answer",
+    "normalize_answer",
+]

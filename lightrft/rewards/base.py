@@ -1,0 +1,348 @@
+"""The reward-function interface, output validation, and weighted per-label combination.
+
+A reward function is any callable
+
+    fn(prompts, responses, references, labels) -> Sequence[float] | torch.Tensor   # [B]
+
+called with keyword arguments, one entry per sample in each list. ``prompts`` are strings (or chat
+message lists), ``responses`` strings, ``references`` reference answers (``None`` where a sample
+has none) and ``labels`` task labels such as ``"math"`` (``None`` where unlabelled). Scoring whole
+lists at once lets a reward model batch. Optional attributes:
+
+- ``requires_reference = True``: every sample it scores must have a reference; a missing one is
+  reported with the sample's index and prompt before the function runs.
+- ``name``: the default name under which :func:`build_reward` logs it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "CombinedReward",
+    "Prompt",
+    "RewardError",
+    "RewardFunction",
+    "RewardOutput",
+    "build_reward",
+    "check_reward_output",
+    "prompt_preview",
+]
+
+# A prompt is its text, or a chat conversation [{"role": ..., "content": ...}, ...].
+Prompt = str | Sequence[Mapping[str, Any]]
+
+
+class RewardFunction(Protocol):
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[str | None],
+        labels: Sequence[str | None],
+    ) -> Sequence[float] | torch.Tensor: ...
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names it."""
+
+
+def prompt_preview(prompt: Prompt, width: int = 40) -> str:
+    """The start of a prompt (the last message's content for a conversation), quoted."""
+    if not isinstance(prompt, str):
+        prompt = str(prompt[-1].get("content", "")) if prompt else ""
+    text = " ".join(prompt.split())
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def check_reward_output(
+    name: str,
+    out: Any,
+    n: int,
+    prompts: Sequence[Prompt] | None = None,
+    index: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``out`` as a float32 CPU tensor [n], or :class:`RewardError` naming the function ``name``.
+
+    Accepts a 1-D tensor or array or a list of real numbers of length ``n``; a scalar is rejected
+    rather than broadcast, and a NaN or infinite value is reported with its sample (``index`` maps
+    positions in ``out`` to batch indices, ``prompts`` are the scored prompts, for the message).
+    """
+    if isinstance(out, torch.Tensor):
+        if out.dim() != 1:
+            raise RewardError(
+                f"reward function {name!r} returned a tensor of shape {tuple(out.shape)}; "
+                f"expected one reward per sample, shape ({n},)"
+            )
+        if out.dtype.is_complex:
+            raise RewardError(f"reward function {name!r} returned a {out.dtype} tensor")
+        values = out.detach().to("cpu", torch.float32)
+    elif (
+        isinstance(out, (str, bytes, Mapping))
+        or not isinstance(out, Sequence)
+        and not hasattr(out, "__array__")
+    ):
+        raise RewardError(
+            f"reward function {name!r} returned {type(out).__name__}; expected a list or 1-D "
+            f"tensor of {n} rewards (a single value is not broadcast)"
+        )
+    else:
+        items = out.tolist() if hasattr(out, "tolist") else list(out)
+        if not isinstance(items, list):  # a 0-d array
+            raise RewardError(
+                f"reward function {name!r} returned a scalar; expected {n} rewards (a single "
+                "value is not broadcast)"
+            )
+        if any(isinstance(v, (list, tuple)) for v in items):
+            raise RewardError(
+                f"reward function {name!r} returned nested lists; expected {n} numbers"
+            )
+        bad = [i for i, v in enumerate(items) if not _is_real(v)]
+        if bad:
+            raise RewardError(
+                f"reward function {name!r} returned a non-number at position {bad[0]}: "
+                f"{items[bad[0]]!r}"
+            )
+        values = torch.tensor([float(v) for v in items], dtype=torch.float32)
+    if values.numel() != n:
+        raise RewardError(
+            f"reward function {name!r} returned {values.numel()} rewards for {n} samples"
+        )
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        pos = int((~finite).nonzero()[0])
+        i = index[pos] if index is not None else pos
+        where = f"sample {i}"
+        if prompts is not None:
+            where += f" (prompt {prompt_preview(prompts[pos])})"
+        raise RewardError(
+            f"reward function {name!r} returned a non-finite reward ({values[pos].item()}) for "
+            f"{where}; {int((~finite).sum())} of {n} rewards are NaN or infinite"
+        )
+    return values
+
+
+def _is_real(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not v.dtype.is_complex
+    return isinstance(v, numbers.Real)
+
+
+@dataclass
+class RewardOutput:
+    """Rewards of one batch of B samples.
+
+    ``total`` is the weighted sum per sample. ``parts[name]`` holds function ``name``'s unweighted
+    rewards, 0 where it did not score the sample; ``applied[name]`` says where it did.
+    """
+
+    total: torch.Tensor  # [B] float32
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] float32
+    applied: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] bool
+    seconds: dict[str, float] = field(default_factory=dict)  # name -> wall time of its call
+
+    def metrics(self, prefix: str = "reward") -> dict[str, float]:
+        """Mean and std of the total and of each function over the samples it scored, and the
+        seconds each function took: ``{prefix}/total/mean``, ``{prefix}/{name}/std``, ..."""
+        out = {
+            f"{prefix}/total/mean": self.total.mean().item() if self.total.numel() else 0.0,
+            f"{prefix}/total/std": _std(self.total),
+        }
+        for name, part in self.parts.items():
+            vals = part[self.applied[name]]
+            if vals.numel():
+                out[f"{prefix}/{name}/mean"] = vals.mean().item()
+                out[f"{prefix}/{name}/std"] = _std(vals)
+            out[f"{prefix}/{name}/count"] = float(vals.numel())
+            out[f"{prefix}/{name}/seconds"] = self.seconds.get(name, 0.0)
+        return out
+
+
+def _std(x: torch.Tensor) -> float:
+    return x.std(unbiased=False).item() if x.numel() > 1 else 0.0
+
+
+def _instantiate(node: Mapping[str, Any]) -> Any:
+    from omegaconf import DictConfig, OmegaConf
+
+    from lightrft.config import instantiate
+
+    # A DictConfig keeps its parent, so `${...}` interpolations into the rest of the config work.
+    return instantiate(node if isinstance(node, DictConfig) else OmegaConf.create(dict(node)))
+
+
+def _default_name(fn: Any) -> str:
+    name = getattr(fn, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    raw = getattr(fn, "__name__", None) or type(fn).__name__
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", raw).lower()
+
+
+class CombinedReward:
+    """Several named reward functions, weighted, each applied to the samples whose label routes
+    to it.
+
+    Args:
+        functions: name -> reward function, or a ``{"_component_": ..., **kwargs}`` mapping that
+            is instantiated (so YAML can nest them).
+        weights: name -> weight of its reward in the total (default 1.0 for each).
+        routes: label -> names of the functions that score samples with that label. The key
+            ``"*"`` lists the functions for labels that have no entry. ``None``: every function
+            scores every sample, whatever its label.
+        default_reward: total reward of a sample whose label has no route (and no ``"*"``);
+            ``None`` (the default) makes such a sample an error, so a typo in a label cannot
+            silently zero its rewards.
+
+    Calling it returns a :class:`RewardOutput`. Each function is called once per batch, on the
+    samples routed to it, with keyword arguments.
+    """
+
+    def __init__(
+        self,
+        functions: dict[str, Any],
+        weights: dict[str, float] | None = None,
+        routes: dict[str, list[str]] | None = None,
+        default_reward: float | None = None,
+    ) -> None:
+        if not isinstance(functions, Mapping) or not functions:
+            raise ValueError("functions must be a non-empty mapping of name -> reward function")
+        self.functions: dict[str, Callable[..., Any]] = {}
+        for name, fn in functions.items():
+            if name == "total" or "/" in str(name):
+                raise ValueError(f"functions: {name!r} is not a usable name (reserved or has '/')")
+            if isinstance(fn, Mapping):
+                if "_component_" not in fn:
+                    raise ValueError(f"functions.{name} must be a callable or have a _component_")
+                fn = _instantiate(fn)
+            if not callable(fn):
+                raise ValueError(f"functions.{name} is a {type(fn).__name__}, not callable")
+            self.functions[str(name)] = fn
+        self.weights = {name: 1.0 for name in self.functions}
+        for name, w in (weights or {}).items():
+            if name not in self.functions:
+                raise ValueError(
+                    f"weights.{name}: no reward function named {name!r}; "
+                    f"functions are {sorted(self.functions)}"
+                )
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ValueError(f"weights.{name} must be a finite number, got {w!r}")
+            self.weights[name] = float(w)
+        self.routes: dict[str, list[str]] | None = None
+        if routes is not None:
+            self.routes = {}
+            for label, names in routes.items():
+                names = [names] if isinstance(names, str) else list(names or [])
+                unknown = [n for n in names if n not in self.functions]
+                if unknown:
+                    raise ValueError(
+                        f"routes.{label}: no reward function named {unknown[0]!r}; "
+                        f"functions are {sorted(self.functions)}"
+                    )
+                self.routes[str(label)] = names
+        if default_reward is not None and not math.isfinite(default_reward):
+            raise ValueError(f"default_reward must be finite, got {default_reward!r}")
+        self.default_reward = default_reward
+
+    def route(self, label: str | None) -> list[str] | None:
+        """Names of the functions that score a sample with ``label``; ``None`` if unrouted."""
+        if self.routes is None:
+            return list(self.functions)
+        if label is not None and label in self.routes:
+            return self.routes[label]
+        return self.routes.get("*")
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[str | None] | None = None,
+        labels: Sequence[str | None] | None = None,
+    ) -> RewardOutput:
+        n = len(responses)
+        references = [None] * n if references is None else list(references)
+        labels = [None] * n if labels is None else list(labels)
+        for arg, seq in (("prompts", prompts), ("references", references), ("labels", labels)):
+            if len(seq) != n:
+                raise ValueError(f"{arg} has {len(seq)} entries but responses has {n}")
+        total = torch.zeros(n, dtype=torch.float32)  # [B]
+        members: dict[str, list[int]] = {name: [] for name in self.functions}
+        for i, label in enumerate(labels):
+            names = self.route(label)
+            if names is None:
+                if self.default_reward is None:
+                    raise ValueError(
+                        f"sample {i} (prompt {prompt_preview(prompts[i])}) has label {label!r}, "
+                        f"which routes to no reward function (routes: {sorted(self.routes or {})})"
+                        "; add it to routes, add a '*' route, or set default_reward"
+                    )
+                total[i] = self.default_reward
+            for name in names or []:
+                members[name].append(i)
+        out = RewardOutput(total=total)
+        for name, fn in self.functions.items():
+            idx = members[name]
+            part = torch.zeros(n, dtype=torch.float32)  # [B]
+            mask = torch.zeros(n, dtype=torch.bool)  # [B]
+            if idx:
+                start = time.perf_counter()
+                vals = self._call_one(name, fn, idx, prompts, responses, references, labels)
+                out.seconds[name] = time.perf_counter() - start
+                part[idx] = vals
+                mask[idx] = True
+                total += self.weights[name] * part
+            out.parts[name] = part
+            out.applied[name] = mask
+        return out
+
+    @staticmethod
+    def _call_one(name, fn, idx, prompts, responses, references, labels) -> torch.Tensor:
+        sub_prompts = [prompts[i] for i in idx]
+        sub_refs = [references[i] for i in idx]
+        if getattr(fn, "requires_reference", False):
+            for i, ref in zip(idx, sub_refs, strict=True):
+                if ref is None or (isinstance(ref, str) and not ref.strip()):
+                    raise ValueError(
+                        f"reward function {name!r} needs a reference answer, but sample {i} "
+                        f"(label {labels[i]!r}, prompt {prompt_preview(prompts[i])}) has none"
+                    )
+        try:
+            out = fn(
+                prompts=sub_prompts,
+                responses=[responses[i] for i in idx],
+                references=sub_refs,
+                labels=[labels[i] for i in idx],
+            )
+        except Exception as e:
+            raise RewardError(
+                f"reward function {name!r} ({type(fn).__name__}) failed on a batch of {len(idx)} "
+                f"samples: {type(e).__name__}: {e}"
+            ) from e
+        return check_reward_output(name, out, len(idx), sub_prompts, idx)
+
+
+def build_reward(spec: Any, name: str | None = None) -> CombinedReward:
+    """A :class:`CombinedReward` from a config node or a reward function.
+
+    ``spec`` is a ``CombinedReward`` (returned as is), a ``_component_`` mapping (instantiated),
+    or any reward function, which is wrapped as the only function under ``name`` (default: its
+    ``name`` attribute or its class / function name in snake case), so recipes always get a
+    :class:`RewardOutput`.
+    """
+    if isinstance(spec, Mapping):
+        if "_component_" not in spec:
+            raise ValueError("a reward config needs a _component_ key")
+        spec = _instantiate(spec)
+    if isinstance(spec, CombinedReward):
+        return spec
+    if not callable(spec):
+        raise ValueError(f"a reward must be callable, got {type(spec).__name__}")
+    return CombinedReward({name or _default_name(spec): spec})

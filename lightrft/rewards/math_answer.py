@@ -1,0 +1,268 @@
+"""Final-answer extraction and answer equivalence for math responses, without sympy.
+
+Extraction finds the answer a response commits to; equivalence decides whether two answer strings
+mean the same value. Both are pure functions of strings, so verifiers stay small and testable.
+
+Equivalence is deliberately conservative: numbers (integers, decimals, fractions, ``\\frac``,
+percentages, with units or ``$`` around them) compare exactly as rationals; anything else compares
+as a normalised LaTeX string. It does not do algebra (``\\sqrt{8}`` is not ``2\\sqrt{2}``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from fractions import Fraction
+
+__all__ = [
+    "EXTRACTORS",
+    "answers_match",
+    "extract_answer",
+    "extract_answer_is",
+    "extract_boxed",
+    "extract_hashes",
+    "extract_last_number",
+    "normalize_answer",
+    "parse_number",
+]
+
+# --------------------------------------------------------------------------- extraction
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\b")
+
+
+def _braced(text: str, start: int) -> tuple[str, int] | None:
+    """The content of the ``{...}`` group opening at ``text[start]`` and the index after it."""
+    if start >= len(text) or text[start] != "{":
+        return None
+    depth = 0
+    for i in range(start, len(text)):
+        c = text[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1 : i], i + 1
+    return None  # unbalanced: the response was cut off inside the box
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), braces nested.
+
+    ``\\boxed 5`` (no braces) yields ``5``. A truncated last box is skipped in favour of the one
+    before it, since only a closed box is a committed answer.
+    """
+    for m in reversed(list(_BOXED.finditer(text))):
+        i = m.end()
+        while i < len(text) and text[i] == " ":
+            i += 1
+        got = _braced(text, i)
+        if got is not None:
+            return got[0].strip()
+        if i > m.end():  # `\boxed 5`: the argument is the next token
+            tok = re.match(r"[^\s$]+", text[i:])
+            if tok:
+                return tok.group(0)
+    return None
+
+
+_HASHES = re.compile(r"####[ \t]*([^\n]*)")
+
+
+def extract_hashes(text: str) -> str | None:
+    """The answer after the last GSM8K-style ``#### `` marker, up to the end of its line."""
+    found = [m.group(1).strip() for m in _HASHES.finditer(text)]
+    found = [f for f in found if f]
+    return found[-1] if found else None
+
+
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:|=)\s*:?[ \t]*([^\n]+)", re.IGNORECASE)
+
+
+def extract_answer_is(text: str) -> str | None:
+    """The answer of the last "the (final) answer is X" / "Answer: X", up to the sentence end."""
+    found = [m.group(1) for m in _ANSWER_IS.finditer(text)]
+    if not found:
+        return None
+    # A full stop followed by a space or the end closes the sentence; a decimal point does not.
+    ans = re.split(r"\.(?:\s|$)", found[-1], maxsplit=1)[0].strip()
+    return ans or None
+
+
+_NUMBER = re.compile(
+    r"(?:(?<![\w)\]}])-)?"  # a minus that is a sign, not a subtraction (`10-3`)
+    r"(?:\\[dt]?frac\{[^{}]*\}\{[^{}]*\}"  # \frac{1}{2}
+    r"|(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?"  # 1,000.5  3/4
+    r"|\.\d+)"  # .5
+)
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in ``text`` (with thousands separators, decimals, ``a/b`` or ``\\frac``)."""
+    found = _NUMBER.findall(text)
+    return found[-1].strip() if found else None
+
+
+EXTRACTORS = {
+    "boxed": extract_boxed,
+    "hashes": extract_hashes,
+    "answer_is": extract_answer_is,
+    "last_number": extract_last_number,
+}
+
+
+def extract_answer(
+    text: str, order: Sequence[str] = ("boxed", "hashes", "answer_is", "last_number")
+) -> str | None:
+    """The first answer found by the extractors named in ``order`` (keys of :data:`EXTRACTORS`)."""
+    for name in order:
+        if name not in EXTRACTORS:
+            raise ValueError(f"unknown answer extractor {name!r}; choose from {sorted(EXTRACTORS)}")
+        ans = EXTRACTORS[name](text)
+        if ans:
+            return ans
+    return None
+
+
+# --------------------------------------------------------------------------- normalisation
+
+_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_SPACING = re.compile(r"\\[,;:! ]|\\q?quad\b|~")
+
+
+def normalize_answer(ans: str) -> str:
+    """A canonical string form of an answer: no math delimiters, ``$``, thousands separators,
+    LaTeX spacing, ``\\text`` wrappers, degree signs, leading ``x =`` or trailing full stop;
+    ``\\dfrac``/``\\tfrac`` spelled ``\\frac``; single spaces."""
+    s = ans.strip().replace("\u2212", "-")  # Unicode minus sign
+    boxed = extract_boxed(s)
+    if boxed is not None:
+        s = boxed
+    s = re.sub(r"^\\[(\[]|\\[)\]]$", "", s)  # \( ... \) and \[ ... \]
+    s = s.replace("\\$", "").replace("$", "")
+    s = _WRAPPERS.sub(r"\1", s)
+    s = _SPACING.sub(" ", s)
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = re.sub(r"\^\s*\{?\\circ\}?|°", "", s)
+    s = s.replace("\\%", "%")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)  # \frac12
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)  # \sqrt2
+    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)  # 1,000,000 -> 1000000
+    s = re.sub(r"^[A-Za-z]\s*=\s*", "", s.strip())  # x = 5 -> 5
+    s = re.sub(r"^\(([A-Za-z])\)$", r"\1", s)  # (B) -> B
+    s = re.sub(r"\s+", " ", s).strip()
+    return s.rstrip(".").strip()
+
+
+_DEC = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+_UNITS = re.compile(r"(?:[A-Za-z\s./']|\^\{?[23]\}?)+")  # "dollars", "km/h", "m^2", "sq. ft"
+_VARIABLES = set("abcnkxyzt")
+_FRAC = re.compile(r"\\frac\{([^{}]+)\}\{([^{}]+)\}")
+
+
+def _parse_plain(s: str) -> Fraction | None:
+    """A signed decimal, ``a/b``, ``\\frac{a}{b}`` or mixed ``2\\frac{1}{2}`` as a rational."""
+    s = re.sub(r"\s*([/{}])\s*", r"\1", s.strip())
+    s = re.sub(r"^([+-])\s+", r"\1", s)
+    s = re.sub(r"(\d)\s+\\frac", r"\1\\frac", s)
+    try:
+        if re.fullmatch(_DEC, s):
+            return Fraction(s)
+        m = re.fullmatch(rf"({_DEC})/({_DEC})", s)
+        if m:
+            den = Fraction(m.group(2))
+            return Fraction(m.group(1)) / den if den else None
+        m = re.fullmatch(rf"([+-]?)(\d*){_FRAC.pattern}", s)
+        if m:
+            sign, whole, a, b = m.groups()
+            num, den = _parse_plain(a), _parse_plain(b)
+            if num is None or not den:
+                return None
+            val = num / den
+            if whole:  # a mixed number: 2\frac{1}{2} = 2.5
+                val = int(whole) + val
+            return -val if sign == "-" else val
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+_WITH_UNITS = re.compile(
+    rf"(?P<num>{_DEC}(?:\s*/\s*{_DEC})?|[+-]?\d*\s*\\frac\{{[^{{}}]+\}}\{{[^{{}}]+\}})\s*(?P<rest>.+)"
+)
+
+
+def parse_number(ans: str) -> tuple[Fraction, bool] | None:
+    """``(value, is_percent)`` of a normalised numeric answer, else ``None``.
+
+    Trailing unit words are dropped (``18 dollars``, ``5 km/h``); a number followed by words
+    that contain other numbers is not a number.
+    """
+    s = ans.strip()
+    percent = s.endswith("%")
+    if percent:
+        s = s[:-1].strip()
+    val = _parse_plain(s)
+    if val is not None:
+        return val, percent
+    m = _WITH_UNITS.fullmatch(s)
+    if percent or m is None or not _UNITS.fullmatch(m.group("rest")):
+        return None
+    if m.group("rest") in _VARIABLES:  # `5x` is an expression, not five of a unit
+        return None
+    val = _parse_plain(m.group("num"))
+    if val is None:
+        return None
+    return val, m.group("rest").strip().lower() in ("percent", "per cent")
+
+
+def _numbers_equal(a: Fraction, b: Fraction) -> bool:
+    if a == b:
+        return True
+    if a.denominator == 1 and b.denominator == 1:
+        return False  # integers: exact, so 1000000 != 1000001
+    # A rounded decimal of a non-terminating value (0.3333333 for 1/3) within 1e-6 relative.
+    return abs(a - b) <= Fraction(1, 10**6) * max(abs(a), abs(b))
+
+
+def _split_tuple(s: str) -> list[str] | None:
+    """Top-level elements of ``(a, b)`` / ``[a, b]`` / ``a, b``; ``None`` if not a tuple."""
+    if len(s) >= 2 and s[0] + s[-1] in ("()", "[]", "{}"):
+        s = s[1:-1]
+    parts, depth, cur = [], 0, []
+    for c in s:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(c)
+    parts.append("".join(cur).strip())
+    return parts if len(parts) > 1 else None
+
+
+def answers_match(pred: str | None, ref: str | None) -> bool:
+    """Whether two answers are equivalent: same number (18 = 18.0 = $18 = 18 dollars,
+    3/4 = 0.75 = \\frac{3}{4}, 50% = 50 = 0.5), same normalised LaTeX, or equal tuples."""
+    if pred is None or ref is None:
+        return False
+    p, r = normalize_answer(str(pred)), normalize_answer(str(ref))
+    if not p or not r:
+        return False
+    if p.replace(" ", "") == r.replace(" ", ""):
+        return True
+    pn, rn = parse_number(p), parse_number(r)
+    if pn is not None and rn is not None:
+        # A percentage may be written as its number or as a fraction of one: 50% = 50 = 0.5.
+        pv = {pn[0], pn[0] / 100} if pn[1] else {pn[0]}
+        rv = {rn[0], rn[0] / 100} if rn[1] else {rn[0]}
+        return any(_numbers_equal(a, b) for a in pv for b in rv)
+    pt, rt = _split_tuple(p), _split_tuple(r)
+    if pt is not None and rt is not None and len(pt) == len(rt):
+        return all(answers_match(a, b) for a, b in zip(pt, rt, strict=True))
+    return False

@@ -1,0 +1,172 @@
+"""Rule-based rewards: math and GSM8K answer verifiers, and a think-then-answer format reward.
+
+All of them look at the response only. A prompt may quote example answers or tags; scoring it
+would reward the question instead of the model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+from lightrft.rewards.base import Prompt, prompt_preview
+from lightrft.rewards.math_answer import EXTRACTORS, answers_match, extract_answer, extract_boxed
+
+__all__ = ["GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
+
+
+def _final_part(response: str, strip_think: bool) -> str:
+    """The text after the last ``</think>``, where a reasoning model states its answer."""
+    if strip_think and "</think>" in response:
+        return response.rsplit("</think>", 1)[1]
+    return response
+
+
+class MathVerifier:
+    """1.0 if the response's final answer equals the reference answer, else 0.0.
+
+    The answer is taken by the first extractor in ``extractors`` that finds one: ``"boxed"``
+    (last ``\\boxed{...}``), ``"hashes"`` (GSM8K ``#### N``), ``"answer_is"`` ("the answer is
+    N"), ``"last_number"``. The reference may be a bare answer (``"18"``, ``"\\frac{1}{2}"``) or
+    a full solution ending in ``#### N`` or ``\\boxed{...}``, whose answer is extracted.
+    Equivalence is :func:`~lightrft.rewards.math_answer.answers_match`.
+
+    Args:
+        correct: reward for a correct answer.
+        incorrect: reward for a wrong or missing answer.
+        extractors: extraction strategies, tried in order.
+        strip_think: look for the answer only after the last ``</think>`` if there is one.
+    """
+
+    name = "math"
+    requires_reference = True
+    default_extractors: tuple[str, ...] = ("boxed", "hashes", "answer_is", "last_number")
+
+    def __init__(
+        self,
+        correct: float = 1.0,
+        incorrect: float = 0.0,
+        extractors: list[str] | None = None,
+        strip_think: bool = True,
+    ) -> None:
+        self.extractors = tuple(extractors) if extractors is not None else self.default_extractors
+        unknown = [e for e in self.extractors if e not in EXTRACTORS]
+        if unknown or not self.extractors:
+            raise ValueError(
+                f"extractors must be a non-empty list from {sorted(EXTRACTORS)}, "
+                f"got {list(self.extractors)}"
+            )
+        self.correct = float(correct)
+        self.incorrect = float(incorrect)
+        self.strip_think = strip_think
+
+    def extract(self, response: str) -> str | None:
+        """The final answer the response commits to, or ``None``."""
+        return extract_answer(_final_part(response, self.strip_think), self.extractors)
+
+    @staticmethod
+    def reference_answer(reference: str | float | int) -> str:
+        """The answer of a reference: the ``#### N`` or boxed answer of a solution, else itself."""
+        ref = str(reference)
+        return extract_answer(ref, ("hashes", "boxed")) or ref.strip()
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[str | None],
+        labels: Sequence[str | None] | None = None,
+    ) -> list[float]:
+        if len(references) != len(responses):
+            raise ValueError(
+                f"references has {len(references)} entries but responses has {len(responses)}"
+            )
+        rewards = []
+        for i, (resp, ref) in enumerate(zip(responses, references, strict=True)):
+            if ref is None or (isinstance(ref, str) and not ref.strip()):
+                raise ValueError(
+                    f"{type(self).__name__}: sample {i} "
+                    f"(prompt {prompt_preview(prompts[i]) if i < len(prompts) else '?'}) "
+                    "has no reference answer"
+                )
+            ok = answers_match(self.extract(resp), self.reference_answer(ref))
+            rewards.append(self.correct if ok else self.incorrect)
+        return rewards
+
+
+class GSM8KVerifier(MathVerifier):
+    """:class:`MathVerifier` that looks for the GSM8K ``#### N`` answer first.
+
+    GSM8K references are solutions ending in ``#### N`` (or just ``N``); all answers are integers.
+    Pass ``extractors=["hashes"]`` for the strict variant that requires the ``####`` format.
+    """
+
+    name = "gsm8k"
+    default_extractors = ("hashes", "boxed", "answer_is", "last_number")
+
+
+class ThinkFormatReward:
+    """``reward`` if the response is ``<think>reasoning</think> answer``, else ``penalty``.
+
+    The response must open with the think tag (after whitespace), contain exactly one opening and
+    one closing tag, and have non-blank reasoning and a non-blank answer after it. ``answer``
+    adds a requirement on the answer part: ``"boxed"`` a complete ``\\boxed{...}``, ``"tag"`` the
+    whole answer wrapped as ``<answer>...</answer>``. Trailing whitespace is allowed; other text
+    after the answer is not.
+
+    Args:
+        tag: the reasoning tag's name (``think`` -> ``<think>``/``</think>``).
+        answer: ``"any"``, ``"boxed"`` or ``"tag"``.
+        open_tag_in_prompt: the chat template's generation prompt already ends with ``<think>``
+            (DeepSeek-R1 style), so the response starts inside the reasoning. The prompt is still
+            not read: the opening tag is assumed.
+        reward: reward of a well-formed response.
+        penalty: reward of any other response.
+    """
+
+    name = "format"
+
+    def __init__(
+        self,
+        tag: str = "think",
+        answer: Literal["any", "boxed", "tag"] = "any",
+        open_tag_in_prompt: bool = False,
+        reward: float = 1.0,
+        penalty: float = 0.0,
+    ) -> None:
+        if not re.fullmatch(r"[A-Za-z_][\w-]*", tag):
+            raise ValueError(f"tag must be a tag name such as 'think', got {tag!r}")
+        if answer not in ("any", "boxed", "tag"):
+            raise ValueError(f"answer must be 'any', 'boxed' or 'tag', got {answer!r}")
+        self.open, self.close = f"<{tag}>", f"</{tag}>"
+        self.answer = answer
+        self.open_tag_in_prompt = open_tag_in_prompt
+        self.reward = float(reward)
+        self.penalty = float(penalty)
+
+    def is_well_formed(self, response: str) -> bool:
+        text = self.open + response if self.open_tag_in_prompt else response.lstrip()
+        if not text.startswith(self.open):
+            return False
+        if text.count(self.open) != 1 or text.count(self.close) != 1:
+            return False
+        thought, _, final = text[len(self.open) :].partition(self.close)
+        final = final.strip()
+        if not thought.strip() or not final:
+            return False
+        if self.answer == "boxed":
+            return extract_boxed(final) is not None
+        if self.answer == "tag":
+            m = re.fullmatch(r"<answer>(.*)</answer>", final, re.DOTALL)
+            return m is not None and bool(m.group(1).strip()) and "<answer>" not in m.group(1)
+        return True
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[str | None] | None = None,
+        labels: Sequence[str | None] | None = None,
+    ) -> list[float]:
+        return [self.reward if self.is_well_formed(r) else self.penalty for r in responses]
