@@ -1,5 +1,6 @@
-"""Rewards: rule-based verifiers and their weighted per-label combination. Each reward function
-takes ``(prompts, responses, references, labels)`` lists and returns one float per sample."""
+"""Rewards: rule-based verifiers, in-process reward models, remote reward servers, and their
+weighted per-label combination. Each reward function takes ``(prompts, responses, references,
+labels)`` lists and returns one float per sample."""
 
 from lightrft.rewards.base import (
     CombinedReward,
@@ -10,14 +11,19 @@ from lightrft.rewards.base import (
     check_reward_output,
 )
 from lightrft.rewards.math_answer import answers_match, extract_answer, normalize_answer
+from lightrft.rewards.remote import RemoteReward, RemoteRewardError
+from lightrft.rewards.reward_model import RewardModel
 from lightrft.rewards.verifiers import GSM8KVerifier, MathVerifier, ThinkFormatReward
 
 __all__ = [
     "CombinedReward",
     "GSM8KVerifier",
     "MathVerifier",
+    "RemoteReward",
+    "RemoteRewardError",
     "RewardError",
     "RewardFunction",
+    "RewardModel",
     "RewardOutput",
     "ThinkFormatReward",
     "answers_match",

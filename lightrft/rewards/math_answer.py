@@ -190,7 +190,7 @@ def _parse_plain(s: str) -> Fraction | None:
 
 
 _WITH_UNITS = re.compile(
-    rf"(?P<num>{_DEC}(?:\s*/\s*{_DEC})?|[+-]?\d*\s*\\frac\{{[^{{}}]+\}}\{{[^{{}}]+\}})\s*(?P<rest>.+)"
+    rf"(?P<num>{_DEC}(?:\s*/\s*{_DEC})?|[+-]?\d*\s*{_FRAC.pattern})\s*(?P<rest>.+)"
 )
 
 

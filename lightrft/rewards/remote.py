@@ -1,0 +1,173 @@
+"""A reward function served over HTTP (standard library only).
+
+Protocol (one POST per batch, JSON both ways)::
+
+    request:  {"queries": [...], "prompts": [...], "responses": [...],
+               "references": [...], "labels": [...]}
+    response: {"rewards": [r0, r1, ...]}          # one finite number per query
+
+``queries[i]`` is the full sample: ``prompts[i] + responses[i]`` for a string prompt, or the
+conversation with the response appended as an assistant message for a chat prompt. ``responses``
+is sent as well so a server need not split queries. Servers written for OpenRLHF's remote reward
+model protocol read ``queries``/``prompts``/``labels`` and ignore the rest.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightrft.rewards.base import Prompt, RewardError
+
+__all__ = ["RemoteReward", "RemoteRewardError", "build_query"]
+
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class RemoteRewardError(RewardError):
+    """The reward server could not be reached or answered something unusable."""
+
+
+def build_query(prompt: Prompt, response: str) -> Any:
+    """The full sample as sent in ``queries``: text, or a conversation ending in the response."""
+    if isinstance(prompt, str):
+        return prompt + response
+    return [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
+
+
+class RemoteReward:
+    """Rewards from an HTTP server, e.g. ``python -m lightrft.rewards.server``.
+
+    A request that times out, cannot connect, or gets HTTP 408/429/5xx is retried up to
+    ``max_retries`` times, waiting ``backoff * 2**attempt`` seconds (at most ``max_backoff``)
+    in between; other HTTP errors and malformed answers (not JSON, no ``rewards`` list, wrong
+    count, a non-number, NaN or infinity) fail at once, since repeating them cannot help.
+
+    Args:
+        url: the endpoint, e.g. ``http://127.0.0.1:8000/get_reward``.
+        timeout: seconds to wait for the connection and for each read.
+        max_retries: retries after the first attempt.
+        backoff, max_backoff: exponential backoff in seconds.
+        batch_size: most samples per request (``None``: the whole batch in one request).
+        headers: extra HTTP headers (e.g. ``Authorization``).
+    """
+
+    name = "remote"
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        backoff: float = 1.0,
+        max_backoff: float = 30.0,
+        batch_size: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {url!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if backoff < 0 or max_backoff < 0:
+            raise ValueError(f"backoff and max_backoff must be >= 0, got {backoff}, {max_backoff}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or null, got {batch_size}")
+        self.url = url
+        self.timeout = float(timeout)
+        self.max_retries = int(max_retries)
+        self.backoff = float(backoff)
+        self.max_backoff = float(max_backoff)
+        self.batch_size = batch_size
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[str | None] | None = None,
+        labels: Sequence[str | None] | None = None,
+    ) -> list[float]:
+        n = len(responses)
+        references = [None] * n if references is None else list(references)
+        labels = [None] * n if labels is None else list(labels)
+        for arg, seq in (("prompts", prompts), ("references", references), ("labels", labels)):
+            if len(seq) != n:
+                raise ValueError(f"{arg} has {len(seq)} entries but responses has {n}")
+        step = self.batch_size or max(n, 1)
+        rewards: list[float] = []
+        for start in range(0, n, step):
+            sl = slice(start, start + step)
+            payload = {
+                "queries": [
+                    build_query(p, r) for p, r in zip(prompts[sl], responses[sl], strict=True)
+                ],
+                "prompts": list(prompts[sl]),
+                "responses": list(responses[sl]),
+                "references": references[sl],
+                "labels": labels[sl],
+            }
+            rewards += self._validate(self._post(payload), len(payload["queries"]))
+        return rewards
+
+    def _post(self, payload: Mapping[str, Any]) -> bytes:
+        body = json.dumps(payload).encode()
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+            req = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    return resp.read()
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:300].decode(errors="replace")
+                last = f"HTTP {e.code} {e.reason}: {detail}"
+                if e.code not in _RETRY_STATUS:
+                    raise RemoteRewardError(f"reward server {self.url} answered {last}") from None
+            except (
+                urllib.error.URLError,
+                TimeoutError,
+                ConnectionError,
+                http.client.HTTPException,
+            ) as e:
+                reason = getattr(e, "reason", e)
+                if isinstance(reason, TimeoutError) or isinstance(e, TimeoutError):
+                    last = f"no answer within timeout={self.timeout}s"
+                else:
+                    last = f"{type(reason).__name__}: {reason}"
+        raise RemoteRewardError(
+            f"reward server {self.url} failed {self.max_retries + 1} attempts "
+            f"(timeout={self.timeout}s, max_retries={self.max_retries}); last error: {last}"
+        )
+
+    def _validate(self, raw: bytes, n: int) -> list[float]:
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RemoteRewardError(
+                f"reward server {self.url} answered something that is not JSON: {raw[:200]!r}"
+            ) from None
+        rewards = data.get("rewards") if isinstance(data, dict) else None
+        if not isinstance(rewards, list):
+            raise RemoteRewardError(
+                f"reward server {self.url} answered without a 'rewards' list: {str(data)[:200]}"
+            )
+        if len(rewards) != n:
+            raise RemoteRewardError(
+                f"reward server {self.url} returned {len(rewards)} rewards for {n} queries"
+            )
+        for i, r in enumerate(rewards):
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+                raise RemoteRewardError(
+                    f"reward server {self.url} returned {r!r} for query {i}; rewards must be "
+                    "finite numbers"
+                )
+        return [float(r) for r in rewards]
