@@ -1,0 +1,483 @@
+"""Resumable training checkpoints on ``torch.distributed.checkpoint`` (DCP), written atomically.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    step_000010/            one complete checkpoint
+      .metadata, *.distcp   DCP shards: models, optimizers, LR schedulers (resharded on load)
+      rank_00000.pt         per-rank state: dataloader positions, RNG states, ``extra``
+      meta.json             written last, before the rename: step, world size, names
+    step_000020.tmp/        a save in progress (or one that crashed): never loaded
+    latest                  the name of the newest complete checkpoint ("step_000020")
+
+A save writes into ``step_N.tmp/``, waits for every rank, then rank 0 renames the directory to
+``step_N/`` and replaces ``latest`` atomically (write a temp file, ``os.replace``). A crash at any
+point before the rename leaves only a ``.tmp`` directory behind, which loading ignores, so the last
+good checkpoint stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+LATEST = "latest"
+META = "meta.json"
+DEFAULT_NAME = "model"
+
+
+@runtime_checkable
+class SupportsState(Protocol):
+    """Anything with ``state_dict()`` / ``load_state_dict()``: LR schedulers, dataloaders, ..."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class CheckpointState:
+    """What :meth:`Checkpointer.load` hands back besides the objects it restored in place."""
+
+    step: int
+    path: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    rng: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def restore_rng(self) -> None:
+        """Set this rank's RNG states to the saved ones (again).
+
+        Creating a ``DataLoader`` iterator draws from the global torch RNG; a recipe that builds
+        its iterator after :meth:`Checkpointer.load` calls this afterwards to line up with the
+        uninterrupted run.
+        """
+        set_rng_state(self.rng)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _named(obj: Any, what: str) -> dict[str, Any]:
+    """``None`` -> {}, a mapping -> a dict, a single object -> ``{"model": obj}``."""
+    if obj is None:
+        return {}
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, (list, tuple)):
+        raise ValueError(f"{what}: pass one object or a dict name -> object, not a {type(obj)}")
+    return {DEFAULT_NAME: obj}
+
+
+def step_dir_name(step: int) -> str:
+    """``step_000010`` for step 10 (six digits, more when needed)."""
+    return f"step_{step:06d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG state (per rank)
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states of python, numpy (when installed), torch CPU and the current CUDA device."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned (parts absent here or there are skipped)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+        except ImportError:
+            pass
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The DCP part: models + optimizers + schedulers as one Stateful per model name
+
+
+class _ModelState:
+    """DCP ``Stateful`` for one model and (optionally) its optimizer.
+
+    ``get_state_dict`` / ``set_state_dict`` give FQN-keyed, DTensor-sharded model and optimizer
+    states, so FSDP2 shards (and plain tensors) round-trip and may even reshard across world sizes.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state_dict["model"])
+        else:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optim"],
+            )
+
+
+class _PlainState:
+    """DCP ``Stateful`` around an object whose state is the same on every rank (LR scheduler)."""
+
+    def __init__(self, obj: SupportsState):
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state_dict)
+
+
+def _app_state(
+    models: dict[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    schedulers: dict[str, SupportsState],
+) -> dict[str, Any]:
+    unknown = sorted(set(optimizers) - set(models))
+    if unknown:
+        raise ValueError(
+            f"optimizers {unknown} have no model of the same name; models: "
+            f"{sorted(models)} (name each optimizer after the model it updates)"
+        )
+    state: dict[str, Any] = {}
+    for name, model in models.items():
+        state[f"model.{name}"] = _ModelState(model, optimizers.get(name))
+    for name, sched in schedulers.items():
+        state[f"scheduler.{name}"] = _PlainState(sched)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Save and resume training state under ``<output_dir>/checkpoints``.
+
+    Call every method on every rank (they are collective). Works in a single process without a
+    process group and with any number of ranks; the directory must be shared by all ranks.
+
+    Args:
+        output_dir: the run's output directory; checkpoints go to ``output_dir/checkpoints``.
+        keep_last: keep the newest ``keep_last`` checkpoints and delete older ones
+            (``None`` keeps all).
+        every_n_steps: :meth:`should_save` is true every this many steps (``None``: never;
+            the recipe may still call :meth:`save` whenever it likes).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        *,
+        keep_last: int | None = 3,
+        every_n_steps: int | None = None,
+    ):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.every_n_steps = every_n_steps
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` (count of optimizer steps done) is a multiple of ``every_n_steps``."""
+        return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
+
+    def list_checkpoints(self) -> list[Path]:
+        """Complete checkpoints (renamed, with ``meta.json``), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = STEP_DIR.match(p.name)
+            if m and p.is_dir() and (p / META).is_file():
+                found.append((int(m.group(1)), p))
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        """The checkpoint ``latest`` names; the newest complete one if the pointer is stale."""
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            target = self.root / pointer.read_text().strip()
+            if STEP_DIR.match(target.name) and (target / META).is_file():
+                return target
+        complete = self.list_checkpoints()
+        return complete[-1] if complete else None
+
+    # -- save -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        *,
+        models: nn.Module | Mapping[str, nn.Module],
+        optimizers: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
+        schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
+        dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write a checkpoint of ``step`` and return its directory (collective).
+
+        ``models`` / ``optimizers`` / ``schedulers``: one object or a dict name -> object; an
+        optimizer is stored with the model of the same name (a single one goes with a single
+        model). ``dataloaders`` (e.g. torchdata ``StatefulDataLoader``), the RNG states and
+        ``extra`` (any picklable dict: epoch, KL controller, reward normaliser, ...) are saved per
+        rank, since they may differ between ranks.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        models_, optims_ = _named(models, "models"), _named(optimizers, "optimizers")
+        scheds_, loaders_ = _named(schedulers, "schedulers"), _named(dataloaders, "dataloaders")
+        if not models_:
+            raise ValueError("models: pass at least one model to checkpoint")
+        app = _app_state(models_, optims_, scheds_)
+        rank, world = _rank(), _world_size()
+        final = self.root / step_dir_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left over by a crashed save of the same step
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        _barrier()
+        dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        per_rank = {
+            "step": step,
+            "dataloaders": {k: v.state_dict() for k, v in loaders_.items()},
+            "rng": rng_state(),
+            "extra": dict(extra or {}),
+        }
+        _atomic_torch_save(per_rank, tmp / f"rank_{rank:05d}.pt")
+        _barrier()
+        if rank == 0:
+            meta = {
+                "step": step,
+                "world_size": world,
+                "models": sorted(models_),
+                "optimizers": sorted(optims_),
+                "schedulers": sorted(scheds_),
+                "dataloaders": sorted(loaders_),
+                "time": time.time(),
+                "torch": torch.__version__,
+            }
+            _write_text_atomic(tmp / META, json.dumps(meta, indent=1) + "\n")
+            self._commit(tmp, final)
+            self._prune()
+        _barrier()
+        return final
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        """Rank 0: rename ``tmp`` to ``final`` and point ``latest`` at it."""
+        old = None
+        if final.exists():  # the same step saved again (e.g. after a resume): swap, then drop
+            old = final.with_name(f"{final.name}.old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        _write_text_atomic(self.root / LATEST, final.name + "\n")
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _prune(self) -> None:
+        """Rank 0: delete complete checkpoints beyond ``keep_last`` and stale ``.tmp`` dirs."""
+        for pattern in ("step_*.tmp", "step_*.old"):
+            for p in self.root.glob(pattern):
+                shutil.rmtree(p, ignore_errors=True)
+        if self.keep_last is None:
+            return
+        keep = self.latest()
+        for p in self.list_checkpoints()[: -self.keep_last]:
+            if p != keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -- load -------------------------------------------------------------------------------
+
+    def load(
+        self,
+        path: str | os.PathLike,
+        *,
+        models: nn.Module | Mapping[str, nn.Module],
+        optimizers: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
+        schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
+        dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
+        restore_rng: bool = True,
+    ) -> CheckpointState:
+        """Restore the given objects in place from checkpoint ``path`` (collective).
+
+        Build models (and ``parallelize`` them) and optimizers exactly as for training first:
+        DCP loads into the existing, possibly sharded, tensors. Every name passed must exist in
+        the checkpoint; names in the checkpoint that are not passed are ignored.
+        """
+        path = Path(path)
+        meta_file = path / META
+        if not meta_file.is_file():
+            raise ValueError(
+                f"{path} is not a complete checkpoint (no {META}); "
+                f"complete ones: {[p.name for p in self.list_checkpoints()]}"
+            )
+        meta = json.loads(meta_file.read_text())
+        models_, optims_ = _named(models, "models"), _named(optimizers, "optimizers")
+        scheds_, loaders_ = _named(schedulers, "schedulers"), _named(dataloaders, "dataloaders")
+        for what, given in (
+            ("models", models_),
+            ("optimizers", optims_),
+            ("schedulers", scheds_),
+            ("dataloaders", loaders_),
+        ):
+            missing = sorted(set(given) - set(meta.get(what, [])))
+            if missing:
+                raise ValueError(
+                    f"{what} {missing} are not in checkpoint {path} "
+                    f"(it holds {what}: {meta.get(what, [])})"
+                )
+        rank, world = _rank(), _world_size()
+        needs_rank_state = bool(loaders_) or restore_rng
+        if needs_rank_state and meta["world_size"] != world:
+            raise ValueError(
+                f"checkpoint {path} was saved by {meta['world_size']} ranks but this run has "
+                f"{world}: dataloader positions and RNG states are per rank and cannot be mapped; "
+                "resume with the same number of processes"
+            )
+
+        app = _app_state(models_, optims_, scheds_)
+        dcp.load(app, checkpoint_id=path, no_dist=not dist.is_initialized())
+        per_rank_file = path / f"rank_{min(rank, meta['world_size'] - 1):05d}.pt"
+        # Our own file, holding python / numpy RNG tuples: not loadable with weights_only.
+        per_rank = torch.load(per_rank_file, map_location="cpu", weights_only=False)
+        for name, loader in loaders_.items():
+            loader.load_state_dict(per_rank["dataloaders"][name])
+        if restore_rng:
+            set_rng_state(per_rank["rng"])
+        _barrier()
+        return CheckpointState(
+            step=int(meta["step"]),
+            path=path,
+            extra=per_rank["extra"],
+            world_size=int(meta["world_size"]),
+            rng=per_rank["rng"],
+        )
+
+    def load_latest(
+        self,
+        *,
+        models: nn.Module | Mapping[str, nn.Module],
+        optimizers: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
+        schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
+        dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
+        restore_rng: bool = True,
+        required: bool = False,
+    ) -> CheckpointState | None:
+        """:meth:`load` the newest complete checkpoint; ``None`` when there is none.
+
+        ``required=True`` (a recipe's ``resume=true``) turns "none" into a ``ValueError`` that
+        names the directory searched.
+        """
+        path = self.latest()
+        if path is None:
+            if required:
+                raise ValueError(
+                    f"resume=true but no checkpoint found in {self.root} "
+                    "(no complete step_* directory); start without resume or "
+                    "point output_dir at the run to continue"
+                )
+            return None
+        return self.load(
+            path,
+            models=models,
+            optimizers=optimizers,
+            schedulers=schedulers,
+            dataloaders=dataloaders,
+            restore_rng=restore_rng,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# small file helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so readers see the old or the new content, never a torn file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
