@@ -115,8 +115,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
     elif args.name in configs:
         src = configs[args.name]
     else:
-        raise SystemExit(f"lightrft: {args.name!r} is neither a recipe nor a config; "
-                         "see `lightrft ls`")
+        raise SystemExit(
+            f"lightrft: {args.name!r} is neither a recipe nor a config; see `lightrft ls`"
+        )
     dest = Path(args.dest)
     if dest.is_dir():
         dest = dest / src.name
@@ -147,8 +148,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     path = resolve_config(args.config)
     recipe = args.recipe or recipe_of_config(path)
     if recipe is None:
-        raise SystemExit(f"lightrft: {path} does not open with `# lightrft run <recipe> ...`; "
-                         "pass --recipe")
+        raise SystemExit(
+            f"lightrft: {path} does not open with `# lightrft run <recipe> ...`; pass --recipe"
+        )
     try:
         cfg, src = load(path, args.overrides)
         check(cfg, load_schema(resolve_recipe(recipe)), src)
@@ -161,12 +163,37 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 # torchrun flags that take a value; flags given as --flag=value need no table entry.
 _TORCHRUN_VALUE_FLAGS = {
-    "--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_rank", "--node-rank",
-    "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_backend", "--rdzv-backend", "--rdzv_id",
-    "--rdzv-id", "--rdzv_conf", "--rdzv-conf", "--master_addr", "--master-addr", "--master_port",
-    "--master-port", "--max_restarts", "--max-restarts", "--monitor_interval",
-    "--monitor-interval", "--start_method", "--start-method", "--log_dir", "--log-dir",
-    "--redirects", "--tee", "--local_addr", "--local-addr", "--role", "--local-ranks-filter",
+    "--nproc_per_node",
+    "--nproc-per-node",
+    "--nnodes",
+    "--node_rank",
+    "--node-rank",
+    "--rdzv_endpoint",
+    "--rdzv-endpoint",
+    "--rdzv_backend",
+    "--rdzv-backend",
+    "--rdzv_id",
+    "--rdzv-id",
+    "--rdzv_conf",
+    "--rdzv-conf",
+    "--master_addr",
+    "--master-addr",
+    "--master_port",
+    "--master-port",
+    "--max_restarts",
+    "--max-restarts",
+    "--monitor_interval",
+    "--monitor-interval",
+    "--start_method",
+    "--start-method",
+    "--log_dir",
+    "--log-dir",
+    "--redirects",
+    "--tee",
+    "--local_addr",
+    "--local-addr",
+    "--role",
+    "--local-ranks-filter",
     "--local_ranks_filter",
 }
 
@@ -184,10 +211,11 @@ def cmd_run(argv: list[str]) -> int:
             i += 1
         i += 1
     if i >= len(argv):
-        raise SystemExit("lightrft: usage: lightrft run [torchrun flags] <recipe> --config <cfg> "
-                         "[key=value ...]")
+        raise SystemExit(
+            "lightrft: usage: lightrft run [torchrun flags] <recipe> --config <cfg> [key=value ...]"
+        )
     recipe = resolve_recipe(argv[i])
-    rest = argv[i + 1:]
+    rest = argv[i + 1 :]
     # Resolve a config name to its path; everything else passes through to the recipe.
     for j, a in enumerate(rest):
         if a == "--config" and j + 1 < len(rest):
@@ -214,17 +242,26 @@ def cmd_run(argv: list[str]) -> int:
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from lightrft.models.tiny import make_tiny_model
 
-    out = make_tiny_model(args.out, arch=args.arch, layers=args.layers, hidden=args.hidden,
-                          heads=args.heads, kv_heads=args.kv_heads,
-                          intermediate=args.intermediate, max_positions=args.max_positions,
-                          tie_embeddings=args.tie_embeddings, seed=args.seed)
+    out = make_tiny_model(
+        args.out,
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        max_positions=args.max_positions,
+        tie_embeddings=args.tie_embeddings,
+        seed=args.seed,
+    )
     print(f"wrote tiny {args.arch} model to {out}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lightrft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lightrft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("ls", help="list recipes and configs")
     cp = sub.add_parser("cp", help="copy a recipe or config out for editing")
@@ -260,8 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "validate":
         args.overrides = list(args.overrides)
-    return {"ls": cmd_ls, "cp": cmd_cp, "cat": cmd_cat, "validate": cmd_validate,
-            "tiny-model": cmd_tiny_model}[args.command](args)
+    return {
+        "ls": cmd_ls,
+        "cp": cmd_cp,
+        "cat": cmd_cat,
+        "validate": cmd_validate,
+        "tiny-model": cmd_tiny_model,
+    }[args.command](args)
 
 
 if __name__ == "__main__":

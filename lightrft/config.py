@@ -10,10 +10,10 @@ Schema language (plain Python, so a copied recipe edits it in place)::
 
     CONFIG_SCHEMA = {
         "output_dir": str,                       # required
-        "seed": Optional[int],                   # may be absent or null
+        "seed": int | None,                      # may be absent or null
         "optimizer": Component,                  # a mapping with `_component_`
-        "prepare": Optional[list[Component]],
-        "model": {"path": str, "dtype": Literal["float32", "bfloat16"]},   # nested keys
+        "prepare": list[Component] | None,
+        "model": {"path": str, "dtype": Literal["float32", "bf16"] | None},   # nested keys
         "extra": dict,                           # free-form mapping, not checked
     }
 """
@@ -25,11 +25,12 @@ import difflib
 import functools
 import inspect
 import sys
+import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -97,7 +98,9 @@ def _yaml_lines(path: str) -> dict[str, int]:
     return lines
 
 
-def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[DictConfig, Source]:
+def load(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[DictConfig, Source]:
     """Load a YAML config and apply torchtune-style overrides (``a.b=1``, ``~a.b``).
 
     Returns the merged config and a :class:`Source` for error messages.
@@ -148,7 +151,7 @@ def _matches(value: Any, t: Any) -> bool:
     if t is Any or t is inspect.Parameter.empty:
         return True
     origin = typing.get_origin(t)
-    if origin is Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+    if _is_union(t):
         return any(_matches(value, a) for a in typing.get_args(t))
     if origin is Literal:
         return value in typing.get_args(t)
@@ -183,8 +186,10 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
     try:
         obj = _resolve(str(target))
     except Exception as e:  # noqa: BLE001 - any import failure is the user's path being wrong
-        errors.append(f"{src.where(key + '._component_')}: '{key}._component_: {target}' "
-                      f"cannot be imported ({type(e).__name__}: {e})")
+        errors.append(
+            f"{src.where(key + '._component_')}: '{key}._component_: {target}' "
+            f"cannot be imported ({type(e).__name__}: {e})"
+        )
         return
     try:
         sig = inspect.signature(obj)
@@ -202,10 +207,13 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
         sub = f"{key}.{arg}"
         if arg not in params:
             if not var_kw:
-                named = [n for n, p in params.items()
-                         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-                errors.append(f"{src.where(sub)}: unknown key '{sub}': {target} takes no "
-                              f"argument '{arg}'{_closest(arg, named)}")
+                named = [
+                    n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                ]
+                errors.append(
+                    f"{src.where(sub)}: unknown key '{sub}': {target} takes no "
+                    f"argument '{arg}'{_closest(arg, named)}"
+                )
             continue
         if isinstance(value, (dict, DictConfig)) and "_component_" in value:
             _check_component(value, sub, src, errors)
@@ -226,21 +234,25 @@ def _check(cfg: Any, schema: Any, key: str, src: Source, errors: list[str]) -> N
         prefix = f"{key}." if key else ""
         for k in cfg:
             if k not in schema:
-                errors.append(f"{src.where(prefix + str(k))}: unknown key '{prefix}{k}'"
-                              f"{_closest(str(k), list(schema))}")
+                errors.append(
+                    f"{src.where(prefix + str(k))}: unknown key '{prefix}{k}'"
+                    f"{_closest(str(k), list(schema))}"
+                )
         for k, sub in schema.items():
             if k in cfg:
                 _check(cfg[k], sub, prefix + k, src, errors)
             elif not _optional(sub):
-                errors.append(f"{src.where(key) if key else src.path or 'config'}: "
-                              f"missing required key '{prefix}{k}'")
+                errors.append(
+                    f"{src.where(key) if key else src.path or 'config'}: "
+                    f"missing required key '{prefix}{k}'"
+                )
         return
     if cfg is None:
         if not _optional(schema):
             errors.append(f"{src.where(key)}: '{key}' must not be null")
         return
     origin, args = typing.get_origin(schema), typing.get_args(schema)
-    if origin is Union:
+    if _is_union(schema):
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             _check(cfg, inner[0], key, src, errors)
@@ -262,8 +274,12 @@ def _check(cfg: Any, schema: Any, key: str, src: Source, errors: list[str]) -> N
         errors.append(f"{src.where(key)}: '{key}' expects {_type_name(schema)}, got {cfg!r}")
 
 
+def _is_union(t: Any) -> bool:
+    return typing.get_origin(t) in (Union, types.UnionType)
+
+
 def _optional(schema: Any) -> bool:
-    return typing.get_origin(schema) is Union and type(None) in typing.get_args(schema)
+    return _is_union(schema) and type(None) in typing.get_args(schema)
 
 
 def check(cfg: DictConfig, schema: Mapping[str, Any], source: Source | None = None) -> None:
@@ -338,4 +354,3 @@ def parse(
         sys.exit(recipe_main(cfg))
 
     return wrapper
-

@@ -20,5 +20,6 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_llama_dir(tmp_path_factory):
     from lightrft.models.tiny import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", layers=2,
-                           hidden=64)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "llama", arch="llama", layers=2, hidden=64
+    )

@@ -1,6 +1,6 @@
 """Strict config checking: unknown keys, wrong types and bad components name their place."""
 
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 
@@ -8,12 +8,12 @@ from lightrft.config import Component, ConfigError, check, instantiate, load
 
 SCHEMA = {
     "output_dir": str,
-    "seed": Optional[int],
+    "seed": int | None,
     "steps": int,
     "optimizer": Component,
-    "model": {"path": str, "dtype": Optional[Literal["float32", "bfloat16"]]},
-    "prepare": Optional[list[Component]],
-    "extra": Optional[dict],
+    "model": {"path": str, "dtype": Literal["float32", "bfloat16"] | None},
+    "prepare": list[Component] | None,
+    "extra": dict | None,
 }
 
 YAML = """\
@@ -62,8 +62,11 @@ def test_unknown_top_level_key_in_yaml_names_file_line_and_suggestion(tmp_path):
 
 def test_unknown_nested_key_and_component_argument(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text(YAML.replace("  dtype: float32", "  dtyp: float32").replace(
-        "  weight_decay: 0.0", "  betass: [0.9, 0.95]"))
+    p.write_text(
+        YAML.replace("  dtype: float32", "  dtyp: float32").replace(
+            "  weight_decay: 0.0", "  betass: [0.9, 0.95]"
+        )
+    )
     msg = errors_of(p)
     assert f"{p}:11: unknown key 'model.dtyp'" in msg and "'dtype'" in msg
     assert f"{p}:8: unknown key 'optimizer.betass'" in msg and "'betas'" in msg
@@ -94,8 +97,10 @@ def test_component_that_does_not_import_is_reported(cfg_file):
 
 def test_list_of_components_checked(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text(YAML + "prepare:\n  - _component_: lightrft.models.tiny.make_tiny_model\n"
-                 "    out_dir: x\n    layerz: 2\n")
+    p.write_text(
+        YAML + "prepare:\n  - _component_: lightrft.models.tiny.make_tiny_model\n"
+        "    out_dir: x\n    layerz: 2\n"
+    )
     msg = errors_of(p)
     assert f"{p}:15: unknown key 'prepare.0.layerz'" in msg and "'layers'" in msg
 

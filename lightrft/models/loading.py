@@ -8,8 +8,14 @@ from pathlib import Path
 import torch
 
 _GENERIC_TOKENIZERS = {"PreTrainedTokenizerFast", "TokenizersBackend"}
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def to_dtype(dtype: str | torch.dtype) -> torch.dtype:

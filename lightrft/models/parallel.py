@@ -9,8 +9,14 @@ from torch import nn
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin)."""
-    for path in ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers",
-                 "model.decoder.layers", "layers"):
+    for path in (
+        "model.layers",
+        "model.language_model.layers",
+        "transformer.h",
+        "gpt_neox.layers",
+        "model.decoder.layers",
+        "layers",
+    ):
         mod = model
         for part in path.split("."):
             mod = getattr(mod, part, None)
@@ -18,8 +24,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                 break
         if isinstance(mod, nn.ModuleList):
             return mod
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; "
-                     "pass a model with a `model.layers` ModuleList")
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__}; "
+        "pass a model with a `model.layers` ModuleList"
+    )
 
 
 def default_param_dtype(device: torch.device | str) -> torch.dtype:
@@ -69,7 +77,8 @@ def parallelize(
     for i, layer in enumerate(layers):
         # The last block is gathered again right away by the root's backward: keep it unsharded.
         last = i == len(layers) - 1
-        fully_shard(layer, mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward and not last)
+        fully_shard(
+            layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model

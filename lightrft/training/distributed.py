@@ -36,8 +36,10 @@ def init_distributed(device: str | None = None) -> DistInfo:
     else:
         dev = torch.device("cpu")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo",
-                                device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            device_id=dev if dev.type == "cuda" else None,
+        )
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev)
     return DistInfo(0, 1, 0, dev)
