@@ -1,0 +1,41 @@
+"""Training utilities shared by the recipes: checkpoints, HF export, metrics, LR schedule.
+
+Submodules are imported on first use of a name, so ``import lightrft.training`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Checkpointer": "checkpoint",
+    "CheckpointState": "checkpoint",
+    "rng_state": "checkpoint",
+    "set_rng_state": "checkpoint",
+    "export_hf": "export",
+    "full_state_dict": "export",
+    "clean_param_name": "export",
+    "MetricLogger": "metrics",
+    "ProgressBar": "metrics",
+    "PhaseTimer": "metrics",
+    "Throughput": "metrics",
+    "tokens_per_second": "metrics",
+    "peak_memory": "metrics",
+    "reset_peak_memory": "metrics",
+    "reduce_metrics": "metrics",
+    "read_metrics": "metrics",
+    "warmup_cosine_lr_ratio": "optim",
+    "warmup_cosine_scheduler": "optim",
+    "clip_grad_norm": "optim",
+    "check_output_dir": "outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightrft.training' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"lightrft.training.{module}"), name)

@@ -1,0 +1,335 @@
+"""Metric logging (JSONL, TensorBoard, optional W&B), progress bar, timers, throughput, memory.
+
+Only rank 0 writes; every helper here is a no-op or cheap on other ranks, so recipes call them
+unconditionally. :func:`reduce_metrics` is the one collective: call it on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+GIB = 2**30
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}"
+            )
+        return float(value.detach().float().cpu().item())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"metric {name!r} must be a number, got {type(value).__name__}: {value!r}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Logger
+
+
+class MetricLogger:
+    """Fan scalar metrics out to ``metrics.jsonl``, TensorBoard and (optionally) W&B, on rank 0.
+
+    Args:
+        output_dir: the run's output directory; ``metrics.jsonl`` and ``tensorboard/`` go there.
+        tensorboard: write TensorBoard event files under ``output_dir/tensorboard``.
+        wandb: ``False`` (default), ``True`` or a dict of ``wandb.init`` keyword arguments
+            (``project``, ``name``, ``mode``, ...). When enabled, ``wandb`` must be importable
+            (``pip install 'lightrft[wandb]'``); it is never needed otherwise.
+        config: the run's config (a plain dict), recorded by W&B and as TensorBoard text.
+        enabled: write at all; default: this process is rank 0.
+
+    ``metrics.jsonl`` gets one JSON object per :meth:`log` call, ``{"step": k, "train/loss": ...}``,
+    flushed at once, so a crash loses nothing already logged. On resume it is appended to, and
+    lines for steps after the resumed step are kept (``step`` tells them apart).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        wandb: bool | Mapping[str, Any] = False,
+        config: Mapping[str, Any] | None = None,
+        enabled: bool | None = None,
+    ):
+        self.enabled = _rank() == 0 if enabled is None else enabled
+        self.output_dir = Path(output_dir)
+        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not self.enabled:
+            return
+        wandb_kwargs = _wandb_kwargs(wandb)
+        wandb_mod = None
+        if wandb_kwargs is not None:
+            try:
+                import wandb as wandb_mod
+            except ImportError:
+                raise ValueError(
+                    "wandb logging is enabled (metrics wandb setting) but the "
+                    "`wandb` package is not installed: pip install "
+                    "'lightrft[wandb]', or disable wandb"
+                ) from None
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+            if config:
+                self._tb.add_text(
+                    "config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```"
+                )
+        if wandb_mod is not None:
+            wandb_kwargs.setdefault("dir", str(self.output_dir))
+            if config is not None:
+                wandb_kwargs.setdefault("config", dict(config))
+            self._wandb = wandb_mod.init(**wandb_kwargs)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Record ``metrics`` (name -> number or 1-element tensor) at ``step``; returns them as
+        floats. Tensors are converted on every rank (the conversion may sync a GPU)."""
+        values = {k: _to_float(k, v) for k, v in metrics.items()}
+        if not self.enabled:
+            return values
+        if self._jsonl is not None:
+            # NaN / inf are written as NaN / Infinity, which Python's json and pandas read back.
+            row = {"step": int(step), **values}
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        return values
+
+    def close(self) -> None:
+        """Flush and close every sink (idempotent)."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> MetricLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _wandb_kwargs(wandb: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if wandb is None or wandb is False:
+        return None
+    if wandb is True:
+        return {}
+    if isinstance(wandb, Mapping):
+        return dict(wandb)
+    raise ValueError(f"wandb must be a bool or a dict of wandb.init arguments, got {wandb!r}")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` file (or of ``<dir>/metrics.jsonl``), in order."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    with open(p, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress bar
+
+
+class ProgressBar:
+    """A tqdm bar on rank 0 (nothing elsewhere) showing loss and tokens/s after each step."""
+
+    def __init__(
+        self,
+        total: int | None,
+        *,
+        initial: int = 0,
+        desc: str = "train",
+        enabled: bool | None = None,
+    ):
+        self.enabled = _rank() == 0 if enabled is None else enabled
+        self._bar = None
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr
+            )
+
+    def update(self, n: int = 1, **postfix: float) -> None:
+        """Advance ``n`` steps and show ``postfix`` (e.g. ``loss=0.42, tok_s=1234``)."""
+        if self._bar is None:
+            return
+        self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
+        self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Timers and throughput
+
+
+class PhaseTimer:
+    """Accumulate wall-clock seconds per named phase: ``with timer("rollout"): ...``.
+
+    ``cuda_sync=True`` synchronises the current CUDA device at both ends so a phase is charged for
+    the GPU work it launched (costs a sync; off by default).
+    """
+
+    def __init__(self, *, cuda_sync: bool = False):
+        self.cuda_sync = cuda_sync and torch.cuda.is_available()
+        self.totals: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if self.cuda_sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda_sync:
+                torch.cuda.synchronize()
+            self.totals[name] += time.perf_counter() - start
+            self.counts[name] += 1
+
+    def summary(self, prefix: str = "time/", reset: bool = True) -> dict[str, float]:
+        """``{"time/<phase>": seconds}`` accumulated since the last reset."""
+        out = {f"{prefix}{k}": v for k, v in self.totals.items()}
+        if reset:
+            self.reset()
+        return out
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.counts.clear()
+
+
+class Throughput:
+    """Tokens per second between successive :meth:`rate` calls (e.g. once per logged step)."""
+
+    def __init__(self) -> None:
+        self._tokens = 0.0
+        self._start = time.perf_counter()
+
+    def add(self, tokens: int | float | torch.Tensor) -> None:
+        self._tokens += float(tokens)
+
+    def rate(self, reset: bool = True) -> tuple[float, float]:
+        """``(tokens, seconds)`` since the last reset; see :func:`tokens_per_second`."""
+        now = time.perf_counter()
+        out = (self._tokens, now - self._start)
+        if reset:
+            self._tokens, self._start = 0.0, now
+        return out
+
+
+def tokens_per_second(tokens: float, seconds: float) -> float:
+    """``tokens / seconds``, 0 when no time passed."""
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def peak_memory(device: torch.device | str | None = None) -> dict[str, float]:
+    """Peak memory in GiB: CUDA ``max_memory_allocated`` / ``max_memory_reserved`` on a GPU device,
+    else this process's peak resident set size (``getrusage``; it never goes down)."""
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda":
+        return {
+            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / GIB,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / GIB,
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+    return {"memory/peak_rss_gib": rss_bytes / GIB}
+
+
+def reset_peak_memory(device: torch.device | str | None = None) -> None:
+    """Start a new CUDA peak window (the CPU RSS peak cannot be reset)."""
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-rank reduction
+
+_REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def reduce_metrics(
+    metrics: Mapping[str, Any], op: str = "mean", device: torch.device | str | None = None
+) -> dict[str, float]:
+    """All-reduce scalar metrics across ranks in one collective; identity in a single process.
+
+    ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. Every rank must pass the same keys
+    (they are sorted, so order does not matter). ``device``: where the reduction runs; default
+    the current CUDA device under nccl, else CPU.
+    """
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"op must be one of {_REDUCE_OPS}, got {op!r}")
+    keys = sorted(metrics)
+    values = [_to_float(k, metrics[k]) for k in keys]
+    if not dist.is_initialized() or not keys:
+        return dict(zip(keys, values, strict=True))
+    if device is None:
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)  # [num_metrics]
+    red = {
+        "mean": dist.ReduceOp.SUM,
+        "sum": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }[op]
+    dist.all_reduce(t, op=red)
+    if op == "mean":
+        t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist(), strict=True))
