@@ -87,6 +87,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (identity without a process group)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _named(obj: Any, what: str) -> dict[str, Any]:
     """``None`` -> {}, a mapping -> a dict, a single object -> ``{"model": obj}``."""
     if obj is None:
@@ -431,7 +440,9 @@ class Checkpointer:
         ``required=True`` (a recipe's ``resume=true``) turns "none" into a ``ValueError`` that
         names the directory searched.
         """
-        path = self.latest()
+        # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
+        # shared file system lag behind one another.
+        path = _broadcast_from_rank0(self.latest() if _rank() == 0 else None)
         if path is None:
             if required:
                 raise ValueError(

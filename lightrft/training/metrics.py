@@ -56,11 +56,13 @@ class MetricLogger:
             (``project``, ``name``, ``mode``, ...). When enabled, ``wandb`` must be importable
             (``pip install 'lightrft[wandb]'``); it is never needed otherwise.
         config: the run's config (a plain dict), recorded by W&B and as TensorBoard text.
+        resume_step: the step a resumed run restarts from: rows logged after it by the
+            interrupted run are dropped from ``metrics.jsonl`` and TensorBoard (``purge_step``),
+            so the files hold one clean curve. ``None``: append to whatever is there.
         enabled: write at all; default: this process is rank 0.
 
     ``metrics.jsonl`` gets one JSON object per :meth:`log` call, ``{"step": k, "train/loss": ...}``,
-    flushed at once, so a crash loses nothing already logged. On resume it is appended to, and
-    lines for steps after the resumed step are kept (``step`` tells them apart).
+    flushed at once, so a crash loses nothing already logged.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class MetricLogger:
         tensorboard: bool = True,
         wandb: bool | Mapping[str, Any] = False,
         config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
         enabled: bool | None = None,
     ):
         self.enabled = _rank() == 0 if enabled is None else enabled
@@ -92,11 +95,14 @@ class MetricLogger:
                     "'lightrft[wandb]', or disable wandb"
                 ) from None
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            _truncate_jsonl(self.jsonl_path, resume_step)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=purge)
             if config:
                 self._tb.add_text(
                     "config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```"
@@ -153,6 +159,24 @@ def _wandb_kwargs(wandb: bool | Mapping[str, Any] | None) -> dict[str, Any] | No
     if isinstance(wandb, Mapping):
         return dict(wandb)
     raise ValueError(f"wandb must be a bool or a dict of wandb.init arguments, got {wandb!r}")
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep only rows with ``step <= last_step`` (and drop a line torn by a crash)."""
+    if not path.is_file():
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= last_step:
+                kept.append(json.dumps(row) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -277,6 +277,9 @@ def _fsdp_worker(rank: int, world_size: int, model_dir: str, out_dir: str) -> No
     sched2 = warmup_cosine_scheduler(opt2, warmup_steps=1, total_steps=10)
     ckpt.load_latest(models=model2, optimizers=opt2, schedulers=sched2)
     _assert_same(saved, _snapshot(model2, opt2, sched2))
+    full = {k: v.full_tensor() for k, v in model2.state_dict().items()}  # collective
+    if rank == 0:
+        torch.save(full, f"{out_dir}/full_weights.pt")
 
 
 def test_fsdp2_two_process_save_load(tiny_model_dir, tmp_path):
@@ -292,3 +295,6 @@ def test_fsdp2_two_process_save_load(tiny_model_dir, tmp_path):
     # ... but model weights alone reshard fine (DCP) when per-rank state is not asked for.
     state = Checkpointer(tmp_path).load_latest(models=model, restore_rng=False)
     assert state.step == 2
+    full = torch.load(tmp_path / "full_weights.pt")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, full[k]), k

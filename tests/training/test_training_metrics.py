@@ -52,10 +52,24 @@ def test_jsonl_and_tensorboard(tmp_path):
     assert scalars["train/loss"] == [(1, 2.5), (2, 1.5)]
     assert scalars["train/tokens_per_s"] == [(1, 100.0)]
 
-    # A resumed run appends to the same file.
+    # Without resume_step a new logger appends to the same file.
     with MetricLogger(tmp_path, tensorboard=False) as log:
         log.log(3, {"train/loss": 1.0})
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_resume_step_drops_rows_logged_after_the_checkpoint(tmp_path):
+    with MetricLogger(tmp_path) as log:
+        for step in (1, 2, 3, 4):
+            log.log(step, {"train/loss": float(step)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "train/lo')  # a line torn by the crash
+    # The run crashed after step 4; its last checkpoint is at step 2.
+    with MetricLogger(tmp_path, resume_step=2) as log:
+        log.log(3, {"train/loss": 30.0})
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert _tb_scalars(tmp_path / "tensorboard")["train/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
 def test_disabled_logger_writes_nothing(tmp_path):
