@@ -23,7 +23,9 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -85,6 +87,14 @@ def _world_size() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns on every call without a process group; one process is a supported mode here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _broadcast_from_rank0(obj: Any) -> Any:
@@ -306,7 +316,8 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         _barrier()
-        dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        with _quiet_single_process():
+            dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         per_rank = {
             "step": step,
             "dataloaders": {k: v.state_dict() for k, v in loaders_.items()},
@@ -408,7 +419,8 @@ class Checkpointer:
             )
 
         app = _app_state(models_, optims_, scheds_)
-        dcp.load(app, checkpoint_id=path, no_dist=not dist.is_initialized())
+        with _quiet_single_process():
+            dcp.load(app, checkpoint_id=path, no_dist=not dist.is_initialized())
         per_rank_file = path / f"rank_{min(rank, meta['world_size'] - 1):05d}.pt"
         # Our own file, holding python / numpy RNG tuples: not loadable with weights_only.
         per_rank = torch.load(per_rank_file, map_location="cpu", weights_only=False)

@@ -298,3 +298,68 @@ def test_fsdp2_two_process_save_load(tiny_model_dir, tmp_path):
     full = torch.load(tmp_path / "full_weights.pt")
     for k, v in model.state_dict().items():
         assert torch.equal(v, full[k]), k
+
+
+# ---------------------------------------------------------------------------------------------
+# Data order across an epoch boundary (the pattern docs/checkpoints.md recommends)
+
+
+def _epoch_loader():
+    from torch.utils.data import DistributedSampler
+
+    data = list(range(12))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=7)
+    return StatefulDataLoader(data, batch_size=4, sampler=sampler), sampler
+
+
+def _run_epochs(loader, sampler, start_epoch: int, epochs: int, stop_after: int | None = None):
+    """Batches seen, optionally stopping after ``stop_after`` batches; returns (batches, epoch)."""
+    seen = []
+    for epoch in range(start_epoch, epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            seen.append(batch.tolist())
+            if stop_after is not None and len(seen) == stop_after:
+                return seen, epoch
+    return seen, epochs
+
+
+@pytest.mark.parametrize("stop_after", [3, 4], ids=["epoch_end", "mid_epoch"])
+def test_resume_at_epoch_boundary_continues_with_next_epoch(tmp_path, stop_after):
+    want, _ = _run_epochs(*_epoch_loader(), 0, 3)  # 3 epochs x 3 batches
+
+    loader, sampler = _epoch_loader()
+    first, epoch = _run_epochs(loader, sampler, 0, 3, stop_after=stop_after)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(stop_after, models=torch.nn.Linear(1, 1), dataloaders=loader, extra={"epoch": epoch})
+
+    loader, sampler = _epoch_loader()
+    state = ckpt.load_latest(models=torch.nn.Linear(1, 1), dataloaders=loader, required=True)
+    rest, _ = _run_epochs(loader, sampler, state.extra["epoch"], 3)
+    assert first + rest == want and len(rest) == 9 - stop_after
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_model_and_rng_round_trip(tiny_model_dir, tmp_path):
+    model = load_causal_lm(tiny_model_dir, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = _batch(0).cuda()
+    model(input_ids=x, labels=x, use_cache=False).loss.backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path)
+    torch.cuda.manual_seed(3)
+    ckpt.save(1, models=model, optimizers=opt)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_rand = torch.rand(4, device="cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    ckpt.load_latest(models=model, optimizers=opt)
+    for k, v in model.state_dict().items():
+        assert v.is_cuda and torch.equal(v, want[k]), k
+    assert torch.equal(torch.rand(4, device="cuda"), want_rand)

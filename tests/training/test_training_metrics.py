@@ -175,3 +175,21 @@ def _reduce_worker(rank: int, world_size: int) -> None:
 
 def test_reduce_metrics_two_processes():
     run_distributed(_reduce_worker)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_memory_cuda_and_synced_timer():
+    from lightrft.training.metrics import reset_peak_memory
+
+    reset_peak_memory("cuda")
+    x = torch.empty(256 * 2**20 // 4, device="cuda")  # 256 MiB
+    m = peak_memory("cuda")
+    assert set(m) == {"memory/peak_allocated_gib", "memory/peak_reserved_gib"}
+    assert 0.25 <= m["memory/peak_allocated_gib"] <= m["memory/peak_reserved_gib"]
+    del x
+    timer = PhaseTimer(cuda_sync=True)
+    with timer("matmul"):
+        a = torch.randn(2048, 2048, device="cuda")
+        a @ a
+    assert timer.summary()["time/matmul"] > 0
