@@ -79,6 +79,11 @@ def export_hf(
     half-written export under the final name. ``dtype`` casts floating-point weights (e.g.
     ``"bfloat16"`` for serving); ``None`` keeps the training dtype. ``tokenizer=None`` skips it.
     """
+    if not hasattr(model, "save_pretrained"):
+        raise ValueError(
+            f"export_hf needs a Hugging Face model (with save_pretrained), got "
+            f"{type(model).__name__}; use full_state_dict(model) to gather its weights instead"
+        )
     out = Path(out_dir)
     cast = to_dtype(dtype) if dtype is not None else None
     sd = full_state_dict(model)  # every rank takes part in the gather

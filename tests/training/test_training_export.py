@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from _dist import run_distributed
 from safetensors import safe_open
@@ -43,6 +44,12 @@ def _safetensor_keys(path) -> set[str]:
 def test_clean_param_name():
     name = "model.layers.0._checkpoint_wrapped_module._orig_mod.mlp.up_proj.weight"
     assert clean_param_name(name) == "model.layers.0.mlp.up_proj.weight"
+
+
+def test_export_rejects_non_hf_model(tmp_path):
+    with pytest.raises(ValueError, match="needs a Hugging Face model .* got Linear"):
+        export_hf(torch.nn.Linear(2, 2), None, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 def test_export_round_trip_single_process(tiny_model_dir, tmp_path):
