@@ -131,7 +131,7 @@ def make_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
