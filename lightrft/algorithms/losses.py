@@ -283,7 +283,9 @@ def policy_loss(
     - ``gspo`` (Zheng et al. 2025, arXiv:2507.18071): the sequence ratio
       ``s = exp(masked mean of the log-ratio)`` enters each token as
       ``exp(sg(log s) + logprobs - sg(logprobs))`` (value ``s``, gradient of the token's own
-      log-prob), clipped like ppo. Use the paper's tiny range (3e-4 / 4e-4).
+      log-prob), clipped like ppo. Use the paper's tiny range (3e-4 / 4e-4). Per-token
+      advantages or importance weights scale each token's gradient individually (GSPO-token,
+      as in verl).
     - ``gmpo`` (Zhao et al. 2025, arXiv:2507.20673): each token log-ratio is clipped to
       ``[-lo, hi]`` in log space on the pessimistic side chosen by the sign of its advantage
       (A >= 0: ``min(l, clip(l))``; A < 0: ``max(l, clip(l))``); the sequence ratio is
@@ -356,8 +358,9 @@ def policy_loss(
         seq_ratio = seq_log.exp()  # [B]
         adv_seq = torch.where(valid, adv, 0.0).sum(dim=1) / n_tok.clamp_min(1.0)  # [B]
         seq_loss = -adv_seq * seq_ratio  # [B]
-        # Spread over the tokens so that seq_mean_token_mean returns the mean over sequences.
-        loss_mat = (seq_loss / n_tok.clamp_min(1.0)).unsqueeze(1) * m  # [B, T]
+        # Every token carries its sequence's loss, so seq_mean_token_mean (token mean, then
+        # mean over non-empty sequences) returns the mean of seq_loss over sequences.
+        loss_mat = seq_loss.unsqueeze(1) * m  # [B, T]
         ratio = seq_ratio.unsqueeze(1).expand_as(logprobs)
         with torch.no_grad():
             flags = {
