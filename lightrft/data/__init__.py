@@ -1,0 +1,45 @@
+"""Data: loading records, SFT and RL prompt datasets, packing, collators, resumable loaders.
+
+See docs/data.md.
+"""
+
+from lightrft.data.arith import arith_records, ensure_arith_dataset, write_arith_dataset
+from lightrft.data.collate import (
+    PackCollator,
+    PackedDataset,
+    PadCollator,
+    collate_prompts,
+    pack_indices,
+    pack_or_pad_collator,
+    packed_sft_dataset,
+)
+from lightrft.data.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
+from lightrft.data.io import DataError, Records, load_records
+from lightrft.data.loader import ResumableDataLoader, build_dataloader
+from lightrft.data.prompts import PromptDataset
+from lightrft.data.sft import SFTDataset
+from lightrft.data.templates import IGNORE_INDEX
+
+__all__ = [
+    "IGNORE_INDEX",
+    "DataError",
+    "PackCollator",
+    "PackedDataset",
+    "PadCollator",
+    "PromptDataset",
+    "Records",
+    "ResumableDataLoader",
+    "SFTDataset",
+    "arith_records",
+    "build_dataloader",
+    "collate_prompts",
+    "convert_gsm8k",
+    "ensure_arith_dataset",
+    "ensure_gsm8k",
+    "load_records",
+    "pack_indices",
+    "pack_or_pad_collator",
+    "packed_sft_dataset",
+    "prepare_gsm8k",
+    "write_arith_dataset",
+]

@@ -1,0 +1,202 @@
+"""A synthetic arithmetic task with verifiable answers, for tiny CPU demos and tests.
+
+Problems such as ``"12+34="`` (``style="equation"``) or ``"What is 12+34?"``
+(``style="question"``) with the exact integer answer. Records carry ``prompt``, ``completion``
+(the answer, for SFT), ``answer`` (the reference, for RL verifiers) and ``label``. The easiest
+setting, 2-digit addition, is learnable by a tiny character-level model in minutes on a CPU;
+``digits``, ``terms`` and ``ops`` make it harder.
+
+``ensure_arith_dataset`` writes ``train.jsonl`` and ``test.jsonl`` (disjoint problems) only when
+they are absent or were made with other settings, so configs can call it on every start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["OPS", "arith_records", "ensure_arith_dataset", "write_arith_dataset"]
+
+OPS = ("+", "-", "*")
+STYLES = ("equation", "question")
+META = "meta.json"
+
+
+def _norm_ops(ops: str | Sequence[str]) -> tuple[str, ...]:
+    out = tuple(ops) if isinstance(ops, str) else tuple(str(o) for o in ops)
+    bad = [o for o in out if o not in OPS]
+    if not out or bad:
+        raise ValueError(f"ops must be a non-empty list of {list(OPS)}, got {list(out)}")
+    return tuple(dict.fromkeys(out))  # dedupe, keep order
+
+
+def _check(digits: int, min_digits: int, terms: int, style: str) -> None:
+    if not 1 <= min_digits <= digits:
+        raise ValueError(
+            f"need 1 <= min_digits <= digits, got min_digits={min_digits}, digits={digits}"
+        )
+    if terms < 2:
+        raise ValueError(f"terms must be >= 2, got {terms}")
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {list(STYLES)}, got {style!r}")
+
+
+def _evaluate(operands: list[int], operators: list[str]) -> int:
+    """Value with the usual precedence (``*`` before ``+``/``-``), left to right otherwise."""
+    terms, signs = [operands[0]], [1]
+    for op, x in zip(operators, operands[1:], strict=True):
+        if op == "*":
+            terms[-1] *= x
+        else:
+            terms.append(x)
+            signs.append(1 if op == "+" else -1)
+    return sum(s * t for s, t in zip(signs, terms, strict=True))
+
+
+def _problem(
+    rng: random.Random, lo: int, hi: int, ops: tuple[str, ...], terms: int, allow_negative: bool
+) -> tuple[str, int]:
+    while True:
+        operands = [rng.randint(lo, hi) for _ in range(terms)]
+        operators = [rng.choice(ops) for _ in range(terms - 1)]
+        value = _evaluate(operands, operators)
+        if allow_negative or value >= 0:
+            expr = "".join(f"{a}{op}" for a, op in zip(operands, operators, strict=False))
+            return expr + str(operands[-1]), value
+
+
+def _space(lo: int, hi: int, n_ops: int, terms: int) -> int:
+    return (hi - lo + 1) ** terms * n_ops ** (terms - 1)
+
+
+def arith_records(
+    n: int,
+    *,
+    digits: int = 2,
+    min_digits: int = 1,
+    ops: str | Sequence[str] = ("+",),
+    terms: int = 2,
+    style: str = "equation",
+    allow_negative: bool = False,
+    seed: int = 0,
+    exclude: set[str] | None = None,
+) -> list[dict[str, Any]]:
+    """``n`` distinct problems (no prompt in ``exclude``), deterministic for the arguments.
+
+    Operands have between ``min_digits`` and ``digits`` digits (``min_digits=1`` includes 0).
+    With ``allow_negative=False`` problems whose answer is negative are skipped.
+    """
+    ops_ = _norm_ops(ops)
+    _check(digits, min_digits, terms, style)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    lo = 0 if min_digits == 1 else 10 ** (min_digits - 1)
+    hi = 10**digits - 1
+    exclude = exclude or set()
+    if n + len(exclude) > _space(lo, hi, len(ops_), terms) // 2:
+        raise ValueError(
+            f"asked for {n} distinct problems (plus {len(exclude)} excluded) but digits={digits}, "
+            f"min_digits={min_digits}, terms={terms}, ops={list(ops_)} allow only about "
+            f"{_space(lo, hi, len(ops_), terms)}: ask for fewer or raise digits/terms"
+        )
+    rng = random.Random(seed)
+    seen: set[str] = set(exclude)
+    out = []
+    while len(out) < n:
+        expr, value = _problem(rng, lo, hi, ops_, terms, allow_negative)
+        prompt = f"{expr}=" if style == "equation" else f"What is {expr}?"
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append(
+            {"prompt": prompt, "completion": str(value), "answer": str(value), "label": "arith"}
+        )
+    return out
+
+
+def _settings(**kw: Any) -> dict[str, Any]:
+    kw["ops"] = list(_norm_ops(kw["ops"]))
+    return kw
+
+
+def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees a half-written file
+
+
+def write_arith_dataset(
+    out_dir: str | os.PathLike,
+    *,
+    n_train: int = 2000,
+    n_test: int = 200,
+    digits: int = 2,
+    min_digits: int = 1,
+    ops: str | Sequence[str] = ("+",),
+    terms: int = 2,
+    style: str = "equation",
+    allow_negative: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write ``train.jsonl``, ``test.jsonl`` (no problem in both) and ``meta.json``."""
+    settings = _settings(
+        n_train=n_train,
+        n_test=n_test,
+        digits=digits,
+        min_digits=min_digits,
+        ops=ops,
+        terms=terms,
+        style=style,
+        allow_negative=allow_negative,
+        seed=seed,
+    )
+    common = {
+        k: settings[k] for k in ("digits", "min_digits", "ops", "terms", "style", "allow_negative")
+    }
+    test = arith_records(n_test, seed=seed + 1, **common)
+    train = arith_records(n_train, seed=seed, exclude={r["prompt"] for r in test}, **common)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "train.jsonl", train)
+    _write_jsonl(out / "test.jsonl", test)
+    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
+    return out
+
+
+def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
+    """:func:`write_arith_dataset` unless ``out_dir`` already holds it with these settings.
+
+    Takes the same keyword arguments; returns ``out_dir``.
+    """
+    out = Path(out_dir)
+    defaults = {
+        "n_train": 2000,
+        "n_test": 200,
+        "digits": 2,
+        "min_digits": 1,
+        "ops": ("+",),
+        "terms": 2,
+        "style": "equation",
+        "allow_negative": False,
+        "seed": 0,
+    }
+    unknown = sorted(set(settings) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"ensure_arith_dataset: unknown argument {unknown[0]!r}; valid: {sorted(defaults)}"
+        )
+    want = _settings(**{**defaults, **settings})
+    meta = out / META
+    if (out / "train.jsonl").is_file() and (out / "test.jsonl").is_file() and meta.is_file():
+        try:
+            if json.loads(meta.read_text()) == want:
+                return out
+        except json.JSONDecodeError:
+            pass  # a damaged meta file: regenerate
+    return write_arith_dataset(out, **want)

@@ -1,0 +1,287 @@
+"""Packing and padding: from samples to the tensors a Hugging Face causal LM takes.
+
+Packed rows hold several samples back to back with ``position_ids`` restarting at 0 for each,
+and no ``attention_mask``. With ``use_cache=False``, transformers then derives a block-diagonal
+causal mask from the position resets (``masking_utils.find_packed_sequence_indices``; flash
+attention uses the resets as sequence boundaries), so no token attends to another sample and each
+sample's logits equal those of the sample run alone. Padding at the end of a packed row gets its
+own position run (0, 1, ...), so it is one more "sample", with labels -100.
+
+Padded batches (no packing) are right padded, with an ``attention_mask`` and labels -100 on pads.
+
+Every batch also carries ``num_loss_tokens`` (labels != -100), the count a token-mean loss needs.
+"""
+
+from __future__ import annotations
+
+import random
+from bisect import bisect_left, insort
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightrft.data.templates import IGNORE_INDEX
+
+__all__ = [
+    "PackCollator",
+    "PackedDataset",
+    "PadCollator",
+    "collate_prompts",
+    "pack_indices",
+    "pack_or_pad_collator",
+    "packed_sft_dataset",
+]
+
+Item = Mapping[str, Any]
+
+
+def _pad_id(tokenizer_or_id: Any) -> int:
+    if isinstance(tokenizer_or_id, int):
+        return tokenizer_or_id
+    tok = tokenizer_or_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither pad_token nor eos_token to pad with")
+    return int(pad)
+
+
+def _as_long(x: Any) -> torch.Tensor:
+    return x.long() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
+
+
+def _positions(item: Item) -> torch.Tensor:
+    """An item's ``position_ids``: its own (a packed row) or 0..L-1 (a single sample)."""
+    if "position_ids" in item:
+        return _as_long(item["position_ids"])
+    return torch.arange(len(item["input_ids"]))
+
+
+# ------------------------------------------------------------------------------ bin packing
+
+
+def pack_indices(
+    lengths: Sequence[int], max_tokens: int, *, shuffle: bool = True, seed: int = 0
+) -> list[list[int]]:
+    """Group sample indices into rows of at most ``max_tokens`` tokens.
+
+    Samples are visited in a seeded random order (or in order) and each goes to the fullest row
+    it still fits in (best fit), else opens a new row; rows keep their samples in visit order.
+    Deterministic for given lengths, ``max_tokens`` and ``seed``.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = list(range(len(lengths)))
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens still free, row id), sorted
+    for i in order:
+        n = int(lengths[i])
+        if n > max_tokens:
+            raise ValueError(
+                f"sample {i} has {n} tokens, more than max_tokens={max_tokens}: raise max_tokens "
+                "or set the dataset's max_length to at most max_tokens"
+            )
+        k = bisect_left(free, (n, -1))
+        if k < len(free):
+            room, row = free.pop(k)
+        else:
+            room, row = max_tokens, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if room - n > 0:
+            insort(free, (room - n, row))
+    return rows
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Rows of several samples of ``dataset`` packed up to ``max_tokens`` tokens each.
+
+    Items: ``input_ids``, ``labels`` and ``position_ids`` (restarting at 0 per sample), each a
+    LongTensor of the row's length (at most ``max_tokens``; the collator pads). The packing is
+    fixed when built (``pack_indices`` with ``seed``); the dataloader shuffles rows per epoch.
+
+    Args:
+        dataset: a dataset of ``{"input_ids", "labels"}`` items with a ``lengths`` attribute
+            (e.g. :class:`~lightrft.data.SFTDataset`).
+        max_tokens: tokens per row.
+        shuffle: shuffle samples before packing (else pack in dataset order).
+        seed: seed of that shuffle.
+    """
+
+    def __init__(self, dataset, max_tokens: int, *, shuffle: bool = True, seed: int = 0) -> None:
+        lengths = getattr(dataset, "lengths", None)
+        if lengths is None:
+            lengths = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
+        if too_long:
+            i = too_long[0]
+            where = f" ({dataset.where(i)})" if hasattr(dataset, "where") else ""
+            raise ValueError(
+                f"{len(too_long)} samples are longer than max_tokens={max_tokens}, the first is "
+                f"sample {i}{where} with {lengths[i]} tokens: raise max_tokens or set the "
+                "dataset's max_length to at most max_tokens"
+            )
+        self.rows = pack_indices(lengths, max_tokens, shuffle=shuffle, seed=seed)
+        self.dataset = dataset
+        self.max_tokens = max_tokens
+        tokens = sum(int(n) for n in lengths)
+        self.stats: dict[str, int | float] = {
+            **getattr(dataset, "stats", {}),
+            "packed_rows": len(self.rows),
+            "pack_fill": tokens / (len(self.rows) * max_tokens),
+        }
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
+        items = [self.dataset[i] for i in self.rows[r]]
+        return {
+            "input_ids": torch.cat([_as_long(x["input_ids"]) for x in items]),  # [L]
+            "labels": torch.cat([_as_long(x["labels"]) for x in items]),  # [L]
+            "position_ids": torch.cat([_positions(x) for x in items]),  # [L]
+        }
+
+
+def packed_sft_dataset(
+    tokenizer, *, max_tokens: int, pack_seed: int = 0, **sft_kwargs: Any
+) -> PackedDataset:
+    """``PackedDataset(SFTDataset(tokenizer, **sft_kwargs), max_tokens)`` for configs.
+
+    ``max_length`` defaults to ``max_tokens`` so that every kept sample fits a row.
+    """
+    from lightrft.data.sft import SFTDataset
+
+    sft_kwargs.setdefault("max_length", max_tokens)
+    return PackedDataset(SFTDataset(tokenizer, **sft_kwargs), max_tokens, seed=pack_seed)
+
+
+# ------------------------------------------------------------------------------ collators
+
+
+def _rows_to_batch(
+    rows: list[list[Item]], pad_id: int, pad_to_multiple_of: int | None
+) -> dict[str, torch.Tensor]:
+    """Concatenate each row's items, right-pad rows to a common length, build the batch."""
+    cat = [
+        (
+            torch.cat([_as_long(x["input_ids"]) for x in row]),
+            torch.cat([_as_long(x["labels"]) for x in row]),
+            torch.cat([_positions(x) for x in row]),
+        )
+        for row in rows
+    ]
+    width = max(len(ids) for ids, _, _ in cat)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((len(cat), width), pad_id, dtype=torch.long)  # [R, T]
+    labels = torch.full((len(cat), width), IGNORE_INDEX, dtype=torch.long)  # [R, T]
+    # Pads form their own sequence (positions 0, 1, ...) so they never join the last sample.
+    position_ids = torch.arange(width).repeat(len(cat), 1)  # [R, T]
+    for r, (ids, lab, pos) in enumerate(cat):
+        n = len(ids)
+        input_ids[r, :n], labels[r, :n], position_ids[r, :n] = ids, lab, pos
+        position_ids[r, n:] = torch.arange(width - n)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
+    }
+
+
+class PackCollator:
+    """Pack a micro-batch of samples (or already packed rows) into rows.
+
+    With ``max_tokens=None`` the whole micro-batch becomes one row. Otherwise items fill rows in
+    order, a new row opening when the next item does not fit. Output: ``input_ids``, ``labels``,
+    ``position_ids`` (each ``[R, T]``) and ``num_loss_tokens``; no ``attention_mask``, which is
+    what makes transformers build the per-sample (block-diagonal) mask.
+    """
+
+    def __init__(
+        self, pad_id: int, max_tokens: int | None = None, pad_to_multiple_of: int | None = None
+    ) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+        self.pad_id = pad_id
+        self.max_tokens = max_tokens
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, items: Sequence[Item]) -> dict[str, torch.Tensor]:
+        if self.max_tokens is None:
+            return _rows_to_batch([list(items)], self.pad_id, self.pad_to_multiple_of)
+        rows: list[list[Item]] = [[]]
+        used = 0
+        for x in items:
+            n = len(x["input_ids"])
+            if n > self.max_tokens:
+                raise ValueError(
+                    f"an item has {n} tokens, more than the collator's max_tokens="
+                    f"{self.max_tokens}: raise max_tokens or lower the dataset's max_length"
+                )
+            if used + n > self.max_tokens and rows[-1]:
+                rows.append([])
+                used = 0
+            rows[-1].append(x)
+            used += n
+        return _rows_to_batch(rows, self.pad_id, self.pad_to_multiple_of)
+
+
+class PadCollator:
+    """Right-pad samples to the longest one; ``attention_mask`` marks real tokens.
+
+    Output: ``input_ids``, ``labels`` (-100 on pads), ``attention_mask``, ``position_ids``
+    (each ``[B, T]``) and ``num_loss_tokens``. Packed rows are refused: with an attention mask
+    transformers would let their samples attend to each other.
+    """
+
+    def __init__(self, pad_id: int, pad_to_multiple_of: int | None = None) -> None:
+        self.pad_id = pad_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, items: Sequence[Item]) -> dict[str, torch.Tensor]:
+        if any("position_ids" in x for x in items):
+            raise ValueError(
+                "PadCollator got packed rows (items with position_ids): use packing=true "
+                "(PackCollator) so that samples in a row stay separate"
+            )
+        batch = _rows_to_batch([[x] for x in items], self.pad_id, self.pad_to_multiple_of)
+        lengths = torch.tensor([len(x["input_ids"]) for x in items])  # [B]
+        width = batch["input_ids"].shape[1]
+        attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # [B, T]
+        batch["attention_mask"] = attention_mask
+        batch["position_ids"] = batch["position_ids"] * attention_mask
+        return batch
+
+
+def pack_or_pad_collator(
+    tokenizer_or_pad_id: Any,
+    packing: bool = False,
+    *,
+    max_tokens: int | None = None,
+    pad_to_multiple_of: int | None = None,
+) -> Callable[[Sequence[Item]], dict[str, torch.Tensor]]:
+    """The collator a recipe needs: :class:`PackCollator` if ``packing`` else :class:`PadCollator`.
+
+    Args:
+        tokenizer_or_pad_id: a tokenizer (its pad id, else its eos id, pads) or the pad id.
+        packing: pack the micro-batch into rows with per-sample positions.
+        max_tokens: packing only: tokens per row (``None``: one row per micro-batch).
+        pad_to_multiple_of: round the padded length up (e.g. 8 or 64 for tensor cores).
+    """
+    pad = _pad_id(tokenizer_or_pad_id)
+    if packing:
+        return PackCollator(pad, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    if max_tokens is not None:
+        raise ValueError("max_tokens applies only with packing=true")
+    return PadCollator(pad, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def collate_prompts(items: Sequence[Item]) -> dict[str, list[Any]]:
+    """Keep RL prompt items as lists per key (variable-length ids, strings, None references)."""
+    if not items:
+        return {}
+    return {k: [x[k] for x in items] for k in items[0]}

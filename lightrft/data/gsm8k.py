@@ -1,0 +1,141 @@
+"""GSM8K (Cobbe et al., 2021, "Training Verifiers to Solve Math Word Problems") in our format.
+
+Each source record ``{"question", "answer"}``, where the answer is a worked solution ending in
+``#### N``, becomes::
+
+    {"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": question}],
+     "completion": "<solution without <<calculator>> notes>\\nThe answer is \\\\boxed{N}.",
+     "answer": "N", "label": "gsm8k", "question": question}
+
+so :class:`~lightrft.data.PromptDataset` (RL) and :class:`~lightrft.data.SFTDataset` (SFT) read
+it with their default field names. ``N`` has thousands separators removed (``1,080`` -> ``1080``).
+
+    python -m lightrft.data.gsm8k --src ../shared/data/gsm8k --out data/gsm8k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightrft.data.io import DataError, Records, load_records, require_field
+
+__all__ = ["SYSTEM_PROMPT", "convert_gsm8k", "ensure_gsm8k", "main", "prepare_gsm8k"]
+
+SYSTEM_PROMPT = (
+    "Solve the math word problem step by step. "
+    "End with the final answer, a number only, in \\boxed{}."
+)
+_CALC = re.compile(r"<<[^>]*>>")
+META = "meta.json"
+
+
+def _record(src: Records, i: int, system_prompt: str) -> dict[str, Any]:
+    question = require_field(src, i, "question", str)
+    solution = require_field(src, i, "answer", str)
+    if "####" not in solution:
+        raise DataError(f"{src.where(i)}: field 'answer' has no '#### <number>' final answer")
+    steps, final = solution.rsplit("####", 1)
+    answer = final.strip().replace(",", "")
+    if not answer:
+        raise DataError(f"{src.where(i)}: field 'answer' has nothing after '####'")
+    steps = _CALC.sub("", steps).strip()
+    return {
+        "prompt": [
+            {"role": "system", "content": system_prompt},
+            {"role": "user", "content": question.strip()},
+        ],
+        "completion": f"{steps}\nThe answer is \\boxed{{{answer}}}.",
+        "answer": answer,
+        "label": "gsm8k",
+        "question": question.strip(),
+    }
+
+
+def convert_gsm8k(src: Records, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, Any]]:
+    """Our records from raw GSM8K records; errors name the file and line."""
+    return [_record(src, i, system_prompt) for i in range(len(src))]
+
+
+def prepare_gsm8k(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    splits: Sequence[str] = ("train", "test"),
+    system_prompt: str = SYSTEM_PROMPT,
+) -> dict[str, Path]:
+    """Convert ``src/<split>.jsonl`` (or .json / .parquet) to ``out/<split>.jsonl`` for each split.
+
+    Returns the written file of each split.
+    """
+    converted = {s: convert_gsm8k(load_records(src, split=s), system_prompt) for s in splits}
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for split, records in converted.items():
+        path = out_dir / f"{split}.jsonl"
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with tmp.open("w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)  # atomic: readers never see half a file
+        written[split] = path
+    meta = {"src": str(Path(src).resolve()), "splits": list(splits), "system_prompt": system_prompt}
+    (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
+    return written
+
+
+def ensure_gsm8k(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    splits: Sequence[str] = ("train", "test"),
+    system_prompt: str = SYSTEM_PROMPT,
+) -> Path:
+    """:func:`prepare_gsm8k` unless ``out`` already holds its output for these arguments."""
+    out_dir = Path(out)
+    splits = [str(s) for s in splits]
+    want = {"src": str(Path(src).resolve()), "splits": splits, "system_prompt": system_prompt}
+    meta = out_dir / META
+    if meta.is_file() and all((out_dir / f"{s}.jsonl").is_file() for s in splits):
+        try:
+            if json.loads(meta.read_text()) == want:
+                return out_dir
+        except json.JSONDecodeError:
+            pass  # damaged: regenerate
+    prepare_gsm8k(src, out_dir, splits=splits, system_prompt=system_prompt)
+    return out_dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m lightrft.data.gsm8k",
+        description="Turn GSM8K {question, answer} files into LightRFT prompt/completion records.",
+    )
+    p.add_argument("--src", required=True, help="directory with train.jsonl / test.jsonl")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--splits", nargs="+", default=["train", "test"])
+    p.add_argument("--system-prompt", default=SYSTEM_PROMPT)
+    args = p.parse_args(argv)
+    try:
+        written = prepare_gsm8k(
+            args.src, args.out, splits=args.splits, system_prompt=args.system_prompt
+        )
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for split, path in written.items():
+        n = sum(1 for _ in path.open(encoding="utf-8"))
+        print(f"{split}: {n} records -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Load records (one dict per sample) from local files, with errors that say where the problem is.
+
+Supported sources:
+
+- ``*.jsonl``: one JSON object per line; blank lines are skipped.
+- ``*.json``: a list of objects, or an object whose ``"data"`` key holds that list.
+- ``*.parquet``: one record per row.
+- a directory written by ``datasets.Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``.
+- a plain directory holding ``<split>.jsonl`` / ``<split>.json`` / ``<split>.parquet``.
+
+Every record remembers where it came from (file and line or row), so a missing field in record
+1234 of a 10 GB file is reported as ``train.jsonl line 1235`` instead of a bare ``KeyError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DataError", "Records", "load_records", "require_field"]
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+PathLike = str | os.PathLike
+
+
+class DataError(ValueError):
+    """A problem with the user's data: names the file and the line, record or field."""
+
+
+class Records(Sequence[dict[str, Any]]):
+    """A list of record dicts plus, for each, where it came from (``where(i)``)."""
+
+    def __init__(self, records: list[dict[str, Any]], origins: list[str], name: str) -> None:
+        assert len(records) == len(origins)
+        self._records = records
+        self._origins = origins
+        self.name = name  # the source(s), for messages about the whole dataset
+
+    @classmethod
+    def from_list(cls, records: Sequence[Mapping[str, Any]], name: str = "records") -> Records:
+        """Wrap in-memory records; each is checked to be a mapping."""
+        out = []
+        for i, rec in enumerate(records):
+            if not isinstance(rec, Mapping):
+                raise DataError(f"{name}[{i}]: expected an object (dict), got {type(rec).__name__}")
+            out.append(dict(rec))
+        return cls(out, [f"{name}[{i}]" for i in range(len(out))], name)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._records[i]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self._records)
+
+    def where(self, i: int) -> str:
+        """Human-readable location of record ``i``, e.g. ``data/train.jsonl line 12``."""
+        return self._origins[i]
+
+    def __add__(self, other: Records) -> Records:
+        return Records(
+            self._records + other._records,
+            self._origins + other._origins,
+            f"{self.name}, {other.name}",
+        )
+
+
+def require_field(records: Records, i: int, field: str, types: type | tuple[type, ...]) -> Any:
+    """``records[i][field]``, or a :class:`DataError` naming the field and the record."""
+    rec = records[i]
+    if field not in rec or rec[field] is None:
+        keys = ", ".join(sorted(map(str, rec))) or "none"
+        raise DataError(
+            f"{records.where(i)}: missing field {field!r} (the record has: {keys}); "
+            "set the dataset's *_field option if your data names it differently"
+        )
+    value = rec[field]
+    if not isinstance(value, types):
+        want = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        raise DataError(
+            f"{records.where(i)}: field {field!r} must be {want}, got {type(value).__name__}"
+        )
+    return value
+
+
+# ------------------------------------------------------------------------------ file formats
+
+
+def _read_jsonl(path: Path) -> Records:
+    records, origins = [], []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path} line {lineno}: malformed JSON ({e.msg} at column {e.colno})"
+                ) from None
+            if not isinstance(rec, dict):
+                raise DataError(
+                    f"{path} line {lineno}: expected a JSON object, got {type(rec).__name__}"
+                )
+            records.append(rec)
+            origins.append(f"{path} line {lineno}")
+    return Records(records, origins, str(path))
+
+
+def _read_json(path: Path) -> Records:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path} line {e.lineno}: malformed JSON ({e.msg} at column {e.colno}); "
+            "a file with one object per line must be named *.jsonl"
+        ) from None
+    if isinstance(obj, dict) and "data" in obj:
+        obj = obj["data"]
+    if not isinstance(obj, list):
+        raise DataError(
+            f"{path}: expected a JSON list of objects or an object with a 'data' list, "
+            f"got {type(obj).__name__}"
+        )
+    for i, rec in enumerate(obj):
+        if not isinstance(rec, dict):
+            raise DataError(f"{path} record {i}: expected a JSON object, got {type(rec).__name__}")
+    return Records(obj, [f"{path} record {i}" for i in range(len(obj))], str(path))
+
+
+def _read_parquet(path: Path) -> Records:
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    return Records(rows, [f"{path} row {i}" for i in range(len(rows))], str(path))
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _read_hf_dir(path: Path, split: str | None) -> Records:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    name = str(path)
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            if len(ds) != 1:
+                raise DataError(f"{path} holds splits {sorted(ds)}: set split to one of them")
+            split = next(iter(ds))
+        if split not in ds:
+            raise DataError(f"{path} has no split {split!r}; it has {sorted(ds)}")
+        ds, name = ds[split], f"{path}[{split}]"
+    elif split is not None and ds.split is not None and str(ds.split) != split:
+        raise DataError(f"{path} holds split {str(ds.split)!r}, not the requested {split!r}")
+    rows = ds.to_list()
+    return Records(rows, [f"{name} row {i}" for i in range(len(rows))], name)
+
+
+def _read_file(path: Path) -> Records:
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
+    if path.suffix == ".json":
+        return _read_json(path)
+    if path.suffix == ".parquet":
+        return _read_parquet(path)
+    raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {SUFFIXES}")
+
+
+def _read_one(path: Path, split: str | None) -> Records:
+    if not path.exists():
+        raise DataError(f"data file not found: {path} (resolved to {path.resolve()})")
+    if path.is_file():
+        return _read_file(path)
+    if _is_hf_dir(path):
+        return _read_hf_dir(path, split)
+    # A folder of per-split files, e.g. gsm8k/{train,test}.jsonl.
+    if split is None:
+        raise DataError(
+            f"{path} is a directory but not a saved HF dataset: set split (e.g. 'train') to "
+            f"read {path}/<split>.jsonl|.json|.parquet, or point path at a file"
+        )
+    for suffix in SUFFIXES:
+        candidate = path / f"{split}{suffix}"
+        if candidate.is_file():
+            return _read_file(candidate)
+    raise DataError(f"no {split}.jsonl, {split}.json or {split}.parquet in directory {path}")
+
+
+def load_records(path: PathLike | Sequence[PathLike], *, split: str | None = None) -> Records:
+    """Read all records of one source or of several (concatenated in order).
+
+    Args:
+        path: a file, a directory (see module docstring), or a list of them.
+        split: the split of a saved ``DatasetDict`` or of a per-split directory.
+
+    Raises:
+        DataError: a missing path, malformed JSON (file and line), a non-object record, an
+            unknown split, or no records at all.
+    """
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    if not paths:
+        raise DataError("path is an empty list: name at least one data file")
+    out: Records | None = None
+    for p in paths:
+        recs = _read_one(Path(p).expanduser(), split)
+        out = recs if out is None else out + recs
+    assert out is not None
+    if len(out) == 0:
+        shown = ", ".join(str(p) for p in paths)
+        where = f" (split {split!r})" if split else ""
+        raise DataError(f"empty dataset: no records in {shown}{where}")
+    return out

@@ -1,0 +1,110 @@
+"""A resumable, distributed dataloader (torchdata ``StatefulDataLoader``).
+
+Each rank reads a disjoint shard of a per-epoch seeded permutation (``StatefulDistributedSampler``:
+the same permutation on every rank for a given ``seed`` and epoch). ``state_dict()`` records how
+far the current epoch got, so a loader restored from it yields exactly the batches the
+interrupted one would have yielded. The loop that makes resume exact, epoch boundary included::
+
+    loader.load_state_dict(saved)            # when resuming; `epoch` saved next to it
+    for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:                 # resumed at an epoch's end: no batches, then on
+            ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+__all__ = ["ResumableDataLoader", "build_dataloader"]
+
+_EPOCH = "lightrft_epoch"
+
+
+class ResumableDataLoader(StatefulDataLoader):
+    """``StatefulDataLoader`` whose state also holds the sampler's epoch; adds ``set_epoch``."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the shuffle order of ``epoch`` (call before iterating each epoch)."""
+        self.sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.sampler.epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), _EPOCH: self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        if _EPOCH in state:
+            self.set_epoch(int(state.pop(_EPOCH)))
+        super().load_state_dict(state)
+
+
+def build_dataloader(
+    dataset: torch.utils.data.Dataset,
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    collate_fn: Callable | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    drop_last: bool = False,
+    num_workers: int = 0,
+) -> ResumableDataLoader:
+    """A resumable loader over this rank's shard of ``dataset``.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: items per batch on this rank.
+        shuffle: reshuffle every epoch (seeded by ``seed`` and the epoch from ``set_epoch``).
+        seed: shuffle seed; must be the same on all ranks.
+        collate_fn: e.g. :func:`~lightrft.data.pack_or_pad_collator`'s result.
+        rank, world_size: this process's shard.
+        drop_last: drop the tail that does not divide evenly over ranks and the last incomplete
+            batch. Without it, the sampler repeats a few items so that every rank gets the same
+            count, which keeps collective ops (FSDP) in step, and the last batch may be short.
+        num_workers: worker processes for loading; 0 loads in the main process.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank must be in [0, world_size), got rank={rank} world_size={world_size}"
+        )
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    n = len(dataset)  # type: ignore[arg-type]
+    if n == 0:
+        raise ValueError("the dataset is empty")
+    per_rank = n // world_size if drop_last else -(-n // world_size)
+    if drop_last and per_rank < batch_size:
+        raise ValueError(
+            f"the dataset has {n} items, {per_rank} per rank over world_size={world_size}, fewer "
+            f"than batch_size={batch_size} with drop_last=true: no batch would be produced; "
+            "lower batch_size or add data"
+        )
+    sampler = StatefulDistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+    )
+    return ResumableDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        persistent_workers=False,
+    )

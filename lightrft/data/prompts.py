@@ -1,0 +1,157 @@
+"""Prompts for RL: token ids ready for the rollout engine, plus the reference answer and label."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightrft.data.io import DataError, PathLike, require_field
+from lightrft.data.sft import Truncation, _check_truncation, open_records
+from lightrft.data.templates import check_messages, encode_prompt, with_system
+
+__all__ = ["PromptDataset"]
+
+log = logging.getLogger(__name__)
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """RL prompts. Each item is a dict:
+
+    - ``prompt_ids``: ``list[int]``, the rendered prompt (ends with the generation prompt).
+    - ``prompt``: the rendered prompt text (what reward functions see as the prompt).
+    - ``messages``: the chat the prompt was rendered from (``None`` in raw mode).
+    - ``reference``: the reference answer as a string, or ``None``.
+    - ``label``: which reward function applies (``label_field``, else ``default_label``).
+    - ``index``: position in the dataset (stable across epochs; for logging trajectories).
+
+    Batch items with :func:`~lightrft.data.collate_prompts`.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (the recipe passes its own as first argument).
+        path, split, records: where the records are (see :class:`~lightrft.data.SFTDataset`).
+        prompt_field: a string, or a list of chat messages, per record.
+        messages_field: used instead of ``prompt_field`` when a record has it (chat records).
+        reference_field: the reference answer; numbers are turned into strings.
+        label_field: per-record reward label; ``None`` to use ``default_label`` for all.
+        default_label: label of records without one.
+        reference_required: a record without a reference is an error (verifiable rewards need
+            one); ``False`` stores ``None`` (e.g. reward-model scoring).
+        system_prompt: system message added to prompts that do not start with one.
+        apply_chat_template: render with the chat template and its generation prompt; ``False``
+            uses ``system_prompt + "\\n" + prompt`` as is.
+        max_prompt_length: longest prompt in tokens; ``None`` for no limit.
+        truncation: ``"drop"`` (default) or ``"truncate"``, which keeps the last
+            ``max_prompt_length`` tokens (the end holds the question and the generation prompt).
+            Counted in ``stats``.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        path: PathLike | Sequence[PathLike] | None = None,
+        *,
+        split: str | None = None,
+        records: Sequence[Mapping[str, Any]] | None = None,
+        prompt_field: str = "prompt",
+        messages_field: str = "messages",
+        reference_field: str = "answer",
+        label_field: str | None = "label",
+        default_label: str | None = None,
+        reference_required: bool = True,
+        system_prompt: str | None = None,
+        apply_chat_template: bool = True,
+        max_prompt_length: int | None = None,
+        truncation: Truncation = "drop",
+    ) -> None:
+        _check_truncation(truncation)
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        src = open_records(path, records, split)
+        self.source = src.name
+        self.items: list[dict[str, Any]] = []
+        truncated = dropped = 0
+        for i in range(len(src)):
+            rec, where = src[i], src.where(i)
+            if rec.get(messages_field) is not None:
+                prompt: str | list = check_messages(rec[messages_field], where, messages_field)
+            else:
+                prompt = require_field(src, i, prompt_field, (str, list))
+                if isinstance(prompt, list):
+                    prompt = check_messages(prompt, where, prompt_field)
+            if isinstance(prompt, list) and not apply_chat_template:
+                raise DataError(f"{where}: a message-list prompt needs apply_chat_template=true")
+            reference = self._reference(src, i, reference_field, reference_required)
+            label = rec.get(label_field) if label_field else None
+            label = default_label if label is None else str(label)
+            text, ids = encode_prompt(
+                tokenizer,
+                prompt,
+                system_prompt=system_prompt,
+                apply_chat_template=apply_chat_template,
+            )
+            if max_prompt_length is not None and len(ids) > max_prompt_length:
+                if truncation == "drop":
+                    dropped += 1
+                    continue
+                ids = ids[-max_prompt_length:]
+                text = tokenizer.decode(ids, skip_special_tokens=False)
+                truncated += 1
+            messages = None
+            if apply_chat_template:
+                chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                messages = with_system(chat, system_prompt)
+            self.items.append(
+                {
+                    "prompt_ids": ids,
+                    "prompt": text,
+                    "messages": messages,
+                    "reference": reference,
+                    "label": label,
+                    "index": len(self.items),
+                    "where": where,
+                }
+            )
+        if not self.items:
+            raise DataError(
+                f"empty dataset: all {len(src)} prompts of {self.source} are longer than "
+                f"max_prompt_length={max_prompt_length}; raise it or use truncation='truncate'"
+            )
+        self.stats: dict[str, int] = {
+            "records": len(src),
+            "prompts": len(self.items),
+            "truncated": truncated,
+            "dropped": dropped,
+        }
+        if truncated or dropped:
+            log.warning(
+                "%s: of %d prompts longer than max_prompt_length=%s, %d were truncated (left), "
+                "%d dropped",
+                self.source,
+                truncated + dropped,
+                max_prompt_length,
+                truncated,
+                dropped,
+            )
+
+    @staticmethod
+    def _reference(src, i: int, field: str, required: bool) -> str | None:
+        rec = src[i]
+        if not required and rec.get(field) is None:
+            return None
+        value = require_field(src, i, field, (str, int, float))
+        if isinstance(value, bool):
+            raise DataError(f"{src.where(i)}: field {field!r} must be a string or number, got bool")
+        return str(value)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+    def where(self, i: int) -> str:
+        """The file and line (or row) prompt ``i`` came from."""
+        return self.items[i]["where"]

@@ -1,0 +1,157 @@
+"""Turn prompts and conversations into token ids, with a loss mask on assistant tokens.
+
+Two modes, chosen by ``apply_chat_template``:
+
+- chat template (default): the tokenizer's template renders the conversation. The prompt of an RL
+  sample ends with the generation prompt (``<|im_start|>assistant\\n`` in ChatML), which is
+  exactly what SFT puts before an assistant turn, so SFT and RL see the same prompt tokens.
+- raw: ``system_prompt + "\\n" + prompt`` (system prompt optional), then ``completion`` and eos.
+
+Each rendered segment is tokenised on its own and the ids are concatenated. Prompt tokens are then
+the same whether or not a completion follows, which is also what generation sees (the engine
+continues from the prompt ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Message",
+    "check_messages",
+    "encode_chat",
+    "encode_prompt",
+    "encode_raw",
+    "eos_id",
+    "with_system",
+]
+
+IGNORE_INDEX = -100
+Message = Mapping[str, Any]
+
+
+def eos_id(tokenizer) -> int:
+    """The tokenizer's eos id; a tokenizer without one cannot end completions."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            "the tokenizer has no eos_token: set eos_token in its tokenizer_config.json so "
+            "completions can end with it"
+        )
+    return int(tokenizer.eos_token_id)
+
+
+def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]]:
+    """Validate a chat list (each item a dict with string ``role`` and ``content``)."""
+    from lightrft.data.io import DataError
+
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: field {field!r} must be a non-empty list of messages")
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise DataError(f"{where}: {field}[{j}] must be an object with role and content")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise DataError(f"{where}: {field}[{j}] has no string {key!r}")
+    return [dict(m) for m in messages]
+
+
+def _tokenize(tokenizer, text: str, *, special: bool = False) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _render(tokenizer, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def with_system(messages: list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:
+    """Prepend a system message unless there is none to add or the chat already has one."""
+    if system_prompt is None or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def encode_prompt(
+    tokenizer,
+    prompt: str | list[dict[str, Any]],
+    *,
+    system_prompt: str | None = None,
+    apply_chat_template: bool = True,
+) -> tuple[str, list[int]]:
+    """Render a prompt for generation; returns ``(text, ids)``.
+
+    With the chat template the text ends with the generation prompt. Raw mode needs a string
+    prompt and lets the tokenizer add its usual special tokens (e.g. a BOS).
+    """
+    if apply_chat_template:
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = _render(tokenizer, with_system(msgs, system_prompt), generation_prompt=True)
+        return text, _tokenize(tokenizer, text)
+    if not isinstance(prompt, str):
+        raise ValueError("a prompt given as a list of messages needs apply_chat_template=true")
+    text = prompt if system_prompt is None else f"{system_prompt}\n{prompt}"
+    return text, _tokenize(tokenizer, text, special=True)
+
+
+def encode_chat(tokenizer, messages: Sequence[Message], where: str) -> tuple[list[int], list[int]]:
+    """Token ids and labels of a whole conversation; loss on assistant turns only.
+
+    Each assistant turn is rendered as the difference between the conversation up to it with the
+    generation prompt and the conversation including it. Its loss covers the content and the
+    end-of-turn token, not template whitespace after eos (nothing is generated after eos). If the
+    final assistant turn does not end with eos (a template that does not emit it), eos is
+    appended so that the model learns to stop. Turns after the last assistant turn are dropped.
+
+    Raises:
+        DataError: no assistant turn, or a template that rewrites earlier turns (the rendering of
+            a conversation prefix is not a prefix of the full rendering).
+    """
+    from lightrft.data.io import DataError
+
+    msgs = [dict(m) for m in messages]
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise DataError(f"{where}: the conversation has no assistant turn to learn from")
+    eos = eos_id(tokenizer)
+    ids: list[int] = []
+    labels: list[int] = []
+    done = ""  # text rendered (and tokenised) so far
+
+    def add(text: str, loss: bool) -> None:
+        nonlocal done
+        if not text.startswith(done):
+            raise DataError(
+                f"{where}: the chat template renders earlier turns differently once later turns "
+                "are added, so assistant tokens cannot be located; use a template without "
+                "history rewriting or prompt/completion records"
+            )
+        new = _tokenize(tokenizer, text[len(done) :])
+        ids.extend(new)
+        if loss:
+            # No loss on template text that follows the end-of-turn token (e.g. "\n").
+            stop = len(new) - new[::-1].index(eos) if eos in new else len(new)
+            labels.extend(new[:stop] + [IGNORE_INDEX] * (len(new) - stop))
+        else:
+            labels.extend([IGNORE_INDEX] * len(new))
+        done = text
+
+    # Turns after the last assistant turn carry no loss and nothing can attend to them: dropped.
+    for k, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            add(_render(tokenizer, msgs[:k], generation_prompt=True), loss=False)
+            add(_render(tokenizer, msgs[: k + 1], generation_prompt=False), loss=True)
+    last = max(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
+    if ids[last] != eos:
+        ids, labels = ids[: last + 1] + [eos], labels[: last + 1] + [eos]
+    return ids, labels
+
+
+def encode_raw(
+    tokenizer, prompt: str, completion: str, system_prompt: str | None
+) -> tuple[list[int], list[int]]:
+    """Raw concatenation: prompt (no loss), then completion and eos (loss)."""
+    _, p = encode_prompt(tokenizer, prompt, system_prompt=system_prompt, apply_chat_template=False)
+    c = _tokenize(tokenizer, completion) + [eos_id(tokenizer)]
+    return p + c, [IGNORE_INDEX] * len(p) + c
