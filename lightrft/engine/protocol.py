@@ -1,0 +1,212 @@
+"""The rollout-engine protocol: requests in, completions out, plus sleep / wake-up and weight loading.
+
+The method names and semantics mirror ``vllm.LLM`` (``generate``, ``sleep``, ``wake_up``,
+``reset_prefix_cache``) so that the vLLM adapter stays thin and a recipe can swap engines without
+touching its loop::
+
+    engine.wake_up()
+    completions = engine.generate(requests, sampling)
+    engine.sleep(level)
+    sync_weights(actor, engine)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+@dataclass
+class Request:
+    """One prompt to complete.
+
+    ``prompt_token_ids``: the tokenised prompt (chat template already applied).
+    ``multi_modal_data``: optional inputs for vision / audio models, keyed by modality
+    (``{"image": [...], "audio": [...]}``); engines that cannot use them reject the request.
+    """
+
+    prompt_token_ids: list[int]
+    multi_modal_data: dict[str, Any] | None = None
+
+
+@dataclass
+class SamplingParams:
+    """How to sample completions of a request (names follow ``vllm.SamplingParams``).
+
+    ``temperature=0`` is greedy decoding. ``top_k`` of 0 or -1 and ``top_p=1`` disable those
+    filters. ``stop_token_ids`` are added to the tokenizer's end-of-sequence ids unless
+    ``ignore_eos``; a stop token is kept as the last token of the response. ``seed`` makes the
+    samples of a request reproducible regardless of what else is in the batch (sample ``j`` of
+    ``n`` gets its own stream). ``first_token_temperature`` samples only the first response token at
+    that temperature: FIRE sampling, Chen et al. 2024, "Flaming-hot Initiation with Regular
+    Execution Sampling for Large Language Models" (arXiv:2410.21236). ``prompt_logprobs`` also
+    returns the log-prob of every prompt token after the first under the same processing.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    first_token_temperature: float | None = None
+    prompt_logprobs: bool = False
+    detokenize: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
+        _check_temperature("temperature", self.temperature)
+        if self.first_token_temperature is not None:
+            _check_temperature("first_token_temperature", self.first_token_temperature)
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(
+                f"SamplingParams.top_k must be a positive integer, or 0 / -1 to disable, "
+                f"got {self.top_k!r}"
+            )
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
+            raise ValueError(
+                f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        for tok in self.stop_token_ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(
+                    f"SamplingParams.stop_token_ids must hold non-negative token ids, got {tok!r}"
+                )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+
+
+def _check_temperature(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"SamplingParams.{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass
+class Completion:
+    """One sampled response, with what a trainer needs to score and train on it.
+
+    ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the distribution it was sampled
+    from (after temperature, top-k and top-p; for greedy rows, temperature 1). ``finish_reason``
+    is ``"stop"`` when the last token is a stop token, ``"length"`` when ``max_tokens`` (or the
+    engine's maximum length) ran out. ``prompt_logprobs`` (when asked for) has one entry per
+    prompt token after the first.
+    """
+
+    request_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str | None = None
+    prompt_logprobs: list[float] | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the recipes need from a rollout engine."""
+
+    def generate(
+        self,
+        requests: Sequence[Request],
+        sampling: SamplingParams | Sequence[SamplingParams],
+    ) -> list[Completion]:
+        """Completions ordered by (request index, sample index): ``n`` per request."""
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache, level 2 also the weights (reload them before generating)."""
+        ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what sleep freed: ``["weights"]``, ``["kv_cache"]`` or both (None)."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full tensors, named as in the HF checkpoint, into the engine's weights."""
+        ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached prompt KV states (call after every weight update)."""
+        ...
+
+
+def per_request_params(
+    sampling: SamplingParams | Sequence[SamplingParams], num_requests: int
+) -> list[SamplingParams]:
+    """One validated ``SamplingParams`` per request."""
+    if isinstance(sampling, SamplingParams):
+        params = [sampling] * num_requests
+    else:
+        params = list(sampling)
+        if len(params) != num_requests:
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {num_requests} requests; pass one "
+                "SamplingParams, or one per request"
+            )
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling must hold SamplingParams, got {type(p).__name__}")
+    for p in {id(p): p for p in params}.values():
+        p.validate()
+    return params
+
+
+def check_requests(requests: Sequence[Request], vocab_size: int) -> None:
+    """Raise ``ValueError`` for a request that is not a ``Request`` or has bad token ids."""
+    for i, req in enumerate(requests):
+        if not isinstance(req, Request):
+            raise ValueError(
+                f"requests[{i}] is a {type(req).__name__}; wrap token ids as "
+                "Request(prompt_token_ids=[...])"
+            )
+        ids = req.prompt_token_ids
+        if len(ids) == 0:
+            raise ValueError(f"requests[{i}].prompt_token_ids is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        bad += [t for t in ids if isinstance(t, int) and not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"requests[{i}].prompt_token_ids holds {bad[0]!r}, not a token id in "
+                f"[0, {vocab_size})"
+            )
+
+
+def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
+    """The tags to wake (all when None), rejecting unknown ones."""
+    if tags is None:
+        return WAKE_TAGS
+    if isinstance(tags, str):
+        raise ValueError(
+            f"wake_up tags must be a list such as ['weights'], got the string {tags!r}"
+        )
+    unknown = [t for t in tags if t not in WAKE_TAGS]
+    if unknown:
+        raise ValueError(f"unknown wake_up tag(s) {unknown}; choose from {list(WAKE_TAGS)}")
+    return tuple(tags)
+
+
+def check_sleep_level(level: int) -> None:
+    if level not in (1, 2):
+        raise ValueError(
+            f"sleep level must be 1 (free the KV cache) or 2 (also free the weights), got {level!r}"
+        )
