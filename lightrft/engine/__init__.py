@@ -1,0 +1,29 @@
+"""Rollout engines behind one protocol (:class:`Engine`): the native torch engine, the in-process
+vLLM adapter, and the weight sync that streams a trainer's (FSDP2) weights into either.
+
+A recipe step::
+
+    engine.wake_up()
+    completions = engine.generate(requests, sampling)
+    engine.sleep(level)
+    ...train...
+    sync_weights(actor, engine)
+"""
+
+from lightrft.engine.native import NativeEngine
+from lightrft.engine.protocol import Completion, Engine, Request, SamplingParams
+from lightrft.engine.sync import SyncStats, hf_name, iter_weight_buckets, sync_weights
+from lightrft.engine.vllm_adapter import VLLMEngine
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "NativeEngine",
+    "Request",
+    "SamplingParams",
+    "SyncStats",
+    "VLLMEngine",
+    "hf_name",
+    "iter_weight_buckets",
+    "sync_weights",
+]

@@ -1,0 +1,391 @@
+"""The vLLM adapter: an in-process, colocated ``vllm.LLM`` behind the engine protocol.
+
+One ``vllm.LLM`` lives in every trainer process, started with
+``distributed_executor_backend="external_launcher"`` so that it joins the torchrun ranks instead
+of spawning workers. Tensor-parallel groups are made of consecutive ranks; the ranks of a group
+pool their requests so that every member runs the same batch, then each keeps its own share.
+Sleep mode frees GPU memory while the trainer runs; weights are loaded into the driver worker's
+model under HF names. Log-probs are vLLM's ``processed_logprobs`` (after temperature / top-k /
+top-p), the same quantity the native engine returns.
+
+``vllm`` is imported only when a ``VLLMEngine`` is built: this module imports without it. vLLM's
+PyPI wheel is CUDA-only. Written against vllm 0.32.0 (the newest release pinning torch 2.13).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightrft.engine.protocol import (
+    Completion,
+    Request,
+    SamplingParams,
+    check_requests,
+    check_sleep_level,
+    check_wake_tags,
+    per_request_params,
+)
+
+VLLM_VERSION = "0.32.0"
+
+
+def import_vllm():
+    """``import vllm`` with an actionable error when it is missing."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            f"VLLMEngine needs vLLM: pip install 'lightrft[vllm]' (vllm=={VLLM_VERSION}, CUDA "
+            "only); the native engine (lightrft.engine.NativeEngine) needs nothing extra"
+        ) from e
+    return vllm
+
+
+def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
+    """Consecutive ranks per tensor-parallel group: ``[[0, 1], [2, 3], ...]`` for ``tp_size=2``."""
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must be >= 1 and divide the world size {world_size}"
+        )
+    return [list(range(g * tp_size, (g + 1) * tp_size)) for g in range(world_size // tp_size)]
+
+
+def vllm_sampling_kwargs(p: SamplingParams, *, first_token: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one of our ``SamplingParams``.
+
+    ``first_token=True`` gives the first phase of FIRE sampling: one token at
+    ``first_token_temperature``. ``logprobs=0`` asks for the sampled token's log-prob only.
+    """
+    kwargs: dict[str, Any] = {
+        "n": p.n,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": max(p.top_k, 0),
+        "max_tokens": p.max_tokens,
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+        "seed": p.seed,
+        "logprobs": 0,
+        "detokenize": p.detokenize,
+    }
+    if first_token:
+        kwargs.update(temperature=p.first_token_temperature, max_tokens=1)
+    if p.prompt_logprobs:
+        kwargs["prompt_logprobs"] = 0
+    return kwargs
+
+
+def _sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float]:
+    """Per-token log-probs from vLLM's ``CompletionOutput.logprobs`` (one dict per token)."""
+    if logprobs is None:
+        raise ValueError("vLLM returned no log-probs; SamplingParams(logprobs=0) was expected")
+    return [float(step[tok].logprob) for tok, step in zip(token_ids, logprobs, strict=True)]
+
+
+def completions_from_outputs(
+    outputs: Sequence[Any], request_index: Sequence[int], prompts: Sequence[list[int]]
+) -> list[Completion]:
+    """Our completions from vLLM ``RequestOutput``s (one per request, ``n`` outputs each)."""
+    result = []
+    for out, i, prompt in zip(outputs, request_index, prompts, strict=True):
+        prompt_lp = None
+        if getattr(out, "prompt_logprobs", None) is not None:
+            # Entry 0 is None (nothing precedes the first prompt token).
+            prompt_lp = [
+                float(step[tok].logprob)
+                for tok, step in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
+            ]
+        for sample in out.outputs:
+            if sample.finish_reason not in ("stop", "length"):
+                raise ValueError(
+                    f"vLLM finished request {i} sample {sample.index} with reason "
+                    f"{sample.finish_reason!r}"
+                )
+            ids = list(sample.token_ids)
+            result.append(
+                Completion(
+                    request_index=i,
+                    sample_index=sample.index,
+                    prompt_token_ids=list(prompt),
+                    token_ids=ids,
+                    logprobs=_sampled_logprobs(ids, sample.logprobs),
+                    finish_reason=sample.finish_reason,
+                    text=sample.text if sample.text else None,
+                    prompt_logprobs=prompt_lp,
+                )
+            )
+    return result
+
+
+def hf_weight_names(config) -> tuple[set[str], set[str]]:
+    """``(accepted, required)`` HF parameter names of ``config``'s model (built on meta).
+
+    ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return accepted, {name for name, _ in model.named_parameters()}
+
+
+class _RNGState:
+    """Python, CPU and CUDA RNG states, saved before vLLM starts and restored after.
+
+    vLLM seeds the global generators of the process it runs in; the trainer's data order and
+    dropout must not change because an engine was built.
+    """
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            import numpy as np
+
+            self.numpy = np.random.get_state()
+        except ImportError:
+            self.numpy = None
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        if self.numpy is not None:
+            import numpy as np
+
+            np.random.set_state(self.numpy)
+
+
+class VLLMEngine:
+    """A colocated ``vllm.LLM`` (see the module docstring); build it on every rank.
+
+    ``model``: an HF directory or hub id. ``tensor_parallel_size``: ranks per vLLM instance
+    (consecutive ranks; requests are pooled within a group). ``seed``: base seed, offset by the
+    group index so groups sample differently while members of a group agree. ``llm_kwargs`` go
+    to ``vllm.LLM`` unchanged (e.g. ``enforce_eager=True``, ``max_num_batched_tokens``).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str | torch.dtype = "bfloat16",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        enable_sleep_mode: bool = True,
+        enable_prefix_caching: bool = True,
+        **llm_kwargs: Any,
+    ) -> None:
+        from lightrft.models.loading import to_dtype
+
+        vllm = import_vllm()
+        if not torch.cuda.is_available():
+            raise ValueError("VLLMEngine needs a CUDA GPU; use NativeEngine on CPU")
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if distributed else 0
+        world = dist.get_world_size() if distributed else 1
+        groups = tp_groups(world, tensor_parallel_size)
+        self.tp_size = tensor_parallel_size
+        self.tp_group = None
+        if tensor_parallel_size > 1:
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(groups)
+        # external_launcher reads the torchrun variables; a plain single process gets defaults.
+        for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world)):
+            os.environ.setdefault(key, str(value))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+
+        self.dtype = to_dtype(dtype)
+        self.enable_sleep_mode = enable_sleep_mode
+        rng = _RNGState()
+        self.llm = vllm.LLM(
+            model=str(model),
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=enable_sleep_mode,
+            seed=seed + rank // tensor_parallel_size,
+            dtype=self.dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        rng.restore()
+        self._vllm = vllm
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.vocab_size = int(hf_config.vocab_size)
+        self._names, self._required = hf_weight_names(hf_config)
+        self._asleep: set[str] = set()
+        self._unloaded: set[str] = set()
+
+    # ---------------------------------------------------------------- sleep / wake / weights
+    def sleep(self, level: int = 1) -> None:
+        check_sleep_level(level)
+        if not self.enable_sleep_mode:
+            raise ValueError("this VLLMEngine was built with enable_sleep_mode=False")
+        self.llm.sleep(level=level)
+        self._asleep = {"weights", "kv_cache"}
+        if level == 2:
+            self._unloaded = set(self._required)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        tags = check_wake_tags(tags)
+        if self._asleep:
+            self.llm.wake_up(tags=list(tags))
+        self._asleep -= set(tags)
+
+    def _model(self) -> torch.nn.Module:
+        executor = self.llm.llm_engine.model_executor
+        worker = executor.driver_worker
+        worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
+        return worker.model_runner.model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if "weights" in self._asleep:
+            raise ValueError(
+                "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
+            )
+        weights = list(weights)
+        unknown = [name for name, _ in weights if name not in self._names]
+        if unknown:
+            raise ValueError(f"load_weights: unknown parameter name(s) {unknown[:8]}")
+        self._model().load_weights(weights)
+        self._unloaded -= {name for name, _ in weights}
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self,
+        requests: Sequence[Request],
+        sampling: SamplingParams | Sequence[SamplingParams],
+    ) -> list[Completion]:
+        if self._asleep:
+            raise ValueError(
+                f"generate called while the engine is asleep ({', '.join(sorted(self._asleep))} "
+                "released); call wake_up() first"
+            )
+        if self._unloaded:
+            missing = sorted(self._unloaded)
+            raise ValueError(
+                f"{len(missing)} weight(s) not loaded since the level-2 sleep, e.g. "
+                f"{missing[:8]}; send every weight with load_weights (or sync_weights) first"
+            )
+        requests = list(requests)
+        params = per_request_params(sampling, len(requests))
+        check_requests(requests, self.vocab_size)
+        for p in params:
+            if p.prompt_logprobs and (p.temperature not in (0, 1) or p.top_k > 0 or p.top_p < 1):
+                raise ValueError(
+                    "VLLMEngine returns prompt_logprobs only at temperature 1 without top-k / "
+                    "top-p (vLLM's prompt log-probs are not processed)"
+                )
+        local = len(requests)
+        if self.tp_group is not None:
+            # Every member of a TP group must run the same batch: pool the group's requests.
+            import torch.distributed as dist
+
+            pooled: list[Any] = [None] * self.tp_size
+            dist.all_gather_object(pooled, (requests, params), group=self.tp_group)
+            offset = sum(len(r) for r, _ in pooled[: dist.get_rank(self.tp_group)])
+            requests = [r for rs, _ in pooled for r in rs]
+            params = [p for _, ps in pooled for p in ps]
+        else:
+            offset = 0
+        completions = self._generate_all(requests, params)
+        mine = [c for c in completions if offset <= c.request_index < offset + local]
+        for c in mine:
+            c.request_index -= offset
+        return mine
+
+    def _prompt(self, ids: list[int], req: Request) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+        if req.multi_modal_data:
+            prompt["multi_modal_data"] = req.multi_modal_data
+        return prompt
+
+    def _generate_all(
+        self, requests: list[Request], params: list[SamplingParams]
+    ) -> list[Completion]:
+        vllm = self._vllm
+        plain = [i for i, p in enumerate(params) if p.first_token_temperature is None]
+        fire = [i for i, p in enumerate(params) if p.first_token_temperature is not None]
+        result: list[Completion] = []
+        if plain:
+            outs = self.llm.generate(
+                [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in plain],
+                [vllm.SamplingParams(**vllm_sampling_kwargs(params[i])) for i in plain],
+                use_tqdm=False,
+            )
+            result += completions_from_outputs(
+                outs, plain, [requests[i].prompt_token_ids for i in plain]
+            )
+        if fire:
+            result += self._generate_fire(requests, params, fire)
+        result.sort(key=lambda c: (c.request_index, c.sample_index))
+        return result
+
+    def _generate_fire(
+        self, requests: list[Request], params: list[SamplingParams], index: list[int]
+    ) -> list[Completion]:
+        """FIRE in two passes: n first tokens at the hot temperature, then one continuation each."""
+        vllm = self._vllm
+        prompts = [requests[i].prompt_token_ids for i in index]
+        firsts = completions_from_outputs(
+            self.llm.generate(
+                [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in index],
+                [
+                    vllm.SamplingParams(**vllm_sampling_kwargs(params[i], first_token=True))
+                    for i in index
+                ],
+                use_tqdm=False,
+            ),
+            index,
+            prompts,
+        )
+        todo = [
+            c
+            for c in firsts
+            if c.finish_reason != "stop" and params[c.request_index].max_tokens > 1
+        ]
+        if not todo:
+            return firsts
+        rest_prompts, rest_params = [], []
+        for c in todo:
+            p = params[c.request_index]
+            kwargs = vllm_sampling_kwargs(p)
+            # A distinct stream per sample: each continuation is its own n=1 request.
+            seed = None if p.seed is None else p.seed + 1_000_003 * (c.sample_index + 1)
+            kwargs.update(n=1, max_tokens=p.max_tokens - 1, seed=seed, prompt_logprobs=None)
+            rest_prompts.append(
+                self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
+            )
+            rest_params.append(vllm.SamplingParams(**kwargs))
+        rests = self.llm.generate(rest_prompts, rest_params, use_tqdm=False)
+        tokenizer = self.llm.get_tokenizer()
+        for c, out in zip(todo, rests, strict=True):
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            c.token_ids = c.token_ids + ids
+            c.logprobs = c.logprobs + _sampled_logprobs(ids, sample.logprobs)
+            c.finish_reason = sample.finish_reason
+            if params[c.request_index].detokenize:
+                c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return firsts

@@ -1,0 +1,176 @@
+"""The vLLM adapter: pure helpers on CPU; the engine itself only on a CUDA machine with vllm."""
+
+import importlib.util
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightrft.engine import Request, SamplingParams
+from lightrft.engine import vllm_adapter as va
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_module_imports_without_vllm_and_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # make `import vllm` fail even if installed
+    with pytest.raises(ImportError, match=r"pip install 'lightrft\[vllm\]'.*vllm==0\.32\.0"):
+        va.import_vllm()
+    with pytest.raises(ImportError, match=r"NativeEngine\) needs nothing extra"):
+        va.VLLMEngine("/does/not/matter")
+
+
+def test_tensor_parallel_groups_are_consecutive_ranks():
+    assert va.tp_groups(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert va.tp_groups(4, 4) == [[0, 1, 2, 3]]
+    assert va.tp_groups(3, 1) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must be >= 1 and divide"):
+        va.tp_groups(4, 3)
+
+
+def test_sampling_params_map_to_vllm_names():
+    p = SamplingParams(
+        n=4,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=-1,
+        max_tokens=32,
+        stop_token_ids=[5],
+        seed=3,
+        first_token_temperature=2.0,
+        prompt_logprobs=True,
+    )
+    kw = va.vllm_sampling_kwargs(p)
+    assert kw == {
+        "n": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "max_tokens": 32,
+        "stop_token_ids": [5],
+        "ignore_eos": False,
+        "seed": 3,
+        "logprobs": 0,
+        "detokenize": True,
+        "prompt_logprobs": 0,
+    }
+    first = va.vllm_sampling_kwargs(p, first_token=True)
+    assert first["temperature"] == 2.0 and first["max_tokens"] == 1 and first["n"] == 4
+
+
+def _logprob(x):
+    return SimpleNamespace(logprob=x)
+
+
+def test_completions_from_vllm_outputs():
+    # Shaped like vllm.RequestOutput / CompletionOutput with logprobs=0 and prompt_logprobs=0.
+    outs = [
+        SimpleNamespace(
+            prompt_logprobs=[None, {8: _logprob(-1.5)}, {9: _logprob(-0.5)}],
+            outputs=[
+                SimpleNamespace(
+                    index=1,
+                    token_ids=(4, 2),
+                    logprobs=[{4: _logprob(-0.25)}, {2: _logprob(-3.0)}],
+                    finish_reason="stop",
+                    text="ab",
+                ),
+                SimpleNamespace(
+                    index=0,
+                    token_ids=[6],
+                    logprobs=[{6: _logprob(-2.0), 1: _logprob(-0.1)}],
+                    finish_reason="length",
+                    text="",
+                ),
+            ],
+        )
+    ]
+    got = va.completions_from_outputs(outs, [7], [[1, 8, 9]])
+    assert [(c.request_index, c.sample_index) for c in got] == [(7, 1), (7, 0)]
+    assert got[0].token_ids == [4, 2] and got[0].logprobs == [-0.25, -3.0]
+    assert got[0].finish_reason == "stop" and got[0].text == "ab"
+    assert got[1].logprobs == [-2.0] and got[1].text is None
+    assert got[0].prompt_logprobs == [-1.5, -0.5] and got[0].prompt_token_ids == [1, 8, 9]
+    outs[0].outputs[0].finish_reason = "abort"
+    with pytest.raises(ValueError, match="reason 'abort'"):
+        va.completions_from_outputs(outs, [7], [[1, 8, 9]])
+
+
+def test_hf_weight_names_cover_tied_weights(tiny_model_dir):
+    from transformers import AutoConfig
+
+    accepted, required = va.hf_weight_names(AutoConfig.from_pretrained(tiny_model_dir))
+    assert "lm_head.weight" in required and "model.layers.1.mlp.up_proj.weight" in required
+    tied = AutoConfig.from_pretrained(tiny_model_dir)
+    tied.tie_word_embeddings = True
+    accepted, required = va.hf_weight_names(tied)
+    assert "lm_head.weight" in accepted and "lm_head.weight" not in required
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_VLLM), reason="needs CUDA and vllm==0.32.0"
+)
+def test_vllm_engine_on_gpu(tmp_path):
+    """Greedy equals HF, log-probs equal HF's temperature-scaled ones, sleep/sync round trip."""
+    from lightrft.engine import sync_weights
+    from lightrft.models import load_causal_lm, load_tokenizer, make_tiny_model
+
+    # head_dim 64: a size every vLLM attention backend supports.
+    model_dir = make_tiny_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2)
+    hf = load_causal_lm(model_dir, device="cuda").eval()
+    tok = load_tokenizer(model_dir)
+    engine = va.VLLMEngine(
+        model_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True, seed=0
+    )
+    prompts = [tok(t)["input_ids"] for t in ["hello there", "2 + 2 =", "a"]]
+    reqs = [Request(p) for p in prompts]
+
+    @torch.no_grad()
+    def hf_logits(ids):
+        return hf(torch.tensor([ids], device="cuda"), use_cache=False).logits[0].float()
+
+    greedy = engine.generate(reqs, SamplingParams(temperature=0, max_tokens=12))
+    for c, p in zip(greedy, prompts, strict=True):
+        ids = list(p)
+        for t in c.token_ids:
+            assert t == int(hf_logits(ids)[-1].argmax())
+            ids.append(t)
+
+    sampled = engine.generate(reqs, SamplingParams(n=2, temperature=0.7, max_tokens=12, seed=1))
+    for c in sampled:
+        logits = hf_logits(c.prompt_token_ids + c.token_ids)[len(c.prompt_token_ids) - 1 : -1]
+        ref = (
+            (logits / 0.7)
+            .log_softmax(-1)
+            .gather(-1, torch.tensor(c.token_ids, device="cuda")[:, None])
+        )
+        assert torch.allclose(torch.tensor(c.logprobs), ref.squeeze(-1).cpu(), atol=1e-3)
+
+    again = engine.generate(reqs, SamplingParams(n=2, temperature=0.7, max_tokens=12, seed=1))
+    assert [c.token_ids for c in again] == [c.token_ids for c in sampled]
+
+    engine.sleep(2)
+    with pytest.raises(ValueError, match="asleep"):
+        engine.generate(reqs, SamplingParams())
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    with pytest.raises(ValueError, match="not loaded since the level-2 sleep"):
+        engine.generate(reqs, SamplingParams())
+    sync_weights(hf, engine)
+    after = engine.generate(reqs, SamplingParams(temperature=0, max_tokens=12))
+    assert [c.token_ids for c in after] == [c.token_ids for c in greedy]
+
+    fire = engine.generate(
+        reqs[:1], SamplingParams(n=4, temperature=0.5, first_token_temperature=3.0, seed=2)
+    )
+    for c in fire:
+        logits = hf_logits(c.prompt_token_ids + c.token_ids)[len(c.prompt_token_ids) - 1 : -1]
+        temps = torch.tensor([3.0] + [0.5] * (len(c.token_ids) - 1), device="cuda")[:, None]
+        ref = (
+            (logits / temps)
+            .log_softmax(-1)
+            .gather(-1, torch.tensor(c.token_ids, device="cuda")[:, None])
+        )
+        assert torch.allclose(torch.tensor(c.logprobs), ref.squeeze(-1).cpu(), atol=1e-3)
