@@ -84,7 +84,8 @@ def prepare_gsm8k(
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         with tmp.open("w", encoding="utf-8") as f:
             for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                # ASCII escapes keep U+2028 and friends from looking like line breaks.
+                f.write(json.dumps(rec) + "\n")
         os.replace(tmp, path)  # atomic: readers never see half a file
         written[split] = path
     meta = {"src": str(Path(src).resolve()), "splits": list(splits), "system_prompt": system_prompt}

@@ -14,6 +14,7 @@ interrupted one would have yielded. The loop that makes resume exact, epoch boun
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,12 @@ _EPOCH = "lightrft_epoch"
 
 class ResumableDataLoader(StatefulDataLoader):
     """``StatefulDataLoader`` whose state also holds the sampler's epoch; adds ``set_epoch``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with warnings.catch_warnings():
+            # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13: noise, not our bug.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            super().__init__(*args, **kwargs)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the shuffle order of ``epoch`` (call before iterating each epoch)."""

@@ -128,8 +128,8 @@ class SFTDataset(torch.utils.data.Dataset):
             origins.append(src.where(i))
         if not lengths:
             raise DataError(
-                f"empty dataset: all {len(src)} records of {self.source} are longer than "
-                f"max_length={max_length} (truncation={truncation!r}); raise max_length"
+                f"empty dataset: max_length={max_length} (truncation={truncation!r}) dropped "
+                f"all {len(src)} records of {self.source}; raise max_length"
             )
         # Flat int32 storage: one tensor per field instead of millions of Python ints.
         self._ids = torch.cat(ids_chunks)  # [total tokens]

@@ -103,7 +103,8 @@ def encode_chat(tokenizer, messages: Sequence[Message], where: str) -> tuple[lis
     generation prompt and the conversation including it. Its loss covers the content and the
     end-of-turn token, not template whitespace after eos (nothing is generated after eos). If the
     final assistant turn does not end with eos (a template that does not emit it), eos is
-    appended so that the model learns to stop. Turns after the last assistant turn are dropped.
+    appended so that the model learns to stop. The ids end there: turns after the last
+    assistant turn and template text after its eos are dropped.
 
     Raises:
         DataError: no assistant turn, or a template that rewrites earlier turns (the rendering of
@@ -142,9 +143,11 @@ def encode_chat(tokenizer, messages: Sequence[Message], where: str) -> tuple[lis
         if m["role"] == "assistant":
             add(_render(tokenizer, msgs[:k], generation_prompt=True), loss=False)
             add(_render(tokenizer, msgs[: k + 1], generation_prompt=False), loss=True)
+    # End at the last loss token: template text after the final eos is never trained on.
     last = max(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
-    if ids[last] != eos:
-        ids, labels = ids[: last + 1] + [eos], labels[: last + 1] + [eos]
+    ids, labels = ids[: last + 1], labels[: last + 1]
+    if ids[-1] != eos:
+        ids, labels = ids + [eos], labels + [eos]
     return ids, labels
 
 

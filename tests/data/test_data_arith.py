@@ -1,0 +1,86 @@
+"""Synthetic arithmetic: correct answers, difficulty knobs, determinism, disjoint splits, ensure."""
+
+import json
+import re
+
+import pytest
+
+from lightrft.data import SFTDataset, arith_records, ensure_arith_dataset, write_arith_dataset
+from lightrft.data.arith import _evaluate
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _expr(prompt):
+    return prompt[len("What is ") : -1] if prompt.startswith("What is ") else prompt[:-1]
+
+
+def test_answers_are_correct_and_knobs_respected():
+    recs = arith_records(300, digits=3, ops="+-*", terms=3, seed=1)
+    ops_seen = set()
+    for r in recs:
+        expr = _expr(r["prompt"])
+        assert r["prompt"].endswith("=") and re.fullmatch(r"\d{1,3}([-+*]\d{1,3}){2}", expr)
+        assert r["answer"] == r["completion"] == str(eval(expr))  # plain integer arithmetic
+        assert int(r["answer"]) >= 0  # allow_negative=False
+        ops_seen |= set(re.findall(r"[-+*]", expr))
+        assert r["label"] == "arith"
+    assert ops_seen == {"+", "-", "*"}
+    assert len({r["prompt"] for r in recs}) == 300
+
+
+def test_precedence_and_styles():
+    assert _evaluate([2, 3, 4], ["+", "*"]) == 14 and _evaluate([10, 3, 4], ["-", "-"]) == 3
+    q = arith_records(5, style="question", min_digits=2, digits=2)
+    for r in q:
+        a, b = _expr(r["prompt"]).split("+")
+        assert r["prompt"].startswith("What is ") and 10 <= int(a) <= 99 and 10 <= int(b) <= 99
+    neg = arith_records(200, ops="-", allow_negative=True, seed=0)
+    assert any(int(r["answer"]) < 0 for r in neg)
+
+
+def test_deterministic_and_seeded():
+    assert arith_records(20, seed=3) == arith_records(20, seed=3)
+    assert arith_records(20, seed=3) != arith_records(20, seed=4)
+
+
+def test_write_splits_are_disjoint_and_loadable(tmp_path, tok):
+    out = write_arith_dataset(tmp_path / "a", n_train=300, n_test=50, seed=2)
+    train, test = _read(out / "train.jsonl"), _read(out / "test.jsonl")
+    assert len(train) == 300 and len(test) == 50
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert len(SFTDataset(tok, out, split="train")) == 300
+
+
+def test_ensure_writes_only_when_absent_or_changed(tmp_path):
+    d = tmp_path / "arith"
+    ensure_arith_dataset(d, n_train=100, n_test=10)
+    train = d / "train.jsonl"
+    first = train.read_text()
+    train.write_text(first)  # marker: a rewrite would change the inode's mtime_ns below
+    stamp = train.stat().st_mtime_ns
+    ensure_arith_dataset(d, n_train=100, n_test=10)
+    assert train.stat().st_mtime_ns == stamp  # same settings: untouched
+    ensure_arith_dataset(d, n_train=100, n_test=10, ops=["+", "-"])
+    assert train.read_text() != first  # other settings: regenerated
+    assert json.loads((d / "meta.json").read_text())["ops"] == ["+", "-"]
+    (d / "test.jsonl").unlink()
+    ensure_arith_dataset(d, n_train=100, n_test=10, ops=["+", "-"])
+    assert len(_read(d / "test.jsonl")) == 10  # a missing split: regenerated
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match=r"ops must be a non-empty list of \['\+', '-', '\*'\]"):
+        arith_records(3, ops=["/"])
+    with pytest.raises(ValueError, match="min_digits <= digits"):
+        arith_records(3, digits=1, min_digits=2)
+    with pytest.raises(ValueError, match="terms must be >= 2"):
+        arith_records(3, terms=1)
+    with pytest.raises(ValueError, match="style must be one of"):
+        arith_records(3, style="words")
+    with pytest.raises(ValueError, match="asked for 60 distinct problems .* allow only about 100"):
+        arith_records(60, digits=1)
+    with pytest.raises(ValueError, match="unknown argument 'n_tran'"):
+        ensure_arith_dataset("unused", n_tran=5)
