@@ -193,12 +193,13 @@ def _rows_to_batch(
 
 
 class PackCollator:
-    """Pack a micro-batch of samples (or already packed rows) into rows.
+    """Pack a micro-batch of samples into rows; already packed rows stay rows of their own.
 
-    With ``max_tokens=None`` the whole micro-batch becomes one row. Otherwise items fill rows in
-    order, a new row opening when the next item does not fit. Output: ``input_ids``, ``labels``,
-    ``position_ids`` (each ``[R, T]``) and ``num_loss_tokens``; no ``attention_mask``, which is
-    what makes transformers build the per-sample (block-diagonal) mask.
+    Samples (items without ``position_ids``) fill rows in order, a new row opening when the next
+    sample would pass ``max_tokens``; with ``max_tokens=None`` they all share one row. Items that
+    are packed rows (from :class:`PackedDataset`) are kept as they are, one row each. Output:
+    ``input_ids``, ``labels``, ``position_ids`` (each ``[R, T]``) and ``num_loss_tokens``; no
+    ``attention_mask``, which is what makes transformers build the per-sample mask.
     """
 
     def __init__(
@@ -211,22 +212,26 @@ class PackCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, items: Sequence[Item]) -> dict[str, torch.Tensor]:
-        if self.max_tokens is None:
-            return _rows_to_batch([list(items)], self.pad_id, self.pad_to_multiple_of)
-        rows: list[list[Item]] = [[]]
+        rows: list[list[Item]] = [[x] for x in items if "position_ids" in x]
+        cap = self.max_tokens
+        open_row: list[Item] = []
         used = 0
         for x in items:
+            if "position_ids" in x:
+                continue
             n = len(x["input_ids"])
-            if n > self.max_tokens:
+            if cap is not None and n > cap:
                 raise ValueError(
-                    f"an item has {n} tokens, more than the collator's max_tokens="
-                    f"{self.max_tokens}: raise max_tokens or lower the dataset's max_length"
+                    f"an item has {n} tokens, more than the collator's max_tokens={cap}: "
+                    "raise max_tokens or lower the dataset's max_length"
                 )
-            if used + n > self.max_tokens and rows[-1]:
-                rows.append([])
-                used = 0
-            rows[-1].append(x)
+            if cap is not None and used + n > cap and open_row:
+                rows.append(open_row)
+                open_row, used = [], 0
+            open_row.append(x)
             used += n
+        if open_row:
+            rows.append(open_row)
         return _rows_to_batch(rows, self.pad_id, self.pad_to_multiple_of)
 
 

@@ -197,3 +197,15 @@ def test_padded_batch_logits_equal_samples_alone(tok, tiny_model_dir):
         torch.testing.assert_close(
             logits[b, :n], _alone_logits(model, x["input_ids"]), atol=1e-5, rtol=1e-5
         )
+
+
+def test_pack_collator_keeps_packed_rows_as_rows(tok):
+    packed = PackedDataset(SFTDataset(tok, records=_recs(12)), max_tokens=100, seed=0)
+    rows = [packed[0], packed[1]]
+    batch = pack_or_pad_collator(tok, packing=True)(rows)
+    assert batch["input_ids"].shape[0] == 2
+    for r, row in enumerate(rows):
+        n = len(row["input_ids"])
+        assert torch.equal(batch["input_ids"][r, :n], row["input_ids"])
+        assert torch.equal(batch["position_ids"][r, :n], row["position_ids"])
+        assert (batch["labels"][r, n:] == IGNORE_INDEX).all()

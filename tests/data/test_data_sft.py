@@ -177,3 +177,28 @@ def test_bad_arguments(tok):
         SFTDataset(tok)
     with pytest.raises(DataError, match="empty dataset"):
         SFTDataset(tok, records=[])
+
+
+def _tok_with_template(tiny_model_dir, template):
+    from lightrft.models import load_tokenizer
+
+    t = load_tokenizer(tiny_model_dir)
+    t.chat_template = template
+    return t
+
+
+def test_template_without_eos_gets_eos_appended(tiny_model_dir):
+    t = _tok_with_template(
+        tiny_model_dir,
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}",
+    )
+    x = SFTDataset(t, records=[{"prompt": "1+1=", "completion": "2"}])[0]
+    assert t.decode(x["input_ids"]) == "user: 1+1=\nassistant: 2\n<|im_end|>"
+    assert loss_text(t, x) == "2\n<|im_end|>"
+
+
+def test_template_that_rewrites_history_is_refused(tiny_model_dir):
+    t = _tok_with_template(tiny_model_dir, "{{ messages[-1]['content'] }}")
+    with pytest.raises(DataError, match=r"records\[0\]: the chat template renders earlier turns"):
+        SFTDataset(t, records=[{"prompt": "1+1=", "completion": "2"}])
