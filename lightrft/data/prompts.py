@@ -127,13 +127,12 @@ class PromptDataset(torch.utils.data.Dataset):
         }
         if truncated or dropped:
             log.warning(
-                "%s: of %d prompts longer than max_prompt_length=%s, %d were truncated (left), "
-                "%d dropped",
+                "%s: max_prompt_length=%s truncated (left) %d and dropped %d of %d prompts",
                 self.source,
-                truncated + dropped,
                 max_prompt_length,
                 truncated,
                 dropped,
+                len(src),
             )
 
     @staticmethod

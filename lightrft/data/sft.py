@@ -148,12 +148,12 @@ class SFTDataset(torch.utils.data.Dataset):
         }
         if truncated or dropped:
             log.warning(
-                "%s: %d of %d samples longer than max_length=%s were truncated, %d dropped",
+                "%s: max_length=%s truncated %d and dropped %d of %d samples",
                 self.source,
-                truncated,
-                len(src),
                 max_length,
+                truncated,
                 dropped,
+                len(src),
             )
 
     def _encode(

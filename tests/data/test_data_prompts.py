@@ -124,3 +124,10 @@ def test_all_dropped_is_an_error(tok):
         PromptDataset(tok, records=[{"prompt": "abcdef", "answer": "1"}], max_prompt_length=3)
     with pytest.raises(ValueError, match="max_prompt_length must be >= 1"):
         PromptDataset(tok, records=[{"prompt": "a", "answer": "1"}], max_prompt_length=0)
+
+
+def test_dropped_prompts_are_logged(tok, caplog):
+    recs = [{"prompt": "short", "answer": "1"}, {"prompt": "long " * 20, "answer": "2"}]
+    with caplog.at_level("WARNING", logger="lightrft.data.prompts"):
+        PromptDataset(tok, records=recs, max_prompt_length=40)
+    assert "max_prompt_length=40 truncated (left) 0 and dropped 1 of 2 prompts" in caplog.text

@@ -202,3 +202,10 @@ def test_template_that_rewrites_history_is_refused(tiny_model_dir):
     t = _tok_with_template(tiny_model_dir, "{{ messages[-1]['content'] }}")
     with pytest.raises(DataError, match=r"records\[0\]: the chat template renders earlier turns"):
         SFTDataset(t, records=[{"prompt": "1+1=", "completion": "2"}])
+
+
+def test_truncation_is_logged(tok, caplog):
+    recs = [{"prompt": "p", "completion": "c" * n} for n in (1, 60)]
+    with caplog.at_level("WARNING", logger="lightrft.data.sft"):
+        SFTDataset(tok, records=recs, max_length=30)
+    assert "max_length=30 truncated 1 and dropped 0 of 2 samples" in caplog.text
