@@ -1,0 +1,176 @@
+"""Engine benchmarks (opt-in): the native engine vs ``model.generate``, weight sync vs all-gather.
+
+    pytest tests/benchmarks/bench_engine.py -m benchmark_suite --benchmark-enable -s
+
+Both comparisons interleave their two sides round by round, so that load from other processes
+on a shared machine hits both alike; the printed tables give per-side medians and the median of
+the per-round ratios. Results go to ``benchmark.extra_info`` as well.
+"""
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.benchmark_suite
+
+ROUNDS = 5
+PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _opt_in(request):
+    if "benchmark_suite" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("benchmark suite: select it with -m benchmark_suite")
+
+
+@pytest.fixture(scope="module")
+def bench_model_dir(tmp_path_factory):
+    from lightrft.models import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("bench") / "m", layers=4, hidden=256, heads=4, kv_heads=2
+    )
+
+
+def _table(title: str, rows: list[tuple[str, str, str]]) -> str:
+    lines = [f"\n{title}", "| | median | per-round |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def test_native_engine_vs_hf_generate(benchmark, bench_model_dir):
+    from lightrft.engine import NativeEngine, Request, SamplingParams
+    from lightrft.models import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(bench_model_dir)
+    hf = load_causal_lm(bench_model_dir).eval()
+    engine = NativeEngine(bench_model_dir, max_num_seqs=PROMPTS * SAMPLES)
+    questions = [f"What is {a} + {2 * a + 7}? Answer briefly." for a in range(PROMPTS)]
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    batch = tok.pad([{"input_ids": p} for p in prompts], return_tensors="pt", padding=True)
+    eos = tok.eos_token_id
+    rates: dict[str, list[float]] = {"native": [], "hf": []}
+
+    def native() -> int:
+        sp = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=NEW_TOKENS)
+        outs = engine.generate([Request(p) for p in prompts], sp)
+        assert len(outs) == PROMPTS * SAMPLES
+        return sum(len(c.token_ids) for c in outs)
+
+    @torch.no_grad()
+    def hf_generate() -> int:
+        out = hf.generate(
+            **batch,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=SAMPLES,
+            max_new_tokens=NEW_TOKENS,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=eos,
+        )
+        resp = out[:, batch["input_ids"].shape[1] :]  # [P*S, <=T]
+        is_eos = resp == eos
+        # Tokens up to and including the first EOS (the rest is padding).
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, resp.shape[1])
+        return int(first.sum())
+
+    def one_round() -> None:
+        for name, fn in (("native", native), ("hf", hf_generate)):
+            t0 = time.perf_counter()
+            tokens = fn()
+            rates[name].append(tokens / (time.perf_counter() - t0))
+
+    native()  # warm-up: allocate the KV pool, fault in the weights
+    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
+    ratios = [a / b for a, b in zip(rates["native"], rates["hf"], strict=True)]
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    benchmark.extra_info.update(
+        tokens_per_s=med, ratio_median=statistics.median(ratios), ratios=ratios
+    )
+    print(
+        _table(
+            f"generate: {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, T=1",
+            [(k, f"{med[k]:.0f} tok/s", ", ".join(f"{r:.0f}" for r in rates[k])) for k in rates]
+            + [
+                (
+                    "native / hf",
+                    f"{statistics.median(ratios):.2f}x",
+                    ", ".join(f"{r:.2f}" for r in ratios),
+                )
+            ],
+        )
+    )
+
+
+def _sync_rounds(rank: int, world_size: int, model_dir: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    from lightrft.engine import NativeEngine, sync_weights
+    from lightrft.models import load_causal_lm, parallelize
+
+    model = parallelize(load_causal_lm(model_dir))
+    engine = NativeEngine(model_dir)
+    numel = sum(p.numel() for p in model.parameters())
+    shard = torch.randn(-(-numel // world_size))
+    gathered = torch.empty(world_size * shard.numel())
+    times: dict[str, list[float]] = {"all_gather": [], "sync_weights": []}
+
+    def timed(name, fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()  # both sides end when the slowest rank is done
+        times[name].append(time.perf_counter() - t0)
+
+    for _ in range(2):  # warm-up
+        sync_weights(model, engine)
+        dist.all_gather_into_tensor(gathered, shard)
+    for _ in range(4 * ROUNDS):
+        timed("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard))
+        timed("sync_weights", lambda: sync_weights(model, engine))
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump({"times": times, "bytes": numel * 4}, f)
+
+
+def test_weight_sync_vs_all_gather(benchmark, bench_model_dir, tmp_path):
+    from _dist import run_distributed
+
+    out_file = tmp_path / "sync.json"
+    benchmark.pedantic(
+        lambda: run_distributed(_sync_rounds, str(bench_model_dir), str(out_file)),
+        rounds=1,
+        iterations=1,
+    )
+    result = json.loads(out_file.read_text())
+    times = result["times"]
+    ratios = [s / g for s, g in zip(times["sync_weights"], times["all_gather"], strict=True)]
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    benchmark.extra_info.update(
+        ms=med, ratio_median=statistics.median(ratios), bytes=result["bytes"]
+    )
+    print(
+        _table(
+            f"weight sync, 2 gloo processes, {result['bytes'] / 2**20:.1f} MiB fp32",
+            [(k, f"{med[k]:.1f} ms", ", ".join(f"{x * 1e3:.0f}" for x in times[k])) for k in times]
+            + [
+                (
+                    "sync / all_gather",
+                    f"{statistics.median(ratios):.2f}x",
+                    ", ".join(f"{r:.2f}" for r in ratios),
+                )
+            ],
+        )
+    )
