@@ -148,6 +148,7 @@ class NativeEngine:
         self.dtype = to_dtype(dtype) if dtype is not None else default_param_dtype(self.device)
 
         if isinstance(model, nn.Module):
+            _check_supported(model.config)
             _check_unsharded(model)
             self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         else:
@@ -172,6 +173,8 @@ class NativeEngine:
             config.hidden_size // config.num_attention_heads
         )
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (prompt + 1 token), got {max_model_len}")
         window = getattr(config, "sliding_window", None)
         sliding = getattr(config, "use_sliding_window", config.model_type == "mistral")
         if sliding and window is not None and self.max_model_len > window:
