@@ -114,7 +114,8 @@ class NativeEngine:
     CUDA, fp32 on CPU). ``max_model_len``: prompt plus response tokens (default: the model's
     ``max_position_embeddings``). ``max_num_seqs``: rows decoded together (a request's ``n``
     samples always go in the same wave). ``max_prefill_tokens``: padded prompt tokens per prefill
-    forward. ``truncate_prompts``: keep the last tokens of a too-long prompt instead of raising.
+    forward. ``max_kv_tokens``: KV-cache token slots per wave (rows x padded length); bounds the
+    cache's memory (bytes = slots x layers x 2 x kv_heads x head_dim x dtype size). ``truncate_prompts``: keep the last tokens of a too-long prompt instead of raising.
     ``seed``: the stream from which requests without a seed draw theirs. ``compile``: compile each
     decoder block's MLP with ``torch.compile(dynamic=True)`` (meant for GPUs).
     """
@@ -129,6 +130,7 @@ class NativeEngine:
         max_model_len: int | None = None,
         max_num_seqs: int = 512,
         max_prefill_tokens: int = 16384,
+        max_kv_tokens: int | None = None,
         truncate_prompts: bool = False,
         seed: int = 0,
         compile: bool = False,
@@ -140,6 +142,8 @@ class NativeEngine:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if max_kv_tokens is not None and max_kv_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be >= 1 or None, got {max_kv_tokens}")
         if isinstance(model, nn.Module):
             src_device = next(model.parameters()).device
             self.device = torch.device(device) if device is not None else src_device
@@ -184,6 +188,7 @@ class NativeEngine:
             )
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_kv_tokens = max_kv_tokens
         self.truncate_prompts = truncate_prompts
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
         self.pad_token_id = _pad_id(self.model, tokenizer, self.eos_token_ids)
@@ -338,16 +343,25 @@ class NativeEngine:
         return list(ids[-keep:])
 
     def _waves(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-        """Group request indices (sorted by prompt length) into waves of <= max_num_seqs rows."""
+        """Group request indices (sorted by prompt length) into waves.
+
+        A wave holds at most ``max_num_seqs`` rows and, when ``max_kv_tokens`` is set, a KV
+        cache of at most that many token slots (rows x (longest prompt + longest response)).
+        A single request that exceeds either bound still gets a wave of its own.
+        """
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        waves, cur, rows = [], [], 0
+        budget = self.max_kv_tokens or float("inf")
+        waves, cur = [], []
+        rows = plen = new = 0
         for i in order:
-            n = params[i].n
-            if cur and rows + n > self.max_num_seqs:
+            n, p_len = params[i].n, len(prompts[i])
+            new_i = min(params[i].max_tokens, self.max_model_len - p_len)
+            grown = (rows + n) * (max(plen, p_len) + max(new, new_i))
+            if cur and (rows + n > self.max_num_seqs or grown > budget):
                 waves.append(cur)
-                cur, rows = [], 0
+                cur, rows, plen, new = [], 0, 0, 0
             cur.append(i)
-            rows += n
+            rows, plen, new = rows + n, max(plen, p_len), max(new, new_i)
         if cur:
             waves.append(cur)
         return waves

@@ -141,10 +141,14 @@ def test_unseeded_requests_follow_the_engine_seed(tiny_model_dir, prompts):
 
 def test_waves_give_the_same_samples(tiny_model_dir, engine, prompts):
     sp = SamplingParams(n=2, max_tokens=16, seed=21)
-    small = NativeEngine(tiny_model_dir, max_model_len=256, max_num_seqs=3)
-    assert [c.token_ids for c in small.generate(requests_of(prompts), sp)] == [
-        c.token_ids for c in engine.generate(requests_of(prompts), sp)
-    ]
+    want = [c.token_ids for c in engine.generate(requests_of(prompts), sp)]
+    few_rows = NativeEngine(tiny_model_dir, max_model_len=256, max_num_seqs=3)
+    assert [c.token_ids for c in few_rows.generate(requests_of(prompts), sp)] == want
+    budget = 2 * (len(prompts[2]) + 16)  # room for one request (2 rows) per wave
+    small_kv = NativeEngine(tiny_model_dir, max_model_len=256, max_kv_tokens=budget)
+    assert [c.token_ids for c in small_kv.generate(requests_of(prompts), sp)] == want
+    per_slot = small_kv.num_layers * 2 * small_kv.kv_heads * small_kv.head_dim
+    assert small_kv._kv_pool.numel() <= budget * per_slot
 
 
 def test_stop_token_ids_end_the_response(engine, prompts):
