@@ -1,0 +1,25 @@
+"""Fused linear log-prob / entropy kernels (installed as ``lightrft.kernels``; never import this
+folder as a top-level ``kernels``, which is Hugging Face's kernel-hub package name).
+
+- :func:`fused_linear_logprobs`: log-probs (and entropy) of targets from hidden states and the
+  LM-head weight, chunked, with a recomputing backward; Liger-Kernel's Triton path on CUDA.
+- :func:`fused_linear_cross_entropy`: the SFT loss on hidden states.
+- :func:`fused_linear_policy_loss`: the GRPO-family policy loss on hidden states.
+- :func:`causal_lm_token_logprobs`: next-token log-probs of an HF causal LM (plain or FSDP2).
+
+See docs/kernels.md.
+"""
+
+from .hf import causal_lm_token_logprobs
+from .logprobs import BACKENDS, default_chunk_size, fused_linear_logprobs, select_backend
+from .losses import fused_linear_cross_entropy, fused_linear_policy_loss
+
+__all__ = [
+    "BACKENDS",
+    "causal_lm_token_logprobs",
+    "default_chunk_size",
+    "fused_linear_cross_entropy",
+    "fused_linear_logprobs",
+    "fused_linear_policy_loss",
+    "select_backend",
+]

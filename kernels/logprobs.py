@@ -1,0 +1,455 @@
+"""Fused linear log-probs and entropy: ``log_softmax((h @ W.T + b) / T)[target]`` without logits.
+
+The naive path materialises ``[N, V]`` logits, their log-softmax and, in backward, two more
+``[N, V]`` gradients: 10 GB per tensor for 16k tokens of a 152k vocabulary in fp32. Here the rows
+are processed in chunks of ``chunk_size``; one ``[chunk, V]`` fp32 workspace is reused for every
+chunk, and the backward recomputes each chunk's logits instead of storing them (the chunking idea
+of Liger-Kernel's fused linear cross-entropy, Hsu et al. 2024, arXiv:2410.10989, applied to
+per-token log-probs whose upstream gradient is only known in backward).
+
+Per chunk the backward needs ``P = softmax(z)`` (``z`` = scaled logits) and, for
+``d logp_i / dz = onehot(t_i) - p_i``, folds the upstream gradient into the small ``[chunk, H]``
+operands instead of the big ``[chunk, V]`` one::
+
+    grad_h = g * (W[t] - P @ W) / T
+    grad_W += -(P.T @ (g * h)) / T + scatter_rows(t, g * h / T)
+
+so each chunk costs one row-fused in-place softmax pass plus three matmuls. Entropy
+``-sum p log p`` has ``dH/dz = -p * (log p + H)``, which needs one more ``[chunk, V]`` pass.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Backend = Literal["auto", "torch", "liger"]
+BACKENDS = ("auto", "torch", "liger")
+
+# Elements of the per-chunk fp32 workspace (64 Mi = 256 MiB): a few hundred rows for real
+# vocabularies, where the chunk's three matmul shapes run near the machine's peak, while staying
+# far below the naive path's several [N, V] tensors. See docs/kernels.md for the measurements.
+_WORKSPACE_ELEMENTS = 1 << 26
+_ROW_MULTIPLE = 64  # BLAS kernels block rows in multiples of 16/32/64
+
+
+def default_chunk_size(n_rows: int, vocab: int) -> int:
+    """Rows per chunk: the workspace budget over V, rounded to a multiple of 64, at most N."""
+    rows = round(_WORKSPACE_ELEMENTS / max(vocab, 1) / _ROW_MULTIPLE) * _ROW_MULTIPLE
+    return max(1, min(max(rows, _ROW_MULTIPLE), n_rows))
+
+
+def _check_inputs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    chunk_size: int | None,
+) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [N, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[1] = {hidden.shape[1]}, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"targets must be [N] with N = hidden.shape[0] = {hidden.shape[0]}, "
+            f"got shape {tuple(targets.shape)}"
+        )
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be an integer tensor (int64), got {targets.dtype}")
+    if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden and weight must share one floating dtype, got {hidden.dtype} and {weight.dtype}"
+        )
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(
+            f"bias must be [V] = [{weight.shape[0]}] of dtype {weight.dtype}, "
+            f"got {tuple(bias.shape)} {bias.dtype}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def _valid_rows(targets: Tensor, vocab: int, ignore_index: int) -> Tensor | None:
+    """Indices of the rows whose target is not ignored; None when every row counts."""
+    valid = targets != ignore_index  # [N]
+    bad = valid & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        t = targets[bad][0].item()
+        raise ValueError(
+            f"targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}, found {t}"
+        )
+    if bool(valid.all()):
+        return None
+    return valid.nonzero().squeeze(1)  # [N_valid]
+
+
+def _mm_fp32_out_supported(x: Tensor) -> bool:
+    """Whether ``torch.mm(..., out_dtype=float32)`` runs for low-precision ``x`` (CUDA only)."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return _probe_fp32_out_mm(x.device, x.dtype)
+
+
+@functools.cache
+def _probe_fp32_out_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    # torch >= 2.8 has mm(..., out_dtype=) on CUDA; probe once per device instead of trusting the
+    # version, so an older torch or an unsupported GPU falls back to rounding the chunk.
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        torch.mm(a, a, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _logits_into(
+    out: Tensor,
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    inv_t: float,
+    scratch: Tensor | None,
+) -> Tensor:
+    """Write the scaled logits ``(h @ W.T + b) / T`` of one chunk into ``out`` [c, V] (fp32/64)."""
+    if h.dtype == out.dtype:
+        if bias is None:
+            # beta=0 ignores out's stale contents (NaN-safe); alpha folds 1/T into the matmul.
+            return torch.addmm(out, h, weight.t(), beta=0.0, alpha=inv_t, out=out)
+        return torch.addmm(bias, h, weight.t(), beta=inv_t, alpha=inv_t, out=out)
+    if _mm_fp32_out_supported(h):
+        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+    else:
+        # CPU has no low-precision matmul with fp32 output: round the chunk once, like the naive
+        # path's logits, then do everything after it in fp32.
+        assert scratch is not None
+        low = scratch[: h.shape[0]]
+        torch.mm(h, weight.t(), out=low)
+        out.copy_(low)
+    if bias is not None:
+        out.add_(bias)
+    if inv_t != 1.0:
+        out.mul_(inv_t)
+    return out
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernel computes in: fp32 for fp32/bf16/fp16 inputs, fp64 for fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _workspaces(
+    rows: int, vocab: int, like: Tensor, entropy: bool, reuse: Tensor | None = None
+) -> tuple[Tensor, ...]:
+    """Chunk buffers: logits [c, V] (``reuse`` if given), a second one for the entropy, and a
+    low-precision scratch when the matmul cannot write fp32 directly."""
+    acc = acc_dtype(like.dtype)
+    buf = reuse if reuse is not None else torch.empty(rows, vocab, dtype=acc, device=like.device)
+    buf2 = torch.empty_like(buf) if entropy else None
+    low = None
+    if like.dtype != acc and not _mm_fp32_out_supported(like):
+        low = torch.empty(rows, vocab, dtype=like.dtype, device=like.device)
+    return buf, buf2, low
+
+
+def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+def _forward(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    inv_t: float,
+    chunk: int,
+    want_entropy: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Log-probs [n] and entropy [n] (fp32/64) of the given (all valid) rows.
+
+    Also returns the logits workspace, whose first rows still hold the last chunk's log-softmax:
+    the backward starts with that chunk and skips rebuilding it.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    logp = torch.empty(n, dtype=acc_dtype(hidden.dtype), device=hidden.device)
+    ent = torch.empty_like(logp) if want_entropy else None
+    if n == 0:
+        return logp, ent, None
+    buf, buf2, low = _workspaces(min(chunk, n), vocab, hidden, want_entropy)
+    for s, e in _chunks(n, chunk):
+        z = _logits_into(buf[: e - s], hidden[s:e], weight, bias, inv_t, low)  # [c, V]
+        # Row-fused in-place log-softmax: each 600 KB row stays in cache for its three passes.
+        torch.log_softmax(z, dim=-1, out=z)
+        logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
+        if ent is not None:
+            p = torch.exp(z, out=buf2[: e - s])  # [c, V]
+            ent[s:e] = -torch.linalg.vecdot(p, z)
+    return logp, ent, buf
+
+
+def _backward(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    inv_t: float,
+    chunk: int,
+    grad_logp: Tensor | None,
+    grad_ent: Tensor | None,
+    entropy: Tensor | None,
+    need: tuple[bool, bool, bool],
+    *,
+    logp_out: Tensor | None = None,
+    cached: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients (fp32/64) of hidden rows [n, H], weight [V, H], bias [V] for the given rows.
+
+    Per chunk, with ``d logp / dz = onehot - p`` and ``d H / dz = -p (log p + H)``, the gradient
+    of the scaled logits is ``dz = -r * D`` with ``D = P - onehot`` and ``r = g`` per row (log-probs
+    only: the row factor goes onto the small [c, H] operands), or
+    ``D = P * (g + g_H (log p + H)) - g * onehot`` and ``r = 1`` (entropy gradient too).
+    Both are built in place in the logits workspace, then
+    ``grad_h = -(r/T) * (D @ W)``, ``grad_W += D.T @ (-(r/T) * h)``, ``grad_b += D.T @ -(r/T)``.
+
+    ``logp_out`` [n]: also write the log-probs (one sweep for a loss whose gradient w.r.t. the
+    log-probs is known up front: cross-entropy). ``cached``: the forward's workspace holding
+    the last chunk's log-softmax, consumed here.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dev, acc = hidden.device, acc_dtype(hidden.dtype)
+    need_h, need_w, need_b = need
+    g_h = torch.empty(n, hidden.shape[1], dtype=acc, device=dev) if need_h else None
+    # Written by the first chunk (beta=0), accumulated in place by the others: no zero fill.
+    g_w = torch.empty(weight.shape, dtype=acc, device=dev) if need_w else None
+    g_b = torch.empty(vocab, dtype=acc, device=dev) if need_b else None
+    if n == 0:  # every target ignored
+        return g_h, None if g_w is None else g_w.zero_(), None if g_b is None else g_b.zero_()
+    if grad_logp is None:
+        grad_logp = torch.zeros(n, dtype=acc, device=dev)
+    grad_logp = grad_logp.to(acc)
+    with_entropy = grad_ent is not None
+    buf, buf2, low = _workspaces(min(chunk, n), vocab, hidden, with_entropy, reuse=cached)
+    chunks = _chunks(n, chunk)
+    if cached is not None:
+        chunks = chunks[-1:] + chunks[:-1]  # the chunk still in the workspace goes first
+    for i, (s, e) in enumerate(chunks):
+        h_c, t_c = hidden[s:e], targets[s:e, None]  # [c, H], [c, 1]
+        z = buf[: e - s]  # [c, V]
+        have_logp = cached is not None and i == 0
+        if not have_logp:
+            _logits_into(z, h_c, weight, bias, inv_t, low)
+        g = grad_logp[s:e, None]  # [c, 1]
+        if not with_entropy:
+            if have_logp:
+                z.exp_()
+            elif logp_out is None:
+                torch.softmax(z, dim=-1, out=z)
+            else:
+                torch.log_softmax(z, dim=-1, out=z)
+                logp_out[s:e] = z.gather(1, t_c).squeeze(1)
+                z.exp_()
+            d = z.scatter_add_(1, t_c, torch.full_like(g, -1.0))  # P - onehot
+            r = g * -inv_t  # [c, 1]
+        else:
+            if not have_logp:
+                torch.log_softmax(z, dim=-1, out=z)
+            p = torch.exp(z, out=buf2[: e - s])
+            ge = grad_ent[s:e, None].to(acc)  # [c, 1]
+            u = g + ge * entropy[s:e, None]  # [c, 1]
+            d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
+            r = torch.full_like(g, -inv_t)
+        if need_h:
+            g_h[s:e] = _mm_any(d, weight, low).mul_(r)
+        beta = 0.0 if i == 0 else 1.0
+        if need_w:
+            g_w.addmm_(d.t(), h_c.to(acc) * r, beta=beta)
+        if need_b:
+            g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
+    return g_h, g_w, g_b
+
+
+def _mm_any(d: Tensor, weight: Tensor, low: Tensor | None) -> Tensor:
+    """``d @ weight`` [c, H] in ``d``'s dtype for ``d`` [c, V] and a weight of any float dtype."""
+    if weight.dtype == d.dtype:
+        return d @ weight
+    # Low precision: round D once to the weight's dtype (as the naive path's logits gradient is).
+    d_low = low[: d.shape[0]].copy_(d) if low is not None else d.to(weight.dtype)
+    if _mm_fp32_out_supported(weight):
+        return torch.mm(d_low, weight, out_dtype=torch.float32)
+    return (d_low @ weight).to(d.dtype)
+
+
+class _FusedLinearLogprobs(torch.autograd.Function):
+    """Autograd wrapper: the forward keeps the inputs, the entropy and one chunk's log-softmax;
+    the backward recomputes the other chunks."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, temperature, chunk, ignore_index, want_entropy):
+        n = hidden.shape[0]
+        idx = _valid_rows(targets, weight.shape[0], ignore_index)
+        h_v = hidden if idx is None else hidden.index_select(0, idx)  # [n_valid, H]
+        t_v = targets if idx is None else targets.index_select(0, idx)
+        inv_t = 1.0 / float(temperature)
+        logp_v, ent_v, workspace = _forward(h_v, weight, t_v, bias, inv_t, chunk, want_entropy)
+        logp, ent = logp_v, ent_v
+        if idx is not None:
+            logp = logp_v.new_zeros(n).index_copy_(0, idx, logp_v)
+            ent = None if ent_v is None else ent_v.new_zeros(n).index_copy_(0, idx, ent_v)
+        ctx.save_for_backward(hidden, weight, targets, bias, idx, ent_v)
+        ctx.inv_t, ctx.chunk = inv_t, chunk
+        # Only worth holding on to when a backward will follow (not for reference log-probs).
+        ctx.workspace = workspace if any(ctx.needs_input_grad) else None
+        ctx.set_materialize_grads(False)
+        return logp if ent is None else (logp, ent)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent=None):
+        hidden, weight, targets, bias, idx, ent_v = ctx.saved_tensors
+        # The cached chunk is overwritten below: a second backward (retain_graph) recomputes it.
+        cached, ctx.workspace = ctx.workspace, None
+        need = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[3],
+        )
+        if (grad_logp is None and grad_ent is None) or not any(need):
+            return (None,) * 8
+        if idx is not None:
+            h_v, t_v = hidden.index_select(0, idx), targets.index_select(0, idx)
+            grad_logp = None if grad_logp is None else grad_logp.index_select(0, idx)
+            grad_ent = None if grad_ent is None else grad_ent.index_select(0, idx)
+        else:
+            h_v, t_v = hidden, targets
+        g_h, g_w, g_b = _backward(
+            h_v,
+            weight,
+            t_v,
+            bias,
+            ctx.inv_t,
+            ctx.chunk,
+            grad_logp,
+            grad_ent,
+            ent_v,
+            need,
+            cached=cached,
+        )
+        if g_h is not None:
+            if idx is not None:
+                g_h = g_h.new_zeros(hidden.shape).index_copy_(0, idx, g_h)
+            g_h = g_h.to(hidden.dtype)
+        g_w = None if g_w is None else g_w.to(weight.dtype)
+        g_b = None if g_b is None else g_b.to(bias.dtype)
+        return g_h, g_w, None, g_b, None, None, None, None
+
+
+def _liger_available(hidden: Tensor) -> bool:
+    if not hidden.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+        from liger_kernel.ops.fused_linear_cross_entropy import (  # noqa: F401
+            LigerFusedLinearCrossEntropyFunction,
+        )
+    except Exception:  # an import error or a broken Triton install: fall back to torch
+        return False
+    return True
+
+
+def select_backend(
+    hidden: Tensor, *, return_entropy: bool = False, backend: Backend = "auto"
+) -> str:
+    """The implementation that :func:`fused_linear_logprobs` runs: ``"torch"`` or ``"liger"``.
+
+    ``"auto"`` picks Liger-Kernel's Triton fused linear cross-entropy on CUDA when it is installed
+    and no entropy is asked for (it has none), else the chunked torch path. A forced ``"liger"``
+    that cannot run raises instead of silently falling back.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    usable = _liger_available(hidden) and not return_entropy
+    if backend == "liger" and not usable:
+        why = "return_entropy=True" if return_entropy else "it needs CUDA, Triton and liger-kernel"
+        raise ValueError(f"backend='liger' cannot run here: {why}; use backend='torch' or 'auto'")
+    return "liger" if usable else "torch"
+
+
+def _liger_flce(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    reduction: str,
+) -> Tensor:
+    """Liger's fused linear cross-entropy: per-token ``-log p`` [N] (``"none"``) or its sum."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    if temperature != 1.0:
+        # (h W^T + b) / T == (h / T) W^T + b / T: scale the small operands, not the logits.
+        hidden = hidden / temperature
+        bias = None if bias is None else bias / temperature
+    accum = torch.float32 if hidden.dtype != torch.float32 else None
+    # Positional: input, weight, target, bias, ce_weight, ignore_index, lse_square_scale,
+    # label_smoothing, reduction, softcap, return_z_loss, accum_dtype. With "none" Liger
+    # recomputes in backward; with "sum" it computes the gradients in the forward.
+    return LigerFusedLinearCrossEntropyFunction.apply(
+        hidden, weight, targets, bias, None, ignore_index, 0.0, 0.0, reduction, None, False, accum
+    )[0]
+
+
+def fused_linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    backend: Backend = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    Args:
+        hidden: final hidden states [N, H] (fp32, bf16 or fp16).
+        weight: LM-head weight [V, H], same dtype as ``hidden``.
+        targets: token ids [N]; rows equal to ``ignore_index`` give 0 (log-prob and entropy),
+            receive no gradient and cost no compute.
+        bias: optional LM-head bias [V].
+        temperature: divides the logits (sampling temperature of the rollout).
+        chunk_size: rows per chunk; default :func:`default_chunk_size` (a 256 MiB workspace).
+        return_entropy: also return the differentiable entropy ``-sum_v p log p`` [N].
+        backend: ``"auto"``, ``"torch"`` or ``"liger"``; see :func:`select_backend`.
+
+    Returns:
+        log-probs [N] in fp32, or ``(log-probs, entropy)``. Gradients flow to ``hidden``,
+        ``weight`` and ``bias`` in their own dtypes; low-precision inputs accumulate in fp32.
+    """
+    _check_inputs(hidden, weight, targets, bias, temperature, chunk_size)
+    if select_backend(hidden, return_entropy=return_entropy, backend=backend) == "liger":
+        nll = _liger_flce(hidden, weight, targets, bias, temperature, ignore_index, "none")
+        return -nll  # [N] fp32, 0 at ignored targets
+    chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
+    return _FusedLinearLogprobs.apply(
+        hidden,
+        weight,
+        targets.long(),
+        bias,
+        float(temperature),
+        chunk,
+        ignore_index,
+        return_entropy,
+    )
