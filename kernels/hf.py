@@ -1,0 +1,130 @@
+"""Per-token log-probs of a Hugging Face causal LM through the fused kernel, without logits.
+
+The model's own forward runs (so FSDP2's hooks all-gather the root-managed parameters: the
+embeddings, the final norm and the LM head), with two forward hooks:
+
+1. on the decoder trunk (``model.get_decoder()``, e.g. ``model.model``) to capture the final,
+   normalised hidden states ``[B, T, H]``;
+2. on the root module itself, registered *first* so that it runs while FSDP2 still holds the
+   LM-head weight unsharded (before FSDP2's post-forward hook reshards it). It computes the
+   log-probs with ``lm_head.weight`` and returns them as the module's output, so FSDP2 registers
+   its pre-backward hook on them and all-gathers the weight again before the kernel's backward.
+
+``logits_to_keep=1`` makes the model's own LM head project a single position (a ``[B, 1, V]``
+product that is dropped) instead of all ``T``. Tied embeddings need nothing special: the LM head
+weight *is* the embedding matrix, and its gradient accumulates into the one parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from torch import Tensor, nn
+
+from .logprobs import Backend, fused_linear_logprobs
+
+
+@functools.cache
+def _accepts(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.forward).parameters
+
+
+def _trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    trunk = get_decoder() if callable(get_decoder) else None
+    head = get_head() if callable(get_head) else None
+    if trunk is None or trunk is model or head is None or not hasattr(head, "weight"):
+        raise ValueError(
+            f"{type(model).__name__} is not a Hugging Face causal LM with a decoder trunk "
+            "(get_decoder()) and a linear LM head (get_output_embeddings())"
+        )
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if softcap:
+        raise ValueError(
+            f"{type(model).__name__} soft-caps its logits (final_logit_softcapping={softcap}); "
+            "the fused kernel computes plain log_softmax(h W^T + b) and does not support it"
+        )
+    return trunk, head
+
+
+def causal_lm_token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    *,
+    targets: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    **model_kwargs,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs ``[B, T-1]`` of the next tokens under ``model``, computed from its final
+    hidden states with :func:`fused_linear_logprobs` (the ``[B, T, V]`` logits never exist).
+
+    Args:
+        model: an HF causal LM (``*ForCausalLM``), plain or FSDP2-sharded (``parallelize``);
+            call it on every rank, as any FSDP forward.
+        input_ids: ``[B, T]`` token ids (padded, or packed rows with per-sample ``position_ids``).
+        targets: ``[B, T-1]`` tokens to score at positions ``0..T-2``; default
+            ``input_ids[:, 1:]``. Set ``ignore_index`` where no log-prob is wanted (prompt,
+            padding): those give 0, get no gradient and cost no LM-head compute.
+        attention_mask, position_ids, **model_kwargs: passed to the model's forward.
+        temperature, return_entropy, chunk_size, backend: as in :func:`fused_linear_logprobs`.
+
+    Returns:
+        fp32 log-probs ``[B, T-1]``, or ``(log-probs, entropy)``.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
+    b, t = input_ids.shape
+    if targets is None:
+        targets = input_ids[:, 1:]
+    if targets.shape != (b, t - 1):
+        raise ValueError(
+            f"targets must be [B, T-1] = [{b}, {t - 1}] (the next token of each position), "
+            f"got {tuple(targets.shape)}"
+        )
+    trunk, head = _trunk_and_head(model)
+    captured: dict[str, Tensor] = {}
+
+    def capture_hidden(_mod, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        captured["hidden"] = hidden  # [B, T, H], after the final norm
+
+    def logprobs_instead_of_logits(_mod, _args, _output):
+        hidden = captured.pop("hidden")[:, :-1]  # [B, T-1, H]: position i predicts token i+1
+        bias = getattr(head, "bias", None)
+        out = fused_linear_logprobs(
+            hidden.reshape(b * (t - 1), hidden.shape[-1]),
+            head.weight,
+            targets.reshape(-1),
+            bias=bias,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            return_entropy=return_entropy,
+            ignore_index=ignore_index,
+            backend=backend,
+        )
+        if return_entropy:
+            return out[0].view(b, t - 1), out[1].view(b, t - 1)
+        return out.view(b, t - 1)
+
+    kwargs = dict(model_kwargs)
+    kwargs.setdefault("use_cache", False)
+    if _accepts(type(model), "logits_to_keep"):
+        kwargs.setdefault("logits_to_keep", 1)
+    h_trunk = trunk.register_forward_hook(capture_hidden)
+    # prepend=True: run before FSDP2's post-forward hook, while the root's weights are unsharded.
+    h_root = model.register_forward_hook(logprobs_instead_of_logits, prepend=True)
+    try:
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+    finally:
+        h_trunk.remove()
+        h_root.remove()

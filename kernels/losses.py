@@ -1,0 +1,209 @@
+"""Losses on hidden states through the fused linear log-prob kernel: SFT cross-entropy and the
+GRPO-family policy loss. Neither builds the ``[tokens x vocab]`` logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .logprobs import (
+    Backend,
+    _backward,
+    _check_inputs,
+    _liger_flce,
+    _valid_rows,
+    acc_dtype,
+    default_chunk_size,
+    fused_linear_logprobs,
+    select_backend,
+)
+
+Number = int | float | Tensor
+
+
+def _denominator(num_tokens: Number | None, count: int) -> float | Tensor:
+    if num_tokens is None:
+        return float(max(count, 1))  # all targets ignored: loss 0, not NaN
+    if isinstance(num_tokens, Tensor):
+        if num_tokens.numel() != 1:
+            raise ValueError(f"num_tokens must be a scalar, got shape {tuple(num_tokens.shape)}")
+        if bool(num_tokens <= 0):
+            raise ValueError(f"num_tokens must be > 0, got {num_tokens.item()}")
+        return num_tokens.float()
+    if not num_tokens > 0:
+        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
+    return float(num_tokens)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Sum of ``-log p(target)`` over the given rows times ``scale``, with the gradients
+    computed in the forward sweep (the upstream gradient of each log-prob is ``-scale``, known
+    up front), so each chunk's logits are built once instead of twice. Backward only rescales
+    by the incoming scalar gradient (the approach of Liger-Kernel's fused linear cross-entropy).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, scale, chunk):
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+        acc = acc_dtype(hidden.dtype)
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        grad_logp = torch.full((n,), -1.0, dtype=acc, device=hidden.device)
+        if isinstance(scale, Tensor):
+            grad_logp.mul_(scale.to(acc))
+        else:
+            grad_logp.mul_(scale)
+        g_h, g_w, g_b = _backward(
+            hidden, weight, targets, bias, 1.0, chunk, grad_logp, None, None, need, logp_out=logp
+        )
+        ctx.save_for_backward(g_h, g_w, g_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return -(logp.sum() * scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = []
+        for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
+            if g is None:
+                grads.append(None)
+                continue
+            if not bool(grad_out == 1):
+                g = g * grad_out.to(g.dtype)
+            grads.append(g.to(dtype))
+        g_h, g_w, g_b = grads
+        return g_h, g_w, None, g_b, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    num_tokens: Number | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+) -> Tensor:
+    """Mean next-token negative log-likelihood from hidden states, for SFT.
+
+    Args:
+        hidden: ``[..., H]`` final hidden states; ``targets``: ``[...]`` token ids aligned with
+            them (already shifted), ``ignore_index`` where no loss is taken.
+        weight, bias: the LM head ``[V, H]`` and optional ``[V]``.
+        num_tokens: divide the summed NLL by this instead of the number of non-ignored targets.
+            Pass the loss-token count of the whole optimizer step (all micro-batches and ranks)
+            so that gradient accumulation gives the gradient of one big batch.
+
+    Returns:
+        scalar fp32 loss (0 when every target is ignored and ``num_tokens`` is None).
+
+    The torch backend computes the gradients in the forward sweep when autograd needs them
+    (3 matmuls per chunk instead of 4); Liger's fused linear cross-entropy does the same on CUDA.
+    """
+    h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    t1 = targets.reshape(-1)  # [N]
+    if t1.shape[0] != h2.shape[0]:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without H"
+        )
+    _check_inputs(h2, weight, t1, bias, 1.0, chunk_size)
+    idx = _valid_rows(t1, weight.shape[0], ignore_index)
+    count = h2.shape[0] if idx is None else idx.numel()
+    denom = _denominator(num_tokens, count)
+    if select_backend(h2, backend=backend) == "liger":
+        return _liger_flce(h2, weight, t1.long(), bias, 1.0, ignore_index, "sum") / denom
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    if not needs_grad:
+        logp = fused_linear_logprobs(
+            h2,
+            weight,
+            t1,
+            bias=bias,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            backend="torch",
+        )
+        return -logp.sum() / denom
+    if idx is not None:
+        h2, t1 = h2.index_select(0, idx), t1.index_select(0, idx)  # autograd scatters back
+    chunk = chunk_size or default_chunk_size(h2.shape[0], weight.shape[0])
+    scale = 1.0 / denom if not isinstance(denom, Tensor) else denom.reciprocal()
+    return _FusedLinearCrossEntropy.apply(h2, weight, t1.long(), bias, scale, chunk)
+
+
+def fused_linear_policy_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    entropy_coef: float = 0.0,
+    entropy_metric: bool = False,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    **policy_kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO-family policy loss from hidden states: the fused log-prob kernel composed with
+    :func:`lightrft.algorithms.losses.policy_loss` (and its entropy bonus).
+
+    Args:
+        hidden: ``[B, T, H]`` final hidden states of the policy; ``weight``/``bias``: LM head.
+        targets: ``[B, T]`` sampled token ids aligned with ``hidden`` (the token each position
+            predicts); positions where ``mask`` is 0 are skipped by the kernel.
+        old_logprobs, advantages, mask: as in ``policy_loss``.
+        temperature: the rollout's sampling temperature (log-probs of the sampled distribution).
+        entropy_coef: when nonzero, adds ``entropy_bonus(entropy, mask, entropy_coef)`` with the
+            same aggregation as the policy loss; its gradient flows through the kernel.
+        entropy_metric: report ``metrics["entropy"]`` even when ``entropy_coef`` is 0
+            (no gradient, one more pass over each chunk in the forward).
+        **policy_kwargs: ``objective``, ``clip_low``, ``clip_high``, ``dual_clip``, ``agg``,
+            ``norm_len``, ``num_tokens``, ``num_seqs``, ``rollout_logprobs``, ... passed on.
+
+    Returns:
+        ``(loss, metrics)`` exactly as the unfused composition (same value, same gradients).
+    """
+    from lightrft.algorithms.losses import OBJECTIVE_DEFAULTS, entropy_bonus, policy_loss
+
+    if hidden.dim() != 3 or targets.shape != hidden.shape[:2] or mask.shape != targets.shape:
+        raise ValueError(
+            "hidden must be [B, T, H] with targets and mask [B, T]; got "
+            f"hidden {tuple(hidden.shape)}, targets {tuple(targets.shape)}, mask {tuple(mask.shape)}"
+        )
+    b, t, h = hidden.shape
+    ignore = -100
+    kernel_targets = torch.where(mask.bool(), targets, torch.full_like(targets, ignore))
+    want_entropy = entropy_coef != 0.0 or entropy_metric
+    out = fused_linear_logprobs(
+        hidden.reshape(b * t, h),
+        weight,
+        kernel_targets.reshape(-1),
+        bias=bias,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=want_entropy,
+        ignore_index=ignore,
+        backend=backend,
+    )
+    logp, ent = out if want_entropy else (out, None)
+    loss, metrics = policy_loss(logp.view(b, t), old_logprobs, advantages, mask, **policy_kwargs)
+    if ent is not None:
+        ent = ent.view(b, t)
+        if entropy_coef != 0.0:
+            objective = policy_kwargs.get("objective", "ppo")
+            agg = policy_kwargs.get("agg") or OBJECTIVE_DEFAULTS[objective]["agg"]
+            norm = {k: policy_kwargs.get(k) for k in ("norm_len", "num_tokens", "num_seqs")}
+            term, ent_metrics = entropy_bonus(ent, mask, entropy_coef, agg=agg, **norm)
+            loss = loss + term
+        else:
+            _, ent_metrics = entropy_bonus(ent.detach(), mask, 0.0)
+        metrics = {**metrics, **ent_metrics}
+    return loss, metrics
