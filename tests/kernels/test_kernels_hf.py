@@ -1,0 +1,146 @@
+"""causal_lm_token_logprobs on tiny HF models: plain, tied embeddings, packed rows, FSDP2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_distributed
+from lightrft.kernels import causal_lm_token_logprobs
+
+from lightrft.models import load_causal_lm, make_tiny_model, parallelize
+
+IGNORE = -100
+
+
+def batch(seed: int, b: int = 3, t: int = 14):
+    """Token ids, next-token targets with prompt/padding ignored, and per-token weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 99, (b, t), generator=g)
+    targets = ids[:, 1:].clone()  # [B, T-1]
+    targets[:, :4] = IGNORE  # prompt
+    targets[-1, -3:] = IGNORE  # a shorter response
+    weights = torch.randn(b, t - 1, generator=g)
+    return ids, targets, weights
+
+
+def reference(model, ids, targets, temperature=1.0, **kw):
+    """Log-probs (and entropy) from the full logits, 0 at ignored targets."""
+    logits = model(input_ids=ids, use_cache=False, **kw).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, -1)  # [B, T-1, V]
+    valid = targets != IGNORE
+    logp = logp_all.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return torch.where(valid, logp, 0.0), torch.where(valid, ent, 0.0)
+
+
+def param_grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got, ref, atol=1e-5, rtol=1e-4):
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=atol, rtol=rtol, msg=name)
+
+
+def test_matches_logits_path_values_and_all_parameter_grads(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir)
+    ids, targets, w = batch(0)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding in one row
+    ref_lp, ref_ent = reference(model, ids, targets, 0.7, attention_mask=mask)
+    ref_g = param_grads(model, (ref_lp * w).sum() + 0.1 * (ref_ent * w).sum())
+    lp, ent = causal_lm_token_logprobs(
+        model, ids, targets=targets, attention_mask=mask, temperature=0.7, return_entropy=True
+    )
+    got_g = param_grads(model, (lp * w).sum() + 0.1 * (ent * w).sum())
+    assert lp.shape == (3, 13) and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    assert "lm_head.weight" in got_g
+    assert_grads_close(got_g, ref_g)
+    assert not model._forward_hooks and not model.get_decoder()._forward_hooks
+
+
+def test_default_targets_are_the_next_tokens(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir)
+    ids, _, _ = batch(1)
+    with torch.no_grad():
+        lp = causal_lm_token_logprobs(model, ids)
+        ref, _ = reference(model, ids, ids[:, 1:])
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tied_embeddings(tmp_path):
+    d = make_tiny_model(tmp_path / "tied", arch="llama", layers=1, hidden=32, tie_embeddings=True)
+    model = load_causal_lm(d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids, targets, w = batch(2)
+    ref_lp, _ = reference(model, ids, targets)
+    ref_g = param_grads(model, (ref_lp * w).sum())
+    lp = causal_lm_token_logprobs(model, ids, targets=targets)
+    got_g = param_grads(model, (lp * w).sum())
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    assert_grads_close(got_g, ref_g)
+
+
+def test_packed_rows_with_position_ids(tiny_model_dir):
+    """Two samples packed in one row: per-sample positions, no attention mask."""
+    model = load_causal_lm(tiny_model_dir)
+    ids = torch.randint(3, 99, (1, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    targets = ids[:, 1:].clone()
+    targets[0, 4] = IGNORE  # the boundary: token 5 starts a new sample
+    with torch.no_grad():
+        lp = causal_lm_token_logprobs(model, ids, targets=targets, position_ids=pos)
+        ref, _ = reference(model, ids, targets, position_ids=pos)
+        second = causal_lm_token_logprobs(model, ids[:, 5:])  # the second sample alone
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp[:, 5:], second, atol=1e-5, rtol=1e-5)
+
+
+def test_input_errors_and_hooks_removed(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir)
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\]"):
+        causal_lm_token_logprobs(model, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets must be \[B, T-1\]"):
+        causal_lm_token_logprobs(
+            model, torch.zeros(2, 5, dtype=torch.long), targets=torch.zeros(2, 5)
+        )
+    with pytest.raises(ValueError, match="targets must lie in"):
+        causal_lm_token_logprobs(
+            model, torch.zeros(1, 5, dtype=torch.long), targets=torch.full((1, 4), 10**6)
+        )
+    assert not model._forward_hooks and not model.get_decoder()._forward_hooks
+    with pytest.raises(ValueError, match="not a Hugging Face causal LM"):
+        causal_lm_token_logprobs(torch.nn.Linear(2, 2), torch.zeros(1, 3, dtype=torch.long))
+
+
+def _fsdp_worker(rank: int, world_size: int, dirs: list[str]) -> None:
+    torch.manual_seed(0)
+    for d in dirs:
+        ref_model = load_causal_lm(d)
+        model = parallelize(load_causal_lm(d))  # FSDP2: blocks, then the root (embed, norm, head)
+        data = [batch(10 + r) for r in range(world_size)]
+        # FSDP2 averages gradients over ranks: the reference is the mean of the ranks' losses.
+        ref_loss = 0.0
+        for r, (ids, targets, w) in enumerate(data):
+            lp_r, _ = reference(ref_model, ids, targets)
+            ref_loss = ref_loss + (lp_r * w).sum() / world_size
+            if r == rank:
+                ref_lp = lp_r.detach()
+        ref_g = param_grads(ref_model, ref_loss)
+        ids, targets, w = data[rank]
+        lp = causal_lm_token_logprobs(model, ids, targets=targets)
+        model.zero_grad(set_to_none=True)
+        (lp * w).sum().backward()
+        torch.testing.assert_close(lp.detach(), ref_lp, atol=1e-5, rtol=1e-5)
+        got_g = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        assert_grads_close(got_g, ref_g)
+
+
+def test_under_fsdp2_two_processes(tiny_model_dir, tmp_path):
+    tied = make_tiny_model(tmp_path / "tied", layers=2, hidden=64, tie_embeddings=True)
+    run_distributed(_fsdp_worker, [str(tiny_model_dir), str(tied)])
