@@ -1,0 +1,350 @@
+"""Shapes, providers, timing and a peak-memory probe for the log-prob kernel benchmarks.
+
+Used by the pytest-benchmark suite ``kernels/bench_logprobs.py`` and runnable on its own for the
+side-by-side comparison written in docs/kernels.md::
+
+    OMP_NUM_THREADS=2 python -m lightrft.kernels.benchmarking compare --tokens 4096 --repeats 3
+
+Peak memory. CUDA: the caching allocator's peak above the memory in use before the call. CPU:
+torch has no CPU allocator statistics and Python-level tracers (tracemalloc) do not see torch's
+allocations, so each measurement runs in a fresh subprocess that builds the inputs, warms the
+provider up on a tiny shape, resets the kernel's resident-set high-water mark
+(``/proc/self/clear_refs``), runs once and reads ``VmHWM``. Tensors of this size are mmap'ed and
+unmapped by the allocator, so the resident set follows the live tensors. In both cases the
+transient figure excludes the inputs and the returned gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .logprobs import fused_linear_logprobs
+
+# (vocab, hidden) of the LM heads of real models.
+CONFIGS: dict[str, tuple[int, int]] = {
+    "qwen2.5-0.5b": (151936, 896),
+    "qwen2.5-7b": (152064, 3584),
+    "llama-3-8b": (128256, 4096),
+}
+MODES = ("forward", "backward", "fwd+bwd")
+PROVIDERS = ("naive", "lightrft", "liger-chunked", "liger", "matmul")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Inputs:
+    hidden: Tensor  # [N, H], requires grad
+    weight: Tensor  # [V, H], requires grad
+    targets: Tensor  # [N]
+    grad: Tensor  # [N] upstream gradient of the log-probs
+    grad_logits: Tensor | None = None  # [N, V], only for the matmul floor
+
+    def zero_grad(self) -> None:
+        self.hidden.grad = None
+        self.weight.grad = None
+
+    def grad_bytes(self) -> int:
+        return sum(t.grad.nbytes for t in (self.hidden, self.weight) if t.grad is not None)
+
+
+def make_inputs(
+    n: int,
+    vocab: int,
+    hidden: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    floor: bool = False,
+    seed: int = 0,
+) -> Inputs:
+    """Random inputs at the scale of a trained LM head; built in place so no temporary peaks."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen).to(device=device, dtype=dtype)
+    w = torch.empty(vocab, hidden, dtype=dtype, device=device)
+    w.copy_(torch.randn(vocab, hidden, generator=gen).mul_(hidden**-0.5))
+    targets = torch.randint(0, vocab, (n,), generator=gen).to(device)
+    grad = torch.randn(n, generator=gen).to(device)
+    gz = None
+    if floor:
+        gz = torch.empty(n, vocab, dtype=dtype, device=device).normal_(generator=None)
+    return Inputs(h.requires_grad_(), w.requires_grad_(), targets, grad, gz)
+
+
+def _liger_chunked():
+    # Liger's pure-torch selective log-prob inside its chunked PPO/GRPO losses (private API of
+    # liger-kernel 0.8.x): the closest existing provider that runs on CPU.
+    from liger_kernel.chunked_loss.fused_linear_ppo import (
+        _SELECTIVE_LOGPROB_VOCAB_CHUNK_SIZE,
+        _ChunkedSelectiveLogProbFunction,
+    )
+
+    return _ChunkedSelectiveLogProbFunction, _SELECTIVE_LOGPROB_VOCAB_CHUNK_SIZE
+
+
+def provider_available(name: str, device: str | torch.device) -> bool:
+    """Whether ``name`` can run on ``device`` in this environment."""
+    if name not in PROVIDERS:
+        raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
+    if name == "liger":
+        from .logprobs import _liger_available
+
+        return _liger_available(torch.empty(0, device=device))
+    if name == "liger-chunked":
+        try:
+            _liger_chunked()
+        except Exception:
+            return False
+    return True
+
+
+def forward_fn(name: str, inp: Inputs) -> Callable[[], Tensor]:
+    """A closure computing the provider's log-probs [N] (the floor: the logits [N, V])."""
+    h, w, t = inp.hidden, inp.weight, inp.targets
+    if name == "naive":
+        return lambda: torch.log_softmax((h @ w.t()).float(), -1).gather(-1, t[:, None]).squeeze(1)
+    if name == "lightrft":
+        return lambda: fused_linear_logprobs(h, w, t, backend="torch")
+    if name == "liger":
+        return lambda: fused_linear_logprobs(h, w, t, backend="liger")
+    if name == "liger-chunked":
+        fn, vocab_chunk = _liger_chunked()
+        return lambda: fn.apply(h, w, t, None, 1.0, vocab_chunk)
+    if name == "matmul":
+        return lambda: h @ w.t()
+    raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
+
+
+def backward_fn(name: str, inp: Inputs) -> Callable[[Tensor], None]:
+    """A closure running the backward of the forward's output."""
+    if name == "matmul":
+        assert inp.grad_logits is not None, "make_inputs(floor=True) for the matmul floor"
+        return lambda out: out.backward(inp.grad_logits)
+    return lambda out: out.backward(inp.grad.to(out.dtype))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_once(name: str, mode: str, inp: Inputs) -> float:
+    """Seconds for one ``mode`` call (``backward`` times only the backward of a fresh forward)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    fwd, bwd = forward_fn(name, inp), backward_fn(name, inp)
+    dev = inp.hidden.device
+    inp.zero_grad()
+    gc.collect()
+    if mode == "backward":
+        out = fwd()
+        _sync(dev)
+        start = time.perf_counter()
+        bwd(out)
+    else:
+        _sync(dev)
+        start = time.perf_counter()
+        out = fwd()
+        if mode == "fwd+bwd":
+            bwd(out)
+    _sync(dev)
+    return time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak transient memory
+
+
+def _status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _reset_cpu_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set size (Linux >= 4.0)
+
+
+def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
+    """Peak memory of one call, measured in this process: ``above_inputs`` (MiB above what was
+    allocated before the call) and ``transient`` (that minus the returned gradients)."""
+    fwd, bwd = forward_fn(name, inp), backward_fn(name, inp)
+    dev = inp.hidden.device
+    inp.zero_grad()
+    gc.collect()
+    out = None
+    if mode == "backward":
+        out = fwd()
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev) / 2**20
+    else:
+        base = _status_mib("VmRSS")
+        _reset_cpu_peak()
+    if mode == "backward":
+        bwd(out)
+    else:
+        out = fwd()
+        if mode == "fwd+bwd":
+            bwd(out)
+    _sync(dev)
+    peak = (
+        torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _status_mib("VmHWM")
+    )
+    above = peak - base
+    return {"above_inputs": above, "transient": above - inp.grad_bytes() / 2**20}
+
+
+def peak_memory_mib(
+    name: str, mode: str, n: int, vocab: int, hidden: int, dtype: str = "float32", device="cpu"
+) -> dict[str, float]:
+    """Peak memory (MiB) of one call: ``above_inputs`` and ``transient`` (above the inputs and
+    the returned gradients). On CPU in a fresh subprocess (see the module docstring).
+    """
+    if torch.device(device).type == "cuda":
+        inp = make_inputs(
+            n, vocab, hidden, dtype=DTYPES[dtype], device=device, floor=name == "matmul"
+        )
+        _warm_up(name, device, DTYPES[dtype])
+        return _probe_in_process(name, mode, inp)
+    cmd = [sys.executable, "-m", "lightrft.kernels.benchmarking", "_probe", name, mode]
+    cmd += [str(n), str(vocab), str(hidden), dtype]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
+    if res.returncode != 0:
+        raise RuntimeError(f"memory probe {cmd} failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _warm_up(name: str, device, dtype: torch.dtype) -> None:
+    """Load libraries and initialise thread pools on a tiny shape, outside the measurement."""
+    small = make_inputs(64, 512, 32, dtype=dtype, device=device, floor=name == "matmul")
+    run_once(name, "fwd+bwd", small)
+    del small
+    gc.collect()
+
+
+def _probe_main(args: list[str]) -> None:
+    name, mode, n, vocab, hidden, dtype = args
+    _warm_up(name, "cpu", DTYPES[dtype])
+    inp = make_inputs(int(n), int(vocab), int(hidden), dtype=DTYPES[dtype], floor=name == "matmul")
+    print(json.dumps(_probe_in_process(name, mode, inp)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Side-by-side comparison (the table in docs/kernels.md)
+
+
+def compare(
+    config: str,
+    n: int,
+    *,
+    providers: tuple[str, ...] = ("naive", "matmul", "lightrft", "liger-chunked"),
+    mode: str = "fwd+bwd",
+    repeats: int = 3,
+    dtype: str = "float32",
+    device: str = "cpu",
+    memory: bool = True,
+) -> dict[str, dict[str, float]]:
+    """Time the providers round-robin (so load from other processes hits all alike) and probe
+    their peak memory. Returns ``{provider: {min_s, median_s, vs_naive, vs_matmul,
+    transient_mib, above_inputs_mib}}``; ``vs_*`` are medians of the per-round time ratios."""
+    vocab, hidden = CONFIGS[config]
+    providers = tuple(p for p in providers if provider_available(p, device))
+    inp = make_inputs(
+        n, vocab, hidden, dtype=DTYPES[dtype], device=device, floor="matmul" in providers
+    )
+    for p in providers:
+        _warm_up(p, device, DTYPES[dtype])
+    times: dict[str, list[float]] = {p: [] for p in providers}
+    for _ in range(repeats):
+        for p in providers:
+            times[p].append(run_once(p, mode, inp))
+            print(f"  {p:14s} {times[p][-1]:8.2f} s", file=sys.stderr, flush=True)
+    del inp
+    gc.collect()
+    out = {}
+    for p in providers:
+        row = {"min_s": min(times[p]), "median_s": statistics.median(times[p])}
+        # Ratios within a round share the machine's load at that moment: report their median.
+        for ref, key in (("naive", "vs_naive"), ("matmul", "vs_matmul")):
+            if ref in times:
+                row[key] = statistics.median(
+                    a / b for a, b in zip(times[p], times[ref], strict=True)
+                )
+        if memory:
+            mem = peak_memory_mib(p, mode, n, vocab, hidden, dtype, device)
+            row["transient_mib"], row["above_inputs_mib"] = mem["transient"], mem["above_inputs"]
+        out[p] = row
+    return out
+
+
+def format_table(results: dict[str, dict[str, float]]) -> str:
+    """Markdown table: times, per-round time ratios to naive and to the matmul floor, memory."""
+    lines = [
+        "| provider | min time (s) | median time (s) | time / naive | time / matmul floor "
+        "| peak transient (MiB) | memory / naive |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    naive_mem = results.get("naive", {}).get("transient_mib")
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for p, r in results.items():
+        mem = r.get("transient_mib")
+        mem_ratio = mem / naive_mem if mem is not None and naive_mem else None
+        lines.append(
+            f"| {p} | {r['min_s']:.2f} | {r['median_s']:.2f} | {fmt(r.get('vs_naive'), '.2f')} "
+            f"| {fmt(r.get('vs_matmul'), '.2f')} | {fmt(mem, '.0f')} | {fmt(mem_ratio, '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_probe":
+        _probe_main(argv[1:])
+        return
+    ap = argparse.ArgumentParser(prog="python -m lightrft.kernels.benchmarking")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare", help="time and memory of the providers side by side")
+    c.add_argument("--config", default="qwen2.5-0.5b", choices=sorted(CONFIGS))
+    c.add_argument("--tokens", type=int, default=4096)
+    c.add_argument("--mode", default="fwd+bwd", choices=MODES)
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    c.add_argument("--providers", default="naive,matmul,lightrft,liger-chunked,liger")
+    c.add_argument("--no-memory", action="store_true")
+    a = ap.parse_args(argv)
+    res = compare(
+        a.config,
+        a.tokens,
+        providers=tuple(a.providers.split(",")),
+        mode=a.mode,
+        repeats=a.repeats,
+        dtype=a.dtype,
+        device=a.device,
+        memory=not a.no_memory,
+    )
+    print(json.dumps(res, indent=1))
+    print(format_table(res))
+
+
+if __name__ == "__main__":
+    main()
