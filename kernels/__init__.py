@@ -5,19 +5,22 @@ folder as a top-level ``kernels``, which is Hugging Face's kernel-hub package na
   LM-head weight, chunked, with a recomputing backward; Liger-Kernel's Triton path on CUDA.
 - :func:`fused_linear_cross_entropy`: the SFT loss on hidden states.
 - :func:`fused_linear_policy_loss`: the GRPO-family policy loss on hidden states.
-- :func:`causal_lm_token_logprobs`: next-token log-probs of an HF causal LM (plain or FSDP2).
+- :func:`causal_lm_token_logprobs`, :func:`causal_lm_cross_entropy`: next-token log-probs / the
+  SFT loss of an HF causal LM (plain or FSDP2); :func:`forward_on_hidden` for other heads.
 
 See docs/kernels.md.
 """
 
-from .hf import causal_lm_token_logprobs
+from .hf import causal_lm_cross_entropy, causal_lm_token_logprobs, forward_on_hidden
 from .logprobs import BACKENDS, default_chunk_size, fused_linear_logprobs, select_backend
 from .losses import fused_linear_cross_entropy, fused_linear_policy_loss
 
 __all__ = [
     "BACKENDS",
+    "causal_lm_cross_entropy",
     "causal_lm_token_logprobs",
     "default_chunk_size",
+    "forward_on_hidden",
     "fused_linear_cross_entropy",
     "fused_linear_logprobs",
     "fused_linear_policy_loss",

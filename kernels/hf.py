@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor, nn
 
 from .logprobs import Backend, fused_linear_logprobs
+from .losses import fused_linear_cross_entropy
 
 
 @functools.cache
@@ -47,6 +50,63 @@ def _trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
             "the fused kernel computes plain log_softmax(h W^T + b) and does not support it"
         )
     return trunk, head
+
+
+def _check_ids(input_ids: Tensor, targets: Tensor | None) -> Tensor:
+    """Validate ``input_ids`` [B, T] and return the next-token targets [B, T-1]."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
+    b, t = input_ids.shape
+    if targets is None:
+        return input_ids[:, 1:]
+    if targets.shape != (b, t - 1):
+        raise ValueError(
+            f"targets must be [B, T-1] = [{b}, {t - 1}] (the next token of each position), "
+            f"got {tuple(targets.shape)}"
+        )
+    return targets
+
+
+def forward_on_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    fn: Callable[[Tensor, Tensor, Tensor | None], Any],
+    *,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    **model_kwargs,
+) -> Any:
+    """Run ``model``'s forward and return ``fn(hidden [B, T-1, H], lm_head.weight, lm_head.bias)``
+    computed inside it, where FSDP2 holds the LM head unsharded (see the module docstring).
+
+    ``hidden[:, i]`` is the final hidden state that predicts token ``i + 1``. ``fn``'s result
+    replaces the model's output, so it must be a tensor or a tuple of tensors.
+    """
+    trunk, head = _trunk_and_head(model)
+    captured: dict[str, Tensor] = {}
+
+    def capture_hidden(_mod, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        captured["hidden"] = hidden  # [B, T, H], after the final norm
+
+    def compute_instead_of_logits(_mod, _args, _output):
+        hidden = captured.pop("hidden")[:, :-1]  # [B, T-1, H]
+        return fn(hidden, head.weight, getattr(head, "bias", None))
+
+    kwargs = dict(model_kwargs)
+    kwargs.setdefault("use_cache", False)
+    if _accepts(type(model), "logits_to_keep"):
+        kwargs.setdefault("logits_to_keep", 1)
+    h_trunk = trunk.register_forward_hook(capture_hidden)
+    # prepend=True: run before FSDP2's post-forward hook, while the root's weights are unsharded.
+    h_root = model.register_forward_hook(compute_instead_of_logits, prepend=True)
+    try:
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+    finally:
+        h_trunk.remove()
+        h_root.remove()
 
 
 def causal_lm_token_logprobs(
@@ -79,29 +139,13 @@ def causal_lm_token_logprobs(
     Returns:
         fp32 log-probs ``[B, T-1]``, or ``(log-probs, entropy)``.
     """
-    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
-        raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
-    b, t = input_ids.shape
-    if targets is None:
-        targets = input_ids[:, 1:]
-    if targets.shape != (b, t - 1):
-        raise ValueError(
-            f"targets must be [B, T-1] = [{b}, {t - 1}] (the next token of each position), "
-            f"got {tuple(targets.shape)}"
-        )
-    trunk, head = _trunk_and_head(model)
-    captured: dict[str, Tensor] = {}
+    targets = _check_ids(input_ids, targets)
+    b, t1 = targets.shape
 
-    def capture_hidden(_mod, _args, output):
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        captured["hidden"] = hidden  # [B, T, H], after the final norm
-
-    def logprobs_instead_of_logits(_mod, _args, _output):
-        hidden = captured.pop("hidden")[:, :-1]  # [B, T-1, H]: position i predicts token i+1
-        bias = getattr(head, "bias", None)
+    def logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None):
         out = fused_linear_logprobs(
-            hidden.reshape(b * (t - 1), hidden.shape[-1]),
-            head.weight,
+            hidden.reshape(b * t1, hidden.shape[-1]),
+            weight,
             targets.reshape(-1),
             bias=bias,
             temperature=temperature,
@@ -111,20 +155,58 @@ def causal_lm_token_logprobs(
             backend=backend,
         )
         if return_entropy:
-            return out[0].view(b, t - 1), out[1].view(b, t - 1)
-        return out.view(b, t - 1)
+            return out[0].view(b, t1), out[1].view(b, t1)
+        return out.view(b, t1)
 
-    kwargs = dict(model_kwargs)
-    kwargs.setdefault("use_cache", False)
-    if _accepts(type(model), "logits_to_keep"):
-        kwargs.setdefault("logits_to_keep", 1)
-    h_trunk = trunk.register_forward_hook(capture_hidden)
-    # prepend=True: run before FSDP2's post-forward hook, while the root's weights are unsharded.
-    h_root = model.register_forward_hook(logprobs_instead_of_logits, prepend=True)
-    try:
-        return model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+    return forward_on_hidden(
+        model,
+        input_ids,
+        logprobs,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        **model_kwargs,
+    )
+
+
+def causal_lm_cross_entropy(
+    model: nn.Module,
+    input_ids: Tensor,
+    *,
+    targets: Tensor | None = None,
+    num_tokens: int | float | Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    **model_kwargs,
+) -> Tensor:
+    """Mean next-token NLL of ``model`` (the SFT loss) via :func:`fused_linear_cross_entropy`.
+
+    ``targets`` as in :func:`causal_lm_token_logprobs` (``ignore_index`` where no loss is taken);
+    ``num_tokens``: the divisor (e.g. the loss-token count of the whole optimizer step across
+    micro-batches and ranks), default the number of non-ignored targets. When autograd is on,
+    the gradients are computed during the forward (3 LM-head matmuls per chunk instead of 4).
+    """
+    targets = _check_ids(input_ids, targets)
+
+    def cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return fused_linear_cross_entropy(
+            hidden,
+            weight,
+            targets,
+            bias=bias,
+            ignore_index=ignore_index,
+            num_tokens=num_tokens,
+            chunk_size=chunk_size,
+            backend=backend,
         )
-    finally:
-        h_trunk.remove()
-        h_root.remove()
+
+    return forward_on_hidden(
+        model,
+        input_ids,
+        cross_entropy,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        **model_kwargs,
+    )

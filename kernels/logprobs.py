@@ -42,6 +42,14 @@ def default_chunk_size(n_rows: int, vocab: int) -> int:
     return max(1, min(max(rows, _ROW_MULTIPLE), n_rows))
 
 
+def _is_dtensor(x: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
 def _check_inputs(
     hidden: Tensor,
     weight: Tensor,
@@ -64,6 +72,11 @@ def _check_inputs(
         )
     if targets.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"targets must be an integer tensor (int64), got {targets.dtype}")
+    if _is_dtensor(weight) or _is_dtensor(hidden):
+        raise ValueError(
+            "hidden/weight is a sharded DTensor (FSDP2): compute inside the root module's "
+            "forward, e.g. with lightrft.kernels.causal_lm_token_logprobs / forward_on_hidden"
+        )
     if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
         raise ValueError(
             f"hidden and weight must share one floating dtype, got {hidden.dtype} and {weight.dtype}"

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_distributed
-from lightrft.kernels import causal_lm_token_logprobs
+from lightrft.kernels import (
+    causal_lm_cross_entropy,
+    causal_lm_token_logprobs,
+    fused_linear_logprobs,
+)
 
 from lightrft.models import load_causal_lm, make_tiny_model, parallelize
 
@@ -101,6 +105,23 @@ def test_packed_rows_with_position_ids(tiny_model_dir):
     torch.testing.assert_close(lp[:, 5:], second, atol=1e-5, rtol=1e-5)
 
 
+def test_cross_entropy_matches_hf_loss(tiny_model_dir):
+    """The SFT loss equals the model's own (logits-based) shifted cross-entropy, with grads."""
+    model = load_causal_lm(tiny_model_dir)
+    ids, targets, _ = batch(4)
+    labels = torch.cat([torch.full_like(ids[:, :1], IGNORE), targets], dim=1)  # HF shifts inside
+    ref = model(input_ids=ids, labels=labels, use_cache=False).loss
+    ref_g = param_grads(model, ref)
+    loss = causal_lm_cross_entropy(model, ids, targets=targets)
+    got_g = param_grads(model, loss)
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-5)
+    assert_grads_close(got_g, ref_g)
+    # With a global token count: the loss (and gradient) scale by count / num_tokens.
+    n = int((targets != IGNORE).sum())
+    scaled = causal_lm_cross_entropy(model, ids, targets=targets, num_tokens=4 * n)
+    torch.testing.assert_close(scaled, ref.detach() / 4, atol=1e-6, rtol=1e-5)
+
+
 def test_input_errors_and_hooks_removed(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir)
     with pytest.raises(ValueError, match=r"input_ids must be \[B, T\]"):
@@ -139,6 +160,20 @@ def _fsdp_worker(rank: int, world_size: int, dirs: list[str]) -> None:
         torch.testing.assert_close(lp.detach(), ref_lp, atol=1e-5, rtol=1e-5)
         got_g = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
         assert_grads_close(got_g, ref_g)
+
+        # The SFT loss, normalised by the token count of both ranks, through the same hooks.
+        total = sum(int((tg != IGNORE).sum()) for _, tg, _ in data)
+        ref_ce = sum(-reference(ref_model, i, tg)[0].sum() / total for i, tg, _ in data)
+        ref_g = param_grads(ref_model, ref_ce)
+        model.zero_grad(set_to_none=True)
+        causal_lm_cross_entropy(model, ids, targets=targets, num_tokens=total).backward()
+        got_g = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        # Each rank's loss is its share of the global mean; FSDP2 averages over ranks.
+        assert_grads_close({n: g * world_size for n, g in got_g.items()}, ref_g)
+
+        # Outside the root's forward the LM head is a sharded DTensor: a clear error.
+        with pytest.raises(ValueError, match="sharded DTensor"):
+            fused_linear_logprobs(torch.zeros(2, 64), model.lm_head.weight, torch.zeros(2).long())
 
 
 def test_under_fsdp2_two_processes(tiny_model_dir, tmp_path):
