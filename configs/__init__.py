@@ -1,0 +1,1 @@
+"""Shipped configs (YAML), installed as ``lightrft.configs``; see ``lightrft ls``."""
