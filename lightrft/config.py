@@ -14,6 +14,7 @@ Schema language (plain Python, so a copied recipe edits it in place)::
         "optimizer": Component,                  # a mapping with `_component_`
         "prepare": list[Component] | None,
         "model": {"path": str, "dtype": Literal["float32", "bf16"] | None},   # nested keys
+        "metrics": {"tensorboard": bool | None},  # all members optional: may be absent or null
         "extra": dict,                           # free-form mapping, not checked
     }
 """
@@ -228,6 +229,8 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
 
 def _check(cfg: Any, schema: Any, key: str, src: Source, errors: list[str]) -> None:
     if isinstance(schema, Mapping):
+        if cfg is None and _optional(schema):
+            return
         if not isinstance(cfg, (dict, DictConfig)):
             errors.append(f"{src.where(key)}: '{key}' must be a mapping")
             return
@@ -279,6 +282,9 @@ def _is_union(t: Any) -> bool:
 
 
 def _optional(schema: Any) -> bool:
+    """May the key be absent or null? ``X | None``, or a section whose keys are all optional."""
+    if isinstance(schema, Mapping):
+        return all(_optional(sub) for sub in schema.values())
     return _is_union(schema) and type(None) in typing.get_args(schema)
 
 

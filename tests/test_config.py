@@ -3,6 +3,7 @@
 from typing import Literal
 
 import pytest
+from omegaconf import OmegaConf
 
 from lightrft.config import Component, ConfigError, check, instantiate, load
 
@@ -123,3 +124,16 @@ def test_instantiate_builds_component(cfg_file):
     cfg, _ = load(cfg_file)
     opt = instantiate(cfg.optimizer, [torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == 1e-3
+
+
+def test_section_with_only_optional_keys_may_be_absent_or_null():
+    schema = {"out": str, "metrics": {"tensorboard": bool | None}, "model": {"path": str}}
+    check(OmegaConf.create({"out": "x", "model": {"path": "p"}}), schema)
+    check(OmegaConf.create({"out": "x", "metrics": None, "model": {"path": "p"}}), schema)
+    with pytest.raises(ConfigError, match="missing required key 'model'"):
+        check(OmegaConf.create({"out": "x"}), schema)
+    with pytest.raises(ConfigError, match="unknown key 'metrics.tensorbord'"):
+        check(
+            OmegaConf.create({"out": "x", "metrics": {"tensorbord": True}, "model": {"path": "p"}}),
+            schema,
+        )
