@@ -2,6 +2,12 @@
 
 from lightrft.models.loading import load_causal_lm, load_tokenizer
 from lightrft.models.parallel import parallelize
-from lightrft.models.tiny import make_tiny_model
+from lightrft.models.tiny import ensure_tiny_model, make_tiny_model
 
-__all__ = ["load_causal_lm", "load_tokenizer", "make_tiny_model", "parallelize"]
+__all__ = [
+    "ensure_tiny_model",
+    "load_causal_lm",
+    "load_tokenizer",
+    "make_tiny_model",
+    "parallelize",
+]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,4 +143,24 @@ def make_tiny_model(
     tok_cfg = json.loads(cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+    return out
+
+
+_SETTINGS_FILE = "lightrft_tiny.json"
+
+
+def ensure_tiny_model(out_dir: str | Path, **settings: Any) -> Path:
+    """:func:`make_tiny_model` unless ``out_dir`` already holds a tiny model made with these
+    settings (recorded in ``lightrft_tiny.json``). Configs call it in ``prepare:`` so that a demo
+    runs as it is on a fresh checkout and a rerun or a resume reuses the same model."""
+    out = Path(out_dir)
+    record = out / _SETTINGS_FILE
+    try:
+        made = json.loads(record.read_text())
+    except (OSError, json.JSONDecodeError):
+        made = None
+    if made == settings and (out / "config.json").is_file():
+        return out
+    make_tiny_model(out, **settings)
+    record.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
     return out
