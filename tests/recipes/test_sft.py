@@ -1,0 +1,231 @@
+"""The SFT recipe through the real CLI, in-process: 1 process, 2 gloo processes, resume, export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _dist import run_distributed
+
+from lightrft import cli
+from lightrft.training import read_metrics
+
+
+def _config(tmp: Path, **overrides) -> Path:
+    """A small SFT config on a 2-layer tiny model and 240 arithmetic problems."""
+    cfg = {
+        "output_dir": str(tmp / "out"),
+        "seed": 0,
+        "device": "cpu",
+        "prepare": [
+            {
+                "_component_": "lightrft.models.ensure_tiny_model",
+                "out_dir": str(tmp / "model"),
+                "layers": 2,
+                "hidden": 32,
+                "heads": 2,
+                "kv_heads": 1,
+                "max_positions": 64,
+            },
+            {
+                "_component_": "lightrft.data.ensure_arith_dataset",
+                "out_dir": str(tmp / "data"),
+                "n_train": 240,
+                "n_test": 40,
+                "digits": 2,
+            },
+        ],
+        "model": {"path": str(tmp / "model")},
+        "dataset": {
+            "_component_": "lightrft.data.SFTDataset",
+            "path": str(tmp / "data" / "train.jsonl"),
+            "max_length": 48,
+        },
+        "eval_dataset": {
+            "_component_": "lightrft.data.SFTDataset",
+            "path": str(tmp / "data" / "test.jsonl"),
+        },
+        "packing": True,
+        "batch_size": 16,
+        "gradient_accumulation_steps": 2,
+        "epochs": 1,
+        "max_steps": 6,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-2},
+        "lr_scheduler": {"warmup_steps": 2},
+        "clip_grad_norm": 1.0,
+        "log_every": 1,
+        "eval_every": 3,
+        "metrics": {"tensorboard": True},
+    }
+    cfg.update(overrides)
+    path = tmp / "sft.yaml"
+    path.write_text("# lightrft run sft --config sft.yaml\n" + yaml.safe_dump(cfg))
+    return path
+
+
+def _losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
+
+
+def test_sft_one_process_learns_logs_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(
+        tmp_path, max_steps=None, epochs=2, save_every=7
+    )  # 240 / (16 * 2) = 7 steps per epoch
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, 15))
+    assert losses[14] < 0.8 * losses[1], losses
+    records = read_metrics(out)
+    evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+    assert len(evals) == 1 + 4 + 1 and evals[-1] < evals[0]  # start, every 3 steps, end (14)
+    last = [r for r in records if "train/loss" in r][-1]
+    for key in ("train/grad_norm", "train/lr", "train/tokens_per_s", "memory/peak_rss_gib"):
+        assert key in last
+    assert any("data/loss_tokens" in r for r in records)
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+    # Export round trip: the HF directory loads with AutoModelForCausalLM and gives the logits
+    # of the checkpoint the run ended with.
+    final = out / "final"
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 9, 23, 11, 30]])
+    from lightrft.training import Checkpointer
+
+    ckpt_model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    Checkpointer(out).load_latest(models=ckpt_model, required=True)
+    assert torch.equal(exported(ids).logits, ckpt_model(ids).logits)
+
+
+def test_sft_resume_gives_the_uninterrupted_loss_curve(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    cfg = _config(full, save_every=3, keep_last=5, eval_every=None)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    reference = _losses(full / "out")
+    assert sorted(reference) == [1, 2, 3, 4, 5, 6]
+
+    # The state on disk of a run that crashed after its step-3 checkpoint.
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(full / "out" / "checkpoints" / "step_000003", ckpts / "step_000003")
+    (ckpts / "latest").write_text("step_000003")
+    shutil.copytree(full / "model", crashed / "model")
+    shutil.copytree(full / "data", crashed / "data")
+    cfg = _config(crashed, save_every=3, keep_last=5, eval_every=None, resume=True)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    resumed = _losses(crashed / "out")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == reference[step], step  # bitwise on CPU fp32
+
+
+def test_sft_resume_at_an_epoch_boundary_starts_the_next_epoch(tmp_path):
+    # 240 samples / (16 * 2) = 7 steps per epoch; a checkpoint at step 7 ends epoch 0.
+    cfg = _config(tmp_path, max_steps=None, epochs=2, save_every=7, eval_every=None)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    reference = _losses(tmp_path / "out")
+    shutil.rmtree(tmp_path / "out" / "checkpoints" / "step_000014")
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("step_000007")
+    shutil.rmtree(tmp_path / "out" / "final")
+    cfg = _config(tmp_path, max_steps=None, epochs=2, save_every=7, eval_every=None, resume=True)
+    (tmp_path / "out" / "metrics.jsonl").rename(tmp_path / "first.jsonl")
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    resumed = _losses(tmp_path / "out")
+    assert sorted(resumed) == list(range(8, 15))
+    assert all(resumed[s] == reference[s] for s in resumed)
+
+
+def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
+    import runpy
+
+    from torch.distributed.tensor import DTensor
+
+    from lightrft import config as lconfig
+    from lightrft.cli import recipes_dir
+
+    module = runpy.run_path(str(recipes_dir() / "sft.py"))
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = module["SFTRecipe"](cfg)
+    recipe.setup(cfg)
+    params = list(recipe.model.parameters())
+    assert params and all(isinstance(p, DTensor) for p in params)
+    assert all(p.placements[0].is_shard() for p in params)
+    recipe.train()
+    recipe.logger.close()
+    if rank == 0:
+        losses = _losses(Path(cfg.output_dir))
+        assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+        assert losses[6] < 0.85 * losses[1], losses
+
+
+def test_sft_two_gloo_processes_shard_and_learn(tmp_path):
+    cfg = _config(tmp_path, gradient_accumulation_steps=1, batch_size=8, eval_every=None)
+    run_distributed(_two_rank_sft, str(cfg), world_size=2)
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
+    cfg = _config(tmp_path)
+    # A misspelled key names itself and the closest valid key.
+    assert cli.main(["run", "sft", "--config", str(cfg), "optimizer.lr=abc"]) == 2
+    assert "optimizer.lr" in capsys.readouterr().err
+    assert cli.main(["run", "sft", "--config", str(cfg), "batch_sise=4"]) == 2
+    err = capsys.readouterr().err
+    assert "batch_sise" in err and "batch_size" in err
+    # resume=true with nothing to resume from.
+    with pytest.raises(ValueError, match="resume=true but no checkpoint"):
+        cli.main(["run", "sft", "--config", str(cfg), "resume=true"])
+    # A missing data file names the path.
+    cfg2 = _config(
+        tmp_path,
+        prepare=[
+            {
+                "_component_": "lightrft.models.ensure_tiny_model",
+                "out_dir": str(tmp_path / "model"),
+                "layers": 1,
+                "hidden": 16,
+                "heads": 2,
+                "kv_heads": 1,
+            }
+        ],
+    )
+    with pytest.raises(Exception, match="train.jsonl"):
+        cli.main(["run", "sft", "--config", str(cfg2)])
+
+
+def test_cli_ls_cp_validate_and_run_a_copied_recipe(tmp_path, capsys):
+    assert cli.main(["ls"]) == 0
+    listing = capsys.readouterr().out
+    assert "sft" in listing and "tiny/arith_sft" in listing
+    assert cli.main(["validate", "tiny/arith_sft"]) == 0
+    assert cli.main(["validate", "tiny/arith_sft", "optimizer.lr=abc"]) != 0
+    capsys.readouterr()
+
+    copy = tmp_path / "my_sft.py"
+    assert cli.main(["cp", "sft", str(copy)]) == 0
+    # The user's edit: a marker metric logged at the end.
+    src = copy.read_text().replace(
+        '        export_hf(self.model, self.tokenizer, self.output_dir / "final")',
+        '        self.logger.log(self.step, {"custom/edited": 1.0})\n'
+        '        export_hf(self.model, self.tokenizer, self.output_dir / "final")',
+    )
+    assert "custom/edited" in src
+    copy.write_text(src)
+    cfg = _config(tmp_path, max_steps=2, eval_every=None)
+    assert cli.main(["run", str(copy), "--config", str(cfg)]) == 0
+    assert any(r.get("custom/edited") == 1.0 for r in read_metrics(tmp_path / "out"))
+
+    conf_copy = tmp_path / "mine.yaml"
+    assert cli.main(["cp", "tiny/arith_sft", str(conf_copy)]) == 0
+    assert conf_copy.read_text().startswith("# lightrft run sft")
+    json.dumps(yaml.safe_load(conf_copy.read_text()))  # plain YAML
