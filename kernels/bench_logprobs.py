@@ -19,6 +19,7 @@ import os
 
 import pytest
 import torch
+
 from lightrft.kernels.benchmarking import (
     CONFIGS,
     DTYPES,
@@ -108,4 +109,4 @@ def test_logprobs(benchmark, config, provider, mode):
     if benchmark.enabled:
         mem = peak_memory_mib(provider, mode, TOKENS, vocab, hidden, DTYPE, DEVICE)
         benchmark.extra_info["peak_transient_mib"] = round(mem["transient"], 1)
-        benchmark.extra_info["peak_above_inputs_mib"] = round(mem["above_inputs"], 1)
+        benchmark.extra_info["peak_above_inputs_mib"] = round(mem["peak_above_inputs"], 1)

@@ -5,13 +5,20 @@ side-by-side comparison written in docs/kernels.md::
 
     OMP_NUM_THREADS=2 python -m lightrft.kernels.benchmarking compare --tokens 4096 --repeats 3
 
-Peak memory. CUDA: the caching allocator's peak above the memory in use before the call. CPU:
-torch has no CPU allocator statistics and Python-level tracers (tracemalloc) do not see torch's
-allocations, so each measurement runs in a fresh subprocess that builds the inputs, warms the
-provider up on a tiny shape, resets the kernel's resident-set high-water mark
-(``/proc/self/clear_refs``), runs once and reads ``VmHWM``. Tensors of this size are mmap'ed and
-unmapped by the allocator, so the resident set follows the live tensors. In both cases the
-transient figure excludes the inputs and the returned gradients.
+Peak memory, two figures per call:
+
+- ``transient``: from the torch profiler's allocator events (``profile_memory=True``), the bytes
+  allocated during the call minus the returned gradients still alive, at the worst moment. This
+  is exact for torch tensors on CPU and CUDA alike; Python tracers (tracemalloc) do not see
+  torch's allocations, and CPU torch keeps no allocator statistics.
+- ``peak_above_inputs``: the whole footprint's peak above the moment before the call, returned
+  gradients and non-torch buffers (BLAS workspaces) included. CPU: the process's resident-set
+  high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``); tensors of this size are
+  mmap'ed and unmapped by the allocator, so the resident set follows the live tensors. CUDA: the
+  caching allocator's peak.
+
+On CPU each measurement runs in a fresh subprocess that builds the inputs, warms the provider up
+on a tiny shape and runs once.
 """
 
 from __future__ import annotations
@@ -179,9 +186,53 @@ def _reset_cpu_peak() -> None:
         f.write("5")  # resets VmHWM to the current resident set size (Linux >= 4.0)
 
 
+def _allocations(prof, device: torch.device) -> list[tuple[int, int, int, int]]:
+    """(time, address, bytes (+alloc / -free), bytes allocated since the start) of the torch
+    allocator events on ``device``, in time order."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        stack.extend(ev.children)
+        if ev.tag == _EventType.Allocation:
+            f = ev.extra_fields
+            if f.device.type == device.type:
+                events.append((ev.start_time_ns, f.ptr, f.alloc_size))
+    # The allocator's own ``total_allocated`` is a process-wide counter on CPU that keeps
+    # tensors from earlier profiling sessions freed while no profiler ran: sum the events instead.
+    out, total = [], 0
+    for t, ptr, size in sorted(events):
+        total += size
+        out.append((t, ptr, size, total))
+    return out
+
+
+def transient_peak_bytes(events: list[tuple[int, int, int, int]], grad_ptrs: set[int]) -> int:
+    """Peak over time of (bytes allocated since the start) minus (returned gradients alive).
+
+    A returned gradient is the last allocation at the address of a final ``.grad``; it counts
+    as alive from that allocation on.
+    """
+    last = {ptr: i for i, (_, ptr, size, _) in enumerate(events) if size > 0 and ptr in grad_ptrs}
+    grad_at = {i: events[i][2] for i in last.values()}
+    peak = grads_alive = 0
+    for i, (_, _, _, total) in enumerate(events):
+        grads_alive += grad_at.get(i, 0)
+        peak = max(peak, total - grads_alive)
+    return peak
+
+
 def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
-    """Peak memory of one call, measured in this process: ``above_inputs`` (MiB above what was
-    allocated before the call) and ``transient`` (that minus the returned gradients)."""
+    """Peak memory of one call in this process, in MiB.
+
+    ``transient``: torch allocations made during the call, minus the returned gradients, at its
+    worst moment (from the profiler's allocation events). ``peak_above_inputs``: the peak of the
+    whole footprint above the moment before the call, returned gradients and non-torch buffers
+    (BLAS workspaces) included: resident set on CPU, the caching allocator on CUDA.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
     fwd, bwd = forward_fn(name, inp), backward_fn(name, inp)
     dev = inp.hidden.device
     inp.zero_grad()
@@ -196,26 +247,29 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     else:
         base = _status_mib("VmRSS")
         _reset_cpu_peak()
-    if mode == "backward":
-        bwd(out)
-    else:
-        out = fwd()
-        if mode == "fwd+bwd":
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        if mode == "backward":
             bwd(out)
-    _sync(dev)
+        else:
+            out = fwd()
+            if mode == "fwd+bwd":
+                bwd(out)
+        _sync(dev)
     peak = (
         torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _status_mib("VmHWM")
     )
-    above = peak - base
-    return {"above_inputs": above, "transient": above - inp.grad_bytes() / 2**20}
+    grads = {t.grad.data_ptr() for t in (inp.hidden, inp.weight) if t.grad is not None}
+    transient = transient_peak_bytes(_allocations(prof, dev), grads)
+    return {"transient": transient / 2**20, "peak_above_inputs": peak - base}
 
 
 def peak_memory_mib(
     name: str, mode: str, n: int, vocab: int, hidden: int, dtype: str = "float32", device="cpu"
 ) -> dict[str, float]:
-    """Peak memory (MiB) of one call: ``above_inputs`` and ``transient`` (above the inputs and
-    the returned gradients). On CPU in a fresh subprocess (see the module docstring).
-    """
+    """Peak memory (MiB) of one call: ``transient`` and ``peak_above_inputs`` (see
+    ``_probe_in_process``). On CPU in a fresh subprocess, so that nothing cached from earlier
+    calls hides an allocation."""
     if torch.device(device).type == "cuda":
         inp = make_inputs(
             n, vocab, hidden, dtype=DTYPES[dtype], device=device, floor=name == "matmul"
@@ -262,7 +316,7 @@ def compare(
 ) -> dict[str, dict[str, float]]:
     """Time the providers round-robin (so load from other processes hits all alike) and probe
     their peak memory. Returns ``{provider: {min_s, median_s, vs_naive, vs_matmul,
-    transient_mib, above_inputs_mib}}``; ``vs_*`` are medians of the per-round time ratios."""
+    transient_mib, peak_above_inputs_mib}}``; ``vs_*`` are medians of the per-round time ratios."""
     vocab, hidden = CONFIGS[config]
     providers = tuple(p for p in providers if provider_available(p, device))
     inp = make_inputs(
@@ -288,7 +342,8 @@ def compare(
                 )
         if memory:
             mem = peak_memory_mib(p, mode, n, vocab, hidden, dtype, device)
-            row["transient_mib"], row["above_inputs_mib"] = mem["transient"], mem["above_inputs"]
+            row["transient_mib"] = mem["transient"]
+            row["peak_above_inputs_mib"] = mem["peak_above_inputs"]
         out[p] = row
     return out
 

@@ -2,20 +2,22 @@
 
 The naive path materialises ``[N, V]`` logits, their log-softmax and, in backward, two more
 ``[N, V]`` gradients: 10 GB per tensor for 16k tokens of a 152k vocabulary in fp32. Here the rows
-are processed in chunks of ``chunk_size``; one ``[chunk, V]`` fp32 workspace is reused for every
-chunk, and the backward recomputes each chunk's logits instead of storing them (the chunking idea
-of Liger-Kernel's fused linear cross-entropy, Hsu et al. 2024, arXiv:2410.10989, applied to
-per-token log-probs whose upstream gradient is only known in backward).
+are processed in chunks; one ``[chunk, V]`` fp32 workspace is reused for every chunk, and the
+backward recomputes each chunk's logits instead of storing them (the chunking of Liger-Kernel's
+fused linear cross-entropy, Hsu et al. 2024, arXiv:2410.10989, applied to per-token log-probs,
+whose upstream gradient is only known in backward).
 
-Per chunk the backward needs ``P = softmax(z)`` (``z`` = scaled logits) and, for
-``d logp_i / dz = onehot(t_i) - p_i``, folds the upstream gradient into the small ``[chunk, H]``
-operands instead of the big ``[chunk, V]`` one::
+Per chunk the forward is one matmul into the workspace and one row-fused in-place log-softmax.
+The backward rebuilds ``P = softmax(z)`` in place, subtracts the one-hot of the targets in place
+(``d logp / dz = onehot - p``) and puts the per-row upstream gradient ``g`` on the small
+``[chunk, H]`` operands instead of the ``[chunk, V]`` one::
 
-    grad_h = g * (W[t] - P @ W) / T
-    grad_W += -(P.T @ (g * h)) / T + scatter_rows(t, g * h / T)
+    grad_h  = -(g / T) * ((P - onehot) @ W)
+    grad_W += (P - onehot).T @ (-(g / T) * h)
 
-so each chunk costs one row-fused in-place softmax pass plus three matmuls. Entropy
-``-sum p log p`` has ``dH/dz = -p * (log p + H)``, which needs one more ``[chunk, V]`` pass.
+so a chunk costs one elementwise pass and three matmuls. The last chunk of the forward is still in
+the workspace when the backward starts, so the backward does it first without rebuilding it.
+Entropy ``H = -sum p log p`` has ``dH/dz = -p (log p + H)``: one more ``[chunk, V]`` pass.
 """
 
 from __future__ import annotations

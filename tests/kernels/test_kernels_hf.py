@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_distributed
+
 from lightrft.kernels import (
     causal_lm_cross_entropy,
     causal_lm_token_logprobs,
+    forward_on_hidden,
     fused_linear_logprobs,
+    fused_linear_policy_loss,
 )
-
 from lightrft.models import load_causal_lm, make_tiny_model, parallelize
 
 IGNORE = -100
@@ -139,7 +141,42 @@ def test_input_errors_and_hooks_removed(tiny_model_dir):
         causal_lm_token_logprobs(torch.nn.Linear(2, 2), torch.zeros(1, 3, dtype=torch.long))
 
 
-def _fsdp_worker(rank: int, world_size: int, dirs: list[str]) -> None:
+def policy_loss_via_hidden(model, ids, targets, old, adv):
+    """The GRPO recipe's route under FSDP2: the fused policy loss inside the model's forward."""
+    mask = targets != IGNORE
+    tgt = torch.where(mask, targets, 0)
+
+    def fn(hidden, weight, bias):
+        return fused_linear_policy_loss(
+            hidden, weight, tgt, old, adv, mask, bias=bias, clip_low=0.2, clip_high=0.28
+        )
+
+    return forward_on_hidden(model, ids, fn)
+
+
+def policy_loss_reference(model, ids, targets, old, adv):
+    from lightrft.algorithms.losses import policy_loss
+
+    lp, _ = reference(model, ids, targets)
+    return policy_loss(lp, old, adv, targets != IGNORE, clip_low=0.2, clip_high=0.28)
+
+
+def test_policy_loss_inside_forward_matches_reference(tiny_model_dir):
+    pytest.importorskip("lightrft.algorithms.losses")
+    model = load_causal_lm(tiny_model_dir)
+    ids, targets, w = batch(5)
+    old = w * 0.2 + reference(model, ids, targets)[0].detach()
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    ref, ref_metrics = policy_loss_reference(model, ids, targets, old, adv)
+    ref_g = param_grads(model, ref)
+    loss, metrics = policy_loss_via_hidden(model, ids, targets, old, adv)
+    got_g = param_grads(model, loss)
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-5)
+    assert metrics.keys() == ref_metrics.keys()
+    assert_grads_close(got_g, ref_g)
+
+
+def _fsdp_worker(rank: int, world_size: int, dirs: list[str], with_policy: bool) -> None:
     torch.manual_seed(0)
     for d in dirs:
         ref_model = load_causal_lm(d)
@@ -171,6 +208,20 @@ def _fsdp_worker(rank: int, world_size: int, dirs: list[str]) -> None:
         # Each rank's loss is its share of the global mean; FSDP2 averages over ranks.
         assert_grads_close({n: g * world_size for n, g in got_g.items()}, ref_g)
 
+        if with_policy:  # the fused policy loss through forward_on_hidden, old log-probs apart
+            old = [reference(ref_model, i, tg)[0].detach() + 0.2 * w_ for i, tg, w_ in data]
+            adv = torch.tensor([1.0, -0.5, 2.0])
+            ref_pl = sum(
+                policy_loss_reference(ref_model, i, tg, old[r], adv)[0] / world_size
+                for r, (i, tg, _) in enumerate(data)
+            )
+            ref_g = param_grads(ref_model, ref_pl)
+            model.zero_grad(set_to_none=True)
+            loss, _ = policy_loss_via_hidden(model, ids, targets, old[rank], adv)
+            loss.backward()
+            got_g = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            assert_grads_close(got_g, ref_g)
+
         # Outside the root's forward the LM head is a sharded DTensor: a clear error.
         with pytest.raises(ValueError, match="sharded DTensor"):
             fused_linear_logprobs(torch.zeros(2, 64), model.lm_head.weight, torch.zeros(2).long())
@@ -178,4 +229,10 @@ def _fsdp_worker(rank: int, world_size: int, dirs: list[str]) -> None:
 
 def test_under_fsdp2_two_processes(tiny_model_dir, tmp_path):
     tied = make_tiny_model(tmp_path / "tied", layers=2, hidden=64, tie_embeddings=True)
-    run_distributed(_fsdp_worker, [str(tiny_model_dir), str(tied)])
+    try:
+        import lightrft.algorithms.losses  # noqa: F401  (being written in parallel; optional)
+
+        with_policy = True
+    except ImportError:
+        with_policy = False
+    run_distributed(_fsdp_worker, [str(tiny_model_dir), str(tied)], with_policy)

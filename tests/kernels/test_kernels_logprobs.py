@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+
 from lightrft.kernels import default_chunk_size, fused_linear_logprobs, select_backend
 
 IGNORE = -100
@@ -250,7 +251,10 @@ def check_real_lm_head(n, chunk_size):
     )
     torch.testing.assert_close(got["logp"], ref["logp"], atol=5e-5, rtol=1e-5)
     torch.testing.assert_close(got["entropy"], ref["entropy"], atol=5e-5, rtol=1e-5)
-    assert_grads_close_to_scale(got, ref, rel=2e-5)
+    # Over V=151936 terms both fp32 paths are off a float64 reference by about 5e-5 of the
+    # gradient's largest entry (measured: naive 4.3e-5 / 5.7e-5, fused 5.5e-5 / 7.1e-5 for
+    # hidden / weight at N=256), so they can differ by about that much from each other.
+    assert_grads_close_to_scale(got, ref, rel=1e-4)
 
 
 def test_real_vocab_small_batch():

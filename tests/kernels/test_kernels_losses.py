@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from lightrft.kernels import fused_linear_cross_entropy, fused_linear_policy_loss
 
 IGNORE = -100

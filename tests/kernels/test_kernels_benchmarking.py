@@ -1,0 +1,61 @@
+"""The benchmark helpers: memory accounting on hand-made event lists, a tiny end-to-end probe."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightrft.kernels.benchmarking import (
+    _probe_in_process,
+    format_table,
+    make_inputs,
+    run_once,
+    transient_peak_bytes,
+)
+
+
+def test_transient_peak_subtracts_only_live_returned_gradients():
+    # (time, address, +alloc/-free bytes, allocated since start)
+    events = [
+        (0, 1, 100, 100),  # a temporary
+        (1, 2, 100, 200),  # a second temporary: peak of temporaries is 200 here
+        (2, 1, -100, 100),
+        (3, 9, 50, 150),  # the returned gradient (address 9)
+        (4, 3, 120, 270),  # a temporary while the gradient is alive: 270 - 50 = 220
+        (5, 3, -120, 150),
+        (6, 2, -100, 50),
+    ]
+    assert transient_peak_bytes(events, grad_ptrs={9}) == 220
+    assert transient_peak_bytes(events, grad_ptrs=set()) == 270
+
+
+def test_transient_peak_counts_a_reused_address_once():
+    # Address 9 first holds a temporary, then the returned gradient: only the last one is it.
+    events = [(0, 9, 80, 80), (1, 9, -80, 0), (2, 9, 50, 50), (3, 4, 10, 60)]
+    assert transient_peak_bytes(events, grad_ptrs={9}) == 80
+
+
+def test_probe_sees_the_naive_logits_and_not_the_kernel_ones():
+    """In-process probe on a small shape: naive holds three [N, V] fp32 tensors at once in its
+    backward; the kernel one [chunk, V] workspace."""
+    n, vocab, hidden = 64, 4096, 32
+    inp = make_inputs(n, vocab, hidden)
+    nv = n * vocab * 4 / 2**20  # MiB of one [N, V] fp32 tensor
+    naive = _probe_in_process("naive", "fwd+bwd", inp)["transient"]
+    fused = _probe_in_process("lightrft", "fwd+bwd", inp)["transient"]
+    assert naive == pytest.approx(3 * nv, rel=0.05)
+    assert fused == pytest.approx(nv, rel=0.05)  # here the chunk holds all 64 rows
+
+
+def test_run_once_and_table():
+    inp = make_inputs(8, 64, 16)
+    assert run_once("lightrft", "fwd+bwd", inp) > 0
+    assert inp.weight.grad is not None
+    with pytest.raises(ValueError, match="mode"):
+        run_once("lightrft", "sideways", inp)
+    table = format_table(
+        {
+            "naive": {"min_s": 2.0, "median_s": 2.0, "vs_naive": 1.0, "transient_mib": 100.0},
+            "lightrft": {"min_s": 1.0, "median_s": 1.0, "vs_naive": 0.5, "transient_mib": 10.0},
+        }
+    )
+    assert "| lightrft | 1.00 | 1.00 | 0.50 | - | 10 | 0.100 |" in table
