@@ -351,6 +351,15 @@ class GRPORecipe:
         self.estimator = adv.estimator
         # Only the options the config sets go to the estimator, which rejects inapplicable ones.
         self.adv_options = {k: adv[k] for k in _set_keys(adv) - {"estimator"}}
+        # Unknown or inapplicable options fail now, not after the first rollout.
+        compute_advantages(
+            self.estimator,
+            mask=torch.ones(2, 1),
+            rewards=torch.zeros(2),
+            values=torch.zeros(2, 1),
+            group_size=2,
+            **self.adv_options,
+        )
         if self.estimator in GROUP_ESTIMATORS and self.group < 2:
             raise ValueError(
                 f"advantage estimator {self.estimator!r} needs a group: set rollout.n >= 2 "
@@ -876,7 +885,7 @@ class GRPORecipe:
         token_rewards = None
         if self.kl_on and self.kl_placement == "reward":
             kl = estimate_kl(
-                _pad_rows([s["old"] for s in batch]),
+                _pad_rows([s["old" if "old" in s else "rollout_logprobs"] for s in batch]),
                 _pad_rows([s["ref"] for s in batch]),
                 self.kl_kind,
             )  # [B, R]

@@ -1,0 +1,469 @@
+"""The GRPO recipe through the real CLI, in-process: every advantage estimator, the loss / KL /
+shaping options, gradient accumulation, resume, 2 gloo processes, learning and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from _dist import run_distributed
+
+from lightrft import cli
+from lightrft.algorithms import ESTIMATORS
+from lightrft.training import read_metrics
+
+
+@pytest.fixture(autouse=True)
+def _slow_is_opt_in(request):
+    """`slow` tests run only when selected with `-m slow` (the marker is documented as opt-in)."""
+    if request.node.get_closest_marker("slow") and "slow" not in (
+        request.config.getoption("markexpr") or ""
+    ):
+        pytest.skip("slow test: select it with -m slow")
+
+
+# Reward functions for the tests, importable as `test_grpo.<Name>` by the config.
+class DigitReward:
+    """Fraction of the response's characters that are digits (a trivial task)."""
+
+    def __call__(self, prompts, responses, references, labels):
+        return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+class NanReward:
+    def __call__(self, prompts, responses, references, labels):
+        return [math.nan] * len(responses)
+
+
+class ZeroReward:
+    def __call__(self, prompts, responses, references, labels):
+        return [0.0] * len(responses)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    from lightrft.data import ensure_arith_dataset
+    from lightrft.models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("grpo_assets")
+    make_tiny_model(root / "model", layers=2, hidden=32, heads=2, kv_heads=1, max_positions=64)
+    ensure_arith_dataset(root / "data", n_train=40, n_test=8, digits=1)
+    return root
+
+
+def _config(tmp: Path, assets: Path, **overrides) -> Path:
+    """2 steps of 2 prompts x 4 samples of 4 tokens on a 2-layer, hidden-32 model."""
+    cfg = {
+        "output_dir": str(tmp / "out"),
+        "seed": 0,
+        "device": "cpu",
+        "model": {"path": str(assets / "model")},
+        "dataset": {
+            "_component_": "lightrft.data.PromptDataset",
+            "path": str(assets / "data" / "train.jsonl"),
+        },
+        "eval_dataset": {
+            "_component_": "lightrft.data.PromptDataset",
+            "path": str(assets / "data" / "test.jsonl"),
+        },
+        "reward": {
+            "_component_": "lightrft.rewards.CombinedReward",
+            "functions": {
+                "accuracy": {"_component_": "lightrft.rewards.MathVerifier"},
+                "digits": {"_component_": "test_grpo.DigitReward"},
+            },
+            "weights": {"digits": 0.5},
+        },
+        "rollout": {"prompts_per_step": 2, "n": 4, "max_tokens": 4},
+        "algorithm": {"advantage": {"estimator": "grpo"}},
+        "train": {"micro_batch_size": 4, "ppo_epochs": 1},
+        "max_steps": 2,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
+        "clip_grad_norm": 1.0,
+        "eval": {"every": 1, "max_tokens": 3},
+        "metrics": {"tensorboard": False},
+    }
+    for key, value in overrides.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    path = tmp / "grpo.yaml"
+    path.write_text("# lightrft run grpo --config grpo.yaml\n" + yaml.safe_dump(cfg))
+    return path
+
+
+def _run(tmp: Path, assets: Path, *args: str, **overrides) -> list[dict]:
+    cfg = _config(tmp, assets, **overrides)
+    assert cli.main(["run", "grpo", "--config", str(cfg), *args]) == 0
+    return read_metrics(tmp / "out")
+
+
+def _train_rows(rows: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in rows if "train/lr" in r}
+
+
+def _finite(row: dict, *keys: str) -> None:
+    for k in keys:
+        assert k in row, (k, sorted(row))
+        assert math.isfinite(row[k]), (k, row[k])
+
+
+# ---------------------------------------------------------------------------------- estimators
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_every_estimator_runs_two_steps(tmp_path, assets, estimator):
+    over = {"algorithm.advantage.estimator": estimator, "eval": None, "eval_dataset": None}
+    if estimator == "gae":
+        over["critic"] = {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}}
+        over["algorithm.value"] = {"clip": 0.2}
+    rows = _run(tmp_path, assets, **over)
+    train = _train_rows(rows)
+    assert sorted(train) == [1, 2]
+    for row in train.values():
+        _finite(
+            row,
+            "train/loss",
+            "train/policy_loss",
+            "train/grad_norm",
+            "train/entropy",
+            "train/clip_frac",
+            "reward/total/mean",
+            "reward/accuracy/mean",
+            "reward/digits/std",
+            "rollout/response_length/mean",
+            "time/rollout",
+            "time/scoring",
+            "time/training",
+            "time/weight_sync",
+            "perf/tokens_per_s",
+            "memory/peak_rss_gib",
+        )
+        assert row["rollout/samples"] == 8
+        if estimator == "gae":
+            _finite(row, "train/value_loss", "critic/grad_norm")
+        else:
+            assert "train/value_loss" not in row
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_options_compose_and_are_applied(tmp_path, assets):
+    """KL in the loss with an adaptive controller, entropy bonus and high-entropy tokens, TIS,
+    dual clip + clip-higher, overlong penalty, reward normalisation, several mini-batches and
+    PPO epochs, packing, trajectories and eval."""
+    rows = _run(
+        tmp_path,
+        assets,
+        **{
+            "algorithm.kl": {
+                "coef": 0.1,
+                "estimator": "k3",
+                "placement": "loss",
+                "controller": "adaptive",
+                "target": 0.01,
+                "horizon": 100,
+            },
+            "algorithm.entropy": {"coef": 0.01, "top_rho": 0.5},
+            "algorithm.tis": {"mode": "token", "cap": 2.0},
+            "algorithm.policy_loss": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
+            "algorithm.shaping": {
+                "reward_norm": True,
+                "reward_clip": 5.0,
+                "overlong": {"buffer": 2, "factor": 0.5},
+            },
+            "train": {
+                "micro_batch_size": 3,
+                "ppo_epochs": 2,
+                "mini_batch_size": 4,
+                "packing": True,
+            },
+            "trajectories": True,
+        },
+    )
+    train = _train_rows(rows)
+    for row in train.values():
+        _finite(
+            row,
+            "train/kl",
+            "train/kl_coef",
+            "train/kl_loss",
+            "train/tis_weight_mean",
+            "train/high_entropy_frac",
+            "reward/overlong/mean",
+            "time/reference",
+            "time/old_logprobs",
+        )
+        assert row["train/optimizer_steps"] == 4  # 2 epochs x 8 samples / 4
+        assert 0.4 <= row["train/high_entropy_frac"] <= 1.0
+    # The adaptive controller moved the coefficient after step 1.
+    assert train[2]["train/kl_coef"] != 0.1
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    lines = (tmp_path / "out" / "trajectories" / "step_000002.jsonl").read_text().splitlines()
+    assert len(lines) == 8
+    rec = json.loads(lines[0])
+    assert {"prompt", "response", "reward_parts", "advantage", "reward"} <= set(rec)
+    assert set(rec["reward_parts"]) == {"accuracy", "digits"}
+
+
+def test_kl_in_reward_and_other_objectives(tmp_path, assets):
+    for objective, extra in [
+        ("gspo", {"algorithm.tis": {"mode": "sequence_mask"}}),
+        ("gmpo", {"algorithm.old_logprobs": "engine"}),
+        (
+            "cpgd",
+            {
+                "algorithm.policy_loss.agg": "seq_mean_token_sum_norm",
+                "algorithm.policy_loss.norm_len": 4,
+            },
+        ),
+    ]:
+        tmp = tmp_path / objective
+        tmp.mkdir()
+        rows = _run(
+            tmp,
+            assets,
+            max_steps=1,
+            eval=None,
+            eval_dataset=None,
+            **{
+                "algorithm.policy_loss.objective": objective,
+                "algorithm.kl": {"coef": 0.05, "placement": "reward", "estimator": "k1"},
+                "train": {"micro_batch_size": 2, "ppo_epochs": 2},
+                **extra,
+            },
+        )
+        row = _train_rows(rows)[1]
+        _finite(row, "train/loss", "train/kl", "train/ratio_mean")
+        if objective == "gspo":
+            _finite(row, "train/tis_weight_mean")
+
+
+def test_micro_batches_and_packing_equal_one_big_batch(tmp_path, assets):
+    """token_mean with global token counts: the gradient does not depend on how the step is
+    split into micro-batches, nor on packing vs padding."""
+    results = {}
+    for name, train in {
+        "big": {"micro_batch_size": 8},
+        "micro": {"micro_batch_size": 3},
+        "packed": {"micro_batch_size": 2, "packing": True},
+    }.items():
+        tmp = tmp_path / name
+        tmp.mkdir()
+        rows = _run(tmp, assets, max_steps=1, eval=None, eval_dataset=None, train=train)
+        results[name] = _train_rows(rows)[1]
+    for name in ("micro", "packed"):
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert results[name][key] == pytest.approx(results["big"][key], rel=1e-4, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------- resume
+
+
+def test_resume_gives_the_uninterrupted_curve_bitwise(tmp_path, assets):
+    over = {
+        "max_steps": 4,
+        "save_every": 2,
+        "keep_last": 5,
+        "eval": {"every": 2},
+        "algorithm.kl": {"coef": 0.1, "controller": "adaptive", "target": 0.01, "horizon": 50},
+        "algorithm.shaping": {"reward_norm": True},
+        "train": {"micro_batch_size": 4, "ppo_epochs": 2, "mini_batch_size": 4},
+        "lr_scheduler": {"warmup_steps": 1},
+    }
+    full = tmp_path / "full"
+    full.mkdir()
+    reference = _train_rows(_run(full, assets, **over))
+    assert sorted(reference) == [1, 2, 3, 4]
+
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(full / "out" / "checkpoints" / "step_000002", ckpts / "step_000002")
+    (ckpts / "latest").write_text("step_000002")
+    rows = _run(crashed, assets, resume=True, **over)
+    resumed = _train_rows(rows)
+    assert sorted(resumed) == [3, 4]
+    deterministic = [k for k in reference[3] if k.split("/")[0] in ("train", "reward", "rollout")]
+    assert len(deterministic) > 20
+    for step in (3, 4):
+        for key in deterministic:
+            assert resumed[step][key] == reference[step][key], (step, key)
+    final_eval = [r for r in rows if "eval/accuracy" in r][-1]
+    ref_eval = [r for r in read_metrics(full / "out") if "eval/accuracy" in r][-1]
+    assert final_eval == ref_eval
+
+
+# ---------------------------------------------------------------------------------- 2 processes
+
+
+def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
+    import runpy
+
+    from torch.distributed.tensor import DTensor
+
+    from lightrft import config as lconfig
+    from lightrft.cli import recipes_dir
+
+    module = runpy.run_path(str(recipes_dir() / "grpo.py"))
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = module["GRPORecipe"](cfg)
+    recipe.setup(cfg)
+    assert all(isinstance(p, DTensor) for p in recipe.model.parameters())
+    recipe.train()
+    recipe.logger.close()
+    if rank == 0:
+        rows = read_metrics(Path(cfg.output_dir))
+        train = _train_rows(rows)
+        assert sorted(train) == [1, 2]
+        for row in train.values():
+            assert row["rollout/samples"] == 8  # 2 prompts per step over 2 ranks, 4 each
+            _finite(row, "train/loss", "train/grad_norm", "train/kl", "train/value_loss")
+        assert [r["eval/samples"] for r in rows if "eval/samples" in r] == [8, 8, 8]
+
+
+def test_two_gloo_processes(tmp_path, assets):
+    cfg = _config(
+        tmp_path,
+        assets,
+        **{
+            "algorithm.advantage.estimator": "gae",
+            "critic": {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
+            "algorithm.kl": {"coef": 0.05},
+            "train": {"micro_batch_size": 2, "mini_batch_size": 4},
+            "save_every": 2,
+        },
+    )
+    run_distributed(_two_rank_grpo, str(cfg), world_size=2)
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "checkpoints" / "step_000002").is_dir()
+
+
+# ---------------------------------------------------------------------------------- learning
+
+
+def test_reward_rises_on_a_trivial_task(tmp_path, assets):
+    """Reward = fraction of digits in the response: GRPO raises it from the random model's
+    level within 12 steps."""
+    rows = _run(
+        tmp_path,
+        assets,
+        max_steps=12,
+        eval=None,
+        eval_dataset=None,
+        reward={"_component_": "test_grpo.DigitReward"},
+        rollout={"prompts_per_step": 4, "n": 8, "max_tokens": 4},
+        optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-2},
+        train={"micro_batch_size": 32},
+    )
+    train = _train_rows(rows)
+    first = sum(train[s]["reward/total/mean"] for s in (1, 2)) / 2
+    last = sum(train[s]["reward/total/mean"] for s in (11, 12)) / 2
+    assert last > first + 0.3, (first, last)
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_long_prompts_are_dropped_or_truncated_and_counted(tmp_path, assets):
+    data = tmp_path / "mixed.jsonl"
+    short = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    long = [{"prompt": f"{i}+1+1+1+1+1=", "answer": str(i + 5)} for i in range(4)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in short + long))
+    for mode in ("drop", "truncate"):
+        tmp = tmp_path / mode
+        tmp.mkdir()
+        rows = _run(
+            tmp,
+            assets,
+            max_steps=1,
+            eval=None,
+            eval_dataset=None,
+            **{
+                "dataset.path": str(data),
+                "dataset.max_prompt_length": 24,
+                "dataset.truncation": mode,
+            },
+        )
+        stats = rows[0]
+        assert stats["data/records"] == 10
+        if mode == "drop":
+            assert (stats["data/dropped"], stats["data/prompts"]) == (4, 6)
+        else:
+            assert (stats["data/truncated"], stats["data/prompts"]) == (4, 10)
+        assert _train_rows(rows)[1]["rollout/prompt_length/mean"] <= 24
+
+
+def test_empty_batch_after_dynamic_sampling_skips_the_update(tmp_path, assets):
+    rows = _run(
+        tmp_path,
+        assets,
+        eval=None,
+        eval_dataset=None,
+        reward={"_component_": "test_grpo.ZeroReward"},
+        **{"algorithm.shaping": {"dynamic_sampling": {"max_draws": 2}}},
+    )
+    train = _train_rows(rows)
+    for row in train.values():
+        assert row["train/skipped"] == 1.0
+        assert row["dynamic_sampling/groups_used"] == 0.0
+        assert row["dynamic_sampling/draws"] == 2.0
+        assert all(not isinstance(v, float) or math.isfinite(v) for v in row.values())
+
+
+def test_bad_input_fails_with_a_clear_error(tmp_path, assets):
+    from lightrft.data import DataError
+    from lightrft.rewards import RewardError
+
+    # NaN rewards name the function and the sample.
+    with pytest.raises(RewardError, match="non-finite reward .*sample 0"):
+        _run(tmp_path, assets, reward={"_component_": "test_grpo.NanReward"})
+    # A prompt without a reference answer: the dataset names the file and line...
+    bad = tmp_path / "noref.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    with pytest.raises(DataError, match=r"noref.jsonl line 2.*answer"):
+        _run(tmp_path, assets, **{"dataset.path": str(bad)})
+    # ... and a verifier that needs one names the sample when the dataset allows none.
+    with pytest.raises(ValueError, match="needs a reference answer, but sample"):
+        _run(
+            tmp_path,
+            assets,
+            eval=None,
+            eval_dataset=None,
+            **{
+                "dataset.path": str(bad),
+                "dataset.reference_required": False,
+                "rollout.prompts_per_step": 2,
+            },
+        )
+    # Options that would be parsed and ignored are refused.
+    for over, msg in [
+        ({"algorithm.kl": {"coef": 0.0}}, "kl.coef must be > 0"),
+        ({"critic": {"optimizer": {"_component_": "torch.optim.AdamW"}}}, "only by estimator=gae"),
+        ({"algorithm.advantage.estimator": "gae"}, "needs a critic"),
+        ({"algorithm.advantage.lam": 0.9}, "takes options"),
+        ({"algorithm.policy_loss.norm_len": 8}, "norm_len is used only"),
+        ({"algorithm.kl": {"coef": 0.1, "target": 0.1}}, "adaptive only"),
+        (
+            {"algorithm.tis": {"mode": "token"}, "algorithm.old_logprobs": "engine"},
+            "old_logprobs=trainer",
+        ),
+        ({"rollout.n": 1}, "needs a group"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            _run(tmp_path, assets, **over)
+    # Schema errors stop before anything loads, naming the key.
+    cfg = _config(tmp_path, assets)
+    assert cli.main(["run", "grpo", "--config", str(cfg), "rollout.nn=2"]) == 2
+    assert (
+        cli.main(["run", "grpo", "--config", str(cfg), "algorithm.advantage.estimator=gpro"]) == 2
+    )
