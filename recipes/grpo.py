@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from typing import Any, Literal
@@ -607,6 +608,7 @@ class GRPORecipe:
         if cfg.get("eval_dataset") is not None:
             self.eval_dataset = config.instantiate(cfg.eval_dataset, self.tokenizer)
         self._it = None
+        self._weights_released = False
 
         self.step, self.epoch = 0, 0
         self.eval_history: list[tuple[int, float, float]] = []
@@ -690,8 +692,21 @@ class GRPORecipe:
         return [dataclasses.replace(self.sampling, seed=s) for s in seeds]
 
     def _generate(self, prompt_ids: list[list[int]], params) -> list:
+        """Wake the engine (reloading released weights: a collective, so every rank calls this,
+        with or without prompts) and generate."""
+        if self._weights_released:
+            self.engine.wake_up(["weights"])
+            sync_weights(self.model, self.engine)
+            self._weights_released = False
         self.engine.wake_up()
+        if not prompt_ids:
+            return []
         return self.engine.generate([Request(ids) for ids in prompt_ids], params)
+
+    def _sleep(self) -> None:
+        if self.sleep_level:
+            self.engine.sleep(self.sleep_level)
+            self._weights_released = self.sleep_level == 2
 
     def _score(self, samples: list[dict]) -> None:
         """Rewards of this rank's samples, in place: ``reward_raw``, ``parts``, ``applied``."""
@@ -770,8 +785,7 @@ class GRPORecipe:
                 acc.add(samples, torch.tensor([s["reward"] for s in samples]))
                 draw += 1
             batch, stats = acc.take()
-        if self.sleep_level:
-            self.engine.sleep(self.sleep_level)
+        self._sleep()
         for s in drawn:
             s["kept"] = False
         for s in batch:
@@ -937,7 +951,14 @@ class GRPORecipe:
         grad_norms, critic_norms, losses = [], [], []
         train_tokens = 0
 
+        extremes: dict[str, float] = {}
+
         def add(key: str, value, weight: float) -> None:
+            if key in ("ratio_min", "ratio_max"):  # extremes over the step, not means
+                if weight > 0:
+                    pick = min if key == "ratio_min" else max
+                    extremes[key] = pick(extremes.get(key, float(value)), float(value))
+                return
             sums[key] = sums.get(key, 0.0) + float(value) * weight
             weights[key] = weights.get(key, 0.0) + weight
 
@@ -997,6 +1018,10 @@ class GRPORecipe:
             "sum",
         )
         metrics = {f"train/{k}": red_sum[f"s/{k}"] / max(red_sum[f"w/{k}"], 1e-12) for k in sums}
+        for key, op in (("ratio_min", "min"), ("ratio_max", "max")):
+            fill = math.inf if op == "min" else -math.inf
+            value = reduce_metrics({key: extremes.get(key, fill)}, op)[key]
+            metrics[f"train/{key}"] = value if math.isfinite(value) else 1.0
         # Each rank's loss is its part of sum / (global count / world): the sum over ranks is
         # world x the loss of the whole mini-batch.
         metrics["train/loss"] = red_sum["loss"] / world / max(len(losses), 1)
@@ -1076,8 +1101,9 @@ class GRPORecipe:
 
     def sync(self, timer: PhaseTimer) -> None:
         with timer("weight_sync"):
-            if self.sleep_level == 2:
+            if self._weights_released:
                 self.engine.wake_up(["weights"])
+                self._weights_released = False
             sync_weights(self.model, self.engine)
 
     # ------------------------------------------------------------------ eval
@@ -1097,9 +1123,8 @@ class GRPORecipe:
             max_tokens=self.eval_max_tokens,
             seed=self.seed,
         )
-        completions = self._generate([it["prompt_ids"] for it in items], params) if items else []
-        if self.sleep_level:
-            self.engine.sleep(self.sleep_level)
+        completions = self._generate([it["prompt_ids"] for it in items], params)
+        self._sleep()
         samples = [
             {
                 "prompt": it["prompt"],
@@ -1233,7 +1258,7 @@ class GRPORecipe:
             self.scheduler.step()
             if self.critic_sched is not None:
                 self.critic_sched.step()
-            if batch or self.sleep_level == 2:
+            if batch:  # weights changed (released weights are reloaded by the next rollout)
                 self.sync(timer)
             self.step = step
             if self.trajectories:

@@ -187,6 +187,7 @@ def test_options_compose_and_are_applied(tmp_path, assets):
                 "packing": True,
             },
             "trajectories": True,
+            "engine": {"sleep_level": 2},
         },
     )
     train = _train_rows(rows)
