@@ -126,12 +126,48 @@ def load(
             raise ConfigError(f"override {arg!r} must be key=value (or ~key to remove a key)")
         key = arg.lstrip("~").split("=", 1)[0]
         src.overrides[key] = arg
-    yaml_args = argparse.Namespace(**OmegaConf.to_container(raw, resolve=False))
+    data = OmegaConf.to_container(raw, resolve=False)
+    # Removals are ours (torchtune refuses to remove a `_component_` section, e.g. ~eval_dataset).
+    for arg in overrides:
+        if arg.startswith("~"):
+            _remove(data, arg[1:].split("=", 1)[0], path)
+    sets = [a for a in overrides if not a.startswith("~")]
+    # torchtune's merge cannot index into lists (`prepare.0.out_dir=...`): set those after it.
+    in_list = [a for a in sets if _through_list(data, a.split("=", 1)[0])]
     try:
-        cfg = _merge_yaml_and_cli_args(yaml_args, list(overrides))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        cfg = _merge_yaml_and_cli_args(
+            argparse.Namespace(**data), [a for a in sets if a not in in_list]
+        )
+        for arg in in_list:
+            key, value = arg.split("=", 1)
+            OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, merge=True)
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise ConfigError(f"overrides {sets}: {e}") from None
     return cfg, src
+
+
+def _through_list(data: Any, dotpath: str) -> bool:
+    node = data
+    for k in dotpath.split("."):
+        if isinstance(node, list):
+            return True
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return False
+
+
+def _remove(data: dict, dotpath: str, path: str) -> None:
+    node, keys = data, dotpath.split(".")
+    for i, k in enumerate(keys):
+        if isinstance(node, list) and k.isdigit() and int(k) < len(node):
+            k = int(k)
+        elif not isinstance(node, dict) or k not in node:
+            raise ConfigError(f"~{dotpath}: {path} has no key '{'.'.join(keys[: i + 1])}'")
+        if i == len(keys) - 1:
+            del node[k]
+        else:
+            node = node[k]
 
 
 # --------------------------------------------------------------------------- checking

@@ -137,3 +137,16 @@ def test_section_with_only_optional_keys_may_be_absent_or_null():
             OmegaConf.create({"out": "x", "metrics": {"tensorbord": True}, "model": {"path": "p"}}),
             schema,
         )
+
+
+def test_removing_a_component_section_and_a_missing_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("a: 1\nev:\n  _component_: builtins.dict\n  x: 2\nlst: [1, 2, 3]\n")
+    cfg, _ = load(p, ["~ev", "~lst.1", "a=3"])
+    assert "ev" not in cfg and list(cfg.lst) == [1, 3] and cfg.a == 3
+    with pytest.raises(ConfigError, match="has no key 'ev.y'"):
+        load(p, ["~ev.y"])
+    cfg, _ = load(p, ["lst.0=7", "ev.x=5"])
+    assert list(cfg.lst) == [7, 2, 3] and cfg.ev.x == 5
+    with pytest.raises(ConfigError, match="lst.5"):
+        load(p, ["lst.5=1"])
