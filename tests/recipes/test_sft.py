@@ -229,3 +229,33 @@ def test_cli_ls_cp_validate_and_run_a_copied_recipe(tmp_path, capsys):
     assert cli.main(["cp", "tiny/arith_sft", str(conf_copy)]) == 0
     assert conf_copy.read_text().startswith("# lightrft run sft")
     json.dumps(yaml.safe_load(conf_copy.read_text()))  # plain YAML
+
+
+GSM8K = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+@pytest.mark.skipif(not GSM8K.is_file(), reason=f"GSM8K not at {GSM8K}")
+def test_sft_on_gsm8k_counts_truncation(tmp_path):
+    dataset = {
+        "_component_": "lightrft.data.SFTDataset",
+        "path": str(GSM8K),
+        "prompt_field": "question",
+        "completion_field": "answer",
+        "max_length": 400,
+        "truncation": "drop",
+    }
+    cfg = _config(
+        tmp_path,
+        dataset=dataset,
+        eval_dataset=None,
+        max_steps=2,
+        batch_size=2,
+        gradient_accumulation_steps=1,
+        lr_scheduler={"warmup_steps": 0},
+    )
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    stats = next(r for r in read_metrics(tmp_path / "out") if "data/records" in r)
+    assert stats["data/records"] == 7473
+    assert 0 < stats["data/dropped"] < 7473  # long solutions dropped and counted
+    assert stats["data/samples"] == 7473 - stats["data/dropped"]
+    assert sorted(_losses(tmp_path / "out")) == [1, 2]
