@@ -23,3 +23,15 @@ def tiny_llama_dir(tmp_path_factory):
     return make_tiny_model(
         tmp_path_factory.mktemp("tiny") / "llama", arch="llama", layers=2, hidden=64
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` and `benchmark_suite` tests run only when selected with `-m` (documented opt-in)."""
+    markexpr = config.getoption("markexpr") or ""
+    for marker in ("slow", "benchmark_suite"):
+        if marker in markexpr:
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in: select with -m {marker}")
+        for item in items:
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)

@@ -28,6 +28,7 @@ _EXPORTS = {
     "warmup_cosine_lr_ratio": "optim",
     "warmup_cosine_scheduler": "optim",
     "clip_grad_norm": "optim",
+    "cpu_offload_optimizer": "optim",
     "check_output_dir": "outputs",
 }
 

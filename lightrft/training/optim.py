@@ -90,3 +90,29 @@ def clip_grad_norm(
     if max_norm is not None and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return float(total)
+
+
+def cpu_offload_optimizer(
+    params: Iterable[torch.nn.Parameter], optimizer: str = "torch.optim.AdamW", **kwargs
+) -> torch.optim.Optimizer:
+    """torchao's ``CPUOffloadOptimizer`` (optimizer state and step on the CPU, CUDA/XPU params),
+    with the inner optimizer named by a dotted path so a YAML config can choose it::
+
+        optimizer:
+          _component_: lightrft.training.cpu_offload_optimizer
+          optimizer: torch.optim.AdamW
+          lr: 1.0e-5
+          fused: true            # any keyword of the inner optimizer
+    """
+    import importlib
+
+    module, _, name = optimizer.rpartition(".")
+    try:
+        inner = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(
+            f"cpu_offload_optimizer: optimizer={optimizer!r} is not an importable class"
+        ) from None
+    from torchao.optim import CPUOffloadOptimizer
+
+    return CPUOffloadOptimizer(params, inner, **kwargs)

@@ -259,3 +259,16 @@ def test_sft_on_gsm8k_counts_truncation(tmp_path):
     assert 0 < stats["data/dropped"] < 7473  # long solutions dropped and counted
     assert stats["data/samples"] == 7473 - stats["data/dropped"]
     assert sorted(_losses(tmp_path / "out")) == [1, 2]
+
+
+@pytest.mark.slow
+def test_sft_with_torchao_adamw8bit(tmp_path):
+    cfg = _config(
+        tmp_path,
+        eval_every=None,
+        max_steps=3,
+        optimizer={"_component_": "torchao.optim.AdamW8bit", "lr": 1e-2},
+    )
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    losses = _losses(tmp_path / "out")
+    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]

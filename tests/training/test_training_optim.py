@@ -116,3 +116,23 @@ def test_clip_grad_norm_fsdp2_matches_single_process(tiny_model_dir, tmp_path):
     assert got["after"] == pytest.approx(0.5, rel=1e-4)
     for n, p in model.named_parameters():
         torch.testing.assert_close(got["grads"][n], p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_cpu_offload_optimizer_names_a_bad_inner_optimizer():
+    from lightrft.training import cpu_offload_optimizer
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="torch.optim.AdamWW"):
+        cpu_offload_optimizer([p], optimizer="torch.optim.AdamWW", lr=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao CPU offload needs CUDA")
+def test_cpu_offload_optimizer_steps_cuda_params():
+    from lightrft.training import cpu_offload_optimizer
+
+    p = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    opt = cpu_offload_optimizer([p], optimizer="torch.optim.AdamW", lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.all(p < 1)
