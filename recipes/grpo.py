@@ -98,6 +98,7 @@ CONFIG_SCHEMA = {
     "eval_dataset": Component | None,  # held-out prompts for greedy eval
     "reward": Component,  # a CombinedReward or a single reward function
     "engine": {
+        "backend": Literal["native", "vllm"] | None,
         "dtype": DTYPE | None,
         "max_model_len": int | None,
         "max_num_seqs": int | None,
@@ -105,6 +106,8 @@ CONFIG_SCHEMA = {
         "max_kv_tokens": int | None,
         "sleep_level": Literal[0, 1, 2] | None,
         "compile": bool | None,
+        "gpu_memory_utilization": float | None,  # vllm only
+        "tensor_parallel_size": int | None,  # vllm only
     },
     "rollout": {
         "prompts_per_step": int,  # all ranks together
@@ -484,6 +487,19 @@ class GRPORecipe:
         self.trajectories = bool(cfg.get("trajectories", False))
         self.max_grad_norm = cfg.get("clip_grad_norm")
 
+        ecfg = cfg.get("engine") or {}
+        self.sleep_level = _get(ecfg, "sleep_level", 1)
+        self.engine_backend = backend = _get(ecfg, "backend", "native")
+        own = {
+            "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
+            "vllm": ("gpu_memory_utilization", "tensor_parallel_size"),
+        }
+        other = own["vllm" if backend == "native" else "native"]
+        wrong = sorted(k for k in other if ecfg.get(k) is not None)
+        if wrong:
+            raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={backend}")
+        keys = ("dtype", "max_model_len", "max_num_seqs", *own[backend])
+        self.engine_kwargs = {k: ecfg[k] for k in keys if ecfg.get(k) is not None}
         self.output_dir = check_output_dir(cfg.output_dir)
         self.dist = init_distributed(cfg.get("device"))
         if self.prompts_per_step % self.dist.world_size:
@@ -552,24 +568,15 @@ class GRPORecipe:
             )
             self.critic_max_norm = ccfg.get("clip_grad_norm")
 
-        ecfg = cfg.get("engine") or {}
-        self.sleep_level = _get(ecfg, "sleep_level", 1)
-        engine_kwargs = {
-            k: ecfg[k]
-            for k in (
-                "dtype",
-                "max_model_len",
-                "max_num_seqs",
-                "max_prefill_tokens",
-                "max_kv_tokens",
-                "compile",
-            )
-            if ecfg.get(k) is not None
-        }
         # The engine holds its own inference copy of the weights, loaded from the same directory.
-        self.engine = NativeEngine(
-            mcfg.path, self.tokenizer, device=dev, seed=self.seed, **engine_kwargs
-        )
+        if self.engine_backend == "vllm":  # CUDA only; the adapter imports vLLM lazily
+            from lightrft.engine import VLLMEngine
+
+            self.engine = VLLMEngine(mcfg.path, seed=self.seed, **self.engine_kwargs)
+        else:
+            self.engine = NativeEngine(
+                mcfg.path, self.tokenizer, device=dev, seed=self.seed, **self.engine_kwargs
+            )
         ro = cfg.rollout
         self.sampling = SamplingParams(
             n=self.group,

@@ -459,6 +459,7 @@ def test_bad_input_fails_with_a_clear_error(tmp_path, assets):
             "old_logprobs=trainer",
         ),
         ({"rollout.n": 1}, "needs a group"),
+        ({"engine": {"backend": "vllm", "max_kv_tokens": 64}}, "does not apply"),
     ]:
         with pytest.raises(ValueError, match=msg):
             _run(tmp_path, assets, **over)
