@@ -29,6 +29,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -1262,9 +1263,12 @@ class GRPORecipe:
             if self.kl_on:
                 metrics["train/kl_coef"] = self.kl_ctl.coef
             metrics["train/lr"] = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            if self.critic_sched is not None:
-                self.critic_sched.step()
+            with warnings.catch_warnings():
+                # A skipped update still advances the schedule: the LR is a function of the step.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.scheduler.step()
+                if self.critic_sched is not None:
+                    self.critic_sched.step()
             if batch:  # weights changed (released weights are reloaded by the next rollout)
                 self.sync(timer)
             self.step = step

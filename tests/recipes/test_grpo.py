@@ -239,7 +239,7 @@ def test_kl_in_reward_and_other_objectives(tmp_path, assets):
             **{
                 "algorithm.policy_loss.objective": objective,
                 "algorithm.kl": {"coef": 0.05, "placement": "reward", "estimator": "k1"},
-                "train": {"micro_batch_size": 2, "ppo_epochs": 2},
+                "train": {"micro_batch_size": 4, "ppo_epochs": 2},
                 **extra,
             },
         )
@@ -272,7 +272,7 @@ def test_micro_batches_and_packing_equal_one_big_batch(tmp_path, assets):
 
 def test_resume_gives_the_uninterrupted_curve_bitwise(tmp_path, assets):
     over = {
-        "max_steps": 4,
+        "max_steps": 3,
         "save_every": 2,
         "keep_last": 5,
         "eval": {"every": 2},
@@ -284,7 +284,7 @@ def test_resume_gives_the_uninterrupted_curve_bitwise(tmp_path, assets):
     full = tmp_path / "full"
     full.mkdir()
     reference = _train_rows(_run(full, assets, **over))
-    assert sorted(reference) == [1, 2, 3, 4]
+    assert sorted(reference) == [1, 2, 3]
 
     crashed = tmp_path / "crashed"
     ckpts = crashed / "out" / "checkpoints"
@@ -293,10 +293,10 @@ def test_resume_gives_the_uninterrupted_curve_bitwise(tmp_path, assets):
     (ckpts / "latest").write_text("step_000002")
     rows = _run(crashed, assets, resume=True, **over)
     resumed = _train_rows(rows)
-    assert sorted(resumed) == [3, 4]
+    assert sorted(resumed) == [3]
     deterministic = [k for k in reference[3] if k.split("/")[0] in ("train", "reward", "rollout")]
     assert len(deterministic) > 20
-    for step in (3, 4):
+    for step in (3,):
         for key in deterministic:
             assert resumed[step][key] == reference[step][key], (step, key)
     final_eval = [r for r in rows if "eval/accuracy" in r][-1]
@@ -329,7 +329,7 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
         for row in train.values():
             assert row["rollout/samples"] == 8  # 2 prompts per step over 2 ranks, 4 each
             _finite(row, "train/loss", "train/grad_norm", "train/kl", "train/value_loss")
-        assert [r["eval/samples"] for r in rows if "eval/samples" in r] == [8, 8, 8]
+        assert [r["eval/samples"] for r in rows if "eval/samples" in r] == [8, 8]
 
 
 def test_two_gloo_processes(tmp_path, assets):
@@ -341,6 +341,7 @@ def test_two_gloo_processes(tmp_path, assets):
             "critic": {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
             "algorithm.kl": {"coef": 0.05},
             "train": {"micro_batch_size": 2, "mini_batch_size": 4},
+            "eval": {"max_tokens": 3},
             "save_every": 2,
         },
     )
