@@ -223,6 +223,20 @@ def transient_peak_bytes(events: list[tuple[int, int, int, int]], grad_ptrs: set
     return peak
 
 
+def peak_allocated_mib(fn: Callable[[], object], device: str | torch.device = "cpu") -> float:
+    """Peak of the torch memory allocated during ``fn()`` above the moment it starts, in MiB
+    (from the profiler's allocator events; memory freed during the call counts down). For
+    benchmarks outside the kernels too, e.g. the engine's in tests/benchmarks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        fn()
+        _sync(dev)
+    return transient_peak_bytes(_allocations(prof, dev), set()) / 2**20
+
+
 def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     """Peak memory of one call in this process, in MiB.
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightrft.kernels.benchmarking import (
     _probe_in_process,
     format_table,
     make_inputs,
+    peak_allocated_mib,
     run_once,
     transient_peak_bytes,
 )
@@ -44,6 +46,20 @@ def test_probe_sees_the_naive_logits_and_not_the_kernel_ones():
     fused = _probe_in_process("lightrft", "fwd+bwd", inp)["transient"]
     assert naive == pytest.approx(3 * nv, rel=0.05)
     assert fused == pytest.approx(nv, rel=0.05)  # here the chunk holds all 64 rows
+
+
+def test_peak_allocated_counts_frees_during_the_call():
+    keep = []
+
+    def fn():
+        a = torch.empty(2**18)  # 1 MiB, freed before the next allocation
+        del a
+        keep.append(torch.empty(2**17))  # 0.5 MiB, still alive at the end
+        b = torch.empty(2**17)  # 0.5 MiB on top: the peak is 1 MiB, not 2
+        del b
+
+    assert peak_allocated_mib(fn) == pytest.approx(1.0, abs=0.01)
+    assert peak_allocated_mib(lambda: None) == 0
 
 
 def test_run_once_and_table():
