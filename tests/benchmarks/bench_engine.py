@@ -4,19 +4,25 @@
 
 Both comparisons interleave their two sides round by round, so that load from other processes
 on a shared machine hits both alike; the printed tables give per-side medians and the median of
-the per-round ratios. Results go to ``benchmark.extra_info`` as well.
+the per-round ratios, and the peak torch memory allocated during one (untimed) call of each
+side. Results go to ``benchmark.extra_info`` as well. ``LIGHTRFT_BENCH_ROUNDS`` (default 5) sets
+the number of rounds; the generate rounds print their rates to stderr as they come.
 """
 
 import json
+import os
 import statistics
+import sys
 import time
 
 import pytest
 import torch
 
+from lightrft.kernels.benchmarking import peak_allocated_mib
+
 pytestmark = pytest.mark.benchmark_suite
 
-ROUNDS = 5
+ROUNDS = int(os.environ.get("LIGHTRFT_BENCH_ROUNDS", 5))
 PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 128
 
 
@@ -91,13 +97,20 @@ def test_native_engine_vs_hf_generate(benchmark, bench_model_dir):
             t0 = time.perf_counter()
             tokens = fn()
             rates[name].append(tokens / (time.perf_counter() - t0))
+            print(f"  {name:7s} {rates[name][-1]:8.0f} tok/s", file=sys.stderr, flush=True)
 
     native()  # warm-up: allocate the KV pool, fault in the weights
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
     ratios = [a / b for a, b in zip(rates["native"], rates["hf"], strict=True)]
     med = {k: statistics.median(v) for k, v in rates.items()}
+    # Peak torch memory allocated during one call (untimed, under the profiler). The engine's KV
+    # pool outlives a call: free it first so that the measured call allocates it as HF does its
+    # cache. Weights (both sides hold one copy) are not counted.
+    engine.sleep(1)
+    engine.wake_up(["kv_cache"])
+    peak = {"native": peak_allocated_mib(native), "hf": peak_allocated_mib(hf_generate)}
     benchmark.extra_info.update(
-        tokens_per_s=med, ratio_median=statistics.median(ratios), ratios=ratios
+        tokens_per_s=med, ratio_median=statistics.median(ratios), ratios=ratios, peak_mib=peak
     )
     print(
         _table(
@@ -109,7 +122,8 @@ def test_native_engine_vs_hf_generate(benchmark, bench_model_dir):
                     f"{statistics.median(ratios):.2f}x",
                     ", ".join(f"{r:.2f}" for r in ratios),
                 )
-            ],
+            ]
+            + [(f"peak allocated, {k}", f"{peak[k]:.0f} MiB", "one call") for k in peak],
         )
     )
 
@@ -134,15 +148,21 @@ def _sync_rounds(rank: int, world_size: int, model_dir: str, out_file: str) -> N
         dist.barrier()  # both sides end when the slowest rank is done
         times[name].append(time.perf_counter() - t0)
 
-    for _ in range(2):  # warm-up
-        sync_weights(model, engine)
-        dist.all_gather_into_tensor(gathered, shard)
+    # Peak torch memory allocated during one call on rank 0: the first sync (it allocates the
+    # pack / gather / regroup buffers that later syncs reuse), a later sync, and the all_gather
+    # (into its preallocated output buffer, whose size is listed too).
+    peak = {"sync_weights, first": peak_allocated_mib(lambda: sync_weights(model, engine))}
+    dist.all_gather_into_tensor(gathered, shard)  # warm-up
+    sync_weights(model, engine)
+    peak["sync_weights, later"] = peak_allocated_mib(lambda: sync_weights(model, engine))
+    peak["all_gather"] = peak_allocated_mib(lambda: dist.all_gather_into_tensor(gathered, shard))
+    peak["(all_gather output buffer)"] = gathered.nbytes / 2**20
     for _ in range(4 * ROUNDS):
         timed("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard))
         timed("sync_weights", lambda: sync_weights(model, engine))
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"times": times, "bytes": numel * 4}, f)
+            json.dump({"times": times, "bytes": numel * 4, "peak_mib": peak}, f)
 
 
 def test_weight_sync_vs_all_gather(benchmark, bench_model_dir, tmp_path):
@@ -158,8 +178,9 @@ def test_weight_sync_vs_all_gather(benchmark, bench_model_dir, tmp_path):
     times = result["times"]
     ratios = [s / g for s, g in zip(times["sync_weights"], times["all_gather"], strict=True)]
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    peak = result["peak_mib"]
     benchmark.extra_info.update(
-        ms=med, ratio_median=statistics.median(ratios), bytes=result["bytes"]
+        ms=med, ratio_median=statistics.median(ratios), bytes=result["bytes"], peak_mib=peak
     )
     print(
         _table(
@@ -171,6 +192,7 @@ def test_weight_sync_vs_all_gather(benchmark, bench_model_dir, tmp_path):
                     f"{statistics.median(ratios):.2f}x",
                     ", ".join(f"{r:.2f}" for r in ratios),
                 )
-            ],
+            ]
+            + [(f"peak allocated, {k}", f"{v:.1f} MiB", "rank 0") for k, v in peak.items()],
         )
     )
