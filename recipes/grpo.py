@@ -989,6 +989,9 @@ class GRPORecipe:
                     "num_seqs": len(mini) / world,
                 }
                 mine, n_micro = self._shards(len(mini))
+                # Similar lengths share a micro-batch: less padding, same gradient (the loss is
+                # normalised by the counts of the whole mini-batch).
+                mine.sort(key=lambda i: len(mini[i]["prompt_ids"]) + len(mini[i]["response_ids"]))
                 loss_sum = 0.0
                 for m in range(n_micro):
                     samples = [
