@@ -26,12 +26,6 @@ ROUNDS = int(os.environ.get("LIGHTRFT_BENCH_ROUNDS", 5))
 PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _opt_in(request):
-    if "benchmark_suite" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("benchmark suite: select it with -m benchmark_suite")
-
-
 @pytest.fixture(scope="module")
 def bench_model_dir(tmp_path_factory):
     from lightrft.models import make_tiny_model

@@ -49,12 +49,6 @@ PACKING = os.environ.get("BENCH_GRPO_PACKING", "0") == "1"
 PHASES = ("rollout", "scoring", "old_logprobs", "reference", "training", "weight_sync")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _opt_in(request):
-    if "benchmark_suite" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("benchmark suite: select it with -m benchmark_suite")
-
-
 # ---------------------------------------------------------------------------------- assets
 
 
