@@ -100,7 +100,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     by_recipe: dict[str, list[str]] = {name: [] for name in list_recipes()}
     for name, path in list_configs().items():
         by_recipe.setdefault(recipe_of_config(path) or "?", []).append(name)
-    width = max((len(r) for r in by_recipe), default=6) + 2
+    width = max([len("RECIPE"), *(len(r) for r in by_recipe)]) + 2
     print(f"{'RECIPE':<{width}}CONFIG")
     for recipe, configs in by_recipe.items():
         for i, c in enumerate(configs or ["-"]):
