@@ -43,6 +43,7 @@ __all__ = [
     "instantiate",
     "load",
     "parse",
+    "resolve",
 ]
 
 
@@ -173,7 +174,8 @@ def _remove(data: dict, dotpath: str, path: str) -> None:
 # --------------------------------------------------------------------------- checking
 
 
-def _resolve(dotted: str) -> Any:
+def resolve(dotted: str) -> Any:
+    """The object a dotted path names (``torch.optim.AdamW``), as ``_component_`` resolves it."""
     from torchtune.config._utils import _get_component_from_path
 
     return _get_component_from_path(dotted)
@@ -221,7 +223,7 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
         return
     target = node["_component_"]
     try:
-        obj = _resolve(str(target))
+        obj = resolve(str(target))
     except Exception as e:  # noqa: BLE001 - any import failure is the user's path being wrong
         errors.append(
             f"{src.where(key + '._component_')}: '{key}._component_: {target}' "

@@ -104,15 +104,15 @@ def cpu_offload_optimizer(
           lr: 1.0e-5
           fused: true            # any keyword of the inner optimizer
     """
-    import importlib
+    from torchao.optim import CPUOffloadOptimizer
 
-    module, _, name = optimizer.rpartition(".")
+    from lightrft.config import resolve
+
     try:
-        inner = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
+        inner = resolve(optimizer)
+    except Exception:  # noqa: BLE001 - any import failure means the path is wrong
         raise ValueError(
             f"cpu_offload_optimizer: optimizer={optimizer!r} is not an importable class"
         ) from None
-    from torchao.optim import CPUOffloadOptimizer
 
     return CPUOffloadOptimizer(params, inner, **kwargs)
