@@ -1,8 +1,10 @@
 """GRPO-family algorithms as small pure functions on tensors.
 
 - :mod:`~lightrft.algorithms.advantages`: GRPO, Dr.GRPO, RLOO, CPGD, REINFORCE++(-baseline),
-  GAE; ``ESTIMATORS`` and ``compute_advantages`` select them by config name.
-- :mod:`~lightrft.algorithms.losses`: ``aggregate``, ``policy_loss`` (ppo / gspo / gmpo / cpgd,
+  GAE; ``ESTIMATORS`` (name -> :class:`Estimator`: function, options, group need) and
+  ``compute_advantages`` select them by config name.
+- :mod:`~lightrft.algorithms.losses`: ``OBJECTIVES`` (name -> :class:`Objective`: per-token
+  loss, defaults, checks), ``aggregate``, ``policy_loss`` (ppo / gspo / gmpo / cpgd,
   dual clip, clip-higher, importance correction), ``value_loss``, entropy bonus and
   high-entropy token selection.
 - :mod:`~lightrft.algorithms.kl`: KL estimators (k1, abs, k2, k3, k3+), fixed and adaptive
@@ -17,6 +19,8 @@ from lightrft.algorithms import advantages, kl, losses, shaping
 from lightrft.algorithms.advantages import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
+    Estimator,
+    check_estimator,
     compute_advantages,
     cpgd,
     dr_grpo,
@@ -41,7 +45,9 @@ from lightrft.algorithms.losses import (
     OBJECTIVE_DEFAULTS,
     OBJECTIVES,
     TIS_MODES,
+    Objective,
     aggregate,
+    check_objective,
     entropy_bonus,
     entropy_threshold,
     high_entropy_mask,
@@ -70,6 +76,10 @@ __all__ = [
     "OBJECTIVE_DEFAULTS",
     "TIS_MODES",
     "AdaptiveKLController",
+    "Estimator",
+    "Objective",
+    "check_estimator",
+    "check_objective",
     "DynamicSamplingAccumulator",
     "FixedKLController",
     "RunningRewardNormalizer",

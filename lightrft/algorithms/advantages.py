@@ -14,8 +14,9 @@ them from one signature, returning token-level ``[B, T]`` advantages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -23,6 +24,8 @@ from torch import Tensor
 __all__ = [
     "ESTIMATORS",
     "GROUP_ESTIMATORS",
+    "Estimator",
+    "check_estimator",
     "compute_advantages",
     "cpgd",
     "dr_grpo",
@@ -312,19 +315,61 @@ def gae(
 # --------------------------------------------------------------------------- registry
 
 
-ESTIMATORS: dict[str, Callable[..., Tensor | tuple[Tensor, Tensor]]] = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "rloo": rloo,
-    "cpgd": cpgd,
-    "reinforce_pp": reinforce_pp,
-    "reinforce_pp_baseline": reinforce_pp_baseline,
-    "gae": gae,
-}
-"""Config name -> estimator function."""
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator of the registry :data:`ESTIMATORS`.
 
-GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "cpgd", "reinforce_pp_baseline"})
+    ``fn``: the pure function. ``kind``: how :func:`compute_advantages` calls it:
+    ``"sequence"`` ``fn(scores [B], group_size, **options) -> [B]``, broadcast over the tokens;
+    ``"sequence_mask"`` ``fn(scores [B], mask, group_size) -> (adv, returns)``;
+    ``"token"`` ``fn(token_rewards, mask, **options)``; ``"value"`` ``fn(token_rewards, values,
+    mask, **options)`` (needs a critic). ``options``: the config options it takes (its defaults
+    live in the function signature). ``group``: needs ``group_size >= 2`` samples per prompt.
+    """
+
+    fn: Callable[..., Tensor | tuple[Tensor, Tensor]]
+    kind: Literal["sequence", "sequence_mask", "token", "value"] = "sequence"
+    options: frozenset[str] = frozenset()
+    group: bool = True
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(grpo, options=frozenset({"eps", "scale"})),
+    "dr_grpo": Estimator(dr_grpo),
+    "rloo": Estimator(rloo),
+    "cpgd": Estimator(cpgd, options=frozenset({"eps", "weight"})),
+    "reinforce_pp": Estimator(reinforce_pp, "token", frozenset({"gamma"}), group=False),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, "sequence_mask"),
+    "gae": Estimator(gae, "value", frozenset({"gamma", "lam"}), group=False),
+}
+"""Config name -> :class:`Estimator`. Add an estimator with one entry here."""
+
+GROUP_ESTIMATORS = frozenset(name for name, e in ESTIMATORS.items() if e.group)
 """Estimators that need ``group_size >= 2`` samples per prompt."""
+
+
+def check_estimator(
+    estimator: str, options: Mapping[str, Any] | None = None, *, group_size: int | None = None
+) -> Estimator:
+    """Raise ``ValueError`` for an unknown estimator, an option it does not take, or a group it
+    needs and does not have; return its registry entry. Runs on config values, no tensor."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; choose one of {list(ESTIMATORS)}"
+        )
+    spec = ESTIMATORS[estimator]
+    unknown = set(options or ()) - spec.options
+    if unknown:
+        raise ValueError(
+            f"advantage estimator {estimator!r} takes options {sorted(spec.options) or 'none'}, "
+            f"got unexpected {sorted(unknown)}"
+        )
+    if spec.group and group_size is not None and group_size < 2:
+        raise ValueError(
+            f"advantage estimator {estimator!r} needs a group: set rollout.n >= 2 "
+            f"(got {group_size})"
+        )
+    return spec
 
 
 @torch.no_grad()
@@ -349,33 +394,17 @@ def compute_advantages(
     estimator (``eps``, ``scale``, ``weight``, ``gamma``, ``lam``). ``returns`` is None for the
     group estimators without a return target.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; choose one of {list(ESTIMATORS)}"
-        )
+    spec = check_estimator(estimator, options)
     valid = _check_mask(mask)
     if rewards is None and token_rewards is None:
         raise ValueError("compute_advantages needs rewards [B] or token_rewards [B, T]")
     if token_rewards is not None:
         _check_mask(mask, token_rewards)
-    fn = ESTIMATORS[estimator]
-    allowed = {
-        "grpo": {"eps", "scale"},
-        "cpgd": {"eps", "weight"},
-        "reinforce_pp": {"gamma"},
-        "gae": {"gamma", "lam"},
-    }.get(estimator, set())
-    unknown = set(options) - allowed
-    if unknown:
-        raise ValueError(
-            f"advantage estimator {estimator!r} takes options {sorted(allowed) or 'none'}, "
-            f"got unexpected {sorted(unknown)}"
-        )
-
-    if estimator in ("reinforce_pp", "gae"):
+    fn = spec.fn
+    if spec.kind in ("token", "value"):
         if token_rewards is None:
             token_rewards = to_token_rewards(rewards, mask)
-        if estimator == "gae":
+        if spec.kind == "value":
             if values is None:
                 raise ValueError("advantage estimator 'gae' needs values [B, T] from a critic")
             return fn(token_rewards, values, mask, **options)
@@ -386,7 +415,7 @@ def compute_advantages(
     scores = rewards
     if token_rewards is not None:
         scores = (_float(token_rewards) * valid).sum(dim=1)  # [B]
-    if estimator == "reinforce_pp_baseline":
+    if spec.kind == "sequence_mask":
         return fn(scores, mask, group_size)
     adv = fn(scores, group_size, **options)  # [B]
     if adv.shape[0] != valid.shape[0]:

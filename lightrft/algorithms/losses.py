@@ -12,6 +12,8 @@ Masks are ``[B, T]`` with nonzero on response tokens. Whatever sits at padded po
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -21,6 +23,8 @@ __all__ = [
     "AGG_MODES",
     "OBJECTIVES",
     "OBJECTIVE_DEFAULTS",
+    "Objective",
+    "check_objective",
     "TIS_MODES",
     "aggregate",
     "entropy_bonus",
@@ -32,17 +36,7 @@ __all__ = [
 ]
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-OBJECTIVES = ("ppo", "gspo", "gmpo", "cpgd")
 TIS_MODES = ("token", "sequence_mask")
-
-OBJECTIVE_DEFAULTS: dict[str, dict[str, float | str]] = {
-    "ppo": {"clip_low": 0.2, "clip_high": 0.2, "agg": "token_mean"},
-    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "agg": "seq_mean_token_mean"},
-    "gmpo": {"clip_low": 0.4, "clip_high": 0.4, "agg": "seq_mean_token_mean"},
-    "cpgd": {"clip_low": 0.2, "clip_high": 0.2, "agg": "token_mean"},
-}
-"""The papers' settings per objective. ``policy_loss`` uses the ``agg`` entry when ``agg=None``;
-the clip ranges are for the recipe's config defaults (``policy_loss``'s own are 0.2 / 0.2)."""
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8: finite in fp32 and bf16
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -223,21 +217,160 @@ def _clipped_surrogate(
     return loss, flags
 
 
-def _check_clip(objective: str, clip_low: float, clip_high: float, dual_clip: float | None) -> None:
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
-    if objective in ("ppo", "gspo", "cpgd") and clip_low >= 1:
+def _check_ratio_clip(
+    name: str, clip_low: float, clip_high: float, dual_clip: float | None, agg: str
+) -> None:
+    """Checks of the ratio objectives (ppo, gspo, cpgd): the ratio floor 1 - clip_low > 0."""
+    if clip_low >= 1:
         raise ValueError(
-            f"clip_low must be < 1 for objective {objective!r} (the ratio floor is 1 - clip_low), "
+            f"clip_low must be < 1 for objective {name!r} (the ratio floor is 1 - clip_low), "
             f"got {clip_low}"
         )
+
+
+def _check_gmpo(name: str, clip_low: float, clip_high: float, dual_clip: float | None, agg: str):
+    if agg != "seq_mean_token_mean":
+        raise ValueError(
+            f"objective 'gmpo' is a per-sequence loss and aggregates 'seq_mean_token_mean', "
+            f"got agg={agg!r}"
+        )
+
+
+def _ppo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+    ratio = log_ratio.exp()
+    loss_mat, flags = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
+    return loss_mat, ratio, flags
+
+
+def _gspo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+    n_tok = valid.sum(dim=1).to(logprobs.dtype)  # [B]
+    with torch.no_grad():
+        raw = torch.where(valid, logprobs - old, 0.0)
+        seq_log_ratio = raw.sum(dim=1, keepdim=True) / n_tok.clamp_min(1.0).unsqueeze(1)
+        seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, 1]
+    ratio = (seq_log_ratio + logprobs - logprobs.detach()).exp()  # [B, T], value s
+    loss_mat, flags = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
+    return loss_mat, ratio, flags
+
+
+def _gmpo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+    m = valid.to(logprobs.dtype)
+    n_tok = m.sum(dim=1)  # [B]
+    positive = adv >= 0
+    clipped = log_ratio.clamp(-clip_low, clip_high)
+    pessimistic = torch.where(
+        positive, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped)
+    )  # [B, T]
+    seq_log = torch.where(valid, pessimistic, 0.0).sum(dim=1) / n_tok.clamp_min(1.0)  # [B]
+    seq_ratio = seq_log.exp()  # [B]
+    adv_seq = torch.where(valid, adv, 0.0).sum(dim=1) / n_tok.clamp_min(1.0)  # [B]
+    seq_loss = -adv_seq * seq_ratio  # [B]
+    # Every token carries its sequence's loss, so seq_mean_token_mean (token mean, then
+    # mean over non-empty sequences) returns the mean of seq_loss over sequences.
+    loss_mat = seq_loss.unsqueeze(1) * m  # [B, T]
+    ratio = seq_ratio.unsqueeze(1).expand_as(logprobs)
+    with torch.no_grad():
+        flags = {
+            "low": (adv < 0) & (log_ratio < -clip_low),
+            "high": (adv > 0) & (log_ratio > clip_high),
+        }
+    return loss_mat, ratio, flags
+
+
+def _cpgd(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+    lower = old + math.log1p(-clip_low)
+    upper = old + math.log1p(clip_high)
+    clipped_logp = torch.where(
+        adv > 0, torch.minimum(logprobs, upper), torch.maximum(logprobs, lower)
+    )
+    loss_mat = -adv * clipped_logp
+    with torch.no_grad():
+        flags = {
+            "low": (adv < 0) & (logprobs < lower),
+            "high": (adv > 0) & (logprobs > upper),
+        }
+    return loss_mat, log_ratio.exp(), flags
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One policy objective of the registry :data:`OBJECTIVES`.
+
+    ``fn(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip)`` returns the
+    per-token loss ``[B, T]`` (before aggregation and importance weights), the ratio it clips
+    ``[B, T]`` (for the metrics) and its clip flags ``{"low", "high"[, "dual"]}`` (bool
+    ``[B, T]``). ``defaults``: the paper's ``clip_low``, ``clip_high`` and ``agg``.
+    ``check(name, clip_low, clip_high, dual_clip, agg)`` raises ``ValueError`` on settings the
+    objective cannot use; ``dual_clip`` says whether it accepts a dual clip.
+    """
+
+    fn: Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
+    defaults: Mapping[str, float | str]
+    check: Callable[[str, float, float, float | None, str], None] | None = None
+    dual_clip: bool = False
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "ppo": Objective(
+        _ppo,
+        {"clip_low": 0.2, "clip_high": 0.2, "agg": "token_mean"},
+        _check_ratio_clip,
+        dual_clip=True,
+    ),
+    "gspo": Objective(
+        _gspo,
+        {"clip_low": 3e-4, "clip_high": 4e-4, "agg": "seq_mean_token_mean"},
+        _check_ratio_clip,
+        dual_clip=True,
+    ),
+    "gmpo": Objective(
+        _gmpo, {"clip_low": 0.4, "clip_high": 0.4, "agg": "seq_mean_token_mean"}, _check_gmpo
+    ),
+    "cpgd": Objective(
+        _cpgd, {"clip_low": 0.2, "clip_high": 0.2, "agg": "token_mean"}, _check_ratio_clip
+    ),
+}
+"""Config name -> :class:`Objective`. Add an objective with one entry here (or, in a copied
+recipe, ``OBJECTIVES["mine"] = Objective(...)`` before the config is parsed)."""
+
+OBJECTIVE_DEFAULTS: dict[str, Mapping[str, float | str]] = {
+    name: spec.defaults for name, spec in OBJECTIVES.items()
+}
+"""The papers' settings per objective (``OBJECTIVES[name].defaults``). ``policy_loss`` uses the
+``agg`` entry when ``agg=None``; the clip ranges are for the recipe's config defaults
+(``policy_loss``'s own are 0.2 / 0.2)."""
+
+
+def check_objective(
+    objective: str,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str | None = None,
+    norm_len: int | float | None = None,
+) -> str:
+    """Raise ``ValueError`` on settings ``objective`` cannot use; return the aggregation mode
+    (``agg``, or the objective's default when None). Runs on config values, no tensor."""
+    if objective not in OBJECTIVES:
+        raise ValueError(
+            f"unknown policy objective {objective!r}; choose one of {list(OBJECTIVES)}"
+        )
+    spec = OBJECTIVES[objective]
+    agg = spec.defaults["agg"] if agg is None else agg
+    if agg not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {agg!r}; choose one of {list(AGG_MODES)}")
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None:
-        if objective not in ("ppo", "gspo"):
-            raise ValueError(
-                f"dual_clip applies to the ratio objectives 'ppo' and 'gspo', not {objective!r}"
-            )
+        if not spec.dual_clip:
+            dual = [n for n, o in OBJECTIVES.items() if o.dual_clip]
+            raise ValueError(f"dual_clip applies to the ratio objectives {dual}, not {objective!r}")
         if not dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1 (a cap on the ratio), got {dual_clip}")
+    if spec.check is not None:
+        spec.check(objective, clip_low, clip_high, dual_clip, agg)
+    return agg
 
 
 def policy_loss(
@@ -306,18 +439,9 @@ def policy_loss(
     with importance correction ``tis_weight_mean`` and ``tis_frac_capped`` (tokens truncated at
     the cap, or tokens of dropped sequences).
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(
-            f"unknown policy objective {objective!r}; choose one of {list(OBJECTIVES)}"
-        )
-    agg = OBJECTIVE_DEFAULTS[objective]["agg"] if agg is None else agg
-    if agg not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode {agg!r}; choose one of {list(AGG_MODES)}")
-    if objective == "gmpo" and agg != "seq_mean_token_mean":
-        raise ValueError(
-            f"objective 'gmpo' is a per-sequence loss and aggregates 'seq_mean_token_mean', got agg={agg!r}"
-        )
-    _check_clip(objective, clip_low, clip_high, dual_clip)
+    agg = check_objective(
+        objective, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg=agg
+    )
 
     logprobs = _upcast(logprobs)
     valid = _valid(mask, logprobs)
@@ -335,51 +459,18 @@ def policy_loss(
         old = _zero_padding(old_logprobs.detach().to(logprobs.dtype), valid)
     adv = _zero_padding(_expand_advantages(advantages.detach(), logprobs), valid)  # [B, T]
     m = valid.to(logprobs.dtype)
-    n_tok = m.sum(dim=1)  # [B]
     log_ratio = (logprobs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
 
-    if objective == "ppo":
-        ratio = log_ratio.exp()
-        loss_mat, flags = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
-    elif objective == "gspo":
-        with torch.no_grad():
-            raw = torch.where(valid, logprobs - old, 0.0)
-            seq_log_ratio = raw.sum(dim=1, keepdim=True) / n_tok.clamp_min(1.0).unsqueeze(1)
-            seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, 1]
-        ratio = (seq_log_ratio + logprobs - logprobs.detach()).exp()  # [B, T], value s
-        loss_mat, flags = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
-    elif objective == "gmpo":
-        positive = adv >= 0
-        clipped = log_ratio.clamp(-clip_low, clip_high)
-        pessimistic = torch.where(
-            positive, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped)
-        )  # [B, T]
-        seq_log = torch.where(valid, pessimistic, 0.0).sum(dim=1) / n_tok.clamp_min(1.0)  # [B]
-        seq_ratio = seq_log.exp()  # [B]
-        adv_seq = torch.where(valid, adv, 0.0).sum(dim=1) / n_tok.clamp_min(1.0)  # [B]
-        seq_loss = -adv_seq * seq_ratio  # [B]
-        # Every token carries its sequence's loss, so seq_mean_token_mean (token mean, then
-        # mean over non-empty sequences) returns the mean of seq_loss over sequences.
-        loss_mat = seq_loss.unsqueeze(1) * m  # [B, T]
-        ratio = seq_ratio.unsqueeze(1).expand_as(logprobs)
-        with torch.no_grad():
-            flags = {
-                "low": (adv < 0) & (log_ratio < -clip_low),
-                "high": (adv > 0) & (log_ratio > clip_high),
-            }
-    else:  # cpgd
-        lower = old + math.log1p(-clip_low)
-        upper = old + math.log1p(clip_high)
-        clipped_logp = torch.where(
-            adv > 0, torch.minimum(logprobs, upper), torch.maximum(logprobs, lower)
-        )
-        loss_mat = -adv * clipped_logp
-        ratio = log_ratio.exp()
-        with torch.no_grad():
-            flags = {
-                "low": (adv < 0) & (logprobs < lower),
-                "high": (adv > 0) & (logprobs > upper),
-            }
+    loss_mat, ratio, flags = OBJECTIVES[objective].fn(
+        logprobs,
+        old,
+        log_ratio,
+        adv,
+        valid,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+    )
 
     metrics: dict[str, Tensor] = {}
     if rollout_logprobs is not None:

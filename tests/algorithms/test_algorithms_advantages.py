@@ -201,7 +201,7 @@ def test_registry_names():
     assert set(ESTIMATORS) == {
         "grpo", "dr_grpo", "rloo", "cpgd", "reinforce_pp", "reinforce_pp_baseline", "gae"
     }  # fmt: skip
-    assert ESTIMATORS["grpo"] is grpo and ESTIMATORS["gae"] is gae
+    assert ESTIMATORS["grpo"].fn is grpo and ESTIMATORS["gae"].fn is gae
     assert adv.GROUP_ESTIMATORS < set(ESTIMATORS)
 
 
