@@ -3,7 +3,7 @@
     lightrft ls                                   recipes and their configs
     lightrft cp <recipe|config> <dest>            copy one out to edit it
     lightrft cat <config>                         print a config
-    lightrft validate <config> [key=value ...]    check keys, types and components; loads no model
+    lightrft validate <config> [key=value ...]    schema + the recipe's build_options; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
     lightrft tiny-model --out DIR [--arch qwen2|llama] [--layers N] [--hidden N] ...
 
@@ -134,16 +134,17 @@ def cmd_cat(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_schema(recipe_path: Path):
-    """A recipe's ``CONFIG_SCHEMA``, read by importing the file without running its main."""
+def load_recipe_checks(recipe_path: Path):
+    """A recipe's ``(CONFIG_SCHEMA, build_options or None)``, read by importing the file
+    without running its main."""
     module = runpy.run_path(str(recipe_path), run_name="lightrft_recipe_schema")
     if "CONFIG_SCHEMA" not in module:
         raise SystemExit(f"lightrft: {recipe_path} defines no CONFIG_SCHEMA")
-    return module["CONFIG_SCHEMA"]
+    return module["CONFIG_SCHEMA"], module.get("build_options")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from lightrft.config import ConfigError, check, load
+    from lightrft.config import ConfigError, load, validate
 
     path = resolve_config(args.config)
     recipe = args.recipe or recipe_of_config(path)
@@ -153,7 +154,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         )
     try:
         cfg, src = load(path, args.overrides)
-        check(cfg, load_schema(resolve_recipe(recipe)), src)
+        schema, build_options = load_recipe_checks(resolve_recipe(recipe))
+        validate(cfg, schema=schema, options=build_options, source=src)
     except ConfigError as e:
         print(f"lightrft: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ __all__ = [
     "load",
     "parse",
     "resolve",
+    "validate",
 ]
 
 
@@ -375,26 +376,58 @@ def _split_argv(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def parse(
-    recipe_main: Callable[[DictConfig], Any] | None = None, *, schema: Mapping | None = None
+    recipe_main: Callable[..., Any] | None = None,
+    *,
+    schema: Mapping | None = None,
+    options: Callable[[DictConfig], Any] | None = None,
 ) -> Callable[..., Any]:
-    """Decorate a recipe's ``recipe_main(cfg)``: read ``--config`` and overrides from ``sys.argv``,
-    check them against ``schema`` (the recipe's ``CONFIG_SCHEMA``), then call the recipe.
+    """Decorate a recipe's ``recipe_main``: read ``--config`` and overrides from ``sys.argv``,
+    check them against ``schema`` (the recipe's ``CONFIG_SCHEMA``), then build the recipe's
+    options with ``options`` (its pure ``build_options(cfg)``, which owns every default and
+    cross-field check) and call ``recipe_main(cfg, opts)`` (``recipe_main(cfg)`` without one).
 
-    Works under ``lightrft run``, ``torchrun`` and torchtune's ``tune run``.
+    Any :class:`ConfigError` (or ``ValueError`` from ``build_options``) prints one message and
+    exits with status 2 before anything heavy runs. Works under ``lightrft run``, ``torchrun``
+    and torchtune's ``tune run``.
     """
     if recipe_main is None:
-        return functools.partial(parse, schema=schema)
+        return functools.partial(parse, schema=schema, options=options)
 
     @functools.wraps(recipe_main)
     def wrapper() -> None:
         try:
             path, overrides = _split_argv(sys.argv[1:])
             cfg, src = load(path, overrides)
-            if schema is not None:
-                check(cfg, schema, src)
+            opts = validate(cfg, schema=schema, options=options, source=src)
         except ConfigError as e:
             print(f"lightrft: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        sys.exit(recipe_main(cfg))
+        sys.exit(recipe_main(cfg) if options is None else recipe_main(cfg, opts))
 
     return wrapper
+
+
+def validate(
+    cfg: DictConfig,
+    *,
+    schema: Mapping | None = None,
+    options: Callable[[DictConfig], Any] | None = None,
+    source: Source | None = None,
+) -> Any:
+    """The schema check, then ``options(cfg)``: what ``lightrft validate`` and ``run`` both do.
+
+    Returns the options object (None without ``options``). A ``ValueError`` raised by
+    ``options`` becomes a :class:`ConfigError` whose message points at the config file, so the
+    two commands print the same line for the same mistake.
+    """
+    if schema is not None:
+        check(cfg, schema, source)
+    if options is None:
+        return None
+    try:
+        return options(cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        where = source.path if source is not None and source.path else "config"
+        raise ConfigError(f"{where}: {e}") from None

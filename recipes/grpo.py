@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -42,13 +43,13 @@ from lightrft import config
 from lightrft.algorithms import (
     AGG_MODES,
     ESTIMATORS,
-    GROUP_ESTIMATORS,
     KL_KINDS,
-    OBJECTIVE_DEFAULTS,
     OBJECTIVES,
     DynamicSamplingAccumulator,
     RunningRewardNormalizer,
     build_kl_controller,
+    check_estimator,
+    check_objective,
     clip_rewards,
     compute_advantages,
     entropy_bonus,
@@ -130,7 +131,7 @@ CONFIG_SCHEMA = {
             "lam": float | None,
         },
         "policy_loss": {
-            "objective": Literal[OBJECTIVES] | None,
+            "objective": Literal[tuple(OBJECTIVES)] | None,
             "clip_low": float | None,
             "clip_high": float | None,
             "dual_clip": float | None,
@@ -191,8 +192,12 @@ CONFIG_SCHEMA = {
 IGNORE = -100
 
 
+# ---------------------------------------------------------------------------------- options
+
+
 def _get(node: Any, key: str, default: Any = None) -> Any:
-    """``node[key]`` when present and not null, else ``default`` (node may be None)."""
+    """``node[key]`` when present and not null, else ``default`` (node may be None): the one
+    rule for a missing value in this recipe, so null always means "use the default"."""
     if node is None:
         return default
     value = node.get(key)
@@ -203,11 +208,467 @@ def _set_keys(node: Any) -> set[str]:
     return {k for k, v in (node or {}).items() if v is not None}
 
 
-def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+def _at_least(name: str, value: Any, low: float, *, strict: bool = False) -> None:
+    if value is not None and (value <= low if strict else value < low):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {low:g}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+    prompts_per_step: int  # all ranks together
+    n: int  # samples per prompt (the group)
+    max_tokens: int
+    temperature: float = 1.0  # the trainer scores tokens at this temperature too
+    top_p: float = 1.0
+    top_k: int = 0
+    first_token_temperature: float | None = None  # FIRE
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """The policy objective (a ``lightrft.algorithms.OBJECTIVES`` entry) and its aggregation."""
+
+    objective: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: str = "token_mean"
+    norm_len: int | None = None  # seq_mean_token_sum_norm: defaults to rollout.max_tokens
+    entropy_coef: float = 0.0  # entropy bonus
+    top_rho: float | None = None  # train on the top-rho highest-entropy tokens only
+    value_clip: float = 0.5  # gae only
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        return {
+            "objective": self.objective,
+            "clip_low": self.clip_low,
+            "clip_high": self.clip_high,
+            "dual_clip": self.dual_clip,
+            "agg": self.agg,
+            "norm_len": self.norm_len,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class KLOptions:
+    coef: float
+    estimator: str = "k3"
+    placement: Literal["loss", "reward"] = "loss"
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    target: float | None = None
+    horizon: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapingOptions:
+    reward_norm: bool = False
+    reward_clip: float | None = None
+    overlong: tuple[int, int, float] | None = None  # (max_len, buffer, factor)
+    dynamic: bool = False
+    max_draws: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    micro_batch_size: int
+    ppo_epochs: int = 1
+    mini_batch_size: int | None = None  # samples per optimizer step; None: the whole batch
+    packing: bool = False
+    shuffle: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleOptions:
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticOptions:
+    path: str  # defaults to model.path
+    schedule: ScheduleOptions
+    clip_grad_norm: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    every: int | None = None
+    at_start: bool = True
+    temperature: float = 0.0
+    max_tokens: int | None = None  # defaults to rollout.max_tokens
+    accuracy_reward: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    backend: Literal["native", "vllm"] = "native"
+    sleep_level: int = 1
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # to the engine class
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    path: str
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOOptions:
+    """Everything the recipe reads from the config, every default applied, every cross-field
+    rule checked. Built by :func:`build_options`; the recipe reads ``opts``, never ``cfg``,
+    except for the ``_component_`` nodes it instantiates."""
+
+    output_dir: str
+    max_steps: int
+    model: ModelOptions
+    rollout: RolloutOptions
+    estimator: str
+    adv_options: dict[str, Any]  # only the keys the config sets: the estimator's own checks
+    loss: LossOptions
+    old_logprobs: Literal["trainer", "engine"]
+    tis_mode: str | None
+    tis_cap: float
+    kl: KLOptions | None  # None: no KL and no reference model
+    shaping: ShapingOptions
+    critic: CriticOptions | None  # gae only
+    train: TrainOptions
+    schedule: ScheduleOptions
+    eval: EvalOptions
+    engine: EngineOptions
+    seed: int = 0
+    device: str | None = None
+    clip_grad_norm: float | None = None
+    trajectories: bool = False
+    log_every: int = 1
+    save_every: int | None = None
+    keep_last: int = 2
+    resume: bool = False
+    tensorboard: bool = True
+    wandb: bool | dict = False
+
+
+def _rollout_options(cfg: DictConfig) -> RolloutOptions:
+    ro = cfg.rollout
+    opts = RolloutOptions(
+        prompts_per_step=ro.prompts_per_step,
+        n=ro.n,
+        max_tokens=ro.max_tokens,
+        temperature=float(_get(ro, "temperature", 1.0)),
+        top_p=float(_get(ro, "top_p", 1.0)),
+        top_k=int(_get(ro, "top_k", 0)),
+        first_token_temperature=_get(ro, "first_token_temperature"),
+        stop_token_ids=tuple(_get(ro, "stop_token_ids", ())),
+    )
+    for key in ("n", "prompts_per_step", "max_tokens"):
+        _at_least(f"rollout.{key}", getattr(opts, key), 1)
+    if not opts.temperature > 0:
+        raise ValueError(
+            f"rollout.temperature must be > 0 (the trainer scores tokens at the sampling "
+            f"temperature), got {opts.temperature}"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if opts.prompts_per_step % world:
+        raise ValueError(
+            f"rollout.prompts_per_step={opts.prompts_per_step} must be a multiple of the "
+            f"number of processes ({world})"
+        )
+    # The SamplingParams' own checks (top_p, top_k, first-token temperature...).
+    _sampling(opts).validate()
+    return opts
+
+
+def _sampling(ro: RolloutOptions) -> SamplingParams:
+    return SamplingParams(
+        n=ro.n,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        max_tokens=ro.max_tokens,
+        stop_token_ids=list(ro.stop_token_ids),
+        first_token_temperature=ro.first_token_temperature,
+    )
+
+
+def _advantage_options(cfg: DictConfig, group: int) -> tuple[str, dict[str, Any]]:
+    adv = cfg.algorithm.advantage
+    estimator = adv.estimator
+    # Only the options the config sets go to the estimator, which rejects inapplicable ones.
+    options = {k: adv[k] for k in _set_keys(adv) - {"estimator"}}
+    check_estimator(estimator, options, group_size=group)
+    return estimator, options
+
+
+def _loss_options(cfg: DictConfig, rollout: RolloutOptions) -> LossOptions:
+    alg = cfg.algorithm
+    pl = alg.get("policy_loss")
+    objective = _get(pl, "objective", "ppo")
+    defaults = OBJECTIVES[objective].defaults
+    agg = _get(pl, "agg", defaults["agg"])
+    norm_len = _get(pl, "norm_len")
+    if norm_len is not None and agg != "seq_mean_token_sum_norm":
+        raise ValueError(
+            f"algorithm.policy_loss.norm_len is used only by agg=seq_mean_token_sum_norm "
+            f"(agg is {agg!r}); remove it"
+        )
+    if agg == "seq_mean_token_sum_norm" and norm_len is None:
+        # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so the
+        # loss does not depend on how a step is split into micro-batches.
+        norm_len = rollout.max_tokens
+    ent = alg.get("entropy")
+    opts = LossOptions(
+        objective=objective,
+        clip_low=float(_get(pl, "clip_low", defaults["clip_low"])),
+        clip_high=float(_get(pl, "clip_high", defaults["clip_high"])),
+        dual_clip=_get(pl, "dual_clip"),
+        agg=agg,
+        norm_len=norm_len,
+        entropy_coef=float(_get(ent, "coef", 0.0)),
+        top_rho=_get(ent, "top_rho"),
+        value_clip=float(_get(alg.get("value"), "clip", 0.5)),
+    )
+    _at_least("algorithm.policy_loss.norm_len", norm_len, 1)
+    check_objective(**opts.policy_kwargs())
+    if opts.top_rho is not None and not 0 < opts.top_rho <= 1:
+        raise ValueError(f"algorithm.entropy.top_rho must be in (0, 1], got {opts.top_rho}")
+    return opts
+
+
+def _kl_options(cfg: DictConfig) -> KLOptions | None:
+    kl = cfg.algorithm.get("kl")
+    if not _set_keys(kl):
+        return None
+    if kl.get("coef") is None or not kl.coef > 0:
+        raise ValueError(
+            f"algorithm.kl.coef must be > 0 (got {kl.get('coef')}); remove the algorithm.kl "
+            "section to train without a KL and without a reference model"
+        )
+    opts = KLOptions(
+        coef=float(kl.coef),
+        estimator=_get(kl, "estimator", "k3"),
+        placement=_get(kl, "placement", "loss"),
+        controller=_get(kl, "controller", "fixed"),
+        target=_get(kl, "target"),
+        horizon=_get(kl, "horizon"),
+    )
+    if opts.controller == "fixed" and _set_keys(kl) & {"target", "horizon"}:
+        raise ValueError("algorithm.kl.target / horizon apply to controller=adaptive only")
+    # The controller's own checks (target, horizon > 0).
+    build_kl_controller(opts.controller, opts.coef, target=opts.target, horizon=opts.horizon)
+    return opts
+
+
+def _sampling_correction(cfg: DictConfig, rollout: RolloutOptions) -> tuple[str, str | None, float]:
+    """(old_logprobs source, tis mode, tis cap)."""
+    alg = cfg.algorithm
+    source = _get(alg, "old_logprobs", "trainer")
+    tis = alg.get("tis")
+    mode = _get(tis, "mode")
+    if mode is None and _set_keys(tis):
+        raise ValueError(
+            "algorithm.tis.cap is set but algorithm.tis.mode is not: set mode "
+            "(token | sequence_mask) or remove the tis section"
+        )
+    cap = float(_get(tis, "cap", 2.0))
+    if mode is not None and source != "trainer":
+        raise ValueError(
+            "algorithm.tis corrects the engine's log-probs towards the trainer's old "
+            "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
+        )
+    _at_least("algorithm.tis.cap", cap, 0, strict=True)
+    if rollout.first_token_temperature is not None and (source == "engine" or mode is not None):
+        # The engine reports the first token's log-prob at first_token_temperature, the trainer
+        # scores every token at rollout.temperature: the first token's ratio would be wrong.
+        raise ValueError(
+            "rollout.first_token_temperature (FIRE) makes the engine's first-token log-prob "
+            "differ from the trainer's (scored at rollout.temperature), so it cannot be used "
+            "with algorithm.old_logprobs=engine or algorithm.tis; remove one of them"
+        )
+    return source, mode, cap
+
+
+def _shaping_options(cfg: DictConfig, rollout: RolloutOptions) -> ShapingOptions:
+    shaping = cfg.algorithm.get("shaping")
+    reward_clip = _get(shaping, "reward_clip")
+    _at_least("algorithm.shaping.reward_clip", reward_clip, 0, strict=True)
+    over = _get(shaping, "overlong")
+    overlong = None
+    if _set_keys(over):
+        if over.get("buffer") is None:
+            raise ValueError(
+                "algorithm.shaping.overlong needs buffer (tokens before max_len "
+                "where the penalty ramps up)"
+            )
+        overlong = (
+            int(_get(over, "max_len", rollout.max_tokens)),
+            int(over.buffer),
+            float(_get(over, "factor", 1.0)),
+        )
+        overlong_penalty([0], *overlong)  # its own checks
+    ds = _get(shaping, "dynamic_sampling")
+    dynamic = bool(_set_keys(ds)) and _get(ds, "enabled", True)
+    if _set_keys(ds) and not dynamic and _set_keys(ds) - {"enabled"}:
+        raise ValueError(
+            "algorithm.shaping.dynamic_sampling.max_draws is set but dynamic sampling is disabled"
+        )
+    if dynamic and rollout.n < 2:
+        raise ValueError("dynamic sampling needs rollout.n >= 2")
+    max_draws = _get(ds, "max_draws", 10)
+    _at_least("algorithm.shaping.dynamic_sampling.max_draws", max_draws, 1)
+    return ShapingOptions(
+        reward_norm=_get(shaping, "reward_norm", False),
+        reward_clip=reward_clip,
+        overlong=overlong,
+        dynamic=dynamic,
+        max_draws=max_draws,
+    )
+
+
+def _schedule(node: Any, key: str) -> ScheduleOptions:
+    opts = ScheduleOptions(
+        warmup_steps=_get(node, "warmup_steps", 0), min_lr_ratio=_get(node, "min_lr_ratio", 0.0)
+    )
+    _at_least(f"{key}.warmup_steps", opts.warmup_steps, 0)
+    if not 0 <= opts.min_lr_ratio <= 1:
+        raise ValueError(f"{key}.min_lr_ratio must be in [0, 1], got {opts.min_lr_ratio}")
+    return opts
+
+
+def _critic_options(cfg: DictConfig, estimator: str) -> CriticOptions | None:
+    critic = cfg.get("critic")
+    if estimator != "gae":
+        if _set_keys(cfg.algorithm.get("value")) or _set_keys(critic):
+            raise ValueError(
+                f"algorithm.value and critic train a critic, used only by estimator=gae "
+                f"(estimator is {estimator!r}); remove them"
+            )
+        return None
+    if _get(critic, "optimizer") is None:
+        raise ValueError("estimator=gae needs a critic: add a `critic:` section with its optimizer")
+    return CriticOptions(
+        path=_get(critic, "path", cfg.model.path),
+        schedule=_schedule(critic.get("lr_scheduler"), "critic.lr_scheduler"),
+        clip_grad_norm=_get(critic, "clip_grad_norm"),
+    )
+
+
+def _train_options(cfg: DictConfig) -> TrainOptions:
+    tr = cfg.train
+    opts = TrainOptions(
+        micro_batch_size=tr.micro_batch_size,
+        ppo_epochs=_get(tr, "ppo_epochs", 1),
+        mini_batch_size=_get(tr, "mini_batch_size"),
+        packing=_get(tr, "packing", False),
+        shuffle=_get(tr, "shuffle", True),
+    )
+    for key in ("micro_batch_size", "ppo_epochs", "mini_batch_size"):
+        _at_least(f"train.{key}", getattr(opts, key), 1)
+    return opts
+
+
+def _eval_options(cfg: DictConfig, rollout: RolloutOptions) -> EvalOptions:
+    ev = cfg.get("eval")
+    if _set_keys(ev) and cfg.get("eval_dataset") is None:
+        raise ValueError("the eval section needs an eval_dataset")
+    opts = EvalOptions(
+        every=_get(ev, "every"),
+        at_start=_get(ev, "at_start", True),
+        temperature=float(_get(ev, "temperature", 0.0)),
+        max_tokens=_get(ev, "max_tokens", rollout.max_tokens),
+        accuracy_reward=_get(ev, "accuracy_reward"),
+    )
+    names = list((cfg.reward.get("functions") or {}).keys())  # a CombinedReward's parts
+    if opts.accuracy_reward is not None and opts.accuracy_reward not in names:
+        raise ValueError(
+            f"eval.accuracy_reward={opts.accuracy_reward!r} is not a reward function; they are "
+            f"{names}"
+        )
+    _at_least("eval.every", opts.every, 1)
+    _at_least("eval.max_tokens", opts.max_tokens, 1)
+    _at_least("eval.temperature", opts.temperature, 0)
+    return opts
+
+
+def _engine_options(cfg: DictConfig) -> EngineOptions:
+    ecfg = cfg.get("engine") or {}
+    backend = _get(ecfg, "backend", "native")
+    own = {
+        "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
+        "vllm": ("gpu_memory_utilization", "tensor_parallel_size"),
+    }
+    other = own["vllm" if backend == "native" else "native"]
+    wrong = sorted(k for k in other if ecfg.get(k) is not None)
+    if wrong:
+        raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={backend}")
+    keys = ("dtype", "max_model_len", "max_num_seqs", *own[backend])
+    return EngineOptions(
+        backend=backend,
+        sleep_level=_get(ecfg, "sleep_level", 1),
+        kwargs={k: ecfg[k] for k in keys if ecfg.get(k) is not None},
+    )
+
+
+def _model_options(cfg: DictConfig) -> ModelOptions:
+    m = cfg.model
+    return ModelOptions(
+        path=m.path,
+        dtype=_get(m, "dtype", "float32"),
+        trust_remote_code=_get(m, "trust_remote_code", False),
+        activation_checkpointing=_get(m, "activation_checkpointing", False),
+        compile=_get(m, "compile", False),
+    )
+
+
+def build_options(cfg: DictConfig) -> GRPOOptions:
+    """The config as a frozen, typed :class:`GRPOOptions`: every default, every cross-field
+    check, no side effect (no directory, no process group, no model). ``lightrft validate`` and
+    ``lightrft run`` both call it, so a config that validates does not fail later on a rule."""
+    rollout = _rollout_options(cfg)
+    estimator, adv_options = _advantage_options(cfg, rollout.n)
+    old_source, tis_mode, tis_cap = _sampling_correction(cfg, rollout)
+    metrics = cfg.get("metrics")
+    opts = GRPOOptions(
+        output_dir=cfg.output_dir,
+        max_steps=cfg.max_steps,
+        model=_model_options(cfg),
+        rollout=rollout,
+        estimator=estimator,
+        adv_options=adv_options,
+        loss=_loss_options(cfg, rollout),
+        old_logprobs=old_source,
+        tis_mode=tis_mode,
+        tis_cap=tis_cap,
+        kl=_kl_options(cfg),
+        shaping=_shaping_options(cfg, rollout),
+        critic=_critic_options(cfg, estimator),
+        train=_train_options(cfg),
+        schedule=_schedule(cfg.get("lr_scheduler"), "lr_scheduler"),
+        eval=_eval_options(cfg, rollout),
+        engine=_engine_options(cfg),
+        seed=_get(cfg, "seed", 0),
+        device=_get(cfg, "device"),
+        clip_grad_norm=_get(cfg, "clip_grad_norm"),
+        trajectories=_get(cfg, "trajectories", False),
+        log_every=_get(cfg, "log_every", 1),
+        save_every=_get(cfg, "save_every"),
+        keep_last=_get(cfg, "keep_last", 2),
+        resume=_get(cfg, "resume", False),
+        tensorboard=_get(metrics, "tensorboard", True),
+        wandb=_get(metrics, "wandb", False),
+    )
+    for key in ("max_steps", "log_every", "save_every", "keep_last"):
+        _at_least(key, getattr(opts, key), 1)
+    if not str(opts.output_dir).strip():
+        raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
+    checkpoints = Checkpointer(
+        opts.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
+    )  # reads only
+    if opts.resume and checkpoints.latest() is None:
+        raise ValueError(f"resume=true but no checkpoint found in {checkpoints.root}")
+    return opts
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -312,355 +773,157 @@ def _all_gather(obj: Any) -> list[Any]:
 
 
 class GRPORecipe:
-    """Read and check the config, build everything in ``setup``, train, clean up."""
+    """Build everything from the validated options in ``setup``, train, clean up."""
 
-    def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
-        self.seed = cfg.get("seed", 0)
-        self.max_steps = cfg.max_steps
-        self.log_every = cfg.get("log_every", 1)
-        ro = cfg.rollout
-        self.group = ro.n
-        self.prompts_per_step = ro.prompts_per_step
-        self.max_tokens = ro.max_tokens
-        self.temperature = float(_get(ro, "temperature", 1.0))
-        tr = cfg.train
-        self.ppo_epochs = _get(tr, "ppo_epochs", 1)
-        self.mini_batch_size = _get(tr, "mini_batch_size")
-        self.micro_batch_size = tr.micro_batch_size
-        self.packing = _get(tr, "packing", False)
-        self.shuffle = _get(tr, "shuffle", True)
-        for key, value in (
-            ("max_steps", self.max_steps),
-            ("rollout.n", self.group),
-            ("rollout.prompts_per_step", self.prompts_per_step),
-            ("rollout.max_tokens", self.max_tokens),
-            ("log_every", self.log_every),
-            ("train.ppo_epochs", self.ppo_epochs),
-            ("train.micro_batch_size", self.micro_batch_size),
-        ):
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if self.mini_batch_size is not None and self.mini_batch_size < 1:
-            raise ValueError(
-                f"train.mini_batch_size must be >= 1 or null, got {self.mini_batch_size}"
-            )
-        if not self.temperature > 0:
-            raise ValueError(
-                f"rollout.temperature must be > 0 (the trainer scores tokens at the sampling "
-                f"temperature), got {self.temperature}"
-            )
-
-        alg = cfg.algorithm
-        adv = alg.advantage
-        self.estimator = adv.estimator
-        # Only the options the config sets go to the estimator, which rejects inapplicable ones.
-        self.adv_options = {k: adv[k] for k in _set_keys(adv) - {"estimator"}}
-        # Unknown or inapplicable options fail now, not after the first rollout.
-        compute_advantages(
-            self.estimator,
-            mask=torch.ones(2, 1),
-            rewards=torch.zeros(2),
-            values=torch.zeros(2, 1),
-            group_size=2,
-            **self.adv_options,
-        )
-        if self.estimator in GROUP_ESTIMATORS and self.group < 2:
-            raise ValueError(
-                f"advantage estimator {self.estimator!r} needs a group: set rollout.n >= 2 "
-                f"(got {self.group})"
-            )
-
-        pl = alg.get("policy_loss")
-        self.objective = _get(pl, "objective", "ppo")
-        defaults = OBJECTIVE_DEFAULTS[self.objective]
-        self.agg = _get(pl, "agg", defaults["agg"])
-        self.loss_kwargs = {
-            "objective": self.objective,
-            "clip_low": float(_get(pl, "clip_low", defaults["clip_low"])),
-            "clip_high": float(_get(pl, "clip_high", defaults["clip_high"])),
-            "dual_clip": _get(pl, "dual_clip"),
-            "agg": self.agg,
-            "norm_len": _get(pl, "norm_len"),
-        }
-        if self.loss_kwargs["norm_len"] is not None and self.agg != "seq_mean_token_sum_norm":
-            raise ValueError(
-                f"algorithm.policy_loss.norm_len is used only by agg=seq_mean_token_sum_norm "
-                f"(agg is {self.agg!r}); remove it"
-            )
-        if self.objective == "gmpo" and self.agg != "seq_mean_token_mean":
-            raise ValueError(
-                "objective 'gmpo' aggregates seq_mean_token_mean; remove "
-                "algorithm.policy_loss.agg or set it to seq_mean_token_mean"
-            )
-        # Fail on bad clip settings now rather than after the first rollout.
-        policy_loss(torch.zeros(1, 1), None, torch.zeros(1), torch.ones(1, 1), **self.loss_kwargs)
-
-        self.old_source = alg.get("old_logprobs") or "trainer"
-        tis = alg.get("tis")
-        self.tis_mode = _get(tis, "mode")
-        if self.tis_mode is None and _set_keys(tis):
-            raise ValueError(
-                "algorithm.tis.cap is set but algorithm.tis.mode is not: set mode "
-                "(token | sequence_mask) or remove the tis section"
-            )
-        self.tis_cap = float(_get(tis, "cap", 2.0))
-        if self.tis_mode is not None and self.old_source != "trainer":
-            raise ValueError(
-                "algorithm.tis corrects the engine's log-probs towards the trainer's old "
-                "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
-            )
-        _positive("algorithm.tis.cap", self.tis_cap)
-
-        kl = alg.get("kl")
-        self.kl_on = bool(_set_keys(kl))
-        if self.kl_on:
-            if kl.get("coef") is None or not kl.coef > 0:
-                raise ValueError(
-                    f"algorithm.kl.coef must be > 0 (got {kl.coef}); remove the algorithm.kl "
-                    "section to train without a KL and without a reference model"
-                )
-            self.kl_kind = _get(kl, "estimator", "k3")
-            self.kl_placement = _get(kl, "placement", "loss")
-            controller = _get(kl, "controller", "fixed")
-            if controller == "fixed" and _set_keys(kl) & {"target", "horizon"}:
-                raise ValueError("algorithm.kl.target / horizon apply to controller=adaptive only")
-            self.kl_ctl = build_kl_controller(
-                controller, float(kl.coef), target=_get(kl, "target"), horizon=_get(kl, "horizon")
-            )
-        ent = alg.get("entropy")
-        self.entropy_coef = float(_get(ent, "coef", 0.0))
-        self.top_rho = _get(ent, "top_rho")
-        if self.top_rho is not None and not 0 < self.top_rho <= 1:
-            raise ValueError(f"algorithm.entropy.top_rho must be in (0, 1], got {self.top_rho}")
-
-        self.gae = self.estimator == "gae"
-        value = alg.get("value")
-        critic = cfg.get("critic")
-        if not self.gae and (_set_keys(value) or _set_keys(critic)):
-            raise ValueError(
-                f"algorithm.value and critic train a critic, used only by estimator=gae "
-                f"(estimator is {self.estimator!r}); remove them"
-            )
-        if self.gae and _get(critic, "optimizer") is None:
-            raise ValueError(
-                "estimator=gae needs a critic: add a `critic:` section with its optimizer"
-            )
-        self.value_clip = _get(value, "clip", 0.5)
-
-        shaping = alg.get("shaping")
-        self.reward_norm = _get(shaping, "reward_norm", False)
-        self.reward_clip = _get(shaping, "reward_clip")
-        _positive("algorithm.shaping.reward_clip", self.reward_clip)
-        over = _get(shaping, "overlong")
-        self.overlong = None
-        if _set_keys(over):
-            if over.get("buffer") is None:
-                raise ValueError(
-                    "algorithm.shaping.overlong needs buffer (tokens before max_len "
-                    "where the penalty ramps up)"
-                )
-            self.overlong = (
-                int(_get(over, "max_len", self.max_tokens)),
-                int(over.buffer),
-                float(_get(over, "factor", 1.0)),
-            )
-            overlong_penalty([0], *self.overlong)  # validates
-        ds = _get(shaping, "dynamic_sampling")
-        self.dynamic = bool(_set_keys(ds)) and _get(ds, "enabled", True)
-        if _set_keys(ds) and not self.dynamic and _set_keys(ds) - {"enabled"}:
-            raise ValueError(
-                "algorithm.shaping.dynamic_sampling.max_draws is set but "
-                "dynamic sampling is disabled"
-            )
-        self.max_draws = _get(ds, "max_draws", 10)
-        if self.dynamic and self.group < 2:
-            raise ValueError("dynamic sampling needs rollout.n >= 2")
-
-        ev = cfg.get("eval")
-        if _set_keys(ev) and cfg.get("eval_dataset") is None:
-            raise ValueError("the eval section needs an eval_dataset")
-        self.eval_every = _get(ev, "every")
-        self.eval_at_start = _get(ev, "at_start", True)
-        self.eval_temperature = float(_get(ev, "temperature", 0.0))
-        self.eval_max_tokens = _get(ev, "max_tokens", self.max_tokens)
-        self.accuracy_reward = _get(ev, "accuracy_reward")
-        self.trajectories = bool(cfg.get("trajectories", False))
-        self.max_grad_norm = cfg.get("clip_grad_norm")
-
-        ecfg = cfg.get("engine") or {}
-        self.sleep_level = _get(ecfg, "sleep_level", 1)
-        self.engine_backend = backend = _get(ecfg, "backend", "native")
-        own = {
-            "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
-            "vllm": ("gpu_memory_utilization", "tensor_parallel_size"),
-        }
-        other = own["vllm" if backend == "native" else "native"]
-        wrong = sorted(k for k in other if ecfg.get(k) is not None)
-        if wrong:
-            raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={backend}")
-        keys = ("dtype", "max_model_len", "max_num_seqs", *own[backend])
-        self.engine_kwargs = {k: ecfg[k] for k in keys if ecfg.get(k) is not None}
-        self.output_dir = check_output_dir(cfg.output_dir)
-        self.dist = init_distributed(cfg.get("device"))
-        if self.prompts_per_step % self.dist.world_size:
-            raise ValueError(
-                f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
-                f"number of processes ({self.dist.world_size})"
-            )
+    def __init__(self, cfg: DictConfig, opts: GRPOOptions):
+        self.cfg, self.opts = cfg, opts
+        # Side effects start here, after build_options has accepted the config.
+        self.output_dir = check_output_dir(opts.output_dir)
+        self.dist = init_distributed(opts.device)
         self.checkpointer = Checkpointer(
-            self.output_dir, keep_last=cfg.get("keep_last", 2), every_n_steps=cfg.get("save_every")
+            self.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
         )
-        if cfg.get("resume", False) and self.checkpointer.latest() is None:
-            raise ValueError(f"resume=true but no checkpoint found in {self.checkpointer.root}")
+        self.kl_ctl = None
+        if opts.kl is not None:
+            k = opts.kl
+            self.kl_ctl = build_kl_controller(
+                k.controller, k.coef, target=k.target, horizon=k.horizon
+            )
 
     # ------------------------------------------------------------------ setup
 
     def setup(self, cfg: DictConfig) -> None:
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.opts.seed)
         if self.dist.is_main:
             for node in cfg.get("prepare") or []:
                 config.instantiate(node)
         barrier()
-        mcfg = cfg.model
-        trust = mcfg.get("trust_remote_code", False)
-        dtype = mcfg.get("dtype", "float32")
-        dev = self.dist.device
-        self.tokenizer = load_tokenizer(mcfg.path, trust_remote_code=trust)
+        self._setup_models(cfg)
+        self._setup_engine()
+        self._setup_rewards_and_data(cfg)
+        self._weights_released = False
+        self.step, self.epoch = 0, 0
+        self.eval_history: list[tuple[int, float, float]] = []
+        self.resumed = self.opts.resume
+        if self.resumed:
+            self._load_checkpoint()
+        self.logger = MetricLogger(
+            self.output_dir,
+            tensorboard=self.opts.tensorboard,
+            wandb=self.opts.wandb,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            resume_step=self.step if self.resumed else None,
+        )
+        data_stats = {
+            f"data/{k}": v for k, v in (getattr(self.dataset, "stats", None) or {}).items()
+        }
+        if data_stats and not self.resumed:
+            self.logger.log(0, data_stats)
+
+    def _load_model(self, path: str) -> nn.Module:
+        m = self.opts.model
+        return load_causal_lm(
+            path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code
+        )
+
+    def _setup_models(self, cfg: DictConfig) -> None:
+        """Actor (+ optimizer, scheduler), the frozen reference (KL only), the critic (gae)."""
+        m, o = self.opts.model, self.opts
+        self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
         self.model = parallelize(
-            load_causal_lm(mcfg.path, dtype=dtype, device=dev, trust_remote_code=trust),
-            activation_checkpointing=mcfg.get("activation_checkpointing", False),
-            compile=mcfg.get("compile", False),
+            self._load_model(m.path),
+            activation_checkpointing=m.activation_checkpointing,
+            compile=m.compile,
         )
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
-        sched = cfg.get("lr_scheduler") or {}
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer,
-            warmup_steps=sched.get("warmup_steps", 0),
-            total_steps=self.max_steps,
-            min_lr_ratio=sched.get("min_lr_ratio", 0.0),
+            warmup_steps=o.schedule.warmup_steps,
+            total_steps=o.max_steps,
+            min_lr_ratio=o.schedule.min_lr_ratio,
         )
-
         self.ref = None
-        if self.kl_on:  # a frozen copy of the initial policy, sharded like the actor
-            self.ref = parallelize(
-                load_causal_lm(mcfg.path, dtype=dtype, device=dev, trust_remote_code=trust)
-            )
+        if o.kl is not None:  # a frozen copy of the initial policy, sharded like the actor
+            self.ref = parallelize(self._load_model(m.path))
             self.ref.requires_grad_(False).eval()
-
         self.critic = self.critic_opt = self.critic_sched = None
-        if self.gae:
-            ccfg = cfg.critic
+        if o.critic is not None:
             self.critic = parallelize(
-                self._build_critic(
-                    ccfg.get("path") or mcfg.path, dtype=dtype, device=dev, trust=trust
-                ),
-                activation_checkpointing=mcfg.get("activation_checkpointing", False),
+                self._build_critic(self._load_model(o.critic.path)),
+                activation_checkpointing=m.activation_checkpointing,
             )
-            self.critic_opt = config.instantiate(ccfg.optimizer, self.critic.parameters())
-            csched = ccfg.get("lr_scheduler") or {}
+            self.critic_opt = config.instantiate(cfg.critic.optimizer, self.critic.parameters())
             self.critic_sched = warmup_cosine_scheduler(
                 self.critic_opt,
-                warmup_steps=csched.get("warmup_steps", 0),
-                total_steps=self.max_steps,
-                min_lr_ratio=csched.get("min_lr_ratio", 0.0),
+                warmup_steps=o.critic.schedule.warmup_steps,
+                total_steps=o.max_steps,
+                min_lr_ratio=o.critic.schedule.min_lr_ratio,
             )
-            self.critic_max_norm = ccfg.get("clip_grad_norm")
 
+    def _setup_engine(self) -> None:
         # The engine holds its own inference copy of the weights, loaded from the same directory.
-        if self.engine_backend == "vllm":  # CUDA only; the adapter imports vLLM lazily
+        e, path = self.opts.engine, self.opts.model.path
+        if e.backend == "vllm":  # CUDA only; the adapter imports vLLM lazily
             from lightrft.engine import VLLMEngine
 
-            self.engine = VLLMEngine(mcfg.path, seed=self.seed, **self.engine_kwargs)
+            self.engine = VLLMEngine(path, seed=self.opts.seed, **e.kwargs)
         else:
             self.engine = NativeEngine(
-                mcfg.path, self.tokenizer, device=dev, seed=self.seed, **self.engine_kwargs
+                path, self.tokenizer, device=self.dist.device, seed=self.opts.seed, **e.kwargs
             )
-        ro = cfg.rollout
-        self.sampling = SamplingParams(
-            n=self.group,
-            temperature=self.temperature,
-            top_p=_get(ro, "top_p", 1.0),
-            top_k=_get(ro, "top_k", 0),
-            max_tokens=self.max_tokens,
-            stop_token_ids=list(_get(ro, "stop_token_ids", [])),
-            first_token_temperature=_get(ro, "first_token_temperature"),
-        )
-        self.sampling.validate()
+        self.sampling = _sampling(self.opts.rollout)
 
+    def _setup_rewards_and_data(self, cfg: DictConfig) -> None:
+        o = self.opts
         self.reward_fn = build_reward(cfg.reward)
         self.reward_names = list(getattr(self.reward_fn, "functions", {}) or [])
-        if self.accuracy_reward is not None and self.accuracy_reward not in self.reward_names:
-            raise ValueError(
-                f"eval.accuracy_reward={self.accuracy_reward!r} is not a reward "
-                f"function; they are {self.reward_names}"
-            )
-        self.normalizer = (
-            RunningRewardNormalizer(clip=self.reward_clip) if self.reward_norm else None
-        )
-
+        self.normalizer = None
+        if o.shaping.reward_norm:
+            self.normalizer = RunningRewardNormalizer(clip=o.shaping.reward_clip)
         self.dataset = config.instantiate(cfg.dataset, self.tokenizer)
         self.loader = build_dataloader(
             self.dataset,
-            batch_size=self.prompts_per_step // self.dist.world_size,
+            batch_size=o.rollout.prompts_per_step // self.dist.world_size,
             shuffle=True,
-            seed=self.seed,
+            seed=o.seed,
             collate_fn=collate_prompts,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             drop_last=True,
         )
+        self._it = None
         self.eval_dataset = None
         if cfg.get("eval_dataset") is not None:
             self.eval_dataset = config.instantiate(cfg.eval_dataset, self.tokenizer)
-        self._it = None
-        self._weights_released = False
 
-        self.step, self.epoch = 0, 0
-        self.eval_history: list[tuple[int, float, float]] = []
-        resumed = bool(cfg.get("resume", False))
-        if resumed:
-            models, opts, scheds = self._stateful()
-            state = self.checkpointer.load_latest(
-                models=models,
-                optimizers=opts,
-                schedulers=scheds,
-                dataloaders=self.loader,
-                required=True,
-            )
-            self.step, extra = state.step, state.extra
-            self.epoch = extra["epoch"]
-            self.eval_history = [tuple(e) for e in extra.get("eval_history", [])]
-            if self.kl_on:
-                self.kl_ctl.load_state_dict(extra["kl_ctl"])
-            if self.normalizer is not None:
-                self.normalizer.load_state_dict(extra["reward_norm"])
-            sync_weights(self.model, self.engine)
-        metrics_cfg = cfg.get("metrics") or {}
-        self.logger = MetricLogger(
-            self.output_dir,
-            tensorboard=metrics_cfg.get("tensorboard", True),
-            wandb=metrics_cfg.get("wandb", False) or False,
-            config=OmegaConf.to_container(cfg, resolve=True),
-            resume_step=self.step if resumed else None,
+    def _load_checkpoint(self) -> None:
+        models, opts, scheds = self._stateful()
+        state = self.checkpointer.load_latest(
+            models=models,
+            optimizers=opts,
+            schedulers=scheds,
+            dataloaders=self.loader,
+            required=True,
         )
-        self.resumed = resumed
-        data_stats = {
-            f"data/{k}": v for k, v in (getattr(self.dataset, "stats", None) or {}).items()
-        }
-        if data_stats and not resumed:
-            self.logger.log(0, data_stats)
+        self.step, extra = state.step, state.extra
+        self.epoch = extra["epoch"]
+        self.eval_history = [tuple(e) for e in extra.get("eval_history", [])]
+        if self.kl_ctl is not None:
+            self.kl_ctl.load_state_dict(extra["kl_ctl"])
+        if self.normalizer is not None:
+            self.normalizer.load_state_dict(extra["reward_norm"])
+        sync_weights(self.model, self.engine)
 
     @staticmethod
-    def _build_critic(path: str, *, dtype: str, device, trust: bool) -> nn.Module:
+    def _build_critic(critic: nn.Module) -> nn.Module:
         """The critic: an HF causal-LM backbone whose LM head is replaced by a scalar value head
         ``hidden -> 1`` (zero-initialised, so values start at 0). Keeping the HF class means
         ``parallelize`` and ``forward_on_hidden`` handle it exactly like the actor."""
-        critic = load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust)
         hidden = critic.config.hidden_size
-        head = nn.Linear(hidden, 1, bias=True, device=device, dtype=next(critic.parameters()).dtype)
+        param = next(critic.parameters())
+        head = nn.Linear(hidden, 1, bias=True, device=param.device, dtype=param.dtype)
         nn.init.zeros_(head.weight)
         nn.init.zeros_(head.bias)
         critic.config.tie_word_embeddings = False
@@ -694,7 +957,7 @@ class GRPORecipe:
         """One seed per request, a pure function of (seed, step, draw, rank): a resumed run
         samples exactly what the uninterrupted run sampled."""
         gen = torch.Generator().manual_seed(
-            ((self.seed * 1_000_003 + step) * 1_009 + draw) * 1_013 + self.dist.rank
+            ((self.opts.seed * 1_000_003 + step) * 1_009 + draw) * 1_013 + self.dist.rank
         )
         seeds = torch.randint(0, 2**62, (count,), generator=gen).tolist()
         return [dataclasses.replace(self.sampling, seed=s) for s in seeds]
@@ -712,9 +975,9 @@ class GRPORecipe:
         return self.engine.generate([Request(ids) for ids in prompt_ids], params)
 
     def _sleep(self) -> None:
-        if self.sleep_level:
-            self.engine.sleep(self.sleep_level)
-            self._weights_released = self.sleep_level == 2
+        if self.opts.engine.sleep_level:
+            self.engine.sleep(self.opts.engine.sleep_level)
+            self._weights_released = self.opts.engine.sleep_level == 2
 
     def _score(self, samples: list[dict]) -> None:
         """Rewards of this rank's samples, in place: ``reward_raw``, ``parts``, ``applied``."""
@@ -767,9 +1030,9 @@ class GRPORecipe:
             self._score(samples)
             for s in samples:
                 r = s["reward_raw"]
-                if self.overlong is not None:
+                if self.opts.shaping.overlong is not None:
                     s["overlong"] = float(
-                        overlong_penalty([len(s["response_ids"])], *self.overlong)[0]
+                        overlong_penalty([len(s["response_ids"])], *self.opts.shaping.overlong)[0]
                     )
                     r += s["overlong"]
                 s["reward"] = r
@@ -779,12 +1042,14 @@ class GRPORecipe:
         """The step's train batch (after dynamic sampling) and every sample drawn (to log)."""
         drawn: list[dict] = []
         stats: dict[str, float] = {}
-        if not self.dynamic:
+        if not self.opts.shaping.dynamic:
             batch = self._draw(step, 0, timer)
             drawn = batch
         else:
             acc = DynamicSamplingAccumulator(
-                self.prompts_per_step, self.group, max_draws=self.max_draws
+                self.opts.rollout.prompts_per_step,
+                self.opts.rollout.n,
+                max_draws=self.opts.shaping.max_draws,
             )
             draw = 0
             while not acc.done:
@@ -810,7 +1075,7 @@ class GRPORecipe:
             targets=mb["targets"].to(dev),
             attention_mask=None if mb["attention_mask"] is None else mb["attention_mask"].to(dev),
             position_ids=None if mb["position_ids"] is None else mb["position_ids"].to(dev),
-            temperature=self.temperature,
+            temperature=self.opts.rollout.temperature,
             return_entropy=entropy,
         )
         if entropy:
@@ -837,7 +1102,7 @@ class GRPORecipe:
         world = self.dist.world_size
         mine = list(range(self.dist.rank, n, world))
         per_rank = -(-n // world)
-        return mine, max(1, -(-per_rank // self.micro_batch_size))
+        return mine, max(1, -(-per_rank // self.opts.train.micro_batch_size))
 
     @torch.no_grad()
     def precompute(self, batch: list[dict], timer: PhaseTimer) -> None:
@@ -846,14 +1111,14 @@ class GRPORecipe:
         Each rank computes its shard in micro-batches, then the results are gathered so every
         rank holds them for the whole batch (advantages and the high-entropy quantile are
         computed over the whole batch)."""
-        exact_on_policy = self.ppo_epochs == 1 and (
-            self.mini_batch_size is None or self.mini_batch_size >= len(batch)
+        exact_on_policy = self.opts.train.ppo_epochs == 1 and (
+            self.opts.train.mini_batch_size is None or self.opts.train.mini_batch_size >= len(batch)
         )
-        kl_reward = self.kl_on and self.kl_placement == "reward"
-        need_old = self.old_source == "trainer" and (
-            not exact_on_policy or self.tis_mode is not None or kl_reward
+        kl_reward = self.opts.kl and self.opts.kl.placement == "reward"
+        need_old = self.opts.old_logprobs == "trainer" and (
+            not exact_on_policy or self.opts.tis_mode is not None or kl_reward
         )
-        need_entropy = self.top_rho is not None
+        need_entropy = self.opts.loss.top_rho is not None
         jobs = [
             ("old", need_old or need_entropy),
             ("ref", self.ref is not None),
@@ -870,9 +1135,12 @@ class GRPORecipe:
             model.eval()
             with timer({"old": "old_logprobs", "ref": "reference", "values": "values"}[name]):
                 for m in range(n_micro):
-                    idx = mine[m * self.micro_batch_size : (m + 1) * self.micro_batch_size]
+                    idx = mine[
+                        m * self.opts.train.micro_batch_size : (m + 1)
+                        * self.opts.train.micro_batch_size
+                    ]
                     mb = build_micro_batch(
-                        [batch[i] for i in idx], self.pad_id, packing=self.packing
+                        [batch[i] for i in idx], self.pad_id, packing=self.opts.train.packing
                     )
                     if name == "values":
                         outs = {"values": self._values(mb)}
@@ -901,28 +1169,28 @@ class GRPORecipe:
         rewards = torch.tensor([s["reward"] for s in batch], dtype=torch.float32)  # [B]
         if self.normalizer is not None:
             rewards = self.normalizer(rewards)
-        elif self.reward_clip is not None:
-            rewards = clip_rewards(rewards, self.reward_clip)
+        elif self.opts.shaping.reward_clip is not None:
+            rewards = clip_rewards(rewards, self.opts.shaping.reward_clip)
         mask = _pad_rows([[1.0] * len(s["response_ids"]) for s in batch]) > 0  # [B, R]
         token_rewards = None
-        if self.kl_on and self.kl_placement == "reward":
+        if self.opts.kl and self.opts.kl.placement == "reward":
             kl = estimate_kl(
                 _pad_rows([s["old" if "old" in s else "rollout_logprobs"] for s in batch]),
                 _pad_rows([s["ref"] for s in batch]),
-                self.kl_kind,
+                self.opts.kl.estimator,
             )  # [B, R]
             token_rewards, kl_metrics = kl_in_reward(rewards, kl, mask, self.kl_ctl.coef)
             metrics["train/kl"] = float(kl_metrics["kl"])
             self.kl_ctl.update(metrics["train/kl"], len(batch))
-        values = _pad_rows([s["values"] for s in batch]) if self.gae else None
+        values = _pad_rows([s["values"] for s in batch]) if self.opts.critic else None
         adv, returns = compute_advantages(
-            self.estimator,
+            self.opts.estimator,
             mask=mask,
             rewards=rewards,
             token_rewards=token_rewards,
             values=values,
-            group_size=self.group,
-            **self.adv_options,
+            group_size=self.opts.rollout.n,
+            **self.opts.adv_options,
         )  # [B, R]
         for i, s in enumerate(batch):
             r = len(s["response_ids"])
@@ -933,9 +1201,9 @@ class GRPORecipe:
         valid = adv[mask]
         metrics["train/advantage/mean"] = float(valid.mean()) if valid.numel() else 0.0
         metrics["train/advantage/abs_mean"] = float(valid.abs().mean()) if valid.numel() else 0.0
-        if self.top_rho is not None:
+        if self.opts.loss.top_rho is not None:
             ent = _pad_rows([s["entropy"] for s in batch])
-            keep = high_entropy_mask(ent, mask, self.top_rho)
+            keep = high_entropy_mask(ent, mask, self.opts.loss.top_rho)
             for i, s in enumerate(batch):
                 s["loss_mask"] = keep[i, : len(s["response_ids"])].tolist()
             metrics["train/high_entropy_frac"] = float(keep.sum() / mask.sum().clamp_min(1))
@@ -953,7 +1221,7 @@ class GRPORecipe:
         """ppo_epochs x mini-batches x micro-batches; one optimizer step per mini-batch."""
         world = self.dist.world_size
         n = len(batch)
-        mbs = min(self.mini_batch_size or n, n)
+        mbs = min(self.opts.train.mini_batch_size or n, n)
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         grad_norms, critic_norms, losses = [], [], []
@@ -970,10 +1238,10 @@ class GRPORecipe:
             sums[key] = sums.get(key, 0.0) + float(value) * weight
             weights[key] = weights.get(key, 0.0) + weight
 
-        for epoch in range(self.ppo_epochs):
+        for epoch in range(self.opts.train.ppo_epochs):
             order = list(range(n))
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 7_919 + step * 131 + epoch)
+            if self.opts.train.shuffle:
+                gen = torch.Generator().manual_seed(self.opts.seed * 7_919 + step * 131 + epoch)
                 order = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, mbs):
                 mini = [batch[i] for i in order[start : start + mbs]]
@@ -996,7 +1264,10 @@ class GRPORecipe:
                 for m in range(n_micro):
                     samples = [
                         mini[i]
-                        for i in mine[m * self.micro_batch_size : (m + 1) * self.micro_batch_size]
+                        for i in mine[
+                            m * self.opts.train.micro_batch_size : (m + 1)
+                            * self.opts.train.micro_batch_size
+                        ]
                     ]
                     with timer("training"):
                         out = self._micro_step(samples, counts, resp_counts)
@@ -1007,12 +1278,12 @@ class GRPORecipe:
                     for k, v in out.items():
                         add(k, v, w)
                 with timer("training"):
-                    gn = clip_grad_norm(self.model, self.max_grad_norm or None)
+                    gn = clip_grad_norm(self.model, self.opts.clip_grad_norm or None)
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     if self.critic is not None:
                         critic_norms.append(
-                            clip_grad_norm(self.critic, self.critic_max_norm or None)
+                            clip_grad_norm(self.critic, self.opts.critic.clip_grad_norm or None)
                         )
                         self.critic_opt.step()
                         self.critic_opt.zero_grad(set_to_none=True)
@@ -1046,10 +1317,10 @@ class GRPORecipe:
 
     def _micro_step(self, samples: list[dict], counts: dict, resp_counts: dict) -> dict:
         """Forward and backward of one micro-batch; returns its metrics (token-weighted)."""
-        mb = build_micro_batch(samples, self.pad_id, packing=self.packing)
+        mb = build_micro_batch(samples, self.pad_id, packing=self.opts.train.packing)
         width = mb["mask"].shape[1]
         mask = mb["mask"].to(self.dist.device)  # [B, R] response tokens
-        if samples and self.top_rho is not None:
+        if samples and self.opts.loss.top_rho is not None:
             loss_mask = self._tensor(samples, "loss_mask", width) > 0
         else:
             loss_mask = mask
@@ -1058,31 +1329,33 @@ class GRPORecipe:
         adv = self._tensor(samples, "advantages", width) if samples else torch.zeros_like(lp)
         if not samples:
             old = None
-        elif self.old_source == "engine":
+        elif self.opts.old_logprobs == "engine":
             old = self._tensor(samples, "rollout_logprobs", width)
         elif "old" in samples[0]:
             old = self._tensor(samples, "old", width)
         else:
             old = None  # exactly on-policy: old == current, ratio 1
         extra = {}
-        if self.tis_mode is not None and samples:
+        if self.opts.tis_mode is not None and samples:
             extra = {
                 "rollout_logprobs": self._tensor(samples, "rollout_logprobs", width),
-                "tis_mode": self.tis_mode,
-                "tis_cap": self.tis_cap,
+                "tis_mode": self.opts.tis_mode,
+                "tis_cap": self.opts.tis_cap,
             }
-        loss, pm = policy_loss(lp, old, adv, loss_mask, **self.loss_kwargs, **counts, **extra)
+        loss, pm = policy_loss(
+            lp, old, adv, loss_mask, **self.opts.loss.policy_kwargs(), **counts, **extra
+        )
         metrics = {"policy_loss": loss.detach()}
         metrics.update(pm)
         total = loss
-        norm = {"agg": self.agg, "norm_len": self.loss_kwargs["norm_len"], **resp_counts}
-        if self.entropy_coef:
-            term, _ = entropy_bonus(ent, mask, self.entropy_coef, **norm)
+        norm = {"agg": self.opts.loss.agg, "norm_len": self.opts.loss.norm_len, **resp_counts}
+        if self.opts.loss.entropy_coef:
+            term, _ = entropy_bonus(ent, mask, self.opts.loss.entropy_coef, **norm)
             total = total + term
         metrics["entropy"] = (ent.detach() * mask).sum() / mask.sum().clamp_min(1)
-        if self.kl_on and self.kl_placement == "loss":
+        if self.opts.kl and self.opts.kl.placement == "loss":
             ref = self._tensor(samples, "ref", width) if samples else lp.detach()
-            kl = estimate_kl(lp, ref, self.kl_kind)
+            kl = estimate_kl(lp, ref, self.opts.kl.estimator)
             term, km = kl_in_loss(kl, mask, self.kl_ctl.coef, **norm)
             total = total + term
             metrics["kl"] = km["kl"]
@@ -1096,7 +1369,7 @@ class GRPORecipe:
                 old_v,
                 rets,
                 mask,
-                clip=self.value_clip,
+                clip=self.opts.loss.value_clip,
                 num_tokens=resp_counts["num_tokens"],
             )
             vloss.backward()
@@ -1129,10 +1402,10 @@ class GRPORecipe:
         params = dataclasses.replace(
             self.sampling,
             n=1,
-            temperature=self.eval_temperature,
+            temperature=self.opts.eval.temperature,
             first_token_temperature=None,
-            max_tokens=self.eval_max_tokens,
-            seed=self.seed,
+            max_tokens=self.opts.eval.max_tokens,
+            seed=self.opts.seed,
         )
         completions = self._generate([it["prompt_ids"] for it in items], params)
         self._sleep()
@@ -1147,7 +1420,9 @@ class GRPORecipe:
             for it, c in zip(items, completions, strict=True)
         ]
         self._score(samples)
-        name = self.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
+        name = self.opts.eval.accuracy_reward or (
+            self.reward_names[0] if self.reward_names else None
+        )
         correct = sum(
             1.0 for s in samples if (s["parts"].get(name, 0.0) if name else s["reward_raw"]) > 0
         )
@@ -1190,7 +1465,7 @@ class GRPORecipe:
                 m[f"reward/{name}/mean"] = float(vals.mean())
                 m[f"reward/{name}/std"] = float(vals.std(unbiased=False))
             m[f"reward/{name}/count"] = float(vals.numel())
-        if self.overlong is not None:
+        if self.opts.shaping.overlong is not None:
             m["reward/overlong/mean"] = sum(s["overlong"] for s in drawn) / len(drawn)
         lengths = torch.tensor([len(s["response_ids"]) for s in drawn], dtype=torch.float32)
         m["rollout/response_length/mean"] = float(lengths.mean())
@@ -1243,13 +1518,13 @@ class GRPORecipe:
     # ------------------------------------------------------------------ loop
 
     def train(self) -> None:
-        bar = ProgressBar(self.max_steps, initial=self.step, desc="grpo")
+        bar = ProgressBar(self.opts.max_steps, initial=self.step, desc="grpo")
         timer = PhaseTimer(cuda_sync=self.dist.device.type == "cuda")
-        if self.eval_dataset is not None and self.eval_at_start and not self.resumed:
+        if self.eval_dataset is not None and self.opts.eval.at_start and not self.resumed:
             with timer("eval"):
                 self._log_eval(0)
             timer.reset()
-        while self.step < self.max_steps:
+        while self.step < self.opts.max_steps:
             step = self.step + 1
             t0 = time.perf_counter()
             batch, drawn, ds_stats = self.rollout(step, timer)
@@ -1259,11 +1534,11 @@ class GRPORecipe:
                 self.precompute(batch, timer)
                 metrics.update(self.advantages(batch))
                 metrics.update(self.update(batch, step, timer))
-                if self.kl_on and self.kl_placement == "loss" and "train/kl" in metrics:
+                if self.opts.kl and self.opts.kl.placement == "loss" and "train/kl" in metrics:
                     self.kl_ctl.update(metrics["train/kl"], len(batch))
             else:  # dynamic sampling found no informative group: no update, no NaN
                 metrics["train/skipped"] = 1.0
-            if self.kl_on:
+            if self.opts.kl:
                 metrics["train/kl_coef"] = self.kl_ctl.coef
             metrics["train/lr"] = self.scheduler.get_last_lr()[0]
             with warnings.catch_warnings():
@@ -1275,7 +1550,7 @@ class GRPORecipe:
             if batch:  # weights changed (released weights are reloaded by the next rollout)
                 self.sync(timer)
             self.step = step
-            if self.trajectories:
+            if self.opts.trajectories:
                 self._write_trajectories(step, drawn)
             elapsed = time.perf_counter() - t0
             phases = timer.summary()
@@ -1299,14 +1574,14 @@ class GRPORecipe:
                 )
             metrics["perf/tokens_per_s"] = all_tokens / max(elapsed, 1e-9)
             metrics.update(reduce_metrics(peak_memory(self.dist.device), "max"))
-            if step % self.log_every == 0 or step == self.max_steps:
+            if step % self.opts.log_every == 0 or step == self.opts.max_steps:
                 self.logger.log(step, metrics)
             bar.update(1, reward=metrics["reward/total/mean"])
             if (
                 self.eval_dataset is not None
-                and self.eval_every
-                and (step % self.eval_every == 0)
-                and step != self.max_steps
+                and self.opts.eval.every
+                and (step % self.opts.eval.every == 0)
+                and step != self.opts.max_steps
             ):
                 self._log_eval(step)
             if self.checkpointer.should_save(step):
@@ -1328,7 +1603,7 @@ class GRPORecipe:
     def _save(self) -> None:
         models, opts, scheds = self._stateful()
         extra: dict[str, Any] = {"epoch": self.epoch, "eval_history": self.eval_history}
-        if self.kl_on:
+        if self.opts.kl:
             extra["kl_ctl"] = self.kl_ctl.state_dict()
         if self.normalizer is not None:
             extra["reward_norm"] = self.normalizer.state_dict()
@@ -1346,9 +1621,9 @@ class GRPORecipe:
         destroy()
 
 
-@config.parse(schema=CONFIG_SCHEMA)
-def recipe_main(cfg: DictConfig) -> None:
-    recipe = GRPORecipe(cfg)
+@config.parse(schema=CONFIG_SCHEMA, options=build_options)
+def recipe_main(cfg: DictConfig, opts: GRPOOptions) -> None:
+    recipe = GRPORecipe(cfg, opts)
     recipe.setup(cfg)
     try:
         recipe.train()

@@ -13,9 +13,10 @@ One self-contained file: copy it (`lightrft cp sft my_sft.py`), edit it, run the
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -73,36 +74,121 @@ CONFIG_SCHEMA = {
 }
 
 
-class SFTRecipe:
-    """Read and check the config, build everything in ``setup``, train, clean up."""
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    """``node[key]`` when present and not null, else ``default``: null means "use the default"."""
+    if node is None:
+        return default
+    value = node.get(key)
+    return default if value is None else value
 
-    def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
-        self.seed = cfg.get("seed", 0)
-        self.batch_size = cfg.batch_size
-        self.accum = cfg.get("gradient_accumulation_steps", 1)
-        self.epochs = cfg.epochs
-        self.max_steps = cfg.get("max_steps")
-        self.log_every = cfg.get("log_every", 1)
-        self.eval_every = cfg.get("eval_every")
-        self.max_grad_norm = cfg.get("clip_grad_norm")
-        for key, value in (
-            ("batch_size", self.batch_size),
-            ("epochs", self.epochs),
-            ("gradient_accumulation_steps", self.accum),
-            ("log_every", self.log_every),
-        ):
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or null, got {self.max_steps}")
-        self.output_dir = check_output_dir(cfg.output_dir)
-        self.dist = init_distributed(cfg.get("device"))
+
+@dataclasses.dataclass(frozen=True)
+class SFTOptions:
+    """Everything the recipe reads from the config, every default applied, every cross-field
+    rule checked (built by :func:`build_options`; ``_component_`` nodes stay in ``cfg``)."""
+
+    output_dir: str
+    model_path: str
+    batch_size: int  # samples (or packed rows) per rank per micro-batch
+    epochs: int
+    seed: int = 0
+    device: str | None = None
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    activation_checkpointing: bool = False
+    compile: bool = False
+    packing: bool = False
+    max_tokens_per_row: int | None = None
+    accum: int = 1  # gradient_accumulation_steps
+    max_steps: int | None = None
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    clip_grad_norm: float | None = None
+    log_every: int = 1
+    eval_every: int | None = None
+    save_every: int | None = None
+    keep_last: int = 2
+    resume: bool = False
+    tensorboard: bool = True
+    wandb: bool | dict = False
+
+
+def build_options(cfg: DictConfig) -> SFTOptions:
+    """The config as a frozen :class:`SFTOptions`: defaults and cross-field checks, no side
+    effect. ``lightrft validate`` and ``lightrft run`` both call it."""
+    model, sched, metrics = cfg.model, cfg.get("lr_scheduler"), cfg.get("metrics")
+    opts = SFTOptions(
+        output_dir=cfg.output_dir,
+        model_path=model.path,
+        batch_size=cfg.batch_size,
+        epochs=cfg.epochs,
+        seed=_get(cfg, "seed", 0),
+        device=_get(cfg, "device"),
+        dtype=_get(model, "dtype", "float32"),
+        trust_remote_code=_get(model, "trust_remote_code", False),
+        activation_checkpointing=_get(model, "activation_checkpointing", False),
+        compile=_get(model, "compile", False),
+        packing=_get(cfg, "packing", False),
+        max_tokens_per_row=_get(cfg, "max_tokens_per_row"),
+        accum=_get(cfg, "gradient_accumulation_steps", 1),
+        max_steps=_get(cfg, "max_steps"),
+        warmup_steps=_get(sched, "warmup_steps", 0),
+        min_lr_ratio=_get(sched, "min_lr_ratio", 0.0),
+        clip_grad_norm=_get(cfg, "clip_grad_norm"),
+        log_every=_get(cfg, "log_every", 1),
+        eval_every=_get(cfg, "eval_every"),
+        save_every=_get(cfg, "save_every"),
+        keep_last=_get(cfg, "keep_last", 2),
+        resume=_get(cfg, "resume", False),
+        tensorboard=_get(metrics, "tensorboard", True),
+        wandb=_get(metrics, "wandb", False),
+    )
+    for key, value in (
+        ("batch_size", opts.batch_size),
+        ("epochs", opts.epochs),
+        ("gradient_accumulation_steps", opts.accum),
+        ("log_every", opts.log_every),
+        ("max_steps", opts.max_steps),
+        ("eval_every", opts.eval_every),
+        ("save_every", opts.save_every),
+        ("keep_last", opts.keep_last),
+        ("max_tokens_per_row", opts.max_tokens_per_row),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if opts.max_tokens_per_row is not None and not opts.packing:
+        raise ValueError("max_tokens_per_row applies only with packing=true")
+    if opts.warmup_steps < 0:
+        raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {opts.warmup_steps}")
+    if not 0 <= opts.min_lr_ratio <= 1:
+        raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {opts.min_lr_ratio}")
+    if not str(opts.output_dir).strip():
+        raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
+    checkpoints = Checkpointer(opts.output_dir, keep_last=opts.keep_last)  # reads only
+    if opts.resume and checkpoints.latest() is None:
+        raise ValueError(f"resume=true but no checkpoint found in {checkpoints.root}")
+    return opts
+
+
+class SFTRecipe:
+    """Build everything from the validated options in ``setup``, train, clean up."""
+
+    def __init__(self, cfg: DictConfig, opts: SFTOptions):
+        self.cfg, self.opts = cfg, opts
+        self.seed = opts.seed
+        self.batch_size = opts.batch_size
+        self.accum = opts.accum
+        self.epochs = opts.epochs
+        self.max_steps = opts.max_steps
+        self.log_every = opts.log_every
+        self.eval_every = opts.eval_every
+        self.max_grad_norm = opts.clip_grad_norm
+        # Side effects start here, after build_options has accepted the config.
+        self.output_dir = check_output_dir(opts.output_dir)
+        self.dist = init_distributed(opts.device)
         self.checkpointer = Checkpointer(
-            self.output_dir, keep_last=cfg.get("keep_last", 2), every_n_steps=cfg.get("save_every")
+            self.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
         )
-        if cfg.get("resume", False) and self.checkpointer.latest() is None:
-            raise ValueError(f"resume=true but no checkpoint found in {self.checkpointer.root}")
 
     # ------------------------------------------------------------------ setup
 
@@ -112,27 +198,24 @@ class SFTRecipe:
             for node in cfg.get("prepare") or []:
                 config.instantiate(node)
         barrier()
-        self.tokenizer = load_tokenizer(
-            cfg.model.path, trust_remote_code=cfg.model.get("trust_remote_code", False)
-        )
+        o = self.opts
+        self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
         model = load_causal_lm(
-            cfg.model.path,
-            dtype=cfg.model.get("dtype", "float32"),
+            o.model_path,
+            dtype=o.dtype,
             device=self.dist.device,
-            trust_remote_code=cfg.model.get("trust_remote_code", False),
+            trust_remote_code=o.trust_remote_code,
         )
         self.model = parallelize(
-            model,
-            activation_checkpointing=cfg.model.get("activation_checkpointing", False),
-            compile=cfg.model.get("compile", False),
+            model, activation_checkpointing=o.activation_checkpointing, compile=o.compile
         )
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
 
         self.dataset = config.instantiate(cfg.dataset, self.tokenizer)
         collate = pack_or_pad_collator(
             self.tokenizer,
-            packing=cfg.get("packing", False),
-            max_tokens=cfg.get("max_tokens_per_row"),
+            packing=o.packing,
+            max_tokens=o.max_tokens_per_row,
         )
         self.loader = build_dataloader(
             self.dataset,
@@ -168,16 +251,15 @@ class SFTRecipe:
         self.total_steps = steps_per_epoch * self.epochs
         if self.max_steps is not None:
             self.total_steps = min(self.total_steps, self.max_steps)
-        sched = cfg.get("lr_scheduler") or {}
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer,
-            warmup_steps=sched.get("warmup_steps", 0),
+            warmup_steps=o.warmup_steps,
             total_steps=self.total_steps,
-            min_lr_ratio=sched.get("min_lr_ratio", 0.0),
+            min_lr_ratio=o.min_lr_ratio,
         )
 
         self.step, self.epoch, self.last_eval_step = 0, 0, None
-        if cfg.get("resume", False):
+        if o.resume:
             state = self.checkpointer.load_latest(
                 models=self.model,
                 optimizers=self.optimizer,
@@ -186,13 +268,12 @@ class SFTRecipe:
                 required=True,
             )
             self.step, self.epoch = state.step, state.extra["epoch"]
-        metrics_cfg = cfg.get("metrics") or {}
         self.logger = MetricLogger(
             self.output_dir,
-            tensorboard=metrics_cfg.get("tensorboard", True),
-            wandb=metrics_cfg.get("wandb", False) or False,
+            tensorboard=o.tensorboard,
+            wandb=o.wandb,
             config=OmegaConf.to_container(cfg, resolve=True),
-            resume_step=self.step if cfg.get("resume", False) else None,
+            resume_step=self.step if o.resume else None,
         )
         stats = getattr(self.dataset, "stats", None)
         if stats:
@@ -217,7 +298,7 @@ class SFTRecipe:
 
     def _micro_batches(self):
         """Micro-batches of the current epoch from the (resumable) dataloader position."""
-        self.loader.sampler.set_epoch(self.epoch)
+        self.loader.set_epoch(self.epoch)
         yield from self.loader
 
     def train(self) -> None:
@@ -320,9 +401,9 @@ def _loss_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
-@config.parse(schema=CONFIG_SCHEMA)
-def recipe_main(cfg: DictConfig) -> None:
-    recipe = SFTRecipe(cfg)
+@config.parse(schema=CONFIG_SCHEMA, options=build_options)
+def recipe_main(cfg: DictConfig, opts: SFTOptions) -> None:
+    recipe = SFTRecipe(cfg, opts)
     recipe.setup(cfg)
     try:
         recipe.train()

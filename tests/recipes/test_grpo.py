@@ -317,7 +317,7 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
 
     module = runpy.run_path(str(recipes_dir() / "grpo.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module["GRPORecipe"](cfg)
+    recipe = module["GRPORecipe"](cfg, module["build_options"](cfg))
     recipe.setup(cfg)
     assert all(isinstance(p, DTensor) for p in recipe.model.parameters())
     recipe.train()
@@ -447,26 +447,113 @@ def test_bad_input_fails_with_a_clear_error(tmp_path, assets):
                 "rollout.prompts_per_step": 2,
             },
         )
-    # Options that would be parsed and ignored are refused.
-    for over, msg in [
-        ({"algorithm.kl": {"coef": 0.0}}, "kl.coef must be > 0"),
-        ({"critic": {"optimizer": {"_component_": "torch.optim.AdamW"}}}, "only by estimator=gae"),
-        ({"algorithm.advantage.estimator": "gae"}, "needs a critic"),
-        ({"algorithm.advantage.lam": 0.9}, "takes options"),
-        ({"algorithm.policy_loss.norm_len": 8}, "norm_len is used only"),
-        ({"algorithm.kl": {"coef": 0.1, "target": 0.1}}, "adaptive only"),
-        (
-            {"algorithm.tis": {"mode": "token"}, "algorithm.old_logprobs": "engine"},
-            "old_logprobs=trainer",
-        ),
-        ({"rollout.n": 1}, "needs a group"),
-        ({"engine": {"backend": "vllm", "max_kv_tokens": 64}}, "does not apply"),
-    ]:
-        with pytest.raises(ValueError, match=msg):
-            _run(tmp_path, assets, **over)
     # Schema errors stop before anything loads, naming the key.
     cfg = _config(tmp_path, assets)
     assert cli.main(["run", "grpo", "--config", str(cfg), "rollout.nn=2"]) == 2
     assert (
         cli.main(["run", "grpo", "--config", str(cfg), "algorithm.advantage.estimator=gpro"]) == 2
     )
+
+
+# One row per cross-field rule of build_options: `lightrft validate` and `lightrft run` both
+# refuse the config, exit 2 and print the same message, before any model loads.
+BAD_CONFIGS = [
+    ({"algorithm.kl": {"coef": 0.0}}, "kl.coef must be > 0"),
+    ({"algorithm.kl": {"coef": 0.1, "controller": "adaptive"}}, "needs target and horizon"),
+    ({"algorithm.kl": {"coef": 0.1, "target": 0.1}}, "adaptive only"),
+    ({"critic": {"optimizer": {"_component_": "torch.optim.AdamW"}}}, "only by estimator=gae"),
+    ({"algorithm.value": {"clip": 0.2}}, "only by estimator=gae"),
+    ({"algorithm.advantage.estimator": "gae"}, "needs a critic"),
+    ({"algorithm.advantage.lam": 0.9}, "takes options"),
+    ({"rollout.n": 1}, "needs a group"),
+    ({"algorithm.policy_loss.norm_len": 8}, "norm_len is used only"),
+    (
+        {"algorithm.policy_loss.objective": "gmpo", "algorithm.policy_loss.agg": "token_mean"},
+        "aggregates 'seq_mean_token_mean'",
+    ),
+    (
+        {"algorithm.policy_loss.objective": "cpgd", "algorithm.policy_loss.dual_clip": 3.0},
+        "dual_clip applies",
+    ),
+    ({"algorithm.policy_loss.dual_clip": 0.5}, "dual_clip must be > 1"),
+    ({"algorithm.policy_loss.clip_low": 1.0}, "clip_low must be < 1"),
+    ({"algorithm.policy_loss.clip_high": -0.1}, "must be >= 0"),
+    ({"algorithm.tis": {"cap": 3.0}}, "tis.cap is set but"),
+    ({"algorithm.tis": {"mode": "token", "cap": 0.0}}, "tis.cap must be > 0"),
+    (
+        {"algorithm.tis": {"mode": "token"}, "algorithm.old_logprobs": "engine"},
+        "old_logprobs=trainer",
+    ),
+    (
+        {"rollout.first_token_temperature": 2.0, "algorithm.old_logprobs": "engine"},
+        "first_token_temperature",
+    ),
+    (
+        {"rollout.first_token_temperature": 2.0, "algorithm.tis": {"mode": "token"}},
+        "first_token_temperature",
+    ),
+    ({"algorithm.entropy": {"top_rho": 1.5}}, "top_rho must be in"),
+    ({"algorithm.shaping": {"reward_clip": -1.0}}, "reward_clip must be > 0"),
+    ({"algorithm.shaping": {"overlong": {"factor": 1.0}}}, "overlong needs buffer"),
+    (
+        {"algorithm.shaping": {"dynamic_sampling": {"enabled": False, "max_draws": 3}}},
+        "dynamic sampling is disabled",
+    ),
+    (
+        {
+            "algorithm.advantage.estimator": "reinforce_pp",
+            "rollout.n": 1,
+            "algorithm.shaping": {"dynamic_sampling": {"enabled": True}},
+        },
+        "dynamic sampling needs",
+    ),
+    ({"engine": {"backend": "vllm", "max_kv_tokens": 64}}, "does not apply"),
+    ({"eval_dataset": None}, "needs an eval_dataset"),
+    ({"eval.accuracy_reward": "acc"}, "is not a reward function"),
+    ({"rollout.temperature": 0.0}, "rollout.temperature must be > 0"),
+    ({"train.micro_batch_size": 0}, "train.micro_batch_size must be >= 1"),
+    ({"train.mini_batch_size": 0}, "train.mini_batch_size must be >= 1"),
+    ({"rollout.max_tokens": 0}, "rollout.max_tokens must be >= 1"),
+    ({"log_every": 0}, "log_every must be >= 1"),
+    ({"lr_scheduler": {"min_lr_ratio": 2.0}}, "lr_scheduler.min_lr_ratio must be in"),
+    ({"resume": True}, "no checkpoint found"),
+]
+
+
+@pytest.mark.parametrize("over,msg", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_validate_and_run_refuse_the_same_configs(tmp_path, assets, capsys, over, msg):
+    cfg = _config(tmp_path, assets, **over)
+    assert cli.main(["validate", str(cfg)]) == 2
+    validate_err = capsys.readouterr().err
+    assert msg in validate_err, validate_err
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 2
+    run_err = capsys.readouterr().err
+    assert run_err == validate_err
+    assert not (tmp_path / "out").exists()  # refused before any side effect
+
+
+def test_null_means_default(tmp_path, assets):
+    """Every optional key may be null and then takes its default (seed, log_every, dtype,
+    warmup, ...): the run equals one without those keys."""
+    nulls = [
+        "seed=null",
+        "log_every=null",
+        "model.dtype=null",
+        "lr_scheduler.warmup_steps=null",
+        "lr_scheduler.min_lr_ratio=null",
+        "keep_last=null",
+        "train.ppo_epochs=null",
+        "train.packing=null",
+        "rollout.temperature=null",
+        "engine.sleep_level=null",
+        "algorithm.policy_loss.objective=null",
+        "metrics.tensorboard=null",
+    ]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    base = _train_rows(_run(tmp_path / "a", assets, max_steps=1, eval=None, eval_dataset=None))
+    nulled = _train_rows(
+        _run(tmp_path / "b", assets, *nulls, max_steps=1, eval=None, eval_dataset=None)
+    )
+    for key in ("train/loss", "train/grad_norm", "reward/total/mean"):
+        assert nulled[1][key] == base[1][key], key

@@ -155,7 +155,7 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
 
     module = runpy.run_path(str(recipes_dir() / "sft.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module["SFTRecipe"](cfg)
+    recipe = module["SFTRecipe"](cfg, module["build_options"](cfg))
     recipe.setup(cfg)
     params = list(recipe.model.parameters())
     assert params and all(isinstance(p, DTensor) for p in params)
@@ -182,9 +182,20 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
     assert cli.main(["run", "sft", "--config", str(cfg), "batch_sise=4"]) == 2
     err = capsys.readouterr().err
     assert "batch_sise" in err and "batch_size" in err
-    # resume=true with nothing to resume from.
-    with pytest.raises(ValueError, match="resume=true but no checkpoint"):
-        cli.main(["run", "sft", "--config", str(cfg), "resume=true"])
+    # resume=true with nothing to resume from, and the other options rules: `validate` and
+    # `run` refuse them with the same message (build_options), before any side effect.
+    for override, msg in [
+        ("resume=true", "resume=true but no checkpoint"),
+        ("packing=false max_tokens_per_row=64", "max_tokens_per_row applies only with packing"),
+        ("log_every=0", "log_every must be >= 1"),
+        ("gradient_accumulation_steps=0", "gradient_accumulation_steps must be >= 1"),
+        ("lr_scheduler.min_lr_ratio=1.5", "min_lr_ratio must be in [0, 1]"),
+    ]:
+        assert cli.main(["validate", str(cfg), *override.split()]) == 2
+        err = capsys.readouterr().err
+        assert msg in err, err
+        assert cli.main(["run", "sft", "--config", str(cfg), *override.split()]) == 2
+        assert capsys.readouterr().err == err
     # A missing data file names the path.
     cfg2 = _config(
         tmp_path,
