@@ -4,7 +4,6 @@ folder as a top-level ``kernels``, which is Hugging Face's kernel-hub package na
 - :func:`fused_linear_logprobs`: log-probs (and entropy) of targets from hidden states and the
   LM-head weight, chunked, with a recomputing backward; Liger-Kernel's Triton path on CUDA.
 - :func:`fused_linear_cross_entropy`: the SFT loss on hidden states.
-- :func:`fused_linear_policy_loss`: the GRPO-family policy loss on hidden states.
 - :func:`causal_lm_token_logprobs`, :func:`causal_lm_cross_entropy`: next-token log-probs / the
   SFT loss of an HF causal LM (plain or FSDP2); :func:`forward_on_hidden` for other heads.
 
@@ -13,7 +12,7 @@ See docs/kernels.md.
 
 from .hf import causal_lm_cross_entropy, causal_lm_token_logprobs, forward_on_hidden
 from .logprobs import BACKENDS, default_chunk_size, fused_linear_logprobs, select_backend
-from .losses import fused_linear_cross_entropy, fused_linear_policy_loss
+from .losses import fused_linear_cross_entropy
 
 __all__ = [
     "BACKENDS",
@@ -23,6 +22,5 @@ __all__ = [
     "forward_on_hidden",
     "fused_linear_cross_entropy",
     "fused_linear_logprobs",
-    "fused_linear_policy_loss",
     "select_backend",
 ]

@@ -22,9 +22,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from .logprobs import Backend, fused_linear_logprobs
+from .logprobs import Backend, fused_linear_logprobs, select_backend
 from .losses import fused_linear_cross_entropy
 
 
@@ -118,6 +119,7 @@ def causal_lm_token_logprobs(
     position_ids: Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    entropy_grad: bool = True,
     ignore_index: int = -100,
     chunk_size: int | None = None,
     backend: Backend = "auto",
@@ -135,6 +137,9 @@ def causal_lm_token_logprobs(
             padding): those give 0, get no gradient and cost no LM-head compute.
         attention_mask, position_ids, **model_kwargs: passed to the model's forward.
         temperature, return_entropy, chunk_size, backend: as in :func:`fused_linear_logprobs`.
+        entropy_grad: with ``return_entropy``, False computes the entropy without gradient in a
+            second, no-grad pass over the same hidden states (only to log it), so the log-probs
+            keep the fastest backend (Liger's Triton kernel on CUDA has no entropy).
 
     Returns:
         fp32 log-probs ``[B, T-1]``, or ``(log-probs, entropy)``.
@@ -142,21 +147,33 @@ def causal_lm_token_logprobs(
     targets = _check_ids(input_ids, targets)
     b, t1 = targets.shape
 
-    def logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None):
-        out = fused_linear_logprobs(
+    def run(hidden: Tensor, weight: Tensor, bias: Tensor | None, entropy: bool, backend: str):
+        return fused_linear_logprobs(
             hidden.reshape(b * t1, hidden.shape[-1]),
             weight,
             targets.reshape(-1),
             bias=bias,
             temperature=temperature,
             chunk_size=chunk_size,
-            return_entropy=return_entropy,
+            return_entropy=entropy,
             ignore_index=ignore_index,
             backend=backend,
         )
-        if return_entropy:
-            return out[0].view(b, t1), out[1].view(b, t1)
-        return out.view(b, t1)
+
+    def logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None):
+        if not return_entropy:
+            return run(hidden, weight, bias, False, backend).view(b, t1)
+        if not entropy_grad and select_backend(hidden, backend=backend) == "liger":
+            # Log-probs on Liger's kernel (it has no entropy), entropy from a no-grad pass.
+            lp = run(hidden, weight, bias, False, backend)
+            with torch.no_grad():
+                detached = None if bias is None else bias.detach()
+                _, ent = run(hidden.detach(), weight.detach(), detached, True, "torch")
+            return lp.view(b, t1), ent.view(b, t1)
+        # One pass: the entropy costs an exp and a dot per row on top of the log-probs; an
+        # entropy without gradient leaves the backward as cheap as log-probs alone.
+        lp, ent = run(hidden, weight, bias, True, backend)
+        return lp.view(b, t1), (ent if entropy_grad else ent.detach()).view(b, t1)
 
     return forward_on_hidden(
         model,

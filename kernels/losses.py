@@ -3,8 +3,6 @@ GRPO-family policy loss. Neither builds the ``[tokens x vocab]`` logits."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -134,76 +132,3 @@ def fused_linear_cross_entropy(
     chunk = chunk_size or default_chunk_size(h2.shape[0], weight.shape[0])
     scale = 1.0 / denom if not isinstance(denom, Tensor) else denom.reciprocal()
     return _FusedLinearCrossEntropy.apply(h2, weight, t1.long(), bias, scale, chunk)
-
-
-def fused_linear_policy_loss(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    old_logprobs: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    bias: Tensor | None = None,
-    temperature: float = 1.0,
-    entropy_coef: float = 0.0,
-    entropy_metric: bool = False,
-    chunk_size: int | None = None,
-    backend: Backend = "auto",
-    **policy_kwargs: Any,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO-family policy loss from hidden states: the fused log-prob kernel composed with
-    :func:`lightrft.algorithms.losses.policy_loss` (and its entropy bonus).
-
-    Args:
-        hidden: ``[B, T, H]`` final hidden states of the policy; ``weight``/``bias``: LM head.
-        targets: ``[B, T]`` sampled token ids aligned with ``hidden`` (the token each position
-            predicts); positions where ``mask`` is 0 are skipped by the kernel.
-        old_logprobs, advantages, mask: as in ``policy_loss``.
-        temperature: the rollout's sampling temperature (log-probs of the sampled distribution).
-        entropy_coef: when nonzero, adds ``entropy_bonus(entropy, mask, entropy_coef)`` with the
-            same aggregation as the policy loss; its gradient flows through the kernel.
-        entropy_metric: report ``metrics["entropy"]`` even when ``entropy_coef`` is 0
-            (no gradient, one more pass over each chunk in the forward).
-        **policy_kwargs: ``objective``, ``clip_low``, ``clip_high``, ``dual_clip``, ``agg``,
-            ``norm_len``, ``num_tokens``, ``num_seqs``, ``rollout_logprobs``, ... passed on.
-
-    Returns:
-        ``(loss, metrics)`` exactly as the unfused composition (same value, same gradients).
-    """
-    from lightrft.algorithms.losses import OBJECTIVE_DEFAULTS, entropy_bonus, policy_loss
-
-    if hidden.dim() != 3 or targets.shape != hidden.shape[:2] or mask.shape != targets.shape:
-        raise ValueError(
-            "hidden must be [B, T, H] with targets and mask [B, T]; got "
-            f"hidden {tuple(hidden.shape)}, targets {tuple(targets.shape)}, mask {tuple(mask.shape)}"
-        )
-    b, t, h = hidden.shape
-    ignore = -100
-    kernel_targets = torch.where(mask.bool(), targets, torch.full_like(targets, ignore))
-    want_entropy = entropy_coef != 0.0 or entropy_metric
-    out = fused_linear_logprobs(
-        hidden.reshape(b * t, h),
-        weight,
-        kernel_targets.reshape(-1),
-        bias=bias,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        return_entropy=want_entropy,
-        ignore_index=ignore,
-        backend=backend,
-    )
-    logp, ent = out if want_entropy else (out, None)
-    loss, metrics = policy_loss(logp.view(b, t), old_logprobs, advantages, mask, **policy_kwargs)
-    if ent is not None:
-        ent = ent.view(b, t)
-        if entropy_coef != 0.0:
-            objective = policy_kwargs.get("objective", "ppo")
-            agg = policy_kwargs.get("agg") or OBJECTIVE_DEFAULTS[objective]["agg"]
-            norm = {k: policy_kwargs.get(k) for k in ("norm_len", "num_tokens", "num_seqs")}
-            term, ent_metrics = entropy_bonus(ent, mask, entropy_coef, agg=agg, **norm)
-            loss = loss + term
-        else:
-            _, ent_metrics = entropy_bonus(ent.detach(), mask, 0.0)
-        metrics = {**metrics, **ent_metrics}
-    return loss, metrics

@@ -24,12 +24,15 @@ _EXPORTS = {
     "peak_memory": "metrics",
     "reset_peak_memory": "metrics",
     "reduce_metrics": "metrics",
+    "MetricAccumulator": "metrics",
     "read_metrics": "metrics",
     "warmup_cosine_lr_ratio": "optim",
     "warmup_cosine_scheduler": "optim",
     "clip_grad_norm": "optim",
     "cpu_offload_optimizer": "optim",
     "check_output_dir": "outputs",
+    "RolloutBatch": "rollout",
+    "pad_rows": "rollout",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,6 +7,7 @@ unconditionally. :func:`reduce_metrics` is the one collective: call it on every 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -357,3 +358,73 @@ def reduce_metrics(
     if op == "mean":
         t /= dist.get_world_size()
     return dict(zip(keys, t.tolist(), strict=True))
+
+
+class MetricAccumulator:
+    """Scalar metrics over many micro-batches and all ranks, each with a declared reduction.
+
+    ``reductions`` maps a name to ``"mean"`` (weighted mean: ``add`` passes the weight, e.g.
+    the micro-batch's token count), ``"sum"``, ``"min"`` or ``"max"``; names not listed use
+    ``default``. ``empty`` maps a name to the value reported when nothing with a positive weight
+    was added on any rank (default 0.0): the one place that decides what a metric reads when
+    ranks ran only padding micro-batches. Every rank must ``add`` the same names (a rank without
+    data adds with weight 0) and call :meth:`reduce` (a collective).
+    """
+
+    def __init__(
+        self,
+        reductions: Mapping[str, str] | None = None,
+        *,
+        default: str = "mean",
+        empty: Mapping[str, float] | None = None,
+    ):
+        for name, op in {**(reductions or {}), "<default>": default}.items():
+            if op not in _REDUCE_OPS:
+                raise ValueError(f"reduction of {name} must be one of {_REDUCE_OPS}, got {op!r}")
+        self.reductions = dict(reductions or {})
+        self.default = default
+        self.empty = dict(empty or {})
+        self._sums: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+        self._extremes: dict[str, float] = {}
+
+    def op(self, name: str) -> str:
+        return self.reductions.get(name, self.default)
+
+    def add(self, name: str, value: Any, weight: float = 1.0) -> None:
+        """Record ``value`` (a number or 0-d tensor); ``weight`` <= 0 records only the name."""
+        op, v = self.op(name), _to_float(name, value)
+        if op in ("mean", "sum"):
+            w = weight if op == "mean" else 1.0
+            self._sums[name] = self._sums.get(name, 0.0) + v * w
+            self._weights[name] = self._weights.get(name, 0.0) + weight
+        else:
+            fill = math.inf if op == "min" else -math.inf
+            current = self._extremes.get(name, fill)
+            if weight > 0:
+                current = min(current, v) if op == "min" else max(current, v)
+            self._extremes[name] = current
+
+    def reduce(self) -> dict[str, float]:
+        """Reduce over ranks (three collectives) and reset: name -> value."""
+        sums = reduce_metrics(
+            {
+                **{f"s/{k}": v for k, v in self._sums.items()},
+                **{f"w/{k}": v for k, v in self._weights.items()},
+            },
+            "sum",
+        )
+        out: dict[str, float] = {}
+        for k in self._sums:
+            if self.op(k) == "sum":
+                out[k] = sums[f"s/{k}"]
+            elif sums[f"w/{k}"] > 0:
+                out[k] = sums[f"s/{k}"] / max(sums[f"w/{k}"], 1e-12)
+            else:
+                out[k] = self.empty.get(k, 0.0)
+        for op in ("min", "max"):
+            mine = {k: v for k, v in self._extremes.items() if self.op(k) == op}
+            for k, v in reduce_metrics(mine, op).items():
+                out[k] = v if math.isfinite(v) else self.empty.get(k, 0.0)
+        self._sums, self._weights, self._extremes = {}, {}, {}
+        return out

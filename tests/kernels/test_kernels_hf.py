@@ -9,9 +9,7 @@ from _dist import run_distributed
 from lightrft.kernels import (
     causal_lm_cross_entropy,
     causal_lm_token_logprobs,
-    forward_on_hidden,
     fused_linear_logprobs,
-    fused_linear_policy_loss,
 )
 from lightrft.models import load_causal_lm, make_tiny_model, parallelize
 
@@ -68,6 +66,49 @@ def test_matches_logits_path_values_and_all_parameter_grads(tiny_model_dir):
     assert "lm_head.weight" in got_g
     assert_grads_close(got_g, ref_g)
     assert not model._forward_hooks and not model.get_decoder()._forward_hooks
+
+
+def test_entropy_without_grad_is_logged_but_leaves_the_backward_alone(tiny_model_dir):
+    """entropy_grad=False (the GRPO recipe without an entropy bonus): the entropy has the
+    reference values, no gradient, and the log-probs' gradient is bitwise that of log-probs
+    alone."""
+    model = load_causal_lm(tiny_model_dir)
+    ids, targets, w = batch(3)
+    ref_lp, ref_ent = reference(model, ids, targets, 0.7)
+    lp_only = causal_lm_token_logprobs(model, ids, targets=targets, temperature=0.7)
+    only_g = param_grads(model, (lp_only * w).sum())
+    lp, ent = causal_lm_token_logprobs(
+        model, ids, targets=targets, temperature=0.7, return_entropy=True, entropy_grad=False
+    )
+    assert not ent.requires_grad and lp.requires_grad
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(lp, lp_only)
+    got_g = param_grads(model, (lp * w).sum())
+    for name in only_g:
+        assert torch.equal(got_g[name], only_g[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_forward_takes_liger_on_cuda_without_entropy_bonus(tiny_model_dir, monkeypatch):
+    """On CUDA, log-probs with a no-grad entropy (the recipe's forward with no entropy bonus)
+    run Liger's kernel; the entropy still matches the logits reference."""
+    pytest.importorskip("liger_kernel")
+    from lightrft.kernels import logprobs as kernel
+
+    calls = []
+    real = kernel._liger_flce
+    monkeypatch.setattr(kernel, "_liger_flce", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = load_causal_lm(tiny_model_dir).cuda()
+    ids, targets, w = (t.cuda() for t in batch(4))
+    ref_lp, ref_ent = reference(model, ids, targets, 0.7)
+    lp, ent = causal_lm_token_logprobs(
+        model, ids, targets=targets, temperature=0.7, return_entropy=True, entropy_grad=False
+    )
+    assert calls, "the log-probs did not go through Liger"
+    torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-4, rtol=1e-4)
+    (lp * w).sum().backward()
 
 
 def test_default_targets_are_the_next_tokens(tiny_model_dir):
@@ -142,16 +183,12 @@ def test_input_errors_and_hooks_removed(tiny_model_dir):
 
 
 def policy_loss_via_hidden(model, ids, targets, old, adv):
-    """The GRPO recipe's route under FSDP2: the fused policy loss inside the model's forward."""
-    mask = targets != IGNORE
-    tgt = torch.where(mask, targets, 0)
+    """The GRPO recipe's route under FSDP2: fused log-probs inside the model's forward, then
+    the pure policy loss."""
+    from lightrft.algorithms.losses import policy_loss
 
-    def fn(hidden, weight, bias):
-        return fused_linear_policy_loss(
-            hidden, weight, tgt, old, adv, mask, bias=bias, clip_low=0.2, clip_high=0.28
-        )
-
-    return forward_on_hidden(model, ids, fn)
+    lp = causal_lm_token_logprobs(model, ids, targets=targets)
+    return policy_loss(lp, old, adv, targets != IGNORE, clip_low=0.2, clip_high=0.28)
 
 
 def policy_loss_reference(model, ids, targets, old, adv):

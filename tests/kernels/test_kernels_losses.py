@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightrft.kernels import fused_linear_cross_entropy, fused_linear_policy_loss
+from lightrft.kernels import fused_linear_cross_entropy, fused_linear_logprobs
 
 IGNORE = -100
 
@@ -164,20 +164,23 @@ def test_policy_loss_equals_unfused_composition(kwargs, entropy_coef):
         return loss + term, {**metrics, **ent_metrics}
 
     def fused():
-        return fused_linear_policy_loss(
-            hidden,
+        # The recipe's route: the fused kernel's log-probs and entropy, then the pure losses.
+        kernel_targets = torch.where(mask, targets, torch.full_like(targets, -100))
+        logp, ent = fused_linear_logprobs(
+            hidden.reshape(b_ * t_, -1),
             weight,
-            targets,
-            old,
-            advantages,
-            mask,
+            kernel_targets.reshape(-1),
             bias=bias,
             temperature=temperature,
-            entropy_coef=entropy_coef,
-            entropy_metric=True,
             chunk_size=9,
-            **kwargs,
+            return_entropy=True,
         )
+        logp, ent = logp.view(b_, t_), ent.view(b_, t_)
+        loss, metrics = losses.policy_loss(logp, old, advantages, mask, **kwargs)
+        agg = kwargs.get("agg") or losses.OBJECTIVES[kwargs["objective"]].defaults["agg"]
+        norm = {"norm_len": kwargs.get("norm_len")}
+        term, ent_metrics = losses.entropy_bonus(ent, mask, entropy_coef, agg=agg, **norm)
+        return loss + term, {**metrics, **ent_metrics}
 
     ref_loss, ref_metrics = unfused()
     ref_g = grads_of(ref_loss, hidden, weight, bias)
@@ -191,10 +194,3 @@ def test_policy_loss_equals_unfused_composition(kwargs, entropy_coef):
         assert ref.abs().max() > 0, name
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5, msg=name)
     assert torch.all(hidden.grad[~mask] == 0)  # masked positions cost nothing and get nothing
-
-
-def test_policy_loss_rejects_bad_shapes():
-    hidden, weight, _, targets = make((2, 5), 8, 50)
-    mask = torch.ones(2, 4)
-    with pytest.raises(ValueError, match=r"hidden must be \[B, T, H\]"):
-        fused_linear_policy_loss(hidden, weight, targets, None, torch.zeros(2), mask)

@@ -1,0 +1,232 @@
+"""The typed rollout batch: what one RL step knows about its samples, as padded tensors.
+
+Built once after rollout (one row per sample, groups of ``n`` consecutive rows), moved between
+ranks with tensor collectives, filled by the trainer (old / reference log-probs, values,
+advantages, ...) and cut into micro-batches. Recipes (GRPO today; reward-model and vision recipes
+next) share it, so a field means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["RolloutBatch", "pad_rows"]
+
+IGNORE = -100  # target id of positions without a loss
+
+# [B, R] float fields the trainer fills; None until computed (and when the step does not need
+# them: ``old_logprobs`` None means "exactly on-policy", ratio 1).
+_TOKEN_FIELDS = (
+    "rollout_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "values",
+    "returns",
+    "advantages",
+    "entropy",
+)
+_SAMPLE_FIELDS = ("reward_raw", "rewards", "overlong", "kept")  # [B]
+_META_FIELDS = ("prompts", "references", "labels", "wheres", "texts", "finish_reasons", "groups")
+_MULTIMODAL_FIELDS = ("pixel_values", "image_grid_thw", "audio_features")
+
+
+def pad_rows(rows: Sequence[Sequence[float]], *, dtype=torch.float32, fill=0) -> Tensor:
+    """Per-sample vectors -> ``[B, max_len]`` tensor right-padded with ``fill`` (width >= 1)."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+def _select(value: Any, idx: Tensor, idx_list: list[int]) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        return value[idx]
+    if isinstance(value, dict):
+        return {k: _select(v, idx, idx_list) for k, v in value.items()}
+    return [value[i] for i in idx_list]
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """``B`` samples; ``R`` = the longest response, ``P`` = the longest prompt.
+
+    Sampled (set when built):
+        prompt_ids: ``[B, P]`` long, right-padded with 0; ``prompt_lens`` ``[B]`` long.
+        response_ids: ``[B, R]`` long, right-padded with 0.
+        response_mask: ``[B, R]`` bool, True on response tokens.
+        rollout_logprobs: ``[B, R]`` float32, the engine's log-prob of each sampled token.
+    Rewards (``[B]`` float64, python-float exact):
+        reward_raw: the reward function's total; overlong: the DAPO overlong penalty (None when
+        off); rewards: reward_raw + overlong, what the advantages use.
+        reward_parts / reward_applied: name -> ``[B]`` float64 / bool, one per reward function.
+    Per-sample metadata (lists of length B):
+        prompts, references, labels, wheres (dataset file:line), texts (decoded response),
+        finish_reasons ("stop" | "length"), groups (a tuple naming the prompt: samples with the
+        same group share a prompt; groups are consecutive rows).
+        kept: ``[B]`` bool, the sample is in the train batch (dynamic sampling drops groups).
+    Filled by the trainer, ``[B, R]`` float32 (None until then, or when the step needs none):
+        old_logprobs (the trainer's, before the update; None: exactly on-policy),
+        ref_logprobs (reference model, with a KL), values (critic), returns (value targets),
+        advantages, entropy (per token, for high-entropy selection), loss_mask (bool: tokens
+        the policy loss trains on; None: every response token).
+    Multimodal inputs (None for text; the vision / audio recipes fill them, per sample rows):
+        pixel_values, image_grid_thw, audio_features.
+    """
+
+    prompt_ids: Tensor
+    prompt_lens: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    rollout_logprobs: Tensor
+    reward_raw: Tensor
+    rewards: Tensor
+    reward_parts: dict[str, Tensor]
+    reward_applied: dict[str, Tensor]
+    prompts: list[str]
+    references: list[Any]
+    labels: list[Any]
+    wheres: list[str]
+    texts: list[str]
+    finish_reasons: list[str]
+    groups: list[tuple]
+    overlong: Tensor | None = None
+    kept: Tensor | None = None
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
+    advantages: Tensor | None = None
+    entropy: Tensor | None = None
+    loss_mask: Tensor | None = None
+    pixel_values: Tensor | None = None
+    image_grid_thw: Tensor | None = None
+    audio_features: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_lens(self) -> Tensor:
+        """``[B]`` long: response tokens per sample."""
+        return self.response_mask.sum(dim=1)
+
+    def prompt(self, i: int) -> list[int]:
+        return self.prompt_ids[i, : int(self.prompt_lens[i])].tolist()
+
+    def response(self, i: int) -> list[int]:
+        return self.response_ids[i, : int(self.response_mask[i].sum())].tolist()
+
+    def select(self, idx: Sequence[int]) -> RolloutBatch:
+        """The rows ``idx`` (in that order), trimmed to their longest prompt and response."""
+        idx_list = list(idx)
+        t = torch.as_tensor(idx_list, dtype=torch.long)
+        fields = {
+            f.name: _select(getattr(self, f.name), t, idx_list) for f in dataclasses.fields(self)
+        }
+        out = RolloutBatch(**fields)
+        return out._trim()
+
+    def _trim(self) -> RolloutBatch:
+        r = max(int(self.response_lens.max()) if len(self) else 0, 1)
+        p = max(int(self.prompt_lens.max()) if len(self) else 0, 1)
+        self.prompt_ids = self.prompt_ids[:, :p]
+        for name in ("response_ids", "response_mask", "loss_mask", *_TOKEN_FIELDS):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[:, :r])
+        return self
+
+    @staticmethod
+    def cat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """Rows of ``batches`` one after the other (fields None in one are None in all)."""
+        first = batches[0]
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(first):
+            values = [getattr(b, f.name) for b in batches]
+            if values[0] is None:
+                fields[f.name] = None
+            elif isinstance(values[0], Tensor):
+                fields[f.name] = _cat_padded(values)
+            elif isinstance(values[0], dict):
+                fields[f.name] = {k: _cat_padded([v[k] for v in values]) for k in values[0]}
+            else:
+                fields[f.name] = [x for v in values for x in v]
+        return RolloutBatch(**fields)
+
+    def all_gather(self) -> RolloutBatch:
+        """Every rank's rows, in rank order, on every rank (this batch in one process).
+
+        Tensors travel by ``all_gather`` after padding to the widest rank; only the per-sample
+        metadata (strings, a few per sample) goes through ``all_gather_object``. Multimodal
+        fields stay on their rank (the trainer's shards are built from local rows)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self
+        world = dist.get_world_size()
+        meta = {name: getattr(self, name) for name in _META_FIELDS}
+        metas: list[Any] = [None] * world
+        dist.all_gather_object(metas, meta)
+        sizes = _gather_ints([len(self), self.prompt_ids.shape[1], self.response_ids.shape[1]])
+        widths = {"prompt": max(s[1] for s in sizes), "response": max(s[2] for s in sizes)}
+        rows = max(s[0] for s in sizes)
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _META_FIELDS or f.name in _MULTIMODAL_FIELDS:
+                continue
+            if isinstance(value, dict):
+                fields[f.name] = {
+                    k: _gather_rows(v, rows, None, sizes) for k, v in sorted(value.items())
+                }
+            elif value is not None:
+                width = widths["prompt" if f.name == "prompt_ids" else "response"]
+                fields[f.name] = _gather_rows(value, rows, width, sizes)
+            else:
+                fields[f.name] = None
+        for name in _META_FIELDS:
+            fields[name] = [x for m in metas for x in m[name]]
+        return RolloutBatch(**fields)._trim()
+
+
+def _padded(value: Tensor, rows: int, width: int | None) -> Tensor:
+    """``value`` ([n] or [n, w]) zero-padded to ``rows`` (x ``width``); any dtype."""
+    shape = (rows,) if value.dim() == 1 else (rows, width)
+    out = torch.zeros(shape, dtype=value.dtype, device=value.device)
+    if value.dim() == 1:
+        out[: value.shape[0]] = value
+    else:
+        out[: value.shape[0], : value.shape[1]] = value
+    return out
+
+
+def _cat_padded(values: list[Tensor]) -> Tensor:
+    if values[0].dim() == 1:
+        return torch.cat(values)
+    width = max(v.shape[1] for v in values)
+    return torch.cat([_padded(v, v.shape[0], width) for v in values])
+
+
+def _gather_ints(values: list[int]) -> list[list[int]]:
+    t = torch.tensor(values, dtype=torch.long)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def _gather_rows(value: Tensor, rows: int, width: int | None, sizes: list[list[int]]) -> Tensor:
+    """All ranks' rows of ``value`` (padded to ``rows`` x ``width`` for the collective)."""
+    wire = value.to(torch.uint8) if value.dtype == torch.bool else value  # gloo has no bool
+    full = _padded(wire, rows, width)
+    out = [torch.empty_like(full) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, full)
+    merged = torch.cat([o[: s[0]] for o, s in zip(out, sizes, strict=True)])
+    return merged.to(value.dtype)
