@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -69,6 +68,7 @@ from lightrft.models import load_causal_lm, load_tokenizer, parallelize
 from lightrft.rewards import build_reward
 from lightrft.training import (
     Checkpointer,
+    MetricAccumulator,
     MetricLogger,
     PhaseTimer,
     ProgressBar,
@@ -80,6 +80,7 @@ from lightrft.training import (
     warmup_cosine_scheduler,
 )
 from lightrft.training.distributed import barrier, destroy, init_distributed
+from lightrft.training.rollout import IGNORE, RolloutBatch, pad_rows
 
 DTYPE = Literal["float32", "bfloat16", "float16"]
 SCHEDULE = {"warmup_steps": int | None, "min_lr_ratio": float | None}
@@ -188,8 +189,6 @@ CONFIG_SCHEMA = {
     "resume": bool | None,
     "metrics": {"tensorboard": bool | None, "wandb": bool | dict | None},
 }
-
-IGNORE = -100
 
 
 # ---------------------------------------------------------------------------------- options
@@ -674,27 +673,20 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
 # ---------------------------------------------------------------------------------- batches
 
 
-def _pad_rows(rows: list[list[float]], fill: float = 0.0) -> torch.Tensor:
-    """List of per-sample vectors -> [B, max_len] float tensor padded with ``fill``."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), fill, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
-    return out
-
-
-def build_micro_batch(samples: list[dict], pad_id: int, *, packing: bool) -> dict[str, Any]:
-    """Model inputs for ``samples`` plus a gather index from the model's ``[rows, L-1]`` next-token
-    outputs to a response-only ``[B, R]`` layout (R = longest response), which every loss uses.
+def build_micro_batch(
+    batch: RolloutBatch, idx: list[int], pad_id: int, *, packing: bool
+) -> dict[str, Any]:
+    """Model inputs for rows ``idx`` of ``batch`` plus a gather index from the model's
+    ``[rows, L-1]`` next-token outputs to a response-only ``[b, R]`` layout (R = longest
+    response of the rows), which every loss uses.
 
     Packed: one row, samples back to back, ``position_ids`` restarting per sample, no attention
     mask (transformers builds the block-diagonal causal mask from the position resets). Padded:
-    one right-padded row per sample with an attention mask. An empty ``samples`` list gives a
-    dummy batch (one scored position, mask 0), so a rank without data still runs the same
+    one right-padded row per sample with an attention mask. An empty ``idx`` gives a dummy
+    batch (one scored position, mask 0), so a rank without data still runs the same
     forward/backward collectives as the others.
     """
-    if not samples:
+    if not idx:
         ids = torch.full((1, 2), pad_id, dtype=torch.long)
         return {
             "input_ids": ids,
@@ -705,23 +697,24 @@ def build_micro_batch(samples: list[dict], pad_id: int, *, packing: bool) -> dic
             "mask": torch.zeros(1, 1, dtype=torch.bool),
             "tokens": 0,
         }
-    seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
-    resp = [len(s["response_ids"]) for s in samples]
-    width = max(resp)
-    index = torch.zeros(len(samples), width, dtype=torch.long)  # [B, R]
-    mask = torch.zeros(len(samples), width, dtype=torch.bool)  # [B, R]
+    prompts = [batch.prompt(i) for i in idx]
+    responses = [batch.response(i) for i in idx]
+    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+    resp = [len(r) for r in responses]
+    index = torch.zeros(len(idx), max(resp), dtype=torch.long)  # [b, R]
+    mask = torch.zeros(len(idx), max(resp), dtype=torch.bool)  # [b, R]
     if packing:
         total = sum(len(q) for q in seqs)
         ids = torch.full((1, total), pad_id, dtype=torch.long)
         pos = torch.zeros(1, total, dtype=torch.long)
         targets = torch.full((1, total - 1), IGNORE, dtype=torch.long)
         start = 0
-        for i, (q, s) in enumerate(zip(seqs, samples, strict=True)):
+        for i, q in enumerate(seqs):
             ids[0, start : start + len(q)] = torch.as_tensor(q)
             pos[0, start : start + len(q)] = torch.arange(len(q))
-            first = start + len(s["prompt_ids"]) - 1  # position predicting response token 0
+            first = start + len(prompts[i]) - 1  # position predicting response token 0
             cols = torch.arange(first, first + resp[i])
-            targets[0, cols] = torch.as_tensor(s["response_ids"])
+            targets[0, cols] = torch.as_tensor(responses[i])
             index[i, : resp[i]] = cols
             mask[i, : resp[i]] = True
             start += len(q)
@@ -731,12 +724,12 @@ def build_micro_batch(samples: list[dict], pad_id: int, *, packing: bool) -> dic
         ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
         attention_mask = torch.zeros(len(seqs), length, dtype=torch.long)
         targets = torch.full((len(seqs), length - 1), IGNORE, dtype=torch.long)
-        for i, (q, s) in enumerate(zip(seqs, samples, strict=True)):
+        for i, q in enumerate(seqs):
             ids[i, : len(q)] = torch.as_tensor(q)
             attention_mask[i, : len(q)] = 1
-            first = len(s["prompt_ids"]) - 1
+            first = len(prompts[i]) - 1
             cols = torch.arange(first, first + resp[i])
-            targets[i, cols] = torch.as_tensor(s["response_ids"])
+            targets[i, cols] = torch.as_tensor(responses[i])
             index[i, : resp[i]] = i * (length - 1) + cols
             mask[i, : resp[i]] = True
         # Right padding: the default positions 0..T-1 are right for every row.
@@ -753,20 +746,46 @@ def build_micro_batch(samples: list[dict], pad_id: int, *, packing: bool) -> dic
 
 
 def _gather_response(full: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
-    """[rows, L-1] per-position values -> [B, R] response values, 0 on padding."""
+    """[rows, L-1] per-position values -> [b, R] response values, 0 on padding."""
     out = full.reshape(-1)[mb["index"].to(full.device)]
     return torch.where(
         mb["mask"].to(full.device), out, torch.zeros((), dtype=out.dtype, device=out.device)
     )
 
 
-def _all_gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` in rank order (a one-element list in a single process)."""
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Every rank filled its own rows of ``t`` (zeros elsewhere): the whole tensor, everywhere."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+@dataclasses.dataclass
+class LossInputs:
+    """One micro-batch as the loss sees it: ``[b, R]`` response-aligned tensors on the device
+    (``mask``: response tokens; ``loss_mask``: the tokens the policy loss trains on)."""
+
+    logprobs: torch.Tensor  # current policy, with gradient
+    entropy: torch.Tensor | None  # with gradient only when the entropy bonus is on
+    mask: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: exactly on-policy (ratio 1)
+    rollout_logprobs: torch.Tensor | None  # engine log-probs (TIS only)
+    ref_logprobs: torch.Tensor | None  # reference model (KL in the loss only)
+    values: torch.Tensor | None  # critic, with gradient (gae only)
+    old_values: torch.Tensor | None
+    returns: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """Global normalisers of one optimizer step, divided by the world size (gradients are
+    averaged over ranks): ``loss`` counts the policy loss's tokens / sequences, ``response``
+    every response token / sequence (KL, entropy and value terms)."""
+
+    loss: dict[str, float]
+    response: dict[str, float]
 
 
 # ---------------------------------------------------------------------------------- recipe
@@ -979,95 +998,101 @@ class GRPORecipe:
             self.engine.sleep(self.opts.engine.sleep_level)
             self._weights_released = self.opts.engine.sleep_level == 2
 
-    def _score(self, samples: list[dict]) -> None:
-        """Rewards of this rank's samples, in place: ``reward_raw``, ``parts``, ``applied``."""
-        if not samples:
-            return
-        out = self.reward_fn(
-            [s["prompt"] for s in samples],
-            [s["text"] for s in samples],
-            [s["reference"] for s in samples],
-            [s["label"] for s in samples],
-        )
+    def _score(self, prompts, texts, references, labels, wheres) -> tuple:
+        """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
+        python floats the reward functions returned)."""
+        if not texts:
+            empty = torch.zeros(0, dtype=torch.float64)
+            names = self.reward_names
+            return empty, {n: empty for n in names}, {n: empty.bool() for n in names}
+        out = self.reward_fn(prompts, texts, references, labels)
         total = out.total
         bad = (~torch.isfinite(total)).nonzero().flatten().tolist()
         if bad:  # reward functions are checked one by one; this catches weights and sums
-            s = samples[bad[0]]
             raise ValueError(
                 f"non-finite total reward {total[bad[0]].item()} for sample "
-                f"{bad[0]} (prompt {s['prompt'][:60]!r}, from {s['where']})"
+                f"{bad[0]} (prompt {prompts[bad[0]][:60]!r}, from {wheres[bad[0]]})"
             )
-        for i, s in enumerate(samples):
-            s["reward_raw"] = float(total[i])
-            s["parts"] = {n: float(p[i]) for n, p in out.parts.items()}
-            s["applied"] = {n: bool(a[i]) for n, a in out.applied.items()}
 
-    def _draw(self, step: int, draw: int, timer: PhaseTimer) -> list[dict]:
+        def f64(t: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(t.tolist(), dtype=torch.float64)
+
+        parts = {n: f64(p) for n, p in out.parts.items()}
+        applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in out.applied.items()}
+        return f64(total), parts, applied
+
+    def _draw(self, step: int, draw: int, timer: PhaseTimer) -> RolloutBatch:
         """One rollout draw: this rank's prompts, n samples each, scored; then gathered so every
         rank holds every sample (groups stay consecutive and whole)."""
-        batch = self._next_prompts()
+        prompts = self._next_prompts()
         with timer("rollout"):
-            params = self._request_params(len(batch["prompt_ids"]), step, draw)
-            completions = self._generate(batch["prompt_ids"], params)
-        samples = []
-        for c in completions:
-            i = c.request_index
-            samples.append(
-                {
-                    "group": (step, draw, self.dist.rank, i),
-                    "prompt_ids": list(c.prompt_token_ids),
-                    "response_ids": list(c.token_ids),
-                    "rollout_logprobs": list(c.logprobs),
-                    "finish_reason": c.finish_reason,
-                    "text": c.text or "",
-                    "prompt": batch["prompt"][i],
-                    "reference": batch["reference"][i],
-                    "label": batch["label"][i],
-                    "where": batch["where"][i],
-                }
-            )
+            params = self._request_params(len(prompts["prompt_ids"]), step, draw)
+            completions = self._generate(prompts["prompt_ids"], params)
+        rows = [c.request_index for c in completions]
+        meta = {k: [prompts[k][i] for i in rows] for k in ("prompt", "reference", "label", "where")}
+        texts = [c.text or "" for c in completions]
         with timer("scoring"):
-            self._score(samples)
-            for s in samples:
-                r = s["reward_raw"]
-                if self.opts.shaping.overlong is not None:
-                    s["overlong"] = float(
-                        overlong_penalty([len(s["response_ids"])], *self.opts.shaping.overlong)[0]
-                    )
-                    r += s["overlong"]
-                s["reward"] = r
-        return [s for part in _all_gather(samples) for s in part]
+            raw, parts, applied = self._score(
+                meta["prompt"], texts, meta["reference"], meta["label"], meta["where"]
+            )
+            overlong, rewards = None, raw
+            if self.opts.shaping.overlong is not None:
+                lengths = [len(c.token_ids) for c in completions]
+                penalty = overlong_penalty(lengths, *self.opts.shaping.overlong)
+                overlong = torch.tensor([float(p) for p in penalty], dtype=torch.float64)
+                rewards = raw + overlong  # [B]
+        responses = [list(c.token_ids) for c in completions]
+        lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        response_ids = pad_rows(responses, dtype=torch.long)  # [B, R]
+        batch = RolloutBatch(
+            prompt_ids=pad_rows([list(c.prompt_token_ids) for c in completions], dtype=torch.long),
+            prompt_lens=torch.tensor([len(c.prompt_token_ids) for c in completions]),
+            response_ids=response_ids,
+            response_mask=torch.arange(response_ids.shape[1]) < lens.unsqueeze(1),
+            rollout_logprobs=pad_rows([list(c.logprobs) for c in completions]),
+            reward_raw=raw,
+            rewards=rewards,
+            overlong=overlong,
+            reward_parts=parts,
+            reward_applied=applied,
+            prompts=meta["prompt"],
+            references=meta["reference"],
+            labels=meta["label"],
+            wheres=meta["where"],
+            texts=texts,
+            finish_reasons=[c.finish_reason for c in completions],
+            groups=[(step, draw, self.dist.rank, i) for i in rows],
+        )
+        return batch.all_gather()
 
-    def rollout(self, step: int, timer: PhaseTimer) -> tuple[list[dict], list[dict], dict]:
-        """The step's train batch (after dynamic sampling) and every sample drawn (to log)."""
-        drawn: list[dict] = []
+    def rollout(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, RolloutBatch, dict]:
+        """The step's train batch (after dynamic sampling), every sample drawn (to log, with
+        ``kept`` set) and the dynamic-sampling metrics."""
+        o = self.opts
         stats: dict[str, float] = {}
-        if not self.opts.shaping.dynamic:
-            batch = self._draw(step, 0, timer)
-            drawn = batch
+        if not o.shaping.dynamic:
+            drawn = self._draw(step, 0, timer)
+            keep = list(range(len(drawn)))
         else:
             acc = DynamicSamplingAccumulator(
-                self.opts.rollout.prompts_per_step,
-                self.opts.rollout.n,
-                max_draws=self.opts.shaping.max_draws,
+                o.rollout.prompts_per_step, o.rollout.n, max_draws=o.shaping.max_draws
             )
-            draw = 0
+            draws: list[RolloutBatch] = []
             while not acc.done:
-                samples = self._draw(step, draw, timer)
-                drawn.extend(samples)
-                acc.add(samples, torch.tensor([s["reward"] for s in samples]))
-                draw += 1
-            batch, stats = acc.take()
+                d = self._draw(step, len(draws), timer)
+                start = sum(len(b) for b in draws)
+                acc.add(list(range(start, start + len(d))), d.rewards.float())
+                draws.append(d)
+            drawn = RolloutBatch.cat(draws)
+            keep, stats = acc.take()
         self._sleep()
-        for s in drawn:
-            s["kept"] = False
-        for s in batch:
-            s["kept"] = True
-        return batch, drawn, stats
+        drawn.kept = torch.zeros(len(drawn), dtype=torch.bool)
+        drawn.kept[keep] = True
+        return drawn.select(keep), drawn, stats
 
     # ------------------------------------------------------------------ forward passes
 
-    def _policy_logprobs(self, model, mb, *, entropy: bool):
+    def _policy_logprobs(self, model, mb, *, entropy: bool, entropy_grad: bool = False):
         dev = self.dist.device
         out = causal_lm_token_logprobs(
             model,
@@ -1077,6 +1102,7 @@ class GRPORecipe:
             position_ids=None if mb["position_ids"] is None else mb["position_ids"].to(dev),
             temperature=self.opts.rollout.temperature,
             return_entropy=entropy,
+            entropy_grad=entropy_grad,
         )
         if entropy:
             return _gather_response(out[0], mb), _gather_response(out[1], mb)
@@ -1104,284 +1130,253 @@ class GRPORecipe:
         per_rank = -(-n // world)
         return mine, max(1, -(-per_rank // self.opts.train.micro_batch_size))
 
+    def _micro_batches(self, rows: list[int], n_micro: int) -> list[list[int]]:
+        size = self.opts.train.micro_batch_size
+        return [rows[m * size : (m + 1) * size] for m in range(n_micro)]
+
     @torch.no_grad()
-    def precompute(self, batch: list[dict], timer: PhaseTimer) -> None:
+    def precompute(self, batch: RolloutBatch, timer: PhaseTimer) -> None:
         """Old log-probs, entropy, reference log-probs and values of every sample, in place.
 
-        Each rank computes its shard in micro-batches, then the results are gathered so every
-        rank holds them for the whole batch (advantages and the high-entropy quantile are
-        computed over the whole batch)."""
-        exact_on_policy = self.opts.train.ppo_epochs == 1 and (
-            self.opts.train.mini_batch_size is None or self.opts.train.mini_batch_size >= len(batch)
+        Each rank computes its shard in micro-batches; a sum over ranks of the zero-filled
+        ``[B, R]`` tensors gives every rank the whole batch (advantages and the high-entropy
+        quantile are computed over the whole batch)."""
+        o = self.opts
+        exact_on_policy = o.train.ppo_epochs == 1 and (
+            o.train.mini_batch_size is None or o.train.mini_batch_size >= len(batch)
         )
-        kl_reward = self.opts.kl and self.opts.kl.placement == "reward"
-        need_old = self.opts.old_logprobs == "trainer" and (
-            not exact_on_policy or self.opts.tis_mode is not None or kl_reward
+        kl_reward = o.kl is not None and o.kl.placement == "reward"
+        need_old = o.old_logprobs == "trainer" and (
+            not exact_on_policy or o.tis_mode is not None or kl_reward
         )
-        need_entropy = self.opts.loss.top_rho is not None
+        need_entropy = o.loss.top_rho is not None
         jobs = [
-            ("old", need_old or need_entropy),
-            ("ref", self.ref is not None),
-            ("values", self.critic is not None),
+            ("old_logprobs", self.model, need_old or need_entropy),
+            ("reference", self.ref, self.ref is not None),
+            ("values", self.critic, self.critic is not None),
         ]
-        if not any(flag for _, flag in jobs):
-            return
         mine, n_micro = self._shards(len(batch))
-        results: dict[int, dict[str, list[float]]] = {i: {} for i in mine}
-        for name, flag in jobs:
+        for name, model, flag in jobs:
             if not flag:
                 continue
-            model = {"old": self.model, "ref": self.ref, "values": self.critic}[name]
             model.eval()
-            with timer({"old": "old_logprobs", "ref": "reference", "values": "values"}[name]):
-                for m in range(n_micro):
-                    idx = mine[
-                        m * self.opts.train.micro_batch_size : (m + 1)
-                        * self.opts.train.micro_batch_size
-                    ]
-                    mb = build_micro_batch(
-                        [batch[i] for i in idx], self.pad_id, packing=self.opts.train.packing
-                    )
+            outs: dict[str, torch.Tensor] = {}
+            with timer(name):
+                for idx in self._micro_batches(mine, n_micro):
+                    mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                     if name == "values":
-                        outs = {"values": self._values(mb)}
+                        found = {"values": self._values(mb)}
                     else:
                         lp, ent = self._policy_logprobs(
-                            model, mb, entropy=name == "old" and need_entropy
+                            model, mb, entropy=name == "old_logprobs" and need_entropy
                         )
-                        outs = {name: lp} if name == "ref" or need_old else {}
-                        if ent is not None:
-                            outs["entropy"] = ent
-                    for j, i in enumerate(idx):
-                        r = len(batch[i]["response_ids"])
-                        for key, t in outs.items():
-                            results[i][key] = t[j, :r].float().cpu().tolist()
-            if name != "ref":
+                        found = {"entropy": ent} if ent is not None else {}
+                        if name == "reference":
+                            found["ref_logprobs"] = lp
+                        elif need_old:
+                            found["old_logprobs"] = lp
+                    for field, t in found.items():
+                        buf = outs.setdefault(field, torch.zeros(batch.response_ids.shape))
+                        if idx:
+                            buf[idx, : t.shape[1]] = t.float().cpu()
+            if name != "reference":
                 model.train()
-        for part in _all_gather(results):
-            for i, vals in part.items():
-                batch[i].update(vals)
+            for field, buf in outs.items():
+                setattr(batch, field, _sum_over_ranks(buf))
 
     # ------------------------------------------------------------------ advantages
 
-    def advantages(self, batch: list[dict]) -> dict[str, float]:
-        """Reward clip / normalisation, KL in the reward, then the configured estimator."""
-        metrics: dict[str, float] = {}
-        rewards = torch.tensor([s["reward"] for s in batch], dtype=torch.float32)  # [B]
+    def advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        """Reward clip / normalisation, KL in the reward, then the configured estimator;
+        fills ``batch.advantages`` (and ``returns``, ``loss_mask``)."""
+        o, metrics = self.opts, {}
+        rewards = batch.rewards.float()  # [B]
         if self.normalizer is not None:
             rewards = self.normalizer(rewards)
-        elif self.opts.shaping.reward_clip is not None:
-            rewards = clip_rewards(rewards, self.opts.shaping.reward_clip)
-        mask = _pad_rows([[1.0] * len(s["response_ids"]) for s in batch]) > 0  # [B, R]
+        elif o.shaping.reward_clip is not None:
+            rewards = clip_rewards(rewards, o.shaping.reward_clip)
+        mask = batch.response_mask  # [B, R]
         token_rewards = None
-        if self.opts.kl and self.opts.kl.placement == "reward":
-            kl = estimate_kl(
-                _pad_rows([s["old" if "old" in s else "rollout_logprobs"] for s in batch]),
-                _pad_rows([s["ref"] for s in batch]),
-                self.opts.kl.estimator,
-            )  # [B, R]
+        if o.kl is not None and o.kl.placement == "reward":
+            old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+            kl = estimate_kl(old, batch.ref_logprobs, o.kl.estimator)  # [B, R]
             token_rewards, kl_metrics = kl_in_reward(rewards, kl, mask, self.kl_ctl.coef)
             metrics["train/kl"] = float(kl_metrics["kl"])
-            self.kl_ctl.update(metrics["train/kl"], len(batch))
-        values = _pad_rows([s["values"] for s in batch]) if self.opts.critic else None
         adv, returns = compute_advantages(
-            self.opts.estimator,
+            o.estimator,
             mask=mask,
             rewards=rewards,
             token_rewards=token_rewards,
-            values=values,
-            group_size=self.opts.rollout.n,
-            **self.opts.adv_options,
+            values=batch.values,
+            group_size=o.rollout.n,
+            **o.adv_options,
         )  # [B, R]
-        for i, s in enumerate(batch):
-            r = len(s["response_ids"])
-            s["shaped_reward"] = float(rewards[i])
-            s["advantages"] = adv[i, :r].tolist()
-            if returns is not None:
-                s["returns"] = returns[i, :r].tolist()
+        zero = torch.zeros((), dtype=torch.float32)
+        batch.advantages = torch.where(mask, adv.float(), zero)
+        if returns is not None:
+            batch.returns = torch.where(mask, returns.float(), zero)
         valid = adv[mask]
         metrics["train/advantage/mean"] = float(valid.mean()) if valid.numel() else 0.0
         metrics["train/advantage/abs_mean"] = float(valid.abs().mean()) if valid.numel() else 0.0
-        if self.opts.loss.top_rho is not None:
-            ent = _pad_rows([s["entropy"] for s in batch])
-            keep = high_entropy_mask(ent, mask, self.opts.loss.top_rho)
-            for i, s in enumerate(batch):
-                s["loss_mask"] = keep[i, : len(s["response_ids"])].tolist()
-            metrics["train/high_entropy_frac"] = float(keep.sum() / mask.sum().clamp_min(1))
+        if o.loss.top_rho is not None:
+            batch.loss_mask = high_entropy_mask(batch.entropy, mask, o.loss.top_rho) & mask
+            frac = batch.loss_mask.sum() / mask.sum().clamp_min(1)
+            metrics["train/high_entropy_frac"] = float(frac)
         return metrics
 
-    # ------------------------------------------------------------------ updates
+    # ------------------------------------------------------------------ loss
 
-    def _tensor(self, samples: list[dict], key: str, width: int) -> torch.Tensor:
-        t = _pad_rows([s[key] for s in samples]) if samples else torch.zeros(1, 1)
-        if t.shape[1] < width:
-            t = F.pad(t, (0, width - t.shape[1]))
-        return t.to(self.dist.device)
+    def loss(self, mb: LossInputs, counts: Counts) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The whole loss of one micro-batch: edit this to change the algorithm.
 
-    def update(self, batch: list[dict], step: int, timer: PhaseTimer) -> dict[str, float]:
-        """ppo_epochs x mini-batches x micro-batches; one optimizer step per mini-batch."""
+        Policy loss (the configured objective), + entropy bonus, + KL to the reference, + the
+        critic's value loss. Returns the sum to backpropagate and metrics (``actor_loss``: the
+        policy-side total, logged as ``train/loss``)."""
+        o = self.opts
+        tis = {}
+        if o.tis_mode is not None:
+            tis = {"rollout_logprobs": mb.rollout_logprobs, "tis_mode": o.tis_mode}
+            tis["tis_cap"] = o.tis_cap
+        loss, pm = policy_loss(
+            mb.logprobs,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            **o.loss.policy_kwargs(),
+            **counts.loss,
+            **tis,
+        )
+        metrics: dict[str, Any] = {"policy_loss": loss.detach(), **pm}
+        norm = {"agg": o.loss.agg, "norm_len": o.loss.norm_len, **counts.response}
+        if o.loss.entropy_coef:
+            term, _ = entropy_bonus(mb.entropy, mb.mask, o.loss.entropy_coef, **norm)
+            loss = loss + term
+        if mb.entropy is not None:
+            ent = mb.entropy.detach()
+            metrics["entropy"] = (ent * mb.mask).sum() / mb.mask.sum().clamp_min(1)
+        if mb.ref_logprobs is not None:
+            kl = estimate_kl(mb.logprobs, mb.ref_logprobs, o.kl.estimator)
+            term, km = kl_in_loss(kl, mb.mask, self.kl_ctl.coef, **norm)
+            loss = loss + term
+            metrics["kl"] = km["kl"]
+            metrics["kl_loss"] = term.detach()
+        metrics["actor_loss"] = loss.detach()
+        if mb.values is not None:
+            vloss, vm = value_loss(
+                mb.values,
+                mb.old_values,
+                mb.returns,
+                mb.mask,
+                clip=o.loss.value_clip,
+                num_tokens=counts.response["num_tokens"],
+            )
+            loss = loss + vloss
+            metrics.update({"value_loss": vloss.detach(), **vm})
+        return loss, metrics
+
+    def _loss_inputs(self, batch: RolloutBatch, idx: list[int], mb: dict) -> LossInputs:
+        """The micro-batch's forward passes and ``[b, R]`` slices of the rollout batch."""
+        o, dev = self.opts, self.dist.device
+        mask = mb["mask"].to(dev)  # [b, R] response tokens
+        width = mask.shape[1]
+
+        def rows(t: torch.Tensor | None, *, fallback: torch.Tensor | None = None):
+            if not idx:  # a rank without data: a dummy row the mask zeroes out
+                return fallback
+            return None if t is None else t[idx, :width].to(dev)
+
+        # Entropy with a gradient only for the bonus; otherwise a cheap no-grad value to log.
+        lp, ent = self._policy_logprobs(
+            self.model, mb, entropy=True, entropy_grad=bool(o.loss.entropy_coef)
+        )  # [b, R]
+        values = self._values(mb) if self.critic is not None else None
+        kl_loss = o.kl is not None and o.kl.placement == "loss"
+        old = batch.rollout_logprobs if o.old_logprobs == "engine" else batch.old_logprobs
+        return LossInputs(
+            logprobs=lp,
+            entropy=ent,
+            mask=mask,
+            loss_mask=mask if batch.loss_mask is None else rows(batch.loss_mask, fallback=mask),
+            advantages=rows(batch.advantages, fallback=torch.zeros_like(lp)),
+            old_logprobs=rows(old),
+            rollout_logprobs=rows(batch.rollout_logprobs) if o.tis_mode else None,
+            ref_logprobs=rows(batch.ref_logprobs, fallback=lp.detach()) if kl_loss else None,
+            values=values,
+            old_values=None if values is None else rows(batch.values, fallback=values.detach()),
+            returns=None if values is None else rows(batch.returns, fallback=values.detach()),
+        )
+
+    # ------------------------------------------------------------------ update
+
+    def _counts(self, batch: RolloutBatch, rows: list[int]) -> Counts:
         world = self.dist.world_size
-        n = len(batch)
-        mbs = min(self.opts.train.mini_batch_size or n, n)
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
-        grad_norms, critic_norms, losses = [], [], []
-        train_tokens = 0
+        mask = batch.response_mask[rows]  # [m, R]
+        lmask = mask if batch.loss_mask is None else batch.loss_mask[rows]
+        return Counts(
+            loss={
+                "num_tokens": int(lmask.sum()) / world,
+                "num_seqs": int(lmask.any(dim=1).sum()) / world,
+            },
+            response={"num_tokens": int(mask.sum()) / world, "num_seqs": len(rows) / world},
+        )
 
-        extremes: dict[str, float] = {}
+    def _order(self, n: int, step: int, epoch: int) -> list[int]:
+        if not self.opts.train.shuffle:
+            return list(range(n))
+        gen = torch.Generator().manual_seed(self.opts.seed * 7_919 + step * 131 + epoch)
+        return torch.randperm(n, generator=gen).tolist()
 
-        def add(key: str, value, weight: float) -> None:
-            if key in ("ratio_min", "ratio_max"):  # extremes over the step, not means
-                if weight > 0:
-                    pick = min if key == "ratio_min" else max
-                    extremes[key] = pick(extremes.get(key, float(value)), float(value))
-                return
-            sums[key] = sums.get(key, 0.0) + float(value) * weight
-            weights[key] = weights.get(key, 0.0) + weight
-
-        for epoch in range(self.opts.train.ppo_epochs):
-            order = list(range(n))
-            if self.opts.train.shuffle:
-                gen = torch.Generator().manual_seed(self.opts.seed * 7_919 + step * 131 + epoch)
-                order = torch.randperm(n, generator=gen).tolist()
+    def update(self, batch: RolloutBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
+        """ppo_epochs x mini-batches x micro-batches; one optimizer step per mini-batch."""
+        o, n = self.opts, len(batch)
+        mbs = min(o.train.mini_batch_size or n, n)
+        acc = MetricAccumulator(
+            {"ratio_min": "min", "ratio_max": "max", "loss": "sum", "tokens": "sum"},
+            empty={"ratio_min": 1.0, "ratio_max": 1.0},
+        )
+        grad_norms, critic_norms = [], []
+        lengths = (batch.prompt_lens + batch.response_lens).tolist()
+        for epoch in range(o.train.ppo_epochs):
+            order = self._order(n, step, epoch)
             for start in range(0, n, mbs):
-                mini = [batch[i] for i in order[start : start + mbs]]
-                # Global normalisers of this optimizer step: every rank holds the whole batch.
-                # Gradient reduction averages over ranks, hence the division by world.
-                lmask = [s.get("loss_mask") or [True] * len(s["response_ids"]) for s in mini]
-                counts = {
-                    "num_tokens": sum(sum(m) for m in lmask) / world,
-                    "num_seqs": sum(any(m) for m in lmask) / world,
-                }
-                resp_counts = {
-                    "num_tokens": sum(len(s["response_ids"]) for s in mini) / world,
-                    "num_seqs": len(mini) / world,
-                }
+                mini = order[start : start + mbs]
+                counts = self._counts(batch, mini)
                 mine, n_micro = self._shards(len(mini))
                 # Similar lengths share a micro-batch: less padding, same gradient (the loss is
                 # normalised by the counts of the whole mini-batch).
-                mine.sort(key=lambda i: len(mini[i]["prompt_ids"]) + len(mini[i]["response_ids"]))
+                mine = sorted((mini[i] for i in mine), key=lambda i: lengths[i])
                 loss_sum = 0.0
-                for m in range(n_micro):
-                    samples = [
-                        mini[i]
-                        for i in mine[
-                            m * self.opts.train.micro_batch_size : (m + 1)
-                            * self.opts.train.micro_batch_size
-                        ]
-                    ]
+                for idx in self._micro_batches(mine, n_micro):
                     with timer("training"):
-                        out = self._micro_step(samples, counts, resp_counts)
-                    loss_sum += out.pop("loss")
-                    tokens = out.pop("tokens")
-                    train_tokens += tokens
-                    w = out.pop("weight")
-                    for k, v in out.items():
-                        add(k, v, w)
+                        mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
+                        total, metrics = self.loss(self._loss_inputs(batch, idx, mb), counts)
+                        total.backward()
+                    loss_sum += float(metrics.pop("actor_loss"))
+                    acc.add("tokens", mb["tokens"])
+                    weight = float(mb["mask"].sum())  # the micro-batch's response tokens
+                    for k, v in metrics.items():
+                        acc.add(k, v, weight)
                 with timer("training"):
-                    gn = clip_grad_norm(self.model, self.opts.clip_grad_norm or None)
+                    grad_norms.append(clip_grad_norm(self.model, o.clip_grad_norm or None))
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     if self.critic is not None:
-                        critic_norms.append(
-                            clip_grad_norm(self.critic, self.opts.critic.clip_grad_norm or None)
-                        )
+                        norm = o.critic.clip_grad_norm or None
+                        critic_norms.append(clip_grad_norm(self.critic, norm))
                         self.critic_opt.step()
                         self.critic_opt.zero_grad(set_to_none=True)
-                grad_norms.append(gn)
-                losses.append(loss_sum)
-
-        red_sum = reduce_metrics(
-            {
-                **{f"s/{k}": v for k, v in sums.items()},
-                **{f"w/{k}": v for k, v in weights.items()},
-                "tokens": train_tokens,
-                "loss": sum(losses),
-            },
-            "sum",
-        )
-        metrics = {f"train/{k}": red_sum[f"s/{k}"] / max(red_sum[f"w/{k}"], 1e-12) for k in sums}
-        for key, op in (("ratio_min", "min"), ("ratio_max", "max")):
-            fill = math.inf if op == "min" else -math.inf
-            value = reduce_metrics({key: extremes.get(key, fill)}, op)[key]
-            metrics[f"train/{key}"] = value if math.isfinite(value) else 1.0
+                acc.add("loss", loss_sum)
+        reduced = acc.reduce()
+        metrics = {f"train/{k}": v for k, v in reduced.items()}
         # Each rank's loss is its part of sum / (global count / world): the sum over ranks is
         # world x the loss of the whole mini-batch.
-        metrics["train/loss"] = red_sum["loss"] / world / max(len(losses), 1)
+        metrics["train/loss"] = reduced["loss"] / self.dist.world_size / len(grad_norms)
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/grad_norm_max"] = max(grad_norms)
         metrics["train/optimizer_steps"] = float(len(grad_norms))
         if critic_norms:
             metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
-        metrics["train/tokens"] = red_sum["tokens"]
         return metrics
-
-    def _micro_step(self, samples: list[dict], counts: dict, resp_counts: dict) -> dict:
-        """Forward and backward of one micro-batch; returns its metrics (token-weighted)."""
-        mb = build_micro_batch(samples, self.pad_id, packing=self.opts.train.packing)
-        width = mb["mask"].shape[1]
-        mask = mb["mask"].to(self.dist.device)  # [B, R] response tokens
-        if samples and self.opts.loss.top_rho is not None:
-            loss_mask = self._tensor(samples, "loss_mask", width) > 0
-        else:
-            loss_mask = mask
-        want_entropy = True  # logged; and the bonus needs it with a gradient
-        lp, ent = self._policy_logprobs(self.model, mb, entropy=want_entropy)  # [B, R]
-        adv = self._tensor(samples, "advantages", width) if samples else torch.zeros_like(lp)
-        if not samples:
-            old = None
-        elif self.opts.old_logprobs == "engine":
-            old = self._tensor(samples, "rollout_logprobs", width)
-        elif "old" in samples[0]:
-            old = self._tensor(samples, "old", width)
-        else:
-            old = None  # exactly on-policy: old == current, ratio 1
-        extra = {}
-        if self.opts.tis_mode is not None and samples:
-            extra = {
-                "rollout_logprobs": self._tensor(samples, "rollout_logprobs", width),
-                "tis_mode": self.opts.tis_mode,
-                "tis_cap": self.opts.tis_cap,
-            }
-        loss, pm = policy_loss(
-            lp, old, adv, loss_mask, **self.opts.loss.policy_kwargs(), **counts, **extra
-        )
-        metrics = {"policy_loss": loss.detach()}
-        metrics.update(pm)
-        total = loss
-        norm = {"agg": self.opts.loss.agg, "norm_len": self.opts.loss.norm_len, **resp_counts}
-        if self.opts.loss.entropy_coef:
-            term, _ = entropy_bonus(ent, mask, self.opts.loss.entropy_coef, **norm)
-            total = total + term
-        metrics["entropy"] = (ent.detach() * mask).sum() / mask.sum().clamp_min(1)
-        if self.opts.kl and self.opts.kl.placement == "loss":
-            ref = self._tensor(samples, "ref", width) if samples else lp.detach()
-            kl = estimate_kl(lp, ref, self.opts.kl.estimator)
-            term, km = kl_in_loss(kl, mask, self.kl_ctl.coef, **norm)
-            total = total + term
-            metrics["kl"] = km["kl"]
-            metrics["kl_loss"] = term.detach()
-        if self.critic is not None:
-            values = self._values(mb)
-            old_v = self._tensor(samples, "values", width) if samples else values.detach()
-            rets = self._tensor(samples, "returns", width) if samples else values.detach()
-            vloss, vm = value_loss(
-                values,
-                old_v,
-                rets,
-                mask,
-                clip=self.opts.loss.value_clip,
-                num_tokens=resp_counts["num_tokens"],
-            )
-            vloss.backward()
-            metrics["value_loss"] = vloss.detach()
-            metrics.update(vm)
-        total.backward()
-        n_tok = float(mask.sum())
-        out = {k: float(v) for k, v in metrics.items()}
-        out["loss"] = float(total.detach())
-        out["tokens"] = mb["tokens"]
-        out["weight"] = n_tok
-        return out
 
     def sync(self, timer: PhaseTimer) -> None:
         with timer("weight_sync"):
@@ -1395,6 +1390,7 @@ class GRPORecipe:
     def evaluate(self) -> dict[str, float]:
         """Greedy (``eval.temperature`` 0) generation on the held-out prompts; each rank takes
         every world_size-th prompt, counts are summed over ranks."""
+        ev = self.opts.eval
         items = [
             self.eval_dataset[i]
             for i in range(self.dist.rank, len(self.eval_dataset), self.dist.world_size)
@@ -1402,37 +1398,30 @@ class GRPORecipe:
         params = dataclasses.replace(
             self.sampling,
             n=1,
-            temperature=self.opts.eval.temperature,
+            temperature=ev.temperature,
             first_token_temperature=None,
-            max_tokens=self.opts.eval.max_tokens,
+            max_tokens=ev.max_tokens,
             seed=self.opts.seed,
         )
         completions = self._generate([it["prompt_ids"] for it in items], params)
         self._sleep()
-        samples = [
-            {
-                "prompt": it["prompt"],
-                "reference": it["reference"],
-                "label": it["label"],
-                "where": it["where"],
-                "text": c.text or "",
-            }
-            for it, c in zip(items, completions, strict=True)
-        ]
-        self._score(samples)
-        name = self.opts.eval.accuracy_reward or (
-            self.reward_names[0] if self.reward_names else None
+
+        def column(key: str) -> list:
+            return [it[key] for it in items]
+
+        texts = [c.text or "" for c in completions]
+        total, parts, _ = self._score(
+            column("prompt"), texts, column("reference"), column("label"), column("where")
         )
-        correct = sum(
-            1.0 for s in samples if (s["parts"].get(name, 0.0) if name else s["reward_raw"]) > 0
-        )
+        name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
+        correct = sum(1.0 for v in (parts[name] if name else total).tolist() if v > 0)
         sums = reduce_metrics(
             {
-                "n": len(samples),
+                "n": len(items),
                 "correct": correct,
-                "reward": sum(s["reward_raw"] for s in samples),
+                "reward": sum(total.tolist()),
                 "length": sum(len(c.token_ids) for c in completions),
-                **{f"part/{k}": sum(s["parts"][k] for s in samples) for k in self.reward_names},
+                **{f"part/{k}": sum(parts[k].tolist()) for k in self.reward_names},
             },
             "sum",
         )
@@ -1454,66 +1443,66 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ metrics
 
-    def _rollout_metrics(self, drawn: list[dict], batch: list[dict]) -> dict[str, float]:
+    def _rollout_metrics(self, drawn: RolloutBatch, batch: RolloutBatch) -> dict[str, float]:
         m: dict[str, float] = {}
-        totals = torch.tensor([s["reward_raw"] for s in drawn])
+        totals = drawn.reward_raw.float()
         m["reward/total/mean"] = float(totals.mean())
         m["reward/total/std"] = float(totals.std(unbiased=False))
         for name in self.reward_names:
-            vals = torch.tensor([s["parts"][name] for s in drawn if s["applied"][name]])
+            vals = drawn.reward_parts[name][drawn.reward_applied[name]].float()
             if vals.numel():
                 m[f"reward/{name}/mean"] = float(vals.mean())
                 m[f"reward/{name}/std"] = float(vals.std(unbiased=False))
             m[f"reward/{name}/count"] = float(vals.numel())
-        if self.opts.shaping.overlong is not None:
-            m["reward/overlong/mean"] = sum(s["overlong"] for s in drawn) / len(drawn)
-        lengths = torch.tensor([len(s["response_ids"]) for s in drawn], dtype=torch.float32)
+        if drawn.overlong is not None:
+            m["reward/overlong/mean"] = sum(drawn.overlong.tolist()) / len(drawn)
+        lengths = drawn.response_lens.float()
         m["rollout/response_length/mean"] = float(lengths.mean())
         m["rollout/response_length/max"] = float(lengths.max())
         m["rollout/response_length/min"] = float(lengths.min())
-        m["rollout/truncated_frac"] = sum(s["finish_reason"] == "length" for s in drawn) / len(
-            drawn
-        )
-        m["rollout/prompt_length/mean"] = sum(len(s["prompt_ids"]) for s in drawn) / len(drawn)
+        m["rollout/truncated_frac"] = drawn.finish_reasons.count("length") / len(drawn)
+        m["rollout/prompt_length/mean"] = sum(drawn.prompt_lens.tolist()) / len(drawn)
         m["rollout/samples"] = float(len(drawn))
         m["rollout/train_samples"] = float(len(batch))
         # Groups whose rewards are all equal carry no group-relative signal.
         groups: dict[tuple, set] = {}
-        for s in drawn:
-            groups.setdefault(tuple(s["group"]), set()).add(s["reward"])
-        m["rollout/solved_or_failed_groups_frac"] = sum(len(v) == 1 for v in groups.values()) / len(
-            groups
-        )
+        for g, r in zip(drawn.groups, drawn.rewards.tolist(), strict=True):
+            groups.setdefault(tuple(g), set()).add(r)
+        solved_or_failed = sum(len(v) == 1 for v in groups.values())
+        m["rollout/solved_or_failed_groups_frac"] = solved_or_failed / len(groups)
         return m
 
-    def _write_trajectories(self, step: int, drawn: list[dict]) -> None:
+    def _write_trajectories(self, step: int, drawn: RolloutBatch, batch: RolloutBatch) -> None:
         if not self.dist.is_main:
             return
         folder = self.output_dir / "trajectories"
         folder.mkdir(exist_ok=True)
-        path = folder / f"step_{step:06d}.jsonl"
-        with open(path, "w") as f:
-            for s in drawn:
-                adv = s.get("advantages")
-                f.write(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "prompt": s["prompt"],
-                            "response": s["text"],
-                            "reference": s["reference"],
-                            "label": s["label"],
-                            "reward": s["reward"],
-                            "reward_parts": s["parts"],
-                            "overlong_penalty": s.get("overlong"),
-                            "advantage": (sum(adv) / len(adv)) if adv else None,
-                            "response_length": len(s["response_ids"]),
-                            "finish_reason": s["finish_reason"],
-                            "kept": s["kept"],
-                        }
-                    )
-                    + "\n"
-                )
+        kept = iter(range(len(batch)))  # the train batch holds the kept rows, in order
+        with open(folder / f"step_{step:06d}.jsonl", "w") as f:
+            for i in range(len(drawn)):
+                r = int(drawn.response_lens[i])
+                advantage = None
+                if drawn.kept[i]:
+                    j = next(kept)
+                    if batch.advantages is not None and r:
+                        advantage = sum(batch.advantages[j, :r].tolist()) / r
+                record = {
+                    "step": step,
+                    "prompt": drawn.prompts[i],
+                    "response": drawn.texts[i],
+                    "reference": drawn.references[i],
+                    "label": drawn.labels[i],
+                    "reward": float(drawn.rewards[i]),
+                    "reward_parts": {k: float(v[i]) for k, v in drawn.reward_parts.items()},
+                    "overlong_penalty": None
+                    if drawn.overlong is None
+                    else float(drawn.overlong[i]),
+                    "advantage": advantage,
+                    "response_length": r,
+                    "finish_reason": drawn.finish_reasons[i],
+                    "kept": bool(drawn.kept[i]),
+                }
+                f.write(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ loop
 
@@ -1527,66 +1516,74 @@ class GRPORecipe:
         while self.step < self.opts.max_steps:
             step = self.step + 1
             t0 = time.perf_counter()
-            batch, drawn, ds_stats = self.rollout(step, timer)
-            metrics = self._rollout_metrics(drawn, batch)
-            metrics.update(ds_stats)
-            if batch:
+            batch, drawn, metrics = self.rollout(step, timer)
+            metrics.update(self._rollout_metrics(drawn, batch))
+            if len(batch):
                 self.precompute(batch, timer)
                 metrics.update(self.advantages(batch))
                 metrics.update(self.update(batch, step, timer))
-                if self.opts.kl and self.opts.kl.placement == "loss" and "train/kl" in metrics:
-                    self.kl_ctl.update(metrics["train/kl"], len(batch))
             else:  # dynamic sampling found no informative group: no update, no NaN
                 metrics["train/skipped"] = 1.0
-            if self.opts.kl:
-                metrics["train/kl_coef"] = self.kl_ctl.coef
-            metrics["train/lr"] = self.scheduler.get_last_lr()[0]
-            with warnings.catch_warnings():
-                # A skipped update still advances the schedule: the LR is a function of the step.
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-                self.scheduler.step()
-                if self.critic_sched is not None:
-                    self.critic_sched.step()
-            if batch:  # weights changed (released weights are reloaded by the next rollout)
+            self._step_schedules(metrics, len(batch))
+            if len(batch):  # weights changed (released weights are reloaded by the next rollout)
                 self.sync(timer)
             self.step = step
             if self.opts.trajectories:
-                self._write_trajectories(step, drawn)
-            elapsed = time.perf_counter() - t0
-            phases = timer.summary()
-            gen_tokens = sum(len(s["response_ids"]) for s in drawn)
-            all_tokens = gen_tokens + sum(len(s["prompt_ids"]) for s in drawn)
-            metrics["time/step"] = elapsed
-            for phase in (
-                "rollout",
-                "scoring",
-                "old_logprobs",
-                "reference",
-                "values",
-                "training",
-                "weight_sync",
-            ):
-                metrics[f"time/{phase}"] = phases.get(f"time/{phase}", 0.0)
-            metrics["perf/rollout_tokens_per_s"] = gen_tokens / max(metrics["time/rollout"], 1e-9)
-            if "train/tokens" in metrics:
-                metrics["perf/train_tokens_per_s"] = metrics.pop("train/tokens") / max(
-                    metrics["time/training"], 1e-9
-                )
-            metrics["perf/tokens_per_s"] = all_tokens / max(elapsed, 1e-9)
-            metrics.update(reduce_metrics(peak_memory(self.dist.device), "max"))
+                self._write_trajectories(step, drawn, batch)
+            metrics.update(self._step_metrics(drawn, timer, time.perf_counter() - t0, metrics))
             if step % self.opts.log_every == 0 or step == self.opts.max_steps:
                 self.logger.log(step, metrics)
             bar.update(1, reward=metrics["reward/total/mean"])
-            if (
-                self.eval_dataset is not None
-                and self.opts.eval.every
-                and (step % self.opts.eval.every == 0)
-                and step != self.opts.max_steps
-            ):
-                self._log_eval(step)
+            every = self.opts.eval.every
+            if self.eval_dataset is not None and every and step % every == 0:
+                if step != self.opts.max_steps:
+                    self._log_eval(step)
             if self.checkpointer.should_save(step):
                 self._save()
         bar.close()
+        self._finish()
+
+    def _step_schedules(self, metrics: dict[str, float], batch_size: int) -> None:
+        """The KL controller (one place, whichever the KL placement) and the LR schedules."""
+        if self.kl_ctl is not None:
+            if "train/kl" in metrics:
+                self.kl_ctl.update(metrics["train/kl"], batch_size)
+            metrics["train/kl_coef"] = self.kl_ctl.coef
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():
+            # A skipped update still advances the schedule: the LR is a function of the step.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+            if self.critic_sched is not None:
+                self.critic_sched.step()
+
+    def _step_metrics(
+        self, drawn: RolloutBatch, timer: PhaseTimer, elapsed: float, metrics: dict[str, float]
+    ) -> dict[str, float]:
+        """Phase times, throughput and peak memory of the step."""
+        phases = timer.summary()
+        gen_tokens = int(drawn.response_lens.sum())
+        all_tokens = gen_tokens + int(drawn.prompt_lens.sum())
+        out = {"time/step": elapsed}
+        for phase in (
+            "rollout",
+            "scoring",
+            "old_logprobs",
+            "reference",
+            "values",
+            "training",
+            "weight_sync",
+        ):
+            out[f"time/{phase}"] = phases.get(f"time/{phase}", 0.0)
+        out["perf/rollout_tokens_per_s"] = gen_tokens / max(out["time/rollout"], 1e-9)
+        if "train/tokens" in metrics:
+            train_tokens = metrics.pop("train/tokens")
+            out["perf/train_tokens_per_s"] = train_tokens / max(out["time/training"], 1e-9)
+        out["perf/tokens_per_s"] = all_tokens / max(elapsed, 1e-9)
+        out.update(reduce_metrics(peak_memory(self.dist.device), "max"))
+        return out
+
+    def _finish(self) -> None:
         if self.eval_dataset is not None and (
             not self.eval_history or self.eval_history[-1][0] != self.step
         ):
@@ -1603,7 +1600,7 @@ class GRPORecipe:
     def _save(self) -> None:
         models, opts, scheds = self._stateful()
         extra: dict[str, Any] = {"epoch": self.epoch, "eval_history": self.eval_history}
-        if self.opts.kl:
+        if self.kl_ctl is not None:
             extra["kl_ctl"] = self.kl_ctl.state_dict()
         if self.normalizer is not None:
             extra["reward_norm"] = self.normalizer.state_dict()

@@ -184,9 +184,7 @@ class RolloutBatch:
             if f.name in _META_FIELDS or f.name in _MULTIMODAL_FIELDS:
                 continue
             if isinstance(value, dict):
-                fields[f.name] = {
-                    k: _gather_rows(v, rows, None, sizes) for k, v in sorted(value.items())
-                }
+                fields[f.name] = {k: _gather_rows(v, rows, None, sizes) for k, v in value.items()}
             elif value is not None:
                 width = widths["prompt" if f.name == "prompt_ids" else "response"]
                 fields[f.name] = _gather_rows(value, rows, width, sizes)

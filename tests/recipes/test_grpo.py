@@ -267,6 +267,40 @@ def test_micro_batches_and_packing_equal_one_big_batch(tmp_path, assets):
             assert results[name][key] == pytest.approx(results["big"][key], rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.parametrize(
+    "objective,agg",
+    [
+        ("ppo", "seq_mean_token_mean"),
+        ("ppo", "seq_mean_token_sum"),
+        ("ppo", "seq_mean_token_sum_norm"),  # Dr.GRPO: norm_len defaults to max_tokens
+        ("gspo", None),
+        ("gmpo", None),
+        ("cpgd", None),
+    ],
+)
+def test_accumulation_equals_one_big_batch_for_every_aggregation(tmp_path, assets, objective, agg):
+    """Every objective and aggregation mode normalises by the counts of the whole mini-batch
+    (and Dr.GRPO by the constant rollout.max_tokens), so micro-batching does not change the
+    step."""
+    results = {}
+    for name, micro in {"big": 8, "micro": 3}.items():
+        tmp = tmp_path / name
+        tmp.mkdir()
+        over = {"algorithm.policy_loss.objective": objective, "algorithm.policy_loss.agg": agg}
+        rows = _run(
+            tmp,
+            assets,
+            max_steps=1,
+            eval=None,
+            eval_dataset=None,
+            train={"micro_batch_size": micro},
+            **over,
+        )
+        results[name] = _train_rows(rows)[1]
+    for key in ("train/loss", "train/grad_norm", "train/entropy"):
+        assert results["micro"][key] == pytest.approx(results["big"][key], rel=1e-4, abs=1e-6)
+
+
 # ---------------------------------------------------------------------------------- resume
 
 
