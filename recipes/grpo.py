@@ -699,49 +699,67 @@ def build_micro_batch(
         }
     prompts = [batch.prompt(i) for i in idx]
     responses = [batch.response(i) for i in idx]
-    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+    layout = _packed if packing else _padded
+    out = layout(prompts, responses, pad_id)
+    out["tokens"] = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    return out
+
+
+def _packed(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """One row, samples back to back, positions restarting per sample, no attention mask."""
     resp = [len(r) for r in responses]
-    index = torch.zeros(len(idx), max(resp), dtype=torch.long)  # [b, R]
-    mask = torch.zeros(len(idx), max(resp), dtype=torch.bool)  # [b, R]
-    if packing:
-        total = sum(len(q) for q in seqs)
-        ids = torch.full((1, total), pad_id, dtype=torch.long)
-        pos = torch.zeros(1, total, dtype=torch.long)
-        targets = torch.full((1, total - 1), IGNORE, dtype=torch.long)
-        start = 0
-        for i, q in enumerate(seqs):
-            ids[0, start : start + len(q)] = torch.as_tensor(q)
-            pos[0, start : start + len(q)] = torch.arange(len(q))
-            first = start + len(prompts[i]) - 1  # position predicting response token 0
-            cols = torch.arange(first, first + resp[i])
-            targets[0, cols] = torch.as_tensor(responses[i])
-            index[i, : resp[i]] = cols
-            mask[i, : resp[i]] = True
-            start += len(q)
-        attention_mask = None
-    else:
-        length = max(len(q) for q in seqs)
-        ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros(len(seqs), length, dtype=torch.long)
-        targets = torch.full((len(seqs), length - 1), IGNORE, dtype=torch.long)
-        for i, q in enumerate(seqs):
-            ids[i, : len(q)] = torch.as_tensor(q)
-            attention_mask[i, : len(q)] = 1
-            first = len(prompts[i]) - 1
-            cols = torch.arange(first, first + resp[i])
-            targets[i, cols] = torch.as_tensor(responses[i])
-            index[i, : resp[i]] = i * (length - 1) + cols
-            mask[i, : resp[i]] = True
-        # Right padding: the default positions 0..T-1 are right for every row.
-        pos = None
+    index = torch.zeros(len(resp), max(resp), dtype=torch.long)  # [b, R]
+    mask = torch.zeros(len(resp), max(resp), dtype=torch.bool)  # [b, R]
+    total = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.full((1, total), pad_id, dtype=torch.long)
+    pos = torch.zeros(1, total, dtype=torch.long)
+    targets = torch.full((1, total - 1), IGNORE, dtype=torch.long)
+    start = 0
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        q = p + r
+        ids[0, start : start + len(q)] = torch.as_tensor(q)
+        pos[0, start : start + len(q)] = torch.arange(len(q))
+        first = start + len(p) - 1  # position predicting response token 0
+        cols = torch.arange(first, first + resp[i])
+        targets[0, cols] = torch.as_tensor(r)
+        index[i, : resp[i]] = cols
+        mask[i, : resp[i]] = True
+        start += len(q)
     return {
         "input_ids": ids,
         "position_ids": pos,
+        "attention_mask": None,
+        "targets": targets,
+        "index": index,
+        "mask": mask,
+    }
+
+
+def _padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """One right-padded row per sample with an attention mask (default positions 0..T-1)."""
+    resp = [len(r) for r in responses]
+    index = torch.zeros(len(resp), max(resp), dtype=torch.long)  # [b, R]
+    mask = torch.zeros(len(resp), max(resp), dtype=torch.bool)  # [b, R]
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.full((len(resp), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(resp), length, dtype=torch.long)
+    targets = torch.full((len(resp), length - 1), IGNORE, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        q = p + r
+        ids[i, : len(q)] = torch.as_tensor(q)
+        attention_mask[i, : len(q)] = 1
+        first = len(p) - 1
+        cols = torch.arange(first, first + resp[i])
+        targets[i, cols] = torch.as_tensor(r)
+        index[i, : resp[i]] = i * (length - 1) + cols
+        mask[i, : resp[i]] = True
+    return {
+        "input_ids": ids,
+        "position_ids": None,
         "attention_mask": attention_mask,
         "targets": targets,
         "index": index,
         "mask": mask,
-        "tokens": int(sum(len(q) for q in seqs)),
     }
 
 
