@@ -591,3 +591,42 @@ def test_null_means_default(tmp_path, assets):
     )
     for key in ("train/loss", "train/grad_norm", "reward/total/mean"):
         assert nulled[1][key] == base[1][key], key
+
+
+NEW_OBJECTIVE = """
+import torch as _torch
+from lightrft.algorithms import OBJECTIVES as _OBJECTIVES, Objective as _Objective
+
+
+def _reinforce(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+    flags = {"low": _torch.zeros_like(valid), "high": _torch.zeros_like(valid)}
+    return -adv * logprobs, log_ratio.exp(), flags
+
+
+_OBJECTIVES["reinforce"] = _Objective(
+    _reinforce, {"clip_low": 0.0, "clip_high": 0.0, "agg": "token_mean"}
+)
+"""
+
+
+def test_a_new_objective_is_one_registry_entry_in_a_copied_recipe(tmp_path, assets, capsys):
+    """docs/grpo.md: an objective added near the imports of a copied recipe validates, runs and
+    trains; the shipped recipe does not know it."""
+    from lightrft.algorithms import OBJECTIVES
+    from lightrft.cli import recipes_dir
+
+    source = (recipes_dir() / "grpo.py").read_text()
+    anchor = "DTYPE = Literal["
+    copy = tmp_path / "my_grpo.py"
+    copy.write_text(source.replace(anchor, NEW_OBJECTIVE + "\n" + anchor, 1))
+    cfg = _config(tmp_path, assets, max_steps=1, eval=None, eval_dataset=None)
+    over = "algorithm.policy_loss.objective=reinforce"
+    try:
+        assert cli.main(["run", str(copy), "--config", str(cfg), over]) == 0
+        row = _train_rows(read_metrics(tmp_path / "out"))[1]
+        _finite(row, "train/loss", "train/grad_norm", "train/policy_loss")
+        assert row["train/clip_frac"] == 0.0
+    finally:
+        OBJECTIVES.pop("reinforce", None)
+    assert cli.main(["run", "grpo", "--config", str(cfg), over]) == 2
+    assert "reinforce" in capsys.readouterr().err
