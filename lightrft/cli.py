@@ -15,6 +15,7 @@ as ``lightrft.configs`` data. A config opens with its launch command, ``# lightr
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import runpy
 import shutil
@@ -200,6 +201,43 @@ _TORCHRUN_VALUE_FLAGS = {
 }
 
 
+def _flag_value(args: list[str], *names: str) -> str | None:
+    for i, a in enumerate(args):
+        for name in names:
+            if a == name and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(name + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _validate_before_launch(recipe: Path, rest: list[str], torchrun_args: list[str]) -> int:
+    """Check the config once in the launcher (schema + the recipe's build_options) so a config
+    error prints one message and exits 2 instead of failing in every worker. The world size is
+    ``--nnodes x --nproc_per_node`` when both are plain numbers (else the workers check it)."""
+    from lightrft.config import ConfigError, _split_argv, load, validate
+
+    nproc = _flag_value(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
+    nnodes = _flag_value(torchrun_args, "--nnodes") or "1"
+    old_world = os.environ.get("WORLD_SIZE")
+    try:
+        path, overrides = _split_argv(rest)
+        cfg, src = load(path, overrides)
+        schema, build_options = load_recipe_checks(recipe)
+        if nproc.isdigit() and nnodes.isdigit():
+            os.environ["WORLD_SIZE"] = str(int(nproc) * int(nnodes))
+        validate(cfg, schema=schema, options=build_options, source=src)
+    except ConfigError as e:
+        print(f"lightrft: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if old_world is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = old_world
+    return 0
+
+
 def cmd_run(argv: list[str]) -> int:
     torchrun_args: list[str] = []
     i = 0
@@ -225,6 +263,9 @@ def cmd_run(argv: list[str]) -> int:
         elif a.startswith("--config="):
             rest[j] = "--config=" + str(resolve_config(a.split("=", 1)[1]))
     if torchrun_args:
+        rc = _validate_before_launch(recipe, rest, torchrun_args)
+        if rc:
+            return rc
         from torch.distributed.run import main as torchrun_main
 
         torchrun_main([*torchrun_args, str(recipe), *rest])

@@ -258,6 +258,18 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
         if isinstance(value, (dict, DictConfig)) and "_component_" in value:
             _check_component(value, sub, src, errors)
             continue
+        # Components one level down (a mapping or a list of them, e.g. CombinedReward's
+        # `functions: {name: {_component_: ...}}`) are checked like the rest of the config.
+        items = value.items() if isinstance(value, (dict, DictConfig)) else []
+        if isinstance(value, (list, ListConfig)):
+            items = enumerate(value)
+        nested = [
+            (k, v) for k, v in items if isinstance(v, (dict, DictConfig)) and "_component_" in v
+        ]
+        for k, v in nested:
+            _check_component(v, f"{sub}.{k}", src, errors)
+        if nested:
+            continue
         p = params[arg]
         t = hints.get(arg, p.annotation)
         if t is inspect.Parameter.empty and p.default not in (inspect.Parameter.empty, None):

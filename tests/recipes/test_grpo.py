@@ -630,3 +630,35 @@ def test_a_new_objective_is_one_registry_entry_in_a_copied_recipe(tmp_path, asse
         OBJECTIVES.pop("reinforce", None)
     assert cli.main(["run", "grpo", "--config", str(cfg), over]) == 2
     assert "reinforce" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override,msg",
+    [
+        ("reward.functions.accuracy.correctt=2", "takes no argument 'correctt'"),
+        ("reward.functions.digits._component_=test_grpo.NoSuchReward", "cannot be imported"),
+    ],
+)
+def test_nested_reward_components_are_checked_before_any_model_loads(
+    tmp_path, assets, capsys, override, msg
+):
+    cfg = _config(tmp_path, assets)
+    assert cli.main(["validate", str(cfg), override]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "reward.functions." in err, err
+    assert cli.main(["run", "grpo", "--config", str(cfg), override]) == 2
+    assert capsys.readouterr().err == err
+    assert not (tmp_path / "out").exists()
+
+
+def test_launcher_validates_once_before_starting_workers(tmp_path, assets, capsys):
+    """`lightrft run --nproc_per_node 2`: a config error is one clean message and exit 2 from
+    the launcher (no worker starts), including the world-size rule."""
+    cfg = _config(tmp_path, assets, **{"rollout.prompts_per_step": 3})
+    assert cli.main(["run", "--nproc_per_node", "2", "grpo", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("lightrft:") == 1 and "multiple of the number of processes (2)" in err
+    assert "Traceback" not in err
+    assert cli.main(["run", "--nproc_per_node=2", "grpo", "--config", str(cfg), "seed=x"]) == 2
+    assert "'seed' expects" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
