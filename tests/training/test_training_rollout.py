@@ -1,0 +1,100 @@
+"""RolloutBatch (select, cat, all_gather over 2 gloo processes) and MetricAccumulator
+(declared reductions, the empty-rank rule), with hand-derived values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _dist import run_distributed
+
+from lightrft.training import MetricAccumulator, RolloutBatch, pad_rows
+
+
+def make_batch(responses: list[list[int]], tag: str = "a") -> RolloutBatch:
+    n = len(responses)
+    lens = torch.tensor([len(r) for r in responses])
+    ids = pad_rows(responses, dtype=torch.long)
+    return RolloutBatch(
+        prompt_ids=pad_rows([[1] * (i + 1) for i in range(n)], dtype=torch.long),
+        prompt_lens=torch.arange(1, n + 1),
+        response_ids=ids,
+        response_mask=torch.arange(ids.shape[1]) < lens.unsqueeze(1),
+        rollout_logprobs=pad_rows([[-0.5 * (j + 1) for j in range(len(r))] for r in responses]),
+        reward_raw=torch.arange(n, dtype=torch.float64) + 0.1,
+        rewards=torch.arange(n, dtype=torch.float64) + 0.1,
+        reward_parts={"acc": torch.arange(n, dtype=torch.float64)},
+        reward_applied={"acc": torch.tensor([i % 2 == 0 for i in range(n)])},
+        prompts=[f"{tag}{i}" for i in range(n)],
+        references=[str(i) for i in range(n)],
+        labels=[None] * n,
+        wheres=[f"f:{i}" for i in range(n)],
+        texts=["x" * len(r) for r in responses],
+        finish_reasons=["stop"] * n,
+        groups=[(tag, i // 2) for i in range(n)],
+    )
+
+
+def test_select_trims_and_cat_pads():
+    b = make_batch([[5, 6, 7], [8], [9, 10]])
+    s = b.select([2, 1])
+    assert s.response_ids.tolist() == [[9, 10], [8, 0]]  # trimmed to the longest selected
+    assert s.prompt_ids.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert s.prompts == ["a2", "a1"] and s.reward_parts["acc"].tolist() == [2.0, 1.0]
+    assert s.response(1) == [8] and s.prompt(0) == [1, 1, 1]
+    c = RolloutBatch.cat([s, make_batch([[4, 4, 4, 4]], tag="b")])
+    assert c.response_ids.shape == (3, 4) and c.prompts == ["a2", "a1", "b0"]
+    assert c.response_mask.sum(dim=1).tolist() == [2, 1, 4]
+    assert len(b.select([])) == 0
+
+
+def _gather(rank: int, world_size: int) -> None:
+    # Rank 0: 2 samples up to 3 tokens; rank 1: 1 sample of 5 tokens.
+    mine = make_batch([[1, 2, 3], [4]], "r0") if rank == 0 else make_batch([[5] * 5], "r1")
+    mine.values = torch.full(mine.response_ids.shape, float(rank))
+    full = mine.all_gather()
+    assert full.prompts == ["r00", "r01", "r10"]
+    assert full.response_ids.tolist() == [[1, 2, 3, 0, 0], [4, 0, 0, 0, 0], [5] * 5]
+    assert full.response_lens.tolist() == [3, 1, 5]
+    assert full.reward_applied["acc"].dtype == torch.bool
+    assert full.reward_applied["acc"].tolist() == [True, False, True]
+    assert full.rewards.dtype == torch.float64 and full.rewards.tolist() == [0.1, 1.1, 0.1]
+    assert full.values[:, 0].tolist() == [0.0, 0.0, 1.0]
+    assert full.groups == [("r0", 0), ("r0", 0), ("r1", 0)]
+
+
+def test_all_gather_over_two_processes():
+    run_distributed(_gather, world_size=2)
+
+
+def test_metric_accumulator_reductions():
+    acc = MetricAccumulator({"lo": "min", "hi": "max", "n": "sum"}, empty={"lo": 1.0})
+    acc.add("m", 2.0, weight=1.0)
+    acc.add("m", torch.tensor(5.0), weight=3.0)
+    acc.add("lo", 0.5, weight=2.0)
+    acc.add("lo", 0.1, weight=0.0)  # a padding micro-batch: not a value
+    acc.add("hi", 7.0, weight=1.0)
+    acc.add("n", 3)
+    acc.add("n", 4)
+    assert acc.reduce() == {"m": (2.0 + 15.0) / 4.0, "lo": 0.5, "hi": 7.0, "n": 7.0}
+    # Nothing with a positive weight: the declared empty value (default 0).
+    acc.add("m", 9.0, weight=0.0)
+    acc.add("lo", 9.0, weight=0.0)
+    assert acc.reduce() == {"m": 0.0, "lo": 1.0}
+    with pytest.raises(ValueError, match="reduction of x"):
+        MetricAccumulator({"x": "median"})
+
+
+def _empty_rank(rank: int, world_size: int) -> None:
+    acc = MetricAccumulator({"ratio_min": "min"}, empty={"ratio_min": 1.0})
+    w = 2.0 if rank == 0 else 0.0  # rank 1 ran only a padding micro-batch
+    acc.add("loss", 3.0 if rank == 0 else 100.0, weight=w)
+    acc.add("ratio_min", 0.8 if rank == 0 else -5.0, weight=w)
+    out = acc.reduce()
+    assert out == {"loss": 3.0, "ratio_min": 0.8}
+    assert all(math.isfinite(v) for v in out.values())
+
+
+def test_metric_accumulator_with_an_empty_rank():
+    run_distributed(_empty_rank, world_size=2)
