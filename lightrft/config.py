@@ -25,6 +25,7 @@ import argparse
 import difflib
 import functools
 import inspect
+import re
 import sys
 import types
 import typing
@@ -441,5 +442,15 @@ def validate(
     except ConfigError:
         raise
     except ValueError as e:
-        where = source.path if source is not None and source.path else "config"
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{_place(str(e), source or Source())}: {e}") from None
+
+
+def _place(message: str, src: Source) -> str:
+    """Where the first config key named in ``message`` comes from (file:line or override)."""
+    for token in re.findall(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*", message):
+        probe = token
+        while probe:
+            if probe in src.lines or probe in src.overrides:
+                return src.where(token)
+            probe = probe.rpartition(".")[0]
+    return src.path or "config"
