@@ -662,3 +662,21 @@ def test_launcher_validates_once_before_starting_workers(tmp_path, assets, capsy
     assert cli.main(["run", "--nproc_per_node=2", "grpo", "--config", str(cfg), "seed=x"]) == 2
     assert "'seed' expects" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_dr_grpo_norm_len_defaults_to_the_generation_budget(tmp_path, assets):
+    """Dr.GRPO divides by a constant: rollout.max_tokens unless norm_len is set (never the
+    longest response of a micro-batch, which would make the loss depend on the split)."""
+    import runpy
+
+    from lightrft import config as lconfig
+    from lightrft.cli import recipes_dir
+
+    build_options = runpy.run_path(str(recipes_dir() / "grpo.py"))["build_options"]
+    over = {"algorithm.policy_loss.agg": "seq_mean_token_sum_norm", "rollout.max_tokens": 7}
+    cfg, _ = lconfig.load(_config(tmp_path, assets, **over))
+    assert build_options(cfg).loss.norm_len == 7
+    cfg, _ = lconfig.load(_config(tmp_path, assets, **over), ["algorithm.policy_loss.norm_len=5"])
+    assert build_options(cfg).loss.norm_len == 5
+    cfg, _ = lconfig.load(_config(tmp_path, assets))
+    assert build_options(cfg).loss.norm_len is None  # token_mean has no divisor
