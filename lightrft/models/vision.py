@@ -1,0 +1,238 @@
+"""Vision-language models: loading with their processors, the vision tower, and its freezing.
+
+Any ``AutoModelForImageTextToText`` checkpoint loads through :func:`load_vision_model`, its
+processor through :func:`load_processor`. Three facts shape this module:
+
+* the PyPI torchvision does not import beside the torch 2.13 CPU wheel, so transformers picks the
+  PIL image processors (``Qwen2VLImageProcessorPil``, ``CLIPImageProcessorPil``);
+* the stock ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` refuse to build without a video
+  processor, which needs torchvision. :class:`Qwen2VLImageOnlyProcessor` and
+  :class:`Qwen2_5_VLImageOnlyProcessor` are the same processors without the video slot; they save
+  and load under their own class name, registered with ``AutoProcessor`` when this module is
+  imported (``AutoProcessor`` falls back to a bare tokenizer for a class it does not know);
+* the vision tower is frozen by default for RL, as peers do (verl, OpenRLHF):
+  :func:`set_vision_trainable` freezes or unfreezes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+
+__all__ = [
+    "PROCESSOR_CLASSES",
+    "Qwen2VLImageOnlyProcessor",
+    "Qwen2_5_VLImageOnlyProcessor",
+    "image_token_id",
+    "is_vision_language",
+    "load_processor",
+    "load_vision_model",
+    "mrope_model",
+    "set_vision_trainable",
+    "vision_blocks",
+    "vision_token_ids",
+    "vision_tower_modules",
+]
+
+
+class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
+    """``Qwen2VLProcessor`` without a video processor (images only; needs no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
+    """``Qwen2_5_VLProcessor`` without a video processor (images only; needs no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+# model_type -> the image-only processor that stands in for the stock one.
+PROCESSOR_CLASSES: dict[str, type] = {
+    "qwen2_vl": Qwen2VLImageOnlyProcessor,
+    "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
+}
+_BY_NAME = {cls.__name__: cls for cls in PROCESSOR_CLASSES.values()}
+
+
+def _register() -> None:
+    from transformers import AutoProcessor, Qwen2_5_VLConfig, Qwen2VLConfig
+
+    # exist_ok: re-importing (tests, runpy) must not fail. AutoProcessor resolves the class name
+    # written in processor_config.json against registered classes, so saved dirs load back.
+    AutoProcessor.register(Qwen2VLConfig, Qwen2VLImageOnlyProcessor, exist_ok=True)
+    AutoProcessor.register(Qwen2_5_VLConfig, Qwen2_5_VLImageOnlyProcessor, exist_ok=True)
+
+
+_register()
+
+
+def is_vision_language(config) -> bool:
+    """Whether an HF config describes a vision-language model (it has a ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def _model_type(path: str | Path) -> str | None:
+    cfg = Path(path) / "config.json"
+    if cfg.is_file():
+        return json.loads(cfg.read_text()).get("model_type")
+    return None
+
+
+def _processor_class_name(path: str | Path) -> str | None:
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            found = json.loads(f.read_text()).get("processor_class")
+            if found:
+                return found
+    return None
+
+
+def load_processor(path: str | Path, *, trust_remote_code: bool = False):
+    """The processor (image processor + tokenizer + chat template) of a local VLM dir or hub id.
+
+    A directory saved with one of our image-only processors loads as that class. A stock Qwen2-VL
+    / Qwen2.5-VL checkpoint loads with the stock processor where torchvision is present and with
+    the image-only one where it is not. The tokenizer gets a pad token (eos) if it has none.
+
+    Raises:
+        ValueError: the path holds no processor (e.g. a text-only model).
+    """
+    from transformers import AutoProcessor, ProcessorMixin
+
+    from lightrft.models.loading import _check_local
+
+    _check_local(path)
+    cls = _BY_NAME.get(_processor_class_name(path) or "")
+    if cls is None:
+        try:
+            proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (ValueError, ImportError, OSError, TypeError) as e:
+            # Without torchvision the stock Qwen-VL processors cannot build their video slot.
+            cls = PROCESSOR_CLASSES.get(_model_type(path) or "")
+            if cls is None:
+                raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
+        else:
+            if not isinstance(proc, ProcessorMixin) or getattr(proc, "image_processor", None) is None:
+                cls = PROCESSOR_CLASSES.get(_model_type(path) or "")
+                if cls is None:
+                    raise ValueError(
+                        f"{str(path)!r} has no image processor (AutoProcessor gave "
+                        f"{type(proc).__name__}): is it a vision-language model directory?"
+                    )
+            else:
+                cls = None
+    if cls is not None:
+        proc = cls.from_pretrained(path)
+    tok = proc.tokenizer
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return proc
+
+
+def load_vision_model(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+) -> nn.Module:
+    """An ``AutoModelForImageTextToText`` model from a local directory or hub id."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightrft.models.loading import _check_local, to_dtype
+
+    _check_local(path)
+    kwargs = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    return model.to(device)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The wrapped base model (``model.model``) of an ``*ForConditionalGeneration``."""
+    return getattr(model, getattr(model, "base_model_prefix", "model"), model)
+
+
+def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The vision encoder of a VLM by qualified name (``model.visual`` for Qwen-VL, which holds
+    the patch merger too; ``model.vision_tower`` for LLaVA, whose projector stays with the LM)."""
+    base = _base(model)
+    prefix = getattr(model, "base_model_prefix", "model")
+    for attr in ("visual", "vision_tower", "vision_model"):
+        mod = getattr(base, attr, None)
+        if isinstance(mod, nn.Module):
+            return {f"{prefix}.{attr}": mod}
+    raise ValueError(f"cannot find the vision tower of {type(model).__name__}")
+
+
+def vision_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of the vision tower (what FSDP2 shards one by one)."""
+    (tower,) = vision_tower_modules(model).values()
+    for path in ("blocks", "vision_model.encoder.layers", "encoder.layers"):
+        mod = tower
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        if isinstance(mod, nn.ModuleList):
+            return mod
+    raise ValueError(f"cannot find the blocks of the vision tower {type(tower).__name__}")
+
+
+def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
+    """Freeze (``trainable=False``, the RL default) or unfreeze the vision tower in place.
+
+    Call before building the optimizer and before ``parallelize``. Returns the names of the
+    parameters whose ``requires_grad`` is now ``trainable``.
+    """
+    names = []
+    for prefix, tower in vision_tower_modules(model).items():
+        for name, p in tower.named_parameters():
+            p.requires_grad_(trainable)
+            names.append(f"{prefix}.{name}")
+    return names
+
+
+def image_token_id(config) -> int:
+    """The id of the image placeholder token (``image_token_id``, LLaVA's ``image_token_index``)."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"{type(config).__name__} names no image token id")
+
+
+def vision_token_ids(config) -> list[int]:
+    """Token ids that only the processor may place (image/video placeholders, vision markers).
+
+    A sampler must never emit them: the next forward would find more placeholders than image
+    features (a random tiny Qwen2-VL does sample ``<|image_pad|>``).
+    """
+    ids = []
+    for key in (
+        "image_token_id",
+        "image_token_index",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+    ):
+        value = getattr(config, key, None)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def mrope_model(model: nn.Module) -> nn.Module | None:
+    """The base model that computes M-RoPE positions (``get_rope_index``), or None (LLaVA)."""
+    base = _base(model)
+    return base if callable(getattr(base, "get_rope_index", None)) else None
