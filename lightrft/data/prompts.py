@@ -97,7 +97,7 @@ class PromptDataset(torch.utils.data.Dataset):
             reference = self._reference(src, i, reference_field, reference_required)
             label = rec.get(label_field) if label_field else None
             label = default_label if label is None else str(label)
-            images = inputs = None
+            images = None
             if apply_chat_template:
                 chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
                 prompt, images = self.vision.messages(src, i, chat)
@@ -109,8 +109,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 system_prompt=system_prompt,
                 apply_chat_template=apply_chat_template,
             )
-            if images is not None:
-                ids, _, inputs = self.vision.expand(ids, None, images, where)
+            ids, _, inputs = self.vision.expand(ids, None, images, where)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
                 if truncation == "drop" or not self.vision.intact(
                     ids[-max_prompt_length:], inputs

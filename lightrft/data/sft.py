@@ -60,6 +60,9 @@ def open_records(
     return load_records(path, split=split)  # type: ignore[arg-type]
 
 
+_NO_IMAGES = ImageInputs([], torch.empty(0), None, [], {})
+
+
 class VisionSamples:
     """The image side of a dataset: finds a record's images, loads them (failing at load with
     file, line and field) and expands the placeholders of its ids. Shared by the SFT and prompt
@@ -81,17 +84,21 @@ class VisionSamples:
     def messages(self, src: Records, i: int, msgs: list[dict[str, Any]]):
         """``(messages with image parts, decoded images or None)`` of record ``i``."""
         where = src.where(i)
-        msgs, raw = record_images(src[i], msgs, self.field, where)
-        if raw and self.images is None:
-            raise DataError(
-                f"{where}: the record has images, but the dataset was built with a tokenizer: "
-                "a vision-language model's processor is needed (is the model a VLM?)"
-            )
-        if not raw:
-            if has_parts(msgs) and self.images is None:
+        if self.images is None:
+            # Text models: "<image>" in a string is just text, but an image field is an error.
+            if self.field and src[i].get(self.field):
+                raise DataError(
+                    f"{where}: the record has images, but the dataset was built with a "
+                    "tokenizer: a vision-language model's processor is needed (is the model a "
+                    "VLM?)"
+                )
+            if has_parts(msgs):
                 raise DataError(
                     f"{where}: content parts (lists) need a vision-language model's processor"
                 )
+            return msgs, None
+        msgs, raw = record_images(src[i], msgs, self.field, where)
+        if not raw:
             return msgs, None
         field = self.field or "content"
         return msgs, self.images.load(raw, base_dir=src.base_dir(i), where=where, field=field)
@@ -104,11 +111,16 @@ class VisionSamples:
                 "(the chat template places the vision tokens)"
             )
 
-    def expand(self, ids, labels, images, where: str) -> tuple[list[int], Any, ImageInputs]:
-        assert self.images is not None
-        inputs = self.images.process(images)
+    def expand(
+        self, ids: list[int], labels, images, where: str
+    ) -> tuple[list[int], Any, ImageInputs | None]:
+        """Process the sample's images and expand its placeholders; a vision-language sample
+        without images must hold no placeholder (the forward would find no image for it)."""
+        if self.images is None:
+            return ids, labels, None
+        inputs = self.images.process(images) if images else _NO_IMAGES
         ids, labels = self.images.expand(ids, labels, inputs, where, self.field or "content")
-        return ids, labels, inputs
+        return ids, labels, inputs if images else None
 
     def intact(self, ids: list[int], inputs: ImageInputs | None) -> bool:
         """Whether truncated ``ids`` still hold every vision token of the sample's images."""
@@ -188,9 +200,7 @@ class SFTDataset(torch.utils.data.Dataset):
                 system_prompt=system_prompt,
                 apply_chat_template=apply_chat_template,
             )
-            inputs = None
-            if images is not None:
-                ids, labels, inputs = self.vision.expand(ids, labels, images, src.where(i))
+            ids, labels, inputs = self.vision.expand(ids, labels, images, src.where(i))
             labels[0] = IGNORE_INDEX
             if max_length is not None and len(ids) > max_length:
                 if truncation == "drop":

@@ -317,8 +317,8 @@ def record_images(
     """The messages with image parts, and the record's raw images in placeholder order.
 
     Images come from ``rec[images_field]`` (a list, or one value) or inline in image parts
-    (``{"type": "image", "image" | "path" | "url": ...}``), not both. With images, string
-    contents are split at ``<image>`` tags into parts.
+    (``{"type": "image", "image" | "path" | "url": ...}``), not both. String contents are split
+    at ``<image>`` tags into parts (call this for vision-language datasets only).
 
     Raises:
         DataError: images both in the field and inline, or a different number of images than
@@ -333,7 +333,7 @@ def record_images(
     n_parts = 0
     for m in messages:
         content = m["content"]
-        if isinstance(content, str) and (not raw or IMAGE_PLACEHOLDER not in content):
+        if isinstance(content, str) and IMAGE_PLACEHOLDER not in content:
             out.append(m)
             continue
         parts = []
