@@ -133,3 +133,13 @@ def test_sleep_wake_and_weight_sync_with_vision_tower(tiny_vlm, train_vision):
     eng_vis = dict(engine.model.named_parameters())["model.visual.blocks.0.attn.qkv.weight"]
     trn_vis = dict(model.named_parameters())["model.visual.blocks.0.attn.qkv.weight"]
     assert torch.equal(eng_vis, trn_vis)
+
+    # Level-1 cycles may leave the frozen tower out: only trainable weights travel.
+    engine.sleep(1)
+    engine.wake_up()
+    lean = sync_weights(model, engine, skip_frozen=True)
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert lean.tensors == trainable
+    assert (trainable < stats.tensors) == (not train_vision)
+    again = engine.generate(reqs, SamplingParams(n=2, max_tokens=6, seed=1))
+    assert [c.token_ids for c in again] == [c.token_ids for c in outs]
