@@ -5,7 +5,7 @@
     lightrft cat <config>                         print a config
     lightrft validate <config> [key=value ...]    check keys, types and components; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
-    lightrft tiny-model --out DIR [--arch qwen2|llama|qwen2_vl|qwen2_5_vl|llava] [--layers N] [--hidden N] ...
+    lightrft tiny-model --out DIR [--arch qwen2|llama|qwen2_vl|qwen2_5_vl|qwen3_vl|llava] [--layers N] [--hidden N] ...
 
 Recipes ship inside the package (``lightrft.recipes``) and run by path with ``runpy``; configs ship
 as ``lightrft.configs`` data. A config opens with its launch command, ``# lightrft run <recipe>
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--arch",
         default="qwen2",
-        choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "llava"],
+        choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"],
         help="a text causal LM, or a vision-language model written with its processor",
     )
     t.add_argument("--layers", type=int, default=2)

@@ -7,7 +7,7 @@ files) without a model hub. :func:`make_tiny_model` writes such a directory.
 The tokenizer is character level: every printable ASCII character plus newline is one token, and
 the chat markers are special tokens, so a chat template renders like Qwen's ChatML.
 
-Vision-language archs (``qwen2_vl``, ``qwen2_5_vl``, ``llava``) also write a processor (PIL image
+Vision-language archs (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``) also write a processor (PIL image
 processor, no torchvision) and a chat template that renders ``{"type": "image"}`` content parts
 as the model's vision placeholder; see :mod:`lightrft.models.vision`.
 """
@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXT_ARCHS = ("qwen2", "llama")
-VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava")
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 ARCHS = TEXT_ARCHS + VISION_ARCHS
 
 # Qwen2-VL's vision markers, in the order the real tokenizer has them.
@@ -194,10 +194,13 @@ def _generic_tokenizer_class(out: Path) -> None:
     cfg_path.write_text(json.dumps(tok_cfg, indent=2))
 
 
-# Tiny images: 14-pixel patches merged 2x2, so a 56x56 image is 16 patches and 4 LLM tokens.
+# Tiny images: 14-pixel patches (Qwen3-VL: 16) merged 2x2, so a 56x56 image is 16 patches and
+# 4 LLM tokens; at most 16 merged tokens per image.
 _PATCH = 14
-_TINY_MIN_PIXELS = 28 * 28  # one merged token
-_TINY_MAX_PIXELS = 28 * 28 * 16  # 16 merged tokens (e.g. 112x112)
+
+
+def _patch(arch: str) -> int:
+    return 16 if arch == "qwen3_vl" else _PATCH
 
 
 def _vlm_config(arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions,
@@ -253,7 +256,7 @@ def _vlm_config(arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate
     vision = {
         "depth": 2,
         "num_heads": 2,
-        "patch_size": _PATCH,
+        "patch_size": _patch(arch),
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
         "in_channels": 3,
@@ -261,6 +264,14 @@ def _vlm_config(arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate
     # The merger projects vision features to the text width: its output size must equal hidden.
     if arch == "qwen2_vl":
         vision.update(embed_dim=vision_width, hidden_size=hidden, mlp_ratio=2)
+    elif arch == "qwen3_vl":
+        text["head_dim"] = head_dim
+        text["rope_parameters"]["mrope_interleaved"] = True
+        # A 4x4 grid of learned position embeddings (interpolated to each image's grid), and
+        # deepstack features taken after both blocks.
+        vision.update(hidden_size=vision_width, out_hidden_size=hidden,
+                      intermediate_size=2 * vision_width, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
     else:
         vision.update(hidden_size=vision_width, out_hidden_size=hidden,
                       intermediate_size=2 * vision_width, window_size=2 * 2 * _PATCH,
@@ -301,9 +312,12 @@ def _tiny_processor(arch: str, tok):
     )
 
     cls = vision.PROCESSOR_CLASSES[arch]
+    merged = 2 * _patch(arch)  # pixels per side of one LLM token
     return cls(
         image_processor=Qwen2VLImageProcessorPil(
-            min_pixels=_TINY_MIN_PIXELS, max_pixels=_TINY_MAX_PIXELS
+            min_pixels=merged * merged,
+            max_pixels=merged * merged * 16,
+            patch_size=_patch(arch),
         ),
         tokenizer=tok,
         chat_template=_vision_chat_template("<|vision_start|><|image_pad|><|vision_end|>"),

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
 __all__ = [
     "PROCESSOR_CLASSES",
     "Qwen2VLImageOnlyProcessor",
     "Qwen2_5_VLImageOnlyProcessor",
+    "Qwen3VLImageOnlyProcessor",
     "image_token_id",
     "is_vision_language",
     "load_processor",
@@ -53,21 +54,30 @@ class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
+class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
+    """``Qwen3VLProcessor`` without a video processor (images only; needs no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
 # model_type -> the image-only processor that stands in for the stock one.
 PROCESSOR_CLASSES: dict[str, type] = {
     "qwen2_vl": Qwen2VLImageOnlyProcessor,
     "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
+    "qwen3_vl": Qwen3VLImageOnlyProcessor,
 }
 _BY_NAME = {cls.__name__: cls for cls in PROCESSOR_CLASSES.values()}
 
 
 def _register() -> None:
-    from transformers import AutoProcessor, Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers import AutoConfig, AutoProcessor
 
     # exist_ok: re-importing (tests, runpy) must not fail. AutoProcessor resolves the class name
     # written in processor_config.json against registered classes, so saved dirs load back.
-    AutoProcessor.register(Qwen2VLConfig, Qwen2VLImageOnlyProcessor, exist_ok=True)
-    AutoProcessor.register(Qwen2_5_VLConfig, Qwen2_5_VLImageOnlyProcessor, exist_ok=True)
+    for model_type, cls in PROCESSOR_CLASSES.items():
+        config_class = type(AutoConfig.for_model(model_type))
+        AutoProcessor.register(config_class, cls, exist_ok=True)
 
 
 _register()

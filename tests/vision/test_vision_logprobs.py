@@ -36,7 +36,7 @@ def _reference(model, item):
     return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
 @pytest.mark.parametrize("packing", [False, True])
 def test_fused_logprobs_match_hf_forward(tiny_vlm, arch, packing):
     path = tiny_vlm(arch)

@@ -22,7 +22,7 @@ from lightrft.models.vision import (
     vision_token_ids,
 )
 
-ARCHS = ["qwen2_vl", "qwen2_5_vl", "llava"]
+ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
