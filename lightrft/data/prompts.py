@@ -111,9 +111,7 @@ class PromptDataset(torch.utils.data.Dataset):
             )
             ids, _, inputs = self.vision.expand(ids, None, images, where)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
-                if truncation == "drop" or not self.vision.intact(
-                    ids[-max_prompt_length:], inputs
-                ):
+                if truncation == "drop" or not self.vision.intact(ids[-max_prompt_length:], inputs):
                     dropped += 1
                     continue
                 ids = ids[-max_prompt_length:]

@@ -176,7 +176,9 @@ class NativeEngine:
                 if vision.is_vision_language(AutoConfig.from_pretrained(model))
                 else load_causal_lm
             )
-            self.model = load(model, dtype=self.dtype, device=self.device, attn_implementation="sdpa")
+            self.model = load(
+                model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
+            )
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer

@@ -203,8 +203,9 @@ def _patch(arch: str) -> int:
     return 16 if arch == "qwen3_vl" else _PATCH
 
 
-def _vlm_config(arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions,
-                tie_embeddings):
+def _vlm_config(
+    arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions, tie_embeddings
+):
     """The HF config of a tiny vision-language model whose special ids match ``tok``."""
     from transformers import AutoConfig
 
@@ -251,8 +252,11 @@ def _vlm_config(arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate
     # to head_dim / 2, else the model's cos/sin do not match q and k.
     half = head_dim // 2
     section = [half - 2 * (half // 3), half // 3, half // 3]
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
-                               "mrope_section": section}
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": section,
+    }
     vision = {
         "depth": 2,
         "num_heads": 2,
@@ -269,13 +273,21 @@ def _vlm_config(arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate
         text["rope_parameters"]["mrope_interleaved"] = True
         # A 4x4 grid of learned position embeddings (interpolated to each image's grid), and
         # deepstack features taken after both blocks.
-        vision.update(hidden_size=vision_width, out_hidden_size=hidden,
-                      intermediate_size=2 * vision_width, num_position_embeddings=16,
-                      deepstack_visual_indexes=[0, 1])
+        vision.update(
+            hidden_size=vision_width,
+            out_hidden_size=hidden,
+            intermediate_size=2 * vision_width,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        )
     else:
-        vision.update(hidden_size=vision_width, out_hidden_size=hidden,
-                      intermediate_size=2 * vision_width, window_size=2 * 2 * _PATCH,
-                      fullatt_block_indexes=[1])
+        vision.update(
+            hidden_size=vision_width,
+            out_hidden_size=hidden,
+            intermediate_size=2 * vision_width,
+            window_size=2 * 2 * _PATCH,
+            fullatt_block_indexes=[1],
+        )
     ids = {
         name: tok.convert_tokens_to_ids(token)
         for name, token in zip(
@@ -284,8 +296,9 @@ def _vlm_config(arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate
             strict=True,
         )
     }
-    return AutoConfig.for_model(arch, text_config=text, vision_config=vision,
-                                tie_word_embeddings=tie_embeddings, **ids)
+    return AutoConfig.for_model(
+        arch, text_config=text, vision_config=vision, tie_word_embeddings=tie_embeddings, **ids
+    )
 
 
 def _tiny_processor(arch: str, tok):

@@ -130,7 +130,10 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
             if cls is None:
                 raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
         else:
-            if not isinstance(proc, ProcessorMixin) or getattr(proc, "image_processor", None) is None:
+            if (
+                not isinstance(proc, ProcessorMixin)
+                or getattr(proc, "image_processor", None) is None
+            ):
                 cls = PROCESSOR_CLASSES.get(_model_type(path) or "")
                 if cls is None:
                     raise ValueError(

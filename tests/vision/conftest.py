@@ -1,8 +1,6 @@
 """Shared helpers for the vision-language tests: small PIL images and data files."""
 
 import pytest
-
-
 from _vision_helpers import square
 
 

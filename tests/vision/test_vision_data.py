@@ -9,8 +9,7 @@ import pytest
 import torch
 from _vision_helpers import square
 
-from lightrft.data import DataError, PackedDataset, PromptDataset, SFTDataset
-from lightrft.data import pack_or_pad_collator
+from lightrft.data import DataError, PackedDataset, PromptDataset, SFTDataset, pack_or_pad_collator
 from lightrft.data.templates import IGNORE_INDEX
 from lightrft.data.vision import ImageInputs, fit_pixels
 from lightrft.models import load_tokenizer
@@ -45,8 +44,11 @@ def test_sources_paths_base64_data_url_and_inline_parts(proc, tmp_path, image_fi
         [
             {"prompt": "<image>a", "answer": "1", "images": ["../img0.png"]},  # relative
             {"prompt": "<image>b", "answer": "2", "images": _b64(square((1, 2, 3)))},  # 1 value
-            {"prompt": "<image>c", "answer": "3", "images": ["data:image/png;base64,"
-                                                             + _b64(square((4, 5, 6)))]},
+            {
+                "prompt": "<image>c",
+                "answer": "3",
+                "images": ["data:image/png;base64," + _b64(square((4, 5, 6)))],
+            },
             {
                 "messages": [
                     {
@@ -128,8 +130,11 @@ def test_pixel_bounds_resize_keeping_aspect(proc):
 def test_sft_labels_never_train_vision_tokens_and_collate_packs_images(proc):
     recs = [
         {"prompt": "<image>colour?", "completion": "red", "images": [square((255, 0, 0))]},
-        {"prompt": "two: <image><image>", "completion": "ok",
-         "images": [square((0, 255, 0)), square((0, 0, 255), (84, 56))]},
+        {
+            "prompt": "two: <image><image>",
+            "completion": "ok",
+            "images": [square((0, 255, 0)), square((0, 0, 255), (84, 56))],
+        },
         {"prompt": "text", "completion": "only"},
     ]
     ds = SFTDataset(proc, records=recs)
@@ -149,9 +154,9 @@ def test_sft_labels_never_train_vision_tokens_and_collate_packs_images(proc):
         assert images.pixel_values.shape[0] == int(images.image_grid_thw.prod(-1).sum())
     packed = PackedDataset(ds, max_tokens=200, shuffle=False)
     row = packed[0]
-    assert len(row["images"]) == 3 and int(
-        (row["input_ids"] == proc.image_token_id).sum()
-    ) == sum(row["images"].num_tokens)
+    assert len(row["images"]) == 3 and int((row["input_ids"] == proc.image_token_id).sum()) == sum(
+        row["images"].num_tokens
+    )
 
 
 def test_truncation_that_would_cut_an_image_drops_the_sample(proc):
@@ -164,62 +169,91 @@ def test_truncation_that_would_cut_an_image_drops_the_sample(proc):
 @pytest.mark.parametrize(
     "record, match",
     [
-        ({"prompt": "<image>q", "answer": "a", "images": ["missing.png"]},
-         r"train\.jsonl line 1: images\[0\]: image file not found: .*missing\.png"),
-        ({"prompt": "<image>q", "answer": "a", "images": ["bad.png"]},
-         r"train\.jsonl line 1: images\[0\]: cannot decode the image"),
-        ({"prompt": "<image><image>q", "answer": "a", "images": ["img0.png"]},
-         r"train\.jsonl line 1: field 'images': 1 image\(s\) but the messages have 2 image part"),
-        ({"prompt": "q", "answer": "a", "images": ["img0.png"]},
-         r"train\.jsonl line 1: field 'images': 1 image\(s\) but the messages have 0 image part"),
-        ({"prompt": "<image>q", "answer": "a"},
-         r"train\.jsonl line 1: field 'images': 0 image\(s\) but the messages have 1 image part"),
-        ({"prompt": "<image>q", "answer": "a", "images": ["!!notbase64!!" * 8]},
-         r"train\.jsonl line 1: images\[0\]: not a valid base64 image"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "image": "img0.png"}]}],
-          "answer": "a", "images": ["img0.png"]},
-         r"train\.jsonl line 1: images both in field 'images' and inline"),
-        ({"messages": [{"role": "user", "content": [{"type": "audio"}]}], "answer": "a"},
-         r"train\.jsonl line 1: messages\[0\]\.content\[0\] must be a text part"),
+        (
+            {"prompt": "<image>q", "answer": "a", "images": ["missing.png"]},
+            r"train\.jsonl line 1: images\[0\]: image file not found: .*missing\.png",
+        ),
+        (
+            {"prompt": "<image>q", "answer": "a", "images": ["bad.png"]},
+            r"train\.jsonl line 1: images\[0\]: cannot decode the image",
+        ),
+        (
+            {"prompt": "<image><image>q", "answer": "a", "images": ["img0.png"]},
+            r"train\.jsonl line 1: field 'images': 1 image\(s\) but the messages have 2 image part",
+        ),
+        (
+            {"prompt": "q", "answer": "a", "images": ["img0.png"]},
+            r"train\.jsonl line 1: field 'images': 1 image\(s\) but the messages have 0 image part",
+        ),
+        (
+            {"prompt": "<image>q", "answer": "a"},
+            r"train\.jsonl line 1: field 'images': 0 image\(s\) but the messages have 1 image part",
+        ),
+        (
+            {"prompt": "<image>q", "answer": "a", "images": ["!!notbase64!!" * 8]},
+            r"train\.jsonl line 1: images\[0\]: not a valid base64 image",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": [{"type": "image", "image": "img0.png"}]}],
+                "answer": "a",
+                "images": ["img0.png"],
+            },
+            r"train\.jsonl line 1: images both in field 'images' and inline",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "audio"}]}], "answer": "a"},
+            r"train\.jsonl line 1: messages\[0\]\.content\[0\] must be a text part",
+        ),
     ],
 )
-def test_bad_images_fail_at_load_naming_file_line_and_field(proc, tmp_path, image_files,
-                                                            record, match):
+def test_bad_images_fail_at_load_naming_file_line_and_field(
+    proc, tmp_path, image_files, record, match
+):
     (tmp_path / "bad.png").write_bytes(b"not an image at all")
     data = _write_jsonl(tmp_path / "train.jsonl", [record])
     with pytest.raises(DataError, match=match):
         PromptDataset(proc, data)
 
 
-def test_images_need_a_processor_and_the_chat_template(proc, tiny_model_dir, tmp_path,
-                                                       image_files):
+def test_images_need_a_processor_and_the_chat_template(proc, tiny_model_dir, tmp_path, image_files):
     data = _write_jsonl(
         tmp_path / "train.jsonl",
         [{"prompt": "<image>q", "completion": "a", "images": ["img0.png"]}],
     )
-    with pytest.raises(DataError, match="line 1: the record has images, but the dataset was "
-                                        "built with a tokenizer"):
+    with pytest.raises(
+        DataError, match="line 1: the record has images, but the dataset was built with a tokenizer"
+    ):
         SFTDataset(load_tokenizer(tiny_model_dir), data)
-    with pytest.raises(DataError, match="line 1: field 'images': images need "
-                                        "apply_chat_template=true"):
+    with pytest.raises(
+        DataError, match="line 1: field 'images': images need apply_chat_template=true"
+    ):
         SFTDataset(proc, data, apply_chat_template=False)
 
 
 def test_an_image_in_an_assistant_turn_is_refused(proc):
-    recs = [{"messages": [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": [{"type": "image"}]},
-    ], "images": [square((1, 1, 1))]}]
+    recs = [
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": [{"type": "image"}]},
+            ],
+            "images": [square((1, 1, 1))],
+        }
+    ]
     with pytest.raises(DataError, match="an image in an assistant turn"):
         SFTDataset(proc, records=recs)
 
 
 def test_image_inputs_cat_keeps_order(proc):
-    ds = PromptDataset(proc, records=[
-        {"prompt": "<image>a", "answer": "1", "images": [square((1, 1, 1), (84, 56))]},
-        {"prompt": "b", "answer": "2"},
-        {"prompt": "<image>c", "answer": "3", "images": [square((2, 2, 2))]},
-    ])
+    ds = PromptDataset(
+        proc,
+        records=[
+            {"prompt": "<image>a", "answer": "1", "images": [square((1, 1, 1), (84, 56))]},
+            {"prompt": "b", "answer": "2"},
+            {"prompt": "<image>c", "answer": "3", "images": [square((2, 2, 2))]},
+        ],
+    )
     cat = ImageInputs.cat([ds[i]["images"] for i in range(3)])
     assert cat.image_grid_thw.tolist() == [[1, 4, 6], [1, 4, 4]]
     assert torch.equal(cat.pixel_values[:24], ds[0]["images"].pixel_values)

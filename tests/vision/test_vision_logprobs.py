@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from _vision_helpers import square
 
 from lightrft.data import PromptDataset, SFTDataset, pack_or_pad_collator
 from lightrft.kernels import causal_lm_token_logprobs
 from lightrft.models.vision import load_processor, load_vision_model
-
-from _vision_helpers import square
 
 
 def _samples(proc):
