@@ -5,7 +5,8 @@
     lightrft cat <config>                         print a config
     lightrft validate <config> [key=value ...]    check keys, types and components; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
-    lightrft tiny-model --out DIR [--arch qwen2|llama|qwen2_vl|qwen2_5_vl|qwen3_vl|llava] [--layers N] [--hidden N] ...
+    lightrft tiny-model --out DIR [--arch ARCH] [--layers N] [--hidden N] ...
+        ARCH: qwen2 | llama (text), qwen2_vl | qwen2_5_vl | qwen3_vl | llava (with a processor)
 
 Recipes ship inside the package (``lightrft.recipes``) and run by path with ``runpy``; configs ship
 as ``lightrft.configs`` data. A config opens with its launch command, ``# lightrft run <recipe>

@@ -12,7 +12,8 @@ at a time with a preallocated KV cache:
 
 Supported: decoder-only Llama-style models (``llama``, ``qwen2``, ``qwen3``, ``mistral``) whose
 base model accepts a prepared 4D boolean attention mask, and the vision-language models built on
-them (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``). Anything else should use the vLLM adapter.
+them (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``). Anything else should use the vLLM
+adapter.
 
 Vision-language requests carry their processed images as
 ``multi_modal_data={"image": ImageInputs}`` (:mod:`lightrft.data.vision`) and prompt ids whose

@@ -7,9 +7,10 @@ files) without a model hub. :func:`make_tiny_model` writes such a directory.
 The tokenizer is character level: every printable ASCII character plus newline is one token, and
 the chat markers are special tokens, so a chat template renders like Qwen's ChatML.
 
-Vision-language archs (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``) also write a processor (PIL image
-processor, no torchvision) and a chat template that renders ``{"type": "image"}`` content parts
-as the model's vision placeholder; see :mod:`lightrft.models.vision`.
+Vision-language archs (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``) also write a
+processor (PIL image processor, no torchvision) and a chat template that renders
+``{"type": "image"}`` content parts as the model's vision placeholder; see
+:mod:`lightrft.models.vision`.
 """
 
 from __future__ import annotations
