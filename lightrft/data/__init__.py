@@ -19,10 +19,13 @@ from lightrft.data.loader import ResumableDataLoader, build_dataloader
 from lightrft.data.prompts import PromptDataset
 from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
+from lightrft.data.vision import ImageInputs, ImageProcessor
 
 __all__ = [
     "IGNORE_INDEX",
     "DataError",
+    "ImageInputs",
+    "ImageProcessor",
     "PackCollator",
     "PackedDataset",
     "PadCollator",

@@ -74,3 +74,29 @@ def load_causal_lm(
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.to(device)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+):
+    """:func:`load_causal_lm`, or for a vision-language checkpoint (its config has a
+    ``vision_config``) :func:`lightrft.models.vision.load_vision_model`: one call for recipes."""
+    from transformers import AutoConfig
+
+    from lightrft.models.vision import is_vision_language, load_vision_model
+
+    _check_local(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    load = load_vision_model if is_vision_language(config) else load_causal_lm
+    return load(
+        path,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )

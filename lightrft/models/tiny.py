@@ -325,7 +325,7 @@ def _tiny_processor(arch: str, tok):
         Qwen2VLImageProcessorPil,
     )
 
-    cls = vision.PROCESSOR_CLASSES[arch]
+    cls = vision.processor_classes()[arch]
     merged = 2 * _patch(arch)  # pixels per side of one LLM token
     return cls(
         image_processor=Qwen2VLImageProcessorPil(

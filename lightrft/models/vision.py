@@ -6,10 +6,10 @@ processor through :func:`load_processor`. Three facts shape this module:
 * the PyPI torchvision does not import beside the torch 2.13 CPU wheel, so transformers picks the
   PIL image processors (``Qwen2VLImageProcessorPil``, ``CLIPImageProcessorPil``);
 * the stock ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` refuse to build without a video
-  processor, which needs torchvision. :class:`Qwen2VLImageOnlyProcessor` and
-  :class:`Qwen2_5_VLImageOnlyProcessor` are the same processors without the video slot; they save
-  and load under their own class name, registered with ``AutoProcessor`` when this module is
-  imported (``AutoProcessor`` falls back to a bare tokenizer for a class it does not know);
+  processor, which needs torchvision. :mod:`lightrft.models.processors` holds the same processors
+  without the video slot; they save and load under their own class name, registered with
+  ``AutoProcessor`` when loaded (``AutoProcessor`` falls back to a bare tokenizer for a class it
+  does not know);
 * the vision tower is frozen by default for RL, as peers do (verl, OpenRLHF):
   :func:`set_vision_trainable` freezes or unfreezes it.
 """
@@ -21,18 +21,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
 __all__ = [
-    "PROCESSOR_CLASSES",
-    "Qwen2VLImageOnlyProcessor",
-    "Qwen2_5_VLImageOnlyProcessor",
-    "Qwen3VLImageOnlyProcessor",
     "image_token_id",
     "is_vision_language",
     "load_processor",
     "load_vision_model",
     "mrope_model",
+    "processor_classes",
     "set_vision_trainable",
     "vision_blocks",
     "vision_token_ids",
@@ -40,47 +36,12 @@ __all__ = [
 ]
 
 
-class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
-    """``Qwen2VLProcessor`` without a video processor (images only; needs no torchvision)."""
+def processor_classes() -> dict[str, type]:
+    """model_type -> the image-only processor class standing in for the stock one (imports
+    transformers and registers the classes with ``AutoProcessor`` on first use)."""
+    from lightrft.models import processors
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-
-class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
-    """``Qwen2_5_VLProcessor`` without a video processor (images only; needs no torchvision)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-
-class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
-    """``Qwen3VLProcessor`` without a video processor (images only; needs no torchvision)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-
-# model_type -> the image-only processor that stands in for the stock one.
-PROCESSOR_CLASSES: dict[str, type] = {
-    "qwen2_vl": Qwen2VLImageOnlyProcessor,
-    "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
-    "qwen3_vl": Qwen3VLImageOnlyProcessor,
-}
-_BY_NAME = {cls.__name__: cls for cls in PROCESSOR_CLASSES.values()}
-
-
-def _register() -> None:
-    from transformers import AutoConfig, AutoProcessor
-
-    # exist_ok: re-importing (tests, runpy) must not fail. AutoProcessor resolves the class name
-    # written in processor_config.json against registered classes, so saved dirs load back.
-    for model_type, cls in PROCESSOR_CLASSES.items():
-        config_class = type(AutoConfig.for_model(model_type))
-        AutoProcessor.register(config_class, cls, exist_ok=True)
-
-
-_register()
+    return processors.PROCESSOR_CLASSES
 
 
 def is_vision_language(config) -> bool:
@@ -120,13 +81,14 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     from lightrft.models.loading import _check_local
 
     _check_local(path)
-    cls = _BY_NAME.get(_processor_class_name(path) or "")
+    classes = processor_classes()
+    cls = {c.__name__: c for c in classes.values()}.get(_processor_class_name(path) or "")
     if cls is None:
         try:
             proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (ValueError, ImportError, OSError, TypeError) as e:
             # Without torchvision the stock Qwen-VL processors cannot build their video slot.
-            cls = PROCESSOR_CLASSES.get(_model_type(path) or "")
+            cls = classes.get(_model_type(path) or "")
             if cls is None:
                 raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
         else:
@@ -134,7 +96,7 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
                 not isinstance(proc, ProcessorMixin)
                 or getattr(proc, "image_processor", None) is None
             ):
-                cls = PROCESSOR_CLASSES.get(_model_type(path) or "")
+                cls = classes.get(_model_type(path) or "")
                 if cls is None:
                     raise ValueError(
                         f"{str(path)!r} has no image processor (AutoProcessor gave "
