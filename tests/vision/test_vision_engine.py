@@ -143,3 +143,20 @@ def test_sleep_wake_and_weight_sync_with_vision_tower(tiny_vlm, train_vision):
     assert (trainable < stats.tensors) == (not train_vision)
     again = engine.generate(reqs, SamplingParams(n=2, max_tokens=6, seed=1))
     assert [c.token_ids for c in again] == [c.token_ids for c in outs]
+
+
+def test_prefill_chunks_and_waves_do_not_change_multimodal_samples(tiny_vlm):
+    """One request per prefill chunk and two rows per wave give the seeded samples of one batch:
+    each chunk's images are those of its own rows."""
+    path = tiny_vlm("qwen2_5_vl")
+    reqs = _requests(_prompts(load_processor(path)))
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5)
+    whole = NativeEngine(path, dtype="float32", device="cpu").generate(reqs, sp)
+    split = NativeEngine(
+        path, dtype="float32", device="cpu", max_prefill_tokens=1, max_num_seqs=2
+    ).generate(reqs, sp)
+    assert [c.token_ids for c in split] == [c.token_ids for c in whole]
+    for a, b in zip(split, whole, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+        )
