@@ -7,23 +7,34 @@ import torch.distributed as dist
 from torch import nn
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin)."""
-    for path in (
-        "model.layers",
-        "model.language_model.layers",
-        "transformer.h",
-        "gpt_neox.layers",
-        "model.decoder.layers",
-        "layers",
-    ):
-        mod = model
+def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
+    """The first ``nn.ModuleList`` found at one of the dotted ``paths`` under ``root``."""
+    for path in paths:
+        mod = root
         for part in path.split("."):
             mod = getattr(mod, part, None)
             if mod is None:
                 break
         if isinstance(mod, nn.ModuleList):
             return mod
+    return None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin)."""
+    layers = find_module_list(
+        model,
+        (
+            "model.layers",
+            "model.language_model.layers",
+            "transformer.h",
+            "gpt_neox.layers",
+            "model.decoder.layers",
+            "layers",
+        ),
+    )
+    if layers is not None:
+        return layers
     raise ValueError(
         f"cannot find the decoder layers of {type(model).__name__}; "
         "pass a model with a `model.layers` ModuleList"

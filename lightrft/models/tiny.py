@@ -145,19 +145,17 @@ def make_tiny_model(
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    sizes = {
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "intermediate": intermediate,
+        "max_positions": max_positions,
+        "tie_embeddings": tie_embeddings,
+    }
     if arch in VISION_ARCHS:
-        return _make_tiny_vlm(
-            out_dir,
-            arch=arch,
-            layers=layers,
-            hidden=hidden,
-            heads=heads,
-            kv_heads=kv_heads,
-            intermediate=intermediate,
-            max_positions=max_positions,
-            tie_embeddings=tie_embeddings,
-            seed=seed,
-        )
+        return _make_tiny_vlm(out_dir, arch=arch, seed=seed, **sizes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = char_tokenizer()
@@ -165,34 +163,30 @@ def make_tiny_model(
     cfg = tiny_config(
         vocab_size,
         arch=arch,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate=intermediate,
-        max_positions=max_positions,
-        tie_embeddings=tie_embeddings,
+        **sizes,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    return _save_random(AutoModelForCausalLM, cfg, tok, tok, seed, out)
+
+
+def _save_random(auto, cfg, tok, saver, seed: int, out: Path) -> Path:
+    """Random-init ``auto.from_config(cfg)`` with ``seed`` (global RNG untouched), saved to
+    ``out`` with ``saver`` (the tokenizer, or the processor holding it)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = auto.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    _generic_tokenizer_class(out)
-    return out
-
-
-def _generic_tokenizer_class(out: Path) -> None:
+    saver.save_pretrained(out)
     # Recorded so that loaders use tokenizer.json as written instead of the tokenizer class that
     # transformers associates with the model type (Qwen2's byte-level BPE would re-split text).
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+    return out
 
 
 # Tiny images: 14-pixel patches (Qwen3-VL: 16) merged 2x2, so a 56x56 image is 16 patches and
@@ -353,15 +347,7 @@ def _make_tiny_vlm(out_dir: str | Path, *, arch: str, seed: int, **sizes: Any) -
     proc = _tiny_processor(arch, tok)
     tok.chat_template = proc.chat_template
     cfg = _vlm_config(arch, tok, **sizes)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    proc.save_pretrained(out)
-    _generic_tokenizer_class(out)
-    return out
+    return _save_random(AutoModelForImageTextToText, cfg, tok, proc, seed, out)
 
 
 _SETTINGS_FILE = "lightrft_tiny.json"

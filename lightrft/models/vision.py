@@ -123,14 +123,16 @@ def load_vision_model(
     """An ``AutoModelForImageTextToText`` model from a local directory or hub id."""
     from transformers import AutoModelForImageTextToText
 
-    from lightrft.models.loading import _check_local, to_dtype
+    from lightrft.models.loading import _from_pretrained
 
-    _check_local(path)
-    kwargs = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
-    return model.to(device)
+    return _from_pretrained(
+        AutoModelForImageTextToText,
+        path,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -152,15 +154,12 @@ def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def vision_blocks(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of the vision tower (what FSDP2 shards one by one)."""
+    from lightrft.models.parallel import find_module_list
+
     (tower,) = vision_tower_modules(model).values()
-    for path in ("blocks", "vision_model.encoder.layers", "encoder.layers"):
-        mod = tower
-        for part in path.split("."):
-            mod = getattr(mod, part, None)
-            if mod is None:
-                break
-        if isinstance(mod, nn.ModuleList):
-            return mod
+    blocks = find_module_list(tower, ("blocks", "vision_model.encoder.layers", "encoder.layers"))
+    if blocks is not None:
+        return blocks
     raise ValueError(f"cannot find the blocks of the vision tower {type(tower).__name__}")
 
 
