@@ -241,6 +241,10 @@ def vision_forward_kwargs(
     }
     if images is None:
         return kwargs
+    if not is_vision_language(getattr(model, "config", None)):
+        raise ValueError(
+            f"images were given but {type(model).__name__} is not a vision-language model"
+        )
     kwargs.update(images.model_inputs(input_ids.device))
     rope = mrope_model(model)
     if rope is None:

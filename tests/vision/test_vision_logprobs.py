@@ -87,3 +87,13 @@ def test_prompt_dataset_images_feed_the_same_forward(tiny_vlm):
     n_img = sum(1 for t in item["prompt_ids"] if t == proc.image_token_id)
     assert n_img == sum(item["images"].num_tokens) == 4
     assert item["images"].image_grid_thw.tolist() == [[1, 4, 4]]
+
+
+def test_images_for_a_text_model_are_refused(tiny_vlm, tiny_model_dir):
+    from lightrft.models import load_causal_lm
+
+    item = _samples(load_processor(tiny_vlm("qwen2_vl")))[0]
+    with pytest.raises(ValueError, match="is not a vision-language model"):
+        causal_lm_token_logprobs(
+            load_causal_lm(tiny_model_dir), item["input_ids"][None], images=item["images"]
+        )
