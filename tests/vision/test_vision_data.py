@@ -258,3 +258,21 @@ def test_image_inputs_cat_keeps_order(proc):
     assert cat.image_grid_thw.tolist() == [[1, 4, 6], [1, 4, 4]]
     assert torch.equal(cat.pixel_values[:24], ds[0]["images"].pixel_values)
     assert ImageInputs.cat([None, None]) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_sft_and_rl_see_the_same_prompt_tokens_and_pixels(tiny_vlm, arch):
+    """What SFT trains on and what the engine is prompted with agree (same prompt ids, same
+    pixel values), so an SFT warm-up transfers to RL."""
+    proc = load_processor(tiny_vlm(arch))
+    rec = {
+        "prompt": "<image>How many?",
+        "completion": "3",
+        "answer": "3",
+        "images": [square((1, 200, 3), (84, 84))],
+    }
+    sft = SFTDataset(proc, records=[rec])[0]
+    rl = PromptDataset(proc, records=[rec])[0]
+    n = len(rl["prompt_ids"])
+    assert sft["input_ids"][:n].tolist() == rl["prompt_ids"]
+    assert torch.equal(sft["images"].pixel_values, rl["images"].pixel_values)
