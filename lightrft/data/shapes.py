@@ -44,9 +44,8 @@ def _check(grid: int, min_count: int, max_count: int, cell: int) -> None:
         )
 
 
-def _board(rng: random.Random, grid: int, min_count: int, max_count: int) -> tuple:
-    """A board: one entry per cell, a colour name or None (sorted by cell)."""
-    count = rng.randint(min_count, max_count)
+def _board(rng: random.Random, grid: int, count: int) -> tuple:
+    """A board with ``count`` squares: one entry per cell, a colour name or None."""
     cells = set(rng.sample(range(grid * grid), count))
     names = sorted(COLOURS)
     return tuple(rng.choice(names) if k in cells else None for k in range(grid * grid))
@@ -76,29 +75,38 @@ def shapes_records(
     seed: int = 0,
     exclude: set[tuple] | None = None,
 ) -> list[tuple[tuple, dict[str, Any]]]:
-    """``n`` distinct ``(board, record)`` pairs (no board in ``exclude``); the records' ``images``
-    are filled in when the boards are written."""
+    """``n`` ``(board, record)`` pairs, none with a board in ``exclude``; the records' ``images``
+    are filled in when the boards are written.
+
+    Counts are uniform in ``min_count..max_count``. Boards may repeat within a split: small
+    counts have few distinct boards (9 cells and 5 colours give 45 one-square boards against
+    thousands of five-square ones), and drawing distinct boards would skew the answers towards
+    large counts, which a model then learns as a prior instead of counting.
+    """
     _check(grid, min_count, max_count, 28)
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(seed)
-    seen = set(exclude or ())
+    exclude = exclude or set()
     out = []
     tries = 0
     while len(out) < n:
-        board = _board(rng, grid, min_count, max_count)
-        tries += 1
-        if tries > 50 * (n + 10):
-            raise ValueError(
-                f"could not draw {n} distinct boards (grid={grid}, counts {min_count}..{max_count}"
-                "): ask for fewer or raise grid"
-            )
-        if board in seen:
-            continue
-        seen.add(board)
-        count = str(sum(c is not None for c in board))
+        # The count first, then a board with it outside ``exclude``: rejecting whole draws would
+        # favour the counts with more boards left.
+        count = rng.randint(min_count, max_count)
+        board = _board(rng, grid, count)
+        while board in exclude:
+            tries += 1
+            if tries > 50 * (n + 10):
+                raise ValueError(
+                    f"could not draw {n} boards outside the {len(exclude)} excluded "
+                    f"(grid={grid}, counts {min_count}..{max_count}): ask for fewer test "
+                    "boards or raise grid"
+                )
+            board = _board(rng, grid, count)
+        answer = str(count)
         out.append(
-            (board, {"prompt": QUESTION, "completion": count, "answer": count, "label": "count"})
+            (board, {"prompt": QUESTION, "completion": answer, "answer": answer, "label": "count"})
         )
     return out
 
