@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DataError", "Records", "load_records", "require_field"]
+__all__ = ["DataError", "Records", "load_records", "made_with", "require_field", "write_jsonl"]
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 PathLike = str | os.PathLike
@@ -232,3 +232,27 @@ def load_records(path: PathLike | Sequence[PathLike], *, split: str | None = Non
         where = f" (split {split!r})" if split else ""
         raise DataError(f"empty dataset: no records in {shown}{where}")
     return out
+
+
+# ------------------------------------------------------------------------------ generated data
+
+
+def write_jsonl(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """Write one JSON object per line, atomically: a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, path)
+
+
+def made_with(out: Path, files: Sequence[str], settings: Mapping[str, Any]) -> bool:
+    """Whether ``out`` holds ``files`` and a ``meta.json`` recording exactly ``settings`` (what
+    the ``ensure_*`` data makers check before regenerating)."""
+    meta = out / "meta.json"
+    if not meta.is_file() or not all((out / f).is_file() for f in files):
+        return False
+    try:
+        return json.loads(meta.read_text()) == dict(settings)
+    except json.JSONDecodeError:
+        return False  # a damaged meta file: regenerate

@@ -21,6 +21,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from lightrft.data.io import made_with, write_jsonl
+
 __all__ = ["COLOURS", "ensure_shapes_dataset", "shapes_records", "write_shapes_dataset"]
 
 COLOURS = {
@@ -144,9 +146,7 @@ def write_shapes_dataset(
             name = f"images/{split}_{k:06d}.png"
             draw_board(board, grid, cell).save(out / name)
             records.append({**rec, "images": [name]})
-        tmp = out / f".{split}.jsonl.tmp{os.getpid()}"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-        os.replace(tmp, out / f"{split}.jsonl")  # atomic: a reader never sees half a file
+        write_jsonl(out / f"{split}.jsonl", records)
     (out / META).write_text(json.dumps(settings, indent=2) + "\n")
     return out
 
@@ -161,11 +161,6 @@ def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
         )
     want = {**defaults, **settings}
     out = Path(out_dir)
-    meta = out / META
-    if all((out / f).is_file() for f in ("train.jsonl", "test.jsonl", META)):
-        try:
-            if json.loads(meta.read_text()) == want:
-                return out
-        except json.JSONDecodeError:
-            pass  # a damaged meta file: regenerate
+    if made_with(out, ("train.jsonl", "test.jsonl"), want):
+        return out
     return write_shapes_dataset(out, **want)
