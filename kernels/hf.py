@@ -75,6 +75,7 @@ def forward_on_hidden(
     *,
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
+    images: Any = None,
     **model_kwargs,
 ) -> Any:
     """Run ``model``'s forward and return ``fn(hidden [B, T-1, H], lm_head.weight, lm_head.bias)``
@@ -82,8 +83,25 @@ def forward_on_hidden(
 
     ``hidden[:, i]`` is the final hidden state that predicts token ``i + 1``. ``fn``'s result
     replaces the model's output, so it must be a tensor or a tuple of tensors.
+
+    ``images``: for a vision-language model, the batch's
+    :class:`~lightrft.data.vision.ImageInputs` (its images in the order their placeholder runs
+    appear in ``input_ids``, row by row); see
+    :func:`lightrft.models.vision.vision_forward_kwargs` for the positions it implies.
     """
     trunk, head = _trunk_and_head(model)
+    if images is not None:
+        from lightrft.models.vision import vision_forward_kwargs
+
+        extra = vision_forward_kwargs(
+            model,
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            images=images,
+        )
+        attention_mask, position_ids = extra.pop("attention_mask"), extra.pop("position_ids")
+        model_kwargs = {**model_kwargs, **extra}
     captured: dict[str, Tensor] = {}
 
     def capture_hidden(_mod, _args, output):
@@ -136,6 +154,7 @@ def causal_lm_token_logprobs(
             ``input_ids[:, 1:]``. Set ``ignore_index`` where no log-prob is wanted (prompt,
             padding): those give 0, get no gradient and cost no LM-head compute.
         attention_mask, position_ids, **model_kwargs: passed to the model's forward.
+        images: a vision-language batch's ``ImageInputs`` (see :func:`forward_on_hidden`).
         temperature, return_entropy, chunk_size, backend: as in :func:`fused_linear_logprobs`.
         entropy_grad: with ``return_entropy``, False computes the entropy without gradient in a
             second, no-grad pass over the same hidden states (only to log it), so the log-probs

@@ -5,7 +5,8 @@
     lightrft cat <config>                         print a config
     lightrft validate <config> [key=value ...]    schema + the recipe's build_options; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
-    lightrft tiny-model --out DIR [--arch qwen2|llama] [--layers N] [--hidden N] ...
+    lightrft tiny-model --out DIR [--arch ARCH] [--layers N] [--hidden N] ...
+        ARCH: qwen2 | llama (text), qwen2_vl | qwen2_5_vl | qwen3_vl | llava (with a processor)
 
 Recipes ship inside the package (``lightrft.recipes``) and run by path with ``runpy``; configs ship
 as ``lightrft.configs`` data. A config opens with its launch command, ``# lightrft run <recipe>
@@ -320,7 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="run a recipe (torchrun flags before the recipe)", add_help=False)
     t = sub.add_parser("tiny-model", help="write a tiny random-init HF model and tokenizer")
     t.add_argument("--out", required=True)
-    t.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    t.add_argument(
+        "--arch",
+        default="qwen2",
+        choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"],
+        help="a text causal LM, or a vision-language model written with its processor",
+    )
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=64)
     t.add_argument("--heads", type=int, default=4)

@@ -35,3 +35,19 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker(marker):
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    """``tiny_vlm(arch)``: a tiny vision-language model dir (``qwen2_vl``, ``qwen2_5_vl``,
+    ``llava``) with its processor, made once per session per arch."""
+    from lightrft.models.tiny import make_tiny_model
+
+    made = {}
+
+    def get(arch: str = "qwen2_vl"):
+        if arch not in made:
+            made[arch] = make_tiny_model(tmp_path_factory.mktemp("tiny") / arch, arch=arch)
+        return made[arch]
+
+    return get

@@ -18,11 +18,15 @@ from lightrft.data.io import DataError, Records, load_records
 from lightrft.data.loader import ResumableDataLoader, build_dataloader
 from lightrft.data.prompts import PromptDataset
 from lightrft.data.sft import SFTDataset
+from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
 from lightrft.data.templates import IGNORE_INDEX
+from lightrft.data.vision import ImageInputs, ImageProcessor
 
 __all__ = [
     "IGNORE_INDEX",
     "DataError",
+    "ImageInputs",
+    "ImageProcessor",
     "PackCollator",
     "PackedDataset",
     "PadCollator",
@@ -36,10 +40,12 @@ __all__ = [
     "convert_gsm8k",
     "ensure_arith_dataset",
     "ensure_gsm8k",
+    "ensure_shapes_dataset",
     "load_records",
     "pack_indices",
     "pack_or_pad_collator",
     "packed_sft_dataset",
     "prepare_gsm8k",
     "write_arith_dataset",
+    "write_shapes_dataset",
 ]

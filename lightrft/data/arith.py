@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightrft.data.io import made_with, write_jsonl
+
 __all__ = ["OPS", "arith_records", "ensure_arith_dataset", "write_arith_dataset"]
 
 OPS = ("+", "-", "*")
@@ -123,14 +125,6 @@ def _settings(**kw: Any) -> dict[str, Any]:
     return kw
 
 
-def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, path)  # atomic: a reader never sees a half-written file
-
-
 def write_arith_dataset(
     out_dir: str | os.PathLike,
     *,
@@ -163,8 +157,8 @@ def write_arith_dataset(
     train = arith_records(n_train, seed=seed, exclude={r["prompt"] for r in test}, **common)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out / "train.jsonl", train)
-    _write_jsonl(out / "test.jsonl", test)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "test.jsonl", test)
     (out / META).write_text(json.dumps(settings, indent=2) + "\n")
     return out
 
@@ -192,11 +186,6 @@ def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
             f"ensure_arith_dataset: unknown argument {unknown[0]!r}; valid: {sorted(defaults)}"
         )
     want = _settings(**{**defaults, **settings})
-    meta = out / META
-    if (out / "train.jsonl").is_file() and (out / "test.jsonl").is_file() and meta.is_file():
-        try:
-            if json.loads(meta.read_text()) == want:
-                return out
-        except json.JSONDecodeError:
-            pass  # a damaged meta file: regenerate
+    if made_with(out, ("train.jsonl", "test.jsonl"), want):
+        return out
     return write_arith_dataset(out, **want)

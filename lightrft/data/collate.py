@@ -10,6 +10,10 @@ own position run (0, 1, ...), so it is one more "sample", with labels -100.
 Padded batches (no packing) are right padded, with an ``attention_mask`` and labels -100 on pads.
 
 Every batch also carries ``num_loss_tokens`` (labels != -100), the count a token-mean loss needs.
+
+Vision-language samples carry ``images`` (:class:`~lightrft.data.vision.ImageInputs`); a packed
+row and a batch carry the images of their samples joined in token order under the same key, which
+the forward takes as ``images=`` (see :func:`lightrft.kernels.causal_lm_token_logprobs`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from lightrft.data.templates import IGNORE_INDEX
+from lightrft.data.vision import ImageInputs
 
 __all__ = [
     "PackCollator",
@@ -136,13 +141,15 @@ class PackedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, r: int) -> dict[str, Any]:
         items = [self.dataset[i] for i in self.rows[r]]
-        return {
+        row = {
             "input_ids": torch.cat([_as_long(x["input_ids"]) for x in items]),  # [L]
             "labels": torch.cat([_as_long(x["labels"]) for x in items]),  # [L]
             "position_ids": torch.cat([_positions(x) for x in items]),  # [L]
         }
+        _add_images(row, items)
+        return row
 
 
 def packed_sft_dataset(
@@ -161,9 +168,16 @@ def packed_sft_dataset(
 # ------------------------------------------------------------------------------ collators
 
 
+def _add_images(out: dict[str, Any], items: Sequence[Item]) -> None:
+    """``out["images"]``: the items' images joined in order, when any item has some."""
+    images = ImageInputs.cat([x.get("images") for x in items])
+    if images is not None:
+        out["images"] = images
+
+
 def _rows_to_batch(
     rows: list[list[Item]], pad_id: int, pad_to_multiple_of: int | None
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:
     """Concatenate each row's items, right-pad rows to a common length, build the batch."""
     cat = [
         (
@@ -184,12 +198,14 @@ def _rows_to_batch(
         n = len(ids)
         input_ids[r, :n], labels[r, :n], position_ids[r, :n] = ids, lab, pos
         position_ids[r, n:] = torch.arange(width - n)
-    return {
+    batch = {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
         "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
     }
+    _add_images(batch, [x for row in rows for x in row])
+    return batch
 
 
 class PackCollator:
@@ -211,7 +227,7 @@ class PackCollator:
         self.max_tokens = max_tokens
         self.pad_to_multiple_of = pad_to_multiple_of
 
-    def __call__(self, items: Sequence[Item]) -> dict[str, torch.Tensor]:
+    def __call__(self, items: Sequence[Item]) -> dict[str, Any]:
         rows: list[list[Item]] = [[x] for x in items if "position_ids" in x]
         cap = self.max_tokens
         open_row: list[Item] = []
@@ -247,7 +263,7 @@ class PadCollator:
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
-    def __call__(self, items: Sequence[Item]) -> dict[str, torch.Tensor]:
+    def __call__(self, items: Sequence[Item]) -> dict[str, Any]:
         if any("position_ids" in x for x in items):
             raise ValueError(
                 "PadCollator got packed rows (items with position_ids): use packing=true "
@@ -268,7 +284,7 @@ def pack_or_pad_collator(
     *,
     max_tokens: int | None = None,
     pad_to_multiple_of: int | None = None,
-) -> Callable[[Sequence[Item]], dict[str, torch.Tensor]]:
+) -> Callable[[Sequence[Item]], dict[str, Any]]:
     """The collator a recipe needs: :class:`PackCollator` if ``packing`` else :class:`PadCollator`.
 
     Args:

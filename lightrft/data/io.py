@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DataError", "Records", "load_records", "require_field"]
+__all__ = ["DataError", "Records", "load_records", "made_with", "require_field", "write_jsonl"]
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 PathLike = str | os.PathLike
@@ -33,11 +33,19 @@ class DataError(ValueError):
 class Records(Sequence[dict[str, Any]]):
     """A list of record dicts plus, for each, where it came from (``where(i)``)."""
 
-    def __init__(self, records: list[dict[str, Any]], origins: list[str], name: str) -> None:
+    def __init__(
+        self,
+        records: list[dict[str, Any]],
+        origins: list[str],
+        name: str,
+        base_dirs: list[Path | None] | None = None,
+    ) -> None:
         assert len(records) == len(origins)
         self._records = records
         self._origins = origins
         self.name = name  # the source(s), for messages about the whole dataset
+        # Per record: the directory that relative paths in it (e.g. images) are relative to.
+        self._dirs = base_dirs if base_dirs is not None else [None] * len(records)
 
     @classmethod
     def from_list(cls, records: Sequence[Mapping[str, Any]], name: str = "records") -> Records:
@@ -62,11 +70,16 @@ class Records(Sequence[dict[str, Any]]):
         """Human-readable location of record ``i``, e.g. ``data/train.jsonl line 12``."""
         return self._origins[i]
 
+    def base_dir(self, i: int) -> Path | None:
+        """The directory of record ``i``'s data file (None for in-memory records)."""
+        return self._dirs[i]
+
     def __add__(self, other: Records) -> Records:
         return Records(
             self._records + other._records,
             self._origins + other._origins,
             f"{self.name}, {other.name}",
+            self._dirs + other._dirs,
         )
 
 
@@ -109,7 +122,7 @@ def _read_jsonl(path: Path) -> Records:
                 )
             records.append(rec)
             origins.append(f"{path} line {lineno}")
-    return Records(records, origins, str(path))
+    return Records(records, origins, str(path), [path.parent] * len(records))
 
 
 def _read_json(path: Path) -> Records:
@@ -130,14 +143,16 @@ def _read_json(path: Path) -> Records:
     for i, rec in enumerate(obj):
         if not isinstance(rec, dict):
             raise DataError(f"{path} record {i}: expected a JSON object, got {type(rec).__name__}")
-    return Records(obj, [f"{path} record {i}" for i in range(len(obj))], str(path))
+    origins = [f"{path} record {i}" for i in range(len(obj))]
+    return Records(obj, origins, str(path), [path.parent] * len(obj))
 
 
 def _read_parquet(path: Path) -> Records:
     import pyarrow.parquet as pq
 
     rows = pq.read_table(path).to_pylist()
-    return Records(rows, [f"{path} row {i}" for i in range(len(rows))], str(path))
+    origins = [f"{path} row {i}" for i in range(len(rows))]
+    return Records(rows, origins, str(path), [path.parent] * len(rows))
 
 
 def _is_hf_dir(path: Path) -> bool:
@@ -160,7 +175,7 @@ def _read_hf_dir(path: Path, split: str | None) -> Records:
     elif split is not None and ds.split is not None and str(ds.split) != split:
         raise DataError(f"{path} holds split {str(ds.split)!r}, not the requested {split!r}")
     rows = ds.to_list()
-    return Records(rows, [f"{name} row {i}" for i in range(len(rows))], name)
+    return Records(rows, [f"{name} row {i}" for i in range(len(rows))], name, [path] * len(rows))
 
 
 def _read_file(path: Path) -> Records:
@@ -217,3 +232,27 @@ def load_records(path: PathLike | Sequence[PathLike], *, split: str | None = Non
         where = f" (split {split!r})" if split else ""
         raise DataError(f"empty dataset: no records in {shown}{where}")
     return out
+
+
+# ------------------------------------------------------------------------------ generated data
+
+
+def write_jsonl(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """Write one JSON object per line, atomically: a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, path)
+
+
+def made_with(out: Path, files: Sequence[str], settings: Mapping[str, Any]) -> bool:
+    """Whether ``out`` holds ``files`` and a ``meta.json`` recording exactly ``settings`` (what
+    the ``ensure_*`` data makers check before regenerating)."""
+    meta = out / "meta.json"
+    if not meta.is_file() or not all((out / f).is_file() for f in files):
+        return False
+    try:
+        return json.loads(meta.read_text()) == dict(settings)
+    except json.JSONDecodeError:
+        return False  # a damaged meta file: regenerate

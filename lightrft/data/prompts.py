@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from lightrft.data.io import DataError, PathLike, require_field
-from lightrft.data.sft import Truncation, _check_truncation, open_records
+from lightrft.data.sft import Truncation, VisionSamples, _check_truncation, open_records
 from lightrft.data.templates import check_messages, encode_prompt, with_system
+from lightrft.data.vision import as_processor
 
 __all__ = ["PromptDataset"]
 
@@ -26,11 +27,15 @@ class PromptDataset(torch.utils.data.Dataset):
     - ``reference``: the reference answer as a string, or ``None``.
     - ``label``: which reward function applies (``label_field``, else ``default_label``).
     - ``index``: position in the dataset (stable across epochs; for logging trajectories).
+    - ``images`` (datasets built with a vision-language processor only): the prompt's
+      :class:`~lightrft.data.vision.ImageInputs` (its ids hold the expanded vision tokens), or
+      ``None`` for a prompt without images.
 
     Batch items with :func:`~lightrft.data.collate_prompts`.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (the recipe passes its own as first argument).
+        tokenizer: a Hugging Face tokenizer, or a vision-language model's processor (the recipe
+            passes its own as first argument).
         path, split, records: where the records are (see :class:`~lightrft.data.SFTDataset`).
         prompt_field: a string, or a list of chat messages, per record.
         messages_field: used instead of ``prompt_field`` when a record has it (chat records).
@@ -44,8 +49,9 @@ class PromptDataset(torch.utils.data.Dataset):
             uses ``system_prompt + "\\n" + prompt`` as is.
         max_prompt_length: longest prompt in tokens; ``None`` for no limit.
         truncation: ``"drop"`` (default) or ``"truncate"``, which keeps the last
-            ``max_prompt_length`` tokens (the end holds the question and the generation prompt).
-            Counted in ``stats``.
+            ``max_prompt_length`` tokens (the end holds the question and the generation prompt);
+            a prompt whose images would lose vision tokens is dropped. Counted in ``stats``.
+        images_field, min_pixels, max_pixels: images, as in :class:`~lightrft.data.SFTDataset`.
     """
 
     def __init__(
@@ -65,8 +71,13 @@ class PromptDataset(torch.utils.data.Dataset):
         apply_chat_template: bool = True,
         max_prompt_length: int | None = None,
         truncation: Truncation = "drop",
+        images_field: str | None = "images",
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
     ) -> None:
         _check_truncation(truncation)
+        tokenizer, processor = as_processor(tokenizer)
+        self.vision = VisionSamples(processor, images_field, min_pixels, max_pixels)
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         src = open_records(path, records, split)
@@ -86,14 +97,21 @@ class PromptDataset(torch.utils.data.Dataset):
             reference = self._reference(src, i, reference_field, reference_required)
             label = rec.get(label_field) if label_field else None
             label = default_label if label is None else str(label)
+            images = None
+            if apply_chat_template:
+                chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                prompt, images = self.vision.messages(src, i, chat)
+            else:
+                self.vision.raw_mode(src, i)
             text, ids = encode_prompt(
                 tokenizer,
                 prompt,
                 system_prompt=system_prompt,
                 apply_chat_template=apply_chat_template,
             )
+            ids, _, inputs = self.vision.expand(ids, None, images, where)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
-                if truncation == "drop":
+                if truncation == "drop" or not self.vision.intact(ids[-max_prompt_length:], inputs):
                     dropped += 1
                     continue
                 ids = ids[-max_prompt_length:]
@@ -103,17 +121,18 @@ class PromptDataset(torch.utils.data.Dataset):
             if apply_chat_template:
                 chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
                 messages = with_system(chat, system_prompt)
-            self.items.append(
-                {
-                    "prompt_ids": ids,
-                    "prompt": text,
-                    "messages": messages,
-                    "reference": reference,
-                    "label": label,
-                    "index": len(self.items),
-                    "where": where,
-                }
-            )
+            item = {
+                "prompt_ids": ids,
+                "prompt": text,
+                "messages": messages,
+                "reference": reference,
+                "label": label,
+                "index": len(self.items),
+                "where": where,
+            }
+            if processor is not None:
+                item["images"] = images  # decoded; processed in __getitem__
+            self.items.append(item)
         if not self.items:
             raise DataError(
                 f"empty dataset: all {len(src)} prompts of {self.source} are longer than "
@@ -149,7 +168,12 @@ class PromptDataset(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.items[i]
+        item = self.items[i]
+        if item.get("images") is None:
+            return item
+        # Processed on access: pixel values of a whole dataset would not fit in memory.
+        assert self.vision.images is not None
+        return {**item, "images": self.vision.images.process(item["images"])}
 
     def where(self, i: int) -> str:
         """The file and line (or row) prompt ``i`` came from."""

@@ -25,6 +25,7 @@ __all__ = [
     "encode_prompt",
     "encode_raw",
     "eos_id",
+    "has_parts",
     "with_system",
 ]
 
@@ -43,7 +44,9 @@ def eos_id(tokenizer) -> int:
 
 
 def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]]:
-    """Validate a chat list (each item a dict with string ``role`` and ``content``)."""
+    """Validate a chat list: each item a dict with a string ``role`` and a ``content`` that is a
+    string or a list of HF content parts (``{"type": "text", "text": ...}``,
+    ``{"type": "image", ...}``)."""
     from lightrft.data.io import DataError
 
     if not isinstance(messages, list) or not messages:
@@ -51,10 +54,26 @@ def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise DataError(f"{where}: {field}[{j}] must be an object with role and content")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise DataError(f"{where}: {field}[{j}] has no string {key!r}")
+        if not isinstance(m.get("role"), str):
+            raise DataError(f"{where}: {field}[{j}] has no string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            for k, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind == "text" and isinstance(part.get("text"), str) or kind == "image":
+                    continue
+                raise DataError(
+                    f"{where}: {field}[{j}].content[{k}] must be a text part "
+                    '({"type": "text", "text": ...}) or an image part ({"type": "image"})'
+                )
+        elif not isinstance(content, str):
+            raise DataError(f"{where}: {field}[{j}] has no string 'content' (or list of parts)")
     return [dict(m) for m in messages]
+
+
+def has_parts(messages: Sequence[Message]) -> bool:
+    """Whether any message's content is a list of content parts (not a plain string)."""
+    return any(not isinstance(m["content"], str) for m in messages)
 
 
 def _tokenize(tokenizer, text: str, *, special: bool = False) -> list[int]:

@@ -11,8 +11,18 @@ at a time with a preallocated KV cache:
 * sampling, stop tokens and per-row seeds are handled in :mod:`lightrft.engine.sampling`.
 
 Supported: decoder-only Llama-style models (``llama``, ``qwen2``, ``qwen3``, ``mistral``) whose
-base model accepts a prepared 4D boolean attention mask. Anything else should use the vLLM
+base model accepts a prepared 4D boolean attention mask, and the vision-language models built on
+them (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``). Anything else should use the vLLM
 adapter.
+
+Vision-language requests carry their processed images as
+``multi_modal_data={"image": ImageInputs}`` (:mod:`lightrft.data.vision`) and prompt ids whose
+placeholders are already expanded (what the datasets produce). The vision tower runs once per
+request, in the prefill; the ``n`` samples share its keys and values like any prompt. M-RoPE
+models (Qwen-VL) get their 3-D prefill positions from the model's ``get_rope_index`` and decode
+at ``position + rope_delta`` (the offset by which the images shift later text positions), as
+Hugging Face generation does. Vision placeholder and marker tokens are never sampled; reported
+log-probs are the model's own (without that mask), the quantity the trainer computes.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightrft.data.vision import ImageInputs
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
     Completion,
@@ -37,7 +48,9 @@ from lightrft.engine.protocol import (
     per_request_params,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+SUPPORTED_MODEL_TYPES = TEXT_MODEL_TYPES + VISION_MODEL_TYPES
 
 
 class KVCache:
@@ -135,8 +148,9 @@ class NativeEngine:
         seed: int = 0,
         compile: bool = False,
     ) -> None:
+        from lightrft.models import vision
         from lightrft.models.loading import load_causal_lm, load_tokenizer, to_dtype
-        from lightrft.models.parallel import default_param_dtype
+        from lightrft.models.parallel import decoder_layers, default_param_dtype
 
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -156,7 +170,14 @@ class NativeEngine:
             _check_unsharded(model)
             self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         else:
-            self.model = load_causal_lm(
+            from transformers import AutoConfig
+
+            load = (
+                vision.load_vision_model
+                if vision.is_vision_language(AutoConfig.from_pretrained(model))
+                else load_causal_lm
+            )
+            self.model = load(
                 model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
             )
             if tokenizer is None:
@@ -171,6 +192,17 @@ class NativeEngine:
         self.base = getattr(self.model, self.model.base_model_prefix)
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
+        self.is_vision = vision.is_vision_language(config)
+        # Vision-language models: the image token, the M-RoPE position maker (Qwen-VL) and the
+        # tokens only the processor may place, never the sampler.
+        self.image_token_id = vision.image_token_id(config) if self.is_vision else None
+        self.rope = vision.mrope_model(self.model) if self.is_vision else None
+        self.suppress_ids = (
+            torch.tensor(vision.vision_token_ids(config), dtype=torch.long, device=self.device)
+            if self.is_vision
+            else None
+        )
+        config = config.get_text_config()
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or (
@@ -181,6 +213,7 @@ class NativeEngine:
             raise ValueError(f"max_model_len must be >= 2 (prompt + 1 token), got {max_model_len}")
         window = getattr(config, "sliding_window", None)
         sliding = getattr(config, "use_sliding_window", config.model_type == "mistral")
+        sliding = bool(sliding)
         if sliding and window is not None and self.max_model_len > window:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's sliding_window={window}; "
@@ -197,7 +230,7 @@ class NativeEngine:
             # Only the MLPs: pure tensor code with a dynamic row count. Compiling whole blocks
             # would trace into the KV cache, whose layer index and write position are Python
             # ints that force a recompile per layer and per step.
-            for layer in self.base.layers:
+            for layer in decoder_layers(self.model):
                 layer.mlp.compile(dynamic=True)
 
         # Every name a checkpoint may use (tied weights appear under both names) -> parameter.
@@ -208,6 +241,7 @@ class NativeEngine:
         self._kv_awake = True
         self._weights_awake = True
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
+        self._images: list[ImageInputs | None] = []  # per request, during generate()
 
     # ---------------------------------------------------------------- sleep / wake / weights
     def sleep(self, level: int = 1) -> None:
@@ -308,12 +342,7 @@ class NativeEngine:
         requests = list(requests)
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)
-        for i, req in enumerate(requests):
-            if req.multi_modal_data:
-                raise ValueError(
-                    f"requests[{i}] carries multi_modal_data, which the native engine does not "
-                    "support; use a vision-language engine"
-                )
+        self._images = [self._request_images(i, r) for i, r in enumerate(requests)]
         prompts = [
             self._fit_prompt(i, r.prompt_token_ids, p)
             for i, (r, p) in enumerate(zip(requests, params, strict=True))
@@ -325,15 +354,48 @@ class NativeEngine:
             for p in params
         ]
         out: dict[tuple[int, int], Completion] = {}
-        for wave in self._waves(prompts, params):
-            out.update(self._generate_wave(wave, prompts, params, seeds))
+        try:
+            for wave in self._waves(prompts, params):
+                out.update(self._generate_wave(wave, prompts, params, seeds))
+        finally:
+            self._images = []
         return [out[(i, j)] for i, p in enumerate(params) for j in range(p.n)]
+
+    def _request_images(self, index: int, req: Request) -> ImageInputs | None:
+        """The request's processed images, checked against its placeholder tokens."""
+        mm = req.multi_modal_data
+        if not mm:
+            return None
+        if not self.is_vision:
+            raise ValueError(
+                f"requests[{index}] carries multi_modal_data but the engine's model "
+                f"({self.model.config.model_type}) is not a vision-language model"
+            )
+        unknown = sorted(set(mm) - {"image"})
+        if unknown:
+            raise ValueError(
+                f"requests[{index}].multi_modal_data has {unknown}; the native engine takes "
+                "images only ({'image': ImageInputs})"
+            )
+        images = mm["image"]
+        if not isinstance(images, ImageInputs):
+            raise ValueError(
+                f"requests[{index}].multi_modal_data['image'] is a {type(images).__name__}; pass "
+                "the processed ImageInputs the datasets give (lightrft.data.vision)"
+            )
+        found = sum(1 for t in req.prompt_token_ids if t == self.image_token_id)
+        if found != sum(images.num_tokens):
+            raise ValueError(
+                f"requests[{index}] has {found} image tokens but its {len(images)} image(s) "
+                f"take {sum(images.num_tokens)}: prompt ids must hold the expanded placeholders"
+            )
+        return images
 
     def _fit_prompt(self, index: int, ids: list[int], p: SamplingParams) -> list[int]:
         limit = self.max_model_len - 1  # at least one token must fit after the prompt
         if len(ids) <= limit:
             return list(ids)
-        if not self.truncate_prompts:
+        if not self.truncate_prompts or self._images[index] is not None:
             raise ValueError(
                 f"requests[{index}] has {len(ids)} prompt tokens; the engine's max_model_len is "
                 f"{self.max_model_len} (room for at most {limit} prompt tokens). Shorten it, raise "
@@ -377,16 +439,45 @@ class NativeEngine:
             self._kv_pool = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self._kv_pool[:numel].view(shape)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: KVCache):
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache,
+        images: ImageInputs | None = None,
+    ):
         """Hidden states [B, q, H] of the base model for token ids [B, q]."""
+        extra = images.model_inputs(self.device) if images is not None else {}
+        if "pixel_values" in extra:
+            extra["pixel_values"] = extra["pixel_values"].to(self.dtype)
         out = self.base(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,
+            **extra,
         )
         return out.last_hidden_state
+
+    def _prefill_positions(
+        self, tokens: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, images
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill positions and the per-row decode offset (``rope_deltas``, [C]).
+
+        Text models: ``pos`` ([C, P]) and zeros. M-RoPE models: the model's 3-D positions
+        ([3, C, P]) of the left-padded rows (``real``: [C, P] bool, False on padding).
+        """
+        zero = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+        if self.rope is None:
+            return pos, zero
+        mm = (tokens == self.image_token_id).int()  # [C, P]
+        grid = images.image_grid_thw.to(tokens.device) if images is not None else None
+        pos3, deltas = self.rope.get_rope_index(
+            tokens, mm_token_type_ids=mm, image_grid_thw=grid, attention_mask=real.long()
+        )
+        return pos3, deltas.reshape(-1).to(torch.long)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -421,13 +512,19 @@ class NativeEngine:
         chunk = max(1, self.max_prefill_tokens // plen)
         causal = slot[:plen, None] >= slot[None, :plen]  # [P, P]
         eye = torch.eye(plen, dtype=torch.bool, device=dev)
+        deltas = []
         for r0 in range(0, u, chunk):
             r1 = min(u, r0 + chunk)
             # Padding queries attend to themselves only, so no softmax row is empty (NaN).
             mask = (causal[None] & key_ok[r0:r1, None, :plen]) | eye  # [C, P, P]
             pos = (slot[None, :plen] - pad[r0:r1, None]).clamp(min=0)  # [C, P]
+            images = ImageInputs.cat([self._images[i] for i in wave[r0:r1]])
+            pos, delta = self._prefill_positions(
+                tokens[r0:r1], pos, key_ok[r0:r1, :plen], images
+            )  # [C, P] or [3, C, P]; [C]
+            deltas.append(delta)
             cache.rows, cache.pos = slice(r0, r1), 0
-            hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache)  # [C, P, H]
+            hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, images)  # [C, P, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
                 i = wave[r]
@@ -446,6 +543,8 @@ class NativeEngine:
         logits = logits_u[src]  # [R, V]
         key_ok = key_ok[src]  # [R, T]
         row_pad = pad[src]  # [R]
+        # Decode position = tokens so far + rope delta (0 without M-RoPE).
+        row_delta = torch.cat(deltas)[src]  # [R]
 
         out_tok = torch.full((rows, max_new), -1, dtype=torch.long, device=dev)
         out_lp = torch.zeros((rows, max_new), dtype=torch.float32, device=dev)
@@ -455,7 +554,9 @@ class NativeEngine:
         s = state
         for step in range(max_new):
             temp = s.first_temperature if step == 0 else s.temperature
-            tok, lp = smp.sample(logits, temp, s.top_k, s.top_p, smp.uniforms(s.seed, step))
+            tok, lp = smp.sample(
+                logits, temp, s.top_k, s.top_p, smp.uniforms(s.seed, step), self.suppress_ids
+            )
             out_tok[live, step] = tok
             out_lp[live, step] = lp
             hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
@@ -468,10 +569,13 @@ class NativeEngine:
                 # Finished rows leave the batch at once: they cost no further compute.
                 keep = cache.compact(~done, plen + step)
                 live, tok, key_ok, row_pad = live[keep], tok[keep], key_ok[keep], row_pad[keep]
+                row_delta = row_delta[keep]
                 s = _select(s, keep)
             t = plen + step  # cache slot of the token being fed
             mask = key_ok[:, None, None, : t + 1]  # [A, 1, 1, t+1]
-            pos = (t - row_pad)[:, None]  # [A, 1]
+            pos = (t - row_pad + row_delta)[:, None]  # [A, 1]
+            if self.rope is not None:
+                pos = pos[None].expand(3, -1, -1)  # [3, A, 1]: text tokens use one position
             hidden = self._forward(tok[:, None], pos, mask, cache)  # [A, 1, H]
             cache.pos = t + 1
             logits = self._logits(hidden[:, -1])  # [A, V]

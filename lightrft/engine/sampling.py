@@ -94,6 +94,7 @@ def sample(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     u: torch.Tensor,
+    suppress: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return ``(tokens [A], logprobs [A])``.
 
@@ -102,18 +103,26 @@ def sample(
     processed distribution at ``u`` ([A] float64 in (0, 1)). Log-probs are under the processed
     distribution, i.e. what the trainer's temperature-scaled log-softmax gives when top-k / top-p
     are off.
+
+    ``suppress``: token ids ([S]) never drawn (a VLM's image placeholders). They are removed
+    from the draw (the rest renormalised) but not from the reported log-probs, which stay the
+    model's own, as the trainer computes them.
     """
     logits = logits.float()
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     masked = process_logits(logits, temp, top_k, top_p)  # [A, V]
     logp = masked.log_softmax(dim=-1)  # [A, V]
+    draw_from, pick_from = logp, logits
+    if suppress is not None and suppress.numel():
+        draw_from = logp.index_fill(-1, suppress, float("-inf"))
+        pick_from = logits.index_fill(-1, suppress, float("-inf"))
     # float64 CDF: resolves tokens far below fp32's 6e-8 steps near 1.
-    cdf = logp.double().exp().cumsum(dim=-1)  # [A, V]
+    cdf = draw_from.double().exp().cumsum(dim=-1)  # [A, V]
     target = (u * cdf[:, -1]).unsqueeze(-1)  # [A, 1]
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     drawn = drawn.clamp_(max=logits.shape[-1] - 1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)  # [A]
+    tokens = torch.where(greedy, pick_from.argmax(dim=-1), drawn)  # [A]
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 

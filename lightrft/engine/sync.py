@@ -89,8 +89,13 @@ def _lora_factors(module: nn.Module, name: str) -> list[_Lora]:
     ]
 
 
-def plan_weights(model: nn.Module) -> list[_Item]:
-    """The weights to send, in registration order (identical on every rank)."""
+def plan_weights(model: nn.Module, *, skip_frozen: bool = False) -> list[_Item]:
+    """The weights to send, in registration order (identical on every rank).
+
+    ``skip_frozen`` leaves out parameters that do not require grad and carry no LoRA adapter:
+    they never change, so an engine that already holds them (built from the same checkpoint,
+    no level-2 sleep since) need not receive them again, e.g. a frozen vision tower.
+    """
     seen: set[int] = set()
     items = []
     for name, param in model.named_parameters():
@@ -111,6 +116,8 @@ def plan_weights(model: nn.Module) -> list[_Item]:
             owner = model.get_submodule(name[: -len(".base_layer.weight")])
             if _is_lora_layer(owner):
                 loras = _lora_factors(owner, name)
+        if skip_frozen and not param.requires_grad and not loras:
+            continue
         items.append(_Item(hf_name(name), param, loras))
     return items
 
@@ -283,6 +290,7 @@ def iter_weight_buckets(
     *,
     dtype: torch.dtype | None = None,
     bucket_bytes: int = 512 * 2**20,
+    skip_frozen: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of ``(hf_name, full tensor)`` cast to ``dtype``, about ``bucket_bytes`` each.
 
@@ -292,7 +300,7 @@ def iter_weight_buckets(
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     ws = _WORKSPACES.setdefault(model, _Workspace())
-    for items in _split(plan_weights(model), dtype, bucket_bytes):
+    for items in _split(plan_weights(model, skip_frozen=skip_frozen), dtype, bucket_bytes):
         yield _full_bucket(items, dtype, ws)
 
 
@@ -309,18 +317,22 @@ def sync_weights(
     *,
     bucket_bytes: int = 512 * 2**20,
     dtype: torch.dtype | None = None,
+    skip_frozen: bool = False,
 ) -> SyncStats:
     """Copy ``model``'s weights into ``engine`` (call on every rank; ``engine`` may be None on
     ranks that only take part in the all-gathers), then reset the engine's prefix cache.
 
     ``dtype`` defaults to ``engine.dtype`` when the engine has one. ``bucket_bytes`` bounds the
     full tensors held at once (in ``dtype``; a single larger tensor goes alone): each bucket is
-    one all-gather and one ``engine.load_weights`` call.
+    one all-gather and one ``engine.load_weights`` call. ``skip_frozen``: see
+    :func:`plan_weights` (after a level-2 sleep the engine needs every weight: keep it False).
     """
     if dtype is None and engine is not None:
         dtype = getattr(engine, "dtype", None)
     tensors = total = buckets = 0
-    for bucket in iter_weight_buckets(model, dtype=dtype, bucket_bytes=bucket_bytes):
+    for bucket in iter_weight_buckets(
+        model, dtype=dtype, bucket_bytes=bucket_bytes, skip_frozen=skip_frozen
+    ):
         if engine is not None:
             engine.load_weights(bucket)
         buckets += 1

@@ -8,6 +8,14 @@ Sleep mode frees GPU memory while the trainer runs; weights are loaded into the 
 model under HF names. Log-probs are vLLM's ``processed_logprobs`` (after temperature / top-k /
 top-p), the same quantity the native engine returns.
 
+Vision-language requests (``multi_modal_data={"image": ImageInputs}``, prompt ids with expanded
+placeholders, as the native engine takes them) are sent as vLLM documents tokenized multimodal
+prompts: each image's placeholder run collapsed to one token (vLLM's processor expands it again),
+the resized PIL images under ``multi_modal_data["image"]`` and the image-processor settings the
+datasets used under ``mm_processor_kwargs``. Vision tokens are kept out of sampling with
+``logit_bias`` -100; vLLM's processed log-probs then include that bias, unlike the native
+engine's (the difference is the suppressed mass, ~0 once a model has learnt not to emit them).
+
 ``vllm`` is imported only when a ``VLLMEngine`` is built: this module imports without it. vLLM's
 PyPI wheel is CUDA-only. Written against vllm 0.32.0 (the newest release pinning torch 2.13).
 """
@@ -22,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lightrft.data.vision import ImageInputs
 from lightrft.engine.protocol import (
     Completion,
     Request,
@@ -56,11 +65,14 @@ def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
     return [list(range(g * tp_size, (g + 1) * tp_size)) for g in range(world_size // tp_size)]
 
 
-def vllm_sampling_kwargs(p: SamplingParams, *, first_token: bool = False) -> dict[str, Any]:
+def vllm_sampling_kwargs(
+    p: SamplingParams, *, first_token: bool = False, suppress_token_ids: Sequence[int] = ()
+) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one of our ``SamplingParams``.
 
     ``first_token=True`` gives the first phase of FIRE sampling: one token at
     ``first_token_temperature``. ``logprobs=0`` asks for the sampled token's log-prob only.
+    ``suppress_token_ids`` (a VLM's vision tokens) get ``logit_bias`` -100 (vLLM's floor).
     """
     kwargs: dict[str, Any] = {
         "n": p.n,
@@ -78,7 +90,65 @@ def vllm_sampling_kwargs(p: SamplingParams, *, first_token: bool = False) -> dic
         kwargs.update(temperature=p.first_token_temperature, max_tokens=1)
     if p.prompt_logprobs:
         kwargs["prompt_logprobs"] = 0
+    if suppress_token_ids:
+        kwargs["logit_bias"] = {int(t): -100.0 for t in suppress_token_ids}
     return kwargs
+
+
+def vllm_prompt(
+    ids: Sequence[int], multi_modal_data: dict[str, Any] | None, image_token_id: int | None
+) -> dict[str, Any]:
+    """The vLLM ``TokensPrompt`` dict of a request whose prompt ids hold expanded placeholders.
+
+    Images (``{"image": ImageInputs}``) become the PIL list vLLM takes; each image's run of
+    ``num_tokens`` placeholder tokens is collapsed to one (vLLM's processor expands it again,
+    with the same image-processor settings, sent as ``mm_processor_kwargs``).
+    """
+    prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+    if not multi_modal_data:
+        return prompt
+    mm = dict(multi_modal_data)
+    images = mm.get("image")
+    if images is not None:
+        if not isinstance(images, ImageInputs):
+            raise ValueError(
+                f"multi_modal_data['image'] is a {type(images).__name__}; pass the processed "
+                "ImageInputs the datasets give (lightrft.data.vision)"
+            )
+        if image_token_id is None:
+            raise ValueError("multi_modal_data has images but the model is not vision-language")
+        prompt["prompt_token_ids"] = collapse_placeholders(ids, image_token_id, images.num_tokens)
+        mm["image"] = list(images.images)
+        if images.processor_kwargs:
+            prompt["mm_processor_kwargs"] = dict(images.processor_kwargs)
+    prompt["multi_modal_data"] = mm
+    return prompt
+
+
+def collapse_placeholders(
+    ids: Sequence[int], image_token_id: int, num_tokens: Sequence[int]
+) -> list[int]:
+    """``ids`` with the k-th image's ``num_tokens[k]`` placeholder tokens replaced by one."""
+    out: list[int] = []
+    k = j = 0
+    while j < len(ids):
+        if ids[j] != image_token_id:
+            out.append(ids[j])
+            j += 1
+            continue
+        if k >= len(num_tokens):
+            raise ValueError(f"the prompt has more image tokens than its {len(num_tokens)} images")
+        run = list(ids[j : j + num_tokens[k]])
+        if len(run) != num_tokens[k] or any(t != image_token_id for t in run):
+            raise ValueError(
+                f"image {k} needs {num_tokens[k]} consecutive image tokens in the prompt"
+            )
+        out.append(image_token_id)
+        j += num_tokens[k]
+        k += 1
+    if k != len(num_tokens):
+        raise ValueError(f"the prompt places {k} of its {len(num_tokens)} images")
+    return out
 
 
 def _sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float]:
@@ -128,10 +198,13 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
 
     ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from lightrft.models.vision import is_vision_language
+
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return accepted, {name for name, _ in model.named_parameters()}
 
@@ -229,7 +302,12 @@ class VLLMEngine:
         rng.restore()
         self._vllm = vllm
         hf_config = self.llm.llm_engine.model_config.hf_config
-        self.vocab_size = int(hf_config.vocab_size)
+        from lightrft.models.vision import image_token_id, is_vision_language, vision_token_ids
+
+        vlm = is_vision_language(hf_config)
+        self.vocab_size = int(hf_config.get_text_config().vocab_size)
+        self.image_token_id = image_token_id(hf_config) if vlm else None
+        self.suppress_token_ids = vision_token_ids(hf_config) if vlm else []
         self._names, self._required = hf_weight_names(hf_config)
         self._asleep: set[str] = set()
         self._unloaded: set[str] = set()
@@ -316,10 +394,10 @@ class VLLMEngine:
         return mine
 
     def _prompt(self, ids: list[int], req: Request) -> dict[str, Any]:
-        prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
-        if req.multi_modal_data:
-            prompt["multi_modal_data"] = req.multi_modal_data
-        return prompt
+        return vllm_prompt(ids, req.multi_modal_data, self.image_token_id)
+
+    def _sampling(self, p: SamplingParams, **kwargs: Any) -> dict[str, Any]:
+        return vllm_sampling_kwargs(p, suppress_token_ids=self.suppress_token_ids, **kwargs)
 
     def _generate_all(
         self, requests: list[Request], params: list[SamplingParams]
@@ -331,7 +409,7 @@ class VLLMEngine:
         if plain:
             outs = self.llm.generate(
                 [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in plain],
-                [vllm.SamplingParams(**vllm_sampling_kwargs(params[i])) for i in plain],
+                [vllm.SamplingParams(**self._sampling(params[i])) for i in plain],
                 use_tqdm=False,
             )
             result += completions_from_outputs(
@@ -351,10 +429,7 @@ class VLLMEngine:
         firsts = completions_from_outputs(
             self.llm.generate(
                 [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in index],
-                [
-                    vllm.SamplingParams(**vllm_sampling_kwargs(params[i], first_token=True))
-                    for i in index
-                ],
+                [vllm.SamplingParams(**self._sampling(params[i], first_token=True)) for i in index],
                 use_tqdm=False,
             ),
             index,
@@ -370,7 +445,7 @@ class VLLMEngine:
         rest_prompts, rest_params = [], []
         for c in todo:
             p = params[c.request_index]
-            kwargs = vllm_sampling_kwargs(p)
+            kwargs = self._sampling(p)
             # A distinct stream per sample: each continuation is its own n=1 request.
             seed = None if p.seed is None else p.seed + 1_000_003 * (c.sample_index + 1)
             kwargs.update(n=1, max_tokens=p.max_tokens - 1, seed=seed, prompt_logprobs=None)

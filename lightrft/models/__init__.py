@@ -1,13 +1,25 @@
-"""Loading actor, critic and reward models and their tokenizers from HF directories."""
+"""Loading actor, critic and reward models with their tokenizers or processors (text and
+vision-language) from HF directories; parallelize(); tiny test models."""
 
-from lightrft.models.loading import load_causal_lm, load_tokenizer
+from lightrft.models.loading import load_causal_lm, load_model, load_tokenizer
 from lightrft.models.parallel import parallelize
 from lightrft.models.tiny import ensure_tiny_model, make_tiny_model
+from lightrft.models.vision import (
+    is_vision_language,
+    load_processor,
+    load_vision_model,
+    set_vision_trainable,
+)
 
 __all__ = [
     "ensure_tiny_model",
+    "is_vision_language",
     "load_causal_lm",
+    "load_model",
+    "load_processor",
     "load_tokenizer",
+    "load_vision_model",
     "make_tiny_model",
     "parallelize",
+    "set_vision_trainable",
 ]

@@ -57,6 +57,22 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
     return tok
 
 
+def _from_pretrained(
+    auto,
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
+    trust_remote_code: bool,
+    attn_implementation: str | None,
+):
+    _check_local(path)
+    kwargs = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    return auto.from_pretrained(path, **kwargs).to(device)
+
+
 def load_causal_lm(
     path: str | Path,
     *,
@@ -68,9 +84,38 @@ def load_causal_lm(
     """A ``transformers`` causal LM from a local directory or hub id, in ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM
 
+    return _from_pretrained(
+        AutoModelForCausalLM,
+        path,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+):
+    """A causal LM, or an ``AutoModelForImageTextToText`` model when the checkpoint's config has
+    a ``vision_config`` (a vision-language model): one call for recipes."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from lightrft.models.vision import is_vision_language
+
     _check_local(path)
-    kwargs = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    return model.to(device)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    vlm = is_vision_language(config)
+    return _from_pretrained(
+        AutoModelForImageTextToText if vlm else AutoModelForCausalLM,
+        path,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )

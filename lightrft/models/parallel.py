@@ -7,27 +7,46 @@ import torch.distributed as dist
 from torch import nn
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin)."""
-    for path in (
-        "model.layers",
-        "model.language_model.layers",
-        "transformer.h",
-        "gpt_neox.layers",
-        "model.decoder.layers",
-        "layers",
-    ):
-        mod = model
+def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
+    """The first ``nn.ModuleList`` found at one of the dotted ``paths`` under ``root``."""
+    for path in paths:
+        mod = root
         for part in path.split("."):
             mod = getattr(mod, part, None)
             if mod is None:
                 break
         if isinstance(mod, nn.ModuleList):
             return mod
+    return None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin)."""
+    layers = find_module_list(
+        model,
+        (
+            "model.layers",
+            "model.language_model.layers",
+            "transformer.h",
+            "gpt_neox.layers",
+            "model.decoder.layers",
+            "layers",
+        ),
+    )
+    if layers is not None:
+        return layers
     raise ValueError(
         f"cannot find the decoder layers of {type(model).__name__}; "
         "pass a model with a `model.layers` ModuleList"
     )
+
+
+def _vision_blocks(model: nn.Module) -> list[nn.Module]:
+    from lightrft.models.vision import is_vision_language, vision_blocks
+
+    if not is_vision_language(getattr(model, "config", None)):
+        return []
+    return list(vision_blocks(model))
 
 
 def default_param_dtype(device: torch.device | str) -> torch.dtype:
@@ -50,7 +69,8 @@ def parallelize(
 
     1. activation checkpointing wraps each decoder block (recompute in backward);
     2. ``torch.compile`` compiles each block in place (names keep no ``_orig_mod.`` prefix);
-    3. FSDP2 ``fully_shard`` shards each block, then the root, with a ``MixedPrecisionPolicy``.
+    3. FSDP2 ``fully_shard`` shards each block, then the root, with a ``MixedPrecisionPolicy``;
+       a vision-language model's vision-tower blocks are sharded each as well.
 
     ``shard=None`` shards when a process group is initialised; a single plain process keeps
     ordinary tensors so the same recipe runs unchanged on a laptop.
@@ -74,6 +94,11 @@ def parallelize(
     if param_dtype is None:
         param_dtype = default_param_dtype(next(model.parameters()).device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # A vision-language model's vision blocks are sharded one by one too (trained or frozen: a
+    # frozen tower costs no gradients but its weights are as large). The tower runs before the
+    # decoder, so its blocks are gathered and resharded like the decoder's.
+    for block in _vision_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for i, layer in enumerate(layers):
         # The last block is gathered again right away by the root's backward: keep it unsharded.
         last = i == len(layers) - 1

@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised Hugging Face models with a real tokenizer.
+"""Tiny, randomly initialised Hugging Face models with a real tokenizer (and processor).
 
 Tests and demos need a model that loads through exactly the same code path as a real checkpoint
 (``from_pretrained`` on a directory holding ``config.json``, ``model.safetensors`` and the tokenizer
@@ -6,6 +6,11 @@ files) without a model hub. :func:`make_tiny_model` writes such a directory.
 
 The tokenizer is character level: every printable ASCII character plus newline is one token, and
 the chat markers are special tokens, so a chat template renders like Qwen's ChatML.
+
+Vision-language archs (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``) also write a
+processor (PIL image processor, no torchvision) and a chat template that renders
+``{"type": "image"}`` content parts as the model's vision placeholder; see
+:mod:`lightrft.models.vision`.
 """
 
 from __future__ import annotations
@@ -25,22 +30,46 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ARCHS = ("qwen2", "llama")
+TEXT_ARCHS = ("qwen2", "llama")
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
+ARCHS = TEXT_ARCHS + VISION_ARCHS
+
+# Qwen2-VL's vision markers, in the order the real tokenizer has them.
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+LLAVA_IMAGE_TOKEN = "<image>"
 
 
-def char_tokenizer():
-    """A fast character-level tokenizer with ChatML special tokens."""
+def _vision_chat_template(image: str) -> str:
+    """ChatML whose content may be a string or a list of HF content parts; each
+    ``{"type": "image"}`` part renders as ``image`` (the processor expands it per image)."""
+    return (
+        "{% for message in messages %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}" + image + "{% elif part['type'] == 'text' %}"
+        "{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+def char_tokenizer(extra_special: list[str] | tuple[str, ...] = ()):
+    """A fast character-level tokenizer with ChatML special tokens (plus ``extra_special``)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
+    specials = SPECIAL_TOKENS + list(extra_special)
     chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab = {tok: i for i, tok in enumerate(specials)}
     for ch in chars:
         vocab[ch] = len(vocab)
     # BPE without merges splits text into single characters; Fuse joins them back on decode.
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     core.decoder = decoders.Fuse()
-    core.add_special_tokens(SPECIAL_TOKENS)
+    core.add_special_tokens(specials)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|im_end|>",
@@ -67,8 +96,8 @@ def tiny_config(
 ):
     from transformers import LlamaConfig, Qwen2Config
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if arch not in TEXT_ARCHS:
+        raise ValueError(f"arch must be one of {TEXT_ARCHS}, got {arch!r}")
     if hidden % heads:
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
     if heads % kv_heads:
@@ -109,10 +138,24 @@ def make_tiny_model(
     """Write a random-init causal LM plus tokenizer to ``out_dir`` and return the path.
 
     The vocabulary is padded to a multiple of 16, as real checkpoints do, so the embedding has a
-    few rows that no token maps to.
+    few rows that no token maps to. A vision-language ``arch`` (:data:`VISION_ARCHS`) writes an
+    image-text-to-text model with a small vision tower and its processor instead.
     """
     from transformers import AutoModelForCausalLM
 
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    sizes = {
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "intermediate": intermediate,
+        "max_positions": max_positions,
+        "tie_embeddings": tie_embeddings,
+    }
+    if arch in VISION_ARCHS:
+        return _make_tiny_vlm(out_dir, arch=arch, seed=seed, **sizes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = char_tokenizer()
@@ -120,23 +163,23 @@ def make_tiny_model(
     cfg = tiny_config(
         vocab_size,
         arch=arch,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate=intermediate,
-        max_positions=max_positions,
-        tie_embeddings=tie_embeddings,
+        **sizes,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    return _save_random(AutoModelForCausalLM, cfg, tok, tok, seed, out)
+
+
+def _save_random(auto, cfg, tok, saver, seed: int, out: Path) -> Path:
+    """Random-init ``auto.from_config(cfg)`` with ``seed`` (global RNG untouched), saved to
+    ``out`` with ``saver`` (the tokenizer, or the processor holding it)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = auto.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    saver.save_pretrained(out)
     # Recorded so that loaders use tokenizer.json as written instead of the tokenizer class that
     # transformers associates with the model type (Qwen2's byte-level BPE would re-split text).
     cfg_path = out / "tokenizer_config.json"
@@ -144,6 +187,167 @@ def make_tiny_model(
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(tok_cfg, indent=2))
     return out
+
+
+# Tiny images: 14-pixel patches (Qwen3-VL: 16) merged 2x2, so a 56x56 image is 16 patches and
+# 4 LLM tokens; at most 16 merged tokens per image.
+_PATCH = 14
+
+
+def _patch(arch: str) -> int:
+    return 16 if arch == "qwen3_vl" else _PATCH
+
+
+def _vlm_config(
+    arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions, tie_embeddings
+):
+    """The HF config of a tiny vision-language model whose special ids match ``tok``."""
+    from transformers import AutoConfig
+
+    head_dim = hidden // heads
+    vocab_size = -(-len(tok) // 16) * 16
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate or 4 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-6,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": tie_embeddings,
+    }
+    vision_width = 32
+    if arch == "llava":
+        text["model_type"] = "llama"
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        return AutoConfig.for_model(
+            "llava",
+            text_config=text,
+            vision_config={
+                "model_type": "clip_vision_model",
+                "hidden_size": vision_width,
+                "intermediate_size": 2 * vision_width,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "image_size": 2 * _PATCH,
+                "patch_size": _PATCH,
+                "projection_dim": vision_width,
+            },
+            image_token_id=tok.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-1,
+            image_seq_length=4,
+            tie_word_embeddings=tie_embeddings,
+        )
+    # M-RoPE splits the rotary half-dimension over (time, height, width): the sections must sum
+    # to head_dim / 2, else the model's cos/sin do not match q and k.
+    half = head_dim // 2
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": section,
+    }
+    vision = {
+        "depth": 2,
+        "num_heads": 2,
+        "patch_size": _patch(arch),
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+    }
+    # The merger projects vision features to the text width: its output size must equal hidden.
+    if arch == "qwen2_vl":
+        vision.update(embed_dim=vision_width, hidden_size=hidden, mlp_ratio=2)
+    elif arch == "qwen3_vl":
+        text["head_dim"] = head_dim
+        text["rope_parameters"]["mrope_interleaved"] = True
+        # A 4x4 grid of learned position embeddings (interpolated to each image's grid), and
+        # deepstack features taken after both blocks.
+        vision.update(
+            hidden_size=vision_width,
+            out_hidden_size=hidden,
+            intermediate_size=2 * vision_width,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        )
+    else:
+        vision.update(
+            hidden_size=vision_width,
+            out_hidden_size=hidden,
+            intermediate_size=2 * vision_width,
+            window_size=2 * 2 * _PATCH,
+            fullatt_block_indexes=[1],
+        )
+    ids = {
+        name: tok.convert_tokens_to_ids(token)
+        for name, token in zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+            QWEN_VISION_TOKENS,
+            strict=True,
+        )
+    }
+    return AutoConfig.for_model(
+        arch, text_config=text, vision_config=vision, tie_word_embeddings=tie_embeddings, **ids
+    )
+
+
+def _tiny_processor(arch: str, tok):
+    """The processor of a tiny VLM: PIL image processor, tokenizer and chat template."""
+    from lightrft.models import vision
+
+    if arch == "llava":
+        from transformers import LlavaProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        size = 2 * _PATCH
+        return LlavaProcessor(
+            image_processor=CLIPImageProcessorPil(
+                size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+            ),
+            tokenizer=tok,
+            patch_size=_PATCH,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=_vision_chat_template(LLAVA_IMAGE_TOKEN),
+        )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    cls = vision.processor_classes()[arch]
+    merged = 2 * _patch(arch)  # pixels per side of one LLM token
+    return cls(
+        image_processor=Qwen2VLImageProcessorPil(
+            min_pixels=merged * merged,
+            max_pixels=merged * merged * 16,
+            patch_size=_patch(arch),
+        ),
+        tokenizer=tok,
+        chat_template=_vision_chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
+    )
+
+
+def _make_tiny_vlm(out_dir: str | Path, *, arch: str, seed: int, **sizes: Any) -> Path:
+    from transformers import AutoModelForImageTextToText
+
+    if sizes["hidden"] % sizes["heads"] or sizes["heads"] % sizes["kv_heads"]:
+        raise ValueError(
+            f"hidden ({sizes['hidden']}) must be divisible by heads ({sizes['heads']}), and "
+            f"heads by kv_heads ({sizes['kv_heads']})"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    extra = [LLAVA_IMAGE_TOKEN] if arch == "llava" else QWEN_VISION_TOKENS
+    tok = char_tokenizer(extra)
+    proc = _tiny_processor(arch, tok)
+    tok.chat_template = proc.chat_template
+    cfg = _vlm_config(arch, tok, **sizes)
+    return _save_random(AutoModelForImageTextToText, cfg, tok, proc, seed, out)
 
 
 _SETTINGS_FILE = "lightrft_tiny.json"

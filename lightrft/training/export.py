@@ -2,7 +2,10 @@
 
 The export holds ``model.safetensors`` (or shards + index), ``config.json``,
 ``generation_config.json`` and the tokenizer files, so ``AutoModelForCausalLM.from_pretrained``
-and vLLM load it directly.
+and vLLM load it directly. A vision-language model is exported with its processor in place of the
+tokenizer: the processor files (``processor_config.json`` with the image processor, the chat
+template, the tokenizer) let ``AutoModelForImageTextToText`` and ``AutoProcessor`` (or
+:func:`lightrft.models.load_processor`) load it back.
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ def export_hf(
     max_shard_size: str | int = "5GB",
 ) -> Path:
     """Write ``model`` (plain or FSDP2) and ``tokenizer`` as an HF directory at ``out_dir``.
+
+    ``tokenizer``: the tokenizer, or a vision-language model's processor (anything with
+    ``save_pretrained``; the processor writes its image-processor and tokenizer files).
 
     Collective: call on every rank. Rank 0 writes into ``<out_dir>.tmp`` and renames it to
     ``out_dir`` only when complete, replacing an older export there, so a crash never leaves a

@@ -1,0 +1,166 @@
+"""A synthetic visual counting task with verifiable answers, for tiny vision-language demos.
+
+Each image is a ``grid x grid`` board of ``cell``-pixel cells on a white background; some cells hold
+a filled square of a random colour. The question asks how many squares there are; the answer is
+the count (an integer, scored by the math verifier's ``last_number`` extractor). With the default
+28-pixel cells every cell is exactly one Qwen-VL vision token (14-pixel patches merged 2x2), so a
+tiny model can learn the task from its vision tokens alone.
+
+Records (``train.jsonl``, ``test.jsonl``) carry ``prompt`` (with an ``<image>`` tag), ``images``
+(a PNG path relative to the data file), ``completion`` (the answer, for SFT), ``answer`` (the
+reference, for RL verifiers) and ``label``. Train and test boards are disjoint.
+:func:`ensure_shapes_dataset` writes them only when absent or made with other settings, so a
+config can call it on every start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+from lightrft.data.io import made_with, write_jsonl
+
+__all__ = ["COLOURS", "ensure_shapes_dataset", "shapes_records", "write_shapes_dataset"]
+
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 60),
+    "blue": (40, 70, 220),
+    "yellow": (230, 200, 20),
+    "purple": (140, 50, 170),
+}
+META = "meta.json"
+QUESTION = "<image>How many squares are in the picture? Answer with a number."
+
+
+def _check(grid: int, min_count: int, max_count: int, cell: int) -> None:
+    if grid < 1 or cell < 4:
+        raise ValueError(f"need grid >= 1 and cell >= 4 pixels, got grid={grid}, cell={cell}")
+    if not 0 <= min_count <= max_count <= grid * grid:
+        raise ValueError(
+            f"need 0 <= min_count <= max_count <= grid*grid ({grid * grid}), got "
+            f"min_count={min_count}, max_count={max_count}"
+        )
+
+
+def _board(rng: random.Random, grid: int, count: int) -> tuple:
+    """A board with ``count`` squares: one entry per cell, a colour name or None."""
+    cells = set(rng.sample(range(grid * grid), count))
+    names = sorted(COLOURS)
+    return tuple(rng.choice(names) if k in cells else None for k in range(grid * grid))
+
+
+def draw_board(board: tuple, grid: int, cell: int):
+    """The PIL image of a board: each filled cell holds a square inset by a fifth of a cell."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (grid * cell, grid * cell), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    pad = max(1, cell // 5)
+    for k, colour in enumerate(board):
+        if colour is None:
+            continue
+        x, y = (k % grid) * cell, (k // grid) * cell
+        draw.rectangle([x + pad, y + pad, x + cell - pad - 1, y + cell - pad - 1], COLOURS[colour])
+    return img
+
+
+def shapes_records(
+    n: int,
+    *,
+    grid: int = 3,
+    min_count: int = 1,
+    max_count: int = 5,
+    seed: int = 0,
+    exclude: set[tuple] | None = None,
+) -> list[tuple[tuple, dict[str, Any]]]:
+    """``n`` ``(board, record)`` pairs, none with a board in ``exclude``; the records' ``images``
+    are filled in when the boards are written.
+
+    Counts are uniform in ``min_count..max_count``. Boards may repeat within a split: small
+    counts have few distinct boards (9 cells and 5 colours give 45 one-square boards against
+    thousands of five-square ones), and drawing distinct boards would skew the answers towards
+    large counts, which a model then learns as a prior instead of counting.
+    """
+    _check(grid, min_count, max_count, 28)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    exclude = exclude or set()
+    out = []
+    tries = 0
+    while len(out) < n:
+        # The count first, then a board with it outside ``exclude``: rejecting whole draws would
+        # favour the counts with more boards left.
+        count = rng.randint(min_count, max_count)
+        board = _board(rng, grid, count)
+        while board in exclude:
+            tries += 1
+            if tries > 50 * (n + 10):
+                raise ValueError(
+                    f"could not draw {n} boards outside the {len(exclude)} excluded "
+                    f"(grid={grid}, counts {min_count}..{max_count}): ask for fewer test "
+                    "boards or raise grid"
+                )
+            board = _board(rng, grid, count)
+        answer = str(count)
+        out.append(
+            (board, {"prompt": QUESTION, "completion": answer, "answer": answer, "label": "count"})
+        )
+    return out
+
+
+def write_shapes_dataset(
+    out_dir: str | os.PathLike,
+    *,
+    n_train: int = 2000,
+    n_test: int = 200,
+    grid: int = 3,
+    min_count: int = 1,
+    max_count: int = 5,
+    cell: int = 28,
+    seed: int = 0,
+) -> Path:
+    """Write ``images/*.png``, ``train.jsonl``, ``test.jsonl`` (disjoint boards), ``meta.json``."""
+    _check(grid, min_count, max_count, cell)
+    settings = dict(
+        n_train=n_train,
+        n_test=n_test,
+        grid=grid,
+        min_count=min_count,
+        max_count=max_count,
+        cell=cell,
+        seed=seed,
+    )
+    common = dict(grid=grid, min_count=min_count, max_count=max_count)
+    test = shapes_records(n_test, seed=seed + 1, **common)
+    train = shapes_records(n_train, seed=seed, exclude={b for b, _ in test}, **common)
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    for split, pairs in (("train", train), ("test", test)):
+        records = []
+        for k, (board, rec) in enumerate(pairs):
+            name = f"images/{split}_{k:06d}.png"
+            draw_board(board, grid, cell).save(out / name)
+            records.append({**rec, "images": [name]})
+        write_jsonl(out / f"{split}.jsonl", records)
+    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
+    return out
+
+
+def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
+    """:func:`write_shapes_dataset` unless ``out_dir`` already holds it with these settings."""
+    defaults = dict(n_train=2000, n_test=200, grid=3, min_count=1, max_count=5, cell=28, seed=0)
+    unknown = sorted(set(settings) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"ensure_shapes_dataset: unknown argument {unknown[0]!r}; valid: {sorted(defaults)}"
+        )
+    want = {**defaults, **settings}
+    out = Path(out_dir)
+    if made_with(out, ("train.jsonl", "test.jsonl"), want):
+        return out
+    return write_shapes_dataset(out, **want)

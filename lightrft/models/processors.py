@@ -1,0 +1,62 @@
+"""Qwen-VL processors without the video slot (images only), so they build without torchvision.
+
+The stock ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` / ``Qwen3VLProcessor`` refuse to build
+without a video processor, and the video processors need torchvision, which does not import beside
+the torch 2.13 CPU wheel. These subclasses pass ``None`` for the video slot; processing images and
+``apply_chat_template`` work as in the stock ones. They save and load under their own class names,
+registered with ``AutoProcessor`` when this module is imported (it imports transformers: import it
+through :func:`lightrft.models.vision.processor_classes`).
+"""
+
+from __future__ import annotations
+
+from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+
+__all__ = [
+    "PROCESSOR_CLASSES",
+    "Qwen2VLImageOnlyProcessor",
+    "Qwen2_5_VLImageOnlyProcessor",
+    "Qwen3VLImageOnlyProcessor",
+]
+
+
+class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
+    """``Qwen2VLProcessor`` without a video processor (images only; needs no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
+    """``Qwen2_5_VLProcessor`` without a video processor (images only; needs no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
+    """``Qwen3VLProcessor`` without a video processor (images only; needs no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+# model_type -> the image-only processor that stands in for the stock one.
+PROCESSOR_CLASSES: dict[str, type] = {
+    "qwen2_vl": Qwen2VLImageOnlyProcessor,
+    "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
+    "qwen3_vl": Qwen3VLImageOnlyProcessor,
+}
+
+
+def _register() -> None:
+    from transformers import AutoConfig, AutoProcessor
+
+    # exist_ok: re-importing (tests, runpy) must not fail. AutoProcessor resolves the class name
+    # written in processor_config.json against registered classes, so saved dirs load back.
+    for model_type, cls in PROCESSOR_CLASSES.items():
+        config_class = type(AutoConfig.for_model(model_type))
+        AutoProcessor.register(config_class, cls, exist_ok=True)
+
+
+_register()

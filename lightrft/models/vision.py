@@ -1,0 +1,291 @@
+"""Vision-language models: loading with their processors, the vision tower, and its freezing.
+
+Any ``AutoModelForImageTextToText`` checkpoint loads through :func:`load_vision_model`, its
+processor through :func:`load_processor`. Three facts shape this module:
+
+* the PyPI torchvision does not import beside the torch 2.13 CPU wheel, so transformers picks the
+  PIL image processors (``Qwen2VLImageProcessorPil``, ``CLIPImageProcessorPil``);
+* the stock ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor`` refuse to build without a video
+  processor, which needs torchvision. :mod:`lightrft.models.processors` holds the same processors
+  without the video slot; they save and load under their own class name, registered with
+  ``AutoProcessor`` when loaded (``AutoProcessor`` falls back to a bare tokenizer for a class it
+  does not know);
+* the vision tower is frozen by default for RL, as peers do (verl, OpenRLHF):
+  :func:`set_vision_trainable` freezes or unfreezes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = [
+    "image_token_id",
+    "is_vision_language",
+    "load_processor",
+    "load_vision_model",
+    "mrope_model",
+    "processor_classes",
+    "set_vision_trainable",
+    "vision_blocks",
+    "vision_token_ids",
+    "vision_tower_modules",
+]
+
+
+def processor_classes() -> dict[str, type]:
+    """model_type -> the image-only processor class standing in for the stock one (imports
+    transformers and registers the classes with ``AutoProcessor`` on first use)."""
+    from lightrft.models import processors
+
+    return processors.PROCESSOR_CLASSES
+
+
+def is_vision_language(config) -> bool:
+    """Whether an HF config describes a vision-language model (it has a ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def _model_type(path: str | Path) -> str | None:
+    cfg = Path(path) / "config.json"
+    if cfg.is_file():
+        return json.loads(cfg.read_text()).get("model_type")
+    return None
+
+
+def _processor_class_name(path: str | Path) -> str | None:
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            found = json.loads(f.read_text()).get("processor_class")
+            if found:
+                return found
+    return None
+
+
+def load_processor(path: str | Path, *, trust_remote_code: bool = False):
+    """The processor (image processor + tokenizer + chat template) of a local VLM dir or hub id.
+
+    A directory saved with one of our image-only processors loads as that class. A stock Qwen2-VL
+    / Qwen2.5-VL checkpoint loads with the stock processor where torchvision is present and with
+    the image-only one where it is not. The tokenizer gets a pad token (eos) if it has none.
+
+    Raises:
+        ValueError: the path holds no processor (e.g. a text-only model).
+    """
+    from transformers import AutoProcessor, ProcessorMixin
+
+    from lightrft.models.loading import _check_local
+
+    _check_local(path)
+    classes = processor_classes()
+    cls = {c.__name__: c for c in classes.values()}.get(_processor_class_name(path) or "")
+    if cls is None:
+        try:
+            proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (ValueError, ImportError, OSError, TypeError) as e:
+            # Without torchvision the stock Qwen-VL processors cannot build their video slot.
+            cls = classes.get(_model_type(path) or "")
+            if cls is None:
+                raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
+        else:
+            if (
+                not isinstance(proc, ProcessorMixin)
+                or getattr(proc, "image_processor", None) is None
+            ):
+                cls = classes.get(_model_type(path) or "")
+                if cls is None:
+                    raise ValueError(
+                        f"{str(path)!r} has no image processor (AutoProcessor gave "
+                        f"{type(proc).__name__}): is it a vision-language model directory?"
+                    )
+            else:
+                cls = None
+    if cls is not None:
+        proc = cls.from_pretrained(path)
+    tok = proc.tokenizer
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return proc
+
+
+def load_vision_model(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+) -> nn.Module:
+    """An ``AutoModelForImageTextToText`` model from a local directory or hub id."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightrft.models.loading import _from_pretrained
+
+    return _from_pretrained(
+        AutoModelForImageTextToText,
+        path,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The wrapped base model (``model.model``) of an ``*ForConditionalGeneration``."""
+    return getattr(model, getattr(model, "base_model_prefix", "model"), model)
+
+
+def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The vision encoder of a VLM by qualified name (``model.visual`` for Qwen-VL, which holds
+    the patch merger too; ``model.vision_tower`` for LLaVA, whose projector stays with the LM)."""
+    base = _base(model)
+    prefix = getattr(model, "base_model_prefix", "model")
+    for attr in ("visual", "vision_tower", "vision_model"):
+        mod = getattr(base, attr, None)
+        if isinstance(mod, nn.Module):
+            return {f"{prefix}.{attr}": mod}
+    raise ValueError(f"cannot find the vision tower of {type(model).__name__}")
+
+
+def vision_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of the vision tower (what FSDP2 shards one by one)."""
+    from lightrft.models.parallel import find_module_list
+
+    (tower,) = vision_tower_modules(model).values()
+    blocks = find_module_list(tower, ("blocks", "vision_model.encoder.layers", "encoder.layers"))
+    if blocks is not None:
+        return blocks
+    raise ValueError(f"cannot find the blocks of the vision tower {type(tower).__name__}")
+
+
+def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
+    """Freeze (``trainable=False``, the RL default) or unfreeze the vision tower in place.
+
+    Call before building the optimizer and before ``parallelize``. Returns the names of the
+    parameters whose ``requires_grad`` is now ``trainable``.
+    """
+    names = []
+    for prefix, tower in vision_tower_modules(model).items():
+        for name, p in tower.named_parameters():
+            p.requires_grad_(trainable)
+            names.append(f"{prefix}.{name}")
+    return names
+
+
+def image_token_id(config) -> int:
+    """The id of the image placeholder token (``image_token_id``, LLaVA's ``image_token_index``)."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"{type(config).__name__} names no image token id")
+
+
+def vision_token_ids(config) -> list[int]:
+    """Token ids that only the processor may place (image/video placeholders, vision markers).
+
+    A sampler must never emit them: the next forward would find more placeholders than image
+    features (a random tiny Qwen2-VL does sample ``<|image_pad|>``).
+    """
+    ids = []
+    for key in (
+        "image_token_id",
+        "image_token_index",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+    ):
+        value = getattr(config, key, None)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def mrope_model(model: nn.Module) -> nn.Module | None:
+    """The base model that computes M-RoPE positions (``get_rope_index``), or None (LLaVA)."""
+    base = _base(model)
+    return base if callable(getattr(base, "get_rope_index", None)) else None
+
+
+def vision_forward_kwargs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    images,
+) -> dict[str, torch.Tensor | None]:
+    """The keyword arguments of a VLM forward over ``input_ids`` ``[B, T]`` whose image tokens
+    belong to ``images`` (an :class:`~lightrft.data.vision.ImageInputs` of the batch, in order).
+
+    Besides ``pixel_values`` (and ``image_grid_thw``), M-RoPE models (Qwen-VL) get:
+
+    * ``mm_token_type_ids`` rebuilt as ``input_ids == image_token_id`` over prompt + completion
+      (the processor's covers the prompt only; Qwen2-VL refuses image grids without it);
+    * no 2-D ``position_ids`` for a padded batch (``attention_mask`` given): 2-D positions
+      silently replace the 3-D M-RoPE ones, so the model computes them from ids, grids and mask;
+    * for packed rows (``attention_mask=None``, ``position_ids`` restarting at 0 per sample), the
+      ``(4, B, T)`` form: per-sample text positions (from which transformers finds the sample
+      boundaries) over the per-sample 3-D M-RoPE positions.
+
+    Models without M-RoPE (LLaVA) take ordinary positions, so their packing works as for text.
+    """
+    kwargs: dict[str, torch.Tensor | None] = {
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    }
+    if images is None:
+        return kwargs
+    if not is_vision_language(getattr(model, "config", None)):
+        raise ValueError(
+            f"images were given but {type(model).__name__} is not a vision-language model"
+        )
+    kwargs.update(images.model_inputs(input_ids.device))
+    rope = mrope_model(model)
+    if rope is None:
+        return kwargs
+    mm = (input_ids == image_token_id(model.config)).int()  # [B, T]
+    kwargs["mm_token_type_ids"] = mm
+    if attention_mask is not None or position_ids is None:
+        kwargs["position_ids"] = None
+    else:
+        kwargs["position_ids"] = packed_mrope_positions(
+            rope, input_ids, mm, images.image_grid_thw, position_ids
+        )
+    return kwargs
+
+
+def packed_mrope_positions(
+    rope: nn.Module,
+    input_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``(4, B, T)`` positions of packed rows: row 0 the given per-sample text positions
+    ``[B, T]`` (restarting at 0 per sample), rows 1-3 each sample's own M-RoPE positions."""
+    b, t = input_ids.shape
+    out = torch.empty((4, b, t), dtype=torch.long, device=input_ids.device)
+    out[0] = position_ids
+    grid_at = 0
+    for r in range(b):
+        starts = (position_ids[r] == 0).nonzero().flatten().tolist() + [t]
+        for s, e in zip(starts[:-1], starts[1:], strict=True):
+            mm = mm_token_type_ids[r, s:e]
+            # An image is one run of placeholder tokens (vision start/end markers separate runs).
+            runs = int(((mm[1:] == 1) & (mm[:-1] == 0)).sum()) + int(mm[0] == 1) if e > s else 0
+            grids = None
+            if runs:
+                assert image_grid_thw is not None, "image tokens without image grid rows"
+                grids = image_grid_thw[grid_at : grid_at + runs]
+                grid_at += runs
+            pos, _ = rope.get_rope_index(
+                input_ids[r : r + 1, s:e], mm_token_type_ids=mm[None], image_grid_thw=grids
+            )  # [3, 1, e - s]
+            out[1:, r, s:e] = pos[:, 0]
+    return out

@@ -1,0 +1,64 @@
+"""The synthetic counting task: boards, answers, disjoint splits, reuse, and loading with a VLM
+processor (one vision token per cell)."""
+
+import json
+
+import pytest
+from PIL import Image
+
+from lightrft.data import PromptDataset, SFTDataset
+from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
+from lightrft.models.vision import load_processor
+
+
+def _count_cells(path, grid=3, cell=28):
+    img = Image.open(path).convert("RGB")
+    centre = cell // 2
+    return sum(
+        img.getpixel((x * cell + centre, y * cell + centre)) != (255, 255, 255)
+        for y in range(grid)
+        for x in range(grid)
+    )
+
+
+def test_answers_match_the_pictures_and_splits_are_disjoint(tmp_path):
+    out = write_shapes_dataset(tmp_path / "s", n_train=40, n_test=10, seed=3)
+    splits = {}
+    for split in ("train", "test"):
+        recs = [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
+        splits[split] = recs
+        for r in recs:
+            assert r["answer"] == r["completion"] == str(_count_cells(out / r["images"][0]))
+            assert 1 <= int(r["answer"]) <= 5 and r["prompt"].startswith("<image>")
+    boards = {
+        split: {(out / r["images"][0]).read_bytes() for r in recs} for split, recs in splits.items()
+    }
+    assert not boards["train"] & boards["test"]
+    # Uniform counts, not skewed towards the many distinct boards with many squares.
+    big = write_shapes_dataset(tmp_path / "big", n_train=600, n_test=30, grid=2, max_count=3)
+    lines = (big / "train.jsonl").read_text().splitlines()
+    answers = [json.loads(line)["answer"] for line in lines]
+    shares = [answers.count(str(k)) / len(answers) for k in (1, 2, 3)]
+    assert all(0.27 < s < 0.40 for s in shares), shares
+
+
+def test_ensure_reuses_and_rewrites_on_new_settings(tmp_path):
+    out = ensure_shapes_dataset(tmp_path / "s", n_train=8, n_test=4)
+    stamp = (out / "train.jsonl").stat().st_mtime_ns
+    assert ensure_shapes_dataset(tmp_path / "s", n_train=8, n_test=4) == out
+    assert (out / "train.jsonl").stat().st_mtime_ns == stamp
+    ensure_shapes_dataset(tmp_path / "s", n_train=9, n_test=4)
+    assert len((out / "train.jsonl").read_text().splitlines()) == 9
+    with pytest.raises(ValueError, match="unknown argument 'colours'"):
+        ensure_shapes_dataset(tmp_path / "s", colours=3)
+    with pytest.raises(ValueError, match="max_count <= grid\\*grid"):
+        write_shapes_dataset(tmp_path / "x", grid=2, max_count=5)
+
+
+def test_loads_with_a_vlm_processor_one_token_per_cell(tiny_vlm, tmp_path):
+    out = write_shapes_dataset(tmp_path / "s", n_train=6, n_test=2)
+    proc = load_processor(tiny_vlm("qwen2_vl"))
+    prompts = PromptDataset(proc, out / "test.jsonl")
+    assert prompts[0]["images"].num_tokens == [9]
+    sft = SFTDataset(proc, out / "train.jsonl")
+    assert len(sft) == 6 and sft.stats["images"] == 6
