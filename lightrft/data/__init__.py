@@ -3,7 +3,12 @@
 See docs/data.md.
 """
 
-from lightrft.data.arith import arith_records, ensure_arith_dataset, write_arith_dataset
+from lightrft.data.arith import (
+    arith_records,
+    ensure_arith_dataset,
+    ensure_arith_preferences,
+    write_arith_dataset,
+)
 from lightrft.data.collate import (
     PackCollator,
     PackedDataset,
@@ -16,6 +21,7 @@ from lightrft.data.collate import (
 from lightrft.data.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
 from lightrft.data.io import DataError, Records, load_records
 from lightrft.data.loader import ResumableDataLoader, build_dataloader
+from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.prompts import PromptDataset
 from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
@@ -26,6 +32,8 @@ __all__ = [
     "PackCollator",
     "PackedDataset",
     "PadCollator",
+    "PreferenceCollator",
+    "PreferenceDataset",
     "PromptDataset",
     "Records",
     "ResumableDataLoader",
@@ -35,6 +43,7 @@ __all__ = [
     "collate_prompts",
     "convert_gsm8k",
     "ensure_arith_dataset",
+    "ensure_arith_preferences",
     "ensure_gsm8k",
     "load_records",
     "pack_indices",

@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OPS", "arith_records", "ensure_arith_dataset", "write_arith_dataset"]
+__all__ = [
+    "OPS",
+    "arith_records",
+    "ensure_arith_dataset",
+    "ensure_arith_preferences",
+    "near_miss",
+    "write_arith_dataset",
+]
 
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
@@ -200,3 +207,69 @@ def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
         except json.JSONDecodeError:
             pass  # a damaged meta file: regenerate
     return write_arith_dataset(out, **want)
+
+
+# ------------------------------------------------------------------------------ preference pairs
+
+NEAR_MISS_OFFSETS = (-10, -2, -1, 1, 2, 10)
+
+
+def near_miss(answer: int, rng: random.Random) -> int:
+    """A wrong answer close to ``answer``: off by 1, 2 or 10, or two digits swapped."""
+    text = str(abs(answer))
+    while True:
+        if len(text) > 1 and rng.random() < 0.25:
+            i = rng.randrange(len(text) - 1)
+            swapped = text[:i] + text[i + 1] + text[i] + text[i + 2 :]
+            wrong = int(swapped) * (1 if answer >= 0 else -1)
+        else:
+            wrong = answer + rng.choice(NEAR_MISS_OFFSETS)
+        if wrong != answer and (wrong >= 0 or answer < 0):
+            return wrong
+
+
+def ensure_arith_preferences(
+    out_dir: str | os.PathLike, source_dir: str | os.PathLike, *, per_problem: int = 1, seed: int = 0
+) -> Path:
+    """Preference pairs from an arithmetic data set: the correct answer preferred over a near miss.
+
+    Reads ``source_dir/{train,test}.jsonl`` (see :func:`write_arith_dataset`) and writes
+    ``out_dir/{train,test}.jsonl`` with ``prompt``, ``chosen`` (the answer), ``rejected`` (a
+    :func:`near_miss`), ``per_problem`` pairs per problem; skipped when already written from the
+    same source and settings.
+    """
+    src, out = Path(source_dir), Path(out_dir)
+    if per_problem < 1:
+        raise ValueError(f"per_problem must be >= 1, got {per_problem}")
+    want = {"source": str(src.resolve()), "per_problem": per_problem, "seed": seed}
+    for split in ("train", "test"):
+        if not (src / f"{split}.jsonl").is_file():
+            raise ValueError(f"no {split}.jsonl in {src}: write the arithmetic data set first")
+    stamp = [(src / f"{s}.jsonl").stat().st_mtime_ns for s in ("train", "test")]
+    want["source_mtime_ns"] = stamp
+    meta = out / META
+    if meta.is_file() and all((out / f"{s}.jsonl").is_file() for s in ("train", "test")):
+        try:
+            if json.loads(meta.read_text()) == want:
+                return out
+        except json.JSONDecodeError:
+            pass
+    out.mkdir(parents=True, exist_ok=True)
+    for k, split in enumerate(("train", "test")):
+        rng = random.Random(seed * 2 + k)
+        pairs = []
+        with (src / f"{split}.jsonl").open(encoding="utf-8") as f:
+            for line in f:
+                rec = json.loads(line)
+                answer = int(rec["answer"])
+                for _ in range(per_problem):
+                    pairs.append(
+                        {
+                            "prompt": rec["prompt"],
+                            "chosen": str(answer),
+                            "rejected": str(near_miss(answer, rng)),
+                        }
+                    )
+        _write_jsonl(out / f"{split}.jsonl", pairs)
+    (out / META).write_text(json.dumps(want, indent=2) + "\n")
+    return out

@@ -171,11 +171,12 @@ class PreferenceDataset(torch.utils.data.Dataset):
                 if truncation == "drop":
                     dropped += 1
                     continue
-                truncated += sum(len(s) > max_length for s in ids)
+                n_long = sum(len(s) > max_length for s in ids)
                 ids = [s[:max_length] for s in ids]
                 if all(s == ids[0] for s in ids[1:]):
                     dropped += 1  # they differ only after max_length: nothing to learn
                     continue
+                truncated += n_long
             self._items.append(
                 {
                     "sequences": [torch.tensor(s, dtype=torch.long) for s in ids],
