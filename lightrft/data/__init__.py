@@ -6,6 +6,7 @@ See docs/data.md.
 from lightrft.data.arith import (
     arith_records,
     ensure_arith_dataset,
+    ensure_arith_judgments,
     ensure_arith_preferences,
     write_arith_dataset,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "collate_prompts",
     "convert_gsm8k",
     "ensure_arith_dataset",
+    "ensure_arith_judgments",
     "ensure_arith_preferences",
     "ensure_gsm8k",
     "load_records",

@@ -23,6 +23,7 @@ __all__ = [
     "OPS",
     "arith_records",
     "ensure_arith_dataset",
+    "ensure_arith_judgments",
     "ensure_arith_preferences",
     "near_miss",
     "write_arith_dataset",
@@ -228,6 +229,64 @@ def near_miss(answer: int, rng: random.Random) -> int:
             return wrong
 
 
+def _up_to_date(out: Path, want: dict[str, Any]) -> bool:
+    meta = out / META
+    if not (meta.is_file() and all((out / f"{s}.jsonl").is_file() for s in ("train", "test"))):
+        return False
+    try:
+        return json.loads(meta.read_text()) == want
+    except json.JSONDecodeError:
+        return False
+
+
+def _source_stamp(src: Path) -> list[int]:
+    for split in ("train", "test"):
+        if not (src / f"{split}.jsonl").is_file():
+            raise ValueError(f"no {split}.jsonl in {src}: write the arithmetic data set first")
+    return [(src / f"{s}.jsonl").stat().st_mtime_ns for s in ("train", "test")]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# The judge prompt of the arithmetic judgment data; GenerativeReward(template=...) must use it.
+ARITH_JUDGE_TEMPLATE = "{prompt} A={response_a} B={response_b} better:"
+
+
+def ensure_arith_judgments(
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike,
+    *,
+    template: str = ARITH_JUDGE_TEMPLATE,
+    seed: int = 0,
+) -> Path:
+    """Judgment data for a generative reward model: SFT records whose prompt shows a problem, its
+    correct answer and a :func:`near_miss` in random order (``template``), and whose completion
+    is the verdict, ``A`` or ``B``. Train with the SFT recipe (configs/tiny/judge_sft.yaml); use
+    with ``GenerativeReward(mode="choice", template=template)``."""
+    src, out = Path(source_dir), Path(out_dir)
+    want = {"source": str(src.resolve()), "source_mtime_ns": _source_stamp(src),
+            "template": template, "seed": seed, "kind": "judgments"}
+    if _up_to_date(out, want):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for k, split in enumerate(("train", "test")):
+        rng = random.Random(seed * 2 + k)
+        rows = []
+        for rec in _read_jsonl(src / f"{split}.jsonl"):
+            answer = int(rec["answer"])
+            wrong = near_miss(answer, rng)
+            first = rng.random() < 0.5  # where the correct answer goes
+            a, b = (answer, wrong) if first else (wrong, answer)
+            prompt = template.format(prompt=rec["prompt"], response_a=a, response_b=b)
+            rows.append({"prompt": prompt, "completion": "A" if first else "B"})
+        _write_jsonl(out / f"{split}.jsonl", rows)
+    (out / META).write_text(json.dumps(want, indent=2) + "\n")
+    return out
+
+
 def ensure_arith_preferences(
     out_dir: str | os.PathLike, source_dir: str | os.PathLike, *, per_problem: int = 1, seed: int = 0
 ) -> Path:
@@ -241,35 +300,24 @@ def ensure_arith_preferences(
     src, out = Path(source_dir), Path(out_dir)
     if per_problem < 1:
         raise ValueError(f"per_problem must be >= 1, got {per_problem}")
-    want = {"source": str(src.resolve()), "per_problem": per_problem, "seed": seed}
-    for split in ("train", "test"):
-        if not (src / f"{split}.jsonl").is_file():
-            raise ValueError(f"no {split}.jsonl in {src}: write the arithmetic data set first")
-    stamp = [(src / f"{s}.jsonl").stat().st_mtime_ns for s in ("train", "test")]
-    want["source_mtime_ns"] = stamp
-    meta = out / META
-    if meta.is_file() and all((out / f"{s}.jsonl").is_file() for s in ("train", "test")):
-        try:
-            if json.loads(meta.read_text()) == want:
-                return out
-        except json.JSONDecodeError:
-            pass
+    want = {"source": str(src.resolve()), "source_mtime_ns": _source_stamp(src),
+            "per_problem": per_problem, "seed": seed}
+    if _up_to_date(out, want):
+        return out
     out.mkdir(parents=True, exist_ok=True)
     for k, split in enumerate(("train", "test")):
         rng = random.Random(seed * 2 + k)
         pairs = []
-        with (src / f"{split}.jsonl").open(encoding="utf-8") as f:
-            for line in f:
-                rec = json.loads(line)
-                answer = int(rec["answer"])
-                for _ in range(per_problem):
-                    pairs.append(
-                        {
-                            "prompt": rec["prompt"],
-                            "chosen": str(answer),
-                            "rejected": str(near_miss(answer, rng)),
-                        }
-                    )
+        for rec in _read_jsonl(src / f"{split}.jsonl"):
+            answer = int(rec["answer"])
+            for _ in range(per_problem):
+                pairs.append(
+                    {
+                        "prompt": rec["prompt"],
+                        "chosen": str(answer),
+                        "rejected": str(near_miss(answer, rng)),
+                    }
+                )
         _write_jsonl(out / f"{split}.jsonl", pairs)
     (out / META).write_text(json.dumps(want, indent=2) + "\n")
     return out
