@@ -201,7 +201,9 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
         if value is not None and value < 1:
             errors.append(f"{key} must be >= 1 or null, got {value}")
     if not heads or len(set(heads)) != len(heads) or any(not h or "/" in h for h in heads):
-        errors.append(f"model.heads must be distinct non-empty names without '/', got {list(heads)}")
+        errors.append(
+            f"model.heads must be distinct non-empty names without '/', got {list(heads)}"
+        )
     unknown = [h for h in cost_heads if h not in heads]
     if unknown:
         errors.append(f"model.cost_heads: {unknown[0]!r} is not in model.heads {list(heads)}")
@@ -266,7 +268,9 @@ class RewardModelRecipe:
         self.eval_loader = None
         if cfg.get("eval_dataset") is not None:
             eval_ds = self._dataset(cfg.eval_dataset)
-            self.eval_loader = build_dataloader(eval_ds, shuffle=False, drop_last=False, **loader_kw)
+            self.eval_loader = build_dataloader(
+                eval_ds, shuffle=False, drop_last=False, **loader_kw
+            )
         self.steps_per_epoch = len(self.loader) // o.accum
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -456,9 +460,7 @@ class RewardModelRecipe:
             metrics = self.evaluate()
             self.logger.log(self.step, metrics)
             if self.dist.is_main:
-                print(
-                    f"step {self.step}: eval/accuracy {metrics['eval/accuracy']:.4f}", flush=True
-                )
+                print(f"step {self.step}: eval/accuracy {metrics['eval/accuracy']:.4f}", flush=True)
         self.last_eval_step = self.step
 
     @torch.no_grad()

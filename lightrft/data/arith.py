@@ -267,8 +267,13 @@ def ensure_arith_judgments(
     is the verdict, ``A`` or ``B``. Train with the SFT recipe (configs/tiny/judge_sft.yaml); use
     with ``GenerativeReward(mode="choice", template=template)``."""
     src, out = Path(source_dir), Path(out_dir)
-    want = {"source": str(src.resolve()), "source_mtime_ns": _source_stamp(src),
-            "template": template, "seed": seed, "kind": "judgments"}
+    want = {
+        "source": str(src.resolve()),
+        "source_mtime_ns": _source_stamp(src),
+        "template": template,
+        "seed": seed,
+        "kind": "judgments",
+    }
     if _up_to_date(out, want):
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -288,7 +293,11 @@ def ensure_arith_judgments(
 
 
 def ensure_arith_preferences(
-    out_dir: str | os.PathLike, source_dir: str | os.PathLike, *, per_problem: int = 1, seed: int = 0
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike,
+    *,
+    per_problem: int = 1,
+    seed: int = 0,
 ) -> Path:
     """Preference pairs from an arithmetic data set: the correct answer preferred over a near miss.
 
@@ -300,8 +309,12 @@ def ensure_arith_preferences(
     src, out = Path(source_dir), Path(out_dir)
     if per_problem < 1:
         raise ValueError(f"per_problem must be >= 1, got {per_problem}")
-    want = {"source": str(src.resolve()), "source_mtime_ns": _source_stamp(src),
-            "per_problem": per_problem, "seed": seed}
+    want = {
+        "source": str(src.resolve()),
+        "source_mtime_ns": _source_stamp(src),
+        "per_problem": per_problem,
+        "seed": seed,
+    }
     if _up_to_date(out, want):
         return out
     out.mkdir(parents=True, exist_ok=True)

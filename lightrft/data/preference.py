@@ -143,7 +143,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
             rejected = raw_rej if _is_candidate_list(raw_rej) else [raw_rej]
             rejected = [self._check_response(r, where, rejected_field) for r in rejected]
             margin = rec.get(margin_field)
-            if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
+            if margin is not None and (
+                isinstance(margin, bool) or not isinstance(margin, (int, float))
+            ):
                 raise DataError(f"{where}: field {margin_field!r} must be a number, got {margin!r}")
             head = rec.get(head_field)
             if head is not None and not isinstance(head, str):
@@ -158,8 +160,10 @@ class PreferenceDataset(torch.utils.data.Dataset):
                 )
             safe += [_safe_sign(s, where, rejected_safe_field) for s in safe_list]
 
-            texts = [render_for_scoring(tokenizer, prompt, r, chat_template=apply_chat_template)
-                     for r in [chosen, *rejected]]
+            texts = [
+                render_for_scoring(tokenizer, prompt, r, chat_template=apply_chat_template)
+                for r in [chosen, *rejected]
+            ]
             keep = [0] + [k for k in range(1, len(texts)) if texts[k] != texts[0]]
             identical += len(texts) - len(keep)
             if len(keep) == 1:
@@ -325,7 +329,9 @@ class PreferenceCollator:
         for it in items:
             name = it["head"]
             if name is not None and name not in self.heads:
-                raise ValueError(f"a pair is labelled for head {name!r}; heads are {list(self.heads)}")
+                raise ValueError(
+                    f"a pair is labelled for head {name!r}; heads are {list(self.heads)}"
+                )
             head.append(0 if name is None else self.heads[name])
         batch = self._pack(seqs) if self.packing else self._pad(seqs)
         batch.update(

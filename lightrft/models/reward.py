@@ -172,7 +172,9 @@ class RewardNet(nn.Module):
             output_hidden_states=self.probe_layer is not None,
         )
         hidden = (
-            out.last_hidden_state if self.probe_layer is None else out.hidden_states[self.probe_layer]
+            out.last_hidden_state
+            if self.probe_layer is None
+            else out.hidden_states[self.probe_layer]
         )  # [R, T, H]
         logits = self.pooler(hidden) if self.pooler is not None else None
         pooled = pool_hidden(hidden, segment_ids, num_sequences, self.pooling, logits)  # [N, H]
@@ -281,7 +283,11 @@ def load_reward_net(
     from safetensors import safe_open
 
     meta = read_reward_config(path) or {}
-    cfg = json.loads((Path(path) / "config.json").read_text()) if Path(path, "config.json").is_file() else {}
+    cfg = (
+        json.loads((Path(path) / "config.json").read_text())
+        if Path(path, "config.json").is_file()
+        else {}
+    )
     heads = meta.get("heads")
     if heads is None:
         labels = cfg.get("id2label") or {}

@@ -28,7 +28,7 @@ import logging
 import re
 import urllib.request
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -164,8 +164,10 @@ class GenerativeReward:
             out = json.loads(resp.read())
         choices = sorted(out["choices"], key=lambda c: c.get("index", 0))
         if len(choices) != len(texts):
-            raise ValueError(f"the judge at {self.url} returned {len(choices)} completions for "
-                             f"{len(texts)} prompts")
+            raise ValueError(
+                f"the judge at {self.url} returned {len(choices)} completions for "
+                f"{len(texts)} prompts"
+            )
         return [c.get("text", "") for c in choices]
 
     def _complete_local(self, texts: list[str]) -> list[str]:

@@ -33,7 +33,6 @@ from lightrft.rewards.base import Prompt
 __all__ = ["RewardModel", "load_value_head"]
 
 
-
 def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
     """The ``hidden -> 1`` linear head stored as ``{key}.weight`` (and ``{key}.bias``) in the
     ``*.safetensors`` files of directory ``path``."""
@@ -144,7 +143,10 @@ class RewardModel:
                 attn_implementation=attn_implementation,
             )
         else:
-            kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
+            kwargs: dict[str, Any] = {
+                "dtype": to_dtype(dtype),
+                "trust_remote_code": trust_remote_code,
+            }
             if attn_implementation:
                 kwargs["attn_implementation"] = attn_implementation
             backbone = AutoModel.from_pretrained(path, **kwargs)
@@ -271,7 +273,9 @@ class RewardModel:
 
     def render(self, prompt: Prompt, response: str) -> str:
         """The text the reward model reads for one (prompt, response) pair."""
-        return render_for_scoring(self.tokenizer, prompt, response, chat_template=self.chat_template)
+        return render_for_scoring(
+            self.tokenizer, prompt, response, chat_template=self.chat_template
+        )
 
     def tokenize(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[list[int]]:
         texts = [self.render(p, r) for p, r in zip(prompts, responses, strict=True)]

@@ -15,11 +15,19 @@ def test_formats_and_rendering(tok, tmp_path):
     recs = [
         {"prompt": "2+2?", "chosen": "4", "rejected": "5", "margin": 1.5, "head": "helpful"},
         {
-            "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+            "chosen": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ],
             "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go"}],
         },
-        {"prompt": "pick", "chosen": "a", "rejected": ["b", "c"], "rejected_safe": [True, False],
-         "chosen_safe": True},
+        {
+            "prompt": "pick",
+            "chosen": "a",
+            "rejected": ["b", "c"],
+            "rejected_safe": [True, False],
+            "chosen_safe": True,
+        },
     ]
     ds = PreferenceDataset(tok, write_jsonl(tmp_path / "p.jsonl", recs))
     assert len(ds) == 3 and ds.stats["pairs"] == 3 and ds.stats["identical"] == 0
@@ -40,9 +48,15 @@ def test_bad_inputs_name_file_line_and_field(tok, tmp_path):
         with pytest.raises(DataError, match=match):
             PreferenceDataset(tok, write_jsonl(tmp_path / "bad.jsonl", recs), **kw)
 
-    fails([{"chosen": "a", "rejected": "b"}, {"chosen": "a"}], r"bad.jsonl line 2: missing field 'rejected'")
+    fails(
+        [{"chosen": "a", "rejected": "b"}, {"chosen": "a"}],
+        r"bad.jsonl line 2: missing field 'rejected'",
+    )
     fails([{"chosen": 3, "rejected": "b"}], r"line 1: field 'chosen' must be str or list")
-    fails([{"chosen": "a", "rejected": "b", "margin": "big"}], r"line 1: field 'margin' must be a number")
+    fails(
+        [{"chosen": "a", "rejected": "b", "margin": "big"}],
+        r"line 1: field 'margin' must be a number",
+    )
     fails([{"chosen": "a", "rejected": "b", "head": 1}], r"field 'head' must be a string")
     fails([{"chosen": "a", "rejected": "b", "chosen_safe": "yes"}], r"'chosen_safe' must be true")
     fails([{"chosen": "a", "rejected": ["b", "c"], "rejected_safe": [True]}], r"2 rejected")
@@ -78,7 +92,12 @@ def _items():
 
     return [
         {"sequences": [t(5, 6, 7), t(5, 6)], "margin": 0.5, "head": "b", "safe": [1, -1]},
-        {"sequences": [t(9), t(8, 8), t(7, 7, 7, 7)], "margin": 0.0, "head": None, "safe": [0, 0, 0]},
+        {
+            "sequences": [t(9), t(8, 8), t(7, 7, 7, 7)],
+            "margin": 0.0,
+            "head": None,
+            "safe": [0, 0, 0],
+        },
     ]
 
 
@@ -117,8 +136,10 @@ def test_arith_preference_pairs(tmp_path):
     out = ensure_arith_preferences(tmp_path / "pairs", src, per_problem=2)
     train = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
     assert len(train) == 60
-    answers = {json.loads(x)["prompt"]: json.loads(x)["answer"]
-               for x in (src / "train.jsonl").read_text().splitlines()}
+    answers = {
+        json.loads(x)["prompt"]: json.loads(x)["answer"]
+        for x in (src / "train.jsonl").read_text().splitlines()
+    }
     assert all(r["chosen"] == answers[r["prompt"]] != r["rejected"] for r in train)
     before = (out / "train.jsonl").stat().st_mtime_ns
     ensure_arith_preferences(tmp_path / "pairs", src, per_problem=2)  # up to date: not rewritten

@@ -37,13 +37,21 @@ def test_padding_side_and_packing_agree(tiny_model_dir, pooling, probe):
         net.head.weight.normal_()  # visible scores
         right = net(num_sequences=4, **pad_sequences([torch.tensor(s) for s in SEQS], 0, "right"))
         left = net(num_sequences=4, **pad_sequences([torch.tensor(s) for s in SEQS], 0, "left"))
-        items = [{"sequences": [torch.tensor(s) for s in SEQS], "margin": 0.0, "head": None,
-                  "safe": [0] * 4}]
+        items = [
+            {
+                "sequences": [torch.tensor(s) for s in SEQS],
+                "margin": 0.0,
+                "head": None,
+                "safe": [0] * 4,
+            }
+        ]
         batch = PreferenceCollator(0, ["a", "b"], packing=True)(items)
         packed = net(
             batch["input_ids"], batch["position_ids"], batch["segment_ids"], num_sequences=4
         )
-        alone = torch.cat([net(num_sequences=1, **pad_sequences([torch.tensor(s)], 0)) for s in SEQS])
+        alone = torch.cat(
+            [net(num_sequences=1, **pad_sequences([torch.tensor(s)], 0)) for s in SEQS]
+        )
     assert right.shape == (4, 2)
     assert torch.allclose(left, right, atol=1e-5), (left - right).abs().max()
     assert torch.allclose(packed, right, atol=1e-5), (packed - right).abs().max()

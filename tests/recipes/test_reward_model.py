@@ -131,8 +131,15 @@ def test_learns_evaluates_and_exports_what_reward_model_and_transformers_load(tm
     seqs = rm.tokenize(prompts, responses)
     with torch.no_grad():
         want = torch.stack(
-            [trained(torch.tensor([s]), torch.arange(len(s))[None], torch.zeros(1, len(s),
-                     dtype=torch.long), num_sequences=1)[0, 0] for s in seqs]
+            [
+                trained(
+                    torch.tensor([s]),
+                    torch.arange(len(s))[None],
+                    torch.zeros(1, len(s), dtype=torch.long),
+                    num_sequences=1,
+                )[0, 0]
+                for s in seqs
+            ]
         )
     assert torch.allclose(scores, want, atol=1e-6), (scores, want)
     assert scores[0] > scores[1] and scores[2] > scores[1]
@@ -176,8 +183,11 @@ def test_a_pair_trains_only_its_head_and_cost_heads_get_the_sign_term(tmp_path):
     cfg_path = _config(
         tmp_path,
         heads=["helpful", "cost"],
-        model={"path": str(tmp_path / "model"), "heads": ["helpful", "cost"],
-               "cost_heads": ["cost"]},
+        model={
+            "path": str(tmp_path / "model"),
+            "heads": ["helpful", "cost"],
+            "cost_heads": ["cost"],
+        },
     )
     cfg, _ = lconfig.load(cfg_path)
     recipe = mod["RewardModelRecipe"](cfg, mod["build_options"](cfg))
@@ -226,8 +236,12 @@ def test_two_gloo_processes_shard_learn_and_export_named_heads(tmp_path):
     cfg = _config(
         tmp_path,
         heads=["helpful", "cost"],
-        model={"path": str(tmp_path / "model"), "heads": ["helpful", "cost"],
-               "cost_heads": ["cost"], "pooling": "attention"},
+        model={
+            "path": str(tmp_path / "model"),
+            "heads": ["helpful", "cost"],
+            "cost_heads": ["cost"],
+            "pooling": "attention",
+        },
         packing=True,
         gradient_accumulation_steps=1,
         batch_size=4,

@@ -21,9 +21,7 @@ def _judge_server(judge_fn):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             assert self.path == "/v1/completions" and body["temperature"] == 0.0
             out = {
-                "choices": [
-                    {"index": i, "text": judge_fn(p)} for i, p in enumerate(body["prompt"])
-                ]
+                "choices": [{"index": i, "text": judge_fn(p)} for i, p in enumerate(body["prompt"])]
             }
             data = json.dumps(out).encode()
             self.send_response(200)
@@ -91,8 +89,9 @@ def test_choice_mode_both_orders_cancel_position_bias(serve):
         b = prompt.split("B: ")[1].split("\n")[0]
         return " A" if "good" in a else (" B" if "good" in b else " neither")
 
-    judge = GenerativeReward(url=serve(prefers_good), mode="choice", both_orders=True,
-                             fallback=0.25)
+    judge = GenerativeReward(
+        url=serve(prefers_good), mode="choice", both_orders=True, fallback=0.25
+    )
     out = judge(["q"] * 2, ["good one", "plain"], references=["plain ref", "ref"])
     assert out.tolist() == [1.0, 0.25]  # wins both orders; both verdicts unparsable
     assert judge.last_metrics["parse_failures"] == 2.0

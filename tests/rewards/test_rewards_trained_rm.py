@@ -23,14 +23,21 @@ def trained(tmp_path_factory):
     one-head last-token one; returns their export directories."""
     tmp = tmp_path_factory.mktemp("trained_rm")
     recs = [
-        {"prompt": f"q{i}?", "chosen": f"a{i} yes", "rejected": f"a{i} no",
-         "head": ["helpful", "cost"][i % 2], "chosen_safe": True, "rejected_safe": False}
+        {
+            "prompt": f"q{i}?",
+            "chosen": f"a{i} yes",
+            "rejected": f"a{i} no",
+            "head": ["helpful", "cost"][i % 2],
+            "chosen_safe": True,
+            "rejected_safe": False,
+        }
         for i in range(32)
     ]
     (tmp / "multi.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (tmp / "single.jsonl").write_text(
-        "".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n"
-                for r in recs)
+        "".join(
+            json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n" for r in recs
+        )
     )
     out = {}
     for name, model in (
@@ -39,14 +46,25 @@ def trained(tmp_path_factory):
     ):
         cfg = {
             "output_dir": str(tmp / name),
-            "prepare": [{"_component_": "lightrft.models.ensure_tiny_model",
-                         "out_dir": str(tmp / "model"), "layers": 1, "hidden": 32, "heads": 2,
-                         "kv_heads": 1}],
+            "prepare": [
+                {
+                    "_component_": "lightrft.models.ensure_tiny_model",
+                    "out_dir": str(tmp / "model"),
+                    "layers": 1,
+                    "hidden": 32,
+                    "heads": 2,
+                    "kv_heads": 1,
+                }
+            ],
             "model": {"path": str(tmp / "model"), **model},
-            "dataset": {"_component_": "lightrft.data.PreferenceDataset",
-                        "path": str(tmp / f"{name}.jsonl")},
-            "eval_dataset": {"_component_": "lightrft.data.PreferenceDataset",
-                             "path": str(tmp / f"{name}.jsonl")},
+            "dataset": {
+                "_component_": "lightrft.data.PreferenceDataset",
+                "path": str(tmp / f"{name}.jsonl"),
+            },
+            "eval_dataset": {
+                "_component_": "lightrft.data.PreferenceDataset",
+                "path": str(tmp / f"{name}.jsonl"),
+            },
             "batch_size": 8,
             "epochs": 1,
             "max_steps": 2,
@@ -106,8 +124,17 @@ def test_offload_moves_to_the_gpu_only_to_score(trained):
 def test_a_served_trained_model_gives_the_in_process_rewards(trained):
     kwargs = {"path": str(trained["multi"]), "score_head": "cost"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lightrft.rewards.server", "--port", "0",
-         "--component", "lightrft.rewards.RewardModel", "--kwargs", json.dumps(kwargs)],
+        [
+            sys.executable,
+            "-m",
+            "lightrft.rewards.server",
+            "--port",
+            "0",
+            "--component",
+            "lightrft.rewards.RewardModel",
+            "--kwargs",
+            json.dumps(kwargs),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
