@@ -3,7 +3,13 @@
 See docs/data.md.
 """
 
-from lightrft.data.arith import arith_records, ensure_arith_dataset, write_arith_dataset
+from lightrft.data.arith import (
+    arith_records,
+    ensure_arith_dataset,
+    ensure_arith_judgments,
+    ensure_arith_preferences,
+    write_arith_dataset,
+)
 from lightrft.data.collate import (
     PackCollator,
     PackedDataset,
@@ -16,6 +22,7 @@ from lightrft.data.collate import (
 from lightrft.data.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
 from lightrft.data.io import DataError, Records, load_records
 from lightrft.data.loader import ResumableDataLoader, build_dataloader
+from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.prompts import PromptDataset
 from lightrft.data.sft import SFTDataset
 from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
@@ -30,6 +37,8 @@ __all__ = [
     "PackCollator",
     "PackedDataset",
     "PadCollator",
+    "PreferenceCollator",
+    "PreferenceDataset",
     "PromptDataset",
     "Records",
     "ResumableDataLoader",
@@ -39,6 +48,8 @@ __all__ = [
     "collate_prompts",
     "convert_gsm8k",
     "ensure_arith_dataset",
+    "ensure_arith_judgments",
+    "ensure_arith_preferences",
     "ensure_gsm8k",
     "ensure_shapes_dataset",
     "load_records",

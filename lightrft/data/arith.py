@@ -21,7 +21,15 @@ from typing import Any
 
 from lightrft.data.io import made_with, write_jsonl
 
-__all__ = ["OPS", "arith_records", "ensure_arith_dataset", "write_arith_dataset"]
+__all__ = [
+    "OPS",
+    "arith_records",
+    "ensure_arith_dataset",
+    "ensure_arith_judgments",
+    "ensure_arith_preferences",
+    "near_miss",
+    "write_arith_dataset",
+]
 
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
@@ -189,3 +197,119 @@ def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     if made_with(out, ("train.jsonl", "test.jsonl"), want):
         return out
     return write_arith_dataset(out, **want)
+
+
+# ------------------------------------------------------------------------------ preference pairs
+
+NEAR_MISS_OFFSETS = (-10, -2, -1, 1, 2, 10)
+
+
+def near_miss(answer: int, rng: random.Random) -> int:
+    """A wrong answer close to ``answer``: off by 1, 2 or 10, or two digits swapped."""
+    text = str(abs(answer))
+    while True:
+        if len(text) > 1 and rng.random() < 0.25:
+            i = rng.randrange(len(text) - 1)
+            swapped = text[:i] + text[i + 1] + text[i] + text[i + 2 :]
+            wrong = int(swapped) * (1 if answer >= 0 else -1)
+        else:
+            wrong = answer + rng.choice(NEAR_MISS_OFFSETS)
+        if wrong != answer and (wrong >= 0 or answer < 0):
+            return wrong
+
+
+def _source_stamp(src: Path) -> list[int]:
+    for split in ("train", "test"):
+        if not (src / f"{split}.jsonl").is_file():
+            raise ValueError(f"no {split}.jsonl in {src}: write the arithmetic data set first")
+    return [(src / f"{s}.jsonl").stat().st_mtime_ns for s in ("train", "test")]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# The judge prompt of the arithmetic judgment data; GenerativeReward(template=...) must use it.
+ARITH_JUDGE_TEMPLATE = "{prompt} A={response_a} B={response_b} better:"
+
+
+def ensure_arith_judgments(
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike,
+    *,
+    template: str = ARITH_JUDGE_TEMPLATE,
+    seed: int = 0,
+) -> Path:
+    """Judgment data for a generative reward model: SFT records whose prompt shows a problem, its
+    correct answer and a :func:`near_miss` in random order (``template``), and whose completion
+    is the verdict, ``A`` or ``B``. Train with the SFT recipe (configs/tiny/judge_sft.yaml); use
+    with ``GenerativeReward(mode="choice", template=template)``."""
+    src, out = Path(source_dir), Path(out_dir)
+    want = {
+        "source": str(src.resolve()),
+        "source_mtime_ns": _source_stamp(src),
+        "template": template,
+        "seed": seed,
+        "kind": "judgments",
+    }
+    if made_with(out, ("train.jsonl", "test.jsonl"), want):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for k, split in enumerate(("train", "test")):
+        rng = random.Random(seed * 2 + k)
+        rows = []
+        for rec in _read_jsonl(src / f"{split}.jsonl"):
+            answer = int(rec["answer"])
+            wrong = near_miss(answer, rng)
+            first = rng.random() < 0.5  # where the correct answer goes
+            a, b = (answer, wrong) if first else (wrong, answer)
+            prompt = template.format(prompt=rec["prompt"], response_a=a, response_b=b)
+            rows.append({"prompt": prompt, "completion": "A" if first else "B"})
+        write_jsonl(out / f"{split}.jsonl", rows)
+    (out / META).write_text(json.dumps(want, indent=2) + "\n")
+    return out
+
+
+def ensure_arith_preferences(
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike,
+    *,
+    per_problem: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Preference pairs from an arithmetic data set: the correct answer preferred over a near miss.
+
+    Reads ``source_dir/{train,test}.jsonl`` (see :func:`write_arith_dataset`) and writes
+    ``out_dir/{train,test}.jsonl`` with ``prompt``, ``chosen`` (the answer), ``rejected`` (a
+    :func:`near_miss`), ``per_problem`` pairs per problem; skipped when already written from the
+    same source and settings.
+    """
+    src, out = Path(source_dir), Path(out_dir)
+    if per_problem < 1:
+        raise ValueError(f"per_problem must be >= 1, got {per_problem}")
+    want = {
+        "source": str(src.resolve()),
+        "source_mtime_ns": _source_stamp(src),
+        "per_problem": per_problem,
+        "seed": seed,
+    }
+    if made_with(out, ("train.jsonl", "test.jsonl"), want):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for k, split in enumerate(("train", "test")):
+        rng = random.Random(seed * 2 + k)
+        pairs = []
+        for rec in _read_jsonl(src / f"{split}.jsonl"):
+            answer = int(rec["answer"])
+            for _ in range(per_problem):
+                pairs.append(
+                    {
+                        "prompt": rec["prompt"],
+                        "chosen": str(answer),
+                        "rejected": str(near_miss(answer, rng)),
+                    }
+                )
+        write_jsonl(out / f"{split}.jsonl", pairs)
+    (out / META).write_text(json.dumps(want, indent=2) + "\n")
+    return out

@@ -10,6 +10,7 @@ from lightrft.rewards.base import (
     build_reward,
     check_reward_output,
 )
+from lightrft.rewards.generative import GenerativeReward
 from lightrft.rewards.math_answer import answers_match, extract_answer, normalize_answer
 from lightrft.rewards.remote import RemoteReward, RemoteRewardError
 from lightrft.rewards.reward_model import RewardModel
@@ -18,6 +19,7 @@ from lightrft.rewards.verifiers import GSM8KVerifier, MathVerifier, ThinkFormatR
 __all__ = [
     "CombinedReward",
     "GSM8KVerifier",
+    "GenerativeReward",
     "MathVerifier",
     "RemoteReward",
     "RemoteRewardError",

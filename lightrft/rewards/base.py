@@ -148,6 +148,12 @@ class RewardOutput:
     parts: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] float32
     applied: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] bool
     seconds: dict[str, float] = field(default_factory=dict)  # name -> wall time of its call
+    # "name/head" -> [B] float32: every head of a multi-head reward model (its
+    # ``last_head_scores``), 0 where the function did not score the sample; not in ``total``.
+    heads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # "name/key" -> value: a function's own metrics of this call (its ``last_metrics``), e.g. a
+    # judge's parse failures.
+    extra: dict[str, float] = field(default_factory=dict)
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """Mean and std of the total and of each function over the samples it scored, and the
@@ -163,6 +169,12 @@ class RewardOutput:
                 out[f"{prefix}/{name}/std"] = _std(vals)
             out[f"{prefix}/{name}/count"] = float(vals.numel())
             out[f"{prefix}/{name}/seconds"] = self.seconds.get(name, 0.0)
+        for key, scores in self.heads.items():
+            vals = scores[self.applied[key.split("/")[0]]]
+            if vals.numel():
+                out[f"{prefix}/{key}/mean"] = vals.mean().item()
+                out[f"{prefix}/{key}/std"] = _std(vals)
+        out.update({f"{prefix}/{key}": v for key, v in self.extra.items()})
         return out
 
 
@@ -299,6 +311,14 @@ class CombinedReward:
                 part[idx] = vals
                 mask[idx] = True
                 total += self.weights[name] * part
+                for key, value in (getattr(fn, "last_metrics", None) or {}).items():
+                    out.extra[f"{name}/{key}"] = float(value)
+                heads = getattr(fn, "last_head_scores", None) or {}
+                for head, scores in heads.items() if len(heads) > 1 else ():
+                    if len(scores) == len(idx):  # scores of this very call
+                        out.heads[f"{name}/{head}"] = torch.zeros(n).index_put_(
+                            (torch.tensor(idx),), torch.as_tensor(scores, dtype=torch.float32)
+                        )
             out.parts[name] = part
             out.applied[name] = mask
         return out

@@ -2,16 +2,18 @@
 
 Two checkpoint layouts are supported:
 
-- ``classifier``: an HF ``*ForSequenceClassification`` with ``num_labels=1`` (e.g. Skywork-Reward,
-  the usual TRL/OpenRLHF export). Its backbone is ``model.base_model`` and its head ``score``.
+- ``classifier``: an HF ``*ForSequenceClassification`` (e.g. Skywork-Reward, the usual
+  TRL/OpenRLHF export, or an export of ``recipes/reward_model.py``, whose ``config.json`` also
+  names its heads, pooling and reward statistics; see docs/reward_models.md).
 - ``value_head``: a backbone (``AutoModel``: a causal LM checkpoint works, its LM head is
   ignored) plus a linear ``hidden -> 1`` head whose weight ``{value_head_key}.weight`` (and
   optional bias) lies in one of the directory's ``*.safetensors`` files.
 
-The score is read from the hidden state of the last non-padding token. Pooling is done here, from
-the attention mask, rather than by the HF classifier, which locates the last token by
-``pad_token_id`` and so misreads sequences that end in a pad-equal EOS. Position ids come from the
-mask as well, so left and right padding give the same scores.
+Scoring runs :class:`lightrft.models.reward.RewardNet`, the module reward-model training runs.
+The default pooling reads the hidden state of the last non-padding token, located from the
+attention mask rather than by ``pad_token_id`` as the HF classifier does (which misreads sequences
+that end in a pad-equal EOS). Position ids come from the mask as well, so left and right padding
+give the same scores.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightrft.data.preference import pad_sequences, render_for_scoring
+from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt
 
 __all__ = ["RewardModel", "load_value_head"]
-
-_HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
 
 
 def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
@@ -63,19 +65,6 @@ def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
     return head
 
 
-def _find_head(model: nn.Module) -> nn.Linear:
-    for name in _HEAD_NAMES:
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Linear):
-            if head.out_features != 1:
-                raise ValueError(
-                    f"the reward model's head '{name}' has {head.out_features} "
-                    "outputs; a scalar reward model needs num_labels=1"
-                )
-            return head
-    raise ValueError(f"{type(model).__name__} has no linear head named any of {_HEAD_NAMES}")
-
-
 def _detect_head(path: str | Path) -> str:
     cfg = Path(path) / "config.json"
     archs = (json.loads(cfg.read_text()).get("architectures") or []) if cfg.is_file() else []
@@ -94,14 +83,23 @@ class RewardModel:
     score is read. Scoring runs in eval mode under ``torch.inference_mode``, ``micro_batch_size``
     sequences at a time, sorted by length so that little padding is computed.
 
+    A model with several named heads returns ``score_head``'s score and keeps every head's
+    scores of the last call in ``last_head_scores`` (name -> ``[B]``), which
+    :class:`~lightrft.rewards.CombinedReward` logs as ``reward/<name>/<head>/mean``.
+
     Args:
         path: HF directory (or hub id, for ``classifier``) of the reward model.
         head: ``"classifier"``, ``"value_head"`` or ``"auto"`` (classifier if ``config.json``
             names a ``*ForSequenceClassification`` architecture).
         value_head_key: tensor name prefix of the value head (``value_head`` layout only).
+        score_head: the head whose score is the reward (default: the first).
+        normalize: subtract the head's reward mean and divide by its std, as measured on the
+            held-out split at the end of training (``lightrft_reward.stats`` in ``config.json``).
         micro_batch_size: sequences per forward pass.
         max_length: most tokens per sequence.
         dtype, device: where and in what precision the model runs.
+        offload: keep the model on the CPU between calls and move it to ``device`` only to
+            score, so the rollout and training phases get the accelerator memory back.
         chat_template: render with the tokenizer's chat template.
         padding_side: side on which micro-batches are padded; scores do not depend on it.
         scale, bias: returned reward = ``scale * score + bias`` (e.g. to undo an RM's offset).
@@ -114,10 +112,13 @@ class RewardModel:
         path: str,
         head: Literal["auto", "classifier", "value_head"] = "auto",
         value_head_key: str = "value_head",
+        score_head: str | None = None,
+        normalize: bool = False,
         micro_batch_size: int = 8,
         max_length: int = 2048,
         dtype: str = "float32",
         device: str = "cpu",
+        offload: bool = False,
         chat_template: bool = True,
         padding_side: Literal["left", "right"] = "right",
         scale: float = 1.0,
@@ -125,7 +126,7 @@ class RewardModel:
         trust_remote_code: bool = False,
         attn_implementation: str | None = "sdpa",
     ) -> None:
-        from transformers import AutoModel, AutoModelForSequenceClassification
+        from transformers import AutoModel
 
         from lightrft.models.loading import _check_local, load_tokenizer, to_dtype
 
@@ -134,22 +135,33 @@ class RewardModel:
             head = _detect_head(path)
         if head not in ("classifier", "value_head"):
             raise ValueError(f"head must be 'auto', 'classifier' or 'value_head', got {head!r}")
-        kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
-        if attn_implementation:
-            kwargs["attn_implementation"] = attn_implementation
         if head == "classifier":
-            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
-            backbone, linear = model.base_model, _find_head(model)
+            net = load_reward_net(
+                path,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                attn_implementation=attn_implementation,
+            )
         else:
+            kwargs: dict[str, Any] = {
+                "dtype": to_dtype(dtype),
+                "trust_remote_code": trust_remote_code,
+            }
+            if attn_implementation:
+                kwargs["attn_implementation"] = attn_implementation
             backbone = AutoModel.from_pretrained(path, **kwargs)
             linear = load_value_head(path, value_head_key).to(to_dtype(dtype))
+            net = RewardNet(backbone, linear)
+        stats = ((read_reward_config(path) or {}).get("stats") or {}) if normalize else {}
         self._setup(
-            backbone,
-            linear,
+            net,
             load_tokenizer(path, trust_remote_code=trust_remote_code),
+            score_head=score_head,
+            stats=stats if normalize else None,
             micro_batch_size=micro_batch_size,
             max_length=max_length,
             device=device,
+            offload=offload,
             chat_template=chat_template,
             padding_side=padding_side,
             scale=scale,
@@ -176,8 +188,7 @@ class RewardModel:
         self = cls.__new__(cls)
         dev = device if device is not None else next(backbone.parameters()).device
         self._setup(
-            backbone,
-            head,
+            RewardNet(backbone, head),
             tokenizer,
             micro_batch_size=micro_batch_size,
             max_length=max_length,
@@ -191,17 +202,19 @@ class RewardModel:
 
     def _setup(
         self,
-        backbone,
-        head,
+        net: RewardNet,
         tokenizer,
         *,
-        micro_batch_size,
-        max_length,
+        score_head: str | None = None,
+        stats: dict[str, dict[str, float]] | None = None,
+        micro_batch_size: int,
+        max_length: int,
         device,
-        chat_template,
-        padding_side,
-        scale,
-        bias,
+        offload: bool = False,
+        chat_template: bool,
+        padding_side: str,
+        scale: float,
+        bias: float,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -214,15 +227,30 @@ class RewardModel:
                 "the reward model's tokenizer has no chat template; pass "
                 "chat_template=False to score prompt + response as plain text"
             )
+        if score_head is None:
+            score_head = net.heads[0]
+        if score_head not in net.heads:
+            raise ValueError(f"score_head={score_head!r} is not a head of the model: {net.heads}")
+        self.head_index = net.heads.index(score_head)
+        self.mean, self.std = 0.0, 1.0
+        if stats is not None:
+            if score_head not in stats:
+                raise ValueError(
+                    f"normalize=true but the model's config.json has no reward statistics for "
+                    f"head {score_head!r} (lightrft_reward.stats); export it with "
+                    "recipes/reward_model.py and an eval_dataset"
+                )
+            self.mean, self.std = float(stats[score_head]["mean"]), float(stats[score_head]["std"])
         self.device = torch.device(device)
-        self.backbone = backbone.to(self.device).eval().requires_grad_(False)
-        self.head = head.to(self.device).eval().requires_grad_(False)
+        self.offload = offload
+        self.net = net.to("cpu" if offload else self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         self.chat_template = chat_template
         self.padding_side = padding_side
         self.scale, self.bias = float(scale), float(bias)
+        self.last_head_scores: dict[str, torch.Tensor] = {}
         pad = (
             tokenizer.pad_token_id
             if tokenizer.pad_token_id is not None
@@ -230,56 +258,58 @@ class RewardModel:
         )
         self.pad_id = int(pad) if pad is not None else 0
 
+    @property
+    def heads(self) -> list[str]:
+        """The model's head names, in output order."""
+        return self.net.heads
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.net.base
+
+    @property
+    def head(self) -> nn.Module:
+        return self.net.head
+
     def render(self, prompt: Prompt, response: str) -> str:
         """The text the reward model reads for one (prompt, response) pair."""
-        if not self.chat_template:
-            if not isinstance(prompt, str):
-                raise ValueError("chat_template=False needs string prompts, got a conversation")
-            return prompt + response
-        messages = (
-            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return render_for_scoring(
+            self.tokenizer, prompt, response, chat_template=self.chat_template
         )
-        messages.append({"role": "assistant", "content": response})
-        return self.tokenizer.apply_chat_template(messages, tokenize=False)
 
     def tokenize(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[list[int]]:
         texts = [self.render(p, r) for p, r in zip(prompts, responses, strict=True)]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [seq[-self.max_length :] for seq in ids]  # keep the end, where the score is read
 
-    def _pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)  # [b, T]
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [b, T]
-        for row, s in enumerate(seqs):
-            cols = (
-                slice(0, len(s)) if self.padding_side == "right" else slice(width - len(s), width)
-            )
-            ids[row, cols] = torch.tensor(s, dtype=torch.long)
-            mask[row, cols] = 1
-        return ids, mask
-
     @torch.inference_mode()
-    def score_ids(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Scores [N] (float32, CPU) of token sequences, ``micro_batch_size`` at a time."""
+    def score_heads(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Raw scores of every head ``[N, heads]`` (float32, CPU), ``micro_batch_size`` at a
+        time."""
         if any(len(s) == 0 for s in seqs):
             raise ValueError("cannot score an empty token sequence")
-        scores = torch.empty(len(seqs), dtype=torch.float32)  # [N]
+        scores = torch.empty(len(seqs), len(self.net.heads), dtype=torch.float32)  # [N, heads]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        for start in range(0, len(order), self.micro_batch_size):
-            chunk = order[start : start + self.micro_batch_size]
-            ids, mask = self._pad([seqs[i] for i in chunk])
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, T], 0 at the first real token
-            hidden = self.backbone(
-                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
-            ).last_hidden_state  # [b, T, H]
-            cols = torch.arange(ids.shape[1], device=self.device)
-            last = (mask * cols).argmax(-1)  # [b] index of the last real token
-            rows = torch.arange(len(chunk), device=self.device)
-            out = self.head(hidden[rows, last]).squeeze(-1)  # [b]
-            scores[chunk] = out.float().cpu()
-        return self.scale * scores + self.bias
+        if self.offload:
+            self.net.to(self.device)
+        try:
+            for start in range(0, len(order), self.micro_batch_size):
+                chunk = order[start : start + self.micro_batch_size]
+                batch = pad_sequences([seqs[i] for i in chunk], self.pad_id, self.padding_side)
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                out = self.net(num_sequences=len(chunk), **batch)  # [b, heads]
+                scores[chunk] = out.float().cpu()
+        finally:
+            if self.offload:
+                self.net.to("cpu")
+        return scores
+
+    def score_ids(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Rewards [N] (float32, CPU) of token sequences; every head's in ``last_head_scores``."""
+        scores = self.score_heads(seqs)  # [N, heads]
+        self.last_head_scores = {h: scores[:, k] for k, h in enumerate(self.net.heads)}
+        raw = (scores[:, self.head_index] - self.mean) / self.std
+        return self.scale * raw + self.bias
 
     def __call__(
         self,

@@ -1,0 +1,376 @@
+"""Preference data for reward models: a preferred response and one or more rejected ones.
+
+Record format (field names configurable)::
+
+    {"prompt": str | [messages] (optional),
+     "chosen": str | [messages],
+     "rejected": str | [messages] | [str | [messages], ...],   # a list: several candidates
+     "margin": float (optional), "head": str (optional),
+     "chosen_safe": bool (optional), "rejected_safe": bool | [bool, ...] (optional),
+     "images": [...] (optional; reserved for vision-language reward models)}
+
+Each (prompt, response) is rendered exactly as :class:`lightrft.rewards.RewardModel` renders it
+when scoring (:func:`render_for_scoring`), so a trained reward model reads the same tokens in RL.
+
+Bad input follows the rules of the other datasets: a missing or mistyped field names the file,
+the line and the field; a rejected response identical to the chosen one is dropped and counted
+(``stats["identical"]``); sequences longer than ``max_length`` are truncated (keep the start) or
+dropped, as configured, and counted. A pair that truncation makes identical is dropped too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightrft.data.io import DataError, PathLike, Records, require_field
+from lightrft.data.sft import Truncation, _check_truncation, open_records
+from lightrft.data.templates import check_messages
+
+__all__ = ["PreferenceCollator", "PreferenceDataset", "pad_sequences", "render_for_scoring"]
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[Mapping[str, Any]]
+
+
+def render_for_scoring(
+    tokenizer, prompt: Prompt | None, response: Prompt, *, chat_template: bool = True
+) -> str:
+    """The text a reward model reads for one (prompt, response).
+
+    With the chat template, a string prompt is one user turn (a list is the conversation so far)
+    and a string response the assistant turn (a list is appended as messages). Without it, the
+    texts are concatenated as given (string prompts and responses only).
+    """
+    if not chat_template:
+        if not isinstance(prompt, (str, type(None))) or not isinstance(response, str):
+            raise ValueError("chat_template=False needs string prompts and responses")
+        return (prompt or "") + response
+    if prompt is None:
+        messages: list[dict[str, Any]] = []
+    elif isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [dict(m) for m in prompt]
+    if isinstance(response, str):
+        messages.append({"role": "assistant", "content": response})
+    else:
+        messages.extend(dict(m) for m in response)
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _is_candidate_list(value: Any) -> bool:
+    """``rejected`` given as several candidates (a list of strings or of message lists)."""
+    return isinstance(value, list) and bool(value) and not isinstance(value[0], Mapping)
+
+
+class PreferenceDataset(torch.utils.data.Dataset):
+    """Tokenised preference records.
+
+    Item ``i``: ``{"sequences": [LongTensor chosen, LongTensor rejected_1, ...], "margin": float,
+    "head": str | None, "safe": [int per sequence]}`` with ``safe`` +1 (safe), -1 (unsafe) or 0
+    (unlabelled), used by cost heads.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (the recipe passes its own as first argument).
+        path, split, records: the data, as for :class:`~lightrft.data.SFTDataset`.
+        prompt_field, chosen_field, rejected_field, margin_field, head_field: field names.
+        chosen_safe_field, rejected_safe_field: safety labels (Safe-RLHF style cost models).
+        images_field: images of the pair; vision-language reward models are not supported yet,
+            so a record with images is refused with its file and line.
+        apply_chat_template: render with the tokenizer's chat template (as the reward model
+            will score in RL); ``False`` concatenates prompt and response.
+        max_length: longest sequence in tokens; ``None`` for no limit.
+        truncation: ``"truncate"`` (keep the first ``max_length`` tokens) or ``"drop"``.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        path: PathLike | Sequence[PathLike] | None = None,
+        *,
+        split: str | None = None,
+        records: Sequence[Mapping[str, Any]] | None = None,
+        prompt_field: str = "prompt",
+        chosen_field: str = "chosen",
+        rejected_field: str = "rejected",
+        margin_field: str = "margin",
+        head_field: str = "head",
+        chosen_safe_field: str = "chosen_safe",
+        rejected_safe_field: str = "rejected_safe",
+        images_field: str = "images",
+        apply_chat_template: bool = True,
+        max_length: int | None = None,
+        truncation: Truncation = "truncate",
+    ) -> None:
+        _check_truncation(truncation)
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template: set apply_chat_template=false to score "
+                "prompt + response as plain text"
+            )
+        self.tokenizer = tokenizer
+        self.chat_template = apply_chat_template
+        src = open_records(path, records, split)
+        self.source = src.name
+        self._items: list[dict[str, Any]] = []
+        self._origins: list[str] = []
+        identical = truncated = dropped = 0
+        for i in range(len(src)):
+            rec, where = src[i], src.where(i)
+            if rec.get(images_field):
+                raise DataError(
+                    f"{where}: field {images_field!r} holds images, but reward-model training "
+                    "reads text only for now (vision-language reward models come with the "
+                    "vision data path)"
+                )
+            prompt = rec.get(prompt_field)
+            if prompt is not None and not isinstance(prompt, (str, list)):
+                raise DataError(
+                    f"{where}: field {prompt_field!r} must be a string or a message list, got "
+                    f"{type(prompt).__name__}"
+                )
+            if isinstance(prompt, list):
+                prompt = check_messages(prompt, where, prompt_field)
+            chosen = self._response(src, i, chosen_field)
+            raw_rej = require_field(src, i, rejected_field, (str, list))
+            rejected = raw_rej if _is_candidate_list(raw_rej) else [raw_rej]
+            rejected = [self._check_response(r, where, rejected_field) for r in rejected]
+            margin = rec.get(margin_field)
+            if margin is not None and (
+                isinstance(margin, bool) or not isinstance(margin, (int, float))
+            ):
+                raise DataError(f"{where}: field {margin_field!r} must be a number, got {margin!r}")
+            head = rec.get(head_field)
+            if head is not None and not isinstance(head, str):
+                raise DataError(f"{where}: field {head_field!r} must be a string, got {head!r}")
+            safe = [_safe_sign(rec.get(chosen_safe_field), where, chosen_safe_field)]
+            raw_safe = rec.get(rejected_safe_field)
+            safe_list = raw_safe if isinstance(raw_safe, list) else [raw_safe] * len(rejected)
+            if len(safe_list) != len(rejected):
+                raise DataError(
+                    f"{where}: field {rejected_safe_field!r} has {len(safe_list)} labels for "
+                    f"{len(rejected)} rejected responses"
+                )
+            safe += [_safe_sign(s, where, rejected_safe_field) for s in safe_list]
+
+            texts = [
+                render_for_scoring(tokenizer, prompt, r, chat_template=apply_chat_template)
+                for r in [chosen, *rejected]
+            ]
+            keep = [0] + [k for k in range(1, len(texts)) if texts[k] != texts[0]]
+            identical += len(texts) - len(keep)
+            if len(keep) == 1:
+                continue
+            ids = tokenizer([texts[k] for k in keep], add_special_tokens=False)["input_ids"]
+            if any(len(s) == 0 for s in ids):
+                raise DataError(f"{where}: a response renders to no tokens")
+            if max_length is not None and any(len(s) > max_length for s in ids):
+                if truncation == "drop":
+                    dropped += 1
+                    continue
+                n_long = sum(len(s) > max_length for s in ids)
+                ids = [s[:max_length] for s in ids]
+                if all(s == ids[0] for s in ids[1:]):
+                    dropped += 1  # they differ only after max_length: nothing to learn
+                    continue
+                truncated += n_long
+            self._items.append(
+                {
+                    "sequences": [torch.tensor(s, dtype=torch.long) for s in ids],
+                    "margin": float(margin or 0.0),
+                    "head": head,
+                    "safe": [safe[k] for k in keep],
+                }
+            )
+            self._origins.append(where)
+        if not self._items:
+            raise DataError(
+                f"empty dataset: all {len(src)} records of {self.source} were dropped "
+                f"({identical} identical responses, {dropped} too long with max_length="
+                f"{max_length}, truncation={truncation!r})"
+            )
+        self.stats: dict[str, int] = {
+            "records": len(src),
+            "pairs": len(self._items),
+            "identical": identical,
+            "truncated": truncated,
+            "dropped": dropped,
+        }
+        if identical or truncated or dropped:
+            log.warning(
+                "%s: dropped %d rejected responses identical to the chosen one; max_length=%s "
+                "truncated %d sequences and dropped %d records",
+                self.source,
+                identical,
+                max_length,
+                truncated,
+                dropped,
+            )
+
+    @staticmethod
+    def _check_response(value: Any, where: str, field: str) -> Prompt:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return check_messages(value, where, field)
+        raise DataError(
+            f"{where}: field {field!r} must be a string or a message list, got "
+            f"{type(value).__name__}"
+        )
+
+    def _response(self, src: Records, i: int, field: str) -> Prompt:
+        return self._check_response(require_field(src, i, field, (str, list)), src.where(i), field)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._items[i]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of every item (all its sequences), what packing bins."""
+        return [sum(len(s) for s in it["sequences"]) for it in self._items]
+
+    @property
+    def heads(self) -> list[str | None]:
+        """The head label of every item (``None``: unlabelled)."""
+        return [it["head"] for it in self._items]
+
+    def where(self, i: int) -> str:
+        """The file and line (or row) item ``i`` came from."""
+        return self._origins[i]
+
+
+def _safe_sign(value: Any, where: str, field: str) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, bool):
+        raise DataError(f"{where}: field {field!r} must be true or false, got {value!r}")
+    return 1 if value else -1
+
+
+def pad_sequences(
+    seqs: Sequence[torch.Tensor], pad_id: int, side: str = "right"
+) -> dict[str, torch.Tensor]:
+    """One sequence per row, padded on ``side``: ``input_ids``, ``attention_mask``,
+    ``position_ids`` (from the mask, so both sides give the same positions) and ``segment_ids``
+    (the row index on real tokens, -1 on padding), each ``[N, T]``."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, T]
+    seg = torch.full((len(seqs), width), -1, dtype=torch.long)  # [N, T]
+    for n, s in enumerate(seqs):
+        cols = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+        ids[n, cols] = torch.as_tensor(s, dtype=torch.long)
+        seg[n, cols] = n
+    mask = (seg >= 0).long()  # [N, T]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, T], 0 at each first real token
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "segment_ids": seg}
+
+
+class PreferenceCollator:
+    """Flatten a micro-batch of preference items into sequences, padded or packed.
+
+    Output (``N`` sequences in ``R`` rows of ``T`` tokens, ``B`` items of at most ``K``
+    candidates, the chosen one first):
+
+    - ``input_ids``, ``position_ids``, ``segment_ids`` ``[R, T]``: ``segment_ids`` is the
+      sequence index of each token, -1 on padding; pooling reads it.
+    - ``attention_mask`` ``[R, T]``, padded batches only (packed rows have none: transformers
+      then keeps packed sequences apart by their position resets).
+    - ``candidates`` ``[B, K]``: sequence index of each candidate, -1 where an item has fewer.
+    - ``margin`` ``[B]``, ``safe`` ``[B, K]`` (+1 / -1 / 0), ``head`` ``[B]`` (index into
+      ``heads``; unlabelled items go to the first head).
+
+    Args:
+        pad_id: the padding token id.
+        heads: head names, in the order of the model's outputs.
+        packing: pack sequences into rows of at most ``max_tokens`` (``None``: one row).
+        padding_side: ``"right"`` or ``"left"`` (padded batches; scores do not depend on it).
+    """
+
+    def __init__(
+        self,
+        pad_id: int,
+        heads: Sequence[str] = ("reward",),
+        *,
+        packing: bool = False,
+        max_tokens: int | None = None,
+        padding_side: str = "right",
+    ) -> None:
+        if not packing and max_tokens is not None:
+            raise ValueError("max_tokens applies only with packing=true")
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        self.pad_id = int(pad_id)
+        self.heads = {name: k for k, name in enumerate(heads)}
+        self.packing = packing
+        self.max_tokens = max_tokens
+        self.padding_side = padding_side
+
+    def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        seqs: list[torch.Tensor] = []
+        k_max = max(len(it["sequences"]) for it in items)
+        candidates = torch.full((len(items), k_max), -1, dtype=torch.long)  # [B, K]
+        safe = torch.zeros((len(items), k_max), dtype=torch.long)  # [B, K]
+        for b, it in enumerate(items):
+            for k, s in enumerate(it["sequences"]):
+                candidates[b, k] = len(seqs)
+                safe[b, k] = it["safe"][k]
+                seqs.append(s)
+        head = []
+        for it in items:
+            name = it["head"]
+            if name is not None and name not in self.heads:
+                raise ValueError(
+                    f"a pair is labelled for head {name!r}; heads are {list(self.heads)}"
+                )
+            head.append(0 if name is None else self.heads[name])
+        batch = self._pack(seqs) if self.packing else self._pad(seqs)
+        batch.update(
+            candidates=candidates,
+            safe=safe,
+            margin=torch.tensor([float(it["margin"]) for it in items]),  # [B]
+            head=torch.tensor(head, dtype=torch.long),  # [B]
+        )
+        return batch
+
+    def _pad(self, seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return pad_sequences(seqs, self.pad_id, self.padding_side)
+
+    def _pack(self, seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows: list[list[int]] = [[]]
+        used = 0
+        for n, s in enumerate(seqs):
+            if self.max_tokens is not None and len(s) > self.max_tokens:
+                raise ValueError(
+                    f"a sequence has {len(s)} tokens, more than max_tokens_per_row="
+                    f"{self.max_tokens}: raise it or lower the dataset's max_length"
+                )
+            if self.max_tokens is not None and used + len(s) > self.max_tokens and rows[-1]:
+                rows.append([])
+                used = 0
+            rows[-1].append(n)
+            used += len(s)
+        width = max(sum(len(seqs[n]) for n in row) for row in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [R, T]
+        seg = torch.full((len(rows), width), -1, dtype=torch.long)  # [R, T]
+        positions = torch.zeros((len(rows), width), dtype=torch.long)  # [R, T]
+        for r, row in enumerate(rows):
+            col = 0
+            for n in row:
+                L = len(seqs[n])
+                ids[r, col : col + L] = seqs[n]
+                seg[r, col : col + L] = n
+                positions[r, col : col + L] = torch.arange(L)
+                col += L
+            # Padding is its own position run, so it never joins the last sequence.
+            positions[r, col:] = torch.arange(width - col)
+        return {"input_ids": ids, "position_ids": positions, "segment_ids": seg}

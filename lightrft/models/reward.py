@@ -1,0 +1,315 @@
+"""Scalar reward models: a transformer backbone, a pooling of its hidden states, named heads.
+
+:class:`RewardNet` is the one module both reward-model training (``recipes/reward_model.py``)
+and scoring (:class:`lightrft.rewards.RewardModel`) run, so a trained model scores the same in
+RL as in its evaluation. Its parameter names are those of the HF ``*ForSequenceClassification``
+it was built from (``model.*`` backbone, ``score.*`` heads, plus ``pooler.*`` for attention
+pooling), so an export is that HF directory: ``transformers`` loads a one-head, last-token model
+as it is, and ``config.json`` gains a ``lightrft_reward`` block (heads, pooling, probe layer,
+reward statistics) that :func:`load_reward_net` reads back.
+
+Pooling works on ``segment_ids [R, T]`` (the sequence index of each token, -1 on padding), so
+padded batches (either side) and packed rows pool the same way:
+
+- ``last``: the hidden state of each sequence's last real token (mask-based, never by pad id);
+- ``mean``: the mean over the sequence's tokens;
+- ``attention``: a softmax over the sequence's tokens of a learned linear score, then the
+  weighted mean (one ``hidden -> 1`` layer; small, as in attention-pooled classifiers).
+
+``probe_layer=k`` reads the output of decoder block ``k`` (1-based; ``hidden_states[k]``)
+instead of the final, normed hidden state: a probing reward model on a middle layer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "POOLINGS",
+    "AttentionPooling",
+    "RewardNet",
+    "build_reward_net",
+    "load_reward_net",
+    "pool_hidden",
+]
+
+POOLINGS = ("last", "mean", "attention")
+CONFIG_KEY = "lightrft_reward"
+_HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
+
+
+class AttentionPooling(nn.Module):
+    """Token weights ``softmax(w . h + b)`` within each sequence."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden).squeeze(-1)  # [R, T] token logits
+
+
+def pool_hidden(
+    hidden: torch.Tensor,
+    segment_ids: torch.Tensor,
+    num_sequences: int,
+    pooling: str = "last",
+    token_logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One vector per sequence ``[N, H]`` from ``hidden [R, T, H]`` and ``segment_ids [R, T]``.
+
+    ``token_logits [R, T]`` are the attention pooling's scores (``pooling="attention"`` only).
+    """
+    R, T, H = hidden.shape
+    flat = hidden.reshape(R * T, H)  # [R*T, H]
+    seg = segment_ids.reshape(-1)  # [R*T]
+    real = seg >= 0
+    pos = torch.arange(R * T, device=hidden.device)[real]  # flat index of each real token
+    seg = seg[real]
+    if pooling == "last":
+        last = torch.full((num_sequences,), -1, dtype=torch.long, device=hidden.device)
+        last = last.scatter_reduce(0, seg, pos, reduce="amax")  # [N]
+        return flat[last]  # [N, H]
+    if pooling == "mean":
+        sums = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
+        sums = sums.index_add(0, seg, flat[pos])  # [N, H]
+        counts = torch.zeros(num_sequences, dtype=hidden.dtype, device=hidden.device)
+        counts = counts.index_add(0, seg, torch.ones_like(seg, dtype=hidden.dtype))  # [N]
+        return sums / counts[:, None]
+    if pooling == "attention":
+        assert token_logits is not None, "attention pooling needs token_logits"
+        logit = token_logits.reshape(-1)[real].float()  # [n_real]
+        peak = torch.full((num_sequences,), float("-inf"), device=hidden.device)
+        peak = peak.scatter_reduce(0, seg, logit.detach(), reduce="amax")  # [N], for stability
+        w = torch.exp(logit - peak[seg])  # [n_real]
+        denom = torch.zeros(num_sequences, device=hidden.device).index_add(0, seg, w)  # [N]
+        w = (w / denom[seg]).to(hidden.dtype)
+        out = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
+        return out.index_add(0, seg, flat[pos] * w[:, None])  # [N, H]
+    raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+
+
+def _find_head(model: nn.Module) -> tuple[str, nn.Linear]:
+    for name in _HEAD_NAMES:
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Linear):
+            return name, head
+    raise ValueError(f"{type(model).__name__} has no linear head named any of {_HEAD_NAMES}")
+
+
+class RewardNet(nn.Module):
+    """Backbone + pooling + a ``hidden -> len(heads)`` linear head; ``forward`` gives ``[N, heads]``.
+
+    Args:
+        base: the transformer body (returns ``last_hidden_state`` / ``hidden_states``).
+        head: the linear head, one output per named head.
+        heads: head names, in output order.
+        pooling: ``"last"``, ``"mean"`` or ``"attention"``.
+        probe_layer: read decoder block ``probe_layer``'s output (1-based) instead of the last.
+        base_name, head_name: attribute names, those of the HF class (``model``, ``score``), so
+            parameter names match its checkpoint.
+        hf_model: the HF ``*ForSequenceClassification`` the parts come from, used to save.
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        head: nn.Linear,
+        *,
+        heads: Sequence[str] = ("reward",),
+        pooling: str = "last",
+        probe_layer: int | None = None,
+        base_name: str = "model",
+        head_name: str = "score",
+        hf_model: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        if head.out_features != len(heads):
+            raise ValueError(
+                f"the head has {head.out_features} outputs but {len(heads)} heads are named "
+                f"({list(heads)})"
+            )
+        self.base_name, self.head_name = base_name, head_name
+        setattr(self, base_name, base)
+        setattr(self, head_name, head)
+        self.pooler = AttentionPooling(head.in_features) if pooling == "attention" else None
+        self.heads = list(heads)
+        self.pooling = pooling
+        self.probe_layer = probe_layer
+        # Kept out of the module tree (it holds the same submodules): only its config and
+        # save_pretrained are used.
+        self._hf = [hf_model] if hf_model is not None else []
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self, self.base_name)
+
+    @property
+    def head(self) -> nn.Linear:
+        return getattr(self, self.head_name)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        num_sequences: int,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = self.base(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            output_hidden_states=self.probe_layer is not None,
+        )
+        hidden = (
+            out.last_hidden_state
+            if self.probe_layer is None
+            else out.hidden_states[self.probe_layer]
+        )  # [R, T, H]
+        logits = self.pooler(hidden) if self.pooler is not None else None
+        pooled = pool_hidden(hidden, segment_ids, num_sequences, self.pooling, logits)  # [N, H]
+        return self.head(pooled)  # [N, heads]
+
+    def save_pretrained(self, out_dir: str | Path, **kwargs: Any) -> None:
+        """Save as the HF classifier directory (``export_hf`` calls this with the full state)."""
+        if not self._hf:
+            raise ValueError("this RewardNet was not built from an HF model and cannot be saved")
+        self._hf[0].save_pretrained(out_dir, **kwargs)
+
+    def reward_config(self, stats: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+        """The ``lightrft_reward`` block of an exported ``config.json``."""
+        return {
+            "heads": self.heads,
+            "pooling": self.pooling,
+            "probe_layer": self.probe_layer,
+            "stats": stats or {},
+        }
+
+
+def _check_probe(probe_layer: int | None, n_layers: int | None) -> None:
+    if probe_layer is None:
+        return
+    if probe_layer < 1 or (n_layers is not None and probe_layer > n_layers):
+        raise ValueError(
+            f"probe_layer must be between 1 and the number of layers ({n_layers}), got "
+            f"{probe_layer}"
+        )
+
+
+def build_reward_net(
+    path: str | Path,
+    *,
+    heads: Sequence[str] = ("reward",),
+    pooling: str = "last",
+    probe_layer: int | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+) -> RewardNet:
+    """A trainable reward model from any HF causal LM or ``*ForSequenceClassification`` dir.
+
+    The HF classifier class of the model type is built with ``num_labels=len(heads)``; a causal
+    LM checkpoint gives its body (the LM head is dropped) and a fresh head (seeded by the
+    caller's ``torch.manual_seed``).
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    from lightrft.models.loading import _check_local, to_dtype
+
+    _check_local(path)
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    hf = AutoModelForSequenceClassification.from_pretrained(
+        path,
+        num_labels=len(heads),
+        id2label=dict(enumerate(heads)),
+        label2id={h: i for i, h in enumerate(heads)},
+        ignore_mismatched_sizes=True,
+        **kwargs,
+    )
+    _check_probe(probe_layer, getattr(hf.config, "num_hidden_layers", None))
+    head_name, head = _find_head(hf)
+    net = RewardNet(
+        getattr(hf, hf.base_model_prefix),
+        head,
+        heads=heads,
+        pooling=pooling,
+        probe_layer=probe_layer,
+        base_name=hf.base_model_prefix,
+        head_name=head_name,
+        hf_model=hf,
+    )
+    if net.pooler is not None:
+        net.pooler.to(dtype=to_dtype(dtype))
+    return net.to(device)
+
+
+def read_reward_config(path: str | Path) -> dict[str, Any] | None:
+    """The ``lightrft_reward`` block of ``path/config.json``, or ``None``."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get(CONFIG_KEY)
+
+
+def load_reward_net(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+) -> RewardNet:
+    """A trained reward model from an HF ``*ForSequenceClassification`` directory.
+
+    Reads heads, pooling and probe layer from ``config.json``'s ``lightrft_reward`` block (an
+    export of ``recipes/reward_model.py``); a plain HF classifier has one head, last-token
+    pooling. Attention-pooling weights (``pooler.*``) come from the safetensors files.
+    """
+    from safetensors import safe_open
+
+    meta = read_reward_config(path) or {}
+    cfg = (
+        json.loads((Path(path) / "config.json").read_text())
+        if Path(path, "config.json").is_file()
+        else {}
+    )
+    heads = meta.get("heads")
+    if heads is None:
+        labels = cfg.get("id2label") or {}
+        heads = ["reward"] if len(labels) <= 1 else [labels[str(i)] for i in range(len(labels))]
+    net = build_reward_net(
+        path,
+        heads=heads,
+        pooling=meta.get("pooling", "last"),
+        probe_layer=meta.get("probe_layer"),
+        dtype=dtype,
+        device="cpu",
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
+    if net.pooler is not None:
+        found: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key.startswith("pooler."):
+                        found[key.removeprefix("pooler.")] = f.get_tensor(key)
+        if not found:
+            raise ValueError(f"{path}: attention pooling, but no pooler.* tensors in its weights")
+        net.pooler.load_state_dict(found)
+    return net.to(device)

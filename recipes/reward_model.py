@@ -1,0 +1,521 @@
+"""Reward-model training: a scalar (or multi-head) reward model from preference pairs.
+
+    lightrft run reward_model --config tiny/rlhf_rm
+    lightrft run --nproc_per_node 8 reward_model --config <config> optimizer.lr=5e-6
+
+The model is the HF ``*ForSequenceClassification`` of the backbone's type (a causal LM checkpoint
+gives its body; the head is new) wrapped in :class:`lightrft.models.reward.RewardNet`: pooling
+(last real token, mean or attention; optionally a middle layer's hidden state) and one output per
+named head. Every item of a micro-batch (a chosen response and one or more rejected ones) is scored
+by the head it is labelled for, and only that head gets its gradient. A cost head (Safe-RLHF) is a
+head listed in ``model.cost_heads``: its chosen response is the one with the lower cost, and the
+safety-sign term pushes safe responses below 0 and unsafe ones above.
+
+The loss is summed over items and divided by the items of the whole optimizer step (all
+micro-batches, all ranks), so accumulation and data parallelism give the gradient of one batch.
+Evaluation on the held-out split logs pairwise accuracy, mean margin and reward mean / std per
+head; the final export (``<output_dir>/final``) is an HF classifier directory whose
+``config.json`` carries those statistics (``lightrft_reward``), which
+``lightrft.rewards.RewardModel(normalize=true)`` uses.
+
+One self-contained file: copy it (`lightrft cp reward_model my_rm.py`), edit it, run the copy.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lightrft import config
+from lightrft.algorithms.reward_losses import (
+    pairwise_stats,
+    preference_loss,
+    safety_sign_loss,
+)
+from lightrft.config import Component, ConfigError
+from lightrft.data import build_dataloader
+from lightrft.data.preference import PreferenceCollator
+from lightrft.models import load_tokenizer, parallelize
+from lightrft.models.reward import CONFIG_KEY, POOLINGS, build_reward_net
+from lightrft.training import (
+    Checkpointer,
+    MetricLogger,
+    ProgressBar,
+    check_output_dir,
+    clip_grad_norm,
+    export_hf,
+    peak_memory,
+    reset_peak_memory,
+    warmup_cosine_scheduler,
+)
+from lightrft.training.distributed import all_reduce_sum, barrier, destroy, init_distributed
+
+LossType = Literal["bradley_terry", "log_exp", "hps"]
+
+CONFIG_SCHEMA = {
+    "output_dir": str,
+    "seed": int | None,
+    "device": Literal["cpu", "cuda"] | None,
+    "prepare": list[Component] | None,  # run once on rank 0 before anything loads
+    "model": {
+        "path": str,  # a causal LM or *ForSequenceClassification directory (or hub id)
+        "dtype": Literal["float32", "bfloat16", "float16"] | None,
+        "trust_remote_code": bool | None,
+        "activation_checkpointing": bool | None,
+        "compile": bool | None,
+        "heads": list[str] | None,  # named heads; default ["reward"]
+        "cost_heads": list[str] | None,  # heads that are Safe-RLHF cost models
+        "pooling": Literal["last", "mean", "attention"] | None,
+        "probe_layer": int | None,  # read this decoder block's output (1-based)
+    },
+    "loss": {
+        "type": Literal["bradley_terry", "log_exp", "hps"] | None,
+        "center_coef": float | None,  # coef * mean((r_c + r_r)^2)
+        "safety_coef": float | None,  # cost heads' sign term
+    },
+    "dataset": Component,  # a lightrft.data.PreferenceDataset (tokenizer passed first)
+    "eval_dataset": Component | None,
+    "packing": bool | None,  # several sequences per row, positions reset per sequence
+    "max_tokens_per_row": int | None,  # packing only; default: one row per micro-batch
+    "batch_size": int,  # preference items per rank per micro-batch
+    "gradient_accumulation_steps": int | None,
+    "epochs": int,
+    "max_steps": int | None,
+    "optimizer": Component,
+    "lr_scheduler": {"warmup_steps": int | None, "min_lr_ratio": float | None},
+    "clip_grad_norm": float | None,
+    "log_every": int | None,
+    "eval_every": int | None,
+    "save_every": int | None,
+    "keep_last": int | None,
+    "resume": bool | None,
+    "metrics": {"tensorboard": bool | None, "wandb": bool | dict | None},
+}
+
+
+@dataclass(frozen=True)
+class RewardModelOptions:
+    """Every setting of a run, with its default, checked before anything heavy happens."""
+
+    output_dir: str
+    seed: int = 0
+    device: str | None = None
+    model_path: str = ""
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    activation_checkpointing: bool = False
+    compile: bool = False
+    heads: tuple[str, ...] = ("reward",)
+    cost_heads: tuple[str, ...] = ()
+    pooling: str = "last"
+    probe_layer: int | None = None
+    loss: str = "bradley_terry"
+    center_coef: float = 0.0
+    safety_coef: float = 1.0
+    packing: bool = False
+    max_tokens_per_row: int | None = None
+    batch_size: int = 1
+    accum: int = 1
+    epochs: int = 1
+    max_steps: int | None = None
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    clip_grad_norm: float | None = None
+    log_every: int = 1
+    eval_every: int | None = None
+    save_every: int | None = None
+    keep_last: int = 2
+    resume: bool = False
+    tensorboard: bool = True
+    wandb: Any = False
+
+
+def _get(node: Any, key: str, default: Any) -> Any:
+    """``node[key]``, or ``default`` where the key is absent or null (null means default)."""
+    if node is None:
+        return default
+    value = node.get(key)
+    return default if value is None else value
+
+
+def build_options(cfg: DictConfig) -> RewardModelOptions:
+    """The run's options from a schema-checked config; every cross-field check is here."""
+    model, loss = cfg.get("model") or {}, cfg.get("loss") or {}
+    sched, metrics = cfg.get("lr_scheduler") or {}, cfg.get("metrics") or {}
+    heads = tuple(_get(model, "heads", ["reward"]))
+    cost_heads = tuple(_get(model, "cost_heads", []))
+    opts = RewardModelOptions(
+        output_dir=cfg.output_dir,
+        seed=_get(cfg, "seed", 0),
+        device=cfg.get("device"),
+        model_path=model.path,
+        dtype=_get(model, "dtype", "float32"),
+        trust_remote_code=_get(model, "trust_remote_code", False),
+        activation_checkpointing=_get(model, "activation_checkpointing", False),
+        compile=_get(model, "compile", False),
+        heads=heads,
+        cost_heads=cost_heads,
+        pooling=_get(model, "pooling", "last"),
+        probe_layer=model.get("probe_layer"),
+        loss=_get(loss, "type", "bradley_terry"),
+        center_coef=float(_get(loss, "center_coef", 0.0)),
+        safety_coef=float(_get(loss, "safety_coef", 1.0)),
+        packing=_get(cfg, "packing", False),
+        max_tokens_per_row=cfg.get("max_tokens_per_row"),
+        batch_size=cfg.batch_size,
+        accum=_get(cfg, "gradient_accumulation_steps", 1),
+        epochs=cfg.epochs,
+        max_steps=cfg.get("max_steps"),
+        warmup_steps=_get(sched, "warmup_steps", 0),
+        min_lr_ratio=float(_get(sched, "min_lr_ratio", 0.0)),
+        clip_grad_norm=cfg.get("clip_grad_norm"),
+        log_every=_get(cfg, "log_every", 1),
+        eval_every=cfg.get("eval_every"),
+        save_every=cfg.get("save_every"),
+        keep_last=_get(cfg, "keep_last", 2),
+        resume=_get(cfg, "resume", False),
+        tensorboard=_get(metrics, "tensorboard", True),
+        wandb=_get(metrics, "wandb", False),
+    )
+    errors = []
+    for key, value in (
+        ("batch_size", opts.batch_size),
+        ("epochs", opts.epochs),
+        ("gradient_accumulation_steps", opts.accum),
+        ("log_every", opts.log_every),
+        ("keep_last", opts.keep_last),
+    ):
+        if value < 1:
+            errors.append(f"{key} must be >= 1, got {value}")
+    for key, value in (
+        ("max_steps", opts.max_steps),
+        ("eval_every", opts.eval_every),
+        ("save_every", opts.save_every),
+        ("max_tokens_per_row", opts.max_tokens_per_row),
+    ):
+        if value is not None and value < 1:
+            errors.append(f"{key} must be >= 1 or null, got {value}")
+    if not heads or len(set(heads)) != len(heads) or any(not h or "/" in h for h in heads):
+        errors.append(
+            f"model.heads must be distinct non-empty names without '/', got {list(heads)}"
+        )
+    unknown = [h for h in cost_heads if h not in heads]
+    if unknown:
+        errors.append(f"model.cost_heads: {unknown[0]!r} is not in model.heads {list(heads)}")
+    if opts.pooling not in POOLINGS:
+        errors.append(f"model.pooling must be one of {POOLINGS}, got {opts.pooling!r}")
+    if opts.probe_layer is not None and opts.probe_layer < 1:
+        errors.append(f"model.probe_layer must be >= 1 (a decoder block), got {opts.probe_layer}")
+    if opts.max_tokens_per_row is not None and not opts.packing:
+        errors.append("max_tokens_per_row applies only with packing=true")
+    if opts.center_coef < 0 or opts.safety_coef < 0:
+        errors.append("loss.center_coef and loss.safety_coef must be >= 0")
+    if not 0.0 <= opts.min_lr_ratio <= 1.0:
+        errors.append(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {opts.min_lr_ratio}")
+    if opts.warmup_steps < 0:
+        errors.append(f"lr_scheduler.warmup_steps must be >= 0, got {opts.warmup_steps}")
+    if opts.clip_grad_norm is not None and opts.clip_grad_norm <= 0:
+        errors.append(f"clip_grad_norm must be > 0 or null, got {opts.clip_grad_norm}")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return opts
+
+
+class RewardModelRecipe:
+    """Read the options, build everything in ``setup``, train, clean up."""
+
+    def __init__(self, cfg: DictConfig, opts: RewardModelOptions):
+        self.cfg, self.opts = cfg, opts
+        self.output_dir = check_output_dir(opts.output_dir)
+        self.dist = init_distributed(opts.device)
+        self.checkpointer = Checkpointer(
+            self.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
+        )
+        if opts.resume and self.checkpointer.latest() is None:
+            raise ValueError(f"resume=true but no checkpoint found in {self.checkpointer.root}")
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, cfg: DictConfig) -> None:
+        o = self.opts
+        torch.manual_seed(o.seed)
+        if self.dist.is_main:
+            for node in cfg.get("prepare") or []:
+                config.instantiate(node)
+        barrier()
+        self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
+        # Data first: a bad record or an unknown head label fails before the model loads.
+        self.dataset = self._dataset(cfg.dataset)
+        collate = PreferenceCollator(
+            self.tokenizer.pad_token_id,
+            o.heads,
+            packing=o.packing,
+            max_tokens=o.max_tokens_per_row,
+        )
+        loader_kw = dict(
+            batch_size=o.batch_size,
+            seed=o.seed,
+            collate_fn=collate,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
+        self.loader = build_dataloader(self.dataset, shuffle=True, drop_last=True, **loader_kw)
+        self.eval_loader = None
+        if cfg.get("eval_dataset") is not None:
+            eval_ds = self._dataset(cfg.eval_dataset)
+            self.eval_loader = build_dataloader(
+                eval_ds, shuffle=False, drop_last=False, **loader_kw
+            )
+        self.steps_per_epoch = len(self.loader) // o.accum
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"dataset {cfg.dataset._component_} gives {len(self.loader)} micro-batches per "
+                f"rank per epoch, fewer than gradient_accumulation_steps={o.accum}: lower "
+                "batch_size or gradient_accumulation_steps, or add data"
+            )
+        self.total_steps = self.steps_per_epoch * o.epochs
+        if o.max_steps is not None:
+            self.total_steps = min(self.total_steps, o.max_steps)
+
+        net = build_reward_net(
+            o.model_path,
+            heads=o.heads,
+            pooling=o.pooling,
+            probe_layer=o.probe_layer,
+            dtype=o.dtype,
+            device=self.dist.device,
+            trust_remote_code=o.trust_remote_code,
+        )
+        self.model = parallelize(
+            net, activation_checkpointing=o.activation_checkpointing, compile=o.compile
+        )
+        # Per head: -1 turns a cost into a "higher is preferred" score; 1 marks cost heads.
+        dev = self.dist.device
+        self.head_sign = torch.tensor(
+            [-1.0 if h in o.cost_heads else 1.0 for h in o.heads], device=dev
+        )  # [heads]
+        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        self.scheduler = warmup_cosine_scheduler(
+            self.optimizer,
+            warmup_steps=o.warmup_steps,
+            total_steps=self.total_steps,
+            min_lr_ratio=o.min_lr_ratio,
+        )
+        self.step, self.epoch, self.last_eval_step = 0, 0, None
+        self.eval_stats: dict[str, dict[str, float]] = {}
+        if o.resume:
+            state = self.checkpointer.load_latest(
+                models=self.model,
+                optimizers=self.optimizer,
+                schedulers=self.scheduler,
+                dataloaders=self.loader,
+                required=True,
+            )
+            self.step, self.epoch = state.step, state.extra["epoch"]
+        self.logger = MetricLogger(
+            self.output_dir,
+            tensorboard=o.tensorboard,
+            wandb=o.wandb or False,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            resume_step=self.step if o.resume else None,
+        )
+        self.logger.log(self.step, {f"data/{k}": v for k, v in self.dataset.stats.items()})
+
+    def _dataset(self, node: DictConfig):
+        ds = config.instantiate(node, self.tokenizer)
+        for i, head in enumerate(ds.heads):
+            if head is not None and head not in self.opts.heads:
+                raise ValueError(
+                    f"{ds.where(i)}: the pair is labelled for head {head!r}, which is not in "
+                    f"model.heads {list(self.opts.heads)}"
+                )
+        return ds
+
+    # ------------------------------------------------------------------ steps
+
+    def _scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Raw head outputs of each item's candidates ``[B, K]`` (its own head), the signed
+        scores (higher = preferred) and the valid mask."""
+        dev = self.dist.device
+        cand = batch["candidates"].to(dev)  # [B, K]
+        mask = batch.get("attention_mask")
+        out = self.model(
+            input_ids=batch["input_ids"].to(dev),
+            position_ids=batch["position_ids"].to(dev),
+            segment_ids=batch["segment_ids"].to(dev),
+            num_sequences=int(cand.max()) + 1,
+            attention_mask=None if mask is None else mask.to(dev),
+        )  # [N, heads]
+        head = batch["head"].to(dev)  # [B]
+        valid = cand >= 0
+        raw = out[cand.clamp(min=0), head[:, None].expand_as(cand)]  # [B, K]
+        signed = raw * self.head_sign[head][:, None]  # [B, K]
+        return raw, signed, valid
+
+    def _loss(self, batch: dict[str, torch.Tensor], divisor: float) -> torch.Tensor:
+        """Sum of the items' losses divided by ``divisor``."""
+        o, dev = self.opts, self.dist.device
+        raw, signed, valid = self._scores(batch)
+        margin = batch["margin"].to(dev)  # [B]
+        per_item = preference_loss(
+            signed,
+            valid,
+            kind=o.loss,
+            margin=margin if bool((margin != 0).any()) else None,
+            center_coef=o.center_coef,
+        )  # [B]
+        if o.cost_heads and o.safety_coef:
+            is_cost = (self.head_sign[batch["head"].to(dev)] < 0).to(raw.dtype)  # [B]
+            safe = batch["safe"].to(dev) * valid  # [B, K]
+            per_item = per_item + o.safety_coef * is_cost * safety_sign_loss(raw, safe)
+        return per_item.sum() / divisor
+
+    def _micro_batches(self):
+        """Micro-batches of the current epoch from the (resumable) dataloader position."""
+        self.loader.sampler.set_epoch(self.epoch)
+        yield from self.loader
+
+    def train(self) -> None:
+        o, model, opt = self.opts, self.model, self.optimizer
+        bar = ProgressBar(self.total_steps, initial=self.step, desc="reward_model")
+        if self.step == 0:
+            self._log_eval()
+        seqs_seen, t0 = 0, time.perf_counter()
+        reset_peak_memory(self.dist.device)
+        while self.step < self.total_steps and self.epoch < o.epochs:
+            pending: list[dict] = []
+            for batch in self._micro_batches():
+                pending.append(batch)
+                if len(pending) < o.accum:
+                    continue
+                # Normalise by the items of the whole step on all ranks; FSDP averages
+                # gradients over ranks, so multiply back by the world size.
+                n_items = all_reduce_sum(sum(len(b["head"]) for b in pending)).item()
+                divisor = n_items / self.dist.world_size
+                loss_sum = 0.0
+                for b in pending:
+                    loss = self._loss(b, divisor)
+                    loss.backward()
+                    loss_sum += loss.item() * divisor
+                    seqs_seen += int((b["candidates"] >= 0).sum())
+                pending = []
+                grad_norm = (
+                    clip_grad_norm(model, o.clip_grad_norm) if o.clip_grad_norm else float("nan")
+                )
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                self.step += 1
+                loss = all_reduce_sum(loss_sum).item() / n_items
+                if self.step % o.log_every == 0 or self.step == self.total_steps:
+                    elapsed = time.perf_counter() - t0
+                    sps = all_reduce_sum(seqs_seen).item() / max(elapsed, 1e-9)
+                    self.logger.log(
+                        self.step,
+                        {
+                            "train/loss": loss,
+                            "train/grad_norm": grad_norm,
+                            "train/lr": self.scheduler.get_last_lr()[0],
+                            "train/sequences_per_s": sps,
+                            "train/epoch": self.epoch,
+                            **peak_memory(self.dist.device),
+                        },
+                    )
+                    seqs_seen, t0 = 0, time.perf_counter()
+                bar.update(1, loss=loss)
+                if o.eval_every and self.step % o.eval_every == 0:
+                    self._log_eval()
+                if self.checkpointer.should_save(self.step):
+                    self._save()
+                if self.step >= self.total_steps:
+                    break
+            else:
+                self.epoch += 1
+                continue
+            break
+        bar.close()
+        if self.last_eval_step != self.step:
+            self._log_eval()
+        net = model.module if hasattr(model, "module") else model
+        setattr(net._hf[0].config, CONFIG_KEY, net.reward_config(self.eval_stats))
+        export_hf(model, self.tokenizer, self.output_dir / "final")
+
+    def _save(self) -> None:
+        self.checkpointer.save(
+            self.step,
+            models=self.model,
+            optimizers=self.optimizer,
+            schedulers=self.scheduler,
+            dataloaders=self.loader,
+            extra={"epoch": self.epoch},
+        )
+
+    def _log_eval(self) -> None:
+        if self.eval_loader is not None:
+            metrics = self.evaluate()
+            self.logger.log(self.step, metrics)
+            if self.dist.is_main:
+                print(f"step {self.step}: eval/accuracy {metrics['eval/accuracy']:.4f}", flush=True)
+        self.last_eval_step = self.step
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Pairwise accuracy, mean margin and reward mean / std per head on the held-out split."""
+        heads = self.opts.heads
+        H = len(heads)
+        # Per head: items, correct, margin sum, scored sequences, reward sum, reward sum of squares.
+        sums = torch.zeros(6, H, dtype=torch.float64)
+        self.model.eval()
+        for batch in self.eval_loader:
+            raw, signed, valid = self._scores(batch)
+            acc, margin = pairwise_stats(signed.float(), valid)  # [B] each
+            head = batch["head"]
+            vals = raw.float().cpu() * valid.cpu()
+            for h in range(H):
+                sel = head == h
+                sums[0, h] += sel.sum()
+                sums[1, h] += acc.cpu()[sel].sum()
+                sums[2, h] += margin.cpu()[sel].sum()
+                sums[3, h] += valid.cpu()[sel].sum()
+                sums[4, h] += vals[sel].sum()
+                sums[5, h] += vals[sel].pow(2).sum()
+        self.model.train()
+        sums = all_reduce_sum(sums)
+        out: dict[str, float] = {}
+        self.eval_stats = {}
+        for h, name in enumerate(heads):
+            n, m = sums[0, h].item(), sums[3, h].item()
+            if n == 0:
+                continue
+            mean = sums[4, h].item() / m
+            std = max(sums[5, h].item() / m - mean * mean, 0.0) ** 0.5
+            out[f"eval/accuracy/{name}"] = sums[1, h].item() / n
+            out[f"eval/margin/{name}"] = sums[2, h].item() / n
+            out[f"eval/reward_mean/{name}"] = mean
+            out[f"eval/reward_std/{name}"] = std
+            self.eval_stats[name] = {"mean": mean, "std": std, "pairs": int(n)}
+        out["eval/accuracy"] = sums[1].sum().item() / max(sums[0].sum().item(), 1.0)
+        return out
+
+    def cleanup(self) -> None:
+        self.logger.close()
+        destroy()
+
+
+@config.parse(schema=CONFIG_SCHEMA, options=build_options)
+def recipe_main(cfg: DictConfig, opts: RewardModelOptions) -> None:
+    recipe = RewardModelRecipe(cfg, opts)
+    recipe.setup(cfg)
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

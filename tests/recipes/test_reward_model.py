@@ -1,0 +1,275 @@
+"""The reward-model recipe through the real CLI, in-process: learning, export, resume, 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import random
+import runpy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _dist import run_distributed
+
+from lightrft import cli
+from lightrft.training import read_metrics
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "seven", "quiet", "lamp", "north", "tiger"]
+
+
+def _pairs(n: int, seed: int, heads: list[str] | None = None) -> list[dict]:
+    """Separable pairs: the chosen answer ends in 'yes', the rejected one in 'no'."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.sample(WORDS, 2)
+        rec = {"prompt": f"{a} {b}?", "chosen": f"{b} {a} yes", "rejected": f"{b} {a} no"}
+        if heads:
+            rec["head"] = heads[i % len(heads)]
+            rec["chosen_safe"], rec["rejected_safe"] = True, False
+        out.append(rec)
+    return out
+
+
+def _config(tmp: Path, heads: list[str] | None = None, **overrides) -> Path:
+    data = tmp / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for split, n, seed in (("train", 96, 0), ("test", 32, 1)):
+        (data / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in _pairs(n, seed, heads))
+        )
+    cfg = {
+        "output_dir": str(tmp / "out"),
+        "seed": 0,
+        "device": "cpu",
+        "prepare": [
+            {
+                "_component_": "lightrft.models.ensure_tiny_model",
+                "out_dir": str(tmp / "model"),
+                "layers": 2,
+                "hidden": 32,
+                "heads": 2,
+                "kv_heads": 1,
+                "max_positions": 128,
+            }
+        ],
+        "model": {"path": str(tmp / "model")},
+        "dataset": {
+            "_component_": "lightrft.data.PreferenceDataset",
+            "path": str(data / "train.jsonl"),
+            "max_length": 64,
+        },
+        "eval_dataset": {
+            "_component_": "lightrft.data.PreferenceDataset",
+            "path": str(data / "test.jsonl"),
+        },
+        "batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "epochs": 1,
+        "max_steps": 6,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 3e-3},
+        "lr_scheduler": {"warmup_steps": 1},
+        "clip_grad_norm": 1.0,
+        "log_every": 1,
+        "eval_every": 3,
+        "metrics": {"tensorboard": True},
+    }
+    if heads:
+        cfg["model"]["heads"] = heads
+    cfg.update(overrides)
+    path = tmp / "rm.yaml"
+    path.write_text("# lightrft run reward_model --config rm.yaml\n" + yaml.safe_dump(cfg))
+    return path
+
+
+def _losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(out) if "train/loss" in r}
+
+
+def _recipe_module() -> dict:
+    return runpy.run_path(str(cli.recipes_dir() / "reward_model.py"))
+
+
+def test_learns_evaluates_and_exports_what_reward_model_and_transformers_load(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from lightrft.models.reward import build_reward_net
+    from lightrft.rewards import RewardModel
+    from lightrft.training import Checkpointer
+
+    cfg = _config(tmp_path, save_every=6)
+    assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    records = read_metrics(out)
+    evals = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert evals[-1]["eval/accuracy/reward"] >= 0.9 > evals[0]["eval/accuracy/reward"]
+    assert evals[-1]["eval/margin/reward"] > evals[0]["eval/margin/reward"]
+    last = [r for r in records if "train/loss" in r][-1]
+    for key in ("train/grad_norm", "train/lr", "train/sequences_per_s", "memory/peak_rss_gib"):
+        assert key in last
+    assert any(r.get("data/pairs") == 96 for r in records)
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+    final = out / "final"
+    meta = json.loads((final / "config.json").read_text())["lightrft_reward"]
+    assert meta["heads"] == ["reward"] and meta["pooling"] == "last"
+    stats = meta["stats"]["reward"]
+    assert stats["mean"] == pytest.approx(evals[-1]["eval/reward_mean/reward"])
+    assert stats["std"] == pytest.approx(evals[-1]["eval/reward_std/reward"])
+
+    # The trained model (the step-6 checkpoint) and the export score the same.
+    torch.manual_seed(0)
+    trained = build_reward_net(tmp_path / "model").eval()
+    Checkpointer(out).load_latest(models=trained, required=True)
+    rm = RewardModel(str(final), micro_batch_size=1)
+    prompts = ["apple river?", "stone lamp?", "north tiger?"]
+    responses = ["river apple yes", "lamp stone no", "tiger north yes"]
+    scores = rm(prompts, responses)
+    seqs = rm.tokenize(prompts, responses)
+    with torch.no_grad():
+        want = torch.stack(
+            [
+                trained(
+                    torch.tensor([s]),
+                    torch.arange(len(s))[None],
+                    torch.zeros(1, len(s), dtype=torch.long),
+                    num_sequences=1,
+                )[0, 0]
+                for s in seqs
+            ]
+        )
+    assert torch.allclose(scores, want, atol=1e-6), (scores, want)
+    assert scores[0] > scores[1] and scores[2] > scores[1]
+    # Normalised with the held-out statistics written into the export.
+    norm = RewardModel(str(final), micro_batch_size=1, normalize=True)(prompts, responses)
+    assert torch.allclose(norm, (scores - stats["mean"]) / stats["std"], atol=1e-5)
+    # transformers loads the one-head export as its classifier and agrees (no padding involved).
+    hf = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = torch.stack([hf(torch.tensor([s])).logits[0, 0] for s in seqs])
+    assert torch.allclose(logits, scores, atol=1e-5)
+
+
+def test_resume_gives_the_uninterrupted_loss_curve(tmp_path):
+    full = tmp_path / "full"
+    cfg = _config(full, save_every=3, keep_last=5, eval_every=None, packing=True)
+    assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
+    reference = _losses(full / "out")
+    assert sorted(reference) == [1, 2, 3, 4, 5, 6]
+
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(full / "out" / "checkpoints" / "step_000003", ckpts / "step_000003")
+    (ckpts / "latest").write_text("step_000003")
+    shutil.copytree(full / "model", crashed / "model")
+    cfg = _config(crashed, save_every=3, keep_last=5, eval_every=None, packing=True, resume=True)
+    assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
+    resumed = _losses(crashed / "out")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == reference[step], step  # bitwise on CPU fp32
+
+
+def test_a_pair_trains_only_its_head_and_cost_heads_get_the_sign_term(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lightrft import config as lconfig
+
+    mod = _recipe_module()
+    cfg_path = _config(
+        tmp_path,
+        heads=["helpful", "cost"],
+        model={
+            "path": str(tmp_path / "model"),
+            "heads": ["helpful", "cost"],
+            "cost_heads": ["cost"],
+        },
+    )
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = mod["RewardModelRecipe"](cfg, mod["build_options"](cfg))
+    recipe.setup(cfg)
+    try:
+        items = [recipe.dataset[i] for i in range(len(recipe.dataset))]
+        for name, row in (("helpful", 0), ("cost", 1)):
+            batch = recipe.loader.collate_fn([it for it in items if it["head"] == name][:4])
+            recipe.model.zero_grad(set_to_none=True)
+            recipe._loss(batch, divisor=4.0).backward()
+            grad = recipe.model.score.weight.grad  # [2, H]
+            assert grad[row].abs().sum() > 0 and grad[1 - row].abs().sum() == 0, name
+        # The cost head: chosen (safe) should get the lower cost. With the head's weights set so
+        # that every cost is 0, the loss is log 2 (pair) + 2 log 2 (sign terms, safety_coef 1).
+        with torch.no_grad():
+            recipe.model.score.weight.zero_()
+        cost_batch = recipe.loader.collate_fn([it for it in items if it["head"] == "cost"][:4])
+        loss = recipe._loss(cost_batch, divisor=4.0).item()
+        assert loss == pytest.approx(3 * torch.log(torch.tensor(2.0)).item(), rel=1e-5)
+        assert OmegaConf.select(cfg, "model.cost_heads") == ["cost"]
+    finally:
+        recipe.cleanup()
+
+
+def _two_ranks(rank: int, world_size: int, cfg_path: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from lightrft import config as lconfig
+
+    mod = _recipe_module()
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = mod["RewardModelRecipe"](cfg, mod["build_options"](cfg))
+    recipe.setup(cfg)
+    params = list(recipe.model.parameters())
+    assert params and all(isinstance(p, DTensor) for p in params)
+    recipe.train()
+    recipe.logger.close()
+    if rank == 0:
+        evals = [r for r in read_metrics(Path(cfg.output_dir)) if "eval/accuracy" in r]
+        assert evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"], evals
+
+
+def test_two_gloo_processes_shard_learn_and_export_named_heads(tmp_path):
+    from lightrft.rewards import RewardModel
+
+    cfg = _config(
+        tmp_path,
+        heads=["helpful", "cost"],
+        model={
+            "path": str(tmp_path / "model"),
+            "heads": ["helpful", "cost"],
+            "cost_heads": ["cost"],
+            "pooling": "attention",
+        },
+        packing=True,
+        gradient_accumulation_steps=1,
+        batch_size=4,
+        eval_every=None,
+    )
+    run_distributed(_two_ranks, str(cfg), world_size=2)
+    final = tmp_path / "out" / "final"
+    meta = json.loads((final / "config.json").read_text())["lightrft_reward"]
+    assert meta["heads"] == ["helpful", "cost"] and meta["pooling"] == "attention"
+    assert set(meta["stats"]) == {"helpful", "cost"}
+    rm = RewardModel(str(final), score_head="cost")
+    scores = rm(["apple river?"], ["river apple no"])
+    assert set(rm.last_head_scores) == {"helpful", "cost"}
+    assert scores[0] == rm.last_head_scores["cost"][0]
+
+
+def test_bad_config_and_data_fail_before_training(tmp_path, capsys):
+    cfg = _config(tmp_path)
+    assert cli.main(["run", "reward_model", "--config", str(cfg), "model.cost_heads=[x]"]) == 2
+    assert "model.cost_heads" in capsys.readouterr().err
+    assert cli.main(["run", "reward_model", "--config", str(cfg), "loss.type=hinge"]) == 2
+    assert "loss.type" in capsys.readouterr().err
+    assert cli.main(["run", "reward_model", "--config", str(cfg), "max_tokens_per_row=8"]) == 2
+    assert "packing" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="resume=true but no checkpoint"):
+        cli.main(["run", "reward_model", "--config", str(cfg), "resume=true"])
+    # A pair labelled for a head the model does not have: the file and line, before the model.
+    h = tmp_path / "h"
+    labelled = _config(h, heads=["helpful"], model={"path": str(h / "model")})
+    with pytest.raises(ValueError, match=r"train.jsonl line 1: .*head 'helpful'"):
+        cli.main(["run", "reward_model", "--config", str(labelled)])
