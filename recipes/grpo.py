@@ -814,6 +814,15 @@ class Counts:
 # ---------------------------------------------------------------------------------- recipe
 
 
+def _gather_objects(obj: Any) -> list[Any]:
+    """Every rank's (small, picklable) ``obj`` in rank order; ``[obj]`` in one process."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 class GRPORecipe:
     """Build everything from the validated options in ``setup``, train, clean up."""
 
@@ -844,6 +853,7 @@ class GRPORecipe:
         self._setup_engine()
         self._setup_rewards_and_data(cfg)
         self._weights_released = False
+        self._reward_side: dict[str, tuple] = {}  # see _note_reward_side
         self.step, self.epoch = 0, 0
         self.eval_history: list[tuple[int, float, float]] = []
         self.resumed = self.opts.resume
@@ -1021,7 +1031,7 @@ class GRPORecipe:
             self.engine.sleep(self.opts.engine.sleep_level)
             self._weights_released = self.opts.engine.sleep_level == 2
 
-    def _score(self, prompts, texts, references, labels, wheres) -> tuple:
+    def _score(self, prompts, texts, references, labels, wheres, *, record=True) -> tuple:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
         python floats the reward functions returned)."""
         if not texts:
@@ -1042,7 +1052,22 @@ class GRPORecipe:
 
         parts = {n: f64(p) for n, p in out.parts.items()}
         applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in out.applied.items()}
+        if record:  # rollout calls feed the step's metrics; eval calls have their own
+            self._note_reward_side(out)
         return f64(total), parts, applied
+
+    def _note_reward_side(self, out) -> None:
+        """Keep what a reward call reports beside the rewards, for the step's metrics: every head
+        of a multi-head reward model (``out.heads``, over the samples its function scored) and
+        the functions' own metrics (``out.extra``, e.g. a judge's parse failures)."""
+        side = self._reward_side
+        for key, scores in out.heads.items():
+            vals = scores[out.applied[key.split("/")[0]]].double()
+            s, q, c = side.get(key, (0.0, 0.0, 0))
+            side[key] = (s + float(vals.sum()), q + float((vals**2).sum()), c + vals.numel())
+        for key, value in out.extra.items():
+            total, calls = side.get(f"extra:{key}", (0.0, 0))
+            side[f"extra:{key}"] = (total + float(value), calls + 1)
 
     def _draw(self, step: int, draw: int, timer: PhaseTimer) -> RolloutBatch:
         """One rollout draw: this rank's prompts, n samples each, scored; then gathered so every
@@ -1434,7 +1459,12 @@ class GRPORecipe:
 
         texts = [c.text or "" for c in completions]
         total, parts, _ = self._score(
-            column("prompt"), texts, column("reference"), column("label"), column("where")
+            column("prompt"),
+            texts,
+            column("reference"),
+            column("label"),
+            column("where"),
+            record=False,
         )
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
         correct = sum(1.0 for v in (parts[name] if name else total).tolist() if v > 0)
@@ -1466,8 +1496,27 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ metrics
 
-    def _rollout_metrics(self, drawn: RolloutBatch, batch: RolloutBatch) -> dict[str, float]:
+    def _reward_side_metrics(self) -> dict[str, float]:
+        """The step's reward-head means / stds and function metrics (averaged over the calls of
+        the step: one per rank and draw), merged over ranks; then forgotten."""
+        merged: dict[str, tuple] = {}
+        for part in _gather_objects(self._reward_side):
+            for key, vals in part.items():
+                old = merged.get(key, (0,) * len(vals))
+                merged[key] = tuple(a + b for a, b in zip(old, vals, strict=True))
+        self._reward_side = {}
         m: dict[str, float] = {}
+        for key, vals in sorted(merged.items()):
+            if key.startswith("extra:"):
+                m[f"reward/{key[len('extra:') :]}"] = vals[0] / max(vals[1], 1)
+            elif vals[2]:
+                mean = vals[0] / vals[2]
+                m[f"reward/{key}/mean"] = mean
+                m[f"reward/{key}/std"] = max(vals[1] / vals[2] - mean * mean, 0.0) ** 0.5
+        return m
+
+    def _rollout_metrics(self, drawn: RolloutBatch, batch: RolloutBatch) -> dict[str, float]:
+        m: dict[str, float] = self._reward_side_metrics()
         totals = drawn.reward_raw.float()
         m["reward/total/mean"] = float(totals.mean())
         m["reward/total/std"] = float(totals.std(unbiased=False))

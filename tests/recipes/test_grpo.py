@@ -34,6 +34,18 @@ class DigitReward:
         return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
+class TwoHeadReward:
+    """A stand-in for a two-head reward model: scores with its ``a`` head, reports both heads
+    (``last_head_scores``) and a metric of its own (``last_metrics``), as RewardModel and
+    GenerativeReward do."""
+
+    def __call__(self, prompts, responses, references, labels):
+        a = [float(len(r)) for r in responses]
+        self.last_head_scores = {"a": a, "b": [2.0 * x for x in a]}
+        self.last_metrics = {"calls": 1.0, "size": float(len(responses))}
+        return a
+
+
 class NanReward:
     def __call__(self, prompts, responses, references, labels):
         return [math.nan] * len(responses)
@@ -680,3 +692,20 @@ def test_dr_grpo_norm_len_defaults_to_the_generation_budget(tmp_path, assets):
     assert build_options(cfg).loss.norm_len == 5
     cfg, _ = lconfig.load(_config(tmp_path, assets))
     assert build_options(cfg).loss.norm_len is None  # token_mean has no divisor
+
+
+def test_reward_heads_and_function_metrics_are_logged(tmp_path, assets):
+    """Every head of a multi-head reward and a function's own metrics reach metrics.jsonl:
+    head b = 2 x head a sample by sample, so its mean and std are exactly twice a's."""
+    rows = _run(
+        tmp_path,
+        assets,
+        **{"reward.functions.digits._component_": "test_grpo.TwoHeadReward"},
+    )
+    step = _train_rows(rows)[1]
+    a, b = step["reward/digits/a/mean"], step["reward/digits/b/mean"]
+    assert a == pytest.approx(step["reward/digits/mean"]) and b == pytest.approx(2 * a)
+    assert step["reward/digits/b/std"] == pytest.approx(2 * step["reward/digits/a/std"])
+    assert step["reward/digits/calls"] == 1.0
+    assert step["reward/digits/size"] == 8.0  # 2 prompts x 4 samples, one call
+    assert not any("digits/a" in k for k in rows[-1] if k.startswith("eval/"))
