@@ -31,20 +31,16 @@ __all__ = [
 _BOXED = re.compile(r"\\(?:boxed|fbox)\b")
 
 
-def _braced(text: str, start: int) -> tuple[str, int] | None:
-    """The content of the ``{...}`` group opening at ``text[start]`` and the index after it."""
-    if start >= len(text) or text[start] != "{":
-        return None
-    depth = 0
-    for i in range(start, len(text)):
-        c = text[i]
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of each ``{`` -> index of its matching ``}`` (unclosed ones are absent), in one
+    pass, so a response with many boxes or deep nesting costs linear time."""
+    match, stack = {}, []
+    for i, c in enumerate(text):
         if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : i], i + 1
-    return None  # unbalanced: the response was cut off inside the box
+            stack.append(i)
+        elif c == "}" and stack:
+            match[stack.pop()] = i
+    return match
 
 
 def extract_boxed(text: str) -> str | None:
@@ -53,14 +49,18 @@ def extract_boxed(text: str) -> str | None:
     ``\\boxed 5`` (no braces) yields ``5``. A truncated last box is skipped in favour of the one
     before it, since only a closed box is a committed answer.
     """
+    closing: dict[int, int] | None = None
     for m in reversed(list(_BOXED.finditer(text))):
         i = m.end()
         while i < len(text) and text[i] == " ":
             i += 1
-        got = _braced(text, i)
-        if got is not None:
-            return got[0].strip()
-        if i > m.end():  # `\boxed 5`: the argument is the next token
+        if i < len(text) and text[i] == "{":
+            if closing is None:
+                closing = _closing_braces(text)
+            if i in closing:
+                return text[i + 1 : closing[i]].strip()
+            # else unbalanced: the response was cut off inside the box
+        if i > m.end():  # `\\boxed 5`: the argument is the next token
             tok = re.match(r"[^\s$]+", text[i:])
             if tok:
                 return tok.group(0)

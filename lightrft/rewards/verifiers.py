@@ -11,7 +11,14 @@ from collections.abc import Sequence
 from typing import Literal
 
 from lightrft.rewards.base import Prompt, prompt_preview
-from lightrft.rewards.math_answer import EXTRACTORS, answers_match, extract_answer, extract_boxed
+from lightrft.rewards.math_answer import (
+    EXTRACTORS,
+    answers_match,
+    extract_answer,
+    extract_boxed,
+    normalize_answer,
+    parse_number,
+)
 
 __all__ = ["GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
 
@@ -30,18 +37,29 @@ class MathVerifier:
     (last ``\\boxed{...}``), ``"hashes"`` (GSM8K ``#### N``), ``"answer_is"`` ("the answer is
     N"), ``"last_number"``. The reference may be a bare answer (``"18"``, ``"\\frac{1}{2}"``) or
     a full solution ending in ``#### N`` or ``\\boxed{...}``, whose answer is extracted.
-    Equivalence is :func:`~lightrft.rewards.math_answer.answers_match`.
+
+    Equivalence (:meth:`equivalent`) runs in two stages. First the built-in comparison
+    (:func:`~lightrft.rewards.math_answer.answers_match`): exact rationals for plain numbers
+    (``18 = 18.0 = $18``, ``3/4 = 0.75``, ``1,000 = 1000``) and normalised LaTeX strings; when
+    both answers are plain numbers its verdict is final (the fast path: no sympy). Otherwise, with
+    ``symbolic=True``, the pair goes to ``math-verify`` (intervals, sets, tuples, equations,
+    ``\\text{}`` units, ``\\sqrt{8} = 2\\sqrt{2}``) in worker processes, each pair given at most
+    ``timeout`` seconds (see :mod:`lightrft.rewards.math_equiv`); a pair that runs out is wrong.
 
     Args:
         correct: reward for a correct answer.
         incorrect: reward for a wrong or missing answer.
         extractors: extraction strategies, tried in order.
         strip_think: look for the answer only after the last ``</think>`` if there is one.
+        symbolic: use math-verify for answers that are not plain numbers.
+        timeout: seconds a symbolic comparison may take.
+        workers: math-verify worker processes (started on first use).
     """
 
     name = "math"
     requires_reference = True
     default_extractors: tuple[str, ...] = ("boxed", "hashes", "answer_is", "last_number")
+    default_symbolic = True
 
     def __init__(
         self,
@@ -49,6 +67,9 @@ class MathVerifier:
         incorrect: float = 0.0,
         extractors: list[str] | None = None,
         strip_think: bool = True,
+        symbolic: bool | None = None,
+        timeout: float = 5.0,
+        workers: int = 1,
     ) -> None:
         self.extractors = tuple(extractors) if extractors is not None else self.default_extractors
         unknown = [e for e in self.extractors if e not in EXTRACTORS]
@@ -60,6 +81,12 @@ class MathVerifier:
         self.correct = float(correct)
         self.incorrect = float(incorrect)
         self.strip_think = strip_think
+        self.symbolic = self.default_symbolic if symbolic is None else bool(symbolic)
+        self._pool = None
+        if self.symbolic:
+            from lightrft.rewards.math_equiv import EquivalencePool
+
+            self._pool = EquivalencePool(workers=workers, timeout=timeout)
 
     def extract(self, response: str) -> str | None:
         """The final answer the response commits to, or ``None``."""
@@ -70,6 +97,37 @@ class MathVerifier:
         """The answer of a reference: the ``#### N`` or boxed answer of a solution, else itself."""
         ref = str(reference)
         return extract_answer(ref, ("hashes", "boxed")) or ref.strip()
+
+    def _fast(self, pred: str | None, ref: str) -> bool | None:
+        """The verdict without sympy, or ``None`` if only the symbolic check can tell."""
+        if pred is None:
+            return False
+        if answers_match(pred, ref):
+            return True
+        if not self.symbolic:
+            return False
+        if parse_number(normalize_answer(pred)) and parse_number(normalize_answer(ref)):
+            return False  # two plain numbers: the exact comparison is final
+        return None
+
+    def equivalent_many(self, preds: Sequence[str | None], refs: Sequence[str]) -> list[bool]:
+        """:meth:`equivalent` of each pair; the symbolic ones run on all workers."""
+        verdicts = [self._fast(p, r) for p, r in zip(preds, refs, strict=True)]
+        todo = [i for i, v in enumerate(verdicts) if v is None]
+        if todo:
+            slow = self._pool.equal_many([(preds[i], refs[i]) for i in todo])
+            for i, ok in zip(todo, slow, strict=True):
+                verdicts[i] = ok
+        return verdicts
+
+    def equivalent(self, pred: str | None, ref: str) -> bool:
+        """Whether the extracted answer ``pred`` is equivalent to the reference answer ``ref``."""
+        return self.equivalent_many([pred], [ref])[0]
+
+    def close(self) -> None:
+        """Stop the math-verify workers (they restart if the verifier is used again)."""
+        if self._pool is not None:
+            self._pool.close()
 
     def __call__(
         self,
@@ -82,17 +140,16 @@ class MathVerifier:
             raise ValueError(
                 f"references has {len(references)} entries but responses has {len(responses)}"
             )
-        rewards = []
-        for i, (resp, ref) in enumerate(zip(responses, references, strict=True)):
+        for i, ref in enumerate(references):
             if ref is None or (isinstance(ref, str) and not ref.strip()):
                 raise ValueError(
                     f"{type(self).__name__}: sample {i} "
                     f"(prompt {prompt_preview(prompts[i]) if i < len(prompts) else '?'}) "
                     "has no reference answer"
                 )
-            ok = answers_match(self.extract(resp), self.reference_answer(ref))
-            rewards.append(self.correct if ok else self.incorrect)
-        return rewards
+        preds = [self.extract(r) for r in responses]
+        refs = [self.reference_answer(r) for r in references]
+        return [self.correct if ok else self.incorrect for ok in self.equivalent_many(preds, refs)]
 
 
 class GSM8KVerifier(MathVerifier):
@@ -104,6 +161,7 @@ class GSM8KVerifier(MathVerifier):
 
     name = "gsm8k"
     default_extractors = ("hashes", "boxed", "answer_is", "last_number")
+    default_symbolic = False  # integer answers: the exact comparison is complete
 
 
 class ThinkFormatReward:

@@ -1,0 +1,171 @@
+"""MathVerifier on math-verify: an equivalence table (both directions), the fast path for plain
+numbers, and adversarial answers that must finish within the time limit."""
+
+import threading
+import time
+
+import pytest
+
+from lightrft.rewards import GSM8KVerifier, MathVerifier
+from lightrft.rewards.math_equiv import EquivalencePool
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    v = MathVerifier(timeout=3.0)
+    yield v
+    v.close()
+
+
+# (prediction, gold, equal?) - the kinds of cases math-verify is built for.
+TABLE = [
+    # intervals
+    ("(1, 2]", "(1,2]", True),
+    (r"\left[1, 2\right)", "[1,2)", True),
+    ("(1,2)", "[1,2)", False),
+    (r"(-\infty, 3)", r"(-\infty,3)", True),
+    # sets: order does not matter, contents do
+    (r"\{2, 1\}", r"\{1,2\}", True),
+    (r"\{1, 3\}", r"\{1,2\}", False),
+    # tuples: order matters
+    ("(1, 2)", "(1,2)", True),
+    ("(2, 1)", "(1,2)", False),
+    # fractions vs decimals
+    ("0.5", r"\frac{1}{2}", True),
+    (r"\dfrac{3}{4}", "0.75", True),
+    ("0.76", r"\frac{3}{4}", False),
+    (r"\frac{2}{4}", r"\frac{1}{2}", True),
+    # algebra
+    (r"2\sqrt{2}", r"\sqrt{8}", True),
+    (r"\sqrt{2}", r"\sqrt{8}", False),
+    ("(x+1)^2", "x^2+2x+1", True),
+    (r"\pi", r"\frac{\pi}{1}", True),
+    # units and \text{}
+    (r"5\text{ cm}", "5", True),
+    (r"12 \text{ inches}", "12", True),
+    (r"\text{(B)}", "B", True),
+    (r"6\text{ cm}", "5", False),
+    # percentages
+    (r"50\%", "0.5", True),
+    ("50%", "50", True),
+    (r"40\%", "0.5", False),
+    # equations vs values
+    ("x = 3", "3", True),
+    ("x=4", "3", False),
+    # thousands separators
+    ("1,000", "1000", True),
+    ("1{,}000", "1000", True),
+    ("1,001", "1000", False),
+    # degrees, dollars
+    (r"30^\circ", "30", True),
+    (r"\$18", "18", True),
+]
+
+
+@pytest.mark.parametrize("pred,gold,equal", TABLE)
+def test_equivalence_table(verifier, pred, gold, equal):
+    assert verifier.equivalent(pred, gold) is equal
+    # Scored as a response too, through extraction of a boxed answer.
+    reward = verifier(["q"], [f"so \\boxed{{{pred}}}"], [gold], [None])
+    assert reward == [1.0 if equal else 0.0]
+
+
+@pytest.mark.parametrize(
+    "a,b,equal",
+    [
+        ("(1, 2]", "(1,2]", True),
+        (r"\{2, 1\}", r"\{1,2\}", True),
+        ("0.5", r"\frac{1}{2}", True),
+        (r"2\sqrt{2}", r"\sqrt{8}", True),
+        ("(x+1)^2", "x^2+2x+1", True),
+        ("(2, 1)", "(1,2)", False),
+        (r"\sqrt{2}", r"\sqrt{8}", False),
+        ("1,001", "1000", False),
+    ],
+)
+def test_equivalence_is_symmetric_on_values(verifier, a, b, equal):
+    assert verifier.equivalent(a, b) is equal
+    assert verifier.equivalent(b, a) is equal
+
+
+def test_plain_numbers_never_reach_sympy():
+    v = MathVerifier()
+    assert v.equivalent("1,000", "1000") and not v.equivalent("1000001", "1000000")
+    assert v.equivalent("0.3333333", "1/3") and not v.equivalent("7", "8")
+    assert v._pool._live == set()  # no worker was started
+    assert v._pool.stats["calls"] == 0
+
+
+def test_gsm8k_verifier_stays_exact():
+    v = GSM8KVerifier()
+    assert v._pool is None
+    assert v(["q"], [r"#### \sqrt{8}"], [r"2\sqrt{2}"], [None]) == [0.0]
+
+
+ADVERSARIAL = [
+    r"10^{10^{10}}",
+    r"10^{10^{10^{10}}}",
+    "{" * 5000 + "1" + "}" * 5000,
+    r"\frac{" * 300 + "1" + "}{2}" * 300,
+    "9" * 100_000,
+    r"x^{" + "2^{" * 200 + "2" + "}" * 201,
+    "(" * 3000 + "1" + ")" * 3000,
+]
+
+
+@pytest.fixture(scope="module")
+def quick():
+    v = MathVerifier(timeout=1.0)
+    yield v
+    v.close()
+
+
+@pytest.mark.parametrize("answer", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
+def test_adversarial_answers_finish_within_the_limit(quick, answer):
+    responses = [f"\\boxed{{{answer}}}", answer, "\\boxed{" * 20_000 + answer]
+    start = time.monotonic()
+    out = quick(["q"] * 3, responses, ["7"] * 3, [None] * 3)
+    # Worst case: each of the 3 pairs uses its full second, plus restarting a killed worker
+    # (its sympy import: ~1 s idle, several under load) outside the answers' limits.
+    assert time.monotonic() - start < 3 * (1.0 + 10)
+    assert out == [0.0, 0.0, 0.0]
+    assert quick.equivalent("(1,2]", "(1, 2]")  # still answers after a timeout
+
+
+def test_timeout_kills_and_replaces_the_worker():
+    pool = EquivalencePool(timeout=0.5)
+    try:
+        assert pool.equal("2", "2")
+        pid = next(iter(pool._live)).proc.pid
+        start = time.monotonic()
+        assert not pool.equal(r"10^{10^{10}}", "1")
+        assert time.monotonic() - start < 1.5
+        assert pool.stats["timeouts"] == 1
+        with pytest.raises(ProcessLookupError):
+            import os
+
+            os.kill(pid, 0)  # the slow worker is gone (reaped)
+        assert pool.equal(r"\frac{1}{2}", "0.5")  # a fresh worker
+    finally:
+        pool.close()
+
+
+def test_runs_in_threads(verifier):
+    # math-verify's own timeout uses signal.alarm, which fails outside the main thread; ours not.
+    results = []
+    t = threading.Thread(target=lambda: results.append(verifier.equivalent("(1,2]", "(1, 2]")))
+    t.start()
+    t.join(30)
+    assert results == [True]
+
+
+@pytest.mark.slow
+def test_parallel_workers_agree():
+    v = MathVerifier(workers=2)
+    try:
+        preds = [p for p, _, _ in TABLE]
+        golds = [g for _, g, _ in TABLE]
+        assert v.equivalent_many(preds, golds) == [e for _, _, e in TABLE]
+        assert len(v._pool._live) <= 2
+    finally:
+        v.close()
