@@ -10,6 +10,7 @@ from lightrft.rewards.base import (
     build_reward,
     check_reward_output,
 )
+from lightrft.rewards.code import CodeVerifier
 from lightrft.rewards.generative import GenerativeReward
 from lightrft.rewards.math_answer import answers_match, extract_answer, normalize_answer
 from lightrft.rewards.remote import RemoteReward, RemoteRewardError
@@ -17,6 +18,7 @@ from lightrft.rewards.reward_model import RewardModel
 from lightrft.rewards.verifiers import GSM8KVerifier, MathVerifier, ThinkFormatReward
 
 __all__ = [
+    "CodeVerifier",
     "CombinedReward",
     "GSM8KVerifier",
     "GenerativeReward",

@@ -27,6 +27,7 @@ VERIFIERS = {
     "math": "lightrft.rewards.MathVerifier",
     "gsm8k": "lightrft.rewards.GSM8KVerifier",
     "format": "lightrft.rewards.ThinkFormatReward",
+    "code": "lightrft.rewards.CodeVerifier",
 }
 
 
