@@ -15,6 +15,7 @@ from lightrft.rewards.generative import GenerativeReward
 from lightrft.rewards.math_answer import answers_match, extract_answer, normalize_answer
 from lightrft.rewards.remote import RemoteReward, RemoteRewardError
 from lightrft.rewards.reward_model import RewardModel
+from lightrft.rewards.ttrl import TTRLReward
 from lightrft.rewards.verifiers import GSM8KVerifier, MathVerifier, ThinkFormatReward
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "RewardFunction",
     "RewardModel",
     "RewardOutput",
+    "TTRLReward",
     "ThinkFormatReward",
     "answers_match",
     "build_reward",

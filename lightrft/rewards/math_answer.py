@@ -16,12 +16,14 @@ from fractions import Fraction
 
 __all__ = [
     "EXTRACTORS",
+    "answer_key",
     "answers_match",
     "extract_answer",
     "extract_answer_is",
     "extract_boxed",
     "extract_hashes",
     "extract_last_number",
+    "majority_vote",
     "normalize_answer",
     "parse_number",
 ]
@@ -266,3 +268,33 @@ def answers_match(pred: str | None, ref: str | None) -> bool:
     if pt is not None and rt is not None and len(pt) == len(rt):
         return all(answers_match(a, b) for a, b in zip(pt, rt, strict=True))
     return False
+
+
+# --------------------------------------------------------------------------- voting
+
+
+def answer_key(ans: str) -> str:
+    """A key under which equal answers vote together: the exact value of a plain number
+    (``0.5``, ``1/2`` and ``\\frac{1}{2}`` share one), else the normalised string."""
+    norm = normalize_answer(ans)
+    num = parse_number(norm)
+    if num is not None:
+        return f"{num[0]}{'%' if num[1] else ''}"
+    return norm.replace(" ", "")
+
+
+def majority_vote(answers: Sequence[str | None]) -> tuple[str | None, int]:
+    """The most common answer (by :func:`answer_key`) and its vote count; ``None`` answers do
+    not vote. Ties go to the answer seen first, so the result does not depend on hashing."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for a in answers:
+        if a is None:
+            continue
+        k = answer_key(a)
+        counts[k] = counts.get(k, 0) + 1
+        first.setdefault(k, a)
+    if not counts:
+        return None, 0
+    best = max(counts, key=lambda k: (counts[k], -list(first).index(k)))
+    return first[best], counts[best]

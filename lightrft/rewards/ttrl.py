@@ -1,0 +1,125 @@
+"""Test-time RL (TTRL; Zuo et al. 2025, arXiv:2504.16084): rewards for prompts without labels.
+
+The majority answer of a prompt's group of samples is taken as its pseudo-label and each
+sample is rewarded for agreeing with it. The recipe lays samples out as groups of ``rollout.n``
+consecutive samples of one prompt; the reward reads the groups from that layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightrft.rewards.base import Prompt, _instantiate, prompt_preview
+from lightrft.rewards.math_answer import answer_key, majority_vote
+
+__all__ = ["TTRLReward", "split_groups"]
+
+
+def split_groups(prompts: Sequence[Prompt], group_size: int | None) -> list[range]:
+    """Index ranges of the groups: ``group_size`` consecutive samples (which must share their
+    prompt), or, with ``None``, each run of consecutive samples with the same prompt."""
+    n = len(prompts)
+    if group_size is None:
+        groups, start = [], 0
+        for i in range(1, n + 1):
+            if i == n or prompts[i] != prompts[start]:
+                groups.append(range(start, i))
+                start = i
+        return groups
+    if group_size < 1 or n % group_size:
+        raise ValueError(
+            f"TTRLReward: {n} samples do not split into groups of group_size={group_size}; "
+            "the reward must see whole groups of consecutive samples"
+        )
+    groups = [range(s, s + group_size) for s in range(0, n, group_size)]
+    for g in groups:
+        bad = [i for i in g if prompts[i] != prompts[g.start]]
+        if bad:
+            raise ValueError(
+                f"TTRLReward: sample {bad[0]} (prompt {prompt_preview(prompts[bad[0]])}) is in "
+                f"the group of sample {g.start} (prompt {prompt_preview(prompts[g.start])}); "
+                f"groups must be {group_size} consecutive samples of one prompt"
+            )
+    return groups
+
+
+class TTRLReward:
+    """Agreement with the group's majority answer.
+
+    Args:
+        verifier: supplies ``extract(response)`` (the answer) and, if it has one,
+            ``equivalent(pred, ref)`` to judge agreement (else answers agree when their
+            :func:`~lightrft.rewards.math_answer.answer_key` is equal). E.g. a
+            :class:`~lightrft.rewards.MathVerifier` (a ``_component_`` mapping is instantiated).
+        group_size: samples per prompt (``${rollout.n}`` in a GRPO config); ``None`` groups
+            consecutive samples with the same prompt.
+        min_vote_share: a group whose majority answer has fewer than this share of the group's
+            votes (samples without an answer count in the denominator) gets ``incorrect`` for
+            every sample: no confident pseudo-label, no signal.
+        correct, incorrect: rewards for agreeing / not agreeing.
+
+    References are not read (the prompts are unlabelled).
+    """
+
+    name = "ttrl"
+    requires_reference = False
+
+    def __init__(
+        self,
+        verifier: Any,
+        group_size: int | None = None,
+        min_vote_share: float = 0.0,
+        correct: float = 1.0,
+        incorrect: float = 0.0,
+    ) -> None:
+        if isinstance(verifier, Mapping):  # a nested {_component_: ...} from YAML
+            verifier = _instantiate(verifier)
+        if not callable(getattr(verifier, "extract", None)):
+            raise ValueError(
+                f"verifier must have an extract(response) method, {type(verifier).__name__} has not"
+            )
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if not 0.0 <= min_vote_share <= 1.0:
+            raise ValueError(f"min_vote_share must be in [0, 1], got {min_vote_share}")
+        self.verifier = verifier
+        self.group_size = group_size
+        self.min_vote_share = float(min_vote_share)
+        self.correct = float(correct)
+        self.incorrect = float(incorrect)
+        self.last_labels: list[str | None] = []  # pseudo-label of each group of the last call
+
+    def pseudo_label(self, answers: Sequence[str | None]) -> str | None:
+        """The group's majority answer, or ``None`` if it has too small a share."""
+        label, votes = majority_vote(answers)
+        if label is None or votes < self.min_vote_share * len(answers):
+            return None
+        return label
+
+    def _agree(self, preds: list[str | None], label: str) -> list[bool]:
+        if hasattr(self.verifier, "equivalent_many"):
+            return self.verifier.equivalent_many(preds, [label] * len(preds))
+        key = answer_key(label)
+        return [p is not None and answer_key(p) == key for p in preds]
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[Any] | None = None,
+        labels: Sequence[str | None] | None = None,
+    ) -> list[float]:
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        answers = [self.verifier.extract(r) for r in responses]
+        rewards = [self.incorrect] * len(responses)
+        self.last_labels = []
+        for g in split_groups(prompts, self.group_size):
+            label = self.pseudo_label([answers[i] for i in g])
+            self.last_labels.append(label)
+            if label is None:
+                continue
+            for i, ok in zip(g, self._agree([answers[i] for i in g], label), strict=True):
+                rewards[i] = self.correct if ok else self.incorrect
+        return rewards
