@@ -1,0 +1,51 @@
+"""The new verifiers served by the reward server give the same rewards as in-process."""
+
+import contextlib
+import threading
+
+from lightrft.rewards import CodeVerifier, MathVerifier, RemoteReward
+from lightrft.rewards.server import load_reward_fn, make_server
+
+
+@contextlib.contextmanager
+def serving(reward_fn):
+    server = make_server(reward_fn)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield RemoteReward(f"http://{host}:{port}/score", timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _same(local, remote, responses, refs):
+    n = len(responses)
+    args = dict(prompts=["q"] * n, responses=responses, references=refs, labels=[None] * n)
+    want = local(**args)
+    got = remote(**args)
+    assert [float(x) for x in got] == [float(x) for x in want]
+    return want
+
+
+def test_math_verifier_served():
+    responses = [r"\boxed{(1, 2]}", r"\boxed{\frac{1}{2}}", "so x = 3", r"\boxed{\{1,3\}}"]
+    refs = ["(1,2]", "0.5", "3", r"\{1,2\}"]
+    local = MathVerifier()
+    served = load_reward_fn("math")
+    try:
+        with serving(served) as remote:
+            assert _same(local, remote, responses, refs) == [1.0, 1.0, 1.0, 0.0]
+    finally:
+        local.close()
+        served.close()
+
+
+def test_code_verifier_served():
+    add = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    loop = "```python\nwhile True: pass\n```"
+    refs = [{"inputs": ["1 2", "2 2"], "outputs": ["3", "4"]}] * 2 + [["assert 1 == 2"]]
+    local = CodeVerifier(timeout=1.0)
+    with serving(load_reward_fn("code", kwargs={"timeout": 1.0})) as remote:
+        assert _same(local, remote, [add, loop, add], refs) == [1.0, 0.0, 0.0]
