@@ -1,0 +1,164 @@
+"""Evaluation: sample k responses per prompt, score them, and report pass@k, maj@k, mean@k.
+
+The estimators are pure functions (hand-checkable). :func:`evaluate_items` is the loop a recipe
+runs on its share of the prompts: generate with any engine, score with any reward, extract
+answers for the vote; :func:`summarize` turns the records of all ranks into the summary, so one
+and N processes report the same numbers for the same samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightrft.rewards.math_answer import answer_key, majority_vote
+
+__all__ = [
+    "EvalRecord",
+    "evaluate_items",
+    "maj_at_k",
+    "mean_at_k",
+    "pass_at_k",
+    "summarize",
+]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021,
+    arXiv:2107.03374): ``1 - C(n-c, k) / C(n, k)``, computed as a stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> float:
+    """1.0 if the majority answer of the first ``k`` samples is correct, else 0.0.
+
+    Answers vote by :func:`~lightrft.rewards.math_answer.answer_key` (equal numbers vote
+    together; ties go to the answer seen first); the majority answer is correct if the first
+    sample that gave it is. No answer at all scores 0.
+    """
+    if not 1 <= k <= len(answers) or len(answers) != len(correct):
+        raise ValueError(f"maj@{k} needs k <= {len(answers)} answers and one verdict per answer")
+    label, _ = majority_vote(answers[:k])
+    if label is None:
+        return 0.0
+    key = answer_key(label)
+    first = next(i for i in range(k) if answers[i] is not None and answer_key(answers[i]) == key)
+    return float(bool(correct[first]))
+
+
+def mean_at_k(values: Sequence[float], k: int) -> float:
+    """The mean of the first ``k`` values (mean@k: accuracy averaged over k samples)."""
+    if not 1 <= k <= len(values):
+        raise ValueError(f"mean@{k} needs k <= {len(values)} values")
+    return math.fsum(values[:k]) / k
+
+
+@dataclass
+class EvalRecord:
+    """One prompt's samples and their scores (a row of the per-sample JSONL)."""
+
+    index: int
+    prompt: Any
+    reference: Any
+    samples: list[str]
+    answers: list[str | None]
+    rewards: list[float]
+    correct: list[bool]
+    lengths: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def evaluate_items(
+    items: Sequence[Mapping[str, Any]],
+    indices: Sequence[int],
+    generate: Callable[[list[list[int]]], list[Any]],
+    reward_fn: Callable[..., Any],
+    n: int,
+    accuracy: str | None = None,
+    extract: Callable[[str], str | None] | None = None,
+) -> list[EvalRecord]:
+    """Generate ``n`` samples for each item (``prompt_ids``, ``prompt``, ``reference``,
+    ``label``), score them and extract their answers.
+
+    Args:
+        items, indices: the prompts of this rank and their indices in the dataset.
+        generate: prompt token ids -> completions ordered by (prompt, sample), ``n`` each
+            (an engine's ``generate`` with the sampling parameters bound).
+        reward_fn: a :class:`~lightrft.rewards.CombinedReward` (or anything returning a
+            ``RewardOutput``).
+        accuracy: the reward function whose positive reward means "correct" (``None``: the
+            total).
+        extract: response -> answer for maj@k (``None``: the response's normalised text).
+    """
+    if not items:
+        return []
+    completions = generate([list(it["prompt_ids"]) for it in items])
+    if len(completions) != n * len(items):
+        raise RuntimeError(
+            f"the engine returned {len(completions)} completions for {len(items)} prompts x {n}"
+        )
+    texts = [c.text or "" for c in completions]
+    rep = [it for it in items for _ in range(n)]
+    out = reward_fn(
+        [it["prompt"] for it in rep],
+        texts,
+        [it.get("reference") for it in rep],
+        [it.get("label") for it in rep],
+    )
+    scores = (out.parts[accuracy] if accuracy else out.total).tolist()
+    totals = out.total.tolist()
+    records = []
+    for j, (it, idx) in enumerate(zip(items, indices, strict=True)):
+        sl = slice(j * n, (j + 1) * n)
+        samples = texts[sl]
+        records.append(
+            EvalRecord(
+                index=int(idx),
+                prompt=it["prompt"],
+                reference=it.get("reference"),
+                samples=samples,
+                answers=[extract(s) if extract else s.strip() or None for s in samples],
+                rewards=[float(r) for r in totals[sl]],
+                correct=[float(s) > 0 for s in scores[sl]],
+                lengths=[len(c.token_ids) for c in completions[sl]],
+            )
+        )
+    return records
+
+
+def summarize(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, float]:
+    """Dataset-level metrics over all records (every rank's, in any order): ``pass@k``,
+    ``maj@k``, ``mean@k`` for each k in ``ks`` (k <= samples per prompt), the mean reward and
+    response length, and the number of prompts and samples."""
+    records = sorted(records, key=lambda r: r.index)
+    if not records:
+        raise ValueError("nothing to summarise: no records")
+    n = min(len(r.samples) for r in records)
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise ValueError(f"k={bad[0]} is not in [1, {n}] (samples per prompt)")
+    out: dict[str, float] = {"prompts": float(len(records)), "samples_per_prompt": float(n)}
+    for k in ks:
+        out[f"pass@{k}"] = _mean(pass_at_k(n, sum(r.correct[:n]), k) for r in records)
+        out[f"maj@{k}"] = _mean(maj_at_k(r.answers, r.correct, k) for r in records)
+        out[f"mean@{k}"] = _mean(mean_at_k([float(c) for c in r.correct], k) for r in records)
+    out["reward"] = _mean(math.fsum(r.rewards) / len(r.rewards) for r in records)
+    out["response_length"] = _mean(sum(r.lengths) / len(r.lengths) for r in records)
+    return out
+
+
+def _mean(values) -> float:
+    vals = list(values)
+    return math.fsum(vals) / len(vals)
