@@ -36,6 +36,7 @@ DTYPE = Literal["float32", "bfloat16", "float16"]
 
 CONFIG_SCHEMA = {
     "output_dir": str,
+    "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
     "model": {"path": str, "dtype": DTYPE | None, "trust_remote_code": bool | None},
@@ -160,6 +161,10 @@ class EvalRecipe:
 
     def setup(self, cfg: DictConfig) -> None:
         o = self.opts
+        if self.dist.is_main:
+            for node in cfg.get("prepare") or []:
+                config.instantiate(node)
+        barrier()
         self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
         self.dataset = config.instantiate(cfg.dataset, self.tokenizer)
         self.reward_fn = build_reward(cfg.reward)

@@ -1,0 +1,22 @@
+"""TTRL inside the unchanged GRPO recipe: the reward reads groups from the recipe's layout."""
+
+from test_grpo import _run, _train_rows, assets  # noqa: F401 - the fixture is used by name
+
+
+def test_ttrl_reward_trains_through_grpo(tmp_path, assets):  # noqa: F811
+    reward = {
+        "_component_": "lightrft.rewards.CombinedReward",
+        "functions": {
+            "ttrl": {
+                "_component_": "lightrft.rewards.TTRLReward",
+                "verifier": {"_component_": "lightrft.rewards.MathVerifier", "symbolic": False},
+                "group_size": "${rollout.n}",
+            },
+        },
+    }
+    rows = _run(tmp_path, assets, reward=reward, eval=None, eval_dataset=None)
+    train = _train_rows(rows)
+    assert sorted(train) == [1, 2]
+    for row in train.values():
+        assert 0.0 <= row["reward/ttrl/mean"] <= 1.0
+        assert row["reward/ttrl/count"] == 8  # 2 prompts x 4 samples, all scored
