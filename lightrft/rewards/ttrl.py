@@ -89,6 +89,9 @@ class TTRLReward:
         self.correct = float(correct)
         self.incorrect = float(incorrect)
         self.last_labels: list[str | None] = []  # pseudo-label of each group of the last call
+        # Logged by CombinedReward as reward/ttrl/<key>: how often a group had a label and how
+        # strongly its samples agreed (the majority's share of the group).
+        self.last_metrics: dict[str, float] = {}
 
     def pseudo_label(self, answers: Sequence[str | None]) -> str | None:
         """The group's majority answer, or ``None`` if it has too small a share."""
@@ -115,11 +118,19 @@ class TTRLReward:
         answers = [self.verifier.extract(r) for r in responses]
         rewards = [self.incorrect] * len(responses)
         self.last_labels = []
-        for g in split_groups(prompts, self.group_size):
+        shares = []
+        groups = split_groups(prompts, self.group_size)
+        for g in groups:
+            shares.append(majority_vote([answers[i] for i in g])[1] / len(g))
             label = self.pseudo_label([answers[i] for i in g])
             self.last_labels.append(label)
             if label is None:
                 continue
             for i, ok in zip(g, self._agree([answers[i] for i in g], label), strict=True):
                 rewards[i] = self.correct if ok else self.incorrect
+        labelled = sum(label is not None for label in self.last_labels)
+        self.last_metrics = {
+            "labelled_groups": labelled / max(len(groups), 1),
+            "vote_share": sum(shares) / max(len(shares), 1),
+        }
         return rewards

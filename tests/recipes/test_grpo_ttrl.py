@@ -20,3 +20,6 @@ def test_ttrl_reward_trains_through_grpo(tmp_path, assets):  # noqa: F811
     for row in train.values():
         assert 0.0 <= row["reward/ttrl/mean"] <= 1.0
         assert row["reward/ttrl/count"] == 8  # 2 prompts x 4 samples, all scored
+        # The reward's own metrics reach the log (a random model often answers nothing: 0).
+        assert 0.0 <= row["reward/ttrl/vote_share"] <= 1.0
+        assert row["reward/ttrl/labelled_groups"] in (0.0, 0.5, 1.0)

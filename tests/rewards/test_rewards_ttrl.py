@@ -38,6 +38,7 @@ def test_hand_built_groups():
     ]
     assert _call(r, prompts, responses) == [1, 1, 0, 0, 0, 1, 0, 1]
     assert r.last_labels == ["5", "2"]
+    assert r.last_metrics == {"labelled_groups": 1.0, "vote_share": 0.5}
     # A higher bar: 2/4 is below 0.75, so both groups get nothing.
     strict = TTRLReward(GSM8KVerifier(), group_size=4, min_vote_share=0.75)
     assert _call(strict, prompts, responses) == [0] * 8
@@ -87,3 +88,4 @@ def test_from_config_inside_a_combined_reward():
     assert isinstance(reward, CombinedReward)
     out = reward(["q", "q"], ["#### 3", "#### 3"])  # no references needed
     assert out.total.tolist() == [1.0, 1.0]
+    assert out.extra == {"ttrl/labelled_groups": 1.0, "ttrl/vote_share": 1.0}
