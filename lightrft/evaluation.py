@@ -74,6 +74,7 @@ class EvalRecord:
     rewards: list[float]
     correct: list[bool]
     lengths: list[int]
+    parts: dict[str, list[float]] = field(default_factory=dict)  # reward function -> rewards
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -102,9 +103,10 @@ def evaluate_items(
             total).
         extract: response -> answer for maj@k (``None``: the response's normalised text).
     """
+    # generate() runs even without items: an engine's wake-up can be a collective every rank joins.
+    completions = generate([list(it["prompt_ids"]) for it in items])
     if not items:
         return []
-    completions = generate([list(it["prompt_ids"]) for it in items])
     if len(completions) != n * len(items):
         raise RuntimeError(
             f"the engine returned {len(completions)} completions for {len(items)} prompts x {n}"
@@ -133,6 +135,7 @@ def evaluate_items(
                 rewards=[float(r) for r in totals[sl]],
                 correct=[float(s) > 0 for s in scores[sl]],
                 lengths=[len(c.token_ids) for c in completions[sl]],
+                parts={k: [float(v) for v in p.tolist()[sl]] for k, p in out.parts.items()},
             )
         )
     return records
@@ -155,6 +158,8 @@ def summarize(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, flo
         out[f"maj@{k}"] = _mean(maj_at_k(r.answers, r.correct, k) for r in records)
         out[f"mean@{k}"] = _mean(mean_at_k([float(c) for c in r.correct], k) for r in records)
     out["reward"] = _mean(math.fsum(r.rewards) / len(r.rewards) for r in records)
+    for name in records[0].parts:
+        out[f"reward/{name}"] = _mean(math.fsum(r.parts[name]) / n for r in records)
     out["response_length"] = _mean(sum(r.lengths) / len(r.lengths) for r in records)
     return out
 

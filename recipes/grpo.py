@@ -68,6 +68,7 @@ from lightrft.algorithms import (
 from lightrft.config import Component
 from lightrft.data import build_dataloader, collate_prompts
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
+from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import causal_lm_token_logprobs, forward_on_hidden
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize
 from lightrft.rewards import build_reward
@@ -1031,7 +1032,7 @@ class GRPORecipe:
             self.engine.sleep(self.opts.engine.sleep_level)
             self._weights_released = self.opts.engine.sleep_level == 2
 
-    def _score(self, prompts, texts, references, labels, wheres, *, record=True) -> tuple:
+    def _score(self, prompts, texts, references, labels, wheres) -> tuple:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
         python floats the reward functions returned)."""
         if not texts:
@@ -1052,8 +1053,7 @@ class GRPORecipe:
 
         parts = {n: f64(p) for n, p in out.parts.items()}
         applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in out.applied.items()}
-        if record:  # rollout calls feed the step's metrics; eval calls have their own
-            self._note_reward_side(out)
+        self._note_reward_side(out)
         return f64(total), parts, applied
 
     def _note_reward_side(self, out) -> None:
@@ -1436,13 +1436,12 @@ class GRPORecipe:
     # ------------------------------------------------------------------ eval
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy (``eval.temperature`` 0) generation on the held-out prompts; each rank takes
-        every world_size-th prompt, counts are summed over ranks."""
+        """Greedy (``eval.temperature`` 0) generation on the held-out prompts, scored and summarised
+        by the same code as the eval recipe (lightrft.evaluation); each rank takes every
+        world_size-th prompt and the records of all ranks are summarised together."""
         ev = self.opts.eval
-        items = [
-            self.eval_dataset[i]
-            for i in range(self.dist.rank, len(self.eval_dataset), self.dist.world_size)
-        ]
+        indices = range(self.dist.rank, len(self.eval_dataset), self.dist.world_size)
+        items = [self.eval_dataset[i] for i in indices]
         params = dataclasses.replace(
             self.sampling,
             n=1,
@@ -1451,42 +1450,23 @@ class GRPORecipe:
             max_tokens=ev.max_tokens,
             seed=self.opts.seed,
         )
-        completions = self._generate([it["prompt_ids"] for it in items], params)
-        self._sleep()
-
-        def column(key: str) -> list:
-            return [it[key] for it in items]
-
-        texts = [c.text or "" for c in completions]
-        total, parts, _ = self._score(
-            column("prompt"),
-            texts,
-            column("reference"),
-            column("label"),
-            column("where"),
-            record=False,
-        )
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
-        correct = sum(1.0 for v in (parts[name] if name else total).tolist() if v > 0)
-        sums = reduce_metrics(
-            {
-                "n": len(items),
-                "correct": correct,
-                "reward": sum(total.tolist()),
-                "length": sum(len(c.token_ids) for c in completions),
-                **{f"part/{k}": sum(parts[k].tolist()) for k in self.reward_names},
-            },
-            "sum",
-        )
-        n = max(sums["n"], 1.0)
+
+        def generate(prompt_ids: list[list[int]]) -> list:
+            completions = self._generate(prompt_ids, params)
+            self._sleep()  # the engine's memory goes back before scoring
+            return completions
+
+        records = evaluate_items(items, indices, generate, self.reward_fn, n=1, accuracy=name)
+        s = summarize([r for part in _gather_objects(records) for r in part], [1])
         out = {
-            "eval/accuracy": sums["correct"] / n,
-            "eval/reward": sums["reward"] / n,
-            "eval/response_length": sums["length"] / n,
-            "eval/samples": sums["n"],
+            "eval/accuracy": s["pass@1"],
+            "eval/reward": s["reward"],
+            "eval/response_length": s["response_length"],
+            "eval/samples": s["prompts"],
         }
         for k in self.reward_names:
-            out[f"eval/reward/{k}"] = sums[f"part/{k}"] / n
+            out[f"eval/reward/{k}"] = s[f"reward/{k}"]
         return out
 
     def _log_eval(self, step: int) -> None:
