@@ -52,8 +52,9 @@ class TTRLReward:
             ``equivalent(pred, ref)`` to judge agreement (else answers agree when their
             :func:`~lightrft.rewards.math_answer.answer_key` is equal). E.g. a
             :class:`~lightrft.rewards.MathVerifier` (a ``_component_`` mapping is instantiated).
-        group_size: samples per prompt (``${rollout.n}`` in a GRPO config); ``None`` groups
-            consecutive samples with the same prompt.
+        group_size: samples per prompt (``${rollout.n}`` in a GRPO config), checked strictly;
+            ``None`` (the default, and what a GRPO config with an eval set needs, since eval has
+            one sample per prompt) groups consecutive samples with the same prompt.
         min_vote_share: a group whose majority answer has fewer than this share of the group's
             votes (samples without an answer count in the denominator) gets ``incorrect`` for
             every sample: no confident pseudo-label, no signal.
