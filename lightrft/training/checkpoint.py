@@ -4,7 +4,8 @@ Layout under ``<output_dir>/checkpoints/``::
 
     step_000010/            one complete checkpoint
       .metadata, *.distcp   DCP shards: models, optimizers, LR schedulers (resharded on load)
-      rank_00000.pt         per-rank state: dataloader positions, RNG states, ``extra``
+      rank_00000.json       per-rank state: dataloader positions, RNG states, ``extra`` (JSON,
+      rank_00000.safetensors  tensors and arrays beside it: loading never unpickles)
       meta.json             written last, before the rename: step, world size, names
     step_000020.tmp/        a save in progress (or one that crashed): never loaded
     latest                  the name of the newest complete checkpoint ("step_000020")
@@ -34,11 +35,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
+)
+
+from lightrft.training.safe_state import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    load_state,
+    read_dcp_metadata,
+    save_state,
 )
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -115,6 +126,15 @@ def _named(obj: Any, what: str) -> dict[str, Any]:
     if isinstance(obj, (list, tuple)):
         raise ValueError(f"{what}: pass one object or a dict name -> object, not a {type(obj)}")
     return {DEFAULT_NAME: obj}
+
+
+def _unwrap(e: CheckpointException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (a BaseException
+    that ``except Exception`` would miss); ``e`` itself when it wraps nothing usable."""
+    for exc, _trace in e.failures.values():
+        if isinstance(exc, (UnsafeCheckpointError, OSError)):
+            return exc
+    return e
 
 
 def step_dir_name(step: int) -> str:
@@ -296,7 +316,7 @@ class Checkpointer:
         ``models`` / ``optimizers`` / ``schedulers``: one object or a dict name -> object; an
         optimizer is stored with the model of the same name (a single one goes with a single
         model). ``dataloaders`` (e.g. torchdata ``StatefulDataLoader``), the RNG states and
-        ``extra`` (any picklable dict: epoch, KL controller, reward normaliser, ...) are saved per
+        ``extra`` (a dict of JSON-able values, tuples, tensors or numpy arrays: epoch, KL controller, reward normaliser, ...) are saved per
         rank, since they may differ between ranks.
         """
         if step < 0:
@@ -324,7 +344,7 @@ class Checkpointer:
             "rng": rng_state(),
             "extra": dict(extra or {}),
         }
-        _atomic_torch_save(per_rank, tmp / f"rank_{rank:05d}.pt")
+        save_state(per_rank, tmp / f"rank_{rank:05d}")
         _barrier()
         if rank == 0:
             meta = {
@@ -419,11 +439,21 @@ class Checkpointer:
             )
 
         app = _app_state(models_, optims_, scheds_)
-        with _quiet_single_process():
-            dcp.load(app, checkpoint_id=path, no_dist=not dist.is_initialized())
-        per_rank_file = path / f"rank_{min(rank, meta['world_size'] - 1):05d}.pt"
-        # Our own file, holding python / numpy RNG tuples: not loadable with weights_only.
-        per_rank = torch.load(per_rank_file, map_location="cpu", weights_only=False)
+        # Vet the metadata here too: inside dcp.load the refusal would come back as a
+        # stringified AssertionError wrapped in a CheckpointException.
+        with open(path / ".metadata", "rb") as f:
+            read_dcp_metadata(f, path / ".metadata")
+        try:
+            with _quiet_single_process():
+                dcp.load(
+                    app,
+                    storage_reader=SafeFileSystemReader(path),
+                    planner=SafeLoadPlanner(),
+                    no_dist=not dist.is_initialized(),
+                )
+        except CheckpointException as e:
+            raise _unwrap(e) from None
+        per_rank = load_state(path / f"rank_{min(rank, meta['world_size'] - 1):05d}")
         for name, loader in loaders_.items():
             loader.load_state_dict(per_rank["dataloaders"][name])
         if restore_rng:
@@ -499,8 +529,3 @@ def _write_text_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
