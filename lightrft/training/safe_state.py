@@ -51,7 +51,10 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if all(isinstance(k, str) and k != TAG for k in obj):
             return {k: _encode(v, tensors) for k, v in obj.items()}
-        return {TAG: "dict", "items": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()]}
+        return {
+            TAG: "dict",
+            "items": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()],
+        }
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy ships with torch wheels
@@ -61,8 +64,11 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         # safetensors has no uint32; keep the bytes in a same-width signed dtype and the real one
         # in JSON (numpy's MT19937 state is a uint32 array).
         arr = np.ascontiguousarray(obj)
-        view = {np.dtype("uint32"): np.int32, np.dtype("uint16"): np.int16,
-                np.dtype("uint64"): np.int64}.get(arr.dtype)
+        view = {
+            np.dtype("uint32"): np.int32,
+            np.dtype("uint16"): np.int16,
+            np.dtype("uint64"): np.int64,
+        }.get(arr.dtype)
         tensors[key] = torch.from_numpy(arr.view(view) if view is not None else arr.copy())
         return {TAG: "ndarray", "key": key, "dtype": arr.dtype.str}
     if np is not None and isinstance(obj, np.generic):

@@ -54,7 +54,9 @@ def test_state_round_trips_types_and_rng_bitwise(tmp_path):
     expect = (random.random(), np.random.rand(), torch.rand(1))
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     set_rng_state(back["rng"])
-    assert (random.random(), np.random.rand()) == expect[:2] and torch.equal(torch.rand(1), expect[2])
+    assert (random.random(), np.random.rand()) == expect[:2] and torch.equal(
+        torch.rand(1), expect[2]
+    )
     with pytest.raises(TypeError, match="cannot store a _Evil"):
         save_state({"x": _Evil(tmp_path / "m")}, tmp_path / "bad")
 
