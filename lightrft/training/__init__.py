@@ -33,6 +33,7 @@ _EXPORTS = {
     "check_output_dir": "outputs",
     "RolloutBatch": "rollout",
     "pad_rows": "rollout",
+    "release_output_dir": "outputs",
 }
 
 __all__ = sorted(_EXPORTS)
