@@ -6,6 +6,7 @@ Layout under ``<output_dir>/checkpoints/``::
       .metadata, *.distcp   DCP shards: models, optimizers, LR schedulers (resharded on load)
       rank_00000.json       per-rank state: dataloader positions, RNG states, ``extra`` (JSON,
       rank_00000.safetensors  tensors and arrays beside it: loading never unpickles)
+      config.json           the run's resolved config (compared on resume)
       meta.json             written last, before the rename: step, world size, names
     step_000020.tmp/        a save in progress (or one that crashed): never loaded
     latest                  the name of the newest complete checkpoint ("step_000020")
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from lightrft.training.resume import ConfigChange, check_resume_config
 from lightrft.training.safe_state import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -55,6 +57,7 @@ from lightrft.training.safe_state import (
 STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
 META = "meta.json"
+CONFIG = "config.json"
 DEFAULT_NAME = "model"
 
 
@@ -76,6 +79,7 @@ class CheckpointState:
     extra: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     rng: dict[str, Any] = field(default_factory=dict, repr=False)
+    config_changes: list[ConfigChange] = field(default_factory=list)
 
     def restore_rng(self) -> None:
         """Set this rank's RNG states to the saved ones (again).
@@ -310,8 +314,13 @@ class Checkpointer:
         schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
         dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
         extra: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write a checkpoint of ``step`` and return its directory (collective).
+
+        ``config``: the run's resolved config (a plain dict, e.g.
+        ``OmegaConf.to_container(cfg, resolve=True)``), stored as ``config.json`` so that a
+        resume can compare it with its own (:meth:`load`'s ``config``).
 
         ``models`` / ``optimizers`` / ``schedulers``: one object or a dict name -> object; an
         optimizer is stored with the model of the same name (a single one goes with a single
@@ -357,6 +366,9 @@ class Checkpointer:
                 "time": time.time(),
                 "torch": torch.__version__,
             }
+            if config is not None:
+                text = json.dumps(dict(config), indent=1, default=str)
+                _write_text_atomic(tmp / CONFIG, text + "\n")
             _write_text_atomic(tmp / META, json.dumps(meta, indent=1) + "\n")
             self._commit(tmp, final)
             self._prune()
@@ -400,12 +412,22 @@ class Checkpointer:
         schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
         dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
         restore_rng: bool = True,
+        config: Mapping[str, Any] | None = None,
+        override_lr: bool = False,
     ) -> CheckpointState:
         """Restore the given objects in place from checkpoint ``path`` (collective).
 
         Build models (and ``parallelize`` them) and optimizers exactly as for training first:
         DCP loads into the existing, possibly sharded, tensors. Every name passed must exist in
         the checkpoint; names in the checkpoint that are not passed are ignored.
+
+        ``config`` (the current run's resolved config) is compared with the one saved beside
+        the checkpoint before anything is loaded (:func:`~lightrft.training.resume.
+        check_resume_config`): changes that cannot be honoured raise a ``ValueError`` listing
+        them; allowed ones are printed. A changed learning rate needs ``override_lr=True``; then
+        the optimizers' and LambdaLR schedulers' base LRs become the ones the optimizers were
+        just built with, at the saved position of the schedule. Prints
+        ``resumed from step N (path)`` on rank 0.
         """
         path = Path(path)
         meta_file = path / META
@@ -431,6 +453,10 @@ class Checkpointer:
                 )
         rank, world = _rank(), _world_size()
         needs_rank_state = bool(loaders_) or restore_rng
+        changes = []
+        if config is not None:
+            changes = self._check_config(path, meta, config, override_lr, needs_rank_state)
+        new_lrs = _base_lrs(optims_)
         if needs_rank_state and meta["world_size"] != world:
             raise ValueError(
                 f"checkpoint {path} was saved by {meta['world_size']} ranks but this run has "
@@ -458,13 +484,42 @@ class Checkpointer:
             loader.load_state_dict(per_rank["dataloaders"][name])
         if restore_rng:
             set_rng_state(per_rank["rng"])
+        if override_lr and any(c.kind == "lr" for c in changes):
+            _override_lrs(optims_, scheds_, new_lrs)
         _barrier()
+        if rank == 0:
+            for c in changes:
+                print(f"resume: {c} ({'applied' if c.kind == 'lr' else 'allowed'})", flush=True)
+            print(f"resumed from step {meta['step']} ({path})", flush=True)
         return CheckpointState(
             step=int(meta["step"]),
             path=path,
             extra=per_rank["extra"],
             world_size=int(meta["world_size"]),
             rng=per_rank["rng"],
+            config_changes=changes,
+        )
+
+    @staticmethod
+    def _check_config(
+        path: Path,
+        meta: Mapping[str, Any],
+        config: Mapping[str, Any],
+        override_lr: bool,
+        per_rank: bool,
+    ) -> list[ConfigChange]:
+        saved_file = path / CONFIG
+        if not saved_file.is_file():
+            if _rank() == 0:
+                print(f"resume: {path} holds no config record; config changes are not checked")
+            return []
+        return check_resume_config(
+            json.loads(saved_file.read_text()),
+            json.loads(json.dumps(dict(config), default=str)),  # same normalisation as saved
+            path=path,
+            override_lr=override_lr,
+            saved_world_size=int(meta["world_size"]) if per_rank else None,
+            world_size=_world_size(),
         )
 
     def load_latest(
@@ -476,6 +531,8 @@ class Checkpointer:
         dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
         restore_rng: bool = True,
         required: bool = False,
+        config: Mapping[str, Any] | None = None,
+        override_lr: bool = False,
     ) -> CheckpointState | None:
         """:meth:`load` the newest complete checkpoint; ``None`` when there is none.
 
@@ -500,7 +557,41 @@ class Checkpointer:
             schedulers=schedulers,
             dataloaders=dataloaders,
             restore_rng=restore_rng,
+            config=config,
+            override_lr=override_lr,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate override on resume
+
+
+def _base_lrs(optims: Mapping[str, torch.optim.Optimizer]) -> dict[str, list[float]]:
+    """Each optimizer's configured LR per param group (``initial_lr`` once a scheduler exists)."""
+    return {
+        name: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+        for name, opt in optims.items()
+    }
+
+
+def _override_lrs(
+    optims: Mapping[str, torch.optim.Optimizer],
+    scheds: Mapping[str, SupportsState],
+    new: Mapping[str, list[float]],
+) -> None:
+    """Put the configured base LRs back after loading, keeping the schedule's position: each
+    group's current LR is scaled by new_base / saved_base."""
+    for name, opt in optims.items():
+        sched = scheds.get(name)
+        for i, g in enumerate(opt.param_groups):
+            saved = g.get("initial_lr", g["lr"])
+            ratio = g["lr"] / saved if saved else 1.0
+            g["lr"] = new[name][i] * ratio
+            if "initial_lr" in g:
+                g["initial_lr"] = new[name][i]
+        if sched is not None and hasattr(sched, "base_lrs"):
+            sched.base_lrs = list(new[name])
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
 # ---------------------------------------------------------------------------------------------
