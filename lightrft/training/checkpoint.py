@@ -19,6 +19,7 @@ good checkpoint stays usable.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -339,6 +340,33 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
 
+        try:
+            self._write(
+                tmp, app, rank, world, step, models_, optims_, scheds_, loaders_, extra, config
+            )
+        except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
+            raise _save_failed(tmp, step, self.latest(), e) from None
+        if rank == 0:
+            self._commit(tmp, final)
+            self._prune()
+        _barrier()
+        return final
+
+    def _write(
+        self,
+        tmp: Path,
+        app: dict[str, Any],
+        rank: int,
+        world: int,
+        step: int,
+        models_: dict[str, Any],
+        optims_: dict[str, Any],
+        scheds_: dict[str, Any],
+        loaders_: dict[str, Any],
+        extra: Mapping[str, Any] | None,
+        config: Mapping[str, Any] | None,
+    ) -> None:
+        """Every file of a checkpoint into ``tmp`` (collective); ``meta.json`` last."""
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():  # left over by a crashed save of the same step
@@ -370,10 +398,6 @@ class Checkpointer:
                 text = json.dumps(dict(config), indent=1, default=str)
                 _write_text_atomic(tmp / CONFIG, text + "\n")
             _write_text_atomic(tmp / META, json.dumps(meta, indent=1) + "\n")
-            self._commit(tmp, final)
-            self._prune()
-        _barrier()
-        return final
 
     def _commit(self, tmp: Path, final: Path) -> None:
         """Rank 0: rename ``tmp`` to ``final`` and point ``latest`` at it."""
@@ -560,6 +584,54 @@ class Checkpointer:
             config=config,
             override_lr=override_lr,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# a failed save
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the partial directory has been removed."""
+
+
+def _os_cause(e: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``e``: itself, its cause/context chain, or inside DCP's wrapper."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno is not None:
+            return x
+        if isinstance(x, CheckpointException):
+            stack += [exc for exc, _ in x.failures.values()]
+        stack += [x.__cause__, x.__context__]
+    return None
+
+
+def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) -> Exception:
+    """Remove the partial ``tmp`` directory and describe the failure by its real cause (torch's
+    own message on a full disk is ``unexpected pos ...`` from its zip writer)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    cause = _os_cause(e)
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = None
+    if cause is not None:
+        why = f"{os.strerror(cause.errno)} (errno {errno.errorcode.get(cause.errno, cause.errno)})"
+    elif free is not None and free < 16 * 2**20:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}; most likely the disk is full"
+    else:
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+    room = f"; {free / 2**20:.1f} MiB free there now" if free is not None else ""
+    keep = f"the last good checkpoint {latest} is intact" if latest else "no earlier checkpoint"
+    return CheckpointSaveError(
+        f"saving the checkpoint of step {step} into {tmp} failed: {why}{room}. The partial "
+        f"directory was removed; {keep}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
