@@ -53,6 +53,7 @@ from lightrft.training.safe_state import (
     load_state,
     read_dcp_metadata,
     save_state,
+    write_atomic,
 )
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -684,10 +685,4 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new content, never a torn file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, text.encode())

@@ -114,13 +114,17 @@ def save_state(obj: Any, stem: Path) -> None:
     doc = json.dumps(_encode(obj, tensors), allow_nan=True)
     blob = save(tensors)
     for suffix, data in ((".safetensors", blob), (".json", doc.encode())):
-        path = stem.with_name(stem.name + suffix)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(stem.with_name(stem.name + suffix), data)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old or the new content, never a torn file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load_state(stem: Path) -> Any:
