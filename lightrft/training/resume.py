@@ -26,6 +26,8 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "overwrite",
     "resume_override_lr",
     "output_dir",
+    "prepare",  # data/model makers: what is read is checked through dataset.* and model.*
+    "prepare.*",
     "log_every",
     "save_every",
     "keep_last",
