@@ -73,3 +73,44 @@ def test_second_signal_exits_at_once_without_a_checkpoint(tmp_path):
     assert not (tmp_path / "checkpoints").exists() or not list(
         (tmp_path / "checkpoints").glob("step_*[0-9]")
     )
+
+
+def _two_rank_preempted(rank: int, world_size: int, out: str) -> None:
+    import os
+
+    import torch
+
+    from lightrft.training.checkpoint import Checkpointer
+    from lightrft.training.preemption import Preemption
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(out)
+    with Preemption() as preempt:
+        for step in range(1, 10):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if rank == 1 and step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 is signalled, mid-step
+            if preempt.stop_requested():
+                try:
+                    preempt.exit(ckpt.save(step, models=model, optimizers=opt))
+                except SystemExit as e:
+                    assert e.code == 143 and step == 2, (rank, step, e.code)
+                    return
+    raise AssertionError(f"rank {rank} never stopped")
+
+
+def test_two_ranks_stop_after_the_same_step_and_save_one_checkpoint(tmp_path):
+    from _dist import run_distributed
+
+    run_distributed(_two_rank_preempted, str(tmp_path))
+    step = tmp_path / "checkpoints" / "step_000002"
+    assert json.loads((step / "meta.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in step.glob("rank_*.json")) == [
+        "rank_00000.json",
+        "rank_00001.json",
+    ]
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step_*")] == ["step_000002"]
