@@ -168,7 +168,11 @@ def _lock(p: Path) -> None:
             if owner.get("pid") == me["pid"] and owner.get("host") == me["host"]:
                 break  # this process already holds it (runs started one after another)
             if not owner:  # torn or empty: its writer died between create and write
-                if time.time() - lock.stat().st_mtime > 10:
+                try:
+                    age = time.time() - lock.stat().st_mtime
+                except FileNotFoundError:
+                    continue  # released meanwhile: try again
+                if age > 10:
                     lock.unlink(missing_ok=True)
                     continue
             elif owner.get("host") == me["host"] and not _alive(
