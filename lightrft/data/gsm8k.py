@@ -25,7 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightrft.data.io import DataError, Records, load_records, require_field
+from lightrft.data.io import (
+    DataError,
+    Records,
+    load_records,
+    require_field,
+    write_jsonl,
+)
 
 __all__ = ["SYSTEM_PROMPT", "convert_gsm8k", "ensure_gsm8k", "main", "prepare_gsm8k"]
 
@@ -81,12 +87,7 @@ def prepare_gsm8k(
     written = {}
     for split, records in converted.items():
         path = out_dir / f"{split}.jsonl"
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with tmp.open("w", encoding="utf-8") as f:
-            for rec in records:
-                # ASCII escapes keep U+2028 and friends from looking like line breaks.
-                f.write(json.dumps(rec) + "\n")
-        os.replace(tmp, path)  # atomic: readers never see half a file
+        write_jsonl(path, records)
         written[split] = path
     meta = {"src": str(Path(src).resolve()), "splits": list(splits), "system_prompt": system_prompt}
     (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")

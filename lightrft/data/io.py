@@ -104,10 +104,25 @@ def require_field(records: Records, i: int, field: str, types: type | tuple[type
 # ------------------------------------------------------------------------------ file formats
 
 
+def _bad_utf8(path: Path, lineno: int, line_start: int, e: UnicodeDecodeError) -> DataError:
+    bad = e.object[e.start : e.start + 4]
+    return DataError(
+        f"{path} line {lineno}: not valid UTF-8 ({e.reason}) at byte offset "
+        f"{line_start + e.start} of the file (byte {e.start} of the line: {bad!r}); re-encode "
+        "the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    )
+
+
 def _read_jsonl(path: Path) -> Records:
     records, origins = [], []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    offset = 0
+    with path.open("rb") as f:  # bytes, so a bad byte is reported by line and offset
+        for lineno, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _bad_utf8(path, lineno, start, e) from None
             if not line.strip():
                 continue
             try:
@@ -125,9 +140,22 @@ def _read_jsonl(path: Path) -> Records:
     return Records(records, origins, str(path), [path.parent] * len(records))
 
 
+def _decode_file(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        lineno = data.count(b"\n", 0, e.start) + 1
+        e2 = UnicodeDecodeError(
+            e.encoding, data[line_start:], e.start - line_start, e.end - line_start, e.reason
+        )
+        raise _bad_utf8(path, lineno, line_start, e2) from None
+
+
 def _read_json(path: Path) -> Records:
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(_decode_file(path))
     except json.JSONDecodeError as e:
         raise DataError(
             f"{path} line {e.lineno}: malformed JSON ({e.msg} at column {e.colno}); "
@@ -150,7 +178,10 @@ def _read_json(path: Path) -> Records:
 def _read_parquet(path: Path) -> Records:
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(path).to_pylist()
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except UnicodeDecodeError as e:  # a binary column declared as string
+        raise DataError(f"{path}: a string column holds bytes that are not UTF-8 ({e})") from None
     origins = [f"{path} row {i}" for i in range(len(rows))]
     return Records(rows, origins, str(path), [path.parent] * len(rows))
 
@@ -174,7 +205,10 @@ def _read_hf_dir(path: Path, split: str | None) -> Records:
         ds, name = ds[split], f"{path}[{split}]"
     elif split is not None and ds.split is not None and str(ds.split) != split:
         raise DataError(f"{path} holds split {str(ds.split)!r}, not the requested {split!r}")
-    rows = ds.to_list()
+    try:
+        rows = ds.to_list()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{name}: a string column holds bytes that are not UTF-8 ({e})") from None
     return Records(rows, [f"{name} row {i}" for i in range(len(rows))], name, [path] * len(rows))
 
 
@@ -238,12 +272,21 @@ def load_records(path: PathLike | Sequence[PathLike], *, split: str | None = Non
 
 
 def write_jsonl(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
-    """Write one JSON object per line, atomically: a reader never sees a half-written file."""
+    """Write one JSON object per line, atomically: a reader never sees a half-written file.
+
+    The data goes to ``.<name>.tmp<pid>`` first, then is renamed; an interruption (Ctrl-C, an
+    exception) removes that temporary file instead of leaving it behind.
+    """
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for rec in records:
+                # ASCII escapes keep U+2028 and friends from looking like line breaks.
+                f.write(json.dumps(rec) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def made_with(out: Path, files: Sequence[str], settings: Mapping[str, Any]) -> bool:

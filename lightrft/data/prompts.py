@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,9 +48,11 @@ class PromptDataset(torch.utils.data.Dataset):
         apply_chat_template: render with the chat template and its generation prompt; ``False``
             uses ``system_prompt + "\\n" + prompt`` as is.
         max_prompt_length: longest prompt in tokens; ``None`` for no limit.
-        truncation: ``"drop"`` (default) or ``"truncate"``, which keeps the last
-            ``max_prompt_length`` tokens (the end holds the question and the generation prompt);
-            a prompt whose images would lose vision tokens is dropped. Counted in ``stats``.
+        truncation: what happens to a prompt over ``max_prompt_length`` or over the engine's
+            limit (:meth:`fit_to_engine`): ``"drop"`` (default), ``"truncate"``, which keeps
+            the last tokens (the end holds the question and the generation prompt; a prompt
+            whose images would lose vision tokens is dropped), or ``"error"``, which refuses the
+            dataset naming the file and line. Counted in ``stats``.
         images_field, min_pixels, max_pixels: images, as in :class:`~lightrft.data.SFTDataset`.
     """
 
@@ -70,14 +72,17 @@ class PromptDataset(torch.utils.data.Dataset):
         system_prompt: str | None = None,
         apply_chat_template: bool = True,
         max_prompt_length: int | None = None,
-        truncation: Truncation = "drop",
+        truncation: Truncation | Literal["error"] = "drop",
         images_field: str | None = "images",
         min_pixels: int | None = None,
         max_pixels: int | None = None,
     ) -> None:
-        _check_truncation(truncation)
+        if truncation != "error":
+            _check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
         self.vision = VisionSamples(processor, images_field, min_pixels, max_pixels)
+        self.tokenizer = tokenizer
+        self.truncation = truncation
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         src = open_records(path, records, split)
@@ -111,11 +116,13 @@ class PromptDataset(torch.utils.data.Dataset):
             )
             ids, _, inputs = self.vision.expand(ids, None, images, where)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
-                if truncation == "drop" or not self.vision.intact(ids[-max_prompt_length:], inputs):
+                keep = self.vision.intact(ids[-max_prompt_length:], inputs)
+                ids, text = self._over_limit(
+                    ids, max_prompt_length, where, "max_prompt_length", keep
+                )
+                if ids is None:
                     dropped += 1
                     continue
-                ids = ids[-max_prompt_length:]
-                text = tokenizer.decode(ids, skip_special_tokens=False)
                 truncated += 1
             messages = None
             if apply_chat_template:
@@ -153,6 +160,61 @@ class PromptDataset(torch.utils.data.Dataset):
                 dropped,
                 len(src),
             )
+
+    def _over_limit(
+        self, ids: list[int], limit: int, where: str, key: str, intact: bool = True
+    ) -> tuple[list[int] | None, str]:
+        """A too-long prompt under this dataset's ``truncation`` policy: ``(None, "")`` to
+        drop it, the kept last ``limit`` tokens and their text, or a :class:`DataError`.
+        ``intact=False``: truncating would cut vision tokens, so the prompt is dropped."""
+        if self.truncation == "error":
+            raise DataError(
+                f"{where}: the prompt has {len(ids)} tokens, over {key}={limit}; shorten it, "
+                "raise the limit, or set the dataset's truncation to 'drop' or 'truncate'"
+            )
+        if self.truncation == "drop" or not intact:
+            return None, ""
+        ids = ids[-limit:]
+        return ids, self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def fit_to_engine(self, max_model_len: int, key: str = "engine.max_model_len") -> int:
+        """Apply ``truncation`` to prompts the rollout engine could not take: a prompt needs
+        ``max_model_len - 1`` tokens or fewer (one must be left to generate). Call it when the
+        engine's limit is known, before training, so the problem shows at load time with the
+        file and line instead of at the step that samples it. Returns how many prompts changed
+        (counted in ``stats`` as ``engine_truncated`` / ``engine_dropped``)."""
+        limit = max_model_len - 1
+        if limit < 1:
+            raise ValueError(f"{key} must be >= 2 (a prompt token and a generated one)")
+        kept, truncated, dropped = [], 0, 0
+        for item in self.items:
+            if len(item["prompt_ids"]) > limit:
+                ids, text = self._over_limit(item["prompt_ids"], limit, item["where"], f"{key}-1")
+                if ids is None:
+                    dropped += 1
+                    continue
+                item = {**item, "prompt_ids": ids, "prompt": text}
+                truncated += 1
+            kept.append({**item, "index": len(kept)})
+        if not kept:
+            raise DataError(
+                f"empty dataset: all {len(self.items)} prompts of {self.source} are longer than "
+                f"{key}-1={limit} tokens; raise {key} or use truncation='truncate'"
+            )
+        self.items = kept
+        self.stats["prompts"] = len(kept)
+        self.stats["engine_truncated"] = truncated
+        self.stats["engine_dropped"] = dropped
+        if truncated or dropped:
+            log.warning(
+                "%s: %s=%d truncated (left) %d and dropped %d prompts",
+                self.source,
+                key,
+                max_model_len,
+                truncated,
+                dropped,
+            )
+        return truncated + dropped
 
     @staticmethod
     def _reference(src, i: int, field: str, required: bool) -> str | None:

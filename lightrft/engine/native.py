@@ -399,7 +399,9 @@ class NativeEngine:
             raise ValueError(
                 f"requests[{index}] has {len(ids)} prompt tokens; the engine's max_model_len is "
                 f"{self.max_model_len} (room for at most {limit} prompt tokens). Shorten it, raise "
-                "max_model_len, or build the engine with truncate_prompts=True"
+                "max_model_len, or build the engine with truncate_prompts=True (in a recipe, "
+                "the prompt dataset checks lengths at load: its max_prompt_length and "
+                "truncation options)"
             )
         keep = max(1, self.max_model_len - p.max_tokens)
         return list(ids[-keep:])

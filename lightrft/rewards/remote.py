@@ -17,13 +17,17 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightrft.rewards.base import Prompt, RewardError
+
+TOKEN_ENV = "LIGHTRFT_REWARD_TOKEN"  # also read by lightrft.rewards.server
 
 __all__ = ["RemoteReward", "RemoteRewardError", "build_query"]
 
@@ -49,13 +53,21 @@ class RemoteReward:
     in between; other HTTP errors and malformed answers (not JSON, no ``rewards`` list, wrong
     count, a non-number, NaN or infinity) fail at once, since repeating them cannot help.
 
+    ``timeout`` bounds each whole attempt (connect, send, and the complete answer), not each
+    socket read: a server trickling bytes is cut off when the attempt's time is up. One batch
+    request therefore fails within ``(max_retries + 1) * timeout`` plus the backoff waits
+    (``sum(min(max_backoff, backoff * 2**i) for i in range(max_retries))``) plus a little
+    scheduling slack.
+
     Args:
         url: the endpoint, e.g. ``http://127.0.0.1:8000/get_reward``.
-        timeout: seconds to wait for the connection and for each read.
+        timeout: seconds for one whole attempt.
         max_retries: retries after the first attempt.
         backoff, max_backoff: exponential backoff in seconds.
         batch_size: most samples per request (``None``: the whole batch in one request).
-        headers: extra HTTP headers (e.g. ``Authorization``).
+        headers: extra HTTP headers.
+        token: sent as ``Authorization: Bearer <token>`` (the server's ``--token``); ``None``
+            reads the environment variable ``LIGHTRFT_REWARD_TOKEN`` (unset: no header).
     """
 
     name = "remote"
@@ -69,6 +81,7 @@ class RemoteReward:
         max_backoff: float = 30.0,
         batch_size: int | None = None,
         headers: dict[str, str] | None = None,
+        token: str | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -87,6 +100,9 @@ class RemoteReward:
         self.max_backoff = float(max_backoff)
         self.batch_size = batch_size
         self.headers = {"Content-Type": "application/json", **(headers or {})}
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
 
     def __call__(
         self,
@@ -117,32 +133,62 @@ class RemoteReward:
             rewards += self._validate(self._post(payload), len(payload["queries"]))
         return rewards
 
+    def _attempt(self, body: bytes) -> tuple[int, str, bytes]:
+        """One POST whose total time is bounded by ``timeout``: a timer shuts the socket down
+        when the time is up, which ends any blocked read (a per-read socket timeout alone lets a
+        trickling server stretch one attempt indefinitely)."""
+        u = urllib.parse.urlsplit(self.url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = cls(u.hostname, u.port, timeout=self.timeout)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(self.timeout, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+            conn.request("POST", path, body=body, headers=self.headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            if expired.is_set():
+                raise TimeoutError
+            return resp.status, resp.reason, data
+        except (OSError, http.client.HTTPException):
+            if expired.is_set():
+                raise TimeoutError from None
+            raise
+        finally:
+            timer.cancel()
+            conn.close()
+
     def _post(self, payload: Mapping[str, Any]) -> bytes:
         body = json.dumps(payload).encode()
         last = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
-            req = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return resp.read()
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:300].decode(errors="replace")
-                last = f"HTTP {e.code} {e.reason}: {detail}"
-                if e.code not in _RETRY_STATUS:
-                    raise RemoteRewardError(f"reward server {self.url} answered {last}") from None
-            except (
-                urllib.error.URLError,
-                TimeoutError,
-                ConnectionError,
-                http.client.HTTPException,
-            ) as e:
-                reason = getattr(e, "reason", e)
-                if isinstance(reason, TimeoutError) or isinstance(e, TimeoutError):
-                    last = f"no answer within timeout={self.timeout}s"
-                else:
-                    last = f"{type(reason).__name__}: {reason}"
+                status, reason, data = self._attempt(body)
+            except TimeoutError:
+                last = f"no answer within timeout={self.timeout}s"
+                continue
+            except (OSError, http.client.HTTPException) as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if status == 200:
+                return data
+            last = f"HTTP {status} {reason}: {data[:300].decode(errors='replace')}"
+            if status not in _RETRY_STATUS:
+                raise RemoteRewardError(f"reward server {self.url} answered {last}")
         raise RemoteRewardError(
             f"reward server {self.url} failed {self.max_retries + 1} attempts "
             f"(timeout={self.timeout}s, max_retries={self.max_retries}); last error: {last}"

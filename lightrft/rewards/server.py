@@ -6,22 +6,35 @@
 
 It answers POST requests on any path with the protocol of :mod:`lightrft.rewards.remote`, and
 ``GET /health`` with ``{"status": "ok"}``. Requests are scored one at a time (a lock), since a
-reward model on one device gains nothing from overlapping calls. Bad requests get HTTP 400 and
-a failing reward function HTTP 500, each with ``{"error": message}``.
+reward model on one device gains nothing from overlapping calls. Every failure gets an HTTP
+error with ``{"error": message}``, never a dropped connection: 400 malformed body, 401 missing or
+wrong token, 408 body not received within ``--read-timeout``, 411 no ``Content-Length``, 413 body
+over ``--max-body-mb``, 503 more than ``--max-connections`` open connections, 500 the reward
+function failed.
+
+Security: it binds to 127.0.0.1 unless told otherwise. ``--token`` (or the environment variable
+``LIGHTRFT_REWARD_TOKEN``) makes every request carry ``Authorization: Bearer <token>``;
+:class:`~lightrft.rewards.RemoteReward` sends it from its ``token`` argument or the same
+variable. The token travels in clear over ``http://``: across machines, put the server behind
+TLS (a reverse proxy) and use an ``https://`` URL.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from lightrft.rewards.base import check_reward_output
+from lightrft.rewards.remote import TOKEN_ENV
 
-__all__ = ["VERIFIERS", "load_reward_fn", "main", "make_server", "split_requests"]
+__all__ = ["TOKEN_ENV", "VERIFIERS", "load_reward_fn", "main", "make_server", "split_requests"]
 
 VERIFIERS = {
     "math": "lightrft.rewards.MathVerifier",
@@ -54,12 +67,24 @@ def split_requests(data: Any) -> dict[str, list]:
         args[key] = val
     prompts = args["prompts"] or [""] * n
     if responses is None:
-        if not all(isinstance(q, (str, list)) for q in queries):
-            raise ValueError("'queries' must hold strings or message lists")
+        for i, q in enumerate(queries):
+            if isinstance(q, list):
+                if not all(
+                    isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in q
+                ):
+                    raise ValueError(
+                        f"'queries'[{i}] must be a list of messages "
+                        '({"role": ..., "content": "<string>"})'
+                    )
+            elif not isinstance(q, str):
+                raise ValueError(
+                    f"'queries'[{i}] is a {type(q).__name__}; queries must hold strings or "
+                    "message lists"
+                )
         responses = []
         for q, p in zip(queries, prompts, strict=True):
             if isinstance(q, list):  # a conversation: the response is the last message
-                responses.append(str(q[-1].get("content", "")) if q else "")
+                responses.append(q[-1].get("content", "") if q else "")
             elif isinstance(p, str) and q.startswith(p):
                 responses.append(q[len(p) :])
             else:
@@ -74,24 +99,135 @@ def split_requests(data: Any) -> dict[str, list]:
     }
 
 
+class _HTTPError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A threading server that serves at most ``max_connections`` connections at once and
+    answers the next ones with HTTP 503 at once, so floods cannot exhaust threads."""
+
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], handler: type, max_connections: int):
+        super().__init__(addr, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps({"error": "server busy: too many open connections"}).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def make_server(
-    reward_fn: Callable[..., Any], host: str = "127.0.0.1", port: int = 0, verbose: bool = False
+    reward_fn: Callable[..., Any],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    verbose: bool = False,
+    *,
+    token: str | None = None,
+    max_body_bytes: int = 64 * 2**20,
+    read_timeout: float = 30.0,
+    max_connections: int = 32,
 ) -> ThreadingHTTPServer:
     """An HTTP server (not yet serving) that scores requests with ``reward_fn``.
 
     ``port=0`` picks a free port: read it from ``server.server_address[1]``. Run it with
     ``server.serve_forever()`` (e.g. in a thread) and stop it with ``server.shutdown()``.
+
+    Args:
+        token: if set, requests must carry ``Authorization: Bearer <token>`` (else HTTP 401).
+        max_body_bytes: larger ``Content-Length`` is refused with HTTP 413 before reading.
+        read_timeout: seconds a connection may take to send its request line and headers, and
+            separately its whole body (a deadline, not per read: a trickling client is cut off);
+            past it the body gets HTTP 408.
+        max_connections: connections served at once; more are answered HTTP 503.
     """
+    if max_body_bytes < 1 or read_timeout <= 0 or max_connections < 1:
+        raise ValueError(
+            "max_body_bytes and max_connections must be >= 1 and read_timeout > 0, got "
+            f"{max_body_bytes}, {max_connections}, {read_timeout}"
+        )
     lock = threading.Lock()
+    expected = token.encode() if token else None
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = read_timeout  # socket timeout while reading the request line and headers
+
         def _reply(self, code: int, obj: Any) -> None:
             body = json.dumps(obj).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            if code >= 400 and code != 500:
+                # the unread rest of the body would be parsed as the next request
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(body)
+
+        def _authorized(self) -> bool:
+            if expected is None:
+                return True
+            got = (self.headers.get("Authorization") or "").encode()
+            return hmac.compare_digest(got, b"Bearer " + expected)
+
+        def _read_body(self) -> bytes:
+            raw = self.headers.get("Content-Length")
+            if raw is None:
+                raise _HTTPError(411, "a Content-Length header is required")
+            try:
+                length = int(raw)
+            except ValueError:
+                raise _HTTPError(400, f"bad Content-Length {raw[:40]!r}") from None
+            if length < 0:
+                raise _HTTPError(400, f"bad Content-Length {length}")
+            if length > max_body_bytes:
+                raise _HTTPError(
+                    413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes"
+                )
+            deadline = time.monotonic() + read_timeout
+            chunks, got = [], 0
+            while got < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _HTTPError(408, f"body not received within {read_timeout}s")
+                self.connection.settimeout(left)
+                try:
+                    chunk = self.rfile.read1(min(length - got, 1 << 16))
+                except TimeoutError:
+                    raise _HTTPError(408, f"body not received within {read_timeout}s") from None
+                if not chunk:
+                    raise _HTTPError(400, f"body ended after {got} of {length} bytes")
+                chunks.append(chunk)
+                got += len(chunk)
+            self.connection.settimeout(read_timeout)
+            return b"".join(chunks)
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path.rstrip("/") == "/health":
@@ -101,10 +237,17 @@ def make_server(
 
         def do_POST(self) -> None:  # noqa: N802
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                kwargs = split_requests(json.loads(self.rfile.read(length)))
-            except (ValueError, UnicodeDecodeError) as e:
-                self._reply(400, {"error": f"bad request: {e}"})
+                if not self._authorized():
+                    raise _HTTPError(401, "missing or wrong token (Authorization: Bearer ...)")
+                body = self._read_body()
+                try:
+                    kwargs = split_requests(json.loads(body))
+                except RecursionError:
+                    raise _HTTPError(400, "bad request: JSON nested too deeply") from None
+                except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
+                    raise _HTTPError(400, f"bad request: {e}") from None
+            except _HTTPError as e:
+                self._reply(e.code, {"error": str(e)})
                 return
             n = len(kwargs["responses"])
             try:
@@ -120,7 +263,7 @@ def make_server(
             if verbose:
                 super().log_message(format, *args)
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return _BoundedServer((host, port), Handler, max_connections)
 
 
 def load_reward_fn(
@@ -160,6 +303,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kwargs", default="{}", help="JSON keyword arguments for it")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV) or None,
+        help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}, unset: no auth)",
+    )
+    parser.add_argument("--max-body-mb", type=float, default=64.0, help="larger bodies: 413")
+    parser.add_argument("--read-timeout", type=float, default=30.0, help="seconds; then 408")
+    parser.add_argument("--max-connections", type=int, default=32, help="more: 503")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
     try:
@@ -172,9 +323,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         reward_fn = load_reward_fn(args.verifier, args.component, kwargs)
     except (ValueError, TypeError) as e:  # TypeError: --kwargs the component does not take
         parser.error(str(e))
-    server = make_server(reward_fn, args.host, args.port, verbose=args.verbose)
+    try:
+        server = make_server(
+            reward_fn,
+            args.host,
+            args.port,
+            verbose=args.verbose,
+            token=args.token,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            read_timeout=args.read_timeout,
+            max_connections=args.max_connections,
+        )
+    except ValueError as e:
+        parser.error(str(e))
     host, port = server.server_address[:2]
     print(f"serving {args.verifier or args.component} on http://{host}:{port}", flush=True)
+    if args.token:
+        print("requests must carry 'Authorization: Bearer <token>'", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -33,6 +33,11 @@ _EXPORTS = {
     "check_output_dir": "outputs",
     "RolloutBatch": "rollout",
     "pad_rows": "rollout",
+    "Preemption": "preemption",
+    "CheckpointSaveError": "checkpoint",
+    "check_resume_config": "resume",
+    "ALLOWED_CHANGES": "resume",
+    "release_output_dir": "outputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,7 +4,9 @@ Layout under ``<output_dir>/checkpoints/``::
 
     step_000010/            one complete checkpoint
       .metadata, *.distcp   DCP shards: models, optimizers, LR schedulers (resharded on load)
-      rank_00000.pt         per-rank state: dataloader positions, RNG states, ``extra``
+      rank_00000.json       per-rank state: dataloader positions, RNG states, ``extra`` (JSON,
+      rank_00000.safetensors  tensors and arrays beside it: loading never unpickles)
+      config.json           the run's resolved config (compared on resume)
       meta.json             written last, before the rename: step, world size, names
     step_000020.tmp/        a save in progress (or one that crashed): never loaded
     latest                  the name of the newest complete checkpoint ("step_000020")
@@ -17,6 +19,7 @@ good checkpoint stays usable.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -41,9 +45,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from lightrft.training.resume import ConfigChange, check_resume_config
+from lightrft.training.safe_state import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    load_state,
+    read_dcp_metadata,
+    save_state,
+    write_atomic,
+)
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 LATEST = "latest"
 META = "meta.json"
+CONFIG = "config.json"
 DEFAULT_NAME = "model"
 
 
@@ -65,6 +81,7 @@ class CheckpointState:
     extra: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     rng: dict[str, Any] = field(default_factory=dict, repr=False)
+    config_changes: list[ConfigChange] = field(default_factory=list)
 
     def restore_rng(self) -> None:
         """Set this rank's RNG states to the saved ones (again).
@@ -115,6 +132,15 @@ def _named(obj: Any, what: str) -> dict[str, Any]:
     if isinstance(obj, (list, tuple)):
         raise ValueError(f"{what}: pass one object or a dict name -> object, not a {type(obj)}")
     return {DEFAULT_NAME: obj}
+
+
+def _unwrap(e: CheckpointException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (a BaseException
+    that ``except Exception`` would miss); ``e`` itself when it wraps nothing usable."""
+    for exc, _trace in e.failures.values():
+        if isinstance(exc, (UnsafeCheckpointError, OSError)):
+            return exc
+    return e
 
 
 def step_dir_name(step: int) -> str:
@@ -290,13 +316,18 @@ class Checkpointer:
         schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
         dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
         extra: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write a checkpoint of ``step`` and return its directory (collective).
+
+        ``config``: the run's resolved config (a plain dict, e.g.
+        ``OmegaConf.to_container(cfg, resolve=True)``), stored as ``config.json`` so that a
+        resume can compare it with its own (:meth:`load`'s ``config``).
 
         ``models`` / ``optimizers`` / ``schedulers``: one object or a dict name -> object; an
         optimizer is stored with the model of the same name (a single one goes with a single
         model). ``dataloaders`` (e.g. torchdata ``StatefulDataLoader``), the RNG states and
-        ``extra`` (any picklable dict: epoch, KL controller, reward normaliser, ...) are saved per
+        ``extra`` (a dict of JSON-able values, tuples, tensors or numpy arrays: epoch, KL controller, reward normaliser, ...) are saved per
         rank, since they may differ between ranks.
         """
         if step < 0:
@@ -310,6 +341,33 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
 
+        try:
+            self._write(
+                tmp, app, rank, world, step, models_, optims_, scheds_, loaders_, extra, config
+            )
+        except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
+            raise _save_failed(tmp, step, self.latest(), e) from None
+        if rank == 0:
+            self._commit(tmp, final)
+            self._prune()
+        _barrier()
+        return final
+
+    def _write(
+        self,
+        tmp: Path,
+        app: dict[str, Any],
+        rank: int,
+        world: int,
+        step: int,
+        models_: dict[str, Any],
+        optims_: dict[str, Any],
+        scheds_: dict[str, Any],
+        loaders_: dict[str, Any],
+        extra: Mapping[str, Any] | None,
+        config: Mapping[str, Any] | None,
+    ) -> None:
+        """Every file of a checkpoint into ``tmp`` (collective); ``meta.json`` last."""
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():  # left over by a crashed save of the same step
@@ -324,7 +382,7 @@ class Checkpointer:
             "rng": rng_state(),
             "extra": dict(extra or {}),
         }
-        _atomic_torch_save(per_rank, tmp / f"rank_{rank:05d}.pt")
+        save_state(per_rank, tmp / f"rank_{rank:05d}")
         _barrier()
         if rank == 0:
             meta = {
@@ -337,11 +395,10 @@ class Checkpointer:
                 "time": time.time(),
                 "torch": torch.__version__,
             }
+            if config is not None:
+                text = json.dumps(dict(config), indent=1, default=str)
+                _write_text_atomic(tmp / CONFIG, text + "\n")
             _write_text_atomic(tmp / META, json.dumps(meta, indent=1) + "\n")
-            self._commit(tmp, final)
-            self._prune()
-        _barrier()
-        return final
 
     def _commit(self, tmp: Path, final: Path) -> None:
         """Rank 0: rename ``tmp`` to ``final`` and point ``latest`` at it."""
@@ -380,12 +437,22 @@ class Checkpointer:
         schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
         dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
         restore_rng: bool = True,
+        config: Mapping[str, Any] | None = None,
+        override_lr: bool = False,
     ) -> CheckpointState:
         """Restore the given objects in place from checkpoint ``path`` (collective).
 
         Build models (and ``parallelize`` them) and optimizers exactly as for training first:
         DCP loads into the existing, possibly sharded, tensors. Every name passed must exist in
         the checkpoint; names in the checkpoint that are not passed are ignored.
+
+        ``config`` (the current run's resolved config) is compared with the one saved beside
+        the checkpoint before anything is loaded (:func:`~lightrft.training.resume.
+        check_resume_config`): changes that cannot be honoured raise a ``ValueError`` listing
+        them; allowed ones are printed. A changed learning rate needs ``override_lr=True``; then
+        the optimizers' and LambdaLR schedulers' base LRs become the ones the optimizers were
+        just built with, at the saved position of the schedule. Prints
+        ``resumed from step N (path)`` on rank 0.
         """
         path = Path(path)
         meta_file = path / META
@@ -411,6 +478,10 @@ class Checkpointer:
                 )
         rank, world = _rank(), _world_size()
         needs_rank_state = bool(loaders_) or restore_rng
+        changes = []
+        if config is not None:
+            changes = self._check_config(path, meta, config, override_lr, needs_rank_state)
+        new_lrs = _base_lrs(optims_)
         if needs_rank_state and meta["world_size"] != world:
             raise ValueError(
                 f"checkpoint {path} was saved by {meta['world_size']} ranks but this run has "
@@ -419,22 +490,61 @@ class Checkpointer:
             )
 
         app = _app_state(models_, optims_, scheds_)
-        with _quiet_single_process():
-            dcp.load(app, checkpoint_id=path, no_dist=not dist.is_initialized())
-        per_rank_file = path / f"rank_{min(rank, meta['world_size'] - 1):05d}.pt"
-        # Our own file, holding python / numpy RNG tuples: not loadable with weights_only.
-        per_rank = torch.load(per_rank_file, map_location="cpu", weights_only=False)
+        # Vet the metadata here too: inside dcp.load the refusal would come back as a
+        # stringified AssertionError wrapped in a CheckpointException.
+        with open(path / ".metadata", "rb") as f:
+            read_dcp_metadata(f, path / ".metadata")
+        try:
+            with _quiet_single_process():
+                dcp.load(
+                    app,
+                    storage_reader=SafeFileSystemReader(path),
+                    planner=SafeLoadPlanner(),
+                    no_dist=not dist.is_initialized(),
+                )
+        except CheckpointException as e:
+            raise _unwrap(e) from None
+        per_rank = load_state(path / f"rank_{min(rank, meta['world_size'] - 1):05d}")
         for name, loader in loaders_.items():
             loader.load_state_dict(per_rank["dataloaders"][name])
         if restore_rng:
             set_rng_state(per_rank["rng"])
+        if override_lr and any(c.kind == "lr" for c in changes):
+            _override_lrs(optims_, scheds_, new_lrs)
         _barrier()
+        if rank == 0:
+            for c in changes:
+                print(f"resume: {c} ({'applied' if c.kind == 'lr' else 'allowed'})", flush=True)
+            print(f"resumed from step {meta['step']} ({path})", flush=True)
         return CheckpointState(
             step=int(meta["step"]),
             path=path,
             extra=per_rank["extra"],
             world_size=int(meta["world_size"]),
             rng=per_rank["rng"],
+            config_changes=changes,
+        )
+
+    @staticmethod
+    def _check_config(
+        path: Path,
+        meta: Mapping[str, Any],
+        config: Mapping[str, Any],
+        override_lr: bool,
+        per_rank: bool,
+    ) -> list[ConfigChange]:
+        saved_file = path / CONFIG
+        if not saved_file.is_file():
+            if _rank() == 0:
+                print(f"resume: {path} holds no config record; config changes are not checked")
+            return []
+        return check_resume_config(
+            json.loads(saved_file.read_text()),
+            json.loads(json.dumps(dict(config), default=str)),  # same normalisation as saved
+            path=path,
+            override_lr=override_lr,
+            saved_world_size=int(meta["world_size"]) if per_rank else None,
+            world_size=_world_size(),
         )
 
     def load_latest(
@@ -446,6 +556,8 @@ class Checkpointer:
         dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
         restore_rng: bool = True,
         required: bool = False,
+        config: Mapping[str, Any] | None = None,
+        override_lr: bool = False,
     ) -> CheckpointState | None:
         """:meth:`load` the newest complete checkpoint; ``None`` when there is none.
 
@@ -470,7 +582,89 @@ class Checkpointer:
             schedulers=schedulers,
             dataloaders=dataloaders,
             restore_rng=restore_rng,
+            config=config,
+            override_lr=override_lr,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# a failed save
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the partial directory has been removed."""
+
+
+def _os_cause(e: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``e``: itself, its cause/context chain, or inside DCP's wrapper."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno is not None:
+            return x
+        if isinstance(x, CheckpointException):
+            stack += [exc for exc, _ in x.failures.values()]
+        stack += [x.__cause__, x.__context__]
+    return None
+
+
+def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) -> Exception:
+    """Remove the partial ``tmp`` directory and describe the failure by its real cause (torch's
+    own message on a full disk is ``unexpected pos ...`` from its zip writer)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    cause = _os_cause(e)
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = None
+    if cause is not None:
+        why = f"{os.strerror(cause.errno)} (errno {errno.errorcode.get(cause.errno, cause.errno)})"
+    elif free is not None and free < 16 * 2**20:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}; most likely the disk is full"
+    else:
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+    room = f"; {free / 2**20:.1f} MiB free there now" if free is not None else ""
+    keep = f"the last good checkpoint {latest} is intact" if latest else "no earlier checkpoint"
+    return CheckpointSaveError(
+        f"saving the checkpoint of step {step} into {tmp} failed: {why}{room}. The partial "
+        f"directory was removed; {keep}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate override on resume
+
+
+def _base_lrs(optims: Mapping[str, torch.optim.Optimizer]) -> dict[str, list[float]]:
+    """Each optimizer's configured LR per param group (``initial_lr`` once a scheduler exists)."""
+    return {
+        name: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+        for name, opt in optims.items()
+    }
+
+
+def _override_lrs(
+    optims: Mapping[str, torch.optim.Optimizer],
+    scheds: Mapping[str, SupportsState],
+    new: Mapping[str, list[float]],
+) -> None:
+    """Put the configured base LRs back after loading, keeping the schedule's position: each
+    group's current LR is scaled by new_base / saved_base."""
+    for name, opt in optims.items():
+        sched = scheds.get(name)
+        for i, g in enumerate(opt.param_groups):
+            saved = g.get("initial_lr", g["lr"])
+            ratio = g["lr"] / saved if saved else 1.0
+            g["lr"] = new[name][i] * ratio
+            if "initial_lr" in g:
+                g["initial_lr"] = new[name][i]
+        if sched is not None and hasattr(sched, "base_lrs"):
+            sched.base_lrs = list(new[name])
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,16 +685,4 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new content, never a torn file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode())

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,8 @@ def init_distributed(device: str | None = None) -> DistInfo:
     if want.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()  # a torchrun worker: do not outlive the launcher
     if want.startswith("cuda"):
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -43,6 +48,29 @@ def init_distributed(device: str | None = None) -> DistInfo:
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev)
     return DistInfo(0, 1, 0, dev)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent (the torchrun launcher)
+    dies, so a ``kill -9`` of the launcher leaves no workers training on (and colliding with a
+    relaunch). SIGKILL, because a rank blocked in a collective whose peer is gone would never
+    act on a gentler signal; the last complete checkpoint is intact either way. Linux only
+    (``prctl(PR_SET_PDEATHSIG)``); returns whether it is armed."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before prctl: the kernel would not tell us
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def barrier() -> None:

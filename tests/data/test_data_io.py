@@ -120,3 +120,40 @@ def test_unsupported_suffix_and_empty_path_list(tmp_path):
         load_records(p)
     with pytest.raises(DataError, match="empty list"):
         load_records([])
+
+
+# --- issue 16: bad bytes and interrupted writes ------------------------------------------------
+
+
+def test_non_utf8_bytes_name_file_line_and_byte_offset(tmp_path):
+    from lightrft.data.io import DataError, load_records
+
+    good = b'{"prompt": "caf\xc3\xa9"}\n'
+    bad = b'{"prompt": "na\xefve"}\n'  # latin-1, not UTF-8
+    jl = tmp_path / "d.jsonl"
+    jl.write_bytes(good * 2 + bad)
+    with pytest.raises(DataError) as info:
+        load_records(jl)
+    off = 2 * len(good) + bad.index(b"\xef")
+    msg = str(info.value)
+    assert f"{jl} line 3: not valid UTF-8" in msg and f"byte offset {off} of the file" in msg
+    js = tmp_path / "d.json"
+    js.write_bytes(b'[\n {"prompt": "a"},\n {"prompt": "na\xefve"}\n]\n')
+    with pytest.raises(DataError, match=rf"{js} line 3: not valid UTF-8 .* byte offset 35 "):
+        load_records(js)
+
+
+def test_interrupted_jsonl_write_leaves_no_temporary_file(tmp_path):
+    from lightrft.data.io import write_jsonl
+
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [{"a": 1}])
+
+    def records():
+        yield {"a": 2}
+        raise KeyboardInterrupt  # what Ctrl-C raises in the middle of data preparation
+
+    with pytest.raises(KeyboardInterrupt):
+        write_jsonl(path, records())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl"]
+    assert path.read_text() == '{"a": 1}\n'  # the previous complete file is untouched

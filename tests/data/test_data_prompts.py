@@ -1,5 +1,7 @@
 """PromptDataset: rendering with the generation prompt, references, labels, length policy, errors."""
 
+import json
+
 import pytest
 from conftest import write_jsonl
 
@@ -131,3 +133,33 @@ def test_dropped_prompts_are_logged(tok, caplog):
     with caplog.at_level("WARNING", logger="lightrft.data.prompts"):
         PromptDataset(tok, records=recs, max_prompt_length=40)
     assert "max_prompt_length=40 truncated (left) 0 and dropped 1 of 2 prompts" in caplog.text
+
+
+def test_prompts_checked_against_the_engine_limit_at_load(tmp_path, tok):
+    """Issue 16 item 11: a prompt the engine cannot take fails at load, naming file and line."""
+    from lightrft.data.io import DataError
+
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "hi", "answer": "1"}, {"prompt": "x" * 200, "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    short = len(PromptDataset(tok, records=rows[:1])[0]["prompt_ids"])
+    max_model_len = short + 10  # room for the short prompt, not the long one
+
+    refuse = PromptDataset(tok, path, truncation="error")
+    with pytest.raises(
+        DataError,
+        match=rf"{path} line 2: the prompt has \d+ tokens, over "
+        rf"engine.max_model_len-1={max_model_len - 1}",
+    ):
+        refuse.fit_to_engine(max_model_len)
+
+    drop = PromptDataset(tok, path)  # default: drop
+    assert drop.fit_to_engine(max_model_len) == 1
+    assert len(drop) == 1 and drop[0]["index"] == 0 and drop.stats["engine_dropped"] == 1
+
+    trunc = PromptDataset(tok, path, truncation="truncate")
+    assert trunc.fit_to_engine(max_model_len) == 1
+    assert len(trunc[1]["prompt_ids"]) == max_model_len - 1 and trunc.stats["engine_truncated"] == 1
+    assert (
+        trunc[1]["prompt_ids"] == PromptDataset(tok, path)[1]["prompt_ids"][-(max_model_len - 1) :]
+    )

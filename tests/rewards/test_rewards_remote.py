@@ -278,3 +278,159 @@ def test_load_reward_fn():
         load_reward_fn(component="lightrft.rewards.Nope")
     with pytest.raises(ValueError, match="exactly one"):
         load_reward_fn()
+
+
+# --- security and robustness of the server / client (issue 16, items 2 and 3) -------------------
+
+
+def _raw(port: int, data: bytes, timeout: float = 5.0) -> tuple[int, bytes]:
+    """Send raw bytes, return (status, body) of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        buf = b""
+        while chunk := s.recv(65536):
+            buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def _post(length: int | str, body: bytes, extra: str = "") -> bytes:
+    return f"POST /r HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n{extra}\r\n".encode() + body
+
+
+def test_server_token_auth_and_client_token(monkeypatch):
+    with running(make_server(MathVerifier(), token="s3cret")) as url:
+        with pytest.raises(RemoteRewardError, match="HTTP 401"):
+            fast_client(url)(["q"], [r"\boxed{1}"], ["1"])
+        with pytest.raises(RemoteRewardError, match="HTTP 401"):
+            fast_client(url, token="wrong")(["q"], [r"\boxed{1}"], ["1"])
+        assert fast_client(url, token="s3cret")(["q"], [r"\boxed{1}"], ["1"]) == [1.0]
+        monkeypatch.setenv("LIGHTRFT_REWARD_TOKEN", "s3cret")
+        assert fast_client(url)(["q"], [r"\boxed{1}"], ["1"]) == [1.0]
+        with urllib.request.urlopen(url.rsplit("/", 1)[0] + "/health", timeout=5) as r:
+            assert r.status == 200  # the health probe needs no token
+
+
+def test_server_refuses_oversized_and_slow_bodies_quickly():
+    with running(make_server(MathVerifier(), max_body_bytes=1000, read_timeout=0.5)) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        start = time.perf_counter()
+        status, body = _raw(port, _post(50 * 2**20, b"{}"))  # announces 50 MB, sends 2 bytes
+        assert status == 413 and b"exceeds the limit of 1000 bytes" in body
+        assert time.perf_counter() - start < 0.4  # refused before reading
+        # Within the limit but never completed: released at the read deadline with a 408.
+        start = time.perf_counter()
+        status, body = _raw(port, _post(900, b"{}"))
+        assert status == 408 and b"within 0.5s" in body
+        assert 0.4 < time.perf_counter() - start < 2.0
+        # A client trickling one byte every 0.2 s is cut off at the deadline, not per read.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(_post(50, b""))
+            start = time.perf_counter()
+            for _ in range(20):
+                try:
+                    s.sendall(b" ")
+                except OSError:
+                    break
+                time.sleep(0.2)
+                s.setblocking(False)
+                try:
+                    if s.recv(65536):
+                        break
+                except BlockingIOError:
+                    pass
+                finally:
+                    s.setblocking(True)
+            assert time.perf_counter() - start < 1.5
+
+
+def test_server_bounds_concurrent_connections():
+    server = make_server(MathVerifier(), max_connections=2, read_timeout=5.0)
+    with running(server) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # both are accepted and hold their slots
+            start = time.perf_counter()
+            status, body = _raw(port, _post(2, b"{}"))
+            assert status == 503 and b"too many open connections" in body
+            assert time.perf_counter() - start < 1.0
+        finally:
+            for s in idle:
+                s.close()
+        time.sleep(0.2)  # closed connections give their slots back
+        assert fast_client(url)(["q"], [r"\boxed{1}"], ["1"]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "length,body,code,match",
+    [
+        (None, b'{"queries": [1, 2]}', 400, b"'queries'[0] is a int"),
+        (None, b'{"queries": [[1]]}', 400, b"must be a list of messages"),
+        (None, b'{"queries": [[{"content": 5}]]}', 400, b"must be a list of messages"),
+        (None, b'{"responses": [1]}', 400, b"must hold strings"),
+        (None, b"[" * 100_000 + b"]" * 100_000, 400, b"bad request"),
+        (None, b'{"queries": ["\xff"]}', 400, b"bad request"),
+        ("abc", b"", 400, b"bad Content-Length"),
+        ("-5", b"", 400, b"bad Content-Length"),
+        ("99999999999999999999", b"", 413, b"exceeds the limit"),
+        (10, b"{}", 400, b"body ended after 2 of 10 bytes"),
+    ],
+)
+def test_every_malformed_body_gets_an_http_error(length, body, code, match):
+    with running(make_server(MathVerifier(), max_body_bytes=2**20, read_timeout=2.0)) as url:
+        port = int(url.split(":")[2].split("/")[0])
+        data = _post(len(body) if length is None else length, body)
+        if length == 10:  # send 2 of 10 bytes, then close our side
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(data)
+                s.shutdown(socket.SHUT_WR)
+                buf = b""
+                while chunk := s.recv(65536):
+                    buf += chunk
+            status, got = int(buf.split()[1]), buf.partition(b"\r\n\r\n")[2]
+        else:
+            status, got = _raw(port, data)
+    assert status == code and match in got, (status, got)
+
+
+def test_remote_timeout_bounds_the_whole_request_against_a_trickling_server():
+    """Issue 16 item 3: 1 byte every 0.5 s, timeout=1.0, max_retries=2 took 16 s before."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+
+    def trickle(conn):
+        with conn:
+            conn.recv(65536)
+            for b in b'HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n{"rewards": [1.0]}  ':
+                if stop.is_set():
+                    return
+                try:
+                    conn.sendall(bytes([b]))
+                except OSError:
+                    return
+                time.sleep(0.5)
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/r"
+    try:
+        start = time.perf_counter()
+        with pytest.raises(
+            RemoteRewardError, match=r"failed 3 attempts.*no answer within timeout=1.0s"
+        ):
+            RemoteReward(url, timeout=1.0, max_retries=2, backoff=0.1)(["q"], ["r"])
+        elapsed = time.perf_counter() - start
+        assert elapsed < 3 * 1.0 + 0.1 + 0.2 + 1.0, elapsed  # the documented bound + slack
+    finally:
+        stop.set()
+        listener.close()

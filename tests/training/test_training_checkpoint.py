@@ -85,7 +85,7 @@ def test_save_modify_load_restores_everything_bitwise(tiny_model_dir, tmp_path):
     )
     assert path == tmp_path / "checkpoints" / "step_000002"
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    assert (path / ".metadata").is_file() and (path / "rank_00000.pt").is_file()
+    assert (path / ".metadata").is_file() and (path / "rank_00000.json").is_file()
     saved = _snapshot(model, opt, sched)
     want_batch = next(it)
     want_rng = (random.random(), np.random.rand(), torch.rand(2))
@@ -159,8 +159,8 @@ def test_several_named_models_and_optimizers(tiny_model_dir, tmp_path):
         ckpt.load_latest(models={"reward": critic})
 
 
-class _Boom(RuntimeError):
-    pass
+class _Boom(BaseException):
+    """A kill mid-save (nothing in the process gets to clean up, like SIGKILL)."""
 
 
 def test_crash_mid_save_keeps_last_good_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
@@ -176,7 +176,7 @@ def test_crash_mid_save_keeps_last_good_checkpoint(tiny_model_dir, tmp_path, mon
     def crash(obj, path):  # the DCP shards are already written when the per-rank file fails
         raise _Boom("disk full")
 
-    monkeypatch.setattr(mod, "_atomic_torch_save", crash)
+    monkeypatch.setattr(mod, "save_state", crash)
     with pytest.raises(_Boom):
         ckpt.save(2, models=model, optimizers=opt, schedulers=sched, extra={"tag": "bad"})
     monkeypatch.undo()
@@ -285,7 +285,10 @@ def _fsdp_worker(rank: int, world_size: int, model_dir: str, out_dir: str) -> No
 def test_fsdp2_two_process_save_load(tiny_model_dir, tmp_path):
     run_distributed(_fsdp_worker, str(tiny_model_dir), str(tmp_path))
     ckpt_dir = tmp_path / "checkpoints" / "step_000002"
-    assert sorted(p.name for p in ckpt_dir.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
+    assert sorted(p.name for p in ckpt_dir.glob("rank_*.json")) == [
+        "rank_00000.json",
+        "rank_00001.json",
+    ]
     assert json.loads((ckpt_dir / "meta.json").read_text())["world_size"] == 2
 
     # A different world size cannot map per-rank dataloader / RNG state: clear error.

@@ -1,0 +1,139 @@
+"""Resume after the config changed: compare the checkpoint's config with the current one.
+
+Every checkpoint stores the run's resolved config (``config.json``, see
+:meth:`~lightrft.training.Checkpointer.save`). On resume each changed key (dotted path) is
+
+* allowed and logged when it only steers the rest of the run (:data:`ALLOWED_CHANGES`: length,
+  logging, eval and checkpoint cadence, output paths, engine and memory knobs);
+* a learning rate (a key whose last part is ``lr``): applied only with ``resume_override_lr=true``
+  (the optimizer and scheduler states would otherwise silently keep the saved one);
+* refused otherwise (model, optimizer type, algorithm, data, ... ): the saved optimizer and
+  algorithm states cannot honour them, so the resume stops before loading anything, listing
+  every such key with its saved and current value.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ALLOWED_CHANGES: tuple[str, ...] = (
+    "max_steps",
+    "epochs",
+    "resume",
+    "overwrite",
+    "resume_override_lr",
+    "output_dir",
+    "prepare",  # data/model makers: what is read is checked through dataset.* and model.*
+    "prepare.*",
+    "log_every",
+    "save_every",
+    "keep_last",
+    "trajectories",
+    "metrics",
+    "metrics.*",
+    "eval",
+    "eval.*",
+    "eval_every",
+    "eval_dataset",
+    "eval_dataset.*",
+    "engine.max_num_seqs",
+    "engine.gpu_memory_utilization",
+    "engine.max_prefill_tokens",
+    "engine.max_kv_tokens",
+    "engine.compile",
+    "engine.sleep_level",
+    "train.micro_batch_size",
+    "model.activation_checkpointing",
+    "model.compile",
+)
+"""Dotted keys (fnmatch patterns) that may change between a checkpoint and its resume."""
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """One key that differs between the checkpoint's config and the current one."""
+
+    key: str
+    saved: Any
+    current: Any
+    kind: Literal["allowed", "lr", "refused"]
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.saved!r} -> {self.current!r}"
+
+
+_MISSING = "<unset>"
+
+
+def flatten(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and scalars are leaves; ``None`` is dropped
+    (null means "use the default" everywhere, so unset and null compare equal)."""
+    out: dict[str, Any] = {}
+    for k, v in cfg.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        elif v is not None:
+            out[key] = v
+    return out
+
+
+def config_changes(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    allowed: Iterable[str] = ALLOWED_CHANGES,
+) -> list[ConfigChange]:
+    """Every differing dotted key, classified (sorted by key)."""
+    a, b = flatten(saved), flatten(current)
+    patterns = tuple(allowed)
+    changes = []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, _MISSING), b.get(key, _MISSING)
+        if old == new:
+            continue
+        if any(fnmatch.fnmatchcase(key, p) for p in patterns):
+            kind = "allowed"
+        elif key.rsplit(".", 1)[-1] == "lr":
+            kind = "lr"
+        else:
+            kind = "refused"
+        changes.append(ConfigChange(key, old, new, kind))
+    return changes
+
+
+def check_resume_config(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    path: Any,
+    override_lr: bool = False,
+    saved_world_size: int | None = None,
+    world_size: int | None = None,
+    allowed: Sequence[str] = ALLOWED_CHANGES,
+) -> list[ConfigChange]:
+    """The allowed changes (to log), or a ``ValueError`` listing every change that cannot be
+    honoured: refused keys, learning rates without ``override_lr``, a different world size."""
+    changes = config_changes(saved, current, allowed=allowed)
+    bad = [c for c in changes if c.kind == "refused" or (c.kind == "lr" and not override_lr)]
+    lines = [f"  {c}" for c in bad if c.kind == "refused"]
+    if saved_world_size is not None and world_size is not None and saved_world_size != world_size:
+        lines.append(
+            f"  world size: {saved_world_size} -> {world_size} (dataloader positions and RNG "
+            "states are per rank; resume with the same number of processes)"
+        )
+    lines += [
+        f"  {c} (set resume_override_lr=true to apply the new learning rate)"
+        for c in bad
+        if c.kind == "lr"
+    ]
+    if lines:
+        raise ValueError(
+            f"cannot resume from {path}: the config changed in ways the checkpoint cannot "
+            "honour:\n" + "\n".join(lines) + "\nRestore those values to resume, or start a new "
+            "run (overwrite=true or another output_dir)"
+        )
+    return changes

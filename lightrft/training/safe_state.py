@@ -1,0 +1,236 @@
+"""Checkpoint files that cannot run code when loaded.
+
+Two parts:
+
+* Per-rank state (dataloader positions, RNG states, counters, ``extra``) is written as JSON plus
+  one safetensors file holding every tensor and numpy array. Loading parses JSON and reads raw
+  tensor bytes: nothing is unpickled. Tuples, non-string dict keys, numpy arrays and scalars are
+  tagged so they come back as they went in (the python RNG state is a tuple of tuples; numpy's is
+  a tuple holding an array), which keeps resume bitwise.
+* DCP parts. ``torch.distributed.checkpoint`` unpickles its ``.metadata`` file and loads
+  non-tensor entries (optimizer hyperparameters, LR scheduler state) with
+  ``torch.load(weights_only=False)``. :class:`SafeFileSystemReader` reads ``.metadata`` with an
+  unpickler that only builds DCP's own metadata classes (plus ``torch.Size``, dtypes, layouts and
+  paths), and :class:`SafeLoadPlanner` loads the non-tensor entries with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+TAG = "__lightrft__"
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds something that would run code or is not in our format."""
+
+
+# ---------------------------------------------------------------------------------------------
+# per-rank state: JSON + safetensors
+
+
+def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if obj is None or type(obj) in (bool, str, int, float):  # exact: np.float64 is a float
+        return obj
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {TAG: "tensor", "key": key}
+    if isinstance(obj, tuple):
+        return {TAG: "tuple", "items": [_encode(x, tensors) for x in obj]}
+    if isinstance(obj, list):
+        return [_encode(x, tensors) for x in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and k != TAG for k in obj):
+            return {k: _encode(v, tensors) for k, v in obj.items()}
+        return {
+            TAG: "dict",
+            "items": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()],
+        }
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        np = None
+    if np is not None and isinstance(obj, np.ndarray):
+        key = f"t{len(tensors)}"
+        # safetensors has no uint32; keep the bytes in a same-width signed dtype and the real one
+        # in JSON (numpy's MT19937 state is a uint32 array).
+        arr = np.ascontiguousarray(obj)
+        view = {
+            np.dtype("uint32"): np.int32,
+            np.dtype("uint16"): np.int16,
+            np.dtype("uint64"): np.int64,
+        }.get(arr.dtype)
+        tensors[key] = torch.from_numpy(arr.view(view) if view is not None else arr.copy())
+        return {TAG: "ndarray", "key": key, "dtype": arr.dtype.str}
+    if np is not None and isinstance(obj, np.generic):
+        return {TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
+    raise TypeError(
+        f"cannot store a {type(obj).__name__} in checkpoint state: use None, bool, int, float, "
+        "str, list, tuple, dict, torch.Tensor or numpy arrays"
+    )
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(x, tensors) for x in obj]
+    if not isinstance(obj, dict):
+        return obj
+    tag = obj.get(TAG)
+    if tag is None:
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    if tag == "tensor":
+        return tensors[obj["key"]]
+    if tag == "tuple":
+        return tuple(_decode(x, tensors) for x in obj["items"])
+    if tag == "dict":
+        return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in obj["items"]}
+    import numpy as np
+
+    if tag == "ndarray":
+        return tensors[obj["key"]].numpy().view(np.dtype(obj["dtype"])).copy()
+    if tag == "npscalar":
+        return np.dtype(obj["dtype"]).type(obj["value"])
+    raise UnsafeCheckpointError(f"unknown tag {tag!r} in checkpoint state")
+
+
+def _hashable(x: Any) -> Any:
+    return tuple(_hashable(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def save_state(obj: Any, stem: Path) -> None:
+    """Write ``obj`` to ``<stem>.json`` and ``<stem>.safetensors`` (each atomically)."""
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+    doc = json.dumps(_encode(obj, tensors), allow_nan=True)
+    blob = save(tensors)
+    for suffix, data in ((".safetensors", blob), (".json", doc.encode())):
+        write_atomic(stem.with_name(stem.name + suffix), data)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old or the new content, never a torn file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_state(stem: Path) -> Any:
+    """Read what :func:`save_state` wrote; never unpickles."""
+    from safetensors.torch import load
+
+    js, st = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".safetensors")
+    if not js.is_file():
+        legacy = stem.with_name(stem.name + ".pt")
+        if legacy.is_file():
+            raise UnsafeCheckpointError(
+                f"{legacy} is a pickled per-rank state file from an older LightRFT; it is not "
+                "loaded because unpickling can run arbitrary code. Resume from a checkpoint "
+                "written by this version (or start the run again)"
+            )
+        raise UnsafeCheckpointError(f"per-rank state {js} is missing")
+    try:
+        doc = json.loads(js.read_text())
+        tensors = load(st.read_bytes()) if st.is_file() else {}
+        return _decode(doc, tensors)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UnsafeCheckpointError(f"per-rank state {js} is corrupt: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP: restricted .metadata unpickling, weights_only for non-tensor entries
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata and nothing else: any other global is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata":
+            from torch.distributed.checkpoint import metadata as md
+
+            obj = getattr(md, name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def read_dcp_metadata(stream: io.BufferedIOBase, where: Any) -> Any:
+    """Unpickle a DCP ``.metadata`` stream with only DCP's classes allowed."""
+    try:
+        return _MetadataUnpickler(stream).load()
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{where}: refused to load checkpoint metadata ({e}); the file was not written by "
+            "torch.distributed.checkpoint or was tampered with"
+        ) from None
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` goes through :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = read_dcp_metadata(f, path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Loads DCP's non-tensor entries with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"checkpoint entry {read_item.dest_index.fqn!r} holds a non-data object and was "
+                f"not loaded: {str(e).splitlines()[0]}"
+            ) from None
+        # Re-serialise the vetted object so the parent's (pickle-based) loader sees plain data.
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        super().load_bytes(read_item, buf)
+
+
+__all__ = [
+    "UnsafeCheckpointError",
+    "save_state",
+    "load_state",
+    "read_dcp_metadata",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+]
