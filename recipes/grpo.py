@@ -77,6 +77,7 @@ from lightrft.training import (
     MetricAccumulator,
     MetricLogger,
     PhaseTimer,
+    Preemption,
     ProgressBar,
     check_output_dir,
     clip_grad_norm,
@@ -193,6 +194,8 @@ CONFIG_SCHEMA = {
     "save_every": int | None,
     "keep_last": int | None,
     "resume": bool | None,
+    "overwrite": bool | None,
+    "resume_override_lr": bool | None,
     "metrics": {"tensorboard": bool | None, "wandb": bool | dict | None},
 }
 
@@ -352,6 +355,8 @@ class GRPOOptions:
     save_every: int | None = None
     keep_last: int = 2
     resume: bool = False
+    overwrite: bool = False
+    resume_override_lr: bool = False
     tensorboard: bool = True
     wandb: bool | dict = False
 
@@ -661,6 +666,8 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
         save_every=_get(cfg, "save_every"),
         keep_last=_get(cfg, "keep_last", 2),
         resume=_get(cfg, "resume", False),
+        overwrite=_get(cfg, "overwrite", False),
+        resume_override_lr=_get(cfg, "resume_override_lr", False),
         tensorboard=_get(metrics, "tensorboard", True),
         wandb=_get(metrics, "wandb", False),
     )
@@ -672,7 +679,12 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
         opts.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
     )  # reads only
     if opts.resume and checkpoints.latest() is None:
-        raise ValueError(f"resume=true but no checkpoint found in {checkpoints.root}")
+        raise ValueError(
+            f"resume=true but no checkpoint found in {checkpoints.root}; a run stopped before "
+            "its first checkpoint starts over with overwrite=true"
+        )
+    if opts.resume and opts.overwrite:
+        raise ValueError("resume=true and overwrite=true contradict each other; choose one")
     return opts
 
 
@@ -830,7 +842,9 @@ class GRPORecipe:
     def __init__(self, cfg: DictConfig, opts: GRPOOptions):
         self.cfg, self.opts = cfg, opts
         # Side effects start here, after build_options has accepted the config.
-        self.output_dir = check_output_dir(opts.output_dir)
+        self.output_dir = check_output_dir(
+            opts.output_dir, resume=opts.resume, overwrite=opts.overwrite
+        )
         self.dist = init_distributed(opts.device)
         self.checkpointer = Checkpointer(
             self.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
@@ -936,6 +950,11 @@ class GRPORecipe:
         if o.shaping.reward_norm:
             self.normalizer = RunningRewardNormalizer(clip=o.shaping.reward_clip)
         self.dataset = config.instantiate(cfg.dataset, self.tokenizer)
+        limit = getattr(self.engine, "max_model_len", None) or self.opts.engine.kwargs.get(
+            "max_model_len"
+        )
+        if limit and hasattr(self.dataset, "fit_to_engine"):
+            self.dataset.fit_to_engine(limit)
         self.loader = build_dataloader(
             self.dataset,
             batch_size=o.rollout.prompts_per_step // self.dist.world_size,
@@ -959,6 +978,8 @@ class GRPORecipe:
             schedulers=scheds,
             dataloaders=self.loader,
             required=True,
+            config=OmegaConf.to_container(self.cfg, resolve=True),
+            override_lr=self.opts.resume_override_lr,
         )
         self.step, extra = state.step, state.extra
         self.epoch = extra["epoch"]
@@ -1565,35 +1586,47 @@ class GRPORecipe:
             with timer("eval"):
                 self._log_eval(0)
             timer.reset()
-        while self.step < self.opts.max_steps:
-            step = self.step + 1
-            t0 = time.perf_counter()
-            batch, drawn, metrics = self.rollout(step, timer)
-            metrics.update(self._rollout_metrics(drawn, batch))
-            if len(batch):
-                self.precompute(batch, timer)
-                metrics.update(self.advantages(batch))
-                metrics.update(self.update(batch, step, timer))
-            else:  # dynamic sampling found no informative group: no update, no NaN
-                metrics["train/skipped"] = 1.0
-            self._step_schedules(metrics, len(batch))
-            if len(batch):  # weights changed (released weights are reloaded by the next rollout)
-                self.sync(timer)
-            self.step = step
-            if self.opts.trajectories:
-                self._write_trajectories(step, drawn, batch)
-            metrics.update(self._step_metrics(drawn, timer, time.perf_counter() - t0, metrics))
-            if step % self.opts.log_every == 0 or step == self.opts.max_steps:
-                self.logger.log(step, metrics)
-            bar.update(1, reward=metrics["reward/total/mean"])
-            every = self.opts.eval.every
-            if self.eval_dataset is not None and every and step % every == 0:
-                if step != self.opts.max_steps:
-                    self._log_eval(step)
-            if self.checkpointer.should_save(step):
-                self._save()
+        with Preemption() as preempt:
+            while self.step < self.opts.max_steps:
+                metrics = self.step_once(self.step + 1, timer)
+                bar.update(1, reward=metrics["reward/total/mean"])
+                self._eval_and_save(self.step)
+                if preempt.stop_requested():  # SIGTERM / SIGINT: this step is done; save, exit
+                    if not self.checkpointer.should_save(self.step):
+                        self._save()
+                    preempt.exit(self.checkpointer.latest())
         bar.close()
         self._finish()
+
+    def step_once(self, step: int, timer: PhaseTimer) -> dict[str, float]:
+        """One RL step: rollout, scoring, advantages, update, schedules, weight sync, logging."""
+        t0 = time.perf_counter()
+        batch, drawn, metrics = self.rollout(step, timer)
+        metrics.update(self._rollout_metrics(drawn, batch))
+        if len(batch):
+            self.precompute(batch, timer)
+            metrics.update(self.advantages(batch))
+            metrics.update(self.update(batch, step, timer))
+        else:  # dynamic sampling found no informative group: no update, no NaN
+            metrics["train/skipped"] = 1.0
+        self._step_schedules(metrics, len(batch))
+        if len(batch):  # weights changed (released weights are reloaded by the next rollout)
+            self.sync(timer)
+        self.step = step
+        if self.opts.trajectories:
+            self._write_trajectories(step, drawn, batch)
+        metrics.update(self._step_metrics(drawn, timer, time.perf_counter() - t0, metrics))
+        if step % self.opts.log_every == 0 or step == self.opts.max_steps:
+            self.logger.log(step, metrics)
+        return metrics
+
+    def _eval_and_save(self, step: int) -> None:
+        every = self.opts.eval.every
+        if self.eval_dataset is not None and every and step % every == 0:
+            if step != self.opts.max_steps:  # the final eval runs in _finish
+                self._log_eval(step)
+        if self.checkpointer.should_save(step):
+            self._save()
 
     def _step_schedules(self, metrics: dict[str, float], batch_size: int) -> None:
         """The KL controller (one place, whichever the KL placement) and the LR schedules."""
@@ -1662,6 +1695,7 @@ class GRPORecipe:
             optimizers=opts,
             schedulers=scheds,
             dataloaders=self.loader,
+            config=OmegaConf.to_container(self.cfg, resolve=True),
             extra=extra,
         )
 

@@ -29,6 +29,7 @@ from lightrft.models import load_causal_lm, load_tokenizer, parallelize
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
+    Preemption,
     ProgressBar,
     check_output_dir,
     clip_grad_norm,
@@ -67,6 +68,8 @@ CONFIG_SCHEMA = {
     "save_every": int | None,
     "keep_last": int | None,
     "resume": bool | None,
+    "overwrite": bool | None,
+    "resume_override_lr": bool | None,
     "metrics": {
         "tensorboard": bool | None,
         "wandb": bool | dict | None,
@@ -109,6 +112,8 @@ class SFTOptions:
     save_every: int | None = None
     keep_last: int = 2
     resume: bool = False
+    overwrite: bool = False
+    resume_override_lr: bool = False
     tensorboard: bool = True
     wandb: bool | dict = False
 
@@ -140,6 +145,8 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         save_every=_get(cfg, "save_every"),
         keep_last=_get(cfg, "keep_last", 2),
         resume=_get(cfg, "resume", False),
+        overwrite=_get(cfg, "overwrite", False),
+        resume_override_lr=_get(cfg, "resume_override_lr", False),
         tensorboard=_get(metrics, "tensorboard", True),
         wandb=_get(metrics, "wandb", False),
     )
@@ -166,7 +173,12 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
     checkpoints = Checkpointer(opts.output_dir, keep_last=opts.keep_last)  # reads only
     if opts.resume and checkpoints.latest() is None:
-        raise ValueError(f"resume=true but no checkpoint found in {checkpoints.root}")
+        raise ValueError(
+            f"resume=true but no checkpoint found in {checkpoints.root}; a run stopped before "
+            "its first checkpoint starts over with overwrite=true"
+        )
+    if opts.resume and opts.overwrite:
+        raise ValueError("resume=true and overwrite=true contradict each other; choose one")
     return opts
 
 
@@ -184,7 +196,9 @@ class SFTRecipe:
         self.eval_every = opts.eval_every
         self.max_grad_norm = opts.clip_grad_norm
         # Side effects start here, after build_options has accepted the config.
-        self.output_dir = check_output_dir(opts.output_dir)
+        self.output_dir = check_output_dir(
+            opts.output_dir, resume=opts.resume, overwrite=opts.overwrite
+        )
         self.dist = init_distributed(opts.device)
         self.checkpointer = Checkpointer(
             self.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
@@ -266,6 +280,8 @@ class SFTRecipe:
                 schedulers=self.scheduler,
                 dataloaders=self.loader,
                 required=True,
+                config=OmegaConf.to_container(cfg, resolve=True),
+                override_lr=o.resume_override_lr,
             )
             self.step, self.epoch = state.step, state.extra["epoch"]
         self.logger = MetricLogger(
@@ -276,7 +292,7 @@ class SFTRecipe:
             resume_step=self.step if o.resume else None,
         )
         stats = getattr(self.dataset, "stats", None)
-        if stats:
+        if stats and not o.resume:
             self.logger.log(self.step, {f"data/{k}": v for k, v in stats.items()})
 
     # ------------------------------------------------------------------ steps
@@ -308,57 +324,62 @@ class SFTRecipe:
             self._log_eval()
         tokens_seen, t0 = 0, time.perf_counter()
         reset_peak_memory(self.dist.device)
-        while self.step < self.total_steps and self.epoch < self.epochs:
-            pending: list[dict] = []
-            for batch in self._micro_batches():
-                pending.append(batch)
-                if len(pending) < self.accum:
+        with Preemption() as preempt:
+            while self.step < self.total_steps and self.epoch < self.epochs:
+                pending: list[dict] = []
+                for batch in self._micro_batches():
+                    pending.append(batch)
+                    if len(pending) < self.accum:
+                        continue
+                    # Normalise by the loss tokens of the whole step on all ranks; FSDP averages
+                    # gradients over ranks, so multiply back by the world size.
+                    n_tokens = all_reduce_sum(sum(_loss_tokens(b) for b in pending)).item()
+                    divisor = max(n_tokens, 1.0) / self.dist.world_size
+                    loss_sum = 0.0
+                    for b in pending:
+                        loss = self._loss(b, divisor)
+                        loss.backward()
+                        loss_sum += loss.item() * divisor
+                        tokens_seen += int(b["input_ids"].numel())
+                    pending = []
+                    grad_norm = (
+                        clip_grad_norm(model, self.max_grad_norm)
+                        if self.max_grad_norm
+                        else float("nan")
+                    )
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    self.scheduler.step()
+                    self.step += 1
+                    loss = all_reduce_sum(loss_sum).item() / max(n_tokens, 1.0)
+                    if self.step % self.log_every == 0 or self.step == self.total_steps:
+                        elapsed = time.perf_counter() - t0
+                        tps = all_reduce_sum(tokens_seen).item() / max(elapsed, 1e-9)
+                        metrics = {
+                            "train/loss": loss,
+                            "train/grad_norm": grad_norm,
+                            "train/lr": self.scheduler.get_last_lr()[0],
+                            "train/tokens_per_s": tps,
+                            "train/epoch": self.epoch,
+                            **peak_memory(self.dist.device),
+                        }
+                        self.logger.log(self.step, metrics)
+                        tokens_seen, t0 = 0, time.perf_counter()
+                    bar.update(1, loss=loss)
+                    if self.eval_every and self.step % self.eval_every == 0:
+                        self._log_eval()
+                    if self.checkpointer.should_save(self.step):
+                        self._save()
+                    if preempt.stop_requested():
+                        if not self.checkpointer.should_save(self.step):
+                            self._save()
+                        preempt.exit(self.checkpointer.latest())
+                    if self.step >= self.total_steps:
+                        break
+                else:
+                    self.epoch += 1
                     continue
-                # Normalise by the loss tokens of the whole step on all ranks; FSDP averages
-                # gradients over ranks, so multiply back by the world size.
-                n_tokens = all_reduce_sum(sum(_loss_tokens(b) for b in pending)).item()
-                divisor = max(n_tokens, 1.0) / self.dist.world_size
-                loss_sum = 0.0
-                for b in pending:
-                    loss = self._loss(b, divisor)
-                    loss.backward()
-                    loss_sum += loss.item() * divisor
-                    tokens_seen += int(b["input_ids"].numel())
-                pending = []
-                grad_norm = (
-                    clip_grad_norm(model, self.max_grad_norm)
-                    if self.max_grad_norm
-                    else float("nan")
-                )
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                self.scheduler.step()
-                self.step += 1
-                loss = all_reduce_sum(loss_sum).item() / max(n_tokens, 1.0)
-                if self.step % self.log_every == 0 or self.step == self.total_steps:
-                    elapsed = time.perf_counter() - t0
-                    tps = all_reduce_sum(tokens_seen).item() / max(elapsed, 1e-9)
-                    metrics = {
-                        "train/loss": loss,
-                        "train/grad_norm": grad_norm,
-                        "train/lr": self.scheduler.get_last_lr()[0],
-                        "train/tokens_per_s": tps,
-                        "train/epoch": self.epoch,
-                        **peak_memory(self.dist.device),
-                    }
-                    self.logger.log(self.step, metrics)
-                    tokens_seen, t0 = 0, time.perf_counter()
-                bar.update(1, loss=loss)
-                if self.eval_every and self.step % self.eval_every == 0:
-                    self._log_eval()
-                if self.checkpointer.should_save(self.step):
-                    self._save()
-                if self.step >= self.total_steps:
-                    break
-            else:
-                self.epoch += 1
-                continue
-            break
+                break
         bar.close()
         if self.last_eval_step != self.step:
             self._log_eval()
@@ -372,6 +393,7 @@ class SFTRecipe:
             schedulers=self.scheduler,
             dataloaders=self.loader,
             extra={"epoch": self.epoch},
+            config=OmegaConf.to_container(self.cfg, resolve=True),
         )
 
     def _log_eval(self) -> None:

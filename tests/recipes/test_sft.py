@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -119,9 +120,15 @@ def test_sft_resume_gives_the_uninterrupted_loss_curve(tmp_path):
     ckpts.mkdir(parents=True)
     shutil.copytree(full / "out" / "checkpoints" / "step_000003", ckpts / "step_000003")
     (ckpts / "latest").write_text("step_000003")
-    shutil.copytree(full / "model", crashed / "model")
-    shutil.copytree(full / "data", crashed / "data")
-    cfg = _config(crashed, save_every=3, keep_last=5, eval_every=None, resume=True)
+    # Same model and data (a changed model.path would be refused by the config check).
+    cfg = _config(
+        full,
+        save_every=3,
+        keep_last=5,
+        eval_every=None,
+        resume=True,
+        output_dir=str(crashed / "out"),
+    )
     assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
     resumed = _losses(crashed / "out")
     assert sorted(resumed) == [4, 5, 6]
@@ -283,3 +290,44 @@ def test_sft_with_torchao_adamw8bit(tmp_path):
     assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
     losses = _losses(tmp_path / "out")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
+
+
+def test_sft_sigterm_saves_and_a_fresh_run_needs_overwrite(tmp_path):
+    """A real SIGTERM to a real `lightrft run sft`: the step in flight finishes, a checkpoint of
+    it is written, the run exits 143 and says where; then a fresh run into that directory is
+    refused, a resume with a changed learning rate is refused and `resume=true` goes on from the
+    saved step (issue 16 items 4, 6, 7)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = _config(tmp_path, max_steps=400, epochs=50, log_every=1, eval_every=None)
+    cmd = [sys.executable, "-m", "lightrft.cli", "run", "sft", "--config", str(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and '"train/loss"' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=240)[0].decode()
+    assert proc.returncode == 143, out
+    assert "Traceback" not in out, out
+    steps = sorted(_losses(tmp_path / "out"))
+    latest = (tmp_path / "out" / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{steps[-1]:06d}", (latest, steps)  # the step in flight was saved
+    assert "stopped by SIGTERM: checkpoint saved in" in out, out
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd + list(extra), env=env, capture_output=True, text=True)
+
+    fresh = run()
+    assert fresh.returncode != 0 and "overwrite=true" in fresh.stderr + fresh.stdout
+    changed = run("resume=true", "optimizer.lr=0.5")
+    assert changed.returncode != 0 and "optimizer.lr" in changed.stderr + changed.stdout
+    resumed = run("resume=true", "max_steps=" + str(steps[-1] + 1))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from step {steps[-1]}" in resumed.stdout + resumed.stderr
+    assert max(_losses(tmp_path / "out")) == steps[-1] + 1
