@@ -25,6 +25,7 @@ import argparse
 import difflib
 import functools
 import inspect
+import os
 import re
 import sys
 import types
@@ -40,6 +41,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 __all__ = [
     "Component",
     "ConfigError",
+    "UserError",
     "check",
     "instantiate",
     "load",
@@ -53,7 +55,13 @@ class Component:
     """Schema marker: a mapping with a ``_component_`` dotted path and its keyword arguments."""
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A mistake in what the user gave (config, data, output directory, checkpoint, rewards): a
+    recipe run prints it as one clean line and exits 2 (``LIGHTRFT_TRACEBACK=1`` shows the
+    traceback); anything else is an internal error and keeps its traceback."""
+
+
+class ConfigError(UserError, ValueError):
     """A config that cannot run; the message lists every problem found, each with its place."""
 
 
@@ -184,6 +192,10 @@ def resolve(dotted: str) -> Any:
 
 
 def _type_name(t: Any) -> str:
+    if typing.get_origin(t) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(t))
+    if _is_union(t):
+        return " or ".join(_type_name(a) for a in typing.get_args(t) if a is not type(None))
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
@@ -415,7 +427,14 @@ def parse(
         except ConfigError as e:
             print(f"lightrft: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        sys.exit(recipe_main(cfg) if options is None else recipe_main(cfg, opts))
+        try:
+            result = recipe_main(cfg) if options is None else recipe_main(cfg, opts)
+        except UserError as e:
+            if os.environ.get("LIGHTRFT_TRACEBACK"):
+                raise
+            print(f"lightrft: {type(e).__name__}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        sys.exit(result)
 
     return wrapper
 

@@ -28,11 +28,12 @@ from lightrft.config import Component
 from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.evaluation import EvalRecord, evaluate_items, summarize
 from lightrft.models import load_tokenizer
+from lightrft.models.loading import DTYPES
 from lightrft.rewards import build_reward
 from lightrft.training import check_output_dir
 from lightrft.training.distributed import barrier, destroy, init_distributed
 
-DTYPE = Literal["float32", "bfloat16", "float16"]
+DTYPE = Literal[tuple(DTYPES)]
 
 CONFIG_SCHEMA = {
     "output_dir": str,

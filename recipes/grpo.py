@@ -71,6 +71,7 @@ from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import causal_lm_token_logprobs, forward_on_hidden
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize
+from lightrft.models.loading import DTYPES
 from lightrft.rewards import build_reward
 from lightrft.training import (
     Checkpointer,
@@ -89,7 +90,7 @@ from lightrft.training import (
 from lightrft.training.distributed import barrier, destroy, init_distributed
 from lightrft.training.rollout import IGNORE, RolloutBatch, pad_rows
 
-DTYPE = Literal["float32", "bfloat16", "float16"]
+DTYPE = Literal[tuple(DTYPES)]
 SCHEDULE = {"warmup_steps": int | None, "min_lr_ratio": float | None}
 
 CONFIG_SCHEMA = {

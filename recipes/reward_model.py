@@ -41,6 +41,7 @@ from lightrft.config import Component, ConfigError
 from lightrft.data import build_dataloader
 from lightrft.data.preference import PreferenceCollator
 from lightrft.models import load_tokenizer, parallelize
+from lightrft.models.loading import DTYPES
 from lightrft.models.reward import CONFIG_KEY, POOLINGS, build_reward_net
 from lightrft.training import (
     Checkpointer,
@@ -64,7 +65,7 @@ CONFIG_SCHEMA = {
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,  # a causal LM or *ForSequenceClassification directory (or hub id)
-        "dtype": Literal["float32", "bfloat16", "float16"] | None,
+        "dtype": Literal[tuple(DTYPES)] | None,
         "trust_remote_code": bool | None,
         "activation_checkpointing": bool | None,
         "compile": bool | None,

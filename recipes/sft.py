@@ -26,6 +26,7 @@ from lightrft.config import Component
 from lightrft.data import build_dataloader, pack_or_pad_collator
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize
+from lightrft.models.loading import DTYPES
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
@@ -47,7 +48,7 @@ CONFIG_SCHEMA = {
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,
-        "dtype": Literal["float32", "bfloat16", "float16"] | None,
+        "dtype": Literal[tuple(DTYPES)] | None,
         "trust_remote_code": bool | None,
         "activation_checkpointing": bool | None,
         "compile": bool | None,

@@ -150,3 +150,14 @@ def test_removing_a_component_section_and_a_missing_key(tmp_path):
     assert list(cfg.lst) == [7, 2, 3] and cfg.ev.x == 5
     with pytest.raises(ConfigError, match="lst.5"):
         load(p, ["lst.5=1"])
+
+
+def test_choice_errors_list_the_choices_and_dtype_aliases_are_accepted(capsys):
+    """A choice key names its allowed values; the dtype aliases the loader accepts (fp32, bf16,
+    fp16) are accepted by the schema too (one table: lightrft.models.loading.DTYPES)."""
+    from lightrft import cli
+
+    assert cli.main(["validate", "tiny/arith_grpo", "device=gpu"]) == 2
+    assert "'device' expects one of 'cpu', 'cuda', got 'gpu'" in capsys.readouterr().err
+    assert cli.main(["validate", "tiny/arith_grpo", "model.dtype=fp32", "engine.dtype=bf16"]) == 0
+    assert cli.main(["validate", "tiny/arith_sft", "model.dtype=fp16"]) == 0

@@ -20,13 +20,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightrft.config import UserError
+
 __all__ = ["DataError", "Records", "load_records", "made_with", "require_field", "write_jsonl"]
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 PathLike = str | os.PathLike
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A problem with the user's data: names the file and the line, record or field."""
 
 

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lightrft.config import UserError
+
 __all__ = [
     "CombinedReward",
     "Prompt",
@@ -51,7 +53,7 @@ class RewardFunction(Protocol):
     ) -> Sequence[float] | torch.Tensor: ...
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
     """A reward function failed or returned something unusable; the message names it."""
 
 

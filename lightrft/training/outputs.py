@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightrft.config import ConfigError
+
 LOCK_NAME = ".lightrft.lock"
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "trajectories", "final", "wandb")
 
@@ -50,28 +52,28 @@ def check_output_dir(
     A recipe passes its ``resume`` and ``overwrite`` config keys.
     """
     if resume and overwrite:
-        raise ValueError(
+        raise ConfigError(
             "resume=true and overwrite=true contradict each other: resume continues the run in "
             "output_dir, overwrite deletes it"
         )
     if path is None or str(path).strip() == "":
-        raise ValueError(
+        raise ConfigError(
             "output_dir is not set: give the run a directory for its checkpoints, "
             "metrics and export (output_dir=...)"
         )
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
-        raise ValueError(f"output_dir {str(p)!r} exists and is not a directory")
+        raise ConfigError(f"output_dir {str(p)!r} exists and is not a directory")
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"output_dir {str(p)!r} cannot be created: {e.strerror or e}") from None
+        raise ConfigError(f"output_dir {str(p)!r} cannot be created: {e.strerror or e}") from None
     try:
         with tempfile.NamedTemporaryFile(dir=p, prefix=".write_probe.", delete=True) as f:
             f.write(b"ok")
             f.flush()
     except OSError as e:
-        raise ValueError(f"output_dir {str(p)!r} is not writable: {e.strerror or e}") from None
+        raise ConfigError(f"output_dir {str(p)!r} is not writable: {e.strerror or e}") from None
     if lock is None:
         lock = int(os.environ.get("RANK", "0")) == 0
     if lock:
@@ -113,7 +115,7 @@ def _check_fresh_run(p: Path, *, resume: bool, overwrite: bool) -> None:
         if ckpts
         else "(it stopped before its first checkpoint, so there is nothing to resume) "
     )
-    raise ValueError(
+    raise ConfigError(
         f"output_dir {str(p)!r} already holds a run ({', '.join(found)}); a fresh run would mix "
         f"its metrics and checkpoints with it. Pass {how}overwrite=true to delete those outputs "
         "and start over, or choose another output_dir"
@@ -185,7 +187,7 @@ def _lock(p: Path) -> None:
                 )
                 lock.unlink(missing_ok=True)
                 continue
-            raise ValueError(
+            raise ConfigError(
                 f"output_dir {str(p)!r} is in use by another run (process {owner.get('pid')} on "
                 f"host {owner.get('host')}, since {owner.get('time')}; lock file {lock}). Two "
                 "runs in one directory would mix their metrics and delete each other's "
@@ -197,7 +199,7 @@ def _lock(p: Path) -> None:
                 json.dump(me, f)
             break
     else:
-        raise ValueError(f"output_dir {str(p)!r}: could not take the run lock {lock}")
+        raise ConfigError(f"output_dir {str(p)!r}: could not take the run lock {lock}")
     if p not in _held:
         _held[p] = lock
 

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightrft.config import ConfigError
+
 ALLOWED_CHANGES: tuple[str, ...] = (
     "max_steps",
     "epochs",
@@ -131,7 +133,7 @@ def check_resume_config(
         if c.kind == "lr"
     ]
     if lines:
-        raise ValueError(
+        raise ConfigError(
             f"cannot resume from {path}: the config changed in ways the checkpoint cannot "
             "honour:\n" + "\n".join(lines) + "\nRestore those values to resume, or start a new "
             "run (overwrite=true or another output_dir)"

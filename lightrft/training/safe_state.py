@@ -26,10 +26,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
+from lightrft.config import UserError
+
 TAG = "__lightrft__"
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(UserError, ValueError):
     """A checkpoint file holds something that would run code or is not in our format."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -468,18 +469,24 @@ def test_empty_batch_after_dynamic_sampling_skips_the_update(tmp_path, assets):
         assert all(not isinstance(v, float) or math.isfinite(v) for v in row.values())
 
 
-def test_bad_input_fails_with_a_clear_error(tmp_path, assets):
-    from lightrft.data import DataError
-    from lightrft.rewards import RewardError
+def test_bad_input_fails_with_a_clear_error(tmp_path, assets, capsys):
+    # User errors (rewards, data) end the run with one clean line and exit 2, no traceback.
+    def refused(pattern: str, **overrides) -> None:
+        overrides["output_dir"] = str(tmp_path / f"out{len(list(tmp_path.glob('out*')))}")
+        cfg = _config(tmp_path, assets, **overrides)
+        capsys.readouterr()
+        assert cli.main(["run", "grpo", "--config", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert re.search(pattern, err) and "Traceback" not in err, err
 
     # NaN rewards name the function and the sample.
-    with pytest.raises(RewardError, match="non-finite reward .*sample 0"):
-        _run(tmp_path, assets, reward={"_component_": "test_grpo.NanReward"})
+    refused(
+        "RewardError: .*non-finite reward .*sample 0", reward={"_component_": "test_grpo.NanReward"}
+    )
     # A prompt without a reference answer: the dataset names the file and line...
     bad = tmp_path / "noref.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
-    with pytest.raises(DataError, match=r"noref.jsonl line 2.*answer"):
-        _run(tmp_path, assets, **{"dataset.path": str(bad)})
+    refused(r"DataError: .*noref.jsonl line 2.*answer", **{"dataset.path": str(bad)})
     # ... and a verifier that needs one names the sample when the dataset allows none.
     with pytest.raises(ValueError, match="needs a reference answer, but sample"):
         _run(
