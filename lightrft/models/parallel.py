@@ -21,7 +21,10 @@ def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList |
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin)."""
+    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin), also
+    inside a PEFT wrapper."""
+    if isinstance(getattr(model, "peft_config", None), dict):
+        model = model.get_base_model()
     layers = find_module_list(
         model,
         (
