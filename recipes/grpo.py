@@ -35,6 +35,7 @@ import os
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
@@ -71,6 +72,15 @@ from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import causal_lm_token_logprobs, forward_on_hidden
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize
+from lightrft.models.lora import (
+    LORA_SCHEMA,
+    LoraOptions,
+    adapters_disabled,
+    apply_lora,
+    check_resume,
+    export_trained,
+    lora_options,
+)
 from lightrft.rewards import build_reward
 from lightrft.training import (
     Checkpointer,
@@ -80,7 +90,6 @@ from lightrft.training import (
     ProgressBar,
     check_output_dir,
     clip_grad_norm,
-    export_hf,
     peak_memory,
     reduce_metrics,
     warmup_cosine_scheduler,
@@ -103,6 +112,7 @@ CONFIG_SCHEMA = {
         "activation_checkpointing": bool | None,
         "compile": bool | None,
     },
+    "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
     "dataset": Component,  # prompts: lightrft.data.PromptDataset
     "eval_dataset": Component | None,  # held-out prompts for greedy eval
     "reward": Component,  # a CombinedReward or a single reward function
@@ -319,6 +329,7 @@ class ModelOptions:
     trust_remote_code: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
+    lora: LoraOptions | None = None  # adapters on the actor; the reference = adapters off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -624,6 +635,7 @@ def _model_options(cfg: DictConfig) -> ModelOptions:
         trust_remote_code=_get(m, "trust_remote_code", False),
         activation_checkpointing=_get(m, "activation_checkpointing", False),
         compile=_get(m, "compile", False),
+        lora=lora_options(cfg.get("lora")),
     )
 
 
@@ -673,6 +685,8 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
     )  # reads only
     if opts.resume and checkpoints.latest() is None:
         raise ValueError(f"resume=true but no checkpoint found in {checkpoints.root}")
+    if opts.resume:
+        check_resume(opts.output_dir, opts.model.lora is not None, ("model", "policy"))
     return opts
 
 
@@ -884,12 +898,14 @@ class GRPORecipe:
         m, o = self.opts.model, self.opts
         self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
+        actor = self._load_model(m.path)
         self.model = parallelize(
-            self._load_model(m.path),
+            apply_lora(actor, m.lora) if m.lora else actor,
             activation_checkpointing=m.activation_checkpointing,
             compile=m.compile,
         )
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = config.instantiate(cfg.optimizer, trainable)
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer,
@@ -897,8 +913,8 @@ class GRPORecipe:
             total_steps=o.max_steps,
             min_lr_ratio=o.schedule.min_lr_ratio,
         )
-        self.ref = None
-        if o.kl is not None:  # a frozen copy of the initial policy, sharded like the actor
+        self.ref = None  # with LoRA the reference is the actor with its adapters off
+        if o.kl is not None and m.lora is None:  # a frozen copy of the initial policy
             self.ref = parallelize(self._load_model(m.path))
             self.ref.requires_grad_(False).eval()
         self.critic = self.critic_opt = self.critic_sched = None
@@ -1200,7 +1216,7 @@ class GRPORecipe:
         need_entropy = o.loss.top_rho is not None
         jobs = [
             ("old_logprobs", self.model, need_old or need_entropy),
-            ("reference", self.ref, self.ref is not None),
+            ("reference", self.ref if self.ref is not None else self.model, o.kl is not None),
             ("values", self.critic, self.critic is not None),
         ]
         mine, n_micro = self._shards(len(batch))
@@ -1209,7 +1225,8 @@ class GRPORecipe:
                 continue
             model.eval()
             outs: dict[str, torch.Tensor] = {}
-            with timer(name):
+            # adapters_disabled: a no-op for a full model, the frozen base under LoRA.
+            with timer(name), adapters_disabled(model) if name == "reference" else nullcontext():
                 for idx in self._micro_batches(mine, n_micro):
                     mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                     if name == "values":
@@ -1227,7 +1244,7 @@ class GRPORecipe:
                         buf = outs.setdefault(field, torch.zeros(batch.response_ids.shape))
                         if idx:
                             buf[idx, : t.shape[1]] = t.float().cpu()
-            if name != "reference":
+            if model is not self.ref:
                 model.train()
             for field, buf in outs.items():
                 setattr(batch, field, _sum_over_ranks(buf))
@@ -1640,7 +1657,7 @@ class GRPORecipe:
             not self.eval_history or self.eval_history[-1][0] != self.step
         ):
             self._log_eval(self.step)
-        export_hf(self.model, self.tokenizer, self.output_dir / "final")
+        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.model.lora)
         if self.dist.is_main and self.eval_history:
             first, last = self.eval_history[0], self.eval_history[-1]
             print(

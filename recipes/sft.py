@@ -26,13 +26,20 @@ from lightrft.config import Component
 from lightrft.data import build_dataloader, pack_or_pad_collator
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize
+from lightrft.models.lora import (
+    LORA_SCHEMA,
+    LoraOptions,
+    apply_lora,
+    check_resume,
+    export_trained,
+    lora_options,
+)
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
     ProgressBar,
     check_output_dir,
     clip_grad_norm,
-    export_hf,
     peak_memory,
     reset_peak_memory,
     warmup_cosine_scheduler,
@@ -51,6 +58,7 @@ CONFIG_SCHEMA = {
         "activation_checkpointing": bool | None,
         "compile": bool | None,
     },
+    "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
     "dataset": Component,
     "eval_dataset": Component | None,
     "packing": bool | None,  # several samples per row, positions reset per sample
@@ -111,6 +119,7 @@ class SFTOptions:
     resume: bool = False
     tensorboard: bool = True
     wandb: bool | dict = False
+    lora: LoraOptions | None = None
 
 
 def build_options(cfg: DictConfig) -> SFTOptions:
@@ -142,6 +151,7 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         resume=_get(cfg, "resume", False),
         tensorboard=_get(metrics, "tensorboard", True),
         wandb=_get(metrics, "wandb", False),
+        lora=lora_options(cfg.get("lora")),
     )
     for key, value in (
         ("batch_size", opts.batch_size),
@@ -167,6 +177,8 @@ def build_options(cfg: DictConfig) -> SFTOptions:
     checkpoints = Checkpointer(opts.output_dir, keep_last=opts.keep_last)  # reads only
     if opts.resume and checkpoints.latest() is None:
         raise ValueError(f"resume=true but no checkpoint found in {checkpoints.root}")
+    if opts.resume:
+        check_resume(opts.output_dir, opts.lora is not None, ("model",))
     return opts
 
 
@@ -207,9 +219,12 @@ class SFTRecipe:
             trust_remote_code=o.trust_remote_code,
         )
         self.model = parallelize(
-            model, activation_checkpointing=o.activation_checkpointing, compile=o.compile
+            apply_lora(model, o.lora) if o.lora else model,
+            activation_checkpointing=o.activation_checkpointing,
+            compile=o.compile,
         )
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = config.instantiate(cfg.optimizer, trainable)
 
         self.dataset = config.instantiate(cfg.dataset, self.tokenizer)
         collate = pack_or_pad_collator(
@@ -362,7 +377,7 @@ class SFTRecipe:
         bar.close()
         if self.last_eval_step != self.step:
             self._log_eval()
-        export_hf(self.model, self.tokenizer, self.output_dir / "final")
+        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.lora)
 
     def _save(self) -> None:
         self.checkpointer.save(

@@ -271,3 +271,19 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
         _replace_dir(tmp, out)
     _barrier()
     return out
+
+
+def export_trained(
+    model: nn.Module, tokenizer: Any, out_dir: str | Path, lora: LoraOptions | None
+) -> Path:
+    """A recipe's final export (collective): the full HF model, or for LoRA the adapter
+    directory at ``out_dir`` and, with ``lora.export_merged``, the merged model beside it
+    at ``<out_dir>_merged``."""
+    from lightrft.training.export import export_hf
+
+    if lora is None:
+        return export_hf(model, tokenizer, out_dir)
+    out = export_adapter(model, tokenizer, out_dir)
+    if lora.export_merged:
+        export_merged(model, tokenizer, Path(out_dir).with_name(Path(out_dir).name + "_merged"))
+    return out

@@ -283,3 +283,59 @@ def test_sft_with_torchao_adamw8bit(tmp_path):
     assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
     losses = _losses(tmp_path / "out")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
+
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": "auto", "export_merged": True}
+
+
+def test_sft_lora_resumes_bitwise_exports_adapter_and_merged(tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    full = tmp_path / "full"
+    full.mkdir()
+    cfg = _config(full, save_every=3, keep_last=5, eval_every=None, lora=LORA)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    reference = _losses(full / "out")
+    assert reference[6] < reference[1], reference
+    step3 = full / "out" / "checkpoints" / "step_000003"
+    assert json.loads((step3 / "meta.json").read_text())["lora"] == ["model"]
+
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(step3, ckpts / "step_000003")
+    (ckpts / "latest").write_text("step_000003")
+    shutil.copytree(full / "model", crashed / "model")
+    shutil.copytree(full / "data", crashed / "data")
+    # A LoRA checkpoint cannot resume a full fine-tune: refused before anything loads.
+    bad = _config(crashed, save_every=3, keep_last=5, eval_every=None, resume=True)
+    assert cli.main(["validate", str(bad)]) == 2
+    assert "holds LoRA adapters of model 'model' but this run is a full" in capsys.readouterr().err
+    cfg = _config(crashed, save_every=3, keep_last=5, eval_every=None, resume=True, lora=LORA)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    resumed = _losses(crashed / "out")
+    assert all(resumed[s] == reference[s] for s in (4, 5, 6)), (resumed, reference)
+
+    # Export: the adapter directory and the merged model give the same logits.
+    ids = torch.tensor([[5, 17, 9, 23, 11, 30]])
+    final = crashed / "out" / "final"
+    assert (final / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(crashed / "model", dtype=torch.float32)
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(base, final).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(crashed / "out" / "final_merged")(ids).logits
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+
+    # The reverse: a full fine-tune's checkpoint cannot resume with LoRA.
+    latest = ckpts / (ckpts / "latest").read_text().strip()
+    meta = json.loads((latest / "meta.json").read_text())
+    (latest / "meta.json").write_text(json.dumps({**meta, "lora": []}))
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert "holds a full fine-tune of model 'model' but this run trains LoRA" in (
+        capsys.readouterr().err
+    )
+    # A LoRA target that matches nothing is refused once the model is built, before training.
+    bad = _config(tmp_path / "full", lora={"rank": 4, "target_modules": ["qkv"]})
+    with pytest.raises(ValueError, match="lora.target_modules: 'qkv' matches no linear layer"):
+        cli.main(["run", "sft", "--config", str(bad)])
