@@ -81,6 +81,7 @@ from lightrft.models.lora import (
     export_trained,
     lora_options,
 )
+from lightrft.models.parallel import strategy_option
 from lightrft.rewards import build_reward
 from lightrft.training import (
     Checkpointer,
@@ -104,6 +105,7 @@ CONFIG_SCHEMA = {
     "output_dir": str,
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
+    "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,
@@ -330,6 +332,7 @@ class ModelOptions:
     activation_checkpointing: bool = False
     compile: bool = False
     lora: LoraOptions | None = None  # adapters on the actor; the reference = adapters off
+    strategy: str = "fsdp2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -636,6 +639,7 @@ def _model_options(cfg: DictConfig) -> ModelOptions:
         activation_checkpointing=_get(m, "activation_checkpointing", False),
         compile=_get(m, "compile", False),
         lora=lora_options(cfg.get("lora")),
+        strategy=strategy_option(cfg.get("strategy")),
     )
 
 

@@ -34,6 +34,7 @@ from lightrft.models.lora import (
     export_trained,
     lora_options,
 )
+from lightrft.models.parallel import strategy_option
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
@@ -50,6 +51,7 @@ CONFIG_SCHEMA = {
     "output_dir": str,
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
+    "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,
@@ -120,6 +122,7 @@ class SFTOptions:
     tensorboard: bool = True
     wandb: bool | dict = False
     lora: LoraOptions | None = None
+    strategy: str = "fsdp2"
 
 
 def build_options(cfg: DictConfig) -> SFTOptions:
@@ -152,6 +155,7 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         tensorboard=_get(metrics, "tensorboard", True),
         wandb=_get(metrics, "wandb", False),
         lora=lora_options(cfg.get("lora")),
+        strategy=strategy_option(cfg.get("strategy")),
     )
     for key, value in (
         ("batch_size", opts.batch_size),

@@ -505,6 +505,9 @@ def test_bad_input_fails_with_a_clear_error(tmp_path, assets):
 # refuse the config, exit 2 and print the same message, before any model loads.
 BAD_CONFIGS = [
     ({"algorithm.kl": {"coef": 0.0}}, "kl.coef must be > 0"),
+    ({"strategy": "zero3"}, "strategy: unknown strategy 'zero3'"),
+    ({"strategy": "deepspeed"}, "strategy=deepspeed needs the DeepSpeed extra"),
+    ({"lora": {"rank": 4, "dropout": 1.5}}, "lora.dropout must be in [0, 1)"),
     ({"algorithm.kl": {"coef": 0.1, "controller": "adaptive"}}, "needs target and horizon"),
     ({"algorithm.kl": {"coef": 0.1, "target": 0.1}}, "adaptive only"),
     ({"critic": {"optimizer": {"_component_": "torch.optim.AdamW"}}}, "only by estimator=gae"),
