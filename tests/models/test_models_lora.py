@@ -180,3 +180,57 @@ def test_lora_whole_path_single_process(tiny_model_dir, tmp_path):
 
 def test_lora_whole_path_fsdp2_two_processes(tiny_model_dir, tmp_path):
     run_distributed(_whole_path, tiny_model_dir, tmp_path, world_size=2)
+
+
+# ------------------------------------------------------------------ resharding across world sizes
+
+
+def _full_state(model, opt):
+    """Every trainable parameter and its AdamW state as full tensors (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = {n: full(p) for n, p in params}
+    for n, p in params:
+        for key, v in opt.state[p].items():
+            out[f"{n}/{key}"] = full(v)
+    return out
+
+
+def _fresh(path):
+    model = parallelize(_lora_model(path))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, opt
+
+
+def _reshard_worker(rank, world, path, out):
+    # 1 -> 2: the single-process checkpoint loads into 2 shards, bitwise.
+    model, opt = _fresh(path)
+    Checkpointer(out / "one").load_latest(models=model, optimizers=opt, restore_rng=False)
+    got, want = _full_state(model, opt), torch.load(out / "one.pt")
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # 2 -> 1: train on, save with 2 processes, and leave the full state for the parent.
+    _train(model, 1)
+    Checkpointer(out / "two").save(1, models=model, optimizers=opt)
+    state = _full_state(model, opt)
+    if rank == 0:
+        torch.save(state, out / "two.pt")
+
+
+def test_lora_checkpoint_reshards_between_1_and_2_processes(tiny_model_dir, tmp_path):
+    model, opt = _fresh(tiny_model_dir)
+    _train(model, 2)
+    Checkpointer(tmp_path / "one").save(2, models=model, optimizers=opt)
+    torch.save(_full_state(model, opt), tmp_path / "one.pt")
+    run_distributed(_reshard_worker, tiny_model_dir, tmp_path, world_size=2)
+    model, opt = _fresh(tiny_model_dir)
+    Checkpointer(tmp_path / "two").load_latest(models=model, optimizers=opt, restore_rng=False)
+    got, want = _full_state(model, opt), torch.load(tmp_path / "two.pt")
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
