@@ -200,6 +200,12 @@ def _full_state(model, opt):
     return out
 
 
+def _assert_equal(got, want):
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def _fresh(path):
     model = parallelize(_lora_model(path))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -210,10 +216,7 @@ def _reshard_worker(rank, world, path, out):
     # 1 -> 2: the single-process checkpoint loads into 2 shards, bitwise.
     model, opt = _fresh(path)
     Checkpointer(out / "one").load_latest(models=model, optimizers=opt, restore_rng=False)
-    got, want = _full_state(model, opt), torch.load(out / "one.pt")
-    assert set(got) == set(want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    _assert_equal(_full_state(model, opt), torch.load(out / "one.pt"))
     # 2 -> 1: train on, save with 2 processes, and leave the full state for the parent.
     _train(model, 1)
     Checkpointer(out / "two").save(1, models=model, optimizers=opt)
@@ -230,7 +233,4 @@ def test_lora_checkpoint_reshards_between_1_and_2_processes(tiny_model_dir, tmp_
     run_distributed(_reshard_worker, tiny_model_dir, tmp_path, world_size=2)
     model, opt = _fresh(tiny_model_dir)
     Checkpointer(tmp_path / "two").load_latest(models=model, optimizers=opt, restore_rng=False)
-    got, want = _full_state(model, opt), torch.load(tmp_path / "two.pt")
-    assert set(got) == set(want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    _assert_equal(_full_state(model, opt), torch.load(tmp_path / "two.pt"))
