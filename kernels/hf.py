@@ -114,7 +114,11 @@ def forward_on_hidden(
 
     kwargs = dict(model_kwargs)
     kwargs.setdefault("use_cache", False)
-    if _accepts(type(model), "logits_to_keep"):
+    # A PEFT wrapper's forward takes **kwargs: ask the model it wraps.
+    base = (
+        model.get_base_model() if isinstance(getattr(model, "peft_config", None), dict) else model
+    )
+    if _accepts(type(base), "logits_to_keep"):
         kwargs.setdefault("logits_to_keep", 1)
     h_trunk = trunk.register_forward_hook(capture_hidden)
     # prepend=True: run before FSDP2's post-forward hook, while the root's weights are unsharded.

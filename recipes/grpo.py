@@ -35,6 +35,7 @@ import os
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
@@ -72,6 +73,16 @@ from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import causal_lm_token_logprobs, forward_on_hidden
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize
 from lightrft.models.loading import DTYPES
+from lightrft.models.lora import (
+    LORA_SCHEMA,
+    LoraOptions,
+    adapters_disabled,
+    apply_lora,
+    check_resume,
+    export_trained,
+    lora_options,
+)
+from lightrft.models.parallel import strategy_option
 from lightrft.rewards import build_reward
 from lightrft.training import (
     Checkpointer,
@@ -82,7 +93,6 @@ from lightrft.training import (
     ProgressBar,
     check_output_dir,
     clip_grad_norm,
-    export_hf,
     peak_memory,
     reduce_metrics,
     warmup_cosine_scheduler,
@@ -97,6 +107,7 @@ CONFIG_SCHEMA = {
     "output_dir": str,
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
+    "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,
@@ -105,6 +116,7 @@ CONFIG_SCHEMA = {
         "activation_checkpointing": bool | None,
         "compile": bool | None,
     },
+    "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
     "dataset": Component,  # prompts: lightrft.data.PromptDataset
     "eval_dataset": Component | None,  # held-out prompts for greedy eval
     "reward": Component,  # a CombinedReward or a single reward function
@@ -323,6 +335,8 @@ class ModelOptions:
     trust_remote_code: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
+    lora: LoraOptions | None = None  # adapters on the actor; the reference = adapters off
+    strategy: str = "fsdp2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -630,6 +644,8 @@ def _model_options(cfg: DictConfig) -> ModelOptions:
         trust_remote_code=_get(m, "trust_remote_code", False),
         activation_checkpointing=_get(m, "activation_checkpointing", False),
         compile=_get(m, "compile", False),
+        lora=lora_options(cfg.get("lora")),
+        strategy=strategy_option(cfg.get("strategy")),
     )
 
 
@@ -686,6 +702,8 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
         )
     if opts.resume and opts.overwrite:
         raise ValueError("resume=true and overwrite=true contradict each other; choose one")
+    if opts.resume:
+        check_resume(opts.output_dir, opts.model.lora is not None, ("model", "policy"))
     return opts
 
 
@@ -899,12 +917,14 @@ class GRPORecipe:
         m, o = self.opts.model, self.opts
         self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
+        actor = self._load_model(m.path)
         self.model = parallelize(
-            self._load_model(m.path),
+            apply_lora(actor, m.lora) if m.lora else actor,
             activation_checkpointing=m.activation_checkpointing,
             compile=m.compile,
         )
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = config.instantiate(cfg.optimizer, trainable)
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer,
@@ -912,8 +932,8 @@ class GRPORecipe:
             total_steps=o.max_steps,
             min_lr_ratio=o.schedule.min_lr_ratio,
         )
-        self.ref = None
-        if o.kl is not None:  # a frozen copy of the initial policy, sharded like the actor
+        self.ref = None  # with LoRA the reference is the actor with its adapters off
+        if o.kl is not None and m.lora is None:  # a frozen copy of the initial policy
             self.ref = parallelize(self._load_model(m.path))
             self.ref.requires_grad_(False).eval()
         self.critic = self.critic_opt = self.critic_sched = None
@@ -1222,7 +1242,7 @@ class GRPORecipe:
         need_entropy = o.loss.top_rho is not None
         jobs = [
             ("old_logprobs", self.model, need_old or need_entropy),
-            ("reference", self.ref, self.ref is not None),
+            ("reference", self.ref if self.ref is not None else self.model, o.kl is not None),
             ("values", self.critic, self.critic is not None),
         ]
         mine, n_micro = self._shards(len(batch))
@@ -1231,7 +1251,8 @@ class GRPORecipe:
                 continue
             model.eval()
             outs: dict[str, torch.Tensor] = {}
-            with timer(name):
+            # adapters_disabled: a no-op for a full model, the frozen base under LoRA.
+            with timer(name), adapters_disabled(model) if name == "reference" else nullcontext():
                 for idx in self._micro_batches(mine, n_micro):
                     mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                     if name == "values":
@@ -1249,7 +1270,7 @@ class GRPORecipe:
                         buf = outs.setdefault(field, torch.zeros(batch.response_ids.shape))
                         if idx:
                             buf[idx, : t.shape[1]] = t.float().cpu()
-            if name != "reference":
+            if model is not self.ref:
                 model.train()
             for field, buf in outs.items():
                 setattr(batch, field, _sum_over_ranks(buf))
@@ -1674,7 +1695,7 @@ class GRPORecipe:
             not self.eval_history or self.eval_history[-1][0] != self.step
         ):
             self._log_eval(self.step)
-        export_hf(self.model, self.tokenizer, self.output_dir / "final")
+        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.model.lora)
         if self.dist.is_main and self.eval_history:
             first, last = self.eval_history[0], self.eval_history[-1]
             print(

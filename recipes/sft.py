@@ -27,6 +27,15 @@ from lightrft.data import build_dataloader, pack_or_pad_collator
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize
 from lightrft.models.loading import DTYPES
+from lightrft.models.lora import (
+    LORA_SCHEMA,
+    LoraOptions,
+    apply_lora,
+    check_resume,
+    export_trained,
+    lora_options,
+)
+from lightrft.models.parallel import strategy_option
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
@@ -34,7 +43,6 @@ from lightrft.training import (
     ProgressBar,
     check_output_dir,
     clip_grad_norm,
-    export_hf,
     peak_memory,
     reset_peak_memory,
     warmup_cosine_scheduler,
@@ -45,6 +53,7 @@ CONFIG_SCHEMA = {
     "output_dir": str,
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
+    "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,
@@ -53,6 +62,7 @@ CONFIG_SCHEMA = {
         "activation_checkpointing": bool | None,
         "compile": bool | None,
     },
+    "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
     "dataset": Component,
     "eval_dataset": Component | None,
     "packing": bool | None,  # several samples per row, positions reset per sample
@@ -117,6 +127,8 @@ class SFTOptions:
     resume_override_lr: bool = False
     tensorboard: bool = True
     wandb: bool | dict = False
+    lora: LoraOptions | None = None
+    strategy: str = "fsdp2"
 
 
 def build_options(cfg: DictConfig) -> SFTOptions:
@@ -150,6 +162,8 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         resume_override_lr=_get(cfg, "resume_override_lr", False),
         tensorboard=_get(metrics, "tensorboard", True),
         wandb=_get(metrics, "wandb", False),
+        lora=lora_options(cfg.get("lora")),
+        strategy=strategy_option(cfg.get("strategy")),
     )
     for key, value in (
         ("batch_size", opts.batch_size),
@@ -180,6 +194,8 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         )
     if opts.resume and opts.overwrite:
         raise ValueError("resume=true and overwrite=true contradict each other; choose one")
+    if opts.resume:
+        check_resume(opts.output_dir, opts.lora is not None, ("model",))
     return opts
 
 
@@ -222,9 +238,12 @@ class SFTRecipe:
             trust_remote_code=o.trust_remote_code,
         )
         self.model = parallelize(
-            model, activation_checkpointing=o.activation_checkpointing, compile=o.compile
+            apply_lora(model, o.lora) if o.lora else model,
+            activation_checkpointing=o.activation_checkpointing,
+            compile=o.compile,
         )
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = config.instantiate(cfg.optimizer, trainable)
 
         self.dataset = config.instantiate(cfg.dataset, self.tokenizer)
         collate = pack_or_pad_collator(
@@ -384,7 +403,7 @@ class SFTRecipe:
         bar.close()
         if self.last_eval_step != self.step:
             self._log_eval()
-        export_hf(self.model, self.tokenizer, self.output_dir / "final")
+        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.lora)
 
     def _save(self) -> None:
         self.checkpointer.save(

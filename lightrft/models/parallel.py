@@ -21,7 +21,10 @@ def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList |
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin)."""
+    """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin), also
+    inside a PEFT wrapper."""
+    if isinstance(getattr(model, "peft_config", None), dict):
+        model = model.get_base_model()
     layers = find_module_list(
         model,
         (
@@ -107,3 +110,31 @@ def parallelize(
         )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
+
+
+STRATEGIES = ("fsdp2", "deepspeed")
+
+
+def strategy_option(value: str | None, key: str = "strategy") -> str:
+    """The config's training strategy (null: ``fsdp2``), checked before anything loads.
+
+    ``fsdp2``: ``parallelize`` (FSDP2 under torchrun, plain tensors in one process).
+    ``deepspeed``: needs the ``deepspeed`` extra; its ZeRO backend is not built yet, so it is
+    refused here rather than silently trained with FSDP2.
+    """
+    strategy = value or "fsdp2"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{key}: unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+    if strategy == "deepspeed":
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ValueError(
+                f"{key}=deepspeed needs the DeepSpeed extra: pip install 'lightrft[deepspeed]' "
+                "(or use strategy=fsdp2, the default)"
+            )
+        raise ValueError(
+            f"{key}=deepspeed: the DeepSpeed ZeRO backend is not available in this version "
+            "yet; use strategy=fsdp2 (see docs/strategies.md)"
+        )
+    return strategy

@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -190,16 +191,23 @@ class _ModelState:
 
     ``get_state_dict`` / ``set_state_dict`` give FQN-keyed, DTensor-sharded model and optimizer
     states, so FSDP2 shards (and plain tensors) round-trip and may even reshard across world sizes.
+    A model saved with its optimizer keeps only its trainable parameters (frozen ones, e.g. the
+    base weights under LoRA adapters, come back from the model's own files).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         self.model = model
         self.optimizer = optimizer
+        frozen_out = optimizer is not None
+        self.options = StateDictOptions(ignore_frozen_params=frozen_out)
+        # The DCP load already failed on any trainable key the checkpoint lacks; the frozen
+        # ones are absent on purpose, so the final copy into the model is not strict.
+        self.load_options = StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
             return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -211,6 +219,7 @@ class _ModelState:
                 self.optimizer,
                 model_state_dict=state_dict["model"],
                 optim_state_dict=state_dict["optim"],
+                options=self.load_options,
             )
 
 
@@ -392,6 +401,7 @@ class Checkpointer:
                 "optimizers": sorted(optims_),
                 "schedulers": sorted(scheds_),
                 "dataloaders": sorted(loaders_),
+                "lora": sorted(k for k, m in models_.items() if _is_lora(m)),
                 "time": time.time(),
                 "torch": torch.__version__,
             }
@@ -476,6 +486,7 @@ class Checkpointer:
                     f"{what} {missing} are not in checkpoint {path} "
                     f"(it holds {what}: {meta.get(what, [])})"
                 )
+        check_lora_match(meta, {k: _is_lora(m) for k, m in models_.items()}, path)
         rank, world = _rank(), _world_size()
         needs_rank_state = bool(loaders_) or restore_rng
         changes = []
@@ -585,6 +596,31 @@ class Checkpointer:
             config=config,
             override_lr=override_lr,
         )
+
+
+def _is_lora(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "peft_config", None), dict)
+
+
+def check_lora_match(meta: Mapping[str, Any], lora: Mapping[str, bool], path: Path) -> None:
+    """Raise a ``ValueError`` when a model is LoRA-adapted in the checkpoint (``meta``) but not
+    in this run (``lora``: model name -> adapted), or the reverse."""
+    saved = set(meta.get("lora", []))
+    for name, adapted in sorted(lora.items()):
+        if name not in meta.get("models", []):
+            continue
+        if adapted and name not in saved:
+            raise ValueError(
+                f"checkpoint {path} holds a full fine-tune of model {name!r} but this run trains "
+                "LoRA adapters (the lora: section): remove the lora section to resume it, or "
+                "start a new run (resume=false)"
+            )
+        if not adapted and name in saved:
+            raise ValueError(
+                f"checkpoint {path} holds LoRA adapters of model {name!r} but this run is a full "
+                "fine-tune: add the same lora: section to resume it, or start a new run "
+                "(resume=false)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -512,6 +512,9 @@ def test_bad_input_fails_with_a_clear_error(tmp_path, assets, capsys):
 # refuse the config, exit 2 and print the same message, before any model loads.
 BAD_CONFIGS = [
     ({"algorithm.kl": {"coef": 0.0}}, "kl.coef must be > 0"),
+    ({"strategy": "zero3"}, "strategy: unknown strategy 'zero3'"),
+    ({"strategy": "deepspeed"}, "strategy=deepspeed needs the DeepSpeed extra"),
+    ({"lora": {"rank": 4, "dropout": 1.5}}, "lora.dropout must be in [0, 1)"),
     ({"algorithm.kl": {"coef": 0.1, "controller": "adaptive"}}, "needs target and horizon"),
     ({"algorithm.kl": {"coef": 0.1, "target": 0.1}}, "adaptive only"),
     ({"critic": {"optimizer": {"_component_": "torch.optim.AdamW"}}}, "only by estimator=gae"),
@@ -716,3 +719,54 @@ def test_reward_heads_and_function_metrics_are_logged(tmp_path, assets):
     assert step["reward/digits/calls"] == 1.0
     assert step["reward/digits/size"] == 8.0  # 2 prompts x 4 samples, one call
     assert not any("digits/a" in k for k in rows[-1] if k.startswith("eval/"))
+
+
+def _two_rank_grpo_lora(rank: int, world_size: int, cfg_path: str) -> None:
+    import runpy
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from lightrft import config as lconfig
+    from lightrft.cli import recipes_dir
+    from lightrft.engine.sync import iter_weight_buckets
+
+    module = runpy.run_path(str(recipes_dir() / "grpo.py"))
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = module["GRPORecipe"](cfg, module["build_options"](cfg))
+    recipe.setup(cfg)
+    assert recipe.ref is None  # the reference is the actor with its adapters off
+    assert all(isinstance(p, DTensor) for p in recipe.model.parameters())
+    recipe.train()
+    recipe.logger.close()
+    # The engine holds the merged weights under HF names.
+    engine = dict(recipe.engine.model.named_parameters())
+    merged = {n: t.clone() for b in iter_weight_buckets(recipe.model) for n, t in b}
+    assert set(merged) == set(engine)
+    for n, t in merged.items():
+        assert torch.equal(engine[n].data, t.to(engine[n].dtype)), n
+    if rank == 0:
+        train = _train_rows(read_metrics(Path(cfg.output_dir)))
+        # lora_B starts at 0: the first step's policy is the reference exactly; then it moves.
+        assert train[1]["train/kl"] == 0.0
+        assert train[2]["train/kl"] > 0.0
+
+
+def test_lora_two_gloo_processes(tmp_path, assets):
+    pytest.importorskip("peft")
+    import torch.distributed.checkpoint as dcp
+
+    lora = {"rank": 4, "alpha": 16, "export_merged": True}
+    cfg = _config(
+        tmp_path,
+        assets,
+        lora=lora,
+        **{"algorithm.kl": {"coef": 0.05}, "save_every": 2, "eval": None, "eval_dataset": None},
+    )
+    run_distributed(_two_rank_grpo_lora, str(cfg), world_size=2)
+    out = tmp_path / "out"
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    assert (out / "final_merged" / "model.safetensors").is_file()
+    keys = dcp.FileSystemReader(str(out / "checkpoints" / "step_000002")).read_metadata()
+    params = [k for k in keys.state_dict_metadata if k.startswith("model.model.model.")]
+    assert params and all(".lora_" in k for k in params)  # trainable parameters only

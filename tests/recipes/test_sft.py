@@ -197,6 +197,9 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         ("log_every=0", "log_every must be >= 1"),
         ("gradient_accumulation_steps=0", "gradient_accumulation_steps must be >= 1"),
         ("lr_scheduler.min_lr_ratio=1.5", "min_lr_ratio must be in [0, 1]"),
+        ("strategy=zero3", "strategy: unknown strategy 'zero3'; choose one of"),
+        ("strategy=deepspeed", "strategy=deepspeed needs the DeepSpeed extra"),
+        ("lora.alpha=4", "lora.rank: set the adapter rank"),
     ]:
         assert cli.main(["validate", str(cfg), *override.split()]) == 2
         err = capsys.readouterr().err
@@ -235,9 +238,9 @@ def test_cli_ls_cp_validate_and_run_a_copied_recipe(tmp_path, capsys):
     assert cli.main(["cp", "sft", str(copy)]) == 0
     # The user's edit: a marker metric logged at the end.
     src = copy.read_text().replace(
-        '        export_hf(self.model, self.tokenizer, self.output_dir / "final")',
+        '        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.lora)',
         '        self.logger.log(self.step, {"custom/edited": 1.0})\n'
-        '        export_hf(self.model, self.tokenizer, self.output_dir / "final")',
+        '        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.lora)',
     )
     assert "custom/edited" in src
     copy.write_text(src)
@@ -333,3 +336,70 @@ def test_sft_sigterm_saves_and_a_fresh_run_needs_overwrite(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from step {steps[-1]}" in resumed.stdout + resumed.stderr
     assert max(_losses(tmp_path / "out")) == steps[-1] + 1
+
+
+def _sft_data(root: Path, split: str) -> dict:
+    return {
+        "_component_": "lightrft.data.SFTDataset",
+        "path": str(root / "data" / f"{split}.jsonl"),
+    }
+
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": "auto", "export_merged": True}
+
+
+def test_sft_lora_resumes_bitwise_exports_adapter_and_merged(tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    full = tmp_path / "full"
+    full.mkdir()
+    cfg = _config(full, save_every=3, keep_last=5, eval_every=None, lora=LORA)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    reference = _losses(full / "out")
+    assert reference[6] < reference[1], reference
+    step3 = full / "out" / "checkpoints" / "step_000003"
+    assert json.loads((step3 / "meta.json").read_text())["lora"] == ["model"]
+
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(step3, ckpts / "step_000003")
+    (ckpts / "latest").write_text("step_000003")
+    # The resumed run reads the same model and data (a changed path would be refused on resume).
+    same = {"model": {"path": str(full / "model")}, "prepare": []}
+    same["dataset"] = {**_sft_data(full, "train"), "max_length": 48}
+    same["eval_dataset"] = _sft_data(full, "test")
+    # A LoRA checkpoint cannot resume a full fine-tune: refused before anything loads.
+    bad = _config(crashed, save_every=3, keep_last=5, eval_every=None, resume=True, **same)
+    assert cli.main(["validate", str(bad)]) == 2
+    assert "holds LoRA adapters of model 'model' but this run is a full" in capsys.readouterr().err
+    cfg = _config(
+        crashed, save_every=3, keep_last=5, eval_every=None, resume=True, lora=LORA, **same
+    )
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    resumed = _losses(crashed / "out")
+    assert all(resumed[s] == reference[s] for s in (4, 5, 6)), (resumed, reference)
+
+    # Export: the adapter directory and the merged model give the same logits.
+    ids = torch.tensor([[5, 17, 9, 23, 11, 30]])
+    final = crashed / "out" / "final"
+    assert (final / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(full / "model", dtype=torch.float32)
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(base, final).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(crashed / "out" / "final_merged")(ids).logits
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+
+    # The reverse: a full fine-tune's checkpoint cannot resume with LoRA.
+    latest = ckpts / (ckpts / "latest").read_text().strip()
+    meta = json.loads((latest / "meta.json").read_text())
+    (latest / "meta.json").write_text(json.dumps({**meta, "lora": []}))
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert "holds a full fine-tune of model 'model' but this run trains LoRA" in (
+        capsys.readouterr().err
+    )
+    # A LoRA target that matches nothing is refused once the model is built, before training.
+    bad = _config(tmp_path / "full", overwrite=True, lora={"rank": 4, "target_modules": ["qkv"]})
+    with pytest.raises(ValueError, match="lora.target_modules: 'qkv' matches no linear layer"):
+        cli.main(["run", "sft", "--config", str(bad)])

@@ -1,0 +1,289 @@
+"""LoRA adapters (PEFT) on a Hugging Face causal LM, applied before ``parallelize`` (FSDP2).
+
+    lora:
+      rank: 16                  # required: the section switches LoRA on
+      alpha: 32                 # default 2 * rank
+      dropout: 0.05
+      target_modules: auto      # every linear layer of the decoder blocks, or a list of names
+      trained_modules: [lm_head]  # trained in full next to the adapters (embeddings, head)
+
+Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
+The frozen base weights stay in the model; the reference policy of a KL term is the same model
+with its adapters switched off (:func:`adapters_disabled`), so no second copy sits in memory.
+Weight sync (``lightrft.engine.sync``) merges the adapters into full weights under HF names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+LORA_SCHEMA = {
+    "rank": int | None,
+    "alpha": float | None,
+    "dropout": float | None,
+    "target_modules": str | list[str] | None,  # "auto" or module names
+    "trained_modules": list[str] | None,
+    "export_merged": bool | None,  # also write the merged full model at the end
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraOptions:
+    """The ``lora:`` section, defaults applied (built by :func:`lora_options`)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | None = None  # None: "auto"
+    trained_modules: tuple[str, ...] = ()
+    export_merged: bool = False
+
+
+def lora_options(node: Any, key: str = "lora") -> LoraOptions | None:
+    """The ``lora`` config section as :class:`LoraOptions`; ``None`` when absent or null.
+
+    Pure: checks values and that ``peft`` is importable, loads nothing.
+    """
+    if node is None:
+        return None
+
+    def get(k: str, default: Any = None) -> Any:
+        v = node.get(k)
+        return default if v is None else v
+
+    rank = get("rank")
+    if rank is None:
+        raise ValueError(f"{key}.rank: set the adapter rank (e.g. 8) or remove the {key} section")
+    if rank < 1:
+        raise ValueError(f"{key}.rank must be >= 1, got {rank}")
+    alpha = float(get("alpha", 2 * rank))
+    if alpha <= 0:
+        raise ValueError(f"{key}.alpha must be > 0, got {alpha}")
+    dropout = float(get("dropout", 0.0))
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{key}.dropout must be in [0, 1), got {dropout}")
+    targets = get("target_modules", "auto")
+    if isinstance(targets, str):
+        if targets != "auto":
+            raise ValueError(
+                f"{key}.target_modules must be 'auto' or a list of module names, got {targets!r}"
+            )
+        targets = None
+    else:
+        targets = tuple(str(t) for t in targets)
+        if not targets:
+            raise ValueError(f"{key}.target_modules is empty: list module names or use 'auto'")
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"{key}: LoRA needs the `peft` package: pip install 'lightrft[lora]'"
+        ) from None
+    return LoraOptions(
+        rank=rank,
+        alpha=alpha,
+        dropout=dropout,
+        target_modules=targets,
+        trained_modules=tuple(str(t) for t in get("trained_modules", ())),
+        export_merged=bool(get("export_merged", False)),
+    )
+
+
+def check_resume(output_dir: str | Path, adapted: bool, models: tuple[str, ...]) -> None:
+    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
+    adapters exactly when this run does (``adapted``), for each of ``models`` it holds."""
+    from lightrft.training.checkpoint import META, Checkpointer, check_lora_match
+
+    latest = Checkpointer(output_dir).latest()
+    if latest is not None:
+        meta = json.loads((latest / META).read_text())
+        check_lora_match(meta, dict.fromkeys(models, adapted), latest)
+
+
+def _linear_names(model: nn.Module) -> dict[str, str]:
+    """Full name -> last name part of every ``nn.Linear`` inside the decoder blocks."""
+    from lightrft.models.parallel import decoder_layers
+
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    return {
+        name: name.rsplit(".", 1)[-1]
+        for name, mod in model.named_modules()
+        if name.startswith(prefix + ".") and isinstance(mod, nn.Linear)
+    }
+
+
+def resolve_targets(model: nn.Module, opts: LoraOptions) -> list[str]:
+    """The module names LoRA adapts: every decoder linear layer (``auto``) or the configured
+    names, each of which must name at least one linear layer of the decoder."""
+    linears = _linear_names(model)
+    found = sorted(set(linears.values()))
+    if opts.target_modules is None:
+        return found
+    for t in opts.target_modules:
+        if not any(short == t or full.endswith("." + t) for full, short in linears.items()):
+            raise ValueError(
+                f"lora.target_modules: {t!r} matches no linear layer of the decoder of "
+                f"{type(model).__name__}; its linear layers are {found} (or use 'auto'; "
+                "embeddings and the LM head go in lora.trained_modules)"
+            )
+    return list(opts.target_modules)
+
+
+def _ignore_old_torchao() -> None:
+    """PEFT (0.17-0.21) raises ImportError while building any LoRA layer when torchao < 0.16 is
+    installed, which torchtune 0.6.1 requires. Its torchao path only serves torchao-quantized
+    base weights, which we never build: tell PEFT torchao is absent."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    try:
+        old = Version(importlib.metadata.version("torchao")) < Version("0.16")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if old:
+        import peft.import_utils
+        import peft.tuners.lora.torchao
+        import peft.utils.quantization_utils
+
+        for mod in (peft.import_utils, peft.tuners.lora.torchao, peft.utils.quantization_utils):
+            if hasattr(mod, "is_torchao_available"):
+                mod.is_torchao_available = lambda: False
+
+
+def apply_lora(model: nn.Module, opts: LoraOptions) -> nn.Module:
+    """Wrap ``model`` in a PEFT LoRA model (base weights frozen); call before ``parallelize``."""
+    from peft import LoraConfig, get_peft_model
+
+    _ignore_old_torchao()
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [m for m in opts.trained_modules if m not in names]
+    if missing:
+        raise ValueError(
+            f"lora.trained_modules: {missing} name no module of {type(model).__name__} "
+            "(e.g. embed_tokens, lm_head)"
+        )
+    cfg = LoraConfig(
+        r=opts.rank,
+        lora_alpha=opts.alpha,
+        lora_dropout=opts.dropout,
+        target_modules=resolve_targets(model, opts),
+        modules_to_save=list(opts.trained_modules) or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, cfg)
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model (possibly FSDP2-sharded: the class changes, the
+    ``peft_config`` attribute stays)."""
+    return isinstance(getattr(model, "peft_config", None), dict)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with its LoRA adapters (and trained-module copies) switched off: the frozen
+    base model, i.e. the reference policy. A no-op for a model without adapters.
+
+    PEFT's own ``disable_adapter()`` also toggles ``requires_grad`` of the parameters registered
+    at that moment; under FSDP2 those may be the unsharded copies of a block kept unsharded after
+    forward, so the sharded adapter weights would stay frozen (untrained, and missing from
+    checkpoints). Only the layers' ``_disable_adapters`` flags are flipped here, which is all
+    their forward reads.
+    """
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for m, flag in zip(layers, before, strict=True):
+            m._disable_adapters = flag
+
+
+def export_adapter(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write the PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``
+    + tokenizer) of a plain or FSDP2-sharded LoRA model; collective, rank 0 writes."""
+    from lightrft.training.export import _barrier, _is_main, _replace_dir
+
+    out = Path(out_dir)
+    sd = _peft_state_dict(model)
+    if _is_main():
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(tmp, state_dict=sd, save_embedding_layers=False)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, out)
+    _barrier()
+    return out
+
+
+def _peft_state_dict(model: nn.Module) -> dict:
+    """The full state dict under PEFT's own names (collective; empty on ranks > 0)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    sd = get_model_state_dict(model, options=opts)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return sd
+
+
+def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write the base model with the adapters merged in, as a plain HF directory (collective).
+
+    The weights come from the same merge as weight sync (``iter_weight_buckets``), so the
+    export and the rollout engine see identical tensors.
+    """
+    from lightrft.engine.sync import iter_weight_buckets
+    from lightrft.training.export import _barrier, _is_main, _replace_dir
+
+    main = _is_main()
+    sd = {}
+    for bucket in iter_weight_buckets(model):
+        if main:
+            sd.update((name, t.clone()) for name, t in bucket)
+    out = Path(out_dir)
+    if main:
+        base = model.get_base_model()
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        base.save_pretrained(tmp, state_dict=sd, is_main_process=True)
+        cfg_file = tmp / "config.json"
+        cfg = json.loads(cfg_file.read_text())
+        cfg.pop("_name_or_path", None)
+        cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _replace_dir(tmp, out)
+    _barrier()
+    return out
+
+
+def export_trained(
+    model: nn.Module, tokenizer: Any, out_dir: str | Path, lora: LoraOptions | None
+) -> Path:
+    """A recipe's final export (collective): the full HF model, or for LoRA the adapter
+    directory at ``out_dir`` and, with ``lora.export_merged``, the merged model beside it
+    at ``<out_dir>_merged``."""
+    from lightrft.training.export import export_hf
+
+    if lora is None:
+        return export_hf(model, tokenizer, out_dir)
+    out = export_adapter(model, tokenizer, out_dir)
+    if lora.export_merged:
+        export_merged(model, tokenizer, Path(out_dir).with_name(Path(out_dir).name + "_merged"))
+    return out
