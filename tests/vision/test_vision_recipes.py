@@ -198,3 +198,147 @@ def test_train_vision_tower_on_a_text_model_is_refused(tmp_path, capsys):
     cfg.write_text("# lightrft run sft --config sft.yaml\n" + yaml.safe_dump(data))
     assert cli.main(["validate", str(cfg)]) == 2
     assert "model.train_vision_tower=true but" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- grpo
+
+
+def _grpo_config(tmp: Path, assets: Path | None = None, **overrides) -> Path:
+    """2 steps of 2 counting prompts x 4 samples of 4 tokens on the tiny Qwen2-VL."""
+    src = assets or tmp
+    prompts = {"_component_": "lightrft.data.PromptDataset", "max_pixels": 56 * 56}
+    cfg = {
+        "output_dir": str(tmp / "out"),
+        "seed": 0,
+        "device": "cpu",
+        "prepare": _prepare(src),
+        "model": {"path": str(src / "model")},
+        "dataset": {**prompts, "path": str(src / "data" / "train.jsonl")},
+        "eval_dataset": {**prompts, "path": str(src / "data" / "test.jsonl")},
+        "reward": {"_component_": "lightrft.rewards.MathVerifier"},
+        "rollout": {"prompts_per_step": 2, "n": 4, "max_tokens": 4},
+        "algorithm": {"advantage": {"estimator": "grpo"}, "old_logprobs": "engine"},
+        "train": {"micro_batch_size": 4, "ppo_epochs": 1},
+        "max_steps": 2,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
+        "eval": {"every": 2, "max_tokens": 3},
+        "metrics": {"tensorboard": False},
+    }
+    for key, value in overrides.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    path = tmp / "grpo.yaml"
+    path.write_text("# lightrft run grpo --config grpo.yaml\n" + yaml.safe_dump(cfg))
+    return path
+
+
+def _train_rows(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out) if "train/lr" in r}
+
+
+def _on_policy(row: dict) -> None:
+    """Old log-probs are the engine's and the step is one on-policy mini-batch: the trainer's
+    forward (with the rows' images) must give the engine's log-probs, so the ratio is 1."""
+    assert row["train/approx_kl"] < 1e-6, row["train/approx_kl"]
+    assert row["train/clip_frac"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def vlm_assets(tmp_path_factory) -> Path:
+    from omegaconf import OmegaConf
+
+    from lightrft import config as lconfig
+
+    root = tmp_path_factory.mktemp("vlm_grpo")
+    for node in _prepare(root):
+        lconfig.instantiate(OmegaConf.create(node))
+    return root
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
+def test_vlm_grpo_estimators_on_policy(tmp_path, vlm_assets, estimator):
+    over = {"algorithm.advantage.estimator": estimator, "prepare": None}
+    if estimator == "grpo":  # a reference model with a KL in the loss: 0 before any update
+        over["algorithm.kl"] = {"coef": 0.1, "estimator": "k3", "placement": "loss"}
+    cfg = _grpo_config(tmp_path, vlm_assets, **over)
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 0
+    train = _train_rows(tmp_path / "out")
+    assert sorted(train) == [1, 2]
+    for row in train.values():
+        _on_policy(row)
+        assert row["rollout/samples"] == 8
+    if estimator == "grpo":
+        assert train[1]["train/kl"] == 0.0
+    evals = [r for r in read_metrics(tmp_path / "out") if "eval/accuracy" in r]
+    assert evals and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
+    # The vision tower is frozen (the RL default): the export keeps its weights.
+    changed, same = _changed(_weights(vlm_assets / "model"), _weights(tmp_path / "out" / "final"))
+    tower = {k for k in same | changed if k.startswith(TOWER)}
+    assert tower and tower <= same and changed
+
+
+def test_vlm_grpo_resume_is_bitwise(tmp_path, vlm_assets):
+    over = {
+        "prepare": None,
+        "max_steps": 3,
+        "save_every": 2,
+        "keep_last": 5,
+        "eval": None,
+        "eval_dataset": None,
+        "model.train_vision_tower": True,
+        "algorithm.kl": {"coef": 0.1, "placement": "loss"},
+        "train": {"micro_batch_size": 3, "ppo_epochs": 2, "mini_batch_size": 4, "packing": True},
+    }
+    full = tmp_path / "full"
+    assert cli.main(["run", "grpo", "--config", str(_grpo_config(full, vlm_assets, **over))]) == 0
+    reference = _train_rows(full / "out")
+    assert sorted(reference) == [1, 2, 3]
+    changed, _ = _changed(_weights(vlm_assets / "model"), _weights(full / "out" / "final"))
+    assert any(k.startswith(TOWER) for k in changed)  # trained tower, packed rows
+
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(full / "out" / "checkpoints" / "step_000002", ckpts / "step_000002")
+    (ckpts / "latest").write_text("step_000002")
+    cfg = _grpo_config(crashed, vlm_assets, resume=True, **over)
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 0
+    resumed = _train_rows(crashed / "out")
+    assert sorted(resumed) == [3]
+    keys = [k for k in reference[3] if k.split("/")[0] in ("train", "reward", "rollout")]
+    assert len(keys) > 15
+    for key in keys:
+        assert resumed[3][key] == reference[3][key], key
+
+
+def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
+    _run_recipe("grpo", cfg_path)
+
+
+def test_vlm_grpo_two_processes(tmp_path, vlm_assets):
+    cfg = _grpo_config(tmp_path, vlm_assets, prepare=None, **{"eval.every": 1})
+    run_distributed(_two_rank_grpo, str(cfg), world_size=2)
+    train = _train_rows(tmp_path / "out")
+    assert sorted(train) == [1, 2]
+    for row in train.values():
+        _on_policy(row)
+        assert row["rollout/samples"] == 8
+    assert (tmp_path / "out" / "final" / "processor_config.json").is_file()
+
+
+def test_vlm_grpo_refuses_a_critic(tmp_path, vlm_assets, capsys):
+    cfg = _grpo_config(
+        tmp_path,
+        vlm_assets,
+        prepare=None,
+        critic={"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
+        **{"algorithm.advantage.estimator": "gae"},
+    )
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert "not supported with a vision-language actor" in capsys.readouterr().err
