@@ -139,9 +139,10 @@ def test_vlm_sft_learns_freezes_the_tower_and_exports(tmp_path):
     ckpts.mkdir(parents=True)
     shutil.copytree(out / "checkpoints" / "step_000003", ckpts / "step_000003")
     (ckpts / "latest").write_text("step_000003")
-    shutil.copytree(tmp_path / "model", crashed / "model")
-    shutil.copytree(tmp_path / "data", crashed / "data")
-    cfg = _sft_config(crashed, save_every=3, keep_last=5, resume=True)
+    # Same model and data paths: resume refuses a config that changed them.
+    cfg = _sft_config(
+        tmp_path, save_every=3, keep_last=5, resume=True, output_dir=str(crashed / "out")
+    )
     assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
     resumed = _losses(crashed / "out")
     assert sorted(resumed) == [4, 5, 6]
