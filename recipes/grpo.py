@@ -67,11 +67,19 @@ from lightrft.algorithms import (
     value_loss,
 )
 from lightrft.config import Component
-from lightrft.data import build_dataloader, collate_prompts
+from lightrft.data import ImageInputs, build_dataloader, collate_prompts
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import causal_lm_token_logprobs, forward_on_hidden
-from lightrft.models import load_causal_lm, load_tokenizer, parallelize
+from lightrft.models import (
+    checkpoint_is_vision_language,
+    is_vision_language,
+    load_model,
+    load_processor,
+    load_tokenizer,
+    parallelize,
+    set_vision_trainable,
+)
 from lightrft.models.loading import DTYPES
 from lightrft.models.lora import (
     LORA_SCHEMA,
@@ -115,6 +123,7 @@ CONFIG_SCHEMA = {
         "trust_remote_code": bool | None,
         "activation_checkpointing": bool | None,
         "compile": bool | None,
+        "train_vision_tower": bool | None,  # vision-language actors: default frozen (as verl)
     },
     "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
     "dataset": Component,  # prompts: lightrft.data.PromptDataset
@@ -337,6 +346,7 @@ class ModelOptions:
     compile: bool = False
     lora: LoraOptions | None = None  # adapters on the actor; the reference = adapters off
     strategy: str = "fsdp2"
+    train_vision_tower: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,7 +656,24 @@ def _model_options(cfg: DictConfig) -> ModelOptions:
         compile=_get(m, "compile", False),
         lora=lora_options(cfg.get("lora")),
         strategy=strategy_option(cfg.get("strategy")),
+        train_vision_tower=_get(m, "train_vision_tower", False),
     )
+
+
+def _check_vision(opts: GRPOOptions) -> None:
+    """Rules for vision-language actors, from the checkpoint's config.json (cheap; a checkpoint
+    a ``prepare`` step writes is checked again in setup, before any model loads)."""
+    vlm = checkpoint_is_vision_language(opts.model.path)
+    if opts.model.train_vision_tower and vlm is False:
+        raise ValueError(
+            f"model.train_vision_tower=true but {opts.model.path} is not a vision-language model "
+            "(its config.json has no vision_config)"
+        )
+    if vlm and opts.critic is not None:
+        raise ValueError(
+            f"estimator=gae trains a critic, which is not supported with a vision-language actor "
+            f"({opts.model.path}): use a critic-free estimator (grpo, rloo, reinforce_pp, ...)"
+        )
 
 
 def build_options(cfg: DictConfig) -> GRPOOptions:
@@ -704,6 +731,7 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
         raise ValueError("resume=true and overwrite=true contradict each other; choose one")
     if opts.resume:
         check_resume(opts.output_dir, opts.model.lora is not None, ("model", "policy"))
+    _check_vision(opts)
     return opts
 
 
@@ -733,11 +761,14 @@ def build_micro_batch(
             "index": torch.zeros(1, 1, dtype=torch.long),
             "mask": torch.zeros(1, 1, dtype=torch.bool),
             "tokens": 0,
+            "images": None,
         }
     prompts = [batch.prompt(i) for i in idx]
     responses = [batch.response(i) for i in idx]
     layout = _packed if packing else _padded
     out = layout(prompts, responses, pad_id)
+    # A vision-language batch: the rows' images in row (= token) order, one forward's inputs.
+    out["images"] = ImageInputs.cat([batch.images[i] for i in idx]) if batch.images else None
     out["tokens"] = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     return out
 
@@ -908,23 +939,33 @@ class GRPORecipe:
 
     def _load_model(self, path: str) -> nn.Module:
         m = self.opts.model
-        return load_causal_lm(
+        return load_model(
             path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code
         )
 
     def _setup_models(self, cfg: DictConfig) -> None:
         """Actor (+ optimizer, scheduler), the frozen reference (KL only), the critic (gae)."""
         m, o = self.opts.model, self.opts
-        self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+        _check_vision(o)  # the checkpoint exists now, whatever prepare wrote
+        model = self._load_model(m.path)
+        # A vision-language actor: datasets take its processor (images + text), the tower is
+        # frozen unless model.train_vision_tower; everything else is the text path.
+        self.vlm = is_vision_language(model.config)
+        if self.vlm:
+            self.processor = load_processor(m.path, trust_remote_code=m.trust_remote_code)
+            self.tokenizer = self.processor.tokenizer
+            set_vision_trainable(model, m.train_vision_tower)  # before optimizer, parallelize
+        else:
+            self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+            self.processor = self.tokenizer
         self.pad_id = self.tokenizer.pad_token_id
-        actor = self._load_model(m.path)
         self.model = parallelize(
-            apply_lora(actor, m.lora) if m.lora else actor,
+            apply_lora(model, m.lora) if m.lora else model,
             activation_checkpointing=m.activation_checkpointing,
             compile=m.compile,
         )
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = config.instantiate(cfg.optimizer, trainable)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = config.instantiate(cfg.optimizer, params)
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer,
@@ -970,7 +1011,7 @@ class GRPORecipe:
         self.normalizer = None
         if o.shaping.reward_norm:
             self.normalizer = RunningRewardNormalizer(clip=o.shaping.reward_clip)
-        self.dataset = config.instantiate(cfg.dataset, self.tokenizer)
+        self.dataset = config.instantiate(cfg.dataset, self.processor)
         limit = getattr(self.engine, "max_model_len", None) or self.opts.engine.kwargs.get(
             "max_model_len"
         )
@@ -989,7 +1030,7 @@ class GRPORecipe:
         self._it = None
         self.eval_dataset = None
         if cfg.get("eval_dataset") is not None:
-            self.eval_dataset = config.instantiate(cfg.eval_dataset, self.tokenizer)
+            self.eval_dataset = config.instantiate(cfg.eval_dataset, self.processor)
 
     def _load_checkpoint(self) -> None:
         models, opts, scheds = self._stateful()
@@ -1057,9 +1098,10 @@ class GRPORecipe:
         seeds = torch.randint(0, 2**62, (count,), generator=gen).tolist()
         return [dataclasses.replace(self.sampling, seed=s) for s in seeds]
 
-    def _generate(self, prompt_ids: list[list[int]], params) -> list:
+    def _generate(self, prompt_ids: list[list[int]], params, images=None) -> list:
         """Wake the engine (reloading released weights: a collective, so every rank calls this,
-        with or without prompts) and generate."""
+        with or without prompts) and generate. ``images``: per prompt, its ``ImageInputs`` or
+        None (vision-language prompts)."""
         if self._weights_released:
             self.engine.wake_up(["weights"])
             sync_weights(self.model, self.engine)
@@ -1067,7 +1109,12 @@ class GRPORecipe:
         self.engine.wake_up()
         if not prompt_ids:
             return []
-        return self.engine.generate([Request(ids) for ids in prompt_ids], params)
+        images = images or [None] * len(prompt_ids)
+        requests = [
+            Request(ids, multi_modal_data=None if im is None else {"image": im})
+            for ids, im in zip(prompt_ids, images, strict=True)
+        ]
+        return self.engine.generate(requests, params)
 
     def _sleep(self) -> None:
         if self.opts.engine.sleep_level:
@@ -1117,7 +1164,7 @@ class GRPORecipe:
         prompts = self._next_prompts()
         with timer("rollout"):
             params = self._request_params(len(prompts["prompt_ids"]), step, draw)
-            completions = self._generate(prompts["prompt_ids"], params)
+            completions = self._generate(prompts["prompt_ids"], params, prompts.get("images"))
         rows = [c.request_index for c in completions]
         meta = {k: [prompts[k][i] for i in rows] for k in ("prompt", "reference", "label", "where")}
         texts = [c.text or "" for c in completions]
@@ -1152,6 +1199,7 @@ class GRPORecipe:
             texts=texts,
             finish_reasons=[c.finish_reason for c in completions],
             groups=[(step, draw, self.dist.rank, i) for i in rows],
+            images=[prompts["images"][i] for i in rows] if self.vlm else None,
         )
         return batch.all_gather()
 
@@ -1193,6 +1241,7 @@ class GRPORecipe:
             temperature=self.opts.rollout.temperature,
             return_entropy=entropy,
             entropy_grad=entropy_grad,
+            images=mb["images"],
         )
         if entropy:
             return _gather_response(out[0], mb), _gather_response(out[1], mb)
@@ -1471,10 +1520,13 @@ class GRPORecipe:
 
     def sync(self, timer: PhaseTimer) -> None:
         with timer("weight_sync"):
-            if self._weights_released:
+            released = self._weights_released
+            if released:
                 self.engine.wake_up(["weights"])
                 self._weights_released = False
-            sync_weights(self.model, self.engine)
+            # An engine that kept its weights already holds the frozen ones (a frozen vision
+            # tower): send only what training changes; after a release, send everything.
+            sync_weights(self.model, self.engine, skip_frozen=not released)
 
     # ------------------------------------------------------------------ eval
 
@@ -1496,7 +1548,8 @@ class GRPORecipe:
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
 
         def generate(prompt_ids: list[list[int]]) -> list:
-            completions = self._generate(prompt_ids, params)
+            # evaluate_items generates for the items in order: their images go alongside.
+            completions = self._generate(prompt_ids, params, [it.get("images") for it in items])
             self._sleep()  # the engine's memory goes back before scoring
             return completions
 
@@ -1695,7 +1748,7 @@ class GRPORecipe:
             not self.eval_history or self.eval_history[-1][0] != self.step
         ):
             self._log_eval(self.step)
-        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.model.lora)
+        export_trained(self.model, self.processor, self.output_dir / "final", self.opts.model.lora)
         if self.dist.is_main and self.eval_history:
             first, last = self.eval_history[0], self.eval_history[-1]
             print(

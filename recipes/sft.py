@@ -25,7 +25,15 @@ from lightrft import config
 from lightrft.config import Component
 from lightrft.data import build_dataloader, pack_or_pad_collator
 from lightrft.kernels import causal_lm_cross_entropy
-from lightrft.models import load_causal_lm, load_tokenizer, parallelize
+from lightrft.models import (
+    checkpoint_is_vision_language,
+    is_vision_language,
+    load_model,
+    load_processor,
+    load_tokenizer,
+    parallelize,
+    set_vision_trainable,
+)
 from lightrft.models.loading import DTYPES
 from lightrft.models.lora import (
     LORA_SCHEMA,
@@ -61,6 +69,7 @@ CONFIG_SCHEMA = {
         "trust_remote_code": bool | None,
         "activation_checkpointing": bool | None,
         "compile": bool | None,
+        "train_vision_tower": bool | None,  # vision-language models: default frozen
     },
     "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
     "dataset": Component,
@@ -111,6 +120,7 @@ class SFTOptions:
     trust_remote_code: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
+    train_vision_tower: bool = False
     packing: bool = False
     max_tokens_per_row: int | None = None
     accum: int = 1  # gradient_accumulation_steps
@@ -146,6 +156,7 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         trust_remote_code=_get(model, "trust_remote_code", False),
         activation_checkpointing=_get(model, "activation_checkpointing", False),
         compile=_get(model, "compile", False),
+        train_vision_tower=_get(model, "train_vision_tower", False),
         packing=_get(cfg, "packing", False),
         max_tokens_per_row=_get(cfg, "max_tokens_per_row"),
         accum=_get(cfg, "gradient_accumulation_steps", 1),
@@ -186,6 +197,7 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {opts.min_lr_ratio}")
     if not str(opts.output_dir).strip():
         raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
+    _check_vision_tower(opts)
     checkpoints = Checkpointer(opts.output_dir, keep_last=opts.keep_last)  # reads only
     if opts.resume and checkpoints.latest() is None:
         raise ValueError(
@@ -197,6 +209,16 @@ def build_options(cfg: DictConfig) -> SFTOptions:
     if opts.resume:
         check_resume(opts.output_dir, opts.lora is not None, ("model",))
     return opts
+
+
+def _check_vision_tower(opts: SFTOptions) -> None:
+    """``model.train_vision_tower`` needs a vision-language model (read from config.json; a
+    checkpoint a ``prepare`` step writes is checked again in setup, before loading)."""
+    if opts.train_vision_tower and checkpoint_is_vision_language(opts.model_path) is False:
+        raise ValueError(
+            f"model.train_vision_tower=true but {opts.model_path} is not a vision-language model "
+            "(its config.json has no vision_config)"
+        )
 
 
 class SFTRecipe:
@@ -230,13 +252,22 @@ class SFTRecipe:
                 config.instantiate(node)
         barrier()
         o = self.opts
-        self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
-        model = load_causal_lm(
+        _check_vision_tower(o)  # the checkpoint exists now, whatever prepare wrote
+        model = load_model(
             o.model_path,
             dtype=o.dtype,
             device=self.dist.device,
             trust_remote_code=o.trust_remote_code,
         )
+        # A vision-language model's datasets take its processor (images + text); the
+        # collator and export use the tokenizer / processor the same way for both.
+        if is_vision_language(model.config):
+            self.processor = load_processor(o.model_path, trust_remote_code=o.trust_remote_code)
+            self.tokenizer = self.processor.tokenizer
+            set_vision_trainable(model, o.train_vision_tower)  # before optimizer, parallelize
+        else:
+            self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
+            self.processor = self.tokenizer
         self.model = parallelize(
             apply_lora(model, o.lora) if o.lora else model,
             activation_checkpointing=o.activation_checkpointing,
@@ -245,7 +276,7 @@ class SFTRecipe:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(cfg.optimizer, trainable)
 
-        self.dataset = config.instantiate(cfg.dataset, self.tokenizer)
+        self.dataset = config.instantiate(cfg.dataset, self.processor)
         collate = pack_or_pad_collator(
             self.tokenizer,
             packing=o.packing,
@@ -263,7 +294,7 @@ class SFTRecipe:
         )
         self.eval_loader = None
         if cfg.get("eval_dataset") is not None:
-            eval_ds = config.instantiate(cfg.eval_dataset, self.tokenizer)
+            eval_ds = config.instantiate(cfg.eval_dataset, self.processor)
             self.eval_loader = build_dataloader(
                 eval_ds,
                 batch_size=self.batch_size,
@@ -330,6 +361,7 @@ class SFTRecipe:
             num_tokens=divisor,
             position_ids=batch["position_ids"].to(dev),
             attention_mask=None if mask is None else mask.to(dev),
+            images=batch.get("images"),  # ImageInputs of the batch's samples, in token order
         )
 
     def _micro_batches(self):
@@ -403,7 +435,7 @@ class SFTRecipe:
         bar.close()
         if self.last_eval_step != self.step:
             self._log_eval()
-        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.lora)
+        export_trained(self.model, self.processor, self.output_dir / "final", self.opts.lora)
 
     def _save(self) -> None:
         self.checkpointer.save(

@@ -34,7 +34,44 @@ def test_shipped_config_opens_with_its_own_launch_command(name):
     assert first.split("--config", 1)[1].split()[0] == name, first
 
 
-@pytest.mark.parametrize("name", sorted(n for n in CONFIGS if n.startswith("qwen2_5/")))
+@pytest.mark.parametrize(
+    "name", sorted(n for n in CONFIGS if n.startswith(("qwen2_5/", "qwen2_5_vl/")))
+)
 def test_qwen_engine_matches_the_file_name(name):
     engine = yaml.safe_load(CONFIGS[name].read_text()).get("engine") or {}
     assert engine.get("backend", "native") == ("vllm" if name.endswith("_vllm") else "native")
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl/geo3k_grpo_3b", "qwen2_5_vl/geo3k_grpo_3b_vllm"])
+def test_geo3k_config_reads_the_prepared_data(name, tmp_path, tiny_vlm):
+    """The config's datasets on a directory in the documented Geo3K format (what
+    ``load_dataset('hiyouga/geometry3k').save_to_disk(...)`` writes: ``problem`` with an
+    ``<image>`` tag, an ``images`` list column, ``answer``), with a tiny Qwen2.5-VL processor."""
+    import datasets
+    from omegaconf import OmegaConf
+    from PIL import Image
+
+    from lightrft import config as lconfig
+    from lightrft.models import load_processor
+
+    def split(n):
+        return datasets.Dataset.from_dict(
+            {
+                "problem": [f"<image>Find x. Problem {i}." for i in range(n)],
+                "images": [[Image.new("RGB", (60 + 10 * i, 50), (200, 30, 30))] for i in range(n)],
+                "answer": [f"{i} \\sqrt {{ 2 }}" for i in range(n)],
+            }
+        )
+
+    datasets.DatasetDict({"train": split(3), "test": split(2)}).save_to_disk(tmp_path / "geo3k")
+    cfg = yaml.safe_load(CONFIGS[name].read_text())
+    proc = load_processor(tiny_vlm("qwen2_5_vl"))
+    for key, n in (("dataset", 3), ("eval_dataset", 2)):
+        node = {**cfg[key], "path": str(tmp_path / "geo3k")}
+        ds = lconfig.instantiate(OmegaConf.create(node), proc)
+        assert len(ds) == n
+        item = ds[n - 1]
+        assert item["images"] is not None and len(item["images"]) == 1
+        assert item["reference"] == f"{n - 1} \\sqrt {{ 2 }}"
+        image_id = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        assert item["prompt_ids"].count(image_id) == item["images"].num_tokens[0]

@@ -5,6 +5,7 @@ from lightrft.models.loading import load_causal_lm, load_model, load_tokenizer
 from lightrft.models.parallel import parallelize
 from lightrft.models.tiny import ensure_tiny_model, make_tiny_model
 from lightrft.models.vision import (
+    checkpoint_is_vision_language,
     is_vision_language,
     load_processor,
     load_vision_model,
@@ -12,6 +13,7 @@ from lightrft.models.vision import (
 )
 
 __all__ = [
+    "checkpoint_is_vision_language",
     "ensure_tiny_model",
     "is_vision_language",
     "load_causal_lm",

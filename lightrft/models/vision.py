@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "checkpoint_is_vision_language",
     "image_token_id",
     "is_vision_language",
     "load_processor",
@@ -47,6 +48,16 @@ def processor_classes() -> dict[str, type]:
 def is_vision_language(config) -> bool:
     """Whether an HF config describes a vision-language model (it has a ``vision_config``)."""
     return getattr(config, "vision_config", None) is not None
+
+
+def checkpoint_is_vision_language(path: str | Path) -> bool | None:
+    """Whether the local checkpoint at ``path`` is a vision-language model, from its
+    ``config.json`` alone (cheap: no transformers import, no weights); None when there is no
+    local ``config.json`` yet (a hub id, or a directory a ``prepare`` step writes later)."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get("vision_config") is not None
 
 
 def _model_type(path: str | Path) -> str | None:

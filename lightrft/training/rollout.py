@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightrft.data.vision import ImageInputs
 
 __all__ = ["RolloutBatch", "pad_rows"]
 
@@ -33,7 +36,10 @@ _TOKEN_FIELDS = (
 )
 _SAMPLE_FIELDS = ("reward_raw", "rewards", "overlong", "kept")  # [B]
 _META_FIELDS = ("prompts", "references", "labels", "wheres", "texts", "finish_reasons", "groups")
-_MULTIMODAL_FIELDS = ("pixel_values", "image_grid_thw", "audio_features")
+# Per-sample multimodal inputs: a list with one entry per row (None for a row without), or None
+# for a text batch. Not row tensors: Qwen-VL's pixel values are a flat [patches, D] tensor with a
+# different patch count per image, so row indexing would cut patches, not samples.
+_MULTIMODAL_FIELDS = ("images", "audios")
 
 
 def pad_rows(rows: Sequence[Sequence[float]], *, dtype=torch.float32, fill=0) -> Tensor:
@@ -79,8 +85,9 @@ class RolloutBatch:
         ref_logprobs (reference model, with a KL), values (critic), returns (value targets),
         advantages, entropy (per token, for high-entropy selection), loss_mask (bool: tokens
         the policy loss trains on; None: every response token).
-    Multimodal inputs (None for text; the vision / audio recipes fill them, per sample rows):
-        pixel_values, image_grid_thw, audio_features.
+    Multimodal inputs (None for a text batch; else one entry per sample, None for a sample
+    without): images (:class:`~lightrft.data.vision.ImageInputs`; a micro-batch's forward takes
+    ``ImageInputs.cat(batch.images)``, rows in order), audios (reserved for the audio recipes).
     """
 
     prompt_ids: Tensor
@@ -108,9 +115,8 @@ class RolloutBatch:
     advantages: Tensor | None = None
     entropy: Tensor | None = None
     loss_mask: Tensor | None = None
-    pixel_values: Tensor | None = None
-    image_grid_thw: Tensor | None = None
-    audio_features: Tensor | None = None
+    images: list[ImageInputs | None] | None = None
+    audios: list[Any] | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -148,12 +154,15 @@ class RolloutBatch:
 
     @staticmethod
     def cat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
-        """Rows of ``batches`` one after the other (fields None in one are None in all)."""
+        """Rows of ``batches`` one after the other (fields None in one are None in all, except
+        the multimodal lists: a batch without gives None entries)."""
         first = batches[0]
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(first):
             values = [getattr(b, f.name) for b in batches]
-            if values[0] is None:
+            if f.name in _MULTIMODAL_FIELDS:  # a text batch may join a multimodal one
+                fields[f.name] = _gather_per_sample(values, [len(b) for b in batches])
+            elif values[0] is None:
                 fields[f.name] = None
             elif isinstance(values[0], Tensor):
                 fields[f.name] = _cat_padded(values)
@@ -166,13 +175,13 @@ class RolloutBatch:
     def all_gather(self) -> RolloutBatch:
         """Every rank's rows, in rank order, on every rank (this batch in one process).
 
-        Tensors travel by ``all_gather`` after padding to the widest rank; only the per-sample
-        metadata (strings, a few per sample) goes through ``all_gather_object``. Multimodal
-        fields stay on their rank (the trainer's shards are built from local rows)."""
+        Tensors travel by ``all_gather`` after padding to the widest rank; the per-sample
+        metadata (strings, a few per sample) and multimodal inputs (``ImageInputs``: PIL images
+        and pixel tensors, different sizes per sample) go through ``all_gather_object``."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self
         world = dist.get_world_size()
-        meta = {name: getattr(self, name) for name in _META_FIELDS}
+        meta = {name: getattr(self, name) for name in (*_META_FIELDS, *_MULTIMODAL_FIELDS)}
         metas: list[Any] = [None] * world
         dist.all_gather_object(metas, meta)
         sizes = _gather_ints([len(self), self.prompt_ids.shape[1], self.response_ids.shape[1]])
@@ -192,7 +201,17 @@ class RolloutBatch:
                 fields[f.name] = None
         for name in _META_FIELDS:
             fields[name] = [x for m in metas for x in m[name]]
+        for name in _MULTIMODAL_FIELDS:
+            fields[name] = _gather_per_sample([m[name] for m in metas], [s[0] for s in sizes])
         return RolloutBatch(**fields)._trim()
+
+
+def _gather_per_sample(parts: list[list | None], rows: list[int]) -> list | None:
+    """Ranks' per-sample lists joined in rank order; a rank with None (no such inputs) gives
+    ``rows`` Nones, and the result is None when every rank had None."""
+    if all(p is None for p in parts):
+        return None
+    return [x for p, n in zip(parts, rows, strict=True) for x in ([None] * n if p is None else p)]
 
 
 def _padded(value: Tensor, rows: int, width: int | None) -> Tensor:

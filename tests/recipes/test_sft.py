@@ -238,9 +238,9 @@ def test_cli_ls_cp_validate_and_run_a_copied_recipe(tmp_path, capsys):
     assert cli.main(["cp", "sft", str(copy)]) == 0
     # The user's edit: a marker metric logged at the end.
     src = copy.read_text().replace(
-        '        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.lora)',
+        '        export_trained(self.model, self.processor, self.output_dir / "final", self.opts.lora)',
         '        self.logger.log(self.step, {"custom/edited": 1.0})\n'
-        '        export_trained(self.model, self.tokenizer, self.output_dir / "final", self.opts.lora)',
+        '        export_trained(self.model, self.processor, self.output_dir / "final", self.opts.lora)',
     )
     assert "custom/edited" in src
     copy.write_text(src)
