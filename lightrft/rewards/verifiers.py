@@ -1,4 +1,5 @@
-"""Rule-based rewards: math and GSM8K answer verifiers, and a think-then-answer format reward.
+"""Rule-based rewards: math and GSM8K answer verifiers, exact match, and a think-then-answer format
+reward.
 
 All of them look at the response only. A prompt may quote example answers or tags; scoring it
 would reward the question instead of the model.
@@ -20,7 +21,7 @@ from lightrft.rewards.math_answer import (
     parse_number,
 )
 
-__all__ = ["GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
+__all__ = ["ExactMatch", "GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
 
 
 def _final_part(response: str, strip_think: bool) -> str:
@@ -28,6 +29,26 @@ def _final_part(response: str, strip_think: bool) -> str:
     if strip_think and "</think>" in response:
         return response.rsplit("</think>", 1)[1]
     return response
+
+
+def _check_references(
+    who: str,
+    prompts: Sequence[Prompt],
+    responses: Sequence[str],
+    references: Sequence[str | None],
+) -> None:
+    """Refuse a batch whose references do not line up with the responses or are missing."""
+    if len(references) != len(responses):
+        raise ValueError(
+            f"references has {len(references)} entries but responses has {len(responses)}"
+        )
+    for i, ref in enumerate(references):
+        if ref is None or (isinstance(ref, str) and not ref.strip()):
+            raise ValueError(
+                f"{who}: sample {i} "
+                f"(prompt {prompt_preview(prompts[i]) if i < len(prompts) else '?'}) "
+                "has no reference answer"
+            )
 
 
 class MathVerifier:
@@ -136,17 +157,7 @@ class MathVerifier:
         references: Sequence[str | None],
         labels: Sequence[str | None] | None = None,
     ) -> list[float]:
-        if len(references) != len(responses):
-            raise ValueError(
-                f"references has {len(references)} entries but responses has {len(responses)}"
-            )
-        for i, ref in enumerate(references):
-            if ref is None or (isinstance(ref, str) and not ref.strip()):
-                raise ValueError(
-                    f"{type(self).__name__}: sample {i} "
-                    f"(prompt {prompt_preview(prompts[i]) if i < len(prompts) else '?'}) "
-                    "has no reference answer"
-                )
+        _check_references(type(self).__name__, prompts, responses, references)
         preds = [self.extract(r) for r in responses]
         refs = [self.reference_answer(r) for r in references]
         return [self.correct if ok else self.incorrect for ok in self.equivalent_many(preds, refs)]
@@ -162,6 +173,50 @@ class GSM8KVerifier(MathVerifier):
     name = "gsm8k"
     default_extractors = ("hashes", "boxed", "answer_is", "last_number")
     default_symbolic = False  # integer answers: the exact comparison is complete
+
+
+class ExactMatch:
+    """``correct`` if the response equals the reference string, else ``incorrect``.
+
+    For answers whose spelling is the answer: a choice letter, a label, digits in a fixed format
+    (``"011"`` is not ``"11"``, which :class:`MathVerifier` would call equal as numbers).
+    Surrounding whitespace is ignored on both sides, and with ``strip_think`` the response is
+    read after its last ``</think>``; ``ignore_case`` compares case-folded strings.
+    """
+
+    name = "exact"
+    requires_reference = True
+
+    def __init__(
+        self,
+        correct: float = 1.0,
+        incorrect: float = 0.0,
+        ignore_case: bool = False,
+        strip_think: bool = True,
+    ) -> None:
+        self.correct = float(correct)
+        self.incorrect = float(incorrect)
+        self.ignore_case = ignore_case
+        self.strip_think = strip_think
+
+    def _key(self, text: str) -> str:
+        text = text.strip()
+        return text.casefold() if self.ignore_case else text
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[str | None],
+        labels: Sequence[str | None] | None = None,
+    ) -> list[float]:
+        _check_references(type(self).__name__, prompts, responses, references)
+        return [
+            self.correct
+            if self._key(_final_part(r, self.strip_think)) == self._key(str(ref))
+            else self.incorrect
+            for r, ref in zip(responses, references, strict=True)
+        ]
 
 
 class ThinkFormatReward:

@@ -1,4 +1,5 @@
-"""Math / GSM8K verifiers (including every GSM8K reference solution) and the format reward."""
+"""Math / GSM8K verifiers (including every GSM8K reference solution), exact match and the format
+reward."""
 
 import json
 import re
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightrft.rewards import GSM8KVerifier, MathVerifier, ThinkFormatReward
+from lightrft.rewards import ExactMatch, GSM8KVerifier, MathVerifier, ThinkFormatReward
 
 GSM8K_DIR = Path("/work/shared/data/gsm8k")
 
@@ -64,6 +65,19 @@ def test_missing_reference_names_the_sample():
         v(prompts=prompts, responses=["4", "9"], references=["4", None], labels=[None, None])
     with pytest.raises(ValueError, match="sample 0"):
         v(prompts=prompts[:1], responses=["4"], references=["  "], labels=[None])
+
+
+def test_exact_match_compares_spellings_not_values():
+    refs = ["011", "641", "B", "011"]
+    assert _score(ExactMatch(), [" 011\n", "641", "b", "11"], refs) == [1.0, 1.0, 0.0, 0.0]
+    assert _score(MathVerifier(), ["11"], ["011"]) == [1.0]  # why ExactMatch exists
+    v = ExactMatch(correct=2.0, incorrect=-1.0, ignore_case=True)
+    assert _score(v, ["b", "<think>A?</think> B", "A"], ["B", "B", "B"]) == [2.0, 2.0, -1.0]
+    assert _score(ExactMatch(strip_think=False), ["<think>x</think>B"], ["B"]) == [0.0]
+    with pytest.raises(ValueError, match=r"ExactMatch: sample 1 \(prompt .two.*no reference"):
+        ExactMatch()(
+            prompts=["one", "two"], responses=["a", "b"], references=["a", ""], labels=[None] * 2
+        )
 
 
 def test_verifier_ignores_the_prompt():
