@@ -717,6 +717,15 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
     )
     for key in ("max_steps", "log_every", "save_every", "keep_last"):
         _at_least(key, getattr(opts, key), 1)
+    for key, schedule in (
+        ("lr_scheduler", opts.schedule),
+        ("critic.lr_scheduler", opts.critic.schedule if opts.critic else None),
+    ):
+        if schedule is not None and schedule.warmup_steps > opts.max_steps:
+            raise ValueError(
+                f"{key}.warmup_steps={schedule.warmup_steps} is more than max_steps="
+                f"{opts.max_steps}: the schedule would never reach its peak"
+            )
     if not str(opts.output_dir).strip():
         raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
     checkpoints = Checkpointer(

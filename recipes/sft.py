@@ -193,6 +193,11 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         raise ValueError("max_tokens_per_row applies only with packing=true")
     if opts.warmup_steps < 0:
         raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {opts.warmup_steps}")
+    if opts.max_steps is not None and opts.warmup_steps > opts.max_steps:
+        raise ValueError(
+            f"lr_scheduler.warmup_steps={opts.warmup_steps} is more than max_steps="
+            f"{opts.max_steps}: the schedule would never reach its peak"
+        )
     if not 0 <= opts.min_lr_ratio <= 1:
         raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {opts.min_lr_ratio}")
     if not str(opts.output_dir).strip():

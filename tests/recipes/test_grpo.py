@@ -572,6 +572,7 @@ BAD_CONFIGS = [
     ({"rollout.max_tokens": 0}, "rollout.max_tokens must be >= 1"),
     ({"log_every": 0}, "log_every must be >= 1"),
     ({"lr_scheduler": {"min_lr_ratio": 2.0}}, "lr_scheduler.min_lr_ratio must be in"),
+    ({"lr_scheduler": {"warmup_steps": 50}}, "lr_scheduler.warmup_steps=50 is more than max_steps"),
     ({"resume": True}, "no checkpoint found"),
 ]
 

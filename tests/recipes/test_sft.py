@@ -197,6 +197,7 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         ("log_every=0", "log_every must be >= 1"),
         ("gradient_accumulation_steps=0", "gradient_accumulation_steps must be >= 1"),
         ("lr_scheduler.min_lr_ratio=1.5", "min_lr_ratio must be in [0, 1]"),
+        ("max_steps=3 lr_scheduler.warmup_steps=4", "warmup_steps=4 is more than max_steps=3"),
         ("strategy=zero3", "strategy: unknown strategy 'zero3'; choose one of"),
         ("strategy=deepspeed", "strategy=deepspeed needs the DeepSpeed extra"),
         ("lora.alpha=4", "lora.rank: set the adapter rank"),
