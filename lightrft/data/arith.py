@@ -33,6 +33,7 @@ __all__ = [
 
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
+ANSWER_ORDERS = ("natural", "reversed")
 META = "meta.json"
 
 
@@ -92,6 +93,7 @@ def arith_records(
     terms: int = 2,
     style: str = "equation",
     allow_negative: bool = False,
+    answer_order: str = "natural",
     seed: int = 0,
     exclude: set[str] | None = None,
 ) -> list[dict[str, Any]]:
@@ -99,9 +101,17 @@ def arith_records(
 
     Operands have between ``min_digits`` and ``digits`` digits (``min_digits=1`` includes 0).
     With ``allow_negative=False`` problems whose answer is negative are skipped.
+    ``answer_order="reversed"`` writes the answer least-significant digit first, zero-padded to
+    the longest possible answer (``49+97=`` -> ``641``, ``3+4=`` -> ``700``): every answer
+    digit is then a function of one column and the carry just written, the order in which
+    people add, and a tiny transformer generalises it to unseen problems.
     """
     ops_ = _norm_ops(ops)
     _check(digits, min_digits, terms, style)
+    if answer_order not in ANSWER_ORDERS:
+        raise ValueError(f"answer_order must be one of {list(ANSWER_ORDERS)}, got {answer_order!r}")
+    if answer_order == "reversed" and (allow_negative or ops_ != ("+",)):
+        raise ValueError('answer_order="reversed" is defined for additions (ops=["+"]) only')
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     lo = 0 if min_digits == 1 else 10 ** (min_digits - 1)
@@ -113,6 +123,7 @@ def arith_records(
             f"min_digits={min_digits}, terms={terms}, ops={list(ops_)} allow only about "
             f"{_space(lo, hi, len(ops_), terms)}: ask for fewer or raise digits/terms"
         )
+    width = len(str(terms * hi))  # the longest possible sum
     rng = random.Random(seed)
     seen: set[str] = set(exclude)
     out = []
@@ -122,9 +133,8 @@ def arith_records(
         if prompt in seen:
             continue
         seen.add(prompt)
-        out.append(
-            {"prompt": prompt, "completion": str(value), "answer": str(value), "label": "arith"}
-        )
+        answer = str(value) if answer_order == "natural" else str(value).zfill(width)[::-1]
+        out.append({"prompt": prompt, "completion": answer, "answer": answer, "label": "arith"})
     return out
 
 
@@ -144,6 +154,7 @@ def write_arith_dataset(
     terms: int = 2,
     style: str = "equation",
     allow_negative: bool = False,
+    answer_order: str = "natural",
     seed: int = 0,
 ) -> Path:
     """Write ``train.jsonl``, ``test.jsonl`` (no problem in both) and ``meta.json``."""
@@ -156,11 +167,11 @@ def write_arith_dataset(
         terms=terms,
         style=style,
         allow_negative=allow_negative,
+        answer_order=answer_order,
         seed=seed,
     )
-    common = {
-        k: settings[k] for k in ("digits", "min_digits", "ops", "terms", "style", "allow_negative")
-    }
+    keys = ("digits", "min_digits", "ops", "terms", "style", "allow_negative", "answer_order")
+    common = {k: settings[k] for k in keys}
     test = arith_records(n_test, seed=seed + 1, **common)
     train = arith_records(n_train, seed=seed, exclude={r["prompt"] for r in test}, **common)
     out = Path(out_dir)
@@ -186,6 +197,7 @@ def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
         "terms": 2,
         "style": "equation",
         "allow_negative": False,
+        "answer_order": "natural",
         "seed": 0,
     }
     unknown = sorted(set(settings) - set(defaults))

@@ -31,6 +31,22 @@ def test_answers_are_correct_and_knobs_respected():
     assert len({r["prompt"] for r in recs}) == 300
 
 
+def test_reversed_answers_are_padded_column_order():
+    recs = arith_records(400, answer_order="reversed", seed=3)
+    for r in recs:
+        a, b = map(int, r["prompt"][:-1].split("+"))
+        assert r["answer"] == r["completion"] and len(r["answer"]) == 3  # 99+99=198: 3 digits
+        assert int(r["answer"][::-1]) == a + b
+    assert {r["answer"] for r in arith_records(1, answer_order="reversed", seed=0)} == {"641"}
+    three = arith_records(50, digits=1, terms=3, answer_order="reversed")  # 9+9+9=27: 2 digits
+    assert all(
+        len(r["answer"]) == 2 and int(r["answer"][::-1]) == eval(r["prompt"][:-1]) for r in three
+    )
+    # the same problems as the natural order, only the answers' spelling differs
+    natural = arith_records(400, seed=3)
+    assert [r["prompt"] for r in natural] == [r["prompt"] for r in recs]
+
+
 def test_precedence_and_styles():
     assert _evaluate([2, 3, 4], ["+", "*"]) == 14 and _evaluate([10, 3, 4], ["-", "-"]) == 3
     q = arith_records(5, style="question", min_digits=2, digits=2)
@@ -82,5 +98,9 @@ def test_bad_settings():
         arith_records(3, style="words")
     with pytest.raises(ValueError, match="asked for 60 distinct problems .* allow only about 100"):
         arith_records(60, digits=1)
+    with pytest.raises(ValueError, match="answer_order must be one of"):
+        arith_records(3, answer_order="backwards")
+    with pytest.raises(ValueError, match="additions"):
+        arith_records(3, ops="+-", answer_order="reversed")
     with pytest.raises(ValueError, match="unknown argument 'n_tran'"):
         ensure_arith_dataset("unused", n_tran=5)
