@@ -23,6 +23,14 @@ import shutil
 import sys
 from pathlib import Path
 
+# libgomp (the OpenMP runtime of the torch CPU wheel) spins its idle intra-op threads for a while
+# before sleeping. On a core shared with another busy process that spinning steals the time the
+# other threads wait for, and a tiny-model step slowed 3.8x beside one CPU-bound process; with
+# PASSIVE waits it slows 1.5x, for ~15% on an idle machine (docs/performance.md, "Busy machines").
+# Set before torch loads (the runtime reads it once); torchrun children inherit it; the user's
+# own OMP_WAIT_POLICY (ACTIVE on a dedicated box) wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 _LAUNCH = re.compile(r"^#\s*(?:lightrft|tune)\s+run\s+(?:--\S+\s+\S+\s+)*(\S+)")
