@@ -8,7 +8,8 @@ tiny model can learn the task from its vision tokens alone.
 
 Records (``train.jsonl``, ``test.jsonl``) carry ``prompt`` (with an ``<image>`` tag), ``images``
 (a PNG path relative to the data file), ``completion`` (the answer, for SFT), ``answer`` (the
-reference, for RL verifiers) and ``label``. Train and test boards are disjoint.
+reference, for RL verifiers) and ``label``. Train and test boards are disjoint; with ``n_rl > 0``
+an ``rl.jsonl`` split holds boards in neither (prompts for RL that SFT never saw).
 :func:`ensure_shapes_dataset` writes them only when absent or made with other settings, so a
 config can call it on every start.
 """
@@ -118,17 +119,20 @@ def write_shapes_dataset(
     *,
     n_train: int = 2000,
     n_test: int = 200,
+    n_rl: int = 0,
     grid: int = 3,
     min_count: int = 1,
     max_count: int = 5,
     cell: int = 28,
     seed: int = 0,
 ) -> Path:
-    """Write ``images/*.png``, ``train.jsonl``, ``test.jsonl`` (disjoint boards), ``meta.json``."""
+    """Write ``images/*.png``, ``train.jsonl``, ``test.jsonl`` (disjoint boards), ``meta.json``;
+    with ``n_rl > 0`` also ``rl.jsonl``, whose boards are in neither train nor test."""
     _check(grid, min_count, max_count, cell)
     settings = dict(
         n_train=n_train,
         n_test=n_test,
+        n_rl=n_rl,
         grid=grid,
         min_count=min_count,
         max_count=max_count,
@@ -138,9 +142,13 @@ def write_shapes_dataset(
     common = dict(grid=grid, min_count=min_count, max_count=max_count)
     test = shapes_records(n_test, seed=seed + 1, **common)
     train = shapes_records(n_train, seed=seed, exclude={b for b, _ in test}, **common)
+    splits = [("train", train), ("test", test)]
+    if n_rl:
+        seen = {b for b, _ in test} | {b for b, _ in train}
+        splits.append(("rl", shapes_records(n_rl, seed=seed + 2, exclude=seen, **common)))
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    for split, pairs in (("train", train), ("test", test)):
+    for split, pairs in splits:
         records = []
         for k, (board, rec) in enumerate(pairs):
             name = f"images/{split}_{k:06d}.png"
@@ -153,7 +161,7 @@ def write_shapes_dataset(
 
 def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """:func:`write_shapes_dataset` unless ``out_dir`` already holds it with these settings."""
-    defaults = dict(n_train=2000, n_test=200, grid=3, min_count=1, max_count=5, cell=28, seed=0)
+    defaults = dict(n_train=2000, n_test=200, n_rl=0, grid=3, min_count=1, max_count=5, cell=28, seed=0)
     unknown = sorted(set(settings) - set(defaults))
     if unknown:
         raise ValueError(

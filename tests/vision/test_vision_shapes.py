@@ -22,9 +22,9 @@ def _count_cells(path, grid=3, cell=28):
 
 
 def test_answers_match_the_pictures_and_splits_are_disjoint(tmp_path):
-    out = write_shapes_dataset(tmp_path / "s", n_train=40, n_test=10, seed=3)
+    out = write_shapes_dataset(tmp_path / "s", n_train=40, n_test=10, n_rl=20, seed=3)
     splits = {}
-    for split in ("train", "test"):
+    for split in ("train", "test", "rl"):
         recs = [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
         splits[split] = recs
         for r in recs:
@@ -34,6 +34,8 @@ def test_answers_match_the_pictures_and_splits_are_disjoint(tmp_path):
         split: {(out / r["images"][0]).read_bytes() for r in recs} for split, recs in splits.items()
     }
     assert not boards["train"] & boards["test"]
+    assert not boards["rl"] & (boards["train"] | boards["test"]) and len(splits["rl"]) == 20
+    assert not (write_shapes_dataset(tmp_path / "no_rl", n_train=4, n_test=2) / "rl.jsonl").exists()
     # Uniform counts, not skewed towards the many distinct boards with many squares.
     big = write_shapes_dataset(tmp_path / "big", n_train=600, n_test=30, grid=2, max_count=3)
     lines = (big / "train.jsonl").read_text().splitlines()
