@@ -345,3 +345,52 @@ def test_vlm_grpo_refuses_a_critic(tmp_path, vlm_assets, capsys):
     )
     assert cli.main(["validate", str(cfg)]) == 2
     assert "not supported with a vision-language actor" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- eval
+
+
+def test_eval_recipe_on_a_vlm_sends_each_prompt_its_images(tmp_path, vlm_assets, monkeypatch):
+    """The eval recipe loads a vision-language model with its processor and hands the engine
+    every prompt with its own images; its greedy samples equal the engine's for those requests."""
+    import json
+
+    from lightrft.data import PromptDataset
+    from lightrft.engine import NativeEngine, SamplingParams
+    from lightrft.models import load_processor
+
+    seen = []
+    generate = NativeEngine.generate
+
+    def recording(self, requests, params):
+        seen.extend(requests)
+        return generate(self, requests, params)
+
+    monkeypatch.setattr(NativeEngine, "generate", recording)
+    data = vlm_assets / "data" / "test.jsonl"
+    cfg = {
+        "output_dir": str(tmp_path / "eval"),
+        "device": "cpu",
+        "model": {"path": str(vlm_assets / "model")},
+        "dataset": {"_component_": "lightrft.data.PromptDataset", "path": str(data),
+                    "max_pixels": 56 * 56},
+        "reward": {"_component_": "lightrft.rewards.MathVerifier"},
+        "sampling": {"n": 1, "temperature": 0.0, "max_tokens": 6},
+        "ks": [1],
+    }
+    path = tmp_path / "eval.yaml"
+    path.write_text("# lightrft run eval --config eval.yaml\n" + yaml.safe_dump(cfg))
+    assert cli.main(["run", "eval", "--config", str(path)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+
+    processor = load_processor(str(vlm_assets / "model"))
+    items = list(PromptDataset(processor, path=str(data), max_pixels=56 * 56))
+    assert len(seen) == len(items) == len(rows) == 8
+    for req, item in zip(seen, items, strict=True):
+        assert list(req.prompt_token_ids) == list(item["prompt_ids"])
+        assert torch.equal(req.multi_modal_data["image"].pixel_values, item["images"].pixel_values)
+    # Greedy samples as the engine gives them for those requests.
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=6)
+    engine = NativeEngine(str(vlm_assets / "model"), processor.tokenizer, seed=0)
+    direct = generate(engine, seen, params)
+    assert [r["samples"][0] for r in rows] == [c.text for c in direct]
