@@ -42,7 +42,9 @@ def test_qwen_engine_matches_the_file_name(name):
     assert engine.get("backend", "native") == ("vllm" if name.endswith("_vllm") else "native")
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl/geo3k_grpo_3b", "qwen2_5_vl/geo3k_grpo_3b_vllm"])
+@pytest.mark.parametrize(
+    "name", ["qwen2_5_vl/geo3k_grpo_3b", "qwen2_5_vl/geo3k_grpo_3b_vllm", "qwen2_5_vl/geo3k_eval_3b"]
+)
 def test_geo3k_config_reads_the_prepared_data(name, tmp_path, tiny_vlm):
     """The config's datasets on a directory in the documented Geo3K format (what
     ``load_dataset('hiyouga/geometry3k').save_to_disk(...)`` writes: ``problem`` with an
@@ -66,7 +68,11 @@ def test_geo3k_config_reads_the_prepared_data(name, tmp_path, tiny_vlm):
     datasets.DatasetDict({"train": split(3), "test": split(2)}).save_to_disk(tmp_path / "geo3k")
     cfg = yaml.safe_load(CONFIGS[name].read_text())
     proc = load_processor(tiny_vlm("qwen2_5_vl"))
-    for key, n in (("dataset", 3), ("eval_dataset", 2)):
+    splits = {"train": 3, "test": 2}
+    for key in ("dataset", "eval_dataset"):
+        if key not in cfg:
+            continue  # the eval config has one dataset (the test split)
+        n = splits[cfg[key]["split"]]
         node = {**cfg[key], "path": str(tmp_path / "geo3k")}
         ds = lconfig.instantiate(OmegaConf.create(node), proc)
         assert len(ds) == n
