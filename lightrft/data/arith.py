@@ -28,6 +28,7 @@ __all__ = [
     "ensure_arith_judgments",
     "ensure_arith_preferences",
     "near_miss",
+    "near_miss_text",
     "write_arith_dataset",
 ]
 
@@ -230,6 +231,24 @@ def near_miss(answer: int, rng: random.Random) -> int:
             return wrong
 
 
+def _reversed_answers(src: Path) -> bool:
+    """Whether the data set in ``src`` spells answers least-significant digit first."""
+    meta = src / META
+    return meta.is_file() and json.loads(meta.read_text()).get("answer_order") == "reversed"
+
+
+def near_miss_text(answer: str, rng: random.Random, *, reversed_order: bool = False) -> str:
+    """:func:`near_miss` of an answer as the data set spells it: for reversed-order answers
+    (``"641"`` is 146) the wrong value is spelled the same way, zero-padded to the same width."""
+    if not reversed_order:
+        return str(near_miss(int(answer), rng))
+    value, width = int(answer[::-1]), len(answer)
+    while True:
+        wrong = near_miss(value, rng)
+        if len(str(wrong)) <= width:
+            return str(wrong).zfill(width)[::-1]
+
+
 def _source_stamp(src: Path) -> list[int]:
     for split in ("train", "test"):
         if not (src / f"{split}.jsonl").is_file():
@@ -268,12 +287,13 @@ def ensure_arith_judgments(
     if made_with(out, ("train.jsonl", "test.jsonl"), want):
         return out
     out.mkdir(parents=True, exist_ok=True)
+    rev = _reversed_answers(src)
     for k, split in enumerate(("train", "test")):
         rng = random.Random(seed * 2 + k)
         rows = []
         for rec in _read_jsonl(src / f"{split}.jsonl"):
-            answer = int(rec["answer"])
-            wrong = near_miss(answer, rng)
+            answer = rec["answer"]
+            wrong = near_miss_text(answer, rng, reversed_order=rev)
             first = rng.random() < 0.5  # where the correct answer goes
             a, b = (answer, wrong) if first else (wrong, answer)
             prompt = template.format(prompt=rec["prompt"], response_a=a, response_b=b)
@@ -294,8 +314,9 @@ def ensure_arith_preferences(
 
     Reads ``source_dir/{train,test}.jsonl`` (see :func:`write_arith_dataset`) and writes
     ``out_dir/{train,test}.jsonl`` with ``prompt``, ``chosen`` (the answer), ``rejected`` (a
-    :func:`near_miss`), ``per_problem`` pairs per problem; skipped when already written from the
-    same source and settings.
+    :func:`near_miss`, spelled as the source spells answers: reversed-order data gets reversed,
+    zero-padded near misses), ``per_problem`` pairs per problem; skipped when already written from
+    the same source and settings.
     """
     src, out = Path(source_dir), Path(out_dir)
     if per_problem < 1:
@@ -309,17 +330,18 @@ def ensure_arith_preferences(
     if made_with(out, ("train.jsonl", "test.jsonl"), want):
         return out
     out.mkdir(parents=True, exist_ok=True)
+    rev = _reversed_answers(src)
     for k, split in enumerate(("train", "test")):
         rng = random.Random(seed * 2 + k)
         pairs = []
         for rec in _read_jsonl(src / f"{split}.jsonl"):
-            answer = int(rec["answer"])
+            answer = rec["answer"]
             for _ in range(per_problem):
                 pairs.append(
                     {
                         "prompt": rec["prompt"],
-                        "chosen": str(answer),
-                        "rejected": str(near_miss(answer, rng)),
+                        "chosen": answer,
+                        "rejected": near_miss_text(answer, rng, reversed_order=rev),
                     }
                 )
         write_jsonl(out / f"{split}.jsonl", pairs)

@@ -144,3 +144,16 @@ def test_arith_preference_pairs(tmp_path):
     before = (out / "train.jsonl").stat().st_mtime_ns
     ensure_arith_preferences(tmp_path / "pairs", src, per_problem=2)  # up to date: not rewritten
     assert (out / "train.jsonl").stat().st_mtime_ns == before
+
+
+def test_arith_preference_pairs_on_reversed_answers_are_spelled_reversed(tmp_path):
+    src = write_arith_dataset(tmp_path / "add", n_train=200, n_test=10, answer_order="reversed")
+    out = ensure_arith_preferences(tmp_path / "pairs", src, per_problem=3)
+    for r in (json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()):
+        a, b = r["prompt"][:-1].split("+")
+        assert r["chosen"] == str(int(a) + int(b)).zfill(3)[::-1]
+        wrong = int(r["rejected"][::-1])  # a near miss of the true sum, in the same spelling
+        assert len(r["rejected"]) == 3 and wrong != int(a) + int(b)
+        diff = abs(wrong - (int(a) + int(b)))
+        swapped = sorted(str(wrong).zfill(3)) == sorted(str(int(a) + int(b)).zfill(3))
+        assert diff in (1, 2, 10) or swapped, r
