@@ -1,0 +1,36 @@
+"""The README's CPU demos chain as shipped: each first config's outputs are where the next one
+reads them. Run through the CLI in-process in a scratch directory with the data sets and step
+counts cut down (the measured, full-length runs are in docs/grpo.md and docs/vision.md)."""
+
+import json
+
+from lightrft import cli
+
+
+def _accuracies(path):
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+
+
+def test_text_demo_chain(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    small = ["prepare.1.n_train=64", "prepare.1.n_test=8", "max_steps=2", "eval_every=2",
+             "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
+    assert cli.main(["run", "sft", "--config", "tiny/add_sft", *small]) == 0
+    assert (tmp_path / "outputs/tiny/add_sft/final/config.json").is_file()
+    assert cli.main(["run", "grpo", "--config", "tiny/add_grpo", "max_steps=1", "eval.every=1",
+                     "rollout.prompts_per_step=2", "rollout.n=2", "lr_scheduler.warmup_steps=0",
+                     "metrics.tensorboard=false"]) == 0
+    assert len(_accuracies(tmp_path / "outputs/tiny/add_grpo/metrics.jsonl")) == 2  # start, end
+
+
+def test_vision_demo_chain(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    small = ["prepare.1.n_train=16", "prepare.1.n_test=4", "prepare.1.n_rl=8", "batch_size=8", "max_steps=2",
+             "eval_every=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
+    assert cli.main(["run", "sft", "--config", "tiny/vision_sft", *small]) == 0
+    assert (tmp_path / "outputs/tiny/vision_sft/final/processor_config.json").is_file()
+    assert cli.main(["run", "grpo", "--config", "tiny/vision_grpo", "max_steps=1", "eval.every=1",
+                     "rollout.prompts_per_step=2", "rollout.n=2", "lr_scheduler.warmup_steps=0",
+                     "metrics.tensorboard=false"]) == 0
+    assert len(_accuracies(tmp_path / "outputs/tiny/vision_grpo/metrics.jsonl")) == 2
