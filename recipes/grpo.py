@@ -35,6 +35,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -196,7 +197,8 @@ CONFIG_SCHEMA = {
     "train": {
         "ppo_epochs": int | None,
         "mini_batch_size": int | None,  # samples per optimizer step, all ranks together
-        "micro_batch_size": int,  # samples per forward/backward per rank
+        "micro_batch_size": int,  # samples per forward/backward per rank (at most)
+        "micro_batch_tokens": int | None,  # and at most this many tokens (padding counted)
         "packing": bool | None,
         "shuffle": bool | None,
     },
@@ -302,6 +304,7 @@ class ShapingOptions:
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
     micro_batch_size: int
+    micro_batch_tokens: int | None = None  # token budget per micro-batch; None: rows only
     ppo_epochs: int = 1
     mini_batch_size: int | None = None  # samples per optimizer step; None: the whole batch
     packing: bool = False
@@ -594,12 +597,13 @@ def _train_options(cfg: DictConfig) -> TrainOptions:
     tr = cfg.train
     opts = TrainOptions(
         micro_batch_size=tr.micro_batch_size,
+        micro_batch_tokens=_get(tr, "micro_batch_tokens"),
         ppo_epochs=_get(tr, "ppo_epochs", 1),
         mini_batch_size=_get(tr, "mini_batch_size"),
         packing=_get(tr, "packing", False),
         shuffle=_get(tr, "shuffle", True),
     )
-    for key in ("micro_batch_size", "ppo_epochs", "mini_batch_size"):
+    for key in ("micro_batch_size", "micro_batch_tokens", "ppo_epochs", "mini_batch_size"):
         _at_least(f"train.{key}", getattr(opts, key), 1)
     return opts
 
@@ -745,6 +749,36 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
 
 
 # ---------------------------------------------------------------------------------- batches
+
+
+def plan_micro_batches(
+    rows: list[int],
+    lengths: Sequence[int],
+    max_rows: int,
+    max_tokens: int | None = None,
+    *,
+    packing: bool = False,
+) -> list[list[int]]:
+    """Split ``rows`` (sample indices, in the order given) into micro-batches of at most
+    ``max_rows`` samples and, with ``max_tokens``, at most that many model tokens: the sum of the
+    lengths when packed, rows x the longest length when padded (padding costs compute too).
+    Sort ``rows`` by length first and the budget turns padding into more, fuller micro-batches.
+    A sample longer than ``max_tokens`` on its own forms a micro-batch by itself."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    longest = total = 0
+    for i in rows:
+        n = int(lengths[i])
+        if cur:
+            size = total + n if packing else (len(cur) + 1) * max(longest, n)
+            if len(cur) >= max_rows or (max_tokens is not None and size > max_tokens):
+                out.append(cur)
+                cur, longest, total = [], 0, 0
+        cur.append(i)
+        longest, total = max(longest, n), total + n
+    if cur:
+        out.append(cur)
+    return out
 
 
 def build_micro_batch(
@@ -1271,16 +1305,27 @@ class GRPORecipe:
         )
         return _gather_response(out, mb)
 
-    def _shards(self, n: int) -> tuple[list[int], int]:
-        """This rank's sample indices of ``n`` and the micro-batch count every rank runs."""
-        world = self.dist.world_size
-        mine = list(range(self.dist.rank, n, world))
-        per_rank = -(-n // world)
-        return mine, max(1, -(-per_rank // self.opts.train.micro_batch_size))
-
-    def _micro_batches(self, rows: list[int], n_micro: int) -> list[list[int]]:
-        size = self.opts.train.micro_batch_size
-        return [rows[m * size : (m + 1) * size] for m in range(n_micro)]
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
+        """This rank's share of ``rows`` (every world_size-th), shortest first, in micro-batches
+        of ``train.micro_batch_size`` rows and ``train.micro_batch_tokens`` tokens at most. Every
+        rank runs as many as the rank with the most (a collective when the token budget makes
+        the counts differ): the others add empty ones, which build_micro_batch turns into
+        dummy passes, so the FSDP collectives of forward and backward pair up."""
+        tr = self.opts.train
+        lengths = (batch.prompt_lens + batch.response_lens).tolist()
+        mine = sorted(rows[self.dist.rank :: self.dist.world_size], key=lambda i: lengths[i])
+        plan = plan_micro_batches(
+            mine, lengths, tr.micro_batch_size, tr.micro_batch_tokens, packing=tr.packing
+        )
+        count = max(1, len(plan))
+        if tr.micro_batch_tokens is None:  # known on every rank without a token budget
+            per_rank = -(-len(rows) // self.dist.world_size)
+            count = max(1, -(-per_rank // tr.micro_batch_size))
+        elif dist.is_initialized() and self.dist.world_size > 1:
+            t = torch.tensor([count], device=self.dist.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            count = int(t.item())
+        return plan + [[] for _ in range(count - len(plan))]
 
     @torch.no_grad()
     def precompute(self, batch: RolloutBatch, timer: PhaseTimer) -> None:
@@ -1303,7 +1348,7 @@ class GRPORecipe:
             ("reference", self.ref if self.ref is not None else self.model, o.kl is not None),
             ("values", self.critic, self.critic is not None),
         ]
-        mine, n_micro = self._shards(len(batch))
+        micro = self._micro_batches(batch, list(range(len(batch))))
         for name, model, flag in jobs:
             if not flag:
                 continue
@@ -1311,7 +1356,7 @@ class GRPORecipe:
             outs: dict[str, torch.Tensor] = {}
             # adapters_disabled: a no-op for a full model, the frozen base under LoRA.
             with timer(name), adapters_disabled(model) if name == "reference" else nullcontext():
-                for idx in self._micro_batches(mine, n_micro):
+                for idx in micro:
                     mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                     if name == "values":
                         found = {"values": self._values(mb)}
@@ -1484,18 +1529,15 @@ class GRPORecipe:
             empty={"ratio_min": 1.0, "ratio_max": 1.0},
         )
         grad_norms, critic_norms = [], []
-        lengths = (batch.prompt_lens + batch.response_lens).tolist()
         for epoch in range(o.train.ppo_epochs):
             order = self._order(n, step, epoch)
             for start in range(0, n, mbs):
                 mini = order[start : start + mbs]
                 counts = self._counts(batch, mini)
-                mine, n_micro = self._shards(len(mini))
+                loss_sum = 0.0
                 # Similar lengths share a micro-batch: less padding, same gradient (the loss is
                 # normalised by the counts of the whole mini-batch).
-                mine = sorted((mini[i] for i in mine), key=lambda i: lengths[i])
-                loss_sum = 0.0
-                for idx in self._micro_batches(mine, n_micro):
+                for idx in self._micro_batches(batch, mini):
                     with timer("training"):
                         mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                         total, metrics = self.loss(self._loss_inputs(batch, idx, mb), counts)

@@ -270,12 +270,15 @@ def test_micro_batches_and_packing_equal_one_big_batch(tmp_path, assets):
         "big": {"micro_batch_size": 8},
         "micro": {"micro_batch_size": 3},
         "packed": {"micro_batch_size": 2, "packing": True},
+        # Token budgets: rows of different lengths split by tokens, not by a row count.
+        "packed_budget": {"micro_batch_size": 8, "micro_batch_tokens": 40, "packing": True},
+        "padded_budget": {"micro_batch_size": 8, "micro_batch_tokens": 40},
     }.items():
         tmp = tmp_path / name
         tmp.mkdir()
         rows = _run(tmp, assets, max_steps=1, eval=None, eval_dataset=None, train=train)
         results[name] = _train_rows(rows)[1]
-    for name in ("micro", "packed"):
+    for name in ("micro", "packed", "packed_budget", "padded_budget"):
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
             assert results[name][key] == pytest.approx(results["big"][key], rel=1e-4, abs=1e-6)
 
@@ -312,6 +315,28 @@ def test_accumulation_equals_one_big_batch_for_every_aggregation(tmp_path, asset
         results[name] = _train_rows(rows)[1]
     for key in ("train/loss", "train/grad_norm", "train/entropy"):
         assert results["micro"][key] == pytest.approx(results["big"][key], rel=1e-4, abs=1e-6)
+
+
+def test_plan_micro_batches_respects_rows_and_token_budgets():
+    import runpy
+
+    from lightrft.cli import recipes_dir
+
+    plan = runpy.run_path(str(recipes_dir() / "grpo.py"))["plan_micro_batches"]
+    lengths = [5, 5, 6, 10, 12, 30]
+    rows = list(range(6))
+    assert plan(rows, lengths, 4) == [[0, 1, 2, 3], [4, 5]]  # rows only
+    # Packed: the sum of lengths; padded: rows x the longest (padding is paid for).
+    assert plan(rows, lengths, 8, 20, packing=True) == [[0, 1, 2], [3], [4], [5]]
+    assert plan(rows, lengths, 8, 20) == [[0, 1, 2], [3], [4], [5]]
+    assert plan(rows, lengths, 8, 24, packing=True) == [[0, 1, 2], [3, 4], [5]]
+    assert plan(rows, lengths, 8, 24) == [[0, 1, 2], [3, 4], [5]]
+    assert plan(rows, lengths, 8, 22, packing=True) == [[0, 1, 2], [3, 4], [5]]
+    assert plan(rows, lengths, 8, 22) == [[0, 1, 2], [3], [4], [5]]  # 2 x 12 > 22
+    assert plan([], lengths, 4, 10) == []
+    # Every row lands exactly once, in the order given.
+    got = plan([5, 0, 3], lengths, 2, 1000)
+    assert got == [[5, 0], [3]]
 
 
 # ---------------------------------------------------------------------------------- resume
@@ -379,7 +404,16 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
         assert [r["eval/samples"] for r in rows if "eval/samples" in r] == [8, 8]
 
 
-def test_two_gloo_processes(tmp_path, assets):
+@pytest.mark.parametrize(
+    "train",
+    [
+        {"micro_batch_size": 2, "mini_batch_size": 4},
+        # A token budget: the ranks' micro-batch counts can differ and must still pair up.
+        {"micro_batch_size": 4, "mini_batch_size": 4, "micro_batch_tokens": 30, "packing": True},
+    ],
+    ids=["rows", "token_budget"],
+)
+def test_two_gloo_processes(tmp_path, assets, train):
     cfg = _config(
         tmp_path,
         assets,
@@ -387,7 +421,7 @@ def test_two_gloo_processes(tmp_path, assets):
             "algorithm.advantage.estimator": "gae",
             "critic": {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
             "algorithm.kl": {"coef": 0.05},
-            "train": {"micro_batch_size": 2, "mini_batch_size": 4},
+            "train": train,
             "eval": {"max_tokens": 3},
             "save_every": 2,
         },
