@@ -19,7 +19,8 @@ standard library's sources (vocabulary 32,768, so the LM head weighs as in a rea
 
 The floor of a phase is the time of its linear layers alone, every ``nn.Linear`` of the model
 (the LM head included) as a bare ``F.linear`` on random inputs of the phase's row count (its
-backward too, for training), measured between the phases' own runs. "of floor" = floor time /
+backward too, for training), each run right after its phase, round after round (the fastest
+round of each counts). "of floor" = floor time /
 phase time; attention, norms, sampling and Python make up the rest. The optimizer and weight
 sync do no matmuls: they show time and bytes moved. Run on an idle machine for figures; the
 load average is printed.
@@ -113,14 +114,10 @@ def make_model(out: Path, tokenizer, args) -> Path:
     return out
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` runs (the least disturbed by other processes)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
@@ -131,7 +128,7 @@ def matmul_flops(shapes: list[tuple[int, int]], rows: int) -> float:
     return 2.0 * rows * sum(i * o for i, o in shapes)
 
 
-def linear_floor(shapes: list[tuple[int, int]], rows: int, *, backward: bool, repeats: int) -> float:
+def linear_floor(shapes: list[tuple[int, int]], rows: int, *, backward: bool) -> float:
     """Seconds for the model's linear layers alone on ``rows`` input rows (forward, or forward
     and both backward matmuls), with inputs and weights made beforehand."""
     tensors = [(torch.randn(rows, i), torch.randn(o, i), torch.randn(rows, o)) for i, o in shapes]
@@ -144,7 +141,7 @@ def linear_floor(shapes: list[tuple[int, int]], rows: int, *, backward: bool, re
                 g.t() @ x  # grad of the weight
 
     run()  # warm-up
-    return timed(run, repeats)
+    return timed(run)
 
 
 def padded_rows(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,11 +188,8 @@ def main() -> None:
         return engine.generate([Request(p) for p in prompts], params)
 
     generate(args.max_tokens)  # warm-up
-    t_prefill = timed(lambda: generate(1), args.repeats)
-    t_generate = timed(lambda: generate(args.max_tokens), args.repeats)
     outs = generate(args.max_tokens)
     seqs = [prompts[k // args.n] + list(o.token_ids) for k, o in enumerate(outs)]
-    t_decode = t_generate - t_prefill
     decode_steps = args.max_tokens - 1
 
     # ---- log-probs (no grad) and training (grad + backward), micro-batches of rows
@@ -211,22 +205,35 @@ def main() -> None:
                 lp.sum().backward()
 
     logprobs(True)  # warm-up (and gradients for the optimizer)
-    t_ref = timed(lambda: logprobs(False), args.repeats)
-    t_train = timed(lambda: logprobs(True), args.repeats)
-
-    # ---- optimizer and weight sync
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     opt.step()
-    t_opt = timed(opt.step, args.repeats)
     sync_weights(model, engine)
-    t_sync = timed(lambda: sync_weights(model, engine), args.repeats)
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    # ---- floors: the same linear shapes, bare, now
-    f_prefill = linear_floor(shapes, prompt_tokens, backward=False, repeats=args.repeats)
-    f_decode = decode_steps * linear_floor(shapes, rows, backward=False, repeats=args.repeats)
-    f_ref = linear_floor(shapes, run_tokens, backward=False, repeats=args.repeats)
-    f_train = linear_floor(shapes, run_tokens, backward=True, repeats=args.repeats)
+    # The floors: the same linear shapes, bare. Each phase and its floor run back to back, round
+    # after round, so a change in the machine's load hits both; the fastest round counts.
+    floors = {
+        "prefill": lambda: linear_floor(shapes, prompt_tokens, backward=False),
+        "decode": lambda: decode_steps * linear_floor(shapes, rows, backward=False),
+        "ref": lambda: linear_floor(shapes, run_tokens, backward=False),
+        "train": lambda: linear_floor(shapes, run_tokens, backward=True),
+    }
+    phases = {
+        "prefill": lambda: timed(lambda: generate(1)),
+        "generate": lambda: timed(lambda: generate(args.max_tokens)),
+        "ref": lambda: timed(lambda: logprobs(False)),
+        "train": lambda: timed(lambda: logprobs(True)),
+        "opt": lambda: timed(opt.step),
+        "sync": lambda: timed(lambda: sync_weights(model, engine)),
+    }
+    best: dict[str, float] = {}
+    for _ in range(args.repeats):
+        for name, fn in [*phases.items(), *((f"floor_{k}", f) for k, f in floors.items())]:
+            best[name] = min(best.get(name, float("inf")), fn())
+    t_prefill, t_decode = best["prefill"], best["generate"] - best["prefill"]
+    t_ref, t_train, t_opt, t_sync = best["ref"], best["train"], best["opt"], best["sync"]
+    f_prefill, f_decode = best["floor_prefill"], best["floor_decode"]
+    f_ref, f_train = best["floor_ref"], best["floor_train"]
 
     params = sum(p.numel() for p in model.parameters())
     print(
