@@ -666,6 +666,8 @@ def fused_linear_logprobs(
         nll = _liger_flce(hidden, weight, targets, bias, temperature, ignore_index, "none")
         return -nll  # [N] fp32, 0 at ignored targets
     chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
+    if not torch.is_grad_enabled():
+        grad_hint = None  # no backward will come (the Function sees its inputs' flags only)
     return _FusedLinearLogprobs.apply(
         hidden,
         weight,
