@@ -1493,6 +1493,8 @@ class GRPORecipe:
         o = self.opts
         if not OBJECTIVES[o.loss.objective].per_token:
             return None  # gspo, gmpo: a token's gradient depends on its whole sequence
+        if data.old_logprobs is None and o.tis_mode == "sequence_mask":
+            return None  # sequence weights from the current log-probs (not reached: TIS has old)
 
         def loss(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
             inputs = dataclasses.replace(data, logprobs=logprobs, entropy=entropy)

@@ -121,7 +121,9 @@ def test_log_probs_only_without_entropy_output(no_recompute):
     torch.testing.assert_close(hidden.grad, ref[0], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(weight.grad, ref[1], atol=2e-5, rtol=1e-5)
     # One call per chunk, in order, with the kernel's own row indices and no entropy.
-    assert [c[0].tolist() for c in calls] == [list(range(s, min(s + 10, 37))) for s in (0, 10, 20, 30)]
+    assert [c[0].tolist() for c in calls] == [
+        list(range(s, min(s + 10, 37))) for s in (0, 10, 20, 30)
+    ]
     assert all(c[1] is None for c in calls)
 
 
@@ -167,9 +169,7 @@ def test_no_grad_and_frozen_inputs_do_not_ask_the_hint():
     with torch.no_grad():
         got = fused_linear_logprobs(hidden, weight, targets, grad_hint=never)
     torch.testing.assert_close(got, naive(hidden, weight, targets)[0], atol=1e-5, rtol=1e-5)
-    frozen = fused_linear_logprobs(
-        hidden.detach(), weight.detach(), targets, grad_hint=never
-    )
+    frozen = fused_linear_logprobs(hidden.detach(), weight.detach(), targets, grad_hint=never)
     assert not frozen.requires_grad
 
 
