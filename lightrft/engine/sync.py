@@ -356,7 +356,8 @@ class _Plan:
     bytes: int
 
 
-_PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+# model -> id(engine) -> plan (a plan holds its engine weakly; dead ones are dropped on rebuild).
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[int, _Plan]] = weakref.WeakKeyDictionary()
 
 
 def _plan_key(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: bool) -> tuple:
@@ -446,19 +447,22 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
 def _sync_plan(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: bool) -> _Plan:
     """The cached plan of a sync (rebuilt when its key changes)."""
     key = _plan_key(model, engine, dtype, bucket_bytes, skip_frozen)
-    plan = _PLANS.get(model)
+    plans = _PLANS.setdefault(model, {})
+    plan = plans.get(id(engine))
     target = None if plan is None or plan.engine is None else plan.engine()
     if plan is not None and target is engine and plan.key == key:
         return plan
     plan = None
-    _PLANS.pop(model, None)  # release the old plan's buffers before building anew
+    plans.pop(id(engine), None)  # release the old plan's buffers before building anew
+    for k in [k for k, p in plans.items() if p.engine is not None and p.engine() is None]:
+        del plans[k]
     items = plan_weights(model, skip_frozen=skip_frozen)
     buffers = _engine_buffers(items, engine, dtype)
     buckets = [_bucket_plan(b, dtype, buffers) for b in _split(items, dtype, bucket_bytes)]
     elem = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
     nbytes = sum(it.param.numel() * (elem or it.param.element_size()) for it in items)
     ref = None if engine is None else weakref.ref(engine)
-    _PLANS[model] = plan = _Plan(ref, key, buckets, len(items), nbytes)
+    plans[id(engine)] = plan = _Plan(ref, key, buckets, len(items), nbytes)
     return plan
 
 

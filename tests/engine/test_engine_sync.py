@@ -192,10 +192,10 @@ def _fsdp_sync(rank: int, world_size: int, model_dir: str) -> None:
     storage = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
     train_step()
     sync_weights(model, engine)
-    plan = sync_mod._PLANS[model]
+    plan = sync_mod._PLANS[model][id(engine)]
     train_step()
     sync_weights(model, engine)
-    assert sync_mod._PLANS[model] is plan and not loads
+    assert sync_mod._PLANS[model][id(engine)] is plan and not loads
     full = {hf_name(n): p.full_tensor() for n, p in model.named_parameters()}
     for name, p in engine.model.named_parameters():
         assert p.data_ptr() == storage[name] and torch.equal(p, full[name]), name
@@ -203,7 +203,7 @@ def _fsdp_sync(rank: int, world_size: int, model_dir: str) -> None:
     engine.sleep(2)
     engine.wake_up()
     sync_weights(model, engine)
-    assert sync_mod._PLANS[model] is not plan and not loads
+    assert sync_mod._PLANS[model][id(engine)] is not plan and not loads
     for name, p in engine.model.named_parameters():
         assert torch.equal(p, full[name]), name
     engine.generate([Request(seq)], SamplingParams(max_tokens=1))  # nothing left unloaded
