@@ -18,6 +18,12 @@ The backward rebuilds ``P = softmax(z)`` in place, subtracts the one-hot of the 
 so a chunk costs one elementwise pass and three matmuls. The last chunk of the forward is still in
 the workspace when the backward starts, so the backward does it first without rebuilding it.
 Entropy ``H = -sum p log p`` has ``dH/dz = -p (log p + H)``: one more ``[chunk, V]`` pass.
+
+With a ``grad_hint`` (a loss whose gradient w.r.t. each log-prob follows from that row's values,
+e.g. the PPO policy loss), ``g`` is known as soon as a chunk's log-probs are: the forward then
+does the backward's work on the chunk while its log-softmax is in the workspace (three matmuls
+per chunk in all, like the naive path) and the backward returns the stored gradients, after
+checking that the gradient autograd delivers is the one the hint gave.
 """
 
 from __future__ import annotations
@@ -350,10 +356,8 @@ def _call_hint(
             f"None), got {type(out).__name__}"
         )
     g, ge = out
-    for name, t in (("d loss / d logprobs", g), ("d loss / d entropy", ge)):
-        if t is not None and isinstance(t, Tensor) and t.shape == (c,):
-            continue
-        if t is None and name.endswith("entropy"):
+    for name, t, optional in (("d loss / d logprobs", g, False), ("d loss / d entropy", ge, True)):
+        if (t is None and optional) or (isinstance(t, Tensor) and t.shape == (c,)):
             continue
         got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"grad_hint's {name} must be a tensor of shape [{c}], got {got}")
