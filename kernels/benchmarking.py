@@ -46,7 +46,7 @@ CONFIGS: dict[str, tuple[int, int]] = {
     "llama-3-8b": (128256, 4096),
 }
 MODES = ("forward", "backward", "fwd+bwd")
-PROVIDERS = ("naive", "lightrft", "liger-chunked", "liger", "matmul")
+PROVIDERS = ("naive", "lightrft", "lightrft-hint", "liger-chunked", "liger", "matmul")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -123,6 +123,15 @@ def forward_fn(name: str, inp: Inputs) -> Callable[[], Tensor]:
         return lambda: torch.log_softmax((h @ w.t()).float(), -1).gather(-1, t[:, None]).squeeze(1)
     if name == "lightrft":
         return lambda: fused_linear_logprobs(h, w, t, backend="torch")
+    if name == "lightrft-hint":
+        # The upstream gradient is known in the forward (a weighted sum of the log-probs): the
+        # gradients are computed there and the backward returns them.
+        g = inp.grad.float()
+
+        def hint(rows: Tensor, logp: Tensor, entropy: Tensor | None):
+            return g[rows], None
+
+        return lambda: fused_linear_logprobs(h, w, t, backend="torch", grad_hint=hint)
     if name == "liger":
         return lambda: fused_linear_logprobs(h, w, t, backend="liger")
     if name == "liger-chunked":
@@ -321,7 +330,7 @@ def compare(
     config: str,
     n: int,
     *,
-    providers: tuple[str, ...] = ("naive", "matmul", "lightrft", "liger-chunked"),
+    providers: tuple[str, ...] = ("naive", "matmul", "lightrft", "lightrft-hint", "liger-chunked"),
     mode: str = "fwd+bwd",
     repeats: int = 3,
     dtype: str = "float32",
@@ -398,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    c.add_argument("--providers", default="naive,matmul,lightrft,liger-chunked,liger")
+    c.add_argument("--providers", default="naive,matmul,lightrft,lightrft-hint,liger-chunked,liger")
     c.add_argument("--no-memory", action="store_true")
     a = ap.parse_args(argv)
     res = compare(

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .logprobs import Backend, fused_linear_logprobs, select_backend
+from .logprobs import Backend, GradHint, fused_linear_logprobs, select_backend
 from .losses import fused_linear_cross_entropy
 
 
@@ -145,6 +145,7 @@ def causal_lm_token_logprobs(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    grad_hint: GradHint | None = None,
     **model_kwargs,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs ``[B, T-1]`` of the next tokens under ``model``, computed from its final
@@ -163,6 +164,8 @@ def causal_lm_token_logprobs(
         entropy_grad: with ``return_entropy``, False computes the entropy without gradient in a
             second, no-grad pass over the same hidden states (only to log it), so the log-probs
             keep the fastest backend (Liger's Triton kernel on CUDA has no entropy).
+        grad_hint: see :func:`fused_linear_logprobs`; its rows index the flattened
+            ``[B * (T-1)]`` positions (e.g. :func:`~lightrft.kernels.response_grad_hint`).
 
     Returns:
         fp32 log-probs ``[B, T-1]``, or ``(log-probs, entropy)``.
@@ -170,7 +173,14 @@ def causal_lm_token_logprobs(
     targets = _check_ids(input_ids, targets)
     b, t1 = targets.shape
 
-    def run(hidden: Tensor, weight: Tensor, bias: Tensor | None, entropy: bool, backend: str):
+    def run(
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        entropy: bool,
+        backend: str,
+        hint: GradHint | None = grad_hint,
+    ):
         return fused_linear_logprobs(
             hidden.reshape(b * t1, hidden.shape[-1]),
             weight,
@@ -181,17 +191,19 @@ def causal_lm_token_logprobs(
             return_entropy=entropy,
             ignore_index=ignore_index,
             backend=backend,
+            grad_hint=hint,
         )
 
     def logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None):
         if not return_entropy:
             return run(hidden, weight, bias, False, backend).view(b, t1)
-        if not entropy_grad and select_backend(hidden, backend=backend) == "liger":
+        chosen = select_backend(hidden, backend=backend, grad_hint=grad_hint is not None)
+        if not entropy_grad and chosen == "liger":
             # Log-probs on Liger's kernel (it has no entropy), entropy from a no-grad pass.
             lp = run(hidden, weight, bias, False, backend)
             with torch.no_grad():
                 detached = None if bias is None else bias.detach()
-                _, ent = run(hidden.detach(), weight.detach(), detached, True, "torch")
+                _, ent = run(hidden.detach(), weight.detach(), detached, True, "torch", None)
             return lp.view(b, t1), ent.view(b, t1)
         # One pass: the entropy costs an exp and a dot per row on top of the log-probs; an
         # entropy without gradient leaves the backward as cheap as log-probs alone.

@@ -18,11 +18,20 @@ The backward rebuilds ``P = softmax(z)`` in place, subtracts the one-hot of the 
 so a chunk costs one elementwise pass and three matmuls. The last chunk of the forward is still in
 the workspace when the backward starts, so the backward does it first without rebuilding it.
 Entropy ``H = -sum p log p`` has ``dH/dz = -p (log p + H)``: one more ``[chunk, V]`` pass.
+
+With a ``grad_hint`` (a loss whose gradient w.r.t. each log-prob follows from that row's values,
+e.g. the PPO policy loss), ``g`` is known as soon as a chunk's log-probs are: the forward then
+does the backward's work on the chunk while its log-softmax is in the workspace (three matmuls
+per chunk in all, like the naive path) and the backward returns the stored gradients, after
+checking that the gradient autograd delivers is the one the hint gave.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -30,6 +39,16 @@ from torch import Tensor
 
 Backend = Literal["auto", "torch", "liger"]
 BACKENDS = ("auto", "torch", "liger")
+
+GradHint = Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor | None]]
+"""``grad_hint(rows [c], logprobs [c], entropy [c] | None) -> (d loss / d logprobs [c],
+d loss / d entropy [c] | None)``: the gradient of the scalar loss with respect to the log-probs
+(and entropy) of the given rows (indices into the kernel's ``N`` rows), from their values alone.
+See :func:`fused_linear_logprobs`."""
+
+# A hint agrees with the upstream gradient autograd delivers when no element differs by more than
+# this fraction of the largest one: a few fp32 roundings.
+_HINT_RTOL = 1e-6
 
 # Elements of the per-chunk fp32 workspace (64 Mi = 256 MiB): a few hundred rows for real
 # vocabularies, where the chunk's three matmul shapes run near the machine's peak, while staying
@@ -282,14 +301,141 @@ def _backward(
             u = g + ge * entropy[s:e, None]  # [c, 1]
             d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
             r = torch.full_like(g, -inv_t)
-        if need_h:
-            g_h[s:e] = _mm_any(d, weight, low).mul_(r)
-        beta = 0.0 if i == 0 else 1.0
-        if need_w:
-            g_w.addmm_(d.t(), h_c.to(acc) * r, beta=beta)
-        if need_b:
-            g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
+        _project(d, r, h_c, weight, low, (s, e), g_h, g_w, g_b, first=i == 0)
     return g_h, g_w, g_b
+
+
+def _project(
+    d: Tensor,
+    r: Tensor,
+    h_c: Tensor,
+    weight: Tensor,
+    low: Tensor | None,
+    span: tuple[int, int],
+    g_h: Tensor | None,
+    g_w: Tensor | None,
+    g_b: Tensor | None,
+    *,
+    first: bool,
+) -> None:
+    """One chunk's share of the gradients from ``dz = r * D`` (``D`` [c, V], ``r`` [c, 1]):
+    ``g_h[s:e] = r * (D @ W)``, ``g_w += D.T @ (r * h)``, ``g_b += D.T @ r``; the first chunk
+    writes the accumulators (``beta=0``) instead of adding to them."""
+    s, e = span
+    if g_h is not None:
+        g_h[s:e] = _mm_any(d, weight, low).mul_(r)
+    beta = 0.0 if first else 1.0
+    if g_w is not None:
+        g_w.addmm_(d.t(), h_c.to(d.dtype) * r, beta=beta)
+    if g_b is not None:
+        g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
+
+
+@dataclass
+class _Sweep:
+    """What the grad-in-forward sweep leaves for the backward (all over the valid rows)."""
+
+    logp: Tensor  # [n]
+    entropy: Tensor | None  # [n]
+    hinted_logp: Tensor  # [n] d loss / d logp the gradients below were computed with
+    hinted_entropy: Tensor | None  # [n] d loss / d entropy, None when the hint gave none
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None]  # hidden rows, weight, bias
+
+
+def _call_hint(
+    hint: GradHint, rows: Tensor, logp: Tensor, ent: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """The hint's gradients for one chunk, checked; called with autograd enabled (the kernel runs
+    inside an autograd forward, where it is off) on copies, so a hint may use ``autograd.grad``."""
+    c = logp.shape[0]
+    with torch.enable_grad():
+        out = hint(rows, logp.clone(), None if ent is None else ent.clone())
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(
+            "grad_hint must return a pair (d loss / d logprobs [c], d loss / d entropy [c] or "
+            f"None), got {type(out).__name__}"
+        )
+    g, ge = out
+    for name, t, optional in (("d loss / d logprobs", g, False), ("d loss / d entropy", ge, True)):
+        if (t is None and optional) or (isinstance(t, Tensor) and t.shape == (c,)):
+            continue
+        got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"grad_hint's {name} must be a tensor of shape [{c}], got {got}")
+    if ge is not None and ent is None:
+        raise ValueError("grad_hint returned an entropy gradient but return_entropy is False")
+    acc = logp.dtype
+    return g.detach().to(acc), None if ge is None else ge.detach().to(acc)
+
+
+def _forward_with_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    rows: Tensor,
+    bias: Tensor | None,
+    inv_t: float,
+    chunk: int,
+    want_entropy: bool,
+    hint: GradHint,
+    need: tuple[bool, bool, bool],
+) -> _Sweep:
+    """Log-probs, entropy and the gradients of the (all valid) rows in one sweep: per chunk one
+    logits matmul, the hint's upstream gradients from the chunk's log-probs, and the two
+    gradient matmuls of :func:`_backward`, so no chunk's logits are built twice."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dev, acc = hidden.device, acc_dtype(hidden.dtype)
+    need_h, need_w, need_b = need
+    logp = torch.empty(n, dtype=acc, device=dev)
+    ent = torch.empty_like(logp) if want_entropy else None
+    hinted = torch.empty_like(logp)
+    hinted_ent: Tensor | None = None
+    g_h = torch.empty(n, hidden.shape[1], dtype=acc, device=dev) if need_h else None
+    g_w = torch.empty(weight.shape, dtype=acc, device=dev) if need_w else None
+    g_b = torch.empty(vocab, dtype=acc, device=dev) if need_b else None
+    if n == 0:  # every target ignored: zero gradients, the hint is never asked
+        for g in (g_w, g_b):
+            if g is not None:
+                g.zero_()
+        return _Sweep(logp, ent, hinted, None, (g_h, g_w, g_b))
+    buf, buf2, low = _workspaces(min(chunk, n), vocab, hidden, want_entropy)
+    for i, (s, e) in enumerate(_chunks(n, chunk)):
+        h_c, t_c = hidden[s:e], targets[s:e, None]  # [c, H], [c, 1]
+        z = _logits_into(buf[: e - s], h_c, weight, bias, inv_t, low)  # [c, V]
+        torch.log_softmax(z, dim=-1, out=z)
+        logp[s:e] = z.gather(1, t_c).squeeze(1)
+        p = None
+        if ent is not None:
+            p = torch.exp(z, out=buf2[: e - s])  # [c, V]
+            ent[s:e] = -torch.linalg.vecdot(p, z)
+        g_c, ge_c = _call_hint(hint, rows[s:e], logp[s:e], None if ent is None else ent[s:e])
+        hinted[s:e] = g_c
+        g = g_c[:, None]  # [c, 1]
+        if ge_c is not None and hinted_ent is None:
+            hinted_ent = torch.zeros_like(logp)  # earlier chunks had no entropy gradient
+        if ge_c is None:
+            # d logp / dz = onehot - p: D = P - onehot, the row factor on the [c, H] side.
+            d = (z.exp_() if p is None else p).scatter_add_(1, t_c, torch.full_like(g, -1.0))
+            r = g * -inv_t
+        else:
+            hinted_ent[s:e] = ge_c
+            ge = ge_c[:, None]
+            u = g + ge * ent[s:e, None]  # [c, 1]
+            d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
+            r = torch.full_like(g, -inv_t)
+        _project(d, r, h_c, weight, low, (s, e), g_h, g_w, g_b, first=i == 0)
+    return _Sweep(logp, ent, hinted, hinted_ent, (g_h, g_w, g_b))
+
+
+def _agrees(actual: Tensor | None, hinted: Tensor | None) -> bool:
+    """Whether autograd's upstream gradient is the one the hint gave (None = zeros)."""
+    if actual is None or hinted is None:
+        other = actual if hinted is None else hinted
+        return other is None or not bool(other.any())
+    if actual.numel() == 0:
+        return True
+    actual = actual.to(hinted.dtype)
+    scale = torch.maximum(actual.abs().amax(), hinted.abs().amax())
+    return bool(((actual - hinted).abs() <= _HINT_RTOL * scale).all())
 
 
 def _mm_any(d: Tensor, weight: Tensor, low: Tensor | None) -> Tensor:
@@ -308,13 +454,26 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     the backward recomputes the other chunks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, temperature, chunk, ignore_index, want_entropy):
+    def forward(
+        ctx, hidden, weight, targets, bias, temperature, chunk, ignore_index, want_entropy, hint
+    ):
         n = hidden.shape[0]
         idx = _valid_rows(targets, weight.shape[0], ignore_index)
         h_v = hidden if idx is None else hidden.index_select(0, idx)  # [n_valid, H]
         t_v = targets if idx is None else targets.index_select(0, idx)
         inv_t = 1.0 / float(temperature)
-        logp_v, ent_v, workspace = _forward(h_v, weight, t_v, bias, inv_t, chunk, want_entropy)
+        need = _needed(ctx, bias)
+        ctx.sweep, workspace = None, None
+        if hint is not None and any(need):
+            rows = idx if idx is not None else torch.arange(n, device=hidden.device)
+            sweep = _forward_with_grads(
+                h_v, weight, t_v, rows, bias, inv_t, chunk, want_entropy, hint, need
+            )
+            # Stored in the inputs' dtypes: no fp32 [V, H] copy survives to the backward.
+            sweep.grads = _to_input_dtypes(sweep.grads, hidden, weight, bias, idx)
+            ctx.sweep, logp_v, ent_v = sweep, sweep.logp, sweep.entropy
+        else:
+            logp_v, ent_v, workspace = _forward(h_v, weight, t_v, bias, inv_t, chunk, want_entropy)
         logp, ent = logp_v, ent_v
         if idx is not None:
             logp = logp_v.new_zeros(n).index_copy_(0, idx, logp_v)
@@ -322,7 +481,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets, bias, idx, ent_v)
         ctx.inv_t, ctx.chunk = inv_t, chunk
         # Only worth holding on to when a backward will follow (not for reference log-probs).
-        ctx.workspace = workspace if any(ctx.needs_input_grad) else None
+        ctx.workspace = workspace if any(need) else None
         ctx.set_materialize_grads(False)
         return logp if ent is None else (logp, ent)
 
@@ -331,19 +490,28 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         hidden, weight, targets, bias, idx, ent_v = ctx.saved_tensors
         # The cached chunk is overwritten below: a second backward (retain_graph) recomputes it.
         cached, ctx.workspace = ctx.workspace, None
-        need = (
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            bias is not None and ctx.needs_input_grad[3],
-        )
+        # Released here so autograd can take the stored gradients over without copying them; a
+        # second backward (retain_graph) takes the recomputing path.
+        sweep, ctx.sweep = ctx.sweep, None
+        need = _needed(ctx, bias)
         if (grad_logp is None and grad_ent is None) or not any(need):
-            return (None,) * 8
+            return (None,) * 9
         if idx is not None:
             h_v, t_v = hidden.index_select(0, idx), targets.index_select(0, idx)
             grad_logp = None if grad_logp is None else grad_logp.index_select(0, idx)
             grad_ent = None if grad_ent is None else grad_ent.index_select(0, idx)
         else:
             h_v, t_v = hidden, targets
+        if sweep is not None:
+            if _agrees(grad_logp, sweep.hinted_logp) and _agrees(grad_ent, sweep.hinted_entropy):
+                return (*sweep.grads[:2], None, sweep.grads[2], None, None, None, None, None)
+            warnings.warn(
+                "fused_linear_logprobs: the gradient reaching the log-probs differs from the "
+                "one grad_hint gave in the forward; recomputing it exactly (slower). Is the loss "
+                "a per-token function of the log-probs, and the hint that loss's gradient?",
+                stacklevel=2,
+            )
+            del sweep
         g_h, g_w, g_b = _backward(
             h_v,
             weight,
@@ -357,13 +525,33 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             need,
             cached=cached,
         )
-        if g_h is not None:
-            if idx is not None:
-                g_h = g_h.new_zeros(hidden.shape).index_copy_(0, idx, g_h)
-            g_h = g_h.to(hidden.dtype)
-        g_w = None if g_w is None else g_w.to(weight.dtype)
-        g_b = None if g_b is None else g_b.to(bias.dtype)
-        return g_h, g_w, None, g_b, None, None, None, None
+        g_h, g_w, g_b = _to_input_dtypes((g_h, g_w, g_b), hidden, weight, bias, idx)
+        return g_h, g_w, None, g_b, None, None, None, None, None
+
+
+def _needed(ctx, bias: Tensor | None) -> tuple[bool, bool, bool]:
+    """Which of hidden, weight, bias need a gradient."""
+    g = ctx.needs_input_grad
+    return g[0], g[1], bias is not None and g[3]
+
+
+def _to_input_dtypes(
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None],
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    idx: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Valid-row gradients (fp32/64) -> gradients of the inputs: hidden's scattered to all
+    rows (0 at ignored ones), each in its input's dtype."""
+    g_h, g_w, g_b = grads
+    if g_h is not None:
+        if idx is not None:
+            g_h = g_h.new_zeros(hidden.shape).index_copy_(0, idx, g_h)
+        g_h = g_h.to(hidden.dtype)
+    g_w = None if g_w is None else g_w.to(weight.dtype)
+    g_b = None if g_b is None else g_b.to(bias.dtype)
+    return g_h, g_w, g_b
 
 
 def _liger_available(hidden: Tensor) -> bool:
@@ -380,21 +568,31 @@ def _liger_available(hidden: Tensor) -> bool:
 
 
 def select_backend(
-    hidden: Tensor, *, return_entropy: bool = False, backend: Backend = "auto"
+    hidden: Tensor,
+    *,
+    return_entropy: bool = False,
+    backend: Backend = "auto",
+    grad_hint: bool = False,
 ) -> str:
     """The implementation that :func:`fused_linear_logprobs` runs: ``"torch"`` or ``"liger"``.
 
     ``"auto"`` picks Liger-Kernel's Triton fused linear cross-entropy on CUDA when it is installed
-    and no entropy is asked for (it has none), else the chunked torch path. A forced ``"liger"``
-    that cannot run raises instead of silently falling back.
+    and neither entropy nor a ``grad_hint`` is asked for (it has neither), else the chunked torch
+    path. A forced ``"liger"`` that cannot run raises instead of silently falling back.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    usable = _liger_available(hidden) and not return_entropy
+    usable = _liger_available(hidden) and not return_entropy and not grad_hint
     if backend == "liger" and not usable:
-        why = "return_entropy=True" if return_entropy else "it needs CUDA, Triton and liger-kernel"
+        why = (
+            "return_entropy=True"
+            if return_entropy
+            else "grad_hint is given"
+            if grad_hint
+            else "it needs CUDA, Triton and liger-kernel"
+        )
         raise ValueError(f"backend='liger' cannot run here: {why}; use backend='torch' or 'auto'")
     return "liger" if usable else "torch"
 
@@ -435,6 +633,7 @@ def fused_linear_logprobs(
     return_entropy: bool = False,
     ignore_index: int = -100,
     backend: Backend = "auto",
+    grad_hint: GradHint | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -448,16 +647,31 @@ def fused_linear_logprobs(
         chunk_size: rows per chunk; default :func:`default_chunk_size` (a 256 MiB workspace).
         return_entropy: also return the differentiable entropy ``-sum_v p log p`` [N].
         backend: ``"auto"``, ``"torch"`` or ``"liger"``; see :func:`select_backend`.
+        grad_hint: when the loss's gradient with respect to each log-prob (and entropy) follows
+            from that row's values alone (a per-token function of the log-probs, summed with
+            fixed weights: the PPO/CPGD policy loss, KL in the loss, the entropy bonus), a
+            :data:`GradHint` that returns it. The gradients are then computed chunk by chunk
+            during the forward (3 vocabulary-sized matmuls per chunk instead of 4) and the
+            backward returns them. If the gradient autograd delivers in backward differs from
+            the hint's (beyond fp32 rounding), the backward recomputes exactly, with a warning.
+            Ignored when no input needs a gradient; runs on the torch backend.
 
     Returns:
         log-probs [N] in fp32, or ``(log-probs, entropy)``. Gradients flow to ``hidden``,
         ``weight`` and ``bias`` in their own dtypes; low-precision inputs accumulate in fp32.
     """
     _check_inputs(hidden, weight, targets, bias, temperature, chunk_size)
-    if select_backend(hidden, return_entropy=return_entropy, backend=backend) == "liger":
+    if grad_hint is not None and not callable(grad_hint):
+        raise ValueError(f"grad_hint must be callable or None, got {type(grad_hint).__name__}")
+    chosen = select_backend(
+        hidden, return_entropy=return_entropy, backend=backend, grad_hint=grad_hint is not None
+    )
+    if chosen == "liger":
         nll = _liger_flce(hidden, weight, targets, bias, temperature, ignore_index, "none")
         return -nll  # [N] fp32, 0 at ignored targets
     chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
+    if not torch.is_grad_enabled():
+        grad_hint = None  # no backward will come (the Function sees its inputs' flags only)
     return _FusedLinearLogprobs.apply(
         hidden,
         weight,
@@ -467,4 +681,5 @@ def fused_linear_logprobs(
         chunk,
         ignore_index,
         return_entropy,
+        grad_hint,
     )

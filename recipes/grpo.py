@@ -71,7 +71,12 @@ from lightrft.config import Component
 from lightrft.data import ImageInputs, build_dataloader, collate_prompts
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.evaluation import evaluate_items, summarize
-from lightrft.kernels import causal_lm_token_logprobs, forward_on_hidden
+from lightrft.kernels import (
+    GradHint,
+    causal_lm_token_logprobs,
+    forward_on_hidden,
+    response_grad_hint,
+)
 from lightrft.models import (
     checkpoint_is_vision_language,
     is_vision_language,
@@ -1273,7 +1278,15 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _policy_logprobs(self, model, mb, *, entropy: bool, entropy_grad: bool = False):
+    def _policy_logprobs(
+        self,
+        model,
+        mb,
+        *,
+        entropy: bool,
+        entropy_grad: bool = False,
+        grad_hint: GradHint | None = None,
+    ):
         dev = self.dist.device
         out = causal_lm_token_logprobs(
             model,
@@ -1284,6 +1297,7 @@ class GRPORecipe:
             temperature=self.opts.rollout.temperature,
             return_entropy=entropy,
             entropy_grad=entropy_grad,
+            grad_hint=grad_hint,
             images=mb["images"],
         )
         if entropy:
@@ -1468,36 +1482,75 @@ class GRPORecipe:
             metrics.update({"value_loss": vloss.detach(), **vm})
         return loss, metrics
 
-    def _loss_inputs(self, batch: RolloutBatch, idx: list[int], mb: dict) -> LossInputs:
+    def _loss_inputs(
+        self, batch: RolloutBatch, idx: list[int], mb: dict, counts: Counts
+    ) -> LossInputs:
         """The micro-batch's forward passes and ``[b, R]`` slices of the rollout batch."""
         o, dev = self.opts, self.dist.device
         mask = mb["mask"].to(dev)  # [b, R] response tokens
         width = mask.shape[1]
+        zeros = torch.zeros(mask.shape, device=dev)
 
         def rows(t: torch.Tensor | None, *, fallback: torch.Tensor | None = None):
             if not idx:  # a rank without data: a dummy row the mask zeroes out
                 return fallback
             return None if t is None else t[idx, :width].to(dev)
 
-        # Entropy with a gradient only for the bonus; otherwise a cheap no-grad value to log.
-        lp, ent = self._policy_logprobs(
-            self.model, mb, entropy=True, entropy_grad=bool(o.loss.entropy_coef)
-        )  # [b, R]
-        values = self._values(mb) if self.critic is not None else None
         kl_loss = o.kl is not None and o.kl.placement == "loss"
         old = batch.rollout_logprobs if o.old_logprobs == "engine" else batch.old_logprobs
-        return LossInputs(
-            logprobs=lp,
-            entropy=ent,
+        data = LossInputs(
+            logprobs=zeros,  # the policy's, below
+            entropy=None,
             mask=mask,
             loss_mask=mask if batch.loss_mask is None else rows(batch.loss_mask, fallback=mask),
-            advantages=rows(batch.advantages, fallback=torch.zeros_like(lp)),
+            advantages=rows(batch.advantages, fallback=zeros),
             old_logprobs=rows(old),
             rollout_logprobs=rows(batch.rollout_logprobs) if o.tis_mode else None,
-            ref_logprobs=rows(batch.ref_logprobs, fallback=lp.detach()) if kl_loss else None,
+            ref_logprobs=rows(batch.ref_logprobs, fallback=zeros) if kl_loss else None,
+            values=None,
+            old_values=None,
+            returns=None,
+        )
+        # Entropy with a gradient only for the bonus; otherwise a cheap no-grad value to log.
+        lp, ent = self._policy_logprobs(
+            self.model,
+            mb,
+            entropy=True,
+            entropy_grad=bool(o.loss.entropy_coef),
+            grad_hint=self._grad_hint(data, counts, mb),
+        )  # [b, R]
+        values = self._values(mb) if self.critic is not None else None
+        return dataclasses.replace(
+            data,
+            logprobs=lp,
+            entropy=ent,
             values=values,
             old_values=None if values is None else rows(batch.values, fallback=values.detach()),
             returns=None if values is None else rows(batch.returns, fallback=values.detach()),
+        )
+
+    def _grad_hint(self, data: LossInputs, counts: Counts, mb: dict) -> GradHint | None:
+        """For a per-token objective (ppo, cpgd; the KL and entropy terms are per token too),
+        the loss's gradient w.r.t. a chunk of log-probs follows from their values, so the fused
+        kernel computes the LM-head gradients during the forward (3 vocabulary-sized matmuls
+        instead of 4) from :meth:`loss` itself. If an edited :meth:`loss` is not per token, the
+        kernel notices in backward, warns and recomputes exactly."""
+        o = self.opts
+        if not OBJECTIVES[o.loss.objective].per_token:
+            return None  # gspo, gmpo: a token's gradient depends on its whole sequence
+        if data.old_logprobs is None and o.tis_mode == "sequence_mask":
+            return None  # sequence weights from the current log-probs (not reached: TIS has old)
+
+        def loss(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+            inputs = dataclasses.replace(data, logprobs=logprobs, entropy=entropy)
+            return self.loss(inputs, counts)[0]
+
+        return response_grad_hint(
+            loss,
+            mb["index"].to(self.dist.device),
+            data.mask,
+            mb["targets"].numel(),
+            entropy_grad=bool(o.loss.entropy_coef),
         )
 
     # ------------------------------------------------------------------ update
@@ -1540,7 +1593,8 @@ class GRPORecipe:
                 for idx in self._micro_batches(batch, mini):
                     with timer("training"):
                         mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
-                        total, metrics = self.loss(self._loss_inputs(batch, idx, mb), counts)
+                        inputs = self._loss_inputs(batch, idx, mb, counts)
+                        total, metrics = self.loss(inputs, counts)
                         total.backward()
                     loss_sum += float(metrics.pop("actor_loss"))
                     acc.add("tokens", mb["tokens"])

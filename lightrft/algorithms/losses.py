@@ -301,13 +301,17 @@ class Objective:
     ``[B, T]`` (for the metrics) and its clip flags ``{"low", "high"[, "dual"]}`` (bool
     ``[B, T]``). ``defaults``: the paper's ``clip_low``, ``clip_high`` and ``agg``.
     ``check(name, clip_low, clip_high, dual_clip, agg)`` raises ``ValueError`` on settings the
-    objective cannot use; ``dual_clip`` says whether it accepts a dual clip.
+    objective cannot use; ``dual_clip`` says whether it accepts a dual clip. ``per_token``: each
+    token's loss depends on its own log-prob only (not on other tokens' through a sequence
+    ratio), so the gradient of a chunk of tokens is known from their log-probs alone and the
+    fused kernel can compute the LM-head gradients in its forward (``grad_hint``).
     """
 
     fn: Callable[..., tuple[Tensor, Tensor, dict[str, Tensor]]]
     defaults: Mapping[str, float | str]
     check: Callable[[str, float, float, float | None, str], None] | None = None
     dual_clip: bool = False
+    per_token: bool = False
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -316,6 +320,7 @@ OBJECTIVES: dict[str, Objective] = {
         {"clip_low": 0.2, "clip_high": 0.2, "agg": "token_mean"},
         _check_ratio_clip,
         dual_clip=True,
+        per_token=True,
     ),
     "gspo": Objective(
         _gspo,
@@ -327,7 +332,10 @@ OBJECTIVES: dict[str, Objective] = {
         _gmpo, {"clip_low": 0.4, "clip_high": 0.4, "agg": "seq_mean_token_mean"}, _check_gmpo
     ),
     "cpgd": Objective(
-        _cpgd, {"clip_low": 0.2, "clip_high": 0.2, "agg": "token_mean"}, _check_ratio_clip
+        _cpgd,
+        {"clip_low": 0.2, "clip_high": 0.2, "agg": "token_mean"},
+        _check_ratio_clip,
+        per_token=True,
     ),
 }
 """Config name -> :class:`Objective`. Add an objective with one entry here (or, in a copied

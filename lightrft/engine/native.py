@@ -240,6 +240,7 @@ class NativeEngine:
         self._kv_pool: torch.Tensor | None = None
         self._kv_awake = True
         self._weights_awake = True
+        self._weights_version = 0  # bumped whenever the weights' storage is replaced
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
         self._images: list[ImageInputs | None] = []  # per request, during generate()
 
@@ -253,6 +254,7 @@ class NativeEngine:
             for p in self._unique_params():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._weights_awake = False
+            self._weights_version += 1
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``["weights"]`` (contents undefined until loaded) and/or ``["kv_cache"]``."""
@@ -262,6 +264,7 @@ class NativeEngine:
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
             self._unloaded = {name for name, _ in self._canonical_items()}
             self._weights_awake = True
+            self._weights_version += 1
         if "kv_cache" in tags:
             self._kv_awake = True
 
@@ -299,6 +302,36 @@ class NativeEngine:
             torch._foreach_copy_(params, tensors)  # one batched copy, casting to our dtype
         for param in params:
             self._unloaded.discard(self._canonical[id(param)])
+
+    @property
+    def weights_version(self) -> int:
+        """Changes whenever the weights' storage is replaced (a level-2 sleep, waking the weights):
+        tensors from :meth:`weight_buffers` are valid while it stays the same."""
+        return self._weights_version
+
+    def weight_buffers(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The engine's own weight tensors for these HF names, to be written in place.
+
+        A writer that fills them (``sync_weights`` gathers straight into them) saves the copy
+        that :meth:`load_weights` makes. The names count as loaded from this call on: write every
+        one before the next ``generate``. The tensors stay valid while :attr:`weights_version`
+        does not change. Unknown names raise, as in :meth:`load_weights`.
+        """
+        if not self._weights_awake:
+            raise ValueError(
+                "the engine's weights are released (sleep level 2); call "
+                "wake_up(['weights']) before weight_buffers"
+            )
+        out = []
+        for name in names:
+            param = self._params.get(name)
+            if param is None:
+                close = difflib.get_close_matches(name, list(self._params), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"weight_buffers: unknown parameter name {name!r}{hint}")
+            out.append(param.data)
+            self._unloaded.discard(self._canonical[id(param)])
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Nothing to drop: prompt KV states are shared only within one ``generate`` call."""

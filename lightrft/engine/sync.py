@@ -11,6 +11,12 @@ arXiv:2106.09685). Tensors are cast to the engine's dtype and handed over in buc
 FSDP2 parameters of a bucket travel in one all-gather (rather than one ``DTensor.full_tensor()``
 collective per parameter, whose per-call latency dominated on gloo): local shards are packed into
 one buffer, gathered, and regrouped into full tensors with one copy each way.
+
+An engine that exposes its weights (``weight_buffers(names)`` and ``weights_version``, as
+:class:`~lightrft.engine.NativeEngine` does) gets them written in place: the gathered buffer is
+regrouped straight into the engine's tensors, so a sync costs the pack copy, the all-gather and
+one copy, with the per-parameter plan (names, shapes, buckets, destination views) built once and
+cached until the model's parameters or the engine's storage change.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import math
 import re
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -304,6 +310,234 @@ def iter_weight_buckets(
         yield _full_bucket(items, dtype, ws)
 
 
+# ------------------------------------------------------------------------- in place
+
+
+@dataclass
+class _GatherPlan:
+    """One all-gather of a bucket (one process group and wire dtype), planned once.
+
+    ``direct[k]``: the engine's tensor viewed as ``[world, size]``, which the regroup copy writes
+    in place (every rank's rows land where they belong when the row count divides evenly);
+    ``None``: the tensor goes through the scratch buffer (uneven rows, a LoRA merge, no engine
+    buffer), and from there to the engine by a trim copy (``trim``) or ``load_weights``.
+    """
+
+    index: list[int]  # positions in the bucket's tensor list
+    params: list[torch.Tensor]  # the sharded DTensors, read with to_local() at every sync
+    group: object
+    world: int
+    dtype: torch.dtype
+    device: torch.device
+    numels: list[int]  # elements of this rank's shard of each
+    sizes: list[int]  # padded elements per rank of each
+    shapes: list[torch.Size]
+    direct: list[torch.Tensor | None]
+    trim: dict[int, torch.Tensor]  # k -> engine tensor filled from the scratch (uneven rows)
+    views: tuple | None = None  # CPU: views over the plan's own buffers, kept between syncs
+    buffers: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class _BucketPlan:
+    items: list[_Item]
+    tensors: list[torch.Tensor]  # the items' tensors (each param, then its LoRA factors)
+    others: list[int]  # tensors not gathered here: plain, or DTensors of another layout
+    gathers: list[_GatherPlan]
+    loaded: list[int]  # items sent with load_weights (the rest is written in place)
+
+
+@dataclass
+class _Plan:
+    engine: weakref.ref | None  # the engine it writes into (its tensors are in the views)
+    key: tuple
+    buckets: list[_BucketPlan]
+    tensors: int
+    bytes: int
+
+
+# model -> id(engine) -> plan (a plan holds its engine weakly; dead ones are dropped on rebuild).
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[int, _Plan]] = weakref.WeakKeyDictionary()
+
+
+def _plan_key(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: bool) -> tuple:
+    """What a cached plan depends on besides the engine object: the engine's storage, the
+    settings, and every parameter object with its local storage (one cheap pass over the
+    parameters, nothing allocated)."""
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    storage = tuple((id(t), t.data_ptr(), t.requires_grad) for t in local)
+    version = getattr(engine, "weights_version", None)
+    return (version, dtype, bucket_bytes, skip_frozen, storage)
+
+
+def _engine_buffers(items: list[_Item], engine, dtype) -> dict[str, torch.Tensor]:
+    """The engine tensors that can take an item's full weight in place, by HF name."""
+    if engine is None or not hasattr(engine, "weight_buffers"):
+        return {}
+    cands = [it for it in items if not it.loras and _shard0_mesh(it.param) is not None]
+    if not cands:
+        return {}
+    out = {}
+    for it, buf in zip(cands, engine.weight_buffers([it.name for it in cands]), strict=True):
+        if (
+            tuple(buf.shape) == tuple(it.param.shape)
+            and buf.dtype == (dtype or it.param.dtype)
+            and buf.device == it.param.to_local().device
+            and buf.is_contiguous()
+        ):
+            out[it.name] = buf
+    return out
+
+
+def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) -> _BucketPlan:
+    """The bucket's gathers in the order :func:`_full_bucket` issues them (so that ranks with and
+    without an engine still line up), with each tensor's destination."""
+    tensors, wire, owner = [], [], []
+    for j, it in enumerate(items):
+        ts = it.tensors()
+        tensors += ts
+        wire += [dtype if (dtype is not None and not it.loras) else t.dtype for t in ts]
+        owner += [j] * len(ts)
+    others, groups, meshes = [], {}, {}
+    for i, t in enumerate(tensors):
+        mesh = _shard0_mesh(t)
+        if mesh is None:
+            others.append(i)
+            continue
+        group = mesh.get_group()
+        meshes.setdefault(group, mesh)
+        groups.setdefault((group, wire[i]), []).append(i)
+    gathers, written = [], set()
+    for (group, wire_dtype), idx in groups.items():
+        world = meshes[group].size()
+        params = [tensors[i] for i in idx]
+        rows = [-(-t.shape[0] // world) for t in params]
+        sizes = [r * math.prod(t.shape[1:]) for r, t in zip(rows, params, strict=True)]
+        direct, trim = [], {}
+        for k, (i, size) in enumerate(zip(idx, sizes, strict=True)):
+            buf = buffers.get(items[owner[i]].name)
+            if buf is not None and buf.numel() == world * size:
+                direct.append(buf.view(world, size))
+            else:
+                direct.append(None)
+                if buf is not None:
+                    trim[k] = buf
+            if buf is not None:
+                written.add(owner[i])
+        local = params[0].to_local()
+        gathers.append(
+            _GatherPlan(
+                index=idx,
+                params=params,
+                group=group,
+                world=world,
+                dtype=wire_dtype,
+                device=local.device,
+                numels=[t.to_local().numel() for t in params],
+                sizes=sizes,
+                shapes=[t.shape for t in params],
+                direct=direct,
+                trim=trim,
+            )
+        )
+    loaded = [j for j in range(len(items)) if j not in written]
+    return _BucketPlan(items, tensors, others, gathers, loaded)
+
+
+def _sync_plan(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: bool) -> _Plan:
+    """The cached plan of a sync (rebuilt when its key changes)."""
+    key = _plan_key(model, engine, dtype, bucket_bytes, skip_frozen)
+    plans = _PLANS.setdefault(model, {})
+    plan = plans.get(id(engine))
+    target = None if plan is None or plan.engine is None else plan.engine()
+    if plan is not None and target is engine and plan.key == key:
+        return plan
+    plan = None
+    plans.pop(id(engine), None)  # release the old plan's buffers before building anew
+    for k in [k for k, p in plans.items() if p.engine is not None and p.engine() is None]:
+        del plans[k]
+    items = plan_weights(model, skip_frozen=skip_frozen)
+    buffers = _engine_buffers(items, engine, dtype)
+    buckets = [_bucket_plan(b, dtype, buffers) for b in _split(items, dtype, bucket_bytes)]
+    elem = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+    nbytes = sum(it.param.numel() * (elem or it.param.element_size()) for it in items)
+    ref = None if engine is None else weakref.ref(engine)
+    plans[id(engine)] = plan = _Plan(ref, key, buckets, len(items), nbytes)
+    return plan
+
+
+def _views(g: _GatherPlan, bufs: dict[str, torch.Tensor | None]) -> tuple:
+    """Pack slots, regroup destinations, trim pairs and the scratch results of a gather."""
+    slots = [s[:n] for s, n in zip(bufs["flat"].split(g.sizes), g.numels, strict=True)]
+    dests = list(g.direct)
+    scratch_k = [k for k, d in enumerate(g.direct) if d is None]
+    results: dict[int, torch.Tensor] = {}
+    if scratch_k:
+        pieces = bufs["scratch"].split([g.world * g.sizes[k] for k in scratch_k])
+        for k, piece in zip(scratch_k, pieces, strict=True):
+            dests[k] = piece.view(g.world, g.sizes[k])
+            shape = g.shapes[k]
+            results[k] = piece.view(-1, *shape[1:])[: shape[0]]
+    trim = ([g.trim[k] for k in g.trim], [results[k] for k in g.trim])
+    return slots, dests, trim, results
+
+
+@torch.no_grad()
+def _run_gather(g: _GatherPlan, result: list[torch.Tensor | None]) -> None:
+    """Pack this rank's shards, all-gather, regroup into the engine's tensors and the scratch."""
+    import torch.distributed as dist
+
+    if g.views is None:
+        # CPU: the plan keeps its buffers (a fresh multi-megabyte CPU allocation costs page
+        # faults); CUDA: the caching allocator serves them and nothing is held between syncs.
+        total = sum(g.sizes)
+        scratch = sum(g.world * s for s, d in zip(g.sizes, g.direct, strict=True) if d is None)
+        g.buffers = {
+            "flat": torch.zeros(total, dtype=g.dtype, device=g.device),
+            "out": torch.empty(g.world * total, dtype=g.dtype, device=g.device),
+            "scratch": torch.empty(scratch, dtype=g.dtype, device=g.device) if scratch else None,
+        }
+        g.views = _views(g, g.buffers)
+    slots, dests, (trim_to, trim_from), results = g.views
+    torch._foreach_copy_(slots, [p.to_local().reshape(-1) for p in g.params])  # casts too
+    out = g.buffers["out"]
+    dist.all_gather_into_tensor(out, g.buffers["flat"], group=g.group)
+    torch.split_with_sizes_copy(out.view(g.world, -1), g.sizes, dim=1, out=dests)
+    if trim_to:
+        torch._foreach_copy_(trim_to, trim_from)
+    for k, r in results.items():
+        result[g.index[k]] = r
+    if g.device.type != "cpu":
+        g.views, g.buffers = None, {}
+
+
+@torch.no_grad()
+def _sync_bucket(b: _BucketPlan, engine, dtype) -> None:
+    result: list[torch.Tensor | None] = [None] * len(b.tensors)
+    for i in b.others:
+        t = b.tensors[i]
+        result[i] = t.full_tensor() if _is_dtensor(t) else t.detach()
+    for g in b.gathers:
+        _run_gather(g, result)
+    if not b.loaded or engine is None:
+        return
+    starts = [0]
+    for it in b.items:
+        starts.append(starts[-1] + len(it.tensors()))
+    pairs = []
+    for j in b.loaded:
+        it = b.items[j]
+        w = _merged(it, result[starts[j] : starts[j + 1]])
+        pairs.append((it.name, w.to(dtype) if dtype is not None else w))
+    engine.load_weights(pairs)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 @dataclass
 class SyncStats:
     tensors: int
@@ -329,15 +563,11 @@ def sync_weights(
     """
     if dtype is None and engine is not None:
         dtype = getattr(engine, "dtype", None)
-    tensors = total = buckets = 0
-    for bucket in iter_weight_buckets(
-        model, dtype=dtype, bucket_bytes=bucket_bytes, skip_frozen=skip_frozen
-    ):
-        if engine is not None:
-            engine.load_weights(bucket)
-        buckets += 1
-        tensors += len(bucket)
-        total += sum(t.numel() * t.element_size() for _, t in bucket)
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    plan = _sync_plan(model, engine, dtype, bucket_bytes, skip_frozen)
+    for bucket in plan.buckets:
+        _sync_bucket(bucket, engine, dtype)
     if engine is not None:
         engine.reset_prefix_cache()
-    return SyncStats(tensors=tensors, bytes=total, buckets=buckets)
+    return SyncStats(tensors=plan.tensors, bytes=plan.bytes, buckets=len(plan.buckets))

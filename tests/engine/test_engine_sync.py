@@ -176,8 +176,43 @@ def _fsdp_sync(rank: int, world_size: int, model_dir: str) -> None:
     ref = (logits[:-1] / 0.7).log_softmax(-1).gather(-1, torch.tensor(seq[1:])[:, None])
     assert torch.allclose(torch.tensor(c.prompt_logprobs), ref.squeeze(-1), atol=1e-5)
 
-    # A rank without an engine still takes part in the gathers.
+    # In place: the engine's own tensors are written, nothing goes through load_weights, and
+    # the plan is cached: after another optimizer step the cached plan carries the new values.
+    # (Each sync follows a backward: a no-grad forward, as above, leaves the blocks FSDP2 does
+    # not reshard after forward unsharded, and such plain tensors go through load_weights.)
+    from lightrft.engine import sync as sync_mod
+
+    def train_step():
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    loads = []
+    engine.load_weights = lambda pairs: loads.append(list(pairs))
+    storage = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    train_step()
+    sync_weights(model, engine)
+    plan = sync_mod._PLANS[model][id(engine)]
+    train_step()
+    sync_weights(model, engine)
+    assert sync_mod._PLANS[model][id(engine)] is plan and not loads
+    full = {hf_name(n): p.full_tensor() for n, p in model.named_parameters()}
+    for name, p in engine.model.named_parameters():
+        assert p.data_ptr() == storage[name] and torch.equal(p, full[name]), name
+    # A level-2 sleep replaces the engine's storage: the plan is rebuilt, every weight arrives.
+    engine.sleep(2)
+    engine.wake_up()
+    sync_weights(model, engine)
+    assert sync_mod._PLANS[model][id(engine)] is not plan and not loads
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, full[name]), name
+    engine.generate([Request(seq)], SamplingParams(max_tokens=1))  # nothing left unloaded
+    del engine.load_weights
+
+    # A rank without an engine still takes part in the gathers, in the same order.
     sync_weights(model, engine if rank == 0 else None)
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, full[name]), name
     with pytest.raises(ValueError, match="is a DTensor"):
         NativeEngine(model)
 

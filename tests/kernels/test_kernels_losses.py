@@ -134,15 +134,37 @@ def naive_logprobs_bt(hidden, weight, targets, bias, temperature):
         {"objective": "ppo"},
         {"objective": "ppo", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
         {"objective": "ppo", "agg": "seq_mean_token_sum_norm", "norm_len": 16},
+        {"objective": "ppo", "agg": "seq_mean_token_mean", "kl": "k3", "tis_mode": "sequence_mask"},
+        {"objective": "ppo", "kl": "k2", "tis_mode": "token", "old": None},
         {"objective": "gspo", "clip_low": 3e-4, "clip_high": 4e-4},
         {"objective": "gmpo", "clip_low": 0.4, "clip_high": 0.4},
-        {"objective": "cpgd"},
+        {"objective": "cpgd", "kl": "k3"},
     ],
-    ids=["ppo", "ppo-dual-clip-higher", "dr-grpo-agg", "gspo", "gmpo", "cpgd"],
+    ids=[
+        "ppo",
+        "ppo-dual-clip-higher",
+        "dr-grpo-agg",
+        "ppo-kl-tis",
+        "on-policy-k2-token-tis",
+        "gspo",
+        "gmpo",
+        "cpgd-kl",
+    ],
 )
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
-def test_policy_loss_equals_unfused_composition(kwargs, entropy_coef):
+@pytest.mark.parametrize("route", ["logprobs", "grad_hint"])
+def test_policy_loss_equals_unfused_composition(kwargs, entropy_coef, route, monkeypatch):
+    """The recipe's routes: the fused kernel's log-probs and entropy, then the pure losses; with
+    ``grad_hint`` (per-token objectives) the gradients come from the kernel's forward and the
+    recomputing backward never runs. Both equal the naive logits path to fp32 tolerance."""
     losses = pytest.importorskip("lightrft.algorithms.losses")
+    from lightrft.algorithms.kl import estimate, kl_in_loss
+    from lightrft.kernels import logprobs as lp_mod
+    from lightrft.kernels import response_grad_hint
+
+    kwargs = dict(kwargs)
+    kl_kind, on_policy = kwargs.pop("kl", None), "old" in kwargs and kwargs.pop("old") is None
+    tis_mode = kwargs.pop("tis_mode", None)
     b_, t_, temperature = 4, 11, 0.8
     hidden, weight, bias, targets = make((b_, t_), 24, 1003, bias=True, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -154,17 +176,43 @@ def test_policy_loss_equals_unfused_composition(kwargs, entropy_coef):
     with torch.no_grad():
         cur, _ = naive_logprobs_bt(hidden, weight, targets, bias, temperature)
         old = cur + 0.3 * torch.randn(b_, t_, generator=g)  # some tokens beyond the clip range
+        ref_lp = cur + 0.2 * torch.randn(b_, t_, generator=g)
+        rollout = old + 0.5 * torch.randn(b_, t_, generator=g)
+    agg = kwargs.get("agg") or losses.OBJECTIVES[kwargs["objective"]].defaults["agg"]
+    norm = {"agg": agg, "norm_len": kwargs.get("norm_len")}
+    tis = {} if tis_mode is None else {"rollout_logprobs": rollout, "tis_mode": tis_mode}
+
+    def compose(logp, ent):
+        loss, metrics = losses.policy_loss(
+            logp, None if on_policy else old, advantages, mask, **kwargs, **tis
+        )
+        term, ent_metrics = losses.entropy_bonus(ent, mask, entropy_coef, **norm)
+        loss = loss + term
+        if kl_kind is not None:
+            kl_term, _ = kl_in_loss(estimate(logp, ref_lp, kl_kind), mask, 0.05, **norm)
+            loss = loss + kl_term
+        return loss, {**metrics, **ent_metrics}
 
     def unfused():
-        logp, ent = naive_logprobs_bt(hidden, weight, targets, bias, temperature)
-        loss, metrics = losses.policy_loss(logp, old, advantages, mask, **kwargs)
-        agg = kwargs.get("agg") or losses.OBJECTIVE_DEFAULTS[kwargs["objective"]]["agg"]
-        norm = {"norm_len": kwargs.get("norm_len")}
-        term, ent_metrics = losses.entropy_bonus(ent, mask, entropy_coef, agg=agg, **norm)
-        return loss + term, {**metrics, **ent_metrics}
+        return compose(*naive_logprobs_bt(hidden, weight, targets, bias, temperature))
+
+    per_token = losses.OBJECTIVES[kwargs["objective"]].per_token
+    hint = None
+    if route == "grad_hint" and per_token:
+        hint = response_grad_hint(
+            lambda lp, ent: compose(lp, ent)[0],
+            torch.arange(b_ * t_).view(b_, t_),
+            mask,
+            b_ * t_,
+            entropy_grad=bool(entropy_coef),
+        )
+
+        def no_recompute(*args, **kw):
+            raise AssertionError("the recomputing backward ran")
+
+        monkeypatch.setattr(lp_mod, "_backward", no_recompute)
 
     def fused():
-        # The recipe's route: the fused kernel's log-probs and entropy, then the pure losses.
         kernel_targets = torch.where(mask, targets, torch.full_like(targets, -100))
         logp, ent = fused_linear_logprobs(
             hidden.reshape(b_ * t_, -1),
@@ -174,18 +222,19 @@ def test_policy_loss_equals_unfused_composition(kwargs, entropy_coef):
             temperature=temperature,
             chunk_size=9,
             return_entropy=True,
+            grad_hint=hint,
         )
-        logp, ent = logp.view(b_, t_), ent.view(b_, t_)
-        loss, metrics = losses.policy_loss(logp, old, advantages, mask, **kwargs)
-        agg = kwargs.get("agg") or losses.OBJECTIVES[kwargs["objective"]].defaults["agg"]
-        norm = {"norm_len": kwargs.get("norm_len")}
-        term, ent_metrics = losses.entropy_bonus(ent, mask, entropy_coef, agg=agg, **norm)
-        return loss + term, {**metrics, **ent_metrics}
+        ent = ent if entropy_coef else ent.detach()
+        return compose(logp.view(b_, t_), ent.view(b_, t_))
 
     ref_loss, ref_metrics = unfused()
     ref_g = grads_of(ref_loss, hidden, weight, bias)
-    got_loss, got_metrics = fused()
-    got_g = grads_of(got_loss, hidden, weight, bias)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a hint that disagrees would warn
+        got_loss, got_metrics = fused()
+        got_g = grads_of(got_loss, hidden, weight, bias)
     torch.testing.assert_close(got_loss, ref_loss, atol=1e-6, rtol=1e-5)
     assert set(got_metrics) == set(ref_metrics)
     for k, v in ref_metrics.items():

@@ -283,6 +283,57 @@ def test_micro_batches_and_packing_equal_one_big_batch(tmp_path, assets):
             assert results[name][key] == pytest.approx(results["big"][key], rel=1e-4, abs=1e-6)
 
 
+def test_training_forward_computes_the_lm_head_gradients(tmp_path, assets, monkeypatch):
+    """Issue 15 item 2: with a per-token objective the training forward hands the kernel a
+    grad_hint built from the recipe's own loss (policy + KL + entropy bonus + TIS), so the
+    kernel's backward recomputes nothing and no disagreement is warned about; the step equals
+    the one without the hint. gspo (a sequence ratio) takes the recomputing path."""
+    import warnings
+
+    import lightrft.kernels
+    import lightrft.kernels.logprobs as lp_mod
+
+    calls = {"sweep": 0, "recompute": 0}
+    sweep, recompute = lp_mod._forward_with_grads, lp_mod._backward
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(lp_mod, "_forward_with_grads", counted("sweep", sweep))
+    monkeypatch.setattr(lp_mod, "_backward", counted("recompute", recompute))
+    over = {
+        "max_steps": 1,
+        "eval": None,
+        "eval_dataset": None,
+        "algorithm.kl": {"coef": 0.1, "estimator": "k3", "placement": "loss"},
+        "algorithm.entropy": {"coef": 0.01},
+        "algorithm.tis": {"mode": "token", "cap": 2.0},
+        "train": {"micro_batch_size": 3, "ppo_epochs": 2, "packing": True},
+    }
+    results = {}
+    for name in ("hint", "no_hint", "gspo"):
+        tmp = tmp_path / name
+        tmp.mkdir()
+        extra = {"algorithm.policy_loss.objective": "gspo"} if name == "gspo" else {}
+        if name == "no_hint":
+            monkeypatch.setattr(lightrft.kernels, "response_grad_hint", lambda *a, **k: None)
+        calls.update(sweep=0, recompute=0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="fused_linear_logprobs")
+            results[name] = _train_rows(_run(tmp, assets, **over, **extra))[1]
+        results[name]["calls"] = dict(calls)
+    # 2 epochs x 3 micro-batches, every one through the sweep and none recomputed.
+    assert results["hint"]["calls"] == {"sweep": 6, "recompute": 0}
+    assert results["no_hint"]["calls"] == {"sweep": 0, "recompute": 6}
+    assert results["gspo"]["calls"] == {"sweep": 0, "recompute": 6}
+    for key in ("train/loss", "train/grad_norm", "train/kl", "train/entropy"):
+        assert results["hint"][key] == pytest.approx(results["no_hint"][key], rel=1e-5, abs=1e-7)
+
+
 @pytest.mark.parametrize(
     "objective,agg",
     [
