@@ -45,11 +45,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _vision_blocks(model: nn.Module) -> list[nn.Module]:
-    from lightrft.models.vision import is_vision_language, vision_blocks
+    """The encoder-tower blocks (vision and audio) FSDP2 shards besides the decoder's."""
+    from lightrft.models.vision import media_blocks
 
-    if not is_vision_language(getattr(model, "config", None)):
-        return []
-    return list(vision_blocks(model))
+    return media_blocks(model)
 
 
 def default_param_dtype(device: torch.device | str) -> torch.dtype:
@@ -73,7 +72,7 @@ def parallelize(
     1. activation checkpointing wraps each decoder block (recompute in backward);
     2. ``torch.compile`` compiles each block in place (names keep no ``_orig_mod.`` prefix);
     3. FSDP2 ``fully_shard`` shards each block, then the root, with a ``MixedPrecisionPolicy``;
-       a vision-language model's vision-tower blocks are sharded each as well.
+       a vision- or audio-language model's tower blocks are sharded each as well.
 
     ``shard=None`` shards when a process group is initialised; a single plain process keeps
     ordinary tensors so the same recipe runs unchanged on a laptop.

@@ -1,0 +1,28 @@
+"""A source checkout on PYTHONPATH imports its own recipes / kernels / configs folders, not those of
+whichever tree ``pip install -e`` mapped (a git worktree beside an editable install of main)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_checkout_on_pythonpath_maps_its_own_top_level_folders(tmp_path):
+    copy = tmp_path / "checkout"
+    for name in ("lightrft", "kernels", "recipes", "configs"):
+        shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    probe = (
+        "import lightrft.kernels, lightrft.recipes, lightrft.configs\n"
+        "from lightrft.cli import recipes_dir, configs_dir\n"
+        "for p in (lightrft.kernels.__file__, lightrft.recipes.__file__, lightrft.configs.__file__,"
+        " recipes_dir(), configs_dir()): print(p)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert len(out) == 5
+    assert all(Path(p).resolve().is_relative_to(copy.resolve()) for p in out), out
