@@ -387,7 +387,7 @@ def record_media(
             if kind in MEDIA_KINDS and kind not in kinds:
                 takes = " and ".join(f"{k}s" for k in kinds)
                 raise DataError(
-                    f"{where}: a {kind} part, but the model's processor takes {takes} only"
+                    f"{where}: an {kind} part, but the model's processor takes {takes} only"
                 )
             if kind in kinds:
                 n_parts[kind] += 1

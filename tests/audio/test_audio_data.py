@@ -228,7 +228,7 @@ GOOD = {"prompt": "<audio>ok", "completion": "c", "audios": ["a.wav"]}
                 ],
                 "completion": "c",
             },
-            r"line 2: a image part, but the model's processor takes audios only",
+            r"line 2: an image part, but the model's processor takes audios only",
         ),
     ],
 )
@@ -269,7 +269,7 @@ def test_audio_part_for_a_vision_model_is_refused(tmp_path, tiny_vlm):
         "completion": "c",
     }
     with pytest.raises(
-        DataError, match="line 1: a audio part, but the model's processor takes images only"
+        DataError, match="line 1: an audio part, but the model's processor takes images only"
     ):
         SFTDataset(load_processor(tiny_vlm("qwen2_vl")), jsonl(tmp_path / "t.jsonl", [rec]))
 
