@@ -11,7 +11,6 @@ from lightrft.data.arith import (
     write_arith_dataset,
 )
 from lightrft.data.audio import AudioInputs, AudioProcessor
-from lightrft.data.beeps import ensure_beeps_dataset, write_beeps_dataset
 from lightrft.data.collate import (
     PackCollator,
     PackedDataset,
@@ -29,6 +28,7 @@ from lightrft.data.prompts import PromptDataset
 from lightrft.data.sft import SFTDataset
 from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
 from lightrft.data.templates import IGNORE_INDEX
+from lightrft.data.tones import ensure_tones_dataset, write_tones_dataset
 from lightrft.data.vision import ImageInputs, ImageProcessor
 
 __all__ = [
@@ -54,7 +54,7 @@ __all__ = [
     "ensure_arith_dataset",
     "ensure_arith_judgments",
     "ensure_arith_preferences",
-    "ensure_beeps_dataset",
+    "ensure_tones_dataset",
     "ensure_gsm8k",
     "ensure_shapes_dataset",
     "load_records",
@@ -63,6 +63,6 @@ __all__ = [
     "packed_sft_dataset",
     "prepare_gsm8k",
     "write_arith_dataset",
-    "write_beeps_dataset",
+    "write_tones_dataset",
     "write_shapes_dataset",
 ]

@@ -26,11 +26,11 @@ def _prepare(tmp: Path) -> list[dict]:
             "arch": "qwen2_audio",
         },
         {
-            "_component_": "lightrft.data.ensure_beeps_dataset",
+            "_component_": "lightrft.data.ensure_tones_dataset",
             "out_dir": str(tmp / "data"),
             "n_train": 32,
+            "n_rl": 8,
             "n_test": 8,
-            "max_count": 3,
         },
     ]
 
@@ -202,7 +202,7 @@ def test_train_audio_tower_on_a_text_model_is_refused(tmp_path, capsys):
 
 
 def _grpo_config(tmp: Path, assets: Path | None = None, **overrides) -> Path:
-    """2 steps of 2 beep-counting prompts x 4 samples of 4 tokens on the tiny Qwen2-Audio."""
+    """2 steps of 2 tone-pitch prompts x 4 samples of 4 tokens on the tiny Qwen2-Audio."""
     src = assets or tmp
     prompts = {"_component_": "lightrft.data.PromptDataset", "max_audio_seconds": 1.0}
     cfg = {
