@@ -157,7 +157,7 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
                 if cls is None:
                     raise ValueError(
                         f"{str(path)!r} has no image processor or audio feature extractor "
-                        f"(AutoProcessor gave {type(proc).__name__}): is it a vision- or "
+                        f"(AutoProcessor gave {type(proc).__name__}): is it a vision-language or "
                         "audio-language model directory?"
                     )
             else:
