@@ -44,7 +44,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def _vision_blocks(model: nn.Module) -> list[nn.Module]:
+def _tower_blocks(model: nn.Module) -> list[nn.Module]:
     """The encoder-tower blocks (vision and audio) FSDP2 shards besides the decoder's."""
     from lightrft.models.vision import media_blocks
 
@@ -96,10 +96,10 @@ def parallelize(
     if param_dtype is None:
         param_dtype = default_param_dtype(next(model.parameters()).device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # A vision-language model's vision blocks are sharded one by one too (trained or frozen: a
+    # A vision- or audio-language model's tower blocks are sharded one by one too (trained or frozen: a
     # frozen tower costs no gradients but its weights are as large). The tower runs before the
     # decoder, so its blocks are gathered and resharded like the decoder's.
-    for block in _vision_blocks(model):
+    for block in _tower_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for i, layer in enumerate(layers):
         # The last block is gathered again right away by the root's backward: keep it unsharded.
