@@ -96,9 +96,9 @@ def parallelize(
     if param_dtype is None:
         param_dtype = default_param_dtype(next(model.parameters()).device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # A vision- or audio-language model's tower blocks are sharded one by one too (trained or frozen: a
-    # frozen tower costs no gradients but its weights are as large). The tower runs before the
-    # decoder, so its blocks are gathered and resharded like the decoder's.
+    # A vision- or audio-language model's tower blocks are sharded one by one too (trained or
+    # frozen: a frozen tower costs no gradients but its weights are as large). The tower runs
+    # before the decoder, so its blocks are gathered and resharded like the decoder's.
     for block in _tower_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for i, layer in enumerate(layers):
