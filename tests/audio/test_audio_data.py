@@ -301,3 +301,34 @@ def test_decode_audio_mixes_channels_and_keeps_the_rate(tmp_path):
     wave = decode_audio(name, sampling_rate=16000, base_dir=tmp_path, where="w", field="f")
     assert wave.dtype == np.float32 and wave.shape == (1600,)
     np.testing.assert_allclose(wave, 0.0, atol=1e-4)  # left and right cancel
+
+
+def test_hf_datasets_directory_with_an_audio_column(tmp_path, audio_processor):
+    """A saved HF dataset with an ``Audio`` column (stored as file bytes) and one with decoded
+    ``{"array", "sampling_rate"}`` values both load (no torchcodec: the bytes are decoded here)."""
+    import io
+
+    import datasets
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, tone(0.6, 22050), 22050, format="WAV")
+    encoded = datasets.Dataset.from_dict(
+        {
+            "prompt": ["<audio>q"],
+            "answer": ["a"],
+            "audio": [{"bytes": buf.getvalue(), "path": "x.wav"}],
+        }
+    ).cast_column("audio", datasets.Audio(sampling_rate=16000))
+    encoded.save_to_disk(tmp_path / "encoded")
+    arrays = datasets.Dataset.from_dict(
+        {
+            "prompt": ["<audio>q"],
+            "answer": ["a"],
+            "audio": [{"array": tone(0.6, 8000).tolist(), "sampling_rate": 8000}],
+        }
+    )
+    arrays.save_to_disk(tmp_path / "arrays")
+    for name in ("encoded", "arrays"):
+        ds = PromptDataset(audio_processor, tmp_path / name, audios_field="audio")
+        assert ds[0]["audios"].audios[0].shape == (9600,), name  # 0.6 s at 16 kHz
