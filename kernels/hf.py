@@ -76,6 +76,7 @@ def forward_on_hidden(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     images: Any = None,
+    audios: Any = None,
     **model_kwargs,
 ) -> Any:
     """Run ``model``'s forward and return ``fn(hidden [B, T-1, H], lm_head.weight, lm_head.bias)``
@@ -88,9 +89,11 @@ def forward_on_hidden(
     :class:`~lightrft.data.vision.ImageInputs` (its images in the order their placeholder runs
     appear in ``input_ids``, row by row); see
     :func:`lightrft.models.vision.vision_forward_kwargs` for the positions it implies.
+    ``audios``: for an audio-language model, the batch's
+    :class:`~lightrft.data.audio.AudioInputs` (its audio in placeholder order, row by row).
     """
     trunk, head = _trunk_and_head(model)
-    if images is not None:
+    if images is not None or audios is not None:
         from lightrft.models.vision import vision_forward_kwargs
 
         extra = vision_forward_kwargs(
@@ -99,6 +102,7 @@ def forward_on_hidden(
             attention_mask=attention_mask,
             position_ids=position_ids,
             images=images,
+            audios=audios,
         )
         attention_mask, position_ids = extra.pop("attention_mask"), extra.pop("position_ids")
         model_kwargs = {**model_kwargs, **extra}
@@ -160,6 +164,7 @@ def causal_lm_token_logprobs(
             padding): those give 0, get no gradient and cost no LM-head compute.
         attention_mask, position_ids, **model_kwargs: passed to the model's forward.
         images: a vision-language batch's ``ImageInputs`` (see :func:`forward_on_hidden`).
+        audios: an audio-language batch's ``AudioInputs`` (see :func:`forward_on_hidden`).
         temperature, return_entropy, chunk_size, backend: as in :func:`fused_linear_logprobs`.
         entropy_grad: with ``return_entropy``, False computes the entropy without gradient in a
             second, no-grad pass over the same hidden states (only to log it), so the log-probs

@@ -332,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--arch",
         default="qwen2",
-        choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"],
-        help="a text causal LM, or a vision-language model written with its processor",
+        choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "qwen2_audio"],
+        help="a text causal LM, or a vision- or audio-language model written with its processor",
     )
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=64)

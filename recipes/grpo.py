@@ -68,7 +68,7 @@ from lightrft.algorithms import (
     value_loss,
 )
 from lightrft.config import Component
-from lightrft.data import ImageInputs, build_dataloader, collate_prompts
+from lightrft.data import AudioInputs, ImageInputs, build_dataloader, collate_prompts
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import (
@@ -78,13 +78,17 @@ from lightrft.kernels import (
     response_grad_hint,
 )
 from lightrft.models import (
+    checkpoint_is_audio_language,
+    checkpoint_is_multimodal,
     checkpoint_is_vision_language,
+    is_audio_language,
+    is_multimodal,
     is_vision_language,
     load_model,
     load_processor,
     load_tokenizer,
     parallelize,
-    set_vision_trainable,
+    set_towers_trainable,
 )
 from lightrft.models.loading import DTYPES
 from lightrft.models.lora import (
@@ -130,6 +134,7 @@ CONFIG_SCHEMA = {
         "activation_checkpointing": bool | None,
         "compile": bool | None,
         "train_vision_tower": bool | None,  # vision-language actors: default frozen (as verl)
+        "train_audio_tower": bool | None,  # audio-language actors: default frozen
     },
     "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
     "dataset": Component,  # prompts: lightrft.data.PromptDataset
@@ -355,6 +360,7 @@ class ModelOptions:
     lora: LoraOptions | None = None  # adapters on the actor; the reference = adapters off
     strategy: str = "fsdp2"
     train_vision_tower: bool = False
+    train_audio_tower: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -666,21 +672,28 @@ def _model_options(cfg: DictConfig) -> ModelOptions:
         lora=lora_options(cfg.get("lora")),
         strategy=strategy_option(cfg.get("strategy")),
         train_vision_tower=_get(m, "train_vision_tower", False),
+        train_audio_tower=_get(m, "train_audio_tower", False),
     )
 
 
 def _check_vision(opts: GRPOOptions) -> None:
-    """Rules for vision-language actors, from the checkpoint's config.json (cheap; a checkpoint
-    a ``prepare`` step writes is checked again in setup, before any model loads)."""
+    """Rules for vision- and audio-language actors, from the checkpoint's config.json (cheap; a
+    checkpoint a ``prepare`` step writes is checked again in setup, before any model loads)."""
     vlm = checkpoint_is_vision_language(opts.model.path)
     if opts.model.train_vision_tower and vlm is False:
         raise ValueError(
             f"model.train_vision_tower=true but {opts.model.path} is not a vision-language model "
             "(its config.json has no vision_config)"
         )
-    if vlm and opts.critic is not None:
+    if opts.model.train_audio_tower and checkpoint_is_audio_language(opts.model.path) is False:
         raise ValueError(
-            f"estimator=gae trains a critic, which is not supported with a vision-language actor "
+            f"model.train_audio_tower=true but {opts.model.path} is not an audio-language model "
+            "(its config.json has no audio_config)"
+        )
+    if checkpoint_is_multimodal(opts.model.path) and opts.critic is not None:
+        kind = "a vision-language" if vlm else "an audio-language"
+        raise ValueError(
+            f"estimator=gae trains a critic, which is not supported with {kind} actor "
             f"({opts.model.path}): use a critic-free estimator (grpo, rloo, reinforce_pp, ...)"
         )
 
@@ -810,6 +823,7 @@ def build_micro_batch(
             "mask": torch.zeros(1, 1, dtype=torch.bool),
             "tokens": 0,
             "images": None,
+            "audios": None,
         }
     prompts = [batch.prompt(i) for i in idx]
     responses = [batch.response(i) for i in idx]
@@ -817,6 +831,7 @@ def build_micro_batch(
     out = layout(prompts, responses, pad_id)
     # A vision-language batch: the rows' images in row (= token) order, one forward's inputs.
     out["images"] = ImageInputs.cat([batch.images[i] for i in idx]) if batch.images else None
+    out["audios"] = AudioInputs.cat([batch.audios[i] for i in idx]) if batch.audios else None
     out["tokens"] = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     return out
 
@@ -996,13 +1011,16 @@ class GRPORecipe:
         m, o = self.opts.model, self.opts
         _check_vision(o)  # the checkpoint exists now, whatever prepare wrote
         model = self._load_model(m.path)
-        # A vision-language actor: datasets take its processor (images + text), the tower is
-        # frozen unless model.train_vision_tower; everything else is the text path.
+        # A vision- or audio-language actor: datasets take its processor (images / audio +
+        # text), the towers are frozen unless model.train_vision_tower / train_audio_tower;
+        # everything else is the text path.
         self.vlm = is_vision_language(model.config)
-        if self.vlm:
+        self.alm = is_audio_language(model.config)
+        if is_multimodal(model.config):
             self.processor = load_processor(m.path, trust_remote_code=m.trust_remote_code)
             self.tokenizer = self.processor.tokenizer
-            set_vision_trainable(model, m.train_vision_tower)  # before optimizer, parallelize
+            # Before the optimizer and parallelize.
+            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
         else:
             self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
             self.processor = self.tokenizer
@@ -1146,10 +1164,10 @@ class GRPORecipe:
         seeds = torch.randint(0, 2**62, (count,), generator=gen).tolist()
         return [dataclasses.replace(self.sampling, seed=s) for s in seeds]
 
-    def _generate(self, prompt_ids: list[list[int]], params, images=None) -> list:
+    def _generate(self, prompt_ids: list[list[int]], params, images=None, audios=None) -> list:
         """Wake the engine (reloading released weights: a collective, so every rank calls this,
-        with or without prompts) and generate. ``images``: per prompt, its ``ImageInputs`` or
-        None (vision-language prompts)."""
+        with or without prompts) and generate. ``images`` / ``audios``: per prompt, its
+        ``ImageInputs`` / ``AudioInputs`` or None (vision- / audio-language prompts)."""
         if self._weights_released:
             self.engine.wake_up(["weights"])
             sync_weights(self.model, self.engine)
@@ -1158,10 +1176,11 @@ class GRPORecipe:
         if not prompt_ids:
             return []
         images = images or [None] * len(prompt_ids)
-        requests = [
-            Request(ids, multi_modal_data=None if im is None else {"image": im})
-            for ids, im in zip(prompt_ids, images, strict=True)
-        ]
+        audios = audios or [None] * len(prompt_ids)
+        requests = []
+        for ids, im, au in zip(prompt_ids, images, audios, strict=True):
+            mm = {k: v for k, v in (("image", im), ("audio", au)) if v is not None}
+            requests.append(Request(ids, multi_modal_data=mm or None))
         return self.engine.generate(requests, params)
 
     def _sleep(self) -> None:
@@ -1212,7 +1231,9 @@ class GRPORecipe:
         prompts = self._next_prompts()
         with timer("rollout"):
             params = self._request_params(len(prompts["prompt_ids"]), step, draw)
-            completions = self._generate(prompts["prompt_ids"], params, prompts.get("images"))
+            completions = self._generate(
+                prompts["prompt_ids"], params, prompts.get("images"), prompts.get("audios")
+            )
         rows = [c.request_index for c in completions]
         meta = {k: [prompts[k][i] for i in rows] for k in ("prompt", "reference", "label", "where")}
         texts = [c.text or "" for c in completions]
@@ -1248,6 +1269,7 @@ class GRPORecipe:
             finish_reasons=[c.finish_reason for c in completions],
             groups=[(step, draw, self.dist.rank, i) for i in rows],
             images=[prompts["images"][i] for i in rows] if self.vlm else None,
+            audios=[prompts["audios"][i] for i in rows] if self.alm else None,
         )
         return batch.all_gather()
 
@@ -1299,6 +1321,7 @@ class GRPORecipe:
             entropy_grad=entropy_grad,
             grad_hint=grad_hint,
             images=mb["images"],
+            audios=mb["audios"],
         )
         if entropy:
             return _gather_response(out[0], mb), _gather_response(out[1], mb)
@@ -1653,8 +1676,13 @@ class GRPORecipe:
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
 
         def generate(prompt_ids: list[list[int]]) -> list:
-            # evaluate_items generates for the items in order: their images go alongside.
-            completions = self._generate(prompt_ids, params, [it.get("images") for it in items])
+            # evaluate_items generates for the items in order: their media go alongside.
+            completions = self._generate(
+                prompt_ids,
+                params,
+                [it.get("images") for it in items],
+                [it.get("audios") for it in items],
+            )
             self._sleep()  # the engine's memory goes back before scoring
             return completions
 

@@ -26,13 +26,14 @@ from lightrft.config import Component
 from lightrft.data import build_dataloader, pack_or_pad_collator
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models import (
+    checkpoint_is_audio_language,
     checkpoint_is_vision_language,
-    is_vision_language,
+    is_multimodal,
     load_model,
     load_processor,
     load_tokenizer,
     parallelize,
-    set_vision_trainable,
+    set_towers_trainable,
 )
 from lightrft.models.loading import DTYPES
 from lightrft.models.lora import (
@@ -70,6 +71,7 @@ CONFIG_SCHEMA = {
         "activation_checkpointing": bool | None,
         "compile": bool | None,
         "train_vision_tower": bool | None,  # vision-language models: default frozen
+        "train_audio_tower": bool | None,  # audio-language models: default frozen
     },
     "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
     "dataset": Component,
@@ -121,6 +123,7 @@ class SFTOptions:
     activation_checkpointing: bool = False
     compile: bool = False
     train_vision_tower: bool = False
+    train_audio_tower: bool = False
     packing: bool = False
     max_tokens_per_row: int | None = None
     accum: int = 1  # gradient_accumulation_steps
@@ -157,6 +160,7 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         activation_checkpointing=_get(model, "activation_checkpointing", False),
         compile=_get(model, "compile", False),
         train_vision_tower=_get(model, "train_vision_tower", False),
+        train_audio_tower=_get(model, "train_audio_tower", False),
         packing=_get(cfg, "packing", False),
         max_tokens_per_row=_get(cfg, "max_tokens_per_row"),
         accum=_get(cfg, "gradient_accumulation_steps", 1),
@@ -217,12 +221,18 @@ def build_options(cfg: DictConfig) -> SFTOptions:
 
 
 def _check_vision_tower(opts: SFTOptions) -> None:
-    """``model.train_vision_tower`` needs a vision-language model (read from config.json; a
-    checkpoint a ``prepare`` step writes is checked again in setup, before loading)."""
+    """``model.train_vision_tower`` needs a vision-language model, ``model.train_audio_tower``
+    an audio-language one (read from config.json; a checkpoint a ``prepare`` step writes is
+    checked again in setup, before loading)."""
     if opts.train_vision_tower and checkpoint_is_vision_language(opts.model_path) is False:
         raise ValueError(
             f"model.train_vision_tower=true but {opts.model_path} is not a vision-language model "
             "(its config.json has no vision_config)"
+        )
+    if opts.train_audio_tower and checkpoint_is_audio_language(opts.model_path) is False:
+        raise ValueError(
+            f"model.train_audio_tower=true but {opts.model_path} is not an audio-language model "
+            "(its config.json has no audio_config)"
         )
 
 
@@ -264,12 +274,13 @@ class SFTRecipe:
             device=self.dist.device,
             trust_remote_code=o.trust_remote_code,
         )
-        # A vision-language model's datasets take its processor (images + text); the
-        # collator and export use the tokenizer / processor the same way for both.
-        if is_vision_language(model.config):
+        # A vision- or audio-language model's datasets take its processor (images / audio +
+        # text); the collator and export use the tokenizer / processor the same way for all.
+        if is_multimodal(model.config):
             self.processor = load_processor(o.model_path, trust_remote_code=o.trust_remote_code)
             self.tokenizer = self.processor.tokenizer
-            set_vision_trainable(model, o.train_vision_tower)  # before optimizer, parallelize
+            # Towers frozen unless asked; before the optimizer and parallelize.
+            set_towers_trainable(model, vision=o.train_vision_tower, audio=o.train_audio_tower)
         else:
             self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
             self.processor = self.tokenizer
@@ -367,6 +378,7 @@ class SFTRecipe:
             position_ids=batch["position_ids"].to(dev),
             attention_mask=None if mask is None else mask.to(dev),
             images=batch.get("images"),  # ImageInputs of the batch's samples, in token order
+            audios=batch.get("audios"),  # AudioInputs of the batch's samples, in token order
         )
 
     def _micro_batches(self):

@@ -10,6 +10,7 @@ from lightrft.data.arith import (
     ensure_arith_preferences,
     write_arith_dataset,
 )
+from lightrft.data.audio import AudioInputs, AudioProcessor
 from lightrft.data.collate import (
     PackCollator,
     PackedDataset,
@@ -27,10 +28,13 @@ from lightrft.data.prompts import PromptDataset
 from lightrft.data.sft import SFTDataset
 from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
 from lightrft.data.templates import IGNORE_INDEX
+from lightrft.data.tones import ensure_tones_dataset, write_tones_dataset
 from lightrft.data.vision import ImageInputs, ImageProcessor
 
 __all__ = [
     "IGNORE_INDEX",
+    "AudioInputs",
+    "AudioProcessor",
     "DataError",
     "ImageInputs",
     "ImageProcessor",
@@ -50,6 +54,7 @@ __all__ = [
     "ensure_arith_dataset",
     "ensure_arith_judgments",
     "ensure_arith_preferences",
+    "ensure_tones_dataset",
     "ensure_gsm8k",
     "ensure_shapes_dataset",
     "load_records",
@@ -58,5 +63,6 @@ __all__ = [
     "packed_sft_dataset",
     "prepare_gsm8k",
     "write_arith_dataset",
+    "write_tones_dataset",
     "write_shapes_dataset",
 ]

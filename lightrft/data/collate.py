@@ -13,7 +13,9 @@ Every batch also carries ``num_loss_tokens`` (labels != -100), the count a token
 
 Vision-language samples carry ``images`` (:class:`~lightrft.data.vision.ImageInputs`); a packed
 row and a batch carry the images of their samples joined in token order under the same key, which
-the forward takes as ``images=`` (see :func:`lightrft.kernels.causal_lm_token_logprobs`).
+the forward takes as ``images=`` (see :func:`lightrft.kernels.causal_lm_token_logprobs`);
+audio-language samples carry ``audios`` (:class:`~lightrft.data.audio.AudioInputs`) the same way,
+taken as ``audios=``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lightrft.data.audio import AudioInputs
 from lightrft.data.templates import IGNORE_INDEX
 from lightrft.data.vision import ImageInputs
 
@@ -169,10 +172,14 @@ def packed_sft_dataset(
 
 
 def _add_images(out: dict[str, Any], items: Sequence[Item]) -> None:
-    """``out["images"]``: the items' images joined in order, when any item has some."""
+    """``out["images"]`` / ``out["audios"]``: the items' images / audio joined in order, when
+    any item has some."""
     images = ImageInputs.cat([x.get("images") for x in items])
     if images is not None:
         out["images"] = images
+    audios = AudioInputs.cat([x.get("audios") for x in items])
+    if audios is not None:
+        out["audios"] = audios
 
 
 def _rows_to_batch(

@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 import torch
 
+from lightrft.data.audio import AudioTooLong, OverlongAudio
 from lightrft.data.io import DataError, PathLike, require_field
-from lightrft.data.sft import Truncation, VisionSamples, _check_truncation, open_records
+from lightrft.data.sft import MediaSamples, SampleMedia, Truncation, _check_truncation, open_records
 from lightrft.data.templates import check_messages, encode_prompt, with_system
 from lightrft.data.vision import as_processor
 
@@ -30,6 +31,8 @@ class PromptDataset(torch.utils.data.Dataset):
     - ``images`` (datasets built with a vision-language processor only): the prompt's
       :class:`~lightrft.data.vision.ImageInputs` (its ids hold the expanded vision tokens), or
       ``None`` for a prompt without images.
+    - ``audios`` (datasets built with an audio-language processor only): the prompt's
+      :class:`~lightrft.data.audio.AudioInputs`, or ``None``.
 
     Batch items with :func:`~lightrft.data.collate_prompts`.
 
@@ -54,6 +57,8 @@ class PromptDataset(torch.utils.data.Dataset):
             whose images would lose vision tokens is dropped), or ``"error"``, which refuses the
             dataset naming the file and line. Counted in ``stats``.
         images_field, min_pixels, max_pixels: images, as in :class:`~lightrft.data.SFTDataset`.
+        audios_field, max_audio_seconds, overlong_audio: audio, as in
+            :class:`~lightrft.data.SFTDataset`.
     """
 
     def __init__(
@@ -76,11 +81,22 @@ class PromptDataset(torch.utils.data.Dataset):
         images_field: str | None = "images",
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        audios_field: str | None = "audios",
+        max_audio_seconds: float | None = None,
+        overlong_audio: OverlongAudio = "clip",
     ) -> None:
         if truncation != "error":
             _check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
-        self.vision = VisionSamples(processor, images_field, min_pixels, max_pixels)
+        self.media = MediaSamples(
+            processor,
+            images_field,
+            min_pixels,
+            max_pixels,
+            audios_field,
+            max_audio_seconds,
+            overlong_audio,
+        )
         self.tokenizer = tokenizer
         self.truncation = truncation
         if max_prompt_length is not None and max_prompt_length < 1:
@@ -88,7 +104,7 @@ class PromptDataset(torch.utils.data.Dataset):
         src = open_records(path, records, split)
         self.source = src.name
         self.items: list[dict[str, Any]] = []
-        truncated = dropped = 0
+        truncated = dropped = audio_dropped = 0
         for i in range(len(src)):
             rec, where = src[i], src.where(i)
             if rec.get(messages_field) is not None:
@@ -102,21 +118,25 @@ class PromptDataset(torch.utils.data.Dataset):
             reference = self._reference(src, i, reference_field, reference_required)
             label = rec.get(label_field) if label_field else None
             label = default_label if label is None else str(label)
-            images = None
+            media = None
             if apply_chat_template:
                 chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                prompt, images = self.vision.messages(src, i, chat)
+                try:
+                    prompt, media = self.media.messages(src, i, chat)
+                except AudioTooLong:
+                    audio_dropped += 1
+                    continue
             else:
-                self.vision.raw_mode(src, i)
+                self.media.raw_mode(src, i)
             text, ids = encode_prompt(
                 tokenizer,
                 prompt,
                 system_prompt=system_prompt,
                 apply_chat_template=apply_chat_template,
             )
-            ids, _, inputs = self.vision.expand(ids, None, images, where)
+            ids, _, inputs = self.media.expand(ids, None, media, where)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
-                keep = self.vision.intact(ids[-max_prompt_length:], inputs)
+                keep = self.media.intact(ids[-max_prompt_length:], inputs)
                 ids, text = self._over_limit(
                     ids, max_prompt_length, where, "max_prompt_length", keep
                 )
@@ -137,13 +157,15 @@ class PromptDataset(torch.utils.data.Dataset):
                 "index": len(self.items),
                 "where": where,
             }
-            if processor is not None:
-                item["images"] = images  # decoded; processed in __getitem__
+            # Decoded media, processed in __getitem__.
+            item.update((media or SampleMedia()).item_fields(self.media.kinds))
             self.items.append(item)
         if not self.items:
             raise DataError(
                 f"empty dataset: all {len(src)} prompts of {self.source} are longer than "
-                f"max_prompt_length={max_prompt_length}; raise it or use truncation='truncate'"
+                f"max_prompt_length={max_prompt_length}"
+                + (" (or have audio over max_audio_seconds)" if self.media.audio else "")
+                + "; raise it or use truncation='truncate'"
             )
         self.stats: dict[str, int] = {
             "records": len(src),
@@ -151,6 +173,16 @@ class PromptDataset(torch.utils.data.Dataset):
             "truncated": truncated,
             "dropped": dropped,
         }
+        if self.media.audio is not None:
+            self.stats["audio_clipped"] = self.media.clipped
+            self.stats["audio_dropped"] = audio_dropped
+            if audio_dropped:
+                log.warning(
+                    "%s: dropped %d prompts with audio over max_audio_seconds=%g",
+                    self.source,
+                    audio_dropped,
+                    self.media.audio.max_seconds,
+                )
         if truncated or dropped:
             log.warning(
                 "%s: max_prompt_length=%s truncated (left) %d and dropped %d of %d prompts",
@@ -231,11 +263,12 @@ class PromptDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self.items[i]
-        if item.get("images") is None:
+        if item.get("images") is None and item.get("audios") is None:
             return item
-        # Processed on access: pixel values of a whole dataset would not fit in memory.
-        assert self.vision.images is not None
-        return {**item, "images": self.vision.images.process(item["images"])}
+        # Processed on access: pixel values (audio features) of a whole dataset would not fit
+        # in memory.
+        done = self.media.process(SampleMedia(item.get("images"), item.get("audios")))
+        return {**item, **done.item_fields(self.media.kinds)}
 
     def where(self, i: int) -> str:
         """The file and line (or row) prompt ``i`` came from."""

@@ -43,10 +43,13 @@ def eos_id(tokenizer) -> int:
     return int(tokenizer.eos_token_id)
 
 
+MEDIA_PARTS = ("image", "audio")
+
+
 def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]]:
     """Validate a chat list: each item a dict with a string ``role`` and a ``content`` that is a
     string or a list of HF content parts (``{"type": "text", "text": ...}``,
-    ``{"type": "image", ...}``)."""
+    ``{"type": "image", ...}``, ``{"type": "audio", ...}``)."""
     from lightrft.data.io import DataError
 
     if not isinstance(messages, list) or not messages:
@@ -60,11 +63,12 @@ def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]
         if isinstance(content, list):
             for k, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind == "text" and isinstance(part.get("text"), str) or kind == "image":
+                if kind == "text" and isinstance(part.get("text"), str) or kind in MEDIA_PARTS:
                     continue
                 raise DataError(
                     f"{where}: {field}[{j}].content[{k}] must be a text part "
-                    '({"type": "text", "text": ...}) or an image part ({"type": "image"})'
+                    '({"type": "text", "text": ...}), an image part ({"type": "image"}) or an '
+                    'audio part ({"type": "audio"})'
                 )
         elif not isinstance(content, str):
             raise DataError(f"{where}: {field}[{j}] has no string 'content' (or list of parts)")

@@ -38,11 +38,15 @@ from lightrft.data.io import DataError
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "MEDIA_KINDS",
     "ImageInputs",
     "ImageProcessor",
     "content_with_images",
     "decode_image",
+    "expand_placeholders",
     "fit_pixels",
+    "record_media",
+    "split_tags",
 ]
 
 # A string prompt may mark where images go with this tag (the Geo3K / verl convention).
@@ -128,15 +132,7 @@ def fit_pixels(img, min_pixels: int | None, max_pixels: int | None):
 def content_with_images(content: Any) -> list[dict[str, Any]]:
     """HF content parts of a message: a string becomes text parts split at ``<image>`` tags
     (each tag an image part); a list of parts is returned as is."""
-    if not isinstance(content, str):
-        return list(content)
-    parts: list[dict[str, Any]] = []
-    for k, text in enumerate(content.split(IMAGE_PLACEHOLDER)):
-        if k:
-            parts.append({"type": "image"})
-        if text:
-            parts.append({"type": "text", "text": text})
-    return parts
+    return split_tags(content, ["image"])
 
 
 @dataclass
@@ -260,52 +256,167 @@ class ImageProcessor:
     def expand(
         self, ids: list[int], labels: list[int] | None, inputs: ImageInputs, where: str, field: str
     ) -> tuple[list[int], list[int] | None]:
-        """Repeat the k-th placeholder token ``inputs.num_tokens[k]`` times (labels: -100).
+        """Repeat the k-th placeholder token ``inputs.num_tokens[k]`` times (labels: -100)."""
+        return expand_placeholders(
+            ids,
+            labels,
+            token_id=self.image_token_id,
+            token=self.image_token,
+            counts=inputs.num_tokens,
+            kind="image",
+            where=where,
+            field=field,
+        )
 
-        Raises:
-            DataError: the rendered ids hold more or fewer placeholders than there are images,
-                or a placeholder sits in a trained (assistant) position.
-        """
-        from lightrft.data.templates import IGNORE_INDEX
 
-        tok = self.image_token_id
-        found = sum(1 for t in ids if t == tok)
-        if found != len(inputs):
-            raise DataError(
-                f"{where}: {field}: {len(inputs)} image(s) but the rendered prompt has {found} "
-                f"image placeholder(s) ({self.image_token!r}); give one image part "
-                '({"type": "image"}) or <image> tag per image'
-            )
-        out_ids: list[int] = []
-        out_labels: list[int] | None = [] if labels is not None else None
-        k = 0
-        for j, t in enumerate(ids):
-            if t != tok:
-                out_ids.append(t)
-                if out_labels is not None:
-                    out_labels.append(labels[j])  # type: ignore[index]
-                continue
-            if labels is not None and labels[j] != IGNORE_INDEX:
-                raise DataError(
-                    f"{where}: {field}: an image in an assistant turn; images go in user turns"
-                )
-            out_ids.extend([tok] * inputs.num_tokens[k])
+_TAGS = {"image": IMAGE_PLACEHOLDER, "audio": "<audio>"}
+
+
+def expand_placeholders(
+    ids: list[int],
+    labels: list[int] | None,
+    *,
+    token_id: int,
+    token: str,
+    counts: Sequence[int],
+    kind: str,
+    where: str,
+    field: str,
+) -> tuple[list[int], list[int] | None]:
+    """Repeat the k-th ``token_id`` placeholder ``counts[k]`` times (labels: -100), the layout
+    the model's forward expects for its k-th image or audio.
+
+    Raises:
+        DataError: the rendered ids hold more or fewer placeholders than there are media items,
+            or a placeholder sits in a trained (assistant) position.
+    """
+    from lightrft.data.templates import IGNORE_INDEX
+
+    found = sum(1 for t in ids if t == token_id)
+    if found != len(counts):
+        raise DataError(
+            f"{where}: {field}: {len(counts)} {kind}(s) but the rendered prompt has {found} "
+            f"{kind} placeholder(s) ({token!r}); give one {kind} part "
+            f'({{"type": "{kind}"}}) or {_TAGS[kind]} tag per {kind}'
+        )
+    out_ids: list[int] = []
+    out_labels: list[int] | None = [] if labels is not None else None
+    k = 0
+    for j, t in enumerate(ids):
+        if t != token_id:
+            out_ids.append(t)
             if out_labels is not None:
-                out_labels.extend([IGNORE_INDEX] * inputs.num_tokens[k])
-            k += 1
-        return out_ids, out_labels
+                out_labels.append(labels[j])  # type: ignore[index]
+            continue
+        if labels is not None and labels[j] != IGNORE_INDEX:
+            raise DataError(
+                f"{where}: {field}: an {kind} in an assistant turn; {kind} parts go in user turns"
+            )
+        out_ids.extend([token_id] * counts[k])
+        if out_labels is not None:
+            out_labels.extend([IGNORE_INDEX] * counts[k])
+        k += 1
+    return out_ids, out_labels
 
 
-_INLINE_KEYS = ("image", "path", "url")
+# Where an inline part holds its source, per kind (HF content format; Qwen2-Audio's "audio_url").
+_INLINE_KEYS = {"image": ("image", "path", "url"), "audio": ("audio", "path", "url", "audio_url")}
+MEDIA_KINDS = ("image", "audio")
 
 
 def as_processor(tokenizer_or_processor) -> tuple[Any, Any | None]:
     """``(tokenizer, processor or None)`` from what a recipe passes a dataset as its first
-    argument: a tokenizer (text models) or a vision-language processor."""
+    argument: a tokenizer (text models) or a multimodal processor (images and/or audio)."""
     obj = tokenizer_or_processor
-    if getattr(obj, "image_processor", None) is not None and hasattr(obj, "tokenizer"):
+    media = getattr(obj, "image_processor", None) or getattr(obj, "feature_extractor", None)
+    if media is not None and hasattr(obj, "tokenizer"):
         return obj.tokenizer, obj
     return obj, None
+
+
+def split_tags(content: Any, kinds: Sequence[str]) -> list[dict[str, Any]]:
+    """HF content parts of a message: a string becomes text parts split at the tags of
+    ``kinds`` (``<image>``, ``<audio>``; each tag a part of its kind); a list is returned as is."""
+    if not isinstance(content, str):
+        return list(content)
+    parts: list[dict[str, Any]] = []
+    text = content
+    while text:
+        hits = [(text.find(_TAGS[k]), k) for k in kinds if _TAGS[k] in text]
+        if not hits:
+            parts.append({"type": "text", "text": text})
+            break
+        at, kind = min(hits)
+        if at:
+            parts.append({"type": "text", "text": text[:at]})
+        parts.append({"type": kind})
+        text = text[at + len(_TAGS[kind]) :]
+    return parts
+
+
+def record_media(
+    rec: dict[str, Any],
+    messages: list[dict[str, Any]],
+    fields: dict[str, str | None],
+    where: str,
+) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+    """The messages with media parts, and the record's raw media per kind in placeholder order.
+
+    ``fields`` maps each kind the model's processor takes (``"image"``, ``"audio"``) to the
+    record field holding that kind's list (or None: inline parts only). Media come from that
+    field (a list, or one value) or inline in parts (``{"type": "image", "image": ...}``,
+    ``{"type": "audio", "audio": ...}``), not both. String contents are split at the kinds'
+    tags (``<image>``, ``<audio>``) into parts.
+
+    Raises:
+        DataError: media both in the field and inline, a different number of media than parts,
+            or a part of a kind the model does not take.
+    """
+    kinds = [k for k in MEDIA_KINDS if k in fields]
+    inline: dict[str, list[Any]] = {k: [] for k in kinds}
+    n_parts = dict.fromkeys(kinds, 0)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str) and not any(_TAGS[k] in content for k in kinds):
+            out.append(m)
+            continue
+        parts = []
+        for part in split_tags(content, kinds):
+            kind = part.get("type")
+            if kind in MEDIA_KINDS and kind not in kinds:
+                takes = " and ".join(f"{k}s" for k in kinds)
+                raise DataError(
+                    f"{where}: an {kind} part, but the model's processor takes {takes} only"
+                )
+            if kind in kinds:
+                n_parts[kind] += 1
+                src = next((part[k] for k in _INLINE_KEYS[kind] if part.get(k) is not None), None)
+                if src is not None:
+                    inline[kind].append(src)
+                part = {"type": kind}
+            parts.append(part)
+        out.append({**m, "content": parts})
+    media: dict[str, list[Any]] = {}
+    for kind in kinds:
+        field = fields[kind]
+        raw = rec.get(field) if field else None
+        if raw is not None and not isinstance(raw, (list, tuple)):
+            raw = [raw]
+        raw = list(raw) if raw is not None else []
+        if raw and inline[kind]:
+            raise DataError(
+                f"{where}: {kind}s both in field {field!r} and inline in {kind} parts; "
+                "give them one way"
+            )
+        found = raw or inline[kind]
+        if len(found) != n_parts[kind]:
+            raise DataError(
+                f"{where}: field {field!r}: {len(found)} {kind}(s) but the messages have "
+                f"{n_parts[kind]} {kind} part(s) (or {_TAGS[kind]} tags); give one per {kind}"
+            )
+        media[kind] = found
+    return out, media
 
 
 def record_images(
@@ -314,47 +425,6 @@ def record_images(
     images_field: str | None,
     where: str,
 ) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The messages with image parts, and the record's raw images in placeholder order.
-
-    Images come from ``rec[images_field]`` (a list, or one value) or inline in image parts
-    (``{"type": "image", "image" | "path" | "url": ...}``), not both. String contents are split
-    at ``<image>`` tags into parts (call this for vision-language datasets only).
-
-    Raises:
-        DataError: images both in the field and inline, or a different number of images than
-            image parts.
-    """
-    raw = rec.get(images_field) if images_field else None
-    if raw is not None and not isinstance(raw, (list, tuple)):
-        raw = [raw]
-    raw = list(raw) if raw is not None else []
-    out: list[dict[str, Any]] = []
-    inline: list[Any] = []
-    n_parts = 0
-    for m in messages:
-        content = m["content"]
-        if isinstance(content, str) and IMAGE_PLACEHOLDER not in content:
-            out.append(m)
-            continue
-        parts = []
-        for part in content_with_images(content):
-            if part.get("type") == "image":
-                n_parts += 1
-                src = next((part[k] for k in _INLINE_KEYS if part.get(k) is not None), None)
-                if src is not None:
-                    inline.append(src)
-                part = {"type": "image"}
-            parts.append(part)
-        out.append({**m, "content": parts})
-    if raw and inline:
-        raise DataError(
-            f"{where}: images both in field {images_field!r} and inline in image parts; "
-            "give them one way"
-        )
-    images = raw or inline
-    if len(images) != n_parts:
-        raise DataError(
-            f"{where}: field {images_field!r}: {len(images)} image(s) but the messages have "
-            f"{n_parts} image part(s) (or <image> tags); give one per image"
-        )
-    return out, images
+    """:func:`record_media` for image-only models: the messages and the raw images."""
+    out, media = record_media(rec, messages, {"image": images_field}, where)
+    return out, media["image"]

@@ -11,9 +11,13 @@ at a time with a preallocated KV cache:
 * sampling, stop tokens and per-row seeds are handled in :mod:`lightrft.engine.sampling`.
 
 Supported: decoder-only Llama-style models (``llama``, ``qwen2``, ``qwen3``, ``mistral``) whose
-base model accepts a prepared 4D boolean attention mask, and the vision-language models built on
-them (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``). Anything else should use the vLLM
-adapter.
+base model accepts a prepared 4D boolean attention mask, and the vision- and audio-language models
+built on them (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``; ``qwen2_audio``). Anything else
+should use the vLLM adapter.
+
+Audio-language requests carry ``multi_modal_data={"audio": AudioInputs}``
+(:mod:`lightrft.data.audio`) the same way: the audio tower runs once per request in the prefill,
+positions are ordinary, and the audio placeholder is never sampled.
 
 Vision-language requests carry their processed images as
 ``multi_modal_data={"image": ImageInputs}`` (:mod:`lightrft.data.vision`) and prompt ids whose
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightrft.data.audio import AudioInputs
 from lightrft.data.vision import ImageInputs
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
@@ -50,7 +55,10 @@ from lightrft.engine.protocol import (
 
 TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
-SUPPORTED_MODEL_TYPES = TEXT_MODEL_TYPES + VISION_MODEL_TYPES
+AUDIO_MODEL_TYPES = ("qwen2_audio",)
+SUPPORTED_MODEL_TYPES = TEXT_MODEL_TYPES + VISION_MODEL_TYPES + AUDIO_MODEL_TYPES
+# multi_modal_data key -> the processed inputs the datasets give for it (vLLM's keys).
+_MEDIA_TYPES = {"image": ImageInputs, "audio": AudioInputs}
 
 
 class KVCache:
@@ -174,7 +182,7 @@ class NativeEngine:
 
             load = (
                 vision.load_vision_model
-                if vision.is_vision_language(AutoConfig.from_pretrained(model))
+                if vision.is_multimodal(AutoConfig.from_pretrained(model))
                 else load_causal_lm
             )
             self.model = load(
@@ -193,13 +201,20 @@ class NativeEngine:
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
         self.is_vision = vision.is_vision_language(config)
-        # Vision-language models: the image token, the M-RoPE position maker (Qwen-VL) and the
-        # tokens only the processor may place, never the sampler.
-        self.image_token_id = vision.image_token_id(config) if self.is_vision else None
+        self.is_audio = vision.is_audio_language(config)
+        # Media kinds the model takes, with their placeholder token ids.
+        self.media_token_ids: dict[str, int] = {}
+        if self.is_vision:
+            self.media_token_ids["image"] = vision.image_token_id(config)
+        if self.is_audio:
+            self.media_token_ids["audio"] = vision.audio_token_id(config)
+        # Vision-language models: the image token, the M-RoPE position maker (Qwen-VL). Both:
+        # the tokens only the processor may place, never the sampler.
+        self.image_token_id = self.media_token_ids.get("image")
         self.rope = vision.mrope_model(self.model) if self.is_vision else None
         self.suppress_ids = (
-            torch.tensor(vision.vision_token_ids(config), dtype=torch.long, device=self.device)
-            if self.is_vision
+            torch.tensor(vision.media_token_ids(config), dtype=torch.long, device=self.device)
+            if self.media_token_ids
             else None
         )
         config = config.get_text_config()
@@ -242,7 +257,9 @@ class NativeEngine:
         self._weights_awake = True
         self._weights_version = 0  # bumped whenever the weights' storage is replaced
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
-        self._images: list[ImageInputs | None] = []  # per request, during generate()
+        # Per request, during generate(): its processed images and audio (None without).
+        self._images: list[ImageInputs | None] = []
+        self._audios: list[AudioInputs | None] = []
 
     # ---------------------------------------------------------------- sleep / wake / weights
     def sleep(self, level: int = 1) -> None:
@@ -375,7 +392,9 @@ class NativeEngine:
         requests = list(requests)
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)
-        self._images = [self._request_images(i, r) for i, r in enumerate(requests)]
+        media = [self._request_media(i, r) for i, r in enumerate(requests)]
+        self._images = [m.get("image") for m in media]
+        self._audios = [m.get("audio") for m in media]
         prompts = [
             self._fit_prompt(i, r.prompt_token_ids, p)
             for i, (r, p) in enumerate(zip(requests, params, strict=True))
@@ -391,44 +410,56 @@ class NativeEngine:
             for wave in self._waves(prompts, params):
                 out.update(self._generate_wave(wave, prompts, params, seeds))
         finally:
-            self._images = []
+            self._images, self._audios = [], []
         return [out[(i, j)] for i, p in enumerate(params) for j in range(p.n)]
 
-    def _request_images(self, index: int, req: Request) -> ImageInputs | None:
-        """The request's processed images, checked against its placeholder tokens."""
+    def _request_media(self, index: int, req: Request) -> dict[str, ImageInputs | AudioInputs]:
+        """The request's processed media by kind (``"image"``, ``"audio"``), each checked
+        against its placeholder tokens."""
         mm = req.multi_modal_data
         if not mm:
-            return None
-        if not self.is_vision:
+            return {}
+        if not self.media_token_ids:
             raise ValueError(
                 f"requests[{index}] carries multi_modal_data but the engine's model "
-                f"({self.model.config.model_type}) is not a vision-language model"
+                f"({self.model.config.model_type}) is not a multimodal model (not a "
+                "vision-language model, nor an audio-language one)"
             )
-        unknown = sorted(set(mm) - {"image"})
+        unknown = sorted(set(mm) - set(self.media_token_ids))
         if unknown:
+            kinds = " and ".join("images" if k == "image" else k for k in self.media_token_ids)
+            spec = ", ".join(f"'{k}': {_MEDIA_TYPES[k].__name__}" for k in self.media_token_ids)
             raise ValueError(
                 f"requests[{index}].multi_modal_data has {unknown}; the native engine takes "
-                "images only ({'image': ImageInputs})"
+                f"{kinds} only ({{{spec}}}) for this model"
             )
-        images = mm["image"]
-        if not isinstance(images, ImageInputs):
-            raise ValueError(
-                f"requests[{index}].multi_modal_data['image'] is a {type(images).__name__}; pass "
-                "the processed ImageInputs the datasets give (lightrft.data.vision)"
-            )
-        found = sum(1 for t in req.prompt_token_ids if t == self.image_token_id)
-        if found != sum(images.num_tokens):
-            raise ValueError(
-                f"requests[{index}] has {found} image tokens but its {len(images)} image(s) "
-                f"take {sum(images.num_tokens)}: prompt ids must hold the expanded placeholders"
-            )
-        return images
+        out: dict[str, ImageInputs | AudioInputs] = {}
+        for kind, value in mm.items():
+            cls = _MEDIA_TYPES[kind]
+            if not isinstance(value, cls):
+                module = "vision" if kind == "image" else "audio"
+                raise ValueError(
+                    f"requests[{index}].multi_modal_data['{kind}'] is a {type(value).__name__}; "
+                    f"pass the processed {cls.__name__} the datasets give "
+                    f"(lightrft.data.{module})"
+                )
+            tok = self.media_token_ids[kind]
+            found = sum(1 for t in req.prompt_token_ids if t == tok)
+            if found != sum(value.num_tokens):
+                raise ValueError(
+                    f"requests[{index}] has {found} {kind} tokens but its {len(value)} {kind}(s) "
+                    f"take {sum(value.num_tokens)}: prompt ids must hold the expanded "
+                    "placeholders"
+                )
+            out[kind] = value
+        return out
 
     def _fit_prompt(self, index: int, ids: list[int], p: SamplingParams) -> list[int]:
         limit = self.max_model_len - 1  # at least one token must fit after the prompt
         if len(ids) <= limit:
             return list(ids)
-        if not self.truncate_prompts or self._images[index] is not None:
+        has_media = self._images[index] is not None or self._audios[index] is not None
+        if not self.truncate_prompts or has_media:
             raise ValueError(
                 f"requests[{index}] has {len(ids)} prompt tokens; the engine's max_model_len is "
                 f"{self.max_model_len} (room for at most {limit} prompt tokens). Shorten it, raise "
@@ -481,11 +512,15 @@ class NativeEngine:
         mask: torch.Tensor,
         cache: KVCache,
         images: ImageInputs | None = None,
+        audios: AudioInputs | None = None,
     ):
         """Hidden states [B, q, H] of the base model for token ids [B, q]."""
         extra = images.model_inputs(self.device) if images is not None else {}
         if "pixel_values" in extra:
             extra["pixel_values"] = extra["pixel_values"].to(self.dtype)
+        if audios is not None:
+            extra.update(audios.model_inputs(self.device))
+            extra["input_features"] = extra["input_features"].to(self.dtype)
         out = self.base(
             input_ids=ids,
             attention_mask=mask,
@@ -554,12 +589,15 @@ class NativeEngine:
             mask = (causal[None] & key_ok[r0:r1, None, :plen]) | eye  # [C, P, P]
             pos = (slot[None, :plen] - pad[r0:r1, None]).clamp(min=0)  # [C, P]
             images = ImageInputs.cat([self._images[i] for i in wave[r0:r1]])
+            audios = AudioInputs.cat([self._audios[i] for i in wave[r0:r1]])
             pos, delta = self._prefill_positions(
                 tokens[r0:r1], pos, key_ok[r0:r1, :plen], images
             )  # [C, P] or [3, C, P]; [C]
             deltas.append(delta)
             cache.rows, cache.pos = slice(r0, r1), 0
-            hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, images)  # [C, P, H]
+            hidden = self._forward(
+                tokens[r0:r1], pos, mask[:, None], cache, images, audios
+            )  # [C, P, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
                 i = wave[r]

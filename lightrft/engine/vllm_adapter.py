@@ -15,6 +15,10 @@ the resized PIL images under ``multi_modal_data["image"]`` and the image-process
 datasets used under ``mm_processor_kwargs``. Vision tokens are kept out of sampling with
 ``logit_bias`` -100; vLLM's processed log-probs then include that bias, unlike the native
 engine's (the difference is the suppressed mass, ~0 once a model has learnt not to emit them).
+Audio-language requests (``{"audio": AudioInputs}``, Qwen2-Audio) go the same way: each audio's
+placeholder run collapsed to one ``<|AUDIO|>``, the waveforms as ``(array, sampling_rate)``
+under ``multi_modal_data["audio"]``, the audio token suppressed. (Written to vLLM's documented
+input format; not yet run on a GPU.)
 
 ``vllm`` is imported only when a ``VLLMEngine`` is built: this module imports without it. vLLM's
 PyPI wheel is CUDA-only. Written against vllm 0.32.0 (the newest release pinning torch 2.13).
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lightrft.data.audio import AudioInputs
 from lightrft.data.vision import ImageInputs
 from lightrft.engine.protocol import (
     Completion,
@@ -96,18 +101,36 @@ def vllm_sampling_kwargs(
 
 
 def vllm_prompt(
-    ids: Sequence[int], multi_modal_data: dict[str, Any] | None, image_token_id: int | None
+    ids: Sequence[int],
+    multi_modal_data: dict[str, Any] | None,
+    image_token_id: int | None,
+    audio_token_id: int | None = None,
 ) -> dict[str, Any]:
     """The vLLM ``TokensPrompt`` dict of a request whose prompt ids hold expanded placeholders.
 
     Images (``{"image": ImageInputs}``) become the PIL list vLLM takes; each image's run of
     ``num_tokens`` placeholder tokens is collapsed to one (vLLM's processor expands it again,
-    with the same image-processor settings, sent as ``mm_processor_kwargs``).
+    with the same image-processor settings, sent as ``mm_processor_kwargs``). Audio
+    (``{"audio": AudioInputs}``) becomes vLLM's ``(waveform, sampling_rate)`` list, its
+    placeholder runs collapsed the same way.
     """
     prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
     if not multi_modal_data:
         return prompt
     mm = dict(multi_modal_data)
+    audios = mm.get("audio")
+    if audios is not None:
+        if not isinstance(audios, AudioInputs):
+            raise ValueError(
+                f"multi_modal_data['audio'] is a {type(audios).__name__}; pass the processed "
+                "AudioInputs the datasets give (lightrft.data.audio)"
+            )
+        if audio_token_id is None:
+            raise ValueError("multi_modal_data has audio but the model is not audio-language")
+        prompt["prompt_token_ids"] = collapse_placeholders(
+            prompt["prompt_token_ids"], audio_token_id, audios.num_tokens, kind="audio"
+        )
+        mm["audio"] = [(wave, audios.sampling_rate) for wave in audios.audios]
     images = mm.get("image")
     if images is not None:
         if not isinstance(images, ImageInputs):
@@ -117,7 +140,9 @@ def vllm_prompt(
             )
         if image_token_id is None:
             raise ValueError("multi_modal_data has images but the model is not vision-language")
-        prompt["prompt_token_ids"] = collapse_placeholders(ids, image_token_id, images.num_tokens)
+        prompt["prompt_token_ids"] = collapse_placeholders(
+            prompt["prompt_token_ids"], image_token_id, images.num_tokens
+        )
         mm["image"] = list(images.images)
         if images.processor_kwargs:
             prompt["mm_processor_kwargs"] = dict(images.processor_kwargs)
@@ -126,28 +151,32 @@ def vllm_prompt(
 
 
 def collapse_placeholders(
-    ids: Sequence[int], image_token_id: int, num_tokens: Sequence[int]
+    ids: Sequence[int], image_token_id: int, num_tokens: Sequence[int], kind: str = "image"
 ) -> list[int]:
-    """``ids`` with the k-th image's ``num_tokens[k]`` placeholder tokens replaced by one."""
+    """``ids`` with the k-th image's (or audio's) ``num_tokens[k]`` placeholder tokens replaced
+    by one."""
+    token = image_token_id
     out: list[int] = []
     k = j = 0
     while j < len(ids):
-        if ids[j] != image_token_id:
+        if ids[j] != token:
             out.append(ids[j])
             j += 1
             continue
         if k >= len(num_tokens):
-            raise ValueError(f"the prompt has more image tokens than its {len(num_tokens)} images")
-        run = list(ids[j : j + num_tokens[k]])
-        if len(run) != num_tokens[k] or any(t != image_token_id for t in run):
             raise ValueError(
-                f"image {k} needs {num_tokens[k]} consecutive image tokens in the prompt"
+                f"the prompt has more {kind} tokens than its {len(num_tokens)} {kind}s"
             )
-        out.append(image_token_id)
+        run = list(ids[j : j + num_tokens[k]])
+        if len(run) != num_tokens[k] or any(t != token for t in run):
+            raise ValueError(
+                f"{kind} {k} needs {num_tokens[k]} consecutive {kind} tokens in the prompt"
+            )
+        out.append(token)
         j += num_tokens[k]
         k += 1
     if k != len(num_tokens):
-        raise ValueError(f"the prompt places {k} of its {len(num_tokens)} images")
+        raise ValueError(f"the prompt places {k} of its {len(num_tokens)} {kind}s")
     return out
 
 
@@ -198,11 +227,11 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
 
     ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM
 
-    from lightrft.models.vision import is_vision_language
+    from lightrft.models.vision import is_multimodal, multimodal_auto_class
 
-    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    auto = multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config)
     accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -302,12 +331,14 @@ class VLLMEngine:
         rng.restore()
         self._vllm = vllm
         hf_config = self.llm.llm_engine.model_config.hf_config
-        from lightrft.models.vision import image_token_id, is_vision_language, vision_token_ids
+        from lightrft.models import vision
 
-        vlm = is_vision_language(hf_config)
+        vlm = vision.is_vision_language(hf_config)
+        alm = vision.is_audio_language(hf_config)
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
-        self.image_token_id = image_token_id(hf_config) if vlm else None
-        self.suppress_token_ids = vision_token_ids(hf_config) if vlm else []
+        self.image_token_id = vision.image_token_id(hf_config) if vlm else None
+        self.audio_token_id = vision.audio_token_id(hf_config) if alm else None
+        self.suppress_token_ids = vision.media_token_ids(hf_config)
         self._names, self._required = hf_weight_names(hf_config)
         self._asleep: set[str] = set()
         self._unloaded: set[str] = set()
@@ -394,7 +425,7 @@ class VLLMEngine:
         return mine
 
     def _prompt(self, ids: list[int], req: Request) -> dict[str, Any]:
-        return vllm_prompt(ids, req.multi_modal_data, self.image_token_id)
+        return vllm_prompt(ids, req.multi_modal_data, self.image_token_id, self.audio_token_id)
 
     def _sampling(self, p: SamplingParams, **kwargs: Any) -> dict[str, Any]:
         return vllm_sampling_kwargs(p, suppress_token_ids=self.suppress_token_ids, **kwargs)

@@ -1,19 +1,29 @@
-"""Loading actor, critic and reward models with their tokenizers or processors (text and
-vision-language) from HF directories; parallelize(); tiny test models."""
+"""Loading actor, critic and reward models with their tokenizers or processors (text,
+vision-language and audio-language) from HF directories; parallelize(); tiny test models."""
 
 from lightrft.models.loading import load_causal_lm, load_model, load_tokenizer
 from lightrft.models.parallel import parallelize
 from lightrft.models.tiny import ensure_tiny_model, make_tiny_model
 from lightrft.models.vision import (
+    checkpoint_is_audio_language,
+    checkpoint_is_multimodal,
     checkpoint_is_vision_language,
+    is_audio_language,
+    is_multimodal,
     is_vision_language,
     load_processor,
     load_vision_model,
+    set_audio_trainable,
+    set_towers_trainable,
     set_vision_trainable,
 )
 
 __all__ = [
+    "checkpoint_is_audio_language",
+    "checkpoint_is_multimodal",
     "checkpoint_is_vision_language",
+    "is_audio_language",
+    "is_multimodal",
     "ensure_tiny_model",
     "is_vision_language",
     "load_causal_lm",
@@ -23,5 +33,7 @@ __all__ = [
     "load_vision_model",
     "make_tiny_model",
     "parallelize",
+    "set_audio_trainable",
+    "set_towers_trainable",
     "set_vision_trainable",
 ]

@@ -103,16 +103,16 @@ def load_model(
     attn_implementation: str | None = "sdpa",
 ):
     """A causal LM, or an ``AutoModelForImageTextToText`` model when the checkpoint's config has
-    a ``vision_config`` (a vision-language model): one call for recipes."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    a ``vision_config`` (a vision-language model), or an ``AutoModelForMultimodalLM`` one when it
+    has an ``audio_config`` (Qwen2-Audio): one call for recipes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightrft.models.vision import is_vision_language
+    from lightrft.models.vision import is_multimodal, multimodal_auto_class
 
     _check_local(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    vlm = is_vision_language(config)
     return _from_pretrained(
-        AutoModelForImageTextToText if vlm else AutoModelForCausalLM,
+        multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM,
         path,
         dtype=dtype,
         device=device,

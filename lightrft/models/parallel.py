@@ -44,12 +44,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def _vision_blocks(model: nn.Module) -> list[nn.Module]:
-    from lightrft.models.vision import is_vision_language, vision_blocks
+def _tower_blocks(model: nn.Module) -> list[nn.Module]:
+    """The encoder-tower blocks (vision and audio) FSDP2 shards besides the decoder's."""
+    from lightrft.models.vision import media_blocks
 
-    if not is_vision_language(getattr(model, "config", None)):
-        return []
-    return list(vision_blocks(model))
+    return media_blocks(model)
 
 
 def default_param_dtype(device: torch.device | str) -> torch.dtype:
@@ -73,7 +72,7 @@ def parallelize(
     1. activation checkpointing wraps each decoder block (recompute in backward);
     2. ``torch.compile`` compiles each block in place (names keep no ``_orig_mod.`` prefix);
     3. FSDP2 ``fully_shard`` shards each block, then the root, with a ``MixedPrecisionPolicy``;
-       a vision-language model's vision-tower blocks are sharded each as well.
+       a vision- or audio-language model's tower blocks are sharded each as well.
 
     ``shard=None`` shards when a process group is initialised; a single plain process keeps
     ordinary tensors so the same recipe runs unchanged on a laptop.
@@ -97,10 +96,10 @@ def parallelize(
     if param_dtype is None:
         param_dtype = default_param_dtype(next(model.parameters()).device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # A vision-language model's vision blocks are sharded one by one too (trained or frozen: a
-    # frozen tower costs no gradients but its weights are as large). The tower runs before the
-    # decoder, so its blocks are gathered and resharded like the decoder's.
-    for block in _vision_blocks(model):
+    # A vision- or audio-language model's tower blocks are sharded one by one too (trained or
+    # frozen: a frozen tower costs no gradients but its weights are as large). The tower runs
+    # before the decoder, so its blocks are gathered and resharded like the decoder's.
+    for block in _tower_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for i, layer in enumerate(layers):
         # The last block is gathered again right away by the root's backward: keep it unsharded.

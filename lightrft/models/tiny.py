@@ -10,7 +10,11 @@ the chat markers are special tokens, so a chat template renders like Qwen's Chat
 Vision-language archs (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``) also write a
 processor (PIL image processor, no torchvision) and a chat template that renders
 ``{"type": "image"}`` content parts as the model's vision placeholder; see
-:mod:`lightrft.models.vision`.
+:mod:`lightrft.models.vision`. The audio-language arch ``qwen2_audio`` writes a
+``Qwen2AudioForConditionalGeneration`` with a small Whisper-style audio tower and a
+``Qwen2AudioProcessor`` (``WhisperFeatureExtractor``, numpy only; 16 mel bins and a 2 s chunk
+instead of 128 and 30 s) whose template renders ``{"type": "audio"}`` parts as
+``<|audio_bos|><|AUDIO|><|audio_eos|>``.
 """
 
 from __future__ import annotations
@@ -32,22 +36,31 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXT_ARCHS = ("qwen2", "llama")
 VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
-ARCHS = TEXT_ARCHS + VISION_ARCHS
+AUDIO_ARCHS = ("qwen2_audio",)
+ARCHS = TEXT_ARCHS + VISION_ARCHS + AUDIO_ARCHS
+
+# Qwen2-Audio's audio markers, as its tokenizer names them.
+QWEN_AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
+# The tiny feature extractor: 16 kHz, 10 ms hop, 16 mel bins, 2 s chunks (200 frames, at most
+# 50 audio tokens per audio).
+AUDIO_RATE = 16000
+AUDIO_MELS = 16
+AUDIO_CHUNK_SECONDS = 2
 
 # Qwen2-VL's vision markers, in the order the real tokenizer has them.
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 LLAVA_IMAGE_TOKEN = "<image>"
 
 
-def _vision_chat_template(image: str) -> str:
+def _vision_chat_template(image: str, kind: str = "image") -> str:
     """ChatML whose content may be a string or a list of HF content parts; each
-    ``{"type": "image"}`` part renders as ``image`` (the processor expands it per image)."""
+    ``{"type": kind}`` part renders as ``image`` (the processor expands it per image or audio)."""
     return (
         "{% for message in messages %}"
         "<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}"
-        "{% if part['type'] == 'image' %}" + image + "{% elif part['type'] == 'text' %}"
+        "{% if part['type'] == '" + kind + "' %}" + image + "{% elif part['type'] == 'text' %}"
         "{{ part['text'] }}{% endif %}"
         "{% endfor %}{% endif %}"
         "<|im_end|>\n"
@@ -156,6 +169,8 @@ def make_tiny_model(
     }
     if arch in VISION_ARCHS:
         return _make_tiny_vlm(out_dir, arch=arch, seed=seed, **sizes)
+    if arch in AUDIO_ARCHS:
+        return _make_tiny_audio_lm(out_dir, seed=seed, **sizes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = char_tokenizer()
@@ -348,6 +363,84 @@ def _make_tiny_vlm(out_dir: str | Path, *, arch: str, seed: int, **sizes: Any) -
     tok.chat_template = proc.chat_template
     cfg = _vlm_config(arch, tok, **sizes)
     return _save_random(AutoModelForImageTextToText, cfg, tok, proc, seed, out)
+
+
+def _tiny_audio_processor(tok):
+    """Qwen2-Audio's processor over a small ``WhisperFeatureExtractor`` and ``tok``."""
+    from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
+
+    fe = WhisperFeatureExtractor(
+        feature_size=AUDIO_MELS,
+        sampling_rate=AUDIO_RATE,
+        hop_length=AUDIO_RATE // 100,
+        chunk_length=AUDIO_CHUNK_SECONDS,
+        n_fft=400,
+    )
+    return Qwen2AudioProcessor(
+        feature_extractor=fe,
+        tokenizer=tok,
+        chat_template=_vision_chat_template("".join(QWEN_AUDIO_TOKENS), kind="audio"),
+    )
+
+
+def _audio_config(
+    tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions, tie_embeddings
+):
+    """The HF config of a tiny Qwen2-Audio whose audio token id matches ``tok``."""
+    from transformers import AutoConfig
+
+    text = {
+        "model_type": "qwen2",
+        "vocab_size": -(-len(tok) // 16) * 16,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate or 4 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-6,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    width = 32
+    frames = AUDIO_CHUNK_SECONDS * 100  # mel frames per chunk (10 ms hop)
+    audio = {
+        "model_type": "qwen2_audio_encoder",
+        "num_mel_bins": AUDIO_MELS,
+        "encoder_layers": 2,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 2 * width,
+        "d_model": width,
+        # The encoder's stride-2 convolution halves the frames; it checks that length exactly.
+        "max_source_positions": frames // 2,
+    }
+    return AutoConfig.for_model(
+        "qwen2_audio",
+        text_config=text,
+        audio_config=audio,
+        audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"),
+        tie_word_embeddings=tie_embeddings,
+    )
+
+
+def _make_tiny_audio_lm(out_dir: str | Path, *, seed: int, **sizes: Any) -> Path:
+    from transformers import AutoModelForMultimodalLM
+
+    if sizes["hidden"] % sizes["heads"] or sizes["heads"] % sizes["kv_heads"]:
+        raise ValueError(
+            f"hidden ({sizes['hidden']}) must be divisible by heads ({sizes['heads']}), and "
+            f"heads by kv_heads ({sizes['kv_heads']})"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = char_tokenizer(QWEN_AUDIO_TOKENS)
+    proc = _tiny_audio_processor(tok)
+    tok.chat_template = proc.chat_template
+    cfg = _audio_config(tok, **sizes)
+    return _save_random(AutoModelForMultimodalLM, cfg, tok, proc, seed, out)
 
 
 _SETTINGS_FILE = "lightrft_tiny.json"

@@ -1,4 +1,9 @@
-"""Vision-language models: loading with their processors, the vision tower, and its freezing.
+"""Vision- and audio-language models: loading with their processors, the encoder towers, and
+their freezing.
+
+Audio-language models (Qwen2-Audio: an ``audio_config``, a ``WhisperFeatureExtractor``, numpy
+only) load through the same functions; their audio tower is frozen by default as the vision
+tower is (:func:`set_towers_trainable`).
 
 Any ``AutoModelForImageTextToText`` checkpoint loads through :func:`load_vision_model`, its
 processor through :func:`load_processor`. Three facts shape this module:
@@ -23,7 +28,18 @@ import torch
 from torch import nn
 
 __all__ = [
+    "audio_blocks",
+    "audio_token_id",
+    "audio_tower_modules",
+    "checkpoint_is_audio_language",
+    "checkpoint_is_multimodal",
     "checkpoint_is_vision_language",
+    "is_audio_language",
+    "is_multimodal",
+    "media_blocks",
+    "media_token_ids",
+    "set_audio_trainable",
+    "set_towers_trainable",
     "image_token_id",
     "is_vision_language",
     "load_processor",
@@ -48,6 +64,36 @@ def processor_classes() -> dict[str, type]:
 def is_vision_language(config) -> bool:
     """Whether an HF config describes a vision-language model (it has a ``vision_config``)."""
     return getattr(config, "vision_config", None) is not None
+
+
+def is_audio_language(config) -> bool:
+    """Whether an HF config describes an audio-language model (it has an ``audio_config``:
+    Qwen2-Audio)."""
+    return getattr(config, "audio_config", None) is not None
+
+
+def is_multimodal(config) -> bool:
+    """Whether an HF config describes a vision- or audio-language model: one that loads with
+    its processor and takes media inputs beside the token ids."""
+    return is_vision_language(config) or is_audio_language(config)
+
+
+def checkpoint_is_multimodal(path: str | Path) -> bool | None:
+    """:func:`checkpoint_is_vision_language` for vision or audio (``audio_config``) models."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text())
+    return data.get("vision_config") is not None or data.get("audio_config") is not None
+
+
+def checkpoint_is_audio_language(path: str | Path) -> bool | None:
+    """Whether the local checkpoint at ``path`` is an audio-language model (its config.json
+    has an ``audio_config``); None without a local config.json."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get("audio_config") is not None
 
 
 def checkpoint_is_vision_language(path: str | Path) -> bool | None:
@@ -103,15 +149,16 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
             if cls is None:
                 raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
         else:
-            if (
-                not isinstance(proc, ProcessorMixin)
-                or getattr(proc, "image_processor", None) is None
-            ):
+            media = getattr(proc, "image_processor", None) or getattr(
+                proc, "feature_extractor", None
+            )
+            if not isinstance(proc, ProcessorMixin) or media is None:
                 cls = classes.get(_model_type(path) or "")
                 if cls is None:
                     raise ValueError(
-                        f"{str(path)!r} has no image processor (AutoProcessor gave "
-                        f"{type(proc).__name__}): is it a vision-language model directory?"
+                        f"{str(path)!r} has no image processor or audio feature extractor "
+                        f"(AutoProcessor gave {type(proc).__name__}): is it a vision-language or "
+                        "audio-language model directory?"
                     )
             else:
                 cls = None
@@ -123,6 +170,18 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     return proc
 
 
+def multimodal_auto_class(path_or_config, *, trust_remote_code: bool = False):
+    """The transformers auto class a multimodal checkpoint (or config) loads with:
+    ``AutoModelForMultimodalLM`` for audio-language models (Qwen2-Audio is not an image-text
+    model), else ``AutoModelForImageTextToText``."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoModelForMultimodalLM
+
+    config = path_or_config
+    if isinstance(config, (str, Path)):
+        config = AutoConfig.from_pretrained(config, trust_remote_code=trust_remote_code)
+    return AutoModelForMultimodalLM if is_audio_language(config) else AutoModelForImageTextToText
+
+
 def load_vision_model(
     path: str | Path,
     *,
@@ -131,13 +190,13 @@ def load_vision_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
 ) -> nn.Module:
-    """An ``AutoModelForImageTextToText`` model from a local directory or hub id."""
-    from transformers import AutoModelForImageTextToText
-
+    """An ``AutoModelForImageTextToText`` model (vision-language), or an
+    ``AutoModelForMultimodalLM`` one (audio-language: Qwen2-Audio), from a local directory or
+    hub id."""
     from lightrft.models.loading import _from_pretrained
 
     return _from_pretrained(
-        AutoModelForImageTextToText,
+        multimodal_auto_class(path, trust_remote_code=trust_remote_code),
         path,
         dtype=dtype,
         device=device,
@@ -149,6 +208,84 @@ def load_vision_model(
 def _base(model: nn.Module) -> nn.Module:
     """The wrapped base model (``model.model``) of an ``*ForConditionalGeneration``."""
     return getattr(model, getattr(model, "base_model_prefix", "model"), model)
+
+
+def audio_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The audio encoder of an audio-language model by qualified name (Qwen2-Audio's
+    ``model.audio_tower``; its projector, ``multi_modal_projector``, stays with the LM as
+    LLaVA's does)."""
+    base = _base(model)
+    prefix = getattr(model, "base_model_prefix", "model")
+    tower = getattr(base, "audio_tower", None)
+    if isinstance(tower, nn.Module):
+        return {f"{prefix}.audio_tower": tower}
+    raise ValueError(f"cannot find the audio tower of {type(model).__name__}")
+
+
+def audio_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of the audio tower (what FSDP2 shards one by one)."""
+    from lightrft.models.parallel import find_module_list
+
+    (tower,) = audio_tower_modules(model).values()
+    blocks = find_module_list(tower, ("layers", "encoder.layers"))
+    if blocks is not None:
+        return blocks
+    raise ValueError(f"cannot find the blocks of the audio tower {type(tower).__name__}")
+
+
+def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
+    """Freeze (``trainable=False``, the default) or unfreeze the audio tower in place; as
+    :func:`set_vision_trainable`. Returns the names of the parameters set."""
+    names = []
+    for prefix, tower in audio_tower_modules(model).items():
+        for name, p in tower.named_parameters():
+            p.requires_grad_(trainable)
+            names.append(f"{prefix}.{name}")
+    return names
+
+
+def media_blocks(model: nn.Module) -> list[nn.Module]:
+    """The vision and audio tower blocks of a multimodal model (none for a text model)."""
+    config = getattr(model, "config", None)
+    blocks: list[nn.Module] = []
+    if is_vision_language(config):
+        blocks += list(vision_blocks(model))
+    if is_audio_language(config):
+        blocks += list(audio_blocks(model))
+    return blocks
+
+
+def set_towers_trainable(
+    model: nn.Module, *, vision: bool = False, audio: bool = False
+) -> list[str]:
+    """Freeze or unfreeze each encoder tower the model has (vision, audio); what recipes call
+    with ``model.train_vision_tower`` / ``model.train_audio_tower``."""
+    config = getattr(model, "config", None)
+    names = []
+    if is_vision_language(config):
+        names += set_vision_trainable(model, vision)
+    if is_audio_language(config):
+        names += set_audio_trainable(model, audio)
+    return names
+
+
+def audio_token_id(config) -> int:
+    """The id of the audio placeholder token (Qwen2-Audio's ``audio_token_index``)."""
+    for key in ("audio_token_id", "audio_token_index"):
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"{type(config).__name__} names no audio token id")
+
+
+def media_token_ids(config) -> list[int]:
+    """:func:`vision_token_ids` plus the audio placeholder: ids a sampler must never emit."""
+    ids = vision_token_ids(config) if is_vision_language(config) else []
+    if is_audio_language(config):
+        tok = audio_token_id(config)
+        if tok not in ids:
+            ids.append(tok)
+    return ids
 
 
 def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -230,6 +367,7 @@ def vision_forward_kwargs(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     images,
+    audios=None,
 ) -> dict[str, torch.Tensor | None]:
     """The keyword arguments of a VLM forward over ``input_ids`` ``[B, T]`` whose image tokens
     belong to ``images`` (an :class:`~lightrft.data.vision.ImageInputs` of the batch, in order).
@@ -245,11 +383,20 @@ def vision_forward_kwargs(
       boundaries) over the per-sample 3-D M-RoPE positions.
 
     Models without M-RoPE (LLaVA) take ordinary positions, so their packing works as for text.
+
+    ``audios`` (an :class:`~lightrft.data.audio.AudioInputs` of the batch, in order) adds
+    ``input_features`` and ``feature_attention_mask``; Qwen2-Audio takes ordinary positions.
     """
     kwargs: dict[str, torch.Tensor | None] = {
         "attention_mask": attention_mask,
         "position_ids": position_ids,
     }
+    if audios is not None:
+        if not is_audio_language(getattr(model, "config", None)):
+            raise ValueError(
+                f"audio was given but {type(model).__name__} is not an audio-language model"
+            )
+        kwargs.update(audios.model_inputs(input_ids.device))
     if images is None:
         return kwargs
     if not is_vision_language(getattr(model, "config", None)):

@@ -16,9 +16,16 @@ from lightrft.rewards.math_answer import answers_match, extract_answer, normaliz
 from lightrft.rewards.remote import RemoteReward, RemoteRewardError
 from lightrft.rewards.reward_model import RewardModel
 from lightrft.rewards.ttrl import TTRLReward
-from lightrft.rewards.verifiers import ExactMatch, GSM8KVerifier, MathVerifier, ThinkFormatReward
+from lightrft.rewards.verifiers import (
+    ChoiceVerifier,
+    ExactMatch,
+    GSM8KVerifier,
+    MathVerifier,
+    ThinkFormatReward,
+)
 
 __all__ = [
+    "ChoiceVerifier",
     "CodeVerifier",
     "CombinedReward",
     "ExactMatch",

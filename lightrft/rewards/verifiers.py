@@ -1,5 +1,5 @@
-"""Rule-based rewards: math and GSM8K answer verifiers, exact match, and a think-then-answer format
-reward.
+"""Rule-based rewards: math and GSM8K answer verifiers, exact match, a multiple-choice verifier,
+and a think-then-answer format reward.
 
 All of them look at the response only. A prompt may quote example answers or tags; scoring it
 would reward the question instead of the model.
@@ -21,7 +21,7 @@ from lightrft.rewards.math_answer import (
     parse_number,
 )
 
-__all__ = ["ExactMatch", "GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
+__all__ = ["ChoiceVerifier", "ExactMatch", "GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
 
 
 def _final_part(response: str, strip_think: bool) -> str:
@@ -217,6 +217,67 @@ class ExactMatch:
             else self.incorrect
             for r, ref in zip(responses, references, strict=True)
         ]
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _choice_key(text: str) -> str:
+    """A choice compared loosely: case folded, inner whitespace collapsed, surrounding quotes and
+    a trailing period dropped (``" 'Dog.' "`` is ``"dog"``; ``"(B) dog"`` is not ``"dog"``)."""
+    text = " ".join(text.split()).casefold()
+    return text.strip(" \"'`").rstrip(".").strip()
+
+
+class ChoiceVerifier:
+    """``correct`` if the response chooses the reference option, else ``incorrect``.
+
+    For multiple-choice question answering (audio QA in the style of R1-AQA, Li et al. 2025,
+    arXiv:2503.11197): the choice is the text of the response's last ``<answer>...</answer>``
+    (``require_tag=False``: the whole final part when there is no tag), compared with the
+    reference option text case-insensitively, ignoring surrounding whitespace and quotes and a
+    trailing period. A response without the tag (when required) is ``incorrect``, so the tag
+    format is part of the reward. With ``strip_think`` the response is read after its last
+    ``</think>``.
+    """
+
+    name = "choice"
+    requires_reference = True
+
+    def __init__(
+        self,
+        correct: float = 1.0,
+        incorrect: float = 0.0,
+        require_tag: bool = True,
+        strip_think: bool = True,
+    ) -> None:
+        self.correct = float(correct)
+        self.incorrect = float(incorrect)
+        self.require_tag = require_tag
+        self.strip_think = strip_think
+
+    def choice(self, response: str) -> str | None:
+        """The option a response chose (None: no ``<answer>`` tag where one is required)."""
+        final = _final_part(response, self.strip_think)
+        tags = _ANSWER_TAG.findall(final)
+        if tags:
+            return tags[-1]
+        return None if self.require_tag else final
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[str | None],
+        labels: Sequence[str | None] | None = None,
+    ) -> list[float]:
+        _check_references(type(self).__name__, prompts, responses, references)
+        out = []
+        for r, ref in zip(responses, references, strict=True):
+            chosen = self.choice(r)
+            ok = chosen is not None and _choice_key(chosen) == _choice_key(str(ref))
+            out.append(self.correct if ok else self.incorrect)
+        return out
 
 
 class ThinkFormatReward:

@@ -202,7 +202,7 @@ def test_truncation_that_would_cut_an_image_drops_the_sample(proc):
             r"train\.jsonl line 1: images both in field 'images' and inline",
         ),
         (
-            {"messages": [{"role": "user", "content": [{"type": "audio"}]}], "answer": "a"},
+            {"messages": [{"role": "user", "content": [{"type": "video"}]}], "answer": "a"},
             r"train\.jsonl line 1: messages\[0\]\.content\[0\] must be a text part",
         ),
     ],

@@ -1,0 +1,343 @@
+"""The sft and grpo recipes on a tiny Qwen2-Audio through the real CLI, in-process: audio rides
+the same multimodal path as images (datasets -> batches / rollouts -> forward with ``audios=``),
+the audio tower frozen or trained, resume, export, 2 gloo processes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _dist import run_distributed
+
+from lightrft import cli
+from lightrft.training import read_metrics
+
+TOWER = ("audio_tower.", "model.audio_tower.")  # Qwen2-Audio's audio tower (not the projector)
+
+
+def _prepare(tmp: Path) -> list[dict]:
+    return [
+        {
+            "_component_": "lightrft.models.ensure_tiny_model",
+            "out_dir": str(tmp / "model"),
+            "arch": "qwen2_audio",
+        },
+        {
+            "_component_": "lightrft.data.ensure_tones_dataset",
+            "out_dir": str(tmp / "data"),
+            "n_train": 32,
+            "n_rl": 8,
+            "n_test": 8,
+        },
+    ]
+
+
+def _sft_config(tmp: Path, **overrides) -> Path:
+    cfg = {
+        "output_dir": str(tmp / "out"),
+        "seed": 0,
+        "device": "cpu",
+        "prepare": _prepare(tmp),
+        "model": {"path": str(tmp / "model")},
+        "dataset": {
+            "_component_": "lightrft.data.SFTDataset",
+            "path": str(tmp / "data" / "train.jsonl"),
+            "max_audio_seconds": 1.0,
+        },
+        "eval_dataset": {
+            "_component_": "lightrft.data.SFTDataset",
+            "path": str(tmp / "data" / "test.jsonl"),
+            "max_audio_seconds": 1.0,
+        },
+        "packing": False,
+        "batch_size": 8,
+        "epochs": 2,
+        "max_steps": 6,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-2},
+        "log_every": 1,
+        "eval_every": None,
+        "metrics": {"tensorboard": False},
+    }
+    cfg.update(overrides)
+    path = tmp / "sft.yaml"
+    path.write_text("# lightrft run sft --config sft.yaml\n" + yaml.safe_dump(cfg))
+    return path
+
+
+def _losses(out: Path, key: str = "train/loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_metrics(out) if key in r}
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _changed(before: dict, after: dict) -> tuple[set[str], set[str]]:
+    """(names whose weights changed, names unchanged) over the shared keys."""
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    return changed, set(before) - changed
+
+
+def _eval_loss(model_dir: Path, data: Path) -> float:
+    """Mean next-token NLL of the exported model on the test set, computed outside the recipe
+    from AutoModelForMultimodalLM + AutoProcessor logits (plain log_softmax)."""
+    from transformers import AutoModelForMultimodalLM, AutoProcessor
+
+    from lightrft.data import SFTDataset, pack_or_pad_collator
+
+    model = AutoModelForMultimodalLM.from_pretrained(model_dir, dtype=torch.float32)
+    proc = AutoProcessor.from_pretrained(model_dir)
+    items = list(SFTDataset(proc, data, max_audio_seconds=1.0))
+    nll, count = 0.0, 0
+    for item in items:
+        batch = pack_or_pad_collator(proc.tokenizer)([item])
+        kwargs = batch["audios"].model_inputs()
+        ids = batch["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=ids, **kwargs).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1)
+        targets = batch["labels"][:, 1:]
+        keep = targets != -100
+        nll -= logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)[keep].sum().item()
+        count += int(keep.sum())
+    return nll / count
+
+
+def test_audio_sft_learns_freezes_the_tower_exports_and_resumes(tmp_path):
+    cfg = _sft_config(tmp_path, save_every=3, keep_last=5)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    losses = _losses(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert losses[6] < 0.7 * losses[1], losses
+
+    before, after = _weights(tmp_path / "model"), _weights(out / "final")
+    changed, same = _changed(before, after)
+    tower = {k for k in before if k.startswith(TOWER)}
+    assert tower and tower <= same  # frozen by default
+    assert changed == set(before) - tower  # every language-model weight trained
+
+    # Export round trip: AutoModelForMultimodalLM + AutoProcessor load the export back, and
+    # its plain-logit test loss is the recipe's own final eval loss.
+    evals = _losses(out, "eval/loss")
+    assert abs(_eval_loss(out / "final", tmp_path / "data" / "test.jsonl") - evals[6]) < 1e-5
+
+    # Resume from the step-3 checkpoint gives the uninterrupted losses, bitwise.
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_000003", ckpts / "step_000003")
+    (ckpts / "latest").write_text("step_000003")
+    # Same model and data paths: resume refuses a config that changed them.
+    cfg = _sft_config(
+        tmp_path, save_every=3, keep_last=5, resume=True, output_dir=str(crashed / "out")
+    )
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    resumed = _losses(crashed / "out")
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == losses[s] for s in resumed), (resumed, losses)
+
+
+def _run_recipe(name: str, cfg_path: str):
+    """The recipe as the CLI runs it, minus the process-group teardown (the harness owns it)."""
+    import runpy
+
+    from lightrft import config as lconfig
+    from lightrft.cli import recipes_dir
+
+    module = runpy.run_path(str(recipes_dir() / f"{name}.py"))
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = module[{"sft": "SFTRecipe", "grpo": "GRPORecipe"}[name]](
+        cfg, module["build_options"](cfg)
+    )
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.logger.close()
+    return recipe
+
+
+def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    recipe = _run_recipe("sft", cfg_path)
+    tower = [p for n, p in recipe.model.named_parameters() if "audio_tower." in n]
+    assert tower and all(isinstance(p, DTensor) and p.requires_grad for p in tower)
+
+
+def test_audio_sft_two_processes_train_the_tower(tmp_path):
+    cfg = _sft_config(tmp_path, batch_size=4, max_steps=3, eval_dataset=None)
+    data = yaml.safe_load(cfg.read_text())
+    data["model"]["train_audio_tower"] = True
+    cfg.write_text("# lightrft run sft --config sft.yaml\n" + yaml.safe_dump(data))
+    run_distributed(_two_rank_sft, str(cfg), world_size=2)
+    out = tmp_path / "out"
+    losses = _losses(out)
+    assert sorted(losses) == [1, 2, 3]
+    changed, same = _changed(_weights(tmp_path / "model"), _weights(out / "final"))
+    assert not same, same  # every weight trained, the audio tower included
+    assert any(k.startswith(TOWER) for k in changed)
+
+
+def test_train_audio_tower_on_a_text_model_is_refused(tmp_path, capsys):
+    from lightrft.models import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", layers=1, hidden=16, heads=2, kv_heads=1)
+    cfg = _sft_config(tmp_path, prepare=None)
+    data = yaml.safe_load(cfg.read_text())
+    data["model"]["train_audio_tower"] = True
+    cfg.write_text("# lightrft run sft --config sft.yaml\n" + yaml.safe_dump(data))
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert "model.train_audio_tower=true but" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- grpo
+
+
+def _grpo_config(tmp: Path, assets: Path | None = None, **overrides) -> Path:
+    """2 steps of 2 tone-pitch prompts x 4 samples of 4 tokens on the tiny Qwen2-Audio."""
+    src = assets or tmp
+    prompts = {"_component_": "lightrft.data.PromptDataset", "max_audio_seconds": 1.0}
+    cfg = {
+        "output_dir": str(tmp / "out"),
+        "seed": 0,
+        "device": "cpu",
+        "prepare": _prepare(src),
+        "model": {"path": str(src / "model")},
+        "dataset": {**prompts, "path": str(src / "data" / "train.jsonl")},
+        "eval_dataset": {**prompts, "path": str(src / "data" / "test.jsonl")},
+        "reward": {"_component_": "lightrft.rewards.MathVerifier"},
+        "rollout": {"prompts_per_step": 2, "n": 4, "max_tokens": 4},
+        "algorithm": {"advantage": {"estimator": "grpo"}, "old_logprobs": "engine"},
+        "train": {"micro_batch_size": 8, "ppo_epochs": 1},  # both prompts in one forward
+        "max_steps": 2,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
+        "eval": {"every": 2, "max_tokens": 3},
+        "metrics": {"tensorboard": False},
+    }
+    for key, value in overrides.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / "grpo.yaml"
+    path.write_text("# lightrft run grpo --config grpo.yaml\n" + yaml.safe_dump(cfg))
+    return path
+
+
+def _train_rows(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out) if "train/lr" in r}
+
+
+def _on_policy(row: dict) -> None:
+    """Old log-probs are the engine's and the step is one on-policy mini-batch: the trainer's
+    forward (with the rows' audio) must give the engine's log-probs, so the ratio is 1."""
+    assert row["train/approx_kl"] < 1e-8, row["train/approx_kl"]
+    assert row["train/clip_frac"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def alm_assets(tmp_path_factory) -> Path:
+    from omegaconf import OmegaConf
+
+    from lightrft import config as lconfig
+
+    root = tmp_path_factory.mktemp("alm_grpo")
+    for node in _prepare(root):
+        lconfig.instantiate(OmegaConf.create(node))
+    return root
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp"])
+def test_audio_grpo_estimators_on_policy(tmp_path, alm_assets, estimator):
+    over = {"algorithm.advantage.estimator": estimator, "prepare": None}
+    if estimator == "grpo":  # a reference model with a KL in the loss: 0 before any update
+        over["algorithm.kl"] = {"coef": 0.1, "estimator": "k3", "placement": "loss"}
+    cfg = _grpo_config(tmp_path, alm_assets, **over)
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 0
+    train = _train_rows(tmp_path / "out")
+    assert sorted(train) == [1, 2]
+    for row in train.values():
+        _on_policy(row)
+        assert row["rollout/samples"] == 8
+    if estimator == "grpo":
+        assert train[1]["train/kl"] == 0.0
+    evals = [r for r in read_metrics(tmp_path / "out") if "eval/accuracy" in r]
+    assert evals and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
+    # The audio tower is frozen (the RL default): the export keeps its weights.
+    changed, same = _changed(_weights(alm_assets / "model"), _weights(tmp_path / "out" / "final"))
+    tower = {k for k in same | changed if k.startswith(TOWER)}
+    assert tower and tower <= same and changed
+
+
+def test_audio_grpo_resume_is_bitwise(tmp_path, alm_assets):
+    over = {
+        "prepare": None,
+        "max_steps": 3,
+        "save_every": 2,
+        "keep_last": 5,
+        "eval": None,
+        "eval_dataset": None,
+        "model.train_audio_tower": True,
+        "algorithm.kl": {"coef": 0.1, "placement": "loss"},
+        "train": {"micro_batch_size": 3, "ppo_epochs": 2, "mini_batch_size": 4, "packing": True},
+    }
+    full = tmp_path / "full"
+    assert cli.main(["run", "grpo", "--config", str(_grpo_config(full, alm_assets, **over))]) == 0
+    reference = _train_rows(full / "out")
+    assert sorted(reference) == [1, 2, 3]
+    changed, _ = _changed(_weights(alm_assets / "model"), _weights(full / "out" / "final"))
+    assert any(k.startswith(TOWER) for k in changed)  # trained tower, packed rows
+
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(full / "out" / "checkpoints" / "step_000002", ckpts / "step_000002")
+    (ckpts / "latest").write_text("step_000002")
+    cfg = _grpo_config(crashed, alm_assets, resume=True, **over)
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 0
+    resumed = _train_rows(crashed / "out")
+    assert sorted(resumed) == [3]
+    keys = [k for k in reference[3] if k.split("/")[0] in ("train", "reward", "rollout")]
+    assert len(keys) > 15
+    for key in keys:
+        assert resumed[3][key] == reference[3][key], key
+
+
+def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
+    _run_recipe("grpo", cfg_path)
+
+
+def test_audio_grpo_two_processes(tmp_path, alm_assets):
+    cfg = _grpo_config(tmp_path, alm_assets, prepare=None, **{"eval.every": 1})
+    run_distributed(_two_rank_grpo, str(cfg), world_size=2)
+    train = _train_rows(tmp_path / "out")
+    assert sorted(train) == [1, 2]
+    for row in train.values():
+        _on_policy(row)
+        assert row["rollout/samples"] == 8
+    assert (tmp_path / "out" / "final" / "processor_config.json").is_file()
+
+
+def test_audio_grpo_refuses_a_critic(tmp_path, alm_assets, capsys):
+    cfg = _grpo_config(
+        tmp_path,
+        alm_assets,
+        prepare=None,
+        critic={"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
+        **{"algorithm.advantage.estimator": "gae"},
+    )
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert "not supported with an audio-language actor" in capsys.readouterr().err
