@@ -8,9 +8,9 @@ the answers are extracted (``answer_reward``'s ``extract``) for maj@k. Reports p
 Chen et al. 2021), maj@k, mean@k, mean reward and response length for each k in ``ks``; writes
 ``samples.jsonl`` (one prompt per line) and ``summary.json`` to ``output_dir`` and prints a
 table. The model is an HF directory or a LightRFT export (``<output_dir>/final``); a DCP training
-checkpoint must be exported first. A vision-language model (``vision_config`` in its
-``config.json``) is loaded with its processor, which the dataset gets in place of the tokenizer,
-and each prompt's images go to the engine with it. The numbers come from :mod:`lightrft.evaluation`, the same
+checkpoint must be exported first. A vision- or audio-language model is loaded with its
+processor, which the dataset gets in place of the tokenizer, and each prompt's images / audio go
+to the engine with it. The numbers come from :mod:`lightrft.evaluation`, the same
 code a training recipe can call.
 """
 
@@ -29,7 +29,7 @@ from lightrft import config
 from lightrft.config import Component
 from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.evaluation import EvalRecord, evaluate_items, summarize
-from lightrft.models import checkpoint_is_vision_language, load_processor, load_tokenizer
+from lightrft.models import checkpoint_is_multimodal, load_processor, load_tokenizer
 from lightrft.models.loading import DTYPES
 from lightrft.rewards import build_reward
 from lightrft.training import check_output_dir
@@ -168,7 +168,7 @@ class EvalRecipe:
             for node in cfg.get("prepare") or []:
                 config.instantiate(node)
         barrier()
-        if checkpoint_is_vision_language(o.model_path):
+        if checkpoint_is_multimodal(o.model_path):
             processor = load_processor(o.model_path, trust_remote_code=o.trust_remote_code)
             self.tokenizer = processor.tokenizer
         else:
@@ -211,10 +211,10 @@ class EvalRecipe:
         items = [self.dataset[i] for i in mine]
 
         def generate(prompt_ids: list[list[int]]) -> list:
-            # evaluate_items generates for the items in order: their images go alongside.
+            # evaluate_items generates for the items in order: their images / audio go alongside.
             requests = [
-                Request(ids, multi_modal_data=None if im is None else {"image": im})
-                for ids, im in zip(prompt_ids, (it.get("images") for it in items), strict=True)
+                Request.with_media(ids, it.get("images"), it.get("audios"))
+                for ids, it in zip(prompt_ids, items, strict=True)
             ]
             return self.engine.generate(requests, self.params)
 

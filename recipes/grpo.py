@@ -1177,10 +1177,10 @@ class GRPORecipe:
             return []
         images = images or [None] * len(prompt_ids)
         audios = audios or [None] * len(prompt_ids)
-        requests = []
-        for ids, im, au in zip(prompt_ids, images, audios, strict=True):
-            mm = {k: v for k, v in (("image", im), ("audio", au)) if v is not None}
-            requests.append(Request(ids, multi_modal_data=mm or None))
+        requests = [
+            Request.with_media(ids, im, au)
+            for ids, im, au in zip(prompt_ids, images, audios, strict=True)
+        ]
         return self.engine.generate(requests, params)
 
     def _sleep(self) -> None:

@@ -65,6 +65,11 @@ def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 if kind == "text" and isinstance(part.get("text"), str) or kind in MEDIA_PARTS:
                     continue
+                if kind == "video":
+                    raise DataError(
+                        f"{where}: {field}[{j}].content[{k}] is a video part: video input is not "
+                        "supported (LightRFT takes images and audio; give frames as images)"
+                    )
                 raise DataError(
                     f"{where}: {field}[{j}].content[{k}] must be a text part "
                     '({"type": "text", "text": ...}), an image part ({"type": "image"}) or an '

@@ -35,6 +35,12 @@ class Request:
     prompt_token_ids: list[int]
     multi_modal_data: dict[str, Any] | None = None
 
+    @classmethod
+    def with_media(cls, prompt_token_ids: list[int], image: Any = None, audio: Any = None):
+        """A request with a dataset item's processed images / audio (either may be None)."""
+        mm = {k: v for k, v in (("image", image), ("audio", audio)) if v is not None}
+        return cls(prompt_token_ids, multi_modal_data=mm or None)
+
 
 @dataclass
 class SamplingParams:

@@ -341,3 +341,45 @@ def test_audio_grpo_refuses_a_critic(tmp_path, alm_assets, capsys):
     )
     assert cli.main(["validate", str(cfg)]) == 2
     assert "not supported with an audio-language actor" in capsys.readouterr().err
+
+
+def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(tmp_path, alm_assets, monkeypatch):
+    """The eval recipe loads an audio-language model with its processor and hands the engine
+    every prompt with its own audio features."""
+    import json
+
+    from lightrft.data import PromptDataset
+    from lightrft.engine import NativeEngine
+    from lightrft.models import load_processor
+
+    seen = []
+    generate = NativeEngine.generate
+
+    def recording(self, requests, params):
+        seen.extend(requests)
+        return generate(self, requests, params)
+
+    monkeypatch.setattr(NativeEngine, "generate", recording)
+    data = alm_assets / "data" / "test.jsonl"
+    prompts = {"_component_": "lightrft.data.PromptDataset", "path": str(data),
+               "max_audio_seconds": 1.0}
+    cfg = {
+        "output_dir": str(tmp_path / "eval"),
+        "device": "cpu",
+        "model": {"path": str(alm_assets / "model")},
+        "dataset": prompts,
+        "reward": {"_component_": "lightrft.rewards.ExactMatch"},
+        "sampling": {"n": 1, "temperature": 0.0, "max_tokens": 3},
+        "ks": [1],
+    }
+    path = tmp_path / "eval.yaml"
+    path.write_text("# lightrft run eval --config eval.yaml\n" + yaml.safe_dump(cfg))
+    assert cli.main(["run", "eval", "--config", str(path)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    items = list(PromptDataset(load_processor(str(alm_assets / "model")), path=str(data),
+                               max_audio_seconds=1.0))
+    assert len(seen) == len(items) == len(rows) == 8
+    for req, item in zip(seen, items, strict=True):
+        assert list(req.prompt_token_ids) == list(item["prompt_ids"])
+        got = req.multi_modal_data["audio"].input_features
+        assert torch.equal(got, item["audios"].input_features)
