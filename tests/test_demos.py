@@ -1,6 +1,7 @@
-"""The README's CPU demos chain as shipped: each first config's outputs are where the next one
-reads them. Run through the CLI in-process in a scratch directory with the data sets and step
-counts cut down (the measured, full-length runs are in docs/grpo.md and docs/vision.md)."""
+"""The README's CPU demos (text, vision, audio) chain as shipped: each first config's outputs
+are where the next one reads them. Run through the CLI in-process in a scratch directory with
+the data sets and step counts cut down (the measured, full-length runs are in docs/grpo.md,
+docs/vision.md and docs/audio.md)."""
 
 import json
 
@@ -34,3 +35,16 @@ def test_vision_demo_chain(tmp_path, monkeypatch):
                      "rollout.prompts_per_step=2", "rollout.n=2", "lr_scheduler.warmup_steps=0",
                      "metrics.tensorboard=false"]) == 0
     assert len(_accuracies(tmp_path / "outputs/tiny/vision_grpo/metrics.jsonl")) == 2
+
+
+def test_audio_demo_chain(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    small = ["prepare.1.n_train=16", "prepare.1.n_test=4", "prepare.1.n_rl=8", "batch_size=8",
+             "max_steps=2", "eval_every=2", "lr_scheduler.warmup_steps=0",
+             "metrics.tensorboard=false"]
+    assert cli.main(["run", "sft", "--config", "tiny/audio_sft", *small]) == 0
+    assert (tmp_path / "outputs/tiny/audio_sft/final/processor_config.json").is_file()
+    assert cli.main(["run", "grpo", "--config", "tiny/audio_grpo", "max_steps=1", "eval.every=1",
+                     "rollout.prompts_per_step=2", "rollout.n=2", "lr_scheduler.warmup_steps=0",
+                     "metrics.tensorboard=false"]) == 0
+    assert len(_accuracies(tmp_path / "outputs/tiny/audio_grpo/metrics.jsonl")) == 2
