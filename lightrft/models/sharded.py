@@ -253,8 +253,11 @@ def fill_from_safetensors(
                 continue
             by_file.setdefault(index.files[key], []).append((t, key, region))
         for file, items in by_file.items():
-            with safe_open(str(index.root / file), framework="pt") as f:
-                for t, key, region in items:
+            for t, key, region in items:
+                # One mapping per tensor: the file pages a rank touches count in its RSS until
+                # the file is closed, so a whole-file mapping would add the rank's slice of
+                # every tensor on top of the shards it fills.
+                with safe_open(str(index.root / file), framework="pt") as f:
                     _copy_slice(f, key, t, region, index.root / file)
     return initialised
 
