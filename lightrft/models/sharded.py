@@ -151,7 +151,7 @@ def _local_region(t: torch.Tensor) -> tuple[slice, ...]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

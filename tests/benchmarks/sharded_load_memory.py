@@ -133,7 +133,9 @@ def main() -> None:
         single = float(_run("single", layers))
         ranks = [float(x) for x in _run("sharded", layers).split()]
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(f"model: {layers} layers, {n / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB fp32 safetensors")
+        print(
+            f"model: {layers} layers, {n / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB fp32 safetensors"
+        )
         print(f"actor + reference, peak RSS: 1 process {single:.0f} MiB")
         print(f"2 gloo ranks (load_parallel): {', '.join(f'{p:.0f}' for p in ranks)} MiB per rank")
         print(f"ratio (worst rank / single): {max(ranks) / single:.2f}; load average {load}")

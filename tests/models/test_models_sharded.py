@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import run_distributed
+
 from lightrft.models import load_model, make_tiny_model
 from lightrft.models.sharded import (
     SafetensorsIndex,
@@ -104,7 +104,9 @@ def test_meta_build_keeps_buffers_real(tmp_path):
 
 
 def test_checkpoint_names_strip_wrappers():
-    name = "base_model.model.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.base_layer.weight"
+    name = (
+        "base_model.model.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.base_layer.weight"
+    )
     assert hf_checkpoint_name(name) == "model.layers.0.mlp.up_proj.weight"
     assert hf_checkpoint_name("base_model.model.lm_head.original_module.weight") == "lm_head.weight"
 
