@@ -55,6 +55,19 @@ def _vision_blocks(model: nn.Module) -> list[nn.Module]:
     return list(vision_blocks(model))
 
 
+def _untied_input_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding module when no other module shares its weight."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    if emb is None or not isinstance(getattr(emb, "weight", None), nn.Parameter):
+        return None
+    head = get_out() if callable(get_out) else None
+    if head is not None and getattr(head, "weight", None) is emb.weight:
+        return None
+    return emb
+
+
 def default_param_dtype(device: torch.device | str) -> torch.dtype:
     """bf16 compute on accelerators, fp32 on CPU (CPU bf16 matmuls are slow and imprecise)."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
@@ -105,6 +118,12 @@ def parallelize(
     # decoder, so its blocks are gathered and resharded like the decoder's.
     for block in _vision_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The input embedding is its own group unless the LM head shares its weight: gathered at
+    # the start of forward and resharded at once, instead of held (and all-gathered) together
+    # with the root's LM head for the whole forward.
+    embedding = _untied_input_embedding(model)
+    if embedding is not None:
+        fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for i, layer in enumerate(layers):
         # The last block is gathered again right away by the root's backward: keep it unsharded.
         last = i == len(layers) - 1
