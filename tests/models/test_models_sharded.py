@@ -32,11 +32,11 @@ def _lora(model):
     return apply_lora(model, LoraOptions(rank=4, alpha=8.0, trained_modules=("lm_head",)))
 
 
-def _sharded_worker(rank: int, world: int, tied: str, untied: str, ref_file: str) -> None:
+def _sharded_worker(rank: int, world: int, tied: str, untied: str, vlm: str, ref_file: str) -> None:
     from torch.distributed.tensor import DTensor
 
     refs = torch.load(ref_file)
-    for name, path in (("tied", tied), ("untied", untied)):
+    for name, path in (("tied", tied), ("untied", untied), ("vlm", vlm)):
         torch.manual_seed(0)
         model = load_parallel(path)
         # No rank holds a full copy: every weight with more than one row is a proper shard
@@ -51,8 +51,8 @@ def _sharded_worker(rank: int, world: int, tied: str, untied: str, ref_file: str
         # Non-persistent buffers (rotary inv_freq) are computed, not garbage left by meta init.
         for n, b in model.named_buffers():
             torch.testing.assert_close(b, refs[name]["buffers"][n], rtol=0, atol=0)
-        tied_now = model.lm_head.weight is model.model.embed_tokens.weight
-        assert tied_now == (name == "tied")
+        head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        assert (head.weight is emb.weight) == (name == "tied")
 
     # LoRA created on the meta base layers: adapters initialised as PEFT does, in full, then
     # sharded (lora_A rows differ across ranks); lora_B = 0 keeps the base model's logits.
@@ -71,12 +71,15 @@ def _sharded_worker(rank: int, world: int, tied: str, untied: str, ref_file: str
     torch.testing.assert_close(head.full_tensor(), base, rtol=0, atol=0)
 
 
-def test_sharded_load_matches_single_process(tmp_path):
+def test_sharded_load_matches_single_process(tmp_path, tiny_vlm):
+    """Tied and untied text models and a vision-language model (its tower sharded too, text
+    input): the sharded model's logits and buffers equal the single-process model's."""
     tied = make_tiny_model(tmp_path / "tied", tie_embeddings=True, hidden=48, heads=4, kv_heads=2)
     untied = make_tiny_model(tmp_path / "untied", layers=3, seed=1)
-    refs = {"tied": _reference(tied), "untied": _reference(untied)}
+    vlm = tiny_vlm("qwen2_5_vl")
+    refs = {"tied": _reference(tied), "untied": _reference(untied), "vlm": _reference(vlm)}
     torch.save(refs, tmp_path / "refs.pt")
-    run_distributed(_sharded_worker, str(tied), str(untied), str(tmp_path / "refs.pt"))
+    run_distributed(_sharded_worker, str(tied), str(untied), str(vlm), str(tmp_path / "refs.pt"))
 
 
 def test_single_process_is_plain_loading(tmp_path):
