@@ -199,6 +199,8 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         ("lr_scheduler.min_lr_ratio=1.5", "min_lr_ratio must be in [0, 1]"),
         ("max_steps=3 lr_scheduler.warmup_steps=4", "warmup_steps=4 is more than max_steps=3"),
         ("strategy=zero3", "strategy: unknown strategy 'zero3'; choose one of"),
+        ("shard_size=0", "shard_size must be >= 1, got 0"),
+        ("replicate_size=two", "replicate_size"),
         ("strategy=deepspeed", "strategy=deepspeed needs the DeepSpeed extra"),
         ("lora.alpha=4", "lora.rank: set the adapter rank"),
     ]:
