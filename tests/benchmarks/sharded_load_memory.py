@@ -68,8 +68,13 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def load_both(path: Path) -> float:
-    """Actor (trainable) + reference (frozen), one forward each; this process's peak RSS."""
+def resident_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def load_both(path: Path) -> tuple[float, float]:
+    """Actor (trainable) + reference (frozen), one forward each; this process's peak RSS and
+    its RSS afterwards (MiB)."""
     from lightrft.models.sharded import load_parallel
 
     ids = torch.randint(0, SIZES["vocab_size"], (2, 64))  # [B, T]
@@ -79,7 +84,7 @@ def load_both(path: Path) -> float:
     ref = load_parallel(path).requires_grad_(False)
     with torch.no_grad():
         ref(input_ids=ids)
-    return peak_mib()
+    return peak_mib(), resident_mib()
 
 
 def _rank_main(rank: int, world: int, port: int, out: str, path: Path) -> None:
@@ -89,14 +94,14 @@ def _rank_main(rank: int, world: int, port: int, out: str, path: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        peak = load_both(path)
-        Path(f"{out}.{rank}").write_text(f"{peak:.1f}")
+        peak, now = load_both(path)
+        Path(f"{out}.{rank}").write_text(f"{peak:.1f},{now:.1f}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def sharded(path: Path, world: int = 2) -> list[float]:
+def sharded(path: Path, world: int = 2) -> list[str]:
     import tempfile
 
     import torch.multiprocessing as mp
@@ -106,7 +111,7 @@ def sharded(path: Path, world: int = 2) -> list[float]:
         port = s.getsockname()[1]
     out = tempfile.mktemp(prefix="lightrft_rss_")
     mp.spawn(_rank_main, args=(world, port, out, path), nprocs=world, join=True)
-    peaks = [float(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    peaks = [Path(f"{out}.{r}").read_text() for r in range(world)]
     for r in range(world):
         os.unlink(f"{out}.{r}")
     return peaks
@@ -125,20 +130,26 @@ def main() -> None:
     layers = int(args[0]) if args else LAYERS
     if mode == "single":
         torch.set_num_threads(1)
-        print(f"{load_both(model_path(layers)):.1f}")
+        print("{:.1f},{:.1f}".format(*load_both(model_path(layers))))
     elif mode == "sharded":
-        print(" ".join(f"{p:.1f}" for p in sharded(model_path(layers))))
+        print(" ".join(sharded(model_path(layers))))
     else:
         n, size = make(layers)
-        single = float(_run("single", layers))
-        ranks = [float(x) for x in _run("sharded", layers).split()]
+        single, single_now = (float(x) for x in _run("single", layers).split(","))
+        ranks = [[float(x) for x in r.split(",")] for r in _run("sharded", layers).split()]
+        peaks, nows = [r[0] for r in ranks], [r[1] for r in ranks]
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         print(
-            f"model: {layers} layers, {n / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB fp32 safetensors"
+            f"model: {layers} layers, {n / 1e6:.1f}M parameters, "
+            f"{size / 2**20:.0f} MiB fp32 safetensors"
         )
         print(f"actor + reference, peak RSS: 1 process {single:.0f} MiB")
-        print(f"2 gloo ranks (load_parallel): {', '.join(f'{p:.0f}' for p in ranks)} MiB per rank")
-        print(f"ratio (worst rank / single): {max(ranks) / single:.2f}; load average {load}")
+        print(f"2 gloo ranks (load_parallel): {', '.join(f'{p:.0f}' for p in peaks)} MiB per rank")
+        print(f"ratio (worst rank / single): {max(peaks) / single:.2f}; load average {load}")
+        print(
+            f"resident after: 1 process {single_now:.0f} MiB, ranks "
+            f"{', '.join(f'{p:.0f}' for p in nows)} MiB (ratio {max(nows) / single_now:.2f})"
+        )
 
 
 if __name__ == "__main__":
