@@ -68,18 +68,20 @@ def checkpoint_names(model: nn.Module, keys: list[str]) -> tuple[dict[str, str],
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:  # older transformers: names are used as written
+    except ImportError:  # a transformers without these helpers: names are used as written
         return {k: k for k in keys}, set()
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
     own = model.state_dict()  # meta tensors: no memory
+    prefix = getattr(model, "base_model_prefix", None)
     names: dict[str, str] = {}
     converted: set[str] = set()
     for key in keys:
-        new, converter = rename_source_key(
-            key, renamings, converters, getattr(model, "base_model_prefix", None), own
-        )
+        try:
+            new, converter = rename_source_key(key, renamings, converters, prefix, own)
+        except TypeError:  # another signature (transformers internals): names as written
+            new, converter = key, None
         if converter is not None:
             converted.add(new)
         else:
