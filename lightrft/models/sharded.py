@@ -86,6 +86,9 @@ def checkpoint_names(model: nn.Module, keys: list[str]) -> tuple[dict[str, str],
             converted.add(new)
         else:
             names.setdefault(new, key)
+    # As from_pretrained does: remember the renamings this checkpoint used, so that
+    # save_pretrained (the recipes' export) writes the checkpoint's own layout back.
+    model._weight_conversions = [t for t in transforms if getattr(t, "was_used", lambda: False)()]
     return names, converted
 
 

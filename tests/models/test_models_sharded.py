@@ -117,3 +117,22 @@ def test_checkpoint_names_strip_wrappers():
 def test_missing_safetensors_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="neither model.safetensors nor"):
         SafetensorsIndex.read(tmp_path)
+
+
+def test_legacy_layout_is_renamed_and_kept_on_save(tiny_vlm, tmp_path):
+    """transformers 5 writes Qwen2.5-VL in its legacy layout (``model.layers``, ``visual``):
+    the meta-built model reads it through transformers' renamings and, like from_pretrained,
+    saves that layout back (the recipes' export)."""
+    from safetensors import safe_open
+
+    path = tiny_vlm("qwen2_5_vl")
+    model = build_on_meta(path)
+    keys = list(SafetensorsIndex.read(path).files)
+    names, converted = checkpoint_names(model, keys)
+    assert not converted
+    assert names["model.language_model.embed_tokens.weight"] == "model.embed_tokens.weight"
+    assert set(names) == {n for n, _ in model.named_parameters()}
+    model.to_empty(device="cpu")
+    model.save_pretrained(tmp_path / "saved")
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(keys)
