@@ -84,10 +84,8 @@ from lightrft.models import (
     is_audio_language,
     is_multimodal,
     is_vision_language,
-    load_model,
     load_processor,
     load_tokenizer,
-    parallelize,
     set_towers_trainable,
 )
 from lightrft.models.loading import DTYPES
@@ -100,7 +98,8 @@ from lightrft.models.lora import (
     export_trained,
     lora_options,
 )
-from lightrft.models.parallel import strategy_option
+from lightrft.models.parallel import MeshOptions, build_mesh, mesh_config, strategy_option
+from lightrft.models.sharded import load_parallel
 from lightrft.rewards import build_reward
 from lightrft.training import (
     Checkpointer,
@@ -126,6 +125,8 @@ CONFIG_SCHEMA = {
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
     "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
+    "shard_size": int | None,  # HSDP: shard within groups of this many ranks (docs/strategies.md)
+    "replicate_size": int | None,  # HSDP: number of replica groups
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,
@@ -361,6 +362,7 @@ class ModelOptions:
     strategy: str = "fsdp2"
     train_vision_tower: bool = False
     train_audio_tower: bool = False
+    mesh: MeshOptions = MeshOptions()  # top-level shard_size / replicate_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -673,6 +675,7 @@ def _model_options(cfg: DictConfig) -> ModelOptions:
         strategy=strategy_option(cfg.get("strategy")),
         train_vision_tower=_get(m, "train_vision_tower", False),
         train_audio_tower=_get(m, "train_audio_tower", False),
+        mesh=mesh_config(cfg.get("shard_size"), cfg.get("replicate_size")),
     )
 
 
@@ -1000,36 +1003,53 @@ class GRPORecipe:
         if data_stats and not self.resumed:
             self.logger.log(0, data_stats)
 
-    def _load_model(self, path: str) -> nn.Module:
+    def _load_model(
+        self, path: str, prepare=None, *, checkpointing: bool = False, compile: bool = False
+    ) -> nn.Module:
+        """Load and shard one model (actor, reference, critic): under torchrun each rank builds
+        it on the meta device and reads only its shards (lightrft.models.sharded)."""
         m = self.opts.model
-        return load_model(
-            path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code
+        return load_parallel(
+            path,
+            dtype=m.dtype,
+            device=self.dist.device,
+            trust_remote_code=m.trust_remote_code,
+            prepare=prepare,
+            mesh=self.mesh,
+            activation_checkpointing=checkpointing,
+            compile=compile,
         )
+
+    def _prepare_actor(self, model: nn.Module) -> nn.Module:
+        """Before sharding: freeze (or not) the vision / audio towers, add LoRA adapters."""
+        m = self.opts.model
+        if is_multimodal(model.config):  # before the optimizer and parallelize
+            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
+        return apply_lora(model, m.lora) if m.lora else model
 
     def _setup_models(self, cfg: DictConfig) -> None:
         """Actor (+ optimizer, scheduler), the frozen reference (KL only), the critic (gae)."""
         m, o = self.opts.model, self.opts
         _check_vision(o)  # the checkpoint exists now, whatever prepare wrote
-        model = self._load_model(m.path)
+        self.mesh = build_mesh(m.mesh, self.dist.device)
+        self.model = self._load_model(
+            m.path,
+            self._prepare_actor,
+            checkpointing=m.activation_checkpointing,
+            compile=m.compile,
+        )
         # A vision- or audio-language actor: datasets take its processor (images / audio +
-        # text), the towers are frozen unless model.train_vision_tower / train_audio_tower;
-        # everything else is the text path.
-        self.vlm = is_vision_language(model.config)
-        self.alm = is_audio_language(model.config)
-        if is_multimodal(model.config):
+        # text), the towers are frozen unless model.train_vision_tower / train_audio_tower
+        # (in _prepare_actor); everything else is the text path.
+        self.vlm = is_vision_language(self.model.config)
+        self.alm = is_audio_language(self.model.config)
+        if is_multimodal(self.model.config):
             self.processor = load_processor(m.path, trust_remote_code=m.trust_remote_code)
             self.tokenizer = self.processor.tokenizer
-            # Before the optimizer and parallelize.
-            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
         else:
             self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
             self.processor = self.tokenizer
         self.pad_id = self.tokenizer.pad_token_id
-        self.model = parallelize(
-            apply_lora(model, m.lora) if m.lora else model,
-            activation_checkpointing=m.activation_checkpointing,
-            compile=m.compile,
-        )
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(cfg.optimizer, params)
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
@@ -1041,13 +1061,12 @@ class GRPORecipe:
         )
         self.ref = None  # with LoRA the reference is the actor with its adapters off
         if o.kl is not None and m.lora is None:  # a frozen copy of the initial policy
-            self.ref = parallelize(self._load_model(m.path))
+            self.ref = self._load_model(m.path)
             self.ref.requires_grad_(False).eval()
         self.critic = self.critic_opt = self.critic_sched = None
         if o.critic is not None:
-            self.critic = parallelize(
-                self._build_critic(self._load_model(o.critic.path)),
-                activation_checkpointing=m.activation_checkpointing,
+            self.critic = self._load_model(
+                o.critic.path, self._build_critic, checkpointing=m.activation_checkpointing
             )
             self.critic_opt = config.instantiate(cfg.critic.optimizer, self.critic.parameters())
             self.critic_sched = warmup_cosine_scheduler(
@@ -1125,7 +1144,10 @@ class GRPORecipe:
         ``parallelize`` and ``forward_on_hidden`` handle it exactly like the actor."""
         hidden = critic.config.hidden_size
         param = next(critic.parameters())
-        head = nn.Linear(hidden, 1, bias=True, device=param.device, dtype=param.dtype)
+        # A meta-device body (sharded loading) gets a real head: it is in no checkpoint, and
+        # fully_shard moves it to the mesh's device.
+        device = "cpu" if param.is_meta else param.device
+        head = nn.Linear(hidden, 1, bias=True, device=device, dtype=param.dtype)
         nn.init.zeros_(head.weight)
         nn.init.zeros_(head.bias)
         critic.config.tie_word_embeddings = False

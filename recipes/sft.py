@@ -29,10 +29,8 @@ from lightrft.models import (
     checkpoint_is_audio_language,
     checkpoint_is_vision_language,
     is_multimodal,
-    load_model,
     load_processor,
     load_tokenizer,
-    parallelize,
     set_towers_trainable,
 )
 from lightrft.models.loading import DTYPES
@@ -44,7 +42,8 @@ from lightrft.models.lora import (
     export_trained,
     lora_options,
 )
-from lightrft.models.parallel import strategy_option
+from lightrft.models.parallel import MeshOptions, build_mesh, mesh_config, strategy_option
+from lightrft.models.sharded import load_parallel
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
@@ -63,6 +62,8 @@ CONFIG_SCHEMA = {
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
     "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
+    "shard_size": int | None,  # HSDP: shard within groups of this many ranks (docs/strategies.md)
+    "replicate_size": int | None,  # HSDP: number of replica groups
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,
@@ -142,6 +143,7 @@ class SFTOptions:
     wandb: bool | dict = False
     lora: LoraOptions | None = None
     strategy: str = "fsdp2"
+    mesh: MeshOptions = MeshOptions()
 
 
 def build_options(cfg: DictConfig) -> SFTOptions:
@@ -179,6 +181,7 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         wandb=_get(metrics, "wandb", False),
         lora=lora_options(cfg.get("lora")),
         strategy=strategy_option(cfg.get("strategy")),
+        mesh=mesh_config(cfg.get("shard_size"), cfg.get("replicate_size")),
     )
     for key, value in (
         ("batch_size", opts.batch_size),
@@ -268,27 +271,33 @@ class SFTRecipe:
         barrier()
         o = self.opts
         _check_vision_tower(o)  # the checkpoint exists now, whatever prepare wrote
-        model = load_model(
+
+        def prepare(model: torch.nn.Module) -> torch.nn.Module:
+            # Before sharding: freeze (or not) the vision / audio towers, add LoRA adapters.
+            if is_multimodal(model.config):
+                set_towers_trainable(model, vision=o.train_vision_tower, audio=o.train_audio_tower)
+            return apply_lora(model, o.lora) if o.lora else model
+
+        # Under torchrun each rank builds the model on the meta device and reads only its
+        # shards (lightrft.models.sharded); one process loads it whole.
+        self.model = load_parallel(
             o.model_path,
             dtype=o.dtype,
             device=self.dist.device,
             trust_remote_code=o.trust_remote_code,
-        )
-        # A vision- or audio-language model's datasets take its processor (images / audio +
-        # text); the collator and export use the tokenizer / processor the same way for all.
-        if is_multimodal(model.config):
-            self.processor = load_processor(o.model_path, trust_remote_code=o.trust_remote_code)
-            self.tokenizer = self.processor.tokenizer
-            # Towers frozen unless asked; before the optimizer and parallelize.
-            set_towers_trainable(model, vision=o.train_vision_tower, audio=o.train_audio_tower)
-        else:
-            self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
-            self.processor = self.tokenizer
-        self.model = parallelize(
-            apply_lora(model, o.lora) if o.lora else model,
+            prepare=prepare,
+            mesh=build_mesh(o.mesh, self.dist.device),
             activation_checkpointing=o.activation_checkpointing,
             compile=o.compile,
         )
+        # A vision- or audio-language model's datasets take its processor (images / audio +
+        # text); the collator and export use the tokenizer / processor the same way for all.
+        if is_multimodal(self.model.config):
+            self.processor = load_processor(o.model_path, trust_remote_code=o.trust_remote_code)
+            self.tokenizer = self.processor.tokenizer
+        else:
+            self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
+            self.processor = self.tokenizer
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(cfg.optimizer, trainable)
 

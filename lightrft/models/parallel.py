@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,6 +52,19 @@ def _tower_blocks(model: nn.Module) -> list[nn.Module]:
     from lightrft.models.vision import media_blocks
 
     return media_blocks(model)
+
+
+def _untied_input_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding module when no other module shares its weight."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    if emb is None or not isinstance(getattr(emb, "weight", None), nn.Parameter):
+        return None
+    head = get_out() if callable(get_out) else None
+    if head is not None and getattr(head, "weight", None) is emb.weight:
+        return None
+    return emb
 
 
 def default_param_dtype(device: torch.device | str) -> torch.dtype:
@@ -101,6 +117,12 @@ def parallelize(
     # before the decoder, so its blocks are gathered and resharded like the decoder's.
     for block in _tower_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The input embedding is its own group unless the LM head shares its weight: gathered at
+    # the start of forward and resharded at once, instead of held (and all-gathered) together
+    # with the root's LM head for the whole forward.
+    embedding = _untied_input_embedding(model)
+    if embedding is not None:
+        fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for i, layer in enumerate(layers):
         # The last block is gathered again right away by the root's backward: keep it unsharded.
         last = i == len(layers) - 1
@@ -137,3 +159,76 @@ def strategy_option(value: str | None, key: str = "strategy") -> str:
             "yet; use strategy=fsdp2 (see docs/strategies.md)"
         )
     return strategy
+
+
+@dataclass(frozen=True)
+class MeshOptions:
+    """How the ranks form the FSDP2 device mesh (top-level ``shard_size`` / ``replicate_size``).
+
+    Neither: plain FSDP, every rank holds 1/world of each weight (1-D mesh). ``shard_size=s``:
+    HSDP, weights sharded within groups of ``s`` ranks (a node) and replicated across the
+    ``world / s`` groups (2-D mesh replicate x shard); ``replicate_size`` says the same from the
+    other side. Both: their product must be the world size.
+    """
+
+    shard_size: int | None = None
+    replicate_size: int | None = None
+
+
+def mesh_options(shard_size: int | None, replicate_size: int | None) -> MeshOptions:
+    """The config's mesh keys, checked (pure: the world size is checked by :func:`mesh_shape`)."""
+    for key, value in (("shard_size", shard_size), ("replicate_size", replicate_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{key} must be a whole number of ranks, got {value!r}")
+        if value is not None and value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    return MeshOptions(shard_size, replicate_size)
+
+
+def mesh_config(shard_size: int | None, replicate_size: int | None) -> MeshOptions:
+    """:func:`mesh_options`, and under torchrun (``WORLD_SIZE`` set) :func:`mesh_shape` too, so
+    ``build_options`` refuses sizes that do not fit the launch before anything loads."""
+    opts = mesh_options(shard_size, replicate_size)
+    if os.environ.get("WORLD_SIZE"):
+        mesh_shape(opts, int(os.environ["WORLD_SIZE"]))
+    return opts
+
+
+def mesh_shape(opts: MeshOptions, world_size: int) -> tuple[int, int]:
+    """(replicate, shard) for ``world_size`` ranks; a ``ValueError`` naming the keys when the
+    sizes do not fit."""
+    s, r = opts.shard_size, opts.replicate_size
+    if s is None and r is None:
+        return 1, world_size
+    if s is not None and r is not None:
+        if s * r != world_size:
+            raise ValueError(
+                f"replicate_size={r} x shard_size={s} = {r * s} ranks, but the run has "
+                f"{world_size}; set one of them (the other follows) or make the product "
+                f"{world_size}"
+            )
+        return r, s
+    given, key = (s, "shard_size") if s is not None else (r, "replicate_size")
+    if world_size % given:
+        raise ValueError(
+            f"{key}={given} does not divide the world size {world_size} (processes in the "
+            f"run); use a divisor of {world_size}"
+        )
+    other = world_size // given
+    return (other, given) if key == "shard_size" else (given, other)
+
+
+def build_mesh(opts: MeshOptions, device: torch.device | str):
+    """The device mesh ``parallelize`` shards over: 1-D ``("shard",)`` for plain FSDP, 2-D
+    ``("replicate", "shard")`` for HSDP; ``None`` without a process group (one plain process,
+    where the sizes must be 1)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    replicate, shard = mesh_shape(opts, world)
+    if world == 1 or not dist.is_initialized():
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = torch.device(device).type
+    if replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))

@@ -599,6 +599,7 @@ BAD_CONFIGS = [
     ({"algorithm.kl": {"coef": 0.0}}, "kl.coef must be > 0"),
     ({"strategy": "zero3"}, "strategy: unknown strategy 'zero3'"),
     ({"strategy": "deepspeed"}, "strategy=deepspeed needs the DeepSpeed extra"),
+    ({"replicate_size": 0}, "replicate_size must be >= 1, got 0"),
     ({"lora": {"rank": 4, "dropout": 1.5}}, "lora.dropout must be in [0, 1)"),
     ({"algorithm.kl": {"coef": 0.1, "controller": "adaptive"}}, "needs target and horizon"),
     ({"algorithm.kl": {"coef": 0.1, "target": 0.1}}, "adaptive only"),

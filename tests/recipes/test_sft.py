@@ -152,7 +152,7 @@ def test_sft_resume_at_an_epoch_boundary_starts_the_next_epoch(tmp_path):
     assert all(resumed[s] == reference[s] for s in resumed)
 
 
-def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
+def _two_rank_sft(rank: int, world_size: int, cfg_path: str, hsdp: bool = False) -> None:
     import runpy
 
     from torch.distributed.tensor import DTensor
@@ -166,7 +166,12 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
     recipe.setup(cfg)
     params = list(recipe.model.parameters())
     assert params and all(isinstance(p, DTensor) for p in params)
-    assert all(p.placements[0].is_shard() for p in params)
+    if hsdp:  # replicate_size=2 on 2 ranks: a 2x1 mesh, each rank a whole replica
+        assert all(p.device_mesh.mesh_dim_names == ("replicate", "shard") for p in params)
+        assert all(p.placements[0].is_replicate() for p in params)
+        assert all(p.to_local().shape == p.shape for p in params)
+    else:
+        assert all(p.placements[0].is_shard() for p in params)
     recipe.train()
     recipe.logger.close()
     if rank == 0:
@@ -179,6 +184,27 @@ def test_sft_two_gloo_processes_shard_and_learn(tmp_path):
     cfg = _config(tmp_path, gradient_accumulation_steps=1, batch_size=8, eval_every=None)
     run_distributed(_two_rank_sft, str(cfg), world_size=2)
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_sft_hsdp_mesh_from_config(tmp_path):
+    """replicate_size=2: the recipe trains on a 2-D (replicate x shard) mesh, and its losses and
+    clipped gradient norms equal plain FSDP's on the same 2 ranks."""
+    runs = {}
+    for name, mesh in (("fsdp", {}), ("hsdp", {"replicate_size": 2})):
+        (tmp_path / name).mkdir()
+        cfg = _config(
+            tmp_path / name,
+            gradient_accumulation_steps=1,
+            batch_size=8,
+            eval_every=None,
+            clip_grad_norm=1.0,
+            **mesh,
+        )
+        run_distributed(_two_rank_sft, str(cfg), bool(mesh), world_size=2)
+        rows = read_metrics(tmp_path / name / "out")
+        runs[name] = [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
+    assert len(runs["hsdp"]) == 6
+    torch.testing.assert_close(runs["hsdp"], runs["fsdp"], rtol=1e-5, atol=1e-6)
 
 
 def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
@@ -199,6 +225,8 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         ("lr_scheduler.min_lr_ratio=1.5", "min_lr_ratio must be in [0, 1]"),
         ("max_steps=3 lr_scheduler.warmup_steps=4", "warmup_steps=4 is more than max_steps=3"),
         ("strategy=zero3", "strategy: unknown strategy 'zero3'; choose one of"),
+        ("shard_size=0", "shard_size must be >= 1, got 0"),
+        ("replicate_size=two", "replicate_size"),
         ("strategy=deepspeed", "strategy=deepspeed needs the DeepSpeed extra"),
         ("lora.alpha=4", "lora.rank: set the adapter rank"),
     ]:

@@ -1,0 +1,343 @@
+"""Loading that scales: no rank ever holds a full copy of a model it shards.
+
+Under a process group :func:`load_parallel` builds the model with its parameters on the meta
+device (buffers stay real: rotary ``inv_freq`` and other non-persistent buffers are computed by
+the modules' own ``__init__``), applies the caller's ``prepare`` (LoRA, a value head, a frozen
+vision tower), shards it with :func:`~lightrft.models.parallel.parallelize` and only then gives
+each parameter storage: its local shard, read straight from the safetensors with lazy slicing
+(``safe_open(...).get_slice``), so a rank reads and holds only its rows. In one plain process it
+is ``load_model`` -> ``prepare`` -> ``parallelize`` as before.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightrft.models.loading import _check_local, load_model, to_dtype
+from lightrft.models.parallel import default_param_dtype, parallelize
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# Names that wrappers insert between the HF model's own names (see lightrft.engine.sync.hf_name).
+_PEFT_COPIES = re.compile(r"\.(modules_to_save\.[^.]+|original_module)\.")
+
+
+@dataclass(frozen=True)
+class SafetensorsIndex:
+    """Which ``*.safetensors`` file of a checkpoint directory holds each tensor name."""
+
+    root: Path
+    files: dict[str, str]  # tensor name -> file name
+
+    @classmethod
+    def read(cls, path: str | Path) -> SafetensorsIndex:
+        root = Path(path)
+        index = root / _INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no 'weight_map' object")
+            return cls(root, dict(weight_map))
+        single = root / _SINGLE
+        if not single.is_file():
+            raise ValueError(
+                f"model path {str(path)!r} has neither {_SINGLE} nor {_INDEX}: sharded loading "
+                "reads safetensors checkpoints (re-save it with save_pretrained)"
+            )
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return cls(root, dict.fromkeys(f.keys(), _SINGLE))
+
+
+def checkpoint_names(model: nn.Module, keys: list[str]) -> tuple[dict[str, str], set[str]]:
+    """Model name -> checkpoint name for the checkpoint's ``keys``, renamed as ``transformers``
+    renames them on load (legacy layouts, e.g. Qwen2.5-VL's ``model.layers`` ->
+    ``model.language_model.layers``); and the model names whose tensors ``transformers`` would
+    merge or split from several checkpoint tensors (not loadable shard by shard)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without these helpers: names are used as written
+        return {k: k for k in keys}, set()
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    own = model.state_dict()  # meta tensors: no memory
+    prefix = getattr(model, "base_model_prefix", None)
+    names: dict[str, str] = {}
+    converted: set[str] = set()
+    for key in keys:
+        try:
+            new, converter = rename_source_key(key, renamings, converters, prefix, own)
+        except TypeError:  # another signature (transformers internals): names as written
+            new, converter = key, None
+        if converter is not None:
+            converted.add(new)
+        else:
+            names.setdefault(new, key)
+    # As from_pretrained does: remember the renamings this checkpoint used, so that
+    # save_pretrained (the recipes' export) writes the checkpoint's own layout back.
+    model._weight_conversions = [t for t in transforms if getattr(t, "was_used", lambda: False)()]
+    return names, converted
+
+
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block lives on the meta device; buffers do not.
+
+    (``with torch.device("meta")`` would put buffers there too, and a non-persistent buffer such
+    as rotary ``inv_freq`` is in no checkpoint: it would stay garbage after materialisation.)
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(
+                param.detach().to("meta"), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _auto_class(config):
+    """The class ``load_model`` would pick (causal LM, vision- or audio-language)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.models.vision import is_multimodal, multimodal_auto_class
+
+    return multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
+
+
+def build_on_meta(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+) -> nn.Module:
+    """The model class ``load_model`` would load from ``path``, its parameters on the meta
+    device, in eval mode (as ``from_pretrained`` returns it), with the checkpoint's generation
+    config."""
+    from transformers import AutoConfig, GenerationConfig
+
+    _check_local(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    kwargs = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with params_on_meta():
+        model = _auto_class(config).from_config(config, **kwargs)
+    if Path(path, "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def _local_region(t: torch.Tensor) -> tuple[slice, ...]:
+    """The slice of the full tensor that this rank's shard of ``t`` holds (all of it when plain)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return tuple(slice(0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _materialize(module: nn.Module, kind: str, name: str, device: torch.device) -> torch.Tensor:
+    """Give the meta tensor ``module.<name>`` uninitialised storage on ``device`` (its shard's
+    size for a DTensor), keeping the Python object (FSDP2 and tied weights hold on to it)."""
+    t = getattr(module, name)
+    if kind == "buffer":
+        module._buffers[name] = torch.empty_like(t, device=device)
+        return module._buffers[name]
+    new = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
+    torch.utils.swap_tensors(t, new)
+    return t
+
+
+def _meta_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]:
+    """(full name, owning module, attribute, "param" | "buffer") of every meta tensor, each
+    object once (a tied weight under its first name)."""
+    seen: set[int] = set()
+    found = []
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+            for attr, t in table.items():
+                if t is None or not t.is_meta or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                found.append((prefix + attr, module, attr, kind))
+    return found
+
+
+def hf_checkpoint_name(name: str) -> str:
+    """The HF model's own name of a parameter of a wrapped (checkpointed, compiled, PEFT) model."""
+    from lightrft.engine.sync import hf_name
+
+    return hf_name(_PEFT_COPIES.sub(".", name))
+
+
+def _init_new(name: str, full_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The initial value of a parameter that ``prepare`` added (absent from the checkpoint), in
+    full on every rank from the same RNG state, as PEFT initialises LoRA (Hu et al. 2021):
+    ``lora_A`` Kaiming-uniform, ``lora_B`` zeros."""
+    if ".lora_A." in name:
+        w = torch.empty(full_shape, dtype=dtype)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        return w
+    if ".lora_B." in name:
+        return torch.zeros(full_shape, dtype=dtype)
+    raise ValueError(
+        f"parameter {name!r} is neither in the checkpoint nor one lightrft knows how to "
+        "initialise; create new parameters on a real device in `prepare` (not on meta)"
+    )
+
+
+def fill_from_safetensors(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    names: dict[str, str],
+    converted: set[str] = frozenset(),  # type: ignore[assignment]
+    device: str | torch.device = "cpu",
+) -> list[str]:
+    """Give every meta parameter / buffer of ``model`` its local shard, read from the
+    safetensors under ``path`` (``names``: HF model name -> checkpoint name); new LoRA adapters
+    are initialised instead. Returns the names that were initialised rather than read."""
+    from safetensors import safe_open
+
+    device = torch.device(device)
+    index = SafetensorsIndex.read(path)
+    by_file: dict[str, list[tuple[torch.Tensor, str, tuple[slice, ...]]]] = {}
+    initialised = []
+    with torch.no_grad():
+        for full, module, attr, kind in _meta_tensors(model):
+            own = hf_checkpoint_name(full)
+            if own in converted:
+                raise ValueError(
+                    f"{path}: tensor {own!r} is stored in a layout transformers converts on "
+                    "load (merged or split weights); sharded loading reads tensors as named. "
+                    "Re-save the checkpoint with save_pretrained, or train in one process"
+                )
+            key = names.get(own)
+            meta = getattr(module, attr)
+            region = _local_region(meta)
+            t = _materialize(module, kind, attr, device)
+            if key is None or key not in index.files:
+                if kind == "buffer":
+                    raise ValueError(
+                        f"buffer {full!r} of {type(model).__name__} is not in the checkpoint "
+                        f"{path}; build it on a real device"
+                    )
+                value = _init_new(full, meta.shape, meta.dtype)[region]
+                _local(t).copy_(value)
+                initialised.append(full)
+                continue
+            by_file.setdefault(index.files[key], []).append((t, key, region))
+        for file, items in by_file.items():
+            for t, key, region in items:
+                # One mapping per tensor: the file pages a rank touches count in its RSS until
+                # the file is closed, so a whole-file mapping would add the rank's slice of
+                # every tensor on top of the shards it fills.
+                with safe_open(str(index.root / file), framework="pt") as f:
+                    _copy_slice(f, key, t, region, index.root / file)
+    return initialised
+
+
+def _copy_slice(f, key: str, t: torch.Tensor, region: tuple[slice, ...], file: Path) -> None:
+    local = _local(t)
+    stored = f.get_slice(key)
+    full_shape = tuple(stored.get_shape())
+    if full_shape != tuple(t.shape):
+        raise ValueError(
+            f"{file}: tensor {key!r} has shape {list(full_shape)} but the model expects "
+            f"{list(t.shape)} (does config.json match the weights?)"
+        )
+    value = stored[region] if region else f.get_tensor(key)
+    local.copy_(value.to(local.dtype))
+
+
+def load_parallel(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+    prepare: Callable[[nn.Module], nn.Module] | None = None,
+    mesh=None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    shard: bool | None = None,
+) -> nn.Module:
+    """Load the HF model at ``path``, apply ``prepare`` and :func:`parallelize` it: the one call
+    the recipes make for every model they train or hold (actor, reference, critic).
+
+    ``prepare(model) -> model`` runs before sharding (LoRA, a value head, freezing a tower).
+    Under a process group (``shard=None`` and one is initialised, or ``shard=True``) the
+    parameters are never materialised in full: each rank reads only its shards (module
+    docstring). Parameters that ``prepare`` creates on a real device are sharded from that
+    value; LoRA adapters it creates on meta (PEFT follows the base layer's device) are
+    initialised as PEFT initialises them.
+    """
+    if shard is None:
+        shard = dist.is_available() and dist.is_initialized()
+    if not shard:
+        model = load_model(
+            path,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+        model = prepare(model) if prepare is not None else model
+        return parallelize(
+            model,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            shard=False,
+        )
+    model = build_on_meta(
+        path,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
+    names, converted = checkpoint_names(model, list(SafetensorsIndex.read(path).files))
+    model = prepare(model) if prepare is not None else model
+    device = torch.device(device)
+    # fully_shard moves buffers and real parameters to the mesh's device; meta ones stay meta.
+    model = parallelize(
+        model,
+        mesh=mesh,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        param_dtype=default_param_dtype(device),
+        shard=True,
+    )
+    fill_from_safetensors(model, path, names=names, converted=converted, device=device)
+    return model

@@ -1,0 +1,161 @@
+"""Device meshes (FSDP 1-D, HSDP 2-D) and checkpoints that reshard across world sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+
+from lightrft.models import make_tiny_model
+from lightrft.models.parallel import MeshOptions, build_mesh, mesh_config, mesh_options, mesh_shape
+from lightrft.models.sharded import load_parallel
+from lightrft.training import Checkpointer
+
+# A fixed global batch per step: 4 rows of 12 tokens; rank r of 2 trains on rows 2r, 2r+1.
+STEPS = 4
+BATCHES = [
+    torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(s)) for s in range(STEPS)
+]
+
+
+# ------------------------------------------------------------------------------ options
+
+
+def test_mesh_shape_from_sizes():
+    assert mesh_shape(MeshOptions(), 8) == (1, 8)
+    assert mesh_shape(MeshOptions(shard_size=4), 8) == (2, 4)
+    assert mesh_shape(MeshOptions(replicate_size=4), 8) == (4, 2)
+    assert mesh_shape(MeshOptions(shard_size=2, replicate_size=4), 8) == (4, 2)
+    assert mesh_shape(MeshOptions(shard_size=1), 1) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("shard", "replicate", "world", "message"),
+    [
+        (3, None, 8, "shard_size=3 does not divide the world size 8"),
+        (None, 3, 4, "replicate_size=3 does not divide the world size 4"),
+        (2, 2, 8, "replicate_size=2 x shard_size=2 = 4 ranks, but the run has 8"),
+        (2, None, 1, "shard_size=2 does not divide the world size 1"),
+    ],
+)
+def test_mesh_sizes_that_do_not_fit_are_refused(shard, replicate, world, message):
+    with pytest.raises(ValueError, match=message):
+        mesh_shape(mesh_options(shard, replicate), world)
+
+
+@pytest.mark.parametrize(
+    ("shard", "replicate", "message"),
+    [
+        (0, None, "shard_size must be >= 1, got 0"),
+        (None, -2, "replicate_size must be >= 1, got -2"),
+        ("4", None, "shard_size must be a whole number of ranks, got '4'"),
+        (2.5, None, "shard_size must be a whole number of ranks, got 2.5"),
+    ],
+)
+def test_mesh_options_are_checked(shard, replicate, message):
+    with pytest.raises(ValueError, match=message):
+        mesh_options(shard, replicate)
+
+
+def test_mesh_config_checks_the_launch_world_size(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert mesh_config(4, None) == MeshOptions(shard_size=4)  # validate without torchrun
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match="shard_size=4 does not divide the world size 6"):
+        mesh_config(4, None)
+
+
+def test_one_plain_process_has_no_mesh():
+    assert build_mesh(MeshOptions(), "cpu") is None
+    assert build_mesh(MeshOptions(shard_size=1, replicate_size=1), "cpu") is None
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def _rows(world: int, rank: int, batch: torch.Tensor) -> torch.Tensor:
+    per = batch.shape[0] // world
+    return batch[rank * per : (rank + 1) * per]
+
+
+def _train(model, opt, steps: range) -> list[float]:
+    """One AdamW step per global batch; the global mean loss of each step (before the step)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    losses = []
+    for s in steps:
+        ids = _rows(world, rank, BATCHES[s])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+def _model_and_opt(path, mesh=None):
+    model = load_parallel(path, mesh=mesh)
+    model.train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _uninterrupted(path) -> list[float]:
+    torch.manual_seed(0)
+    model, opt = _model_and_opt(path)
+    return _train(model, opt, range(STEPS))
+
+
+def _mesh_worker(rank: int, world: int, path: str, expected: list[float]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for shard, replicate, dims in ((2, None, ("shard",)), (1, 2, ("replicate", "shard"))):
+        mesh = build_mesh(MeshOptions(shard_size=shard, replicate_size=replicate), "cpu")
+        assert mesh.mesh_dim_names == dims
+        model, opt = _model_and_opt(path, mesh)
+        w = model.model.layers[0].mlp.up_proj.weight
+        assert isinstance(w, DTensor) and w.device_mesh.mesh_dim_names == dims
+        # HSDP with shard_size=1: every rank holds the whole weight, replicated.
+        assert w.to_local().shape[0] == (w.shape[0] // 2 if shard == 2 else w.shape[0])
+        losses = _train(model, opt, range(STEPS))
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_and_hsdp_meshes_train_like_one_process(tmp_path):
+    """2 gloo ranks on a 1x2 mesh (FSDP) and a 2x1 mesh (HSDP: replicate x shard) give the
+    losses of one process on the whole batch."""
+    path = make_tiny_model(tmp_path / "m")
+    expected = _uninterrupted(path)
+    run_distributed(_mesh_worker, str(path), expected)
+
+
+def _save_first_half(rank: int, world: int, path: str, out: str) -> None:
+    torch.manual_seed(0)
+    model, opt = _model_and_opt(path)
+    _train(model, opt, range(STEPS // 2))
+    Checkpointer(out).save(STEPS // 2, models=model, optimizers=opt)
+
+
+def _resume_second_half(rank: int, world: int, path: str, out: str, expected: list[float]):
+    model, opt = _model_and_opt(path)
+    state = Checkpointer(out).load_latest(
+        models=model, optimizers=opt, restore_rng=False, required=True
+    )
+    assert state.step == STEPS // 2
+    losses = _train(model, opt, range(STEPS // 2, STEPS))
+    torch.testing.assert_close(losses, expected[STEPS // 2 :], rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_reshards_between_two_processes_and_one(tmp_path):
+    """Model and AdamW state saved by 2 FSDP2 ranks resume in 1 plain process, and the
+    reverse; the resumed losses equal the uninterrupted run's."""
+    path = make_tiny_model(tmp_path / "m")
+    expected = _uninterrupted(path)
+    two_to_one, one_to_two = str(tmp_path / "a"), str(tmp_path / "b")
+    run_distributed(_save_first_half, str(path), two_to_one)
+    _resume_second_half(0, 1, str(path), two_to_one, expected)
+    _save_first_half(0, 1, str(path), one_to_two)
+    run_distributed(_resume_second_half, str(path), one_to_two, expected)
