@@ -57,7 +57,10 @@ def main() -> None:
                 out = work / f"run-{spinners}-{len(results)}"
                 _lightrft(["run", "grpo", "--config", "tiny/add_grpo", f"max_steps={args.steps}", "log_every=1",
                            "~eval", "~eval_dataset", f"output_dir={out}", "save_every=100000",
-                           "lr_scheduler.warmup_steps=0", "overwrite=true"], work, env)
+                           "lr_scheduler.warmup_steps=0", "overwrite=true",
+                           # every step trains: the 20-step warm start is rarely right, and
+                           # dynamic sampling would skip the update on most steps
+                           "~algorithm.shaping"], work, env)
             finally:
                 for p in procs:
                     p.kill()
