@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,9 @@ class NativeEngine:
             # Our prepared boolean masks are what the SDPA attention path consumes as-is.
             self.model.set_attn_implementation("sdpa")
         self.base = getattr(self.model, self.model.base_model_prefix)
+        # transformers >= 5.2x names the KV cache argument `cache` (`past_key_values` warns).
+        params = inspect.signature(self.base.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
         self.is_vision = vision.is_vision_language(config)
@@ -525,8 +529,8 @@ class NativeEngine:
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_arg: cache},
             **extra,
         )
         return out.last_hidden_state
