@@ -25,8 +25,9 @@ from pathlib import Path
 
 # libgomp (the OpenMP runtime of the torch CPU wheel) spins its idle intra-op threads for a while
 # before sleeping. On a core shared with another busy process that spinning steals the time the
-# other threads wait for, and a tiny-model step slowed 3.8x beside one CPU-bound process; with
-# PASSIVE waits it slows 1.5x, for ~15% on an idle machine (docs/performance.md, "Busy machines").
+# other threads wait for, and a tiny-model step slowed 3.6-4.2x beside one CPU-bound process; with
+# PASSIVE waits 1.2-1.3x, at a price of 1.4-1.65x on an idle machine for tiny models
+# (docs/performance.md, "Busy machines").
 # Set before torch loads (the runtime reads it once); torchrun children inherit it; the user's
 # own OMP_WAIT_POLICY (ACTIVE on a dedicated box) wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
