@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,10 @@ def apply_lora(model: nn.Module, opts: LoraOptions) -> nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, cfg)
+    with warnings.catch_warnings():
+        # PEFT reads transformers' deprecated `is_gradient_checkpointing` (FutureWarning on 5.2x)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, cfg)
 
 
 def is_lora(model: nn.Module) -> bool:
