@@ -46,6 +46,9 @@ MODEL = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "max_positions":
 # Our recipe's default (padded micro-batches). Packed rows are slower here: with SDPA the
 # block-diagonal mask makes attention quadratic in the packed row length (see docs/performance.md).
 PACKING = os.environ.get("BENCH_GRPO_PACKING", "0") == "1"
+# "char": the tests' 112-token character vocabulary (the LM head is negligible); "bpe": a 32,768-token
+# byte-level BPE trained here (realistic_vocab.py), so the LM head weighs as in real models.
+VOCAB = os.environ.get("BENCH_GRPO_VOCAB", "char")
 PHASES = ("rollout", "scoring", "old_logprobs", "reference", "training", "weight_sync")
 
 
@@ -58,6 +61,10 @@ def make_assets(root: Path) -> tuple[Path, Path]:
     from lightrft.models import make_tiny_model
 
     model = make_tiny_model(root / "model", seed=SEED, **MODEL)
+    if VOCAB == "bpe":
+        model = _with_bpe_vocab(model)
+    elif VOCAB != "char":
+        raise ValueError(f"BENCH_GRPO_VOCAB must be 'char' or 'bpe', got {VOCAB!r}")
     prompts = root / "prompts.jsonl"
     with prompts.open("w") as f:
         for r in arith_records(512, digits=2, seed=SEED):
@@ -68,6 +75,24 @@ def make_assets(root: Path) -> tuple[Path, Path]:
             f.write(json.dumps({"prompt": messages, "answer": r["answer"], "label": "arith"}))
             f.write("\n")
     return model, prompts
+
+
+def _with_bpe_vocab(model: Path) -> Path:
+    """The same architecture with a 32k BPE tokenizer and a matching (random) embedding / head."""
+    import torch
+    from realistic_vocab import gsm8k_texts, train_bpe  # this folder (sys.path[0] of the worker)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = train_bpe(gsm8k_texts())
+    cfg = AutoConfig.from_pretrained(model)
+    cfg.vocab_size = len(tokenizer)
+    cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    cfg.bos_token_id = None
+    torch.manual_seed(SEED)
+    out = model.parent / "model_bpe"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 # ---------------------------------------------------------------------------------- workers
@@ -300,7 +325,7 @@ def summarize(results: dict[str, list[dict]]) -> dict:
 def table(s: dict) -> str:
     o, t = s["ours"], s["trl"]
     lines = [
-        f"\nGRPO step, {PROMPTS} prompts x {GROUP} samples, <= {MAX_TOKENS} new tokens, "
+        f"\nGRPO step ({VOCAB} vocabulary), {PROMPTS} prompts x {GROUP} samples, <= {MAX_TOKENS} new tokens, "
         f"micro-batch {MICRO}, {STEPS} steps x {ROUNDS} rounds (first step of each excluded), "
         f"{THREADS} thread(s) per side",
         "| | LightRFT | TRL GRPOTrainer |",

@@ -29,7 +29,6 @@ load average is printed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -39,58 +38,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from realistic_vocab import gsm8k_texts, train_bpe  # this folder (a script's sys.path[0])
 from torch import nn
 
 from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.engine.sync import sync_weights
 from lightrft.kernels.hf import causal_lm_token_logprobs
-
-GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
-
-
-def gsm8k_texts() -> list[dict]:
-    if not GSM8K.is_file():
-        raise SystemExit(f"needs the GSM8K copy at {GSM8K}")
-    return [json.loads(line) for line in GSM8K.read_text().splitlines() if line.strip()]
-
-
-def stdlib_texts(limit_bytes: int = 24 * 2**20) -> list[str]:
-    """Python standard-library sources: GSM8K alone has too few distinct pairs for 32k merges."""
-    import sysconfig
-
-    out, size = [], 0
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if size > limit_bytes:
-            break
-        try:
-            text = f.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        out.append(text)
-        size += len(text)
-    return out
-
-
-def train_bpe(records: list[dict], vocab_size: int):
-    """A byte-level BPE trained on GSM8K questions and answers plus Python standard-library
-    sources (so that all ``vocab_size`` merges exist), as a transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    texts = [r["question"] + "\n" + r["answer"] for r in records] + stdlib_texts()
-    tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
 
 
 def make_model(out: Path, tokenizer, args) -> Path:
