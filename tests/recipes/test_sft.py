@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _dist import run_distributed
+from _dist import DEEPSPEED_REFUSAL, run_distributed
 
 from lightrft import cli
 from lightrft.training import read_metrics
@@ -227,7 +227,7 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         ("strategy=zero3", "strategy: unknown strategy 'zero3'; choose one of"),
         ("shard_size=0", "shard_size must be >= 1, got 0"),
         ("replicate_size=two", "replicate_size"),
-        ("strategy=deepspeed", "strategy=deepspeed needs the DeepSpeed extra"),
+        ("strategy=deepspeed", DEEPSPEED_REFUSAL),
         ("lora.alpha=4", "lora.rank: set the adapter rank"),
     ]:
         assert cli.main(["validate", str(cfg), *override.split()]) == 2
