@@ -35,7 +35,6 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -68,7 +67,13 @@ from lightrft.algorithms import (
     value_loss,
 )
 from lightrft.config import Component
-from lightrft.data import AudioInputs, ImageInputs, build_dataloader, collate_prompts
+from lightrft.data import (
+    AudioInputs,
+    ImageInputs,
+    build_dataloader,
+    collate_prompts,
+    plan_micro_batches,
+)
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import (
@@ -114,7 +119,7 @@ from lightrft.training import (
     reduce_metrics,
     warmup_cosine_scheduler,
 )
-from lightrft.training.distributed import barrier, destroy, init_distributed
+from lightrft.training.distributed import all_reduce_max, barrier, destroy, init_distributed
 from lightrft.training.rollout import IGNORE, RolloutBatch, pad_rows
 
 DTYPE = Literal[tuple(DTYPES)]
@@ -772,36 +777,6 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
 # ---------------------------------------------------------------------------------- batches
 
 
-def plan_micro_batches(
-    rows: list[int],
-    lengths: Sequence[int],
-    max_rows: int,
-    max_tokens: int | None = None,
-    *,
-    packing: bool = False,
-) -> list[list[int]]:
-    """Split ``rows`` (sample indices, in the order given) into micro-batches of at most
-    ``max_rows`` samples and, with ``max_tokens``, at most that many model tokens: the sum of the
-    lengths when packed, rows x the longest length when padded (padding costs compute too).
-    Sort ``rows`` by length first and the budget turns padding into more, fuller micro-batches.
-    A sample longer than ``max_tokens`` on its own forms a micro-batch by itself."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    longest = total = 0
-    for i in rows:
-        n = int(lengths[i])
-        if cur:
-            size = total + n if packing else (len(cur) + 1) * max(longest, n)
-            if len(cur) >= max_rows or (max_tokens is not None and size > max_tokens):
-                out.append(cur)
-                cur, longest, total = [], 0, 0
-        cur.append(i)
-        longest, total = max(longest, n), total + n
-    if cur:
-        out.append(cur)
-    return out
-
-
 def build_micro_batch(
     batch: RolloutBatch, idx: list[int], pad_id: int, *, packing: bool
 ) -> dict[str, Any]:
@@ -1380,10 +1355,8 @@ class GRPORecipe:
         if tr.micro_batch_tokens is None:  # known on every rank without a token budget
             per_rank = -(-len(rows) // self.dist.world_size)
             count = max(1, -(-per_rank // tr.micro_batch_size))
-        elif dist.is_initialized() and self.dist.world_size > 1:
-            t = torch.tensor([count], device=self.dist.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            count = int(t.item())
+        elif self.dist.world_size > 1:
+            count = int(all_reduce_max(count, self.dist.device).item())
         return plan + [[] for _ in range(count - len(plan))]
 
     @torch.no_grad()

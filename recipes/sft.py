@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightrft import config
 from lightrft.config import Component
-from lightrft.data import build_dataloader, pack_or_pad_collator
+from lightrft.data import StepCollator, build_dataloader, pack_or_pad_collator
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models import (
     checkpoint_is_audio_language,
@@ -55,7 +55,13 @@ from lightrft.training import (
     reset_peak_memory,
     warmup_cosine_scheduler,
 )
-from lightrft.training.distributed import all_reduce_sum, barrier, destroy, init_distributed
+from lightrft.training.distributed import (
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    destroy,
+    init_distributed,
+)
 
 CONFIG_SCHEMA = {
     "output_dir": str,
@@ -80,7 +86,8 @@ CONFIG_SCHEMA = {
     "packing": bool | None,  # several samples per row, positions reset per sample
     "max_tokens_per_row": int | None,  # packing only; default: one row per micro-batch
     "batch_size": int,  # samples (or packed rows) per rank per micro-batch
-    "gradient_accumulation_steps": int | None,
+    "gradient_accumulation_steps": int | None,  # a step: batch_size x this many samples per rank
+    "micro_batch_tokens": int | None,  # token budget: a step's samples by length, cut by tokens
     "epochs": int,
     "max_steps": int | None,
     "optimizer": Component,
@@ -128,6 +135,7 @@ class SFTOptions:
     packing: bool = False
     max_tokens_per_row: int | None = None
     accum: int = 1  # gradient_accumulation_steps
+    micro_batch_tokens: int | None = None  # token budget per micro-batch; None: rows only
     max_steps: int | None = None
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
@@ -166,6 +174,7 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         packing=_get(cfg, "packing", False),
         max_tokens_per_row=_get(cfg, "max_tokens_per_row"),
         accum=_get(cfg, "gradient_accumulation_steps", 1),
+        micro_batch_tokens=_get(cfg, "micro_batch_tokens"),
         max_steps=_get(cfg, "max_steps"),
         warmup_steps=_get(sched, "warmup_steps", 0),
         min_lr_ratio=_get(sched, "min_lr_ratio", 0.0),
@@ -193,6 +202,7 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         ("save_every", opts.save_every),
         ("keep_last", opts.keep_last),
         ("max_tokens_per_row", opts.max_tokens_per_row),
+        ("micro_batch_tokens", opts.micro_batch_tokens),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{key} must be >= 1, got {value}")
@@ -307,12 +317,16 @@ class SFTRecipe:
             packing=o.packing,
             max_tokens=o.max_tokens_per_row,
         )
+        # One loader batch is one optimizer step's samples on this rank, collated into its
+        # micro-batches: batch_size rows each, or by the token budget (shortest first).
         self.loader = build_dataloader(
             self.dataset,
-            batch_size=self.batch_size,
+            batch_size=self.batch_size * self.accum,
             shuffle=True,
             seed=self.seed,
-            collate_fn=collate,
+            collate_fn=StepCollator(
+                collate, self.batch_size, o.micro_batch_tokens, packing=o.packing
+            ),
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             drop_last=True,
@@ -330,12 +344,13 @@ class SFTRecipe:
                 world_size=self.dist.world_size,
                 drop_last=False,
             )
-        steps_per_epoch = len(self.loader) // self.accum
+        steps_per_epoch = len(self.loader)
         if steps_per_epoch == 0:
             raise ValueError(
-                f"dataset {cfg.dataset._component_} gives {len(self.loader)} micro-batches per "
-                f"rank per epoch, fewer than gradient_accumulation_steps={self.accum}: lower "
-                "batch_size or gradient_accumulation_steps, or add data"
+                f"dataset {cfg.dataset._component_} gives {len(self.dataset)} samples, fewer "
+                f"than one step needs: batch_size={self.batch_size} x "
+                f"gradient_accumulation_steps={self.accum} on each of {self.dist.world_size} "
+                "rank(s); lower them, or add data"
             )
         self.steps_per_epoch = steps_per_epoch
         self.total_steps = steps_per_epoch * self.epochs
@@ -390,10 +405,18 @@ class SFTRecipe:
             audios=batch.get("audios"),  # AudioInputs of the batch's samples, in token order
         )
 
-    def _micro_batches(self):
-        """Micro-batches of the current epoch from the (resumable) dataloader position."""
+    def _steps(self):
+        """The current epoch's steps from the (resumable) dataloader position: each the list of
+        this rank's micro-batches, as many on every rank (with a token budget the counts differ:
+        a rank with fewer adds copies of its last one with no loss tokens, so the FSDP
+        collectives of forward and backward pair up)."""
         self.loader.set_epoch(self.epoch)
-        yield from self.loader
+        for micro in self.loader:
+            if self.opts.micro_batch_tokens is not None and self.dist.world_size > 1:
+                count = int(all_reduce_max(len(micro), self.dist.device).item())
+                idle = {**micro[-1], "labels": torch.full_like(micro[-1]["labels"], -100)}
+                micro = micro + [idle] * (count - len(micro))
+            yield micro
 
     def train(self) -> None:
         model, opt = self.model, self.optimizer
@@ -404,11 +427,7 @@ class SFTRecipe:
         reset_peak_memory(self.dist.device)
         with Preemption() as preempt:
             while self.step < self.total_steps and self.epoch < self.epochs:
-                pending: list[dict] = []
-                for batch in self._micro_batches():
-                    pending.append(batch)
-                    if len(pending) < self.accum:
-                        continue
+                for pending in self._steps():
                     # Normalise by the loss tokens of the whole step on all ranks; FSDP averages
                     # gradients over ranks, so multiply back by the world size.
                     n_tokens = all_reduce_sum(sum(_loss_tokens(b) for b in pending)).item()
@@ -419,7 +438,6 @@ class SFTRecipe:
                         loss.backward()
                         loss_sum += loss.item() * divisor
                         tokens_seen += int(b["input_ids"].numel())
-                    pending = []
                     grad_norm = (
                         clip_grad_norm(model, self.max_grad_norm)
                         if self.max_grad_norm

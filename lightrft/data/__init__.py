@@ -15,10 +15,12 @@ from lightrft.data.collate import (
     PackCollator,
     PackedDataset,
     PadCollator,
+    StepCollator,
     collate_prompts,
     pack_indices,
     pack_or_pad_collator,
     packed_sft_dataset,
+    plan_micro_batches,
 )
 from lightrft.data.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
 from lightrft.data.io import DataError, Records, load_records
@@ -47,6 +49,7 @@ __all__ = [
     "Records",
     "ResumableDataLoader",
     "SFTDataset",
+    "StepCollator",
     "arith_records",
     "build_dataloader",
     "collate_prompts",
@@ -61,6 +64,7 @@ __all__ = [
     "pack_indices",
     "pack_or_pad_collator",
     "packed_sft_dataset",
+    "plan_micro_batches",
     "prepare_gsm8k",
     "write_arith_dataset",
     "write_tones_dataset",

@@ -37,8 +37,10 @@ __all__ = [
     "PadCollator",
     "collate_prompts",
     "pack_indices",
+    "StepCollator",
     "pack_or_pad_collator",
     "packed_sft_dataset",
+    "plan_micro_batches",
 ]
 
 Item = Mapping[str, Any]
@@ -306,6 +308,75 @@ def pack_or_pad_collator(
     if max_tokens is not None:
         raise ValueError("max_tokens applies only with packing=true")
     return PadCollator(pad, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def plan_micro_batches(
+    rows: Sequence[int],
+    lengths: Sequence[int],
+    max_rows: int,
+    max_tokens: int | None = None,
+    *,
+    packing: bool = False,
+) -> list[list[int]]:
+    """Split ``rows`` (sample indices, in the order given) into micro-batches of at most
+    ``max_rows`` samples and, with ``max_tokens``, at most that many model tokens: the sum of the
+    lengths when packed, rows x the longest length when padded (padding costs compute too).
+    Sort ``rows`` by length first and the budget turns padding into more, fuller micro-batches.
+    A sample longer than ``max_tokens`` on its own forms a micro-batch by itself."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    longest = total = 0
+    for i in rows:
+        n = int(lengths[i])
+        if cur:
+            size = total + n if packing else (len(cur) + 1) * max(longest, n)
+            if len(cur) >= max_rows or (max_tokens is not None and size > max_tokens):
+                out.append(cur)
+                cur, longest, total = [], 0, 0
+        cur.append(i)
+        longest, total = max(longest, n), total + n
+    if cur:
+        out.append(cur)
+    return out
+
+
+class StepCollator:
+    """Collate one optimizer step's samples into its micro-batches (a list of batches).
+
+    Without a token budget: consecutive groups of ``max_rows`` samples, in the loader's order.
+    With ``max_tokens``: the samples sorted by length, then cut by :func:`plan_micro_batches`,
+    so that padding (or, packed, the quadratic attention over one long row) shrinks and each
+    micro-batch holds about the same number of tokens. ``collate`` builds each micro-batch
+    (:func:`pack_or_pad_collator`'s result, or a preference collator); ``length`` gives a
+    sample's model tokens (default: ``len(item["input_ids"])``).
+    """
+
+    def __init__(
+        self,
+        collate: Callable[[Sequence[Item]], dict[str, Any]],
+        max_rows: int,
+        max_tokens: int | None = None,
+        *,
+        packing: bool = False,
+        length: Callable[[Item], int] | None = None,
+    ) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+        self.collate, self.max_rows, self.max_tokens = collate, max_rows, max_tokens
+        self.packing = packing
+        self.length = length or (lambda item: len(item["input_ids"]))
+
+    def __call__(self, items: Sequence[Item]) -> list[dict[str, Any]]:
+        lengths = [self.length(x) for x in items]
+        order = list(range(len(items)))
+        if self.max_tokens is not None:
+            order.sort(key=lengths.__getitem__)
+        plan = plan_micro_batches(
+            order, lengths, self.max_rows, self.max_tokens, packing=self.packing
+        )
+        return [self.collate([items[i] for i in idx]) for idx in plan]
 
 
 def collate_prompts(items: Sequence[Item]) -> dict[str, list[Any]]:

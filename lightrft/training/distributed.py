@@ -86,6 +86,14 @@ def all_reduce_sum(value: float | torch.Tensor, device: torch.device | None = No
     return t
 
 
+def all_reduce_max(value: float | torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """The largest value of a scalar over ranks (identity in a single process); a tensor."""
+    t = torch.as_tensor(value, dtype=torch.float64, device=device or "cpu").clone()
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -2,9 +2,9 @@
 
     python tests/benchmarks/micro_batches.py [--samples 32] [--rounds 3] [--hidden 256] [--layers 2]
 
-Times the forward + backward of one GRPO training batch (the recipe's own ``plan_micro_batches``,
-``_padded`` / ``_packed`` layouts and fused log-prob forward) under four layouts: padded or packed
-rows, split by a row count (``train.micro_batch_size``) or by a token budget
+Times the forward + backward of one GRPO training batch (``lightrft.data.plan_micro_batches``
+as the recipe plans it, the recipe's ``_padded`` / ``_packed`` layouts and fused log-prob
+forward) under four layouts: padded or packed rows, split by a row count (``train.micro_batch_size``) or by a token budget
 (``train.micro_batch_tokens``, set to the row count x the mean length, so a micro-batch holds
 about as many real tokens either way). Prompt lengths are GSM8K's questions at ~4 characters a
 token (``../shared/data/gsm8k`` when present, else a matching lognormal); response lengths are
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from lightrft.cli import recipes_dir
+from lightrft.data import plan_micro_batches as plan
 from lightrft.kernels.hf import causal_lm_token_logprobs
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -56,7 +57,7 @@ def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     recipe = runpy.run_path(str(recipes_dir() / "grpo.py"))
-    plan, padded, packed = recipe["plan_micro_batches"], recipe["_padded"], recipe["_packed"]
+    padded, packed = recipe["_padded"], recipe["_packed"]
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),

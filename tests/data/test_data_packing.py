@@ -9,9 +9,11 @@ from lightrft.data import (
     PackedDataset,
     PadCollator,
     SFTDataset,
+    StepCollator,
     pack_indices,
     pack_or_pad_collator,
     packed_sft_dataset,
+    plan_micro_batches,
 )
 
 
@@ -209,3 +211,42 @@ def test_pack_collator_keeps_packed_rows_as_rows(tok):
         assert torch.equal(batch["input_ids"][r, :n], row["input_ids"])
         assert torch.equal(batch["position_ids"][r, :n], row["position_ids"])
         assert (batch["labels"][r, n:] == IGNORE_INDEX).all()
+
+
+# ------------------------------------------------------------------------------ micro-batches
+
+
+def test_plan_micro_batches_respects_rows_and_token_budgets():
+    lengths = [5, 5, 6, 10, 12, 30]
+    rows = list(range(6))
+    assert plan_micro_batches(rows, lengths, 4) == [[0, 1, 2, 3], [4, 5]]  # rows only
+    # Packed: the sum of lengths; padded: rows x the longest (padding is paid for).
+    assert plan_micro_batches(rows, lengths, 8, 20, packing=True) == [[0, 1, 2], [3], [4], [5]]
+    assert plan_micro_batches(rows, lengths, 8, 20) == [[0, 1, 2], [3], [4], [5]]
+    assert plan_micro_batches(rows, lengths, 8, 24, packing=True) == [[0, 1, 2], [3, 4], [5]]
+    assert plan_micro_batches(rows, lengths, 8, 24) == [[0, 1, 2], [3, 4], [5]]
+    assert plan_micro_batches(rows, lengths, 8, 22, packing=True) == [[0, 1, 2], [3, 4], [5]]
+    assert plan_micro_batches(rows, lengths, 8, 22) == [[0, 1, 2], [3], [4], [5]]  # 2 x 12 > 22
+    assert plan_micro_batches([], lengths, 4, 10) == []
+    # Every row lands exactly once, in the order given.
+    assert plan_micro_batches([5, 0, 3], lengths, 2, 1000) == [[5, 0], [3]]
+
+
+def test_step_collator_cuts_a_step_by_rows_or_by_a_sorted_token_budget():
+    items = [_sample(list(range(1, n + 1))) for n in (9, 3, 8, 2, 4)]
+    pad = StepCollator(PadCollator(0), max_rows=2)
+    # Rows only: the loader's order, groups of max_rows, each micro-batch padded on its own.
+    batches = pad(items)
+    assert [b["input_ids"].shape for b in batches] == [(2, 9), (2, 8), (1, 4)]
+    # A token budget sorts by length first: short samples share a micro-batch, long ones get
+    # their own, and every micro-batch stays within the budget (rows x longest when padded).
+    budget = StepCollator(PadCollator(0), max_rows=8, max_tokens=9)
+    batches = budget(items)
+    assert [tuple(b["input_ids"].shape) for b in batches] == [(2, 3), (1, 4), (1, 8), (1, 9)]
+    assert all(b["input_ids"].numel() <= 9 for b in batches)
+    # Packed, the budget counts real tokens; nothing is lost or repeated.
+    packed = StepCollator(PackCollator(0), max_rows=8, max_tokens=9, packing=True)(items)
+    assert [int((b["position_ids"] == 0).sum()) for b in packed] == [3, 1, 1]
+    assert sum(b["num_loss_tokens"] for b in packed) == sum(len(x["input_ids"]) - 1 for x in items)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        StepCollator(PadCollator(0), max_rows=2, max_tokens=0)

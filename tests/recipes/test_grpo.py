@@ -368,28 +368,6 @@ def test_accumulation_equals_one_big_batch_for_every_aggregation(tmp_path, asset
         assert results["micro"][key] == pytest.approx(results["big"][key], rel=1e-4, abs=1e-6)
 
 
-def test_plan_micro_batches_respects_rows_and_token_budgets():
-    import runpy
-
-    from lightrft.cli import recipes_dir
-
-    plan = runpy.run_path(str(recipes_dir() / "grpo.py"))["plan_micro_batches"]
-    lengths = [5, 5, 6, 10, 12, 30]
-    rows = list(range(6))
-    assert plan(rows, lengths, 4) == [[0, 1, 2, 3], [4, 5]]  # rows only
-    # Packed: the sum of lengths; padded: rows x the longest (padding is paid for).
-    assert plan(rows, lengths, 8, 20, packing=True) == [[0, 1, 2], [3], [4], [5]]
-    assert plan(rows, lengths, 8, 20) == [[0, 1, 2], [3], [4], [5]]
-    assert plan(rows, lengths, 8, 24, packing=True) == [[0, 1, 2], [3, 4], [5]]
-    assert plan(rows, lengths, 8, 24) == [[0, 1, 2], [3, 4], [5]]
-    assert plan(rows, lengths, 8, 22, packing=True) == [[0, 1, 2], [3, 4], [5]]
-    assert plan(rows, lengths, 8, 22) == [[0, 1, 2], [3], [4], [5]]  # 2 x 12 > 22
-    assert plan([], lengths, 4, 10) == []
-    # Every row lands exactly once, in the order given.
-    got = plan([5, 0, 3], lengths, 2, 1000)
-    assert got == [[5, 0], [3]]
-
-
 # ---------------------------------------------------------------------------------- resume
 
 

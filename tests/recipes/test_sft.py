@@ -186,6 +186,21 @@ def test_sft_two_gloo_processes_shard_and_learn(tmp_path):
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
 
 
+def test_sft_token_budget_micro_batches_give_the_rows_only_curve(tmp_path):
+    """micro_batch_tokens cuts each step's samples (shortest first) by a token budget instead
+    of a row count: on 2 ranks whose micro-batch counts then differ, the losses and gradient
+    norms equal the rows-only run's (same samples per step, same token-mean normalisation)."""
+    runs = {}
+    for name, budget in (("rows", {}), ("budget", {"micro_batch_tokens": 84})):
+        (tmp_path / name).mkdir()
+        cfg = _config(tmp_path / name, packing=False, batch_size=8, eval_every=None, **budget)
+        run_distributed(_two_rank_sft, str(cfg), world_size=2)
+        rows = read_metrics(tmp_path / name / "out")
+        runs[name] = [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
+    assert len(runs["budget"]) == 6
+    torch.testing.assert_close(runs["budget"], runs["rows"], rtol=1e-5, atol=1e-6)
+
+
 def test_sft_hsdp_mesh_from_config(tmp_path):
     """replicate_size=2: the recipe trains on a 2-D (replicate x shard) mesh, and its losses and
     clipped gradient norms equal plain FSDP's on the same 2 ranks."""
