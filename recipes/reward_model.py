@@ -38,7 +38,7 @@ from lightrft.algorithms.reward_losses import (
     safety_sign_loss,
 )
 from lightrft.config import Component, ConfigError
-from lightrft.data import build_dataloader
+from lightrft.data import StepCollator, build_dataloader
 from lightrft.data.preference import PreferenceCollator
 from lightrft.models import load_tokenizer, parallelize
 from lightrft.models.loading import DTYPES
@@ -54,7 +54,13 @@ from lightrft.training import (
     reset_peak_memory,
     warmup_cosine_scheduler,
 )
-from lightrft.training.distributed import all_reduce_sum, barrier, destroy, init_distributed
+from lightrft.training.distributed import (
+    all_reduce_sum,
+    barrier,
+    destroy,
+    even_micro_batches,
+    init_distributed,
+)
 
 LossType = Literal["bradley_terry", "log_exp", "hps"]
 
@@ -84,7 +90,8 @@ CONFIG_SCHEMA = {
     "packing": bool | None,  # several sequences per row, positions reset per sequence
     "max_tokens_per_row": int | None,  # packing only; default: one row per micro-batch
     "batch_size": int,  # preference items per rank per micro-batch
-    "gradient_accumulation_steps": int | None,
+    "gradient_accumulation_steps": int | None,  # a step: batch_size x this many items per rank
+    "micro_batch_tokens": int | None,  # token budget: a step's items by length, cut by tokens
     "epochs": int,
     "max_steps": int | None,
     "optimizer": Component,
@@ -122,6 +129,7 @@ class RewardModelOptions:
     max_tokens_per_row: int | None = None
     batch_size: int = 1
     accum: int = 1
+    micro_batch_tokens: int | None = None  # token budget per micro-batch; None: items only
     epochs: int = 1
     max_steps: int | None = None
     warmup_steps: int = 0
@@ -170,6 +178,7 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
         max_tokens_per_row=cfg.get("max_tokens_per_row"),
         batch_size=cfg.batch_size,
         accum=_get(cfg, "gradient_accumulation_steps", 1),
+        micro_batch_tokens=cfg.get("micro_batch_tokens"),
         epochs=cfg.epochs,
         max_steps=cfg.get("max_steps"),
         warmup_steps=_get(sched, "warmup_steps", 0),
@@ -198,6 +207,7 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
         ("eval_every", opts.eval_every),
         ("save_every", opts.save_every),
         ("max_tokens_per_row", opts.max_tokens_per_row),
+        ("micro_batch_tokens", opts.micro_batch_tokens),
     ):
         if value is not None and value < 1:
             errors.append(f"{key} must be >= 1 or null, got {value}")
@@ -258,26 +268,40 @@ class RewardModelRecipe:
             packing=o.packing,
             max_tokens=o.max_tokens_per_row,
         )
-        loader_kw = dict(
-            batch_size=o.batch_size,
-            seed=o.seed,
-            collate_fn=collate,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+        loader_kw = dict(seed=o.seed, rank=self.dist.rank, world_size=self.dist.world_size)
+        # One loader batch is one optimizer step's items on this rank, collated into its
+        # micro-batches: batch_size items each, or by the token budget (shortest first).
+        self.loader = build_dataloader(
+            self.dataset,
+            batch_size=o.batch_size * o.accum,
+            collate_fn=StepCollator(
+                collate,
+                o.batch_size,
+                o.micro_batch_tokens,
+                packing=o.packing,
+                length=_item_tokens if o.packing else _item_padded_tokens,
+            ),
+            shuffle=True,
+            drop_last=True,
+            **loader_kw,
         )
-        self.loader = build_dataloader(self.dataset, shuffle=True, drop_last=True, **loader_kw)
         self.eval_loader = None
         if cfg.get("eval_dataset") is not None:
             eval_ds = self._dataset(cfg.eval_dataset)
             self.eval_loader = build_dataloader(
-                eval_ds, shuffle=False, drop_last=False, **loader_kw
+                eval_ds,
+                batch_size=o.batch_size,
+                collate_fn=collate,
+                shuffle=False,
+                drop_last=False,
+                **loader_kw,
             )
-        self.steps_per_epoch = len(self.loader) // o.accum
+        self.steps_per_epoch = len(self.loader)
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"dataset {cfg.dataset._component_} gives {len(self.loader)} micro-batches per "
-                f"rank per epoch, fewer than gradient_accumulation_steps={o.accum}: lower "
-                "batch_size or gradient_accumulation_steps, or add data"
+                f"dataset {cfg.dataset._component_} gives {len(self.dataset)} items, fewer than "
+                f"one step needs: batch_size={o.batch_size} x gradient_accumulation_steps="
+                f"{o.accum} on each of {self.dist.world_size} rank(s); lower them, or add data"
             )
         self.total_steps = self.steps_per_epoch * o.epochs
         if o.max_steps is not None:
@@ -376,10 +400,16 @@ class RewardModelRecipe:
             per_item = per_item + o.safety_coef * is_cost * safety_sign_loss(raw, safe)
         return per_item.sum() / divisor
 
-    def _micro_batches(self):
-        """Micro-batches of the current epoch from the (resumable) dataloader position."""
+    def _steps(self):
+        """The current epoch's steps from the (resumable) dataloader position: this rank's
+        micro-batches and how many are real. With a token budget the counts differ across ranks:
+        the ranks with fewer repeat their last one with zero weight (``even_micro_batches``)."""
         self.loader.sampler.set_epoch(self.epoch)
-        yield from self.loader
+        for micro in self.loader:
+            if self.opts.micro_batch_tokens is not None:
+                yield even_micro_batches(micro, self.dist.device)
+            else:
+                yield micro, len(micro)
 
     def train(self) -> None:
         o, model, opt = self.opts, self.model, self.optimizer
@@ -389,22 +419,17 @@ class RewardModelRecipe:
         seqs_seen, t0 = 0, time.perf_counter()
         reset_peak_memory(self.dist.device)
         while self.step < self.total_steps and self.epoch < o.epochs:
-            pending: list[dict] = []
-            for batch in self._micro_batches():
-                pending.append(batch)
-                if len(pending) < o.accum:
-                    continue
+            for micro, n_real in self._steps():
                 # Normalise by the items of the whole step on all ranks; FSDP averages
                 # gradients over ranks, so multiply back by the world size.
-                n_items = all_reduce_sum(sum(len(b["head"]) for b in pending)).item()
+                n_items = all_reduce_sum(sum(len(b["head"]) for b in micro[:n_real])).item()
                 divisor = n_items / self.dist.world_size
                 loss_sum = 0.0
-                for b in pending:
-                    loss = self._loss(b, divisor)
+                for i, b in enumerate(micro):
+                    loss = self._loss(b, divisor) * (1.0 if i < n_real else 0.0)
                     loss.backward()
                     loss_sum += loss.item() * divisor
-                    seqs_seen += int((b["candidates"] >= 0).sum())
-                pending = []
+                    seqs_seen += int((b["candidates"] >= 0).sum()) if i < n_real else 0
                 grad_norm = (
                     clip_grad_norm(model, o.clip_grad_norm) if o.clip_grad_norm else float("nan")
                 )
@@ -506,6 +531,17 @@ class RewardModelRecipe:
     def cleanup(self) -> None:
         self.logger.close()
         destroy()
+
+
+def _item_tokens(item: dict) -> int:
+    """A preference item's tokens when packed: all its sequences."""
+    return sum(len(s) for s in item["sequences"])
+
+
+def _item_padded_tokens(item: dict) -> int:
+    """A preference item's tokens when padded: its sequences x its longest (per item; the
+    micro-batch's rows are then padded to the longest of all)."""
+    return len(item["sequences"]) * max(len(s) for s in item["sequences"])
 
 
 @config.parse(schema=CONFIG_SCHEMA, options=build_options)

@@ -56,10 +56,10 @@ from lightrft.training import (
     warmup_cosine_scheduler,
 )
 from lightrft.training.distributed import (
-    all_reduce_max,
     all_reduce_sum,
     barrier,
     destroy,
+    even_micro_batches,
     init_distributed,
 )
 
@@ -406,17 +406,15 @@ class SFTRecipe:
         )
 
     def _steps(self):
-        """The current epoch's steps from the (resumable) dataloader position: each the list of
-        this rank's micro-batches, as many on every rank (with a token budget the counts differ:
-        a rank with fewer adds copies of its last one with no loss tokens, so the FSDP
-        collectives of forward and backward pair up)."""
+        """The current epoch's steps from the (resumable) dataloader position: this rank's
+        micro-batches and how many are real. With a token budget the counts differ across ranks:
+        the ranks with fewer repeat their last one with zero weight (``even_micro_batches``)."""
         self.loader.set_epoch(self.epoch)
         for micro in self.loader:
-            if self.opts.micro_batch_tokens is not None and self.dist.world_size > 1:
-                count = int(all_reduce_max(len(micro), self.dist.device).item())
-                idle = {**micro[-1], "labels": torch.full_like(micro[-1]["labels"], -100)}
-                micro = micro + [idle] * (count - len(micro))
-            yield micro
+            if self.opts.micro_batch_tokens is not None:
+                yield even_micro_batches(micro, self.dist.device)
+            else:
+                yield micro, len(micro)
 
     def train(self) -> None:
         model, opt = self.model, self.optimizer
@@ -427,17 +425,17 @@ class SFTRecipe:
         reset_peak_memory(self.dist.device)
         with Preemption() as preempt:
             while self.step < self.total_steps and self.epoch < self.epochs:
-                for pending in self._steps():
+                for micro, n_real in self._steps():
                     # Normalise by the loss tokens of the whole step on all ranks; FSDP averages
                     # gradients over ranks, so multiply back by the world size.
-                    n_tokens = all_reduce_sum(sum(_loss_tokens(b) for b in pending)).item()
+                    n_tokens = all_reduce_sum(sum(_loss_tokens(b) for b in micro[:n_real])).item()
                     divisor = max(n_tokens, 1.0) / self.dist.world_size
                     loss_sum = 0.0
-                    for b in pending:
-                        loss = self._loss(b, divisor)
+                    for i, b in enumerate(micro):
+                        loss = self._loss(b, divisor) * (1.0 if i < n_real else 0.0)
                         loss.backward()
                         loss_sum += loss.item() * divisor
-                        tokens_seen += int(b["input_ids"].numel())
+                        tokens_seen += int(b["input_ids"].numel()) if i < n_real else 0
                     grad_norm = (
                         clip_grad_norm(model, self.max_grad_norm)
                         if self.max_grad_norm

@@ -94,6 +94,15 @@ def all_reduce_max(value: float | torch.Tensor, device: torch.device | None = No
     return t
 
 
+def even_micro_batches(micro: list, device: torch.device | None = None) -> tuple[list, int]:
+    """``micro`` (this rank's micro-batches of one step) extended to the largest count over ranks
+    with copies of its last one, and the number of real ones. Every rank then runs as many
+    forward/backward passes, so FSDP's collectives pair up; the caller gives the copies no
+    weight (a loss times zero, or no loss tokens)."""
+    count = int(all_reduce_max(len(micro), device).item())
+    return micro + [micro[-1]] * (count - len(micro)), len(micro)
+
+
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -195,7 +195,7 @@ def test_a_pair_trains_only_its_head_and_cost_heads_get_the_sign_term(tmp_path):
     try:
         items = [recipe.dataset[i] for i in range(len(recipe.dataset))]
         for name, row in (("helpful", 0), ("cost", 1)):
-            batch = recipe.loader.collate_fn([it for it in items if it["head"] == name][:4])
+            batch = recipe.loader.collate_fn.collate([it for it in items if it["head"] == name][:4])
             recipe.model.zero_grad(set_to_none=True)
             recipe._loss(batch, divisor=4.0).backward()
             grad = recipe.model.score.weight.grad  # [2, H]
@@ -204,7 +204,9 @@ def test_a_pair_trains_only_its_head_and_cost_heads_get_the_sign_term(tmp_path):
         # that every cost is 0, the loss is log 2 (pair) + 2 log 2 (sign terms, safety_coef 1).
         with torch.no_grad():
             recipe.model.score.weight.zero_()
-        cost_batch = recipe.loader.collate_fn([it for it in items if it["head"] == "cost"][:4])
+        cost_batch = recipe.loader.collate_fn.collate(
+            [it for it in items if it["head"] == "cost"][:4]
+        )
         loss = recipe._loss(cost_batch, divisor=4.0).item()
         assert loss == pytest.approx(3 * torch.log(torch.tensor(2.0)).item(), rel=1e-5)
         assert OmegaConf.select(cfg, "model.cost_heads") == ["cost"]
@@ -259,6 +261,32 @@ def test_two_gloo_processes_shard_learn_and_export_named_heads(tmp_path):
     assert scores[0] == rm.last_head_scores["cost"][0]
 
 
+def _two_ranks_metrics(rank: int, world_size: int, cfg_path: str) -> None:
+    from lightrft import config as lconfig
+
+    mod = _recipe_module()
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = mod["RewardModelRecipe"](cfg, mod["build_options"](cfg))
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.logger.close()
+    torch.distributed.barrier()
+
+
+def test_token_budget_micro_batches_give_the_items_only_curve(tmp_path):
+    """micro_batch_tokens cuts each step's items (shortest first) by a token budget: on 2 ranks
+    whose micro-batch counts then differ, losses and gradient norms equal the items-only run's."""
+    runs = {}
+    for name, budget in (("items", {}), ("budget", {"micro_batch_tokens": 190})):
+        (tmp_path / name).mkdir()
+        cfg = _config(tmp_path / name, eval_every=None, **budget)
+        run_distributed(_two_ranks_metrics, str(cfg), world_size=2)
+        rows = read_metrics(tmp_path / name / "out")
+        runs[name] = [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
+    assert len(runs["budget"]) == 3  # 96 pairs / (8 x 2 x 2 ranks)
+    torch.testing.assert_close(runs["budget"], runs["items"], rtol=1e-5, atol=1e-6)
+
+
 def test_bad_config_and_data_fail_before_training(tmp_path, capsys):
     cfg = _config(tmp_path)
     assert cli.main(["run", "reward_model", "--config", str(cfg), "model.cost_heads=[x]"]) == 2
@@ -267,6 +295,8 @@ def test_bad_config_and_data_fail_before_training(tmp_path, capsys):
     assert "loss.type" in capsys.readouterr().err
     assert cli.main(["run", "reward_model", "--config", str(cfg), "max_tokens_per_row=8"]) == 2
     assert "packing" in capsys.readouterr().err
+    assert cli.main(["run", "reward_model", "--config", str(cfg), "micro_batch_tokens=0"]) == 2
+    assert "micro_batch_tokens must be >= 1 or null, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="resume=true but no checkpoint"):
         cli.main(["run", "reward_model", "--config", str(cfg), "resume=true"])
     # A pair labelled for a head the model does not have: the file and line, before the model.
