@@ -90,9 +90,25 @@ def export_hf(
             f"export_hf needs a Hugging Face model (with save_pretrained), got "
             f"{type(model).__name__}; use full_state_dict(model) to gather its weights instead"
         )
+    sd = full_state_dict(model)  # every rank takes part in the gather
+    return export_hf_state_dict(
+        model, sd, tokenizer, out_dir, dtype=dtype, max_shard_size=max_shard_size
+    )
+
+
+def export_hf_state_dict(
+    model: nn.Module,
+    sd: dict[str, torch.Tensor],
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    """:func:`export_hf` with the full state dict ``sd`` already gathered (rank 0's; ``{}`` on
+    the others), e.g. by another backend (DeepSpeed ZeRO-3). Collective: call on every rank."""
     out = Path(out_dir)
     cast = to_dtype(dtype) if dtype is not None else None
-    sd = full_state_dict(model)  # every rank takes part in the gather
     if _is_main():
         if cast is not None:
             sd = _cast_floating(sd, cast)

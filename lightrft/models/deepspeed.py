@@ -1,0 +1,239 @@
+"""The DeepSpeed ZeRO backend (``strategy: deepspeed``): imported only when a recipe chooses it.
+
+The recipe keeps owning what it owns under FSDP2: the optimizer (its ``optimizer``
+``_component_``, built on the trainable parameters and handed to ``deepspeed.initialize``), the
+LR schedule (ours, stepped on that optimizer), the gradient-accumulation count and the clipping
+threshold (mapped to DeepSpeed's ``gradient_accumulation_steps`` / ``gradient_clipping``), and
+the loss normalisation (the recipe's loss is already divided for the whole step, so the engine's
+backward does not divide it again by the accumulation count).
+
+    strategy: deepspeed
+    deepspeed:
+      stage: 2                  # 1 | 2 | 3 (ZeRO stage)
+      offload_optimizer: false  # true: optimizer state and step on the CPU
+      offload_param: false      # stage 3 only: parameters on the CPU between uses
+      config: {}                # optional: further DeepSpeed config keys, merged in
+
+A ``deepspeed.config`` key that the recipe sets itself (batch sizes, accumulation, clipping,
+optimizer, scheduler, ZeRO stage / offload) is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+DEEPSPEED_SCHEMA = {
+    "stage": int | None,
+    "offload_optimizer": bool | None,
+    "offload_param": bool | None,
+    "config": dict | None,
+}
+
+# DeepSpeed config keys the recipe (or this module) sets; a user ``deepspeed.config`` may not.
+OWNED_KEYS = {
+    "train_batch_size": "batch_size x gradient_accumulation_steps x world size",
+    "train_micro_batch_size_per_gpu": "batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "clip_grad_norm",
+    "optimizer": "optimizer",
+    "scheduler": "lr_scheduler",
+    "zero_optimization": "deepspeed.stage / offload_optimizer / offload_param",
+}
+
+
+@dataclass(frozen=True)
+class DeepSpeedOptions:
+    """The config's ``deepspeed:`` section, checked (pure)."""
+
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def deepspeed_options(node: Any, strategy: str) -> DeepSpeedOptions | None:
+    """The ``deepspeed:`` section as :class:`DeepSpeedOptions` (``None`` under another strategy,
+    where the section is refused rather than ignored)."""
+    if strategy != "deepspeed":
+        if node is not None:
+            raise ValueError(
+                f"a deepspeed: section is set but strategy={strategy}; set strategy=deepspeed "
+                "or remove the section"
+            )
+        return None
+    node = {} if node is None else dict(node)
+    stage = node.get("stage")
+    stage = 2 if stage is None else stage
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"deepspeed.stage must be 1, 2 or 3 (ZeRO stage), got {stage!r}")
+    offload_param = bool(node.get("offload_param") or False)
+    if offload_param and stage != 3:
+        raise ValueError(f"deepspeed.offload_param=true needs deepspeed.stage=3, got {stage}")
+    extra = node.get("config") or {}
+    extra = dict(extra) if not hasattr(extra, "items") else {k: v for k, v in extra.items()}
+    for key in extra:
+        if key in OWNED_KEYS:
+            raise ValueError(
+                f"deepspeed.config.{key} conflicts with the recipe's own setting "
+                f"({OWNED_KEYS[key]}); set that instead, or use deepspeed.stage / "
+                "offload_optimizer / offload_param"
+            )
+    return DeepSpeedOptions(
+        stage=stage,
+        offload_optimizer=bool(node.get("offload_optimizer") or False),
+        offload_param=offload_param,
+        extra=extra,
+    )
+
+
+def ds_config(
+    opts: DeepSpeedOptions,
+    *,
+    micro_batch_size: int,
+    accum: int,
+    world_size: int,
+    clip_grad_norm: float | None,
+) -> dict:
+    """The DeepSpeed config dict for ``opts`` and the recipe's own settings (pure)."""
+    zero: dict[str, Any] = {"stage": opts.stage}
+    if opts.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if opts.offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    if opts.stage == 3:
+        # Gather whole tensors for a save: our export reads them with GatheredParameters.
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro_batch_size * accum * world_size,
+        "gradient_clipping": float(clip_grad_norm or 0.0),
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    cfg.update(opts.extra)
+    return cfg
+
+
+def setup_environment() -> None:
+    """Env DeepSpeed reads at import: the CPU accelerator when no GPU is visible. Call before
+    the first ``import deepspeed``."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    opts: DeepSpeedOptions,
+    *,
+    micro_batch_size: int,
+    accum: int,
+    clip_grad_norm: float | None,
+):
+    """Wrap ``model`` and ``optimizer`` (built by the recipe on the trainable parameters) in a
+    DeepSpeed engine; returns it. ``engine.module`` is the model (its parameters partitioned under
+    ZeRO-3); ``engine.optimizer`` wraps ``optimizer``, whose param groups our scheduler steps."""
+    setup_environment()
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError(
+            "strategy=deepspeed needs a process group: launch with torchrun "
+            "(lightrft run --nproc_per_node N ...), also for one process"
+        )
+    world = dist.get_world_size()
+    if dist.get_backend() == "gloo":
+        # DeepSpeed's comm layer JIT-compiles a shared-memory all-reduce op (~40-90 s on first
+        # use, cached in ~/.cache/torch_extensions) for CPU inference all-reduces; training
+        # over gloo never calls it. Its compatibility table is one dict that is probed on first
+        # access and kept: marking the op incompatible there skips the build.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    config = ds_config(
+        opts,
+        micro_batch_size=micro_batch_size,
+        accum=accum,
+        world_size=world,
+        clip_grad_norm=clip_grad_norm,
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=config, dist_init_required=False
+    )
+    return engine
+
+
+def is_engine(model: Any) -> bool:
+    """Whether ``model`` is a DeepSpeed engine (without importing deepspeed)."""
+    return type(model).__name__ == "DeepSpeedEngine"
+
+
+def backward(model: Any, loss: torch.Tensor) -> None:
+    """``loss.backward()``, or the engine's backward (the loss is already normalised for the
+    whole step: not divided again by the accumulation count)."""
+    if is_engine(model):
+        model.backward(loss, scale_wrt_gas=False)
+    else:
+        loss.backward()
+
+
+def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The full state dict of the engine's module on CPU, HF names (collective: every rank
+    gathers ZeRO-3 partitions layer by layer; rank 0 keeps the copies, others get ``{}``)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from lightrft.training.export import clean_param_name
+
+    module = engine.module
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    first_name: dict[int, str] = {}
+    for mod_name, mod in module.named_modules():
+        params = list(mod.named_parameters(recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            for pname, p in params:
+                name = clean_param_name(f"{mod_name}.{pname}" if mod_name else pname)
+                if id(p) in first_name:  # tied: alias the first copy
+                    if main:
+                        out[name] = out[first_name[id(p)]]
+                    continue
+                first_name[id(p)] = name
+                if main:
+                    out[name] = p.detach().to("cpu", copy=True)
+    if main:
+        for name, buf in module.named_buffers():
+            if name in module.state_dict():
+                out[clean_param_name(name)] = buf.detach().to("cpu", copy=True)
+    return out
+
+
+def export_hf_engine(engine: Any, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write the engine's model as an HF directory (collective; rank 0 writes)."""
+    from lightrft.training.export import export_hf_state_dict
+
+    return export_hf_state_dict(engine.module, gathered_state_dict(engine), tokenizer, out_dir)
+
+
+def save_checkpoint(engine: Any, directory: str | Path) -> None:
+    """DeepSpeed's own model + optimizer checkpoint into ``directory`` (collective)."""
+    engine.save_checkpoint(str(directory), tag="deepspeed", client_state={})
+
+
+def load_checkpoint(engine: Any, directory: str | Path) -> None:
+    """Load what :func:`save_checkpoint` wrote (collective); the LR scheduler is ours."""
+    path, _ = engine.load_checkpoint(
+        str(directory), tag="deepspeed", load_lr_scheduler_states=False
+    )
+    if path is None:
+        raise ValueError(f"no DeepSpeed checkpoint in {directory} (expected {directory}/deepspeed)")
