@@ -677,7 +677,7 @@ def _model_options(cfg: DictConfig) -> ModelOptions:
         activation_checkpointing=_get(m, "activation_checkpointing", False),
         compile=_get(m, "compile", False),
         lora=lora_options(cfg.get("lora")),
-        strategy=strategy_option(cfg.get("strategy")),
+        strategy=strategy_option(cfg.get("strategy"), built=("fsdp2",)),
         train_vision_tower=_get(m, "train_vision_tower", False),
         train_audio_tower=_get(m, "train_audio_tower", False),
         mesh=mesh_config(cfg.get("shard_size"), cfg.get("replicate_size")),

@@ -33,6 +33,7 @@ from lightrft.models import (
     load_tokenizer,
     set_towers_trainable,
 )
+from lightrft.models.deepspeed import DEEPSPEED_SCHEMA, DeepSpeedOptions, deepspeed_options
 from lightrft.models.loading import DTYPES
 from lightrft.models.lora import (
     LORA_SCHEMA,
@@ -49,8 +50,9 @@ from lightrft.training import (
     MetricLogger,
     Preemption,
     ProgressBar,
+    backward,
     check_output_dir,
-    clip_grad_norm,
+    optimizer_step,
     peak_memory,
     reset_peak_memory,
     warmup_cosine_scheduler,
@@ -68,6 +70,7 @@ CONFIG_SCHEMA = {
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
     "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
+    "deepspeed": DEEPSPEED_SCHEMA,  # strategy=deepspeed only: ZeRO stage, offload
     "shard_size": int | None,  # HSDP: shard within groups of this many ranks (docs/strategies.md)
     "replicate_size": int | None,  # HSDP: number of replica groups
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
@@ -151,6 +154,7 @@ class SFTOptions:
     wandb: bool | dict = False
     lora: LoraOptions | None = None
     strategy: str = "fsdp2"
+    deepspeed: DeepSpeedOptions | None = None  # set exactly when strategy == "deepspeed"
     mesh: MeshOptions = MeshOptions()
 
 
@@ -192,6 +196,9 @@ def build_options(cfg: DictConfig) -> SFTOptions:
         strategy=strategy_option(cfg.get("strategy")),
         mesh=mesh_config(cfg.get("shard_size"), cfg.get("replicate_size")),
     )
+    opts = dataclasses.replace(
+        opts, deepspeed=deepspeed_options(cfg.get("deepspeed"), opts.strategy)
+    )
     for key, value in (
         ("batch_size", opts.batch_size),
         ("epochs", opts.epochs),
@@ -220,6 +227,17 @@ def build_options(cfg: DictConfig) -> SFTOptions:
     if not str(opts.output_dir).strip():
         raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
     _check_vision_tower(opts)
+    if opts.deepspeed is not None:
+        for key, value in (
+            ("lora", opts.lora),
+            ("shard_size", opts.mesh.shard_size),
+            ("replicate_size", opts.mesh.replicate_size),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{key} is not supported with strategy=deepspeed yet; remove it or use "
+                    "strategy=fsdp2"
+                )
     checkpoints = Checkpointer(opts.output_dir, keep_last=opts.keep_last)  # reads only
     if opts.resume and checkpoints.latest() is None:
         raise ValueError(
@@ -290,15 +308,18 @@ class SFTRecipe:
 
         # Under torchrun each rank builds the model on the meta device and reads only its
         # shards (lightrft.models.sharded); one process loads it whole.
+        # DeepSpeed: the whole model on every rank, partitioned by deepspeed.initialize below.
+        ds = o.deepspeed is not None
         self.model = load_parallel(
             o.model_path,
             dtype=o.dtype,
             device=self.dist.device,
             trust_remote_code=o.trust_remote_code,
             prepare=prepare,
-            mesh=build_mesh(o.mesh, self.dist.device),
+            mesh=None if ds else build_mesh(o.mesh, self.dist.device),
             activation_checkpointing=o.activation_checkpointing,
             compile=o.compile,
+            shard=False if ds else None,
         )
         # A vision- or audio-language model's datasets take its processor (images / audio +
         # text); the collator and export use the tokenizer / processor the same way for all.
@@ -310,6 +331,20 @@ class SFTRecipe:
             self.processor = self.tokenizer
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(cfg.optimizer, trainable)
+        # strategy=deepspeed: the engine owns backward / step / zero_grad; self.model stays the
+        # HF module (its forward runs under the engine's ZeRO hooks).
+        self.engine = None
+        if ds:
+            from lightrft.models import deepspeed as lds
+
+            self.engine = lds.initialize(
+                self.model,
+                self.optimizer,
+                o.deepspeed,
+                micro_batch_size=self.batch_size,
+                accum=self.accum,
+                clip_grad_norm=self.max_grad_norm,
+            )
 
         self.dataset = config.instantiate(cfg.dataset, self.processor)
         collate = pack_or_pad_collator(
@@ -366,8 +401,7 @@ class SFTRecipe:
         self.step, self.epoch, self.last_eval_step = 0, 0, None
         if o.resume:
             state = self.checkpointer.load_latest(
-                models=self.model,
-                optimizers=self.optimizer,
+                **self._trained(),
                 schedulers=self.scheduler,
                 dataloaders=self.loader,
                 required=True,
@@ -433,16 +467,10 @@ class SFTRecipe:
                     loss_sum = 0.0
                     for i, b in enumerate(micro):
                         loss = self._loss(b, divisor) * (1.0 if i < n_real else 0.0)
-                        loss.backward()
+                        backward(loss, self.engine)
                         loss_sum += loss.item() * divisor
                         tokens_seen += int(b["input_ids"].numel()) if i < n_real else 0
-                    grad_norm = (
-                        clip_grad_norm(model, self.max_grad_norm)
-                        if self.max_grad_norm
-                        else float("nan")
-                    )
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    grad_norm = optimizer_step(model, opt, self.max_grad_norm, self.engine)
                     self.scheduler.step()
                     self.step += 1
                     loss = all_reduce_sum(loss_sum).item() / max(n_tokens, 1.0)
@@ -477,13 +505,24 @@ class SFTRecipe:
         bar.close()
         if self.last_eval_step != self.step:
             self._log_eval()
-        export_trained(self.model, self.processor, self.output_dir / "final", self.opts.lora)
+        if self.engine is not None:
+            from lightrft.models.deepspeed import export_hf_engine
+
+            export_hf_engine(self.engine, self.processor, self.output_dir / "final")
+        else:
+            export_trained(self.model, self.processor, self.output_dir / "final", self.opts.lora)
+
+    def _trained(self) -> dict[str, Any]:
+        """What a checkpoint holds of the trained model: the model and its optimizer, or under
+        strategy=deepspeed the engine (which writes both in its own format)."""
+        if self.engine is not None:
+            return {"models": self.engine}
+        return {"models": self.model, "optimizers": self.optimizer}
 
     def _save(self) -> None:
         self.checkpointer.save(
             self.step,
-            models=self.model,
-            optimizers=self.optimizer,
+            **self._trained(),
             schedulers=self.scheduler,
             dataloaders=self.loader,
             extra={"epoch": self.epoch},

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 from collections.abc import Callable
@@ -43,11 +42,3 @@ def run_distributed(fn: Callable, *args, world_size: int = 2) -> None:
     """
     mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
 
-
-# How `strategy=deepspeed` is refused until the ZeRO backend lands: by the missing extra where
-# DeepSpeed is not installed, else as not built yet (CI images may ship DeepSpeed).
-DEEPSPEED_REFUSAL = (
-    "strategy=deepspeed needs the DeepSpeed extra"
-    if importlib.util.find_spec("deepspeed") is None
-    else "strategy=deepspeed: the DeepSpeed ZeRO backend is not available in this version"
-)

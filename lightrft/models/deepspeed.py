@@ -2,10 +2,13 @@
 
 The recipe keeps owning what it owns under FSDP2: the optimizer (its ``optimizer``
 ``_component_``, built on the trainable parameters and handed to ``deepspeed.initialize``), the
-LR schedule (ours, stepped on that optimizer), the gradient-accumulation count and the clipping
-threshold (mapped to DeepSpeed's ``gradient_accumulation_steps`` / ``gradient_clipping``), and
-the loss normalisation (the recipe's loss is already divided for the whole step, so the engine's
-backward does not divide it again by the accumulation count).
+LR schedule (ours, stepped on that optimizer), the step (a backward per micro-batch, then one
+``engine.step()``: DeepSpeed's unmanaged gradient accumulation, so the number of micro-batches
+may vary from step to step as token budgets make it), the clipping threshold (DeepSpeed's
+``gradient_clipping``) and the loss normalisation (the recipe's loss is already divided for the
+whole step, so the engine's backward does not divide it again). The functions the recipes call
+for both strategies are ``lightrft.training.backward`` / ``optimizer_step``; checkpoints go
+through ``lightrft.training.Checkpointer``, which lets an engine write its own files.
 
     strategy: deepspeed
     deepspeed:
@@ -44,6 +47,7 @@ OWNED_KEYS = {
     "optimizer": "optimizer",
     "scheduler": "lr_scheduler",
     "zero_optimization": "deepspeed.stage / offload_optimizer / offload_param",
+    "managed_gradient_accumulation": "the recipe's step (it calls engine.step once per step)",
 }
 
 
@@ -114,6 +118,9 @@ def ds_config(
         "gradient_accumulation_steps": accum,
         "train_batch_size": micro_batch_size * accum * world_size,
         "gradient_clipping": float(clip_grad_norm or 0.0),
+        # The recipe owns the step: backward per micro-batch, engine.step() once after the last
+        # (token-budget micro-batches vary in number, so DeepSpeed must not count them).
+        "managed_gradient_accumulation": False,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
@@ -165,24 +172,23 @@ def initialize(
         world_size=world,
         clip_grad_norm=clip_grad_norm,
     )
+    if opts.stage == 3:
+        # Our fused LM-head loss reads lm_head.weight in the root module's forward hook, after
+        # lm_head's own forward: registered as the root's external parameter, ZeRO-3 keeps it
+        # gathered for the whole root forward and routes its gradient back to the partition.
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is not None:
+            deepspeed.zero.register_external_parameter(model, head.weight)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, dist_init_required=False
     )
+    # The recipes call the module, not the engine: do what engine.forward does first (ZeRO
+    # counts the micro-step there; without it ZeRO-3 overwrites, not accumulates, the gradients
+    # of a step's earlier micro-batches).
+    new_micro_step = getattr(engine.optimizer, "clear_backward_seen_flag", None)
+    if new_micro_step is not None:
+        model.register_forward_pre_hook(lambda module, args: new_micro_step())
     return engine
-
-
-def is_engine(model: Any) -> bool:
-    """Whether ``model`` is a DeepSpeed engine (without importing deepspeed)."""
-    return type(model).__name__ == "DeepSpeedEngine"
-
-
-def backward(model: Any, loss: torch.Tensor) -> None:
-    """``loss.backward()``, or the engine's backward (the loss is already normalised for the
-    whole step: not divided again by the accumulation count)."""
-    if is_engine(model):
-        model.backward(loss, scale_wrt_gas=False)
-    else:
-        loss.backward()
 
 
 def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
@@ -223,17 +229,3 @@ def export_hf_engine(engine: Any, tokenizer: Any, out_dir: str | Path) -> Path:
     from lightrft.training.export import export_hf_state_dict
 
     return export_hf_state_dict(engine.module, gathered_state_dict(engine), tokenizer, out_dir)
-
-
-def save_checkpoint(engine: Any, directory: str | Path) -> None:
-    """DeepSpeed's own model + optimizer checkpoint into ``directory`` (collective)."""
-    engine.save_checkpoint(str(directory), tag="deepspeed", client_state={})
-
-
-def load_checkpoint(engine: Any, directory: str | Path) -> None:
-    """Load what :func:`save_checkpoint` wrote (collective); the LR scheduler is ours."""
-    path, _ = engine.load_checkpoint(
-        str(directory), tag="deepspeed", load_lr_scheduler_states=False
-    )
-    if path is None:
-        raise ValueError(f"no DeepSpeed checkpoint in {directory} (expected {directory}/deepspeed)")

@@ -136,16 +136,24 @@ def parallelize(
 STRATEGIES = ("fsdp2", "deepspeed")
 
 
-def strategy_option(value: str | None, key: str = "strategy") -> str:
+def strategy_option(
+    value: str | None, key: str = "strategy", built: tuple[str, ...] = STRATEGIES
+) -> str:
     """The config's training strategy (null: ``fsdp2``), checked before anything loads.
 
     ``fsdp2``: ``parallelize`` (FSDP2 under torchrun, plain tensors in one process).
-    ``deepspeed``: needs the ``deepspeed`` extra; its ZeRO backend is not built yet, so it is
-    refused here rather than silently trained with FSDP2.
+    ``deepspeed``: DeepSpeed ZeRO (``lightrft.models.deepspeed``); needs the ``deepspeed``
+    extra. ``built``: the strategies the calling recipe supports; another is refused rather than
+    silently trained with FSDP2.
     """
     strategy = value or "fsdp2"
     if strategy not in STRATEGIES:
         raise ValueError(f"{key}: unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+    if strategy not in built:
+        raise ValueError(
+            f"{key}={strategy} is not available for this recipe yet; use one of {list(built)} "
+            "(see docs/strategies.md)"
+        )
     if strategy == "deepspeed":
         import importlib.util
 
@@ -154,10 +162,6 @@ def strategy_option(value: str | None, key: str = "strategy") -> str:
                 f"{key}=deepspeed needs the DeepSpeed extra: pip install 'lightrft[deepspeed]' "
                 "(or use strategy=fsdp2, the default)"
             )
-        raise ValueError(
-            f"{key}=deepspeed: the DeepSpeed ZeRO backend is not available in this version "
-            "yet; use strategy=fsdp2 (see docs/strategies.md)"
-        )
     return strategy
 
 

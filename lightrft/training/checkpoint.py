@@ -6,6 +6,7 @@ Layout under ``<output_dir>/checkpoints/``::
       .metadata, *.distcp   DCP shards: models, optimizers, LR schedulers (resharded on load)
       rank_00000.json       per-rank state: dataloader positions, RNG states, ``extra`` (JSON,
       rank_00000.safetensors  tensors and arrays beside it: loading never unpickles)
+      deepspeed.<name>/     a DeepSpeed engine's own model + optimizer files (strategy: deepspeed)
       config.json           the run's resolved config (compared on resume)
       meta.json             written last, before the rename: step, world size, names
     step_000020.tmp/        a save in progress (or one that crashed): never loaded
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from lightrft.training.optim import is_deepspeed_engine
 from lightrft.training.resume import ConfigChange, check_resume_config
 from lightrft.training.safe_state import (
     SafeFileSystemReader,
@@ -249,6 +251,13 @@ def _app_state(
         )
     state: dict[str, Any] = {}
     for name, model in models.items():
+        if is_deepspeed_engine(model):  # saved by the engine itself, optimizer included
+            if name in optimizers:
+                raise ValueError(
+                    f"model {name!r} is a DeepSpeed engine, which checkpoints its own optimizer: "
+                    "pass the engine alone"
+                )
+            continue
         state[f"model.{name}"] = _ModelState(model, optimizers.get(name))
     for name, sched in schedulers.items():
         state[f"scheduler.{name}"] = _PlainState(sched)
@@ -385,6 +394,8 @@ class Checkpointer:
         _barrier()
         with _quiet_single_process():
             dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        for name, engine in _engines(models_).items():  # ZeRO partitions, in DeepSpeed's layout
+            engine.save_checkpoint(str(tmp), tag=f"deepspeed.{name}", save_latest=False)
         per_rank = {
             "step": step,
             "dataloaders": {k: v.state_dict() for k, v in loaders_.items()},
@@ -402,6 +413,7 @@ class Checkpointer:
                 "schedulers": sorted(scheds_),
                 "dataloaders": sorted(loaders_),
                 "lora": sorted(k for k, m in models_.items() if _is_lora(m)),
+                "deepspeed": sorted(_engines(models_)),
                 "time": time.time(),
                 "torch": torch.__version__,
             }
@@ -474,6 +486,7 @@ class Checkpointer:
         meta = json.loads(meta_file.read_text())
         models_, optims_ = _named(models, "models"), _named(optimizers, "optimizers")
         scheds_, loaders_ = _named(schedulers, "schedulers"), _named(dataloaders, "dataloaders")
+        _check_strategies(path, meta, models_)
         for what, given in (
             ("models", models_),
             ("optimizers", optims_),
@@ -500,6 +513,7 @@ class Checkpointer:
                 "resume with the same number of processes"
             )
 
+        _load_engines(path, _engines(models_))
         app = _app_state(models_, optims_, scheds_)
         # Vet the metadata here too: inside dcp.load the refusal would come back as a
         # stringified AssertionError wrapped in a CheckpointException.
@@ -599,7 +613,43 @@ class Checkpointer:
 
 
 def _is_lora(model: nn.Module) -> bool:
+    if is_deepspeed_engine(model):
+        model = model.module
     return isinstance(getattr(model, "peft_config", None), dict)
+
+
+def _engines(models: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: m for name, m in models.items() if is_deepspeed_engine(m)}
+
+
+def _check_strategies(path: Path, meta: Mapping[str, Any], models: Mapping[str, Any]) -> None:
+    """Refuse to load a model saved by one strategy (FSDP2's DCP state or a DeepSpeed engine's
+    files) into the other, naming the way out."""
+    saved = set(meta.get("deepspeed", []))
+    for name, model in models.items():
+        if name not in meta.get("models", []):
+            continue
+        if is_deepspeed_engine(model) and name not in saved:
+            raise ValueError(
+                f"checkpoint {path} holds model {name!r} as FSDP2 (DCP) state, but this run trains "
+                "it with strategy=deepspeed: resume with strategy=fsdp2"
+            )
+        if not is_deepspeed_engine(model) and name in saved:
+            raise ValueError(
+                f"checkpoint {path} holds model {name!r} as a DeepSpeed engine's files, but this "
+                "run trains it with FSDP2: resume with strategy=deepspeed"
+            )
+
+
+def _load_engines(path: Path, engines: Mapping[str, Any]) -> None:
+    """Each DeepSpeed engine's model and optimizer from its own files (collective); the LR
+    schedule is ours (in DCP), so DeepSpeed's is not loaded."""
+    for name, engine in engines.items():
+        loaded, _ = engine.load_checkpoint(
+            str(path), tag=f"deepspeed.{name}", load_lr_scheduler_states=False
+        )
+        if loaded is None:
+            raise ValueError(f"checkpoint {path}: no DeepSpeed files for model {name!r}")
 
 
 def check_lora_match(meta: Mapping[str, Any], lora: Mapping[str, bool], path: Path) -> None:

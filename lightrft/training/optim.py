@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -90,6 +91,41 @@ def clip_grad_norm(
     if max_norm is not None and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return float(total)
+
+
+def is_deepspeed_engine(model: Any) -> bool:
+    """Whether ``model`` is a DeepSpeed engine (``strategy: deepspeed``), without importing it."""
+    return any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__)
+
+
+def backward(loss: torch.Tensor, engine: Any = None) -> None:
+    """``loss.backward()``; under ``strategy: deepspeed`` the engine's backward (ZeRO reduces
+    and partitions the gradients). The recipe's loss is already normalised for the whole step,
+    so the engine does not divide it again by an accumulation count."""
+    if engine is None:
+        loss.backward()
+    else:
+        engine.backward(loss, scale_wrt_gas=False)
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float | None,
+    engine: Any = None,
+) -> float:
+    """End an optimizer step after the step's last backward: clip to ``max_norm`` (None: only
+    measure), step, zero the gradients; return the gradient norm before clipping. Under
+    ``strategy: deepspeed`` the engine does all three (its ``gradient_clipping`` is
+    ``max_norm``) and reports the norm (NaN when clipping is off: DeepSpeed then skips it)."""
+    if engine is not None:
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+    norm = clip_grad_norm(model, max_norm) if max_norm else float("nan")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
 
 
 def cpu_offload_optimizer(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _dist import DEEPSPEED_REFUSAL, run_distributed
+from _dist import run_distributed
 
 from lightrft import cli
 from lightrft.training import read_metrics
@@ -242,7 +243,6 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         ("strategy=zero3", "strategy: unknown strategy 'zero3'; choose one of"),
         ("shard_size=0", "shard_size must be >= 1, got 0"),
         ("replicate_size=two", "replicate_size"),
-        ("strategy=deepspeed", DEEPSPEED_REFUSAL),
         ("lora.alpha=4", "lora.rank: set the adapter rank"),
     ]:
         assert cli.main(["validate", str(cfg), *override.split()]) == 2
@@ -250,6 +250,9 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         assert msg in err, err
         assert cli.main(["run", "sft", "--config", str(cfg), *override.split()]) == 2
         assert capsys.readouterr().err == err
+    if importlib.util.find_spec("deepspeed") is None:  # else tests/recipes/test_sft_deepspeed.py
+        assert cli.main(["validate", str(cfg), "strategy=deepspeed"]) == 2
+        assert "strategy=deepspeed needs the DeepSpeed extra" in capsys.readouterr().err
     # A missing data file names the path.
     cfg2 = _config(
         tmp_path,
