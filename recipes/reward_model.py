@@ -23,6 +23,7 @@ One self-contained file: copy it (`lightrft cp reward_model my_rm.py`), edit it,
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -41,15 +42,18 @@ from lightrft.config import Component, ConfigError
 from lightrft.data import StepCollator, build_dataloader
 from lightrft.data.preference import PreferenceCollator
 from lightrft.models import load_tokenizer, parallelize
+from lightrft.models.deepspeed import DEEPSPEED_SCHEMA, DeepSpeedOptions, deepspeed_options
 from lightrft.models.loading import DTYPES
+from lightrft.models.parallel import strategy_option
 from lightrft.models.reward import CONFIG_KEY, POOLINGS, build_reward_net
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
     ProgressBar,
+    backward,
     check_output_dir,
-    clip_grad_norm,
     export_hf,
+    optimizer_step,
     peak_memory,
     reset_peak_memory,
     warmup_cosine_scheduler,
@@ -68,6 +72,8 @@ CONFIG_SCHEMA = {
     "output_dir": str,
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
+    "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
+    "deepspeed": DEEPSPEED_SCHEMA,  # strategy=deepspeed only: ZeRO stage, offload
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,  # a causal LM or *ForSequenceClassification directory (or hub id)
@@ -142,6 +148,8 @@ class RewardModelOptions:
     resume: bool = False
     tensorboard: bool = True
     wandb: Any = False
+    strategy: str = "fsdp2"
+    deepspeed: DeepSpeedOptions | None = None  # set exactly when strategy == "deepspeed"
 
 
 def _get(node: Any, key: str, default: Any) -> Any:
@@ -191,6 +199,10 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
         resume=_get(cfg, "resume", False),
         tensorboard=_get(metrics, "tensorboard", True),
         wandb=_get(metrics, "wandb", False),
+    )
+    strategy = strategy_option(cfg.get("strategy"))
+    opts = dataclasses.replace(
+        opts, strategy=strategy, deepspeed=deepspeed_options(cfg.get("deepspeed"), strategy)
     )
     errors = []
     for key, value in (
@@ -316,8 +328,13 @@ class RewardModelRecipe:
             device=self.dist.device,
             trust_remote_code=o.trust_remote_code,
         )
+        # DeepSpeed: the whole model on every rank, partitioned by deepspeed.initialize below.
+        ds = o.deepspeed is not None
         self.model = parallelize(
-            net, activation_checkpointing=o.activation_checkpointing, compile=o.compile
+            net,
+            activation_checkpointing=o.activation_checkpointing,
+            compile=o.compile,
+            shard=False if ds else None,
         )
         # Per head: -1 turns a cost into a "higher is preferred" score; 1 marks cost heads.
         dev = self.dist.device
@@ -325,6 +342,18 @@ class RewardModelRecipe:
             [-1.0 if h in o.cost_heads else 1.0 for h in o.heads], device=dev
         )  # [heads]
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        self.engine = None  # strategy=deepspeed: the engine that steps the optimizer
+        if ds:
+            from lightrft.models import deepspeed as lds
+
+            self.engine = lds.initialize(
+                self.model,
+                self.optimizer,
+                o.deepspeed,
+                micro_batch_size=o.batch_size,
+                accum=o.accum,
+                clip_grad_norm=o.clip_grad_norm,
+            )
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer,
             warmup_steps=o.warmup_steps,
@@ -335,8 +364,7 @@ class RewardModelRecipe:
         self.eval_stats: dict[str, dict[str, float]] = {}
         if o.resume:
             state = self.checkpointer.load_latest(
-                models=self.model,
-                optimizers=self.optimizer,
+                **self._trained(),
                 schedulers=self.scheduler,
                 dataloaders=self.loader,
                 required=True,
@@ -427,14 +455,10 @@ class RewardModelRecipe:
                 loss_sum = 0.0
                 for i, b in enumerate(micro):
                     loss = self._loss(b, divisor) * (1.0 if i < n_real else 0.0)
-                    loss.backward()
+                    backward(loss, self.engine)
                     loss_sum += loss.item() * divisor
                     seqs_seen += int((b["candidates"] >= 0).sum()) if i < n_real else 0
-                grad_norm = (
-                    clip_grad_norm(model, o.clip_grad_norm) if o.clip_grad_norm else float("nan")
-                )
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                grad_norm = optimizer_step(model, opt, o.clip_grad_norm, self.engine)
                 self.scheduler.step()
                 self.step += 1
                 loss = all_reduce_sum(loss_sum).item() / n_items
@@ -469,13 +493,24 @@ class RewardModelRecipe:
             self._log_eval()
         net = model.module if hasattr(model, "module") else model
         setattr(net._hf[0].config, CONFIG_KEY, net.reward_config(self.eval_stats))
-        export_hf(model, self.tokenizer, self.output_dir / "final")
+        if self.engine is not None:
+            from lightrft.models.deepspeed import export_hf_engine
+
+            export_hf_engine(self.engine, self.tokenizer, self.output_dir / "final")
+        else:
+            export_hf(model, self.tokenizer, self.output_dir / "final")
+
+    def _trained(self) -> dict[str, Any]:
+        """What a checkpoint holds of the trained model: the model and its optimizer, or under
+        strategy=deepspeed the engine (which writes both in its own format)."""
+        if self.engine is not None:
+            return {"models": self.engine}
+        return {"models": self.model, "optimizers": self.optimizer}
 
     def _save(self) -> None:
         self.checkpointer.save(
             self.step,
-            models=self.model,
-            optimizers=self.optimizer,
+            **self._trained(),
             schedulers=self.scheduler,
             dataloaders=self.loader,
             extra={"epoch": self.epoch},

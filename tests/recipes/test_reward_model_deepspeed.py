@@ -1,0 +1,58 @@
+"""The reward-model recipe on DeepSpeed ZeRO-3 (strategy=deepspeed), 2 gloo processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from _dist import run_distributed
+from test_reward_model import _config, _two_ranks_metrics
+
+from lightrft.training import read_metrics
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (pip install 'lightrft[deepspeed]')",
+)
+
+
+def test_zero3_follows_fsdp2_and_exports_what_reward_model_loads(tmp_path):
+    """Two heads, attention pooling, token-budget micro-batches: ZeRO-3 gives FSDP2's losses and
+    gradient norms, and its final/ (gathered layer by layer) scores like FSDP2's export."""
+    from lightrft.rewards import RewardModel
+
+    runs, scores = {}, {}
+    for name, strategy in (
+        ("fsdp2", {}),
+        ("zero3", {"strategy": "deepspeed", "deepspeed": {"stage": 3}}),
+    ):
+        root = tmp_path / name
+        root.mkdir()
+        cfg = _config(
+            root,
+            heads=["helpful", "cost"],
+            model={
+                "path": str(root / "model"),
+                "heads": ["helpful", "cost"],
+                "cost_heads": ["cost"],
+                "pooling": "attention",
+            },
+            micro_batch_tokens=190,
+            eval_every=None,
+            **strategy,
+        )
+        run_distributed(_two_ranks_metrics, str(cfg), world_size=2)
+        rows = read_metrics(root / "out")
+        runs[name] = [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
+        final = root / "out" / "final"
+        assert json.loads((final / "config.json").read_text())["lightrft_reward"]["heads"] == [
+            "helpful",
+            "cost",
+        ]
+        rm = RewardModel(str(final), score_head="cost")
+        scores[name] = torch.as_tensor(rm(["apple river?", "sun moon?"], ["river apple no", "a b"]))
+    assert len(runs["zero3"]) == 3
+    torch.testing.assert_close(runs["zero3"], runs["fsdp2"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(scores["zero3"], scores["fsdp2"], rtol=1e-4, atol=1e-5)
