@@ -93,6 +93,7 @@ from lightrft.models import (
     load_tokenizer,
     set_towers_trainable,
 )
+from lightrft.models.deepspeed import DEEPSPEED_SCHEMA, DeepSpeedOptions, deepspeed_options
 from lightrft.models.loading import DTYPES
 from lightrft.models.lora import (
     LORA_SCHEMA,
@@ -113,8 +114,9 @@ from lightrft.training import (
     PhaseTimer,
     Preemption,
     ProgressBar,
+    backward,
     check_output_dir,
-    clip_grad_norm,
+    optimizer_step,
     peak_memory,
     reduce_metrics,
     warmup_cosine_scheduler,
@@ -130,6 +132,7 @@ CONFIG_SCHEMA = {
     "seed": int | None,
     "device": Literal["cpu", "cuda"] | None,
     "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
+    "deepspeed": DEEPSPEED_SCHEMA,  # strategy=deepspeed only: ZeRO stage, offload
     "shard_size": int | None,  # HSDP: shard within groups of this many ranks (docs/strategies.md)
     "replicate_size": int | None,  # HSDP: number of replica groups
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
@@ -365,6 +368,7 @@ class ModelOptions:
     compile: bool = False
     lora: LoraOptions | None = None  # adapters on the actor; the reference = adapters off
     strategy: str = "fsdp2"
+    deepspeed: DeepSpeedOptions | None = None  # top-level deepspeed:, with strategy=deepspeed
     train_vision_tower: bool = False
     train_audio_tower: bool = False
     mesh: MeshOptions = MeshOptions()  # top-level shard_size / replicate_size
@@ -670,6 +674,7 @@ def _engine_options(cfg: DictConfig) -> EngineOptions:
 
 def _model_options(cfg: DictConfig) -> ModelOptions:
     m = cfg.model
+    strategy = strategy_option(cfg.get("strategy"))
     return ModelOptions(
         path=m.path,
         dtype=_get(m, "dtype", "float32"),
@@ -677,7 +682,8 @@ def _model_options(cfg: DictConfig) -> ModelOptions:
         activation_checkpointing=_get(m, "activation_checkpointing", False),
         compile=_get(m, "compile", False),
         lora=lora_options(cfg.get("lora")),
-        strategy=strategy_option(cfg.get("strategy"), built=("fsdp2",)),
+        strategy=strategy,
+        deepspeed=deepspeed_options(cfg.get("deepspeed"), strategy),
         train_vision_tower=_get(m, "train_vision_tower", False),
         train_audio_tower=_get(m, "train_audio_tower", False),
         mesh=mesh_config(cfg.get("shard_size"), cfg.get("replicate_size")),
@@ -768,6 +774,18 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
         )
     if opts.resume and opts.overwrite:
         raise ValueError("resume=true and overwrite=true contradict each other; choose one")
+    if opts.model.deepspeed is not None:
+        for key, value in (
+            ("lora", opts.model.lora),
+            ("critic", opts.critic),
+            ("shard_size", opts.model.mesh.shard_size),
+            ("replicate_size", opts.model.mesh.replicate_size),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{key} is not supported with strategy=deepspeed yet; remove it or use "
+                    "strategy=fsdp2"
+                )
     if opts.resume:
         check_resume(opts.output_dir, opts.model.lora is not None, ("model", "policy"))
     _check_vision(opts)
@@ -979,10 +997,17 @@ class GRPORecipe:
             self.logger.log(0, data_stats)
 
     def _load_model(
-        self, path: str, prepare=None, *, checkpointing: bool = False, compile: bool = False
+        self,
+        path: str,
+        prepare=None,
+        *,
+        checkpointing: bool = False,
+        compile: bool = False,
+        shard: bool = True,
     ) -> nn.Module:
         """Load and shard one model (actor, reference, critic): under torchrun each rank builds
-        it on the meta device and reads only its shards (lightrft.models.sharded)."""
+        it on the meta device and reads only its shards (lightrft.models.sharded).
+        ``shard=False``: whole on every rank (an actor that DeepSpeed partitions)."""
         m = self.opts.model
         return load_parallel(
             path,
@@ -990,9 +1015,10 @@ class GRPORecipe:
             device=self.dist.device,
             trust_remote_code=m.trust_remote_code,
             prepare=prepare,
-            mesh=self.mesh,
+            mesh=self.mesh if shard else None,
             activation_checkpointing=checkpointing,
             compile=compile,
+            shard=None if shard else False,
         )
 
     def _prepare_actor(self, model: nn.Module) -> nn.Module:
@@ -1012,6 +1038,7 @@ class GRPORecipe:
             self._prepare_actor,
             checkpointing=m.activation_checkpointing,
             compile=m.compile,
+            shard=m.deepspeed is None,
         )
         # A vision- or audio-language actor: datasets take its processor (images / audio +
         # text), the towers are frozen unless model.train_vision_tower / train_audio_tower
@@ -1027,6 +1054,20 @@ class GRPORecipe:
         self.pad_id = self.tokenizer.pad_token_id
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(cfg.optimizer, params)
+        # strategy=deepspeed: the engine steps the actor's optimizer (the reference stays an
+        # FSDP2-sharded inference model, whichever the actor's strategy).
+        self.ds_engine = None
+        if m.deepspeed is not None:
+            from lightrft.models import deepspeed as lds
+
+            self.ds_engine = lds.initialize(
+                self.model,
+                self.optimizer,
+                m.deepspeed,
+                micro_batch_size=o.train.micro_batch_size,
+                accum=1,
+                clip_grad_norm=o.clip_grad_norm,
+            )
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer,
@@ -1110,7 +1151,7 @@ class GRPORecipe:
             self.kl_ctl.load_state_dict(extra["kl_ctl"])
         if self.normalizer is not None:
             self.normalizer.load_state_dict(extra["reward_norm"])
-        sync_weights(self.model, self.engine)
+        self._sync_weights()
 
     @staticmethod
     def _build_critic(critic: nn.Module) -> nn.Module:
@@ -1129,7 +1170,19 @@ class GRPORecipe:
         critic.set_output_embeddings(head)
         return critic
 
+    def _sync_weights(self, skip_frozen: bool = False) -> None:
+        """The actor's weights into the rollout engine (collective): FSDP2's DTensor gathers,
+        or under strategy=deepspeed module by module from the ZeRO partitions."""
+        if self.ds_engine is not None:
+            from lightrft.models.deepspeed import sync_weights as sync_from_deepspeed
+
+            sync_from_deepspeed(self.ds_engine, self.engine)
+        else:
+            sync_weights(self.model, self.engine, skip_frozen=skip_frozen)
+
     def _stateful(self):
+        if self.ds_engine is not None:  # it checkpoints the actor's optimizer itself
+            return self.ds_engine, None, self.scheduler
         if self.critic is None:
             return self.model, self.optimizer, self.scheduler
         return (
@@ -1167,7 +1220,7 @@ class GRPORecipe:
         ``ImageInputs`` / ``AudioInputs`` or None (vision- / audio-language prompts)."""
         if self._weights_released:
             self.engine.wake_up(["weights"])
-            sync_weights(self.model, self.engine)
+            self._sync_weights()
             self._weights_released = False
         self.engine.wake_up()
         if not prompt_ids:
@@ -1613,21 +1666,21 @@ class GRPORecipe:
                         mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                         inputs = self._loss_inputs(batch, idx, mb, counts)
                         total, metrics = self.loss(inputs, counts)
-                        total.backward()
+                        backward(total, self.ds_engine)
                     loss_sum += float(metrics.pop("actor_loss"))
                     acc.add("tokens", mb["tokens"])
                     weight = float(mb["mask"].sum())  # the micro-batch's response tokens
                     for k, v in metrics.items():
                         acc.add(k, v, weight)
                 with timer("training"):
-                    grad_norms.append(clip_grad_norm(self.model, o.clip_grad_norm or None))
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                    grad_norms.append(
+                        optimizer_step(
+                            self.model, self.optimizer, o.clip_grad_norm or None, self.ds_engine
+                        )
+                    )
                     if self.critic is not None:
                         norm = o.critic.clip_grad_norm or None
-                        critic_norms.append(clip_grad_norm(self.critic, norm))
-                        self.critic_opt.step()
-                        self.critic_opt.zero_grad(set_to_none=True)
+                        critic_norms.append(optimizer_step(self.critic, self.critic_opt, norm))
                 acc.add("loss", loss_sum)
         reduced = acc.reduce()
         metrics = {f"train/{k}": v for k, v in reduced.items()}
@@ -1649,7 +1702,7 @@ class GRPORecipe:
                 self._weights_released = False
             # An engine that kept its weights already holds the frozen ones (a frozen vision
             # tower): send only what training changes; after a release, send everything.
-            sync_weights(self.model, self.engine, skip_frozen=not released)
+            self._sync_weights(skip_frozen=not released)
 
     # ------------------------------------------------------------------ eval
 
@@ -1876,7 +1929,14 @@ class GRPORecipe:
             not self.eval_history or self.eval_history[-1][0] != self.step
         ):
             self._log_eval(self.step)
-        export_trained(self.model, self.processor, self.output_dir / "final", self.opts.model.lora)
+        if self.ds_engine is not None:
+            from lightrft.models.deepspeed import export_hf_engine
+
+            export_hf_engine(self.ds_engine, self.processor, self.output_dir / "final")
+        else:
+            export_trained(
+                self.model, self.processor, self.output_dir / "final", self.opts.model.lora
+            )
         if self.dist.is_main and self.eval_history:
             first, last = self.eval_history[0], self.eval_history[-1]
             print(

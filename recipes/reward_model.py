@@ -342,11 +342,11 @@ class RewardModelRecipe:
             [-1.0 if h in o.cost_heads else 1.0 for h in o.heads], device=dev
         )  # [heads]
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
-        self.engine = None  # strategy=deepspeed: the engine that steps the optimizer
+        self.ds_engine = None  # strategy=deepspeed: the engine that steps the optimizer
         if ds:
             from lightrft.models import deepspeed as lds
 
-            self.engine = lds.initialize(
+            self.ds_engine = lds.initialize(
                 self.model,
                 self.optimizer,
                 o.deepspeed,
@@ -455,10 +455,10 @@ class RewardModelRecipe:
                 loss_sum = 0.0
                 for i, b in enumerate(micro):
                     loss = self._loss(b, divisor) * (1.0 if i < n_real else 0.0)
-                    backward(loss, self.engine)
+                    backward(loss, self.ds_engine)
                     loss_sum += loss.item() * divisor
                     seqs_seen += int((b["candidates"] >= 0).sum()) if i < n_real else 0
-                grad_norm = optimizer_step(model, opt, o.clip_grad_norm, self.engine)
+                grad_norm = optimizer_step(model, opt, o.clip_grad_norm, self.ds_engine)
                 self.scheduler.step()
                 self.step += 1
                 loss = all_reduce_sum(loss_sum).item() / n_items
@@ -493,18 +493,18 @@ class RewardModelRecipe:
             self._log_eval()
         net = model.module if hasattr(model, "module") else model
         setattr(net._hf[0].config, CONFIG_KEY, net.reward_config(self.eval_stats))
-        if self.engine is not None:
+        if self.ds_engine is not None:
             from lightrft.models.deepspeed import export_hf_engine
 
-            export_hf_engine(self.engine, self.tokenizer, self.output_dir / "final")
+            export_hf_engine(self.ds_engine, self.tokenizer, self.output_dir / "final")
         else:
             export_hf(model, self.tokenizer, self.output_dir / "final")
 
     def _trained(self) -> dict[str, Any]:
         """What a checkpoint holds of the trained model: the model and its optimizer, or under
         strategy=deepspeed the engine (which writes both in its own format)."""
-        if self.engine is not None:
-            return {"models": self.engine}
+        if self.ds_engine is not None:
+            return {"models": self.ds_engine}
         return {"models": self.model, "optimizers": self.optimizer}
 
     def _save(self) -> None:

@@ -333,11 +333,11 @@ class SFTRecipe:
         self.optimizer = config.instantiate(cfg.optimizer, trainable)
         # strategy=deepspeed: the engine owns backward / step / zero_grad; self.model stays the
         # HF module (its forward runs under the engine's ZeRO hooks).
-        self.engine = None
+        self.ds_engine = None
         if ds:
             from lightrft.models import deepspeed as lds
 
-            self.engine = lds.initialize(
+            self.ds_engine = lds.initialize(
                 self.model,
                 self.optimizer,
                 o.deepspeed,
@@ -455,7 +455,7 @@ class SFTRecipe:
         bar = ProgressBar(self.total_steps, initial=self.step, desc="sft")
         if self.step == 0:
             self._log_eval()
-        tokens_seen, t0 = 0, time.perf_counter()
+        tokens_seen, t0, logged_step = 0, time.perf_counter(), self.step
         reset_peak_memory(self.dist.device)
         with Preemption() as preempt:
             while self.step < self.total_steps and self.epoch < self.epochs:
@@ -467,10 +467,10 @@ class SFTRecipe:
                     loss_sum = 0.0
                     for i, b in enumerate(micro):
                         loss = self._loss(b, divisor) * (1.0 if i < n_real else 0.0)
-                        backward(loss, self.engine)
+                        backward(loss, self.ds_engine)
                         loss_sum += loss.item() * divisor
                         tokens_seen += int(b["input_ids"].numel()) if i < n_real else 0
-                    grad_norm = optimizer_step(model, opt, self.max_grad_norm, self.engine)
+                    grad_norm = optimizer_step(model, opt, self.max_grad_norm, self.ds_engine)
                     self.scheduler.step()
                     self.step += 1
                     loss = all_reduce_sum(loss_sum).item() / max(n_tokens, 1.0)
@@ -482,11 +482,12 @@ class SFTRecipe:
                             "train/grad_norm": grad_norm,
                             "train/lr": self.scheduler.get_last_lr()[0],
                             "train/tokens_per_s": tps,
+                            "time/step": elapsed / (self.step - logged_step),
                             "train/epoch": self.epoch,
                             **peak_memory(self.dist.device),
                         }
                         self.logger.log(self.step, metrics)
-                        tokens_seen, t0 = 0, time.perf_counter()
+                        tokens_seen, t0, logged_step = 0, time.perf_counter(), self.step
                     bar.update(1, loss=loss)
                     if self.eval_every and self.step % self.eval_every == 0:
                         self._log_eval()
@@ -505,18 +506,18 @@ class SFTRecipe:
         bar.close()
         if self.last_eval_step != self.step:
             self._log_eval()
-        if self.engine is not None:
+        if self.ds_engine is not None:
             from lightrft.models.deepspeed import export_hf_engine
 
-            export_hf_engine(self.engine, self.processor, self.output_dir / "final")
+            export_hf_engine(self.ds_engine, self.processor, self.output_dir / "final")
         else:
             export_trained(self.model, self.processor, self.output_dir / "final", self.opts.lora)
 
     def _trained(self) -> dict[str, Any]:
         """What a checkpoint holds of the trained model: the model and its optimizer, or under
         strategy=deepspeed the engine (which writes both in its own format)."""
-        if self.engine is not None:
-            return {"models": self.engine}
+        if self.ds_engine is not None:
+            return {"models": self.ds_engine}
         return {"models": self.model, "optimizers": self.optimizer}
 
     def _save(self) -> None:

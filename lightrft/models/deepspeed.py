@@ -24,6 +24,7 @@ optimizer, scheduler, ZeRO stage / offload) is refused, naming it.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,8 @@ def ds_config(
     if opts.offload_param:
         zero["offload_param"] = {"device": "cpu"}
     if opts.stage == 3:
-        # Gather whole tensors for a save: our export reads them with GatheredParameters.
+        # Our export gathers the weights itself (GatheredParameters, module by module): a
+        # checkpoint need not consolidate a 16-bit copy on every save.
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -126,6 +128,11 @@ def ds_config(
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if opts.offload_optimizer:
+        # The config's optimizer _component_ is used as given (DeepSpeed refuses a non-DeepSpeed
+        # optimizer under offload unless told): deepspeed.ops.adam.DeepSpeedCPUAdam is the fast
+        # choice there, torch.optim.AdamW works too.
+        cfg["zero_force_ds_cpu_optimizer"] = False
     cfg.update(opts.extra)
     return cfg
 
@@ -191,10 +198,26 @@ def initialize(
     return engine
 
 
+def gathered_modules(engine: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The engine's module's parameters, one module at a time, as ``(name, whole tensor)``
+    (collective: ZeRO-3 partitions are gathered with ``GatheredParameters`` for the duration of
+    one item, so at most one module's weights are whole at once; ZeRO-1/2 weights are whole
+    already). A tied parameter comes once, under its first name. Use each item before the next."""
+    import deepspeed
+
+    seen: set[int] = set()
+    for mod_name, mod in engine.module.named_modules():
+        params = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        if not params:
+            continue
+        seen.update(id(p) for _, p in params)
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            yield [(f"{mod_name}.{n}" if mod_name else n, p.detach()) for n, p in params]
+
+
 def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     """The full state dict of the engine's module on CPU, HF names (collective: every rank
-    gathers ZeRO-3 partitions layer by layer; rank 0 keeps the copies, others get ``{}``)."""
-    import deepspeed
+    gathers ZeRO-3 partitions module by module; rank 0 keeps the copies, others get ``{}``)."""
     import torch.distributed as dist
 
     from lightrft.training.export import clean_param_name
@@ -202,26 +225,34 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     module = engine.module
     main = not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
-    first_name: dict[int, str] = {}
-    for mod_name, mod in module.named_modules():
-        params = list(mod.named_parameters(recurse=False))
-        if not params:
-            continue
-        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-            for pname, p in params:
-                name = clean_param_name(f"{mod_name}.{pname}" if mod_name else pname)
-                if id(p) in first_name:  # tied: alias the first copy
-                    if main:
-                        out[name] = out[first_name[id(p)]]
-                    continue
-                first_name[id(p)] = name
-                if main:
-                    out[name] = p.detach().to("cpu", copy=True)
+    for params in gathered_modules(engine):
+        if main:
+            out.update((clean_param_name(n), t.to("cpu", copy=True)) for n, t in params)
     if main:
+        first: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            name = clean_param_name(name)
+            if id(p) in first:  # a tied name: alias the first copy
+                out[name] = out[first[id(p)]]
+            else:
+                first[id(p)] = name
         for name, buf in module.named_buffers():
             if name in module.state_dict():
                 out[clean_param_name(name)] = buf.detach().to("cpu", copy=True)
     return out
+
+
+def sync_weights(engine: Any, rollout: Any) -> None:
+    """Copy the trained weights into the rollout engine module by module (collective: call on
+    every rank; ``rollout`` may be None on a rank that only takes part in the gathers), then
+    reset its prefix cache. The DeepSpeed counterpart of ``lightrft.engine.sync_weights``."""
+    from lightrft.engine.sync import hf_name
+
+    for params in gathered_modules(engine):
+        if rollout is not None:
+            rollout.load_weights([(hf_name(n), t) for n, t in params])
+    if rollout is not None:
+        rollout.reset_prefix_cache()
 
 
 def export_hf_engine(engine: Any, tokenizer: Any, out_dir: str | Path) -> Path:

@@ -117,12 +117,12 @@ def optimizer_step(
     """End an optimizer step after the step's last backward: clip to ``max_norm`` (None: only
     measure), step, zero the gradients; return the gradient norm before clipping. Under
     ``strategy: deepspeed`` the engine does all three (its ``gradient_clipping`` is
-    ``max_norm``) and reports the norm (NaN when clipping is off: DeepSpeed then skips it)."""
+    ``max_norm``) and reports the norm it computed (NaN if it computed none)."""
     if engine is not None:
         engine.step()
         norm = engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)
-    norm = clip_grad_norm(model, max_norm) if max_norm else float("nan")
+    norm = clip_grad_norm(model, max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm

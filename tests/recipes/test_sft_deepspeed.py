@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 _IDS = torch.arange(1, 17).view(1, -1)
+_ZERO3_OFFLOAD = {"stage": 3, "offload_optimizer": True, "offload_param": True}
 
 
 def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
@@ -38,7 +39,7 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
     recipe = module["SFTRecipe"](cfg, module["build_options"](cfg))
     recipe.setup(cfg)
     if cfg.get("strategy") == "deepspeed":
-        assert type(recipe.engine).__name__ == "DeepSpeedEngine"
+        assert type(recipe.ds_engine).__name__ == "DeepSpeedEngine"
     recipe.train()
     recipe.logger.close()
     with torch.no_grad():  # collective under ZeRO-3: every rank runs the forward
@@ -55,8 +56,9 @@ def _curve(out: Path) -> list[tuple[float, float, float]]:
 
 
 def test_sft_zero2_and_zero3_follow_fsdp2_and_export(tmp_path):
-    """ZeRO-2 and ZeRO-3 on 2 gloo ranks train the same steps as FSDP2: the same losses,
-    gradient norms (clipped at 1.0 by DeepSpeed) and LRs (our schedule on the wrapped optimizer),
+    """ZeRO-2 and ZeRO-3 (optimizer and parameters offloaded) on 2 gloo ranks train the same
+    steps as FSDP2: the same losses, gradient norms (clipped at 1.0 by DeepSpeed) and LRs (our
+    schedule on the wrapped optimizer),
     with token-budget micro-batches whose count differs across ranks and steps (DeepSpeed's
     unmanaged accumulation). final/ loads in transformers with the trained model's logits."""
     from transformers import AutoModelForCausalLM
@@ -65,7 +67,8 @@ def test_sft_zero2_and_zero3_follow_fsdp2_and_export(tmp_path):
     for name, strategy in (
         ("fsdp2", {}),
         ("zero2", {"strategy": "deepspeed", "deepspeed": {"stage": 2}}),
-        ("zero3", {"strategy": "deepspeed", "deepspeed": {"stage": 3}}),
+        # ZeRO-3 with the optimizer (states and step) and the parameters offloaded to the CPU.
+        ("zero3", {"strategy": "deepspeed", "deepspeed": _ZERO3_OFFLOAD}),
     ):
         (tmp_path / name).mkdir()
         cfg = _config(
