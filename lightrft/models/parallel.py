@@ -136,24 +136,15 @@ def parallelize(
 STRATEGIES = ("fsdp2", "deepspeed")
 
 
-def strategy_option(
-    value: str | None, key: str = "strategy", built: tuple[str, ...] = STRATEGIES
-) -> str:
+def strategy_option(value: str | None, key: str = "strategy") -> str:
     """The config's training strategy (null: ``fsdp2``), checked before anything loads.
 
     ``fsdp2``: ``parallelize`` (FSDP2 under torchrun, plain tensors in one process).
-    ``deepspeed``: DeepSpeed ZeRO (``lightrft.models.deepspeed``); needs the ``deepspeed``
-    extra. ``built``: the strategies the calling recipe supports; another is refused rather than
-    silently trained with FSDP2.
+    ``deepspeed``: DeepSpeed ZeRO (``lightrft.models.deepspeed``); needs the ``deepspeed`` extra.
     """
     strategy = value or "fsdp2"
     if strategy not in STRATEGIES:
         raise ValueError(f"{key}: unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
-    if strategy not in built:
-        raise ValueError(
-            f"{key}={strategy} is not available for this recipe yet; use one of {list(built)} "
-            "(see docs/strategies.md)"
-        )
     if strategy == "deepspeed":
         import importlib.util
 

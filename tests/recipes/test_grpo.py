@@ -576,7 +576,7 @@ def test_bad_input_fails_with_a_clear_error(tmp_path, assets, capsys):
 BAD_CONFIGS = [
     ({"algorithm.kl": {"coef": 0.0}}, "kl.coef must be > 0"),
     ({"strategy": "zero3"}, "strategy: unknown strategy 'zero3'"),
-    ({"strategy": "deepspeed"}, "strategy=deepspeed is not available for this recipe yet"),
+    ({"deepspeed": {"stage": 2}}, "a deepspeed: section is set but strategy=fsdp2"),
     ({"replicate_size": 0}, "replicate_size must be >= 1, got 0"),
     ({"lora": {"rank": 4, "dropout": 1.5}}, "lora.dropout must be in [0, 1)"),
     ({"algorithm.kl": {"coef": 0.1, "controller": "adaptive"}}, "needs target and horizon"),

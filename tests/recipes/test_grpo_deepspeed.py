@@ -72,3 +72,26 @@ def test_zero3_actor_follows_fsdp2_syncs_checkpoints_and_exports(tmp_path, asset
     out = tmp_path / "zero3" / "out"
     assert (out / "checkpoints" / "step_000002" / "deepspeed.model").is_dir()
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+def test_deepspeed_refuses_what_it_does_not_build(tmp_path, assets, capsys):  # noqa: F811
+    from lightrft import cli
+
+    cfg = _config(tmp_path, assets, strategy="deepspeed")
+    for override, msg in [
+        ("lora.rank=4", "lora is not supported with strategy=deepspeed"),
+        ("shard_size=1", "shard_size is not supported with strategy=deepspeed"),
+    ]:
+        assert cli.main(["validate", str(cfg), override]) == 2, override
+        assert msg in capsys.readouterr().err, override
+    gae = _config(
+        tmp_path,
+        assets,
+        strategy="deepspeed",
+        **{
+            "algorithm.advantage.estimator": "gae",
+            "critic": {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
+        },
+    )
+    assert cli.main(["validate", str(gae)]) == 2
+    assert "critic is not supported with strategy=deepspeed" in capsys.readouterr().err
