@@ -44,6 +44,14 @@ from lightrft.data.preference import PreferenceCollator
 from lightrft.models import load_tokenizer, parallelize
 from lightrft.models.deepspeed import DEEPSPEED_SCHEMA, DeepSpeedOptions, deepspeed_options
 from lightrft.models.loading import DTYPES
+from lightrft.models.lora import (
+    LORA_SCHEMA,
+    LoraOptions,
+    apply_backbone_lora,
+    check_resume,
+    export_merged,
+    lora_options,
+)
 from lightrft.models.parallel import strategy_option
 from lightrft.models.reward import CONFIG_KEY, POOLINGS, build_reward_net
 from lightrft.training import (
@@ -74,6 +82,7 @@ CONFIG_SCHEMA = {
     "device": Literal["cpu", "cuda"] | None,
     "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
     "deepspeed": DEEPSPEED_SCHEMA,  # strategy=deepspeed only: ZeRO stage, offload
+    "lora": LORA_SCHEMA,  # absent / null: the backbone trains in full (docs/strategies.md)
     "prepare": list[Component] | None,  # run once on rank 0 before anything loads
     "model": {
         "path": str,  # a causal LM or *ForSequenceClassification directory (or hub id)
@@ -150,6 +159,7 @@ class RewardModelOptions:
     wandb: Any = False
     strategy: str = "fsdp2"
     deepspeed: DeepSpeedOptions | None = None  # set exactly when strategy == "deepspeed"
+    lora: LoraOptions | None = None  # adapters on the backbone; head and pooler train in full
 
 
 def _get(node: Any, key: str, default: Any) -> Any:
@@ -202,7 +212,10 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
     )
     strategy = strategy_option(cfg.get("strategy"))
     opts = dataclasses.replace(
-        opts, strategy=strategy, deepspeed=deepspeed_options(cfg.get("deepspeed"), strategy)
+        opts,
+        strategy=strategy,
+        deepspeed=deepspeed_options(cfg.get("deepspeed"), strategy),
+        lora=lora_options(cfg.get("lora")),
     )
     errors = []
     for key, value in (
@@ -244,8 +257,12 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
         errors.append(f"lr_scheduler.warmup_steps must be >= 0, got {opts.warmup_steps}")
     if opts.clip_grad_norm is not None and opts.clip_grad_norm <= 0:
         errors.append(f"clip_grad_norm must be > 0 or null, got {opts.clip_grad_norm}")
+    if opts.lora is not None and opts.deepspeed is not None:
+        errors.append("lora is not supported with strategy=deepspeed yet; use strategy=fsdp2")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    if opts.resume:
+        check_resume(opts.output_dir, opts.lora is not None, ("model",))
     return opts
 
 
@@ -328,6 +345,8 @@ class RewardModelRecipe:
             device=self.dist.device,
             trust_remote_code=o.trust_remote_code,
         )
+        if o.lora is not None:  # adapters on the backbone, before sharding
+            net = apply_backbone_lora(net, o.lora)
         # DeepSpeed: the whole model on every rank, partitioned by deepspeed.initialize below.
         ds = o.deepspeed is not None
         self.model = parallelize(
@@ -341,7 +360,8 @@ class RewardModelRecipe:
         self.head_sign = torch.tensor(
             [-1.0 if h in o.cost_heads else 1.0 for h in o.heads], device=dev
         )  # [heads]
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = config.instantiate(cfg.optimizer, trainable)
         self.ds_engine = None  # strategy=deepspeed: the engine that steps the optimizer
         if ds:
             from lightrft.models import deepspeed as lds
@@ -497,6 +517,8 @@ class RewardModelRecipe:
             from lightrft.models.deepspeed import export_hf_engine
 
             export_hf_engine(self.ds_engine, self.tokenizer, self.output_dir / "final")
+        elif o.lora is not None:  # the adapters merged: a plain classifier directory
+            export_merged(model, self.tokenizer, self.output_dir / "final")
         else:
             export_hf(model, self.tokenizer, self.output_dir / "final")
 

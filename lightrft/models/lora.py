@@ -184,8 +184,51 @@ def apply_lora(model: nn.Module, opts: LoraOptions) -> nn.Module:
     )
     with warnings.catch_warnings():
         # PEFT reads transformers' deprecated `is_gradient_checkpointing` (FutureWarning on 5.2x)
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
         return get_peft_model(model, cfg)
+
+
+def apply_backbone_lora(net: nn.Module, opts: LoraOptions) -> nn.Module:
+    """LoRA adapters on the decoder of a model that wraps an HF backbone, in place (a reward
+    model's :class:`~lightrft.models.reward.RewardNet`: its ``base`` body, pooler and head).
+
+    PEFT injects its LoRA layers into the decoder's linear layers without wrapping the model, so
+    the parameter names stay the HF checkpoint's (plus PEFT's ``.base_layer.`` / ``.lora_A.``
+    parts, which weight merging strips). Trainable afterwards: the adapters, every parameter
+    outside the decoder's backbone (the head and the pooler, which are new), and the
+    ``trained_modules``; the backbone's own weights are frozen. Call before ``parallelize``.
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    _ignore_old_torchao()
+    base = net.base
+    names = {n.rsplit(".", 1)[-1] for n, _ in base.named_modules()}
+    missing = [m for m in opts.trained_modules if m not in names]
+    if missing:
+        raise ValueError(
+            f"lora.trained_modules: {missing} name no module of {type(base).__name__} "
+            "(e.g. embed_tokens, norm)"
+        )
+    cfg = LoraConfig(
+        r=opts.rank,
+        lora_alpha=opts.alpha,
+        lora_dropout=opts.dropout,
+        target_modules=resolve_targets(base, opts),
+        bias="none",
+    )
+    inject_adapter_in_model(cfg, base)
+    base_params = {id(p) for p in base.parameters()}
+    full = {
+        id(p)
+        for name, m in base.named_modules()
+        if name.rsplit(".", 1)[-1] in opts.trained_modules
+        for p in m.parameters()
+    }
+    for name, p in net.named_parameters():
+        p.requires_grad_(".lora_" in name or id(p) not in base_params or id(p) in full)
+    return net
 
 
 def is_lora(model: nn.Module) -> bool:
@@ -250,7 +293,8 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
     """Write the base model with the adapters merged in, as a plain HF directory (collective).
 
     The weights come from the same merge as weight sync (``iter_weight_buckets``), so the
-    export and the rollout engine see identical tensors.
+    export and the rollout engine see identical tensors. ``model``: a PEFT model, or a model
+    with adapters injected in place that saves itself (a reward model, :func:`apply_backbone_lora`).
     """
     from lightrft.engine.sync import iter_weight_buckets
     from lightrft.training.export import _barrier, _is_main, _replace_dir
@@ -262,7 +306,7 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
             sd.update((name, t.clone()) for name, t in bucket)
     out = Path(out_dir)
     if main:
-        base = model.get_base_model()
+        base = model.get_base_model() if is_lora(model) else model
         tmp = out.with_name(out.name + ".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
         base.save_pretrained(tmp, state_dict=sd, is_main_process=True)

@@ -613,9 +613,12 @@ class Checkpointer:
 
 
 def _is_lora(model: nn.Module) -> bool:
+    """A PEFT model, or a model with PEFT LoRA layers injected in place (a reward model)."""
     if is_deepspeed_engine(model):
         model = model.module
-    return isinstance(getattr(model, "peft_config", None), dict)
+    if isinstance(getattr(model, "peft_config", None), dict):
+        return True
+    return any(hasattr(m, "lora_A") for m in model.modules())
 
 
 def _engines(models: Mapping[str, Any]) -> dict[str, Any]:

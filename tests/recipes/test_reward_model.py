@@ -304,3 +304,96 @@ def test_bad_config_and_data_fail_before_training(tmp_path, capsys):
     labelled = _config(h, heads=["helpful"], model={"path": str(h / "model")})
     with pytest.raises(ValueError, match=r"train.jsonl line 1: .*head 'helpful'"):
         cli.main(["run", "reward_model", "--config", str(labelled)])
+
+
+# ---------------------------------------------------------------------------------- LoRA
+
+_LORA = {"rank": 4, "alpha": 8}
+
+
+def _scores(net, rm, prompts, responses) -> torch.Tensor:
+    seqs = rm.tokenize(prompts, responses)
+    with torch.no_grad():
+        return torch.stack(
+            [
+                net(
+                    torch.tensor([s]),
+                    torch.arange(len(s))[None],
+                    torch.zeros(1, len(s), dtype=torch.long),
+                    num_sequences=1,
+                )[0, 0]
+                for s in seqs
+            ]
+        )
+
+
+def test_lora_learns_checkpoints_adapters_resumes_bitwise_and_exports_merged(tmp_path, capsys):
+    """LoRA on the backbone, the head and attention pooler in full: the run learns; checkpoints
+    hold only the trained parameters; a resumed run repeats the uninterrupted losses bitwise;
+    final/ is the merged classifier, which RewardModel and transformers score like the trained
+    model; resuming it as a full fine-tune is refused."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForSequenceClassification
+
+    from lightrft.models.lora import LoraOptions, apply_backbone_lora
+    from lightrft.models.reward import build_reward_net
+    from lightrft.rewards import RewardModel
+    from lightrft.training import Checkpointer
+
+    full = tmp_path / "full"
+    pooling = {"path": str(full / "model"), "pooling": "attention"}
+    cfg = _config(full, save_every=3, keep_last=5, lora=_LORA, model=pooling)
+    assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
+    out = full / "out"
+    reference = _losses(out)
+    evals = [r for r in read_metrics(out) if "eval/accuracy" in r]
+    assert evals[-1]["eval/accuracy/reward"] > evals[0]["eval/accuracy/reward"], evals
+    keys = FileSystemReader(str(out / "checkpoints" / "step_000006")).read_metadata()
+    saved = [k for k in keys.state_dict_metadata if k.startswith("model.model.model.")]
+    # Adapters, the head and the pooler: no frozen base weight is checkpointed.
+    assert saved and all(".lora_" in k or ".score." in k or ".pooler." in k for k in saved)
+    assert any(".score." in k for k in saved) and any(".lora_" in k for k in saved)
+
+    # The trained model (adapters from the step-6 checkpoint) and the merged export agree.
+    torch.manual_seed(0)
+    trained = build_reward_net(full / "model", pooling="attention")
+    trained = apply_backbone_lora(trained, LoraOptions(**_LORA)).eval()
+    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad])
+    Checkpointer(out).load_latest(models=trained, optimizers=optimizer, required=True)
+    final = out / "final"
+    assert not (final / "adapter_config.json").exists()
+    rm = RewardModel(str(final), micro_batch_size=1)
+    prompts, responses = ["apple river?", "stone lamp?"], ["river apple yes", "lamp stone no"]
+    scores = rm(prompts, responses)
+    torch.testing.assert_close(scores, _scores(trained, rm, prompts, responses), atol=1e-5, rtol=0)
+    initial = build_reward_net(full / "model", pooling="attention").eval()
+    assert not torch.allclose(scores, _scores(initial, rm, prompts, responses))
+    assert AutoModelForSequenceClassification.from_pretrained(final) is not None
+
+    # Resume from step 3: the same losses, bitwise.
+    crashed = tmp_path / "crashed"
+    ckpts = crashed / "out" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_000003", ckpts / "step_000003")
+    (ckpts / "latest").write_text("step_000003")
+    shutil.copytree(full / "model", crashed / "model")
+    pooling = {"path": str(crashed / "model"), "pooling": "attention"}
+    over = dict(save_every=3, keep_last=5, model=pooling, resume=True)
+    cfg = _config(crashed, lora=_LORA, **over)
+    assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
+    resumed = _losses(crashed / "out")
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == reference[s] for s in (4, 5, 6)), (resumed, reference)
+    assert cli.main(["run", "reward_model", "--config", str(_config(crashed, **over))]) == 2
+    assert "holds LoRA adapters" in capsys.readouterr().err
+
+
+def test_lora_on_two_gloo_processes_exports_a_loadable_merged_model(tmp_path):
+    """LoRA under FSDP2 on 2 ranks (adapters sharded with the frozen weights): the run learns and
+    the merged export, gathered from the shards, loads in RewardModel."""
+    from lightrft.rewards import RewardModel
+
+    cfg = _config(tmp_path, lora=_LORA, gradient_accumulation_steps=1, batch_size=4)
+    run_distributed(_two_ranks, str(cfg), world_size=2)
+    scores = RewardModel(str(tmp_path / "out" / "final"))(["apple river?"], ["river apple yes"])
+    assert torch.isfinite(scores).all()

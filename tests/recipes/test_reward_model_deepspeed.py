@@ -56,3 +56,11 @@ def test_zero3_follows_fsdp2_and_exports_what_reward_model_loads(tmp_path):
     assert len(runs["zero3"]) == 3
     torch.testing.assert_close(runs["zero3"], runs["fsdp2"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(scores["zero3"], scores["fsdp2"], rtol=1e-4, atol=1e-5)
+
+
+def test_lora_with_deepspeed_is_refused_before_anything_loads(tmp_path, capsys):
+    from lightrft import cli
+
+    cfg = _config(tmp_path, strategy="deepspeed", lora={"rank": 4})
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert "lora is not supported with strategy=deepspeed" in capsys.readouterr().err
