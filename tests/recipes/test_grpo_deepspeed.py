@@ -29,15 +29,15 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
     recipe.setup(cfg)
     recipe.train()
     recipe.logger.close()
-    if recipe.ds_engine is None:
-        return
-    # The rollout engine holds exactly the trained weights, gathered from the ZeRO-3 shards.
-    from lightrft.engine.sync import hf_name
-    from lightrft.models.deepspeed import gathered_modules
+    if recipe.ds_engine is not None:
+        # The rollout engine holds exactly the trained weights, gathered from the ZeRO-3 shards.
+        from lightrft.engine.sync import hf_name
+        from lightrft.models.deepspeed import gathered_modules
 
-    for params in gathered_modules(recipe.ds_engine):
-        for name, tensor in params:
-            assert torch.equal(recipe.engine._params[hf_name(name)], tensor), name
+        for params in gathered_modules(recipe.ds_engine):
+            for name, tensor in params:
+                assert torch.equal(recipe.engine._params[hf_name(name)], tensor), name
+    torch.distributed.barrier()  # both ranks leave together (gloo teardown under load)
 
 
 def test_zero3_actor_follows_fsdp2_syncs_checkpoints_and_exports(tmp_path, assets):  # noqa: F811

@@ -46,6 +46,7 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
         logits = recipe.model(_IDS).logits
     if rank == 0:
         torch.save(logits, Path(cfg.output_dir) / "trained_logits.pt")
+    torch.distributed.barrier()  # both ranks leave together (gloo teardown under load)
 
 
 def _curve(out: Path) -> list[tuple[float, float, float]]:
