@@ -57,23 +57,28 @@ def _curve(out: Path) -> list[tuple[float, float, float]]:
 
 
 def test_sft_zero2_and_zero3_follow_fsdp2_and_export(tmp_path):
-    """ZeRO-2 and ZeRO-3 (optimizer and parameters offloaded) on 2 gloo ranks train the same
-    steps as FSDP2: the same losses, gradient norms (clipped at 1.0 by DeepSpeed) and LRs (our
-    schedule on the wrapped optimizer),
-    with token-budget micro-batches whose count differs across ranks and steps (DeepSpeed's
-    unmanaged accumulation). final/ loads in transformers with the trained model's logits."""
+    """ZeRO-2 (with activation checkpointing) and ZeRO-3 (optimizer and parameters offloaded)
+    on 2 gloo ranks train the same steps as FSDP2: the same losses, gradient norms (clipped at
+    1.0 by DeepSpeed) and LRs (our schedule on the wrapped optimizer), with token-budget
+    micro-batches whose count differs across ranks and steps (DeepSpeed's unmanaged
+    accumulation). final/ loads in transformers with the trained model's logits."""
     from transformers import AutoModelForCausalLM
 
     runs = {}
     for name, strategy in (
         ("fsdp2", {}),
-        ("zero2", {"strategy": "deepspeed", "deepspeed": {"stage": 2}}),
+        # ZeRO-2 with activation checkpointing (per block, from parallelize, as under FSDP2).
+        ("zero2", {"strategy": "deepspeed", "deepspeed": {"stage": 2}, "checkpointing": True}),
         # ZeRO-3 with the optimizer (states and step) and the parameters offloaded to the CPU.
         ("zero3", {"strategy": "deepspeed", "deepspeed": _ZERO3_OFFLOAD}),
     ):
         (tmp_path / name).mkdir()
+        model = {"path": str(tmp_path / name / "model")}
+        if strategy.pop("checkpointing", False):
+            model["activation_checkpointing"] = True
         cfg = _config(
             tmp_path / name,
+            model=model,
             packing=False,
             batch_size=8,
             micro_batch_tokens=84,
