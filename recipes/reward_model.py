@@ -41,7 +41,7 @@ from lightrft.algorithms.reward_losses import (
 from lightrft.config import Component, ConfigError
 from lightrft.data import StepCollator, build_dataloader
 from lightrft.data.preference import PreferenceCollator
-from lightrft.models import load_tokenizer, parallelize
+from lightrft.models import load_tokenizer
 from lightrft.models.deepspeed import DEEPSPEED_SCHEMA, DeepSpeedOptions, deepspeed_options
 from lightrft.models.loading import DTYPES
 from lightrft.models.lora import (
@@ -53,7 +53,7 @@ from lightrft.models.lora import (
     lora_options,
 )
 from lightrft.models.parallel import strategy_option
-from lightrft.models.reward import CONFIG_KEY, POOLINGS, build_reward_net
+from lightrft.models.reward import CONFIG_KEY, POOLINGS, load_reward_net_parallel
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
@@ -336,7 +336,11 @@ class RewardModelRecipe:
         if o.max_steps is not None:
             self.total_steps = min(self.total_steps, o.max_steps)
 
-        net = build_reward_net(
+        # Under torchrun each rank builds the classifier on the meta device and reads only its
+        # shards (FSDP2); DeepSpeed gets the whole model on every rank and partitions it in
+        # deepspeed.initialize below. LoRA adapters go on the backbone before sharding.
+        ds = o.deepspeed is not None
+        self.model = load_reward_net_parallel(
             o.model_path,
             heads=o.heads,
             pooling=o.pooling,
@@ -344,13 +348,7 @@ class RewardModelRecipe:
             dtype=o.dtype,
             device=self.dist.device,
             trust_remote_code=o.trust_remote_code,
-        )
-        if o.lora is not None:  # adapters on the backbone, before sharding
-            net = apply_backbone_lora(net, o.lora)
-        # DeepSpeed: the whole model on every rank, partitioned by deepspeed.initialize below.
-        ds = o.deepspeed is not None
-        self.model = parallelize(
-            net,
+            prepare=(lambda net: apply_backbone_lora(net, o.lora)) if o.lora else None,
             activation_checkpointing=o.activation_checkpointing,
             compile=o.compile,
             shard=False if ds else None,

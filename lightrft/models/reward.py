@@ -23,7 +23,7 @@ instead of the final, normed hidden state: a probing reward model on a middle la
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,29 +233,153 @@ def build_reward_net(
     kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    hf = AutoModelForSequenceClassification.from_pretrained(
+    hf, info = AutoModelForSequenceClassification.from_pretrained(
         path,
         num_labels=len(heads),
         id2label=dict(enumerate(heads)),
         label2id={h: i for i, h in enumerate(heads)},
         ignore_mismatched_sizes=True,
+        output_loading_info=True,
         **kwargs,
     )
-    _check_probe(probe_layer, getattr(hf.config, "num_hidden_layers", None))
-    head_name, head = _find_head(hf)
-    net = RewardNet(
-        getattr(hf, hf.base_model_prefix),
-        head,
+    head_name, _ = _find_head(hf)
+    missing = set(info.get("missing_keys", ()))
+    missing |= {k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", ())}
+    net = _reward_net(
+        hf,
+        new_head=f"{head_name}.weight" in missing,
         heads=heads,
         pooling=pooling,
         probe_layer=probe_layer,
-        base_name=hf.base_model_prefix,
-        head_name=head_name,
-        hf_model=hf,
+        dtype=dtype,
     )
+    return net.to(device)
+
+
+def _reward_net(
+    hf: nn.Module,
+    *,
+    new_head: bool,
+    heads: Sequence[str],
+    pooling: str,
+    probe_layer: int | None,
+    dtype: str | torch.dtype,
+) -> RewardNet:
+    """Wrap the HF classifier ``hf`` in a :class:`RewardNet`. New parameters (the head when the
+    checkpoint lacks one, ``new_head``; the attention pooler) are drawn from the run's seed in a
+    forked RNG, as transformers initialises a head (normal, ``initializer_range``): the same
+    values on every rank and in every loading path, whatever was drawn before."""
+    from lightrft.models.loading import to_dtype
+
+    _check_probe(probe_layer, getattr(hf.config, "num_hidden_layers", None))
+    head_name, head = _find_head(hf)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed())
+        if new_head:
+            new = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
+            nn.init.normal_(new.weight, std=getattr(hf.config, "initializer_range", 0.02))
+            if new.bias is not None:
+                nn.init.zeros_(new.bias)
+            head = new.to(dtype=to_dtype(dtype))
+            setattr(hf, head_name, head)
+        net = RewardNet(
+            getattr(hf, hf.base_model_prefix),
+            head,
+            heads=heads,
+            pooling=pooling,
+            probe_layer=probe_layer,
+            base_name=hf.base_model_prefix,
+            head_name=head_name,
+            hf_model=hf,
+        )
     if net.pooler is not None:
         net.pooler.to(dtype=to_dtype(dtype))
-    return net.to(device)
+    return net
+
+
+def load_reward_net_parallel(
+    path: str | Path,
+    *,
+    heads: Sequence[str] = ("reward",),
+    pooling: str = "last",
+    probe_layer: int | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    prepare: Callable[[RewardNet], nn.Module] | None = None,
+    mesh=None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    shard: bool | None = None,
+) -> nn.Module:
+    """:func:`build_reward_net`, ``prepare`` (LoRA) and ``parallelize``: the reward-model
+    recipe's one call, as :func:`~lightrft.models.sharded.load_parallel` is the other recipes'.
+
+    Under a process group (``shard=None`` and one is initialised, or ``shard=True``) no rank
+    holds the whole backbone: the classifier is built on the meta device, sharded, and each rank
+    reads only its slices of the checkpoint. A head the checkpoint lacks (a causal-LM backbone)
+    is created in full on every rank from the same RNG state, as transformers initialises it
+    (normal, ``initializer_range``); the pooler likewise.
+    """
+    import torch.distributed as dist
+
+    from lightrft.models.parallel import default_param_dtype, parallelize
+
+    if shard is None:
+        shard = dist.is_available() and dist.is_initialized()
+    if not shard:
+        net = build_reward_net(
+            path,
+            heads=heads,
+            pooling=pooling,
+            probe_layer=probe_layer,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
+        )
+        net = prepare(net) if prepare is not None else net
+        return parallelize(
+            net, activation_checkpointing=activation_checkpointing, compile=compile, shard=False
+        )
+    from transformers import AutoModelForSequenceClassification
+
+    from lightrft.models.sharded import (
+        SafetensorsIndex,
+        build_on_meta,
+        checkpoint_names,
+        fill_from_safetensors,
+    )
+
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    hf = build_on_meta(
+        path,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        auto_class=AutoModelForSequenceClassification,
+        num_labels=len(heads),
+        id2label=dict(enumerate(heads)),
+        label2id={h: i for i, h in enumerate(heads)},
+    )
+    files = SafetensorsIndex.read(path).files
+    names, converted = checkpoint_names(hf, list(files))
+    head_name, _ = _find_head(hf)
+    new_head = names.get(f"{head_name}.weight") not in files
+    net = _reward_net(
+        hf, new_head=new_head, heads=heads, pooling=pooling, probe_layer=probe_layer, dtype=dtype
+    )
+    net = prepare(net) if prepare is not None else net
+    device = torch.device(device)
+    net = parallelize(
+        net,
+        mesh=mesh,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        param_dtype=default_param_dtype(device),
+        shard=True,
+    )
+    fill_from_safetensors(net, path, names=names, converted=converted, device=device)
+    return net
 
 
 def read_reward_config(path: str | Path) -> dict[str, Any] | None:

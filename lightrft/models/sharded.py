@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,19 +131,24 @@ def build_on_meta(
     dtype: str | torch.dtype = "float32",
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
+    auto_class=None,
+    **config_overrides: Any,
 ) -> nn.Module:
-    """The model class ``load_model`` would load from ``path``, its parameters on the meta
-    device, in eval mode (as ``from_pretrained`` returns it), with the checkpoint's generation
-    config."""
+    """The model class ``load_model`` would load from ``path`` (or ``auto_class``, e.g.
+    ``AutoModelForSequenceClassification`` with ``num_labels=...`` in ``config_overrides``), its
+    parameters on the meta device, in eval mode (as ``from_pretrained`` returns it), with the
+    checkpoint's generation config."""
     from transformers import AutoConfig, GenerationConfig
 
     _check_local(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(
+        path, trust_remote_code=trust_remote_code, **config_overrides
+    )
     kwargs = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with params_on_meta():
-        model = _auto_class(config).from_config(config, **kwargs)
+        model = (auto_class or _auto_class(config)).from_config(config, **kwargs)
     if Path(path, "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()

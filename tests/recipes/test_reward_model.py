@@ -397,3 +397,40 @@ def test_lora_on_two_gloo_processes_exports_a_loadable_merged_model(tmp_path):
     run_distributed(_two_ranks, str(cfg), world_size=2)
     scores = RewardModel(str(tmp_path / "out" / "final"))(["apple river?"], ["river apple yes"])
     assert torch.isfinite(scores).all()
+
+
+# ---------------------------------------------------------------------------------- sharded load
+
+
+def _sharded_scores(rank: int, world_size: int, path: str, out: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from lightrft.models.reward import load_reward_net_parallel
+
+    net = load_reward_net_parallel(path, heads=["helpful", "cost"]).eval()
+    assert all(isinstance(p, DTensor) for p in net.parameters())
+    ids = torch.arange(3, 19).view(2, 8)
+    with torch.no_grad():  # a collective forward: every rank runs it
+        scores = net(ids, torch.arange(8).repeat(2, 1), torch.tensor([[0] * 8, [1] * 8]), 2)
+    if rank == 0:
+        torch.save(scores, out)
+    torch.distributed.barrier()
+
+
+def test_sharded_reward_net_loads_its_slices_and_scores_like_one_process(tmp_path):
+    """Under 2 gloo ranks the reward model is built on the meta device and each rank reads its
+    slices (backbone and head from a classifier checkpoint): the scores equal one process's."""
+    from lightrft.models import make_tiny_model
+    from lightrft.models.reward import load_reward_net_parallel
+    from lightrft.training import export_hf
+
+    make_tiny_model(tmp_path / "lm", layers=2, hidden=32, heads=2, kv_heads=1, max_positions=64)
+    torch.manual_seed(0)
+    net = load_reward_net_parallel(tmp_path / "lm", heads=["helpful", "cost"], shard=False)
+    export_hf(net, None, tmp_path / "rm")  # a classifier checkpoint with its (random) head
+    one = load_reward_net_parallel(tmp_path / "rm", heads=["helpful", "cost"], shard=False).eval()
+    ids = torch.arange(3, 19).view(2, 8)
+    with torch.no_grad():
+        want = one(ids, torch.arange(8).repeat(2, 1), torch.tensor([[0] * 8, [1] * 8]), 2)
+    run_distributed(_sharded_scores, str(tmp_path / "rm"), str(tmp_path / "s.pt"), world_size=2)
+    torch.testing.assert_close(torch.load(tmp_path / "s.pt"), want, rtol=1e-5, atol=1e-6)
