@@ -1,4 +1,4 @@
-"""The README's CPU demos (text, vision, audio) chain as shipped: each first config's outputs
+"""The README's CPU demos (text, vision, audio, RLHF) chain as shipped: each first config's outputs
 are where the next one reads them. Run through the CLI in-process in a scratch directory with
 the data sets and step counts cut down (the measured, full-length runs are in docs/grpo.md,
 docs/vision.md and docs/audio.md)."""
@@ -48,3 +48,30 @@ def test_audio_demo_chain(tmp_path, monkeypatch):
                      "rollout.prompts_per_step=2", "rollout.n=2", "lr_scheduler.warmup_steps=0",
                      "metrics.tensorboard=false"]) == 0
     assert len(_accuracies(tmp_path / "outputs/tiny/audio_grpo/metrics.jsonl")) == 2
+
+
+def test_rlhf_demo_chain(tmp_path, monkeypatch):
+    """SFT -> reward model on its backbone -> GRPO with that reward model as the only reward."""
+    monkeypatch.chdir(tmp_path)
+    small = [
+        "prepare.1.n_train=64",
+        "prepare.1.n_test=8",
+        "max_steps=2",
+        "eval_every=2",
+        "lr_scheduler.warmup_steps=0",
+        "metrics.tensorboard=false",
+    ]
+    assert cli.main(["run", "sft", "--config", "tiny/arith_sft", *small]) == 0
+    rm = ["max_steps=2", "eval_every=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
+    assert cli.main(["run", "reward_model", "--config", "tiny/rlhf_rm", *rm]) == 0
+    assert (tmp_path / "outputs/tiny/rlhf_rm/final/config.json").is_file()
+    grpo = [
+        "max_steps=1",
+        "eval.every=1",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "lr_scheduler.warmup_steps=0",
+        "metrics.tensorboard=false",
+    ]
+    assert cli.main(["run", "grpo", "--config", "tiny/rlhf_grpo", *grpo]) == 0
+    assert len(_accuracies(tmp_path / "outputs/tiny/rlhf_grpo/metrics.jsonl")) == 2
