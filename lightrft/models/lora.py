@@ -160,12 +160,12 @@ def _ignore_old_torchao() -> None:
                 mod.is_torchao_available = lambda: False
 
 
-def apply_lora(model: nn.Module, opts: LoraOptions) -> nn.Module:
-    """Wrap ``model`` in a PEFT LoRA model (base weights frozen); call before ``parallelize``."""
-    from peft import LoraConfig, get_peft_model
+def _lora_config(model: nn.Module, opts: LoraOptions, **extra: Any):
+    """PEFT's ``LoraConfig`` for ``opts`` on ``model``'s decoder, after checking that every
+    ``trained_modules`` name names a module of it."""
+    from peft import LoraConfig
 
     _ignore_old_torchao()
-
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [m for m in opts.trained_modules if m not in names]
     if missing:
@@ -173,14 +173,22 @@ def apply_lora(model: nn.Module, opts: LoraOptions) -> nn.Module:
             f"lora.trained_modules: {missing} name no module of {type(model).__name__} "
             "(e.g. embed_tokens, lm_head)"
         )
-    cfg = LoraConfig(
+    return LoraConfig(
         r=opts.rank,
         lora_alpha=opts.alpha,
         lora_dropout=opts.dropout,
         target_modules=resolve_targets(model, opts),
-        modules_to_save=list(opts.trained_modules) or None,
         bias="none",
-        task_type="CAUSAL_LM",
+        **extra,
+    )
+
+
+def apply_lora(model: nn.Module, opts: LoraOptions) -> nn.Module:
+    """Wrap ``model`` in a PEFT LoRA model (base weights frozen); call before ``parallelize``."""
+    from peft import get_peft_model
+
+    cfg = _lora_config(
+        model, opts, modules_to_save=list(opts.trained_modules) or None, task_type="CAUSAL_LM"
     )
     with warnings.catch_warnings():
         # PEFT reads transformers' deprecated `is_gradient_checkpointing` (FutureWarning on 5.2x)
@@ -198,27 +206,13 @@ def apply_backbone_lora(net: nn.Module, opts: LoraOptions) -> nn.Module:
     the parameter names stay the HF checkpoint's (plus PEFT's ``.base_layer.`` / ``.lora_A.``
     parts, which weight merging strips). Trainable afterwards: the adapters, every parameter
     outside the decoder's backbone (the head and the pooler, which are new), and the
-    ``trained_modules``; the backbone's own weights are frozen. Call before ``parallelize``.
+    ``trained_modules`` (trained in full in place); the backbone's own weights are frozen. Call
+    before ``parallelize``.
     """
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
-    _ignore_old_torchao()
     base = net.base
-    names = {n.rsplit(".", 1)[-1] for n, _ in base.named_modules()}
-    missing = [m for m in opts.trained_modules if m not in names]
-    if missing:
-        raise ValueError(
-            f"lora.trained_modules: {missing} name no module of {type(base).__name__} "
-            "(e.g. embed_tokens, norm)"
-        )
-    cfg = LoraConfig(
-        r=opts.rank,
-        lora_alpha=opts.alpha,
-        lora_dropout=opts.dropout,
-        target_modules=resolve_targets(base, opts),
-        bias="none",
-    )
-    inject_adapter_in_model(cfg, base)
+    inject_adapter_in_model(_lora_config(base, opts), base)
     base_params = {id(p) for p in base.parameters()}
     full = {
         id(p)
