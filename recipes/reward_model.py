@@ -9,14 +9,17 @@ gives its body; the head is new) wrapped in :class:`lightrft.models.reward.Rewar
 named head. Every item of a micro-batch (a chosen response and one or more rejected ones) is scored
 by the head it is labelled for, and only that head gets its gradient. A cost head (Safe-RLHF) is a
 head listed in ``model.cost_heads``: its chosen response is the one with the lower cost, and the
-safety-sign term pushes safe responses below 0 and unsafe ones above.
+safety-sign term pushes safe responses below 0 and unsafe ones above. ``model.pooling:
+likelihood`` keeps the causal LM whole instead: the score is the mean log-probability of the
+response tokens under its own LM head (plus the EOS after a plain-text response), optionally with
+the chosen responses' NLL in the loss (``loss.nll_coef``).
 
 The loss is summed over items and divided by the items of the whole optimizer step (all
 micro-batches, all ranks), so accumulation and data parallelism give the gradient of one batch.
 Evaluation on the held-out split logs pairwise accuracy, mean margin and reward mean / std per
-head; the final export (``<output_dir>/final``) is an HF classifier directory whose
-``config.json`` carries those statistics (``lightrft_reward``), which
-``lightrft.rewards.RewardModel(normalize=true)`` uses.
+head; the final export (``<output_dir>/final``) is an HF classifier directory (a causal LM one
+for the likelihood pooling) whose ``config.json`` carries those statistics
+(``lightrft_reward``), which ``lightrft.rewards.RewardModel(normalize=true)`` uses.
 
 One self-contained file: copy it (`lightrft cp reward_model my_rm.py`), edit it, run the copy.
 """
@@ -92,13 +95,14 @@ CONFIG_SCHEMA = {
         "compile": bool | None,
         "heads": list[str] | None,  # named heads; default ["reward"]
         "cost_heads": list[str] | None,  # heads that are Safe-RLHF cost models
-        "pooling": Literal["last", "mean", "attention"] | None,
+        "pooling": Literal[tuple(POOLINGS)] | None,  # likelihood: the LM head scores
         "probe_layer": int | None,  # read this decoder block's output (1-based)
     },
     "loss": {
         "type": Literal["bradley_terry", "log_exp", "hps"] | None,
         "center_coef": float | None,  # coef * mean((r_c + r_r)^2)
         "safety_coef": float | None,  # cost heads' sign term
+        "nll_coef": float | None,  # pooling=likelihood: coef * -r_chosen (the chosen NLL)
     },
     "dataset": Component,  # a lightrft.data.PreferenceDataset (tokenizer passed first)
     "eval_dataset": Component | None,
@@ -140,6 +144,7 @@ class RewardModelOptions:
     loss: str = "bradley_terry"
     center_coef: float = 0.0
     safety_coef: float = 1.0
+    nll_coef: float = 0.0
     packing: bool = False
     max_tokens_per_row: int | None = None
     batch_size: int = 1
@@ -192,6 +197,7 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
         loss=_get(loss, "type", "bradley_terry"),
         center_coef=float(_get(loss, "center_coef", 0.0)),
         safety_coef=float(_get(loss, "safety_coef", 1.0)),
+        nll_coef=float(_get(loss, "nll_coef", 0.0)),
         packing=_get(cfg, "packing", False),
         max_tokens_per_row=cfg.get("max_tokens_per_row"),
         batch_size=cfg.batch_size,
@@ -245,12 +251,24 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
         errors.append(f"model.cost_heads: {unknown[0]!r} is not in model.heads {list(heads)}")
     if opts.pooling not in POOLINGS:
         errors.append(f"model.pooling must be one of {POOLINGS}, got {opts.pooling!r}")
+    if opts.pooling == "likelihood" and (
+        len(heads) != 1 or cost_heads or opts.probe_layer is not None
+    ):
+        errors.append(
+            "model.pooling=likelihood scores with the LM head: one head (model.heads), no "
+            "model.cost_heads and no model.probe_layer"
+        )
+    if opts.nll_coef and opts.pooling != "likelihood":
+        errors.append(
+            f"loss.nll_coef applies to model.pooling=likelihood only (got pooling="
+            f"{opts.pooling!r}): a classifier's score is no log-likelihood"
+        )
     if opts.probe_layer is not None and opts.probe_layer < 1:
         errors.append(f"model.probe_layer must be >= 1 (a decoder block), got {opts.probe_layer}")
     if opts.max_tokens_per_row is not None and not opts.packing:
         errors.append("max_tokens_per_row applies only with packing=true")
-    if opts.center_coef < 0 or opts.safety_coef < 0:
-        errors.append("loss.center_coef and loss.safety_coef must be >= 0")
+    if opts.center_coef < 0 or opts.safety_coef < 0 or opts.nll_coef < 0:
+        errors.append("loss.center_coef, loss.safety_coef and loss.nll_coef must be >= 0")
     if not 0.0 <= opts.min_lr_ratio <= 1.0:
         errors.append(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {opts.min_lr_ratio}")
     if opts.warmup_steps < 0:
@@ -344,6 +362,13 @@ class RewardModelRecipe:
             o.model_path,
             heads=o.heads,
             pooling=o.pooling,
+            # Plain-text pairs carry no end-of-turn: the likelihood pooling scores the EOS after
+            # the response too, as RewardModel does on the policy's plain-text responses.
+            end_token_id=(
+                self.tokenizer.eos_token_id
+                if o.pooling == "likelihood" and not self.dataset.chat_template
+                else None
+            ),
             probe_layer=o.probe_layer,
             dtype=o.dtype,
             device=self.dist.device,
@@ -421,6 +446,7 @@ class RewardModelRecipe:
             segment_ids=batch["segment_ids"].to(dev),
             num_sequences=int(cand.max()) + 1,
             attention_mask=None if mask is None else mask.to(dev),
+            scored=batch["scored"].to(dev),
         )  # [N, heads]
         head = batch["head"].to(dev)  # [B]
         valid = cand >= 0
@@ -440,6 +466,8 @@ class RewardModelRecipe:
             margin=margin if bool((margin != 0).any()) else None,
             center_coef=o.center_coef,
         )  # [B]
+        if o.nll_coef:  # likelihood pooling: raw[:, 0] is the chosen response's mean log-prob
+            per_item = per_item - o.nll_coef * raw[:, 0]
         if o.cost_heads and o.safety_coef:
             is_cost = (self.head_sign[batch["head"].to(dev)] < 0).to(raw.dtype)  # [B]
             safe = batch["safe"].to(dev) * valid  # [B, K]

@@ -41,4 +41,3 @@ def run_distributed(fn: Callable, *args, world_size: int = 2) -> None:
     rank's traceback.
     """
     mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
-

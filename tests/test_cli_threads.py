@@ -15,8 +15,13 @@ _PROBE = (
 
 def _probe(**env: str) -> tuple[str, float]:
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", _PROBE], env={**base, **env}, capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return out[0], float(out[1])
 
 

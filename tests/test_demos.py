@@ -15,38 +15,101 @@ def _accuracies(path):
 
 def test_text_demo_chain(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    small = ["prepare.1.n_train=64", "prepare.1.n_test=8", "max_steps=2", "eval_every=2",
-             "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
+    small = [
+        "prepare.1.n_train=64",
+        "prepare.1.n_test=8",
+        "max_steps=2",
+        "eval_every=2",
+        "lr_scheduler.warmup_steps=0",
+        "metrics.tensorboard=false",
+    ]
     assert cli.main(["run", "sft", "--config", "tiny/add_sft", *small]) == 0
     assert (tmp_path / "outputs/tiny/add_sft/final/config.json").is_file()
-    assert cli.main(["run", "grpo", "--config", "tiny/add_grpo", "max_steps=1", "eval.every=1",
-                     "rollout.prompts_per_step=2", "rollout.n=2", "lr_scheduler.warmup_steps=0",
-                     "metrics.tensorboard=false"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                "grpo",
+                "--config",
+                "tiny/add_grpo",
+                "max_steps=1",
+                "eval.every=1",
+                "rollout.prompts_per_step=2",
+                "rollout.n=2",
+                "lr_scheduler.warmup_steps=0",
+                "metrics.tensorboard=false",
+            ]
+        )
+        == 0
+    )
     assert len(_accuracies(tmp_path / "outputs/tiny/add_grpo/metrics.jsonl")) == 2  # start, end
 
 
 def test_vision_demo_chain(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    small = ["prepare.1.n_train=16", "prepare.1.n_test=4", "prepare.1.n_rl=8", "batch_size=8", "max_steps=2",
-             "eval_every=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
+    small = [
+        "prepare.1.n_train=16",
+        "prepare.1.n_test=4",
+        "prepare.1.n_rl=8",
+        "batch_size=8",
+        "max_steps=2",
+        "eval_every=2",
+        "lr_scheduler.warmup_steps=0",
+        "metrics.tensorboard=false",
+    ]
     assert cli.main(["run", "sft", "--config", "tiny/vision_sft", *small]) == 0
     assert (tmp_path / "outputs/tiny/vision_sft/final/processor_config.json").is_file()
-    assert cli.main(["run", "grpo", "--config", "tiny/vision_grpo", "max_steps=1", "eval.every=1",
-                     "rollout.prompts_per_step=2", "rollout.n=2", "lr_scheduler.warmup_steps=0",
-                     "metrics.tensorboard=false"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                "grpo",
+                "--config",
+                "tiny/vision_grpo",
+                "max_steps=1",
+                "eval.every=1",
+                "rollout.prompts_per_step=2",
+                "rollout.n=2",
+                "lr_scheduler.warmup_steps=0",
+                "metrics.tensorboard=false",
+            ]
+        )
+        == 0
+    )
     assert len(_accuracies(tmp_path / "outputs/tiny/vision_grpo/metrics.jsonl")) == 2
 
 
 def test_audio_demo_chain(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    small = ["prepare.1.n_train=16", "prepare.1.n_test=4", "prepare.1.n_rl=8", "batch_size=8",
-             "max_steps=2", "eval_every=2", "lr_scheduler.warmup_steps=0",
-             "metrics.tensorboard=false"]
+    small = [
+        "prepare.1.n_train=16",
+        "prepare.1.n_test=4",
+        "prepare.1.n_rl=8",
+        "batch_size=8",
+        "max_steps=2",
+        "eval_every=2",
+        "lr_scheduler.warmup_steps=0",
+        "metrics.tensorboard=false",
+    ]
     assert cli.main(["run", "sft", "--config", "tiny/audio_sft", *small]) == 0
     assert (tmp_path / "outputs/tiny/audio_sft/final/processor_config.json").is_file()
-    assert cli.main(["run", "grpo", "--config", "tiny/audio_grpo", "max_steps=1", "eval.every=1",
-                     "rollout.prompts_per_step=2", "rollout.n=2", "lr_scheduler.warmup_steps=0",
-                     "metrics.tensorboard=false"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                "grpo",
+                "--config",
+                "tiny/audio_grpo",
+                "max_steps=1",
+                "eval.every=1",
+                "rollout.prompts_per_step=2",
+                "rollout.n=2",
+                "lr_scheduler.warmup_steps=0",
+                "metrics.tensorboard=false",
+            ]
+        )
+        == 0
+    )
     assert len(_accuracies(tmp_path / "outputs/tiny/audio_grpo/metrics.jsonl")) == 2
 
 

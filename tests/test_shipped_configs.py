@@ -43,7 +43,8 @@ def test_qwen_engine_matches_the_file_name(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2_5_vl/geo3k_grpo_3b", "qwen2_5_vl/geo3k_grpo_3b_vllm", "qwen2_5_vl/geo3k_eval_3b"]
+    "name",
+    ["qwen2_5_vl/geo3k_grpo_3b", "qwen2_5_vl/geo3k_grpo_3b_vllm", "qwen2_5_vl/geo3k_eval_3b"],
 )
 def test_geo3k_config_reads_the_prepared_data(name, tmp_path, tiny_vlm):
     """The config's datasets on a directory in the documented Geo3K format (what

@@ -22,7 +22,13 @@ def test_a_checkout_on_pythonpath_maps_its_own_top_level_folders(tmp_path):
         " recipes_dir(), configs_dir()): print(p)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(copy)}
-    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert len(out) == 5
     assert all(Path(p).resolve().is_relative_to(copy.resolve()) for p in out), out

@@ -30,7 +30,13 @@ from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.sft import Truncation, _check_truncation, open_records
 from lightrft.data.templates import check_messages
 
-__all__ = ["PreferenceCollator", "PreferenceDataset", "pad_sequences", "render_for_scoring"]
+__all__ = [
+    "PreferenceCollator",
+    "PreferenceDataset",
+    "pad_sequences",
+    "render_for_scoring",
+    "response_start",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,33 @@ def render_for_scoring(
     return tokenizer.apply_chat_template(messages, tokenize=False)
 
 
+def response_start(
+    tokenizer, prompt: Prompt | None, ids: Sequence[int], *, chat_template: bool = True
+) -> int:
+    """Index of the first response token in ``ids``, the tokens of
+    :func:`render_for_scoring` (``tokenizer, prompt, <response>``): the length of the longest
+    common prefix of ``ids`` and the rendered prompt's tokens (the prompt alone, or with the chat
+    template its turns and the assistant header), at least 1 (the first token has nothing to be
+    predicted from). The ``likelihood`` reward pooling scores the tokens from here on.
+    """
+    if prompt is None:
+        prefix = ""
+    elif not chat_template:
+        prefix = prompt if isinstance(prompt, str) else ""
+    else:
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        prefix = tokenizer.apply_chat_template(
+            [dict(m) for m in turns], tokenize=False, add_generation_prompt=True
+        )
+    head = tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
+    n = 0
+    for a, b in zip(head, ids, strict=False):
+        if a != b:
+            break
+        n += 1
+    return max(n, 1)
+
+
 def _is_candidate_list(value: Any) -> bool:
     """``rejected`` given as several candidates (a list of strings or of message lists)."""
     return isinstance(value, list) and bool(value) and not isinstance(value[0], Mapping)
@@ -72,8 +105,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
     """Tokenised preference records.
 
     Item ``i``: ``{"sequences": [LongTensor chosen, LongTensor rejected_1, ...], "margin": float,
-    "head": str | None, "safe": [int per sequence]}`` with ``safe`` +1 (safe), -1 (unsafe) or 0
-    (unlabelled), used by cost heads.
+    "head": str | None, "safe": [int per sequence], "starts": [int per sequence]}`` with ``safe``
+    +1 (safe), -1 (unsafe) or 0 (unlabelled), used by cost heads, and ``starts`` each sequence's
+    first response token (:func:`response_start`).
 
     Args:
         tokenizer: a Hugging Face tokenizer (the recipe passes its own as first argument).
@@ -184,6 +218,10 @@ class PreferenceDataset(torch.utils.data.Dataset):
             self._items.append(
                 {
                     "sequences": [torch.tensor(s, dtype=torch.long) for s in ids],
+                    "starts": [
+                        response_start(tokenizer, prompt, s, chat_template=apply_chat_template)
+                        for s in ids
+                    ],
                     "margin": float(margin or 0.0),
                     "head": head,
                     "safe": [safe[k] for k in keep],
@@ -258,21 +296,31 @@ def _safe_sign(value: Any, where: str, field: str) -> int:
 
 
 def pad_sequences(
-    seqs: Sequence[torch.Tensor], pad_id: int, side: str = "right"
+    seqs: Sequence[torch.Tensor],
+    pad_id: int,
+    side: str = "right",
+    starts: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One sequence per row, padded on ``side``: ``input_ids``, ``attention_mask``,
     ``position_ids`` (from the mask, so both sides give the same positions) and ``segment_ids``
-    (the row index on real tokens, -1 on padding), each ``[N, T]``."""
+    (the row index on real tokens, -1 on padding), each ``[N, T]``; with ``starts`` (each
+    sequence's first response token) also ``scored`` (true on response tokens)."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, T]
     seg = torch.full((len(seqs), width), -1, dtype=torch.long)  # [N, T]
+    scored = torch.zeros((len(seqs), width), dtype=torch.bool)  # [N, T]
     for n, s in enumerate(seqs):
-        cols = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
-        ids[n, cols] = torch.as_tensor(s, dtype=torch.long)
-        seg[n, cols] = n
+        lo = 0 if side == "right" else width - len(s)
+        ids[n, lo : lo + len(s)] = torch.as_tensor(s, dtype=torch.long)
+        seg[n, lo : lo + len(s)] = n
+        if starts is not None:
+            scored[n, lo + starts[n] : lo + len(s)] = True
     mask = (seg >= 0).long()  # [N, T]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, T], 0 at each first real token
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "segment_ids": seg}
+    out = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "segment_ids": seg}
+    if starts is not None:
+        out["scored"] = scored
+    return out
 
 
 class PreferenceCollator:
@@ -285,6 +333,7 @@ class PreferenceCollator:
       sequence index of each token, -1 on padding; pooling reads it.
     - ``attention_mask`` ``[R, T]``, padded batches only (packed rows have none: transformers
       then keeps packed sequences apart by their position resets).
+    - ``scored`` ``[R, T]``: true on response tokens (what the ``likelihood`` pooling scores).
     - ``candidates`` ``[B, K]``: sequence index of each candidate, -1 where an item has fewer.
     - ``margin`` ``[B]``, ``safe`` ``[B, K]`` (+1 / -1 / 0), ``head`` ``[B]`` (index into
       ``heads``; unlabelled items go to the first head).
@@ -317,6 +366,7 @@ class PreferenceCollator:
 
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         seqs: list[torch.Tensor] = []
+        starts: list[int] = []
         k_max = max(len(it["sequences"]) for it in items)
         candidates = torch.full((len(items), k_max), -1, dtype=torch.long)  # [B, K]
         safe = torch.zeros((len(items), k_max), dtype=torch.long)  # [B, K]
@@ -325,6 +375,7 @@ class PreferenceCollator:
                 candidates[b, k] = len(seqs)
                 safe[b, k] = it["safe"][k]
                 seqs.append(s)
+                starts.append(it["starts"][k])
         head = []
         for it in items:
             name = it["head"]
@@ -333,7 +384,7 @@ class PreferenceCollator:
                     f"a pair is labelled for head {name!r}; heads are {list(self.heads)}"
                 )
             head.append(0 if name is None else self.heads[name])
-        batch = self._pack(seqs) if self.packing else self._pad(seqs)
+        batch = self._pack(seqs, starts) if self.packing else self._pad(seqs, starts)
         batch.update(
             candidates=candidates,
             safe=safe,
@@ -342,10 +393,10 @@ class PreferenceCollator:
         )
         return batch
 
-    def _pad(self, seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return pad_sequences(seqs, self.pad_id, self.padding_side)
+    def _pad(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:
+        return pad_sequences(seqs, self.pad_id, self.padding_side, starts)
 
-    def _pack(self, seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _pack(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:
         rows: list[list[int]] = [[]]
         used = 0
         for n, s in enumerate(seqs):
@@ -363,6 +414,7 @@ class PreferenceCollator:
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [R, T]
         seg = torch.full((len(rows), width), -1, dtype=torch.long)  # [R, T]
         positions = torch.zeros((len(rows), width), dtype=torch.long)  # [R, T]
+        scored = torch.zeros((len(rows), width), dtype=torch.bool)  # [R, T]
         for r, row in enumerate(rows):
             col = 0
             for n in row:
@@ -370,7 +422,8 @@ class PreferenceCollator:
                 ids[r, col : col + L] = seqs[n]
                 seg[r, col : col + L] = n
                 positions[r, col : col + L] = torch.arange(L)
+                scored[r, col + starts[n] : col + L] = True
                 col += L
             # Padding is its own position run, so it never joins the last sequence.
             positions[r, col:] = torch.arange(width - col)
-        return {"input_ids": ids, "position_ids": positions, "segment_ids": seg}
+        return {"input_ids": ids, "position_ids": positions, "segment_ids": seg, "scored": scored}

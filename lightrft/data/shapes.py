@@ -161,7 +161,9 @@ def write_shapes_dataset(
 
 def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """:func:`write_shapes_dataset` unless ``out_dir`` already holds it with these settings."""
-    defaults = dict(n_train=2000, n_test=200, n_rl=0, grid=3, min_count=1, max_count=5, cell=28, seed=0)
+    defaults = dict(
+        n_train=2000, n_test=200, n_rl=0, grid=3, min_count=1, max_count=5, cell=28, seed=0
+    )
     unknown = sorted(set(settings) - set(defaults))
     if unknown:
         raise ValueError(

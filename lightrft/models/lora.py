@@ -205,15 +205,19 @@ def apply_backbone_lora(net: nn.Module, opts: LoraOptions) -> nn.Module:
     PEFT injects its LoRA layers into the decoder's linear layers without wrapping the model, so
     the parameter names stay the HF checkpoint's (plus PEFT's ``.base_layer.`` / ``.lora_A.``
     parts, which weight merging strips). Trainable afterwards: the adapters, every parameter
-    outside the decoder's backbone (the head and the pooler, which are new), and the
-    ``trained_modules`` (trained in full in place); the backbone's own weights are frozen. Call
-    before ``parallelize``.
+    outside the decoder's backbone (the head and the pooler, which are new; not the pretrained LM
+    head of a ``likelihood`` reward model), and the ``trained_modules`` (trained in full in
+    place); the backbone's own weights are frozen. Call before ``parallelize``.
     """
     from peft import inject_adapter_in_model
 
     base = net.base
     inject_adapter_in_model(_lora_config(base, opts), base)
     base_params = {id(p) for p in base.parameters()}
+    if getattr(net, "pooling", None) == "likelihood":
+        # The head is the pretrained LM head, not a new one: frozen like the backbone (a tied
+        # head trains with the embedding when that is a trained module).
+        base_params |= {id(p) for p in net.head.parameters()}
     full = {
         id(p)
         for name, m in base.named_modules()

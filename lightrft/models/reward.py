@@ -16,6 +16,15 @@ padded batches (either side) and packed rows pool the same way:
 - ``attention``: a softmax over the sequence's tokens of a learned linear score, then the
   weighted mean (one ``hidden -> 1`` layer; small, as in attention-pooled classifiers).
 
+``likelihood`` pools token log-probabilities instead of hidden states: the head is the backbone's
+own LM head (an HF causal LM, not a classifier) and the score is the mean log-probability of the
+response tokens (``scored [R, T]`` marks them) plus, when ``end_token_id`` is set, of the end token
+after the response (so a response cut short scores low). Training it with a preference loss
+sharpens a language model into a judge that starts where the model's own knowledge is: a
+classifier head on a pooled state has to learn to read that knowledge out first, which a small
+model does slowly (docs/reward_models.md measures both). One head; no probe layer. Its export is
+the causal LM directory with the ``lightrft_reward`` block.
+
 ``probe_layer=k`` reads the output of decoder block ``k`` (1-based; ``hidden_states[k]``)
 instead of the final, normed hidden state: a probing reward model on a middle layer.
 """
@@ -39,7 +48,7 @@ __all__ = [
     "pool_hidden",
 ]
 
-POOLINGS = ("last", "mean", "attention")
+POOLINGS = ("last", "mean", "attention", "likelihood")
 CONFIG_KEY = "lightrft_reward"
 _HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
 
@@ -92,7 +101,57 @@ def pool_hidden(
         w = (w / denom[seg]).to(hidden.dtype)
         out = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
         return out.index_add(0, seg, flat[pos] * w[:, None])  # [N, H]
-    raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    raise ValueError(f"pooling must be one of {POOLINGS[:3]}, got {pooling!r}")
+
+
+def likelihood_scores(
+    hidden: torch.Tensor,
+    lm_head: nn.Linear,
+    input_ids: torch.Tensor,
+    segment_ids: torch.Tensor,
+    scored: torch.Tensor,
+    num_sequences: int,
+    end_token_id: int | None = None,
+) -> torch.Tensor:
+    """Mean log-probability ``[N]`` (fp32) of each sequence's scored tokens under ``lm_head``.
+
+    ``hidden [R, T, H]`` are the final hidden states; token ``t`` of a row is predicted from
+    ``hidden[:, t - 1]``, so ``scored [R, T]`` must be false on each sequence's first token.
+    With ``end_token_id``, the end token's log-probability after each sequence's last token
+    counts as one more scored token (unless that last token is already the end token). Runs the
+    fused kernel (``lightrft.kernels``): no ``[tokens, vocab]`` logits are kept.
+    """
+    from lightrft.kernels import fused_linear_logprobs
+
+    R, T, H = hidden.shape
+    targets = torch.where(scored[:, 1:], input_ids[:, 1:], -100)  # [R, T-1]
+    seg = segment_ids[:, :-1]  # [R, T-1], the sequence each predicting position belongs to
+    if end_token_id is not None:
+        flat_seg = segment_ids.reshape(-1)
+        pos = torch.arange(R * T, device=hidden.device)[flat_seg >= 0]
+        last = torch.full((num_sequences,), -1, dtype=torch.long, device=hidden.device)
+        last = last.scatter_reduce(0, flat_seg[flat_seg >= 0], pos, reduce="amax")  # [N]
+        ends_open = input_ids.reshape(-1)[last] != end_token_id  # [N]
+        extra = hidden.reshape(R * T, H)[last[ends_open]]  # [n_open, H]
+        hidden_rows = torch.cat([hidden[:, :-1].reshape(-1, H), extra])
+        targets = torch.cat([targets.reshape(-1), torch.full_like(last[ends_open], end_token_id)])
+        seg = torch.cat([seg.reshape(-1), ends_open.nonzero().squeeze(-1)])
+    else:
+        hidden_rows, targets, seg = (
+            hidden[:, :-1].reshape(-1, H),
+            targets.reshape(-1),
+            seg.reshape(-1),
+        )
+    keep = targets != -100
+    logp = fused_linear_logprobs(
+        hidden_rows[keep], lm_head.weight, targets[keep], bias=lm_head.bias
+    )  # [n_scored] fp32
+    seg = seg[keep]
+    sums = torch.zeros(num_sequences, device=hidden.device).index_add(0, seg, logp)
+    counts = torch.zeros(num_sequences, device=hidden.device).index_add(
+        0, seg, torch.ones_like(logp)
+    )
+    return sums / counts.clamp(min=1)  # a sequence with nothing scored scores 0
 
 
 def _find_head(model: nn.Module) -> tuple[str, nn.Linear]:
@@ -110,7 +169,11 @@ class RewardNet(nn.Module):
         base: the transformer body (returns ``last_hidden_state`` / ``hidden_states``).
         head: the linear head, one output per named head.
         heads: head names, in output order.
-        pooling: ``"last"``, ``"mean"`` or ``"attention"``.
+        pooling: ``"last"``, ``"mean"``, ``"attention"`` or ``"likelihood"`` (``head`` is then
+            the LM head and ``heads`` one name).
+        end_token_id: ``likelihood`` only: the token whose log-probability after the response
+            is scored too (the tokenizer's EOS for plain-text data; ``None`` with a chat
+            template, whose end-of-turn tokens are part of the response).
         probe_layer: read decoder block ``probe_layer``'s output (1-based) instead of the last.
         base_name, head_name: attribute names, those of the HF class (``model``, ``score``), so
             parameter names match its checkpoint.
@@ -124,6 +187,7 @@ class RewardNet(nn.Module):
         *,
         heads: Sequence[str] = ("reward",),
         pooling: str = "last",
+        end_token_id: int | None = None,
         probe_layer: int | None = None,
         base_name: str = "model",
         head_name: str = "score",
@@ -132,7 +196,11 @@ class RewardNet(nn.Module):
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        if head.out_features != len(heads):
+        if pooling == "likelihood":
+            _check_likelihood(heads, probe_layer)
+        elif end_token_id is not None:
+            raise ValueError("end_token_id applies to pooling='likelihood' only")
+        elif head.out_features != len(heads):
             raise ValueError(
                 f"the head has {head.out_features} outputs but {len(heads)} heads are named "
                 f"({list(heads)})"
@@ -143,6 +211,7 @@ class RewardNet(nn.Module):
         self.pooler = AttentionPooling(head.in_features) if pooling == "attention" else None
         self.heads = list(heads)
         self.pooling = pooling
+        self.end_token_id = end_token_id
         self.probe_layer = probe_layer
         # Kept out of the module tree (it holds the same submodules): only its config and
         # save_pretrained are used.
@@ -163,7 +232,10 @@ class RewardNet(nn.Module):
         segment_ids: torch.Tensor,
         num_sequences: int,
         attention_mask: torch.Tensor | None = None,
+        scored: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Scores ``[N, heads]``. ``scored [R, T]`` (the response tokens) is read by the
+        ``likelihood`` pooling only, which needs it."""
         out = self.base(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -176,6 +248,12 @@ class RewardNet(nn.Module):
             if self.probe_layer is None
             else out.hidden_states[self.probe_layer]
         )  # [R, T, H]
+        if self.pooling == "likelihood":
+            if scored is None:
+                raise ValueError("pooling='likelihood' needs the scored-token mask `scored`")
+            return likelihood_scores(
+                hidden, self.head, input_ids, segment_ids, scored, num_sequences, self.end_token_id
+            )[:, None]  # [N, 1]
         logits = self.pooler(hidden) if self.pooler is not None else None
         pooled = pool_hidden(hidden, segment_ids, num_sequences, self.pooling, logits)  # [N, H]
         return self.head(pooled)  # [N, heads]
@@ -192,8 +270,18 @@ class RewardNet(nn.Module):
             "heads": self.heads,
             "pooling": self.pooling,
             "probe_layer": self.probe_layer,
+            "end_token_id": self.end_token_id,
             "stats": stats or {},
         }
+
+
+def _check_likelihood(heads: Sequence[str], probe_layer: int | None) -> None:
+    if len(heads) != 1:
+        raise ValueError(
+            f"pooling='likelihood' scores with the LM head: one head only, got {list(heads)}"
+        )
+    if probe_layer is not None:
+        raise ValueError("pooling='likelihood' reads the LM head's input: no probe_layer")
 
 
 def _check_probe(probe_layer: int | None, n_layers: int | None) -> None:
@@ -211,6 +299,7 @@ def build_reward_net(
     *,
     heads: Sequence[str] = ("reward",),
     pooling: str = "last",
+    end_token_id: int | None = None,
     probe_layer: int | None = None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
@@ -221,9 +310,10 @@ def build_reward_net(
 
     The HF classifier class of the model type is built with ``num_labels=len(heads)``; a causal
     LM checkpoint gives its body (the LM head is dropped) and a fresh head (seeded by the
-    caller's ``torch.manual_seed``).
+    caller's ``torch.manual_seed``). ``pooling="likelihood"`` loads the causal LM whole and
+    scores with its own LM head (``end_token_id``: see :class:`RewardNet`).
     """
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from lightrft.models.loading import _check_local, to_dtype
 
@@ -233,6 +323,12 @@ def build_reward_net(
     kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if pooling != "likelihood" and end_token_id is not None:
+        raise ValueError("end_token_id applies to pooling='likelihood' only")
+    if pooling == "likelihood":
+        _check_likelihood(heads, probe_layer)
+        lm = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        return _likelihood_net(lm, heads=heads, end_token_id=end_token_id).to(device)
     hf, info = AutoModelForSequenceClassification.from_pretrained(
         path,
         num_labels=len(heads),
@@ -297,11 +393,34 @@ def _reward_net(
     return net
 
 
+def _likelihood_net(lm: nn.Module, *, heads: Sequence[str], end_token_id: int | None) -> RewardNet:
+    """Wrap the HF causal LM ``lm`` as a ``likelihood`` :class:`RewardNet` (its parameter names
+    stay the causal LM's: ``model.*``, ``lm_head.*``)."""
+    head = lm.get_output_embeddings()
+    head_name = next((n for n, m in lm.named_children() if m is head), None)
+    if head_name is None or not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"{type(lm).__name__} has no linear LM head among its children: pooling="
+            "'likelihood' needs a causal LM"
+        )
+    return RewardNet(
+        getattr(lm, lm.base_model_prefix),
+        head,
+        heads=heads,
+        pooling="likelihood",
+        end_token_id=end_token_id,
+        base_name=lm.base_model_prefix,
+        head_name=head_name,
+        hf_model=lm,
+    )
+
+
 def load_reward_net_parallel(
     path: str | Path,
     *,
     heads: Sequence[str] = ("reward",),
     pooling: str = "last",
+    end_token_id: int | None = None,
     probe_layer: int | None = None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
@@ -332,6 +451,7 @@ def load_reward_net_parallel(
             path,
             heads=heads,
             pooling=pooling,
+            end_token_id=end_token_id,
             probe_layer=probe_layer,
             dtype=dtype,
             device=device,
@@ -341,7 +461,7 @@ def load_reward_net_parallel(
         return parallelize(
             net, activation_checkpointing=activation_checkpointing, compile=compile, shard=False
         )
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from lightrft.models.sharded import (
         SafetensorsIndex,
@@ -352,22 +472,35 @@ def load_reward_net_parallel(
 
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    hf = build_on_meta(
-        path,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        auto_class=AutoModelForSequenceClassification,
-        num_labels=len(heads),
-        id2label=dict(enumerate(heads)),
-        label2id={h: i for i, h in enumerate(heads)},
-    )
     files = SafetensorsIndex.read(path).files
-    names, converted = checkpoint_names(hf, list(files))
-    head_name, _ = _find_head(hf)
-    new_head = names.get(f"{head_name}.weight") not in files
-    net = _reward_net(
-        hf, new_head=new_head, heads=heads, pooling=pooling, probe_layer=probe_layer, dtype=dtype
-    )
+    if pooling == "likelihood":
+        _check_likelihood(heads, probe_layer)
+        hf = build_on_meta(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, auto_class=AutoModelForCausalLM
+        )
+        names, converted = checkpoint_names(hf, list(files))
+        net = _likelihood_net(hf, heads=heads, end_token_id=end_token_id)
+    else:
+        hf = build_on_meta(
+            path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            auto_class=AutoModelForSequenceClassification,
+            num_labels=len(heads),
+            id2label=dict(enumerate(heads)),
+            label2id={h: i for i, h in enumerate(heads)},
+        )
+        names, converted = checkpoint_names(hf, list(files))
+        head_name, _ = _find_head(hf)
+        new_head = names.get(f"{head_name}.weight") not in files
+        net = _reward_net(
+            hf,
+            new_head=new_head,
+            heads=heads,
+            pooling=pooling,
+            probe_layer=probe_layer,
+            dtype=dtype,
+        )
     net = prepare(net) if prepare is not None else net
     device = torch.device(device)
     net = parallelize(
@@ -398,7 +531,8 @@ def load_reward_net(
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
 ) -> RewardNet:
-    """A trained reward model from an HF ``*ForSequenceClassification`` directory.
+    """A trained reward model from an HF ``*ForSequenceClassification`` directory (or, for a
+    ``likelihood`` export, the causal LM directory).
 
     Reads heads, pooling and probe layer from ``config.json``'s ``lightrft_reward`` block (an
     export of ``recipes/reward_model.py``); a plain HF classifier has one head, last-token
@@ -420,6 +554,7 @@ def load_reward_net(
         path,
         heads=heads,
         pooling=meta.get("pooling", "last"),
+        end_token_id=meta.get("end_token_id"),
         probe_layer=meta.get("probe_layer"),
         dtype=dtype,
         device="cpu",

@@ -3,8 +3,10 @@
 Two checkpoint layouts are supported:
 
 - ``classifier``: an HF ``*ForSequenceClassification`` (e.g. Skywork-Reward, the usual
-  TRL/OpenRLHF export, or an export of ``recipes/reward_model.py``, whose ``config.json`` also
-  names its heads, pooling and reward statistics; see docs/reward_models.md).
+  TRL/OpenRLHF export), or an export of ``recipes/reward_model.py``, whose ``config.json`` also
+  names its heads, pooling and reward statistics (see docs/reward_models.md); with the
+  ``likelihood`` pooling that export is a causal LM scoring the response tokens' mean
+  log-probability.
 - ``value_head``: a backbone (``AutoModel``: a causal LM checkpoint works, its LM head is
   ignored) plus a linear ``hidden -> 1`` head whose weight ``{value_head_key}.weight`` (and
   optional bias) lies in one of the directory's ``*.safetensors`` files.
@@ -26,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightrft.data.preference import pad_sequences, render_for_scoring
+from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt
 
@@ -68,8 +70,8 @@ def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
 def _detect_head(path: str | Path) -> str:
     cfg = Path(path) / "config.json"
     archs = (json.loads(cfg.read_text()).get("architectures") or []) if cfg.is_file() else []
-    if any(a.endswith("ForSequenceClassification") for a in archs):
-        return "classifier"
+    if any(a.endswith("ForSequenceClassification") for a in archs) or read_reward_config(path):
+        return "classifier"  # an HF classifier, or any export of recipes/reward_model.py
     return "value_head"
 
 
@@ -282,12 +284,31 @@ class RewardModel:
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [seq[-self.max_length :] for seq in ids]  # keep the end, where the score is read
 
+    def response_starts(
+        self, prompts: Sequence[Prompt], responses: Sequence[str]
+    ) -> list[int] | None:
+        """Each sequence's first response token (in :meth:`tokenize`'s, possibly cut, tokens),
+        which the ``likelihood`` pooling needs; ``None`` for the other poolings."""
+        if self.net.pooling != "likelihood":
+            return None
+        starts = []
+        for p, r in zip(prompts, responses, strict=True):
+            full = self.tokenizer(self.render(p, r), add_special_tokens=False)["input_ids"]
+            start = response_start(self.tokenizer, p, full, chat_template=self.chat_template)
+            starts.append(max(1, start - max(0, len(full) - self.max_length)))
+        return starts
+
     @torch.inference_mode()
-    def score_heads(self, seqs: list[list[int]]) -> torch.Tensor:
+    def score_heads(self, seqs: list[list[int]], starts: list[int] | None = None) -> torch.Tensor:
         """Raw scores of every head ``[N, heads]`` (float32, CPU), ``micro_batch_size`` at a
-        time."""
+        time. ``starts``: each sequence's first response token (``likelihood`` pooling only)."""
         if any(len(s) == 0 for s in seqs):
             raise ValueError("cannot score an empty token sequence")
+        if (starts is None) != (self.net.pooling != "likelihood"):
+            raise ValueError(
+                "starts (the response start of each sequence) go with, and only "
+                "with, the likelihood pooling"
+            )
         scores = torch.empty(len(seqs), len(self.net.heads), dtype=torch.float32)  # [N, heads]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         if self.offload:
@@ -295,7 +316,12 @@ class RewardModel:
         try:
             for start in range(0, len(order), self.micro_batch_size):
                 chunk = order[start : start + self.micro_batch_size]
-                batch = pad_sequences([seqs[i] for i in chunk], self.pad_id, self.padding_side)
+                batch = pad_sequences(
+                    [seqs[i] for i in chunk],
+                    self.pad_id,
+                    self.padding_side,
+                    None if starts is None else [starts[i] for i in chunk],
+                )
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 out = self.net(num_sequences=len(chunk), **batch)  # [b, heads]
                 scores[chunk] = out.float().cpu()
@@ -304,9 +330,10 @@ class RewardModel:
                 self.net.to("cpu")
         return scores
 
-    def score_ids(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Rewards [N] (float32, CPU) of token sequences; every head's in ``last_head_scores``."""
-        scores = self.score_heads(seqs)  # [N, heads]
+    def score_ids(self, seqs: list[list[int]], starts: list[int] | None = None) -> torch.Tensor:
+        """Rewards [N] (float32, CPU) of token sequences; every head's in ``last_head_scores``.
+        ``starts``: see :meth:`score_heads`."""
+        scores = self.score_heads(seqs, starts)  # [N, heads]
         self.last_head_scores = {h: scores[:, k] for k, h in enumerate(self.net.heads)}
         raw = (scores[:, self.head_index] - self.mean) / self.std
         return self.scale * raw + self.bias
@@ -324,4 +351,6 @@ class RewardModel:
             )
         if not responses:
             return torch.empty(0, dtype=torch.float32)
-        return self.score_ids(self.tokenize(prompts, responses))
+        return self.score_ids(
+            self.tokenize(prompts, responses), self.response_starts(prompts, responses)
+        )

@@ -343,7 +343,9 @@ def test_audio_grpo_refuses_a_critic(tmp_path, alm_assets, capsys):
     assert "not supported with an audio-language actor" in capsys.readouterr().err
 
 
-def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(tmp_path, alm_assets, monkeypatch):
+def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(
+    tmp_path, alm_assets, monkeypatch
+):
     """The eval recipe loads an audio-language model with its processor and hands the engine
     every prompt with its own audio features."""
     import json
@@ -361,8 +363,11 @@ def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(tmp_path, alm
 
     monkeypatch.setattr(NativeEngine, "generate", recording)
     data = alm_assets / "data" / "test.jsonl"
-    prompts = {"_component_": "lightrft.data.PromptDataset", "path": str(data),
-               "max_audio_seconds": 1.0}
+    prompts = {
+        "_component_": "lightrft.data.PromptDataset",
+        "path": str(data),
+        "max_audio_seconds": 1.0,
+    }
     cfg = {
         "output_dir": str(tmp_path / "eval"),
         "device": "cpu",
@@ -376,8 +381,11 @@ def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(tmp_path, alm
     path.write_text("# lightrft run eval --config eval.yaml\n" + yaml.safe_dump(cfg))
     assert cli.main(["run", "eval", "--config", str(path)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
-    items = list(PromptDataset(load_processor(str(alm_assets / "model")), path=str(data),
-                               max_audio_seconds=1.0))
+    items = list(
+        PromptDataset(
+            load_processor(str(alm_assets / "model")), path=str(data), max_audio_seconds=1.0
+        )
+    )
     assert len(seen) == len(items) == len(rows) == 8
     for req, item in zip(seen, items, strict=True):
         assert list(req.prompt_token_ids) == list(item["prompt_ids"])

@@ -27,8 +27,13 @@ SETTINGS = {"default (PASSIVE)": {}, "OMP_WAIT_POLICY=ACTIVE": {"OMP_WAIT_POLICY
 def _lightrft(args: list[str], cwd: Path, extra_env: dict[str, str]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(extra_env)
-    subprocess.run([sys.executable, "-m", "lightrft", *args], cwd=cwd, env=env, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "lightrft", *args],
+        cwd=cwd,
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def _median_step_time(metrics: Path, skip: int) -> float:
@@ -38,7 +43,9 @@ def _median_step_time(metrics: Path, skip: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--spinners", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=None)
@@ -46,27 +53,60 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="lightrft-contention-"))
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "outputs/tiny/add_sft/final").exists():
-        _lightrft(["run", "sft", "--config", "tiny/add_sft", "max_steps=20", "~eval_dataset",
-                   "lr_scheduler.warmup_steps=0", "save_every=1000"], work, {})
+        _lightrft(
+            [
+                "run",
+                "sft",
+                "--config",
+                "tiny/add_sft",
+                "max_steps=20",
+                "~eval_dataset",
+                "lr_scheduler.warmup_steps=0",
+                "save_every=1000",
+            ],
+            work,
+            {},
+        )
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     results: dict[tuple[str, int], float] = {}
     for spinners in (0, args.spinners):
         for name, env in SETTINGS.items():
-            procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+            procs = [
+                subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(spinners)
+            ]
             try:
                 out = work / f"run-{spinners}-{len(results)}"
-                _lightrft(["run", "grpo", "--config", "tiny/add_grpo", f"max_steps={args.steps}", "log_every=1",
-                           "~eval", "~eval_dataset", f"output_dir={out}", "save_every=100000",
-                           "lr_scheduler.warmup_steps=0", "overwrite=true",
-                           # every step trains: the 20-step warm start is rarely right, and
-                           # dynamic sampling would skip the update on most steps
-                           "~algorithm.shaping"], work, env)
+                _lightrft(
+                    [
+                        "run",
+                        "grpo",
+                        "--config",
+                        "tiny/add_grpo",
+                        f"max_steps={args.steps}",
+                        "log_every=1",
+                        "~eval",
+                        "~eval_dataset",
+                        f"output_dir={out}",
+                        "save_every=100000",
+                        "lr_scheduler.warmup_steps=0",
+                        "overwrite=true",
+                        # every step trains: the 20-step warm start is rarely right, and
+                        # dynamic sampling would skip the update on most steps
+                        "~algorithm.shaping",
+                    ],
+                    work,
+                    env,
+                )
             finally:
                 for p in procs:
                     p.kill()
                     p.wait()
             results[(name, spinners)] = _median_step_time(out / "metrics.jsonl", skip=3)
-            print(f"{name:24s} spinners={spinners}: {results[(name, spinners)] * 1e3:7.1f} ms/step", flush=True)
+            print(
+                f"{name:24s} spinners={spinners}: {results[(name, spinners)] * 1e3:7.1f} ms/step",
+                flush=True,
+            )
     print("\nsetting                   alone (ms)  beside (ms)  slowdown")
     for name in SETTINGS:
         alone, busy = results[(name, 0)], results[(name, args.spinners)]

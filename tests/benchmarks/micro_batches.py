@@ -46,7 +46,9 @@ def lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--rows", type=int, default=8, help="train.micro_batch_size")
     ap.add_argument("--rounds", type=int, default=3)
@@ -59,10 +61,16 @@ def main() -> None:
     recipe = runpy.run_path(str(recipes_dir() / "grpo.py"))
     padded, packed = recipe["_padded"], recipe["_packed"]
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                      num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=2048,
-                      attn_implementation="sdpa")
+    cfg = Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 128),
+        max_position_embeddings=2048,
+        attn_implementation="sdpa",
+    )
     model = Qwen2ForCausalLM(cfg)
     p_len, r_len = lengths(args.samples)
     rng = random.Random(1)
@@ -80,16 +88,22 @@ def main() -> None:
 
     def run(packing: bool, max_tokens: int | None) -> tuple[float, int, int]:
         seen = 0
-        micro = plan(order, total, args.rows if max_tokens is None else 10**9, max_tokens,
-                     packing=packing)
+        micro = plan(
+            order, total, args.rows if max_tokens is None else 10**9, max_tokens, packing=packing
+        )
         start = time.perf_counter()
         for idx in micro:
-            mb = (packed if packing else padded)([prompts[i] for i in idx],
-                                                 [responses[i] for i in idx], 0)
+            mb = (packed if packing else padded)(
+                [prompts[i] for i in idx], [responses[i] for i in idx], 0
+            )
             seen += mb["input_ids"].numel()
-            lp = causal_lm_token_logprobs(model, mb["input_ids"], targets=mb["targets"],
-                                          attention_mask=mb["attention_mask"],
-                                          position_ids=mb["position_ids"])
+            lp = causal_lm_token_logprobs(
+                model,
+                mb["input_ids"],
+                targets=mb["targets"],
+                attention_mask=mb["attention_mask"],
+                position_ids=mb["position_ids"],
+            )
             lp.sum().backward()
         return time.perf_counter() - start, seen, len(micro)
 
@@ -103,12 +117,16 @@ def main() -> None:
             times[name].append(t)
             info[name] = (seen, count)
     real = sum(total)
-    print(f"{args.samples} samples, {real} real tokens (prompt mean {statistics.mean(p_len):.0f}, "
-          f"response mean {statistics.mean(r_len):.0f}, max {max(r_len)}); rows={args.rows}, "
-          f"token budget={budget}; hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"{args.samples} samples, {real} real tokens (prompt mean {statistics.mean(p_len):.0f}, "
+        f"response mean {statistics.mean(r_len):.0f}, max {max(r_len)}); rows={args.rows}, "
+        f"token budget={budget}; hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+        f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
+    )
     base = statistics.median(times["padded, rows"])
-    print(f"{'layout':22s} {'median s':>9s} {'vs padded rows':>15s} {'tokens run':>11s} {'micro-batches':>14s}")
+    print(
+        f"{'layout':22s} {'median s':>9s} {'vs padded rows':>15s} {'tokens run':>11s} {'micro-batches':>14s}"
+    )
     for name in layouts:
         med = statistics.median(times[name])
         seen, count = info[name]

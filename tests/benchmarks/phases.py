@@ -108,7 +108,9 @@ def padded_rows(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--intermediate", type=int, default=4864)
     ap.add_argument("--layers", type=int, default=2)
@@ -136,8 +138,14 @@ def main() -> None:
 
     # ---- rollout: prefill (one new token) and the whole generate; decode = the difference
     def generate(max_tokens: int):
-        params = SamplingParams(n=args.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
-                                seed=0, detokenize=False)
+        params = SamplingParams(
+            n=args.n,
+            temperature=1.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            seed=0,
+            detokenize=False,
+        )
         return engine.generate([Request(p) for p in prompts], params)
 
     generate(args.max_tokens)  # warm-up
@@ -196,7 +204,9 @@ def main() -> None:
         f"trainer tokens (padded) {run_tokens}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}"
     )
-    print(f"{'phase':24s} {'time s':>8s} {'GFLOP':>8s} {'GFLOP/s':>8s} {'floor s':>8s} {'of floor':>9s}")
+    print(
+        f"{'phase':24s} {'time s':>8s} {'GFLOP':>8s} {'GFLOP/s':>8s} {'floor s':>8s} {'of floor':>9s}"
+    )
     table = [
         ("rollout prefill", t_prefill, matmul_flops(shapes, prompt_tokens), f_prefill),
         ("rollout decode", t_decode, decode_steps * matmul_flops(shapes, rows), f_decode),
@@ -204,13 +214,17 @@ def main() -> None:
         ("training fwd+bwd", t_train, 3 * matmul_flops(shapes, run_tokens), f_train),
     ]
     for name, t, flops, floor in table:
-        print(f"{name:24s} {t:8.3f} {flops / 1e9:8.1f} {flops / 1e9 / t:8.1f} {floor:8.3f} "
-              f"{floor / t:8.0%}")
+        print(
+            f"{name:24s} {t:8.3f} {flops / 1e9:8.1f} {flops / 1e9 / t:8.1f} {floor:8.3f} "
+            f"{floor / t:8.0%}"
+        )
     for name, t in (("optimizer (AdamW)", t_opt), ("weight sync", t_sync)):
         print(f"{name:24s} {t:8.3f} {'-':>8s} {n_bytes / 2**30 / t:7.2f} GiB/s of parameters")
     total = t_prefill + t_decode + t_ref + t_train + t_opt + t_sync
-    print(f"{'step (sum)':24s} {total:8.3f}; matmul floor of the step "
-          f"{statistics.fsum([f_prefill, f_decode, f_ref, f_train]) / total:.0%}")
+    print(
+        f"{'step (sum)':24s} {total:8.3f}; matmul floor of the step "
+        f"{statistics.fsum([f_prefill, f_decode, f_ref, f_train]) / total:.0%}"
+    )
 
 
 if __name__ == "__main__":

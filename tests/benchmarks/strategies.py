@@ -104,7 +104,9 @@ def main() -> None:
         print(f"{name:18s} peak RSS {results[name][0]:.2f} GiB, {step:.2f} s/step", flush=True)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     base_rss, base_step = results["FSDP2"][:2]
-    print(f"{'strategy':18s} {'peak RSS GiB':>12s} {'vs FSDP2':>8s} {'s/step':>7s} {'vs FSDP2':>8s}")
+    print(
+        f"{'strategy':18s} {'peak RSS GiB':>12s} {'vs FSDP2':>8s} {'s/step':>7s} {'vs FSDP2':>8s}"
+    )
     for name, (rss, step, _) in results.items():
         print(f"{name:18s} {rss:12.2f} {rss / base_rss:7.2f}x {step:7.2f} {step / base_step:7.2f}x")
 

@@ -40,6 +40,13 @@ def test_formats_and_rendering(tok, tmp_path):
     # Raw text: prompt + response, as RewardModel(chat_template=False) scores it.
     raw = PreferenceDataset(tok, records=recs[:1], apply_chat_template=False)
     assert tok.decode(raw[0]["sequences"][1]) == "2+2?5"
+    # Where each response starts (what the likelihood pooling scores): after the assistant
+    # header with the template, after the prompt without; with no prompt, all but the first
+    # token (which nothing predicts).
+    chosen = it["sequences"][0].tolist()
+    assert tok.decode(chosen[it["starts"][0] :]) == "4<|im_end|>\n"
+    assert tok.decode(raw[0]["sequences"][1][raw[0]["starts"][1] :]) == "5"
+    assert ds[1]["starts"] == [1, 1]
     assert "where" not in ds[0] and ds.where(1).endswith("line 2")
 
 
@@ -91,9 +98,16 @@ def _items():
         return torch.tensor(xs)
 
     return [
-        {"sequences": [t(5, 6, 7), t(5, 6)], "margin": 0.5, "head": "b", "safe": [1, -1]},
+        {
+            "sequences": [t(5, 6, 7), t(5, 6)],
+            "starts": [2, 1],
+            "margin": 0.5,
+            "head": "b",
+            "safe": [1, -1],
+        },
         {
             "sequences": [t(9), t(8, 8), t(7, 7, 7, 7)],
+            "starts": [1, 1, 2],
             "margin": 0.0,
             "head": None,
             "safe": [0, 0, 0],
@@ -114,6 +128,10 @@ def test_collator_pads_and_packs_to_the_same_segments():
     assert "attention_mask" not in packed
     assert packed["segment_ids"].tolist() == [[0, 0, 0, 1, 1, 2], [3, 3, 4, 4, 4, 4]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]
+    # The response tokens (from each sequence's start on), in both layouts.
+    assert packed["scored"].int().tolist() == [[0, 0, 1, 0, 1, 0], [0, 1, 0, 0, 1, 1]]
+    assert pad["scored"].int().tolist()[:2] == [[0, 0, 1, 0], [0, 1, 0, 0]]
+    assert left["scored"].int().tolist()[4] == [0, 0, 1, 1]
     short = PreferenceCollator(0, ["a", "b"], packing=True, max_tokens=5)(_items())
     # Row 0 is full after two sequences; the 4-token one does not fit after 2 and 3.
     assert short["segment_ids"].tolist() == [[0, 0, 0, 1, 1], [2, 3, 3, -1, -1], [4, 4, 4, 4, -1]]

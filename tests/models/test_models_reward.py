@@ -43,6 +43,7 @@ def test_padding_side_and_packing_agree(tiny_model_dir, pooling, probe):
                 "margin": 0.0,
                 "head": None,
                 "safe": [0] * 4,
+                "starts": [1] * 4,
             }
         ]
         batch = PreferenceCollator(0, ["a", "b"], packing=True)(items)
@@ -69,3 +70,57 @@ def test_probe_layer_reads_a_middle_block(tiny_model_dir):
     assert torch.allclose(got, want, atol=1e-6)
     with pytest.raises(ValueError, match="probe_layer"):
         build_reward_net(tiny_model_dir, probe_layer=3)  # the tiny model has 2 blocks
+
+
+def _mean_logprob_by_hand(lm, seq: list[int], start: int, end: int | None) -> torch.Tensor:
+    """log p(seq[start:] (+ end) | seq[:start]) / its token count, from the LM's full logits."""
+    ids = torch.tensor([seq + ([end] if end is not None and seq[-1] != end else [])])
+    logp = lm(ids).logits[0, :-1].log_softmax(-1)  # [T-1, V]
+    targets = ids[0, 1:]
+    return logp[start - 1 :].gather(-1, targets[start - 1 :, None]).mean()
+
+
+@pytest.mark.parametrize("end", [None, 2])
+def test_likelihood_pooling_is_the_mean_response_logprob_on_any_layout(tiny_model_dir, end):
+    from transformers import AutoModelForCausalLM
+
+    net = build_reward_net(tiny_model_dir, pooling="likelihood", end_token_id=end).eval()
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    seqs = [[5, 17, 9, 23, 11, 30, 12], [7, 8], [40, 41, 42, 2], [3, 4, 5]]
+    starts = [3, 1, 2, 2]  # the last sequence already ends in the end token 2
+    tensors = [torch.tensor(s) for s in seqs]
+    with torch.no_grad():
+        want = torch.stack(
+            [_mean_logprob_by_hand(lm, s, k, end) for s, k in zip(seqs, starts, strict=True)]
+        )
+        right = net(num_sequences=4, **pad_sequences(tensors, 0, "right", starts))
+        left = net(num_sequences=4, **pad_sequences(tensors, 0, "left", starts))
+        item = {"sequences": tensors, "starts": starts, "margin": 0.0, "head": None}
+        batch = PreferenceCollator(0, packing=True)([dict(item, safe=[0] * 4)])
+        packed = net(
+            batch["input_ids"],
+            batch["position_ids"],
+            batch["segment_ids"],
+            4,
+            scored=batch["scored"],
+        )
+    assert right.shape == (4, 1)
+    torch.testing.assert_close(right[:, 0], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(left, right, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed, right, atol=1e-5, rtol=1e-5)
+    # Gradients reach the backbone and the LM head through the fused kernel.
+    net.train()
+    net(num_sequences=4, **pad_sequences(tensors, 0, "right", starts)).sum().backward()
+    assert net.head.weight.grad is not None and net.head.weight.grad.abs().sum() > 0
+
+
+def test_likelihood_pooling_refuses_what_it_cannot_score(tiny_model_dir):
+    with pytest.raises(ValueError, match="one head only"):
+        build_reward_net(tiny_model_dir, heads=["a", "b"], pooling="likelihood")
+    with pytest.raises(ValueError, match="no probe_layer"):
+        build_reward_net(tiny_model_dir, pooling="likelihood", probe_layer=1)
+    with pytest.raises(ValueError, match="end_token_id applies to pooling='likelihood'"):
+        build_reward_net(tiny_model_dir, end_token_id=2)
+    net = build_reward_net(tiny_model_dir, pooling="likelihood")
+    with pytest.raises(ValueError, match="needs the scored-token mask"):
+        net(num_sequences=1, **pad_sequences([torch.tensor([5, 6, 7])], 0))

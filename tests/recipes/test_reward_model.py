@@ -153,6 +153,68 @@ def test_learns_evaluates_and_exports_what_reward_model_and_transformers_load(tm
     assert torch.allclose(logits, scores, atol=1e-5)
 
 
+def test_likelihood_pooling_learns_and_exports_a_causal_lm_that_scores_the_same(tmp_path):
+    """pooling=likelihood on plain text: the LM head scores the response (and the EOS after
+    it); the export is a causal LM directory that RewardModel and transformers read the same."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.models.reward import build_reward_net
+    from lightrft.rewards import RewardModel
+    from lightrft.training import Checkpointer
+
+    plain = {"apply_chat_template": False}
+    cfg = _config(tmp_path, save_every=6)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["model"]["pooling"] = "likelihood"
+    raw["loss"] = {"nll_coef": 0.5}
+    raw["dataset"].update(plain)
+    raw["eval_dataset"].update(plain)
+    cfg.write_text(yaml.safe_dump(raw))
+    assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    evals = [r for r in read_metrics(out) if "eval/accuracy" in r]
+    # The untrained LM already ranks "yes" over "no" here (same tail in every pair): learning
+    # shows in the margin.
+    assert evals[-1]["eval/accuracy"] == 1.0
+    assert evals[-1]["eval/margin/reward"] > 2 * evals[0]["eval/margin/reward"] > 0, evals
+    final = out / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    meta = config["lightrft_reward"]
+    assert meta["pooling"] == "likelihood" and meta["end_token_id"] == config["eos_token_id"]
+
+    torch.manual_seed(0)
+    trained = build_reward_net(
+        tmp_path / "model", pooling="likelihood", end_token_id=meta["end_token_id"]
+    ).eval()
+    Checkpointer(out).load_latest(models=trained, required=True)
+    rm = RewardModel(str(final), chat_template=False, micro_batch_size=2)
+    prompts = ["apple river?", "stone lamp?", "north tiger?"]
+    responses = ["river apple yes", "lamp stone no", "tiger north yes"]
+    scores = rm(prompts, responses)
+    # By hand: the mean log-prob of the response's tokens and the EOS, under the trained LM
+    # (from the checkpoint) and under transformers' load of the export.
+    hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    tok = rm.tokenizer
+    for lm in (hf, None):
+        want = []
+        for p, r in zip(prompts, responses, strict=True):
+            n = len(tok(p, add_special_tokens=False)["input_ids"])
+            ids = torch.tensor(
+                [tok(p + r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+            )
+            with torch.no_grad():
+                if lm is None:
+                    hidden = trained.base(input_ids=ids).last_hidden_state
+                    logits = trained.head(hidden)
+                else:
+                    logits = lm(ids).logits
+            logp = logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+            want.append(logp[n - 1 :].mean())
+        torch.testing.assert_close(scores, torch.stack(want), atol=1e-5, rtol=1e-5)
+    assert scores[0] > scores[1] and scores[2] > scores[1]
+
+
 def test_resume_gives_the_uninterrupted_loss_curve(tmp_path):
     full = tmp_path / "full"
     cfg = _config(full, save_every=3, keep_last=5, eval_every=None, packing=True)
@@ -297,6 +359,11 @@ def test_bad_config_and_data_fail_before_training(tmp_path, capsys):
     assert "packing" in capsys.readouterr().err
     assert cli.main(["run", "reward_model", "--config", str(cfg), "micro_batch_tokens=0"]) == 2
     assert "micro_batch_tokens must be >= 1 or null, got 0" in capsys.readouterr().err
+    assert cli.main(["run", "reward_model", "--config", str(cfg), "loss.nll_coef=0.5"]) == 2
+    assert "loss.nll_coef applies to model.pooling=likelihood only" in capsys.readouterr().err
+    two = ["model.pooling=likelihood", "model.heads=[a,b]"]
+    assert cli.main(["run", "reward_model", "--config", str(cfg), *two]) == 2
+    assert "model.pooling=likelihood scores with the LM head" in capsys.readouterr().err
     with pytest.raises(ValueError, match="resume=true but no checkpoint"):
         cli.main(["run", "reward_model", "--config", str(cfg), "resume=true"])
     # A pair labelled for a head the model does not have: the file and line, before the model.
@@ -402,16 +469,27 @@ def test_lora_on_two_gloo_processes_exports_a_loadable_merged_model(tmp_path):
 # ---------------------------------------------------------------------------------- sharded load
 
 
-def _sharded_scores(rank: int, world_size: int, path: str, out: str) -> None:
+_IDS = torch.arange(3, 19).view(2, 8)
+_LAYOUT = dict(
+    position_ids=torch.arange(8).repeat(2, 1),
+    segment_ids=torch.tensor([[0] * 8, [1] * 8]),
+    num_sequences=2,
+    scored=torch.arange(8).repeat(2, 1) >= 3,
+)
+
+
+def _sharded_scores(rank: int, world_size: int, rm: str, lm: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from lightrft.models.reward import load_reward_net_parallel
 
-    net = load_reward_net_parallel(path, heads=["helpful", "cost"]).eval()
-    assert all(isinstance(p, DTensor) for p in net.parameters())
-    ids = torch.arange(3, 19).view(2, 8)
-    with torch.no_grad():  # a collective forward: every rank runs it
-        scores = net(ids, torch.arange(8).repeat(2, 1), torch.tensor([[0] * 8, [1] * 8]), 2)
+    classifier = load_reward_net_parallel(rm, heads=["helpful", "cost"]).eval()
+    likelihood = load_reward_net_parallel(lm, pooling="likelihood", end_token_id=2).eval()
+    scores = []
+    for net in (classifier, likelihood):
+        assert all(isinstance(p, DTensor) for p in net.parameters())
+        with torch.no_grad():  # a collective forward: every rank runs it
+            scores.append(net(_IDS, **_LAYOUT))
     if rank == 0:
         torch.save(scores, out)
     torch.distributed.barrier()
@@ -419,7 +497,8 @@ def _sharded_scores(rank: int, world_size: int, path: str, out: str) -> None:
 
 def test_sharded_reward_net_loads_its_slices_and_scores_like_one_process(tmp_path):
     """Under 2 gloo ranks the reward model is built on the meta device and each rank reads its
-    slices (backbone and head from a classifier checkpoint): the scores equal one process's."""
+    slices (backbone and head from a classifier checkpoint; the causal LM whole for the
+    likelihood pooling): the scores equal one process's."""
     from lightrft.models import make_tiny_model
     from lightrft.models.reward import load_reward_net_parallel
     from lightrft.training import export_hf
@@ -429,8 +508,16 @@ def test_sharded_reward_net_loads_its_slices_and_scores_like_one_process(tmp_pat
     net = load_reward_net_parallel(tmp_path / "lm", heads=["helpful", "cost"], shard=False)
     export_hf(net, None, tmp_path / "rm")  # a classifier checkpoint with its (random) head
     one = load_reward_net_parallel(tmp_path / "rm", heads=["helpful", "cost"], shard=False).eval()
-    ids = torch.arange(3, 19).view(2, 8)
+    lm = load_reward_net_parallel(
+        tmp_path / "lm", pooling="likelihood", end_token_id=2, shard=False
+    ).eval()
     with torch.no_grad():
-        want = one(ids, torch.arange(8).repeat(2, 1), torch.tensor([[0] * 8, [1] * 8]), 2)
-    run_distributed(_sharded_scores, str(tmp_path / "rm"), str(tmp_path / "s.pt"), world_size=2)
+        want = [one(_IDS, **_LAYOUT), lm(_IDS, **_LAYOUT)]
+    run_distributed(
+        _sharded_scores,
+        str(tmp_path / "rm"),
+        str(tmp_path / "lm"),
+        str(tmp_path / "s.pt"),
+        world_size=2,
+    )
     torch.testing.assert_close(torch.load(tmp_path / "s.pt"), want, rtol=1e-5, atol=1e-6)

@@ -174,3 +174,41 @@ def test_cuda_scores_match_cpu(classifier_dir):
     torch.testing.assert_close(scores, cpu, atol=1e-4, rtol=1e-4)
     bf16 = RewardModel(str(classifier_dir), micro_batch_size=4, device="cuda", dtype="bfloat16")
     torch.testing.assert_close(bf16(PROMPTS, RESPONSES), cpu, atol=0.1, rtol=0.05)
+
+
+def test_likelihood_export_scores_the_assistant_turn_batch_invariant_and_cut(
+    tiny_model_dir, tmp_path
+):
+    """A likelihood reward model (a causal LM with the lightrft_reward block) is detected, and
+    scores the mean log-prob of what follows the rendered prompt (with the chat template, the
+    assistant turn and its end tokens), whatever the batching; a cut keeps the response."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.models.loading import load_tokenizer
+    from lightrft.models.reward import CONFIG_KEY, build_reward_net
+    from lightrft.training import export_hf
+
+    net = build_reward_net(tiny_model_dir, pooling="likelihood")
+    setattr(net._hf[0].config, CONFIG_KEY, net.reward_config())
+    export_hf(net, load_tokenizer(tiny_model_dir), tmp_path / "ll")
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "ll", dtype=torch.float32).eval()
+    one = RewardModel(str(tmp_path / "ll"), micro_batch_size=1)
+    prompts, responses = PROMPTS[:5], RESPONSES[:5]
+    scores = one(prompts, responses)
+    tok = one.tokenizer
+    for k, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        head = tok.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        ids = torch.tensor([tok(one.render(p, r), add_special_tokens=False)["input_ids"]])
+        n = len(tok(head, add_special_tokens=False)["input_ids"])
+        with torch.no_grad():
+            logp = lm(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        torch.testing.assert_close(scores[k], logp[n - 1 :].mean(), atol=1e-5, rtol=1e-5)
+    batched = RewardModel(str(tmp_path / "ll"), micro_batch_size=4, padding_side="left")
+    torch.testing.assert_close(batched(prompts, responses), scores, atol=1e-5, rtol=1e-5)
+    # A cut drops the prompt's start: the response's tokens are the same, in a shorter context.
+    cut = RewardModel(str(tmp_path / "ll"), max_length=24)
+    seq = cut.tokenize([PROMPTS[3]], [RESPONSES[3]])[0]
+    start = cut.response_starts([PROMPTS[3]], [RESPONSES[3]])[0]
+    assert tok.decode(seq[start:]) == RESPONSES[3] + "<|im_end|>\n"
