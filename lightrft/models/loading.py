@@ -28,9 +28,11 @@ def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def _check_local(path: str | Path) -> None:
     p = Path(path)
-    # A string that looks like a path (absolute, ./, ../) but does not exist is a user error, not
-    # a hub id: say so instead of letting the hub client time out.
-    if (p.is_absolute() or str(path).startswith((".", "~"))) and not p.exists():
+    # A string that looks like a path (absolute, ./, ../, or more parts than a hub id's
+    # "namespace/name") but does not exist is a user error, not a hub id: say so instead of
+    # letting the hub client time out or reject the id.
+    looks_local = p.is_absolute() or str(path).startswith((".", "~")) or len(p.parts) > 2
+    if looks_local and not p.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
 
 

@@ -158,6 +158,9 @@ def test_errors(classifier_dir, value_head_dir, tiny_model_dir):
         RewardModel(str(value_head_dir), value_head_key="v_head")
     with pytest.raises(ValueError, match="does not exist"):
         RewardModel("/nonexistent/rm")
+    # Relative, with more parts than a hub id ("namespace/name") has: a path, not a hub id.
+    with pytest.raises(ValueError, match="model path 'outputs/tiny/rm/final' does not exist"):
+        RewardModel("outputs/tiny/rm/final")
     rm = RewardModel(str(classifier_dir))
     with pytest.raises(ValueError, match="prompts has 1 entries but responses has 2"):
         rm(["a"], ["b", "c"])
