@@ -273,6 +273,11 @@ def build_options(cfg: DictConfig) -> RewardModelOptions:
         errors.append(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {opts.min_lr_ratio}")
     if opts.warmup_steps < 0:
         errors.append(f"lr_scheduler.warmup_steps must be >= 0, got {opts.warmup_steps}")
+    if opts.max_steps is not None and opts.warmup_steps > opts.max_steps:
+        errors.append(
+            f"lr_scheduler.warmup_steps={opts.warmup_steps} is more than max_steps="
+            f"{opts.max_steps}: the schedule would never reach its peak"
+        )
     if opts.clip_grad_norm is not None and opts.clip_grad_norm <= 0:
         errors.append(f"clip_grad_norm must be > 0 or null, got {opts.clip_grad_norm}")
     if opts.lora is not None and opts.deepspeed is not None:
