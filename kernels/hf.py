@@ -1,14 +1,16 @@
 """Per-token log-probs of a Hugging Face causal LM through the fused kernel, without logits.
 
 The model's own forward runs (so FSDP2's hooks all-gather the root-managed parameters: the
-embeddings, the final norm and the LM head), with two forward hooks:
+embeddings, the final norm and the LM head), with three forward hooks:
 
 1. on the decoder trunk (``model.get_decoder()``, e.g. ``model.model``) to capture the final,
    normalised hidden states ``[B, T, H]``;
-2. on the root module itself, registered *first* so that it runs while FSDP2 still holds the
-   LM-head weight unsharded (before FSDP2's post-forward hook reshards it). It computes the
-   log-probs with ``lm_head.weight`` and returns them as the module's output, so FSDP2 registers
-   its pre-backward hook on them and all-gathers the weight again before the kernel's backward.
+2. on the LM head, registered *first* so that it runs while FSDP2 still holds the head's weight
+   unsharded (in the root's group for the whole forward; in a frozen model's own head group only
+   during the head's forward). It computes the log-probs with ``lm_head.weight``;
+3. on the root module, registered first too, which returns them as the module's output, so
+   FSDP2 registers its pre-backward hook on them and all-gathers the root's weights (the trained
+   head among them) again before the kernel's backward.
 
 ``logits_to_keep=1`` makes the model's own LM head project a single position (a ``[B, 1, V]``
 product that is dropped) instead of all ``T``. Tied embeddings need nothing special: the LM head
@@ -112,9 +114,20 @@ def forward_on_hidden(
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
         captured["hidden"] = hidden  # [B, T, H], after the final norm
 
-    def compute_instead_of_logits(_mod, _args, _output):
+    def compute_in_head(_mod, _args, _output):
+        # While the head's weight is unsharded: in the root's FSDP2 group (for the whole
+        # forward), or in its own group (a frozen model's, gathered only for the head).
         hidden = captured.pop("hidden")[:, :-1]  # [B, T-1, H]
-        return fn(hidden, head.weight, getattr(head, "bias", None))
+        if _own_fsdp_group(head) and torch.is_grad_enabled() and hidden.requires_grad:
+            raise ValueError(
+                "the LM head is an FSDP2 group of its own (parallelize does that for a model "
+                "without trainable parameters), so its weight is resharded after its forward "
+                "and no backward can read it; compute under torch.no_grad()"
+            )
+        captured["out"] = fn(hidden, head.weight, getattr(head, "bias", None))
+
+    def return_it(_mod, _args, _output):
+        return captured.pop("out")
 
     kwargs = dict(model_kwargs)
     kwargs.setdefault("use_cache", False)
@@ -125,15 +138,24 @@ def forward_on_hidden(
     if _accepts(type(base), "logits_to_keep"):
         kwargs.setdefault("logits_to_keep", 1)
     h_trunk = trunk.register_forward_hook(capture_hidden)
-    # prepend=True: run before FSDP2's post-forward hook, while the root's weights are unsharded.
-    h_root = model.register_forward_hook(compute_instead_of_logits, prepend=True)
+    # prepend=True: before FSDP2's post-forward hooks, so the head's weight is still unsharded
+    # and the root's output is ours (FSDP2 registers its pre-backward hook on it).
+    h_head = head.register_forward_hook(compute_in_head, prepend=True)
+    h_root = model.register_forward_hook(return_it, prepend=True)
     try:
         return model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         )
     finally:
         h_trunk.remove()
+        h_head.remove()
         h_root.remove()
+
+
+def _own_fsdp_group(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def causal_lm_token_logprobs(

@@ -1077,8 +1077,9 @@ class GRPORecipe:
         )
         self.ref = None  # with LoRA the reference is the actor with its adapters off
         if o.kl is not None and m.lora is None:  # a frozen copy of the initial policy
-            self.ref = self._load_model(m.path)
-            self.ref.requires_grad_(False).eval()
+            # Frozen before sharding: parallelize then gives its LM head a group of its own.
+            self.ref = self._load_model(m.path, lambda model: model.requires_grad_(False))
+            self.ref.eval()
         self.critic = self.critic_opt = self.critic_sched = None
         if o.critic is not None:
             self.critic = self._load_model(

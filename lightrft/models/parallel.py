@@ -67,6 +67,19 @@ def _untied_input_embedding(model: nn.Module) -> nn.Module | None:
     return emb
 
 
+def _untied_output_head(model: nn.Module) -> nn.Module | None:
+    """The model's LM head when it is a module of its own weight (not the input embedding's)."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is None or not isinstance(getattr(head, "weight", None), nn.Parameter):
+        return None
+    get_in = getattr(model, "get_input_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    if emb is not None and getattr(emb, "weight", None) is head.weight:
+        return None
+    return head
+
+
 def default_param_dtype(device: torch.device | str) -> torch.dtype:
     """bf16 compute on accelerators, fp32 on CPU (CPU bf16 matmuls are slow and imprecise)."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
@@ -88,7 +101,9 @@ def parallelize(
     1. activation checkpointing wraps each decoder block (recompute in backward);
     2. ``torch.compile`` compiles each block in place (names keep no ``_orig_mod.`` prefix);
     3. FSDP2 ``fully_shard`` shards each block, then the root, with a ``MixedPrecisionPolicy``;
-       a vision- or audio-language model's tower blocks are sharded each as well.
+       a vision- or audio-language model's tower blocks are sharded each as well, and so are an
+       untied input embedding and, in a model without trainable parameters (freeze it in
+       ``prepare``), an untied LM head: each is then gathered only while it runs.
 
     ``shard=None`` shards when a process group is initialised; a single plain process keeps
     ordinary tensors so the same recipe runs unchanged on a laptop.
@@ -129,6 +144,12 @@ def parallelize(
         fully_shard(
             layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last
         )
+    # A frozen model (a reference policy) gathers its untied LM head only for the head's own
+    # forward instead of holding it with the root for the whole forward. A trained head stays
+    # in the root: the fused log-prob kernel's backward reads its weight after the forward.
+    head = _untied_output_head(model)
+    if head is not None and not any(p.requires_grad for p in model.parameters()):
+        fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
 

@@ -81,7 +81,7 @@ def load_both(path: Path) -> tuple[float, float]:
     actor = load_parallel(path)
     with torch.no_grad():
         actor(input_ids=ids)
-    ref = load_parallel(path).requires_grad_(False)
+    ref = load_parallel(path, prepare=lambda model: model.requires_grad_(False))
     with torch.no_grad():
         ref(input_ids=ids)
     return peak_mib(), resident_mib()

@@ -54,6 +54,23 @@ def _sharded_worker(rank: int, world: int, tied: str, untied: str, vlm: str, ref
         head, emb = model.get_output_embeddings(), model.get_input_embeddings()
         assert (head.weight is emb.weight) == (name == "tied")
 
+    # A frozen model (a reference policy): its untied LM head is an FSDP2 group of its own,
+    # gathered only for the head's forward; the fused log-probs read it there and equal the
+    # single-process ones. A trained model keeps the head in the root group.
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightrft.kernels import causal_lm_token_logprobs
+
+    frozen = load_parallel(untied, prepare=lambda m: m.requires_grad_(False))
+    assert isinstance(frozen.get_output_embeddings(), FSDPModule)
+    assert not isinstance(load_parallel(untied).get_output_embeddings(), FSDPModule)
+    with torch.no_grad():
+        logits = frozen(input_ids=IDS).logits
+        lp = causal_lm_token_logprobs(frozen, IDS)
+    torch.testing.assert_close(logits, refs["untied"]["logits"], rtol=0, atol=1e-6)
+    want = refs["untied"]["logits"][:, :-1].log_softmax(-1).gather(-1, IDS[:, 1:, None])[..., 0]
+    torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
+
     # LoRA created on the meta base layers: adapters initialised as PEFT does, in full, then
     # sharded (lora_A rows differ across ranks); lora_B = 0 keeps the base model's logits.
     torch.manual_seed(0)
