@@ -225,6 +225,12 @@ class RewardNet(nn.Module):
     def head(self) -> nn.Linear:
         return getattr(self, self.head_name)
 
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The LM head of the ``likelihood`` pooling (``None`` otherwise). Its weight is read
+        directly, not through the head's forward: DeepSpeed ZeRO-3 finds it here and gathers it
+        with the root module."""
+        return self.head if self.pooling == "likelihood" else None
+
     def forward(
         self,
         input_ids: torch.Tensor,

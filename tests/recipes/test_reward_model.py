@@ -361,6 +361,9 @@ def test_bad_config_and_data_fail_before_training(tmp_path, capsys):
     assert "micro_batch_tokens must be >= 1 or null, got 0" in capsys.readouterr().err
     assert cli.main(["run", "reward_model", "--config", str(cfg), "loss.nll_coef=0.5"]) == 2
     assert "loss.nll_coef applies to model.pooling=likelihood only" in capsys.readouterr().err
+    over = ["max_steps=1", "lr_scheduler.warmup_steps=2"]
+    assert cli.main(["run", "reward_model", "--config", str(cfg), *over]) == 2
+    assert "lr_scheduler.warmup_steps=2 is more than max_steps=1" in capsys.readouterr().err
     two = ["model.pooling=likelihood", "model.heads=[a,b]"]
     assert cli.main(["run", "reward_model", "--config", str(cfg), *two]) == 2
     assert "model.pooling=likelihood scores with the LM head" in capsys.readouterr().err
@@ -453,6 +456,38 @@ def test_lora_learns_checkpoints_adapters_resumes_bitwise_and_exports_merged(tmp
     assert all(resumed[s] == reference[s] for s in (4, 5, 6)), (resumed, reference)
     assert cli.main(["run", "reward_model", "--config", str(_config(crashed, **over))]) == 2
     assert "holds LoRA adapters" in capsys.readouterr().err
+
+
+def test_lora_on_a_likelihood_reward_model_keeps_the_lm_head_frozen(tmp_path):
+    """LoRA with the likelihood pooling: only the adapters train (the LM head is the pretrained
+    one, not a new head), and the merged export is the causal LM that RewardModel scores."""
+    from lightrft.data.preference import pad_sequences
+    from lightrft.models.lora import LoraOptions, apply_backbone_lora
+    from lightrft.models.reward import build_reward_net
+    from lightrft.rewards import RewardModel
+
+    model = {"path": str(tmp_path / "model"), "pooling": "likelihood"}
+    cfg = _config(tmp_path, lora=_LORA, model=model, max_steps=3, eval_every=None)
+    assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
+    net = build_reward_net(tmp_path / "model", pooling="likelihood")
+    lora = apply_backbone_lora(
+        build_reward_net(tmp_path / "model", pooling="likelihood"), LoraOptions(**_LORA)
+    )
+    trained = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained), trained
+
+    final = tmp_path / "out" / "final"
+    meta = json.loads((final / "config.json").read_text())["lightrft_reward"]
+    assert meta["pooling"] == "likelihood"
+    rm = RewardModel(str(final))
+    prompts, responses = ["apple river?"], ["river apple yes"]
+    after = rm(prompts, responses)
+    seqs, starts = rm.tokenize(prompts, responses), rm.response_starts(prompts, responses)
+    with torch.no_grad():
+        before = net.eval()(
+            num_sequences=1, **pad_sequences([torch.tensor(seqs[0])], 0, starts=starts)
+        )[:, 0]
+    assert torch.isfinite(after).all() and not torch.allclose(after, before)
 
 
 def test_lora_on_two_gloo_processes_exports_a_loadable_merged_model(tmp_path):
