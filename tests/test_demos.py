@@ -114,7 +114,8 @@ def test_audio_demo_chain(tmp_path, monkeypatch):
 
 
 def test_rlhf_demo_chain(tmp_path, monkeypatch):
-    """SFT -> reward model on its backbone -> GRPO with that reward model as the only reward."""
+    """SFT -> a likelihood reward model from it -> GRPO with that reward model as the only
+    reward."""
     monkeypatch.chdir(tmp_path)
     small = [
         "prepare.1.n_train=64",
@@ -124,7 +125,7 @@ def test_rlhf_demo_chain(tmp_path, monkeypatch):
         "lr_scheduler.warmup_steps=0",
         "metrics.tensorboard=false",
     ]
-    assert cli.main(["run", "sft", "--config", "tiny/arith_sft", *small]) == 0
+    assert cli.main(["run", "sft", "--config", "tiny/add_sft", *small]) == 0
     rm = ["max_steps=2", "eval_every=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
     assert cli.main(["run", "reward_model", "--config", "tiny/rlhf_rm", *rm]) == 0
     assert (tmp_path / "outputs/tiny/rlhf_rm/final/config.json").is_file()
