@@ -138,17 +138,19 @@ def parallelize(
     embedding = _untied_input_embedding(model)
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    frozen = not any(p.requires_grad for p in model.parameters())  # a reference policy
     for i, layer in enumerate(layers):
-        # The last block is gathered again right away by the root's backward: keep it unsharded.
-        last = i == len(layers) - 1
+        # A trained model's last block is gathered again right away by the root's backward:
+        # keep it unsharded. A frozen model has no backward.
+        keep = i == len(layers) - 1 and not frozen
         fully_shard(
-            layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last
+            layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not keep
         )
-    # A frozen model (a reference policy) gathers its untied LM head only for the head's own
-    # forward instead of holding it with the root for the whole forward. A trained head stays
-    # in the root: the fused log-prob kernel's backward reads its weight after the forward.
+    # A frozen model gathers its untied LM head only for the head's own forward instead of
+    # holding it with the root for the whole forward. A trained head stays in the root: the
+    # fused log-prob kernel's backward reads its weight after the forward.
     head = _untied_output_head(model)
-    if head is not None and not any(p.requires_grad for p in model.parameters()):
+    if head is not None and frozen:
         fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model

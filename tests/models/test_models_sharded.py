@@ -70,6 +70,17 @@ def _sharded_worker(rank: int, world: int, tied: str, untied: str, vlm: str, ref
     torch.testing.assert_close(logits, refs["untied"]["logits"], rtol=0, atol=1e-6)
     want = refs["untied"]["logits"][:, :-1].log_softmax(-1).gather(-1, IDS[:, 1:, None])[..., 0]
     torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
+    # Nothing of it stays gathered after the forward (no backward will come): the last block
+    # and the head are resharded too.
+    for n, p in frozen.named_parameters():
+        if p.shape[0] >= world:
+            assert p._local_tensor.untyped_storage().size() > 0, n
+            assert p.to_local().shape[0] < p.shape[0], n
+    last = frozen.model.layers[-1]
+    assert all(
+        not (hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group.is_unsharded)
+        for m in (last, frozen.lm_head)
+    )
 
     # LoRA created on the meta base layers: adapters initialised as PEFT does, in full, then
     # sharded (lora_A rows differ across ranks); lora_B = 0 keeps the base model's logits.
