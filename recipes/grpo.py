@@ -777,7 +777,6 @@ def build_options(cfg: DictConfig) -> GRPOOptions:
     if opts.model.deepspeed is not None:
         for key, value in (
             ("lora", opts.model.lora),
-            ("critic", opts.critic),
             ("shard_size", opts.model.mesh.shard_size),
             ("replicate_size", opts.model.mesh.replicate_size),
         ):
@@ -1054,8 +1053,9 @@ class GRPORecipe:
         self.pad_id = self.tokenizer.pad_token_id
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(cfg.optimizer, params)
-        # strategy=deepspeed: the engine steps the actor's optimizer (the reference stays an
-        # FSDP2-sharded inference model, whichever the actor's strategy).
+        # strategy=deepspeed: the engine steps the actor's optimizer (the reference and the
+        # critic stay FSDP2-sharded, whichever the actor's strategy: one backward of the
+        # combined loss reaches both, each reduces its own gradients).
         self.ds_engine = None
         if m.deepspeed is not None:
             from lightrft.models import deepspeed as lds
@@ -1183,7 +1183,13 @@ class GRPORecipe:
 
     def _stateful(self):
         if self.ds_engine is not None:  # it checkpoints the actor's optimizer itself
-            return self.ds_engine, None, self.scheduler
+            if self.critic is None:
+                return self.ds_engine, None, self.scheduler
+            return (
+                {"policy": self.ds_engine, "critic": self.critic},
+                {"critic": self.critic_opt},
+                {"policy": self.scheduler, "critic": self.critic_sched},
+            )
         if self.critic is None:
             return self.model, self.optimizer, self.scheduler
         return (

@@ -26,9 +26,10 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow` and `benchmark_suite` tests run only when selected with `-m` (documented opt-in)."""
+    """`slow`, `benchmark_suite` and `deepspeed` tests run only when selected with `-m`
+    (documented opt-in)."""
     markexpr = config.getoption("markexpr") or ""
-    for marker in ("slow", "benchmark_suite"):
+    for marker in ("slow", "benchmark_suite", "deepspeed"):
         if marker in markexpr:
             continue
         skip = pytest.mark.skip(reason=f"opt-in: select with -m {marker}")

@@ -40,10 +40,15 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
     torch.distributed.barrier()  # both ranks leave together (gloo teardown under load)
 
 
+@pytest.mark.deepspeed
 def test_zero3_actor_follows_fsdp2_syncs_checkpoints_and_exports(tmp_path, assets):  # noqa: F811
-    """A ZeRO-3 actor beside an FSDP2 reference (KL in the loss), token-budget micro-batches:
-    the same rollouts, losses, KL and gradient norms as an all-FSDP2 run; the rollout engine
-    receives the gathered weights; the checkpoint holds DeepSpeed's files; final/ loads."""
+    """A ZeRO-3 actor beside an FSDP2 reference (KL in the loss) and an FSDP2 GAE critic (one
+    backward of the combined loss reaches both trained models), token-budget micro-batches: the
+    same rollouts, losses, KL and gradient norms (actor and critic) as an all-FSDP2 run; the
+    rollout engine receives the gathered weights; the checkpoint holds the actor as DeepSpeed's
+    files and the critic as DCP state; final/ loads."""
+    import json
+
     from transformers import AutoModelForCausalLM
 
     runs = {}
@@ -57,6 +62,8 @@ def test_zero3_actor_follows_fsdp2_syncs_checkpoints_and_exports(tmp_path, asset
             assets,
             **{
                 "algorithm.kl": {"coef": 0.05},
+                "algorithm.advantage.estimator": "gae",
+                "critic": {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
                 "train": {"micro_batch_size": 4, "micro_batch_tokens": 30, "packing": True},
                 "eval": None,
                 "save_every": 2,
@@ -66,11 +73,14 @@ def test_zero3_actor_follows_fsdp2_syncs_checkpoints_and_exports(tmp_path, asset
         run_distributed(_two_rank_grpo, str(cfg), world_size=2)
         rows = _train_rows(read_metrics(tmp_path / name / "out"))
         keys = ("reward/total/mean", "train/loss", "train/kl", "train/grad_norm")
-        runs[name] = [[rows[s][k] for k in keys] for s in sorted(rows)]
+        runs[name] = [[rows[s][k] for k in (*keys, "critic/grad_norm")] for s in sorted(rows)]
     assert len(runs["zero3"]) == 2
     torch.testing.assert_close(runs["zero3"], runs["fsdp2"], rtol=1e-4, atol=1e-6)
     out = tmp_path / "zero3" / "out"
-    assert (out / "checkpoints" / "step_000002" / "deepspeed.model").is_dir()
+    step = out / "checkpoints" / "step_000002"
+    assert (step / "deepspeed.policy").is_dir()
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["deepspeed"] == ["policy"] and sorted(meta["models"]) == ["critic", "policy"]
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
@@ -84,14 +94,3 @@ def test_deepspeed_refuses_what_it_does_not_build(tmp_path, assets, capsys):  # 
     ]:
         assert cli.main(["validate", str(cfg), override]) == 2, override
         assert msg in capsys.readouterr().err, override
-    gae = _config(
-        tmp_path,
-        assets,
-        strategy="deepspeed",
-        **{
-            "algorithm.advantage.estimator": "gae",
-            "critic": {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
-        },
-    )
-    assert cli.main(["validate", str(gae)]) == 2
-    assert "critic is not supported with strategy=deepspeed" in capsys.readouterr().err

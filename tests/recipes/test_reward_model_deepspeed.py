@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.deepspeed
 def test_zero3_follows_fsdp2_and_exports_what_reward_model_loads(tmp_path):
     """Two heads, attention pooling, token-budget micro-batches: ZeRO-3 gives FSDP2's losses and
     gradient norms, and its final/ (gathered layer by layer) scores like FSDP2's export."""
@@ -82,6 +83,7 @@ def _two_ranks_metrics_all_partitioned(rank: int, world_size: int, cfg_path: str
     _two_ranks_metrics(rank, world_size, cfg_path)
 
 
+@pytest.mark.deepspeed
 def test_zero3_likelihood_pooling_gathers_the_lm_head_and_follows_fsdp2(tmp_path):
     """The likelihood pooling reads lm_head.weight directly (the fused kernel), not through the
     head's forward: ZeRO-3 (every parameter partitioned) must gather it with the root. Losses,

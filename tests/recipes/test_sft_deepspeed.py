@@ -56,6 +56,7 @@ def _curve(out: Path) -> list[tuple[float, float, float]]:
     ]
 
 
+@pytest.mark.deepspeed
 def test_sft_zero2_and_zero3_follow_fsdp2_and_export(tmp_path):
     """ZeRO-2 (with activation checkpointing) and ZeRO-3 (optimizer and parameters offloaded)
     on 2 gloo ranks train the same steps as FSDP2: the same losses, gradient norms (clipped at
@@ -99,6 +100,7 @@ def test_sft_zero2_and_zero3_follow_fsdp2_and_export(tmp_path):
         assert not torch.allclose(got, before)  # the export holds the trained weights
 
 
+@pytest.mark.deepspeed
 def test_sft_zero3_resume_gives_the_uninterrupted_curve(tmp_path):
     """A ZeRO-3 run resumed from its step-3 checkpoint (DeepSpeed's partitioned model and
     optimizer files inside our atomic step directory) continues with the uninterrupted losses."""
