@@ -57,6 +57,7 @@ from lightrft.models.lora import (
 )
 from lightrft.models.parallel import strategy_option
 from lightrft.models.reward import CONFIG_KEY, POOLINGS, load_reward_net_parallel
+from lightrft.models.vision import checkpoint_is_multimodal, load_processor
 from lightrft.training import (
     Checkpointer,
     MetricLogger,
@@ -311,7 +312,14 @@ class RewardModelRecipe:
             for node in cfg.get("prepare") or []:
                 config.instantiate(node)
         barrier()
-        self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
+        # A vision-language backbone: the datasets take its processor (images + text) and the
+        # export saves it; everything else is the text path.
+        if checkpoint_is_multimodal(o.model_path):
+            self.processor = load_processor(o.model_path, trust_remote_code=o.trust_remote_code)
+            self.tokenizer = self.processor.tokenizer
+        else:
+            self.tokenizer = load_tokenizer(o.model_path, trust_remote_code=o.trust_remote_code)
+            self.processor = self.tokenizer
         # Data first: a bad record or an unknown head label fails before the model loads.
         self.dataset = self._dataset(cfg.dataset)
         collate = PreferenceCollator(
@@ -428,7 +436,7 @@ class RewardModelRecipe:
         self.logger.log(self.step, {f"data/{k}": v for k, v in self.dataset.stats.items()})
 
     def _dataset(self, node: DictConfig):
-        ds = config.instantiate(node, self.tokenizer)
+        ds = config.instantiate(node, self.processor)
         for i, head in enumerate(ds.heads):
             if head is not None and head not in self.opts.heads:
                 raise ValueError(
@@ -452,6 +460,7 @@ class RewardModelRecipe:
             num_sequences=int(cand.max()) + 1,
             attention_mask=None if mask is None else mask.to(dev),
             scored=batch["scored"].to(dev),
+            images=batch.get("images"),
         )  # [N, heads]
         head = batch["head"].to(dev)  # [B]
         valid = cand >= 0
@@ -547,11 +556,11 @@ class RewardModelRecipe:
         if self.ds_engine is not None:
             from lightrft.models.deepspeed import export_hf_engine
 
-            export_hf_engine(self.ds_engine, self.tokenizer, self.output_dir / "final")
+            export_hf_engine(self.ds_engine, self.processor, self.output_dir / "final")
         elif o.lora is not None:  # the adapters merged: a plain classifier directory
-            export_merged(model, self.tokenizer, self.output_dir / "final")
+            export_merged(model, self.processor, self.output_dir / "final")
         else:
-            export_hf(model, self.tokenizer, self.output_dir / "final")
+            export_hf(model, self.processor, self.output_dir / "final")
 
     def _trained(self) -> dict[str, Any]:
         """What a checkpoint holds of the trained model: the model and its optimizer, or under

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from lightrft.data.io import DataError, PathLike, Records, require_field
-from lightrft.data.sft import Truncation, _check_truncation, open_records
-from lightrft.data.templates import check_messages
+from lightrft.data.sft import MediaSamples, Truncation, _check_truncation, open_records
+from lightrft.data.templates import check_messages, encode_chat
+from lightrft.data.vision import ImageInputs, as_processor
 
 __all__ = [
     "PreferenceCollator",
@@ -114,8 +115,12 @@ class PreferenceDataset(torch.utils.data.Dataset):
         path, split, records: the data, as for :class:`~lightrft.data.SFTDataset`.
         prompt_field, chosen_field, rejected_field, margin_field, head_field: field names.
         chosen_safe_field, rejected_safe_field: safety labels (Safe-RLHF style cost models).
-        images_field: images of the pair; vision-language reward models are not supported yet,
-            so a record with images is refused with its file and line.
+        images_field: the pair's images (as for :class:`~lightrft.data.SFTDataset`: paths
+            relative to the data file, base64, PIL images; or inline image parts of the prompt),
+            shown with the prompt to every candidate. They need a vision-language model's
+            processor as ``tokenizer`` and the chat template; a text tokenizer refuses them with
+            the file and line.
+        min_pixels, max_pixels: bounds on each image's area (resized keeping aspect ratio).
         apply_chat_template: render with the tokenizer's chat template (as the reward model
             will score in RL); ``False`` concatenates prompt and response.
         max_length: longest sequence in tokens; ``None`` for no limit.
@@ -137,11 +142,15 @@ class PreferenceDataset(torch.utils.data.Dataset):
         chosen_safe_field: str = "chosen_safe",
         rejected_safe_field: str = "rejected_safe",
         images_field: str = "images",
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
         apply_chat_template: bool = True,
         max_length: int | None = None,
         truncation: Truncation = "truncate",
     ) -> None:
         _check_truncation(truncation)
+        tokenizer, processor = as_processor(tokenizer)
+        self.media = MediaSamples(processor, images_field, min_pixels, max_pixels, None)
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -154,16 +163,18 @@ class PreferenceDataset(torch.utils.data.Dataset):
         src = open_records(path, records, split)
         self.source = src.name
         self._items: list[dict[str, Any]] = []
+        self._media: list[Any] = []  # each item's decoded images (None: none)
         self._origins: list[str] = []
         identical = truncated = dropped = 0
         for i in range(len(src)):
             rec, where = src[i], src.where(i)
-            if rec.get(images_field):
+            if not self.media.kinds and images_field and rec.get(images_field):
                 raise DataError(
-                    f"{where}: field {images_field!r} holds images, but reward-model training "
-                    "reads text only for now (vision-language reward models come with the "
-                    "vision data path)"
+                    f"{where}: field {images_field!r} holds images, which need a "
+                    "vision-language model's processor (this dataset was given a text tokenizer)"
                 )
+            if not apply_chat_template:
+                self.media.raw_mode(src, i)  # media tokens need the template
             prompt = rec.get(prompt_field)
             if prompt is not None and not isinstance(prompt, (str, list)):
                 raise DataError(
@@ -194,15 +205,22 @@ class PreferenceDataset(torch.utils.data.Dataset):
                 )
             safe += [_safe_sign(s, where, rejected_safe_field) for s in safe_list]
 
-            texts = [
-                render_for_scoring(tokenizer, prompt, r, chat_template=apply_chat_template)
-                for r in [chosen, *rejected]
-            ]
-            keep = [0] + [k for k in range(1, len(texts)) if texts[k] != texts[0]]
-            identical += len(texts) - len(keep)
+            media = None
+            if self.media.kinds:  # a vision-language processor: images ride the chat path
+                ids, starts, media = self._encode_media(src, i, prompt, [chosen, *rejected])
+                keep = [0] + [k for k in range(1, len(ids)) if ids[k] != ids[0]]
+                ids, starts = [ids[k] for k in keep], [starts[k] for k in keep]
+            else:
+                texts = [
+                    render_for_scoring(tokenizer, prompt, r, chat_template=apply_chat_template)
+                    for r in [chosen, *rejected]
+                ]
+                keep = [0] + [k for k in range(1, len(texts)) if texts[k] != texts[0]]
+                ids = tokenizer([texts[k] for k in keep], add_special_tokens=False)["input_ids"]
+                starts = None
+            identical += 1 + len(rejected) - len(keep)
             if len(keep) == 1:
                 continue
-            ids = tokenizer([texts[k] for k in keep], add_special_tokens=False)["input_ids"]
             if any(len(s) == 0 for s in ids):
                 raise DataError(f"{where}: a response renders to no tokens")
             if max_length is not None and any(len(s) > max_length for s in ids):
@@ -211,22 +229,28 @@ class PreferenceDataset(torch.utils.data.Dataset):
                     continue
                 n_long = sum(len(s) > max_length for s in ids)
                 ids = [s[:max_length] for s in ids]
-                if all(s == ids[0] for s in ids[1:]):
-                    dropped += 1  # they differ only after max_length: nothing to learn
+                if all(s == ids[0] for s in ids[1:]) or not all(
+                    self.media.intact(s, media) for s in ids
+                ):
+                    # They differ only after max_length (nothing to learn), or an image is cut.
+                    dropped += 1
                     continue
                 truncated += n_long
+            if starts is None:
+                starts = [
+                    response_start(tokenizer, prompt, s, chat_template=apply_chat_template)
+                    for s in ids
+                ]
             self._items.append(
                 {
                     "sequences": [torch.tensor(s, dtype=torch.long) for s in ids],
-                    "starts": [
-                        response_start(tokenizer, prompt, s, chat_template=apply_chat_template)
-                        for s in ids
-                    ],
+                    "starts": starts,
                     "margin": float(margin or 0.0),
                     "head": head,
                     "safe": [safe[k] for k in keep],
                 }
             )
+            self._media.append(media)
             self._origins.append(where)
         if not self._items:
             raise DataError(
@@ -266,11 +290,38 @@ class PreferenceDataset(torch.utils.data.Dataset):
     def _response(self, src: Records, i: int, field: str) -> Prompt:
         return self._check_response(require_field(src, i, field, (str, list)), src.where(i), field)
 
+    def _encode_media(self, src: Records, i: int, prompt, responses: list) -> tuple:
+        """A vision-language record's candidates: token ids with the prompt's media placeholders
+        expanded, each response's start (its first label: the assistant turn), and the decoded
+        media shared by all candidates (None without)."""
+        where = src.where(i)
+        if prompt is None:
+            turns: list[dict[str, Any]] = []
+        elif isinstance(prompt, str):
+            turns = [{"role": "user", "content": prompt}]
+        else:
+            turns = [dict(m) for m in prompt]
+        turns, media = self.media.messages(src, i, turns)
+        ids, starts = [], []
+        for r in responses:
+            reply = [{"role": "assistant", "content": r}] if isinstance(r, str) else list(r)
+            seq, labels = encode_chat(self.tokenizer, [*turns, *reply], where)
+            seq, labels, _ = self.media.expand(seq, labels, media, where)
+            first = next((k for k, lab in enumerate(labels) if lab != -100), len(seq))
+            ids.append(seq)
+            starts.append(max(first, 1))
+        return ids, starts, media
+
     def __len__(self) -> int:
         return len(self._items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return self._items[i]
+        media = self._media[i]
+        if media is None:
+            return self._items[i]
+        # Pixel values on access (a whole dataset's would not fit in memory); every candidate
+        # is shown the same images.
+        return {**self._items[i], "images": self.media.process(media).images}
 
     @property
     def lengths(self) -> list[int]:
@@ -334,6 +385,8 @@ class PreferenceCollator:
     - ``attention_mask`` ``[R, T]``, padded batches only (packed rows have none: transformers
       then keeps packed sequences apart by their position resets).
     - ``scored`` ``[R, T]``: true on response tokens (what the ``likelihood`` pooling scores).
+    - ``images``: the sequences' images joined in sequence order (an
+      :class:`~lightrft.data.vision.ImageInputs`), when any item has images.
     - ``candidates`` ``[B, K]``: sequence index of each candidate, -1 where an item has fewer.
     - ``margin`` ``[B]``, ``safe`` ``[B, K]`` (+1 / -1 / 0), ``head`` ``[B]`` (index into
       ``heads``; unlabelled items go to the first head).
@@ -367,6 +420,7 @@ class PreferenceCollator:
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         seqs: list[torch.Tensor] = []
         starts: list[int] = []
+        images: list[ImageInputs | None] = []
         k_max = max(len(it["sequences"]) for it in items)
         candidates = torch.full((len(items), k_max), -1, dtype=torch.long)  # [B, K]
         safe = torch.zeros((len(items), k_max), dtype=torch.long)  # [B, K]
@@ -376,6 +430,7 @@ class PreferenceCollator:
                 safe[b, k] = it["safe"][k]
                 seqs.append(s)
                 starts.append(it["starts"][k])
+                images.append(it.get("images"))
         head = []
         for it in items:
             name = it["head"]
@@ -391,6 +446,9 @@ class PreferenceCollator:
             margin=torch.tensor([float(it["margin"]) for it in items]),  # [B]
             head=torch.tensor(head, dtype=torch.long),  # [B]
         )
+        joined = ImageInputs.cat(images)  # in sequence order, as the rows hold them
+        if joined is not None:
+            batch["images"] = joined
         return batch
 
     def _pad(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:

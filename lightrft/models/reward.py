@@ -239,15 +239,21 @@ class RewardNet(nn.Module):
         num_sequences: int,
         attention_mask: torch.Tensor | None = None,
         scored: torch.Tensor | None = None,
+        images=None,
     ) -> torch.Tensor:
         """Scores ``[N, heads]``. ``scored [R, T]`` (the response tokens) is read by the
-        ``likelihood`` pooling only, which needs it."""
+        ``likelihood`` pooling only, which needs it. ``images``: a vision-language batch's
+        :class:`~lightrft.data.vision.ImageInputs` (its sequences' images, in order)."""
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids}
+        if images is not None:
+            from lightrft.models.vision import vision_forward_kwargs
+
+            kwargs = vision_forward_kwargs(self._hf[0], input_ids, images=images, **kwargs)
         out = self.base(
             input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
             use_cache=False,
             output_hidden_states=self.probe_layer is not None,
+            **kwargs,
         )
         hidden = (
             out.last_hidden_state
@@ -279,6 +285,19 @@ class RewardNet(nn.Module):
             "end_token_id": self.end_token_id,
             "stats": stats or {},
         }
+
+
+def _check_text_only(path: str | Path, pooling: str) -> None:
+    """A classifier head (``last`` / ``mean`` / ``attention``) needs a text backbone: transformers
+    has no sequence-classification class for vision-language models."""
+    from lightrft.models.vision import checkpoint_is_multimodal
+
+    if checkpoint_is_multimodal(path):
+        raise ValueError(
+            f"{path} is a vision- or audio-language model: pooling={pooling!r} needs a "
+            "*ForSequenceClassification class, which transformers does not have for it; use "
+            "pooling='likelihood' (the model's own LM head scores the response)"
+        )
 
 
 def _check_likelihood(heads: Sequence[str], probe_layer: int | None) -> None:
@@ -319,7 +338,7 @@ def build_reward_net(
     caller's ``torch.manual_seed``). ``pooling="likelihood"`` loads the causal LM whole and
     scores with its own LM head (``end_token_id``: see :class:`RewardNet`).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from lightrft.models.loading import _check_local, to_dtype
 
@@ -332,9 +351,13 @@ def build_reward_net(
     if pooling != "likelihood" and end_token_id is not None:
         raise ValueError("end_token_id applies to pooling='likelihood' only")
     if pooling == "likelihood":
+        from lightrft.models.sharded import _auto_class
+
         _check_likelihood(heads, probe_layer)
-        lm = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        auto = _auto_class(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+        lm = auto.from_pretrained(path, **kwargs)  # a causal LM, or a vision-language model
         return _likelihood_net(lm, heads=heads, end_token_id=end_token_id).to(device)
+    _check_text_only(path, pooling)
     hf, info = AutoModelForSequenceClassification.from_pretrained(
         path,
         num_labels=len(heads),
@@ -467,7 +490,7 @@ def load_reward_net_parallel(
         return parallelize(
             net, activation_checkpointing=activation_checkpointing, compile=compile, shard=False
         )
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     from lightrft.models.sharded import (
         SafetensorsIndex,
@@ -481,12 +504,12 @@ def load_reward_net_parallel(
     files = SafetensorsIndex.read(path).files
     if pooling == "likelihood":
         _check_likelihood(heads, probe_layer)
-        hf = build_on_meta(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, auto_class=AutoModelForCausalLM
-        )
+        # The class load_model picks: a causal LM, or a vision-language model.
+        hf = build_on_meta(path, dtype=dtype, trust_remote_code=trust_remote_code)
         names, converted = checkpoint_names(hf, list(files))
         net = _likelihood_net(hf, heads=heads, end_token_id=end_token_id)
     else:
+        _check_text_only(path, pooling)
         hf = build_on_meta(
             path,
             dtype=dtype,

@@ -133,6 +133,13 @@ class RewardModel:
         from lightrft.models.loading import _check_local, load_tokenizer, to_dtype
 
         _check_local(path)
+        from lightrft.models.vision import checkpoint_is_multimodal
+
+        if checkpoint_is_multimodal(path):
+            raise ValueError(
+                f"{path} is a vision- or audio-language reward model: recipes/reward_model.py "
+                "trains it, but scoring it in RL (with the rollout's images) is not built yet"
+            )
         if head == "auto":
             head = _detect_head(path)
         if head not in ("classifier", "value_head"):
