@@ -70,6 +70,15 @@ def test_images_need_a_vlm_processor_and_the_chat_template(tiny_vlm, image_files
         PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), path, apply_chat_template=False)
 
 
+_FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids", "scored", "images")
+
+
+def _score(net, batch) -> torch.Tensor:
+    """The net's scores of a collated batch (its candidates' sequences, in order)."""
+    n = int(batch["candidates"].max()) + 1
+    return net(num_sequences=n, **{k: batch[k] for k in _FORWARD_KEYS if k in batch})
+
+
 def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_files, tmp_path):
     """The score equals the mean log-prob of the response tokens under the VLM's own forward
     (pixel inputs, M-RoPE positions), padded or packed."""
@@ -98,51 +107,16 @@ def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_
                 )
                 logp = vlm(input_ids=ids, **kw).logits[0, :-1].log_softmax(-1)
                 want.append(logp.gather(-1, ids[0, 1:, None])[start - 1 :, 0].mean())
-        padded = PreferenceCollator(pad)(items)
-        got = net(
-            num_sequences=4,
-            **{
-                k: padded[k]
-                for k in (
-                    "input_ids",
-                    "attention_mask",
-                    "position_ids",
-                    "segment_ids",
-                    "scored",
-                    "images",
-                )
-            },
-        )
-        packed = PreferenceCollator(pad, packing=True)(items)
-        got_packed = net(
-            num_sequences=4,
-            **{
-                k: packed[k]
-                for k in ("input_ids", "position_ids", "segment_ids", "scored", "images")
-            },
-        )
+        got = _score(net, PreferenceCollator(pad)(items))
+        got_packed = _score(net, PreferenceCollator(pad, packing=True)(items))
     torch.testing.assert_close(got[:, 0], torch.stack(want), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_packed, got, atol=1e-5, rtol=1e-5)
     # The images matter: the same tokens with another picture score differently.
     from _vision_helpers import square
 
     blue = ds.media.images.process([square((0, 0, 255))])  # item 0's size, another colour
-    swapped = PreferenceCollator(pad)([{**items[0], "images": blue}, items[1]])
     with torch.no_grad():
-        other = net(
-            num_sequences=4,
-            **{
-                k: swapped[k]
-                for k in (
-                    "input_ids",
-                    "attention_mask",
-                    "position_ids",
-                    "segment_ids",
-                    "scored",
-                    "images",
-                )
-            },
-        )
+        other = _score(net, PreferenceCollator(pad)([{**items[0], "images": blue}, items[1]]))
     assert not torch.allclose(other[:2], got[:2])
 
 
