@@ -54,30 +54,19 @@ def _tower_blocks(model: nn.Module) -> list[nn.Module]:
     return media_blocks(model)
 
 
-def _untied_input_embedding(model: nn.Module) -> nn.Module | None:
-    """The model's input embedding module when no other module shares its weight."""
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    emb = get_in() if callable(get_in) else None
-    if emb is None or not isinstance(getattr(emb, "weight", None), nn.Parameter):
-        return None
-    head = get_out() if callable(get_out) else None
-    if head is not None and getattr(head, "weight", None) is emb.weight:
-        return None
-    return emb
+def _untied_embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """The model's input embedding and LM head, each when it is a module with a weight of its
+    own (both ``None`` where the head shares the embedding's weight)."""
 
+    def own(getter: str) -> nn.Module | None:
+        get = getattr(model, getter, None)
+        module = get() if callable(get) else None
+        return module if isinstance(getattr(module, "weight", None), nn.Parameter) else None
 
-def _untied_output_head(model: nn.Module) -> nn.Module | None:
-    """The model's LM head when it is a module of its own weight (not the input embedding's)."""
-    get_out = getattr(model, "get_output_embeddings", None)
-    head = get_out() if callable(get_out) else None
-    if head is None or not isinstance(getattr(head, "weight", None), nn.Parameter):
-        return None
-    get_in = getattr(model, "get_input_embeddings", None)
-    emb = get_in() if callable(get_in) else None
-    if emb is not None and getattr(emb, "weight", None) is head.weight:
-        return None
-    return head
+    emb, head = own("get_input_embeddings"), own("get_output_embeddings")
+    if emb is not None and head is not None and emb.weight is head.weight:
+        return None, None
+    return emb, head
 
 
 def default_param_dtype(device: torch.device | str) -> torch.dtype:
@@ -135,7 +124,7 @@ def parallelize(
     # The input embedding is its own group unless the LM head shares its weight: gathered at
     # the start of forward and resharded at once, instead of held (and all-gathered) together
     # with the root's LM head for the whole forward.
-    embedding = _untied_input_embedding(model)
+    embedding, head = _untied_embeddings(model)
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     frozen = not any(p.requires_grad for p in model.parameters())  # a reference policy
@@ -149,7 +138,6 @@ def parallelize(
     # A frozen model gathers its untied LM head only for the head's own forward instead of
     # holding it with the root for the whole forward. A trained head stays in the root: the
     # fused log-prob kernel's backward reads its weight after the forward.
-    head = _untied_output_head(model)
     if head is not None and frozen:
         fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -82,9 +82,7 @@ def pool_hidden(
     pos = torch.arange(R * T, device=hidden.device)[real]  # flat index of each real token
     seg = seg[real]
     if pooling == "last":
-        last = torch.full((num_sequences,), -1, dtype=torch.long, device=hidden.device)
-        last = last.scatter_reduce(0, seg, pos, reduce="amax")  # [N]
-        return flat[last]  # [N, H]
+        return flat[last_positions(segment_ids, num_sequences)]  # [N, H]
     if pooling == "mean":
         sums = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
         sums = sums.index_add(0, seg, flat[pos])  # [N, H]
@@ -102,6 +100,15 @@ def pool_hidden(
         out = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
         return out.index_add(0, seg, flat[pos] * w[:, None])  # [N, H]
     raise ValueError(f"pooling must be one of {POOLINGS[:3]}, got {pooling!r}")
+
+
+def last_positions(segment_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Flat index ``[N]`` (into ``R * T``) of each sequence's last real token."""
+    seg = segment_ids.reshape(-1)  # [R*T]
+    real = seg >= 0
+    pos = torch.arange(seg.numel(), device=seg.device)[real]
+    last = torch.full((num_sequences,), -1, dtype=torch.long, device=seg.device)
+    return last.scatter_reduce(0, seg[real], pos, reduce="amax")  # [N]
 
 
 def likelihood_scores(
@@ -127,10 +134,7 @@ def likelihood_scores(
     targets = torch.where(scored[:, 1:], input_ids[:, 1:], -100)  # [R, T-1]
     seg = segment_ids[:, :-1]  # [R, T-1], the sequence each predicting position belongs to
     if end_token_id is not None:
-        flat_seg = segment_ids.reshape(-1)
-        pos = torch.arange(R * T, device=hidden.device)[flat_seg >= 0]
-        last = torch.full((num_sequences,), -1, dtype=torch.long, device=hidden.device)
-        last = last.scatter_reduce(0, flat_seg[flat_seg >= 0], pos, reduce="amax")  # [N]
+        last = last_positions(segment_ids, num_sequences)  # [N]
         ends_open = input_ids.reshape(-1)[last] != end_token_id  # [N]
         extra = hidden.reshape(R * T, H)[last[ends_open]]  # [n_open, H]
         hidden_rows = torch.cat([hidden[:, :-1].reshape(-1, H), extra])
@@ -194,13 +198,8 @@ class RewardNet(nn.Module):
         hf_model: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        if pooling == "likelihood":
-            _check_likelihood(heads, probe_layer)
-        elif end_token_id is not None:
-            raise ValueError("end_token_id applies to pooling='likelihood' only")
-        elif head.out_features != len(heads):
+        _check_pooling(pooling, heads, probe_layer, end_token_id)
+        if pooling != "likelihood" and head.out_features != len(heads):
             raise ValueError(
                 f"the head has {head.out_features} outputs but {len(heads)} heads are named "
                 f"({list(heads)})"
@@ -300,7 +299,17 @@ def _check_text_only(path: str | Path, pooling: str) -> None:
         )
 
 
-def _check_likelihood(heads: Sequence[str], probe_layer: int | None) -> None:
+def _check_pooling(
+    pooling: str, heads: Sequence[str], probe_layer: int | None, end_token_id: int | None
+) -> None:
+    """What a pooling takes: one of :data:`POOLINGS`; ``likelihood`` scores with the LM head (one
+    head, no probe layer), and only it takes an ``end_token_id``."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    if pooling != "likelihood":
+        if end_token_id is not None:
+            raise ValueError("end_token_id applies to pooling='likelihood' only")
+        return
     if len(heads) != 1:
         raise ValueError(
             f"pooling='likelihood' scores with the LM head: one head only, got {list(heads)}"
@@ -338,26 +347,24 @@ def build_reward_net(
     caller's ``torch.manual_seed``). ``pooling="likelihood"`` loads the causal LM whole and
     scores with its own LM head (``end_token_id``: see :class:`RewardNet`).
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    from lightrft.models.loading import _check_local, to_dtype
+    from lightrft.models.loading import _check_local, load_model, to_dtype
 
     _check_local(path)
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    _check_pooling(pooling, heads, probe_layer, end_token_id)
+    if pooling == "likelihood":  # a causal LM, or a vision-language model, as the actor loads
+        lm = load_model(
+            path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+        return _likelihood_net(lm, heads=heads, end_token_id=end_token_id).to(device)
+    _check_text_only(path, pooling)
     kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    if pooling != "likelihood" and end_token_id is not None:
-        raise ValueError("end_token_id applies to pooling='likelihood' only")
-    if pooling == "likelihood":
-        from lightrft.models.sharded import _auto_class
-
-        _check_likelihood(heads, probe_layer)
-        auto = _auto_class(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
-        lm = auto.from_pretrained(path, **kwargs)  # a causal LM, or a vision-language model
-        return _likelihood_net(lm, heads=heads, end_token_id=end_token_id).to(device)
-    _check_text_only(path, pooling)
     hf, info = AutoModelForSequenceClassification.from_pretrained(
         path,
         num_labels=len(heads),
@@ -499,11 +506,9 @@ def load_reward_net_parallel(
         fill_from_safetensors,
     )
 
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    _check_pooling(pooling, heads, probe_layer, end_token_id)
     files = SafetensorsIndex.read(path).files
     if pooling == "likelihood":
-        _check_likelihood(heads, probe_layer)
         # The class load_model picks: a causal LM, or a vision-language model.
         hf = build_on_meta(path, dtype=dtype, trust_remote_code=trust_remote_code)
         names, converted = checkpoint_names(hf, list(files))

@@ -287,23 +287,27 @@ class RewardModel:
         )
 
     def tokenize(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[list[int]]:
+        return self.encode(prompts, responses)[0]
+
+    def encode(
+        self, prompts: Sequence[Prompt], responses: Sequence[str]
+    ) -> tuple[list[list[int]], list[int] | None]:
+        """The token ids the model reads (at most ``max_length``, keeping the end, where the
+        score is read) and, for the ``likelihood`` pooling, each one's first response token."""
         texts = [self.render(p, r) for p, r in zip(prompts, responses, strict=True)]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [seq[-self.max_length :] for seq in ids]  # keep the end, where the score is read
-
-    def response_starts(
-        self, prompts: Sequence[Prompt], responses: Sequence[str]
-    ) -> list[int] | None:
-        """Each sequence's first response token (in :meth:`tokenize`'s, possibly cut, tokens),
-        which the ``likelihood`` pooling needs; ``None`` for the other poolings."""
+        seqs = [seq[-self.max_length :] for seq in ids]
         if self.net.pooling != "likelihood":
-            return None
-        starts = []
-        for p, r in zip(prompts, responses, strict=True):
-            full = self.tokenizer(self.render(p, r), add_special_tokens=False)["input_ids"]
-            start = response_start(self.tokenizer, p, full, chat_template=self.chat_template)
-            starts.append(max(1, start - max(0, len(full) - self.max_length)))
-        return starts
+            return seqs, None
+        starts = [
+            max(
+                1,
+                response_start(self.tokenizer, p, full, chat_template=self.chat_template)
+                - (len(full) - len(seq)),
+            )
+            for p, full, seq in zip(prompts, ids, seqs, strict=True)
+        ]
+        return seqs, starts
 
     @torch.inference_mode()
     def score_heads(self, seqs: list[list[int]], starts: list[int] | None = None) -> torch.Tensor:
@@ -358,6 +362,4 @@ class RewardModel:
             )
         if not responses:
             return torch.empty(0, dtype=torch.float32)
-        return self.score_ids(
-            self.tokenize(prompts, responses), self.response_starts(prompts, responses)
-        )
+        return self.score_ids(*self.encode(prompts, responses))

@@ -482,7 +482,7 @@ def test_lora_on_a_likelihood_reward_model_keeps_the_lm_head_frozen(tmp_path):
     rm = RewardModel(str(final))
     prompts, responses = ["apple river?"], ["river apple yes"]
     after = rm(prompts, responses)
-    seqs, starts = rm.tokenize(prompts, responses), rm.response_starts(prompts, responses)
+    seqs, starts = rm.encode(prompts, responses)
     with torch.no_grad():
         before = net.eval()(
             num_sequences=1, **pad_sequences([torch.tensor(seqs[0])], 0, starts=starts)

@@ -212,6 +212,6 @@ def test_likelihood_export_scores_the_assistant_turn_batch_invariant_and_cut(
     torch.testing.assert_close(batched(prompts, responses), scores, atol=1e-5, rtol=1e-5)
     # A cut drops the prompt's start: the response's tokens are the same, in a shorter context.
     cut = RewardModel(str(tmp_path / "ll"), max_length=24)
-    seq = cut.tokenize([PROMPTS[3]], [RESPONSES[3]])[0]
-    start = cut.response_starts([PROMPTS[3]], [RESPONSES[3]])[0]
+    (seq,), (start,) = cut.encode([PROMPTS[3]], [RESPONSES[3]])
+    assert seq == cut.tokenize([PROMPTS[3]], [RESPONSES[3]])[0] and len(seq) == 24
     assert tok.decode(seq[start:]) == RESPONSES[3] + "<|im_end|>\n"
