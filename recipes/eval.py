@@ -242,11 +242,11 @@ class EvalRecipe:
         barrier()
         return summary
 
-    def cleanup(self) -> None:
+    def cleanup(self, clean: bool = True) -> None:
         for fn in self.reward_fn.functions.values():
             if callable(getattr(fn, "close", None)):  # e.g. math-verify worker processes
                 fn.close()
-        destroy()
+        destroy(clean)
 
 
 def format_table(summary: dict[str, float]) -> str:
@@ -267,8 +267,10 @@ def recipe_main(cfg: DictConfig, opts: EvalOptions) -> None:
     recipe.setup(cfg)
     try:
         recipe.run()
-    finally:
-        recipe.cleanup()
+    except BaseException:
+        recipe.cleanup(clean=False)  # no barrier: a peer may be stuck or gone
+        raise
+    recipe.cleanup()
 
 
 if __name__ == "__main__":

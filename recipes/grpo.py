@@ -1969,9 +1969,9 @@ class GRPORecipe:
             extra=extra,
         )
 
-    def cleanup(self) -> None:
+    def cleanup(self, clean: bool = True) -> None:
         self.logger.close()
-        destroy()
+        destroy(clean)
 
 
 @config.parse(schema=CONFIG_SCHEMA, options=build_options)
@@ -1980,8 +1980,10 @@ def recipe_main(cfg: DictConfig, opts: GRPOOptions) -> None:
     recipe.setup(cfg)
     try:
         recipe.train()
-    finally:
-        recipe.cleanup()
+    except BaseException:
+        recipe.cleanup(clean=False)  # no barrier: a peer may be stuck or gone
+        raise
+    recipe.cleanup()
 
 
 if __name__ == "__main__":

@@ -625,9 +625,9 @@ class RewardModelRecipe:
         out["eval/accuracy"] = sums[1].sum().item() / max(sums[0].sum().item(), 1.0)
         return out
 
-    def cleanup(self) -> None:
+    def cleanup(self, clean: bool = True) -> None:
         self.logger.close()
-        destroy()
+        destroy(clean)
 
 
 def _item_tokens(item: dict) -> int:
@@ -647,8 +647,10 @@ def recipe_main(cfg: DictConfig, opts: RewardModelOptions) -> None:
     recipe.setup(cfg)
     try:
         recipe.train()
-    finally:
-        recipe.cleanup()
+    except BaseException:
+        recipe.cleanup(clean=False)  # no barrier: a peer may be stuck or gone
+        raise
+    recipe.cleanup()
 
 
 if __name__ == "__main__":

@@ -548,9 +548,9 @@ class SFTRecipe:
         self.model.train()
         return all_reduce_sum(nll).item() / max(all_reduce_sum(count).item(), 1.0)
 
-    def cleanup(self) -> None:
+    def cleanup(self, clean: bool = True) -> None:
         self.logger.close()
-        destroy()
+        destroy(clean)
 
 
 def _loss_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -563,8 +563,10 @@ def recipe_main(cfg: DictConfig, opts: SFTOptions) -> None:
     recipe.setup(cfg)
     try:
         recipe.train()
-    finally:
-        recipe.cleanup()
+    except BaseException:
+        recipe.cleanup(clean=False)  # no barrier: a peer may be stuck or gone
+        raise
+    recipe.cleanup()
 
 
 if __name__ == "__main__":

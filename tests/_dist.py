@@ -19,6 +19,8 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple) ->
     import torch
     import torch.distributed as dist
 
+    from lightrft.training.distributed import destroy
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -30,8 +32,10 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple) ->
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        destroy(clean=False)  # no barrier: the peer may be stuck or gone
+        raise
+    destroy()
 
 
 def run_distributed(fn: Callable, *args, world_size: int = 2) -> None:
