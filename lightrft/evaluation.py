@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightrft.data.prompts import conversation
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
 __all__ = [
@@ -91,14 +92,15 @@ def evaluate_items(
     extract: Callable[[str], str | None] | None = None,
 ) -> list[EvalRecord]:
     """Generate ``n`` samples for each item (``prompt_ids``, ``prompt``, ``reference``,
-    ``label``), score them and extract their answers.
+    ``label``; ``messages`` and ``images`` give the reward its conversations), score them and
+    extract their answers.
 
     Args:
         items, indices: the prompts of this rank and their indices in the dataset.
         generate: prompt token ids -> completions ordered by (prompt, sample), ``n`` each
             (an engine's ``generate`` with the sampling parameters bound).
-        reward_fn: a :class:`~lightrft.rewards.CombinedReward` (or anything returning a
-            ``RewardOutput``).
+        reward_fn: a :class:`~lightrft.rewards.CombinedReward` (or anything called as one,
+            conversations included, and returning a ``RewardOutput``).
         accuracy: the reward function whose positive reward means "correct" (``None``: the
             total).
         extract: response -> answer for maj@k (``None``: the response's normalised text).
@@ -118,6 +120,7 @@ def evaluate_items(
         texts,
         [it.get("reference") for it in rep],
         [it.get("label") for it in rep],
+        [conversation(it.get("messages"), it.get("images")) for it in rep],
     )
     scores = (out.parts[accuracy] if accuracy else out.total).tolist()
     totals = out.total.tolist()

@@ -72,6 +72,7 @@ from lightrft.data import (
     ImageInputs,
     build_dataloader,
     collate_prompts,
+    conversation,
     plan_micro_batches,
 )
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
@@ -1245,14 +1246,15 @@ class GRPORecipe:
             self.engine.sleep(self.opts.engine.sleep_level)
             self._weights_released = self.opts.engine.sleep_level == 2
 
-    def _score(self, prompts, texts, references, labels, wheres) -> tuple:
+    def _score(self, prompts, texts, references, labels, wheres, conversations=None) -> tuple:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
-        python floats the reward functions returned)."""
+        python floats the reward functions returned). ``conversations``: each sample's prompt as
+        its chat with its images (:func:`~lightrft.data.conversation`), for reward models."""
         if not texts:
             empty = torch.zeros(0, dtype=torch.float64)
             names = self.reward_names
             return empty, {n: empty for n in names}, {n: empty.bool() for n in names}
-        out = self.reward_fn(prompts, texts, references, labels)
+        out = self.reward_fn(prompts, texts, references, labels, conversations)
         total = out.total
         bad = (~torch.isfinite(total)).nonzero().flatten().tolist()
         if bad:  # reward functions are checked one by one; this catches weights and sums
@@ -1293,10 +1295,13 @@ class GRPORecipe:
             )
         rows = [c.request_index for c in completions]
         meta = {k: [prompts[k][i] for i in rows] for k in ("prompt", "reference", "label", "where")}
+        messages = prompts.get("messages") or [None] * len(prompts["prompt_ids"])
+        images = prompts.get("images") or [None] * len(prompts["prompt_ids"])
+        chats = [conversation(messages[i], images[i]) for i in rows]
         texts = [c.text or "" for c in completions]
         with timer("scoring"):
             raw, parts, applied = self._score(
-                meta["prompt"], texts, meta["reference"], meta["label"], meta["where"]
+                meta["prompt"], texts, meta["reference"], meta["label"], meta["where"], chats
             )
             overlong, rewards = None, raw
             if self.opts.shaping.overlong is not None:
@@ -1825,6 +1830,7 @@ class GRPORecipe:
                 record = {
                     "step": step,
                     "prompt": drawn.prompts[i],
+                    "where": drawn.wheres[i],  # the prompt's record: file and line
                     "response": drawn.texts[i],
                     "reference": drawn.references[i],
                     "label": drawn.labels[i],

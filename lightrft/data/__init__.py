@@ -26,7 +26,7 @@ from lightrft.data.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
 from lightrft.data.io import DataError, Records, load_records
 from lightrft.data.loader import ResumableDataLoader, build_dataloader
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
-from lightrft.data.prompts import PromptDataset
+from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
 from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
 from lightrft.data.templates import IGNORE_INDEX
@@ -53,6 +53,7 @@ __all__ = [
     "arith_records",
     "build_dataloader",
     "collate_prompts",
+    "conversation",
     "convert_gsm8k",
     "ensure_arith_dataset",
     "ensure_arith_judgments",

@@ -7,7 +7,7 @@ Record format (field names configurable)::
      "rejected": str | [messages] | [str | [messages], ...],   # a list: several candidates
      "margin": float (optional), "head": str (optional),
      "chosen_safe": bool (optional), "rejected_safe": bool | [bool, ...] (optional),
-     "images": [...] (optional; reserved for vision-language reward models)}
+     "images": [...] (optional: vision-language reward models; shown with the prompt)}
 
 Each (prompt, response) is rendered exactly as :class:`lightrft.rewards.RewardModel` renders it
 when scoring (:func:`render_for_scoring`), so a trained reward model reads the same tokens in RL.
@@ -27,13 +27,20 @@ from typing import Any
 import torch
 
 from lightrft.data.io import DataError, PathLike, Records, require_field
-from lightrft.data.sft import MediaSamples, Truncation, _check_truncation, open_records
+from lightrft.data.sft import (
+    MediaSamples,
+    SampleMedia,
+    Truncation,
+    _check_truncation,
+    open_records,
+)
 from lightrft.data.templates import check_messages, encode_chat
 from lightrft.data.vision import ImageInputs, as_processor
 
 __all__ = [
     "PreferenceCollator",
     "PreferenceDataset",
+    "encode_with_media",
     "pad_sequences",
     "render_for_scoring",
     "response_start",
@@ -42,6 +49,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[Mapping[str, Any]]
+
+
+def prompt_turns(prompt: Prompt | None) -> list[dict[str, Any]]:
+    """A prompt as chat turns: none for ``None``, one user turn for a string, a copy of a
+    conversation."""
+    if prompt is None:
+        return []
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
 
 
 def render_for_scoring(
@@ -57,12 +74,7 @@ def render_for_scoring(
         if not isinstance(prompt, (str, type(None))) or not isinstance(response, str):
             raise ValueError("chat_template=False needs string prompts and responses")
         return (prompt or "") + response
-    if prompt is None:
-        messages: list[dict[str, Any]] = []
-    elif isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        messages = [dict(m) for m in prompt]
+    messages = prompt_turns(prompt)
     if isinstance(response, str):
         messages.append({"role": "assistant", "content": response})
     else:
@@ -95,6 +107,28 @@ def response_start(
             break
         n += 1
     return max(n, 1)
+
+
+def encode_with_media(
+    tokenizer, media: MediaSamples, src: Records, i: int, prompt: Prompt | None, responses: list
+) -> tuple[list[list[int]], list[int], SampleMedia | None]:
+    """Record ``i``'s candidates for a multimodal model: the token ids of ``prompt`` (its images
+    from the record's images field or inline in its image parts) followed by each response as
+    the assistant turn, media placeholders expanded; each response's start (its first label);
+    and the decoded media every candidate shares (``None`` without). Preference data and
+    :class:`~lightrft.rewards.RewardModel` encode through this one function, so a reward model
+    scores what it was trained on."""
+    where = src.where(i)
+    turns, decoded = media.messages(src, i, prompt_turns(prompt))
+    ids, starts = [], []
+    for r in responses:
+        reply = [{"role": "assistant", "content": r}] if isinstance(r, str) else list(r)
+        seq, labels = encode_chat(tokenizer, [*turns, *reply], where)
+        seq, labels, _ = media.expand(seq, labels, decoded, where)
+        first = next((k for k, lab in enumerate(labels) if lab != -100), len(seq))
+        ids.append(seq)
+        starts.append(max(first, 1))
+    return ids, starts, decoded
 
 
 def _is_candidate_list(value: Any) -> bool:
@@ -207,7 +241,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
 
             media = None
             if self.media.kinds:  # a vision-language processor: images ride the chat path
-                ids, starts, media = self._encode_media(src, i, prompt, [chosen, *rejected])
+                ids, starts, media = encode_with_media(
+                    self.tokenizer, self.media, src, i, prompt, [chosen, *rejected]
+                )
                 keep = [0] + [k for k in range(1, len(ids)) if ids[k] != ids[0]]
                 ids, starts = [ids[k] for k in keep], [starts[k] for k in keep]
             else:
@@ -289,28 +325,6 @@ class PreferenceDataset(torch.utils.data.Dataset):
 
     def _response(self, src: Records, i: int, field: str) -> Prompt:
         return self._check_response(require_field(src, i, field, (str, list)), src.where(i), field)
-
-    def _encode_media(self, src: Records, i: int, prompt, responses: list) -> tuple:
-        """A vision-language record's candidates: token ids with the prompt's media placeholders
-        expanded, each response's start (its first label: the assistant turn), and the decoded
-        media shared by all candidates (None without)."""
-        where = src.where(i)
-        if prompt is None:
-            turns: list[dict[str, Any]] = []
-        elif isinstance(prompt, str):
-            turns = [{"role": "user", "content": prompt}]
-        else:
-            turns = [dict(m) for m in prompt]
-        turns, media = self.media.messages(src, i, turns)
-        ids, starts = [], []
-        for r in responses:
-            reply = [{"role": "assistant", "content": r}] if isinstance(r, str) else list(r)
-            seq, labels = encode_chat(self.tokenizer, [*turns, *reply], where)
-            seq, labels, _ = self.media.expand(seq, labels, media, where)
-            first = next((k for k, lab in enumerate(labels) if lab != -100), len(seq))
-            ids.append(seq)
-            starts.append(max(first, 1))
-        return ids, starts, media
 
     def __len__(self) -> int:
         return len(self._items)

@@ -14,7 +14,7 @@ from lightrft.data.sft import MediaSamples, SampleMedia, Truncation, _check_trun
 from lightrft.data.templates import check_messages, encode_prompt, with_system
 from lightrft.data.vision import as_processor
 
-__all__ = ["PromptDataset"]
+__all__ = ["PromptDataset", "conversation"]
 
 log = logging.getLogger(__name__)
 
@@ -273,3 +273,24 @@ class PromptDataset(torch.utils.data.Dataset):
     def where(self, i: int) -> str:
         """The file and line (or row) prompt ``i`` came from."""
         return self.items[i]["where"]
+
+
+def conversation(messages: Sequence[Mapping[str, Any]] | None, images=None) -> list[dict] | None:
+    """A prompt item's chat (its ``messages``) with its images inline: the k-th image part holds
+    the k-th image (``images``, the item's :class:`~lightrft.data.vision.ImageInputs`, resized
+    as the actor saw it) under ``"image"``, the HF content format that preference data reads too.
+    ``None`` for a raw prompt (no messages). Reward functions with ``uses_conversations`` get
+    these, so a reward model renders the chat with its own template, as in its training."""
+    if messages is None:
+        return None
+    pictures = iter(images.images if images is not None else ())
+    out = []
+    for m in messages:
+        content = m["content"]
+        if not isinstance(content, str):
+            content = [
+                {**part, "image": next(pictures)} if part.get("type") == "image" else dict(part)
+                for part in content
+            ]
+        out.append({**m, "content": content})
+    return out

@@ -12,6 +12,11 @@ lists at once lets a reward model batch. Optional attributes:
 - ``requires_reference = True``: every sample it scores must have a reference; a missing one is
   reported with the sample's index and prompt before the function runs.
 - ``name``: the default name under which :func:`build_reward` logs it.
+- ``uses_conversations = True``: it is also given ``conversations``, each sample's prompt as the
+  chat it was rendered from (HF messages; an image part holds its image under ``"image"``), or
+  ``None`` for a prompt rendered without a chat template. A reward model that renders with its
+  own chat template reads these (and a vision-language one the images in them) rather than the
+  rendered prompt text (see :func:`lightrft.data.prompts.conversation`).
 """
 
 from __future__ import annotations
@@ -280,11 +285,17 @@ class CombinedReward:
         responses: Sequence[str],
         references: Sequence[str | None] | None = None,
         labels: Sequence[str | None] | None = None,
+        conversations: Sequence[Prompt | None] | None = None,
     ) -> RewardOutput:
+        """``conversations``: each sample's prompt as a chat with its images, given to the
+        functions that read it (``uses_conversations``); ``None`` gives them ``None``."""
         n = len(responses)
         references = [None] * n if references is None else list(references)
         labels = [None] * n if labels is None else list(labels)
-        for arg, seq in (("prompts", prompts), ("references", references), ("labels", labels)):
+        given = [("prompts", prompts), ("references", references), ("labels", labels)]
+        if conversations is not None:
+            given.append(("conversations", conversations))
+        for arg, seq in given:
             if len(seq) != n:
                 raise ValueError(f"{arg} has {len(seq)} entries but responses has {n}")
         total = torch.zeros(n, dtype=torch.float32)  # [B]
@@ -308,7 +319,9 @@ class CombinedReward:
             mask = torch.zeros(n, dtype=torch.bool)  # [B]
             if idx:
                 start = time.perf_counter()
-                vals = self._call_one(name, fn, idx, prompts, responses, references, labels)
+                vals = self._call_one(
+                    name, fn, idx, prompts, responses, references, labels, conversations
+                )
                 out.seconds[name] = time.perf_counter() - start
                 part[idx] = vals
                 mask[idx] = True
@@ -326,7 +339,9 @@ class CombinedReward:
         return out
 
     @staticmethod
-    def _call_one(name, fn, idx, prompts, responses, references, labels) -> torch.Tensor:
+    def _call_one(
+        name, fn, idx, prompts, responses, references, labels, conversations
+    ) -> torch.Tensor:
         sub_prompts = [prompts[i] for i in idx]
         sub_refs = [references[i] for i in idx]
         if getattr(fn, "requires_reference", False):
@@ -336,12 +351,18 @@ class CombinedReward:
                         f"reward function {name!r} needs a reference answer, but sample {i} "
                         f"(label {labels[i]!r}, prompt {prompt_preview(prompts[i])}) has none"
                     )
+        kwargs: dict[str, Any] = {}
+        if getattr(fn, "uses_conversations", False):
+            kwargs["conversations"] = (
+                None if conversations is None else [conversations[i] for i in idx]
+            )
         try:
             out = fn(
                 prompts=sub_prompts,
                 responses=[responses[i] for i in idx],
                 references=sub_refs,
                 labels=[labels[i] for i in idx],
+                **kwargs,
             )
         except Exception as e:
             raise RewardError(

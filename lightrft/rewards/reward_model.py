@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
+from lightrft.data.vision import ImageInputs
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt
 
@@ -65,6 +66,18 @@ def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
         if "bias" in tensors:
             head.bias.copy_(tensors["bias"].reshape(1))
     return head
+
+
+def _has_media(prompt: Prompt) -> bool:
+    """Whether a conversation holds an image or audio part."""
+    if isinstance(prompt, str):
+        return False
+    return any(
+        isinstance(part, dict) and part.get("type") in ("image", "audio")
+        for m in prompt
+        if not isinstance(m["content"], str)
+        for part in m["content"]
+    )
 
 
 def _detect_head(path: str | Path) -> str:
@@ -105,6 +118,16 @@ class RewardModel:
         chat_template: render with the tokenizer's chat template.
         padding_side: side on which micro-batches are padded; scores do not depend on it.
         scale, bias: returned reward = ``scale * score + bias`` (e.g. to undo an RM's offset).
+        min_pixels, max_pixels: bounds on each image's area (a vision-language reward model;
+            None keeps its processor's own).
+
+    With the chat template (``uses_conversations``), a sample is rendered from its conversation
+    when the caller gives one (``conversations=``: the recipes pass each prompt's chat), else
+    from its prompt. A vision-language reward model (an export of ``recipes/reward_model.py``
+    with the ``likelihood`` pooling) needs the conversations: it reads the images in their image
+    parts, renders and expands them exactly as its preference data was
+    (:func:`~lightrft.data.preference.encode_with_media`), and refuses a sequence longer than
+    ``max_length`` (cutting it would cut image tokens).
     """
 
     name = "reward_model"
@@ -127,18 +150,26 @@ class RewardModel:
         bias: float = 0.0,
         trust_remote_code: bool = False,
         attn_implementation: str | None = "sdpa",
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
     ) -> None:
         from transformers import AutoModel
 
         from lightrft.models.loading import _check_local, load_tokenizer, to_dtype
 
         _check_local(path)
-        from lightrft.models.vision import checkpoint_is_multimodal
+        from lightrft.models.vision import checkpoint_is_audio_language, checkpoint_is_multimodal
 
-        if checkpoint_is_multimodal(path):
+        if checkpoint_is_audio_language(path):
             raise ValueError(
-                f"{path} is a vision- or audio-language reward model: recipes/reward_model.py "
-                "trains it, but scoring it in RL (with the rollout's images) is not built yet"
+                f"{path} is an audio-language model: reward models take text and images "
+                "(preference data has no audio)"
+            )
+        vision = bool(checkpoint_is_multimodal(path))
+        if vision and not chat_template:
+            raise ValueError(
+                f"{path} is a vision-language reward model: it needs chat_template=true (the chat "
+                "template places the image tokens, as in its training)"
             )
         if head == "auto":
             head = _detect_head(path)
@@ -162,9 +193,30 @@ class RewardModel:
             linear = load_value_head(path, value_head_key).to(to_dtype(dtype))
             net = RewardNet(backbone, linear)
         stats = ((read_reward_config(path) or {}).get("stats") or {}) if normalize else {}
+        media = None
+        if vision:
+            if net.pooling != "likelihood":
+                raise ValueError(
+                    f"{path}: a vision-language model scores with pooling='likelihood' only"
+                )
+            from lightrft.data.sft import MediaSamples
+            from lightrft.models.vision import load_processor
+
+            media = MediaSamples(
+                load_processor(path, trust_remote_code=trust_remote_code),
+                None,
+                min_pixels,
+                max_pixels,
+                None,
+            )
+        elif min_pixels is not None or max_pixels is not None:
+            raise ValueError("min_pixels / max_pixels apply to a vision-language reward model")
         self._setup(
             net,
-            load_tokenizer(path, trust_remote_code=trust_remote_code),
+            media.images.tokenizer
+            if media is not None
+            else load_tokenizer(path, trust_remote_code=trust_remote_code),
+            media=media,
             score_head=score_head,
             stats=stats if normalize else None,
             micro_batch_size=micro_batch_size,
@@ -214,6 +266,7 @@ class RewardModel:
         net: RewardNet,
         tokenizer,
         *,
+        media=None,
         score_head: str | None = None,
         stats: dict[str, dict[str, float]] | None = None,
         micro_batch_size: int,
@@ -254,6 +307,8 @@ class RewardModel:
         self.offload = offload
         self.net = net.to("cpu" if offload else self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
+        self.media = media  # MediaSamples of a vision-language reward model, else None
+        self.uses_conversations = chat_template
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         self.chat_template = chat_template
@@ -309,10 +364,48 @@ class RewardModel:
         ]
         return seqs, starts
 
+    def encode_conversations(
+        self, conversations: Sequence[Prompt | None], responses: Sequence[str]
+    ) -> tuple[list[list[int]], list[int], list[Any]]:
+        """A vision-language reward model's inputs: each (conversation, response) rendered and
+        its images expanded as in its preference data; the token ids, each one's first response
+        token, and its images (an :class:`~lightrft.data.vision.ImageInputs`, or None)."""
+        from lightrft.data.io import Records
+        from lightrft.data.preference import encode_with_media
+
+        if any(c is None for c in conversations):
+            raise ValueError(
+                "a vision-language reward model renders each sample's conversation (the chat "
+                "its prompt came from, with its images); a prompt rendered without a chat "
+                "template has none: use apply_chat_template=true in the prompt dataset"
+            )
+        src = Records.from_list([{} for _ in conversations], name="sample")
+        seqs, starts, images = [], [], []
+        for i, (chat, response) in enumerate(zip(conversations, responses, strict=True)):
+            (ids,), (start,), media = encode_with_media(
+                self.tokenizer, self.media, src, i, chat, [response]
+            )
+            if len(ids) > self.max_length:
+                raise ValueError(
+                    f"sample {i} has {len(ids)} tokens with its image tokens, over the reward "
+                    f"model's max_length={self.max_length} (cutting it would cut image tokens); "
+                    "raise max_length or lower max_pixels"
+                )
+            seqs.append(ids)
+            starts.append(start)
+            images.append(self.media.process(media).images if media is not None else None)
+        return seqs, starts, images
+
     @torch.inference_mode()
-    def score_heads(self, seqs: list[list[int]], starts: list[int] | None = None) -> torch.Tensor:
+    def score_heads(
+        self,
+        seqs: list[list[int]],
+        starts: list[int] | None = None,
+        images: Sequence[Any] | None = None,
+    ) -> torch.Tensor:
         """Raw scores of every head ``[N, heads]`` (float32, CPU), ``micro_batch_size`` at a
-        time. ``starts``: each sequence's first response token (``likelihood`` pooling only)."""
+        time. ``starts``: each sequence's first response token (``likelihood`` pooling only).
+        ``images``: each sequence's :class:`~lightrft.data.vision.ImageInputs` (or None)."""
         if any(len(s) == 0 for s in seqs):
             raise ValueError("cannot score an empty token sequence")
         if (starts is None) != (self.net.pooling != "likelihood"):
@@ -334,6 +427,9 @@ class RewardModel:
                     None if starts is None else [starts[i] for i in chunk],
                 )
                 batch = {k: v.to(self.device) for k, v in batch.items()}
+                if images is not None:
+                    # In row order; the forward moves the pixels to the ids' device.
+                    batch["images"] = ImageInputs.cat([images[i] for i in chunk])
                 out = self.net(num_sequences=len(chunk), **batch)  # [b, heads]
                 scores[chunk] = out.float().cpu()
         finally:
@@ -341,10 +437,15 @@ class RewardModel:
                 self.net.to("cpu")
         return scores
 
-    def score_ids(self, seqs: list[list[int]], starts: list[int] | None = None) -> torch.Tensor:
+    def score_ids(
+        self,
+        seqs: list[list[int]],
+        starts: list[int] | None = None,
+        images: Sequence[Any] | None = None,
+    ) -> torch.Tensor:
         """Rewards [N] (float32, CPU) of token sequences; every head's in ``last_head_scores``.
-        ``starts``: see :meth:`score_heads`."""
-        scores = self.score_heads(seqs, starts)  # [N, heads]
+        ``starts``, ``images``: see :meth:`score_heads`."""
+        scores = self.score_heads(seqs, starts, images)  # [N, heads]
         self.last_head_scores = {h: scores[:, k] for k, h in enumerate(self.net.heads)}
         raw = (scores[:, self.head_index] - self.mean) / self.std
         return self.scale * raw + self.bias
@@ -355,11 +456,32 @@ class RewardModel:
         responses: Sequence[str],
         references: Sequence[str | None] | None = None,
         labels: Sequence[str | None] | None = None,
+        conversations: Sequence[Prompt | None] | None = None,
     ) -> torch.Tensor:
         if len(prompts) != len(responses):
             raise ValueError(
                 f"prompts has {len(prompts)} entries but responses has {len(responses)}"
             )
+        if conversations is not None and len(conversations) != len(responses):
+            raise ValueError(
+                f"conversations has {len(conversations)} entries but responses has {len(responses)}"
+            )
         if not responses:
             return torch.empty(0, dtype=torch.float32)
+        if self.media is not None:
+            if conversations is None:
+                raise ValueError(
+                    "a vision-language reward model scores each sample's conversation with its "
+                    "images: pass conversations= (CombinedReward passes the recipe's)"
+                )
+            return self.score_ids(*self.encode_conversations(conversations, responses))
+        if conversations is not None:  # the chats the prompts were rendered from
+            prompts = [p if c is None else c for p, c in zip(prompts, conversations, strict=True)]
+            for i, p in enumerate(prompts):
+                if _has_media(p):
+                    raise ValueError(
+                        f"sample {i}'s prompt has images, which a text reward model cannot "
+                        "see: score it with a vision-language reward model, or with "
+                        "chat_template=false (the rendered prompt text)"
+                    )
         return self.score_ids(*self.encode(prompts, responses))

@@ -186,6 +186,31 @@ def test_input_lengths_are_checked():
         fn(PROMPTS[:2], RESPONSES)
 
 
+class ChatReader(Recorder):
+    uses_conversations = True
+
+    def __call__(self, prompts, responses, references, labels, conversations):
+        self.calls.append(dict(prompts=prompts, conversations=conversations))
+        return [self.value] * len(responses)
+
+
+def test_conversations_reach_only_the_functions_that_read_them():
+    """A function with ``uses_conversations`` gets its samples' conversations (routed like the
+    prompts); the others are called as before."""
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    reader, plain = ChatReader(), Recorder()
+    fn = CombinedReward(
+        {"chat": reader, "plain": plain}, routes={"chat": ["chat"], "math": ["plain"]}
+    )
+    fn(PROMPTS, RESPONSES, REFS, LABELS, conversations=chats)
+    assert reader.calls == [{"prompts": PROMPTS[2:], "conversations": chats[2:]}]
+    assert plain.calls[0]["prompts"] == PROMPTS[:2]  # no conversations argument
+    fn(PROMPTS, RESPONSES, REFS, LABELS)
+    assert reader.calls[-1]["conversations"] is None
+    with pytest.raises(ValueError, match="conversations has 3 entries but responses has 4"):
+        fn(PROMPTS, RESPONSES, REFS, LABELS, conversations=chats[:3])
+
+
 def test_empty_batch():
     out = CombinedReward({"a": Recorder()})([], [], [], [])
     assert out.total.shape == (0,)

@@ -147,6 +147,26 @@ def test_reward_model_inside_combined_reward(classifier_dir):
     assert out.total[1::2].tolist() == [0.0] * 3
 
 
+def test_chat_reward_model_renders_the_conversation_not_the_rendered_prompt(classifier_dir):
+    """With the chat template, a sample's conversation (what the recipes pass) is what is
+    rendered: the prompt text, already rendered by the actor's template, is not wrapped again.
+    A raw prompt (conversation None) falls back to its text; a text model refuses images."""
+    rm = RewardModel(str(classifier_dir), micro_batch_size=2)
+    assert rm.uses_conversations
+    chats = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": p}]
+        for p in PROMPTS
+    ]
+    rendered = ["<rendered>" + p for p in PROMPTS]  # stands for the actor's rendered prompt
+    got = rm(rendered, RESPONSES, conversations=chats[:5] + [None])
+    torch.testing.assert_close(got[:5], rm(chats[:5], RESPONSES[:5]))
+    torch.testing.assert_close(got[5:], rm(rendered[5:], RESPONSES[5:]))
+    assert not RewardModel(str(classifier_dir), chat_template=False).uses_conversations
+    image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    with pytest.raises(ValueError, match="sample 0's prompt has images, which a text reward"):
+        rm(["x"], ["y"], conversations=[image])
+
+
 def test_errors(classifier_dir, value_head_dir, tiny_model_dir):
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
         RewardModel(str(classifier_dir), micro_batch_size=0)

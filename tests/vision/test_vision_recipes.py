@@ -347,6 +347,53 @@ def test_vlm_grpo_refuses_a_critic(tmp_path, vlm_assets, capsys):
     assert "not supported with a vision-language actor" in capsys.readouterr().err
 
 
+def test_vlm_grpo_against_a_vlm_reward_model(tmp_path, vlm_assets):
+    """A vision-language reward model as the reward: each sample's reward is what the model
+    gives that sample's conversation with its own picture, scored alone (the untrained VLM,
+    marked a likelihood reward model, scores by its own mean log-prob); eval scores with it too."""
+    import json
+
+    from _vision_helpers import likelihood_reward_model
+
+    from lightrft.data import PromptDataset, conversation
+    from lightrft.models import load_processor
+    from lightrft.rewards import RewardModel
+
+    rm_path = likelihood_reward_model(vlm_assets / "model", tmp_path / "rm")
+    reward = {
+        "_component_": "lightrft.rewards.CombinedReward",
+        "functions": {
+            "rm": {"_component_": "lightrft.rewards.RewardModel", "path": rm_path},
+            "accuracy": {"_component_": "lightrft.rewards.MathVerifier"},
+        },
+        "weights": {"accuracy": 0.0},
+    }
+    over = {"prepare": None, "reward": reward, "max_steps": 1, "trajectories": True}
+    over.update({"eval.every": 1, "eval.accuracy_reward": "accuracy"})
+    cfg = _grpo_config(tmp_path, vlm_assets, **over)
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 0
+    rows = (tmp_path / "out" / "trajectories" / "step_000001.jsonl").read_text().splitlines()
+    samples = [json.loads(x) for x in rows]
+    assert len(samples) == 8
+
+    processor = load_processor(str(vlm_assets / "model"))
+    data = str(vlm_assets / "data" / "train.jsonl")
+    # The prompts share their text: a trajectory finds its record (and picture) by file and line.
+    by_where = {it["where"]: it for it in PromptDataset(processor, data, max_pixels=56 * 56)}
+    items = [by_where[s["where"]] for s in samples]
+    alone = RewardModel(rm_path)(
+        [s["prompt"] for s in samples],
+        [s["response"] for s in samples],
+        conversations=[conversation(it["messages"], it["images"]) for it in items],
+    )
+    got = torch.tensor([s["reward_parts"]["rm"] for s in samples])
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor([s["reward"] for s in samples]), got)
+    assert len({s["where"] for s in samples}) == 2  # two pictures in the step
+    evals = [r for r in read_metrics(tmp_path / "out") if "eval/reward/rm" in r]
+    assert evals and all(r["eval/reward/rm"] < 0 for r in evals)  # mean log-probs
+
+
 # ---------------------------------------------------------------------------------- eval
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 import yaml
 
-from lightrft.data import DataError
+from lightrft.data import DataError, PromptDataset, conversation
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
+from lightrft.models.vision import load_processor
 
 
 def _pairs(image_files, n: int = 12, rejected: str | None = None) -> list[dict]:
@@ -37,8 +38,6 @@ def _write(path, records) -> str:
 
 
 def test_pairs_with_images_show_every_candidate_the_images(tiny_vlm, image_files, tmp_path):
-    from lightrft.models.vision import load_processor
-
     proc = load_processor(tiny_vlm("qwen2_vl"))
     ds = PreferenceDataset(proc, _write(tmp_path / "p.jsonl", _pairs(image_files, 3)))
     item = ds[0]
@@ -61,7 +60,6 @@ def test_pairs_with_images_show_every_candidate_the_images(tiny_vlm, image_files
 
 def test_images_need_a_vlm_processor_and_the_chat_template(tiny_vlm, image_files, tmp_path):
     from lightrft.models import load_tokenizer
-    from lightrft.models.vision import load_processor
 
     path = _write(tmp_path / "p.jsonl", _pairs(image_files, 2))
     with pytest.raises(DataError, match=r"p.jsonl line 1: .*'images' holds images.*processor"):
@@ -84,7 +82,7 @@ def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_
     (pixel inputs, M-RoPE positions), padded or packed."""
     from lightrft.models.loading import load_model
     from lightrft.models.reward import build_reward_net
-    from lightrft.models.vision import load_processor, vision_forward_kwargs
+    from lightrft.models.vision import vision_forward_kwargs
 
     path = tiny_vlm("qwen2_vl")
     proc = load_processor(path)
@@ -150,12 +148,68 @@ def test_reward_model_recipe_trains_a_vlm_likelihood_reward_model(tiny_vlm, imag
     assert evals[-1]["eval/margin/reward"] > evals[0]["eval/margin/reward"], evals
     final = tmp_path / "out" / "final"
     assert (final / "processor_config.json").is_file()  # the processor, saved with it
-    net = load_reward_net(final)
+    net = load_reward_net(final).eval()
     assert net.pooling == "likelihood" and net.end_token_id is None  # the chat template ends it
-    with pytest.raises(ValueError, match="scoring it in RL .* is not built yet"):
-        RewardModel(str(final))
+    # Scored as in RL: a prompt item's conversation (its chat with its images inline) gives the
+    # trained net's scores of the same pairs, chosen and rejected.
+    proc = load_processor(final)
+    pairs = PreferenceDataset(proc, data)
+    prompts = PromptDataset(proc, data, reference_required=False)
+    records = [json.loads(line) for line in open(data)][:3]
+    chats = [conversation(prompts[k]["messages"], prompts[k]["images"]) for k in range(3)]
+    rm = RewardModel(str(final), micro_batch_size=4)
+    got = rm(
+        [prompts[k]["prompt"] for k in range(3)] * 2,
+        [r["chosen"] for r in records] + [r["rejected"] for r in records],
+        conversations=chats * 2,
+    )
+    with torch.no_grad():
+        want = _score(
+            net, PreferenceCollator(proc.tokenizer.pad_token_id)([pairs[k] for k in range(3)])
+        )
+    torch.testing.assert_close(got, want[:, 0].view(3, 2).T.flatten(), atol=1e-5, rtol=1e-5)
     # A classifier head on a VLM has no transformers class: refused, naming the way out.
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**cfg, "model": {"path": cfg["model"]["path"]}, "loss": {}}))
     with pytest.raises(ValueError, match="use pooling='likelihood'"):
         cli.main(["run", "reward_model", "--config", str(bad)])
+
+
+def test_a_vlm_reward_model_in_rl_reads_the_images_of_each_conversation(
+    tiny_vlm, image_files, tmp_path
+):
+    """Through CombinedReward (as the GRPO and eval recipes call it): the conversations reach
+    the model, each with its own picture; what it cannot score is refused with the reason."""
+    from _vision_helpers import likelihood_reward_model, square
+
+    from lightrft.rewards import CombinedReward, RewardModel
+
+    path = likelihood_reward_model(tiny_vlm("qwen2_vl"), tmp_path / "rm")
+    data = _write(tmp_path / "p.jsonl", _pairs(image_files, 3))
+    prompts = PromptDataset(load_processor(path), data, reference_required=False)
+    items = [prompts[k] for k in range(3)]
+    chats = [conversation(it["messages"], it["images"]) for it in items]
+    reward = CombinedReward({"rm": RewardModel(path), "length": lambda **kw: [1.0] * 3})
+    texts = [it["prompt"] for it in items]
+    out = reward(texts, ["red"] * 3, conversations=chats)
+    # Same question, same answer, another picture: another score.
+    assert len(set(out.parts["rm"].tolist())) == 3, out.parts["rm"]
+    alone = RewardModel(path)(texts[:1], ["red"], conversations=chats[:1])
+    torch.testing.assert_close(out.parts["rm"][:1], alone)
+    recoloured = [
+        {
+            **chats[0][0],
+            "content": [chats[0][0]["content"][0], {"type": "image", "image": square((0, 0, 255))}],
+        }
+    ]
+    assert RewardModel(path)(texts[:1], ["red"], conversations=[recoloured]) != alone
+
+    rm = RewardModel(path)
+    with pytest.raises(ValueError, match="pass conversations="):
+        rm(texts, ["red"] * 3)
+    with pytest.raises(ValueError, match="apply_chat_template=true in the prompt dataset"):
+        rm(texts[:1], ["red"], conversations=[None])
+    with pytest.raises(ValueError, match=r"sample 0 has \d+ tokens .* max_length=8"):
+        RewardModel(path, max_length=8)(texts[:1], ["red"], conversations=chats[:1])
+    with pytest.raises(ValueError, match="needs chat_template=true"):
+        RewardModel(path, chat_template=False)
