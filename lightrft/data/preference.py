@@ -34,7 +34,7 @@ from lightrft.data.sft import (
     _check_truncation,
     open_records,
 )
-from lightrft.data.templates import check_messages, encode_chat
+from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
 from lightrft.data.vision import ImageInputs, as_processor
 
 __all__ = [
@@ -114,20 +114,27 @@ def encode_with_media(
 ) -> tuple[list[list[int]], list[int], SampleMedia | None]:
     """Record ``i``'s candidates for a multimodal model: the token ids of ``prompt`` (its images
     from the record's images field or inline in its image parts) followed by each response as
-    the assistant turn, media placeholders expanded; each response's start (its first label);
+    the assistant turn, media placeholders expanded; each response's start (its first label,
+    after the labels of the prompt's own assistant turns);
     and the decoded media every candidate shares (``None`` without). Preference data and
     :class:`~lightrft.rewards.RewardModel` encode through this one function, so a reward model
     scores what it was trained on."""
     where = src.where(i)
     turns, decoded = media.messages(src, i, prompt_turns(prompt))
+    # Every assistant turn is one run of labels; the prompt's own come before the response's.
+    earlier = sum(1 for m in turns if m["role"] == "assistant")
     ids, starts = [], []
     for r in responses:
         reply = [{"role": "assistant", "content": r}] if isinstance(r, str) else list(r)
         seq, labels = encode_chat(tokenizer, [*turns, *reply], where)
         seq, labels, _ = media.expand(seq, labels, decoded, where)
-        first = next((k for k, lab in enumerate(labels) if lab != -100), len(seq))
+        runs = [
+            k
+            for k, lab in enumerate(labels)
+            if lab != IGNORE_INDEX and (k == 0 or labels[k - 1] == IGNORE_INDEX)
+        ]
         ids.append(seq)
-        starts.append(max(first, 1))
+        starts.append(max(runs[earlier] if len(runs) > earlier else len(seq), 1))
     return ids, starts, decoded
 
 

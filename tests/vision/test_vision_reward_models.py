@@ -58,6 +58,23 @@ def test_pairs_with_images_show_every_candidate_the_images(tiny_vlm, image_files
     assert packed["images"].num_tokens == batch["images"].num_tokens
 
 
+def test_a_multi_turn_prompt_scores_the_final_reply_only(tiny_vlm, image_files, tmp_path):
+    """A prompt with an assistant turn of its own: the response starts at the final reply, not
+    at the first labelled token (the earlier answer)."""
+    proc = load_processor(tiny_vlm("qwen2_vl"))
+    chat = [
+        {"role": "user", "content": "Which colour is the picture? <image>"},
+        {"role": "assistant", "content": "blue"},
+        {"role": "user", "content": "Look again."},
+    ]
+    record = {"prompt": chat, "images": [image_files[0].name], "chosen": "red", "rejected": "green"}
+    item = PreferenceDataset(proc, _write(tmp_path / "p.jsonl", [record]))[0]
+    tok = proc.tokenizer
+    for seq, start, answer in zip(item["sequences"], item["starts"], ["red", "green"], strict=True):
+        assert tok.decode(seq[start:].tolist()) == f"{answer}<|im_end|>"
+        assert "blue<|im_end|>" in tok.decode(seq[:start].tolist())
+
+
 def test_images_need_a_vlm_processor_and_the_chat_template(tiny_vlm, image_files, tmp_path):
     from lightrft.models import load_tokenizer
 
