@@ -1246,7 +1246,7 @@ class GRPORecipe:
             self.engine.sleep(self.opts.engine.sleep_level)
             self._weights_released = self.opts.engine.sleep_level == 2
 
-    def _score(self, prompts, texts, references, labels, wheres, conversations=None) -> tuple:
+    def _score(self, prompts, texts, references, labels, wheres, conversations) -> tuple:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
         python floats the reward functions returned). ``conversations``: each sample's prompt as
         its chat with its images (:func:`~lightrft.data.conversation`), for reward models."""
