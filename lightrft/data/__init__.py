@@ -28,7 +28,11 @@ from lightrft.data.loader import ResumableDataLoader, build_dataloader
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
-from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
+from lightrft.data.shapes import (
+    ensure_shapes_dataset,
+    ensure_shapes_preferences,
+    write_shapes_dataset,
+)
 from lightrft.data.templates import IGNORE_INDEX
 from lightrft.data.tones import ensure_tones_dataset, write_tones_dataset
 from lightrft.data.vision import ImageInputs, ImageProcessor
@@ -61,6 +65,7 @@ __all__ = [
     "ensure_tones_dataset",
     "ensure_gsm8k",
     "ensure_shapes_dataset",
+    "ensure_shapes_preferences",
     "load_records",
     "pack_indices",
     "pack_or_pad_collator",

@@ -22,9 +22,15 @@ import random
 from pathlib import Path
 from typing import Any
 
-from lightrft.data.io import made_with, write_jsonl
+from lightrft.data.io import load_records, made_with, write_jsonl
 
-__all__ = ["COLOURS", "ensure_shapes_dataset", "shapes_records", "write_shapes_dataset"]
+__all__ = [
+    "COLOURS",
+    "ensure_shapes_dataset",
+    "ensure_shapes_preferences",
+    "shapes_records",
+    "write_shapes_dataset",
+]
 
 COLOURS = {
     "red": (220, 30, 30),
@@ -174,3 +180,57 @@ def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     if made_with(out, ("train.jsonl", "test.jsonl"), want):
         return out
     return write_shapes_dataset(out, **want)
+
+
+def ensure_shapes_preferences(
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike,
+    *,
+    per_board: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Preference pairs with images from a counting data set (:func:`ensure_shapes_dataset`):
+    the board's count preferred over another count of the data set's range.
+
+    Reads ``source_dir/{train,test}.jsonl`` and writes ``out_dir/{train,test}.jsonl`` with
+    ``prompt``, ``images`` (the source's PNGs, as paths relative to ``out_dir``), ``chosen`` and
+    ``rejected``, ``per_board`` pairs per board (each a fresh wrong count); skipped when already
+    written from the same source and settings.
+    """
+    src, out = Path(source_dir), Path(out_dir)
+    if per_board < 1:
+        raise ValueError(f"per_board must be >= 1, got {per_board}")
+    meta = src / META
+    if not meta.is_file():
+        raise ValueError(f"no {META} in {src}: write the counting data set first")
+    made = json.loads(meta.read_text())
+    counts = [str(c) for c in range(made["min_count"], made["max_count"] + 1)]
+    if len(counts) < 2:
+        raise ValueError(f"{src} has one count only ({counts[0]}): nothing to prefer it over")
+    want = {
+        "source": str(src.resolve()),
+        "source_mtime_ns": meta.stat().st_mtime_ns,
+        "per_board": per_board,
+        "seed": seed,
+    }
+    if made_with(out, ("train.jsonl", "test.jsonl"), want):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for k, split in enumerate(("train", "test")):
+        rng = random.Random(seed * 2 + k)
+        pairs = []
+        for rec in load_records(src / f"{split}.jsonl"):
+            images = [os.path.relpath(src / path, out) for path in rec["images"]]
+            wrong = [c for c in counts if c != rec["answer"]]
+            for _ in range(per_board):
+                pairs.append(
+                    {
+                        "prompt": rec["prompt"],
+                        "images": images,
+                        "chosen": rec["completion"],
+                        "rejected": rng.choice(wrong),
+                    }
+                )
+        write_jsonl(out / f"{split}.jsonl", pairs)
+    (out / META).write_text(json.dumps(want, indent=2) + "\n")
+    return out

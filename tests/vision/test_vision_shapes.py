@@ -64,3 +64,26 @@ def test_loads_with_a_vlm_processor_one_token_per_cell(tiny_vlm, tmp_path):
     assert prompts[0]["images"].num_tokens == [9]
     sft = SFTDataset(proc, out / "train.jsonl")
     assert len(sft) == 6 and sft.stats["images"] == 6
+
+
+def test_preference_pairs_prefer_the_count_and_load_with_their_images(tiny_vlm, tmp_path):
+    from lightrft.data import PreferenceDataset, ensure_shapes_preferences
+
+    src = ensure_shapes_dataset(tmp_path / "s", n_train=12, n_test=4, min_count=2, max_count=4)
+    out = ensure_shapes_preferences(tmp_path / "pairs", src, per_board=2)
+    pairs = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(pairs) == 24 and len((out / "test.jsonl").read_text().splitlines()) == 8
+    for p in pairs:
+        assert p["chosen"] == str(_count_cells(out / p["images"][0]))  # the board's count
+        assert p["rejected"] != p["chosen"] and p["rejected"] in {"2", "3", "4"}
+    # Skipped when already made from the same source and settings; the images load from it.
+    stamp = (out / "train.jsonl").stat().st_mtime_ns
+    assert ensure_shapes_preferences(tmp_path / "pairs", src, per_board=2) == out
+    assert (out / "train.jsonl").stat().st_mtime_ns == stamp
+    ds = PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), out / "test.jsonl")
+    assert len(ds) == 8 and len(ds[0]["images"]) == 1
+    with pytest.raises(ValueError, match="write the counting data set first"):
+        ensure_shapes_preferences(tmp_path / "p2", tmp_path / "nothing")
+    one = ensure_shapes_dataset(tmp_path / "one", n_train=2, n_test=1, min_count=2, max_count=2)
+    with pytest.raises(ValueError, match="one count only"):
+        ensure_shapes_preferences(tmp_path / "p3", one)
