@@ -139,3 +139,44 @@ def test_rlhf_demo_chain(tmp_path, monkeypatch):
     ]
     assert cli.main(["run", "grpo", "--config", "tiny/rlhf_grpo", *grpo]) == 0
     assert len(_accuracies(tmp_path / "outputs/tiny/rlhf_grpo/metrics.jsonl")) == 2
+
+
+def test_vision_rlhf_demo_chain(tmp_path, monkeypatch):
+    """Vision SFT -> a vision-language likelihood reward model from it (pairs with images) ->
+    GRPO with that reward model, which reads each sample's picture, as the only reward."""
+    monkeypatch.chdir(tmp_path)
+    small = [
+        "prepare.1.n_train=16",
+        "prepare.1.n_test=4",
+        "prepare.1.n_rl=8",
+        "batch_size=8",
+        "max_steps=2",
+        "eval_every=2",
+        "lr_scheduler.warmup_steps=0",
+        "metrics.tensorboard=false",
+    ]
+    assert cli.main(["run", "sft", "--config", "tiny/vision_sft", *small]) == 0
+    rm = [
+        "batch_size=8",
+        "max_steps=2",
+        "eval_every=2",
+        "lr_scheduler.warmup_steps=0",
+        "metrics.tensorboard=false",
+    ]
+    assert cli.main(["run", "reward_model", "--config", "tiny/vision_rm", *rm]) == 0
+    assert (tmp_path / "outputs/tiny/vision_rm/final/processor_config.json").is_file()
+    grpo = [
+        "max_steps=1",
+        "eval.every=1",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "lr_scheduler.warmup_steps=0",
+        "metrics.tensorboard=false",
+    ]
+    assert cli.main(["run", "grpo", "--config", "tiny/vision_rlhf_grpo", *grpo]) == 0
+    rows = [
+        json.loads(x)
+        for x in (tmp_path / "outputs/tiny/vision_rlhf_grpo/metrics.jsonl").read_text().splitlines()
+    ]
+    assert any("reward/rm/mean" in r for r in rows)
+    assert len(_accuracies(tmp_path / "outputs/tiny/vision_rlhf_grpo/metrics.jsonl")) == 2
