@@ -1,182 +1,80 @@
-"""The README's CPU demos (text, vision, audio, RLHF) chain as shipped: each first config's outputs
-are where the next one reads them. Run through the CLI in-process in a scratch directory with
-the data sets and step counts cut down (the measured, full-length runs are in docs/grpo.md,
-docs/vision.md and docs/audio.md)."""
+"""The README's CPU demos (text, vision, audio, RLHF with text and with images) chain as shipped:
+each config's outputs are where the next one reads them. Run through the CLI in-process in a
+scratch directory with the data sets and step counts cut down (the measured, full-length runs are
+in docs/grpo.md, docs/vision.md, docs/audio.md and docs/reward_models.md)."""
 
 import json
 
 from lightrft import cli
 
+TRAIN = ["max_steps=2", "eval_every=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
+# The first prepare step's data set, cut down: text (arithmetic), media (boards, tones).
+TEXT_DATA = ["prepare.1.n_train=64", "prepare.1.n_test=8"]
+MEDIA_DATA = ["prepare.1.n_train=16", "prepare.1.n_test=4", "prepare.1.n_rl=8", "batch_size=8"]
+GRPO = [
+    "max_steps=1",
+    "eval.every=1",
+    "rollout.prompts_per_step=2",
+    "rollout.n=2",
+    "lr_scheduler.warmup_steps=0",
+    "metrics.tensorboard=false",
+]
 
-def _accuracies(path):
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    return [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+
+def _rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _run(recipe: str, config: str, overrides: list[str]) -> None:
+    assert cli.main(["run", recipe, "--config", config, *overrides]) == 0
+
+
+def _grpo_evaluated(tmp_path, config: str) -> list[dict]:
+    """Run the GRPO config cut down; its metrics rows, checked to hold a start and an end eval."""
+    _run("grpo", config, GRPO)
+    rows = _rows(tmp_path / "outputs" / config / "metrics.jsonl")
+    assert len([r for r in rows if "eval/accuracy" in r]) == 2  # start, end
+    return rows
 
 
 def test_text_demo_chain(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    small = [
-        "prepare.1.n_train=64",
-        "prepare.1.n_test=8",
-        "max_steps=2",
-        "eval_every=2",
-        "lr_scheduler.warmup_steps=0",
-        "metrics.tensorboard=false",
-    ]
-    assert cli.main(["run", "sft", "--config", "tiny/add_sft", *small]) == 0
+    _run("sft", "tiny/add_sft", TEXT_DATA + TRAIN)
     assert (tmp_path / "outputs/tiny/add_sft/final/config.json").is_file()
-    assert (
-        cli.main(
-            [
-                "run",
-                "grpo",
-                "--config",
-                "tiny/add_grpo",
-                "max_steps=1",
-                "eval.every=1",
-                "rollout.prompts_per_step=2",
-                "rollout.n=2",
-                "lr_scheduler.warmup_steps=0",
-                "metrics.tensorboard=false",
-            ]
-        )
-        == 0
-    )
-    assert len(_accuracies(tmp_path / "outputs/tiny/add_grpo/metrics.jsonl")) == 2  # start, end
+    _grpo_evaluated(tmp_path, "tiny/add_grpo")
 
 
 def test_vision_demo_chain(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    small = [
-        "prepare.1.n_train=16",
-        "prepare.1.n_test=4",
-        "prepare.1.n_rl=8",
-        "batch_size=8",
-        "max_steps=2",
-        "eval_every=2",
-        "lr_scheduler.warmup_steps=0",
-        "metrics.tensorboard=false",
-    ]
-    assert cli.main(["run", "sft", "--config", "tiny/vision_sft", *small]) == 0
+    _run("sft", "tiny/vision_sft", MEDIA_DATA + TRAIN)
     assert (tmp_path / "outputs/tiny/vision_sft/final/processor_config.json").is_file()
-    assert (
-        cli.main(
-            [
-                "run",
-                "grpo",
-                "--config",
-                "tiny/vision_grpo",
-                "max_steps=1",
-                "eval.every=1",
-                "rollout.prompts_per_step=2",
-                "rollout.n=2",
-                "lr_scheduler.warmup_steps=0",
-                "metrics.tensorboard=false",
-            ]
-        )
-        == 0
-    )
-    assert len(_accuracies(tmp_path / "outputs/tiny/vision_grpo/metrics.jsonl")) == 2
+    _grpo_evaluated(tmp_path, "tiny/vision_grpo")
 
 
 def test_audio_demo_chain(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    small = [
-        "prepare.1.n_train=16",
-        "prepare.1.n_test=4",
-        "prepare.1.n_rl=8",
-        "batch_size=8",
-        "max_steps=2",
-        "eval_every=2",
-        "lr_scheduler.warmup_steps=0",
-        "metrics.tensorboard=false",
-    ]
-    assert cli.main(["run", "sft", "--config", "tiny/audio_sft", *small]) == 0
+    _run("sft", "tiny/audio_sft", MEDIA_DATA + TRAIN)
     assert (tmp_path / "outputs/tiny/audio_sft/final/processor_config.json").is_file()
-    assert (
-        cli.main(
-            [
-                "run",
-                "grpo",
-                "--config",
-                "tiny/audio_grpo",
-                "max_steps=1",
-                "eval.every=1",
-                "rollout.prompts_per_step=2",
-                "rollout.n=2",
-                "lr_scheduler.warmup_steps=0",
-                "metrics.tensorboard=false",
-            ]
-        )
-        == 0
-    )
-    assert len(_accuracies(tmp_path / "outputs/tiny/audio_grpo/metrics.jsonl")) == 2
+    _grpo_evaluated(tmp_path, "tiny/audio_grpo")
 
 
 def test_rlhf_demo_chain(tmp_path, monkeypatch):
     """SFT -> a likelihood reward model from it -> GRPO with that reward model as the only
     reward."""
     monkeypatch.chdir(tmp_path)
-    small = [
-        "prepare.1.n_train=64",
-        "prepare.1.n_test=8",
-        "max_steps=2",
-        "eval_every=2",
-        "lr_scheduler.warmup_steps=0",
-        "metrics.tensorboard=false",
-    ]
-    assert cli.main(["run", "sft", "--config", "tiny/add_sft", *small]) == 0
-    rm = ["max_steps=2", "eval_every=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
-    assert cli.main(["run", "reward_model", "--config", "tiny/rlhf_rm", *rm]) == 0
+    _run("sft", "tiny/add_sft", TEXT_DATA + TRAIN)
+    _run("reward_model", "tiny/rlhf_rm", TRAIN)
     assert (tmp_path / "outputs/tiny/rlhf_rm/final/config.json").is_file()
-    grpo = [
-        "max_steps=1",
-        "eval.every=1",
-        "rollout.prompts_per_step=2",
-        "rollout.n=2",
-        "lr_scheduler.warmup_steps=0",
-        "metrics.tensorboard=false",
-    ]
-    assert cli.main(["run", "grpo", "--config", "tiny/rlhf_grpo", *grpo]) == 0
-    assert len(_accuracies(tmp_path / "outputs/tiny/rlhf_grpo/metrics.jsonl")) == 2
+    rows = _grpo_evaluated(tmp_path, "tiny/rlhf_grpo")
+    assert any("reward/rm/mean" in r for r in rows)
 
 
 def test_vision_rlhf_demo_chain(tmp_path, monkeypatch):
     """Vision SFT -> a vision-language likelihood reward model from it (pairs with images) ->
     GRPO with that reward model, which reads each sample's picture, as the only reward."""
     monkeypatch.chdir(tmp_path)
-    small = [
-        "prepare.1.n_train=16",
-        "prepare.1.n_test=4",
-        "prepare.1.n_rl=8",
-        "batch_size=8",
-        "max_steps=2",
-        "eval_every=2",
-        "lr_scheduler.warmup_steps=0",
-        "metrics.tensorboard=false",
-    ]
-    assert cli.main(["run", "sft", "--config", "tiny/vision_sft", *small]) == 0
-    rm = [
-        "batch_size=8",
-        "max_steps=2",
-        "eval_every=2",
-        "lr_scheduler.warmup_steps=0",
-        "metrics.tensorboard=false",
-    ]
-    assert cli.main(["run", "reward_model", "--config", "tiny/vision_rm", *rm]) == 0
+    _run("sft", "tiny/vision_sft", MEDIA_DATA + TRAIN)
+    _run("reward_model", "tiny/vision_rm", ["batch_size=8", *TRAIN])
     assert (tmp_path / "outputs/tiny/vision_rm/final/processor_config.json").is_file()
-    grpo = [
-        "max_steps=1",
-        "eval.every=1",
-        "rollout.prompts_per_step=2",
-        "rollout.n=2",
-        "lr_scheduler.warmup_steps=0",
-        "metrics.tensorboard=false",
-    ]
-    assert cli.main(["run", "grpo", "--config", "tiny/vision_rlhf_grpo", *grpo]) == 0
-    rows = [
-        json.loads(x)
-        for x in (tmp_path / "outputs/tiny/vision_rlhf_grpo/metrics.jsonl").read_text().splitlines()
-    ]
+    rows = _grpo_evaluated(tmp_path, "tiny/vision_rlhf_grpo")
     assert any("reward/rm/mean" in r for r in rows)
-    assert len(_accuracies(tmp_path / "outputs/tiny/vision_rlhf_grpo/metrics.jsonl")) == 2
