@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
-from lightrft.data.vision import ImageInputs
+from lightrft.data.vision import MEDIA_KINDS, ImageInputs
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt
 
@@ -73,7 +73,7 @@ def _has_media(prompt: Prompt) -> bool:
     if isinstance(prompt, str):
         return False
     return any(
-        isinstance(part, dict) and part.get("type") in ("image", "audio")
+        isinstance(part, dict) and part.get("type") in MEDIA_KINDS
         for m in prompt
         if not isinstance(m["content"], str)
         for part in m["content"]
