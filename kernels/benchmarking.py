@@ -105,9 +105,9 @@ def provider_available(name: str, device: str | torch.device) -> bool:
     if name not in PROVIDERS:
         raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
     if name == "liger":
-        from .logprobs import _liger_available
+        from .logprobs import liger_available
 
-        return _liger_available(torch.empty(0, device=device))
+        return liger_available(torch.empty(0, device=device))
     if name == "liger-chunked":
         try:
             _liger_chunked()

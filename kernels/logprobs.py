@@ -71,7 +71,7 @@ def _is_dtensor(x: Tensor) -> bool:
     return isinstance(x, DTensor)
 
 
-def _check_inputs(
+def check_inputs(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -79,6 +79,7 @@ def _check_inputs(
     temperature: float,
     chunk_size: int | None,
 ) -> None:
+    """Raise a ``ValueError`` naming the first bad shape, dtype or option of a kernel call."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [N, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -113,7 +114,7 @@ def _check_inputs(
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
-def _valid_rows(targets: Tensor, vocab: int, ignore_index: int) -> Tensor | None:
+def valid_rows(targets: Tensor, vocab: int, ignore_index: int) -> Tensor | None:
     """Indices of the rows whose target is not ignored; None when every row counts."""
     valid = targets != ignore_index  # [N]
     bad = valid & ((targets < 0) | (targets >= vocab))
@@ -230,7 +231,7 @@ def _forward(
     return logp, ent, buf
 
 
-def _backward(
+def chunked_backward(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -381,7 +382,7 @@ def _forward_with_grads(
 ) -> _Sweep:
     """Log-probs, entropy and the gradients of the (all valid) rows in one sweep: per chunk one
     logits matmul, the hint's upstream gradients from the chunk's log-probs, and the two
-    gradient matmuls of :func:`_backward`, so no chunk's logits are built twice."""
+    gradient matmuls of :func:`chunked_backward`, so no chunk's logits are built twice."""
     n, vocab = hidden.shape[0], weight.shape[0]
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
     need_h, need_w, need_b = need
@@ -458,7 +459,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         ctx, hidden, weight, targets, bias, temperature, chunk, ignore_index, want_entropy, hint
     ):
         n = hidden.shape[0]
-        idx = _valid_rows(targets, weight.shape[0], ignore_index)
+        idx = valid_rows(targets, weight.shape[0], ignore_index)
         h_v = hidden if idx is None else hidden.index_select(0, idx)  # [n_valid, H]
         t_v = targets if idx is None else targets.index_select(0, idx)
         inv_t = 1.0 / float(temperature)
@@ -512,7 +513,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 stacklevel=2,
             )
             del sweep
-        g_h, g_w, g_b = _backward(
+        g_h, g_w, g_b = chunked_backward(
             h_v,
             weight,
             t_v,
@@ -554,7 +555,8 @@ def _to_input_dtypes(
     return g_h, g_w, g_b
 
 
-def _liger_available(hidden: Tensor) -> bool:
+def liger_available(hidden: Tensor) -> bool:
+    """Whether Liger-Kernel's Triton path can run on ``hidden`` (CUDA, Liger and Triton)."""
     if not hidden.is_cuda:
         return False
     try:
@@ -584,7 +586,7 @@ def select_backend(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    usable = _liger_available(hidden) and not return_entropy and not grad_hint
+    usable = liger_available(hidden) and not return_entropy and not grad_hint
     if backend == "liger" and not usable:
         why = (
             "return_entropy=True"
@@ -597,7 +599,7 @@ def select_backend(
     return "liger" if usable else "torch"
 
 
-def _liger_flce(
+def liger_flce(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -660,14 +662,14 @@ def fused_linear_logprobs(
         log-probs [N] in fp32, or ``(log-probs, entropy)``. Gradients flow to ``hidden``,
         ``weight`` and ``bias`` in their own dtypes; low-precision inputs accumulate in fp32.
     """
-    _check_inputs(hidden, weight, targets, bias, temperature, chunk_size)
+    check_inputs(hidden, weight, targets, bias, temperature, chunk_size)
     if grad_hint is not None and not callable(grad_hint):
         raise ValueError(f"grad_hint must be callable or None, got {type(grad_hint).__name__}")
     chosen = select_backend(
         hidden, return_entropy=return_entropy, backend=backend, grad_hint=grad_hint is not None
     )
     if chosen == "liger":
-        nll = _liger_flce(hidden, weight, targets, bias, temperature, ignore_index, "none")
+        nll = liger_flce(hidden, weight, targets, bias, temperature, ignore_index, "none")
         return -nll  # [N] fp32, 0 at ignored targets
     chunk = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
     if not torch.is_grad_enabled():

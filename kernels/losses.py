@@ -8,14 +8,14 @@ from torch import Tensor
 
 from .logprobs import (
     Backend,
-    _backward,
-    _check_inputs,
-    _liger_flce,
-    _valid_rows,
     acc_dtype,
+    check_inputs,
+    chunked_backward,
     default_chunk_size,
     fused_linear_logprobs,
+    liger_flce,
     select_backend,
+    valid_rows,
 )
 
 Number = int | float | Tensor
@@ -53,7 +53,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_logp.mul_(scale.to(acc))
         else:
             grad_logp.mul_(scale)
-        g_h, g_w, g_b = _backward(
+        g_h, g_w, g_b = chunked_backward(
             hidden, weight, targets, bias, 1.0, chunk, grad_logp, None, None, need, logp_out=logp
         )
         ctx.save_for_backward(g_h, g_w, g_b)
@@ -107,12 +107,12 @@ def fused_linear_cross_entropy(
         raise ValueError(
             f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without H"
         )
-    _check_inputs(h2, weight, t1, bias, 1.0, chunk_size)
-    idx = _valid_rows(t1, weight.shape[0], ignore_index)
+    check_inputs(h2, weight, t1, bias, 1.0, chunk_size)
+    idx = valid_rows(t1, weight.shape[0], ignore_index)
     count = h2.shape[0] if idx is None else idx.numel()
     denom = _denominator(num_tokens, count)
     if select_backend(h2, backend=backend) == "liger":
-        return _liger_flce(h2, weight, t1.long(), bias, 1.0, ignore_index, "sum") / denom
+        return liger_flce(h2, weight, t1.long(), bias, 1.0, ignore_index, "sum") / denom
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )

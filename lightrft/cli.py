@@ -225,13 +225,13 @@ def _validate_before_launch(recipe: Path, rest: list[str], torchrun_args: list[s
     """Check the config once in the launcher (schema + the recipe's build_options) so a config
     error prints one message and exits 2 instead of failing in every worker. The world size is
     ``--nnodes x --nproc_per_node`` when both are plain numbers (else the workers check it)."""
-    from lightrft.config import ConfigError, _split_argv, load, validate
+    from lightrft.config import ConfigError, load, split_argv, validate
 
     nproc = _flag_value(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
     nnodes = _flag_value(torchrun_args, "--nnodes") or "1"
     old_world = os.environ.get("WORLD_SIZE")
     try:
-        path, overrides = _split_argv(rest)
+        path, overrides = split_argv(rest)
         cfg, src = load(path, overrides)
         schema, build_options = load_recipe_checks(recipe)
         if nproc.isdigit() and nnodes.isdigit():

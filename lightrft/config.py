@@ -381,7 +381,8 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     return tt_config.instantiate(node, *args, **kwargs)
 
 
-def _split_argv(argv: list[str]) -> tuple[str, list[str]]:
+def split_argv(argv: list[str]) -> tuple[str, list[str]]:
+    """Split a recipe's argv into the ``--config`` path and the ``key=value`` overrides."""
     config_path, rest, i = None, [], 0
     while i < len(argv):
         a = argv[i]
@@ -421,7 +422,7 @@ def parse(
     @functools.wraps(recipe_main)
     def wrapper() -> None:
         try:
-            path, overrides = _split_argv(sys.argv[1:])
+            path, overrides = split_argv(sys.argv[1:])
             cfg, src = load(path, overrides)
             opts = validate(cfg, schema=schema, options=options, source=src)
         except ConfigError as e:

@@ -27,13 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightrft import config
 from lightrft.config import Component
+from lightrft.distributed import barrier, destroy, init_distributed
 from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.evaluation import EvalRecord, evaluate_items, summarize
 from lightrft.models import checkpoint_is_multimodal, load_processor, load_tokenizer
 from lightrft.models.loading import DTYPES
 from lightrft.rewards import build_reward
 from lightrft.training import check_output_dir
-from lightrft.training.distributed import barrier, destroy, init_distributed
 
 DTYPE = Literal[tuple(DTYPES)]
 

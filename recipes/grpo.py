@@ -75,6 +75,7 @@ from lightrft.data import (
     conversation,
     plan_micro_batches,
 )
+from lightrft.distributed import all_reduce_max, barrier, destroy, init_distributed
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import (
@@ -101,13 +102,12 @@ from lightrft.models.lora import (
     LoraOptions,
     adapters_disabled,
     apply_lora,
-    check_resume,
-    export_trained,
     lora_options,
 )
 from lightrft.models.parallel import MeshOptions, build_mesh, mesh_config, strategy_option
 from lightrft.models.sharded import load_parallel
 from lightrft.rewards import build_reward
+from lightrft.rollout import IGNORE, RolloutBatch, pad_rows
 from lightrft.training import (
     Checkpointer,
     MetricAccumulator,
@@ -117,13 +117,13 @@ from lightrft.training import (
     ProgressBar,
     backward,
     check_output_dir,
+    check_resume,
+    export_trained,
     optimizer_step,
     peak_memory,
     reduce_metrics,
     warmup_cosine_scheduler,
 )
-from lightrft.training.distributed import all_reduce_max, barrier, destroy, init_distributed
-from lightrft.training.rollout import IGNORE, RolloutBatch, pad_rows
 
 DTYPE = Literal[tuple(DTYPES)]
 SCHEDULE = {"warmup_steps": int | None, "min_lr_ratio": float | None}

@@ -44,15 +44,21 @@ from lightrft.algorithms.reward_losses import (
 from lightrft.config import Component, ConfigError
 from lightrft.data import StepCollator, build_dataloader
 from lightrft.data.preference import PreferenceCollator
+from lightrft.distributed import (
+    all_reduce_sum,
+    barrier,
+    destroy,
+    even_micro_batches,
+    init_distributed,
+)
 from lightrft.models import load_tokenizer
 from lightrft.models.deepspeed import DEEPSPEED_SCHEMA, DeepSpeedOptions, deepspeed_options
+from lightrft.models.export import export_hf
 from lightrft.models.loading import DTYPES
 from lightrft.models.lora import (
     LORA_SCHEMA,
     LoraOptions,
     apply_backbone_lora,
-    check_resume,
-    export_merged,
     lora_options,
 )
 from lightrft.models.parallel import strategy_option
@@ -64,18 +70,12 @@ from lightrft.training import (
     ProgressBar,
     backward,
     check_output_dir,
-    export_hf,
+    check_resume,
+    export_merged,
     optimizer_step,
     peak_memory,
     reset_peak_memory,
     warmup_cosine_scheduler,
-)
-from lightrft.training.distributed import (
-    all_reduce_sum,
-    barrier,
-    destroy,
-    even_micro_batches,
-    init_distributed,
 )
 
 LossType = Literal["bradley_terry", "log_exp", "hps"]

@@ -24,6 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 from lightrft import config
 from lightrft.config import Component
 from lightrft.data import StepCollator, build_dataloader, pack_or_pad_collator
+from lightrft.distributed import (
+    all_reduce_sum,
+    barrier,
+    destroy,
+    even_micro_batches,
+    init_distributed,
+)
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models import (
     checkpoint_is_audio_language,
@@ -39,8 +46,6 @@ from lightrft.models.lora import (
     LORA_SCHEMA,
     LoraOptions,
     apply_lora,
-    check_resume,
-    export_trained,
     lora_options,
 )
 from lightrft.models.parallel import MeshOptions, build_mesh, mesh_config, strategy_option
@@ -52,17 +57,12 @@ from lightrft.training import (
     ProgressBar,
     backward,
     check_output_dir,
+    check_resume,
+    export_trained,
     optimizer_step,
     peak_memory,
     reset_peak_memory,
     warmup_cosine_scheduler,
-)
-from lightrft.training.distributed import (
-    all_reduce_sum,
-    barrier,
-    destroy,
-    even_micro_batches,
-    init_distributed,
 )
 
 CONFIG_SCHEMA = {

@@ -19,7 +19,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple) ->
     import torch
     import torch.distributed as dist
 
-    from lightrft.training.distributed import destroy
+    from lightrft.distributed import destroy
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

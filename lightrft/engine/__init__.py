@@ -12,7 +12,7 @@ A recipe step::
 
 from lightrft.engine.native import NativeEngine
 from lightrft.engine.protocol import Completion, Engine, Request, SamplingParams
-from lightrft.engine.sync import SyncStats, hf_name, iter_weight_buckets, sync_weights
+from lightrft.engine.sync import SyncStats, iter_weight_buckets, sync_weights
 from lightrft.engine.vllm_adapter import VLLMEngine
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "SamplingParams",
     "SyncStats",
     "VLLMEngine",
-    "hf_name",
     "iter_weight_buckets",
     "sync_weights",
 ]

@@ -30,26 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# Inserted by checkpoint_wrapper, torch.compile (module-level compile), FSDP1 and PEFT.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-_PEFT_PREFIX = "base_model.model."
+from lightrft.models.names import hf_name
+
 _LORA_PARAM = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
-
-
-def hf_name(name: str) -> str:
-    """The HF checkpoint name of a parameter of a wrapped model.
-
-    >>> hf_name("base_model.model.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.base_layer.weight")
-    'model.layers.0.mlp.up_proj.weight'
-    """
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX) :]
-    name = name.replace(".base_layer.", ".")
-    # PEFT `modules_to_save`: the trained copy replaces the original module.
-    name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
-    return name
 
 
 def _is_lora_layer(module: nn.Module) -> bool:

@@ -219,27 +219,26 @@ def gathered_modules(engine: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
 def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     """The full state dict of the engine's module on CPU, HF names (collective: every rank
     gathers ZeRO-3 partitions module by module; rank 0 keeps the copies, others get ``{}``)."""
-    import torch.distributed as dist
-
-    from lightrft.training.export import clean_param_name
+    from lightrft.distributed import is_main
+    from lightrft.models.names import strip_wrappers
 
     module = engine.module
-    main = not dist.is_initialized() or dist.get_rank() == 0
+    main = is_main()
     out: dict[str, torch.Tensor] = {}
     for params in gathered_modules(engine):
         if main:
-            out.update((clean_param_name(n), t.to("cpu", copy=True)) for n, t in params)
+            out.update((strip_wrappers(n), t.to("cpu", copy=True)) for n, t in params)
     if main:
         first: dict[int, str] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
-            name = clean_param_name(name)
+            name = strip_wrappers(name)
             if id(p) in first:  # a tied name: alias the first copy
                 out[name] = out[first[id(p)]]
             else:
                 first[id(p)] = name
         for name, buf in module.named_buffers():
             if name in module.state_dict():
-                out[clean_param_name(name)] = buf.detach().to("cpu", copy=True)
+                out[strip_wrappers(name)] = buf.detach().to("cpu", copy=True)
     return out
 
 
@@ -247,7 +246,7 @@ def sync_weights(engine: Any, rollout: Any) -> None:
     """Copy the trained weights into the rollout engine module by module (collective: call on
     every rank; ``rollout`` may be None on a rank that only takes part in the gathers), then
     reset its prefix cache. The DeepSpeed counterpart of ``lightrft.engine.sync_weights``."""
-    from lightrft.engine.sync import hf_name
+    from lightrft.models.names import hf_name
 
     for params in gathered_modules(engine):
         if rollout is not None:
@@ -258,6 +257,6 @@ def sync_weights(engine: Any, rollout: Any) -> None:
 
 def export_hf_engine(engine: Any, tokenizer: Any, out_dir: str | Path) -> Path:
     """Write the engine's model as an HF directory (collective; rank 0 writes)."""
-    from lightrft.training.export import export_hf_state_dict
+    from lightrft.models.export import export_hf_state_dict
 
     return export_hf_state_dict(engine.module, gathered_state_dict(engine), tokenizer, out_dir)

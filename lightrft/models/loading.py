@@ -26,7 +26,9 @@ def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _check_local(path: str | Path) -> None:
+def check_local(path: str | Path) -> None:
+    """Raise a ``ValueError`` when ``path`` looks like a local path (not a hub id) but does not
+    exist."""
     p = Path(path)
     # A string that looks like a path (absolute, ./, ../, or more parts than a hub id's
     # "namespace/name") but does not exist is a user error, not a hub id: say so instead of
@@ -44,7 +46,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    _check_local(path)
+    check_local(path)
     cfg_file = Path(path) / "tokenizer_config.json"
     if cfg_file.is_file():
         tok_cls = json.loads(cfg_file.read_text()).get("tokenizer_class")
@@ -59,7 +61,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
     return tok
 
 
-def _from_pretrained(
+def from_pretrained_dir(
     auto,
     path: str | Path,
     *,
@@ -68,7 +70,8 @@ def _from_pretrained(
     trust_remote_code: bool,
     attn_implementation: str | None,
 ):
-    _check_local(path)
+    """``auto.from_pretrained(path)`` in ``dtype`` on ``device``; a bad local path fails first."""
+    check_local(path)
     kwargs = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -86,7 +89,7 @@ def load_causal_lm(
     """A ``transformers`` causal LM from a local directory or hub id, in ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    return _from_pretrained(
+    return from_pretrained_dir(
         AutoModelForCausalLM,
         path,
         dtype=dtype,
@@ -111,9 +114,9 @@ def load_model(
 
     from lightrft.models.vision import is_multimodal, multimodal_auto_class
 
-    _check_local(path)
+    check_local(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return _from_pretrained(
+    return from_pretrained_dir(
         multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM,
         path,
         dtype=dtype,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,17 +94,6 @@ def lora_options(node: Any, key: str = "lora") -> LoraOptions | None:
         trained_modules=tuple(str(t) for t in get("trained_modules", ())),
         export_merged=bool(get("export_merged", False)),
     )
-
-
-def check_resume(output_dir: str | Path, adapted: bool, models: tuple[str, ...]) -> None:
-    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
-    adapters exactly when this run does (``adapted``), for each of ``models`` it holds."""
-    from lightrft.training.checkpoint import META, Checkpointer, check_lora_match
-
-    latest = Checkpointer(output_dir).latest()
-    if latest is not None:
-        meta = json.loads((latest / META).read_text())
-        check_lora_match(meta, dict.fromkeys(models, adapted), latest)
 
 
 def _linear_names(model: nn.Module) -> dict[str, str]:
@@ -260,18 +248,19 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
 def export_adapter(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
     """Write the PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``
     + tokenizer) of a plain or FSDP2-sharded LoRA model; collective, rank 0 writes."""
-    from lightrft.training.export import _barrier, _is_main, _replace_dir
+    from lightrft.distributed import barrier, is_main
+    from lightrft.models.export import replace_dir
 
     out = Path(out_dir)
     sd = _peft_state_dict(model)
-    if _is_main():
+    if is_main():
         tmp = out.with_name(out.name + ".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(tmp, state_dict=sd, save_embedding_layers=False)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, out)
-    _barrier()
+        replace_dir(tmp, out)
+    barrier()
     return out
 
 
@@ -285,51 +274,3 @@ def _peft_state_dict(model: nn.Module) -> dict:
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return sd
-
-
-def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
-    """Write the base model with the adapters merged in, as a plain HF directory (collective).
-
-    The weights come from the same merge as weight sync (``iter_weight_buckets``), so the
-    export and the rollout engine see identical tensors. ``model``: a PEFT model, or a model
-    with adapters injected in place that saves itself (a reward model, :func:`apply_backbone_lora`).
-    """
-    from lightrft.engine.sync import iter_weight_buckets
-    from lightrft.training.export import _barrier, _is_main, _replace_dir
-
-    main = _is_main()
-    sd = {}
-    for bucket in iter_weight_buckets(model):
-        if main:
-            sd.update((name, t.clone()) for name, t in bucket)
-    out = Path(out_dir)
-    if main:
-        base = model.get_base_model() if is_lora(model) else model
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        base.save_pretrained(tmp, state_dict=sd, is_main_process=True)
-        cfg_file = tmp / "config.json"
-        cfg = json.loads(cfg_file.read_text())
-        cfg.pop("_name_or_path", None)
-        cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, out)
-    _barrier()
-    return out
-
-
-def export_trained(
-    model: nn.Module, tokenizer: Any, out_dir: str | Path, lora: LoraOptions | None
-) -> Path:
-    """A recipe's final export (collective): the full HF model, or for LoRA the adapter
-    directory at ``out_dir`` and, with ``lora.export_merged``, the merged model beside it
-    at ``<out_dir>_merged``."""
-    from lightrft.training.export import export_hf
-
-    if lora is None:
-        return export_hf(model, tokenizer, out_dir)
-    out = export_adapter(model, tokenizer, out_dir)
-    if lora.export_merged:
-        export_merged(model, tokenizer, Path(out_dir).with_name(Path(out_dir).name + "_merged"))
-    return out

@@ -349,9 +349,9 @@ def build_reward_net(
     """
     from transformers import AutoModelForSequenceClassification
 
-    from lightrft.models.loading import _check_local, load_model, to_dtype
+    from lightrft.models.loading import check_local, load_model, to_dtype
 
-    _check_local(path)
+    check_local(path)
     _check_pooling(pooling, heads, probe_layer, end_token_id)
     if pooling == "likelihood":  # a causal LM, or a vision-language model, as the actor loads
         lm = load_model(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,13 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightrft.models.loading import _check_local, load_model, to_dtype
+from lightrft.models.loading import check_local, load_model, to_dtype
+from lightrft.models.names import hf_checkpoint_name
 from lightrft.models.parallel import default_param_dtype, parallelize
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
-# Names that wrappers insert between the HF model's own names (see lightrft.engine.sync.hf_name).
-_PEFT_COPIES = re.compile(r"\.(modules_to_save\.[^.]+|original_module)\.")
 
 
 @dataclass(frozen=True)
@@ -140,7 +138,7 @@ def build_on_meta(
     checkpoint's generation config."""
     from transformers import AutoConfig, GenerationConfig
 
-    _check_local(path)
+    check_local(path)
     config = AutoConfig.from_pretrained(
         path, trust_remote_code=trust_remote_code, **config_overrides
     )
@@ -198,13 +196,6 @@ def _meta_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]:
                 seen.add(id(t))
                 found.append((prefix + attr, module, attr, kind))
     return found
-
-
-def hf_checkpoint_name(name: str) -> str:
-    """The HF model's own name of a parameter of a wrapped (checkpointed, compiled, PEFT) model."""
-    from lightrft.engine.sync import hf_name
-
-    return hf_name(_PEFT_COPIES.sub(".", name))
 
 
 def _init_new(name: str, full_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -135,9 +135,9 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     """
     from transformers import AutoProcessor, ProcessorMixin
 
-    from lightrft.models.loading import _check_local
+    from lightrft.models.loading import check_local
 
-    _check_local(path)
+    check_local(path)
     classes = processor_classes()
     cls = {c.__name__: c for c in classes.values()}.get(_processor_class_name(path) or "")
     if cls is None:
@@ -193,9 +193,9 @@ def load_vision_model(
     """An ``AutoModelForImageTextToText`` model (vision-language), or an
     ``AutoModelForMultimodalLM`` one (audio-language: Qwen2-Audio), from a local directory or
     hub id."""
-    from lightrft.models.loading import _from_pretrained
+    from lightrft.models.loading import from_pretrained_dir
 
-    return _from_pretrained(
+    return from_pretrained_dir(
         multimodal_auto_class(path, trust_remote_code=trust_remote_code),
         path,
         dtype=dtype,

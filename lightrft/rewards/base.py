@@ -189,7 +189,8 @@ def _std(x: torch.Tensor) -> float:
     return x.std(unbiased=False).item() if x.numel() > 1 else 0.0
 
 
-def _instantiate(node: Mapping[str, Any]) -> Any:
+def instantiate_node(node: Mapping[str, Any]) -> Any:
+    """Build the component a ``_component_`` mapping (a dict or a config node) describes."""
     from omegaconf import DictConfig, OmegaConf
 
     from lightrft.config import instantiate
@@ -241,7 +242,7 @@ class CombinedReward:
             if isinstance(fn, Mapping):
                 if "_component_" not in fn:
                     raise ValueError(f"functions.{name} must be a callable or have a _component_")
-                fn = _instantiate(fn)
+                fn = instantiate_node(fn)
             if not callable(fn):
                 raise ValueError(f"functions.{name} is a {type(fn).__name__}, not callable")
             self.functions[str(name)] = fn
@@ -383,7 +384,7 @@ def build_reward(spec: Any, name: str | None = None) -> CombinedReward:
     if isinstance(spec, Mapping):
         if "_component_" not in spec:
             raise ValueError("a reward config needs a _component_ key")
-        spec = _instantiate(spec)
+        spec = instantiate_node(spec)
     if isinstance(spec, CombinedReward):
         return spec
     if not callable(spec):

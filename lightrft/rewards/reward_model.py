@@ -155,9 +155,9 @@ class RewardModel:
     ) -> None:
         from transformers import AutoModel
 
-        from lightrft.models.loading import _check_local, load_tokenizer, to_dtype
+        from lightrft.models.loading import check_local, load_tokenizer, to_dtype
 
-        _check_local(path)
+        check_local(path)
         from lightrft.models.vision import checkpoint_is_audio_language, checkpoint_is_multimodal
 
         if checkpoint_is_audio_language(path):

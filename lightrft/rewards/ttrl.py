@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightrft.rewards.base import Prompt, _instantiate, prompt_preview
+from lightrft.rewards.base import Prompt, instantiate_node, prompt_preview
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
 __all__ = ["TTRLReward", "split_groups"]
@@ -75,7 +75,7 @@ class TTRLReward:
         incorrect: float = 0.0,
     ) -> None:
         if isinstance(verifier, Mapping):  # a nested {_component_: ...} from YAML
-            verifier = _instantiate(verifier)
+            verifier = instantiate_node(verifier)
         if not callable(getattr(verifier, "extract", None)):
             raise ValueError(
                 f"verifier must have an extract(response) method, {type(verifier).__name__} has not"

@@ -1,4 +1,4 @@
-"""Training utilities shared by the recipes: checkpoints, HF export, metrics, LR schedule.
+"""Training utilities shared by the recipes: checkpoints, the final export, metrics, LR schedule.
 
 Submodules are imported on first use of a name, so ``import lightrft.training`` stays cheap.
 """
@@ -13,9 +13,9 @@ _EXPORTS = {
     "CheckpointState": "checkpoint",
     "rng_state": "checkpoint",
     "set_rng_state": "checkpoint",
-    "export_hf": "export",
-    "full_state_dict": "export",
-    "clean_param_name": "export",
+    "check_resume": "checkpoint",
+    "export_merged": "export",
+    "export_trained": "export",
     "MetricLogger": "metrics",
     "ProgressBar": "metrics",
     "PhaseTimer": "metrics",
@@ -34,8 +34,6 @@ _EXPORTS = {
     "optimizer_step": "optim",
     "is_deepspeed_engine": "optim",
     "check_output_dir": "outputs",
-    "RolloutBatch": "rollout",
-    "pad_rows": "rollout",
     "Preemption": "preemption",
     "CheckpointSaveError": "checkpoint",
     "check_resume_config": "resume",

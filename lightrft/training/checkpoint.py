@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from lightrft.distributed import barrier
 from lightrft.training.optim import is_deepspeed_engine
 from lightrft.training.resume import ConfigChange, check_resume_config
 from lightrft.training.safe_state import (
@@ -102,11 +103,6 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 @contextmanager
@@ -368,7 +364,7 @@ class Checkpointer:
         if rank == 0:
             self._commit(tmp, final)
             self._prune()
-        _barrier()
+        barrier()
         return final
 
     def _write(
@@ -391,7 +387,7 @@ class Checkpointer:
             if tmp.exists():  # left over by a crashed save of the same step
                 shutil.rmtree(tmp)
             tmp.mkdir()
-        _barrier()
+        barrier()
         with _quiet_single_process():
             dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         for name, engine in _engines(models_).items():  # ZeRO partitions, in DeepSpeed's layout
@@ -403,7 +399,7 @@ class Checkpointer:
             "extra": dict(extra or {}),
         }
         save_state(per_rank, tmp / f"rank_{rank:05d}")
-        _barrier()
+        barrier()
         if rank == 0:
             meta = {
                 "step": step,
@@ -536,7 +532,7 @@ class Checkpointer:
             set_rng_state(per_rank["rng"])
         if override_lr and any(c.kind == "lr" for c in changes):
             _override_lrs(optims_, scheds_, new_lrs)
-        _barrier()
+        barrier()
         if rank == 0:
             for c in changes:
                 print(f"resume: {c} ({'applied' if c.kind == 'lr' else 'allowed'})", flush=True)
@@ -775,3 +771,12 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     write_atomic(path, text.encode())
+
+
+def check_resume(output_dir: str | Path, adapted: bool, models: tuple[str, ...]) -> None:
+    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
+    adapters exactly when this run does (``adapted``), for each of ``models`` it holds."""
+    latest = Checkpointer(output_dir).latest()
+    if latest is not None:
+        meta = json.loads((latest / META).read_text())
+        check_lora_match(meta, dict.fromkeys(models, adapted), latest)

@@ -1,163 +1,65 @@
-"""Export a trained (possibly FSDP2-sharded) model as a plain Hugging Face directory.
+"""The final export of a trained model: the full HF directory, or for LoRA the adapter directory
+and, with ``lora.export_merged``, the merged model beside it.
 
-The export holds ``model.safetensors`` (or shards + index), ``config.json``,
-``generation_config.json`` and the tokenizer files, so ``AutoModelForCausalLM.from_pretrained``
-and vLLM load it directly. A vision-language model is exported with its processor in place of the
-tokenizer: the processor files (``processor_config.json`` with the image processor, the chat
-template, the tokenizer) let ``AutoModelForImageTextToText`` and ``AutoProcessor`` (or
-:func:`lightrft.models.load_processor`) load it back.
+The merged weights come from the same merge as weight sync (:func:`lightrft.engine.sync.
+iter_weight_buckets`), so the export and the rollout engine see identical tensors.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lightrft.models.loading import to_dtype
+from lightrft.distributed import barrier, is_main
+from lightrft.engine.sync import iter_weight_buckets
+from lightrft.models.export import export_hf, replace_dir
+from lightrft.models.lora import LoraOptions, export_adapter, is_lora
 
-# Wrapper prefixes that activation checkpointing, torch.compile and FSDP1 insert into names.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def clean_param_name(name: str) -> str:
-    """The HF name of a parameter: ``model.layers.0._checkpoint_wrapped_module.mlp...`` ->
-    ``model.layers.0.mlp...``."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+__all__ = ["export_merged", "export_trained"]
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Gather the full, unsharded state dict on CPU with HF names (collective).
+def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write the base model with the adapters merged in, as a plain HF directory (collective).
 
-    Rank 0 gets every tensor; other ranks get an empty dict. Names the model ties together
-    (e.g. ``lm_head.weight`` and ``model.embed_tokens.weight`` with tied embeddings) share one
-    tensor again, so ``save_pretrained`` can drop the alias.
+    The weights come from the same merge as weight sync (``iter_weight_buckets``), so the
+    export and the rollout engine see identical tensors. ``model``: a PEFT model, or a model
+    with adapters injected in place that saves itself (a reward model,
+    :func:`lightrft.models.lora.apply_backbone_lora`).
     """
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = get_model_state_dict(model, options=opts)
-    if not sd:
-        return {}
-    sd = {clean_param_name(k): v for k, v in sd.items()}
-    # Gathering returns separate copies of tied parameters: re-alias them to the first name.
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(clean_param_name(name))
-    for names in groups.values():
-        present = [n for n in names if n in sd]
-        for alias in present[1:]:
-            sd[alias] = sd[present[0]]
-    return sd
-
-
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def export_hf(
-    model: nn.Module,
-    tokenizer: Any,
-    out_dir: str | os.PathLike,
-    *,
-    dtype: str | torch.dtype | None = None,
-    max_shard_size: str | int = "5GB",
-) -> Path:
-    """Write ``model`` (plain or FSDP2) and ``tokenizer`` as an HF directory at ``out_dir``.
-
-    ``tokenizer``: the tokenizer, or a vision-language model's processor (anything with
-    ``save_pretrained``; the processor writes its image-processor and tokenizer files).
-
-    Collective: call on every rank. Rank 0 writes into ``<out_dir>.tmp`` and renames it to
-    ``out_dir`` only when complete, replacing an older export there, so a crash never leaves a
-    half-written export under the final name. ``dtype`` casts floating-point weights (e.g.
-    ``"bfloat16"`` for serving); ``None`` keeps the training dtype. ``tokenizer=None`` skips it.
-    """
-    if not hasattr(model, "save_pretrained"):
-        raise ValueError(
-            f"export_hf needs a Hugging Face model (with save_pretrained), got "
-            f"{type(model).__name__}; use full_state_dict(model) to gather its weights instead"
-        )
-    sd = full_state_dict(model)  # every rank takes part in the gather
-    return export_hf_state_dict(
-        model, sd, tokenizer, out_dir, dtype=dtype, max_shard_size=max_shard_size
-    )
-
-
-def export_hf_state_dict(
-    model: nn.Module,
-    sd: dict[str, torch.Tensor],
-    tokenizer: Any,
-    out_dir: str | os.PathLike,
-    *,
-    dtype: str | torch.dtype | None = None,
-    max_shard_size: str | int = "5GB",
-) -> Path:
-    """:func:`export_hf` with the full state dict ``sd`` already gathered (rank 0's; ``{}`` on
-    the others), e.g. by another backend (DeepSpeed ZeRO-3). Collective: call on every rank."""
+    main = is_main()
+    sd = {}
+    for bucket in iter_weight_buckets(model):
+        if main:
+            sd.update((name, t.clone()) for name, t in bucket)
     out = Path(out_dir)
-    cast = to_dtype(dtype) if dtype is not None else None
-    if _is_main():
-        if cast is not None:
-            sd = _cast_floating(sd, cast)
+    if main:
+        base = model.get_base_model() if is_lora(model) else model
         tmp = out.with_name(out.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(
-            tmp, state_dict=sd, is_main_process=True, max_shard_size=max_shard_size
-        )
-        if cast is not None:
-            _set_config_dtype(tmp / "config.json", cast)
+        base.save_pretrained(tmp, state_dict=sd, is_main_process=True)
+        cfg_file = tmp / "config.json"
+        cfg = json.loads(cfg_file.read_text())
+        cfg.pop("_name_or_path", None)
+        cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, out)
-    _barrier()
+        replace_dir(tmp, out)
+    barrier()
     return out
 
 
-def _cast_floating(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Cast floating tensors, keeping tied aliases aliased (one cast per storage)."""
-    done: dict[int, torch.Tensor] = {}
-    out = {}
-    for k, v in sd.items():
-        if v.is_floating_point():
-            key = id(v)
-            if key not in done:
-                done[key] = v.to(dtype)
-            out[k] = done[key]
-        else:
-            out[k] = v
+def export_trained(
+    model: nn.Module, tokenizer: Any, out_dir: str | Path, lora: LoraOptions | None
+) -> Path:
+    """A recipe's final export (collective): the full HF model, or for LoRA the adapter
+    directory at ``out_dir`` and, with ``lora.export_merged``, the merged model beside it
+    at ``<out_dir>_merged``."""
+    if lora is None:
+        return export_hf(model, tokenizer, out_dir)
+    out = export_adapter(model, tokenizer, out_dir)
+    if lora.export_merged:
+        export_merged(model, tokenizer, Path(out_dir).with_name(Path(out_dir).name + "_merged"))
     return out
-
-
-def _set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
-    # save_pretrained records the dtype of the live (training) parameters; record the cast one.
-    cfg = json.loads(config_file.read_text())
-    cfg["dtype"] = str(dtype).removeprefix("torch.")
-    config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move directory ``src`` to ``dst``; an existing ``dst`` is swapped out, then deleted."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(dst.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

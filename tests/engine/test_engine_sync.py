@@ -5,9 +5,10 @@ import torch
 from _dist import run_distributed
 from torch import nn
 
-from lightrft.engine import NativeEngine, Request, SamplingParams, hf_name, sync_weights
+from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.engine.sync import plan_weights
 from lightrft.models import load_causal_lm, load_tokenizer, make_tiny_model
+from lightrft.models.names import hf_name
 
 
 @pytest.mark.parametrize(

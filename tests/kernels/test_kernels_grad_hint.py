@@ -68,7 +68,7 @@ def no_recompute(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the recomputing backward ran")
 
-    monkeypatch.setattr(lp_mod, "_backward", boom)
+    monkeypatch.setattr(lp_mod, "chunked_backward", boom)
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])

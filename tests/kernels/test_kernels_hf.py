@@ -97,8 +97,8 @@ def test_training_forward_takes_liger_on_cuda_without_entropy_bonus(tiny_model_d
     from lightrft.kernels import logprobs as kernel
 
     calls = []
-    real = kernel._liger_flce
-    monkeypatch.setattr(kernel, "_liger_flce", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernel.liger_flce
+    monkeypatch.setattr(kernel, "liger_flce", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = load_causal_lm(tiny_model_dir).cuda()
     ids, targets, w = (t.cuda() for t in batch(4))
     ref_lp, ref_ent = reference(model, ids, targets, 0.7)

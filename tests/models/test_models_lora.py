@@ -16,11 +16,11 @@ from lightrft.models.lora import (  # noqa: E402
     adapters_disabled,
     apply_lora,
     export_adapter,
-    export_merged,
     lora_options,
     resolve_targets,
 )
 from lightrft.training import Checkpointer  # noqa: E402
+from lightrft.training.export import export_merged  # noqa: E402
 
 DECODER_LINEARS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 

@@ -7,11 +7,11 @@ import torch
 from _dist import run_distributed
 
 from lightrft.models import load_model, make_tiny_model
+from lightrft.models.names import hf_checkpoint_name
 from lightrft.models.sharded import (
     SafetensorsIndex,
     build_on_meta,
     checkpoint_names,
-    hf_checkpoint_name,
     load_parallel,
 )
 

@@ -294,7 +294,7 @@ def test_training_forward_computes_the_lm_head_gradients(tmp_path, assets, monke
     import lightrft.kernels.logprobs as lp_mod
 
     calls = {"sweep": 0, "recompute": 0}
-    sweep, recompute = lp_mod._forward_with_grads, lp_mod._backward
+    sweep, recompute = lp_mod._forward_with_grads, lp_mod.chunked_backward
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -304,7 +304,7 @@ def test_training_forward_computes_the_lm_head_gradients(tmp_path, assets, monke
         return wrapper
 
     monkeypatch.setattr(lp_mod, "_forward_with_grads", counted("sweep", sweep))
-    monkeypatch.setattr(lp_mod, "_backward", counted("recompute", recompute))
+    monkeypatch.setattr(lp_mod, "chunked_backward", counted("recompute", recompute))
     over = {
         "max_steps": 1,
         "eval": None,

@@ -31,8 +31,8 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
     recipe.logger.close()
     if recipe.ds_engine is not None:
         # The rollout engine holds exactly the trained weights, gathered from the ZeRO-3 shards.
-        from lightrft.engine.sync import hf_name
         from lightrft.models.deepspeed import gathered_modules
+        from lightrft.models.names import hf_name
 
         for params in gathered_modules(recipe.ds_engine):
             for name, tensor in params:

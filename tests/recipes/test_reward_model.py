@@ -535,8 +535,8 @@ def test_sharded_reward_net_loads_its_slices_and_scores_like_one_process(tmp_pat
     slices (backbone and head from a classifier checkpoint; the causal LM whole for the
     likelihood pooling): the scores equal one process's."""
     from lightrft.models import make_tiny_model
+    from lightrft.models.export import export_hf
     from lightrft.models.reward import load_reward_net_parallel
-    from lightrft.training import export_hf
 
     make_tiny_model(tmp_path / "lm", layers=2, hidden=32, heads=2, kv_heads=1, max_positions=64)
     torch.manual_seed(0)

@@ -207,9 +207,9 @@ def test_likelihood_export_scores_the_assistant_turn_batch_invariant_and_cut(
     assistant turn and its end tokens), whatever the batching; a cut keeps the response."""
     from transformers import AutoModelForCausalLM
 
+    from lightrft.models.export import export_hf
     from lightrft.models.loading import load_tokenizer
     from lightrft.models.reward import CONFIG_KEY, build_reward_net
-    from lightrft.training import export_hf
 
     net = build_reward_net(tiny_model_dir, pooling="likelihood")
     setattr(net._hf[0].config, CONFIG_KEY, net.reward_config())

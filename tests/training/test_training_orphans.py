@@ -14,7 +14,7 @@ import pytest
 _WORKER = """
 import os, time
 os.environ["LOCAL_RANK"] = "0"  # what torchrun sets; no RANK/WORLD_SIZE: no process group
-from lightrft.training.distributed import init_distributed
+from lightrft.distributed import init_distributed
 init_distributed("cpu")
 print("ready", flush=True)
 time.sleep(120)

@@ -4,8 +4,8 @@ AutoProcessor (and our loaders) and gives the trained model's logits."""
 import torch
 from _vision_helpers import square
 
+from lightrft.models.export import export_hf
 from lightrft.models.vision import load_processor, load_vision_model, set_vision_trainable
-from lightrft.training.export import export_hf
 
 
 def _inputs(proc):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from lightrft.training import MetricAccumulator, RolloutBatch, pad_rows
+from lightrft.rollout import RolloutBatch, pad_rows
+from lightrft.training import MetricAccumulator
 
 
 def make_batch(responses: list[list[int]], tag: str = "a") -> RolloutBatch:

@@ -10,9 +10,10 @@ from _dist import run_distributed
 from safetensors import safe_open
 
 from lightrft.models import load_causal_lm, load_tokenizer
+from lightrft.models.export import export_hf
+from lightrft.models.names import strip_wrappers
 from lightrft.models.parallel import parallelize
 from lightrft.models.tiny import make_tiny_model
-from lightrft.training.export import clean_param_name, export_hf
 
 
 def _ids() -> torch.Tensor:
@@ -41,9 +42,9 @@ def _safetensor_keys(path) -> set[str]:
         return set(f.keys())
 
 
-def test_clean_param_name():
+def test_strip_wrappers():
     name = "model.layers.0._checkpoint_wrapped_module._orig_mod.mlp.up_proj.weight"
-    assert clean_param_name(name) == "model.layers.0.mlp.up_proj.weight"
+    assert strip_wrappers(name) == "model.layers.0.mlp.up_proj.weight"
 
 
 def test_export_rejects_non_hf_model(tmp_path):

@@ -19,7 +19,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from lightrft.data.vision import ImageInputs
 
-__all__ = ["RolloutBatch", "pad_rows"]
+__all__ = ["IGNORE", "RolloutBatch", "pad_rows"]
 
 IGNORE = -100  # target id of positions without a loss
 

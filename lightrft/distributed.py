@@ -1,4 +1,5 @@
-"""Process-group set-up shared by the recipes: one process, torchrun on CPU (gloo) or GPU (nccl)."""
+"""Process-group set-up shared by the recipes: one process, torchrun on CPU (gloo) or GPU (nccl);
+the one barrier, the main-rank test, scalar all-reduces, and leaving the group."""
 
 from __future__ import annotations
 
@@ -73,7 +74,13 @@ def exit_with_parent(sig: int = signal.SIGKILL) -> bool:
     return True
 
 
+def is_main() -> bool:
+    """Whether this process is rank 0 (or runs alone)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def barrier() -> None:
+    """Wait for every rank (a no-op in a single process)."""
     if dist.is_initialized():
         dist.barrier()
 
