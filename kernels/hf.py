@@ -90,14 +90,12 @@ def forward_on_hidden(
     ``images``: for a vision-language model, the batch's
     :class:`~lightrft.data.vision.ImageInputs` (its images in the order their placeholder runs
     appear in ``input_ids``, row by row); see
-    :func:`lightrft.models.vision.vision_forward_kwargs` for the positions it implies.
+    :func:`vision_forward_kwargs` for the positions it implies.
     ``audios``: for an audio-language model, the batch's
     :class:`~lightrft.data.audio.AudioInputs` (its audio in placeholder order, row by row).
     """
     trunk, head = _trunk_and_head(model)
     if images is not None or audios is not None:
-        from lightrft.models.vision import vision_forward_kwargs
-
         extra = vision_forward_kwargs(
             model,
             input_ids,
@@ -289,3 +287,103 @@ def causal_lm_cross_entropy(
         position_ids=position_ids,
         **model_kwargs,
     )
+
+
+# ------------------------------------------------------------------ media forward kwargs
+
+
+def mrope_model(model: nn.Module) -> nn.Module | None:
+    """The base model that computes M-RoPE positions (``get_rope_index``), or None (LLaVA)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    return base if callable(getattr(base, "get_rope_index", None)) else None
+
+
+def vision_forward_kwargs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    images,
+    audios=None,
+) -> dict[str, torch.Tensor | None]:
+    """The keyword arguments of a VLM forward over ``input_ids`` ``[B, T]`` whose image tokens
+    belong to ``images`` (an :class:`~lightrft.data.vision.ImageInputs` of the batch, in order).
+
+    Besides ``pixel_values`` (and ``image_grid_thw``), M-RoPE models (Qwen-VL) get:
+
+    * ``mm_token_type_ids`` rebuilt as ``input_ids == image_token_id`` over prompt + completion
+      (the processor's covers the prompt only; Qwen2-VL refuses image grids without it);
+    * no 2-D ``position_ids`` for a padded batch (``attention_mask`` given): 2-D positions
+      silently replace the 3-D M-RoPE ones, so the model computes them from ids, grids and mask;
+    * for packed rows (``attention_mask=None``, ``position_ids`` restarting at 0 per sample), the
+      ``(4, B, T)`` form: per-sample text positions (from which transformers finds the sample
+      boundaries) over the per-sample 3-D M-RoPE positions.
+
+    Models without M-RoPE (LLaVA) take ordinary positions, so their packing works as for text.
+
+    ``audios`` (an :class:`~lightrft.data.audio.AudioInputs` of the batch, in order) adds
+    ``input_features`` and ``feature_attention_mask``; Qwen2-Audio takes ordinary positions.
+    """
+    from lightrft.data.modality import image_token_id, is_audio_language, is_vision_language
+
+    kwargs: dict[str, torch.Tensor | None] = {
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    }
+    if audios is not None:
+        if not is_audio_language(getattr(model, "config", None)):
+            raise ValueError(
+                f"audio was given but {type(model).__name__} is not an audio-language model"
+            )
+        kwargs.update(audios.model_inputs(input_ids.device))
+    if images is None:
+        return kwargs
+    if not is_vision_language(getattr(model, "config", None)):
+        raise ValueError(
+            f"images were given but {type(model).__name__} is not a vision-language model"
+        )
+    kwargs.update(images.model_inputs(input_ids.device))
+    rope = mrope_model(model)
+    if rope is None:
+        return kwargs
+    mm = (input_ids == image_token_id(model.config)).int()  # [B, T]
+    kwargs["mm_token_type_ids"] = mm
+    if attention_mask is not None or position_ids is None:
+        kwargs["position_ids"] = None
+    else:
+        kwargs["position_ids"] = packed_mrope_positions(
+            rope, input_ids, mm, images.image_grid_thw, position_ids
+        )
+    return kwargs
+
+
+def packed_mrope_positions(
+    rope: nn.Module,
+    input_ids: torch.Tensor,
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``(4, B, T)`` positions of packed rows: row 0 the given per-sample text positions
+    ``[B, T]`` (restarting at 0 per sample), rows 1-3 each sample's own M-RoPE positions."""
+    b, t = input_ids.shape
+    out = torch.empty((4, b, t), dtype=torch.long, device=input_ids.device)
+    out[0] = position_ids
+    grid_at = 0
+    for r in range(b):
+        starts = (position_ids[r] == 0).nonzero().flatten().tolist() + [t]
+        for s, e in zip(starts[:-1], starts[1:], strict=True):
+            mm = mm_token_type_ids[r, s:e]
+            # An image is one run of placeholder tokens (vision start/end markers separate runs).
+            runs = int(((mm[1:] == 1) & (mm[:-1] == 0)).sum()) + int(mm[0] == 1) if e > s else 0
+            grids = None
+            if runs:
+                assert image_grid_thw is not None, "image tokens without image grid rows"
+                grids = image_grid_thw[grid_at : grid_at + runs]
+                grid_at += runs
+            pos, _ = rope.get_rope_index(
+                input_ids[r : r + 1, s:e], mm_token_type_ids=mm[None], image_grid_thw=grids
+            )  # [3, 1, e - s]
+            out[1:, r, s:e] = pos[:, 0]
+    return out

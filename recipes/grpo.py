@@ -75,6 +75,7 @@ from lightrft.data import (
     conversation,
     plan_micro_batches,
 )
+from lightrft.data.modality import is_audio_language, is_multimodal, is_vision_language
 from lightrft.distributed import all_reduce_max, barrier, destroy, init_distributed
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.evaluation import evaluate_items, summarize
@@ -88,9 +89,6 @@ from lightrft.models import (
     checkpoint_is_audio_language,
     checkpoint_is_multimodal,
     checkpoint_is_vision_language,
-    is_audio_language,
-    is_multimodal,
-    is_vision_language,
     load_processor,
     load_tokenizer,
     set_towers_trainable,

@@ -61,9 +61,9 @@ from lightrft.models.lora import (
     apply_backbone_lora,
     lora_options,
 )
+from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
 from lightrft.models.parallel import strategy_option
 from lightrft.models.reward import CONFIG_KEY, POOLINGS, load_reward_net_parallel
-from lightrft.models.vision import checkpoint_is_multimodal, load_processor
 from lightrft.training import (
     Checkpointer,
     MetricLogger,

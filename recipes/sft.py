@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightrft import config
 from lightrft.config import Component
 from lightrft.data import StepCollator, build_dataloader, pack_or_pad_collator
+from lightrft.data.modality import is_multimodal
 from lightrft.distributed import (
     all_reduce_sum,
     barrier,
@@ -35,7 +36,6 @@ from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models import (
     checkpoint_is_audio_language,
     checkpoint_is_vision_language,
-    is_multimodal,
     load_processor,
     load_tokenizer,
     set_towers_trainable,

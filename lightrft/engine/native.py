@@ -157,8 +157,10 @@ class NativeEngine:
         seed: int = 0,
         compile: bool = False,
     ) -> None:
-        from lightrft.models import vision
+        from lightrft.data import modality
+        from lightrft.kernels.hf import mrope_model
         from lightrft.models.loading import load_causal_lm, load_tokenizer, to_dtype
+        from lightrft.models.multimodal import load_vision_model
         from lightrft.models.parallel import decoder_layers, default_param_dtype
 
         if max_num_seqs < 1:
@@ -182,8 +184,8 @@ class NativeEngine:
             from transformers import AutoConfig
 
             load = (
-                vision.load_vision_model
-                if vision.is_multimodal(AutoConfig.from_pretrained(model))
+                load_vision_model
+                if modality.is_multimodal(AutoConfig.from_pretrained(model))
                 else load_causal_lm
             )
             self.model = load(
@@ -204,20 +206,20 @@ class NativeEngine:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
-        self.is_vision = vision.is_vision_language(config)
-        self.is_audio = vision.is_audio_language(config)
+        self.is_vision = modality.is_vision_language(config)
+        self.is_audio = modality.is_audio_language(config)
         # Media kinds the model takes, with their placeholder token ids.
         self.media_token_ids: dict[str, int] = {}
         if self.is_vision:
-            self.media_token_ids["image"] = vision.image_token_id(config)
+            self.media_token_ids["image"] = modality.image_token_id(config)
         if self.is_audio:
-            self.media_token_ids["audio"] = vision.audio_token_id(config)
+            self.media_token_ids["audio"] = modality.audio_token_id(config)
         # Vision-language models: the image token, the M-RoPE position maker (Qwen-VL). Both:
         # the tokens only the processor may place, never the sampler.
         self.image_token_id = self.media_token_ids.get("image")
-        self.rope = vision.mrope_model(self.model) if self.is_vision else None
+        self.rope = mrope_model(self.model) if self.is_vision else None
         self.suppress_ids = (
-            torch.tensor(vision.media_token_ids(config), dtype=torch.long, device=self.device)
+            torch.tensor(modality.media_token_ids(config), dtype=torch.long, device=self.device)
             if self.media_token_ids
             else None
         )

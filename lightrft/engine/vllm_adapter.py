@@ -229,7 +229,8 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
     """
     from transformers import AutoModelForCausalLM
 
-    from lightrft.models.vision import is_multimodal, multimodal_auto_class
+    from lightrft.data.modality import is_multimodal
+    from lightrft.models.loading import multimodal_auto_class
 
     auto = multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
     with torch.device("meta"):
@@ -331,14 +332,14 @@ class VLLMEngine:
         rng.restore()
         self._vllm = vllm
         hf_config = self.llm.llm_engine.model_config.hf_config
-        from lightrft.models import vision
+        from lightrft.data import modality
 
-        vlm = vision.is_vision_language(hf_config)
-        alm = vision.is_audio_language(hf_config)
+        vlm = modality.is_vision_language(hf_config)
+        alm = modality.is_audio_language(hf_config)
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
-        self.image_token_id = vision.image_token_id(hf_config) if vlm else None
-        self.audio_token_id = vision.audio_token_id(hf_config) if alm else None
-        self.suppress_token_ids = vision.media_token_ids(hf_config)
+        self.image_token_id = modality.image_token_id(hf_config) if vlm else None
+        self.audio_token_id = modality.audio_token_id(hf_config) if alm else None
+        self.suppress_token_ids = modality.media_token_ids(hf_config)
         self._names, self._required = hf_weight_names(hf_config)
         self._asleep: set[str] = set()
         self._unloaded: set[str] = set()

@@ -2,30 +2,24 @@
 vision-language and audio-language) from HF directories; parallelize(); tiny test models."""
 
 from lightrft.models.loading import load_causal_lm, load_model, load_tokenizer
-from lightrft.models.parallel import parallelize
-from lightrft.models.tiny import ensure_tiny_model, make_tiny_model
-from lightrft.models.vision import (
+from lightrft.models.multimodal import (
     checkpoint_is_audio_language,
     checkpoint_is_multimodal,
     checkpoint_is_vision_language,
-    is_audio_language,
-    is_multimodal,
-    is_vision_language,
     load_processor,
     load_vision_model,
     set_audio_trainable,
     set_towers_trainable,
     set_vision_trainable,
 )
+from lightrft.models.parallel import parallelize
+from lightrft.models.tiny import ensure_tiny_model, make_tiny_model
 
 __all__ = [
     "checkpoint_is_audio_language",
     "checkpoint_is_multimodal",
     "checkpoint_is_vision_language",
-    "is_audio_language",
-    "is_multimodal",
     "ensure_tiny_model",
-    "is_vision_language",
     "load_causal_lm",
     "load_model",
     "load_processor",

@@ -1,4 +1,5 @@
-"""Load HF causal LMs and tokenizers from a local directory or a hub id."""
+"""Load HF causal LMs and tokenizers from a local directory or a hub id; the auto class of a
+multimodal checkpoint; finding a module list inside a model."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 _GENERIC_TOKENIZERS = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 DTYPES = {
@@ -112,7 +114,7 @@ def load_model(
     has an ``audio_config`` (Qwen2-Audio): one call for recipes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightrft.models.vision import is_multimodal, multimodal_auto_class
+    from lightrft.data.modality import is_multimodal
 
     check_local(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -124,3 +126,30 @@ def load_model(
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation,
     )
+
+
+def multimodal_auto_class(path_or_config, *, trust_remote_code: bool = False):
+    """The transformers auto class a multimodal checkpoint (or config) loads with:
+    ``AutoModelForMultimodalLM`` for audio-language models (Qwen2-Audio is not an image-text
+    model), else ``AutoModelForImageTextToText``."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoModelForMultimodalLM
+
+    from lightrft.data.modality import is_audio_language
+
+    config = path_or_config
+    if isinstance(config, (str, Path)):
+        config = AutoConfig.from_pretrained(config, trust_remote_code=trust_remote_code)
+    return AutoModelForMultimodalLM if is_audio_language(config) else AutoModelForImageTextToText
+
+
+def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
+    """The first ``nn.ModuleList`` found at one of the dotted ``paths`` under ``root``."""
+    for path in paths:
+        mod = root
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        if isinstance(mod, nn.ModuleList):
+            return mod
+    return None

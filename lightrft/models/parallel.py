@@ -9,18 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
-    """The first ``nn.ModuleList`` found at one of the dotted ``paths`` under ``root``."""
-    for path in paths:
-        mod = root
-        for part in path.split("."):
-            mod = getattr(mod, part, None)
-            if mod is None:
-                break
-        if isinstance(mod, nn.ModuleList):
-            return mod
-    return None
+from lightrft.models.loading import find_module_list
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -49,7 +38,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _tower_blocks(model: nn.Module) -> list[nn.Module]:
     """The encoder-tower blocks (vision and audio) FSDP2 shards besides the decoder's."""
-    from lightrft.models.vision import media_blocks
+    from lightrft.models.multimodal import media_blocks
 
     return media_blocks(model)
 

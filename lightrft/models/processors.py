@@ -5,7 +5,7 @@ without a video processor, and the video processors need torchvision, which does
 the torch 2.13 CPU wheel. These subclasses pass ``None`` for the video slot; processing images and
 ``apply_chat_template`` work as in the stock ones. They save and load under their own class names,
 registered with ``AutoProcessor`` when this module is imported (it imports transformers: import it
-through :func:`lightrft.models.vision.processor_classes`).
+through :func:`lightrft.models.multimodal.processor_classes`).
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ class RewardNet(nn.Module):
         :class:`~lightrft.data.vision.ImageInputs` (its sequences' images, in order)."""
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids}
         if images is not None:
-            from lightrft.models.vision import vision_forward_kwargs
+            from lightrft.kernels.hf import vision_forward_kwargs
 
             kwargs = vision_forward_kwargs(self._hf[0], input_ids, images=images, **kwargs)
         out = self.base(
@@ -289,7 +289,7 @@ class RewardNet(nn.Module):
 def _check_text_only(path: str | Path, pooling: str) -> None:
     """A classifier head (``last`` / ``mean`` / ``attention``) needs a text backbone: transformers
     has no sequence-classification class for vision-language models."""
-    from lightrft.models.vision import checkpoint_is_multimodal
+    from lightrft.models.multimodal import checkpoint_is_multimodal
 
     if checkpoint_is_multimodal(path):
         raise ValueError(

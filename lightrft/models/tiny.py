@@ -10,7 +10,7 @@ the chat markers are special tokens, so a chat template renders like Qwen's Chat
 Vision-language archs (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``) also write a
 processor (PIL image processor, no torchvision) and a chat template that renders
 ``{"type": "image"}`` content parts as the model's vision placeholder; see
-:mod:`lightrft.models.vision`. The audio-language arch ``qwen2_audio`` writes a
+:mod:`lightrft.models.multimodal`. The audio-language arch ``qwen2_audio`` writes a
 ``Qwen2AudioForConditionalGeneration`` with a small Whisper-style audio tower and a
 ``Qwen2AudioProcessor`` (``WhisperFeatureExtractor``, numpy only; 16 mel bins and a 2 s chunk
 instead of 128 and 30 s) whose template renders ``{"type": "audio"}`` parts as
@@ -313,7 +313,7 @@ def _vlm_config(
 
 def _tiny_processor(arch: str, tok):
     """The processor of a tiny VLM: PIL image processor, tokenizer and chat template."""
-    from lightrft.models import vision
+    from lightrft.models.multimodal import processor_classes
 
     if arch == "llava":
         from transformers import LlavaProcessor
@@ -334,7 +334,7 @@ def _tiny_processor(arch: str, tok):
         Qwen2VLImageProcessorPil,
     )
 
-    cls = vision.processor_classes()[arch]
+    cls = processor_classes()[arch]
     merged = 2 * _patch(arch)  # pixels per side of one LLM token
     return cls(
         image_processor=Qwen2VLImageProcessorPil(

@@ -158,7 +158,10 @@ class RewardModel:
         from lightrft.models.loading import check_local, load_tokenizer, to_dtype
 
         check_local(path)
-        from lightrft.models.vision import checkpoint_is_audio_language, checkpoint_is_multimodal
+        from lightrft.models.multimodal import (
+            checkpoint_is_audio_language,
+            checkpoint_is_multimodal,
+        )
 
         if checkpoint_is_audio_language(path):
             raise ValueError(
@@ -200,7 +203,7 @@ class RewardModel:
                     f"{path}: a vision-language model scores with pooling='likelihood' only"
                 )
             from lightrft.data.sft import MediaSamples
-            from lightrft.models.vision import load_processor
+            from lightrft.models.multimodal import load_processor
 
             media = MediaSamples(
                 load_processor(path, trust_remote_code=trust_remote_code),

@@ -13,7 +13,7 @@ from lightrft.data import DataError, PackedDataset, PromptDataset, SFTDataset, p
 from lightrft.data.templates import IGNORE_INDEX
 from lightrft.data.vision import ImageInputs, fit_pixels
 from lightrft.models import load_tokenizer
-from lightrft.models.vision import load_processor
+from lightrft.models.multimodal import load_processor
 
 
 @pytest.fixture(scope="module")

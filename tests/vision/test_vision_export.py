@@ -5,7 +5,7 @@ import torch
 from _vision_helpers import square
 
 from lightrft.models.export import export_hf
-from lightrft.models.vision import load_processor, load_vision_model, set_vision_trainable
+from lightrft.models.multimodal import load_processor, load_vision_model, set_vision_trainable
 
 
 def _inputs(proc):

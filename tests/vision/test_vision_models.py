@@ -12,14 +12,14 @@ from _vision_helpers import square
 
 from lightrft import cli
 from lightrft.data import SFTDataset, pack_or_pad_collator
+from lightrft.data.modality import vision_token_ids
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models import parallelize
-from lightrft.models.vision import (
+from lightrft.models.multimodal import (
     load_processor,
     load_vision_model,
     set_vision_trainable,
     vision_blocks,
-    vision_token_ids,
 )
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"]
@@ -61,7 +61,7 @@ def test_processing_never_needs_torchvision(tiny_vlm):
     code = f"""
 import sys
 sys.modules["torchvision"] = None
-from lightrft.models.vision import load_processor, load_vision_model
+from lightrft.models.multimodal import load_processor, load_vision_model
 from PIL import Image
 path = {str(tiny_vlm("qwen2_vl"))!r}
 proc = load_processor(path)

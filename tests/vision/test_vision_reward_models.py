@@ -11,7 +11,7 @@ import yaml
 
 from lightrft.data import DataError, PromptDataset, conversation
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
-from lightrft.models.vision import load_processor
+from lightrft.models.multimodal import load_processor
 
 
 def _pairs(image_files, n: int = 12, rejected: str | None = None) -> list[dict]:
@@ -97,9 +97,9 @@ def _score(net, batch) -> torch.Tensor:
 def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_files, tmp_path):
     """The score equals the mean log-prob of the response tokens under the VLM's own forward
     (pixel inputs, M-RoPE positions), padded or packed."""
+    from lightrft.kernels.hf import vision_forward_kwargs
     from lightrft.models.loading import load_model
     from lightrft.models.reward import build_reward_net
-    from lightrft.models.vision import vision_forward_kwargs
 
     path = tiny_vlm("qwen2_vl")
     proc = load_processor(path)

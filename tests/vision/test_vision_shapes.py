@@ -8,7 +8,7 @@ from PIL import Image
 
 from lightrft.data import PromptDataset, SFTDataset
 from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
-from lightrft.models.vision import load_processor
+from lightrft.models.multimodal import load_processor
 
 
 def _count_cells(path, grid=3, cell=28):

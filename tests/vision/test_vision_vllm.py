@@ -7,9 +7,10 @@ import torch
 from _vision_helpers import square
 
 from lightrft.data import PromptDataset
+from lightrft.data.modality import vision_token_ids
 from lightrft.engine import Request, SamplingParams
 from lightrft.engine import vllm_adapter as va
-from lightrft.models.vision import load_processor, vision_token_ids
+from lightrft.models.multimodal import load_processor
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -91,7 +92,7 @@ def test_vllm_engine_vision_on_gpu(tmp_path):
     from lightrft.engine import NativeEngine, sync_weights
     from lightrft.kernels import causal_lm_token_logprobs
     from lightrft.models import make_tiny_model
-    from lightrft.models.vision import load_vision_model
+    from lightrft.models.multimodal import load_vision_model
 
     # head_dim 64: a size every vLLM attention backend supports.
     path = make_tiny_model(tmp_path / "m", arch="qwen2_vl", hidden=256, heads=4, kv_heads=2)

@@ -29,26 +29,18 @@ from torch import nn
 
 __all__ = [
     "audio_blocks",
-    "audio_token_id",
     "audio_tower_modules",
     "checkpoint_is_audio_language",
     "checkpoint_is_multimodal",
     "checkpoint_is_vision_language",
-    "is_audio_language",
-    "is_multimodal",
     "media_blocks",
-    "media_token_ids",
     "set_audio_trainable",
     "set_towers_trainable",
-    "image_token_id",
-    "is_vision_language",
     "load_processor",
     "load_vision_model",
-    "mrope_model",
     "processor_classes",
     "set_vision_trainable",
     "vision_blocks",
-    "vision_token_ids",
     "vision_tower_modules",
 ]
 
@@ -59,23 +51,6 @@ def processor_classes() -> dict[str, type]:
     from lightrft.models import processors
 
     return processors.PROCESSOR_CLASSES
-
-
-def is_vision_language(config) -> bool:
-    """Whether an HF config describes a vision-language model (it has a ``vision_config``)."""
-    return getattr(config, "vision_config", None) is not None
-
-
-def is_audio_language(config) -> bool:
-    """Whether an HF config describes an audio-language model (it has an ``audio_config``:
-    Qwen2-Audio)."""
-    return getattr(config, "audio_config", None) is not None
-
-
-def is_multimodal(config) -> bool:
-    """Whether an HF config describes a vision- or audio-language model: one that loads with
-    its processor and takes media inputs beside the token ids."""
-    return is_vision_language(config) or is_audio_language(config)
 
 
 def checkpoint_is_multimodal(path: str | Path) -> bool | None:
@@ -170,18 +145,6 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     return proc
 
 
-def multimodal_auto_class(path_or_config, *, trust_remote_code: bool = False):
-    """The transformers auto class a multimodal checkpoint (or config) loads with:
-    ``AutoModelForMultimodalLM`` for audio-language models (Qwen2-Audio is not an image-text
-    model), else ``AutoModelForImageTextToText``."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoModelForMultimodalLM
-
-    config = path_or_config
-    if isinstance(config, (str, Path)):
-        config = AutoConfig.from_pretrained(config, trust_remote_code=trust_remote_code)
-    return AutoModelForMultimodalLM if is_audio_language(config) else AutoModelForImageTextToText
-
-
 def load_vision_model(
     path: str | Path,
     *,
@@ -193,7 +156,7 @@ def load_vision_model(
     """An ``AutoModelForImageTextToText`` model (vision-language), or an
     ``AutoModelForMultimodalLM`` one (audio-language: Qwen2-Audio), from a local directory or
     hub id."""
-    from lightrft.models.loading import from_pretrained_dir
+    from lightrft.models.loading import from_pretrained_dir, multimodal_auto_class
 
     return from_pretrained_dir(
         multimodal_auto_class(path, trust_remote_code=trust_remote_code),
@@ -224,7 +187,7 @@ def audio_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def audio_blocks(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of the audio tower (what FSDP2 shards one by one)."""
-    from lightrft.models.parallel import find_module_list
+    from lightrft.models.loading import find_module_list
 
     (tower,) = audio_tower_modules(model).values()
     blocks = find_module_list(tower, ("layers", "encoder.layers"))
@@ -246,6 +209,8 @@ def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
 
 def media_blocks(model: nn.Module) -> list[nn.Module]:
     """The vision and audio tower blocks of a multimodal model (none for a text model)."""
+    from lightrft.data.modality import is_audio_language, is_vision_language
+
     config = getattr(model, "config", None)
     blocks: list[nn.Module] = []
     if is_vision_language(config):
@@ -260,6 +225,8 @@ def set_towers_trainable(
 ) -> list[str]:
     """Freeze or unfreeze each encoder tower the model has (vision, audio); what recipes call
     with ``model.train_vision_tower`` / ``model.train_audio_tower``."""
+    from lightrft.data.modality import is_audio_language, is_vision_language
+
     config = getattr(model, "config", None)
     names = []
     if is_vision_language(config):
@@ -267,25 +234,6 @@ def set_towers_trainable(
     if is_audio_language(config):
         names += set_audio_trainable(model, audio)
     return names
-
-
-def audio_token_id(config) -> int:
-    """The id of the audio placeholder token (Qwen2-Audio's ``audio_token_index``)."""
-    for key in ("audio_token_id", "audio_token_index"):
-        value = getattr(config, key, None)
-        if value is not None:
-            return int(value)
-    raise ValueError(f"{type(config).__name__} names no audio token id")
-
-
-def media_token_ids(config) -> list[int]:
-    """:func:`vision_token_ids` plus the audio placeholder: ids a sampler must never emit."""
-    ids = vision_token_ids(config) if is_vision_language(config) else []
-    if is_audio_language(config):
-        tok = audio_token_id(config)
-        if tok not in ids:
-            ids.append(tok)
-    return ids
 
 
 def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -302,7 +250,7 @@ def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def vision_blocks(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of the vision tower (what FSDP2 shards one by one)."""
-    from lightrft.models.parallel import find_module_list
+    from lightrft.models.loading import find_module_list
 
     (tower,) = vision_tower_modules(model).values()
     blocks = find_module_list(tower, ("blocks", "vision_model.encoder.layers", "encoder.layers"))
@@ -323,127 +271,3 @@ def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
             p.requires_grad_(trainable)
             names.append(f"{prefix}.{name}")
     return names
-
-
-def image_token_id(config) -> int:
-    """The id of the image placeholder token (``image_token_id``, LLaVA's ``image_token_index``)."""
-    for key in ("image_token_id", "image_token_index"):
-        value = getattr(config, key, None)
-        if value is not None:
-            return int(value)
-    raise ValueError(f"{type(config).__name__} names no image token id")
-
-
-def vision_token_ids(config) -> list[int]:
-    """Token ids that only the processor may place (image/video placeholders, vision markers).
-
-    A sampler must never emit them: the next forward would find more placeholders than image
-    features (a random tiny Qwen2-VL does sample ``<|image_pad|>``).
-    """
-    ids = []
-    for key in (
-        "image_token_id",
-        "image_token_index",
-        "video_token_id",
-        "vision_start_token_id",
-        "vision_end_token_id",
-    ):
-        value = getattr(config, key, None)
-        if value is not None and int(value) not in ids:
-            ids.append(int(value))
-    return ids
-
-
-def mrope_model(model: nn.Module) -> nn.Module | None:
-    """The base model that computes M-RoPE positions (``get_rope_index``), or None (LLaVA)."""
-    base = _base(model)
-    return base if callable(getattr(base, "get_rope_index", None)) else None
-
-
-def vision_forward_kwargs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    images,
-    audios=None,
-) -> dict[str, torch.Tensor | None]:
-    """The keyword arguments of a VLM forward over ``input_ids`` ``[B, T]`` whose image tokens
-    belong to ``images`` (an :class:`~lightrft.data.vision.ImageInputs` of the batch, in order).
-
-    Besides ``pixel_values`` (and ``image_grid_thw``), M-RoPE models (Qwen-VL) get:
-
-    * ``mm_token_type_ids`` rebuilt as ``input_ids == image_token_id`` over prompt + completion
-      (the processor's covers the prompt only; Qwen2-VL refuses image grids without it);
-    * no 2-D ``position_ids`` for a padded batch (``attention_mask`` given): 2-D positions
-      silently replace the 3-D M-RoPE ones, so the model computes them from ids, grids and mask;
-    * for packed rows (``attention_mask=None``, ``position_ids`` restarting at 0 per sample), the
-      ``(4, B, T)`` form: per-sample text positions (from which transformers finds the sample
-      boundaries) over the per-sample 3-D M-RoPE positions.
-
-    Models without M-RoPE (LLaVA) take ordinary positions, so their packing works as for text.
-
-    ``audios`` (an :class:`~lightrft.data.audio.AudioInputs` of the batch, in order) adds
-    ``input_features`` and ``feature_attention_mask``; Qwen2-Audio takes ordinary positions.
-    """
-    kwargs: dict[str, torch.Tensor | None] = {
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-    }
-    if audios is not None:
-        if not is_audio_language(getattr(model, "config", None)):
-            raise ValueError(
-                f"audio was given but {type(model).__name__} is not an audio-language model"
-            )
-        kwargs.update(audios.model_inputs(input_ids.device))
-    if images is None:
-        return kwargs
-    if not is_vision_language(getattr(model, "config", None)):
-        raise ValueError(
-            f"images were given but {type(model).__name__} is not a vision-language model"
-        )
-    kwargs.update(images.model_inputs(input_ids.device))
-    rope = mrope_model(model)
-    if rope is None:
-        return kwargs
-    mm = (input_ids == image_token_id(model.config)).int()  # [B, T]
-    kwargs["mm_token_type_ids"] = mm
-    if attention_mask is not None or position_ids is None:
-        kwargs["position_ids"] = None
-    else:
-        kwargs["position_ids"] = packed_mrope_positions(
-            rope, input_ids, mm, images.image_grid_thw, position_ids
-        )
-    return kwargs
-
-
-def packed_mrope_positions(
-    rope: nn.Module,
-    input_ids: torch.Tensor,
-    mm_token_type_ids: torch.Tensor,
-    image_grid_thw: torch.Tensor | None,
-    position_ids: torch.Tensor,
-) -> torch.Tensor:
-    """``(4, B, T)`` positions of packed rows: row 0 the given per-sample text positions
-    ``[B, T]`` (restarting at 0 per sample), rows 1-3 each sample's own M-RoPE positions."""
-    b, t = input_ids.shape
-    out = torch.empty((4, b, t), dtype=torch.long, device=input_ids.device)
-    out[0] = position_ids
-    grid_at = 0
-    for r in range(b):
-        starts = (position_ids[r] == 0).nonzero().flatten().tolist() + [t]
-        for s, e in zip(starts[:-1], starts[1:], strict=True):
-            mm = mm_token_type_ids[r, s:e]
-            # An image is one run of placeholder tokens (vision start/end markers separate runs).
-            runs = int(((mm[1:] == 1) & (mm[:-1] == 0)).sum()) + int(mm[0] == 1) if e > s else 0
-            grids = None
-            if runs:
-                assert image_grid_thw is not None, "image tokens without image grid rows"
-                grids = image_grid_thw[grid_at : grid_at + runs]
-                grid_at += runs
-            pos, _ = rope.get_rope_index(
-                input_ids[r : r + 1, s:e], mm_token_type_ids=mm[None], image_grid_thw=grids
-            )  # [3, 1, e - s]
-            out[1:, r, s:e] = pos[:, 0]
-    return out

@@ -1,0 +1,82 @@
+"""Which media an HF model config takes (vision, audio), and the placeholder token ids its
+processor places: what datasets, engines and the forward funnel ask of a model's config.
+
+Pure functions of the config object; no transformers import.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "audio_token_id",
+    "image_token_id",
+    "is_audio_language",
+    "is_multimodal",
+    "is_vision_language",
+    "media_token_ids",
+    "vision_token_ids",
+]
+
+
+def is_vision_language(config) -> bool:
+    """Whether an HF config describes a vision-language model (it has a ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def is_audio_language(config) -> bool:
+    """Whether an HF config describes an audio-language model (it has an ``audio_config``:
+    Qwen2-Audio)."""
+    return getattr(config, "audio_config", None) is not None
+
+
+def is_multimodal(config) -> bool:
+    """Whether an HF config describes a vision- or audio-language model: one that loads with
+    its processor and takes media inputs beside the token ids."""
+    return is_vision_language(config) or is_audio_language(config)
+
+
+def image_token_id(config) -> int:
+    """The id of the image placeholder token (``image_token_id``, LLaVA's ``image_token_index``)."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"{type(config).__name__} names no image token id")
+
+
+def audio_token_id(config) -> int:
+    """The id of the audio placeholder token (Qwen2-Audio's ``audio_token_index``)."""
+    for key in ("audio_token_id", "audio_token_index"):
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"{type(config).__name__} names no audio token id")
+
+
+def vision_token_ids(config) -> list[int]:
+    """Token ids that only the processor may place (image/video placeholders, vision markers).
+
+    A sampler must never emit them: the next forward would find more placeholders than image
+    features (a random tiny Qwen2-VL does sample ``<|image_pad|>``).
+    """
+    ids = []
+    for key in (
+        "image_token_id",
+        "image_token_index",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+    ):
+        value = getattr(config, key, None)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def media_token_ids(config) -> list[int]:
+    """:func:`vision_token_ids` plus the audio placeholder: ids a sampler must never emit."""
+    ids = vision_token_ids(config) if is_vision_language(config) else []
+    if is_audio_language(config):
+        tok = audio_token_id(config)
+        if tok not in ids:
+            ids.append(tok)
+    return ids
