@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from lightrft.data.io import DataError, PathLike, Records, require_field
-from lightrft.data.sft import (
+from lightrft.data.records import (
     MediaSamples,
     SampleMedia,
     Truncation,
-    _check_truncation,
+    check_truncation,
     open_records,
 )
 from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
@@ -189,7 +189,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         max_length: int | None = None,
         truncation: Truncation = "truncate",
     ) -> None:
-        _check_truncation(truncation)
+        check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
         self.media = MediaSamples(processor, images_field, min_pixels, max_pixels, None)
         if max_length is not None and max_length < 1:

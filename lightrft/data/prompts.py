@@ -10,7 +10,13 @@ import torch
 
 from lightrft.data.audio import AudioTooLong, OverlongAudio
 from lightrft.data.io import DataError, PathLike, require_field
-from lightrft.data.sft import MediaSamples, SampleMedia, Truncation, _check_truncation, open_records
+from lightrft.data.records import (
+    MediaSamples,
+    SampleMedia,
+    Truncation,
+    check_truncation,
+    open_records,
+)
 from lightrft.data.templates import check_messages, encode_prompt, with_system
 from lightrft.data.vision import as_processor
 
@@ -86,7 +92,7 @@ class PromptDataset(torch.utils.data.Dataset):
         overlong_audio: OverlongAudio = "clip",
     ) -> None:
         if truncation != "error":
-            _check_truncation(truncation)
+            check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
         self.media = MediaSamples(
             processor,

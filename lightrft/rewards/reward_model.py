@@ -202,7 +202,7 @@ class RewardModel:
                 raise ValueError(
                     f"{path}: a vision-language model scores with pooling='likelihood' only"
                 )
-            from lightrft.data.sft import MediaSamples
+            from lightrft.data.records import MediaSamples
             from lightrft.models.multimodal import load_processor
 
             media = MediaSamples(
