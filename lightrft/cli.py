@@ -293,7 +293,7 @@ def cmd_run(argv: list[str]) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from lightrft.models.tiny import make_tiny_model
+    from lightrft.tasks.tiny import make_tiny_model
 
     out = make_tiny_model(
         args.out,

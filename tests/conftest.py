@@ -11,14 +11,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer, hidden-64 qwen2 model with a char-level tokenizer, saved as an HF directory."""
-    from lightrft.models.tiny import make_tiny_model
+    from lightrft.tasks.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", layers=2, hidden=64)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    from lightrft.models.tiny import make_tiny_model
+    from lightrft.tasks.tiny import make_tiny_model
 
     return make_tiny_model(
         tmp_path_factory.mktemp("tiny") / "llama", arch="llama", layers=2, hidden=64
@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_vlm(tmp_path_factory):
     """``tiny_vlm(arch)``: a tiny vision-language model dir (``qwen2_vl``, ``qwen2_5_vl``,
     ``llava``) with its processor, made once per session per arch."""
-    from lightrft.models.tiny import make_tiny_model
+    from lightrft.tasks.tiny import make_tiny_model
 
     made = {}
 

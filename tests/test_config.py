@@ -99,7 +99,7 @@ def test_component_that_does_not_import_is_reported(cfg_file):
 def test_list_of_components_checked(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(
-        YAML + "prepare:\n  - _component_: lightrft.models.tiny.make_tiny_model\n"
+        YAML + "prepare:\n  - _component_: lightrft.tasks.tiny.make_tiny_model\n"
         "    out_dir: x\n    layerz: 2\n"
     )
     msg = errors_of(p)

@@ -1,5 +1,5 @@
 """Loading actor, critic and reward models with their tokenizers or processors (text,
-vision-language and audio-language) from HF directories; parallelize(); tiny test models."""
+vision-language and audio-language) from HF directories; parallelize()."""
 
 from lightrft.models.loading import load_causal_lm, load_model, load_tokenizer
 from lightrft.models.multimodal import (
@@ -13,19 +13,16 @@ from lightrft.models.multimodal import (
     set_vision_trainable,
 )
 from lightrft.models.parallel import parallelize
-from lightrft.models.tiny import ensure_tiny_model, make_tiny_model
 
 __all__ = [
     "checkpoint_is_audio_language",
     "checkpoint_is_multimodal",
     "checkpoint_is_vision_language",
-    "ensure_tiny_model",
     "load_causal_lm",
     "load_model",
     "load_processor",
     "load_tokenizer",
     "load_vision_model",
-    "make_tiny_model",
     "parallelize",
     "set_audio_trainable",
     "set_towers_trainable",

@@ -7,7 +7,7 @@ from _audio_helpers import tone, write
 @pytest.fixture(scope="session")
 def tiny_alm(tmp_path_factory):
     """A tiny Qwen2-Audio dir (Whisper feature extractor: 16 kHz, 16 mels, 2 s chunks)."""
-    from lightrft.models.tiny import make_tiny_model
+    from lightrft.tasks.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2_audio", arch="qwen2_audio")
 

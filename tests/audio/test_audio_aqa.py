@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from lightrft import cli
 from lightrft import config as lconfig
 from lightrft.data import DataError
-from lightrft.data.aqa import prepare_aqa
+from lightrft.tasks.aqa import prepare_aqa
 
 
 def _source(tmp_path, records):

@@ -21,12 +21,12 @@ TOWER = ("audio_tower.", "model.audio_tower.")  # Qwen2-Audio's audio tower (not
 def _prepare(tmp: Path) -> list[dict]:
     return [
         {
-            "_component_": "lightrft.models.ensure_tiny_model",
+            "_component_": "lightrft.tasks.ensure_tiny_model",
             "out_dir": str(tmp / "model"),
             "arch": "qwen2_audio",
         },
         {
-            "_component_": "lightrft.data.ensure_tones_dataset",
+            "_component_": "lightrft.tasks.ensure_tones_dataset",
             "out_dir": str(tmp / "data"),
             "n_train": 32,
             "n_rl": 8,
@@ -187,7 +187,7 @@ def test_audio_sft_two_processes_train_the_tower(tmp_path):
 
 
 def test_train_audio_tower_on_a_text_model_is_refused(tmp_path, capsys):
-    from lightrft.models import make_tiny_model
+    from lightrft.tasks import make_tiny_model
 
     make_tiny_model(tmp_path / "model", layers=1, hidden=16, heads=2, kv_heads=1)
     cfg = _sft_config(tmp_path, prepare=None)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from lightrft.data import ensure_tones_dataset
-from lightrft.data.tones import tone_band
+from lightrft.tasks import ensure_tones_dataset
+from lightrft.tasks.tones import tone_band
 
 
 def _pitch(wave: np.ndarray, rate: int) -> float:

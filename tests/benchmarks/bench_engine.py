@@ -28,7 +28,7 @@ PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 128
 
 @pytest.fixture(scope="module")
 def bench_model_dir(tmp_path_factory):
-    from lightrft.models import make_tiny_model
+    from lightrft.tasks import make_tiny_model
 
     return make_tiny_model(
         tmp_path_factory.mktemp("bench") / "m", layers=4, hidden=256, heads=4, kv_heads=2
@@ -192,7 +192,7 @@ def _sync_rounds(rank: int, world_size: int, model_dir: str, out_file: str) -> N
 def test_weight_sync_vs_all_gather(benchmark, tmp_path, size):
     from _dist import run_distributed
 
-    from lightrft.models import make_tiny_model
+    from lightrft.tasks import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m", **SYNC_MODELS[size])
     out_file = tmp_path / "sync.json"

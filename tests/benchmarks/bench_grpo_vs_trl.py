@@ -6,7 +6,7 @@ Python: see docs/performance.md and ``tests/benchmarks/make_trl_venv.sh``)::
         -m benchmark_suite --benchmark-enable -s
 
 One GRPO configuration, both sides on the same CPU in one run: the same tiny local model
-(``lightrft.models.make_tiny_model``), the same chat prompts (2-digit additions under a system
+(``lightrft.tasks.make_tiny_model``), the same chat prompts (2-digit additions under a system
 prompt), group size, completion length, sampling (T=1, no top-p / top-k), token-mean loss
 (TRL ``loss_type="dapo"``, ours ``agg: token_mean``), no KL (so no reference model), fp32, no
 activation checkpointing, micro-batches of 16 with one optimizer step per generation batch, and
@@ -57,8 +57,7 @@ PHASES = ("rollout", "scoring", "old_logprobs", "reference", "training", "weight
 
 def make_assets(root: Path) -> tuple[Path, Path]:
     """The tiny model and a JSONL of chat prompts with reference answers."""
-    from lightrft.data import arith_records
-    from lightrft.models import make_tiny_model
+    from lightrft.tasks import arith_records, make_tiny_model
 
     model = make_tiny_model(root / "model", seed=SEED, **MODEL)
     if VOCAB == "bpe":

@@ -5,7 +5,7 @@ through ``lightrft.rewards.GenerativeReward`` exactly as a GRPO config would use
     python tests/benchmarks/judge_eval.py [--judge outputs/tiny/judge_sft/final] [--n 500]
 
 For each held-out problem of ``outputs/tiny/arith/test.jsonl``: the correct answer judged
-against a near miss (``lightrft.data.arith.near_miss_text``, off by 1, 2 or 10 or two digits
+against a near miss (``lightrft.tasks.arith.near_miss_text``, off by 1, 2 or 10 or two digits
 swapped; the training pairs' kind, new draws), and the near miss judged against the correct
 answer, each in both presentation orders (``both_orders``). Prints the mean reward of correct
 answers (1 = always preferred), of near misses (0 = never), the pairwise accuracy (the correct
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from lightrft.data.arith import ARITH_JUDGE_TEMPLATE, near_miss_text
 from lightrft.rewards import GenerativeReward
+from lightrft.tasks.arith import ARITH_JUDGE_TEMPLATE, near_miss_text
 
 
 def main() -> None:

@@ -15,8 +15,9 @@ import sys
 import psutil
 import torch
 
-from lightrft.models import load_causal_lm, make_tiny_model
+from lightrft.models import load_causal_lm
 from lightrft.models.lora import LoraOptions, adapters_disabled, apply_lora
+from lightrft.tasks import make_tiny_model
 
 PATH = "/tmp/lightrft_lora_memory_model"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightrft.models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+from lightrft.tasks.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
 

@@ -41,7 +41,7 @@ def config(work: Path, model: Path, steps: int, extra: dict) -> Path:
         "device": "cpu",
         "prepare": [
             {
-                "_component_": "lightrft.data.ensure_arith_dataset",
+                "_component_": "lightrft.tasks.ensure_arith_dataset",
                 "out_dir": str(work.parent / "data"),
                 "n_train": 512,
                 "n_test": 8,
@@ -80,7 +80,7 @@ def main() -> None:
     params, size = make(args.layers)
     model = model_path(args.layers)
     if not (model / "tokenizer.json").is_file():
-        from lightrft.models.tiny import char_tokenizer
+        from lightrft.tasks.tiny import char_tokenizer
 
         char_tokenizer().save_pretrained(model)
     root = Path(tempfile.mkdtemp(prefix="lightrft-strategies-"))

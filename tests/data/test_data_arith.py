@@ -5,8 +5,9 @@ import re
 
 import pytest
 
-from lightrft.data import SFTDataset, arith_records, ensure_arith_dataset, write_arith_dataset
-from lightrft.data.arith import _evaluate
+from lightrft.data import SFTDataset
+from lightrft.tasks import arith_records, ensure_arith_dataset, write_arith_dataset
+from lightrft.tasks.arith import _evaluate
 
 
 def _read(path):

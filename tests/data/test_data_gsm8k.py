@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 from conftest import write_jsonl
 
-from lightrft.data import DataError, PromptDataset, ensure_gsm8k, prepare_gsm8k
-from lightrft.data.gsm8k import SYSTEM_PROMPT, main
+from lightrft.data import DataError, PromptDataset
 from lightrft.rewards import GSM8KVerifier, MathVerifier
+from lightrft.tasks import ensure_gsm8k, prepare_gsm8k
+from lightrft.tasks.gsm8k import SYSTEM_PROMPT, main
 
 SRC = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k"
 pytestmark = pytest.mark.skipif(not (SRC / "test.jsonl").is_file(), reason="no GSM8K files")

@@ -7,8 +7,8 @@ import torch
 from conftest import write_jsonl
 
 from lightrft.data import DataError, PreferenceCollator, PreferenceDataset
-from lightrft.data.arith import ensure_arith_preferences, near_miss, write_arith_dataset
 from lightrft.data.preference import render_for_scoring
+from lightrft.tasks.arith import ensure_arith_preferences, near_miss, write_arith_dataset
 
 
 def test_formats_and_rendering(tok, tmp_path):

@@ -7,8 +7,9 @@ from torch import nn
 
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.engine.sync import plan_weights
-from lightrft.models import load_causal_lm, load_tokenizer, make_tiny_model
+from lightrft.models import load_causal_lm, load_tokenizer
 from lightrft.models.names import hf_name
+from lightrft.tasks import make_tiny_model
 
 
 @pytest.mark.parametrize(

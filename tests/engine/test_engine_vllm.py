@@ -115,7 +115,8 @@ def test_hf_weight_names_cover_tied_weights(tiny_model_dir):
 def test_vllm_engine_on_gpu(tmp_path):
     """Greedy equals HF, log-probs equal HF's temperature-scaled ones, sleep/sync round trip."""
     from lightrft.engine import sync_weights
-    from lightrft.models import load_causal_lm, load_tokenizer, make_tiny_model
+    from lightrft.models import load_causal_lm, load_tokenizer
+    from lightrft.tasks import make_tiny_model
 
     # head_dim 64: a size every vLLM attention backend supports.
     model_dir = make_tiny_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2)

@@ -11,7 +11,8 @@ from lightrft.kernels import (
     causal_lm_token_logprobs,
     fused_linear_logprobs,
 )
-from lightrft.models import load_causal_lm, make_tiny_model, parallelize
+from lightrft.models import load_causal_lm, parallelize
+from lightrft.tasks import make_tiny_model
 
 IGNORE = -100
 

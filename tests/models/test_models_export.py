@@ -13,7 +13,7 @@ from lightrft.models import load_causal_lm, load_tokenizer
 from lightrft.models.export import export_hf
 from lightrft.models.names import strip_wrappers
 from lightrft.models.parallel import parallelize
-from lightrft.models.tiny import make_tiny_model
+from lightrft.tasks.tiny import make_tiny_model
 
 
 def _ids() -> torch.Tensor:

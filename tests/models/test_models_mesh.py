@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from _dist import run_distributed
 
-from lightrft.models import make_tiny_model
 from lightrft.models.parallel import MeshOptions, build_mesh, mesh_config, mesh_options, mesh_shape
 from lightrft.models.sharded import load_parallel
+from lightrft.tasks import make_tiny_model
 from lightrft.training import Checkpointer
 
 # A fixed global batch per step: 4 rows of 12 tokens; rank r of 2 trains on rows 2r, 2r+1.

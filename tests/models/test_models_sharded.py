@@ -6,7 +6,7 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from lightrft.models import load_model, make_tiny_model
+from lightrft.models import load_model
 from lightrft.models.names import hf_checkpoint_name
 from lightrft.models.sharded import (
     SafetensorsIndex,
@@ -14,6 +14,7 @@ from lightrft.models.sharded import (
     checkpoint_names,
     load_parallel,
 )
+from lightrft.tasks import make_tiny_model
 
 IDS = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 23], [2, 4, 6, 8, 10, 12, 14, 16]])
 

@@ -12,8 +12,7 @@ from lightrft import cli
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    from lightrft.data import ensure_arith_dataset
-    from lightrft.models import make_tiny_model
+    from lightrft.tasks import ensure_arith_dataset, make_tiny_model
 
     root = tmp_path_factory.mktemp("eval_assets")
     make_tiny_model(root / "model", layers=2, hidden=32, heads=2, kv_heads=1, max_positions=64)

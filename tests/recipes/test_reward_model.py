@@ -46,7 +46,7 @@ def _config(tmp: Path, heads: list[str] | None = None, **overrides) -> Path:
         "device": "cpu",
         "prepare": [
             {
-                "_component_": "lightrft.models.ensure_tiny_model",
+                "_component_": "lightrft.tasks.ensure_tiny_model",
                 "out_dir": str(tmp / "model"),
                 "layers": 2,
                 "hidden": 32,
@@ -534,9 +534,9 @@ def test_sharded_reward_net_loads_its_slices_and_scores_like_one_process(tmp_pat
     """Under 2 gloo ranks the reward model is built on the meta device and each rank reads its
     slices (backbone and head from a classifier checkpoint; the causal LM whole for the
     likelihood pooling): the scores equal one process's."""
-    from lightrft.models import make_tiny_model
     from lightrft.models.export import export_hf
     from lightrft.models.reward import load_reward_net_parallel
+    from lightrft.tasks import make_tiny_model
 
     make_tiny_model(tmp_path / "lm", layers=2, hidden=32, heads=2, kv_heads=1, max_positions=64)
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ def _config(tmp: Path, **overrides) -> Path:
         "device": "cpu",
         "prepare": [
             {
-                "_component_": "lightrft.models.ensure_tiny_model",
+                "_component_": "lightrft.tasks.ensure_tiny_model",
                 "out_dir": str(tmp / "model"),
                 "layers": 2,
                 "hidden": 32,
@@ -34,7 +34,7 @@ def _config(tmp: Path, **overrides) -> Path:
                 "max_positions": 64,
             },
             {
-                "_component_": "lightrft.data.ensure_arith_dataset",
+                "_component_": "lightrft.tasks.ensure_arith_dataset",
                 "out_dir": str(tmp / "data"),
                 "n_train": 240,
                 "n_test": 40,
@@ -258,7 +258,7 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         tmp_path,
         prepare=[
             {
-                "_component_": "lightrft.models.ensure_tiny_model",
+                "_component_": "lightrft.tasks.ensure_tiny_model",
                 "out_dir": str(tmp_path / "model"),
                 "layers": 1,
                 "hidden": 16,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightrft.models.tiny import char_tokenizer, tiny_config
 from lightrft.rewards import CombinedReward, RewardModel
+from lightrft.tasks.tiny import char_tokenizer, tiny_config
 
 PROMPTS = ["What is 2+2?", "Name a colour.", "x", "Count to five, slowly please.", "Hi", "?"]
 RESPONSES = ["4", "Blue, or maybe a deep red.", "yz", "1 2 3 4 5", "Hello there!", ""]

@@ -48,7 +48,7 @@ def trained(tmp_path_factory):
             "output_dir": str(tmp / name),
             "prepare": [
                 {
-                    "_component_": "lightrft.models.ensure_tiny_model",
+                    "_component_": "lightrft.tasks.ensure_tiny_model",
                     "out_dir": str(tmp / "model"),
                     "layers": 1,
                     "hidden": 32,

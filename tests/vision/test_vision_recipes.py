@@ -21,12 +21,12 @@ TOWER = ("visual.", "model.visual.")  # Qwen2-VL's vision tower (patch merger in
 def _prepare(tmp: Path) -> list[dict]:
     return [
         {
-            "_component_": "lightrft.models.ensure_tiny_model",
+            "_component_": "lightrft.tasks.ensure_tiny_model",
             "out_dir": str(tmp / "model"),
             "arch": "qwen2_vl",
         },
         {
-            "_component_": "lightrft.data.ensure_shapes_dataset",
+            "_component_": "lightrft.tasks.ensure_shapes_dataset",
             "out_dir": str(tmp / "data"),
             "n_train": 32,
             "n_test": 8,
@@ -190,7 +190,7 @@ def test_vlm_sft_two_processes_train_the_tower(tmp_path):
 
 
 def test_train_vision_tower_on_a_text_model_is_refused(tmp_path, capsys):
-    from lightrft.models import make_tiny_model
+    from lightrft.tasks import make_tiny_model
 
     make_tiny_model(tmp_path / "model", layers=1, hidden=16, heads=2, kv_heads=1)
     cfg = _sft_config(tmp_path, prepare=None)

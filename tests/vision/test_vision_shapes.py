@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from lightrft.data import PromptDataset, SFTDataset
-from lightrft.data.shapes import ensure_shapes_dataset, write_shapes_dataset
 from lightrft.models.multimodal import load_processor
+from lightrft.tasks.shapes import ensure_shapes_dataset, write_shapes_dataset
 
 
 def _count_cells(path, grid=3, cell=28):
@@ -67,7 +67,8 @@ def test_loads_with_a_vlm_processor_one_token_per_cell(tiny_vlm, tmp_path):
 
 
 def test_preference_pairs_prefer_the_count_and_load_with_their_images(tiny_vlm, tmp_path):
-    from lightrft.data import PreferenceDataset, ensure_shapes_preferences
+    from lightrft.data import PreferenceDataset
+    from lightrft.tasks import ensure_shapes_preferences
 
     src = ensure_shapes_dataset(tmp_path / "s", n_train=12, n_test=4, min_count=2, max_count=4)
     out = ensure_shapes_preferences(tmp_path / "pairs", src, per_board=2)

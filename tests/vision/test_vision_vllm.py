@@ -91,8 +91,8 @@ def test_vllm_engine_vision_on_gpu(tmp_path):
     after a level-2 sleep (vision tower included) restores the same outputs."""
     from lightrft.engine import NativeEngine, sync_weights
     from lightrft.kernels import causal_lm_token_logprobs
-    from lightrft.models import make_tiny_model
     from lightrft.models.multimodal import load_vision_model
+    from lightrft.tasks import make_tiny_model
 
     # head_dim 64: a size every vLLM attention backend supports.
     path = make_tiny_model(tmp_path / "m", arch="qwen2_vl", hidden=256, heads=4, kv_heads=2)

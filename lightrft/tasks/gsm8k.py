@@ -11,7 +11,7 @@ Each source record ``{"question", "answer"}``, where the answer is a worked solu
 so :class:`~lightrft.data.PromptDataset` (RL) and :class:`~lightrft.data.SFTDataset` (SFT) read
 it with their default field names. ``N`` has thousands separators removed (``1,080`` -> ``1080``).
 
-    python -m lightrft.data.gsm8k --src ../shared/data/gsm8k --out data/gsm8k
+    python -m lightrft.tasks.gsm8k --src ../shared/data/gsm8k --out data/gsm8k
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def ensure_gsm8k(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m lightrft.data.gsm8k",
+        prog="python -m lightrft.tasks.gsm8k",
         description="Turn GSM8K {question, answer} files into LightRFT prompt/completion records.",
     )
     p.add_argument("--src", required=True, help="directory with train.jsonl / test.jsonl")

@@ -1,0 +1,55 @@
+"""The data sets and tiny models that configs' ``prepare`` steps make: synthetic demo tasks
+(arithmetic, counting boards, tones), converters of public tasks (GSM8K, audio question
+answering), and tiny randomly initialised HF models.
+
+    prepare:
+      - _component_: lightrft.tasks.ensure_arith_dataset
+        out_dir: outputs/data/arith
+"""
+
+from lightrft.tasks.aqa import aqa_prompt, prepare_aqa
+from lightrft.tasks.arith import (
+    arith_records,
+    ensure_arith_dataset,
+    ensure_arith_judgments,
+    ensure_arith_preferences,
+    near_miss,
+    near_miss_text,
+    write_arith_dataset,
+)
+from lightrft.tasks.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
+from lightrft.tasks.shapes import (
+    ensure_shapes_dataset,
+    ensure_shapes_preferences,
+    shapes_records,
+    write_shapes_dataset,
+)
+from lightrft.tasks.tiny import char_tokenizer, ensure_tiny_model, make_tiny_model, tiny_config
+from lightrft.tasks.tones import ensure_tones_dataset, tone_band, tone_clip, write_tones_dataset
+
+__all__ = [
+    "aqa_prompt",
+    "arith_records",
+    "char_tokenizer",
+    "convert_gsm8k",
+    "ensure_arith_dataset",
+    "ensure_arith_judgments",
+    "ensure_arith_preferences",
+    "ensure_gsm8k",
+    "ensure_shapes_dataset",
+    "ensure_shapes_preferences",
+    "ensure_tiny_model",
+    "ensure_tones_dataset",
+    "make_tiny_model",
+    "near_miss",
+    "near_miss_text",
+    "prepare_aqa",
+    "prepare_gsm8k",
+    "shapes_records",
+    "tiny_config",
+    "tone_band",
+    "tone_clip",
+    "write_arith_dataset",
+    "write_shapes_dataset",
+    "write_tones_dataset",
+]
