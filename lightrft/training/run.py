@@ -107,14 +107,19 @@ class TrainingConfig(Section):
 class TrainingRun:
     """One training run's contract (see the module docstring); made by :func:`training_run`."""
 
-    def __init__(self, cfg: DictConfig, opts: TrainingRunConfig):
+    def __init__(self, cfg: DictConfig, opts: RunConfig):
+        # A recipe that does not train (eval) gets the directory, process group, seed and
+        # prepare steps; its outputs are no training run's (no fresh-run rule, no checkpoints).
+        training = isinstance(opts, TrainingRunConfig)
         self.opts = opts
         self.config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)
         self.output_dir: Path = check_output_dir(
-            opts.output_dir, resume=opts.resume, overwrite=opts.overwrite
+            opts.output_dir,
+            resume=opts.resume if training else None,
+            overwrite=opts.overwrite if training else False,
         )
         self.dist: DistInfo = init_distributed(opts.device)
-        self.checkpointer = opts.checkpointer()
+        self.checkpointer = opts.checkpointer() if training else None
         self.logger: MetricLogger | None = None
         self.resumed = False
         torch.manual_seed(opts.seed)
@@ -127,7 +132,7 @@ class TrainingRun:
         """With ``resume=true``: restore ``state`` (``models``, ``optimizers``, ``schedulers``,
         ``dataloaders`` as :meth:`Checkpointer.load_latest` takes them) from the newest
         checkpoint after checking the config against the saved one; else None."""
-        if not self.opts.resume:
+        if not getattr(self.opts, "resume", False):
             return None
         self.resumed = True
         return self.checkpointer.load_latest(
@@ -181,7 +186,7 @@ class TrainingRun:
 
 
 @contextmanager
-def training_run(cfg: DictConfig, opts: TrainingRunConfig) -> Iterator[TrainingRun]:
+def training_run(cfg: DictConfig, opts: RunConfig) -> Iterator[TrainingRun]:
     """Start a run under the contract; tear it down on leaving (see the module docstring)."""
     run = TrainingRun(cfg, opts)
     try:
