@@ -22,6 +22,7 @@ Schema language (plain Python, so a copied recipe edits it in place)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -41,8 +42,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 __all__ = [
     "Component",
     "ConfigError",
+    "Section",
     "UserError",
     "check",
+    "option",
+    "section",
     "instantiate",
     "load",
     "parse",
@@ -474,3 +478,178 @@ def _place(message: str, src: Source) -> str:
                 return src.where(token)
             probe = probe.rpartition(".")[0]
     return src.path or "config"
+
+
+# --------------------------------------------------------------------------- typed sections
+
+
+_MISSING = dataclasses.MISSING
+
+
+def option(
+    default: Any = _MISSING,
+    *,
+    doc: str = "",
+    ge: float | None = None,
+    gt: float | None = None,
+    flat: bool = False,
+    default_factory: Any = _MISSING,
+) -> Any:
+    """A field of a :class:`Section`: its default (none: the key is required), one line of
+    documentation (the docs table of the section is made from it), and a lower bound checked on
+    read (``ge``: ``>=``, ``gt``: ``>``). ``flat``: a nested section whose keys sit at this
+    level (the top-level keys several sections share, e.g. ``output_dir`` and ``optimizer``)."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "flat": flat}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type) -> type:
+    """Declare a :class:`Section` subclass: a frozen, keyword-only dataclass whose annotations
+    are resolved now, while its module's names are there (a recipe runs as a script)."""
+    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    cls._hints = typing.get_type_hints(cls)
+    return cls
+
+
+class Section:
+    """A config section as a frozen dataclass that *is* its schema.
+
+    Each field is a key: its annotation is the key's type (``Literal`` for choices, ``X | None``
+    for a key whose default is None, :class:`Component` for a ``_component_`` node, which stays a
+    config node for :func:`instantiate`), a field without a default is a required key, and
+    ``null`` means "the default" for every other one. A field whose type is another section is
+    a nested mapping (or, with ``option(flat=True)``, keys at the same level). Bounds come from
+    :func:`option`; rules across fields live in :meth:`resolve`, which may also fill in
+    defaults that depend on other keys. :meth:`schema` gives the strict checker its schema,
+    :meth:`read` builds the checked object from a config node, :meth:`doc_table` its docs.
+    """
+
+    @classmethod
+    def _fields(cls) -> list[tuple[dataclasses.Field, Any]]:
+        hints = cls.__dict__.get("_hints") or typing.get_type_hints(cls)
+        return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def schema(cls) -> dict[str, Any]:
+        """The strict checker's schema of this section (see :func:`check`)."""
+        out: dict[str, Any] = {}
+        for f, t in cls._fields():
+            section = _section_type(t)
+            if section is not None:
+                sub = section.schema()
+                if f.metadata.get("flat"):
+                    dup = set(sub) & set(out)
+                    if dup:
+                        raise TypeError(f"{cls.__name__}: keys {sorted(dup)} declared twice")
+                    out.update(sub)
+                else:
+                    out[f.name] = _optional_schema(sub)
+                continue
+            required = f.default is _MISSING and f.default_factory is _MISSING
+            if f.name in out:
+                raise TypeError(f"{cls.__name__}: key {f.name!r} declared twice")
+            out[f.name] = t if required or _is_optional_type(t) else t | None
+        return out
+
+    @classmethod
+    def read(cls, node: Any, at: str = "") -> Section:
+        """The section from a (schema-checked) config node: defaults for absent / null keys,
+        lists as tuples, bounds checked, then :meth:`resolve`. ``at`` is the dotted prefix of
+        the section's keys (``"model."``), used in error messages."""
+        values: dict[str, Any] = {}
+        for f, t in cls._fields():
+            section = _section_type(t)
+            if section is not None:
+                if f.metadata.get("flat"):
+                    values[f.name] = section.read(node, at)
+                    continue
+                sub = None if node is None else node.get(f.name)
+                if sub is None and _is_optional_type(t):
+                    values[f.name] = None
+                    continue
+                values[f.name] = section.read(sub, f"{at}{f.name}.")
+                continue
+            value = None if node is None else node.get(f.name)
+            if value is None:
+                if f.default is not _MISSING:
+                    value = f.default
+                elif f.default_factory is not _MISSING:
+                    value = f.default_factory()
+            if isinstance(value, (list, tuple, ListConfig)):
+                value = tuple(value)
+            elif isinstance(value, DictConfig) and not _is_component_type(t):
+                value = OmegaConf.to_container(value, resolve=True)
+            _check_bounds(f"{at}{f.name}", value, f.metadata)
+            values[f.name] = value
+        return cls(**values).resolve(at)
+
+    def resolve(self, at: str) -> Section:
+        """Rules across fields (raise ``ValueError`` naming the keys with ``at`` in front) and
+        defaults that depend on other keys (return a ``dataclasses.replace``d copy)."""
+        return self
+
+    @classmethod
+    def doc_table(cls, at: str = "") -> str:
+        """A Markdown table of the section's keys: key, type, default, meaning."""
+        rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for key, t, default, doc in cls._doc_rows(at):
+            rows.append(f"| `{key}` | {t} | {default} | {doc} |")
+        return "\n".join(rows)
+
+    @classmethod
+    def _doc_rows(cls, at: str) -> list[tuple[str, str, str, str]]:
+        rows = []
+        for f, t in cls._fields():
+            section = _section_type(t)
+            if section is not None:
+                rows += section._doc_rows(at if f.metadata.get("flat") else f"{at}{f.name}.")
+                continue
+            if f.default is not _MISSING:
+                default = "null" if f.default is None else f"`{_yaml_value(f.default)}`"
+            elif f.default_factory is not _MISSING:
+                default = f"`{_yaml_value(f.default_factory())}`"
+            else:
+                default = "required"
+            kind = _type_name(t).replace("|", "or")
+            rows.append((f"{at}{f.name}", kind, default, f.metadata.get("doc", "")))
+        return rows
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        value = list(value)
+    return str(value)
+
+
+def _section_type(t: Any) -> type[Section] | None:
+    """The Section class of a field type (``S`` or ``S | None``), else None."""
+    if _is_union(t):
+        inner = [a for a in typing.get_args(t) if a is not type(None)]
+        t = inner[0] if len(inner) == 1 else None
+    return t if isinstance(t, type) and issubclass(t, Section) else None
+
+
+def _is_optional_type(t: Any) -> bool:
+    return _is_union(t) and type(None) in typing.get_args(t)
+
+
+def _is_component_type(t: Any) -> bool:
+    return t is Component or (_is_union(t) and Component in typing.get_args(t))
+
+
+def _optional_schema(sub: dict[str, Any]) -> dict[str, Any]:
+    return sub
+
+
+def _check_bounds(key: str, value: Any, meta: Mapping[str, Any]) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    ge, gt = meta.get("ge"), meta.get("gt")
+    if ge is not None and value < ge:
+        raise ValueError(f"{key} must be >= {ge:g}, got {value}")
+    if gt is not None and value <= gt:
+        raise ValueError(f"{key} must be > {gt:g}, got {value}")

@@ -119,3 +119,12 @@ def destroy(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def all_gather_objects(obj):
+    """Every rank's (small, picklable) ``obj`` in rank order; ``[obj]`` in one process."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

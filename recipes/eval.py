@@ -16,9 +16,9 @@ code a training recipe can call.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -26,181 +26,125 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from lightrft import config
-from lightrft.config import Component
-from lightrft.distributed import barrier, destroy, init_distributed
+from lightrft.config import Component, Section, option, section
+from lightrft.distributed import barrier
 from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.evaluation import EvalRecord, evaluate_items, summarize
-from lightrft.models import checkpoint_is_multimodal, load_processor, load_tokenizer
-from lightrft.models.loading import DTYPES
+from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward
-from lightrft.training import check_output_dir
-
-DTYPE = Literal[tuple(DTYPES)]
-
-CONFIG_SCHEMA = {
-    "output_dir": str,
-    "prepare": list[Component] | None,  # run once on rank 0 before anything loads
-    "seed": int | None,
-    "device": Literal["cpu", "cuda"] | None,
-    "model": {"path": str, "dtype": DTYPE | None, "trust_remote_code": bool | None},
-    "dataset": Component,
-    "reward": Component,
-    "accuracy_reward": str | None,  # the function whose reward > 0 means correct
-    "answer_reward": str | None,  # the function whose extract() gives answers for maj@k
-    "engine": {
-        "backend": Literal["native", "vllm"] | None,
-        "max_model_len": int | None,
-        "max_num_seqs": int | None,
-        "gpu_memory_utilization": float | None,  # vllm only
-    },
-    "sampling": {
-        "n": int | None,
-        "temperature": float | None,
-        "top_p": float | None,
-        "top_k": int | None,
-        "max_tokens": int | None,
-    },
-    "ks": list[int] | None,
-    "max_prompts": int | None,
-}
+from lightrft.sections import ModelConfig, RunConfig
+from lightrft.training.run import TrainingRun, training_run
 
 
-@dataclass(frozen=True)
-class EvalOptions:
-    output_dir: str
-    seed: int
-    device: str | None
-    model_path: str
-    dtype: str
-    trust_remote_code: bool
-    backend: str
-    engine_kwargs: dict
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int
-    ks: tuple[int, ...]
-    max_prompts: int | None
-    accuracy_reward: str | None
-    answer_reward: str | None
+@section
+class EngineConfig(Section):
+    """``engine:``: the rollout engine that generates the answers."""
+
+    backend: Literal["native", "vllm"] = option("native", doc="`vllm`: CUDA only")
+    max_model_len: int | None = option(None, doc="prompt + answer tokens per sequence")
+    max_num_seqs: int | None = option(None, doc="sequences generated at once")
+    gpu_memory_utilization: float | None = option(None, doc="vllm only")
+
+    def resolve(self, at: str) -> EngineConfig:
+        if self.backend == "native" and self.gpu_memory_utilization is not None:
+            raise ValueError("engine.gpu_memory_utilization applies to engine.backend=vllm only")
+        return self
+
+    def kwargs(self) -> dict:
+        keys = ("max_model_len", "max_num_seqs", "gpu_memory_utilization")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
-def _get(node, key, default):
-    val = node.get(key) if node is not None else None
-    return default if val is None else val
+@section
+class SamplingConfig(Section):
+    """``sampling:``: how many answers per prompt and how they are drawn."""
+
+    n: int = option(1, ge=1, doc="answers per prompt")
+    temperature: float = option(0.0, ge=0, doc="0: greedy")
+    top_p: float = option(1.0, doc="nucleus sampling")
+    top_k: int = option(0, doc="0: off")
+    max_tokens: int = option(512, ge=1, doc="answer length limit")
+
+    def resolve(self, at: str) -> SamplingConfig:
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(
+                "sampling.n > 1 with temperature 0 repeats one greedy answer; "
+                "set sampling.temperature > 0"
+            )
+        return self
 
 
-def build_options(cfg: DictConfig) -> EvalOptions:
-    """Every default and cross-field check of the eval config (no side effects)."""
-    e, s = cfg.get("engine"), cfg.get("sampling")
-    backend = _get(e, "backend", "native")
-    if backend == "native" and _get(e, "gpu_memory_utilization", None) is not None:
-        raise ValueError("engine.gpu_memory_utilization applies to engine.backend=vllm only")
-    n = _get(s, "n", 1)
-    temperature = float(_get(s, "temperature", 0.0))
-    if n < 1:
-        raise ValueError(f"sampling.n must be >= 1, got {n}")
-    if temperature < 0:
-        raise ValueError(f"sampling.temperature must be >= 0, got {temperature}")
-    if temperature == 0 and n > 1:
-        raise ValueError(
-            "sampling.n > 1 with temperature 0 repeats one greedy answer; "
-            "set sampling.temperature > 0"
-        )
-    ks = tuple(_get(cfg, "ks", None) or [k for k in (1, 4, 8, 16, 32, 64) if k <= n])
-    bad = [k for k in ks if not 1 <= k <= n]
-    if bad:
-        raise ValueError(f"ks: k={bad[0]} is not in [1, sampling.n={n}]")
-    max_tokens = _get(s, "max_tokens", 512)
-    if max_tokens < 1:
-        raise ValueError(f"sampling.max_tokens must be >= 1, got {max_tokens}")
-    names = list((cfg.reward.get("functions") or {}).keys())
-    for key in ("accuracy_reward", "answer_reward"):
-        val = cfg.get(key)
-        if val is not None and names and val not in names:
-            raise ValueError(f"{key}={val!r} is not a reward function; they are {names}")
-    max_prompts = cfg.get("max_prompts")
-    if max_prompts is not None and max_prompts < 1:
-        raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
-    engine_kwargs = {
-        k: e[k]
-        for k in ("max_model_len", "max_num_seqs", "gpu_memory_utilization")
-        if e is not None and e.get(k) is not None
-    }
-    return EvalOptions(
-        output_dir=cfg.output_dir,
-        seed=_get(cfg, "seed", 0),
-        device=cfg.get("device"),
-        model_path=cfg.model.path,
-        dtype=_get(cfg.model, "dtype", "float32"),
-        trust_remote_code=_get(cfg.model, "trust_remote_code", False),
-        backend=backend,
-        engine_kwargs=engine_kwargs,
-        n=n,
-        temperature=temperature,
-        top_p=float(_get(s, "top_p", 1.0)),
-        top_k=int(_get(s, "top_k", 0)),
-        max_tokens=max_tokens,
-        ks=ks,
-        max_prompts=max_prompts,
-        accuracy_reward=cfg.get("accuracy_reward"),
-        answer_reward=cfg.get("answer_reward"),
-    )
+@section
+class EvalConfig(Section):
+    """The whole config: the run and model sections (library) and the evaluation's own."""
+
+    run: RunConfig = option(flat=True)
+    model: ModelConfig = option(doc="an HF directory or a LightRFT export")
+    dataset: Component = option(doc="prompts, with reference answers for the verifier")
+    reward: Component = option(doc="the reward / verifier that scores each answer")
+    accuracy_reward: str | None = option(None, doc="the function whose reward > 0 is correct")
+    answer_reward: str | None = option(None, doc="the function whose extract() gives answers")
+    engine: EngineConfig = option(default_factory=EngineConfig, doc="")
+    sampling: SamplingConfig = option(default_factory=SamplingConfig, doc="")
+    ks: list[int] | None = option(None, doc="the k of pass@k / maj@k; default powers up to n")
+    max_prompts: int | None = option(None, ge=1, doc="evaluate the first this many prompts")
+
+    def resolve(self, at: str) -> EvalConfig:
+        n = self.sampling.n
+        ks = self.ks or tuple(k for k in (1, 4, 8, 16, 32, 64) if k <= n)
+        bad = [k for k in ks if not 1 <= k <= n]
+        if bad:
+            raise ValueError(f"ks: k={bad[0]} is not in [1, sampling.n={n}]")
+        names = list((self.reward.get("functions") or {}).keys())
+        for key in ("accuracy_reward", "answer_reward"):
+            val = getattr(self, key)
+            if val is not None and names and val not in names:
+                raise ValueError(f"{key}={val!r} is not a reward function; they are {names}")
+        return dataclasses.replace(self, ks=tuple(ks))
+
+
+# What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
+CONFIG_SCHEMA = EvalConfig.schema()
+build_options = EvalConfig.read
 
 
 class EvalRecipe:
     """Generate, score, gather, summarise."""
 
-    def __init__(self, cfg: DictConfig, opts: EvalOptions) -> None:
-        self.opts = opts
-        if not (Path(opts.model_path) / "config.json").is_file():
-            raise ValueError(
-                f"model.path={opts.model_path!r} is not an HF model directory (no config.json); "
-                "a training checkpoint must be exported first (its <output_dir>/final)"
-            )
-        self.dist = init_distributed(opts.device)
-        self.out = check_output_dir(opts.output_dir)
+    def __init__(self, cfg: DictConfig, opts: EvalConfig, run: TrainingRun) -> None:
+        self.opts, self.dist, self.out = opts, run.dist, run.output_dir
 
     def setup(self, cfg: DictConfig) -> None:
-        o = self.opts
-        if self.dist.is_main:
-            for node in cfg.get("prepare") or []:
-                config.instantiate(node)
-        barrier()
-        if checkpoint_is_multimodal(o.model_path):
-            processor = load_processor(o.model_path, trust_remote_code=o.trust_remote_code)
-            self.tokenizer = processor.tokenizer
-        else:
-            processor = self.tokenizer = load_tokenizer(
-                o.model_path, trust_remote_code=o.trust_remote_code
-            )
-        self.dataset = config.instantiate(cfg.dataset, processor)
-        self.reward_fn = build_reward(cfg.reward)
+        o, m, e = self.opts, self.opts.model, self.opts.engine
+        processor, self.tokenizer = load_processors(m.path, trust_remote_code=m.trust_remote_code)
+        self.dataset = config.instantiate(o.dataset, processor)
+        self.reward_fn = build_reward(o.reward)
         names = list(self.reward_fn.functions)
         self.accuracy = o.accuracy_reward or names[0]
         source = self.reward_fn.functions[o.answer_reward or self.accuracy]
         self.extract = getattr(source, "extract", None)
-        if o.backend == "vllm":
+        seed = o.run.seed
+        if e.backend == "vllm":
             from lightrft.engine import VLLMEngine
 
-            self.engine = VLLMEngine(o.model_path, seed=o.seed, dtype=o.dtype, **o.engine_kwargs)
+            self.engine = VLLMEngine(m.path, seed=seed, dtype=m.dtype, **e.kwargs())
         else:
             self.engine = NativeEngine(
-                o.model_path,
+                m.path,
                 self.tokenizer,
-                dtype=o.dtype,
+                dtype=m.dtype,
                 device=self.dist.device,
-                seed=o.seed,
-                **o.engine_kwargs,
+                seed=seed,
+                **e.kwargs(),
             )
+        s = o.sampling
         self.params = SamplingParams(
-            n=o.n,
-            temperature=o.temperature,
-            top_p=o.top_p,
-            top_k=o.top_k,
-            max_tokens=o.max_tokens,
-            seed=o.seed,
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+            seed=seed,
         )
 
     def run(self) -> dict[str, float]:
@@ -223,7 +167,7 @@ class EvalRecipe:
             mine,
             generate,
             self.reward_fn,
-            self.opts.n,
+            self.opts.sampling.n,
             accuracy=self.accuracy,
             extract=self.extract,
         )
@@ -232,7 +176,7 @@ class EvalRecipe:
             dist.all_gather_object(gathered, records)
             records = [r for part in gathered for r in part]
         records.sort(key=lambda r: r.index)
-        summary = summarize(records, self.opts.ks)
+        summary = summarize(records, list(self.opts.ks))
         if self.dist.is_main:
             with open(self.out / "samples.jsonl", "w") as f:
                 for r in records:
@@ -242,11 +186,10 @@ class EvalRecipe:
         barrier()
         return summary
 
-    def cleanup(self, clean: bool = True) -> None:
+    def cleanup(self) -> None:
         for fn in self.reward_fn.functions.values():
             if callable(getattr(fn, "close", None)):  # e.g. math-verify worker processes
                 fn.close()
-        destroy(clean)
 
 
 def format_table(summary: dict[str, float]) -> str:
@@ -261,16 +204,20 @@ def format_table(summary: dict[str, float]) -> str:
 
 
 @config.parse(schema=CONFIG_SCHEMA, options=build_options)
-def recipe_main(cfg: DictConfig, opts: EvalOptions) -> None:
+def recipe_main(cfg: DictConfig, opts: EvalConfig) -> None:
     OmegaConf.resolve(cfg)
-    recipe = EvalRecipe(cfg, opts)
-    recipe.setup(cfg)
-    try:
-        recipe.run()
-    except BaseException:
-        recipe.cleanup(clean=False)  # no barrier: a peer may be stuck or gone
-        raise
-    recipe.cleanup()
+    if not (Path(opts.model.path) / "config.json").is_file():
+        raise ValueError(
+            f"model.path={opts.model.path!r} is not an HF model directory (no config.json); "
+            "a training checkpoint must be exported first (its <output_dir>/final)"
+        )
+    with training_run(cfg, opts.run) as run:
+        recipe = EvalRecipe(cfg, opts, run)
+        recipe.setup(cfg)
+        try:
+            recipe.run()
+        finally:
+            recipe.cleanup()
 
 
 if __name__ == "__main__":

@@ -30,18 +30,18 @@ One self-contained file: copy it (`lightrft cp grpo my_grpo.py`), edit it, run t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
 import warnings
 from contextlib import nullcontext
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from lightrft import config
@@ -66,18 +66,11 @@ from lightrft.algorithms import (
     policy_loss,
     value_loss,
 )
-from lightrft.config import Component
-from lightrft.data import (
-    AudioInputs,
-    ImageInputs,
-    build_dataloader,
-    collate_prompts,
-    conversation,
-    plan_micro_batches,
-)
-from lightrft.data.modality import is_audio_language, is_multimodal, is_vision_language
-from lightrft.distributed import all_reduce_max, barrier, destroy, init_distributed
-from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
+from lightrft.config import Component, Section, option, section
+from lightrft.data import build_dataloader, collate_prompts, conversation, plan_micro_batches
+from lightrft.data.modality import is_audio_language, is_vision_language
+from lightrft.distributed import all_gather_objects, all_reduce_max
+from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.evaluation import evaluate_items, summarize
 from lightrft.kernels import (
     GradHint,
@@ -85,177 +78,35 @@ from lightrft.kernels import (
     forward_on_hidden,
     response_grad_hint,
 )
-from lightrft.models import (
-    checkpoint_is_audio_language,
+from lightrft.models.multimodal import (
+    check_towers,
     checkpoint_is_multimodal,
     checkpoint_is_vision_language,
-    load_processor,
-    load_tokenizer,
+    load_processors,
     set_towers_trainable,
 )
-from lightrft.models.deepspeed import DEEPSPEED_SCHEMA, DeepSpeedOptions, deepspeed_options
-from lightrft.models.loading import DTYPES
-from lightrft.models.lora import (
-    LORA_SCHEMA,
-    LoraOptions,
-    adapters_disabled,
-    apply_lora,
-    lora_options,
-)
-from lightrft.models.parallel import MeshOptions, build_mesh, mesh_config, strategy_option
 from lightrft.models.sharded import load_parallel
 from lightrft.rewards import build_reward
-from lightrft.rollout import IGNORE, RolloutBatch, pad_rows
+from lightrft.rollout import RolloutBatch, pad_rows
+from lightrft.rollout.metrics import (
+    RewardSideMetrics,
+    rollout_metrics,
+    step_metrics,
+    write_trajectories,
+)
+from lightrft.rollout.micro import MicroBatch, build_micro_batch
+from lightrft.sections import DType, PolicyModelConfig, ScheduleConfig
+from lightrft.strategy import build_strategy
 from lightrft.training import (
-    Checkpointer,
     MetricAccumulator,
-    MetricLogger,
     PhaseTimer,
-    Preemption,
     ProgressBar,
-    backward,
-    check_output_dir,
-    check_resume,
-    export_trained,
     optimizer_step,
-    peak_memory,
-    reduce_metrics,
     warmup_cosine_scheduler,
 )
+from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
-DTYPE = Literal[tuple(DTYPES)]
-SCHEDULE = {"warmup_steps": int | None, "min_lr_ratio": float | None}
-
-CONFIG_SCHEMA = {
-    "output_dir": str,
-    "seed": int | None,
-    "device": Literal["cpu", "cuda"] | None,
-    "strategy": str | None,  # fsdp2 (default) | deepspeed (docs/strategies.md)
-    "deepspeed": DEEPSPEED_SCHEMA,  # strategy=deepspeed only: ZeRO stage, offload
-    "shard_size": int | None,  # HSDP: shard within groups of this many ranks (docs/strategies.md)
-    "replicate_size": int | None,  # HSDP: number of replica groups
-    "prepare": list[Component] | None,  # run once on rank 0 before anything loads
-    "model": {
-        "path": str,
-        "dtype": DTYPE | None,
-        "trust_remote_code": bool | None,
-        "activation_checkpointing": bool | None,
-        "compile": bool | None,
-        "train_vision_tower": bool | None,  # vision-language actors: default frozen (as verl)
-        "train_audio_tower": bool | None,  # audio-language actors: default frozen
-    },
-    "lora": LORA_SCHEMA,  # absent / null: full fine-tune (docs/strategies.md)
-    "dataset": Component,  # prompts: lightrft.data.PromptDataset
-    "eval_dataset": Component | None,  # held-out prompts for greedy eval
-    "reward": Component,  # a CombinedReward or a single reward function
-    "engine": {
-        "backend": Literal["native", "vllm"] | None,
-        "dtype": DTYPE | None,
-        "max_model_len": int | None,
-        "max_num_seqs": int | None,
-        "max_prefill_tokens": int | None,
-        "max_kv_tokens": int | None,
-        "sleep_level": Literal[0, 1, 2] | None,
-        "compile": bool | None,
-        "gpu_memory_utilization": float | None,  # vllm only
-        "tensor_parallel_size": int | None,  # vllm only
-    },
-    "rollout": {
-        "prompts_per_step": int,  # all ranks together
-        "n": int,  # samples per prompt (the group)
-        "max_tokens": int,
-        "temperature": float | None,
-        "top_p": float | None,
-        "top_k": int | None,
-        "first_token_temperature": float | None,
-        "stop_token_ids": list[int] | None,
-    },
-    "algorithm": {
-        "advantage": {
-            "estimator": Literal[tuple(ESTIMATORS)],
-            "eps": float | None,
-            "scale": Literal["group", "batch", "none"] | None,
-            "weight": Literal["filter", "std", "none"] | None,
-            "gamma": float | None,
-            "lam": float | None,
-        },
-        "policy_loss": {
-            "objective": Literal[tuple(OBJECTIVES)] | None,
-            "clip_low": float | None,
-            "clip_high": float | None,
-            "dual_clip": float | None,
-            "agg": Literal[AGG_MODES] | None,
-            "norm_len": int | None,
-        },
-        "old_logprobs": Literal["trainer", "engine"] | None,
-        "tis": {"mode": Literal["token", "sequence_mask"] | None, "cap": float | None},
-        "kl": {
-            "coef": float | None,
-            "estimator": Literal[(*KL_KINDS, "kl", "mse", "low_var_kl")] | None,
-            "placement": Literal["loss", "reward"] | None,
-            "controller": Literal["fixed", "adaptive"] | None,
-            "target": float | None,
-            "horizon": float | None,
-        },
-        "entropy": {"coef": float | None, "top_rho": float | None},
-        "value": {"clip": float | None},  # gae only
-        "shaping": {
-            "reward_norm": bool | None,
-            "reward_clip": float | None,
-            "overlong": {"max_len": int | None, "buffer": int | None, "factor": float | None},
-            "dynamic_sampling": {"enabled": bool | None, "max_draws": int | None},
-        },
-    },
-    "critic": {  # gae only: HF backbone + value head, its own optimizer
-        "path": str | None,
-        "optimizer": Component | None,  # required when the section is there
-        "lr_scheduler": SCHEDULE,
-        "clip_grad_norm": float | None,
-    },
-    "train": {
-        "ppo_epochs": int | None,
-        "mini_batch_size": int | None,  # samples per optimizer step, all ranks together
-        "micro_batch_size": int,  # samples per forward/backward per rank (at most)
-        "micro_batch_tokens": int | None,  # and at most this many tokens (padding counted)
-        "packing": bool | None,
-        "shuffle": bool | None,
-    },
-    "max_steps": int,
-    "optimizer": Component,
-    "lr_scheduler": SCHEDULE,
-    "clip_grad_norm": float | None,
-    "eval": {
-        "every": int | None,
-        "at_start": bool | None,
-        "temperature": float | None,
-        "max_tokens": int | None,
-        "accuracy_reward": str | None,
-    },
-    "trajectories": bool | None,
-    "log_every": int | None,
-    "save_every": int | None,
-    "keep_last": int | None,
-    "resume": bool | None,
-    "overwrite": bool | None,
-    "resume_override_lr": bool | None,
-    "metrics": {"tensorboard": bool | None, "wandb": bool | dict | None},
-}
-
-
-# ---------------------------------------------------------------------------------- options
-
-
-def _get(node: Any, key: str, default: Any = None) -> Any:
-    """``node[key]`` when present and not null, else ``default`` (node may be None): the one
-    rule for a missing value in this recipe, so null always means "use the default"."""
-    if node is None:
-        return default
-    value = node.get(key)
-    return default if value is None else value
-
-
-def _set_keys(node: Any) -> set[str]:
-    return {k for k, v in (node or {}).items() if v is not None}
+# ---------------------------------------------------------------------------------- config
 
 
 def _at_least(name: str, value: Any, low: float, *, strict: bool = False) -> None:
@@ -263,447 +114,414 @@ def _at_least(name: str, value: Any, low: float, *, strict: bool = False) -> Non
         raise ValueError(f"{name} must be {'>' if strict else '>='} {low:g}, got {value}")
 
 
-@dataclasses.dataclass(frozen=True)
-class RolloutOptions:
-    prompts_per_step: int  # all ranks together
-    n: int  # samples per prompt (the group)
-    max_tokens: int
-    temperature: float = 1.0  # the trainer scores tokens at this temperature too
-    top_p: float = 1.0
-    top_k: int = 0
-    first_token_temperature: float | None = None  # FIRE
-    stop_token_ids: tuple[int, ...] = ()
+def _is_set(section: Section | None) -> bool:
+    """Whether a config section has any key set (all-null sections count as absent)."""
+    return section is not None and any(v is not None for v in vars(section).values())
 
 
-@dataclasses.dataclass(frozen=True)
-class LossOptions:
-    """The policy objective (a ``lightrft.algorithms.OBJECTIVES`` entry) and its aggregation."""
+@section
+class RolloutConfig(Section):
+    """``rollout:``: the prompts of a step and how their samples are drawn."""
 
-    objective: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    agg: str = "token_mean"
-    norm_len: int | None = None  # seq_mean_token_sum_norm: defaults to rollout.max_tokens
-    entropy_coef: float = 0.0  # entropy bonus
-    top_rho: float | None = None  # train on the top-rho highest-entropy tokens only
-    value_clip: float = 0.5  # gae only
+    prompts_per_step: int = option(ge=1, doc="prompts per step, all ranks together")
+    n: int = option(ge=1, doc="samples per prompt (the group)")
+    max_tokens: int = option(ge=1, doc="response length limit")
+    temperature: float = option(1.0, doc="the trainer scores tokens at this temperature too")
+    top_p: float = option(1.0, doc="nucleus sampling")
+    top_k: int = option(0, doc="0: off")
+    first_token_temperature: float | None = option(None, doc="FIRE: the first token's temperature")
+    stop_token_ids: list[int] = option((), doc="token ids that end a response")
 
-    def policy_kwargs(self) -> dict[str, Any]:
-        return {
-            "objective": self.objective,
-            "clip_low": self.clip_low,
-            "clip_high": self.clip_high,
-            "dual_clip": self.dual_clip,
-            "agg": self.agg,
-            "norm_len": self.norm_len,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class KLOptions:
-    coef: float
-    estimator: str = "k3"
-    placement: Literal["loss", "reward"] = "loss"
-    controller: Literal["fixed", "adaptive"] = "fixed"
-    target: float | None = None
-    horizon: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapingOptions:
-    reward_norm: bool = False
-    reward_clip: float | None = None
-    overlong: tuple[int, int, float] | None = None  # (max_len, buffer, factor)
-    dynamic: bool = False
-    max_draws: int = 10
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainOptions:
-    micro_batch_size: int
-    micro_batch_tokens: int | None = None  # token budget per micro-batch; None: rows only
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None  # samples per optimizer step; None: the whole batch
-    packing: bool = False
-    shuffle: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleOptions:
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class CriticOptions:
-    path: str  # defaults to model.path
-    schedule: ScheduleOptions
-    clip_grad_norm: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalOptions:
-    every: int | None = None
-    at_start: bool = True
-    temperature: float = 0.0
-    max_tokens: int | None = None  # defaults to rollout.max_tokens
-    accuracy_reward: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    backend: Literal["native", "vllm"] = "native"
-    sleep_level: int = 1
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # to the engine class
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelOptions:
-    path: str
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-    activation_checkpointing: bool = False
-    compile: bool = False
-    lora: LoraOptions | None = None  # adapters on the actor; the reference = adapters off
-    strategy: str = "fsdp2"
-    deepspeed: DeepSpeedOptions | None = None  # top-level deepspeed:, with strategy=deepspeed
-    train_vision_tower: bool = False
-    train_audio_tower: bool = False
-    mesh: MeshOptions = MeshOptions()  # top-level shard_size / replicate_size
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOOptions:
-    """Everything the recipe reads from the config, every default applied, every cross-field
-    rule checked. Built by :func:`build_options`; the recipe reads ``opts``, never ``cfg``,
-    except for the ``_component_`` nodes it instantiates."""
-
-    output_dir: str
-    max_steps: int
-    model: ModelOptions
-    rollout: RolloutOptions
-    estimator: str
-    adv_options: dict[str, Any]  # only the keys the config sets: the estimator's own checks
-    loss: LossOptions
-    old_logprobs: Literal["trainer", "engine"]
-    tis_mode: str | None
-    tis_cap: float
-    kl: KLOptions | None  # None: no KL and no reference model
-    shaping: ShapingOptions
-    critic: CriticOptions | None  # gae only
-    train: TrainOptions
-    schedule: ScheduleOptions
-    eval: EvalOptions
-    engine: EngineOptions
-    seed: int = 0
-    device: str | None = None
-    clip_grad_norm: float | None = None
-    trajectories: bool = False
-    log_every: int = 1
-    save_every: int | None = None
-    keep_last: int = 2
-    resume: bool = False
-    overwrite: bool = False
-    resume_override_lr: bool = False
-    tensorboard: bool = True
-    wandb: bool | dict = False
-
-
-def _rollout_options(cfg: DictConfig) -> RolloutOptions:
-    ro = cfg.rollout
-    opts = RolloutOptions(
-        prompts_per_step=ro.prompts_per_step,
-        n=ro.n,
-        max_tokens=ro.max_tokens,
-        temperature=float(_get(ro, "temperature", 1.0)),
-        top_p=float(_get(ro, "top_p", 1.0)),
-        top_k=int(_get(ro, "top_k", 0)),
-        first_token_temperature=_get(ro, "first_token_temperature"),
-        stop_token_ids=tuple(_get(ro, "stop_token_ids", ())),
-    )
-    for key in ("n", "prompts_per_step", "max_tokens"):
-        _at_least(f"rollout.{key}", getattr(opts, key), 1)
-    if not opts.temperature > 0:
-        raise ValueError(
-            f"rollout.temperature must be > 0 (the trainer scores tokens at the sampling "
-            f"temperature), got {opts.temperature}"
-        )
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if opts.prompts_per_step % world:
-        raise ValueError(
-            f"rollout.prompts_per_step={opts.prompts_per_step} must be a multiple of the "
-            f"number of processes ({world})"
-        )
-    # The SamplingParams' own checks (top_p, top_k, first-token temperature...).
-    _sampling(opts).validate()
-    return opts
-
-
-def _sampling(ro: RolloutOptions) -> SamplingParams:
-    return SamplingParams(
-        n=ro.n,
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        max_tokens=ro.max_tokens,
-        stop_token_ids=list(ro.stop_token_ids),
-        first_token_temperature=ro.first_token_temperature,
-    )
-
-
-def _advantage_options(cfg: DictConfig, group: int) -> tuple[str, dict[str, Any]]:
-    adv = cfg.algorithm.advantage
-    estimator = adv.estimator
-    # Only the options the config sets go to the estimator, which rejects inapplicable ones.
-    options = {k: adv[k] for k in _set_keys(adv) - {"estimator"}}
-    check_estimator(estimator, options, group_size=group)
-    return estimator, options
-
-
-def _loss_options(cfg: DictConfig, rollout: RolloutOptions) -> LossOptions:
-    alg = cfg.algorithm
-    pl = alg.get("policy_loss")
-    objective = _get(pl, "objective", "ppo")
-    defaults = OBJECTIVES[objective].defaults
-    agg = _get(pl, "agg", defaults["agg"])
-    norm_len = _get(pl, "norm_len")
-    if norm_len is not None and agg != "seq_mean_token_sum_norm":
-        raise ValueError(
-            f"algorithm.policy_loss.norm_len is used only by agg=seq_mean_token_sum_norm "
-            f"(agg is {agg!r}); remove it"
-        )
-    if agg == "seq_mean_token_sum_norm" and norm_len is None:
-        # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so the
-        # loss does not depend on how a step is split into micro-batches.
-        norm_len = rollout.max_tokens
-    ent = alg.get("entropy")
-    opts = LossOptions(
-        objective=objective,
-        clip_low=float(_get(pl, "clip_low", defaults["clip_low"])),
-        clip_high=float(_get(pl, "clip_high", defaults["clip_high"])),
-        dual_clip=_get(pl, "dual_clip"),
-        agg=agg,
-        norm_len=norm_len,
-        entropy_coef=float(_get(ent, "coef", 0.0)),
-        top_rho=_get(ent, "top_rho"),
-        value_clip=float(_get(alg.get("value"), "clip", 0.5)),
-    )
-    _at_least("algorithm.policy_loss.norm_len", norm_len, 1)
-    check_objective(**opts.policy_kwargs())
-    if opts.top_rho is not None and not 0 < opts.top_rho <= 1:
-        raise ValueError(f"algorithm.entropy.top_rho must be in (0, 1], got {opts.top_rho}")
-    return opts
-
-
-def _kl_options(cfg: DictConfig) -> KLOptions | None:
-    kl = cfg.algorithm.get("kl")
-    if not _set_keys(kl):
-        return None
-    if kl.get("coef") is None or not kl.coef > 0:
-        raise ValueError(
-            f"algorithm.kl.coef must be > 0 (got {kl.get('coef')}); remove the algorithm.kl "
-            "section to train without a KL and without a reference model"
-        )
-    opts = KLOptions(
-        coef=float(kl.coef),
-        estimator=_get(kl, "estimator", "k3"),
-        placement=_get(kl, "placement", "loss"),
-        controller=_get(kl, "controller", "fixed"),
-        target=_get(kl, "target"),
-        horizon=_get(kl, "horizon"),
-    )
-    if opts.controller == "fixed" and _set_keys(kl) & {"target", "horizon"}:
-        raise ValueError("algorithm.kl.target / horizon apply to controller=adaptive only")
-    # The controller's own checks (target, horizon > 0).
-    build_kl_controller(opts.controller, opts.coef, target=opts.target, horizon=opts.horizon)
-    return opts
-
-
-def _sampling_correction(cfg: DictConfig, rollout: RolloutOptions) -> tuple[str, str | None, float]:
-    """(old_logprobs source, tis mode, tis cap)."""
-    alg = cfg.algorithm
-    source = _get(alg, "old_logprobs", "trainer")
-    tis = alg.get("tis")
-    mode = _get(tis, "mode")
-    if mode is None and _set_keys(tis):
-        raise ValueError(
-            "algorithm.tis.cap is set but algorithm.tis.mode is not: set mode "
-            "(token | sequence_mask) or remove the tis section"
-        )
-    cap = float(_get(tis, "cap", 2.0))
-    if mode is not None and source != "trainer":
-        raise ValueError(
-            "algorithm.tis corrects the engine's log-probs towards the trainer's old "
-            "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
-        )
-    _at_least("algorithm.tis.cap", cap, 0, strict=True)
-    if rollout.first_token_temperature is not None and (source == "engine" or mode is not None):
-        # The engine reports the first token's log-prob at first_token_temperature, the trainer
-        # scores every token at rollout.temperature: the first token's ratio would be wrong.
-        raise ValueError(
-            "rollout.first_token_temperature (FIRE) makes the engine's first-token log-prob "
-            "differ from the trainer's (scored at rollout.temperature), so it cannot be used "
-            "with algorithm.old_logprobs=engine or algorithm.tis; remove one of them"
-        )
-    return source, mode, cap
-
-
-def _shaping_options(cfg: DictConfig, rollout: RolloutOptions) -> ShapingOptions:
-    shaping = cfg.algorithm.get("shaping")
-    reward_clip = _get(shaping, "reward_clip")
-    _at_least("algorithm.shaping.reward_clip", reward_clip, 0, strict=True)
-    over = _get(shaping, "overlong")
-    overlong = None
-    if _set_keys(over):
-        if over.get("buffer") is None:
+    def resolve(self, at: str) -> RolloutConfig:
+        if not self.temperature > 0:
             raise ValueError(
-                "algorithm.shaping.overlong needs buffer (tokens before max_len "
-                "where the penalty ramps up)"
+                f"rollout.temperature must be > 0 (the trainer scores tokens at the sampling "
+                f"temperature), got {self.temperature}"
             )
-        overlong = (
-            int(_get(over, "max_len", rollout.max_tokens)),
-            int(over.buffer),
-            float(_get(over, "factor", 1.0)),
-        )
-        overlong_penalty([0], *overlong)  # its own checks
-    ds = _get(shaping, "dynamic_sampling")
-    dynamic = bool(_set_keys(ds)) and _get(ds, "enabled", True)
-    if _set_keys(ds) and not dynamic and _set_keys(ds) - {"enabled"}:
-        raise ValueError(
-            "algorithm.shaping.dynamic_sampling.max_draws is set but dynamic sampling is disabled"
-        )
-    if dynamic and rollout.n < 2:
-        raise ValueError("dynamic sampling needs rollout.n >= 2")
-    max_draws = _get(ds, "max_draws", 10)
-    _at_least("algorithm.shaping.dynamic_sampling.max_draws", max_draws, 1)
-    return ShapingOptions(
-        reward_norm=_get(shaping, "reward_norm", False),
-        reward_clip=reward_clip,
-        overlong=overlong,
-        dynamic=dynamic,
-        max_draws=max_draws,
-    )
-
-
-def _schedule(node: Any, key: str) -> ScheduleOptions:
-    opts = ScheduleOptions(
-        warmup_steps=_get(node, "warmup_steps", 0), min_lr_ratio=_get(node, "min_lr_ratio", 0.0)
-    )
-    _at_least(f"{key}.warmup_steps", opts.warmup_steps, 0)
-    if not 0 <= opts.min_lr_ratio <= 1:
-        raise ValueError(f"{key}.min_lr_ratio must be in [0, 1], got {opts.min_lr_ratio}")
-    return opts
-
-
-def _critic_options(cfg: DictConfig, estimator: str) -> CriticOptions | None:
-    critic = cfg.get("critic")
-    if estimator != "gae":
-        if _set_keys(cfg.algorithm.get("value")) or _set_keys(critic):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.prompts_per_step % world:
             raise ValueError(
-                f"algorithm.value and critic train a critic, used only by estimator=gae "
-                f"(estimator is {estimator!r}); remove them"
+                f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
+                f"number of processes ({world})"
             )
-        return None
-    if _get(critic, "optimizer") is None:
-        raise ValueError("estimator=gae needs a critic: add a `critic:` section with its optimizer")
-    return CriticOptions(
-        path=_get(critic, "path", cfg.model.path),
-        schedule=_schedule(critic.get("lr_scheduler"), "critic.lr_scheduler"),
-        clip_grad_norm=_get(critic, "clip_grad_norm"),
-    )
+        self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
+        return self
 
-
-def _train_options(cfg: DictConfig) -> TrainOptions:
-    tr = cfg.train
-    opts = TrainOptions(
-        micro_batch_size=tr.micro_batch_size,
-        micro_batch_tokens=_get(tr, "micro_batch_tokens"),
-        ppo_epochs=_get(tr, "ppo_epochs", 1),
-        mini_batch_size=_get(tr, "mini_batch_size"),
-        packing=_get(tr, "packing", False),
-        shuffle=_get(tr, "shuffle", True),
-    )
-    for key in ("micro_batch_size", "micro_batch_tokens", "ppo_epochs", "mini_batch_size"):
-        _at_least(f"train.{key}", getattr(opts, key), 1)
-    return opts
-
-
-def _eval_options(cfg: DictConfig, rollout: RolloutOptions) -> EvalOptions:
-    ev = cfg.get("eval")
-    if _set_keys(ev) and cfg.get("eval_dataset") is None:
-        raise ValueError("the eval section needs an eval_dataset")
-    opts = EvalOptions(
-        every=_get(ev, "every"),
-        at_start=_get(ev, "at_start", True),
-        temperature=float(_get(ev, "temperature", 0.0)),
-        max_tokens=_get(ev, "max_tokens", rollout.max_tokens),
-        accuracy_reward=_get(ev, "accuracy_reward"),
-    )
-    names = list((cfg.reward.get("functions") or {}).keys())  # a CombinedReward's parts
-    if opts.accuracy_reward is not None and opts.accuracy_reward not in names:
-        raise ValueError(
-            f"eval.accuracy_reward={opts.accuracy_reward!r} is not a reward function; they are "
-            f"{names}"
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            first_token_temperature=self.first_token_temperature,
         )
-    _at_least("eval.every", opts.every, 1)
-    _at_least("eval.max_tokens", opts.max_tokens, 1)
-    _at_least("eval.temperature", opts.temperature, 0)
-    return opts
 
 
-def _engine_options(cfg: DictConfig) -> EngineOptions:
-    ecfg = cfg.get("engine") or {}
-    backend = _get(ecfg, "backend", "native")
-    own = {
+@section
+class AdvantageConfig(Section):
+    """``algorithm.advantage:``: the estimator and the options it takes (docs/algorithms.md)."""
+
+    estimator: Literal[tuple(ESTIMATORS)] = option(doc="grpo, rloo, reinforce_pp, gae, ...")
+    eps: float | None = option(None, doc="std normalisation epsilon")
+    scale: Literal["group", "batch", "none"] | None = option(None, doc="normalise by which std")
+    weight: Literal["filter", "std", "none"] | None = option(None, doc="group weighting")
+    gamma: float | None = option(None, doc="gae / reinforce_pp discount")
+    lam: float | None = option(None, doc="gae lambda")
+
+    def options(self) -> dict[str, Any]:
+        """The keys the config sets: the estimator checks they apply to it."""
+        return {k: v for k, v in vars(self).items() if v is not None and k != "estimator"}
+
+
+@section
+class PolicyLossConfig(Section):
+    """``algorithm.policy_loss:``: the objective (lightrft.algorithms.OBJECTIVES) and its
+    aggregation; unset keys take the objective's published defaults."""
+
+    objective: Literal[tuple(OBJECTIVES)] = option("ppo", doc="ppo, gspo, gmpo, cpgd, ...")
+    clip_low: float | None = option(None, doc="ratio clip below 1")
+    clip_high: float | None = option(None, doc="ratio clip above 1 (clip-higher)")
+    dual_clip: float | None = option(None, doc="dual-clip bound (> 1)")
+    agg: Literal[AGG_MODES] | None = option(None, doc="how token losses aggregate")
+    norm_len: int | None = option(None, ge=1, doc="seq_mean_token_sum_norm's divisor")
+
+    def kwargs(self) -> dict[str, Any]:
+        keys = ("objective", "clip_low", "clip_high", "dual_clip", "agg", "norm_len")
+        return {k: getattr(self, k) for k in keys}
+
+
+@section
+class TISConfig(Section):
+    """``algorithm.tis:``: truncated importance sampling towards the engine's log-probs."""
+
+    mode: Literal["token", "sequence_mask"] | None = option(None, doc="unset: off")
+    cap: float | None = option(None, doc="the weight cap; default 2")
+
+
+@section
+class KLConfig(Section):
+    """``algorithm.kl:``: a KL to the frozen reference (the section switches it on)."""
+
+    coef: float | None = option(None, doc="the KL coefficient (> 0)")
+    estimator: Literal[(*KL_KINDS, "kl", "mse", "low_var_kl")] | None = option(
+        None, doc="default k3"
+    )
+    placement: Literal["loss", "reward"] | None = option(None, doc="default loss")
+    controller: Literal["fixed", "adaptive"] | None = option(None, doc="default fixed")
+    target: float | None = option(None, doc="adaptive only")
+    horizon: float | None = option(None, doc="adaptive only")
+
+
+@section
+class EntropyConfig(Section):
+    """``algorithm.entropy:``: an entropy bonus and high-entropy token selection."""
+
+    coef: float = option(0.0, doc="entropy bonus coefficient")
+    top_rho: float | None = option(None, doc="train on the top-rho highest-entropy tokens only")
+
+
+@section
+class OverlongConfig(Section):
+    """``algorithm.shaping.overlong:``: DAPO's soft overlong penalty."""
+
+    max_len: int | None = option(None, doc="default rollout.max_tokens")
+    buffer: int | None = option(None, doc="tokens before max_len where the penalty ramps up")
+    factor: float | None = option(None, doc="the penalty at max_len; default 1")
+
+
+@section
+class DynamicSamplingConfig(Section):
+    """``algorithm.shaping.dynamic_sampling:``: draw again until enough informative groups."""
+
+    enabled: bool | None = option(None, doc="default: on when the section is set")
+    max_draws: int | None = option(None, doc="draws per step at most (default 10)")
+
+
+@section
+class ShapingConfig(Section):
+    """``algorithm.shaping:``: reward clipping / normalisation, overlong, dynamic sampling."""
+
+    reward_norm: bool = option(False, doc="running reward normalisation")
+    reward_clip: float | None = option(None, doc="clip rewards to [-c, c]")
+    overlong: OverlongConfig = option(default_factory=OverlongConfig, doc="")
+    dynamic_sampling: DynamicSamplingConfig = option(default_factory=DynamicSamplingConfig, doc="")
+
+    @property
+    def dynamic(self) -> bool:
+        ds = self.dynamic_sampling
+        return _is_set(ds) and ds.enabled is not False
+
+
+@section
+class ValueConfig(Section):
+    """``algorithm.value:`` (gae only): the critic's value-loss clip."""
+
+    clip: float | None = option(None, doc="default 0.5")
+
+
+@section
+class AlgorithmConfig(Section):
+    """``algorithm:``: advantages, the policy loss and every term and trick around it."""
+
+    advantage: AdvantageConfig = option(doc="")
+    policy_loss: PolicyLossConfig = option(default_factory=PolicyLossConfig, doc="")
+    old_logprobs: Literal["trainer", "engine"] = option("trainer", doc="the ratio's denominator")
+    tis: TISConfig = option(default_factory=TISConfig, doc="")
+    kl: KLConfig | None = option(None, doc="")
+    entropy: EntropyConfig = option(default_factory=EntropyConfig, doc="")
+    value: ValueConfig = option(default_factory=ValueConfig, doc="")
+    shaping: ShapingConfig = option(default_factory=ShapingConfig, doc="")
+
+
+@section
+class CriticConfig(Section):
+    """``critic:`` (gae only): a value model from an HF backbone, with its own optimizer."""
+
+    path: str | None = option(None, doc="default model.path")
+    optimizer: Component | None = option(None, doc="required when the section is there")
+    lr_scheduler: ScheduleConfig = option(default_factory=ScheduleConfig, doc="")
+    clip_grad_norm: float | None = option(None, doc="")
+
+
+@section
+class TrainConfig(Section):
+    """``train:``: how a step's samples are cut into optimizer and micro-batches."""
+
+    ppo_epochs: int = option(1, ge=1, doc="passes over the step's samples")
+    mini_batch_size: int | None = option(None, ge=1, doc="samples per optimizer step (all ranks)")
+    micro_batch_size: int = option(ge=1, doc="samples per forward/backward per rank (at most)")
+    micro_batch_tokens: int | None = option(None, ge=1, doc="and at most this many tokens")
+    packing: bool = option(False, doc="samples back to back in one row")
+    shuffle: bool = option(True, doc="shuffle the samples between mini-batches")
+
+
+@section
+class GRPOEvalConfig(Section):
+    """``eval:``: greedy accuracy on ``eval_dataset`` at the start, every N steps, at the end."""
+
+    every: int | None = option(None, ge=1, doc="evaluate every this many steps")
+    at_start: bool | None = option(None, doc="evaluate before the first step; default true")
+    temperature: float | None = option(None, ge=0, doc="default 0: greedy")
+    max_tokens: int | None = option(None, ge=1, doc="default rollout.max_tokens")
+    accuracy_reward: str | None = option(None, doc="the reward function whose > 0 is correct")
+
+
+@section
+class GRPOEngineConfig(Section):
+    """``engine:``: the rollout engine (native torch, or vLLM in-process on CUDA)."""
+
+    backend: Literal["native", "vllm"] = option("native", doc="")
+    dtype: DType | None = option(None, doc="default: the model's")
+    max_model_len: int | None = option(None, doc="prompt + response tokens")
+    max_num_seqs: int | None = option(None, doc="sequences generated at once")
+    max_prefill_tokens: int | None = option(None, doc="native only")
+    max_kv_tokens: int | None = option(None, doc="native only")
+    sleep_level: Literal[0, 1, 2] = option(
+        1, doc="between rollouts: 1 frees the KV cache, 2 weights"
+    )
+    compile: bool | None = option(None, doc="native only")
+    gpu_memory_utilization: float | None = option(None, doc="vllm only")
+    tensor_parallel_size: int | None = option(None, doc="vllm only")
+
+    OWN: ClassVar[dict] = {
         "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
         "vllm": ("gpu_memory_utilization", "tensor_parallel_size"),
     }
-    other = own["vllm" if backend == "native" else "native"]
-    wrong = sorted(k for k in other if ecfg.get(k) is not None)
-    if wrong:
-        raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={backend}")
-    keys = ("dtype", "max_model_len", "max_num_seqs", *own[backend])
-    return EngineOptions(
-        backend=backend,
-        sleep_level=_get(ecfg, "sleep_level", 1),
-        kwargs={k: ecfg[k] for k in keys if ecfg.get(k) is not None},
-    )
+
+    def resolve(self, at: str) -> GRPOEngineConfig:
+        other = self.OWN["vllm" if self.backend == "native" else "native"]
+        wrong = sorted(k for k in other if getattr(self, k) is not None)
+        if wrong:
+            raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={self.backend}")
+        return self
+
+    def kwargs(self) -> dict[str, Any]:
+        """The engine class's keyword arguments the config sets."""
+        keys = ("dtype", "max_model_len", "max_num_seqs", *self.OWN[self.backend])
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
-def _model_options(cfg: DictConfig) -> ModelOptions:
-    m = cfg.model
-    strategy = strategy_option(cfg.get("strategy"))
-    return ModelOptions(
-        path=m.path,
-        dtype=_get(m, "dtype", "float32"),
-        trust_remote_code=_get(m, "trust_remote_code", False),
-        activation_checkpointing=_get(m, "activation_checkpointing", False),
-        compile=_get(m, "compile", False),
-        lora=lora_options(cfg.get("lora")),
-        strategy=strategy,
-        deepspeed=deepspeed_options(cfg.get("deepspeed"), strategy),
-        train_vision_tower=_get(m, "train_vision_tower", False),
-        train_audio_tower=_get(m, "train_audio_tower", False),
-        mesh=mesh_config(cfg.get("shard_size"), cfg.get("replicate_size")),
-    )
+@section
+class GRPOConfig(TrainingConfig):
+    """The whole config: the library's shared sections, then this recipe's own."""
+
+    model: PolicyModelConfig = option(doc="the policy")
+    dataset: Component = option(doc="prompts: lightrft.data.PromptDataset")
+    eval_dataset: Component | None = option(None, doc="held-out prompts for greedy eval")
+    reward: Component = option(doc="a CombinedReward or a single reward function")
+    engine: GRPOEngineConfig = option(default_factory=GRPOEngineConfig, doc="")
+    rollout: RolloutConfig = option(doc="")
+    algorithm: AlgorithmConfig = option(doc="")
+    critic: CriticConfig | None = option(None, doc="")
+    train: TrainConfig = option(doc="")
+    max_steps: int = option(ge=1, doc="RL steps")
+    eval: GRPOEvalConfig = option(default_factory=GRPOEvalConfig, doc="")
+    trajectories: bool = option(False, doc="write every sample to trajectories/step_N.jsonl")
+    CHECKPOINT_MODELS: ClassVar[tuple[str, ...]] = ("model", "policy")
+
+    def resolve(self, at: str) -> GRPOConfig:
+        """Every default that depends on another key and every rule across sections."""
+        super().resolve(at)
+        ro, alg = self.rollout, self.algorithm
+        check_estimator(alg.advantage.estimator, alg.advantage.options(), group_size=ro.n)
+        alg = replace(alg, policy_loss=self._policy_loss(), kl=self._kl())
+        self._sampling_correction()
+        shaping = alg.shaping
+        _at_least("algorithm.shaping.reward_clip", shaping.reward_clip, 0, strict=True)
+        over = shaping.overlong
+        if _is_set(over):
+            if over.buffer is None:
+                raise ValueError(
+                    "algorithm.shaping.overlong needs buffer (tokens before max_len "
+                    "where the penalty ramps up)"
+                )
+            over = replace(
+                over,
+                max_len=over.max_len or ro.max_tokens,
+                factor=1.0 if over.factor is None else float(over.factor),
+            )
+            overlong_penalty([0], over.max_len, over.buffer, over.factor)  # its own checks
+        ds = shaping.dynamic_sampling
+        if _is_set(ds) and not shaping.dynamic and ds.max_draws is not None:
+            raise ValueError(
+                "algorithm.shaping.dynamic_sampling.max_draws is set but dynamic sampling is "
+                "disabled"
+            )
+        if shaping.dynamic and ro.n < 2:
+            raise ValueError("dynamic sampling needs rollout.n >= 2")
+        _at_least("algorithm.shaping.dynamic_sampling.max_draws", ds.max_draws, 1)
+        alg = replace(alg, shaping=replace(shaping, overlong=over))
+        top_rho = alg.entropy.top_rho
+        if top_rho is not None and not 0 < top_rho <= 1:
+            raise ValueError(f"algorithm.entropy.top_rho must be in (0, 1], got {top_rho}")
+        critic = self._critic()
+        ev = self.eval
+        if _is_set(ev) and self.eval_dataset is None:
+            raise ValueError("the eval section needs an eval_dataset")
+        names = list((self.reward.get("functions") or {}).keys())  # a CombinedReward's parts
+        if ev.accuracy_reward is not None and ev.accuracy_reward not in names:
+            raise ValueError(
+                f"eval.accuracy_reward={ev.accuracy_reward!r} is not a reward function; they "
+                f"are {names}"
+            )
+        ev = replace(
+            ev,
+            at_start=ev.at_start is not False,
+            temperature=float(ev.temperature or 0.0),
+            max_tokens=ev.max_tokens or ro.max_tokens,
+        )
+        for key, schedule in (
+            ("lr_scheduler.", self.optim.lr_scheduler),
+            ("critic.lr_scheduler.", critic.lr_scheduler if critic else None),
+        ):
+            if schedule is not None:
+                schedule.check_steps(self.max_steps, key)
+        opts = replace(self, algorithm=alg, critic=critic, eval=ev)
+        _check_media(opts)
+        return opts
+
+    def _policy_loss(self) -> PolicyLossConfig:
+        pl = self.algorithm.policy_loss
+        defaults = OBJECTIVES[pl.objective].defaults
+        agg = pl.agg or defaults["agg"]
+        if pl.norm_len is not None and agg != "seq_mean_token_sum_norm":
+            raise ValueError(
+                f"algorithm.policy_loss.norm_len is used only by agg=seq_mean_token_sum_norm "
+                f"(agg is {agg!r}); remove it"
+            )
+        # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so the
+        # loss does not depend on how a step is split into micro-batches.
+        norm_len = pl.norm_len
+        if agg == "seq_mean_token_sum_norm" and norm_len is None:
+            norm_len = self.rollout.max_tokens
+        pl = replace(
+            pl,
+            clip_low=float(defaults["clip_low"] if pl.clip_low is None else pl.clip_low),
+            clip_high=float(defaults["clip_high"] if pl.clip_high is None else pl.clip_high),
+            agg=agg,
+            norm_len=norm_len,
+        )
+        check_objective(**pl.kwargs())
+        return pl
+
+    def _kl(self) -> KLConfig | None:
+        kl = self.algorithm.kl
+        if not _is_set(kl):
+            return None
+        kl = replace(
+            kl,
+            estimator=kl.estimator or "k3",
+            placement=kl.placement or "loss",
+            controller=kl.controller or "fixed",
+        )
+        if kl.coef is None or not kl.coef > 0:
+            raise ValueError(
+                f"algorithm.kl.coef must be > 0 (got {kl.coef}); remove the algorithm.kl "
+                "section to train without a KL and without a reference model"
+            )
+        if kl.controller == "fixed" and (kl.target is not None or kl.horizon is not None):
+            raise ValueError("algorithm.kl.target / horizon apply to controller=adaptive only")
+        # The controller's own checks (target, horizon > 0).
+        build_kl_controller(kl.controller, kl.coef, target=kl.target, horizon=kl.horizon)
+        return replace(kl, coef=float(kl.coef))
+
+    def _sampling_correction(self) -> None:
+        alg, tis = self.algorithm, self.algorithm.tis
+        if tis.mode is None and tis.cap is not None:
+            raise ValueError(
+                "algorithm.tis.cap is set but algorithm.tis.mode is not: set mode "
+                "(token | sequence_mask) or remove the tis section"
+            )
+        if tis.mode is not None and alg.old_logprobs != "trainer":
+            raise ValueError(
+                "algorithm.tis corrects the engine's log-probs towards the trainer's old "
+                "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
+            )
+        _at_least("algorithm.tis.cap", tis.cap, 0, strict=True)
+        if self.rollout.first_token_temperature is not None and (
+            alg.old_logprobs == "engine" or tis.mode is not None
+        ):
+            # The engine reports the first token's log-prob at first_token_temperature, the
+            # trainer scores every token at rollout.temperature: the first token's ratio would
+            # be wrong.
+            raise ValueError(
+                "rollout.first_token_temperature (FIRE) makes the engine's first-token log-prob "
+                "differ from the trainer's (scored at rollout.temperature), so it cannot be "
+                "used with algorithm.old_logprobs=engine or algorithm.tis; remove one of them"
+            )
+
+    def _critic(self) -> CriticConfig | None:
+        critic, estimator = self.critic, self.algorithm.advantage.estimator
+        if estimator != "gae":
+            if _is_set(self.algorithm.value) or _is_set(critic):
+                raise ValueError(
+                    f"algorithm.value and critic train a critic, used only by estimator=gae "
+                    f"(estimator is {estimator!r}); remove them"
+                )
+            return None
+        if critic is None or critic.optimizer is None:
+            raise ValueError(
+                "estimator=gae needs a critic: add a `critic:` section with its optimizer"
+            )
+        return replace(critic, path=critic.path or self.model.path)
+
+    @property
+    def tis_cap(self) -> float:
+        return 2.0 if self.algorithm.tis.cap is None else float(self.algorithm.tis.cap)
+
+    @property
+    def value_clip(self) -> float:
+        return 0.5 if self.algorithm.value.clip is None else float(self.algorithm.value.clip)
 
 
-def _check_vision(opts: GRPOOptions) -> None:
+def _check_media(opts: GRPOConfig) -> None:
     """Rules for vision- and audio-language actors, from the checkpoint's config.json (cheap; a
     checkpoint a ``prepare`` step writes is checked again in setup, before any model loads)."""
-    vlm = checkpoint_is_vision_language(opts.model.path)
-    if opts.model.train_vision_tower and vlm is False:
-        raise ValueError(
-            f"model.train_vision_tower=true but {opts.model.path} is not a vision-language model "
-            "(its config.json has no vision_config)"
-        )
-    if opts.model.train_audio_tower and checkpoint_is_audio_language(opts.model.path) is False:
-        raise ValueError(
-            f"model.train_audio_tower=true but {opts.model.path} is not an audio-language model "
-            "(its config.json has no audio_config)"
-        )
+    check_towers(opts.model)
     if checkpoint_is_multimodal(opts.model.path) and opts.critic is not None:
+        vlm = checkpoint_is_vision_language(opts.model.path)
         kind = "a vision-language" if vlm else "an audio-language"
         raise ValueError(
             f"estimator=gae trains a critic, which is not supported with {kind} actor "
@@ -711,196 +529,12 @@ def _check_vision(opts: GRPOOptions) -> None:
         )
 
 
-def build_options(cfg: DictConfig) -> GRPOOptions:
-    """The config as a frozen, typed :class:`GRPOOptions`: every default, every cross-field
-    check, no side effect (no directory, no process group, no model). ``lightrft validate`` and
-    ``lightrft run`` both call it, so a config that validates does not fail later on a rule."""
-    rollout = _rollout_options(cfg)
-    estimator, adv_options = _advantage_options(cfg, rollout.n)
-    old_source, tis_mode, tis_cap = _sampling_correction(cfg, rollout)
-    metrics = cfg.get("metrics")
-    opts = GRPOOptions(
-        output_dir=cfg.output_dir,
-        max_steps=cfg.max_steps,
-        model=_model_options(cfg),
-        rollout=rollout,
-        estimator=estimator,
-        adv_options=adv_options,
-        loss=_loss_options(cfg, rollout),
-        old_logprobs=old_source,
-        tis_mode=tis_mode,
-        tis_cap=tis_cap,
-        kl=_kl_options(cfg),
-        shaping=_shaping_options(cfg, rollout),
-        critic=_critic_options(cfg, estimator),
-        train=_train_options(cfg),
-        schedule=_schedule(cfg.get("lr_scheduler"), "lr_scheduler"),
-        eval=_eval_options(cfg, rollout),
-        engine=_engine_options(cfg),
-        seed=_get(cfg, "seed", 0),
-        device=_get(cfg, "device"),
-        clip_grad_norm=_get(cfg, "clip_grad_norm"),
-        trajectories=_get(cfg, "trajectories", False),
-        log_every=_get(cfg, "log_every", 1),
-        save_every=_get(cfg, "save_every"),
-        keep_last=_get(cfg, "keep_last", 2),
-        resume=_get(cfg, "resume", False),
-        overwrite=_get(cfg, "overwrite", False),
-        resume_override_lr=_get(cfg, "resume_override_lr", False),
-        tensorboard=_get(metrics, "tensorboard", True),
-        wandb=_get(metrics, "wandb", False),
-    )
-    for key in ("max_steps", "log_every", "save_every", "keep_last"):
-        _at_least(key, getattr(opts, key), 1)
-    for key, schedule in (
-        ("lr_scheduler", opts.schedule),
-        ("critic.lr_scheduler", opts.critic.schedule if opts.critic else None),
-    ):
-        if schedule is not None and schedule.warmup_steps > opts.max_steps:
-            raise ValueError(
-                f"{key}.warmup_steps={schedule.warmup_steps} is more than max_steps="
-                f"{opts.max_steps}: the schedule would never reach its peak"
-            )
-    if not str(opts.output_dir).strip():
-        raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
-    checkpoints = Checkpointer(
-        opts.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
-    )  # reads only
-    if opts.resume and checkpoints.latest() is None:
-        raise ValueError(
-            f"resume=true but no checkpoint found in {checkpoints.root}; a run stopped before "
-            "its first checkpoint starts over with overwrite=true"
-        )
-    if opts.resume and opts.overwrite:
-        raise ValueError("resume=true and overwrite=true contradict each other; choose one")
-    if opts.model.deepspeed is not None:
-        for key, value in (
-            ("lora", opts.model.lora),
-            ("shard_size", opts.model.mesh.shard_size),
-            ("replicate_size", opts.model.mesh.replicate_size),
-        ):
-            if value is not None:
-                raise ValueError(
-                    f"{key} is not supported with strategy=deepspeed yet; remove it or use "
-                    "strategy=fsdp2"
-                )
-    if opts.resume:
-        check_resume(opts.output_dir, opts.model.lora is not None, ("model", "policy"))
-    _check_vision(opts)
-    return opts
+# What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
+CONFIG_SCHEMA = GRPOConfig.schema()
+build_options = GRPOConfig.read
 
 
-# ---------------------------------------------------------------------------------- batches
-
-
-def build_micro_batch(
-    batch: RolloutBatch, idx: list[int], pad_id: int, *, packing: bool
-) -> dict[str, Any]:
-    """Model inputs for rows ``idx`` of ``batch`` plus a gather index from the model's
-    ``[rows, L-1]`` next-token outputs to a response-only ``[b, R]`` layout (R = longest
-    response of the rows), which every loss uses.
-
-    Packed: one row, samples back to back, ``position_ids`` restarting per sample, no attention
-    mask (transformers builds the block-diagonal causal mask from the position resets). Padded:
-    one right-padded row per sample with an attention mask. An empty ``idx`` gives a dummy
-    batch (one scored position, mask 0), so a rank without data still runs the same
-    forward/backward collectives as the others.
-    """
-    if not idx:
-        ids = torch.full((1, 2), pad_id, dtype=torch.long)
-        return {
-            "input_ids": ids,
-            "position_ids": torch.arange(2).unsqueeze(0),
-            "attention_mask": None,
-            "targets": ids[:, 1:].clone(),  # one real position keeps the graph connected
-            "index": torch.zeros(1, 1, dtype=torch.long),
-            "mask": torch.zeros(1, 1, dtype=torch.bool),
-            "tokens": 0,
-            "images": None,
-            "audios": None,
-        }
-    prompts = [batch.prompt(i) for i in idx]
-    responses = [batch.response(i) for i in idx]
-    layout = _packed if packing else _padded
-    out = layout(prompts, responses, pad_id)
-    # A vision-language batch: the rows' images in row (= token) order, one forward's inputs.
-    out["images"] = ImageInputs.cat([batch.images[i] for i in idx]) if batch.images else None
-    out["audios"] = AudioInputs.cat([batch.audios[i] for i in idx]) if batch.audios else None
-    out["tokens"] = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    return out
-
-
-def _packed(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, Any]:
-    """One row, samples back to back, positions restarting per sample, no attention mask."""
-    resp = [len(r) for r in responses]
-    index = torch.zeros(len(resp), max(resp), dtype=torch.long)  # [b, R]
-    mask = torch.zeros(len(resp), max(resp), dtype=torch.bool)  # [b, R]
-    total = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    ids = torch.full((1, total), pad_id, dtype=torch.long)
-    pos = torch.zeros(1, total, dtype=torch.long)
-    targets = torch.full((1, total - 1), IGNORE, dtype=torch.long)
-    start = 0
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        q = p + r
-        ids[0, start : start + len(q)] = torch.as_tensor(q)
-        pos[0, start : start + len(q)] = torch.arange(len(q))
-        first = start + len(p) - 1  # position predicting response token 0
-        cols = torch.arange(first, first + resp[i])
-        targets[0, cols] = torch.as_tensor(r)
-        index[i, : resp[i]] = cols
-        mask[i, : resp[i]] = True
-        start += len(q)
-    return {
-        "input_ids": ids,
-        "position_ids": pos,
-        "attention_mask": None,
-        "targets": targets,
-        "index": index,
-        "mask": mask,
-    }
-
-
-def _padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, Any]:
-    """One right-padded row per sample with an attention mask (default positions 0..T-1)."""
-    resp = [len(r) for r in responses]
-    index = torch.zeros(len(resp), max(resp), dtype=torch.long)  # [b, R]
-    mask = torch.zeros(len(resp), max(resp), dtype=torch.bool)  # [b, R]
-    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    ids = torch.full((len(resp), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(len(resp), length, dtype=torch.long)
-    targets = torch.full((len(resp), length - 1), IGNORE, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        q = p + r
-        ids[i, : len(q)] = torch.as_tensor(q)
-        attention_mask[i, : len(q)] = 1
-        first = len(p) - 1
-        cols = torch.arange(first, first + resp[i])
-        targets[i, cols] = torch.as_tensor(r)
-        index[i, : resp[i]] = i * (length - 1) + cols
-        mask[i, : resp[i]] = True
-    return {
-        "input_ids": ids,
-        "position_ids": None,
-        "attention_mask": attention_mask,
-        "targets": targets,
-        "index": index,
-        "mask": mask,
-    }
-
-
-def _gather_response(full: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
-    """[rows, L-1] per-position values -> [b, R] response values, 0 on padding."""
-    out = full.reshape(-1)[mb["index"].to(full.device)]
-    return torch.where(
-        mb["mask"].to(full.device), out, torch.zeros((), dtype=out.dtype, device=out.device)
-    )
-
-
-def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Every rank filled its own rows of ``t`` (zeros elsewhere): the whole tensor, everywhere."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
+# ---------------------------------------------------------------------------------- loss
 
 
 @dataclasses.dataclass
@@ -931,81 +565,53 @@ class Counts:
     response: dict[str, float]
 
 
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Every rank filled its own rows of ``t`` (zeros elsewhere): the whole tensor, everywhere."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 # ---------------------------------------------------------------------------------- recipe
 
 
-def _gather_objects(obj: Any) -> list[Any]:
-    """Every rank's (small, picklable) ``obj`` in rank order; ``[obj]`` in one process."""
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 class GRPORecipe:
-    """Build everything from the validated options in ``setup``, train, clean up."""
+    """Build everything in ``setup``, then ``train``; the run contract is ``run``'s."""
 
-    def __init__(self, cfg: DictConfig, opts: GRPOOptions):
-        self.cfg, self.opts = cfg, opts
-        # Side effects start here, after build_options has accepted the config.
-        self.output_dir = check_output_dir(
-            opts.output_dir, resume=opts.resume, overwrite=opts.overwrite
-        )
-        self.dist = init_distributed(opts.device)
-        self.checkpointer = Checkpointer(
-            self.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every
-        )
+    def __init__(self, cfg: DictConfig, opts: GRPOConfig, run: TrainingRun):
+        self.cfg, self.opts, self.run, self.dist = cfg, opts, run, run.dist
         self.kl_ctl = None
-        if opts.kl is not None:
-            k = opts.kl
+        if (kl := opts.algorithm.kl) is not None:
             self.kl_ctl = build_kl_controller(
-                k.controller, k.coef, target=k.target, horizon=k.horizon
+                kl.controller, kl.coef, target=kl.target, horizon=kl.horizon
             )
 
     # ------------------------------------------------------------------ setup
 
     def setup(self, cfg: DictConfig) -> None:
-        torch.manual_seed(self.opts.seed)
-        if self.dist.is_main:
-            for node in cfg.get("prepare") or []:
-                config.instantiate(node)
-        barrier()
-        self._setup_models(cfg)
+        self._setup_models()
         self._setup_engine()
-        self._setup_rewards_and_data(cfg)
+        self._setup_rewards_and_data()
         self._weights_released = False
-        self._reward_side: dict[str, tuple] = {}  # see _note_reward_side
+        self.reward_side = RewardSideMetrics()
         self.step, self.epoch = 0, 0
         self.eval_history: list[tuple[int, float, float]] = []
-        self.resumed = self.opts.resume
-        if self.resumed:
-            self._load_checkpoint()
-        self.logger = MetricLogger(
-            self.output_dir,
-            tensorboard=self.opts.tensorboard,
-            wandb=self.opts.wandb,
-            config=OmegaConf.to_container(cfg, resolve=True),
-            resume_step=self.step if self.resumed else None,
-        )
-        data_stats = {
-            f"data/{k}": v for k, v in (getattr(self.dataset, "stats", None) or {}).items()
-        }
-        if data_stats and not self.resumed:
-            self.logger.log(0, data_stats)
+        state = self.run.resume(**self._state())
+        if state is not None:
+            self.step, extra = state.step, state.extra
+            self.epoch = extra["epoch"]
+            self.eval_history = [tuple(e) for e in extra.get("eval_history", [])]
+            if self.kl_ctl is not None:
+                self.kl_ctl.load_state_dict(extra["kl_ctl"])
+            if self.normalizer is not None:
+                self.normalizer.load_state_dict(extra["reward_norm"])
+            self.strategy.sync_weights(self.engine)
+        self.logger = self.run.open_logger(self.step, getattr(self.dataset, "stats", None))
 
-    def _load_model(
-        self,
-        path: str,
-        prepare=None,
-        *,
-        checkpointing: bool = False,
-        compile: bool = False,
-        shard: bool = True,
-    ) -> nn.Module:
+    def _load_model(self, path: str, prepare=None, *, trained: bool = False, **kw) -> nn.Module:
         """Load and shard one model (actor, reference, critic): under torchrun each rank builds
-        it on the meta device and reads only its shards (lightrft.models.sharded).
-        ``shard=False``: whole on every rank (an actor that DeepSpeed partitions)."""
+        it on the meta device and reads only its shards (lightrft.models.sharded). The trained
+        actor loads as the strategy says (DeepSpeed: whole, partitioned later)."""
         m = self.opts.model
         return load_parallel(
             path,
@@ -1013,116 +619,102 @@ class GRPORecipe:
             device=self.dist.device,
             trust_remote_code=m.trust_remote_code,
             prepare=prepare,
-            mesh=self.mesh if shard else None,
-            activation_checkpointing=checkpointing,
-            compile=compile,
-            shard=None if shard else False,
+            **kw,
+            **(self.strategy.loading() if trained else self.strategy.frozen_loading()),
         )
 
     def _prepare_actor(self, model: nn.Module) -> nn.Module:
         """Before sharding: freeze (or not) the vision / audio towers, add LoRA adapters."""
         m = self.opts.model
-        if is_multimodal(model.config):  # before the optimizer and parallelize
-            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
-        return apply_lora(model, m.lora) if m.lora else model
+        set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
+        return self.strategy.adapt(model)
 
-    def _setup_models(self, cfg: DictConfig) -> None:
+    def _setup_models(self) -> None:
         """Actor (+ optimizer, scheduler), the frozen reference (KL only), the critic (gae)."""
-        m, o = self.opts.model, self.opts
-        _check_vision(o)  # the checkpoint exists now, whatever prepare wrote
-        self.mesh = build_mesh(m.mesh, self.dist.device)
+        o, m = self.opts, self.opts.model
+        _check_media(o)  # the checkpoint exists now, whatever prepare wrote
+        self.strategy = build_strategy(o.strategy, self.dist)
         self.model = self._load_model(
             m.path,
             self._prepare_actor,
-            checkpointing=m.activation_checkpointing,
+            trained=True,
+            activation_checkpointing=m.activation_checkpointing,
             compile=m.compile,
-            shard=m.deepspeed is None,
         )
         # A vision- or audio-language actor: datasets take its processor (images / audio +
-        # text), the towers are frozen unless model.train_vision_tower / train_audio_tower
-        # (in _prepare_actor); everything else is the text path.
+        # text), the towers are frozen unless model.train_vision_tower / train_audio_tower;
+        # everything else is the text path.
         self.vlm = is_vision_language(self.model.config)
         self.alm = is_audio_language(self.model.config)
-        if is_multimodal(self.model.config):
-            self.processor = load_processor(m.path, trust_remote_code=m.trust_remote_code)
-            self.tokenizer = self.processor.tokenizer
-        else:
-            self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
-            self.processor = self.tokenizer
+        self.processor, self.tokenizer = load_processors(
+            m.path, trust_remote_code=m.trust_remote_code, config=self.model.config
+        )
         self.pad_id = self.tokenizer.pad_token_id
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = config.instantiate(cfg.optimizer, params)
-        # strategy=deepspeed: the engine steps the actor's optimizer (the reference and the
-        # critic stay FSDP2-sharded, whichever the actor's strategy: one backward of the
-        # combined loss reaches both, each reduces its own gradients).
-        self.ds_engine = None
-        if m.deepspeed is not None:
-            from lightrft.models import deepspeed as lds
-
-            self.ds_engine = lds.initialize(
-                self.model,
-                self.optimizer,
-                m.deepspeed,
-                micro_batch_size=o.train.micro_batch_size,
-                accum=1,
-                clip_grad_norm=o.clip_grad_norm,
-            )
+        self.optimizer = config.instantiate(o.optim.optimizer, params)
+        # The reference and the critic stay FSDP2-sharded whichever the actor's strategy: one
+        # backward of the combined loss reaches both, each reduces its own gradients.
+        self.strategy.setup(
+            self.model,
+            self.optimizer,
+            micro_batch_size=o.train.micro_batch_size,
+            accum=1,
+            clip_grad_norm=o.optim.clip_grad_norm,
+        )
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer,
-            warmup_steps=o.schedule.warmup_steps,
+            warmup_steps=o.optim.lr_scheduler.warmup_steps,
             total_steps=o.max_steps,
-            min_lr_ratio=o.schedule.min_lr_ratio,
+            min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
         )
         self.ref = None  # with LoRA the reference is the actor with its adapters off
-        if o.kl is not None and m.lora is None:  # a frozen copy of the initial policy
+        if o.algorithm.kl is not None and self.strategy.needs_reference_copy:
             # Frozen before sharding: parallelize then gives its LM head a group of its own.
             self.ref = self._load_model(m.path, lambda model: model.requires_grad_(False))
             self.ref.eval()
         self.critic = self.critic_opt = self.critic_sched = None
-        if o.critic is not None:
+        if (c := o.critic) is not None:
             self.critic = self._load_model(
-                o.critic.path, self._build_critic, checkpointing=m.activation_checkpointing
+                c.path, self._build_critic, activation_checkpointing=m.activation_checkpointing
             )
-            self.critic_opt = config.instantiate(cfg.critic.optimizer, self.critic.parameters())
+            self.critic_opt = config.instantiate(c.optimizer, self.critic.parameters())
             self.critic_sched = warmup_cosine_scheduler(
                 self.critic_opt,
-                warmup_steps=o.critic.schedule.warmup_steps,
+                warmup_steps=c.lr_scheduler.warmup_steps,
                 total_steps=o.max_steps,
-                min_lr_ratio=o.critic.schedule.min_lr_ratio,
+                min_lr_ratio=c.lr_scheduler.min_lr_ratio,
             )
 
     def _setup_engine(self) -> None:
         # The engine holds its own inference copy of the weights, loaded from the same directory.
-        e, path = self.opts.engine, self.opts.model.path
+        e, path, seed = self.opts.engine, self.opts.model.path, self.opts.run.seed
         if e.backend == "vllm":  # CUDA only; the adapter imports vLLM lazily
             from lightrft.engine import VLLMEngine
 
-            self.engine = VLLMEngine(path, seed=self.opts.seed, **e.kwargs)
+            self.engine = VLLMEngine(path, seed=seed, **e.kwargs())
         else:
             self.engine = NativeEngine(
-                path, self.tokenizer, device=self.dist.device, seed=self.opts.seed, **e.kwargs
+                path, self.tokenizer, device=self.dist.device, seed=seed, **e.kwargs()
             )
-        self.sampling = _sampling(self.opts.rollout)
+        self.sampling = self.opts.rollout.sampling()
 
-    def _setup_rewards_and_data(self, cfg: DictConfig) -> None:
+    def _setup_rewards_and_data(self) -> None:
         o = self.opts
-        self.reward_fn = build_reward(cfg.reward)
+        self.reward_fn = build_reward(o.reward)
         self.reward_names = list(getattr(self.reward_fn, "functions", {}) or [])
         self.normalizer = None
-        if o.shaping.reward_norm:
-            self.normalizer = RunningRewardNormalizer(clip=o.shaping.reward_clip)
-        self.dataset = config.instantiate(cfg.dataset, self.processor)
-        limit = getattr(self.engine, "max_model_len", None) or self.opts.engine.kwargs.get(
-            "max_model_len"
-        )
+        if o.algorithm.shaping.reward_norm:
+            self.normalizer = RunningRewardNormalizer(clip=o.algorithm.shaping.reward_clip)
+        self.dataset = config.instantiate(o.dataset, self.processor)
+        limit = getattr(self.engine, "max_model_len", None) or o.engine.max_model_len
         if limit and hasattr(self.dataset, "fit_to_engine"):
             self.dataset.fit_to_engine(limit)
         self.loader = build_dataloader(
             self.dataset,
             batch_size=o.rollout.prompts_per_step // self.dist.world_size,
             shuffle=True,
-            seed=o.seed,
+            seed=o.run.seed,
             collate_fn=collate_prompts,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
@@ -1130,28 +722,8 @@ class GRPORecipe:
         )
         self._it = None
         self.eval_dataset = None
-        if cfg.get("eval_dataset") is not None:
-            self.eval_dataset = config.instantiate(cfg.eval_dataset, self.processor)
-
-    def _load_checkpoint(self) -> None:
-        models, opts, scheds = self._stateful()
-        state = self.checkpointer.load_latest(
-            models=models,
-            optimizers=opts,
-            schedulers=scheds,
-            dataloaders=self.loader,
-            required=True,
-            config=OmegaConf.to_container(self.cfg, resolve=True),
-            override_lr=self.opts.resume_override_lr,
-        )
-        self.step, extra = state.step, state.extra
-        self.epoch = extra["epoch"]
-        self.eval_history = [tuple(e) for e in extra.get("eval_history", [])]
-        if self.kl_ctl is not None:
-            self.kl_ctl.load_state_dict(extra["kl_ctl"])
-        if self.normalizer is not None:
-            self.normalizer.load_state_dict(extra["reward_norm"])
-        self._sync_weights()
+        if o.eval_dataset is not None:
+            self.eval_dataset = config.instantiate(o.eval_dataset, self.processor)
 
     @staticmethod
     def _build_critic(critic: nn.Module) -> nn.Module:
@@ -1170,32 +742,17 @@ class GRPORecipe:
         critic.set_output_embeddings(head)
         return critic
 
-    def _sync_weights(self, skip_frozen: bool = False) -> None:
-        """The actor's weights into the rollout engine (collective): FSDP2's DTensor gathers,
-        or under strategy=deepspeed module by module from the ZeRO partitions."""
-        if self.ds_engine is not None:
-            from lightrft.models.deepspeed import sync_weights as sync_from_deepspeed
-
-            sync_from_deepspeed(self.ds_engine, self.engine)
-        else:
-            sync_weights(self.model, self.engine, skip_frozen=skip_frozen)
-
-    def _stateful(self):
-        if self.ds_engine is not None:  # it checkpoints the actor's optimizer itself
-            if self.critic is None:
-                return self.ds_engine, None, self.scheduler
-            return (
-                {"policy": self.ds_engine, "critic": self.critic},
-                {"critic": self.critic_opt},
-                {"policy": self.scheduler, "critic": self.critic_sched},
-            )
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds: the actor (and its optimizer, as the strategy keeps them),
+        the critic, the schedulers and the prompt loader."""
+        actor = self.strategy.checkpoint_state()
         if self.critic is None:
-            return self.model, self.optimizer, self.scheduler
-        return (
-            {"policy": self.model, "critic": self.critic},
-            {"policy": self.optimizer, "critic": self.critic_opt},
-            {"policy": self.scheduler, "critic": self.critic_sched},
-        )
+            return {**actor, "schedulers": self.scheduler, "dataloaders": self.loader}
+        named = {k: {"policy": v} for k, v in actor.items()}
+        named["models"]["critic"] = self.critic
+        named.setdefault("optimizers", {})["critic"] = self.critic_opt
+        scheds = {"policy": self.scheduler, "critic": self.critic_sched}
+        return {**named, "schedulers": scheds, "dataloaders": self.loader}
 
     # ------------------------------------------------------------------ rollout
 
@@ -1215,7 +772,7 @@ class GRPORecipe:
         """One seed per request, a pure function of (seed, step, draw, rank): a resumed run
         samples exactly what the uninterrupted run sampled."""
         gen = torch.Generator().manual_seed(
-            ((self.opts.seed * 1_000_003 + step) * 1_009 + draw) * 1_013 + self.dist.rank
+            ((self.opts.run.seed * 1_000_003 + step) * 1_009 + draw) * 1_013 + self.dist.rank
         )
         seeds = torch.randint(0, 2**62, (count,), generator=gen).tolist()
         return [dataclasses.replace(self.sampling, seed=s) for s in seeds]
@@ -1226,7 +783,7 @@ class GRPORecipe:
         ``ImageInputs`` / ``AudioInputs`` or None (vision- / audio-language prompts)."""
         if self._weights_released:
             self.engine.wake_up(["weights"])
-            self._sync_weights()
+            self.strategy.sync_weights(self.engine)
             self._weights_released = False
         self.engine.wake_up()
         if not prompt_ids:
@@ -1266,21 +823,8 @@ class GRPORecipe:
 
         parts = {n: f64(p) for n, p in out.parts.items()}
         applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in out.applied.items()}
-        self._note_reward_side(out)
+        self.reward_side.add(out)
         return f64(total), parts, applied
-
-    def _note_reward_side(self, out) -> None:
-        """Keep what a reward call reports beside the rewards, for the step's metrics: every head
-        of a multi-head reward model (``out.heads``, over the samples its function scored) and
-        the functions' own metrics (``out.extra``, e.g. a judge's parse failures)."""
-        side = self._reward_side
-        for key, scores in out.heads.items():
-            vals = scores[out.applied[key.split("/")[0]]].double()
-            s, q, c = side.get(key, (0.0, 0.0, 0))
-            side[key] = (s + float(vals.sum()), q + float((vals**2).sum()), c + vals.numel())
-        for key, value in out.extra.items():
-            total, calls = side.get(f"extra:{key}", (0.0, 0))
-            side[f"extra:{key}"] = (total + float(value), calls + 1)
 
     def _draw(self, step: int, draw: int, timer: PhaseTimer) -> RolloutBatch:
         """One rollout draw: this rank's prompts, n samples each, scored; then gathered so every
@@ -1301,10 +845,10 @@ class GRPORecipe:
             raw, parts, applied = self._score(
                 meta["prompt"], texts, meta["reference"], meta["label"], meta["where"], chats
             )
-            overlong, rewards = None, raw
-            if self.opts.shaping.overlong is not None:
+            overlong, rewards, ov = None, raw, self.opts.algorithm.shaping.overlong
+            if ov.buffer is not None:  # the section is set
                 lengths = [len(c.token_ids) for c in completions]
-                penalty = overlong_penalty(lengths, *self.opts.shaping.overlong)
+                penalty = overlong_penalty(lengths, ov.max_len, ov.buffer, ov.factor)
                 overlong = torch.tensor([float(p) for p in penalty], dtype=torch.float64)
                 rewards = raw + overlong  # [B]
         responses = [list(c.token_ids) for c in completions]
@@ -1336,14 +880,16 @@ class GRPORecipe:
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, RolloutBatch, dict]:
         """The step's train batch (after dynamic sampling), every sample drawn (to log, with
         ``kept`` set) and the dynamic-sampling metrics."""
-        o = self.opts
+        o, shaping = self.opts, self.opts.algorithm.shaping
         stats: dict[str, float] = {}
-        if not o.shaping.dynamic:
+        if not shaping.dynamic:
             drawn = self._draw(step, 0, timer)
             keep = list(range(len(drawn)))
         else:
             acc = DynamicSamplingAccumulator(
-                o.rollout.prompts_per_step, o.rollout.n, max_draws=o.shaping.max_draws
+                o.rollout.prompts_per_step,
+                o.rollout.n,
+                max_draws=shaping.dynamic_sampling.max_draws or 10,
             )
             draws: list[RolloutBatch] = []
             while not acc.done:
@@ -1369,38 +915,37 @@ class GRPORecipe:
         entropy_grad: bool = False,
         grad_hint: GradHint | None = None,
     ):
-        dev = self.dist.device
+        mb = mb.to(self.dist.device)
         out = causal_lm_token_logprobs(
             model,
-            mb["input_ids"].to(dev),
-            targets=mb["targets"].to(dev),
-            attention_mask=None if mb["attention_mask"] is None else mb["attention_mask"].to(dev),
-            position_ids=None if mb["position_ids"] is None else mb["position_ids"].to(dev),
+            mb.input_ids,
+            targets=mb.targets,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
             temperature=self.opts.rollout.temperature,
             return_entropy=entropy,
             entropy_grad=entropy_grad,
             grad_hint=grad_hint,
-            images=mb["images"],
-            audios=mb["audios"],
+            images=mb.images,
+            audios=mb.audios,
         )
         if entropy:
-            return _gather_response(out[0], mb), _gather_response(out[1], mb)
-        return _gather_response(out, mb), None
+            return mb.gather(out[0]), mb.gather(out[1])
+        return mb.gather(out), None
 
-    def _values(self, mb) -> torch.Tensor:
-        dev = self.dist.device
-
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
         def head(hidden, weight, bias):
             return F.linear(hidden, weight, bias).squeeze(-1).float()  # [rows, L-1]
 
+        mb = mb.to(self.dist.device)
         out = forward_on_hidden(
             self.critic,
-            mb["input_ids"].to(dev),
+            mb.input_ids,
             head,
-            attention_mask=None if mb["attention_mask"] is None else mb["attention_mask"].to(dev),
-            position_ids=None if mb["position_ids"] is None else mb["position_ids"].to(dev),
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
         )
-        return _gather_response(out, mb)
+        return mb.gather(out)
 
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
         """This rank's share of ``rows`` (every world_size-th), shortest first, in micro-batches
@@ -1429,18 +974,18 @@ class GRPORecipe:
         Each rank computes its shard in micro-batches; a sum over ranks of the zero-filled
         ``[B, R]`` tensors gives every rank the whole batch (advantages and the high-entropy
         quantile are computed over the whole batch)."""
-        o = self.opts
+        o, alg = self.opts, self.opts.algorithm
         exact_on_policy = o.train.ppo_epochs == 1 and (
             o.train.mini_batch_size is None or o.train.mini_batch_size >= len(batch)
         )
-        kl_reward = o.kl is not None and o.kl.placement == "reward"
-        need_old = o.old_logprobs == "trainer" and (
-            not exact_on_policy or o.tis_mode is not None or kl_reward
+        kl_reward = alg.kl is not None and alg.kl.placement == "reward"
+        need_old = alg.old_logprobs == "trainer" and (
+            not exact_on_policy or alg.tis.mode is not None or kl_reward
         )
-        need_entropy = o.loss.top_rho is not None
+        need_entropy = alg.entropy.top_rho is not None
         jobs = [
             ("old_logprobs", self.model, need_old or need_entropy),
-            ("reference", self.ref if self.ref is not None else self.model, o.kl is not None),
+            ("reference", self.ref if self.ref is not None else self.model, alg.kl is not None),
             ("values", self.critic, self.critic is not None),
         ]
         micro = self._micro_batches(batch, list(range(len(batch))))
@@ -1449,8 +994,9 @@ class GRPORecipe:
                 continue
             model.eval()
             outs: dict[str, torch.Tensor] = {}
-            # adapters_disabled: a no-op for a full model, the frozen base under LoRA.
-            with timer(name), adapters_disabled(model) if name == "reference" else nullcontext():
+            # The strategy's reference: the frozen base under LoRA, else a no-op.
+            reference = self.strategy.reference() if name == "reference" else nullcontext()
+            with timer(name), reference:
                 for idx in micro:
                     mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                     if name == "values":
@@ -1478,27 +1024,27 @@ class GRPORecipe:
     def advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Reward clip / normalisation, KL in the reward, then the configured estimator;
         fills ``batch.advantages`` (and ``returns``, ``loss_mask``)."""
-        o, metrics = self.opts, {}
+        alg, metrics = self.opts.algorithm, {}
         rewards = batch.rewards.float()  # [B]
         if self.normalizer is not None:
             rewards = self.normalizer(rewards)
-        elif o.shaping.reward_clip is not None:
-            rewards = clip_rewards(rewards, o.shaping.reward_clip)
+        elif alg.shaping.reward_clip is not None:
+            rewards = clip_rewards(rewards, alg.shaping.reward_clip)
         mask = batch.response_mask  # [B, R]
         token_rewards = None
-        if o.kl is not None and o.kl.placement == "reward":
+        if alg.kl is not None and alg.kl.placement == "reward":
             old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
-            kl = estimate_kl(old, batch.ref_logprobs, o.kl.estimator)  # [B, R]
+            kl = estimate_kl(old, batch.ref_logprobs, alg.kl.estimator)  # [B, R]
             token_rewards, kl_metrics = kl_in_reward(rewards, kl, mask, self.kl_ctl.coef)
             metrics["train/kl"] = float(kl_metrics["kl"])
         adv, returns = compute_advantages(
-            o.estimator,
+            alg.advantage.estimator,
             mask=mask,
             rewards=rewards,
             token_rewards=token_rewards,
             values=batch.values,
-            group_size=o.rollout.n,
-            **o.adv_options,
+            group_size=self.opts.rollout.n,
+            **alg.advantage.options(),
         )  # [B, R]
         zero = torch.zeros((), dtype=torch.float32)
         batch.advantages = torch.where(mask, adv.float(), zero)
@@ -1507,8 +1053,8 @@ class GRPORecipe:
         valid = adv[mask]
         metrics["train/advantage/mean"] = float(valid.mean()) if valid.numel() else 0.0
         metrics["train/advantage/abs_mean"] = float(valid.abs().mean()) if valid.numel() else 0.0
-        if o.loss.top_rho is not None:
-            batch.loss_mask = high_entropy_mask(batch.entropy, mask, o.loss.top_rho) & mask
+        if alg.entropy.top_rho is not None:
+            batch.loss_mask = high_entropy_mask(batch.entropy, mask, alg.entropy.top_rho) & mask
             frac = batch.loss_mask.sum() / mask.sum().clamp_min(1)
             metrics["train/high_entropy_frac"] = float(frac)
         return metrics
@@ -1521,30 +1067,31 @@ class GRPORecipe:
         Policy loss (the configured objective), + entropy bonus, + KL to the reference, + the
         critic's value loss. Returns the sum to backpropagate and metrics (``actor_loss``: the
         policy-side total, logged as ``train/loss``)."""
-        o = self.opts
+        alg = self.opts.algorithm
         tis = {}
-        if o.tis_mode is not None:
-            tis = {"rollout_logprobs": mb.rollout_logprobs, "tis_mode": o.tis_mode}
-            tis["tis_cap"] = o.tis_cap
+        if alg.tis.mode is not None:
+            tis = {"rollout_logprobs": mb.rollout_logprobs, "tis_mode": alg.tis.mode}
+            tis["tis_cap"] = self.opts.tis_cap
         loss, pm = policy_loss(
             mb.logprobs,
             mb.old_logprobs,
             mb.advantages,
             mb.loss_mask,
-            **o.loss.policy_kwargs(),
+            **alg.policy_loss.kwargs(),
             **counts.loss,
             **tis,
         )
         metrics: dict[str, Any] = {"policy_loss": loss.detach(), **pm}
-        norm = {"agg": o.loss.agg, "norm_len": o.loss.norm_len, **counts.response}
-        if o.loss.entropy_coef:
-            term, _ = entropy_bonus(mb.entropy, mb.mask, o.loss.entropy_coef, **norm)
+        pl = alg.policy_loss
+        norm = {"agg": pl.agg, "norm_len": pl.norm_len, **counts.response}
+        if alg.entropy.coef:
+            term, _ = entropy_bonus(mb.entropy, mb.mask, alg.entropy.coef, **norm)
             loss = loss + term
         if mb.entropy is not None:
             ent = mb.entropy.detach()
             metrics["entropy"] = (ent * mb.mask).sum() / mb.mask.sum().clamp_min(1)
         if mb.ref_logprobs is not None:
-            kl = estimate_kl(mb.logprobs, mb.ref_logprobs, o.kl.estimator)
+            kl = estimate_kl(mb.logprobs, mb.ref_logprobs, alg.kl.estimator)
             term, km = kl_in_loss(kl, mb.mask, self.kl_ctl.coef, **norm)
             loss = loss + term
             metrics["kl"] = km["kl"]
@@ -1556,7 +1103,7 @@ class GRPORecipe:
                 mb.old_values,
                 mb.returns,
                 mb.mask,
-                clip=o.loss.value_clip,
+                clip=self.opts.value_clip,
                 num_tokens=counts.response["num_tokens"],
             )
             loss = loss + vloss
@@ -1564,11 +1111,11 @@ class GRPORecipe:
         return loss, metrics
 
     def _loss_inputs(
-        self, batch: RolloutBatch, idx: list[int], mb: dict, counts: Counts
+        self, batch: RolloutBatch, idx: list[int], mb: MicroBatch, counts: Counts
     ) -> LossInputs:
         """The micro-batch's forward passes and ``[b, R]`` slices of the rollout batch."""
-        o, dev = self.opts, self.dist.device
-        mask = mb["mask"].to(dev)  # [b, R] response tokens
+        alg, dev = self.opts.algorithm, self.dist.device
+        mask = mb.mask.to(dev)  # [b, R] response tokens
         width = mask.shape[1]
         zeros = torch.zeros(mask.shape, device=dev)
 
@@ -1577,8 +1124,8 @@ class GRPORecipe:
                 return fallback
             return None if t is None else t[idx, :width].to(dev)
 
-        kl_loss = o.kl is not None and o.kl.placement == "loss"
-        old = batch.rollout_logprobs if o.old_logprobs == "engine" else batch.old_logprobs
+        kl_loss = alg.kl is not None and alg.kl.placement == "loss"
+        old = batch.rollout_logprobs if alg.old_logprobs == "engine" else batch.old_logprobs
         data = LossInputs(
             logprobs=zeros,  # the policy's, below
             entropy=None,
@@ -1586,7 +1133,7 @@ class GRPORecipe:
             loss_mask=mask if batch.loss_mask is None else rows(batch.loss_mask, fallback=mask),
             advantages=rows(batch.advantages, fallback=zeros),
             old_logprobs=rows(old),
-            rollout_logprobs=rows(batch.rollout_logprobs) if o.tis_mode else None,
+            rollout_logprobs=rows(batch.rollout_logprobs) if alg.tis.mode else None,
             ref_logprobs=rows(batch.ref_logprobs, fallback=zeros) if kl_loss else None,
             values=None,
             old_values=None,
@@ -1597,7 +1144,7 @@ class GRPORecipe:
             self.model,
             mb,
             entropy=True,
-            entropy_grad=bool(o.loss.entropy_coef),
+            entropy_grad=bool(alg.entropy.coef),
             grad_hint=self._grad_hint(data, counts, mb),
         )  # [b, R]
         values = self._values(mb) if self.critic is not None else None
@@ -1610,16 +1157,16 @@ class GRPORecipe:
             returns=None if values is None else rows(batch.returns, fallback=values.detach()),
         )
 
-    def _grad_hint(self, data: LossInputs, counts: Counts, mb: dict) -> GradHint | None:
+    def _grad_hint(self, data: LossInputs, counts: Counts, mb: MicroBatch) -> GradHint | None:
         """For a per-token objective (ppo, cpgd; the KL and entropy terms are per token too),
         the loss's gradient w.r.t. a chunk of log-probs follows from their values, so the fused
         kernel computes the LM-head gradients during the forward (3 vocabulary-sized matmuls
         instead of 4) from :meth:`loss` itself. If an edited :meth:`loss` is not per token, the
         kernel notices in backward, warns and recomputes exactly."""
-        o = self.opts
-        if not OBJECTIVES[o.loss.objective].per_token:
+        alg = self.opts.algorithm
+        if not OBJECTIVES[alg.policy_loss.objective].per_token:
             return None  # gspo, gmpo: a token's gradient depends on its whole sequence
-        if data.old_logprobs is None and o.tis_mode == "sequence_mask":
+        if data.old_logprobs is None and alg.tis.mode == "sequence_mask":
             return None  # sequence weights from the current log-probs (not reached: TIS has old)
 
         def loss(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
@@ -1628,10 +1175,10 @@ class GRPORecipe:
 
         return response_grad_hint(
             loss,
-            mb["index"].to(self.dist.device),
+            mb.index.to(self.dist.device),
             data.mask,
-            mb["targets"].numel(),
-            entropy_grad=bool(o.loss.entropy_coef),
+            mb.targets.numel(),
+            entropy_grad=bool(alg.entropy.coef),
         )
 
     # ------------------------------------------------------------------ update
@@ -1651,7 +1198,7 @@ class GRPORecipe:
     def _order(self, n: int, step: int, epoch: int) -> list[int]:
         if not self.opts.train.shuffle:
             return list(range(n))
-        gen = torch.Generator().manual_seed(self.opts.seed * 7_919 + step * 131 + epoch)
+        gen = torch.Generator().manual_seed(self.opts.run.seed * 7_919 + step * 131 + epoch)
         return torch.randperm(n, generator=gen).tolist()
 
     def update(self, batch: RolloutBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
@@ -1676,18 +1223,14 @@ class GRPORecipe:
                         mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                         inputs = self._loss_inputs(batch, idx, mb, counts)
                         total, metrics = self.loss(inputs, counts)
-                        backward(total, self.ds_engine)
+                        self.strategy.backward(total)
                     loss_sum += float(metrics.pop("actor_loss"))
-                    acc.add("tokens", mb["tokens"])
-                    weight = float(mb["mask"].sum())  # the micro-batch's response tokens
+                    acc.add("tokens", mb.tokens)
+                    weight = float(mb.mask.sum())  # the micro-batch's response tokens
                     for k, v in metrics.items():
                         acc.add(k, v, weight)
                 with timer("training"):
-                    grad_norms.append(
-                        optimizer_step(
-                            self.model, self.optimizer, o.clip_grad_norm or None, self.ds_engine
-                        )
-                    )
+                    grad_norms.append(self.strategy.step())
                     if self.critic is not None:
                         norm = o.critic.clip_grad_norm or None
                         critic_norms.append(optimizer_step(self.critic, self.critic_opt, norm))
@@ -1712,7 +1255,7 @@ class GRPORecipe:
                 self._weights_released = False
             # An engine that kept its weights already holds the frozen ones (a frozen vision
             # tower): send only what training changes; after a release, send everything.
-            self._sync_weights(skip_frozen=not released)
+            self.strategy.sync_weights(self.engine, skip_frozen=not released)
 
     # ------------------------------------------------------------------ eval
 
@@ -1729,7 +1272,7 @@ class GRPORecipe:
             temperature=ev.temperature,
             first_token_temperature=None,
             max_tokens=ev.max_tokens,
-            seed=self.opts.seed,
+            seed=self.opts.run.seed,
         )
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
 
@@ -1745,7 +1288,7 @@ class GRPORecipe:
             return completions
 
         records = evaluate_items(items, indices, generate, self.reward_fn, n=1, accuracy=name)
-        s = summarize([r for part in _gather_objects(records) for r in part], [1])
+        s = summarize([r for part in all_gather_objects(records) for r in part], [1])
         out = {
             "eval/accuracy": s["pass@1"],
             "eval/reward": s["reward"],
@@ -1761,107 +1304,23 @@ class GRPORecipe:
         self.logger.log(step, m)
         self.eval_history.append((step, m["eval/accuracy"], m["eval/reward"]))
 
-    # ------------------------------------------------------------------ metrics
-
-    def _reward_side_metrics(self) -> dict[str, float]:
-        """The step's reward-head means / stds and function metrics (averaged over the calls of
-        the step: one per rank and draw), merged over ranks; then forgotten."""
-        merged: dict[str, tuple] = {}
-        for part in _gather_objects(self._reward_side):
-            for key, vals in part.items():
-                old = merged.get(key, (0,) * len(vals))
-                merged[key] = tuple(a + b for a, b in zip(old, vals, strict=True))
-        self._reward_side = {}
-        m: dict[str, float] = {}
-        for key, vals in sorted(merged.items()):
-            if key.startswith("extra:"):
-                m[f"reward/{key[len('extra:') :]}"] = vals[0] / max(vals[1], 1)
-            elif vals[2]:
-                mean = vals[0] / vals[2]
-                m[f"reward/{key}/mean"] = mean
-                m[f"reward/{key}/std"] = max(vals[1] / vals[2] - mean * mean, 0.0) ** 0.5
-        return m
-
-    def _rollout_metrics(self, drawn: RolloutBatch, batch: RolloutBatch) -> dict[str, float]:
-        m: dict[str, float] = self._reward_side_metrics()
-        totals = drawn.reward_raw.float()
-        m["reward/total/mean"] = float(totals.mean())
-        m["reward/total/std"] = float(totals.std(unbiased=False))
-        for name in self.reward_names:
-            vals = drawn.reward_parts[name][drawn.reward_applied[name]].float()
-            if vals.numel():
-                m[f"reward/{name}/mean"] = float(vals.mean())
-                m[f"reward/{name}/std"] = float(vals.std(unbiased=False))
-            m[f"reward/{name}/count"] = float(vals.numel())
-        if drawn.overlong is not None:
-            m["reward/overlong/mean"] = sum(drawn.overlong.tolist()) / len(drawn)
-        lengths = drawn.response_lens.float()
-        m["rollout/response_length/mean"] = float(lengths.mean())
-        m["rollout/response_length/max"] = float(lengths.max())
-        m["rollout/response_length/min"] = float(lengths.min())
-        m["rollout/truncated_frac"] = drawn.finish_reasons.count("length") / len(drawn)
-        m["rollout/prompt_length/mean"] = sum(drawn.prompt_lens.tolist()) / len(drawn)
-        m["rollout/samples"] = float(len(drawn))
-        m["rollout/train_samples"] = float(len(batch))
-        # Groups whose rewards are all equal carry no group-relative signal.
-        groups: dict[tuple, set] = {}
-        for g, r in zip(drawn.groups, drawn.rewards.tolist(), strict=True):
-            groups.setdefault(tuple(g), set()).add(r)
-        solved_or_failed = sum(len(v) == 1 for v in groups.values())
-        m["rollout/solved_or_failed_groups_frac"] = solved_or_failed / len(groups)
-        return m
-
-    def _write_trajectories(self, step: int, drawn: RolloutBatch, batch: RolloutBatch) -> None:
-        if not self.dist.is_main:
-            return
-        folder = self.output_dir / "trajectories"
-        folder.mkdir(exist_ok=True)
-        kept = iter(range(len(batch)))  # the train batch holds the kept rows, in order
-        with open(folder / f"step_{step:06d}.jsonl", "w") as f:
-            for i in range(len(drawn)):
-                r = int(drawn.response_lens[i])
-                advantage = None
-                if drawn.kept[i]:
-                    j = next(kept)
-                    if batch.advantages is not None and r:
-                        advantage = sum(batch.advantages[j, :r].tolist()) / r
-                record = {
-                    "step": step,
-                    "prompt": drawn.prompts[i],
-                    "where": drawn.wheres[i],  # the prompt's record: file and line
-                    "response": drawn.texts[i],
-                    "reference": drawn.references[i],
-                    "label": drawn.labels[i],
-                    "reward": float(drawn.rewards[i]),
-                    "reward_parts": {k: float(v[i]) for k, v in drawn.reward_parts.items()},
-                    "overlong_penalty": None
-                    if drawn.overlong is None
-                    else float(drawn.overlong[i]),
-                    "advantage": advantage,
-                    "response_length": r,
-                    "finish_reason": drawn.finish_reasons[i],
-                    "kept": bool(drawn.kept[i]),
-                }
-                f.write(json.dumps(record) + "\n")
-
     # ------------------------------------------------------------------ loop
 
     def train(self) -> None:
-        bar = ProgressBar(self.opts.max_steps, initial=self.step, desc="grpo")
+        o = self.opts
+        bar = ProgressBar(o.max_steps, initial=self.step, desc="grpo")
         timer = PhaseTimer(cuda_sync=self.dist.device.type == "cuda")
-        if self.eval_dataset is not None and self.opts.eval.at_start and not self.resumed:
+        if self.eval_dataset is not None and o.eval.at_start and not self.run.resumed:
             with timer("eval"):
                 self._log_eval(0)
             timer.reset()
-        with Preemption() as preempt:
-            while self.step < self.opts.max_steps:
-                metrics = self.step_once(self.step + 1, timer)
-                bar.update(1, reward=metrics["reward/total/mean"])
-                self._eval_and_save(self.step)
-                if preempt.stop_requested():  # SIGTERM / SIGINT: this step is done; save, exit
-                    if not self.checkpointer.should_save(self.step):
-                        self._save()
-                    preempt.exit(self.checkpointer.latest())
+        for step in self.run.steps(self.step, o.max_steps, save=self._save):
+            metrics = self.step_once(step, timer)
+            bar.update(1, reward=metrics["reward/total/mean"])
+            every = o.eval.every  # the final eval runs in _finish
+            if self.eval_dataset is not None and every and step % every == 0:
+                if step != o.max_steps:
+                    self._log_eval(step)
         bar.close()
         self._finish()
 
@@ -1869,7 +1328,8 @@ class GRPORecipe:
         """One RL step: rollout, scoring, advantages, update, schedules, weight sync, logging."""
         t0 = time.perf_counter()
         batch, drawn, metrics = self.rollout(step, timer)
-        metrics.update(self._rollout_metrics(drawn, batch))
+        metrics.update(self.reward_side.reduce())
+        metrics.update(rollout_metrics(drawn, batch, self.reward_names))
         if len(batch):
             self.precompute(batch, timer)
             metrics.update(self.advantages(batch))
@@ -1880,20 +1340,13 @@ class GRPORecipe:
         if len(batch):  # weights changed (released weights are reloaded by the next rollout)
             self.sync(timer)
         self.step = step
-        if self.opts.trajectories:
-            self._write_trajectories(step, drawn, batch)
-        metrics.update(self._step_metrics(drawn, timer, time.perf_counter() - t0, metrics))
-        if step % self.opts.log_every == 0 or step == self.opts.max_steps:
+        if self.opts.trajectories and self.dist.is_main:
+            write_trajectories(self.run.output_dir / "trajectories", step, drawn, batch)
+        elapsed = time.perf_counter() - t0
+        metrics.update(step_metrics(drawn, timer.summary(), elapsed, metrics, self.dist.device))
+        if self.run.should_log(step, self.opts.max_steps):
             self.logger.log(step, metrics)
         return metrics
-
-    def _eval_and_save(self, step: int) -> None:
-        every = self.opts.eval.every
-        if self.eval_dataset is not None and every and step % every == 0:
-            if step != self.opts.max_steps:  # the final eval runs in _finish
-                self._log_eval(step)
-        if self.checkpointer.should_save(step):
-            self._save()
 
     def _step_schedules(self, metrics: dict[str, float], batch_size: int) -> None:
         """The KL controller (one place, whichever the KL placement) and the LR schedules."""
@@ -1909,85 +1362,36 @@ class GRPORecipe:
             if self.critic_sched is not None:
                 self.critic_sched.step()
 
-    def _step_metrics(
-        self, drawn: RolloutBatch, timer: PhaseTimer, elapsed: float, metrics: dict[str, float]
-    ) -> dict[str, float]:
-        """Phase times, throughput and peak memory of the step."""
-        phases = timer.summary()
-        gen_tokens = int(drawn.response_lens.sum())
-        all_tokens = gen_tokens + int(drawn.prompt_lens.sum())
-        out = {"time/step": elapsed}
-        for phase in (
-            "rollout",
-            "scoring",
-            "old_logprobs",
-            "reference",
-            "values",
-            "training",
-            "weight_sync",
-        ):
-            out[f"time/{phase}"] = phases.get(f"time/{phase}", 0.0)
-        out["perf/rollout_tokens_per_s"] = gen_tokens / max(out["time/rollout"], 1e-9)
-        if "train/tokens" in metrics:
-            train_tokens = metrics.pop("train/tokens")
-            out["perf/train_tokens_per_s"] = train_tokens / max(out["time/training"], 1e-9)
-        out["perf/tokens_per_s"] = all_tokens / max(elapsed, 1e-9)
-        out.update(reduce_metrics(peak_memory(self.dist.device), "max"))
-        return out
-
     def _finish(self) -> None:
         if self.eval_dataset is not None and (
             not self.eval_history or self.eval_history[-1][0] != self.step
         ):
             self._log_eval(self.step)
-        if self.ds_engine is not None:
-            from lightrft.models.deepspeed import export_hf_engine
-
-            export_hf_engine(self.ds_engine, self.processor, self.output_dir / "final")
-        else:
-            export_trained(
-                self.model, self.processor, self.output_dir / "final", self.opts.model.lora
-            )
+        final = self.run.output_dir / "final"
+        self.strategy.export(self.processor, final)
         if self.dist.is_main and self.eval_history:
             first, last = self.eval_history[0], self.eval_history[-1]
             print(
                 f"grpo: eval/accuracy {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} "
                 f"(step {last[0]}); eval/reward {first[2]:.3f} -> {last[2]:.3f}; "
-                f"final model in {self.output_dir / 'final'}"
+                f"final model in {final}"
             )
 
     def _save(self) -> None:
-        models, opts, scheds = self._stateful()
         extra: dict[str, Any] = {"epoch": self.epoch, "eval_history": self.eval_history}
         if self.kl_ctl is not None:
             extra["kl_ctl"] = self.kl_ctl.state_dict()
         if self.normalizer is not None:
             extra["reward_norm"] = self.normalizer.state_dict()
-        self.checkpointer.save(
-            self.step,
-            models=models,
-            optimizers=opts,
-            schedulers=scheds,
-            dataloaders=self.loader,
-            config=OmegaConf.to_container(self.cfg, resolve=True),
-            extra=extra,
-        )
-
-    def cleanup(self, clean: bool = True) -> None:
-        self.logger.close()
-        destroy(clean)
+        self.run.save(self.step, **self._state(), extra=extra)
 
 
 @config.parse(schema=CONFIG_SCHEMA, options=build_options)
-def recipe_main(cfg: DictConfig, opts: GRPOOptions) -> None:
-    recipe = GRPORecipe(cfg, opts)
-    recipe.setup(cfg)
-    try:
+def recipe_main(cfg: DictConfig, opts: GRPOConfig) -> None:
+    with training_run(cfg, opts.run) as run:
+        recipe = GRPORecipe(cfg, opts, run)
+        recipe.setup(cfg)
         recipe.train()
-    except BaseException:
-        recipe.cleanup(clean=False)  # no barrier: a peer may be stuck or gone
-        raise
-    recipe.cleanup()
 
 
 if __name__ == "__main__":

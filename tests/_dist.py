@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -45,3 +46,20 @@ def run_distributed(fn: Callable, *args, world_size: int = 2) -> None:
     rank's traceback.
     """
     mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+@contextlib.contextmanager
+def recipe_instance(recipe: str, cfg) -> Iterator:
+    """The recipe file's recipe object for ``cfg`` (a loaded config), built as its
+    ``recipe_main`` builds it (options, the run contract), not yet set up; the run is torn down
+    on leaving. For tests that reach into a recipe (its model, logger) in this process."""
+    import runpy
+
+    from lightrft.cli import recipes_dir
+    from lightrft.training.run import training_run
+
+    module = runpy.run_path(str(recipes_dir() / f"{recipe}.py"))
+    name = next(k for k in module if k.endswith("Recipe") and isinstance(module[k], type))
+    opts = module["build_options"](cfg)
+    with training_run(cfg, opts.run) as run:
+        yield module[name](cfg, opts, run)

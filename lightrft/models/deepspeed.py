@@ -25,80 +25,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-DEEPSPEED_SCHEMA = {
-    "stage": int | None,
-    "offload_optimizer": bool | None,
-    "offload_param": bool | None,
-    "config": dict | None,
-}
-
-# DeepSpeed config keys the recipe (or this module) sets; a user ``deepspeed.config`` may not.
-OWNED_KEYS = {
-    "train_batch_size": "batch_size x gradient_accumulation_steps x world size",
-    "train_micro_batch_size_per_gpu": "batch_size",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "gradient_clipping": "clip_grad_norm",
-    "optimizer": "optimizer",
-    "scheduler": "lr_scheduler",
-    "zero_optimization": "deepspeed.stage / offload_optimizer / offload_param",
-    "managed_gradient_accumulation": "the recipe's step (it calls engine.step once per step)",
-}
-
-
-@dataclass(frozen=True)
-class DeepSpeedOptions:
-    """The config's ``deepspeed:`` section, checked (pure)."""
-
-    stage: int = 2
-    offload_optimizer: bool = False
-    offload_param: bool = False
-    extra: dict = field(default_factory=dict)
-
-
-def deepspeed_options(node: Any, strategy: str) -> DeepSpeedOptions | None:
-    """The ``deepspeed:`` section as :class:`DeepSpeedOptions` (``None`` under another strategy,
-    where the section is refused rather than ignored)."""
-    if strategy != "deepspeed":
-        if node is not None:
-            raise ValueError(
-                f"a deepspeed: section is set but strategy={strategy}; set strategy=deepspeed "
-                "or remove the section"
-            )
-        return None
-    node = {} if node is None else dict(node)
-    stage = node.get("stage")
-    stage = 2 if stage is None else stage
-    if isinstance(stage, bool) or stage not in (1, 2, 3):
-        raise ValueError(f"deepspeed.stage must be 1, 2 or 3 (ZeRO stage), got {stage!r}")
-    offload_param = bool(node.get("offload_param") or False)
-    if offload_param and stage != 3:
-        raise ValueError(f"deepspeed.offload_param=true needs deepspeed.stage=3, got {stage}")
-    extra = node.get("config") or {}
-    extra = dict(extra) if not hasattr(extra, "items") else {k: v for k, v in extra.items()}
-    for key in extra:
-        if key in OWNED_KEYS:
-            raise ValueError(
-                f"deepspeed.config.{key} conflicts with the recipe's own setting "
-                f"({OWNED_KEYS[key]}); set that instead, or use deepspeed.stage / "
-                "offload_optimizer / offload_param"
-            )
-    return DeepSpeedOptions(
-        stage=stage,
-        offload_optimizer=bool(node.get("offload_optimizer") or False),
-        offload_param=offload_param,
-        extra=extra,
-    )
+from lightrft.sections import DeepSpeedConfig
 
 
 def ds_config(
-    opts: DeepSpeedOptions,
+    opts: DeepSpeedConfig,
     *,
     micro_batch_size: int,
     accum: int,
@@ -133,7 +70,7 @@ def ds_config(
         # optimizer under offload unless told): deepspeed.ops.adam.DeepSpeedCPUAdam is the fast
         # choice there, torch.optim.AdamW works too.
         cfg["zero_force_ds_cpu_optimizer"] = False
-    cfg.update(opts.extra)
+    cfg.update(opts.config)
     return cfg
 
 
@@ -147,7 +84,7 @@ def setup_environment() -> None:
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    opts: DeepSpeedOptions,
+    opts: DeepSpeedConfig,
     *,
     micro_batch_size: int,
     accum: int,

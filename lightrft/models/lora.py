@@ -16,7 +16,6 @@ Weight sync (``lightrft.engine.sync``) merges the adapters into full weights und
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,76 +23,7 @@ from typing import Any
 
 from torch import nn
 
-LORA_SCHEMA = {
-    "rank": int | None,
-    "alpha": float | None,
-    "dropout": float | None,
-    "target_modules": str | list[str] | None,  # "auto" or module names
-    "trained_modules": list[str] | None,
-    "export_merged": bool | None,  # also write the merged full model at the end
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraOptions:
-    """The ``lora:`` section, defaults applied (built by :func:`lora_options`)."""
-
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] | None = None  # None: "auto"
-    trained_modules: tuple[str, ...] = ()
-    export_merged: bool = False
-
-
-def lora_options(node: Any, key: str = "lora") -> LoraOptions | None:
-    """The ``lora`` config section as :class:`LoraOptions`; ``None`` when absent or null.
-
-    Pure: checks values and that ``peft`` is importable, loads nothing.
-    """
-    if node is None:
-        return None
-
-    def get(k: str, default: Any = None) -> Any:
-        v = node.get(k)
-        return default if v is None else v
-
-    rank = get("rank")
-    if rank is None:
-        raise ValueError(f"{key}.rank: set the adapter rank (e.g. 8) or remove the {key} section")
-    if rank < 1:
-        raise ValueError(f"{key}.rank must be >= 1, got {rank}")
-    alpha = float(get("alpha", 2 * rank))
-    if alpha <= 0:
-        raise ValueError(f"{key}.alpha must be > 0, got {alpha}")
-    dropout = float(get("dropout", 0.0))
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"{key}.dropout must be in [0, 1), got {dropout}")
-    targets = get("target_modules", "auto")
-    if isinstance(targets, str):
-        if targets != "auto":
-            raise ValueError(
-                f"{key}.target_modules must be 'auto' or a list of module names, got {targets!r}"
-            )
-        targets = None
-    else:
-        targets = tuple(str(t) for t in targets)
-        if not targets:
-            raise ValueError(f"{key}.target_modules is empty: list module names or use 'auto'")
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise ValueError(
-            f"{key}: LoRA needs the `peft` package: pip install 'lightrft[lora]'"
-        ) from None
-    return LoraOptions(
-        rank=rank,
-        alpha=alpha,
-        dropout=dropout,
-        target_modules=targets,
-        trained_modules=tuple(str(t) for t in get("trained_modules", ())),
-        export_merged=bool(get("export_merged", False)),
-    )
+from lightrft.sections import LoraConfig
 
 
 def _linear_names(model: nn.Module) -> dict[str, str]:
@@ -109,21 +39,21 @@ def _linear_names(model: nn.Module) -> dict[str, str]:
     }
 
 
-def resolve_targets(model: nn.Module, opts: LoraOptions) -> list[str]:
+def resolve_targets(model: nn.Module, opts: LoraConfig) -> list[str]:
     """The module names LoRA adapts: every decoder linear layer (``auto``) or the configured
     names, each of which must name at least one linear layer of the decoder."""
     linears = _linear_names(model)
     found = sorted(set(linears.values()))
-    if opts.target_modules is None:
+    if opts.targets is None:
         return found
-    for t in opts.target_modules:
+    for t in opts.targets:
         if not any(short == t or full.endswith("." + t) for full, short in linears.items()):
             raise ValueError(
                 f"lora.target_modules: {t!r} matches no linear layer of the decoder of "
                 f"{type(model).__name__}; its linear layers are {found} (or use 'auto'; "
                 "embeddings and the LM head go in lora.trained_modules)"
             )
-    return list(opts.target_modules)
+    return list(opts.targets)
 
 
 def _ignore_old_torchao() -> None:
@@ -148,7 +78,7 @@ def _ignore_old_torchao() -> None:
                 mod.is_torchao_available = lambda: False
 
 
-def _lora_config(model: nn.Module, opts: LoraOptions, **extra: Any):
+def _lora_config(model: nn.Module, opts: LoraConfig, **extra: Any):
     """PEFT's ``LoraConfig`` for ``opts`` on ``model``'s decoder, after checking that every
     ``trained_modules`` name names a module of it."""
     from peft import LoraConfig
@@ -171,7 +101,7 @@ def _lora_config(model: nn.Module, opts: LoraOptions, **extra: Any):
     )
 
 
-def apply_lora(model: nn.Module, opts: LoraOptions) -> nn.Module:
+def apply_lora(model: nn.Module, opts: LoraConfig) -> nn.Module:
     """Wrap ``model`` in a PEFT LoRA model (base weights frozen); call before ``parallelize``."""
     from peft import get_peft_model
 
@@ -186,7 +116,7 @@ def apply_lora(model: nn.Module, opts: LoraOptions) -> nn.Module:
         return get_peft_model(model, cfg)
 
 
-def apply_backbone_lora(net: nn.Module, opts: LoraOptions) -> nn.Module:
+def apply_backbone_lora(net: nn.Module, opts: LoraConfig) -> nn.Module:
     """LoRA adapters on the decoder of a model that wraps an HF backbone, in place (a reward
     model's :class:`~lightrft.models.reward.RewardNet`: its ``base`` body, pooler and head).
 

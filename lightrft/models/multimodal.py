@@ -271,3 +271,34 @@ def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
             p.requires_grad_(trainable)
             names.append(f"{prefix}.{name}")
     return names
+
+
+def load_processors(path: str | Path, *, trust_remote_code: bool = False, config=None):
+    """``(processor, tokenizer)`` of a checkpoint, what datasets and exports take: a vision- or
+    audio-language model's processor and its tokenizer, or a text model's tokenizer twice.
+    ``config``: the loaded model's HF config (else the checkpoint's config.json decides)."""
+    from lightrft.data.modality import is_multimodal
+    from lightrft.models.loading import load_tokenizer
+
+    multimodal = checkpoint_is_multimodal(path) if config is None else is_multimodal(config)
+    if multimodal:
+        processor = load_processor(path, trust_remote_code=trust_remote_code)
+        return processor, processor.tokenizer
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    return tokenizer, tokenizer
+
+
+def check_towers(model) -> None:
+    """``model.train_vision_tower`` needs a vision-language checkpoint and
+    ``model.train_audio_tower`` an audio-language one (read from config.json; a checkpoint that
+    a ``prepare`` step writes is checked again before loading). ``model``: the model section."""
+    if model.train_vision_tower and checkpoint_is_vision_language(model.path) is False:
+        raise ValueError(
+            f"model.train_vision_tower=true but {model.path} is not a vision-language model "
+            "(its config.json has no vision_config)"
+        )
+    if model.train_audio_tower and checkpoint_is_audio_language(model.path) is False:
+        raise ValueError(
+            f"model.train_audio_tower=true but {model.path} is not an audio-language model "
+            "(its config.json has no audio_config)"
+        )

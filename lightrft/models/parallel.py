@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightrft.models.loading import find_module_list
+from lightrft.sections import mesh_shape
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -133,92 +131,12 @@ def parallelize(
     return model
 
 
-STRATEGIES = ("fsdp2", "deepspeed")
-
-
-def strategy_option(value: str | None, key: str = "strategy") -> str:
-    """The config's training strategy (null: ``fsdp2``), checked before anything loads.
-
-    ``fsdp2``: ``parallelize`` (FSDP2 under torchrun, plain tensors in one process).
-    ``deepspeed``: DeepSpeed ZeRO (``lightrft.models.deepspeed``); needs the ``deepspeed`` extra.
-    """
-    strategy = value or "fsdp2"
-    if strategy not in STRATEGIES:
-        raise ValueError(f"{key}: unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
-    if strategy == "deepspeed":
-        import importlib.util
-
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ValueError(
-                f"{key}=deepspeed needs the DeepSpeed extra: pip install 'lightrft[deepspeed]' "
-                "(or use strategy=fsdp2, the default)"
-            )
-    return strategy
-
-
-@dataclass(frozen=True)
-class MeshOptions:
-    """How the ranks form the FSDP2 device mesh (top-level ``shard_size`` / ``replicate_size``).
-
-    Neither: plain FSDP, every rank holds 1/world of each weight (1-D mesh). ``shard_size=s``:
-    HSDP, weights sharded within groups of ``s`` ranks (a node) and replicated across the
-    ``world / s`` groups (2-D mesh replicate x shard); ``replicate_size`` says the same from the
-    other side. Both: their product must be the world size.
-    """
-
-    shard_size: int | None = None
-    replicate_size: int | None = None
-
-
-def mesh_options(shard_size: int | None, replicate_size: int | None) -> MeshOptions:
-    """The config's mesh keys, checked (pure: the world size is checked by :func:`mesh_shape`)."""
-    for key, value in (("shard_size", shard_size), ("replicate_size", replicate_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{key} must be a whole number of ranks, got {value!r}")
-        if value is not None and value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-    return MeshOptions(shard_size, replicate_size)
-
-
-def mesh_config(shard_size: int | None, replicate_size: int | None) -> MeshOptions:
-    """:func:`mesh_options`, and under torchrun (``WORLD_SIZE`` set) :func:`mesh_shape` too, so
-    ``build_options`` refuses sizes that do not fit the launch before anything loads."""
-    opts = mesh_options(shard_size, replicate_size)
-    if os.environ.get("WORLD_SIZE"):
-        mesh_shape(opts, int(os.environ["WORLD_SIZE"]))
-    return opts
-
-
-def mesh_shape(opts: MeshOptions, world_size: int) -> tuple[int, int]:
-    """(replicate, shard) for ``world_size`` ranks; a ``ValueError`` naming the keys when the
-    sizes do not fit."""
-    s, r = opts.shard_size, opts.replicate_size
-    if s is None and r is None:
-        return 1, world_size
-    if s is not None and r is not None:
-        if s * r != world_size:
-            raise ValueError(
-                f"replicate_size={r} x shard_size={s} = {r * s} ranks, but the run has "
-                f"{world_size}; set one of them (the other follows) or make the product "
-                f"{world_size}"
-            )
-        return r, s
-    given, key = (s, "shard_size") if s is not None else (r, "replicate_size")
-    if world_size % given:
-        raise ValueError(
-            f"{key}={given} does not divide the world size {world_size} (processes in the "
-            f"run); use a divisor of {world_size}"
-        )
-    other = world_size // given
-    return (other, given) if key == "shard_size" else (given, other)
-
-
-def build_mesh(opts: MeshOptions, device: torch.device | str):
+def build_mesh(shard_size: int | None, replicate_size: int | None, device: torch.device | str):
     """The device mesh ``parallelize`` shards over: 1-D ``("shard",)`` for plain FSDP, 2-D
     ``("replicate", "shard")`` for HSDP; ``None`` without a process group (one plain process,
     where the sizes must be 1)."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    replicate, shard = mesh_shape(opts, world)
+    replicate, shard = mesh_shape(shard_size, replicate_size, world)
     if world == 1 or not dist.is_initialized():
         return None
     from torch.distributed.device_mesh import init_device_mesh

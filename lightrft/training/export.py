@@ -16,7 +16,8 @@ from torch import nn
 from lightrft.distributed import barrier, is_main
 from lightrft.engine.sync import iter_weight_buckets
 from lightrft.models.export import export_hf, replace_dir
-from lightrft.models.lora import LoraOptions, export_adapter, is_lora
+from lightrft.models.lora import export_adapter, is_lora
+from lightrft.sections import LoraConfig
 
 __all__ = ["export_merged", "export_trained"]
 
@@ -52,7 +53,7 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
 
 
 def export_trained(
-    model: nn.Module, tokenizer: Any, out_dir: str | Path, lora: LoraOptions | None
+    model: nn.Module, tokenizer: Any, out_dir: str | Path, lora: LoraConfig | None
 ) -> Path:
     """A recipe's final export (collective): the full HF model, or for LoRA the adapter
     directory at ``out_dir`` and, with ``lora.export_merged``, the merged model beside it

@@ -1,0 +1,145 @@
+"""What a GRPO-family step logs about its rollouts: rewards per function and head, lengths,
+truncation, groups without signal, phase times and throughput, and the per-sample trajectory
+files. Pure functions of the step's :class:`~lightrft.rollout.batch.RolloutBatch` es, so a
+copied recipe keeps its loop short and the numbers stay the same across recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from lightrft.distributed import all_gather_objects
+from lightrft.rollout.batch import RolloutBatch
+from lightrft.training.metrics import peak_memory, reduce_metrics
+
+PHASES = ("rollout", "scoring", "old_logprobs", "reference", "values", "training", "weight_sync")
+
+
+class RewardSideMetrics:
+    """What reward calls report beside the rewards, kept over a step: every head of a
+    multi-head reward model (``out.heads``, over the samples its function scored) and the
+    functions' own metrics (``out.extra``, e.g. a judge's parse failures)."""
+
+    def __init__(self) -> None:
+        self._side: dict[str, tuple] = {}
+
+    def add(self, out) -> None:
+        side = self._side
+        for key, scores in out.heads.items():
+            vals = scores[out.applied[key.split("/")[0]]].double()
+            s, q, c = side.get(key, (0.0, 0.0, 0))
+            side[key] = (s + float(vals.sum()), q + float((vals**2).sum()), c + vals.numel())
+        for key, value in out.extra.items():
+            total, calls = side.get(f"extra:{key}", (0.0, 0))
+            side[f"extra:{key}"] = (total + float(value), calls + 1)
+
+    def reduce(self) -> dict[str, float]:
+        """The step's reward-head means / stds and function metrics (averaged over the calls of
+        the step: one per rank and draw), merged over ranks (collective); then forgotten."""
+        merged: dict[str, tuple] = {}
+        for part in all_gather_objects(self._side):
+            for key, vals in part.items():
+                old = merged.get(key, (0,) * len(vals))
+                merged[key] = tuple(a + b for a, b in zip(old, vals, strict=True))
+        self._side = {}
+        m: dict[str, float] = {}
+        for key, vals in sorted(merged.items()):
+            if key.startswith("extra:"):
+                m[f"reward/{key[len('extra:') :]}"] = vals[0] / max(vals[1], 1)
+            elif vals[2]:
+                mean = vals[0] / vals[2]
+                m[f"reward/{key}/mean"] = mean
+                m[f"reward/{key}/std"] = max(vals[1] / vals[2] - mean * mean, 0.0) ** 0.5
+        return m
+
+
+def rollout_metrics(
+    drawn: RolloutBatch, batch: RolloutBatch, reward_names: list[str]
+) -> dict[str, float]:
+    """Rewards (total, per function), lengths, truncation and signal-less groups of every drawn
+    sample; ``batch``: the samples kept for training."""
+    m: dict[str, float] = {}
+    totals = drawn.reward_raw.float()
+    m["reward/total/mean"] = float(totals.mean())
+    m["reward/total/std"] = float(totals.std(unbiased=False))
+    for name in reward_names:
+        vals = drawn.reward_parts[name][drawn.reward_applied[name]].float()
+        if vals.numel():
+            m[f"reward/{name}/mean"] = float(vals.mean())
+            m[f"reward/{name}/std"] = float(vals.std(unbiased=False))
+        m[f"reward/{name}/count"] = float(vals.numel())
+    if drawn.overlong is not None:
+        m["reward/overlong/mean"] = sum(drawn.overlong.tolist()) / len(drawn)
+    lengths = drawn.response_lens.float()
+    m["rollout/response_length/mean"] = float(lengths.mean())
+    m["rollout/response_length/max"] = float(lengths.max())
+    m["rollout/response_length/min"] = float(lengths.min())
+    m["rollout/truncated_frac"] = drawn.finish_reasons.count("length") / len(drawn)
+    m["rollout/prompt_length/mean"] = sum(drawn.prompt_lens.tolist()) / len(drawn)
+    m["rollout/samples"] = float(len(drawn))
+    m["rollout/train_samples"] = float(len(batch))
+    # Groups whose rewards are all equal carry no group-relative signal.
+    groups: dict[tuple, set] = {}
+    for g, r in zip(drawn.groups, drawn.rewards.tolist(), strict=True):
+        groups.setdefault(tuple(g), set()).add(r)
+    m["rollout/solved_or_failed_groups_frac"] = sum(len(v) == 1 for v in groups.values()) / len(
+        groups
+    )
+    return m
+
+
+def step_metrics(
+    drawn: RolloutBatch,
+    phases: dict[str, float],
+    elapsed: float,
+    metrics: dict[str, float],
+    device: torch.device,
+) -> dict[str, float]:
+    """Phase times, throughput and peak memory of a step (pops ``train/tokens`` from
+    ``metrics``); ``phases``: a :class:`PhaseTimer` summary."""
+    gen_tokens = int(drawn.response_lens.sum())
+    all_tokens = gen_tokens + int(drawn.prompt_lens.sum())
+    out = {"time/step": elapsed}
+    for phase in PHASES:
+        out[f"time/{phase}"] = phases.get(f"time/{phase}", 0.0)
+    out["perf/rollout_tokens_per_s"] = gen_tokens / max(out["time/rollout"], 1e-9)
+    if "train/tokens" in metrics:
+        train_tokens = metrics.pop("train/tokens")
+        out["perf/train_tokens_per_s"] = train_tokens / max(out["time/training"], 1e-9)
+    out["perf/tokens_per_s"] = all_tokens / max(elapsed, 1e-9)
+    out.update(reduce_metrics(peak_memory(device), "max"))
+    return out
+
+
+def write_trajectories(folder: Path, step: int, drawn: RolloutBatch, batch: RolloutBatch) -> None:
+    """Every drawn sample of ``step`` as one JSON line of ``folder/step_<step>.jsonl``: prompt
+    (and its record: file and line), response, rewards, advantage, length, finish reason, and
+    whether it was kept for training (``batch`` holds the kept rows, in order)."""
+    folder.mkdir(exist_ok=True)
+    kept = iter(range(len(batch)))
+    with open(folder / f"step_{step:06d}.jsonl", "w") as f:
+        for i in range(len(drawn)):
+            r = int(drawn.response_lens[i])
+            advantage = None
+            if drawn.kept[i]:
+                j = next(kept)
+                if batch.advantages is not None and r:
+                    advantage = sum(batch.advantages[j, :r].tolist()) / r
+            record = {
+                "step": step,
+                "prompt": drawn.prompts[i],
+                "where": drawn.wheres[i],
+                "response": drawn.texts[i],
+                "reference": drawn.references[i],
+                "label": drawn.labels[i],
+                "reward": float(drawn.rewards[i]),
+                "reward_parts": {k: float(v[i]) for k, v in drawn.reward_parts.items()},
+                "overlong_penalty": None if drawn.overlong is None else float(drawn.overlong[i]),
+                "advantage": advantage,
+                "response_length": r,
+                "finish_reason": drawn.finish_reasons[i],
+                "kept": bool(drawn.kept[i]),
+            }
+            f.write(json.dumps(record) + "\n")

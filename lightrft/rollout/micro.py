@@ -1,0 +1,129 @@
+"""The micro-batch: rows of a rollout batch laid out as one forward's model inputs, plus the
+gather from the model's per-position outputs to the response-aligned ``[b, R]`` layout every
+loss uses.
+
+Packed: one row, samples back to back, ``position_ids`` restarting per sample, no attention mask
+(transformers builds the block-diagonal causal mask from the position resets). Padded: one
+right-padded row per sample with an attention mask. An empty row list gives a dummy micro-batch
+(one scored position, mask 0), so a rank without data still runs the same forward / backward
+collectives as the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightrft.data.audio import AudioInputs
+from lightrft.data.vision import ImageInputs
+from lightrft.rollout.batch import IGNORE, RolloutBatch
+
+
+@dataclass
+class MicroBatch:
+    """One forward's inputs (``[rows, L]``) and the response gather (``[b, R]``)."""
+
+    input_ids: torch.Tensor  # [rows, L]
+    position_ids: torch.Tensor | None  # [rows, L]: packed only
+    attention_mask: torch.Tensor | None  # [rows, L]: padded only
+    targets: torch.Tensor  # [rows, L-1] next tokens, IGNORE off the responses
+    index: torch.Tensor  # [b, R] flat position in [rows, L-1] of each response token
+    mask: torch.Tensor  # [b, R] real response tokens
+    tokens: int = 0  # prompt + response tokens of the real rows
+    images: ImageInputs | None = None  # the rows' images in row (= token) order
+    audios: AudioInputs | None = None
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The token tensors on ``device`` (media stay where the model's funnel moves them)."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return MicroBatch(
+            input_ids=self.input_ids.to(device),
+            position_ids=move(self.position_ids),
+            attention_mask=move(self.attention_mask),
+            targets=self.targets.to(device),
+            index=self.index.to(device),
+            mask=self.mask.to(device),
+            tokens=self.tokens,
+            images=self.images,
+            audios=self.audios,
+        )
+
+    def gather(self, full: torch.Tensor) -> torch.Tensor:
+        """``[rows, L-1]`` per-position values -> ``[b, R]`` response values, 0 on padding."""
+        out = full.reshape(-1)[self.index.to(full.device)]
+        zero = torch.zeros((), dtype=out.dtype, device=out.device)
+        return torch.where(self.mask.to(full.device), out, zero)
+
+
+def build_micro_batch(
+    batch: RolloutBatch, idx: list[int], pad_id: int, *, packing: bool
+) -> MicroBatch:
+    """The micro-batch of rows ``idx`` of ``batch`` (module docstring)."""
+    if not idx:
+        ids = torch.full((1, 2), pad_id, dtype=torch.long)
+        return MicroBatch(
+            input_ids=ids,
+            position_ids=torch.arange(2).unsqueeze(0),
+            attention_mask=None,
+            targets=ids[:, 1:].clone(),  # one real position keeps the graph connected
+            index=torch.zeros(1, 1, dtype=torch.long),
+            mask=torch.zeros(1, 1, dtype=torch.bool),
+        )
+    prompts = [batch.prompt(i) for i in idx]
+    responses = [batch.response(i) for i in idx]
+    mb = (_packed if packing else _padded)(prompts, responses, pad_id)
+    mb.images = ImageInputs.cat([batch.images[i] for i in idx]) if batch.images else None
+    mb.audios = AudioInputs.cat([batch.audios[i] for i in idx]) if batch.audios else None
+    mb.tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    return mb
+
+
+def _response_layout(responses: list[list[int]]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    resp = [len(r) for r in responses]
+    index = torch.zeros(len(resp), max(resp), dtype=torch.long)  # [b, R]
+    mask = torch.zeros(len(resp), max(resp), dtype=torch.bool)  # [b, R]
+    return resp, index, mask
+
+
+def _packed(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> MicroBatch:
+    """One row, samples back to back, positions restarting per sample, no attention mask."""
+    resp, index, mask = _response_layout(responses)
+    total = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.full((1, total), pad_id, dtype=torch.long)
+    pos = torch.zeros(1, total, dtype=torch.long)
+    targets = torch.full((1, total - 1), IGNORE, dtype=torch.long)
+    start = 0
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        q = p + r
+        ids[0, start : start + len(q)] = torch.as_tensor(q)
+        pos[0, start : start + len(q)] = torch.arange(len(q))
+        first = start + len(p) - 1  # position predicting response token 0
+        cols = torch.arange(first, first + resp[i])
+        targets[0, cols] = torch.as_tensor(r)
+        index[i, : resp[i]] = cols
+        mask[i, : resp[i]] = True
+        start += len(q)
+    return MicroBatch(ids, pos, None, targets, index, mask)
+
+
+def _padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> MicroBatch:
+    """One right-padded row per sample with an attention mask (default positions 0..T-1)."""
+    resp, index, mask = _response_layout(responses)
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.full((len(resp), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(resp), length, dtype=torch.long)
+    targets = torch.full((len(resp), length - 1), IGNORE, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        q = p + r
+        ids[i, : len(q)] = torch.as_tensor(q)
+        attention_mask[i, : len(q)] = 1
+        first = len(p) - 1
+        cols = torch.arange(first, first + resp[i])
+        targets[i, cols] = torch.as_tensor(r)
+        index[i, : resp[i]] = i * (length - 1) + cols
+        mask[i, : resp[i]] = True
+    return MicroBatch(ids, None, attention_mask, targets, index, mask)

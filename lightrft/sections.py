@@ -1,0 +1,331 @@
+"""The config sections that more than one recipe reads, declared once.
+
+Each is a frozen :class:`~lightrft.config.Section`: the dataclass *is* the schema (types, allowed
+values, defaults, ``null`` means the default), and its ``resolve`` holds the rules across its
+keys. A recipe composes them into its own config class next to its own sections; the tables in
+docs/config.md are generated from these classes (``python -m lightrft.sections``, kept equal by
+tests/test_sections.py).
+
+Most shared keys sit at the top level of a config (``output_dir``, ``optimizer``, ``strategy``,
+``batch_size``...): those sections are composed with ``option(flat=True)``. The run's own
+sections (checkpointing, resume) are :class:`lightrft.training.run.TrainingRunConfig`, which
+reads checkpoints and so sits in the training layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import replace
+from typing import Any, Literal
+
+from lightrft.config import Component, Section, option, section
+
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DType = Literal[DTYPE_NAMES]
+STRATEGIES = ("fsdp2", "deepspeed")
+
+
+# ------------------------------------------------------------------------------------ run
+
+
+@section
+class MetricsConfig(Section):
+    """``metrics:``: where the run's metrics go besides ``metrics.jsonl``."""
+
+    tensorboard: bool = option(True, doc="TensorBoard events under `<output_dir>/tensorboard`")
+    wandb: bool | dict = option(False, doc="Weights & Biases: `true`, or `wandb.init` arguments")
+
+
+@section
+class RunConfig(Section):
+    """Where a run writes, its seed and device, and what runs before anything loads."""
+
+    output_dir: str = option(doc="the run's directory: checkpoints, metrics, export")
+    seed: int = option(0, doc="seeds every RNG of the run")
+    device: Literal["cpu", "cuda"] | None = option(None, doc="default: cuda when available")
+    prepare: list[Component] | None = option(
+        None, doc="components run once on rank 0 before anything loads (make data, a model)"
+    )
+
+    def resolve(self, at: str) -> RunConfig:
+        if not str(self.output_dir).strip():
+            raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
+        return self
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+@section
+class ModelConfig(Section):
+    """``model:``: the checkpoint to load."""
+
+    path: str = option(doc="an HF model directory (or a LightRFT export, `<output_dir>/final`)")
+    dtype: DType = option("float32", doc="parameter dtype")
+    trust_remote_code: bool = option(False, doc="let transformers run the checkpoint's code")
+
+
+@section
+class TrainedModelConfig(ModelConfig):
+    """``model:`` of a model that trains."""
+
+    activation_checkpointing: bool = option(False, doc="recompute each block in backward")
+    compile: bool = option(False, doc="torch.compile each decoder block")
+
+
+@section
+class PolicyModelConfig(TrainedModelConfig):
+    """``model:`` of a causal LM that trains (text, vision- or audio-language)."""
+
+    train_vision_tower: bool = option(False, doc="vision-language models: train the vision tower")
+    train_audio_tower: bool = option(False, doc="audio-language models: train the audio tower")
+
+
+# ------------------------------------------------------------------------------- strategy
+
+
+@section
+class LoraConfig(Section):
+    """``lora:``: low-rank adapters instead of a full fine-tune (Hu et al. 2021,
+    arXiv:2106.09685). The section switches LoRA on; absent or null: full fine-tune."""
+
+    rank: int | None = option(None, doc="adapter rank (required in the section)")
+    alpha: float | None = option(None, doc="scaling numerator; default `2 * rank`")
+    dropout: float = option(0.0, doc="dropout on the adapters' input, in [0, 1)")
+    target_modules: str | list[str] = option(
+        "auto", doc="`auto` (every linear layer of the decoder blocks) or module names"
+    )
+    trained_modules: list[str] = option(
+        (), doc="modules trained in full beside the adapters (embeddings, LM head)"
+    )
+    export_merged: bool = option(False, doc="also export the merged full model at the end")
+
+    def resolve(self, at: str) -> LoraConfig:
+        key = at.rstrip(".") or "lora"
+        if self.rank is None:
+            raise ValueError(
+                f"{key}.rank: set the adapter rank (e.g. 8) or remove the {key} section"
+            )
+        if self.rank < 1:
+            raise ValueError(f"{key}.rank must be >= 1, got {self.rank}")
+        alpha = float(2 * self.rank if self.alpha is None else self.alpha)
+        if alpha <= 0:
+            raise ValueError(f"{key}.alpha must be > 0, got {alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{key}.dropout must be in [0, 1), got {self.dropout}")
+        targets = self.target_modules
+        if isinstance(targets, str):
+            if targets != "auto":
+                raise ValueError(
+                    f"{key}.target_modules must be 'auto' or a list of module names, "
+                    f"got {targets!r}"
+                )
+        elif not targets:
+            raise ValueError(f"{key}.target_modules is empty: list module names or use 'auto'")
+        if importlib.util.find_spec("peft") is None:
+            raise ValueError(f"{key}: LoRA needs the `peft` package: pip install 'lightrft[lora]'")
+        return replace(
+            self,
+            alpha=alpha,
+            dropout=float(self.dropout),
+            target_modules=targets if isinstance(targets, str) else tuple(map(str, targets)),
+            trained_modules=tuple(map(str, self.trained_modules)),
+        )
+
+    @property
+    def targets(self) -> tuple[str, ...] | None:
+        """The configured module names; None for ``auto``."""
+        return None if self.target_modules == "auto" else tuple(self.target_modules)
+
+
+# DeepSpeed config keys the recipe (or lightrft.models.deepspeed) sets; deepspeed.config may not.
+DEEPSPEED_OWNED_KEYS = {
+    "train_batch_size": "batch_size x gradient_accumulation_steps x world size",
+    "train_micro_batch_size_per_gpu": "batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "clip_grad_norm",
+    "optimizer": "optimizer",
+    "scheduler": "lr_scheduler",
+    "zero_optimization": "deepspeed.stage / offload_optimizer / offload_param",
+    "managed_gradient_accumulation": "the recipe's step (it calls engine.step once per step)",
+}
+
+
+@section
+class DeepSpeedConfig(Section):
+    """``deepspeed:`` (with ``strategy: deepspeed`` only): the ZeRO stage and offloads."""
+
+    stage: int = option(2, doc="ZeRO stage: 1, 2 or 3")
+    offload_optimizer: bool = option(False, doc="optimizer states in CPU memory")
+    offload_param: bool = option(False, doc="parameters in CPU memory (stage 3 only)")
+    config: dict = option(
+        default_factory=dict, doc="more DeepSpeed config keys, passed through as they are"
+    )
+
+    def resolve(self, at: str) -> DeepSpeedConfig:
+        if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
+            raise ValueError(f"deepspeed.stage must be 1, 2 or 3 (ZeRO stage), got {self.stage!r}")
+        if self.offload_param and self.stage != 3:
+            raise ValueError(
+                f"deepspeed.offload_param=true needs deepspeed.stage=3, got {self.stage}"
+            )
+        for key in self.config:
+            if key in DEEPSPEED_OWNED_KEYS:
+                raise ValueError(
+                    f"deepspeed.config.{key} conflicts with the recipe's own setting "
+                    f"({DEEPSPEED_OWNED_KEYS[key]}); set that instead, or use deepspeed.stage / "
+                    "offload_optimizer / offload_param"
+                )
+        return self
+
+
+def mesh_shape(shard_size: int | None, replicate_size: int | None, world: int) -> tuple[int, int]:
+    """(replicate, shard) of the FSDP2 device mesh for ``world`` ranks; a ``ValueError`` naming
+    the keys when the sizes do not fit."""
+    s, r = shard_size, replicate_size
+    if s is None and r is None:
+        return 1, world
+    if s is not None and r is not None:
+        if s * r != world:
+            raise ValueError(
+                f"replicate_size={r} x shard_size={s} = {r * s} ranks, but the run has "
+                f"{world}; set one of them (the other follows) or make the product {world}"
+            )
+        return r, s
+    given, key = (s, "shard_size") if s is not None else (r, "replicate_size")
+    if world % given:
+        raise ValueError(
+            f"{key}={given} does not divide the world size {world} (processes in the run); "
+            f"use a divisor of {world}"
+        )
+    other = world // given
+    return (other, given) if key == "shard_size" else (given, other)
+
+
+@section
+class StrategyConfig(Section):
+    """How the trained model is wrapped: FSDP2 (optionally HSDP, optionally with LoRA) or
+    DeepSpeed ZeRO. Top-level keys; see docs/strategies.md."""
+
+    strategy: str = option("fsdp2", doc="`fsdp2` or `deepspeed`")
+    deepspeed: DeepSpeedConfig | None = option(None, doc="with strategy=deepspeed only")
+    lora: LoraConfig | None = option(None, doc="absent / null: full fine-tune")
+    shard_size: int | None = option(None, ge=1, doc="HSDP: shard within groups of this many ranks")
+    replicate_size: int | None = option(None, ge=1, doc="HSDP: the number of replica groups")
+
+    @classmethod
+    def read(cls, node: Any, at: str = "") -> StrategyConfig:
+        strategy = (None if node is None else node.get("strategy")) or "fsdp2"
+        ds = None if node is None else node.get("deepspeed")
+        if strategy == "deepspeed" and ds is None:
+            node = {**node, "deepspeed": {}}  # the section's defaults
+        for key in ("shard_size", "replicate_size"):
+            value = None if node is None else node.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{key} must be a whole number of ranks, got {value!r}")
+        return super().read(node, at)
+
+    def resolve(self, at: str) -> StrategyConfig:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"strategy: unknown strategy {self.strategy!r}; choose one of {list(STRATEGIES)}"
+            )
+        if self.strategy == "deepspeed":
+            if importlib.util.find_spec("deepspeed") is None:
+                raise ValueError(
+                    "strategy=deepspeed needs the DeepSpeed extra: pip install "
+                    "'lightrft[deepspeed]' (or use strategy=fsdp2, the default)"
+                )
+            for key in ("lora", "shard_size", "replicate_size"):
+                if getattr(self, key) is not None:
+                    raise ValueError(
+                        f"{key} is not supported with strategy=deepspeed yet; remove it or use "
+                        "strategy=fsdp2"
+                    )
+        elif self.deepspeed is not None:
+            raise ValueError(
+                f"a deepspeed: section is set but strategy={self.strategy}; set "
+                "strategy=deepspeed or remove the section"
+            )
+        if os.environ.get("WORLD_SIZE"):  # under torchrun: the sizes must fit the launch
+            mesh_shape(self.shard_size, self.replicate_size, int(os.environ["WORLD_SIZE"]))
+        return self
+
+
+# ------------------------------------------------------------------------------ optimizer
+
+
+@section
+class ScheduleConfig(Section):
+    """``lr_scheduler:``: linear warmup, then cosine decay to ``min_lr_ratio`` x the peak."""
+
+    warmup_steps: int = option(0, ge=0, doc="steps of linear warmup from 0")
+    min_lr_ratio: float = option(0.0, doc="the final LR as a fraction of the peak, in [0, 1]")
+
+    def resolve(self, at: str) -> ScheduleConfig:
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"{at}min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        return self
+
+    def check_steps(self, max_steps: int | None, at: str = "lr_scheduler.") -> None:
+        """The schedule must reach its peak within the run."""
+        if max_steps is not None and self.warmup_steps > max_steps:
+            raise ValueError(
+                f"{at}warmup_steps={self.warmup_steps} is more than max_steps={max_steps}: "
+                "the schedule would never reach its peak"
+            )
+
+
+@section
+class OptimConfig(Section):
+    """The optimizer, its LR schedule and gradient clipping (top-level keys)."""
+
+    optimizer: Component = option(doc="e.g. `torch.optim.AdamW` and its arguments")
+    lr_scheduler: ScheduleConfig = option(default_factory=ScheduleConfig, doc="")
+    clip_grad_norm: float | None = option(None, doc="clip the global grad norm to this")
+
+    def resolve(self, at: str) -> OptimConfig:
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or null, got {self.clip_grad_norm}")
+        return self
+
+
+# ----------------------------------------------------------------------------------- data
+
+
+@section
+class BatchConfig(Section):
+    """Datasets, batches and epochs of a supervised recipe (SFT, reward model): top-level keys."""
+
+    dataset: Component = option(doc="the training data set; the recipe passes the tokenizer")
+    eval_dataset: Component | None = option(None, doc="held-out data, evaluated every eval_every")
+    packing: bool = option(False, doc="several sequences per row, positions reset per sequence")
+    max_tokens_per_row: int | None = option(
+        None, ge=1, doc="packing only; default: one row per micro-batch"
+    )
+    batch_size: int = option(ge=1, doc="samples per rank per micro-batch")
+    gradient_accumulation_steps: int = option(1, ge=1, doc="micro-batches per optimizer step")
+    micro_batch_tokens: int | None = option(
+        None, ge=1, doc="token budget: a step's samples by length, cut by tokens"
+    )
+    epochs: int = option(ge=1, doc="passes over the data set")
+    max_steps: int | None = option(None, ge=1, doc="stop after this many optimizer steps")
+    eval_every: int | None = option(None, ge=1, doc="evaluate every this many steps")
+
+    def resolve(self, at: str) -> BatchConfig:
+        if self.max_tokens_per_row is not None and not self.packing:
+            raise ValueError("max_tokens_per_row applies only with packing=true")
+        return self
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "run": RunConfig,
+    "metrics": MetricsConfig,
+    "model": PolicyModelConfig,
+    "strategy": StrategyConfig,
+    "lora": LoraConfig,
+    "deepspeed": DeepSpeedConfig,
+    "optimizer": OptimConfig,
+    "batches": BatchConfig,
+}

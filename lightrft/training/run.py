@@ -1,0 +1,196 @@
+"""The run contract: what every training recipe's run does, obtained by one call.
+
+    @config.parse(schema=MyConfig.schema(), options=MyConfig.read)
+    def recipe_main(cfg, opts):
+        with training_run(cfg, opts.run) as run:      # the whole contract
+            recipe = MyRecipe(cfg, opts, run)
+            recipe.setup(cfg)                          # run.resume(...), run.open_logger(...)
+            recipe.train()                             # for step in run.steps(...): ...
+
+:class:`TrainingRunConfig` holds the keys (``output_dir``, ``seed``, ``device``, ``prepare``,
+``log_every``, ``metrics``, ``save_every``, ``keep_last``, ``resume``, ``overwrite``,
+``resume_override_lr``) and refuses, before anything loads, a resume without a checkpoint and a
+resume that contradicts ``overwrite``. :func:`training_run` then, in this order:
+
+1. claims ``output_dir`` (a lock held for the run; a fresh run into a used directory is refused
+   unless ``overwrite=true``, which clears it; ``resume=true`` continues it);
+2. joins the process group (torchrun) or stays one process;
+3. seeds torch, then runs the ``prepare`` components on rank 0 while the others wait;
+4. :meth:`TrainingRun.resume` restores the newest checkpoint (``resume=true``), after comparing
+   the saved config with this one (allowed changes are printed; a changed learning rate needs
+   ``resume_override_lr=true``) and prints ``resumed from step N``;
+5. :meth:`TrainingRun.open_logger` opens ``metrics.jsonl`` / TensorBoard / W&B (a resumed run
+   drops the rows the interrupted run logged after its checkpoint);
+6. :meth:`TrainingRun.steps` yields the step numbers under SIGTERM / SIGINT handling: after each
+   step it saves when ``save_every`` says so, and on a signal it saves (if that step was not
+   saved already) and exits with 128 + the signal number;
+7. :meth:`TrainingRun.save` writes a checkpoint with the run's config beside it;
+8. on leaving, closes the logger and the process group (the ranks meet at a barrier first after a
+   clean run only: after an error a peer may be gone).
+
+tests/recipes/test_run_contract.py runs every training recipe through each item with real
+processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lightrft import config
+from lightrft.config import Section, option, section
+from lightrft.distributed import DistInfo, barrier, destroy, init_distributed
+from lightrft.sections import MetricsConfig, OptimConfig, RunConfig, StrategyConfig
+from lightrft.training.checkpoint import Checkpointer, CheckpointState, check_resume
+from lightrft.training.metrics import MetricLogger
+from lightrft.training.outputs import check_output_dir
+from lightrft.training.preemption import Preemption
+
+
+@section
+class TrainingRunConfig(RunConfig):
+    """The keys of a training run's bookkeeping (top level): logging, checkpoints, resume."""
+
+    log_every: int = option(1, ge=1, doc="log metrics every this many steps (and the last)")
+    metrics: MetricsConfig = option(default_factory=MetricsConfig, doc="")
+    save_every: int | None = option(None, ge=1, doc="checkpoint every this many steps")
+    keep_last: int = option(2, ge=1, doc="complete checkpoints kept (older ones are deleted)")
+    resume: bool = option(False, doc="continue from the newest checkpoint in output_dir")
+    overwrite: bool = option(False, doc="a fresh run may delete an earlier run's outputs")
+    resume_override_lr: bool = option(
+        False, doc="on resume, take the config's learning rate instead of refusing the change"
+    )
+
+    def resolve(self, at: str) -> TrainingRunConfig:
+        super().resolve(at)
+        if self.resume and self.overwrite:
+            raise ValueError("resume=true and overwrite=true contradict each other; choose one")
+        if self.resume and self.checkpointer().latest() is None:
+            raise ValueError(
+                f"resume=true but no checkpoint found in {self.checkpointer().root}; a run "
+                "stopped before its first checkpoint starts over with overwrite=true"
+            )
+        return self
+
+    def checkpointer(self) -> Checkpointer:
+        return Checkpointer(
+            self.output_dir, keep_last=self.keep_last, every_n_steps=self.save_every
+        )
+
+
+@section
+class TrainingConfig(Section):
+    """The base of a training recipe's config: the run, strategy and optimizer sections (all
+    top-level keys) and the rules across them. A recipe subclasses it with its own sections
+    (``model``, data, algorithm...) and calls ``super().resolve(at)`` from its ``resolve``."""
+
+    run: TrainingRunConfig = option(flat=True)
+    strategy: StrategyConfig = option(flat=True)
+    optim: OptimConfig = option(flat=True)
+    # The names the recipe's checkpoints give their trained models (LoRA resume check).
+    CHECKPOINT_MODELS: ClassVar[tuple[str, ...]] = ("model",)
+
+    def resolve(self, at: str) -> TrainingConfig:
+        if self.run.resume:  # a LoRA run resumes only from LoRA checkpoints, and the reverse
+            check_resume(
+                self.run.output_dir, self.strategy.lora is not None, self.CHECKPOINT_MODELS
+            )
+        return self
+
+
+class TrainingRun:
+    """One training run's contract (see the module docstring); made by :func:`training_run`."""
+
+    def __init__(self, cfg: DictConfig, opts: RunConfig):
+        # A recipe that does not train (eval) gets the directory, process group, seed and
+        # prepare steps; its outputs are no training run's (no fresh-run rule, no checkpoints).
+        training = isinstance(opts, TrainingRunConfig)
+        self.opts = opts
+        self.config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)
+        self.output_dir: Path = check_output_dir(
+            opts.output_dir,
+            resume=opts.resume if training else None,
+            overwrite=opts.overwrite if training else False,
+        )
+        self.dist: DistInfo = init_distributed(opts.device)
+        self.checkpointer = opts.checkpointer() if training else None
+        self.logger: MetricLogger | None = None
+        self.resumed = False
+        torch.manual_seed(opts.seed)
+        if self.dist.is_main:
+            for node in opts.prepare or ():
+                config.instantiate(node)
+        barrier()
+
+    def resume(self, **state: Any) -> CheckpointState | None:
+        """With ``resume=true``: restore ``state`` (``models``, ``optimizers``, ``schedulers``,
+        ``dataloaders`` as :meth:`Checkpointer.load_latest` takes them) from the newest
+        checkpoint after checking the config against the saved one; else None."""
+        if not getattr(self.opts, "resume", False):
+            return None
+        self.resumed = True
+        return self.checkpointer.load_latest(
+            **state,
+            required=True,
+            config=self.config,
+            override_lr=self.opts.resume_override_lr,
+        )
+
+    def open_logger(self, step: int, data_stats: Mapping[str, float] | None = None) -> MetricLogger:
+        """The run's metric logger, from ``step``; a fresh run logs the data set's statistics
+        (``data/*``) at that step."""
+        m = self.opts.metrics
+        self.logger = MetricLogger(
+            self.output_dir,
+            tensorboard=m.tensorboard,
+            wandb=m.wandb,
+            config=self.config,
+            resume_step=step if self.resumed else None,
+        )
+        if data_stats and not self.resumed:
+            self.logger.log(step, {f"data/{k}": v for k, v in data_stats.items()})
+        return self.logger
+
+    def should_log(self, step: int, last: int) -> bool:
+        return step % self.opts.log_every == 0 or step == last
+
+    def steps(self, start: int, stop: int, save: Callable[[], None]) -> Iterator[int]:
+        """Steps ``start + 1 .. stop``. After the caller's body for a step: ``save()`` when the
+        step is due (``save_every``); on SIGTERM / SIGINT (any rank), ``save()`` unless just
+        done, then exit with 128 + the signal."""
+        with Preemption() as preempt:
+            for step in range(start + 1, stop + 1):
+                yield step
+                saved = self.checkpointer.should_save(step)
+                if saved:
+                    save()
+                if preempt.stop_requested():  # collective: every rank stops after this step
+                    if not saved:
+                        save()
+                    preempt.exit(self.checkpointer.latest())
+
+    def save(self, step: int, *, extra: Mapping[str, Any] | None = None, **state: Any) -> Path:
+        """A checkpoint of ``state`` at ``step``, with the run's config beside it."""
+        return self.checkpointer.save(step, **state, extra=dict(extra or {}), config=self.config)
+
+    def close(self, clean: bool) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        destroy(clean)
+
+
+@contextmanager
+def training_run(cfg: DictConfig, opts: RunConfig) -> Iterator[TrainingRun]:
+    """Start a run under the contract; tear it down on leaving (see the module docstring)."""
+    run = TrainingRun(cfg, opts)
+    try:
+        yield run
+    except BaseException:
+        run.close(clean=False)  # no barrier: a peer may be stuck or gone
+        raise
+    run.close(clean=True)

@@ -1,0 +1,124 @@
+"""Run the README's five CPU demo chains (text, vision, audio, and both RLHF chains) and keep their metric rows, to prove that a refactor
+changes no number: every ``train/*``, ``reward/*``, ``eval/*`` (and ``critic/*``, ``data/*``)
+value of every logged row, per run, compared exactly.
+
+    python tests/benchmarks/demo_rows.py run  --out /tmp/before.json [--quick]
+    python tests/benchmarks/demo_rows.py diff /tmp/before.json /tmp/after.json
+
+``run`` executes the chains in a scratch directory through the real CLI (the README's commands;
+``--quick`` cuts the data and steps as tests/test_demos.py does, for a minutes-long check). Times,
+throughputs and memory are left out: they are not behaviour. Bitwise equality holds on one machine
+(CPU kernels sum in different orders on others), so compare runs made on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# The five chains, grouped by the SFT model they start from (one SFT run serves two chains).
+CHAINS = {
+    "text": [
+        ("sft", "tiny/add_sft"),
+        ("grpo", "tiny/add_grpo"),
+        ("reward_model", "tiny/rlhf_rm"),
+        ("grpo", "tiny/rlhf_grpo"),
+    ],
+    "vision": [
+        ("sft", "tiny/vision_sft"),
+        ("grpo", "tiny/vision_grpo"),
+        ("reward_model", "tiny/vision_rm"),
+        ("grpo", "tiny/vision_rlhf_grpo"),
+    ],
+    "audio": [("sft", "tiny/audio_sft"), ("grpo", "tiny/audio_grpo")],
+}
+KEPT = ("train/", "reward/", "eval/", "critic/", "data/", "rollout/")
+# Cut-down overrides (tests/test_demos.py's), per recipe; the media SFT data cut for media configs.
+TRAIN = ["max_steps=3", "eval_every=3", "lr_scheduler.warmup_steps=0"]
+QUICK = {
+    "sft": TRAIN,
+    "reward_model": TRAIN,
+    "grpo": ["max_steps=2", "eval.every=1", "rollout.prompts_per_step=4", "rollout.n=4",
+             "lr_scheduler.warmup_steps=0"],
+}
+TEXT_DATA = ["prepare.1.n_train=64", "prepare.1.n_test=8"]
+MEDIA_DATA = ["prepare.1.n_train=16", "prepare.1.n_test=4", "prepare.1.n_rl=8", "batch_size=8"]
+
+
+def _rows(path: Path) -> list[dict]:
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [
+        {k: v for k, v in r.items() if k == "step" or k.startswith(KEPT)} for r in rows
+    ]
+
+
+def run(out: str, quick: bool, chains: list[str]) -> None:
+    result: dict[str, list[dict]] = {}
+    for chain in chains:
+        with tempfile.TemporaryDirectory() as tmp:
+            for recipe, config in CHAINS[chain]:
+                extra = ["metrics.tensorboard=false"]
+                if quick:
+                    extra += QUICK[recipe]
+                    if recipe == "sft":
+                        extra += MEDIA_DATA if "vision" in config or "audio" in config else TEXT_DATA
+                    if recipe == "reward_model" and "vision" in config:
+                        extra += ["batch_size=8"]
+                cmd = [sys.executable, "-m", "lightrft", "run", recipe, "--config", config, *extra]
+                print(f"[{chain}] {' '.join(cmd[2:])}", flush=True)
+                subprocess.run(cmd, cwd=tmp, check=True, env=os.environ.copy())
+                rows = _rows(Path(tmp) / "outputs" / config / "metrics.jsonl")
+                result[f"{chain}:{config}"] = rows
+            Path(out).write_text(json.dumps(result, indent=1, sort_keys=True))
+    print(f"wrote {out}")
+
+
+def diff(a: str, b: str) -> int:
+    left, right = json.loads(Path(a).read_text()), json.loads(Path(b).read_text())
+    bad = 0
+    for run_name in sorted(set(left) | set(right)):
+        x, y = left.get(run_name), right.get(run_name)
+        if x is None or y is None:
+            print(f"{run_name}: only in {'right' if x is None else 'left'}")
+            bad += 1
+            continue
+        values = sum(len(r) - 1 for r in x)
+        if x == y:
+            print(f"{run_name}: identical ({len(x)} rows, {values} values)")
+            continue
+        bad += 1
+        for i, (r, s) in enumerate(zip(x, y, strict=False)):
+            for k in sorted(set(r) | set(s)):
+                if r.get(k) != s.get(k):
+                    print(f"{run_name}: row {i} (step {r.get('step')}) {k}: {r.get(k)} != {s.get(k)}")
+                    break
+        if len(x) != len(y):
+            print(f"{run_name}: {len(x)} rows != {len(y)} rows")
+    print("identical" if not bad else f"{bad} run(s) differ")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--quick", action="store_true")
+    r.add_argument("--chains", default=",".join(CHAINS))
+    d = sub.add_parser("diff")
+    d.add_argument("a")
+    d.add_argument("b")
+    args = p.parse_args()
+    if args.cmd == "run":
+        run(args.out, args.quick, args.chains.split(","))
+        return 0
+    return diff(args.a, args.b)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
