@@ -92,7 +92,7 @@ def diff(a: str, b: str) -> int:
             print(f"{run_name}: identical ({len(x)} rows, {values} values)")
             continue
         bad += 1
-        for i, (r, s) in enumerate(zip(x, y)):
+        for i, (r, s) in enumerate(zip(x, y, strict=False)):
             for k in sorted(set(r) | set(s)):
                 if r.get(k) != s.get(k):
                     print(f"{run_name}: row {i} (step {r.get('step')}) {k}: {r.get(k)} != {s.get(k)}")
