@@ -20,7 +20,6 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Literal
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -28,31 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 from lightrft import config
 from lightrft.config import Component, Section, option, section
 from lightrft.engine import NativeEngine, Request, SamplingParams
+from lightrft.engine.config import EngineConfig
 from lightrft.evaluation import EvalRecord, evaluate_items, summarize
 from lightrft.models.vision import load_processors
 from lightrft.rewards import build_reward
 from lightrft.sections import ModelConfig, RunConfig
 from lightrft.training.distributed import barrier
 from lightrft.training.run import TrainingRun, training_run
-
-
-@section
-class EngineConfig(Section):
-    """``engine:``: the rollout engine that generates the answers."""
-
-    backend: Literal["native", "vllm"] = option("native", doc="`vllm`: CUDA only")
-    max_model_len: int | None = option(None, doc="prompt + answer tokens per sequence")
-    max_num_seqs: int | None = option(None, doc="sequences generated at once")
-    gpu_memory_utilization: float | None = option(None, doc="vllm only")
-
-    def resolve(self, at: str) -> EngineConfig:
-        if self.backend == "native" and self.gpu_memory_utilization is not None:
-            raise ValueError("engine.gpu_memory_utilization applies to engine.backend=vllm only")
-        return self
-
-    def kwargs(self) -> dict:
-        keys = ("max_model_len", "max_num_seqs", "gpu_memory_utilization")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 @section
@@ -123,19 +104,14 @@ class EvalRecipe:
         self.accuracy = o.accuracy_reward or names[0]
         source = self.reward_fn.functions[o.answer_reward or self.accuracy]
         self.extract = getattr(source, "extract", None)
-        seed = o.run.seed
+        seed, kwargs = o.run.seed, {"dtype": m.dtype, **e.kwargs()}  # engine.dtype wins
         if e.backend == "vllm":
             from lightrft.engine import VLLMEngine
 
-            self.engine = VLLMEngine(m.path, seed=seed, dtype=m.dtype, **e.kwargs())
+            self.engine = VLLMEngine(m.path, seed=seed, **kwargs)
         else:
             self.engine = NativeEngine(
-                m.path,
-                self.tokenizer,
-                dtype=m.dtype,
-                device=self.dist.device,
-                seed=seed,
-                **e.kwargs(),
+                m.path, self.tokenizer, device=self.dist.device, seed=seed, **kwargs
             )
         s = o.sampling
         self.params = SamplingParams(
