@@ -21,14 +21,13 @@ import json
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from lightrft import config
 from lightrft.config import Component, Section, option, section
 from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.engine.config import EngineConfig
-from lightrft.evaluation import EvalRecord, evaluate_items, summarize
+from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.models.vision import load_processors
 from lightrft.rewards import build_reward
 from lightrft.sections import ModelConfig, RunConfig
@@ -124,34 +123,23 @@ class EvalRecipe:
         )
 
     def run(self) -> dict[str, float]:
-        total = len(self.dataset)
-        if self.opts.max_prompts is not None:
-            total = min(total, self.opts.max_prompts)
-        mine = list(range(self.dist.rank, total, self.dist.world_size))
-        items = [self.dataset[i] for i in mine]
-
-        def generate(prompt_ids: list[list[int]]) -> list:
-            # evaluate_items generates for the items in order: their images / audio go alongside.
+        def generate(prompt_ids: list[list[int]], items: list) -> list:
             requests = [
                 Request.with_media(ids, it.get("images"), it.get("audios"))
                 for ids, it in zip(prompt_ids, items, strict=True)
             ]
             return self.engine.generate(requests, self.params)
 
-        records = evaluate_items(
-            items,
-            mine,
+        records = evaluate_dataset(
+            self.dataset,
             generate,
             self.reward_fn,
             self.opts.sampling.n,
+            self.dist,
+            limit=self.opts.max_prompts,
             accuracy=self.accuracy,
             extract=self.extract,
         )
-        if dist.is_initialized():
-            gathered: list[list[EvalRecord]] = [None] * self.dist.world_size  # type: ignore
-            dist.all_gather_object(gathered, records)
-            records = [r for part in gathered for r in part]
-        records.sort(key=lambda r: r.index)
         summary = summarize(records, list(self.opts.ks))
         if self.dist.is_main:
             with open(self.out / "samples.jsonl", "w") as f:

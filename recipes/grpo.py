@@ -65,7 +65,7 @@ from lightrft.config import Component, Section, option, section
 from lightrft.data import build_dataloader, collate_prompts, conversation
 from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.engine.config import EngineConfig
-from lightrft.evaluation import evaluate_items, summarize
+from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.kernels import (
     GradHint,
     causal_lm_token_logprobs,
@@ -100,7 +100,7 @@ from lightrft.training import (
     optimizer_step,
     warmup_cosine_scheduler,
 )
-from lightrft.training.distributed import all_gather_objects, sum_over_ranks
+from lightrft.training.distributed import sum_over_ranks
 from lightrft.training.rollout import RolloutBatch, pad_rows
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
@@ -522,21 +522,9 @@ class GRPORecipe:
             names = self.reward_names
             return empty, {n: empty for n in names}, {n: empty.bool() for n in names}
         out = self.reward_fn(prompts, texts, references, labels, conversations)
-        total = out.total
-        bad = (~torch.isfinite(total)).nonzero().flatten().tolist()
-        if bad:  # reward functions are checked one by one; this catches weights and sums
-            raise ValueError(
-                f"non-finite total reward {total[bad[0]].item()} for sample "
-                f"{bad[0]} (prompt {prompts[bad[0]][:60]!r}, from {wheres[bad[0]]})"
-            )
-
-        def f64(t: torch.Tensor) -> torch.Tensor:
-            return torch.tensor(t.tolist(), dtype=torch.float64)
-
-        parts = {n: f64(p) for n, p in out.parts.items()}
-        applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in out.applied.items()}
+        out.check_finite(prompts, wheres)
         self.reward_side.add(out)
-        return f64(total), parts, applied
+        return out.as_float64()
 
     def _draw(self, step: int, draw: int, timer: PhaseTimer) -> RolloutBatch:
         """One rollout draw: this rank's prompts, n samples each, scored; then gathered so every
@@ -963,8 +951,6 @@ class GRPORecipe:
         by the same code as the eval recipe (lightrft.evaluation); each rank takes every
         world_size-th prompt and the records of all ranks are summarised together."""
         ev = self.opts.eval
-        indices = range(self.dist.rank, len(self.eval_dataset), self.dist.world_size)
-        items = [self.eval_dataset[i] for i in indices]
         params = dataclasses.replace(
             self.sampling,
             n=1,
@@ -975,19 +961,16 @@ class GRPORecipe:
         )
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
 
-        def generate(prompt_ids: list[list[int]]) -> list:
-            # evaluate_items generates for the items in order: their media go alongside.
-            completions = self._generate(
-                prompt_ids,
-                params,
-                [it.get("images") for it in items],
-                [it.get("audios") for it in items],
-            )
+        def generate(prompt_ids: list[list[int]], items: list) -> list:
+            images, audios = [it.get("images") for it in items], [it.get("audios") for it in items]
+            completions = self._generate(prompt_ids, params, images, audios)
             self._sleep()  # the engine's memory goes back before scoring
             return completions
 
-        records = evaluate_items(items, indices, generate, self.reward_fn, n=1, accuracy=name)
-        s = summarize([r for part in all_gather_objects(records) for r in part], [1])
+        records = evaluate_dataset(
+            self.eval_dataset, generate, self.reward_fn, 1, self.dist, accuracy=name
+        )
+        s = summarize(records, [1])
         out = {
             "eval/accuracy": s["pass@1"],
             "eval/reward": s["reward"],

@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig
 
 from lightrft import config
-from lightrft.algorithms.reward_losses import pairwise_stats, preference_loss, safety_sign_loss
+from lightrft.algorithms.reward_losses import PreferenceStats, preference_loss, safety_sign_loss
 from lightrft.config import Section, option, section
 from lightrft.data import StepCollator, build_dataloader
 from lightrft.data.preference import PreferenceCollator
@@ -361,40 +361,12 @@ class RewardModelRecipe:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Pairwise accuracy, mean margin and reward mean / std per head on the held-out split."""
-        heads = self.opts.model.heads
-        H = len(heads)
-        # Per head: items, correct, margin sum, scored sequences, reward sum, reward sum of squares.
-        sums = torch.zeros(6, H, dtype=torch.float64)
+        stats = PreferenceStats(self.opts.model.heads)
         self.model.eval()
         for batch in self.eval_loader:
-            raw, signed, valid = self._scores(batch)
-            acc, margin = pairwise_stats(signed.float(), valid)  # [B] each
-            head = batch["head"]
-            vals = raw.float().cpu() * valid.cpu()
-            for h in range(H):
-                sel = head == h
-                sums[0, h] += sel.sum()
-                sums[1, h] += acc.cpu()[sel].sum()
-                sums[2, h] += margin.cpu()[sel].sum()
-                sums[3, h] += valid.cpu()[sel].sum()
-                sums[4, h] += vals[sel].sum()
-                sums[5, h] += vals[sel].pow(2).sum()
+            stats.add(*self._scores(batch), batch["head"])
         self.model.train()
-        sums = all_reduce_sum(sums)
-        out: dict[str, float] = {}
-        self.eval_stats = {}
-        for h, name in enumerate(heads):
-            n, m = sums[0, h].item(), sums[3, h].item()
-            if n == 0:
-                continue
-            mean = sums[4, h].item() / m
-            std = max(sums[5, h].item() / m - mean * mean, 0.0) ** 0.5
-            out[f"eval/accuracy/{name}"] = sums[1, h].item() / n
-            out[f"eval/margin/{name}"] = sums[2, h].item() / n
-            out[f"eval/reward_mean/{name}"] = mean
-            out[f"eval/reward_std/{name}"] = std
-            self.eval_stats[name] = {"mean": mean, "std": std, "pairs": int(n)}
-        out["eval/accuracy"] = sums[1].sum().item() / max(sums[0].sum().item(), 1.0)
+        out, self.eval_stats = stats.metrics(all_reduce_sum(stats.sums))
         return out
 
 
