@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -37,7 +36,7 @@ from omegaconf import DictConfig
 from lightrft import config
 from lightrft.algorithms.reward_losses import PreferenceStats, preference_loss, safety_sign_loss
 from lightrft.config import Section, option, section
-from lightrft.data import StepCollator, build_dataloader
+from lightrft.data import StepCollator, build_dataloader, step_batches
 from lightrft.data.preference import PreferenceCollator
 from lightrft.models.lora import apply_backbone_lora
 from lightrft.models.reward import CONFIG_KEY, POOLINGS, load_reward_net_parallel
@@ -45,7 +44,7 @@ from lightrft.models.vision import load_processors
 from lightrft.sections import BatchConfig, TrainedModelConfig
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
-from lightrft.training.distributed import all_reduce_sum, even_micro_batches
+from lightrft.training.distributed import all_reduce_sum
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 
@@ -275,19 +274,6 @@ class RewardModelRecipe:
             per_item = per_item + o.safety_coef * is_cost * safety_sign_loss(raw, safe)
         return per_item.sum() / divisor
 
-    def _batches(self) -> Iterator[tuple[list, int]]:
-        """Each step's micro-batches on this rank and how many are real, epoch after epoch from
-        the (resumable) loader position. With a token budget the counts differ across ranks:
-        the ranks with fewer repeat their last one with zero weight (``even_micro_batches``)."""
-        while True:
-            self.loader.set_epoch(self.epoch)
-            for micro in self.loader:
-                if self.opts.data.micro_batch_tokens is not None:
-                    yield even_micro_batches(micro, self.dist.device)
-                else:
-                    yield micro, len(micro)
-            self.epoch += 1
-
     def train_step(self, micro: list, n_real: int) -> tuple[float, float, int]:
         """One optimizer step: (loss, grad norm, sequences scored on this rank)."""
         # Normalise by the items of the whole step on all ranks; FSDP averages gradients over
@@ -310,9 +296,11 @@ class RewardModelRecipe:
             self._log_eval()
         seqs_seen, t0 = 0, time.perf_counter()
         reset_peak_memory(self.dist.device)
-        batches = self._batches()
+        uneven = self.opts.data.micro_batch_tokens is not None
+        batches = step_batches(self.loader, self.epoch, uneven=uneven, device=self.dist.device)
         for step in self.run.steps(self.step, self.total_steps, save=self._save):
-            loss, grad_norm, seqs = self.train_step(*next(batches))
+            self.epoch, micro, n_real = next(batches)
+            loss, grad_norm, seqs = self.train_step(micro, n_real)
             self.step, seqs_seen = step, seqs_seen + seqs
             if self.run.should_log(step, self.total_steps):
                 elapsed = time.perf_counter() - t0

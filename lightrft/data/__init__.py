@@ -24,7 +24,7 @@ from lightrft.data.collate import (
 )
 from lightrft.data.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
 from lightrft.data.io import DataError, Records, load_records
-from lightrft.data.loader import ResumableDataLoader, build_dataloader
+from lightrft.data.loader import ResumableDataLoader, build_dataloader, step_batches
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
@@ -72,6 +72,7 @@ __all__ = [
     "packed_sft_dataset",
     "plan_micro_batches",
     "prepare_gsm8k",
+    "step_batches",
     "write_arith_dataset",
     "write_tones_dataset",
     "write_shapes_dataset",
