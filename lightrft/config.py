@@ -44,6 +44,7 @@ __all__ = [
     "ConfigError",
     "Section",
     "UserError",
+    "at_least",
     "check",
     "option",
     "section",
@@ -585,6 +586,13 @@ class Section:
             values[f.name] = value
         return cls(**values).resolve(at)
 
+    def is_set(self) -> bool:
+        """Whether any key of the section has a value (an all-null section counts as absent:
+        sections whose presence switches a feature on keep their keys' defaults null)."""
+        return any(
+            v.is_set() if isinstance(v, Section) else v is not None for v in vars(self).values()
+        )
+
     def resolve(self, at: str) -> Section:
         """Rules across fields (raise ``ValueError`` naming the keys with ``at`` in front) and
         defaults that depend on other keys (return a ``dataclasses.replace``d copy)."""
@@ -645,11 +653,16 @@ def _optional_schema(sub: dict[str, Any]) -> dict[str, Any]:
     return sub
 
 
+def at_least(key: str, value: Any, low: float, *, strict: bool = False) -> None:
+    """``value`` (None: unset) must be ``>= low`` (``> low`` if ``strict``); names ``key``."""
+    if value is not None and (value <= low if strict else value < low):
+        raise ValueError(f"{key} must be {'>' if strict else '>='} {low:g}, got {value}")
+
+
 def _check_bounds(key: str, value: Any, meta: Mapping[str, Any]) -> None:
     if value is None or isinstance(value, bool):
         return
-    ge, gt = meta.get("ge"), meta.get("gt")
-    if ge is not None and value < ge:
-        raise ValueError(f"{key} must be >= {ge:g}, got {value}")
-    if gt is not None and value <= gt:
-        raise ValueError(f"{key} must be > {gt:g}, got {value}")
+    if meta.get("ge") is not None:
+        at_least(key, value, meta["ge"])
+    if meta.get("gt") is not None:
+        at_least(key, value, meta["gt"], strict=True)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightrft.data.prompts import conversation
+from lightrft.distributed import DistInfo, all_gather_objects
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
 __all__ = [
@@ -142,6 +143,35 @@ def evaluate_items(
             )
         )
     return records
+
+
+def evaluate_dataset(
+    dataset: Sequence[Mapping[str, Any]],
+    generate: Callable[[list[list[int]], list[Mapping[str, Any]]], list],
+    reward_fn: Callable,
+    n: int,
+    dist: DistInfo,
+    *,
+    limit: int | None = None,
+    accuracy: str | None = None,
+    extract: Callable[[str], str | None] | None = None,
+) -> list[EvalRecord]:
+    """:func:`evaluate_items` over a dataset split across ranks (collective): each rank takes
+    every world_size-th of the first ``limit`` prompts; every rank gets all records, in dataset
+    order. ``generate(prompt_ids, items)``: the items ride along for their media."""
+    total = len(dataset) if limit is None else min(len(dataset), limit)
+    mine = list(range(dist.rank, total, dist.world_size))
+    items = [dataset[i] for i in mine]
+    records = evaluate_items(
+        items,
+        mine,
+        lambda ids: generate(ids, items),
+        reward_fn,
+        n,
+        accuracy=accuracy,
+        extract=extract,
+    )
+    return sorted((r for part in all_gather_objects(records) for r in part), key=lambda r: r.index)
 
 
 def summarize(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, float]:

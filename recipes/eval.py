@@ -20,39 +20,19 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Literal
 
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from lightrft import config
 from lightrft.config import Component, Section, option, section
 from lightrft.distributed import barrier
 from lightrft.engine import NativeEngine, Request, SamplingParams
-from lightrft.evaluation import EvalRecord, evaluate_items, summarize
+from lightrft.engine.config import EngineConfig
+from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward
 from lightrft.sections import ModelConfig, RunConfig
 from lightrft.training.run import TrainingRun, training_run
-
-
-@section
-class EngineConfig(Section):
-    """``engine:``: the rollout engine that generates the answers."""
-
-    backend: Literal["native", "vllm"] = option("native", doc="`vllm`: CUDA only")
-    max_model_len: int | None = option(None, doc="prompt + answer tokens per sequence")
-    max_num_seqs: int | None = option(None, doc="sequences generated at once")
-    gpu_memory_utilization: float | None = option(None, doc="vllm only")
-
-    def resolve(self, at: str) -> EngineConfig:
-        if self.backend == "native" and self.gpu_memory_utilization is not None:
-            raise ValueError("engine.gpu_memory_utilization applies to engine.backend=vllm only")
-        return self
-
-    def kwargs(self) -> dict:
-        keys = ("max_model_len", "max_num_seqs", "gpu_memory_utilization")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 @section
@@ -123,19 +103,14 @@ class EvalRecipe:
         self.accuracy = o.accuracy_reward or names[0]
         source = self.reward_fn.functions[o.answer_reward or self.accuracy]
         self.extract = getattr(source, "extract", None)
-        seed = o.run.seed
+        seed, kwargs = o.run.seed, {"dtype": m.dtype, **e.kwargs()}  # engine.dtype wins
         if e.backend == "vllm":
             from lightrft.engine import VLLMEngine
 
-            self.engine = VLLMEngine(m.path, seed=seed, dtype=m.dtype, **e.kwargs())
+            self.engine = VLLMEngine(m.path, seed=seed, **kwargs)
         else:
             self.engine = NativeEngine(
-                m.path,
-                self.tokenizer,
-                dtype=m.dtype,
-                device=self.dist.device,
-                seed=seed,
-                **e.kwargs(),
+                m.path, self.tokenizer, device=self.dist.device, seed=seed, **kwargs
             )
         s = o.sampling
         self.params = SamplingParams(
@@ -148,34 +123,23 @@ class EvalRecipe:
         )
 
     def run(self) -> dict[str, float]:
-        total = len(self.dataset)
-        if self.opts.max_prompts is not None:
-            total = min(total, self.opts.max_prompts)
-        mine = list(range(self.dist.rank, total, self.dist.world_size))
-        items = [self.dataset[i] for i in mine]
-
-        def generate(prompt_ids: list[list[int]]) -> list:
-            # evaluate_items generates for the items in order: their images / audio go alongside.
+        def generate(prompt_ids: list[list[int]], items: list) -> list:
             requests = [
                 Request.with_media(ids, it.get("images"), it.get("audios"))
                 for ids, it in zip(prompt_ids, items, strict=True)
             ]
             return self.engine.generate(requests, self.params)
 
-        records = evaluate_items(
-            items,
-            mine,
+        records = evaluate_dataset(
+            self.dataset,
             generate,
             self.reward_fn,
             self.opts.sampling.n,
+            self.dist,
+            limit=self.opts.max_prompts,
             accuracy=self.accuracy,
             extract=self.extract,
         )
-        if dist.is_initialized():
-            gathered: list[list[EvalRecord]] = [None] * self.dist.world_size  # type: ignore
-            dist.all_gather_object(gathered, records)
-            records = [r for part in gathered for r in part]
-        records.sort(key=lambda r: r.index)
         summary = summarize(records, list(self.opts.ks))
         if self.dist.is_main:
             with open(self.out / "samples.jsonl", "w") as f:

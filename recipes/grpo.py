@@ -39,22 +39,16 @@ from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
 from lightrft import config
 from lightrft.algorithms import (
-    AGG_MODES,
-    ESTIMATORS,
-    KL_KINDS,
     OBJECTIVES,
     DynamicSamplingAccumulator,
     RunningRewardNormalizer,
     build_kl_controller,
-    check_estimator,
-    check_objective,
     clip_rewards,
     compute_advantages,
     entropy_bonus,
@@ -66,18 +60,21 @@ from lightrft.algorithms import (
     policy_loss,
     value_loss,
 )
+from lightrft.algorithms.config import AlgorithmConfig
 from lightrft.config import Component, Section, option, section
-from lightrft.data import build_dataloader, collate_prompts, conversation, plan_micro_batches
+from lightrft.data import build_dataloader, collate_prompts, conversation
 from lightrft.data.modality import is_audio_language, is_vision_language
-from lightrft.distributed import all_gather_objects, all_reduce_max
+from lightrft.distributed import sum_over_ranks
 from lightrft.engine import NativeEngine, Request, SamplingParams
-from lightrft.evaluation import evaluate_items, summarize
+from lightrft.engine.config import EngineConfig
+from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.kernels import (
     GradHint,
     causal_lm_token_logprobs,
     forward_on_hidden,
     response_grad_hint,
 )
+from lightrft.models.critic import with_value_head
 from lightrft.models.multimodal import (
     check_towers,
     checkpoint_is_multimodal,
@@ -94,8 +91,8 @@ from lightrft.rollout.metrics import (
     step_metrics,
     write_trajectories,
 )
-from lightrft.rollout.micro import MicroBatch, build_micro_batch
-from lightrft.sections import DType, PolicyModelConfig, ScheduleConfig
+from lightrft.rollout.micro import MicroBatch, build_micro_batch, rank_micro_batches
+from lightrft.sections import PolicyModelConfig, ScheduleConfig
 from lightrft.strategy import build_strategy
 from lightrft.training import (
     MetricAccumulator,
@@ -107,16 +104,6 @@ from lightrft.training import (
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 # ---------------------------------------------------------------------------------- config
-
-
-def _at_least(name: str, value: Any, low: float, *, strict: bool = False) -> None:
-    if value is not None and (value <= low if strict else value < low):
-        raise ValueError(f"{name} must be {'>' if strict else '>='} {low:g}, got {value}")
-
-
-def _is_set(section: Section | None) -> bool:
-    """Whether a config section has any key set (all-null sections count as absent)."""
-    return section is not None and any(v is not None for v in vars(section).values())
 
 
 @section
@@ -160,122 +147,6 @@ class RolloutConfig(Section):
 
 
 @section
-class AdvantageConfig(Section):
-    """``algorithm.advantage:``: the estimator and the options it takes (docs/algorithms.md)."""
-
-    estimator: Literal[tuple(ESTIMATORS)] = option(doc="grpo, rloo, reinforce_pp, gae, ...")
-    eps: float | None = option(None, doc="std normalisation epsilon")
-    scale: Literal["group", "batch", "none"] | None = option(None, doc="normalise by which std")
-    weight: Literal["filter", "std", "none"] | None = option(None, doc="group weighting")
-    gamma: float | None = option(None, doc="gae / reinforce_pp discount")
-    lam: float | None = option(None, doc="gae lambda")
-
-    def options(self) -> dict[str, Any]:
-        """The keys the config sets: the estimator checks they apply to it."""
-        return {k: v for k, v in vars(self).items() if v is not None and k != "estimator"}
-
-
-@section
-class PolicyLossConfig(Section):
-    """``algorithm.policy_loss:``: the objective (lightrft.algorithms.OBJECTIVES) and its
-    aggregation; unset keys take the objective's published defaults."""
-
-    objective: Literal[tuple(OBJECTIVES)] = option("ppo", doc="ppo, gspo, gmpo, cpgd, ...")
-    clip_low: float | None = option(None, doc="ratio clip below 1")
-    clip_high: float | None = option(None, doc="ratio clip above 1 (clip-higher)")
-    dual_clip: float | None = option(None, doc="dual-clip bound (> 1)")
-    agg: Literal[AGG_MODES] | None = option(None, doc="how token losses aggregate")
-    norm_len: int | None = option(None, ge=1, doc="seq_mean_token_sum_norm's divisor")
-
-    def kwargs(self) -> dict[str, Any]:
-        keys = ("objective", "clip_low", "clip_high", "dual_clip", "agg", "norm_len")
-        return {k: getattr(self, k) for k in keys}
-
-
-@section
-class TISConfig(Section):
-    """``algorithm.tis:``: truncated importance sampling towards the engine's log-probs."""
-
-    mode: Literal["token", "sequence_mask"] | None = option(None, doc="unset: off")
-    cap: float | None = option(None, doc="the weight cap; default 2")
-
-
-@section
-class KLConfig(Section):
-    """``algorithm.kl:``: a KL to the frozen reference (the section switches it on)."""
-
-    coef: float | None = option(None, doc="the KL coefficient (> 0)")
-    estimator: Literal[(*KL_KINDS, "kl", "mse", "low_var_kl")] | None = option(
-        None, doc="default k3"
-    )
-    placement: Literal["loss", "reward"] | None = option(None, doc="default loss")
-    controller: Literal["fixed", "adaptive"] | None = option(None, doc="default fixed")
-    target: float | None = option(None, doc="adaptive only")
-    horizon: float | None = option(None, doc="adaptive only")
-
-
-@section
-class EntropyConfig(Section):
-    """``algorithm.entropy:``: an entropy bonus and high-entropy token selection."""
-
-    coef: float = option(0.0, doc="entropy bonus coefficient")
-    top_rho: float | None = option(None, doc="train on the top-rho highest-entropy tokens only")
-
-
-@section
-class OverlongConfig(Section):
-    """``algorithm.shaping.overlong:``: DAPO's soft overlong penalty."""
-
-    max_len: int | None = option(None, doc="default rollout.max_tokens")
-    buffer: int | None = option(None, doc="tokens before max_len where the penalty ramps up")
-    factor: float | None = option(None, doc="the penalty at max_len; default 1")
-
-
-@section
-class DynamicSamplingConfig(Section):
-    """``algorithm.shaping.dynamic_sampling:``: draw again until enough informative groups."""
-
-    enabled: bool | None = option(None, doc="default: on when the section is set")
-    max_draws: int | None = option(None, doc="draws per step at most (default 10)")
-
-
-@section
-class ShapingConfig(Section):
-    """``algorithm.shaping:``: reward clipping / normalisation, overlong, dynamic sampling."""
-
-    reward_norm: bool = option(False, doc="running reward normalisation")
-    reward_clip: float | None = option(None, doc="clip rewards to [-c, c]")
-    overlong: OverlongConfig = option(default_factory=OverlongConfig, doc="")
-    dynamic_sampling: DynamicSamplingConfig = option(default_factory=DynamicSamplingConfig, doc="")
-
-    @property
-    def dynamic(self) -> bool:
-        ds = self.dynamic_sampling
-        return _is_set(ds) and ds.enabled is not False
-
-
-@section
-class ValueConfig(Section):
-    """``algorithm.value:`` (gae only): the critic's value-loss clip."""
-
-    clip: float | None = option(None, doc="default 0.5")
-
-
-@section
-class AlgorithmConfig(Section):
-    """``algorithm:``: advantages, the policy loss and every term and trick around it."""
-
-    advantage: AdvantageConfig = option(doc="")
-    policy_loss: PolicyLossConfig = option(default_factory=PolicyLossConfig, doc="")
-    old_logprobs: Literal["trainer", "engine"] = option("trainer", doc="the ratio's denominator")
-    tis: TISConfig = option(default_factory=TISConfig, doc="")
-    kl: KLConfig | None = option(None, doc="")
-    entropy: EntropyConfig = option(default_factory=EntropyConfig, doc="")
-    value: ValueConfig = option(default_factory=ValueConfig, doc="")
-    shaping: ShapingConfig = option(default_factory=ShapingConfig, doc="")
-
-
-@section
 class CriticConfig(Section):
     """``critic:`` (gae only): a value model from an HF backbone, with its own optimizer."""
 
@@ -309,38 +180,10 @@ class GRPOEvalConfig(Section):
 
 
 @section
-class GRPOEngineConfig(Section):
-    """``engine:``: the rollout engine (native torch, or vLLM in-process on CUDA)."""
+class RolloutEngineConfig(EngineConfig):
+    """``engine:``: the library's engine section, and what the engine frees between rollouts."""
 
-    backend: Literal["native", "vllm"] = option("native", doc="")
-    dtype: DType | None = option(None, doc="default: the model's")
-    max_model_len: int | None = option(None, doc="prompt + response tokens")
-    max_num_seqs: int | None = option(None, doc="sequences generated at once")
-    max_prefill_tokens: int | None = option(None, doc="native only")
-    max_kv_tokens: int | None = option(None, doc="native only")
-    sleep_level: Literal[0, 1, 2] = option(
-        1, doc="between rollouts: 1 frees the KV cache, 2 weights"
-    )
-    compile: bool | None = option(None, doc="native only")
-    gpu_memory_utilization: float | None = option(None, doc="vllm only")
-    tensor_parallel_size: int | None = option(None, doc="vllm only")
-
-    OWN: ClassVar[dict] = {
-        "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
-        "vllm": ("gpu_memory_utilization", "tensor_parallel_size"),
-    }
-
-    def resolve(self, at: str) -> GRPOEngineConfig:
-        other = self.OWN["vllm" if self.backend == "native" else "native"]
-        wrong = sorted(k for k in other if getattr(self, k) is not None)
-        if wrong:
-            raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={self.backend}")
-        return self
-
-    def kwargs(self) -> dict[str, Any]:
-        """The engine class's keyword arguments the config sets."""
-        keys = ("dtype", "max_model_len", "max_num_seqs", *self.OWN[self.backend])
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+    sleep_level: Literal[0, 1, 2] = option(1, doc="1: free the KV cache, 2: the weights too")
 
 
 @section
@@ -351,7 +194,7 @@ class GRPOConfig(TrainingConfig):
     dataset: Component = option(doc="prompts: lightrft.data.PromptDataset")
     eval_dataset: Component | None = option(None, doc="held-out prompts for greedy eval")
     reward: Component = option(doc="a CombinedReward or a single reward function")
-    engine: GRPOEngineConfig = option(default_factory=GRPOEngineConfig, doc="")
+    engine: RolloutEngineConfig = option(default_factory=RolloutEngineConfig, doc="")
     rollout: RolloutConfig = option(doc="")
     algorithm: AlgorithmConfig = option(doc="")
     critic: CriticConfig | None = option(None, doc="")
@@ -364,41 +207,11 @@ class GRPOConfig(TrainingConfig):
     def resolve(self, at: str) -> GRPOConfig:
         """Every default that depends on another key and every rule across sections."""
         super().resolve(at)
-        ro, alg = self.rollout, self.algorithm
-        check_estimator(alg.advantage.estimator, alg.advantage.options(), group_size=ro.n)
-        alg = replace(alg, policy_loss=self._policy_loss(), kl=self._kl())
-        self._sampling_correction()
-        shaping = alg.shaping
-        _at_least("algorithm.shaping.reward_clip", shaping.reward_clip, 0, strict=True)
-        over = shaping.overlong
-        if _is_set(over):
-            if over.buffer is None:
-                raise ValueError(
-                    "algorithm.shaping.overlong needs buffer (tokens before max_len "
-                    "where the penalty ramps up)"
-                )
-            over = replace(
-                over,
-                max_len=over.max_len or ro.max_tokens,
-                factor=1.0 if over.factor is None else float(over.factor),
-            )
-            overlong_penalty([0], over.max_len, over.buffer, over.factor)  # its own checks
-        ds = shaping.dynamic_sampling
-        if _is_set(ds) and not shaping.dynamic and ds.max_draws is not None:
-            raise ValueError(
-                "algorithm.shaping.dynamic_sampling.max_draws is set but dynamic sampling is "
-                "disabled"
-            )
-        if shaping.dynamic and ro.n < 2:
-            raise ValueError("dynamic sampling needs rollout.n >= 2")
-        _at_least("algorithm.shaping.dynamic_sampling.max_draws", ds.max_draws, 1)
-        alg = replace(alg, shaping=replace(shaping, overlong=over))
-        top_rho = alg.entropy.top_rho
-        if top_rho is not None and not 0 < top_rho <= 1:
-            raise ValueError(f"algorithm.entropy.top_rho must be in (0, 1], got {top_rho}")
+        ro = self.rollout
+        alg = self.algorithm.for_rollout(ro.n, ro.max_tokens, ro.first_token_temperature)
         critic = self._critic()
         ev = self.eval
-        if _is_set(ev) and self.eval_dataset is None:
+        if ev.is_set() and self.eval_dataset is None:
             raise ValueError("the eval section needs an eval_dataset")
         names = list((self.reward.get("functions") or {}).keys())  # a CombinedReward's parts
         if ev.accuracy_reward is not None and ev.accuracy_reward not in names:
@@ -422,80 +235,10 @@ class GRPOConfig(TrainingConfig):
         _check_media(opts)
         return opts
 
-    def _policy_loss(self) -> PolicyLossConfig:
-        pl = self.algorithm.policy_loss
-        defaults = OBJECTIVES[pl.objective].defaults
-        agg = pl.agg or defaults["agg"]
-        if pl.norm_len is not None and agg != "seq_mean_token_sum_norm":
-            raise ValueError(
-                f"algorithm.policy_loss.norm_len is used only by agg=seq_mean_token_sum_norm "
-                f"(agg is {agg!r}); remove it"
-            )
-        # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so the
-        # loss does not depend on how a step is split into micro-batches.
-        norm_len = pl.norm_len
-        if agg == "seq_mean_token_sum_norm" and norm_len is None:
-            norm_len = self.rollout.max_tokens
-        pl = replace(
-            pl,
-            clip_low=float(defaults["clip_low"] if pl.clip_low is None else pl.clip_low),
-            clip_high=float(defaults["clip_high"] if pl.clip_high is None else pl.clip_high),
-            agg=agg,
-            norm_len=norm_len,
-        )
-        check_objective(**pl.kwargs())
-        return pl
-
-    def _kl(self) -> KLConfig | None:
-        kl = self.algorithm.kl
-        if not _is_set(kl):
-            return None
-        kl = replace(
-            kl,
-            estimator=kl.estimator or "k3",
-            placement=kl.placement or "loss",
-            controller=kl.controller or "fixed",
-        )
-        if kl.coef is None or not kl.coef > 0:
-            raise ValueError(
-                f"algorithm.kl.coef must be > 0 (got {kl.coef}); remove the algorithm.kl "
-                "section to train without a KL and without a reference model"
-            )
-        if kl.controller == "fixed" and (kl.target is not None or kl.horizon is not None):
-            raise ValueError("algorithm.kl.target / horizon apply to controller=adaptive only")
-        # The controller's own checks (target, horizon > 0).
-        build_kl_controller(kl.controller, kl.coef, target=kl.target, horizon=kl.horizon)
-        return replace(kl, coef=float(kl.coef))
-
-    def _sampling_correction(self) -> None:
-        alg, tis = self.algorithm, self.algorithm.tis
-        if tis.mode is None and tis.cap is not None:
-            raise ValueError(
-                "algorithm.tis.cap is set but algorithm.tis.mode is not: set mode "
-                "(token | sequence_mask) or remove the tis section"
-            )
-        if tis.mode is not None and alg.old_logprobs != "trainer":
-            raise ValueError(
-                "algorithm.tis corrects the engine's log-probs towards the trainer's old "
-                "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
-            )
-        _at_least("algorithm.tis.cap", tis.cap, 0, strict=True)
-        if self.rollout.first_token_temperature is not None and (
-            alg.old_logprobs == "engine" or tis.mode is not None
-        ):
-            # The engine reports the first token's log-prob at first_token_temperature, the
-            # trainer scores every token at rollout.temperature: the first token's ratio would
-            # be wrong.
-            raise ValueError(
-                "rollout.first_token_temperature (FIRE) makes the engine's first-token log-prob "
-                "differ from the trainer's (scored at rollout.temperature), so it cannot be "
-                "used with algorithm.old_logprobs=engine or algorithm.tis; remove one of them"
-            )
-
     def _critic(self) -> CriticConfig | None:
         critic, estimator = self.critic, self.algorithm.advantage.estimator
         if estimator != "gae":
-            if _is_set(self.algorithm.value) or _is_set(critic):
+            if self.algorithm.value.is_set() or (critic is not None and critic.is_set()):
                 raise ValueError(
                     f"algorithm.value and critic train a critic, used only by estimator=gae "
                     f"(estimator is {estimator!r}); remove them"
@@ -506,14 +249,6 @@ class GRPOConfig(TrainingConfig):
                 "estimator=gae needs a critic: add a `critic:` section with its optimizer"
             )
         return replace(critic, path=critic.path or self.model.path)
-
-    @property
-    def tis_cap(self) -> float:
-        return 2.0 if self.algorithm.tis.cap is None else float(self.algorithm.tis.cap)
-
-    @property
-    def value_clip(self) -> float:
-        return 0.5 if self.algorithm.value.clip is None else float(self.algorithm.value.clip)
 
 
 def _check_media(opts: GRPOConfig) -> None:
@@ -563,13 +298,6 @@ class Counts:
 
     loss: dict[str, float]
     response: dict[str, float]
-
-
-def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    """Every rank filled its own rows of ``t`` (zeros elsewhere): the whole tensor, everywhere."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
 
 
 # ---------------------------------------------------------------------------------- recipe
@@ -676,7 +404,7 @@ class GRPORecipe:
         self.critic = self.critic_opt = self.critic_sched = None
         if (c := o.critic) is not None:
             self.critic = self._load_model(
-                c.path, self._build_critic, activation_checkpointing=m.activation_checkpointing
+                c.path, with_value_head, activation_checkpointing=m.activation_checkpointing
             )
             self.critic_opt = config.instantiate(c.optimizer, self.critic.parameters())
             self.critic_sched = warmup_cosine_scheduler(
@@ -724,23 +452,6 @@ class GRPORecipe:
         self.eval_dataset = None
         if o.eval_dataset is not None:
             self.eval_dataset = config.instantiate(o.eval_dataset, self.processor)
-
-    @staticmethod
-    def _build_critic(critic: nn.Module) -> nn.Module:
-        """The critic: an HF causal-LM backbone whose LM head is replaced by a scalar value head
-        ``hidden -> 1`` (zero-initialised, so values start at 0). Keeping the HF class means
-        ``parallelize`` and ``forward_on_hidden`` handle it exactly like the actor."""
-        hidden = critic.config.hidden_size
-        param = next(critic.parameters())
-        # A meta-device body (sharded loading) gets a real head: it is in no checkpoint, and
-        # fully_shard moves it to the mesh's device.
-        device = "cpu" if param.is_meta else param.device
-        head = nn.Linear(hidden, 1, bias=True, device=device, dtype=param.dtype)
-        nn.init.zeros_(head.weight)
-        nn.init.zeros_(head.bias)
-        critic.config.tie_word_embeddings = False
-        critic.set_output_embeddings(head)
-        return critic
 
     def _state(self) -> dict[str, Any]:
         """What a checkpoint holds: the actor (and its optimizer, as the strategy keeps them),
@@ -810,21 +521,9 @@ class GRPORecipe:
             names = self.reward_names
             return empty, {n: empty for n in names}, {n: empty.bool() for n in names}
         out = self.reward_fn(prompts, texts, references, labels, conversations)
-        total = out.total
-        bad = (~torch.isfinite(total)).nonzero().flatten().tolist()
-        if bad:  # reward functions are checked one by one; this catches weights and sums
-            raise ValueError(
-                f"non-finite total reward {total[bad[0]].item()} for sample "
-                f"{bad[0]} (prompt {prompts[bad[0]][:60]!r}, from {wheres[bad[0]]})"
-            )
-
-        def f64(t: torch.Tensor) -> torch.Tensor:
-            return torch.tensor(t.tolist(), dtype=torch.float64)
-
-        parts = {n: f64(p) for n, p in out.parts.items()}
-        applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in out.applied.items()}
+        out.check_finite(prompts, wheres)
         self.reward_side.add(out)
-        return f64(total), parts, applied
+        return out.as_float64()
 
     def _draw(self, step: int, draw: int, timer: PhaseTimer) -> RolloutBatch:
         """One rollout draw: this rank's prompts, n samples each, scored; then gathered so every
@@ -889,7 +588,7 @@ class GRPORecipe:
             acc = DynamicSamplingAccumulator(
                 o.rollout.prompts_per_step,
                 o.rollout.n,
-                max_draws=shaping.dynamic_sampling.max_draws or 10,
+                max_draws=shaping.dynamic_sampling.draws,
             )
             draws: list[RolloutBatch] = []
             while not acc.done:
@@ -948,24 +647,11 @@ class GRPORecipe:
         return mb.gather(out)
 
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
-        """This rank's share of ``rows`` (every world_size-th), shortest first, in micro-batches
-        of ``train.micro_batch_size`` rows and ``train.micro_batch_tokens`` tokens at most. Every
-        rank runs as many as the rank with the most (a collective when the token budget makes
-        the counts differ): the others add empty ones, which build_micro_batch turns into
-        dummy passes, so the FSDP collectives of forward and backward pair up."""
         tr = self.opts.train
         lengths = (batch.prompt_lens + batch.response_lens).tolist()
-        mine = sorted(rows[self.dist.rank :: self.dist.world_size], key=lambda i: lengths[i])
-        plan = plan_micro_batches(
-            mine, lengths, tr.micro_batch_size, tr.micro_batch_tokens, packing=tr.packing
+        return rank_micro_batches(
+            rows, lengths, tr.micro_batch_size, tr.micro_batch_tokens, tr.packing, self.dist
         )
-        count = max(1, len(plan))
-        if tr.micro_batch_tokens is None:  # known on every rank without a token budget
-            per_rank = -(-len(rows) // self.dist.world_size)
-            count = max(1, -(-per_rank // tr.micro_batch_size))
-        elif self.dist.world_size > 1:
-            count = int(all_reduce_max(count, self.dist.device).item())
-        return plan + [[] for _ in range(count - len(plan))]
 
     @torch.no_grad()
     def precompute(self, batch: RolloutBatch, timer: PhaseTimer) -> None:
@@ -1017,7 +703,7 @@ class GRPORecipe:
             if model is not self.ref:
                 model.train()
             for field, buf in outs.items():
-                setattr(batch, field, _sum_over_ranks(buf))
+                setattr(batch, field, sum_over_ranks(buf))
 
     # ------------------------------------------------------------------ advantages
 
@@ -1071,7 +757,7 @@ class GRPORecipe:
         tis = {}
         if alg.tis.mode is not None:
             tis = {"rollout_logprobs": mb.rollout_logprobs, "tis_mode": alg.tis.mode}
-            tis["tis_cap"] = self.opts.tis_cap
+            tis["tis_cap"] = self.opts.algorithm.tis_cap
         loss, pm = policy_loss(
             mb.logprobs,
             mb.old_logprobs,
@@ -1103,7 +789,7 @@ class GRPORecipe:
                 mb.old_values,
                 mb.returns,
                 mb.mask,
-                clip=self.opts.value_clip,
+                clip=self.opts.algorithm.value_clip,
                 num_tokens=counts.response["num_tokens"],
             )
             loss = loss + vloss
@@ -1264,8 +950,6 @@ class GRPORecipe:
         by the same code as the eval recipe (lightrft.evaluation); each rank takes every
         world_size-th prompt and the records of all ranks are summarised together."""
         ev = self.opts.eval
-        indices = range(self.dist.rank, len(self.eval_dataset), self.dist.world_size)
-        items = [self.eval_dataset[i] for i in indices]
         params = dataclasses.replace(
             self.sampling,
             n=1,
@@ -1276,19 +960,16 @@ class GRPORecipe:
         )
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
 
-        def generate(prompt_ids: list[list[int]]) -> list:
-            # evaluate_items generates for the items in order: their media go alongside.
-            completions = self._generate(
-                prompt_ids,
-                params,
-                [it.get("images") for it in items],
-                [it.get("audios") for it in items],
-            )
+        def generate(prompt_ids: list[list[int]], items: list) -> list:
+            images, audios = [it.get("images") for it in items], [it.get("audios") for it in items]
+            completions = self._generate(prompt_ids, params, images, audios)
             self._sleep()  # the engine's memory goes back before scoring
             return completions
 
-        records = evaluate_items(items, indices, generate, self.reward_fn, n=1, accuracy=name)
-        s = summarize([r for part in all_gather_objects(records) for r in part], [1])
+        records = evaluate_dataset(
+            self.eval_dataset, generate, self.reward_fn, 1, self.dist, accuracy=name
+        )
+        s = summarize(records, [1])
         out = {
             "eval/accuracy": s["pass@1"],
             "eval/reward": s["reward"],

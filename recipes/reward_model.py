@@ -28,18 +28,17 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
 from omegaconf import DictConfig
 
 from lightrft import config
-from lightrft.algorithms.reward_losses import pairwise_stats, preference_loss, safety_sign_loss
+from lightrft.algorithms.reward_losses import PreferenceStats, preference_loss, safety_sign_loss
 from lightrft.config import Section, option, section
-from lightrft.data import StepCollator, build_dataloader
+from lightrft.data import StepCollator, build_dataloader, step_batches
 from lightrft.data.preference import PreferenceCollator
-from lightrft.distributed import all_reduce_sum, even_micro_batches
+from lightrft.distributed import all_reduce_sum
 from lightrft.models.lora import apply_backbone_lora
 from lightrft.models.multimodal import load_processors
 from lightrft.models.reward import CONFIG_KEY, POOLINGS, load_reward_net_parallel
@@ -275,19 +274,6 @@ class RewardModelRecipe:
             per_item = per_item + o.safety_coef * is_cost * safety_sign_loss(raw, safe)
         return per_item.sum() / divisor
 
-    def _batches(self) -> Iterator[tuple[list, int]]:
-        """Each step's micro-batches on this rank and how many are real, epoch after epoch from
-        the (resumable) loader position. With a token budget the counts differ across ranks:
-        the ranks with fewer repeat their last one with zero weight (``even_micro_batches``)."""
-        while True:
-            self.loader.set_epoch(self.epoch)
-            for micro in self.loader:
-                if self.opts.data.micro_batch_tokens is not None:
-                    yield even_micro_batches(micro, self.dist.device)
-                else:
-                    yield micro, len(micro)
-            self.epoch += 1
-
     def train_step(self, micro: list, n_real: int) -> tuple[float, float, int]:
         """One optimizer step: (loss, grad norm, sequences scored on this rank)."""
         # Normalise by the items of the whole step on all ranks; FSDP averages gradients over
@@ -310,9 +296,11 @@ class RewardModelRecipe:
             self._log_eval()
         seqs_seen, t0 = 0, time.perf_counter()
         reset_peak_memory(self.dist.device)
-        batches = self._batches()
+        uneven = self.opts.data.micro_batch_tokens is not None
+        batches = step_batches(self.loader, self.epoch, uneven=uneven, device=self.dist.device)
         for step in self.run.steps(self.step, self.total_steps, save=self._save):
-            loss, grad_norm, seqs = self.train_step(*next(batches))
+            self.epoch, micro, n_real = next(batches)
+            loss, grad_norm, seqs = self.train_step(micro, n_real)
             self.step, seqs_seen = step, seqs_seen + seqs
             if self.run.should_log(step, self.total_steps):
                 elapsed = time.perf_counter() - t0
@@ -361,40 +349,12 @@ class RewardModelRecipe:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Pairwise accuracy, mean margin and reward mean / std per head on the held-out split."""
-        heads = self.opts.model.heads
-        H = len(heads)
-        # Per head: items, correct, margin sum, scored sequences, reward sum, reward sum of squares.
-        sums = torch.zeros(6, H, dtype=torch.float64)
+        stats = PreferenceStats(self.opts.model.heads)
         self.model.eval()
         for batch in self.eval_loader:
-            raw, signed, valid = self._scores(batch)
-            acc, margin = pairwise_stats(signed.float(), valid)  # [B] each
-            head = batch["head"]
-            vals = raw.float().cpu() * valid.cpu()
-            for h in range(H):
-                sel = head == h
-                sums[0, h] += sel.sum()
-                sums[1, h] += acc.cpu()[sel].sum()
-                sums[2, h] += margin.cpu()[sel].sum()
-                sums[3, h] += valid.cpu()[sel].sum()
-                sums[4, h] += vals[sel].sum()
-                sums[5, h] += vals[sel].pow(2).sum()
+            stats.add(*self._scores(batch), batch["head"])
         self.model.train()
-        sums = all_reduce_sum(sums)
-        out: dict[str, float] = {}
-        self.eval_stats = {}
-        for h, name in enumerate(heads):
-            n, m = sums[0, h].item(), sums[3, h].item()
-            if n == 0:
-                continue
-            mean = sums[4, h].item() / m
-            std = max(sums[5, h].item() / m - mean * mean, 0.0) ** 0.5
-            out[f"eval/accuracy/{name}"] = sums[1, h].item() / n
-            out[f"eval/margin/{name}"] = sums[2, h].item() / n
-            out[f"eval/reward_mean/{name}"] = mean
-            out[f"eval/reward_std/{name}"] = std
-            self.eval_stats[name] = {"mean": mean, "std": std, "pairs": int(n)}
-        out["eval/accuracy"] = sums[1].sum().item() / max(sums[0].sum().item(), 1.0)
+        out, self.eval_stats = stats.metrics(all_reduce_sum(stats.sums))
         return out
 
 

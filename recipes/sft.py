@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 
 import torch
 from omegaconf import DictConfig
 
 from lightrft import config
 from lightrft.config import option, section
-from lightrft.data import StepCollator, build_dataloader, pack_or_pad_collator
-from lightrft.distributed import all_reduce_sum, even_micro_batches
+from lightrft.data import StepCollator, build_dataloader, pack_or_pad_collator, step_batches
+from lightrft.distributed import all_reduce_sum
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models.multimodal import check_towers, load_processors, set_towers_trainable
 from lightrft.models.sharded import load_parallel
@@ -167,19 +166,6 @@ class SFTRecipe:
             audios=batch.get("audios"),  # AudioInputs of the batch's samples, in token order
         )
 
-    def _batches(self) -> Iterator[tuple[list, int]]:
-        """Each step's micro-batches on this rank and how many are real, epoch after epoch from
-        the (resumable) loader position. With a token budget the counts differ across ranks:
-        the ranks with fewer repeat their last one with zero weight (``even_micro_batches``)."""
-        while True:
-            self.loader.set_epoch(self.epoch)
-            for micro in self.loader:
-                if self.opts.data.micro_batch_tokens is not None:
-                    yield even_micro_batches(micro, self.dist.device)
-                else:
-                    yield micro, len(micro)
-            self.epoch += 1
-
     def train_step(self, micro: list, n_real: int) -> tuple[float, float, int]:
         """One optimizer step: (loss, grad norm, tokens seen on this rank)."""
         # Normalise by the loss tokens of the whole step on all ranks; FSDP averages gradients
@@ -202,9 +188,11 @@ class SFTRecipe:
             self._log_eval()
         tokens_seen, t0, logged_step = 0, time.perf_counter(), self.step
         reset_peak_memory(self.dist.device)
-        batches = self._batches()
+        uneven = self.opts.data.micro_batch_tokens is not None
+        batches = step_batches(self.loader, self.epoch, uneven=uneven, device=self.dist.device)
         for step in self.run.steps(self.step, self.total_steps, save=self._save):
-            loss, grad_norm, tokens = self.train_step(*next(batches))
+            self.epoch, micro, n_real = next(batches)
+            loss, grad_norm, tokens = self.train_step(micro, n_real)
             self.step, tokens_seen = step, tokens_seen + tokens
             if self.run.should_log(step, self.total_steps):
                 elapsed = time.perf_counter() - t0

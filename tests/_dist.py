@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
@@ -48,18 +47,17 @@ def run_distributed(fn: Callable, *args, world_size: int = 2) -> None:
     mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
 
 
-@contextlib.contextmanager
-def recipe_instance(recipe: str, cfg) -> Iterator:
+def build_recipe(recipe: str, cfg):
     """The recipe file's recipe object for ``cfg`` (a loaded config), built as its
-    ``recipe_main`` builds it (options, the run contract), not yet set up; the run is torn down
-    on leaving. For tests that reach into a recipe (its model, logger) in this process."""
+    ``recipe_main`` builds it (options, then the run contract: output directory, process group,
+    seed, prepare steps), not yet set up. For tests that reach into a recipe (its model, its
+    logger) in this process; the test harness leaves the process group."""
     import runpy
 
     from lightrft.cli import recipes_dir
-    from lightrft.training.run import training_run
+    from lightrft.training.run import TrainingRun
 
     module = runpy.run_path(str(recipes_dir() / f"{recipe}.py"))
-    name = next(k for k in module if k.endswith("Recipe") and isinstance(module[k], type))
+    name = next(k for k, v in module.items() if k.endswith("Recipe") and isinstance(v, type))
     opts = module["build_options"](cfg)
-    with training_run(cfg, opts.run) as run:
-        yield module[name](cfg, opts, run)
+    return module[name](cfg, opts, TrainingRun(cfg, opts.run))

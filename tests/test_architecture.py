@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: dict[str, tuple[int, set[str]]] = {
     "lightrft.config": (0, set()),
     "lightrft.distributed": (0, set()),
-    "lightrft.algorithms": (0, set()),
+    "lightrft.algorithms": (1, {"lightrft.config"}),
     "lightrft.sections": (1, {"lightrft.config"}),
-    "lightrft.data": (1, {"lightrft.config"}),
+    "lightrft.data": (1, {"lightrft.config", "lightrft.distributed"}),
     "lightrft.kernels": (2, {"lightrft.data"}),
     "lightrft.models": (
         3,
@@ -93,7 +93,15 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.engine",
         },
     ),
-    "lightrft.evaluation": (9, {"lightrft.config", "lightrft.data", "lightrft.rewards"}),
+    "lightrft.evaluation": (
+        9,
+        {
+            "lightrft.config",
+            "lightrft.distributed",
+            "lightrft.data",
+            "lightrft.rewards",
+        },
+    ),
     "lightrft.tasks": (10, {"lightrft.config", "lightrft.data", "lightrft.models"}),
     "lightrft.cli": (11, {"lightrft.config", "lightrft.tasks"}),
     "lightrft.__main__": (12, {"lightrft.cli"}),

@@ -121,3 +121,49 @@ def pairwise_stats(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Ten
     wins = ((diff > 0).float() + 0.5 * (diff == 0).float()) * rej
     n = rej.sum(-1).clamp(min=1)
     return wins.sum(-1) / n, (diff * rej).sum(-1) / n
+
+
+class PreferenceStats:
+    """A reward model's held-out statistics per head, accumulated over batches: pairwise
+    accuracy, mean margin, and the mean / std of its scores. :attr:`sums` (``[6, heads]``,
+    float64: items, correct, margin sum, scored sequences, score sum, sum of squares) can be
+    summed over ranks before :meth:`metrics`."""
+
+    def __init__(self, heads: list[str] | tuple[str, ...]):
+        self.heads = list(heads)
+        self.sums = torch.zeros(6, len(self.heads), dtype=torch.float64)
+
+    def add(
+        self, raw: torch.Tensor, signed: torch.Tensor, valid: torch.Tensor, head: torch.Tensor
+    ) -> None:
+        """One batch: raw scores, signed scores (higher = preferred) and the valid mask, each
+        ``[B, K]``; ``head`` ``[B]``: the head each item is scored by."""
+        acc, margin = pairwise_stats(signed.float(), valid)  # [B] each
+        acc, margin, valid = acc.cpu(), margin.cpu(), valid.cpu()
+        vals = raw.float().cpu() * valid
+        head = head.cpu()
+        for h in range(len(self.heads)):
+            sel = head == h
+            for row, part in enumerate((sel, acc[sel], margin[sel], valid[sel], vals[sel])):
+                self.sums[row, h] += part.sum()
+            self.sums[5, h] += vals[sel].pow(2).sum()
+
+    def metrics(self, sums: torch.Tensor | None = None) -> tuple[dict[str, float], dict]:
+        """``eval/*`` metrics per head and overall, and per head ``{mean, std, pairs}`` (what
+        an export records for score normalisation). ``sums``: e.g. summed over ranks."""
+        sums = self.sums if sums is None else sums
+        out: dict[str, float] = {}
+        stats: dict[str, dict[str, float]] = {}
+        for h, name in enumerate(self.heads):
+            n, m = sums[0, h].item(), sums[3, h].item()
+            if n == 0:
+                continue
+            mean = sums[4, h].item() / m
+            std = max(sums[5, h].item() / m - mean * mean, 0.0) ** 0.5
+            out[f"eval/accuracy/{name}"] = sums[1, h].item() / n
+            out[f"eval/margin/{name}"] = sums[2, h].item() / n
+            out[f"eval/reward_mean/{name}"] = mean
+            out[f"eval/reward_std/{name}"] = std
+            stats[name] = {"mean": mean, "std": std, "pairs": int(n)}
+        out["eval/accuracy"] = sums[1].sum().item() / max(sums[0].sum().item(), 1.0)
+        return out, stats

@@ -15,12 +15,14 @@ interrupted one would have yielded. The loop that makes resume exact, epoch boun
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from lightrft.distributed import even_micro_batches
 
 __all__ = ["ResumableDataLoader", "build_dataloader"]
 
@@ -115,3 +117,21 @@ def build_dataloader(
         num_workers=num_workers,
         persistent_workers=False,
     )
+
+
+def step_batches(
+    loader: ResumableDataLoader, epoch: int, *, uneven: bool, device: torch.device | None = None
+) -> Iterator[tuple[int, list, int]]:
+    """``(epoch, micro-batches, how many are real)`` of each optimizer step on this rank, epoch
+    after epoch from the loader's (resumable) position, for a loader whose batches are a step's
+    micro-batches (:class:`~lightrft.data.StepCollator`). ``uneven``: a token budget makes the
+    counts differ across ranks; the ranks with fewer repeat their last one, for the caller to
+    give no weight (:func:`~lightrft.distributed.even_micro_batches`)."""
+    while True:
+        loader.set_epoch(epoch)
+        for micro in loader:
+            if uneven:
+                yield (epoch, *even_micro_batches(micro, device))
+            else:
+                yield epoch, micro, len(micro)
+        epoch += 1

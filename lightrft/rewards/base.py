@@ -162,6 +162,27 @@ class RewardOutput:
     # judge's parse failures.
     extra: dict[str, float] = field(default_factory=dict)
 
+    def check_finite(self, prompts: list[str], wheres: list[str | None]) -> None:
+        """Raise naming the first sample whose total is not finite (each function's rewards
+        are checked where it is called; this catches the weights and the sum)."""
+        bad = (~torch.isfinite(self.total)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(
+                f"non-finite total reward {self.total[bad[0]].item()} for sample "
+                f"{bad[0]} (prompt {prompts[bad[0]][:60]!r}, from {wheres[bad[0]]})"
+            )
+
+    def as_float64(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(total, parts, applied)``: float64 tensors of exactly the python floats the
+        functions returned, and the bool masks."""
+
+        def f64(t: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(t.tolist(), dtype=torch.float64)
+
+        parts = {n: f64(p) for n, p in self.parts.items()}
+        applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in self.applied.items()}
+        return f64(self.total), parts, applied
+
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """Mean and std of the total and of each function over the samples it scored, and the
         seconds each function took: ``{prefix}/total/mean``, ``{prefix}/{name}/std``, ..."""

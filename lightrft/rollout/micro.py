@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from lightrft.data.audio import AudioInputs
+from lightrft.data.collate import plan_micro_batches
 from lightrft.data.vision import ImageInputs
+from lightrft.distributed import DistInfo, all_reduce_max
 from lightrft.rollout.batch import IGNORE, RolloutBatch
 
 
@@ -127,3 +129,28 @@ def _padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -
         index[i, : resp[i]] = i * (length - 1) + cols
         mask[i, : resp[i]] = True
     return MicroBatch(ids, None, attention_mask, targets, index, mask)
+
+
+def rank_micro_batches(
+    rows: list[int],
+    lengths: list[int],
+    micro_batch_size: int,
+    micro_batch_tokens: int | None,
+    packing: bool,
+    dist: DistInfo,
+) -> list[list[int]]:
+    """This rank's share of ``rows`` (every world_size-th), shortest first, in micro-batches of
+    ``micro_batch_size`` rows and ``micro_batch_tokens`` tokens at most (``lengths``: each
+    row's prompt + response tokens). Every rank runs as many as the rank with the most (a
+    collective when the token budget makes the counts differ): the others add empty ones, which
+    :func:`build_micro_batch` turns into dummy passes, so the FSDP collectives of forward and
+    backward pair up."""
+    mine = sorted(rows[dist.rank :: dist.world_size], key=lambda i: lengths[i])
+    plan = plan_micro_batches(mine, lengths, micro_batch_size, micro_batch_tokens, packing=packing)
+    count = max(1, len(plan))
+    if micro_batch_tokens is None:  # known on every rank without a token budget
+        per_rank = -(-len(rows) // dist.world_size)
+        count = max(1, -(-per_rank // micro_batch_size))
+    elif dist.world_size > 1:
+        count = int(all_reduce_max(count, dist.device).item())
+    return plan + [[] for _ in range(count - len(plan))]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _dist import run_distributed
+from _dist import build_recipe, run_distributed
 
 from lightrft import cli
 from lightrft.training import read_metrics
@@ -148,16 +148,10 @@ def test_audio_sft_learns_freezes_the_tower_exports_and_resumes(tmp_path):
 
 def _run_recipe(name: str, cfg_path: str):
     """The recipe as the CLI runs it, minus the process-group teardown (the harness owns it)."""
-    import runpy
-
     from lightrft import config as lconfig
-    from lightrft.cli import recipes_dir
 
-    module = runpy.run_path(str(recipes_dir() / f"{name}.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module[{"sft": "SFTRecipe", "grpo": "GRPORecipe"}[name]](
-        cfg, module["build_options"](cfg)
-    )
+    recipe = build_recipe(name, cfg)
     recipe.setup(cfg)
     recipe.train()
     recipe.logger.close()

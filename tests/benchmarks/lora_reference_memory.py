@@ -16,7 +16,8 @@ import psutil
 import torch
 
 from lightrft.models import load_causal_lm
-from lightrft.models.lora import LoraOptions, adapters_disabled, apply_lora
+from lightrft.models.lora import adapters_disabled, apply_lora
+from lightrft.sections import LoraConfig
 from lightrft.tasks import make_tiny_model
 
 PATH = "/tmp/lightrft_lora_memory_model"
@@ -44,7 +45,7 @@ def main(mode: str) -> None:
         with torch.no_grad():
             ref(input_ids=ids)
     else:
-        actor = apply_lora(actor, LoraOptions(rank=16, alpha=32))
+        actor = apply_lora(actor, LoraConfig.read({"rank": 16, "alpha": 32}))
         with torch.no_grad(), adapters_disabled(actor):
             actor(input_ids=ids)
     gc.collect()

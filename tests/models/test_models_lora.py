@@ -12,13 +12,12 @@ from lightrft.engine.sync import iter_weight_buckets  # noqa: E402
 from lightrft.kernels import causal_lm_cross_entropy  # noqa: E402
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize  # noqa: E402
 from lightrft.models.lora import (  # noqa: E402
-    LoraOptions,
     adapters_disabled,
     apply_lora,
     export_adapter,
-    lora_options,
     resolve_targets,
 )
+from lightrft.sections import LoraConfig, StrategyConfig  # noqa: E402
 from lightrft.training import Checkpointer  # noqa: E402
 from lightrft.training.export import export_merged  # noqa: E402
 
@@ -26,11 +25,11 @@ DECODER_LINEARS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_p
 
 
 def test_options_defaults_and_null_section():
-    assert lora_options(None) is None
-    o = lora_options(OmegaConf.create({"rank": 4, "alpha": None}))
-    assert o == LoraOptions(rank=4, alpha=8.0)
-    o = lora_options(OmegaConf.create({"rank": 2, "target_modules": ["q_proj"]}))
-    assert o.target_modules == ("q_proj",)
+    assert StrategyConfig.read({"lora": None}).lora is None
+    o = LoraConfig.read(OmegaConf.create({"rank": 4, "alpha": None}))
+    assert o == LoraConfig(rank=4, alpha=8.0)
+    o = LoraConfig.read(OmegaConf.create({"rank": 2, "target_modules": ["q_proj"]}))
+    assert o.targets == ("q_proj",)
 
 
 @pytest.mark.parametrize(
@@ -45,13 +44,13 @@ def test_options_defaults_and_null_section():
 )
 def test_options_errors_name_the_key(node, match):
     with pytest.raises(ValueError, match=match):
-        lora_options(OmegaConf.create(node))
+        LoraConfig.read(OmegaConf.create(node), "lora.")
 
 
 def test_auto_targets_every_decoder_linear_not_the_head(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir)
-    assert resolve_targets(model, LoraOptions(rank=2, alpha=4)) == DECODER_LINEARS
-    peft_model = apply_lora(model, LoraOptions(rank=2, alpha=4))
+    assert resolve_targets(model, LoraConfig.read({"rank": 2, "alpha": 4})) == DECODER_LINEARS
+    peft_model = apply_lora(model, LoraConfig.read({"rank": 2, "alpha": 4}))
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
     assert sum(".lora_A." in n for n in trainable) == 7 * model.config.num_hidden_layers
@@ -60,16 +59,19 @@ def test_auto_targets_every_decoder_linear_not_the_head(tiny_model_dir):
 def test_a_target_that_matches_nothing_fails_before_training(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir)
     with pytest.raises(ValueError, match=r"lora.target_modules: 'qkv_proj' matches no linear"):
-        apply_lora(model, LoraOptions(rank=2, alpha=4, target_modules=("q_proj", "qkv_proj")))
+        apply_lora(
+            model,
+            LoraConfig.read({"rank": 2, "alpha": 4, "target_modules": ["q_proj", "qkv_proj"]}),
+        )
     with pytest.raises(ValueError, match="lora.target_modules: 'lm_head' matches no linear"):
-        apply_lora(model, LoraOptions(rank=2, alpha=4, target_modules=("lm_head",)))
+        apply_lora(model, LoraConfig.read({"rank": 2, "alpha": 4, "target_modules": ["lm_head"]}))
     with pytest.raises(ValueError, match=r"lora.trained_modules: \['head'\]"):
-        apply_lora(model, LoraOptions(rank=2, alpha=4, trained_modules=("head",)))
+        apply_lora(model, LoraConfig.read({"rank": 2, "alpha": 4, "trained_modules": ["head"]}))
 
 
 # ------------------------------------------------------------------ the whole path, 1 and 2 ranks
 
-OPTS = LoraOptions(rank=4, alpha=8.0, trained_modules=("lm_head",))
+OPTS = LoraConfig.read({"rank": 4, "alpha": 8.0, "trained_modules": ["lm_head"]})
 
 
 def _batch():

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 from _dist import run_distributed
 
-from lightrft.models.parallel import MeshOptions, build_mesh, mesh_config, mesh_options, mesh_shape
+from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
+from lightrft.sections import StrategyConfig, mesh_shape
 from lightrft.tasks import make_tiny_model
 from lightrft.training import Checkpointer
 
@@ -23,11 +24,11 @@ BATCHES = [
 
 
 def test_mesh_shape_from_sizes():
-    assert mesh_shape(MeshOptions(), 8) == (1, 8)
-    assert mesh_shape(MeshOptions(shard_size=4), 8) == (2, 4)
-    assert mesh_shape(MeshOptions(replicate_size=4), 8) == (4, 2)
-    assert mesh_shape(MeshOptions(shard_size=2, replicate_size=4), 8) == (4, 2)
-    assert mesh_shape(MeshOptions(shard_size=1), 1) == (1, 1)
+    assert mesh_shape(None, None, 8) == (1, 8)
+    assert mesh_shape(4, None, 8) == (2, 4)
+    assert mesh_shape(None, 4, 8) == (4, 2)
+    assert mesh_shape(2, 4, 8) == (4, 2)
+    assert mesh_shape(1, None, 1) == (1, 1)
 
 
 @pytest.mark.parametrize(
@@ -41,7 +42,7 @@ def test_mesh_shape_from_sizes():
 )
 def test_mesh_sizes_that_do_not_fit_are_refused(shard, replicate, world, message):
     with pytest.raises(ValueError, match=message):
-        mesh_shape(mesh_options(shard, replicate), world)
+        mesh_shape(shard, replicate, world)
 
 
 @pytest.mark.parametrize(
@@ -55,20 +56,20 @@ def test_mesh_sizes_that_do_not_fit_are_refused(shard, replicate, world, message
 )
 def test_mesh_options_are_checked(shard, replicate, message):
     with pytest.raises(ValueError, match=message):
-        mesh_options(shard, replicate)
+        StrategyConfig.read({"shard_size": shard, "replicate_size": replicate})
 
 
 def test_mesh_config_checks_the_launch_world_size(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert mesh_config(4, None) == MeshOptions(shard_size=4)  # validate without torchrun
+    assert StrategyConfig.read({"shard_size": 4}).shard_size == 4  # validate without torchrun
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ValueError, match="shard_size=4 does not divide the world size 6"):
-        mesh_config(4, None)
+        StrategyConfig.read({"shard_size": 4})
 
 
 def test_one_plain_process_has_no_mesh():
-    assert build_mesh(MeshOptions(), "cpu") is None
-    assert build_mesh(MeshOptions(shard_size=1, replicate_size=1), "cpu") is None
+    assert build_mesh(None, None, "cpu") is None
+    assert build_mesh(1, 1, "cpu") is None
 
 
 # ------------------------------------------------------------------------------ training
@@ -113,7 +114,7 @@ def _mesh_worker(rank: int, world: int, path: str, expected: list[float]) -> Non
     from torch.distributed.tensor import DTensor
 
     for shard, replicate, dims in ((2, None, ("shard",)), (1, 2, ("replicate", "shard"))):
-        mesh = build_mesh(MeshOptions(shard_size=shard, replicate_size=replicate), "cpu")
+        mesh = build_mesh(shard, replicate, "cpu")
         assert mesh.mesh_dim_names == dims
         model, opt = _model_and_opt(path, mesh)
         w = model.model.layers[0].mlp.up_proj.weight

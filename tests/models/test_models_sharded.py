@@ -28,9 +28,12 @@ def _reference(path) -> dict:
 
 
 def _lora(model):
-    from lightrft.models.lora import LoraOptions, apply_lora
+    from lightrft.models.lora import apply_lora
+    from lightrft.sections import LoraConfig
 
-    return apply_lora(model, LoraOptions(rank=4, alpha=8.0, trained_modules=("lm_head",)))
+    return apply_lora(
+        model, LoraConfig.read({"rank": 4, "alpha": 8.0, "trained_modules": ["lm_head"]})
+    )
 
 
 def _sharded_worker(rank: int, world: int, tied: str, untied: str, vlm: str, ref_file: str) -> None:

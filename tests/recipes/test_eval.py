@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _dist import run_distributed
+from _dist import build_recipe, run_distributed
 
 from lightrft import cli
 
@@ -63,14 +63,11 @@ def test_config_errors_before_loading(tmp_path, assets):
 
 
 def _two_rank_eval(rank: int, world_size: int, cfg_path: str) -> None:
-    import runpy
 
     from lightrft import config as lconfig
-    from lightrft.cli import recipes_dir
 
-    module = runpy.run_path(str(recipes_dir() / "eval.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module["EvalRecipe"](cfg, module["build_options"](cfg))
+    recipe = build_recipe("eval", cfg)
     recipe.setup(cfg)
     recipe.run()  # no cleanup(): the harness destroys the process group
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _dist import run_distributed
+from _dist import build_recipe, run_distributed
 
 from lightrft import cli
 from lightrft.algorithms import ESTIMATORS
@@ -408,16 +408,13 @@ def test_resume_gives_the_uninterrupted_curve_bitwise(tmp_path, assets):
 
 
 def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
-    import runpy
 
     from torch.distributed.tensor import DTensor
 
     from lightrft import config as lconfig
-    from lightrft.cli import recipes_dir
 
-    module = runpy.run_path(str(recipes_dir() / "grpo.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module["GRPORecipe"](cfg, module["build_options"](cfg))
+    recipe = build_recipe("grpo", cfg)
     recipe.setup(cfg)
     assert all(isinstance(p, DTensor) for p in recipe.model.parameters())
     recipe.train()
@@ -761,11 +758,11 @@ def test_dr_grpo_norm_len_defaults_to_the_generation_budget(tmp_path, assets):
     build_options = runpy.run_path(str(recipes_dir() / "grpo.py"))["build_options"]
     over = {"algorithm.policy_loss.agg": "seq_mean_token_sum_norm", "rollout.max_tokens": 7}
     cfg, _ = lconfig.load(_config(tmp_path, assets, **over))
-    assert build_options(cfg).loss.norm_len == 7
+    assert build_options(cfg).algorithm.policy_loss.norm_len == 7
     cfg, _ = lconfig.load(_config(tmp_path, assets, **over), ["algorithm.policy_loss.norm_len=5"])
-    assert build_options(cfg).loss.norm_len == 5
+    assert build_options(cfg).algorithm.policy_loss.norm_len == 5
     cfg, _ = lconfig.load(_config(tmp_path, assets))
-    assert build_options(cfg).loss.norm_len is None  # token_mean has no divisor
+    assert build_options(cfg).algorithm.policy_loss.norm_len is None  # token_mean has no divisor
 
 
 def test_reward_heads_and_function_metrics_are_logged(tmp_path, assets):
@@ -786,18 +783,15 @@ def test_reward_heads_and_function_metrics_are_logged(tmp_path, assets):
 
 
 def _two_rank_grpo_lora(rank: int, world_size: int, cfg_path: str) -> None:
-    import runpy
 
     import torch
     from torch.distributed.tensor import DTensor
 
     from lightrft import config as lconfig
-    from lightrft.cli import recipes_dir
     from lightrft.engine.sync import iter_weight_buckets
 
-    module = runpy.run_path(str(recipes_dir() / "grpo.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module["GRPORecipe"](cfg, module["build_options"](cfg))
+    recipe = build_recipe("grpo", cfg)
     recipe.setup(cfg)
     assert recipe.ref is None  # the reference is the actor with its adapters off
     assert all(isinstance(p, DTensor) for p in recipe.model.parameters())

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from _dist import run_distributed
+from _dist import build_recipe, run_distributed
 from test_grpo import _config, _train_rows, assets  # noqa: F401 (a fixture)
 
 from lightrft.training import read_metrics
@@ -18,23 +18,20 @@ pytestmark = pytest.mark.skipif(
 
 
 def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
-    import runpy
 
     from lightrft import config as lconfig
-    from lightrft.cli import recipes_dir
 
-    module = runpy.run_path(str(recipes_dir() / "grpo.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module["GRPORecipe"](cfg, module["build_options"](cfg))
+    recipe = build_recipe("grpo", cfg)
     recipe.setup(cfg)
     recipe.train()
     recipe.logger.close()
-    if recipe.ds_engine is not None:
+    if cfg.get("strategy") == "deepspeed":
         # The rollout engine holds exactly the trained weights, gathered from the ZeRO-3 shards.
         from lightrft.models.deepspeed import gathered_modules
         from lightrft.models.names import hf_name
 
-        for params in gathered_modules(recipe.ds_engine):
+        for params in gathered_modules(recipe.strategy.engine):
             for name, tensor in params:
                 assert torch.equal(recipe.engine._params[hf_name(name)], tensor), name
     torch.distributed.barrier()  # both ranks leave together (gloo teardown under load)

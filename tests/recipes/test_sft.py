@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _dist import run_distributed
+from _dist import build_recipe, run_distributed
 
 from lightrft import cli
 from lightrft.training import read_metrics
@@ -154,16 +154,13 @@ def test_sft_resume_at_an_epoch_boundary_starts_the_next_epoch(tmp_path):
 
 
 def _two_rank_sft(rank: int, world_size: int, cfg_path: str, hsdp: bool = False) -> None:
-    import runpy
 
     from torch.distributed.tensor import DTensor
 
     from lightrft import config as lconfig
-    from lightrft.cli import recipes_dir
 
-    module = runpy.run_path(str(recipes_dir() / "sft.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module["SFTRecipe"](cfg, module["build_options"](cfg))
+    recipe = build_recipe("sft", cfg)
     recipe.setup(cfg)
     params = list(recipe.model.parameters())
     assert params and all(isinstance(p, DTensor) for p in params)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_distributed
+from _dist import build_recipe, run_distributed
 from test_sft import _config, _losses
 
 from lightrft import cli
@@ -29,17 +29,14 @@ _ZERO3_OFFLOAD = {"stage": 3, "offload_optimizer": True, "offload_param": True}
 
 
 def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
-    import runpy
 
     from lightrft import config as lconfig
-    from lightrft.cli import recipes_dir
 
-    module = runpy.run_path(str(recipes_dir() / "sft.py"))
     cfg, _ = lconfig.load(cfg_path)
-    recipe = module["SFTRecipe"](cfg, module["build_options"](cfg))
+    recipe = build_recipe("sft", cfg)
     recipe.setup(cfg)
     if cfg.get("strategy") == "deepspeed":
-        assert type(recipe.ds_engine).__name__ == "DeepSpeedEngine"
+        assert type(recipe.strategy.engine).__name__ == "DeepSpeedEngine"
     recipe.train()
     recipe.logger.close()
     with torch.no_grad():  # collective under ZeRO-3: every rank runs the forward

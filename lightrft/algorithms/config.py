@@ -1,0 +1,263 @@
+"""The ``algorithm:`` config section: advantages, the policy loss and every term and trick
+around it, declared as typed :class:`~lightrft.config.Section` s next to the functions they
+configure, with every rule between their keys (and with the rollout's group size and length).
+Any RL recipe on these functions reads its algorithm through :class:`AlgorithmConfig`.
+
+Keys that switch a feature on by their presence (``kl``, ``tis``, ``shaping.overlong``,
+``shaping.dynamic_sampling``) default to null; :meth:`AlgorithmConfig.for_rollout` fills in
+their defaults once the section is known to be on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Literal
+
+from lightrft.algorithms.advantages import ESTIMATORS, check_estimator
+from lightrft.algorithms.kl import KINDS as KL_KINDS
+from lightrft.algorithms.kl import build_kl_controller
+from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective
+from lightrft.algorithms.shaping import overlong_penalty
+from lightrft.config import Section, at_least, option, section
+
+
+@section
+class AdvantageConfig(Section):
+    """``algorithm.advantage:``: the estimator and the options it takes (docs/algorithms.md)."""
+
+    estimator: Literal[tuple(ESTIMATORS)] = option(doc="grpo, rloo, reinforce_pp, gae, ...")
+    eps: float | None = option(None, doc="std normalisation epsilon")
+    scale: Literal["group", "batch", "none"] | None = option(None, doc="normalise by which std")
+    weight: Literal["filter", "std", "none"] | None = option(None, doc="group weighting")
+    gamma: float | None = option(None, doc="gae / reinforce_pp discount")
+    lam: float | None = option(None, doc="gae lambda")
+
+    def options(self) -> dict[str, Any]:
+        """The keys the config sets: the estimator checks they apply to it."""
+        return {k: v for k, v in vars(self).items() if v is not None and k != "estimator"}
+
+
+@section
+class PolicyLossConfig(Section):
+    """``algorithm.policy_loss:``: the objective (lightrft.algorithms.OBJECTIVES) and its
+    aggregation; unset keys take the objective's published defaults."""
+
+    objective: Literal[tuple(OBJECTIVES)] = option("ppo", doc="ppo, gspo, gmpo, cpgd, ...")
+    clip_low: float | None = option(None, doc="ratio clip below 1")
+    clip_high: float | None = option(None, doc="ratio clip above 1 (clip-higher)")
+    dual_clip: float | None = option(None, doc="dual-clip bound (> 1)")
+    agg: Literal[AGG_MODES] | None = option(None, doc="how token losses aggregate")
+    norm_len: int | None = option(None, ge=1, doc="seq_mean_token_sum_norm's divisor")
+
+    def kwargs(self) -> dict[str, Any]:
+        keys = ("objective", "clip_low", "clip_high", "dual_clip", "agg", "norm_len")
+        return {k: getattr(self, k) for k in keys}
+
+
+@section
+class TISConfig(Section):
+    """``algorithm.tis:``: truncated importance sampling towards the engine's log-probs."""
+
+    mode: Literal["token", "sequence_mask"] | None = option(None, doc="unset: off")
+    cap: float | None = option(None, doc="the weight cap; default 2")
+
+
+@section
+class KLConfig(Section):
+    """``algorithm.kl:``: a KL to the frozen reference (the section switches it on)."""
+
+    coef: float | None = option(None, doc="the KL coefficient (> 0)")
+    estimator: Literal[(*KL_KINDS, "kl", "mse", "low_var_kl")] | None = option(
+        None, doc="default k3"
+    )
+    placement: Literal["loss", "reward"] | None = option(None, doc="default loss")
+    controller: Literal["fixed", "adaptive"] | None = option(None, doc="default fixed")
+    target: float | None = option(None, doc="adaptive only")
+    horizon: float | None = option(None, doc="adaptive only")
+
+
+@section
+class EntropyConfig(Section):
+    """``algorithm.entropy:``: an entropy bonus and high-entropy token selection."""
+
+    coef: float = option(0.0, doc="entropy bonus coefficient")
+    top_rho: float | None = option(None, doc="train on the top-rho highest-entropy tokens only")
+
+
+@section
+class OverlongConfig(Section):
+    """``algorithm.shaping.overlong:``: DAPO's soft overlong penalty."""
+
+    max_len: int | None = option(None, doc="default rollout.max_tokens")
+    buffer: int | None = option(None, doc="tokens before max_len where the penalty ramps up")
+    factor: float | None = option(None, doc="the penalty at max_len; default 1")
+
+
+@section
+class DynamicSamplingConfig(Section):
+    """``algorithm.shaping.dynamic_sampling:``: draw again until enough informative groups."""
+
+    enabled: bool | None = option(None, doc="default: on when the section is set")
+    max_draws: int | None = option(None, doc="draws per step at most (default 10)")
+
+    @property
+    def draws(self) -> int:
+        return 10 if self.max_draws is None else self.max_draws
+
+
+@section
+class ShapingConfig(Section):
+    """``algorithm.shaping:``: reward clipping / normalisation, overlong, dynamic sampling."""
+
+    reward_norm: bool = option(False, doc="running reward normalisation")
+    reward_clip: float | None = option(None, doc="clip rewards to [-c, c]")
+    overlong: OverlongConfig = option(default_factory=OverlongConfig, doc="")
+    dynamic_sampling: DynamicSamplingConfig = option(default_factory=DynamicSamplingConfig, doc="")
+
+    @property
+    def dynamic(self) -> bool:
+        ds = self.dynamic_sampling
+        return ds.is_set() and ds.enabled is not False
+
+
+@section
+class ValueConfig(Section):
+    """``algorithm.value:`` (gae only): the critic's value-loss clip."""
+
+    clip: float | None = option(None, doc="default 0.5")
+
+
+@section
+class AlgorithmConfig(Section):
+    """``algorithm:``: advantages, the policy loss and every term and trick around it."""
+
+    advantage: AdvantageConfig = option(doc="")
+    policy_loss: PolicyLossConfig = option(default_factory=PolicyLossConfig, doc="")
+    old_logprobs: Literal["trainer", "engine"] = option("trainer", doc="the ratio's denominator")
+    tis: TISConfig = option(default_factory=TISConfig, doc="")
+    kl: KLConfig | None = option(None, doc="")
+    entropy: EntropyConfig = option(default_factory=EntropyConfig, doc="")
+    value: ValueConfig = option(default_factory=ValueConfig, doc="")
+    shaping: ShapingConfig = option(default_factory=ShapingConfig, doc="")
+
+    def for_rollout(
+        self, n: int, max_tokens: int, first_token_temperature: float | None
+    ) -> AlgorithmConfig:
+        """The section checked against the rollout (group size ``n``, ``max_tokens``, FIRE's
+        ``first_token_temperature``) with every default that depends on it filled in."""
+        check_estimator(self.advantage.estimator, self.advantage.options(), group_size=n)
+        self._check_sampling_correction(first_token_temperature)
+        top_rho = self.entropy.top_rho
+        if top_rho is not None and not 0 < top_rho <= 1:
+            raise ValueError(f"algorithm.entropy.top_rho must be in (0, 1], got {top_rho}")
+        return replace(
+            self,
+            policy_loss=self._policy_loss(max_tokens),
+            kl=self._kl(),
+            shaping=self._shaping(n, max_tokens),
+        )
+
+    @property
+    def tis_cap(self) -> float:
+        return 2.0 if self.tis.cap is None else float(self.tis.cap)
+
+    @property
+    def value_clip(self) -> float:
+        return 0.5 if self.value.clip is None else float(self.value.clip)
+
+    def _policy_loss(self, max_tokens: int) -> PolicyLossConfig:
+        pl = self.policy_loss
+        defaults = OBJECTIVES[pl.objective].defaults
+        agg = pl.agg or defaults["agg"]
+        if pl.norm_len is not None and agg != "seq_mean_token_sum_norm":
+            raise ValueError(
+                f"algorithm.policy_loss.norm_len is used only by agg=seq_mean_token_sum_norm "
+                f"(agg is {agg!r}); remove it"
+            )
+        # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so the
+        # loss does not depend on how a step is split into micro-batches.
+        norm_len = pl.norm_len
+        if agg == "seq_mean_token_sum_norm" and norm_len is None:
+            norm_len = max_tokens
+        pl = replace(
+            pl,
+            clip_low=float(defaults["clip_low"] if pl.clip_low is None else pl.clip_low),
+            clip_high=float(defaults["clip_high"] if pl.clip_high is None else pl.clip_high),
+            agg=agg,
+            norm_len=norm_len,
+        )
+        check_objective(**pl.kwargs())
+        return pl
+
+    def _kl(self) -> KLConfig | None:
+        kl = self.kl
+        if kl is None or not kl.is_set():
+            return None  # no KL and no reference model
+        kl = replace(
+            kl,
+            estimator=kl.estimator or "k3",
+            placement=kl.placement or "loss",
+            controller=kl.controller or "fixed",
+        )
+        if kl.coef is None or not kl.coef > 0:
+            raise ValueError(
+                f"algorithm.kl.coef must be > 0 (got {kl.coef}); remove the algorithm.kl "
+                "section to train without a KL and without a reference model"
+            )
+        if kl.controller == "fixed" and (kl.target is not None or kl.horizon is not None):
+            raise ValueError("algorithm.kl.target / horizon apply to controller=adaptive only")
+        # The controller's own checks (target, horizon > 0).
+        build_kl_controller(kl.controller, kl.coef, target=kl.target, horizon=kl.horizon)
+        return replace(kl, coef=float(kl.coef))
+
+    def _check_sampling_correction(self, first_token_temperature: float | None) -> None:
+        tis = self.tis
+        if tis.mode is None and tis.cap is not None:
+            raise ValueError(
+                "algorithm.tis.cap is set but algorithm.tis.mode is not: set mode "
+                "(token | sequence_mask) or remove the tis section"
+            )
+        if tis.mode is not None and self.old_logprobs != "trainer":
+            raise ValueError(
+                "algorithm.tis corrects the engine's log-probs towards the trainer's old "
+                "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
+            )
+        at_least("algorithm.tis.cap", tis.cap, 0, strict=True)
+        if first_token_temperature is not None and (
+            self.old_logprobs == "engine" or tis.mode is not None
+        ):
+            # The engine reports the first token's log-prob at first_token_temperature, the
+            # trainer scores every token at rollout.temperature: the first token's ratio would
+            # be wrong.
+            raise ValueError(
+                "rollout.first_token_temperature (FIRE) makes the engine's first-token log-prob "
+                "differ from the trainer's (scored at rollout.temperature), so it cannot be "
+                "used with algorithm.old_logprobs=engine or algorithm.tis; remove one of them"
+            )
+
+    def _shaping(self, n: int, max_tokens: int) -> ShapingConfig:
+        shaping = self.shaping
+        at_least("algorithm.shaping.reward_clip", shaping.reward_clip, 0, strict=True)
+        over = shaping.overlong
+        if over.is_set():
+            if over.buffer is None:
+                raise ValueError(
+                    "algorithm.shaping.overlong needs buffer (tokens before max_len "
+                    "where the penalty ramps up)"
+                )
+            over = replace(
+                over,
+                max_len=over.max_len or max_tokens,
+                factor=1.0 if over.factor is None else float(over.factor),
+            )
+            overlong_penalty([0], over.max_len, over.buffer, over.factor)  # its own checks
+        ds = shaping.dynamic_sampling
+        if ds.is_set() and not shaping.dynamic and ds.max_draws is not None:
+            raise ValueError(
+                "algorithm.shaping.dynamic_sampling.max_draws is set but dynamic sampling is "
+                "disabled"
+            )
+        if shaping.dynamic and n < 2:
+            raise ValueError("dynamic sampling needs rollout.n >= 2")
+        at_least("algorithm.shaping.dynamic_sampling.max_draws", ds.max_draws, 1)
+        return replace(shaping, overlong=over)

@@ -1,0 +1,41 @@
+"""The ``engine:`` config section: which rollout engine generates and how it is sized, shared
+by every recipe that generates (a training recipe's rollouts, the eval recipe)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from lightrft.config import Section, option, section
+from lightrft.sections import DType
+
+
+@section
+class EngineConfig(Section):
+    """``engine:``: the native torch engine (CPU or GPU) or vLLM in-process (CUDA only)."""
+
+    backend: Literal["native", "vllm"] = option("native", doc="`native` or `vllm`")
+    dtype: DType | None = option(None, doc="default: the model's")
+    max_model_len: int | None = option(None, doc="prompt + response tokens per sequence")
+    max_num_seqs: int | None = option(None, doc="sequences generated at once")
+    max_prefill_tokens: int | None = option(None, doc="native only: prefill chunk")
+    max_kv_tokens: int | None = option(None, doc="native only: KV-cache budget")
+    compile: bool | None = option(None, doc="native only: torch.compile the decode step")
+    gpu_memory_utilization: float | None = option(None, doc="vllm only")
+    tensor_parallel_size: int | None = option(None, doc="vllm only")
+
+    OWN: ClassVar[dict[str, tuple[str, ...]]] = {
+        "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
+        "vllm": ("gpu_memory_utilization", "tensor_parallel_size"),
+    }
+
+    def resolve(self, at: str) -> EngineConfig:
+        other = self.OWN["vllm" if self.backend == "native" else "native"]
+        wrong = sorted(k for k in other if getattr(self, k) is not None)
+        if wrong:
+            raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={self.backend}")
+        return self
+
+    def kwargs(self) -> dict[str, Any]:
+        """The engine class's keyword arguments that the config sets."""
+        keys = ("dtype", "max_model_len", "max_num_seqs", *self.OWN[self.backend])
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}

@@ -1,0 +1,120 @@
+"""The shared config sections: one declaration each (lightrft.sections, lightrft.training.run),
+their docs tables generated from them, and the same message for the same mistake in every
+recipe that uses a section.
+
+    python tests/test_sections.py --write     # regenerate docs/config.md's section tables
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightrft import cli
+from lightrft.sections import BatchConfig, OptimConfig, PolicyModelConfig, StrategyConfig
+from lightrft.training.run import TrainingRunConfig
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+BEGIN, END = (
+    "<!-- sections:begin (generated: python tests/test_sections.py --write) -->",
+    ("<!-- sections:end -->"),
+)
+# The shared sections, as docs/config.md shows them: (title, section, key prefix).
+SHARED = [
+    (
+        "Run: directory, seed, logging, checkpoints, resume (every training recipe)",
+        TrainingRunConfig,
+        "",
+    ),
+    ("Model (sft, grpo; reward_model and eval use its first keys)", PolicyModelConfig, "model."),
+    ("Strategy: FSDP2, HSDP, LoRA, DeepSpeed (every training recipe)", StrategyConfig, ""),
+    ("Optimizer and schedule (every training recipe)", OptimConfig, ""),
+    ("Data and batches (sft, reward_model)", BatchConfig, ""),
+]
+
+
+def generated() -> str:
+    parts = [BEGIN]
+    for title, section, prefix in SHARED:
+        parts += ["", f"### {title}", "", section.doc_table(prefix)]
+    return "\n".join(parts + ["", END])
+
+
+def test_docs_tables_are_generated_from_the_sections():
+    text = DOC.read_text()
+    assert BEGIN in text and END in text, f"{DOC} lacks the generated section tables"
+    current = text[text.index(BEGIN) : text.index(END) + len(END)]
+    assert current == generated(), "docs/config.md is stale: python tests/test_sections.py --write"
+
+
+def test_a_section_is_its_schema():
+    schema = StrategyConfig.schema()
+    assert set(schema) == {"strategy", "deepspeed", "lora", "shard_size", "replicate_size"}
+    assert set(schema["lora"]) == {
+        "rank",
+        "alpha",
+        "dropout",
+        "target_modules",
+        "trained_modules",
+        "export_merged",
+    }
+    # null means the default; absent sections read as their defaults.
+    run = TrainingRunConfig.read({"output_dir": "x", "seed": None, "metrics": None})
+    assert (run.seed, run.log_every, run.metrics.tensorboard, run.keep_last) == (0, 1, True, 2)
+    assert StrategyConfig.read({"strategy": "fsdp2"}).lora is None
+    assert StrategyConfig.read({"lora": {"rank": 4}}).lora.alpha == 8.0
+
+
+# The same mistake in a shared key, in each recipe that uses it: the same message. Base configs
+# are the shipped tiny ones (validate loads nothing, so their data need not exist).
+RECIPES = {"sft": "tiny/add_sft", "reward_model": "tiny/rlhf_rm", "grpo": "tiny/add_grpo"}
+MISTAKES = [
+    ("log_every=0", "log_every must be >= 1, got 0"),
+    ("keep_last=0", "keep_last must be >= 1, got 0"),
+    ("resume=true", "resume=true but no checkpoint found"),
+    ("resume=true overwrite=true", "resume=true and overwrite=true contradict each other"),
+    ("lr_scheduler.min_lr_ratio=2", "lr_scheduler.min_lr_ratio must be in [0, 1], got 2"),
+    ("lr_scheduler.warmup_steps=-1", "lr_scheduler.warmup_steps must be >= 0, got -1"),
+    ("clip_grad_norm=-1.0", "clip_grad_norm must be > 0 or null, got -1.0"),
+    ("strategy=zero3", "strategy: unknown strategy 'zero3'; choose one of"),
+    ("shard_size=0", "shard_size must be >= 1, got 0"),
+    ("deepspeed.stage=2", "a deepspeed: section is set but strategy=fsdp2"),
+    ("lora.rank=0", "lora.rank must be >= 1, got 0"),
+    ("lora.dropout=1.5 lora.rank=4", "lora.dropout must be in [0, 1), got 1.5"),
+    ("model.dtype=float8", "'model.dtype' expects one of"),
+    ("seed=x", "'seed' expects int, got 'x'"),
+    ("output_dir=", "'output_dir' must not be null"),
+    ("model.compile=maybe", "'model.compile' expects bool"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", MISTAKES, ids=[m for _, m in MISTAKES])
+def test_same_mistake_same_message_in_every_recipe(
+    overrides, message, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # output_dir is relative: nothing there to resume
+    errors = {}
+    for recipe, config in RECIPES.items():
+        assert cli.main(["validate", config, *overrides.split()]) == 2, recipe
+        err = capsys.readouterr().err
+        assert message in err, (recipe, err)
+        # The place (file:line or the override) and the output directory are the config's
+        # own: compare the rest.
+        err = re.sub(r"\S+\.yaml:\d+: ", "", err)
+        errors[recipe] = err.replace(config.split("/")[1], "<run>")
+    assert len(set(errors.values())) == 1, errors
+    assert not any(tmp_path.iterdir())  # refused before any side effect
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        text = DOC.read_text()
+        if BEGIN in text:
+            text = text[: text.index(BEGIN)] + generated() + text[text.index(END) + len(END) :]
+        else:
+            text = text.rstrip("\n") + "\n\n## The shared sections\n\n" + generated() + "\n"
+        DOC.write_text(text)
+        print(f"wrote {DOC}")
