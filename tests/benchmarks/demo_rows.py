@@ -6,9 +6,10 @@ value of every logged row, per run, compared exactly.
     python tests/benchmarks/demo_rows.py diff /tmp/before.json /tmp/after.json
 
 ``run`` executes the chains in a scratch directory through the real CLI (the README's commands;
-``--quick`` cuts the data and steps as tests/test_demos.py does, for a minutes-long check). Times,
-throughputs and memory are left out: they are not behaviour. Bitwise equality holds on one machine
-(CPU kernels sum in different orders on others), so compare runs made on the same machine.
+``--quick`` cuts the data and steps as tests/test_demos.py does, for a minutes-long check).
+Times, throughputs (``train/tokens_per_s``...) and memory are left out: they are not behaviour.
+Bitwise equality holds on one machine (CPU kernels sum in different orders on others), so
+compare runs made on the same machine.
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ TRAIN = ["max_steps=3", "eval_every=3", "lr_scheduler.warmup_steps=0"]
 QUICK = {
     "sft": TRAIN,
     "reward_model": TRAIN,
-    "grpo": ["max_steps=2", "eval.every=1", "rollout.prompts_per_step=4", "rollout.n=4",
-             "lr_scheduler.warmup_steps=0"],
+    "grpo": [
+        "max_steps=2",
+        "eval.every=1",
+        "rollout.prompts_per_step=4",
+        "rollout.n=4",
+        "lr_scheduler.warmup_steps=0",
+    ],
 }
 TEXT_DATA = ["prepare.1.n_train=64", "prepare.1.n_test=8"]
 MEDIA_DATA = ["prepare.1.n_train=16", "prepare.1.n_test=4", "prepare.1.n_rl=8", "batch_size=8"]
@@ -53,7 +59,12 @@ MEDIA_DATA = ["prepare.1.n_train=16", "prepare.1.n_test=4", "prepare.1.n_rl=8", 
 def _rows(path: Path) -> list[dict]:
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return [
-        {k: v for k, v in r.items() if k == "step" or k.startswith(KEPT)} for r in rows
+        {
+            k: v
+            for k, v in r.items()
+            if k == "step" or (k.startswith(KEPT) and not k.endswith("_per_s"))  # not throughput
+        }
+        for r in rows
     ]
 
 
@@ -66,7 +77,9 @@ def run(out: str, quick: bool, chains: list[str]) -> None:
                 if quick:
                     extra += QUICK[recipe]
                     if recipe == "sft":
-                        extra += MEDIA_DATA if "vision" in config or "audio" in config else TEXT_DATA
+                        extra += (
+                            MEDIA_DATA if "vision" in config or "audio" in config else TEXT_DATA
+                        )
                     if recipe == "reward_model" and "vision" in config:
                         extra += ["batch_size=8"]
                 cmd = [sys.executable, "-m", "lightrft", "run", recipe, "--config", config, *extra]
@@ -79,7 +92,12 @@ def run(out: str, quick: bool, chains: list[str]) -> None:
 
 
 def diff(a: str, b: str) -> int:
-    left, right = json.loads(Path(a).read_text()), json.loads(Path(b).read_text())
+    def load(path: str) -> dict[str, list[dict]]:  # files written before a key was left out
+        runs = json.loads(Path(path).read_text())
+        keep = lambda r: {k: v for k, v in r.items() if not k.endswith("_per_s")}  # noqa: E731
+        return {name: [keep(r) for r in rows] for name, rows in runs.items()}
+
+    left, right = load(a), load(b)
     bad = 0
     for run_name in sorted(set(left) | set(right)):
         x, y = left.get(run_name), right.get(run_name)
@@ -95,7 +113,9 @@ def diff(a: str, b: str) -> int:
         for i, (r, s) in enumerate(zip(x, y, strict=False)):
             for k in sorted(set(r) | set(s)):
                 if r.get(k) != s.get(k):
-                    print(f"{run_name}: row {i} (step {r.get('step')}) {k}: {r.get(k)} != {s.get(k)}")
+                    print(
+                        f"{run_name}: row {i} (step {r.get('step')}) {k}: {r.get(k)} != {s.get(k)}"
+                    )
                     break
         if len(x) != len(y):
             print(f"{run_name}: {len(x)} rows != {len(y)} rows")

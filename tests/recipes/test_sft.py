@@ -281,10 +281,9 @@ def test_cli_ls_cp_validate_and_run_a_copied_recipe(tmp_path, capsys):
     copy = tmp_path / "my_sft.py"
     assert cli.main(["cp", "sft", str(copy)]) == 0
     # The user's edit: a marker metric logged at the end.
+    export = '        self.strategy.export(self.processor, self.run.output_dir / "final")'
     src = copy.read_text().replace(
-        '        export_trained(self.model, self.processor, self.output_dir / "final", self.opts.lora)',
-        '        self.logger.log(self.step, {"custom/edited": 1.0})\n'
-        '        export_trained(self.model, self.processor, self.output_dir / "final", self.opts.lora)',
+        export, '        self.logger.log(self.step, {"custom/edited": 1.0})\n' + export
     )
     assert "custom/edited" in src
     copy.write_text(src)
