@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightrft import config
 from lightrft.config import Component, Section, option, section
 from lightrft.distributed import barrier
-from lightrft.engine import NativeEngine, Request, SamplingParams
+from lightrft.engine import Request, SamplingParams
 from lightrft.engine.config import EngineConfig
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.models.multimodal import load_processors
@@ -103,15 +103,9 @@ class EvalRecipe:
         self.accuracy = o.accuracy_reward or names[0]
         source = self.reward_fn.functions[o.answer_reward or self.accuracy]
         self.extract = getattr(source, "extract", None)
-        seed, kwargs = o.run.seed, {"dtype": m.dtype, **e.kwargs()}  # engine.dtype wins
-        if e.backend == "vllm":
-            from lightrft.engine import VLLMEngine
-
-            self.engine = VLLMEngine(m.path, seed=seed, **kwargs)
-        else:
-            self.engine = NativeEngine(
-                m.path, self.tokenizer, device=self.dist.device, seed=seed, **kwargs
-            )
+        self.engine = e.build(
+            m.path, self.tokenizer, device=self.dist.device, seed=o.run.seed, dtype=m.dtype
+        )
         s = o.sampling
         self.params = SamplingParams(
             n=s.n,
@@ -119,7 +113,7 @@ class EvalRecipe:
             top_p=s.top_p,
             top_k=s.top_k,
             max_tokens=s.max_tokens,
-            seed=seed,
+            seed=o.run.seed,
         )
 
     def run(self) -> dict[str, float]:

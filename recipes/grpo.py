@@ -62,10 +62,10 @@ from lightrft.algorithms import (
 )
 from lightrft.algorithms.config import AlgorithmConfig
 from lightrft.config import Component, Section, option, section
-from lightrft.data import build_dataloader, collate_prompts, conversation
+from lightrft.data import build_dataloader, collate_prompts, conversation, epoch_batches
 from lightrft.data.modality import is_audio_language, is_vision_language
 from lightrft.distributed import sum_over_ranks
-from lightrft.engine import NativeEngine, Request, SamplingParams
+from lightrft.engine import SamplingParams
 from lightrft.engine.config import EngineConfig
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.kernels import (
@@ -84,7 +84,8 @@ from lightrft.models.multimodal import (
 )
 from lightrft.models.sharded import load_parallel
 from lightrft.rewards import build_reward
-from lightrft.rollout import RolloutBatch, pad_rows
+from lightrft.rollout import RolloutBatch
+from lightrft.rollout.engine import ColocatedEngine
 from lightrft.rollout.metrics import (
     RewardSideMetrics,
     rollout_metrics,
@@ -320,7 +321,6 @@ class GRPORecipe:
         self._setup_models()
         self._setup_engine()
         self._setup_rewards_and_data()
-        self._weights_released = False
         self.reward_side = RewardSideMetrics()
         self.step, self.epoch = 0, 0
         self.eval_history: list[tuple[int, float, float]] = []
@@ -333,7 +333,8 @@ class GRPORecipe:
                 self.kl_ctl.load_state_dict(extra["kl_ctl"])
             if self.normalizer is not None:
                 self.normalizer.load_state_dict(extra["reward_norm"])
-            self.strategy.sync_weights(self.engine)
+            self.strategy.sync_weights(self.rollout_engine.engine)
+        self.prompts = epoch_batches(self.loader, self.epoch)  # from the resumed position
         self.logger = self.run.open_logger(self.step, getattr(self.dataset, "stats", None))
 
     def _load_model(self, path: str, prepare=None, *, trained: bool = False, **kw) -> nn.Module:
@@ -415,17 +416,12 @@ class GRPORecipe:
             )
 
     def _setup_engine(self) -> None:
-        # The engine holds its own inference copy of the weights, loaded from the same directory.
-        e, path, seed = self.opts.engine, self.opts.model.path, self.opts.run.seed
-        if e.backend == "vllm":  # CUDA only; the adapter imports vLLM lazily
-            from lightrft.engine import VLLMEngine
-
-            self.engine = VLLMEngine(path, seed=seed, **e.kwargs())
-        else:
-            self.engine = NativeEngine(
-                path, self.tokenizer, device=self.dist.device, seed=seed, **e.kwargs()
-            )
-        self.sampling = self.opts.rollout.sampling()
+        o = self.opts
+        engine = o.engine.build(
+            o.model.path, self.tokenizer, device=self.dist.device, seed=o.run.seed
+        )
+        self.rollout_engine = ColocatedEngine(engine, self.strategy, o.engine.sleep_level)
+        self.sampling = o.rollout.sampling()
 
     def _setup_rewards_and_data(self) -> None:
         o = self.opts
@@ -435,7 +431,7 @@ class GRPORecipe:
         if o.algorithm.shaping.reward_norm:
             self.normalizer = RunningRewardNormalizer(clip=o.algorithm.shaping.reward_clip)
         self.dataset = config.instantiate(o.dataset, self.processor)
-        limit = getattr(self.engine, "max_model_len", None) or o.engine.max_model_len
+        limit = getattr(self.rollout_engine.engine, "max_model_len", None) or o.engine.max_model_len
         if limit and hasattr(self.dataset, "fit_to_engine"):
             self.dataset.fit_to_engine(limit)
         self.loader = build_dataloader(
@@ -448,7 +444,6 @@ class GRPORecipe:
             world_size=self.dist.world_size,
             drop_last=True,
         )
-        self._it = None
         self.eval_dataset = None
         if o.eval_dataset is not None:
             self.eval_dataset = config.instantiate(o.eval_dataset, self.processor)
@@ -467,18 +462,6 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ rollout
 
-    def _next_prompts(self) -> dict[str, list]:
-        """The next batch of this rank's prompts, moving on to the next epoch when one ends."""
-        while True:
-            if self._it is None:
-                self.loader.set_epoch(self.epoch)
-                self._it = iter(self.loader)
-            try:
-                return next(self._it)
-            except StopIteration:
-                self.epoch += 1
-                self._it = None
-
     def _request_params(self, count: int, step: int, draw: int) -> list[SamplingParams]:
         """One seed per request, a pure function of (seed, step, draw, rank): a resumed run
         samples exactly what the uninterrupted run sampled."""
@@ -487,30 +470,6 @@ class GRPORecipe:
         )
         seeds = torch.randint(0, 2**62, (count,), generator=gen).tolist()
         return [dataclasses.replace(self.sampling, seed=s) for s in seeds]
-
-    def _generate(self, prompt_ids: list[list[int]], params, images=None, audios=None) -> list:
-        """Wake the engine (reloading released weights: a collective, so every rank calls this,
-        with or without prompts) and generate. ``images`` / ``audios``: per prompt, its
-        ``ImageInputs`` / ``AudioInputs`` or None (vision- / audio-language prompts)."""
-        if self._weights_released:
-            self.engine.wake_up(["weights"])
-            self.strategy.sync_weights(self.engine)
-            self._weights_released = False
-        self.engine.wake_up()
-        if not prompt_ids:
-            return []
-        images = images or [None] * len(prompt_ids)
-        audios = audios or [None] * len(prompt_ids)
-        requests = [
-            Request.with_media(ids, im, au)
-            for ids, im, au in zip(prompt_ids, images, audios, strict=True)
-        ]
-        return self.engine.generate(requests, params)
-
-    def _sleep(self) -> None:
-        if self.opts.engine.sleep_level:
-            self.engine.sleep(self.opts.engine.sleep_level)
-            self._weights_released = self.opts.engine.sleep_level == 2
 
     def _score(self, prompts, texts, references, labels, wheres, conversations) -> tuple:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
@@ -528,10 +487,10 @@ class GRPORecipe:
     def _draw(self, step: int, draw: int, timer: PhaseTimer) -> RolloutBatch:
         """One rollout draw: this rank's prompts, n samples each, scored; then gathered so every
         rank holds every sample (groups stay consecutive and whole)."""
-        prompts = self._next_prompts()
+        self.epoch, prompts = next(self.prompts)  # this rank's, epoch after epoch
         with timer("rollout"):
             params = self._request_params(len(prompts["prompt_ids"]), step, draw)
-            completions = self._generate(
+            completions = self.rollout_engine.generate(
                 prompts["prompt_ids"], params, prompts.get("images"), prompts.get("audios")
             )
         rows = [c.request_index for c in completions]
@@ -550,29 +509,16 @@ class GRPORecipe:
                 penalty = overlong_penalty(lengths, ov.max_len, ov.buffer, ov.factor)
                 overlong = torch.tensor([float(p) for p in penalty], dtype=torch.float64)
                 rewards = raw + overlong  # [B]
-        responses = [list(c.token_ids) for c in completions]
-        lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
-        response_ids = pad_rows(responses, dtype=torch.long)  # [B, R]
-        batch = RolloutBatch(
-            prompt_ids=pad_rows([list(c.prompt_token_ids) for c in completions], dtype=torch.long),
-            prompt_lens=torch.tensor([len(c.prompt_token_ids) for c in completions]),
-            response_ids=response_ids,
-            response_mask=torch.arange(response_ids.shape[1]) < lens.unsqueeze(1),
-            rollout_logprobs=pad_rows([list(c.logprobs) for c in completions]),
+        batch = RolloutBatch.from_completions(
+            completions,
+            prompts,
+            groups=[(step, draw, self.dist.rank, i) for i in rows],
+            media=("images",) * self.vlm + ("audios",) * self.alm,
             reward_raw=raw,
             rewards=rewards,
             overlong=overlong,
             reward_parts=parts,
             reward_applied=applied,
-            prompts=meta["prompt"],
-            references=meta["reference"],
-            labels=meta["label"],
-            wheres=meta["where"],
-            texts=texts,
-            finish_reasons=[c.finish_reason for c in completions],
-            groups=[(step, draw, self.dist.rank, i) for i in rows],
-            images=[prompts["images"][i] for i in rows] if self.vlm else None,
-            audios=[prompts["audios"][i] for i in rows] if self.alm else None,
         )
         return batch.all_gather()
 
@@ -598,7 +544,7 @@ class GRPORecipe:
                 draws.append(d)
             drawn = RolloutBatch.cat(draws)
             keep, stats = acc.take()
-        self._sleep()
+        self.rollout_engine.sleep()
         drawn.kept = torch.zeros(len(drawn), dtype=torch.bool)
         drawn.kept[keep] = True
         return drawn.select(keep), drawn, stats
@@ -933,16 +879,6 @@ class GRPORecipe:
             metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
         return metrics
 
-    def sync(self, timer: PhaseTimer) -> None:
-        with timer("weight_sync"):
-            released = self._weights_released
-            if released:
-                self.engine.wake_up(["weights"])
-                self._weights_released = False
-            # An engine that kept its weights already holds the frozen ones (a frozen vision
-            # tower): send only what training changes; after a release, send everything.
-            self.strategy.sync_weights(self.engine, skip_frozen=not released)
-
     # ------------------------------------------------------------------ eval
 
     def evaluate(self) -> dict[str, float]:
@@ -962,8 +898,8 @@ class GRPORecipe:
 
         def generate(prompt_ids: list[list[int]], items: list) -> list:
             images, audios = [it.get("images") for it in items], [it.get("audios") for it in items]
-            completions = self._generate(prompt_ids, params, images, audios)
-            self._sleep()  # the engine's memory goes back before scoring
+            completions = self.rollout_engine.generate(prompt_ids, params, images, audios)
+            self.rollout_engine.sleep()  # the engine's memory goes back before scoring
             return completions
 
         records = evaluate_dataset(
@@ -1019,7 +955,8 @@ class GRPORecipe:
             metrics["train/skipped"] = 1.0
         self._step_schedules(metrics, len(batch))
         if len(batch):  # weights changed (released weights are reloaded by the next rollout)
-            self.sync(timer)
+            with timer("weight_sync"):
+                self.rollout_engine.sync()
         self.step = step
         if self.opts.trajectories and self.dist.is_main:
             write_trajectories(self.run.output_dir / "trajectories", step, drawn, batch)

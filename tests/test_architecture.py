@@ -79,7 +79,9 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.config",
             "lightrft.distributed",
             "lightrft.data",
+            "lightrft.engine",
             "lightrft.training",
+            "lightrft.strategy",
         },
     ),
     "lightrft.rewards": (

@@ -16,7 +16,12 @@ from lightrft.data.collate import (
     plan_micro_batches,
 )
 from lightrft.data.io import DataError, Records, load_records
-from lightrft.data.loader import ResumableDataLoader, build_dataloader, step_batches
+from lightrft.data.loader import (
+    ResumableDataLoader,
+    build_dataloader,
+    epoch_batches,
+    step_batches,
+)
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
@@ -48,5 +53,6 @@ __all__ = [
     "pack_or_pad_collator",
     "packed_sft_dataset",
     "plan_micro_batches",
+    "epoch_batches",
     "step_batches",
 ]

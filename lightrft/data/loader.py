@@ -119,19 +119,26 @@ def build_dataloader(
     )
 
 
+def epoch_batches(loader: ResumableDataLoader, epoch: int) -> Iterator[tuple[int, Any]]:
+    """``(epoch, batch)``, epoch after epoch from the loader's (resumable) position: each epoch
+    re-seeds the shuffle (``set_epoch``) before its first batch is drawn."""
+    while True:
+        loader.set_epoch(epoch)
+        for batch in loader:
+            yield epoch, batch
+        epoch += 1
+
+
 def step_batches(
     loader: ResumableDataLoader, epoch: int, *, uneven: bool, device: torch.device | None = None
 ) -> Iterator[tuple[int, list, int]]:
-    """``(epoch, micro-batches, how many are real)`` of each optimizer step on this rank, epoch
-    after epoch from the loader's (resumable) position, for a loader whose batches are a step's
-    micro-batches (:class:`~lightrft.data.StepCollator`). ``uneven``: a token budget makes the
-    counts differ across ranks; the ranks with fewer repeat their last one, for the caller to
-    give no weight (:func:`~lightrft.distributed.even_micro_batches`)."""
-    while True:
-        loader.set_epoch(epoch)
-        for micro in loader:
-            if uneven:
-                yield (epoch, *even_micro_batches(micro, device))
-            else:
-                yield epoch, micro, len(micro)
-        epoch += 1
+    """``(epoch, micro-batches, how many are real)`` of each optimizer step on this rank (see
+    :func:`epoch_batches`), for a loader whose batches are a step's micro-batches
+    (:class:`~lightrft.data.StepCollator`). ``uneven``: a token budget makes the counts differ
+    across ranks; the ranks with fewer repeat their last one, for the caller to give no weight
+    (:func:`~lightrft.distributed.even_micro_batches`)."""
+    for epoch_, micro in epoch_batches(loader, epoch):
+        if uneven:
+            yield (epoch_, *even_micro_batches(micro, device))
+        else:
+            yield epoch_, micro, len(micro)

@@ -39,3 +39,15 @@ class EngineConfig(Section):
         """The engine class's keyword arguments that the config sets."""
         keys = ("dtype", "max_model_len", "max_num_seqs", *self.OWN[self.backend])
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+    def build(self, path: str, tokenizer: Any, *, device: Any, seed: int, **defaults: Any):
+        """The engine over the model at ``path`` (its own inference copy of the weights);
+        ``defaults``: keyword arguments the config's keys override (e.g. the model's dtype)."""
+        kwargs = {**defaults, **self.kwargs()}
+        if self.backend == "vllm":  # CUDA only; the adapter imports vLLM lazily
+            from lightrft.engine.vllm_adapter import VLLMEngine
+
+            return VLLMEngine(path, seed=seed, **kwargs)
+        from lightrft.engine.native import NativeEngine
+
+        return NativeEngine(path, tokenizer, device=device, seed=seed, **kwargs)

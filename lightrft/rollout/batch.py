@@ -118,6 +118,43 @@ class RolloutBatch:
     images: list[ImageInputs | None] | None = None
     audios: list[Any] | None = None
 
+    @classmethod
+    def from_completions(
+        cls,
+        completions: Sequence[Any],
+        prompts: dict[str, list],
+        *,
+        groups: list[tuple],
+        media: Sequence[str] = (),
+        **rewards: Any,
+    ) -> RolloutBatch:
+        """One draw's batch: the engine's completions (a row each), with the fields of the
+        prompt each came from (``prompts``: the prompt loader's batch, indexed by each
+        completion's ``request_index``; ``media``: which of its per-sample media lists to
+        carry, e.g. ``("images",)``), each row's group key and the rewards (``reward_raw``,
+        ``rewards``, ``overlong``, ``reward_parts``, ``reward_applied``)."""
+        rows = [c.request_index for c in completions]
+        responses = [list(c.token_ids) for c in completions]
+        lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        response_ids = pad_rows(responses, dtype=torch.long)  # [B, R]
+        meta = {
+            f"{k}s": [prompts[k][i] for i in rows]
+            for k in ("prompt", "reference", "label", "where")
+        }
+        return cls(
+            prompt_ids=pad_rows([list(c.prompt_token_ids) for c in completions], dtype=torch.long),
+            prompt_lens=torch.tensor([len(c.prompt_token_ids) for c in completions]),
+            response_ids=response_ids,
+            response_mask=torch.arange(response_ids.shape[1]) < lens.unsqueeze(1),
+            rollout_logprobs=pad_rows([list(c.logprobs) for c in completions]),
+            texts=[c.text or "" for c in completions],
+            finish_reasons=[c.finish_reason for c in completions],
+            groups=groups,
+            **{k: [prompts[k][i] for i in rows] for k in media},
+            **meta,
+            **rewards,
+        )
+
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 

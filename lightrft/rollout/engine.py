@@ -1,0 +1,65 @@
+"""The rollout engine colocated with the trainer: one object owns its wake / sleep cycle and
+keeps its weights those of the trained model.
+
+Between rollouts the engine sleeps (``sleep_level`` 1: its KV cache is freed; 2: its weights
+too). Generating wakes it, reloading released weights from the trainer first (a collective, so
+every rank calls :meth:`ColocatedEngine.generate`, with or without prompts). After an optimizer
+update :meth:`ColocatedEngine.sync` streams the new weights in: only what training changes while
+the engine kept its weights (a frozen vision tower stays), everything after a release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightrft.engine.protocol import Request, SamplingParams
+from lightrft.strategy.base import Strategy
+
+
+class ColocatedEngine:
+    """``engine`` (native or vLLM) beside the trainer whose ``strategy`` holds the weights."""
+
+    def __init__(self, engine: Any, strategy: Strategy, sleep_level: int):
+        self.engine, self.strategy, self.sleep_level = engine, strategy, sleep_level
+        self.released = False  # weights dropped by a level-2 sleep
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        images: Sequence[Any] | None = None,
+        audios: Sequence[Any] | None = None,
+    ) -> list:
+        """Wake the engine (reloading released weights) and generate. ``images`` / ``audios``:
+        per prompt, its ``ImageInputs`` / ``AudioInputs`` or None."""
+        if self.released:
+            self.engine.wake_up(["weights"])
+            self.strategy.sync_weights(self.engine)
+            self.released = False
+        self.engine.wake_up()
+        if not prompt_ids:
+            return []
+        images = images or [None] * len(prompt_ids)
+        audios = audios or [None] * len(prompt_ids)
+        requests = [
+            Request.with_media(ids, im, au)
+            for ids, im, au in zip(prompt_ids, images, audios, strict=True)
+        ]
+        return self.engine.generate(requests, params)
+
+    def sleep(self) -> None:
+        """Free the engine's memory for training (nothing at ``sleep_level`` 0)."""
+        if self.sleep_level:
+            self.engine.sleep(self.sleep_level)
+            self.released = self.sleep_level == 2
+
+    def sync(self) -> None:
+        """The trained weights into the engine after an update (collective)."""
+        released = self.released
+        if released:
+            self.engine.wake_up(["weights"])
+            self.released = False
+        # An engine that kept its weights already holds the frozen ones (a frozen vision tower):
+        # send only what training changes; after a release, send everything.
+        self.strategy.sync_weights(self.engine, skip_frozen=not released)
