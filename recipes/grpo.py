@@ -16,13 +16,11 @@ critic, the rollout engine and the rewards all live in this process):
        global token / sequence counts so accumulation equals one big batch; critic value loss
     -> weight sync into the engine -> log, eval, trajectories, checkpoint -> export at the end
 
-The file reads top to bottom: options (CONFIG_SCHEMA, build_options -> GRPOOptions: every
-default and cross-field rule, no side effect), micro-batch layout, then GRPORecipe: setup,
-rollout (one typed RolloutBatch per step), score, precompute, advantages, loss (the one
-function to edit to change the algorithm), update, sync, eval / metrics / checkpoint.
-
-Log-probs never materialise [tokens x vocab] logits: they come from the fused linear log-prob
-kernel over the final hidden states (lightrft.kernels). See docs/grpo.md for every config key.
+The file reads top to bottom: this recipe's config sections (GRPOConfig; the shared ones, the
+run contract and the strategy object come from the library), then GRPORecipe: setup, rollout
+(one typed RolloutBatch per step), precompute, advantages, loss (the one function to edit to
+change the algorithm), update, eval, the loop. Log-probs never materialise [tokens x vocab]
+logits: the fused linear log-prob kernel works on the final hidden states (lightrft.kernels).
 
 One self-contained file: copy it (`lightrft cp grpo my_grpo.py`), edit it, run the copy.
 """
