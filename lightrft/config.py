@@ -546,7 +546,7 @@ class Section:
                         raise TypeError(f"{cls.__name__}: keys {sorted(dup)} declared twice")
                     out.update(sub)
                 else:
-                    out[f.name] = _optional_schema(sub)
+                    out[f.name] = sub
                 continue
             required = f.default is _MISSING and f.default_factory is _MISSING
             if f.name in out:
@@ -647,10 +647,6 @@ def _is_optional_type(t: Any) -> bool:
 
 def _is_component_type(t: Any) -> bool:
     return t is Component or (_is_union(t) and Component in typing.get_args(t))
-
-
-def _optional_schema(sub: dict[str, Any]) -> dict[str, Any]:
-    return sub
 
 
 def at_least(key: str, value: Any, low: float, *, strict: bool = False) -> None:

@@ -3,8 +3,8 @@
 Each is a frozen :class:`~lightrft.config.Section`: the dataclass *is* the schema (types, allowed
 values, defaults, ``null`` means the default), and its ``resolve`` holds the rules across its
 keys. A recipe composes them into its own config class next to its own sections; the tables in
-docs/config.md are generated from these classes (``python -m lightrft.sections``, kept equal by
-tests/test_sections.py).
+docs/config.md are generated from these classes (``python tests/test_sections.py --write``; the
+test keeps them equal).
 
 Most shared keys sit at the top level of a config (``output_dir``, ``optimizer``, ``strategy``,
 ``batch_size``...): those sections are composed with ``option(flat=True)``. The run's own
@@ -317,15 +317,3 @@ class BatchConfig(Section):
         if self.max_tokens_per_row is not None and not self.packing:
             raise ValueError("max_tokens_per_row applies only with packing=true")
         return self
-
-
-SECTIONS: dict[str, type[Section]] = {
-    "run": RunConfig,
-    "metrics": MetricsConfig,
-    "model": PolicyModelConfig,
-    "strategy": StrategyConfig,
-    "lora": LoraConfig,
-    "deepspeed": DeepSpeedConfig,
-    "optimizer": OptimConfig,
-    "batches": BatchConfig,
-}
