@@ -1,14 +1,19 @@
-"""YAML configs: torchtune-style parsing and ``_component_`` instantiation, checked strictly.
+"""YAML configs: torchtune-style parsing and ``_component_`` instantiation, checked strictly,
+read into typed sections.
 
-A recipe declares the keys it reads in a module-level ``CONFIG_SCHEMA`` and decorates its entry
-point with :func:`parse`. Before any model loads, every key of the YAML and of the ``key=value``
-overrides is checked against the schema, and every ``_component_`` is imported and its keyword
-arguments bound to its signature. A misspelled key or a wrong-typed value fails with the file and
-line (or the override) and the closest valid names.
+A recipe declares its config as :class:`Section` s: frozen dataclasses that are their own schema
+(:func:`section`, :func:`option`), composed into one class per recipe from the library's shared
+sections (``lightrft.sections``, ``lightrft.training.run``) and its own. It exposes
+``CONFIG_SCHEMA = MyConfig.schema()`` and ``build_options = MyConfig.read`` and decorates its
+entry point with :func:`parse`. Before any model loads, every key of the YAML and of the
+``key=value`` overrides is checked against the schema, every ``_component_`` is imported and its
+keyword arguments bound to its signature, then the sections are read (defaults, bounds, rules
+across keys). A misspelled key, a wrong-typed value or a broken rule fails with the file and line
+(or the override) and, for a key, the closest valid names.
 
-Schema language (plain Python, so a copied recipe edits it in place)::
+The schema a section produces is plain Python::
 
-    CONFIG_SCHEMA = {
+    {
         "output_dir": str,                       # required
         "seed": int | None,                      # may be absent or null
         "optimizer": Component,                  # a mapping with `_component_`
