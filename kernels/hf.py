@@ -31,6 +31,22 @@ from .logprobs import Backend, GradHint, fused_linear_logprobs, select_backend
 from .losses import fused_linear_cross_entropy
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT wrapper (possibly FSDP2-sharded: the class changes, the
+    ``peft_config`` attribute stays).
+
+    The one definition of this rule. It lives here, below ``lightrft.models``, because the HF
+    funnel needs it and may not import upwards; :mod:`lightrft.models.lora`, which owns the
+    other LoRA rules, re-exports it and :func:`unwrap_peft`.
+    """
+    return isinstance(getattr(model, "peft_config", None), dict)
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The HF model a PEFT wrapper wraps (``get_base_model()``), else ``model`` itself."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 @functools.cache
 def _accepts(cls: type, name: str) -> bool:
     return name in inspect.signature(cls.forward).parameters
@@ -130,10 +146,7 @@ def forward_on_hidden(
     kwargs = dict(model_kwargs)
     kwargs.setdefault("use_cache", False)
     # A PEFT wrapper's forward takes **kwargs: ask the model it wraps.
-    base = (
-        model.get_base_model() if isinstance(getattr(model, "peft_config", None), dict) else model
-    )
-    if _accepts(type(base), "logits_to_keep"):
+    if _accepts(type(unwrap_peft(model)), "logits_to_keep"):
         kwargs.setdefault("logits_to_keep", 1)
     h_trunk = trunk.register_forward_hook(capture_hidden)
     # prepend=True: before FSDP2's post-forward hooks, so the head's weight is still unsharded

@@ -417,14 +417,3 @@ def record_media(
             )
         media[kind] = found
     return out, media
-
-
-def record_images(
-    rec: dict[str, Any],
-    messages: list[dict[str, Any]],
-    images_field: str | None,
-    where: str,
-) -> tuple[list[dict[str, Any]], list[Any]]:
-    """:func:`record_media` for image-only models: the messages and the raw images."""
-    out, media = record_media(rec, messages, {"image": images_field}, where)
-    return out, media["image"]

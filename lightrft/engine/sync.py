@@ -22,7 +22,6 @@ cached until the model's parameters or the engine's storage change.
 from __future__ import annotations
 
 import math
-import re
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,21 +29,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightrft.models.lora import (
+    LoraFactors,
+    is_adapter_param,
+    is_lora_matrix,
+    is_original_copy,
+    merged_adapters,
+)
 from lightrft.models.names import hf_name
-
-_LORA_PARAM = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
-
-
-def _is_lora_layer(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("base_layer", "lora_A", "lora_B", "scaling"))
-
-
-@dataclass
-class _Lora:
-    a: torch.Tensor  # [r, in] (possibly a DTensor)
-    b: torch.Tensor  # [out, r]
-    scaling: float
-    transpose: bool
 
 
 @dataclass
@@ -53,29 +45,10 @@ class _Item:
 
     name: str
     param: torch.Tensor
-    loras: list[_Lora]
+    loras: list[LoraFactors]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.param] + [t for lo in self.loras for t in (lo.a, lo.b)]
-
-
-def _lora_factors(module: nn.Module, name: str) -> list[_Lora]:
-    """The active, unmerged adapters of a PEFT LoRA layer."""
-    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
-        return []
-    if any(getattr(module, "use_dora", {}).values()):
-        raise ValueError(f"sync_weights: {name} uses DoRA, which is not supported; merge it first")
-    adapters = getattr(module, "active_adapters", None) or list(module.lora_A.keys())
-    return [
-        _Lora(
-            module.lora_A[ad].weight,
-            module.lora_B[ad].weight,
-            float(module.scaling[ad]),
-            bool(getattr(module, "fan_in_fan_out", False)),
-        )
-        for ad in adapters
-        if ad in module.lora_A
-    ]
 
 
 def plan_weights(model: nn.Module, *, skip_frozen: bool = False) -> list[_Item]:
@@ -91,20 +64,16 @@ def plan_weights(model: nn.Module, *, skip_frozen: bool = False) -> list[_Item]:
         if id(param) in seen:
             continue
         seen.add(id(param))
-        if ".original_module." in name:
+        if is_original_copy(name):
             continue  # PEFT keeps the frozen original next to `modules_to_save`
-        if _LORA_PARAM.search(name):
+        if is_lora_matrix(name):
             continue  # merged into its base weight
-        if ".lora_" in name:
+        if is_adapter_param(name):
             raise ValueError(
                 f"sync_weights: adapter parameter {name!r} is not a LoRA A/B matrix of a linear "
                 "layer; merge the adapter into the model before syncing"
             )
-        loras = []
-        if name.endswith(".base_layer.weight"):
-            owner = model.get_submodule(name[: -len(".base_layer.weight")])
-            if _is_lora_layer(owner):
-                loras = _lora_factors(owner, name)
+        loras = merged_adapters(model, name)
         if skip_frozen and not param.requires_grad and not loras:
             continue
         items.append(_Item(hf_name(name), param, loras))

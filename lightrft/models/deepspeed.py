@@ -6,9 +6,9 @@ LR schedule (ours, stepped on that optimizer), the step (a backward per micro-ba
 ``engine.step()``: DeepSpeed's unmanaged gradient accumulation, so the number of micro-batches
 may vary from step to step as token budgets make it), the clipping threshold (DeepSpeed's
 ``gradient_clipping``) and the loss normalisation (the recipe's loss is already divided for the
-whole step, so the engine's backward does not divide it again). The functions the recipes call
-for both strategies are ``lightrft.training.backward`` / ``optimizer_step``; checkpoints go
-through ``lightrft.training.Checkpointer``, which lets an engine write its own files.
+whole step, so the engine's backward does not divide it again). The strategy object
+(:class:`lightrft.strategy.DeepSpeedStrategy`) runs the engine's backward and step; checkpoints
+go through ``lightrft.training.Checkpointer``, which lets an engine write its own files.
 
     strategy: deepspeed
     deepspeed:

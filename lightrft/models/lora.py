@@ -11,19 +11,144 @@ Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106
 The frozen base weights stay in the model; the reference policy of a KL term is the same model
 with its adapters switched off (:func:`adapters_disabled`), so no second copy sits in memory.
 Weight sync (``lightrft.engine.sync``) merges the adapters into full weights under HF names.
+
+This module owns the LoRA rules every other module asks: which model is a PEFT wrapper
+(:func:`is_peft_model`, :func:`unwrap_peft`; defined in ``lightrft.kernels.hf``, which sits below
+``models`` and needs them) or carries adapters (:func:`has_adapters`), which parameter is an
+adapter's (:func:`is_adapter_param`, :func:`is_lora_matrix`, :func:`is_original_copy`), which
+factors weight sync merges into a base weight (:func:`merged_adapters`), and how a new adapter
+parameter starts (:func:`initial_adapter_value`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from lightrft.kernels.hf import is_peft_model, unwrap_peft
 from lightrft.sections import LoraConfig
+
+__all__ = [
+    "LoraFactors",
+    "adapters_disabled",
+    "apply_backbone_lora",
+    "apply_lora",
+    "export_adapter",
+    "has_adapters",
+    "initial_adapter_value",
+    "is_adapter_param",
+    "is_lora_layer",
+    "is_lora_matrix",
+    "is_original_copy",
+    "is_peft_model",
+    "lora_factors",
+    "merged_adapters",
+    "resolve_targets",
+    "unwrap_peft",
+]
+
+# The A / B matrix of a LoRA linear layer's adapter: weight sync merges it into the base weight.
+_LORA_MATRIX = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")
+_BASE_WEIGHT = ".base_layer.weight"
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules: which model, layer and parameter is LoRA's
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether parameter ``name`` belongs to a PEFT LoRA adapter (``.lora_A.``, ``.lora_B.``,
+    ``.lora_embedding_A.``, ...): trained, and never part of the base model's weights."""
+    return ".lora_" in name
+
+
+def is_lora_matrix(name: str) -> bool:
+    """Whether parameter ``name`` is the A or B matrix of a LoRA linear layer's adapter, which
+    weight sync and the merged export fold into the layer's base weight."""
+    return _LORA_MATRIX.search(name) is not None
+
+
+def is_original_copy(name: str) -> bool:
+    """Whether parameter ``name`` is in the frozen original PEFT keeps beside the trained copy
+    of a ``modules_to_save`` module (``lora.trained_modules``): the copy replaces it."""
+    return ".original_module." in name
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a PEFT LoRA layer (a base layer plus adapters)."""
+    return all(hasattr(module, a) for a in ("base_layer", "lora_A", "lora_B", "scaling"))
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` trains LoRA adapters: a PEFT model, or a model with PEFT LoRA layers
+    injected in place (a reward model, :func:`apply_backbone_lora`)."""
+    return is_peft_model(model) or any(is_lora_layer(m) for m in model.modules())
+
+
+@dataclass
+class LoraFactors:
+    """One adapter of a LoRA linear layer: ``W + scaling * B @ A`` (``W^T`` for
+    ``fan_in_fan_out`` layers, ``transpose``)."""
+
+    a: torch.Tensor  # [r, in] (possibly a DTensor)
+    b: torch.Tensor  # [out, r]
+    scaling: float
+    transpose: bool
+
+
+def lora_factors(module: nn.Module, name: str) -> list[LoraFactors]:
+    """The active, unmerged adapters of a PEFT LoRA layer (``name``: its weight, for errors)."""
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return []
+    if any(getattr(module, "use_dora", {}).values()):
+        raise ValueError(f"sync_weights: {name} uses DoRA, which is not supported; merge it first")
+    adapters = getattr(module, "active_adapters", None) or list(module.lora_A.keys())
+    return [
+        LoraFactors(
+            module.lora_A[ad].weight,
+            module.lora_B[ad].weight,
+            float(module.scaling[ad]),
+            bool(getattr(module, "fan_in_fan_out", False)),
+        )
+        for ad in adapters
+        if ad in module.lora_A
+    ]
+
+
+def merged_adapters(model: nn.Module, name: str) -> list[LoraFactors]:
+    """The adapters merged into parameter ``name`` of ``model`` when its weights leave it
+    (weight sync, the merged export): those of the LoRA layer whose base weight it is, else []."""
+    if not name.endswith(_BASE_WEIGHT):
+        return []
+    owner = model.get_submodule(name[: -len(_BASE_WEIGHT)])
+    return lora_factors(owner, name) if is_lora_layer(owner) else []
+
+
+def initial_adapter_value(
+    name: str, full_shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The initial value of adapter parameter ``name`` as PEFT initialises LoRA (Hu et al.
+    2021): ``lora_A`` Kaiming-uniform, ``lora_B`` zeros; None for any other parameter."""
+    if ".lora_A." in name:
+        w = torch.empty(full_shape, dtype=dtype)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        return w
+    if ".lora_B." in name:
+        return torch.zeros(full_shape, dtype=dtype)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Building, switching off and exporting adapters
 
 
 def _linear_names(model: nn.Module) -> dict[str, str]:
@@ -143,14 +268,8 @@ def apply_backbone_lora(net: nn.Module, opts: LoraConfig) -> nn.Module:
         for p in m.parameters()
     }
     for name, p in net.named_parameters():
-        p.requires_grad_(".lora_" in name or id(p) not in base_params or id(p) in full)
+        p.requires_grad_(is_adapter_param(name) or id(p) not in base_params or id(p) in full)
     return net
-
-
-def is_lora(model: nn.Module) -> bool:
-    """Whether ``model`` is a PEFT model (possibly FSDP2-sharded: the class changes, the
-    ``peft_config`` attribute stays)."""
-    return isinstance(getattr(model, "peft_config", None), dict)
 
 
 @contextlib.contextmanager

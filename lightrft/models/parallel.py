@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightrft.kernels.hf import unwrap_peft
 from lightrft.models.loading import find_module_list
 from lightrft.sections import mesh_shape
 
@@ -13,8 +14,7 @@ from lightrft.sections import mesh_shape
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of transformer blocks of an HF causal LM (``model.model.layers`` and kin), also
     inside a PEFT wrapper."""
-    if isinstance(getattr(model, "peft_config", None), dict):
-        model = model.get_base_model()
+    model = unwrap_peft(model)
     layers = find_module_list(
         model,
         (

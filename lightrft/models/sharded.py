@@ -12,7 +12,6 @@ is ``load_model`` -> ``prepare`` -> ``parallelize`` as before.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightrft.models.loading import check_local, load_model, to_dtype
+from lightrft.models.lora import initial_adapter_value
 from lightrft.models.names import hf_checkpoint_name
 from lightrft.models.parallel import default_param_dtype, parallelize
 
@@ -201,14 +201,11 @@ def _meta_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]:
 
 def _init_new(name: str, full_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """The initial value of a parameter that ``prepare`` added (absent from the checkpoint), in
-    full on every rank from the same RNG state, as PEFT initialises LoRA (Hu et al. 2021):
-    ``lora_A`` Kaiming-uniform, ``lora_B`` zeros."""
-    if ".lora_A." in name:
-        w = torch.empty(full_shape, dtype=dtype)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        return w
-    if ".lora_B." in name:
-        return torch.zeros(full_shape, dtype=dtype)
+    full on every rank from the same RNG state: a LoRA adapter's, as PEFT initialises it
+    (:func:`lightrft.models.lora.initial_adapter_value`)."""
+    value = initial_adapter_value(name, full_shape, dtype)
+    if value is not None:
+        return value
     raise ValueError(
         f"parameter {name!r} is neither in the checkpoint nor one lightrft knows how to "
         "initialise; create new parameters on a real device in `prepare` (not on meta)"

@@ -30,7 +30,6 @@ _EXPORTS = {
     "warmup_cosine_scheduler": "optim",
     "clip_grad_norm": "optim",
     "cpu_offload_optimizer": "optim",
-    "backward": "optim",
     "optimizer_step": "optim",
     "is_deepspeed_engine": "optim",
     "check_output_dir": "outputs",

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightrft.distributed import barrier
+from lightrft.models.lora import has_adapters
 from lightrft.training.optim import is_deepspeed_engine
 from lightrft.training.resume import ConfigChange, check_resume_config
 from lightrft.training.safe_state import (
@@ -609,12 +610,8 @@ class Checkpointer:
 
 
 def _is_lora(model: nn.Module) -> bool:
-    """A PEFT model, or a model with PEFT LoRA layers injected in place (a reward model)."""
-    if is_deepspeed_engine(model):
-        model = model.module
-    if isinstance(getattr(model, "peft_config", None), dict):
-        return True
-    return any(hasattr(m, "lora_A") for m in model.modules())
+    """Whether ``model`` (or the module a DeepSpeed engine wraps) trains LoRA adapters."""
+    return has_adapters(model.module if is_deepspeed_engine(model) else model)
 
 
 def _engines(models: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from torch import nn
 from lightrft.distributed import barrier, is_main
 from lightrft.engine.sync import iter_weight_buckets
 from lightrft.models.export import export_hf, replace_dir
-from lightrft.models.lora import export_adapter, is_lora
+from lightrft.models.lora import export_adapter, unwrap_peft
 from lightrft.sections import LoraConfig
 
 __all__ = ["export_merged", "export_trained"]
@@ -37,7 +37,7 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
             sd.update((name, t.clone()) for name, t in bucket)
     out = Path(out_dir)
     if main:
-        base = model.get_base_model() if is_lora(model) else model
+        base = unwrap_peft(model)
         tmp = out.with_name(out.name + ".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
         base.save_pretrained(tmp, state_dict=sd, is_main_process=True)

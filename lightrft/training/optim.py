@@ -98,30 +98,12 @@ def is_deepspeed_engine(model: Any) -> bool:
     return any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__)
 
 
-def backward(loss: torch.Tensor, engine: Any = None) -> None:
-    """``loss.backward()``; under ``strategy: deepspeed`` the engine's backward (ZeRO reduces
-    and partitions the gradients). The recipe's loss is already normalised for the whole step,
-    so the engine does not divide it again by an accumulation count."""
-    if engine is None:
-        loss.backward()
-    else:
-        engine.backward(loss, scale_wrt_gas=False)
-
-
 def optimizer_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    max_norm: float | None,
-    engine: Any = None,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
 ) -> float:
     """End an optimizer step after the step's last backward: clip to ``max_norm`` (None: only
-    measure), step, zero the gradients; return the gradient norm before clipping. Under
-    ``strategy: deepspeed`` the engine does all three (its ``gradient_clipping`` is
-    ``max_norm``) and reports the norm it computed (NaN if it computed none)."""
-    if engine is not None:
-        engine.step()
-        norm = engine.get_global_grad_norm()
-        return float("nan") if norm is None else float(norm)
+    measure), step, zero the gradients; return the gradient norm before clipping. A DeepSpeed
+    engine does all three itself (:class:`lightrft.strategy.DeepSpeedStrategy`)."""
     norm = clip_grad_norm(model, max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -26,6 +26,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from lightrft.distributed import is_main
+
 
 class Preemption:
     """Turn SIGTERM / SIGINT into a graceful stop at the next step boundary (context manager)."""
@@ -82,8 +84,7 @@ class Preemption:
         """Print where the state was saved and raise ``SystemExit(exit_code)`` (so ``finally``
         blocks, e.g. closing loggers and the process group, still run)."""
         name = signal.Signals(self.signum).name if self.signum else "stop"
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if rank0:
+        if is_main():
             where = f"checkpoint saved in {checkpoint}; " if checkpoint is not None else ""
             print(
                 f"stopped by {name}: {where}continue with resume=true",
