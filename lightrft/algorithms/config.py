@@ -25,7 +25,9 @@ from lightrft.config import Section, at_least, option, section
 class AdvantageConfig(Section):
     """``algorithm.advantage:``: the estimator and the options it takes (docs/algorithms.md)."""
 
-    estimator: Literal[tuple(ESTIMATORS)] = option(doc="grpo, rloo, reinforce_pp, gae, ...")
+    # Names are checked against the registries when read, not frozen into the schema: a copied
+    # recipe may register its own estimator or objective before its config is parsed.
+    estimator: str = option(doc="grpo, rloo, reinforce_pp, gae, ... (ESTIMATORS)")
     eps: float | None = option(None, doc="std normalisation epsilon")
     scale: Literal["group", "batch", "none"] | None = option(None, doc="normalise by which std")
     weight: Literal["filter", "std", "none"] | None = option(None, doc="group weighting")
@@ -42,7 +44,7 @@ class PolicyLossConfig(Section):
     """``algorithm.policy_loss:``: the objective (lightrft.algorithms.OBJECTIVES) and its
     aggregation; unset keys take the objective's published defaults."""
 
-    objective: Literal[tuple(OBJECTIVES)] = option("ppo", doc="ppo, gspo, gmpo, cpgd, ...")
+    objective: str = option("ppo", doc="ppo, gspo, gmpo, cpgd, ... (OBJECTIVES)")
     clip_low: float | None = option(None, doc="ratio clip below 1")
     clip_high: float | None = option(None, doc="ratio clip above 1 (clip-higher)")
     dual_clip: float | None = option(None, doc="dual-clip bound (> 1)")
@@ -145,6 +147,11 @@ class AlgorithmConfig(Section):
     ) -> AlgorithmConfig:
         """The section checked against the rollout (group size ``n``, ``max_tokens``, FIRE's
         ``first_token_temperature``) with every default that depends on it filled in."""
+        if self.advantage.estimator not in ESTIMATORS:
+            raise ValueError(
+                f"algorithm.advantage.estimator: unknown advantage estimator "
+                f"{self.advantage.estimator!r}; choose one of {list(ESTIMATORS)}"
+            )
         check_estimator(self.advantage.estimator, self.advantage.options(), group_size=n)
         self._check_sampling_correction(first_token_temperature)
         top_rho = self.entropy.top_rho
@@ -167,6 +174,11 @@ class AlgorithmConfig(Section):
 
     def _policy_loss(self, max_tokens: int) -> PolicyLossConfig:
         pl = self.policy_loss
+        if pl.objective not in OBJECTIVES:
+            raise ValueError(
+                f"algorithm.policy_loss.objective: unknown policy objective {pl.objective!r}; "
+                f"choose one of {list(OBJECTIVES)}"
+            )
         defaults = OBJECTIVES[pl.objective].defaults
         agg = pl.agg or defaults["agg"]
         if pl.norm_len is not None and agg != "seq_mean_token_sum_norm":

@@ -699,7 +699,7 @@ def test_a_new_objective_is_one_registry_entry_in_a_copied_recipe(tmp_path, asse
     from lightrft.cli import recipes_dir
 
     source = (recipes_dir() / "grpo.py").read_text()
-    anchor = "DTYPE = Literal["
+    anchor = "# " + "-" * 82 + " config"
     copy = tmp_path / "my_grpo.py"
     copy.write_text(source.replace(anchor, NEW_OBJECTIVE + "\n" + anchor, 1))
     cfg = _config(tmp_path, assets, max_steps=1, eval=None, eval_dataset=None)

@@ -222,8 +222,9 @@ def test_resume_gives_the_uninterrupted_loss_curve(tmp_path):
     ckpts.mkdir(parents=True)
     shutil.copytree(full / "out" / "checkpoints" / "step_000003", ckpts / "step_000003")
     (ckpts / "latest").write_text("step_000003")
-    shutil.copytree(full / "model", crashed / "model")
-    cfg = _config(crashed, save_every=3, keep_last=5, eval_every=None, packing=True, resume=True)
+    # Same model and data: a changed path would be refused by the resume config check.
+    over = {"output_dir": str(crashed / "out"), "resume": True}
+    cfg = _config(full, save_every=3, keep_last=5, eval_every=None, packing=True, **over)
     assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
     resumed = _losses(crashed / "out")
     assert sorted(resumed) == [4, 5, 6]
@@ -267,7 +268,7 @@ def test_a_pair_trains_only_its_head_and_cost_heads_get_the_sign_term(tmp_path):
         assert loss == pytest.approx(3 * torch.log(torch.tensor(2.0)).item(), rel=1e-5)
         assert OmegaConf.select(cfg, "model.cost_heads") == ["cost"]
     finally:
-        recipe.cleanup()
+        recipe.run.close(clean=True)
 
 
 def _two_ranks(rank: int, world_size: int, cfg_path: str) -> None:
@@ -439,15 +440,16 @@ def test_lora_learns_checkpoints_adapters_resumes_bitwise_and_exports_merged(tmp
     ckpts.mkdir(parents=True)
     shutil.copytree(out / "checkpoints" / "step_000003", ckpts / "step_000003")
     (ckpts / "latest").write_text("step_000003")
-    shutil.copytree(full / "model", crashed / "model")
-    pooling = {"path": str(crashed / "model"), "pooling": "attention"}
+    # Same model and data: a changed path would be refused by the resume config check.
+    pooling = {"path": str(full / "model"), "pooling": "attention"}
     over = dict(save_every=3, keep_last=5, model=pooling, resume=True)
-    cfg = _config(crashed, lora=_LORA, **over)
+    over["output_dir"] = str(crashed / "out")
+    cfg = _config(full, lora=_LORA, **over)
     assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
     resumed = _losses(crashed / "out")
     assert sorted(resumed) == [4, 5, 6]
     assert all(resumed[s] == reference[s] for s in (4, 5, 6)), (resumed, reference)
-    assert cli.main(["run", "reward_model", "--config", str(_config(crashed, **over))]) == 2
+    assert cli.main(["run", "reward_model", "--config", str(_config(full, **over))]) == 2
     assert "holds LoRA adapters" in capsys.readouterr().err
 
 
