@@ -179,25 +179,8 @@ class PromptDataset(torch.utils.data.Dataset):
             "truncated": truncated,
             "dropped": dropped,
         }
-        if self.media.audio is not None:
-            self.stats["audio_clipped"] = self.media.clipped
-            self.stats["audio_dropped"] = audio_dropped
-            if audio_dropped:
-                log.warning(
-                    "%s: dropped %d prompts with audio over max_audio_seconds=%g",
-                    self.source,
-                    audio_dropped,
-                    self.media.audio.max_seconds,
-                )
-        if truncated or dropped:
-            log.warning(
-                "%s: max_prompt_length=%s truncated (left) %d and dropped %d of %d prompts",
-                self.source,
-                max_prompt_length,
-                truncated,
-                dropped,
-                len(src),
-            )
+        cut = f"max_prompt_length={max_prompt_length} truncated (left)"
+        self.media.report(log, self.source, self.stats, "prompts", audio_dropped, cut)
 
     def _over_limit(
         self, ids: list[int], limit: int, where: str, key: str, intact: bool = True

@@ -9,6 +9,7 @@ processors, so the two cannot be one module without a cycle.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -215,3 +216,16 @@ class MediaSamples:
             if sum(1 for t in ids if t == tok) != sum(inputs.num_tokens):
                 return False
         return True
+
+    def report(self, log: logging.Logger, source: str, stats: dict, noun: str, audio_dropped, cut):
+        """Add the audio counts to a dataset's ``stats`` and warn on the dataset's ``log`` of the
+        ``noun``s (prompts, samples) dropped for audio or ``cut`` (``"max_length=N truncated"``)
+        at the length limit, as ``stats`` counts them."""
+        if self.audio is not None:
+            stats.update(audio_clipped=self.clipped, audio_dropped=audio_dropped)
+            if audio_dropped:
+                why = f"with audio over max_audio_seconds={self.audio.max_seconds:g}"
+                log.warning("%s: dropped %d %s %s", source, audio_dropped, noun, why)
+        if stats["truncated"] or stats["dropped"]:
+            counts = (stats["truncated"], stats["dropped"], stats["records"])
+            log.warning("%s: %s %d and dropped %d of %d %s", source, cut, *counts, noun)

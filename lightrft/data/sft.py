@@ -46,6 +46,8 @@ from lightrft.data.vision import as_processor
 __all__ = ["SFTDataset"]
 
 log = logging.getLogger(__name__)
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """Tokenised SFT samples: ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}``, plus
     ``"images"`` (an :class:`~lightrft.data.vision.ImageInputs`) for samples with images and
@@ -181,24 +183,8 @@ class SFTDataset(torch.utils.data.Dataset):
             self.stats["images"] = n_images
         if self.media.audio is not None:
             self.stats["audios"] = sum(m.count()[1] for m in self._media if m)
-            self.stats["audio_clipped"] = self.media.clipped
-            self.stats["audio_dropped"] = audio_dropped
-            if audio_dropped:
-                log.warning(
-                    "%s: dropped %d samples with audio over max_audio_seconds=%g",
-                    self.source,
-                    audio_dropped,
-                    self.media.audio.max_seconds,
-                )
-        if truncated or dropped:
-            log.warning(
-                "%s: max_length=%s truncated %d and dropped %d of %d samples",
-                self.source,
-                max_length,
-                truncated,
-                dropped,
-                len(src),
-            )
+        cut = f"max_length={max_length} truncated"
+        self.media.report(log, self.source, self.stats, "samples", audio_dropped, cut)
 
     def _encode(
         self,

@@ -48,6 +48,7 @@ from lightrft.engine.protocol import (
     Completion,
     Request,
     SamplingParams,
+    check_awake,
     check_requests,
     check_sleep_level,
     check_wake_tags,
@@ -368,24 +369,6 @@ class NativeEngine:
             (self._canonical[id(p)], p) for p in {id(p): p for p in self._params.values()}.values()
         ]
 
-    def _check_ready(self) -> None:
-        asleep = [
-            tag
-            for tag, awake in (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
-            if not awake
-        ]
-        if asleep:
-            raise ValueError(
-                f"generate called while the engine is asleep ({', '.join(asleep)} released); "
-                "call wake_up() first"
-            )
-        if self._unloaded:
-            missing = sorted(self._unloaded)
-            raise ValueError(
-                f"{len(missing)} weight(s) not loaded since the level-2 sleep, e.g. "
-                f"{missing[:8]}; send every weight with load_weights (or sync_weights) first"
-            )
-
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
     def generate(
@@ -394,7 +377,8 @@ class NativeEngine:
         sampling: SamplingParams | Sequence[SamplingParams],
     ) -> list[Completion]:
         """Sample ``n`` completions per request; returned ordered by (request, sample)."""
-        self._check_ready()
+        tags = (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
+        check_awake([tag for tag, awake in tags if not awake], self._unloaded)
         requests = list(requests)
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)

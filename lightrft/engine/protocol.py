@@ -13,7 +13,7 @@ touching its loop::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -209,6 +209,22 @@ def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown wake_up tag(s) {unknown}; choose from {list(WAKE_TAGS)}")
     return tuple(tags)
+
+
+def check_awake(asleep: Sequence[str], unloaded: Collection[str]) -> None:
+    """Refuse ``generate`` while memory is released (``asleep``: its tags) or while weights are
+    not loaded since a level-2 sleep (``unloaded``: their names)."""
+    if asleep:
+        raise ValueError(
+            f"generate called while the engine is asleep ({', '.join(asleep)} released); "
+            "call wake_up() first"
+        )
+    if unloaded:
+        missing = sorted(unloaded)
+        raise ValueError(
+            f"{len(missing)} weight(s) not loaded since the level-2 sleep, e.g. "
+            f"{missing[:8]}; send every weight with load_weights (or sync_weights) first"
+        )
 
 
 def check_sleep_level(level: int) -> None:

@@ -40,6 +40,7 @@ from lightrft.engine.protocol import (
     Completion,
     Request,
     SamplingParams,
+    check_awake,
     check_requests,
     check_sleep_level,
     check_wake_tags,
@@ -387,17 +388,7 @@ class VLLMEngine:
         requests: Sequence[Request],
         sampling: SamplingParams | Sequence[SamplingParams],
     ) -> list[Completion]:
-        if self._asleep:
-            raise ValueError(
-                f"generate called while the engine is asleep ({', '.join(sorted(self._asleep))} "
-                "released); call wake_up() first"
-            )
-        if self._unloaded:
-            missing = sorted(self._unloaded)
-            raise ValueError(
-                f"{len(missing)} weight(s) not loaded since the level-2 sleep, e.g. "
-                f"{missing[:8]}; send every weight with load_weights (or sync_weights) first"
-            )
+        check_awake(sorted(self._asleep), self._unloaded)
         requests = list(requests)
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)

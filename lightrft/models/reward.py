@@ -478,8 +478,9 @@ def load_reward_net_parallel(
     """
     import torch.distributed as dist
 
-    from lightrft.models.parallel import default_param_dtype, parallelize
+    from lightrft.models.sharded import prepare_and_parallelize
 
+    opts = dict(device=device, activation_checkpointing=activation_checkpointing, compile=compile)
     if shard is None:
         shard = dist.is_available() and dist.is_initialized()
     if not shard:
@@ -493,18 +494,10 @@ def load_reward_net_parallel(
             device=device,
             trust_remote_code=trust_remote_code,
         )
-        net = prepare(net) if prepare is not None else net
-        return parallelize(
-            net, activation_checkpointing=activation_checkpointing, compile=compile, shard=False
-        )
+        return prepare_and_parallelize(net, prepare, **opts)
     from transformers import AutoModelForSequenceClassification
 
-    from lightrft.models.sharded import (
-        SafetensorsIndex,
-        build_on_meta,
-        checkpoint_names,
-        fill_from_safetensors,
-    )
+    from lightrft.models.sharded import SafetensorsIndex, build_on_meta, checkpoint_names
 
     _check_pooling(pooling, heads, probe_layer, end_token_id)
     files = SafetensorsIndex.read(path).files
@@ -535,18 +528,9 @@ def load_reward_net_parallel(
             probe_layer=probe_layer,
             dtype=dtype,
         )
-    net = prepare(net) if prepare is not None else net
-    device = torch.device(device)
-    net = parallelize(
-        net,
-        mesh=mesh,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile,
-        param_dtype=default_param_dtype(device),
-        shard=True,
+    return prepare_and_parallelize(
+        net, prepare, mesh=mesh, checkpoint=(path, names, converted), **opts
     )
-    fill_from_safetensors(net, path, names=names, converted=converted, device=device)
-    return net
 
 
 def read_reward_config(path: str | Path) -> dict[str, Any] | None:

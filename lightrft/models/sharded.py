@@ -276,6 +276,31 @@ def _copy_slice(f, key: str, t: torch.Tensor, region: tuple[slice, ...], file: P
     local.copy_(value.to(local.dtype))
 
 
+def prepare_and_parallelize(
+    model: nn.Module,
+    prepare: Callable[[nn.Module], nn.Module] | None,
+    *,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    mesh=None,
+    device: str | torch.device = "cpu",
+    checkpoint: tuple[str | Path, dict[str, str], set[str]] | None = None,
+) -> nn.Module:
+    """Apply ``prepare`` (LoRA, a value head) to ``model`` and :func:`parallelize` it: unsharded,
+    or, given the ``checkpoint`` ``(path, names, converted)`` of a meta-built model, sharded on
+    ``mesh`` with each rank's slices read from it (:func:`fill_from_safetensors`)."""
+    model = prepare(model) if prepare is not None else model
+    kw = dict(activation_checkpointing=activation_checkpointing, compile=compile)
+    if checkpoint is None:
+        return parallelize(model, shard=False, **kw)
+    device = torch.device(device)
+    # fully_shard moves buffers and real parameters to the mesh's device; meta ones stay meta.
+    model = parallelize(model, mesh=mesh, param_dtype=default_param_dtype(device), shard=True, **kw)
+    path, names, converted = checkpoint
+    fill_from_safetensors(model, path, names=names, converted=converted, device=device)
+    return model
+
+
 def load_parallel(
     path: str | Path,
     *,
@@ -299,6 +324,7 @@ def load_parallel(
     value; LoRA adapters it creates on meta (PEFT follows the base layer's device) are
     initialised as PEFT initialises them.
     """
+    opts = dict(device=device, activation_checkpointing=activation_checkpointing, compile=compile)
     if shard is None:
         shard = dist.is_available() and dist.is_initialized()
     if not shard:
@@ -309,13 +335,7 @@ def load_parallel(
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
-        model = prepare(model) if prepare is not None else model
-        return parallelize(
-            model,
-            activation_checkpointing=activation_checkpointing,
-            compile=compile,
-            shard=False,
-        )
+        return prepare_and_parallelize(model, prepare, **opts)
     model = build_on_meta(
         path,
         dtype=dtype,
@@ -323,16 +343,6 @@ def load_parallel(
         attn_implementation=attn_implementation,
     )
     names, converted = checkpoint_names(model, list(SafetensorsIndex.read(path).files))
-    model = prepare(model) if prepare is not None else model
-    device = torch.device(device)
-    # fully_shard moves buffers and real parameters to the mesh's device; meta ones stay meta.
-    model = parallelize(
-        model,
-        mesh=mesh,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile,
-        param_dtype=default_param_dtype(device),
-        shard=True,
+    return prepare_and_parallelize(
+        model, prepare, mesh=mesh, checkpoint=(path, names, converted), **opts
     )
-    fill_from_safetensors(model, path, names=names, converted=converted, device=device)
-    return model

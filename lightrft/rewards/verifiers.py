@@ -175,33 +175,16 @@ class GSM8KVerifier(MathVerifier):
     default_symbolic = False  # integer answers: the exact comparison is complete
 
 
-class ExactMatch:
-    """``correct`` if the response equals the reference string, else ``incorrect``.
+class _MatchVerifier:
+    """``correct`` for a response that the subclass's ``matches`` accepts for its reference (the
+    reference as a string), else ``incorrect``."""
 
-    For answers whose spelling is the answer: a choice letter, a label, digits in a fixed format
-    (``"011"`` is not ``"11"``, which :class:`MathVerifier` would call equal as numbers).
-    Surrounding whitespace is ignored on both sides, and with ``strip_think`` the response is
-    read after its last ``</think>``; ``ignore_case`` compares case-folded strings.
-    """
-
-    name = "exact"
     requires_reference = True
 
-    def __init__(
-        self,
-        correct: float = 1.0,
-        incorrect: float = 0.0,
-        ignore_case: bool = False,
-        strip_think: bool = True,
-    ) -> None:
+    def __init__(self, correct: float, incorrect: float, strip_think: bool) -> None:
         self.correct = float(correct)
         self.incorrect = float(incorrect)
-        self.ignore_case = ignore_case
         self.strip_think = strip_think
-
-    def _key(self, text: str) -> str:
-        text = text.strip()
-        return text.casefold() if self.ignore_case else text
 
     def __call__(
         self,
@@ -212,11 +195,38 @@ class ExactMatch:
     ) -> list[float]:
         _check_references(type(self).__name__, prompts, responses, references)
         return [
-            self.correct
-            if self._key(_final_part(r, self.strip_think)) == self._key(str(ref))
-            else self.incorrect
+            self.correct if self.matches(r, str(ref)) else self.incorrect
             for r, ref in zip(responses, references, strict=True)
         ]
+
+
+class ExactMatch(_MatchVerifier):
+    """``correct`` if the response equals the reference string, else ``incorrect``.
+
+    For answers whose spelling is the answer: a choice letter, a label, digits in a fixed format
+    (``"011"`` is not ``"11"``, which :class:`MathVerifier` would call equal as numbers).
+    Surrounding whitespace is ignored on both sides, and with ``strip_think`` the response is
+    read after its last ``</think>``; ``ignore_case`` compares case-folded strings.
+    """
+
+    name = "exact"
+
+    def __init__(
+        self,
+        correct: float = 1.0,
+        incorrect: float = 0.0,
+        ignore_case: bool = False,
+        strip_think: bool = True,
+    ) -> None:
+        super().__init__(correct, incorrect, strip_think)
+        self.ignore_case = ignore_case
+
+    def _key(self, text: str) -> str:
+        text = text.strip()
+        return text.casefold() if self.ignore_case else text
+
+    def matches(self, response: str, reference: str) -> bool:
+        return self._key(_final_part(response, self.strip_think)) == self._key(reference)
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -229,7 +239,7 @@ def _choice_key(text: str) -> str:
     return text.strip(" \"'`").rstrip(".").strip()
 
 
-class ChoiceVerifier:
+class ChoiceVerifier(_MatchVerifier):
     """``correct`` if the response chooses the reference option, else ``incorrect``.
 
     For multiple-choice question answering (audio QA in the style of R1-AQA, Li et al. 2025,
@@ -242,7 +252,6 @@ class ChoiceVerifier:
     """
 
     name = "choice"
-    requires_reference = True
 
     def __init__(
         self,
@@ -251,10 +260,8 @@ class ChoiceVerifier:
         require_tag: bool = True,
         strip_think: bool = True,
     ) -> None:
-        self.correct = float(correct)
-        self.incorrect = float(incorrect)
+        super().__init__(correct, incorrect, strip_think)
         self.require_tag = require_tag
-        self.strip_think = strip_think
 
     def choice(self, response: str) -> str | None:
         """The option a response chose (None: no ``<answer>`` tag where one is required)."""
@@ -264,20 +271,9 @@ class ChoiceVerifier:
             return tags[-1]
         return None if self.require_tag else final
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None],
-        labels: Sequence[str | None] | None = None,
-    ) -> list[float]:
-        _check_references(type(self).__name__, prompts, responses, references)
-        out = []
-        for r, ref in zip(responses, references, strict=True):
-            chosen = self.choice(r)
-            ok = chosen is not None and _choice_key(chosen) == _choice_key(str(ref))
-            out.append(self.correct if ok else self.incorrect)
-        return out
+    def matches(self, response: str, reference: str) -> bool:
+        chosen = self.choice(response)
+        return chosen is not None and _choice_key(chosen) == _choice_key(reference)
 
 
 class ThinkFormatReward:

@@ -213,16 +213,12 @@ def _patch(arch: str) -> int:
     return 16 if arch == "qwen3_vl" else _PATCH
 
 
-def _vlm_config(
-    arch: str, tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions, tie_embeddings
-):
-    """The HF config of a tiny vision-language model whose special ids match ``tok``."""
-    from transformers import AutoConfig
-
-    head_dim = hidden // heads
-    vocab_size = -(-len(tok) // 16) * 16
-    text = {
-        "vocab_size": vocab_size,
+def _text_config(
+    tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions, tie_embeddings
+) -> dict[str, Any]:
+    """The text model of a tiny multimodal model's HF config, its special ids those of ``tok``."""
+    return {
+        "vocab_size": -(-len(tok) // 16) * 16,
         "hidden_size": hidden,
         "intermediate_size": intermediate or 4 * hidden,
         "num_hidden_layers": layers,
@@ -235,6 +231,15 @@ def _vlm_config(
         "bos_token_id": None,
         "tie_word_embeddings": tie_embeddings,
     }
+
+
+def _vlm_config(arch: str, tok, **sizes: Any):
+    """The HF config of a tiny vision-language model whose special ids match ``tok``."""
+    from transformers import AutoConfig
+
+    hidden, tie_embeddings = sizes["hidden"], sizes["tie_embeddings"]
+    head_dim = hidden // sizes["heads"]
+    text = _text_config(tok, **sizes)
     vision_width = 32
     if arch == "llava":
         text["model_type"] = "llama"
@@ -383,26 +388,14 @@ def _tiny_audio_processor(tok):
     )
 
 
-def _audio_config(
-    tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions, tie_embeddings
-):
+def _audio_config(tok, **sizes: Any):
     """The HF config of a tiny Qwen2-Audio whose audio token id matches ``tok``."""
     from transformers import AutoConfig
 
+    tie_embeddings = sizes["tie_embeddings"]
     text = {
         "model_type": "qwen2",
-        "vocab_size": -(-len(tok) // 16) * 16,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate or 4 * hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "max_position_embeddings": max_positions,
-        "rms_norm_eps": 1e-6,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-        "bos_token_id": None,
-        "tie_word_embeddings": tie_embeddings,
+        **_text_config(tok, **sizes),
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }
     width = 32
