@@ -187,7 +187,9 @@ def test_reward_model_recipe_trains_a_vlm_likelihood_reward_model(tiny_vlm, imag
     torch.testing.assert_close(got, want[:, 0].view(3, 2).T.flatten(), atol=1e-5, rtol=1e-5)
     # A classifier head on a VLM has no transformers class: refused, naming the way out.
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({**cfg, "model": {"path": cfg["model"]["path"]}, "loss": {}}))
+    model = {"path": cfg["model"]["path"]}
+    bad_out = str(tmp_path / "bad_out")  # a fresh run: the used output_dir would be refused
+    bad.write_text(yaml.safe_dump({**cfg, "model": model, "loss": {}, "output_dir": bad_out}))
     with pytest.raises(ValueError, match="use pooling='likelihood'"):
         cli.main(["run", "reward_model", "--config", str(bad)])
 
