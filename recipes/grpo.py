@@ -28,7 +28,6 @@ One self-contained file: copy it (`lightrft cp grpo my_grpo.py`), edit it, run t
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 import warnings
@@ -64,7 +63,7 @@ from lightrft.data import build_dataloader, collate_prompts, conversation, epoch
 from lightrft.data.modality import is_audio_language, is_vision_language
 from lightrft.distributed import sum_over_ranks
 from lightrft.engine import SamplingParams
-from lightrft.engine.config import EngineConfig
+from lightrft.engine.config import EngineConfig, RolloutConfig
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.kernels import (
     GradHint,
@@ -103,46 +102,6 @@ from lightrft.training import (
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 # ---------------------------------------------------------------------------------- config
-
-
-@section
-class RolloutConfig(Section):
-    """``rollout:``: the prompts of a step and how their samples are drawn."""
-
-    prompts_per_step: int = option(ge=1, doc="prompts per step, all ranks together")
-    n: int = option(ge=1, doc="samples per prompt (the group)")
-    max_tokens: int = option(ge=1, doc="response length limit")
-    temperature: float = option(1.0, doc="the trainer scores tokens at this temperature too")
-    top_p: float = option(1.0, doc="nucleus sampling")
-    top_k: int = option(0, doc="0: off")
-    first_token_temperature: float | None = option(None, doc="FIRE: the first token's temperature")
-    stop_token_ids: list[int] = option((), doc="token ids that end a response")
-
-    def resolve(self, at: str) -> RolloutConfig:
-        if not self.temperature > 0:
-            raise ValueError(
-                f"rollout.temperature must be > 0 (the trainer scores tokens at the sampling "
-                f"temperature), got {self.temperature}"
-            )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.prompts_per_step % world:
-            raise ValueError(
-                f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
-                f"number of processes ({world})"
-            )
-        self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
-        return self
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-            stop_token_ids=list(self.stop_token_ids),
-            first_token_temperature=self.first_token_temperature,
-        )
 
 
 @section
