@@ -93,8 +93,7 @@ def forward_on_hidden(
     *,
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
-    images: Any = None,
-    audios: Any = None,
+    media: Any = None,
     **model_kwargs,
 ) -> Any:
     """Run ``model``'s forward and return ``fn(hidden [B, T-1, H], lm_head.weight, lm_head.bias)``
@@ -103,22 +102,15 @@ def forward_on_hidden(
     ``hidden[:, i]`` is the final hidden state that predicts token ``i + 1``. ``fn``'s result
     replaces the model's output, so it must be a tensor or a tuple of tensors.
 
-    ``images``: for a vision-language model, the batch's
-    :class:`~lightrft.data.vision.ImageInputs` (its images in the order their placeholder runs
-    appear in ``input_ids``, row by row); see
-    :func:`vision_forward_kwargs` for the positions it implies.
-    ``audios``: for an audio-language model, the batch's
-    :class:`~lightrft.data.audio.AudioInputs` (its audio in placeholder order, row by row).
+    ``media``: for a vision- or audio-language model, the batch's
+    :class:`~lightrft.data.media.Media` (its images and audio in the order their placeholder
+    runs appear in ``input_ids``, row by row); see :func:`media_forward_kwargs` for the
+    positions it implies.
     """
     trunk, head = _trunk_and_head(model)
-    if images is not None or audios is not None:
-        extra = vision_forward_kwargs(
-            model,
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            images=images,
-            audios=audios,
+    if media is not None:
+        extra = media_forward_kwargs(
+            model, input_ids, attention_mask=attention_mask, position_ids=position_ids, media=media
         )
         attention_mask, position_ids = extra.pop("attention_mask"), extra.pop("position_ids")
         model_kwargs = {**model_kwargs, **extra}
@@ -196,8 +188,7 @@ def causal_lm_token_logprobs(
             ``input_ids[:, 1:]``. Set ``ignore_index`` where no log-prob is wanted (prompt,
             padding): those give 0, get no gradient and cost no LM-head compute.
         attention_mask, position_ids, **model_kwargs: passed to the model's forward.
-        images: a vision-language batch's ``ImageInputs`` (see :func:`forward_on_hidden`).
-        audios: an audio-language batch's ``AudioInputs`` (see :func:`forward_on_hidden`).
+        media: a multimodal batch's ``Media`` (see :func:`forward_on_hidden`).
         temperature, return_entropy, chunk_size, backend: as in :func:`fused_linear_logprobs`.
         entropy_grad: with ``return_entropy``, False computes the entropy without gradient in a
             second, no-grad pass over the same hidden states (only to log it), so the log-probs
@@ -311,19 +302,20 @@ def mrope_model(model: nn.Module) -> nn.Module | None:
     return base if callable(getattr(base, "get_rope_index", None)) else None
 
 
-def vision_forward_kwargs(
+def media_forward_kwargs(
     model: nn.Module,
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-    images,
-    audios=None,
+    media,
 ) -> dict[str, torch.Tensor | None]:
-    """The keyword arguments of a VLM forward over ``input_ids`` ``[B, T]`` whose image tokens
-    belong to ``images`` (an :class:`~lightrft.data.vision.ImageInputs` of the batch, in order).
+    """The keyword arguments of a multimodal forward over ``input_ids`` ``[B, T]`` whose media
+    tokens belong to ``media`` (a :class:`~lightrft.data.media.Media` of the batch, in order).
 
-    Besides ``pixel_values`` (and ``image_grid_thw``), M-RoPE models (Qwen-VL) get:
+    Each kind adds its inputs: images ``pixel_values`` (and ``image_grid_thw``), audio
+    ``input_features`` and ``feature_attention_mask`` (Qwen2-Audio takes ordinary positions).
+    M-RoPE models (Qwen-VL) also get:
 
     * ``mm_token_type_ids`` rebuilt as ``input_ids == image_token_id`` over prompt + completion
       (the processor's covers the prompt only; Qwen2-VL refuses image grids without it);
@@ -334,29 +326,22 @@ def vision_forward_kwargs(
       boundaries) over the per-sample 3-D M-RoPE positions.
 
     Models without M-RoPE (LLaVA) take ordinary positions, so their packing works as for text.
-
-    ``audios`` (an :class:`~lightrft.data.audio.AudioInputs` of the batch, in order) adds
-    ``input_features`` and ``feature_attention_mask``; Qwen2-Audio takes ordinary positions.
     """
     from lightrft.data.modality import image_token_id, is_audio_language, is_vision_language
 
+    config, name = getattr(model, "config", None), type(model).__name__
+    if media.audio is not None and not is_audio_language(config):
+        raise ValueError(f"audio was given but {name} is not an audio-language model")
+    if media.image is not None and not is_vision_language(config):
+        raise ValueError(f"images were given but {name} is not a vision-language model")
     kwargs: dict[str, torch.Tensor | None] = {
         "attention_mask": attention_mask,
         "position_ids": position_ids,
+        **media.model_inputs(input_ids.device),
     }
-    if audios is not None:
-        if not is_audio_language(getattr(model, "config", None)):
-            raise ValueError(
-                f"audio was given but {type(model).__name__} is not an audio-language model"
-            )
-        kwargs.update(audios.model_inputs(input_ids.device))
+    images = media.image
     if images is None:
         return kwargs
-    if not is_vision_language(getattr(model, "config", None)):
-        raise ValueError(
-            f"images were given but {type(model).__name__} is not a vision-language model"
-        )
-    kwargs.update(images.model_inputs(input_ids.device))
     rope = mrope_model(model)
     if rope is None:
         return kwargs

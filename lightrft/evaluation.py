@@ -93,7 +93,7 @@ def evaluate_items(
     extract: Callable[[str], str | None] | None = None,
 ) -> list[EvalRecord]:
     """Generate ``n`` samples for each item (``prompt_ids``, ``prompt``, ``reference``,
-    ``label``; ``messages`` and ``images`` give the reward its conversations), score them and
+    ``label``; ``messages`` and ``media`` give the reward its conversations), score them and
     extract their answers.
 
     Args:
@@ -121,7 +121,7 @@ def evaluate_items(
         texts,
         [it.get("reference") for it in rep],
         [it.get("label") for it in rep],
-        [conversation(it.get("messages"), it.get("images")) for it in rep],
+        [conversation(it.get("messages"), it.get("media")) for it in rep],
     )
     scores = (out.parts[accuracy] if accuracy else out.total).tolist()
     totals = out.total.tolist()

@@ -119,8 +119,7 @@ class EvalRecipe:
     def run(self) -> dict[str, float]:
         def generate(prompt_ids: list[list[int]], items: list) -> list:
             requests = [
-                Request.with_media(ids, it.get("images"), it.get("audios"))
-                for ids, it in zip(prompt_ids, items, strict=True)
+                Request(ids, it.get("media")) for ids, it in zip(prompt_ids, items, strict=True)
             ]
             return self.engine.generate(requests, self.params)
 

@@ -60,7 +60,6 @@ from lightrft.algorithms import (
 from lightrft.algorithms.config import AlgorithmConfig
 from lightrft.config import Component, Section, option, section
 from lightrft.data import build_dataloader, collate_prompts, conversation, epoch_batches
-from lightrft.data.modality import is_audio_language, is_vision_language
 from lightrft.distributed import sum_over_ranks
 from lightrft.engine import SamplingParams
 from lightrft.engine.config import EngineConfig, RolloutConfig
@@ -330,8 +329,6 @@ class GRPORecipe:
         # A vision- or audio-language actor: datasets take its processor (images / audio +
         # text), the towers are frozen unless model.train_vision_tower / train_audio_tower;
         # everything else is the text path.
-        self.vlm = is_vision_language(self.model.config)
-        self.alm = is_audio_language(self.model.config)
         self.processor, self.tokenizer = load_processors(
             m.path, trust_remote_code=m.trust_remote_code, config=self.model.config
         )
@@ -448,13 +445,13 @@ class GRPORecipe:
         with timer("rollout"):
             params = self._request_params(len(prompts["prompt_ids"]), step, draw)
             completions = self.rollout_engine.generate(
-                prompts["prompt_ids"], params, prompts.get("images"), prompts.get("audios")
+                prompts["prompt_ids"], params, prompts.get("media")
             )
         rows = [c.request_index for c in completions]
         meta = {k: [prompts[k][i] for i in rows] for k in ("prompt", "reference", "label", "where")}
         messages = prompts.get("messages") or [None] * len(prompts["prompt_ids"])
-        images = prompts.get("images") or [None] * len(prompts["prompt_ids"])
-        chats = [conversation(messages[i], images[i]) for i in rows]
+        media = prompts.get("media") or [None] * len(prompts["prompt_ids"])
+        chats = [conversation(messages[i], media[i]) for i in rows]
         texts = [c.text or "" for c in completions]
         with timer("scoring"):
             raw, parts, applied = self._score(
@@ -470,7 +467,6 @@ class GRPORecipe:
             completions,
             prompts,
             groups=[(step, draw, self.dist.rank, i) for i in rows],
-            media=("images",) * self.vlm + ("audios",) * self.alm,
             reward_raw=raw,
             rewards=rewards,
             overlong=overlong,
@@ -528,8 +524,7 @@ class GRPORecipe:
             return_entropy=entropy,
             entropy_grad=entropy_grad,
             grad_hint=grad_hint,
-            images=mb.images,
-            audios=mb.audios,
+            media=mb.media,
         )
         if entropy:
             return mb.gather(out[0]), mb.gather(out[1])
@@ -854,8 +849,8 @@ class GRPORecipe:
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
 
         def generate(prompt_ids: list[list[int]], items: list) -> list:
-            images, audios = [it.get("images") for it in items], [it.get("audios") for it in items]
-            completions = self.rollout_engine.generate(prompt_ids, params, images, audios)
+            media = [it.get("media") for it in items]
+            completions = self.rollout_engine.generate(prompt_ids, params, media)
             self.rollout_engine.sleep()  # the engine's memory goes back before scoring
             return completions
 

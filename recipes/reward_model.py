@@ -246,7 +246,7 @@ class RewardModelRecipe:
             num_sequences=int(cand.max()) + 1,
             attention_mask=None if mask is None else mask.to(dev),
             scored=batch["scored"].to(dev),
-            images=batch.get("images"),
+            media=batch.get("media"),
         )  # [N, heads]
         head = batch["head"].to(dev)  # [B]
         valid = cand >= 0

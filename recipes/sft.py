@@ -162,8 +162,7 @@ class SFTRecipe:
             num_tokens=divisor,
             position_ids=batch["position_ids"].to(dev),
             attention_mask=None if mask is None else mask.to(dev),
-            images=batch.get("images"),  # ImageInputs of the batch's samples, in token order
-            audios=batch.get("audios"),  # AudioInputs of the batch's samples, in token order
+            media=batch.get("media"),  # the batch's samples' images / audio, in token order
         )
 
     def train_step(self, micro: list, n_real: int) -> tuple[float, float, int]:

@@ -78,7 +78,7 @@ def test_geo3k_config_reads_the_prepared_data(name, tmp_path, tiny_vlm):
         ds = lconfig.instantiate(OmegaConf.create(node), proc)
         assert len(ds) == n
         item = ds[n - 1]
-        assert item["images"] is not None and len(item["images"]) == 1
+        assert item["media"].image is not None and len(item["media"].image) == 1
         assert item["reference"] == f"{n - 1} \\sqrt {{ 2 }}"
         image_id = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        assert item["prompt_ids"].count(image_id) == item["images"].num_tokens[0]
+        assert item["prompt_ids"].count(image_id) == item["media"].image.num_tokens[0]

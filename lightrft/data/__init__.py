@@ -22,6 +22,7 @@ from lightrft.data.loader import (
     epoch_batches,
     step_batches,
 )
+from lightrft.data.media import Media
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
@@ -35,6 +36,7 @@ __all__ = [
     "DataError",
     "ImageInputs",
     "ImageProcessor",
+    "Media",
     "PackCollator",
     "PackedDataset",
     "PadCollator",

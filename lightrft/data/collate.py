@@ -11,11 +11,9 @@ Padded batches (no packing) are right padded, with an ``attention_mask`` and lab
 
 Every batch also carries ``num_loss_tokens`` (labels != -100), the count a token-mean loss needs.
 
-Vision-language samples carry ``images`` (:class:`~lightrft.data.vision.ImageInputs`); a packed
-row and a batch carry the images of their samples joined in token order under the same key, which
-the forward takes as ``images=`` (see :func:`lightrft.kernels.causal_lm_token_logprobs`);
-audio-language samples carry ``audios`` (:class:`~lightrft.data.audio.AudioInputs`) the same way,
-taken as ``audios=``.
+Multimodal samples carry ``media`` (:class:`~lightrft.data.media.Media`); a packed row and a
+batch carry the media of their samples joined in token order under the same key, which the forward
+takes as ``media=`` (see :func:`lightrft.kernels.causal_lm_token_logprobs`).
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ from typing import Any
 
 import torch
 
-from lightrft.data.audio import AudioInputs
+from lightrft.data.media import Media
 from lightrft.data.templates import IGNORE_INDEX
-from lightrft.data.vision import ImageInputs
 
 __all__ = [
     "PackCollator",
@@ -153,7 +150,7 @@ class PackedDataset(torch.utils.data.Dataset):
             "labels": torch.cat([_as_long(x["labels"]) for x in items]),  # [L]
             "position_ids": torch.cat([_positions(x) for x in items]),  # [L]
         }
-        _add_images(row, items)
+        _add_media(row, items)
         return row
 
 
@@ -173,15 +170,11 @@ def packed_sft_dataset(
 # ------------------------------------------------------------------------------ collators
 
 
-def _add_images(out: dict[str, Any], items: Sequence[Item]) -> None:
-    """``out["images"]`` / ``out["audios"]``: the items' images / audio joined in order, when
-    any item has some."""
-    images = ImageInputs.cat([x.get("images") for x in items])
-    if images is not None:
-        out["images"] = images
-    audios = AudioInputs.cat([x.get("audios") for x in items])
-    if audios is not None:
-        out["audios"] = audios
+def _add_media(out: dict[str, Any], items: Sequence[Item]) -> None:
+    """``out["media"]``: the items' media joined in order, when any item has some."""
+    media = Media.cat([x.get("media") for x in items])
+    if media is not None:
+        out["media"] = media
 
 
 def _rows_to_batch(
@@ -213,7 +206,7 @@ def _rows_to_batch(
         "position_ids": position_ids,
         "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
     }
-    _add_images(batch, [x for row in rows for x in row])
+    _add_media(batch, [x for row in rows for x in row])
     return batch
 
 

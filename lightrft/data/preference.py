@@ -27,15 +27,16 @@ from typing import Any
 import torch
 
 from lightrft.data.io import DataError, PathLike, Records, require_field
+from lightrft.data.media import Media
 from lightrft.data.records import (
+    DecodedMedia,
     MediaSamples,
-    SampleMedia,
     Truncation,
     check_truncation,
     open_records,
 )
 from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
-from lightrft.data.vision import ImageInputs, as_processor
+from lightrft.data.vision import as_processor
 
 __all__ = [
     "PreferenceCollator",
@@ -111,7 +112,7 @@ def response_start(
 
 def encode_with_media(
     tokenizer, media: MediaSamples, src: Records, i: int, prompt: Prompt | None, responses: list
-) -> tuple[list[list[int]], list[int], SampleMedia | None]:
+) -> tuple[list[list[int]], list[int], DecodedMedia | None]:
     """Record ``i``'s candidates for a multimodal model: the token ids of ``prompt`` (its images
     from the record's images field or inline in its image parts) followed by each response as
     the assistant turn, media placeholders expanded; each response's start (its first label,
@@ -204,7 +205,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         src = open_records(path, records, split)
         self.source = src.name
         self._items: list[dict[str, Any]] = []
-        self._media: list[Any] = []  # each item's decoded images (None: none)
+        self._media: list[DecodedMedia | None] = []  # each item's decoded images
         self._origins: list[str] = []
         identical = truncated = dropped = 0
         for i in range(len(src)):
@@ -342,7 +343,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
             return self._items[i]
         # Pixel values on access (a whole dataset's would not fit in memory); every candidate
         # is shown the same images.
-        return {**self._items[i], "images": self.media.process(media).images}
+        return {**self._items[i], "media": self.media.process(media)}
 
     @property
     def lengths(self) -> list[int]:
@@ -406,8 +407,8 @@ class PreferenceCollator:
     - ``attention_mask`` ``[R, T]``, padded batches only (packed rows have none: transformers
       then keeps packed sequences apart by their position resets).
     - ``scored`` ``[R, T]``: true on response tokens (what the ``likelihood`` pooling scores).
-    - ``images``: the sequences' images joined in sequence order (an
-      :class:`~lightrft.data.vision.ImageInputs`), when any item has images.
+    - ``media``: the sequences' media joined in sequence order (a
+      :class:`~lightrft.data.media.Media`), when any item has some.
     - ``candidates`` ``[B, K]``: sequence index of each candidate, -1 where an item has fewer.
     - ``margin`` ``[B]``, ``safe`` ``[B, K]`` (+1 / -1 / 0), ``head`` ``[B]`` (index into
       ``heads``; unlabelled items go to the first head).
@@ -441,7 +442,7 @@ class PreferenceCollator:
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         seqs: list[torch.Tensor] = []
         starts: list[int] = []
-        images: list[ImageInputs | None] = []
+        media: list[Media | None] = []
         k_max = max(len(it["sequences"]) for it in items)
         candidates = torch.full((len(items), k_max), -1, dtype=torch.long)  # [B, K]
         safe = torch.zeros((len(items), k_max), dtype=torch.long)  # [B, K]
@@ -451,7 +452,7 @@ class PreferenceCollator:
                 safe[b, k] = it["safe"][k]
                 seqs.append(s)
                 starts.append(it["starts"][k])
-                images.append(it.get("images"))
+                media.append(it.get("media"))
         head = []
         for it in items:
             name = it["head"]
@@ -467,9 +468,9 @@ class PreferenceCollator:
             margin=torch.tensor([float(it["margin"]) for it in items]),  # [B]
             head=torch.tensor(head, dtype=torch.long),  # [B]
         )
-        joined = ImageInputs.cat(images)  # in sequence order, as the rows hold them
+        joined = Media.cat(media)  # in sequence order, as the rows hold them
         if joined is not None:
-            batch["images"] = joined
+            batch["media"] = joined
         return batch
 
     def _pad(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:

@@ -10,13 +10,8 @@ import torch
 
 from lightrft.data.audio import AudioTooLong, OverlongAudio
 from lightrft.data.io import DataError, PathLike, require_field
-from lightrft.data.records import (
-    MediaSamples,
-    SampleMedia,
-    Truncation,
-    check_truncation,
-    open_records,
-)
+from lightrft.data.media import Media
+from lightrft.data.records import MediaSamples, Truncation, check_truncation, open_records
 from lightrft.data.templates import check_messages, encode_prompt, with_system
 from lightrft.data.vision import as_processor
 
@@ -34,11 +29,9 @@ class PromptDataset(torch.utils.data.Dataset):
     - ``reference``: the reference answer as a string, or ``None``.
     - ``label``: which reward function applies (``label_field``, else ``default_label``).
     - ``index``: position in the dataset (stable across epochs; for logging trajectories).
-    - ``images`` (datasets built with a vision-language processor only): the prompt's
-      :class:`~lightrft.data.vision.ImageInputs` (its ids hold the expanded vision tokens), or
-      ``None`` for a prompt without images.
-    - ``audios`` (datasets built with an audio-language processor only): the prompt's
-      :class:`~lightrft.data.audio.AudioInputs`, or ``None``.
+    - ``media`` (datasets built with a vision- or audio-language processor only): the prompt's
+      :class:`~lightrft.data.media.Media` (its ids hold the expanded media tokens), or ``None``
+      for a prompt without media.
 
     Batch items with :func:`~lightrft.data.collate_prompts`.
 
@@ -163,8 +156,8 @@ class PromptDataset(torch.utils.data.Dataset):
                 "index": len(self.items),
                 "where": where,
             }
-            # Decoded media, processed in __getitem__.
-            item.update((media or SampleMedia()).item_fields(self.media.kinds))
+            if self.media.kinds:
+                item["media"] = media  # decoded (DecodedMedia), processed in __getitem__
             self.items.append(item)
         if not self.items:
             raise DataError(
@@ -252,27 +245,27 @@ class PromptDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         item = self.items[i]
-        if item.get("images") is None and item.get("audios") is None:
+        if item.get("media") is None:
             return item
         # Processed on access: pixel values (audio features) of a whole dataset would not fit
         # in memory.
-        done = self.media.process(SampleMedia(item.get("images"), item.get("audios")))
-        return {**item, **done.item_fields(self.media.kinds)}
+        return {**item, "media": self.media.process(item["media"])}
 
     def where(self, i: int) -> str:
         """The file and line (or row) prompt ``i`` came from."""
         return self.items[i]["where"]
 
 
-def conversation(messages: Sequence[Mapping[str, Any]] | None, images=None) -> list[dict] | None:
+def conversation(
+    messages: Sequence[Mapping[str, Any]] | None, media: Media | None = None
+) -> list[dict] | None:
     """A prompt item's chat (its ``messages``) with its images inline: the k-th image part holds
-    the k-th image (``images``, the item's :class:`~lightrft.data.vision.ImageInputs`, resized
-    as the actor saw it) under ``"image"``, the HF content format that preference data reads too.
+    the k-th image of the item's ``media`` (resized as the actor saw it) under ``"image"``, the HF content format that preference data reads too.
     ``None`` for a raw prompt (no messages). Reward functions with ``uses_conversations`` get
     these, so a reward model renders the chat with its own template, as in its training."""
     if messages is None:
         return None
-    pictures = iter(images.images if images is not None else ())
+    pictures = iter(media.image.images if media is not None and media.image is not None else ())
     out = []
     for m in messages:
         content = m["content"]

@@ -18,12 +18,13 @@ import torch
 
 from lightrft.data.audio import AudioInputs, AudioProcessor, OverlongAudio
 from lightrft.data.io import DataError, PathLike, Records, load_records
+from lightrft.data.media import Media
 from lightrft.data.templates import has_parts
 from lightrft.data.vision import ImageInputs, ImageProcessor, record_media
 
 __all__ = [
+    "DecodedMedia",
     "MediaSamples",
-    "SampleMedia",
     "Truncation",
     "check_truncation",
     "open_records",
@@ -56,20 +57,12 @@ def open_records(
 
 
 @dataclass(frozen=True)
-class SampleMedia:
-    """A sample's media: decoded at load (lists of PIL images / waveforms), or processed
-    (:class:`~lightrft.data.vision.ImageInputs`, :class:`~lightrft.data.audio.AudioInputs`).
-    A kind the sample does not have is None."""
+class DecodedMedia:
+    """A sample's media as loaded (lists of PIL images / waveforms), before processing into
+    :class:`~lightrft.data.media.Media`. A kind the sample does not have is None."""
 
-    images: Any = None
-    audios: Any = None
-
-    def item_fields(self, kinds: Sequence[str]) -> dict[str, Any]:
-        """The dataset item's fields: ``"images"`` / ``"audios"`` for each kind in ``kinds``."""
-        return {f"{k}s": getattr(self, f"{k}s") for k in kinds}
-
-    def count(self) -> tuple[int, int]:
-        return len(self.images or ()), len(self.audios or ())
+    image: list | None = None
+    audio: list | None = None
 
 
 class MediaSamples:
@@ -129,7 +122,7 @@ class MediaSamples:
         return self.audio.clipped if self.audio is not None else 0
 
     def messages(self, src: Records, i: int, msgs: list[dict[str, Any]]):
-        """``(messages with media parts, decoded SampleMedia or None)`` of record ``i``.
+        """``(messages with media parts, its DecodedMedia or None)`` of record ``i``.
 
         Raises:
             AudioTooLong: the record's audio is over the maximum and ``overlong_audio="drop"``.
@@ -167,7 +160,7 @@ class MediaSamples:
             assert self.audio is not None
             field = self.fields["audio"] or "content"
             audios = self.audio.load(raw["audio"], base_dir=base, where=where, field=field)
-        return msgs, SampleMedia(images, audios)
+        return msgs, DecodedMedia(images, audios)
 
     def raw_mode(self, src: Records, i: int) -> None:
         """Raw (template-free) records cannot place media tokens: refuse their media."""
@@ -178,41 +171,39 @@ class MediaSamples:
                     f"(the chat template places the {kind} tokens)"
                 )
 
-    def process(self, media: SampleMedia) -> SampleMedia:
+    def process(self, media: DecodedMedia) -> Media:
         """Pixel values / audio features of a sample's decoded media."""
         images = audios = None
-        if media.images:
+        if media.image:
             assert self.images is not None
-            images = self.images.process(media.images)
-        if media.audios:
+            images = self.images.process(media.image)
+        if media.audio:
             assert self.audio is not None
-            audios = self.audio.process(media.audios)
-        return SampleMedia(images, audios)
+            audios = self.audio.process(media.audio)
+        return Media(images, audios)
 
     def expand(
-        self, ids: list[int], labels, media: SampleMedia | None, where: str
-    ) -> tuple[list[int], Any, SampleMedia | None]:
+        self, ids: list[int], labels, media: DecodedMedia | None, where: str
+    ) -> tuple[list[int], Any, Media | None]:
         """Process the sample's media and expand its placeholders; a multimodal sample without
         media of a kind must hold no placeholder of that kind (the forward would find none)."""
         if not self.kinds:
             return ids, labels, None
-        done = self.process(media) if media is not None else SampleMedia()
+        done = self.process(media) if media is not None else Media()
         if self.images is not None:
             field = self.fields["image"] or "content"
-            ids, labels = self.images.expand(ids, labels, done.images or _NO_IMAGES, where, field)
+            ids, labels = self.images.expand(ids, labels, done.image or _NO_IMAGES, where, field)
         if self.audio is not None:
             field = self.fields["audio"] or "content"
-            ids, labels = self.audio.expand(ids, labels, done.audios or _NO_AUDIO, where, field)
+            ids, labels = self.audio.expand(ids, labels, done.audio or _NO_AUDIO, where, field)
         return ids, labels, done if media is not None else None
 
-    def intact(self, ids: list[int], media: SampleMedia | None) -> bool:
+    def intact(self, ids: list[int], media: Media | None) -> bool:
         """Whether truncated ``ids`` still hold every media token of the sample."""
         if media is None:
             return True
-        for proc, inputs in ((self.images, media.images), (self.audio, media.audios)):
-            if inputs is None:
-                continue
-            tok = proc.image_token_id if proc is self.images else proc.audio_token_id
+        for kind, inputs in media.kinds():
+            tok = self.images.image_token_id if kind == "image" else self.audio.audio_token_id
             if sum(1 for t in ids if t == tok) != sum(inputs.num_tokens):
                 return False
         return True

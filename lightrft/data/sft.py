@@ -27,8 +27,8 @@ import torch
 from lightrft.data.audio import AudioTooLong, OverlongAudio
 from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.records import (
+    DecodedMedia,
     MediaSamples,
-    SampleMedia,
     Truncation,
     check_truncation,
     open_records,
@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 
 class SFTDataset(torch.utils.data.Dataset):
     """Tokenised SFT samples: ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}``, plus
-    ``"images"`` (an :class:`~lightrft.data.vision.ImageInputs`) for samples with images and
-    ``"audios"`` (an :class:`~lightrft.data.audio.AudioInputs`) for samples with audio.
+    ``"media"`` (a :class:`~lightrft.data.media.Media`: its images and audio) for samples with
+    media.
 
     Labels equal the input ids on loss tokens and are ``-100`` elsewhere (prompt, system and
     user turns, template text). The first label is always -100: no token predicts it, and a
@@ -122,7 +122,7 @@ class SFTDataset(torch.utils.data.Dataset):
         self.source = src.name
 
         ids_chunks, label_chunks, lengths, origins = [], [], [], []
-        self._media: list[SampleMedia | None] = []
+        self._media: list[DecodedMedia | None] = []
         truncated = dropped = audio_dropped = 0
         for i in range(len(src)):
             try:
@@ -178,11 +178,11 @@ class SFTDataset(torch.utils.data.Dataset):
             "tokens": int(self._lengths.sum()),
             "loss_tokens": n_loss,
         }
-        n_images = sum(m.count()[0] for m in self._media if m)
+        n_images = sum(len(m.image or ()) for m in self._media if m)
         if n_images:
             self.stats["images"] = n_images
         if self.media.audio is not None:
-            self.stats["audios"] = sum(m.count()[1] for m in self._media if m)
+            self.stats["audios"] = sum(len(m.audio or ()) for m in self._media if m)
         cut = f"max_length={max_length} truncated"
         self.media.report(log, self.source, self.stats, "samples", audio_dropped, cut)
 
@@ -196,7 +196,7 @@ class SFTDataset(torch.utils.data.Dataset):
         messages_field: str,
         system_prompt: str | None,
         apply_chat_template: bool,
-    ) -> tuple[list[int], list[int], SampleMedia | None]:
+    ) -> tuple[list[int], list[int], DecodedMedia | None]:
         """Ids and labels of record ``i`` (chat if it has ``messages_field``), and its decoded
         media (None without); media placeholders are not expanded yet."""
         rec, where = src[i], src.where(i)
@@ -247,8 +247,7 @@ class SFTDataset(torch.utils.data.Dataset):
         if media is not None:
             # Processed on access: pixel values (audio features) of a whole dataset would not
             # fit in memory.
-            processed = self.media.process(media)
-            item.update({k: v for k, v in processed.item_fields(self.media.kinds).items() if v})
+            item["media"] = self.media.process(media)
         return item
 
     @property

@@ -15,14 +15,11 @@ base model accepts a prepared 4D boolean attention mask, and the vision- and aud
 built on them (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``, ``llava``; ``qwen2_audio``). Anything else
 should use the vLLM adapter.
 
-Audio-language requests carry ``multi_modal_data={"audio": AudioInputs}``
-(:mod:`lightrft.data.audio`) the same way: the audio tower runs once per request in the prefill,
-positions are ordinary, and the audio placeholder is never sampled.
-
-Vision-language requests carry their processed images as
-``multi_modal_data={"image": ImageInputs}`` (:mod:`lightrft.data.vision`) and prompt ids whose
-placeholders are already expanded (what the datasets produce). The vision tower runs once per
-request, in the prefill; the ``n`` samples share its keys and values like any prompt. M-RoPE
+Multimodal requests carry their processed media (``Request.media``, a
+:class:`~lightrft.data.media.Media`) and prompt ids whose placeholders are already expanded (what
+the datasets produce). Audio (Qwen2-Audio): the audio tower runs once per request in the prefill,
+positions are ordinary, and the audio placeholder is never sampled. Images: the vision tower runs
+once per request, in the prefill; the ``n`` samples share its keys and values like any prompt. M-RoPE
 models (Qwen-VL) get their 3-D prefill positions from the model's ``get_rope_index`` and decode
 at ``position + rope_delta`` (the offset by which the images shift later text positions), as
 Hugging Face generation does. Vision placeholder and marker tokens are never sampled; reported
@@ -41,8 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightrft.data.audio import AudioInputs
-from lightrft.data.vision import ImageInputs
+from lightrft.data.media import Media
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
     Completion,
@@ -59,8 +55,6 @@ TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 AUDIO_MODEL_TYPES = ("qwen2_audio",)
 SUPPORTED_MODEL_TYPES = TEXT_MODEL_TYPES + VISION_MODEL_TYPES + AUDIO_MODEL_TYPES
-# multi_modal_data key -> the processed inputs the datasets give for it (vLLM's keys).
-_MEDIA_TYPES = {"image": ImageInputs, "audio": AudioInputs}
 
 
 class KVCache:
@@ -264,9 +258,8 @@ class NativeEngine:
         self._weights_awake = True
         self._weights_version = 0  # bumped whenever the weights' storage is replaced
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
-        # Per request, during generate(): its processed images and audio (None without).
-        self._images: list[ImageInputs | None] = []
-        self._audios: list[AudioInputs | None] = []
+        # Per request, during generate(): its media (None without).
+        self._media: list[Media | None] = []
 
     # ---------------------------------------------------------------- sleep / wake / weights
     def sleep(self, level: int = 1) -> None:
@@ -382,9 +375,7 @@ class NativeEngine:
         requests = list(requests)
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)
-        media = [self._request_media(i, r) for i, r in enumerate(requests)]
-        self._images = [m.get("image") for m in media]
-        self._audios = [m.get("audio") for m in media]
+        self._media = [self._request_media(i, r) for i, r in enumerate(requests)]
         prompts = [
             self._fit_prompt(i, r.prompt_token_ids, p)
             for i, (r, p) in enumerate(zip(requests, params, strict=True))
@@ -400,56 +391,48 @@ class NativeEngine:
             for wave in self._waves(prompts, params):
                 out.update(self._generate_wave(wave, prompts, params, seeds))
         finally:
-            self._images, self._audios = [], []
+            self._media = []
         return [out[(i, j)] for i, p in enumerate(params) for j in range(p.n)]
 
-    def _request_media(self, index: int, req: Request) -> dict[str, ImageInputs | AudioInputs]:
-        """The request's processed media by kind (``"image"``, ``"audio"``), each checked
-        against its placeholder tokens."""
-        mm = req.multi_modal_data
-        if not mm:
-            return {}
-        if not self.media_token_ids:
+    def _request_media(self, index: int, req: Request) -> Media | None:
+        """The request's media, each kind checked against the model and its placeholder
+        tokens."""
+        if req.media is None:
+            return None
+        if not isinstance(req.media, Media):
             raise ValueError(
-                f"requests[{index}] carries multi_modal_data but the engine's model "
+                f"requests[{index}].media is a {type(req.media).__name__}; pass the Media the "
+                "prompt datasets give (lightrft.data.media)"
+            )
+        kinds = dict(req.media.kinds())
+        if kinds and not self.media_token_ids:
+            raise ValueError(
+                f"requests[{index}] carries media but the engine's model "
                 f"({self.model.config.model_type}) is not a multimodal model (not a "
                 "vision-language model, nor an audio-language one)"
             )
-        unknown = sorted(set(mm) - set(self.media_token_ids))
+        unknown = [k for k in kinds if k not in self.media_token_ids]
         if unknown:
-            kinds = " and ".join("images" if k == "image" else k for k in self.media_token_ids)
-            spec = ", ".join(f"'{k}': {_MEDIA_TYPES[k].__name__}" for k in self.media_token_ids)
+            takes = " and ".join("images" if k == "image" else k for k in self.media_token_ids)
             raise ValueError(
-                f"requests[{index}].multi_modal_data has {unknown}; the native engine takes "
-                f"{kinds} only ({{{spec}}}) for this model"
+                f"requests[{index}] carries {' and '.join(unknown)}; the native engine takes "
+                f"{takes} only for this model ({self.model.config.model_type})"
             )
-        out: dict[str, ImageInputs | AudioInputs] = {}
-        for kind, value in mm.items():
-            cls = _MEDIA_TYPES[kind]
-            if not isinstance(value, cls):
-                module = "vision" if kind == "image" else "audio"
-                raise ValueError(
-                    f"requests[{index}].multi_modal_data['{kind}'] is a {type(value).__name__}; "
-                    f"pass the processed {cls.__name__} the datasets give "
-                    f"(lightrft.data.{module})"
-                )
-            tok = self.media_token_ids[kind]
-            found = sum(1 for t in req.prompt_token_ids if t == tok)
+        for kind, value in kinds.items():
+            found = sum(1 for t in req.prompt_token_ids if t == self.media_token_ids[kind])
             if found != sum(value.num_tokens):
                 raise ValueError(
                     f"requests[{index}] has {found} {kind} tokens but its {len(value)} {kind}(s) "
                     f"take {sum(value.num_tokens)}: prompt ids must hold the expanded "
                     "placeholders"
                 )
-            out[kind] = value
-        return out
+        return req.media if kinds else None
 
     def _fit_prompt(self, index: int, ids: list[int], p: SamplingParams) -> list[int]:
         limit = self.max_model_len - 1  # at least one token must fit after the prompt
         if len(ids) <= limit:
             return list(ids)
-        has_media = self._images[index] is not None or self._audios[index] is not None
-        if not self.truncate_prompts or has_media:
+        if not self.truncate_prompts or self._media[index] is not None:
             raise ValueError(
                 f"requests[{index}] has {len(ids)} prompt tokens; the engine's max_model_len is "
                 f"{self.max_model_len} (room for at most {limit} prompt tokens). Shorten it, raise "
@@ -501,16 +484,10 @@ class NativeEngine:
         pos: torch.Tensor,
         mask: torch.Tensor,
         cache: KVCache,
-        images: ImageInputs | None = None,
-        audios: AudioInputs | None = None,
+        media: Media | None = None,
     ):
         """Hidden states [B, q, H] of the base model for token ids [B, q]."""
-        extra = images.model_inputs(self.device) if images is not None else {}
-        if "pixel_values" in extra:
-            extra["pixel_values"] = extra["pixel_values"].to(self.dtype)
-        if audios is not None:
-            extra.update(audios.model_inputs(self.device))
-            extra["input_features"] = extra["input_features"].to(self.dtype)
+        extra = media.model_inputs(self.device, self.dtype) if media is not None else {}
         out = self.base(
             input_ids=ids,
             attention_mask=mask,
@@ -522,7 +499,7 @@ class NativeEngine:
         return out.last_hidden_state
 
     def _prefill_positions(
-        self, tokens: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, images
+        self, tokens: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, media: Media | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill positions and the per-row decode offset (``rope_deltas``, [C]).
 
@@ -533,7 +510,8 @@ class NativeEngine:
         if self.rope is None:
             return pos, zero
         mm = (tokens == self.image_token_id).int()  # [C, P]
-        grid = images.image_grid_thw.to(tokens.device) if images is not None else None
+        images = media.image if media is not None else None
+        grid = None if images is None else images.image_grid_thw.to(tokens.device)
         pos3, deltas = self.rope.get_rope_index(
             tokens, mm_token_type_ids=mm, image_grid_thw=grid, attention_mask=real.long()
         )
@@ -578,16 +556,13 @@ class NativeEngine:
             # Padding queries attend to themselves only, so no softmax row is empty (NaN).
             mask = (causal[None] & key_ok[r0:r1, None, :plen]) | eye  # [C, P, P]
             pos = (slot[None, :plen] - pad[r0:r1, None]).clamp(min=0)  # [C, P]
-            images = ImageInputs.cat([self._images[i] for i in wave[r0:r1]])
-            audios = AudioInputs.cat([self._audios[i] for i in wave[r0:r1]])
+            media = Media.cat([self._media[i] for i in wave[r0:r1]])
             pos, delta = self._prefill_positions(
-                tokens[r0:r1], pos, key_ok[r0:r1, :plen], images
+                tokens[r0:r1], pos, key_ok[r0:r1, :plen], media
             )  # [C, P] or [3, C, P]; [C]
             deltas.append(delta)
             cache.rows, cache.pos = slice(r0, r1), 0
-            hidden = self._forward(
-                tokens[r0:r1], pos, mask[:, None], cache, images, audios
-            )  # [C, P, H]
+            hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, P, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
                 i = wave[r]

@@ -15,9 +15,11 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from lightrft.data.media import Media
 
 FinishReason = Literal["stop", "length"]
 WAKE_TAGS = ("weights", "kv_cache")
@@ -27,19 +29,14 @@ WAKE_TAGS = ("weights", "kv_cache")
 class Request:
     """One prompt to complete.
 
-    ``prompt_token_ids``: the tokenised prompt (chat template already applied).
-    ``multi_modal_data``: optional inputs for vision / audio models, keyed by modality
-    (``{"image": [...], "audio": [...]}``); engines that cannot use them reject the request.
+    ``prompt_token_ids``: the tokenised prompt (chat template already applied; media
+    placeholders expanded). ``media``: its processed images / audio
+    (:class:`~lightrft.data.media.Media`, as the prompt datasets give them) for a vision- or
+    audio-language model; an engine whose model cannot take a kind rejects the request.
     """
 
     prompt_token_ids: list[int]
-    multi_modal_data: dict[str, Any] | None = None
-
-    @classmethod
-    def with_media(cls, prompt_token_ids: list[int], image: Any = None, audio: Any = None):
-        """A request with a dataset item's processed images / audio (either may be None)."""
-        mm = {k: v for k, v in (("image", image), ("audio", audio)) if v is not None}
-        return cls(prompt_token_ids, multi_modal_data=mm or None)
+    media: Media | None = None
 
 
 @dataclass

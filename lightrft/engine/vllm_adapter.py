@@ -8,14 +8,14 @@ Sleep mode frees GPU memory while the trainer runs; weights are loaded into the 
 model under HF names. Log-probs are vLLM's ``processed_logprobs`` (after temperature / top-k /
 top-p), the same quantity the native engine returns.
 
-Vision-language requests (``multi_modal_data={"image": ImageInputs}``, prompt ids with expanded
-placeholders, as the native engine takes them) are sent as vLLM documents tokenized multimodal
+Vision-language requests (``Request.media`` with images, prompt ids with expanded placeholders,
+as the native engine takes them) are sent as vLLM documents tokenized multimodal
 prompts: each image's placeholder run collapsed to one token (vLLM's processor expands it again),
 the resized PIL images under ``multi_modal_data["image"]`` and the image-processor settings the
 datasets used under ``mm_processor_kwargs``. Vision tokens are kept out of sampling with
 ``logit_bias`` -100; vLLM's processed log-probs then include that bias, unlike the native
 engine's (the difference is the suppressed mass, ~0 once a model has learnt not to emit them).
-Audio-language requests (``{"audio": AudioInputs}``, Qwen2-Audio) go the same way: each audio's
+Audio-language requests (``Request.media`` with audio, Qwen2-Audio) go the same way: each audio's
 placeholder run collapsed to one ``<|AUDIO|>``, the waveforms as ``(array, sampling_rate)``
 under ``multi_modal_data["audio"]``, the audio token suppressed. (Written to vLLM's documented
 input format; not yet run on a GPU.)
@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 
-from lightrft.data.audio import AudioInputs
-from lightrft.data.vision import ImageInputs
+from lightrft.data.media import Media
 from lightrft.engine.protocol import (
     Completion,
     Request,
@@ -103,51 +102,45 @@ def vllm_sampling_kwargs(
 
 def vllm_prompt(
     ids: Sequence[int],
-    multi_modal_data: dict[str, Any] | None,
+    media: Media | None,
     image_token_id: int | None,
     audio_token_id: int | None = None,
 ) -> dict[str, Any]:
     """The vLLM ``TokensPrompt`` dict of a request whose prompt ids hold expanded placeholders.
 
-    Images (``{"image": ImageInputs}``) become the PIL list vLLM takes; each image's run of
-    ``num_tokens`` placeholder tokens is collapsed to one (vLLM's processor expands it again,
-    with the same image-processor settings, sent as ``mm_processor_kwargs``). Audio
-    (``{"audio": AudioInputs}``) becomes vLLM's ``(waveform, sampling_rate)`` list, its
+    Images become the PIL list vLLM takes under ``multi_modal_data["image"]``; each image's run
+    of ``num_tokens`` placeholder tokens is collapsed to one (vLLM's processor expands it again,
+    with the same image-processor settings, sent as ``mm_processor_kwargs``). Audio becomes
+    vLLM's ``(waveform, sampling_rate)`` list under ``multi_modal_data["audio"]``, its
     placeholder runs collapsed the same way.
     """
     prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
-    if not multi_modal_data:
+    if media is None:
         return prompt
-    mm = dict(multi_modal_data)
-    audios = mm.get("audio")
-    if audios is not None:
-        if not isinstance(audios, AudioInputs):
-            raise ValueError(
-                f"multi_modal_data['audio'] is a {type(audios).__name__}; pass the processed "
-                "AudioInputs the datasets give (lightrft.data.audio)"
-            )
+    if not isinstance(media, Media):
+        raise ValueError(
+            f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
+            "give (lightrft.data.media)"
+        )
+    mm: dict[str, Any] = {}
+    if media.audio is not None:
         if audio_token_id is None:
-            raise ValueError("multi_modal_data has audio but the model is not audio-language")
+            raise ValueError("the request has audio but the model is not audio-language")
         prompt["prompt_token_ids"] = collapse_placeholders(
-            prompt["prompt_token_ids"], audio_token_id, audios.num_tokens, kind="audio"
+            prompt["prompt_token_ids"], audio_token_id, media.audio.num_tokens, kind="audio"
         )
-        mm["audio"] = [(wave, audios.sampling_rate) for wave in audios.audios]
-    images = mm.get("image")
-    if images is not None:
-        if not isinstance(images, ImageInputs):
-            raise ValueError(
-                f"multi_modal_data['image'] is a {type(images).__name__}; pass the processed "
-                "ImageInputs the datasets give (lightrft.data.vision)"
-            )
+        mm["audio"] = [(wave, media.audio.sampling_rate) for wave in media.audio.audios]
+    if media.image is not None:
         if image_token_id is None:
-            raise ValueError("multi_modal_data has images but the model is not vision-language")
+            raise ValueError("the request has images but the model is not vision-language")
         prompt["prompt_token_ids"] = collapse_placeholders(
-            prompt["prompt_token_ids"], image_token_id, images.num_tokens
+            prompt["prompt_token_ids"], image_token_id, media.image.num_tokens
         )
-        mm["image"] = list(images.images)
-        if images.processor_kwargs:
-            prompt["mm_processor_kwargs"] = dict(images.processor_kwargs)
-    prompt["multi_modal_data"] = mm
+        mm["image"] = list(media.image.images)
+        if media.image.processor_kwargs:
+            prompt["mm_processor_kwargs"] = dict(media.image.processor_kwargs)
+    if mm:
+        prompt["multi_modal_data"] = mm
     return prompt
 
 
@@ -417,7 +410,7 @@ class VLLMEngine:
         return mine
 
     def _prompt(self, ids: list[int], req: Request) -> dict[str, Any]:
-        return vllm_prompt(ids, req.multi_modal_data, self.image_token_id, self.audio_token_id)
+        return vllm_prompt(ids, req.media, self.image_token_id, self.audio_token_id)
 
     def _sampling(self, p: SamplingParams, **kwargs: Any) -> dict[str, Any]:
         return vllm_sampling_kwargs(p, suppress_token_ids=self.suppress_token_ids, **kwargs)

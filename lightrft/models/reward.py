@@ -238,16 +238,16 @@ class RewardNet(nn.Module):
         num_sequences: int,
         attention_mask: torch.Tensor | None = None,
         scored: torch.Tensor | None = None,
-        images=None,
+        media=None,
     ) -> torch.Tensor:
         """Scores ``[N, heads]``. ``scored [R, T]`` (the response tokens) is read by the
-        ``likelihood`` pooling only, which needs it. ``images``: a vision-language batch's
-        :class:`~lightrft.data.vision.ImageInputs` (its sequences' images, in order)."""
+        ``likelihood`` pooling only, which needs it. ``media``: a vision-language batch's
+        :class:`~lightrft.data.media.Media` (its sequences' images, in order)."""
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids}
-        if images is not None:
-            from lightrft.kernels.hf import vision_forward_kwargs
+        if media is not None:
+            from lightrft.kernels.hf import media_forward_kwargs
 
-            kwargs = vision_forward_kwargs(self._hf[0], input_ids, images=images, **kwargs)
+            kwargs = media_forward_kwargs(self._hf[0], input_ids, media=media, **kwargs)
         out = self.base(
             input_ids=input_ids,
             use_cache=False,

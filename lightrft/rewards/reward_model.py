@@ -28,8 +28,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightrft.data.media import Media
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
-from lightrft.data.vision import MEDIA_KINDS, ImageInputs
+from lightrft.data.vision import MEDIA_KINDS
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt
 
@@ -372,7 +373,7 @@ class RewardModel:
     ) -> tuple[list[list[int]], list[int], list[Any]]:
         """A vision-language reward model's inputs: each (conversation, response) rendered and
         its images expanded as in its preference data; the token ids, each one's first response
-        token, and its images (an :class:`~lightrft.data.vision.ImageInputs`, or None)."""
+        token, and its media (a :class:`~lightrft.data.media.Media`, or None)."""
         from lightrft.data.io import Records
         from lightrft.data.preference import encode_with_media
 
@@ -383,7 +384,7 @@ class RewardModel:
                 "template has none: use apply_chat_template=true in the prompt dataset"
             )
         src = Records.from_list([{} for _ in conversations], name="sample")
-        seqs, starts, images = [], [], []
+        seqs, starts, processed = [], [], []
         for i, (chat, response) in enumerate(zip(conversations, responses, strict=True)):
             (ids,), (start,), media = encode_with_media(
                 self.tokenizer, self.media, src, i, chat, [response]
@@ -396,19 +397,19 @@ class RewardModel:
                 )
             seqs.append(ids)
             starts.append(start)
-            images.append(self.media.process(media).images if media is not None else None)
-        return seqs, starts, images
+            processed.append(self.media.process(media) if media is not None else None)
+        return seqs, starts, processed
 
     @torch.inference_mode()
     def score_heads(
         self,
         seqs: list[list[int]],
         starts: list[int] | None = None,
-        images: Sequence[Any] | None = None,
+        media: Sequence[Media | None] | None = None,
     ) -> torch.Tensor:
         """Raw scores of every head ``[N, heads]`` (float32, CPU), ``micro_batch_size`` at a
         time. ``starts``: each sequence's first response token (``likelihood`` pooling only).
-        ``images``: each sequence's :class:`~lightrft.data.vision.ImageInputs` (or None)."""
+        ``media``: each sequence's :class:`~lightrft.data.media.Media` (or None)."""
         if any(len(s) == 0 for s in seqs):
             raise ValueError("cannot score an empty token sequence")
         if (starts is None) != (self.net.pooling != "likelihood"):
@@ -430,9 +431,9 @@ class RewardModel:
                     None if starts is None else [starts[i] for i in chunk],
                 )
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                if images is not None:
+                if media is not None:
                     # In row order; the forward moves the pixels to the ids' device.
-                    batch["images"] = ImageInputs.cat([images[i] for i in chunk])
+                    batch["media"] = Media.cat([media[i] for i in chunk])
                 out = self.net(num_sequences=len(chunk), **batch)  # [b, heads]
                 scores[chunk] = out.float().cpu()
         finally:
@@ -444,11 +445,11 @@ class RewardModel:
         self,
         seqs: list[list[int]],
         starts: list[int] | None = None,
-        images: Sequence[Any] | None = None,
+        media: Sequence[Media | None] | None = None,
     ) -> torch.Tensor:
         """Rewards [N] (float32, CPU) of token sequences; every head's in ``last_head_scores``.
-        ``starts``, ``images``: see :meth:`score_heads`."""
-        scores = self.score_heads(seqs, starts, images)  # [N, heads]
+        ``starts``, ``media``: see :meth:`score_heads`."""
+        scores = self.score_heads(seqs, starts, media)  # [N, heads]
         self.last_head_scores = {h: scores[:, k] for k, h in enumerate(self.net.heads)}
         raw = (scores[:, self.head_index] - self.mean) / self.std
         return self.scale * raw + self.bias

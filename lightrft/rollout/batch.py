@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lightrft.data.vision import ImageInputs
+    from lightrft.data.media import Media
 
 __all__ = ["IGNORE", "RolloutBatch", "pad_rows"]
 
@@ -36,10 +36,9 @@ _TOKEN_FIELDS = (
 )
 _SAMPLE_FIELDS = ("reward_raw", "rewards", "overlong", "kept")  # [B]
 _META_FIELDS = ("prompts", "references", "labels", "wheres", "texts", "finish_reasons", "groups")
-# Per-sample multimodal inputs: a list with one entry per row (None for a row without), or None
-# for a text batch. Not row tensors: Qwen-VL's pixel values are a flat [patches, D] tensor with a
-# different patch count per image, so row indexing would cut patches, not samples.
-_MULTIMODAL_FIELDS = ("images", "audios")
+# Per-sample media: a list with one Media per row (None for a row without), or None for a text
+# batch. Not row tensors: Qwen-VL's pixel values are a flat [patches, D] tensor with a different
+# patch count per image, so row indexing would cut patches, not samples.
 
 
 def pad_rows(rows: Sequence[Sequence[float]], *, dtype=torch.float32, fill=0) -> Tensor:
@@ -85,9 +84,8 @@ class RolloutBatch:
         ref_logprobs (reference model, with a KL), values (critic), returns (value targets),
         advantages, entropy (per token, for high-entropy selection), loss_mask (bool: tokens
         the policy loss trains on; None: every response token).
-    Multimodal inputs (None for a text batch; else one entry per sample, None for a sample
-    without): images (:class:`~lightrft.data.vision.ImageInputs`; a micro-batch's forward takes
-    ``ImageInputs.cat(batch.images)``, rows in order), audios (reserved for the audio recipes).
+    media: None for a text batch; else one :class:`~lightrft.data.media.Media` per sample (None
+        for a sample without); a micro-batch's forward takes ``Media.cat`` of its rows', in order.
     """
 
     prompt_ids: Tensor
@@ -115,8 +113,7 @@ class RolloutBatch:
     advantages: Tensor | None = None
     entropy: Tensor | None = None
     loss_mask: Tensor | None = None
-    images: list[ImageInputs | None] | None = None
-    audios: list[Any] | None = None
+    media: list[Media | None] | None = None
 
     @classmethod
     def from_completions(
@@ -125,13 +122,11 @@ class RolloutBatch:
         prompts: dict[str, list],
         *,
         groups: list[tuple],
-        media: Sequence[str] = (),
         **rewards: Any,
     ) -> RolloutBatch:
         """One draw's batch: the engine's completions (a row each), with the fields of the
         prompt each came from (``prompts``: the prompt loader's batch, indexed by each
-        completion's ``request_index``; ``media``: which of its per-sample media lists to
-        carry, e.g. ``("images",)``), each row's group key and the rewards (``reward_raw``,
+        completion's ``request_index``, with its ``media`` when it has any), each row's group key and the rewards (``reward_raw``,
         ``rewards``, ``overlong``, ``reward_parts``, ``reward_applied``)."""
         rows = [c.request_index for c in completions]
         responses = [list(c.token_ids) for c in completions]
@@ -150,7 +145,7 @@ class RolloutBatch:
             texts=[c.text or "" for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
             groups=groups,
-            **{k: [prompts[k][i] for i in rows] for k in media},
+            media=[prompts["media"][i] for i in rows] if prompts.get("media") else None,
             **meta,
             **rewards,
         )
@@ -192,12 +187,12 @@ class RolloutBatch:
     @staticmethod
     def cat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         """Rows of ``batches`` one after the other (fields None in one are None in all, except
-        the multimodal lists: a batch without gives None entries)."""
+        ``media``: a batch without gives None entries)."""
         first = batches[0]
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(first):
             values = [getattr(b, f.name) for b in batches]
-            if f.name in _MULTIMODAL_FIELDS:  # a text batch may join a multimodal one
+            if f.name == "media":  # a text batch may join a multimodal one
                 fields[f.name] = _gather_per_sample(values, [len(b) for b in batches])
             elif values[0] is None:
                 fields[f.name] = None
@@ -213,12 +208,12 @@ class RolloutBatch:
         """Every rank's rows, in rank order, on every rank (this batch in one process).
 
         Tensors travel by ``all_gather`` after padding to the widest rank; the per-sample
-        metadata (strings, a few per sample) and multimodal inputs (``ImageInputs``: PIL images
-        and pixel tensors, different sizes per sample) go through ``all_gather_object``."""
+        metadata (strings, a few per sample) and media (PIL images, waveforms and their
+        tensors, different sizes per sample) go through ``all_gather_object``."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self
         world = dist.get_world_size()
-        meta = {name: getattr(self, name) for name in (*_META_FIELDS, *_MULTIMODAL_FIELDS)}
+        meta = {name: getattr(self, name) for name in (*_META_FIELDS, "media")}
         metas: list[Any] = [None] * world
         dist.all_gather_object(metas, meta)
         sizes = _gather_ints([len(self), self.prompt_ids.shape[1], self.response_ids.shape[1]])
@@ -227,7 +222,7 @@ class RolloutBatch:
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in _META_FIELDS or f.name in _MULTIMODAL_FIELDS:
+            if f.name in _META_FIELDS or f.name == "media":
                 continue
             if isinstance(value, dict):
                 fields[f.name] = {k: _gather_rows(v, rows, None, sizes) for k, v in value.items()}
@@ -238,8 +233,7 @@ class RolloutBatch:
                 fields[f.name] = None
         for name in _META_FIELDS:
             fields[name] = [x for m in metas for x in m[name]]
-        for name in _MULTIMODAL_FIELDS:
-            fields[name] = _gather_per_sample([m[name] for m in metas], [s[0] for s in sizes])
+        fields["media"] = _gather_per_sample([m["media"] for m in metas], [s[0] for s in sizes])
         return RolloutBatch(**fields)._trim()
 
 

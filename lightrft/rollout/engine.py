@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightrft.data.media import Media
 from lightrft.engine.protocol import Request, SamplingParams
 from lightrft.strategy.base import Strategy
 
@@ -28,11 +29,10 @@ class ColocatedEngine:
         self,
         prompt_ids: list[list[int]],
         params: SamplingParams | list[SamplingParams],
-        images: Sequence[Any] | None = None,
-        audios: Sequence[Any] | None = None,
+        media: Sequence[Media | None] | None = None,
     ) -> list:
-        """Wake the engine (reloading released weights) and generate. ``images`` / ``audios``:
-        per prompt, its ``ImageInputs`` / ``AudioInputs`` or None."""
+        """Wake the engine (reloading released weights) and generate. ``media``: per prompt,
+        its :class:`~lightrft.data.media.Media` or None."""
         if self.released:
             self.engine.wake_up(["weights"])
             self.strategy.sync_weights(self.engine)
@@ -40,12 +40,8 @@ class ColocatedEngine:
         self.engine.wake_up()
         if not prompt_ids:
             return []
-        images = images or [None] * len(prompt_ids)
-        audios = audios or [None] * len(prompt_ids)
-        requests = [
-            Request.with_media(ids, im, au)
-            for ids, im, au in zip(prompt_ids, images, audios, strict=True)
-        ]
+        media = media or [None] * len(prompt_ids)
+        requests = [Request(ids, m) for ids, m in zip(prompt_ids, media, strict=True)]
         return self.engine.generate(requests, params)
 
     def sleep(self) -> None:

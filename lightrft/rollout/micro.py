@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightrft.data.audio import AudioInputs
 from lightrft.data.collate import plan_micro_batches
-from lightrft.data.vision import ImageInputs
+from lightrft.data.media import Media
 from lightrft.distributed import DistInfo, all_reduce_max
 from lightrft.rollout.batch import IGNORE, RolloutBatch
 
@@ -33,8 +32,7 @@ class MicroBatch:
     index: torch.Tensor  # [b, R] flat position in [rows, L-1] of each response token
     mask: torch.Tensor  # [b, R] real response tokens
     tokens: int = 0  # prompt + response tokens of the real rows
-    images: ImageInputs | None = None  # the rows' images in row (= token) order
-    audios: AudioInputs | None = None
+    media: Media | None = None  # the rows' media in row (= token) order
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The token tensors on ``device`` (media stay where the model's funnel moves them)."""
@@ -50,8 +48,7 @@ class MicroBatch:
             index=self.index.to(device),
             mask=self.mask.to(device),
             tokens=self.tokens,
-            images=self.images,
-            audios=self.audios,
+            media=self.media,
         )
 
     def gather(self, full: torch.Tensor) -> torch.Tensor:
@@ -78,8 +75,7 @@ def build_micro_batch(
     prompts = [batch.prompt(i) for i in idx]
     responses = [batch.response(i) for i in idx]
     mb = (_packed if packing else _padded)(prompts, responses, pad_id)
-    mb.images = ImageInputs.cat([batch.images[i] for i in idx]) if batch.images else None
-    mb.audios = AudioInputs.cat([batch.audios[i] for i in idx]) if batch.audios else None
+    mb.media = Media.cat([batch.media[i] for i in idx]) if batch.media else None
     mb.tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     return mb
 

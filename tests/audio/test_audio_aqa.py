@@ -43,7 +43,7 @@ def test_prepared_records_feed_the_shipped_config(tmp_path, audio_processor):
     node = {**cfg["dataset"], "path": str(out), "max_audio_seconds": 2.0}
     ds = lconfig.instantiate(OmegaConf.create(node), audio_processor)
     assert len(ds) == 2 and ds[1]["reference"] == "rain"
-    audios = ds[0]["audios"]
+    audios = ds[0]["media"].audio
     assert ds[0]["prompt_ids"].count(audio_processor.audio_token_id) == audios.num_tokens[0]
     assert (
         cfg["reward"]["functions"]["accuracy"]["_component_"] == "lightrft.rewards.ChoiceVerifier"

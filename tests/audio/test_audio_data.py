@@ -32,7 +32,7 @@ def test_files_decode_resample_and_expand_as_the_stock_processor(
     ds = SFTDataset(audio_processor, data)
     assert ds.stats["audios"] == 3 and ds.stats["audio_clipped"] == 0
     item = ds[1]
-    inputs = item["audios"]
+    inputs = item["media"].audio
     assert isinstance(inputs, AudioInputs) and len(inputs) == 2
     # 0.8 s at 22.05 kHz stereo and 0.3 s at 8 kHz, both at the extractor's 16 kHz, mono.
     assert [a.shape for a in inputs.audios] == [(12800,), (4800,)]
@@ -60,7 +60,7 @@ def test_files_decode_resample_and_expand_as_the_stock_processor(
     )
     stock = audio_processor(text=text, audio=inputs.audios, return_tensors="pt")
     assert stock["input_ids"][0].tolist() == prompts[1]["prompt_ids"]
-    torch.testing.assert_close(stock["input_features"], prompts[1]["audios"].input_features)
+    torch.testing.assert_close(stock["input_features"], prompts[1]["media"].audio.input_features)
     torch.testing.assert_close(stock["input_features"], inputs.input_features)
     torch.testing.assert_close(
         stock["feature_attention_mask"].long(), inputs.feature_attention_mask
@@ -103,11 +103,12 @@ def test_inline_parts_hf_arrays_and_bytes(tmp_path, audio_processor, audio_files
     ]
     ds = SFTDataset(audio_processor, records=records)
     assert ds.stats["audios"] == 3
-    assert ds[2]["audios"].audios[0].shape == (6400,)
+    assert ds[2]["media"].audio.audios[0].shape == (6400,)
     pd = PromptDataset(audio_processor, records=records, reference_required=False)
-    assert [len(pd[i]["audios"]) for i in range(3)] == [1, 1, 1]
+    assert [len(pd[i]["media"].audio) for i in range(3)] == [1, 1, 1]
     assert (
-        pd[0]["prompt_ids"].count(audio_processor.audio_token_id) == pd[0]["audios"].num_tokens[0]
+        pd[0]["prompt_ids"].count(audio_processor.audio_token_id)
+        == pd[0]["media"].audio.num_tokens[0]
     )
 
 
@@ -121,8 +122,8 @@ def test_max_duration_clips_or_drops_counted(tmp_path, audio_processor):
     data = jsonl(tmp_path / "d.jsonl", records)
     clipped = SFTDataset(audio_processor, data, max_audio_seconds=1.0)
     assert clipped.stats["audio_clipped"] == 1 and clipped.stats["audio_dropped"] == 0
-    assert clipped[0]["audios"].audios[0].shape == (16000,)
-    assert int(clipped[0]["audios"].feature_attention_mask.sum()) == 100  # 1 s of 10 ms frames
+    assert clipped[0]["media"].audio.audios[0].shape == (16000,)
+    assert int(clipped[0]["media"].audio.feature_attention_mask.sum()) == 100  # 1 s of 10 ms frames
     dropped = SFTDataset(audio_processor, data, max_audio_seconds=1.0, overlong_audio="drop")
     assert dropped.stats["audio_dropped"] == 1 and len(dropped) == 1
     prompts = PromptDataset(
@@ -286,13 +287,13 @@ def test_collators_join_audio_in_token_order(tmp_path, audio_processor, audio_fi
     ds = SFTDataset(audio_processor, data)
     items = [ds[i] for i in range(3)]
     pad = PadCollator(audio_processor.tokenizer.pad_token_id)(items)
-    assert [a.shape for a in pad["audios"].audios] == [(8000,), (12800,), (4800,)]
-    assert pad["audios"].input_features.shape[0] == 3
+    assert [a.shape for a in pad["media"].audio.audios] == [(8000,), (12800,), (4800,)]
+    assert pad["media"].audio.input_features.shape[0] == 3
     packed = PackCollator(audio_processor.tokenizer.pad_token_id)(items)
-    assert packed["audios"].num_tokens == pad["audios"].num_tokens
+    assert packed["media"].audio.num_tokens == pad["media"].audio.num_tokens
     assert packed["input_ids"].shape[0] == 1
     ids = packed["input_ids"][0]
-    assert int((ids == audio_processor.audio_token_id).sum()) == sum(pad["audios"].num_tokens)
+    assert int((ids == audio_processor.audio_token_id).sum()) == sum(pad["media"].audio.num_tokens)
 
 
 def test_decode_audio_mixes_channels_and_keeps_the_rate(tmp_path):
@@ -331,4 +332,4 @@ def test_hf_datasets_directory_with_an_audio_column(tmp_path, audio_processor):
     arrays.save_to_disk(tmp_path / "arrays")
     for name in ("encoded", "arrays"):
         ds = PromptDataset(audio_processor, tmp_path / name, audios_field="audio")
-        assert ds[0]["audios"].audios[0].shape == (9600,), name  # 0.6 s at 16 kHz
+        assert ds[0]["media"].audio.audios[0].shape == (9600,), name  # 0.6 s at 16 kHz

@@ -6,7 +6,7 @@ import pytest
 import torch
 from _audio_helpers import tone
 
-from lightrft.data import PromptDataset
+from lightrft.data import ImageInputs, Media, PromptDataset
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.kernels import causal_lm_token_logprobs
 from lightrft.models import load_model, load_processor, set_audio_trainable
@@ -35,18 +35,15 @@ def _prompts(proc):
 def _requests(ds):
     out = []
     for i in range(len(ds)):
-        item = ds[i]
-        mm = {"audio": item["audios"]} if item["audios"] is not None else None
-        out.append(Request(item["prompt_ids"], multi_modal_data=mm))
+        out.append(Request(ds[i]["prompt_ids"], ds[i]["media"]))
     return out
 
 
 def _trainer_logprobs(model, req, completion):
     """The trainer path: one forward of prompt + completion through the fused kernel."""
     ids = torch.tensor([req.prompt_token_ids + completion.token_ids])
-    audios = req.multi_modal_data["audio"] if req.multi_modal_data else None
     with torch.no_grad():
-        lp = causal_lm_token_logprobs(model, ids, audios=audios)
+        lp = causal_lm_token_logprobs(model, ids, media=req.media)
     return lp[0, len(req.prompt_token_ids) - 1 :]
 
 
@@ -77,7 +74,7 @@ def test_engine_greedy_equals_hf_generate(tiny_alm):
     )
     for req, c in zip(reqs, outs, strict=True):
         ids = torch.tensor([req.prompt_token_ids])
-        kw = req.multi_modal_data["audio"].model_inputs() if req.multi_modal_data else {}
+        kw = req.media.model_inputs() if req.media is not None else {}
         gen = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -107,16 +104,17 @@ def test_bad_audio_requests(tiny_alm, tiny_model_dir):
     sp = SamplingParams(max_tokens=2)
     fewer = list(reqs[0].prompt_token_ids)
     fewer.remove(proc.audio_token_id)
-    n = sum(reqs[0].multi_modal_data["audio"].num_tokens)
+    n = sum(reqs[0].media.audio.num_tokens)
     with pytest.raises(ValueError, match=rf"requests\[0\] has {n - 1} audio tokens but its 1"):
-        engine.generate([Request(fewer, reqs[0].multi_modal_data)], sp)
-    with pytest.raises(ValueError, match="pass the processed AudioInputs"):
-        engine.generate([Request(reqs[0].prompt_token_ids, {"audio": [tone(0.5)]})], sp)
-    with pytest.raises(ValueError, match=r"takes audio only \(\{'audio': AudioInputs\}\)"):
-        engine.generate([Request(reqs[0].prompt_token_ids, {"image": [1]})], sp)
+        engine.generate([Request(fewer, reqs[0].media)], sp)
+    with pytest.raises(TypeError, match="Media.audio must be the processed AudioInputs"):
+        Media(audio=[tone(0.5)])
+    image = ImageInputs([None], torch.zeros(4, 8), torch.tensor([[1, 2, 2]]), [1], {})
+    with pytest.raises(ValueError, match=r"carries image; the native engine takes audio only"):
+        engine.generate([Request(reqs[0].prompt_token_ids, Media(image=image))], sp)
     text_engine = NativeEngine(tiny_model_dir, dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="nor an audio-language one"):
-        text_engine.generate([Request([5, 6], reqs[0].multi_modal_data)], sp)
+        text_engine.generate([Request([5, 6], reqs[0].media)], sp)
 
 
 @pytest.mark.parametrize("train_audio", [False, True])

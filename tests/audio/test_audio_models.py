@@ -59,7 +59,7 @@ proc = load_processor({str(tiny_alm)!r})
 ds = SFTDataset(proc, records=[{{"prompt": "<audio>q", "completion": "a",
                                 "audios": [{str(tmp_path / "x.flac")!r}]}}])
 item = ds[0]
-load_model({str(tiny_alm)!r})(input_ids=item["input_ids"][None], **item["audios"].model_inputs())
+load_model({str(tiny_alm)!r})(input_ids=item["input_ids"][None], **item["media"].audio.model_inputs())
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -93,7 +93,7 @@ def _loss(model, batch):
         targets=batch["labels"][:, 1:],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
-        audios=batch["audios"],
+        media=batch["media"],
     )
 
 

@@ -1,5 +1,5 @@
 """The sft and grpo recipes on a tiny Qwen2-Audio through the real CLI, in-process: audio rides
-the same multimodal path as images (datasets -> batches / rollouts -> forward with ``audios=``),
+the same multimodal path as images (datasets -> batches / rollouts -> forward with ``media=``),
 the audio tower frozen or trained, resume, export, 2 gloo processes."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _eval_loss(model_dir: Path, data: Path) -> float:
     nll, count = 0.0, 0
     for item in items:
         batch = pack_or_pad_collator(proc.tokenizer)([item])
-        kwargs = batch["audios"].model_inputs()
+        kwargs = batch["media"].audio.model_inputs()
         ids = batch["input_ids"]
         with torch.no_grad():
             logits = model(input_ids=ids, **kwargs).logits
@@ -383,5 +383,5 @@ def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(
     assert len(seen) == len(items) == len(rows) == 8
     for req, item in zip(seen, items, strict=True):
         assert list(req.prompt_token_ids) == list(item["prompt_ids"])
-        got = req.multi_modal_data["audio"].input_features
-        assert torch.equal(got, item["audios"].input_features)
+        got = req.media.audio.input_features
+        assert torch.equal(got, item["media"].audio.input_features)

@@ -25,9 +25,9 @@ def test_vllm_prompt_collapses_each_audio_run_and_passes_waveforms(audio_process
         ],
     )
     item = ds[0]
-    audios = item["audios"]
+    audios = item["media"].audio
     tok = audio_processor.audio_token_id
-    prompt = va.vllm_prompt(item["prompt_ids"], {"audio": audios}, None, tok)
+    prompt = va.vllm_prompt(item["prompt_ids"], item["media"], None, tok)
     ids = prompt["prompt_token_ids"]
     assert ids.count(tok) == 2 and audios.num_tokens == [12, 30]
     back, k = [], 0
@@ -40,10 +40,10 @@ def test_vllm_prompt_collapses_each_audio_run_and_passes_waveforms(audio_process
         (True, 16000),
         (True, 16000),
     ]
-    with pytest.raises(ValueError, match="pass the processed AudioInputs"):
-        va.vllm_prompt(item["prompt_ids"], {"audio": [tone(0.5)]}, None, tok)
+    with pytest.raises(ValueError, match="media is a dict; pass the Media"):
+        va.vllm_prompt(item["prompt_ids"], {"audio": audios}, None, tok)
     with pytest.raises(ValueError, match="the model is not audio-language"):
-        va.vllm_prompt(item["prompt_ids"], {"audio": audios}, None, None)
+        va.vllm_prompt(item["prompt_ids"], item["media"], None, None)
     with pytest.raises(ValueError, match="audio 0 needs 12 consecutive audio tokens"):
         va.collapse_placeholders([5, tok, 5], tok, [12], kind="audio")
 

@@ -255,8 +255,8 @@ def test_bad_requests(engine, prompts):
         engine.generate([Request(prompts[0]), Request([1, 5000])], SamplingParams())
     with pytest.raises(ValueError, match="is empty"):
         engine.generate([Request([])], SamplingParams())
-    with pytest.raises(ValueError, match="multi_modal_data"):
-        engine.generate([Request(prompts[0], multi_modal_data={"image": [0]})], SamplingParams())
+    with pytest.raises(ValueError, match=r"requests\[0\]\.media is a dict; pass the Media"):
+        engine.generate([Request(prompts[0], {"image": [0]})], SamplingParams())
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 requests"):
         engine.generate(requests_of(prompts[:2]), [SamplingParams()])
 

@@ -69,56 +69,59 @@ def test_all_gather_over_two_processes():
     run_distributed(_gather, world_size=2)
 
 
-def _images(*patches: int):
-    """One ImageInputs per entry (None for 0): a flat [patches, 6] tensor whose values name it."""
-    from lightrft.data.vision import ImageInputs
+def _media(*patches: int):
+    """One Media per entry (None for 0): images whose flat [patches, 6] values name them."""
+    from lightrft.data import ImageInputs, Media
 
     return [
         None
         if p == 0
-        else ImageInputs(
-            images=[f"img{p}"],
-            pixel_values=torch.full((p, 6), float(p)),
-            image_grid_thw=torch.tensor([[1, p, 1]]),
-            num_tokens=[p],
-            processor_kwargs={},
+        else Media(
+            image=ImageInputs(
+                images=[f"img{p}"],
+                pixel_values=torch.full((p, 6), float(p)),
+                image_grid_thw=torch.tensor([[1, p, 1]]),
+                num_tokens=[p],
+                processor_kwargs={},
+            )
         )
         for p in patches
     ]
 
 
-def test_images_select_and_cat_per_sample():
-    from lightrft.data.vision import ImageInputs
+def test_media_select_and_cat_per_sample():
+    from lightrft.data import Media
 
     b = make_batch([[5, 6, 7], [8], [9, 10]])
-    b.images = _images(2, 0, 3)
+    b.media = _media(2, 0, 3)
     s = b.select([2, 0])
-    assert [x.num_tokens for x in s.images] == [[3], [2]]  # whole samples, not patch rows
-    joined = ImageInputs.cat(s.images)
+    assert [x.image.num_tokens for x in s.media] == [[3], [2]]  # whole samples, not patch rows
+    joined = Media.cat(s.media).image
     assert joined.pixel_values[:, 0].tolist() == [3.0] * 3 + [2.0] * 2
     assert joined.image_grid_thw.tolist() == [[1, 3, 1], [1, 2, 1]]
-    assert ImageInputs.cat(b.select([1]).images) is None  # a text-only row
+    assert Media.cat(b.select([1]).media) is None  # a text-only row
     c = RolloutBatch.cat([s, make_batch([[4]], tag="b")])  # a text batch joins: None entries
-    assert [x is None for x in c.images] == [False, False, True]
-    assert RolloutBatch.cat([make_batch([[1]]), make_batch([[2]])]).images is None
+    assert [x is None for x in c.media] == [False, False, True]
+    assert RolloutBatch.cat([make_batch([[1]]), make_batch([[2]])]).media is None
 
 
-def _gather_images(rank: int, world_size: int) -> None:
-    # Rank 0: 2 samples with 2 and 1 patches; rank 1: one text sample (images None).
+def _gather_media(rank: int, world_size: int) -> None:
+    # Rank 0: 2 samples with 2 and 1 patches; rank 1: one text sample (media None).
     mine = make_batch([[1, 2, 3], [4]], "r0") if rank == 0 else make_batch([[5] * 5], "r1")
     if rank == 0:
-        mine.images = _images(2, 1)
+        mine.media = _media(2, 1)
     full = mine.all_gather()
     assert full.prompts == ["r00", "r01", "r10"]
-    assert full.images[2] is None
-    assert [x.pixel_values.shape for x in full.images[:2]] == [(2, 6), (1, 6)]
-    assert full.images[0].pixel_values.sum().item() == 24.0 and full.images[1].images == ["img1"]
-    assert full.select([1, 0]).images[0].num_tokens == [1]
-    assert make_batch([[1]], "t").all_gather().images is None  # text everywhere: stays None
+    assert full.media[2] is None
+    images = [m.image for m in full.media[:2]]
+    assert [x.pixel_values.shape for x in images] == [(2, 6), (1, 6)]
+    assert images[0].pixel_values.sum().item() == 24.0 and images[1].images == ["img1"]
+    assert full.select([1, 0]).media[0].image.num_tokens == [1]
+    assert make_batch([[1]], "t").all_gather().media is None  # text everywhere: stays None
 
 
-def test_all_gather_images_over_two_processes():
-    run_distributed(_gather_images, world_size=2)
+def test_all_gather_media_over_two_processes():
+    run_distributed(_gather_media, world_size=2)
 
 
 def test_metric_accumulator_reductions():

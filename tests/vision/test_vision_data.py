@@ -9,7 +9,14 @@ import pytest
 import torch
 from _vision_helpers import square
 
-from lightrft.data import DataError, PackedDataset, PromptDataset, SFTDataset, pack_or_pad_collator
+from lightrft.data import (
+    DataError,
+    Media,
+    PackedDataset,
+    PromptDataset,
+    SFTDataset,
+    pack_or_pad_collator,
+)
 from lightrft.data.templates import IGNORE_INDEX
 from lightrft.data.vision import ImageInputs, fit_pixels
 from lightrft.models import load_tokenizer
@@ -65,14 +72,14 @@ def test_sources_paths_base64_data_url_and_inline_parts(proc, tmp_path, image_fi
         ],
     )
     ds = PromptDataset(proc, data)
-    grids = [ds[i]["images"].image_grid_thw.tolist() for i in range(4)]
+    grids = [ds[i]["media"].image.image_grid_thw.tolist() for i in range(4)]
     # 56x56 -> 2x2 tokens; 84x56 (img1) -> 3x2 tokens.
     assert grids == [[[1, 4, 4]], [[1, 4, 4]], [[1, 4, 4]], [[1, 4, 6]]]
     for i in range(4):
         item = ds[i]
-        assert _n_image_tokens(item["prompt_ids"], proc) == sum(item["images"].num_tokens)
+        assert _n_image_tokens(item["prompt_ids"], proc) == sum(item["media"].image.num_tokens)
         assert "<|vision_start|><|image_pad|><|vision_end|>" in item["prompt"]
-    assert ds[4]["images"] is None and _n_image_tokens(ds[4]["prompt_ids"], proc) == 0
+    assert ds[4]["media"] is None and _n_image_tokens(ds[4]["prompt_ids"], proc) == 0
 
 
 def test_parquet_image_structs_and_hf_dataset_image_column(proc, tmp_path):
@@ -88,7 +95,7 @@ def test_parquet_image_structs_and_hf_dataset_image_column(proc, tmp_path):
         tmp_path / "train.parquet",
     )
     ds = PromptDataset(proc, tmp_path / "train.parquet")
-    assert ds[0]["images"].image_grid_thw.tolist() == [[1, 6, 6]]
+    assert ds[0]["media"].image.image_grid_thw.tolist() == [[1, 6, 6]]
 
     features = datasets.Features(
         {
@@ -109,7 +116,7 @@ def test_parquet_image_structs_and_hf_dataset_image_column(proc, tmp_path):
         prompt_field="prompt",
         completion_field="answer",
     )
-    assert ds[0]["images"].image_grid_thw.tolist() == [[1, 6, 6]]
+    assert ds[0]["media"].image.image_grid_thw.tolist() == [[1, 6, 6]]
 
 
 def test_pixel_bounds_resize_keeping_aspect(proc):
@@ -119,8 +126,8 @@ def test_pixel_bounds_resize_keeping_aspect(proc):
     assert img.size[0] * img.size[1] >= 28 * 28
     recs = [{"prompt": "<image>q", "answer": "a", "images": [square((1, 1, 1), (448, 448))]}]
     small = PromptDataset(proc, records=recs, max_pixels=56 * 56)
-    assert small[0]["images"].image_grid_thw.tolist() == [[1, 4, 4]]
-    assert small[0]["images"].images[0].size == (56, 56)
+    assert small[0]["media"].image.image_grid_thw.tolist() == [[1, 4, 4]]
+    assert small[0]["media"].image.images[0].size == (56, 56)
     with pytest.raises(ValueError, match="min_pixels .* must be <= max_pixels"):
         PromptDataset(proc, records=recs, min_pixels=10_000, max_pixels=100)
     with pytest.raises(ValueError, match="need a vision-language processor"):
@@ -142,21 +149,21 @@ def test_sft_labels_never_train_vision_tokens_and_collate_packs_images(proc):
     for i in range(2):
         item = ds[i]
         vis = item["input_ids"] == proc.image_token_id
-        assert int(vis.sum()) == sum(item["images"].num_tokens)
+        assert int(vis.sum()) == sum(item["media"].image.num_tokens)
         assert (item["labels"][vis] == IGNORE_INDEX).all()
-    assert "images" not in ds[2]
+    assert "media" not in ds[2]
     items = [ds[i] for i in range(3)]
     for packing in (False, True):
         batch = pack_or_pad_collator(proc.tokenizer, packing)(items)
-        images = batch["images"]
+        images = batch["media"].image
         assert isinstance(images, ImageInputs) and len(images) == 3
         assert images.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4], [1, 4, 6]]
         assert images.pixel_values.shape[0] == int(images.image_grid_thw.prod(-1).sum())
     packed = PackedDataset(ds, max_tokens=200, shuffle=False)
     row = packed[0]
-    assert len(row["images"]) == 3 and int((row["input_ids"] == proc.image_token_id).sum()) == sum(
-        row["images"].num_tokens
-    )
+    assert len(row["media"].image) == 3 and int(
+        (row["input_ids"] == proc.image_token_id).sum()
+    ) == sum(row["media"].image.num_tokens)
 
 
 def test_truncation_that_would_cut_an_image_drops_the_sample(proc):
@@ -250,7 +257,7 @@ def test_an_image_in_an_assistant_turn_is_refused(proc):
         SFTDataset(proc, records=recs)
 
 
-def test_image_inputs_cat_keeps_order(proc):
+def test_media_cat_keeps_order(proc):
     ds = PromptDataset(
         proc,
         records=[
@@ -259,10 +266,17 @@ def test_image_inputs_cat_keeps_order(proc):
             {"prompt": "<image>c", "answer": "3", "images": [square((2, 2, 2))]},
         ],
     )
-    cat = ImageInputs.cat([ds[i]["images"] for i in range(3)])
+    media = Media.cat([ds[i]["media"] for i in range(3)])
+    cat = media.image
     assert cat.image_grid_thw.tolist() == [[1, 4, 6], [1, 4, 4]]
-    assert torch.equal(cat.pixel_values[:24], ds[0]["images"].pixel_values)
-    assert ImageInputs.cat([None, None]) is None
+    assert torch.equal(cat.pixel_values[:24], ds[0]["media"].image.pixel_values)
+    assert media.audio is None and [k for k, _ in media.kinds()] == ["image"]
+    assert Media.cat([None, None]) is None and Media.cat([Media()]) is None
+    # The forward's inputs: floating features take the model's dtype, the grid stays long.
+    kw = media.model_inputs(dtype=torch.bfloat16)
+    assert kw["pixel_values"].dtype == torch.bfloat16 and kw["image_grid_thw"].dtype == torch.long
+    with pytest.raises(TypeError, match="Media.image must be the processed ImageInputs"):
+        Media(image=[square((1, 1, 1))])
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
@@ -280,4 +294,4 @@ def test_sft_and_rl_see_the_same_prompt_tokens_and_pixels(tiny_vlm, arch):
     rl = PromptDataset(proc, records=[rec])[0]
     n = len(rl["prompt_ids"])
     assert sft["input_ids"][:n].tolist() == rl["prompt_ids"]
-    assert torch.equal(sft["images"].pixel_values, rl["images"].pixel_values)
+    assert torch.equal(sft["media"].image.pixel_values, rl["media"].image.pixel_values)

@@ -1,11 +1,12 @@
 """The native engine on tiny vision-language models: trainer log-prob agreement, greedy equality
 with HF generate, vision tokens never sampled, bad requests, sleep / wake / weight sync."""
 
+import numpy as np
 import pytest
 import torch
 from _vision_helpers import square
 
-from lightrft.data import PromptDataset
+from lightrft.data import AudioInputs, Media, PromptDataset
 from lightrft.data.modality import vision_token_ids
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.kernels import causal_lm_token_logprobs
@@ -30,18 +31,15 @@ def _prompts(proc):
 def _requests(ds):
     out = []
     for i in range(len(ds)):
-        item = ds[i]
-        mm = {"image": item["images"]} if item["images"] is not None else None
-        out.append(Request(item["prompt_ids"], multi_modal_data=mm))
+        out.append(Request(ds[i]["prompt_ids"], ds[i]["media"]))
     return out
 
 
 def _trainer_logprobs(model, req, completion):
     """The trainer path: one forward of prompt + completion through the fused kernel."""
     ids = torch.tensor([req.prompt_token_ids + completion.token_ids])
-    images = req.multi_modal_data["image"] if req.multi_modal_data else None
     with torch.no_grad():
-        lp = causal_lm_token_logprobs(model, ids, images=images)
+        lp = causal_lm_token_logprobs(model, ids, media=req.media)
     return lp[0, len(req.prompt_token_ids) - 1 :]
 
 
@@ -70,8 +68,8 @@ def test_engine_greedy_equals_hf_generate(tiny_vlm, arch):
     for req, c in zip(reqs, outs, strict=True):
         ids = torch.tensor([req.prompt_token_ids])
         kw = {}
-        if req.multi_modal_data:
-            kw = req.multi_modal_data["image"].model_inputs()
+        if req.media is not None:
+            kw = req.media.model_inputs()
             if arch != "llava":
                 kw["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         gen = model.generate(
@@ -95,14 +93,19 @@ def test_bad_multimodal_requests(tiny_vlm, tiny_model_dir):
     bad_count = [t for t in reqs[0].prompt_token_ids]
     bad_count.remove(proc.image_token_id)
     with pytest.raises(ValueError, match=r"requests\[0\] has 3 image tokens"):
-        engine.generate([Request(bad_count, reqs[0].multi_modal_data)], sp)
-    with pytest.raises(ValueError, match="pass the processed ImageInputs"):
-        engine.generate([Request(reqs[0].prompt_token_ids, {"image": [square((1, 2, 3))]})], sp)
-    with pytest.raises(ValueError, match="takes images only"):
-        engine.generate([Request(reqs[0].prompt_token_ids, {"video": [1]})], sp)
+        engine.generate([Request(bad_count, reqs[0].media)], sp)
+    with pytest.raises(TypeError, match="Media.image must be the processed ImageInputs"):
+        Media(image=[square((1, 2, 3))])
+    with pytest.raises(ValueError, match=r"requests\[0\]\.media is a dict; pass the Media"):
+        engine.generate([Request(reqs[0].prompt_token_ids, {"image": reqs[0].media.image})], sp)
+    audio = AudioInputs(
+        [np.zeros(8, np.float32)], torch.zeros(1, 2, 4), torch.ones(1, 4), [1], 16000
+    )
+    with pytest.raises(ValueError, match=r"carries audio; the native engine takes images only"):
+        engine.generate([Request(reqs[0].prompt_token_ids, Media(audio=audio))], sp)
     text_engine = NativeEngine(tiny_model_dir, dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="not a vision-language model"):
-        text_engine.generate([Request([5, 6], reqs[0].multi_modal_data)], sp)
+        text_engine.generate([Request([5, 6], reqs[0].media)], sp)
 
 
 @pytest.mark.parametrize("train_vision", [False, True])

@@ -27,8 +27,8 @@ def _reference(model, item):
     """log_softmax of a plain HF forward of one sample (the model computes its positions)."""
     ids = item["input_ids"][None]
     kwargs = {}
-    if "images" in item:
-        kwargs = item["images"].model_inputs()
+    if "media" in item:
+        kwargs = item["media"].image.model_inputs()
         if hasattr(model.model, "get_rope_index"):
             kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     logits = model(input_ids=ids, **kwargs).logits[0, :-1].float()  # [L-1, V]
@@ -50,7 +50,7 @@ def test_fused_logprobs_match_hf_forward(tiny_vlm, arch, packing):
             ids,
             attention_mask=batch.get("attention_mask"),
             position_ids=batch["position_ids"],
-            images=batch["images"],
+            media=batch["media"],
         )
     offset = 0
     for r, item in enumerate(items):
@@ -68,7 +68,7 @@ def test_two_d_positions_would_break_mrope(tiny_vlm):
     proc, model = load_processor(path), load_vision_model(path)
     item = _samples(proc)[0]
     ids = item["input_ids"][None]
-    kw = {**item["images"].model_inputs(), "mm_token_type_ids": (ids == 0).int() + 0}
+    kw = {**item["media"].image.model_inputs(), "mm_token_type_ids": (ids == 0).int() + 0}
     kw["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     with torch.no_grad():
         good = model(input_ids=ids, **kw).logits
@@ -85,8 +85,8 @@ def test_prompt_dataset_images_feed_the_same_forward(tiny_vlm):
     )
     item = ds[0]
     n_img = sum(1 for t in item["prompt_ids"] if t == proc.image_token_id)
-    assert n_img == sum(item["images"].num_tokens) == 4
-    assert item["images"].image_grid_thw.tolist() == [[1, 4, 4]]
+    assert n_img == sum(item["media"].image.num_tokens) == 4
+    assert item["media"].image.image_grid_thw.tolist() == [[1, 4, 4]]
 
 
 def test_images_for_a_text_model_are_refused(tiny_vlm, tiny_model_dir):
@@ -95,5 +95,5 @@ def test_images_for_a_text_model_are_refused(tiny_vlm, tiny_model_dir):
     item = _samples(load_processor(tiny_vlm("qwen2_vl")))[0]
     with pytest.raises(ValueError, match="is not a vision-language model"):
         causal_lm_token_logprobs(
-            load_causal_lm(tiny_model_dir), item["input_ids"][None], images=item["images"]
+            load_causal_lm(tiny_model_dir), item["input_ids"][None], media=item["media"]
         )

@@ -100,7 +100,7 @@ def _loss(model, batch):
         targets=targets,
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
-        images=batch["images"],
+        media=batch["media"],
     )
 
 

@@ -1,5 +1,5 @@
 """The sft and grpo recipes on a tiny Qwen2-VL through the real CLI, in-process: images ride the
-text path (datasets -> batches / rollouts -> forward with ``images=``), the vision tower frozen
+text path (datasets -> batches / rollouts -> forward with ``media=``), the vision tower frozen
 or trained, resume, export, 2 gloo processes."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _eval_loss(model_dir: Path, data: Path) -> float:
     nll, count = 0.0, 0
     for item in items:
         batch = pack_or_pad_collator(proc.tokenizer)([item])
-        kwargs = batch["images"].model_inputs()
+        kwargs = batch["media"].image.model_inputs()
         ids = batch["input_ids"]
         with torch.no_grad():
             mm = (ids == model.config.image_token_id).long()  # Qwen2-VL wants it with grids
@@ -378,7 +378,7 @@ def test_vlm_grpo_against_a_vlm_reward_model(tmp_path, vlm_assets):
     alone = RewardModel(rm_path)(
         [s["prompt"] for s in samples],
         [s["response"] for s in samples],
-        conversations=[conversation(it["messages"], it["images"]) for it in items],
+        conversations=[conversation(it["messages"], it["media"]) for it in items],
     )
     got = torch.tensor([s["reward_parts"]["rm"] for s in samples])
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
@@ -432,7 +432,7 @@ def test_eval_recipe_on_a_vlm_sends_each_prompt_its_images(tmp_path, vlm_assets,
     assert len(seen) == len(items) == len(rows) == 8
     for req, item in zip(seen, items, strict=True):
         assert list(req.prompt_token_ids) == list(item["prompt_ids"])
-        assert torch.equal(req.multi_modal_data["image"].pixel_values, item["images"].pixel_values)
+        assert torch.equal(req.media.image.pixel_values, item["media"].image.pixel_values)
     # Greedy samples as the engine gives them for those requests.
     params = SamplingParams(n=1, temperature=0.0, max_tokens=6)
     engine = NativeEngine(str(vlm_assets / "model"), processor.tokenizer, seed=0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from lightrft.data import DataError, PromptDataset, conversation
+from lightrft.data import DataError, Media, PromptDataset, conversation
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.models.multimodal import load_processor
 
@@ -43,7 +43,7 @@ def test_pairs_with_images_show_every_candidate_the_images(tiny_vlm, image_files
     item = ds[0]
     chosen, rejected = (s.tolist() for s in item["sequences"])
     image_token = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    n_image = sum(item["images"].num_tokens)
+    n_image = sum(item["media"].image.num_tokens)
     assert chosen.count(image_token) == rejected.count(image_token) == n_image > 1
     # The response starts after the expanded image tokens, at the assistant turn.
     tok = proc.tokenizer
@@ -51,11 +51,11 @@ def test_pairs_with_images_show_every_candidate_the_images(tiny_vlm, image_files
     assert tok.decode(rejected[item["starts"][1] :]).startswith("green<|im_end|>")
     # The collator gives each sequence (chosen and rejected) the item's images, in order.
     batch = PreferenceCollator(tok.pad_token_id)([ds[0], ds[1]])
-    pixels = ds[0]["images"].pixel_values.shape[0] + ds[1]["images"].pixel_values.shape[0]
-    assert batch["images"].pixel_values.shape[0] == 2 * pixels
-    assert len(batch["images"].num_tokens) == 4  # 2 items x (chosen, rejected), 1 image each
+    pixels = ds[0]["media"].image.pixel_values.shape[0] + ds[1]["media"].image.pixel_values.shape[0]
+    assert batch["media"].image.pixel_values.shape[0] == 2 * pixels
+    assert len(batch["media"].image.num_tokens) == 4  # 2 items x (chosen, rejected), 1 image each
     packed = PreferenceCollator(tok.pad_token_id, packing=True)([ds[0], ds[1]])
-    assert packed["images"].num_tokens == batch["images"].num_tokens
+    assert packed["media"].image.num_tokens == batch["media"].image.num_tokens
 
 
 def test_a_multi_turn_prompt_scores_the_final_reply_only(tiny_vlm, image_files, tmp_path):
@@ -85,7 +85,7 @@ def test_images_need_a_vlm_processor_and_the_chat_template(tiny_vlm, image_files
         PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), path, apply_chat_template=False)
 
 
-_FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids", "scored", "images")
+_FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids", "scored", "media")
 
 
 def _score(net, batch) -> torch.Tensor:
@@ -97,7 +97,7 @@ def _score(net, batch) -> torch.Tensor:
 def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_files, tmp_path):
     """The score equals the mean log-prob of the response tokens under the VLM's own forward
     (pixel inputs, M-RoPE positions), padded or packed."""
-    from lightrft.kernels.hf import vision_forward_kwargs
+    from lightrft.kernels.hf import media_forward_kwargs
     from lightrft.models.loading import load_model
     from lightrft.models.reward import build_reward_net
 
@@ -113,12 +113,12 @@ def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_
         for it in items:
             for seq, start in zip(it["sequences"], it["starts"], strict=True):
                 ids = seq[None]
-                kw = vision_forward_kwargs(
+                kw = media_forward_kwargs(
                     vlm,
                     ids,
                     attention_mask=torch.ones_like(ids),
                     position_ids=None,
-                    images=it["images"],
+                    media=it["media"],
                 )
                 logp = vlm(input_ids=ids, **kw).logits[0, :-1].log_softmax(-1)
                 want.append(logp.gather(-1, ids[0, 1:, None])[start - 1 :, 0].mean())
@@ -131,7 +131,8 @@ def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_
 
     blue = ds.media.images.process([square((0, 0, 255))])  # item 0's size, another colour
     with torch.no_grad():
-        other = _score(net, PreferenceCollator(pad)([{**items[0], "images": blue}, items[1]]))
+        swapped = {**items[0], "media": Media(image=blue)}
+        other = _score(net, PreferenceCollator(pad)([swapped, items[1]]))
     assert not torch.allclose(other[:2], got[:2])
 
 
@@ -173,7 +174,7 @@ def test_reward_model_recipe_trains_a_vlm_likelihood_reward_model(tiny_vlm, imag
     pairs = PreferenceDataset(proc, data)
     prompts = PromptDataset(proc, data, reference_required=False)
     records = [json.loads(line) for line in open(data)][:3]
-    chats = [conversation(prompts[k]["messages"], prompts[k]["images"]) for k in range(3)]
+    chats = [conversation(prompts[k]["messages"], prompts[k]["media"]) for k in range(3)]
     rm = RewardModel(str(final), micro_batch_size=4)
     got = rm(
         [prompts[k]["prompt"] for k in range(3)] * 2,
@@ -207,7 +208,7 @@ def test_a_vlm_reward_model_in_rl_reads_the_images_of_each_conversation(
     data = _write(tmp_path / "p.jsonl", _pairs(image_files, 3))
     prompts = PromptDataset(load_processor(path), data, reference_required=False)
     items = [prompts[k] for k in range(3)]
-    chats = [conversation(it["messages"], it["images"]) for it in items]
+    chats = [conversation(it["messages"], it["media"]) for it in items]
     reward = CombinedReward({"rm": RewardModel(path), "length": lambda **kw: [1.0] * 3})
     texts = [it["prompt"] for it in items]
     out = reward(texts, ["red"] * 3, conversations=chats)

@@ -61,7 +61,7 @@ def test_loads_with_a_vlm_processor_one_token_per_cell(tiny_vlm, tmp_path):
     out = write_shapes_dataset(tmp_path / "s", n_train=6, n_test=2)
     proc = load_processor(tiny_vlm("qwen2_vl"))
     prompts = PromptDataset(proc, out / "test.jsonl")
-    assert prompts[0]["images"].num_tokens == [9]
+    assert prompts[0]["media"].image.num_tokens == [9]
     sft = SFTDataset(proc, out / "train.jsonl")
     assert len(sft) == 6 and sft.stats["images"] == 6
 
@@ -82,7 +82,7 @@ def test_preference_pairs_prefer_the_count_and_load_with_their_images(tiny_vlm, 
     assert ensure_shapes_preferences(tmp_path / "pairs", src, per_board=2) == out
     assert (out / "train.jsonl").stat().st_mtime_ns == stamp
     ds = PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), out / "test.jsonl")
-    assert len(ds) == 8 and len(ds[0]["images"]) == 1
+    assert len(ds) == 8 and len(ds[0]["media"].image) == 1
     with pytest.raises(ValueError, match="write the counting data set first"):
         ensure_shapes_preferences(tmp_path / "p2", tmp_path / "nothing")
     one = ensure_shapes_dataset(tmp_path / "one", n_train=2, n_test=1, min_count=2, max_count=2)

@@ -35,9 +35,9 @@ def _dataset(proc):
 def test_vllm_prompt_collapses_each_image_run_and_passes_pil_images(tiny_vlm, arch):
     proc = load_processor(tiny_vlm(arch))
     item = _dataset(proc)[0]
-    images = item["images"]
+    images = item["media"].image
     tok = proc.image_token_id
-    prompt = va.vllm_prompt(item["prompt_ids"], {"image": images}, tok)
+    prompt = va.vllm_prompt(item["prompt_ids"], item["media"], tok)
     ids = prompt["prompt_token_ids"]
     assert ids.count(tok) == 2
     # Expanding each placeholder back by the image's token count gives the original ids.
@@ -60,8 +60,10 @@ def test_vllm_prompt_text_only_and_bad_inputs(tiny_vlm):
     proc = load_processor(tiny_vlm("qwen2_vl"))
     item = _dataset(proc)[0]
     assert va.vllm_prompt([1, 2, 3], None, 7) == {"prompt_token_ids": [1, 2, 3]}
-    with pytest.raises(ValueError, match="pass the processed ImageInputs"):
-        va.vllm_prompt(item["prompt_ids"], {"image": [square((1, 1, 1))]}, proc.image_token_id)
+    with pytest.raises(ValueError, match="media is a dict; pass the Media"):
+        va.vllm_prompt(item["prompt_ids"], {"image": item["media"].image}, proc.image_token_id)
+    with pytest.raises(ValueError, match="the model is not vision-language"):
+        va.vllm_prompt(item["prompt_ids"], item["media"], None)
     with pytest.raises(ValueError, match="needs 4 consecutive image tokens"):
         va.collapse_placeholders([5, 9, 9, 5], 9, [4])
     with pytest.raises(ValueError, match="places 1 of its 2 images"):
@@ -98,10 +100,7 @@ def test_vllm_engine_vision_on_gpu(tmp_path):
     path = make_tiny_model(tmp_path / "m", arch="qwen2_vl", hidden=256, heads=4, kv_heads=2)
     proc = load_processor(path)
     ds = _dataset(proc)
-    reqs = [
-        Request(ds[i]["prompt_ids"], {"image": ds[i]["images"]} if ds[i]["images"] else None)
-        for i in range(len(ds))
-    ]
+    reqs = [Request(ds[i]["prompt_ids"], ds[i]["media"]) for i in range(len(ds))]
     engine = va.VLLMEngine(
         path,
         dtype="float32",
@@ -120,9 +119,8 @@ def test_vllm_engine_vision_on_gpu(tmp_path):
     for c in sampled:
         req = reqs[c.request_index]
         ids = torch.tensor([c.prompt_token_ids + c.token_ids], device="cuda")
-        images = req.multi_modal_data["image"] if req.multi_modal_data else None
         with torch.no_grad():
-            lp = causal_lm_token_logprobs(hf, ids, images=images)[0]
+            lp = causal_lm_token_logprobs(hf, ids, media=req.media)[0]
         lp = lp[len(c.prompt_token_ids) - 1 :].cpu()
         assert torch.allclose(torch.tensor(c.logprobs), lp, atol=1e-3)
 
