@@ -62,9 +62,6 @@ class Inputs:
         self.hidden.grad = None
         self.weight.grad = None
 
-    def grad_bytes(self) -> int:
-        return sum(t.grad.nbytes for t in (self.hidden, self.weight) if t.grad is not None)
-
 
 def make_inputs(
     n: int,
@@ -163,19 +160,25 @@ def run_once(name: str, mode: str, inp: Inputs) -> float:
     dev = inp.hidden.device
     inp.zero_grad()
     gc.collect()
-    if mode == "backward":
-        out = fwd()
-        _sync(dev)
-        start = time.perf_counter()
-        bwd(out)
-    else:
-        _sync(dev)
-        start = time.perf_counter()
-        out = fwd()
-        if mode == "fwd+bwd":
-            bwd(out)
+    out = fwd() if mode == "backward" else None
+    _sync(dev)
+    start = time.perf_counter()
+    out = _measured(mode, fwd, bwd, out)
     _sync(dev)
     return time.perf_counter() - start
+
+
+def _measured(mode: str, fwd: Callable[[], Tensor], bwd: Callable[[Tensor], None], out) -> Tensor:
+    """The measured part of one ``mode`` call: the backward of ``out`` (the forward's output,
+    made beforehand) for ``backward``, else a forward and, for ``fwd+bwd``, its backward. Returns
+    the output, which the caller keeps alive until it has measured."""
+    if mode == "backward":
+        bwd(out)
+        return out
+    out = fwd()
+    if mode == "fwd+bwd":
+        bwd(out)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,9 +263,7 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     dev = inp.hidden.device
     inp.zero_grad()
     gc.collect()
-    out = None
-    if mode == "backward":
-        out = fwd()
+    out = fwd() if mode == "backward" else None
     _sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -272,12 +273,7 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
         _reset_cpu_peak()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities, profile_memory=True) as prof:
-        if mode == "backward":
-            bwd(out)
-        else:
-            out = fwd()
-            if mode == "fwd+bwd":
-                bwd(out)
+        out = _measured(mode, fwd, bwd, out)
         _sync(dev)
     peak = (
         torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _status_mib("VmHWM")

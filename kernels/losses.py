@@ -49,10 +49,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=acc, device=hidden.device)
         grad_logp = torch.full((n,), -1.0, dtype=acc, device=hidden.device)
-        if isinstance(scale, Tensor):
-            grad_logp.mul_(scale.to(acc))
-        else:
-            grad_logp.mul_(scale)
+        grad_logp.mul_(scale.to(acc) if isinstance(scale, Tensor) else scale)
         g_h, g_w, g_b = chunked_backward(
             hidden, weight, targets, bias, 1.0, chunk, grad_logp, None, None, need, logp_out=logp
         )

@@ -174,40 +174,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-# torchrun flags that take a value; flags given as --flag=value need no table entry.
+# torchrun flags that take a value, each in both spellings (--nproc_per_node, --nproc-per-node);
+# flags given as --flag=value need no table entry.
 _TORCHRUN_VALUE_FLAGS = {
-    "--nproc_per_node",
-    "--nproc-per-node",
-    "--nnodes",
-    "--node_rank",
-    "--node-rank",
-    "--rdzv_endpoint",
-    "--rdzv-endpoint",
-    "--rdzv_backend",
-    "--rdzv-backend",
-    "--rdzv_id",
-    "--rdzv-id",
-    "--rdzv_conf",
-    "--rdzv-conf",
-    "--master_addr",
-    "--master-addr",
-    "--master_port",
-    "--master-port",
-    "--max_restarts",
-    "--max-restarts",
-    "--monitor_interval",
-    "--monitor-interval",
-    "--start_method",
-    "--start-method",
-    "--log_dir",
-    "--log-dir",
-    "--redirects",
-    "--tee",
-    "--local_addr",
-    "--local-addr",
-    "--role",
-    "--local-ranks-filter",
-    "--local_ranks_filter",
+    f"--{spelling}"
+    for name in (
+        "nproc_per_node nnodes node_rank rdzv_endpoint rdzv_backend rdzv_id rdzv_conf "
+        "master_addr master_port max_restarts monitor_interval start_method log_dir redirects "
+        "tee local_addr role local_ranks_filter"
+    ).split()
+    for spelling in (name, name.replace("_", "-"))
 }
 
 
@@ -295,18 +271,8 @@ def cmd_run(argv: list[str]) -> int:
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from lightrft.tasks.tiny import make_tiny_model
 
-    out = make_tiny_model(
-        args.out,
-        arch=args.arch,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        max_positions=args.max_positions,
-        tie_embeddings=args.tie_embeddings,
-        seed=args.seed,
-    )
+    sizes = {k: v for k, v in vars(args).items() if k not in ("command", "out")}
+    out = make_tiny_model(args.out, **sizes)  # every other option is a keyword of it
     print(f"wrote tiny {args.arch} model to {out}")
     return 0
 

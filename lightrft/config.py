@@ -556,7 +556,7 @@ class Section:
             required = f.default is _MISSING and f.default_factory is _MISSING
             if f.name in out:
                 raise TypeError(f"{cls.__name__}: key {f.name!r} declared twice")
-            out[f.name] = t if required or _is_optional_type(t) else t | None
+            out[f.name] = t if required or _optional(t) else t | None
         return out
 
     @classmethod
@@ -572,7 +572,7 @@ class Section:
                     values[f.name] = section.read(node, at)
                     continue
                 sub = None if node is None else node.get(f.name)
-                if sub is None and _is_optional_type(t):
+                if sub is None and _optional(t):
                     values[f.name] = None
                     continue
                 values[f.name] = section.read(sub, f"{at}{f.name}.")
@@ -644,10 +644,6 @@ def _section_type(t: Any) -> type[Section] | None:
         inner = [a for a in typing.get_args(t) if a is not type(None)]
         t = inner[0] if len(inner) == 1 else None
     return t if isinstance(t, type) and issubclass(t, Section) else None
-
-
-def _is_optional_type(t: Any) -> bool:
-    return _is_union(t) and type(None) in typing.get_args(t)
 
 
 def _is_component_type(t: Any) -> bool:

@@ -118,10 +118,6 @@ def to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     return torch.where(onehot, rewards.unsqueeze(1), 0.0).to(rewards.dtype)
 
 
-def _group_view(rewards: Tensor, group_size: int) -> Tensor:
-    return rewards.view(-1, group_size)  # [num_groups, G]
-
-
 # --------------------------------------------------------------------------- group estimators
 
 
@@ -141,7 +137,7 @@ def grpo(
     which equals :func:`dr_grpo`). A group of equal rewards gives exactly 0.
     """
     rewards = _check_rewards(rewards, group_size)
-    groups = _group_view(rewards, group_size)  # [N, G]
+    groups = rewards.view(-1, group_size)  # [N, G]
     centred = groups - groups.mean(dim=1, keepdim=True)  # [N, G]
     if scale == "group":
         adv = centred / (groups.std(dim=1, unbiased=True, keepdim=True) + eps)
@@ -174,7 +170,7 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
     Equals ``G / (G - 1) * (r_i - group mean)``.
     """
     rewards = _check_rewards(rewards, group_size)
-    groups = _group_view(rewards, group_size)  # [N, G]
+    groups = rewards.view(-1, group_size)  # [N, G]
     others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # [N, G]
     adv = groups - others
     flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # [N, 1]
@@ -210,7 +206,7 @@ def cpgd(
         return grpo(rewards, group_size, eps=eps, scale="group")
     if weight != "filter":
         raise ValueError(f"weight must be 'filter', 'std' or 'none', got {weight!r}")
-    groups = _group_view(_float(rewards), group_size)  # [N, G]
+    groups = _float(rewards).view(-1, group_size)  # [N, G]
     informative = (groups.amax(dim=1) != groups.amin(dim=1)).sum()
     scale = groups.shape[0] / informative.clamp_min(1).to(centred.dtype)
     return centred * scale

@@ -124,9 +124,7 @@ def aggregate(
     averages over ``world_size`` ranks, pass ``global_count / world_size``. Empty masks give 0.
     """
     valid = _valid(mask, loss_mat)
-    masked = torch.where(
-        valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
-    )
+    masked = _zero_padding(loss_mat, valid)
     if mode == "token_mean":
         if num_tokens is None:
             return masked.sum() / valid.sum().clamp_min(1).to(loss_mat.dtype)

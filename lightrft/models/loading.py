@@ -50,12 +50,9 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
 
     check_local(path)
     cfg_file = Path(path) / "tokenizer_config.json"
-    if cfg_file.is_file():
-        tok_cls = json.loads(cfg_file.read_text()).get("tokenizer_class")
-        if tok_cls in _GENERIC_TOKENIZERS:
-            tok = PreTrainedTokenizerFast.from_pretrained(path)
-        else:
-            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    if cfg.get("tokenizer_class") in _GENERIC_TOKENIZERS:
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
     else:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:

@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import sys
+from contextlib import suppress
 
 CLONE_NEWNET = 0x40000000
 
@@ -40,11 +41,9 @@ def main() -> None:
         # RLIMIT_NPROC counts every process of the user, so allow the ones already running.
         uid, mine = os.getuid(), 0
         for pid in os.listdir("/proc"):
-            try:
+            with suppress(OSError):
                 if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid:
                     mine += 1
-            except OSError:
-                pass
         limits.append((resource.RLIMIT_NPROC, mine + cfg["nproc"], mine + cfg["nproc"]))
     for what, soft, hard in limits:
         try:

@@ -40,6 +40,7 @@ __all__ = [
     "RewardFunction",
     "RewardOutput",
     "build_reward",
+    "check_lengths",
     "check_reward_output",
     "prompt_preview",
 ]
@@ -68,6 +69,14 @@ def prompt_preview(prompt: Prompt, width: int = 40) -> str:
         prompt = str(prompt[-1].get("content", "")) if prompt else ""
     text = " ".join(prompt.split())
     return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def check_lengths(n: int, **given: Sequence[Any] | None) -> None:
+    """Refuse a batch in which a given list (``None``: not given) does not hold one entry for
+    each of the ``n`` responses; the message names the list."""
+    for arg, seq in given.items():
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{arg} has {len(seq)} entries but responses has {n}")
 
 
 def check_reward_output(
@@ -314,12 +323,9 @@ class CombinedReward:
         n = len(responses)
         references = [None] * n if references is None else list(references)
         labels = [None] * n if labels is None else list(labels)
-        given = [("prompts", prompts), ("references", references), ("labels", labels)]
-        if conversations is not None:
-            given.append(("conversations", conversations))
-        for arg, seq in given:
-            if len(seq) != n:
-                raise ValueError(f"{arg} has {len(seq)} entries but responses has {n}")
+        check_lengths(
+            n, prompts=prompts, references=references, labels=labels, conversations=conversations
+        )
         total = torch.zeros(n, dtype=torch.float32)  # [B]
         members: dict[str, list[int]] = {name: [] for name in self.functions}
         for i, label in enumerate(labels):

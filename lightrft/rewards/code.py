@@ -36,11 +36,12 @@ import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.rewards.base import Prompt
+from lightrft.rewards.base import Prompt, check_lengths
 
 __all__ = ["CodeVerifier", "RunResult", "TestCase", "extract_code", "parse_tests"]
 
@@ -312,20 +313,14 @@ class CodeVerifier:
         for _ in range(50):
             victims = set()
             if cgroup is not None:
-                try:
+                with suppress(OSError):
                     victims |= {int(p) for p in Path(cgroup, "cgroup.procs").read_text().split()}
-                except OSError:
-                    pass
             victims |= _session_members(pid)
-            try:
+            with suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             for v in victims:
-                try:
+                with suppress(ProcessLookupError, PermissionError):
                     os.kill(v, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
             if not victims - {pid}:
                 return
             time.sleep(0.01)
@@ -385,10 +380,7 @@ class CodeVerifier:
         references: Sequence[Any],
         labels: Sequence[str | None] | None = None,
     ) -> list[float]:
-        if len(references) != len(responses):
-            raise ValueError(
-                f"references has {len(references)} entries but responses has {len(responses)}"
-            )
+        check_lengths(len(responses), references=references)
         jobs, owner = [], []
         for i, (resp, ref) in enumerate(zip(responses, references, strict=True)):
             try:

@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from contextlib import suppress
 
 __all__ = ["EquivalencePool", "symbolic_equal"]
 
@@ -100,10 +101,8 @@ class _Worker:
         self.proc.wait()
         self.sel.close()
         for f in (self.proc.stdin, self.proc.stdout):
-            try:
+            with suppress(OSError):
                 f.close()
-            except OSError:
-                pass
 
 
 class EquivalencePool:
@@ -178,10 +177,8 @@ class EquivalencePool:
             self._idle.put(None)
 
     def __del__(self) -> None:
-        try:
+        with suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -195,10 +192,8 @@ def _serve() -> None:
     import logging
     import resource
 
-    try:
+    with suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY, _WORKER_MEMORY))
-    except (ValueError, OSError):
-        pass
     logging.disable(logging.WARNING)  # math-verify warns that its timeouts are off: ours run
     sys.setrecursionlimit(10_000)
     out = sys.stdout.buffer

@@ -23,9 +23,10 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from typing import Any
 
-from lightrft.rewards.base import Prompt, RewardError
+from lightrft.rewards.base import Prompt, RewardError, check_lengths
 
 TOKEN_ENV = "LIGHTRFT_REWARD_TOKEN"  # also read by lightrft.rewards.server
 
@@ -114,9 +115,7 @@ class RemoteReward:
         n = len(responses)
         references = [None] * n if references is None else list(references)
         labels = [None] * n if labels is None else list(labels)
-        for arg, seq in (("prompts", prompts), ("references", references), ("labels", labels)):
-            if len(seq) != n:
-                raise ValueError(f"{arg} has {len(seq)} entries but responses has {n}")
+        check_lengths(n, prompts=prompts, references=references, labels=labels)
         step = self.batch_size or max(n, 1)
         rewards: list[float] = []
         for start in range(0, n, step):
@@ -146,10 +145,8 @@ class RemoteReward:
             expired.set()
             sock = conn.sock
             if sock is not None:
-                try:
+                with suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
         timer = threading.Timer(self.timeout, expire)
         timer.daemon = True

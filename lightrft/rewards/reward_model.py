@@ -32,7 +32,7 @@ from lightrft.data.media import Media
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
 from lightrft.data.vision import MEDIA_KINDS
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
-from lightrft.rewards.base import Prompt
+from lightrft.rewards.base import Prompt, check_lengths
 
 __all__ = ["RewardModel", "load_value_head"]
 
@@ -319,12 +319,8 @@ class RewardModel:
         self.padding_side = padding_side
         self.scale, self.bias = float(scale), float(bias)
         self.last_head_scores: dict[str, torch.Tensor] = {}
-        pad = (
-            tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else (tokenizer.eos_token_id)
-        )
-        self.pad_id = int(pad) if pad is not None else 0
+        ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+        self.pad_id = int(next((i for i in ids if i is not None), 0))  # pad, else eos, else 0
 
     @property
     def heads(self) -> list[str]:
@@ -462,14 +458,7 @@ class RewardModel:
         labels: Sequence[str | None] | None = None,
         conversations: Sequence[Prompt | None] | None = None,
     ) -> torch.Tensor:
-        if len(prompts) != len(responses):
-            raise ValueError(
-                f"prompts has {len(prompts)} entries but responses has {len(responses)}"
-            )
-        if conversations is not None and len(conversations) != len(responses):
-            raise ValueError(
-                f"conversations has {len(conversations)} entries but responses has {len(responses)}"
-            )
+        check_lengths(len(responses), prompts=prompts, conversations=conversations)
         if not responses:
             return torch.empty(0, dtype=torch.float32)
         if self.media is not None:

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -67,8 +68,9 @@ def split_requests(data: Any) -> dict[str, list]:
         args[key] = val
     prompts = args["prompts"] or [""] * n
     if responses is None:
-        for i, q in enumerate(queries):
-            if isinstance(q, list):
+        responses = []
+        for i, (q, p) in enumerate(zip(queries, prompts, strict=True)):
+            if isinstance(q, list):  # a conversation: the response is the last message
                 if not all(
                     isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in q
                 ):
@@ -76,19 +78,14 @@ def split_requests(data: Any) -> dict[str, list]:
                         f"'queries'[{i}] must be a list of messages "
                         '({"role": ..., "content": "<string>"})'
                     )
+                responses.append(q[-1].get("content", "") if q else "")
             elif not isinstance(q, str):
                 raise ValueError(
                     f"'queries'[{i}] is a {type(q).__name__}; queries must hold strings or "
                     "message lists"
                 )
-        responses = []
-        for q, p in zip(queries, prompts, strict=True):
-            if isinstance(q, list):  # a conversation: the response is the last message
-                responses.append(q[-1].get("content", "") if q else "")
-            elif isinstance(p, str) and q.startswith(p):
-                responses.append(q[len(p) :])
             else:
-                responses.append(q)
+                responses.append(q[len(p) :] if isinstance(p, str) and q.startswith(p) else q)
     if not all(isinstance(r, str) for r in responses):
         raise ValueError("'responses' must hold strings")
     return {
@@ -118,7 +115,7 @@ class _BoundedServer(ThreadingHTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             body = json.dumps({"error": "server busy: too many open connections"}).encode()
-            try:
+            with suppress(OSError):
                 request.settimeout(1.0)
                 request.sendall(
                     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -127,8 +124,6 @@ class _BoundedServer(ThreadingHTTPServer):
                     + b"\r\n\r\n"
                     + body
                 )
-            except OSError:
-                pass
             self.shutdown_request(request)
             return
         try:

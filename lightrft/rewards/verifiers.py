@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from lightrft.rewards.base import Prompt, prompt_preview
+from lightrft.rewards.base import Prompt, check_lengths, prompt_preview
 from lightrft.rewards.math_answer import (
     EXTRACTORS,
     answers_match,
@@ -38,10 +38,7 @@ def _check_references(
     references: Sequence[str | None],
 ) -> None:
     """Refuse a batch whose references do not line up with the responses or are missing."""
-    if len(references) != len(responses):
-        raise ValueError(
-            f"references has {len(references)} entries but responses has {len(responses)}"
-        )
+    check_lengths(len(responses), references=references)
     for i, ref in enumerate(references):
         if ref is None or (isinstance(ref, str) and not ref.strip()):
             raise ValueError(

@@ -21,21 +21,9 @@ class DeepSpeedStrategy(Strategy):
         return {"mesh": None, "shard": False}
 
     def setup(self, model, optimizer, *, micro_batch_size, accum, clip_grad_norm) -> None:
-        super().setup(
-            model,
-            optimizer,
-            micro_batch_size=micro_batch_size,
-            accum=accum,
-            clip_grad_norm=clip_grad_norm,
-        )
-        self.engine = ds.initialize(
-            model,
-            optimizer,
-            self.cfg.deepspeed,
-            micro_batch_size=micro_batch_size,
-            accum=accum,
-            clip_grad_norm=clip_grad_norm,
-        )
+        sizes = dict(micro_batch_size=micro_batch_size, accum=accum, clip_grad_norm=clip_grad_norm)
+        super().setup(model, optimizer, **sizes)
+        self.engine = ds.initialize(model, optimizer, self.cfg.deepspeed, **sizes)
 
     def backward(self, loss: torch.Tensor) -> None:
         # The loss is already normalised for the whole step: no division by an accumulation

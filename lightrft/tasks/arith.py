@@ -12,6 +12,7 @@ they are absent or were made with other settings, so configs can call it on ever
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lightrft.data.io import made_with, write_jsonl
+from lightrft.tasks.made import META, derive_splits, with_defaults
 
 __all__ = [
     "OPS",
@@ -35,7 +37,6 @@ __all__ = [
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
 ANSWER_ORDERS = ("natural", "reversed")
-META = "meta.json"
 
 
 def _norm_ops(ops: str | Sequence[str]) -> tuple[str, ...]:
@@ -190,23 +191,11 @@ def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """
     out = Path(out_dir)
     defaults = {
-        "n_train": 2000,
-        "n_test": 200,
-        "digits": 2,
-        "min_digits": 1,
-        "ops": ("+",),
-        "terms": 2,
-        "style": "equation",
-        "allow_negative": False,
-        "answer_order": "natural",
-        "seed": 0,
+        k: p.default
+        for k, p in inspect.signature(write_arith_dataset).parameters.items()
+        if p.kind is p.KEYWORD_ONLY
     }
-    unknown = sorted(set(settings) - set(defaults))
-    if unknown:
-        raise ValueError(
-            f"ensure_arith_dataset: unknown argument {unknown[0]!r}; valid: {sorted(defaults)}"
-        )
-    want = _settings(**{**defaults, **settings})
+    want = _settings(**with_defaults("ensure_arith_dataset: ", defaults, settings))
     if made_with(out, ("train.jsonl", "test.jsonl"), want):
         return out
     return write_arith_dataset(out, **want)
@@ -276,7 +265,7 @@ def ensure_arith_judgments(
     correct answer and a :func:`near_miss` in random order (``template``), and whose completion
     is the verdict, ``A`` or ``B``. Train with the SFT recipe (configs/tiny/judge_sft.yaml); use
     with ``GenerativeReward(mode="choice", template=template)``."""
-    src, out = Path(source_dir), Path(out_dir)
+    src = Path(source_dir)
     want = {
         "source": str(src.resolve()),
         "source_mtime_ns": _source_stamp(src),
@@ -284,23 +273,17 @@ def ensure_arith_judgments(
         "seed": seed,
         "kind": "judgments",
     }
-    if made_with(out, ("train.jsonl", "test.jsonl"), want):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
     rev = _reversed_answers(src)
-    for k, split in enumerate(("train", "test")):
-        rng = random.Random(seed * 2 + k)
-        rows = []
-        for rec in _read_jsonl(src / f"{split}.jsonl"):
-            answer = rec["answer"]
-            wrong = near_miss_text(answer, rng, reversed_order=rev)
-            first = rng.random() < 0.5  # where the correct answer goes
-            a, b = (answer, wrong) if first else (wrong, answer)
-            prompt = template.format(prompt=rec["prompt"], response_a=a, response_b=b)
-            rows.append({"prompt": prompt, "completion": "A" if first else "B"})
-        write_jsonl(out / f"{split}.jsonl", rows)
-    (out / META).write_text(json.dumps(want, indent=2) + "\n")
-    return out
+
+    def rows(rec: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+        answer = rec["answer"]
+        wrong = near_miss_text(answer, rng, reversed_order=rev)
+        first = rng.random() < 0.5  # where the correct answer goes
+        a, b = (answer, wrong) if first else (wrong, answer)
+        prompt = template.format(prompt=rec["prompt"], response_a=a, response_b=b)
+        return [{"prompt": prompt, "completion": "A" if first else "B"}]
+
+    return derive_splits(src, Path(out_dir), want, rows, read=_read_jsonl)
 
 
 def ensure_arith_preferences(
@@ -318,7 +301,7 @@ def ensure_arith_preferences(
     zero-padded near misses), ``per_problem`` pairs per problem; skipped when already written from
     the same source and settings.
     """
-    src, out = Path(source_dir), Path(out_dir)
+    src = Path(source_dir)
     if per_problem < 1:
         raise ValueError(f"per_problem must be >= 1, got {per_problem}")
     want = {
@@ -327,23 +310,16 @@ def ensure_arith_preferences(
         "per_problem": per_problem,
         "seed": seed,
     }
-    if made_with(out, ("train.jsonl", "test.jsonl"), want):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
     rev = _reversed_answers(src)
-    for k, split in enumerate(("train", "test")):
-        rng = random.Random(seed * 2 + k)
-        pairs = []
-        for rec in _read_jsonl(src / f"{split}.jsonl"):
-            answer = rec["answer"]
-            for _ in range(per_problem):
-                pairs.append(
-                    {
-                        "prompt": rec["prompt"],
-                        "chosen": answer,
-                        "rejected": near_miss_text(answer, rng, reversed_order=rev),
-                    }
-                )
-        write_jsonl(out / f"{split}.jsonl", pairs)
-    (out / META).write_text(json.dumps(want, indent=2) + "\n")
-    return out
+
+    def rows(rec: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+        return [
+            {
+                "prompt": rec["prompt"],
+                "chosen": rec["answer"],
+                "rejected": near_miss_text(rec["answer"], rng, reversed_order=rev),
+            }
+            for _ in range(per_problem)
+        ]
+
+    return derive_splits(src, Path(out_dir), want, rows, read=_read_jsonl)

@@ -29,6 +29,7 @@ from lightrft.data.io import (
     DataError,
     Records,
     load_records,
+    made_with,
     require_field,
     write_jsonl,
 )
@@ -84,11 +85,9 @@ def prepare_gsm8k(
     converted = {s: convert_gsm8k(load_records(src, split=s), system_prompt) for s in splits}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = {}
+    written = {split: out_dir / f"{split}.jsonl" for split in converted}
     for split, records in converted.items():
-        path = out_dir / f"{split}.jsonl"
-        write_jsonl(path, records)
-        written[split] = path
+        write_jsonl(written[split], records)
     meta = {"src": str(Path(src).resolve()), "splits": list(splits), "system_prompt": system_prompt}
     (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
     return written
@@ -105,13 +104,8 @@ def ensure_gsm8k(
     out_dir = Path(out)
     splits = [str(s) for s in splits]
     want = {"src": str(Path(src).resolve()), "splits": splits, "system_prompt": system_prompt}
-    meta = out_dir / META
-    if meta.is_file() and all((out_dir / f"{s}.jsonl").is_file() for s in splits):
-        try:
-            if json.loads(meta.read_text()) == want:
-                return out_dir
-        except json.JSONDecodeError:
-            pass  # damaged: regenerate
+    if made_with(out_dir, [f"{s}.jsonl" for s in splits], want):
+        return out_dir
     prepare_gsm8k(src, out_dir, splits=splits, system_prompt=system_prompt)
     return out_dir
 

@@ -22,7 +22,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from lightrft.data.io import load_records, made_with, write_jsonl
+from lightrft.data.io import made_with, write_jsonl
+from lightrft.tasks.made import META, derive_splits, with_defaults
 
 __all__ = [
     "COLOURS",
@@ -39,7 +40,6 @@ COLOURS = {
     "yellow": (230, 200, 20),
     "purple": (140, 50, 170),
 }
-META = "meta.json"
 QUESTION = "<image>How many squares are in the picture? Answer with a number."
 
 
@@ -170,12 +170,7 @@ def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     defaults = dict(
         n_train=2000, n_test=200, n_rl=0, grid=3, min_count=1, max_count=5, cell=28, seed=0
     )
-    unknown = sorted(set(settings) - set(defaults))
-    if unknown:
-        raise ValueError(
-            f"ensure_shapes_dataset: unknown argument {unknown[0]!r}; valid: {sorted(defaults)}"
-        )
-    want = {**defaults, **settings}
+    want = with_defaults("ensure_shapes_dataset: ", defaults, settings)
     out = Path(out_dir)
     if made_with(out, ("train.jsonl", "test.jsonl"), want):
         return out
@@ -213,24 +208,18 @@ def ensure_shapes_preferences(
         "per_board": per_board,
         "seed": seed,
     }
-    if made_with(out, ("train.jsonl", "test.jsonl"), want):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    for k, split in enumerate(("train", "test")):
-        rng = random.Random(seed * 2 + k)
-        pairs = []
-        for rec in load_records(src / f"{split}.jsonl"):
-            images = [os.path.relpath(src / path, out) for path in rec["images"]]
-            wrong = [c for c in counts if c != rec["answer"]]
-            for _ in range(per_board):
-                pairs.append(
-                    {
-                        "prompt": rec["prompt"],
-                        "images": images,
-                        "chosen": rec["completion"],
-                        "rejected": rng.choice(wrong),
-                    }
-                )
-        write_jsonl(out / f"{split}.jsonl", pairs)
-    (out / META).write_text(json.dumps(want, indent=2) + "\n")
-    return out
+
+    def rows(rec: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+        images = [os.path.relpath(src / path, out) for path in rec["images"]]
+        wrong = [c for c in counts if c != rec["answer"]]
+        return [
+            {
+                "prompt": rec["prompt"],
+                "images": images,
+                "chosen": rec["completion"],
+                "rejected": rng.choice(wrong),
+            }
+            for _ in range(per_board)
+        ]
+
+    return derive_splits(src, out, want, rows)

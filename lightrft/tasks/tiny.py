@@ -167,10 +167,8 @@ def make_tiny_model(
         "max_positions": max_positions,
         "tie_embeddings": tie_embeddings,
     }
-    if arch in VISION_ARCHS:
-        return _make_tiny_vlm(out_dir, arch=arch, seed=seed, **sizes)
-    if arch in AUDIO_ARCHS:
-        return _make_tiny_audio_lm(out_dir, seed=seed, **sizes)
+    if arch in VISION_ARCHS + AUDIO_ARCHS:
+        return _make_tiny_multimodal(out_dir, arch=arch, seed=seed, **sizes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = char_tokenizer()
@@ -352,24 +350,6 @@ def _tiny_processor(arch: str, tok):
     )
 
 
-def _make_tiny_vlm(out_dir: str | Path, *, arch: str, seed: int, **sizes: Any) -> Path:
-    from transformers import AutoModelForImageTextToText
-
-    if sizes["hidden"] % sizes["heads"] or sizes["heads"] % sizes["kv_heads"]:
-        raise ValueError(
-            f"hidden ({sizes['hidden']}) must be divisible by heads ({sizes['heads']}), and "
-            f"heads by kv_heads ({sizes['kv_heads']})"
-        )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    extra = [LLAVA_IMAGE_TOKEN] if arch == "llava" else QWEN_VISION_TOKENS
-    tok = char_tokenizer(extra)
-    proc = _tiny_processor(arch, tok)
-    tok.chat_template = proc.chat_template
-    cfg = _vlm_config(arch, tok, **sizes)
-    return _save_random(AutoModelForImageTextToText, cfg, tok, proc, seed, out)
-
-
 def _tiny_audio_processor(tok):
     """Qwen2-Audio's processor over a small ``WhisperFeatureExtractor`` and ``tok``."""
     from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
@@ -419,8 +399,9 @@ def _audio_config(tok, **sizes: Any):
     )
 
 
-def _make_tiny_audio_lm(out_dir: str | Path, *, seed: int, **sizes: Any) -> Path:
-    from transformers import AutoModelForMultimodalLM
+def _make_tiny_multimodal(out_dir: str | Path, *, arch: str, seed: int, **sizes: Any) -> Path:
+    """A tiny vision- or audio-language model of ``arch``, saved with its processor."""
+    from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM
 
     if sizes["hidden"] % sizes["heads"] or sizes["heads"] % sizes["kv_heads"]:
         raise ValueError(
@@ -429,11 +410,15 @@ def _make_tiny_audio_lm(out_dir: str | Path, *, seed: int, **sizes: Any) -> Path
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = char_tokenizer(QWEN_AUDIO_TOKENS)
-    proc = _tiny_audio_processor(tok)
+    if arch in AUDIO_ARCHS:
+        tok = char_tokenizer(QWEN_AUDIO_TOKENS)
+        proc, auto = _tiny_audio_processor(tok), AutoModelForMultimodalLM
+    else:
+        tok = char_tokenizer([LLAVA_IMAGE_TOKEN] if arch == "llava" else QWEN_VISION_TOKENS)
+        proc, auto = _tiny_processor(arch, tok), AutoModelForImageTextToText
     tok.chat_template = proc.chat_template
-    cfg = _audio_config(tok, **sizes)
-    return _save_random(AutoModelForMultimodalLM, cfg, tok, proc, seed, out)
+    cfg = _audio_config(tok, **sizes) if arch in AUDIO_ARCHS else _vlm_config(arch, tok, **sizes)
+    return _save_random(auto, cfg, tok, proc, seed, out)
 
 
 _SETTINGS_FILE = "lightrft_tiny.json"

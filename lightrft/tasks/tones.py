@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from lightrft.data.io import made_with, write_jsonl
+from lightrft.tasks.made import META, with_defaults
 
 __all__ = ["ensure_tones_dataset", "tone_band", "tone_clip", "write_tones_dataset"]
 
-META = "meta.json"
 SPLITS = ("train", "rl", "test")
 _DEFAULTS = dict(
     n_train=2000,
@@ -89,10 +89,7 @@ def write_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """Write ``audio/*.wav``, ``train.jsonl``, ``rl.jsonl``, ``test.jsonl`` and ``meta.json``."""
     import soundfile as sf
 
-    unknown = sorted(set(settings) - set(_DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown argument {unknown[0]!r}; valid: {sorted(_DEFAULTS)}")
-    want = {**_DEFAULTS, **settings}
+    want = with_defaults("", _DEFAULTS, settings)
     bands, low, rate = int(want["bands"]), float(want["low_hz"]), int(want["rate"])
     _check(bands, low, want["seconds"], rate)
     out = Path(out_dir)
@@ -122,12 +119,7 @@ def write_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
 
 def ensure_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """:func:`write_tones_dataset` unless ``out_dir`` already holds it with these settings."""
-    unknown = sorted(set(settings) - set(_DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"ensure_tones_dataset: unknown argument {unknown[0]!r}; valid: {sorted(_DEFAULTS)}"
-        )
-    want = {**_DEFAULTS, **settings}
+    want = with_defaults("ensure_tones_dataset: ", _DEFAULTS, settings)
     out = Path(out_dir)
     if made_with(out, tuple(f"{s}.jsonl" for s in SPLITS), want):
         return out

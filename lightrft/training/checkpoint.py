@@ -29,7 +29,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightrft.distributed import barrier
+from lightrft.models.export import replace_dir
 from lightrft.models.lora import has_adapters
 from lightrft.training.optim import is_deepspeed_engine
 from lightrft.training.resume import ConfigChange, check_resume_config
@@ -155,12 +156,10 @@ def step_dir_name(step: int) -> str:
 def rng_state() -> dict[str, Any]:
     """The RNG states of python, numpy (when installed), torch CPU and the current CUDA device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
+    with suppress(ImportError):
         import numpy as np
 
         state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -171,12 +170,10 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        try:
+        with suppress(ImportError):
             import numpy as np
 
             np.random.set_state(state["numpy"])
-        except ImportError:
-            pass
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -222,19 +219,6 @@ class _ModelState:
             )
 
 
-class _PlainState:
-    """DCP ``Stateful`` around an object whose state is the same on every rank (LR scheduler)."""
-
-    def __init__(self, obj: SupportsState):
-        self.obj = obj
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.obj.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.obj.load_state_dict(state_dict)
-
-
 def _app_state(
     models: dict[str, nn.Module],
     optimizers: dict[str, torch.optim.Optimizer],
@@ -256,8 +240,8 @@ def _app_state(
                 )
             continue
         state[f"model.{name}"] = _ModelState(model, optimizers.get(name))
-    for name, sched in schedulers.items():
-        state[f"scheduler.{name}"] = _PlainState(sched)
+    for name, sched in schedulers.items():  # the same state on every rank: DCP saves it as is
+        state[f"scheduler.{name}"] = sched  # a DCP ``Stateful`` (SupportsState) itself
     return state
 
 
@@ -356,10 +340,42 @@ class Checkpointer:
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
 
-        try:
-            self._write(
-                tmp, app, rank, world, step, models_, optims_, scheds_, loaders_, extra, config
-            )
+        try:  # every file of the checkpoint into ``tmp`` (collective); ``meta.json`` last
+            if rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left over by a crashed save of the same step
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+            barrier()
+            with _quiet_single_process():
+                dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+            for name, engine in _engines(models_).items():  # ZeRO partitions, in DeepSpeed's layout
+                engine.save_checkpoint(str(tmp), tag=f"deepspeed.{name}", save_latest=False)
+            per_rank = {
+                "step": step,
+                "dataloaders": {k: v.state_dict() for k, v in loaders_.items()},
+                "rng": rng_state(),
+                "extra": dict(extra or {}),
+            }
+            save_state(per_rank, tmp / f"rank_{rank:05d}")
+            barrier()
+            if rank == 0:
+                meta = {
+                    "step": step,
+                    "world_size": world,
+                    "models": sorted(models_),
+                    "optimizers": sorted(optims_),
+                    "schedulers": sorted(scheds_),
+                    "dataloaders": sorted(loaders_),
+                    "lora": sorted(k for k, m in models_.items() if _is_lora(m)),
+                    "deepspeed": sorted(_engines(models_)),
+                    "time": time.time(),
+                    "torch": torch.__version__,
+                }
+                if config is not None:
+                    text = json.dumps(dict(config), indent=1, default=str)
+                    write_atomic(tmp / CONFIG, (text + "\n").encode())
+                write_atomic(tmp / META, (json.dumps(meta, indent=1) + "\n").encode())
         except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
             raise _save_failed(tmp, step, self.latest(), e) from None
         if rank == 0:
@@ -368,70 +384,12 @@ class Checkpointer:
         barrier()
         return final
 
-    def _write(
-        self,
-        tmp: Path,
-        app: dict[str, Any],
-        rank: int,
-        world: int,
-        step: int,
-        models_: dict[str, Any],
-        optims_: dict[str, Any],
-        scheds_: dict[str, Any],
-        loaders_: dict[str, Any],
-        extra: Mapping[str, Any] | None,
-        config: Mapping[str, Any] | None,
-    ) -> None:
-        """Every file of a checkpoint into ``tmp`` (collective); ``meta.json`` last."""
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left over by a crashed save of the same step
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        barrier()
-        with _quiet_single_process():
-            dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-        for name, engine in _engines(models_).items():  # ZeRO partitions, in DeepSpeed's layout
-            engine.save_checkpoint(str(tmp), tag=f"deepspeed.{name}", save_latest=False)
-        per_rank = {
-            "step": step,
-            "dataloaders": {k: v.state_dict() for k, v in loaders_.items()},
-            "rng": rng_state(),
-            "extra": dict(extra or {}),
-        }
-        save_state(per_rank, tmp / f"rank_{rank:05d}")
-        barrier()
-        if rank == 0:
-            meta = {
-                "step": step,
-                "world_size": world,
-                "models": sorted(models_),
-                "optimizers": sorted(optims_),
-                "schedulers": sorted(scheds_),
-                "dataloaders": sorted(loaders_),
-                "lora": sorted(k for k, m in models_.items() if _is_lora(m)),
-                "deepspeed": sorted(_engines(models_)),
-                "time": time.time(),
-                "torch": torch.__version__,
-            }
-            if config is not None:
-                text = json.dumps(dict(config), indent=1, default=str)
-                _write_text_atomic(tmp / CONFIG, text + "\n")
-            _write_text_atomic(tmp / META, json.dumps(meta, indent=1) + "\n")
-
     def _commit(self, tmp: Path, final: Path) -> None:
-        """Rank 0: rename ``tmp`` to ``final`` and point ``latest`` at it."""
-        old = None
-        if final.exists():  # the same step saved again (e.g. after a resume): swap, then drop
-            old = final.with_name(f"{final.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
+        """Rank 0: rename ``tmp`` to ``final`` (the same step saved again, e.g. after a resume,
+        is swapped out, then dropped) and point ``latest`` at it."""
+        replace_dir(tmp, final)
         _fsync_dir(self.root)
-        _write_text_atomic(self.root / LATEST, final.name + "\n")
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        write_atomic(self.root / LATEST, (final.name + "\n").encode())
 
     def _prune(self) -> None:
         """Rank 0: delete complete checkpoints beyond ``keep_last`` and stale ``.tmp`` dirs."""
@@ -569,19 +527,10 @@ class Checkpointer:
             world_size=_world_size(),
         )
 
-    def load_latest(
-        self,
-        *,
-        models: nn.Module | Mapping[str, nn.Module],
-        optimizers: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
-        schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
-        dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
-        restore_rng: bool = True,
-        required: bool = False,
-        config: Mapping[str, Any] | None = None,
-        override_lr: bool = False,
-    ) -> CheckpointState | None:
-        """:meth:`load` the newest complete checkpoint; ``None`` when there is none.
+    def load_latest(self, *, required: bool = False, **load: Any) -> CheckpointState | None:
+        """:meth:`load` the newest complete checkpoint with the keyword arguments ``load`` takes
+        (``models``, ``optimizers``, ``schedulers``, ``dataloaders``, ``restore_rng``,
+        ``config``, ``override_lr``); ``None`` when there is none.
 
         ``required=True`` (a recipe's ``resume=true``) turns "none" into a ``ValueError`` that
         names the directory searched.
@@ -597,16 +546,7 @@ class Checkpointer:
                     "point output_dir at the run to continue"
                 )
             return None
-        return self.load(
-            path,
-            models=models,
-            optimizers=optimizers,
-            schedulers=schedulers,
-            dataloaders=dataloaders,
-            restore_rng=restore_rng,
-            config=config,
-            override_lr=override_lr,
-        )
+        return self.load(path, **load)
 
 
 def _is_lora(model: nn.Module) -> bool:
@@ -754,20 +694,12 @@ def _override_lrs(
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    write_atomic(path, text.encode())
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def check_resume(output_dir: str | Path, adapted: bool, models: tuple[str, ...]) -> None:

@@ -21,11 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightrft.distributed import is_main
+
 GIB = 2**30
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _to_float(name: str, value: Any) -> float:
@@ -76,7 +74,7 @@ class MetricLogger:
         resume_step: int | None = None,
         enabled: bool | None = None,
     ):
-        self.enabled = _rank() == 0 if enabled is None else enabled
+        self.enabled = is_main() if enabled is None else enabled
         self.output_dir = Path(output_dir)
         self.jsonl_path = self.output_dir / "metrics.jsonl"
         self._jsonl = None
@@ -204,7 +202,7 @@ class ProgressBar:
         desc: str = "train",
         enabled: bool | None = None,
     ):
-        self.enabled = _rank() == 0 if enabled is None else enabled
+        self.enabled = is_main() if enabled is None else enabled
         self._bar = None
         if self.enabled:
             from tqdm.auto import tqdm
@@ -348,13 +346,7 @@ def reduce_metrics(
         nccl = dist.get_backend() == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
     t = torch.tensor(values, dtype=torch.float64, device=device)  # [num_metrics]
-    red = {
-        "mean": dist.ReduceOp.SUM,
-        "sum": dist.ReduceOp.SUM,
-        "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN,
-    }[op]
-    dist.all_reduce(t, op=red)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()))
     if op == "mean":
         t /= dist.get_world_size()
     return dict(zip(keys, t.tolist(), strict=True))

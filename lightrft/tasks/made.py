@@ -1,0 +1,42 @@
+"""What the ``ensure_*`` data makers share: their settings checked, and data sets made once."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lightrft.data.io import load_records, made_with, write_jsonl
+
+META = "meta.json"
+
+
+def with_defaults(who: str, defaults: Mapping[str, Any], settings: Mapping[str, Any]) -> dict:
+    """``defaults`` updated by ``settings``; a ``ValueError`` (after ``who``) on an unknown key."""
+    unknown = sorted(set(settings) - set(defaults))
+    if unknown:
+        raise ValueError(f"{who}unknown argument {unknown[0]!r}; valid: {sorted(defaults)}")
+    return {**defaults, **settings}
+
+
+def derive_splits(
+    src: Path,
+    out: Path,
+    want: Mapping[str, Any],
+    rows: Callable[[dict[str, Any], random.Random], Iterable[dict[str, Any]]],
+    read: Callable[[Path], Iterable[dict[str, Any]]] = load_records,
+) -> Path:
+    """Write ``out/{train,test}.jsonl``, each record of ``src``'s split giving ``rows(record,
+    rng)`` (``rng`` seeded per split from ``want["seed"]``), and a ``meta.json`` recording
+    ``want``; skipped when ``out`` already holds them made with ``want``."""
+    if made_with(out, ("train.jsonl", "test.jsonl"), want):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for k, split in enumerate(("train", "test")):
+        rng = random.Random(want["seed"] * 2 + k)
+        records = read(src / f"{split}.jsonl")
+        write_jsonl(out / f"{split}.jsonl", [row for rec in records for row in rows(rec, rng)])
+    (out / META).write_text(json.dumps(want, indent=2) + "\n")
+    return out
