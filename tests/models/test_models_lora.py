@@ -1,9 +1,12 @@
 """LoRA (PEFT) on tiny HF models: options, targets, reference = adapters off, and the whole
 train -> sync -> checkpoint -> export path on 1 process and FSDP2 over 2 gloo processes."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from _dist import run_distributed
+from _serial import each
 from omegaconf import OmegaConf
 
 pytest.importorskip("peft")
@@ -180,8 +183,9 @@ def test_lora_whole_path_single_process(tiny_model_dir, tmp_path):
     _whole_path(0, 1, tiny_model_dir, tmp_path)
 
 
-def test_lora_whole_path_fsdp2_two_processes(tiny_model_dir, tmp_path):
-    run_distributed(_whole_path, tiny_model_dir, tmp_path, world_size=2)
+def test_lora_whole_path_fsdp2_two_processes(two_rank_lora):
+    # _whole_path ran its checks in both ranks in the fixture's spawn.
+    assert (two_rank_lora["whole"] / "merged2").is_dir()
 
 
 # ------------------------------------------------------------------ resharding across world sizes
@@ -227,12 +231,33 @@ def _reshard_worker(rank, world, path, out):
         torch.save(state, out / "two.pt")
 
 
-def test_lora_checkpoint_reshards_between_1_and_2_processes(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_lora(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """One spawn of 2 gloo ranks for the 2-rank bodies of this module: :func:`_whole_path`
+    (in ``whole``) and :func:`_reshard_worker` (in ``reshard``, from the one-process checkpoint
+    made here first)."""
+    dirs = {
+        "whole": tmp_path_factory.mktemp("lora_whole"),
+        "reshard": tmp_path_factory.mktemp("lora_reshard"),
+    }
     model, opt = _fresh(tiny_model_dir)
     _train(model, 2)
-    Checkpointer(tmp_path / "one").save(2, models=model, optimizers=opt)
-    torch.save(_full_state(model, opt), tmp_path / "one.pt")
-    run_distributed(_reshard_worker, tiny_model_dir, tmp_path, world_size=2)
+    Checkpointer(dirs["reshard"] / "one").save(2, models=model, optimizers=opt)
+    torch.save(_full_state(model, opt), dirs["reshard"] / "one.pt")
+    run_distributed(
+        each,
+        [
+            (_whole_path, (tiny_model_dir, dirs["whole"])),
+            (_reshard_worker, (tiny_model_dir, dirs["reshard"])),
+        ],
+        world_size=2,
+    )
+    return dirs
+
+
+def test_lora_checkpoint_reshards_between_1_and_2_processes(tiny_model_dir, two_rank_lora):
+    # 1 -> 2 was checked in both ranks by the fixture's spawn; 2 -> 1 here.
+    out = two_rank_lora["reshard"]
     model, opt = _fresh(tiny_model_dir)
-    Checkpointer(tmp_path / "two").load_latest(models=model, optimizers=opt, restore_rng=False)
-    _assert_equal(_full_state(model, opt), torch.load(tmp_path / "two.pt"))
+    Checkpointer(out / "two").load_latest(models=model, optimizers=opt, restore_rng=False)
+    _assert_equal(_full_state(model, opt), torch.load(out / "two.pt"))

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_distributed
+from _serial import each
 
 from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
@@ -125,12 +126,32 @@ def _mesh_worker(rank: int, world: int, path: str, expected: list[float]) -> Non
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_fsdp_and_hsdp_meshes_train_like_one_process(tmp_path):
-    """2 gloo ranks on a 1x2 mesh (FSDP) and a 2x1 mesh (HSDP: replicate x shard) give the
-    losses of one process on the whole batch."""
-    path = make_tiny_model(tmp_path / "m")
+@pytest.fixture(scope="module")
+def two_rank_mesh(tmp_path_factory) -> dict:
+    """One spawn of 2 gloo ranks for both tests below: :func:`_mesh_worker` (FSDP and HSDP
+    meshes against one process's losses), then the 2-rank halves of the resharding test, a save
+    (``two_to_one``, resumed by the test in this process) and a resume of the one-process save
+    (``one_to_two``, made here first)."""
+    tmp = tmp_path_factory.mktemp("mesh")
+    path = str(make_tiny_model(tmp / "m"))
     expected = _uninterrupted(path)
-    run_distributed(_mesh_worker, str(path), expected)
+    two_to_one, one_to_two = str(tmp / "a"), str(tmp / "b")
+    _save_first_half(0, 1, path, one_to_two)
+    run_distributed(
+        each,
+        [
+            (_mesh_worker, (path, expected)),
+            (_save_first_half, (path, two_to_one)),
+            (_resume_second_half, (path, one_to_two, expected)),
+        ],
+    )
+    return {"path": path, "expected": expected, "two_to_one": two_to_one}
+
+
+def test_fsdp_and_hsdp_meshes_train_like_one_process(two_rank_mesh):
+    """2 gloo ranks on a 1x2 mesh (FSDP) and a 2x1 mesh (HSDP: replicate x shard) give the
+    losses of one process on the whole batch (checked in both ranks by the fixture's spawn)."""
+    assert len(two_rank_mesh["expected"]) == STEPS
 
 
 def _save_first_half(rank: int, world: int, path: str, out: str) -> None:
@@ -150,13 +171,9 @@ def _resume_second_half(rank: int, world: int, path: str, out: str, expected: li
     torch.testing.assert_close(losses, expected[STEPS // 2 :], rtol=1e-5, atol=1e-6)
 
 
-def test_checkpoint_reshards_between_two_processes_and_one(tmp_path):
+def test_checkpoint_reshards_between_two_processes_and_one(two_rank_mesh):
     """Model and AdamW state saved by 2 FSDP2 ranks resume in 1 plain process, and the
-    reverse; the resumed losses equal the uninterrupted run's."""
-    path = make_tiny_model(tmp_path / "m")
-    expected = _uninterrupted(path)
-    two_to_one, one_to_two = str(tmp_path / "a"), str(tmp_path / "b")
-    run_distributed(_save_first_half, str(path), two_to_one)
-    _resume_second_half(0, 1, str(path), two_to_one, expected)
-    _save_first_half(0, 1, str(path), one_to_two)
-    run_distributed(_resume_second_half, str(path), one_to_two, expected)
+    reverse; the resumed losses equal the uninterrupted run's (1 -> 2: checked in both ranks by
+    the fixture's spawn; 2 -> 1 here)."""
+    m = two_rank_mesh
+    _resume_second_half(0, 1, m["path"], m["two_to_one"], m["expected"])

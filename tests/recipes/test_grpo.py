@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _dist import build_recipe, run_distributed
+from _serial import each
 
 from lightrft import cli
 from lightrft.algorithms import ESTIMATORS
@@ -429,18 +430,21 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
         assert [r["eval/samples"] for r in rows if "eval/samples" in r] == [8, 8]
 
 
-@pytest.mark.parametrize(
-    "train",
-    [
-        {"micro_batch_size": 2, "mini_batch_size": 4},
-        # A token budget: the ranks' micro-batch counts can differ and must still pair up.
-        {"micro_batch_size": 4, "mini_batch_size": 4, "micro_batch_tokens": 30, "packing": True},
-    ],
-    ids=["rows", "token_budget"],
-)
-def test_two_gloo_processes(tmp_path, assets, train):
-    cfg = _config(
-        tmp_path,
+TWO_RANK_TRAIN = {
+    "rows": {"micro_batch_size": 2, "mini_batch_size": 4},
+    # A token budget: the ranks' micro-batch counts can differ and must still pair up.
+    "token_budget": {
+        "micro_batch_size": 4,
+        "mini_batch_size": 4,
+        "micro_batch_tokens": 30,
+        "packing": True,
+    },
+}
+
+
+def _two_rank_config(tmp: Path, assets: Path, train: dict) -> Path:
+    return _config(
+        tmp,
         assets,
         **{
             "algorithm.advantage.estimator": "gae",
@@ -451,9 +455,44 @@ def test_two_gloo_processes(tmp_path, assets, train):
             "save_every": 2,
         },
     )
-    run_distributed(_two_rank_grpo, str(cfg), world_size=2)
-    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
-    assert (tmp_path / "out" / "checkpoints" / "step_000002").is_dir()
+
+
+def _lora_config(tmp: Path, assets: Path) -> Path:
+    lora = {"rank": 4, "alpha": 16, "export_merged": True}
+    return _config(
+        tmp,
+        assets,
+        lora=lora,
+        **{"algorithm.kl": {"coef": 0.05}, "save_every": 2, "eval": None, "eval_dataset": None},
+    )
+
+
+@pytest.fixture(scope="module")
+def two_rank_grpo(tmp_path_factory, assets) -> dict[str, Path]:
+    """name -> the directory of a finished 2-rank GRPO run, all in one spawn of the 2 ranks:
+    ``rows`` and ``token_budget`` (:func:`_two_rank_grpo`'s checks), ``lora``
+    (:func:`_two_rank_grpo_lora`'s, when PEFT is installed)."""
+    import importlib.util
+
+    root = tmp_path_factory.mktemp("two_rank_grpo")
+    dirs = {name: root / name for name in (*TWO_RANK_TRAIN, "lora")}
+    for d in dirs.values():
+        d.mkdir()
+    calls = [
+        (_two_rank_grpo, (str(_two_rank_config(dirs[name], assets, train)),))
+        for name, train in TWO_RANK_TRAIN.items()
+    ]
+    if importlib.util.find_spec("peft") is not None:
+        calls.append((_two_rank_grpo_lora, (str(_lora_config(dirs["lora"], assets)),)))
+    run_distributed(each, calls, world_size=2)
+    return dirs
+
+
+@pytest.mark.parametrize("train", list(TWO_RANK_TRAIN))
+def test_two_gloo_processes(two_rank_grpo, train):
+    out = two_rank_grpo[train] / "out"  # _two_rank_grpo checked the rows in both ranks
+    assert (out / "final" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "step_000002").is_dir()
 
 
 # ---------------------------------------------------------------------------------- learning
@@ -810,19 +849,11 @@ def _two_rank_grpo_lora(rank: int, world_size: int, cfg_path: str) -> None:
         assert train[2]["train/kl"] > 0.0
 
 
-def test_lora_two_gloo_processes(tmp_path, assets):
+def test_lora_two_gloo_processes(two_rank_grpo):
     pytest.importorskip("peft")
     import torch.distributed.checkpoint as dcp
 
-    lora = {"rank": 4, "alpha": 16, "export_merged": True}
-    cfg = _config(
-        tmp_path,
-        assets,
-        lora=lora,
-        **{"algorithm.kl": {"coef": 0.05}, "save_every": 2, "eval": None, "eval_dataset": None},
-    )
-    run_distributed(_two_rank_grpo_lora, str(cfg), world_size=2)
-    out = tmp_path / "out"
+    out = two_rank_grpo["lora"] / "out"  # _two_rank_grpo_lora checked the weights and the kl
     assert (out / "final" / "adapter_model.safetensors").is_file()
     assert (out / "final_merged" / "model.safetensors").is_file()
     keys = dcp.FileSystemReader(str(out / "checkpoints" / "step_000002")).read_metadata()

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from _dist import build_recipe, run_distributed
+from _serial import each
 
 from lightrft import cli
 from lightrft.training import read_metrics
@@ -289,10 +290,8 @@ def _two_ranks(rank: int, world_size: int, cfg_path: str) -> None:
     torch.distributed.barrier()  # both ranks leave together (gloo teardown under load)
 
 
-def test_two_gloo_processes_shard_learn_and_export_named_heads(tmp_path):
-    from lightrft.rewards import RewardModel
-
-    cfg = _config(
+def _named_heads_config(tmp_path: Path) -> Path:
+    return _config(
         tmp_path,
         heads=["helpful", "cost"],
         model={
@@ -306,8 +305,13 @@ def test_two_gloo_processes_shard_learn_and_export_named_heads(tmp_path):
         batch_size=4,
         eval_every=None,
     )
-    run_distributed(_two_ranks, str(cfg), world_size=2)
-    final = tmp_path / "out" / "final"
+
+
+def test_two_gloo_processes_shard_learn_and_export_named_heads(two_rank_rm):
+    from lightrft.rewards import RewardModel
+
+    # _two_ranks checked the sharded parameters and the rising eval accuracy.
+    final = two_rank_rm["named_heads"] / "out" / "final"
     meta = json.loads((final / "config.json").read_text())["lightrft_reward"]
     assert meta["heads"] == ["helpful", "cost"] and meta["pooling"] == "attention"
     assert set(meta["stats"]) == {"helpful", "cost"}
@@ -328,15 +332,12 @@ def _two_ranks_metrics(rank: int, world_size: int, cfg_path: str) -> None:
     torch.distributed.barrier()
 
 
-def test_token_budget_micro_batches_give_the_items_only_curve(tmp_path):
+def test_token_budget_micro_batches_give_the_items_only_curve(two_rank_rm):
     """micro_batch_tokens cuts each step's items (shortest first) by a token budget: on 2 ranks
     whose micro-batch counts then differ, losses and gradient norms equal the items-only run's."""
     runs = {}
-    for name, budget in (("items", {}), ("budget", {"micro_batch_tokens": 190})):
-        (tmp_path / name).mkdir()
-        cfg = _config(tmp_path / name, eval_every=None, **budget)
-        run_distributed(_two_ranks_metrics, str(cfg), world_size=2)
-        rows = read_metrics(tmp_path / name / "out")
+    for name in ("items", "budget"):
+        rows = read_metrics(two_rank_rm[name] / "out")
         runs[name] = [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
     assert len(runs["budget"]) == 3  # 96 pairs / (8 x 2 x 2 ranks)
     torch.testing.assert_close(runs["budget"], runs["items"], rtol=1e-5, atol=1e-6)
@@ -486,14 +487,13 @@ def test_lora_on_a_likelihood_reward_model_keeps_the_lm_head_frozen(tmp_path):
     assert torch.isfinite(after).all() and not torch.allclose(after, before)
 
 
-def test_lora_on_two_gloo_processes_exports_a_loadable_merged_model(tmp_path):
+def test_lora_on_two_gloo_processes_exports_a_loadable_merged_model(two_rank_rm):
     """LoRA under FSDP2 on 2 ranks (adapters sharded with the frozen weights): the run learns and
     the merged export, gathered from the shards, loads in RewardModel."""
     from lightrft.rewards import RewardModel
 
-    cfg = _config(tmp_path, lora=_LORA, gradient_accumulation_steps=1, batch_size=4)
-    run_distributed(_two_ranks, str(cfg), world_size=2)
-    scores = RewardModel(str(tmp_path / "out" / "final"))(["apple river?"], ["river apple yes"])
+    final = two_rank_rm["lora"] / "out" / "final"  # _two_ranks checked the rising accuracy
+    scores = RewardModel(str(final))(["apple river?"], ["river apple yes"])
     assert torch.isfinite(scores).all()
 
 
@@ -526,10 +526,8 @@ def _sharded_scores(rank: int, world_size: int, rm: str, lm: str, out: str) -> N
     torch.distributed.barrier()
 
 
-def test_sharded_reward_net_loads_its_slices_and_scores_like_one_process(tmp_path):
-    """Under 2 gloo ranks the reward model is built on the meta device and each rank reads its
-    slices (backbone and head from a classifier checkpoint; the causal LM whole for the
-    likelihood pooling): the scores equal one process's."""
+def _sharded_inputs(tmp_path: Path) -> None:
+    """A causal LM (``lm``) and a classifier checkpoint with its random head from it (``rm``)."""
     from lightrft.models.export import export_hf
     from lightrft.models.reward import load_reward_net_parallel
     from lightrft.tasks import make_tiny_model
@@ -538,17 +536,50 @@ def test_sharded_reward_net_loads_its_slices_and_scores_like_one_process(tmp_pat
     torch.manual_seed(0)
     net = load_reward_net_parallel(tmp_path / "lm", heads=["helpful", "cost"], shard=False)
     export_hf(net, None, tmp_path / "rm")  # a classifier checkpoint with its (random) head
+
+
+def test_sharded_reward_net_loads_its_slices_and_scores_like_one_process(two_rank_rm):
+    """Under 2 gloo ranks the reward model is built on the meta device and each rank reads its
+    slices (backbone and head from a classifier checkpoint; the causal LM whole for the
+    likelihood pooling): the scores equal one process's."""
+    from lightrft.models.reward import load_reward_net_parallel
+
+    tmp_path = two_rank_rm["sharded"]
     one = load_reward_net_parallel(tmp_path / "rm", heads=["helpful", "cost"], shard=False).eval()
     lm = load_reward_net_parallel(
         tmp_path / "lm", pooling="likelihood", end_token_id=2, shard=False
     ).eval()
     with torch.no_grad():
         want = [one(_IDS, **_LAYOUT), lm(_IDS, **_LAYOUT)]
-    run_distributed(
-        _sharded_scores,
-        str(tmp_path / "rm"),
-        str(tmp_path / "lm"),
-        str(tmp_path / "s.pt"),
-        world_size=2,
-    )
     torch.testing.assert_close(torch.load(tmp_path / "s.pt"), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def two_rank_rm(tmp_path_factory) -> dict[str, Path]:
+    """name -> the directory of a finished 2-rank body, all run in one spawn of the 2 ranks:
+    ``named_heads`` and ``lora`` (recipe runs through :func:`_two_ranks`), ``items`` and
+    ``budget`` (:func:`_two_ranks_metrics`), ``sharded`` (:func:`_sharded_scores`' scores in
+    ``s.pt``)."""
+    root = tmp_path_factory.mktemp("two_rank_rm")
+    dirs = {n: root / n for n in ("named_heads", "items", "budget", "lora", "sharded")}
+    for d in dirs.values():
+        d.mkdir()
+    _sharded_inputs(dirs["sharded"])
+    calls = [
+        (_two_ranks, (str(_named_heads_config(dirs["named_heads"])),)),
+        (_two_ranks_metrics, (str(_config(dirs["items"], eval_every=None)),)),
+        (
+            _two_ranks_metrics,
+            (str(_config(dirs["budget"], eval_every=None, micro_batch_tokens=190)),),
+        ),
+        (
+            _two_ranks,
+            (str(_config(dirs["lora"], lora=_LORA, gradient_accumulation_steps=1, batch_size=4)),),
+        ),
+        (
+            _sharded_scores,
+            tuple(str(dirs["sharded"] / n) for n in ("rm", "lm", "s.pt")),
+        ),
+    ]
+    run_distributed(each, calls, world_size=2)
+    return dirs

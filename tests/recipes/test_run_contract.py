@@ -231,30 +231,6 @@ def _resolved(cfg: Path, *overrides: str) -> dict:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_second_run_on_a_live_directory_is_refused(recipe, tmp_path, recipe_config, capsys):
-    cfg = recipe_config(recipe, tmp_path, max_steps=6)
-    cli.load_recipe_checks(cli.resolve_recipe(recipe))  # imports warm: the refusal is quick
-    first = _start(recipe, cfg)
-    try:
-        lock = tmp_path / "out" / LOCK_NAME
-        # Non-empty: the owner writes its PID just after creating the file.
-        _wait_for(first, cfg, lambda: lock.is_file() and lock.stat().st_size > 0, "lock file")
-        rc, out, err = _run(capsys, recipe, cfg)
-        assert first.poll() is None, "the first run ended before the second was refused"
-        assert rc == 2, out + err
-        assert "is in use by another run" in err and f"process {first.pid} on host" in err, err
-        assert str(lock) in err, err
-        assert "Traceback" not in err, err
-        assert _finish(first) == 0, _output(cfg)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    assert sorted(_train_rows(tmp_path / "out")) == [1, 2, 3, 4, 5, 6]
-    assert not lock.exists()  # released at exit
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
 def test_fresh_run_into_a_used_directory_is_refused_unless_overwrite(
     recipe, tmp_path, recipe_config, capsys
 ):
@@ -295,10 +271,16 @@ SIGNAL_CASES = [
 def test_sigterm_saves_and_resume_continues(recipe, sig, code, tmp_path, recipe_config, capsys):
     """A real signal to a real run: it finishes the step, saves it, exits 128 + signal and says
     how to go on; ``resume=true`` goes on from that step, and its metric rows equal those of an
-    uninterrupted run with the same seed."""
+    uninterrupted run with the same seed.
+
+    While that run is live, a second run into its directory is refused (its lock, naming the
+    owner's PID), the live run is untouched (its rows equal the reference's below) and the lock is
+    gone once it exits (released at exit). One started process serves both items."""
     run = tmp_path / "run"
     cfg = recipe_config(recipe, run, max_steps=1000, save_every=None)  # saves only when stopped
+    cli.load_recipe_checks(cli.resolve_recipe(recipe))  # imports warm: the refusal is quick
     proc = _start(recipe, cfg)
+    lock = run / "out" / LOCK_NAME
     try:
         metrics = run / "out" / "metrics.jsonl"
         _wait_for(
@@ -307,12 +289,22 @@ def test_sigterm_saves_and_resume_continues(recipe, sig, code, tmp_path, recipe_
             lambda: metrics.is_file() and '"train/' in metrics.read_text(),
             "first metric row",
         )
+        # A second run on the live directory. The lock is non-empty: the owner writes its PID
+        # just after creating the file, before its first step.
+        assert lock.is_file() and lock.stat().st_size > 0
+        rc, out, err = _run(capsys, recipe, cfg)
+        assert proc.poll() is None, "the first run ended before the second was refused"
+        assert rc == 2, out + err
+        assert "is in use by another run" in err and f"process {proc.pid} on host" in err, err
+        assert str(lock) in err, err
+        assert "Traceback" not in err, err
         proc.send_signal(sig)
         assert _finish(proc) == code, _output(cfg)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert not lock.exists()  # released at exit
     err = cfg.with_suffix(".stderr").read_text()
     assert "Traceback" not in err, err
     assert "continue with resume=true" in err, err

@@ -15,6 +15,7 @@ from _dist import build_recipe, run_distributed
 
 from lightrft import cli
 from lightrft.training import read_metrics
+from lightrft.training.outputs import release_output_dir
 
 
 def _config(tmp: Path, **overrides) -> Path:
@@ -178,46 +179,63 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str, hsdp: bool = False)
         assert losses[6] < 0.85 * losses[1], losses
 
 
-def test_sft_two_gloo_processes_shard_and_learn(tmp_path):
-    cfg = _config(tmp_path, gradient_accumulation_steps=1, batch_size=8, eval_every=None)
-    run_distributed(_two_rank_sft, str(cfg), world_size=2)
-    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+def _two_rank_sft_runs(rank: int, world_size: int, runs: list[tuple[str, bool]]) -> None:
+    """:func:`_two_rank_sft` on each ``(config, hsdp)`` in turn, in one process group: the
+    2-rank runs below share one start-up of the two processes (imports are most of a run)."""
+    for cfg_path, hsdp in runs:
+        _two_rank_sft(rank, world_size, cfg_path, hsdp)
 
 
-def test_sft_token_budget_micro_batches_give_the_rows_only_curve(tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_sft(tmp_path_factory) -> dict[str, Path]:
+    """name -> the directory of a finished 2-rank run: plain FSDP (``fsdp``), a 2-D HSDP mesh
+    (``hsdp``), rows-only micro-batches without packing (``rows``) and the same with a token
+    budget (``budget``); each ran :func:`_two_rank_sft`'s checks in both ranks."""
+    root = tmp_path_factory.mktemp("two_rank_sft")
+    configs = {
+        "fsdp": {"gradient_accumulation_steps": 1, "batch_size": 8, "clip_grad_norm": 1.0},
+        "hsdp": {
+            "gradient_accumulation_steps": 1,
+            "batch_size": 8,
+            "clip_grad_norm": 1.0,
+            "replicate_size": 2,
+        },
+        "rows": {"packing": False, "batch_size": 8},
+        "budget": {"packing": False, "batch_size": 8, "micro_batch_tokens": 84},
+    }
+    runs = []
+    for name, over in configs.items():
+        (root / name).mkdir()
+        runs.append((str(_config(root / name, eval_every=None, **over)), name == "hsdp"))
+    run_distributed(_two_rank_sft_runs, runs, world_size=2)
+    return {name: root / name for name in configs}
+
+
+def _curve(run_dir: Path) -> list[tuple[float, float]]:
+    rows = read_metrics(run_dir / "out")
+    return [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
+
+
+def test_sft_two_gloo_processes_shard_and_learn(two_rank_sft):
+    # _two_rank_sft checked the sharded parameters and the falling loss in both ranks.
+    assert (two_rank_sft["fsdp"] / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_sft_token_budget_micro_batches_give_the_rows_only_curve(two_rank_sft):
     """micro_batch_tokens cuts each step's samples (shortest first) by a token budget instead
     of a row count: on 2 ranks whose micro-batch counts then differ, the losses and gradient
     norms equal the rows-only run's (same samples per step, same token-mean normalisation)."""
-    runs = {}
-    for name, budget in (("rows", {}), ("budget", {"micro_batch_tokens": 84})):
-        (tmp_path / name).mkdir()
-        cfg = _config(tmp_path / name, packing=False, batch_size=8, eval_every=None, **budget)
-        run_distributed(_two_rank_sft, str(cfg), world_size=2)
-        rows = read_metrics(tmp_path / name / "out")
-        runs[name] = [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
-    assert len(runs["budget"]) == 6
-    torch.testing.assert_close(runs["budget"], runs["rows"], rtol=1e-5, atol=1e-6)
+    budget, rows = _curve(two_rank_sft["budget"]), _curve(two_rank_sft["rows"])
+    assert len(budget) == 6
+    torch.testing.assert_close(budget, rows, rtol=1e-5, atol=1e-6)
 
 
-def test_sft_hsdp_mesh_from_config(tmp_path):
+def test_sft_hsdp_mesh_from_config(two_rank_sft):
     """replicate_size=2: the recipe trains on a 2-D (replicate x shard) mesh, and its losses and
     clipped gradient norms equal plain FSDP's on the same 2 ranks."""
-    runs = {}
-    for name, mesh in (("fsdp", {}), ("hsdp", {"replicate_size": 2})):
-        (tmp_path / name).mkdir()
-        cfg = _config(
-            tmp_path / name,
-            gradient_accumulation_steps=1,
-            batch_size=8,
-            eval_every=None,
-            clip_grad_norm=1.0,
-            **mesh,
-        )
-        run_distributed(_two_rank_sft, str(cfg), bool(mesh), world_size=2)
-        rows = read_metrics(tmp_path / name / "out")
-        runs[name] = [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
-    assert len(runs["hsdp"]) == 6
-    torch.testing.assert_close(runs["hsdp"], runs["fsdp"], rtol=1e-5, atol=1e-6)
+    hsdp, fsdp = _curve(two_rank_sft["hsdp"]), _curve(two_rank_sft["fsdp"])
+    assert len(hsdp) == 6
+    torch.testing.assert_close(hsdp, fsdp, rtol=1e-5, atol=1e-6)
 
 
 def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
@@ -340,11 +358,12 @@ def test_sft_with_torchao_adamw8bit(tmp_path):
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
 
 
-def test_sft_sigterm_saves_and_a_fresh_run_needs_overwrite(tmp_path):
+def test_sft_sigterm_saves_and_a_fresh_run_needs_overwrite(tmp_path, capsys):
     """A real SIGTERM to a real `lightrft run sft`: the step in flight finishes, a checkpoint of
     it is written, the run exits 143 and says where; then a fresh run into that directory is
     refused, a resume with a changed learning rate is refused and `resume=true` goes on from the
-    saved step (issue 16 items 4, 6, 7)."""
+    saved step (issue 16 items 4, 6, 7). The follow-up runs are in-process (the same CLI entry,
+    ``lightrft.cli.main``): only the signal needs a process of its own."""
     import signal
     import subprocess
     import sys
@@ -368,16 +387,22 @@ def test_sft_sigterm_saves_and_a_fresh_run_needs_overwrite(tmp_path):
     assert latest == f"step_{steps[-1]:06d}", (latest, steps)  # the step in flight was saved
     assert "stopped by SIGTERM: checkpoint saved in" in out, out
 
-    def run(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd + list(extra), env=env, capture_output=True, text=True)
+    def run(*extra: str) -> tuple[int, str]:
+        capsys.readouterr()
+        try:
+            rc = cli.main(["run", "sft", "--config", str(cfg), *extra])
+        finally:  # in-process the lock would last until this process exits
+            release_output_dir(tmp_path / "out")
+        captured = capsys.readouterr()
+        return rc, captured.out + captured.err
 
-    fresh = run()
-    assert fresh.returncode != 0 and "overwrite=true" in fresh.stderr + fresh.stdout
-    changed = run("resume=true", "optimizer.lr=0.5")
-    assert changed.returncode != 0 and "optimizer.lr" in changed.stderr + changed.stdout
-    resumed = run("resume=true", "max_steps=" + str(steps[-1] + 1))
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from step {steps[-1]}" in resumed.stdout + resumed.stderr
+    rc, fresh = run()
+    assert rc != 0 and "overwrite=true" in fresh, fresh
+    rc, changed = run("resume=true", "optimizer.lr=0.5")
+    assert rc != 0 and "optimizer.lr" in changed, changed
+    rc, resumed = run("resume=true", "max_steps=" + str(steps[-1] + 1))
+    assert rc == 0, resumed
+    assert f"resumed from step {steps[-1]}" in resumed, resumed
     assert max(_losses(tmp_path / "out")) == steps[-1] + 1
 
 
