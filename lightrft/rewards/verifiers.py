@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from lightrft.rewards.base import Prompt, check_lengths, prompt_preview
+from lightrft.rewards.base import Prompt, RewardInputError, check_lengths, prompt_preview
 from lightrft.rewards.math_answer import (
     EXTRACTORS,
     answers_match,
@@ -50,7 +50,7 @@ def _check_references(
     check_lengths(len(responses), references=references)
     for i, ref in enumerate(references):
         if ref is None or (isinstance(ref, str) and not ref.strip()):
-            raise ValueError(
+            raise RewardInputError(
                 f"{who}: sample {i} "
                 f"(prompt {prompt_preview(prompts[i]) if i < len(prompts) else '?'}) "
                 "has no reference answer"
