@@ -89,7 +89,7 @@ def test_slow_headers_are_cut_at_the_read_timeout(where):
         for t in threads:
             t.join(10)
         for r in results:
-            assert r["seconds"] < 2.0, r  # cut at the 1 s deadline, not per byte
+            assert r["seconds"] < 2.5, r  # cut at the 1 s deadline, not at ~60 bytes x 0.5 s
         codes = sorted(int(r["answer"].split()[1]) for r in results)
         assert codes == [408] * 4 + [503] * 2, codes  # 4 slots held for 1 s, 2 refused
         assert all(b"within 1.0s" in r["answer"] for r in results if b" 408 " in r["answer"])
