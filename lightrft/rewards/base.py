@@ -38,6 +38,7 @@ __all__ = [
     "Prompt",
     "RewardError",
     "RewardFunction",
+    "RewardInputError",
     "RewardOutput",
     "build_reward",
     "check_lengths",
@@ -63,6 +64,12 @@ class RewardError(UserError, RuntimeError):
     """A reward function failed or returned something unusable; the message names it."""
 
 
+class RewardInputError(ValueError):
+    """The batch handed to a reward function cannot be scored as given (a sample without its
+    reference answer, lists of different lengths, a label routed nowhere): the caller's mistake,
+    not the function's. A reward server answers it with HTTP 422, not 500."""
+
+
 def prompt_preview(prompt: Prompt, width: int = 40) -> str:
     """The start of a prompt (the last message's content for a conversation), quoted."""
     if not isinstance(prompt, str):
@@ -76,7 +83,7 @@ def check_lengths(n: int, **given: Sequence[Any] | None) -> None:
     each of the ``n`` responses; the message names the list."""
     for arg, seq in given.items():
         if seq is not None and len(seq) != n:
-            raise ValueError(f"{arg} has {len(seq)} entries but responses has {n}")
+            raise RewardInputError(f"{arg} has {len(seq)} entries but responses has {n}")
 
 
 def check_reward_output(
@@ -332,7 +339,7 @@ class CombinedReward:
             names = self.route(label)
             if names is None:
                 if self.default_reward is None:
-                    raise ValueError(
+                    raise RewardInputError(
                         f"sample {i} (prompt {prompt_preview(prompts[i])}) has label {label!r}, "
                         f"which routes to no reward function (routes: {sorted(self.routes or {})})"
                         "; add it to routes, add a '*' route, or set default_reward"
@@ -375,7 +382,7 @@ class CombinedReward:
         if getattr(fn, "requires_reference", False):
             for i, ref in zip(idx, sub_refs, strict=True):
                 if ref is None or (isinstance(ref, str) and not ref.strip()):
-                    raise ValueError(
+                    raise RewardInputError(
                         f"reward function {name!r} needs a reference answer, but sample {i} "
                         f"(label {labels[i]!r}, prompt {prompt_preview(prompts[i])}) has none"
                     )

@@ -6,6 +6,17 @@ mean the same value. Both are pure functions of strings, so verifiers stay small
 Equivalence is deliberately conservative: numbers (integers, decimals, fractions, ``\\frac``,
 percentages, with units or ``$`` around them) compare exactly as rationals; anything else compares
 as a normalised LaTeX string. It does not do algebra (``\\sqrt{8}`` is not ``2\\sqrt{2}``).
+
+Two rules keep it safe and honest on hostile answers:
+
+- **Size bound.** An answer with a run of more than :data:`MAX_NUMBER_DIGITS` digits, or an
+  exponent (``1e...`` or ``^{...}``) beyond ±:data:`MAX_NUMBER_EXPONENT`, is not a number:
+  :func:`oversized_number` says why, and :func:`parse_number` refuses it, so no comparison
+  ever builds a huge integer (``1e999999999`` would take minutes).
+- **Equations.** An answer with a top-level ``=`` stands for its last right-hand side only when
+  its first left-hand side is a variable name (``x = 7``, ``x_1 = 7``, ``\\theta = 7``,
+  ``(x, y) = (1, 2)``, ``x = 2 + 5 = 7``); otherwise (``100 = 7``, ``2x = 14``) it is an
+  equation (:func:`is_equation`), never the value on its right.
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ from fractions import Fraction
 
 __all__ = [
     "EXTRACTORS",
+    "MAX_NUMBER_DIGITS",
+    "MAX_NUMBER_EXPONENT",
     "answer_key",
     "answers_match",
     "extract_answer",
@@ -23,8 +36,10 @@ __all__ = [
     "extract_boxed",
     "extract_hashes",
     "extract_last_number",
+    "is_equation",
     "majority_vote",
     "normalize_answer",
+    "oversized_number",
     "parse_number",
 ]
 
@@ -127,6 +142,59 @@ def extract_answer(
     return None
 
 
+# --------------------------------------------------------------------------- equations
+
+_GREEK = (
+    "alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu"
+    "|xi|pi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega"
+    "|Gamma|Delta|Theta|Lambda|Xi|Pi|Sigma|Upsilon|Phi|Psi|Omega"
+)
+# One letter (Latin, or Greek spelled in LaTeX), a subscript, primes: x, x_1, y_{ab}, \theta, f'.
+_VAR = rf"(?:[A-Za-z]|\\(?:{_GREEK})(?![A-Za-z]))(?:_(?:\{{[^{{}}]*\}}|[A-Za-z0-9]))?'*"
+_VAR_NAME = re.compile(rf"\s*(?:{_VAR}|\(\s*{_VAR}(?:\s*,\s*{_VAR})*\s*\))\s*")
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """``s`` split at each ``sep`` character outside brackets. An ``=`` that is part of ``<=``,
+    ``>=``, ``!=``, ``:=`` or ``==`` does not split."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth = max(depth - 1, 0)  # half-open intervals close with the other bracket
+        elif c == sep and depth == 0:
+            if sep == "=" and (
+                s[i - 1 : i] in ("<", ">", "!", ":", "=") or s[i + 1 : i + 2] == "="
+            ):
+                continue
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return parts
+
+
+def _assigned_value(s: str) -> str:
+    """The last side of ``var = ... = value`` (see the module docstring), else ``s`` unchanged.
+    A list of assignments (``x = 3, y = 4``) is left whole: each element is read on its own."""
+    if len(_split_top(s, ",")) > 1:
+        return s
+    sides = _split_top(s, "=")
+    if len(sides) > 1 and _VAR_NAME.fullmatch(sides[0]):
+        return sides[-1].strip()
+    return s
+
+
+def is_equation(ans: str) -> bool:
+    """Whether an answer is an equation rather than a value: a top-level ``=`` whose left side
+    is not a variable name (``100 = 7``, ``2x = 14``; ``x = 7`` is the value 7). A list is an
+    equation if any of its elements is."""
+    parts = _split_top(normalize_answer(ans), ",")
+    if len(parts) > 1:
+        return any(is_equation(p) for p in parts)
+    return len(_split_top(parts[0], "=")) > 1
+
+
 # --------------------------------------------------------------------------- normalisation
 
 _WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
@@ -135,7 +203,8 @@ _SPACING = re.compile(r"\\[,;:! ]|\\q?quad\b|~")
 
 def normalize_answer(ans: str) -> str:
     """A canonical string form of an answer: no math delimiters, ``$``, thousands separators,
-    LaTeX spacing, ``\\text`` wrappers, degree signs, leading ``x =`` or trailing full stop;
+    LaTeX spacing, ``\\text`` wrappers, degree signs, a variable's ``x =`` (the last side of
+    ``x = 2 + 5 = 7``) or trailing full stop;
     ``\\dfrac``/``\\tfrac`` spelled ``\\frac``; single spaces."""
     s = ans.strip().replace("\u2212", "-")  # Unicode minus sign
     boxed = extract_boxed(s)
@@ -152,10 +221,33 @@ def normalize_answer(ans: str) -> str:
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)  # \frac12
     s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)  # \sqrt2
     s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)  # 1,000,000 -> 1000000
-    s = re.sub(r"^[A-Za-z]\s*=\s*", "", s.strip())  # x = 5 -> 5
+    s = _assigned_value(s.strip())  # x = 5 -> 5, 100 = 7 stays an equation
     s = re.sub(r"^\(([A-Za-z])\)$", r"\1", s)  # (B) -> B
     s = re.sub(r"\s+", " ", s).strip()
     return s.rstrip(".").strip()
+
+
+# No real answer comes near these; past them, building the exact value is what takes the time.
+MAX_NUMBER_DIGITS = 1000  # digits in a row (after thousands separators are dropped)
+MAX_NUMBER_EXPONENT = 10_000  # |e| of 1e..., and of a literal power ^{...}
+_LONG_DIGITS = re.compile(rf"\d{{{MAX_NUMBER_DIGITS + 1},}}")
+_EXPONENT = re.compile(r"(?:(?<=\d)[eE]|\^)\s*\{?\s*[+-]?\s*0*(\d+)")
+
+
+def oversized_number(ans: str) -> str | None:
+    """Why ``ans`` holds a number too large to compare exactly (more than
+    :data:`MAX_NUMBER_DIGITS` digits in a row, or an exponent beyond ±:data:`MAX_NUMBER_EXPONENT`),
+    else ``None``. Linear in the length of ``ans``."""
+    plain = re.sub(r"(?<=\d)(?:,|\{,\})(?=\d)", "", ans)
+    m = _LONG_DIGITS.search(plain)
+    if m:
+        return f"a number of {len(m.group(0))} digits (the bound is {MAX_NUMBER_DIGITS})"
+    for m in _EXPONENT.finditer(ans):
+        e = m.group(1)
+        if len(e) > len(str(MAX_NUMBER_EXPONENT)) or int(e) > MAX_NUMBER_EXPONENT:
+            shown = e if len(e) <= 20 else f"{e[:20]}... ({len(e)} digits)"
+            return f"an exponent of {shown} (the bound is {MAX_NUMBER_EXPONENT})"
+    return None
 
 
 _DEC = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
@@ -166,6 +258,8 @@ _FRAC = re.compile(r"\\frac\{([^{}]+)\}\{([^{}]+)\}")
 
 def _parse_plain(s: str) -> Fraction | None:
     """A signed decimal, ``a/b``, ``\\frac{a}{b}`` or mixed ``2\\frac{1}{2}`` as a rational."""
+    if oversized_number(s):
+        return None
     s = re.sub(r"\s*([/{}])\s*", r"\1", s.strip())
     s = re.sub(r"^([+-])\s+", r"\1", s)
     s = re.sub(r"(\d)\s+\\frac", r"\1\\frac", s)
@@ -197,7 +291,8 @@ _WITH_UNITS = re.compile(
 
 
 def parse_number(ans: str) -> tuple[Fraction, bool] | None:
-    """``(value, is_percent)`` of a normalised numeric answer, else ``None``.
+    """``(value, is_percent)`` of a normalised numeric answer, else ``None`` (also for a number
+    past the size bound: see :func:`oversized_number`).
 
     Trailing unit words are dropped (``18 dollars``, ``5 km/h``); a number followed by words
     that contain other numbers is not a number.

@@ -8,9 +8,16 @@ It answers POST requests on any path with the protocol of :mod:`lightrft.rewards
 ``GET /health`` with ``{"status": "ok"}``. Requests are scored one at a time (a lock), since a
 reward model on one device gains nothing from overlapping calls. Every failure gets an HTTP
 error with ``{"error": message}``, never a dropped connection: 400 malformed body, 401 missing or
-wrong token, 408 body not received within ``--read-timeout``, 411 no ``Content-Length``, 413 body
-over ``--max-body-mb``, 503 more than ``--max-connections`` open connections, 500 the reward
-function failed.
+wrong token, 408 request (line, headers and body: one deadline) not received within
+``--read-timeout``, 411 no ``Content-Length``, 413 body over ``--max-body-mb``, 422 the reward
+function refused the batch as given (:class:`~lightrft.rewards.base.RewardInputError`: a sample
+without its reference answer), 503 more than ``--max-connections`` open connections, 500 the
+reward function failed.
+
+Floods: a connection has ``--read-timeout`` seconds in all to deliver its request, however it
+trickles; the listen backlog holds :data:`LISTEN_BACKLOG` connections (the standard library's
+default of 5 makes a burst's clients wait for SYN retries, up to a minute), and connections past
+``--max-connections`` are answered 503 at once by the accepting thread.
 
 Security: it binds to 127.0.0.1 unless told otherwise. ``--token`` (or the environment variable
 ``LIGHTRFT_REWARD_TOKEN``) makes every request carry ``Authorization: Bearer <token>``;
@@ -23,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import io
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,10 +41,21 @@ from contextlib import suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from lightrft.rewards.base import check_reward_output
+from lightrft.rewards.base import RewardInputError, check_reward_output
 from lightrft.rewards.remote import TOKEN_ENV
 
-__all__ = ["TOKEN_ENV", "VERIFIERS", "load_reward_fn", "main", "make_server", "split_requests"]
+__all__ = [
+    "LISTEN_BACKLOG",
+    "TOKEN_ENV",
+    "VERIFIERS",
+    "load_reward_fn",
+    "main",
+    "make_server",
+    "split_requests",
+]
+
+# Pending connections the kernel queues for accept() (capped by net.core.somaxconn on Linux).
+LISTEN_BACKLOG = 1024
 
 VERIFIERS = {
     "math": "lightrft.rewards.MathVerifier",
@@ -66,6 +86,17 @@ def split_requests(data: Any) -> dict[str, list]:
         elif not isinstance(val, list) or len(val) != n:
             raise ValueError(f"'{key}' must be a list of {n} entries")
         args[key] = val
+    for i, label in enumerate(args["labels"]):
+        if label is not None and not isinstance(label, str):
+            raise ValueError(
+                f"'labels'[{i}] is a {type(label).__name__}; labels must hold strings or null"
+            )
+    for i, p in enumerate(args["prompts"] or []):
+        if not isinstance(p, (str, list)):
+            raise ValueError(
+                f"'prompts'[{i}] is a {type(p).__name__}; prompts must hold strings or message "
+                "lists"
+            )
     prompts = args["prompts"] or [""] * n
     if responses is None:
         responses = []
@@ -102,11 +133,60 @@ class _HTTPError(Exception):
         self.code = code
 
 
+_REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
+
+
+def _raw_reply(code: int, message: str) -> bytes:
+    """A complete JSON error response, for where the handler's own replies cannot be used."""
+    body = json.dumps({"error": message}).encode()
+    return (
+        f"HTTP/1.0 {code} {_REASONS[code]}\r\nContent-Type: application/json\r\n"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+def _caused_by_input(e: BaseException) -> bool:
+    """Whether ``e`` is, or was raised from (``raise ... from``), a :class:`RewardInputError`."""
+    for _ in range(20):  # a cause chain is short; a cycle must not loop forever
+        if e is None:
+            return False
+        if isinstance(e, RewardInputError):
+            return True
+        e = e.__cause__
+    return False
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket read under one deadline per request (``owner.deadline``): each read
+    waits only for what is left of it, so a client trickling its request line, headers or body
+    a byte at a time is cut off when the deadline passes (a per-read timeout would not)."""
+
+    def __init__(self, sock: socket.socket, owner: Any):
+        self.sock, self.owner = sock, owner
+        self.timed_out = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        left = self.owner.deadline - time.monotonic()
+        if left <= 0:
+            self.timed_out = True
+            raise TimeoutError("the request deadline passed")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buf)
+        except TimeoutError:
+            self.timed_out = True
+            raise
+
+
 class _BoundedServer(ThreadingHTTPServer):
     """A threading server that serves at most ``max_connections`` connections at once and
     answers the next ones with HTTP 503 at once, so floods cannot exhaust threads."""
 
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, addr: tuple[str, int], handler: type, max_connections: int):
         super().__init__(addr, handler)
@@ -114,16 +194,9 @@ class _BoundedServer(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            body = json.dumps({"error": "server busy: too many open connections"}).encode()
             with suppress(OSError):
                 request.settimeout(1.0)
-                request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    b"Connection: close\r\nContent-Length: "
-                    + str(len(body)).encode()
-                    + b"\r\n\r\n"
-                    + body
-                )
+                request.sendall(_raw_reply(503, "server busy: too many open connections"))
             self.shutdown_request(request)
             return
         try:
@@ -158,9 +231,9 @@ def make_server(
     Args:
         token: if set, requests must carry ``Authorization: Bearer <token>`` (else HTTP 401).
         max_body_bytes: larger ``Content-Length`` is refused with HTTP 413 before reading.
-        read_timeout: seconds a connection may take to send its request line and headers, and
-            separately its whole body (a deadline, not per read: a trickling client is cut off);
-            past it the body gets HTTP 408.
+        read_timeout: seconds a connection may take to send its whole request: request line,
+            headers and body together (a deadline, not per read: a trickling client is cut off);
+            past it the client gets HTTP 408 and the connection is closed.
         max_connections: connections served at once; more are answered HTTP 503.
     """
     if max_body_bytes < 1 or read_timeout <= 0 or max_connections < 1:
@@ -172,9 +245,29 @@ def make_server(
     expected = token.encode() if token else None
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = read_timeout  # socket timeout while reading the request line and headers
+        timeout = read_timeout  # socket timeout while writing a reply
+        deadline = 0.0  # monotonic time by which the current request must have arrived
+
+        def setup(self) -> None:
+            super().setup()
+            self._reader = _DeadlineReader(self.connection, self)
+            self.rfile = io.BufferedReader(self._reader)
+
+        def handle_one_request(self) -> None:
+            self.deadline = time.monotonic() + read_timeout
+            self._reader.timed_out = self._replied = False
+            super().handle_one_request()  # a timeout there closes the connection silently
+            if self._reader.timed_out and not self._replied:
+                self.close_connection = True
+                with suppress(OSError):
+                    self.connection.settimeout(1.0)
+                    self.wfile.write(
+                        _raw_reply(408, f"request not received within {read_timeout}s")
+                    )
 
         def _reply(self, code: int, obj: Any) -> None:
+            self._replied = True
+            self.connection.settimeout(read_timeout)
             body = json.dumps(obj).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -206,22 +299,16 @@ def make_server(
                 raise _HTTPError(
                     413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes"
                 )
-            deadline = time.monotonic() + read_timeout
             chunks, got = [], 0
             while got < length:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise _HTTPError(408, f"body not received within {read_timeout}s")
-                self.connection.settimeout(left)
-                try:
+                try:  # the reader keeps to the request's deadline
                     chunk = self.rfile.read1(min(length - got, 1 << 16))
                 except TimeoutError:
-                    raise _HTTPError(408, f"body not received within {read_timeout}s") from None
+                    raise _HTTPError(408, f"request not received within {read_timeout}s") from None
                 if not chunk:
                     raise _HTTPError(400, f"body ended after {got} of {length} bytes")
                 chunks.append(chunk)
                 got += len(chunk)
-            self.connection.settimeout(read_timeout)
             return b"".join(chunks)
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
@@ -250,7 +337,9 @@ def make_server(
                     out = reward_fn(**kwargs)
                 rewards = check_reward_output("server", out, n, kwargs["prompts"]).tolist()
             except Exception as e:  # noqa: BLE001 - reported to the client, server keeps serving
-                self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+                # The request's fault (no reference answer): 422, which clients do not retry.
+                code = 422 if _caused_by_input(e) else 500
+                self._reply(code, {"error": f"{type(e).__name__}: {e}"})
                 return
             self._reply(200, {"rewards": rewards})
 

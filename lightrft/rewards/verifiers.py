@@ -7,21 +7,30 @@ would reward the question instead of the model.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from typing import Literal
 
-from lightrft.rewards.base import Prompt, check_lengths, prompt_preview
+from lightrft.rewards.base import Prompt, RewardInputError, check_lengths, prompt_preview
 from lightrft.rewards.math_answer import (
     EXTRACTORS,
     answers_match,
     extract_answer,
     extract_boxed,
+    is_equation,
     normalize_answer,
+    oversized_number,
     parse_number,
 )
 
 __all__ = ["ChoiceVerifier", "ExactMatch", "GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
+
+log = logging.getLogger(__name__)
+
+# An extracted answer longer than this is wrong without being read further: no real answer is,
+# and the comparisons are linear in it (the symbolic stage stops at 1000 characters already).
+MAX_ANSWER_CHARS = 10_000
 
 
 def _final_part(response: str, strip_think: bool) -> str:
@@ -41,7 +50,7 @@ def _check_references(
     check_lengths(len(responses), references=references)
     for i, ref in enumerate(references):
         if ref is None or (isinstance(ref, str) and not ref.strip()):
-            raise ValueError(
+            raise RewardInputError(
                 f"{who}: sample {i} "
                 f"(prompt {prompt_preview(prompts[i]) if i < len(prompts) else '?'}) "
                 "has no reference answer"
@@ -63,6 +72,14 @@ class MathVerifier:
     ``symbolic=True``, the pair goes to ``math-verify`` (intervals, sets, tuples, equations,
     ``\\text{}`` units, ``\\sqrt{8} = 2\\sqrt{2}``) in worker processes, each pair given at most
     ``timeout`` seconds (see :mod:`lightrft.rewards.math_equiv`); a pair that runs out is wrong.
+
+    Hostile answers are refused before any comparison, scored ``incorrect`` with the reason in
+    ``last_refusals`` (the first of each call is logged): an answer over
+    :data:`MAX_ANSWER_CHARS` characters, or one holding a number past the size bound of
+    :func:`~lightrft.rewards.math_answer.oversized_number` (``\\boxed{1e999999999}``). So the
+    fast path runs in time linear in the answer, far inside ``timeout``. An equation whose left
+    side is not a variable name (``100 = 7``) equals only an equation, never the value on its
+    right (see :func:`~lightrft.rewards.math_answer.is_equation`); ``x = 7`` is the value 7.
 
     Args:
         correct: reward for a correct answer.
@@ -100,6 +117,7 @@ class MathVerifier:
         self.incorrect = float(incorrect)
         self.strip_think = strip_think
         self.symbolic = self.default_symbolic if symbolic is None else bool(symbolic)
+        self.last_refusals: list[str] = []  # why answers of the last call were refused
         self._pool = None
         if self.symbolic:
             from lightrft.rewards.math_equiv import EquivalencePool
@@ -116,10 +134,28 @@ class MathVerifier:
         ref = str(reference)
         return extract_answer(ref, ("hashes", "boxed")) or ref.strip()
 
+    def _refusal(self, pred: str, ref: str) -> str | None:
+        """Why this pair is not compared at all (then it is wrong), or ``None``."""
+        for who, ans in (("answer", pred), ("reference", ref)):
+            if len(ans) > MAX_ANSWER_CHARS:
+                return f"{who} of {len(ans)} characters (the bound is {MAX_ANSWER_CHARS})"
+            why = oversized_number(ans)
+            if why:
+                return f"{who} holds {why}"
+        return None
+
     def _fast(self, pred: str | None, ref: str) -> bool | None:
         """The verdict without sympy, or ``None`` if only the symbolic check can tell."""
         if pred is None:
             return False
+        why = self._refusal(pred, ref)
+        if why is not None:
+            if not self.last_refusals:
+                log.warning("%s: scored 0 without comparing: %s", type(self).__name__, why)
+            self.last_refusals.append(why)
+            return False
+        if is_equation(pred) != is_equation(ref):
+            return False  # `100 = 7` is not 7, and 7 is not `100 = 7`
         if answers_match(pred, ref):
             return True
         if not self.symbolic:
@@ -130,6 +166,7 @@ class MathVerifier:
 
     def equivalent_many(self, preds: Sequence[str | None], refs: Sequence[str]) -> list[bool]:
         """:meth:`equivalent` of each pair; the symbolic ones run on all workers."""
+        self.last_refusals = []
         verdicts = [self._fast(p, r) for p, r in zip(preds, refs, strict=True)]
         todo = [i for i, v in enumerate(verdicts) if v is None]
         if todo:

@@ -216,3 +216,37 @@ def test_percent_forms():
     # A percentage matches its number and its fraction of one, nothing else.
     assert answers_match("0.5%", "0.5") and answers_match("0.5%", "0.005")
     assert not answers_match("0.5%", "0.05")
+
+
+def test_oversized_numbers_are_not_numbers():
+    from lightrft.rewards.math_answer import (
+        MAX_NUMBER_DIGITS,
+        MAX_NUMBER_EXPONENT,
+        oversized_number,
+        parse_number,
+    )
+
+    for ans in ("1e999999999", "1E-10001", "10^{10001}", "1" * (MAX_NUMBER_DIGITS + 1)):
+        assert oversized_number(ans) and parse_number(ans) is None, ans
+    assert "999999999 (the bound is" in oversized_number("1e999999999")
+    assert "(20 digits)" not in oversized_number("1e" + "9" * 5000)  # shown shortened
+    for ans in (f"1e{MAX_NUMBER_EXPONENT}", "2^{2023}", "9" * MAX_NUMBER_DIGITS, "6.02e23"):
+        assert oversized_number(ans) is None, ans
+    assert parse_number("6.02e23") is not None
+
+
+def test_is_equation():
+    from lightrft.rewards.math_answer import is_equation
+
+    for ans in ("100 = 7", "2x = 14", "a + b = c", "x = 3, 2y = 4"):
+        assert is_equation(ans), ans
+    for ans in (
+        "7",
+        "x = 7",
+        r"\alpha' = 7",
+        "y_{n} = 2n",
+        "(x, y) = (1, 2)",
+        "x \\le 3",
+        "x >= 3",
+    ):
+        assert not is_equation(ans), ans

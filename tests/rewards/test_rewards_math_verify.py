@@ -169,3 +169,58 @@ def test_parallel_workers_agree():
         assert len(v._pool._live) <= 2
     finally:
         v.close()
+
+
+# --- issue 28: answers that hang the caller, equations that misjudge -----------------------------
+
+HUGE = [
+    "1e10000000",  # took 19 s in the fast path's Fraction
+    "1e999999999",  # ran past 120 s
+    "-1e-999999999",
+    "10^{999999999}",
+    "1" + "0" * 5000,
+    "1," + "000," * 400 + "000",
+]
+
+
+@pytest.mark.parametrize("answer", HUGE, ids=range(len(HUGE)))
+@pytest.mark.parametrize("cls", [MathVerifier, GSM8KVerifier])
+def test_huge_numbers_are_refused_at_once_with_a_reason(cls, answer):
+    v = cls(timeout=1.0)
+    responses = [f"\\boxed{{{answer}}}", f"The answer is {answer}", f"#### {answer}"]
+    start = time.monotonic()
+    out = v(["q"] * 4, responses + [r"\boxed{7}"], ["7", answer, "7", answer], [None] * 4)
+    assert time.monotonic() - start < 1.0
+    assert out == [0.0, 0.0, 0.0, 0.0]  # the reference itself is refused too
+    assert len(v.last_refusals) == 4 and "(the bound is" in v.last_refusals[0]
+    assert v._pool is None or v._pool.stats["calls"] == 0  # never reached sympy
+
+
+def test_numbers_inside_the_bound_still_compare():
+    v = MathVerifier(symbolic=False)
+    assert v.equivalent("1e300", "1" + "0" * 300) and v.equivalent("2^{2023}", "2^{2023}")
+    assert v.equivalent("9" * 1000, "9" * 1000) and not v.equivalent("9" * 1000, "8" * 1000)
+    assert v.last_refusals == []
+
+
+EQUATIONS = [
+    ("100 = 7", "7", False),  # issue 28: the right side was kept
+    ("2x = 14", "7", False),
+    ("3 + 4 = 7", "7", False),
+    ("x = 7", "7", True),  # a variable's value
+    ("x_1 = 7", "7", True),
+    (r"\theta = 7", "7", True),
+    ("x = 2 + 5 = 7", "7", True),
+    ("x = 8", "7", False),
+    ("(x, y) = (3, 4)", "(3, 4)", True),
+    ("x = 3, y = 4", "(3, 4)", True),
+    ("100 = 7", "100 = 7", True),  # an equation equals the same equation
+]
+
+
+@pytest.mark.parametrize("pred,gold,equal", EQUATIONS)
+def test_an_equation_counts_as_its_right_side_only_after_a_variable(verifier, pred, gold, equal):
+    for a, b in ((pred, gold), (gold, pred)):  # both directions
+        assert verifier.equivalent(a, b) is equal, (a, b)
+        assert verifier(["q"], [f"\\boxed{{{a}}}"], [b], [None]) == [float(equal)]
+        assert GSM8KVerifier().equivalent(a, b) is equal, (a, b)
