@@ -45,7 +45,9 @@ class RunConfig(Section):
 
     output_dir: str = option(doc="the run's directory: checkpoints, metrics, export")
     seed: int = option(0, doc="seeds every RNG of the run")
-    device: Literal["cpu", "cuda"] | None = option(None, doc="default: cuda when available")
+    device: Literal["cpu", "cuda"] | None = option(
+        None, doc="default: cuda when available (cuda where there is none is refused)"
+    )
     prepare: list[Component] | None = option(
         None, doc="components run once on rank 0 before anything loads (make data, a model)"
     )
@@ -157,7 +159,9 @@ def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loadin
 class ModelConfig(Section):
     """``model:``: the checkpoint to load."""
 
-    path: str = option(doc="an HF model directory (or a LightRFT export, `<output_dir>/final`)")
+    path: str = option(
+        doc="an HF model directory or hub id (or a LightRFT export, `<output_dir>/final`)"
+    )
     dtype: DType = option("float32", doc="parameter dtype")
     trust_remote_code: bool = option(False, doc="let transformers run the checkpoint's code")
 
