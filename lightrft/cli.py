@@ -34,6 +34,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class UsageError(Exception):
+    """A mistake on the command line (an unknown recipe or config name, a missing file): one
+    line on stderr and exit status 2, like argparse's own usage errors and config errors."""
+
+
 _LAUNCH = re.compile(r"^#\s*(?:lightrft|tune)\s+run\s+(?:--\S+\s+\S+\s+)*(\S+)")
 
 
@@ -80,11 +87,11 @@ def resolve_recipe(name: str) -> Path:
     p = Path(name)
     if p.suffix == ".py":
         if not p.is_file():
-            raise SystemExit(f"lightrft: recipe file not found: {name}")
+            raise UsageError(f"recipe file not found: {name}")
         return p.resolve()
     recipes = list_recipes()
     if name not in recipes:
-        raise SystemExit(f"lightrft: unknown recipe {name!r}; available: {', '.join(recipes)}")
+        raise UsageError(f"unknown recipe {name!r}; available: {', '.join(recipes)}")
     return recipes[name]
 
 
@@ -92,7 +99,7 @@ def resolve_config(name: str) -> Path:
     p = Path(name)
     if p.suffix in (".yaml", ".yml") or p.is_file():
         if not p.is_file():
-            raise SystemExit(f"lightrft: config file not found: {name}")
+            raise UsageError(f"config file not found: {name}")
         return p.resolve()
     configs = list_configs()
     if name not in configs:
@@ -100,7 +107,7 @@ def resolve_config(name: str) -> Path:
 
         close = difflib.get_close_matches(name, list(configs), n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise SystemExit(f"lightrft: unknown config {name!r}{hint}; see `lightrft ls`")
+        raise UsageError(f"unknown config {name!r}{hint}; see `lightrft ls`")
     return configs[name]
 
 
@@ -126,14 +133,12 @@ def cmd_cp(args: argparse.Namespace) -> int:
     elif args.name in configs:
         src = configs[args.name]
     else:
-        raise SystemExit(
-            f"lightrft: {args.name!r} is neither a recipe nor a config; see `lightrft ls`"
-        )
+        raise UsageError(f"{args.name!r} is neither a recipe nor a config; see `lightrft ls`")
     dest = Path(args.dest)
     if dest.is_dir():
         dest = dest / src.name
     if dest.exists() and not args.force:
-        raise SystemExit(f"lightrft: {dest} exists; pass --force to overwrite")
+        raise UsageError(f"{dest} exists; pass --force to overwrite")
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dest)
     print(f"copied {src.name} to {dest}")
@@ -150,7 +155,7 @@ def load_recipe_checks(recipe_path: Path):
     without running its main."""
     module = runpy.run_path(str(recipe_path), run_name="lightrft_recipe_schema")
     if "CONFIG_SCHEMA" not in module:
-        raise SystemExit(f"lightrft: {recipe_path} defines no CONFIG_SCHEMA")
+        raise UsageError(f"{recipe_path} defines no CONFIG_SCHEMA")
     return module["CONFIG_SCHEMA"], module.get("build_options")
 
 
@@ -160,9 +165,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     path = resolve_config(args.config)
     recipe = args.recipe or recipe_of_config(path)
     if recipe is None:
-        raise SystemExit(
-            f"lightrft: {path} does not open with `# lightrft run <recipe> ...`; pass --recipe"
-        )
+        raise UsageError(f"{path} does not open with `# lightrft run <recipe> ...`; pass --recipe")
     try:
         cfg, src = load(path, args.overrides)
         schema, build_options = load_recipe_checks(resolve_recipe(recipe))
@@ -232,13 +235,13 @@ def cmd_run(argv: list[str]) -> int:
         torchrun_args.append(flag)
         if "=" not in flag and flag in _TORCHRUN_VALUE_FLAGS:
             if i + 1 >= len(argv):
-                raise SystemExit(f"lightrft: {flag} needs a value")
+                raise UsageError(f"{flag} needs a value")
             torchrun_args.append(argv[i + 1])
             i += 1
         i += 1
     if i >= len(argv):
-        raise SystemExit(
-            "lightrft: usage: lightrft run [torchrun flags] <recipe> --config <cfg> [key=value ...]"
+        raise UsageError(
+            "usage: lightrft run [torchrun flags] <recipe> --config <cfg> [key=value ...]"
         )
     recipe = resolve_recipe(argv[i])
     rest = argv[i + 1 :]
@@ -315,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except UsageError as e:
+        print(f"lightrft: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     # `run` forwards its arguments untouched (torchrun flags, --config, overrides).
     if argv and argv[0] == "run":
         return cmd_run(argv[1:])

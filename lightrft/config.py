@@ -45,6 +45,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 __all__ = [
+    "Bound",
     "Component",
     "ConfigError",
     "Section",
@@ -63,6 +64,16 @@ __all__ = [
 
 class Component:
     """Schema marker: a mapping with a ``_component_`` dotted path and its keyword arguments."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A lower bound on a component's argument, checked by ``lightrft validate`` (and ``run``)
+    before anything is built: ``max_length: Annotated[int | None, Bound(ge=2)] = None``. The
+    component still checks the value itself when called from Python."""
+
+    ge: float | None = None
+    gt: float | None = None
 
 
 class UserError(Exception):
@@ -162,9 +173,27 @@ def load(
         for arg in in_list:
             key, value = arg.split("=", 1)
             OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, merge=True)
+    except yaml.YAMLError:
+        raise _bad_override_value(sets) from None
     except (ValueError, TypeError, KeyError, IndexError) as e:
         raise ConfigError(f"overrides {sets}: {e}") from None
     return cfg, src
+
+
+def _bad_override_value(sets: list[str]) -> ConfigError:
+    """The error for the first ``key=value`` override whose value is not valid YAML (an
+    unclosed ``[0.9``, a stray ``{``): one line naming the override and the key."""
+    for arg in sets:
+        key, _, value = arg.partition("=")
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            return ConfigError(
+                f"override '{arg}': the value of {key} is not valid YAML ({problem}); "
+                "write a list as [0.9, 0.99] and quote a string that holds [ ] { } : #"
+            )
+    return ConfigError(f"overrides {sets}: a value is not valid YAML")
 
 
 def _through_list(data: Any, dotpath: str) -> bool:
@@ -260,10 +289,12 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
         return
     params = sig.parameters
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    fn = obj.__init__ if inspect.isclass(obj) else obj
     try:
-        hints = typing.get_type_hints(obj.__init__ if inspect.isclass(obj) else obj)
+        hints = typing.get_type_hints(fn)
+        extras = typing.get_type_hints(fn, include_extras=True)  # with Annotated bounds
     except Exception:  # noqa: BLE001 - unresolvable forward references: fall back to defaults
-        hints = {}
+        extras = hints = {}
     for arg, value in node.items():
         if arg == "_component_":
             continue
@@ -299,6 +330,23 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
             t = type(p.default)
         if value is not None and not _matches(value, t):
             errors.append(f"{src.where(sub)}: '{sub}' expects {_type_name(t)}, got {value!r}")
+            continue
+        for bound in _bounds(extras.get(arg)):
+            try:
+                _check_bounds(sub, value, {"ge": bound.ge, "gt": bound.gt})
+            except ValueError as e:
+                errors.append(f"{src.where(sub)}: {e}")
+
+
+def _bounds(t: Any) -> list[Bound]:
+    """The :class:`Bound` s annotated on a parameter type (inside ``X | None`` too)."""
+    if t is None:
+        return []
+    if typing.get_origin(t) is typing.Annotated:
+        return [m for m in t.__metadata__ if isinstance(m, Bound)] + _bounds(typing.get_args(t)[0])
+    if _is_union(t):
+        return [b for a in typing.get_args(t) for b in _bounds(a)]
+    return []
 
 
 def _check(cfg: Any, schema: Any, key: str, src: Source, errors: list[str]) -> None:
@@ -443,7 +491,10 @@ def parse(
         except UserError as e:
             if os.environ.get("LIGHTRFT_TRACEBACK"):
                 raise
-            print(f"lightrft: {type(e).__name__}: {e}", file=sys.stderr)
+            # A config mistake found while running (a model path a prepare step did not
+            # write...) reads like one `validate` finds: the place of the key, then the reason.
+            where = _place(str(e), src) if isinstance(e, ConfigError) else type(e).__name__
+            print(f"lightrft: {where}: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         sys.exit(result)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.config import Component, Section, option, section
+from lightrft.config import Component, ConfigError, Section, option, section
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DType = Literal[DTYPE_NAMES]
@@ -43,7 +45,9 @@ class RunConfig(Section):
 
     output_dir: str = option(doc="the run's directory: checkpoints, metrics, export")
     seed: int = option(0, doc="seeds every RNG of the run")
-    device: Literal["cpu", "cuda"] | None = option(None, doc="default: cuda when available")
+    device: Literal["cpu", "cuda"] | None = option(
+        None, doc="default: cuda when available (cuda where there is none is refused)"
+    )
     prepare: list[Component] | None = option(
         None, doc="components run once on rank 0 before anything loads (make data, a model)"
     )
@@ -51,7 +55,101 @@ class RunConfig(Section):
     def resolve(self, at: str) -> RunConfig:
         if not str(self.output_dir).strip():
             raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "device=cuda but CUDA is not available on this machine; use device=cpu "
+                    "(or leave device unset: cuda when available)"
+                )
         return self
+
+
+# -------------------------------------------------------------------------- model paths
+
+
+def _looks_local(path: str) -> bool:
+    """A string that is a local path rather than a hub id (``namespace/name``): absolute, ``./``,
+    ``../``, ``~`` or more parts than a hub id has (the rule of lightrft.models.check_local)."""
+    p = Path(path)
+    return p.is_absolute() or path.startswith((".", "~")) or len(p.parts) > 2
+
+
+def _strings(node: Any) -> Iterable[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, Mapping):
+        for k, v in node.items():
+            if k != "_component_":
+                yield from _strings(v)
+    elif isinstance(node, Sequence):
+        for v in node:
+            yield from _strings(v)
+
+
+def prepared(path: str, prepare: Iterable[Any] | None) -> bool:
+    """Whether a ``prepare`` step names ``path`` or a directory above it (as any argument, e.g.
+    ``out_dir``): the step may write it, so it need not exist (or be complete) before the run."""
+    target = Path(os.path.abspath(Path(path).expanduser()))
+    for step in prepare or ():
+        for value in _strings(step):
+            if not value.strip():
+                continue
+            named = Path(os.path.abspath(Path(value).expanduser()))
+            if named == target or named in target.parents:
+                return True
+    return False
+
+
+def check_model_path(
+    path: str,
+    key: str = "model.path",
+    *,
+    prepare: Iterable[Any] | None = None,
+    loading: bool = False,
+) -> None:
+    """Refuse a model path that cannot load, naming ``key`` (a ``ValueError``).
+
+    Validation (``loading=False``, ``lightrft validate`` and the start of ``run``) decides only
+    on what is on disk now, like :func:`lightrft.models.check_towers`: a file, or a directory
+    with neither ``config.json`` nor ``adapter_config.json``, is refused; a local path that does
+    not exist is refused when its parent directory exists (a typo: nothing will appear there),
+    and left to the second check when its parent is missing too (a directory an earlier run of
+    a pipeline writes, ``outputs/tiny/add_sft/final``). A path a ``prepare`` step names is left
+    to the second check. Hub ids (``Qwen/Qwen2.5-0.5B-Instruct``) pass. The second check
+    (``loading=True``: after the prepare steps, before any model loads) refuses every local
+    path that is not a model directory."""
+    try:
+        _check_model_path(str(path), key, prepare, loading)
+    except ValueError as e:
+        if loading:  # during the run: a user error (one line, exit 2), not a traceback
+            raise ConfigError(str(e)) from None
+        raise
+
+
+def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loading: bool) -> None:
+    p = Path(path).expanduser()
+    later = not loading and prepared(path, prepare)
+    if p.is_dir():
+        if later or (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
+            return
+        hint = (
+            f"; it is a training run's directory: use its export, {str(p / 'final')!r}"
+            if (p / "checkpoints").is_dir()
+            else " (give an HF model directory, a hub id or a LightRFT export <output_dir>/final)"
+        )
+        raise ValueError(f"{key}={path!r} is not a model directory: it has no config.json{hint}")
+    if p.exists():
+        raise ValueError(f"{key}={path!r} is a file, not a model directory")
+    if not _looks_local(path) or later or (not loading and not p.parent.is_dir()):
+        return
+    import difflib
+
+    siblings = [c.name for c in p.parent.iterdir()] if p.parent.is_dir() else []
+    near = difflib.get_close_matches(p.name, siblings, n=1)
+    hint = f" (did you mean {str(p.parent / near[0])!r}?)" if near else ""
+    raise ValueError(f"{key}={path!r} does not exist{hint}")
 
 
 # ---------------------------------------------------------------------------------- model
@@ -61,7 +159,9 @@ class RunConfig(Section):
 class ModelConfig(Section):
     """``model:``: the checkpoint to load."""
 
-    path: str = option(doc="an HF model directory (or a LightRFT export, `<output_dir>/final`)")
+    path: str = option(
+        doc="an HF model directory or hub id (or a LightRFT export, `<output_dir>/final`)"
+    )
     dtype: DType = option("float32", doc="parameter dtype")
     trust_remote_code: bool = option(False, doc="let transformers run the checkpoint's code")
 
@@ -288,7 +388,40 @@ class OptimConfig(Section):
     def resolve(self, at: str) -> OptimConfig:
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ValueError(f"clip_grad_norm must be > 0 or null, got {self.clip_grad_norm}")
+        check_optimizer(self.optimizer, "optimizer")
         return self
+
+
+# Keys that only select an implementation (a CUDA kernel...): left out of the trial build.
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def check_optimizer(node: Any, key: str = "optimizer") -> None:
+    """Refuse optimizer arguments no optimizer takes (a negative ``lr``, ``weight_decay`` or
+    ``eps``), naming ``key``; a ``torch.optim`` optimizer is also built once on a one-element
+    parameter, so every argument check of its own (betas in [0, 1), momentum...) runs now,
+    before any model loads, instead of after it."""
+    if node is None:
+        return
+    for arg in ("lr", "weight_decay", "eps"):
+        value = node.get(arg)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"{key}.{arg} must be >= 0, got {value}")
+    target = str(node.get("_component_", ""))
+    if not target.startswith("torch.optim."):
+        return
+    import torch
+    from omegaconf import OmegaConf
+
+    from lightrft.config import instantiate
+
+    args = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else dict(node)
+    for arg in _IMPLEMENTATION_KEYS:
+        args.pop(arg, None)
+    try:
+        instantiate(OmegaConf.create(args), [torch.nn.Parameter(torch.zeros(1))])
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ValueError(f"{key}: {target} refuses its arguments: {e}") from None
 
 
 # ----------------------------------------------------------------------------------- data

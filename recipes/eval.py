@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -30,8 +29,8 @@ from lightrft.engine import Request, SamplingParams
 from lightrft.engine.config import EngineConfig
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.models.multimodal import load_processors
-from lightrft.rewards import build_reward
-from lightrft.sections import ModelConfig, RunConfig
+from lightrft.rewards import build_reward, reward_names
+from lightrft.sections import ModelConfig, RunConfig, check_model_path
 from lightrft.training.run import TrainingRun, training_run
 
 
@@ -75,11 +74,12 @@ class EvalConfig(Section):
         bad = [k for k in ks if not 1 <= k <= n]
         if bad:
             raise ValueError(f"ks: k={bad[0]} is not in [1, sampling.n={n}]")
-        names = list((self.reward.get("functions") or {}).keys())
+        names = reward_names(self.reward)
         for key in ("accuracy_reward", "answer_reward"):
             val = getattr(self, key)
             if val is not None and names and val not in names:
                 raise ValueError(f"{key}={val!r} is not a reward function; they are {names}")
+        check_model_path(self.model.path, prepare=self.run.prepare)
         return dataclasses.replace(self, ks=tuple(ks))
 
 
@@ -96,6 +96,7 @@ class EvalRecipe:
 
     def setup(self, cfg: DictConfig) -> None:
         o, m, e = self.opts, self.opts.model, self.opts.engine
+        check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
         processor, self.tokenizer = load_processors(m.path, trust_remote_code=m.trust_remote_code)
         self.dataset = config.instantiate(o.dataset, processor)
         self.reward_fn = build_reward(o.reward)
@@ -163,11 +164,6 @@ def format_table(summary: dict[str, float]) -> str:
 @config.parse(schema=CONFIG_SCHEMA, options=build_options)
 def recipe_main(cfg: DictConfig, opts: EvalConfig) -> None:
     OmegaConf.resolve(cfg)
-    if not (Path(opts.model.path) / "config.json").is_file():
-        raise ValueError(
-            f"model.path={opts.model.path!r} is not an HF model directory (no config.json); "
-            "a training checkpoint must be exported first (its <output_dir>/final)"
-        )
     with training_run(cfg, opts.run) as run:
         recipe = EvalRecipe(cfg, opts, run)
         recipe.setup(cfg)

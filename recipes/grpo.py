@@ -79,7 +79,7 @@ from lightrft.models.multimodal import (
     set_towers_trainable,
 )
 from lightrft.models.sharded import load_parallel
-from lightrft.rewards import build_reward
+from lightrft.rewards import build_reward, reward_names
 from lightrft.rollout import RolloutBatch
 from lightrft.rollout.engine import ColocatedEngine
 from lightrft.rollout.metrics import (
@@ -89,7 +89,12 @@ from lightrft.rollout.metrics import (
     write_trajectories,
 )
 from lightrft.rollout.micro import MicroBatch, build_micro_batch, rank_micro_batches
-from lightrft.sections import PolicyModelConfig, ScheduleConfig
+from lightrft.sections import (
+    PolicyModelConfig,
+    ScheduleConfig,
+    check_model_path,
+    check_optimizer,
+)
 from lightrft.strategy import build_strategy
 from lightrft.training import (
     MetricAccumulator,
@@ -170,7 +175,7 @@ class GRPOConfig(TrainingConfig):
         ev = self.eval
         if ev.is_set() and self.eval_dataset is None:
             raise ValueError("the eval section needs an eval_dataset")
-        names = list((self.reward.get("functions") or {}).keys())  # a CombinedReward's parts
+        names = reward_names(self.reward)  # a CombinedReward's parts
         if ev.accuracy_reward is not None and ev.accuracy_reward not in names:
             raise ValueError(
                 f"eval.accuracy_reward={ev.accuracy_reward!r} is not a reward function; they "
@@ -189,7 +194,7 @@ class GRPOConfig(TrainingConfig):
             if schedule is not None:
                 schedule.check_steps(self.max_steps, key)
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
-        _check_media(opts)
+        _check_media(opts, prepare=self.run.prepare)
         return opts
 
     def _critic(self) -> CriticConfig | None:
@@ -205,12 +210,17 @@ class GRPOConfig(TrainingConfig):
             raise ValueError(
                 "estimator=gae needs a critic: add a `critic:` section with its optimizer"
             )
+        check_optimizer(critic.optimizer, "critic.optimizer")
         return replace(critic, path=critic.path or self.model.path)
 
 
-def _check_media(opts: GRPOConfig) -> None:
-    """Rules for vision- and audio-language actors, from the checkpoint's config.json (cheap; a
-    checkpoint a ``prepare`` step writes is checked again in setup, before any model loads)."""
+def _check_media(opts: GRPOConfig, *, prepare=None, loading: bool = False) -> None:
+    """The model paths, then the rules for vision- and audio-language actors, from the
+    checkpoint's config.json (cheap; a checkpoint a ``prepare`` step writes is checked again in
+    setup, ``loading=True``, before any model loads)."""
+    check_model_path(opts.model.path, prepare=prepare, loading=loading)
+    if opts.critic is not None and opts.critic.path != opts.model.path:
+        check_model_path(opts.critic.path, "critic.path", prepare=prepare, loading=loading)
     check_towers(opts.model)
     if checkpoint_is_multimodal(opts.model.path) and opts.critic is not None:
         vlm = checkpoint_is_vision_language(opts.model.path)
@@ -317,7 +327,7 @@ class GRPORecipe:
     def _setup_models(self) -> None:
         """Actor (+ optimizer, scheduler), the frozen reference (KL only), the critic (gae)."""
         o, m = self.opts, self.opts.model
-        _check_media(o)  # the checkpoint exists now, whatever prepare wrote
+        _check_media(o, loading=True)  # the checkpoint exists now, whatever prepare wrote
         self.strategy = build_strategy(o.strategy, self.dist)
         self.model = self._load_model(
             m.path,

@@ -42,7 +42,7 @@ from lightrft.distributed import all_reduce_sum
 from lightrft.models.lora import apply_backbone_lora
 from lightrft.models.multimodal import load_processors
 from lightrft.models.reward import CONFIG_KEY, POOLINGS, load_reward_net_parallel
-from lightrft.sections import BatchConfig, TrainedModelConfig
+from lightrft.sections import BatchConfig, TrainedModelConfig, check_model_path
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
@@ -105,6 +105,7 @@ class RewardModelConfig(TrainingConfig):
                 f"{self.model.pooling!r}): a classifier's score is no log-likelihood"
             )
         self.optim.lr_scheduler.check_steps(self.data.max_steps)
+        check_model_path(self.model.path, prepare=self.run.prepare)
         return self
 
 
@@ -123,6 +124,7 @@ class RewardModelRecipe:
 
     def setup(self, cfg: DictConfig) -> None:
         o, m, d = self.opts, self.opts.model, self.opts.data
+        check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
         # A vision-language backbone: the datasets take its processor (images + text) and the
         # export saves it; everything else is the text path.
         self.processor, self.tokenizer = load_processors(

@@ -28,7 +28,7 @@ from lightrft.distributed import all_reduce_sum
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models.multimodal import check_towers, load_processors, set_towers_trainable
 from lightrft.models.sharded import load_parallel
-from lightrft.sections import BatchConfig, PolicyModelConfig
+from lightrft.sections import BatchConfig, PolicyModelConfig, check_model_path
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
@@ -44,6 +44,7 @@ class SFTConfig(TrainingConfig):
     def resolve(self, at: str) -> SFTConfig:
         super().resolve(at)
         self.optim.lr_scheduler.check_steps(self.data.max_steps)
+        check_model_path(self.model.path, prepare=self.run.prepare)
         check_towers(self.model)
         return self
 
@@ -63,7 +64,8 @@ class SFTRecipe:
 
     def setup(self, cfg: DictConfig) -> None:
         o, m, d = self.opts, self.opts.model, self.opts.data
-        check_towers(m)  # the checkpoint exists now, whatever prepare wrote
+        check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
+        check_towers(m)
         self.strategy = build_strategy(o.strategy, self.dist)
 
         def prepare(model: torch.nn.Module) -> torch.nn.Module:

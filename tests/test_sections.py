@@ -12,9 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightrft import cli
-from lightrft.sections import BatchConfig, OptimConfig, PolicyModelConfig, StrategyConfig
+from lightrft.config import ConfigError
+from lightrft.sections import (
+    BatchConfig,
+    OptimConfig,
+    PolicyModelConfig,
+    StrategyConfig,
+    check_model_path,
+)
 from lightrft.training.run import TrainingRunConfig
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -88,10 +96,29 @@ MISTAKES = [
     ("seed=x", "'seed' expects int, got 'x'"),
     ("output_dir=", "'output_dir' must not be null"),
     ("model.compile=maybe", "'model.compile' expects bool"),
+    # Optimizer arguments, checked before the model loads (torch.optim ones by torch too).
+    ("optimizer.lr=-1e-3", "optimizer.lr must be >= 0, got -0.001"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay must be >= 0, got -0.1"),
+    (
+        "optimizer.betas=[0.9,1.5]",
+        "optimizer: torch.optim.AdamW refuses its arguments: Invalid beta parameter at index 1",
+    ),
+    ("optimizer.betas=[0.9", "override 'optimizer.betas=[0.9': the value of optimizer.betas is"),
+    # A model path that is there but no model, or not there where nothing will write it.
+    ("model.path=/etc", "model.path='/etc' is not a model directory: it has no config.json"),
+    ("model.path=./no_model", "model.path='./no_model' does not exist"),
+    pytest.param(
+        "device=cuda",
+        "device=cuda but CUDA is not available on this machine; use device=cpu",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here"),
+        id="device=cuda without CUDA",
+    ),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", MISTAKES, ids=[m for _, m in MISTAKES])
+@pytest.mark.parametrize(
+    "overrides,message", MISTAKES, ids=[r[1] if len(r) == 2 else r.id for r in MISTAKES]
+)
 def test_same_mistake_same_message_in_every_recipe(
     overrides, message, tmp_path, monkeypatch, capsys
 ):
@@ -107,6 +134,34 @@ def test_same_mistake_same_message_in_every_recipe(
         errors[recipe] = err.replace(config.split("/")[1], "<run>")
     assert len(set(errors.values())) == 1, errors
     assert not any(tmp_path.iterdir())  # refused before any side effect
+
+
+def test_model_path_rules(tmp_path, monkeypatch):
+    """What validation decides from the disk alone, and what it leaves to the check after the
+    prepare steps (``loading=True``), which refuses every local path that is no model."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "file.txt").write_text("x")
+    check_model_path("model")  # a model directory
+    check_model_path("Qwen/Qwen2.5-0.5B-Instruct")  # a hub id: not checked
+    check_model_path("outputs/sft/final")  # nothing above it yet: an earlier run writes it
+    with pytest.raises(ValueError, match="'empty' is not a model directory"):
+        check_model_path("empty")
+    with pytest.raises(ValueError, match="'file.txt' is a file"):
+        check_model_path("file.txt")
+    with pytest.raises(ValueError, match=r"'\./modle' does not exist \(did you mean '.*model'"):
+        check_model_path("./modle")
+    # A prepare step that names the path (or a directory above it) may write it.
+    prepare = [{"_component_": "lightrft.tasks.ensure_tiny_model", "out_dir": str(tmp_path)}]
+    check_model_path("empty", prepare=prepare)
+    check_model_path("./modle", prepare=prepare)
+    # After the prepare steps: a user error (one line, exit 2), naming the key.
+    for path in ("empty", "./modle", "outputs/sft/final"):
+        with pytest.raises(ConfigError, match="critic.path="):
+            check_model_path(path, "critic.path", loading=True)
+    check_model_path("model", loading=True)
 
 
 if __name__ == "__main__":

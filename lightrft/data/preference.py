@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
+from lightrft.config import Bound
 from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.media import Media
 from lightrft.data.records import (
@@ -187,7 +188,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         min_pixels: int | None = None,
         max_pixels: int | None = None,
         apply_chat_template: bool = True,
-        max_length: int | None = None,
+        max_length: Annotated[int | None, Bound(ge=1)] = None,
         truncation: Truncation = "truncate",
     ) -> None:
         check_truncation(truncation)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 
+from lightrft.config import Bound
 from lightrft.data.audio import AudioTooLong, OverlongAudio
 from lightrft.data.io import DataError, PathLike, require_field
 from lightrft.data.media import Media
@@ -75,13 +76,13 @@ class PromptDataset(torch.utils.data.Dataset):
         reference_required: bool = True,
         system_prompt: str | None = None,
         apply_chat_template: bool = True,
-        max_prompt_length: int | None = None,
+        max_prompt_length: Annotated[int | None, Bound(ge=1)] = None,
         truncation: Truncation | Literal["error"] = "drop",
         images_field: str | None = "images",
         min_pixels: int | None = None,
         max_pixels: int | None = None,
         audios_field: str | None = "audios",
-        max_audio_seconds: float | None = None,
+        max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
         overlong_audio: OverlongAudio = "clip",
     ) -> None:
         if truncation != "error":

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
+from lightrft.config import Bound
 from lightrft.data.audio import AudioTooLong, OverlongAudio
 from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.records import (
@@ -93,13 +94,13 @@ class SFTDataset(torch.utils.data.Dataset):
         messages_field: str = "messages",
         system_prompt: str | None = None,
         apply_chat_template: bool = True,
-        max_length: int | None = None,
+        max_length: Annotated[int | None, Bound(ge=2)] = None,
         truncation: Truncation = "truncate",
         images_field: str | None = "images",
         min_pixels: int | None = None,
         max_pixels: int | None = None,
         audios_field: str | None = "audios",
-        max_audio_seconds: float | None = None,
+        max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
         overlong_audio: OverlongAudio = "clip",
     ) -> None:
         check_truncation(truncation)

@@ -9,6 +9,7 @@ from lightrft.rewards.base import (
     RewardOutput,
     build_reward,
     check_reward_output,
+    reward_names,
 )
 from lightrft.rewards.code import CodeVerifier
 from lightrft.rewards.generative import GenerativeReward
@@ -45,4 +46,5 @@ __all__ = [
     "check_reward_output",
     "extract_answer",
     "normalize_answer",
+    "reward_names",
 ]

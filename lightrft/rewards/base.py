@@ -407,6 +407,34 @@ class CombinedReward:
         return check_reward_output(name, out, len(idx), sub_prompts, idx)
 
 
+def reward_names(node: Any, key: str = "reward") -> list[str]:
+    """The names of a reward config's functions (a :class:`CombinedReward` 's ``functions``;
+    ``[]`` for a single reward function), after refusing, before anything is built, a
+    ``weights`` or ``routes`` entry that names no function (``ValueError`` naming the key)."""
+    functions = node.get("functions") if isinstance(node, Mapping) else None
+    if not isinstance(functions, Mapping):
+        return []
+    names = [str(n) for n in functions]
+    weights = node.get("weights") or {}
+    for name, w in weights.items():
+        if name not in names:
+            raise ValueError(
+                f"{key}.weights.{name}: no reward function named {name!r}; "
+                f"functions are {sorted(names)}"
+            )
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"{key}.weights.{name} must be a finite number, got {w!r}")
+    for label, route in (node.get("routes") or {}).items():
+        route = [route] if isinstance(route, str) else list(route or [])
+        unknown = [n for n in route if n not in names]
+        if unknown:
+            raise ValueError(
+                f"{key}.routes.{label}: no reward function named {unknown[0]!r}; "
+                f"functions are {sorted(names)}"
+            )
+    return names
+
+
 def build_reward(spec: Any, name: str | None = None) -> CombinedReward:
     """A :class:`CombinedReward` from a config node or a reward function.
 

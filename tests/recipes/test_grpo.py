@@ -608,6 +608,15 @@ def test_bad_input_fails_with_a_clear_error(tmp_path, assets, capsys):
 
 # One row per cross-field rule of build_options: `lightrft validate` and `lightrft run` both
 # refuse the config, exit 2 and print the same message, before any model loads.
+_ADAM = {"_component_": "torch.optim.AdamW", "lr": 1e-3}
+
+
+def _torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 BAD_CONFIGS = [
     ({"algorithm.kl": {"coef": 0.0}}, "kl.coef must be > 0"),
     ({"strategy": "zero3"}, "strategy: unknown strategy 'zero3'"),
@@ -673,19 +682,84 @@ BAD_CONFIGS = [
     ({"lr_scheduler": {"min_lr_ratio": 2.0}}, "lr_scheduler.min_lr_ratio must be in"),
     ({"lr_scheduler": {"warmup_steps": 50}}, "lr_scheduler.warmup_steps=50 is more than max_steps"),
     ({"resume": True}, "no checkpoint found"),
+    # What a user supplies: component arguments, paths, the device, names, override syntax.
+    ({"optimizer.lr": -1e-3}, "optimizer.lr must be >= 0, got -0.001"),
+    ({"optimizer.weight_decay": -0.1}, "optimizer.weight_decay must be >= 0, got -0.1"),
+    ({"optimizer.betas": [0.9, 1.5]}, "torch.optim.AdamW refuses its arguments: Invalid beta"),
+    (
+        {
+            "algorithm.advantage.estimator": "gae",
+            "critic": {"optimizer": {"_component_": "torch.optim.AdamW", "lr": -1.0}},
+        },
+        "critic.optimizer.lr must be >= 0, got -1.0",
+    ),
+    ({"model.path": "/etc"}, "model.path='/etc' is not a model directory: it has no config.json"),
+    ({"model.path": "/no_such_model"}, "model.path='/no_such_model' does not exist"),
+    (
+        {"algorithm.advantage.estimator": "gae", "critic": {"path": "/etc", "optimizer": _ADAM}},
+        "critic.path='/etc' is not a model directory",
+    ),
+    ({"dataset.max_prompt_length": 0}, "dataset.max_prompt_length must be >= 1, got 0"),
+    ({"reward.weights": {"acc": 1.0}}, "reward.weights.acc: no reward function named 'acc'"),
+    ({"reward.routes": {"math": ["acc"]}}, "reward.routes.math: no reward function named 'acc'"),
+    ({"reward.weights": {"digits": ".5"}}, "reward.weights.digits must be a finite number"),
+    pytest.param(
+        {"device": "cuda"},
+        "device=cuda but CUDA is not available on this machine; use device=cpu",
+        marks=pytest.mark.skipif(_torch_cuda(), reason="CUDA is available here"),
+        id="device=cuda without CUDA",
+    ),
+    # key=value overrides on the command line (a string row: given to both commands).
+    ("optimizer.betas=[0.9", "override 'optimizer.betas=[0.9': the value of optimizer.betas is"),
+    ("optimizer.lr=-1", "override 'optimizer.lr=-1': optimizer.lr must be >= 0, got -1"),
+    ("model.path=/etc", "override 'model.path=/etc': model.path='/etc' is not a model directory"),
 ]
 
 
-@pytest.mark.parametrize("over,msg", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+@pytest.mark.parametrize(
+    "over,msg", BAD_CONFIGS, ids=[r[1] if len(r) == 2 else r.id for r in BAD_CONFIGS]
+)
 def test_validate_and_run_refuse_the_same_configs(tmp_path, assets, capsys, over, msg):
-    cfg = _config(tmp_path, assets, **over)
-    assert cli.main(["validate", str(cfg)]) == 2
+    args = over.split() if isinstance(over, str) else []
+    cfg = _config(tmp_path, assets, **({} if args else over))
+    assert cli.main(["validate", str(cfg), *args]) == 2
     validate_err = capsys.readouterr().err
     assert msg in validate_err, validate_err
-    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 2
+    assert cli.main(["run", "grpo", "--config", str(cfg), *args]) == 2
     run_err = capsys.readouterr().err
     assert run_err == validate_err
+    assert "Traceback" not in run_err and len(run_err.strip().splitlines()) <= 2, run_err
     assert not (tmp_path / "out").exists()  # refused before any side effect
+
+
+def test_validate_and_run_refuse_the_same_names(tmp_path, assets, capsys):
+    """A misspelled recipe or config name: one line with the close names, exit 2 (as argparse
+    and config errors), the same from `validate` and `run`."""
+    cfg = str(_config(tmp_path, assets))
+    for validate, run, msg in [
+        (["--recipe", "grpp", cfg], ["grpp", "--config", cfg], "unknown recipe 'grpp'"),
+        (["tiny/add_grpp"], ["grpo", "--config", "tiny/add_grpp"], "did you mean tiny/add_grpo"),
+        (["nope.yaml"], ["grpo", "--config", "nope.yaml"], "config file not found: nope.yaml"),
+    ]:
+        assert cli.main(["validate", *validate]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.splitlines()) == 1, err
+        assert cli.main(["run", *run]) == 2
+        assert capsys.readouterr().err == err
+
+
+def test_a_model_path_a_prepare_step_did_not_write_is_refused_before_loading(
+    tmp_path, assets, capsys
+):
+    """A local model path whose parent is not there either validates (an earlier run of a
+    pipeline writes it); the run refuses it after its prepare steps, in the same words."""
+    cfg = _config(tmp_path, assets, **{"model.path": str(tmp_path / "sft" / "final")})
+    assert cli.main(["validate", str(cfg)]) == 0
+    capsys.readouterr()
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"model.path='{tmp_path / 'sft' / 'final'}' does not exist" in err, err
+    assert "Traceback" not in err and err.startswith(f"lightrft: {cfg}:"), err
 
 
 def test_null_means_default(tmp_path, assets):

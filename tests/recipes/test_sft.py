@@ -259,12 +259,20 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
         ("shard_size=0", "shard_size must be >= 1, got 0"),
         ("replicate_size=two", "replicate_size"),
         ("lora.alpha=4", "lora.rank: set the adapter rank"),
+        # Component arguments the component itself would refuse only once it is built.
+        ("dataset.max_length=-5", "dataset.max_length must be >= 2, got -5"),
+        ("eval_dataset.max_length=1", "eval_dataset.max_length must be >= 2, got 1"),
+        ("optimizer.lr=-1e-3", "optimizer.lr must be >= 0, got -0.001"),
+        ("optimizer.eps=-1e-8", "optimizer.eps must be >= 0"),
+        ("model.path=/etc", "model.path='/etc' is not a model directory"),
+        (f"model.path={tmp_path}/modle", f"model.path='{tmp_path}/modle' does not exist"),
     ]:
         assert cli.main(["validate", str(cfg), *override.split()]) == 2
         err = capsys.readouterr().err
         assert msg in err, err
         assert cli.main(["run", "sft", "--config", str(cfg), *override.split()]) == 2
         assert capsys.readouterr().err == err
+        assert "Traceback" not in err
     if importlib.util.find_spec("deepspeed") is None:  # else tests/recipes/test_sft_deepspeed.py
         assert cli.main(["validate", str(cfg), "strategy=deepspeed"]) == 2
         assert "strategy=deepspeed needs the DeepSpeed extra" in capsys.readouterr().err
