@@ -115,7 +115,9 @@ def test_documented_loading_blocks_run_in_a_fresh_interpreter(exports):
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    env.update(TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    env.update(
+        TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1"
+    )
     procs = [
         (
             name,
