@@ -2,6 +2,7 @@
 vision-language and audio-language) from HF directories; parallelize()."""
 
 from lightrft.models.loading import load_causal_lm, load_model, load_tokenizer
+from lightrft.models.lora import load_export
 from lightrft.models.multimodal import (
     checkpoint_is_audio_language,
     checkpoint_is_multimodal,
@@ -19,6 +20,7 @@ __all__ = [
     "checkpoint_is_multimodal",
     "checkpoint_is_vision_language",
     "load_causal_lm",
+    "load_export",
     "load_model",
     "load_processor",
     "load_tokenizer",

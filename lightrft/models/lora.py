@@ -44,12 +44,15 @@ __all__ = [
     "apply_lora",
     "export_adapter",
     "has_adapters",
+    "ignore_old_torchao",
     "initial_adapter_value",
     "is_adapter_param",
     "is_lora_layer",
     "is_lora_matrix",
     "is_original_copy",
     "is_peft_model",
+    "load_adapter_export",
+    "load_export",
     "lora_factors",
     "merged_adapters",
     "resolve_targets",
@@ -181,10 +184,18 @@ def resolve_targets(model: nn.Module, opts: LoraConfig) -> list[str]:
     return list(opts.targets)
 
 
-def _ignore_old_torchao() -> None:
-    """PEFT (0.17-0.21) raises ImportError while building any LoRA layer when torchao < 0.16 is
-    installed, which torchtune 0.6.1 requires. Its torchao path only serves torchao-quantized
-    base weights, which we never build: tell PEFT torchao is absent."""
+def ignore_old_torchao() -> None:
+    """Let PEFT build LoRA layers when torchao < 0.16 is installed (what torchtune 0.6.1 pins).
+
+    PEFT (0.17-0.21) raises ``ImportError: Found an incompatible version of torchao`` from
+    ``is_torchao_available()``, which its LoRA dispatcher calls for *every* adapted layer, so
+    ``get_peft_model`` and ``PeftModel.from_pretrained`` fail even on plain float weights. Its
+    torchao path only serves torchao-quantized base weights, which LightRFT never builds, so
+    PEFT is told torchao is absent. Scoped narrowly: only when torchao < 0.16 is installed, only
+    PEFT's three module-level names of that one function; with torchao absent or >= 0.16 this
+    does nothing. Idempotent. Call it before ``PeftModel.from_pretrained`` in that environment
+    (:func:`load_export` does).
+    """
     import importlib.metadata
 
     from packaging.version import Version
@@ -203,12 +214,15 @@ def _ignore_old_torchao() -> None:
                 mod.is_torchao_available = lambda: False
 
 
+_ignore_old_torchao = ignore_old_torchao  # the name used before it was public
+
+
 def _lora_config(model: nn.Module, opts: LoraConfig, **extra: Any):
     """PEFT's ``LoraConfig`` for ``opts`` on ``model``'s decoder, after checking that every
     ``trained_modules`` name names a module of it."""
     from peft import LoraConfig
 
-    _ignore_old_torchao()
+    ignore_old_torchao()
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [m for m in opts.trained_modules if m not in names]
     if missing:
@@ -323,3 +337,67 @@ def _peft_state_dict(model: nn.Module) -> dict:
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return sd
+
+
+def load_adapter_export(
+    path: str | Path,
+    base: str | Path | None = None,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trainable: bool = False,
+):
+    """A LoRA adapter export (``output_dir/final`` of a LoRA run) as a PEFT model on its base.
+
+    ``base``: the base model directory; default the ``base_model_name_or_path`` the adapter
+    records (the run's ``model.path``, relative to the directory the run started in when it was
+    given relative). Works in the environment LightRFT installs (torchao 0.15, see
+    :func:`ignore_old_torchao`). ``trainable``: keep the adapters trainable (PEFT's
+    ``is_trainable``); default inference mode.
+    """
+    import json
+
+    from lightrft.models.loading import load_model
+
+    path = Path(path)
+    cfg_file = path / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: no adapter_config.json; not a LoRA adapter export")
+    if base is None:
+        base = json.loads(cfg_file.read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{cfg_file} names no base model: pass base=<the base model dir>")
+        if not Path(base).exists():
+            raise FileNotFoundError(
+                f"{path}: its base model {base!r} (adapter_config.json base_model_name_or_path) "
+                "does not exist here: pass base=<the base model dir>"
+            )
+    from peft import PeftModel
+
+    ignore_old_torchao()
+    base_model = load_model(base, dtype=dtype, device=device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
+        model = PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+    return model if trainable else model.eval()
+
+
+def load_export(
+    path: str | Path,
+    *,
+    base: str | Path | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+):
+    """Any export of a run, in one call, in eval mode: a full HF directory (``final/`` of a full
+    fine-tune, ``final_merged/`` of LoRA) as :func:`lightrft.models.load_model` loads it, or a
+    LoRA adapter directory (``final/`` of a LoRA run) as a PEFT model on its base
+    (:func:`load_adapter_export`; ``base`` overrides the base model the adapter records)."""
+    from lightrft.models.loading import load_model
+
+    path = Path(path)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        return load_adapter_export(path, base, dtype=dtype, device=device)
+    return load_model(path, dtype=dtype, device=device).eval()
