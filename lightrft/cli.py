@@ -160,7 +160,7 @@ def load_recipe_checks(recipe_path: Path):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from lightrft.config import ConfigError, load, validate
+    from lightrft.config import UserError, load, validate
 
     path = resolve_config(args.config)
     recipe = args.recipe or recipe_of_config(path)
@@ -170,7 +170,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         cfg, src = load(path, args.overrides)
         schema, build_options = load_recipe_checks(resolve_recipe(recipe))
         validate(cfg, schema=schema, options=build_options, source=src)
-    except ConfigError as e:
+    except UserError as e:  # ConfigError, or a damaged checkpoint a resume check found
         print(f"lightrft: {e}", file=sys.stderr)
         return 2
     print(f"{path}: valid config for recipe '{recipe}'")
@@ -204,7 +204,7 @@ def _validate_before_launch(recipe: Path, rest: list[str], torchrun_args: list[s
     """Check the config once in the launcher (schema + the recipe's build_options) so a config
     error prints one message and exits 2 instead of failing in every worker. The world size is
     ``--nnodes x --nproc_per_node`` when both are plain numbers (else the workers check it)."""
-    from lightrft.config import ConfigError, load, split_argv, validate
+    from lightrft.config import UserError, load, split_argv, validate
 
     nproc = _flag_value(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
     nnodes = _flag_value(torchrun_args, "--nnodes") or "1"
@@ -216,7 +216,7 @@ def _validate_before_launch(recipe: Path, rest: list[str], torchrun_args: list[s
         if nproc.isdigit() and nnodes.isdigit():
             os.environ["WORLD_SIZE"] = str(int(nproc) * int(nnodes))
         validate(cfg, schema=schema, options=build_options, source=src)
-    except ConfigError as e:
+    except UserError as e:  # ConfigError, or a damaged checkpoint a resume check found
         print(f"lightrft: {e}", file=sys.stderr)
         return 2
     finally:

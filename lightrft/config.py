@@ -483,7 +483,7 @@ def parse(
             path, overrides = split_argv(sys.argv[1:])
             cfg, src = load(path, overrides)
             opts = validate(cfg, schema=schema, options=options, source=src)
-        except ConfigError as e:
+        except UserError as e:  # a config error, or a damaged checkpoint found by a resume check
             print(f"lightrft: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         try:
@@ -522,7 +522,7 @@ def validate(
         return options(cfg)
     except ConfigError:
         raise
-    except ValueError as e:
+    except ValueError as e:  # (a CheckpointError is no ValueError: never pinned on the config)
         raise ConfigError(f"{_place(str(e), source or Source())}: {e}") from None
 
 

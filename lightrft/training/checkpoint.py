@@ -47,12 +47,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from lightrft.config import UserError
 from lightrft.distributed import barrier
 from lightrft.models.export import replace_dir
 from lightrft.models.lora import has_adapters
 from lightrft.training.optim import is_deepspeed_engine
 from lightrft.training.resume import ConfigChange, check_resume_config
 from lightrft.training.safe_state import (
+    DamagedStateError,
     SafeFileSystemReader,
     SafeLoadPlanner,
     UnsafeCheckpointError,
@@ -142,6 +144,115 @@ def _unwrap(e: CheckpointException) -> BaseException:
         if isinstance(exc, (UnsafeCheckpointError, OSError)):
             return exc
     return e
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be resumed (damaged, from another model, an odd pointer): the
+    message names the file or checkpoint and the way out. Not a ``ValueError``, so a config
+    check that meets one does not blame the config file."""
+
+
+def _warn(message: str) -> None:
+    if _rank() == 0:
+        print(f"resume: warning: {message}", flush=True)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``path/meta.json`` as a dict with an integer ``step``; a :class:`CheckpointError` naming
+    the file when it is unreadable or not ours."""
+    f = path / META
+    try:
+        meta = json.loads(f.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"{f} is damaged (not a checkpoint record with an integer step)")
+    return meta
+
+
+def read_saved_config(path: Path) -> dict[str, Any] | None:
+    """``path/config.json`` (None when absent); a :class:`CheckpointError` naming the file when
+    it is not UTF-8 JSON."""
+    f = path / CONFIG
+    if not f.is_file():
+        return None
+    try:
+        saved = json.loads(f.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{f} is damaged (not a JSON object)")
+    return saved
+
+
+def _check_shards(path: Path) -> None:
+    """Every DCP shard named in ``.metadata`` is at least as long as the data it must hold."""
+    md_file = path / ".metadata"
+    try:
+        with open(md_file, "rb") as f:
+            md = read_dcp_metadata(f, md_file)
+    except DamagedStateError as e:
+        raise CheckpointError(f"{md_file} is damaged ({e})") from None
+    except UnsafeCheckpointError:  # a refused object (a planted pickle): not mere damage
+        raise
+    except Exception as e:  # truncated or garbage pickle stream
+        raise CheckpointError(f"{md_file} is damaged ({_first_line(e)})") from None
+    need: dict[str, int] = {}
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        end = info.offset + info.length
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        f = path / name
+        size = f.stat().st_size if f.is_file() else -1
+        if size < end:
+            got = "missing" if size < 0 else f"{size} bytes, {end} needed"
+            raise CheckpointError(f"{f} is damaged (truncated: {got})")
+
+
+def _check_rank_files(path: Path, world_size: int) -> None:
+    for r in range(world_size):
+        stem = path / f"rank_{r:05d}"
+        try:
+            load_state(stem)
+        except DamagedStateError as e:
+            raise CheckpointError(str(e)) from None
+        except UnsafeCheckpointError:  # a refused format (a planted pickle): not mere damage
+            raise
+        except Exception as e:  # e.g. a truncated .safetensors file
+            raise CheckpointError(f"{stem}.safetensors is damaged ({_first_line(e)})") from None
+
+
+def check_readable(path: Path) -> dict[str, Any]:
+    """Read every small file of checkpoint ``path`` and size-check its shards before anything
+    is loaded; its ``meta.json`` dict, or a :class:`CheckpointError` naming the damaged file."""
+    meta = read_meta(path)
+    read_saved_config(path)
+    if (path / ".metadata").is_file() or any(path.glob("*.distcp")):
+        _check_shards(path)
+    _check_rank_files(path, int(meta.get("world_size", 1)))
+    return meta
+
+
+def _load_failed(path: Path, e: CheckpointException) -> Exception:
+    """DCP's wrapped failure as one line: another model's shapes, or a damaged file."""
+    inner = _unwrap(e)
+    if isinstance(inner, UnsafeCheckpointError):
+        return inner
+    for exc, _trace in e.failures.values():
+        if "size mismatch" in str(exc).lower():
+            return CheckpointError(
+                f"checkpoint {path} is from a different model ({_first_line(exc)}): resume with "
+                "the model it was trained from, or start a new run (resume=false, another "
+                "output_dir)"
+            )
+    return CheckpointError(
+        f"checkpoint {path} is damaged and cannot be loaded ({_first_line(inner)})"
+    )
 
 
 def step_dir_name(step: int) -> str:
@@ -295,14 +406,53 @@ class Checkpointer:
         return [p for _, p in sorted(found)]
 
     def latest(self) -> Path | None:
-        """The checkpoint ``latest`` names; the newest complete one if the pointer is stale."""
+        """The checkpoint ``latest`` names; the newest complete one if the pointer is stale.
+
+        The pointer must hold a plain ``step_N`` name: anything else (a path, ``..``, bytes
+        that are not text) is ignored with a warning naming the pointer file."""
         pointer = self.root / LATEST
         if pointer.is_file():
-            target = self.root / pointer.read_text().strip()
-            if STEP_DIR.match(target.name) and (target / META).is_file():
+            target = self._pointed(pointer)
+            if target is not None and (target / META).is_file():
                 return target
         complete = self.list_checkpoints()
         return complete[-1] if complete else None
+
+    def _pointed(self, pointer: Path) -> Path | None:
+        try:
+            name = pointer.read_bytes().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = None
+        if name is None or not STEP_DIR.match(name):
+            _warn(
+                f"{pointer} does not hold a plain step_N name ({name!r}); ignored, the newest "
+                "complete checkpoint in this directory is used"
+            )
+            return None
+        return self.root / name
+
+    def latest_readable(self) -> Path | None:
+        """:meth:`latest` when it is readable (:func:`check_readable`), else the newest older
+        complete checkpoint that is; each damaged one skipped is reported. ``None``: none."""
+        first = self.latest()
+        if first is None:
+            return None
+        older = [p for p in reversed(self.list_checkpoints()) if p != first]
+        problems = []
+        for p in [first, *older]:
+            try:
+                check_readable(p)
+            except CheckpointError as e:
+                _warn(f"checkpoint {p} is damaged: {e}; skipped")
+                problems.append(str(e))
+                continue
+            if p != first:
+                _warn(f"resuming from {p}, the newest complete and readable checkpoint")
+            return p
+        raise CheckpointError(
+            f"every checkpoint in {self.root} is damaged (newest: {problems[0]}); start a new "
+            "run (overwrite=true or another output_dir)"
+        )
 
     # -- save -------------------------------------------------------------------------------
 
@@ -438,7 +588,7 @@ class Checkpointer:
                 f"{path} is not a complete checkpoint (no {META}); "
                 f"complete ones: {[p.name for p in self.list_checkpoints()]}"
             )
-        meta = json.loads(meta_file.read_text())
+        meta = check_readable(path)
         models_, optims_ = _named(models, "models"), _named(optimizers, "optimizers")
         scheds_, loaders_ = _named(schedulers, "schedulers"), _named(dataloaders, "dataloaders")
         _check_strategies(path, meta, models_)
@@ -472,8 +622,6 @@ class Checkpointer:
         app = _app_state(models_, optims_, scheds_)
         # Vet the metadata here too: inside dcp.load the refusal would come back as a
         # stringified AssertionError wrapped in a CheckpointException.
-        with open(path / ".metadata", "rb") as f:
-            read_dcp_metadata(f, path / ".metadata")
         try:
             with _quiet_single_process():
                 dcp.load(
@@ -483,18 +631,19 @@ class Checkpointer:
                     no_dist=not dist.is_initialized(),
                 )
         except CheckpointException as e:
-            raise _unwrap(e) from None
+            raise _load_failed(path, e) from None
         per_rank = load_state(path / f"rank_{min(rank, meta['world_size'] - 1):05d}")
         for name, loader in loaders_.items():
             loader.load_state_dict(per_rank["dataloaders"][name])
         if restore_rng:
             set_rng_state(per_rank["rng"])
-        if override_lr and any(c.kind == "lr" for c in changes):
+        if override_lr and any(c.kind in ("lr", "schedule") for c in changes):
             _override_lrs(optims_, scheds_, new_lrs)
         barrier()
         if rank == 0:
             for c in changes:
-                print(f"resume: {c} ({'applied' if c.kind == 'lr' else 'allowed'})", flush=True)
+                applied = c.kind in ("lr", "schedule")
+                print(f"resume: {c} ({'applied' if applied else 'allowed'})", flush=True)
             print(f"resumed from step {meta['step']} ({path})", flush=True)
         return CheckpointState(
             step=int(meta["step"]),
@@ -513,13 +662,13 @@ class Checkpointer:
         override_lr: bool,
         per_rank: bool,
     ) -> list[ConfigChange]:
-        saved_file = path / CONFIG
-        if not saved_file.is_file():
+        saved = read_saved_config(path)
+        if saved is None:
             if _rank() == 0:
                 print(f"resume: {path} holds no config record; config changes are not checked")
             return []
         return check_resume_config(
-            json.loads(saved_file.read_text()),
+            saved,
             json.loads(json.dumps(dict(config), default=str)),  # same normalisation as saved
             path=path,
             override_lr=override_lr,
@@ -537,7 +686,7 @@ class Checkpointer:
         """
         # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
         # shared file system lag behind one another.
-        path = _broadcast_from_rank0(self.latest() if _rank() == 0 else None)
+        path = _broadcast_from_rank0(self.latest_readable() if _rank() == 0 else None)
         if path is None:
             if required:
                 raise ValueError(
@@ -705,7 +854,6 @@ def _fsync_dir(path: Path) -> None:
 def check_resume(output_dir: str | Path, adapted: bool, models: tuple[str, ...]) -> None:
     """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
     adapters exactly when this run does (``adapted``), for each of ``models`` it holds."""
-    latest = Checkpointer(output_dir).latest()
+    latest = Checkpointer(output_dir).latest_readable()
     if latest is not None:
-        meta = json.loads((latest / META).read_text())
-        check_lora_match(meta, dict.fromkeys(models, adapted), latest)
+        check_lora_match(read_meta(latest), dict.fromkeys(models, adapted), latest)

@@ -165,13 +165,23 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(row, dict) and row.get("step", 0) <= last_step:
+            if not isinstance(row, dict):
+                continue
+            step = row.get("step", 0)
+            if not isinstance(step, int) or isinstance(step, bool):
+                print(
+                    f"resume: warning: {path}:{lineno}: step {step!r} is not an integer; "
+                    "the row is kept as it is",
+                    flush=True,
+                )
+                kept.append(json.dumps(row) + "\n")
+            elif step <= last_step:
                 kept.append(json.dumps(row) + "\n")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")

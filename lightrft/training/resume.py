@@ -7,6 +7,10 @@ Every checkpoint stores the run's resolved config (``config.json``, see
   logging, eval and checkpoint cadence, output paths, engine and memory knobs);
 * a learning rate (a key whose last part is ``lr``): applied only with ``resume_override_lr=true``
   (the optimizer and scheduler states would otherwise silently keep the saved one);
+* the run's length (``max_steps``; ``epochs`` when no ``max_steps`` is set) while the LR decays
+  (``lr_scheduler.min_lr_ratio`` < 1, the default): the warmup + cosine schedule would be
+  stretched over the new length and the learning rate would jump at the resume step, so, like a
+  learning rate, this needs ``resume_override_lr=true`` (with a constant LR it is allowed);
 * refused otherwise (model, optimizer type, algorithm, data, ... ): the saved optimizer and
   algorithm states cannot honour them, so the resume stops before loading anything, listing
   every such key with its saved and current value.
@@ -53,6 +57,9 @@ ALLOWED_CHANGES: tuple[str, ...] = (
 )
 """Dotted keys (fnmatch patterns) that may change between a checkpoint and its resume."""
 
+SCHEDULE_KEYS: tuple[str, ...] = ("max_steps", "epochs")
+"""Keys that set the length of the warmup + cosine LR schedule (unless it is constant)."""
+
 
 @dataclass(frozen=True)
 class ConfigChange:
@@ -61,7 +68,7 @@ class ConfigChange:
     key: str
     saved: Any
     current: Any
-    kind: Literal["allowed", "lr", "refused"]
+    kind: Literal["allowed", "lr", "schedule", "refused"]
 
     def __str__(self) -> str:
         return f"{self.key}: {self.saved!r} -> {self.current!r}"
@@ -83,6 +90,16 @@ def flatten(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _length_sets_lr(key: str, cfg: Mapping[str, Any]) -> bool:
+    """Whether ``key`` (``max_steps``, or ``epochs`` when no ``max_steps`` is set) is the length
+    of a decaying LR schedule: ``lr_scheduler.min_lr_ratio`` (default 0) below 1."""
+    if key not in SCHEDULE_KEYS or (key == "epochs" and cfg.get("max_steps") is not None):
+        return False
+    sched = cfg.get("lr_scheduler")
+    ratio = sched.get("min_lr_ratio") if isinstance(sched, Mapping) else None
+    return (0.0 if ratio is None else float(ratio)) < 1.0
+
+
 def config_changes(
     saved: Mapping[str, Any],
     current: Mapping[str, Any],
@@ -97,7 +114,9 @@ def config_changes(
         old, new = a.get(key, _MISSING), b.get(key, _MISSING)
         if old == new:
             continue
-        if any(fnmatch.fnmatchcase(key, p) for p in patterns):
+        if _length_sets_lr(key, current):
+            kind = "schedule"
+        elif any(fnmatch.fnmatchcase(key, p) for p in patterns):
             kind = "allowed"
         elif key.rsplit(".", 1)[-1] == "lr":
             kind = "lr"
@@ -120,7 +139,10 @@ def check_resume_config(
     """The allowed changes (to log), or a ``ValueError`` listing every change that cannot be
     honoured: refused keys, learning rates without ``override_lr``, a different world size."""
     changes = config_changes(saved, current, allowed=allowed)
-    bad = [c for c in changes if c.kind == "refused" or (c.kind == "lr" and not override_lr)]
+    needs_opt_in = ("lr", "schedule")
+    bad = [
+        c for c in changes if c.kind == "refused" or (c.kind in needs_opt_in and not override_lr)
+    ]
     lines = [f"  {c}" for c in bad if c.kind == "refused"]
     if saved_world_size is not None and world_size is not None and saved_world_size != world_size:
         lines.append(
@@ -131,6 +153,12 @@ def check_resume_config(
         f"  {c} (set resume_override_lr=true to apply the new learning rate)"
         for c in bad
         if c.kind == "lr"
+    ]
+    lines += [
+        f"  {c} (the lr_scheduler would be stretched over the new length and the learning rate "
+        "would jump at the resume step; set resume_override_lr=true to accept that)"
+        for c in bad
+        if c.kind == "schedule"
     ]
     if lines:
         raise ConfigError(

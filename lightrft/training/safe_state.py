@@ -35,6 +35,11 @@ class UnsafeCheckpointError(UserError, ValueError):
     """A checkpoint file holds something that would run code or is not in our format."""
 
 
+class DamagedStateError(UnsafeCheckpointError):
+    """A per-rank state or DCP metadata file that does not parse (truncated, overwritten):
+    damage, not a refused format, so a resume may fall back to an older checkpoint."""
+
+
 # ---------------------------------------------------------------------------------------------
 # per-rank state: JSON + safetensors
 
@@ -148,7 +153,7 @@ def load_state(stem: Path) -> Any:
         tensors = load(st.read_bytes()) if st.is_file() else {}
         return _decode(doc, tensors)
     except (ValueError, KeyError, TypeError) as e:
-        raise UnsafeCheckpointError(f"per-rank state {js} is corrupt: {e}") from None
+        raise DamagedStateError(f"per-rank state {js} is corrupt: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +193,11 @@ def read_dcp_metadata(stream: io.BufferedIOBase, where: Any) -> Any:
     """Unpickle a DCP ``.metadata`` stream with only DCP's classes allowed."""
     try:
         return _MetadataUnpickler(stream).load()
+    except EOFError:
+        raise DamagedStateError(f"{where}: checkpoint metadata is truncated") from None
     except pickle.UnpicklingError as e:
+        if "truncated" in str(e):  # short stream: damage, not a refused object
+            raise DamagedStateError(f"{where}: checkpoint metadata is truncated") from None
         raise UnsafeCheckpointError(
             f"{where}: refused to load checkpoint metadata ({e}); the file was not written by "
             "torch.distributed.checkpoint or was tampered with"

@@ -428,3 +428,29 @@ def test_resume_without_checkpoint_is_a_config_error(recipe, tmp_path, recipe_co
     rc, validate_err = _validate(capsys, cfg, "resume=true")
     assert rc == 2
     assert validate_err == err
+
+
+def test_damaged_checkpoints_through_the_cli(tmp_path, recipe_config, capsys):
+    """A damaged newest checkpoint: the run resumes from the older one and says so; every
+    checkpoint damaged: one line naming the file, exit 2, the YAML file not blamed, the same
+    from ``validate``."""
+    recipe = "sft"
+    out_dir = tmp_path / "out"
+    cfg = recipe_config(recipe, tmp_path, max_steps=2)
+    assert _run(capsys, recipe, cfg)[0] == 0
+    ckpts = out_dir / "checkpoints"
+    (ckpts / "step_000002" / "meta.json").write_bytes(b"\x00garbage\xff")
+    rc, out, err = _run(capsys, recipe, cfg, "resume=true", "max_steps=3")
+    assert rc == 0, out + err
+    assert f"checkpoint {ckpts / 'step_000002'} is damaged" in out + err, out + err
+    assert f"resuming from {ckpts / 'step_000001'}" in out + err, out + err
+    assert "resumed from step 1" in out + err, out + err
+
+    for step_dir in ckpts.glob("step_*"):
+        (step_dir / "meta.json").write_bytes(b"\x00garbage\xff")
+    rc, out, err = _run(capsys, recipe, cfg, "resume=true", "max_steps=4")
+    assert rc == 2, out + err
+    assert "Traceback" not in err and "meta.json is damaged" in err, err
+    assert cfg.name not in err, err  # not the YAML file's fault
+    rc, validate_err = _validate(capsys, cfg, "resume=true", "max_steps=4")
+    assert rc == 2 and validate_err == err

@@ -12,6 +12,9 @@ from lightrft.training.resume import check_resume_config, config_changes
 CFG = {
     "model": {"path": "/models/a", "dtype": "float32"},
     "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-2},
+    # constant LR: a longer run is then an allowed change (a decaying one needs the opt-in,
+    # tests/training/test_training_checkpoint_damage.py)
+    "lr_scheduler": {"min_lr_ratio": 1.0},
     "algorithm": {"kl": {"coef": None}},
     "max_steps": 10,
     "log_every": 1,
