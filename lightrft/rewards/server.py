@@ -17,7 +17,10 @@ reward function failed.
 Floods: a connection has ``--read-timeout`` seconds in all to deliver its request, however it
 trickles; the listen backlog holds :data:`LISTEN_BACKLOG` connections (the standard library's
 default of 5 makes a burst's clients wait for SYN retries, up to a minute), and connections past
-``--max-connections`` are answered 503 at once by the accepting thread.
+``--max-connections`` are answered 503 at once by the accepting thread. Every connection ends
+with a lingering close (reply, half-close, read and discard what the client still sends until it
+closes, for at most :data:`LINGER_SECONDS`), as production servers do: closing a socket with
+unread bytes makes the kernel reset the connection, and the client can lose the answer with it.
 
 Security: it binds to 127.0.0.1 unless told otherwise. ``--token`` (or the environment variable
 ``LIGHTRFT_REWARD_TOKEN``) makes every request carry ``Authorization: Bearer <token>``;
@@ -45,6 +48,7 @@ from lightrft.rewards.base import RewardInputError, check_reward_output
 from lightrft.rewards.remote import TOKEN_ENV
 
 __all__ = [
+    "LINGER_SECONDS",
     "LISTEN_BACKLOG",
     "TOKEN_ENV",
     "VERIFIERS",
@@ -56,6 +60,9 @@ __all__ = [
 
 # Pending connections the kernel queues for accept() (capped by net.core.somaxconn on Linux).
 LISTEN_BACKLOG = 1024
+# How long a connection is read (and discarded) after its reply, waiting for the client to close.
+LINGER_SECONDS = 2.0
+_MAX_LINGERING = 256  # 503'd connections draining at once
 
 VERIFIERS = {
     "math": "lightrft.rewards.MathVerifier",
@@ -181,6 +188,27 @@ class _DeadlineReader(io.RawIOBase):
             raise
 
 
+def _lingering_close(sock: socket.socket, seconds: float) -> None:
+    """Half-close ``sock``, discard what the peer still sends until it closes (at most
+    ``seconds``; ``seconds=0``: only what has already arrived), then close it. Without the
+    drain, bytes that land after the reply make the kernel answer with a reset, and a client
+    still sending its request fails before it reads the reply."""
+    with suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    end = time.monotonic() + seconds
+    with suppress(OSError):
+        while True:
+            left = end - time.monotonic()
+            if left > 0:
+                sock.settimeout(left)
+            else:
+                sock.setblocking(False)  # empty buffer: BlockingIOError ends the drain
+            chunk = sock.recv(65536)
+            if not chunk:
+                break  # the client closed
+    sock.close()
+
+
 class _BoundedServer(ThreadingHTTPServer):
     """A threading server that serves at most ``max_connections`` connections at once and
     answers the next ones with HTTP 503 at once, so floods cannot exhaust threads."""
@@ -191,13 +219,14 @@ class _BoundedServer(ThreadingHTTPServer):
     def __init__(self, addr: tuple[str, int], handler: type, max_connections: int):
         super().__init__(addr, handler)
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._lingering = threading.BoundedSemaphore(_MAX_LINGERING)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             with suppress(OSError):
                 request.settimeout(1.0)
                 request.sendall(_raw_reply(503, "server busy: too many open connections"))
-            self.shutdown_request(request)
+            self._close_later(request)
             return
         try:
             super().process_request(request, client_address)
@@ -210,6 +239,24 @@ class _BoundedServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def shutdown_request(self, request: Any) -> None:  # a handler thread ends its connection
+        _lingering_close(request, LINGER_SECONDS)
+
+    def _close_later(self, request: Any) -> None:
+        """A lingering close off the accepting thread (which must never wait), in a short-lived
+        thread; past :data:`_MAX_LINGERING` of them at once, drain only what has arrived."""
+        if not self._lingering.acquire(blocking=False):
+            _lingering_close(request, 0.0)
+            return
+
+        def linger() -> None:
+            try:
+                _lingering_close(request, LINGER_SECONDS)
+            finally:
+                self._lingering.release()
+
+        threading.Thread(target=linger, daemon=True).start()
 
 
 def make_server(
