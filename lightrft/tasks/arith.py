@@ -157,9 +157,23 @@ def write_arith_dataset(
     style: str = "equation",
     allow_negative: bool = False,
     answer_order: str = "natural",
+    dropped_carry: float = 0.0,
     seed: int = 0,
 ) -> Path:
-    """Write ``train.jsonl``, ``test.jsonl`` (no problem in both) and ``meta.json``."""
+    """Write ``train.jsonl``, ``test.jsonl`` (no problem in both) and ``meta.json``.
+
+    ``dropped_carry`` makes a sloppy teacher for SFT: that share of the training problems whose
+    sum carries into a new leading digit (``49+97=146``) get a completion without that carry
+    (``46``; reversed: ``640``), drawn at random. Their ``answer``, the reference RL verifiers
+    use, stays right, and so does every test record. An SFT model trained to convergence on
+    such data settles where the teacher's habit puts it (greedy: the carry dropped whenever
+    ``dropped_carry > 0.5``), a stable starting point from which RL against the answers has
+    something to correct.
+    """
+    if not 0.0 <= dropped_carry <= 1.0:
+        raise ValueError(f"dropped_carry must be in [0, 1], got {dropped_carry}")
+    if dropped_carry and (terms != 2 or list(_norm_ops(ops)) != ["+"]):
+        raise ValueError("dropped_carry is defined for sums of two terms (ops=['+'], terms=2)")
     settings = _settings(
         n_train=n_train,
         n_test=n_test,
@@ -170,17 +184,37 @@ def write_arith_dataset(
         style=style,
         allow_negative=allow_negative,
         answer_order=answer_order,
+        dropped_carry=dropped_carry,
         seed=seed,
     )
     keys = ("digits", "min_digits", "ops", "terms", "style", "allow_negative", "answer_order")
     common = {k: settings[k] for k in keys}
     test = arith_records(n_test, seed=seed + 1, **common)
     train = arith_records(n_train, seed=seed, exclude={r["prompt"] for r in test}, **common)
+    if dropped_carry:
+        train = _drop_carries(train, dropped_carry, 10**digits, answer_order, random.Random(~seed))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "test.jsonl", test)
     (out / META).write_text(json.dumps(settings, indent=2) + "\n")
+    return out
+
+
+def _drop_carries(
+    records: list[dict[str, Any]], share: float, top: int, order: str, rng: random.Random
+) -> list[dict[str, Any]]:
+    """``records`` with ``share`` of those whose sum is at least ``top`` (a carry into a new
+    leading digit) given the completion ``sum - top``, spelled as the answers are."""
+    out = []
+    for rec in records:
+        answer = rec["answer"]
+        value = int(answer[::-1]) if order == "reversed" else int(answer)
+        if value >= top and rng.random() < share:
+            wrong = value - top
+            spelled = str(wrong).zfill(len(answer))[::-1] if order == "reversed" else str(wrong)
+            rec = {**rec, "completion": spelled}
+        out.append(rec)
     return out
 
 

@@ -105,3 +105,31 @@ def test_bad_settings():
         arith_records(3, ops="+-", answer_order="reversed")
     with pytest.raises(ValueError, match="unknown argument 'n_tran'"):
         ensure_arith_dataset("unused", n_tran=5)
+
+
+@pytest.mark.parametrize("order", ["reversed", "natural"])
+def test_dropped_carry_spoils_only_training_completions(tmp_path, order):
+    """The sloppy teacher of the text demo: about that share of the training sums >= 100 lose
+    their carry in the completion; answers (RL's references) and the test split stay right."""
+    write_arith_dataset(tmp_path, n_train=2000, n_test=200, answer_order=order, dropped_carry=0.75)
+    value = (lambda a: int(a[::-1])) if order == "reversed" else int
+    train, test = _read(tmp_path / "train.jsonl"), _read(tmp_path / "test.jsonl")
+    carried = [r for r in train if value(r["answer"]) >= 100]
+    dropped = [r for r in carried if r["completion"] != r["answer"]]
+    assert 0.70 < len(dropped) / len(carried) < 0.80
+    for r in dropped:
+        assert value(r["completion"]) == value(r["answer"]) - 100
+        if order == "reversed":
+            assert len(r["completion"]) == 3 and r["completion"].endswith("0")
+    assert all(r["completion"] == r["answer"] for r in train if value(r["answer"]) < 100)
+    assert all(r["completion"] == r["answer"] for r in test)
+    plain = tmp_path / "plain"
+    write_arith_dataset(plain, n_train=2000, n_test=200, answer_order=order)
+    assert [r["prompt"] for r in _read(plain / "train.jsonl")] == [r["prompt"] for r in train]
+
+
+def test_dropped_carry_is_checked():
+    with pytest.raises(ValueError, match=r"dropped_carry must be in \[0, 1\], got 1.5"):
+        write_arith_dataset("unused", dropped_carry=1.5)
+    with pytest.raises(ValueError, match="two terms"):
+        write_arith_dataset("unused", terms=3, dropped_carry=0.5)
