@@ -5,6 +5,11 @@ value of every logged row, per run, compared exactly.
     python tests/benchmarks/demo_rows.py run  --out /tmp/before.json [--quick]
     python tests/benchmarks/demo_rows.py diff /tmp/before.json /tmp/after.json
 
+and to check the README's learning figures over seeds (every command gets ``seed=N``):
+
+    python tests/benchmarks/demo_rows.py run --seed 1 --out /tmp/seed1.json
+    python tests/benchmarks/demo_rows.py figures /tmp/seed0.json /tmp/seed1.json /tmp/seed2.json
+
 ``run`` executes the chains in a scratch directory through the real CLI (the README's commands;
 ``--quick`` cuts the data and steps as tests/test_demos.py does, for a minutes-long check).
 Times, throughputs (``train/tokens_per_s``...) and memory are left out: they are not behaviour.
@@ -20,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # The five chains, grouped by the SFT model they start from (one SFT run serves two chains).
@@ -38,6 +44,7 @@ CHAINS = {
     ],
     "audio": [("sft", "tiny/audio_sft"), ("grpo", "tiny/audio_grpo")],
 }
+SECONDS = "_seconds"  # wall time per command, kept beside the runs and left out of `diff`
 KEPT = ("train/", "reward/", "eval/", "critic/", "data/", "rollout/")
 # Cut-down overrides (tests/test_demos.py's), per recipe; the media SFT data cut for media configs.
 TRAIN = ["max_steps=3", "eval_every=3", "lr_scheduler.warmup_steps=0"]
@@ -68,12 +75,15 @@ def _rows(path: Path) -> list[dict]:
     ]
 
 
-def run(out: str, quick: bool, chains: list[str]) -> None:
+def run(out: str, quick: bool, chains: list[str], seed: int | None = None) -> None:
     result: dict[str, list[dict]] = {}
+    seconds: dict[str, float] = {}
     for chain in chains:
         with tempfile.TemporaryDirectory() as tmp:
             for recipe, config in CHAINS[chain]:
                 extra = ["metrics.tensorboard=false"]
+                if seed is not None:
+                    extra.append(f"seed={seed}")
                 if quick:
                     extra += QUICK[recipe]
                     if recipe == "sft":
@@ -84,20 +94,25 @@ def run(out: str, quick: bool, chains: list[str]) -> None:
                         extra += ["batch_size=8"]
                 cmd = [sys.executable, "-m", "lightrft", "run", recipe, "--config", config, *extra]
                 print(f"[{chain}] {' '.join(cmd[2:])}", flush=True)
+                start = time.monotonic()
                 subprocess.run(cmd, cwd=tmp, check=True, env=os.environ.copy())
+                seconds[f"{chain}:{config}"] = round(time.monotonic() - start, 1)
                 rows = _rows(Path(tmp) / "outputs" / config / "metrics.jsonl")
                 result[f"{chain}:{config}"] = rows
-            Path(out).write_text(json.dumps(result, indent=1, sort_keys=True))
+            Path(out).write_text(json.dumps({**result, SECONDS: seconds}, indent=1, sort_keys=True))
     print(f"wrote {out}")
 
 
 def diff(a: str, b: str) -> int:
     def load(path: str) -> dict[str, list[dict]]:  # files written before a key was left out
         runs = json.loads(Path(path).read_text())
-        keep = lambda r: {k: v for k, v in r.items() if not k.endswith("_per_s")}  # noqa: E731
+        keep = lambda r: (  # noqa: E731
+            {k: v for k, v in r.items() if not k.endswith("_per_s")} if isinstance(r, dict) else r
+        )
         return {name: [keep(r) for r in rows] for name, rows in runs.items()}
 
     left, right = load(a), load(b)
+    left.pop(SECONDS, None), right.pop(SECONDS, None)
     bad = 0
     for run_name in sorted(set(left) | set(right)):
         x, y = left.get(run_name), right.get(run_name)
@@ -123,6 +138,32 @@ def diff(a: str, b: str) -> int:
     return 1 if bad else 0
 
 
+def _first_last(rows: list[dict], key: str) -> tuple[float, float] | None:
+    values = [r[key] for r in rows if key in r]
+    return (values[0], values[-1]) if values else None
+
+
+def figures(paths: list[str]) -> None:
+    """The README's figures per run file (one per seed): held-out accuracy start -> end of each
+    GRPO run, the reward model's held-out pair accuracy start -> end, each command's wall time."""
+    for path in paths:
+        runs = json.loads(Path(path).read_text())
+        seconds = runs.pop(SECONDS, {})
+        print(path)
+        for name, rows in runs.items():
+            if name.endswith("_sft"):
+                print(f"  {name}: {seconds.get(name, 0):.0f} s")
+                continue
+            acc = _first_last(rows, "eval/accuracy")
+            if acc is None:
+                continue
+            gain = 100 * (acc[1] - acc[0])
+            print(
+                f"  {name}: eval/accuracy {acc[0]:.3f} -> {acc[1]:.3f} ({gain:+.1f} points), "
+                f"{seconds.get(name, 0):.0f} s"
+            )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -130,12 +171,18 @@ def main() -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--quick", action="store_true")
     r.add_argument("--chains", default=",".join(CHAINS))
+    r.add_argument("--seed", type=int, default=None, help="seed=N on every command")
     d = sub.add_parser("diff")
     d.add_argument("a")
     d.add_argument("b")
+    f = sub.add_parser("figures")
+    f.add_argument("runs", nargs="+")
     args = p.parse_args()
     if args.cmd == "run":
-        run(args.out, args.quick, args.chains.split(","))
+        run(args.out, args.quick, args.chains.split(","), args.seed)
+        return 0
+    if args.cmd == "figures":
+        figures(args.runs)
         return 0
     return diff(args.a, args.b)
 
