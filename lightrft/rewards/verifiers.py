@@ -41,6 +41,7 @@ from lightrft.rewards.math_answer import (
     equation_mismatch,
     extract_answer,
     extract_boxed,
+    extract_hashes,
     is_equation,
     math_verify_reference,
     normalize_answer,
@@ -312,8 +313,11 @@ class MathVerifier:
         both plain numbers (:func:`~lightrft.rewards.math_answer.plain_number_answer`), else
         ``None``."""
         pred = plain_number_answer(text)
-        ref = self.reference_answer(reference)
-        if pred is None or plain_number_answer(ref) is None:
+        # Read as math_verify_reference reads it: a GSM8K `#### N`, else the whole reference
+        # (a solution with several boxes is a set, not its last box).
+        hashes = extract_hashes(reference)
+        ref = plain_number_answer(reference if hashes is None else hashes)
+        if pred is None or ref is None:
             return None
         return answers_match(pred, ref)
 

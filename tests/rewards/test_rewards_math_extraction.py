@@ -76,6 +76,9 @@ CASES = [
     ("\\boxed{100 = 7}", "7", 0.0),
     ("\\boxed{7}", "100 = 7", 0.0),
     ("So $AB = 4$.", "4", 1.0),  # a labelled value, as math-verify reads it
+    # a reference is read like a response: its several boxes are one set, not its last box
+    ("\\boxed{-2}", "The roots are \\boxed{1} and \\boxed{-2}.", 0.0),
+    ("\\boxed{-2, 1}", "The roots are \\boxed{1} and \\boxed{-2}.", 1.0),
     # nothing to extract
     ("I am not sure.", "18", 0.0),
 ]
@@ -87,7 +90,7 @@ def test_forms_the_rules_lost_are_scored_by_math_verify(verifier):
         (r, ref, want) for (r, ref, want), got in zip(CASES, rewards, strict=True) if got != want
     ]
     assert wrong == []
-    # Each of them went through a worker: none is one plainly spelled number.
+    # Each of them went through a worker: none is one plainly spelled number on both sides.
     assert verifier._pool.stats["calls"] >= len(CASES) - 1
 
 
