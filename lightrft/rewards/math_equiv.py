@@ -172,8 +172,11 @@ class _Worker:
         line = self._readline(deadline)
         if line is None:
             return None
-        reply = json.loads(line)
-        return Verdict(bool(reply[0]), reply[1])
+        try:
+            equal, answer = json.loads(line)
+        except ValueError:  # a stray line on the worker's stdout: it is out of step, replace it
+            return None
+        return Verdict(bool(equal), answer if isinstance(answer, str) else None)
 
     def close(self) -> None:
         if self.proc.poll() is None:
