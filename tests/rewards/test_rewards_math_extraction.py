@@ -2,6 +2,10 @@
 in the forms our rules used to lose, the plain-number fast path, the answers majority votes
 count, and the guards (size bound, equation rule) that still hold on this path."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from lightrft.rewards import GSM8KVerifier, MathVerifier, TTRLReward
@@ -161,3 +165,25 @@ def test_extraction_is_chosen_clearly():
         MathVerifier(extractors=["boxed"], extraction="math_verify")
     with pytest.raises(ValueError, match="'math_verify' or 'rules'"):
         MathVerifier(extraction="sympy")
+
+
+def test_the_caller_never_imports_math_verify_or_sympy():
+    code = (
+        "import sys\n"
+        "from lightrft.rewards import MathVerifier\n"
+        "v = MathVerifier(timeout=5.0)\n"
+        "scores = v(['q'] * 2, [r'so $$\\frac{1}{2}$$', r'\\boxed{1} and \\boxed{2}'],"
+        " ['0.5', r'\\{1,2\\}'])\n"
+        "answers = v.extract_many([r'\\(\\frac13\\)'])\n"
+        "v.close()\n"
+        "print(scores, answers, 'math_verify' in sys.modules, 'sympy' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parents[2],  # the repository root, so `lightrft` imports from here
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.split("\n")[-2] == "[1.0, 1.0] ['\\\\frac{1}{3}'] False False"
