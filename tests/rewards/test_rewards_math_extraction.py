@@ -187,3 +187,32 @@ def test_the_caller_never_imports_math_verify_or_sympy():
         check=True,
     )
     assert out.stdout.split("\n")[-2] == "[1.0, 1.0] ['\\\\frac{1}{3}'] False False"
+
+
+FAST = [
+    (r"so \boxed{42}.", "42"),
+    (r"\boxed{42}", "43"),
+    ("42", "#### 42"),
+    (r"\boxed{-5}", "5"),
+    (r"\boxed{1,000}", "1000"),
+    (r"\boxed{12,345,678}", "12345678"),
+    (r"\boxed{1,234}", "1235"),
+    (r"\boxed{\frac{3}{4}}", "0.75"),
+    (r"\boxed{\dfrac{6}{8}}", "3/4"),
+    (r"\boxed{2/4}", r"\frac{1}{2}"),
+    (r"\boxed{100.0}", "100"),
+    (r"\boxed{0.3333333}", "1/3"),
+    (r"\boxed{0.33}", "1/3"),
+    (r"\boxed{3.14159}", "3.1416"),
+    ("011", "11"),
+    (r"The answer: \boxed{7}", "Half of 14.\n#### 7"),
+]
+
+
+@pytest.mark.parametrize("response, reference", FAST)
+def test_the_fast_path_agrees_with_math_verify(verifier, response, reference):
+    from lightrft.rewards.math_answer import math_verify_reference
+
+    fast = verifier._fast_response(response, reference)
+    assert fast is not None  # these are the fast path's
+    assert fast == verifier._pool.judge(response, math_verify_reference(reference)).equal
