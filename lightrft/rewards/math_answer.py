@@ -31,6 +31,7 @@ __all__ = [
     "MAX_NUMBER_EXPONENT",
     "answer_key",
     "answers_match",
+    "equation_mismatch",
     "extract_answer",
     "extract_answer_is",
     "extract_boxed",
@@ -38,9 +39,11 @@ __all__ = [
     "extract_last_number",
     "is_equation",
     "majority_vote",
+    "math_verify_reference",
     "normalize_answer",
     "oversized_number",
     "parse_number",
+    "plain_number_answer",
 ]
 
 # --------------------------------------------------------------------------- extraction
@@ -142,6 +145,56 @@ def extract_answer(
     return None
 
 
+# --------------------------------------------------------------------------- math-verify's input
+
+# A number spelled the one way math-verify and these rules are sure to read alike: digits with an
+# optional decimal part, or comma-grouped thousands that do not start with 0 (`0,111` is a
+# decimal comma to math-verify), a plain `a/b` or `\frac{a}{b}` of integers, with a sign.
+_PLAIN_NUMBER = re.compile(
+    r"[+-]?(?:(?:\d+|[1-9]\d{0,2}(?:,\d{3})+)(?:\.\d+)?|\d+\s*/\s*\d+|\\[dt]?frac\{\d+\}\{\d+\})"
+)
+
+
+def plain_number_answer(text: str) -> str | None:
+    """The answer of a response that commits to one plain number beyond doubt, else ``None``.
+
+    That is the content of the response's only ``\\boxed{}`` (complete, no other box anywhere),
+    or the whole response when it is nothing but the number, and in both cases a number spelled
+    plainly (``42``, ``-0.5``, ``1,000``, ``3/4``, ``\\frac{3}{4}``): where math-verify's
+    extraction cannot pick anything else and reads the number the same way. A verifier may
+    compare such an answer without math-verify (the fast path); anything else (several boxes,
+    display math, ``1 000``, ``3,5``, ``\\frac13``, a box holding a text) is for math-verify.
+    """
+    boxes = len(_BOXED.findall(text))
+    if boxes > 1:
+        return None
+    ans = extract_boxed(text) if boxes else text.strip()
+    if ans is None or not _PLAIN_NUMBER.fullmatch(ans):
+        return None
+    return ans
+
+
+_DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\(?:boxed|fbox)\b")
+
+
+def math_verify_reference(reference: str) -> str:
+    """The text math-verify parses as the gold answer of ``reference``.
+
+    A GSM8K solution's ``#### N`` answer is boxed (``\\boxed{N}``); a reference that already
+    marks its math (a ``\\boxed{}``, ``$...$``, ``\\( \\)``, ``\\[ \\]``) is read as written,
+    so math-verify finds its answer the way it finds a response's (several boxes form a set); a
+    bare answer (``\\frac{1}{2}``, ``(1, 2]``, ``x^2+1``) is boxed, since math-verify reads
+    LaTeX only inside delimiters.
+    """
+    ref = reference.strip()
+    hashes = extract_hashes(ref)
+    if hashes is not None:
+        return "\\boxed{" + hashes + "}"
+    if _DELIMITED.search(ref):
+        return ref
+    return "\\boxed{" + ref + "}"
+
+
 # --------------------------------------------------------------------------- equations
 
 _GREEK = (
@@ -185,14 +238,44 @@ def _assigned_value(s: str) -> str:
     return s
 
 
-def is_equation(ans: str) -> bool:
+_SUBSCRIPT = re.compile(r"_(?:\{[^{}]*\}|\w)")
+
+
+def _is_label(side: str) -> bool:
+    """Whether an equation's left side names the value on its right: it has a letter and no
+    digit outside subscripts (``AB``, ``|AB|``, ``f(x)``, ``V_{1}:V_{2}``, ``\\frac{NO}{BO}``);
+    ``100``, ``2x``, ``3 + 4`` and ``x^2 + y^2`` do not."""
+    bare = _SUBSCRIPT.sub("", side)
+    return re.search(r"[A-Za-z]", bare) is not None and re.search(r"\d", bare) is None
+
+
+def is_equation(ans: str, labels: bool = False) -> bool:
     """Whether an answer is an equation rather than a value: a top-level ``=`` whose left side
-    is not a variable name (``100 = 7``, ``2x = 14``; ``x = 7`` is the value 7). A list is an
-    equation if any of its elements is."""
+    is not a variable name (``100 = 7``, ``2x = 14``; ``x = 7`` is the value 7). With
+    ``labels`` (the math-verify path), any left side without a number outside subscripts names
+    the value too (``AB = 4``, ``f(x) = 1``, ``V_1:V_2 = 11:21``; see :func:`_is_label`), as
+    math-verify reads it; ``100 = 7`` stays an equation. A list is an equation if any of its
+    elements is."""
     parts = _split_top(normalize_answer(ans), ",")
     if len(parts) > 1:
-        return any(is_equation(p) for p in parts)
-    return len(_split_top(parts[0], "=")) > 1
+        return any(is_equation(p, labels) for p in parts)
+    sides = _split_top(parts[0], "=")
+    return len(sides) > 1 and not (labels and _is_label(sides[0]))
+
+
+def equation_mismatch(pred: str, ref: str) -> bool:
+    """Whether one answer is an equation (:func:`is_equation` with ``labels``) and the other has
+    no top-level ``=`` at all: unequal, whatever math-verify finds (it reads ``100 = 7`` as 7).
+    Two answers that both hold an ``=`` (``2x+4y-3=0`` and ``y=-\\frac{1}{2}x+\\frac{3}{4}``)
+    are math-verify's to compare."""
+
+    def has_equals(ans: str) -> bool:
+        return len(_split_top(ans, "=")) > 1
+
+    for a, b in ((pred, ref), (ref, pred)):
+        if is_equation(a, labels=True) and not has_equals(b):
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------- normalisation

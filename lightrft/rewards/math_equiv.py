@@ -1,7 +1,11 @@
 """Symbolic answer equivalence with ``math-verify``, under a per-answer time limit.
 
-``math-verify`` (Hugging Face) parses LaTeX answers into sympy objects and compares them
-(intervals, sets, tuples, equations, units, percentages, ...). Sympy can hang or explode on
+``math-verify`` (Hugging Face) finds the answer in a response and parses LaTeX answers into sympy
+objects and compares them (intervals, sets, tuples, equations, units, percentages, ...). The
+pool answers three questions: are two answer strings equal (:meth:`EquivalencePool.equal`), does
+a whole response's answer equal a gold answer (:meth:`EquivalencePool.judge`, math-verify's own
+extraction: its LaTeX and expression configs, ``\\boxed{}`` first), and what answer does a
+response commit to (:meth:`EquivalencePool.extract`). Sympy can hang or explode on
 hostile input (``10^{10^{10}}``), and math-verify's own time limit is ``signal.alarm``, which
 only works in the main thread and steals the process's SIGALRM. So comparisons run in a small
 pool of worker processes (``python -m lightrft.rewards.math_equiv``) with math-verify's timeouts
@@ -25,8 +29,15 @@ import time
 import weakref
 from collections.abc import Sequence
 from contextlib import suppress
+from dataclasses import dataclass
 
-__all__ = ["EquivalencePool", "symbolic_equal"]
+__all__ = [
+    "EquivalencePool",
+    "Verdict",
+    "extract_response",
+    "judge_response",
+    "symbolic_equal",
+]
 
 # An answer longer than this is not handed to sympy: no benchmark answer is, and parsing a
 # long string is where the time goes. Such pairs compare as unequal.
@@ -47,6 +58,72 @@ def symbolic_equal(pred: str, ref: str) -> bool:
     if not gold or not guess:
         return False
     return bool(verify(gold, guess, timeout_seconds=None))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A worker's answer: whether the pair is equal, and the answer math-verify extracted from
+    the response (its LaTeX string; ``None`` where it found none or was not asked)."""
+
+    equal: bool
+    answer: str | None = None
+
+
+def _parse_text(text: str) -> list:
+    """math-verify's parse of a whole text: ``\\boxed{}`` first, then its other LaTeX patterns
+    ("the final answer is $...$", display and inline math), then plain expressions."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    return parse(text, configs, parsing_timeout=None)
+
+
+def _answer_string(parsed: list) -> str | None:
+    """The extracted LaTeX string of a parse result (math-verify puts it last), if any."""
+    strings = [p.strip() for p in parsed if isinstance(p, str)]
+    return strings[-1] if strings and strings[-1] else None
+
+
+def extract_response(text: str) -> str | None:
+    """The answer math-verify extracts from a response, as its LaTeX string (no time limit: use
+    it only inside a worker)."""
+    return _answer_string(_parse_text(text))
+
+
+def judge_response(text: str, gold: str) -> Verdict:
+    """Whether the answer math-verify extracts from ``text`` equals the one it extracts from
+    ``gold`` (see :func:`~lightrft.rewards.math_answer.math_verify_reference`), with our
+    equation rule on top: an equation never equals a value
+    (:func:`~lightrft.rewards.math_answer.equation_mismatch`: math-verify alone reads
+    ``100 = 7`` as 7; ``AB = 4`` is 4). No time limit: use it only inside a worker."""
+    from math_verify import verify
+
+    from lightrft.rewards.math_answer import equation_mismatch
+
+    guess = _parse_text(text)
+    answer = _answer_string(guess)
+    gold_parsed = _parse_text(gold)
+    gold_answer = _answer_string(gold_parsed)
+    if answer is None or gold_answer is None:
+        return Verdict(False, answer)
+    if equation_mismatch(answer, gold_answer):
+        return Verdict(False, answer)
+    # A set-valued gold matches the inequality that describes it (`[-2, 7]` and
+    # `-2 \\le x \\le 7`); the other way round math-verify does without the flag.
+    equal = verify(gold_parsed, guess, allow_set_relation_comp=True, timeout_seconds=None)
+    return Verdict(bool(equal), answer)
+
+
+def _run_request(op: str, args: list) -> Verdict:
+    """One worker request: ``equal`` (two answer strings), ``judge`` (a response and a gold
+    text) or ``extract`` (a response)."""
+    if op == "equal":
+        return Verdict(symbolic_equal(*args))
+    if op == "judge":
+        return judge_response(*args)
+    if op == "extract":
+        return Verdict(False, extract_response(*args))
+    raise ValueError(f"unknown request {op!r}")
 
 
 class _Worker:
@@ -85,15 +162,21 @@ class _Worker:
         line, self.buf = self.buf.split(b"\n", 1)
         return line.strip()
 
-    def ask(self, pred: str, ref: str, deadline: float) -> bool | None:
-        """The worker's verdict, or ``None`` if it missed ``deadline`` or died."""
+    def ask(self, op: str, args: Sequence[str], deadline: float) -> Verdict | None:
+        """The worker's verdict on one request, or ``None`` if it missed ``deadline`` or died."""
         try:
-            self.proc.stdin.write(json.dumps([pred, ref]).encode() + b"\n")
+            self.proc.stdin.write(json.dumps([op, list(args)]).encode() + b"\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return None
         line = self._readline(deadline)
-        return None if line is None else line == b"1"
+        if line is None:
+            return None
+        try:
+            equal, answer = json.loads(line)
+        except ValueError:  # a stray line on the worker's stdout: it is out of step, replace it
+            return None
+        return Verdict(bool(equal), answer if isinstance(answer, str) else None)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -132,6 +215,25 @@ class EquivalencePool:
         """Whether ``pred`` is equivalent to the gold answer ``ref`` (``False`` on timeout)."""
         if len(pred) > MAX_SYMBOLIC_CHARS or len(ref) > MAX_SYMBOLIC_CHARS:
             return False
+        verdict = self._ask("equal", (pred, ref))
+        return verdict is not None and verdict.equal
+
+    def judge(self, text: str, gold: str) -> Verdict:
+        """Whether the answer math-verify extracts from the response ``text`` equals the gold
+        answer in ``gold`` (see :func:`judge_response`); unequal, with no answer, on timeout.
+        The caller bounds ``text`` (the worker reads all of it within ``timeout``)."""
+        verdict = self._ask("judge", (text, gold))
+        return verdict if verdict is not None else Verdict(False)
+
+    def extract(self, text: str) -> str | None:
+        """The answer math-verify extracts from the response ``text`` (``None``: none found, or
+        not within ``timeout``)."""
+        verdict = self._ask("extract", (text,))
+        return None if verdict is None else verdict.answer
+
+    def _ask(self, op: str, args: Sequence[str]) -> Verdict | None:
+        """One request on an idle worker (started if need be), within ``timeout``; ``None`` if
+        it ran out (the worker is then killed and its slot refilled on next use)."""
         worker = self._idle.get()
         try:
             if worker is None:
@@ -139,7 +241,7 @@ class EquivalencePool:
                 with self._lock:
                     self._live.add(worker)
             # The clock starts after the worker is up: its sympy import is not the answer's.
-            verdict = worker.ask(pred, ref, time.monotonic() + self.timeout)
+            verdict = worker.ask(op, args, time.monotonic() + self.timeout)
             with self._lock:
                 self.stats["calls"] += 1
                 if verdict is None:
@@ -149,18 +251,30 @@ class EquivalencePool:
             if verdict is None:
                 worker.close()
                 worker = None
-            return bool(verdict)
+            return verdict
         finally:
             self._idle.put(worker)
 
-    def equal_many(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
-        """:meth:`equal` of each ``(pred, ref)`` pair, up to ``workers`` at a time."""
-        if self.workers == 1 or len(pairs) <= 1:
-            return [self.equal(p, r) for p, r in pairs]
+    def _map(self, fn, items: Sequence) -> list:
+        """``fn(*item)`` of each item, up to ``workers`` at a time, in order."""
+        if self.workers == 1 or len(items) <= 1:
+            return [fn(*item) for item in items]
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(self.workers) as ex:
-            return list(ex.map(lambda pr: self.equal(*pr), pairs))
+            return list(ex.map(lambda item: fn(*item), items))
+
+    def equal_many(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+        """:meth:`equal` of each ``(pred, ref)`` pair, up to ``workers`` at a time."""
+        return self._map(self.equal, pairs)
+
+    def judge_many(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
+        """:meth:`judge` of each ``(text, gold)`` pair, up to ``workers`` at a time."""
+        return self._map(self.judge, pairs)
+
+    def extract_many(self, texts: Sequence[str]) -> list[str | None]:
+        """:meth:`extract` of each response text, up to ``workers`` at a time."""
+        return self._map(self.extract, [(t,) for t in texts])
 
     def close(self) -> None:
         """Stop the worker processes (a later call starts new ones)."""
@@ -177,8 +291,10 @@ class EquivalencePool:
             self._idle.put(None)
 
     def __del__(self) -> None:
-        with suppress(Exception):  # interpreter shutdown
+        try:
             self.close()
+        except Exception:  # noqa: BLE001 - at interpreter shutdown, module globals may be gone
+            pass
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -188,7 +304,8 @@ def _close_at_exit(ref: weakref.ref) -> None:
 
 
 def _serve() -> None:
-    """Worker loop: a JSON ``[pred, ref]`` per line in, ``1`` or ``0`` per line out."""
+    """Worker loop: a JSON ``[op, args]`` per line in (see :func:`_run_request`), a JSON
+    ``[equal, answer]`` per line out."""
     import logging
     import resource
 
@@ -198,7 +315,9 @@ def _serve() -> None:
     sys.setrecursionlimit(10_000)
     out = sys.stdout.buffer
     try:
-        symbolic_equal("1", "1")  # import sympy and warm the parsers before answering
+        # Import sympy and warm the parsers before answering.
+        symbolic_equal("1", "1")
+        judge_response("so $x = \\frac{1}{2}$", "\\boxed{0.5}")
     except Exception as e:  # noqa: BLE001 - reported to the parent
         out.write(f"{type(e).__name__}: {e}".replace("\n", " ").encode() + b"\n")
         out.flush()
@@ -207,11 +326,11 @@ def _serve() -> None:
     out.flush()
     for line in sys.stdin.buffer:
         try:
-            pred, ref = json.loads(line)
-            ok = symbolic_equal(pred, ref)
+            op, args = json.loads(line)
+            verdict = _run_request(op, args)
         except (Exception, RecursionError, MemoryError):  # noqa: BLE001 - unparseable: unequal
-            ok = False
-        out.write(b"1\n" if ok else b"0\n")
+            verdict = Verdict(False)
+        out.write(json.dumps([verdict.equal, verdict.answer]).encode() + b"\n")
         out.flush()
 
 

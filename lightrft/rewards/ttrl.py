@@ -48,7 +48,8 @@ class TTRLReward:
     """Agreement with the group's majority answer.
 
     Args:
-        verifier: supplies ``extract(response)`` (the answer) and, if it has one,
+        verifier: supplies ``extract(response)`` (the answer; ``extract_many(responses)`` is
+            used instead where it has one) and, if it has one,
             ``equivalent(pred, ref)`` to judge agreement (else answers agree when their
             :func:`~lightrft.rewards.math_answer.answer_key` is equal). E.g. a
             :class:`~lightrft.rewards.MathVerifier` (a ``_component_`` mapping is instantiated).
@@ -116,7 +117,11 @@ class TTRLReward:
     ) -> list[float]:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-        answers = [self.verifier.extract(r) for r in responses]
+        extract_many = getattr(self.verifier, "extract_many", None)  # spreads over workers
+        if callable(extract_many):
+            answers = list(extract_many(responses))
+        else:
+            answers = [self.verifier.extract(r) for r in responses]
         rewards = [self.incorrect] * len(responses)
         self.last_labels = []
         shares = []

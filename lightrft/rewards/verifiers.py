@@ -3,6 +3,28 @@ and a think-then-answer format reward.
 
 All of them look at the response only. A prompt may quote example answers or tags; scoring it
 would reward the question instead of the model.
+
+How the math verifiers find a response's answer (after dropping everything up to the last
+``</think>``), in order:
+
+1. **Size bound** (in the caller): a final part holding a number past
+   :func:`~lightrft.rewards.math_answer.oversized_number`'s bound, or a reference holding one,
+   is scored wrong at once; nothing reaches a worker.
+2. **Fast path** (``MathVerifier``, in the caller, no sympy): a response whose only
+   ``\\boxed{}`` holds a plainly spelled number, or that is nothing but one
+   (:func:`~lightrft.rewards.math_answer.plain_number_answer`), against a plain-number reference:
+   compared exactly as rationals. Here math-verify could extract nothing else.
+3. **math-verify** (``MathVerifier``, in a worker process, within ``timeout``): every other
+   response is handed over whole (its last :data:`MAX_RESPONSE_CHARS` characters) and
+   math-verify's own ``parse`` extracts the answer (``\\boxed{}`` first, several boxes forming
+   a set; then "the final answer is $...$", display and inline math, ``\\( \\)``; then plain
+   expressions and numbers), and ``verify`` compares it with the parsed reference
+   (:func:`~lightrft.rewards.math_answer.math_verify_reference`). An equation never equals a
+   value (:func:`~lightrft.rewards.math_answer.is_equation`).
+4. **Rules** (``GSM8KVerifier``, ``MathVerifier(symbolic=False)`` or with ``extractors``
+   given): the first of ``extractors`` that finds an answer (``#### N``, the last
+   ``\\boxed{}``, "the answer is N", the last number), then the rule comparison
+   (and, for ``MathVerifier(extractors=...)``, math-verify on the two answer strings).
 """
 
 from __future__ import annotations
@@ -16,12 +38,16 @@ from lightrft.rewards.base import Prompt, RewardInputError, check_lengths, promp
 from lightrft.rewards.math_answer import (
     EXTRACTORS,
     answers_match,
+    equation_mismatch,
     extract_answer,
     extract_boxed,
+    extract_hashes,
     is_equation,
+    math_verify_reference,
     normalize_answer,
     oversized_number,
     parse_number,
+    plain_number_answer,
 )
 
 __all__ = ["ChoiceVerifier", "ExactMatch", "GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
@@ -31,6 +57,11 @@ log = logging.getLogger(__name__)
 # An extracted answer longer than this is wrong without being read further: no real answer is,
 # and the comparisons are linear in it (the symbolic stage stops at 1000 characters already).
 MAX_ANSWER_CHARS = 10_000
+# math-verify reads this many characters from the end of a response's final part (the answer is
+# stated last; its regexes and parses take about 4 ms per 16,000 characters on the dev machine).
+MAX_RESPONSE_CHARS = 20_000
+
+Extraction = Literal["math_verify", "rules"]
 
 
 def _final_part(response: str, strip_think: bool) -> str:
@@ -60,12 +91,24 @@ def _check_references(
 class MathVerifier:
     """1.0 if the response's final answer equals the reference answer, else 0.0.
 
-    The answer is taken by the first extractor in ``extractors`` that finds one: ``"boxed"``
-    (last ``\\boxed{...}``), ``"hashes"`` (GSM8K ``#### N``), ``"answer_is"`` ("the answer is
-    N"), ``"last_number"``. The reference may be a bare answer (``"18"``, ``"\\frac{1}{2}"``) or
-    a full solution ending in ``#### N`` or ``\\boxed{...}``, whose answer is extracted.
+    **Extraction** (``extraction``; the order of the module docstring). ``"math_verify"`` (the
+    default with ``symbolic=True`` and no ``extractors``): a response whose answer is one plainly
+    spelled number (its only ``\\boxed{}``, or the whole response) is compared in the caller;
+    every other response goes whole to math-verify, whose ``parse`` finds the answer (several
+    boxes, display math, "The final answer is $14{,}916$", ``\\( \\)``, matrices, ``\\frac13``,
+    ...) and whose ``verify`` compares it with the reference. ``"rules"`` (the default with
+    ``symbolic=False`` or ``extractors`` given): the answer is taken by the first extractor in
+    ``extractors`` that finds one: ``"boxed"`` (last ``\\boxed{...}``), ``"hashes"`` (GSM8K
+    ``#### N``), ``"answer_is"`` ("the answer is N"), ``"last_number"``. The reference may be a
+    bare answer (``"18"``, ``"\\frac{1}{2}"``) or a full solution ending in ``#### N`` or
+    ``\\boxed{...}``, whose answer is extracted.
 
-    Equivalence (:meth:`equivalent`) runs in two stages. First the built-in comparison
+    :meth:`extract` (the answer majority votes count: TTRL, maj@k) follows the same path: the
+    plain number of the fast path, else math-verify's extracted LaTeX string (``\\frac{1}{3}``
+    for ``\\frac13``, ``1,2`` for ``\\boxed{1}, \\boxed{2}``), ``None`` if it finds none.
+
+    Equivalence of two answer strings (:meth:`equivalent`, and the ``"rules"`` extraction) runs
+    in two stages. First the built-in comparison
     (:func:`~lightrft.rewards.math_answer.answers_match`): exact rationals for plain numbers
     (``18 = 18.0 = $18``, ``3/4 = 0.75``, ``1,000 = 1000``) and normalised LaTeX strings; when
     both answers are plain numbers its verdict is final (the fast path: no sympy). Otherwise, with
@@ -84,17 +127,20 @@ class MathVerifier:
     Args:
         correct: reward for a correct answer.
         incorrect: reward for a wrong or missing answer.
-        extractors: extraction strategies, tried in order.
+        extractors: extraction strategies, tried in order (``extraction="rules"`` only; giving
+            them selects it).
         strip_think: look for the answer only after the last ``</think>`` if there is one.
         symbolic: use math-verify for answers that are not plain numbers.
-        timeout: seconds a symbolic comparison may take.
+        timeout: seconds a symbolic comparison (or math-verify's reading of a response) may take.
         workers: math-verify worker processes (started on first use).
+        extraction: ``"math_verify"`` or ``"rules"`` (``None``: see above).
     """
 
     name = "math"
     requires_reference = True
     default_extractors: tuple[str, ...] = ("boxed", "hashes", "answer_is", "last_number")
     default_symbolic = True
+    default_extraction: Extraction = "math_verify"
 
     def __init__(
         self,
@@ -105,6 +151,7 @@ class MathVerifier:
         symbolic: bool | None = None,
         timeout: float = 5.0,
         workers: int = 1,
+        extraction: Extraction | None = None,
     ) -> None:
         self.extractors = tuple(extractors) if extractors is not None else self.default_extractors
         unknown = [e for e in self.extractors if e not in EXTRACTORS]
@@ -117,6 +164,9 @@ class MathVerifier:
         self.incorrect = float(incorrect)
         self.strip_think = strip_think
         self.symbolic = self.default_symbolic if symbolic is None else bool(symbolic)
+        self.extraction = _resolve_extraction(
+            extraction, self.default_extraction, self.symbolic, extractors is not None
+        )
         self.last_refusals: list[str] = []  # why answers of the last call were refused
         self._pool = None
         if self.symbolic:
@@ -125,8 +175,44 @@ class MathVerifier:
             self._pool = EquivalencePool(workers=workers, timeout=timeout)
 
     def extract(self, response: str) -> str | None:
-        """The final answer the response commits to, or ``None``."""
-        return extract_answer(_final_part(response, self.strip_think), self.extractors)
+        """The final answer the response commits to, or ``None`` (see the class docstring)."""
+        return self.extract_many([response])[0]
+
+    def extract_many(self, responses: Sequence[str]) -> list[str | None]:
+        """:meth:`extract` of each response; the math-verify ones run on all workers."""
+        if self.extraction == "rules":
+            return [
+                extract_answer(_final_part(r, self.strip_think), self.extractors) for r in responses
+            ]
+        self.last_refusals = []
+        texts = [self._math_verify_text(r) for r in responses]
+        answers: list[str | None] = [None] * len(texts)
+        todo = []
+        for i, text in enumerate(texts):
+            if self._refused(("response", text)):
+                continue
+            answers[i] = plain_number_answer(text)
+            if answers[i] is None:
+                todo.append(i)
+        for i, ans in zip(todo, self._pool.extract_many([texts[i] for i in todo]), strict=True):
+            answers[i] = ans
+        return answers
+
+    def _math_verify_text(self, response: str) -> str:
+        """What math-verify reads of a response: the tail of its final part."""
+        return _final_part(response, self.strip_think)[-MAX_RESPONSE_CHARS:]
+
+    def _refused(self, *named: tuple[str, str]) -> bool:
+        """Whether any of the ``(who, text)`` holds a number past the size bound; the reason is
+        recorded in ``last_refusals`` (the first of a call is logged)."""
+        for who, text in named:
+            why = oversized_number(text)
+            if why:
+                if not self.last_refusals:
+                    log.warning("%s: scored 0 without comparing: %s", type(self).__name__, why)
+                self.last_refusals.append(f"{who} holds {why}")
+                return True
+        return False
 
     @staticmethod
     def reference_answer(reference: str | float | int) -> str:
@@ -154,7 +240,11 @@ class MathVerifier:
                 log.warning("%s: scored 0 without comparing: %s", type(self).__name__, why)
             self.last_refusals.append(why)
             return False
-        if is_equation(pred) != is_equation(ref):
+        if self.extraction == "math_verify":  # `AB = 4` is 4, as math-verify reads it
+            mismatch = equation_mismatch(pred, ref)
+        else:
+            mismatch = is_equation(pred) != is_equation(ref)
+        if mismatch:
             return False  # `100 = 7` is not 7, and 7 is not `100 = 7`
         if answers_match(pred, ref):
             return True
@@ -192,9 +282,62 @@ class MathVerifier:
         labels: Sequence[str | None] | None = None,
     ) -> list[float]:
         _check_references(type(self).__name__, prompts, responses, references)
-        preds = [self.extract(r) for r in responses]
-        refs = [self.reference_answer(r) for r in references]
-        return [self.correct if ok else self.incorrect for ok in self.equivalent_many(preds, refs)]
+        if self.extraction == "math_verify":
+            verdicts = self.judge_many(responses, [str(r) for r in references])
+        else:
+            preds = [self.extract(r) for r in responses]
+            refs = [self.reference_answer(r) for r in references]
+            verdicts = self.equivalent_many(preds, refs)
+        return [self.correct if ok else self.incorrect for ok in verdicts]
+
+    def judge_many(self, responses: Sequence[str], references: Sequence[str]) -> list[bool]:
+        """Whether each whole response's answer equals its reference, by math-verify's
+        extraction (``extraction="math_verify"``): refused past the size bound, the fast path
+        for plain numbers, else a worker within ``timeout``."""
+        self.last_refusals = []
+        texts = [self._math_verify_text(r) for r in responses]
+        verdicts: list[bool | None] = []
+        for text, ref in zip(texts, references, strict=True):
+            if self._refused(("response", text), ("reference", ref)):
+                verdicts.append(False)
+            else:
+                verdicts.append(self._fast_response(text, ref))
+        todo = [i for i, v in enumerate(verdicts) if v is None]
+        pairs = [(texts[i], math_verify_reference(references[i])) for i in todo]
+        for i, verdict in zip(todo, self._pool.judge_many(pairs), strict=True):
+            verdicts[i] = verdict.equal
+        return verdicts
+
+    def _fast_response(self, text: str, reference: str) -> bool | None:
+        """The verdict without math-verify when the response's answer and the reference are
+        both plain numbers (:func:`~lightrft.rewards.math_answer.plain_number_answer`), else
+        ``None``."""
+        pred = plain_number_answer(text)
+        # Read as math_verify_reference reads it: a GSM8K `#### N`, else the whole reference
+        # (a solution with several boxes is a set, not its last box).
+        hashes = extract_hashes(reference)
+        ref = plain_number_answer(reference if hashes is None else hashes)
+        if pred is None or ref is None:
+            return None
+        return answers_match(pred, ref)
+
+
+def _resolve_extraction(
+    extraction: str | None, default: Extraction, symbolic: bool, extractors_given: bool
+) -> Extraction:
+    """The extraction a verifier uses (see :class:`MathVerifier`), or a clear error."""
+    if extraction is None:
+        return default if symbolic and not extractors_given else "rules"
+    if extraction not in ("math_verify", "rules"):
+        raise ValueError(f"extraction must be 'math_verify' or 'rules', got {extraction!r}")
+    if extraction == "math_verify" and not symbolic:
+        raise ValueError("extraction='math_verify' runs math-verify, so it needs symbolic=True")
+    if extraction == "math_verify" and extractors_given:
+        raise ValueError(
+            "extractors are the rules of extraction='rules'; with extraction='math_verify' "
+            "math-verify finds the answer: pass one or the other"
+        )
+    return extraction
 
 
 class GSM8KVerifier(MathVerifier):
@@ -202,11 +345,13 @@ class GSM8KVerifier(MathVerifier):
 
     GSM8K references are solutions ending in ``#### N`` (or just ``N``); all answers are integers.
     Pass ``extractors=["hashes"]`` for the strict variant that requires the ``####`` format.
+    Its extraction defaults to our rules (``extraction="rules"``), with or without ``symbolic``.
     """
 
     name = "gsm8k"
     default_extractors = ("hashes", "boxed", "answer_is", "last_number")
     default_symbolic = False  # integer answers: the exact comparison is complete
+    default_extraction: Extraction = "rules"  # GSM8K's own `#### N` rules, unchanged
 
 
 class _MatchVerifier:

@@ -250,3 +250,55 @@ def test_is_equation():
         "x >= 3",
     ):
         assert not is_equation(ans), ans
+
+
+def test_is_equation_with_labels_reads_named_values():
+    from lightrft.rewards.math_answer import is_equation
+
+    for ans in ("100 = 7", "2x = 14", "3 + 4 = 7", "x^2 + y^2 = 1", r"\frac{1}{2} = \frac{10}{9}"):
+        assert is_equation(ans, labels=True), ans  # a number on the left: an equation
+    for ans in ("AB = 4", "|AB| = 1", "f(x) = 1", "V_{1}:V_{2} = 11:21", "a + b = c", "x = 7"):
+        assert not is_equation(ans, labels=True), ans
+        assert is_equation(ans) is (ans != "x = 7")  # the rules' reading is unchanged
+
+
+def test_equation_mismatch():
+    from lightrft.rewards.math_answer import equation_mismatch
+
+    assert equation_mismatch("100 = 7", "7") and equation_mismatch("7", "3 + 4 = 7")
+    assert not equation_mismatch("AB = 4", "4") and not equation_mismatch("x = 8", "7")
+    # Both hold an `=`: math-verify compares them (a line in two forms).
+    assert not equation_mismatch(r"y = -\frac{1}{2}x + \frac{3}{4}", "2x + 4y - 3 = 0")
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        (r"so \boxed{42}.", "42"),
+        ("  -0.5 ", "-0.5"),
+        (r"\boxed{1,000}", "1,000"),
+        (r"\boxed{\frac{3}{4}}", r"\frac{3}{4}"),
+        ("3/4", "3/4"),
+        (r"\boxed{1}\boxed{2}", None),  # several boxes: a set, math-verify's to read
+        (r"\boxed{\frac13}", None),
+        ("0,111", None),  # a decimal comma to math-verify
+        ("1 000", None),
+        (r"\boxed{x = 7}", None),
+        ("The answer is 5", None),
+        (r"\boxed{1e5}", None),
+    ],
+)
+def test_plain_number_answer(text, answer):
+    from lightrft.rewards.math_answer import plain_number_answer
+
+    assert plain_number_answer(text) == answer
+
+
+def test_math_verify_reference():
+    from lightrft.rewards.math_answer import math_verify_reference
+
+    assert math_verify_reference("Half of 8 is 4.\n#### 1,200") == r"\boxed{1,200}"
+    assert math_verify_reference(r" \frac{1}{2} ") == r"\boxed{\frac{1}{2}}"
+    assert math_verify_reference(r"\$18") == r"\boxed{\$18}"  # an escaped dollar is no math
+    for marked in (r"so \boxed{3}", "$9$", r"\( x \)", r"$1$ and $2$"):
+        assert math_verify_reference(marked) == marked
