@@ -164,15 +164,19 @@ def load(
         if arg.startswith("~"):
             _remove(data, arg[1:].split("=", 1)[0], path)
     sets = [a for a in overrides if not a.startswith("~")]
-    # torchtune's merge cannot index into lists (`prepare.0.out_dir=...`): set those after it.
-    in_list = [a for a in sets if _through_list(data, a.split("=", 1)[0])]
+    # torchtune's merge cannot index into lists (`prepare.0.out_dir=...`) and turns
+    # `eval_dataset=null` into `eval_dataset._component_=null`: set those after it.
+    in_list = [
+        a for a in sets if _through_list(data, a.split("=", 1)[0]) or _nulls_section(data, a)
+    ]
     try:
         cfg = _merge_yaml_and_cli_args(
             argparse.Namespace(**data), [a for a in sets if a not in in_list]
         )
         for arg in in_list:
             key, value = arg.split("=", 1)
-            OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, merge=True)
+            value = None if value.strip() == "None" else yaml.safe_load(value) if value else None
+            OmegaConf.update(cfg, key, value, merge=True)
     except yaml.YAMLError:
         raise _bad_override_value(sets) from None
     except (ValueError, TypeError, KeyError, IndexError) as e:
@@ -205,6 +209,17 @@ def _through_list(data: Any, dotpath: str) -> bool:
             return False
         node = node[k]
     return False
+
+
+def _nulls_section(data: dict, arg: str) -> bool:
+    """Whether ``arg`` sets a whole section (a mapping) to null: ``eval_dataset=null``."""
+    key, value = arg.split("=", 1)
+    node: Any = data
+    for k in key.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return isinstance(node, dict) and value.strip() in ("null", "Null", "NULL", "~", "None")
 
 
 def _remove(data: dict, dotpath: str, path: str) -> None:

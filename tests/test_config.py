@@ -53,6 +53,16 @@ def test_valid_config_passes_and_overrides_apply(cfg_file):
     assert isinstance(cfg.optimizer.lr, float)
 
 
+@pytest.mark.parametrize("null", ["null", "None", "~"])
+def test_null_override_empties_a_whole_section(cfg_file, null):
+    """`eval_dataset=null` means no such section (torchtune's merge alone would set only its
+    `_component_` to null, and the run then failed to import 'None')."""
+    cfg, src = load(cfg_file, [f"optimizer={null}", f"extra={null}"])
+    assert cfg.optimizer is None and cfg.extra is None
+    cfg, _ = load(cfg_file, ["optimizer=torch.optim.SGD"])  # a component path still swaps it
+    assert cfg.optimizer._component_ == "torch.optim.SGD" and cfg.optimizer.lr == 1e-3
+
+
 def test_unknown_top_level_key_in_yaml_names_file_line_and_suggestion(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(YAML + "stpes: 4\n")
