@@ -28,6 +28,7 @@ import re
 import shutil
 import time
 import warnings
+import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -227,13 +228,29 @@ def _check_rank_files(path: Path, world_size: int) -> None:
             raise CheckpointError(f"{stem}.safetensors is damaged ({_first_line(e)})") from None
 
 
+def _check_engine_files(path: Path) -> None:
+    """Every DeepSpeed file (``deepspeed.<model>/**/*.pt``, torch.save's zip archives) opens as
+    a zip whose members all lie inside the file: a truncated one has lost its central directory
+    (read from the end, so this costs no full read)."""
+    for f in sorted(path.glob("deepspeed.*/**/*.pt")):
+        try:
+            with zipfile.ZipFile(f) as z:
+                size = f.stat().st_size
+                if any(i.header_offset + i.compress_size > size for i in z.infolist()):
+                    raise zipfile.BadZipFile("a member runs past the end of the file")
+        except (zipfile.BadZipFile, OSError) as e:
+            raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
+
+
 def check_readable(path: Path) -> dict[str, Any]:
-    """Read every small file of checkpoint ``path`` and size-check its shards before anything
-    is loaded; its ``meta.json`` dict, or a :class:`CheckpointError` naming the damaged file."""
+    """Read every small file of checkpoint ``path`` and size-check its shards and DeepSpeed
+    files before anything is loaded; its ``meta.json`` dict, or a :class:`CheckpointError`
+    naming the damaged file."""
     meta = read_meta(path)
     read_saved_config(path)
     if (path / ".metadata").is_file() or any(path.glob("*.distcp")):
         _check_shards(path)
+    _check_engine_files(path)
     _check_rank_files(path, int(meta.get("world_size", 1)))
     return meta
 

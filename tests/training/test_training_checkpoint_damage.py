@@ -96,10 +96,17 @@ def _damage(step_dir, what):
     if what == "metadata":
         _truncate(step_dir / ".metadata")
         return step_dir / ".metadata"
+    if what == "deepspeed":  # the layout engine.save_checkpoint writes: torch.save zip archives
+        bad = step_dir / "deepspeed.model" / "mp_rank_00_model_states.pt"
+        bad.parent.mkdir()
+        torch.save({"module": torch.nn.Linear(4, 3).state_dict()}, bad)
+        torch.save({"optimizer": {}}, bad.parent / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        _truncate(bad)
+        return bad
     raise AssertionError(what)
 
 
-WHATS = ["distcp", "safetensors", "rank_json", "config", "meta", "metadata"]
+WHATS = ["distcp", "safetensors", "rank_json", "config", "meta", "metadata", "deepspeed"]
 
 
 @pytest.mark.parametrize("what", WHATS)
