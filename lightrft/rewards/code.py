@@ -22,15 +22,16 @@ assert-test nonce; it cannot pass by exiting early (``os._exit(0)``) or by print
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -41,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.rewards.base import Prompt, check_lengths
+from lightrft.rewards import _code_asserts
+from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
 
 __all__ = ["CodeVerifier", "RunResult", "TestCase", "extract_code", "parse_tests"]
 
@@ -49,6 +51,17 @@ _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids, then v2
 _warned: set[str] = set()
+_probe_lock = threading.Lock()
+_probe_result: list[str | None] = []  # filled once: None, or why isolation is unavailable
+_NOT_ISOLATED = (
+    "CodeVerifier: sandboxed programs are NOT isolated here ({problem}). Still applied: the time, "
+    "CPU, memory, output and process limits, a network namespace where allowed, the verdict "
+    "computed by this process. Not contained: the program can read every file this user can "
+    "(keys, tokens, other processes' /proc/<pid>/environ of this user), write wherever this "
+    "user can (the write guard is a Python audit hook that ctypes or _posixsubprocess bypass), "
+    "start programs, and (as a non-root user) leave setsid daemons running and connect to the "
+    "network. Pass require_isolation=True to refuse instead"
+)
 
 
 def extract_code(response: str) -> str:
@@ -125,50 +138,6 @@ class RunResult:
     stdout: str = ""
 
 
-# Runs the program (and, for assert tests, the test) in the sandbox process. The audit hook
-# refuses writes, deletions and new programs outside the working directory: a guard against
-# careless or naive code, not a security boundary (ctypes can get around it).
-_HARNESS = """\
-import os, sys
-_root = os.getcwd() + os.sep
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
-                "os.symlink", "os.link", "os.truncate", "os.utime", "shutil.rmtree"}
-_EXEC_EVENTS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-                "pty.spawn"}
-
-def _inside(path):
-    if isinstance(path, int):
-        return True
-    p = os.path.realpath(os.fsdecode(path))
-    return (p + os.sep).startswith(_root)
-
-def _guard(event, args):
-    if event == "open":
-        path, mode, flags = args
-        writes = (mode and any(c in str(mode) for c in "wax+")) or (flags or 0) & _WRITE
-        if writes and path is not None and not _inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the working directory")
-    elif event in _PATH_EVENTS:
-        for a in args[:2]:
-            if isinstance(a, (str, bytes, os.PathLike)) and not _inside(a):
-                raise PermissionError(f"sandbox: {event} outside the working directory")
-    elif event in _EXEC_EVENTS:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-
-_nonce = sys.stdin.readline().strip() if sys.argv[1] == "assert" else None
-_out = os.dup(1)
-sys.addaudithook(_guard)
-_ns = {"__name__": "__main__"}
-exec(compile(open("program.py").read(), "program.py", "exec"), _ns)
-if _nonce is not None:
-    sys.stdin = open(os.devnull)
-    exec(compile(open("test.py").read(), "test.py", "exec"), _ns)
-    sys.stdout.flush()
-    os.write(_out, ("\\n" + _nonce + "\\n").encode())
-"""
-
-
 class CodeVerifier:
     """Reward = fraction of test cases passed (or 1/0 for all-or-nothing) by the response's code.
 
@@ -201,6 +170,7 @@ class CodeVerifier:
         no_network: bool = True,
         workers: int | None = None,
         max_tests: int | None = None,
+        require_isolation: bool = False,
     ) -> None:
         if mode not in ("fraction", "all"):
             raise ValueError(f"mode must be 'fraction' or 'all', got {mode!r}")
@@ -216,25 +186,22 @@ class CodeVerifier:
         self.no_network = no_network
         self.workers = workers or min(4, os.cpu_count() or 1)
         self.max_tests = max_tests
+        self.require_isolation = require_isolation
 
     # ------------------------------------------------------------------ one run
 
     def run(self, program: str, test: TestCase) -> RunResult:
         """Run ``program`` on one test in the sandbox."""
+        isolate = self._isolate()
+        plan = _plan(test.code) if test.code is not None else None
         start = time.monotonic()
         tmp = tempfile.mkdtemp(prefix="lightrft-code-")
+        work = os.path.join(tmp, "work")  # the program's directory: holds nothing of ours
+        os.mkdir(work, 0o700)
         cgroup = self._make_cgroup()
+        job_r, job_w = os.pipe()
+        feeders = []
         try:
-            Path(tmp, "program.py").write_text(program)
-            Path(tmp, "harness.py").write_text(_HARNESS)
-            nonce = None
-            if test.code is not None:
-                Path(tmp, "test.py").write_text(test.code)
-                nonce = secrets.token_hex(16)
-                stdin_text, script = nonce + "\n", ["harness.py", "assert"]
-            else:
-                stdin_text, script = test.stdin or "", ["harness.py", "stdio"]
-            Path(tmp, "stdin.txt").write_text(stdin_text)
             settings = {
                 "cpu_seconds": max(1, int(self.timeout + 0.999)),
                 "memory_bytes": self.memory_bytes,
@@ -242,43 +209,83 @@ class CodeVerifier:
                 "nproc": self.max_processes if cgroup is None else None,
                 "cgroup": cgroup,
                 "no_network": self.no_network,
+                "isolate": isolate,
+                "status": os.path.join(tmp, "status.json"),
+                "job_fd": job_r,
+                "report_fd": None,
             }
-            with open(Path(tmp, "stdin.txt"), "rb") as fin, open(Path(tmp, "out"), "wb") as fout:
+            with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
+                settings["report_fd"] = frep.fileno()
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", _CHILD, json.dumps(settings), *script],
-                    cwd=tmp,
-                    stdin=fin,
+                    [sys.executable, "-I", _CHILD, json.dumps(settings)],
+                    cwd=work,
+                    stdin=subprocess.DEVNULL if plan is not None else subprocess.PIPE,
                     stdout=fout,
                     stderr=subprocess.DEVNULL,
                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"},
                     start_new_session=True,  # its own process group and session, to kill
+                    pass_fds=(job_r, frep.fileno()),
                 )
-                timed_out = False
-                try:
-                    code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    code = None
-                self._kill_all(proc.pid, cgroup)
-                proc.wait()
-            self._warn_missing(Path(tmp, ".sandbox"))
-            with open(Path(tmp, "out"), "rb") as f:
-                raw = f.read(self.max_output_bytes)
-            out = raw.decode(errors="replace")
+            os.close(job_r)
+            job_r = -1
+            job = {"program": program, "test": plan.sandbox_source if plan else None}
+            feeders.append(_feed(job_w, json.dumps(job).encode()))
+            job_w = -1
+            if plan is None:
+                feeders.append(_feed(proc.stdin.fileno(), (test.stdin or "").encode(), proc.stdin))
+            timed_out = False
+            try:
+                code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                code = None
+            self._kill_all(proc.pid, cgroup)
+            proc.wait()
+            self._read_status(Path(tmp, "status.json"))
+            out = _read_capped(Path(tmp, "out"), self.max_output_bytes).decode(errors="replace")
             secs = time.monotonic() - start
             if timed_out:
                 return RunResult(False, "timeout", secs)
             if code != 0:
                 return RunResult(False, "error", secs, out)
-            if nonce is not None:
-                ok = out.rstrip().endswith(nonce)
+            if plan is not None:
+                report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
+                ok = len(report) <= self.max_output_bytes and _code_asserts.judge(plan, report)[0]
             else:
                 ok = _same_output(out, test.stdout or "")
             return RunResult(ok, "ok" if ok else "wrong", secs, out)
         finally:
+            for fd in (job_r, job_w):
+                if fd >= 0:
+                    os.close(fd)
+            for t in feeders:
+                t.join()
             shutil.rmtree(tmp, ignore_errors=True)
             if cgroup is not None:
                 self._remove_cgroup(cgroup)
+
+    def _isolate(self) -> bool:
+        """Whether runs get the namespaces; warns once (or refuses) where they cannot."""
+        problem = _isolation_problem()
+        if problem is None:
+            return True
+        if self.require_isolation:
+            raise RuntimeError(
+                f"CodeVerifier(require_isolation=True): the sandbox cannot isolate programs "
+                f"here ({problem}); run where unprivileged user namespaces are allowed, or as root"
+            )
+        _warn_once("isolation", _NOT_ISOLATED.format(problem=problem))
+        return False
+
+    def _read_status(self, path: Path) -> dict:
+        try:
+            status = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if status.get("error"):
+            raise RuntimeError(f"CodeVerifier: {status['error']}")
+        self._warn_missing(status.get("missing", []))
+        return status
 
     def _make_cgroup(self) -> str | None:
         for root in _CGROUP_ROOTS:
@@ -337,11 +344,7 @@ class CodeVerifier:
                 time.sleep(0.01)
         _warn_once("cgroup", f"CodeVerifier: could not remove {path}")
 
-    def _warn_missing(self, path: Path) -> None:
-        try:
-            missing = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return
+    def _warn_missing(self, missing: list[str]) -> None:
         if "network" in missing:
             _warn_once(
                 "network",
@@ -381,14 +384,18 @@ class CodeVerifier:
         labels: Sequence[str | None] | None = None,
     ) -> list[float]:
         check_lengths(len(responses), references=references)
+        self._isolate()  # refuses before any run where isolation is required but impossible
         jobs, owner = [], []
         for i, (resp, ref) in enumerate(zip(responses, references, strict=True)):
             try:
                 tests = parse_tests(ref)
-            except ValueError as e:
-                raise ValueError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
-            if self.max_tests is not None:
-                tests = tests[: self.max_tests]
+                if self.max_tests is not None:
+                    tests = tests[: self.max_tests]
+                for t in tests:
+                    if t.code is not None:
+                        _plan(t.code)
+            except (ValueError, TypeError) as e:
+                raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
             program = extract_code(resp)
             for t in tests:
                 jobs.append((program, t))
@@ -398,6 +405,53 @@ class CodeVerifier:
         for i, r in zip(owner, results, strict=True):
             per_sample[i].append(r)
         return [self._reward(rs) for rs in per_sample]
+
+
+def _isolation_problem() -> str | None:
+    """``None`` if this machine can run programs in the namespaces (tried once per process by
+    the launcher itself), else why not."""
+    with _probe_lock:
+        if not _probe_result:
+            try:
+                done = subprocess.run(
+                    [sys.executable, "-I", _CHILD, "probe"], capture_output=True, timeout=30,
+                    cwd=tempfile.gettempdir(), env={"PATH": os.environ.get("PATH", "/bin")},
+                )
+                why = (done.stdout + done.stderr).decode(errors="replace").strip()
+                ok = done.returncode == 0
+            except (OSError, subprocess.TimeoutExpired) as e:
+                ok, why = False, str(e)
+            _probe_result.append(None if ok else why or f"exit status {done.returncode}")
+        return _probe_result[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(code: str) -> _code_asserts.AssertPlan:
+    return _code_asserts.plan_asserts(code)
+
+
+def _feed(fd: int, data: bytes, owner: Any = None) -> threading.Thread:
+    """Write ``data`` to a pipe from a thread (the reader may never read), then close it."""
+
+    def write() -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view[: 1 << 16]) :]
+        except OSError:
+            pass  # the sandbox exited or was killed without reading everything
+        finally:
+            with suppress(OSError):
+                owner.close() if owner is not None else os.close(fd)
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    return t
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(limit)
 
 
 def _session_members(sid: int) -> set[int]:
