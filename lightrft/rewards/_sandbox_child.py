@@ -224,6 +224,7 @@ def _setup_mounts(work: str) -> None:
         _mount(None, path, None, MS_REMOUNT | MS_BIND | flags | (0 if writable else MS_RDONLY))
     for _, fd in keep:
         os.close(fd)
+    os.chdir(work)  # the old working directory still points into the read-only mount
 
 
 def _limits(cfg: dict, owner_uid: int) -> list[tuple[int, int, int]]:
