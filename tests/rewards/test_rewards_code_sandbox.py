@@ -44,20 +44,21 @@ def _score(ctx: Context, program: str, ref) -> float:
 
 
 def _sandbox_processes(token: str = "") -> set[int]:
-    """Processes that run the sandbox harness (and, with ``token``, hold a file so named)."""
+    """Processes that run the sandbox harness, or (with ``token``) any process that holds a file
+    whose name contains ``token`` (whatever sandbox started it)."""
     found = set()
     for e in os.listdir("/proc"):
         if not e.isdigit():
             continue
         try:
-            if HARNESS_MARK not in Path(f"/proc/{e}/cmdline").read_bytes():
-                continue
-            if token and not any(token in os.readlink(f"/proc/{e}/fd/{fd}")
-                                 for fd in os.listdir(f"/proc/{e}/fd")):
-                continue
+            if token:
+                if any(token in os.readlink(f"/proc/{e}/fd/{fd}")
+                       for fd in os.listdir(f"/proc/{e}/fd")):
+                    found.add(int(e))
+            elif HARNESS_MARK in Path(f"/proc/{e}/cmdline").read_bytes():
+                found.add(int(e))
         except OSError:
             continue
-        found.add(int(e))
     return found
 
 
