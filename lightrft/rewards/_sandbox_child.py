@@ -276,7 +276,9 @@ def run_isolated(argv: list[str], cfg: dict) -> int:
     limits = _limits(cfg, NOBODY if as_root else uid) if cfg else []
     if as_root:
         os.chown(work, NOBODY, NOBODY)
-    flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC
+    flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC
+    if cfg.get("no_network", True):
+        flags |= CLONE_NEWNET
     _ok(_libc.unshare(flags | (0 if as_root else CLONE_NEWUSER)), "unshare")
     if not as_root:
         _write("/proc/self/setgroups", "deny")

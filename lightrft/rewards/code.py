@@ -1,23 +1,60 @@
 """A code reward: run the response's Python program against test cases in a sandboxed process.
 
-Each (program, test) pair runs in its own process (``python -I``) with:
+Each (program, test) pair runs in its own process (``python -I``, launched by
+``_sandbox_child.py``). Where the machine allows it (checked once per process by running the
+launcher's setup; see :func:`_isolation_problem`) the run is **isolated**:
 
-- wall-clock and CPU-time limits (the process group is SIGKILLed at the wall limit);
-- an address-space limit (a 10 GB allocation fails with ``MemoryError``);
-- output capped: stdout goes to a file with an ``RLIMIT_FSIZE`` cap, and only that much is read;
-- a process limit: a fresh pids cgroup (``pids.max``) where one can be created (root on Linux),
-  else ``RLIMIT_NPROC`` (enforced for non-root users only); all processes of the run are killed
-  when it ends (its cgroup, else its process group and session);
-- no network: a new network namespace (needs ``CAP_SYS_ADMIN``; otherwise a warning, once);
-- a temporary working directory, removed afterwards.
+- new PID, network, mount and IPC namespaces, plus a user namespace when the trainer is not root
+  (unprivileged user namespaces); as root the program runs as uid/gid 65534 (nobody) with no
+  supplementary groups, as another user it keeps that user's uid (mapped to itself) and no
+  capabilities; ``PR_SET_NO_NEW_PRIVS`` either way;
+- the program is PID 1 of its PID namespace: when it exits or is killed, the kernel kills every
+  process it started, double-forked ``setsid`` daemons included; a parent-death ``SIGKILL`` ends
+  it if its launcher is killed;
+- a fresh ``/proc`` shows only the sandbox's processes (no parent's ``environ``, no other
+  process of the user); ``/tmp``, ``/var/tmp``, ``/root``, ``/home``, ``/run``, ``/dev/shm`` are
+  empty private tmpfs; every other mount is read-only (``/`` must be, others where the kernel
+  allows); the working directory is bound back writable, the Python installation read-only;
+- no network: the new network namespace has only a loopback device, which is down (with
+  ``no_network=False`` the host's network namespace is kept).
 
-Writes, deletions and starting programs outside the temporary directory are refused by a Python
-audit hook installed before the program runs: this stops ordinary and careless code, not a
-determined attacker (``ctypes`` can call the C library directly). Not prevented: reading files
-the user can read; writes through ``ctypes`` wherever the trainer's user may write (the process
-is not given a read-only filesystem view or another user: run untrusted code as an unprivileged
-user, in a container, or on another machine through the reward server). A program that inspects its caller's stack can find the
-assert-test nonce; it cannot pass by exiting early (``os._exit(0)``) or by printing.
+Always applied, isolated or not: wall-clock (the process group, session and cgroup are
+SIGKILLed at ``timeout`` + 0.5 s) and CPU-time limits, an address-space limit (a 10 GB
+allocation fails), output capped (stdout goes to a file with ``RLIMIT_FSIZE``), a process limit
+(a pids cgroup as root, else ``RLIMIT_NPROC``), and a Python audit hook that refuses writes,
+deletions and starting programs outside the working directory (a guard against careless code
+only: ``ctypes`` and ``_posixsubprocess`` bypass it; the namespaces are the boundary).
+
+**Not contained, isolated:** the program can read every file that the run's uid may read outside
+the masked directories (world-readable files as root, since the program runs as nobody; the
+user's own files outside ``/home``, ``/root`` and ``/tmp`` otherwise, e.g. a checkout in
+``/work``); it can use CPU, memory and disk up to the limits (files in its working directory on
+the host's disk, each up to ``max_output_bytes``; tmpfs ``/tmp`` up to 64 MiB); it can make the
+kernel syscalls that the user may (no seccomp filter). **Where isolation is impossible** (user
+namespaces disabled by sysctl, AppArmor's ``kernel.apparmor_restrict_unprivileged_userns``,
+Docker's default seccomp profile) the runs fall back to the limits above with one
+``RuntimeWarning`` that says what is then not contained (any file the user may read or write,
+other processes' environments, programs, and as non-root daemons and the network);
+``require_isolation=True`` refuses to run instead.
+
+**The verdict never depends on anything the program can forge.** stdin/stdout tests: the input
+goes in through a pipe, the output is compared here; the expected output never enters the
+sandbox. Assert tests (see :mod:`lightrft.rewards._code_asserts`): the test code is parsed here
+and each ``assert`` rewritten so that the sandbox only computes the sub-expressions that depend
+on the program (``assert f(3) == 9`` sends ``f(3)``; the 9 stays here) and reports their values
+through a pipe as tagged JSON data; this process evaluates each condition itself. A test passes
+when the run exits 0, every assert site reported at least once, and every report satisfied its
+condition. The program and the rewritten test reach the harness through a pipe, never a file.
+So a program that patches ``exec`` or ``compile``, exits early, prints, inspects the stack,
+reads its directory or ``/proc/self/fd/0``, or writes forged reports into the pipe controls at
+most the values it was asked for: the same as hard-coding a function's answers, which only
+passes where it knows them. Values that are not plain data (``None``, ``bool``, ``int``,
+``float``, ``complex``, ``str``, ``bytes``, and lists, tuples, sets, frozensets, dicts of them;
+a subclass counts as its base value) fail the assert: a custom object that claims to equal
+anything is never compared by sandbox code. What the test block itself runs in the sandbox
+(setup statements, expected values computed with names the program could define, such as
+``expected = [1, 2]`` then ``assert f() == expected``, or ``Counter(...)``) is visible to the
+program.
 """
 
 from __future__ import annotations
@@ -60,7 +97,8 @@ _NOT_ISOLATED = (
     "(keys, tokens, other processes' /proc/<pid>/environ of this user), write wherever this "
     "user can (the write guard is a Python audit hook that ctypes or _posixsubprocess bypass), "
     "start programs, and (as a non-root user) leave setsid daemons running and connect to the "
-    "network. Pass require_isolation=True to refuse instead"
+    "network (no network namespace without privileges). Pass require_isolation=True to refuse "
+    "instead"
 )
 
 
@@ -152,9 +190,12 @@ class CodeVerifier:
         memory_mb: address-space limit per test.
         max_output_bytes: stdout beyond this fails the test.
         max_processes: processes a test may start (itself included).
-        no_network: run each test in a new network namespace (warns once where impossible).
+        no_network: run each test in a new network namespace (isolated runs always can; in
+            the fallback only root can, and the fallback warning says so).
         workers: tests run in parallel.
         max_tests: use at most this many tests per sample (``None``: all).
+        require_isolation: refuse (``RuntimeError`` before any run) where the namespaces cannot
+            be created, instead of falling back with a warning.
     """
 
     name = "code"
@@ -241,7 +282,7 @@ class CodeVerifier:
                 code = None
             self._kill_all(proc.pid, cgroup)
             proc.wait()
-            self._read_status(Path(tmp, "status.json"))
+            self._read_status(Path(tmp, "status.json"), isolate)
             out = _read_capped(Path(tmp, "out"), self.max_output_bytes).decode(errors="replace")
             secs = time.monotonic() - start
             if timed_out:
@@ -259,7 +300,7 @@ class CodeVerifier:
                 if fd >= 0:
                     os.close(fd)
             for t in feeders:
-                t.join()
+                t.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
             shutil.rmtree(tmp, ignore_errors=True)
             if cgroup is not None:
                 self._remove_cgroup(cgroup)
@@ -277,14 +318,17 @@ class CodeVerifier:
         _warn_once("isolation", _NOT_ISOLATED.format(problem=problem))
         return False
 
-    def _read_status(self, path: Path) -> dict:
+    def _read_status(self, path: Path, isolated: bool) -> dict:
         try:
             status = json.loads(path.read_text())
         except (OSError, ValueError):
             return {}
         if status.get("error"):
             raise RuntimeError(f"CodeVerifier: {status['error']}")
-        self._warn_missing(status.get("missing", []))
+        missing = status.get("missing", [])
+        if not isolated:  # the one fallback warning already says the network may be reachable
+            missing = [m for m in missing if m != "network"]
+        self._warn_missing(missing)
         return status
 
     def _make_cgroup(self) -> str | None:
