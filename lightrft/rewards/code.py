@@ -258,7 +258,7 @@ class CodeVerifier:
             with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
                 settings["report_fd"] = frep.fileno()
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", _CHILD, json.dumps(settings)],
+                    [sys.executable, "-I", "-S", _CHILD, json.dumps(settings)],
                     cwd=work,
                     stdin=subprocess.DEVNULL if plan is not None else subprocess.PIPE,
                     stdout=fout,
@@ -458,7 +458,7 @@ def _isolation_problem() -> str | None:
         if not _probe_result:
             try:
                 done = subprocess.run(
-                    [sys.executable, "-I", _CHILD, "probe"], capture_output=True, timeout=30,
+                    [sys.executable, "-I", "-S", _CHILD, "probe"], capture_output=True, timeout=30,
                     cwd=tempfile.gettempdir(), env={"PATH": os.environ.get("PATH", "/bin")},
                 )
                 why = (done.stdout + done.stderr).decode(errors="replace").strip()
