@@ -274,8 +274,6 @@ def run_isolated(argv: list[str], cfg: dict) -> int:
     as_root = uid == 0
     work = os.getcwd()
     limits = _limits(cfg, NOBODY if as_root else uid) if cfg else []
-    if as_root:
-        os.chown(work, NOBODY, NOBODY)
     flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC
     if cfg.get("no_network", True):
         flags |= CLONE_NEWNET

@@ -86,6 +86,7 @@ __all__ = ["CodeVerifier", "RunResult", "TestCase", "extract_code", "parse_tests
 
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_NOBODY = 65534  # the uid and gid of programs when the trainer is root (see _sandbox_child)
 _CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids, then v2
 _warned: set[str] = set()
 _probe_lock = threading.Lock()
@@ -239,6 +240,8 @@ class CodeVerifier:
         tmp = tempfile.mkdtemp(prefix="lightrft-code-")
         work = os.path.join(tmp, "work")  # the program's directory: holds nothing of ours
         os.mkdir(work, 0o700)
+        if isolate and os.getuid() == 0:
+            os.chown(work, _NOBODY, _NOBODY)  # isolated root runs the program as nobody
         cgroup = self._make_cgroup()
         job_r, job_w = os.pipe()
         feeders = []
@@ -456,16 +459,20 @@ def _isolation_problem() -> str | None:
     the launcher itself), else why not."""
     with _probe_lock:
         if not _probe_result:
+            work = tempfile.mkdtemp(prefix="lightrft-probe-")
             try:
                 done = subprocess.run(
                     [sys.executable, "-I", "-S", _CHILD, "probe"], capture_output=True, timeout=30,
-                    cwd=tempfile.gettempdir(), env={"PATH": os.environ.get("PATH", "/bin")},
+                    cwd=work, env={"PATH": os.environ.get("PATH", "/bin")},
                 )
                 why = (done.stdout + done.stderr).decode(errors="replace").strip()
                 ok = done.returncode == 0
+                why = why or f"exit status {done.returncode}"
             except (OSError, subprocess.TimeoutExpired) as e:
                 ok, why = False, str(e)
-            _probe_result.append(None if ok else why or f"exit status {done.returncode}")
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            _probe_result.append(None if ok else why)
         return _probe_result[0]
 
 

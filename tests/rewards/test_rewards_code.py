@@ -4,6 +4,7 @@ its limit, score 0 and leave no process or file behind)."""
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -188,3 +189,16 @@ def test_write_outside_tmp(verifier, tmp_path):
     body = "open('scratch.txt', 'w').write('3')\nprint(open('scratch.txt').read())"
     out, _, _ = _run_hostile(verifier, body, {"inputs": ["1 2"], "outputs": ["3"]})
     assert out == [1.0]
+
+
+def test_isolation_probe_leaves_the_host_alone(monkeypatch):
+    """The probe runs the real setup once; it must not touch the directory it starts in (it
+    once chowned /tmp to nobody) nor leave a directory behind."""
+    tmp = Path(tempfile.gettempdir())
+    before = os.stat(tmp)
+    probes_before = set(tmp.glob("lightrft-probe-*"))
+    monkeypatch.setattr(code, "_probe_result", [])
+    code._isolation_problem()
+    after = os.stat(tmp)
+    assert (after.st_uid, after.st_gid, after.st_mode) == (before.st_uid, before.st_gid, before.st_mode)
+    assert set(tmp.glob("lightrft-probe-*")) == probes_before
