@@ -27,6 +27,8 @@ from typing import Any
 
 REPORT = "__lightrft_report__"
 _VALUE = "__lightrft_v{}__"
+_INNER = "__lightrft_e{}__"  # a program value of the current item of a judged comprehension
+_ZIP = "__lightrft_zip__"
 _MAX_DEPTH = 64
 _MAX_ITEMS = 1_000_000  # sequence * int, and other results built here
 _MAX_POW_BITS = 1 << 16
@@ -34,7 +36,7 @@ _MAX_POW_BITS = 1 << 16
 _SAFE_FUNCS: dict[str, Any] = {
     f.__name__: f
     for f in (abs, len, round, sorted, set, list, tuple, sum, min, max, all, any, frozenset,
-              int, float, str, bool, dict)
+              int, float, str, bool, dict, range, zip, enumerate, reversed)
 }
 _MATH = {"isclose": math.isclose, "inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e}
 # A program-dependent argument of these is sent whole (``list(f(x))``), so an iterator or a
@@ -46,7 +48,7 @@ _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, 
            ast.RShift, ast.BitOr, ast.BitXor, ast.BitAnd)
 _UNARY = (ast.Not, ast.USub, ast.UAdd, ast.Invert)
 _STRUCTURE = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Compare, ast.BoolOp,
-              ast.UnaryOp, ast.BinOp, ast.IfExp, ast.Call, ast.Subscript, ast.Slice, ast.Name,
+              ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.comprehension, ast.UnaryOp, ast.BinOp, ast.IfExp, ast.Call, ast.Subscript, ast.Slice, ast.Name,
               ast.Attribute, ast.keyword, ast.expr_context, ast.cmpop, ast.boolop, ast.unaryop,
               ast.operator)
 
@@ -104,15 +106,20 @@ class _Rewriter(ast.NodeTransformer):
         return ast.copy_location(ast.Expr(call), node)
 
 
-def _parent_only(node: ast.AST) -> bool:
-    """Whether the parent can evaluate ``node`` alone (no name the program could define)."""
+def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
+    """Whether the parent can evaluate ``node`` alone: no name the program could define (names
+    in ``bound`` and those a comprehension inside binds are the parent's own variables)."""
     math_names = {id(n.value) for n in ast.walk(node) if _is_math(n)}
+    bound = bound | {
+        t.id for c in ast.walk(node) if isinstance(c, ast.comprehension)
+        for t in ast.walk(c.target) if isinstance(t, ast.Name)
+    }
     for n in ast.walk(node):
         if id(n) in math_names:
             continue
         if not isinstance(n, _STRUCTURE):
             return False
-        if isinstance(n, ast.Name) and n.id not in _SAFE_FUNCS:
+        if isinstance(n, ast.Name) and n.id not in _SAFE_FUNCS and n.id not in bound:
             return False
         if isinstance(n, ast.Attribute) and not _is_math(n):
             return False
@@ -122,7 +129,24 @@ def _parent_only(node: ast.AST) -> bool:
             isinstance(e, ast.Starred) for e in n.elts
         ):
             return False
+        if isinstance(n, ast.comprehension) and (n.is_async or _names(n.target) is None):
+            return False
     return True
+
+
+def _names(target: ast.expr) -> frozenset[str] | None:
+    """The names a comprehension target binds, if it is a name or a flat tuple of names."""
+    if isinstance(target, ast.Name):
+        return frozenset({target.id})
+    if isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
+        return frozenset(e.id for e in target.elts)
+    return None
+
+
+def _load(target: ast.expr) -> ast.expr:
+    if isinstance(target, ast.Name):
+        return ast.Name(target.id, ast.Load())
+    return ast.Tuple([_load(e) for e in target.elts], ast.Load())
 
 
 def _is_math(n: ast.AST) -> bool:
@@ -143,11 +167,15 @@ def _safe_func(call: ast.Call) -> str | None:
     return name
 
 
-def _split(node: ast.expr, values: list[ast.expr]) -> ast.expr:
-    """``node`` with every program-dependent sub-expression moved to ``values`` (placeholders)."""
-    if _parent_only(node):
+def _split(
+    node: ast.expr, values: list[ast.expr], bound: frozenset[str] = frozenset(),
+    template: str = _VALUE,
+) -> ast.expr:
+    """``node`` with every program-dependent sub-expression moved to ``values`` (replaced by the
+    placeholder names ``template``); ``bound``: names of comprehension variables here."""
+    if _parent_only(node, bound):
         return node
-    rec = lambda n: _split(n, values)  # noqa: E731
+    rec = lambda n: _split(n, values, bound, template)  # noqa: E731
     if isinstance(node, ast.Compare):
         return ast.Compare(rec(node.left), node.ops, [rec(c) for c in node.comparators])
     if isinstance(node, ast.BoolOp):
@@ -162,14 +190,65 @@ def _split(node: ast.expr, values: list[ast.expr]) -> ast.expr:
         isinstance(e, ast.Starred) for e in node.elts
     ):
         return type(node)([rec(e) for e in node.elts], *([ast.Load()] * (type(node) is not ast.Set)))
+    if isinstance(node, _COMPREHENSIONS) and not bound:
+        split = _split_comprehension(node, values)
+        if split is not None:
+            return split
     if isinstance(node, ast.Call):
         name = _safe_func(node)
-        whole = name in _CONSUMERS and len(node.args) == 1 and not node.keywords
+        whole = (name in _CONSUMERS and len(node.args) == 1 and not node.keywords
+                 and not _may_hold_expected(node.args[0]))
         if name is not None and not whole:
             kws = [ast.keyword(k.arg, rec(k.value)) for k in node.keywords]
             return ast.Call(node.func, [rec(a) for a in node.args], kws)
     values.append(node)
-    return ast.Name(_VALUE.format(len(values) - 1), ast.Load())
+    return ast.Name(template.format(len(values) - 1), ast.Load())
+
+
+_COMPREHENSIONS = (ast.GeneratorExp, ast.ListComp, ast.SetComp)
+
+
+def _may_hold_expected(node: ast.expr) -> bool:
+    """Whether ``node`` compares or chooses (where expected values hide): then a safe function
+    around it is applied here, not sent whole with it."""
+    kinds = (ast.Compare, ast.BoolOp, ast.IfExp, *_COMPREHENSIONS)
+    return any(isinstance(n, kinds) for n in ast.walk(node))
+
+
+def _split_comprehension(node: ast.expr, values: list[ast.expr]) -> ast.expr | None:
+    """``all(f(x) == x * x for x in range(5))``: the parent iterates and judges; the sandbox
+    computes ``[f(x) for x in range(5)]`` (and ``any(v > 0 for v in f(3))`` sends ``f(3)``).
+    ``None`` where the comprehension has another shape (it is then sent whole)."""
+    if len(node.generators) != 1:
+        return None
+    gen = node.generators[0]
+    names = _names(gen.target)
+    if names is None or gen.is_async or not all(_parent_only(c, names) for c in gen.ifs):
+        return None
+    inner: list[ast.expr] = []
+    elt = _split(node.elt, inner, names, _INNER)
+    if not inner:  # the element is the parent's: only the iterable may need the program
+        if _parent_only(gen.iter):
+            it = gen.iter
+        else:  # sent as a list: an iterator or a generator the program returns is data then
+            values.append(ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
+            it = ast.Name(_VALUE.format(len(values) - 1), ast.Load())
+        return type(node)(elt, [ast.comprehension(gen.target, it, gen.ifs, 0)])
+    if not _parent_only(gen.iter):
+        return None
+    # Each program part of the element is computed in the sandbox for every item; the parent
+    # pairs them with its own items (strictly: another number of items fails).
+    columns = []
+    for part in inner:
+        values.append(ast.ListComp(part, [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)]))
+        columns.append(ast.Name(_VALUE.format(len(values) - 1), ast.Load()))
+    items = ast.ListComp(_load(gen.target), [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)])
+    target = ast.Tuple(
+        [gen.target, *(ast.Name(_INNER.format(j), ast.Store()) for j in range(len(inner)))],
+        ast.Store(),
+    )
+    pairs = ast.Call(ast.Name(_ZIP, ast.Load()), [items, *columns], [])
+    return type(node)(elt, [ast.comprehension(target, pairs, [], 0)])
 
 
 # ---------------------------------------------------------------- values sent as data
@@ -251,6 +330,7 @@ class _Evaluator:
 
     def __init__(self, values: Sequence[Any]):
         self.values = values
+        self.env: dict[str, Any] = {}  # comprehension variables
 
     def eval(self, n: ast.expr) -> Any:
         method = getattr(self, "_" + type(n).__name__, None)
@@ -262,6 +342,8 @@ class _Evaluator:
         return n.value
 
     def _Name(self, n: ast.Name) -> Any:
+        if n.id in self.env:
+            return self.env[n.id]
         m = re.fullmatch(r"__lightrft_v(\d+)__", n.id)
         if m:
             v = self.values[int(m.group(1))]
@@ -333,16 +415,53 @@ class _Evaluator:
         part = lambda e: None if e is None else self.eval(e)  # noqa: E731
         return slice(part(n.lower), part(n.upper), part(n.step))
 
+    def _GeneratorExp(self, n: ast.GeneratorExp) -> Any:
+        return (self.eval(n.elt) for _ in self._iterate(n.generators[0]))
+
+    def _ListComp(self, n: ast.ListComp) -> list:
+        return [self.eval(n.elt) for _ in self._iterate(n.generators[0])]
+
+    def _SetComp(self, n: ast.SetComp) -> set:
+        return {self.eval(n.elt) for _ in self._iterate(n.generators[0])}
+
+    def _iterate(self, gen: ast.comprehension):
+        """Binds the target to each item (that passes the filters) and yields; at most
+        ``_MAX_ITEMS`` items."""
+        for count, item in enumerate(self.eval(gen.iter)):
+            if count >= _MAX_ITEMS:
+                raise _Probe("too many items")
+            self._bind(gen.target, item)
+            if all(self.eval(c) for c in gen.ifs):
+                yield item
+
+    def _bind(self, target: ast.expr, item: Any) -> None:
+        if isinstance(target, ast.Name):
+            self.env[target.id] = item
+            return
+        parts = list(item)
+        if len(parts) != len(target.elts):
+            raise _Probe("cannot unpack")
+        for t, v in zip(target.elts, parts, strict=True):
+            self._bind(t, v)
+
     def _Call(self, n: ast.Call) -> Any:
+        if isinstance(n.func, ast.Name) and n.func.id == _ZIP:
+            return _strict_zip(*(self.eval(a) for a in n.args))
         name = _safe_func(n)
         if name is None:
             raise _Probe("call")
         f = _MATH[name] if _is_math(n.func) else _SAFE_FUNCS[name]
         args = [self.eval(a) for a in n.args]
         kwargs = {k.arg: self.eval(k.value) for k in n.keywords}
+        if name == "range" and len(range(*args)) > _MAX_ITEMS:
+            raise _Probe("range too long")
         if name == "round" and len(args) == 2 and isinstance(args[1], int) and abs(args[1]) > 10_000:
             raise _Probe("round digits")
         return f(*args, **kwargs)
+
+
+def _strict_zip(*columns: Any) -> Any:
+    return zip(*columns, strict=True)
 
 
 def _compare(op: ast.cmpop, a: Any, b: Any) -> bool:

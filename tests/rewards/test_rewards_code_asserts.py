@@ -27,6 +27,11 @@ def test_only_program_values_go_to_the_sandbox():
         "assert f(x)[0] == 'secret' and not h()":
             (["f(x)[0]", "h()"], "__lightrft_v0__ == 'secret' and (not __lightrft_v1__)"),
         "assert 1 + 1 == 3": ([], "1 + 1 == 3"),
+        "assert any(v > 3 for v in f(3))": (["list(f(3))"], "any((v > 3 for v in __lightrft_v0__))"),
+        "assert all(f(x) == x * 9 for x in range(2))": (
+            ["[f(x) for x in range(2)]"],
+            "all((__lightrft_e0__ == x * 9 for x, __lightrft_e0__ in "
+            "__lightrft_zip__([x for x in range(2)], __lightrft_v0__)))"),
     }
     for src, (sent, kept) in cases.items():
         plan = plan_asserts(src)
@@ -89,3 +94,16 @@ def test_hostile_values_cannot_stall_the_parent():
         nested = ["l", [nested]]
     assert not judge(plan_asserts("assert f() == 0"), _report([0, [nested]]))[0]
     assert time.monotonic() - start < 1.0
+
+
+def test_comprehensions_are_judged_here():
+    plan = plan_asserts("assert all(f(x) == x * x for x in range(1, 4))")
+    good = ["l", [_i(1), _i(4), _i(9)]]
+    assert judge(plan, _report([0, [good]]))[0]
+    for bad in (["l", [_i(1), _i(4)]], ["l", []], ["l", [_i(1), _i(4), _i(8)]]):
+        assert not judge(plan, _report([0, [bad]]))[0]  # fewer items, none, a wrong one
+    # A comprehension over a program value that also calls the program per item cannot be
+    # judged here: its generator is not data, so the assert fails.
+    plan = plan_asserts("assert all(g(v) == 1 for v in f(3))")
+    assert not judge(plan, _report([0, [["x", "a generator is not plain data"]]]))[0]
+    assert not judge(plan_asserts("assert f() in range(10 ** 9)"), _report([0, [_i(3)]]))[0]

@@ -144,6 +144,17 @@ def check_always_equal_object(ctx: Context) -> None:
     assert _score(ctx, sub, SQUARE_PLUS_ONE) == 0.0
 
 
+def check_shadowed_builtins(ctx: Context) -> None:
+    """The test's own loop and ``all`` cannot be redefined by the program into a pass."""
+    test = ["assert all(f(x) == x * x + 1 for x in range(1, 5))",
+            "assert sum(f(x) for x in [1, 2]) == 7", "assert any(v == 10 for v in g())"]
+    body = ("import builtins\nall = any = lambda *a: True\nrange = lambda *a: []\n"
+            "sum = lambda *a: 7\nbuiltins.all = all\ndef f(x):\n    return 0\ndef g():\n    return [0]")
+    assert _score(ctx, body, test) == 0.0
+    honest = "def f(x):\n    return x * x + 1\ndef g():\n    return iter([1, 10])"
+    assert _score(ctx, honest, test) == 1.0
+
+
 FORGED = [b'[0, []]', b'[0, [["x", "AssertionError"]]]', b'[0, [["?", 1]]]', b'[7, []]',
           b'[0, [["f", "nan"]]]', b'not json', b'[0, [["n", null]]]']
 
@@ -352,6 +363,7 @@ FAKE_PASSES = {
     "hard_codes_the_tests": check_hard_codes_the_tests,
     "stack_inspection": check_stack_inspection,
     "always_equal_object": check_always_equal_object,
+    "shadowed_builtins": check_shadowed_builtins,
     "forged_reports": check_forged_reports,
     "os_exit": check_os_exit,
     "sys_exit": check_sys_exit,
