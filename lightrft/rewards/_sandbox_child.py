@@ -124,18 +124,21 @@ def _main():
     os.close(job_fd)
     job = json.loads(b"".join(chunks))
     del chunks
-    run, build = exec, compile  # held before the program can replace the builtins
+    import builtins
+    clean = dict(builtins.__dict__)  # taken before the program can replace a builtin
+    run, build = exec, compile
     program, test = job.pop("program"), job.pop("test")
+    report = _reporter(report_fd) if test is not None else os.close(report_fd)
     ns = {"__name__": "__main__"}
-    if test is not None:
-        ns["__lightrft_report__"] = _reporter(report_fd)
-    else:
-        os.close(report_fd)
     sys.addaudithook(_guard(os.getcwd() + os.sep))
     run(build(program, "program.py", "exec"), ns)
     if test is not None:
+        # The test's own namespace: the program's names, except any that shadow a builtin,
+        # and the builtins as they were before the program ran.
+        tns = {k: v for k, v in ns.items() if k not in clean}
+        tns.update(__name__="__main__", __builtins__=clean, __lightrft_report__=report)
         sys.stdin = open(os.devnull)
-        run(build(test, "test.py", "exec"), ns)
+        run(build(test, "test.py", "exec"), tns)
     sys.stdout.flush()
 
 _main()
