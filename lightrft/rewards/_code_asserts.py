@@ -93,7 +93,7 @@ class _Rewriter(ast.NodeTransformer):
 
     def visit_Assert(self, node: ast.Assert) -> ast.stmt:
         values: list[ast.expr] = []
-        condition = _split(node.test, values)
+        condition = _calls_last(_split(node.test, values), values)
         site = len(self.sites)
         self.sites.append(Site(ast.Expression(condition), len(values), node.lineno))
         no_args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[],
@@ -104,6 +104,22 @@ class _Rewriter(ast.NodeTransformer):
             [],
         )
         return ast.copy_location(ast.Expr(call), node)
+
+
+def _calls_last(condition: ast.expr, values: list[ast.expr]) -> ast.expr:
+    """Reorders ``values`` in place so the ones that call nothing (the test's own variables) are
+    read before any call into the program can change them; renames the placeholders to match."""
+    order = sorted(range(len(values)), key=lambda i: any(
+        isinstance(n, ast.Call) for n in ast.walk(values[i])))
+    new_index = {old: new for new, old in enumerate(order)}
+    values[:] = [values[i] for i in order]
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.Name:
+            m = re.fullmatch(r"__lightrft_v(\d+)__", n.id)
+            return ast.Name(_VALUE.format(new_index[int(m.group(1))]), n.ctx) if m else n
+
+    return Rename().visit(condition)
 
 
 def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:

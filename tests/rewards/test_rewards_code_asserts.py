@@ -54,12 +54,12 @@ def test_setup_statements_stay_and_every_assert_is_a_site():
 
 def test_judge_needs_every_site_and_every_report():
     plan = plan_asserts("for x in (1, 2):\n    assert f(x) == x * 2\nassert g() is None\n")
-    # The second site's condition is parent-only except g(); the first needs f(x) and x.
-    ok = _report([0, [_i(2), _i(1)]], [0, [_i(4), _i(2)]], [1, [["n", None]]])
+    # The first site needs x and f(x) (the test's own variables are read first), the second g().
+    ok = _report([0, [_i(1), _i(2)]], [0, [_i(2), _i(4)]], [1, [["n", None]]])
     assert judge(plan, ok) == (True, "ok")
-    assert judge(plan, _report([0, [_i(2), _i(1)]], [1, [["n", None]]]))[0]
-    assert not judge(plan, _report([0, [_i(2), _i(1)]], [0, [_i(5), _i(2)]], [1, [["n", None]]]))[0]
-    assert judge(plan, _report([0, [_i(2), _i(1)]]))[1] == "the assert on line 3 never ran"
+    assert judge(plan, _report([0, [_i(1), _i(2)]], [1, [["n", None]]]))[0]
+    assert not judge(plan, _report([0, [_i(1), _i(2)]], [0, [_i(2), _i(5)]], [1, [["n", None]]]))[0]
+    assert judge(plan, _report([0, [_i(1), _i(2)]]))[1] == "the assert on line 3 never ran"
     for bad in (b"garbage", _report([5, []]), _report([0, [_i(2)]]), _report([0, [["q", 1], _i(1)]])):
         assert not judge(plan, bad + b"\n" + ok)[0]
 

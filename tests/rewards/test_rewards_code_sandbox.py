@@ -148,12 +148,15 @@ def check_shadowed_builtins(ctx: Context) -> None:
     """The test's own loop and ``all`` cannot be redefined by the program into a pass."""
     test = ["assert all(f(x) == x * x + 1 for x in range(1, 5))",
             "assert sum(f(x) for x in [1, 2]) == 7", "assert any(v == 10 for v in g())",
-            "for x in range(1, 50):\n    assert f(x) == x * x + 1"]
+            "for x in range(1, 50):\n    assert f(x) == x * x + 1",
+            "for y in range(1, 50):\n    assert f2(y) == y * y + 1"]
     body = ("import builtins\nall = any = lambda *a: True\nrange = lambda *a: [0]\n"
             "sum = lambda *a: 7\nbuiltins.all, builtins.range = all, range\n"
-            "def f(x):\n    return 1\ndef g():\n    return [0]")
+            "def f(x):\n    return 1\ndef g():\n    return [0]\n"
+            "def f2(y):  # rebinds the test's loop variable before the assert reads it\n"
+            "    import sys\n    sys._getframe(1).f_globals['y'] = 0\n    return 1")
     assert _score(ctx, body, test) == 0.0
-    honest = "def f(x):\n    return x * x + 1\ndef g():\n    return iter([1, 10])"
+    honest = "def f(x):\n    return x * x + 1\nf2 = f\ndef g():\n    return iter([1, 10])"
     assert _score(ctx, honest, test) == 1.0
 
 
