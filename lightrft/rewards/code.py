@@ -51,10 +51,20 @@ most the values it was asked for: the same as hard-coding a function's answers, 
 passes where it knows them. Values that are not plain data (``None``, ``bool``, ``int``,
 ``float``, ``complex``, ``str``, ``bytes``, and lists, tuples, sets, frozensets, dicts of them;
 a subclass counts as its base value) fail the assert: a custom object that claims to equal
-anything is never compared by sandbox code. What the test block itself runs in the sandbox
-(setup statements, expected values computed with names the program could define, such as
-``expected = [1, 2]`` then ``assert f() == expected``, or ``Counter(...)``) is visible to the
-program.
+anything is never compared by sandbox code. Comprehensions are iterated here:
+``all(f(x) == x * x for x in range(5))`` sends ``[f(x) for x in range(5)]`` and pairs it with
+this process's own ``range(5)``. The test block runs in its own namespace: the program's
+top-level names (except any that shadow a builtin) and the builtins as they were before the
+program ran, so redefining ``all``, ``range`` or ``builtins.range`` changes nothing; within an
+assert, the test's own variables are read before the program is called.
+
+Residual, by construction: the test block's statements other than the asserts' conditions run
+in the program's process, so what they compute (``expected = [1, 2]`` then
+``assert f() == expected``, an expected value built with a name not evaluated here such as
+``Counter(...)``) is visible to the program, and a program that reaches into the interpreter
+(frames, ``gc``, ``ctypes``) can change the test block's variables or its loops' items while it
+runs. Asserts whose condition holds its expected values (``assert f(3) == 9``, the HumanEval and
+MBPP form) give it nothing but its own return values.
 """
 
 from __future__ import annotations
