@@ -35,22 +35,91 @@ _MAX_POW_BITS = 1 << 16
 
 _SAFE_FUNCS: dict[str, Any] = {
     f.__name__: f
-    for f in (abs, len, round, sorted, set, list, tuple, sum, min, max, all, any, frozenset,
-              int, float, str, bool, dict, range, zip, enumerate, reversed)
+    for f in (
+        abs,
+        len,
+        round,
+        sorted,
+        set,
+        list,
+        tuple,
+        sum,
+        min,
+        max,
+        all,
+        any,
+        frozenset,
+        int,
+        float,
+        str,
+        bool,
+        dict,
+        range,
+        zip,
+        enumerate,
+        reversed,
+    )
 }
 _MATH = {"isclose": math.isclose, "inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e}
 # A program-dependent argument of these is sent whole (``list(f(x))``), so an iterator or a
 # generator that the program returns is consumed in the sandbox.
-_CONSUMERS = {"len", "sorted", "set", "list", "tuple", "sum", "min", "max", "all", "any",
-              "frozenset", "dict"}
+_CONSUMERS = {
+    "len",
+    "sorted",
+    "set",
+    "list",
+    "tuple",
+    "sum",
+    "min",
+    "max",
+    "all",
+    "any",
+    "frozenset",
+    "dict",
+}
 _KEYWORDS = {"sorted": {"reverse"}, "isclose": {"rel_tol", "abs_tol"}}
-_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.LShift,
-           ast.RShift, ast.BitOr, ast.BitXor, ast.BitAnd)
+_BINOPS = (
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.FloorDiv,
+    ast.Mod,
+    ast.Pow,
+    ast.LShift,
+    ast.RShift,
+    ast.BitOr,
+    ast.BitXor,
+    ast.BitAnd,
+)
 _UNARY = (ast.Not, ast.USub, ast.UAdd, ast.Invert)
-_STRUCTURE = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Compare, ast.BoolOp,
-              ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.comprehension, ast.UnaryOp, ast.BinOp, ast.IfExp, ast.Call, ast.Subscript, ast.Slice, ast.Name,
-              ast.Attribute, ast.keyword, ast.expr_context, ast.cmpop, ast.boolop, ast.unaryop,
-              ast.operator)
+_STRUCTURE = (
+    ast.Constant,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.Compare,
+    ast.BoolOp,
+    ast.GeneratorExp,
+    ast.ListComp,
+    ast.SetComp,
+    ast.comprehension,
+    ast.UnaryOp,
+    ast.BinOp,
+    ast.IfExp,
+    ast.Call,
+    ast.Subscript,
+    ast.Slice,
+    ast.Name,
+    ast.Attribute,
+    ast.keyword,
+    ast.expr_context,
+    ast.cmpop,
+    ast.boolop,
+    ast.unaryop,
+    ast.operator,
+)
 
 
 @dataclass(frozen=True)
@@ -96,8 +165,15 @@ class _Rewriter(ast.NodeTransformer):
         condition = _calls_last(_split(node.test, values), values)
         site = len(self.sites)
         self.sites.append(Site(ast.Expression(condition), len(values), node.lineno))
-        no_args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[],
-                                kw_defaults=[], kwarg=None, defaults=[])
+        no_args = ast.arguments(
+            posonlyargs=[],
+            args=[],
+            vararg=None,
+            kwonlyargs=[],
+            kw_defaults=[],
+            kwarg=None,
+            defaults=[],
+        )
         call = ast.Call(
             ast.Name(REPORT, ast.Load()),
             [ast.Constant(site), *(ast.Lambda(no_args, v) for v in values)],
@@ -109,8 +185,9 @@ class _Rewriter(ast.NodeTransformer):
 def _calls_last(condition: ast.expr, values: list[ast.expr]) -> ast.expr:
     """Reorders ``values`` in place so the ones that call nothing (the test's own variables) are
     read before any call into the program can change them; renames the placeholders to match."""
-    order = sorted(range(len(values)), key=lambda i: any(
-        isinstance(n, ast.Call) for n in ast.walk(values[i])))
+    order = sorted(
+        range(len(values)), key=lambda i: any(isinstance(n, ast.Call) for n in ast.walk(values[i]))
+    )
     new_index = {old: new for new, old in enumerate(order)}
     values[:] = [values[i] for i in order]
 
@@ -127,8 +204,11 @@ def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
     in ``bound`` and those a comprehension inside binds are the parent's own variables)."""
     math_names = {id(n.value) for n in ast.walk(node) if _is_math(n)}
     bound = bound | {
-        t.id for c in ast.walk(node) if isinstance(c, ast.comprehension)
-        for t in ast.walk(c.target) if isinstance(t, ast.Name)
+        t.id
+        for c in ast.walk(node)
+        if isinstance(c, ast.comprehension)
+        for t in ast.walk(c.target)
+        if isinstance(t, ast.Name)
     }
     for n in ast.walk(node):
         if id(n) in math_names:
@@ -166,8 +246,12 @@ def _load(target: ast.expr) -> ast.expr:
 
 
 def _is_math(n: ast.AST) -> bool:
-    return (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-            and n.value.id == "math" and n.attr in _MATH)
+    return (
+        isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "math"
+        and n.attr in _MATH
+    )
 
 
 def _safe_func(call: ast.Call) -> str | None:
@@ -184,7 +268,9 @@ def _safe_func(call: ast.Call) -> str | None:
 
 
 def _split(
-    node: ast.expr, values: list[ast.expr], bound: frozenset[str] = frozenset(),
+    node: ast.expr,
+    values: list[ast.expr],
+    bound: frozenset[str] = frozenset(),
     template: str = _VALUE,
 ) -> ast.expr:
     """``node`` with every program-dependent sub-expression moved to ``values`` (replaced by the
@@ -205,15 +291,21 @@ def _split(
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and not any(
         isinstance(e, ast.Starred) for e in node.elts
     ):
-        return type(node)([rec(e) for e in node.elts], *([ast.Load()] * (type(node) is not ast.Set)))
+        return type(node)(
+            [rec(e) for e in node.elts], *([ast.Load()] * (type(node) is not ast.Set))
+        )
     if isinstance(node, _COMPREHENSIONS) and not bound:
         split = _split_comprehension(node, values)
         if split is not None:
             return split
     if isinstance(node, ast.Call):
         name = _safe_func(node)
-        whole = (name in _CONSUMERS and len(node.args) == 1 and not node.keywords
-                 and not _may_hold_expected(node.args[0]))
+        whole = (
+            name in _CONSUMERS
+            and len(node.args) == 1
+            and not node.keywords
+            and not _may_hold_expected(node.args[0])
+        )
         if name is not None and not whole:
             kws = [ast.keyword(k.arg, rec(k.value)) for k in node.keywords]
             return ast.Call(node.func, [rec(a) for a in node.args], kws)
@@ -298,7 +390,11 @@ def decode(obj: Any, depth: int = 0) -> Any:
         if any(isinstance(x, _Unusable) for x in items):
             return next(x for x in items if isinstance(x, _Unusable))
         return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
-    if tag == "d" and isinstance(p, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in p):
+    if (
+        tag == "d"
+        and isinstance(p, list)
+        and all(isinstance(kv, list) and len(kv) == 2 for kv in p)
+    ):
         pairs = [(decode(k, depth + 1), decode(v, depth + 1)) for k, v in p]
         bad = [x for kv in pairs for x in kv if isinstance(x, _Unusable)]
         return bad[0] if bad else dict(pairs)
@@ -397,8 +493,12 @@ class _Evaluator:
 
     def _UnaryOp(self, n: ast.UnaryOp) -> Any:
         v = self.eval(n.operand)
-        ops = {ast.Not: lambda x: not x, ast.USub: lambda x: -x, ast.UAdd: lambda x: +x,
-               ast.Invert: lambda x: ~x}
+        ops = {
+            ast.Not: lambda x: not x,
+            ast.USub: lambda x: -x,
+            ast.UAdd: lambda x: +x,
+            ast.Invert: lambda x: ~x,
+        }
         return ops[type(n.op)](v)
 
     def _IfExp(self, n: ast.IfExp) -> Any:
@@ -407,10 +507,20 @@ class _Evaluator:
     def _BinOp(self, n: ast.BinOp) -> Any:
         a, b = self.eval(n.left), self.eval(n.right)
         _check_size(n.op, a, b)
-        ops = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b,
-               ast.Div: lambda: a / b, ast.FloorDiv: lambda: a // b, ast.Mod: lambda: a % b,
-               ast.Pow: lambda: a**b, ast.LShift: lambda: a << b, ast.RShift: lambda: a >> b,
-               ast.BitOr: lambda: a | b, ast.BitXor: lambda: a ^ b, ast.BitAnd: lambda: a & b}
+        ops = {
+            ast.Add: lambda: a + b,
+            ast.Sub: lambda: a - b,
+            ast.Mult: lambda: a * b,
+            ast.Div: lambda: a / b,
+            ast.FloorDiv: lambda: a // b,
+            ast.Mod: lambda: a % b,
+            ast.Pow: lambda: a**b,
+            ast.LShift: lambda: a << b,
+            ast.RShift: lambda: a >> b,
+            ast.BitOr: lambda: a | b,
+            ast.BitXor: lambda: a ^ b,
+            ast.BitAnd: lambda: a & b,
+        }
         if isinstance(n.op, ast.Mod) and isinstance(a, (str, bytes)):
             raise _Probe("% formatting")  # formatting could build huge strings
         return ops[type(n.op)]()
@@ -471,7 +581,12 @@ class _Evaluator:
         kwargs = {k.arg: self.eval(k.value) for k in n.keywords}
         if name == "range" and len(range(*args)) > _MAX_ITEMS:
             raise _Probe("range too long")
-        if name == "round" and len(args) == 2 and isinstance(args[1], int) and abs(args[1]) > 10_000:
+        if (
+            name == "round"
+            and len(args) == 2
+            and isinstance(args[1], int)
+            and abs(args[1]) > 10_000
+        ):
             raise _Probe("round digits")
         return f(*args, **kwargs)
 
@@ -481,10 +596,18 @@ def _strict_zip(*columns: Any) -> Any:
 
 
 def _compare(op: ast.cmpop, a: Any, b: Any) -> bool:
-    table = {ast.Eq: lambda: a == b, ast.NotEq: lambda: a != b, ast.Lt: lambda: a < b,
-             ast.LtE: lambda: a <= b, ast.Gt: lambda: a > b, ast.GtE: lambda: a >= b,
-             ast.In: lambda: a in b, ast.NotIn: lambda: a not in b, ast.Is: lambda: a is b,
-             ast.IsNot: lambda: a is not b}
+    table = {
+        ast.Eq: lambda: a == b,
+        ast.NotEq: lambda: a != b,
+        ast.Lt: lambda: a < b,
+        ast.LtE: lambda: a <= b,
+        ast.Gt: lambda: a > b,
+        ast.GtE: lambda: a >= b,
+        ast.In: lambda: a in b,
+        ast.NotIn: lambda: a not in b,
+        ast.Is: lambda: a is b,
+        ast.IsNot: lambda: a is not b,
+    }
     return bool(table[type(op)]())
 
 

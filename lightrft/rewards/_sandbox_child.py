@@ -40,13 +40,16 @@ MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 NOBODY = 65534
 MASKED = ("/tmp", "/var/tmp", "/root", "/home", "/run", "/dev/shm")
-TMPFS_OPTIONS = {"/tmp": "size=64m,mode=1777", "/var/tmp": "size=16m,mode=1777",
-                 "/dev/shm": "size=16m,mode=1777"}
+TMPFS_OPTIONS = {
+    "/tmp": "size=64m,mode=1777",
+    "/var/tmp": "size=16m,mode=1777",
+    "/dev/shm": "size=16m,mode=1777",
+}
 
 # Runs the program, then the rewritten assert test, in one namespace. The audit hook refuses
 # writes, deletions and new programs outside the working directory: a guard against careless
 # code only (ctypes and _posixsubprocess get around it); the namespaces are the boundary.
-HARNESS = r'''# lightrft-sandbox-harness
+HARNESS = r"""# lightrft-sandbox-harness
 def _guard(root):
     import os
     write = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -142,14 +145,24 @@ def _main():
     sys.stdout.flush()
 
 _main()
-'''
+"""
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
 _libc.unshare.argtypes = [ctypes.c_int]
-_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                        ctypes.c_ulong]
+_libc.prctl.argtypes = [
+    ctypes.c_int,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 
 
 def _ok(ret: int, what: str) -> None:

@@ -472,8 +472,11 @@ def _isolation_problem() -> str | None:
             work = tempfile.mkdtemp(prefix="lightrft-probe-")
             try:
                 done = subprocess.run(
-                    [sys.executable, "-I", "-S", _CHILD, "probe"], capture_output=True, timeout=30,
-                    cwd=work, env={"PATH": os.environ.get("PATH", "/bin")},
+                    [sys.executable, "-I", "-S", _CHILD, "probe"],
+                    capture_output=True,
+                    timeout=30,
+                    cwd=work,
+                    env={"PATH": os.environ.get("PATH", "/bin")},
                 )
                 why = (done.stdout + done.stderr).decode(errors="replace").strip()
                 ok = done.returncode == 0

@@ -57,8 +57,10 @@ def test_parse_and_extract():
 
 
 def test_correct_programs_pass_every_format(verifier):
-    fn = "```python\nimport math\ndef f(x):\n    return x * x\ndef g(n):\n    return (i for i in range(n))\n" \
-         "def h(x):\n    return None if x < 0 else {'sq': f(x), 'pair': (x, -x)}\n```"
+    fn = (
+        "```python\nimport math\ndef f(x):\n    return x * x\ndef g(n):\n    return (i for i in range(n))\n"
+        "def h(x):\n    return None if x < 0 else {'sq': f(x), 'pair': (x, -x)}\n```"
+    )
     block = (
         "import math\nvals = [1, 2, 3]\nfor v in vals:\n    assert f(v) == v * v\n"
         "def check(candidate):\n    assert candidate(4) == 16\n    assert candidate(-2) > 0\n"
@@ -89,8 +91,13 @@ def test_fallback_warns_once_and_still_scores(monkeypatch):
         assert _score(v, [ADD, ADD], [TESTS, TESTS]) == [1.0, 1.0]
     msgs = [str(w.message) for w in got if "NOT isolated" in str(w.message)]
     assert len(msgs) == 1
-    for part in ("user namespaces are off (test)", "read every file", "environ", "daemons",
-                 "require_isolation=True"):
+    for part in (
+        "user namespaces are off (test)",
+        "read every file",
+        "environ",
+        "daemons",
+        "require_isolation=True",
+    ):
         assert part in msgs[0]
 
 
@@ -200,5 +207,9 @@ def test_isolation_probe_leaves_the_host_alone(monkeypatch):
     monkeypatch.setattr(code, "_probe_result", [])
     code._isolation_problem()
     after = os.stat(tmp)
-    assert (after.st_uid, after.st_gid, after.st_mode) == (before.st_uid, before.st_gid, before.st_mode)
+    assert (after.st_uid, after.st_gid, after.st_mode) == (
+        before.st_uid,
+        before.st_gid,
+        before.st_mode,
+    )
     assert set(tmp.glob("lightrft-probe-*")) == probes_before

@@ -51,8 +51,9 @@ def _sandbox_processes(token: str = "") -> set[int]:
             continue
         try:
             if token:
-                if any(token in os.readlink(f"/proc/{e}/fd/{fd}")
-                       for fd in os.listdir(f"/proc/{e}/fd")):
+                if any(
+                    token in os.readlink(f"/proc/{e}/fd/{fd}") for fd in os.listdir(f"/proc/{e}/fd")
+                ):
                     found.add(int(e))
             elif HARNESS_MARK in Path(f"/proc/{e}/cmdline").read_bytes():
                 found.add(int(e))
@@ -65,8 +66,10 @@ def _sandbox_processes(token: str = "") -> set[int]:
 
 
 def check_nonce_from_stdin_file(ctx: Context) -> None:
-    body = ("import os, sys\nif os.path.exists('stdin.txt'):\n"
-            "    print(open('stdin.txt').read().strip(), flush=True)\n    os._exit(0)")
+    body = (
+        "import os, sys\nif os.path.exists('stdin.txt'):\n"
+        "    print(open('stdin.txt').read().strip(), flush=True)\n    os._exit(0)"
+    )
     assert _score(ctx, body, ["assert False"]) == 0.0
 
 
@@ -81,8 +84,10 @@ def check_patch_builtins_exec(ctx: Context) -> None:
 
 
 def check_patch_builtins_compile(ctx: Context) -> None:
-    body = ("import builtins\nreal = builtins.compile\n"
-            "builtins.compile = lambda *a, **k: real('pass', 'x', 'exec')")
+    body = (
+        "import builtins\nreal = builtins.compile\n"
+        "builtins.compile = lambda *a, **k: real('pass', 'x', 'exec')"
+    )
     assert _score(ctx, body, ["assert False"]) == 0.0
 
 
@@ -146,29 +151,43 @@ def check_always_equal_object(ctx: Context) -> None:
 
 def check_shadowed_builtins(ctx: Context) -> None:
     """The test's own loop and ``all`` cannot be redefined by the program into a pass."""
-    test = ["assert all(f(x) == x * x + 1 for x in range(1, 5))",
-            "assert sum(f(x) for x in [1, 2]) == 7", "assert any(v == 10 for v in g())",
-            "for x in range(1, 50):\n    assert f(x) == x * x + 1",
-            "for y in range(1, 50):\n    assert f2(y) == y * y + 1"]
-    body = ("import builtins\nall = any = lambda *a: True\nrange = lambda *a: [0]\n"
-            "sum = lambda *a: 7\nbuiltins.all, builtins.range = all, range\n"
-            "def f(x):\n    return 1\ndef g():\n    return [0]\n"
-            "def f2(y):  # rebinds the test's loop variable before the assert reads it\n"
-            "    import sys\n    sys._getframe(1).f_globals['y'] = 0\n    return 1")
+    test = [
+        "assert all(f(x) == x * x + 1 for x in range(1, 5))",
+        "assert sum(f(x) for x in [1, 2]) == 7",
+        "assert any(v == 10 for v in g())",
+        "for x in range(1, 50):\n    assert f(x) == x * x + 1",
+        "for y in range(1, 50):\n    assert f2(y) == y * y + 1",
+    ]
+    body = (
+        "import builtins\nall = any = lambda *a: True\nrange = lambda *a: [0]\n"
+        "sum = lambda *a: 7\nbuiltins.all, builtins.range = all, range\n"
+        "def f(x):\n    return 1\ndef g():\n    return [0]\n"
+        "def f2(y):  # rebinds the test's loop variable before the assert reads it\n"
+        "    import sys\n    sys._getframe(1).f_globals['y'] = 0\n    return 1"
+    )
     assert _score(ctx, body, test) == 0.0
     honest = "def f(x):\n    return x * x + 1\nf2 = f\ndef g():\n    return iter([1, 10])"
     assert _score(ctx, honest, test) == 1.0
 
 
-FORGED = [b'[0, []]', b'[0, [["x", "AssertionError"]]]', b'[0, [["?", 1]]]', b'[7, []]',
-          b'[0, [["f", "nan"]]]', b'not json', b'[0, [["n", null]]]']
+FORGED = [
+    b"[0, []]",
+    b'[0, [["x", "AssertionError"]]]',
+    b'[0, [["?", 1]]]',
+    b"[7, []]",
+    b'[0, [["f", "nan"]]]',
+    b"not json",
+    b'[0, [["n", null]]]',
+]
 
 
 def check_forged_reports(ctx: Context) -> None:
     """Anything written to the report channel only claims values of the asked expressions."""
     lines = b"\n".join(FORGED) + b"\n"
-    body = (f"import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, {lines!r})\n"
-            "    except OSError:\n        pass\ndef f(x):\n    return -1")
+    body = (
+        f"import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, {lines!r})\n"
+        "    except OSError:\n        pass\ndef f(x):\n    return -1"
+    )
     assert _score(ctx, body, SQUARE_PLUS_ONE) == 0.0
 
 
@@ -188,14 +207,26 @@ def check_parent_environ(ctx: Context) -> None:
     """A reward server started with its token: the program looks for it in every process's
     environment (/proc/<pid>/environ: the parent's shows the variables it was started with)."""
     initial = Path("/proc/self/environ").read_bytes().split(b"\0")
-    tokens = [kv.split(b"=", 1)[1].decode() for kv in initial
-              if kv.startswith(b"LIGHTRFT_REWARD_TOKEN=")]
+    tokens = [
+        kv.split(b"=", 1)[1].decode() for kv in initial if kv.startswith(b"LIGHTRFT_REWARD_TOKEN=")
+    ]
     if not tokens:  # run this check again in a process started with a token
         env = {**os.environ, "LIGHTRFT_REWARD_TOKEN": "tok-" + secrets.token_hex(12)}
         lib = str(Path(code.__file__).parents[2])
         done = subprocess.run(
-            [sys.executable, "-c", ONE_CHECK, lib, str(Path(__file__).parent), "parent_environ",
-             str(ctx.outside), str(ctx.tmp)], env=env, capture_output=True, timeout=120,
+            [
+                sys.executable,
+                "-c",
+                ONE_CHECK,
+                lib,
+                str(Path(__file__).parent),
+                "parent_environ",
+                str(ctx.outside),
+                str(ctx.tmp),
+            ],
+            env=env,
+            capture_output=True,
+            timeout=120,
         )
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         return
@@ -309,8 +340,10 @@ def check_tcp_to_local_port(ctx: Context) -> None:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         port = server.getsockname()[1]
-        body = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-                f"    print('connected')\nexcept OSError as e:\n    print('refused', e)\n")
+        body = (
+            f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            f"    print('connected')\nexcept OSError as e:\n    print('refused', e)\n"
+        )
         result = ctx.verifier.run(body, Case(stdin="", stdout="refused"))
         server.setblocking(False)
         try:  # a completed connection waits in the listen backlog
@@ -339,8 +372,10 @@ def _ends_scoring_zero(ctx: Context, body: str, ref=ADD_TESTS) -> None:
 
 def check_fork_bomb(ctx: Context) -> None:
     ctx = Context(CodeVerifier(timeout=0.5, max_processes=16), ctx.outside, ctx.tmp)
-    _ends_scoring_zero(ctx, "import os\nwhile True:\n    try:\n        os.fork()\n"
-                            "    except OSError:\n        pass")
+    _ends_scoring_zero(
+        ctx,
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    )
 
 
 def check_alloc_10gb(ctx: Context) -> None:
@@ -348,8 +383,9 @@ def check_alloc_10gb(ctx: Context) -> None:
 
 
 def check_print_1gb(ctx: Context) -> None:
-    _ends_scoring_zero(ctx, "import sys\nc = 'x' * (1 << 20)\nfor _ in range(1024):\n"
-                            "    sys.stdout.write(c)")
+    _ends_scoring_zero(
+        ctx, "import sys\nc = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(c)"
+    )
 
 
 def check_os_exit(ctx: Context) -> None:
@@ -499,13 +535,29 @@ def as_nobody(dirs):
         d.mkdir()
         os.chown(d, NOBODY, NOBODY)
     repo = Path(__file__).parents[2]
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp),
-           "LIGHTRFT_REWARD_TOKEN": "tok-" + secrets.token_hex(12),
-           "TMPDIR": str(tmp), "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp),
+        "LIGHTRFT_REWARD_TOKEN": "tok-" + secrets.token_hex(12),
+        "TMPDIR": str(tmp),
+        "PYTHONPATH": str(repo),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     done = subprocess.run(
-        [sys.executable, "-c", DROP, str(Path(code.__file__).parent), RUNNER,
-         str(Path(__file__).parent), str(outside), str(tmp)],
-        capture_output=True, env=env, timeout=300, cwd=str(tmp),
+        [
+            sys.executable,
+            "-c",
+            DROP,
+            str(Path(code.__file__).parent),
+            RUNNER,
+            str(Path(__file__).parent),
+            str(outside),
+            str(tmp),
+        ],
+        capture_output=True,
+        env=env,
+        timeout=300,
+        cwd=str(tmp),
     )
     lines = done.stdout.decode().strip().splitlines()
     assert done.returncode == 0 and lines, done.stderr.decode()[-3000:]

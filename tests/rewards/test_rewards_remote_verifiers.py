@@ -58,8 +58,10 @@ def test_code_verifier_bad_tests_are_the_callers_mistake():
     add = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     good = {"inputs": ["1 2"], "outputs": ["3"]}
     with serving(load_reward_fn("code", kwargs={"timeout": 1.0})) as remote:
-        for bad, why in (({"nope": 1}, "unknown test format"),
-                         (["assert f(1) =="], "not valid Python")):
+        for bad, why in (
+            ({"nope": 1}, "unknown test format"),
+            (["assert f(1) =="], "not valid Python"),
+        ):
             with pytest.raises(RemoteRewardError, match=f"HTTP 422 .*sample 1: .*{why}"):
                 remote(["q", "q"], [add, add], [good, bad], [None, None])
         assert [float(x) for x in remote(["q"], [add], [good], [None])] == [1.0]
