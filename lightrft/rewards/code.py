@@ -296,18 +296,14 @@ class CodeVerifier:
             self._kill_all(proc.pid, cgroup)
             proc.wait()
             self._read_status(Path(tmp, "status.json"), isolate)
-            out = _read_capped(Path(tmp, "out"), self.max_output_bytes).decode(errors="replace")
+            out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
+            report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
             secs = time.monotonic() - start
             if timed_out:
                 return RunResult(False, "timeout", secs)
-            if code != 0:
-                return RunResult(False, "error", secs, out)
-            if plan is not None:
-                report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
-                ok = len(report) <= self.max_output_bytes and _code_asserts.judge(plan, report)[0]
-            else:
-                ok = _same_output(out, test.stdout or "")
-            return RunResult(ok, "ok" if ok else "wrong", secs, out)
+            ok = _verdict(test, plan, code, out, report, self.max_output_bytes)
+            status = "ok" if ok else "wrong" if code == 0 else "error"
+            return RunResult(ok, status, secs, out.decode(errors="replace"))
         finally:
             for fd in (job_r, job_w):
                 if fd >= 0:
@@ -511,6 +507,24 @@ def _feed(fd: int, data: bytes, owner: Any = None) -> threading.Thread:
     t = threading.Thread(target=write, daemon=True)
     t.start()
     return t
+
+
+def _verdict(
+    test: TestCase,
+    plan: _code_asserts.AssertPlan | None,
+    code: int,
+    out: bytes,
+    report: bytes,
+    max_report: int,
+) -> bool:
+    """Whether a run that ended by itself passed: exit status 0, and the output matches
+    (stdin/stdout) or every assert was reported and held (a report over ``max_report`` bytes
+    fails)."""
+    if code != 0:
+        return False
+    if plan is None:
+        return _same_output(out.decode(errors="replace"), test.stdout or "")
+    return len(report) <= max_report and _code_asserts.judge(plan, report)[0]
 
 
 def _read_capped(path: Path, limit: int) -> bytes:
