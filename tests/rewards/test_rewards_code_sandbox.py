@@ -570,3 +570,10 @@ def as_nobody(dirs):
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_attack_fails_as_nobody(name, as_nobody):
     assert as_nobody[name] == "ok", as_nobody[name]
+
+
+def test_require_isolation_runs_where_isolation_works(isolated):
+    strict = CodeVerifier(timeout=2.0, require_isolation=True)
+    fn = "```python\ndef f(x):\n    return x * x + 1\n```"
+    refs = [ADD_TESTS, SQUARE_PLUS_ONE]
+    assert strict(["q", "q"], ["```python\n" + ADD + "```", fn], refs, [None, None]) == [1.0, 1.0]
