@@ -30,12 +30,13 @@ the masked directories (world-readable files as root, since the program runs as 
 user's own files outside ``/home``, ``/root`` and ``/tmp`` otherwise, e.g. a checkout in
 ``/work``); it can use CPU, memory and disk up to the limits (files in its working directory on
 the host's disk, each up to ``max_output_bytes``; tmpfs ``/tmp`` up to 64 MiB); it can make the
-kernel syscalls that the user may (no seccomp filter). **Where isolation is impossible** (user
-namespaces disabled by sysctl, AppArmor's ``kernel.apparmor_restrict_unprivileged_userns``,
-Docker's default seccomp profile, root without ``CAP_SYS_ADMIN``) the runs fall back to the
-limits above with one ``RuntimeWarning`` that says what is then not contained (any file the user
-may read or write, other processes' environments, programs, and as non-root daemons and the
-network); ``require_isolation=True`` refuses to run instead.
+kernel syscalls that the user may (no seccomp filter); it possesses the keys of the trainer's
+session keyring, if any. **Where isolation is impossible** (user namespaces disabled by sysctl,
+AppArmor's ``kernel.apparmor_restrict_unprivileged_userns``, Docker's default seccomp profile,
+root without ``CAP_SYS_ADMIN``) the runs fall back to the limits above with one
+``RuntimeWarning`` that says what is then not contained (any file the user may read or write,
+other processes' environments, programs, and as non-root daemons and the network);
+``require_isolation=True`` refuses to run instead.
 
 **The verdict never depends on anything the program can forge.** stdin/stdout tests: the input
 goes in through a pipe, the output is compared here; the expected output never enters the
