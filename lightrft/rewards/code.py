@@ -1,36 +1,85 @@
 """A code reward: run the response's Python program against test cases in a sandboxed process.
 
-Each (program, test) pair runs in its own process (``python -I``) with:
+Each (program, test) pair runs in its own process (``python -I``, launched by
+``_sandbox_child.py``). Where the machine allows it (checked once per process by running the
+launcher's setup; see :func:`_isolation_problem`) the run is **isolated**:
 
-- wall-clock and CPU-time limits (the process group is SIGKILLed at the wall limit);
-- an address-space limit (a 10 GB allocation fails with ``MemoryError``);
-- output capped: stdout goes to a file with an ``RLIMIT_FSIZE`` cap, and only that much is read;
-- a process limit: a fresh pids cgroup (``pids.max``) where one can be created (root on Linux),
-  else ``RLIMIT_NPROC`` (enforced for non-root users only); all processes of the run are killed
-  when it ends (its cgroup, else its process group and session);
-- no network: a new network namespace (needs ``CAP_SYS_ADMIN``; otherwise a warning, once);
-- a temporary working directory, removed afterwards.
+- new PID, network, mount and IPC namespaces, plus a user namespace when the trainer is not root
+  (unprivileged user namespaces); as root the program runs as uid/gid 65534 (nobody) with no
+  supplementary groups, as another user it keeps that user's uid (mapped to itself) and no
+  capabilities; ``PR_SET_NO_NEW_PRIVS`` either way;
+- the program is PID 1 of its PID namespace: when it exits or is killed, the kernel kills every
+  process it started, double-forked ``setsid`` daemons included; a parent-death ``SIGKILL`` ends
+  it if its launcher is killed;
+- a fresh ``/proc`` shows only the sandbox's processes (no parent's ``environ``, no other
+  process of the user); ``/tmp``, ``/var/tmp``, ``/root``, ``/home``, ``/run``, ``/dev/shm`` are
+  empty private tmpfs; every other mount is read-only (``/`` must be, others where the kernel
+  allows); the working directory is bound back writable, the Python installation read-only;
+- no network: the new network namespace has only a loopback device, which is down (with
+  ``no_network=False`` the host's network namespace is kept).
 
-Writes, deletions and starting programs outside the temporary directory are refused by a Python
-audit hook installed before the program runs: this stops ordinary and careless code, not a
-determined attacker (``ctypes`` can call the C library directly). Not prevented: reading files
-the user can read; writes through ``ctypes`` wherever the trainer's user may write (the process
-is not given a read-only filesystem view or another user: run untrusted code as an unprivileged
-user, in a container, or on another machine through the reward server). A program that inspects its caller's stack can find the
-assert-test nonce; it cannot pass by exiting early (``os._exit(0)``) or by printing.
+Always applied, isolated or not: wall-clock (the process group, session and cgroup are
+SIGKILLed at ``timeout`` + 0.5 s) and CPU-time limits, an address-space limit (a 10 GB
+allocation fails), output capped (stdout goes to a file with ``RLIMIT_FSIZE``), a process limit
+(a pids cgroup as root, else ``RLIMIT_NPROC``), and a Python audit hook that refuses writes,
+deletions and starting programs outside the working directory (a guard against careless code
+only: ``ctypes`` and ``_posixsubprocess`` bypass it; the namespaces are the boundary).
+
+**Not contained, isolated:** the program can read every file that the run's uid may read outside
+the masked directories (world-readable files as root, since the program runs as nobody; the
+user's own files outside ``/home``, ``/root`` and ``/tmp`` otherwise, e.g. a checkout in
+``/work``); it can use CPU, memory and disk up to the limits (files in its working directory on
+the host's disk, each up to ``max_output_bytes``; tmpfs ``/tmp`` up to 64 MiB); it can make the
+kernel syscalls that the user may (no seccomp filter); it possesses the keys of the trainer's
+session keyring, if any. **Where isolation is impossible** (user namespaces disabled by sysctl,
+AppArmor's ``kernel.apparmor_restrict_unprivileged_userns``, Docker's default seccomp profile,
+root without ``CAP_SYS_ADMIN``) the runs fall back to the limits above with one
+``RuntimeWarning`` that says what is then not contained (any file the user may read or write,
+other processes' environments, programs, and as non-root daemons and the network);
+``require_isolation=True`` refuses to run instead.
+
+**The verdict never depends on anything the program can forge.** stdin/stdout tests: the input
+goes in through a pipe, the output is compared here; the expected output never enters the
+sandbox. Assert tests (see :mod:`lightrft.rewards._code_asserts`): the test code is parsed here
+and each ``assert`` rewritten so that the sandbox only computes the sub-expressions that depend
+on the program (``assert f(3) == 9`` sends ``f(3)``; the 9 stays here) and reports their values
+through a pipe as tagged JSON data; this process evaluates each condition itself. A test passes
+when the run exits 0, every assert site reported at least once, and every report satisfied its
+condition. The program and the rewritten test reach the harness through a pipe, never a file.
+So a program that patches ``exec`` or ``compile``, exits early, prints, inspects the stack,
+reads its directory or ``/proc/self/fd/0``, or writes forged reports into the pipe controls at
+most the values it was asked for: the same as hard-coding a function's answers, which only
+passes where it knows them. Values that are not plain data (``None``, ``bool``, ``int``,
+``float``, ``complex``, ``str``, ``bytes``, and lists, tuples, sets, frozensets, dicts of them;
+a subclass counts as its base value) fail the assert: a custom object that claims to equal
+anything is never compared by sandbox code. Comprehensions are iterated here:
+``all(f(x) == x * x for x in range(5))`` sends ``[f(x) for x in range(5)]`` and pairs it with
+this process's own ``range(5)``. The test block runs in its own namespace: the program's
+top-level names (except any that shadow a builtin) and the builtins as they were before the
+program ran, so redefining ``all``, ``range`` or ``builtins.range`` changes nothing; within an
+assert, the test's own variables are read before the program is called.
+
+Residual, by construction: the test block's statements other than the asserts' conditions run
+in the program's process, so what they compute (``expected = [1, 2]`` then
+``assert f() == expected``, an expected value built with a name not evaluated here such as
+``Counter(...)``) is visible to the program, and a program that reaches into the interpreter
+(frames, ``gc``, ``ctypes``) can change the test block's variables or its loops' items while it
+runs. Asserts whose condition holds its expected values (``assert f(3) == 9``, the HumanEval and
+MBPP form) give it nothing but its own return values.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -41,14 +90,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.rewards.base import Prompt, check_lengths
+from lightrft.rewards import _code_asserts
+from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
 
 __all__ = ["CodeVerifier", "RunResult", "TestCase", "extract_code", "parse_tests"]
 
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_NOBODY = 65534  # the uid and gid of programs when the trainer is root (see _sandbox_child)
 _CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids, then v2
 _warned: set[str] = set()
+_probe_lock = threading.Lock()
+_probe_result: list[str | None] = []  # filled once: None, or why isolation is unavailable
+_NOT_ISOLATED = (
+    "CodeVerifier: sandboxed programs are NOT isolated here ({problem}). Still applied: the time, "
+    "CPU, memory, output and process limits, a network namespace where allowed, the verdict "
+    "computed by this process. Not contained: the program can read every file this user can "
+    "(keys, tokens, other processes' /proc/<pid>/environ of this user), write wherever this "
+    "user can (the write guard is a Python audit hook that ctypes or _posixsubprocess bypass), "
+    "start programs, and (as a non-root user) leave setsid daemons running and connect to the "
+    "network (no network namespace without privileges). Pass require_isolation=True to refuse "
+    "instead"
+)
 
 
 def extract_code(response: str) -> str:
@@ -125,50 +188,6 @@ class RunResult:
     stdout: str = ""
 
 
-# Runs the program (and, for assert tests, the test) in the sandbox process. The audit hook
-# refuses writes, deletions and new programs outside the working directory: a guard against
-# careless or naive code, not a security boundary (ctypes can get around it).
-_HARNESS = """\
-import os, sys
-_root = os.getcwd() + os.sep
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
-                "os.symlink", "os.link", "os.truncate", "os.utime", "shutil.rmtree"}
-_EXEC_EVENTS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-                "pty.spawn"}
-
-def _inside(path):
-    if isinstance(path, int):
-        return True
-    p = os.path.realpath(os.fsdecode(path))
-    return (p + os.sep).startswith(_root)
-
-def _guard(event, args):
-    if event == "open":
-        path, mode, flags = args
-        writes = (mode and any(c in str(mode) for c in "wax+")) or (flags or 0) & _WRITE
-        if writes and path is not None and not _inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the working directory")
-    elif event in _PATH_EVENTS:
-        for a in args[:2]:
-            if isinstance(a, (str, bytes, os.PathLike)) and not _inside(a):
-                raise PermissionError(f"sandbox: {event} outside the working directory")
-    elif event in _EXEC_EVENTS:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-
-_nonce = sys.stdin.readline().strip() if sys.argv[1] == "assert" else None
-_out = os.dup(1)
-sys.addaudithook(_guard)
-_ns = {"__name__": "__main__"}
-exec(compile(open("program.py").read(), "program.py", "exec"), _ns)
-if _nonce is not None:
-    sys.stdin = open(os.devnull)
-    exec(compile(open("test.py").read(), "test.py", "exec"), _ns)
-    sys.stdout.flush()
-    os.write(_out, ("\\n" + _nonce + "\\n").encode())
-"""
-
-
 class CodeVerifier:
     """Reward = fraction of test cases passed (or 1/0 for all-or-nothing) by the response's code.
 
@@ -183,9 +202,12 @@ class CodeVerifier:
         memory_mb: address-space limit per test.
         max_output_bytes: stdout beyond this fails the test.
         max_processes: processes a test may start (itself included).
-        no_network: run each test in a new network namespace (warns once where impossible).
+        no_network: run each test in a new network namespace (isolated runs always can; in
+            the fallback only root can, and the fallback warning says so).
         workers: tests run in parallel.
         max_tests: use at most this many tests per sample (``None``: all).
+        require_isolation: refuse (``RuntimeError`` before any run) where the namespaces cannot
+            be created, instead of falling back with a warning.
     """
 
     name = "code"
@@ -201,6 +223,7 @@ class CodeVerifier:
         no_network: bool = True,
         workers: int | None = None,
         max_tests: int | None = None,
+        require_isolation: bool = False,
     ) -> None:
         if mode not in ("fraction", "all"):
             raise ValueError(f"mode must be 'fraction' or 'all', got {mode!r}")
@@ -216,25 +239,24 @@ class CodeVerifier:
         self.no_network = no_network
         self.workers = workers or min(4, os.cpu_count() or 1)
         self.max_tests = max_tests
+        self.require_isolation = require_isolation
 
     # ------------------------------------------------------------------ one run
 
     def run(self, program: str, test: TestCase) -> RunResult:
         """Run ``program`` on one test in the sandbox."""
+        isolate = self._isolate()
+        plan = _plan(test.code) if test.code is not None else None
         start = time.monotonic()
         tmp = tempfile.mkdtemp(prefix="lightrft-code-")
+        work = os.path.join(tmp, "work")  # the program's directory: holds nothing of ours
+        os.mkdir(work, 0o700)
+        if isolate and os.getuid() == 0:
+            os.chown(work, _NOBODY, _NOBODY)  # isolated root runs the program as nobody
         cgroup = self._make_cgroup()
+        job_r, job_w = os.pipe()
+        feeders = []
         try:
-            Path(tmp, "program.py").write_text(program)
-            Path(tmp, "harness.py").write_text(_HARNESS)
-            nonce = None
-            if test.code is not None:
-                Path(tmp, "test.py").write_text(test.code)
-                nonce = secrets.token_hex(16)
-                stdin_text, script = nonce + "\n", ["harness.py", "assert"]
-            else:
-                stdin_text, script = test.stdin or "", ["harness.py", "stdio"]
-            Path(tmp, "stdin.txt").write_text(stdin_text)
             settings = {
                 "cpu_seconds": max(1, int(self.timeout + 0.999)),
                 "memory_bytes": self.memory_bytes,
@@ -242,43 +264,82 @@ class CodeVerifier:
                 "nproc": self.max_processes if cgroup is None else None,
                 "cgroup": cgroup,
                 "no_network": self.no_network,
+                "isolate": isolate,
+                "status": os.path.join(tmp, "status.json"),
+                "job_fd": job_r,
+                "report_fd": None,
             }
-            with open(Path(tmp, "stdin.txt"), "rb") as fin, open(Path(tmp, "out"), "wb") as fout:
+            with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
+                settings["report_fd"] = frep.fileno()
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", _CHILD, json.dumps(settings), *script],
-                    cwd=tmp,
-                    stdin=fin,
+                    [sys.executable, "-I", "-S", _CHILD, json.dumps(settings)],
+                    cwd=work,
+                    stdin=subprocess.DEVNULL if plan is not None else subprocess.PIPE,
                     stdout=fout,
                     stderr=subprocess.DEVNULL,
                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"},
                     start_new_session=True,  # its own process group and session, to kill
+                    pass_fds=(job_r, frep.fileno()),
                 )
-                timed_out = False
-                try:
-                    code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    code = None
-                self._kill_all(proc.pid, cgroup)
-                proc.wait()
-            self._warn_missing(Path(tmp, ".sandbox"))
-            with open(Path(tmp, "out"), "rb") as f:
-                raw = f.read(self.max_output_bytes)
-            out = raw.decode(errors="replace")
+            os.close(job_r)
+            job_r = -1
+            job = {"program": program, "test": plan.sandbox_source if plan else None}
+            feeders.append(_feed(job_w, json.dumps(job).encode()))
+            job_w = -1
+            if plan is None:
+                feeders.append(_feed(proc.stdin.fileno(), (test.stdin or "").encode(), proc.stdin))
+            timed_out = False
+            try:
+                code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                code = None
+            self._kill_all(proc.pid, cgroup)
+            proc.wait()
+            self._read_status(Path(tmp, "status.json"), isolate)
+            out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
+            report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
             secs = time.monotonic() - start
             if timed_out:
                 return RunResult(False, "timeout", secs)
-            if code != 0:
-                return RunResult(False, "error", secs, out)
-            if nonce is not None:
-                ok = out.rstrip().endswith(nonce)
-            else:
-                ok = _same_output(out, test.stdout or "")
-            return RunResult(ok, "ok" if ok else "wrong", secs, out)
+            ok = _verdict(test, plan, code, out, report, self.max_output_bytes)
+            status = "ok" if ok else "wrong" if code == 0 else "error"
+            return RunResult(ok, status, secs, out.decode(errors="replace"))
         finally:
+            for fd in (job_r, job_w):
+                if fd >= 0:
+                    os.close(fd)
+            for t in feeders:
+                t.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
             shutil.rmtree(tmp, ignore_errors=True)
             if cgroup is not None:
                 self._remove_cgroup(cgroup)
+
+    def _isolate(self) -> bool:
+        """Whether runs get the namespaces; warns once (or refuses) where they cannot."""
+        problem = _isolation_problem()
+        if problem is None:
+            return True
+        if self.require_isolation:
+            raise RuntimeError(
+                f"CodeVerifier(require_isolation=True): the sandbox cannot isolate programs "
+                f"here ({problem}); run where unprivileged user namespaces are allowed, or as root"
+            )
+        _warn_once("isolation", _NOT_ISOLATED.format(problem=problem))
+        return False
+
+    def _read_status(self, path: Path, isolated: bool) -> dict:
+        try:
+            status = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if status.get("error"):
+            raise RuntimeError(f"CodeVerifier: {status['error']}")
+        missing = status.get("missing", [])
+        if not isolated:  # the one fallback warning already says the network may be reachable
+            missing = [m for m in missing if m != "network"]
+        self._warn_missing(missing)
+        return status
 
     def _make_cgroup(self) -> str | None:
         for root in _CGROUP_ROOTS:
@@ -337,11 +398,7 @@ class CodeVerifier:
                 time.sleep(0.01)
         _warn_once("cgroup", f"CodeVerifier: could not remove {path}")
 
-    def _warn_missing(self, path: Path) -> None:
-        try:
-            missing = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return
+    def _warn_missing(self, missing: list[str]) -> None:
         if "network" in missing:
             _warn_once(
                 "network",
@@ -381,14 +438,18 @@ class CodeVerifier:
         labels: Sequence[str | None] | None = None,
     ) -> list[float]:
         check_lengths(len(responses), references=references)
+        self._isolate()  # refuses before any run where isolation is required but impossible
         jobs, owner = [], []
         for i, (resp, ref) in enumerate(zip(responses, references, strict=True)):
             try:
                 tests = parse_tests(ref)
-            except ValueError as e:
-                raise ValueError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
-            if self.max_tests is not None:
-                tests = tests[: self.max_tests]
+                if self.max_tests is not None:
+                    tests = tests[: self.max_tests]
+                for t in tests:
+                    if t.code is not None:
+                        _plan(t.code)
+            except (ValueError, TypeError) as e:
+                raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
             program = extract_code(resp)
             for t in tests:
                 jobs.append((program, t))
@@ -398,6 +459,78 @@ class CodeVerifier:
         for i, r in zip(owner, results, strict=True):
             per_sample[i].append(r)
         return [self._reward(rs) for rs in per_sample]
+
+
+def _isolation_problem() -> str | None:
+    """``None`` if this machine can run programs in the namespaces (tried once per process by
+    the launcher itself), else why not."""
+    with _probe_lock:
+        if not _probe_result:
+            work = tempfile.mkdtemp(prefix="lightrft-probe-")
+            try:
+                done = subprocess.run(
+                    [sys.executable, "-I", "-S", _CHILD, "probe"],
+                    capture_output=True,
+                    timeout=30,
+                    cwd=work,
+                    env={"PATH": os.environ.get("PATH", "/bin")},
+                )
+                why = (done.stdout + done.stderr).decode(errors="replace").strip()
+                ok = done.returncode == 0
+                why = why or f"exit status {done.returncode}"
+            except (OSError, subprocess.TimeoutExpired) as e:
+                ok, why = False, str(e)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            _probe_result.append(None if ok else why)
+        return _probe_result[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(code: str) -> _code_asserts.AssertPlan:
+    return _code_asserts.plan_asserts(code)
+
+
+def _feed(fd: int, data: bytes, owner: Any = None) -> threading.Thread:
+    """Write ``data`` to a pipe from a thread (the reader may never read), then close it."""
+
+    def write() -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view[: 1 << 16]) :]
+        except OSError:
+            pass  # the sandbox exited or was killed without reading everything
+        finally:
+            with suppress(OSError):
+                owner.close() if owner is not None else os.close(fd)
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    return t
+
+
+def _verdict(
+    test: TestCase,
+    plan: _code_asserts.AssertPlan | None,
+    code: int,
+    out: bytes,
+    report: bytes,
+    max_report: int,
+) -> bool:
+    """Whether a run that ended by itself passed: exit status 0, and the output matches
+    (stdin/stdout) or every assert was reported and held (a report over ``max_report`` bytes
+    fails)."""
+    if code != 0:
+        return False
+    if plan is None:
+        return _same_output(out.decode(errors="replace"), test.stdout or "")
+    return len(report) <= max_report and _code_asserts.judge(plan, report)[0]
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(limit)
 
 
 def _session_members(sid: int) -> set[int]:

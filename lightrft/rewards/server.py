@@ -11,7 +11,7 @@ error with ``{"error": message}``, never a dropped connection: 400 malformed bod
 wrong token, 408 request (line, headers and body: one deadline) not received within
 ``--read-timeout``, 411 no ``Content-Length``, 413 body over ``--max-body-mb``, 422 the reward
 function refused the batch as given (:class:`~lightrft.rewards.base.RewardInputError`: a sample
-without its reference answer), 503 more than ``--max-connections`` open connections, 500 the
+without its reference answer, code tests that cannot be read), 503 more than ``--max-connections`` open connections, 500 the
 reward function failed.
 
 Floods: a connection has ``--read-timeout`` seconds in all to deliver its request, however it

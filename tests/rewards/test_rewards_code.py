@@ -3,14 +3,16 @@ its limit, score 0 and leave no process or file behind)."""
 
 import json
 import os
-import re
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from lightrft.rewards import code
+from lightrft.rewards.base import RewardInputError
 from lightrft.rewards.code import CodeVerifier, extract_code, parse_tests
 
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -44,8 +46,59 @@ def test_parse_and_extract():
     assert len(parse_tests(json.dumps(TESTS))) == 3
     with pytest.raises(ValueError, match="fn_name"):
         parse_tests({"inputs": [[1]], "outputs": [2], "fn_name": "f"})
-    with pytest.raises(ValueError, match="sample 0: bad test cases"):
-        CodeVerifier()(["q"], ["x"], [{"nope": 1}], [None])
+    for ref, why in (
+        ({"nope": 1}, "unknown test format"),
+        ({"inputs": 5, "outputs": [1]}, "int"),
+        (["assert f(1) == 2", "assert f(1) =="], "not valid Python"),
+        (["assert __lightrft_report__ == 2"], "reserved name"),
+    ):
+        with pytest.raises(RewardInputError, match=f"sample 1: bad test cases: .*{why}"):
+            CodeVerifier()(["q", "q"], ["x", "x"], [TESTS, ref], [None, None])
+
+
+def test_correct_programs_pass_every_format(verifier):
+    fn = (
+        "```python\nimport math\ndef f(x):\n    return x * x\ndef g(n):\n    return (i for i in range(n))\n"
+        "def h(x):\n    return None if x < 0 else {'sq': f(x), 'pair': (x, -x)}\n```"
+    )
+    block = (
+        "import math\nvals = [1, 2, 3]\nfor v in vals:\n    assert f(v) == v * v\n"
+        "def check(candidate):\n    assert candidate(4) == 16\n    assert candidate(-2) > 0\n"
+        "check(f)\nassert list(g(3)) == [0, 1, 2]\nassert sorted(set(g(4)), reverse=True) == [3, 2, 1, 0]\n"
+        "assert math.isclose(f(0.1), 0.01, rel_tol=1e-9)\nassert abs(f(1.5) - 2.25) < 1e-12\n"
+        "assert h(-1) is None and h(2) == {'sq': 4, 'pair': (2, -2)}\n"
+        "assert h(-1) is None or h(-1)['sq'] == 0\nassert len(h(3)) == 2 and h(3)['pair'][1] == -3\n"
+    )
+    refs = [block, {"asserts": ["assert f(2) == 4", "assert not f(0)"]}, ["assert f(3) == 9"]]
+    assert _score(verifier, [fn] * 3, refs) == [1.0, 1.0, 1.0]
+    wrong = fn.replace("return x * x", "return x * x + (x == 3)")
+    assert _score(verifier, [wrong] * 3, refs) == [0.0, 1.0, 0.0]
+
+
+def test_require_isolation_refuses_before_any_run(monkeypatch):
+    monkeypatch.setattr(code, "_isolation_problem", lambda: "user namespaces are off (test)")
+    monkeypatch.setattr(code.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    strict = CodeVerifier(require_isolation=True)
+    with pytest.raises(RuntimeError, match="require_isolation=True.*user namespaces are off"):
+        strict(["q"], [ADD], [TESTS], [None])
+
+
+def test_fallback_warns_once_and_still_scores(monkeypatch):
+    monkeypatch.setattr(code, "_isolation_problem", lambda: "user namespaces are off (test)")
+    monkeypatch.setattr(code, "_warned", set())
+    v = CodeVerifier(timeout=2.0)
+    with pytest.warns(RuntimeWarning) as got:
+        assert _score(v, [ADD, ADD], [TESTS, TESTS]) == [1.0, 1.0]
+    msgs = [str(w.message) for w in got if "NOT isolated" in str(w.message)]
+    assert len(msgs) == 1
+    for part in (
+        "user namespaces are off (test)",
+        "read every file",
+        "environ",
+        "daemons",
+        "require_isolation=True",
+    ):
+        assert part in msgs[0]
 
 
 def test_early_exit_cannot_fake_asserts(verifier):
@@ -72,7 +125,7 @@ def _session_members_all():
                 cmd = Path(f"/proc/{e}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"_sandbox_child.py" in cmd or re.search(rb"harness\.py\x00(stdio|assert)", cmd):
+            if b"_sandbox_child.py" in cmd or b"# lightrft-sandbox-harness" in cmd:
                 found.add(int(e))
     return found
 
@@ -103,8 +156,9 @@ def test_hostile_programs(verifier, name):
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("lightrft-code-*/program.py"))
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="a network namespace needs root here")
 def test_no_network(verifier):
+    if os.getuid() != 0 and code._isolation_problem() is not None:
+        pytest.skip("neither root nor user namespaces: no network namespace here")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -142,3 +196,20 @@ def test_write_outside_tmp(verifier, tmp_path):
     body = "open('scratch.txt', 'w').write('3')\nprint(open('scratch.txt').read())"
     out, _, _ = _run_hostile(verifier, body, {"inputs": ["1 2"], "outputs": ["3"]})
     assert out == [1.0]
+
+
+def test_isolation_probe_leaves_the_host_alone(monkeypatch):
+    """The probe runs the real setup once; it must not touch the directory it starts in (it
+    once chowned /tmp to nobody) nor leave a directory behind."""
+    tmp = Path(tempfile.gettempdir())
+    before = os.stat(tmp)
+    probes_before = set(tmp.glob("lightrft-probe-*"))
+    monkeypatch.setattr(code, "_probe_result", [])
+    code._isolation_problem()
+    after = os.stat(tmp)
+    assert (after.st_uid, after.st_gid, after.st_mode) == (
+        before.st_uid,
+        before.st_gid,
+        before.st_mode,
+    )
+    assert set(tmp.glob("lightrft-probe-*")) == probes_before

@@ -3,7 +3,9 @@
 import contextlib
 import threading
 
-from lightrft.rewards import CodeVerifier, MathVerifier, RemoteReward
+import pytest
+
+from lightrft.rewards import CodeVerifier, MathVerifier, RemoteReward, RemoteRewardError
 from lightrft.rewards.server import load_reward_fn, make_server
 
 
@@ -49,3 +51,17 @@ def test_code_verifier_served():
     local = CodeVerifier(timeout=1.0)
     with serving(load_reward_fn("code", kwargs={"timeout": 1.0})) as remote:
         assert _same(local, remote, [add, loop, add], refs) == [1.0, 0.0, 0.0]
+
+
+def test_code_verifier_bad_tests_are_the_callers_mistake():
+    """Unreadable test cases answer HTTP 422 naming the sample (not 500), and are not retried."""
+    add = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    good = {"inputs": ["1 2"], "outputs": ["3"]}
+    with serving(load_reward_fn("code", kwargs={"timeout": 1.0})) as remote:
+        for bad, why in (
+            ({"nope": 1}, "unknown test format"),
+            (["assert f(1) =="], "not valid Python"),
+        ):
+            with pytest.raises(RemoteRewardError, match=f"HTTP 422 .*sample 1: .*{why}"):
+                remote(["q", "q"], [add, add], [good, bad], [None, None])
+        assert [float(x) for x in remote(["q"], [add], [good], [None])] == [1.0]

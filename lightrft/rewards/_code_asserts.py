@@ -1,0 +1,626 @@
+"""Assert-style tests judged by the parent: the sandbox only computes the program's values.
+
+:func:`plan_asserts` parses a test block with :mod:`ast` and rewrites every ``assert`` into a
+report call. Only the sub-expressions that depend on the program (any expression that uses a
+name outside a small safe set: ``f(3)``, ``x``, ``obj.attr``) go to the sandbox, each wrapped in
+a ``lambda``; the condition around them, with its expected values, stays here with placeholders.
+``assert f(3) == 9`` becomes ``__lightrft_report__(0, lambda: f(3))`` in the sandbox and
+``__lightrft_v0__ == 9`` here. The sandbox reports the values as tagged JSON data
+(:func:`decode`); :func:`judge` evaluates each condition with a restricted evaluator (literals,
+comparisons, arithmetic with size bounds, boolean operators, a few builtins and ``math.isclose``).
+
+Values that are not plain data (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
+``bytes``, and lists, tuples, sets, frozensets and dicts of them; subclasses count as their base
+value, so an object that claims to equal anything is refused) fail the assert when the condition
+needs them: they are never compared by code that runs in the sandbox.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+REPORT = "__lightrft_report__"
+_VALUE = "__lightrft_v{}__"
+_INNER = "__lightrft_e{}__"  # a program value of the current item of a judged comprehension
+_ZIP = "__lightrft_zip__"
+_MAX_DEPTH = 64
+_MAX_ITEMS = 1_000_000  # sequence * int, and other results built here
+_MAX_POW_BITS = 1 << 16
+
+_SAFE_FUNCS: dict[str, Any] = {
+    f.__name__: f
+    for f in (
+        abs,
+        len,
+        round,
+        sorted,
+        set,
+        list,
+        tuple,
+        sum,
+        min,
+        max,
+        all,
+        any,
+        frozenset,
+        int,
+        float,
+        str,
+        bool,
+        dict,
+        range,
+        zip,
+        enumerate,
+        reversed,
+    )
+}
+_MATH = {"isclose": math.isclose, "inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e}
+# A program-dependent argument of these is sent whole (``list(f(x))``), so an iterator or a
+# generator that the program returns is consumed in the sandbox.
+_CONSUMERS = {
+    "len",
+    "sorted",
+    "set",
+    "list",
+    "tuple",
+    "sum",
+    "min",
+    "max",
+    "all",
+    "any",
+    "frozenset",
+    "dict",
+}
+_KEYWORDS = {"sorted": {"reverse"}, "isclose": {"rel_tol", "abs_tol"}}
+_BINOPS = (
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.FloorDiv,
+    ast.Mod,
+    ast.Pow,
+    ast.LShift,
+    ast.RShift,
+    ast.BitOr,
+    ast.BitXor,
+    ast.BitAnd,
+)
+_UNARY = (ast.Not, ast.USub, ast.UAdd, ast.Invert)
+_STRUCTURE = (
+    ast.Constant,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.Compare,
+    ast.BoolOp,
+    ast.GeneratorExp,
+    ast.ListComp,
+    ast.SetComp,
+    ast.comprehension,
+    ast.UnaryOp,
+    ast.BinOp,
+    ast.IfExp,
+    ast.Call,
+    ast.Subscript,
+    ast.Slice,
+    ast.Name,
+    ast.Attribute,
+    ast.keyword,
+    ast.expr_context,
+    ast.cmpop,
+    ast.boolop,
+    ast.unaryop,
+    ast.operator,
+)
+
+
+@dataclass(frozen=True)
+class Site:
+    """One ``assert``: its condition with placeholders, and how many values the sandbox sends."""
+
+    condition: ast.Expression
+    n_values: int
+    line: int
+
+
+@dataclass(frozen=True)
+class AssertPlan:
+    """A test block split in two: ``sandbox_source`` runs after the program; ``sites`` stay here."""
+
+    sandbox_source: str
+    sites: tuple[Site, ...]
+
+
+class _Probe(Exception):
+    """A value the condition needs could not be computed or sent (the assert fails)."""
+
+
+def plan_asserts(source: str) -> AssertPlan:
+    """Split a test block; ``ValueError`` naming the line where it is not valid Python."""
+    try:
+        tree = ast.parse(source, "test.py")
+    except SyntaxError as e:
+        raise ValueError(f"the test code is not valid Python (line {e.lineno}: {e.msg})") from None
+    if any(isinstance(n, ast.Name) and n.id.startswith("__lightrft_") for n in ast.walk(tree)):
+        raise ValueError("the test code uses a reserved name (__lightrft_...)")
+    rewriter = _Rewriter()
+    tree = ast.fix_missing_locations(rewriter.visit(tree))
+    return AssertPlan(ast.unparse(tree), tuple(rewriter.sites))
+
+
+class _Rewriter(ast.NodeTransformer):
+    def __init__(self) -> None:
+        self.sites: list[Site] = []
+
+    def visit_Assert(self, node: ast.Assert) -> ast.stmt:
+        values: list[ast.expr] = []
+        condition = _calls_last(_split(node.test, values), values)
+        site = len(self.sites)
+        self.sites.append(Site(ast.Expression(condition), len(values), node.lineno))
+        no_args = ast.arguments(
+            posonlyargs=[],
+            args=[],
+            vararg=None,
+            kwonlyargs=[],
+            kw_defaults=[],
+            kwarg=None,
+            defaults=[],
+        )
+        call = ast.Call(
+            ast.Name(REPORT, ast.Load()),
+            [ast.Constant(site), *(ast.Lambda(no_args, v) for v in values)],
+            [],
+        )
+        return ast.copy_location(ast.Expr(call), node)
+
+
+def _calls_last(condition: ast.expr, values: list[ast.expr]) -> ast.expr:
+    """Reorders ``values`` in place so the ones that call nothing (the test's own variables) are
+    read before any call into the program can change them; renames the placeholders to match."""
+    order = sorted(
+        range(len(values)), key=lambda i: any(isinstance(n, ast.Call) for n in ast.walk(values[i]))
+    )
+    new_index = {old: new for new, old in enumerate(order)}
+    values[:] = [values[i] for i in order]
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.Name:
+            m = re.fullmatch(r"__lightrft_v(\d+)__", n.id)
+            return ast.Name(_VALUE.format(new_index[int(m.group(1))]), n.ctx) if m else n
+
+    return Rename().visit(condition)
+
+
+def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
+    """Whether the parent can evaluate ``node`` alone: no name the program could define (names
+    in ``bound`` and those a comprehension inside binds are the parent's own variables)."""
+    math_names = {id(n.value) for n in ast.walk(node) if _is_math(n)}
+    bound = bound | {
+        t.id
+        for c in ast.walk(node)
+        if isinstance(c, ast.comprehension)
+        for t in ast.walk(c.target)
+        if isinstance(t, ast.Name)
+    }
+    for n in ast.walk(node):
+        if id(n) in math_names:
+            continue
+        if not isinstance(n, _STRUCTURE):
+            return False
+        if isinstance(n, ast.Name) and n.id not in _SAFE_FUNCS and n.id not in bound:
+            return False
+        if isinstance(n, ast.Attribute) and not _is_math(n):
+            return False
+        if isinstance(n, ast.Call) and _safe_func(n) is None:
+            return False
+        if isinstance(n, (ast.Tuple, ast.List, ast.Set)) and any(
+            isinstance(e, ast.Starred) for e in n.elts
+        ):
+            return False
+        if isinstance(n, ast.comprehension) and (n.is_async or _names(n.target) is None):
+            return False
+    return True
+
+
+def _names(target: ast.expr) -> frozenset[str] | None:
+    """The names a comprehension target binds, if it is a name or a flat tuple of names."""
+    if isinstance(target, ast.Name):
+        return frozenset({target.id})
+    if isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
+        return frozenset(e.id for e in target.elts)
+    return None
+
+
+def _load(target: ast.expr) -> ast.expr:
+    if isinstance(target, ast.Name):
+        return ast.Name(target.id, ast.Load())
+    return ast.Tuple([_load(e) for e in target.elts], ast.Load())
+
+
+def _is_math(n: ast.AST) -> bool:
+    return (
+        isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "math"
+        and n.attr in _MATH
+    )
+
+
+def _safe_func(call: ast.Call) -> str | None:
+    """The name of a safe function ``call`` calls with allowed keywords, else ``None``."""
+    f = call.func
+    name = f.attr if _is_math(f) else f.id if isinstance(f, ast.Name) else None
+    if name is None or (name not in _SAFE_FUNCS and not _is_math(f)):
+        return None
+    if any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    if any(k.arg not in _KEYWORDS.get(name, ()) for k in call.keywords):
+        return None
+    return name
+
+
+def _split(
+    node: ast.expr,
+    values: list[ast.expr],
+    bound: frozenset[str] = frozenset(),
+    template: str = _VALUE,
+) -> ast.expr:
+    """``node`` with every program-dependent sub-expression moved to ``values`` (replaced by the
+    placeholder names ``template``); ``bound``: names of comprehension variables here."""
+    if _parent_only(node, bound):
+        return node
+    rec = lambda n: _split(n, values, bound, template)  # noqa: E731
+    if isinstance(node, ast.Compare):
+        return ast.Compare(rec(node.left), node.ops, [rec(c) for c in node.comparators])
+    if isinstance(node, ast.BoolOp):
+        return ast.BoolOp(node.op, [rec(v) for v in node.values])
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, _UNARY):
+        return ast.UnaryOp(node.op, rec(node.operand))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, _BINOPS):
+        return ast.BinOp(rec(node.left), node.op, rec(node.right))
+    if isinstance(node, ast.IfExp):
+        return ast.IfExp(rec(node.test), rec(node.body), rec(node.orelse))
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and not any(
+        isinstance(e, ast.Starred) for e in node.elts
+    ):
+        return type(node)(
+            [rec(e) for e in node.elts], *([ast.Load()] * (type(node) is not ast.Set))
+        )
+    if isinstance(node, _COMPREHENSIONS) and not bound:
+        split = _split_comprehension(node, values)
+        if split is not None:
+            return split
+    if isinstance(node, ast.Call):
+        name = _safe_func(node)
+        whole = (
+            name in _CONSUMERS
+            and len(node.args) == 1
+            and not node.keywords
+            and not _may_hold_expected(node.args[0])
+        )
+        if name is not None and not whole:
+            kws = [ast.keyword(k.arg, rec(k.value)) for k in node.keywords]
+            return ast.Call(node.func, [rec(a) for a in node.args], kws)
+    values.append(node)
+    return ast.Name(template.format(len(values) - 1), ast.Load())
+
+
+_COMPREHENSIONS = (ast.GeneratorExp, ast.ListComp, ast.SetComp)
+
+
+def _may_hold_expected(node: ast.expr) -> bool:
+    """Whether ``node`` compares or chooses (where expected values hide): then a safe function
+    around it is applied here, not sent whole with it."""
+    kinds = (ast.Compare, ast.BoolOp, ast.IfExp, *_COMPREHENSIONS)
+    return any(isinstance(n, kinds) for n in ast.walk(node))
+
+
+def _split_comprehension(node: ast.expr, values: list[ast.expr]) -> ast.expr | None:
+    """``all(f(x) == x * x for x in range(5))``: the parent iterates and judges; the sandbox
+    computes ``[f(x) for x in range(5)]`` (and ``any(v > 0 for v in f(3))`` sends ``f(3)``).
+    ``None`` where the comprehension has another shape (it is then sent whole)."""
+    if len(node.generators) != 1:
+        return None
+    gen = node.generators[0]
+    names = _names(gen.target)
+    if names is None or gen.is_async or not all(_parent_only(c, names) for c in gen.ifs):
+        return None
+    inner: list[ast.expr] = []
+    elt = _split(node.elt, inner, names, _INNER)
+    if not inner:  # the element is the parent's: only the iterable may need the program
+        if _parent_only(gen.iter):
+            it = gen.iter
+        else:  # sent as a list: an iterator or a generator the program returns is data then
+            values.append(ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
+            it = ast.Name(_VALUE.format(len(values) - 1), ast.Load())
+        return type(node)(elt, [ast.comprehension(gen.target, it, gen.ifs, 0)])
+    if not _parent_only(gen.iter):
+        return None
+    # Each program part of the element is computed in the sandbox for every item; the parent
+    # pairs them with its own items (strictly: another number of items fails).
+    columns = []
+    for part in inner:
+        values.append(ast.ListComp(part, [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)]))
+        columns.append(ast.Name(_VALUE.format(len(values) - 1), ast.Load()))
+    items = ast.ListComp(_load(gen.target), [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)])
+    target = ast.Tuple(
+        [gen.target, *(ast.Name(_INNER.format(j), ast.Store()) for j in range(len(inner)))],
+        ast.Store(),
+    )
+    pairs = ast.Call(ast.Name(_ZIP, ast.Load()), [items, *columns], [])
+    return type(node)(elt, [ast.comprehension(target, pairs, [], 0)])
+
+
+# ---------------------------------------------------------------- values sent as data
+
+_INT = re.compile(r"-?\d+")
+
+
+def decode(obj: Any, depth: int = 0) -> Any:
+    """A value from its tagged form ``[tag, payload]``; ``ValueError`` for anything else."""
+    if depth > _MAX_DEPTH or not isinstance(obj, list) or len(obj) != 2:
+        raise ValueError("not a tagged value")
+    tag, p = obj
+    if tag == "n" and p is None:
+        return None
+    if tag == "b" and isinstance(p, bool):
+        return p
+    if tag == "i" and isinstance(p, str) and _INT.fullmatch(p):
+        return int(p)
+    if tag == "f" and isinstance(p, str):
+        return float(p)
+    if tag == "c" and isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p):
+        return complex(float(p[0]), float(p[1]))
+    if tag == "s" and isinstance(p, str):
+        return p
+    if tag == "y" and isinstance(p, str):
+        return bytes.fromhex(p)
+    if tag == "x" and isinstance(p, str):  # not plain data, or it raised: fails where used
+        return _Unusable(p)
+    if tag in "ltSF" and isinstance(p, list):
+        items = [decode(x, depth + 1) for x in p]
+        if any(isinstance(x, _Unusable) for x in items):
+            return next(x for x in items if isinstance(x, _Unusable))
+        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
+    if (
+        tag == "d"
+        and isinstance(p, list)
+        and all(isinstance(kv, list) and len(kv) == 2 for kv in p)
+    ):
+        pairs = [(decode(k, depth + 1), decode(v, depth + 1)) for k, v in p]
+        bad = [x for kv in pairs for x in kv if isinstance(x, _Unusable)]
+        return bad[0] if bad else dict(pairs)
+    raise ValueError(f"bad tagged value {tag!r}")
+
+
+@dataclass(frozen=True)
+class _Unusable:
+    why: str
+
+
+def judge(plan: AssertPlan, report: bytes) -> tuple[bool, str]:
+    """Whether every assert site reported at least once and every report satisfied its
+    condition; the second item says why not (or ``"ok"``)."""
+    seen = [False] * len(plan.sites)
+    for line in report.splitlines():
+        try:
+            site, raw = json.loads(line)
+            values = [decode(v) for v in raw]
+        except (ValueError, TypeError, RecursionError):
+            return False, "a malformed report"
+        if not isinstance(site, int) or not 0 <= site < len(plan.sites):
+            return False, "a report for an unknown assert"
+        s = plan.sites[site]
+        if len(values) != s.n_values:
+            return False, f"the assert on line {s.line}: wrong number of values"
+        if not _holds(s.condition, values):
+            return False, f"the assert on line {s.line} failed"
+        seen[site] = True
+    missing = [s.line for s, ok in zip(plan.sites, seen, strict=True) if not ok]
+    if missing:
+        return False, f"the assert on line {missing[0]} never ran"
+    return True, "ok"
+
+
+def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
+    try:
+        return bool(_Evaluator(values).eval(condition.body))
+    except Exception:  # an error of the condition (a raising probe, 1/0, a bound) fails it
+        return False
+
+
+class _Evaluator:
+    """Evaluates a parent-only expression over plain data; raises for anything else."""
+
+    def __init__(self, values: Sequence[Any]):
+        self.values = values
+        self.env: dict[str, Any] = {}  # comprehension variables
+
+    def eval(self, n: ast.expr) -> Any:
+        method = getattr(self, "_" + type(n).__name__, None)
+        if method is None:
+            raise _Probe(f"{type(n).__name__} is not evaluated here")
+        return method(n)
+
+    def _Constant(self, n: ast.Constant) -> Any:
+        return n.value
+
+    def _Name(self, n: ast.Name) -> Any:
+        if n.id in self.env:
+            return self.env[n.id]
+        m = re.fullmatch(r"__lightrft_v(\d+)__", n.id)
+        if m:
+            v = self.values[int(m.group(1))]
+            if isinstance(v, _Unusable):
+                raise _Probe(v.why)
+            return v
+        return _SAFE_FUNCS[n.id]
+
+    def _Attribute(self, n: ast.Attribute) -> Any:
+        if not _is_math(n):
+            raise _Probe("attribute")
+        return _MATH[n.attr]
+
+    def _Tuple(self, n: ast.Tuple) -> tuple:
+        return tuple(self.eval(e) for e in n.elts)
+
+    def _List(self, n: ast.List) -> list:
+        return [self.eval(e) for e in n.elts]
+
+    def _Set(self, n: ast.Set) -> set:
+        return {self.eval(e) for e in n.elts}
+
+    def _Dict(self, n: ast.Dict) -> dict:
+        if any(k is None for k in n.keys):
+            raise _Probe("** in a dict")
+        return {self.eval(k): self.eval(v) for k, v in zip(n.keys, n.values, strict=True)}
+
+    def _BoolOp(self, n: ast.BoolOp) -> Any:
+        v = None
+        for e in n.values:
+            v = self.eval(e)
+            if isinstance(n.op, ast.And) != bool(v):
+                return v
+        return v
+
+    def _UnaryOp(self, n: ast.UnaryOp) -> Any:
+        v = self.eval(n.operand)
+        ops = {
+            ast.Not: lambda x: not x,
+            ast.USub: lambda x: -x,
+            ast.UAdd: lambda x: +x,
+            ast.Invert: lambda x: ~x,
+        }
+        return ops[type(n.op)](v)
+
+    def _IfExp(self, n: ast.IfExp) -> Any:
+        return self.eval(n.body) if self.eval(n.test) else self.eval(n.orelse)
+
+    def _BinOp(self, n: ast.BinOp) -> Any:
+        a, b = self.eval(n.left), self.eval(n.right)
+        _check_size(n.op, a, b)
+        ops = {
+            ast.Add: lambda: a + b,
+            ast.Sub: lambda: a - b,
+            ast.Mult: lambda: a * b,
+            ast.Div: lambda: a / b,
+            ast.FloorDiv: lambda: a // b,
+            ast.Mod: lambda: a % b,
+            ast.Pow: lambda: a**b,
+            ast.LShift: lambda: a << b,
+            ast.RShift: lambda: a >> b,
+            ast.BitOr: lambda: a | b,
+            ast.BitXor: lambda: a ^ b,
+            ast.BitAnd: lambda: a & b,
+        }
+        if isinstance(n.op, ast.Mod) and isinstance(a, (str, bytes)):
+            raise _Probe("% formatting")  # formatting could build huge strings
+        return ops[type(n.op)]()
+
+    def _Compare(self, n: ast.Compare) -> bool:
+        left = self.eval(n.left)
+        for op, c in zip(n.ops, n.comparators, strict=True):
+            right = self.eval(c)
+            if not _compare(op, left, right):
+                return False
+            left = right
+        return True
+
+    def _Subscript(self, n: ast.Subscript) -> Any:
+        return self.eval(n.value)[self.eval(n.slice)]
+
+    def _Slice(self, n: ast.Slice) -> slice:
+        part = lambda e: None if e is None else self.eval(e)  # noqa: E731
+        return slice(part(n.lower), part(n.upper), part(n.step))
+
+    def _GeneratorExp(self, n: ast.GeneratorExp) -> Any:
+        return (self.eval(n.elt) for _ in self._iterate(n.generators[0]))
+
+    def _ListComp(self, n: ast.ListComp) -> list:
+        return [self.eval(n.elt) for _ in self._iterate(n.generators[0])]
+
+    def _SetComp(self, n: ast.SetComp) -> set:
+        return {self.eval(n.elt) for _ in self._iterate(n.generators[0])}
+
+    def _iterate(self, gen: ast.comprehension):
+        """Binds the target to each item (that passes the filters) and yields; at most
+        ``_MAX_ITEMS`` items."""
+        for count, item in enumerate(self.eval(gen.iter)):
+            if count >= _MAX_ITEMS:
+                raise _Probe("too many items")
+            self._bind(gen.target, item)
+            if all(self.eval(c) for c in gen.ifs):
+                yield item
+
+    def _bind(self, target: ast.expr, item: Any) -> None:
+        if isinstance(target, ast.Name):
+            self.env[target.id] = item
+            return
+        parts = list(item)
+        if len(parts) != len(target.elts):
+            raise _Probe("cannot unpack")
+        for t, v in zip(target.elts, parts, strict=True):
+            self._bind(t, v)
+
+    def _Call(self, n: ast.Call) -> Any:
+        if isinstance(n.func, ast.Name) and n.func.id == _ZIP:
+            return _strict_zip(*(self.eval(a) for a in n.args))
+        name = _safe_func(n)
+        if name is None:
+            raise _Probe("call")
+        f = _MATH[name] if _is_math(n.func) else _SAFE_FUNCS[name]
+        args = [self.eval(a) for a in n.args]
+        kwargs = {k.arg: self.eval(k.value) for k in n.keywords}
+        if name == "range" and len(range(*args)) > _MAX_ITEMS:
+            raise _Probe("range too long")
+        if (
+            name == "round"
+            and len(args) == 2
+            and isinstance(args[1], int)
+            and abs(args[1]) > 10_000
+        ):
+            raise _Probe("round digits")
+        return f(*args, **kwargs)
+
+
+def _strict_zip(*columns: Any) -> Any:
+    return zip(*columns, strict=True)
+
+
+def _compare(op: ast.cmpop, a: Any, b: Any) -> bool:
+    table = {
+        ast.Eq: lambda: a == b,
+        ast.NotEq: lambda: a != b,
+        ast.Lt: lambda: a < b,
+        ast.LtE: lambda: a <= b,
+        ast.Gt: lambda: a > b,
+        ast.GtE: lambda: a >= b,
+        ast.In: lambda: a in b,
+        ast.NotIn: lambda: a not in b,
+        ast.Is: lambda: a is b,
+        ast.IsNot: lambda: a is not b,
+    }
+    return bool(table[type(op)]())
+
+
+def _check_size(op: ast.operator, a: Any, b: Any) -> None:
+    """Refuse arithmetic whose result would be huge (values come from the program)."""
+    ints = isinstance(a, int) and isinstance(b, int)
+    if isinstance(op, ast.Pow) and ints and abs(a) > 1 and b > 0:
+        if a.bit_length() * b > _MAX_POW_BITS:
+            raise _Probe("power too large")
+    if isinstance(op, ast.LShift) and ints and b > _MAX_POW_BITS:
+        raise _Probe("shift too large")
+    if isinstance(op, ast.Mult):
+        for seq, k in ((a, b), (b, a)):
+            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int):
+                if len(seq) * k > _MAX_ITEMS:
+                    raise _Probe("repetition too large")
