@@ -40,7 +40,7 @@ other processes' environments, programs, and as non-root daemons and the network
 
 **The verdict never depends on anything the program can forge.** stdin/stdout tests: the input
 goes in through a pipe, the output is compared here; the expected output never enters the
-sandbox. Assert tests (see :mod:`lightrft.rewards._code_asserts`): the test code is parsed here
+sandbox. Assert tests (see :mod:`lightrft.rewards.code_asserts`): the test code is parsed here
 and each ``assert`` rewritten so that the sandbox only computes the sub-expressions that depend
 on the program (``assert f(3) == 9`` sends ``f(3)``; the 9 stays here) and reports their values
 through a pipe as tagged JSON data; this process evaluates each condition itself. A test passes
@@ -90,7 +90,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.rewards import _code_asserts
+from lightrft.rewards import code_asserts
 from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
 
 __all__ = ["CodeVerifier", "RunResult", "TestCase", "extract_code", "parse_tests"]
@@ -487,8 +487,8 @@ def _isolation_problem() -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(code: str) -> _code_asserts.AssertPlan:
-    return _code_asserts.plan_asserts(code)
+def _plan(code: str) -> code_asserts.AssertPlan:
+    return code_asserts.plan_asserts(code)
 
 
 def _feed(fd: int, data: bytes, owner: Any = None) -> threading.Thread:
@@ -512,7 +512,7 @@ def _feed(fd: int, data: bytes, owner: Any = None) -> threading.Thread:
 
 def _verdict(
     test: TestCase,
-    plan: _code_asserts.AssertPlan | None,
+    plan: code_asserts.AssertPlan | None,
     code: int,
     out: bytes,
     report: bytes,
@@ -525,7 +525,7 @@ def _verdict(
         return False
     if plan is None:
         return _same_output(out.decode(errors="replace"), test.stdout or "")
-    return len(report) <= max_report and _code_asserts.judge(plan, report)[0]
+    return len(report) <= max_report and code_asserts.judge(plan, report)[0]
 
 
 def _read_capped(path: Path, limit: int) -> bytes:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from lightrft.rewards._code_asserts import decode, judge, plan_asserts
+from lightrft.rewards.code_asserts import decode, judge, plan_asserts
 
 
 def _report(*lines):

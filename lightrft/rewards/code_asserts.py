@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["AssertPlan", "Site", "decode", "judge", "plan_asserts"]
+
 REPORT = "__lightrft_report__"
 _VALUE = "__lightrft_v{}__"
 _INNER = "__lightrft_e{}__"  # a program value of the current item of a judged comprehension
