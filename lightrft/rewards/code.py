@@ -123,7 +123,7 @@ def extract_code(response: str) -> str:
 @dataclass(frozen=True)
 class TestCase:
     """One test: ``stdin`` -> expected ``stdout`` (whitespace-insensitive), or an assert-style
-    ``code`` snippet run after the program in the same namespace."""
+    ``code`` snippet run after the program, its asserts judged here (module docstring)."""
 
     stdin: str | None = None
     stdout: str | None = None

@@ -208,11 +208,15 @@ class MathVerifier:
         for who, text in named:
             why = oversized_number(text)
             if why:
-                if not self.last_refusals:
-                    log.warning("%s: scored 0 without comparing: %s", type(self).__name__, why)
-                self.last_refusals.append(f"{who} holds {why}")
+                self._record_refusal(f"{who} holds {why}")
                 return True
         return False
+
+    def _record_refusal(self, why: str) -> None:
+        """Keep why an answer was scored 0 without comparing; log the first of each call."""
+        if not self.last_refusals:
+            log.warning("%s: scored 0 without comparing: %s", type(self).__name__, why)
+        self.last_refusals.append(why)
 
     @staticmethod
     def reference_answer(reference: str | float | int) -> str:
@@ -236,9 +240,7 @@ class MathVerifier:
             return False
         why = self._refusal(pred, ref)
         if why is not None:
-            if not self.last_refusals:
-                log.warning("%s: scored 0 without comparing: %s", type(self).__name__, why)
-            self.last_refusals.append(why)
+            self._record_refusal(why)
             return False
         if self.extraction == "math_verify":  # `AB = 4` is 4, as math-verify reads it
             mismatch = equation_mismatch(pred, ref)
