@@ -163,16 +163,26 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
+def _read_json_object(f: Path) -> dict[str, Any]:
+    """The JSON object in file ``f``; a :class:`CheckpointError` naming it when it is not UTF-8
+    JSON holding an object."""
+    try:
+        obj = json.loads(f.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{f} is damaged (not a JSON object)")
+    return obj
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """``path/meta.json`` as a dict with an integer ``step``; a :class:`CheckpointError` naming
     the file when it is unreadable or not ours."""
-    f = path / META
-    try:
-        meta = json.loads(f.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"{f} is damaged (not a checkpoint record with an integer step)")
+    meta = _read_json_object(path / META)
+    if not isinstance(meta.get("step"), int):
+        raise CheckpointError(
+            f"{path / META} is damaged (not a checkpoint record with an integer step)"
+        )
     return meta
 
 
@@ -180,15 +190,7 @@ def read_saved_config(path: Path) -> dict[str, Any] | None:
     """``path/config.json`` (None when absent); a :class:`CheckpointError` naming the file when
     it is not UTF-8 JSON."""
     f = path / CONFIG
-    if not f.is_file():
-        return None
-    try:
-        saved = json.loads(f.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{f} is damaged (not a JSON object)")
-    return saved
+    return _read_json_object(f) if f.is_file() else None
 
 
 def _check_shards(path: Path) -> None:
