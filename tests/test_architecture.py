@@ -104,6 +104,16 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.rewards",
         },
     ),
+    "lightrft.environments": (
+        9,
+        {
+            "lightrft.config",
+            "lightrft.distributed",
+            "lightrft.data",
+            "lightrft.rewards",
+            "lightrft.engine",
+        },
+    ),
     "lightrft.tasks": (10, {"lightrft.config", "lightrft.data", "lightrft.models"}),
     "lightrft.cli": (11, {"lightrft.config", "lightrft.tasks"}),
     "lightrft.__main__": (12, {"lightrft.cli"}),

@@ -1,0 +1,273 @@
+"""Tools: schemas, argument validation, the calculator, the sandboxed python tool, and every way
+a call can fail becoming an error result (never an exception)."""
+
+import threading
+import time
+
+import pytest
+
+from lightrft.environments import ErrorKind, Tool, calculator, calculator_tool, python_tool
+from lightrft.environments.tools import validate_arguments
+
+
+def scale(x: int, factor: float, unit: str = "m", exact: bool = False) -> str:
+    """Scale a length.
+
+    Args:
+        x: the length.
+        factor: the factor.
+        unit: the unit (choices: ["m", "km"])
+        exact: whether to keep all digits.
+    """
+    return f"{x * factor}{unit}{'!' if exact else ''}"
+
+
+def test_schema_is_transformers_and_drives_the_call():
+    tool = Tool(scale)
+    fn = tool.schema["function"]
+    assert tool.name == "scale" and fn["description"] == "Scale a length."
+    assert fn["parameters"]["required"] == ["x", "factor"]
+    assert fn["parameters"]["properties"]["unit"]["enum"] == ["m", "km"]
+    result = tool.run({"x": 3, "factor": 2.5, "unit": "km"})
+    assert (result.text, result.error) == ("7.5km", None)
+    assert tool.run({"x": 3, "factor": 2}).text == "6m"  # an int is a JSON number
+
+
+def test_a_function_without_a_schema_is_refused_naming_it():
+    def untyped(a):
+        """No hints.
+
+        Args:
+            a: something.
+        """
+
+    def undocumented(a: int) -> str:
+        return str(a)
+
+    with pytest.raises(
+        ValueError, match=r"tool .*untyped: cannot generate its JSON schema.*type hint"
+    ):
+        Tool(untyped)
+    with pytest.raises(ValueError, match=r"tool .*undocumented: cannot generate"):
+        Tool(undocumented)
+
+
+@pytest.mark.parametrize(
+    "arguments, problem",
+    [
+        ({"factor": 1.0}, "misses required key(s) ['x']"),
+        ({"x": 1, "factor": 1.0, "speed": 2}, "unknown key(s) ['speed']"),
+        ({"x": 1.5, "factor": 1.0}, "arguments.x must be integer, got number 1.5"),
+        ({"x": True, "factor": 1.0}, "arguments.x must be integer, got boolean true"),
+        ({"x": 1, "factor": False}, "arguments.factor must be number, got boolean false"),
+        ({"x": 1, "factor": "2"}, "arguments.factor must be number, got string"),
+        ({"x": 1, "factor": 1.0, "unit": "mile"}, "arguments.unit must be one of ['m', 'km']"),
+        ({"x": 1, "factor": 1.0, "exact": 1}, "arguments.exact must be boolean, got integer 1"),
+        ([1, 2], "arguments must be a JSON object, got array"),
+    ],
+)
+def test_bad_arguments_are_an_error_result(arguments, problem):
+    result = Tool(scale).run(arguments)
+    assert result.error is ErrorKind.bad_arguments
+    assert result.text.startswith("Error: bad arguments for tool 'scale': ")
+    assert problem in result.text
+
+
+def test_validation_of_nested_and_nullable_types():
+    def f(
+        xs: list[int], pair: tuple[int, str], table: dict[str, float], note: str | None = None
+    ) -> str:
+        """F.
+
+        Args:
+            xs: numbers.
+            pair: a pair.
+            table: a table.
+            note: a note.
+        """
+        return "ok"
+
+    params = Tool(f).schema["function"]["parameters"]
+    good = {"xs": [1, 2], "pair": [1, "a"], "table": {"a": 1.5}, "note": None}
+    assert validate_arguments(params, good) is None
+    assert "arguments.xs[1] must be integer" in validate_arguments(params, {**good, "xs": [1, "2"]})
+    assert "arguments.pair must have 2 items" in validate_arguments(params, {**good, "pair": [1]})
+    assert "arguments.table.a must be number" in validate_arguments(
+        params, {**good, "table": {"a": "x"}}
+    )
+
+
+def test_results_text_json_data_and_non_text():
+    def returns(kind: str) -> str:
+        """Return something.
+
+        Args:
+            kind: what.
+        """
+        return {"str": "plain", "data": {"a": [1, 2.5, True, None]}, "none": None, "bytes": b"x"}[
+            kind
+        ]
+
+    tool = Tool(returns)
+    assert tool.run({"kind": "str"}).text == "plain"
+    data = tool.run({"kind": "data"})
+    assert (data.text, data.error) == ('{"a": [1, 2.5, true, null]}', None)
+    for kind, what in (("none", "NoneType"), ("bytes", "bytes")):
+        bad = tool.run({"kind": kind})
+        assert bad.error is ErrorKind.non_text_result
+        assert bad.text == f"Error: tool 'returns' returned a {what}, not text"
+
+
+def test_raising_tool_is_an_error_result():
+    def boom(x: int) -> str:
+        """Fail.
+
+        Args:
+            x: ignored.
+        """
+        raise RuntimeError("the disk is full")
+
+    result = Tool(boom).run({"x": 1})
+    assert result.error is ErrorKind.tool_exception
+    assert result.text == "Error: tool 'boom' failed: RuntimeError: the disk is full"
+
+
+def test_megabyte_output_is_truncated_and_says_so():
+    def spew(n: int) -> str:
+        """Print a lot.
+
+        Args:
+            n: characters.
+        """
+        return "y" * n
+
+    result = Tool(spew, max_output_chars=100).run({"n": 3_000_000})
+    assert result.error is ErrorKind.tool_output_truncated
+    assert (
+        result.text == "y" * 100 + "\n[output truncated: 3000000 characters, the first 100 shown]"
+    )
+    assert Tool(spew, max_output_chars=100).run({"n": 100}).error is None
+
+
+def test_hanging_tool_times_out_without_waiting():
+    release = threading.Event()
+
+    def hang(x: int) -> str:
+        """Block.
+
+        Args:
+            x: ignored.
+        """
+        release.wait(60)
+        return "late"
+
+    try:
+        start = time.monotonic()
+        result = Tool(hang, timeout=0.3).run({"x": 1})
+        assert time.monotonic() - start < 2.0
+        assert result.error is ErrorKind.tool_timeout
+        assert result.text == "Error: tool 'hang' did not finish within 0.3 s"
+    finally:
+        release.set()  # the abandoned thread ends; Python cannot kill it (tools.py docstring)
+
+
+def test_cpu_bound_hang_returns_at_the_deadline():
+    def spin(seconds: float) -> str:
+        """Busy-loop in pure Python.
+
+        Args:
+            seconds: how long.
+        """
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        return "done"
+
+    start = time.monotonic()
+    result = Tool(spin, timeout=0.2).run({"seconds": 1.0})
+    assert result.error is ErrorKind.tool_timeout and time.monotonic() - start < 0.9
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("2 + 3 * 4", "14"),
+        ("(12345 * 678) / 4", "2092477.5"),
+        ("-(7) // 2", "-4"),
+        ("-7 % 3", "2"),
+        ("0.1 + 0.2", "0.3"),  # exact: the literals' own digits, not binary floats
+        ("2 ** -2", "0.25"),
+        ("1 / 3", "1/3 (about 0.333333333333)"),
+        ("2 ** 100", "1267650600228229401496703205376"),
+        ("-1 ** 1000001", "-1"),
+    ],
+)
+def test_calculator_is_exact(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression, error",
+    [
+        ("9**9**9", "too large"),
+        ("10 ** 10 ** 5", "too large"),
+        ("1 / 0", "ZeroDivisionError: division by zero"),
+        ("5 % (2 - 2)", "ZeroDivisionError: division by zero"),
+        ("2 ** 0.5", "whole-number exponents"),
+        ("__import__('os')", "unsupported in an arithmetic expression"),
+        ("x + 1", "unsupported in an arithmetic expression: 'x'"),
+        ("2 +", "not an arithmetic expression"),
+        ("1" * 2000, "longer than 1000 characters"),
+    ],
+)
+def test_calculator_refuses_quickly(expression, error):
+    start = time.monotonic()
+    result = calculator_tool().run({"expression": expression})
+    assert time.monotonic() - start < 0.5
+    assert result.error is ErrorKind.tool_exception and error in result.text
+
+
+# The python tool runs each call in the code reward's sandbox: real subprocesses.
+
+
+@pytest.fixture(scope="module")
+def py():
+    return python_tool(timeout=1.0, max_output_chars=200)
+
+
+def test_python_tool_prints_and_shows_tracebacks(py):
+    assert py.run({"code": "print(6 * 7)"}).text == "42\n"
+    result = py.run({"code": "import sys\nprint('note', file=sys.stderr)\nx = 1 / 0"})
+    assert result.error is None  # the program failed, the tool did not: the model reads why
+    assert result.text.startswith("note\nTraceback (most recent call last):\n")
+    assert 'File "<tool>", line 3, in <module>' in result.text
+    assert result.text.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert "exec(compile(" not in result.text  # the wrapper's own frame is left out
+    assert py.run({"code": "x = 1"}).text == "(no output)"
+
+
+def test_python_tool_timeout_and_megabytes(py):
+    hung = py.run({"code": "while True:\n    pass"})
+    assert hung.error is ErrorKind.tool_timeout
+    assert hung.text == "Error: tool 'python': the program did not finish within 1 s"
+    loud = py.run({"code": "print('z' * 5_000_000)"})
+    assert loud.error is ErrorKind.tool_output_truncated
+    assert loud.text.startswith("z" * 200 + "\n[output truncated: ")
+
+
+def test_python_tool_is_the_sandbox(py):
+    # the same isolation as the code reward: no network, a private /tmp, no writes outside
+    code = (
+        "import os, socket\n"
+        "print([p for p in os.listdir('/tmp') if not p.startswith('lightrft-code-')])\n"
+        "try:\n"
+        "    socket.create_connection(('1.1.1.1', 53), timeout=1)\n"
+        "    print('network')\n"
+        "except OSError:\n"
+        "    print('no network')\n"
+    )
+    from lightrft.rewards.code import _isolation_problem  # noqa: PLC2701 - skip where not isolated
+
+    if _isolation_problem() is not None:
+        pytest.skip("no namespaces on this machine")
+    assert py.run({"code": code}).text == "[]\nno network\n"
