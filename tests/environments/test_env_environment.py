@@ -238,3 +238,16 @@ def test_aggregate_stats_by_hand():
     assert m["env/turns"] == 2.0 and m["env/tool_calls"] == 1.0 and m["env/truncated"] == 0.5
     assert m["env/errors/unknown_tool"] == 0.5 and m["env/errors/tool_timeout"] == 0.0
     assert m["env/tool_seconds_mean"] == pytest.approx(0.2) and m["env/tool_seconds_max"] == 0.3
+
+
+def test_python_and_calculator_in_one_turn():
+    from lightrft.environments import python_tool
+
+    env = ToolEnvironment([calculator, python_tool(timeout=2.0)])
+    code = "print(sum(range(10)))\nprint(undefined)"
+    step = env.step(call("python", code=code) + call("calculator", expression="45 * 2"))
+    sandboxed, calc = step.observation
+    assert sandboxed["name"] == "python" and sandboxed["content"].startswith("45\nTraceback")
+    assert sandboxed["content"].rstrip().endswith("NameError: name 'undefined' is not defined")
+    assert calc == {"role": "tool", "name": "calculator", "content": "90"}
+    assert step.errors == {}
