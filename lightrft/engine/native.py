@@ -53,6 +53,7 @@ from lightrft.engine.protocol import (
     check_sleep_level,
     check_wake_tags,
     per_request_params,
+    sampled_mask,
 )
 
 TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -967,14 +968,6 @@ class _Trajectories:
         self.observed[r] += observed
         self.start[r] = length + observed
         return self.start[r] - next_step, sampled - next_step
-
-
-def sampled_mask(spans: list[tuple[int, int]], length: int) -> list[bool]:
-    """True on the response tokens inside an assistant turn's span, False on observations."""
-    mask = [False] * length
-    for a, b in spans:
-        mask[a:b] = [True] * (b - a)
-    return mask
 
 
 def _select(s: _Wave, keep: torch.Tensor) -> _Wave:

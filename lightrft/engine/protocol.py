@@ -314,3 +314,11 @@ def check_observation(
         if t in forbidden:
             raise ValueError(f"{where} holds the media placeholder id {t}; observations are text")
     return ids
+
+
+def sampled_mask(spans: Sequence[tuple[int, int]], length: int) -> list[bool]:
+    """True on response tokens inside an assistant turn's span, False on observation tokens."""
+    mask = [False] * length
+    for a, b in spans:
+        mask[a:b] = [True] * (b - a)
+    return mask
