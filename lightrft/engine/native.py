@@ -8,7 +8,14 @@ at a time with a preallocated KV cache:
   prefill instead of ``n``;
 * every step feeds one token per live row; rows that stop are compacted away in batches, so
   finished sequences stop costing compute;
-* sampling, stop tokens and per-row seeds are handled in :mod:`lightrft.engine.sampling`.
+* multi-turn (a ``continuation``): a row whose turn ends at a stop token moves behind the
+  decoding rows and keeps its cache while its continuation runs on a thread pool; when the
+  observation is ready, the row's stop token and the observation ids are prefilled at the row's
+  own positions (nothing it holds is recomputed) and it decodes on. Rows therefore sit at
+  different lengths: each writes its own cache slot and masks the rest;
+* sampling, stop tokens and per-row seeds are handled in :mod:`lightrft.engine.sampling`; a
+  row's random stream is indexed by how many tokens it has sampled, so a seeded trajectory does
+  not depend on the batch or on when its observations arrive.
 
 Supported: decoder-only Llama-style models (``llama``, ``qwen2``, ``qwen3``, ``mistral``) whose
 base model accepts a prepared 4D boolean attention mask, and the vision- and audio-language models
