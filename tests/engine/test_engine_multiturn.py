@@ -201,3 +201,12 @@ def test_bad_observations_are_refused(engine, prompts):
         engine.generate(
             reqs, sp, continuation=lambda t: (_ for _ in ()).throw(RuntimeError("tool broke"))
         )
+
+
+def test_an_empty_observation_lets_the_row_go_on(engine, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=STOPS, max_turns=3)
+    (c,) = engine.generate([Request(prompts[1])], sp, continuation=lambda t: [])
+    ids, lps, spans, reason = from_scratch(engine, prompts[1], sp, 1, continuation=lambda t: [])
+    assert c.num_turns == 3 and c.turn_spans == spans and c.token_ids == ids
+    assert all(b == a for (_, b), (a, _) in zip(spans, spans[1:], strict=False))
+    assert c.sampled_mask == [True] * len(ids)
