@@ -588,7 +588,7 @@ class NativeEngine:
         return self.lm_head(hidden).float()
 
     def _observation_check(self, obs: object, turn: Turn) -> list[int] | None:
-        forbidden = () if self.suppress_ids is None else self.suppress_ids.tolist()
+        forbidden = () if self.suppress_ids is None else set(self.suppress_ids.tolist())
         return check_observation(obs, turn, self.vocab_size, forbidden)
 
     def _generate_wave(

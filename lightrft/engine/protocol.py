@@ -304,7 +304,10 @@ def check_observation(
     """
     if obs is None:
         return None
-    where = f"the continuation's observation for request {turn.request_index} sample {turn.sample_index}"
+    where = (
+        f"the continuation's observation for request {turn.request_index} sample "
+        f"{turn.sample_index}"
+    )
     if isinstance(obs, (str, bytes)) or not isinstance(obs, Sequence):
         raise ValueError(f"{where} is a {type(obs).__name__}; return a list of token ids or None")
     ids = list(obs)
