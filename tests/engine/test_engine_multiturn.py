@@ -210,3 +210,19 @@ def test_an_empty_observation_lets_the_row_go_on(engine, prompts):
     assert c.num_turns == 3 and c.turn_spans == spans and c.token_ids == ids
     assert all(b == a for (_, b), (a, _) in zip(spans, spans[1:], strict=False))
     assert c.sampled_mask == [True] * len(ids)
+
+
+def test_each_token_is_fed_to_the_model_once(engine, prompts):
+    """No re-prefill: the prompt, every observation and every sampled token but the last go
+    through the model exactly once."""
+    fed = []
+    hook = engine.model.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _o: fed.append(args[0].numel())
+    )
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=60, stop_token_ids=STOPS)
+        (c,) = engine.generate([Request(prompts[3])], sp, continuation=observations)
+    finally:
+        hook.remove()
+    assert c.num_turns >= 2
+    assert sum(fed) == len(c.prompt_token_ids) + len(c.token_ids) - 1
