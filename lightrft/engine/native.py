@@ -600,6 +600,100 @@ class NativeEngine:
         run: _Trajectories,
     ) -> dict[tuple[int, int], Completion]:
         dev = self.device
+        plen = max(len(prompts[i]) for i in wave)
+        state = self._wave_state(wave, prompts, params, seeds)
+        run.budget = state.max_new.tolist()
+        rows = state.request.numel()
+        max_new = int(state.max_new.max())
+        total = plen + max_new
+        cache = KVCache(self._kv_storage(rows, total), self.num_layers, rows, total)
+        logits, pad, delta, prompt_lp = self._prefill_prompts(cache, wave, prompts, params)
+
+        # The n samples of a prompt start from copies of its prefilled rows.
+        src = torch.repeat_interleave(
+            torch.arange(len(wave), device=dev),
+            torch.tensor([params[i].n for i in wave], device=dev),
+        )
+        cache.expand(src, plen)
+        logits = logits[src]  # [R, V]
+        state.pad, state.delta = pad[src], delta[src]  # decode position = slot - pad + delta
+        state.shift = torch.zeros(rows, dtype=torch.long, device=dev)
+        state.kshift = torch.zeros(rows, dtype=torch.long, device=dev)
+
+        out_tok = torch.full((rows, max_new), -1, dtype=torch.long, device=dev)
+        out_lp = torch.zeros((rows, max_new), dtype=torch.float32, device=dev)
+        slots = _Slots(rows)
+        live = torch.arange(rows, device=dev)  # row held by each active cache slot
+        s = state  # the active rows' state, in slot order
+        step = 0
+        while True:
+            ended = False
+            if slots.active:
+                tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
+                ended = bool(done.any())
+            going = slots.active  # rows that decode on
+            if ended:
+                done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
+                ended_rows = [(slots.rows[i], i) for i in range(slots.active) if done_h[i]]
+                for r, i in ended_rows:
+                    run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
+                going -= len(ended_rows)
+            while True:  # wait for an observation only when nothing else can run
+                back = run.collect(block=not going)
+                if going or back or not run.waiting:
+                    break
+            if not going and not back:
+                break
+            if ended or back:
+                keep = slots.rows[: slots.active]
+                if ended:
+                    keep = [r for i, r in enumerate(keep) if not done_h[i]]
+                for r, feed, length in back:
+                    obs = feed[1:]
+                    out_tok[r, length : length + len(obs)] = torch.tensor(obs, device=dev)
+                    shift, kshift = run.resume(r, length, len(obs), step + 1)
+                    slots.shift[r] = shift
+                    state.shift[r], state.kshift[r] = shift, kshift
+                waiting = [r for r in slots.rows if r in run.waiting]
+                order = slots.rearrange(keep, [r for r, _, _ in back], waiting)
+                # No row holds more than plen + step + top_shift filled slots.
+                cache.reorder(order, min(total, plen + step + slots.top_shift))
+                tok = tok[torch.tensor(order[: slots.keep], dtype=torch.long, device=dev)]
+                live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
+                s = _select(state, live)
+            else:
+                slots.decode_all()
+            parts = []
+            if slots.keep:
+                t = plen + step
+                parts.append(self._decode(cache, tok, s, slots.keep, t, slots.keep_shift))
+            if back:
+                feeds = {r: (feed, plen + length - 1) for r, feed, length in back}
+                ids, fed = zip(
+                    *(feeds[r] for r in slots.rows[slots.keep : slots.active]), strict=True
+                )
+                k = slots.keep
+                parts.append(
+                    self._prefill_observations(
+                        cache, k, list(ids), list(fed), s.pad[k:], s.delta[k:]
+                    )
+                )
+            logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
+            step += 1
+
+        return self._completions(state, wave, prompts, params, prompt_lp, out_tok, out_lp, run)
+
+    def _prefill_prompts(
+        self,
+        cache: KVCache,
+        wave: list[int],
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, list[float]]]:
+        """Prefill each prompt of the wave once (cache rows ``0..U-1``), left-padded, in chunks
+        of at most ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V],
+        the left padding [U], the decode position offsets [U] and the asked prompt log-probs."""
+        dev = self.device
         lens = torch.tensor([len(prompts[i]) for i in wave])
         plen = int(lens.max())
         u = len(wave)
@@ -608,33 +702,25 @@ class NativeEngine:
             tokens[r, plen - len(prompts[i]) :] = torch.tensor(prompts[i])
         tokens = tokens.to(dev)
         pad = (plen - lens).to(dev)  # [U] left padding per prompt
-        state = self._wave_state(wave, prompts, params, seeds)
-        run.budget = state.max_new.tolist()
-        rows = state.request.numel()
-        max_new = int(state.max_new.max())
-        total = plen + max_new
-        cache = KVCache(self._kv_storage(rows, total), self.num_layers, rows, total)
-        slot = torch.arange(total, device=dev)
-        key_ok = slot[None, :] >= pad[:, None]  # [U, T] False on left padding
-
-        # Prefill each prompt once, in chunks of at most max_prefill_tokens padded tokens.
+        slot = torch.arange(plen, device=dev)
+        key_ok = slot[None, :] >= pad[:, None]  # [U, P] False on left padding
         last_hidden = []
         prompt_lp: dict[int, list[float]] = {}
         chunk = max(1, self.max_prefill_tokens // plen)
-        causal = slot[:plen, None] >= slot[None, :plen]  # [P, P]
+        causal = slot[:, None] >= slot[None, :]  # [P, P]
         eye = torch.eye(plen, dtype=torch.bool, device=dev)
         deltas = []
         for r0 in range(0, u, chunk):
             r1 = min(u, r0 + chunk)
             # Padding queries attend to themselves only, so no softmax row is empty (NaN).
-            mask = (causal[None] & key_ok[r0:r1, None, :plen]) | eye  # [C, P, P]
-            pos = (slot[None, :plen] - pad[r0:r1, None]).clamp(min=0)  # [C, P]
+            mask = (causal[None] & key_ok[r0:r1, None, :]) | eye  # [C, P, P]
+            pos = (slot[None, :] - pad[r0:r1, None]).clamp(min=0)  # [C, P]
             media = Media.cat([self._media[i] for i in wave[r0:r1]])
             pos, delta = self._prefill_positions(
-                tokens[r0:r1], pos, key_ok[r0:r1, :plen], media
+                tokens[r0:r1], pos, key_ok[r0:r1], media
             )  # [C, P] or [3, C, P]; [C]
             deltas.append(delta)
-            cache.at(slice(r0, r1), slot[:plen].expand(r1 - r0, -1), plen)
+            cache.at(slice(r0, r1), slot.expand(r1 - r0, -1), plen)
             hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, P, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
@@ -643,102 +729,28 @@ class NativeEngine:
                     prompt_lp[i] = self._prompt_logprobs(
                         hidden[r - r0, int(pad[r]) :], prompts[i], params[i]
                     )
-        logits = self._logits(torch.cat(last_hidden))  # [U, V]
+        return self._logits(torch.cat(last_hidden)), pad, torch.cat(deltas), prompt_lp
 
-        # The n samples of a prompt start from copies of its prefilled rows.
-        src = torch.repeat_interleave(
-            torch.arange(u, device=dev), torch.tensor([params[i].n for i in wave], device=dev)
-        )
-        cache.expand(src, plen)
-        logits = logits[src]  # [R, V]
-        state.pad = pad[src]
-        state.delta = torch.cat(deltas)[src]  # decode position = slot - pad + delta
-        state.shift = torch.zeros(rows, dtype=torch.long, device=dev)
-        state.kshift = torch.zeros(rows, dtype=torch.long, device=dev)
-
-        out_tok = torch.full((rows, max_new), -1, dtype=torch.long, device=dev)
-        out_lp = torch.zeros((rows, max_new), dtype=torch.float32, device=dev)
-        # Cache slots hold the active rows first (decoding: those that keep going, then those
-        # back from an observation), then the rows waiting on their continuation.
-        slot_rows = list(range(rows))
-        active, keep = rows, rows
-        live = torch.arange(rows, device=dev)  # row held by each active slot
-        shift = [0] * rows  # host copy of state.shift
-        # Max of shift over every row so far / the active rows / the rows decoded this step.
-        top_shift = active_shift = keep_shift = 0
-        s = state
-        step = 0
-        while True:
-            if active:
-                first = (step + s.kshift) == 0
-                temp = torch.where(first, s.first_temperature, s.temperature)
-                tok, lp = smp.sample(
-                    logits,
-                    temp,
-                    s.top_k,
-                    s.top_p,
-                    smp.uniforms(s.seed, step + s.kshift),
-                    self.suppress_ids,
-                )  # [A], [A]
-                at = step + s.shift  # response index of each sampled token
-                out_tok[live, at] = tok
-                out_lp[live, at] = lp
-                hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
-                done = hit_stop | (at + 1 >= s.max_new)
-                ended = bool(done.any())
-            else:
-                ended = False
-            going = active  # rows that decode on
-            if ended:
-                done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
-                keep_rows = [slot_rows[i] for i in range(active) if not done_h[i]]
-                going = len(keep_rows)
-                for i in range(active):
-                    if done_h[i]:
-                        run.end_turn(slot_rows[i], at_h[i] + 1, stop_h[i], out_tok, out_lp)
-            while True:  # wait for an observation only when nothing else can run
-                admit = run.collect(block=not going)
-                if going or admit or not run.waiting:
-                    break
-            if not going and not admit:
-                break
-            if ended or admit:
-                if not ended:
-                    keep_rows = slot_rows[:active]
-                for r, feed, length in admit:
-                    obs = feed[1:]
-                    out_tok[r, length : length + len(obs)] = torch.tensor(obs, device=dev)
-                    shift[r], kshift = run.resume(r, length, len(obs), step + 1)
-                    state.shift[r], state.kshift[r] = shift[r], kshift
-                    top_shift = max(top_shift, shift[r])
-                waiting = [r for r in slot_rows if r in run.waiting]
-                order = arrange(slot_rows, [keep_rows, [r for r, _, _ in admit], waiting])
-                # Every row holds at most plen + step + top_shift filled slots.
-                cache.reorder(order, min(total, plen + step + top_shift))
-                tok = tok[torch.tensor(order[: len(keep_rows)], dtype=torch.long, device=dev)]
-                slot_rows = [slot_rows[j] for j in order]
-                keep, active = len(keep_rows), len(keep_rows) + len(admit)
-                live = torch.tensor(slot_rows[:active], dtype=torch.long, device=dev)
-                s = _select(state, live)
-                keep_shift = max((shift[r] for r in keep_rows), default=0)
-                active_shift = max((shift[r] for r in slot_rows[:active]), default=0)
-            else:
-                keep, keep_shift = active, active_shift
-            parts = []
-            if keep:
-                parts.append(self._decode(cache, tok, s, keep, plen + step, keep_shift))
-            if admit:
-                back = {r: (feed, plen + length - 1) for r, feed, length in admit}
-                feeds, fed = zip(*(back[r] for r in slot_rows[keep:active]), strict=True)
-                parts.append(
-                    self._prefill_observations(
-                        cache, keep, list(feeds), list(fed), s.pad[keep:], s.delta[keep:]
-                    )
-                )
-            logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
-            step += 1
-
-        return self._completions(state, wave, prompts, params, prompt_lp, out_tok, out_lp, run)
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        s: _Wave,
+        step: int,
+        live: torch.Tensor,
+        out_tok: torch.Tensor,
+        out_lp: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample the active rows' next tokens and record them. Returns the tokens, their
+        response indices, which hit a stop token and which ended their turn (all [A])."""
+        first = (step + s.kshift) == 0  # FIRE: the trajectory's first token only
+        temp = torch.where(first, s.first_temperature, s.temperature)
+        u = smp.uniforms(s.seed, step + s.kshift)  # the row's own stream, by tokens sampled
+        tok, lp = smp.sample(logits, temp, s.top_k, s.top_p, u, self.suppress_ids)  # [A], [A]
+        at = step + s.shift
+        out_tok[live, at] = tok
+        out_lp[live, at] = lp
+        hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
+        return tok, at, hit_stop, hit_stop | (at + 1 >= s.max_new)
 
     def _decode(
         self, cache: KVCache, tok: torch.Tensor, s: _Wave, k: int, t: int, max_shift: int
@@ -897,6 +909,35 @@ class NativeEngine:
                 turn_spans=run.spans[r] if multi else None,
             )
         return result
+
+
+class _Slots:
+    """Which row each cache slot holds: the active rows first (those decoding on, then those
+    back from an observation), then the rows waiting on their continuation.
+
+    ``shift`` is the host copy of each row's ``_Wave.shift``; its maxima bound the cache slots
+    a step reads (``keep_shift``: the rows decoded this step) and holds (``top_shift``).
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.rows = list(range(rows))
+        self.active = self.keep = rows
+        self.shift = [0] * rows
+        self.top_shift = self.keep_shift = self.active_shift = 0
+
+    def rearrange(self, keep: list[int], back: list[int], waiting: list[int]) -> list[int]:
+        """Lay the rows out anew; returns the old slot of each new slot (see :func:`arrange`)."""
+        order = arrange(self.rows, [keep, back, waiting])
+        self.rows = [self.rows[j] for j in order]
+        self.keep, self.active = len(keep), len(keep) + len(back)
+        self.top_shift = max([self.top_shift] + [self.shift[r] for r in back])
+        self.keep_shift = max((self.shift[r] for r in keep), default=0)
+        self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
+        return order
+
+    def decode_all(self) -> None:
+        """Nothing changed place: every active row decodes this step."""
+        self.keep, self.keep_shift = self.active, self.active_shift
 
 
 class _Trajectories:
