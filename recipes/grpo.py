@@ -242,7 +242,8 @@ build_options = GRPOConfig.read
 @dataclasses.dataclass
 class LossInputs:
     """One micro-batch as the loss sees it: ``[b, R]`` response-aligned tensors on the device
-    (``mask``: response tokens; ``loss_mask``: the tokens the policy loss trains on)."""
+    (``mask``: sampled response tokens, observations of a multi-turn trajectory left out;
+    ``loss_mask``: the tokens the policy loss trains on)."""
 
     logprobs: torch.Tensor  # current policy, with gradient
     entropy: torch.Tensor | None  # with gradient only when the entropy bonus is on
@@ -261,7 +262,8 @@ class LossInputs:
 class Counts:
     """Global normalisers of one optimizer step, divided by the world size (gradients are
     averaged over ranks): ``loss`` counts the policy loss's tokens / sequences, ``response``
-    every response token / sequence (KL, entropy and value terms)."""
+    every sampled response token / sequence (KL, entropy and value terms). Observation tokens
+    of a multi-turn trajectory are in neither: they were not sampled."""
 
     loss: dict[str, float]
     response: dict[str, float]
@@ -624,7 +626,7 @@ class GRPORecipe:
             rewards = self.normalizer(rewards)
         elif alg.shaping.reward_clip is not None:
             rewards = clip_rewards(rewards, alg.shaping.reward_clip)
-        mask = batch.response_mask  # [B, R]
+        mask = batch.response_mask  # [B, R] sampled tokens: observations get no advantage
         token_rewards = None
         if alg.kl is not None and alg.kl.placement == "reward":
             old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
@@ -709,7 +711,7 @@ class GRPORecipe:
     ) -> LossInputs:
         """The micro-batch's forward passes and ``[b, R]`` slices of the rollout batch."""
         alg, dev = self.opts.algorithm, self.dist.device
-        mask = mb.mask.to(dev)  # [b, R] response tokens
+        mask = mb.mask.to(dev)  # [b, R] sampled response tokens
         width = mask.shape[1]
         zeros = torch.zeros(mask.shape, device=dev)
 
@@ -820,7 +822,7 @@ class GRPORecipe:
                         self.strategy.backward(total)
                     loss_sum += float(metrics.pop("actor_loss"))
                     acc.add("tokens", mb.tokens)
-                    weight = float(mb.mask.sum())  # the micro-batch's response tokens
+                    weight = float(mb.mask.sum())  # the micro-batch's sampled tokens
                     for k, v in metrics.items():
                         acc.add(k, v, weight)
                 with timer("training"):

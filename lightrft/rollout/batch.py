@@ -67,9 +67,15 @@ class RolloutBatch:
 
     Sampled (set when built):
         prompt_ids: ``[B, P]`` long, right-padded with 0; ``prompt_lens`` ``[B]`` long.
-        response_ids: ``[B, R]`` long, right-padded with 0.
-        response_mask: ``[B, R]`` bool, True on response tokens.
-        rollout_logprobs: ``[B, R]`` float32, the engine's log-prob of each sampled token.
+        response_ids: ``[B, R]`` long, right-padded with 0: everything after the prompt, in a
+        multi-turn trajectory the assistant turns and the observations between them.
+        response_lens: ``[B]`` long, the tokens of each response (observations included: the
+        forward pass sees them as context; lengths and micro-batch sizes come from here).
+        response_mask: ``[B, R]`` bool, True on sampled (assistant) tokens: what the loss, the
+        KL, the entropy, the advantages and every normalising count see. Single-turn: the first
+        ``response_lens`` tokens; multi-turn: observation tokens are False.
+        rollout_logprobs: ``[B, R]`` float32, the engine's log-prob of each sampled token (0 on
+        observations).
     Rewards (``[B]`` float64, python-float exact):
         reward_raw: the reward function's total; overlong: the DAPO overlong penalty (None when
         off); rewards: reward_raw + overlong, what the advantages use.
@@ -91,6 +97,7 @@ class RolloutBatch:
     prompt_ids: Tensor
     prompt_lens: Tensor
     response_ids: Tensor
+    response_lens: Tensor
     response_mask: Tensor
     rollout_logprobs: Tensor
     reward_raw: Tensor
@@ -126,12 +133,25 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """One draw's batch: the engine's completions (a row each), with the fields of the
         prompt each came from (``prompts``: the prompt loader's batch, indexed by each
-        completion's ``request_index``, with its ``media`` when it has any), each row's group key and the rewards (``reward_raw``,
-        ``rewards``, ``overlong``, ``reward_parts``, ``reward_applied``)."""
+        completion's ``request_index``, with its ``media`` when it has any), each row's group
+        key and the rewards (``reward_raw``, ``rewards``, ``overlong``, ``reward_parts``,
+        ``reward_applied``). A multi-turn completion's ``sampled_mask`` becomes the row's
+        ``response_mask``; a single-turn one (None) masks its whole response."""
         rows = [c.request_index for c in completions]
         responses = [list(c.token_ids) for c in completions]
         lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
         response_ids = pad_rows(responses, dtype=torch.long)  # [B, R]
+        sampled = [getattr(c, "sampled_mask", None) for c in completions]
+        mask = torch.arange(response_ids.shape[1]) < lens.unsqueeze(1)  # [B, R]
+        if any(m is not None for m in sampled):
+            mask = pad_rows(
+                [
+                    [True] * len(r) if m is None else m
+                    for m, r in zip(sampled, responses, strict=True)
+                ],
+                dtype=torch.bool,
+                fill=False,
+            )
         meta = {
             f"{k}s": [prompts[k][i] for i in rows]
             for k in ("prompt", "reference", "label", "where")
@@ -140,7 +160,8 @@ class RolloutBatch:
             prompt_ids=pad_rows([list(c.prompt_token_ids) for c in completions], dtype=torch.long),
             prompt_lens=torch.tensor([len(c.prompt_token_ids) for c in completions]),
             response_ids=response_ids,
-            response_mask=torch.arange(response_ids.shape[1]) < lens.unsqueeze(1),
+            response_lens=lens,
+            response_mask=mask,
             rollout_logprobs=pad_rows([list(c.logprobs) for c in completions]),
             texts=[c.text or "" for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
@@ -153,16 +174,11 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
-    @property
-    def response_lens(self) -> Tensor:
-        """``[B]`` long: response tokens per sample."""
-        return self.response_mask.sum(dim=1)
-
     def prompt(self, i: int) -> list[int]:
         return self.prompt_ids[i, : int(self.prompt_lens[i])].tolist()
 
     def response(self, i: int) -> list[int]:
-        return self.response_ids[i, : int(self.response_mask[i].sum())].tolist()
+        return self.response_ids[i, : int(self.response_lens[i])].tolist()
 
     def select(self, idx: Sequence[int]) -> RolloutBatch:
         """The rows ``idx`` (in that order), trimmed to their longest prompt and response."""

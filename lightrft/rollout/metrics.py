@@ -125,8 +125,12 @@ def write_trajectories(folder: Path, step: int, drawn: RolloutBatch, batch: Roll
             advantage = None
             if drawn.kept[i]:
                 j = next(kept)
-                if batch.advantages is not None and r:
-                    advantage = sum(batch.advantages[j, :r].tolist()) / r
+                sampled = batch.response_mask[j, :r].tolist()
+                if batch.advantages is not None and any(sampled):
+                    # the mean over sampled tokens (observations carry none), summed in order
+                    values = batch.advantages[j, :r].tolist()
+                    mine = [a for a, m in zip(values, sampled, strict=True) if m]
+                    advantage = sum(mine) / len(mine)
             record = {
                 "step": step,
                 "prompt": drawn.prompts[i],

@@ -21,6 +21,7 @@ def make_batch(responses: list[list[int]], tag: str = "a") -> RolloutBatch:
         prompt_ids=pad_rows([[1] * (i + 1) for i in range(n)], dtype=torch.long),
         prompt_lens=torch.arange(1, n + 1),
         response_ids=ids,
+        response_lens=lens,
         response_mask=torch.arange(ids.shape[1]) < lens.unsqueeze(1),
         rollout_logprobs=pad_rows([[-0.5 * (j + 1) for j in range(len(r))] for r in responses]),
         reward_raw=torch.arange(n, dtype=torch.float64) + 0.1,
