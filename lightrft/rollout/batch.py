@@ -36,6 +36,8 @@ _TOKEN_FIELDS = (
 )
 _SAMPLE_FIELDS = ("reward_raw", "rewards", "overlong", "kept")  # [B]
 _META_FIELDS = ("prompts", "references", "labels", "wheres", "texts", "finish_reasons", "groups")
+# Per-sample objects that only some batches have (None: none in the batch): media, episodes.
+_PER_SAMPLE = ("media", "episodes")
 # Per-sample media: a list with one Media per row (None for a row without), or None for a text
 # batch. Not row tensors: Qwen-VL's pixel values are a flat [patches, D] tensor with a different
 # patch count per image, so row indexing would cut patches, not samples.
@@ -92,6 +94,9 @@ class RolloutBatch:
         the policy loss trains on; None: every response token).
     media: None for a text batch; else one :class:`~lightrft.data.media.Media` per sample (None
         for a sample without); a micro-batch's forward takes ``Media.cat`` of its rows', in order.
+    episodes: None for a single-turn batch; else one
+        :class:`~lightrft.environments.episode.Episode` per sample (its turns, observations and
+        stats, for the ``env/*`` metrics and the trajectory files).
     """
 
     prompt_ids: Tensor
@@ -121,6 +126,7 @@ class RolloutBatch:
     entropy: Tensor | None = None
     loss_mask: Tensor | None = None
     media: list[Media | None] | None = None
+    episodes: list[Any] | None = None
 
     @classmethod
     def from_completions(
@@ -203,12 +209,12 @@ class RolloutBatch:
     @staticmethod
     def cat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         """Rows of ``batches`` one after the other (fields None in one are None in all, except
-        ``media``: a batch without gives None entries)."""
+        ``media`` and ``episodes``: a batch without gives None entries)."""
         first = batches[0]
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(first):
             values = [getattr(b, f.name) for b in batches]
-            if f.name == "media":  # a text batch may join a multimodal one
+            if f.name in _PER_SAMPLE:  # a text batch may join a multimodal one
                 fields[f.name] = _gather_per_sample(values, [len(b) for b in batches])
             elif values[0] is None:
                 fields[f.name] = None
@@ -229,7 +235,7 @@ class RolloutBatch:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self
         world = dist.get_world_size()
-        meta = {name: getattr(self, name) for name in (*_META_FIELDS, "media")}
+        meta = {name: getattr(self, name) for name in (*_META_FIELDS, *_PER_SAMPLE)}
         metas: list[Any] = [None] * world
         dist.all_gather_object(metas, meta)
         sizes = _gather_ints([len(self), self.prompt_ids.shape[1], self.response_ids.shape[1]])
@@ -238,7 +244,7 @@ class RolloutBatch:
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in _META_FIELDS or f.name == "media":
+            if f.name in _META_FIELDS or f.name in _PER_SAMPLE:
                 continue
             if isinstance(value, dict):
                 fields[f.name] = {k: _gather_rows(v, rows, None, sizes) for k, v in value.items()}
@@ -249,7 +255,8 @@ class RolloutBatch:
                 fields[f.name] = None
         for name in _META_FIELDS:
             fields[name] = [x for m in metas for x in m[name]]
-        fields["media"] = _gather_per_sample([m["media"] for m in metas], [s[0] for s in sizes])
+        for name in _PER_SAMPLE:
+            fields[name] = _gather_per_sample([m[name] for m in metas], [s[0] for s in sizes])
         return RolloutBatch(**fields)._trim()
 
 

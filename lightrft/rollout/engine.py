@@ -30,9 +30,11 @@ class ColocatedEngine:
         prompt_ids: list[list[int]],
         params: SamplingParams | list[SamplingParams],
         media: Sequence[Media | None] | None = None,
+        continuation: Any = None,
     ) -> list:
         """Wake the engine (reloading released weights) and generate. ``media``: per prompt,
-        its :class:`~lightrft.data.media.Media` or None."""
+        its :class:`~lightrft.data.media.Media` or None; ``continuation``: multi-turn, the
+        engine calls it after each assistant turn (:class:`~lightrft.engine.protocol.Turn`)."""
         if self.released:
             self.engine.wake_up(["weights"])
             self.strategy.sync_weights(self.engine)
@@ -42,7 +44,9 @@ class ColocatedEngine:
             return []
         media = media or [None] * len(prompt_ids)
         requests = [Request(ids, m) for ids, m in zip(prompt_ids, media, strict=True)]
-        return self.engine.generate(requests, params)
+        if continuation is None:  # single-turn: the call every engine takes
+            return self.engine.generate(requests, params)
+        return self.engine.generate(requests, params, continuation=continuation)
 
     def sleep(self) -> None:
         """Free the engine's memory for training (nothing at ``sleep_level`` 0)."""
