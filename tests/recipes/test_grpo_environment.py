@@ -90,7 +90,8 @@ def test_a_valid_section_validates(tmp_path, assets, capsys):
 
 
 @pytest.mark.skipif(not ENGINE_CONTINUES, reason="the native engine has no continuation yet")
-def test_a_multi_turn_run_masks_observations_and_stays_on_policy(tmp_path, assets):
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_multi_turn_run_masks_observations_and_stays_on_policy(tmp_path, assets, packing):
     cfg = _config(
         tmp_path,
         assets,
@@ -100,6 +101,7 @@ def test_a_multi_turn_run_masks_observations_and_stays_on_policy(tmp_path, asset
             "rollout.max_tokens": 240,
             "algorithm.old_logprobs": "engine",
             "train.micro_batch_size": 8,
+            "train.packing": packing,
             "eval": None,
             "eval_dataset": None,
         },
