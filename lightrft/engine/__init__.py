@@ -11,17 +11,26 @@ A recipe step::
 """
 
 from lightrft.engine.native import NativeEngine
-from lightrft.engine.protocol import Completion, Engine, Request, SamplingParams
+from lightrft.engine.protocol import (
+    Completion,
+    Continuation,
+    Engine,
+    Request,
+    SamplingParams,
+    Turn,
+)
 from lightrft.engine.sync import SyncStats, iter_weight_buckets, sync_weights
 from lightrft.engine.vllm_adapter import VLLMEngine
 
 __all__ = [
     "Completion",
+    "Continuation",
     "Engine",
     "NativeEngine",
     "Request",
     "SamplingParams",
     "SyncStats",
+    "Turn",
     "VLLMEngine",
     "iter_weight_buckets",
     "sync_weights",

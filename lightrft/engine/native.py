@@ -8,7 +8,14 @@ at a time with a preallocated KV cache:
   prefill instead of ``n``;
 * every step feeds one token per live row; rows that stop are compacted away in batches, so
   finished sequences stop costing compute;
-* sampling, stop tokens and per-row seeds are handled in :mod:`lightrft.engine.sampling`.
+* multi-turn (a ``continuation``): a row whose turn ends at a stop token moves behind the
+  decoding rows and keeps its cache while its continuation runs on a thread pool; when the
+  observation is ready, the row's stop token and the observation ids are prefilled at the row's
+  own positions (nothing it holds is recomputed) and it decodes on. Rows therefore sit at
+  different lengths: each writes its own cache slot and masks the rest;
+* sampling, stop tokens and per-row seeds are handled in :mod:`lightrft.engine.sampling`; a
+  row's random stream is indexed by how many tokens it has sampled, so a seeded trajectory does
+  not depend on the batch or on when its observations arrive.
 
 Supported: decoder-only Llama-style models (``llama``, ``qwen2``, ``qwen3``, ``mistral``) whose
 base model accepts a prepared 4D boolean attention mask, and the vision- and audio-language models
@@ -31,7 +38,8 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,13 +50,17 @@ from lightrft.data.media import Media
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
     Completion,
+    Continuation,
     Request,
     SamplingParams,
+    Turn,
     check_awake,
+    check_observation,
     check_requests,
     check_sleep_level,
     check_wake_tags,
     per_request_params,
+    sampled_mask,
 )
 
 TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -61,8 +73,9 @@ class KVCache:
     """Per-layer key/value buffers ``[rows, kv_heads, max_len, head_dim]`` for one decoding wave.
 
     It implements only ``update``, the one method HF attention layers call on
-    ``past_key_values``: the layer's new keys and values are written at ``self.pos`` for rows
-    ``self.rows`` and the filled prefix is returned. The engine owns the write position.
+    ``past_key_values``. Before each forward the engine says, with :meth:`at`, which rows feed
+    tokens, the cache slot of every new token (rows may sit at different lengths: a row back
+    from an observation is longer than its neighbours) and how many slots attention reads.
     """
 
     def __init__(self, storage: torch.Tensor, layers: int, rows: int, max_len: int) -> None:
@@ -71,45 +84,79 @@ class KVCache:
         self.kv = storage
         self.max_len = max_len
         self.rows = slice(0, rows)
-        self.pos = 0
+        self.end = 0
+
+    def at(
+        self, rows: slice, slots: torch.Tensor, end: int, real: torch.Tensor | None = None
+    ) -> None:
+        """The next forward feeds cache rows ``rows``; ``slots`` ([B, q]) is where each new
+        token's keys go; attention reads slots ``[0, end)``. ``real`` ([B, q] bool, on the
+        CPU): which queries are tokens rather than right padding (None: all); padding's keys
+        are not kept."""
+        assert end <= self.max_len, "KV cache overflow"
+        self.rows, self.end = rows, end
+        dev = slots.device
+        if real is None:
+            self._pick = None
+            self._where = (torch.arange(slots.shape[0], device=dev)[:, None], slots)
+        else:
+            b, j = (x.to(dev) for x in real.nonzero(as_tuple=True))
+            self._pick = (b, j)
+            self._where = (b, slots[b, j])
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key, value: [B, kv_heads, q, head_dim]
-        q = key.shape[2]
-        end = self.pos + q
-        assert end <= self.max_len, "KV cache overflow"
         buf = self.kv[layer_idx]
-        buf[0, self.rows, :, self.pos : end] = key
-        buf[1, self.rows, :, self.pos : end] = value
-        return buf[0, self.rows, :, :end], buf[1, self.rows, :, :end]
+        keys, values = buf[0, self.rows], buf[1, self.rows]  # [B, kv_heads, max_len, D]
+        key, value = key.transpose(1, 2), value.transpose(1, 2)  # [B, q, kv_heads, D]
+        if self._pick is not None:
+            key, value = key[self._pick], value[self._pick]
+        row, slot = self._where
+        keys[row, :, slot] = key
+        values[row, :, slot] = value
+        return keys[:, :, : self.end], values[:, :, : self.end]
 
     def expand(self, src_rows: torch.Tensor, length: int) -> None:
         """Rows ``0..len(src_rows)-1`` become copies of rows ``src_rows`` (first ``length`` slots)."""
         n = src_rows.numel()
         self.kv[:, :, :n, :, :length] = self.kv[:, :, src_rows, :, :length]
 
-    def compact(self, alive: torch.Tensor, length: int) -> torch.Tensor:
-        """Drop dead rows by moving live rows from the tail into the holes; returns the order.
+    def reorder(self, src: list[int], length: int) -> None:
+        """Row ``i`` becomes old row ``src[i]`` (first ``length`` slots); only rows that change
+        place are copied."""
+        moved = [i for i, j in enumerate(src) if i != j]
+        if moved:
+            dev = self.kv.device
+            dst = torch.tensor(moved, device=dev)
+            src_rows = torch.tensor(src, device=dev)[dst]
+            self.kv[:, :, dst, :, :length] = self.kv[:, :, src_rows, :, :length]
 
-        ``alive``: [A] bool over the current rows. Only as many rows as there are holes are
-        copied (first ``length`` slots), not the whole cache. The result ``src`` ([n_alive])
-        says which old row each new row holds.
-        """
-        n = int(alive.sum())
-        holes = (~alive[:n]).nonzero().squeeze(-1)
-        movers = alive[n:].nonzero().squeeze(-1) + n
-        assert holes.numel() == movers.numel()
-        if holes.numel():
-            self.kv[:, :, holes, :, :length] = self.kv[:, :, movers, :, :length]
-        src = torch.arange(alive.numel(), device=alive.device)
-        src[holes] = movers
-        self.rows = slice(0, n)
-        return src[:n]
+
+def arrange(slot_rows: list[int], groups: list[list[int]]) -> list[int]:
+    """Old slot of each new slot when the rows of ``groups`` are laid out one group after the
+    other (``slot_rows``: the row each slot holds now).
+
+    A row already inside its group's range stays put; the others fill the holes in the order of
+    their old slots, so a step copies only as many rows as change place.
+    """
+    old = {row: i for i, row in enumerate(slot_rows)}
+    src: list[int] = []
+    for group in groups:
+        lo, hi = len(src), len(src) + len(group)
+        stay = {old[r] for r in group if lo <= old[r] < hi}
+        movers = iter(sorted(old[r] for r in group if not lo <= old[r] < hi))
+        src += [i if i in stay else next(movers) for i in range(lo, hi)]
+    return src
 
 
 @dataclass
 class _Wave:
-    """Per-row state of one decoding wave (all tensors [R] unless noted)."""
+    """Per-row state of one decoding wave (all tensors [R] unless noted).
+
+    Response index and sample count of a decoding row grow by one per step, so the loop keeps
+    them as offsets from the step counter (``shift``, ``kshift``), changed only when a row comes
+    back from an observation: a step needs no per-row bookkeeping on the host.
+    """
 
     request: torch.Tensor  # index into the caller's request list
     sample: torch.Tensor  # sample index within the request
@@ -118,8 +165,12 @@ class _Wave:
     first_temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
-    max_new: torch.Tensor
+    max_new: torch.Tensor  # response budget (assistant + observation tokens)
     stop_ids: torch.Tensor  # [R, S], padded with -1
+    pad: torch.Tensor | None = None  # left padding of the row's prompt
+    delta: torch.Tensor | None = None  # M-RoPE decode offset (0 without)
+    shift: torch.Tensor | None = None  # response index of the next sampled token - step
+    kshift: torch.Tensor | None = None  # tokens sampled so far (its stream counter) - step
 
 
 class NativeEngine:
@@ -368,8 +419,13 @@ class NativeEngine:
         self,
         requests: Sequence[Request],
         sampling: SamplingParams | Sequence[SamplingParams],
+        continuation: Continuation | None = None,
     ) -> list[Completion]:
-        """Sample ``n`` completions per request; returned ordered by (request, sample)."""
+        """Sample ``n`` completions per request; returned ordered by (request, sample).
+
+        ``continuation``: see :class:`~lightrft.engine.protocol.Turn`. It runs on a thread pool
+        (one worker per trajectory of a wave, at most 64) while the wave's other rows decode.
+        """
         tags = (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
         check_awake([tag for tag, awake in tags if not awake], self._unloaded)
         requests = list(requests)
@@ -387,11 +443,20 @@ class NativeEngine:
             for p in params
         ]
         out: dict[tuple[int, int], Completion] = {}
+        waves = self._waves(prompts, params)
+        pool = None
+        if continuation is not None:
+            widest = max(sum(params[i].n for i in wave) for wave in waves)
+            pool = ThreadPoolExecutor(min(widest, 64), thread_name_prefix="continuation")
         try:
-            for wave in self._waves(prompts, params):
-                out.update(self._generate_wave(wave, prompts, params, seeds))
+            for wave in waves:
+                run = _Trajectories(wave, params, continuation, pool, self._observation_check)
+                out.update(self._generate_wave(wave, prompts, params, seeds, run))
         finally:
             self._media = []
+            if pool is not None:
+                # A continuation that hangs must not hang generate() once it has failed.
+                pool.shutdown(wait=False, cancel_futures=True)
         return [out[(i, j)] for i, p in enumerate(params) for j in range(p.n)]
 
     def _request_media(self, index: int, req: Request) -> Media | None:
@@ -475,7 +540,9 @@ class NativeEngine:
             numel *= s
         if self._kv_pool is None or self._kv_pool.numel() < numel:
             self._kv_pool = None  # free the old pool before allocating the larger one
-            self._kv_pool = torch.empty(numel, dtype=self.dtype, device=self.device)
+            # Zeros, not empty: rows of different lengths read slots that they mask out but
+            # never wrote, and a NaN there would survive the mask (0 * NaN in softmax @ V).
+            self._kv_pool = torch.zeros(numel, dtype=self.dtype, device=self.device)
         return self._kv_pool[:numel].view(shape)
 
     def _forward(
@@ -520,13 +587,112 @@ class NativeEngine:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def _observation_check(self, obs: object, turn: Turn) -> list[int] | None:
+        forbidden = () if self.suppress_ids is None else set(self.suppress_ids.tolist())
+        return check_observation(obs, turn, self.vocab_size, forbidden)
+
     def _generate_wave(
         self,
         wave: list[int],
         prompts: list[list[int]],
         params: list[SamplingParams],
         seeds: list[int],
+        run: _Trajectories,
     ) -> dict[tuple[int, int], Completion]:
+        dev = self.device
+        plen = max(len(prompts[i]) for i in wave)
+        state = self._wave_state(wave, prompts, params, seeds)
+        run.budget = state.max_new.tolist()
+        rows = state.request.numel()
+        max_new = int(state.max_new.max())
+        total = plen + max_new
+        cache = KVCache(self._kv_storage(rows, total), self.num_layers, rows, total)
+        logits, pad, delta, prompt_lp = self._prefill_prompts(cache, wave, prompts, params)
+
+        # The n samples of a prompt start from copies of its prefilled rows.
+        src = torch.repeat_interleave(
+            torch.arange(len(wave), device=dev),
+            torch.tensor([params[i].n for i in wave], device=dev),
+        )
+        cache.expand(src, plen)
+        logits = logits[src]  # [R, V]
+        state.pad, state.delta = pad[src], delta[src]  # decode position = slot - pad + delta
+        state.shift = torch.zeros(rows, dtype=torch.long, device=dev)
+        state.kshift = torch.zeros(rows, dtype=torch.long, device=dev)
+
+        out_tok = torch.full((rows, max_new), -1, dtype=torch.long, device=dev)
+        out_lp = torch.zeros((rows, max_new), dtype=torch.float32, device=dev)
+        slots = _Slots(rows)
+        live = torch.arange(rows, device=dev)  # row held by each active cache slot
+        s = state  # the active rows' state, in slot order
+        step = 0
+        while True:
+            ended = False
+            if slots.active:
+                tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
+                ended = bool(done.any())
+            going = slots.active  # rows that decode on
+            if ended:
+                done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
+                ended_rows = [(slots.rows[i], i) for i in range(slots.active) if done_h[i]]
+                for r, i in ended_rows:
+                    run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
+                going -= len(ended_rows)
+            while True:  # wait for an observation only when nothing else can run
+                back = run.collect(block=not going)
+                if going or back or not run.waiting:
+                    break
+            if not going and not back:
+                break
+            if ended or back:
+                keep = slots.rows[: slots.active]
+                if ended:
+                    keep = [r for i, r in enumerate(keep) if not done_h[i]]
+                for r, feed, length in back:
+                    obs = feed[1:]
+                    out_tok[r, length : length + len(obs)] = torch.tensor(obs, device=dev)
+                    shift, kshift = run.resume(r, length, len(obs), step + 1)
+                    slots.shift[r] = shift
+                    state.shift[r], state.kshift[r] = shift, kshift
+                waiting = [r for r in slots.rows if r in run.waiting]
+                order = slots.rearrange(keep, [r for r, _, _ in back], waiting)
+                # No row holds more than plen + step + top_shift filled slots.
+                cache.reorder(order, min(total, plen + step + slots.top_shift))
+                tok = tok[torch.tensor(order[: slots.keep], dtype=torch.long, device=dev)]
+                live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
+                s = _select(state, live)
+            else:
+                slots.decode_all()
+            parts = []
+            if slots.keep:
+                t = plen + step
+                parts.append(self._decode(cache, tok, s, slots.keep, t, slots.keep_shift))
+            if back:
+                feeds = {r: (feed, plen + length - 1) for r, feed, length in back}
+                ids, fed = zip(
+                    *(feeds[r] for r in slots.rows[slots.keep : slots.active]), strict=True
+                )
+                k = slots.keep
+                parts.append(
+                    self._prefill_observations(
+                        cache, k, list(ids), list(fed), s.pad[k:], s.delta[k:]
+                    )
+                )
+            logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
+            step += 1
+
+        return self._completions(state, wave, prompts, params, prompt_lp, out_tok, out_lp, run)
+
+    def _prefill_prompts(
+        self,
+        cache: KVCache,
+        wave: list[int],
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, list[float]]]:
+        """Prefill each prompt of the wave once (cache rows ``0..U-1``), left-padded, in chunks
+        of at most ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V],
+        the left padding [U], the decode position offsets [U] and the asked prompt log-probs."""
         dev = self.device
         lens = torch.tensor([len(prompts[i]) for i in wave])
         plen = int(lens.max())
@@ -536,32 +702,25 @@ class NativeEngine:
             tokens[r, plen - len(prompts[i]) :] = torch.tensor(prompts[i])
         tokens = tokens.to(dev)
         pad = (plen - lens).to(dev)  # [U] left padding per prompt
-        state = self._wave_state(wave, prompts, params, seeds)
-        rows = state.request.numel()
-        max_new = int(state.max_new.max())
-        total = plen + max_new
-        cache = KVCache(self._kv_storage(rows, total), self.num_layers, rows, total)
-        slot = torch.arange(total, device=dev)
-        key_ok = slot[None, :] >= pad[:, None]  # [U, T] False on left padding
-
-        # Prefill each prompt once, in chunks of at most max_prefill_tokens padded tokens.
+        slot = torch.arange(plen, device=dev)
+        key_ok = slot[None, :] >= pad[:, None]  # [U, P] False on left padding
         last_hidden = []
         prompt_lp: dict[int, list[float]] = {}
         chunk = max(1, self.max_prefill_tokens // plen)
-        causal = slot[:plen, None] >= slot[None, :plen]  # [P, P]
+        causal = slot[:, None] >= slot[None, :]  # [P, P]
         eye = torch.eye(plen, dtype=torch.bool, device=dev)
         deltas = []
         for r0 in range(0, u, chunk):
             r1 = min(u, r0 + chunk)
             # Padding queries attend to themselves only, so no softmax row is empty (NaN).
-            mask = (causal[None] & key_ok[r0:r1, None, :plen]) | eye  # [C, P, P]
-            pos = (slot[None, :plen] - pad[r0:r1, None]).clamp(min=0)  # [C, P]
+            mask = (causal[None] & key_ok[r0:r1, None, :]) | eye  # [C, P, P]
+            pos = (slot[None, :] - pad[r0:r1, None]).clamp(min=0)  # [C, P]
             media = Media.cat([self._media[i] for i in wave[r0:r1]])
             pos, delta = self._prefill_positions(
-                tokens[r0:r1], pos, key_ok[r0:r1, :plen], media
+                tokens[r0:r1], pos, key_ok[r0:r1], media
             )  # [C, P] or [3, C, P]; [C]
             deltas.append(delta)
-            cache.rows, cache.pos = slice(r0, r1), 0
+            cache.at(slice(r0, r1), slot.expand(r1 - r0, -1), plen)
             hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, P, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
@@ -570,57 +729,88 @@ class NativeEngine:
                     prompt_lp[i] = self._prompt_logprobs(
                         hidden[r - r0, int(pad[r]) :], prompts[i], params[i]
                     )
-        logits_u = self._logits(torch.cat(last_hidden))  # [U, V]
+        return self._logits(torch.cat(last_hidden)), pad, torch.cat(deltas), prompt_lp
 
-        # The n samples of a prompt start from copies of its prefilled rows.
-        src = torch.repeat_interleave(
-            torch.arange(u, device=dev), torch.tensor([params[i].n for i in wave], device=dev)
-        )
-        cache.expand(src, plen)
-        cache.rows, cache.pos = slice(0, rows), plen
-        logits = logits_u[src]  # [R, V]
-        key_ok = key_ok[src]  # [R, T]
-        row_pad = pad[src]  # [R]
-        # Decode position = tokens so far + rope delta (0 without M-RoPE).
-        row_delta = torch.cat(deltas)[src]  # [R]
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        s: _Wave,
+        step: int,
+        live: torch.Tensor,
+        out_tok: torch.Tensor,
+        out_lp: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample the active rows' next tokens and record them. Returns the tokens, their
+        response indices, which hit a stop token and which ended their turn (all [A])."""
+        first = (step + s.kshift) == 0  # FIRE: the trajectory's first token only
+        temp = torch.where(first, s.first_temperature, s.temperature)
+        u = smp.uniforms(s.seed, step + s.kshift)  # the row's own stream, by tokens sampled
+        tok, lp = smp.sample(logits, temp, s.top_k, s.top_p, u, self.suppress_ids)  # [A], [A]
+        at = step + s.shift
+        out_tok[live, at] = tok
+        out_lp[live, at] = lp
+        hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
+        return tok, at, hit_stop, hit_stop | (at + 1 >= s.max_new)
 
-        out_tok = torch.full((rows, max_new), -1, dtype=torch.long, device=dev)
-        out_lp = torch.zeros((rows, max_new), dtype=torch.float32, device=dev)
-        out_len = torch.zeros(rows, dtype=torch.long, device=dev)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
-        live = torch.arange(rows, device=dev)  # original row held by each cache row
-        s = state
-        for step in range(max_new):
-            temp = s.first_temperature if step == 0 else s.temperature
-            tok, lp = smp.sample(
-                logits, temp, s.top_k, s.top_p, smp.uniforms(s.seed, step), self.suppress_ids
-            )
-            out_tok[live, step] = tok
-            out_lp[live, step] = lp
-            hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
-            done = hit_stop | (step + 1 >= s.max_new)
-            if bool(done.any()):
-                out_len[live[done]] = step + 1
-                stopped[live[done & hit_stop]] = True
-                if bool(done.all()):
-                    break
-                # Finished rows leave the batch at once: they cost no further compute.
-                keep = cache.compact(~done, plen + step)
-                live, tok, key_ok, row_pad = live[keep], tok[keep], key_ok[keep], row_pad[keep]
-                row_delta = row_delta[keep]
-                s = _select(s, keep)
-            t = plen + step  # cache slot of the token being fed
-            mask = key_ok[:, None, None, : t + 1]  # [A, 1, 1, t+1]
-            pos = (t - row_pad + row_delta)[:, None]  # [A, 1]
+    def _decode(
+        self, cache: KVCache, tok: torch.Tensor, s: _Wave, k: int, t: int, max_shift: int
+    ) -> torch.Tensor:
+        """Feed the sampled token of the first ``k`` cache rows (row ``r`` at slot
+        ``t + shift[r]``); their next-token logits [k, V]."""
+        write = t + s.shift[:k]  # [k]
+        end = t + max_shift + 1
+        slot = torch.arange(end, device=tok.device)
+        cache.at(slice(0, k), write[:, None], end)
+        pad = s.pad[:k]
+        mask = (slot[None, :] >= pad[:, None]) & (slot[None, :] <= write[:, None])  # [k, end]
+        pos = (write - pad + s.delta[:k])[:, None]  # [k, 1]
+        if self.rope is not None:
+            pos = pos[None].expand(3, -1, -1)  # [3, k, 1]: text tokens use one position
+        hidden = self._forward(tok[:, None], pos, mask[:, None, None], cache)  # [k, 1, H]
+        return self._logits(hidden[:, -1])
+
+    def _prefill_observations(
+        self,
+        cache: KVCache,
+        first: int,
+        ids: list[list[int]],
+        fed: list[int],
+        pad: torch.Tensor,
+        delta: torch.Tensor,
+    ) -> torch.Tensor:
+        """Feed rows back from an observation (cache rows ``first...``): ``ids[b]`` (the turn's
+        stop token, then the observation) from slot ``fed[b]`` on. Their next-token logits.
+
+        Only the new ids are computed, against the keys the row already holds: nothing is
+        prefilled twice. Queries are right-padded; padding keeps no keys and attends like the
+        row's last token, so no softmax row is empty.
+        """
+        dev = self.device
+        q = max(len(x) for x in ids)
+        chunk = max(1, self.max_prefill_tokens // q)
+        logits = []
+        for c0 in range(0, len(ids), chunk):
+            part, starts = ids[c0 : c0 + chunk], fed[c0 : c0 + chunk]
+            b = len(part)
+            tokens = torch.full((b, q), self.pad_token_id, dtype=torch.long)
+            for k, x in enumerate(part):
+                tokens[k, : len(x)] = torch.tensor(x)
+            n = torch.tensor([len(x) for x in part])
+            real = torch.arange(q)[None, :] < n[:, None]  # [b, q]
+            last = torch.tensor(starts) + n - 1  # [b] slot of each row's last new token
+            write = torch.tensor(starts)[:, None] + torch.arange(q)  # [b, q]
+            query = torch.minimum(write, last[:, None]).to(dev)  # [b, q]
+            end = int(last.max()) + 1
+            slot = torch.arange(end, device=dev)
+            p, d = pad[c0 : c0 + b], delta[c0 : c0 + b]
+            mask = (slot >= p[:, None, None]) & (slot <= query[:, :, None])  # [b, q, end]
+            pos = query - p[:, None] + d[:, None]  # [b, q]
             if self.rope is not None:
-                pos = pos[None].expand(3, -1, -1)  # [3, A, 1]: text tokens use one position
-            hidden = self._forward(tok[:, None], pos, mask, cache)  # [A, 1, H]
-            cache.pos = t + 1
-            logits = self._logits(hidden[:, -1])  # [A, V]
-
-        return self._completions(
-            state, wave, prompts, params, prompt_lp, out_tok, out_lp, out_len, stopped
-        )
+                pos = pos[None].expand(3, -1, -1)  # [3, b, q]
+            cache.at(slice(first + c0, first + c0 + b), write.to(dev), end, real)
+            hidden = self._forward(tokens.to(dev), pos, mask[:, None], cache)  # [b, q, H]
+            logits.append(self._logits(hidden[torch.arange(b), (n - 1).to(dev)]))
+        return torch.cat(logits)
 
     def _wave_state(
         self,
@@ -694,15 +884,14 @@ class NativeEngine:
         prompt_lp: dict[int, list[float]],
         out_tok: torch.Tensor,
         out_lp: torch.Tensor,
-        out_len: torch.Tensor,
-        stopped: torch.Tensor,
+        run: _Trajectories,
     ) -> dict[tuple[int, int], Completion]:
         toks, lps = out_tok.tolist(), out_lp.tolist()
-        lens, stop = out_len.tolist(), stopped.tolist()
         req, smp_idx = state.request.tolist(), state.sample.tolist()
+        multi = run.continuation is not None
         result = {}
         for r in range(len(req)):
-            i, n = req[r], lens[r]
+            i, n = req[r], run.length[r]
             ids = toks[r][:n]
             text = None
             if params[i].detokenize and self.tokenizer is not None:
@@ -713,11 +902,120 @@ class NativeEngine:
                 prompt_token_ids=prompts[i],
                 token_ids=ids,
                 logprobs=lps[r][:n],
-                finish_reason="stop" if stop[r] else "length",
+                finish_reason="stop" if run.stopped[r] else "length",
                 text=text,
                 prompt_logprobs=prompt_lp.get(i),
+                sampled_mask=sampled_mask(run.spans[r], n) if multi else None,
+                turn_spans=run.spans[r] if multi else None,
             )
         return result
+
+
+class _Slots:
+    """Which row each cache slot holds: the active rows first (those decoding on, then those
+    back from an observation), then the rows waiting on their continuation.
+
+    ``shift`` is the host copy of each row's ``_Wave.shift``; its maxima bound the cache slots
+    a step reads (``keep_shift``: the rows decoded this step) and holds (``top_shift``).
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.rows = list(range(rows))
+        self.active = self.keep = rows
+        self.shift = [0] * rows
+        self.top_shift = self.keep_shift = self.active_shift = 0
+
+    def rearrange(self, keep: list[int], back: list[int], waiting: list[int]) -> list[int]:
+        """Lay the rows out anew; returns the old slot of each new slot (see :func:`arrange`)."""
+        order = arrange(self.rows, [keep, back, waiting])
+        self.rows = [self.rows[j] for j in order]
+        self.keep, self.active = len(keep), len(keep) + len(back)
+        self.top_shift = max([self.top_shift] + [self.shift[r] for r in back])
+        self.keep_shift = max((self.shift[r] for r in keep), default=0)
+        self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
+        return order
+
+    def decode_all(self) -> None:
+        """Nothing changed place: every active row decodes this step."""
+        self.keep, self.keep_shift = self.active, self.active_shift
+
+
+class _Trajectories:
+    """Host-side bookkeeping of a wave's trajectories: turn spans, where each ended and why,
+    and the continuations running on the pool."""
+
+    def __init__(
+        self,
+        wave: list[int],
+        params: list[SamplingParams],
+        continuation: Continuation | None,
+        pool: ThreadPoolExecutor | None,
+        check: Callable[[object, Turn], list[int] | None],
+    ) -> None:
+        self.request = [i for i in wave for _ in range(params[i].n)]
+        self.sample = [j for i in wave for j in range(params[i].n)]
+        self.max_turns = [params[i].max_turns for i in self.request]
+        self.budget: list[int] = []  # set by the engine: response budget per row
+        self.continuation, self.pool, self.check = continuation, pool, check
+        rows = len(self.request)
+        self.spans: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
+        self.start = [0] * rows  # response index where the row's current turn began
+        self.observed = [0] * rows  # observation tokens in the row's response
+        self.length = [0] * rows  # response length once finished
+        self.stopped = [False] * rows
+        self.waiting: dict[int, tuple[Future, Turn]] = {}
+
+    def end_turn(
+        self, r: int, length: int, stop: bool, out_tok: torch.Tensor, out_lp: torch.Tensor
+    ) -> None:
+        """Row ``r``'s turn ended with ``length`` response tokens: finish it, or hand the turn
+        to the continuation when it stopped and turns remain."""
+        self.spans[r].append((self.start[r], length))
+        turns_left = self.max_turns[r] is None or len(self.spans[r]) < self.max_turns[r]
+        if not (stop and self.continuation is not None and turns_left):
+            self.finish(r, length, stop)
+            return
+        ids = out_tok[r, :length].tolist()
+        turn = Turn(
+            request_index=self.request[r],
+            sample_index=self.sample[r],
+            turn_index=len(self.spans[r]) - 1,
+            token_ids=ids[self.start[r] :],
+            logprobs=out_lp[r, self.start[r] : length].tolist(),
+            response_token_ids=ids,
+            # An observation must leave room to sample one more token.
+            max_observation_tokens=self.budget[r] - length - 1,
+        )
+        self.waiting[r] = (self.pool.submit(self.continuation, turn), turn)
+
+    def finish(self, r: int, length: int, stop: bool) -> None:
+        self.length[r], self.stopped[r] = length, stop
+
+    def collect(self, block: bool) -> list[tuple[int, list[int], int]]:
+        """Rows whose observation is ready and fits, as ``(row, ids to feed, response
+        length)``; the ids to feed are the turn's stop token (sampled, not yet fed) and the
+        observation. Rows whose continuation said None, or whose observation does not fit,
+        finish. ``block``: wait until at least one continuation returns."""
+        if block and self.waiting:
+            wait([f for f, _ in self.waiting.values()], return_when=FIRST_COMPLETED)
+        ready = []
+        for r in sorted(r for r, (f, _) in self.waiting.items() if f.done()):
+            future, turn = self.waiting.pop(r)
+            obs = self.check(future.result(), turn)
+            length = len(turn.response_token_ids)
+            if obs is None or len(obs) > turn.max_observation_tokens:
+                self.finish(r, length, obs is None)
+            else:
+                ready.append((r, [turn.token_ids[-1], *obs], length))
+        return ready
+
+    def resume(self, r: int, length: int, observed: int, next_step: int) -> tuple[int, int]:
+        """Row ``r`` (``length`` response tokens) goes on after ``observed`` observation tokens;
+        its ``(shift, kshift)`` from the decoding step ``next_step`` on."""
+        sampled = length - self.observed[r]
+        self.observed[r] += observed
+        self.start[r] = length + observed
+        return self.start[r] - next_step, sampled - next_step
 
 
 def _select(s: _Wave, keep: torch.Tensor) -> _Wave:

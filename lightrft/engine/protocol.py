@@ -8,12 +8,18 @@ touching its loop::
     completions = engine.generate(requests, sampling)
     engine.sleep(level)
     sync_weights(actor, engine)
+
+Multi-turn rollouts (an agent calling tools, an environment giving feedback) pass a
+``continuation``: after every assistant turn that ends at a stop token the engine calls it with a
+:class:`Turn`; it answers with the observation's token ids to append (generation then goes on
+after them) or ``None`` (the trajectory is done). The engine knows nothing of tools or chat
+templates: the ids are appended exactly as given and the sampled ids are never re-encoded.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -51,6 +57,11 @@ class SamplingParams:
     that temperature: FIRE sampling, Chen et al. 2024, "Flaming-hot Initiation with Regular
     Execution Sampling for Large Language Models" (arXiv:2410.21236). ``prompt_logprobs`` also
     returns the log-prob of every prompt token after the first under the same processing.
+
+    With a continuation (multi-turn), ``max_tokens`` bounds the whole response of a trajectory,
+    assistant and observation tokens together (verl's ``response_length``), and ``max_turns``
+    the number of assistant turns (None: only the token budgets bound them); without one,
+    ``max_turns`` has nothing to bound.
     """
 
     n: int = 1
@@ -64,6 +75,7 @@ class SamplingParams:
     first_token_temperature: float | None = None
     prompt_logprobs: bool = False
     detokenize: bool = True
+    max_turns: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""
@@ -96,6 +108,14 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if self.max_turns is not None and (
+            isinstance(self.max_turns, bool)
+            or not isinstance(self.max_turns, int)
+            or self.max_turns < 1
+        ):
+            raise ValueError(
+                f"SamplingParams.max_turns must be an integer >= 1 or None, got {self.max_turns!r}"
+            )
 
 
 def _check_temperature(name: str, value: float) -> None:
@@ -112,6 +132,15 @@ class Completion:
     is ``"stop"`` when the last token is a stop token, ``"length"`` when ``max_tokens`` (or the
     engine's maximum length) ran out. ``prompt_logprobs`` (when asked for) has one entry per
     prompt token after the first.
+
+    Multi-turn (a ``generate`` call with a continuation): ``token_ids`` is everything after the
+    prompt, assistant and observation ids interleaved; an observation token's log-prob is 0.0
+    (it was not sampled). ``sampled_mask[i]`` says whether ``token_ids[i]`` was sampled, and
+    ``turn_spans`` holds each assistant turn's ``(start, end)`` in ``token_ids`` (observations
+    fill the gaps). Both are None for a single-turn call, so nothing downstream changes.
+    ``finish_reason`` is ``"stop"`` when the trajectory ended by itself (the continuation said
+    None, or ``max_turns`` was spent), ``"length"`` when a budget cut it (its last observation,
+    if it did not fit, is dropped).
     """
 
     request_index: int
@@ -122,6 +151,38 @@ class Completion:
     finish_reason: FinishReason
     text: str | None = None
     prompt_logprobs: list[float] | None = None
+    sampled_mask: list[bool] | None = None
+    turn_spans: list[tuple[int, int]] | None = None
+
+    @property
+    def num_turns(self) -> int:
+        """Assistant turns in the response (1 for a single-turn call)."""
+        return 1 if self.turn_spans is None else len(self.turn_spans)
+
+
+@dataclass
+class Turn:
+    """An assistant turn that ended at a stop token, handed to the continuation.
+
+    ``token_ids`` / ``logprobs``: what was sampled in this turn (its stop token last).
+    ``response_token_ids``: the trajectory after the prompt so far, this turn included.
+    ``turn_index``: 0 for the first turn. ``max_observation_tokens``: the longest observation the
+    engine will append (it must leave room to sample one more token under ``max_tokens`` and
+    the engine's maximum length); a longer one is dropped and the trajectory ends ``"length"``,
+    so an environment that wants to show a shortened observation should shorten it itself.
+    """
+
+    request_index: int
+    sample_index: int
+    turn_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    response_token_ids: list[int]
+    max_observation_tokens: int
+
+
+# Called on a worker thread; returns the observation's ids to append, or None when done.
+Continuation = Callable[[Turn], Sequence[int] | None]
 
 
 @runtime_checkable
@@ -132,8 +193,10 @@ class Engine(Protocol):
         self,
         requests: Sequence[Request],
         sampling: SamplingParams | Sequence[SamplingParams],
+        continuation: Continuation | None = None,
     ) -> list[Completion]:
-        """Completions ordered by (request index, sample index): ``n`` per request."""
+        """Completions ordered by (request index, sample index): ``n`` per request; with a
+        ``continuation``, whole multi-turn trajectories."""
         ...
 
     def sleep(self, level: int = 1) -> None:
@@ -229,3 +292,36 @@ def check_sleep_level(level: int) -> None:
         raise ValueError(
             f"sleep level must be 1 (free the KV cache) or 2 (also free the weights), got {level!r}"
         )
+
+
+def check_observation(
+    obs: object, turn: Turn, vocab_size: int, forbidden: Collection[int] = ()
+) -> list[int] | None:
+    """A continuation's answer as a list of token ids (or None), refusing anything else.
+
+    ``forbidden``: ids an observation may not hold (a multimodal model's media placeholders:
+    observations are text).
+    """
+    if obs is None:
+        return None
+    where = (
+        f"the continuation's observation for request {turn.request_index} sample "
+        f"{turn.sample_index}"
+    )
+    if isinstance(obs, (str, bytes)) or not isinstance(obs, Sequence):
+        raise ValueError(f"{where} is a {type(obs).__name__}; return a list of token ids or None")
+    ids = list(obs)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
+        if t in forbidden:
+            raise ValueError(f"{where} holds the media placeholder id {t}; observations are text")
+    return ids
+
+
+def sampled_mask(spans: Sequence[tuple[int, int]], length: int) -> list[bool]:
+    """True on response tokens inside an assistant turn's span, False on observation tokens."""
+    mask = [False] * length
+    for a, b in spans:
+        mask[a:b] = [True] * (b - a)
+    return mask

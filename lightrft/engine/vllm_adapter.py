@@ -20,6 +20,13 @@ placeholder run collapsed to one ``<|AUDIO|>``, the waveforms as ``(array, sampl
 under ``multi_modal_data["audio"]``, the audio token suppressed. (Written to vLLM's documented
 input format; not yet run on a GPU.)
 
+Multi-turn (``generate(..., continuation=...)``): the first turn is an ordinary call; every later
+turn sends each trajectory as its own ``n=1`` request whose token-id prompt is the prompt, the
+response so far and the observation (prefix caching, on by default, keeps re-prefilling it
+cheap), with the remaining response budget as ``max_tokens``. ``LLM.generate`` blocks until its
+whole batch is done, so turns go in rounds: the continuations of a round run concurrently on a
+thread pool, then the next round generates.
+
 ``vllm`` is imported only when a ``VLLMEngine`` is built: this module imports without it. vLLM's
 PyPI wheel is CUDA-only. Written against vllm 0.32.0 (the newest release pinning torch 2.13).
 """
@@ -29,6 +36,8 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +46,17 @@ import torch
 from lightrft.data.media import Media
 from lightrft.engine.protocol import (
     Completion,
+    Continuation,
     Request,
     SamplingParams,
+    Turn,
     check_awake,
+    check_observation,
     check_requests,
     check_sleep_level,
     check_wake_tags,
     per_request_params,
+    sampled_mask,
 )
 
 VLLM_VERSION = "0.32.0"
@@ -331,6 +344,7 @@ class VLLMEngine:
         vlm = modality.is_vision_language(hf_config)
         alm = modality.is_audio_language(hf_config)
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.image_token_id = modality.image_token_id(hf_config) if vlm else None
         self.audio_token_id = modality.audio_token_id(hf_config) if alm else None
         self.suppress_token_ids = modality.media_token_ids(hf_config)
@@ -380,8 +394,17 @@ class VLLMEngine:
         self,
         requests: Sequence[Request],
         sampling: SamplingParams | Sequence[SamplingParams],
+        continuation: Continuation | None = None,
     ) -> list[Completion]:
+        """Sample ``n`` completions per request, ordered by (request, sample); with a
+        ``continuation``, whole multi-turn trajectories (see the module docstring)."""
         check_awake(sorted(self._asleep), self._unloaded)
+        if continuation is not None and self.tp_group is not None:
+            raise ValueError(
+                "multi-turn generation (a continuation) is not supported with "
+                "tensor_parallel_size > 1 yet: the ranks of a group would have to run each "
+                "other's continuations; use tensor_parallel_size=1"
+            )
         requests = list(requests)
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)
@@ -404,6 +427,8 @@ class VLLMEngine:
         else:
             offset = 0
         completions = self._generate_all(requests, params)
+        if continuation is not None:
+            completions = self._continue(requests, params, completions, continuation)
         mine = [c for c in completions if offset <= c.request_index < offset + local]
         for c in mine:
             c.request_index -= offset
@@ -480,3 +505,125 @@ class VLLMEngine:
             if params[c.request_index].detokenize:
                 c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return firsts
+
+    def _continue(
+        self,
+        requests: list[Request],
+        params: list[SamplingParams],
+        firsts: list[Completion],
+        continuation: Continuation,
+    ) -> list[Completion]:
+        """Later turns, in rounds: the continuations of every trajectory whose turn stopped run
+        concurrently; those with an observation that fits go on as one ``n=1`` request each."""
+        vllm = self._vllm
+        trajs = [
+            _Trajectory(c, self._budget(c, params[c.request_index]), params[c.request_index])
+            for c in firsts
+        ]
+        forbidden = set(self.suppress_token_ids)
+        going = [t for t in trajs if t.wants_turn()]
+        with ThreadPoolExecutor(min(max(len(going), 1), 64)) as pool:
+            while going:
+                turns = [t.turn() for t in going]
+                answers = list(pool.map(continuation, turns))
+                going = [
+                    t
+                    for t, turn, obs in zip(going, turns, answers, strict=True)
+                    if t.observe(check_observation(obs, turn, self.vocab_size, forbidden))
+                ]
+                if not going:
+                    break
+                prompts, sampling = [], []
+                for t in going:
+                    c, p = t.completion, params[t.completion.request_index]
+                    kwargs = self._sampling(p)
+                    kwargs.update(
+                        n=1,
+                        max_tokens=t.budget - len(c.token_ids),
+                        seed=turn_seed(p.seed, c.sample_index, len(t.spans)),
+                    )
+                    kwargs.pop("prompt_logprobs", None)  # the prompt's were asked on turn 1
+                    req = requests[c.request_index]
+                    prompts.append(self._prompt(c.prompt_token_ids + c.token_ids, req))
+                    sampling.append(vllm.SamplingParams(**kwargs))
+                outs = self.llm.generate(prompts, sampling, use_tqdm=False)
+                for t, out in zip(going, outs, strict=True):
+                    sample = out.outputs[0]
+                    ids = list(sample.token_ids)
+                    t.add_turn(ids, _sampled_logprobs(ids, sample.logprobs), sample.finish_reason)
+                going = [t for t in going if t.wants_turn()]
+        tokenizer = self.llm.get_tokenizer()
+        for t in trajs:
+            c = t.completion
+            c.sampled_mask = sampled_mask(t.spans, len(c.token_ids))
+            c.turn_spans = t.spans
+            if params[c.request_index].detokenize:
+                c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return firsts
+
+    def _budget(self, c: Completion, p: SamplingParams) -> int:
+        """Response tokens a trajectory may hold: ``max_tokens``, and the model length."""
+        return min(p.max_tokens, self.max_model_len - len(c.prompt_token_ids))
+
+
+def turn_seed(seed: int | None, sample_index: int, turn: int) -> int | None:
+    """The seed of a sample's later turn: its own stream, reproducible from the request's seed."""
+    if seed is None:
+        return None
+    return (seed + 1_000_003 * (sample_index + 1) + 10_007 * turn) % 2**63
+
+
+@dataclass
+class _Trajectory:
+    """One sample's multi-turn trajectory being built: its completion grows turn by turn."""
+
+    completion: Completion
+    budget: int
+    params: SamplingParams
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.spans.append((0, len(self.completion.token_ids)))
+
+    def wants_turn(self) -> bool:
+        """The last turn stopped and turns remain: ask the continuation."""
+        limit = self.params.max_turns
+        return self.completion.finish_reason == "stop" and (
+            limit is None or len(self.spans) < limit
+        )
+
+    def turn(self) -> Turn:
+        c = self.completion
+        a, b = self.spans[-1]
+        return Turn(
+            request_index=c.request_index,
+            sample_index=c.sample_index,
+            turn_index=len(self.spans) - 1,
+            token_ids=c.token_ids[a:b],
+            logprobs=c.logprobs[a:b],
+            response_token_ids=list(c.token_ids),
+            max_observation_tokens=self.budget - len(c.token_ids) - 1,
+        )
+
+    def observe(self, obs: list[int] | None) -> bool:
+        """Append the observation; False when the trajectory ends here (None: "stop"; an
+        observation that leaves no room for one more sampled token: dropped, "length")."""
+        c = self.completion
+        if obs is None or len(c.token_ids) + len(obs) + 1 > self.budget:
+            c.finish_reason = "stop" if obs is None else "length"
+            return False
+        c.token_ids = c.token_ids + obs
+        c.logprobs = c.logprobs + [0.0] * len(obs)
+        return True
+
+    def add_turn(self, ids: list[int], logprobs: list[float], finish_reason: str) -> None:
+        c = self.completion
+        if finish_reason not in ("stop", "length"):
+            raise ValueError(
+                f"vLLM finished request {c.request_index} sample {c.sample_index} with reason "
+                f"{finish_reason!r}"
+            )
+        self.spans.append((len(c.token_ids), len(c.token_ids) + len(ids)))
+        c.token_ids = c.token_ids + ids
+        c.logprobs = c.logprobs + logprobs
+        c.finish_reason = finish_reason

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightrft.data.media import Media
-from lightrft.engine.protocol import Request, SamplingParams
+from lightrft.engine.protocol import Continuation, Request, SamplingParams
 from lightrft.strategy.base import Strategy
 
 
@@ -30,11 +30,11 @@ class ColocatedEngine:
         prompt_ids: list[list[int]],
         params: SamplingParams | list[SamplingParams],
         media: Sequence[Media | None] | None = None,
-        continuation: Any = None,
+        continuation: Continuation | None = None,
     ) -> list:
         """Wake the engine (reloading released weights) and generate. ``media``: per prompt,
-        its :class:`~lightrft.data.media.Media` or None; ``continuation``: multi-turn, the
-        engine calls it after each assistant turn (:class:`~lightrft.engine.protocol.Turn`)."""
+        its :class:`~lightrft.data.media.Media` or None. ``continuation``: multi-turn (see
+        :class:`~lightrft.engine.protocol.Turn`)."""
         if self.released:
             self.engine.wake_up(["weights"])
             self.strategy.sync_weights(self.engine)
@@ -44,8 +44,6 @@ class ColocatedEngine:
             return []
         media = media or [None] * len(prompt_ids)
         requests = [Request(ids, m) for ids, m in zip(prompt_ids, media, strict=True)]
-        if continuation is None:  # single-turn: the call every engine takes
-            return self.engine.generate(requests, params)
         return self.engine.generate(requests, params, continuation=continuation)
 
     def sleep(self) -> None:

@@ -175,3 +175,141 @@ def test_vllm_engine_on_gpu(tmp_path):
             .gather(-1, torch.tensor(c.token_ids, device="cuda")[:, None])
         )
         assert torch.allclose(torch.tensor(c.logprobs), ref.squeeze(-1).cpu(), atol=1e-3)
+
+
+class FakeLLM:
+    """Stands in for ``vllm.LLM`` on CPU (vLLM's wheel is CUDA-only and cannot run here): it
+    answers token-id prompts through the native engine and returns vLLM-shaped outputs, so the
+    adapter's multi-turn loop runs for real, only the model underneath is not vLLM."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        outs = []
+        for prompt, sp in zip(prompts, params, strict=True):
+            self.calls.append((prompt["prompt_token_ids"], sp))
+            ours = SamplingParams(
+                n=sp.n,
+                temperature=sp.temperature,
+                max_tokens=sp.max_tokens,
+                stop_token_ids=sp.stop_token_ids,
+                seed=sp.seed,
+            )
+            cs = self.engine.generate([Request(prompt["prompt_token_ids"])], ours)
+            outs.append(
+                SimpleNamespace(
+                    prompt_logprobs=None,
+                    outputs=[
+                        SimpleNamespace(
+                            index=c.sample_index,
+                            token_ids=c.token_ids,
+                            logprobs=[
+                                {t: _logprob(x)}
+                                for t, x in zip(c.token_ids, c.logprobs, strict=True)
+                            ],
+                            finish_reason=c.finish_reason,
+                            text=c.text,
+                        )
+                        for c in cs
+                    ],
+                )
+            )
+        return outs
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+
+def fake_vllm_engine(native):
+    """A VLLMEngine over :class:`FakeLLM` (built without starting vLLM)."""
+    eng = object.__new__(va.VLLMEngine)
+    eng.llm, eng._vllm = FakeLLM(native), SimpleNamespace(SamplingParams=SimpleNamespace)
+    eng.tp_group, eng.tp_size = None, 1
+    eng.image_token_id = eng.audio_token_id = None
+    eng.suppress_token_ids = []
+    eng.vocab_size, eng.max_model_len = native.vocab_size, native.max_model_len
+    eng._asleep, eng._unloaded = set(), set()
+    return eng
+
+
+def test_multi_turn_loop_of_token_id_prompts_matches_the_native_engine(tiny_model_dir):
+    """The adapter's multi-turn loop against a fake vllm.LLM (CPU; see FakeLLM): the same
+    trajectories as the native engine's multi-turn generation, each later turn one n=1
+    token-id request of prompt + response so far with the remaining budget."""
+    from lightrft.engine import NativeEngine
+    from lightrft.models import load_tokenizer
+
+    stops, obs = [42, 87, 12], [[32, 83, 70], [5, 6, 7, 8, 9, 10, 11], [40]]
+
+    def continuation(turn):
+        return obs[(turn.request_index + turn.turn_index) % 3] if turn.turn_index < 2 else None
+
+    native = NativeEngine(tiny_model_dir, max_model_len=256)
+    engine = fake_vllm_engine(native)
+    tok = load_tokenizer(tiny_model_dir)
+    reqs = [Request(tok(t)["input_ids"]) for t in ["hi", "What is 2 + 2?", "a cat.", "x"]]
+    sp = SamplingParams(temperature=0, max_tokens=60, stop_token_ids=stops)
+    got = engine.generate(reqs, sp, continuation=continuation)
+    want = native.generate(reqs, sp, continuation=continuation)
+    assert sum(c.num_turns for c in got) >= 8
+    for a, b in zip(got, want, strict=True):
+        assert (a.token_ids, a.turn_spans, a.sampled_mask) == (
+            b.token_ids,
+            b.turn_spans,
+            b.sampled_mask,
+        )
+        assert a.finish_reason == b.finish_reason and a.text == b.text
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+        )
+    first, *later = engine.llm.calls
+    assert first[1].n == 1 and first[1].max_tokens == 60
+    for prompt, p in later:
+        c = next(c for c in got if prompt[: len(c.prompt_token_ids)] == c.prompt_token_ids)
+        response = prompt[len(c.prompt_token_ids) :]
+        assert c.token_ids[: len(response)] == response  # prompt + response so far, as ids
+        assert p.n == 1 and p.max_tokens == 60 - len(response)
+
+    two = engine.generate(
+        reqs,
+        SamplingParams(temperature=0, max_tokens=60, stop_token_ids=stops, max_turns=2),
+        continuation=continuation,
+    )
+    assert all(c.num_turns <= 2 for c in two)
+    tp = fake_vllm_engine(native)
+    tp.tp_group = object()
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
+        tp.generate(reqs, sp, continuation=continuation)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_VLLM), reason="needs CUDA and vllm==0.32.0"
+)
+def test_vllm_multi_turn_on_gpu(tmp_path):
+    """Real vLLM: greedy multi-turn trajectories equal the native engine's on the same GPU."""
+    from lightrft.engine import NativeEngine
+    from lightrft.models import load_tokenizer
+    from lightrft.tasks import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", layers=2, hidden=256, heads=4, kv_heads=2)
+    tok = load_tokenizer(model_dir)
+    engine = va.VLLMEngine(
+        model_dir, dtype="float32", gpu_memory_utilization=0.2, enforce_eager=True, seed=0
+    )
+    native = NativeEngine(model_dir, dtype="float32", device="cuda", max_model_len=1024)
+    reqs = [Request(tok(t)["input_ids"]) for t in ["hello there", "2 + 2 =", "a"]]
+    free = native.generate(reqs, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    stops = sorted({c.token_ids[3] for c in free})  # ids greedy decoding reaches early
+
+    def continuation(turn):
+        return [5, 6, 7][: turn.turn_index + 1] if turn.turn_index < 2 else None
+
+    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=stops)
+    got = engine.generate(reqs, sp, continuation=continuation)
+    want = native.generate(reqs, sp, continuation=continuation)
+    assert any(c.num_turns > 1 for c in want)
+    for a, b in zip(got, want, strict=True):
+        assert (a.token_ids, a.turn_spans) == (b.token_ids, b.turn_spans)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-3)

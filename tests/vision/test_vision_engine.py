@@ -159,3 +159,31 @@ def test_prefill_chunks_and_waves_do_not_change_multimodal_samples(tiny_vlm):
         torch.testing.assert_close(
             torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
         )
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_multi_turn_after_an_image_prompt_matches_the_trainer(tiny_vlm, arch):
+    """The first turn sees the image; observations are text appended to the row's cache. The
+    sampled tokens' log-probs equal the trainer's over prompt + the whole response (M-RoPE
+    positions included), and an observation holding a vision token is refused."""
+    path = tiny_vlm(arch)
+    proc, model = load_processor(path), load_vision_model(path)
+    reqs = _requests(_prompts(proc))
+    engine = NativeEngine(path, dtype="float32", device="cpu")
+    free = engine.generate(reqs, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stops = sorted({c.token_ids[2] for c in free})  # ids greedy decoding reaches early
+    suppressed = vision_token_ids(model.config)
+    text_ids = [t for t in range(5, 40) if t not in suppressed][:4]
+
+    def continuation(turn):
+        return text_ids[: turn.turn_index + 2] if turn.turn_index < 2 else None
+
+    sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=stops)
+    outs = engine.generate(reqs, sp, continuation=continuation)
+    assert all(c.num_turns > 1 for c in outs if reqs[c.request_index].media is not None)
+    for c in outs:
+        mask = torch.tensor(c.sampled_mask)
+        ref = _trainer_logprobs(model, reqs[c.request_index], c)
+        torch.testing.assert_close(torch.tensor(c.logprobs)[mask], ref[mask], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="media placeholder id"):
+        engine.generate(reqs[:1], sp, continuation=lambda t: [suppressed[0]])
