@@ -17,8 +17,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from lightrft.engine.protocol import Completion, Turn
 from lightrft.environments.base import (
     Environment,
     EpisodeStats,
@@ -26,9 +27,6 @@ from lightrft.environments.base import (
     aggregate_stats,
 )
 from lightrft.environments.render import initial_prompt_ids, observation_ids
-
-if TYPE_CHECKING:  # the engine's multi-turn contract (issue 24)
-    from lightrft.engine.protocol import Completion, Turn
 
 __all__ = ["Episode", "Episodes", "TurnRecord", "episode_metrics"]
 

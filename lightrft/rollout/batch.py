@@ -147,7 +147,7 @@ class RolloutBatch:
         responses = [list(c.token_ids) for c in completions]
         lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
         response_ids = pad_rows(responses, dtype=torch.long)  # [B, R]
-        sampled = [getattr(c, "sampled_mask", None) for c in completions]
+        sampled = [c.sampled_mask for c in completions]
         mask = torch.arange(response_ids.shape[1]) < lens.unsqueeze(1)  # [B, R]
         if any(m is not None for m in sampled):
             mask = pad_rows(

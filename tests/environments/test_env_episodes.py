@@ -1,16 +1,16 @@
-"""Episodes: the environment side of a multi-turn generate call, driven by hand-made engine turns
-(the engine's Turn / Completion contract) on the character-level tokenizer with the Qwen2.5-style
+"""Episodes: the environment side of a multi-turn generate call, driven by hand-made engine
+turns and completions (the engine's Turn / Completion) on the character-level tokenizer with the Qwen2.5-style
 tool template: first prompts with the tools, observation ids, final answers, conversations,
 metrics and the trajectory record."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lightrft.engine.protocol import Completion, Turn
 from lightrft.environments import (
     Environment,
     Episodes,
@@ -34,7 +34,7 @@ def _ids(tok, text: str) -> list[int]:
 
 def _turn(tok, request: int, sample: int, index: int, text: str, so_far: list[int], room=1000):
     ids = _ids(tok, text + "<|im_end|>")
-    return SimpleNamespace(
+    return Turn(
         request_index=request,
         sample_index=sample,
         turn_index=index,
@@ -64,7 +64,7 @@ def _play(tok):
     assert eps.continuation(s1) is None
     response = t0.token_ids + obs + t1.token_ids
     completions = [
-        SimpleNamespace(
+        Completion(
             request_index=0,
             sample_index=0,
             prompt_token_ids=eps.prompt_ids[0],
@@ -77,7 +77,7 @@ def _play(tok):
             + [True] * len(t1.token_ids),
             turn_spans=[(0, len(t0.token_ids)), (len(t0.token_ids) + len(obs), len(response))],
         ),
-        SimpleNamespace(
+        Completion(
             request_index=0,
             sample_index=1,
             prompt_token_ids=eps.prompt_ids[0],

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from lightrft.algorithms.config import AlgorithmConfig
+from lightrft.engine import Completion
 from lightrft.rollout import RolloutBatch
 from lightrft.rollout.micro import build_micro_batch
 
@@ -21,7 +22,7 @@ SAMPLED = [True, True, False, False, True]
 
 
 def _completion(index: int, ids: list[int], sampled: list[bool] | None, logprobs: list[float]):
-    return SimpleNamespace(
+    return Completion(
         request_index=index,
         sample_index=0,
         prompt_token_ids=[1, 2],
