@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _dist import build_recipe, run_distributed
 from test_grpo import _config
 
 from lightrft import cli
@@ -169,3 +170,38 @@ def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, assets)
     final_eval = [r for r in rows if "eval/accuracy" in r][-1]
     ref_eval = [r for r in read_metrics(full / "out") if "eval/accuracy" in r][-1]
     assert final_eval == ref_eval
+
+
+def _two_rank_multi_turn(rank: int, world_size: int, cfg_path: str) -> None:
+    from lightrft import config as lconfig
+
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = build_recipe("grpo", cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.logger.close()
+    if rank == 0:
+        rows = {r["step"]: r for r in read_metrics(Path(cfg.output_dir)) if "train/lr" in r}
+        assert sorted(rows) == [1, 2]
+        for row in rows.values():
+            assert row["rollout/samples"] == 8  # 2 prompts over 2 ranks, 4 trajectories each
+            assert row["env/tool_calls"] > 0 and row["env/observation_token_frac"] > 0
+            assert row["train/approx_kl"] < 1e-6, row["train/approx_kl"]
+
+
+def test_a_multi_turn_run_on_two_gloo_processes(tmp_path, assets):
+    """Episodes gathered over ranks (the env/* means are every rank's) and the global token
+    counts of assistant tokens: on-policy with engine log-probs, the ratio stays 1."""
+    cfg = _config(
+        tmp_path,
+        assets,
+        environment=copy.deepcopy(ENV),
+        **{
+            "rollout.max_tokens": 240,
+            "algorithm.old_logprobs": "engine",
+            "train.micro_batch_size": 2,
+            "eval": None,
+            "eval_dataset": None,
+        },
+    )
+    run_distributed(_two_rank_multi_turn, str(cfg), world_size=2)
