@@ -423,7 +423,7 @@ class GRPORecipe:
     def _setup_environment(self) -> None:
         """Before any model loads: the ``environment:`` factory (one environment per
         trajectory), one environment built to check it, the checkpoint's chat template."""
-        self.environment = None
+        self.environment, self.tool_schemas = None, None
         if self.opts.environment is not None:
             _check_environment(self.opts)  # a checkpoint a prepare step wrote exists now
             self.environment = functools.partial(config.instantiate, self.opts.environment)
