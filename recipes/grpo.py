@@ -28,11 +28,13 @@ One self-contained file: copy it (`lightrft cp grpo my_grpo.py`), edit it, run t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -63,6 +65,13 @@ from lightrft.data import build_dataloader, collate_prompts, conversation, epoch
 from lightrft.distributed import sum_over_ranks
 from lightrft.engine import SamplingParams
 from lightrft.engine.config import EngineConfig, RolloutConfig
+from lightrft.environments import (
+    Episodes,
+    assistant_end_token,
+    build_environment,
+    episode_metrics,
+    require_tool_support,
+)
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.kernels import (
     GradHint,
@@ -164,6 +173,9 @@ class GRPOConfig(TrainingConfig):
     max_steps: int = option(ge=1, doc="RL steps")
     eval: GRPOEvalConfig = option(default_factory=GRPOEvalConfig, doc="")
     trajectories: bool = option(False, doc="write every sample to trajectories/step_N.jsonl")
+    environment: Component | None = option(
+        None, doc="multi-turn: builds one Environment per trajectory (ToolEnvironment + tools)"
+    )
     CHECKPOINT_MODELS: ClassVar[tuple[str, ...]] = ("model", "policy")
 
     def resolve(self, at: str) -> GRPOConfig:
@@ -195,6 +207,7 @@ class GRPOConfig(TrainingConfig):
                 schedule.check_steps(self.max_steps, key)
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         _check_media(opts, prepare=self.run.prepare)
+        _check_environment(opts)
         return opts
 
     def _critic(self) -> CriticConfig | None:
@@ -231,6 +244,31 @@ def _check_media(opts: GRPOConfig, *, prepare=None, loading: bool = False) -> No
         )
 
 
+def _check_environment(opts: GRPOConfig) -> None:
+    """An ``environment:`` needs a text model and, with tools, a chat template that renders
+    them and a tool-call format this library parses; checked from the checkpoint's tokenizer
+    before any model loads (again in setup when a ``prepare`` step writes the checkpoint).
+    Unknown keys and ``max_turns < 1`` are the component checker's (``lightrft.config``)."""
+    env = opts.environment
+    if env is None or not (Path(opts.model.path) / "config.json").exists():
+        return
+    if checkpoint_is_multimodal(opts.model.path):
+        raise ValueError(
+            f"environment: multi-turn rollouts take a text model; {opts.model.path} is "
+            "vision- or audio-language"
+        )
+    if env.get("tools"):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(
+            opts.model.path, trust_remote_code=opts.model.trust_remote_code
+        )
+        try:
+            require_tool_support(tok)
+        except ValueError as e:
+            raise ValueError(f"environment.tools: {e}") from None
+
+
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
 CONFIG_SCHEMA = GRPOConfig.schema()
 build_options = GRPOConfig.read
@@ -242,7 +280,8 @@ build_options = GRPOConfig.read
 @dataclasses.dataclass
 class LossInputs:
     """One micro-batch as the loss sees it: ``[b, R]`` response-aligned tensors on the device
-    (``mask``: response tokens; ``loss_mask``: the tokens the policy loss trains on)."""
+    (``mask``: sampled response tokens, observations of a multi-turn trajectory left out;
+    ``loss_mask``: the tokens the policy loss trains on)."""
 
     logprobs: torch.Tensor  # current policy, with gradient
     entropy: torch.Tensor | None  # with gradient only when the entropy bonus is on
@@ -261,7 +300,8 @@ class LossInputs:
 class Counts:
     """Global normalisers of one optimizer step, divided by the world size (gradients are
     averaged over ranks): ``loss`` counts the policy loss's tokens / sequences, ``response``
-    every response token / sequence (KL, entropy and value terms)."""
+    every sampled response token / sequence (KL, entropy and value terms). Observation tokens
+    of a multi-turn trajectory are in neither: they were not sampled."""
 
     loss: dict[str, float]
     response: dict[str, float]
@@ -284,6 +324,7 @@ class GRPORecipe:
     # ------------------------------------------------------------------ setup
 
     def setup(self, cfg: DictConfig) -> None:
+        self._setup_environment()
         self._setup_models()
         self._setup_engine()
         self._setup_rewards_and_data()
@@ -379,6 +420,15 @@ class GRPORecipe:
                 min_lr_ratio=c.lr_scheduler.min_lr_ratio,
             )
 
+    def _setup_environment(self) -> None:
+        """Before any model loads: the ``environment:`` factory (one environment per
+        trajectory), one environment built to check it, the checkpoint's chat template."""
+        self.environment, self.tool_schemas = None, None
+        if self.opts.environment is not None:
+            _check_environment(self.opts)  # a checkpoint a prepare step wrote exists now
+            self.environment = functools.partial(config.instantiate, self.opts.environment)
+            self.tool_schemas = build_environment(self.environment).schemas or None
+
     def _setup_engine(self) -> None:
         o = self.opts
         engine = o.engine.build(
@@ -386,6 +436,13 @@ class GRPORecipe:
         )
         self.rollout_engine = ColocatedEngine(engine, self.strategy, o.engine.sleep_level)
         self.sampling = o.rollout.sampling()
+        if self.environment is not None:  # an assistant turn ends at the template's end token
+            end = self.tokenizer.convert_tokens_to_ids(
+                assistant_end_token(self.tokenizer, self.tool_schemas)
+            )
+            if end not in self.sampling.stop_token_ids:
+                stops = [*self.sampling.stop_token_ids, end]
+                self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stops)
 
     def _setup_rewards_and_data(self) -> None:
         o = self.opts
@@ -452,21 +509,36 @@ class GRPORecipe:
         """One rollout draw: this rank's prompts, n samples each, scored; then gathered so every
         rank holds every sample (groups stay consecutive and whole)."""
         self.epoch, prompts = next(self.prompts)  # this rank's, epoch after epoch
+        count = len(prompts["prompt_ids"])
         with timer("rollout"):
-            params = self._request_params(len(prompts["prompt_ids"]), step, draw)
+            params = self._request_params(count, step, draw)
+            episodes, prompt_ids, continuation = None, prompts["prompt_ids"], None
+            if self.environment is not None:  # multi-turn: the first prompt names the tools
+                items = [{k: v[i] for k, v in prompts.items()} for i in range(count)]
+                episodes = Episodes(self.environment, items, self.opts.rollout.n, self.tokenizer)
+                prompt_ids, continuation = episodes.prompt_ids, episodes.continuation
             completions = self.rollout_engine.generate(
-                prompts["prompt_ids"], params, prompts.get("media")
+                prompt_ids, params, prompts.get("media"), continuation
             )
         rows = [c.request_index for c in completions]
         meta = {k: [prompts[k][i] for i in rows] for k in ("prompt", "reference", "label", "where")}
-        messages = prompts.get("messages") or [None] * len(prompts["prompt_ids"])
-        media = prompts.get("media") or [None] * len(prompts["prompt_ids"])
+        messages = prompts.get("messages") or [None] * count
+        media = prompts.get("media") or [None] * count
         chats = [conversation(messages[i], media[i]) for i in rows]
         texts = [c.text or "" for c in completions]
+        done = None
+        if episodes is not None:
+            # Verifiers score the final answer (the last assistant turn); reward models read
+            # the whole conversation before it, with the answer as the response.
+            done = episodes.finish(completions)
+            texts = [e.final_text for e in done]
+            chats = [e.conversation() for e in done]
         with timer("scoring"):
             raw, parts, applied = self._score(
                 meta["prompt"], texts, meta["reference"], meta["label"], meta["where"], chats
             )
+            if done is not None:  # per-turn rewards join the outcome reward
+                raw = raw + torch.tensor([e.stats.reward for e in done], dtype=torch.float64)
             overlong, rewards, ov = None, raw, self.opts.algorithm.shaping.overlong
             if ov.buffer is not None:  # the section is set
                 lengths = [len(c.token_ids) for c in completions]
@@ -483,6 +555,7 @@ class GRPORecipe:
             reward_parts=parts,
             reward_applied=applied,
         )
+        batch.episodes = done
         return batch.all_gather()
 
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, RolloutBatch, dict]:
@@ -624,7 +697,7 @@ class GRPORecipe:
             rewards = self.normalizer(rewards)
         elif alg.shaping.reward_clip is not None:
             rewards = clip_rewards(rewards, alg.shaping.reward_clip)
-        mask = batch.response_mask  # [B, R]
+        mask = batch.response_mask  # [B, R] sampled tokens: observations get no advantage
         token_rewards = None
         if alg.kl is not None and alg.kl.placement == "reward":
             old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
@@ -709,7 +782,7 @@ class GRPORecipe:
     ) -> LossInputs:
         """The micro-batch's forward passes and ``[b, R]`` slices of the rollout batch."""
         alg, dev = self.opts.algorithm, self.dist.device
-        mask = mb.mask.to(dev)  # [b, R] response tokens
+        mask = mb.mask.to(dev)  # [b, R] sampled response tokens
         width = mask.shape[1]
         zeros = torch.zeros(mask.shape, device=dev)
 
@@ -820,7 +893,7 @@ class GRPORecipe:
                         self.strategy.backward(total)
                     loss_sum += float(metrics.pop("actor_loss"))
                     acc.add("tokens", mb.tokens)
-                    weight = float(mb.mask.sum())  # the micro-batch's response tokens
+                    weight = float(mb.mask.sum())  # the micro-batch's sampled tokens
                     for k, v in metrics.items():
                         acc.add(k, v, weight)
                 with timer("training"):
@@ -860,8 +933,15 @@ class GRPORecipe:
 
         def generate(prompt_ids: list[list[int]], items: list) -> list:
             media = [it.get("media") for it in items]
-            completions = self.rollout_engine.generate(prompt_ids, params, media)
+            episodes, continuation = None, None
+            if self.environment is not None:  # with the tools, as in training
+                episodes = Episodes(self.environment, items, 1, self.tokenizer)
+                prompt_ids, continuation = episodes.prompt_ids, episodes.continuation
+            completions = self.rollout_engine.generate(prompt_ids, params, media, continuation)
             self.rollout_engine.sleep()  # the engine's memory goes back before scoring
+            if episodes is not None:  # the final answer is what is scored
+                for c, e in zip(completions, episodes.finish(completions), strict=True):
+                    c.text = e.final_text
             return completions
 
         records = evaluate_dataset(
@@ -909,6 +989,9 @@ class GRPORecipe:
         batch, drawn, metrics = self.rollout(step, timer)
         metrics.update(self.reward_side.reduce())
         metrics.update(rollout_metrics(drawn, batch, self.reward_names))
+        if drawn.episodes is not None:
+            sampled = int(drawn.response_mask.sum())
+            metrics.update(episode_metrics(drawn.episodes, int(drawn.response_lens.sum()), sampled))
         if len(batch):
             self.precompute(batch, timer)
             metrics.update(self.advantages(batch))

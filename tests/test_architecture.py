@@ -133,6 +133,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.rollout",
             "lightrft.rewards",
             "lightrft.evaluation",
+            "lightrft.environments",
             "lightrft.tasks",
         },
     ),

@@ -3,7 +3,19 @@ JSON schemas, the Hermes / Qwen tool-call format, and observation tokens rendere
 chat template. See docs/environments.md."""
 
 from lightrft.environments.base import Environment, EpisodeStats, ErrorKind, Step, aggregate_stats
-from lightrft.environments.render import assistant_end_token, initial_prompt_ids, observation_ids
+from lightrft.environments.episode import (
+    Episode,
+    Episodes,
+    TurnRecord,
+    build_environment,
+    episode_metrics,
+)
+from lightrft.environments.render import (
+    assistant_end_token,
+    initial_prompt_ids,
+    observation_ids,
+    require_tool_support,
+)
 from lightrft.environments.tool_calls import (
     MalformedCall,
     ToolCall,
@@ -22,7 +34,9 @@ from lightrft.environments.tools import (
 
 __all__ = [
     "Environment",
+    "Episode",
     "EpisodeStats",
+    "Episodes",
     "ErrorKind",
     "MalformedCall",
     "Step",
@@ -31,13 +45,17 @@ __all__ = [
     "ToolEnvironment",
     "ToolResult",
     "ToolTimeout",
+    "TurnRecord",
     "aggregate_stats",
     "assistant_end_token",
+    "build_environment",
     "calculator",
     "calculator_tool",
+    "episode_metrics",
     "initial_prompt_ids",
     "observation_ids",
     "parse_tool_calls",
     "python_tool",
+    "require_tool_support",
     "tool_call_format",
 ]

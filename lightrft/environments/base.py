@@ -18,7 +18,9 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any
+
+from lightrft.config import Bound
 
 __all__ = ["Environment", "EpisodeStats", "ErrorKind", "Message", "Step", "aggregate_stats"]
 
@@ -105,7 +107,7 @@ class Environment:
         max_turns: assistant turns per episode (1: a single-turn episode).
     """
 
-    def __init__(self, max_turns: int = 1) -> None:
+    def __init__(self, max_turns: Annotated[int, Bound(ge=1)] = 1) -> None:
         check_max_turns(max_turns, type(self).__name__)
         self.max_turns = max_turns
         self.stats = EpisodeStats()
@@ -116,6 +118,12 @@ class Environment:
             cls.reset = _checked_reset(cls.__dict__["reset"], cls.__name__)
         if "step" in cls.__dict__:
             cls.step = _checked_step(cls.__dict__["step"], cls.__name__)
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The JSON schemas of the environment's tools, which the chat template renders into
+        the first prompt's system block; none by default."""
+        return []
 
     def reset(self, item: Mapping[str, Any]) -> list[Message]:
         """The first messages of an episode; by default the item's chat (``messages``, as

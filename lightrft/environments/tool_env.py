@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Annotated, Any
 
+from lightrft.config import Bound
 from lightrft.environments.base import Environment, ErrorKind, Message, Step
 from lightrft.environments.tool_calls import MalformedCall, ToolCall, parse_tool_calls
 from lightrft.environments.tools import Tool, ToolResult, as_tool
@@ -24,8 +25,8 @@ class ToolEnvironment(Environment):
     starting with ``Error:``, and is counted in :attr:`stats`.
 
     Args:
-        tools: :class:`~lightrft.environments.tools.Tool` objects or plain functions (wrapped
-            with the default limits).
+        tools: :class:`~lightrft.environments.tools.Tool` objects, plain functions (wrapped
+            with the default limits) or ``_component_`` mappings building either (YAML).
         max_turns: assistant turns per episode; the last one is the answer whatever it holds.
         error_penalty: per-turn reward ``-error_penalty * errors`` on turns with errors
             (0: no per-turn reward).
@@ -33,8 +34,8 @@ class ToolEnvironment(Environment):
 
     def __init__(
         self,
-        tools: Sequence[Tool | Callable[..., Any]],
-        max_turns: int = 4,
+        tools: Sequence[Tool | Callable[..., Any] | Mapping[str, Any]],
+        max_turns: Annotated[int, Bound(ge=1)] = 4,
         error_penalty: float = 0.0,
     ) -> None:
         super().__init__(max_turns=max_turns)

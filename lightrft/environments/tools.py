@@ -152,8 +152,15 @@ class Tool:
         )
 
 
-def as_tool(tool: Tool | Callable[..., Any]) -> Tool:
-    """A :class:`Tool` as is; a plain function wrapped with the default limits."""
+def as_tool(tool: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
+    """A :class:`Tool` as is; a plain function wrapped with the default limits; a config's
+    ``{_component_: ...}`` mapping (the ``environment.tools`` list in YAML) built first."""
+    if isinstance(tool, Mapping) and "_component_" in tool:
+        from omegaconf import DictConfig, OmegaConf
+
+        from lightrft.config import instantiate
+
+        tool = instantiate(tool if isinstance(tool, DictConfig) else OmegaConf.create(dict(tool)))
     return tool if isinstance(tool, Tool) else Tool(tool)
 
 

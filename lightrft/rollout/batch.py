@@ -36,6 +36,8 @@ _TOKEN_FIELDS = (
 )
 _SAMPLE_FIELDS = ("reward_raw", "rewards", "overlong", "kept")  # [B]
 _META_FIELDS = ("prompts", "references", "labels", "wheres", "texts", "finish_reasons", "groups")
+# Per-sample objects that only some batches have (None: none in the batch): media, episodes.
+_PER_SAMPLE = ("media", "episodes")
 # Per-sample media: a list with one Media per row (None for a row without), or None for a text
 # batch. Not row tensors: Qwen-VL's pixel values are a flat [patches, D] tensor with a different
 # patch count per image, so row indexing would cut patches, not samples.
@@ -67,9 +69,15 @@ class RolloutBatch:
 
     Sampled (set when built):
         prompt_ids: ``[B, P]`` long, right-padded with 0; ``prompt_lens`` ``[B]`` long.
-        response_ids: ``[B, R]`` long, right-padded with 0.
-        response_mask: ``[B, R]`` bool, True on response tokens.
-        rollout_logprobs: ``[B, R]`` float32, the engine's log-prob of each sampled token.
+        response_ids: ``[B, R]`` long, right-padded with 0: everything after the prompt, in a
+        multi-turn trajectory the assistant turns and the observations between them.
+        response_lens: ``[B]`` long, the tokens of each response (observations included: the
+        forward pass sees them as context; lengths and micro-batch sizes come from here).
+        response_mask: ``[B, R]`` bool, True on sampled (assistant) tokens: what the loss, the
+        KL, the entropy, the advantages and every normalising count see. Single-turn: the first
+        ``response_lens`` tokens; multi-turn: observation tokens are False.
+        rollout_logprobs: ``[B, R]`` float32, the engine's log-prob of each sampled token (0 on
+        observations).
     Rewards (``[B]`` float64, python-float exact):
         reward_raw: the reward function's total; overlong: the DAPO overlong penalty (None when
         off); rewards: reward_raw + overlong, what the advantages use.
@@ -86,11 +94,15 @@ class RolloutBatch:
         the policy loss trains on; None: every response token).
     media: None for a text batch; else one :class:`~lightrft.data.media.Media` per sample (None
         for a sample without); a micro-batch's forward takes ``Media.cat`` of its rows', in order.
+    episodes: None for a single-turn batch; else one
+        :class:`~lightrft.environments.episode.Episode` per sample (its turns, observations and
+        stats, for the ``env/*`` metrics and the trajectory files).
     """
 
     prompt_ids: Tensor
     prompt_lens: Tensor
     response_ids: Tensor
+    response_lens: Tensor
     response_mask: Tensor
     rollout_logprobs: Tensor
     reward_raw: Tensor
@@ -114,6 +126,7 @@ class RolloutBatch:
     entropy: Tensor | None = None
     loss_mask: Tensor | None = None
     media: list[Media | None] | None = None
+    episodes: list[Any] | None = None
 
     @classmethod
     def from_completions(
@@ -126,12 +139,25 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """One draw's batch: the engine's completions (a row each), with the fields of the
         prompt each came from (``prompts``: the prompt loader's batch, indexed by each
-        completion's ``request_index``, with its ``media`` when it has any), each row's group key and the rewards (``reward_raw``,
-        ``rewards``, ``overlong``, ``reward_parts``, ``reward_applied``)."""
+        completion's ``request_index``, with its ``media`` when it has any), each row's group
+        key and the rewards (``reward_raw``, ``rewards``, ``overlong``, ``reward_parts``,
+        ``reward_applied``). A multi-turn completion's ``sampled_mask`` becomes the row's
+        ``response_mask``; a single-turn one (None) masks its whole response."""
         rows = [c.request_index for c in completions]
         responses = [list(c.token_ids) for c in completions]
         lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
         response_ids = pad_rows(responses, dtype=torch.long)  # [B, R]
+        sampled = [c.sampled_mask for c in completions]
+        mask = torch.arange(response_ids.shape[1]) < lens.unsqueeze(1)  # [B, R]
+        if any(m is not None for m in sampled):
+            mask = pad_rows(
+                [
+                    [True] * len(r) if m is None else m
+                    for m, r in zip(sampled, responses, strict=True)
+                ],
+                dtype=torch.bool,
+                fill=False,
+            )
         meta = {
             f"{k}s": [prompts[k][i] for i in rows]
             for k in ("prompt", "reference", "label", "where")
@@ -140,7 +166,8 @@ class RolloutBatch:
             prompt_ids=pad_rows([list(c.prompt_token_ids) for c in completions], dtype=torch.long),
             prompt_lens=torch.tensor([len(c.prompt_token_ids) for c in completions]),
             response_ids=response_ids,
-            response_mask=torch.arange(response_ids.shape[1]) < lens.unsqueeze(1),
+            response_lens=lens,
+            response_mask=mask,
             rollout_logprobs=pad_rows([list(c.logprobs) for c in completions]),
             texts=[c.text or "" for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
@@ -153,16 +180,11 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
-    @property
-    def response_lens(self) -> Tensor:
-        """``[B]`` long: response tokens per sample."""
-        return self.response_mask.sum(dim=1)
-
     def prompt(self, i: int) -> list[int]:
         return self.prompt_ids[i, : int(self.prompt_lens[i])].tolist()
 
     def response(self, i: int) -> list[int]:
-        return self.response_ids[i, : int(self.response_mask[i].sum())].tolist()
+        return self.response_ids[i, : int(self.response_lens[i])].tolist()
 
     def select(self, idx: Sequence[int]) -> RolloutBatch:
         """The rows ``idx`` (in that order), trimmed to their longest prompt and response."""
@@ -187,12 +209,12 @@ class RolloutBatch:
     @staticmethod
     def cat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         """Rows of ``batches`` one after the other (fields None in one are None in all, except
-        ``media``: a batch without gives None entries)."""
+        ``media`` and ``episodes``: a batch without gives None entries)."""
         first = batches[0]
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(first):
             values = [getattr(b, f.name) for b in batches]
-            if f.name == "media":  # a text batch may join a multimodal one
+            if f.name in _PER_SAMPLE:  # a text batch may join a multimodal one
                 fields[f.name] = _gather_per_sample(values, [len(b) for b in batches])
             elif values[0] is None:
                 fields[f.name] = None
@@ -213,7 +235,7 @@ class RolloutBatch:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self
         world = dist.get_world_size()
-        meta = {name: getattr(self, name) for name in (*_META_FIELDS, "media")}
+        meta = {name: getattr(self, name) for name in (*_META_FIELDS, *_PER_SAMPLE)}
         metas: list[Any] = [None] * world
         dist.all_gather_object(metas, meta)
         sizes = _gather_ints([len(self), self.prompt_ids.shape[1], self.response_ids.shape[1]])
@@ -222,7 +244,7 @@ class RolloutBatch:
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in _META_FIELDS or f.name == "media":
+            if f.name in _META_FIELDS or f.name in _PER_SAMPLE:
                 continue
             if isinstance(value, dict):
                 fields[f.name] = {k: _gather_rows(v, rows, None, sizes) for k, v in value.items()}
@@ -233,7 +255,8 @@ class RolloutBatch:
                 fields[f.name] = None
         for name in _META_FIELDS:
             fields[name] = [x for m in metas for x in m[name]]
-        fields["media"] = _gather_per_sample([m["media"] for m in metas], [s[0] for s in sizes])
+        for name in _PER_SAMPLE:
+            fields[name] = _gather_per_sample([m[name] for m in metas], [s[0] for s in sizes])
         return RolloutBatch(**fields)._trim()
 
 

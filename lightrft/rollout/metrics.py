@@ -116,7 +116,9 @@ def step_metrics(
 def write_trajectories(folder: Path, step: int, drawn: RolloutBatch, batch: RolloutBatch) -> None:
     """Every drawn sample of ``step`` as one JSON line of ``folder/step_<step>.jsonl``: prompt
     (and its record: file and line), response, rewards, advantage, length, finish reason, and
-    whether it was kept for training (``batch`` holds the kept rows, in order)."""
+    whether it was kept for training (``batch`` holds the kept rows, in order). A multi-turn
+    sample adds its response ids, their sampled mask and its episode (every turn's sampled ids
+    and text, observation messages and ids, reward, tool calls, errors; its stats)."""
     folder.mkdir(exist_ok=True)
     kept = iter(range(len(batch)))
     with open(folder / f"step_{step:06d}.jsonl", "w") as f:
@@ -125,8 +127,12 @@ def write_trajectories(folder: Path, step: int, drawn: RolloutBatch, batch: Roll
             advantage = None
             if drawn.kept[i]:
                 j = next(kept)
-                if batch.advantages is not None and r:
-                    advantage = sum(batch.advantages[j, :r].tolist()) / r
+                sampled = batch.response_mask[j, :r].tolist()
+                if batch.advantages is not None and any(sampled):
+                    # the mean over sampled tokens (observations carry none), summed in order
+                    values = batch.advantages[j, :r].tolist()
+                    mine = [a for a, m in zip(values, sampled, strict=True) if m]
+                    advantage = sum(mine) / len(mine)
             record = {
                 "step": step,
                 "prompt": drawn.prompts[i],
@@ -142,4 +148,8 @@ def write_trajectories(folder: Path, step: int, drawn: RolloutBatch, batch: Roll
                 "finish_reason": drawn.finish_reasons[i],
                 "kept": bool(drawn.kept[i]),
             }
+            if drawn.episodes is not None:  # multi-turn: every turn, its ids and the mask
+                record["response_ids"] = drawn.response(i)
+                record["sampled_mask"] = drawn.response_mask[i, :r].tolist()
+                record["episode"] = drawn.episodes[i].record()
             f.write(json.dumps(record) + "\n")

@@ -30,7 +30,7 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # [rows, L]: padded only
     targets: torch.Tensor  # [rows, L-1] next tokens, IGNORE off the responses
     index: torch.Tensor  # [b, R] flat position in [rows, L-1] of each response token
-    mask: torch.Tensor  # [b, R] real response tokens
+    mask: torch.Tensor  # [b, R] sampled response tokens (observations and padding: False)
     tokens: int = 0  # prompt + response tokens of the real rows
     media: Media | None = None  # the rows' media in row (= token) order
 
@@ -52,7 +52,8 @@ class MicroBatch:
         )
 
     def gather(self, full: torch.Tensor) -> torch.Tensor:
-        """``[rows, L-1]`` per-position values -> ``[b, R]`` response values, 0 on padding."""
+        """``[rows, L-1]`` per-position values -> ``[b, R]`` response values, 0 on padding and
+        on observation tokens (as the engine's log-probs are)."""
         out = full.reshape(-1)[self.index.to(full.device)]
         zero = torch.zeros((), dtype=out.dtype, device=out.device)
         return torch.where(self.mask.to(full.device), out, zero)
@@ -75,6 +76,8 @@ def build_micro_batch(
     prompts = [batch.prompt(i) for i in idx]
     responses = [batch.response(i) for i in idx]
     mb = (_packed if packing else _padded)(prompts, responses, pad_id)
+    # Observation tokens stay in the inputs (context) but out of the mask: no loss, no count.
+    mb.mask &= batch.response_mask[idx, : mb.mask.shape[1]]
     mb.media = Media.cat([batch.media[i] for i in idx]) if batch.media else None
     mb.tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     return mb

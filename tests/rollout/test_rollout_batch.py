@@ -21,6 +21,7 @@ def make_batch(responses: list[list[int]], tag: str = "a") -> RolloutBatch:
         prompt_ids=pad_rows([[1] * (i + 1) for i in range(n)], dtype=torch.long),
         prompt_lens=torch.arange(1, n + 1),
         response_ids=ids,
+        response_lens=lens,
         response_mask=torch.arange(ids.shape[1]) < lens.unsqueeze(1),
         rollout_logprobs=pad_rows([[-0.5 * (j + 1) for j in range(len(r))] for r in responses]),
         reward_raw=torch.arange(n, dtype=torch.float64) + 0.1,
@@ -154,3 +155,23 @@ def _empty_rank(rank: int, world_size: int) -> None:
 
 def test_metric_accumulator_with_an_empty_rank():
     run_distributed(_empty_rank, world_size=2)
+
+
+def _gather_episodes(rank: int, world_size: int) -> None:
+    from lightrft.environments import Episode, EpisodeStats, ErrorKind
+
+    # Rank 0: two multi-turn samples with their episodes; rank 1: one without (None).
+    mine = make_batch([[1, 2, 3], [4]], "r0") if rank == 0 else make_batch([[5] * 5], "r1")
+    if rank == 0:
+        stats = EpisodeStats(turns=2, tool_calls=1, errors={ErrorKind.tool_timeout: 1})
+        mine.episodes = [Episode([{"role": "user", "content": "q0"}], stats=stats), None]
+    full = mine.all_gather()
+    assert full.episodes[0].stats.errors == {ErrorKind.tool_timeout: 1}
+    assert full.episodes[0].messages[0]["content"] == "q0"
+    assert full.episodes[1:] == [None, None]
+    assert full.select([2, 0]).episodes[1].stats.turns == 2
+    assert make_batch([[1]], "t").all_gather().episodes is None  # single-turn everywhere
+
+
+def test_all_gather_episodes_over_two_processes():
+    run_distributed(_gather_episodes, world_size=2)

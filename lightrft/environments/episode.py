@@ -1,0 +1,210 @@
+"""Multi-turn rollouts on the engine's continuation: one environment per trajectory.
+
+:class:`Episodes` is what a recipe's rollout holds for one ``engine.generate`` call with an
+environment: it builds one :class:`~lightrft.environments.base.Environment` per trajectory from
+the config's factory, renders each prompt's first turn (:meth:`Episodes.prompt_ids`, the tools
+in the template's system block), and answers the engine's :class:`~lightrft.engine.protocol.Turn`
+s (:meth:`Episodes.continuation`): decode the turn's sampled ids (for parsing only; the ids
+themselves stay in the trajectory), ``env.step(text)``, and the observation's ids rendered by the
+chat template, or None when the episode is done. Each trajectory's turns are kept as an
+:class:`Episode`: the final answer's text for the verifiers, the whole conversation for reward
+models, per-turn rewards, :class:`~lightrft.environments.base.EpisodeStats` and the record the
+trajectory files write.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightrft.engine.protocol import Completion, Turn
+from lightrft.environments.base import (
+    Environment,
+    EpisodeStats,
+    Message,
+    aggregate_stats,
+)
+from lightrft.environments.render import initial_prompt_ids, observation_ids
+
+__all__ = ["Episode", "Episodes", "TurnRecord", "episode_metrics"]
+
+
+@dataclass
+class TurnRecord:
+    """One assistant turn and the environment's answer to it.
+
+    ``observation_ids`` are the ids appended after the turn; ``dropped``: the observation did
+    not fit the trajectory's token budget (the engine ends the row ``"length"`` without it)."""
+
+    token_ids: list[int]
+    text: str
+    observation: list[Message] = field(default_factory=list)
+    observation_ids: list[int] = field(default_factory=list)
+    reward: float | None = None
+    errors: dict[str, int] = field(default_factory=dict)
+    tool_calls: int = 0
+    dropped: bool = False
+
+
+@dataclass
+class Episode:
+    """One trajectory's environment side: its first messages, its turns and its stats."""
+
+    messages: list[Message]
+    turns: list[TurnRecord] = field(default_factory=list)
+    stats: EpisodeStats = field(default_factory=EpisodeStats)
+    final_text: str = ""
+
+    def conversation(self) -> list[Message]:
+        """The chat before the final answer: first messages, then each earlier assistant turn
+        and its observation (what a reward model reads, with the final answer as response)."""
+        out = [dict(m) for m in self.messages]
+        for turn in self.turns:
+            if not turn.observation or turn.dropped:
+                break
+            out.append({"role": "assistant", "content": turn.text})
+            out.extend(dict(m) for m in turn.observation)
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """What a trajectory file keeps of the episode: every turn with its sampled ids,
+        text, observation (messages and ids), reward, tool calls and errors."""
+        s = self.stats
+        return {
+            "messages": self.messages,
+            "turns": [
+                {
+                    "token_ids": t.token_ids,
+                    "text": t.text,
+                    "observation": t.observation,
+                    "observation_ids": t.observation_ids,
+                    "observation_dropped": t.dropped,
+                    "reward": t.reward,
+                    "tool_calls": t.tool_calls,
+                    "errors": t.errors,
+                }
+                for t in self.turns
+            ],
+            "final_text": self.final_text,
+            "stats": {
+                "turns": s.turns,
+                "tool_calls": s.tool_calls,
+                "errors": {str(k): v for k, v in s.errors.items()},
+                "tool_seconds": s.tool_seconds,
+                "reward": s.reward,
+                "truncated": s.truncated,
+            },
+        }
+
+
+class Episodes:
+    """The environments of one generate call: ``n`` trajectories per prompt item.
+
+    Args:
+        factory: builds a fresh environment (the config's ``environment:`` component).
+        items: the prompt items (dataset records) in request order.
+        n: trajectories per item.
+        tokenizer: the policy's tokenizer (its chat template renders prompts and observations).
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], Environment],
+        items: Sequence[Mapping[str, Any]],
+        n: int,
+        tokenizer: Any,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.lock = threading.Lock()  # one tokenizer, continuations on several threads
+        self.envs: dict[tuple[int, int], Environment] = {}
+        self.episodes: dict[tuple[int, int], Episode] = {}
+        self.prompt_ids: list[list[int]] = []
+        for i, item in enumerate(items):
+            first = None
+            for j in range(n):
+                env = build_environment(factory)
+                messages = env.reset(item)
+                if first is None:
+                    first = messages
+                elif messages != first:
+                    raise ValueError(
+                        f"{type(env).__name__}.reset gave different first messages for the same "
+                        "item: the trajectories of a GRPO group must share their prompt"
+                    )
+                self.envs[i, j] = env
+                self.episodes[i, j] = Episode(messages=messages, stats=env.stats)
+            self.prompt_ids.append(
+                initial_prompt_ids(tokenizer, first, self.envs[i, 0].schemas or None)
+            )
+
+    def continuation(self, turn: Turn) -> list[int] | None:
+        """The engine's continuation: step the trajectory's environment with the turn's text;
+        its observation's ids, or None when the episode is done."""
+        key = (turn.request_index, turn.sample_index)
+        env, episode = self.envs[key], self.episodes[key]
+        with self.lock:
+            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+        calls_before = env.stats.tool_calls
+        step = env.step(text)
+        record = TurnRecord(
+            token_ids=list(turn.token_ids),
+            text=text,
+            reward=step.reward,
+            errors={str(k): v for k, v in step.errors.items()},
+            tool_calls=env.stats.tool_calls - calls_before,
+        )
+        episode.turns.append(record)
+        episode.stats = env.stats
+        if step.done:
+            return None
+        record.observation = [dict(m) for m in step.observation]
+        with self.lock:
+            ids = observation_ids(self.tokenizer, step.observation, env.schemas or None)
+        if len(ids) > turn.max_observation_tokens:
+            record.dropped = True  # the engine drops it and ends the row "length"
+        else:
+            record.observation_ids = ids
+        return ids
+
+    def finish(self, completions: Sequence[Completion]) -> list[Episode]:
+        """Each completion's episode, in completion order, with its final answer's text: the
+        last assistant turn's sampled ids (a turn the budget cut included), decoded. Its
+        ``stats.turns`` become the trajectory's assistant turns (the budget's cut one too,
+        which the environment never saw)."""
+        out = []
+        for c in completions:
+            episode = self.episodes[c.request_index, c.sample_index]
+            start = c.turn_spans[-1][0] if c.turn_spans else 0
+            episode.stats.turns = len(c.turn_spans) if c.turn_spans else 1
+            with self.lock:
+                episode.final_text = self.tokenizer.decode(
+                    c.token_ids[start:], skip_special_tokens=True
+                )
+            out.append(episode)
+        return out
+
+
+def build_environment(factory: Callable[[], Any]) -> Environment:
+    """A fresh environment from the factory, refusing anything that is not an Environment."""
+    env = factory()
+    if not isinstance(env, Environment):
+        raise TypeError(
+            f"environment: the component built a {type(env).__name__}, not an "
+            "lightrft.environments.Environment"
+        )
+    return env
+
+
+def episode_metrics(
+    episodes: Sequence[Episode], response_tokens: int, sampled_tokens: int
+) -> dict[str, float]:
+    """``env/*`` means over the step's trajectories (turns, tool calls, errors per kind,
+    truncated share, tool latency; :func:`aggregate_stats`), the mean summed per-turn reward,
+    and the share of response tokens that are observations."""
+    m = aggregate_stats([e.stats for e in episodes], prefix="env/")
+    m["env/turn_reward"] = sum(e.stats.reward for e in episodes) / max(len(episodes), 1)
+    observed = response_tokens - sampled_tokens
+    m["env/observation_token_frac"] = observed / max(response_tokens, 1)
+    return m
