@@ -24,6 +24,7 @@ import queue
 import selectors
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -130,11 +131,14 @@ class _Worker:
     """One ``python -m lightrft.rewards.math_equiv`` process speaking JSON lines."""
 
     def __init__(self) -> None:
+        # stderr to a file, not a pipe: a chatty worker can never block on it, and a worker that
+        # dies at start-up leaves its reason there.
+        self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lightrft.rewards.math_equiv"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             start_new_session=True,  # a Ctrl-C in the terminal is the parent's to handle
         )
         self.sel = selectors.DefaultSelector()
@@ -143,12 +147,23 @@ class _Worker:
         # Wait for the imports (seconds on a busy machine) outside any answer's time limit.
         line = self._readline(time.monotonic() + _STARTUP_SECONDS)
         if line != b"ready":
+            code = self.proc.poll()
+            if line:
+                why = f": {line.decode(errors='replace')}"
+            elif code is not None:
+                why = f": it exited with code {code}{self._stderr_tail()}"
+            else:
+                why = f" in {_STARTUP_SECONDS} s"
             self.close()
             raise RuntimeError(
-                "the math-verify worker did not start"
-                + (f": {line.decode(errors='replace')}" if line else f" in {_STARTUP_SECONDS} s")
-                + " (is math-verify installed? pip install math-verify)"
+                f"the math-verify worker ({sys.executable} -m lightrft.rewards.math_equiv) did "
+                f"not start{why} (is math-verify installed? pip install math-verify)"
             )
+
+    def _stderr_tail(self, limit: int = 600) -> str:
+        self.stderr.seek(0)
+        text = self.stderr.read().decode(errors="replace").strip()
+        return f"; its stderr ends: {text[-limit:]}" if text else ""
 
     def _readline(self, deadline: float) -> bytes | None:
         while b"\n" not in self.buf:
@@ -183,7 +198,7 @@ class _Worker:
             self.proc.kill()
         self.proc.wait()
         self.sel.close()
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.proc.stdin, self.proc.stdout, self.stderr):
             with suppress(OSError):
                 f.close()
 

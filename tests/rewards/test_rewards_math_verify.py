@@ -224,3 +224,16 @@ def test_an_equation_counts_as_its_right_side_only_after_a_variable(verifier, pr
         assert verifier.equivalent(a, b) is equal, (a, b)
         assert verifier(["q"], [f"\\boxed{{{a}}}"], [b], [None]) == [float(equal)]
         assert GSM8KVerifier().equivalent(a, b) is equal, (a, b)
+
+
+def test_a_worker_that_dies_at_start_says_why(tmp_path, monkeypatch):
+    # A worker that cannot import (e.g. lightrft not importable from the working directory)
+    # exits at once: the error gives its exit code and stderr, not a start-up timeout.
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'No module named lightrft' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr("sys.executable", str(fake))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code 3; its stderr ends: No module named"):
+        EquivalencePool(timeout=5.0).equal_many([("1", "1")])
+    assert time.monotonic() - start < 30
