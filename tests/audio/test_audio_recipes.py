@@ -166,6 +166,7 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
     assert tower and all(isinstance(p, DTensor) and p.requires_grad for p in tower)
 
 
+@pytest.mark.slow  # tower sharding: test_audio_models.py; media over 2 processes: the vision recipe tests
 def test_audio_sft_two_processes_train_the_tower(tmp_path):
     cfg = _sft_config(tmp_path, batch_size=4, max_steps=3, eval_dataset=None)
     data = yaml.safe_load(cfg.read_text())
@@ -314,6 +315,7 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
     _run_recipe("grpo", cfg_path)
 
 
+@pytest.mark.slow  # media GRPO over 2 processes: test_vlm_grpo_two_processes
 def test_audio_grpo_two_processes(tmp_path, alm_assets):
     cfg = _grpo_config(tmp_path, alm_assets, prepare=None, **{"eval.every": 1})
     run_distributed(_two_rank_grpo, str(cfg), world_size=2)

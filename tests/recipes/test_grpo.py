@@ -337,12 +337,14 @@ def test_training_forward_computes_the_lm_head_gradients(tmp_path, assets, monke
 @pytest.mark.parametrize(
     "objective,agg",
     [
+        # One token-level, one constant-norm and one sequence-level mode by default (the
+        # losses' own tests cover every mode's normaliser); the rest with `-m slow`.
         ("ppo", "seq_mean_token_mean"),
-        ("ppo", "seq_mean_token_sum"),
+        pytest.param("ppo", "seq_mean_token_sum", marks=pytest.mark.slow),
         ("ppo", "seq_mean_token_sum_norm"),  # Dr.GRPO: norm_len defaults to max_tokens
         ("gspo", None),
-        ("gmpo", None),
-        ("cpgd", None),
+        pytest.param("gmpo", None, marks=pytest.mark.slow),
+        pytest.param("cpgd", None, marks=pytest.mark.slow),
     ],
 )
 def test_accumulation_equals_one_big_batch_for_every_aggregation(tmp_path, assets, objective, agg):

@@ -189,6 +189,7 @@ def _two_rank_multi_turn(rank: int, world_size: int, cfg_path: str) -> None:
             assert row["train/approx_kl"] < 1e-6, row["train/approx_kl"]
 
 
+@pytest.mark.slow  # the masks are checked in one process; 2-process GRPO in test_grpo.py
 def test_a_multi_turn_run_on_two_gloo_processes(tmp_path, assets):
     """Episodes gathered over ranks (the env/* means are every rank's) and the global token
     counts of assistant tokens: on-policy with engine log-probs, the ratio stays 1."""

@@ -254,14 +254,12 @@ def test_fresh_run_into_a_used_directory_is_refused_unless_overwrite(
     assert (out_dir / "final").is_dir()
 
 
-# SIGTERM on every recipe; SIGINT (Ctrl-C, 130) on sft by default, on the others with
-# `-m slow` (each case starts a process: about 10 s of imports on 2 cores).
+# SIGTERM on every recipe; SIGINT (Ctrl-C, 130) with `-m slow` (each case starts a process:
+# about 10 s of imports on 2 cores; tests/training/test_training_preemption.py sends SIGINT too).
 SIGNAL_CASES = [
     *(pytest.param(r, signal.SIGTERM, 143, id=f"{r}-SIGTERM") for r in RECIPES),
     *(
-        pytest.param(
-            r, signal.SIGINT, 130, id=f"{r}-SIGINT", marks=() if r == "sft" else pytest.mark.slow
-        )
+        pytest.param(r, signal.SIGINT, 130, id=f"{r}-SIGINT", marks=pytest.mark.slow)
         for r in RECIPES
     ),
 ]

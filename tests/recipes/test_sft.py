@@ -366,6 +366,7 @@ def test_sft_with_torchao_adamw8bit(tmp_path):
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
 
 
+@pytest.mark.slow  # test_run_contract.py covers SIGTERM, overwrite and changed config for every recipe
 def test_sft_sigterm_saves_and_a_fresh_run_needs_overwrite(tmp_path, capsys):
     """A real SIGTERM to a real `lightrft run sft`: the step in flight finishes, a checkpoint of
     it is written, the run exits 143 and says where; then a fresh run into that directory is
