@@ -34,7 +34,6 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -69,8 +68,8 @@ from lightrft.environments import (
     Episodes,
     assistant_end_token,
     build_environment,
+    check_environment,
     episode_metrics,
-    require_tool_support,
 )
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.kernels import (
@@ -207,7 +206,8 @@ class GRPOConfig(TrainingConfig):
                 schedule.check_steps(self.max_steps, key)
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         _check_media(opts, prepare=self.run.prepare)
-        _check_environment(opts)
+        m = opts.model
+        check_environment(opts.environment, m.path, trust_remote_code=m.trust_remote_code)
         return opts
 
     def _critic(self) -> CriticConfig | None:
@@ -242,31 +242,6 @@ def _check_media(opts: GRPOConfig, *, prepare=None, loading: bool = False) -> No
             f"estimator=gae trains a critic, which is not supported with {kind} actor "
             f"({opts.model.path}): use a critic-free estimator (grpo, rloo, reinforce_pp, ...)"
         )
-
-
-def _check_environment(opts: GRPOConfig) -> None:
-    """An ``environment:`` needs a text model and, with tools, a chat template that renders
-    them and a tool-call format this library parses; checked from the checkpoint's tokenizer
-    before any model loads (again in setup when a ``prepare`` step writes the checkpoint).
-    Unknown keys and ``max_turns < 1`` are the component checker's (``lightrft.config``)."""
-    env = opts.environment
-    if env is None or not (Path(opts.model.path) / "config.json").exists():
-        return
-    if checkpoint_is_multimodal(opts.model.path):
-        raise ValueError(
-            f"environment: multi-turn rollouts take a text model; {opts.model.path} is "
-            "vision- or audio-language"
-        )
-    if env.get("tools"):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(
-            opts.model.path, trust_remote_code=opts.model.trust_remote_code
-        )
-        try:
-            require_tool_support(tok)
-        except ValueError as e:
-            raise ValueError(f"environment.tools: {e}") from None
 
 
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
@@ -425,7 +400,8 @@ class GRPORecipe:
         trajectory), one environment built to check it, the checkpoint's chat template."""
         self.environment, self.tool_schemas = None, None
         if self.opts.environment is not None:
-            _check_environment(self.opts)  # a checkpoint a prepare step wrote exists now
+            m = self.opts.model  # a checkpoint a prepare step wrote exists now
+            check_environment(self.opts.environment, m.path, trust_remote_code=m.trust_remote_code)
             self.environment = functools.partial(config.instantiate, self.opts.environment)
             self.tool_schemas = build_environment(self.environment).schemas or None
 

@@ -110,6 +110,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.config",
             "lightrft.distributed",
             "lightrft.data",
+            "lightrft.models",
             "lightrft.rewards",
             "lightrft.engine",
         },

@@ -3,6 +3,7 @@ JSON schemas, the Hermes / Qwen tool-call format, and observation tokens rendere
 chat template. See docs/environments.md."""
 
 from lightrft.environments.base import Environment, EpisodeStats, ErrorKind, Step, aggregate_stats
+from lightrft.environments.check import check_environment
 from lightrft.environments.episode import (
     Episode,
     Episodes,
@@ -51,6 +52,7 @@ __all__ = [
     "build_environment",
     "calculator",
     "calculator_tool",
+    "check_environment",
     "episode_metrics",
     "initial_prompt_ids",
     "observation_ids",
