@@ -66,10 +66,10 @@ from lightrft.engine import SamplingParams
 from lightrft.engine.config import EngineConfig, RolloutConfig
 from lightrft.environments import (
     Episodes,
-    assistant_end_token,
     build_environment,
     check_environment,
     episode_metrics,
+    stop_at_turn_end,
 )
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.kernels import (
@@ -412,13 +412,8 @@ class GRPORecipe:
         )
         self.rollout_engine = ColocatedEngine(engine, self.strategy, o.engine.sleep_level)
         self.sampling = o.rollout.sampling()
-        if self.environment is not None:  # an assistant turn ends at the template's end token
-            end = self.tokenizer.convert_tokens_to_ids(
-                assistant_end_token(self.tokenizer, self.tool_schemas)
-            )
-            if end not in self.sampling.stop_token_ids:
-                stops = [*self.sampling.stop_token_ids, end]
-                self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stops)
+        if self.environment is not None:
+            self.sampling = stop_at_turn_end(self.sampling, self.tokenizer, self.tool_schemas)
 
     def _setup_rewards_and_data(self) -> None:
         o = self.opts

@@ -10,6 +10,7 @@ from lightrft.environments.episode import (
     TurnRecord,
     build_environment,
     episode_metrics,
+    stop_at_turn_end,
 )
 from lightrft.environments.render import (
     assistant_end_token,
@@ -59,5 +60,6 @@ __all__ = [
     "parse_tool_calls",
     "python_tool",
     "require_tool_support",
+    "stop_at_turn_end",
     "tool_call_format",
 ]

@@ -14,21 +14,29 @@ trajectory files write.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightrft.engine.protocol import Completion, Turn
+from lightrft.engine.protocol import Completion, SamplingParams, Turn
 from lightrft.environments.base import (
     Environment,
     EpisodeStats,
     Message,
     aggregate_stats,
 )
-from lightrft.environments.render import initial_prompt_ids, observation_ids
+from lightrft.environments.render import assistant_end_token, initial_prompt_ids, observation_ids
 
-__all__ = ["Episode", "Episodes", "TurnRecord", "episode_metrics"]
+__all__ = [
+    "Episode",
+    "Episodes",
+    "TurnRecord",
+    "build_environment",
+    "episode_metrics",
+    "stop_at_turn_end",
+]
 
 
 @dataclass
@@ -195,6 +203,17 @@ def build_environment(factory: Callable[[], Any]) -> Environment:
             "lightrft.environments.Environment"
         )
     return env
+
+
+def stop_at_turn_end(
+    params: SamplingParams, tokenizer: Any, tools: Sequence[dict[str, Any]] | None
+) -> SamplingParams:
+    """``params`` with the chat template's assistant end token (``<|im_end|>``) among its stop
+    ids: a turn must stop there for the engine to hand it to the continuation."""
+    end = tokenizer.convert_tokens_to_ids(assistant_end_token(tokenizer, tools))
+    if end in params.stop_token_ids:
+        return params
+    return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, end])
 
 
 def episode_metrics(
