@@ -83,12 +83,13 @@ class EpisodeStats:
 
 
 def aggregate_stats(stats: Sequence[EpisodeStats], prefix: str = "env/") -> dict[str, float]:
-    """Means over episodes (turns, tool calls, errors per kind, truncated share) and tool
-    latency (mean and max seconds per call)."""
+    """Means over episodes (turns, tool calls, the share of episodes with a tool call, errors
+    per kind, truncated share) and tool latency (mean and max seconds per call)."""
     n = max(len(stats), 1)
     out = {
         f"{prefix}turns": sum(s.turns for s in stats) / n,
         f"{prefix}tool_calls": sum(s.tool_calls for s in stats) / n,
+        f"{prefix}tool_use_frac": sum(s.tool_calls > 0 for s in stats) / n,
         f"{prefix}truncated": sum(s.truncated for s in stats) / n,
     }
     for kind in ErrorKind:

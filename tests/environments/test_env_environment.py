@@ -236,6 +236,7 @@ def test_aggregate_stats_by_hand():
     b = EpisodeStats(turns=1, truncated=True)
     m = aggregate_stats([a, b])
     assert m["env/turns"] == 2.0 and m["env/tool_calls"] == 1.0 and m["env/truncated"] == 0.5
+    assert m["env/tool_use_frac"] == 0.5
     assert m["env/errors/unknown_tool"] == 0.5 and m["env/errors/tool_timeout"] == 0.0
     assert m["env/tool_seconds_mean"] == pytest.approx(0.2) and m["env/tool_seconds_max"] == 0.3
 
