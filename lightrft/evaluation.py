@@ -3,18 +3,22 @@
 The estimators are pure functions (hand-checkable). :func:`evaluate_items` is the loop a recipe
 runs on its share of the prompts: generate with any engine, score with any reward, extract
 answers for the vote; :func:`summarize` turns the records of all ranks into the summary, so one
-and N processes report the same numbers for the same samples.
+and N processes report the same numbers for the same samples. With an environment each sample
+is a multi-turn episode played by :class:`~lightrft.environments.Episodes` (what GRPO's rollout
+plays): the final answers are scored and voted on, and the summary adds the ``env/*`` metrics.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightrft.data.prompts import conversation
 from lightrft.distributed import DistInfo, all_gather_objects
+from lightrft.engine.protocol import Continuation
+from lightrft.environments import Environment, Episode, Episodes, episode_metrics
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
 __all__ = [
@@ -78,19 +82,28 @@ class EvalRecord:
     lengths: list[int]
     parts: dict[str, list[float]] = field(default_factory=dict)  # reward function -> rewards
     extra: dict[str, Any] = field(default_factory=dict)
+    episodes: list[Episode] | None = None  # with an environment: each sample's episode
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The JSONL row; with an environment, ``episodes`` holds every sample's turns (sampled
+        ids, text, tool calls, observation messages and ids, errors) and its stats."""
+        out = asdict(replace(self, episodes=None))
+        del out["episodes"]  # a single-turn row stays as it was
+        if self.episodes is not None:
+            out["episodes"] = [e.record() for e in self.episodes]
+        return out
 
 
 def evaluate_items(
     items: Sequence[Mapping[str, Any]],
     indices: Sequence[int],
-    generate: Callable[[list[list[int]]], list[Any]],
+    generate: Callable[[list[list[int]], Continuation | None], list[Any]],
     reward_fn: Callable[..., Any],
     n: int,
     accuracy: str | None = None,
     extract: Callable[[str], str | None] | None = None,
+    environment: Callable[[], Environment] | None = None,
+    tokenizer: Any = None,
 ) -> list[EvalRecord]:
     """Generate ``n`` samples for each item (``prompt_ids``, ``prompt``, ``reference``,
     ``label``; ``messages`` and ``media`` give the reward its conversations), score them and
@@ -98,30 +111,49 @@ def evaluate_items(
 
     Args:
         items, indices: the prompts of this rank and their indices in the dataset.
-        generate: prompt token ids -> completions ordered by (prompt, sample), ``n`` each
-            (an engine's ``generate`` with the sampling parameters bound).
+        generate: ``(prompt token ids, continuation)`` -> completions ordered by (prompt,
+            sample), ``n`` each (an engine's ``generate`` with the sampling parameters bound);
+            the continuation is None without an environment.
         reward_fn: a :class:`~lightrft.rewards.CombinedReward` (or anything called as one,
             conversations included, and returning a ``RewardOutput``).
         accuracy: the reward function whose positive reward means "correct" (``None``: the
             total).
         extract: response -> answer for maj@k (``None``: the response's normalised text).
+        environment: builds one environment per sample (multi-turn): the first prompt comes
+            from its ``reset`` (tools in the template's system block), each sample's final
+            answer (its last assistant turn) is scored and voted on, and reward models read the
+            conversation before it, as in GRPO's rollout. Needs ``tokenizer``.
     """
+    episodes = None
+    prompt_ids = [list(it["prompt_ids"]) for it in items]
+    if environment is not None:
+        if tokenizer is None:
+            raise ValueError("evaluate_items: an environment needs the tokenizer")
+        episodes = Episodes(environment, items, n, tokenizer)
+        prompt_ids = episodes.prompt_ids
     # generate() runs even without items: an engine's wake-up can be a collective every rank joins.
-    completions = generate([list(it["prompt_ids"]) for it in items])
+    completions = generate(prompt_ids, episodes.continuation if episodes else None)
     if not items:
         return []
     if len(completions) != n * len(items):
         raise RuntimeError(
             f"the engine returned {len(completions)} completions for {len(items)} prompts x {n}"
         )
-    texts = [c.text or "" for c in completions]
     rep = [it for it in items for _ in range(n)]
+    if episodes is None:
+        played = None
+        texts = [c.text or "" for c in completions]
+        chats = [conversation(it.get("messages"), it.get("media")) for it in rep]
+    else:
+        played = episodes.finish(completions)
+        texts = [e.final_text for e in played]
+        chats = [e.conversation() for e in played]
     out = reward_fn(
         [it["prompt"] for it in rep],
         texts,
         [it.get("reference") for it in rep],
         [it.get("label") for it in rep],
-        [conversation(it.get("messages"), it.get("media")) for it in rep],
+        chats,
     )
     scores = (out.parts[accuracy] if accuracy else out.total).tolist()
     totals = out.total.tolist()
@@ -140,6 +172,7 @@ def evaluate_items(
                 correct=[float(s) > 0 for s in scores[sl]],
                 lengths=[len(c.token_ids) for c in completions[sl]],
                 parts={k: [float(v) for v in p.tolist()[sl]] for k, p in out.parts.items()},
+                episodes=None if played is None else played[sl],
             )
         )
     return records
@@ -147,7 +180,7 @@ def evaluate_items(
 
 def evaluate_dataset(
     dataset: Sequence[Mapping[str, Any]],
-    generate: Callable[[list[list[int]], list[Mapping[str, Any]]], list],
+    generate: Callable[[list[list[int]], list[Mapping[str, Any]], Continuation | None], list],
     reward_fn: Callable,
     n: int,
     dist: DistInfo,
@@ -155,21 +188,26 @@ def evaluate_dataset(
     limit: int | None = None,
     accuracy: str | None = None,
     extract: Callable[[str], str | None] | None = None,
+    environment: Callable[[], Environment] | None = None,
+    tokenizer: Any = None,
 ) -> list[EvalRecord]:
     """:func:`evaluate_items` over a dataset split across ranks (collective): each rank takes
     every world_size-th of the first ``limit`` prompts; every rank gets all records, in dataset
-    order. ``generate(prompt_ids, items)``: the items ride along for their media."""
+    order. ``generate(prompt_ids, items, continuation)``: the items ride along for their
+    media."""
     total = len(dataset) if limit is None else min(len(dataset), limit)
     mine = list(range(dist.rank, total, dist.world_size))
     items = [dataset[i] for i in mine]
     records = evaluate_items(
         items,
         mine,
-        lambda ids: generate(ids, items),
+        lambda ids, continuation: generate(ids, items, continuation),
         reward_fn,
         n,
         accuracy=accuracy,
         extract=extract,
+        environment=environment,
+        tokenizer=tokenizer,
     )
     return sorted((r for part in all_gather_objects(records) for r in part), key=lambda r: r.index)
 
@@ -177,7 +215,8 @@ def evaluate_dataset(
 def summarize(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, float]:
     """Dataset-level metrics over all records (every rank's, in any order): ``pass@k``,
     ``maj@k``, ``mean@k`` for each k in ``ks`` (k <= samples per prompt), the mean reward and
-    response length, and the number of prompts and samples."""
+    response length, and the number of prompts and samples; with episodes, the ``env/*``
+    means over every sample (:func:`~lightrft.environments.episode_metrics`)."""
     records = sorted(records, key=lambda r: r.index)
     if not records:
         raise ValueError("nothing to summarise: no records")
@@ -194,6 +233,12 @@ def summarize(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, flo
     for name in records[0].parts:
         out[f"reward/{name}"] = _mean(math.fsum(r.parts[name]) / n for r in records)
     out["response_length"] = _mean(sum(r.lengths) / len(r.lengths) for r in records)
+    if records[0].episodes is not None:
+        played = [e for r in records for e in r.episodes[:n]]
+        response = sum(sum(r.lengths[:n]) for r in records)
+        # The observation ids the episodes appended are exactly the response's unsampled ids.
+        observed = sum(len(t.observation_ids) for e in played for t in e.turns)
+        out.update(episode_metrics(played, response, response - observed))
     return out
 
 

@@ -118,11 +118,11 @@ class EvalRecipe:
         )
 
     def run(self) -> dict[str, float]:
-        def generate(prompt_ids: list[list[int]], items: list) -> list:
+        def generate(prompt_ids: list[list[int]], items: list, continuation) -> list:
             requests = [
                 Request(ids, it.get("media")) for ids, it in zip(prompt_ids, items, strict=True)
             ]
-            return self.engine.generate(requests, self.params)
+            return self.engine.generate(requests, self.params, continuation=continuation)
 
         records = evaluate_dataset(
             self.dataset,

@@ -902,21 +902,23 @@ class GRPORecipe:
         )
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
 
-        def generate(prompt_ids: list[list[int]], items: list) -> list:
+        def generate(prompt_ids: list[list[int]], items: list, continuation) -> list:
             media = [it.get("media") for it in items]
-            episodes, continuation = None, None
-            if self.environment is not None:  # with the tools, as in training
-                episodes = Episodes(self.environment, items, 1, self.tokenizer)
-                prompt_ids, continuation = episodes.prompt_ids, episodes.continuation
             completions = self.rollout_engine.generate(prompt_ids, params, media, continuation)
             self.rollout_engine.sleep()  # the engine's memory goes back before scoring
-            if episodes is not None:  # the final answer is what is scored
-                for c, e in zip(completions, episodes.finish(completions), strict=True):
-                    c.text = e.final_text
             return completions
 
+        # With an environment the held-out prompts are played with the tools, as in training,
+        # and the final answers are scored.
         records = evaluate_dataset(
-            self.eval_dataset, generate, self.reward_fn, 1, self.dist, accuracy=name
+            self.eval_dataset,
+            generate,
+            self.reward_fn,
+            1,
+            self.dist,
+            accuracy=name,
+            environment=self.environment,
+            tokenizer=self.tokenizer,
         )
         s = summarize(records, [1])
         out = {

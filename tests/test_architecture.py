@@ -96,12 +96,14 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
         },
     ),
     "lightrft.evaluation": (
-        9,
+        10,
         {
             "lightrft.config",
             "lightrft.distributed",
             "lightrft.data",
+            "lightrft.engine",
             "lightrft.rewards",
+            "lightrft.environments",
         },
     ),
     "lightrft.environments": (

@@ -51,3 +51,37 @@ def test_summarize_hand_numbers_and_order_independence():
     assert summarize(recs[::-1], [1, 2, 4]) == s
     with pytest.raises(ValueError, match="k=8"):
         summarize(recs, [8])
+
+
+def test_summarize_over_episodes_hand_numbers_and_json_rows():
+    """With episodes: the env/* means over every sample, observation tokens counted from the
+    ids the episodes appended; each JSON row holds every turn."""
+    from lightrft.environments import Episode, EpisodeStats, ErrorKind, TurnRecord
+
+    tool = {"role": "tool", "name": "calculator", "content": "408"}
+    called = Episode(
+        messages=[{"role": "user", "content": "q"}],
+        turns=[TurnRecord([1, 2], "call", [tool], [7, 7, 7], tool_calls=1), TurnRecord([3], "a")],
+        stats=EpisodeStats(turns=2, tool_calls=1, tool_seconds=[0.5]),
+        final_text="a",
+    )
+    failed = Episode(
+        messages=[{"role": "user", "content": "q"}],
+        stats=EpisodeStats(turns=1, tool_calls=1, errors={ErrorKind.unknown_tool: 1}),
+        final_text="b",
+    )
+    plain = Episode(messages=[{"role": "user", "content": "q"}], stats=EpisodeStats(turns=1))
+    recs = [_rec(0, ["a", "b"], [True, False]), _rec(1, ["c", "c"], [False, False])]
+    recs[0].lengths = [6, 2]  # 2 + 3 observation + 1 sampled; 2 sampled
+    recs[1].lengths = [2, 2]
+    recs[0].episodes, recs[1].episodes = [called, failed], [plain, plain]
+    s = summarize(recs, [1, 2])
+    assert s["pass@2"] == 0.5 and s["maj@2"] == 0.5
+    assert s["env/turns"] == 5 / 4 and s["env/tool_calls"] == 2 / 4
+    assert s["env/tool_use_frac"] == 2 / 4 and s["env/errors/unknown_tool"] == 1 / 4
+    assert s["env/observation_token_frac"] == 3 / 12 and s["env/tool_seconds_max"] == 0.5
+    row = recs[0].to_json()
+    assert [e["final_text"] for e in row["episodes"]] == ["a", "b"]
+    assert row["episodes"][0]["turns"][0]["observation"] == [tool]
+    assert row["episodes"][1]["stats"]["errors"] == {"unknown_tool": 1}
+    assert "episodes" not in _rec(0, ["a"], [True]).to_json()  # a single-turn row as before

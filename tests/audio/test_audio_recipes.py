@@ -353,9 +353,9 @@ def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(
     seen = []
     generate = NativeEngine.generate
 
-    def recording(self, requests, params):
+    def recording(self, requests, params, continuation=None):
         seen.extend(requests)
-        return generate(self, requests, params)
+        return generate(self, requests, params, continuation)
 
     monkeypatch.setattr(NativeEngine, "generate", recording)
     data = alm_assets / "data" / "test.jsonl"

@@ -403,9 +403,9 @@ def test_eval_recipe_on_a_vlm_sends_each_prompt_its_images(tmp_path, vlm_assets,
     seen = []
     generate = NativeEngine.generate
 
-    def recording(self, requests, params):
+    def recording(self, requests, params, continuation=None):
         seen.extend(requests)
-        return generate(self, requests, params)
+        return generate(self, requests, params, continuation)
 
     monkeypatch.setattr(NativeEngine, "generate", recording)
     data = vlm_assets / "data" / "test.jsonl"
