@@ -7,7 +7,10 @@ For each prompt: ``sampling.n`` responses (greedy with temperature 0), scored by
 the answers are extracted (``answer_reward``'s ``extract``) for maj@k. Reports pass@k (unbiased,
 Chen et al. 2021), maj@k, mean@k, mean reward and response length for each k in ``ks``; writes
 ``samples.jsonl`` (one prompt per line) and ``summary.json`` to ``output_dir`` and prints a
-table. The model is an HF directory or a LightRFT export (``<output_dir>/final``); a DCP training
+table. With an ``environment:`` section (GRPO's) each response is a multi-turn episode played
+through the same ``Episodes`` as GRPO's rollout: its final answer is scored and voted on, the
+summary adds the ``env/*`` metrics and each line of ``samples.jsonl`` every turn of every
+episode. The model is an HF directory or a LightRFT export (``<output_dir>/final``); a DCP training
 checkpoint must be exported first. A vision- or audio-language model is loaded with its
 processor, which the dataset gets in place of the tokenizer, and each prompt's images / audio go
 to the engine with it. The numbers come from :mod:`lightrft.evaluation`, the same
@@ -17,6 +20,7 @@ code a training recipe can call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 
@@ -27,6 +31,7 @@ from lightrft.config import Component, Section, option, section
 from lightrft.distributed import barrier
 from lightrft.engine import Request, SamplingParams
 from lightrft.engine.config import EngineConfig
+from lightrft.environments import build_environment, check_environment, stop_at_turn_end
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward, reward_names
@@ -67,6 +72,9 @@ class EvalConfig(Section):
     sampling: SamplingConfig = option(default_factory=SamplingConfig, doc="")
     ks: list[int] | None = option(None, doc="the k of pass@k / maj@k; default powers up to n")
     max_prompts: int | None = option(None, ge=1, doc="evaluate the first this many prompts")
+    environment: Component | None = option(
+        None, doc="multi-turn: builds one Environment per sample (ToolEnvironment + tools)"
+    )
 
     def resolve(self, at: str) -> EvalConfig:
         n = self.sampling.n
@@ -80,6 +88,9 @@ class EvalConfig(Section):
             if val is not None and names and val not in names:
                 raise ValueError(f"{key}={val!r} is not a reward function; they are {names}")
         check_model_path(self.model.path, prepare=self.run.prepare)
+        check_environment(
+            self.environment, self.model.path, trust_remote_code=self.model.trust_remote_code
+        )
         return dataclasses.replace(self, ks=tuple(ks))
 
 
@@ -97,6 +108,11 @@ class EvalRecipe:
     def setup(self, cfg: DictConfig) -> None:
         o, m, e = self.opts, self.opts.model, self.opts.engine
         check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
+        self.environment, tools = None, None
+        if o.environment is not None:  # checked again: a checkpoint prepare wrote exists now
+            check_environment(o.environment, m.path, trust_remote_code=m.trust_remote_code)
+            self.environment = functools.partial(config.instantiate, o.environment)
+            tools = build_environment(self.environment).schemas or None
         processor, self.tokenizer = load_processors(m.path, trust_remote_code=m.trust_remote_code)
         self.dataset = config.instantiate(o.dataset, processor)
         self.reward_fn = build_reward(o.reward)
@@ -116,6 +132,8 @@ class EvalRecipe:
             max_tokens=s.max_tokens,
             seed=o.run.seed,
         )
+        if self.environment is not None:
+            self.params = stop_at_turn_end(self.params, self.tokenizer, tools)
 
     def run(self) -> dict[str, float]:
         def generate(prompt_ids: list[list[int]], items: list, continuation) -> list:
@@ -133,6 +151,8 @@ class EvalRecipe:
             limit=self.opts.max_prompts,
             accuracy=self.accuracy,
             extract=self.extract,
+            environment=self.environment,
+            tokenizer=self.tokenizer,
         )
         summary = summarize(records, list(self.opts.ks))
         if self.dist.is_main:
