@@ -1,5 +1,7 @@
 """pass@k / maj@k / mean@k with hand-computed numbers, and summarize()."""
 
+import pickle
+
 import pytest
 
 from lightrft.evaluation import EvalRecord, maj_at_k, mean_at_k, pass_at_k, summarize
@@ -85,3 +87,5 @@ def test_summarize_over_episodes_hand_numbers_and_json_rows():
     assert row["episodes"][0]["turns"][0]["observation"] == [tool]
     assert row["episodes"][1]["stats"]["errors"] == {"unknown_tool": 1}
     assert "episodes" not in _rec(0, ["a"], [True]).to_json()  # a single-turn row as before
+    # Records travel between ranks pickled (all_gather_objects): episodes included.
+    assert pickle.loads(pickle.dumps(recs[0])).to_json() == row
