@@ -17,7 +17,7 @@ from typing import Any
 
 from lightrft.data.prompts import conversation
 from lightrft.distributed import DistInfo, all_gather_objects
-from lightrft.engine.protocol import Continuation
+from lightrft.engine import Continuation
 from lightrft.environments import Environment, Episode, Episodes, episode_metrics
 from lightrft.rewards.math_answer import answer_key, majority_vote
 

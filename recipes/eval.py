@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightrft import config
 from lightrft.config import Component, Section, option, section
 from lightrft.distributed import barrier
-from lightrft.engine import Request, SamplingParams
+from lightrft.engine import Continuation, Request, SamplingParams
 from lightrft.engine.config import EngineConfig
 from lightrft.environments import build_environment, check_environment, stop_at_turn_end
 from lightrft.evaluation import evaluate_dataset, summarize
@@ -136,7 +136,9 @@ class EvalRecipe:
             self.params = stop_at_turn_end(self.params, self.tokenizer, tools)
 
     def run(self) -> dict[str, float]:
-        def generate(prompt_ids: list[list[int]], items: list, continuation) -> list:
+        def generate(
+            prompt_ids: list[list[int]], items: list, continuation: Continuation | None
+        ) -> list:
             requests = [
                 Request(ids, it.get("media")) for ids, it in zip(prompt_ids, items, strict=True)
             ]

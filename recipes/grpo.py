@@ -62,7 +62,7 @@ from lightrft.algorithms.config import AlgorithmConfig
 from lightrft.config import Component, Section, option, section
 from lightrft.data import build_dataloader, collate_prompts, conversation, epoch_batches
 from lightrft.distributed import sum_over_ranks
-from lightrft.engine import SamplingParams
+from lightrft.engine import Continuation, SamplingParams
 from lightrft.engine.config import EngineConfig, RolloutConfig
 from lightrft.environments import (
     Episodes,
@@ -902,7 +902,9 @@ class GRPORecipe:
         )
         name = ev.accuracy_reward or (self.reward_names[0] if self.reward_names else None)
 
-        def generate(prompt_ids: list[list[int]], items: list, continuation) -> list:
+        def generate(
+            prompt_ids: list[list[int]], items: list, continuation: Continuation | None
+        ) -> list:
             media = [it.get("media") for it in items]
             completions = self.rollout_engine.generate(prompt_ids, params, media, continuation)
             self.rollout_engine.sleep()  # the engine's memory goes back before scoring
