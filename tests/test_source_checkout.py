@@ -32,3 +32,19 @@ def test_a_checkout_on_pythonpath_maps_its_own_top_level_folders(tmp_path):
     ).stdout.split()
     assert len(out) == 5
     assert all(Path(p).resolve().is_relative_to(copy.resolve()) for p in out), out
+
+
+def test_the_wheel_lists_every_subpackage():
+    """setuptools' explicit ``packages`` list: a subpackage missing there is absent from a wheel
+    (the editable install and source checkouts hide it; lightrft.environments once was)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        "lightrft." + ".".join(p.parent.relative_to(ROOT / "lightrft").parts)
+        for p in (ROOT / "lightrft").rglob("__init__.py")
+        if p.parent != ROOT / "lightrft" and "__pycache__" not in p.parts
+    }
+    assert found - listed == set()
