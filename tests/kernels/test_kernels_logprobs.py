@@ -297,5 +297,21 @@ def test_liger_matches_torch_on_cuda(dtype):
                 entropy_grad=False,
             )
         )
-    tol = {"atol": 2e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
-    assert_close_all(outs[1], outs[0], **tol)
+    if dtype == torch.float32:
+        assert_close_all(outs[1], outs[0], atol=2e-4, rtol=1e-4)
+        return
+    # bf16: the two backends round the partial sums of the weight and bias gradients (sums
+    # over the 300 rows) at different points, so a few of their 640k entries differ by several
+    # bf16 ulps (measured on an H100: 2 entries, 0.125 at 2.8). Per entry for the other
+    # outputs; the sums by their relative error as a whole and a looser bound per entry.
+    sums = ("weight", "bias")
+    assert_close_all(
+        {k: v for k, v in outs[1].items() if k not in sums},
+        {k: v for k, v in outs[0].items() if k not in sums},
+        atol=5e-2,
+        rtol=2e-2,
+    )
+    for k in sums:
+        got, ref = outs[1][k].double(), outs[0][k].double()
+        assert (got - ref).norm() / ref.norm() < 1e-2, k
+        torch.testing.assert_close(got, ref, atol=0.25, rtol=0.05, msg=lambda m, k=k: f"{k}: {m}")
