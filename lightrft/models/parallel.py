@@ -100,6 +100,14 @@ def parallelize(
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if mesh is None:
+        # FSDP2's default mesh is on CUDA whenever CUDA exists: a CPU model (device=cpu, or the
+        # gloo tests) on a GPU machine would be moved there. Shard where the model lives.
+        dev = next((p.device for p in model.parameters() if not p.is_meta), None)
+        if dev is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     if param_dtype is None:
         param_dtype = default_param_dtype(next(model.parameters()).device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
