@@ -37,8 +37,9 @@ def test_a_checkout_on_pythonpath_maps_its_own_top_level_folders(tmp_path):
 def test_the_wheel_lists_every_subpackage():
     """setuptools' explicit ``packages`` list: a subpackage missing there is absent from a wheel
     (the editable install and source checkouts hide it; lightrft.environments once was)."""
-    import tomllib
+    import pytest
 
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
     listed = set(
         tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     )
