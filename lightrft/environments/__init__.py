@@ -1,6 +1,6 @@
 """Multi-turn environments and tools (issue 24): the environment protocol, tools with generated
 JSON schemas, the Hermes / Qwen tool-call format, and observation tokens rendered by the model's
-chat template. See docs/environments.md."""
+chat template, and SFT on tool-use transcripts rendered the same way. See docs/environments.md."""
 
 from lightrft.environments.base import Environment, EpisodeStats, ErrorKind, Step, aggregate_stats
 from lightrft.environments.episode import (
@@ -12,9 +12,11 @@ from lightrft.environments.episode import (
 )
 from lightrft.environments.render import (
     assistant_end_token,
+    assistant_turn_text,
     initial_prompt_ids,
     observation_ids,
     require_tool_support,
+    transcript_ids,
 )
 from lightrft.environments.tool_calls import (
     MalformedCall,
@@ -30,7 +32,9 @@ from lightrft.environments.tools import (
     calculator,
     calculator_tool,
     python_tool,
+    shipped_tool,
 )
+from lightrft.environments.transcripts import ToolSFTDataset
 
 __all__ = [
     "Environment",
@@ -44,10 +48,12 @@ __all__ = [
     "ToolCall",
     "ToolEnvironment",
     "ToolResult",
+    "ToolSFTDataset",
     "ToolTimeout",
     "TurnRecord",
     "aggregate_stats",
     "assistant_end_token",
+    "assistant_turn_text",
     "build_environment",
     "calculator",
     "calculator_tool",
@@ -57,5 +63,7 @@ __all__ = [
     "parse_tool_calls",
     "python_tool",
     "require_tool_support",
+    "shipped_tool",
     "tool_call_format",
+    "transcript_ids",
 ]
