@@ -78,11 +78,24 @@ def _turn(tok, sample: int, index: int, text: str, so_far: list[int]) -> Turn:
     return Turn(0, sample, index, ids, [-0.5] * len(ids), so_far + ids, 10_000)
 
 
-@pytest.mark.parametrize("tokenizer", ["qwen_tok", "bpe_tok"])
+@pytest.fixture
+def tiny_model_tok(tiny_model_dir):
+    """The tokenizer of a tiny model directory, with the Qwen2.5-style tool template."""
+    from transformers import AutoTokenizer
+
+    from lightrft.tasks.tiny import TOOL_CHAT_TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    return tok
+
+
+@pytest.mark.parametrize("tokenizer", ["tiny_model_tok", "bpe_tok"])
 def test_a_transcript_is_tokenised_as_the_rollout_holds_it(tokenizer, request):
     """An episode played through the rollout's environment side (``Episodes``: first prompt,
-    a real calculator, observation ids), then the same conversation as an SFT record: the same
-    ids token for token, and the labels exactly on the sampled ids."""
+    a real calculator, observation ids; the engine's turns are the texts' ids and the stop
+    token), then the same conversation as an SFT record: the same ids token for token, and the
+    labels exactly on the sampled ids."""
     tok = request.getfixturevalue(tokenizer)
     eps = Episodes(
         lambda: ToolEnvironment([calculator_tool()], max_turns=4), [{"prompt": QUESTION}], 1, tok
