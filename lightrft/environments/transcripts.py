@@ -32,7 +32,13 @@ from lightrft.environments.render import (
     transcript_ids,
 )
 from lightrft.environments.tool_calls import MalformedCall, parse_tool_calls
-from lightrft.environments.tools import SHIPPED_TOOLS, Tool, shipped_tool, validate_arguments
+from lightrft.environments.tools import (
+    SHIPPED_TOOLS,
+    Tool,
+    as_text,
+    shipped_tool,
+    validate_arguments,
+)
 
 __all__ = ["ToolSFTDataset", "check_transcript", "resolve_tools"]
 
@@ -177,6 +183,11 @@ def check_transcript(
         msg = dict(m)
         if role == "assistant" and msg.get("content") is None and msg.get("tool_calls"):
             msg["content"] = ""  # OpenAI's `content: null` beside tool calls
+        if role == "tool" and not isinstance(msg.get("content"), str):
+            # A tool's JSON result, shown as the ToolEnvironment shows one (json.dumps).
+            text = as_text(msg.get("content"))
+            if text is not None:
+                msg["content"] = text
         if not isinstance(msg.get("content"), str):
             raise DataError(f"{at}.content must be a string (tool transcripts are text)")
         if role == "assistant" and k == 0:

@@ -132,6 +132,23 @@ def test_a_transcript_is_tokenised_as_the_rollout_holds_it(tokenizer, request):
     assert loss == [False] * len(prompt) + sampled
 
 
+def test_a_json_tool_result_is_shown_as_the_environment_shows_it(qwen_tok):
+    def chat(result) -> dict:
+        return {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": call("2+2")},
+                {"role": "tool", "content": result},
+                {"role": "assistant", "content": "4"},
+            ]
+        }
+
+    ds = ToolSFTDataset(qwen_tok, records=[chat({"value": 4}), chat('{"value": 4}')])
+    assert ds[0]["input_ids"].tolist() == ds[1]["input_ids"].tolist()
+    with pytest.raises(DataError, match=r"messages\[2\].content must be a string"):
+        ToolSFTDataset(qwen_tok, records=[chat(None)])
+
+
 def test_prompt_completion_records_and_plain_chats_render_the_same_way(qwen_tok):
     tools = [calculator_tool().schema]
     as_chat = {
