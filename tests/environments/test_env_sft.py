@@ -311,3 +311,11 @@ def test_the_plain_sft_dataset_points_tool_transcripts_to_the_tool_dataset(qwen_
         SFTDataset(qwen_tok, records=[record])
     with pytest.raises(DataError, match=r"field 'tools'"):
         SFTDataset(qwen_tok, records=[{"prompt": "q", "completion": "a", "tools": ["calculator"]}])
+
+
+def test_shipped_tools_by_name():
+    from lightrft.environments import shipped_tool
+
+    assert [shipped_tool(n).name for n in ("calculator", "python")] == ["calculator", "python"]
+    with pytest.raises(ValueError, match="the shipped tools are: calculator, python"):
+        shipped_tool("search")
