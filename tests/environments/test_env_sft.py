@@ -275,7 +275,21 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("messages, tools, msg", BAD)
+BAD_IDS = [
+    "tool-without-call",
+    "more-results-than-calls",
+    "call-not-json",
+    "arguments-not-json",
+    "last-turn-not-assistant",
+    "unknown-tool",
+    "bad-arguments",
+    "unknown-shipped-tool",
+    "unanswered-call",
+    "two-assistant-turns",
+]
+
+
+@pytest.mark.parametrize("messages, tools, msg", BAD, ids=BAD_IDS)
 def test_bad_transcripts_are_refused_naming_file_line_and_field(
     qwen_tok, tmp_path, messages, tools, msg
 ):
