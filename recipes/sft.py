@@ -67,6 +67,16 @@ class SFTRecipe:
         check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
         check_towers(m)
         self.strategy = build_strategy(o.strategy, self.dist)
+        # The data first: a bad record is refused before the model loads. A vision- or
+        # audio-language model's datasets take its processor (images / audio + text); the
+        # collator and export use the tokenizer / processor the same way for all.
+        self.processor, self.tokenizer = load_processors(
+            m.path, trust_remote_code=m.trust_remote_code
+        )
+        self.dataset = config.instantiate(d.dataset, self.processor)
+        eval_dataset = None
+        if d.eval_dataset is not None:
+            eval_dataset = config.instantiate(d.eval_dataset, self.processor)
 
         def prepare(model: torch.nn.Module) -> torch.nn.Module:
             # Before sharding: freeze (or not) the vision / audio towers, add LoRA adapters.
@@ -85,11 +95,6 @@ class SFTRecipe:
             compile=m.compile,
             **self.strategy.loading(),
         )
-        # A vision- or audio-language model's datasets take its processor (images / audio +
-        # text); the collator and export use the tokenizer / processor the same way for all.
-        self.processor, self.tokenizer = load_processors(
-            m.path, trust_remote_code=m.trust_remote_code, config=self.model.config
-        )
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(o.optim.optimizer, trainable)
         accum = d.gradient_accumulation_steps
@@ -101,7 +106,6 @@ class SFTRecipe:
             clip_grad_norm=o.optim.clip_grad_norm,
         )
 
-        self.dataset = config.instantiate(d.dataset, self.processor)
         collate = pack_or_pad_collator(
             self.tokenizer, packing=d.packing, max_tokens=d.max_tokens_per_row
         )
@@ -118,9 +122,9 @@ class SFTRecipe:
             drop_last=True,
         )
         self.eval_loader = None
-        if d.eval_dataset is not None:
+        if eval_dataset is not None:
             self.eval_loader = build_dataloader(
-                config.instantiate(d.eval_dataset, self.processor),
+                eval_dataset,
                 batch_size=d.batch_size,
                 shuffle=False,
                 seed=o.run.seed,

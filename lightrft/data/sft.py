@@ -44,9 +44,32 @@ from lightrft.data.templates import (
 )
 from lightrft.data.vision import as_processor
 
-__all__ = ["SFTDataset"]
+__all__ = ["SFTDataset", "refuse_tool_transcript"]
 
 log = logging.getLogger(__name__)
+
+
+def refuse_tool_transcript(record: Mapping[str, Any], messages: Any, where: str) -> None:
+    """Refuse a tool-use transcript (a ``tools`` field, a ``tool`` message or ``tool_calls``):
+    its tokens must be the multi-turn rollout's, which ``ToolSFTDataset`` renders; this
+    dataset's whole-conversation rendering would teach other ones."""
+    why = (
+        "field 'tools'"
+        if record.get("tools")
+        else next(
+            (
+                f"message {j} has {'role tool' if m['role'] == 'tool' else 'tool_calls'}"
+                for j, m in enumerate(messages if isinstance(messages, list) else [])
+                if isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
+            ),
+            None,
+        )
+    )
+    if why is not None:
+        raise DataError(
+            f"{where}: a tool-use transcript ({why}): train on it with "
+            "lightrft.environments.ToolSFTDataset, which renders it as the GRPO rollout does"
+        )
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -206,6 +229,7 @@ class SFTDataset(torch.utils.data.Dataset):
                 raise DataError(
                     f"{where}: chat records ({messages_field!r}) need apply_chat_template=true"
                 )
+            refuse_tool_transcript(rec, rec[messages_field], where)
             msgs = check_messages(rec[messages_field], where, messages_field)
             msgs, media = self.media.messages(src, i, msgs)
             ids, labels = encode_chat(self.tokenizer, with_system(msgs, system_prompt), where)
@@ -219,6 +243,7 @@ class SFTDataset(torch.utils.data.Dataset):
             )
         prompt = require_field(src, i, prompt_field, (str, list))
         completion = require_field(src, i, completion_field, str)
+        refuse_tool_transcript(rec, prompt, where)
         if not apply_chat_template:
             if not isinstance(prompt, str):
                 raise DataError(

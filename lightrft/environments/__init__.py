@@ -1,6 +1,6 @@
 """Multi-turn environments and tools (issue 24): the environment protocol, tools with generated
 JSON schemas, the Hermes / Qwen tool-call format, and observation tokens rendered by the model's
-chat template. See docs/environments.md."""
+chat template, and SFT on tool-use transcripts rendered the same way. See docs/environments.md."""
 
 from lightrft.environments.base import Environment, EpisodeStats, ErrorKind, Step, aggregate_stats
 from lightrft.environments.check import check_environment
@@ -14,9 +14,11 @@ from lightrft.environments.episode import (
 )
 from lightrft.environments.render import (
     assistant_end_token,
+    assistant_turn_text,
     initial_prompt_ids,
     observation_ids,
     require_tool_support,
+    transcript_ids,
 )
 from lightrft.environments.tool_calls import (
     MalformedCall,
@@ -32,7 +34,9 @@ from lightrft.environments.tools import (
     calculator,
     calculator_tool,
     python_tool,
+    shipped_tool,
 )
+from lightrft.environments.transcripts import ToolSFTDataset
 
 __all__ = [
     "Environment",
@@ -46,10 +50,12 @@ __all__ = [
     "ToolCall",
     "ToolEnvironment",
     "ToolResult",
+    "ToolSFTDataset",
     "ToolTimeout",
     "TurnRecord",
     "aggregate_stats",
     "assistant_end_token",
+    "assistant_turn_text",
     "build_environment",
     "calculator",
     "calculator_tool",
@@ -60,6 +66,8 @@ __all__ = [
     "parse_tool_calls",
     "python_tool",
     "require_tool_support",
+    "shipped_tool",
     "stop_at_turn_end",
     "tool_call_format",
+    "transcript_ids",
 ]

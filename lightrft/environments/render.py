@@ -24,9 +24,11 @@ from lightrft.environments.tools import Tool
 
 __all__ = [
     "assistant_end_token",
+    "assistant_turn_text",
     "initial_prompt_ids",
     "observation_ids",
     "require_tool_support",
+    "transcript_ids",
 ]
 
 _SENTINEL = "sentinel-reply-5d2b"
@@ -140,3 +142,73 @@ def initial_prompt_ids(
     if tools:
         require_tool_support(tokenizer)
     return _encode(tokenizer, _render(tokenizer, [dict(m) for m in messages], tools, True))
+
+
+def assistant_turn_text(tokenizer: Any, message: Message, tools: ToolsArg = None) -> str:
+    """The text of an assistant message as the model samples it: what the template renders
+    between the generation prompt and the turn's end token (:func:`assistant_end_token`), so
+    structured ``tool_calls`` come out as the template writes them (``<tool_call>`` blocks).
+
+    Raises:
+        ValueError: naming the template, when its assistant turn does not start with its
+            generation prompt or has no end token.
+    """
+    end = assistant_end_token(tokenizer, tools)
+    before = _render(tokenizer, _HISTORY, tools, True)
+    after = _render(tokenizer, [*_HISTORY, dict(message)], tools, False)
+    if not after.startswith(before):
+        raise ValueError(
+            f"{_where(tokenizer)} renders an assistant turn that does not start with its "
+            "generation prompt, so the text the model samples cannot be located"
+        )
+    rest = after[len(before) :]
+    at = rest.find(end)
+    if at < 0:
+        raise ValueError(f"{_where(tokenizer)} renders an assistant turn without {end!r}")
+    return rest[:at]
+
+
+def transcript_ids(
+    tokenizer: Any, messages: Sequence[Message], tools: ToolsArg = None
+) -> tuple[list[int], list[bool]]:
+    """A whole conversation's ids as a multi-turn rollout holds them, and which were sampled.
+
+    The messages before the first assistant turn are the prompt (:func:`initial_prompt_ids`);
+    each assistant turn is its :func:`assistant_turn_text` tokenised plus the end token
+    (``True``: what the engine samples); the ``tool`` / ``user`` messages between two assistant
+    turns are an observation (:func:`observation_ids`, ``False``). The ids end at the last
+    assistant turn's end token, as a finished trajectory does.
+
+    Raises:
+        ValueError: no message before the first assistant turn, no assistant turn, two
+            assistant turns with no observation between them, messages after the last assistant
+            turn, or a template :func:`observation_ids` / :func:`assistant_turn_text` refuses.
+    """
+    roles = [m.get("role") for m in messages]
+    if "assistant" not in roles:
+        raise ValueError("transcript_ids: the conversation has no assistant turn")
+    first = roles.index("assistant")
+    if first == 0:
+        raise ValueError("transcript_ids: the conversation starts with an assistant turn")
+    if roles[-1] != "assistant":
+        raise ValueError("transcript_ids: the conversation does not end with an assistant turn")
+    ids = initial_prompt_ids(tokenizer, messages[:first], tools)
+    sampled = [False] * len(ids)
+    end_id = tokenizer.convert_tokens_to_ids(assistant_end_token(tokenizer, tools))
+    k = first
+    while k < len(messages):
+        turn = _encode(tokenizer, assistant_turn_text(tokenizer, messages[k], tools)) + [end_id]
+        ids += turn
+        sampled += [True] * len(turn)
+        nxt = roles.index("assistant", k + 1) if k + 1 < len(roles) else len(roles)
+        if nxt == k + 1 and nxt < len(roles):
+            raise ValueError(
+                f"transcript_ids: messages {k} and {nxt} are assistant turns with no "
+                "observation between them"
+            )
+        if nxt > k + 1:
+            obs = observation_ids(tokenizer, messages[k + 1 : nxt], tools)
+            ids += obs
+            sampled += [False] * len(obs)
+        k = nxt
+    return ids, sampled

@@ -44,6 +44,7 @@ __all__ = [
     "calculator",
     "calculator_tool",
     "python_tool",
+    "shipped_tool",
     "validate_arguments",
 ]
 
@@ -419,6 +420,26 @@ def python_tool(
 
     # the sandbox kills the program at ``timeout`` + 0.5 s; leave room for its start and clean-up
     return Tool(python, timeout=timeout + 10.0, max_output_chars=max_output_chars)
+
+
+# The shipped tools by the name their schema gives them (what SFT records may name in ``tools``).
+SHIPPED_TOOLS: dict[str, Callable[[], Tool]] = {
+    "calculator": calculator_tool,
+    "python": python_tool,
+}
+
+
+def shipped_tool(name: str) -> Tool:
+    """The shipped tool called ``name`` (``calculator``, ``python``) with its default limits.
+
+    Raises:
+        ValueError: naming the known tools, for any other name.
+    """
+    if name not in SHIPPED_TOOLS:
+        raise ValueError(
+            f"no shipped tool is named {name!r}; the shipped tools are: {', '.join(SHIPPED_TOOLS)}"
+        )
+    return SHIPPED_TOOLS[name]()
 
 
 def signature_text(tool: Tool) -> str:

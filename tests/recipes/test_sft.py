@@ -481,3 +481,81 @@ def test_sft_lora_resumes_bitwise_exports_adapter_and_merged(tmp_path, capsys):
     bad = _config(tmp_path / "full", overwrite=True, lora={"rank": 4, "target_modules": ["qkv"]})
     with pytest.raises(ValueError, match="lora.target_modules: 'qkv' matches no linear layer"):
         cli.main(["run", "sft", "--config", str(bad)])
+
+
+def _tool_transcript(a: int, b: int) -> dict:
+    """A calculator transcript: the call, the tool's result, the answer."""
+    call = {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}
+    return {
+        "messages": [
+            {"role": "user", "content": f"{a} * {b}?"},
+            {"role": "assistant", "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": str(a * b)},
+            {"role": "assistant", "content": str(a * b)},
+        ],
+        "tools": ["calculator"],
+    }
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> Path:
+    """A tiny model whose chat template has Qwen2.5's tool support."""
+    from transformers import AutoTokenizer
+
+    from lightrft.tasks import make_tiny_model
+    from lightrft.tasks.tiny import TOOL_CHAT_TEMPLATE
+
+    path = tmp_path_factory.mktemp("tool_sft") / "model"
+    make_tiny_model(path, layers=2, hidden=32, heads=2, kv_heads=1, max_positions=1152)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def _tool_config(tmp: Path, model: Path, records: list[dict]) -> Path:
+    data = tmp / "transcripts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    dataset = {"_component_": "lightrft.environments.ToolSFTDataset", "path": str(data)}
+    return _config(
+        tmp,
+        prepare=[],
+        model={"path": str(model)},
+        dataset=dataset,
+        eval_dataset=None,
+        batch_size=2,
+        gradient_accumulation_steps=1,
+        epochs=2,
+        max_steps=4,
+        eval_every=None,
+        optimizer={"_component_": "torch.optim.AdamW", "lr": 3e-2},
+        lr_scheduler={"warmup_steps": 0},
+    )
+
+
+def test_sft_on_tool_transcripts_learns_the_assistant_turns(tmp_path, tool_model):
+    """Tool-use transcripts through the real CLI (``ToolSFTDataset``: the rollout's rendering,
+    loss on the assistant turns only): the loss falls."""
+    records = [_tool_transcript(a, b) for a, b in zip(range(11, 15), range(37, 41), strict=True)]
+    cfg = _tool_config(tmp_path, tool_model, records)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    losses = _losses(tmp_path / "out")
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < 0.9 * losses[1], losses
+    stats = next(r for r in read_metrics(tmp_path / "out") if "data/records" in r)
+    assert stats["data/samples"] == 4 and 0 < stats["data/loss_tokens"] < stats["data/tokens"]
+
+
+def test_sft_refuses_a_bad_transcript_before_the_model_loads(
+    tmp_path, tool_model, capsys, monkeypatch
+):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the data was checked")
+
+    monkeypatch.setattr("lightrft.models.sharded.load_parallel", no_model)
+    bad = _tool_transcript(2, 3)
+    bad["messages"] = bad["messages"][:3]  # ends with the tool's result
+    cfg = _tool_config(tmp_path, tool_model, [_tool_transcript(1, 2), bad])
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "transcripts.jsonl line 2: the last message (messages[2], role 'tool')" in err, err
+    assert "Traceback" not in err
