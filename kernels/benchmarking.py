@@ -323,7 +323,7 @@ def _probe_main(args: list[str]) -> None:
 
 
 def compare(
-    config: str,
+    config: str | tuple[int, int],
     n: int,
     *,
     providers: tuple[str, ...] = ("naive", "matmul", "lightrft", "lightrft-hint", "liger-chunked"),
@@ -335,8 +335,9 @@ def compare(
 ) -> dict[str, dict[str, float]]:
     """Time the providers round-robin (so load from other processes hits all alike) and probe
     their peak memory. Returns ``{provider: {min_s, median_s, vs_naive, vs_matmul,
-    transient_mib, peak_above_inputs_mib}}``; ``vs_*`` are medians of the per-round time ratios."""
-    vocab, hidden = CONFIGS[config]
+    transient_mib, peak_above_inputs_mib}}``; ``vs_*`` are medians of the per-round time ratios.
+    ``config``: a key of :data:`CONFIGS` or a ``(vocab, hidden)`` pair."""
+    vocab, hidden = CONFIGS[config] if isinstance(config, str) else config
     providers = tuple(p for p in providers if provider_available(p, device))
     inp = make_inputs(
         n, vocab, hidden, dtype=DTYPES[dtype], device=device, floor="matmul" in providers
