@@ -258,7 +258,16 @@ def vlm_assets(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
+# rloo and reinforce_pp share the multimodal path with grpo (the estimators are covered on text):
+# opt-in, to keep the default suite under 15 minutes.
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        "grpo",
+        pytest.param("rloo", marks=pytest.mark.slow),
+        pytest.param("reinforce_pp", marks=pytest.mark.slow),
+    ],
+)
 def test_vlm_grpo_estimators_on_policy(tmp_path, vlm_assets, estimator):
     over = {"algorithm.advantage.estimator": estimator, "prepare": None}
     if estimator == "grpo":  # a reference model with a KL in the loss: 0 before any update
