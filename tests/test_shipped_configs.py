@@ -92,3 +92,24 @@ def test_geo3k_config_reads_the_prepared_data(name, tmp_path, tiny_vlm):
         assert item["reference"] == f"{n - 1} \\sqrt {{ 2 }}"
         image_id = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         assert item["prompt_ids"].count(image_id) == item["media"].image.num_tokens[0]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["qwen2_5/gsm8k_python_tool_grpo_0.5b", "qwen2_5/gsm8k_python_tool_grpo_0.5b_vllm"],
+)
+def test_python_tool_config_runs_a_call_in_the_sandbox(name):
+    """The config's `environment:` section builds the ToolEnvironment GRPO builds per trajectory,
+    and a Hermes tool call runs in the sandbox; a turn without a call is the final answer."""
+    from omegaconf import OmegaConf
+
+    from lightrft import config as lconfig
+    from lightrft.environments import build_environment
+
+    section = OmegaConf.create(yaml.safe_load(CONFIGS[name].read_text())["environment"])
+    env = build_environment(lambda: lconfig.instantiate(section))
+    env.reset({"prompt": "What is 17 * 23?"})
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(17 * 23)"}}\n</tool_call>'
+    step = env.step(call)
+    assert not step.done and step.observation[0]["content"].strip() == "391", step
+    assert env.step("The answer is 391.").done
