@@ -34,29 +34,32 @@ PyPI wheel is CUDA-only. Written against vllm 0.32.0 (the newest release pinning
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightrft.data.media import Media
+from lightrft.engine.external import (
+    RNGState,
+    Trajectory,
+    check_finish_reason,
+    collapse_placeholders,
+    continue_in_rounds,
+    hf_weight_names,
+    tp_groups,
+)
 from lightrft.engine.protocol import (
     Completion,
     Continuation,
     Request,
     SamplingParams,
-    Turn,
     check_awake,
-    check_observation,
     check_requests,
     check_sleep_level,
     check_wake_tags,
     per_request_params,
-    sampled_mask,
 )
 
 VLLM_VERSION = "0.32.0"
@@ -72,15 +75,6 @@ def import_vllm():
             "only); the native engine (lightrft.engine.NativeEngine) needs nothing extra"
         ) from e
     return vllm
-
-
-def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
-    """Consecutive ranks per tensor-parallel group: ``[[0, 1], [2, 3], ...]`` for ``tp_size=2``."""
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} must be >= 1 and divide the world size {world_size}"
-        )
-    return [list(range(g * tp_size, (g + 1) * tp_size)) for g in range(world_size // tp_size)]
 
 
 def vllm_sampling_kwargs(
@@ -157,36 +151,6 @@ def vllm_prompt(
     return prompt
 
 
-def collapse_placeholders(
-    ids: Sequence[int], image_token_id: int, num_tokens: Sequence[int], kind: str = "image"
-) -> list[int]:
-    """``ids`` with the k-th image's (or audio's) ``num_tokens[k]`` placeholder tokens replaced
-    by one."""
-    token = image_token_id
-    out: list[int] = []
-    k = j = 0
-    while j < len(ids):
-        if ids[j] != token:
-            out.append(ids[j])
-            j += 1
-            continue
-        if k >= len(num_tokens):
-            raise ValueError(
-                f"the prompt has more {kind} tokens than its {len(num_tokens)} {kind}s"
-            )
-        run = list(ids[j : j + num_tokens[k]])
-        if len(run) != num_tokens[k] or any(t != token for t in run):
-            raise ValueError(
-                f"{kind} {k} needs {num_tokens[k]} consecutive {kind} tokens in the prompt"
-            )
-        out.append(token)
-        j += num_tokens[k]
-        k += 1
-    if k != len(num_tokens):
-        raise ValueError(f"the prompt places {k} of its {len(num_tokens)} {kind}s")
-    return out
-
-
 def _sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float]:
     """Per-token log-probs from vLLM's ``CompletionOutput.logprobs`` (one dict per token)."""
     if logprobs is None:
@@ -208,11 +172,7 @@ def completions_from_outputs(
                 for tok, step in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
             ]
         for sample in out.outputs:
-            if sample.finish_reason not in ("stop", "length"):
-                raise ValueError(
-                    f"vLLM finished request {i} sample {sample.index} with reason "
-                    f"{sample.finish_reason!r}"
-                )
+            reason = check_finish_reason(sample.finish_reason, "vLLM", i, sample.index)
             ids = list(sample.token_ids)
             result.append(
                 Completion(
@@ -221,58 +181,12 @@ def completions_from_outputs(
                     prompt_token_ids=list(prompt),
                     token_ids=ids,
                     logprobs=_sampled_logprobs(ids, sample.logprobs),
-                    finish_reason=sample.finish_reason,
+                    finish_reason=reason,
                     text=sample.text if sample.text else None,
                     prompt_logprobs=prompt_lp,
                 )
             )
     return result
-
-
-def hf_weight_names(config) -> tuple[set[str], set[str]]:
-    """``(accepted, required)`` HF parameter names of ``config``'s model (built on meta).
-
-    ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
-    """
-    from transformers import AutoModelForCausalLM
-
-    from lightrft.data.modality import is_multimodal
-    from lightrft.models.loading import multimodal_auto_class
-
-    auto = multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return accepted, {name for name, _ in model.named_parameters()}
-
-
-class _RNGState:
-    """Python, CPU and CUDA RNG states, saved before vLLM starts and restored after.
-
-    vLLM seeds the global generators of the process it runs in; the trainer's data order and
-    dropout must not change because an engine was built.
-    """
-
-    def __init__(self) -> None:
-        self.python = random.getstate()
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        try:
-            import numpy as np
-
-            self.numpy = np.random.get_state()
-        except ImportError:
-            self.numpy = None
-
-    def restore(self) -> None:
-        random.setstate(self.python)
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.numpy is not None:
-            import numpy as np
-
-            np.random.set_state(self.numpy)
 
 
 class VLLMEngine:
@@ -321,7 +235,7 @@ class VLLMEngine:
 
         self.dtype = to_dtype(dtype)
         self.enable_sleep_mode = enable_sleep_mode
-        rng = _RNGState()
+        rng = RNGState()
         self.llm = vllm.LLM(
             model=str(model),
             tensor_parallel_size=tensor_parallel_size,
@@ -501,7 +415,9 @@ class VLLMEngine:
             ids = list(sample.token_ids)
             c.token_ids = c.token_ids + ids
             c.logprobs = c.logprobs + _sampled_logprobs(ids, sample.logprobs)
-            c.finish_reason = sample.finish_reason
+            c.finish_reason = check_finish_reason(
+                sample.finish_reason, "vLLM", c.request_index, c.sample_index
+            )
             if params[c.request_index].detokenize:
                 c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return firsts
@@ -513,117 +429,43 @@ class VLLMEngine:
         firsts: list[Completion],
         continuation: Continuation,
     ) -> list[Completion]:
-        """Later turns, in rounds: the continuations of every trajectory whose turn stopped run
-        concurrently; those with an observation that fits go on as one ``n=1`` request each."""
+        """Later turns, in rounds (:func:`~lightrft.engine.external.continue_in_rounds`): each
+        trajectory that goes on is one ``n=1`` request of prompt + response so far."""
         vllm = self._vllm
-        trajs = [
-            _Trajectory(c, self._budget(c, params[c.request_index]), params[c.request_index])
-            for c in firsts
-        ]
-        forbidden = set(self.suppress_token_ids)
-        going = [t for t in trajs if t.wants_turn()]
-        with ThreadPoolExecutor(min(max(len(going), 1), 64)) as pool:
-            while going:
-                turns = [t.turn() for t in going]
-                answers = list(pool.map(continuation, turns))
-                going = [
-                    t
-                    for t, turn, obs in zip(going, turns, answers, strict=True)
-                    if t.observe(check_observation(obs, turn, self.vocab_size, forbidden))
-                ]
-                if not going:
-                    break
-                prompts, sampling = [], []
-                for t in going:
-                    c, p = t.completion, params[t.completion.request_index]
-                    kwargs = self._sampling(p)
-                    kwargs.update(
-                        n=1,
-                        max_tokens=t.budget - len(c.token_ids),
-                        seed=turn_seed(p.seed, c.sample_index, len(t.spans)),
-                    )
-                    kwargs.pop("prompt_logprobs", None)  # the prompt's were asked on turn 1
-                    req = requests[c.request_index]
-                    prompts.append(self._prompt(c.prompt_token_ids + c.token_ids, req))
-                    sampling.append(vllm.SamplingParams(**kwargs))
-                outs = self.llm.generate(prompts, sampling, use_tqdm=False)
-                for t, out in zip(going, outs, strict=True):
-                    sample = out.outputs[0]
-                    ids = list(sample.token_ids)
-                    t.add_turn(ids, _sampled_logprobs(ids, sample.logprobs), sample.finish_reason)
-                going = [t for t in going if t.wants_turn()]
+
+        def sample_round(going: list[Trajectory]) -> list[tuple[list[int], list[float], str]]:
+            prompts, sampling = [], []
+            for t in going:
+                c = t.completion
+                kwargs = self._sampling(t.params)
+                kwargs.update(n=1, max_tokens=t.max_tokens, seed=t.seed)
+                kwargs.pop("prompt_logprobs", None)  # the prompt's were asked on turn 1
+                req = requests[c.request_index]
+                prompts.append(self._prompt(c.prompt_token_ids + c.token_ids, req))
+                sampling.append(vllm.SamplingParams(**kwargs))
+            outs = self.llm.generate(prompts, sampling, use_tqdm=False)
+            result = []
+            for t, out in zip(going, outs, strict=True):
+                sample, c = out.outputs[0], t.completion
+                ids = list(sample.token_ids)
+                reason = check_finish_reason(
+                    sample.finish_reason, "vLLM", c.request_index, c.sample_index
+                )
+                result.append((ids, _sampled_logprobs(ids, sample.logprobs), reason))
+            return result
+
         tokenizer = self.llm.get_tokenizer()
-        for t in trajs:
-            c = t.completion
-            c.sampled_mask = sampled_mask(t.spans, len(c.token_ids))
-            c.turn_spans = t.spans
-            if params[c.request_index].detokenize:
-                c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        return firsts
+        return continue_in_rounds(
+            firsts,
+            params,
+            [self._budget(c, params[c.request_index]) for c in firsts],
+            continuation,
+            sample_round,
+            vocab_size=self.vocab_size,
+            forbidden=set(self.suppress_token_ids),
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
 
     def _budget(self, c: Completion, p: SamplingParams) -> int:
         """Response tokens a trajectory may hold: ``max_tokens``, and the model length."""
         return min(p.max_tokens, self.max_model_len - len(c.prompt_token_ids))
-
-
-def turn_seed(seed: int | None, sample_index: int, turn: int) -> int | None:
-    """The seed of a sample's later turn: its own stream, reproducible from the request's seed."""
-    if seed is None:
-        return None
-    return (seed + 1_000_003 * (sample_index + 1) + 10_007 * turn) % 2**63
-
-
-@dataclass
-class _Trajectory:
-    """One sample's multi-turn trajectory being built: its completion grows turn by turn."""
-
-    completion: Completion
-    budget: int
-    params: SamplingParams
-    spans: list[tuple[int, int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.spans.append((0, len(self.completion.token_ids)))
-
-    def wants_turn(self) -> bool:
-        """The last turn stopped and turns remain: ask the continuation."""
-        limit = self.params.max_turns
-        return self.completion.finish_reason == "stop" and (
-            limit is None or len(self.spans) < limit
-        )
-
-    def turn(self) -> Turn:
-        c = self.completion
-        a, b = self.spans[-1]
-        return Turn(
-            request_index=c.request_index,
-            sample_index=c.sample_index,
-            turn_index=len(self.spans) - 1,
-            token_ids=c.token_ids[a:b],
-            logprobs=c.logprobs[a:b],
-            response_token_ids=list(c.token_ids),
-            max_observation_tokens=self.budget - len(c.token_ids) - 1,
-        )
-
-    def observe(self, obs: list[int] | None) -> bool:
-        """Append the observation; False when the trajectory ends here (None: "stop"; an
-        observation that leaves no room for one more sampled token: dropped, "length")."""
-        c = self.completion
-        if obs is None or len(c.token_ids) + len(obs) + 1 > self.budget:
-            c.finish_reason = "stop" if obs is None else "length"
-            return False
-        c.token_ids = c.token_ids + obs
-        c.logprobs = c.logprobs + [0.0] * len(obs)
-        return True
-
-    def add_turn(self, ids: list[int], logprobs: list[float], finish_reason: str) -> None:
-        c = self.completion
-        if finish_reason not in ("stop", "length"):
-            raise ValueError(
-                f"vLLM finished request {c.request_index} sample {c.sample_index} with reason "
-                f"{finish_reason!r}"
-            )
-        self.spans.append((len(c.token_ids), len(c.token_ids) + len(ids)))
-        c.token_ids = c.token_ids + ids
-        c.logprobs = c.logprobs + logprobs
-        c.finish_reason = finish_reason

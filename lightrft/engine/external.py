@@ -1,0 +1,238 @@
+"""What the adapters over external engines (vLLM, SGLang) share, so that a rule lives once.
+
+- :func:`tp_groups`: the consecutive-rank tensor-parallel groups of colocated engines.
+- :func:`collapse_placeholders`: a media item's expanded placeholder run back to one token, the
+  form both engines' own processors expand again.
+- :func:`hf_weight_names`: the HF parameter names ``load_weights`` accepts and those a level-2
+  sleep must see reloaded.
+- :class:`RNGState`: the trainer's RNG states, saved before an engine seeds the process's
+  generators and restored after.
+- The multi-turn loop of an engine whose ``generate`` blocks until its whole batch is done:
+  :func:`continue_in_rounds` over :class:`Trajectory` objects, with :func:`turn_seed` giving
+  every later turn (and every sample of a seeded request) its own reproducible stream.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from lightrft.engine.protocol import (
+    Completion,
+    Continuation,
+    SamplingParams,
+    Turn,
+    check_observation,
+    sampled_mask,
+)
+
+
+def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
+    """Consecutive ranks per tensor-parallel group: ``[[0, 1], [2, 3], ...]`` for ``tp_size=2``."""
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must be >= 1 and divide the world size {world_size}"
+        )
+    return [list(range(g * tp_size, (g + 1) * tp_size)) for g in range(world_size // tp_size)]
+
+
+def collapse_placeholders(
+    ids: Sequence[int], image_token_id: int, num_tokens: Sequence[int], kind: str = "image"
+) -> list[int]:
+    """``ids`` with the k-th image's (or audio's) ``num_tokens[k]`` placeholder tokens replaced
+    by one."""
+    token = image_token_id
+    out: list[int] = []
+    k = j = 0
+    while j < len(ids):
+        if ids[j] != token:
+            out.append(ids[j])
+            j += 1
+            continue
+        if k >= len(num_tokens):
+            raise ValueError(
+                f"the prompt has more {kind} tokens than its {len(num_tokens)} {kind}s"
+            )
+        run = list(ids[j : j + num_tokens[k]])
+        if len(run) != num_tokens[k] or any(t != token for t in run):
+            raise ValueError(
+                f"{kind} {k} needs {num_tokens[k]} consecutive {kind} tokens in the prompt"
+            )
+        out.append(token)
+        j += num_tokens[k]
+        k += 1
+    if k != len(num_tokens):
+        raise ValueError(f"the prompt places {k} of its {len(num_tokens)} {kind}s")
+    return out
+
+
+def hf_weight_names(config) -> tuple[set[str], set[str]]:
+    """``(accepted, required)`` HF parameter names of ``config``'s model (built on meta).
+
+    ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.data.modality import is_multimodal
+    from lightrft.models.loading import multimodal_auto_class
+
+    auto = multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return accepted, {name for name, _ in model.named_parameters()}
+
+
+class RNGState:
+    """Python, NumPy, CPU and CUDA RNG states, saved before an external engine starts and
+    restored after: engines seed the global generators of the process they run in, and the
+    trainer's data order and dropout must not change because an engine was built."""
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            import numpy as np
+
+            self.numpy = np.random.get_state()
+        except ImportError:
+            self.numpy = None
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        if self.numpy is not None:
+            import numpy as np
+
+            np.random.set_state(self.numpy)
+
+
+def turn_seed(seed: int | None, sample_index: int, turn: int) -> int | None:
+    """The seed of a sample's turn: its own stream, reproducible from the request's seed."""
+    if seed is None:
+        return None
+    return (seed + 1_000_003 * (sample_index + 1) + 10_007 * turn) % 2**63
+
+
+def check_finish_reason(reason: object, engine: str, request: int, sample: int) -> str:
+    """An external engine's finish reason, refused unless it is one of the protocol's."""
+    if reason not in ("stop", "length"):
+        raise ValueError(
+            f"{engine} finished request {request} sample {sample} with reason {reason!r}"
+        )
+    return reason  # type: ignore[return-value]
+
+
+@dataclass
+class Trajectory:
+    """One sample's multi-turn trajectory being built: its completion grows turn by turn."""
+
+    completion: Completion
+    budget: int
+    params: SamplingParams
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.spans.append((0, len(self.completion.token_ids)))
+
+    def wants_turn(self) -> bool:
+        """The last turn stopped and turns remain: ask the continuation."""
+        limit = self.params.max_turns
+        return self.completion.finish_reason == "stop" and (
+            limit is None or len(self.spans) < limit
+        )
+
+    def turn(self) -> Turn:
+        c = self.completion
+        a, b = self.spans[-1]
+        return Turn(
+            request_index=c.request_index,
+            sample_index=c.sample_index,
+            turn_index=len(self.spans) - 1,
+            token_ids=c.token_ids[a:b],
+            logprobs=c.logprobs[a:b],
+            response_token_ids=list(c.token_ids),
+            max_observation_tokens=self.budget - len(c.token_ids) - 1,
+        )
+
+    def observe(self, obs: list[int] | None) -> bool:
+        """Append the observation; False when the trajectory ends here (None: "stop"; an
+        observation that leaves no room for one more sampled token: dropped, "length")."""
+        c = self.completion
+        if obs is None or len(c.token_ids) + len(obs) + 1 > self.budget:
+            c.finish_reason = "stop" if obs is None else "length"
+            return False
+        c.token_ids = c.token_ids + obs
+        c.logprobs = c.logprobs + [0.0] * len(obs)
+        return True
+
+    def add_turn(self, ids: list[int], logprobs: list[float], finish_reason: str) -> None:
+        c = self.completion
+        self.spans.append((len(c.token_ids), len(c.token_ids) + len(ids)))
+        c.token_ids = c.token_ids + ids
+        c.logprobs = c.logprobs + logprobs
+        c.finish_reason = finish_reason  # type: ignore[assignment]
+
+    @property
+    def max_tokens(self) -> int:
+        """The next turn's token limit: what is left of the budget."""
+        return self.budget - len(self.completion.token_ids)
+
+    @property
+    def seed(self) -> int | None:
+        """The next turn's seed."""
+        return turn_seed(self.params.seed, self.completion.sample_index, len(self.spans))
+
+
+# A round's sampler: one (ids, log-probs, finish reason) per trajectory, sampling its next turn
+# from prompt + response so far (``Trajectory.max_tokens`` / ``.seed`` give its limit and seed).
+RoundSampler = Callable[[list[Trajectory]], list[tuple[list[int], list[float], str]]]
+
+
+def continue_in_rounds(
+    firsts: list[Completion],
+    params: Sequence[SamplingParams],
+    budgets: Sequence[int],
+    continuation: Continuation,
+    sample_round: RoundSampler,
+    *,
+    vocab_size: int,
+    forbidden: set[int],
+    decode: Callable[[list[int]], str],
+) -> list[Completion]:
+    """The later turns of ``firsts`` (first-turn completions, ``budgets[i]`` response tokens
+    each), in rounds: the continuations of every trajectory whose turn stopped run concurrently
+    on a thread pool; those with an observation that fits sample their next turn together in one
+    ``sample_round`` call. Fills in ``sampled_mask``, ``turn_spans`` and (when asked) ``text``."""
+    trajs = [
+        Trajectory(c, b, params[c.request_index]) for c, b in zip(firsts, budgets, strict=True)
+    ]
+    going = [t for t in trajs if t.wants_turn()]
+    with ThreadPoolExecutor(min(max(len(going), 1), 64)) as pool:
+        while going:
+            turns = [t.turn() for t in going]
+            answers = list(pool.map(continuation, turns))
+            going = [
+                t
+                for t, turn, obs in zip(going, turns, answers, strict=True)
+                if t.observe(check_observation(obs, turn, vocab_size, forbidden))
+            ]
+            if not going:
+                break
+            for t, (ids, lps, reason) in zip(going, sample_round(going), strict=True):
+                t.add_turn(ids, lps, reason)
+            going = [t for t in going if t.wants_turn()]
+    for t in trajs:
+        c = t.completion
+        c.sampled_mask = sampled_mask(t.spans, len(c.token_ids))
+        c.turn_spans = t.spans
+        if params[c.request_index].detokenize:
+            c.text = decode(c.token_ids)
+    return firsts
