@@ -1,5 +1,6 @@
 """Rollout engines behind one protocol (:class:`Engine`): the native torch engine, the in-process
-vLLM adapter, and the weight sync that streams a trainer's (FSDP2) weights into either.
+vLLM adapter, the SGLang adapter, and the weight sync that streams a trainer's (FSDP2) weights
+into any of them.
 
 A recipe step::
 
@@ -19,6 +20,7 @@ from lightrft.engine.protocol import (
     SamplingParams,
     Turn,
 )
+from lightrft.engine.sglang_adapter import SGLangEngine
 from lightrft.engine.sync import SyncStats, iter_weight_buckets, sync_weights
 from lightrft.engine.vllm_adapter import VLLMEngine
 
@@ -28,6 +30,7 @@ __all__ = [
     "Engine",
     "NativeEngine",
     "Request",
+    "SGLangEngine",
     "SamplingParams",
     "SyncStats",
     "Turn",

@@ -30,6 +30,10 @@ from lightrft.engine.protocol import (
     sampled_mask,
 )
 
+# The logit bias that keeps a multimodal model's placeholder ids out of sampling: vLLM's floor,
+# and the same value for SGLang (no floor there) so both engines' log-probs carry the same bias.
+MEDIA_LOGIT_BIAS = -100.0
+
 
 def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
     """Consecutive ranks per tensor-parallel group: ``[[0, 1], [2, 3], ...]`` for ``tp_size=2``."""

@@ -42,6 +42,7 @@ import torch
 
 from lightrft.data.media import Media
 from lightrft.engine.external import (
+    MEDIA_LOGIT_BIAS,
     RNGState,
     Trajectory,
     check_finish_reason,
@@ -103,7 +104,7 @@ def vllm_sampling_kwargs(
     if p.prompt_logprobs:
         kwargs["prompt_logprobs"] = 0
     if suppress_token_ids:
-        kwargs["logit_bias"] = {int(t): -100.0 for t in suppress_token_ids}
+        kwargs["logit_bias"] = {int(t): MEDIA_LOGIT_BIAS for t in suppress_token_ids}
     return kwargs
 
 

@@ -1,0 +1,525 @@
+"""The SGLang adapter: SGLang's offline ``sglang.Engine`` behind the engine protocol.
+
+Written against sglang 0.5.21, the newest release that pins torch 2.13 (0.5.22 pins 2.14.1);
+file paths below are inside its wheel (``sglang/srt/...``). Like the vLLM adapter it is
+optional (``pip install 'lightrft[sglang]'``), CUDA only, and imported only when built.
+
+**Process layout.** ``sglang.Engine`` is "offline" but not in-process like vLLM's
+``external_launcher``: the tokenizer manager runs in this process, the model in a scheduler
+subprocess it spawns (``entrypoints/engine.py``, ``Engine._launch_subprocesses``). Every trainer
+rank builds its own engine on its own GPU (``base_gpu_id`` = the local rank); tensor parallelism
+(one engine over several ranks' GPUs) is not supported. Weights reach the
+subprocess through ``update_weights_from_tensor``, which serializes CUDA tensors as IPC handles
+(``MultiprocessingSerializer``): no copy through the host.
+
+**Requests.** Token-id prompts (``input_ids``), one SGLang request per sample: a request's ``n``
+samples are ``n`` requests. SGLang's own ``n`` must be equal across a batch
+(``managers/io_struct.py``, ``GenerateReqInput._handle_parallel_sampling``) and its seeded
+sampling draws from (seed, position) only, so ``n`` copies of one seeded request would be ``n``
+identical samples; separate requests give every sample its own seed (the radix cache still
+prefills a shared prompt once when it can). ``max_new_tokens`` is capped at what the context
+leaves: SGLang refuses a request whose prompt plus ``max_new_tokens`` exceeds the context
+(``managers/tokenizer_manager.py``, ``_validate_one_request``), where our protocol ends it
+``"length"``.
+
+**Log-probs** (``return_logprob``, ``meta_info["output_token_logprobs"]``, one
+``(logprob, token_id, text)`` per sampled token): SGLang's standard sampler returns
+``log(softmax(logits / temperature))`` (``layers/sampler.py``, ``Sampler.forward``): after the
+temperature, **before top-k / top-p** (the filtered distribution is built inside
+``_sample_from_probs`` and not kept). The native engine and ``VLLMEngine`` return log-probs after
+top-k / top-p too. They agree whenever top-k and top-p are off (``rollout.top_p: 1``, the GRPO
+default) and differ by the log of the kept mass when a filter is on. Greedy rows get the argmax
+token's log-prob at temperature 1 in all three. ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (log-probs
+before the temperature) is refused.
+
+**Seeds.** SGLang honours a per-request ``sampling_seed`` only when the engine runs with
+``enable_deterministic_inference`` (``sampling/sampling_batch_info.py``: without it the seeds
+are dropped; with it an unseeded request gets seed 42). ``SGLangEngine(deterministic=True)``
+turns it on (SGLang then samples with torch instead of FlashInfer, and uses batch-invariant
+kernels: slower); a request without a seed then draws one from the engine's own generator.
+With ``deterministic=False`` (the default) seeds cannot be honoured: the engine says so once
+(a warning) and samples are not reproducible.
+
+**Sleep / wake** (``enable_memory_saver``): level 1 releases SGLang's ``kv_cache`` and
+``cuda_graph`` memory and keeps the weights; level 2 also releases ``weights``, whose contents
+are then lost (unless built with ``enable_weights_cpu_backup=True``). SGLang's resume of a tag
+that is not released fails (``managers/scheduler_components/weight_updater.py``,
+``resume_memory_occupation`` removes it from a set), so only released tags are resumed.
+
+**Weight sync.** In 0.5.21 ``update_weights_from_tensor`` is refused outside a weight-update
+session (``weight_updater.py``: "must run between begin_weight_update() and
+end_weight_update()"). The first ``load_weights`` after a generation opens one, every bucket
+goes in with ``flush_cache=False``, and ``reset_prefix_cache`` (which ``sync_weights`` calls
+last) closes it and flushes the radix cache; ``generate`` closes a session left open.
+
+**Images** go as ``image_data`` (the resized PIL images) with each image's placeholder run
+collapsed to one token: SGLang's processor decodes the ids and expands the images again
+(``multimodal/processors/base_processor.py``, ``load_mm_data``). ``Engine.generate`` takes no
+per-request processor settings, so the engine checks that SGLang's expanded prompt has the
+dataset's length and refuses a mismatch. Audio is not supported.
+
+**Multi-turn** uses the same rounds loop as ``VLLMEngine``
+(:func:`~lightrft.engine.external.continue_in_rounds`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightrft.data.media import Media
+from lightrft.engine.external import (
+    MEDIA_LOGIT_BIAS,
+    RNGState,
+    Trajectory,
+    check_finish_reason,
+    collapse_placeholders,
+    continue_in_rounds,
+    hf_weight_names,
+    turn_seed,
+)
+from lightrft.engine.protocol import (
+    Completion,
+    Continuation,
+    Request,
+    SamplingParams,
+    check_awake,
+    check_requests,
+    check_sleep_level,
+    check_wake_tags,
+    per_request_params,
+)
+
+SGLANG_VERSION = "0.5.21"
+
+# Our wake-up tags as SGLang's memory tags (sglang/srt/constants.py): CUDA-graph buffers go and
+# come back with the KV cache.
+SGLANG_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+
+
+def import_sglang():
+    """``import sglang`` with an actionable error when it is missing."""
+    try:
+        import sglang
+    except ImportError as e:
+        raise ImportError(
+            f"SGLangEngine needs SGLang: pip install 'lightrft[sglang]' (sglang=={SGLANG_VERSION}, "
+            "CUDA only); the native engine (lightrft.engine.NativeEngine) needs nothing extra"
+        ) from e
+    return sglang
+
+
+def sglang_sampling_params(
+    p: SamplingParams,
+    *,
+    max_new_tokens: int,
+    seed: int | None,
+    first_token: bool = False,
+    suppress_token_ids: Sequence[int] = (),
+) -> dict[str, Any]:
+    """SGLang's sampling-params dict (``sampling/sampling_params.py``) for one sample.
+
+    ``first_token=True``: the first phase of FIRE, one token at ``first_token_temperature``.
+    SGLang itself turns temperature 0 into top-k 1 and top-k -1 into "whole vocabulary".
+    """
+    d: dict[str, Any] = {
+        "max_new_tokens": 1 if first_token else max_new_tokens,
+        "temperature": p.first_token_temperature if first_token else p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k if p.top_k > 0 else -1,
+        "ignore_eos": p.ignore_eos,
+    }
+    if p.stop_token_ids:
+        d["stop_token_ids"] = [int(t) for t in p.stop_token_ids]
+    if seed is not None:
+        d["sampling_seed"] = int(seed)
+    if suppress_token_ids:
+        # SGLang's logit_bias keys are strings (JSON object keys).
+        d["logit_bias"] = {str(int(t)): MEDIA_LOGIT_BIAS for t in suppress_token_ids}
+    return d
+
+
+def sglang_prompt(
+    ids: Sequence[int], media: Media | None, image_token_id: int | None
+) -> tuple[list[int], list[Any] | None]:
+    """``(input_ids, images)`` of a request whose ids hold expanded image placeholders."""
+    if media is None:
+        return list(ids), None
+    if not isinstance(media, Media):
+        raise ValueError(
+            f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
+            "give (lightrft.data.media)"
+        )
+    if media.audio is not None:
+        raise ValueError(
+            "SGLangEngine takes images only; for audio-language models use NativeEngine or "
+            "VLLMEngine"
+        )
+    if media.image is None:
+        return list(ids), None
+    if image_token_id is None:
+        raise ValueError("the request has images but the model is not vision-language")
+    collapsed = collapse_placeholders(ids, image_token_id, media.image.num_tokens)
+    return collapsed, list(media.image.images)
+
+
+def sample_from_output(out: dict[str, Any], request: int, sample: int) -> tuple:
+    """``(ids, logprobs, finish_reason, prompt_tokens)`` of one ``Engine.generate`` output dict
+    (``managers/tokenizer_manager.py``: ``output_ids`` with the stop token kept,
+    ``meta_info["finish_reason"]["type"]`` in stop / length / abort)."""
+    meta = out["meta_info"]
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "abort":
+        raise RuntimeError(
+            f"SGLang aborted request {request} sample {sample}: {reason.get('message')}"
+        )
+    kind = check_finish_reason(kind, "SGLang", request, sample)
+    ids = [int(t) for t in out["output_ids"]]
+    steps = meta.get("output_token_logprobs")
+    if steps is None:
+        raise ValueError("SGLang returned no log-probs; return_logprob=True was expected")
+    if len(steps) != len(ids) or any(int(s[1]) != t for s, t in zip(steps, ids, strict=False)):
+        raise ValueError(
+            f"SGLang's log-probs of request {request} sample {sample} do not follow its tokens"
+        )
+    return ids, [float(s[0]) for s in steps], kind, int(meta["prompt_tokens"])
+
+
+@dataclass
+class _Item:
+    """One sample of one request, as an SGLang request; ``base``: the request's seed."""
+
+    request: int
+    sample: int
+    base: int | None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.request, self.sample
+
+    def seed_of(self, turn: int) -> int | None:
+        """Turn ``turn``'s seed: every (sample, turn) its own stream. A FIRE sample's two passes
+        share one, drawn at different positions (SGLang's seeded draws hash the position)."""
+        return turn_seed(self.base, self.sample, turn)
+
+
+class SGLangEngine:
+    """An ``sglang.Engine`` on this rank's GPU (see the module docstring); build it on every rank.
+
+    ``model``: an HF directory or hub id. ``tokenizer``: decodes ``Completion.text`` (default:
+    the model's). ``gpu_memory_utilization``: SGLang's ``mem_fraction_static`` (weights + KV
+    pool). ``deterministic``: honour seeds (``enable_deterministic_inference``). ``seed``: the
+    engine's own seed (offset by the rank). ``engine_kwargs`` go to ``sglang.Engine`` unchanged
+    (``ServerArgs`` names, e.g. ``disable_cuda_graph=True``, ``attention_backend="triton"``).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        tokenizer: Any = None,
+        *,
+        dtype: str | torch.dtype = "bfloat16",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        deterministic: bool = False,
+        enable_sleep_mode: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
+        sgl = import_sglang()  # first: a missing extra fails before anything loads
+        from transformers import AutoConfig
+
+        from lightrft.data import modality
+        from lightrft.models.loading import load_tokenizer, to_dtype
+
+        if not torch.cuda.is_available():
+            raise ValueError("SGLangEngine needs a CUDA GPU; use NativeEngine on CPU")
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"):
+            raise ValueError(
+                "SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return log-probs before the "
+                "temperature, not the sampling distribution's; unset it"
+            )
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        gpu = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        self.dtype = to_dtype(dtype)
+        self.deterministic = deterministic
+        self.enable_sleep_mode = enable_sleep_mode
+        self._weights_backup = bool(engine_kwargs.get("enable_weights_cpu_backup", False))
+        rng = RNGState()
+        self.llm = sgl.Engine(
+            model_path=str(model),
+            tp_size=1,
+            base_gpu_id=gpu,
+            random_seed=seed + rank,
+            dtype=str(self.dtype).removeprefix("torch."),
+            context_length=max_model_len,
+            mem_fraction_static=gpu_memory_utilization,
+            max_running_requests=max_num_seqs,
+            enable_memory_saver=enable_sleep_mode,
+            enable_deterministic_inference=deterministic,
+            **engine_kwargs,
+        )
+        rng.restore()
+        hf_config = AutoConfig.from_pretrained(str(model))
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        self._setup(hf_config, int(self.llm.tokenizer_manager.context_len), seed + rank)
+        self.image_token_id = (
+            modality.image_token_id(hf_config) if modality.is_vision_language(hf_config) else None
+        )
+
+    def _setup(self, hf_config, max_model_len: int, seed: int) -> None:
+        """The state every engine needs, whatever built ``self.llm`` (the tests build it over a
+        fake ``sglang.Engine``)."""
+        from lightrft.data import modality
+
+        self.vocab_size = int(hf_config.get_text_config().vocab_size)
+        self.max_model_len = max_model_len
+        self.suppress_token_ids = modality.media_token_ids(hf_config)
+        self._names, self._required = hf_weight_names(hf_config)
+        self._asleep: set[str] = set()
+        self._unloaded: set[str] = set()
+        self._updating = False  # a weight-update session is open in SGLang
+        self._seeds = random.Random(seed)  # seeds of unseeded requests (deterministic mode)
+        self._warned_seed = False
+
+    # ---------------------------------------------------------------- sleep / wake / weights
+    def sleep(self, level: int = 1) -> None:
+        check_sleep_level(level)
+        if not self.enable_sleep_mode:
+            raise ValueError("this SGLangEngine was built with enable_sleep_mode=False")
+        self._end_weight_update()
+        tags = ("kv_cache",) if level == 1 else ("weights", "kv_cache")
+        todo = [t for t in tags if t not in self._asleep]
+        if todo:
+            self.llm.release_memory_occupation(tags=[s for t in todo for s in SGLANG_TAGS[t]])
+        self._asleep |= set(todo)
+        if level == 2 and not self._weights_backup:
+            self._unloaded = set(self._required)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        tags = check_wake_tags(tags)
+        todo = [t for t in tags if t in self._asleep]
+        if todo:
+            self.llm.resume_memory_occupation(tags=[s for t in todo for s in SGLANG_TAGS[t]])
+        self._asleep -= set(todo)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if "weights" in self._asleep:
+            raise ValueError(
+                "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
+            )
+        weights = list(weights)
+        unknown = [name for name, _ in weights if name not in self._names]
+        if unknown:
+            raise ValueError(f"load_weights: unknown parameter name(s) {unknown[:8]}")
+        if not self._updating:
+            _check_ok(self.llm.begin_weight_update(), "begin_weight_update")
+            self._updating = True
+        # The radix cache is flushed once, when the session closes (reset_prefix_cache).
+        _check_ok(
+            self.llm.update_weights_from_tensor(named_tensors=weights, flush_cache=False),
+            "update_weights_from_tensor",
+        )
+        self._unloaded -= {name for name, _ in weights}
+
+    def reset_prefix_cache(self) -> bool:
+        self._end_weight_update()
+        if "kv_cache" in self._asleep:
+            return True  # releasing the KV cache flushed it, and nothing has run since
+        return bool(getattr(self.llm.flush_cache(), "success", True))
+
+    def _end_weight_update(self) -> None:
+        if self._updating:
+            self._updating = False
+            _check_ok(self.llm.end_weight_update(), "end_weight_update")
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self,
+        requests: Sequence[Request],
+        sampling: SamplingParams | Sequence[SamplingParams],
+        continuation: Continuation | None = None,
+    ) -> list[Completion]:
+        """Sample ``n`` completions per request, ordered by (request, sample); with a
+        ``continuation``, whole multi-turn trajectories (see the module docstring)."""
+        check_awake(sorted(self._asleep), self._unloaded)
+        requests = list(requests)
+        params = per_request_params(sampling, len(requests))
+        check_requests(requests, self.vocab_size)
+        for p in params:
+            if p.prompt_logprobs:
+                raise ValueError("SGLangEngine does not return prompt_logprobs; use NativeEngine")
+        prompts = [self._prompt(r.prompt_token_ids, r) for r in requests]
+        budgets = [self._budget(r, p) for r, p in zip(requests, params, strict=True)]
+        if self._updating:  # weights were loaded without reset_prefix_cache: finish the update
+            self.reset_prefix_cache()
+        bases = [self._base_seed(p.seed) for p in params]
+        items = [_Item(i, j, bases[i]) for i, p in enumerate(params) for j in range(p.n)]
+        # FIRE: every sample's first token at the hot temperature, then the rest of it.
+        fire = [it for it in items if params[it.request].first_token_temperature is not None]
+        outs = self._run(
+            [prompts[it.request] for it in fire],
+            [self._sampling(params[it.request], 1, it.seed_of(0), first=True) for it in fire],
+        )
+        parts: dict[tuple[int, int], list[tuple]] = {
+            it.key: [sample_from_output(o, it.request, it.sample)]
+            for it, o in zip(fire, outs, strict=True)
+        }
+        rest = [
+            it
+            for it in items
+            if it.key not in parts or (parts[it.key][0][2] != "stop" and budgets[it.request] > 1)
+        ]
+        inputs, sampling = [], []
+        for it in rest:
+            (ids, images), done = prompts[it.request], parts.get(it.key, [])
+            first = done[0][0] if done else []
+            inputs.append((ids + first, images))
+            left = budgets[it.request] - len(first)
+            sampling.append(self._sampling(params[it.request], left, it.seed_of(0)))
+        for it, o in zip(rest, self._run(inputs, sampling), strict=True):
+            parts.setdefault(it.key, []).append(sample_from_output(o, it.request, it.sample))
+        completions = []
+        for it in items:
+            (ids, lps, reason, prompt_len), *more = parts[it.key]
+            self._check_prompt_len(requests[it.request], prompt_len, it.request)
+            for more_ids, more_lps, more_reason, _ in more:
+                ids, lps, reason = ids + more_ids, lps + more_lps, more_reason
+            req = requests[it.request]
+            completions.append(
+                Completion(
+                    request_index=it.request,
+                    sample_index=it.sample,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    token_ids=ids,
+                    logprobs=lps,
+                    finish_reason=reason,
+                    text=self._decode(ids) if params[it.request].detokenize else None,
+                )
+            )
+        if continuation is not None:
+            completions = self._continue(requests, params, completions, continuation, bases)
+        return completions
+
+    def _base_seed(self, seed: int | None) -> int | None:
+        """A request's seed as sent to SGLang (None: SGLang's own randomness)."""
+        if not self.deterministic:
+            if seed is not None and not self._warned_seed:
+                self._warned_seed = True
+                warnings.warn(
+                    "SGLangEngine ignores SamplingParams.seed unless built with "
+                    "deterministic=True (SGLang's enable_deterministic_inference): samples are "
+                    "not reproducible",
+                    stacklevel=3,
+                )
+            return None
+        if seed is None:  # SGLang would give every unseeded row seed 42
+            seed = self._seeds.getrandbits(62)
+        return seed
+
+    def _prompt(self, ids: list[int], req: Request) -> tuple[list[int], list[Any] | None]:
+        return sglang_prompt(ids, req.media, self.image_token_id)
+
+    def _sampling(
+        self, p: SamplingParams, max_new_tokens: int, seed: int | None, first: bool = False
+    ) -> dict[str, Any]:
+        return sglang_sampling_params(
+            p,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            first_token=first,
+            suppress_token_ids=self.suppress_token_ids,
+        )
+
+    def _run(
+        self, prompts: list[tuple[list[int], list[Any] | None]], sampling: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """One ``Engine.generate`` over a batch of ``(input_ids, images)``: its output dicts."""
+        if not prompts:
+            return []
+        images = [imgs for _, imgs in prompts]
+        outs = self.llm.generate(
+            input_ids=[ids for ids, _ in prompts],
+            sampling_params=sampling,
+            image_data=images if any(imgs for imgs in images) else None,
+            return_logprob=True,
+        )
+        assert len(outs) == len(prompts), (len(outs), len(prompts))
+        return outs
+
+    def _budget(self, req: Request, p: SamplingParams) -> int:
+        """Response tokens a sample may hold: ``max_tokens``, and what the context leaves."""
+        room = self.max_model_len - len(req.prompt_token_ids)
+        if room < 1:
+            raise ValueError(
+                f"a prompt of {len(req.prompt_token_ids)} tokens leaves no room to generate "
+                f"under max_model_len={self.max_model_len}"
+            )
+        return min(p.max_tokens, room)
+
+    def _check_prompt_len(self, req: Request, got: int | None, index: int) -> None:
+        """SGLang re-expands image placeholders itself: its prompt must be the dataset's."""
+        if got is not None and got != len(req.prompt_token_ids):
+            raise ValueError(
+                f"SGLang expanded request {index}'s prompt to {got} tokens, the dataset to "
+                f"{len(req.prompt_token_ids)}: its image processor sized the images differently "
+                "(SGLang takes no per-request processor settings)"
+            )
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _continue(
+        self,
+        requests: list[Request],
+        params: list[SamplingParams],
+        firsts: list[Completion],
+        continuation: Continuation,
+        bases: list[int | None],
+    ) -> list[Completion]:
+        """Later turns, in rounds: each trajectory that goes on is one request of prompt +
+        response so far, with what is left of its budget."""
+
+        def sample_round(going: list[Trajectory]) -> list[tuple[list[int], list[float], str]]:
+            prompts, sampling = [], []
+            for t in going:
+                c = t.completion
+                req = requests[c.request_index]
+                prompts.append(self._prompt(c.prompt_token_ids + c.token_ids, req))
+                item = _Item(c.request_index, c.sample_index, bases[c.request_index])
+                sampling.append(self._sampling(t.params, t.max_tokens, item.seed_of(len(t.spans))))
+            outs = self._run(prompts, sampling)
+            result = []
+            for t, out in zip(going, outs, strict=True):
+                c = t.completion
+                ids, lps, reason, _ = sample_from_output(out, c.request_index, c.sample_index)
+                result.append((ids, lps, reason))
+            return result
+
+        return continue_in_rounds(
+            firsts,
+            params,
+            [self._budget(requests[c.request_index], params[c.request_index]) for c in firsts],
+            continuation,
+            sample_round,
+            vocab_size=self.vocab_size,
+            forbidden=set(self.suppress_token_ids),
+            decode=self._decode,
+        )
+
+
+def _check_ok(result: Any, what: str) -> None:
+    """SGLang's control calls answer ``(success, message)``; a failure must not pass silently."""
+    if isinstance(result, tuple) and len(result) >= 2 and not result[0]:
+        raise RuntimeError(f"SGLang {what} failed: {result[1]}")
