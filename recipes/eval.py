@@ -77,6 +77,7 @@ class EvalConfig(Section):
     )
 
     def resolve(self, at: str) -> EvalConfig:
+        self.engine.check_device(self.run.device)
         n = self.sampling.n
         ks = self.ks or tuple(k for k in (1, 4, 8, 16, 32, 64) if k <= n)
         bad = [k for k in ks if not 1 <= k <= n]

@@ -180,6 +180,7 @@ class GRPOConfig(TrainingConfig):
     def resolve(self, at: str) -> GRPOConfig:
         """Every default that depends on another key and every rule across sections."""
         super().resolve(at)
+        self.engine.check_device(self.run.device)
         ro = self.rollout
         alg = self.algorithm.for_rollout(ro.n, ro.max_tokens, ro.first_token_temperature)
         critic = self._critic()

@@ -7,8 +7,11 @@ import pytest
 import yaml
 
 from lightrft import cli
+from lightrft.engine.config import EngineConfig
 
 CONFIGS = cli.list_configs()
+# Engine keys only a GPU engine takes (vLLM's, SGLang's).
+GPU_ENGINE_KEYS = {k for b, keys in EngineConfig.OWN.items() if b != "native" for k in keys}
 
 
 def test_configs_are_shipped():
@@ -22,14 +25,22 @@ def test_shipped_config_validates(name, capsys):
 
     rc = cli.main(["validate", name])
     out = capsys.readouterr()
-    device = yaml.safe_load(CONFIGS[name].read_text()).get("device")
-    if device == "cuda" and not torch.cuda.is_available():
+    cfg = yaml.safe_load(CONFIGS[name].read_text())
+    if cfg.get("device") == "cuda" and not torch.cuda.is_available():
         # A GPU config on a machine without CUDA: refused for that alone (validate checks that
         # the config runs here, as run would), and valid once the device is the CPU.
         assert rc == 2 and "device=cuda but CUDA is not available" in out.err, out.err
         assert len(out.err.splitlines()) == 1, out.err
         rc = cli.main(["validate", name, "device=cpu"])
         out = capsys.readouterr()
+        backend = (cfg.get("engine") or {}).get("backend", "native")
+        if backend != "native":
+            # vLLM and SGLang run on CUDA only: refused on the CPU, naming the key, and valid
+            # with the native engine (less the keys only the GPU engine takes).
+            assert rc == 2 and f"engine.backend={backend} runs on CUDA GPUs only" in out.err
+            gpu_keys = [f"engine.{k}=null" for k in cfg["engine"] if k in GPU_ENGINE_KEYS]
+            rc = cli.main(["validate", name, "device=cpu", "engine.backend=native", *gpu_keys])
+            out = capsys.readouterr()
     assert rc == 0, out.err
     assert "valid config for recipe" in out.out
 
@@ -49,7 +60,9 @@ def test_shipped_config_opens_with_its_own_launch_command(name):
 )
 def test_qwen_engine_matches_the_file_name(name):
     engine = yaml.safe_load(CONFIGS[name].read_text()).get("engine") or {}
-    assert engine.get("backend", "native") == ("vllm" if name.endswith("_vllm") else "native")
+    suffix = name.rsplit("_", 1)[-1]
+    backend = suffix if suffix in ("vllm", "sglang") else "native"
+    assert engine.get("backend", "native") == backend
 
 
 @pytest.mark.parametrize(

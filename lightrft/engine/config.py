@@ -15,29 +15,59 @@ from lightrft.sections import DType
 
 @section
 class EngineConfig(Section):
-    """``engine:``: the native torch engine (CPU or GPU) or vLLM in-process (CUDA only)."""
+    """``engine:``: the native torch engine (CPU or GPU), or vLLM or SGLang (CUDA only)."""
 
-    backend: Literal["native", "vllm"] = option("native", doc="`native` or `vllm`")
+    backend: Literal["native", "vllm", "sglang"] = option(
+        "native", doc="`native`, `vllm` or `sglang`"
+    )
     dtype: DType | None = option(None, doc="default: the model's")
     max_model_len: int | None = option(None, doc="prompt + response tokens per sequence")
     max_num_seqs: int | None = option(None, doc="sequences generated at once")
     max_prefill_tokens: int | None = option(None, doc="native only: prefill chunk")
     max_kv_tokens: int | None = option(None, doc="native only: KV-cache budget")
     compile: bool | None = option(None, doc="native only: torch.compile the decode step")
-    gpu_memory_utilization: float | None = option(None, doc="vllm only")
+    gpu_memory_utilization: float | None = option(
+        None, doc="vllm; sglang (its mem_fraction_static)"
+    )
     tensor_parallel_size: int | None = option(None, doc="vllm only")
+    deterministic: bool | None = option(
+        None, doc="sglang only: honour seeds (enable_deterministic_inference; slower)"
+    )
 
     OWN: ClassVar[dict[str, tuple[str, ...]]] = {
         "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
         "vllm": ("gpu_memory_utilization", "tensor_parallel_size"),
+        "sglang": ("gpu_memory_utilization", "deterministic"),
     }
+    # Engines that run only on CUDA GPUs.
+    CUDA_ONLY: ClassVar[tuple[str, ...]] = ("vllm", "sglang")
 
     def resolve(self, at: str) -> EngineConfig:
-        other = self.OWN["vllm" if self.backend == "native" else "native"]
-        wrong = sorted(k for k in other if getattr(self, k) is not None)
+        mine = set(self.OWN[self.backend])
+        others = {k for keys in self.OWN.values() for k in keys} - mine
+        wrong = sorted(k for k in others if getattr(self, k) is not None)
         if wrong:
             raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={self.backend}")
+        tp = self.tensor_parallel_size
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if tp is not None and (tp < 1 or world % tp):
+            raise ValueError(
+                f"engine.tensor_parallel_size={tp} must be >= 1 and divide the number of "
+                f"processes ({world})"
+            )
         return self
+
+    def check_device(self, device: str | None) -> None:
+        """Refuse a CUDA-only backend on a run whose ``device`` is (or resolves to) the CPU."""
+        if self.backend not in self.CUDA_ONLY:
+            return
+        import torch
+
+        if device == "cpu" or (device is None and not torch.cuda.is_available()):
+            raise ValueError(
+                f"engine.backend={self.backend} runs on CUDA GPUs only, and this run's device is "
+                "the CPU; use engine.backend=native (or device=cuda on a GPU machine)"
+            )
 
     def kwargs(self) -> dict[str, Any]:
         """The engine class's keyword arguments that the config sets."""
@@ -52,6 +82,10 @@ class EngineConfig(Section):
             from lightrft.engine.vllm_adapter import VLLMEngine
 
             return VLLMEngine(path, seed=seed, **kwargs)
+        if self.backend == "sglang":  # CUDA only; the adapter imports SGLang lazily
+            from lightrft.engine.sglang_adapter import SGLangEngine
+
+            return SGLangEngine(path, tokenizer, seed=seed, **kwargs)
         from lightrft.engine.native import NativeEngine
 
         return NativeEngine(path, tokenizer, device=device, seed=seed, **kwargs)
