@@ -448,11 +448,13 @@ class SGLangEngine:
         """One ``Engine.generate`` over a batch of ``(input_ids, images)``: its output dicts."""
         if not prompts:
             return []
-        images = [imgs for _, imgs in prompts]
+        images = [imgs or [] for _, imgs in prompts]
         outs = self.llm.generate(
             input_ids=[ids for ids, _ in prompts],
             sampling_params=sampling,
-            image_data=images if any(imgs for imgs in images) else None,
+            # One list per request, [] for none: SGLang reads "a list per request" off the first
+            # entry only (managers/io_struct.py, GenerateReqInput._normalize_image_data).
+            image_data=images if any(images) else None,
             return_logprob=True,
         )
         assert len(outs) == len(prompts), (len(outs), len(prompts))

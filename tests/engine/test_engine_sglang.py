@@ -216,6 +216,20 @@ def test_images_go_as_image_data_with_collapsed_placeholders():
     with pytest.raises(ValueError, match="images only"):
         sa.sglang_prompt([1], Media(audio=audio), 9)
 
+    sent = {}
+
+    def generate(**kwargs):
+        sent.update(kwargs)
+        return [None] * len(kwargs["input_ids"])
+
+    engine = object.__new__(sa.SGLangEngine)
+    engine.llm = SimpleNamespace(generate=generate)
+    engine._run([([1, 2], None), (ids, images)], [{}, {}])
+    # A list per request, [] for a text-only one (SGLang reads the layout off the first entry).
+    assert sent["image_data"] == [[], ["img0", "img1"]] and sent["input_ids"][1] == ids
+    engine._run([([1, 2], None)], [{}])
+    assert sent["image_data"] is None
+
 
 def test_greedy_generation_matches_the_native_engine(native, prompts):
     engine = fake_sglang_engine(native)
