@@ -27,8 +27,9 @@ leaves: SGLang refuses a request whose prompt plus ``max_new_tokens`` exceeds th
 ``log(softmax(logits / temperature))`` (``layers/sampler.py``, ``Sampler.forward``): after the
 temperature, **before top-k / top-p** (the filtered distribution is built inside
 ``_sample_from_probs`` and not kept). The native engine and ``VLLMEngine`` return log-probs after
-top-k / top-p too. They agree whenever top-k and top-p are off (``rollout.top_p: 1``, the GRPO
-default) and differ by the log of the kept mass when a filter is on. Greedy rows get the argmax
+top-k / top-p too (the protocol's definition). They agree whenever top-k and top-p are off
+(``rollout.top_p: 1``, the GRPO default); with a filter on, SGLang's are lower by the log of the
+kept mass (and so still equal what a trainer scoring at the temperature computes). Greedy rows get the argmax
 token's log-prob at temperature 1 in all three. ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (log-probs
 before the temperature) is refused.
 
