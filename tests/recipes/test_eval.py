@@ -79,11 +79,14 @@ def test_eval_writes_samples_summary_and_table(tmp_path, assets, capsys):
     assert "pass@4" in capsys.readouterr().out
 
 
-def test_config_errors_before_loading(tmp_path, assets):
+def test_config_errors_before_loading(tmp_path, assets, capsys):
     cfg = _config(tmp_path, assets, "bad", n=2)  # n > 1 with greedy decoding
     assert cli.main(["run", "eval", "--config", str(cfg)]) == 2
     cfg = _config(tmp_path, assets, "bad2")
     assert cli.main(["run", "eval", "--config", str(cfg), "ks=[2]"]) == 2
+    capsys.readouterr()
+    assert cli.main(["run", "eval", "--config", str(cfg), "engine.backend=sglang"]) == 2
+    assert "engine.backend=sglang runs on CUDA GPUs only" in capsys.readouterr().err
 
 
 def _two_rank_eval(rank: int, world_size: int, cfg_path: str) -> None:

@@ -674,6 +674,11 @@ BAD_CONFIGS = [
         "dynamic sampling needs",
     ),
     ({"engine": {"backend": "vllm", "max_kv_tokens": 64}}, "does not apply"),
+    ({"engine": {"backend": "sglang"}}, "engine.backend=sglang runs on CUDA GPUs only"),
+    (
+        {"engine": {"backend": "sglang", "tensor_parallel_size": 2}},
+        "engine.tensor_parallel_size does not apply to engine.backend=sglang",
+    ),
     ({"eval_dataset": None}, "needs an eval_dataset"),
     ({"eval.accuracy_reward": "acc"}, "is not a reward function"),
     ({"rollout.temperature": 0.0}, "rollout.temperature must be > 0"),
