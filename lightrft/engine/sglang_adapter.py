@@ -7,10 +7,10 @@ optional (``pip install 'lightrft[sglang]'``), CUDA only, and imported only when
 **Process layout.** ``sglang.Engine`` is "offline" but not in-process like vLLM's
 ``external_launcher``: the tokenizer manager runs in this process, the model in a scheduler
 subprocess it spawns (``entrypoints/engine.py``, ``Engine._launch_subprocesses``). Every trainer
-rank builds its own engine on its own GPU (``base_gpu_id`` = the local rank); tensor parallelism
-(one engine over several ranks' GPUs) is not supported. Weights reach the
-subprocess through ``update_weights_from_tensor``, which serializes CUDA tensors as IPC handles
-(``MultiprocessingSerializer``): no copy through the host.
+rank builds its own engine on its own GPU (``base_gpu_id`` = the rank's current CUDA device, the
+trainer's); tensor parallelism (one engine over several ranks' GPUs) is not supported. Weights
+reach the subprocess through ``update_weights_from_tensor``, which serializes CUDA tensors as IPC
+handles (``MultiprocessingSerializer``): no copy through the host.
 
 **Requests.** Token-id prompts (``input_ids``), one SGLang request per sample: a request's ``n``
 samples are ``n`` requests. SGLang's own ``n`` must be equal across a batch
@@ -252,7 +252,7 @@ class SGLangEngine:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        gpu = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        gpu = torch.cuda.current_device()  # the trainer's GPU on this rank
         self.dtype = to_dtype(dtype)
         self.deterministic = deterministic
         self.enable_sleep_mode = enable_sleep_mode
