@@ -55,9 +55,12 @@ class ColocatedEngine:
     def sync(self) -> None:
         """The trained weights into the engine after an update (collective)."""
         released = self.released
-        if released:
+        if self.sleep_level:
+            # Level 2 dropped the weights; at level 1 vLLM offloads them to host memory (the
+            # native engine keeps them, and waking awake weights is a no-op): either way they
+            # must be awake to be loaded into.
             self.engine.wake_up(["weights"])
             self.released = False
-        # An engine that kept its weights already holds the frozen ones (a frozen vision tower):
-        # send only what training changes; after a release, send everything.
+        # An engine that kept its weights (on the device or offloaded) still holds the frozen ones
+        # (a frozen vision tower): send only what training changes; after a release, everything.
         self.strategy.sync_weights(self.engine, skip_frozen=not released)

@@ -313,3 +313,41 @@ def test_vllm_multi_turn_on_gpu(tmp_path):
     for a, b in zip(got, want, strict=True):
         assert (a.token_ids, a.turn_spans) == (b.token_ids, b.turn_spans)
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-3)
+
+
+def test_a_sync_after_a_level_1_sleep_wakes_the_offloaded_weights(tiny_model_dir):
+    """vLLM's level-1 sleep offloads the weights to host memory (the native engine keeps them):
+    the colocated engine's sync after an update must wake them before loading, and send only
+    what training changes since the frozen ones are still there. Against FakeLLM (CPU)."""
+    from transformers import AutoConfig
+
+    from lightrft.engine import NativeEngine, sync_weights
+    from lightrft.engine.external import hf_weight_names
+    from lightrft.models import load_causal_lm
+    from lightrft.rollout.engine import ColocatedEngine
+
+    native = NativeEngine(tiny_model_dir)
+    eng = fake_vllm_engine(native)
+    eng.enable_sleep_mode, eng.dtype = True, torch.float32
+    eng._names, eng._required = hf_weight_names(AutoConfig.from_pretrained(tiny_model_dir))
+    loaded, events = [], []
+    eng.llm.sleep = lambda level: events.append(("sleep", level))
+    eng.llm.wake_up = lambda tags: events.append(("wake_up", tuple(tags)))
+    eng.llm.reset_prefix_cache = lambda: True
+    model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=loaded.extend))
+    executor = SimpleNamespace(driver_worker=SimpleNamespace(model_runner=model_runner))
+    eng.llm.llm_engine = SimpleNamespace(model_executor=executor)
+    model = load_causal_lm(tiny_model_dir)
+    model.model.embed_tokens.weight.requires_grad_(False)  # a frozen part stays in the engine
+    strategy = SimpleNamespace(
+        sync_weights=lambda engine, skip_frozen: sync_weights(
+            model, engine, skip_frozen=skip_frozen
+        )
+    )
+    colocated = ColocatedEngine(eng, strategy, sleep_level=1)
+    colocated.sleep()
+    colocated.sync()
+    assert events == [("sleep", 1), ("wake_up", ("weights",))]
+    names = {name for name, _ in loaded}
+    assert "model.embed_tokens.weight" not in names and "model.norm.weight" in names
+    assert eng._asleep == {"kv_cache"}  # generate wakes the rest
