@@ -125,14 +125,22 @@ def test_the_same_prompt_at_two_steps_side_by_side(page):
     assert page.locator("#compare .sample").count() == 4
 
 
-def screenshot(page_html: str, png: str, width: int = 1100) -> None:
-    """Save a PNG of the page's first screen-and-a-half (curves, one sample)."""
+def screenshot(page_html: str, png: str, width: int = 1500, height: int = 860) -> None:
+    """Save a PNG of the page's top (curves, then the first sample whose prompt comes back at
+    a later step, beside that step's group)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = _browser(p)
-        pg = browser.new_page(viewport={"width": width, "height": 1250})
+        pg = browser.new_page(viewport={"width": width, "height": height})
         pg.goto(Path(page_html).resolve().as_uri())
+        for _ in range(
+            pg.eval_on_selector("#count", "n => parseInt(n.textContent.split('/ ')[1])")
+        ):
+            if pg.locator("#compare-step option").count() > 1:
+                pg.select_option("#compare-step", index=1)
+                break
+            pg.click("#next")
         pg.screenshot(path=png)
         browser.close()
 
