@@ -5,7 +5,7 @@
     lightrft cat <config>                         print a config
     lightrft validate <config> [key=value ...]    schema + the recipe's build_options; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
-    lightrft view RUN_DIR [--out FILE] [--steps N] [--samples N]   one HTML page of a run
+    lightrft view RUN_DIR [--out FILE] [--steps N] [--samples N] [--max-mib M]   a run's page
     lightrft tiny-model --out DIR [--arch ARCH] [--layers N] [--hidden N] ...
         ARCH: qwen2 | llama (text), qwen2_vl | qwen2_5_vl | qwen3_vl | llava (with a processor)
 
@@ -276,7 +276,9 @@ def cmd_view(args: argparse.Namespace) -> int:
     from lightrft.view import ViewError, write_view
 
     try:
-        path, data = write_view(args.run_dir, args.out, steps=args.steps, samples=args.samples)
+        path, data = write_view(
+            args.run_dir, args.out, steps=args.steps, samples=args.samples, max_mib=args.max_mib
+        )
     except ViewError as e:
         raise UsageError(str(e)) from None
     cap = data["cap"]
@@ -330,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=64,
         help="embed the first N samples of each step (default 64; groups are consecutive)",
+    )
+    vw.add_argument(
+        "--max-mib",
+        type=float,
+        default=64.0,
+        help="and at most this many MiB of samples and media, newest first (default 64)",
     )
     t = sub.add_parser("tiny-model", help="write a tiny random-init HF model and tokenizer")
     t.add_argument("--out", required=True)

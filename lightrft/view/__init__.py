@@ -9,7 +9,7 @@ by step, reward and length, and the same prompt at two steps side by side.
 
 Everything the page shows is embedded as JSON, so the size is capped: the last ``steps`` step
 files and the first ``samples`` samples of each (groups are consecutive rows, so whole groups
-stay together); the page says what was left out.
+stay together), newest first up to ``max_mib`` MiB; the page says what was left out.
 """
 
 from __future__ import annotations
@@ -166,18 +166,25 @@ def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, str]]:
     return out
 
 
-def load_run(run_dir: str | Path, *, steps: int = 20, samples: int = 64) -> dict[str, Any]:
+def load_run(
+    run_dir: str | Path, *, steps: int = 20, samples: int = 64, max_mib: float = 64.0
+) -> dict[str, Any]:
     """What the page embeds: the run's curves and its last ``steps`` trajectory files, the
-    first ``samples`` lines of each.
+    first ``samples`` lines of each, newest first until the samples and media reach ``max_mib``
+    MiB (per-token lines of long responses are large; at least one sample is kept).
 
     Raises:
-        ViewError: ``run_dir`` is no directory, or it holds no trajectory files.
+        ViewError: ``run_dir`` is no directory, it holds no trajectory files, or a limit is
+            not positive.
     """
     run = Path(run_dir)
     if not run.is_dir():
         raise ViewError(f"run directory not found: {run}")
-    if steps < 1 or samples < 1:
-        raise ViewError(f"--steps and --samples must be >= 1, got {steps} and {samples}")
+    if steps < 1 or samples < 1 or not max_mib > 0:
+        raise ViewError(
+            f"--steps and --samples must be >= 1 and --max-mib > 0, got {steps}, {samples} "
+            f"and {max_mib}"
+        )
     folder = run / "trajectories"
     files = sorted(
         (int(m[1]), p)
@@ -192,16 +199,16 @@ def load_run(run_dir: str | Path, *, steps: int = 20, samples: int = 64) -> dict
         )
     metrics_path = run / "metrics.jsonl"
     rows, bad_metrics = _read_jsonl(metrics_path) if metrics_path.is_file() else ([], 0)
-    shown = files[-steps:]
-    records: list[dict[str, Any]] = []
+    budget, used, size_cut = max_mib * 2**20, 0, False
+    per_step: list[list[dict[str, Any]]] = []
     media: dict[str, list[dict[str, str]]] = {}
     cache: dict[Path, Any] = {}
     total_samples = bad_lines = 0
-    for step, path in shown:
+    for step, path in reversed(files[-steps:]):
         lines, bad = _read_jsonl(path)
         bad_lines += bad
-        total_samples += len(lines)
         groups: dict[str, int] = {}
+        kept: list[dict[str, Any]] = []
         for index, rec in enumerate(lines[:samples]):
             # A group is a prompt's n samples; rows of one group are consecutive and share the
             # prompt's record (``where``) and text.
@@ -209,9 +216,22 @@ def load_run(run_dir: str | Path, *, steps: int = 20, samples: int = 64) -> dict
             rec = dict(_finite(rec), step=rec.get("step", step), index=index)
             rec["group"] = groups.setdefault(key, len(groups))
             where = rec.get("where") or ""
+            size = len(json.dumps(rec))
             if where and where not in media:
                 media[where] = _record_media(where, cache)
-            records.append(rec)
+                size += sum(len(m.get("uri", "")) for m in media[where])
+            if used + size > budget and (per_step or kept):
+                size_cut = True
+                break
+            used += size
+            kept.append(rec)
+        if kept:
+            per_step.append(kept)
+            total_samples += len(lines)
+        if size_cut:
+            break
+    records = [rec for step_records in reversed(per_step) for rec in step_records]
+    shown = sorted({rec["step"] for rec in records})
     return {
         "run": run.resolve().name,
         "curves": curves(rows),
@@ -222,8 +242,10 @@ def load_run(run_dir: str | Path, *, steps: int = 20, samples: int = 64) -> dict
         "cap": {
             "steps": steps,
             "samples": samples,
+            "max_mib": max_mib,
+            "size_cut": size_cut,
             "step_files": len(files),
-            "shown_steps": [s for s, _ in shown],
+            "shown_steps": shown,
             "total_samples": total_samples,
             "shown_samples": len(records),
             "unreadable_lines": bad_lines + bad_metrics,
@@ -240,11 +262,16 @@ def render_page(data: dict[str, Any]) -> str:
 
 
 def write_view(
-    run_dir: str | Path, out: str | Path | None = None, *, steps: int = 20, samples: int = 64
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    *,
+    steps: int = 20,
+    samples: int = 64,
+    max_mib: float = 64.0,
 ) -> tuple[Path, dict[str, Any]]:
     """Write the page of ``run_dir`` to ``out`` (default ``RUN_DIR/view.html``); returns the
-    path and the embedded data."""
-    data = load_run(run_dir, steps=steps, samples=samples)
+    path and the embedded data (:func:`load_run` takes the limits)."""
+    data = load_run(run_dir, steps=steps, samples=samples, max_mib=max_mib)
     target = Path(out) if out is not None else Path(run_dir) / "view.html"
     if not target.parent.is_dir():
         raise ViewError(f"--out {target}: folder {target.parent} does not exist")

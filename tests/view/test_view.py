@@ -48,12 +48,27 @@ def test_the_cap_keeps_the_last_steps_and_the_first_samples(fake_run):
     assert data["cap"] == {
         "steps": 2,
         "samples": 3,
+        "max_mib": 64.0,
+        "size_cut": False,
         "step_files": 3,
         "shown_steps": [2, 3],
         "total_samples": 10,
         "shown_samples": 6,
         "unreadable_lines": 1,
     }
+
+
+def test_the_size_limit_keeps_the_newest_samples_first(fake_run):
+    full = load_run(fake_run)
+    one_step = sum(len(json.dumps(r)) for r in full["samples"] if r["step"] == 3)
+    media = sum(len(m.get("uri", "")) for items in full["media"].values() for m in items)
+    data = load_run(fake_run, max_mib=(one_step + media + 100) / 2**20)
+    assert data["cap"]["size_cut"] is True and data["cap"]["shown_steps"] == [3]
+    assert data["samples"] == [r for r in full["samples"] if r["step"] == 3]
+    assert data["cap"]["total_samples"] == 5  # the samples of the shown step file
+    # a limit under one sample still shows the newest one
+    tiny = load_run(fake_run, max_mib=1e-6)
+    assert [(r["step"], r["index"]) for r in tiny["samples"]] == [(3, 0)]
 
 
 def test_a_run_without_metrics_or_tokens_still_gets_a_page(fake_run):
@@ -99,7 +114,8 @@ def test_the_command_writes_one_self_contained_file(fake_run, tmp_path, capsys):
         (None, ["--steps", "1"], "run directory not found"),
         ("empty", [], "has no saved trajectories .*trajectories: true.*trajectory_tokens: true"),
         ("run", ["--out", "/no/such/folder/page.html"], "folder /no/such/folder does not exist"),
-        ("run", ["--steps", "0"], "--steps and --samples must be >= 1, got 0 and 64"),
+        ("run", ["--steps", "0"], "--steps and --samples must be >= 1 and --max-mib > 0, got 0"),
+        ("run", ["--max-mib", "0"], "--max-mib > 0, got 20, 64 and 0.0"),
     ],
 )
 def test_command_errors_exit_2_with_one_line(fake_run, tmp_path, capsys, make, args, message):
