@@ -201,6 +201,7 @@ def test_options_compose_and_are_applied(tmp_path, assets):
                 "packing": True,
             },
             "trajectories": True,
+            "trajectory_tokens": True,  # from the old-log-prob pass, which has the entropy
             "engine": {"sleep_level": 2},
         },
     )
@@ -228,6 +229,8 @@ def test_options_compose_and_are_applied(tmp_path, assets):
     rec = json.loads(lines[0])
     assert {"prompt", "response", "reward_parts", "advantage", "reward"} <= set(rec)
     assert set(rec["reward_parts"]) == {"accuracy", "digits"}
+    n, tokens = rec["response_length"], rec["tokens"]
+    assert all(len(tokens[k]) == n for k in ("text", "logprob", "entropy", "advantage"))
 
 
 def test_trajectory_tokens_add_to_the_lines_and_change_no_number(tmp_path, assets):
