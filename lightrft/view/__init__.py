@@ -19,6 +19,7 @@ import json
 import math
 import mimetypes
 import re
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,18 @@ def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _line_offsets(path: Path) -> array:
+    """Where each line of a file starts, in bytes: a data set of millions of records is
+    indexed in one pass without holding its text (lines split at ``\\n``, as the data loader
+    numbers them)."""
+    offsets, at = array("q"), 0
+    with open(path, "rb") as f:
+        for line in f:
+            offsets.append(at)
+            at += len(line)
+    return offsets
+
+
 def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, str]]:
     """The images and audio of the dataset record ``where`` names (``"<file> line N"``), read
     from its ``images`` / ``audios`` fields (a path or a list; ``image`` / ``audio`` too) and
@@ -124,7 +137,7 @@ def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, str]]:
     if path not in cache:
         try:
             if m["kind"] == "line":
-                cache[path] = path.read_text(encoding="utf-8", errors="replace").splitlines()
+                cache[path] = _line_offsets(path)
             else:
                 cache[path] = json.loads(path.read_text(encoding="utf-8"))
                 if isinstance(cache[path], dict):
@@ -133,8 +146,13 @@ def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, str]]:
             cache[path] = []
     try:
         n = int(m["n"])
-        rec = json.loads(cache[path][n - 1]) if m["kind"] == "line" else cache[path][n]
-    except (IndexError, ValueError, TypeError):
+        if m["kind"] == "line":
+            with open(path, "rb") as f:
+                f.seek(cache[path][n - 1])
+                rec = json.loads(f.readline().decode("utf-8", errors="replace"))
+        else:
+            rec = cache[path][n]
+    except (IndexError, ValueError, TypeError, OSError):
         return []
     if not isinstance(rec, dict):
         return []
