@@ -5,6 +5,7 @@
     lightrft cat <config>                         print a config
     lightrft validate <config> [key=value ...]    schema + the recipe's build_options; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
+    lightrft view RUN_DIR [--out FILE] [--steps N] [--samples N] [--max-mib M]   a run's page
     lightrft tiny-model --out DIR [--arch ARCH] [--layers N] [--hidden N] ...
         ARCH: qwen2 | llama (text), qwen2_vl | qwen2_5_vl | qwen3_vl | llava (with a processor)
 
@@ -271,6 +272,23 @@ def cmd_run(argv: list[str]) -> int:
     return 0
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from lightrft.view import ViewError, write_view
+
+    try:
+        path, data = write_view(
+            args.run_dir, args.out, steps=args.steps, samples=args.samples, max_mib=args.max_mib
+        )
+    except ViewError as e:
+        raise UsageError(str(e)) from None
+    cap = data["cap"]
+    print(
+        f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {len(data['curves'])} charts, "
+        f"{cap['shown_samples']} samples of {len(cap['shown_steps'])} steps"
+    )
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from lightrft.tasks.tiny import make_tiny_model
 
@@ -297,6 +315,30 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("overrides", nargs="*")
     v.add_argument("--recipe", help="recipe name, when the config has no launch comment")
     sub.add_parser("run", help="run a recipe (torchrun flags before the recipe)", add_help=False)
+    vw = sub.add_parser(
+        "view",
+        help="write one self-contained HTML page of a run: curves and trajectories",
+        description="Write one HTML file (no server, nothing fetched) with the run's curves from "
+        "metrics.jsonl and its saved trajectories (GRPO's `trajectories: true`; "
+        "`trajectory_tokens: true` adds the per-token colouring).",
+    )
+    vw.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir")
+    vw.add_argument("--out", help="the HTML file to write (default RUN_DIR/view.html)")
+    vw.add_argument(
+        "--steps", type=int, default=20, help="embed the last N step files (default 20)"
+    )
+    vw.add_argument(
+        "--samples",
+        type=int,
+        default=64,
+        help="embed the first N samples of each step (default 64; groups are consecutive)",
+    )
+    vw.add_argument(
+        "--max-mib",
+        type=float,
+        default=64.0,
+        help="and at most this many MiB of samples and media, newest first (default 64)",
+    )
     t = sub.add_parser("tiny-model", help="write a tiny random-init HF model and tokenizer")
     t.add_argument("--out", required=True)
     t.add_argument(
@@ -337,6 +379,7 @@ def _dispatch(argv: list[str]) -> int:
         "cp": cmd_cp,
         "cat": cmd_cat,
         "validate": cmd_validate,
+        "view": cmd_view,
         "tiny-model": cmd_tiny_model,
     }[args.command](args)
 

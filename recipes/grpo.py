@@ -172,6 +172,11 @@ class GRPOConfig(TrainingConfig):
     max_steps: int = option(ge=1, doc="RL steps")
     eval: GRPOEvalConfig = option(default_factory=GRPOEvalConfig, doc="")
     trajectories: bool = option(False, doc="write every sample to trajectories/step_N.jsonl")
+    trajectory_tokens: bool = option(
+        False,
+        doc="trajectory lines add per-token text, entropy, trainer and engine log-probs and "
+        "advantages (for `lightrft view`; large, and one more forward pass per step)",
+    )
     environment: Component | None = option(
         None, doc="multi-turn: builds one Environment per trajectory (ToolEnvironment + tools)"
     )
@@ -185,6 +190,10 @@ class GRPOConfig(TrainingConfig):
         alg = self.algorithm.for_rollout(ro.n, ro.max_tokens, ro.first_token_temperature)
         critic = self._critic()
         ev = self.eval
+        if self.trajectory_tokens and not self.trajectories:
+            raise ValueError(
+                "trajectory_tokens: true adds to the trajectory files: set trajectories: true"
+            )
         if ev.is_set() and self.eval_dataset is None:
             raise ValueError("the eval section needs an eval_dataset")
         names = reward_names(self.reward)  # a CombinedReward's parts
@@ -622,12 +631,18 @@ class GRPORecipe:
             not exact_on_policy or alg.tis.mode is not None or kl_reward
         )
         need_entropy = alg.entropy.top_rho is not None
+        # trajectory_tokens: the trainer's log-probs and entropy before the update, for the
+        # trajectory files only. Kept apart from batch.old_logprobs, whose presence changes
+        # the loss (None means exactly on-policy), so the switch changes no trained number.
+        need_tokens = o.trajectory_tokens and not (need_old and need_entropy)
         jobs = [
             ("old_logprobs", self.model, need_old or need_entropy),
             ("reference", self.ref if self.ref is not None else self.model, alg.kl is not None),
             ("values", self.critic, self.critic is not None),
+            ("trajectories", self.model, need_tokens),
         ]
         micro = self._micro_batches(batch, list(range(len(batch))))
+        self.token_stats: dict[str, torch.Tensor] = {}
         for name, model, flag in jobs:
             if not flag:
                 continue
@@ -640,6 +655,9 @@ class GRPORecipe:
                     mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                     if name == "values":
                         found = {"values": self._values(mb)}
+                    elif name == "trajectories":
+                        lp, ent = self._policy_logprobs(model, mb, entropy=True)
+                        found = {"token_logprobs": lp, "token_entropy": ent}
                     else:
                         lp, ent = self._policy_logprobs(
                             model, mb, entropy=name == "old_logprobs" and need_entropy
@@ -656,7 +674,12 @@ class GRPORecipe:
             if model is not self.ref:
                 model.train()
             for field, buf in outs.items():
-                setattr(batch, field, sum_over_ranks(buf))
+                if field.startswith("token_"):
+                    self.token_stats[field[len("token_") :]] = sum_over_ranks(buf)
+                else:
+                    setattr(batch, field, sum_over_ranks(buf))
+        if o.trajectory_tokens and not need_tokens:  # the old log-prob pass had both
+            self.token_stats = {"logprobs": batch.old_logprobs, "entropy": batch.entropy}
 
     # ------------------------------------------------------------------ advantages
 
@@ -968,6 +991,7 @@ class GRPORecipe:
         if drawn.episodes is not None:
             sampled = int(drawn.response_mask.sum())
             metrics.update(episode_metrics(drawn.episodes, int(drawn.response_lens.sum()), sampled))
+        self.token_stats = {}
         if len(batch):
             self.precompute(batch, timer)
             metrics.update(self.advantages(batch))
@@ -980,12 +1004,29 @@ class GRPORecipe:
                 self.rollout_engine.sync()
         self.step = step
         if self.opts.trajectories and self.dist.is_main:
-            write_trajectories(self.run.output_dir / "trajectories", step, drawn, batch)
+            with timer("trajectories"):
+                write_trajectories(
+                    self.run.output_dir / "trajectories",
+                    step,
+                    drawn,
+                    batch,
+                    decode=self._decode_tokens if self.opts.trajectory_tokens else None,
+                    token_stats=self.token_stats,
+                )
         elapsed = time.perf_counter() - t0
-        metrics.update(step_metrics(drawn, timer.summary(), elapsed, metrics, self.dist.device))
+        phases = timer.summary()
+        metrics.update(step_metrics(drawn, phases, elapsed, metrics, self.dist.device))
+        if self.opts.trajectory_tokens:  # its extra forward pass and the token files
+            metrics["time/trajectories"] = phases.get("time/trajectories", 0.0)
         if self.run.should_log(step, self.opts.max_steps):
             self.logger.log(step, metrics)
         return metrics
+
+    def _decode_tokens(self, rows: list[list[int]]) -> list[str]:
+        """The trajectory files' token pieces: every token shown, special ones too."""
+        return self.tokenizer.batch_decode(
+            rows, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
     def _step_schedules(self, metrics: dict[str, float], batch_size: int) -> None:
         """The KL controller (one place, whichever the KL placement) and the LR schedules."""

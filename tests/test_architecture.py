@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: dict[str, tuple[int, set[str]]] = {
     "lightrft.config": (0, set()),
     "lightrft.distributed": (0, set()),
+    "lightrft.view": (0, set()),
     "lightrft.algorithms": (1, {"lightrft.config"}),
     "lightrft.sections": (1, {"lightrft.config"}),
     "lightrft.data": (1, {"lightrft.config", "lightrft.distributed"}),
@@ -118,7 +119,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
         },
     ),
     "lightrft.tasks": (10, {"lightrft.config", "lightrft.data", "lightrft.models"}),
-    "lightrft.cli": (11, {"lightrft.config", "lightrft.tasks"}),
+    "lightrft.cli": (11, {"lightrft.config", "lightrft.tasks", "lightrft.view"}),
     "lightrft.__main__": (12, {"lightrft.cli"}),
     "lightrft.recipes": (
         12,

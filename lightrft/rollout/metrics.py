@@ -6,6 +6,7 @@ copied recipe keeps its loop short and the numbers stay the same across recipes.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -113,18 +114,78 @@ def step_metrics(
     return out
 
 
-def write_trajectories(folder: Path, step: int, drawn: RolloutBatch, batch: RolloutBatch) -> None:
+# Decimals kept of each per-token float: a ratio exp(a - b) of two rounded log-probs is off by at
+# most ~1e-4, invisible in a colour, and the token lines stay about half as long.
+TOKEN_DECIMALS = 4
+
+
+def token_pieces(
+    decode: Callable[[list[list[int]]], list[str]], ids: Sequence[int], window: int = 6
+) -> list[str]:
+    """The text each token adds to the decoded response, one string per id; they join to the
+    decoded response. ``decode`` decodes a list of id lists at once (a tokenizer's
+    ``batch_decode``). Decoding ids one by one would drop SentencePiece's leading spaces and
+    break characters split across tokens, so each token is decoded after up to ``window``
+    tokens of context and the context's text is cut off; a token that ends inside a
+    character (its text ends in U+FFFD) gets ``""`` and the one completing it the whole
+    character."""
+    ids = list(ids)
+    n = len(ids)
+    # One batched call for the common case (every token completes its text).
+    texts = decode([ids[max(0, i - window) : i] for i in range(n)])
+    texts += decode([ids[max(0, i - window) : i + 1] for i in range(n)])
+    heads, fulls = texts[:n], texts[n:]
+    pieces: list[str] = []
+    start = 0  # the first id whose text is not yet in ``pieces``
+    for i in range(n):
+        if start == i:
+            head, full = heads[i], fulls[i]
+        else:  # continuing a split character: decode ids[start : i + 1] after its context
+            lo = max(0, start - window)
+            head, full = decode([ids[lo:start], ids[lo : i + 1]])
+        if full.endswith("\ufffd") and i + 1 < n and i + 1 - start < window:
+            pieces.append("")
+            continue
+        if full.startswith(head):
+            pieces.append(full[len(head) :])
+        else:
+            pieces.append(decode([ids[start : i + 1]])[0])
+        start = i + 1
+    return pieces
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, TOKEN_DECIMALS) for v in values]
+
+
+def write_trajectories(
+    folder: Path,
+    step: int,
+    drawn: RolloutBatch,
+    batch: RolloutBatch,
+    *,
+    decode: Callable[[list[list[int]]], list[str]] | None = None,
+    token_stats: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Every drawn sample of ``step`` as one JSON line of ``folder/step_<step>.jsonl``: prompt
     (and its record: file and line), response, rewards, advantage, length, finish reason, and
     whether it was kept for training (``batch`` holds the kept rows, in order). A multi-turn
     sample adds its response ids, their sampled mask and its episode (every turn's sampled ids
-    and text, observation messages and ids, reward, tool calls, errors; its stats)."""
+    and text, observation messages and ids, reward, tool calls, errors; its stats).
+
+    With ``decode`` (the tokenizer's ``batch_decode``, special tokens kept; GRPO's
+    ``trajectory_tokens``) each
+    line adds ``tokens``: per response token its text piece (:func:`token_pieces`), the engine's
+    log-prob, and, for a kept sample, the trainer's log-prob and entropy before the update
+    (``token_stats["logprobs"]`` / ``["entropy"]``, ``[len(batch), R]``) and its advantage;
+    ``null`` lists for a sample dynamic sampling dropped (the trainer never saw it)."""
     folder.mkdir(exist_ok=True)
     kept = iter(range(len(batch)))
     with open(folder / f"step_{step:06d}.jsonl", "w") as f:
         for i in range(len(drawn)):
             r = int(drawn.response_lens[i])
             advantage = None
+            j = None
             if drawn.kept[i]:
                 j = next(kept)
                 sampled = batch.response_mask[j, :r].tolist()
@@ -152,4 +213,30 @@ def write_trajectories(folder: Path, step: int, drawn: RolloutBatch, batch: Roll
                 record["response_ids"] = drawn.response(i)
                 record["sampled_mask"] = drawn.response_mask[i, :r].tolist()
                 record["episode"] = drawn.episodes[i].record()
+            if decode is not None:
+                record["tokens"] = _token_record(decode, drawn, batch, i, j, r, token_stats)
             f.write(json.dumps(record) + "\n")
+
+
+def _token_record(
+    decode: Callable[[list[list[int]]], list[str]],
+    drawn: RolloutBatch,
+    batch: RolloutBatch,
+    i: int,
+    j: int | None,
+    r: int,
+    stats: dict[str, torch.Tensor] | None,
+) -> dict[str, list | None]:
+    """Sample ``i``'s per-token detail (``j``: its row in ``batch`` when kept; ``r`` tokens)."""
+
+    def trainer(t: torch.Tensor | None) -> list[float] | None:
+        return None if j is None or t is None else _rounded(t[j, :r].tolist())
+
+    stats = stats or {}
+    return {
+        "text": token_pieces(decode, drawn.response(i)),
+        "engine_logprob": _rounded(drawn.rollout_logprobs[i, :r].tolist()),
+        "logprob": trainer(stats.get("logprobs")),
+        "entropy": trainer(stats.get("entropy")),
+        "advantage": trainer(batch.advantages),
+    }

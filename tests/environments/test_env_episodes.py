@@ -142,6 +142,19 @@ def test_trajectory_files_record_every_turn(qwen_tok, tmp_path):
     assert first["episode"]["final_text"] == "It is 408."
     assert rows[1]["episode"]["stats"]["turns"] == 1
 
+    # trajectory_tokens: one piece per response token, observations included, the engine's
+    # log-probs; no trainer values without token_stats and advantages.
+    def decode(id_rows):
+        return qwen_tok.batch_decode(id_rows, skip_special_tokens=False)
+
+    write_trajectories(tmp_path, 2, batch, batch.select([0, 1]), decode=decode)
+    rows = [json.loads(x) for x in (tmp_path / "step_000002.jsonl").read_text().splitlines()]
+    tokens = rows[0]["tokens"]
+    assert len(tokens["text"]) == len(first["response_ids"]) == len(tokens["engine_logprob"])
+    assert "".join(tokens["text"]) == qwen_tok.decode(first["response_ids"])
+    assert tokens["logprob"] is tokens["entropy"] is tokens["advantage"] is None
+    assert {k: v for k, v in rows[0].items() if k != "tokens"} == {**first, "step": 2}
+
 
 def test_an_observation_past_the_budget_is_marked_dropped(qwen_tok):
     eps = Episodes(_factory, [{"prompt": QUESTION}], 1, qwen_tok)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from _dist import build_recipe, run_distributed
 from _serial import each
+from transformers import AutoTokenizer
 
 from lightrft import cli
 from lightrft.algorithms import ESTIMATORS
@@ -200,6 +201,7 @@ def test_options_compose_and_are_applied(tmp_path, assets):
                 "packing": True,
             },
             "trajectories": True,
+            "trajectory_tokens": True,  # from the old-log-prob pass, which has the entropy
             "engine": {"sleep_level": 2},
         },
     )
@@ -227,6 +229,53 @@ def test_options_compose_and_are_applied(tmp_path, assets):
     rec = json.loads(lines[0])
     assert {"prompt", "response", "reward_parts", "advantage", "reward"} <= set(rec)
     assert set(rec["reward_parts"]) == {"accuracy", "digits"}
+    n, tokens = rec["response_length"], rec["tokens"]
+    assert all(len(tokens[k]) == n for k in ("text", "logprob", "entropy", "advantage"))
+
+
+def test_trajectory_tokens_add_to_the_lines_and_change_no_number(tmp_path, assets):
+    """``trajectory_tokens`` adds a ``tokens`` entry to each trajectory line (the rest of the line
+    byte for byte as without it) and changes no logged number but its own time. With dynamic
+    sampling some samples are dropped: they get the engine's log-probs only."""
+    over = {"trajectories": True, "algorithm.shaping": {"dynamic_sampling": {"max_draws": 2}}}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "tokens").mkdir()
+    plain = _run(tmp_path / "plain", assets, **over)
+    tokens = _run(tmp_path / "tokens", assets, trajectory_tokens=True, **over)
+    timing = ("time/", "perf/", "memory/")
+    special = set(AutoTokenizer.from_pretrained(assets / "model").get_added_vocab())
+    for a, b in zip(plain, tokens, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(timing)} == {
+            k: v for k, v in b.items() if not k.startswith(timing)
+        }
+    assert all("time/trajectories" in r for r in _train_rows(tokens).values())
+    assert not any("time/trajectories" in r for r in plain)
+    for step in (1, 2):
+        name = f"trajectories/step_{step:06d}.jsonl"
+        before = (tmp_path / "plain" / "out" / name).read_text().splitlines()
+        after = (tmp_path / "tokens" / "out" / name).read_text().splitlines()
+        assert len(before) == len(after) > 0
+        for old, new in zip(before, after, strict=True):
+            rec = json.loads(new)
+            detail = rec.pop("tokens")
+            assert json.dumps(rec) == old
+            n = rec["response_length"]
+            assert len(detail["text"]) == len(detail["engine_logprob"]) == n
+            # The pieces join to the text with special tokens kept (the response drops them).
+            assert "".join(t for t in detail["text"] if t not in special) == rec["response"]
+            trained = ("logprob", "entropy", "advantage")
+            if rec["kept"]:
+                assert all(len(detail[k]) == n for k in trained)
+                assert all(e >= 0 for e in detail["entropy"])
+                # on-policy: the trainer's log-probs before the update equal the engine's
+                diff = max(
+                    abs(a - b)
+                    for a, b in zip(detail["logprob"], detail["engine_logprob"], strict=True)
+                )
+                assert diff < 1e-3
+                assert sum(detail["advantage"]) / n == pytest.approx(rec["advantage"], abs=1e-3)
+            else:
+                assert all(detail[k] is None for k in trained)
 
 
 def test_kl_in_reward_and_other_objectives(tmp_path, assets):
@@ -707,6 +756,10 @@ BAD_CONFIGS = [
         "critic.path='/etc' is not a model directory",
     ),
     ({"dataset.max_prompt_length": 0}, "dataset.max_prompt_length must be >= 1, got 0"),
+    (
+        {"trajectory_tokens": True},
+        "trajectory_tokens: true adds to the trajectory files: set trajectories: true",
+    ),
     ({"reward.weights": {"acc": 1.0}}, "reward.weights.acc: no reward function named 'acc'"),
     ({"reward.routes": {"math": ["acc"]}}, "reward.routes.math: no reward function named 'acc'"),
     ({"reward.weights": {"digits": ".5"}}, "reward.weights.digits must be a finite number"),

@@ -98,6 +98,7 @@ def test_a_multi_turn_run_masks_observations_and_stays_on_policy(tmp_path, asset
         assets,
         environment=copy.deepcopy(ENV),
         trajectories=True,
+        trajectory_tokens=packing,  # per-token detail of a packed multi-turn batch
         **{
             "rollout.max_tokens": 240,
             "algorithm.old_logprobs": "engine",
@@ -133,6 +134,12 @@ def test_a_multi_turn_run_masks_observations_and_stays_on_policy(tmp_path, asset
         assert rec["sampled_mask"][start : start + len(obs)] == [False] * len(obs)
         assert all(rec["sampled_mask"][:start])
         assert rec["response_length"] == len(rec["sampled_mask"])
+        if packing:  # the trainer's log-probs before the update equal the engine's
+            tokens, mask = rec["tokens"], rec["sampled_mask"]
+            assert len(tokens["text"]) == len(mask) == len(tokens["logprob"])
+            for lp, elp, m in zip(tokens["logprob"], tokens["engine_logprob"], mask, strict=True):
+                assert abs(lp - elp) < 1e-3 if m else elp == 0.0
+            assert "408" in "".join(tokens["text"][start : start + len(obs)])  # the observation
 
 
 @pytest.mark.skipif(not ENGINE_CONTINUES, reason="the native engine has no continuation yet")

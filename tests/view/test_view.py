@@ -1,0 +1,125 @@
+"""``lightrft view``: what the page embeds from a run directory (curves, capped trajectories,
+the records' media) and the command's errors. Fast: no model, no browser (test_view_browser.py
+drives the page itself)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from lightrft import cli
+from lightrft.view import load_run, render_page
+
+
+def test_the_page_data_holds_curves_samples_groups_and_media(fake_run):
+    data = load_run(fake_run)
+    charts = {c["title"]: [line["key"] for line in c["lines"]] for c in data["curves"]}
+    assert charts == {
+        "reward": ["reward/total/mean", "reward/accuracy/mean"],
+        "eval accuracy": ["eval/accuracy", "eval/reward"],
+        "KL to reference": ["train/kl"],
+        "entropy": ["train/entropy"],
+        "response length": ["rollout/response_length/mean"],
+        "clip fraction": ["train/clip_frac"],
+    }
+    clip = next(c for c in data["curves"] if c["title"] == "clip fraction")
+    assert clip["lines"][0]["points"] == [[1, 0.1], [3, 0.1]]  # the NaN at step 2 left out
+    assert data["cap"]["unreadable_lines"] == 1  # the torn last metrics line
+    assert data["tokens"] is True
+    samples = data["samples"]
+    assert len(samples) == 15 and [s["step"] for s in samples[:5]] == [1] * 5
+    # groups: consecutive samples of one prompt; the multi-turn one has a prompt of its own
+    assert [s["group"] for s in samples[:5]] == [0, 0, 0, 0, 1]
+    assert [s["index"] for s in samples[:5]] == [0, 1, 2, 3, 4]
+    media = data["media"]
+    first, second = (media[s["where"]] for s in (samples[0], samples[5]))
+    assert [m["kind"] for m in first] == ["image", "audio"]
+    assert first[0]["uri"].startswith("data:image/png;base64,")
+    assert first[1]["uri"].startswith("data:audio/")
+    assert second == [{"kind": "image", "name": "gone.png", "missing": "file not found"}]
+
+
+def test_the_cap_keeps_the_last_steps_and_the_first_samples(fake_run):
+    data = load_run(fake_run, steps=2, samples=3)
+    assert sorted({s["step"] for s in data["samples"]}) == [2, 3]
+    assert len(data["samples"]) == 6
+    assert data["cap"] == {
+        "steps": 2,
+        "samples": 3,
+        "max_mib": 64.0,
+        "size_cut": False,
+        "step_files": 3,
+        "shown_steps": [2, 3],
+        "total_samples": 10,
+        "shown_samples": 6,
+        "unreadable_lines": 1,
+    }
+
+
+def test_the_size_limit_keeps_the_newest_samples_first(fake_run):
+    full = load_run(fake_run)
+    one_step = sum(len(json.dumps(r)) for r in full["samples"] if r["step"] == 3)
+    media = sum(len(m.get("uri", "")) for items in full["media"].values() for m in items)
+    data = load_run(fake_run, max_mib=(one_step + media + 100) / 2**20)
+    assert data["cap"]["size_cut"] is True and data["cap"]["shown_steps"] == [3]
+    assert data["samples"] == [r for r in full["samples"] if r["step"] == 3]
+    assert data["cap"]["total_samples"] == 5  # the samples of the shown step file
+    # a limit under one sample still shows the newest one
+    tiny = load_run(fake_run, max_mib=1e-6)
+    assert [(r["step"], r["index"]) for r in tiny["samples"]] == [(3, 0)]
+
+
+def test_a_run_without_metrics_or_tokens_still_gets_a_page(fake_run):
+    (fake_run / "metrics.jsonl").unlink()
+    for path in (fake_run / "trajectories").iterdir():
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        path.write_text(
+            "".join(json.dumps({k: v for k, v in r.items() if k != "tokens"}) + "\n" for r in lines)
+        )
+    data = load_run(fake_run)
+    assert data["curves"] == [] and data["metrics_file"] is False and data["tokens"] is False
+
+
+def test_the_data_cannot_close_the_script_tag(fake_run):
+    path = fake_run / "trajectories" / "step_000001.jsonl"
+    rec = json.loads(path.read_text().splitlines()[0])
+    rec["response"] = "</script><script>alert(1)</script>"
+    path.write_text(json.dumps(rec) + "\n")
+    page = render_page(load_run(fake_run))
+    assert page.count("</script>") == 2  # the data block's and the code's own
+    blob = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S)
+    assert json.loads(blob[1])["samples"][0]["response"] == rec["response"]
+
+
+def test_the_command_writes_one_self_contained_file(fake_run, tmp_path, capsys):
+    out = tmp_path / "page.html"
+    assert cli.main(["view", str(fake_run), "--out", str(out), "--steps", "2"]) == 0
+    assert re.match(
+        rf"wrote {re.escape(str(out))} \(\d+\.\d MiB\): 6 charts, 10 samples",
+        capsys.readouterr().out,
+    )
+    page = out.read_text()
+    # nothing to fetch: no external script, style, image or link
+    assert not re.search(r"<(script|link|img|iframe)[^>]*\b(src|href)=", page)
+    assert "https://" not in page and "cdn" not in page.lower()
+    assert cli.main(["view", str(fake_run)]) == 0
+    assert (fake_run / "view.html").is_file()
+
+
+@pytest.mark.parametrize(
+    "make,args,message",
+    [
+        (None, ["--steps", "1"], "run directory not found"),
+        ("empty", [], "has no saved trajectories .*trajectories: true.*trajectory_tokens: true"),
+        ("run", ["--out", "/no/such/folder/page.html"], "folder /no/such/folder does not exist"),
+        ("run", ["--steps", "0"], "--steps and --samples must be >= 1 and --max-mib > 0, got 0"),
+        ("run", ["--max-mib", "0"], "--max-mib > 0, got 20, 64 and 0.0"),
+    ],
+)
+def test_command_errors_exit_2_with_one_line(fake_run, tmp_path, capsys, make, args, message):
+    target = {None: tmp_path / "missing", "empty": tmp_path / "data", "run": fake_run}[make]
+    assert cli.main(["view", str(target), *args]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
