@@ -148,6 +148,13 @@ class _Worker:
         line = self._readline(time.monotonic() + _STARTUP_SECONDS)
         if line != b"ready":
             code = self.proc.poll()
+            if not line and code is None:
+                # Its stdout can close before its exit status is in (seen on one busy core):
+                # give a dying worker a moment, so the error says why instead of "timeout".
+                try:
+                    code = self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    code = None
             if line:
                 why = f": {line.decode(errors='replace')}"
             elif code is not None:
