@@ -52,7 +52,7 @@ CHAINS = {
     ],
 }
 SECONDS = "_seconds"  # wall time per command, kept beside the runs and left out of `diff`
-KEPT = ("train/", "reward/", "eval/", "critic/", "data/", "rollout/")
+KEPT = ("train/", "reward/", "eval/", "critic/", "data/", "rollout/", "env/")
 # Cut-down overrides (tests/test_demos.py's), per recipe; the media SFT data cut for media configs.
 TRAIN = ["max_steps=3", "eval_every=3", "lr_scheduler.warmup_steps=0"]
 QUICK = {
@@ -76,7 +76,9 @@ def _rows(path: Path) -> list[dict]:
         {
             k: v
             for k, v in r.items()
-            if k == "step" or (k.startswith(KEPT) and not k.endswith("_per_s"))  # not throughput
+            # not throughput, not the tools' wall times
+            if k == "step"
+            or (k.startswith(KEPT) and not k.endswith("_per_s") and "tool_seconds" not in k)
         }
         for r in rows
     ]
@@ -175,17 +177,19 @@ def figures(paths: list[str]) -> None:
                 f"  {name}: eval/accuracy {acc[0]:.3f} -> {acc[1]:.3f} ({gain:+.1f} points), "
                 f"{seconds.get(name, 0):.0f} s"
             )
-            tool = _first_last(rows, "eval/env/tool_use_frac")
-            if tool is not None:
+            for what, prefix in (("held-out", "eval/env/"), ("rollouts", "env/")):
+                tool = _first_last(rows, prefix + "tool_use_frac")
+                if tool is None:
+                    continue
                 errors = [
-                    f"{k.removeprefix('eval/env/errors/')} {a:.3f} -> {b:.3f}"
+                    f"{k.removeprefix(prefix + 'errors/')} {a:.3f} -> {b:.3f}"
                     for k in sorted({k for r in rows for k in r})
-                    if k.startswith("eval/env/errors/")
+                    if k.startswith(prefix + "errors/")
                     for a, b in [_first_last(rows, k)]
                     if a or b
                 ]
                 print(
-                    f"    held-out tool use {tool[0]:.3f} -> {tool[1]:.3f}; errors per episode: "
+                    f"    {what} tool use {tool[0]:.3f} -> {tool[1]:.3f}; errors per episode: "
                     f"{', '.join(errors) or 'none'}"
                 )
 
