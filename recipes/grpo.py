@@ -316,6 +316,8 @@ class GRPORecipe:
         self.reward_side = RewardSideMetrics()
         self.step, self.epoch = 0, 0
         self.eval_history: list[tuple[int, float, float]] = []
+        # (step, eval/env/* means) of this process's evals: not checkpointed, printed at the end.
+        self.eval_env_history: list[tuple[int, dict[str, float]]] = []
         state = self.run.resume(**self._state())
         if state is not None:
             self.step, extra = state.step, state.extra
@@ -955,12 +957,16 @@ class GRPORecipe:
         }
         for k in self.reward_names:
             out[f"eval/reward/{k}"] = s[f"reward/{k}"]
+        # With an environment: the held-out episodes' env/* means (tool use, errors by kind).
+        out.update({f"eval/{k}": v for k, v in s.items() if k.startswith("env/")})
         return out
 
     def _log_eval(self, step: int) -> None:
         m = self.evaluate()
         self.logger.log(step, m)
         self.eval_history.append((step, m["eval/accuracy"], m["eval/reward"]))
+        if "eval/env/tool_use_frac" in m:
+            self.eval_env_history.append((step, {k: v for k, v in m.items() if "/env/" in k}))
 
     # ------------------------------------------------------------------ loop
 
@@ -1055,6 +1061,18 @@ class GRPORecipe:
                 f"grpo: eval/accuracy {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} "
                 f"(step {last[0]}); eval/reward {first[2]:.3f} -> {last[2]:.3f}; "
                 f"final model in {final}"
+            )
+        if self.dist.is_main and self.eval_env_history:
+            (s0, e0), (s1, e1) = self.eval_env_history[0], self.eval_env_history[-1]
+            errors = [
+                f"{k.removeprefix('eval/env/errors/')} {e0[k]:.3f} -> {e1[k]:.3f}"
+                for k in sorted(e1)
+                if k.startswith("eval/env/errors/") and (e0.get(k) or e1[k])
+            ]
+            print(
+                f"grpo: held-out tool use (step {s0} -> {s1}): eval/env/tool_use_frac "
+                f"{e0['eval/env/tool_use_frac']:.3f} -> {e1['eval/env/tool_use_frac']:.3f}; "
+                f"errors per episode: {', '.join(errors) or 'none'}"
             )
 
     def _save(self) -> None:

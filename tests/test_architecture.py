@@ -118,7 +118,10 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.engine",
         },
     ),
-    "lightrft.tasks": (10, {"lightrft.config", "lightrft.data", "lightrft.models"}),
+    "lightrft.tasks": (
+        10,
+        {"lightrft.config", "lightrft.data", "lightrft.models", "lightrft.environments"},
+    ),
     "lightrft.cli": (11, {"lightrft.config", "lightrft.tasks", "lightrft.view"}),
     "lightrft.__main__": (12, {"lightrft.cli"}),
     "lightrft.recipes": (

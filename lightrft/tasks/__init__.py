@@ -1,5 +1,5 @@
 """The data sets and tiny models that configs' ``prepare`` steps make: synthetic demo tasks
-(arithmetic, counting boards, tones), converters of public tasks (GSM8K, audio question
+(arithmetic, multiplication with a calculator, counting boards, tones), converters of public tasks (GSM8K, audio question
 answering), and tiny randomly initialised HF models.
 
     prepare:
@@ -17,6 +17,13 @@ from lightrft.tasks.arith import (
     near_miss_text,
     write_arith_dataset,
 )
+from lightrft.tasks.calc import (
+    calc_call,
+    calc_problems,
+    calc_transcript,
+    ensure_calc_dataset,
+    write_calc_dataset,
+)
 from lightrft.tasks.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
 from lightrft.tasks.shapes import (
     ensure_shapes_dataset,
@@ -30,11 +37,15 @@ from lightrft.tasks.tones import ensure_tones_dataset, tone_band, tone_clip, wri
 __all__ = [
     "aqa_prompt",
     "arith_records",
+    "calc_call",
+    "calc_problems",
+    "calc_transcript",
     "char_tokenizer",
     "convert_gsm8k",
     "ensure_arith_dataset",
     "ensure_arith_judgments",
     "ensure_arith_preferences",
+    "ensure_calc_dataset",
     "ensure_gsm8k",
     "ensure_shapes_dataset",
     "ensure_shapes_preferences",
@@ -50,6 +61,7 @@ __all__ = [
     "tone_band",
     "tone_clip",
     "write_arith_dataset",
+    "write_calc_dataset",
     "write_shapes_dataset",
     "write_tones_dataset",
 ]

@@ -69,6 +69,42 @@ TOOL_CHAT_TEMPLATE = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
+# ChatML whose system turn only names the tools (no JSON schemas, no format instructions): the
+# tiny tool demo's template (lightrft.tasks.calc), where every prompt token costs step time and a
+# model trained from scratch learns the call format from its SFT transcripts, not from a
+# description. Assistant tool_calls render as Qwen's <tool_call> blocks; each tool message is a
+# `tool` turn of its own.
+COMPACT_TOOL_CHAT_TEMPLATE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n' }}{%- endif %}
+{{- 'tools:' }}
+{%- for tool in tools %}{{- ' ' + (tool.function.name if tool.function is defined else tool.name) }}{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls %}
+{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}
+{{- '\n<tool_call>\n{"name": "' + call.name + '", "arguments": ' + (call.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+CHAT_TEMPLATES = {
+    "chatml": CHAT_TEMPLATE,
+    "tools": TOOL_CHAT_TEMPLATE,
+    "compact_tools": COMPACT_TOOL_CHAT_TEMPLATE,
+}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXT_ARCHS = ("qwen2", "llama")
 VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
@@ -182,6 +218,7 @@ def make_tiny_model(
     intermediate: int | None = None,
     max_positions: int = 1024,
     tie_embeddings: bool = False,
+    chat_template: str = "chatml",
     seed: int = 0,
 ) -> Path:
     """Write a random-init causal LM plus tokenizer to ``out_dir`` and return the path.
@@ -189,11 +226,21 @@ def make_tiny_model(
     The vocabulary is padded to a multiple of 16, as real checkpoints do, so the embedding has a
     few rows that no token maps to. A vision-language ``arch`` (:data:`VISION_ARCHS`) writes an
     image-text-to-text model with a small vision tower and its processor instead.
+    ``chat_template`` names a text model's template (:data:`CHAT_TEMPLATES`): ``"chatml"``,
+    ``"tools"`` (Qwen2.5's tool behaviour) or ``"compact_tools"`` (the tools named only).
     """
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(
+            f"chat_template must be one of {list(CHAT_TEMPLATES)}, got {chat_template!r}"
+        )
+    if chat_template != "chatml" and arch not in TEXT_ARCHS:
+        raise ValueError(
+            f"chat_template={chat_template!r} is for text archs {TEXT_ARCHS}, not {arch!r}"
+        )
     sizes = {
         "layers": layers,
         "hidden": hidden,
@@ -208,6 +255,7 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATES[chat_template]
     vocab_size = -(-len(tok) // 16) * 16
     cfg = tiny_config(
         vocab_size,

@@ -1,4 +1,4 @@
-"""Run the README's five CPU demo chains (text, vision, audio, and both RLHF chains) and keep their metric rows, to prove that a refactor
+"""Run the README's CPU demo chains (text, vision, audio, both RLHF chains, and the tool-use chain with its no-tool control) and keep their metric rows, to prove that a refactor
 changes no number: every ``train/*``, ``reward/*``, ``eval/*`` (and ``critic/*``, ``data/*``)
 value of every logged row, per run, compared exactly.
 
@@ -43,9 +43,16 @@ CHAINS = {
         ("grpo", "tiny/vision_rlhf_grpo"),
     ],
     "audio": [("sft", "tiny/audio_sft"), ("grpo", "tiny/audio_grpo")],
+    # The tool-use demo, then its control: the same GRPO from the same SFT model without the
+    # calculator (single-turn rollouts), into its own directory.
+    "tool": [
+        ("sft", "tiny/tool_sft"),
+        ("grpo", "tiny/tool_grpo"),
+        ("grpo", "tiny/tool_grpo", "environment=null", "output_dir=outputs/tiny/tool_grpo_notool"),
+    ],
 }
 SECONDS = "_seconds"  # wall time per command, kept beside the runs and left out of `diff`
-KEPT = ("train/", "reward/", "eval/", "critic/", "data/", "rollout/")
+KEPT = ("train/", "reward/", "eval/", "critic/", "data/", "rollout/", "env/")
 # Cut-down overrides (tests/test_demos.py's), per recipe; the media SFT data cut for media configs.
 TRAIN = ["max_steps=3", "eval_every=3", "lr_scheduler.warmup_steps=0"]
 QUICK = {
@@ -69,7 +76,9 @@ def _rows(path: Path) -> list[dict]:
         {
             k: v
             for k, v in r.items()
-            if k == "step" or (k.startswith(KEPT) and not k.endswith("_per_s"))  # not throughput
+            # not throughput, not the tools' wall times
+            if k == "step"
+            or (k.startswith(KEPT) and not k.endswith("_per_s") and "tool_seconds" not in k)
         }
         for r in rows
     ]
@@ -80,8 +89,8 @@ def run(out: str, quick: bool, chains: list[str], seed: int | None = None) -> No
     seconds: dict[str, float] = {}
     for chain in chains:
         with tempfile.TemporaryDirectory() as tmp:
-            for recipe, config in CHAINS[chain]:
-                extra = ["metrics.tensorboard=false"]
+            for recipe, config, *overrides in CHAINS[chain]:
+                extra = ["metrics.tensorboard=false", *overrides]
                 if seed is not None:
                     extra.append(f"seed={seed}")
                 if quick:
@@ -92,13 +101,19 @@ def run(out: str, quick: bool, chains: list[str], seed: int | None = None) -> No
                         )
                     if recipe == "reward_model" and "vision" in config:
                         extra += ["batch_size=8"]
+                    if recipe == "sft" and chain == "tool":
+                        extra += ["prepare.1.n_sft=64"]
                 cmd = [sys.executable, "-m", "lightrft", "run", recipe, "--config", config, *extra]
                 print(f"[{chain}] {' '.join(cmd[2:])}", flush=True)
                 start = time.monotonic()
                 subprocess.run(cmd, cwd=tmp, check=True, env=os.environ.copy())
-                seconds[f"{chain}:{config}"] = round(time.monotonic() - start, 1)
-                rows = _rows(Path(tmp) / "outputs" / config / "metrics.jsonl")
-                result[f"{chain}:{config}"] = rows
+                out_dir = next(
+                    (o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")),
+                    f"outputs/{config}",
+                )
+                name = f"{chain}:{config}" + "".join(f" {o}" for o in overrides)
+                seconds[name] = round(time.monotonic() - start, 1)
+                result[name] = _rows(Path(tmp) / out_dir / "metrics.jsonl")
             Path(out).write_text(json.dumps({**result, SECONDS: seconds}, indent=1, sort_keys=True))
     print(f"wrote {out}")
 
@@ -162,6 +177,21 @@ def figures(paths: list[str]) -> None:
                 f"  {name}: eval/accuracy {acc[0]:.3f} -> {acc[1]:.3f} ({gain:+.1f} points), "
                 f"{seconds.get(name, 0):.0f} s"
             )
+            for what, prefix in (("held-out", "eval/env/"), ("rollouts", "env/")):
+                tool = _first_last(rows, prefix + "tool_use_frac")
+                if tool is None:
+                    continue
+                errors = [
+                    f"{k.removeprefix(prefix + 'errors/')} {a:.3f} -> {b:.3f}"
+                    for k in sorted({k for r in rows for k in r})
+                    if k.startswith(prefix + "errors/")
+                    for a, b in [_first_last(rows, k)]
+                    if a or b
+                ]
+                print(
+                    f"    {what} tool use {tool[0]:.3f} -> {tool[1]:.3f}; errors per episode: "
+                    f"{', '.join(errors) or 'none'}"
+                )
 
 
 def main() -> int:
