@@ -177,6 +177,8 @@ def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, assets)
     final_eval = [r for r in rows if "eval/accuracy" in r][-1]
     ref_eval = [r for r in read_metrics(full / "out") if "eval/accuracy" in r][-1]
     assert final_eval == ref_eval
+    # The in-run eval plays the environment too: its episodes' tool use is logged.
+    assert {"eval/env/turns", "eval/env/tool_use_frac"} <= final_eval.keys(), sorted(final_eval)
 
 
 def _two_rank_multi_turn(rank: int, world_size: int, cfg_path: str) -> None:
