@@ -151,6 +151,7 @@ def _fsdp_step(path, train_vision, expected_loss):
         assert torch.equal(full, before[n]) == (n in frozen), n
 
 
+@pytest.mark.slow  # test_vlm_sft_two_processes_train_the_tower shards it through the recipe
 def test_fsdp2_shards_the_vision_tower_over_two_processes(tiny_vlm):
     """Frozen and trained tower: sharded loss equals the unsharded one; a step changes exactly
     the trainable parameters."""

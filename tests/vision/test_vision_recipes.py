@@ -327,6 +327,7 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
     _run_recipe("grpo", cfg_path)
 
 
+@pytest.mark.slow  # the VLM SFT two-process test shards and trains the tower via a recipe
 def test_vlm_grpo_two_processes(tmp_path, vlm_assets):
     cfg = _grpo_config(tmp_path, vlm_assets, prepare=None, **{"eval.every": 1})
     run_distributed(_two_rank_grpo, str(cfg), world_size=2)
