@@ -187,7 +187,7 @@ class GRPOConfig(TrainingConfig):
         super().resolve(at)
         self.engine.check_device(self.run.device)
         ro = self.rollout
-        alg = self.algorithm.for_rollout(ro.n, ro.max_tokens, ro.first_token_temperature)
+        alg = self.algorithm.for_rollout(ro.sampling())
         critic = self._critic()
         ev = self.eval
         if self.trajectory_tokens and not self.trajectories:

@@ -11,7 +11,7 @@ their defaults once the section is known to be on.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightrft.algorithms.advantages import ESTIMATORS, check_estimator
 from lightrft.algorithms.kl import KINDS as KL_KINDS
@@ -19,6 +19,9 @@ from lightrft.algorithms.kl import build_kl_controller
 from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective
 from lightrft.algorithms.shaping import overlong_penalty
 from lightrft.config import Section, at_least, option, section
+
+if TYPE_CHECKING:
+    from lightrft.engine.protocol import SamplingParams
 
 
 @section
@@ -142,18 +145,17 @@ class AlgorithmConfig(Section):
     value: ValueConfig = option(default_factory=ValueConfig, doc="")
     shaping: ShapingConfig = option(default_factory=ShapingConfig, doc="")
 
-    def for_rollout(
-        self, n: int, max_tokens: int, first_token_temperature: float | None
-    ) -> AlgorithmConfig:
-        """The section checked against the rollout (group size ``n``, ``max_tokens``, FIRE's
-        ``first_token_temperature``) with every default that depends on it filled in."""
+    def for_rollout(self, sampling: SamplingParams) -> AlgorithmConfig:
+        """The section checked against the rollout's sampling (group size ``n``,
+        ``max_tokens``, FIRE, top-p / top-k) with every default that depends on it filled in."""
+        n, max_tokens = sampling.n, sampling.max_tokens
         if self.advantage.estimator not in ESTIMATORS:
             raise ValueError(
                 f"algorithm.advantage.estimator: unknown advantage estimator "
                 f"{self.advantage.estimator!r}; choose one of {list(ESTIMATORS)}"
             )
         check_estimator(self.advantage.estimator, self.advantage.options(), group_size=n)
-        self._check_sampling_correction(first_token_temperature)
+        self._check_sampling_correction(sampling)
         top_rho = self.entropy.top_rho
         if top_rho is not None and not 0 < top_rho <= 1:
             raise ValueError(f"algorithm.entropy.top_rho must be in (0, 1], got {top_rho}")
@@ -222,7 +224,7 @@ class AlgorithmConfig(Section):
         build_kl_controller(kl.controller, kl.coef, target=kl.target, horizon=kl.horizon)
         return replace(kl, coef=float(kl.coef))
 
-    def _check_sampling_correction(self, first_token_temperature: float | None) -> None:
+    def _check_sampling_correction(self, sampling: SamplingParams) -> None:
         tis = self.tis
         if tis.mode is None and tis.cap is not None:
             raise ValueError(
@@ -235,7 +237,7 @@ class AlgorithmConfig(Section):
                 "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
             )
         at_least("algorithm.tis.cap", tis.cap, 0, strict=True)
-        if first_token_temperature is not None and (
+        if sampling.first_token_temperature is not None and (
             self.old_logprobs == "engine" or tis.mode is not None
         ):
             # The engine reports the first token's log-prob at first_token_temperature, the
@@ -245,6 +247,19 @@ class AlgorithmConfig(Section):
                 "rollout.first_token_temperature (FIRE) makes the engine's first-token log-prob "
                 "differ from the trainer's (scored at rollout.temperature), so it cannot be "
                 "used with algorithm.old_logprobs=engine or algorithm.tis; remove one of them"
+            )
+        truncated = sampling.top_p < 1 or sampling.top_k > 0
+        if truncated and self.old_logprobs == "engine":
+            # The engine reports log-probs of the distribution it sampled from, renormalised
+            # over the nucleus / top-k; the trainer scores the full distribution. Their ratio is
+            # not 1 even on-policy, so every clipped ratio would be biased. TIS is fine: it
+            # weights by exactly that behaviour distribution.
+            raise ValueError(
+                f"algorithm.old_logprobs=engine needs untruncated sampling: rollout.top_p="
+                f"{sampling.top_p} / rollout.top_k={sampling.top_k} make the engine report "
+                "log-probs of the truncated distribution, which the trainer does not score. "
+                "Use algorithm.old_logprobs=trainer (optionally with algorithm.tis), or top_p=1 "
+                "and top_k=0"
             )
 
     def _shaping(self, n: int, max_tokens: int) -> ShapingConfig:

@@ -715,6 +715,8 @@ BAD_CONFIGS = [
         {"rollout.first_token_temperature": 2.0, "algorithm.tis": {"mode": "token"}},
         "first_token_temperature",
     ),
+    ({"rollout.top_p": 0.9, "algorithm.old_logprobs": "engine"}, "needs untruncated sampling"),
+    ({"rollout.top_k": 5, "algorithm.old_logprobs": "engine"}, "needs untruncated sampling"),
     ({"algorithm.entropy": {"top_rho": 1.5}}, "top_rho must be in"),
     ({"algorithm.shaping": {"reward_clip": -1.0}}, "reward_clip must be > 0"),
     ({"algorithm.shaping": {"overlong": {"factor": 1.0}}}, "overlong needs buffer"),

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from lightrft.algorithms.config import AlgorithmConfig
-from lightrft.engine import Completion
+from lightrft.engine import Completion, SamplingParams
 from lightrft.rollout import RolloutBatch
 from lightrft.rollout.micro import build_micro_batch
 
@@ -54,7 +54,7 @@ def _batch() -> RolloutBatch:
 
 def _algorithm(**over) -> AlgorithmConfig:
     node = {"advantage": {"estimator": "dr_grpo"}, **over}
-    return AlgorithmConfig.read(node, "algorithm.").for_rollout(2, 8, None)
+    return AlgorithmConfig.read(node, "algorithm.").for_rollout(SamplingParams(n=2, max_tokens=8))
 
 
 def test_lengths_count_observations_and_the_mask_only_sampled_tokens():
