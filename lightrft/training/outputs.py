@@ -26,7 +26,16 @@ from pathlib import Path
 from lightrft.config import ConfigError
 
 LOCK_NAME = ".lightrft.lock"
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "trajectories", "final", "wandb")
+# view.html: `lightrft view`'s page of the run, stale once the run is replaced.
+RUN_OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "tensorboard",
+    "trajectories",
+    "final",
+    "wandb",
+    "view.html",
+)
 
 _held: dict[Path, Path] = {}  # output dir -> lock file, for this process
 

@@ -114,10 +114,11 @@ def test_fresh_run_into_a_used_directory_is_refused_unless_overwrite_or_resume(t
     (out / "checkpoints" / "step_000010").mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     (out / "final").mkdir()
+    (out / "view.html").write_text("<html>the old run's page</html>")
     (out / "my_notes.txt").write_text("keep me")
     with pytest.raises(
         ValueError,
-        match=r"already holds a run \(checkpoints, metrics.jsonl, final\)"
+        match=r"already holds a run \(checkpoints, metrics.jsonl, final, view.html\)"
         r".*resume=true to continue.*overwrite=true",
     ):
         check_output_dir(out, resume=False)
