@@ -6,7 +6,7 @@
     lightrft validate <config> [key=value ...]    schema + the recipe's build_options; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
     lightrft view RUN_DIR [--out FILE] [--steps N] [--samples N] [--max-mib M]   a run's page
-    lightrft tiny-model --out DIR [--arch ARCH] [--layers N] [--hidden N] ...
+    lightrft tiny-model --out DIR [--arch ARCH] [--layers N] [--hidden N] [--chat-template T] ...
         ARCH: qwen2 | llama (text), qwen2_vl | qwen2_5_vl | qwen3_vl | llava (with a processor)
 
 Recipes ship inside the package (``lightrft.recipes``) and run by path with ``runpy``; configs ship
@@ -35,6 +35,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# lightrft.tasks.tiny.CHAT_TEMPLATES' names, spelled out so `--help` does not import torch.
+CHAT_TEMPLATE_NAMES = ("chatml", "tools", "compact_tools")
 
 
 class UsageError(Exception):
@@ -355,6 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-positions", type=int, default=1024)
     t.add_argument("--tie-embeddings", action="store_true")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--chat-template",
+        default="chatml",
+        choices=list(CHAT_TEMPLATE_NAMES),
+        help="a text model's chat template: chatml, or one that renders tool schemas (tools) or "
+        "names the tools compactly in the system turn (compact_tools)",
+    )
     return p
 
 

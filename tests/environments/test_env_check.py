@@ -44,3 +44,17 @@ def test_nothing_to_check_without_a_section_or_a_local_checkpoint(tmp_path, chat
     check_environment(None, _checkpoint(tmp_path / "m", chatml_tok))
     # A hub id, or a directory a prepare step writes: the recipes check again in setup.
     check_environment(TOOLS, str(tmp_path / "not-yet"))
+
+
+def test_the_cli_writes_a_tiny_tool_model_that_passes(tmp_path, capsys):
+    """`lightrft tiny-model --chat-template tools` is how a user makes a model to try tools on."""
+    from lightrft import cli
+    from lightrft.tasks.tiny import CHAT_TEMPLATES
+
+    assert set(cli.CHAT_TEMPLATE_NAMES) == set(CHAT_TEMPLATES)  # the CLI's list is current
+    out = tmp_path / "m"
+    assert cli.main(["tiny-model", "--out", str(out), "--chat-template", "compact_tools"]) == 0
+    check_environment(TOOLS, str(out))
+    assert cli.main(["tiny-model", "--out", str(tmp_path / "plain"), "--layers", "1"]) == 0
+    with pytest.raises(ValueError, match=r"^environment\.tools: .*tool"):
+        check_environment(TOOLS, str(tmp_path / "plain"))
