@@ -33,11 +33,22 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# An assistant turn with tool_calls, as Qwen2.5-Instruct renders it: each call a <tool_call> block
+# of JSON. Shared by both tool templates (the model's calls must parse the same either way).
+_ASSISTANT_TOOL_CALLS = r"""{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls %}
+{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}
+{{- '\n<tool_call>\n{"name": "' + call.name + '", "arguments": ' + (call.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+"""
 # ChatML with Qwen2.5-Instruct's tool behaviour (written for the tiny models and their tests):
 # with tools, a system turn lists each tool's JSON schema in <tools></tools> and explains the
 # <tool_call> format; an assistant's tool_calls render as <tool_call> blocks; consecutive tool
 # messages share one user turn, each in <tool_response>.
-TOOL_CHAT_TEMPLATE = r"""
+TOOL_CHAT_TEMPLATE = (
+    r"""
 {%- set default_system = 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' %}
 {%- if tools %}
 {{- '<|im_start|>system\n' }}
@@ -54,14 +65,9 @@ TOOL_CHAT_TEMPLATE = r"""
 {%- if message.role == 'user' or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}
 {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
 {%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant' }}
-{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
-{%- for call in message.tool_calls %}
-{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}
-{{- '\n<tool_call>\n{"name": "' + call.name + '", "arguments": ' + (call.arguments | tojson) + '}\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
-{%- elif message.role == 'tool' %}
+"""
+    + _ASSISTANT_TOOL_CALLS
+    + r"""{%- elif message.role == 'tool' %}
 {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
 {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
 {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
@@ -69,12 +75,14 @@ TOOL_CHAT_TEMPLATE = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
+)
 # ChatML whose system turn only names the tools (no JSON schemas, no format instructions): the
 # tiny tool demo's template (lightrft.tasks.calc), where every prompt token costs step time and a
 # model trained from scratch learns the call format from its SFT transcripts, not from a
 # description. Assistant tool_calls render as Qwen's <tool_call> blocks; each tool message is a
 # `tool` turn of its own.
-COMPACT_TOOL_CHAT_TEMPLATE = r"""
+COMPACT_TOOL_CHAT_TEMPLATE = (
+    r"""
 {%- if tools %}
 {{- '<|im_start|>system\n' }}
 {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n' }}{%- endif %}
@@ -87,19 +95,15 @@ COMPACT_TOOL_CHAT_TEMPLATE = r"""
 {%- for message in messages %}
 {%- if message.role == 'system' and loop.first %}
 {%- elif message.role == 'assistant' and message.tool_calls %}
-{{- '<|im_start|>assistant' }}
-{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
-{%- for call in message.tool_calls %}
-{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}
-{{- '\n<tool_call>\n{"name": "' + call.name + '", "arguments": ' + (call.arguments | tojson) + '}\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
-{%- else %}
+"""
+    + _ASSISTANT_TOOL_CALLS
+    + r"""{%- else %}
 {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
+)
 CHAT_TEMPLATES = {
     "chatml": CHAT_TEMPLATE,
     "tools": TOOL_CHAT_TEMPLATE,
