@@ -9,6 +9,12 @@ scored by the math verifier's ``last_number`` extractor. Pitches near a band edg
 cases, so accuracy climbs gradually as a model sharpens its band boundaries. Clips are generated
 with numpy and written as 16-bit WAV files with ``soundfile``.
 
+``top_heard_lower`` makes a sloppy teacher for SFT: that share of the top-band training clips
+get the band below as their completion, drawn at random (their ``answer``, what RL verifiers
+use, stays right, and so does every rl and test record). An SFT model trained to convergence on
+such data settles where the habit puts it, whatever the seed, and RL against the answers has
+something to correct.
+
 Three splits: ``train.jsonl`` (SFT), ``rl.jsonl`` (RL prompts the SFT step never saw) and
 ``test.jsonl`` (held out), each from its own seed. Records carry ``prompt`` (with an ``<audio>``
 tag), ``audios`` (a WAV path relative to the data file), ``completion`` (the answer, for SFT),
@@ -43,6 +49,7 @@ _DEFAULTS = dict(
     low_hz=250.0,
     seconds=1.0,
     rate=16000,
+    top_heard_lower=0.0,
     seed=0,
 )
 
@@ -92,22 +99,30 @@ def write_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     want = with_defaults("", _DEFAULTS, settings)
     bands, low, rate = int(want["bands"]), float(want["low_hz"]), int(want["rate"])
     _check(bands, low, want["seconds"], rate)
+    sloppy = float(want["top_heard_lower"])
+    if not 0.0 <= sloppy <= 1.0:
+        raise ValueError(f"top_heard_lower must be in [0, 1], got {sloppy}")
     out = Path(out_dir)
     (out / "audio").mkdir(parents=True, exist_ok=True)
     for k, split in enumerate(SPLITS):
         rng = np.random.default_rng([int(want["seed"]), k])
+        # Its own stream, so the clips are the same whatever the teacher's habit.
+        teacher = np.random.default_rng([int(want["seed"]), k, 1])
         records = []
         for i in range(int(want[f"n_{split}"])):
             freq = float(np.exp(rng.uniform(math.log(low), math.log(low * 2**bands))))
             name = f"audio/{split}_{i:06d}.wav"
             clip = tone_clip(rng, freq, seconds=want["seconds"], rate=rate)
             sf.write(out / name, clip, rate, subtype="PCM_16")
-            answer = str(tone_band(freq, low, bands))
+            band = tone_band(freq, low, bands)
+            answer, said = str(band), band
+            if split == "train" and band == bands and teacher.random() < sloppy:
+                said = bands - 1  # the sloppy teacher's habit (see the module doc)
             records.append(
                 {
                     "prompt": question(bands),
                     "audios": [name],
-                    "completion": answer,
+                    "completion": str(said),
                     "answer": answer,
                     "label": "pitch",
                 }

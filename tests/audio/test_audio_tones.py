@@ -43,3 +43,22 @@ def test_tones_answers_are_the_band_of_the_written_tone(tmp_path):
         ensure_tones_dataset(tmp_path / "t", max_count=3)
     with pytest.raises(ValueError, match="must be below the Nyquist"):
         ensure_tones_dataset(tmp_path / "u", low_hz=1000.0, bands=4)
+
+
+def test_the_sloppy_teacher_hears_the_top_band_as_the_one_below(tmp_path):
+    sizes = dict(n_train=24, n_rl=4, n_test=4, seed=3)
+    plain = ensure_tones_dataset(tmp_path / "plain", **sizes)
+    sloppy = ensure_tones_dataset(tmp_path / "sloppy", top_heard_lower=1.0, **sizes)
+    moved = 0
+    for split in ("train", "rl", "test"):
+        a, b = ((d / f"{split}.jsonl").read_text().splitlines() for d in (plain, sloppy))
+        for x, y in zip(map(json.loads, a), map(json.loads, b), strict=True):
+            # The same clips and references; only the training completions of the top band move.
+            assert (plain / x["audios"][0]).read_bytes() == (sloppy / y["audios"][0]).read_bytes()
+            assert x["answer"] == y["answer"]
+            top = x["answer"] == "4" and split == "train"
+            assert y["completion"] == ("3" if top else x["completion"])
+            moved += top
+    assert moved > 0  # the rule was exercised
+    with pytest.raises(ValueError, match=r"top_heard_lower must be in \[0, 1\], got 1.5"):
+        ensure_tones_dataset(tmp_path / "bad", top_heard_lower=1.5)
