@@ -3,13 +3,22 @@
 The engine keeps its own inference copy of the weights and drives the HF decoder stack one step
 at a time with a preallocated KV cache:
 
-* prompts are left-padded and prefilled once per request; the ``n`` samples of a request then
-  share that prompt's keys and values (copied into ``n`` cache rows), so a GRPO group costs one
-  prefill instead of ``n``;
-* every step feeds one token per live row; rows that stop are compacted away in batches, so
-  finished sequences stop costing compute;
+* continuous batching: the cache has ``max_num_seqs`` rows (fewer under ``max_kv_tokens``);
+  every step feeds one token per active row, rows that finish free their cache rows at once,
+  and in the same step the next waiting requests (in call order, whole: a request waits until
+  its ``n`` samples fit) are admitted and decode from the next step on beside the others.
+  ``engine.stats`` counts the last call's steps, the requests admitted while others decoded
+  and the most rows active at once;
+* a newcomer's prompt is left-padded and prefilled once (newcomers of a step together); its
+  ``n`` samples then share that prompt's keys and values (copied into ``n`` cache rows), so a
+  GRPO group costs one prefill instead of ``n``. Every row has the same layout (prompt ending at
+  slot ``plen``, the call's longest prompt; response token ``a`` at slot ``plen + a``); a row's
+  response index and stream counter are offsets from the step counter set at admission, so a
+  sample does not depend on when it was admitted;
+* active rows sit first in the cache; rows that stop are compacted away (rows from the tail move
+  into their places), so finished sequences stop costing compute;
 * multi-turn (a ``continuation``): a row whose turn ends at a stop token moves behind the
-  decoding rows and keeps its cache while its continuation runs on a thread pool; when the
+  decoding rows and keeps its cache row while its continuation runs on a thread pool; when the
   observation is ready, the row's stop token and the observation ids are prefilled at the row's
   own positions (nothing it holds is recomputed) and it decodes on. Rows therefore sit at
   different lengths: each writes its own cache slot and masks the rest;
