@@ -459,6 +459,8 @@ class NativeEngine:
             else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             for p in params
         ]
+        if not requests:
+            return []
         rows = self._cache_rows(prompts, params)
         pool = None
         if continuation is not None:

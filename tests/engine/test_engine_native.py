@@ -171,6 +171,7 @@ def test_continuous_batching_equals_each_request_alone(tiny_model_dir, engine, p
         for k, (m, n) in enumerate(zip(budgets, widths, strict=True))
     ]
     narrow = NativeEngine(tiny_model_dir, max_model_len=256, max_num_seqs=5)
+    assert narrow.generate([], SamplingParams()) == []
     outs = narrow.generate(reqs, sps)
     # Admission really happened mid-batch (not one wave after another).
     assert narrow.stats["admitted_while_decoding"] >= 5
