@@ -144,6 +144,8 @@ def test_continuous_batching_vs_waves(benchmark, tmp_path):
         rounds=ROUNDS,
         device=None,
         dtype="float32",
+        peak=True,
+        control=False,
     )
     result = benchmark.pedantic(lambda: cb.compare(args), rounds=1, iterations=1)
     benchmark.extra_info.update(result)

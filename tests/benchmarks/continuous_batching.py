@@ -184,8 +184,17 @@ def compare(args: argparse.Namespace) -> dict:
                 rates[name].append(tokens / res["seconds"])
                 samples[name].append(res["digests"])
                 print(f"  {name:13s} {rates[name][-1]:9.0f} tok/s", file=sys.stderr, flush=True)
-        peak = {name: side.ask("peak")["peak_mib"] for name, side in sides.items()}
         steps = sides["continuous"].ask("stats")
+        peak = {}
+        if args.peak:
+            peak = {name: side.ask("peak")["peak_mib"] for name, side in sides.items()}
+        control = None
+        if args.control:
+            # The wave engine against itself with half the rows per wave: how many samples
+            # the device's arithmetic alone changes when the batch layout changes.
+            half = sides["waves (base)"].ask(f"layout {config['max_num_seqs'] // 2}")
+            first = samples["waves (base)"][0]
+            control = sum(a == b for a, b in zip(first, half["digests"], strict=True))
     finally:
         for side in sides.values():
             side.close()
@@ -207,6 +216,7 @@ def compare(args: argparse.Namespace) -> dict:
         "ratio_median": statistics.median(ratios),
         "ratios": ratios,
         "identical_samples": same,
+        "identical_samples_waves_half_rows": control,
         "peak_mib": peak,
         "continuous_stats": steps,
         "load_average": os.getloadavg(),
@@ -228,6 +238,11 @@ def compare(args: argparse.Namespace) -> dict:
     )
     lines += [f"| peak allocated, {k} | {v:.0f} MiB | one call |" for k, v in peak.items()]
     lines.append(f"| identical samples | {same} of {rows} | token for token, every round |")
+    if control is not None:
+        lines.append(
+            f"| control: waves vs waves at max_num_seqs {config['max_num_seqs'] // 2} | "
+            f"{control} of {rows} identical | one call |"
+        )
     lines.append(f"| load average | {' '.join(f'{x:.2f}' for x in os.getloadavg())} | at the end |")
     print("\n".join(lines))
     return result
@@ -290,6 +305,10 @@ def worker(config: dict) -> None:
 
                 peak = peak_allocated_mib(run)
             res = {"peak_mib": peak}
+        elif cmd.startswith("layout "):
+            rows, engine.max_num_seqs = engine.max_num_seqs, int(cmd.split()[1])
+            res = {"digests": run()[1]}
+            engine.max_num_seqs = rows
         elif cmd == "stats":
             res = dict(getattr(engine, "stats", {}))
         else:
@@ -313,6 +332,10 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", help="write the figures there too")
+    ap.add_argument("--no-peak", dest="peak", action="store_false", help="skip the memory call")
+    ap.add_argument(
+        "--control", action="store_true", help="also count the wave engine's own layout drift"
+    )
     args = ap.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
