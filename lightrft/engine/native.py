@@ -197,9 +197,13 @@ class NativeEngine:
     ``max_position_embeddings``). ``max_num_seqs``: rows decoded together (cache rows; a
     request is admitted when its ``n`` samples fit). ``max_prefill_tokens``: padded prompt tokens
     per prefill forward. ``max_kv_tokens``: KV-cache token slots (rows x (longest prompt +
-    longest response)); bounds the cache's memory (bytes = slots x layers x 2 x kv_heads x head_dim x dtype size). ``truncate_prompts``: keep the last tokens of a too-long prompt instead of raising.
+    longest response)); bounds the cache's memory (bytes = slots x layers x 2 x kv_heads x
+    head_dim x dtype size). ``truncate_prompts``: keep the last tokens of a too-long prompt
+    instead of raising.
     ``seed``: the stream from which requests without a seed draw theirs. ``compile``: compile each
-    decoder block's MLP with ``torch.compile(dynamic=True)`` (meant for GPUs).
+    decoder block's MLP with ``torch.compile(dynamic=True)`` (meant for GPUs). After a call,
+    ``stats`` holds its scheduler counters: ``steps``, ``admitted_while_decoding`` (requests
+    that entered rows freed while other rows decoded) and ``max_active_rows``.
     """
 
     def __init__(
