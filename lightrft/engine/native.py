@@ -3,13 +3,22 @@
 The engine keeps its own inference copy of the weights and drives the HF decoder stack one step
 at a time with a preallocated KV cache:
 
-* prompts are left-padded and prefilled once per request; the ``n`` samples of a request then
-  share that prompt's keys and values (copied into ``n`` cache rows), so a GRPO group costs one
-  prefill instead of ``n``;
-* every step feeds one token per live row; rows that stop are compacted away in batches, so
-  finished sequences stop costing compute;
+* continuous batching: the cache has ``max_num_seqs`` rows (fewer under ``max_kv_tokens``);
+  every step feeds one token per active row, rows that finish free their cache rows at once,
+  and in the same step the next waiting requests (in call order, whole: a request waits until
+  its ``n`` samples fit) are admitted and decode from the next step on beside the others.
+  ``engine.stats`` counts the last call's steps, the requests admitted while others decoded
+  and the most rows active at once;
+* a newcomer's prompt is left-padded and prefilled once (newcomers of a step together); its
+  ``n`` samples then share that prompt's keys and values (copied into ``n`` cache rows), so a
+  GRPO group costs one prefill instead of ``n``. Every row has the same layout (prompt ending at
+  slot ``plen``, the call's longest prompt; response token ``a`` at slot ``plen + a``); a row's
+  response index and stream counter are offsets from the step counter set at admission, so a
+  sample does not depend on when it was admitted;
+* active rows sit first in the cache; rows that stop are compacted away (rows from the tail move
+  into their places), so finished sequences stop costing compute;
 * multi-turn (a ``continuation``): a row whose turn ends at a stop token moves behind the
-  decoding rows and keeps its cache while its continuation runs on a thread pool; when the
+  decoding rows and keeps its cache row while its continuation runs on a thread pool; when the
   observation is ready, the row's stop token and the observation ids are prefilled at the row's
   own positions (nothing it holds is recomputed) and it decodes on. Rows therefore sit at
   different lengths: each writes its own cache slot and masks the rest;
@@ -38,6 +47,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -70,7 +80,7 @@ SUPPORTED_MODEL_TYPES = TEXT_MODEL_TYPES + VISION_MODEL_TYPES + AUDIO_MODEL_TYPE
 
 
 class KVCache:
-    """Per-layer key/value buffers ``[rows, kv_heads, max_len, head_dim]`` for one decoding wave.
+    """Per-layer key/value buffers ``[rows, kv_heads, max_len, head_dim]`` of one ``generate``.
 
     It implements only ``update``, the one method HF attention layers call on
     ``past_key_values``. Before each forward the engine says, with :meth:`at`, which rows feed
@@ -116,15 +126,17 @@ class KVCache:
         values[row, :, slot] = value
         return keys[:, :, : self.end], values[:, :, : self.end]
 
-    def expand(self, src_rows: torch.Tensor, length: int) -> None:
-        """Rows ``0..len(src_rows)-1`` become copies of rows ``src_rows`` (first ``length`` slots)."""
+    def expand(self, src_rows: torch.Tensor, length: int, first: int = 0) -> None:
+        """Rows ``first..first+len(src_rows)-1`` become copies of rows ``src_rows`` (first
+        ``length`` slots); the sources are read before anything is written, so the two ranges
+        may overlap."""
         n = src_rows.numel()
-        self.kv[:, :, :n, :, :length] = self.kv[:, :, src_rows, :, :length]
+        self.kv[:, :, first : first + n, :, :length] = self.kv[:, :, src_rows, :, :length]
 
     def reorder(self, src: list[int], length: int) -> None:
         """Row ``i`` becomes old row ``src[i]`` (first ``length`` slots); only rows that change
-        place are copied."""
-        moved = [i for i, j in enumerate(src) if i != j]
+        place are copied, and rows whose source is -1 (a newcomer, prefilled next) not at all."""
+        moved = [i for i, j in enumerate(src) if i != j and j >= 0]
         if moved:
             dev = self.kv.device
             dst = torch.tensor(moved, device=dev)
@@ -134,7 +146,7 @@ class KVCache:
 
 def arrange(slot_rows: list[int], groups: list[list[int]]) -> list[int]:
     """Old slot of each new slot when the rows of ``groups`` are laid out one group after the
-    other (``slot_rows``: the row each slot holds now).
+    other (``slot_rows``: the row each slot holds now); -1 for a row that holds no slot yet.
 
     A row already inside its group's range stays put; the others fill the holes in the order of
     their old slots, so a step copies only as many rows as change place.
@@ -143,19 +155,21 @@ def arrange(slot_rows: list[int], groups: list[list[int]]) -> list[int]:
     src: list[int] = []
     for group in groups:
         lo, hi = len(src), len(src) + len(group)
-        stay = {old[r] for r in group if lo <= old[r] < hi}
-        movers = iter(sorted(old[r] for r in group if not lo <= old[r] < hi))
-        src += [i if i in stay else next(movers) for i in range(lo, hi)]
+        held = [old[r] for r in group if r in old]
+        stay = {i for i in held if lo <= i < hi}
+        movers = iter(sorted(i for i in held if not lo <= i < hi))
+        src += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
     return src
 
 
 @dataclass
-class _Wave:
-    """Per-row state of one decoding wave (all tensors [R] unless noted).
+class _RowState:
+    """Per-trajectory state of one ``generate`` (all tensors [R] unless noted).
 
     Response index and sample count of a decoding row grow by one per step, so the loop keeps
-    them as offsets from the step counter (``shift``, ``kshift``), changed only when a row comes
-    back from an observation: a step needs no per-row bookkeeping on the host.
+    them as offsets from the step counter (``shift``, ``kshift``), set when a row is admitted
+    and changed only when it comes back from an observation: a step needs no per-row
+    bookkeeping on the host.
     """
 
     request: torch.Tensor  # index into the caller's request list
@@ -180,12 +194,16 @@ class NativeEngine:
     unsharded HF ``nn.Module``, which is copied. ``tokenizer``: defaults to the directory's; gives
     the end-of-sequence ids and detokenised text. ``dtype``: weights and KV cache (default bf16 on
     CUDA, fp32 on CPU). ``max_model_len``: prompt plus response tokens (default: the model's
-    ``max_position_embeddings``). ``max_num_seqs``: rows decoded together (a request's ``n``
-    samples always go in the same wave). ``max_prefill_tokens``: padded prompt tokens per prefill
-    forward. ``max_kv_tokens``: KV-cache token slots per wave (rows x padded length); bounds the
-    cache's memory (bytes = slots x layers x 2 x kv_heads x head_dim x dtype size). ``truncate_prompts``: keep the last tokens of a too-long prompt instead of raising.
+    ``max_position_embeddings``). ``max_num_seqs``: rows decoded together (cache rows; a
+    request is admitted when its ``n`` samples fit). ``max_prefill_tokens``: padded prompt tokens
+    per prefill forward. ``max_kv_tokens``: KV-cache token slots (rows x (longest prompt +
+    longest response)); bounds the cache's memory (bytes = slots x layers x 2 x kv_heads x
+    head_dim x dtype size). ``truncate_prompts``: keep the last tokens of a too-long prompt
+    instead of raising.
     ``seed``: the stream from which requests without a seed draw theirs. ``compile``: compile each
-    decoder block's MLP with ``torch.compile(dynamic=True)`` (meant for GPUs).
+    decoder block's MLP with ``torch.compile(dynamic=True)`` (meant for GPUs). After a call,
+    ``stats`` holds its scheduler counters: ``steps``, ``admitted_while_decoding`` (requests
+    that entered rows freed while other rows decoded) and ``max_active_rows``.
     """
 
     def __init__(
@@ -311,6 +329,9 @@ class NativeEngine:
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
         # Per request, during generate(): its media (None without).
         self._media: list[Media | None] = []
+        # Scheduler counters of the last generate(): forward steps, requests admitted while
+        # other rows were decoding, most rows active in one step.
+        self.stats: dict[str, int] = {}
 
     # ---------------------------------------------------------------- sleep / wake / weights
     def sleep(self, level: int = 1) -> None:
@@ -424,7 +445,7 @@ class NativeEngine:
         """Sample ``n`` completions per request; returned ordered by (request, sample).
 
         ``continuation``: see :class:`~lightrft.engine.protocol.Turn`. It runs on a thread pool
-        (one worker per trajectory of a wave, at most 64) while the wave's other rows decode.
+        (one worker per cache row, at most 64) while the other rows decode.
         """
         tags = (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
         check_awake([tag for tag, awake in tags if not awake], self._unloaded)
@@ -442,16 +463,15 @@ class NativeEngine:
             else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             for p in params
         ]
-        out: dict[tuple[int, int], Completion] = {}
-        waves = self._waves(prompts, params)
+        if not requests:
+            return []
+        rows = self._cache_rows(prompts, params)
         pool = None
         if continuation is not None:
-            widest = max(sum(params[i].n for i in wave) for wave in waves)
-            pool = ThreadPoolExecutor(min(widest, 64), thread_name_prefix="continuation")
+            pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
         try:
-            for wave in waves:
-                run = _Trajectories(wave, params, continuation, pool, self._observation_check)
-                out.update(self._generate_wave(wave, prompts, params, seeds, run))
+            run = _Trajectories(params, continuation, pool, self._observation_check)
+            out = self._generate_all(prompts, params, seeds, run, rows)
         finally:
             self._media = []
             if pool is not None:
@@ -508,29 +528,26 @@ class NativeEngine:
         keep = max(1, self.max_model_len - p.max_tokens)
         return list(ids[-keep:])
 
-    def _waves(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-        """Group request indices (sorted by prompt length) into waves.
+    def _lengths(self, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[int, int]:
+        """The cache row layout of a call: every prompt ends at slot ``plen`` (the longest
+        prompt), response token ``a`` sits at slot ``plen + a``; rows hold ``plen + max_new``
+        slots."""
+        plen = max(len(x) for x in prompts)
+        max_new = max(
+            min(p.max_tokens, self.max_model_len - len(x))
+            for x, p in zip(prompts, params, strict=True)
+        )
+        return plen, max_new
 
-        A wave holds at most ``max_num_seqs`` rows and, when ``max_kv_tokens`` is set, a KV
-        cache of at most that many token slots (rows x (longest prompt + longest response)).
-        A single request that exceeds either bound still gets a wave of its own.
-        """
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        budget = self.max_kv_tokens or float("inf")
-        waves, cur = [], []
-        rows = plen = new = 0
-        for i in order:
-            n, p_len = params[i].n, len(prompts[i])
-            new_i = min(params[i].max_tokens, self.max_model_len - p_len)
-            grown = (rows + n) * (max(plen, p_len) + max(new, new_i))
-            if cur and (rows + n > self.max_num_seqs or grown > budget):
-                waves.append(cur)
-                cur, rows, plen, new = [], 0, 0, 0
-            cur.append(i)
-            rows, plen, new = rows + n, max(plen, p_len), max(new, new_i)
-        if cur:
-            waves.append(cur)
-        return waves
+    def _cache_rows(self, prompts: list[list[int]], params: list[SamplingParams]) -> int:
+        """Cache rows of a call: at most ``max_num_seqs`` and, when ``max_kv_tokens`` is set, at
+        most that many token slots (rows x (longest prompt + longest response)); never fewer
+        than the widest request's ``n`` (its samples are admitted together)."""
+        plen, max_new = self._lengths(prompts, params)
+        rows = min(self.max_num_seqs, sum(p.n for p in params))
+        if self.max_kv_tokens is not None:
+            rows = min(rows, self.max_kv_tokens // (plen + max_new))
+        return max(rows, max(p.n for p in params))
 
     def _kv_storage(self, rows: int, length: int) -> torch.Tensor:
         """A [layers, 2, rows, kv_heads, length, head_dim] view of the reusable pool."""
@@ -591,40 +608,55 @@ class NativeEngine:
         forbidden = () if self.suppress_ids is None else set(self.suppress_ids.tolist())
         return check_observation(obs, turn, self.vocab_size, forbidden)
 
-    def _generate_wave(
+    def _generate_all(
         self,
-        wave: list[int],
         prompts: list[list[int]],
         params: list[SamplingParams],
         seeds: list[int],
         run: _Trajectories,
+        cap: int,
     ) -> dict[tuple[int, int], Completion]:
+        """Decode every request through ``cap`` cache rows with continuous batching.
+
+        Each step samples one token per active row and feeds it back; rows that finish free
+        their cache rows at once, and the next waiting request (first come, first served) is
+        admitted as soon as ``n`` rows are free: its prompt is prefilled once into one row,
+        copied into its ``n`` rows, and its samples decode from the next step on beside the
+        others. A row's response index and stream counter are offsets from the step counter
+        (``shift``, ``kshift``), so a newcomer needs only its own offsets.
+        """
         dev = self.device
-        plen = max(len(prompts[i]) for i in wave)
-        state = self._wave_state(wave, prompts, params, seeds)
-        run.budget = state.max_new.tolist()
-        rows = state.request.numel()
-        max_new = int(state.max_new.max())
+        plen, max_new = self._lengths(prompts, params)
         total = plen + max_new
-        cache = KVCache(self._kv_storage(rows, total), self.num_layers, rows, total)
-        logits, pad, delta, prompt_lp = self._prefill_prompts(cache, wave, prompts, params)
+        state = self._row_state(prompts, params, seeds)
+        run.budget = state.max_new.tolist()
+        n_rows = state.request.numel()
+        lens = torch.tensor([len(x) for x in prompts], device=dev)
+        state.pad = plen - lens[state.request]  # decode position = slot - pad + delta
+        state.delta = torch.zeros(n_rows, dtype=torch.long, device=dev)
+        state.shift = torch.zeros_like(state.delta)
+        state.kshift = torch.zeros_like(state.delta)
+        cache = KVCache(self._kv_storage(cap, total), self.num_layers, cap, total)
+        out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
+        out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
+        first_row = [0]  # trajectory ids of request i: first_row[i] .. first_row[i + 1] - 1
+        for p in params:
+            first_row.append(first_row[-1] + p.n)
+        queue = deque(range(len(prompts)))
+        prompt_lp: dict[int, list[float]] = {}
+        self.stats = {"steps": 0, "admitted_while_decoding": 0, "max_active_rows": 0}
 
-        # The n samples of a prompt start from copies of its prefilled rows.
-        src = torch.repeat_interleave(
-            torch.arange(len(wave), device=dev),
-            torch.tensor([params[i].n for i in wave], device=dev),
-        )
-        cache.expand(src, plen)
-        logits = logits[src]  # [R, V]
-        state.pad, state.delta = pad[src], delta[src]  # decode position = slot - pad + delta
-        state.shift = torch.zeros(rows, dtype=torch.long, device=dev)
-        state.kshift = torch.zeros(rows, dtype=torch.long, device=dev)
+        def admit(free: int) -> list[int]:
+            # Whole requests only: their n samples share one prefill.
+            taken = []
+            while queue and params[queue[0]].n <= free:
+                free -= params[queue[0]].n
+                taken.append(queue.popleft())
+            return taken
 
-        out_tok = torch.full((rows, max_new), -1, dtype=torch.long, device=dev)
-        out_lp = torch.zeros((rows, max_new), dtype=torch.float32, device=dev)
-        slots = _Slots(rows)
-        live = torch.arange(rows, device=dev)  # row held by each active cache slot
-        s = state  # the active rows' state, in slot order
+        slots = _Slots(n_rows)
+        s = state  # the active rows' state, in cache-row order (set below)
+        live = tok = logits = None
         step = 0
         while True:
             ended = False
@@ -632,19 +664,25 @@ class NativeEngine:
                 tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
                 ended = bool(done.any())
             going = slots.active  # rows that decode on
+            fresh: list[int] = []  # trajectories admitted this step
             if ended:
                 done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
                 ended_rows = [(slots.rows[i], i) for i in range(slots.active) if done_h[i]]
                 for r, i in ended_rows:
                     run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
                 going -= len(ended_rows)
-            while True:  # wait for an observation only when nothing else can run
-                back = run.collect(block=not going)
-                if going or back or not run.waiting:
-                    break
-            if not going and not back:
+            back = run.collect(block=False)
+            new = admit(cap - going - len(run.waiting) - len(back))
+            # Wait for an observation only when nothing else can run.
+            while not (going or back or new) and run.waiting:
+                back = run.collect(block=True)
+                new = admit(cap - len(run.waiting) - len(back))
+            if not (going or back or new):
+                assert not queue, "a request was never admitted"
                 break
-            if ended or back:
+            if going and new:
+                self.stats["admitted_while_decoding"] += len(new)
+            if ended or back or new:
                 keep = slots.rows[: slots.active]
                 if ended:
                     keep = [r for i, r in enumerate(keep) if not done_h[i]]
@@ -655,10 +693,31 @@ class NativeEngine:
                     slots.shift[r] = shift
                     state.shift[r], state.kshift[r] = shift, kshift
                 waiting = [r for r in slots.rows if r in run.waiting]
-                order = slots.rearrange(keep, [r for r, _, _ in back], waiting)
-                # No row holds more than plen + step + top_shift filled slots.
-                cache.reorder(order, min(total, plen + step + slots.top_shift))
-                tok = tok[torch.tensor(order[: slots.keep], dtype=torch.long, device=dev)]
+                held = keep + [r for r, _, _ in back] + waiting
+                # No held row has more than plen + step + shift filled slots.
+                copy = min(total, plen + step + max((slots.shift[r] for r in held), default=0))
+                fresh = [r for i in new for r in range(first_row[i], first_row[i + 1])]
+                for r in fresh:  # the first token is sampled at the next step
+                    slots.shift[r] = -(step + 1)
+                order = slots.rearrange(keep, [r for r, _, _ in back], fresh, waiting)
+                cache.reorder(order, copy)
+                if slots.keep:
+                    tok = tok[torch.tensor(order[: slots.keep], dtype=torch.long, device=dev)]
+                if fresh:
+                    idx = torch.tensor(fresh, dtype=torch.long, device=dev)
+                    state.shift[idx] = state.kshift[idx] = -(step + 1)
+                    lo = slots.keep + slots.back
+                    new_logits, delta, lp = self._prefill_prompts(
+                        cache, lo, new, prompts, params, plen
+                    )
+                    prompt_lp.update(lp)
+                    # The n samples of a prompt start from copies of its prefilled row.
+                    src = torch.repeat_interleave(
+                        torch.arange(len(new), device=dev),
+                        torch.tensor([params[i].n for i in new], device=dev),
+                    )
+                    cache.expand(lo + src, plen, first=lo)
+                    state.delta[idx] = delta[src]
                 live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
                 s = _select(state, live)
             else:
@@ -669,72 +728,79 @@ class NativeEngine:
                 parts.append(self._decode(cache, tok, s, slots.keep, t, slots.keep_shift))
             if back:
                 feeds = {r: (feed, plen + length - 1) for r, feed, length in back}
-                ids, fed = zip(
-                    *(feeds[r] for r in slots.rows[slots.keep : slots.active]), strict=True
-                )
                 k = slots.keep
+                ids, fed = zip(*(feeds[r] for r in slots.rows[k : k + slots.back]), strict=True)
                 parts.append(
                     self._prefill_observations(
                         cache, k, list(ids), list(fed), s.pad[k:], s.delta[k:]
                     )
                 )
+            if fresh:
+                parts.append(new_logits[src])  # [n rows, V]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
+            self.stats["max_active_rows"] = max(self.stats["max_active_rows"], slots.active)
             step += 1
-
-        return self._completions(state, wave, prompts, params, prompt_lp, out_tok, out_lp, run)
+        self.stats["steps"] = step
+        return self._completions(state, prompts, params, prompt_lp, out_tok, out_lp, run)
 
     def _prefill_prompts(
         self,
         cache: KVCache,
-        wave: list[int],
+        first: int,
+        reqs: list[int],
         prompts: list[list[int]],
         params: list[SamplingParams],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, list[float]]]:
-        """Prefill each prompt of the wave once (cache rows ``0..U-1``), left-padded, in chunks
-        of at most ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V],
-        the left padding [U], the decode position offsets [U] and the asked prompt log-probs."""
+        plen: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[float]]]:
+        """Prefill the prompts of requests ``reqs`` once each into cache rows ``first...``,
+        left-padded so that every prompt ends at slot ``plen``, in chunks of at most
+        ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V], the decode
+        position offsets [U] and the asked prompt log-probs."""
         dev = self.device
-        lens = torch.tensor([len(prompts[i]) for i in wave])
-        plen = int(lens.max())
-        u = len(wave)
-        tokens = torch.full((u, plen), self.pad_token_id, dtype=torch.long)
-        for r, i in enumerate(wave):
-            tokens[r, plen - len(prompts[i]) :] = torch.tensor(prompts[i])
+        lens = torch.tensor([len(prompts[i]) for i in reqs])
+        width = int(lens.max())
+        off = plen - width  # cache slot of the block's first column
+        u = len(reqs)
+        tokens = torch.full((u, width), self.pad_token_id, dtype=torch.long)
+        for r, i in enumerate(reqs):
+            tokens[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
         tokens = tokens.to(dev)
-        pad = (plen - lens).to(dev)  # [U] left padding per prompt
-        slot = torch.arange(plen, device=dev)
-        key_ok = slot[None, :] >= pad[:, None]  # [U, P] False on left padding
-        last_hidden = []
+        pad = (width - lens).to(dev)  # [U] left padding within the block
+        col = torch.arange(width, device=dev)
+        key_ok = col[None, :] >= pad[:, None]  # [U, W] False on left padding
+        causal = col[:, None] >= col[None, :]  # [W, W]
+        eye = torch.eye(width, dtype=torch.bool, device=dev)
+        # Slots before the block hold another row's leftovers: never attended.
+        before = torch.zeros(1, width, off, dtype=torch.bool, device=dev)
+        last_hidden, deltas = [], []
         prompt_lp: dict[int, list[float]] = {}
-        chunk = max(1, self.max_prefill_tokens // plen)
-        causal = slot[:, None] >= slot[None, :]  # [P, P]
-        eye = torch.eye(plen, dtype=torch.bool, device=dev)
-        deltas = []
+        chunk = max(1, self.max_prefill_tokens // width)
         for r0 in range(0, u, chunk):
             r1 = min(u, r0 + chunk)
             # Padding queries attend to themselves only, so no softmax row is empty (NaN).
-            mask = (causal[None] & key_ok[r0:r1, None, :]) | eye  # [C, P, P]
-            pos = (slot[None, :] - pad[r0:r1, None]).clamp(min=0)  # [C, P]
-            media = Media.cat([self._media[i] for i in wave[r0:r1]])
+            mask = (causal[None] & key_ok[r0:r1, None, :]) | eye  # [C, W, W]
+            mask = torch.cat([before.expand(r1 - r0, -1, -1), mask], -1)  # [C, W, plen]
+            pos = (col[None, :] - pad[r0:r1, None]).clamp(min=0)  # [C, W]
+            media = Media.cat([self._media[i] for i in reqs[r0:r1]])
             pos, delta = self._prefill_positions(
                 tokens[r0:r1], pos, key_ok[r0:r1], media
-            )  # [C, P] or [3, C, P]; [C]
+            )  # [C, W] or [3, C, W]; [C]
             deltas.append(delta)
-            cache.at(slice(r0, r1), slot.expand(r1 - r0, -1), plen)
-            hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, P, H]
+            cache.at(slice(first + r0, first + r1), (off + col).expand(r1 - r0, -1), plen)
+            hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, W, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
-                i = wave[r]
+                i = reqs[r]
                 if params[i].prompt_logprobs:
                     prompt_lp[i] = self._prompt_logprobs(
                         hidden[r - r0, int(pad[r]) :], prompts[i], params[i]
                     )
-        return self._logits(torch.cat(last_hidden)), pad, torch.cat(deltas), prompt_lp
+        return self._logits(torch.cat(last_hidden)), torch.cat(deltas), prompt_lp
 
     def _sample(
         self,
         logits: torch.Tensor,
-        s: _Wave,
+        s: _RowState,
         step: int,
         live: torch.Tensor,
         out_tok: torch.Tensor,
@@ -753,7 +819,7 @@ class NativeEngine:
         return tok, at, hit_stop, hit_stop | (at + 1 >= s.max_new)
 
     def _decode(
-        self, cache: KVCache, tok: torch.Tensor, s: _Wave, k: int, t: int, max_shift: int
+        self, cache: KVCache, tok: torch.Tensor, s: _RowState, k: int, t: int, max_shift: int
     ) -> torch.Tensor:
         """Feed the sampled token of the first ``k`` cache rows (row ``r`` at slot
         ``t + shift[r]``); their next-token logits [k, V]."""
@@ -812,15 +878,13 @@ class NativeEngine:
             logits.append(self._logits(hidden[torch.arange(b), (n - 1).to(dev)]))
         return torch.cat(logits)
 
-    def _wave_state(
-        self,
-        wave: list[int],
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        seeds: list[int],
-    ) -> _Wave:
+    def _row_state(
+        self, prompts: list[list[int]], params: list[SamplingParams], seeds: list[int]
+    ) -> _RowState:
+        """Per-trajectory state, one row per sample of every request, in (request, sample)
+        order."""
         req, smp_idx = [], []
-        for i in wave:
+        for i in range(len(prompts)):
             req += [i] * params[i].n
             smp_idx += list(range(params[i].n))
         per_row = [params[i] for i in req]
@@ -835,7 +899,7 @@ class NativeEngine:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         request_seed = vec([seeds[i] for i in req], torch.long)
-        return _Wave(
+        return _RowState(
             request=vec(req, torch.long),
             sample=vec(smp_idx, torch.long),
             seed=smp.row_seeds(request_seed, vec(smp_idx, torch.long)),
@@ -877,8 +941,7 @@ class NativeEngine:
 
     def _completions(
         self,
-        state: _Wave,
-        wave: list[int],
+        state: _RowState,
         prompts: list[list[int]],
         params: list[SamplingParams],
         prompt_lp: dict[int, list[float]],
@@ -912,48 +975,52 @@ class NativeEngine:
 
 
 class _Slots:
-    """Which row each cache slot holds: the active rows first (those decoding on, then those
-    back from an observation), then the rows waiting on their continuation.
+    """Which trajectory each cache row holds: the active rows first (those decoding on, those
+    back from an observation, then those admitted this step), then the rows waiting on their
+    continuation; the cache rows past those are free.
 
-    ``shift`` is the host copy of each row's ``_Wave.shift``; its maxima bound the cache slots
-    a step reads (``keep_shift``: the rows decoded this step) and holds (``top_shift``).
+    ``shift`` is the host copy of each trajectory's ``_RowState.shift``; its maxima bound the
+    cache slots a step reads (``keep_shift``: the rows decoded this step).
     """
 
-    def __init__(self, rows: int) -> None:
-        self.rows = list(range(rows))
-        self.active = self.keep = rows
-        self.shift = [0] * rows
-        self.top_shift = self.keep_shift = self.active_shift = 0
+    def __init__(self, trajectories: int) -> None:
+        self.rows: list[int] = []
+        self.active = self.keep = self.back = 0
+        self.shift = [0] * trajectories
+        self.keep_shift = self.active_shift = 0
 
-    def rearrange(self, keep: list[int], back: list[int], waiting: list[int]) -> list[int]:
-        """Lay the rows out anew; returns the old slot of each new slot (see :func:`arrange`)."""
-        order = arrange(self.rows, [keep, back, waiting])
-        self.rows = [self.rows[j] for j in order]
-        self.keep, self.active = len(keep), len(keep) + len(back)
-        self.top_shift = max([self.top_shift] + [self.shift[r] for r in back])
+    def rearrange(
+        self, keep: list[int], back: list[int], new: list[int], waiting: list[int]
+    ) -> list[int]:
+        """Lay the rows out anew; returns the old cache row of each new one (see
+        :func:`arrange`), -1 for the rows of ``new`` (nothing to copy: prefilled next)."""
+        order = arrange(self.rows, [keep, back, new, waiting])
+        fresh = iter(new)  # only the new rows have no old cache row
+        self.rows = [self.rows[j] if j >= 0 else next(fresh) for j in order]
+        self.keep, self.back = len(keep), len(back)
+        self.active = len(keep) + len(back) + len(new)
         self.keep_shift = max((self.shift[r] for r in keep), default=0)
         self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
         return order
 
     def decode_all(self) -> None:
         """Nothing changed place: every active row decodes this step."""
-        self.keep, self.keep_shift = self.active, self.active_shift
+        self.keep, self.back, self.keep_shift = self.active, 0, self.active_shift
 
 
 class _Trajectories:
-    """Host-side bookkeeping of a wave's trajectories: turn spans, where each ended and why,
+    """Host-side bookkeeping of a call's trajectories: turn spans, where each ended and why,
     and the continuations running on the pool."""
 
     def __init__(
         self,
-        wave: list[int],
         params: list[SamplingParams],
         continuation: Continuation | None,
         pool: ThreadPoolExecutor | None,
         check: Callable[[object, Turn], list[int] | None],
     ) -> None:
-        self.request = [i for i in wave for _ in range(params[i].n)]
-        self.sample = [j for i in wave for j in range(params[i].n)]
+        self.request = [i for i, p in enumerate(params) for _ in range(p.n)]
+        self.sample = [j for p in params for j in range(p.n)]
         self.max_turns = [params[i].max_turns for i in self.request]
         self.budget: list[int] = []  # set by the engine: response budget per row
         self.continuation, self.pool, self.check = continuation, pool, check
@@ -1018,8 +1085,8 @@ class _Trajectories:
         return self.start[r] - next_step, sampled - next_step
 
 
-def _select(s: _Wave, keep: torch.Tensor) -> _Wave:
-    return _Wave(**{k: v[keep] for k, v in vars(s).items()})
+def _select(s: _RowState, keep: torch.Tensor) -> _RowState:
+    return _RowState(**{k: v[keep] for k, v in vars(s).items()})
 
 
 def _check_unsharded(model: nn.Module) -> None:

@@ -1,4 +1,5 @@
-"""Engine benchmarks (opt-in): the native engine vs ``model.generate``, weight sync vs all-gather.
+"""Engine benchmarks (opt-in): the native engine vs ``model.generate``, continuous batching vs
+the wave engine it replaced, weight sync vs all-gather.
 
     pytest tests/benchmarks/bench_engine.py -m benchmark_suite --benchmark-enable -s
 
@@ -6,7 +7,10 @@ Both comparisons interleave their two sides round by round, so that load from ot
 on a shared machine hits both alike; the printed tables give per-side medians and the median of
 the per-round ratios, and the peak torch memory allocated during one (untimed) call of each
 side. Results go to ``benchmark.extra_info`` as well. ``LIGHTRFT_BENCH_ROUNDS`` (default 5) sets
-the number of rounds; the generate rounds print their rates to stderr as they come.
+the number of rounds; the generate rounds print their rates to stderr as they come. The
+continuous-batching comparison is ``continuous_batching.py`` (its docstring gives the method; run
+it as a script for other sizes, e.g. on a GPU); ``LIGHTRFT_BENCH_WORKDIR`` caches its tokenizer
+(a BPE trained in about a minute), model and requests between runs.
 """
 
 import json
@@ -120,6 +124,33 @@ def test_native_engine_vs_hf_generate(benchmark, bench_model_dir):
             + [(f"peak allocated, {k}", f"{peak[k]:.0f} MiB", "one call") for k in peak],
         )
     )
+
+
+def test_continuous_batching_vs_waves(benchmark, tmp_path):
+    """The engine at this checkout against the wave engine (``continuous_batching.BASE``) on
+    GSM8K's long-tailed solution lengths, each in its own process, rounds alternating."""
+    import argparse
+
+    import continuous_batching as cb
+
+    args = argparse.Namespace(
+        base=os.environ.get("LIGHTRFT_BENCH_BASE", cb.BASE),
+        base_src=None,
+        workdir=os.environ.get("LIGHTRFT_BENCH_WORKDIR", str(tmp_path)),
+        prompts=16,
+        n=4,
+        scale=1,
+        max_num_seqs=16,
+        rounds=ROUNDS,
+        device=None,
+        dtype="float32",
+        peak=True,
+        control=False,
+    )
+    result = benchmark.pedantic(lambda: cb.compare(args), rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+    assert result["identical_samples"] == result["rows"]  # fp32 on the CPU: token for token
+    assert result["continuous_stats"]["admitted_while_decoding"] > 0
 
 
 # Weight-sync models: the generate benchmark's (15.2 MiB fp32) and a larger one (240 MiB fp32).

@@ -5,6 +5,7 @@ turn); the references regenerate every turn from scratch, re-prefilling prompt +
 """
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -188,6 +189,40 @@ def test_seeded_trajectories_do_not_depend_on_the_batch(tiny_model_dir, engine, 
                 torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0
             )
     assert any(c.num_turns > 1 for c in alone)
+
+
+def test_admission_beside_rows_waiting_on_their_tools(tiny_model_dir, engine, prompts):
+    """Through 4 cache rows, rows waiting on a slow continuation keep their cache rows while
+    requests are admitted into the rows finished samples free: every trajectory equals its
+    request generated alone."""
+
+    def slow(turn):  # depends on the trajectory only, not on its index in the call
+        time.sleep(0.002 * (len(turn.token_ids) % 3))
+        if turn.turn_index >= 2:
+            return None
+        return OBS[(len(turn.token_ids) + turn.turn_index) % len(OBS)]
+
+    budgets = [50, 8, 30, 5, 12, 40]
+    reqs = [Request(prompts[k % 4]) for k in range(len(budgets))]
+    sps = [
+        SamplingParams(
+            n=1 + k % 2, temperature=1.0, max_tokens=m, stop_token_ids=STOPS, seed=30 + k
+        )
+        for k, m in enumerate(budgets)
+    ]
+    narrow = NativeEngine(tiny_model_dir, max_model_len=256, max_num_seqs=4)
+    outs = narrow.generate(reqs, sps, continuation=slow)
+    assert narrow.stats["admitted_while_decoding"] >= 2
+    assert sum(c.num_turns > 1 for c in outs) >= 3
+    for k, (req, sp) in enumerate(zip(reqs, sps, strict=True)):
+        alone = engine.generate([req], [sp], continuation=slow)
+        mine = [c for c in outs if c.request_index == k]
+        assert [c.token_ids for c in mine] == [c.token_ids for c in alone]
+        assert [c.turn_spans for c in mine] == [c.turn_spans for c in alone]
+        for a, b in zip(mine, alone, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+            )
 
 
 def test_bad_observations_are_refused(engine, prompts):

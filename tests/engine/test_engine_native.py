@@ -151,6 +151,54 @@ def test_waves_give_the_same_samples(tiny_model_dir, engine, prompts):
     assert small_kv._kv_pool.numel() <= budget * per_slot
 
 
+def test_continuous_batching_equals_each_request_alone(tiny_model_dir, engine, prompts):
+    """Long-tailed lengths through 5 cache rows: requests enter the rows that finished samples
+    free while others still decode, and every sample equals its request generated alone."""
+    budgets = [40, 3, 6, 2, 28, 4, 9, 3, 2, 17]
+    widths = [2, 1, 3, 2, 1, 2, 3, 1, 2, 2]
+    reqs = [Request(prompts[k % 4]) for k in range(len(budgets))]
+    sps = [
+        SamplingParams(
+            n=n,
+            temperature=0.8 + 0.1 * (k % 3),
+            max_tokens=m,
+            seed=100 + k,
+            ignore_eos=k % 2 == 0,
+            first_token_temperature=2.0 if k % 4 == 1 else None,
+            prompt_logprobs=k in (3, 6),
+            top_k=5 if k == 7 else 0,
+        )
+        for k, (m, n) in enumerate(zip(budgets, widths, strict=True))
+    ]
+    narrow = NativeEngine(tiny_model_dir, max_model_len=256, max_num_seqs=5)
+    assert narrow.generate([], SamplingParams()) == []
+    outs = narrow.generate(reqs, sps)
+    # Admission really happened mid-batch (not one wave after another).
+    assert narrow.stats["admitted_while_decoding"] >= 5
+    assert narrow.stats["max_active_rows"] == 5
+    assert [(c.request_index, c.sample_index) for c in outs] == [
+        (k, j) for k, n in enumerate(widths) for j in range(n)
+    ]
+    for k, (req, sp) in enumerate(zip(reqs, sps, strict=True)):
+        alone = engine.generate([req], [sp])
+        mine = [c for c in outs if c.request_index == k]
+        assert [c.token_ids for c in mine] == [c.token_ids for c in alone]
+        assert [c.finish_reason for c in mine] == [c.finish_reason for c in alone]
+        for a, b in zip(mine, alone, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+            )
+            if sp.prompt_logprobs:
+                torch.testing.assert_close(
+                    torch.tensor(a.prompt_logprobs),
+                    torch.tensor(b.prompt_logprobs),
+                    atol=1e-5,
+                    rtol=0,
+                )
+            else:
+                assert a.prompt_logprobs is None
+
+
 def test_stop_token_ids_end_the_response(engine, prompts):
     (free,) = engine.generate(
         [Request(prompts[2])], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

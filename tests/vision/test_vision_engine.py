@@ -161,6 +161,29 @@ def test_prefill_chunks_and_waves_do_not_change_multimodal_samples(tiny_vlm):
         )
 
 
+def test_image_requests_admitted_mid_batch_equal_each_request_alone(tiny_vlm):
+    """Continuous batching with M-RoPE: a request admitted while another decodes gets its own
+    positions and rope offset (its log-probs are the trainer's), and samples what it samples
+    alone."""
+    path = tiny_vlm("qwen2_5_vl")
+    model = load_vision_model(path)
+    reqs = _requests(_prompts(load_processor(path)))
+    reqs = [reqs[1], reqs[0], reqs[2], reqs[0]]  # a text prompt first, images admitted later
+    sps = [
+        SamplingParams(n=1, max_tokens=m, seed=40 + k, ignore_eos=True)
+        for k, m in enumerate([10, 2, 4, 3])
+    ]
+    narrow = NativeEngine(path, dtype="float32", device="cpu", max_num_seqs=2)
+    outs = narrow.generate(reqs, sps)
+    assert narrow.stats["admitted_while_decoding"] >= 2
+    alone = NativeEngine(path, dtype="float32", device="cpu")
+    for req, sp, c in zip(reqs, sps, outs, strict=True):
+        (ref,) = alone.generate([req], [sp])
+        assert c.token_ids == ref.token_ids
+        trainer = _trainer_logprobs(model, req, c)
+        torch.testing.assert_close(torch.tensor(c.logprobs), trainer, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
 def test_multi_turn_after_an_image_prompt_matches_the_trainer(tiny_vlm, arch):
     """The first turn sees the image; observations are text appended to the row's cache. The
