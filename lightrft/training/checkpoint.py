@@ -70,6 +70,9 @@ LATEST = "latest"
 META = "meta.json"
 CONFIG = "config.json"
 DEFAULT_NAME = "model"
+# meta.json's "format": 2 added "export" (what rebuilds the trained model on one process for
+# `lightrft export`); checkpoints without the key are format 1.
+FORMAT = 2
 
 
 @runtime_checkable
@@ -485,12 +488,17 @@ class Checkpointer:
         dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
         extra: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
+        export: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write a checkpoint of ``step`` and return its directory (collective).
 
         ``config``: the run's resolved config (a plain dict, e.g.
         ``OmegaConf.to_container(cfg, resolve=True)``), stored as ``config.json`` so that a
         resume can compare it with its own (:meth:`load`'s ``config``).
+
+        ``export``: what rebuilds the trained model on one process and writes it as the run's
+        ``final/`` would be (:class:`lightrft.training.export.ExportSpec` as JSON), stored in
+        ``meta.json`` for ``lightrft export``.
 
         ``models`` / ``optimizers`` / ``schedulers``: one object or a dict name -> object; an
         optimizer is stored with the model of the same name (a single one goes with a single
@@ -530,6 +538,7 @@ class Checkpointer:
             barrier()
             if rank == 0:
                 meta = {
+                    "format": FORMAT,
                     "step": step,
                     "world_size": world,
                     "models": sorted(models_),
@@ -541,6 +550,8 @@ class Checkpointer:
                     "time": time.time(),
                     "torch": torch.__version__,
                 }
+                if export is not None:
+                    meta["export"] = dict(export)
                 if config is not None:
                     text = json.dumps(dict(config), indent=1, default=str)
                     write_atomic(tmp / CONFIG, (text + "\n").encode())
