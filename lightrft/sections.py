@@ -108,8 +108,14 @@ def check_model_path(
     *,
     prepare: Iterable[Any] | None = None,
     loading: bool = False,
+    checkpoint: bool = False,
 ) -> None:
     """Refuse a model path that cannot load, naming ``key`` (a ``ValueError``).
+
+    A training checkpoint (``<output_dir>/checkpoints/step_N``) is refused with the
+    ``lightrft export`` command that makes a model of it, unless ``checkpoint=True`` (the
+    caller exports it itself, :func:`lightrft.training.export.resolve_model_dir`): then its
+    export record is checked (:func:`~lightrft.training.export.read_export_spec`).
 
     Validation (``loading=False``, ``lightrft validate`` and the start of ``run``) decides only
     on what is on disk now, like :func:`lightrft.models.check_towers`: a file, or a directory
@@ -121,11 +127,28 @@ def check_model_path(
     (``loading=True``: after the prepare steps, before any model loads) refuses every local
     path that is not a model directory."""
     try:
+        _check_checkpoint(str(path), key, checkpoint)
         _check_model_path(str(path), key, prepare, loading)
     except ValueError as e:
         if loading:  # during the run: a user error (one line, exit 2), not a traceback
             raise ConfigError(str(e)) from None
         raise
+
+
+def _check_checkpoint(path: str, key: str, allowed: bool) -> None:
+    from lightrft.training.export import is_checkpoint, read_export_spec
+
+    if not is_checkpoint(path):
+        return
+    if not allowed:
+        raise ValueError(
+            f"{key}={path!r} is a training checkpoint, not a model directory: export it first "
+            f"(lightrft export {path} --out DIR) and give DIR"
+        )
+    try:
+        read_export_spec(path)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
 
 
 def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loading: bool) -> None:

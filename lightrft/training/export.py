@@ -424,3 +424,35 @@ def _hf_config(model: nn.Module) -> Any:
     if hasattr(net, "_hf") and net._hf:
         return net._hf[0].config
     return getattr(net, "config", None)
+
+
+def export_cache_dir() -> Path:
+    """Where checkpoints given as a model path are exported: ``$LIGHTRFT_EXPORT_CACHE``, else
+    ``~/.cache/lightrft/exports``."""
+    env = os.environ.get("LIGHTRFT_EXPORT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightrft" / "exports"
+
+
+def resolve_model_dir(path: str | Path) -> str:
+    """``path`` itself, or for a training checkpoint (:func:`is_checkpoint`) its export
+    (:func:`export_checkpoint`) in :func:`export_cache_dir`, made once and reused while the
+    checkpoint is unchanged (keyed by its absolute path and ``meta.json``). What eval's
+    ``model.path`` and :class:`~lightrft.rewards.RewardModel` call. Under a process group it is
+    collective (call it on every rank; the cache must be on a file system they share)."""
+    import hashlib
+
+    from lightrft.distributed import barrier
+    from lightrft.training.checkpoint import META, _broadcast_from_rank0, _rank
+
+    if not is_checkpoint(path):
+        return str(path)
+    p = Path(path).resolve()
+    key = hashlib.sha256(str(p).encode() + b"\0" + (p / META).read_bytes()).hexdigest()[:16]
+    out = export_cache_dir() / f"{p.parent.parent.name}-{p.name}-{key}"
+    # Rank 0 decides, so every rank takes part in the (collective) export or none does.
+    if _broadcast_from_rank0(not out.is_dir() if _rank() == 0 else None):
+        export_checkpoint(p, out)
+        if _rank() == 0:
+            print(f"exported checkpoint {p} to {out}", flush=True)
+    barrier()
+    return str(out)

@@ -1,0 +1,250 @@
+"""`lightrft export`: a mid-run checkpoint becomes, on one process, exactly the directory the
+run's final/ is when the run stops at that step (every safetensors tensor torch.equal, every
+other file byte for byte); eval and RewardModel take a checkpoint directly; bad input is
+refused naming the path and key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _dist import run_distributed
+from test_reward_model import _config as _rm_config
+from test_sft import _config as _sft_config
+
+from lightrft import cli
+
+
+def assert_same_export(got: Path, want: Path) -> None:
+    """``got`` and ``want`` hold the same files; safetensors tensors equal bit for bit (names,
+    dtypes, values), every other file byte for byte."""
+    from safetensors.torch import load_file
+
+    names = sorted(p.relative_to(want).as_posix() for p in want.rglob("*") if p.is_file())
+    assert names, f"{want} is empty"
+    assert sorted(p.relative_to(got).as_posix() for p in got.rglob("*") if p.is_file()) == names
+    for name in names:
+        if name.endswith(".safetensors"):
+            a, b = load_file(got / name), load_file(want / name)
+            assert sorted(a) == sorted(b), name
+            for k in b:
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{name}: {k}"
+        else:
+            assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+def _export(ckpt: Path, out: Path) -> Path:
+    assert cli.main(["export", str(ckpt), "--out", str(out)]) == 0
+    return out
+
+
+def _step(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step_{step:06d}"
+
+
+# ------------------------------------------------------------------ FSDP2, one process
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory) -> Path:
+    """A 1-process SFT run stopped at step 2, its last checkpoint at step 2."""
+    root = tmp_path_factory.mktemp("export_sft")
+    cfg = _sft_config(
+        root, max_steps=2, save_every=2, eval_every=None, eval_dataset=None, metrics={}
+    )
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    return root
+
+
+def test_export_of_an_fsdp2_checkpoint_equals_final_bitwise(sft_run, tmp_path, capsys):
+    out = sft_run / "out"
+    meta = json.loads((_step(out, 2) / "meta.json").read_text())
+    assert meta["format"] == 2
+    assert meta["export"]["kind"] == "causal_lm" and meta["export"]["strategy"] == "fsdp2"
+    got = _export(_step(out, 2), tmp_path / "exported")
+    assert f"exported {_step(out, 2)} to {got}" in capsys.readouterr().out
+    assert_same_export(got, out / "final")
+
+
+def test_bad_inputs_are_refused_naming_path_and_key(sft_run, tmp_path, capsys):
+    from lightrft.training.export import export_checkpoint
+
+    out = sft_run / "out"
+
+    def refused(path: Path, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            export_checkpoint(path, tmp_path / "x")
+        assert cli.main(["export", str(path), "--out", str(tmp_path / "x")]) == 2
+        assert match.replace("\\", "") in capsys.readouterr().err
+        assert not (tmp_path / "x").exists()
+
+    refused(tmp_path / "nope", "is not a directory")
+    refused(out, "it has no meta.json; it is a run's output_dir")
+    refused(out / "final", "it has no meta.json; it is already a model directory")
+
+    def copy(name: str, edit=None) -> Path:
+        dst = tmp_path / name / "step_000002"
+        shutil.copytree(_step(out, 2), dst)
+        if edit is not None:
+            meta = json.loads((dst / "meta.json").read_text())
+            edit(meta)
+            (dst / "meta.json").write_text(json.dumps(meta))
+        return dst
+
+    # A checkpoint of an older version, without the export record.
+    old = copy("old", lambda m: (m.pop("export"), m.pop("format")))
+    refused(old, r"meta.json has no 'export' key \(format 1")
+    # A newer format, an unknown kind or strategy, a missing key.
+    refused(copy("newer", lambda m: m.update(format=9)), "'format' is 9, written by a newer")
+    refused(
+        copy("kind", lambda m: m["export"].update(kind="critic")),
+        "'export.kind' is 'critic'; this version exports",
+    )
+    refused(
+        copy("strategy", lambda m: m["export"].update(strategy="megatron")),
+        "'export.strategy' is 'megatron'",
+    )
+    refused(copy("key", lambda m: m["export"].pop("path")), "'export' lacks the key 'path'")
+    refused(
+        copy("ds", lambda m: m["export"].update(strategy="deepspeed")),
+        "'export.strategy' is 'deepspeed' but model 'model' is stored as DCP state",
+    )
+    refused(
+        copy("base", lambda m: m["export"].update(path=str(tmp_path / "gone"))),
+        "'export.path' names the base model",
+    )
+    # Missing files: a rank's state, the DCP shards.
+    no_rank = copy("rank")
+    (no_rank / "rank_00000.safetensors").unlink()
+    refused(no_rank, "rank_00000")
+    no_shard = copy("shard")
+    (no_shard / "__0_0.distcp").unlink()
+    refused(no_shard, r"__0_0.distcp is damaged \(truncated: missing\)")
+    # A training recipe's model.path refuses a checkpoint with the command that exports it.
+    from lightrft.sections import check_model_path
+
+    with pytest.raises(ValueError, match="is a training checkpoint, not a model directory: export"):
+        check_model_path(str(_step(out, 2)))
+
+
+def test_eval_takes_a_checkpoint_and_evaluates_its_export(sft_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTRFT_EXPORT_CACHE", str(tmp_path / "cache"))
+    out = sft_run / "out"
+    cfg = {
+        "output_dir": str(tmp_path / "eval"),
+        "seed": 0,
+        "device": "cpu",
+        "model": {"path": str(_step(out, 2))},
+        "dataset": {
+            "_component_": "lightrft.data.PromptDataset",
+            "path": str(sft_run / "data" / "test.jsonl"),
+        },
+        "reward": {
+            "_component_": "lightrft.rewards.CombinedReward",
+            "functions": {"accuracy": {"_component_": "lightrft.rewards.GSM8KVerifier"}},
+        },
+        "max_prompts": 2,
+        "sampling": {"n": 1, "temperature": 0.0, "max_tokens": 2},
+    }
+    path = tmp_path / "eval.yaml"
+    path.write_text("# lightrft run eval --config eval.yaml\n" + yaml.safe_dump(cfg))
+    assert cli.main(["run", "eval", "--config", str(path)]) == 0
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["prompts"] == 2
+    (cached,) = (tmp_path / "cache").iterdir()
+    assert_same_export(cached, out / "final")
+
+
+# ------------------------------------------------------------------ a reward model
+
+
+def test_reward_model_checkpoint_exports_heads_and_scores_in_reward_model(tmp_path, monkeypatch):
+    """Two named heads with attention pooling (head, pooler and lightrft_reward statistics in
+    the export); RewardModel takes the checkpoint and scores as it scores final/."""
+    from lightrft.rewards import RewardModel
+
+    monkeypatch.setenv("LIGHTRFT_EXPORT_CACHE", str(tmp_path / "cache"))
+    cfg = _rm_config(
+        tmp_path,
+        heads=["helpful", "harmless"],
+        model={
+            "path": str(tmp_path / "model"),
+            "heads": ["helpful", "harmless"],
+            "pooling": "attention",
+        },
+        max_steps=2,
+        save_every=2,
+        eval_every=1,  # the statistics at the checkpoint are the ones final/ carries
+        metrics={},
+    )
+    assert cli.main(["run", "reward_model", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    got = _export(_step(out, 2), tmp_path / "exported")
+    assert_same_export(got, out / "final")
+    block = json.loads((got / "config.json").read_text())["lightrft_reward"]
+    assert block["heads"] == ["helpful", "harmless"] and block["pooling"] == "attention"
+    assert set(block["stats"]) == {"helpful", "harmless"}
+
+    prompts, responses = ["apple river?", "stone lamp?"], ["river apple yes", "lamp stone no"]
+    want = RewardModel(str(out / "final"), score_head="harmless", normalize=True)
+    rm = RewardModel(str(_step(out, 2)), score_head="harmless", normalize=True)
+    assert torch.equal(rm(prompts, responses), want(prompts, responses))
+
+
+# ------------------------------------------------------------------ slower variants
+
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": "auto", "export_merged": True}
+
+
+@pytest.mark.slow
+def test_export_of_a_lora_checkpoint_equals_final_adapter_and_merged(tmp_path):
+    cfg = _sft_config(
+        tmp_path,
+        max_steps=2,
+        save_every=2,
+        eval_every=None,
+        eval_dataset=None,
+        metrics={},
+        lora={**LORA, "trained_modules": ["lm_head"]},
+    )
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    got = _export(_step(out, 2), tmp_path / "exp" / "final")
+    assert (got / "adapter_config.json").is_file()
+    assert_same_export(got, out / "final")
+    assert_same_export(tmp_path / "exp" / "final_merged", out / "final_merged")
+
+
+def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
+    from _dist import build_recipe
+
+    from lightrft import config as lconfig
+
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = build_recipe("sft", cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.logger.close()
+
+
+@pytest.mark.slow
+def test_export_of_a_two_rank_fsdp2_checkpoint_equals_final(tmp_path):
+    """Saved by 2 gloo ranks (DCP shards of both), exported in this one process."""
+    cfg = _sft_config(
+        tmp_path,
+        max_steps=2,
+        save_every=2,
+        eval_every=None,
+        eval_dataset=None,
+        metrics={},
+        batch_size=8,
+        gradient_accumulation_steps=1,
+    )
+    run_distributed(_two_rank_sft, str(cfg), world_size=2)
+    out = tmp_path / "out"
+    assert json.loads((_step(out, 2) / "meta.json").read_text())["world_size"] == 2
+    assert_same_export(_export(_step(out, 2), tmp_path / "exported"), out / "final")
