@@ -5,6 +5,7 @@ refused naming the path and key."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -248,3 +249,53 @@ def test_export_of_a_two_rank_fsdp2_checkpoint_equals_final(tmp_path):
     out = tmp_path / "out"
     assert json.loads((_step(out, 2) / "meta.json").read_text())["world_size"] == 2
     assert_same_export(_export(_step(out, 2), tmp_path / "exported"), out / "final")
+
+
+def _two_rank_recipe(rank: int, world_size: int, recipe_name: str, cfg_path: str) -> None:
+    from _dist import build_recipe
+
+    from lightrft import config as lconfig
+
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = build_recipe(recipe_name, cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.logger.close()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (pip install 'lightrft[deepspeed]')",
+)
+def test_export_of_deepspeed_zero_checkpoints_equals_final(tmp_path):
+    """SFT on ZeRO-1, ZeRO-2 and ZeRO-3 and a two-head reward model on ZeRO-3 (2 gloo ranks, one
+    spawn): each step-2 checkpoint (DeepSpeed's partitioned files) exported in this one process
+    equals the run's final/ bitwise."""
+    from _serial import each
+
+    ds = {"strategy": "deepspeed", "batch_size": 8, "gradient_accumulation_steps": 1}
+    short = dict(max_steps=2, save_every=2, metrics={})
+    runs = {
+        "zero1": ("sft", _sft_config, {**ds, "deepspeed": {"stage": 1}, "eval_dataset": None}),
+        "zero2": ("sft", _sft_config, {**ds, "deepspeed": {"stage": 2}, "eval_dataset": None}),
+        "zero3": ("sft", _sft_config, {**ds, "deepspeed": {"stage": 3}, "eval_dataset": None}),
+        # eval_every=1: the held-out statistics at the checkpoint are the ones final/ carries
+        "rm_zero3": (
+            "reward_model",
+            _rm_config,
+            {**ds, "deepspeed": {"stage": 3}, "eval_every": 1, "heads": ["a", "b"]},
+        ),
+    }
+    calls = []
+    for name, (recipe, config, over) in runs.items():
+        (tmp_path / name).mkdir()
+        cfg = config(tmp_path / name, **short, **over)
+        calls.append((_two_rank_recipe, (recipe, str(cfg))))
+    run_distributed(each, calls, world_size=2)
+    for name in runs:
+        out = tmp_path / name / "out"
+        meta = json.loads((_step(out, 2) / "meta.json").read_text())
+        assert meta["deepspeed"] == ["model"] and meta["export"]["strategy"] == "deepspeed"
+        got = _export(_step(out, 2), tmp_path / name / "exported")
+        assert_same_export(got, out / "final")
