@@ -37,7 +37,7 @@ from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward, reward_names
 from lightrft.sections import ModelConfig, RunConfig, check_model_path
-from lightrft.training.export import is_checkpoint, resolve_model_dir
+from lightrft.training.export import is_checkpoint, read_export_spec, resolve_model_dir
 from lightrft.training.run import TrainingRun, training_run
 
 
@@ -91,7 +91,9 @@ class EvalConfig(Section):
             if val is not None and names and val not in names:
                 raise ValueError(f"{key}={val!r} is not a reward function; they are {names}")
         check_model_path(self.model.path, prepare=self.run.prepare, checkpoint=True)
-        if not is_checkpoint(self.model.path):  # a checkpoint's files are checked once exported
+        if is_checkpoint(self.model.path):  # its model files are checked once it is exported
+            read_export_spec(self.model.path)  # what the export needs is there (ValueError)
+        else:
             check_environment(
                 self.environment, self.model.path, trust_remote_code=self.model.trust_remote_code
             )

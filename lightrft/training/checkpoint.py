@@ -114,14 +114,15 @@ def _world_size() -> int:
 
 
 @contextmanager
-def _quiet_single_process() -> Iterator[None]:
+def quiet_single_process() -> Iterator[None]:
+    """DCP calls without a process group, without its warning about it."""
     # DCP warns on every call without a process group; one process is a supported mode here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def _broadcast_from_rank0(obj: Any) -> Any:
+def broadcast_from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (identity without a process group)."""
     if not dist.is_initialized():
         return obj
@@ -524,7 +525,7 @@ class Checkpointer:
                     shutil.rmtree(tmp)
                 tmp.mkdir()
             barrier()
-            with _quiet_single_process():
+            with quiet_single_process():
                 dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
             for name, engine in _engines(models_).items():  # ZeRO partitions, in DeepSpeed's layout
                 engine.save_checkpoint(str(tmp), tag=f"deepspeed.{name}", save_latest=False)
@@ -653,7 +654,7 @@ class Checkpointer:
         # Vet the metadata here too: inside dcp.load the refusal would come back as a
         # stringified AssertionError wrapped in a CheckpointException.
         try:
-            with _quiet_single_process():
+            with quiet_single_process():
                 dcp.load(
                     app,
                     storage_reader=SafeFileSystemReader(path),
@@ -716,7 +717,7 @@ class Checkpointer:
         """
         # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
         # shared file system lag behind one another.
-        path = _broadcast_from_rank0(self.latest_readable() if _rank() == 0 else None)
+        path = broadcast_from_rank0(self.latest_readable() if _rank() == 0 else None)
         if path is None:
             if required:
                 raise ValueError(

@@ -27,7 +27,7 @@ from lightrft.distributed import barrier, is_main
 from lightrft.engine.sync import iter_weight_buckets
 from lightrft.models.export import export_hf, replace_dir
 from lightrft.models.lora import export_adapter, unwrap_peft
-from lightrft.sections import LoraConfig
+from lightrft.sections import LoraConfig, is_checkpoint_dir
 
 __all__ = ["ExportSpec", "export_checkpoint", "export_merged", "export_trained", "is_checkpoint"]
 
@@ -205,14 +205,7 @@ def _jsonable(obj: Any) -> Any:
 def is_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a training checkpoint directory (``step_N/`` with ``meta.json``)
     rather than an HF model directory (both hold a ``config.json``)."""
-    from lightrft.training.checkpoint import META, STEP_DIR
-
-    p = Path(path)
-    if not (p / META).is_file():
-        return False
-    return STEP_DIR.match(p.name) is not None or any(
-        (p / f).is_file() for f in (".metadata", "rank_00000.json")
-    )
+    return is_checkpoint_dir(path)
 
 
 def read_export_spec(checkpoint: str | Path) -> tuple[dict[str, Any], ExportSpec]:
@@ -329,7 +322,7 @@ def _load_dcp(model: nn.Module, path: Path, name: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from lightrft.training.checkpoint import _quiet_single_process
+    from lightrft.training.checkpoint import quiet_single_process
     from lightrft.training.safe_state import (
         SafeFileSystemReader,
         SafeLoadPlanner,
@@ -350,7 +343,7 @@ def _load_dcp(model: nn.Module, path: Path, name: str) -> None:
             "export record has not (another base model, or another LoRA config)"
         )
     target = {k: sd[k] for k in stored}
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp.load(
             {f"model.{name}": {"model": target}},
             storage_reader=SafeFileSystemReader(path),
@@ -441,8 +434,8 @@ def resolve_model_dir(path: str | Path) -> str:
     collective (call it on every rank; the cache must be on a file system they share)."""
     import hashlib
 
-    from lightrft.distributed import barrier
-    from lightrft.training.checkpoint import META, _broadcast_from_rank0, _rank
+    from lightrft.distributed import barrier, is_main
+    from lightrft.training.checkpoint import META, broadcast_from_rank0
 
     if not is_checkpoint(path):
         return str(path)
@@ -450,9 +443,9 @@ def resolve_model_dir(path: str | Path) -> str:
     key = hashlib.sha256(str(p).encode() + b"\0" + (p / META).read_bytes()).hexdigest()[:16]
     out = export_cache_dir() / f"{p.parent.parent.name}-{p.name}-{key}"
     # Rank 0 decides, so every rank takes part in the (collective) export or none does.
-    if _broadcast_from_rank0(not out.is_dir() if _rank() == 0 else None):
+    if broadcast_from_rank0(not out.is_dir() if is_main() else None):
         export_checkpoint(p, out)
-        if _rank() == 0:
+        if is_main():
             print(f"exported checkpoint {p} to {out}", flush=True)
     barrier()
     return str(out)
