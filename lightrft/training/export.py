@@ -154,8 +154,8 @@ class ExportSpec:
         if not isinstance(record, dict):
             raise ValueError(f"{where}: 'export' is not a JSON object")
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
-        missing = [k for k in required if k not in record]
+        # Every key is required: a default would guess what another version meant.
+        missing = [k for k in fields if k not in record]
         if missing:
             raise ValueError(f"{where}: 'export' lacks the key {missing[0]!r}")
         unknown = sorted(set(record) - set(fields))
@@ -176,6 +176,10 @@ class ExportSpec:
             )
         if spec.kind == "reward_net" and not isinstance(spec.reward, dict):
             raise ValueError(f"{where}: 'export.reward' is missing for kind 'reward_net'")
+        try:
+            spec.lora_config()  # before any model loads
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         return spec
 
     def lora_config(self) -> LoraConfig | None:
@@ -185,7 +189,10 @@ class ExportSpec:
         for key in ("target_modules", "trained_modules"):
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
-        return LoraConfig(**d)
+        try:
+            return LoraConfig(**d)
+        except TypeError as e:  # a key another version wrote
+            raise ValueError(f"'export.lora' is not a lora section of this version: {e}") from None
 
     def base_path(self) -> str:
         """The base model directory, resolved against the run's working directory."""
@@ -320,6 +327,7 @@ def _load_dcp(model: nn.Module, path: Path, name: str) -> None:
     the plain ``model``: the tensors the checkpoint holds (its trainable ones, or all of them);
     the others keep their base value, which training never changed."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from lightrft.training.checkpoint import quiet_single_process
@@ -342,14 +350,31 @@ def _load_dcp(model: nn.Module, path: Path, name: str) -> None:
             f"{path}: model {name!r} holds {unknown[0]!r}, which the model rebuilt from its "
             "export record has not (another base model, or another LoRA config)"
         )
-    target = {k: sd[k] for k in stored}
-    with quiet_single_process():
-        dcp.load(
-            {f"model.{name}": {"model": target}},
-            storage_reader=SafeFileSystemReader(path),
-            planner=SafeLoadPlanner(),
-            no_dist=True,
+    # Adapters the rebuilt model has but the checkpoint lacks would be exported untrained.
+    from lightrft.models.lora import is_adapter_param
+
+    absent = [k for k in sd if is_adapter_param(k) and k not in stored]
+    if absent:
+        raise ValueError(
+            f"{path}: model {name!r} holds no {absent[0]!r}, which the LoRA config of its "
+            "export record creates"
         )
+    target = {k: sd[k] for k in stored}
+    try:
+        with quiet_single_process():
+            dcp.load(
+                {f"model.{name}": {"model": target}},
+                storage_reader=SafeFileSystemReader(path),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
+    except CheckpointException as e:  # a BaseException: e.g. another shape (LoRA rank)
+        inner = next(iter(e.failures.values()))[0] if e.failures else e
+        first = (str(inner).strip().splitlines() or [""])[0][:300]
+        raise ValueError(
+            f"{path}: model {name!r} does not load into the model rebuilt from its export "
+            f"record ({type(inner).__name__}: {first})"
+        ) from None
 
 
 def _load_deepspeed(model: nn.Module, path: Path, name: str) -> None:
@@ -396,6 +421,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} lies inside the checkpoint {path}; write it elsewhere")
+    # The export replaces its directory whole: never someone's other files.
+    merged = out.with_name(out.name + "_merged")
+    lora = spec.lora is not None and spec.adapter and spec.lora.get("export_merged")
+    for d in (out, merged) if lora else (out,):
+        if d.exists() and (not d.is_dir() or any(d.iterdir())):
+            raise ValueError(f"--out: {d} exists and is not empty; give a new directory")
     model = build_skeleton(spec)
     if spec.strategy == "deepspeed":
         _load_deepspeed(model, path, spec.model)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from _dist import run_distributed
+from test_grpo import _config as _grpo_config
 from test_reward_model import _config as _rm_config
 from test_sft import _config as _sft_config
 
@@ -84,6 +85,10 @@ def test_bad_inputs_are_refused_naming_path_and_key(sft_run, tmp_path, capsys):
         assert not (tmp_path / "x").exists()
 
     refused(tmp_path / "nope", "is not a directory")
+    taken = tmp_path / "taken"
+    (taken / "x").mkdir(parents=True)
+    with pytest.raises(ValueError, match="taken exists and is not empty; give a new directory"):
+        export_checkpoint(_step(out, 2), taken)
     refused(out, "it has no meta.json; it is a run's output_dir")
     refused(out / "final", "it has no meta.json; it is already a model directory")
 
@@ -219,6 +224,22 @@ def test_export_of_a_lora_checkpoint_equals_final_adapter_and_merged(tmp_path):
     assert_same_export(got, out / "final")
     assert_same_export(tmp_path / "exp" / "final_merged", out / "final_merged")
 
+    # A record whose LoRA config does not build this checkpoint's adapters is refused.
+    from lightrft.training.export import export_checkpoint
+
+    for name, edit, match in (
+        ("full", lambda e: e.update(lora=None), "holds '.*lora_A.*', which the model rebuilt"),
+        ("rank", lambda e: e["lora"].update(rank=8), "does not load into the model rebuilt"),
+        ("key", lambda e: e["lora"].update(bias="all"), "'export.lora' is not a lora section"),
+    ):
+        bad = tmp_path / name / "step_000002"
+        shutil.copytree(_step(out, 2), bad)
+        meta = json.loads((bad / "meta.json").read_text())
+        edit(meta["export"])
+        (bad / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(ValueError, match=match):
+            export_checkpoint(bad, tmp_path / name / "x")
+
 
 def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
     from _dist import build_recipe
@@ -299,3 +320,34 @@ def test_export_of_deepspeed_zero_checkpoints_equals_final(tmp_path):
         assert meta["deepspeed"] == ["model"] and meta["export"]["strategy"] == "deepspeed"
         got = _export(_step(out, 2), tmp_path / name / "exported")
         assert_same_export(got, out / "final")
+
+
+@pytest.fixture(scope="module")
+def grpo_assets(tmp_path_factory) -> Path:
+    """test_grpo's tiny model and arithmetic prompts."""
+    from lightrft.tasks import ensure_arith_dataset, make_tiny_model
+
+    root = tmp_path_factory.mktemp("grpo_assets")
+    make_tiny_model(root / "model", layers=2, hidden=32, heads=2, kv_heads=1, max_positions=64)
+    ensure_arith_dataset(root / "data", n_train=40, n_test=8, digits=1)
+    return root
+
+
+@pytest.mark.slow
+def test_export_of_a_grpo_checkpoint_with_a_critic_equals_final(tmp_path, grpo_assets):
+    """GRPO with a critic names its actor `policy` in the checkpoint (beside the critic); the
+    export writes the actor, as final/."""
+    over = {
+        "algorithm.advantage.estimator": "gae",
+        "critic": {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3}},
+        "algorithm.value": {"clip": 0.2},
+        "eval": None,
+        "eval_dataset": None,
+        "save_every": 2,
+    }
+    cfg = _grpo_config(tmp_path, grpo_assets, **over)
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    meta = json.loads((_step(out, 2) / "meta.json").read_text())
+    assert meta["models"] == ["critic", "policy"] and meta["export"]["model"] == "policy"
+    assert_same_export(_export(_step(out, 2), tmp_path / "exported"), out / "final")
