@@ -14,29 +14,12 @@ import pytest
 import torch
 import yaml
 from _dist import run_distributed
+from _exports import assert_same_export
 from test_grpo import _config as _grpo_config
 from test_reward_model import _config as _rm_config
 from test_sft import _config as _sft_config
 
 from lightrft import cli
-
-
-def assert_same_export(got: Path, want: Path) -> None:
-    """``got`` and ``want`` hold the same files; safetensors tensors equal bit for bit (names,
-    dtypes, values), every other file byte for byte."""
-    from safetensors.torch import load_file
-
-    names = sorted(p.relative_to(want).as_posix() for p in want.rglob("*") if p.is_file())
-    assert names, f"{want} is empty"
-    assert sorted(p.relative_to(got).as_posix() for p in got.rglob("*") if p.is_file()) == names
-    for name in names:
-        if name.endswith(".safetensors"):
-            a, b = load_file(got / name), load_file(want / name)
-            assert sorted(a) == sorted(b), name
-            for k in b:
-                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{name}: {k}"
-        else:
-            assert (got / name).read_bytes() == (want / name).read_bytes(), name
 
 
 def _export(ckpt: Path, out: Path) -> Path:
