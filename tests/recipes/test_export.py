@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -36,10 +37,17 @@ def _step(out: Path, step: int) -> Path:
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory) -> Path:
-    """A 1-process SFT run stopped at step 2, its last checkpoint at step 2."""
+    """A 1-process SFT run stopped at step 2, its last checkpoint at step 2 (activation
+    checkpointing on: the wrapper's names are not the model's)."""
     root = tmp_path_factory.mktemp("export_sft")
     cfg = _sft_config(
-        root, max_steps=2, save_every=2, eval_every=None, eval_dataset=None, metrics={}
+        root,
+        model={"path": str(root / "model"), "activation_checkpointing": True},
+        max_steps=2,
+        save_every=2,
+        eval_every=None,
+        eval_dataset=None,
+        metrics={},
     )
     assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
     return root
@@ -145,6 +153,12 @@ def test_eval_takes_a_checkpoint_and_evaluates_its_export(sft_run, tmp_path, mon
     assert json.loads((tmp_path / "eval" / "summary.json").read_text())["prompts"] == 2
     (cached,) = (tmp_path / "cache").iterdir()
     assert_same_export(cached, out / "final")
+    # Made once: a second use of the same checkpoint reuses it.
+    from lightrft.training.export import resolve_model_dir
+
+    stamp = (cached / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_dir(_step(out, 2)) == str(cached)
+    assert (cached / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 # ------------------------------------------------------------------ a reward model
@@ -234,11 +248,18 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
     recipe.setup(cfg)
     recipe.train()
     recipe.logger.close()
+    # Under the process group, a checkpoint given as a model is exported collectively.
+    from lightrft.training.export import resolve_model_dir
+
+    got = resolve_model_dir(Path(cfg.output_dir) / "checkpoints" / "step_000002")
+    assert Path(got).parent == Path(os.environ["LIGHTRFT_EXPORT_CACHE"])
 
 
 @pytest.mark.slow
-def test_export_of_a_two_rank_fsdp2_checkpoint_equals_final(tmp_path):
-    """Saved by 2 gloo ranks (DCP shards of both), exported in this one process."""
+def test_export_of_a_two_rank_fsdp2_checkpoint_equals_final(tmp_path, monkeypatch):
+    """Saved by 2 gloo ranks (DCP shards of both), exported in this one process, and by both
+    ranks together (resolve_model_dir under the process group)."""
+    monkeypatch.setenv("LIGHTRFT_EXPORT_CACHE", str(tmp_path / "cache"))
     cfg = _sft_config(
         tmp_path,
         max_steps=2,
@@ -253,6 +274,8 @@ def test_export_of_a_two_rank_fsdp2_checkpoint_equals_final(tmp_path):
     out = tmp_path / "out"
     assert json.loads((_step(out, 2) / "meta.json").read_text())["world_size"] == 2
     assert_same_export(_export(_step(out, 2), tmp_path / "exported"), out / "final")
+    (cached,) = (tmp_path / "cache").iterdir()
+    assert_same_export(cached, out / "final")
 
 
 def _two_rank_recipe(rank: int, world_size: int, recipe_name: str, cfg_path: str) -> None:
