@@ -92,7 +92,10 @@ class EvalConfig(Section):
                 raise ValueError(f"{key}={val!r} is not a reward function; they are {names}")
         check_model_path(self.model.path, prepare=self.run.prepare, checkpoint=True)
         if is_checkpoint(self.model.path):  # its model files are checked once it is exported
-            read_export_spec(self.model.path)  # what the export needs is there (ValueError)
+            try:  # what the export needs is there
+                read_export_spec(self.model.path)
+            except ValueError as e:
+                raise ValueError(f"model.path: {e}") from None
         else:
             check_environment(
                 self.environment, self.model.path, trust_remote_code=self.model.trust_remote_code

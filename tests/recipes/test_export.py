@@ -121,6 +121,19 @@ def test_bad_inputs_are_refused_naming_path_and_key(sft_run, tmp_path, capsys):
     no_shard = copy("shard")
     (no_shard / "__0_0.distcp").unlink()
     refused(no_shard, r"__0_0.distcp is damaged \(truncated: missing\)")
+    # eval's config check reads the export record before anything loads.
+    cfg = {
+        "output_dir": str(tmp_path / "eval"),
+        "model": {"path": str(old)},
+        "dataset": {"_component_": "lightrft.data.PromptDataset", "path": "p.jsonl"},
+        "reward": {"_component_": "lightrft.rewards.GSM8KVerifier"},
+    }
+    path = tmp_path / "eval.yaml"
+    path.write_text("# lightrft run eval --config eval.yaml\n" + yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "model.path: " in err and "meta.json has no 'export' key" in err, err
     # A training recipe's model.path refuses a checkpoint with the command that exports it.
     from lightrft.sections import check_model_path
 
