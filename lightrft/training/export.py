@@ -421,10 +421,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} lies inside the checkpoint {path}; write it elsewhere")
-    # The export replaces its directory whole: never someone's other files.
-    merged = out.with_name(out.name + "_merged")
-    lora = spec.lora is not None and spec.adapter and spec.lora.get("export_merged")
-    for d in (out, merged) if lora else (out,):
+    # The export replaces its directory whole: never someone's other files. Rank 0 writes, so
+    # it checks (another rank could see the directory rank 0 has just written).
+    merged = spec.lora is not None and spec.adapter and spec.lora.get("export_merged")
+    dirs = [out, out.with_name(out.name + "_merged")] if merged else [out]
+    for d in dirs if is_main() else []:
         if d.exists() and (not d.is_dir() or any(d.iterdir())):
             raise ValueError(f"--out: {d} exists and is not empty; give a new directory")
     model = build_skeleton(spec)
