@@ -12,9 +12,9 @@ through the same ``Episodes`` as GRPO's rollout: its final answer is scored and 
 summary adds the ``env/*`` metrics and each line of ``samples.jsonl`` every turn of every
 episode. The model is an HF directory, a LightRFT export (``<output_dir>/final``) or a training
 checkpoint (``<output_dir>/checkpoints/step_N``), which is exported first as ``lightrft export``
-exports it, into a cache reused while the checkpoint is unchanged. A vision- or audio-language model is loaded with its
-processor, which the dataset gets in place of the tokenizer, and each prompt's images / audio go
-to the engine with it. The numbers come from :mod:`lightrft.evaluation`, the same
+exports it, into a cache reused while the checkpoint is unchanged. A vision- or audio-language
+model is loaded with its processor, which the dataset gets in place of the tokenizer, and each
+prompt's images / audio go to the engine with it. The numbers come from :mod:`lightrft.evaluation`, the same
 code a training recipe can call.
 """
 
