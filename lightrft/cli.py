@@ -6,6 +6,7 @@
     lightrft validate <config> [key=value ...]    schema + the recipe's build_options; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
     lightrft view RUN_DIR [--out FILE] [--steps N] [--samples N] [--max-mib M]   a run's page
+    lightrft export CHECKPOINT_DIR --out DIR      a checkpoint as the HF directory final/ is
     lightrft tiny-model --out DIR [--arch ARCH] [--layers N] [--hidden N] [--chat-template T] ...
         ARCH: qwen2 | llama (text), qwen2_vl | qwen2_5_vl | qwen3_vl | llava (with a processor)
 
@@ -291,6 +292,17 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from lightrft.training.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out)
+    except ValueError as e:  # not a checkpoint, an older one, a missing file: one line
+        raise UsageError(str(e)) from None
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from lightrft.tasks.tiny import make_tiny_model
 
@@ -341,6 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=64.0,
         help="and at most this many MiB of samples and media, newest first (default 64)",
     )
+    ex = sub.add_parser(
+        "export",
+        help="write a training checkpoint as the HF directory a run's final/ is",
+        description="Turn a checkpoint (<output_dir>/checkpoints/step_N: FSDP2 DCP shards of any "
+        "number of ranks, LoRA adapters, DeepSpeed ZeRO-1/2/3 files) into the directory the run's "
+        "final/ would be had it stopped at that step: safetensors weights + config.json + "
+        "tokenizer or processor (a reward model with its heads; LoRA: the adapter directory, and "
+        "DIR_merged beside it with lora.export_merged). Runs in this one process; needs the base "
+        "model directory the run started from (named in the checkpoint's meta.json).",
+    )
+    ex.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a step_N checkpoint directory")
+    ex.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     t = sub.add_parser("tiny-model", help="write a tiny random-init HF model and tokenizer")
     t.add_argument("--out", required=True)
     t.add_argument(
@@ -389,6 +413,7 @@ def _dispatch(argv: list[str]) -> int:
         "cat": cmd_cat,
         "validate": cmd_validate,
         "view": cmd_view,
+        "export": cmd_export,
         "tiny-model": cmd_tiny_model,
     }[args.command](args)
 

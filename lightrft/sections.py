@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -108,8 +109,14 @@ def check_model_path(
     *,
     prepare: Iterable[Any] | None = None,
     loading: bool = False,
+    checkpoint: bool = False,
 ) -> None:
     """Refuse a model path that cannot load, naming ``key`` (a ``ValueError``).
+
+    A training checkpoint (``<output_dir>/checkpoints/step_N``) is refused with the
+    ``lightrft export`` command that makes a model of it, unless ``checkpoint=True``: the
+    caller exports it itself (:func:`lightrft.training.export.resolve_model_dir`) and checks
+    its export record (:func:`~lightrft.training.export.read_export_spec`).
 
     Validation (``loading=False``, ``lightrft validate`` and the start of ``run``) decides only
     on what is on disk now, like :func:`lightrft.models.check_towers`: a file, or a directory
@@ -121,11 +128,36 @@ def check_model_path(
     (``loading=True``: after the prepare steps, before any model loads) refuses every local
     path that is not a model directory."""
     try:
-        _check_model_path(str(path), key, prepare, loading)
+        if not _check_checkpoint(str(path), key, checkpoint):
+            _check_model_path(str(path), key, prepare, loading)
     except ValueError as e:
         if loading:  # during the run: a user error (one line, exit 2), not a traceback
             raise ConfigError(str(e)) from None
         raise
+
+
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a training checkpoint directory (``step_N/`` with ``meta.json``,
+    DCP or per-rank files) rather than a model directory: both hold a ``config.json``."""
+    p = Path(path)
+    if not (p / "meta.json").is_file():
+        return False
+    return re.match(r"^step_\d+$", p.name) is not None or any(
+        (p / f).is_file() for f in (".metadata", "rank_00000.json")
+    )
+
+
+def _check_checkpoint(path: str, key: str, allowed: bool) -> bool:
+    """True for a checkpoint the caller exports itself (``allowed``; it checks the checkpoint's
+    export record); a ``ValueError`` naming the export command for one it cannot take."""
+    if not is_checkpoint_dir(path):
+        return False
+    if not allowed:
+        raise ValueError(
+            f"{key}={path!r} is a training checkpoint, not a model directory: export it first "
+            f"(lightrft export {path} --out DIR) and give DIR"
+        )
+    return True
 
 
 def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loading: bool) -> None:

@@ -10,10 +10,11 @@ Chen et al. 2021), maj@k, mean@k, mean reward and response length for each k in 
 table. With an ``environment:`` section (GRPO's) each response is a multi-turn episode played
 through the same ``Episodes`` as GRPO's rollout: its final answer is scored and voted on, the
 summary adds the ``env/*`` metrics and each line of ``samples.jsonl`` every turn of every
-episode. The model is an HF directory or a LightRFT export (``<output_dir>/final``); a DCP training
-checkpoint must be exported first. A vision- or audio-language model is loaded with its
-processor, which the dataset gets in place of the tokenizer, and each prompt's images / audio go
-to the engine with it. The numbers come from :mod:`lightrft.evaluation`, the same
+episode. The model is an HF directory, a LightRFT export (``<output_dir>/final``) or a training
+checkpoint (``<output_dir>/checkpoints/step_N``), which is exported first as ``lightrft export``
+exports it, into a cache reused while the checkpoint is unchanged. A vision- or audio-language
+model is loaded with its processor, which the dataset gets in place of the tokenizer, and each
+prompt's images / audio go to the engine with it. The numbers come from :mod:`lightrft.evaluation`, the same
 code a training recipe can call.
 """
 
@@ -36,6 +37,7 @@ from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward, reward_names
 from lightrft.sections import ModelConfig, RunConfig, check_model_path
+from lightrft.training.export import is_checkpoint, read_export_spec, resolve_model_dir
 from lightrft.training.run import TrainingRun, training_run
 
 
@@ -88,10 +90,16 @@ class EvalConfig(Section):
             val = getattr(self, key)
             if val is not None and names and val not in names:
                 raise ValueError(f"{key}={val!r} is not a reward function; they are {names}")
-        check_model_path(self.model.path, prepare=self.run.prepare)
-        check_environment(
-            self.environment, self.model.path, trust_remote_code=self.model.trust_remote_code
-        )
+        check_model_path(self.model.path, prepare=self.run.prepare, checkpoint=True)
+        if is_checkpoint(self.model.path):  # its model files are checked once it is exported
+            try:  # what the export needs is there
+                read_export_spec(self.model.path)
+            except ValueError as e:
+                raise ValueError(f"model.path: {e}") from None
+        else:
+            check_environment(
+                self.environment, self.model.path, trust_remote_code=self.model.trust_remote_code
+            )
         return dataclasses.replace(self, ks=tuple(ks))
 
 
@@ -107,8 +115,10 @@ class EvalRecipe:
         self.opts, self.dist, self.out = opts, run.dist, run.output_dir
 
     def setup(self, cfg: DictConfig) -> None:
-        o, m, e = self.opts, self.opts.model, self.opts.engine
-        check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
+        o, e = self.opts, self.opts.engine
+        check_model_path(o.model.path, loading=True, checkpoint=True)  # whatever prepare wrote
+        # A training checkpoint is exported (once, cached) into the directory final/ would be.
+        m = dataclasses.replace(o.model, path=resolve_model_dir(o.model.path))
         self.environment, tools = None, None
         if o.environment is not None:  # checked again: a checkpoint prepare wrote exists now
             check_environment(o.environment, m.path, trust_remote_code=m.trust_remote_code)

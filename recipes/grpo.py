@@ -111,6 +111,7 @@ from lightrft.training import (
     optimizer_step,
     warmup_cosine_scheduler,
 )
+from lightrft.training.export import ExportSpec
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 # ---------------------------------------------------------------------------------- config
@@ -1081,7 +1082,10 @@ class GRPORecipe:
             extra["kl_ctl"] = self.kl_ctl.state_dict()
         if self.normalizer is not None:
             extra["reward_norm"] = self.normalizer.state_dict()
-        self.run.save(self.step, **self._state(), extra=extra)
+        # What `lightrft export` needs to turn this checkpoint into the run's final/.
+        name = "model" if self.critic is None else "policy"
+        spec = ExportSpec.of("causal_lm", self.opts.model, self.opts.strategy, name=name)
+        self.run.save(self.step, **self._state(), extra=extra, export=spec.to_json())
 
 
 @config.parse(schema=CONFIG_SCHEMA, options=build_options)

@@ -41,10 +41,11 @@ from lightrft.data.preference import PreferenceCollator
 from lightrft.distributed import all_reduce_sum
 from lightrft.models.lora import apply_backbone_lora
 from lightrft.models.multimodal import load_processors
-from lightrft.models.reward import CONFIG_KEY, POOLINGS, load_reward_net_parallel
+from lightrft.models.reward import POOLINGS, load_reward_net_parallel, set_reward_config
 from lightrft.sections import BatchConfig, TrainedModelConfig, check_model_path
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
+from lightrft.training.export import ExportSpec
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 
@@ -325,10 +326,19 @@ class RewardModelRecipe:
         bar.close()
         if self.last_eval_step != self.step:
             self._log_eval()
+        spec = self._export_spec()
+        set_reward_config(self.model, spec.reward)
+        self.strategy.export(self.processor, self.run.output_dir / "final", adapter=spec.adapter)
+
+    def _export_spec(self) -> ExportSpec:
+        """How this model is exported, at ``final/`` and by ``lightrft export`` from a
+        checkpoint: whole (LoRA: merged), the directory RewardModel loads, with its heads,
+        pooling and the held-out statistics measured last (``lightrft_reward``)."""
         net = self.model.module if hasattr(self.model, "module") else self.model
-        setattr(net._hf[0].config, CONFIG_KEY, net.reward_config(self.eval_stats))
-        # A reward model is exported whole (LoRA: merged), the directory RewardModel loads.
-        self.strategy.export(self.processor, self.run.output_dir / "final", adapter=False)
+        reward = net.reward_config(self.eval_stats)
+        return ExportSpec.of(
+            "reward_net", self.opts.model, self.opts.strategy, adapter=False, reward=reward
+        )
 
     def _state(self) -> dict:
         return {
@@ -338,7 +348,12 @@ class RewardModelRecipe:
         }
 
     def _save(self) -> None:
-        self.run.save(self.step, **self._state(), extra={"epoch": self.epoch})
+        self.run.save(
+            self.step,
+            **self._state(),
+            extra={"epoch": self.epoch},
+            export=self._export_spec().to_json(),
+        )
 
     def _log_eval(self) -> None:
         if self.eval_loader is not None:

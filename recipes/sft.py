@@ -31,6 +31,7 @@ from lightrft.models.sharded import load_parallel
 from lightrft.sections import BatchConfig, PolicyModelConfig, check_model_path
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
+from lightrft.training.export import ExportSpec
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 
@@ -67,6 +68,8 @@ class SFTRecipe:
         check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
         check_towers(m)
         self.strategy = build_strategy(o.strategy, self.dist)
+        # What `lightrft export` needs to turn a checkpoint into this run's final/.
+        self.export_spec = ExportSpec.of("causal_lm", m, o.strategy)
         # The data first: a bad record is refused before the model loads. A vision- or
         # audio-language model's datasets take its processor (images / audio + text); the
         # collator and export use the tokenizer / processor the same way for all.
@@ -231,7 +234,12 @@ class SFTRecipe:
         }
 
     def _save(self) -> None:
-        self.run.save(self.step, **self._state(), extra={"epoch": self.epoch})
+        self.run.save(
+            self.step,
+            **self._state(),
+            extra={"epoch": self.epoch},
+            export=self.export_spec.to_json(),
+        )
 
     def _log_eval(self) -> None:
         if self.eval_loader is not None:

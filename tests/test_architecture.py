@@ -94,6 +94,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.kernels",
             "lightrft.models",
             "lightrft.engine",
+            "lightrft.training",
         },
     ),
     "lightrft.evaluation": (
@@ -122,7 +123,10 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
         10,
         {"lightrft.config", "lightrft.data", "lightrft.models", "lightrft.environments"},
     ),
-    "lightrft.cli": (11, {"lightrft.config", "lightrft.tasks", "lightrft.view"}),
+    "lightrft.cli": (
+        11,
+        {"lightrft.config", "lightrft.tasks", "lightrft.view", "lightrft.training"},
+    ),
     "lightrft.__main__": (12, {"lightrft.cli"}),
     "lightrft.recipes": (
         12,

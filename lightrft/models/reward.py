@@ -533,6 +533,13 @@ def load_reward_net_parallel(
     )
 
 
+def set_reward_config(model: nn.Module, block: dict[str, Any]) -> None:
+    """Put the ``lightrft_reward`` block (:meth:`RewardNet.reward_config`) into the HF config
+    that the export of ``model`` (a RewardNet, or a DeepSpeed engine around one) writes."""
+    net = model.module if hasattr(model, "module") else model
+    setattr(net._hf[0].config, CONFIG_KEY, block)
+
+
 def read_reward_config(path: str | Path) -> dict[str, Any] | None:
     """The ``lightrft_reward`` block of ``path/config.json``, or ``None``."""
     cfg = Path(path) / "config.json"

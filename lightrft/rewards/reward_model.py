@@ -104,7 +104,10 @@ class RewardModel:
     :class:`~lightrft.rewards.CombinedReward` logs as ``reward/<name>/<head>/mean``.
 
     Args:
-        path: HF directory (or hub id, for ``classifier``) of the reward model.
+        path: HF directory (or hub id, for ``classifier``) of the reward model, or a training
+            checkpoint of ``recipes/reward_model.py`` (``<output_dir>/checkpoints/step_N``),
+            exported first as ``lightrft export`` does (:func:`lightrft.training.export.
+            resolve_model_dir`: cached, collective under a process group).
         head: ``"classifier"``, ``"value_head"`` or ``"auto"`` (classifier if ``config.json``
             names a ``*ForSequenceClassification`` architecture).
         value_head_key: tensor name prefix of the value head (``value_head`` layout only).
@@ -157,7 +160,11 @@ class RewardModel:
         from transformers import AutoModel
 
         from lightrft.models.loading import check_local, load_tokenizer, to_dtype
+        from lightrft.training.export import resolve_model_dir
 
+        # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
+        # directory its final/ would be: heads, pooling and statistics included.
+        path = resolve_model_dir(path)
         check_local(path)
         from lightrft.models.multimodal import (
             checkpoint_is_audio_language,

@@ -13,7 +13,7 @@ import torch
 from lightrft.engine.sync import sync_weights
 from lightrft.models.lora import adapters_disabled, apply_lora
 from lightrft.strategy.base import Strategy
-from lightrft.training.export import export_merged, export_trained
+from lightrft.training.export import export_trained
 from lightrft.training.optim import optimizer_step
 
 
@@ -50,6 +50,4 @@ class FSDP2Strategy(Strategy):
         sync_weights(self.model, engine, skip_frozen=skip_frozen)
 
     def export(self, processor: Any, out_dir: str | Path, *, adapter: bool = True) -> Path:
-        if self.lora is not None and not adapter:  # the adapters merged: a plain HF directory
-            return export_merged(self.model, processor, out_dir)
-        return export_trained(self.model, processor, out_dir, self.lora)
+        return export_trained(self.model, processor, out_dir, self.lora, adapter=adapter)

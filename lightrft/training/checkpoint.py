@@ -70,6 +70,9 @@ LATEST = "latest"
 META = "meta.json"
 CONFIG = "config.json"
 DEFAULT_NAME = "model"
+# meta.json's "format": 2 added "export" (what rebuilds the trained model on one process for
+# `lightrft export`); checkpoints without the key are format 1.
+FORMAT = 2
 
 
 @runtime_checkable
@@ -111,14 +114,15 @@ def _world_size() -> int:
 
 
 @contextmanager
-def _quiet_single_process() -> Iterator[None]:
+def quiet_single_process() -> Iterator[None]:
+    """DCP calls without a process group, without its warning about it."""
     # DCP warns on every call without a process group; one process is a supported mode here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def _broadcast_from_rank0(obj: Any) -> Any:
+def broadcast_from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (identity without a process group)."""
     if not dist.is_initialized():
         return obj
@@ -485,12 +489,17 @@ class Checkpointer:
         dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
         extra: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
+        export: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write a checkpoint of ``step`` and return its directory (collective).
 
         ``config``: the run's resolved config (a plain dict, e.g.
         ``OmegaConf.to_container(cfg, resolve=True)``), stored as ``config.json`` so that a
         resume can compare it with its own (:meth:`load`'s ``config``).
+
+        ``export``: what rebuilds the trained model on one process and writes it as the run's
+        ``final/`` would be (:class:`lightrft.training.export.ExportSpec` as JSON), stored in
+        ``meta.json`` for ``lightrft export``.
 
         ``models`` / ``optimizers`` / ``schedulers``: one object or a dict name -> object; an
         optimizer is stored with the model of the same name (a single one goes with a single
@@ -516,7 +525,7 @@ class Checkpointer:
                     shutil.rmtree(tmp)
                 tmp.mkdir()
             barrier()
-            with _quiet_single_process():
+            with quiet_single_process():
                 dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
             for name, engine in _engines(models_).items():  # ZeRO partitions, in DeepSpeed's layout
                 engine.save_checkpoint(str(tmp), tag=f"deepspeed.{name}", save_latest=False)
@@ -530,6 +539,7 @@ class Checkpointer:
             barrier()
             if rank == 0:
                 meta = {
+                    "format": FORMAT,
                     "step": step,
                     "world_size": world,
                     "models": sorted(models_),
@@ -541,6 +551,8 @@ class Checkpointer:
                     "time": time.time(),
                     "torch": torch.__version__,
                 }
+                if export is not None:
+                    meta["export"] = dict(export)
                 if config is not None:
                     text = json.dumps(dict(config), indent=1, default=str)
                     write_atomic(tmp / CONFIG, (text + "\n").encode())
@@ -642,7 +654,7 @@ class Checkpointer:
         # Vet the metadata here too: inside dcp.load the refusal would come back as a
         # stringified AssertionError wrapped in a CheckpointException.
         try:
-            with _quiet_single_process():
+            with quiet_single_process():
                 dcp.load(
                     app,
                     storage_reader=SafeFileSystemReader(path),
@@ -705,7 +717,7 @@ class Checkpointer:
         """
         # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
         # shared file system lag behind one another.
-        path = _broadcast_from_rank0(self.latest_readable() if _rank() == 0 else None)
+        path = broadcast_from_rank0(self.latest_readable() if _rank() == 0 else None)
         if path is None:
             if required:
                 raise ValueError(

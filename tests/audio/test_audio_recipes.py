@@ -387,3 +387,18 @@ def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(
         assert list(req.prompt_token_ids) == list(item["prompt_ids"])
         got = req.media.audio.input_features
         assert torch.equal(got, item["media"].audio.input_features)
+
+
+@pytest.mark.slow
+def test_audio_checkpoint_exports_as_final_with_its_processor(tmp_path):
+    """An audio-language SFT checkpoint (frozen tower, taken from the base model) exported on
+    one process equals final/: weights and processor files, bitwise."""
+    from _exports import assert_same_export
+
+    cfg = _sft_config(tmp_path, max_steps=2, save_every=2, eval_dataset=None)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    got = tmp_path / "exported"
+    assert cli.main(["export", str(out / "checkpoints" / "step_000002"), "--out", str(got)]) == 0
+    assert (got / "processor_config.json").is_file()
+    assert_same_export(got, out / "final")

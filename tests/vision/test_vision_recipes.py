@@ -448,3 +448,18 @@ def test_eval_recipe_on_a_vlm_sends_each_prompt_its_images(tmp_path, vlm_assets,
     engine = NativeEngine(str(vlm_assets / "model"), processor.tokenizer, seed=0)
     direct = generate(engine, seen, params)
     assert [r["samples"][0] for r in rows] == [c.text for c in direct]
+
+
+@pytest.mark.slow
+def test_vlm_checkpoint_exports_as_final_with_its_processor(tmp_path):
+    """A vision-language SFT checkpoint (frozen tower: not in the checkpoint, taken from the base
+    model) exported on one process equals final/: weights and processor files, bitwise."""
+    from _exports import assert_same_export
+
+    cfg = _sft_config(tmp_path, max_steps=2, save_every=2, eval_dataset=None)
+    assert cli.main(["run", "sft", "--config", str(cfg)]) == 0
+    out = tmp_path / "out"
+    got = tmp_path / "exported"
+    assert cli.main(["export", str(out / "checkpoints" / "step_000002"), "--out", str(got)]) == 0
+    assert (got / "processor_config.json").is_file()
+    assert_same_export(got, out / "final")
