@@ -11,7 +11,7 @@ their defaults once the section is known to be on.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from lightrft.algorithms.advantages import ESTIMATORS, check_estimator
 from lightrft.algorithms.kl import KINDS as KL_KINDS
@@ -20,8 +20,16 @@ from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective
 from lightrft.algorithms.shaping import overlong_penalty
 from lightrft.config import Section, at_least, option, section
 
-if TYPE_CHECKING:
-    from lightrft.engine.protocol import SamplingParams
+
+class Sampling(Protocol):
+    """What the algorithm's rules read of the rollout's sampling (the engine's
+    ``SamplingParams`` has it; the algorithms layer does not import the engine)."""
+
+    n: int
+    max_tokens: int
+    first_token_temperature: float | None
+    top_p: float
+    top_k: int
 
 
 @section
@@ -145,7 +153,7 @@ class AlgorithmConfig(Section):
     value: ValueConfig = option(default_factory=ValueConfig, doc="")
     shaping: ShapingConfig = option(default_factory=ShapingConfig, doc="")
 
-    def for_rollout(self, sampling: SamplingParams) -> AlgorithmConfig:
+    def for_rollout(self, sampling: Sampling) -> AlgorithmConfig:
         """The section checked against the rollout's sampling (group size ``n``,
         ``max_tokens``, FIRE, top-p / top-k) with every default that depends on it filled in."""
         n, max_tokens = sampling.n, sampling.max_tokens
@@ -224,7 +232,7 @@ class AlgorithmConfig(Section):
         build_kl_controller(kl.controller, kl.coef, target=kl.target, horizon=kl.horizon)
         return replace(kl, coef=float(kl.coef))
 
-    def _check_sampling_correction(self, sampling: SamplingParams) -> None:
+    def _check_sampling_correction(self, sampling: Sampling) -> None:
         tis = self.tis
         if tis.mode is None and tis.cap is not None:
             raise ValueError(
