@@ -54,6 +54,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "train.micro_batch_size",
     "model.activation_checkpointing",
     "model.compile",
+    "offload",  # where FSDP2 keeps the shards; the checkpoint's layout is the same
 )
 """Dotted keys (fnmatch patterns) that may change between a checkpoint and its resume."""
 
