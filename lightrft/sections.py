@@ -482,3 +482,7 @@ class BatchConfig(Section):
         if self.max_tokens_per_row is not None and not self.packing:
             raise ValueError("max_tokens_per_row applies only with packing=true")
         return self
+
+    def global_batch(self, world: int) -> int:
+        """Samples one optimizer step reads over ``world`` ranks."""
+        return self.batch_size * self.gradient_accumulation_steps * world
