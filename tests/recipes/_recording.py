@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from lightrft.data import PromptDataset, SFTDataset
+from lightrft.data import PreferenceDataset, PromptDataset, SFTDataset
 
 
 def _record(i: int) -> None:
@@ -38,3 +38,9 @@ class DigitReward:
 
     def __call__(self, prompts, responses, references, labels):
         return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+class RecordingPreferenceDataset(PreferenceDataset):
+    def __getitem__(self, i: int):
+        _record(i)
+        return super().__getitem__(i)
