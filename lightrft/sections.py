@@ -312,7 +312,9 @@ def check_offload(offload: str) -> None:
         # FSDP2's only offload policy moves the sharded parameters, their gradients and the
         # optimizer state together; keeping the parameters on the device with only the
         # optimizer state on the CPU would need an optimizer of our own around FSDP2's
-        # sharded DTensors (and its own checkpoint format): not built.
+        # sharded DTensors (and its own checkpoint format): not built. torchao's
+        # CPUOffloadOptimizer copies gradients before clipping and has no FQN-keyed state
+        # (docs/strategies.md#cpu-offload).
         raise ValueError(
             "offload=optimizer is not built: FSDP2 offers no optimizer-only offload (its "
             "CPUOffloadPolicy keeps parameters, gradients and optimizer state on the CPU "
