@@ -110,6 +110,30 @@ def even_micro_batches(micro: list, device: torch.device | None = None) -> tuple
     return micro + [micro[-1]] * (count - len(micro)), len(micro)
 
 
+def comm_device(t: torch.Tensor) -> torch.device:
+    """Where a DTensor's collectives run: its local shard's device, or its mesh's device for a
+    shard that FSDP2 offloads to CPU memory under a GPU mesh (NCCL gathers no CPU tensors)."""
+    local = t.to_local().device
+    kind = t.device_mesh.device_type
+    if local.type == kind:
+        return local
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``DTensor.full_tensor()`` (a collective) on :func:`comm_device`: the whole tensor there,
+    also for an offloaded shard in CPU memory."""
+    from torch.distributed.tensor import DTensor
+
+    dev = comm_device(t)
+    if dev == t.to_local().device:
+        return t.full_tensor()
+    moved = DTensor.from_local(
+        t.to_local().to(dev), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+    )
+    return moved.full_tensor()
+
+
 def destroy(clean: bool = True) -> None:
     """Leave the process group. After a clean run (``clean``) the ranks first meet at a barrier:
     a rank that tears its gloo connections down while a peer is still finishing its last

@@ -335,6 +335,28 @@ def mesh_shape(shard_size: int | None, replicate_size: int | None, world: int) -
     return (other, given) if key == "shard_size" else (given, other)
 
 
+OFFLOADS = ("none", "params")
+
+
+def check_offload(offload: str) -> None:
+    """Refuse an ``offload`` value that is not built, naming the key and the way out."""
+    if offload == "optimizer":
+        # FSDP2's only offload policy moves the sharded parameters, their gradients and the
+        # optimizer state together; keeping the parameters on the device with only the
+        # optimizer state on the CPU would need an optimizer of our own around FSDP2's
+        # sharded DTensors (and its own checkpoint format): not built. torchao's
+        # CPUOffloadOptimizer copies gradients before clipping and has no FQN-keyed state
+        # (docs/strategies.md#cpu-offload).
+        raise ValueError(
+            "offload=optimizer is not built: FSDP2 offers no optimizer-only offload (its "
+            "CPUOffloadPolicy keeps parameters, gradients and optimizer state on the CPU "
+            "together); use offload=params, or strategy=deepspeed with "
+            "deepspeed.offload_optimizer=true"
+        )
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload: unknown value {offload!r}; choose one of {list(OFFLOADS)}")
+
+
 @section
 class StrategyConfig(Section):
     """How the trained model is wrapped: FSDP2 (optionally HSDP, optionally with LoRA) or
@@ -345,6 +367,11 @@ class StrategyConfig(Section):
     lora: LoraConfig | None = option(None, doc="absent / null: full fine-tune")
     shard_size: int | None = option(None, ge=1, doc="HSDP: shard within groups of this many ranks")
     replicate_size: int | None = option(None, ge=1, doc="HSDP: the number of replica groups")
+    offload: str = option(
+        "none",
+        doc="FSDP2: `params` keeps the sharded parameters, their gradients and the optimizer "
+        "state in CPU memory (the step runs on the CPU); `none`",
+    )
 
     @classmethod
     def read(cls, node: Any, at: str = "") -> StrategyConfig:
@@ -375,11 +402,18 @@ class StrategyConfig(Section):
                         f"{key} is not supported with strategy=deepspeed yet; remove it or use "
                         "strategy=fsdp2"
                     )
+            if self.offload != "none":
+                raise ValueError(
+                    f"offload={self.offload} applies to strategy=fsdp2 only; with "
+                    "strategy=deepspeed use "
+                    "deepspeed.offload_optimizer=true / deepspeed.offload_param=true instead"
+                )
         elif self.deepspeed is not None:
             raise ValueError(
                 f"a deepspeed: section is set but strategy={self.strategy}; set "
                 "strategy=deepspeed or remove the section"
             )
+        check_offload(self.offload)
         if os.environ.get("WORLD_SIZE"):  # under torchrun: the sizes must fit the launch
             mesh_shape(self.shard_size, self.replicate_size, int(os.environ["WORLD_SIZE"]))
         return self
@@ -482,3 +516,7 @@ class BatchConfig(Section):
         if self.max_tokens_per_row is not None and not self.packing:
             raise ValueError("max_tokens_per_row applies only with packing=true")
         return self
+
+    def global_batch(self, world: int) -> int:
+        """Samples one optimizer step reads over ``world`` ranks."""
+        return self.batch_size * self.gradient_accumulation_steps * world

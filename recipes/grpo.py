@@ -183,6 +183,9 @@ class GRPOConfig(TrainingConfig):
     )
     CHECKPOINT_MODELS: ClassVar[tuple[str, ...]] = ("model", "policy")
 
+    def global_batch(self, world: int) -> int:
+        return self.rollout.prompts_per_step  # all ranks together, whatever their number
+
     def resolve(self, at: str) -> GRPOConfig:
         """Every default that depends on another key and every rule across sections."""
         super().resolve(at)
@@ -468,12 +471,18 @@ class GRPORecipe:
     # ------------------------------------------------------------------ rollout
 
     def _request_params(self, count: int, step: int, draw: int) -> list[SamplingParams]:
-        """One seed per request, a pure function of (seed, step, draw, rank): a resumed run
-        samples exactly what the uninterrupted run sampled."""
+        """One seed per request, a pure function of (seed, step, draw, the prompt's place in
+        the step over all ranks): rank r of W holds the step's prompts r, r + W, ... (the
+        loader's order), so it takes those seeds of one stream. A resumed run samples what the
+        uninterrupted run sampled, also on another number of processes, and a run on W
+        processes samples what one process would (one process draws the stream it always did).
+        """
+        world = self.dist.world_size
         gen = torch.Generator().manual_seed(
-            ((self.opts.run.seed * 1_000_003 + step) * 1_009 + draw) * 1_013 + self.dist.rank
+            ((self.opts.run.seed * 1_000_003 + step) * 1_009 + draw) * 1_013
         )
-        seeds = torch.randint(0, 2**62, (count,), generator=gen).tolist()
+        seeds = torch.randint(0, 2**62, (count * world,), generator=gen)
+        seeds = seeds[self.dist.rank :: world].tolist()
         return [dataclasses.replace(self.sampling, seed=s) for s in seeds]
 
     def _score(self, prompts, texts, references, labels, wheres, conversations) -> tuple:

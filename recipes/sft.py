@@ -49,6 +49,9 @@ class SFTConfig(TrainingConfig):
         check_towers(self.model)
         return self
 
+    def global_batch(self, world: int) -> int:
+        return self.data.global_batch(world)  # what a resume on another world size keeps
+
 
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
 CONFIG_SCHEMA = SFTConfig.schema()

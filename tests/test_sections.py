@@ -60,7 +60,14 @@ def test_docs_tables_are_generated_from_the_sections():
 
 def test_a_section_is_its_schema():
     schema = StrategyConfig.schema()
-    assert set(schema) == {"strategy", "deepspeed", "lora", "shard_size", "replicate_size"}
+    assert set(schema) == {
+        "strategy",
+        "deepspeed",
+        "lora",
+        "shard_size",
+        "replicate_size",
+        "offload",
+    }
     assert set(schema["lora"]) == {
         "rank",
         "alpha",

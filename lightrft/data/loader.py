@@ -15,7 +15,7 @@ interrupted one would have yielded. The loop that makes resume exact, epoch boun
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,9 @@ from lightrft.distributed import even_micro_batches
 __all__ = ["ResumableDataLoader", "build_dataloader"]
 
 _EPOCH = "lightrft_epoch"
+# The saved position's units, so that a resume on another world size can re-derive it.
+_BATCH = "lightrft_batch_size"
+_WORLD = "lightrft_world_size"
 
 
 class ResumableDataLoader(StatefulDataLoader):
@@ -47,13 +50,85 @@ class ResumableDataLoader(StatefulDataLoader):
         return int(self.sampler.epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), _EPOCH: self.epoch}
+        return {
+            **super().state_dict(),
+            _EPOCH: self.epoch,
+            _BATCH: int(self.batch_size),
+            _WORLD: int(self.sampler.num_replicas),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
+        state.pop(_BATCH, None)
+        state.pop(_WORLD, None)
         if _EPOCH in state:
             self.set_epoch(int(state.pop(_EPOCH)))
         super().load_state_dict(state)
+
+    def load_resharded(self, states: Sequence[dict[str, Any]], name: str = "dataloader") -> None:
+        """Continue from the position that ``states`` (one :meth:`state_dict` per rank of a run
+        on ``len(states)`` ranks, in rank order) saved, on this loader's own rank and world size.
+
+        Every rank of a run reads the same per-epoch permutation, rank ``r`` of ``W`` the items
+        ``r, r + W, ...``, so after ``k`` batches of ``b`` the ranks together have read its first
+        ``k * b * W`` items. That prefix is the position: this rank takes its own items after it
+        (``C / M`` into its shard on ``M`` ranks), so no item is skipped or read twice. It must
+        be a whole number of this loader's global batches (``batch_size x world``), which holds
+        when the global batch is the saved one. A ``ValueError`` (naming ``name``) otherwise.
+        """
+        if self.num_workers:
+            raise ValueError(f"{name}: a loader with worker processes cannot be resharded")
+        if not states or any(_BATCH not in s or _WORLD not in s for s in states):
+            raise ValueError(
+                f"{name}: the checkpoint's loader state lacks its batch size and world size "
+                "(saved by an older lightrft): resume with the world size it was saved with"
+            )
+        world = len(states)
+        if any(int(s[_WORLD]) != world for s in states):
+            raise ValueError(f"{name}: the saved states are not one per rank of one run")
+        positions = {
+            (int(s[_EPOCH]), int(s["_num_yielded"]), bool(s["_iterator_finished"])) for s in states
+        }
+        if len(positions) != 1:
+            raise ValueError(
+                f"{name}: the saved ranks stopped at different positions {sorted(positions)}; "
+                "only a loader whose ranks read in step can be resharded"
+            )
+        ((epoch, batches, finished),) = positions
+        n = len(self.dataset)  # type: ignore[arg-type]
+        drop = bool(self.sampler.drop_last)
+        saved_shard = n // world if drop else -(-n // world)  # items per rank per epoch
+        batch, new_world = int(self.batch_size), int(self.sampler.num_replicas)
+        saved_global = int(states[0][_BATCH]) * world
+        if saved_global != batch * new_world:
+            raise ValueError(
+                f"{name}: the checkpoint read {saved_global} items per batch over its {world} "
+                f"rank(s) ({states[0][_BATCH]} each), this run {batch * new_world} over "
+                f"{new_world} ({batch} each): keep the global batch to resume on another world "
+                "size"
+            )
+        read = saved_shard if finished else min(batches * int(states[0][_BATCH]), saved_shard)
+        consumed = read * world  # the permutation's prefix the saved run has read
+        start = consumed // new_world
+        if not finished and consumed % (batch * new_world):
+            raise ValueError(
+                f"{name}: the saved position ({consumed} items of epoch {epoch}) is not a whole "
+                f"number of this run's batches ({batch} x {new_world} ranks)"
+            )
+        state = dict(states[0])
+        state.update(
+            {
+                "_sampler_iter_state": {
+                    "samples_yielded": start,
+                    "sampler_state": {"yielded": start},
+                },
+                "_sampler_iter_yielded": start // batch,
+                "_num_yielded": start // batch,
+                "_iterator_finished": finished,
+                _EPOCH: epoch,
+            }
+        )
+        self.load_state_dict(state)
 
 
 def build_dataloader(

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightrft.distributed import comm_device, full_tensor
 from lightrft.models.lora import (
     LoraFactors,
     is_adapter_param,
@@ -92,6 +93,16 @@ def _shard0_mesh(t: torch.Tensor):
     return t.device_mesh
 
 
+def _copy_locals(slots: list[torch.Tensor], local: list[torch.Tensor]) -> None:
+    """Pack local shards into gather slots (casting): one fused copy on one device, one copy
+    per tensor from offloaded CPU shards to the device."""
+    if slots and local and slots[0].device != local[0].device:
+        for s, x in zip(slots, local, strict=True):
+            s.copy_(x, non_blocking=True)
+    else:
+        torch._foreach_copy_(slots, local)
+
+
 class _Workspace:
     """Gather buffers kept between syncs of one model, on CPU only.
 
@@ -143,13 +154,11 @@ def _gather_shard0(
     world = mesh.size()
     rows = [-(-t.shape[0] // world) for t in tensors]
     sizes = [r * math.prod(t.shape[1:]) for r, t in zip(rows, tensors, strict=True)]
-    device = tensors[0].to_local().device
+    device = comm_device(tensors[0])
     flat = ws.get("flat", sum(sizes), dtype, device)
     local = [t.to_local().reshape(-1) for t in tensors]
     slots = flat.split(sizes)
-    torch._foreach_copy_(
-        [s[: x.numel()] for s, x in zip(slots, local, strict=True)], local
-    )  # casts too
+    _copy_locals([s[: x.numel()] for s, x in zip(slots, local, strict=True)], local)  # casts
     pads = [s[x.numel() :] for s, x in zip(slots, local, strict=True) if s.numel() > x.numel()]
     if pads:
         torch._foreach_zero_(pads)
@@ -200,7 +209,7 @@ def _full_bucket(
             meshes.setdefault(group, mesh)
             groups.setdefault((group, wire[i]), []).append(i)
         elif isinstance(t, DTensor):
-            result[i] = t.full_tensor()
+            result[i] = full_tensor(t)
         else:
             result[i] = t.detach()
     for (group, wire_dtype), idx in groups.items():
@@ -334,7 +343,7 @@ def _engine_buffers(items: list[_Item], engine, dtype) -> dict[str, torch.Tensor
         if (
             tuple(buf.shape) == tuple(it.param.shape)
             and buf.dtype == (dtype or it.param.dtype)
-            and buf.device == it.param.to_local().device
+            and buf.device == comm_device(it.param)
             and buf.is_contiguous()
         ):
             out[it.name] = buf
@@ -376,7 +385,6 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
                     trim[k] = buf
             if buf is not None:
                 written.add(owner[i])
-        local = params[0].to_local()
         gathers.append(
             _GatherPlan(
                 index=idx,
@@ -384,7 +392,7 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
                 group=group,
                 world=world,
                 dtype=wire_dtype,
-                device=local.device,
+                device=comm_device(params[0]),
                 numels=[t.to_local().numel() for t in params],
                 sizes=sizes,
                 shapes=[t.shape for t in params],
@@ -451,7 +459,7 @@ def _run_gather(g: _GatherPlan, result: list[torch.Tensor | None]) -> None:
         }
         g.views = _views(g, g.buffers)
     slots, dests, (trim_to, trim_from), results = g.views
-    torch._foreach_copy_(slots, [p.to_local().reshape(-1) for p in g.params])  # casts too
+    _copy_locals(slots, [p.to_local().reshape(-1) for p in g.params])  # casts too
     out = g.buffers["out"]
     dist.all_gather_into_tensor(out, g.buffers["flat"], group=g.group)
     torch.split_with_sizes_copy(out.view(g.world, -1), g.sizes, dim=1, out=dests)
@@ -468,7 +476,7 @@ def _sync_bucket(b: _BucketPlan, engine, dtype) -> None:
     result: list[torch.Tensor | None] = [None] * len(b.tensors)
     for i in b.others:
         t = b.tensors[i]
-        result[i] = t.full_tensor() if _is_dtensor(t) else t.detach()
+        result[i] = full_tensor(t) if _is_dtensor(t) else t.detach()
     for g in b.gathers:
         _run_gather(g, result)
     if not b.loaded or engine is None:

@@ -71,6 +71,7 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     shard: bool | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Prepare ``model`` for training in place and return it.
 
@@ -83,6 +84,10 @@ def parallelize(
 
     ``shard=None`` shards when a process group is initialised; a single plain process keeps
     ordinary tensors so the same recipe runs unchanged on a laptop.
+
+    ``offload``: FSDP2's ``CPUOffloadPolicy`` on every group: the sharded parameters (and so
+    their gradients and the optimizer state) live in CPU memory, copied to the mesh's device
+    for each all-gather; pinned when that device is a GPU. Needs sharding.
     """
     layers = decoder_layers(model)
     if activation_checkpointing:
@@ -96,9 +101,14 @@ def parallelize(
     if shard is None:
         shard = dist.is_available() and dist.is_initialized()
     if not shard:
+        if offload:
+            raise ValueError(
+                "offload=params needs FSDP2 sharding, which needs a process group: launch with "
+                "torchrun (lightrft run --nproc_per_node 1 ... on one device)"
+            )
         return model
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if mesh is None:
         # FSDP2's default mesh is on CUDA whenever CUDA exists: a CPU model (device=cpu, or the
@@ -111,31 +121,40 @@ def parallelize(
     if param_dtype is None:
         param_dtype = default_param_dtype(next(model.parameters()).device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = OffloadPolicy()
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # Pinned host memory lets the copies to and from a GPU overlap compute; on a CPU mesh
+        # the "offload" is to the same memory, and pinning needs an accelerator.
+        on = (
+            mesh.device_type if mesh is not None else "cuda" if torch.cuda.is_available() else "cpu"
+        )
+        policy = CPUOffloadPolicy(pin_memory=on != "cpu")
+    shard_kw = dict(mesh=mesh, mp_policy=mp, offload_policy=policy)
     # A vision- or audio-language model's tower blocks are sharded one by one too (trained or
     # frozen: a frozen tower costs no gradients but its weights are as large). The tower runs
     # before the decoder, so its blocks are gathered and resharded like the decoder's.
     for block in _tower_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **shard_kw, reshard_after_forward=reshard_after_forward)
     # The input embedding is its own group unless the LM head shares its weight: gathered at
     # the start of forward and resharded at once, instead of held (and all-gathered) together
     # with the root's LM head for the whole forward.
     embedding, head = _untied_embeddings(model)
     if embedding is not None:
-        fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(embedding, **shard_kw, reshard_after_forward=reshard_after_forward)
     frozen = not any(p.requires_grad for p in model.parameters())  # a reference policy
     for i, layer in enumerate(layers):
         # A trained model's last block is gathered again right away by the root's backward:
         # keep it unsharded. A frozen model has no backward.
         keep = i == len(layers) - 1 and not frozen
-        fully_shard(
-            layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not keep
-        )
+        fully_shard(layer, **shard_kw, reshard_after_forward=reshard_after_forward and not keep)
     # A frozen model gathers its untied LM head only for the head's own forward instead of
     # holding it with the root for the whole forward. A trained head stays in the root: the
     # fused log-prob kernel's backward reads its weight after the forward.
     if head is not None and frozen:
-        fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(head, **shard_kw, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, **shard_kw, reshard_after_forward=reshard_after_forward)
     return model
 
 

@@ -466,6 +466,7 @@ def load_reward_net_parallel(
     activation_checkpointing: bool = False,
     compile: bool = False,
     shard: bool | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """:func:`build_reward_net`, ``prepare`` (LoRA) and ``parallelize``: the reward-model
     recipe's one call, as :func:`~lightrft.models.sharded.load_parallel` is the other recipes'.
@@ -480,7 +481,12 @@ def load_reward_net_parallel(
 
     from lightrft.models.sharded import prepare_and_parallelize
 
-    opts = dict(device=device, activation_checkpointing=activation_checkpointing, compile=compile)
+    opts = dict(
+        device=device,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        offload=offload,
+    )
     if shard is None:
         shard = dist.is_available() and dist.is_initialized()
     if not shard:

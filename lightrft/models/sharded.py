@@ -285,19 +285,24 @@ def prepare_and_parallelize(
     mesh=None,
     device: str | torch.device = "cpu",
     checkpoint: tuple[str | Path, dict[str, str], set[str]] | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Apply ``prepare`` (LoRA, a value head) to ``model`` and :func:`parallelize` it: unsharded,
     or, given the ``checkpoint`` ``(path, names, converted)`` of a meta-built model, sharded on
-    ``mesh`` with each rank's slices read from it (:func:`fill_from_safetensors`)."""
+    ``mesh`` with each rank's slices read from it (:func:`fill_from_safetensors`).
+    ``offload``: the shards live in CPU memory (:func:`parallelize`)."""
     model = prepare(model) if prepare is not None else model
-    kw = dict(activation_checkpointing=activation_checkpointing, compile=compile)
+    kw = dict(activation_checkpointing=activation_checkpointing, compile=compile, offload=offload)
     if checkpoint is None:
         return parallelize(model, shard=False, **kw)
     device = torch.device(device)
-    # fully_shard moves buffers and real parameters to the mesh's device; meta ones stay meta.
+    # fully_shard moves buffers and real parameters to the mesh's device (offloaded ones to the
+    # CPU); meta ones stay meta.
     model = parallelize(model, mesh=mesh, param_dtype=default_param_dtype(device), shard=True, **kw)
     path, names, converted = checkpoint
-    fill_from_safetensors(model, path, names=names, converted=converted, device=device)
+    # FSDP2 refuses offloaded parameters that are not in CPU memory (it pins them itself).
+    where = torch.device("cpu") if offload else device
+    fill_from_safetensors(model, path, names=names, converted=converted, device=where)
     return model
 
 
@@ -313,6 +318,7 @@ def load_parallel(
     activation_checkpointing: bool = False,
     compile: bool = False,
     shard: bool | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Load the HF model at ``path``, apply ``prepare`` and :func:`parallelize` it: the one call
     the recipes make for every model they train or hold (actor, reference, critic).
@@ -324,7 +330,12 @@ def load_parallel(
     value; LoRA adapters it creates on meta (PEFT follows the base layer's device) are
     initialised as PEFT initialises them.
     """
-    opts = dict(device=device, activation_checkpointing=activation_checkpointing, compile=compile)
+    opts = dict(
+        device=device,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        offload=offload,
+    )
     if shard is None:
         shard = dist.is_available() and dist.is_initialized()
     if not shard:

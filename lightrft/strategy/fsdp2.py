@@ -18,10 +18,22 @@ from lightrft.training.optim import optimizer_step
 
 
 class FSDP2Strategy(Strategy):
-    """FSDP2 (+ LoRA): the trained model is sharded like every other model of the run."""
+    """FSDP2 (+ LoRA): the trained model is sharded like every other model of the run;
+    ``offload: params`` keeps its shards, gradients and optimizer state in CPU memory."""
+
+    def __init__(self, cfg, dist):
+        super().__init__(cfg, dist)
+        self.offload = cfg.offload == "params"
+        if self.offload and not torch.distributed.is_initialized():
+            # Refused before any model loads: FSDP2 (and so its offload) needs a process group.
+            raise ValueError(
+                "offload=params needs FSDP2 sharding, which needs a process group: launch the "
+                "recipe with torchrun (lightrft run --nproc_per_node 1 ... on one device), or "
+                "set offload=none"
+            )
 
     def loading(self) -> dict[str, Any]:
-        return {"mesh": self.mesh}
+        return {"mesh": self.mesh, "offload": self.offload}
 
     def adapt(self, model, apply=None):
         if self.lora is None:

@@ -29,7 +29,7 @@ import shutil
 import time
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -546,6 +546,13 @@ class Checkpointer:
                     "optimizers": sorted(optims_),
                     "schedulers": sorted(scheds_),
                     "dataloaders": sorted(loaders_),
+                    # Items per batch over all ranks: a resume on another world size must
+                    # keep it (checked before anything loads, lightrft.training.run).
+                    "global_batches": {
+                        k: int(v.batch_size) * world
+                        for k, v in loaders_.items()
+                        if isinstance(getattr(v, "batch_size", None), int)
+                    },
                     "lora": sorted(k for k, m in models_.items() if _is_lora(m)),
                     "deepspeed": sorted(_engines(models_)),
                     "time": time.time(),
@@ -597,6 +604,7 @@ class Checkpointer:
         restore_rng: bool = True,
         config: Mapping[str, Any] | None = None,
         override_lr: bool = False,
+        seed: int = 0,
     ) -> CheckpointState:
         """Restore the given objects in place from checkpoint ``path`` (collective).
 
@@ -611,6 +619,13 @@ class Checkpointer:
         the optimizers' and LambdaLR schedulers' base LRs become the ones the optimizers were
         just built with, at the saved position of the schedule. Prints
         ``resumed from step N (path)`` on rank 0.
+
+        Saved by another number of ranks: DCP reshards the models and optimizers; each
+        dataloader continues from the position all saved ranks reached together
+        (:meth:`~lightrft.data.loader.ResumableDataLoader.load_resharded`); ``extra`` must be
+        the same on every saved rank (it is rank 0's); the RNG states, which were per rank, are
+        re-seeded from ``(seed, step, rank)`` (:func:`reseed`). A DeepSpeed engine's files do
+        not reshard: refused.
         """
         path = Path(path)
         meta_file = path / META
@@ -642,12 +657,10 @@ class Checkpointer:
         if config is not None:
             changes = self._check_config(path, meta, config, override_lr, needs_rank_state)
         new_lrs = _base_lrs(optims_)
-        if needs_rank_state and meta["world_size"] != world:
-            raise ValueError(
-                f"checkpoint {path} was saved by {meta['world_size']} ranks but this run has "
-                f"{world}: dataloader positions and RNG states are per rank and cannot be mapped; "
-                "resume with the same number of processes"
-            )
+        saved_world = int(meta["world_size"])
+        resharded = saved_world != world
+        if resharded:
+            check_reshardable(path, meta, world, loaders=loaders_)
 
         _load_engines(path, _engines(models_))
         app = _app_state(models_, optims_, scheds_)
@@ -663,11 +676,17 @@ class Checkpointer:
                 )
         except CheckpointException as e:
             raise _load_failed(path, e) from None
-        per_rank = load_state(path / f"rank_{min(rank, meta['world_size'] - 1):05d}")
-        for name, loader in loaders_.items():
-            loader.load_state_dict(per_rank["dataloaders"][name])
-        if restore_rng:
-            set_rng_state(per_rank["rng"])
+        if resharded and needs_rank_state:
+            per_rank = _reshard_rank_state(path, saved_world, loaders_)
+            if restore_rng:
+                reseed(seed, int(meta["step"]), rank)
+                per_rank["rng"] = rng_state()
+        else:
+            per_rank = load_state(path / f"rank_{min(rank, saved_world - 1):05d}")
+            for name, loader in loaders_.items():
+                loader.load_state_dict(per_rank["dataloaders"][name])
+            if restore_rng:
+                set_rng_state(per_rank["rng"])
         if override_lr and any(c.kind in ("lr", "schedule") for c in changes):
             _override_lrs(optims_, scheds_, new_lrs)
         barrier()
@@ -675,6 +694,13 @@ class Checkpointer:
             for c in changes:
                 applied = c.kind in ("lr", "schedule")
                 print(f"resume: {c} ({'applied' if applied else 'allowed'})", flush=True)
+            if resharded:
+                print(
+                    f"resume: world size {saved_world} -> {world} (models and optimizers "
+                    "resharded; data positions re-derived; RNG re-seeded from (seed, step, "
+                    "rank))",
+                    flush=True,
+                )
             print(f"resumed from step {meta['step']} ({path})", flush=True)
         return CheckpointState(
             step=int(meta["step"]),
@@ -727,6 +753,100 @@ class Checkpointer:
                 )
             return None
         return self.load(path, **load)
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) from ``(seed, step, rank)``: the RNG streams
+    of a run resumed on another world size, where the saved per-rank states have no owner.
+    Distinct per rank and step, the same on every resume of the same checkpoint."""
+    value = ((seed * 1_000_003 + step) * 1_009 + rank) % 2**63
+    random.seed(value)
+    torch.manual_seed(value)  # every CUDA device too
+    with suppress(ImportError):
+        import numpy as np
+
+        np.random.seed(value % 2**32)
+
+
+def check_reshardable(
+    path: Path,
+    meta: Mapping[str, Any],
+    world: int,
+    *,
+    loaders: Mapping[str, Any] | None = None,
+    global_batch: int | None = None,
+) -> None:
+    """Refuse, before anything loads, a checkpoint of ``meta["world_size"]`` ranks that cannot
+    continue on ``world``: a DeepSpeed engine's files (ZeRO partitions its optimizer state per
+    rank, ``zero_pp_rank_*``), a loader that cannot re-derive its position, or a run whose
+    global batch (items per step over all ranks, ``global_batch``) differs from the saved one.
+    """
+    saved = int(meta["world_size"])
+    if meta.get("deepspeed"):
+        raise ValueError(
+            f"checkpoint {path} was saved by {saved} rank(s) with strategy=deepspeed, and this run "
+            f"has {world}: DeepSpeed ZeRO writes its optimizer partitions per rank "
+            "(zero_pp_rank_*_optim_states.pt), which do not reshard; resume with "
+            f"{saved} process(es), or train with strategy=fsdp2 (DCP reshards)"
+        )
+    for name, loader in (loaders or {}).items():
+        if not hasattr(loader, "load_resharded"):
+            raise ValueError(
+                f"checkpoint {path} was saved by {saved} rank(s) and this run has {world}: "
+                f"dataloader {name!r} ({type(loader).__name__}) cannot re-derive its position "
+                "on another world size (use lightrft.data.build_dataloader); resume with "
+                f"{saved} process(es)"
+            )
+    batches = meta.get("global_batches")
+    if global_batch is not None and meta.get("dataloaders"):
+        if not batches:
+            raise ValueError(
+                f"checkpoint {path} was saved by {saved} rank(s) by an older lightrft, which "
+                f"did not record its global batch; resume with {saved} process(es)"
+            )
+        for name, value in sorted(batches.items()):
+            if int(value) != global_batch:
+                raise ValueError(
+                    f"checkpoint {path} was saved by {saved} rank(s) reading {value} items per "
+                    f"step over all ranks ({name}); this run on {world} reads {global_batch}. "
+                    "A resume on another world size keeps the global batch: scale the per-rank "
+                    f"batch (e.g. batch_size or gradient_accumulation_steps) by {saved}/{world}"
+                )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    with suppress(Exception):
+        import numpy as np
+
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return bool(np.array_equal(a, b))
+    return a == b
+
+
+def _reshard_rank_state(path: Path, saved_world: int, loaders: Mapping[str, Any]) -> dict:
+    """This rank's state from the ``saved_world`` rank files of ``path``: the loaders continue
+    from the saved ranks' joint position; ``extra`` is rank 0's, which every rank must share."""
+    states = [load_state(path / f"rank_{r:05d}") for r in range(saved_world)]
+    differ = sorted(
+        k
+        for k in states[0]["extra"]
+        if not all(_same(states[0]["extra"][k], s["extra"].get(k)) for s in states[1:])
+    )
+    if differ or any(s["extra"].keys() != states[0]["extra"].keys() for s in states):
+        raise CheckpointError(
+            f"checkpoint {path}: the per-rank state {differ or 'keys'} differs between its "
+            f"{saved_world} ranks, so it cannot be handed to another number of ranks; resume "
+            f"with {saved_world} process(es)"
+        )
+    for name, loader in loaders.items():
+        loader.load_resharded([s["dataloaders"][name] for s in states], name)
+    return {"extra": states[0]["extra"], "rng": {}}
 
 
 def _is_lora(model: nn.Module) -> bool:
@@ -888,3 +1008,17 @@ def check_resume(output_dir: str | Path, adapted: bool, models: tuple[str, ...])
     latest = Checkpointer(output_dir).latest_readable()
     if latest is not None:
         check_lora_match(read_meta(latest), dict.fromkeys(models, adapted), latest)
+
+
+def check_resume_world(
+    output_dir: str | Path, world: int, global_batch: Callable[[int], int | None]
+) -> None:
+    """Before anything loads: the newest checkpoint under ``output_dir``, if saved by another
+    number of ranks than ``world``, can continue on ``world`` (:func:`check_reshardable`, with
+    this run's global batch ``global_batch(world)``)."""
+    latest = Checkpointer(output_dir).latest_readable()
+    if latest is None:
+        return
+    meta = read_meta(latest)
+    if int(meta.get("world_size", 1)) != world:
+        check_reshardable(latest, meta, world, global_batch=global_batch(world))

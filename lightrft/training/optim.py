@@ -8,7 +8,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
+
+from lightrft.distributed import full_tensor
 
 
 def warmup_cosine_lr_ratio(
@@ -84,10 +87,11 @@ def clip_grad_norm(
         return 0.0
     grads = [p.grad for p in params]
     total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=foreach)
-    # With DTensor grads the norm is a DTensor holding per-shard partial norms: reduce it.
-    full_tensor = getattr(total, "full_tensor", None)
-    if full_tensor is not None:
-        total = full_tensor()
+    # With DTensor grads the norm is a DTensor holding per-shard partial norms: reduce it (on
+    # the mesh's device: offloaded gradients live in CPU memory, which NCCL cannot reduce), and
+    # scale the gradients where they live.
+    if isinstance(total, DTensor):
+        total = full_tensor(total).to(grads[0].device)
     if max_norm is not None and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return float(total)

@@ -54,8 +54,13 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "train.micro_batch_size",
     "model.activation_checkpointing",
     "model.compile",
+    "offload",  # where FSDP2 keeps the shards; the checkpoint's layout is the same
 )
 """Dotted keys (fnmatch patterns) that may change between a checkpoint and its resume."""
+
+RESHARD_KEYS: tuple[str, ...] = ("batch_size", "gradient_accumulation_steps")
+"""Per-rank batch keys that may change with the world size: a resume on another world size keeps
+the global batch by scaling them (checked against the checkpoint before anything loads)."""
 
 SCHEDULE_KEYS: tuple[str, ...] = ("max_steps", "epochs")
 """Keys that set the length of the warmup + cosine LR schedule (unless it is constant)."""
@@ -137,18 +142,19 @@ def check_resume_config(
     allowed: Sequence[str] = ALLOWED_CHANGES,
 ) -> list[ConfigChange]:
     """The allowed changes (to log), or a ``ValueError`` listing every change that cannot be
-    honoured: refused keys, learning rates without ``override_lr``, a different world size."""
+    honoured: refused keys, learning rates without ``override_lr``. With another world size
+    than the saved one the per-rank batch keys (:data:`RESHARD_KEYS`) may change too."""
+    resharded = (
+        saved_world_size is not None and world_size is not None and saved_world_size != world_size
+    )
+    if resharded:
+        allowed = (*allowed, *RESHARD_KEYS)
     changes = config_changes(saved, current, allowed=allowed)
     needs_opt_in = ("lr", "schedule")
     bad = [
         c for c in changes if c.kind == "refused" or (c.kind in needs_opt_in and not override_lr)
     ]
     lines = [f"  {c}" for c in bad if c.kind == "refused"]
-    if saved_world_size is not None and world_size is not None and saved_world_size != world_size:
-        lines.append(
-            f"  world size: {saved_world_size} -> {world_size} (dataloader positions and RNG "
-            "states are per rank; resume with the same number of processes)"
-        )
     lines += [
         f"  {c} (set resume_override_lr=true to apply the new learning rate)"
         for c in bad

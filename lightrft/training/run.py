@@ -34,6 +34,7 @@ processes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,7 +47,12 @@ from lightrft import config
 from lightrft.config import Section, option, section
 from lightrft.distributed import DistInfo, barrier, destroy, init_distributed
 from lightrft.sections import MetricsConfig, OptimConfig, RunConfig, StrategyConfig
-from lightrft.training.checkpoint import Checkpointer, CheckpointState, check_resume
+from lightrft.training.checkpoint import (
+    Checkpointer,
+    CheckpointState,
+    check_resume,
+    check_resume_world,
+)
 from lightrft.training.metrics import MetricLogger
 from lightrft.training.outputs import check_output_dir
 from lightrft.training.preemption import Preemption
@@ -100,7 +106,16 @@ class TrainingConfig(Section):
             check_resume(
                 self.run.output_dir, self.strategy.lora is not None, self.CHECKPOINT_MODELS
             )
+            # The world the run has (torchrun sets WORLD_SIZE; `lightrft run` sets it for its
+            # check before launching), else one plain process.
+            world = int(os.environ.get("WORLD_SIZE") or 1)
+            check_resume_world(self.run.output_dir, world, self.global_batch)
         return self
+
+    def global_batch(self, world: int) -> int | None:
+        """Items the training loader reads per step over ``world`` ranks (what a resume on
+        another world size must keep); ``None``: checked only when the loader loads."""
+        return None
 
 
 class TrainingRun:
@@ -139,6 +154,7 @@ class TrainingRun:
             required=True,
             config=self.config,
             override_lr=self.opts.resume_override_lr,
+            seed=self.opts.seed,
         )
 
     def open_logger(self, step: int, data_stats: Mapping[str, float] | None = None) -> MetricLogger:

@@ -16,6 +16,11 @@ Rows (random weights at real shapes; nothing is downloaded):
 - ``sync``: ``sync_weights`` from the FSDP2 model into the native engine and into vLLM, per shape.
 - ``vlm grpo step``: the GRPO recipe end to end on a small Qwen2-VL (counting boards), two steps;
   the second step's time.
+- ``offload``: the same FSDP2 training step of the 0.5B shape loaded from disk as the recipes
+  load it (``load_parallel``), with and without ``offload: params`` (FSDP2's
+  ``CPUOffloadPolicy``: shards, gradients and AdamW state in host memory, the step on the
+  CPU), clipped as the recipes clip; then a weight sync into the native engine. The peak device
+  memory of the steps, the step time and the host's resident memory after them.
 
 Every row records the CUDA caching allocator's peak (``torch.cuda.max_memory_allocated``, reset
 before the row). A row that cannot run here (no CUDA, vLLM not installed) is written with the
@@ -479,6 +484,92 @@ def vlm_grpo_row(s: Settings, work: Path) -> Row:
     return Row(f"vlm grpo step (Qwen2-VL {s.vlm['layers']}x{s.vlm['hidden']})", figures, peak)
 
 
+def _resident_gib() -> float:
+    """This process's resident memory now (``/proc/self/statm``), GiB."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def offload_rows(s: Settings, work: Path) -> list[Row]:
+    """Training steps of the first shape with ``offload: none`` and ``offload: params``."""
+    from lightrft.engine import NativeEngine, sync_weights
+    from lightrft.models.sharded import load_parallel
+    from lightrft.training.checkpoint import Checkpointer
+    from lightrft.training.optim import optimizer_step
+
+    dev = s.device
+    name, shape = next(iter(s.shapes.items()))
+    _one_process_group(dev)
+    path = work / "offload_model"
+    model, tok = _build_lm(shape, s.vocab, torch.device("cpu"), torch.float32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    del model
+    # A short batch, so that the model states (what offload moves) rather than the
+    # activations make the peak.
+    b, seq = s.train_batch if dev.type != "cuda" else (1, 1024)
+    ids = torch.randint(len(tok), s.vocab, (b, seq), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for offload in (False, True):
+        _reset_peak(dev)
+        model = load_parallel(path, device=dev, offload=offload)  # fp32 master weights
+        # Offloaded shards step on the CPU (AdamW's foreach path); on the device, fused.
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=1e-5, fused=dev.type == "cuda" and not offload
+        )
+        x = ids.to(dev)
+
+        losses = []
+
+        def step(model=model, opt=opt, x=x, losses=losses) -> None:
+            from lightrft.kernels.hf import causal_lm_token_logprobs
+
+            loss = -causal_lm_token_logprobs(model, x).mean()
+            loss.backward()
+            optimizer_step(model, opt, 1.0)
+            losses.append(loss.item())
+
+        step()
+        times = [_timed(step, dev) for _ in range(max(2, s.train_steps // 2))]
+        peak = _peak_gib(dev)
+        held = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+        rss = _resident_gib()
+        # A checkpoint of the (offloaded) shards and AdamW state, loaded back into them.
+        ckpt = Checkpointer(work / f"offload_ckpt_{offload}", keep_last=1)
+        t_save = _timed(lambda m=model, o=opt, c=ckpt: c.save(1, models=m, optimizers=o), dev)
+        t_load = _timed(
+            lambda m=model, o=opt, c=ckpt: c.load_latest(models=m, optimizers=o, restore_rng=False),
+            dev,
+        )
+        engine = NativeEngine(
+            path,
+            dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+            device=dev,
+            max_num_seqs=8,
+        )
+        sync = _timed(lambda m=model, e=engine: sync_weights(m, e), dev)
+        rows.append(
+            Row(
+                f"offload {name}: offload={'params' if offload else 'none'} (FSDP2, AdamW)",
+                {
+                    "step": f"{statistics.median(times) * 1e3:.0f} ms median of {len(times)} "
+                    f"([{b}, {seq}] tokens)",
+                    "host resident": f"{rss:.2f} GiB after the steps",
+                    "device allocated": "-" if held is None else f"{held:.2f} GiB after the steps",
+                    "sync": f"{sync * 1e3:.0f} ms into the native engine",
+                    "checkpoint": f"save {t_save:.1f} s, load {t_load:.1f} s",
+                    "losses": ", ".join(f"{v:.4f}" for v in losses),
+                },
+                peak,
+            )
+        )
+        # FSDP2 modules sit in reference cycles: drop every reference (the step's defaults
+        # too) and collect now, or this model's weights would count in the next row's peak.
+        del model, opt, engine, step, x
+        gc.collect()
+    return rows
+
+
 # ------------------------------------------------------------------------------------- the table
 
 
@@ -539,6 +630,7 @@ def run(tiny: bool, only: set[str] | None = None) -> tuple[list[Row], str]:
     attempt("decode", lambda: decode_rows(s))
     with tempfile.TemporaryDirectory(prefix="gpu_suite_") as work:
         attempt("vlm", lambda: vlm_grpo_row(s, Path(work)))
+        attempt("offload", lambda: offload_rows(s, Path(work)))
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -552,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         nargs="*",
-        choices=["train", "logprobs", "decode", "vlm"],
+        choices=["train", "logprobs", "decode", "vlm", "offload"],
         help="run only these rows",
     )
     ap.add_argument("--out", type=Path, help="write the Markdown table (and .json beside it)")

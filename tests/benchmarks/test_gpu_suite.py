@@ -34,6 +34,13 @@ def test_gpu_suite_tiny_writes_every_row(tmp_path, monkeypatch):
     assert {"naive", "lightrft"} <= kernel["figures"].keys()
     vlm = next(r for n, r in rows.items() if n.startswith("vlm grpo step"))
     assert vlm["figures"]["train/approx_kl"].startswith("0.0e+00")  # trainer == engine
+    offload = {n.split("offload=")[1].split()[0]: r for n, r in rows.items() if "offload=" in n}
+    assert offload.keys() == {"none", "params"}
+    for r in offload.values():
+        assert (
+            r["figures"]["step"].startswith(tuple("123456789"))
+            and "GiB" in r["figures"]["host resident"]
+        )
     if not torch.cuda.is_available():  # the GPU-only parts say why they did not run
         assert kernel["figures"]["liger"] == "skipped: Liger's Triton kernel needs CUDA"
         assert rows["sync tiny-a: FSDP2 -> vLLM"]["skipped"] == "vLLM needs CUDA"

@@ -75,7 +75,7 @@ def test_classification_and_null_equals_unset():
     assert config_changes(CFG, _cfg(algorithm__kl__coef=None)) == []  # null == unset
 
 
-def test_refusal_lists_every_reason_including_world_size():
+def test_refusal_lists_every_reason():
     with pytest.raises(ValueError) as info:
         check_resume_config(
             CFG,
@@ -92,8 +92,21 @@ def test_refusal_lists_every_reason_including_world_size():
     assert "cannot resume from ckpt/step_000010" in msg
     assert "model.path: '/models/a' -> '/models/b'" in msg
     assert "optimizer._component_: 'torch.optim.AdamW' -> 'torch.optim.SGD'" in msg
-    assert "world size: 2 -> 1" in msg
+    assert "world size" not in msg  # another world size resumes (tests/recipes/*_world*)
     assert "optimizer.lr: 0.01 -> 0.001 (set resume_override_lr=true" in msg
+
+
+def test_per_rank_batch_keys_may_change_with_the_world_size_only():
+    """2 ranks x batch_size 4 -> 1 rank x batch_size 8 keeps the global batch (checked against
+    the checkpoint's record, lightrft.training.checkpoint.check_reshardable)."""
+    saved, current = _cfg(batch_size=4), _cfg(batch_size=8, gradient_accumulation_steps=2)
+    changes = check_resume_config(saved, current, path="ckpt", saved_world_size=2, world_size=1)
+    assert {c.key: c.kind for c in changes} == {
+        "batch_size": "allowed",
+        "gradient_accumulation_steps": "allowed",
+    }
+    with pytest.raises(ValueError, match="batch_size: 4 -> 8"):
+        check_resume_config(saved, current, path="ckpt", saved_world_size=2, world_size=2)
 
 
 def test_checkpoint_saves_config_and_resume_checks_it_before_loading(tmp_path, capsys):
@@ -141,3 +154,20 @@ def test_changed_lr_needs_override_and_then_keeps_the_schedule_position(tmp_path
     s3.step()
     sched.step()
     assert o3.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"] / 10)
+
+
+def test_checkpoints_that_cannot_continue_on_another_world_size_are_refused(tmp_path):
+    """Before anything loads, naming the reason: DeepSpeed's per-rank optimizer partitions, a
+    plain loader, a changed global batch, a checkpoint without the record."""
+    from lightrft.training.checkpoint import check_reshardable
+
+    meta = {"world_size": 2, "dataloaders": ["model"], "global_batches": {"model": 16}}
+    check_reshardable(tmp_path, meta, 1, global_batch=16)  # kept: fine
+    with pytest.raises(ValueError, match="strategy=deepspeed, and this run has 4: DeepSpeed ZeRO"):
+        check_reshardable(tmp_path, {**meta, "deepspeed": ["model"]}, 4, global_batch=16)
+    with pytest.raises(ValueError, match="reading 16 items per step over all ranks .model.; this"):
+        check_reshardable(tmp_path, meta, 1, global_batch=8)
+    with pytest.raises(ValueError, match="did not record its global batch"):
+        check_reshardable(tmp_path, {**meta, "global_batches": {}}, 1, global_batch=16)
+    with pytest.raises(ValueError, match="dataloader 'model' .list. cannot re-derive"):
+        check_reshardable(tmp_path, meta, 1, loaders={"model": []})
