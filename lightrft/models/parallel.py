@@ -192,7 +192,9 @@ def _timeout_override(names: tuple[str, ...]) -> dict | None:
     out = {}
     for name in names:
         opts = (
-            dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+            dist.ProcessGroupNCCL.Options()
+            if backend == "nccl"
+            else dist.ProcessGroupGloo._Options()
         )
         opts._timeout = timeout
         out[name] = (backend, opts)
