@@ -9,12 +9,15 @@
 
 The 4-process runs take minutes on 2 cores: opt-in with ``-m slow``.
 
-Tolerance (1 process vs 4): fp32, ``rtol=1e-4, atol=1e-6`` on metrics and ``atol=1e-5`` on
+Tolerance (1 process vs 4): fp32, ``rtol=1e-4, atol=1e-6`` on metrics and ``atol=2e-5`` on
 weights. The same samples meet the same model; what differs is the order of the sums: gradients
 are reduce-scattered within a shard pair and all-reduced across the replica pair (one process
 adds its micro-batch gradients in one go), and the loss normalisers are all-reduced. Those
-differ in the last bits (~1e-7 relative) and AdamW carries the difference through the steps (its
-update divides by the root of a second moment that is tiny early on).
+differ in the last bits (~1e-7 relative) and AdamW carries the difference through the steps: its
+update divides by the root of a second moment that is tiny early on, so an element with a
+near-zero gradient moves by up to the learning rate (3e-3 here) on last-bit differences.
+Measured on 2 cores (2026-11-26): metrics within 2.2e-7 relative (GRPO's near-zero loss: 3.7e-9
+absolute), weights within 1.7e-6 (SFT), 4.2e-6 (reward model), 8.6e-8 (GRPO).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from lightrft import cli
 from lightrft.training import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-4, 1e-6, 1e-5
+METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-4, 1e-6, 2e-5
 # collective_timeout_s: the two-node launch (a real init_process_group) builds the 2 x 2 mesh's
 # sub-groups with it (tests/models/test_models_mesh.py checks they get it).
 HSDP = {"replicate_size": 2, "shard_size": 2, "collective_timeout_s": 300}
