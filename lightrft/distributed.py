@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,11 +26,25 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device: str | None = None) -> DistInfo:
+# The bound on one collective's wait that init_distributed gave the default group (None: torch's
+# default, 30 min on gloo, 10 min on nccl); build_mesh gives the HSDP sub-groups the same.
+_collective_timeout: timedelta | None = None
+
+
+def collective_timeout() -> timedelta | None:
+    """The ``collective_timeout_s`` the process group was made with (None: torch's default)."""
+    return _collective_timeout
+
+
+def init_distributed(device: str | None = None, timeout_s: float | None = None) -> DistInfo:
     """Initialise the default process group when launched by torchrun; otherwise stay single.
 
     ``device``: "cpu", "cuda" or None (CUDA when available). Backend: nccl on CUDA, gloo on CPU.
+    ``timeout_s``: how long one collective waits for its peers before it raises (a peer that
+    died or hangs then ends this rank with an error instead of a wait forever); None keeps
+    torch's default (30 min on gloo, 10 min on nccl).
     """
+    global _collective_timeout
     want = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu")
@@ -42,9 +57,11 @@ def init_distributed(device: str | None = None) -> DistInfo:
     else:
         dev = torch.device("cpu")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        _collective_timeout = timedelta(seconds=timeout_s) if timeout_s else None
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             device_id=dev if dev.type == "cuda" else None,
+            timeout=_collective_timeout,
         )
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev)

@@ -52,6 +52,12 @@ class RunConfig(Section):
     prepare: list[Component] | None = option(
         None, doc="components run once on rank 0 before anything loads (make data, a model)"
     )
+    collective_timeout_s: float | None = option(
+        None,
+        gt=0,
+        doc="seconds one collective waits for its peers before the rank fails (a peer died or "
+        "hangs); default: torch's, 30 min on gloo (CPU), 10 min on nccl",
+    )
 
     def resolve(self, at: str) -> RunConfig:
         if not str(self.output_dir).strip():

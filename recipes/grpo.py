@@ -879,8 +879,18 @@ class GRPORecipe:
         """ppo_epochs x mini-batches x micro-batches; one optimizer step per mini-batch."""
         o, n = self.opts, len(batch)
         mbs = min(o.train.mini_batch_size or n, n)
+        # The loss terms are each micro-batch's part of the mini-batch's term (normalised by the
+        # mini-batch's counts over all ranks, / world): they add up, like ``loss``. A weighted
+        # mean of them would shrink with the number of micro-batches and grow with the ranks.
+        terms = ("policy_loss", "kl_loss", "value_loss")
         acc = MetricAccumulator(
-            {"ratio_min": "min", "ratio_max": "max", "loss": "sum", "tokens": "sum"},
+            {
+                "ratio_min": "min",
+                "ratio_max": "max",
+                "loss": "sum",
+                "tokens": "sum",
+                **dict.fromkeys(terms, "sum"),
+            },
             empty={"ratio_min": 1.0, "ratio_max": 1.0},
         )
         grad_norms, critic_norms = [], []
@@ -914,6 +924,9 @@ class GRPORecipe:
         # Each rank's loss is its part of sum / (global count / world): the sum over ranks is
         # world x the loss of the whole mini-batch.
         metrics["train/loss"] = reduced["loss"] / self.dist.world_size / len(grad_norms)
+        for k in terms:
+            if k in reduced:
+                metrics[f"train/{k}"] = reduced[k] / self.dist.world_size / len(grad_norms)
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/grad_norm_max"] = max(grad_norms)
         metrics["train/optimizer_steps"] = float(len(grad_norms))

@@ -169,6 +169,33 @@ def build_mesh(shard_size: int | None, replicate_size: int | None, device: torch
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = torch.device(device).type
-    if replicate == 1:
+    if replicate == 1:  # the default group itself (with its timeout)
         return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        device_type,
+        (replicate, shard),
+        mesh_dim_names=("replicate", "shard"),
+        backend_override=_timeout_override(("replicate", "shard")),
+    )
+
+
+def _timeout_override(names: tuple[str, ...]) -> dict | None:
+    """HSDP's sub-groups with the default group's ``collective_timeout_s``: torch makes them
+    with its own default (30 min on gloo) otherwise, and a peer that died in a gradient
+    all-reduce across replicas would hold the others that long."""
+    from lightrft.distributed import collective_timeout
+
+    timeout = collective_timeout()
+    if timeout is None:
+        return None
+    backend = dist.get_backend()
+    out = {}
+    for name in names:
+        opts = (
+            dist.ProcessGroupNCCL.Options()
+            if backend == "nccl"
+            else dist.ProcessGroupGloo._Options()
+        )
+        opts._timeout = timeout
+        out[name] = (backend, opts)
+    return out

@@ -132,7 +132,7 @@ class TrainingRun:
             resume=opts.resume if training else None,
             overwrite=opts.overwrite if training else False,
         )
-        self.dist: DistInfo = init_distributed(opts.device)
+        self.dist: DistInfo = init_distributed(opts.device, opts.collective_timeout_s)
         self.checkpointer = opts.checkpointer() if training else None
         self.logger: MetricLogger | None = None
         self.resumed = False

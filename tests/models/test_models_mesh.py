@@ -126,6 +126,26 @@ def _mesh_worker(rank: int, world: int, path: str, expected: list[float]) -> Non
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
 
 
+def _mesh_timeout_worker(rank: int, world: int) -> None:
+    """HSDP's sub-groups get the default group's collective_timeout_s (torch would make them
+    with its own 30 min on gloo). The harness made the group itself; set what init_distributed
+    records for collective_timeout_s=7, and put it back after."""
+    from datetime import timedelta
+
+    import lightrft.distributed as ld
+
+    def timeouts(mesh) -> list[timedelta]:
+        groups = [mesh.get_group(name) for name in ("replicate", "shard")]
+        return [g._get_backend(torch.device("cpu")).options._timeout for g in groups]
+
+    assert timeouts(build_mesh(1, 2, "cpu")) == [timedelta(minutes=30)] * 2  # torch's default
+    ld._collective_timeout = timedelta(seconds=7)
+    try:
+        assert timeouts(build_mesh(1, 2, "cpu")) == [timedelta(seconds=7)] * 2
+    finally:
+        ld._collective_timeout = None
+
+
 @pytest.fixture(scope="module")
 def two_rank_mesh(tmp_path_factory) -> dict:
     """One spawn of 2 gloo ranks for both tests below: :func:`_mesh_worker` (FSDP and HSDP
@@ -141,11 +161,17 @@ def two_rank_mesh(tmp_path_factory) -> dict:
         each,
         [
             (_mesh_worker, (path, expected)),
+            (_mesh_timeout_worker, ()),
             (_save_first_half, (path, two_to_one)),
             (_resume_second_half, (path, one_to_two, expected)),
         ],
     )
     return {"path": path, "expected": expected, "two_to_one": two_to_one}
+
+
+def test_hsdp_sub_groups_get_the_collective_timeout(two_rank_mesh):
+    """Checked in both ranks by the fixture's spawn (:func:`_mesh_timeout_worker`)."""
+    assert two_rank_mesh["path"]
 
 
 def test_fsdp_and_hsdp_meshes_train_like_one_process(two_rank_mesh):
