@@ -120,10 +120,9 @@ def encode_with_media(
 ) -> tuple[list[list[int]], list[int], DecodedMedia | None]:
     """Record ``i``'s candidates for a multimodal model: the token ids of ``prompt`` (its images
     and audio from the record's media fields or inline in its media parts) followed by each
-    response as
-    the assistant turn, media placeholders expanded; each response's start (its first label,
-    after the labels of the prompt's own assistant turns);
-    and the decoded media every candidate shares (``None`` without). Preference data and
+    response as the assistant turn, media placeholders expanded; each response's start (its
+    first label, after the labels of the prompt's own assistant turns); and the decoded media
+    every candidate shares (``None`` without). Preference data and
     :class:`~lightrft.rewards.RewardModel` encode through this one function, so a reward model
     scores what it was trained on.
 
