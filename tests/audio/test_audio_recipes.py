@@ -339,7 +339,7 @@ def test_audio_grpo_refuses_a_critic(tmp_path, alm_assets, capsys):
     assert "not supported with an audio-language actor" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # ~13 s; the RL scoring path (CombinedReward on conversations) is tested fast
+@pytest.mark.slow  # 5-13 s; the RL scoring path (CombinedReward on conversations) is tested fast
 def test_audio_grpo_against_an_audio_reward_model(tmp_path, alm_assets):
     """An audio-language reward model as the reward: each sample's reward is what the model
     gives that sample's conversation with its own audio, scored alone (the untrained Qwen2-Audio,

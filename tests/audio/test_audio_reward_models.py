@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import yaml
-from _audio_helpers import tone
+from _audio_helpers import tone, write
 
 from lightrft.data import DataError, Media, PromptDataset, conversation
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
@@ -69,9 +69,24 @@ def test_pairs_with_audio_let_every_candidate_hear_it_and_bad_audio_names_the_li
     packed = PreferenceCollator(tok.pad_token_id, packing=True)([ds[0], ds[1]])
     assert packed["media"].audio.num_tokens == batch["media"].audio.num_tokens
 
+    # The same audio inline in an audio part of a message-list prompt: the same item.
+    part = {"type": "audio", "audio": audio_files[0]}
+    chat = [{"role": "user", "content": [part, {"type": "text", "text": "How high is the tone?"}]}]
+    inline = {"prompt": chat, "chosen": "mid", "rejected": "high"}
+    same = PreferenceDataset(proc, _write(tmp_path / "inline.jsonl", [inline]))[0]
+    assert [s.tolist() for s in same["sequences"]] == [chosen, rejected]
+    torch.testing.assert_close(
+        same["media"].audio.input_features, item["media"].audio.input_features
+    )
+
     # Bad audio fails when the dataset is built, naming the file, the line and the field.
     (tmp_path / "bad.wav").write_bytes(b"not audio at all")
-    for name, want in [("gone.wav", "audio file not found"), ("bad.wav", "cannot decode")]:
+    write(tmp_path / "click.wav", tone(0.01), 16000)
+    for name, want in [
+        ("gone.wav", "audio file not found"),
+        ("bad.wav", "cannot decode"),
+        ("click.wav", r"the audio is 10.0 ms long"),
+    ]:
         records = [*_pairs(audio_files, 1), {**_pairs(audio_files, 1)[0], "audios": [name]}]
         with pytest.raises(DataError, match=rf"q.jsonl line 2: audios\[0\]: {want}"):
             PreferenceDataset(proc, _write(tmp_path / "q.jsonl", records))
@@ -250,3 +265,52 @@ def test_an_audio_reward_model_in_rl_hears_the_audio_of_each_conversation(
         RewardModel(path, chat_template=False)
     with pytest.raises(ValueError, match="min_pixels / max_pixels need a vision-language"):
         RewardModel(path, max_pixels=56 * 56)
+
+
+@pytest.mark.slow  # 2.5-3 min on the 2-core machine
+def test_a_tone_reward_model_learns_to_hear_the_band(tmp_path):
+    """Pairs from the tone task (lightrft.tasks.tones): the clip's band preferred over each other
+    band, so an answer prior alone ranks half the held-out pairs right; the likelihood reward model
+    from a random tiny Qwen2-Audio (the demo's size) learns to rank them by the audio."""
+    from lightrft import cli
+    from lightrft.tasks import ensure_tiny_model, ensure_tones_dataset
+    from lightrft.training import read_metrics
+
+    model = ensure_tiny_model(
+        tmp_path / "model", arch="qwen2_audio", layers=4, hidden=128, heads=4, kv_heads=2
+    )
+    data = ensure_tones_dataset(tmp_path / "tones", n_train=512, n_rl=4, n_test=64)
+    for split in ("train", "test"):
+        records = [json.loads(line) for line in open(data / f"{split}.jsonl")]
+        pairs = [
+            {
+                "prompt": r["prompt"],
+                "audios": r["audios"],
+                "chosen": r["answer"],
+                "rejected": [str(b) for b in range(1, 5) if str(b) != r["answer"]],
+            }
+            for r in records
+        ]
+        _write(data / f"{split}_pairs.jsonl", pairs)  # beside the clips: paths stay relative
+    pairs_of = {"_component_": "lightrft.data.PreferenceDataset", "max_audio_seconds": 1.0}
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "device": "cpu",
+        "model": {"path": str(model), "pooling": "likelihood"},
+        "loss": {"nll_coef": 1.0},
+        "dataset": {**pairs_of, "path": str(data / "train_pairs.jsonl")},
+        "eval_dataset": {**pairs_of, "path": str(data / "test_pairs.jsonl")},
+        "batch_size": 16,
+        "epochs": 10,
+        "max_steps": 80,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.0},
+        "lr_scheduler": {"warmup_steps": 10, "min_lr_ratio": 0.5},
+        "clip_grad_norm": 1.0,
+        "eval_every": 80,
+        "metrics": {"tensorboard": False},
+    }
+    path = tmp_path / "rm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["run", "reward_model", "--config", str(path)]) == 0
+    acc = [r["eval/accuracy"] for r in read_metrics(tmp_path / "out") if "eval/accuracy" in r]
+    assert acc[0] < 0.6 and acc[-1] > 0.8, acc
