@@ -1,4 +1,5 @@
-"""Comparing two exports of a run: what `lightrft export` writes against a run's final/."""
+"""Comparing two exports of a run (what `lightrft export` writes against a run's final/), and
+marking a model directory as a reward-model export."""
 
 from __future__ import annotations
 
@@ -23,3 +24,19 @@ def assert_same_export(got: Path, want: Path) -> None:
                 assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{name}: {k}"
         else:
             assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+def likelihood_reward_model(src, dst):
+    """A copy of the vision- or audio-language model directory ``src`` at ``dst`` marked as a
+    ``likelihood`` reward model (the ``lightrft_reward`` block an export of
+    recipes/reward_model.py writes): the untrained model scores a response by its own mean log-probability. Returns ``dst`` as a string."""
+    import json
+    import shutil
+
+    from lightrft.models.reward import CONFIG_KEY, build_reward_net
+
+    shutil.copytree(src, dst)
+    block = build_reward_net(dst, pooling="likelihood").reward_config()
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, CONFIG_KEY: block}, indent=2))
+    return str(dst)

@@ -7,15 +7,18 @@ Record format (field names configurable)::
      "rejected": str | [messages] | [str | [messages], ...],   # a list: several candidates
      "margin": float (optional), "head": str (optional),
      "chosen_safe": bool (optional), "rejected_safe": bool | [bool, ...] (optional),
-     "images": [...] (optional: vision-language reward models; shown with the prompt)}
+     "images": [...] (optional: vision-language reward models; shown with the prompt),
+     "audios": [...] (optional: audio-language reward models; heard with the prompt)}
 
 Each (prompt, response) is rendered exactly as :class:`lightrft.rewards.RewardModel` renders it
 when scoring (:func:`render_for_scoring`), so a trained reward model reads the same tokens in RL.
 
 Bad input follows the rules of the other datasets: a missing or mistyped field names the file,
-the line and the field; a rejected response identical to the chosen one is dropped and counted
-(``stats["identical"]``); sequences longer than ``max_length`` are truncated (keep the start) or
-dropped, as configured, and counted. A pair that truncation makes identical is dropped too.
+the line and the field (a missing or undecodable image or audio file too); a rejected response
+identical to the chosen one is dropped and counted (``stats["identical"]``); sequences longer than
+``max_length`` are truncated (keep the start) or dropped, as configured, and counted. A pair that
+truncation makes identical, or whose cut would cut media tokens, is dropped too; audio over
+``max_audio_seconds`` is clipped or its record dropped, as configured, and counted.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Annotated, Any
 import torch
 
 from lightrft.config import Bound
+from lightrft.data.audio import AudioTooLong, OverlongAudio
 from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.media import Media
 from lightrft.data.records import (
@@ -115,12 +119,16 @@ def encode_with_media(
     tokenizer, media: MediaSamples, src: Records, i: int, prompt: Prompt | None, responses: list
 ) -> tuple[list[list[int]], list[int], DecodedMedia | None]:
     """Record ``i``'s candidates for a multimodal model: the token ids of ``prompt`` (its images
-    from the record's images field or inline in its image parts) followed by each response as
-    the assistant turn, media placeholders expanded; each response's start (its first label,
-    after the labels of the prompt's own assistant turns);
-    and the decoded media every candidate shares (``None`` without). Preference data and
+    and audio from the record's media fields or inline in its media parts) followed by each
+    response as the assistant turn, media placeholders expanded; each response's start (its
+    first label, after the labels of the prompt's own assistant turns); and the decoded media
+    every candidate shares (``None`` without). Preference data and
     :class:`~lightrft.rewards.RewardModel` encode through this one function, so a reward model
-    scores what it was trained on."""
+    scores what it was trained on.
+
+    Raises:
+        AudioTooLong: the record's audio is over the maximum and ``overlong_audio="drop"``.
+    """
     where = src.where(i)
     turns, decoded = media.messages(src, i, prompt_turns(prompt))
     # Every assistant turn is one run of labels; the prompt's own come before the response's.
@@ -163,7 +171,14 @@ class PreferenceDataset(torch.utils.data.Dataset):
             shown with the prompt to every candidate. They need a vision-language model's
             processor as ``tokenizer`` and the chat template; a text tokenizer refuses them with
             the file and line.
+        audios_field: the pair's audio (as for :class:`~lightrft.data.SFTDataset`: paths
+            relative to the data file, HF audio values; or inline audio parts of the prompt,
+            placed by ``<audio>`` tags), heard with the prompt by every candidate. They need an
+            audio-language model's processor as ``tokenizer`` and the chat template.
         min_pixels, max_pixels: bounds on each image's area (resized keeping aspect ratio).
+        max_audio_seconds: the longest audio kept (None: the feature extractor's chunk).
+        overlong_audio: ``"clip"`` an audio over ``max_audio_seconds`` to it, or ``"drop"`` the
+            record; counted in ``stats`` (``audio_clipped``, ``audio_dropped``).
         apply_chat_template: render with the tokenizer's chat template (as the reward model
             will score in RL); ``False`` concatenates prompt and response.
         max_length: longest sequence in tokens; ``None`` for no limit.
@@ -185,15 +200,26 @@ class PreferenceDataset(torch.utils.data.Dataset):
         chosen_safe_field: str = "chosen_safe",
         rejected_safe_field: str = "rejected_safe",
         images_field: str = "images",
+        audios_field: str = "audios",
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
+        overlong_audio: OverlongAudio = "clip",
         apply_chat_template: bool = True,
         max_length: Annotated[int | None, Bound(ge=1)] = None,
         truncation: Truncation = "truncate",
     ) -> None:
         check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
-        self.media = MediaSamples(processor, images_field, min_pixels, max_pixels, None)
+        self.media = MediaSamples(
+            processor,
+            images_field,
+            min_pixels,
+            max_pixels,
+            audios_field,
+            max_audio_seconds,
+            overlong_audio,
+        )
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -206,16 +232,22 @@ class PreferenceDataset(torch.utils.data.Dataset):
         src = open_records(path, records, split)
         self.source = src.name
         self._items: list[dict[str, Any]] = []
-        self._media: list[DecodedMedia | None] = []  # each item's decoded images
+        self._media: list[DecodedMedia | None] = []  # each item's decoded images and audio
         self._origins: list[str] = []
-        identical = truncated = dropped = 0
+        identical = truncated = dropped = audio_dropped = 0
+        # (field, what it holds, the model that reads it), refused with a text tokenizer
+        media_fields = (
+            (images_field, "images", "a vision-language"),
+            (audios_field, "audio", "an audio-language"),
+        )
         for i in range(len(src)):
             rec, where = src[i], src.where(i)
-            if not self.media.kinds and images_field and rec.get(images_field):
-                raise DataError(
-                    f"{where}: field {images_field!r} holds images, which need a "
-                    "vision-language model's processor (this dataset was given a text tokenizer)"
-                )
+            for field, noun, model in media_fields:
+                if not self.media.kinds and field and rec.get(field):
+                    raise DataError(
+                        f"{where}: field {field!r} holds {noun}, which need {model} model's "
+                        "processor (this dataset was given a text tokenizer)"
+                    )
             if not apply_chat_template:
                 self.media.raw_mode(src, i)  # media tokens need the template
             prompt = rec.get(prompt_field)
@@ -249,10 +281,14 @@ class PreferenceDataset(torch.utils.data.Dataset):
             safe += [_safe_sign(s, where, rejected_safe_field) for s in safe_list]
 
             media = None
-            if self.media.kinds:  # a vision-language processor: images ride the chat path
-                ids, starts, media = encode_with_media(
-                    self.tokenizer, self.media, src, i, prompt, [chosen, *rejected]
-                )
+            if self.media.kinds:  # a multimodal processor: images and audio ride the chat path
+                try:
+                    ids, starts, media = encode_with_media(
+                        self.tokenizer, self.media, src, i, prompt, [chosen, *rejected]
+                    )
+                except AudioTooLong:
+                    audio_dropped += 1
+                    continue
                 keep = [0] + [k for k in range(1, len(ids)) if ids[k] != ids[0]]
                 ids, starts = [ids[k] for k in keep], [starts[k] for k in keep]
             else:
@@ -273,11 +309,11 @@ class PreferenceDataset(torch.utils.data.Dataset):
                     dropped += 1
                     continue
                 n_long = sum(len(s) > max_length for s in ids)
-                ids = [s[:max_length] for s in ids]
+                full, ids = ids, [s[:max_length] for s in ids]
                 if all(s == ids[0] for s in ids[1:]) or not all(
-                    self.media.intact(s, media) for s in ids
+                    self.media.kept_all(f, s) for f, s in zip(full, ids, strict=True)
                 ):
-                    # They differ only after max_length (nothing to learn), or an image is cut.
+                    # They differ only after max_length (nothing to learn), or media is cut.
                     dropped += 1
                     continue
                 truncated += n_long
@@ -298,10 +334,11 @@ class PreferenceDataset(torch.utils.data.Dataset):
             self._media.append(media)
             self._origins.append(where)
         if not self._items:
+            audio = f", {audio_dropped} with audio over max_audio_seconds" if audio_dropped else ""
             raise DataError(
                 f"empty dataset: all {len(src)} records of {self.source} were dropped "
                 f"({identical} identical responses, {dropped} too long with max_length="
-                f"{max_length}, truncation={truncation!r})"
+                f"{max_length}, truncation={truncation!r}{audio})"
             )
         self.stats: dict[str, int] = {
             "records": len(src),
@@ -310,6 +347,15 @@ class PreferenceDataset(torch.utils.data.Dataset):
             "truncated": truncated,
             "dropped": dropped,
         }
+        if self.media.audio is not None:
+            self.stats.update(audio_clipped=self.media.clipped, audio_dropped=audio_dropped)
+            if audio_dropped:
+                log.warning(
+                    "%s: dropped %d records with audio over max_audio_seconds=%g",
+                    self.source,
+                    audio_dropped,
+                    self.media.audio.max_seconds,
+                )
         if identical or truncated or dropped:
             log.warning(
                 "%s: dropped %d rejected responses identical to the chosen one; max_length=%s "
@@ -342,8 +388,8 @@ class PreferenceDataset(torch.utils.data.Dataset):
         media = self._media[i]
         if media is None:
             return self._items[i]
-        # Pixel values on access (a whole dataset's would not fit in memory); every candidate
-        # is shown the same images.
+        # Pixel values and audio features on access (a whole dataset's would not fit in
+        # memory); every candidate is shown the same images and hears the same audio.
         return {**self._items[i], "media": self.media.process(media)}
 
     @property

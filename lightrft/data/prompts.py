@@ -260,19 +260,31 @@ class PromptDataset(torch.utils.data.Dataset):
 def conversation(
     messages: Sequence[Mapping[str, Any]] | None, media: Media | None = None
 ) -> list[dict] | None:
-    """A prompt item's chat (its ``messages``) with its images inline: the k-th image part holds
-    the k-th image of the item's ``media`` (resized as the actor saw it) under ``"image"``, the HF content format that preference data reads too.
-    ``None`` for a raw prompt (no messages). Reward functions with ``uses_conversations`` get
-    these, so a reward model renders the chat with its own template, as in its training."""
+    """A prompt item's chat (its ``messages``) with its media inline: the k-th image part holds
+    the k-th image of the item's ``media`` (resized as the actor saw it) under ``"image"``, the
+    k-th audio part the k-th audio (decoded, clipped, at the feature extractor's rate) as an HF
+    audio value ``{"array", "sampling_rate"}`` under ``"audio"``: the HF content format that
+    preference data reads too. ``None`` for a raw prompt (no messages). Reward functions with
+    ``uses_conversations`` get these, so a reward model renders the chat with its own template,
+    as in its training."""
     if messages is None:
         return None
     pictures = iter(media.image.images if media is not None and media.image is not None else ())
+    audio = media.audio if media is not None else None
+    clips = iter(
+        [{"array": w, "sampling_rate": audio.sampling_rate} for w in audio.audios]
+        if audio is not None
+        else []
+    )
+    inline = {"image": pictures, "audio": clips}
     out = []
     for m in messages:
         content = m["content"]
         if not isinstance(content, str):
             content = [
-                {**part, "image": next(pictures)} if part.get("type") == "image" else dict(part)
+                {**part, part["type"]: next(inline[part["type"]])}
+                if part.get("type") in inline
+                else dict(part)
                 for part in content
             ]
         out.append({**m, "content": content})

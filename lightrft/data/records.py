@@ -208,6 +208,15 @@ class MediaSamples:
                 return False
         return True
 
+    def kept_all(self, full: list[int], cut: list[int]) -> bool:
+        """Whether ``cut`` (a prefix of ``full``) still holds every media token of ``full``:
+        a sample that lost some cannot be forwarded (the model finds fewer tokens than its
+        images and audio give)."""
+        ids = {self.images.image_token_id} if self.images is not None else set()
+        if self.audio is not None:
+            ids.add(self.audio.audio_token_id)
+        return sum(t in ids for t in cut) == sum(t in ids for t in full)
+
     def report(self, log: logging.Logger, source: str, stats: dict, noun: str, audio_dropped, cut):
         """Add the audio counts to a dataset's ``stats`` and warn on the dataset's ``log`` of the
         ``noun``s (prompts, samples) dropped for audio or ``cut`` (``"max_length=N truncated"``)

@@ -125,13 +125,16 @@ class RewardModel:
         min_pixels, max_pixels: bounds on each image's area (a vision-language reward model;
             None keeps its processor's own).
 
+    A vision- or audio-language reward model (an export of ``recipes/reward_model.py`` with the
+    ``likelihood`` pooling) needs the conversations: it reads the images and audio in their
+    media parts, renders and expands them exactly as its preference data was
+    (:func:`~lightrft.data.preference.encode_with_media`), and refuses a sequence longer than
+    ``max_length`` (cutting it would cut media tokens). Audio longer than the feature
+    extractor's chunk is clipped to it, as the datasets clip it.
+
     With the chat template (``uses_conversations``), a sample is rendered from its conversation
     when the caller gives one (``conversations=``: the recipes pass each prompt's chat), else
-    from its prompt. A vision-language reward model (an export of ``recipes/reward_model.py``
-    with the ``likelihood`` pooling) needs the conversations: it reads the images in their image
-    parts, renders and expands them exactly as its preference data was
-    (:func:`~lightrft.data.preference.encode_with_media`), and refuses a sequence longer than
-    ``max_length`` (cutting it would cut image tokens).
+    from its prompt.
     """
 
     name = "reward_model"
@@ -166,21 +169,13 @@ class RewardModel:
         # directory its final/ would be: heads, pooling and statistics included.
         path = resolve_model_dir(path)
         check_local(path)
-        from lightrft.models.multimodal import (
-            checkpoint_is_audio_language,
-            checkpoint_is_multimodal,
-        )
+        from lightrft.models.multimodal import checkpoint_is_multimodal
 
-        if checkpoint_is_audio_language(path):
+        multimodal = bool(checkpoint_is_multimodal(path))  # vision- or audio-language
+        if multimodal and not chat_template:
             raise ValueError(
-                f"{path} is an audio-language model: reward models take text and images "
-                "(preference data has no audio)"
-            )
-        vision = bool(checkpoint_is_multimodal(path))
-        if vision and not chat_template:
-            raise ValueError(
-                f"{path} is a vision-language reward model: it needs chat_template=true (the chat "
-                "template places the image tokens, as in its training)"
+                f"{path} is a vision- or audio-language reward model: it needs chat_template=true "
+                "(the chat template places the image and audio tokens, as in its training)"
             )
         if head == "auto":
             head = _detect_head(path)
@@ -205,26 +200,24 @@ class RewardModel:
             net = RewardNet(backbone, linear)
         stats = ((read_reward_config(path) or {}).get("stats") or {}) if normalize else {}
         media = None
-        if vision:
+        if multimodal:
             if net.pooling != "likelihood":
                 raise ValueError(
-                    f"{path}: a vision-language model scores with pooling='likelihood' only"
+                    f"{path}: a vision- or audio-language model scores with "
+                    "pooling='likelihood' only (transformers has no classifier class for it)"
                 )
             from lightrft.data.records import MediaSamples
             from lightrft.models.multimodal import load_processor
 
-            media = MediaSamples(
-                load_processor(path, trust_remote_code=trust_remote_code),
-                None,
-                min_pixels,
-                max_pixels,
-                None,
-            )
+            processor = load_processor(path, trust_remote_code=trust_remote_code)
+            # Media only from the conversations' parts (no record fields); the audio bound is
+            # the feature extractor's chunk, as in the preference data by default.
+            media = MediaSamples(processor, None, min_pixels, max_pixels, None)
         elif min_pixels is not None or max_pixels is not None:
             raise ValueError("min_pixels / max_pixels apply to a vision-language reward model")
         self._setup(
             net,
-            media.images.tokenizer
+            processor.tokenizer
             if media is not None
             else load_tokenizer(path, trust_remote_code=trust_remote_code),
             media=media,
@@ -318,7 +311,7 @@ class RewardModel:
         self.offload = offload
         self.net = net.to("cpu" if offload else self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.media = media  # MediaSamples of a vision-language reward model, else None
+        self.media = media  # MediaSamples of a vision- or audio-language reward model, else None
         self.uses_conversations = chat_template
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
@@ -374,17 +367,19 @@ class RewardModel:
     def encode_conversations(
         self, conversations: Sequence[Prompt | None], responses: Sequence[str]
     ) -> tuple[list[list[int]], list[int], list[Any]]:
-        """A vision-language reward model's inputs: each (conversation, response) rendered and
-        its images expanded as in its preference data; the token ids, each one's first response
-        token, and its media (a :class:`~lightrft.data.media.Media`, or None)."""
+        """A vision- or audio-language reward model's inputs: each (conversation, response)
+        rendered and its images and audio expanded as in its preference data; the token ids,
+        each one's first response token, and its media (a :class:`~lightrft.data.media.Media`,
+        or None)."""
         from lightrft.data.io import Records
         from lightrft.data.preference import encode_with_media
 
         if any(c is None for c in conversations):
             raise ValueError(
-                "a vision-language reward model renders each sample's conversation (the chat "
-                "its prompt came from, with its images); a prompt rendered without a chat "
-                "template has none: use apply_chat_template=true in the prompt dataset"
+                "a vision- or audio-language reward model renders each sample's conversation "
+                "(the chat its prompt came from, with its images and audio); a prompt rendered "
+                "without a chat template has none: use apply_chat_template=true in the prompt "
+                "dataset"
             )
         src = Records.from_list([{} for _ in conversations], name="sample")
         seqs, starts, processed = [], [], []
@@ -394,9 +389,9 @@ class RewardModel:
             )
             if len(ids) > self.max_length:
                 raise ValueError(
-                    f"sample {i} has {len(ids)} tokens with its image tokens, over the reward "
-                    f"model's max_length={self.max_length} (cutting it would cut image tokens); "
-                    "raise max_length or lower max_pixels"
+                    f"sample {i} has {len(ids)} tokens with its media tokens, over the reward "
+                    f"model's max_length={self.max_length} (cutting it would cut image or audio "
+                    "tokens); raise max_length, or lower max_pixels"
                 )
             seqs.append(ids)
             starts.append(start)
@@ -471,8 +466,9 @@ class RewardModel:
         if self.media is not None:
             if conversations is None:
                 raise ValueError(
-                    "a vision-language reward model scores each sample's conversation with its "
-                    "images: pass conversations= (CombinedReward passes the recipe's)"
+                    "a vision- or audio-language reward model scores each sample's conversation "
+                    "with its images and audio: pass conversations= (CombinedReward passes the "
+                    "recipe's)"
                 )
             return self.score_ids(*self.encode_conversations(conversations, responses))
         if conversations is not None:  # the chats the prompts were rendered from
@@ -480,8 +476,8 @@ class RewardModel:
             for i, p in enumerate(prompts):
                 if _has_media(p):
                     raise ValueError(
-                        f"sample {i}'s prompt has images, which a text reward model cannot "
-                        "see: score it with a vision-language reward model, or with "
-                        "chat_template=false (the rendered prompt text)"
+                        f"sample {i}'s prompt has images or audio, which a text reward model "
+                        "cannot see or hear: score it with a vision- or audio-language reward "
+                        "model, or with chat_template=false (the rendered prompt text)"
                     )
         return self.score_ids(*self.encode(prompts, responses))

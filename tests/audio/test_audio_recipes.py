@@ -339,6 +339,57 @@ def test_audio_grpo_refuses_a_critic(tmp_path, alm_assets, capsys):
     assert "not supported with an audio-language actor" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 5-13 s; the RL scoring path (CombinedReward on conversations) is tested fast
+def test_audio_grpo_against_an_audio_reward_model(tmp_path, alm_assets):
+    """An audio-language reward model as the reward: each sample's reward is what the model
+    gives that sample's conversation with its own audio, scored alone (the untrained Qwen2-Audio,
+    marked a likelihood reward model, scores by its own mean log-prob); eval scores with it too
+    and the run logs reward/*."""
+    import json
+
+    from _exports import likelihood_reward_model
+
+    from lightrft.data import PromptDataset, conversation
+    from lightrft.models import load_processor
+    from lightrft.rewards import RewardModel
+
+    rm_path = likelihood_reward_model(alm_assets / "model", tmp_path / "rm")
+    reward = {
+        "_component_": "lightrft.rewards.CombinedReward",
+        "functions": {
+            "rm": {"_component_": "lightrft.rewards.RewardModel", "path": rm_path},
+            "accuracy": {"_component_": "lightrft.rewards.MathVerifier"},
+        },
+        "weights": {"accuracy": 0.0},
+    }
+    over = {"prepare": None, "reward": reward, "max_steps": 1, "trajectories": True}
+    over.update({"eval.every": 1, "eval.accuracy_reward": "accuracy"})
+    cfg = _grpo_config(tmp_path, alm_assets, **over)
+    assert cli.main(["run", "grpo", "--config", str(cfg)]) == 0
+    rows = (tmp_path / "out" / "trajectories" / "step_000001.jsonl").read_text().splitlines()
+    samples = [json.loads(x) for x in rows]
+    assert len(samples) == 8
+
+    processor = load_processor(str(alm_assets / "model"))
+    data = str(alm_assets / "data" / "train.jsonl")
+    # The prompts share their text: a trajectory finds its record (and audio) by file and line.
+    by_where = {it["where"]: it for it in PromptDataset(processor, data, max_audio_seconds=1.0)}
+    items = [by_where[s["where"]] for s in samples]
+    alone = RewardModel(rm_path, micro_batch_size=1)(
+        [s["prompt"] for s in samples],
+        [s["response"] for s in samples],
+        conversations=[conversation(it["messages"], it["media"]) for it in items],
+    )
+    got = torch.tensor([s["reward_parts"]["rm"] for s in samples])
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor([s["reward"] for s in samples]), got)
+    assert len({s["where"] for s in samples}) == 2  # two clips in the step
+    train = _train_rows(tmp_path / "out")[1]
+    assert train["reward/rm/mean"] < 0 and "reward/accuracy/mean" in train
+    evals = [r for r in read_metrics(tmp_path / "out") if "eval/reward/rm" in r]
+    assert evals and all(r["eval/reward/rm"] < 0 for r in evals)  # mean log-probs
+
+
 def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(
     tmp_path, alm_assets, monkeypatch
 ):

@@ -163,7 +163,9 @@ def test_chat_reward_model_renders_the_conversation_not_the_rendered_prompt(clas
     torch.testing.assert_close(got[5:], rm(rendered[5:], RESPONSES[5:]))
     assert not RewardModel(str(classifier_dir), chat_template=False).uses_conversations
     image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
-    with pytest.raises(ValueError, match="sample 0's prompt has images, which a text reward"):
+    with pytest.raises(
+        ValueError, match="sample 0's prompt has images or audio, which a text reward"
+    ):
         rm(["x"], ["y"], conversations=[image])
 
 

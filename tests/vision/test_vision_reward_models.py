@@ -85,6 +85,25 @@ def test_images_need_a_vlm_processor_and_the_chat_template(tiny_vlm, image_files
         PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), path, apply_chat_template=False)
 
 
+def test_pairs_with_images_truncate_in_the_responses_and_keep_every_image_token(
+    tiny_vlm, image_files, tmp_path
+):
+    """max_length cuts inside the responses: the pair is kept (it still differs) with all its
+    image tokens; a cut into the image drops it (the candidates would be identical)."""
+    proc = load_processor(tiny_vlm("qwen2_vl"))
+    record = {**_pairs(image_files, 1)[0], "chosen": "red, surely", "rejected": "green, surely"}
+    path = _write(tmp_path / "p.jsonl", [record])
+    full = PreferenceDataset(proc, path)[0]
+    n = len(full["sequences"][0])
+    cut = PreferenceDataset(proc, path, max_length=n - 2)
+    assert cut.stats["truncated"] == 2 and len(cut) == 1
+    image_token = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for seq in cut[0]["sequences"]:
+        assert seq.tolist().count(image_token) == sum(full["media"].image.num_tokens)
+    with pytest.raises(DataError, match="1 too long with max_length"):
+        PreferenceDataset(proc, path, max_length=full["starts"][0] - 3)
+
+
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids", "scored", "media")
 
 
