@@ -163,6 +163,15 @@ def arrange(slot_rows: list[int], groups: list[list[int]]) -> list[int]:
 
 
 @dataclass
+class SchedulerStats:
+    """Counters of the native engine's last ``generate`` call (``engine.stats``)."""
+
+    steps: int = 0  # decoding forward steps
+    admitted_while_decoding: int = 0  # requests that entered rows freed while others decoded
+    max_active_rows: int = 0  # most rows decoding in one step
+
+
+@dataclass
 class _RowState:
     """Per-trajectory state of one ``generate`` (all tensors [R] unless noted).
 
@@ -331,7 +340,7 @@ class NativeEngine:
         self._media: list[Media | None] = []
         # Scheduler counters of the last generate(): forward steps, requests admitted while
         # other rows were decoding, most rows active in one step.
-        self.stats: dict[str, int] = {}
+        self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------- sleep / wake / weights
     def sleep(self, level: int = 1) -> None:
@@ -644,7 +653,7 @@ class NativeEngine:
             first_row.append(first_row[-1] + p.n)
         queue = deque(range(len(prompts)))
         prompt_lp: dict[int, list[float]] = {}
-        self.stats = {"steps": 0, "admitted_while_decoding": 0, "max_active_rows": 0}
+        self.stats = SchedulerStats()
 
         def admit(free: int) -> list[int]:
             # Whole requests only: their n samples share one prefill.
@@ -681,7 +690,7 @@ class NativeEngine:
                 assert not queue, "a request was never admitted"
                 break
             if going and new:
-                self.stats["admitted_while_decoding"] += len(new)
+                self.stats.admitted_while_decoding += len(new)
             if ended or back or new:
                 keep = slots.rows[: slots.active]
                 if ended:
@@ -738,9 +747,9 @@ class NativeEngine:
             if fresh:
                 parts.append(new_logits[src])  # [n rows, V]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
-            self.stats["max_active_rows"] = max(self.stats["max_active_rows"], slots.active)
+            self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
             step += 1
-        self.stats["steps"] = step
+        self.stats.steps = step
         return self._completions(state, prompts, params, prompt_lp, out_tok, out_lp, run)
 
     def _prefill_prompts(

@@ -29,6 +29,7 @@ Method:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -310,7 +311,9 @@ def worker(config: dict) -> None:
             res = {"digests": run()[1]}
             engine.max_num_seqs = rows
         elif cmd == "stats":
-            res = dict(getattr(engine, "stats", {}))
+            # The base commit's wave engine has no counters.
+            stats = getattr(engine, "stats", None)
+            res = {} if stats is None else dataclasses.asdict(stats)
         else:
             return
         print(json.dumps(res), flush=True)

@@ -212,7 +212,7 @@ def test_admission_beside_rows_waiting_on_their_tools(tiny_model_dir, engine, pr
     ]
     narrow = NativeEngine(tiny_model_dir, max_model_len=256, max_num_seqs=4)
     outs = narrow.generate(reqs, sps, continuation=slow)
-    assert narrow.stats["admitted_while_decoding"] >= 2
+    assert narrow.stats.admitted_while_decoding >= 2
     assert sum(c.num_turns > 1 for c in outs) >= 3
     for k, (req, sp) in enumerate(zip(reqs, sps, strict=True)):
         alone = engine.generate([req], [sp], continuation=slow)

@@ -174,8 +174,8 @@ def test_continuous_batching_equals_each_request_alone(tiny_model_dir, engine, p
     assert narrow.generate([], SamplingParams()) == []
     outs = narrow.generate(reqs, sps)
     # Admission really happened mid-batch (not one wave after another).
-    assert narrow.stats["admitted_while_decoding"] >= 5
-    assert narrow.stats["max_active_rows"] == 5
+    assert narrow.stats.admitted_while_decoding >= 5
+    assert narrow.stats.max_active_rows == 5
     assert [(c.request_index, c.sample_index) for c in outs] == [
         (k, j) for k, n in enumerate(widths) for j in range(n)
     ]

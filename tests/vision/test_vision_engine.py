@@ -175,7 +175,7 @@ def test_image_requests_admitted_mid_batch_equal_each_request_alone(tiny_vlm):
     ]
     narrow = NativeEngine(path, dtype="float32", device="cpu", max_num_seqs=2)
     outs = narrow.generate(reqs, sps)
-    assert narrow.stats["admitted_while_decoding"] >= 2
+    assert narrow.stats.admitted_while_decoding >= 2
     alone = NativeEngine(path, dtype="float32", device="cpu")
     for req, sp, c in zip(reqs, sps, outs, strict=True):
         (ref,) = alone.generate([req], [sp])
