@@ -225,6 +225,7 @@ class EngineSetup:
     slots: int  # KV slots per row: longest prompt + longest response
     sleep_level: int
     gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
+    tensor_parallel: int = 1  # vLLM's tensor_parallel_size: its weights split this many ways
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,9 @@ class PlanInputs:
     cluster: Cluster
     actor: TrainedSetup
     tokens_per_micro_batch: int
+    # More than one micro-batch per optimizer step: the gradients of the earlier ones are held
+    # while the next one's activations are. With one, gradients fill in as activations free.
+    accumulation: bool = True
     repeat_kv: bool = False  # padded rows: SDPA's masked GQA repeats K / V
     entropy: bool = False  # an entropy term: a second [chunk, vocab] buffer
     grad_hint: bool = False  # GRPO: the kernel computes the gradient in forward and keeps it
@@ -288,9 +292,13 @@ class Plan:
     fused_logprob_bytes: int
     naive_logprob_bytes: int
     advice: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Phases that cannot run whatever the total: vLLM's share smaller than its weights.
+    blocked: dict[str, str] = field(default_factory=dict)
 
     def fits(self, phase: Phase) -> bool:
-        return phase.device_bytes <= self.inputs.cluster.gpu_memory
+        return (
+            phase.name not in self.blocked and phase.device_bytes <= self.inputs.cluster.gpu_memory
+        )
 
 
 # ------------------------------------------------------------------------------ terms
@@ -340,17 +348,20 @@ def model_state_terms(shape: ModelShape, t: TrainedSetup, label: str) -> list[Te
 
 
 def gathered_bytes(shape: ModelShape, t: TrainedSetup, *, trained: bool) -> int:
-    """FSDP2 units gathered at once (compute dtype): the root group (LM head + final norm) for
-    the whole step of a trained model, two blocks (running + prefetched) and, in backward, one
-    block's unsharded gradient and its fp32 copy for the reduce-scatter. ZeRO-3 gathers module
-    by module in the master dtype (no mixed precision in this project's DeepSpeed path)."""
+    """FSDP2 units gathered at once (compute dtype): the root group for the whole step of a
+    trained model (the LM head, or the tied embedding that is the head, and the final norm),
+    two blocks (running + prefetched) and, in backward, one block's unsharded gradient and its
+    fp32 copy for the reduce-scatter. With ``offload: params`` each gathered unit's fp32 shard is
+    copied to the device first. ZeRO-3 gathers module by module in the master dtype (no mixed
+    precision in this project's DeepSpeed path)."""
     if t.zero_stage:
         return 2 * shape.block_params * t.master_bytes if t.zero_stage == 3 else 0
     b = t.compute_bytes
-    root = shape.head_params * b if trained else 0
-    blocks = 2 * shape.block_params * b
+    root = (shape.vocab + 1) * shape.hidden if trained else 0
+    units = root + 2 * shape.block_params
     grad = shape.block_params * (b + 4) if trained else 0
-    return root + blocks + grad
+    staged = math.ceil(units * t.master_bytes / t.shard) if t.offload_params else 0
+    return units * b + grad + staged
 
 
 def activation_bytes(shape: ModelShape, tokens: int, b: int, *, ckpt: bool, repeat_kv: bool) -> int:
@@ -471,6 +482,15 @@ def plan(p: PlanInputs) -> Plan:
             scoring.append(Term(f"reward model {rm.key} (on the device to score)", size))
     phases.append(Phase("scoring / reference", tuple(scoring)))
     train = [*states, *common]
+    if not p.accumulation:
+        g = next(i for i, t in enumerate(train) if t.name == "actor gradients")
+        grads = train[g]
+        train[g] = Term(
+            grads.name,
+            max(0, grads.device_bytes - acts),
+            grads.host_bytes,
+            "one micro-batch per step: written as its activations free",
+        )
     if asleep is not None:
         train.append(asleep)
     train += [
@@ -492,9 +512,20 @@ def plan(p: PlanInputs) -> Plan:
         )
         train += [*critic_states, Term("critic activations", c_acts)]
     phases.append(Phase("training step", tuple(train)))
-    result = Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive)
+    blocked = {}
+    e = p.engine
+    if e is not None and e.backend != "native":
+        weights = s.params * e.dtype_bytes // e.tensor_parallel
+        share = int(e.gpu_memory_utilization * p.cluster.gpu_memory)
+        if weights >= share:
+            blocked["rollout"] = (
+                f"{e.backend}'s share ({_gib(share)}: engine.gpu_memory_utilization="
+                f"{e.gpu_memory_utilization}) is smaller than its weights ({_gib(weights)} per "
+                f"GPU at tensor_parallel_size={e.tensor_parallel}), with no room for a KV cache"
+            )
+    result = Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive, blocked=blocked)
     advice = {ph.name: _advice(result, ph) for ph in phases if not result.fits(ph)}
-    return Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive, advice)
+    return Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive, advice, blocked)
 
 
 def _advice(plan_: Plan, phase: Phase) -> tuple[str, ...]:
@@ -517,13 +548,17 @@ def _advice(plan_: Plan, phase: Phase) -> tuple[str, ...]:
             out.append("a larger shard_size (HSDP: shard over more ranks)")
     if p.engine is not None and p.engine.backend == "native" and p.engine.sleep_level < 2:
         out.append("engine sleep_level: 2 (frees the engine's weights between rollouts)")
-    if phase.name == "rollout" and p.engine is not None and p.engine.backend != "native":
+    if phase.name in plan_.blocked:
+        out.append(plan_.blocked[phase.name])
+        out.append("a larger engine.gpu_memory_utilization or engine.tensor_parallel_size")
+    elif phase.name == "rollout" and p.engine is not None and p.engine.backend != "native":
         out.append("a smaller engine.gpu_memory_utilization")
     if phase.name == "rollout" and p.engine is not None and p.engine.backend == "native":
         out.append("engine.max_kv_tokens or max_num_seqs (fewer KV-cache rows)")
     if phase.name == "training step":
         out.append("a smaller train.micro_batch_size / micro_batch_tokens")
-    out.append(f"more GPUs ({_gib(over)} over)")
+    if over > 0:
+        out.append(f"more GPUs ({_gib(over)} over)")
     return tuple(out)
 
 
@@ -675,7 +710,15 @@ def inputs_from_options(
         # A reward-model micro-batch scores a chosen and a rejected response per pair.
         tokens = data.batch_size * int(length) * (2 if recipe == "reward_model" else 1)
     return PlanInputs(
-        recipe, shape, cluster, actor, int(tokens), repeat_kv=not data.packing, notes=tuple(notes)
+        recipe,
+        shape,
+        cluster,
+        actor,
+        int(tokens),
+        # A token budget cuts a step into a varying number of micro-batches: assume several.
+        accumulation=data.gradient_accumulation_steps > 1 or data.micro_batch_tokens is not None,
+        repeat_kv=not data.packing,
+        notes=tuple(notes),
     )
 
 
@@ -717,6 +760,7 @@ def _grpo_inputs(
         slots,
         eng.sleep_level,
         eng.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION,
+        eng.tensor_parallel_size or 1,
     )
     alg = opts.algorithm
     critic = None
@@ -745,6 +789,10 @@ def _grpo_inputs(
         cluster,
         actor,
         tokens,
+        # Samples per rank per optimizer step over the micro-batch size.
+        accumulation=(tr.mini_batch_size or ro.prompts_per_step * ro.n) // cluster.world
+        > tr.micro_batch_size
+        or tr.micro_batch_tokens is not None,
         repeat_kv=not tr.packing,
         entropy=bool(alg.entropy.coef),
         # Per-token objectives get the kernel's gradient hint (recipes/grpo.py, _grad_hint).

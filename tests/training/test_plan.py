@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -124,8 +125,6 @@ def test_model_states_shard_offload_and_zero_stages():
     def states(t):
         return [(x.device_bytes, x.host_bytes) for x in model_state_terms(QWEN_7B, t, "a")]
 
-    import math
-
     eighth = math.ceil(p * 4 / 8)
     assert states(_fsdp(8)) == [(eighth, 0), (eighth, 0), (math.ceil(p * 8 / 8), 0)]
     assert states(_fsdp(4)) == [(p, 0), (p, 0), (2 * p, 0)]  # HSDP: shard over 4 of 8
@@ -239,3 +238,38 @@ def _phase(result, name):
 
 def _term(phase, name):
     return next(t for t in phase.terms if t.name == name)
+
+
+def test_vllm_share_smaller_than_its_weights_blocks_the_rollout():
+    # 32B in bf16 is 61 GiB: 0.4 x 80 GiB cannot hold it, whatever else is on the GPU.
+    e = EngineSetup("vllm", 2, 256, 1536, sleep_level=1, gpu_memory_utilization=0.4)
+    inputs = PlanInputs("grpo", QWEN_32B, Cluster(2, 8), _fsdp(16), 1024, engine=e)
+    result = plan(inputs)
+    rollout = _phase(result, "rollout")
+    assert rollout.device_bytes < 80 * GiB and not result.fits(rollout)
+    assert "smaller than its weights" in result.blocked["rollout"]
+    tp2 = dataclasses.replace(e, gpu_memory_utilization=0.6, tensor_parallel=2)
+    assert "rollout" not in plan(dataclasses.replace(inputs, engine=tp2)).blocked
+
+
+def test_one_micro_batch_per_step_writes_gradients_as_activations_free():
+    many = PlanInputs("sft", TINY, Cluster(1, 1), _fsdp(1), 100)
+    one = dataclasses.replace(many, accumulation=False)
+    g = _term(_phase(plan(many), "training step"), "actor gradients").device_bytes
+    acts = plan(many).activations
+    assert g == TINY.params * 4 and acts < g
+    assert _term(_phase(plan(one), "training step"), "actor gradients").device_bytes == g - acts
+
+
+def test_offload_stages_each_gathered_unit_in_fp32_on_the_device():
+    t = _fsdp(2)
+    on, off = (
+        plan(
+            PlanInputs("sft", TINY, Cluster(1, 2), dataclasses.replace(t, offload_params=True), 64)
+        ),
+        plan(PlanInputs("sft", TINY, Cluster(1, 2), t, 64)),
+    )
+    units = (TINY.vocab + 1) * TINY.hidden + 2 * TINY.block_params
+    name = "gathered FSDP2 units"
+    extra = _term(on.phases[-1], name).device_bytes - _term(off.phases[-1], name).device_bytes
+    assert extra == math.ceil(units * 4 / 2)
