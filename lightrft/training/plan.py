@@ -364,13 +364,22 @@ def gathered_bytes(shape: ModelShape, t: TrainedSetup, *, trained: bool) -> int:
     return units * b + grad + staged
 
 
-def activation_bytes(shape: ModelShape, tokens: int, b: int, *, ckpt: bool, repeat_kv: bool) -> int:
+def activation_bytes(
+    shape: ModelShape,
+    tokens: int,
+    b: int,
+    *,
+    ckpt: bool,
+    repeat_kv: bool,
+    recompute: bool = True,
+) -> int:
     """Saved-for-backward bytes of one micro-batch of ``tokens`` tokens (decoder + final norm).
-    With checkpointing: every block's input, plus one block's full set while it recomputes."""
+    With checkpointing: every block's input held from forward to backward, plus (``recompute``)
+    one block's full set while backward recomputes it."""
     layer = shape.layer_bytes_per_token(b, repeat_kv=repeat_kv)
     final = shape.norm_bytes_per_token(b)
     if ckpt:
-        return tokens * (shape.layers * b * shape.hidden + layer + final)
+        return tokens * (shape.layers * b * shape.hidden + (layer if recompute else 0) + final)
     return tokens * (shape.layers * layer + final)
 
 
@@ -397,7 +406,7 @@ def engine_terms(shape: ModelShape, e: EngineSetup, cluster: Cluster) -> tuple[T
         note = f"gpu_memory_utilization {e.gpu_memory_utilization} x GPU: weights + KV cache"
         # Level 1 offloads the weights to host memory and drops the KV cache; 2 drops both.
         asleep = awake if e.sleep_level == 0 else 0
-        host = shape.params * e.dtype_bytes if e.sleep_level == 1 else 0
+        host = shape.params * e.dtype_bytes // e.tensor_parallel if e.sleep_level == 1 else 0
         return (
             Term(f"engine ({e.backend}, awake)", awake, 0, note),
             Term(f"engine ({e.backend}, sleep level {e.sleep_level})", asleep, host),
@@ -610,6 +619,12 @@ def format_plan(result: Plan) -> str:
         f"transient {_gib(result.fused_logprob_bytes)} fused vs "
         f"{_gib(result.naive_logprob_bytes)} naive [tokens, vocab]"
     )
+    host = max(ph.host_bytes for ph in result.phases)
+    if host:
+        lines.append(
+            f"host memory: up to {_gib(host)} per process, {_gib(host * c.gpus_per_node)} per "
+            f"node of {c.gpus_per_node} processes (offloads, sleeping engine weights)"
+        )
     lines.extend(p.notes)
     return "\n".join(lines)
 

@@ -188,7 +188,9 @@ def check(world: int, path: Path) -> list[tuple[str, int, int]]:
     t = TrainedSetup(master_bytes=4, compute_bytes=4, shard=world)
     terms = {x.name: x.device_bytes for x in model_state_terms(shape, t, "actor")}
     acts = activation_bytes(shape, TOKENS, 4, ckpt=False, repeat_kv=False)
-    acts_ck = activation_bytes(shape, TOKENS, 4, ckpt=True, repeat_kv=False)
+    # Held from forward to backward: the forward's saved tensors (the block being recomputed in
+    # backward adds one layer's set, the per-layer term the `acts` row checks).
+    acts_ck = activation_bytes(shape, TOKENS, 4, ckpt=True, repeat_kv=False, recompute=False)
     # The step's new memory: gradients, AdamW state, activations, gathered units (the RSS
     # cross-check; a gloo run's communication buffers and allocator slack are not modelled).
     step = terms["actor gradients"] + terms["actor optimizer state"] + acts
