@@ -489,7 +489,8 @@ def plan(p: PlanInputs) -> Plan:
         if rm.offload and rm.on_gpu:
             size = rm.shape.params * rm.dtype_bytes
             scoring.append(Term(f"reward model {rm.key} (on the device to score)", size))
-    phases.append(Phase("scoring / reference", tuple(scoring)))
+    if p.recipe == "grpo":  # the supervised recipes score nothing before their step
+        phases.append(Phase("scoring / reference", tuple(scoring)))
     train = [*states, *common]
     if not p.accumulation:
         g = next(i for i, t in enumerate(train) if t.name == "actor gradients")
@@ -663,9 +664,9 @@ def read_shape(path: str, key: str, model_config: str | None = None) -> ModelSha
     if (p / "config.json").is_file():
         return ModelShape.from_file(p / "config.json")
     raise ValueError(
-        f"{key}={path!r}: no local config.json to read the model's shapes from (the planner reads "
-        "no hub); download its config.json and pass --model-config PATH, or point "
-        f"{key} at a local model directory"
+        f"{key}={path!r}: no config.json there to read the model's shapes from (a hub id, "
+        "which the planner does not fetch, or a directory a prepare step writes); pass "
+        f"--model-config PATH (the model's config.json) or point {key} at a model directory"
     )
 
 
