@@ -505,7 +505,10 @@ def plan(p: PlanInputs) -> Plan:
         train.append(asleep)
     train += [
         Term(
-            "gathered FSDP2 units", gathered_bytes(s, a, trained=True), 0, "root + 2 blocks + grad"
+            "gathered ZeRO-3 modules" if a.zero_stage else "gathered FSDP2 units",
+            gathered_bytes(s, a, trained=True),
+            0,
+            "2 blocks, master dtype" if a.zero_stage else "root + 2 blocks + grad",
         ),
         Term(
             "activations" + (" (checkpointed)" if a.activation_checkpointing else ""),
@@ -663,10 +666,14 @@ def read_shape(path: str, key: str, model_config: str | None = None) -> ModelSha
     p = Path(str(path)).expanduser()
     if (p / "config.json").is_file():
         return ModelShape.from_file(p / "config.json")
+    way_out = (
+        f"pass --model-config PATH (the model's config.json) or point {key} at a model directory"
+        if key == "model.path"
+        else f"point {key} at a local model directory (the planner reads only its config.json)"
+    )
     raise ValueError(
         f"{key}={path!r}: no config.json there to read the model's shapes from (a hub id, "
-        "which the planner does not fetch, or a directory a prepare step writes); pass "
-        f"--model-config PATH (the model's config.json) or point {key} at a model directory"
+        f"which the planner does not fetch, or a directory a prepare step writes); {way_out}"
     )
 
 

@@ -214,18 +214,24 @@ def test_cli_plans_a_shipped_config(capsys):
     # The config names a hub id: without a local copy the planner says which key to fix.
     assert main(argv) == 2
     assert "model.path='Qwen/Qwen2.5-1.5B-Instruct'" in capsys.readouterr().err
-    assert main([*argv, "--model-config", config]) == 0
+    # A 7B on 8 GPUs of 24 GiB: the training step is flagged with what would fit it.
+    assert main([*argv, "--gpu-memory", "24GiB", "--model-config", config]) == 0
     out = capsys.readouterr().out
     assert "FSDP2, shard group 8 of 8" in out
     for phase in ("rollout:", "scoring / reference:", "training step:"):
         assert phase in out
-    # A 7B on one 24 GiB GPU: the training step is flagged with what would fit it.
-    assert main([*argv[:3], "--gpu-memory", "24GiB", "--model-config", config]) == 0
-    out = capsys.readouterr().out
-    assert "training step" in out and "DOES NOT FIT" in out and "offload=params" in out
+    assert "training step: 27.7" in out and "(DOES NOT FIT)" in out and "offload=params" in out
     # Overrides apply before planning, and are checked as the recipe checks them.
     assert main([*argv, "--model-config", config, "shard_size=3"]) == 2
     assert "shard_size=3 does not divide the world size 8" in capsys.readouterr().err
+    zero3 = ["strategy=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=true"]
+    assert main([*argv, "--model-config", config, *zero3]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSpeed ZeRO-3 over 8, optimizer offload" in out and "gathered ZeRO-3" in out
+    # A reward model used as a reward is read from its own path, and named when it is missing.
+    rlhf = ["plan", "--config", "tiny/rlhf_grpo", "--gpus-per-node", "2", "--model-config", config]
+    assert main(rlhf) == 2
+    assert "reward.functions.rm.path='outputs/tiny/rlhf_rm/final'" in capsys.readouterr().err
 
 
 def _fsdp(shard: int) -> TrainedSetup:
@@ -279,12 +285,12 @@ def test_offload_stages_each_gathered_unit_in_fp32_on_the_device():
 def test_planner_within_15_percent_of_two_fsdp2_ranks():
     """tests/benchmarks/plan_check.py at 2 gloo processes (a 146M-parameter Qwen2, about 4 min
     on 2 busy cores): every exactly-counted term within 15% of the planner, on every rank."""
-    import importlib.util
+    import importlib
+    import sys
 
-    path = Path(__file__).parents[1] / "benchmarks" / "plan_check.py"
-    spec = importlib.util.spec_from_file_location("plan_check", path)
-    plan_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_check)
+    # Importable by name: the spawned ranks unpickle its worker function from it.
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    plan_check = importlib.import_module("plan_check")
     rows = plan_check.check(2, plan_check.make_model())
     exact = {what: (m, p) for what, m, p in rows if what != "step_rss_delta"}
     assert set(exact) == {"params", "grads", "optim", "acts", "acts_ckpt"}
