@@ -151,6 +151,10 @@ def test_lora_trains_only_the_adapters():
 def test_fused_logprobs_use_a_chunk_not_the_vocabulary_times_tokens():
     assert fused_chunk_rows(100_000, 152064) == 448  # 2^26 / V rounded to 64 rows
     assert fused_chunk_rows(100, 152064) == 100
+    from lightrft.kernels import default_chunk_size  # the rule the planner mirrors
+
+    for n, v in ((100_000, 152064), (100, 152064), (5000, 16384), (10, 10**7)):
+        assert fused_chunk_rows(n, v) == default_chunk_size(n, v)
     fused, naive = logprob_bytes(QWEN_7B, 8192, 2, entropy=False, grad_hint=False)
     assert fused == 448 * 152064 * (4 + 2)
     assert naive == 8192 * 152064 * (2 + 8)
