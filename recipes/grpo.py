@@ -349,7 +349,7 @@ class GRPORecipe:
         self.partial, self.policy_version = None, 0  # partial rollouts: groups in flight
         self.prompt_queue: list[dict[str, Any]] = []  # drawn prompts not yet in flight
         if (budget := self.opts.rollout.partial.token_budget) is not None:
-            self.partial = PartialRollouts(self.opts.rollout.n, budget // self.dist.world_size)
+            self.partial = PartialRollouts(budget // self.dist.world_size)
         self.step, self.epoch = 0, 0
         self.eval_history: list[tuple[int, float, float]] = []
         # (step, eval/env/* means) of this process's evals: not checkpointed, printed at the end.
@@ -596,20 +596,17 @@ class GRPORecipe:
         prompt loader's fields, their completions, each row's group key); ``self.partial_stats``
         says what the step carried."""
         per_rank = self.opts.rollout.prompts_per_step // self.dist.world_size
-        added, seeds = 0, self._request_params(per_rank, step, 0)
+        added, params = 0, self._request_params(per_rank, step, 0)
         while len(self.partial.groups) < per_rank:
             if not self.prompt_queue:
                 self.epoch, batch = next(self.prompts)
                 count = len(batch["prompt_ids"])
                 self.prompt_queue += [{k: v[i] for k, v in batch.items()} for i in range(count)]
-            self.partial.add(
-                self.prompt_queue.pop(0), seeds[added].seed, (step, 0, self.dist.rank, added)
-            )
+            item = self.prompt_queue.pop(0)
+            self.partial.add(item, params[added], (step, 0, self.dist.rank, added))
             added += 1
         with timer("rollout"):
-            done, self.partial_stats = self.partial.step(
-                self.rollout_engine, self.sampling, self.policy_version
-            )
+            done, self.partial_stats = self.partial.step(self.rollout_engine, self.policy_version)
         return PartialRollouts.completions(done)
 
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, RolloutBatch, dict]:

@@ -52,12 +52,12 @@ class Sample:
 @dataclasses.dataclass
 class Group:
     """One prompt's ``n`` samples in flight. ``prompt``: the prompt loader's fields of this
-    prompt (``prompt_ids``, ``prompt``, ``reference``, ...); ``seed``: its sampling seed, kept
-    across steps so a continued sample draws from its own stream; ``key``: the group's name in
-    the rollout batch (it stays that of the step it started in)."""
+    prompt (``prompt_ids``, ``prompt``, ``reference``, ...); ``sampling``: how its ``n`` samples
+    are drawn, seed included (kept across steps, so a continued sample draws from its own
+    stream); ``key``: the group's name in the rollout batch (that of the step it started in)."""
 
     prompt: dict[str, Any]
-    seed: int
+    sampling: SamplingParams
     key: tuple
     samples: list[Sample]
 
@@ -99,22 +99,24 @@ class PartialStats:
 class PartialRollouts:
     """The groups in flight between steps (oldest first) and one step's generation.
 
-    ``n``: samples per prompt; ``token_budget``: tokens this rank samples per step.
+    ``token_budget``: tokens this rank samples per step.
     """
 
-    def __init__(self, n: int, token_budget: int) -> None:
+    def __init__(self, token_budget: int) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-        self.n, self.token_budget = n, token_budget
+        self.token_budget = token_budget
         self.groups: list[Group] = []
 
-    def add(self, prompt: dict[str, Any], seed: int, key: tuple) -> None:
-        """A new prompt's group, generated after the groups already in flight."""
-        self.groups.append(Group(prompt, seed, key, [Sample(j) for j in range(self.n)]))
+    def add(self, prompt: dict[str, Any], sampling: SamplingParams, key: tuple) -> None:
+        """A new prompt's group of ``sampling.n`` samples (``sampling.seed`` set: a continued
+        sample must draw from its own stream), generated after the groups in flight."""
+        if sampling.seed is None:
+            raise ValueError("a partial rollout's SamplingParams needs a seed")
+        samples = [Sample(j) for j in range(sampling.n)]
+        self.groups.append(Group(prompt, sampling, key, samples))
 
-    def step(
-        self, engine: ColocatedEngine, sampling: SamplingParams, version: int
-    ) -> tuple[list[Group], PartialStats]:
+    def step(self, engine: ColocatedEngine, version: int) -> tuple[list[Group], PartialStats]:
         """Generate under the budget with the policy ``version``; the groups that finished
         (removed from flight, in the order they started) and the step's stats.
 
@@ -125,7 +127,7 @@ class PartialRollouts:
                 s.carried = len(s.token_ids)
         generated = unfinished = 0
         while self.groups and not any(g.finished for g in self.groups):
-            spent, unfinished = self._generate(engine, sampling, version)
+            spent, unfinished = self._generate(engine, version)
             generated += spent
         done = [g for g in self.groups if g.finished]
         self.groups = [g for g in self.groups if not g.finished]
@@ -143,9 +145,7 @@ class PartialRollouts:
         )
         return done, stats
 
-    def _generate(
-        self, engine: ColocatedEngine, sampling: SamplingParams, version: int
-    ) -> tuple[int, int]:
+    def _generate(self, engine: ColocatedEngine, version: int) -> tuple[int, int]:
         """One engine call under the budget over every unfinished sample; returns the tokens
         sampled and the samples left unfinished.
 
@@ -164,7 +164,7 @@ class PartialRollouts:
                 prompt_ids.append(list(g.prompt["prompt_ids"]))
                 media.append(g.prompt.get("media"))
                 one = s is not None
-                params.append(dataclasses.replace(sampling, seed=g.seed, n=1 if one else self.n))
+                params.append(dataclasses.replace(g.sampling, n=1) if one else g.sampling)
                 resumes.append(Resume(s.sample_index, s.token_ids, s.logprobs) if one else None)
                 owners.append((g, s))
         completions = engine.generate(

@@ -30,13 +30,13 @@ def colocated(model) -> ColocatedEngine:
 
 def test_continued_groups_equal_groups_generated_in_one_go(tiny_model_dir, prompts):
     engine = colocated(tiny_model_dir)
-    partial = PartialRollouts(n=4, token_budget=14)
+    partial = PartialRollouts(token_budget=14)
     done, steps, carried, queue = [], 0, 0, list(enumerate(prompts))
     while queue or partial.groups:
         while queue and len(partial.groups) < 2:
             i, item = queue.pop(0)
-            partial.add(item, seed=100 + i, key=(steps, i))
-        finished, stats = partial.step(engine, SAMPLING, version=0)
+            partial.add(item, dataclasses.replace(SAMPLING, seed=100 + i), key=(steps, i))
+        finished, stats = partial.step(engine, version=0)
         assert stats.trained_groups == len(finished) >= 1
         done += finished
         steps += 1
@@ -58,11 +58,11 @@ def test_stale_tokens_keep_the_version_and_logprobs_of_the_policy_that_sampled_t
     tiny_model_dir, prompts
 ):
     engine = colocated(tiny_model_dir)
-    partial = PartialRollouts(n=4, token_budget=10)
+    partial = PartialRollouts(token_budget=10)
     sampling = dataclasses.replace(SAMPLING, max_tokens=4)
-    partial.add(prompts[0], seed=1, key=(1, 0))
-    partial.add(prompts[1], seed=2, key=(1, 1))
-    done, stats = partial.step(engine, sampling, version=0)
+    partial.add(prompts[0], dataclasses.replace(sampling, seed=1), key=(1, 0))
+    partial.add(prompts[1], dataclasses.replace(sampling, seed=2), key=(1, 1))
+    done, stats = partial.step(engine, version=0)
     # The first group ran alone (6 rows hold one group), the second got 2 tokens per sample.
     assert [g.key for g in done] == [(1, 0)] and stats.unfinished_samples == 4
     (waiting,) = partial.groups
@@ -73,7 +73,7 @@ def test_stale_tokens_keep_the_version_and_logprobs_of_the_policy_that_sampled_t
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     engine.engine.load_weights(model.state_dict().items())  # the step's update
-    done, stats = partial.step(engine, sampling, version=1)
+    done, stats = partial.step(engine, version=1)
     assert [g.key for g in done] == [(1, 1)]
     for s, lp in zip(done[0].samples, before, strict=True):
         assert s.versions == [0, 0, 1, 1] and s.logprobs[:2] == lp
