@@ -54,29 +54,56 @@ def digest(ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
-def run_baseline(engine, requests, params, args) -> tuple[list[float], dict]:
+class Counting:
+    """The engine, counting its decoding steps (``engine.stats.steps``) over the calls of a
+    step: a measure of a step's generation that machine load does not move."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.steps = engine, 0
+
+    def generate(self, *args, **kwargs):
+        out = self.engine.generate(*args, **kwargs)
+        self.steps += self.engine.stats.steps
+        return out
+
+    def take(self) -> int:
+        steps, self.steps = self.steps, 0
+        return steps
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def run_baseline(engine, requests, params, args) -> tuple[dict, dict]:
     from lightrft.engine import Request
 
-    times, out = [], {}
+    times, out, decode = [], {}, []
+    counting = Counting(engine)
     for s in range(args.steps):
         idx = range(s * args.prompts, (s + 1) * args.prompts)
         t0 = time.perf_counter()
-        got = engine.generate(
+        got = counting.generate(
             [Request(requests[i]["prompt"]) for i in idx], [params[i] for i in idx]
         )
         times.append(time.perf_counter() - t0)
+        decode.append(counting.take())
         for c in got:
             out[(idx[c.request_index], c.sample_index)] = digest(c.token_ids)
-    return times, out
+    return {"seconds": times, "decode_steps": decode, "steady": [True] * len(times)}, out
 
 
-def run_partial(colocated, requests, params, args, budget) -> tuple[list[float], dict, dict]:
+def run_partial(colocated, requests, params, args, budget) -> tuple[dict, dict]:
     from lightrft.rollout.partial import PartialRollouts
 
     partial = PartialRollouts(budget)
     queue = list(range(len(requests)))
-    times, out, carried, reprefilled, steps = [], {}, [], 0, 0
+    times, out, carried, decode, steady, reprefilled = [], {}, [], [], [], 0
+    counting = Counting(colocated.engine)
+    colocated.engine = counting
     while queue or partial.groups:
+        # Steady: the step is topped up to --prompts groups, as in training (the last steps
+        # only drain what is left, which a run that goes on never does).
+        steady.append(len(queue) >= args.prompts - len(partial.groups))
         while queue and len(partial.groups) < args.prompts:
             i = queue.pop(0)
             partial.add({"prompt_ids": requests[i]["prompt"]}, params[i], key=(i,))
@@ -88,14 +115,16 @@ def run_partial(colocated, requests, params, args, budget) -> tuple[list[float],
             if not s.finished
         )
         t0 = time.perf_counter()
-        done, stats = partial.step(colocated, version=steps)
+        done, stats = partial.step(colocated, version=len(times))
         times.append(time.perf_counter() - t0)
+        decode.append(counting.take())
         carried.append(stats.carried_tokens)
-        steps += 1
         for g in done:
             for s in g.samples:
                 out[(g.key[0], s.sample_index)] = digest(s.token_ids)
-    return times, out, {"carried_tokens": carried, "reprefilled_tokens": reprefilled}
+    colocated.engine = counting.engine
+    info = {"seconds": times, "decode_steps": decode, "steady": steady}
+    return {**info, "carried_tokens": carried, "reprefilled_tokens": reprefilled}, out
 
 
 def gen(args: argparse.Namespace) -> dict:
@@ -122,21 +151,15 @@ def gen(args: argparse.Namespace) -> dict:
     tokens = sum(lengths) * args.n
     result: dict = {"budget": budget, "rows_per_step": rows, "tokens": tokens, "rounds": []}
     for _ in range(args.rounds):
-        base_t, base_out = run_baseline(engine, requests, params, args)
-        part_t, part_out, info = run_partial(colocated, requests, params, args, budget)
+        base, base_out = run_baseline(engine, requests, params, args)
+        part, part_out = run_partial(colocated, requests, params, args, budget)
         equal = sum(base_out[k] == part_out.get(k) for k in base_out)
         result["rounds"].append(
-            {
-                "baseline_s": base_t,
-                "partial_s": part_t,
-                "equal_samples": equal,
-                "samples": len(base_out),
-                **info,
-            }
+            {"baseline": base, "budget": part, "equal_samples": equal, "samples": len(base_out)}
         )
         print(
-            f"  baseline: longest step {max(base_t):.2f} s, total {sum(base_t):.1f} s | partial: "
-            f"longest step {max(part_t):.2f} s, total {sum(part_t):.1f} s | equal {equal}/{len(base_out)}",
+            f"  baseline: longest step {max(base['seconds']):.2f} s | budget: longest step "
+            f"{max(part['seconds']):.2f} s | samples equal {equal}/{len(base_out)}",
             file=sys.stderr,
             flush=True,
         )
@@ -151,16 +174,21 @@ def table(result: dict, lengths: list[int], args: argparse.Namespace) -> str:
         f"{args.steps} steps x {args.prompts} prompts x {args.n} samples; max_tokens p50/p90/max "
         f"{pct[50]}/{pct[90]}/{pct[100]}; token budget {result['budget']} per step",
         "",
-        "| round | side | steps | longest step (s) | median step (s) | total (s) | tok/s | "
-        "re-prefilled tokens | samples equal |",
+        "| round | side | steps (steady) | decode steps per step, max / median (steady) | "
+        "longest step, s (steady) | total s | tok/s | re-prefilled tokens | samples equal |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k, r in enumerate(result["rounds"]):
-        for side, times in (("baseline", r["baseline_s"]), ("budget", r["partial_s"])):
-            extra = r["reprefilled_tokens"] if side == "budget" else 0
+        for side in ("baseline", "budget"):
+            x = r[side]
+            times, dec = x["seconds"], x["decode_steps"]
+            st = [i for i, f in enumerate(x["steady"]) if f]
             lines.append(
-                f"| {k} | {side} | {len(times)} | {max(times):.2f} | {statistics.median(times):.2f} | "
-                f"{sum(times):.1f} | {result['tokens'] / sum(times):.0f} | {extra} | "
+                f"| {k} | {side} | {len(times)} ({len(st)}) | {max(dec)} / "
+                f"{statistics.median(dec):.0f} ({max(dec[i] for i in st)} / "
+                f"{statistics.median(dec[i] for i in st):.0f}) | {max(times):.2f} "
+                f"({max(times[i] for i in st):.2f}) | {sum(times):.1f} | "
+                f"{result['tokens'] / sum(times):.0f} | {x.get('reprefilled_tokens', 0)} | "
                 f"{r['equal_samples']}/{r['samples']} |"
             )
     return "\n".join(lines)
