@@ -65,14 +65,9 @@ def test_a_budget_carries_samples_into_the_next_step_and_trains(tmp_path, assets
     ],
     ids=["budget below one token per row", "no importance correction", "dynamic sampling"],
 )
-def test_partial_settings_that_cannot_work_are_refused_before_loading(
-    tmp_path,
-    assets,  # noqa: F811
-    capsys,
-    over,
-    msg,
-):
-    cfg = _config(tmp_path, assets, **over)
+def test_partial_settings_that_cannot_work_are_refused_before_loading(tmp_path, capsys, over, msg):
+    # The rules run before the model path is looked at: no model is needed to be refused.
+    cfg = _config(tmp_path, tmp_path / "no_assets", **over)
     assert cli.main(["validate", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err, err
