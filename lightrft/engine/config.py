@@ -92,6 +92,18 @@ class EngineConfig(Section):
 
 
 @section
+class PartialRolloutConfig(Section):
+    """``rollout.partial:``: partial rollouts (on when ``token_budget`` is set)."""
+
+    token_budget: int | None = option(
+        None,
+        ge=1,
+        doc="tokens sampled per step, all ranks together; samples unfinished when it runs out "
+        "go on at the next step under the newer weights (native engine)",
+    )
+
+
+@section
 class RolloutConfig(Section):
     """``rollout:``: the prompts of a step and how their samples are drawn."""
 
@@ -103,6 +115,7 @@ class RolloutConfig(Section):
     top_k: int = option(0, doc="0: off")
     first_token_temperature: float | None = option(None, doc="FIRE: the first token's temperature")
     stop_token_ids: list[int] = option((), doc="token ids that end a response")
+    partial: PartialRolloutConfig = option(default_factory=PartialRolloutConfig, doc="")
 
     def resolve(self, at: str) -> RolloutConfig:
         if not self.temperature > 0:
@@ -117,6 +130,12 @@ class RolloutConfig(Section):
                 f"number of processes ({world})"
             )
         self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
+        budget, rows = self.partial.token_budget, self.prompts_per_step * self.n
+        if budget is not None and budget < rows:
+            raise ValueError(
+                f"rollout.partial.token_budget={budget} is less than one token per row of a "
+                f"step (rollout.prompts_per_step x rollout.n = {rows}); raise it to >= {rows}"
+            )
         return self
 
     def sampling(self) -> SamplingParams:
