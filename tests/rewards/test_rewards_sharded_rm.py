@@ -1,0 +1,181 @@
+"""Reward models sharded over the ranks (FSDP2) and scored collectively: the scores equal the
+whole model's in one process, with unequal sample counts per rank and ranks without samples."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from _dist import run_distributed
+from safetensors.torch import save_file
+
+from lightrft.rewards import CombinedReward, RewardModel
+from lightrft.rewards.reward_model import collective_plan
+
+PROMPTS = ["What is 2+2?", "Name a colour.", "x", "Count to five.", "Hi", "?", "Why?"]
+RESPONSES = ["4", "Blue, or maybe a deep red.", "yz", "1 2 3 4 5", "Hello there!", "no", "ok"]
+SPLIT = 5  # rank 0 scores samples [0, 5), rank 1 [5, 7)
+
+
+def test_collective_plan_gives_every_rank_the_same_media_kinds_at_each_forward():
+    lengths = [5, 3, 9, 1, 4, 2, 8]
+    kinds = [(), ("image",), (), (), ("image",), (), ()]
+    plan = collective_plan(lengths, kinds, 2, 2)
+    # Text first (sorted by length, 2 at a time), then the images; each group rounded up to a
+    # multiple of 2 forwards with a filler (the group's shortest sample again, not real).
+    assert plan == [
+        ([3, 5], True),
+        ([0, 6], True),
+        ([2], True),
+        ([3], False),
+        ([1, 4], True),
+        ([1], False),
+    ]
+    real = sorted(i for chunk, ok in plan if ok for i in chunk)
+    assert real == list(range(len(lengths)))  # each sample scored once
+    for step in range(0, len(plan), 2):  # what ranks 0 and 1 run side by side
+        assert len({tuple(kinds[i] for i in plan[step + r][0])[0] for r in range(2)}) == 1
+    assert collective_plan([], [], 4, 2) == []
+    assert collective_plan([3], [()], 4, 4) == [([0], True)] + [([0], False)] * 3
+
+
+def _attention_export(tiny: str, out) -> str:
+    """A two-head, attention-pooled export of recipes/reward_model.py's layout (config block,
+    ``pooler.*`` weights), with heads large enough that scores differ visibly."""
+    from lightrft.models.export import export_hf
+    from lightrft.models.loading import load_tokenizer
+    from lightrft.models.reward import build_reward_net, set_reward_config
+
+    torch.manual_seed(0)
+    net = build_reward_net(tiny, heads=("helpful", "cost"), pooling="attention")
+    with torch.no_grad():
+        net.head.weight.normal_(0.0, 1.0)
+        net.pooler.proj.weight.normal_(0.0, 1.0)
+    set_reward_config(net, net.reward_config())
+    export_hf(net, load_tokenizer(tiny), out)
+    return str(out)
+
+
+def _value_head_dir(tiny: str, out) -> str:
+    shutil.copytree(tiny, out)
+    g = torch.Generator().manual_seed(1)
+    save_file(
+        {"value_head.weight": torch.randn(1, 64, generator=g), "value_head.bias": torch.ones(1)},
+        str(out / "value_head.safetensors"),
+    )
+    return str(out)
+
+
+def _check_sharded(rm: RewardModel, world: int) -> None:
+    """Every parameter is a DTensor and no rank holds a whole weight with more than one row."""
+    from torch.distributed.tensor import DTensor
+
+    assert rm.collective
+    for n, p in rm.net.named_parameters():
+        assert isinstance(p, DTensor), n
+        if p.shape[0] >= world:
+            assert p.to_local().shape[0] < p.shape[0], n
+
+
+def _text_worker(rank: int, world: int, attn: str, vhead: str, ref_file: str) -> None:
+    refs = torch.load(ref_file)
+    mine = slice(0, SPLIT) if rank == 0 else slice(SPLIT, len(PROMPTS))
+    models = {"attn": RewardModel(attn, micro_batch_size=3), "vhead": RewardModel(vhead)}
+    for name, rm in models.items():
+        _check_sharded(rm, world)
+        got = rm(PROMPTS[mine], RESPONSES[mine])  # 5 and 2 samples
+        torch.testing.assert_close(got, refs[name]["all"][mine], rtol=0, atol=1e-6)
+        for head, scores in rm.last_head_scores.items():
+            torch.testing.assert_close(scores, refs[name][head][mine], rtol=0, atol=1e-6)
+        # A rank without samples joins the other's forwards (3 and 0 samples).
+        got = rm(PROMPTS[:3], RESPONSES[:3]) if rank == 0 else rm([], [])
+        want = refs[name]["all"][:3] if rank == 0 else torch.empty(0)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # Through CombinedReward, as the recipes call it: rank 1's samples all route to the
+    # length reward, and it still calls the sharded model (with none of its own).
+    reward = CombinedReward(
+        {"rm": models["attn"], "len": lambda responses, **_: [float(len(r)) for r in responses]},
+        routes={"judged": ["rm"], "*": ["len"]},
+    )
+    assert reward.collective
+    labels = ["judged"] * SPLIT if rank == 0 else ["plain"] * (len(PROMPTS) - SPLIT)
+    out = reward(PROMPTS[mine], RESPONSES[mine], labels=labels)
+    want = refs["attn"]["all"][mine] if rank == 0 else torch.zeros(len(PROMPTS) - SPLIT)
+    torch.testing.assert_close(out.parts["rm"], want, rtol=0, atol=1e-6)
+    assert out.applied["rm"].all() == (rank == 0)
+
+
+@pytest.mark.slow
+def test_sharded_text_reward_models_score_as_the_whole_model(tmp_path, tiny_model_dir):
+    """An attention-pooled two-head classifier and a value-head model on 2 gloo processes with
+    5 and 2 samples: every head's scores equal the one-process model's (fp32, 1e-6)."""
+    attn = _attention_export(str(tiny_model_dir), tmp_path / "attn")
+    vhead = _value_head_dir(str(tiny_model_dir), tmp_path / "vhead")
+    refs = {}
+    for name, rm in (
+        ("attn", RewardModel(attn, micro_batch_size=3)),
+        ("vhead", RewardModel(vhead)),
+    ):
+        assert not rm.collective  # one process: the whole model
+        refs[name] = {"all": rm(PROMPTS, RESPONSES), **rm.last_head_scores}
+        assert refs[name]["all"].std() > 1e-3
+    torch.save(refs, tmp_path / "refs.pt")
+    run_distributed(_text_worker, attn, vhead, str(tmp_path / "refs.pt"))
+
+
+def _chats() -> tuple[list, list[str]]:
+    """Conversations with a picture each (three colours, two sizes) and one without."""
+    from PIL import Image
+
+    def ask(colour, size=(56, 56)):
+        picture = {"type": "image", "image": Image.new("RGB", size, colour)}
+        return [{"role": "user", "content": [picture, {"type": "text", "text": "Colour?"}]}]
+
+    chats = [
+        ask((255, 0, 0)),
+        [{"role": "user", "content": "Name a colour."}],
+        ask((0, 200, 0), (84, 56)),
+        ask((0, 0, 255)),
+        ask((200, 200, 0), (40, 70)),
+    ]
+    return chats, ["red", "green", "green", "blue", "yellow"]
+
+
+def _vlm_worker(rank: int, world: int, path: str, ref_file: str) -> None:
+    want = torch.load(ref_file)
+    chats, answers = _chats()
+    mine = slice(0, 4) if rank == 0 else slice(4, 5)  # 3 pictures + a text-only chat; 1 picture
+    rm = RewardModel(path, micro_batch_size=2)
+    _check_sharded(rm, world)
+    got = rm(["p"] * len(answers[mine]), answers[mine], conversations=chats[mine])
+    torch.testing.assert_close(got, want[mine], rtol=0, atol=1e-6)
+    # Only rank 1 has samples: rank 0 runs the same forwards (the tower too) with fillers.
+    got = (
+        rm([], [], conversations=[])
+        if rank == 0
+        else rm(["p"], answers[:1], conversations=chats[:1])
+    )
+    torch.testing.assert_close(got, want[:0] if rank == 0 else want[:1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_sharded_vlm_reward_model_scores_as_the_whole_model(tmp_path, tiny_vlm):
+    """A tiny Qwen2-VL likelihood reward model (its vision tower sharded too) on 2 gloo
+    processes with 4 and 1 samples, one of them without a picture: the scores equal the
+    one-process model's (fp32, 1e-6)."""
+    from _exports import likelihood_reward_model
+
+    path = likelihood_reward_model(tiny_vlm("qwen2_vl"), tmp_path / "rm")
+    chats, answers = _chats()
+    want = RewardModel(path, micro_batch_size=2)(["p"] * 5, answers, conversations=chats)
+    assert len(set(want.tolist())) == 5
+    torch.save(want, tmp_path / "want.pt")
+    run_distributed(_vlm_worker, path, str(tmp_path / "want.pt"))
+
+
+def test_one_process_loads_whole_and_is_not_collective(tiny_model_dir, tmp_path):
+    rm = RewardModel(_value_head_dir(str(tiny_model_dir), tmp_path / "vh"))
+    assert not rm.collective and not CombinedReward({"rm": rm}).collective
+    assert not any(type(p).__name__ == "DTensor" for p in rm.net.parameters())
+    assert rm([], []).shape == (0,)
