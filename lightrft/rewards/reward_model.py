@@ -279,6 +279,11 @@ class RewardModel:
         # Under a process group of several ranks the model is sharded over all of them (FSDP2,
         # parameters only) and scored collectively; in one process it loads whole.
         mesh = build_mesh(None, None, device)
+        if mesh is not None and torch.device(device).index is not None:
+            raise ValueError(
+                f"device={device!r}: a reward model sharded over the ranks runs on each rank's "
+                f"own device; give the device type only ({torch.device(device).type!r})"
+            )
         if head == "classifier":
             net = load_reward_net(
                 path,

@@ -92,6 +92,8 @@ def _text_worker(rank: int, world: int, attn: str, vhead: str, ref_file: str) ->
         got = rm(PROMPTS[:3], RESPONSES[:3]) if rank == 0 else rm([], [])
         want = refs[name]["all"][:3] if rank == 0 else torch.empty(0)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="give the device type only"):
+        RewardModel(attn, device="cpu:0")  # refused before loading: ranks have their own device
     # Through CombinedReward, as the recipes call it: rank 1's samples all route to the
     # length reward, and it still calls the sharded model (with none of its own).
     reward = CombinedReward(
@@ -179,3 +181,82 @@ def test_one_process_loads_whole_and_is_not_collective(tiny_model_dir, tmp_path)
     assert not rm.collective and not CombinedReward({"rm": rm}).collective
     assert not any(type(p).__name__ == "DTensor" for p in rm.net.parameters())
     assert rm([], []).shape == (0,)
+
+
+def _grpo_worker(rank: int, world: int, cfg_path: str) -> None:
+    from _dist import build_recipe
+
+    from lightrft import config as lconfig
+
+    cfg, _ = lconfig.load(cfg_path)
+    recipe = build_recipe("grpo", cfg)
+    recipe.setup(cfg)
+    assert recipe.reward_fn.collective and recipe.reward_fn.functions["rm"].collective
+    recipe.train()
+    recipe.logger.close()
+
+
+@pytest.mark.slow
+def test_grpo_on_two_processes_rewards_with_the_sharded_model(tmp_path):
+    """GRPO on 2 gloo processes with a value-head reward model (sharded) beside a verifier, and
+    an eval split of 7 prompts (4 and 3 per rank): every trained sample's logged reward-model
+    reward equals the whole model's score of it in one process (1e-6)."""
+    import json
+
+    import yaml
+
+    from lightrft.tasks import ensure_arith_dataset, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", layers=2, hidden=32, heads=2, kv_heads=1)
+    ensure_arith_dataset(tmp_path / "data", n_train=40, n_test=7, digits=1)
+    rm_dir = tmp_path / "rm"
+    shutil.copytree(model, rm_dir)
+    g = torch.Generator().manual_seed(1)
+    save_file(
+        {"value_head.weight": torch.randn(1, 32, generator=g)},
+        str(rm_dir / "value_head.safetensors"),
+    )
+    rm = {
+        "_component_": "lightrft.rewards.RewardModel",
+        "path": str(rm_dir),
+        "chat_template": False,
+    }
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "seed": 0,
+        "device": "cpu",
+        "model": {"path": str(model)},
+        "dataset": {
+            "_component_": "lightrft.data.PromptDataset",
+            "path": str(tmp_path / "data" / "train.jsonl"),
+        },
+        "eval_dataset": {
+            "_component_": "lightrft.data.PromptDataset",
+            "path": str(tmp_path / "data" / "test.jsonl"),
+        },
+        "reward": {
+            "_component_": "lightrft.rewards.CombinedReward",
+            "functions": {"accuracy": {"_component_": "lightrft.rewards.MathVerifier"}, "rm": rm},
+        },
+        "rollout": {"prompts_per_step": 2, "n": 4, "max_tokens": 4},
+        "algorithm": {"advantage": {"estimator": "grpo"}},
+        "train": {"micro_batch_size": 4, "ppo_epochs": 1},
+        "max_steps": 2,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
+        "eval": {"every": 2, "max_tokens": 3},
+        "trajectories": True,
+        "metrics": {"tensorboard": False},
+    }
+    path = tmp_path / "grpo.yaml"
+    path.write_text("# lightrft run grpo --config grpo.yaml\n" + yaml.safe_dump(cfg))
+    run_distributed(_grpo_worker, str(path))
+    lines = [
+        json.loads(line)
+        for f in sorted((tmp_path / "out" / "trajectories").glob("step_*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+    assert len(lines) == 16  # 2 steps x 2 prompts x 4 samples
+    whole = RewardModel(str(rm_dir), chat_template=False)
+    want = whole([r["prompt"] for r in lines], [r["response"] for r in lines])
+    got = torch.tensor([r["reward_parts"]["rm"] for r in lines])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
