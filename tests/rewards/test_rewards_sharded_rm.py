@@ -106,6 +106,22 @@ def _text_worker(rank: int, world: int, attn: str, vhead: str, ref_file: str) ->
     want = refs["attn"]["all"][mine] if rank == 0 else torch.zeros(len(PROMPTS) - SPLIT)
     torch.testing.assert_close(out.parts["rm"], want, rtol=0, atol=1e-6)
     assert out.applied["rm"].all() == (rank == 0)
+    # Eval with fewer prompts than ranks: rank 1 has no item and still joins the scoring.
+    from types import SimpleNamespace
+
+    from lightrft.evaluation import evaluate_items
+
+    items = [{"prompt_ids": [1], "prompt": p} for p in PROMPTS[:2]] if rank == 0 else []
+    done = [SimpleNamespace(text=r, token_ids=[1]) for r in RESPONSES[:2]] if rank == 0 else []
+    records = evaluate_items(
+        items,
+        list(range(len(items))),
+        lambda ids, c: done,
+        CombinedReward({"rm": models["attn"]}),
+        1,
+    )
+    want = refs["attn"]["all"][:2].tolist() if rank == 0 else []
+    torch.testing.assert_close([r.rewards[0] for r in records], want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
