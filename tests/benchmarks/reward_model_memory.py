@@ -1,12 +1,16 @@
 """Peak RSS per rank of two reward models used as RL rewards: 1 process (whole) vs 2 and 4 gloo
 ranks (sharded with FSDP2, scored collectively).
 
-    python tests/benchmarks/reward_model_memory.py          # make the models once, run 1, 2, 4
-    python tests/benchmarks/reward_model_memory.py run 4    # one world size (its own processes)
+    python tests/benchmarks/reward_model_memory.py            # make the models once, run 1, 2, 4
+    python tests/benchmarks/reward_model_memory.py 128        # the same with a 128-token vocab
+    python tests/benchmarks/reward_model_memory.py run 4 128  # one world size (its own processes)
 
 The models are random Qwen2s written locally (hidden 768, 12 layers, 12 heads, intermediate
-2048, vocab 32000; fp32 safetensors): a one-head classifier (``last`` pooling, 110M
-parameters) and a ``likelihood`` model (the causal LM with its untied LM head, 134M). Each rank
+2048, vocab 32000 by default; fp32 safetensors): a one-head classifier (``last`` pooling, 110M
+parameters) and a ``likelihood`` model (the causal LM with its untied LM head, 134M). The
+samples are char-tokenized (ids < 128): with a 32000 vocab one process never touches most of
+its (memory-mapped) input embedding, while a sharded rank all-gathers all of it; a 128-token
+vocab (the layers' 85M parameters per model) measures the sharding of the blocks alone. Each rank
 loads both as :class:`lightrft.rewards.RewardModel` (as a GRPO config builds them), scores 16
 samples of ~120 tokens with each in a :class:`~lightrft.rewards.CombinedReward` (rank r of 4
 gets 16 + 4r samples: unequal counts), and reports, in a fresh interpreter:
@@ -30,20 +34,23 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path("/tmp/lightrft_rm_memory")
+VOCAB = 32000
 SIZES = dict(
     hidden_size=768,
     num_hidden_layers=12,
     num_attention_heads=12,
     num_key_value_heads=12,
     intermediate_size=2048,
-    vocab_size=32000,
     tie_word_embeddings=False,
     max_position_embeddings=1024,
 )
 
 
-def make() -> dict[str, int]:
+def root(vocab: int) -> Path:
+    return Path(f"/tmp/lightrft_rm_memory_{vocab}")
+
+
+def make(vocab: int) -> dict[str, int]:
     """Write both models once (with a char-level tokenizer); parameters of each."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
@@ -56,9 +63,9 @@ def make() -> dict[str, int]:
         ("classifier", AutoModelForSequenceClassification, {"num_labels": 1}),
         ("likelihood", AutoModelForCausalLM, {}),
     ):
-        path = ROOT / name
+        path = root(vocab) / name
         if not (path / "model.safetensors").is_file():
-            cfg = Qwen2Config(**SIZES, **extra, pad_token_id=tok.pad_token_id)
+            cfg = Qwen2Config(**SIZES, **extra, vocab_size=vocab, pad_token_id=tok.pad_token_id)
             torch.manual_seed(0)
             model = cls.from_config(cfg, dtype=torch.float32)
             if name == "likelihood":
@@ -89,7 +96,7 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def score_both(rank: int) -> tuple[float, float]:
+def score_both(rank: int, vocab: int) -> tuple[float, float]:
     """Load the two reward models, score this rank's samples; (base, peak) RSS in MiB."""
     import random
 
@@ -102,7 +109,7 @@ def score_both(rank: int) -> tuple[float, float]:
     base = resident_mib()
     reward = CombinedReward(
         {
-            name: RewardModel(str(ROOT / name), chat_template=False, micro_batch_size=8)
+            name: RewardModel(str(root(vocab) / name), chat_template=False, micro_batch_size=8)
             for name in ("classifier", "likelihood")
         }
     )
@@ -116,32 +123,32 @@ def score_both(rank: int) -> tuple[float, float]:
     return base, peak_mib()
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, vocab: int) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        base, peak = score_both(rank)
+        base, peak = score_both(rank, vocab)
         Path(f"{out}.{rank}").write_text(json.dumps([base, peak]))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run(world: int) -> list[list[float]]:
+def run(world: int, vocab: int) -> list[list[float]]:
     """[base, peak] MiB of each rank."""
     if world == 1:  # one plain process: no process group, the models load whole
         torch.set_num_threads(1)
-        return [list(score_both(0))]
+        return [list(score_both(0, vocab))]
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(prefix="lightrft_rm_rss_")
-    mp.spawn(_rank_main, args=(world, port, out), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, port, out, vocab), nprocs=world, join=True)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     for r in range(world):
         os.unlink(f"{out}.{r}")
@@ -151,13 +158,14 @@ def run(world: int) -> list[list[float]]:
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] == "run":
-        print(json.dumps(run(int(args[1]))))
+        print(json.dumps(run(int(args[1]), int(args[2]))))
         return
-    counts = make()
+    vocab = int(args[0]) if args else VOCAB
+    counts = make(vocab)
     threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     print(f"glibc MALLOC_MMAP_THRESHOLD_={threshold or 'unset (dynamic)'}")
     print(
-        f"models: classifier {counts['classifier'] / 1e6:.0f}M, likelihood "
+        f"vocab {vocab}; models: classifier {counts['classifier'] / 1e6:.0f}M, likelihood "
         f"{counts['likelihood'] / 1e6:.0f}M parameters (fp32, "
         f"{sum(counts.values()) * 4 / 2**20:.0f} MiB together)"
     )
@@ -165,7 +173,7 @@ def main() -> None:
     for world in (1, 2, 4):
         before = " ".join(f"{x:.2f}" for x in os.getloadavg())
         res = subprocess.run(
-            [sys.executable, __file__, "run", str(world)],
+            [sys.executable, __file__, "run", str(world), str(vocab)],
             capture_output=True,
             text=True,
             check=True,
