@@ -134,6 +134,8 @@ def evaluate_items(
     # generate() runs even without items: an engine's wake-up can be a collective every rank joins.
     completions = generate(prompt_ids, episodes.continuation if episodes else None)
     if not items:
+        if getattr(reward_fn, "collective", False):  # a sharded reward model: join its forwards
+            reward_fn([], [], [], [], [])
         return []
     if len(completions) != n * len(items):
         raise RuntimeError(

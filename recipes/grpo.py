@@ -521,7 +521,7 @@ class GRPORecipe:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
         python floats the reward functions returned). ``conversations``: each sample's prompt as
         its chat with its images (:func:`~lightrft.data.conversation`), for reward models."""
-        if not texts:
+        if not texts and not self.reward_fn.collective:  # a sharded RM needs every rank
             empty = torch.zeros(0, dtype=torch.float64)
             names = self.reward_names
             return empty, {n: empty for n in names}, {n: empty.bool() for n in names}

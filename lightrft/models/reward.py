@@ -31,8 +31,9 @@ instead of the final, normed hidden state: a probing reward model on a middle la
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,23 @@ def likelihood_scores(
     return sums / counts.clamp(min=1)  # a sequence with nothing scored scores 0
 
 
+@contextlib.contextmanager
+def _gathered(module: nn.Module) -> Iterator[None]:
+    """``module``'s weights whole for the block: a frozen model's LM head is an FSDP2 group of
+    its own (parallelize does that), which its own forward would gather, but the likelihood
+    pooling reads its weight without calling it. A collective; plain modules pass through."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
+
+
 def _find_head(model: nn.Module) -> tuple[str, nn.Linear]:
     for name in _HEAD_NAMES:
         head = getattr(model, name, None)
@@ -262,9 +280,16 @@ class RewardNet(nn.Module):
         if self.pooling == "likelihood":
             if scored is None:
                 raise ValueError("pooling='likelihood' needs the scored-token mask `scored`")
-            return likelihood_scores(
-                hidden, self.head, input_ids, segment_ids, scored, num_sequences, self.end_token_id
-            )[:, None]  # [N, 1]
+            with _gathered(self.head):
+                return likelihood_scores(
+                    hidden,
+                    self.head,
+                    input_ids,
+                    segment_ids,
+                    scored,
+                    num_sequences,
+                    self.end_token_id,
+                )[:, None]  # [N, 1]
         logits = self.pooler(hidden) if self.pooler is not None else None
         pooled = pool_hidden(hidden, segment_ids, num_sequences, self.pooling, logits)  # [N, H]
         return self.head(pooled)  # [N, heads]
@@ -461,15 +486,18 @@ def load_reward_net_parallel(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
     prepare: Callable[[RewardNet], nn.Module] | None = None,
     mesh=None,
     activation_checkpointing: bool = False,
     compile: bool = False,
     shard: bool | None = None,
     offload: bool = False,
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """:func:`build_reward_net`, ``prepare`` (LoRA) and ``parallelize``: the reward-model
     recipe's one call, as :func:`~lightrft.models.sharded.load_parallel` is the other recipes'.
+    ``param_dtype``: the sharded forward's compute dtype (default: bf16 on an accelerator).
 
     Under a process group (``shard=None`` and one is initialised, or ``shard=True``) no rank
     holds the whole backbone: the classifier is built on the meta device, sharded, and each rank
@@ -499,6 +527,7 @@ def load_reward_net_parallel(
             dtype=dtype,
             device=device,
             trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
         )
         return prepare_and_parallelize(net, prepare, **opts)
     from transformers import AutoModelForSequenceClassification
@@ -509,7 +538,12 @@ def load_reward_net_parallel(
     files = SafetensorsIndex.read(path).files
     if pooling == "likelihood":
         # The class load_model picks: a causal LM, or a vision-language model.
-        hf = build_on_meta(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        hf = build_on_meta(
+            path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
         names, converted = checkpoint_names(hf, list(files))
         net = _likelihood_net(hf, heads=heads, end_token_id=end_token_id)
     else:
@@ -518,6 +552,7 @@ def load_reward_net_parallel(
             path,
             dtype=dtype,
             trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
             auto_class=AutoModelForSequenceClassification,
             num_labels=len(heads),
             id2label=dict(enumerate(heads)),
@@ -535,7 +570,12 @@ def load_reward_net_parallel(
             dtype=dtype,
         )
     return prepare_and_parallelize(
-        net, prepare, mesh=mesh, checkpoint=(path, names, converted), **opts
+        net,
+        prepare,
+        mesh=mesh,
+        checkpoint=(path, names, converted),
+        param_dtype=param_dtype,
+        **opts,
     )
 
 
@@ -561,16 +601,21 @@ def load_reward_net(
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
     attn_implementation: str | None = "sdpa",
+    mesh=None,
+    offload: bool = False,
 ) -> RewardNet:
     """A trained reward model from an HF ``*ForSequenceClassification`` directory (or, for a
-    ``likelihood`` export, the causal LM directory).
+    ``likelihood`` export, the causal LM directory), frozen.
 
     Reads heads, pooling and probe layer from ``config.json``'s ``lightrft_reward`` block (an
     export of ``recipes/reward_model.py``); a plain HF classifier has one head, last-token
     pooling. Attention-pooling weights (``pooler.*``) come from the safetensors files.
-    """
-    from safetensors import safe_open
 
+    ``mesh``: shard the model over it with FSDP2 (:func:`load_reward_net_parallel`: built on
+    the meta device, each rank reads only its slices; parameters only, no gradients), its
+    forward then a collective every rank of the mesh joins. ``offload``: with a mesh, the
+    shards live in CPU memory and are copied to ``device`` for each all-gather.
+    """
     meta = read_reward_config(path) or {}
     cfg = (
         json.loads((Path(path) / "config.json").read_text())
@@ -581,25 +626,50 @@ def load_reward_net(
     if heads is None:
         labels = cfg.get("id2label") or {}
         heads = ["reward"] if len(labels) <= 1 else [labels[str(i)] for i in range(len(labels))]
-    net = build_reward_net(
-        path,
+    spec: dict[str, Any] = dict(
         heads=heads,
         pooling=meta.get("pooling", "last"),
         end_token_id=meta.get("end_token_id"),
         probe_layer=meta.get("probe_layer"),
         dtype=dtype,
-        device="cpu",
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation,
     )
-    if net.pooler is not None:
-        found: dict[str, torch.Tensor] = {}
-        for file in sorted(Path(path).glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    if key.startswith("pooler."):
-                        found[key.removeprefix("pooler.")] = f.get_tensor(key)
-        if not found:
-            raise ValueError(f"{path}: attention pooling, but no pooler.* tensors in its weights")
-        net.pooler.load_state_dict(found)
-    return net.to(device)
+
+    def frozen(net: RewardNet) -> RewardNet:
+        # Before sharding: parallelize() shards a model without trainable parameters as a
+        # frozen one (its LM head gathered only for its own forward, every block resharded).
+        _load_pooler(net, path)
+        return net.requires_grad_(False)
+
+    if mesh is not None:
+        from lightrft.models.loading import to_dtype
+
+        return load_reward_net_parallel(
+            path,
+            **spec,
+            device=device,
+            prepare=frozen,
+            mesh=mesh,
+            shard=True,
+            offload=offload,
+            param_dtype=to_dtype(dtype),  # the scores' precision is the model's dtype
+        )
+    return frozen(build_reward_net(path, **spec, device="cpu")).to(device)
+
+
+def _load_pooler(net: RewardNet, path: str | Path) -> None:
+    """An attention pooler's weights (``pooler.*`` in the safetensors files), in place."""
+    from safetensors import safe_open
+
+    if net.pooler is None:
+        return
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith("pooler."):
+                    found[key.removeprefix("pooler.")] = f.get_tensor(key)
+    if not found:
+        raise ValueError(f"{path}: attention pooling, but no pooler.* tensors in its weights")
+    net.pooler.load_state_dict(found)

@@ -309,6 +309,12 @@ class CombinedReward:
             raise ValueError(f"default_reward must be finite, got {default_reward!r}")
         self.default_reward = default_reward
 
+    @property
+    def collective(self) -> bool:
+        """Whether a call is a collective every rank must make, also with no samples: true when
+        one of the functions is (a reward model sharded over the ranks)."""
+        return any(getattr(fn, "collective", False) for fn in self.functions.values())
+
     def route(self, label: str | None) -> list[str] | None:
         """Names of the functions that score a sample with ``label``; ``None`` if unrouted."""
         if self.routes is None:
@@ -352,7 +358,9 @@ class CombinedReward:
             idx = members[name]
             part = torch.zeros(n, dtype=torch.float32)  # [B]
             mask = torch.zeros(n, dtype=torch.bool)  # [B]
-            if idx:
+            # A collective function (a sharded reward model) is called on every rank, also
+            # with no samples of its own: the others' forwards need this rank.
+            if idx or getattr(fn, "collective", False):
                 start = time.perf_counter()
                 vals = self._call_one(
                     name, fn, idx, prompts, responses, references, labels, conversations
@@ -367,7 +375,8 @@ class CombinedReward:
                 for head, scores in heads.items() if len(heads) > 1 else ():
                     if len(scores) == len(idx):  # scores of this very call
                         out.heads[f"{name}/{head}"] = torch.zeros(n).index_put_(
-                            (torch.tensor(idx),), torch.as_tensor(scores, dtype=torch.float32)
+                            (torch.tensor(idx, dtype=torch.long),),
+                            torch.as_tensor(scores, dtype=torch.float32),
                         )
             out.parts[name] = part
             out.applied[name] = mask

@@ -34,7 +34,7 @@ from lightrft.data.vision import MEDIA_KINDS
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, check_lengths
 
-__all__ = ["RewardModel", "load_value_head"]
+__all__ = ["RewardModel", "collective_plan", "load_value_head"]
 
 
 def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
@@ -89,6 +89,92 @@ def _detect_head(path: str | Path) -> str:
     return "value_head"
 
 
+def collective_plan(
+    lengths: Sequence[int],
+    kinds: Sequence[tuple[str, ...]],
+    micro_batch_size: int,
+    world_size: int,
+) -> list[tuple[list[int], bool]]:
+    """The micro-batches of a collective scoring: ``(sample indices, real)``; rank ``r`` runs
+    entries ``r, r + world_size, ...``, so every rank runs the same number of forwards.
+
+    Samples are grouped by the media kinds they carry (``kinds``: e.g. ``()``, ``("image",)``),
+    each group sorted by length (``lengths``) and cut into ``micro_batch_size`` chunks, and each
+    group's chunk count is rounded up to a multiple of ``world_size`` with fillers (its first
+    sample again, ``real=False``, scored and dropped). So at each step every rank's forward has
+    the same kinds of media: a vision- or audio-language model runs (and all-gathers) the same
+    towers on every rank, as FSDP2's collectives need.
+    """
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, k in enumerate(kinds):
+        groups.setdefault(tuple(k), []).append(i)
+    plan: list[tuple[list[int], bool]] = []
+    for key in sorted(groups):
+        members = sorted(groups[key], key=lambda i: lengths[i])  # stable: index order on ties
+        chunks = [
+            members[s : s + micro_batch_size] for s in range(0, len(members), micro_batch_size)
+        ]
+        plan += [(c, True) for c in chunks]
+        plan += [([members[0]], False)] * (-len(chunks) % world_size)
+    return plan
+
+
+def _value_head_net(
+    path: str | Path,
+    key: str,
+    *,
+    dtype: str,
+    device: str | torch.device,
+    trust_remote_code: bool,
+    attn_implementation: str | None,
+    mesh,
+    offload: bool,
+) -> RewardNet:
+    """The ``value_head`` layout as a frozen :class:`RewardNet`: the backbone (``AutoModel``) and
+    the head ``key``. With ``mesh``, FSDP2-sharded over it, each rank reading only its slices of
+    the backbone (the ``hidden -> 1`` head is read whole and sharded from that value)."""
+    from transformers import AutoModel
+
+    from lightrft.models.loading import to_dtype
+    from lightrft.models.sharded import (
+        SafetensorsIndex,
+        build_on_meta,
+        checkpoint_names,
+        prepare_and_parallelize,
+    )
+
+    head = load_value_head(path, key).to(to_dtype(dtype))
+    if mesh is None:
+        kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        backbone = AutoModel.from_pretrained(path, **kwargs)
+        return RewardNet(backbone, head).requires_grad_(False).to(device)
+    backbone = build_on_meta(
+        path,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+        auto_class=AutoModel,
+    )
+    names, converted = checkpoint_names(backbone, list(SafetensorsIndex.read(path).files))
+    net = RewardNet(backbone, head).requires_grad_(False)
+    within = f"{net.base_name}."  # the backbone's names inside the RewardNet
+    return prepare_and_parallelize(
+        net,
+        None,
+        mesh=mesh,
+        device=device,
+        checkpoint=(
+            path,
+            {within + k: v for k, v in names.items()},
+            {within + c for c in converted},
+        ),
+        offload=offload,
+        param_dtype=to_dtype(dtype),
+    )
+
+
 class RewardModel:
     """A scalar reward model as a reward function: ``rm(prompts, responses, ...) -> Tensor [B]``.
 
@@ -118,7 +204,9 @@ class RewardModel:
         max_length: most tokens per sequence.
         dtype, device: where and in what precision the model runs.
         offload: keep the model on the CPU between calls and move it to ``device`` only to
-            score, so the rollout and training phases get the accelerator memory back.
+            score, so the rollout and training phases get the accelerator memory back (sharded:
+            FSDP2's CPU offload, the shards in CPU memory, each block copied to ``device``
+            as it runs).
         chat_template: render with the tokenizer's chat template.
         padding_side: side on which micro-batches are padded; scores do not depend on it.
         scale, bias: returned reward = ``scale * score + bias`` (e.g. to undo an RM's offset).
@@ -135,6 +223,14 @@ class RewardModel:
     With the chat template (``uses_conversations``), a sample is rendered from its conversation
     when the caller gives one (``conversations=``: the recipes pass each prompt's chat), else
     from its prompt.
+
+    Under a process group of several ranks (torchrun) the model is sharded over all of them with
+    FSDP2 (parameters only), each rank reading only its slices of the checkpoint, so each
+    reward model costs a rank ``1 / world_size`` of its weights. Scoring is then a collective
+    (``collective`` is true): every rank calls the model every time, with or without samples of
+    its own; the samples of all ranks are gathered, scored in micro-batches the ranks take in
+    turn (:func:`collective_plan`), and each rank gets its own scores back. In one process it
+    loads whole, as before.
     """
 
     name = "reward_model"
@@ -160,9 +256,8 @@ class RewardModel:
         min_pixels: int | None = None,
         max_pixels: int | None = None,
     ) -> None:
-        from transformers import AutoModel
-
-        from lightrft.models.loading import check_local, load_tokenizer, to_dtype
+        from lightrft.models.loading import check_local, load_tokenizer
+        from lightrft.models.parallel import build_mesh
         from lightrft.training.export import resolve_model_dir
 
         # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
@@ -181,23 +276,35 @@ class RewardModel:
             head = _detect_head(path)
         if head not in ("classifier", "value_head"):
             raise ValueError(f"head must be 'auto', 'classifier' or 'value_head', got {head!r}")
+        # Under a process group of several ranks the model is sharded over all of them (FSDP2,
+        # parameters only) and scored collectively; in one process it loads whole.
+        mesh = build_mesh(None, None, device)
+        if mesh is not None and torch.device(device).index is not None:
+            raise ValueError(
+                f"device={device!r}: a reward model sharded over the ranks runs on each rank's "
+                f"own device; give the device type only ({torch.device(device).type!r})"
+            )
         if head == "classifier":
             net = load_reward_net(
                 path,
                 dtype=dtype,
+                device=device,
                 trust_remote_code=trust_remote_code,
                 attn_implementation=attn_implementation,
+                mesh=mesh,
+                offload=offload,
             )
         else:
-            kwargs: dict[str, Any] = {
-                "dtype": to_dtype(dtype),
-                "trust_remote_code": trust_remote_code,
-            }
-            if attn_implementation:
-                kwargs["attn_implementation"] = attn_implementation
-            backbone = AutoModel.from_pretrained(path, **kwargs)
-            linear = load_value_head(path, value_head_key).to(to_dtype(dtype))
-            net = RewardNet(backbone, linear)
+            net = _value_head_net(
+                path,
+                value_head_key,
+                dtype=dtype,
+                device=device,
+                trust_remote_code=trust_remote_code,
+                attn_implementation=attn_implementation,
+                mesh=mesh,
+                offload=offload,
+            )
         stats = ((read_reward_config(path) or {}).get("stats") or {}) if normalize else {}
         media = None
         if multimodal:
@@ -231,6 +338,7 @@ class RewardModel:
             padding_side=padding_side,
             scale=scale,
             bias=bias,
+            sharded=mesh is not None,
         )
 
     @classmethod
@@ -281,6 +389,7 @@ class RewardModel:
         padding_side: str,
         scale: float,
         bias: float,
+        sharded: bool = False,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -308,8 +417,15 @@ class RewardModel:
                 )
             self.mean, self.std = float(stats[score_head]["mean"]), float(stats[score_head]["std"])
         self.device = torch.device(device)
-        self.offload = offload
-        self.net = net.to("cpu" if offload else self.device).eval().requires_grad_(False)
+        # A sharded model's forward is a collective: every rank calls the model every time
+        # (with no samples too); CombinedReward and the recipes read this flag.
+        self.collective = sharded
+        # Sharded, FSDP2 placed the shards (in CPU memory with offload) and gathers each block
+        # to the device as it runs; whole, the model moves to the device only to score.
+        self.offload = offload and not sharded
+        if not sharded:
+            net = net.to("cpu" if offload else self.device)
+        self.net = net.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.media = media  # MediaSamples of a vision- or audio-language reward model, else None
         self.uses_conversations = chat_template
@@ -415,6 +531,8 @@ class RewardModel:
                 "starts (the response start of each sequence) go with, and only "
                 "with, the likelihood pooling"
             )
+        if self.collective:
+            return self._score_collective(seqs, starts, media)
         scores = torch.empty(len(seqs), len(self.net.heads), dtype=torch.float32)  # [N, heads]
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         if self.offload:
@@ -422,22 +540,67 @@ class RewardModel:
         try:
             for start in range(0, len(order), self.micro_batch_size):
                 chunk = order[start : start + self.micro_batch_size]
-                batch = pad_sequences(
-                    [seqs[i] for i in chunk],
-                    self.pad_id,
-                    self.padding_side,
-                    None if starts is None else [starts[i] for i in chunk],
-                )
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                if media is not None:
-                    # In row order; the forward moves the pixels to the ids' device.
-                    batch["media"] = Media.cat([media[i] for i in chunk])
-                out = self.net(num_sequences=len(chunk), **batch)  # [b, heads]
-                scores[chunk] = out.float().cpu()
+                scores[chunk] = self._forward(chunk, seqs, starts, media)
         finally:
             if self.offload:
                 self.net.to("cpu")
         return scores
+
+    def _forward(
+        self,
+        chunk: list[int],
+        seqs: list[list[int]],
+        starts: list[int] | None,
+        media: Sequence[Media | None] | None,
+    ) -> torch.Tensor:
+        """Scores ``[len(chunk), heads]`` (float32, CPU) of the sequences ``chunk``, one forward."""
+        batch = pad_sequences(
+            [seqs[i] for i in chunk],
+            self.pad_id,
+            self.padding_side,
+            None if starts is None else [starts[i] for i in chunk],
+        )
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        if media is not None:
+            # In row order; the forward moves the pixels to the ids' device.
+            batch["media"] = Media.cat([media[i] for i in chunk])
+        return self.net(num_sequences=len(chunk), **batch).float().cpu()  # [b, heads]
+
+    def _score_collective(
+        self,
+        seqs: list[list[int]],
+        starts: list[int] | None,
+        media: Sequence[Media | None] | None,
+    ) -> torch.Tensor:
+        """:meth:`score_heads` of a sharded model, a collective of every rank (one with no
+        samples too): the ranks' samples are gathered, planned into micro-batches
+        (:func:`collective_plan`) that the ranks take in turn, each rank running as many
+        forwards as every other, and the scores gathered back; this rank's rows are returned."""
+        import torch.distributed as dist
+
+        from lightrft.distributed import all_gather_objects
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        local = (seqs, starts, None if media is None else list(media))
+        parts = all_gather_objects(local)  # every rank's samples, in rank order
+        all_seqs = [s for p in parts for s in p[0]]
+        all_starts = None if starts is None else [x for p in parts for x in p[1]]
+        all_media = [m for p in parts for m in (p[2] or [None] * len(p[0]))]
+        kinds = [() if m is None else tuple(k for k, _ in m.kinds()) for m in all_media]
+        has_media = any(m is not None for m in all_media)
+        done: list[tuple[list[int], torch.Tensor]] = []
+        for chunk, real in collective_plan(
+            [len(s) for s in all_seqs], kinds, self.micro_batch_size, world
+        )[rank::world]:
+            out = self._forward(chunk, all_seqs, all_starts, all_media if has_media else None)
+            if real:  # a filler (a copy of a real sample) only pairs the collectives up
+                done.append((chunk, out))
+        scores = torch.empty(len(all_seqs), len(self.net.heads), dtype=torch.float32)
+        for part in all_gather_objects(done):
+            for chunk, out in part:
+                scores[chunk] = out
+        offset = sum(len(p[0]) for p in parts[:rank])
+        return scores[offset : offset + len(seqs)]
 
     def score_ids(
         self,
@@ -462,6 +625,9 @@ class RewardModel:
     ) -> torch.Tensor:
         check_lengths(len(responses), prompts=prompts, conversations=conversations)
         if not responses:
+            if self.collective:  # a collective: join the forwards of the ranks that have samples
+                likelihood = self.net.pooling == "likelihood"
+                return self.score_ids([], [] if likelihood else None)
             return torch.empty(0, dtype=torch.float32)
         if self.media is not None:
             if conversations is None:
