@@ -6,6 +6,7 @@ RL recipe)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from lightrft.config import Section, option, section
@@ -103,6 +104,20 @@ class RolloutConfig(Section):
     top_k: int = option(0, doc="0: off")
     first_token_temperature: float | None = option(None, doc="FIRE: the first token's temperature")
     stop_token_ids: list[int] = option((), doc="token ids that end a response")
+    asynchronous: bool = option(
+        False,
+        doc="one-step-off: the last process generates the next steps' samples while the "
+        "others train (launch with --nproc_per_node >= 2)",
+    )
+    max_staleness: int | None = option(
+        None, ge=1, doc="asynchronous: policy versions a sample may lag the trainer; default 1"
+    )
+    generator_timeout_s: float | None = option(
+        None,
+        gt=0,
+        doc="asynchronous: how long one side waits for the other (a batch, weights) before "
+        "it fails naming the process; default 600",
+    )
 
     def resolve(self, at: str) -> RolloutConfig:
         if not self.temperature > 0:
@@ -110,13 +125,30 @@ class RolloutConfig(Section):
                 f"rollout.temperature must be > 0 (the trainer scores tokens at the sampling "
                 f"temperature), got {self.temperature}"
             )
+        self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.asynchronous:
+            if world < 2:
+                raise ValueError(
+                    "rollout.asynchronous=true generates in a process of its own beside the "
+                    f"trainers, but this run has {world} process: launch it with "
+                    "`lightrft run --nproc_per_node 2 ...` (the last process generates), or set "
+                    "rollout.asynchronous=false"
+                )
+            # One process generates all the step's prompts; every trainer gets the whole batch.
+            return replace(
+                self,
+                max_staleness=self.max_staleness or 1,
+                generator_timeout_s=float(self.generator_timeout_s or 600.0),
+            )
+        for key in ("max_staleness", "generator_timeout_s"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"rollout.{key} applies to rollout.asynchronous=true only")
         if self.prompts_per_step % world:
             raise ValueError(
                 f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
                 f"number of processes ({world})"
             )
-        self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
         return self
 
     def sampling(self) -> SamplingParams:
