@@ -102,6 +102,7 @@ from lightrft.rollout.remote import (
     GENERATOR,
     TRAINER,
     Generated,
+    GeneratorError,
     RolloutLink,
     Start,
     WeightSender,
@@ -200,8 +201,10 @@ class GRPOConfig(TrainingConfig):
     def resolve(self, at: str) -> GRPOConfig:
         """Every default that depends on another key and every rule across sections."""
         super().resolve(at)
-        self.engine.check_device(self.run.device)
         ro = self.rollout
+        if ro.asynchronous:  # before the engine's device rule: it names the async key
+            _check_asynchronous(self)
+        self.engine.check_device(self.run.device)
         alg = self.algorithm.for_rollout(ro.sampling())
         critic = self._critic()
         ev = self.eval
@@ -229,8 +232,6 @@ class GRPOConfig(TrainingConfig):
         ):
             if schedule is not None:
                 schedule.check_steps(self.max_steps, key)
-        if ro.asynchronous:
-            _check_asynchronous(self, alg)
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         _check_media(opts, prepare=self.run.prepare)
         m = opts.model
@@ -254,8 +255,9 @@ class GRPOConfig(TrainingConfig):
         return replace(critic, path=critic.path or self.model.path)
 
 
-def _check_asynchronous(opts: GRPOConfig, alg: AlgorithmConfig) -> None:
+def _check_asynchronous(opts: GRPOConfig) -> None:
     """What one-step-off rollout (``rollout.asynchronous``) cannot run with."""
+    alg = opts.algorithm
     if opts.engine.backend != "native":
         raise ValueError(
             f"rollout.asynchronous=true generates with the native engine in a process of its "
@@ -398,7 +400,7 @@ class GRPORecipe:
         ro = self.opts.rollout
         self.link = RolloutLink.connect(TRAINER, ro.generator_timeout_s)
         state = self.loader.state_dict() if self.step else None
-        self.link.send(Start(self.step, self.epoch, state, os.getpid()))
+        self.link.send(Start(self.step, self.epoch, state))
         self.sender = WeightSender(self.link, self.opts.engine.dtype)
         if self.step:
             self._send_weights(self.step)
@@ -419,7 +421,12 @@ class GRPORecipe:
         msg: Generated | None = None
         with timer("rollout"):  # what the trainers wait for generation: its exposed part
             if self.link is not None:
-                msg = self.link.receive(Generated, f"the samples of step {step}")
+                try:
+                    msg = self.link.receive(Generated, f"the samples of step {step}")
+                except GeneratorError as e:
+                    last = self.run.checkpointer.latest()
+                    kept = f"the last checkpoint, {last}, is kept" if last else "no checkpoint yet"
+                    raise GeneratorError(f"{e} ({kept})") from e
                 if msg.step != step:
                     raise RuntimeError(f"the generator sent step {msg.step}, expected {step}")
             if self.dist.world_size > 1:
@@ -451,7 +458,6 @@ class GRPORecipe:
         """Generate step after step, ``rollout.max_staleness`` steps ahead of the trainers:
         step ``k``'s samples come from the policy after step ``k - 1 - max_staleness``."""
         start = link.receive(Start, "the trainer's start")
-        link.peer = f"trainer rank 0 (pid {start.trainer_pid})"
         self.epoch, version = start.epoch, start.step
         if start.loader_state is not None:
             self.loader.load_state_dict(start.loader_state)
@@ -467,7 +473,7 @@ class GRPORecipe:
             metrics = {**stats, **self.reward_side.reduce()}
             metrics["rollout/generate_s"] = timer.summary().get("time/rollout", 0.0)
             state = self.loader.state_dict()
-            msg = Generated(step, version, batch, drawn, metrics, self.epoch, state, os.getpid())
+            msg = Generated(step, version, batch, drawn, metrics, self.epoch, state)
             link.flush()  # the previous step's batch was taken: at most one in flight
             link.send(msg, wait=False)  # the next step generates while this one is taken
         link.flush()

@@ -67,7 +67,6 @@ class Start:
     step: int
     epoch: int
     loader_state: dict[str, Any] | None
-    trainer_pid: int
 
 
 @dataclass
@@ -83,7 +82,6 @@ class Generated:
     metrics: dict[str, float]
     epoch: int
     loader_state: dict[str, Any]
-    generator_pid: int
 
 
 @dataclass
@@ -130,18 +128,22 @@ class RolloutLink:
         """Join the link (both sides call it) on the launch's rendezvous store
         (``MASTER_ADDR`` / ``MASTER_PORT``: torchrun's, or trainer rank 0's)."""
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(
-            os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timeout,
-        )
-        peer = "the generation process" if rank == TRAINER else "trainer rank 0"
+        what = "the generation process" if rank == TRAINER else "trainer rank 0"
         try:
-            group = dist.ProcessGroupGloo(dist.PrefixStore(_PREFIX, store), rank, 2, timeout)
-        except RuntimeError as e:
+            store = dist.TCPStore(
+                os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timeout,
+            )
+            store = dist.PrefixStore(_PREFIX, store)
+            # Each side names itself (launch rank, pid): errors then name the process.
+            store.set(f"who/{rank}", f"rank {os.environ.get('RANK', '?')}, pid {os.getpid()}")
+            peer = f"{what} ({store.get(f'who/{1 - rank}').decode()})"
+            group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        except RuntimeError as e:  # the store's or the group's wait ran out
             raise GeneratorError(
-                f"{peer} did not join the rollout link within rollout.generator_timeout_s="
+                f"{what} did not join the rollout link within rollout.generator_timeout_s="
                 f"{timeout_s:g}: {str(e).splitlines()[0]}"
             ) from e
         return cls(group, rank, timeout, peer)
