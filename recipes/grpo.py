@@ -398,9 +398,10 @@ class GRPORecipe:
                 self.strategy.sync_weights(None)  # the gathers of rank 0's send
             return
         ro = self.opts.rollout
-        self.link = RolloutLink.connect(TRAINER, ro.generator_timeout_s)
+        # The generator is waiting already: joining is bounded like every other wait.
+        self.link = RolloutLink.connect(TRAINER, ro.generator_timeout_s, ro.generator_timeout_s)
         state = self.loader.state_dict() if self.step else None
-        self.link.send(Start(self.step, self.epoch, state))
+        self.link.send(Start(self.step, self.epoch, state), wait=False)
         self.sender = WeightSender(self.link, self.opts.engine.dtype)
         if self.step:
             self._send_weights(self.step)
@@ -454,10 +455,9 @@ class GRPORecipe:
         self._setup_rewards_and_data()
         self.reward_side = RewardSideMetrics()
 
-    def generate_ahead(self, link: RolloutLink) -> None:
-        """Generate step after step, ``rollout.max_staleness`` steps ahead of the trainers:
-        step ``k``'s samples come from the policy after step ``k - 1 - max_staleness``."""
-        start = link.receive(Start, "the trainer's start")
+    def generate_ahead(self, link: RolloutLink, start: Start) -> None:
+        """Generate step after step from ``start``, ``rollout.max_staleness`` steps ahead of the
+        trainers: step ``k``'s samples come from the policy after step ``k - 1 - max_staleness``."""
         self.epoch, version = start.epoch, start.step
         if start.loader_state is not None:
             self.loader.load_state_dict(start.loader_state)
@@ -1289,11 +1289,15 @@ def generate(cfg: DictConfig, opts: GRPOConfig) -> None:
     if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_parent()  # a torchrun worker: do not outlive the launcher
     torch.manual_seed(opts.run.seed)
-    link = RolloutLink.connect(GENERATOR, opts.rollout.generator_timeout_s)
+    # It joins at once and waits for the trainers' setup (models, resume): up to the run's
+    # collective_timeout_s, else torch's 30 minutes; then every wait is generator_timeout_s.
+    join = opts.run.collective_timeout_s or 1800.0
+    link = RolloutLink.connect(GENERATOR, opts.rollout.generator_timeout_s, join)
     device = torch.device(opts.run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    start = link.receive(Start, "the trainer's start")
     recipe = GRPORecipe(cfg, opts, None, DistInfo(0, 1, 0, device))
     recipe.setup_generator()
-    recipe.generate_ahead(link)
+    recipe.generate_ahead(link, start)
 
 
 if __name__ == "__main__":

@@ -124,46 +124,54 @@ class RolloutLink:
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
-    def connect(cls, rank: int, timeout_s: float) -> RolloutLink:
+    def connect(cls, rank: int, timeout_s: float, join_timeout_s: float) -> RolloutLink:
         """Join the link (both sides call it) on the launch's rendezvous store
-        (``MASTER_ADDR`` / ``MASTER_PORT``: torchrun's, or trainer rank 0's)."""
+        (``MASTER_ADDR`` / ``MASTER_PORT``: torchrun's, or trainer rank 0's). Joining waits up to
+        ``join_timeout_s`` (the generator joins first and waits for the trainers' setup); every
+        later wait up to ``timeout_s``."""
         timeout = timedelta(seconds=timeout_s)
+        join = timedelta(seconds=join_timeout_s)
         what = "the generation process" if rank == TRAINER else "trainer rank 0"
         try:
             store = dist.TCPStore(
                 os.environ.get("MASTER_ADDR", "127.0.0.1"),
                 int(os.environ["MASTER_PORT"]),
                 is_master=False,
-                timeout=timeout,
+                timeout=join,
             )
             store = dist.PrefixStore(_PREFIX, store)
             # Each side names itself (launch rank, pid): errors then name the process.
             store.set(f"who/{rank}", f"rank {os.environ.get('RANK', '?')}, pid {os.getpid()}")
             peer = f"{what} ({store.get(f'who/{1 - rank}').decode()})"
-            group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+            group = dist.ProcessGroupGloo(store, rank, 2, join)
         except RuntimeError as e:  # the store's or the group's wait ran out
             raise GeneratorError(
-                f"{what} did not join the rollout link within rollout.generator_timeout_s="
-                f"{timeout_s:g}: {str(e).splitlines()[0]}"
+                f"{what} did not join the rollout link within {join_timeout_s:g} s: "
+                f"{str(e).splitlines()[0]}"
             ) from e
         return cls(group, rank, timeout, peer)
 
     # -- messages ---------------------------------------------------------------------------
 
+    def _failed(self, e: RuntimeError, what: str) -> GeneratorError:
+        return GeneratorError(
+            f"{self.peer} failed while this process waited for {what} (it died, or sent "
+            f"nothing within rollout.generator_timeout_s={self.timeout.total_seconds():g}): "
+            f"{str(e).splitlines()[0]}"
+        )
+
     def _wait(self, work: Any, what: str) -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
-            raise GeneratorError(
-                f"{self.peer} failed while this process waited for {what} (it died, or sent "
-                f"nothing within rollout.generator_timeout_s={self.timeout.total_seconds():g}): "
-                f"{str(e).splitlines()[0]}"
-            ) from e
+            raise self._failed(e, what) from e
 
     def send_tensor(self, t: torch.Tensor, what: str, *, wait: bool) -> None:
         size = torch.tensor([t.numel()], dtype=torch.int64)
-        works = [(self.group.send([size], 1 - self.rank, 0), size)]
-        works.append((self.group.send([t], 1 - self.rank, 0), t))
+        try:  # a send raises at once when the peer's connection is closed
+            works = [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, t)]
+        except RuntimeError as e:
+            raise self._failed(e, f"{what} to be sent") from e
         if wait:
             for w, _ in works:
                 self._wait(w, f"{what} to be received")
@@ -172,9 +180,14 @@ class RolloutLink:
 
     def _recv_tensor(self, what: str) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.group.recv([size], 1 - self.rank, 0), what)
-        data = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(self.group.recv([data], 1 - self.rank, 0), what)
+        try:  # a receive raises at once when the peer's connection is closed
+            self._wait(self.group.recv([size], 1 - self.rank, 0), what)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            self._wait(self.group.recv([data], 1 - self.rank, 0), what)
+        except RuntimeError as e:
+            if isinstance(e, GeneratorError):
+                raise
+            raise self._failed(e, what) from e
         return data
 
     def send(self, obj: Any, *, wait: bool = True) -> None:

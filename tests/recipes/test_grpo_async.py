@@ -176,14 +176,18 @@ def _start(cfg: Path, tmp: Path, *args: str) -> list[subprocess.Popen]:
     return procs
 
 
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+
 def _finish(procs: list[subprocess.Popen], tmp: Path, limit: float = 300) -> list[int]:
     try:
         return [p.wait(timeout=limit) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+        _stop(procs)
 
 
 def _rows(out: Path) -> dict[int, dict]:
@@ -220,7 +224,7 @@ def test_async_run_trains_one_step_off_with_the_generating_policys_logprobs(tmp_
 @pytest.mark.slow  # ~40 s each on 2 cores
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_dead_generator_fails_the_trainer_naming_it_within_the_timeout(tmp_path, assets, how):
-    timeout = 8
+    timeout = 30  # also bounds the generator's setup before its first batch, on a busy machine
     cfg = _config(
         tmp_path,
         assets,
@@ -234,14 +238,17 @@ def test_a_dead_generator_fails_the_trainer_naming_it_within_the_timeout(tmp_pat
     try:
         rc = procs[0].wait(timeout=240)
     finally:
-        _finish(procs, tmp_path, limit=1)
+        _stop(procs)
     log = (tmp_path / "rank0.log").read_text()
     assert rc != 0, log[-3000:]
     assert "GeneratorError: the generation process (rank 1, pid" in log, log[-3000:]
-    assert "the last checkpoint" in log and "is kept" in log, log[-3000:]
-    # Steps 1-3 trained (the 4th batch never came) and their checkpoints stay.
-    assert sorted(_rows(tmp_path / "out")) == [1, 2, 3]
-    assert (tmp_path / "out" / "checkpoints" / "step_000003").is_dir()
+    # Steps 1-3 trained, or 1-2 when the kill also lost step 3's batch on its way; the
+    # checkpoint of the last trained step stays, and the error names it.
+    trained = sorted(_rows(tmp_path / "out"))
+    assert trained in ([1, 2], [1, 2, 3]), trained
+    last = tmp_path / "out" / "checkpoints" / f"step_{trained[-1]:06d}"
+    assert f"the last checkpoint, {last}, is kept" in log, log[-3000:]
+    assert last.is_dir()
     if how == "hung":
-        assert "generator_timeout_s=8" in log, log[-3000:]
+        assert "generator_timeout_s=30" in log, log[-3000:]
     assert time.monotonic() - start < 240
