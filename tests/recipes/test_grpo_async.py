@@ -25,15 +25,6 @@ from lightrft import cli
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _slow_is_opt_in(request):
-    """`slow` tests run only when selected with `-m slow` (the marker is documented as opt-in)."""
-    if request.node.get_closest_marker("slow") and "slow" not in (
-        request.config.getoption("markexpr") or ""
-    ):
-        pytest.skip("slow test: select it with -m slow")
-
-
 class TextReward:
     """The sum of the response's character codes mod 10, / 10 (varies with any text, so even a
     random model's first step has advantages); on the generating process (launch rank 1),
