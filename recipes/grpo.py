@@ -471,7 +471,7 @@ class GRPORecipe:
             timer = PhaseTimer()
             batch, drawn, stats = self.rollout(step, timer)
             metrics = {**stats, **self.reward_side.reduce()}
-            metrics["rollout/generate_s"] = timer.summary().get("time/rollout", 0.0)
+            metrics["time/generate"] = timer.summary().get("time/rollout", 0.0)
             state = self.loader.state_dict()
             msg = Generated(step, version, batch, drawn, metrics, self.epoch, state)
             link.flush()  # the previous step's batch was taken: at most one in flight
@@ -1207,6 +1207,9 @@ class GRPORecipe:
         elapsed = time.perf_counter() - t0
         phases = timer.summary()
         metrics.update(step_metrics(drawn, phases, elapsed, metrics, self.dist.device))
+        if "time/generate" in metrics:  # asynchronous: the generator's own time, not the wait
+            tokens = metrics["perf/rollout_tokens_per_s"] * max(metrics["time/rollout"], 1e-9)
+            metrics["perf/rollout_tokens_per_s"] = tokens / max(metrics["time/generate"], 1e-9)
         if self.opts.trajectory_tokens:  # its extra forward pass and the token files
             metrics["time/trajectories"] = phases.get("time/trajectories", 0.0)
         if self.run.should_log(step, self.opts.max_steps):
