@@ -186,7 +186,7 @@ def _rows(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "train/lr" in r}
 
 
-@pytest.mark.slow  # ~60-90 s on 2 cores: 2 processes, then 2 more for the resume
+@pytest.mark.slow  # 33 s on 2 cores (136 s at load 10+): 2 processes, then 2 more to resume
 def test_async_run_trains_one_step_off_with_the_generating_policys_logprobs(tmp_path, assets):
     # A KL to the initial policy in the reward, k3 estimator, between the engine's log-probs
     # (old_logprobs=engine) and the reference model's (the initial weights, scored by the
@@ -212,7 +212,7 @@ def test_async_run_trains_one_step_off_with_the_generating_policys_logprobs(tmp_
     assert [rows[s]["rollout/policy_lag"] for s in (5, 6)] == [0.0, 1.0]
 
 
-@pytest.mark.slow  # ~40 s each on 2 cores
+@pytest.mark.slow  # killed 16 s, hung 54 s (its 30 s timeout) on 2 cores
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_dead_generator_fails_the_trainer_naming_it_within_the_timeout(tmp_path, assets, how):
     timeout = 30  # also bounds the generator's setup before its first batch, on a busy machine
