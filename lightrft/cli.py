@@ -7,6 +7,8 @@
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
     lightrft view RUN_DIR [--out FILE] [--steps N] [--samples N] [--max-mib M]   a run's page
     lightrft export CHECKPOINT_DIR --out DIR      a checkpoint as the HF directory final/ is
+    lightrft plan --config <config> [--nodes N] [--gpus-per-node G] [--gpu-memory 80GiB] [key=value ...]
+        per-GPU memory of each phase of the run, from the model's config.json (no weights)
     lightrft tiny-model --out DIR [--arch ARCH] [--layers N] [--hidden N] [--chat-template T] ...
         ARCH: qwen2 | llama (text), qwen2_vl | qwen2_5_vl | qwen3_vl | llava (with a processor)
 
@@ -18,6 +20,7 @@ as ``lightrft.configs`` data. A config opens with its launch command, ``# lightr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import runpy
@@ -303,6 +306,57 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _planning_for(world: int, device: str):
+    """Validate as the recipe would on the planned machine: ``WORLD_SIZE`` is the cluster's and,
+    planning for GPUs, CUDA counts as available (the checks of ``device: cuda`` and of CUDA-only
+    engines are about the machine the run will have, not this one)."""
+    import torch
+
+    old_world, old_available = os.environ.get("WORLD_SIZE"), torch.cuda.is_available
+    os.environ["WORLD_SIZE"] = str(world)
+    if device == "cuda":
+        torch.cuda.is_available = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = old_available
+        if old_world is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = old_world
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from lightrft.config import UserError, load, validate
+    from lightrft.training.plan import Cluster, format_plan, inputs_from_options, parse_size, plan
+
+    path = resolve_config(args.config)
+    recipe = args.recipe or recipe_of_config(path)
+    if recipe is None:
+        raise UsageError(f"{path} does not open with `# lightrft run <recipe> ...`; pass --recipe")
+    if recipe not in ("grpo", "sft", "reward_model"):
+        raise UsageError(
+            f"the planner knows the grpo, sft and reward_model recipes, not {recipe!r}"
+        )
+    try:
+        cluster = Cluster(args.nodes, args.gpus_per_node, parse_size(args.gpu_memory))
+        cfg, src = load(path, args.overrides)
+        schema, build_options = load_recipe_checks(resolve_recipe(recipe))
+        with _planning_for(cluster.world, args.device):
+            opts = validate(cfg, schema=schema, options=build_options, source=src)
+        inputs = inputs_from_options(
+            opts, recipe=recipe, cluster=cluster, device=args.device, model_config=args.model_config
+        )
+    except UserError as e:
+        print(f"lightrft: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a flag, or a model.path without a local config.json
+        raise UsageError(str(e)) from None
+    print(format_plan(plan(inputs)))
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from lightrft.tasks.tiny import make_tiny_model
 
@@ -365,6 +419,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a step_N checkpoint directory")
     ex.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    pl = sub.add_parser(
+        "plan",
+        help="per-GPU memory of each phase of a run, before renting the GPUs",
+        description="Read a config (checked as the recipe would on the planned cluster) and the "
+        "model's config.json (no weights), and print the per-GPU bytes of the rollout, scoring "
+        "and training phases; phases over --gpu-memory are flagged with what would fit them. "
+        "Formulas and their validation: docs/strategies.md, 'Planning memory'.",
+    )
+    pl.add_argument("--config", required=True)
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--recipe", help="recipe name, when the config has no launch comment")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--gpus-per-node", type=int, default=1)
+    pl.add_argument("--gpu-memory", default="80GiB", help="per GPU (default 80GiB)")
+    pl.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda: bf16 compute under FSDP2; cpu: the master dtype (as the CPU runs)",
+    )
+    pl.add_argument(
+        "--model-config",
+        help="the model's config.json, when model.path is a hub id with no local copy",
+    )
     t = sub.add_parser("tiny-model", help="write a tiny random-init HF model and tokenizer")
     t.add_argument("--out", required=True)
     t.add_argument(
@@ -405,7 +483,7 @@ def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "run":
         return cmd_run(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "validate":
+    if args.command in ("validate", "plan"):
         args.overrides = list(args.overrides)
     return {
         "ls": cmd_ls,
@@ -414,6 +492,7 @@ def _dispatch(argv: list[str]) -> int:
         "validate": cmd_validate,
         "view": cmd_view,
         "export": cmd_export,
+        "plan": cmd_plan,
         "tiny-model": cmd_tiny_model,
     }[args.command](args)
 

@@ -98,6 +98,7 @@ from lightrft.rollout.metrics import (
     write_trajectories,
 )
 from lightrft.rollout.micro import MicroBatch, build_micro_batch, rank_micro_batches
+from lightrft.rollout.partial import PartialRollouts
 from lightrft.rollout.remote import (
     GENERATOR,
     TRAINER,
@@ -233,6 +234,7 @@ class GRPOConfig(TrainingConfig):
             if schedule is not None:
                 schedule.check_steps(self.max_steps, key)
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
+        _check_partial(opts)
         _check_media(opts, prepare=self.run.prepare)
         m = opts.model
         check_environment(opts.environment, m.path, trust_remote_code=m.trust_remote_code)
@@ -255,6 +257,32 @@ class GRPOConfig(TrainingConfig):
         return replace(critic, path=critic.path or self.model.path)
 
 
+def _check_partial(opts: GRPOConfig) -> None:
+    """Partial rollouts (``rollout.partial.token_budget``) with what they cannot work with."""
+    key = "rollout.partial.token_budget"
+    if opts.rollout.partial.token_budget is None:
+        return
+    alg = opts.algorithm
+    if opts.engine.backend != "native":
+        raise ValueError(
+            f"{key} needs engine.backend=native (the engine that cuts and resumes rows), "
+            f"got {opts.engine.backend}"
+        )
+    if opts.environment is not None:
+        raise ValueError(f"{key} does not take an environment: a multi-turn row cannot be cut")
+    if alg.shaping.dynamic:
+        raise ValueError(
+            f"{key} and algorithm.shaping.dynamic_sampling both decide which groups a step "
+            "trains on; use one"
+        )
+    if alg.old_logprobs == "trainer" and alg.tis.mode is None:
+        raise ValueError(
+            f"{key}: carried tokens were sampled by older weights and need an importance "
+            "correction towards the behaviour log-probs: set algorithm.tis.mode (token or "
+            "sequence_mask), or algorithm.old_logprobs=engine"
+        )
+
+
 def _check_asynchronous(opts: GRPOConfig) -> None:
     """What one-step-off rollout (``rollout.asynchronous``) cannot run with."""
     alg = opts.algorithm
@@ -269,6 +297,11 @@ def _check_asynchronous(opts: GRPOConfig) -> None:
             "rollout.asynchronous=true does not play multi-turn episodes (environment:) in the "
             "generating process: remove the environment section or set "
             "rollout.asynchronous=false"
+        )
+    if opts.rollout.partial.token_budget is not None:
+        raise ValueError(
+            "rollout.asynchronous=true and rollout.partial.token_budget: the generating "
+            "process does not carry cut rows across steps; use one of them"
         )
     if alg.old_logprobs == "trainer" and alg.tis.mode is None:
         # Without either, an exactly on-policy step takes the ratio as 1: the older policy's
@@ -367,6 +400,10 @@ class GRPORecipe:
         self._setup_engine()
         self._setup_rewards_and_data()
         self.reward_side = RewardSideMetrics()
+        self.partial, self.policy_version = None, 0  # partial rollouts: groups in flight
+        self.prompt_queue: list[dict[str, Any]] = []  # drawn prompts not yet in flight
+        if (budget := self.opts.rollout.partial.token_budget) is not None:
+            self.partial = PartialRollouts(budget // self.dist.world_size)
         self.step, self.epoch = 0, 0
         self.eval_history: list[tuple[int, float, float]] = []
         # (step, eval/env/* means) of this process's evals: not checkpointed, printed at the end.
@@ -454,6 +491,7 @@ class GRPORecipe:
         self._setup_engine(sleep_level=0)
         self._setup_rewards_and_data()
         self.reward_side = RewardSideMetrics()
+        self.partial = None  # refused with asynchronous
 
     def generate_ahead(self, link: RolloutLink, start: Start) -> None:
         """Generate step after step from ``start``, ``rollout.max_staleness`` steps ahead of the
@@ -649,18 +687,25 @@ class GRPORecipe:
     def _draw(self, step: int, draw: int, timer: PhaseTimer) -> RolloutBatch:
         """One rollout draw: this rank's prompts, n samples each, scored; then gathered so every
         rank holds every sample (groups stay consecutive and whole)."""
-        self.epoch, prompts = next(self.prompts)  # this rank's, epoch after epoch
-        count = len(prompts["prompt_ids"])
-        with timer("rollout"):
-            params = self._request_params(count, step, draw)
-            episodes, prompt_ids, continuation = None, prompts["prompt_ids"], None
-            if self.environment is not None:  # multi-turn: the first prompt names the tools
-                items = [{k: v[i] for k, v in prompts.items()} for i in range(count)]
-                episodes = Episodes(self.environment, items, self.opts.rollout.n, self.tokenizer)
-                prompt_ids, continuation = episodes.prompt_ids, episodes.continuation
-            completions = self.rollout_engine.generate(
-                prompt_ids, params, prompts.get("media"), continuation
-            )
+        episodes, groups = None, None
+        if self.partial is not None:
+            prompts, completions, groups = self._partial_generate(step, timer)
+            count = len(prompts.get("prompt_ids", []))
+        else:
+            self.epoch, prompts = next(self.prompts)  # this rank's, epoch after epoch
+            count = len(prompts["prompt_ids"])
+            with timer("rollout"):
+                params = self._request_params(count, step, draw)
+                prompt_ids, continuation = prompts["prompt_ids"], None
+                if self.environment is not None:  # multi-turn: the first prompt names the tools
+                    items = [{k: v[i] for k, v in prompts.items()} for i in range(count)]
+                    episodes = Episodes(
+                        self.environment, items, self.opts.rollout.n, self.tokenizer
+                    )
+                    prompt_ids, continuation = episodes.prompt_ids, episodes.continuation
+                completions = self.rollout_engine.generate(
+                    prompt_ids, params, prompts.get("media"), continuation
+                )
         rows = [c.request_index for c in completions]
         meta = {k: [prompts[k][i] for i in rows] for k in ("prompt", "reference", "label", "where")}
         messages = prompts.get("messages") or [None] * count
@@ -689,7 +734,7 @@ class GRPORecipe:
         batch = RolloutBatch.from_completions(
             completions,
             prompts,
-            groups=[(step, draw, self.dist.rank, i) for i in rows],
+            groups=groups or [(step, draw, self.dist.rank, i) for i in rows],
             reward_raw=raw,
             rewards=rewards,
             overlong=overlong,
@@ -699,6 +744,25 @@ class GRPORecipe:
         batch.episodes = done
         return batch.all_gather()
 
+    def _partial_generate(self, step: int, timer: PhaseTimer) -> tuple[dict, list, list]:
+        """Partial rollouts: top the groups in flight up to this rank's prompts per step with
+        new prompts, generate under the token budget, and return the groups that finished (the
+        prompt loader's fields, their completions, each row's group key); ``self.partial_stats``
+        says what the step carried."""
+        per_rank = self.opts.rollout.prompts_per_step // self.dist.world_size
+        added, params = 0, self._request_params(per_rank, step, 0)
+        while len(self.partial.groups) < per_rank:
+            if not self.prompt_queue:
+                self.epoch, batch = next(self.prompts)
+                count = len(batch["prompt_ids"])
+                self.prompt_queue += [{k: v[i] for k, v in batch.items()} for i in range(count)]
+            item = self.prompt_queue.pop(0)
+            self.partial.add(item, params[added], (step, 0, self.dist.rank, added))
+            added += 1
+        with timer("rollout"):
+            done, self.partial_stats = self.partial.step(self.rollout_engine, self.policy_version)
+        return PartialRollouts.completions(done)
+
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, RolloutBatch, dict]:
         """The step's train batch (after dynamic sampling), every sample drawn (to log, with
         ``kept`` set) and the dynamic-sampling metrics."""
@@ -707,6 +771,8 @@ class GRPORecipe:
         if not shaping.dynamic:
             drawn = self._draw(step, 0, timer)
             keep = list(range(len(drawn)))
+            if self.partial is not None:
+                stats.update(self.partial_stats.metrics())
         else:
             acc = DynamicSamplingAccumulator(
                 o.rollout.prompts_per_step,
@@ -1193,6 +1259,7 @@ class GRPORecipe:
         elif len(batch):  # weights changed (released weights are reloaded by the next rollout)
             with timer("weight_sync"):
                 self.rollout_engine.sync()
+            self.policy_version += 1
         self.step = step
         if self.opts.trajectories and self.dist.is_main:
             with timer("trajectories"):

@@ -17,6 +17,7 @@ from lightrft.engine.protocol import (
     Continuation,
     Engine,
     Request,
+    Resume,
     SamplingParams,
     Turn,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "Engine",
     "NativeEngine",
     "Request",
+    "Resume",
     "SGLangEngine",
     "SamplingParams",
     "SyncStats",

@@ -93,6 +93,18 @@ class EngineConfig(Section):
 
 
 @section
+class PartialRolloutConfig(Section):
+    """``rollout.partial:``: partial rollouts (on when ``token_budget`` is set)."""
+
+    token_budget: int | None = option(
+        None,
+        ge=1,
+        doc="tokens sampled per step, all ranks together; samples unfinished when it runs out "
+        "go on at the next step under the newer weights (native engine)",
+    )
+
+
+@section
 class RolloutConfig(Section):
     """``rollout:``: the prompts of a step and how their samples are drawn."""
 
@@ -118,6 +130,7 @@ class RolloutConfig(Section):
         doc="asynchronous: how long one side waits for the other (a batch, weights) before "
         "it fails naming the process; default 600",
     )
+    partial: PartialRolloutConfig = option(default_factory=PartialRolloutConfig, doc="")
 
     def resolve(self, at: str) -> RolloutConfig:
         if not self.temperature > 0:
@@ -125,29 +138,36 @@ class RolloutConfig(Section):
                 f"rollout.temperature must be > 0 (the trainer scores tokens at the sampling "
                 f"temperature), got {self.temperature}"
             )
-        self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.asynchronous:
-            if world < 2:
+        if self.asynchronous and world < 2:
+            raise ValueError(
+                "rollout.asynchronous=true generates in a process of its own beside the "
+                f"trainers, but this run has {world} process: launch it with "
+                "`lightrft run --nproc_per_node 2 ...` (the last process generates), or set "
+                "rollout.asynchronous=false"
+            )
+        if not self.asynchronous:
+            for key in ("max_staleness", "generator_timeout_s"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"rollout.{key} applies to rollout.asynchronous=true only")
+            # Asynchronous: one process draws all the step's prompts, every trainer gets them.
+            if self.prompts_per_step % world:
                 raise ValueError(
-                    "rollout.asynchronous=true generates in a process of its own beside the "
-                    f"trainers, but this run has {world} process: launch it with "
-                    "`lightrft run --nproc_per_node 2 ...` (the last process generates), or set "
-                    "rollout.asynchronous=false"
+                    f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
+                    f"number of processes ({world})"
                 )
-            # One process generates all the step's prompts; every trainer gets the whole batch.
+        self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
+        budget, rows = self.partial.token_budget, self.prompts_per_step * self.n
+        if budget is not None and budget < rows:
+            raise ValueError(
+                f"rollout.partial.token_budget={budget} is less than one token per row of a "
+                f"step (rollout.prompts_per_step x rollout.n = {rows}); raise it to >= {rows}"
+            )
+        if self.asynchronous:
             return replace(
                 self,
                 max_staleness=self.max_staleness or 1,
                 generator_timeout_s=float(self.generator_timeout_s or 600.0),
-            )
-        for key in ("max_staleness", "generator_timeout_s"):
-            if getattr(self, key) is not None:
-                raise ValueError(f"rollout.{key} applies to rollout.asynchronous=true only")
-        if self.prompts_per_step % world:
-            raise ValueError(
-                f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
-                f"number of processes ({world})"
             )
         return self
 

@@ -67,6 +67,7 @@ from lightrft.engine.protocol import (
     check_awake,
     check_observation,
     check_requests,
+    check_resumes,
     check_sleep_level,
     check_wake_tags,
     per_request_params,
@@ -167,6 +168,7 @@ class SchedulerStats:
     """Counters of the native engine's last ``generate`` call (``engine.stats``)."""
 
     steps: int = 0  # decoding forward steps
+    sampled_tokens: int = 0  # tokens sampled (what a token_budget counts)
     admitted_while_decoding: int = 0  # requests that entered rows freed while others decoded
     max_active_rows: int = 0  # most rows decoding in one step
 
@@ -188,7 +190,8 @@ class _RowState:
     first_temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
-    max_new: torch.Tensor  # response budget (assistant + observation tokens)
+    max_new: torch.Tensor  # response budget (assistant + observation tokens) of this call
+    prior: torch.Tensor  # tokens a resumed row sampled before this call (its Resume)
     stop_ids: torch.Tensor  # [R, S], padded with -1
     pad: torch.Tensor | None = None  # left padding of the row's prompt
     delta: torch.Tensor | None = None  # M-RoPE decode offset (0 without)
@@ -450,20 +453,43 @@ class NativeEngine:
         requests: Sequence[Request],
         sampling: SamplingParams | Sequence[SamplingParams],
         continuation: Continuation | None = None,
+        token_budget: int | None = None,
     ) -> list[Completion]:
         """Sample ``n`` completions per request; returned ordered by (request, sample).
 
         ``continuation``: see :class:`~lightrft.engine.protocol.Turn`. It runs on a thread pool
         (one worker per cache row, at most 64) while the other rows decode.
+
+        ``token_budget`` (partial rollouts): stop once the call has sampled this many tokens,
+        at the end of that decoding step (each step samples one token per active row, so the
+        call overshoots by less than one token per row). Rows still decoding, and the samples
+        of requests not yet admitted, come back ``finish_reason="partial"``; a later call
+        continues each with ``Request(prompt, resume=Resume(...))``, re-prefilling its tokens.
         """
         tags = (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
         check_awake([tag for tag, awake in tags if not awake], self._unloaded)
+        if token_budget is not None:
+            if isinstance(token_budget, bool) or not isinstance(token_budget, int):
+                raise ValueError(
+                    f"token_budget must be an integer >= 1 or None, got {token_budget!r}"
+                )
+            if token_budget < 1:
+                raise ValueError(
+                    f"token_budget must be an integer >= 1 or None, got {token_budget}"
+                )
+            if continuation is not None:
+                raise ValueError(
+                    "token_budget (partial rollouts) does not take a continuation: a multi-turn "
+                    "row waiting on its tools cannot be cut and re-prefilled"
+                )
         requests = list(requests)
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)
+        check_resumes(requests, params, self.vocab_size)
         self._media = [self._request_media(i, r) for i, r in enumerate(requests)]
+        prefixes = [[] if r.resume is None else list(r.resume.token_ids) for r in requests]
         prompts = [
-            self._fit_prompt(i, r.prompt_token_ids, p)
+            self._fit_prompt(i, r.prompt_token_ids, p, prefixes[i])
             for i, (r, p) in enumerate(zip(requests, params, strict=True))
         ]
         seeds = [
@@ -474,19 +500,21 @@ class NativeEngine:
         ]
         if not requests:
             return []
-        rows = self._cache_rows(prompts, params)
+        prior = [len(x) for x in prefixes]
+        rows = self._cache_rows(prompts, params, prior)
         pool = None
         if continuation is not None:
             pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
         try:
             run = _Trajectories(params, continuation, pool, self._observation_check)
-            out = self._generate_all(prompts, params, seeds, run, rows)
+            return self._generate_all(
+                prompts, params, seeds, run, rows, requests, prior, token_budget
+            )
         finally:
             self._media = []
             if pool is not None:
                 # A continuation that hangs must not hang generate() once it has failed.
                 pool.shutdown(wait=False, cancel_futures=True)
-        return [out[(i, j)] for i, p in enumerate(params) for j in range(p.n)]
 
     def _request_media(self, index: int, req: Request) -> Media | None:
         """The request's media, each kind checked against the model and its placeholder
@@ -522,10 +550,20 @@ class NativeEngine:
                 )
         return req.media if kinds else None
 
-    def _fit_prompt(self, index: int, ids: list[int], p: SamplingParams) -> list[int]:
+    def _fit_prompt(
+        self, index: int, ids: list[int], p: SamplingParams, prefix: list[int]
+    ) -> list[int]:
+        """The ids the engine prefills: the prompt (kept whole, or its end), then a resumed
+        response's tokens."""
         limit = self.max_model_len - 1  # at least one token must fit after the prompt
-        if len(ids) <= limit:
-            return list(ids)
+        if len(ids) + len(prefix) <= limit:
+            return list(ids) + prefix
+        if prefix:
+            raise ValueError(
+                f"requests[{index}] has {len(ids)} prompt tokens and resumes after "
+                f"{len(prefix)} more; the engine's max_model_len is {self.max_model_len}: "
+                "nothing is left to sample"
+            )
         if not self.truncate_prompts or self._media[index] is not None:
             raise ValueError(
                 f"requests[{index}] has {len(ids)} prompt tokens; the engine's max_model_len is "
@@ -537,22 +575,28 @@ class NativeEngine:
         keep = max(1, self.max_model_len - p.max_tokens)
         return list(ids[-keep:])
 
-    def _lengths(self, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[int, int]:
+    def _lengths(
+        self, prompts: list[list[int]], params: list[SamplingParams], prior: list[int]
+    ) -> tuple[int, int]:
         """The cache row layout of a call: every prompt ends at slot ``plen`` (the longest
-        prompt), response token ``a`` sits at slot ``plen + a``; rows hold ``plen + max_new``
-        slots."""
+        prompt, a resumed response's tokens included), response token ``a`` of this call sits at
+        slot ``plen + a``; rows hold ``plen + max_new`` slots."""
         plen = max(len(x) for x in prompts)
-        max_new = max(
-            min(p.max_tokens, self.max_model_len - len(x))
-            for x, p in zip(prompts, params, strict=True)
-        )
+        max_new = max(self._room(x, p, k) for x, p, k in zip(prompts, params, prior, strict=True))
         return plen, max_new
 
-    def _cache_rows(self, prompts: list[list[int]], params: list[SamplingParams]) -> int:
+    def _room(self, prompt: list[int], p: SamplingParams, prior: int) -> int:
+        """Tokens a row may still sample: its ``max_tokens`` less what a resumed row sampled
+        before, and no further than ``max_model_len``."""
+        return min(p.max_tokens - prior, self.max_model_len - len(prompt))
+
+    def _cache_rows(
+        self, prompts: list[list[int]], params: list[SamplingParams], prior: list[int]
+    ) -> int:
         """Cache rows of a call: at most ``max_num_seqs`` and, when ``max_kv_tokens`` is set, at
         most that many token slots (rows x (longest prompt + longest response)); never fewer
         than the widest request's ``n`` (its samples are admitted together)."""
-        plen, max_new = self._lengths(prompts, params)
+        plen, max_new = self._lengths(prompts, params, prior)
         rows = min(self.max_num_seqs, sum(p.n for p in params))
         if self.max_kv_tokens is not None:
             rows = min(rows, self.max_kv_tokens // (plen + max_new))
@@ -624,7 +668,10 @@ class NativeEngine:
         seeds: list[int],
         run: _Trajectories,
         cap: int,
-    ) -> dict[tuple[int, int], Completion]:
+        requests: list[Request],
+        prior: list[int],
+        token_budget: int | None,
+    ) -> list[Completion]:
         """Decode every request through ``cap`` cache rows with continuous batching.
 
         Each step samples one token per active row and feeds it back; rows that finish free
@@ -633,11 +680,14 @@ class NativeEngine:
         copied into its ``n`` rows, and its samples decode from the next step on beside the
         others. A row's response index and stream counter are offsets from the step counter
         (``shift``, ``kshift``), so a newcomer needs only its own offsets.
+
+        With a ``token_budget``, the loop ends after the step whose tokens spend it: the rows
+        that did not end there, and the requests still queued, are cut (``"partial"``).
         """
         dev = self.device
-        plen, max_new = self._lengths(prompts, params)
+        plen, max_new = self._lengths(prompts, params, prior)
         total = plen + max_new
-        state = self._row_state(prompts, params, seeds)
+        state = self._row_state(prompts, params, seeds, requests, prior)
         run.budget = state.max_new.tolist()
         n_rows = state.request.numel()
         lens = torch.tensor([len(x) for x in prompts], device=dev)
@@ -672,6 +722,13 @@ class NativeEngine:
             if slots.active:
                 tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
                 ended = bool(done.any())
+                self.stats.sampled_tokens += slots.active
+            if token_budget is not None and self.stats.sampled_tokens >= token_budget:
+                self._cut(slots, run, done, hit_stop, at, out_tok, out_lp)
+                for i in queue:  # never admitted: cut before their first token
+                    for r in range(first_row[i], first_row[i + 1]):
+                        run.cut(r, 0)
+                break
             going = slots.active  # rows that decode on
             fresh: list[int] = []  # trajectories admitted this step
             if ended:
@@ -714,7 +771,9 @@ class NativeEngine:
                     tok = tok[torch.tensor(order[: slots.keep], dtype=torch.long, device=dev)]
                 if fresh:
                     idx = torch.tensor(fresh, dtype=torch.long, device=dev)
-                    state.shift[idx] = state.kshift[idx] = -(step + 1)
+                    state.shift[idx] = -(step + 1)
+                    # A resumed row's stream goes on where it stopped (tokens sampled before).
+                    state.kshift[idx] = state.prior[idx] - (step + 1)
                     lo = slots.keep + slots.back
                     new_logits, delta, lp = self._prefill_prompts(
                         cache, lo, new, prompts, params, plen
@@ -750,7 +809,26 @@ class NativeEngine:
             self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
             step += 1
         self.stats.steps = step
-        return self._completions(state, prompts, params, prompt_lp, out_tok, out_lp, run)
+        return self._completions(state, requests, params, prompt_lp, out_tok, out_lp, run)
+
+    @staticmethod
+    def _cut(
+        slots: _Slots,
+        run: _Trajectories,
+        done: torch.Tensor,
+        hit_stop: torch.Tensor,
+        at: torch.Tensor,
+        out_tok: torch.Tensor,
+        out_lp: torch.Tensor,
+    ) -> None:
+        """The token budget ran out at this step: its active rows end as they would (a stop
+        token, the length limit) or are cut after the token just sampled."""
+        done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
+        for i, r in enumerate(slots.rows[: slots.active]):
+            if done_h[i]:
+                run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
+            else:
+                run.cut(r, at_h[i] + 1)
 
     def _prefill_prompts(
         self,
@@ -888,14 +966,21 @@ class NativeEngine:
         return torch.cat(logits)
 
     def _row_state(
-        self, prompts: list[list[int]], params: list[SamplingParams], seeds: list[int]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        seeds: list[int],
+        requests: list[Request],
+        prior: list[int],
     ) -> _RowState:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
-        order."""
+        order (a resumed request's one row is its ``Resume.sample_index``: its random
+        stream)."""
         req, smp_idx = [], []
         for i in range(len(prompts)):
             req += [i] * params[i].n
-            smp_idx += list(range(params[i].n))
+            res = requests[i].resume
+            smp_idx += list(range(params[i].n)) if res is None else [res.sample_index]
         per_row = [params[i] for i in req]
         stops = [self._stop_ids(p) for p in per_row]
         width = max(1, max(len(x) for x in stops))
@@ -924,10 +1009,8 @@ class NativeEngine:
             top_k=vec([max(p.top_k, 0) for p in per_row], torch.long),
             top_p=vec([p.top_p for p in per_row]),
             # Positions left after each row's own prompt bound its response length.
-            max_new=vec(
-                [min(params[i].max_tokens, self.max_model_len - len(prompts[i])) for i in req],
-                torch.long,
-            ),
+            max_new=vec([self._room(prompts[i], params[i], prior[i]) for i in req], torch.long),
+            prior=vec([prior[i] for i in req], torch.long),
             stop_ids=stop_ids.to(dev),
         )
 
@@ -951,36 +1034,51 @@ class NativeEngine:
     def _completions(
         self,
         state: _RowState,
-        prompts: list[list[int]],
+        requests: list[Request],
         params: list[SamplingParams],
         prompt_lp: dict[int, list[float]],
         out_tok: torch.Tensor,
         out_lp: torch.Tensor,
         run: _Trajectories,
-    ) -> dict[tuple[int, int], Completion]:
+    ) -> list[Completion]:
+        """One completion per row, in row order: (request, sample). A resumed row's response
+        starts with its ``Resume`` tokens and log-probs."""
         toks, lps = out_tok.tolist(), out_lp.tolist()
         req, smp_idx = state.request.tolist(), state.sample.tolist()
         multi = run.continuation is not None
-        result = {}
+        result = []
         for r in range(len(req)):
             i, n = req[r], run.length[r]
-            ids = toks[r][:n]
+            res = requests[i].resume
+            ids, lp = toks[r][:n], lps[r][:n]
+            if res is not None:
+                ids, lp = list(res.token_ids) + ids, list(res.logprobs) + lp
             text = None
             if params[i].detokenize and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            result[(i, smp_idx[r])] = Completion(
-                request_index=i,
-                sample_index=smp_idx[r],
-                prompt_token_ids=prompts[i],
-                token_ids=ids,
-                logprobs=lps[r][:n],
-                finish_reason="stop" if run.stopped[r] else "length",
-                text=text,
-                prompt_logprobs=prompt_lp.get(i),
-                sampled_mask=sampled_mask(run.spans[r], n) if multi else None,
-                turn_spans=run.spans[r] if multi else None,
+            reason = "partial" if run.cut_rows[r] else "stop" if run.stopped[r] else "length"
+            result.append(
+                Completion(
+                    request_index=i,
+                    sample_index=smp_idx[r],
+                    prompt_token_ids=self._prompt_part(requests[i], params[i]),
+                    token_ids=ids,
+                    logprobs=lp,
+                    finish_reason=reason,
+                    text=text,
+                    prompt_logprobs=prompt_lp.get(i),
+                    sampled_mask=sampled_mask(run.spans[r], n) if multi else None,
+                    turn_spans=run.spans[r] if multi else None,
+                )
             )
         return result
+
+    def _prompt_part(self, req: Request, p: SamplingParams) -> list[int]:
+        """The prompt as the engine kept it (its end, when truncated)."""
+        ids = req.prompt_token_ids
+        if len(ids) <= self.max_model_len - 1:
+            return list(ids)
+        return list(ids[-max(1, self.max_model_len - p.max_tokens) :])
 
 
 class _Slots:
@@ -1039,6 +1137,7 @@ class _Trajectories:
         self.observed = [0] * rows  # observation tokens in the row's response
         self.length = [0] * rows  # response length once finished
         self.stopped = [False] * rows
+        self.cut_rows = [False] * rows  # cut by the call's token budget
         self.waiting: dict[int, tuple[Future, Turn]] = {}
 
     def end_turn(
@@ -1066,6 +1165,10 @@ class _Trajectories:
 
     def finish(self, r: int, length: int, stop: bool) -> None:
         self.length[r], self.stopped[r] = length, stop
+
+    def cut(self, r: int, length: int) -> None:
+        """The call's token budget ran out with row ``r`` unfinished at ``length`` tokens."""
+        self.length[r], self.cut_rows[r] = length, True
 
     def collect(self, block: bool) -> list[tuple[int, list[int], int]]:
         """Rows whose observation is ready and fits, as ``(row, ids to feed, response

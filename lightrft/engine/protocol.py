@@ -27,8 +27,25 @@ import torch
 
 from lightrft.data.media import Media
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "partial"]
 WAKE_TAGS = ("weights", "kv_cache")
+
+
+@dataclass
+class Resume:
+    """A response that a call's ``token_budget`` cut (``finish_reason="partial"``), to go on
+    with (partial rollouts): sample ``sample_index`` of its request, with the ``token_ids``
+    sampled so far and their ``logprobs`` (recorded by the policy that sampled each token).
+
+    The engine prefills the prompt and these tokens (under its current weights) and samples
+    on from the sample's own random stream at the position it stopped: with unchanged weights
+    and the same seed the response equals the one generated in one go. The completion holds
+    the whole response (these tokens and logprobs first, as given).
+    """
+
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
 
 
 @dataclass
@@ -39,10 +56,12 @@ class Request:
     placeholders expanded). ``media``: its processed images / audio
     (:class:`~lightrft.data.media.Media`, as the prompt datasets give them) for a vision- or
     audio-language model; an engine whose model cannot take a kind rejects the request.
+    ``resume``: continue a cut response (:class:`Resume`; its ``SamplingParams.n`` must be 1).
     """
 
     prompt_token_ids: list[int]
     media: Media | None = None
+    resume: Resume | None = None
 
 
 @dataclass
@@ -255,6 +274,44 @@ def check_requests(requests: Sequence[Request], vocab_size: int) -> None:
                 f"requests[{i}].prompt_token_ids holds {bad[0]!r}, not a token id in "
                 f"[0, {vocab_size})"
             )
+
+
+def check_resumes(
+    requests: Sequence[Request], params: Sequence[SamplingParams], vocab_size: int
+) -> None:
+    """Raise ``ValueError`` for a request's ``resume`` that cannot be continued."""
+    for i, (req, p) in enumerate(zip(requests, params, strict=True)):
+        res = req.resume
+        if res is None:
+            continue
+        where = f"requests[{i}].resume"
+        if not isinstance(res, Resume):
+            raise ValueError(f"{where} is a {type(res).__name__}; pass a Resume")
+        if isinstance(res.sample_index, bool) or not isinstance(res.sample_index, int):
+            raise ValueError(f"{where}.sample_index must be an integer >= 0")
+        if res.sample_index < 0:
+            raise ValueError(f"{where}.sample_index must be an integer >= 0")
+        if p.n != 1:
+            raise ValueError(
+                f"{where}: a resumed request is one sample; its SamplingParams.n is {p.n}"
+            )
+        bad = [t for t in res.token_ids if isinstance(t, bool) or not isinstance(t, int)]
+        bad += [t for t in res.token_ids if isinstance(t, int) and not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"{where}.token_ids holds {bad[0]!r}, not a token id in [0, {vocab_size})"
+            )
+        if len(res.logprobs) != len(res.token_ids):
+            raise ValueError(
+                f"{where} has {len(res.token_ids)} token ids but {len(res.logprobs)} logprobs"
+            )
+        if len(res.token_ids) >= p.max_tokens:
+            raise ValueError(
+                f"{where} holds {len(res.token_ids)} tokens, max_tokens is {p.max_tokens}: "
+                "nothing is left to sample"
+            )
+        if p.prompt_logprobs:
+            raise ValueError(f"{where}: prompt_logprobs cannot be asked of a resumed request")
 
 
 def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightrft.data.media import Media
-from lightrft.engine.protocol import Continuation, Request, SamplingParams
+from lightrft.engine.protocol import Continuation, Request, Resume, SamplingParams
 from lightrft.strategy.base import Strategy
 
 
@@ -31,10 +31,14 @@ class ColocatedEngine:
         params: SamplingParams | list[SamplingParams],
         media: Sequence[Media | None] | None = None,
         continuation: Continuation | None = None,
+        *,
+        resumes: Sequence[Resume | None] | None = None,
+        token_budget: int | None = None,
     ) -> list:
         """Wake the engine (reloading released weights) and generate. ``media``: per prompt,
         its :class:`~lightrft.data.media.Media` or None. ``continuation``: multi-turn (see
-        :class:`~lightrft.engine.protocol.Turn`)."""
+        :class:`~lightrft.engine.protocol.Turn`). ``resumes`` (per prompt, or None) and
+        ``token_budget``: partial rollouts (the native engine's)."""
         if self.released:
             self.engine.wake_up(["weights"])
             self.strategy.sync_weights(self.engine)
@@ -43,8 +47,15 @@ class ColocatedEngine:
         if not prompt_ids:
             return []
         media = media or [None] * len(prompt_ids)
-        requests = [Request(ids, m) for ids, m in zip(prompt_ids, media, strict=True)]
-        return self.engine.generate(requests, params, continuation=continuation)
+        resumes = resumes or [None] * len(prompt_ids)
+        requests = [
+            Request(ids, m, r) for ids, m, r in zip(prompt_ids, media, resumes, strict=True)
+        ]
+        if token_budget is None:
+            return self.engine.generate(requests, params, continuation=continuation)
+        return self.engine.generate(
+            requests, params, continuation=continuation, token_budget=token_budget
+        )
 
     def sleep(self) -> None:
         """Free the engine's memory for training (nothing at ``sleep_level`` 0)."""

@@ -116,6 +116,11 @@ REFUSED = [
         "2",
         "does not play multi-turn episodes",
     ),
+    (
+        {"rollout.partial": {"token_budget": 64}, "algorithm.shaping": None},
+        "2",
+        "rollout.asynchronous=true and rollout.partial.token_budget",
+    ),
 ]
 
 

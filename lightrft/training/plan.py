@@ -1,0 +1,829 @@
+"""The memory planner behind ``lightrft plan``: per-GPU bytes of each phase of a run, from the
+model's HF ``config.json`` and the run's config alone (no weights, no process group).
+
+Every term is arithmetic over the decoder's shapes (:class:`ModelShape`) and the strategy:
+
+* model states: parameters in the master dtype, gradients, AdamW's two states (the dtype of
+  the parameters), each divided by the ranks that shard them (FSDP2's shard group; ZeRO's
+  stages), or moved to host memory by an offload;
+* FSDP2 units in flight: the trained model's root group (LM head, final norm) stays gathered
+  for the whole step, and up to two decoder blocks (the one running and the one prefetched) plus
+  one block's unsharded gradient and its ``reduce_dtype`` (fp32) copy for the reduce-scatter;
+* activations saved for backward, per token and decoder layer, counted tensor by tensor from
+  the Qwen2 / Llama block as Hugging Face writes it (RMSNorm upcasts to fp32; GQA attention
+  through SDPA / flash, which saves ``q, k, v``, the output and the fp32 log-sum-exp, and no
+  ``[s, s]`` scores; SwiGLU MLP): the method of Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models" (arXiv:2205.05198), section 4, for this block.
+  With activation checkpointing a block keeps only its input, and one block's full set lives
+  again while it is recomputed;
+* the log-prob transient: the fused kernel's ``[chunk, vocab]`` fp32 workspace (the chunk rule
+  of ``lightrft.kernels.default_chunk_size``) against the naive ``[tokens, vocab]`` logits;
+* the rollout engine: the native engine's weight copy and dense KV cache (rows x slots x
+  layers x 2 x kv_heads x head_dim x bytes), or vLLM's ``gpu_memory_utilization`` share of the
+  GPU while awake; what each sleep level frees;
+* the reference model (FSDP2-sharded, frozen), a GAE critic (trained like the actor), reward
+  models used as rewards (whole on every rank).
+
+Sequence parallelism is not built, so there is no SP term. Checked against measured CPU runs by
+``tests/benchmarks/plan_check.py`` (docs/strategies.md, "Planning memory").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+GiB = 1 << 30
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+}
+# lightrft.kernels.logprobs: the fused kernel's fp32 workspace budget and row multiple.
+_WORKSPACE_ELEMENTS = 1 << 26
+_ROW_MULTIPLE = 64
+NATIVE_MAX_NUM_SEQS = 512  # NativeEngine's default max_num_seqs
+VLLM_GPU_MEMORY_UTILIZATION = 0.5  # VLLMEngine's default
+
+
+def dtype_bytes(name: str, key: str) -> int:
+    """Bytes per element of a config dtype name; a ``ValueError`` naming ``key`` otherwise."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"{key}: unknown dtype {name!r}; choose one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def parse_size(text: str, key: str = "--gpu-memory") -> int:
+    """``80GiB``, ``80GB``, ``81920MiB`` or a number of bytes -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"{key}: cannot read {text!r} as a size (e.g. 80GiB, 96GB)")
+    value, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    base = 1024 if "I" in unit or unit == "B" else 1000
+    return int(value * base**power)
+
+
+def fused_chunk_rows(n_rows: int, vocab: int) -> int:
+    """Rows per chunk of the fused log-prob kernel (``lightrft.kernels.default_chunk_size``)."""
+    rows = round(_WORKSPACE_ELEMENTS / max(vocab, 1) / _ROW_MULTIPLE) * _ROW_MULTIPLE
+    return max(1, min(max(rows, _ROW_MULTIPLE), n_rows))
+
+
+# ------------------------------------------------------------------------------ model
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The decoder's shapes, read from an HF ``config.json`` (a multimodal model's text part)."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json") -> ModelShape:
+        text = config.get("text_config") or config
+        needed = (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        missing = [k for k in needed if text.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"{source}: no {missing[0]!r}: the planner knows Llama-style decoders "
+                "(qwen2, qwen3, llama, mistral and the vision-language models built on them)"
+            )
+        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        model_type = str(text.get("model_type") or config.get("model_type") or "")
+        return cls(
+            model_type=model_type,
+            hidden=hidden,
+            layers=int(text["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            intermediate=int(text["intermediate_size"]),
+            vocab=int(text["vocab_size"]),
+            tied_embeddings=bool(
+                config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
+            # Qwen2 has q/k/v biases without a config key; Llama-style configs say so.
+            qkv_bias=model_type.startswith("qwen2") or bool(text.get("attention_bias", False)),
+            max_positions=int(text.get("max_position_embeddings") or 0),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelShape:
+        with open(path) as f:
+            return cls.from_hf_config(json.load(f), str(path))
+
+    # parameters ----------------------------------------------------------------------
+    @property
+    def block_params(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        return attention + 3 * h * self.intermediate + 2 * h  # + SwiGLU MLP + two RMSNorms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """The LM head's own weight (0 when tied to the embedding) and the final norm."""
+        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.embedding_params + self.head_params
+
+    # activations ---------------------------------------------------------------------
+    def norm_bytes_per_token(self, b: int) -> int:
+        """One RMSNorm: its fp32 input, the fp32 rsqrt, the normalised and the weighted output
+        (compute dtype; the latter is what the next linear layers save)."""
+        return 4 * self.hidden + 4 + 2 * b * self.hidden
+
+    def layer_bytes_per_token(self, b: int, *, repeat_kv: bool = False) -> int:
+        """Bytes one decoder layer saves for backward per token at compute dtype size ``b``.
+
+        Attention (SDPA / flash): q and k after RoPE, v, the output (which ``o_proj`` saves as
+        its input, the same storage) and the fp32 log-sum-exp per head; no [s, s] term. RoPE's
+        multiplications save only the shared cos / sin. ``repeat_kv``: SDPA given a padding mask
+        repeats K and V to every query head first (Hugging Face's GQA fallback). SwiGLU MLP:
+        gate (SiLU's input), SiLU's output, up, and their product (``down_proj``'s input)."""
+        kv = self.heads if repeat_kv else self.kv_heads
+        attention = b * (2 * self.heads + 2 * kv) * self.head_dim + 4 * self.heads
+        mlp = 4 * b * self.intermediate
+        return 2 * self.norm_bytes_per_token(b) + attention + mlp
+
+    def kv_bytes_per_token(self, b: int) -> int:
+        """One token's keys and values over all layers."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * b
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int = 1
+    gpus_per_node: int = 1
+    gpu_memory: int = 80 * GiB
+
+    def __post_init__(self) -> None:
+        for key, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node)):
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        if self.gpu_memory <= 0:
+            raise ValueError(f"--gpu-memory must be > 0, got {self.gpu_memory}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class TrainedSetup:
+    """How a trained model (actor or critic) is held. ``shard``: ranks its states are split
+    over (FSDP2's shard group; the world for ZeRO); ``zero_stage`` 0 means FSDP2."""
+
+    master_bytes: int
+    compute_bytes: int
+    shard: int
+    zero_stage: int = 0
+    offload_params: bool = False  # FSDP2 offload: params / grads / optimizer state on the host
+    offload_optimizer: bool = False  # ZeRO offload_optimizer
+    activation_checkpointing: bool = False
+    lora_rank: int | None = None  # adapters on every linear layer of the blocks
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    backend: Literal["native", "vllm", "sglang"]
+    dtype_bytes: int
+    rows: int
+    slots: int  # KV slots per row: longest prompt + longest response
+    sleep_level: int
+    gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
+    tensor_parallel: int = 1  # vLLM's tensor_parallel_size: its weights split this many ways
+
+
+@dataclass(frozen=True)
+class RewardModelSetup:
+    key: str  # where the config names it (reward.functions.rm)
+    shape: ModelShape
+    dtype_bytes: int
+    offload: bool
+    on_gpu: bool  # RewardModel's ``device`` (default cpu: no GPU memory at all)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    recipe: str
+    model: ModelShape
+    cluster: Cluster
+    actor: TrainedSetup
+    tokens_per_micro_batch: int
+    # More than one micro-batch per optimizer step: the gradients of the earlier ones are held
+    # while the next one's activations are. With one, gradients fill in as activations free.
+    accumulation: bool = True
+    repeat_kv: bool = False  # padded rows: SDPA's masked GQA repeats K / V
+    entropy: bool = False  # an entropy term: a second [chunk, vocab] buffer
+    grad_hint: bool = False  # GRPO: the kernel computes the gradient in forward and keeps it
+    engine: EngineSetup | None = None
+    reference: bool = False
+    critic: TrainedSetup | None = None
+    reward_models: tuple[RewardModelSetup, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------------------ output
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    device_bytes: int
+    host_bytes: int = 0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    terms: tuple[Term, ...]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.device_bytes for t in self.terms)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.host_bytes for t in self.terms)
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    phases: tuple[Phase, ...]
+    activations: int  # one micro-batch, as configured
+    activations_without_checkpointing: int
+    activations_with_checkpointing: int
+    fused_logprob_bytes: int
+    naive_logprob_bytes: int
+    advice: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Phases that cannot run whatever the total: vLLM's share smaller than its weights.
+    blocked: dict[str, str] = field(default_factory=dict)
+
+    def fits(self, phase: Phase) -> bool:
+        return (
+            phase.name not in self.blocked and phase.device_bytes <= self.inputs.cluster.gpu_memory
+        )
+
+
+# ------------------------------------------------------------------------------ terms
+
+
+def model_state_terms(shape: ModelShape, t: TrainedSetup, label: str) -> list[Term]:
+    """Parameters, gradients and AdamW state of a trained model, per rank."""
+    total = shape.params
+    if t.lora_rank:
+        h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads, shape.intermediate
+        kvd = kv * shape.head_dim
+        # r x (in + out) per adapted linear: q, k, v, o, gate, up, down.
+        per_block = t.lora_rank * ((h + q) + 2 * (h + kvd) + (q + h) + 2 * (h + i) + (i + h))
+        trained = shape.layers * per_block
+        total += trained
+    else:
+        trained = total
+    m = t.master_bytes
+    if t.zero_stage:  # DeepSpeed ZeRO: params whole below stage 3, grads whole below stage 2
+        p_div = t.shard if t.zero_stage == 3 else 1
+        g_div = t.shard if t.zero_stage >= 2 else 1
+        params = math.ceil(total * m / p_div)
+        grads = math.ceil(trained * m / g_div)
+        optim = math.ceil(trained * 2 * m / t.shard)
+        p_host = params if t.offload_params else 0
+        o_host = optim if t.offload_optimizer else 0
+        return [
+            Term(f"{label} parameters", params - p_host, p_host, f"ZeRO-{t.zero_stage}"),
+            Term(f"{label} gradients", grads, 0, f"ZeRO-{t.zero_stage}"),
+            Term(f"{label} optimizer state", optim - o_host, o_host, "AdamW: 2 states"),
+        ]
+    params = math.ceil(total * m / t.shard)
+    grads = math.ceil(trained * m / t.shard)
+    optim = math.ceil(trained * 2 * m / t.shard)
+    where = "host (offload: params)" if t.offload_params else f"1/{t.shard} each"
+    if t.offload_params:
+        return [
+            Term(f"{label} parameters", 0, params, where),
+            Term(f"{label} gradients", 0, grads, where),
+            Term(f"{label} optimizer state", 0, optim, "AdamW: 2 states, " + where),
+        ]
+    return [
+        Term(f"{label} parameters", params, 0, where),
+        Term(f"{label} gradients", grads, 0, where),
+        Term(f"{label} optimizer state", optim, 0, "AdamW: 2 states, " + where),
+    ]
+
+
+def gathered_bytes(shape: ModelShape, t: TrainedSetup, *, trained: bool) -> int:
+    """FSDP2 units gathered at once (compute dtype): the root group for the whole step of a
+    trained model (the LM head, or the tied embedding that is the head, and the final norm),
+    two blocks (running + prefetched) and, in backward, one block's unsharded gradient and its
+    fp32 copy for the reduce-scatter. With ``offload: params`` each gathered unit's fp32 shard is
+    copied to the device first. ZeRO-3 gathers module by module in the master dtype (no mixed
+    precision in this project's DeepSpeed path)."""
+    if t.zero_stage:
+        return 2 * shape.block_params * t.master_bytes if t.zero_stage == 3 else 0
+    b = t.compute_bytes
+    root = (shape.vocab + 1) * shape.hidden if trained else 0
+    units = root + 2 * shape.block_params
+    grad = shape.block_params * (b + 4) if trained else 0
+    staged = math.ceil(units * t.master_bytes / t.shard) if t.offload_params else 0
+    return units * b + grad + staged
+
+
+def activation_bytes(
+    shape: ModelShape,
+    tokens: int,
+    b: int,
+    *,
+    ckpt: bool,
+    repeat_kv: bool,
+    recompute: bool = True,
+) -> int:
+    """Saved-for-backward bytes of one micro-batch of ``tokens`` tokens (decoder + final norm).
+    With checkpointing: every block's input held from forward to backward, plus (``recompute``)
+    one block's full set while backward recomputes it."""
+    layer = shape.layer_bytes_per_token(b, repeat_kv=repeat_kv)
+    final = shape.norm_bytes_per_token(b)
+    if ckpt:
+        return tokens * (shape.layers * b * shape.hidden + (layer if recompute else 0) + final)
+    return tokens * (shape.layers * layer + final)
+
+
+def logprob_bytes(
+    shape: ModelShape, tokens: int, b: int, *, entropy: bool, grad_hint: bool
+) -> tuple[int, int]:
+    """(fused, naive) transient of the log-prob head over ``tokens`` rows. Fused: the fp32
+    ``[chunk, vocab]`` workspace (two with entropy), a compute-dtype scratch when the matmul
+    cannot write fp32 (bf16), and with a gradient hint the gradients it keeps from forward to
+    backward (hidden [tokens, H] and head weight [V, H], compute dtype). Naive: the
+    ``[tokens, vocab]`` logits, their fp32 upcast and the fp32 log-softmax."""
+    c = fused_chunk_rows(tokens, shape.vocab)
+    fused = c * shape.vocab * (4 * (2 if entropy else 1) + (b if b < 4 else 0))
+    if grad_hint:
+        fused += (tokens + shape.vocab) * shape.hidden * b
+    naive = tokens * shape.vocab * (b + 4 + 4)
+    return fused, naive
+
+
+def engine_terms(shape: ModelShape, e: EngineSetup, cluster: Cluster) -> tuple[Term, Term]:
+    """(awake, asleep) device bytes of the rollout engine."""
+    if e.backend in ("vllm", "sglang"):
+        awake = int(e.gpu_memory_utilization * cluster.gpu_memory)
+        note = f"gpu_memory_utilization {e.gpu_memory_utilization} x GPU: weights + KV cache"
+        # Level 1 offloads the weights to host memory and drops the KV cache; 2 drops both.
+        asleep = awake if e.sleep_level == 0 else 0
+        host = shape.params * e.dtype_bytes // e.tensor_parallel if e.sleep_level == 1 else 0
+        return (
+            Term(f"engine ({e.backend}, awake)", awake, 0, note),
+            Term(f"engine ({e.backend}, sleep level {e.sleep_level})", asleep, host),
+        )
+    weights = shape.params * e.dtype_bytes
+    kv = e.rows * e.slots * shape.kv_bytes_per_token(e.dtype_bytes)
+    awake = Term(
+        "engine (native): weights + KV cache",
+        weights + kv,
+        0,
+        f"weights {_gib(weights)} + KV {e.rows} rows x {e.slots} slots {_gib(kv)}",
+    )
+    asleep = {0: weights + kv, 1: weights, 2: 0}[e.sleep_level]
+    return awake, Term(f"engine (native, sleep level {e.sleep_level})", asleep)
+
+
+def plan(p: PlanInputs) -> Plan:
+    """The per-GPU memory of the rollout, scoring and training phases."""
+    s, a, tok = p.model, p.actor, p.tokens_per_micro_batch
+    b = a.compute_bytes
+    states = model_state_terms(s, a, "actor")
+    resting = [
+        Term(t.name, t.device_bytes if "gradients" not in t.name else 0, t.host_bytes, t.note)
+        for t in states
+    ]  # between steps the gradients are freed (zero_grad(set_to_none=True))
+    acts_no = activation_bytes(s, tok, b, ckpt=False, repeat_kv=p.repeat_kv)
+    acts_ck = activation_bytes(s, tok, b, ckpt=True, repeat_kv=p.repeat_kv)
+    acts = acts_ck if a.activation_checkpointing else acts_no
+    fused, naive = logprob_bytes(s, tok, b, entropy=p.entropy, grad_hint=p.grad_hint)
+    fused_nograd, _ = logprob_bytes(s, tok, b, entropy=False, grad_hint=False)
+    common: list[Term] = []
+    if p.reference:
+        ref_shard = Term(
+            "reference parameters",
+            math.ceil(s.params * a.master_bytes / a.shard) if not a.zero_stage else 0,
+            0,
+            "frozen, FSDP2-sharded",
+        )
+        if a.zero_stage:  # the reference stays FSDP2 over the world
+            ref_shard = Term(
+                "reference parameters",
+                math.ceil(s.params * a.master_bytes / p.cluster.world),
+                0,
+                "frozen, FSDP2-sharded",
+            )
+        common.append(ref_shard)
+    critic_states: list[Term] = []
+    if p.critic is not None:
+        critic_states = model_state_terms(s, p.critic, "critic")
+    for rm in p.reward_models:
+        size = rm.shape.params * rm.dtype_bytes
+        on_gpu = rm.on_gpu and not rm.offload
+        note = "whole on every rank"
+        if not rm.on_gpu:
+            note += ", runs on the CPU (its device: cpu)"
+        elif rm.offload:
+            note += ", on the host between calls (offload: true)"
+        common.append(
+            Term(f"reward model {rm.key}", size if on_gpu else 0, 0 if on_gpu else size, note)
+        )
+    awake = asleep = None
+    if p.engine is not None:
+        awake, asleep = engine_terms(s, p.engine, p.cluster)
+    critic_resting = [
+        Term(t.name, 0 if "gradients" in t.name else t.device_bytes, t.host_bytes, t.note)
+        for t in critic_states
+    ]
+    phases: list[Phase] = []
+    if awake is not None:
+        phases.append(Phase("rollout", tuple([*resting, *critic_resting, *common, awake])))
+    gathered_fwd = gathered_bytes(s, a, trained=False)
+    scoring = [*resting, *critic_resting, *common]
+    if asleep is not None:
+        scoring.append(asleep)
+    scoring += [
+        Term("gathered FSDP2 units (forward)", gathered_fwd, 0, "two blocks, compute dtype"),
+        Term("log-prob transient (fused, no grad)", fused_nograd),
+    ]
+    for rm in p.reward_models:
+        if rm.offload and rm.on_gpu:
+            size = rm.shape.params * rm.dtype_bytes
+            scoring.append(Term(f"reward model {rm.key} (on the device to score)", size))
+    if p.recipe == "grpo":  # the supervised recipes score nothing before their step
+        phases.append(Phase("scoring / reference", tuple(scoring)))
+    train = [*states, *common]
+    if not p.accumulation:
+        g = next(i for i, t in enumerate(train) if t.name == "actor gradients")
+        grads = train[g]
+        train[g] = Term(
+            grads.name,
+            max(0, grads.device_bytes - acts),
+            grads.host_bytes,
+            "one micro-batch per step: written as its activations free",
+        )
+    if asleep is not None:
+        train.append(asleep)
+    train += [
+        Term(
+            "gathered ZeRO-3 modules" if a.zero_stage else "gathered FSDP2 units",
+            gathered_bytes(s, a, trained=True),
+            0,
+            "2 blocks, master dtype" if a.zero_stage else "root + 2 blocks + grad",
+        ),
+        Term(
+            "activations" + (" (checkpointed)" if a.activation_checkpointing else ""),
+            acts,
+            0,
+            f"{tok} tokens per micro-batch",
+        ),
+        Term("log-prob transient (fused)", fused),
+    ]
+    if p.critic is not None:
+        cb = p.critic.compute_bytes
+        c_acts = activation_bytes(
+            s, tok, cb, ckpt=p.critic.activation_checkpointing, repeat_kv=p.repeat_kv
+        )
+        train += [*critic_states, Term("critic activations", c_acts)]
+    phases.append(Phase("training step", tuple(train)))
+    blocked = {}
+    e = p.engine
+    if e is not None and e.backend != "native":
+        weights = s.params * e.dtype_bytes // e.tensor_parallel
+        share = int(e.gpu_memory_utilization * p.cluster.gpu_memory)
+        if weights >= share:
+            blocked["rollout"] = (
+                f"{e.backend}'s share ({_gib(share)}: engine.gpu_memory_utilization="
+                f"{e.gpu_memory_utilization}) is smaller than its weights ({_gib(weights)} per "
+                f"GPU at tensor_parallel_size={e.tensor_parallel}), with no room for a KV cache"
+            )
+    result = Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive, blocked=blocked)
+    advice = {ph.name: _advice(result, ph) for ph in phases if not result.fits(ph)}
+    return Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive, advice, blocked)
+
+
+def _advice(plan_: Plan, phase: Phase) -> tuple[str, ...]:
+    """What would bring an over-budget phase under the GPU's memory, each with its saving."""
+    p, out = plan_.inputs, []
+    over = phase.device_bytes - p.cluster.gpu_memory
+    a = p.actor
+    if phase.name == "training step" and not a.activation_checkpointing:
+        saved = plan_.activations_without_checkpointing - plan_.activations_with_checkpointing
+        out.append(f"model.activation_checkpointing=true (-{_gib(saved)})")
+    if not a.zero_stage and not a.offload_params:
+        states = sum(
+            t.device_bytes
+            for t in phase.terms
+            if t.name.startswith("actor ") and not t.name.endswith("gradients")
+        )
+        if states:
+            out.append(f"offload=params (-{_gib(states)} of actor states to host memory)")
+        if a.shard < p.cluster.world:
+            out.append("a larger shard_size (HSDP: shard over more ranks)")
+    if p.engine is not None and p.engine.backend == "native" and p.engine.sleep_level < 2:
+        out.append("engine sleep_level: 2 (frees the engine's weights between rollouts)")
+    if phase.name in plan_.blocked:
+        out.append(plan_.blocked[phase.name])
+        out.append("a larger engine.gpu_memory_utilization or engine.tensor_parallel_size")
+    elif phase.name == "rollout" and p.engine is not None and p.engine.backend != "native":
+        out.append("a smaller engine.gpu_memory_utilization")
+    if phase.name == "rollout" and p.engine is not None and p.engine.backend == "native":
+        out.append("engine.max_kv_tokens or max_num_seqs (fewer KV-cache rows)")
+    if phase.name == "training step":
+        out.append("a smaller train.micro_batch_size / micro_batch_tokens")
+    if over > 0:
+        out.append(f"more GPUs ({_gib(over)} over)")
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------ printing
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def format_plan(result: Plan) -> str:
+    p, c = result.inputs, result.inputs.cluster
+    a = p.actor
+    if a.zero_stage:
+        how = f"DeepSpeed ZeRO-{a.zero_stage} over {c.world}"
+        if a.offload_optimizer:
+            how += ", optimizer offload"
+        if a.offload_params:
+            how += ", parameter offload"
+    else:
+        how = f"FSDP2, shard group {a.shard} of {c.world}"
+        if a.offload_params:
+            how += ", offload: params"
+    if a.lora_rank:
+        how += f", LoRA rank {a.lora_rank}"
+    s = p.model
+    lines = [
+        f"{p.recipe}: {s.model_type} {s.params / 1e9:.2f}B parameters (hidden {s.hidden}, "
+        f"{s.layers} layers, {s.heads}/{s.kv_heads} heads, vocab {s.vocab})",
+        f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s) of {_gib(c.gpu_memory)}; {how}; "
+        f"master {a.master_bytes} B, compute {a.compute_bytes} B per element; "
+        f"{p.tokens_per_micro_batch} tokens per micro-batch",
+        "",
+    ]
+    width = max(len(t.name) for ph in result.phases for t in ph.terms) + 2
+    for ph in result.phases:
+        verdict = "fits" if result.fits(ph) else "DOES NOT FIT"
+        lines.append(f"{ph.name}: {_gib(ph.device_bytes)} per GPU ({verdict})")
+        for t in ph.terms:
+            host = f"   host {_gib(t.host_bytes)}" if t.host_bytes else ""
+            note = f"   {t.note}" if t.note else ""
+            lines.append(f"  {t.name:<{width}}{_gib(t.device_bytes):>12}{host}{note}")
+        for tip in result.advice.get(ph.name, ()):
+            lines.append(f"  -> {tip}")
+        lines.append("")
+    lines.append(
+        f"activations of one micro-batch: {_gib(result.activations_without_checkpointing)} "
+        f"without checkpointing, {_gib(result.activations_with_checkpointing)} with; log-prob "
+        f"transient {_gib(result.fused_logprob_bytes)} fused vs "
+        f"{_gib(result.naive_logprob_bytes)} naive [tokens, vocab]"
+    )
+    host = max(ph.host_bytes for ph in result.phases)
+    if host:
+        lines.append(
+            f"host memory: up to {_gib(host)} per process, {_gib(host * c.gpus_per_node)} per "
+            f"node of {c.gpus_per_node} processes (offloads, sleeping engine weights)"
+        )
+    lines.extend(p.notes)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def _node_get(node: Any, key: str) -> Any:
+    return None if node is None else node.get(key)
+
+
+def _reward_models(node: Any, at: str) -> list[tuple[str, Any]]:
+    """``(key, node)`` of every ``lightrft.rewards.RewardModel`` in a reward config tree."""
+    found: list[tuple[str, Any]] = []
+    if isinstance(node, Mapping) or hasattr(node, "items"):
+        target = str(_node_get(node, "_component_") or "")
+        if target.endswith("RewardModel"):
+            found.append((at, node))
+        for k, v in node.items():
+            if k != "_component_":
+                found += _reward_models(v, f"{at}.{k}")
+    elif isinstance(node, (list, tuple)) or type(node).__name__ == "ListConfig":
+        for i, v in enumerate(node):
+            found += _reward_models(v, f"{at}[{i}]")
+    return found
+
+
+def read_shape(path: str, key: str, model_config: str | None = None) -> ModelShape:
+    """The shapes of the model at ``path`` (a local HF directory) or of ``model_config`` (a
+    ``config.json``); a hub id that is not local is refused, naming ``key``."""
+    if model_config is not None:
+        if not Path(model_config).is_file():
+            raise ValueError(f"--model-config: {model_config!r} is not a file")
+        return ModelShape.from_file(model_config)
+    p = Path(str(path)).expanduser()
+    if (p / "config.json").is_file():
+        return ModelShape.from_file(p / "config.json")
+    way_out = (
+        f"pass --model-config PATH (the model's config.json) or point {key} at a model directory"
+        if key == "model.path"
+        else f"point {key} at a local model directory (the planner reads only its config.json)"
+    )
+    raise ValueError(
+        f"{key}={path!r}: no config.json there to read the model's shapes from (a hub id, "
+        f"which the planner does not fetch, or a directory a prepare step writes); {way_out}"
+    )
+
+
+def inputs_from_options(
+    opts: Any,
+    *,
+    recipe: str,
+    cluster: Cluster,
+    device: Literal["cuda", "cpu"] = "cuda",
+    model_config: str | None = None,
+) -> PlanInputs:
+    """The planner's inputs from a recipe's validated config object (``GRPOConfig``,
+    ``SFTConfig``, ``RewardModelConfig``: read with ``WORLD_SIZE`` set to the cluster's)."""
+    from lightrft.sections import mesh_shape
+
+    m, st = opts.model, opts.strategy
+    shape = read_shape(m.path, "model.path", model_config)
+    master = dtype_bytes(m.dtype, "model.dtype")
+    world = cluster.world
+    deepspeed = st.strategy == "deepspeed"
+    # FSDP2 computes in bf16 on accelerators (lightrft.models.parallel.default_param_dtype);
+    # this project's DeepSpeed path has no mixed precision: it computes in the master dtype.
+    compute = master if deepspeed or device == "cpu" else 2
+    if deepspeed:
+        ds = st.deepspeed
+        actor = TrainedSetup(
+            master,
+            compute,
+            world,
+            zero_stage=ds.stage,
+            offload_params=ds.offload_param,
+            offload_optimizer=ds.offload_optimizer,
+            activation_checkpointing=m.activation_checkpointing,
+        )
+    else:
+        _, shard = mesh_shape(st.shard_size, st.replicate_size, world)
+        actor = TrainedSetup(
+            master,
+            compute,
+            shard,
+            offload_params=st.offload == "params",
+            activation_checkpointing=m.activation_checkpointing,
+            lora_rank=st.lora.rank if st.lora is not None else None,
+        )
+    notes = ["no sequence-parallel term: sequence parallelism is not built"]
+    if recipe == "grpo":
+        return _grpo_inputs(opts, shape, actor, cluster, device, notes)
+    data = opts.data
+    length = _node_get(data.dataset, "max_length")
+    tokens = data.micro_batch_tokens or data.max_tokens_per_row
+    if tokens is None:
+        if length is None:
+            raise ValueError(
+                "dataset.max_length is not set: the planner needs the longest sample (or set "
+                "micro_batch_tokens / max_tokens_per_row)"
+            )
+        # A reward-model micro-batch scores a chosen and a rejected response per pair.
+        tokens = data.batch_size * int(length) * (2 if recipe == "reward_model" else 1)
+    return PlanInputs(
+        recipe,
+        shape,
+        cluster,
+        actor,
+        int(tokens),
+        # A token budget cuts a step into a varying number of micro-batches: assume several.
+        accumulation=data.gradient_accumulation_steps > 1 or data.micro_batch_tokens is not None,
+        repeat_kv=not data.packing,
+        notes=tuple(notes),
+    )
+
+
+def _grpo_inputs(
+    opts: Any,
+    shape: ModelShape,
+    actor: TrainedSetup,
+    cluster: Cluster,
+    device: str,
+    notes: list[str],
+) -> PlanInputs:
+    ro, tr, eng = opts.rollout, opts.train, opts.engine
+    prompt = _node_get(opts.dataset, "max_prompt_length")
+    max_len = eng.max_model_len or shape.max_positions
+    if prompt is None:
+        slots = max_len
+        notes.append(
+            f"dataset.max_prompt_length is not set: KV rows and micro-batches sized at "
+            f"max_model_len={max_len}"
+        )
+    else:
+        slots = min(int(prompt) + ro.max_tokens, max_len)
+    per_rank = ro.prompts_per_step // cluster.world * ro.n
+    tokens = tr.micro_batch_size * slots  # padded rows: prompt + response slots
+    if tr.micro_batch_tokens is not None:
+        tokens = min(tokens, tr.micro_batch_tokens)
+    edtype = eng.dtype or ("bfloat16" if device == "cuda" else opts.model.dtype)
+    if eng.backend == "native":
+        rows = min(eng.max_num_seqs or NATIVE_MAX_NUM_SEQS, per_rank)
+        if eng.max_kv_tokens is not None:
+            rows = min(rows, eng.max_kv_tokens // slots)
+        rows = max(rows, ro.n)
+    else:
+        rows = eng.max_num_seqs or per_rank
+    engine = EngineSetup(
+        eng.backend,
+        dtype_bytes(edtype, "engine.dtype"),
+        rows,
+        slots,
+        eng.sleep_level,
+        eng.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION,
+        eng.tensor_parallel_size or 1,
+    )
+    alg = opts.algorithm
+    critic = None
+    if opts.critic is not None:
+        critic = TrainedSetup(
+            actor.master_bytes,
+            actor.compute_bytes,
+            cluster.world if actor.zero_stage else actor.shard,
+            activation_checkpointing=actor.activation_checkpointing,
+        )
+    rms = []
+    for key, node in _reward_models(opts.reward, "reward"):
+        rm_shape = read_shape(str(node.get("path")), f"{key}.path")
+        rms.append(
+            RewardModelSetup(
+                key,
+                rm_shape,
+                dtype_bytes(str(node.get("dtype") or "float32"), f"{key}.dtype"),
+                bool(node.get("offload") or False),
+                str(node.get("device") or "cpu") != "cpu",
+            )
+        )
+    return PlanInputs(
+        "grpo",
+        shape,
+        cluster,
+        actor,
+        tokens,
+        # Samples per rank per optimizer step over the micro-batch size.
+        accumulation=(tr.mini_batch_size or ro.prompts_per_step * ro.n) // cluster.world
+        > tr.micro_batch_size
+        or tr.micro_batch_tokens is not None,
+        repeat_kv=not tr.packing,
+        entropy=bool(alg.entropy.coef),
+        # Per-token objectives get the kernel's gradient hint (recipes/grpo.py, _grad_hint).
+        grad_hint=alg.policy_loss.objective not in ("gspo", "gmpo"),
+        engine=engine,
+        # With LoRA the reference is the actor with its adapters off: no copy.
+        reference=alg.kl is not None and actor.lora_rank is None,
+        critic=critic,
+        reward_models=tuple(rms),
+        notes=tuple(notes),
+    )
