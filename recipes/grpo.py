@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 import time
 import warnings
@@ -61,7 +62,7 @@ from lightrft.algorithms import (
 from lightrft.algorithms.config import AlgorithmConfig
 from lightrft.config import Component, Section, option, section
 from lightrft.data import build_dataloader, collate_prompts, conversation, epoch_batches
-from lightrft.distributed import sum_over_ranks
+from lightrft.distributed import DistInfo, exit_with_parent, sum_over_ranks
 from lightrft.engine import Continuation, SamplingParams
 from lightrft.engine.config import EngineConfig, RolloutConfig
 from lightrft.environments import (
@@ -98,6 +99,17 @@ from lightrft.rollout.metrics import (
 )
 from lightrft.rollout.micro import MicroBatch, build_micro_batch, rank_micro_batches
 from lightrft.rollout.partial import PartialRollouts
+from lightrft.rollout.remote import (
+    GENERATOR,
+    TRAINER,
+    Generated,
+    GeneratorError,
+    RolloutLink,
+    Start,
+    WeightSender,
+    generator_rank,
+    leave_trainer_world,
+)
 from lightrft.sections import (
     PolicyModelConfig,
     ScheduleConfig,
@@ -190,8 +202,10 @@ class GRPOConfig(TrainingConfig):
     def resolve(self, at: str) -> GRPOConfig:
         """Every default that depends on another key and every rule across sections."""
         super().resolve(at)
-        self.engine.check_device(self.run.device)
         ro = self.rollout
+        if ro.asynchronous:  # before the engine's device rule: it names the async key
+            _check_asynchronous(self)
+        self.engine.check_device(self.run.device)
         alg = self.algorithm.for_rollout(ro.sampling())
         critic = self._critic()
         ev = self.eval
@@ -269,6 +283,36 @@ def _check_partial(opts: GRPOConfig) -> None:
         )
 
 
+def _check_asynchronous(opts: GRPOConfig) -> None:
+    """What one-step-off rollout (``rollout.asynchronous``) cannot run with."""
+    alg = opts.algorithm
+    if opts.engine.backend != "native":
+        raise ValueError(
+            f"rollout.asynchronous=true generates with the native engine in a process of its "
+            f"own; engine.backend={opts.engine.backend} is colocated only: use "
+            "engine.backend=native or rollout.asynchronous=false"
+        )
+    if opts.environment is not None:
+        raise ValueError(
+            "rollout.asynchronous=true does not play multi-turn episodes (environment:) in the "
+            "generating process: remove the environment section or set "
+            "rollout.asynchronous=false"
+        )
+    if opts.rollout.partial.token_budget is not None:
+        raise ValueError(
+            "rollout.asynchronous=true and rollout.partial.token_budget: the generating "
+            "process does not carry cut rows across steps; use one of them"
+        )
+    if alg.old_logprobs == "trainer" and alg.tis.mode is None:
+        # Without either, an exactly on-policy step takes the ratio as 1: the older policy's
+        # samples would be trained on as if the current policy had drawn them.
+        raise ValueError(
+            "rollout.asynchronous=true trains on samples of an older policy: set "
+            "algorithm.old_logprobs=engine (the ratio's denominator is the generating "
+            "policy's log-prob) or algorithm.tis (importance correction towards it)"
+        )
+
+
 def _check_media(opts: GRPOConfig, *, prepare=None, loading: bool = False) -> None:
     """The model paths, then the rules for vision- and audio-language actors, from the
     checkpoint's config.json (cheap; a checkpoint a ``prepare`` step writes is checked again in
@@ -330,8 +374,18 @@ class Counts:
 class GRPORecipe:
     """Build everything in ``setup``, then ``train``; the run contract is ``run``'s."""
 
-    def __init__(self, cfg: DictConfig, opts: GRPOConfig, run: TrainingRun):
-        self.cfg, self.opts, self.run, self.dist = cfg, opts, run, run.dist
+    def __init__(
+        self,
+        cfg: DictConfig,
+        opts: GRPOConfig,
+        run: TrainingRun | None,
+        dist: DistInfo | None = None,
+    ):
+        """``run``: the training run (None in the generating process of an asynchronous run,
+        which trains nothing and runs alone: ``dist``)."""
+        self.cfg, self.opts, self.run = cfg, opts, run
+        self.dist = dist if dist is not None else run.dist
+        self.link: RolloutLink | None = None  # asynchronous: to the generating process
         self.kl_ctl = None
         if (kl := opts.algorithm.kl) is not None:
             self.kl_ctl = build_kl_controller(
@@ -364,8 +418,104 @@ class GRPORecipe:
             if self.normalizer is not None:
                 self.normalizer.load_state_dict(extra["reward_norm"])
             self.strategy.sync_weights(self.rollout_engine.engine)
-        self.prompts = epoch_batches(self.loader, self.epoch)  # from the resumed position
+        if self.opts.rollout.asynchronous:
+            self._start_generator()
+        else:
+            self.prompts = epoch_batches(self.loader, self.epoch)  # from the resumed position
         self.logger = self.run.open_logger(self.step, getattr(self.dataset, "stats", None))
+
+    # ------------------------------------------------------------------ asynchronous rollout
+
+    def _start_generator(self) -> None:
+        """Trainer side of one-step-off rollout (:mod:`lightrft.rollout.remote`): rank 0 joins
+        the link and tells the generator where to start; after a resume the generator gets the
+        checkpoint's weights first (a resumed run refills the pipeline: its first steps lag 0)."""
+        if self.dist.rank != 0:
+            if self.step:
+                self.strategy.sync_weights(None)  # the gathers of rank 0's send
+            return
+        ro = self.opts.rollout
+        # The generator is waiting already: joining is bounded like every other wait.
+        self.link = RolloutLink.connect(TRAINER, ro.generator_timeout_s, ro.generator_timeout_s)
+        state = self.loader.state_dict() if self.step else None
+        self.link.send(Start(self.step, self.epoch, state), wait=False)
+        self.sender = WeightSender(self.link, self.opts.engine.dtype)
+        if self.step:
+            self._send_weights(self.step)
+
+    def _send_weights(self, version: int) -> None:
+        """The policy after ``version`` steps to the generator, through the strategy's weight
+        sync (a collective of the trainers; rank 0 sends, without waiting for it to be taken)."""
+        if self.link is None:
+            self.strategy.sync_weights(None)
+            return
+        self.link.flush()  # the previous set was taken: at most one set in flight
+        self.sender.version = version
+        self.strategy.sync_weights(self.sender)
+
+    def _receive(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, RolloutBatch, dict]:
+        """The step's batch from the generator (rank 0 receives, the other trainers get it from
+        rank 0); ``rollout/policy_lag``: optimizer steps between its policy and this one."""
+        msg: Generated | None = None
+        with timer("rollout"):  # what the trainers wait for generation: its exposed part
+            if self.link is not None:
+                try:
+                    msg = self.link.receive(Generated, f"the samples of step {step}")
+                except GeneratorError as e:
+                    last = self.run.checkpointer.latest()
+                    kept = f"the last checkpoint, {last}, is kept" if last else "no checkpoint yet"
+                    raise GeneratorError(f"{e} ({kept})") from e
+                if msg.step != step:
+                    raise RuntimeError(f"the generator sent step {msg.step}, expected {step}")
+            if self.dist.world_size > 1:
+                box = [msg]
+                torch.distributed.broadcast_object_list(box, src=0)
+                msg = box[0]
+        lag = step - 1 - msg.version
+        assert 0 <= lag <= self.opts.rollout.max_staleness, (step, msg.version)
+        self.epoch = msg.epoch
+        self.loader.load_state_dict(msg.loader_state)  # checkpointed: where a resume starts
+        metrics = {**msg.metrics, "rollout/policy_lag": float(lag)}
+        return msg.batch, msg.drawn, metrics
+
+    def setup_generator(self) -> None:
+        """The generating process of an asynchronous run: the engine (its own weights, freed
+        never), the rewards and the prompt loader; no trainer, no process group."""
+        m = self.opts.model
+        self.environment, self.tool_schemas = None, None  # refused with asynchronous
+        self.processor, self.tokenizer = load_processors(
+            m.path, trust_remote_code=m.trust_remote_code
+        )
+        self.pad_id = self.tokenizer.pad_token_id
+        self.strategy = None
+        self._setup_engine(sleep_level=0)
+        self._setup_rewards_and_data()
+        self.reward_side = RewardSideMetrics()
+        self.partial = None  # refused with asynchronous
+
+    def generate_ahead(self, link: RolloutLink, start: Start) -> None:
+        """Generate step after step from ``start``, ``rollout.max_staleness`` steps ahead of the
+        trainers: step ``k``'s samples come from the policy after step ``k - 1 - max_staleness``."""
+        self.epoch, version = start.epoch, start.step
+        if start.loader_state is not None:
+            self.loader.load_state_dict(start.loader_state)
+        self.prompts = epoch_batches(self.loader, self.epoch)
+        engine, o = self.rollout_engine.engine, self.opts
+        if start.step:
+            version = link.receive_weights(engine)
+        for step in range(start.step + 1, o.max_steps + 1):
+            while version < step - 1 - o.rollout.max_staleness:
+                version = link.receive_weights(engine)
+            timer = PhaseTimer()
+            batch, drawn, stats = self.rollout(step, timer)
+            metrics = {**stats, **self.reward_side.reduce()}
+            metrics["time/generate"] = timer.summary().get("time/rollout", 0.0)
+            state = self.loader.state_dict()
+            msg = Generated(step, version, batch, drawn, metrics, self.epoch, state)
+            link.flush()  # the previous step's batch was taken: at most one in flight
+            link.send(msg, wait=False)  # the next step generates while this one is taken
+        link.flush()
+        link.answer_bye()
 
     def _load_model(self, path: str, prepare=None, *, trained: bool = False, **kw) -> nn.Module:
         """Load and shard one model (actor, reference, critic): under torchrun each rank builds
@@ -453,12 +603,13 @@ class GRPORecipe:
             self.environment = functools.partial(config.instantiate, self.opts.environment)
             self.tool_schemas = build_environment(self.environment).schemas or None
 
-    def _setup_engine(self) -> None:
+    def _setup_engine(self, sleep_level: int | None = None) -> None:
         o = self.opts
         engine = o.engine.build(
             o.model.path, self.tokenizer, device=self.dist.device, seed=o.run.seed
         )
-        self.rollout_engine = ColocatedEngine(engine, self.strategy, o.engine.sleep_level)
+        level = o.engine.sleep_level if sleep_level is None else sleep_level
+        self.rollout_engine = ColocatedEngine(engine, self.strategy, level)
         self.sampling = o.rollout.sampling()
         if self.environment is not None:
             self.sampling = stop_at_turn_end(self.sampling, self.tokenizer, self.tool_schemas)
@@ -474,14 +625,17 @@ class GRPORecipe:
         limit = getattr(self.rollout_engine.engine, "max_model_len", None) or o.engine.max_model_len
         if limit and hasattr(self.dataset, "fit_to_engine"):
             self.dataset.fit_to_engine(limit)
+        # Asynchronous: one process draws every prompt of a step; the trainers keep the same
+        # loader only for its position (checkpointed), which the generator sends with a batch.
+        rank, world = (0, 1) if o.rollout.asynchronous else (self.dist.rank, self.dist.world_size)
         self.loader = build_dataloader(
             self.dataset,
-            batch_size=o.rollout.prompts_per_step // self.dist.world_size,
+            batch_size=o.rollout.prompts_per_step // world,
             shuffle=True,
             seed=o.run.seed,
             collate_fn=collate_prompts,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            rank=rank,
+            world_size=world,
             drop_last=True,
         )
         self.eval_dataset = None
@@ -1045,6 +1199,10 @@ class GRPORecipe:
         return out
 
     def _log_eval(self, step: int) -> None:
+        if (
+            self.opts.rollout.asynchronous
+        ):  # the trainers' own engine evaluates: bring it up to date
+            self.rollout_engine.sync()
         m = self.evaluate()
         self.logger.log(step, m)
         self.eval_history.append((step, m["eval/accuracy"], m["eval/reward"]))
@@ -1069,13 +1227,18 @@ class GRPORecipe:
                 if step != o.max_steps:
                     self._log_eval(step)
         bar.close()
+        if self.link is not None:
+            self.link.bye()
         self._finish()
 
     def step_once(self, step: int, timer: PhaseTimer) -> dict[str, float]:
         """One RL step: rollout, scoring, advantages, update, schedules, weight sync, logging."""
         t0 = time.perf_counter()
-        batch, drawn, metrics = self.rollout(step, timer)
-        metrics.update(self.reward_side.reduce())
+        if self.opts.rollout.asynchronous:
+            batch, drawn, metrics = self._receive(step, timer)
+        else:
+            batch, drawn, metrics = self.rollout(step, timer)
+            metrics.update(self.reward_side.reduce())
         metrics.update(rollout_metrics(drawn, batch, self.reward_names))
         if drawn.episodes is not None:
             sampled = int(drawn.response_mask.sum())
@@ -1088,7 +1251,12 @@ class GRPORecipe:
         else:  # dynamic sampling found no informative group: no update, no NaN
             metrics["train/skipped"] = 1.0
         self._step_schedules(metrics, len(batch))
-        if len(batch):  # weights changed (released weights are reloaded by the next rollout)
+        if self.opts.rollout.asynchronous:
+            # Only the versions the generator will take: it stops at max_steps.
+            if step <= self.opts.max_steps - 1 - self.opts.rollout.max_staleness:
+                with timer("weight_sync"):
+                    self._send_weights(step)
+        elif len(batch):  # weights changed (released weights are reloaded by the next rollout)
             with timer("weight_sync"):
                 self.rollout_engine.sync()
             self.policy_version += 1
@@ -1106,6 +1274,9 @@ class GRPORecipe:
         elapsed = time.perf_counter() - t0
         phases = timer.summary()
         metrics.update(step_metrics(drawn, phases, elapsed, metrics, self.dist.device))
+        if "time/generate" in metrics:  # asynchronous: the generator's own time, not the wait
+            tokens = metrics["perf/rollout_tokens_per_s"] * max(metrics["time/rollout"], 1e-9)
+            metrics["perf/rollout_tokens_per_s"] = tokens / max(metrics["time/generate"], 1e-9)
         if self.opts.trajectory_tokens:  # its extra forward pass and the token files
             metrics["time/trajectories"] = phases.get("time/trajectories", 0.0)
         if self.run.should_log(step, self.opts.max_steps):
@@ -1173,10 +1344,30 @@ class GRPORecipe:
 
 @config.parse(schema=CONFIG_SCHEMA, options=build_options)
 def recipe_main(cfg: DictConfig, opts: GRPOConfig) -> None:
+    if opts.rollout.asynchronous:  # the last process generates, the others train
+        if int(os.environ["RANK"]) == generator_rank():
+            return generate(cfg, opts)
+        leave_trainer_world()
     with training_run(cfg, opts.run) as run:
         recipe = GRPORecipe(cfg, opts, run)
         recipe.setup(cfg)
         recipe.train()
+
+
+def generate(cfg: DictConfig, opts: GRPOConfig) -> None:
+    """The generating process of an asynchronous run (no process group but the link)."""
+    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()  # a torchrun worker: do not outlive the launcher
+    torch.manual_seed(opts.run.seed)
+    # It joins at once and waits for the trainers' setup (models, resume): up to the run's
+    # collective_timeout_s, else torch's 30 minutes; then every wait is generator_timeout_s.
+    join = opts.run.collective_timeout_s or 1800.0
+    link = RolloutLink.connect(GENERATOR, opts.rollout.generator_timeout_s, join)
+    device = torch.device(opts.run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    start = link.receive(Start, "the trainer's start")
+    recipe = GRPORecipe(cfg, opts, None, DistInfo(0, 1, 0, device))
+    recipe.setup_generator()
+    recipe.generate_ahead(link, start)
 
 
 if __name__ == "__main__":

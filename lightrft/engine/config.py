@@ -6,6 +6,7 @@ RL recipe)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from lightrft.config import Section, option, section
@@ -115,6 +116,20 @@ class RolloutConfig(Section):
     top_k: int = option(0, doc="0: off")
     first_token_temperature: float | None = option(None, doc="FIRE: the first token's temperature")
     stop_token_ids: list[int] = option((), doc="token ids that end a response")
+    asynchronous: bool = option(
+        False,
+        doc="one-step-off: the last process generates the next steps' samples while the "
+        "others train (launch with --nproc_per_node >= 2)",
+    )
+    max_staleness: int | None = option(
+        None, ge=1, doc="asynchronous: policy versions a sample may lag the trainer; default 1"
+    )
+    generator_timeout_s: float | None = option(
+        None,
+        gt=0,
+        doc="asynchronous: how long one side waits for the other (a batch, weights) before "
+        "it fails naming the process; default 600",
+    )
     partial: PartialRolloutConfig = option(default_factory=PartialRolloutConfig, doc="")
 
     def resolve(self, at: str) -> RolloutConfig:
@@ -124,17 +139,35 @@ class RolloutConfig(Section):
                 f"temperature), got {self.temperature}"
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.prompts_per_step % world:
+        if self.asynchronous and world < 2:
             raise ValueError(
-                f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
-                f"number of processes ({world})"
+                "rollout.asynchronous=true generates in a process of its own beside the "
+                f"trainers, but this run has {world} process: launch it with "
+                "`lightrft run --nproc_per_node 2 ...` (the last process generates), or set "
+                "rollout.asynchronous=false"
             )
+        if not self.asynchronous:
+            for key in ("max_staleness", "generator_timeout_s"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"rollout.{key} applies to rollout.asynchronous=true only")
+            # Asynchronous: one process draws all the step's prompts, every trainer gets them.
+            if self.prompts_per_step % world:
+                raise ValueError(
+                    f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
+                    f"number of processes ({world})"
+                )
         self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
         budget, rows = self.partial.token_budget, self.prompts_per_step * self.n
         if budget is not None and budget < rows:
             raise ValueError(
                 f"rollout.partial.token_budget={budget} is less than one token per row of a "
                 f"step (rollout.prompts_per_step x rollout.n = {rows}); raise it to >= {rows}"
+            )
+        if self.asynchronous:
+            return replace(
+                self,
+                max_staleness=self.max_staleness or 1,
+                generator_timeout_s=float(self.generator_timeout_s or 600.0),
             )
         return self
 
