@@ -9,7 +9,8 @@ It answers POST requests on any path with the protocol of :mod:`lightrft.rewards
 reward model on one device gains nothing from overlapping calls. Every failure gets an HTTP
 error with ``{"error": message}``, never a dropped connection: 400 malformed body, 401 missing or
 wrong token, 408 request (line, headers and body: one deadline) not received within
-``--read-timeout``, 411 no ``Content-Length``, 413 body over ``--max-body-mb``, 422 the reward
+``--read-timeout``, 411 no ``Content-Length``, 413 body over ``--max-body-mb`` or an image of
+``conversations`` over ``--max-image-pixels`` / ``--max-request-pixels``, 422 the reward
 function refused the batch as given (:class:`~lightrft.rewards.base.RewardInputError`: a sample
 without its reference answer, code tests that cannot be read), 503 more than ``--max-connections`` open connections, 500 the
 reward function failed.
