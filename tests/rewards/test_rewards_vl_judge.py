@@ -57,10 +57,12 @@ def _chats(vl_dir, boards):
     ]
 
 
-def test_judge_prompt_is_the_judgment_datas_prompt(vl, boards):
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_judge_prompt_is_the_judgment_datas_prompt(tiny_vlm, arch, boards):
     # The request the judge sends equals what the prompt datasets build from the judgment
     # record "<image>" + filled template (ids and pixels), and is the prompt part of the SFT
     # record the judge is trained on: judge and training data meet on the same tokens.
+    vl = str(tiny_vlm(arch))
     judge = GenerativeReward(
         judge=vl, template=SHAPES_JUDGE_TEMPLATE, verdicts=VERDICTS, fallback=0.5, max_tokens=2
     )
