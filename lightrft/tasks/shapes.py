@@ -253,8 +253,10 @@ def ensure_shapes_judgments(
     in its context (docs/reward_models.md).
 
     Per board, ``per_board`` candidates that are right (the board's count) and as many that are
-    wrong (another count from one below the data set's smallest to one above its largest), so
-    the verdicts are balanced. The prompt is what :class:`~lightrft.rewards.GenerativeReward`
+    wrong (another count of the data set's range), so the verdicts are balanced and a candidate's
+    value says nothing about its verdict. (Wrong counts from one below the range to one above it
+    made "the candidate is in the range" a rule that scores 75 %: the tiny judge learnt it, and
+    said "yes" to every answer an actor gives, while it counted every board right.) The prompt is what :class:`~lightrft.rewards.GenerativeReward`
     renders for a conversation holding the board and the question: the board first, then the
     filled template. Train with the SFT recipe (configs/tiny/vision_judge_sft.yaml); skipped
     when already written from the same source and settings.
@@ -269,8 +271,9 @@ def ensure_shapes_judgments(
     if not meta.is_file():
         raise ValueError(f"no {META} in {src}: write the counting data set first")
     made = json.loads(meta.read_text())
-    lo, hi = max(0, made["min_count"] - 1), min(made["grid"] ** 2, made["max_count"] + 1)
-    counts = [str(c) for c in range(lo, hi + 1)]
+    counts = [str(c) for c in range(made["min_count"], made["max_count"] + 1)]
+    if len(counts) < 2:
+        raise ValueError(f"{src} has one count only ({counts[0]}): no wrong answer to judge")
     want = {
         "source": str(src.resolve()),
         "source_mtime_ns": meta.stat().st_mtime_ns,

@@ -7,8 +7,8 @@ exactly as ``configs/tiny/vision_judge_grpo.yaml`` uses it.
 
 For each held-out board of ``outputs/tiny/shapes3/test.jsonl`` (boards no judge or actor trained
 on), the conversation is built as the GRPO recipe builds it (a ``PromptDataset`` item and
-``lightrft.data.prompts.conversation``: the board inline), and the judge rates the right count
-and every wrong count from one below the smallest to one above the largest count. Prints the
+``lightrft.data.prompts.conversation``: the board inline), and the judge rates every count of the
+data set's range: the right one and each wrong one. Prints the
 accuracy on right answers (verdict "yes"), on wrong ones ("no"), their mean (the balanced
 verdict accuracy) and the parse failures.
 """
@@ -36,10 +36,10 @@ def main() -> None:
     ap.add_argument("--actor", default="outputs/tiny/vision_sft/final", help="its processor")
     ap.add_argument("--data", default="outputs/tiny/shapes3")
     ap.add_argument("--n", type=int, default=200)
-    ap.add_argument("--max-tokens", type=int, default=4, help="the verdict's budget ('yes' + EOS)")
+    ap.add_argument("--max-tokens", type=int, default=8, help='"3, yes" + EOS')
     args = ap.parse_args()
     made = json.loads((Path(args.data) / "meta.json").read_text())
-    lo, hi = max(0, made["min_count"] - 1), made["max_count"] + 1
+    lo, hi = made["min_count"], made["max_count"]
     ds = PromptDataset(load_processor(args.actor), path=str(Path(args.data) / "test.jsonl"))
     items = [ds[i] for i in range(min(args.n, len(ds)))]
     judge = GenerativeReward(

@@ -107,8 +107,11 @@ def test_judgments_are_balanced_verdicts_after_the_boards_count(tiny_vlm, tmp_pa
         )
         assert right["completion"] == f"{count}, yes" and wrong["completion"] == f"{count}, no"
         candidate = wrong["prompt"].split("Answer: ")[1].split("\n")[0]
-        assert candidate != count and candidate in {"1", "2", "3", "4", "5"}
+        assert candidate != count and candidate in {"2", "3", "4"}  # the data set's counts
     ds = SFTDataset(load_processor(tiny_vlm("qwen2_vl")), out / "test.jsonl")
     assert len(ds) == 8 and ds.stats["images"] == 8
     with pytest.raises(ValueError, match="no {response} field"):
         ensure_shapes_judgments(tmp_path / "j2", src, template="{prompt}?")
+    one = ensure_shapes_dataset(tmp_path / "one", n_train=2, n_test=1, min_count=2, max_count=2)
+    with pytest.raises(ValueError, match="one count only"):
+        ensure_shapes_judgments(tmp_path / "j3", one)
