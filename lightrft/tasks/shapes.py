@@ -45,7 +45,7 @@ COLOURS = {
 QUESTION = "<image>How many squares are in the picture? Answer with a number."
 # The judge's text, after the board: GenerativeReward(mode="score", template=...) fills it with
 # the question (the conversation's text) and the actor's answer. The judge writes its own count,
-# then the verdict, "yes" or "no" ("3, no").
+# the answer it judges, then the verdict, "yes" or "no" ("3 vs 4: no").
 SHAPES_JUDGE_TEMPLATE = (
     "{prompt}\nAnswer: {response}\nIs the answer right? Count, then say yes or no."
 )
@@ -244,13 +244,12 @@ def ensure_shapes_judgments(
     """Judgment data with images for a vision-language generative reward model, from a counting
     data set (:func:`ensure_shapes_dataset`): SFT records whose prompt shows the board and
     ``template`` filled with the question and a candidate answer, and whose completion is the
-    board's count, then the verdict, ``yes`` or ``no`` (``"3, no"``).
+    board's count, the candidate copied, then the verdict, ``yes`` or ``no`` (``"3 vs 4: no"``).
 
-    The judge counts before it judges: trained to write the verdict alone (one token after the
-    prompt), the tiny judge of configs/tiny/vision_judge_sft.yaml reached a balanced held-out
-    verdict accuracy of 0.795 only, since one forward pass must count the squares and compare the
-    count with the candidate; with its own count written first, the verdict compares two tokens
-    in its context (docs/reward_models.md).
+    The judge counts and copies before it judges, so that the verdict compares two neighbouring
+    tokens it wrote itself. Trained to write the verdict alone, or its count and then the
+    verdict, the tiny judge of configs/tiny/vision_judge_sft.yaml did not learn to compare the
+    count with the candidate in the prompt (docs/reward_models.md has the measurements).
 
     Per board, ``per_board`` candidates that are right (the board's count) and as many that are
     wrong (another count of the data set's range), so the verdicts are balanced and a candidate's
@@ -281,6 +280,7 @@ def ensure_shapes_judgments(
         "per_board": per_board,
         "seed": seed,
         "kind": "judgments",
+        "completion": "{count} vs {candidate}: {verdict}",
     }
     question = QUESTION.replace("<image>", "")
 
@@ -295,7 +295,7 @@ def ensure_shapes_judgments(
                     {
                         "prompt": "<image>" + text,
                         "images": images,
-                        "completion": f"{rec['answer']}, {verdict}",
+                        "completion": f"{rec['answer']} vs {answer}: {verdict}",
                     }
                 )
         return out_rows

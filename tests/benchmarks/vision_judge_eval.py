@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--actor", default="outputs/tiny/vision_sft/final", help="its processor")
     ap.add_argument("--data", default="outputs/tiny/shapes3")
     ap.add_argument("--n", type=int, default=200)
-    ap.add_argument("--max-tokens", type=int, default=8, help='"3, yes" + EOS')
+    ap.add_argument("--max-tokens", type=int, default=12, help='"3 vs 3: yes" + EOS')
     args = ap.parse_args()
     made = json.loads((Path(args.data) / "meta.json").read_text())
     lo, hi = made["min_count"], made["max_count"]

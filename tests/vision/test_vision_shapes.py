@@ -105,8 +105,9 @@ def test_judgments_are_balanced_verdicts_after_the_boards_count(tiny_vlm, tmp_pa
         assert right["prompt"] == "<image>" + SHAPES_JUDGE_TEMPLATE.format(
             prompt=question, response=count
         )
-        assert right["completion"] == f"{count}, yes" and wrong["completion"] == f"{count}, no"
         candidate = wrong["prompt"].split("Answer: ")[1].split("\n")[0]
+        assert right["completion"] == f"{count} vs {count}: yes"
+        assert wrong["completion"] == f"{count} vs {candidate}: no"
         assert candidate != count and candidate in {"2", "3", "4"}  # the data set's counts
     ds = SFTDataset(load_processor(tiny_vlm("qwen2_vl")), out / "test.jsonl")
     assert len(ds) == 8 and ds.stats["images"] == 8
