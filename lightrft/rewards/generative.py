@@ -49,7 +49,7 @@ import torch
 from lightrft.data.vision import MEDIA_KINDS
 from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
 
-__all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "parse_verdict"]
+__all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "media_parts", "parse_verdict"]
 
 log = logging.getLogger(__name__)
 
