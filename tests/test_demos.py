@@ -5,6 +5,8 @@ in docs/grpo.md, docs/vision.md, docs/audio.md and docs/reward_models.md)."""
 
 import json
 
+import pytest
+
 from lightrft import cli
 
 TRAIN = ["max_steps=2", "eval_every=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
@@ -78,3 +80,17 @@ def test_vision_rlhf_demo_chain(tmp_path, monkeypatch):
     assert (tmp_path / "outputs/tiny/vision_rm/final/processor_config.json").is_file()
     rows = _grpo_evaluated(tmp_path, "tiny/vision_rlhf_grpo")
     assert any("reward/rm/mean" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_vision_judge_demo_chain(tmp_path, monkeypatch):
+    """Vision SFT -> a vision-language judge trained by SFT on judgment data with the boards ->
+    GRPO with that judge, which sees each sample's picture, as the only reward."""
+    monkeypatch.chdir(tmp_path)
+    _run("sft", "tiny/vision_sft", MEDIA_DATA + TRAIN)
+    _run("sft", "tiny/vision_judge_sft", ["batch_size=8", *TRAIN])
+    assert (tmp_path / "outputs/tiny/vision_judge_sft/final/processor_config.json").is_file()
+    rows = _grpo_evaluated(tmp_path, "tiny/vision_judge_grpo")
+    means = [r["reward/judge/mean"] for r in rows if "reward/judge/mean" in r]
+    assert means and all(0.0 <= m <= 1.0 for m in means)
+    assert any("reward/judge/parse_failures" in r for r in rows)

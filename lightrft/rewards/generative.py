@@ -15,10 +15,23 @@ The judge runs in-process through :class:`lightrft.engine.NativeEngine` (``judge
 directory) or remotely (``url``: an OpenAI-compatible ``/v1/completions`` endpoint, e.g.
 ``vllm serve``). Greedy decoding by default.
 
-A verdict that does not match ``pattern`` (or names no known choice) is a parse failure: it gets
-the configured ``fallback`` reward (there is no default: a silent 0 would read as a verdict), is
-counted in ``last_metrics["parse_failures"]`` (logged by :class:`~lightrft.rewards.CombinedReward`
-as ``reward/<name>/parse_failures``) and in the running total ``parse_failures``.
+A vision-language judge (a local VLM directory) sees the conversation's images: it reads each
+sample's conversation (``uses_conversations``), and its judge prompt is one user turn holding the
+conversation's images (and audio), in order, then the template filled with the conversation's
+text. That turn is rendered, its media processed and its placeholders expanded by the prompt
+datasets' own functions (:class:`~lightrft.data.records.MediaSamples`,
+:func:`~lightrft.data.templates.encode_prompt`), and the engine request carries the
+:class:`~lightrft.data.media.Media`, as an actor's rollout request does. Judgment data whose
+prompt is ``"<image>" + template`` with the board in ``images`` renders to the same tokens
+(:func:`lightrft.tasks.ensure_shapes_judgments`).
+
+A verdict that does not match ``pattern`` (or names no known choice or verdict) is a parse
+failure: it gets the configured ``fallback`` reward (there is no default: a silent 0 would read as
+a verdict), is counted in ``last_metrics["parse_failures"]`` (logged by
+:class:`~lightrft.rewards.CombinedReward` as ``reward/<name>/parse_failures``) and in the running
+total ``parse_failures``. With ``max_parse_failures``, that many failures in a row (no verdict
+parsed in between) stop the run with an error showing the last verdicts: a judge whose pattern
+never matches is refused instead of training on the fallback.
 """
 
 from __future__ import annotations
@@ -27,14 +40,16 @@ import json
 import logging
 import re
 import urllib.request
-from collections.abc import Sequence
-from typing import Literal
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
-from lightrft.rewards.base import Prompt
+from lightrft.data.vision import MEDIA_KINDS
+from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
 
-__all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "parse_verdict"]
+__all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "media_parts", "parse_verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +74,34 @@ def parse_verdict(text: str, pattern: re.Pattern[str]) -> str | None:
     return last.group(1) if last.groups() else last.group(0)
 
 
+def _message_text(content: Any) -> str:
+    """A message's text: a string as is; of content parts, the text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
 def _prompt_text(prompt: Prompt) -> str:
+    """A prompt's text for the template's ``{prompt}``: a string as is; a conversation of one
+    message its text, of several ``role: text`` lines (media parts left out)."""
     if isinstance(prompt, str):
         return prompt
-    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+    if len(prompt) == 1:
+        return _message_text(prompt[0]["content"])
+    return "\n".join(f"{m['role']}: {_message_text(m['content'])}" for m in prompt)
+
+
+def media_parts(conversation: Prompt) -> list[dict[str, Any]]:
+    """The image and audio parts of a conversation, in order."""
+    if isinstance(conversation, str):
+        return []
+    return [
+        dict(part)
+        for m in conversation
+        if not isinstance(m["content"], str)
+        for part in m["content"]
+        if part.get("type") in MEDIA_KINDS
+    ]
 
 
 class GenerativeReward:
@@ -83,9 +122,20 @@ class GenerativeReward:
         max_tokens, temperature: decoding of the verdict.
         device, dtype: local judge placement.
         timeout: seconds per HTTP request.
+        verdicts: score mode: verdict word -> reward value (e.g. ``{"yes": 1.0, "no": 0.0}``),
+            instead of a number; the default pattern then matches these words.
+        max_parse_failures: refuse (``ValueError`` with the last verdicts) once this many
+            verdicts in a row failed to parse; None never refuses.
+        min_pixels, max_pixels: a vision-language judge's bounds on each image's area (None
+            keeps its processor's own).
+
+    A local vision-language judge (``uses_conversations``) needs each sample's conversation
+    (``conversations=``, passed by :class:`~lightrft.rewards.CombinedReward` from the recipes),
+    and the chat template; a text judge scores the prompts as given.
     """
 
     name = "judge"
+    uses_conversations = False
 
     def __init__(
         self,
@@ -106,6 +156,10 @@ class GenerativeReward:
         device: str | None = None,
         dtype: str | None = None,
         timeout: float = 60.0,
+        verdicts: Mapping[str, float] | None = None,
+        max_parse_failures: int | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
     ) -> None:
         if (judge is None) == (url is None):
             raise ValueError("GenerativeReward: give exactly one of judge (a local dir) or url")
@@ -115,6 +169,22 @@ class GenerativeReward:
             raise ValueError("both_orders applies to mode='choice' (a score has no order)")
         if len(choices) != 2 or choices[0] == choices[1]:
             raise ValueError(f"choices must be two distinct names, got {list(choices)}")
+        if verdicts is not None:
+            if mode != "score":
+                raise ValueError("verdicts applies to mode='score' (choice verdicts are choices)")
+            if not verdicts or not all(isinstance(k, str) and k for k in verdicts):
+                raise ValueError(f"verdicts must map non-empty words to rewards, got {verdicts!r}")
+            bad = [k for k, v in verdicts.items() if isinstance(v, bool) or not _finite(v)]
+            if bad:
+                raise ValueError(f"verdicts.{bad[0]} must be a finite number")
+        if max_parse_failures is not None and (
+            isinstance(max_parse_failures, bool)
+            or not isinstance(max_parse_failures, int)
+            or max_parse_failures < 1
+        ):
+            raise ValueError(f"max_parse_failures must be >= 1 or None, got {max_parse_failures}")
+        self.verdicts = None if verdicts is None else {k: float(v) for k, v in verdicts.items()}
+        self.max_parse_failures = max_parse_failures
         self.mode, self.both_orders, self.scale = mode, both_orders, float(scale)
         self.fallback = float(fallback)
         self.choices = tuple(str(c) for c in choices)
@@ -123,10 +193,9 @@ class GenerativeReward:
         missing = [f for f in fields if f not in self.template]
         if missing:
             raise ValueError(f"template has no {missing[0]} field (mode={mode!r})")
+        words = self.choices if mode == "choice" else list(self.verdicts or ())
         default = (
-            r"(-?\d+(?:\.\d+)?)"
-            if mode == "score"
-            else r"\b(" + "|".join(map(re.escape, self.choices)) + r")\b"
+            r"\b(" + "|".join(map(re.escape, words)) + r")\b" if words else r"(-?\d+(?:\.\d+)?)"
         )
         try:
             self.pattern = re.compile(pattern or default)
@@ -136,17 +205,50 @@ class GenerativeReward:
         self.url, self.model_name, self.timeout = url, model_name, timeout
         self.chat_template = chat_template
         self.engine = None
+        self.media = None  # MediaSamples of a vision- or audio-language judge
         if judge is not None:
-            from lightrft.engine import NativeEngine
-
-            self.engine = NativeEngine(judge, device=device, dtype=dtype)
+            self._load_local(judge, device, dtype, min_pixels, max_pixels)
+        elif min_pixels is not None or max_pixels is not None:
+            raise ValueError("min_pixels / max_pixels apply to a local vision-language judge")
         self.parse_failures = 0  # running totals
         self.judged = 0
+        self.failure_streak = 0  # verdicts in a row that did not parse
+        self._recent_failures: deque[str] = deque(maxlen=3)
+        self.last_verdicts: list[str] = []  # the judge's texts of the last call, job by job
         self.last_metrics: dict[str, float] = {}
+
+    def _load_local(self, judge, device, dtype, min_pixels, max_pixels) -> None:
+        from lightrft.engine import NativeEngine
+        from lightrft.models.multimodal import checkpoint_is_multimodal
+
+        tokenizer = None
+        if checkpoint_is_multimodal(judge):
+            from lightrft.data.records import MediaSamples
+            from lightrft.models.multimodal import load_processor
+
+            if not self.chat_template:
+                raise ValueError(
+                    f"judge {judge} is a vision- or audio-language model: it needs "
+                    "chat_template=true (the chat template places the image and audio tokens)"
+                )
+            processor = load_processor(judge)
+            # Media only from the conversations' parts, bounded as the prompt datasets bound it.
+            self.media = MediaSamples(processor, None, min_pixels, max_pixels, None)
+            tokenizer = processor.tokenizer
+            self.uses_conversations = True
+        elif min_pixels is not None or max_pixels is not None:
+            raise ValueError(
+                f"min_pixels / max_pixels apply to a vision-language judge; {judge} is text-only"
+            )
+        self.engine = NativeEngine(judge, tokenizer, device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ generation
 
-    def _complete(self, texts: list[str]) -> list[str]:
+    def _complete(self, texts: list[str], media: list[list[dict[str, Any]]]) -> list[str]:
+        """The judge's verdict for each judge prompt; ``media``: each one's image and audio
+        parts (a vision-language judge only)."""
+        if self.media is not None:
+            return self._generate(self.media_requests(texts, media))
         if self.engine is not None:
             return self._complete_local(texts)
         body = json.dumps(
@@ -171,7 +273,7 @@ class GenerativeReward:
         return [c.get("text", "") for c in choices]
 
     def _complete_local(self, texts: list[str]) -> list[str]:
-        from lightrft.engine.protocol import Request, SamplingParams
+        from lightrft.engine.protocol import Request
 
         tok = self.engine.tokenizer
         if self.chat_template:
@@ -182,8 +284,33 @@ class GenerativeReward:
                 for t in texts
             ]
         ids = tok(texts, add_special_tokens=False)["input_ids"]
+        return self._generate([Request(list(x)) for x in ids])
+
+    def media_requests(self, texts: list[str], media: list[list[dict[str, Any]]]) -> list:
+        """The engine requests of a vision- or audio-language judge: each judge prompt as one
+        user turn, its media parts first, then the text; rendered, processed and expanded as a
+        prompt dataset renders an ``"<image>" + text`` record."""
+        from lightrft.data.io import Records
+        from lightrft.data.templates import encode_prompt
+        from lightrft.engine.protocol import Request
+
+        assert self.media is not None
+        src = Records.from_list([{} for _ in texts], name="judge prompt")
+        requests = []
+        for i, (text, parts) in enumerate(zip(texts, media, strict=True)):
+            chat = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+            msgs, decoded = self.media.messages(src, i, chat)
+            _, ids = encode_prompt(self.engine.tokenizer, msgs, apply_chat_template=True)
+            ids, _, inputs = self.media.expand(ids, None, decoded, src.where(i))
+            requests.append(Request(ids, inputs))
+        return requests
+
+    def _generate(self, requests: list) -> list[str]:
+        from lightrft.engine.protocol import SamplingParams
+
+        tok = self.engine.tokenizer
         sampling = SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens)
-        done = self.engine.generate([Request(list(x)) for x in ids], sampling)
+        done = self.engine.generate(requests, sampling)
         return [
             c.text if c.text is not None else tok.decode(c.token_ids, skip_special_tokens=True)
             for c in done
@@ -195,6 +322,9 @@ class GenerativeReward:
         found = parse_verdict(text, self.pattern)
         if found is None:
             return None
+        if self.verdicts is not None:
+            value = self.verdicts.get(found.strip())
+            return None if value is None else self.scale * value
         try:
             return self.scale * float(found)
         except ValueError:
@@ -207,25 +337,40 @@ class GenerativeReward:
         first_wins = found.strip() == self.choices[0]
         return 1.0 if first_wins == response_first else 0.0
 
-    def __call__(
+    def judge_prompts(
         self,
         prompts: Sequence[Prompt],
         responses: Sequence[str],
         references: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-    ) -> torch.Tensor:
+        conversations: Sequence[Prompt | None] | None = None,
+    ) -> tuple[list[str], list[list[dict[str, Any]]], list[tuple[int, bool]]]:
+        """What the judge is asked: each judge prompt's text, its media parts (a vision- or
+        audio-language judge: the conversation's, in order; else none) and its job ``(sample,
+        response shown first)``; two jobs per sample with ``both_orders``."""
         n = len(responses)
+        check_lengths(n, prompts=prompts, references=references, conversations=conversations)
         refs = list(references) if references is not None else [None] * n
+        if self.media is not None:
+            if conversations is None or any(c is None for c in conversations):
+                raise RewardInputError(
+                    "a vision-language judge reads each sample's conversation with its images: "
+                    "pass conversations= (CombinedReward passes the recipe's; a prompt dataset "
+                    "needs apply_chat_template=true)"
+                )
+            prompts = list(conversations)  # type: ignore[assignment]
         texts: list[str] = []
-        jobs: list[tuple[int, bool]] = []  # (sample, response shown first)
+        media: list[list[dict[str, Any]]] = []
+        jobs: list[tuple[int, bool]] = []
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             q = _prompt_text(p)
+            parts = media_parts(p) if self.media is not None else []
             if self.mode == "score":
                 texts.append(self.template.format(prompt=q, response=r, reference=refs[i] or ""))
+                media.append(parts)
                 jobs.append((i, True))
                 continue
             if refs[i] is None:
-                raise ValueError(
+                raise RewardInputError(
                     f"GenerativeReward(mode='choice') compares each response with its reference "
                     f"response, but sample {i} has no reference"
                 )
@@ -233,8 +378,22 @@ class GenerativeReward:
             for first in orders:
                 a, b = (r, refs[i]) if first else (refs[i], r)
                 texts.append(self.template.format(prompt=q, response_a=a, response_b=b))
+                media.append(parts)
                 jobs.append((i, first))
-        verdicts = self._complete(texts) if texts else []
+        return texts, media, jobs
+
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        references: Sequence[str | None] | None = None,
+        labels: Sequence[str | None] | None = None,
+        conversations: Sequence[Prompt | None] | None = None,
+    ) -> torch.Tensor:
+        n = len(responses)
+        texts, media, jobs = self.judge_prompts(prompts, responses, references, conversations)
+        verdicts = self._complete(texts, media) if texts else []
+        self.last_verdicts = verdicts
         sums = torch.zeros(n, dtype=torch.float32)  # [B]
         counts = torch.zeros(n, dtype=torch.float32)  # [B]
         failures, example = 0, None
@@ -248,6 +407,10 @@ class GenerativeReward:
                 failures += 1
                 example = example or text
                 value = self.fallback
+                self.failure_streak += 1
+                self._recent_failures.append(text)
+            else:
+                self.failure_streak = 0
             sums[i] += value
             counts[i] += 1
         self.parse_failures += failures
@@ -265,4 +428,18 @@ class GenerativeReward:
                 self.fallback,
                 (example or "")[:80],
             )
+        if self.max_parse_failures is not None and self.failure_streak >= self.max_parse_failures:
+            raise ValueError(
+                f"GenerativeReward: the judge's last {self.failure_streak} verdicts did not match "
+                f"the pattern {self.pattern.pattern!r} (max_parse_failures="
+                f"{self.max_parse_failures}); the last ones: "
+                + ", ".join(repr(t[:80]) for t in self._recent_failures)
+                + ". Check the judge, its template and max_tokens, or the pattern"
+            )
         return sums / counts.clamp(min=1)
+
+
+def _finite(v: Any) -> bool:
+    import math
+
+    return isinstance(v, (int, float)) and math.isfinite(v)

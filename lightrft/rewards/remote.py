@@ -3,18 +3,30 @@
 Protocol (one POST per batch, JSON both ways)::
 
     request:  {"queries": [...], "prompts": [...], "responses": [...],
-               "references": [...], "labels": [...]}
+               "references": [...], "labels": [...], "conversations": [...]}
     response: {"rewards": [r0, r1, ...]}          # one finite number per query
 
 ``queries[i]`` is the full sample: ``prompts[i] + responses[i]`` for a string prompt, or the
 conversation with the response appended as an assistant message for a chat prompt. ``responses``
 is sent as well so a server need not split queries. Servers written for OpenRLHF's remote reward
 model protocol read ``queries``/``prompts``/``labels`` and ignore the rest.
+
+``conversations`` (sent when the caller has them; ``null`` entries for prompts without one) are
+the chats the prompts were rendered from, with their images: each image part is
+``{"type": "image", "image": "data:image/png;base64,..."}``, the PNG of the image exactly as the
+actor saw it. PNG because it is lossless (the server's reward model decodes the same pixels, so
+remote and local scores are equal), compresses the flat images of rendered boards and documents
+to a small fraction of their raw size, and a decoder learns an image's size from its header
+before it decodes anything (the server bounds the pixels first). Reward models that read
+conversations (a vision-language reward model or judge) score with the images behind HTTP as
+they do in-process.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
+import io
 import json
 import math
 import os
@@ -26,11 +38,14 @@ from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
+from lightrft.data.vision import MEDIA_KINDS
 from lightrft.rewards.base import Prompt, RewardError, check_lengths
 
 TOKEN_ENV = "LIGHTRFT_REWARD_TOKEN"  # also read by lightrft.rewards.server
 
-__all__ = ["RemoteReward", "RemoteRewardError", "build_query"]
+__all__ = ["PNG_DATA_URL", "RemoteReward", "RemoteRewardError", "build_query", "wire_conversation"]
+
+PNG_DATA_URL = "data:image/png;base64,"
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
@@ -44,6 +59,49 @@ def build_query(prompt: Prompt, response: str) -> Any:
     if isinstance(prompt, str):
         return prompt + response
     return [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
+
+
+def _png_url(image: Any, where: str) -> str:
+    from PIL import Image
+
+    if isinstance(image, str) and image.startswith(PNG_DATA_URL):
+        return image
+    if not isinstance(image, Image.Image):
+        raise ValueError(
+            f"{where}: an image part must hold a PIL image (as the prompt datasets give them) "
+            f"or a {PNG_DATA_URL}... string to be sent, got {type(image).__name__}"
+        )
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return PNG_DATA_URL + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def wire_conversation(conversation: Prompt | None, index: int) -> list[dict[str, Any]] | None:
+    """A conversation as sent in ``conversations``: its image parts as PNG data URLs (see the
+    module docstring); ``None`` stays ``None``. Audio parts are refused (not carried yet)."""
+    if conversation is None:
+        return None
+    if isinstance(conversation, str):
+        raise ValueError(f"conversations[{index}] must be a list of messages, got a string")
+    out = []
+    for j, m in enumerate(conversation):
+        content = m["content"]
+        if not isinstance(content, str):
+            parts = []
+            for k, part in enumerate(content):
+                kind = part.get("type")
+                where = f"conversations[{index}][{j}].content[{k}]"
+                if kind == "image":
+                    parts.append({"type": "image", "image": _png_url(part.get("image"), where)})
+                elif kind in MEDIA_KINDS:
+                    raise ValueError(
+                        f"{where}: a {kind} part cannot be sent to a reward server (images only)"
+                    )
+                else:
+                    parts.append(dict(part))
+            content = parts
+        out.append({**m, "content": content})
+    return out
 
 
 class RemoteReward:
@@ -69,9 +127,13 @@ class RemoteReward:
         headers: extra HTTP headers.
         token: sent as ``Authorization: Bearer <token>`` (the server's ``--token``); ``None``
             reads the environment variable ``LIGHTRFT_REWARD_TOKEN`` (unset: no header).
+
+    It reads the conversations (``uses_conversations``) and sends them, images as PNG, when the
+    caller gives them (:class:`~lightrft.rewards.CombinedReward` passes the recipe's).
     """
 
     name = "remote"
+    uses_conversations = True
 
     def __init__(
         self,
@@ -111,11 +173,17 @@ class RemoteReward:
         responses: Sequence[str],
         references: Sequence[str | None] | None = None,
         labels: Sequence[str | None] | None = None,
+        conversations: Sequence[Prompt | None] | None = None,
     ) -> list[float]:
         n = len(responses)
         references = [None] * n if references is None else list(references)
         labels = [None] * n if labels is None else list(labels)
-        check_lengths(n, prompts=prompts, references=references, labels=labels)
+        check_lengths(
+            n, prompts=prompts, references=references, labels=labels, conversations=conversations
+        )
+        chats = None
+        if conversations is not None and any(c is not None for c in conversations):
+            chats = [wire_conversation(c, i) for i, c in enumerate(conversations)]
         step = self.batch_size or max(n, 1)
         rewards: list[float] = []
         for start in range(0, n, step):
@@ -129,6 +197,8 @@ class RemoteReward:
                 "references": references[sl],
                 "labels": labels[sl],
             }
+            if chats is not None:
+                payload["conversations"] = chats[sl]
             rewards += self._validate(self._post(payload), len(payload["queries"]))
         return rewards
 

@@ -9,7 +9,8 @@ It answers POST requests on any path with the protocol of :mod:`lightrft.rewards
 reward model on one device gains nothing from overlapping calls. Every failure gets an HTTP
 error with ``{"error": message}``, never a dropped connection: 400 malformed body, 401 missing or
 wrong token, 408 request (line, headers and body: one deadline) not received within
-``--read-timeout``, 411 no ``Content-Length``, 413 body over ``--max-body-mb``, 422 the reward
+``--read-timeout``, 411 no ``Content-Length``, 413 body over ``--max-body-mb`` or an image of
+``conversations`` over ``--max-image-pixels`` / ``--max-request-pixels``, 422 the reward
 function refused the batch as given (:class:`~lightrft.rewards.base.RewardInputError`: a sample
 without its reference answer, code tests that cannot be read), 503 more than ``--max-connections`` open connections, 500 the
 reward function failed.
@@ -45,13 +46,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from lightrft.rewards.base import RewardInputError, check_reward_output
-from lightrft.rewards.remote import TOKEN_ENV
+from lightrft.rewards.remote import PNG_DATA_URL, TOKEN_ENV
 
 __all__ = [
     "LINGER_SECONDS",
     "LISTEN_BACKLOG",
+    "MAX_IMAGE_PIXELS",
+    "MAX_REQUEST_PIXELS",
+    "MediaTooLarge",
     "TOKEN_ENV",
     "VERIFIERS",
+    "decode_conversations",
     "load_reward_fn",
     "main",
     "make_server",
@@ -64,6 +69,11 @@ LISTEN_BACKLOG = 1024
 LINGER_SECONDS = 2.0
 _MAX_LINGERING = 256  # 503'd connections draining at once
 
+# Bounds on the images of ``conversations``, checked from each PNG's header before it is decoded:
+# a few kilobytes of PNG can announce gigapixels.
+MAX_IMAGE_PIXELS = 4096 * 4096  # one image
+MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS  # all images of one request together
+
 VERIFIERS = {
     "math": "lightrft.rewards.MathVerifier",
     "gsm8k": "lightrft.rewards.GSM8KVerifier",
@@ -72,11 +82,114 @@ VERIFIERS = {
 }
 
 
-def split_requests(data: Any) -> dict[str, list]:
-    """The reward-function arguments of a request body, or ``ValueError`` saying what is wrong.
+class MediaTooLarge(ValueError):
+    """An image of a request is over the server's pixel bounds (answered HTTP 413)."""
+
+
+def _decode_png(url: Any, where: str, budget: list[int], max_image_pixels: int):
+    """The RGB PIL image of a PNG data URL, its size checked against the per-image bound and
+    what is left of the request's (``budget[0]``) before any pixel is decoded."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    if not isinstance(url, str) or not url.startswith(PNG_DATA_URL):
+        raise ValueError(f"{where}: an image must be a string starting {PNG_DATA_URL!r}")
+    try:
+        data = base64.b64decode(url[len(PNG_DATA_URL) :], validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: the image is not valid base64") from None
+    try:
+        img = Image.open(io.BytesIO(data), formats=["PNG"])  # reads the header only
+    except Image.DecompressionBombError as e:
+        raise MediaTooLarge(f"{where}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - PIL raises several types for bad data
+        raise ValueError(f"{where}: not a PNG image ({type(e).__name__}: {e})") from None
+    w, h = img.size
+    if w * h > max_image_pixels:
+        raise MediaTooLarge(
+            f"{where}: image of {w}x{h} = {w * h} pixels is over the server's limit of "
+            f"{max_image_pixels} pixels per image (--max-image-pixels)"
+        )
+    if w * h > budget[0]:
+        raise MediaTooLarge(
+            f"{where}: the request's images are over the server's limit of pixels per request "
+            "(--max-request-pixels)"
+        )
+    budget[0] -= w * h
+    try:
+        img.load()
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{where}: cannot decode the PNG ({type(e).__name__}: {e})") from None
+    return img.convert("RGB") if img.mode != "RGB" else img
+
+
+def decode_conversations(
+    value: Any,
+    n: int,
+    *,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    max_request_pixels: int = MAX_REQUEST_PIXELS,
+) -> list | None:
+    """A request's ``conversations`` (``None`` if absent) with their PNG image parts decoded to
+    PIL images, as a reward function reads them in-process; ``ValueError`` naming the entry, or
+    :class:`MediaTooLarge`, for anything else. Images travel inline only: a path is refused
+    (the server must not read its own files for a client)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n:
+        raise ValueError(f"'conversations' must be a list of {n} entries")
+    budget = [max_request_pixels]
+    out: list = []
+    for i, chat in enumerate(value):
+        if chat is None:
+            out.append(None)
+            continue
+        if not isinstance(chat, list) or not chat:
+            raise ValueError(f"'conversations'[{i}] must be a non-empty list of messages or null")
+        messages = []
+        for j, m in enumerate(chat):
+            where = f"'conversations'[{i}][{j}]"
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"{where} must be a message with a string 'role'")
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for k, part in enumerate(content):
+                    at = f"{where}.content[{k}]"
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind == "text" and isinstance(part.get("text"), str):
+                        parts.append({"type": "text", "text": part["text"]})
+                    elif kind == "image":
+                        img = _decode_png(part.get("image"), at, budget, max_image_pixels)
+                        parts.append({"type": "image", "image": img})
+                    else:
+                        raise ValueError(
+                            f"{at} must be a text part with a string 'text' or an image part "
+                            f"(PNG data URL), got {str(part)[:60]}"
+                        )
+                content = parts
+            elif not isinstance(content, str):
+                raise ValueError(f"{where}.content must be a string or a list of parts")
+            messages.append({"role": m["role"], "content": content})
+        out.append(messages)
+    return out
+
+
+def split_requests(
+    data: Any,
+    *,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    max_request_pixels: int = MAX_REQUEST_PIXELS,
+) -> dict[str, list]:
+    """The reward-function arguments of a request body, or ``ValueError`` saying what is wrong
+    (:class:`MediaTooLarge` for images over the pixel bounds).
 
     ``responses`` is used if present; otherwise each response is its query with the prompt
     removed from the front (or the last message's content, for a conversation query).
+    ``conversations``, when present, is decoded by :func:`decode_conversations`.
     """
     if not isinstance(data, dict):
         raise ValueError("the request body must be a JSON object")
@@ -131,6 +244,12 @@ def split_requests(data: Any) -> dict[str, list]:
         "responses": responses,
         "references": args["references"],
         "labels": args["labels"],
+        "conversations": decode_conversations(
+            data.get("conversations"),
+            n,
+            max_image_pixels=max_image_pixels,
+            max_request_pixels=max_request_pixels,
+        ),
     }
 
 
@@ -269,6 +388,8 @@ def make_server(
     max_body_bytes: int = 64 * 2**20,
     read_timeout: float = 30.0,
     max_connections: int = 32,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    max_request_pixels: int = MAX_REQUEST_PIXELS,
 ) -> ThreadingHTTPServer:
     """An HTTP server (not yet serving) that scores requests with ``reward_fn``.
 
@@ -282,12 +403,26 @@ def make_server(
             headers and body together (a deadline, not per read: a trickling client is cut off);
             past it the client gets HTTP 408 and the connection is closed.
         max_connections: connections served at once; more are answered HTTP 503.
+        max_image_pixels, max_request_pixels: bounds on the images of ``conversations`` (one
+            image; all of a request's), read from each PNG's header before decoding; over them
+            the request is answered HTTP 413.
+
+    ``conversations`` are passed to a reward function that reads them (``uses_conversations``)
+    and dropped for one that does not.
     """
-    if max_body_bytes < 1 or read_timeout <= 0 or max_connections < 1:
+    if (
+        max_body_bytes < 1
+        or read_timeout <= 0
+        or max_connections < 1
+        or max_image_pixels < 1
+        or max_request_pixels < 1
+    ):
         raise ValueError(
-            "max_body_bytes and max_connections must be >= 1 and read_timeout > 0, got "
-            f"{max_body_bytes}, {max_connections}, {read_timeout}"
+            "max_body_bytes, max_connections, max_image_pixels and max_request_pixels must be "
+            f">= 1 and read_timeout > 0, got {max_body_bytes}, {max_connections}, "
+            f"{max_image_pixels}, {max_request_pixels}, {read_timeout}"
         )
+    reads_conversations = bool(getattr(reward_fn, "uses_conversations", False))
     lock = threading.Lock()
     expected = token.encode() if token else None
 
@@ -370,11 +505,19 @@ def make_server(
                     raise _HTTPError(401, "missing or wrong token (Authorization: Bearer ...)")
                 body = self._read_body()
                 try:
-                    kwargs = split_requests(json.loads(body))
+                    kwargs = split_requests(
+                        json.loads(body),
+                        max_image_pixels=max_image_pixels,
+                        max_request_pixels=max_request_pixels,
+                    )
                 except RecursionError:
                     raise _HTTPError(400, "bad request: JSON nested too deeply") from None
+                except MediaTooLarge as e:
+                    raise _HTTPError(413, f"media too large: {e}") from None
                 except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
                     raise _HTTPError(400, f"bad request: {e}") from None
+                if not reads_conversations:
+                    del kwargs["conversations"]
             except _HTTPError as e:
                 self._reply(e.code, {"error": str(e)})
                 return
@@ -442,6 +585,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-body-mb", type=float, default=64.0, help="larger bodies: 413")
     parser.add_argument("--read-timeout", type=float, default=30.0, help="seconds; then 408")
     parser.add_argument("--max-connections", type=int, default=32, help="more: 503")
+    parser.add_argument(
+        "--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, help="one image; more: 413"
+    )
+    parser.add_argument(
+        "--max-request-pixels",
+        type=int,
+        default=MAX_REQUEST_PIXELS,
+        help="all images of a request; more: 413",
+    )
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
     try:
@@ -464,6 +616,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_body_bytes=int(args.max_body_mb * 2**20),
             read_timeout=args.read_timeout,
             max_connections=args.max_connections,
+            max_image_pixels=args.max_image_pixels,
+            max_request_pixels=args.max_request_pixels,
         )
     except ValueError as e:
         parser.error(str(e))

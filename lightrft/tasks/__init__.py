@@ -27,6 +27,7 @@ from lightrft.tasks.calc import (
 from lightrft.tasks.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
 from lightrft.tasks.shapes import (
     ensure_shapes_dataset,
+    ensure_shapes_judgments,
     ensure_shapes_preferences,
     shapes_records,
     write_shapes_dataset,
@@ -48,6 +49,7 @@ __all__ = [
     "ensure_calc_dataset",
     "ensure_gsm8k",
     "ensure_shapes_dataset",
+    "ensure_shapes_judgments",
     "ensure_shapes_preferences",
     "ensure_tiny_model",
     "ensure_tones_dataset",

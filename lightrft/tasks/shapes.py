@@ -27,7 +27,9 @@ from lightrft.tasks.made import META, derive_splits, with_defaults
 
 __all__ = [
     "COLOURS",
+    "SHAPES_JUDGE_TEMPLATE",
     "ensure_shapes_dataset",
+    "ensure_shapes_judgments",
     "ensure_shapes_preferences",
     "shapes_records",
     "write_shapes_dataset",
@@ -41,6 +43,12 @@ COLOURS = {
     "purple": (140, 50, 170),
 }
 QUESTION = "<image>How many squares are in the picture? Answer with a number."
+# The judge's text, after the board: GenerativeReward(mode="score", template=...) fills it with
+# the question (the conversation's text) and the actor's answer. The judge writes its own count,
+# the answer it judges, then the verdict, "yes" or "no" ("3 vs 4: no").
+SHAPES_JUDGE_TEMPLATE = (
+    "{prompt}\nAnswer: {response}\nIs the answer right? Count, then say yes or no."
+)
 
 
 def _check(grid: int, min_count: int, max_count: int, cell: int) -> None:
@@ -221,5 +229,75 @@ def ensure_shapes_preferences(
             }
             for _ in range(per_board)
         ]
+
+    return derive_splits(src, out, want, rows)
+
+
+def ensure_shapes_judgments(
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike,
+    *,
+    template: str = SHAPES_JUDGE_TEMPLATE,
+    per_board: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Judgment data with images for a vision-language generative reward model, from a counting
+    data set (:func:`ensure_shapes_dataset`): SFT records whose prompt shows the board and
+    ``template`` filled with the question and a candidate answer, and whose completion is the
+    board's count, the candidate copied, then the verdict, ``yes`` or ``no`` (``"3 vs 4: no"``).
+
+    The judge counts and copies before it judges, so that the verdict compares two neighbouring
+    tokens it wrote itself. Trained to write the verdict alone, or its count and then the
+    verdict, the tiny judge of configs/tiny/vision_judge_sft.yaml did not learn to compare the
+    count with the candidate in the prompt (docs/reward_models.md has the measurements).
+
+    Per board, ``per_board`` candidates that are right (the board's count) and as many that are
+    wrong (another count of the data set's range), so the verdicts are balanced and a candidate's
+    value says nothing about its verdict. (Wrong counts from one below the range to one above it
+    made "the candidate is in the range" a rule that scores 75 %: the tiny judge learnt it, and
+    said "yes" to every answer an actor gives, while it counted every board right.) The prompt is what :class:`~lightrft.rewards.GenerativeReward`
+    renders for a conversation holding the board and the question: the board first, then the
+    filled template. Train with the SFT recipe (configs/tiny/vision_judge_sft.yaml); skipped
+    when already written from the same source and settings.
+    """
+    src, out = Path(source_dir), Path(out_dir)
+    if per_board < 1:
+        raise ValueError(f"per_board must be >= 1, got {per_board}")
+    for field in ("{prompt}", "{response}"):
+        if field not in template:
+            raise ValueError(f"template has no {field} field: {template!r}")
+    meta = src / META
+    if not meta.is_file():
+        raise ValueError(f"no {META} in {src}: write the counting data set first")
+    made = json.loads(meta.read_text())
+    counts = [str(c) for c in range(made["min_count"], made["max_count"] + 1)]
+    if len(counts) < 2:
+        raise ValueError(f"{src} has one count only ({counts[0]}): no wrong answer to judge")
+    want = {
+        "source": str(src.resolve()),
+        "source_mtime_ns": meta.stat().st_mtime_ns,
+        "template": template,
+        "per_board": per_board,
+        "seed": seed,
+        "kind": "judgments",
+        "completion": "{count} vs {candidate}: {verdict}",
+    }
+    question = QUESTION.replace("<image>", "")
+
+    def rows(rec: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
+        images = [os.path.relpath(src / path, out) for path in rec["images"]]
+        wrong = [c for c in counts if c != rec["answer"]]
+        out_rows = []
+        for _ in range(per_board):
+            for answer, verdict in ((rec["answer"], "yes"), (rng.choice(wrong), "no")):
+                text = template.format(prompt=question, response=answer)
+                out_rows.append(
+                    {
+                        "prompt": "<image>" + text,
+                        "images": images,
+                        "completion": f"{rec['answer']} vs {answer}: {verdict}",
+                    }
+                )
+        return out_rows
 
     return derive_splits(src, out, want, rows)

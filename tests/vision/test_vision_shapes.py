@@ -88,3 +88,31 @@ def test_preference_pairs_prefer_the_count_and_load_with_their_images(tiny_vlm, 
     one = ensure_shapes_dataset(tmp_path / "one", n_train=2, n_test=1, min_count=2, max_count=2)
     with pytest.raises(ValueError, match="one count only"):
         ensure_shapes_preferences(tmp_path / "p3", one)
+
+
+def test_judgments_are_balanced_verdicts_after_the_boards_count(tiny_vlm, tmp_path):
+    from lightrft.tasks import ensure_shapes_judgments
+    from lightrft.tasks.shapes import SHAPES_JUDGE_TEMPLATE
+
+    src = ensure_shapes_dataset(tmp_path / "s", n_train=12, n_test=4, min_count=2, max_count=4)
+    out = ensure_shapes_judgments(tmp_path / "j", src)
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 24 and len((out / "test.jsonl").read_text().splitlines()) == 8
+    question = "How many squares are in the picture? Answer with a number."
+    for right, wrong in zip(rows[::2], rows[1::2], strict=True):
+        count = str(_count_cells(out / right["images"][0]))  # the board's count, judged first
+        assert right["images"] == wrong["images"]
+        assert right["prompt"] == "<image>" + SHAPES_JUDGE_TEMPLATE.format(
+            prompt=question, response=count
+        )
+        candidate = wrong["prompt"].split("Answer: ")[1].split("\n")[0]
+        assert right["completion"] == f"{count} vs {count}: yes"
+        assert wrong["completion"] == f"{count} vs {candidate}: no"
+        assert candidate != count and candidate in {"2", "3", "4"}  # the data set's counts
+    ds = SFTDataset(load_processor(tiny_vlm("qwen2_vl")), out / "test.jsonl")
+    assert len(ds) == 8 and ds.stats["images"] == 8
+    with pytest.raises(ValueError, match="no {response} field"):
+        ensure_shapes_judgments(tmp_path / "j2", src, template="{prompt}?")
+    one = ensure_shapes_dataset(tmp_path / "one", n_train=2, n_test=1, min_count=2, max_count=2)
+    with pytest.raises(ValueError, match="one count only"):
+        ensure_shapes_judgments(tmp_path / "j3", one)
