@@ -142,6 +142,9 @@ def test_a_multi_turn_run_masks_observations_and_stays_on_policy(tmp_path, asset
             assert "408" in "".join(tokens["text"][start : start + len(obs)])  # the observation
 
 
+# 27 s on 2 cores, the default suite's longest test: opt-in (single-turn resume is checked bitwise
+# by default in test_grpo.py; this one adds the episodes' state).
+@pytest.mark.slow
 @pytest.mark.skipif(not ENGINE_CONTINUES, reason="the native engine has no continuation yet")
 def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, assets):
     over = {
