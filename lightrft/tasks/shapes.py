@@ -185,6 +185,21 @@ def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     return write_shapes_dataset(out, **want)
 
 
+def _source_counts(src: Path, per_board: int, why_two: str) -> tuple[Path, list[str]]:
+    """The counting data set's meta file and its counts (as answers), for the data derived from
+    it; ``why_two``: what a single count would leave nothing for."""
+    if per_board < 1:
+        raise ValueError(f"per_board must be >= 1, got {per_board}")
+    meta = src / META
+    if not meta.is_file():
+        raise ValueError(f"no {META} in {src}: write the counting data set first")
+    made = json.loads(meta.read_text())
+    counts = [str(c) for c in range(made["min_count"], made["max_count"] + 1)]
+    if len(counts) < 2:
+        raise ValueError(f"{src} has one count only ({counts[0]}): {why_two}")
+    return meta, counts
+
+
 def ensure_shapes_preferences(
     out_dir: str | os.PathLike,
     source_dir: str | os.PathLike,
@@ -201,15 +216,7 @@ def ensure_shapes_preferences(
     written from the same source and settings.
     """
     src, out = Path(source_dir), Path(out_dir)
-    if per_board < 1:
-        raise ValueError(f"per_board must be >= 1, got {per_board}")
-    meta = src / META
-    if not meta.is_file():
-        raise ValueError(f"no {META} in {src}: write the counting data set first")
-    made = json.loads(meta.read_text())
-    counts = [str(c) for c in range(made["min_count"], made["max_count"] + 1)]
-    if len(counts) < 2:
-        raise ValueError(f"{src} has one count only ({counts[0]}): nothing to prefer it over")
+    meta, counts = _source_counts(src, per_board, "nothing to prefer it over")
     want = {
         "source": str(src.resolve()),
         "source_mtime_ns": meta.stat().st_mtime_ns,
@@ -261,18 +268,10 @@ def ensure_shapes_judgments(
     when already written from the same source and settings.
     """
     src, out = Path(source_dir), Path(out_dir)
-    if per_board < 1:
-        raise ValueError(f"per_board must be >= 1, got {per_board}")
     for field in ("{prompt}", "{response}"):
         if field not in template:
             raise ValueError(f"template has no {field} field: {template!r}")
-    meta = src / META
-    if not meta.is_file():
-        raise ValueError(f"no {META} in {src}: write the counting data set first")
-    made = json.loads(meta.read_text())
-    counts = [str(c) for c in range(made["min_count"], made["max_count"] + 1)]
-    if len(counts) < 2:
-        raise ValueError(f"{src} has one count only ({counts[0]}): no wrong answer to judge")
+    meta, counts = _source_counts(src, per_board, "no wrong answer to judge")
     want = {
         "source": str(src.resolve()),
         "source_mtime_ns": meta.stat().st_mtime_ns,
