@@ -1,0 +1,265 @@
+"""Ulysses sequence parallelism (Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv:2309.14509).
+
+``sequence_parallel: N`` puts N consecutive ranks in one SP group. Every rank of a
+group receives the same micro-batch and keeps a contiguous 1/N of each row's positions: the
+decoder's embeddings, MLPs, norms and the fused log-prob kernel run on that slice only.
+Attention is the one place that needs the whole row: the registered attention function
+all-to-alls ``[B, H, T/N, D] -> [B, H/N, T, D]`` (each rank now holds every position for
+1/N of the heads), attends with the full row's mask, and all-to-alls back.
+
+What a rank does with one micro-batch (:meth:`Ulysses.shard`):
+
+1. the next-token targets are shifted *before* slicing (target ``i`` is token ``i + 1``; the
+   last position has none), so the token across a slice boundary is scored exactly once;
+2. the row is padded to a multiple of N (padding is never attended to and never scored);
+3. the mask ``[B, 1, T, T]`` of the whole row is built once: causal, the keys of a padded row's
+   attention mask, the samples of a packed row (``position_ids`` restarting at 0) as blocks;
+4. ``input_ids``, ``position_ids`` and the targets are cut to this rank's slice.
+
+Losses over the slice are partial sums: the FSDP2 reduce-scatter over all ranks (the mesh
+spans dp x sp) adds the SP ranks' parameter gradients, so a loss normalised by the global
+token count needs nothing more. Per-token values a loss needs whole (GRPO's per-sample
+normalisations) are gathered with :meth:`Ulysses.gather`, whose backward keeps this rank's
+slice of the gradient (every rank of the group computes the same loss from the same gather).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+ATTENTION = "lightrft_ulysses"
+# Model types whose decoder attention goes through transformers' AttentionInterface with
+# rotary positions applied before it (tested: see tests/models/test_models_ulysses.py).
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def check_model(config: Any, size: int) -> None:
+    """Refuse a model SP cannot split ``size`` ways: its type, its head counts, a sliding window.
+    ``config``: the HF config (of the text model for a multimodal one)."""
+    if size == 1:
+        return
+    text = getattr(config, "text_config", None) or config
+    kind = getattr(text, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"sequence_parallel={size} does not support model type {kind!r} yet "
+            f"(supported: {list(SUPPORTED_MODEL_TYPES)}); set sequence_parallel=1"
+        )
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads % size or kv % size:
+        raise ValueError(
+            f"sequence_parallel={size} must divide the model's attention heads: it has "
+            f"num_attention_heads={heads} and num_key_value_heads={kv}; choose a divisor of both"
+        )
+    if getattr(text, "use_sliding_window", False):
+        raise ValueError(
+            f"sequence_parallel={size} does not support sliding-window attention "
+            "(use_sliding_window=true in the model config) yet"
+        )
+
+
+def sp_groups(size: int) -> tuple[Any, int]:
+    """This rank's SP group (``size`` consecutive ranks) and its index in it. Collective: every
+    rank creates every group, as ``dist.new_group`` requires."""
+    from lightrft.distributed import collective_timeout
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks, timeout=collective_timeout())
+        if rank in ranks:
+            mine = group
+    return mine, rank % size
+
+
+# ------------------------------------------------------------------ collectives with autograd
+
+
+def _all_to_all(x: Tensor, group: Any, scatter_dim: int, gather_dim: int) -> Tensor:
+    n = dist.get_world_size(group)
+    ins = [c.contiguous() for c in x.chunk(n, dim=scatter_dim)]
+    outs = [torch.empty_like(c) for c in ins]
+    dist.all_to_all(outs, ins, group=group)
+    return torch.cat(outs, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Scatter ``scatter_dim`` over the group, gather ``gather_dim``; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Any, scatter_dim: int, gather_dim: int) -> Tensor:
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather dim 1 over the group; backward: this rank's slice of the gradient (every rank
+    of the group computes the same loss from the gathered tensor)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Any, rank: int) -> Tensor:
+        ctx.rank, ctx.width = rank, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        start = ctx.rank * ctx.width
+        return grad[:, start : start + ctx.width].contiguous(), None, None
+
+
+# ------------------------------------------------------------------ one micro-batch
+
+
+class SequenceShard:
+    """This rank's slice of one micro-batch and the whole row's mask; passed through the
+    model's forward as the ``ulysses`` keyword, which reaches the attention function (also
+    when activation checkpointing recomputes a block in backward)."""
+
+    def __init__(self, sp: Ulysses, mask: Tensor, length: int, padded: int):
+        self.sp, self.mask, self.length, self.padded = sp, mask, length, padded
+        self.input_ids: Tensor | None = None  # [B, T_pad / N]
+        self.position_ids: Tensor | None = None  # [B, T_pad / N] (or [3, B, T_pad / N])
+        self.targets: Tensor | None = None  # [B, T_pad / N]
+        self.num_tokens: int = 0  # scored targets of the whole row(s)
+
+    def local(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's contiguous slice of ``x`` (padded length ``padded`` along ``dim``)."""
+        width = self.padded // self.sp.size
+        return x.narrow(dim, self.sp.rank * width, width)
+
+
+class Ulysses:
+    """One rank's view of its SP group: how to cut a micro-batch and put it back together."""
+
+    def __init__(self, group: Any, size: int, rank: int):
+        self.group, self.size, self.rank = group, size, rank
+        self._enabled: set[int] = set()
+
+    def prepare(self, model: nn.Module) -> None:
+        """Route ``model``'s attention through the Ulysses function (once per model: the
+        trained one, a frozen reference beside it)."""
+        if id(model) not in self._enabled:
+            enable(model)
+            self._enabled.add(id(model))
+
+    def shard(
+        self,
+        input_ids: Tensor,
+        targets: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        ignore_index: int = -100,
+    ) -> SequenceShard:
+        """Cut ``input_ids`` ``[B, T]`` and its next-token ``targets`` ``[B, T-1]`` (see the
+        module docstring). Padded rows come with ``attention_mask``; packed rows with
+        ``position_ids`` that restart at 0 per sample."""
+        b, t = input_ids.shape
+        dev = input_ids.device
+        padded = -(-t // self.size) * self.size
+        extra = padded - t
+        full_targets = torch.full((b, padded), ignore_index, dtype=targets.dtype, device=dev)
+        full_targets[:, : t - 1] = targets  # [B, T_pad]: position i predicts token i + 1
+        ids = torch.nn.functional.pad(input_ids, (0, extra))  # [B, T_pad]
+        real = torch.zeros(b, padded, dtype=torch.bool, device=dev)  # [B, T_pad] keys to attend
+        if attention_mask is not None:
+            real[:, :t] = attention_mask.bool()
+        else:
+            real[:, :t] = True
+        if position_ids is None or attention_mask is not None:
+            pos = torch.arange(padded, device=dev).expand(b, padded)  # the model's default
+            segment = torch.zeros(b, padded, dtype=torch.long, device=dev)
+        else:
+            pos = torch.nn.functional.pad(position_ids, (0, extra))  # [B, T_pad]
+            segment = (pos == 0).long().cumsum(-1)  # [B, T_pad] one id per packed sample
+        i = torch.arange(padded, device=dev)
+        causal = i[None, :] <= i[:, None]  # [T_pad, T_pad] key j <= query i
+        same = segment[:, :, None] == segment[:, None, :]  # [B, T_pad, T_pad]
+        mask = causal & same & real[:, None, :]
+        # A padding query attends to itself: no row of the mask is empty (sdpa would give NaN);
+        # its output is never scored and no real query attends to it.
+        mask |= torch.eye(padded, dtype=torch.bool, device=dev)
+        shard = SequenceShard(self, mask.unsqueeze(1), t, padded)  # mask [B, 1, T_pad, T_pad]
+        shard.input_ids = shard.local(ids)
+        shard.position_ids = shard.local(pos)
+        shard.targets = shard.local(full_targets)
+        shard.num_tokens = int((targets != ignore_index).sum())
+        return shard
+
+    def gather(self, x: Tensor, length: int) -> Tensor:
+        """``x`` ``[B, T_pad / N, ...]`` of every rank of the group -> ``[B, length, ...]``."""
+        return _GatherSeq.apply(x, self.group, self.rank)[:, :length]
+
+
+# ------------------------------------------------------------------ the attention function
+
+
+def _ulysses_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    ulysses: SequenceShard | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention signature: ``query`` ``[B, H, S, D]``, ``key`` / ``value``
+    ``[B, KV, S, D]`` -> ``[B, S, H, D]``. Without a ``ulysses`` shard: plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if ulysses is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    group = ulysses.sp.group
+    q = _AllToAll.apply(query, group, 1, 2)  # [B, H/N, T_pad, D]
+    k = _AllToAll.apply(key, group, 1, 2)  # [B, KV/N, T_pad, D]
+    v = _AllToAll.apply(value, group, 1, 2)
+    kwargs.pop("is_causal", None)
+    kwargs.pop("sliding_window", None)  # refused by check_model when it is in use
+    out, _ = sdpa_attention_forward(module, q, k, v, ulysses.mask, is_causal=False, **kwargs)
+    out = _AllToAll.apply(out.transpose(1, 2), group, 2, 1)  # [B, H, S, D]
+    return out.transpose(1, 2).contiguous(), None  # [B, S, H, D]
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Route ``model``'s attention through :func:`_ulysses_attention` (plain sdpa unless a
+    forward passes ``ulysses=``). The model must use sdpa attention."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _ulysses_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks of a plain forward
+    for config in _configs(model):
+        impl = getattr(config, "_attn_implementation", None)
+        if impl not in ("sdpa", ATTENTION):
+            raise ValueError(
+                f"sequence_parallel needs the model's attention to be sdpa, got "
+                f"attn_implementation={impl!r}"
+            )
+        config._attn_implementation = ATTENTION
+    return model
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every distinct HF config of the decoder's attention modules."""
+    seen: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(module, "q_proj"):
+            seen.setdefault(id(config), config)
+    if not seen:
+        raise ValueError(f"{type(model).__name__} has no attention module with a q_proj")
+    return list(seen.values())
