@@ -12,8 +12,9 @@ What a rank does with one micro-batch (:meth:`Ulysses.shard`):
 1. the next-token targets are shifted *before* slicing (target ``i`` is token ``i + 1``; the
    last position has none), so the token across a slice boundary is scored exactly once;
 2. the row is padded to a multiple of N (padding is never attended to and never scored);
-3. the mask ``[B, 1, T, T]`` of the whole row is built once: causal, the keys of a padded row's
-   attention mask, the samples of a packed row (``position_ids`` restarting at 0) as blocks;
+3. the attention pattern of the whole row is read once: causal for padded rows (right padding:
+   a real query only sees real keys), one causal block per sample of a packed row
+   (``position_ids`` restarting at 0); no ``[T, T]`` mask is ever built;
 4. ``input_ids``, ``position_ids`` and the targets are cut to this rank's slice.
 
 Losses over the slice are partial sums: the FSDP2 reduce-scatter over all ranks (the mesh
@@ -128,8 +129,10 @@ class SequenceShard:
     model's forward as the ``ulysses`` keyword, which reaches the attention function (also
     when activation checkpointing recomputes a block in backward)."""
 
-    def __init__(self, sp: Ulysses, mask: Tensor, length: int, padded: int):
-        self.sp, self.mask, self.length, self.padded = sp, mask, length, padded
+    def __init__(self, sp: Ulysses, bounds: list[list[int]] | None, length: int, padded: int):
+        # bounds: per row, the start of each packed sample and the padded length (None: one
+        # causal block per row).
+        self.sp, self.bounds, self.length, self.padded = sp, bounds, length, padded
         self.input_ids: Tensor | None = None  # [B, T_pad / N]
         self.position_ids: Tensor | None = None  # [B, T_pad / N] (or [3, B, T_pad / N])
         self.targets: Tensor | None = None  # [B, T_pad / N]
@@ -174,25 +177,28 @@ class Ulysses:
         full_targets = torch.full((b, padded), ignore_index, dtype=targets.dtype, device=dev)
         full_targets[:, : t - 1] = targets  # [B, T_pad]: position i predicts token i + 1
         ids = torch.nn.functional.pad(input_ids, (0, extra))  # [B, T_pad]
-        real = torch.zeros(b, padded, dtype=torch.bool, device=dev)  # [B, T_pad] keys to attend
         if attention_mask is not None:
-            real[:, :t] = attention_mask.bool()
-        else:
-            real[:, :t] = True
+            keep = attention_mask.bool()
+            if (keep[:, 1:] & ~keep[:, :-1]).any():
+                raise ValueError(
+                    "sequence_parallel needs right-padded rows (an attention mask of ones, then "
+                    "zeros); this micro-batch has a zero before a one"
+                )
+        tail = torch.arange(extra, device=dev).expand(b, extra)  # the SP padding's positions
         if position_ids is None or attention_mask is not None:
+            # Padded or plain rows: causal attention over the whole row is exact for every real
+            # query (right padding: the keys before a real query are real).
             pos = torch.arange(padded, device=dev).expand(b, padded)  # the model's default
-            segment = torch.zeros(b, padded, dtype=torch.long, device=dev)
+            bounds = None
         else:
-            pos = torch.nn.functional.pad(position_ids, (0, extra))  # [B, T_pad]
-            segment = (pos == 0).long().cumsum(-1)  # [B, T_pad] one id per packed sample
-        i = torch.arange(padded, device=dev)
-        causal = i[None, :] <= i[:, None]  # [T_pad, T_pad] key j <= query i
-        same = segment[:, :, None] == segment[:, None, :]  # [B, T_pad, T_pad]
-        mask = causal & same & real[:, None, :]
-        # A padding query attends to itself: no row of the mask is empty (sdpa would give NaN);
-        # its output is never scored and no real query attends to it.
-        mask |= torch.eye(padded, dtype=torch.bool, device=dev)
-        shard = SequenceShard(self, mask.unsqueeze(1), t, padded)  # mask [B, 1, T_pad, T_pad]
+            pos = torch.cat([position_ids, tail], dim=1)  # [B, T_pad]
+            # Packed rows: one causal block per sample (and one for the SP padding).
+            bounds = []
+            for row in pos:
+                starts = (row == 0).nonzero().flatten().tolist()
+                starts = starts if starts and starts[0] == 0 else [0, *starts]
+                bounds.append([*starts, padded])
+        shard = SequenceShard(self, bounds, t, padded)
         shard.input_ids = shard.local(ids)
         shard.position_ids = shard.local(pos)
         shard.targets = shard.local(full_targets)
@@ -229,7 +235,22 @@ def _ulysses_attention(
     v = _AllToAll.apply(value, group, 1, 2)
     kwargs.pop("is_causal", None)
     kwargs.pop("sliding_window", None)  # refused by check_model when it is in use
-    out, _ = sdpa_attention_forward(module, q, k, v, ulysses.mask, is_causal=False, **kwargs)
+
+    def causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0]
+
+    if ulysses.bounds is None:
+        out = causal(q, k, v)  # [B, T_pad, H/N, D]
+    else:  # one causal attention per packed sample
+        rows = []
+        for r, bounds in enumerate(ulysses.bounds):
+            row = slice(r, r + 1)
+            blocks = [
+                causal(q[row, :, s:e], k[row, :, s:e], v[row, :, s:e])
+                for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+            ]
+            rows.append(torch.cat(blocks, dim=1))
+        out = torch.cat(rows, dim=0)  # [B, T_pad, H/N, D]
     out = _AllToAll.apply(out.transpose(1, 2), group, 2, 1)  # [B, H, S, D]
     return out.transpose(1, 2).contiguous(), None  # [B, S, H, D]
 
