@@ -74,9 +74,9 @@ def _trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 def _check_ids(input_ids: Tensor, targets: Tensor | None, keep_last: bool = False) -> Tensor:
     """Validate ``input_ids`` [B, T] and return the next-token targets [B, T-1] (``keep_last``:
     a sequence-parallel slice, whose targets [B, T] are already shifted)."""
-    if keep_last:
-        if targets is None or targets.shape != input_ids.shape:
-            raise ValueError("a sequence-parallel slice needs its shifted targets, [B, T]")
+    if keep_last:  # the targets of a sequence-parallel slice: shifted, [B, T / N]
+        if targets is None or targets.dim() != 2 or targets.shape[0] != input_ids.shape[0]:
+            raise ValueError("a sequence-parallel slice needs its shifted targets, [B, T / N]")
         return targets
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
@@ -100,6 +100,7 @@ def forward_on_hidden(
     position_ids: Tensor | None = None,
     media: Any = None,
     keep_last: bool = False,
+    trunk_inputs: Callable | None = None,
     **model_kwargs,
 ) -> Any:
     """Run ``model``'s forward and return ``fn(hidden [B, T-1, H], lm_head.weight, lm_head.bias)``
@@ -108,6 +109,8 @@ def forward_on_hidden(
     ``hidden[:, i]`` is the final hidden state that predicts token ``i + 1``. ``fn``'s result
     replaces the model's output, so it must be a tensor or a tuple of tensors. ``keep_last``:
     ``hidden`` is ``[B, T, H]`` (a sequence-parallel slice, whose targets are already shifted).
+    ``trunk_inputs``: a forward pre-hook (with kwargs) on the decoder trunk, which may rewrite
+    its inputs (a sequence-parallel slice of a multimodal row's merged embeddings).
 
     ``media``: for a vision- or audio-language model, the batch's
     :class:`~lightrft.data.media.Media` (its images and audio in the order their placeholder
@@ -149,6 +152,9 @@ def forward_on_hidden(
     if _accepts(type(unwrap_peft(model)), "logits_to_keep"):
         kwargs.setdefault("logits_to_keep", 1)
     h_trunk = trunk.register_forward_hook(capture_hidden)
+    h_inputs = None
+    if trunk_inputs is not None:
+        h_inputs = trunk.register_forward_pre_hook(trunk_inputs, with_kwargs=True)
     # prepend=True: before FSDP2's post-forward hooks, so the head's weight is still unsharded
     # and the root's output is ours (FSDP2 registers its pre-backward hook on it).
     h_head = head.register_forward_hook(compute_in_head, prepend=True)
@@ -159,6 +165,8 @@ def forward_on_hidden(
         )
     finally:
         h_trunk.remove()
+        if h_inputs is not None:
+            h_inputs.remove()
         h_head.remove()
         h_root.remove()
 
@@ -367,9 +375,11 @@ def causal_lm_cross_entropy(
 def _sp_inputs(
     model, sp, input_ids, targets, attention_mask, position_ids, ignore_index, model_kwargs
 ):
-    """This rank's sequence-parallel slice and the forward's keyword arguments for it."""
-    if model_kwargs.get("media") is not None:
-        raise ValueError("sequence_parallel does not support media (vision or audio) yet")
+    """This rank's sequence-parallel slice (``input_ids``: what the model gets) and the
+    forward's keyword arguments for it. A text row is cut before the model; a multimodal row
+    enters whole (padded to a multiple of N), so that the images' features are merged into the
+    embeddings and the M-RoPE positions computed over the whole row, and is cut at the decoder
+    trunk's entry (:meth:`~lightrft.models.ulysses.SequenceShard.trunk_inputs`)."""
     sp.prepare(model)
     shard = sp.shard(
         input_ids,
@@ -378,7 +388,17 @@ def _sp_inputs(
         position_ids=position_ids,
         ignore_index=ignore_index,
     )
-    kw = {**model_kwargs, "position_ids": shard.position_ids, "ulysses": shard, "keep_last": True}
+    if model_kwargs.get("media") is None:
+        kw = {**model_kwargs, "position_ids": shard.position_ids, "ulysses": shard}
+        return shard, {**kw, "keep_last": True}
+    kw = {
+        **model_kwargs,
+        "attention_mask": shard.whole_attention_mask,
+        "position_ids": shard.whole_position_ids,
+        "trunk_inputs": shard.trunk_inputs,
+        "keep_last": True,
+    }
+    shard.input_ids = shard.whole_input_ids
     return shard, kw
 
 

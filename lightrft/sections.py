@@ -382,7 +382,7 @@ class StrategyConfig(Section):
         1,
         ge=1,
         doc="Ulysses sequence parallelism: each row's tokens split over this many consecutive "
-        "ranks (1: off; FSDP2, text models; see docs/strategies.md)",
+        "ranks (1: off; FSDP2; Qwen2, Qwen2-VL; see docs/strategies.md)",
     )
 
     @classmethod

@@ -33,23 +33,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 ATTENTION = "lightrft_ulysses"
-# Model types whose decoder attention goes through transformers' AttentionInterface with
-# rotary positions applied before it (tested: see tests/models/test_models_ulysses.py).
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# The model types tested (tests/models/test_models_ulysses.py, tests/vision/test_vision_ulysses.py):
+# their decoder attention goes through transformers' AttentionInterface after the rotary
+# positions; a multimodal one is cut at its decoder's entry, after the images are merged.
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen2_vl")
 
 
 def check_model(config: Any, size: int) -> None:
     """Refuse a model SP cannot split ``size`` ways: its type, its head counts, a sliding window.
-    ``config``: the HF config (of the text model for a multimodal one)."""
+    ``config``: the model's HF config."""
     if size == 1:
         return
-    text = getattr(config, "text_config", None) or config
-    kind = getattr(text, "model_type", None)
+    kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"sequence_parallel={size} does not support model type {kind!r} yet "
             f"(supported: {list(SUPPORTED_MODEL_TYPES)}); set sequence_parallel=1"
         )
+    text = getattr(config, "text_config", None) or config
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     if heads % size or kv % size:
@@ -137,6 +138,28 @@ class SequenceShard:
         self.position_ids: Tensor | None = None  # [B, T_pad / N] (or [3, B, T_pad / N])
         self.targets: Tensor | None = None  # [B, T_pad / N]
         self.num_tokens: int = 0  # scored targets of the whole row(s)
+        # The whole padded row, for a multimodal model (cut at the trunk, not before).
+        self.whole_input_ids: Tensor | None = None  # [B, T_pad]
+        self.whole_attention_mask: Tensor | None = None  # [B, T_pad]: padded rows only
+        self.whole_position_ids: Tensor | None = None  # [B, T_pad]: packed rows only
+
+    def trunk_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of the decoder trunk: its embeddings (images merged) and positions
+        (M-RoPE ``[3 or 4, B, T_pad]``) cut to this rank's slice; no mask (the attention reads
+        the row's pattern from the shard)."""
+        if args:
+            raise ValueError("sequence_parallel expects the decoder trunk called by keywords")
+        kwargs = dict(kwargs)
+        for key in ("inputs_embeds", "input_ids"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = self.local(kwargs[key], 1)
+        pos = kwargs.get("position_ids")
+        kwargs["position_ids"] = (
+            self.position_ids if pos is None else self.local(pos, pos.dim() - 1)
+        )
+        kwargs["attention_mask"] = None
+        kwargs["ulysses"] = self
+        return args, kwargs
 
     def local(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's contiguous slice of ``x`` (padded length ``padded`` along ``dim``)."""
@@ -203,6 +226,11 @@ class Ulysses:
         shard.position_ids = shard.local(pos)
         shard.targets = shard.local(full_targets)
         shard.num_tokens = int((targets != ignore_index).sum())
+        shard.whole_input_ids = ids
+        if attention_mask is not None:
+            shard.whole_attention_mask = torch.nn.functional.pad(attention_mask, (0, extra))
+        elif position_ids is not None:
+            shard.whole_position_ids = pos
         return shard
 
     def gather(self, x: Tensor, length: int) -> Tensor:

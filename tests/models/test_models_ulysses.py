@@ -152,6 +152,7 @@ def test_sequence_parallel_refusals(monkeypatch):
     with pytest.raises(ValueError, match="num_attention_heads=8 and num_key_value_heads=2"):
         check_model(config, 4)
     check_model(config, 2)
-    config.model_type = "gpt2"
-    with pytest.raises(ValueError, match="does not support model type 'gpt2'"):
-        check_model(config, 2)
+    for kind in ("gpt2", "llava"):
+        config.model_type = kind
+        with pytest.raises(ValueError, match=f"does not support model type '{kind}'"):
+            check_model(config, 2)
