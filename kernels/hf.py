@@ -214,7 +214,8 @@ def causal_lm_token_logprobs(
             ``[B * (T-1)]`` positions (e.g. :func:`~lightrft.kernels.response_grad_hint`).
         sequence_parallel: a :class:`lightrft.models.ulysses.Ulysses`: this rank computes
             its slice of the positions and the result is gathered over its SP group (no
-            ``grad_hint``, no ``media`` yet).
+            ``grad_hint`` yet; ``media`` for the model types ``lightrft.models.ulysses``
+            allows).
 
     Returns:
         fp32 log-probs ``[B, T-1]``, or ``(log-probs, entropy)``.

@@ -5,7 +5,7 @@ group receives the same micro-batch and keeps a contiguous 1/N of each row's pos
 decoder's embeddings, MLPs, norms and the fused log-prob kernel run on that slice only.
 Attention is the one place that needs the whole row: the registered attention function
 all-to-alls ``[B, H, T/N, D] -> [B, H/N, T, D]`` (each rank now holds every position for
-1/N of the heads), attends with the full row's mask, and all-to-alls back.
+1/N of the heads), attends with the whole row's pattern, and all-to-alls back.
 
 What a rank does with one micro-batch (:meth:`Ulysses.shard`):
 
@@ -15,7 +15,9 @@ What a rank does with one micro-batch (:meth:`Ulysses.shard`):
 3. the attention pattern of the whole row is read once: causal for padded rows (right padding:
    a real query only sees real keys), one causal block per sample of a packed row
    (``position_ids`` restarting at 0); no ``[T, T]`` mask is ever built;
-4. ``input_ids``, ``position_ids`` and the targets are cut to this rank's slice.
+4. ``input_ids``, ``position_ids`` and the targets are cut to this rank's slice (a
+   vision-language row is cut later, at the decoder's entry, after the images are merged into
+   its embeddings and its M-RoPE positions computed: :meth:`SequenceShard.trunk_inputs`).
 
 Losses over the slice are partial sums: the FSDP2 reduce-scatter over all ranks (the mesh
 spans dp x sp) adds the SP ranks' parameter gradients, so a loss normalised by the global
@@ -126,16 +128,16 @@ class _GatherSeq(torch.autograd.Function):
 
 
 class SequenceShard:
-    """This rank's slice of one micro-batch and the whole row's mask; passed through the
-    model's forward as the ``ulysses`` keyword, which reaches the attention function (also
-    when activation checkpointing recomputes a block in backward)."""
+    """This rank's slice of one micro-batch and the whole row's attention pattern; passed
+    through the model's forward as the ``ulysses`` keyword, which reaches the attention
+    function (also when activation checkpointing recomputes a block in backward)."""
 
     def __init__(self, sp: Ulysses, bounds: list[list[int]] | None, length: int, padded: int):
         # bounds: per row, the start of each packed sample and the padded length (None: one
         # causal block per row).
         self.sp, self.bounds, self.length, self.padded = sp, bounds, length, padded
         self.input_ids: Tensor | None = None  # [B, T_pad / N]
-        self.position_ids: Tensor | None = None  # [B, T_pad / N] (or [3, B, T_pad / N])
+        self.position_ids: Tensor | None = None  # [B, T_pad / N]
         self.targets: Tensor | None = None  # [B, T_pad / N]
         self.num_tokens: int = 0  # scored targets of the whole row(s)
         # The whole padded row, for a multimodal model (cut at the trunk, not before).

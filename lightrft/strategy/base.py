@@ -124,6 +124,7 @@ class Strategy:
     ) -> None:
         """Take the trained model and its optimizer (built on its trainable parameters)."""
         self.model, self.optimizer, self.clip_grad_norm = model, optimizer, clip_grad_norm
+        _ = self.sequence_parallel  # the SP groups: collective, so made here on every rank
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward; the loss is already normalised for the whole step."""
