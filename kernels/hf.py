@@ -71,8 +71,13 @@ def _trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return trunk, head
 
 
-def _check_ids(input_ids: Tensor, targets: Tensor | None) -> Tensor:
-    """Validate ``input_ids`` [B, T] and return the next-token targets [B, T-1]."""
+def _check_ids(input_ids: Tensor, targets: Tensor | None, keep_last: bool = False) -> Tensor:
+    """Validate ``input_ids`` [B, T] and return the next-token targets [B, T-1] (``keep_last``:
+    a sequence-parallel slice, whose targets [B, T] are already shifted)."""
+    if keep_last:  # the targets of a sequence-parallel slice: shifted, [B, T / N]
+        if targets is None or targets.dim() != 2 or targets.shape[0] != input_ids.shape[0]:
+            raise ValueError("a sequence-parallel slice needs its shifted targets, [B, T / N]")
+        return targets
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
     b, t = input_ids.shape
@@ -94,13 +99,18 @@ def forward_on_hidden(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     media: Any = None,
+    keep_last: bool = False,
+    trunk_inputs: Callable | None = None,
     **model_kwargs,
 ) -> Any:
     """Run ``model``'s forward and return ``fn(hidden [B, T-1, H], lm_head.weight, lm_head.bias)``
     computed inside it, where FSDP2 holds the LM head unsharded (see the module docstring).
 
     ``hidden[:, i]`` is the final hidden state that predicts token ``i + 1``. ``fn``'s result
-    replaces the model's output, so it must be a tensor or a tuple of tensors.
+    replaces the model's output, so it must be a tensor or a tuple of tensors. ``keep_last``:
+    ``hidden`` is ``[B, T, H]`` (a sequence-parallel slice, whose targets are already shifted).
+    ``trunk_inputs``: a forward pre-hook (with kwargs) on the decoder trunk, which may rewrite
+    its inputs (a sequence-parallel slice of a multimodal row's merged embeddings).
 
     ``media``: for a vision- or audio-language model, the batch's
     :class:`~lightrft.data.media.Media` (its images and audio in the order their placeholder
@@ -123,7 +133,8 @@ def forward_on_hidden(
     def compute_in_head(_mod, _args, _output):
         # While the head's weight is unsharded: in the root's FSDP2 group (for the whole
         # forward), or in its own group (a frozen model's, gathered only for the head).
-        hidden = captured.pop("hidden")[:, :-1]  # [B, T-1, H]
+        hidden = captured.pop("hidden")  # [B, T, H]
+        hidden = hidden if keep_last else hidden[:, :-1]  # [B, T-1, H]
         if _own_fsdp_group(head) and torch.is_grad_enabled() and hidden.requires_grad:
             raise ValueError(
                 "the LM head is an FSDP2 group of its own (parallelize does that for a model "
@@ -141,6 +152,9 @@ def forward_on_hidden(
     if _accepts(type(unwrap_peft(model)), "logits_to_keep"):
         kwargs.setdefault("logits_to_keep", 1)
     h_trunk = trunk.register_forward_hook(capture_hidden)
+    h_inputs = None
+    if trunk_inputs is not None:
+        h_inputs = trunk.register_forward_pre_hook(trunk_inputs, with_kwargs=True)
     # prepend=True: before FSDP2's post-forward hooks, so the head's weight is still unsharded
     # and the root's output is ours (FSDP2 registers its pre-backward hook on it).
     h_head = head.register_forward_hook(compute_in_head, prepend=True)
@@ -151,6 +165,8 @@ def forward_on_hidden(
         )
     finally:
         h_trunk.remove()
+        if h_inputs is not None:
+            h_inputs.remove()
         h_head.remove()
         h_root.remove()
 
@@ -175,6 +191,7 @@ def causal_lm_token_logprobs(
     chunk_size: int | None = None,
     backend: Backend = "auto",
     grad_hint: GradHint | None = None,
+    sequence_parallel: Any = None,
     **model_kwargs,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs ``[B, T-1]`` of the next tokens under ``model``, computed from its final
@@ -195,11 +212,45 @@ def causal_lm_token_logprobs(
             keep the fastest backend (Liger's Triton kernel on CUDA has no entropy).
         grad_hint: see :func:`fused_linear_logprobs`; its rows index the flattened
             ``[B * (T-1)]`` positions (e.g. :func:`~lightrft.kernels.response_grad_hint`).
+        sequence_parallel: a :class:`lightrft.models.ulysses.Ulysses`: this rank computes
+            its slice of the positions and the result is gathered over its SP group (no
+            ``grad_hint`` yet; ``media`` for the model types ``lightrft.models.ulysses``
+            allows).
 
     Returns:
         fp32 log-probs ``[B, T-1]``, or ``(log-probs, entropy)``.
     """
-    targets = _check_ids(input_ids, targets)
+    keep_last = bool(model_kwargs.pop("keep_last", False))
+    targets = _check_ids(input_ids, targets, keep_last)
+    if sequence_parallel is not None:
+        if grad_hint is not None:
+            raise ValueError("sequence_parallel does not take a grad_hint yet")
+        t1 = targets.shape[1]
+        shard, kw = _sp_inputs(
+            model,
+            sequence_parallel,
+            input_ids,
+            targets,
+            attention_mask,
+            position_ids,
+            ignore_index,
+            model_kwargs,
+        )
+        out = causal_lm_token_logprobs(
+            model,
+            shard.input_ids,
+            targets=shard.targets,
+            temperature=temperature,
+            return_entropy=return_entropy,
+            entropy_grad=entropy_grad,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            backend=backend,
+            **kw,
+        )
+        if return_entropy:
+            return tuple(sequence_parallel.gather(x, t1) for x in out)
+        return sequence_parallel.gather(out, t1)
     b, t1 = targets.shape
 
     def run(
@@ -245,6 +296,7 @@ def causal_lm_token_logprobs(
         logprobs,
         attention_mask=attention_mask,
         position_ids=position_ids,
+        keep_last=keep_last,
         **model_kwargs,
     )
 
@@ -260,6 +312,7 @@ def causal_lm_cross_entropy(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    sequence_parallel: Any = None,
     **model_kwargs,
 ) -> Tensor:
     """Mean next-token NLL of ``model`` (the SFT loss) via :func:`fused_linear_cross_entropy`.
@@ -268,8 +321,34 @@ def causal_lm_cross_entropy(
     ``num_tokens``: the divisor (e.g. the loss-token count of the whole optimizer step across
     micro-batches and ranks), default the number of non-ignored targets. When autograd is on,
     the gradients are computed during the forward (3 LM-head matmuls per chunk instead of 4).
+
+    ``sequence_parallel`` (a :class:`lightrft.models.ulysses.Ulysses`): this rank's share of
+    the loss, its slice of the positions divided by ``num_tokens`` (default: the scored targets
+    of the whole rows); the shares of the SP group sum to the loss.
     """
-    targets = _check_ids(input_ids, targets)
+    keep_last = bool(model_kwargs.pop("keep_last", False))
+    targets = _check_ids(input_ids, targets, keep_last)
+    if sequence_parallel is not None:
+        shard, kw = _sp_inputs(
+            model,
+            sequence_parallel,
+            input_ids,
+            targets,
+            attention_mask,
+            position_ids,
+            ignore_index,
+            model_kwargs,
+        )
+        return causal_lm_cross_entropy(
+            model,
+            shard.input_ids,
+            targets=shard.targets,
+            ignore_index=ignore_index,
+            num_tokens=shard.num_tokens if num_tokens is None else num_tokens,
+            chunk_size=chunk_size,
+            backend=backend,
+            **kw,
+        )
 
     def cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return fused_linear_cross_entropy(
@@ -289,8 +368,39 @@ def causal_lm_cross_entropy(
         cross_entropy,
         attention_mask=attention_mask,
         position_ids=position_ids,
+        keep_last=keep_last,
         **model_kwargs,
     )
+
+
+def _sp_inputs(
+    model, sp, input_ids, targets, attention_mask, position_ids, ignore_index, model_kwargs
+):
+    """This rank's sequence-parallel slice (``input_ids``: what the model gets) and the
+    forward's keyword arguments for it. A text row is cut before the model; a multimodal row
+    enters whole (padded to a multiple of N), so that the images' features are merged into the
+    embeddings and the M-RoPE positions computed over the whole row, and is cut at the decoder
+    trunk's entry (:meth:`~lightrft.models.ulysses.SequenceShard.trunk_inputs`)."""
+    sp.prepare(model)
+    shard = sp.shard(
+        input_ids,
+        targets,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        ignore_index=ignore_index,
+    )
+    if model_kwargs.get("media") is None:
+        kw = {**model_kwargs, "position_ids": shard.position_ids, "ulysses": shard}
+        return shard, {**kw, "keep_last": True}
+    kw = {
+        **model_kwargs,
+        "attention_mask": shard.whole_attention_mask,
+        "position_ids": shard.whole_position_ids,
+        "trunk_inputs": shard.trunk_inputs,
+        "keep_last": True,
+    }
+    shard.input_ids = shard.whole_input_ids
+    return shard, kw
 
 
 # ------------------------------------------------------------------ media forward kwargs

@@ -378,6 +378,12 @@ class StrategyConfig(Section):
         doc="FSDP2: `params` keeps the sharded parameters, their gradients and the optimizer "
         "state in CPU memory (the step runs on the CPU); `none`",
     )
+    sequence_parallel: int = option(
+        1,
+        ge=1,
+        doc="Ulysses sequence parallelism: each row's tokens split over this many consecutive "
+        "ranks (1: off; FSDP2; Qwen2, Qwen2-VL; see docs/strategies.md)",
+    )
 
     @classmethod
     def read(cls, node: Any, at: str = "") -> StrategyConfig:
@@ -422,7 +428,33 @@ class StrategyConfig(Section):
         check_offload(self.offload)
         if os.environ.get("WORLD_SIZE"):  # under torchrun: the sizes must fit the launch
             mesh_shape(self.shard_size, self.replicate_size, int(os.environ["WORLD_SIZE"]))
+        self._check_sequence_parallel()
         return self
+
+    def _check_sequence_parallel(self) -> None:
+        n = self.sequence_parallel
+        if n == 1:
+            return
+        unsupported = {
+            "strategy=deepspeed": self.strategy == "deepspeed",
+            "lora": self.lora is not None,
+            "shard_size / replicate_size (HSDP)": (
+                self.shard_size is not None or self.replicate_size is not None
+            ),
+            f"offload={self.offload}": self.offload != "none",
+        }
+        for what, used in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"sequence_parallel={n} is not supported with {what} yet; set "
+                    "sequence_parallel=1 or remove it"
+                )
+        world = int(os.environ.get("WORLD_SIZE") or 1)
+        if world % n:
+            raise ValueError(
+                f"sequence_parallel={n} does not divide the world size {world} "
+                f"(processes in the run); use a divisor of {world}"
+            )
 
 
 # ------------------------------------------------------------------------------ optimizer

@@ -233,6 +233,11 @@ class GRPOConfig(TrainingConfig):
         ):
             if schedule is not None:
                 schedule.check_steps(self.max_steps, key)
+        if critic is not None and self.strategy.sequence_parallel > 1:
+            raise ValueError(
+                f"sequence_parallel={self.strategy.sequence_parallel} does not support a GAE "
+                "critic (estimator=gae) yet; set sequence_parallel=1 or another estimator"
+            )
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         _check_partial(opts)
         _check_media(opts, prepare=self.run.prepare)
@@ -543,6 +548,7 @@ class GRPORecipe:
         o, m = self.opts, self.opts.model
         _check_media(o, loading=True)  # the checkpoint exists now, whatever prepare wrote
         self.strategy = build_strategy(o.strategy, self.dist)
+        self.strategy.check_model(m.path, trust_remote_code=m.trust_remote_code)
         self.model = self._load_model(
             m.path,
             self._prepare_actor,
@@ -815,6 +821,7 @@ class GRPORecipe:
             entropy_grad=entropy_grad,
             grad_hint=grad_hint,
             media=mb.media,
+            sequence_parallel=self.strategy.sequence_parallel,  # this rank's slice of the row
         )
         if entropy:
             return mb.gather(out[0]), mb.gather(out[1])
@@ -837,8 +844,10 @@ class GRPORecipe:
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
         tr = self.opts.train
         lengths = (batch.prompt_lens + batch.response_lens).tolist()
+        # The ranks of one sequence-parallel group train on the same rows.
+        data = self.strategy.data_dist
         return rank_micro_batches(
-            rows, lengths, tr.micro_batch_size, tr.micro_batch_tokens, tr.packing, self.dist
+            rows, lengths, tr.micro_batch_size, tr.micro_batch_tokens, tr.packing, data
         )
 
     @torch.no_grad()
@@ -895,7 +904,7 @@ class GRPORecipe:
                             found["old_logprobs"] = lp
                     for field, t in found.items():
                         buf = outs.setdefault(field, torch.zeros(batch.response_ids.shape))
-                        if idx:
+                        if idx and self.strategy.writes_shared:  # once per SP group
                             buf[idx, : t.shape[1]] = t.float().cpu()
             if model is not self.ref:
                 model.train()
@@ -1054,6 +1063,8 @@ class GRPORecipe:
         alg = self.opts.algorithm
         if not OBJECTIVES[alg.policy_loss.objective].per_token:
             return None  # gspo, gmpo: a token's gradient depends on its whole sequence
+        if self.strategy.sequence_parallel is not None:
+            return None  # the log-probs are gathered over the SP group: no per-slice hint
         if data.old_logprobs is None and alg.tis.mode == "sequence_mask":
             return None  # sequence weights from the current log-probs (not reached: TIS has old)
 
@@ -1136,11 +1147,14 @@ class GRPORecipe:
         reduced = acc.reduce()
         metrics = {f"train/{k}": v for k, v in reduced.items()}
         # Each rank's loss is its part of sum / (global count / world): the sum over ranks is
-        # world x the loss of the whole mini-batch.
-        metrics["train/loss"] = reduced["loss"] / self.dist.world_size / len(grad_norms)
+        # world x the loss of the whole mini-batch (x the SP degree: an SP group's ranks all
+        # compute their micro-batch's loss, from the gathered log-probs).
+        per = self.dist.world_size * self.strategy.sequence_parallel_size * len(grad_norms)
+        metrics["train/loss"] = reduced["loss"] / per
         for k in terms:
             if k in reduced:
-                metrics[f"train/{k}"] = reduced[k] / self.dist.world_size / len(grad_norms)
+                metrics[f"train/{k}"] = reduced[k] / per
+        metrics["train/tokens"] = reduced["tokens"] / self.strategy.sequence_parallel_size
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["train/grad_norm_max"] = max(grad_norms)
         metrics["train/optimizer_steps"] = float(len(grad_norms))

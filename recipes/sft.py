@@ -71,6 +71,9 @@ class SFTRecipe:
         check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
         check_towers(m)
         self.strategy = build_strategy(o.strategy, self.dist)
+        self.strategy.check_model(m.path, trust_remote_code=m.trust_remote_code)
+        # The ranks of one sequence-parallel group read the same samples.
+        data = self.strategy.data_dist
         # What `lightrft export` needs to turn a checkpoint into this run's final/.
         self.export_spec = ExportSpec.of("causal_lm", m, o.strategy)
         # The data first: a bad record is refused before the model loads. A vision- or
@@ -123,8 +126,8 @@ class SFTRecipe:
             shuffle=True,
             seed=o.run.seed,
             collate_fn=StepCollator(collate, d.batch_size, d.micro_batch_tokens, packing=d.packing),
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            rank=data.rank,
+            world_size=data.world_size,
             drop_last=True,
         )
         self.eval_loader = None
@@ -135,16 +138,16 @@ class SFTRecipe:
                 shuffle=False,
                 seed=o.run.seed,
                 collate_fn=collate,
-                rank=self.dist.rank,
-                world_size=self.dist.world_size,
+                rank=data.rank,
+                world_size=data.world_size,
                 drop_last=False,
             )
         if len(self.loader) == 0:
             raise ValueError(
                 f"dataset {d.dataset._component_} gives {len(self.dataset)} samples, fewer "
                 f"than one step needs: batch_size={d.batch_size} x "
-                f"gradient_accumulation_steps={accum} on each of {self.dist.world_size} "
-                "rank(s); lower them, or add data"
+                f"gradient_accumulation_steps={accum} on each of {data.world_size} "
+                "data-parallel rank(s); lower them, or add data"
             )
         self.total_steps = len(self.loader) * d.epochs
         if d.max_steps is not None:
@@ -175,13 +178,15 @@ class SFTRecipe:
             position_ids=batch["position_ids"].to(dev),
             attention_mask=None if mask is None else mask.to(dev),
             media=batch.get("media"),  # the batch's samples' images / audio, in token order
+            sequence_parallel=self.strategy.sequence_parallel,  # this rank's share of the loss
         )
 
     def train_step(self, micro: list, n_real: int) -> tuple[float, float, int]:
         """One optimizer step: (loss, grad norm, tokens seen on this rank)."""
         # Normalise by the loss tokens of the whole step on all ranks; FSDP averages gradients
-        # over ranks, so multiply back by the world size.
-        n_tokens = all_reduce_sum(sum(_loss_tokens(b) for b in micro[:n_real])).item()
+        # over ranks, so multiply back by the world size. With sequence parallelism each rank's
+        # loss is its slice's share, and the shares of a group add up in the same reduction.
+        n_tokens = self.strategy.data_sum(sum(_loss_tokens(b) for b in micro[:n_real]))
         divisor = max(n_tokens, 1.0) / self.dist.world_size
         loss_sum, tokens = 0.0, 0
         for i, b in enumerate(micro):
@@ -207,7 +212,7 @@ class SFTRecipe:
             self.step, tokens_seen = step, tokens_seen + tokens
             if self.run.should_log(step, self.total_steps):
                 elapsed = time.perf_counter() - t0
-                tps = all_reduce_sum(tokens_seen).item() / max(elapsed, 1e-9)
+                tps = self.strategy.data_sum(tokens_seen) / max(elapsed, 1e-9)
                 self.logger.log(
                     step,
                     {
@@ -260,7 +265,7 @@ class SFTRecipe:
             nll += self._loss(batch, divisor=1.0).item()
             count += _loss_tokens(batch)
         self.model.train()
-        return all_reduce_sum(nll).item() / max(all_reduce_sum(count).item(), 1.0)
+        return all_reduce_sum(nll).item() / max(self.strategy.data_sum(count), 1.0)
 
 
 def _loss_tokens(batch: dict[str, torch.Tensor]) -> int:

@@ -67,6 +67,7 @@ def test_a_section_is_its_schema():
         "shard_size",
         "replicate_size",
         "offload",
+        "sequence_parallel",
     }
     assert set(schema["lora"]) == {
         "rank",

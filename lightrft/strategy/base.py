@@ -24,6 +24,7 @@ class Strategy:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._mesh, self._mesh_built = None, False
+        self._sp, self._sp_built = None, False
 
     @property
     def mesh(self):
@@ -36,6 +37,63 @@ class Strategy:
     @property
     def lora(self):
         return self.cfg.lora
+
+    # -- sequence parallelism -------------------------------------------------------------
+
+    @property
+    def sequence_parallel(self):
+        """This rank's :class:`~lightrft.models.ulysses.Ulysses` SP group (``sequence_parallel:
+        N`` > 1), else None; built on first use (collective: every rank asks at once). Pass it
+        to the log-prob / loss funnel (``sequence_parallel=``)."""
+        if not self._sp_built:
+            n = self.cfg.sequence_parallel
+            if n > 1:
+                from lightrft.models.ulysses import Ulysses, sp_groups
+
+                group, rank = sp_groups(n)
+                self._sp = Ulysses(group, n, rank)
+            self._sp_built = True
+        return self._sp
+
+    @property
+    def data_dist(self) -> DistInfo:
+        """The data-parallel view of this rank: the ranks of one SP group read the same samples,
+        so data is split over ``world / sequence_parallel`` replicas (``dist`` without SP)."""
+        n = self.cfg.sequence_parallel
+        if n == 1:
+            return self.dist
+        d = self.dist
+        return DistInfo(d.rank // n, d.world_size // n, d.local_rank, d.device)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The ranks of one SP group (1 without sequence parallelism)."""
+        return self.cfg.sequence_parallel
+
+    @property
+    def writes_shared(self) -> bool:
+        """Whether this rank contributes the rows its SP group computed together to a sum
+        over ranks (the group's first rank; every rank without SP)."""
+        return self.dist.rank % self.cfg.sequence_parallel == 0
+
+    def data_sum(self, value: float | torch.Tensor) -> float:
+        """The sum over ranks of a value of this rank's samples (a token count), each SP
+        group counted once: its ranks hold the same samples (collective)."""
+        from lightrft.distributed import all_reduce_sum
+
+        return all_reduce_sum(value, self.dist.device).item() / self.cfg.sequence_parallel
+
+    def check_model(self, path: str, *, trust_remote_code: bool = False) -> None:
+        """Refuse, before loading, a model this strategy cannot train (from its HF config
+        only): sequence parallelism needs a supported attention and heads it can split."""
+        if self.cfg.sequence_parallel == 1:
+            return
+        from transformers import AutoConfig
+
+        from lightrft.models.ulysses import check_model
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        check_model(config, self.cfg.sequence_parallel)
 
     # -- loading ------------------------------------------------------------------------
 
@@ -66,6 +124,7 @@ class Strategy:
     ) -> None:
         """Take the trained model and its optimizer (built on its trainable parameters)."""
         self.model, self.optimizer, self.clip_grad_norm = model, optimizer, clip_grad_norm
+        _ = self.sequence_parallel  # the SP groups: collective, so made here on every rank
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward; the loss is already normalised for the whole step."""

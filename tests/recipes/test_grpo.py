@@ -773,6 +773,7 @@ BAD_CONFIGS = [
         "critic.path='/etc' is not a model directory",
     ),
     ({"dataset.max_prompt_length": 0}, "dataset.max_prompt_length must be >= 1, got 0"),
+    ({"sequence_parallel": 2}, "sequence_parallel=2 does not divide the world size 1"),
     (
         {"trajectory_tokens": True},
         "trajectory_tokens: true adds to the trajectory files: set trajectories: true",
@@ -807,6 +808,14 @@ def test_validate_and_run_refuse_the_same_configs(tmp_path, assets, capsys, over
     assert run_err == validate_err
     assert "Traceback" not in run_err and len(run_err.strip().splitlines()) <= 2, run_err
     assert not (tmp_path / "out").exists()  # refused before any side effect
+
+
+def test_sequence_parallel_refuses_a_critic(tmp_path, assets, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: SP 2 fits the launch
+    over = {"algorithm.advantage.estimator": "gae", "critic": {"optimizer": _ADAM}}
+    cfg = _config(tmp_path, assets, sequence_parallel=2, **over)
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert "sequence_parallel=2 does not support a GAE critic" in capsys.readouterr().err
 
 
 def test_validate_and_run_refuse_the_same_names(tmp_path, assets, capsys):

@@ -1,0 +1,316 @@
+"""Ulysses sequence parallelism (Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv:2309.14509).
+
+``sequence_parallel: N`` puts N consecutive ranks in one SP group. Every rank of a
+group receives the same micro-batch and keeps a contiguous 1/N of each row's positions: the
+decoder's embeddings, MLPs, norms and the fused log-prob kernel run on that slice only.
+Attention is the one place that needs the whole row: the registered attention function
+all-to-alls ``[B, H, T/N, D] -> [B, H/N, T, D]`` (each rank now holds every position for
+1/N of the heads), attends with the whole row's pattern, and all-to-alls back.
+
+What a rank does with one micro-batch (:meth:`Ulysses.shard`):
+
+1. the next-token targets are shifted *before* slicing (target ``i`` is token ``i + 1``; the
+   last position has none), so the token across a slice boundary is scored exactly once;
+2. the row is padded to a multiple of N (padding is never attended to and never scored);
+3. the attention pattern of the whole row is read once: causal for padded rows (right padding:
+   a real query only sees real keys), one causal block per sample of a packed row
+   (``position_ids`` restarting at 0); no ``[T, T]`` mask is ever built;
+4. ``input_ids``, ``position_ids`` and the targets are cut to this rank's slice (a
+   vision-language row is cut later, at the decoder's entry, after the images are merged into
+   its embeddings and its M-RoPE positions computed: :meth:`SequenceShard.trunk_inputs`).
+
+Losses over the slice are partial sums: the FSDP2 reduce-scatter over all ranks (the mesh
+spans dp x sp) adds the SP ranks' parameter gradients, so a loss normalised by the global
+token count needs nothing more. Per-token values a loss needs whole (GRPO's per-sample
+normalisations) are gathered with :meth:`Ulysses.gather`, whose backward keeps this rank's
+slice of the gradient (every rank of the group computes the same loss from the same gather).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+ATTENTION = "lightrft_ulysses"
+# The model types tested (tests/models/test_models_ulysses.py, tests/vision/test_vision_ulysses.py):
+# their decoder attention goes through transformers' AttentionInterface after the rotary
+# positions; a multimodal one is cut at its decoder's entry, after the images are merged.
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen2_vl")
+
+
+def check_model(config: Any, size: int) -> None:
+    """Refuse a model SP cannot split ``size`` ways: its type, its head counts, a sliding window.
+    ``config``: the model's HF config."""
+    if size == 1:
+        return
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"sequence_parallel={size} does not support model type {kind!r} yet "
+            f"(supported: {list(SUPPORTED_MODEL_TYPES)}); set sequence_parallel=1"
+        )
+    text = getattr(config, "text_config", None) or config
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads % size or kv % size:
+        raise ValueError(
+            f"sequence_parallel={size} must divide the model's attention heads: it has "
+            f"num_attention_heads={heads} and num_key_value_heads={kv}; choose a divisor of both"
+        )
+    if getattr(text, "use_sliding_window", False):
+        raise ValueError(
+            f"sequence_parallel={size} does not support sliding-window attention "
+            "(use_sliding_window=true in the model config) yet"
+        )
+
+
+def sp_groups(size: int) -> tuple[Any, int]:
+    """This rank's SP group (``size`` consecutive ranks) and its index in it. Collective: every
+    rank creates every group, as ``dist.new_group`` requires."""
+    from lightrft.distributed import collective_timeout
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks, timeout=collective_timeout())
+        if rank in ranks:
+            mine = group
+    return mine, rank % size
+
+
+# ------------------------------------------------------------------ collectives with autograd
+
+
+def _all_to_all(x: Tensor, group: Any, scatter_dim: int, gather_dim: int) -> Tensor:
+    n = dist.get_world_size(group)
+    ins = [c.contiguous() for c in x.chunk(n, dim=scatter_dim)]
+    outs = [torch.empty_like(c) for c in ins]
+    dist.all_to_all(outs, ins, group=group)
+    return torch.cat(outs, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Scatter ``scatter_dim`` over the group, gather ``gather_dim``; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Any, scatter_dim: int, gather_dim: int) -> Tensor:
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather dim 1 over the group; backward: this rank's slice of the gradient (every rank
+    of the group computes the same loss from the gathered tensor)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Any, rank: int) -> Tensor:
+        ctx.rank, ctx.width = rank, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        start = ctx.rank * ctx.width
+        return grad[:, start : start + ctx.width].contiguous(), None, None
+
+
+# ------------------------------------------------------------------ one micro-batch
+
+
+class SequenceShard:
+    """This rank's slice of one micro-batch and the whole row's attention pattern; passed
+    through the model's forward as the ``ulysses`` keyword, which reaches the attention
+    function (also when activation checkpointing recomputes a block in backward)."""
+
+    def __init__(self, sp: Ulysses, bounds: list[list[int]] | None, length: int, padded: int):
+        # bounds: per row, the start of each packed sample and the padded length (None: one
+        # causal block per row).
+        self.sp, self.bounds, self.length, self.padded = sp, bounds, length, padded
+        self.input_ids: Tensor | None = None  # [B, T_pad / N]
+        self.position_ids: Tensor | None = None  # [B, T_pad / N]
+        self.targets: Tensor | None = None  # [B, T_pad / N]
+        self.num_tokens: int = 0  # scored targets of the whole row(s)
+        # The whole padded row, for a multimodal model (cut at the trunk, not before).
+        self.whole_input_ids: Tensor | None = None  # [B, T_pad]
+        self.whole_attention_mask: Tensor | None = None  # [B, T_pad]: padded rows only
+        self.whole_position_ids: Tensor | None = None  # [B, T_pad]: packed rows only
+
+    def trunk_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of the decoder trunk: its embeddings (images merged) and positions
+        (M-RoPE ``[3 or 4, B, T_pad]``) cut to this rank's slice; no mask (the attention reads
+        the row's pattern from the shard)."""
+        if args:
+            raise ValueError("sequence_parallel expects the decoder trunk called by keywords")
+        kwargs = dict(kwargs)
+        for key in ("inputs_embeds", "input_ids"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = self.local(kwargs[key], 1)
+        pos = kwargs.get("position_ids")
+        kwargs["position_ids"] = (
+            self.position_ids if pos is None else self.local(pos, pos.dim() - 1)
+        )
+        kwargs["attention_mask"] = None
+        kwargs["ulysses"] = self
+        return args, kwargs
+
+    def local(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's contiguous slice of ``x`` (padded length ``padded`` along ``dim``)."""
+        width = self.padded // self.sp.size
+        return x.narrow(dim, self.sp.rank * width, width)
+
+
+class Ulysses:
+    """One rank's view of its SP group: how to cut a micro-batch and put it back together."""
+
+    def __init__(self, group: Any, size: int, rank: int):
+        self.group, self.size, self.rank = group, size, rank
+        self._enabled: set[int] = set()
+
+    def prepare(self, model: nn.Module) -> None:
+        """Route ``model``'s attention through the Ulysses function (once per model: the
+        trained one, a frozen reference beside it)."""
+        if id(model) not in self._enabled:
+            enable(model)
+            self._enabled.add(id(model))
+
+    def shard(
+        self,
+        input_ids: Tensor,
+        targets: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        ignore_index: int = -100,
+    ) -> SequenceShard:
+        """Cut ``input_ids`` ``[B, T]`` and its next-token ``targets`` ``[B, T-1]`` (see the
+        module docstring). Padded rows come with ``attention_mask``; packed rows with
+        ``position_ids`` that restart at 0 per sample."""
+        b, t = input_ids.shape
+        dev = input_ids.device
+        padded = -(-t // self.size) * self.size
+        extra = padded - t
+        full_targets = torch.full((b, padded), ignore_index, dtype=targets.dtype, device=dev)
+        full_targets[:, : t - 1] = targets  # [B, T_pad]: position i predicts token i + 1
+        ids = torch.nn.functional.pad(input_ids, (0, extra))  # [B, T_pad]
+        if attention_mask is not None:
+            keep = attention_mask.bool()
+            if (keep[:, 1:] & ~keep[:, :-1]).any():
+                raise ValueError(
+                    "sequence_parallel needs right-padded rows (an attention mask of ones, then "
+                    "zeros); this micro-batch has a zero before a one"
+                )
+        tail = torch.arange(extra, device=dev).expand(b, extra)  # the SP padding's positions
+        if position_ids is None or attention_mask is not None:
+            # Padded or plain rows: causal attention over the whole row is exact for every real
+            # query (right padding: the keys before a real query are real).
+            pos = torch.arange(padded, device=dev).expand(b, padded)  # the model's default
+            bounds = None
+        else:
+            pos = torch.cat([position_ids, tail], dim=1)  # [B, T_pad]
+            # Packed rows: one causal block per sample (and one for the SP padding).
+            bounds = []
+            for row in pos:
+                starts = (row == 0).nonzero().flatten().tolist()
+                starts = starts if starts and starts[0] == 0 else [0, *starts]
+                bounds.append([*starts, padded])
+        shard = SequenceShard(self, bounds, t, padded)
+        shard.input_ids = shard.local(ids)
+        shard.position_ids = shard.local(pos)
+        shard.targets = shard.local(full_targets)
+        shard.num_tokens = int((targets != ignore_index).sum())
+        shard.whole_input_ids = ids
+        if attention_mask is not None:
+            shard.whole_attention_mask = torch.nn.functional.pad(attention_mask, (0, extra))
+        elif position_ids is not None:
+            shard.whole_position_ids = pos
+        return shard
+
+    def gather(self, x: Tensor, length: int) -> Tensor:
+        """``x`` ``[B, T_pad / N, ...]`` of every rank of the group -> ``[B, length, ...]``."""
+        return _GatherSeq.apply(x, self.group, self.rank)[:, :length]
+
+
+# ------------------------------------------------------------------ the attention function
+
+
+def _ulysses_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    ulysses: SequenceShard | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention signature: ``query`` ``[B, H, S, D]``, ``key`` / ``value``
+    ``[B, KV, S, D]`` -> ``[B, S, H, D]``. Without a ``ulysses`` shard: plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if ulysses is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    group = ulysses.sp.group
+    q = _AllToAll.apply(query, group, 1, 2)  # [B, H/N, T_pad, D]
+    k = _AllToAll.apply(key, group, 1, 2)  # [B, KV/N, T_pad, D]
+    v = _AllToAll.apply(value, group, 1, 2)
+    kwargs.pop("is_causal", None)
+    kwargs.pop("sliding_window", None)  # refused by check_model when it is in use
+
+    def causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0]
+
+    if ulysses.bounds is None:
+        out = causal(q, k, v)  # [B, T_pad, H/N, D]
+    else:  # one causal attention per packed sample
+        rows = []
+        for r, bounds in enumerate(ulysses.bounds):
+            row = slice(r, r + 1)
+            blocks = [
+                causal(q[row, :, s:e], k[row, :, s:e], v[row, :, s:e])
+                for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+            ]
+            rows.append(torch.cat(blocks, dim=1))
+        out = torch.cat(rows, dim=0)  # [B, T_pad, H/N, D]
+    out = _AllToAll.apply(out.transpose(1, 2), group, 2, 1)  # [B, H, S, D]
+    return out.transpose(1, 2).contiguous(), None  # [B, S, H, D]
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Route ``model``'s attention through :func:`_ulysses_attention` (plain sdpa unless a
+    forward passes ``ulysses=``). The model must use sdpa attention."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _ulysses_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks of a plain forward
+    for config in _configs(model):
+        impl = getattr(config, "_attn_implementation", None)
+        if impl not in ("sdpa", ATTENTION):
+            raise ValueError(
+                f"sequence_parallel needs the model's attention to be sdpa, got "
+                f"attn_implementation={impl!r}"
+            )
+        config._attn_implementation = ATTENTION
+    return model
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every distinct HF config of the decoder's attention modules."""
+    seen: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(module, "q_proj"):
+            seen.setdefault(id(config), config)
+    if not seen:
+        raise ValueError(f"{type(model).__name__} has no attention module with a q_proj")
+    return list(seen.values())
