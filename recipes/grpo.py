@@ -258,59 +258,63 @@ class GRPOConfig(TrainingConfig):
         return replace(critic, path=critic.path or self.model.path)
 
 
+def _check_off_policy(opts: GRPOConfig, key: str, *, engine: str, episodes: str, samples: str):
+    """The rules of every setting that trains on samples the native engine drew under older
+    weights (partial rollouts' carried tokens, asynchronous rollout's batches); ``key`` names the
+    setting, the other arguments say why each rule holds for it."""
+    if opts.engine.backend != "native":
+        raise ValueError(
+            f"{key} needs engine.backend=native ({engine}), got engine.backend="
+            f"{opts.engine.backend}: use engine.backend=native"
+        )
+    if opts.environment is not None:
+        raise ValueError(
+            f"{key} does not take an environment: {episodes}; remove the environment section"
+        )
+    alg = opts.algorithm
+    if alg.old_logprobs == "trainer" and alg.tis.mode is None:
+        # Without either, an exactly on-policy step takes the ratio as 1: the older policy's
+        # samples would be trained on as if the current policy had drawn them.
+        raise ValueError(
+            f"{key}: {samples}, which need an importance correction towards the behaviour "
+            "log-probs: set algorithm.old_logprobs=engine (the ratio's denominator is then the "
+            "generating policy's log-prob) or algorithm.tis.mode (token or sequence_mask)"
+        )
+
+
 def _check_partial(opts: GRPOConfig) -> None:
     """Partial rollouts (``rollout.partial.token_budget``) with what they cannot work with."""
     key = "rollout.partial.token_budget"
     if opts.rollout.partial.token_budget is None:
         return
-    alg = opts.algorithm
-    if opts.engine.backend != "native":
-        raise ValueError(
-            f"{key} needs engine.backend=native (the engine that cuts and resumes rows), "
-            f"got {opts.engine.backend}"
-        )
-    if opts.environment is not None:
-        raise ValueError(f"{key} does not take an environment: a multi-turn row cannot be cut")
-    if alg.shaping.dynamic:
+    _check_off_policy(
+        opts,
+        key,
+        engine="the engine that cuts and resumes rows",
+        episodes="a multi-turn row cannot be cut",
+        samples="carried tokens were sampled by older weights",
+    )
+    if opts.algorithm.shaping.dynamic:
         raise ValueError(
             f"{key} and algorithm.shaping.dynamic_sampling both decide which groups a step "
             "trains on; use one"
-        )
-    if alg.old_logprobs == "trainer" and alg.tis.mode is None:
-        raise ValueError(
-            f"{key}: carried tokens were sampled by older weights and need an importance "
-            "correction towards the behaviour log-probs: set algorithm.tis.mode (token or "
-            "sequence_mask), or algorithm.old_logprobs=engine"
         )
 
 
 def _check_asynchronous(opts: GRPOConfig) -> None:
     """What one-step-off rollout (``rollout.asynchronous``) cannot run with."""
-    alg = opts.algorithm
-    if opts.engine.backend != "native":
-        raise ValueError(
-            f"rollout.asynchronous=true generates with the native engine in a process of its "
-            f"own; engine.backend={opts.engine.backend} is colocated only: use "
-            "engine.backend=native or rollout.asynchronous=false"
-        )
-    if opts.environment is not None:
-        raise ValueError(
-            "rollout.asynchronous=true does not play multi-turn episodes (environment:) in the "
-            "generating process: remove the environment section or set "
-            "rollout.asynchronous=false"
-        )
+    key = "rollout.asynchronous=true"
+    _check_off_policy(
+        opts,
+        key,
+        engine="it generates in a process of its own; the others are colocated only",
+        episodes="the generating process does not play multi-turn episodes",
+        samples="it trains on samples of an older policy",
+    )
     if opts.rollout.partial.token_budget is not None:
         raise ValueError(
-            "rollout.asynchronous=true and rollout.partial.token_budget: the generating "
-            "process does not carry cut rows across steps; use one of them"
-        )
-    if alg.old_logprobs == "trainer" and alg.tis.mode is None:
-        # Without either, an exactly on-policy step takes the ratio as 1: the older policy's
-        # samples would be trained on as if the current policy had drawn them.
-        raise ValueError(
-            "rollout.asynchronous=true trains on samples of an older policy: set "
-            "algorithm.old_logprobs=engine (the ratio's denominator is the generating "
-            "policy's log-prob) or algorithm.tis (importance correction towards it)"
+            f"{key} and rollout.partial.token_budget: the generating process does not carry "
+            "cut rows across steps; use one of them"
         )
 
 

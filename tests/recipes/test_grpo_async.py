@@ -104,7 +104,8 @@ REFUSED = [
     (
         {"engine": {"backend": "vllm"}},
         "2",
-        "engine.backend=vllm is colocated only: use engine.backend=native",
+        "rollout.asynchronous=true needs engine.backend=native (it generates in a process of "
+        "its own; the others are colocated only), got engine.backend=vllm",
     ),
     (
         {
