@@ -102,6 +102,7 @@ from lightrft.rollout.partial import PartialRollouts
 from lightrft.rollout.remote import (
     GENERATOR,
     TRAINER,
+    Evaluated,
     Generated,
     GeneratorError,
     RolloutLink,
@@ -262,59 +263,63 @@ class GRPOConfig(TrainingConfig):
         return replace(critic, path=critic.path or self.model.path)
 
 
+def _check_off_policy(opts: GRPOConfig, key: str, *, engine: str, episodes: str, samples: str):
+    """The rules of every setting that trains on samples the native engine drew under older
+    weights (partial rollouts' carried tokens, asynchronous rollout's batches); ``key`` names the
+    setting, the other arguments say why each rule holds for it."""
+    if opts.engine.backend != "native":
+        raise ValueError(
+            f"{key} needs engine.backend=native ({engine}), got engine.backend="
+            f"{opts.engine.backend}: use engine.backend=native"
+        )
+    if opts.environment is not None:
+        raise ValueError(
+            f"{key} does not take an environment: {episodes}; remove the environment section"
+        )
+    alg = opts.algorithm
+    if alg.old_logprobs == "trainer" and alg.tis.mode is None:
+        # Without either, an exactly on-policy step takes the ratio as 1: the older policy's
+        # samples would be trained on as if the current policy had drawn them.
+        raise ValueError(
+            f"{key}: {samples}, which need an importance correction towards the behaviour "
+            "log-probs: set algorithm.old_logprobs=engine (the ratio's denominator is then the "
+            "generating policy's log-prob) or algorithm.tis.mode (token or sequence_mask)"
+        )
+
+
 def _check_partial(opts: GRPOConfig) -> None:
     """Partial rollouts (``rollout.partial.token_budget``) with what they cannot work with."""
     key = "rollout.partial.token_budget"
     if opts.rollout.partial.token_budget is None:
         return
-    alg = opts.algorithm
-    if opts.engine.backend != "native":
-        raise ValueError(
-            f"{key} needs engine.backend=native (the engine that cuts and resumes rows), "
-            f"got {opts.engine.backend}"
-        )
-    if opts.environment is not None:
-        raise ValueError(f"{key} does not take an environment: a multi-turn row cannot be cut")
-    if alg.shaping.dynamic:
+    _check_off_policy(
+        opts,
+        key,
+        engine="the engine that cuts and resumes rows",
+        episodes="a multi-turn row cannot be cut",
+        samples="carried tokens were sampled by older weights",
+    )
+    if opts.algorithm.shaping.dynamic:
         raise ValueError(
             f"{key} and algorithm.shaping.dynamic_sampling both decide which groups a step "
             "trains on; use one"
-        )
-    if alg.old_logprobs == "trainer" and alg.tis.mode is None:
-        raise ValueError(
-            f"{key}: carried tokens were sampled by older weights and need an importance "
-            "correction towards the behaviour log-probs: set algorithm.tis.mode (token or "
-            "sequence_mask), or algorithm.old_logprobs=engine"
         )
 
 
 def _check_asynchronous(opts: GRPOConfig) -> None:
     """What one-step-off rollout (``rollout.asynchronous``) cannot run with."""
-    alg = opts.algorithm
-    if opts.engine.backend != "native":
-        raise ValueError(
-            f"rollout.asynchronous=true generates with the native engine in a process of its "
-            f"own; engine.backend={opts.engine.backend} is colocated only: use "
-            "engine.backend=native or rollout.asynchronous=false"
-        )
-    if opts.environment is not None:
-        raise ValueError(
-            "rollout.asynchronous=true does not play multi-turn episodes (environment:) in the "
-            "generating process: remove the environment section or set "
-            "rollout.asynchronous=false"
-        )
+    key = "rollout.asynchronous=true"
+    _check_off_policy(
+        opts,
+        key,
+        engine="it generates in a process of its own; the others are colocated only",
+        episodes="the generating process does not play multi-turn episodes",
+        samples="it trains on samples of an older policy",
+    )
     if opts.rollout.partial.token_budget is not None:
         raise ValueError(
-            "rollout.asynchronous=true and rollout.partial.token_budget: the generating "
-            "process does not carry cut rows across steps; use one of them"
-        )
-    if alg.old_logprobs == "trainer" and alg.tis.mode is None:
-        # Without either, an exactly on-policy step takes the ratio as 1: the older policy's
-        # samples would be trained on as if the current policy had drawn them.
-        raise ValueError(
-            "rollout.asynchronous=true trains on samples of an older policy: set "
-            "algorithm.old_logprobs=engine (the ratio's denominator is the generating "
-            "policy's log-prob) or algorithm.tis (importance correction towards it)"
+            f"{key} and rollout.partial.token_budget: the generating process does not carry "
+            "cut rows across steps; use one of them"
         )
 
 
@@ -400,6 +405,11 @@ class GRPORecipe:
     # ------------------------------------------------------------------ setup
 
     def setup(self, cfg: DictConfig) -> None:
+        if self.opts.rollout.asynchronous and self.dist.rank == 0:
+            # Past the prepare steps: the generator builds its engine and data (and evaluates the
+            # initial policy) while this process loads its models.
+            ro = self.opts.rollout
+            self.link = RolloutLink.connect(TRAINER, ro.generator_timeout_s, ro.generator_timeout_s)
         self._setup_environment()
         self._setup_models()
         self._setup_engine()
@@ -411,6 +421,7 @@ class GRPORecipe:
             self.partial = PartialRollouts(budget // self.dist.world_size)
         self.step, self.epoch = 0, 0
         self.eval_history: list[tuple[int, float, float]] = []
+        self.evals_pending = 0  # asynchronous: evaluations the generator has not sent yet
         # (step, eval/env/* means) of this process's evals: not checkpointed, printed at the end.
         self.eval_env_history: list[tuple[int, dict[str, float]]] = []
         state = self.run.resume(**self._state())
@@ -423,6 +434,8 @@ class GRPORecipe:
             if self.normalizer is not None:
                 self.normalizer.load_state_dict(extra["reward_norm"])
             self.strategy.sync_weights(self.rollout_engine.engine)
+        # The step whose policy was evaluated last (or, asynchronous, is being evaluated).
+        self.last_eval = self.eval_history[-1][0] if self.eval_history else None
         if self.opts.rollout.asynchronous:
             self._start_generator()
         else:
@@ -432,31 +445,49 @@ class GRPORecipe:
     # ------------------------------------------------------------------ asynchronous rollout
 
     def _start_generator(self) -> None:
-        """Trainer side of one-step-off rollout (:mod:`lightrft.rollout.remote`): rank 0 joins
-        the link and tells the generator where to start; after a resume the generator gets the
-        checkpoint's weights first (a resumed run refills the pipeline: its first steps lag 0)."""
+        """Trainer side of one-step-off rollout (:mod:`lightrft.rollout.remote`): rank 0 (on the
+        link since ``setup`` began) tells the generator where to start; after a resume the
+        generator gets the checkpoint's weights first (a resumed run refills the pipeline: its
+        first steps lag 0)."""
         if self.dist.rank != 0:
             if self.step:
                 self.strategy.sync_weights(None)  # the gathers of rank 0's send
             return
-        ro = self.opts.rollout
-        # The generator is waiting already: joining is bounded like every other wait.
-        self.link = RolloutLink.connect(TRAINER, ro.generator_timeout_s, ro.generator_timeout_s)
+        if self._evaluates_at_start():  # the generator did it while this process set up
+            self.evals_pending, self.last_eval = 1, 0
         state = self.loader.state_dict() if self.step else None
         self.link.send(Start(self.step, self.epoch, state), wait=False)
         self.sender = WeightSender(self.link, self.opts.engine.dtype)
         if self.step:
-            self._send_weights(self.step)
+            self._send_weights(self.step, evaluate=False)
 
-    def _send_weights(self, version: int) -> None:
+    def _send_weights(self, version: int, evaluate: bool) -> None:
         """The policy after ``version`` steps to the generator, through the strategy's weight
-        sync (a collective of the trainers; rank 0 sends, without waiting for it to be taken)."""
+        sync (a collective of the trainers; rank 0 sends, without waiting for it to be taken);
+        ``evaluate``: the generator evaluates it and sends the metrics later."""
+        if evaluate:
+            self.evals_pending, self.last_eval = self.evals_pending + 1, version
         if self.link is None:
             self.strategy.sync_weights(None)
             return
         self.link.flush()  # the previous set was taken: at most one set in flight
-        self.sender.version = version
+        self.sender.version, self.sender.evaluate = version, evaluate
         self.strategy.sync_weights(self.sender)
+
+    def _from_generator(self, kinds: tuple[type, ...], what: str) -> Generated | None:
+        """Trainer rank 0: the generator's next message of ``kinds``; an evaluation is logged
+        (None returned). A failed generator's error names the checkpoint that is kept."""
+        try:
+            msg = self.link.receive(kinds, what)
+        except GeneratorError as e:
+            last = self.run.checkpointer.latest()
+            kept = f"the last checkpoint, {last}, is kept" if last else "no checkpoint yet"
+            raise GeneratorError(f"{e} ({kept})") from e
+        if isinstance(msg, Evaluated):
+            self.evals_pending -= 1
+            self._record_eval(msg.step, msg.metrics)
+            return None
+        return msg
 
     def _receive(self, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, RolloutBatch, dict]:
         """The step's batch from the generator (rank 0 receives, the other trainers get it from
@@ -464,12 +495,10 @@ class GRPORecipe:
         msg: Generated | None = None
         with timer("rollout"):  # what the trainers wait for generation: its exposed part
             if self.link is not None:
-                try:
-                    msg = self.link.receive(Generated, f"the samples of step {step}")
-                except GeneratorError as e:
-                    last = self.run.checkpointer.latest()
-                    kept = f"the last checkpoint, {last}, is kept" if last else "no checkpoint yet"
-                    raise GeneratorError(f"{e} ({kept})") from e
+                while msg is None:  # the evaluations sent before it are logged
+                    msg = self._from_generator(
+                        (Generated, Evaluated), f"the samples of step {step}"
+                    )
                 if msg.step != step:
                     raise RuntimeError(f"the generator sent step {msg.step}, expected {step}")
             if self.dist.world_size > 1:
@@ -505,12 +534,12 @@ class GRPORecipe:
         if start.loader_state is not None:
             self.loader.load_state_dict(start.loader_state)
         self.prompts = epoch_batches(self.loader, self.epoch)
-        engine, o = self.rollout_engine.engine, self.opts
+        o = self.opts
         if start.step:
-            version = link.receive_weights(engine)
+            version = self._take_weights(link)
         for step in range(start.step + 1, o.max_steps + 1):
             while version < step - 1 - o.rollout.max_staleness:
-                version = link.receive_weights(engine)
+                version = self._take_weights(link)
             timer = PhaseTimer()
             batch, drawn, stats = self.rollout(step, timer)
             metrics = {**stats, **self.reward_side.reduce()}
@@ -519,8 +548,26 @@ class GRPORecipe:
             msg = Generated(step, version, batch, drawn, metrics, self.epoch, state)
             link.flush()  # the previous step's batch was taken: at most one in flight
             link.send(msg, wait=False)  # the next step generates while this one is taken
+        while self._take_weights(link, or_bye=True) is not None:  # the final evaluations
+            pass
         link.flush()
         link.answer_bye()
+
+    def _take_weights(self, link: RolloutLink, *, or_bye: bool = False) -> int | None:
+        """The generator: load the trainers' next policy; evaluate it when they ask (it stays
+        loaded until the next set is taken); its version, None at the trainer's goodbye."""
+        got = link.receive_weights(self.rollout_engine.engine, or_bye=or_bye)
+        if got is None:
+            return None
+        version, evaluate = got
+        if evaluate:
+            self.evaluate_for(link, version)
+        return version
+
+    def evaluate_for(self, link: RolloutLink, step: int) -> None:
+        """The generator: the held-out evaluation of the loaded policy (the one after ``step``
+        steps), sent to the trainers without waiting; it overlaps their training."""
+        link.send(Evaluated(step, self.evaluate()), wait=False)
 
     def _load_model(self, path: str, prepare=None, *, trained: bool = False, **kw) -> nn.Module:
         """Load and shard one model (actor, reference, critic): under torchrun each rank builds
@@ -1212,12 +1259,24 @@ class GRPORecipe:
         out.update({f"eval/{k}": v for k, v in s.items() if k.startswith("env/")})
         return out
 
+    def _evaluates_at_start(self) -> bool:
+        """The initial policy is evaluated (a resumed run's was already)."""
+        return (
+            self.eval_dataset is not None and self.opts.eval.at_start and not self.opts.run.resume
+        )
+
+    def _evaluates_after(self, step: int) -> bool:
+        """The policy after ``step`` is evaluated in the loop (the last step's in ``_finish``)."""
+        every = self.opts.eval.every
+        return bool(self.eval_dataset is not None and every and step % every == 0) and (
+            step != self.opts.max_steps
+        )
+
     def _log_eval(self, step: int) -> None:
-        if (
-            self.opts.rollout.asynchronous
-        ):  # the trainers' own engine evaluates: bring it up to date
-            self.rollout_engine.sync()
-        m = self.evaluate()
+        self.last_eval = step
+        self._record_eval(step, self.evaluate())
+
+    def _record_eval(self, step: int, m: dict[str, float]) -> None:
         self.logger.log(step, m)
         self.eval_history.append((step, m["eval/accuracy"], m["eval/reward"]))
         if "eval/env/tool_use_frac" in m:
@@ -1229,20 +1288,17 @@ class GRPORecipe:
         o = self.opts
         bar = ProgressBar(o.max_steps, initial=self.step, desc="grpo")
         timer = PhaseTimer(cuda_sync=self.dist.device.type == "cuda")
-        if self.eval_dataset is not None and o.eval.at_start and not self.run.resumed:
+        # Asynchronous: the generator evaluates (the initial policy while this process set up).
+        if self._evaluates_at_start() and not o.rollout.asynchronous:
             with timer("eval"):
                 self._log_eval(0)
             timer.reset()
         for step in self.run.steps(self.step, o.max_steps, save=self._save):
             metrics = self.step_once(step, timer)
             bar.update(1, reward=metrics["reward/total/mean"])
-            every = o.eval.every  # the final eval runs in _finish
-            if self.eval_dataset is not None and every and step % every == 0:
-                if step != o.max_steps:
-                    self._log_eval(step)
+            if self._evaluates_after(step) and not o.rollout.asynchronous:
+                self._log_eval(step)
         bar.close()
-        if self.link is not None:
-            self.link.bye()
         self._finish()
 
     def step_once(self, step: int, timer: PhaseTimer) -> dict[str, float]:
@@ -1266,10 +1322,11 @@ class GRPORecipe:
             metrics["train/skipped"] = 1.0
         self._step_schedules(metrics, len(batch))
         if self.opts.rollout.asynchronous:
-            # Only the versions the generator will take: it stops at max_steps.
-            if step <= self.opts.max_steps - 1 - self.opts.rollout.max_staleness:
+            # The versions the generator samples from (it stops at max_steps) or evaluates.
+            evaluate = self._evaluates_after(step)
+            if evaluate or step <= self.opts.max_steps - 1 - self.opts.rollout.max_staleness:
                 with timer("weight_sync"):
-                    self._send_weights(step)
+                    self._send_weights(step, evaluate)
         elif len(batch):  # weights changed (released weights are reloaded by the next rollout)
             with timer("weight_sync"):
                 self.rollout_engine.sync()
@@ -1318,12 +1375,17 @@ class GRPORecipe:
                 self.critic_sched.step()
 
     def _finish(self) -> None:
-        if self.eval_dataset is not None and (
-            not self.eval_history or self.eval_history[-1][0] != self.step
-        ):
+        final_eval = self.eval_dataset is not None and self.last_eval != self.step
+        if final_eval and self.opts.rollout.asynchronous:
+            self._send_weights(self.step, evaluate=True)  # evaluated while this one exports
+        elif final_eval:
             self._log_eval(self.step)
         final = self.run.output_dir / "final"
         self.strategy.export(self.processor, final)
+        if self.link is not None:
+            while self.evals_pending:
+                self._from_generator((Evaluated,), "its evaluations")
+            self.link.bye()
         if self.dist.is_main and self.eval_history:
             first, last = self.eval_history[0], self.eval_history[-1]
             print(
@@ -1373,14 +1435,18 @@ def generate(cfg: DictConfig, opts: GRPOConfig) -> None:
     if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_parent()  # a torchrun worker: do not outlive the launcher
     torch.manual_seed(opts.run.seed)
-    # It joins at once and waits for the trainers' setup (models, resume): up to the run's
-    # collective_timeout_s, else torch's 30 minutes; then every wait is generator_timeout_s.
+    # It joins at once and waits for the trainers' prepare steps (which may write the model and
+    # data it reads), then sets up while they set up; the waits for the trainers (join, then
+    # their setup and resume) are bounded by the run's collective_timeout_s, else torch's 30
+    # minutes; every later wait by generator_timeout_s.
     join = opts.run.collective_timeout_s or 1800.0
     link = RolloutLink.connect(GENERATOR, opts.rollout.generator_timeout_s, join)
     device = torch.device(opts.run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    start = link.receive(Start, "the trainer's start")
     recipe = GRPORecipe(cfg, opts, None, DistInfo(0, 1, 0, device))
     recipe.setup_generator()
+    if recipe._evaluates_at_start():
+        recipe.evaluate_for(link, 0)  # the initial weights: the checkpoint the engine loaded
+    start = link.receive(Start, "the trainer's start", timeout_s=join)
     recipe.generate_ahead(link, start)
 
 

@@ -6,14 +6,18 @@ checkpoints are those of an (N-1)-process run) and rank ``N-1`` generates. Train
 generator talk over a two-rank gloo group of their own (:class:`RolloutLink`), made on the
 launch's rendezvous store under its own prefix:
 
-- trainer -> generator: :class:`Start` (the step to start from, the prompt loader's position),
-  then the policy's weights after the optimizer steps the generator needs. The weights travel
+- trainer -> generator: joining the link says the trainers are past their ``prepare`` steps (the
+  generator builds its engine and data meanwhile); :class:`Start` (the step to start from, the
+  prompt loader's position, sent after the trainers' setup), then the policy's weights after the
+  optimizer steps the generator needs, and after each step that is evaluated. The weights travel
   through the trainer strategy's own weight sync (``Strategy.sync_weights``: full tensors, in
   buckets, under HF names) into :class:`WeightSender`, which stands where an engine would and
   sends each bucket as one flat buffer; :meth:`RolloutLink.receive_weights` loads it into the
   generator's engine (``load_weights``).
 - generator -> trainer: one :class:`Generated` per step: the step's samples with the engine's
-  log-probs, which policy version made them, and the prompt loader's position after them.
+  log-probs, which policy version made them, and the prompt loader's position after them; one
+  :class:`Evaluated` per held-out evaluation, which the generator runs on the policy of the step
+  it belongs to (the initial one while the trainers set up), while the trainers go on.
 
 The generator runs exactly ``max_staleness`` steps ahead (as verl's one-step-off trainer): the
 samples of step ``k`` come from the weights after step ``k - 1 - max_staleness`` (the initial
@@ -85,6 +89,14 @@ class Generated:
 
 
 @dataclass
+class Evaluated:
+    """Generator -> trainer: the held-out eval metrics of the policy after ``step`` steps."""
+
+    step: int
+    metrics: dict[str, float]
+
+
+@dataclass
 class _Bucket:
     """Header of one weight bucket; its tensors follow as one flat byte buffer."""
 
@@ -96,6 +108,7 @@ class _Bucket:
 @dataclass
 class _WeightsDone:
     version: int
+    evaluate: bool  # the generator evaluates this policy on the held-out set
 
 
 @dataclass
@@ -160,9 +173,9 @@ class RolloutLink:
             f"{str(e).splitlines()[0]}"
         )
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, timeout: timedelta | None = None) -> None:
         try:
-            work.wait(self.timeout)
+            work.wait(timeout or self.timeout)
         except RuntimeError as e:
             raise self._failed(e, what) from e
 
@@ -178,10 +191,10 @@ class RolloutLink:
         else:  # the tensors stay alive until flush()
             self.pending += works
 
-    def _recv_tensor(self, what: str) -> torch.Tensor:
+    def _recv_tensor(self, what: str, timeout: timedelta | None = None) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
         try:  # a receive raises at once when the peer's connection is closed
-            self._wait(self.group.recv([size], 1 - self.rank, 0), what)
+            self._wait(self.group.recv([size], 1 - self.rank, 0), what, timeout)
             data = torch.empty(int(size), dtype=torch.uint8)
             self._wait(self.group.recv([data], 1 - self.rank, 0), what)
         except RuntimeError as e:
@@ -193,8 +206,13 @@ class RolloutLink:
     def send(self, obj: Any, *, wait: bool = True) -> None:
         self.send_tensor(_pack(obj), type(obj).__name__, wait=wait)
 
-    def receive(self, kind: type | tuple[type, ...], what: str) -> Any:
-        obj = _unpack(self._recv_tensor(what))
+    def receive(
+        self, kind: type | tuple[type, ...], what: str, timeout_s: float | None = None
+    ) -> Any:
+        """The next message, which must be a ``kind``; ``timeout_s``: this wait's bound (default
+        ``rollout.generator_timeout_s``)."""
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        obj = _unpack(self._recv_tensor(what, timeout))
         if not isinstance(obj, kind):
             raise GeneratorError(f"{self.peer} sent {type(obj).__name__} instead of {what}")
         return obj
@@ -207,13 +225,18 @@ class RolloutLink:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def receive_weights(self, engine: Any) -> int:
-        """Load one set of weights (all buckets) into ``engine``; returns its policy version."""
+    def receive_weights(self, engine: Any, *, or_bye: bool = False) -> tuple[int, bool] | None:
+        """Load one set of weights (all buckets) into ``engine``; returns its policy version and
+        whether the trainer asks for its evaluation. ``or_bye``: the trainer may say goodbye
+        instead (returns None; answer with :meth:`answer_bye`)."""
+        kinds = (_Bucket, _WeightsDone, _Bye) if or_bye else (_Bucket, _WeightsDone)
         while True:
-            head = self.receive((_Bucket, _WeightsDone), "the trainer's weights")
+            head = self.receive(kinds, "the trainer's weights")
+            if isinstance(head, _Bye):
+                return None
             if isinstance(head, _WeightsDone):
                 engine.reset_prefix_cache()
-                return head.version
+                return head.version, head.evaluate
             flat = self._recv_tensor("a weight bucket")
             pairs, start = [], 0
             for name, shape, dtype in zip(head.names, head.shapes, head.dtypes, strict=True):
@@ -230,8 +253,7 @@ class RolloutLink:
         self.receive(_Bye, "the generator's goodbye")
 
     def answer_bye(self) -> None:
-        """Generator: wait for the trainer's goodbye, answer it."""
-        self.receive(_Bye, "the trainer's goodbye")
+        """Generator: answer the trainer's goodbye (:meth:`receive_weights` took it)."""
         self.send(_Bye())
 
 
@@ -241,7 +263,7 @@ class WeightSender:
     (the generator takes a set of weights when its staleness bound needs it)."""
 
     def __init__(self, link: RolloutLink, dtype: torch.dtype | None):
-        self.link, self.dtype, self.version = link, dtype, 0
+        self.link, self.dtype, self.version, self.evaluate = link, dtype, 0, False
 
     def load_weights(self, pairs: Any) -> None:
         pairs = list(pairs)
@@ -254,4 +276,4 @@ class WeightSender:
         self.link.send_tensor(flat, "a weight bucket", wait=False)
 
     def reset_prefix_cache(self) -> None:
-        self.link.send(_WeightsDone(self.version), wait=False)
+        self.link.send(_WeightsDone(self.version, self.evaluate), wait=False)

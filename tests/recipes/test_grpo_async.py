@@ -104,7 +104,8 @@ REFUSED = [
     (
         {"engine": {"backend": "vllm"}},
         "2",
-        "engine.backend=vllm is colocated only: use engine.backend=native",
+        "rollout.asynchronous=true needs engine.backend=native (it generates in a process of "
+        "its own; the others are colocated only), got engine.backend=vllm",
     ),
     (
         {
@@ -191,15 +192,28 @@ def _rows(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "train/lr" in r}
 
 
+def _eval_steps(out: Path) -> list[int]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["eval/samples"] == 8 for r in rows if "eval/samples" in r), rows
+    return sorted(r["step"] for r in rows if "eval/samples" in r)
+
+
 @pytest.mark.slow  # 33 s on 2 cores (136 s at load 10+): 2 processes, then 2 more to resume
 def test_async_run_trains_one_step_off_with_the_generating_policys_logprobs(tmp_path, assets):
     # A KL to the initial policy in the reward, k3 estimator, between the engine's log-probs
     # (old_logprobs=engine) and the reference model's (the initial weights, scored by the
     # trainer): zero exactly when the samples came from the initial policy.
     kl = {"coef": 1e-3, "placement": "reward"}
-    cfg = _config(tmp_path, assets, save_every=2, max_steps=4, **{"algorithm.kl": kl})
+    # The generator evaluates: the initial policy while the trainer sets up, step 2's policy
+    # while the trainer trains on, the last one while it exports.
+    evals = {"eval_dataset": {"_component_": "lightrft.data.PromptDataset"}, "eval.every": 2}
+    evals["eval_dataset"]["path"] = str(assets / "data" / "test.jsonl")
+    cfg = _config(tmp_path, assets, save_every=2, max_steps=4, **{"algorithm.kl": kl}, **evals)
     rc = _finish(_start(cfg, tmp_path), tmp_path)
-    assert rc == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    log = (tmp_path / "rank0.log").read_text()
+    assert rc == [0, 0], log[-3000:]
+    assert _eval_steps(tmp_path / "out") == [0, 2, 4]
+    assert "(step 0) -> " in log and "(step 4); eval/reward" in log, log[-3000:]
     rows = _rows(tmp_path / "out")
     # One step off: step 1 from the initial policy (lag 0), then each from the one before last.
     assert [rows[s]["rollout/policy_lag"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
@@ -215,6 +229,7 @@ def test_async_run_trains_one_step_off_with_the_generating_policys_logprobs(tmp_
     assert _finish(procs, tmp_path) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     rows = _rows(tmp_path / "out")
     assert [rows[s]["rollout/policy_lag"] for s in (5, 6)] == [0.0, 1.0]
+    assert _eval_steps(tmp_path / "out") == [0, 2, 4, 6]  # no second start eval on resume
 
 
 @pytest.mark.slow  # killed 16 s, hung 54 s (its 30 s timeout) on 2 cores
