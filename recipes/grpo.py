@@ -321,6 +321,11 @@ def _check_asynchronous(opts: GRPOConfig) -> None:
             f"{key} and rollout.partial.token_budget: the generating process does not carry "
             "cut rows across steps; use one of them"
         )
+    if opts.strategy.sequence_parallel > 1:
+        raise ValueError(
+            f"{key} and sequence_parallel={opts.strategy.sequence_parallel}: the sequence-"
+            "parallel groups span every process, and one of them generates; use one of them"
+        )
 
 
 def _check_media(opts: GRPOConfig, *, prepare=None, loading: bool = False) -> None:

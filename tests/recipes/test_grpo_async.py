@@ -122,6 +122,11 @@ REFUSED = [
         "2",
         "rollout.asynchronous=true and rollout.partial.token_budget",
     ),
+    (
+        {"sequence_parallel": 2},
+        "2",
+        "rollout.asynchronous=true and sequence_parallel=2: the sequence-parallel groups span",
+    ),
 ]
 
 
