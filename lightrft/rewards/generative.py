@@ -25,6 +25,14 @@ datasets' own functions (:class:`~lightrft.data.records.MediaSamples`,
 prompt is ``"<image>" + template`` with the board in ``images`` renders to the same tokens
 (:func:`lightrft.tasks.ensure_shapes_judgments`).
 
+``pattern`` may name its groups: ``verdict`` is the verdict (else the first group, or the whole
+match), and ``echo`` the judge's copy of the response it judges (score mode). A judge taught to
+write the answer before its verdict (``"3 vs 4: no"``) can then be held to it: when the echo
+differs from the response (both stripped), the judge judged something else (an answer it misread
+or normalised: the door an actor walks through when it drifts to answers the judge never saw), so
+the sample gets the ``fallback`` reward and is counted in ``last_metrics["echo_mismatches"]``
+(``reward/<name>/echo_mismatches``), apart from the parse failures.
+
 A verdict that does not match ``pattern`` (or names no known choice or verdict) is a parse
 failure: it gets the configured ``fallback`` reward (there is no default: a silent 0 would read as
 a verdict), is counted in ``last_metrics["parse_failures"]`` (logged by
@@ -63,15 +71,24 @@ CHOICE_TEMPLATE = (
 )
 
 
-def parse_verdict(text: str, pattern: re.Pattern[str]) -> str | None:
-    """The first group (or whole match) of ``pattern``'s last match in ``text``; ``None`` if
-    none."""
+def _last_match(text: str, pattern: re.Pattern[str]) -> re.Match[str] | None:
     last = None
     for m in pattern.finditer(text):
         last = m
-    if last is None:
-        return None
-    return last.group(1) if last.groups() else last.group(0)
+    return last
+
+
+def _verdict_of(m: re.Match[str]) -> str:
+    if "verdict" in m.re.groupindex:
+        return m.group("verdict") or ""
+    return m.group(1) if m.groups() else m.group(0)
+
+
+def parse_verdict(text: str, pattern: re.Pattern[str]) -> str | None:
+    """The ``verdict`` group (else the first group, else the whole match) of ``pattern``'s last
+    match in ``text``; ``None`` if none."""
+    m = _last_match(text, pattern)
+    return None if m is None else _verdict_of(m)
 
 
 def _message_text(content: Any) -> str:
@@ -115,6 +132,8 @@ class GenerativeReward:
         mode: ``"score"`` or ``"choice"``.
         template: the judge prompt; default :data:`SCORE_TEMPLATE` / :data:`CHOICE_TEMPLATE`.
         pattern: regex of the verdict; default a number (score) or ``\\b(A|B)\\b`` (choice).
+            Named groups ``verdict`` and ``echo`` (the judge's copy of the response; score mode):
+            see the module docstring.
         choices: the names of the first and second response in a choice verdict.
         both_orders: choice mode: judge both presentation orders and average.
         scale: score mode: reward = ``scale * score``.
@@ -201,6 +220,12 @@ class GenerativeReward:
             self.pattern = re.compile(pattern or default)
         except re.error as e:
             raise ValueError(f"pattern {pattern!r} is not a valid regex: {e}") from None
+        self.echo = "echo" in self.pattern.groupindex
+        if self.echo and mode != "score":
+            raise ValueError(
+                "pattern: an 'echo' group applies to mode='score' (a choice verdict names a "
+                "response, it does not copy one)"
+            )
         self.max_tokens, self.temperature = max_tokens, temperature
         self.url, self.model_name, self.timeout = url, model_name, timeout
         self.chat_template = chat_template
@@ -211,6 +236,7 @@ class GenerativeReward:
         elif min_pixels is not None or max_pixels is not None:
             raise ValueError("min_pixels / max_pixels apply to a local vision-language judge")
         self.parse_failures = 0  # running totals
+        self.echo_mismatches = 0
         self.judged = 0
         self.failure_streak = 0  # verdicts in a row that did not parse
         self._recent_failures: deque[str] = deque(maxlen=3)
@@ -330,6 +356,11 @@ class GenerativeReward:
         except ValueError:
             return None
 
+    def _echoes(self, text: str, response: str) -> bool:
+        """Whether the judge's copy of the response (the ``echo`` group) is the response."""
+        m = _last_match(text, self.pattern)
+        return m is not None and (m.group("echo") or "").strip() == response.strip()
+
     def _choice_verdict(self, text: str, response_first: bool) -> float | None:
         found = parse_verdict(text, self.pattern)
         if found is None or found.strip() not in self.choices:
@@ -396,14 +427,18 @@ class GenerativeReward:
         self.last_verdicts = verdicts
         sums = torch.zeros(n, dtype=torch.float32)  # [B]
         counts = torch.zeros(n, dtype=torch.float32)  # [B]
-        failures, example = 0, None
+        failures, mismatches, example = 0, 0, None
         for (i, first), text in zip(jobs, verdicts, strict=True):
             value = (
                 self._score_verdict(text)
                 if self.mode == "score"
                 else self._choice_verdict(text, first)
             )
-            if value is None:
+            if value is not None and self.echo and not self._echoes(text, responses[i]):
+                mismatches += 1
+                value = self.fallback
+                self.failure_streak = 0  # the pattern matched: the judge works
+            elif value is None:
                 failures += 1
                 example = example or text
                 value = self.fallback
@@ -419,6 +454,9 @@ class GenerativeReward:
             "parse_failures": float(failures),
             "parse_failure_rate": failures / max(len(jobs), 1),
         }
+        if self.echo:
+            self.echo_mismatches += mismatches
+            self.last_metrics["echo_mismatches"] = float(mismatches)
         if failures:
             log.warning(
                 "GenerativeReward: %d of %d verdicts did not match %r (fallback %s); e.g. %r",

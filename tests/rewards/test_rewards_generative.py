@@ -99,6 +99,48 @@ def test_choice_mode_both_orders_cancel_position_bias(serve):
         judge(["q"], ["x"], references=[None])
 
 
+def test_parse_verdict_reads_the_named_verdict_group():
+    pat = re.compile(r"(\d+) vs (?P<echo>[^:\n]*): (?P<verdict>yes|no)")
+    assert parse_verdict("3 vs 4: no", pat) == "no"  # the named group, not the first one
+    assert parse_verdict("3 vs 4 no", pat) is None
+
+
+def test_an_echo_that_differs_from_the_response_gets_the_fallback(serve):
+    # The judge copies the answer it judges before its verdict. It reads "4." as "4" and "44"
+    # as "4" (a misread that says yes): only verdicts about the response itself count.
+    def judge(prompt):
+        answer = prompt.split("Answer: ")[1].split("\n")[0]
+        copied = answer.strip(".")[:1]
+        return f"4 vs {copied}: {'yes' if copied == '4' else 'no'}"
+
+    pattern = r"(\d+) vs (?P<echo>[^:\n]*): (?P<verdict>yes|no)"
+    rm = GenerativeReward(
+        url=serve(judge),
+        template="{prompt}\nAnswer: {response}\nRight?",
+        verdicts={"yes": 1.0, "no": 0.0},
+        pattern=pattern,
+        fallback=-1.0,
+        max_parse_failures=1,  # a mismatch is no parse failure: this must not refuse
+    )
+    out = rm(["q"] * 4, ["4", "3", "4.", "44"])
+    assert out.tolist() == [1.0, 0.0, -1.0, -1.0]
+    assert rm.last_metrics == {
+        "parse_failures": 0.0,
+        "parse_failure_rate": 0.0,
+        "echo_mismatches": 2.0,
+    }
+    assert rm.echo_mismatches == 2 and rm.parse_failures == 0
+    m = CombinedReward({"judge": rm})(["q"], ["44"]).metrics()
+    assert m["reward/judge/echo_mismatches"] == 1.0
+    plain = GenerativeReward(
+        url=serve(judge),
+        template="{prompt}\nAnswer: {response}\nRight?",
+        verdicts={"yes": 1.0, "no": 0.0},
+        fallback=-1.0,
+    )
+    assert plain(["q"] * 2, ["4.", "44"]).tolist() == [1.0, 1.0]  # without the echo: paid
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="exactly one of judge"):
         GenerativeReward(fallback=0.0)
@@ -108,6 +150,8 @@ def test_config_errors():
         GenerativeReward(url="http://x", fallback=0.0, template="Rate: {prompt}")
     with pytest.raises(ValueError, match="not a valid regex"):
         GenerativeReward(url="http://x", fallback=0.0, pattern="(")
+    with pytest.raises(ValueError, match="'echo' group applies to mode='score'"):
+        GenerativeReward(url="http://x", fallback=0.0, mode="choice", pattern="(?P<echo>A)")
 
 
 def test_local_judge_through_the_native_engine(tiny_model_dir):
