@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -231,6 +231,7 @@ class VideoInputs:
     ``pixel_values_videos``: the flat patches ``[patches, D]``. ``video_grid_thw``:
     ``[videos, 3]``. ``second_per_grid_ts``: ``[videos]`` seconds per temporal patch (Qwen2.5-VL's
     time positions) or None (Qwen2-VL). ``num_tokens``: video tokens per video.
+    ``processor_kwargs``: the frame bounds used (vLLM re-processes the frames with them).
     """
 
     videos: list[np.ndarray]
@@ -239,6 +240,7 @@ class VideoInputs:
     video_grid_thw: torch.Tensor
     second_per_grid_ts: torch.Tensor | None
     num_tokens: list[int]
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.videos)
@@ -273,6 +275,7 @@ class VideoInputs:
             video_grid_thw=torch.cat([x.video_grid_thw for x in present]),
             second_per_grid_ts=None if seconds[0] is None else torch.cat(seconds),  # type: ignore[arg-type]
             num_tokens=[n for x in present for n in x.num_tokens],
+            processor_kwargs=present[0].processor_kwargs,
         )
 
 
@@ -422,6 +425,7 @@ class VideoProcessor:
             torch.tensor(grids, dtype=torch.long),
             seconds,
             counts,
+            {"size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}},
         )
 
     def expand(
