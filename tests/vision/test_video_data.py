@@ -208,3 +208,15 @@ def test_video_needs_a_qwen_vl_processor_and_matching_parts(tiny_vlm, proc, tmp_
         PromptDataset(proc, data)
     with pytest.raises(ValueError, match="video_num_frames=8 is over max_video_frames=4"):
         PromptDataset(proc, data, video_num_frames=8, max_video_frames=4)
+
+
+def test_conversation_puts_each_videos_sampled_frames_in_its_part(proc, tmp_path):
+    from lightrft.data.prompts import conversation
+
+    write_video(tmp_path / "v.mp4", moving_square(4), fps=4)
+    data = _jsonl(tmp_path / "t.jsonl", [{"prompt": "<video>q", "answer": "a", "videos": "v.mp4"}])
+    item = PromptDataset(proc, data, video_fps=2.0)[0]
+    (msg,) = conversation(item["messages"], item["media"])
+    part = msg["content"][0]
+    assert part["type"] == "video" and len(part["video"]) == 2  # 4 frames at 4 fps, 2 kept
+    np.testing.assert_array_equal(np.asarray(part["video"][1]), item["media"].video.videos[0][1])
