@@ -423,12 +423,13 @@ def media_forward_kwargs(
     """The keyword arguments of a multimodal forward over ``input_ids`` ``[B, T]`` whose media
     tokens belong to ``media`` (a :class:`~lightrft.data.media.Media` of the batch, in order).
 
-    Each kind adds its inputs: images ``pixel_values`` (and ``image_grid_thw``), audio
+    Each kind adds its inputs: images ``pixel_values`` (and ``image_grid_thw``), videos
+    ``pixel_values_videos`` and ``video_grid_thw`` (and Qwen2.5-VL's ``second_per_grid_ts``), audio
     ``input_features`` and ``feature_attention_mask`` (Qwen2-Audio takes ordinary positions).
     M-RoPE models (Qwen-VL) also get:
 
-    * ``mm_token_type_ids`` rebuilt as ``input_ids == image_token_id`` over prompt + completion
-      (the processor's covers the prompt only; Qwen2-VL refuses image grids without it);
+    * ``mm_token_type_ids`` rebuilt over prompt + completion (1 on image tokens, 2 on video
+      tokens; the processor's covers the prompt only; Qwen2-VL refuses grids without it);
     * no 2-D ``position_ids`` for a padded batch (``attention_mask`` given): 2-D positions
       silently replace the 3-D M-RoPE ones, so the model computes them from ids, grids and mask;
     * for packed rows (``attention_mask=None``, ``position_ids`` restarting at 0 per sample), the
@@ -437,33 +438,54 @@ def media_forward_kwargs(
 
     Models without M-RoPE (LLaVA) take ordinary positions, so their packing works as for text.
     """
-    from lightrft.data.modality import image_token_id, is_audio_language, is_vision_language
+    from lightrft.data.modality import is_audio_language, is_vision_language
 
     config, name = getattr(model, "config", None), type(model).__name__
     if media.audio is not None and not is_audio_language(config):
         raise ValueError(f"audio was given but {name} is not an audio-language model")
     if media.image is not None and not is_vision_language(config):
         raise ValueError(f"images were given but {name} is not a vision-language model")
+    video = getattr(media, "video", None)
+    if video is not None and getattr(config, "video_token_id", None) is None:
+        raise ValueError(f"videos were given but {name} takes no video (no video_token_id)")
     kwargs: dict[str, torch.Tensor | None] = {
         "attention_mask": attention_mask,
         "position_ids": position_ids,
         **media.model_inputs(input_ids.device),
     }
     images = media.image
-    if images is None:
+    if images is None and video is None:
         return kwargs
     rope = mrope_model(model)
     if rope is None:
         return kwargs
-    mm = (input_ids == image_token_id(model.config)).int()  # [B, T]
+    mm = mm_token_types(model.config, input_ids)  # [B, T]
     kwargs["mm_token_type_ids"] = mm
     if attention_mask is not None or position_ids is None:
         kwargs["position_ids"] = None
     else:
         kwargs["position_ids"] = packed_mrope_positions(
-            rope, input_ids, mm, images.image_grid_thw, position_ids
+            rope,
+            input_ids,
+            mm,
+            None if images is None else images.image_grid_thw,
+            position_ids,
+            video_grid_thw=None if video is None else video.video_grid_thw,
+            second_per_grid_ts=None if video is None else video.second_per_grid_ts,
         )
     return kwargs
+
+
+def mm_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
+    """Qwen-VL's ``mm_token_type_ids`` of ``input_ids``: 1 on image tokens, 2 on video tokens,
+    0 elsewhere (int32, the shape of ``input_ids``)."""
+    from lightrft.data.modality import image_token_id
+
+    mm = (input_ids == image_token_id(config)).int()
+    video = getattr(config, "video_token_id", None)
+    if video is not None:
+        mm = mm + 2 * (input_ids == int(video)).int()
+    return mm
 
 
 def packed_mrope_positions(
@@ -472,26 +494,44 @@ def packed_mrope_positions(
     mm_token_type_ids: torch.Tensor,
     image_grid_thw: torch.Tensor | None,
     position_ids: torch.Tensor,
+    *,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(4, B, T)`` positions of packed rows: row 0 the given per-sample text positions
     ``[B, T]`` (restarting at 0 per sample), rows 1-3 each sample's own M-RoPE positions."""
     b, t = input_ids.shape
     out = torch.empty((4, b, t), dtype=torch.long, device=input_ids.device)
     out[0] = position_ids
-    grid_at = 0
+    at = {1: 0, 2: 0}  # next image / video grid row
+    rows = {1: image_grid_thw, 2: video_grid_thw}
     for r in range(b):
         starts = (position_ids[r] == 0).nonzero().flatten().tolist() + [t]
         for s, e in zip(starts[:-1], starts[1:], strict=True):
             mm = mm_token_type_ids[r, s:e]
-            # An image is one run of placeholder tokens (vision start/end markers separate runs).
-            runs = int(((mm[1:] == 1) & (mm[:-1] == 0)).sum()) + int(mm[0] == 1) if e > s else 0
-            grids = None
-            if runs:
-                assert image_grid_thw is not None, "image tokens without image grid rows"
-                grids = image_grid_thw[grid_at : grid_at + runs]
-                grid_at += runs
+            # An image or a video is one run of its placeholder tokens (vision start/end
+            # markers separate runs).
+            grids: dict[int, torch.Tensor | None] = {1: None, 2: None}
+            extra = {}
+            for kind in (1, 2):
+                runs = (
+                    int(((mm[1:] == kind) & (mm[:-1] != kind)).sum()) + int(mm[0] == kind)
+                    if e > s
+                    else 0
+                )
+                if not runs:
+                    continue
+                assert rows[kind] is not None, "vision tokens without their grid rows"
+                grids[kind] = rows[kind][at[kind] : at[kind] + runs]  # type: ignore[index]
+                if kind == 2 and second_per_grid_ts is not None:
+                    extra["second_per_grid_ts"] = second_per_grid_ts[at[2] : at[2] + runs]
+                at[kind] += runs
             pos, _ = rope.get_rope_index(
-                input_ids[r : r + 1, s:e], mm_token_type_ids=mm[None], image_grid_thw=grids
+                input_ids[r : r + 1, s:e],
+                mm_token_type_ids=mm[None],
+                image_grid_thw=grids[1],
+                video_grid_thw=grids[2],
+                **extra,
             )  # [3, 1, e - s]
             out[1:, r, s:e] = pos[:, 0]
     return out

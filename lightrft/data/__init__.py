@@ -27,6 +27,7 @@ from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
+from lightrft.data.video import VideoInputs, VideoProcessor
 from lightrft.data.vision import ImageInputs, ImageProcessor
 
 __all__ = [
@@ -47,6 +48,8 @@ __all__ = [
     "ResumableDataLoader",
     "SFTDataset",
     "StepCollator",
+    "VideoInputs",
+    "VideoProcessor",
     "build_dataloader",
     "collate_prompts",
     "conversation",

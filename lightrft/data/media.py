@@ -1,15 +1,15 @@
 """A sample's media as one typed object, from the dataset to the model's forward.
 
 :class:`Media` holds the processed inputs of each kind a sample has: its images
-(:class:`~lightrft.data.vision.ImageInputs`) and its audio (:class:`~lightrft.data.audio.AudioInputs`),
-each in the order of its placeholder runs in the token ids. The same object is a dataset item's
+(:class:`~lightrft.data.vision.ImageInputs`), its audio (:class:`~lightrft.data.audio.AudioInputs`)
+and its videos (:class:`~lightrft.data.video.VideoInputs`), each in the order of its placeholder runs in the token ids. The same object is a dataset item's
 ``"media"``, a collated batch's ``"media"`` (its samples' media joined in token order), one entry
 per row of a rollout batch, an engine request's ``media`` and a micro-batch's ``media``; the
 forward funnel (:func:`lightrft.kernels.forward_on_hidden`) takes it as ``media=``.
 
-Adding a modality (video) is a field here, its reader in :mod:`lightrft.data.records` and its
-inputs in the model funnel (:func:`lightrft.kernels.hf.media_forward_kwargs`); nothing between
-them changes.
+Adding a modality is a field here, its reader in :mod:`lightrft.data.records` and its inputs in
+the model funnel (:func:`lightrft.kernels.hf.media_forward_kwargs`); nothing between them
+changes. Video was added that way.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from lightrft.data.audio import AudioInputs
+from lightrft.data.video import VideoInputs
 from lightrft.data.vision import ImageInputs
 
 __all__ = ["Media", "MediaInputs"]
 
-MediaInputs = ImageInputs | AudioInputs
+MediaInputs = ImageInputs | AudioInputs | VideoInputs
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Media:
 
     image: ImageInputs | None = None
     audio: AudioInputs | None = None
+    video: VideoInputs | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -74,4 +76,4 @@ class Media:
         return out
 
 
-_TYPES: dict[str, type] = {"image": ImageInputs, "audio": AudioInputs}
+_TYPES: dict[str, type] = {"image": ImageInputs, "audio": AudioInputs, "video": VideoInputs}

@@ -14,6 +14,7 @@ from lightrft.data.io import DataError, PathLike, require_field
 from lightrft.data.media import Media
 from lightrft.data.records import MediaSamples, Truncation, check_truncation, open_records
 from lightrft.data.templates import check_messages, encode_prompt, with_system
+from lightrft.data.video import OverlongVideo
 from lightrft.data.vision import as_processor
 
 __all__ = ["PromptDataset", "conversation"]
@@ -59,6 +60,8 @@ class PromptDataset(torch.utils.data.Dataset):
         images_field, min_pixels, max_pixels: images, as in :class:`~lightrft.data.SFTDataset`.
         audios_field, max_audio_seconds, overlong_audio: audio, as in
             :class:`~lightrft.data.SFTDataset`.
+        videos_field, video_fps, video_num_frames, max_video_frames, overlong_video,
+            video_min_pixels, video_max_pixels: videos, as in :class:`~lightrft.data.SFTDataset`.
     """
 
     def __init__(
@@ -84,6 +87,13 @@ class PromptDataset(torch.utils.data.Dataset):
         audios_field: str | None = "audios",
         max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
         overlong_audio: OverlongAudio = "clip",
+        videos_field: str | None = "videos",
+        video_fps: Annotated[float | None, Bound(gt=0)] = None,
+        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
+        max_video_frames: Annotated[int | None, Bound(ge=1)] = None,
+        overlong_video: OverlongVideo = "clip",
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
     ) -> None:
         if truncation != "error":
             check_truncation(truncation)
@@ -96,6 +106,15 @@ class PromptDataset(torch.utils.data.Dataset):
             audios_field,
             max_audio_seconds,
             overlong_audio,
+            video={
+                "field": videos_field,
+                "fps": video_fps,
+                "num_frames": video_num_frames,
+                "max_frames": max_video_frames,
+                "overlong": None if overlong_video == "clip" else overlong_video,
+                "min_pixels": video_min_pixels,
+                "max_pixels": video_max_pixels,
+            },
         )
         self.tokenizer = tokenizer
         self.truncation = truncation
@@ -263,12 +282,15 @@ def conversation(
     """A prompt item's chat (its ``messages``) with its media inline: the k-th image part holds
     the k-th image of the item's ``media`` (resized as the actor saw it) under ``"image"``, the
     k-th audio part the k-th audio (decoded, clipped, at the feature extractor's rate) as an HF
-    audio value ``{"array", "sampling_rate"}`` under ``"audio"``: the HF content format that
+    audio value ``{"array", "sampling_rate"}`` under ``"audio"``, the k-th video part the k-th
+    video's sampled frames (PIL images) under ``"video"``: the HF content format that
     preference data reads too. ``None`` for a raw prompt (no messages). Reward functions with
     ``uses_conversations`` get these, so a reward model renders the chat with its own template,
     as in its training."""
     if messages is None:
         return None
+    from PIL import Image
+
     pictures = iter(media.image.images if media is not None and media.image is not None else ())
     audio = media.audio if media is not None else None
     clips = iter(
@@ -276,7 +298,12 @@ def conversation(
         if audio is not None
         else []
     )
-    inline = {"image": pictures, "audio": clips}
+    movies = iter(
+        [[Image.fromarray(f) for f in v] for v in media.video.videos]
+        if media is not None and media.video is not None
+        else []
+    )
+    inline = {"image": pictures, "audio": clips, "video": movies}
     out = []
     for m in messages:
         content = m["content"]

@@ -20,6 +20,7 @@ from lightrft.data.audio import AudioInputs, AudioProcessor, OverlongAudio
 from lightrft.data.io import DataError, PathLike, Records, load_records
 from lightrft.data.media import Media
 from lightrft.data.templates import has_parts
+from lightrft.data.video import DecodedVideo, VideoInputs, VideoProcessor, takes_video
 from lightrft.data.vision import ImageInputs, ImageProcessor, record_media
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
 
 _NO_IMAGES = ImageInputs([], torch.empty(0), None, [], {})
 _NO_AUDIO = AudioInputs([], torch.empty(0), torch.empty(0), [], 0)
+_NO_VIDEO = VideoInputs([], [], torch.empty(0), torch.empty(0, 3, dtype=torch.long), None, [])
 Truncation = Literal["truncate", "drop"]
 
 
@@ -58,11 +60,13 @@ def open_records(
 
 @dataclass(frozen=True)
 class DecodedMedia:
-    """A sample's media as loaded (lists of PIL images / waveforms), before processing into
-    :class:`~lightrft.data.media.Media`. A kind the sample does not have is None."""
+    """A sample's media as loaded (lists of PIL images / waveforms / sampled frames), before
+    processing into :class:`~lightrft.data.media.Media`. A kind the sample does not have is
+    None."""
 
     image: list | None = None
     audio: list | None = None
+    video: list[DecodedVideo] | None = None
 
 
 class MediaSamples:
@@ -71,7 +75,11 @@ class MediaSamples:
     and prompt datasets so that images and audio ride the same path as text.
 
     Which kinds a dataset takes follows the processor: an ``image_processor`` takes images, a
-    ``feature_extractor`` (Whisper features: Qwen2-Audio) takes audio.
+    Qwen2-VL / Qwen2.5-VL processor videos too (:func:`~lightrft.data.video.takes_video`), a
+    ``feature_extractor`` (Whisper features: Qwen2-Audio) takes audio. ``video``: the
+    :class:`~lightrft.data.video.VideoProcessor` options (``fps``, ``num_frames``,
+    ``max_frames``, ``overlong``, ``min_pixels``, ``max_pixels``) and ``field``, the records'
+    video list.
     """
 
     def __init__(
@@ -83,7 +91,11 @@ class MediaSamples:
         audios_field: str | None = "audios",
         max_audio_seconds: float | None = None,
         overlong_audio: OverlongAudio = "clip",
+        video: dict[str, Any] | None = None,
     ) -> None:
+        video = dict(video or {})
+        videos_field = video.pop("field", "videos")
+        video = {k: v for k, v in video.items() if v is not None}
         has_images = getattr(processor, "image_processor", None) is not None
         has_audio = getattr(processor, "feature_extractor", None) is not None
         self.images = (
@@ -108,18 +120,39 @@ class MediaSamples:
                 "max_audio_seconds / overlong_audio need an audio-language processor (the "
                 f"dataset was given {'a tokenizer' if processor is None else type(processor).__name__})"
             )
+        self.video = VideoProcessor(processor, **video) if takes_video(processor) else None
+        if self.video is None and video:
+            raise ValueError(
+                "video options (video_fps, video_num_frames, max_video_frames, ...) need a "
+                "Qwen2-VL or Qwen2.5-VL processor (the dataset was given "
+                f"{'a tokenizer' if processor is None else type(processor).__name__})"
+            )
         self.fields: dict[str, str | None] = {}
         if self.images is not None:
             self.fields["image"] = images_field
+        if self.video is not None:
+            self.fields["video"] = videos_field
         if self.audio is not None:
             self.fields["audio"] = audios_field
-        self._all_fields = {"image": images_field, "audio": audios_field}
+        self._all_fields = {"image": images_field, "video": videos_field, "audio": audios_field}
+        self._token_ids = {
+            kind: proc.video_token_id if kind == "video" else proc.image_token_id
+            for kind, proc in (("image", self.images), ("video", self.video))
+            if proc is not None
+        }
+        if self.audio is not None:
+            self._token_ids["audio"] = self.audio.audio_token_id
         self.kinds = list(self.fields)
 
     @property
     def clipped(self) -> int:
         """Audio clipped to ``max_audio_seconds`` so far."""
         return self.audio.clipped if self.audio is not None else 0
+
+    @property
+    def videos_clipped(self) -> int:
+        """Videos clipped to ``max_video_frames`` so far."""
+        return self.video.clipped if self.video is not None else 0
 
     def messages(self, src: Records, i: int, msgs: list[dict[str, Any]]):
         """``(messages with media parts, its DecodedMedia or None)`` of record ``i``.
@@ -135,10 +168,14 @@ class MediaSamples:
                     if not self.kinds
                     else f"a processor for {' and '.join(k + 's' for k in self.kinds)} only"
                 )
+                need = {
+                    "image": "a vision-language",
+                    "video": "a Qwen2-VL or Qwen2.5-VL",
+                    "audio": "an audio-language",
+                }[kind]
                 raise DataError(
                     f"{where}: the record has {kind}s, but the dataset was built with {model} "
-                    f"(field {field!r}): a {'vision' if kind == 'image' else 'audio'}-language "
-                    "model's processor is needed"
+                    f"(field {field!r}): {need} model's processor is needed"
                 )
         if not self.kinds:
             # Text models: "<image>" in a string is just text, but content parts are an error.
@@ -151,16 +188,20 @@ class MediaSamples:
         if not any(raw.values()):
             return msgs, None
         base = src.base_dir(i)
-        images = audios = None
+        images = audios = videos = None
         if raw.get("image"):
             assert self.images is not None
             field = self.fields["image"] or "content"
             images = self.images.load(raw["image"], base_dir=base, where=where, field=field)
+        if raw.get("video"):
+            assert self.video is not None
+            field = self.fields["video"] or "content"
+            videos = self.video.load(raw["video"], base_dir=base, where=where, field=field)
         if raw.get("audio"):
             assert self.audio is not None
             field = self.fields["audio"] or "content"
             audios = self.audio.load(raw["audio"], base_dir=base, where=where, field=field)
-        return msgs, DecodedMedia(images, audios)
+        return msgs, DecodedMedia(images, audios, videos)
 
     def raw_mode(self, src: Records, i: int) -> None:
         """Raw (template-free) records cannot place media tokens: refuse their media."""
@@ -172,15 +213,18 @@ class MediaSamples:
                 )
 
     def process(self, media: DecodedMedia) -> Media:
-        """Pixel values / audio features of a sample's decoded media."""
-        images = audios = None
+        """Pixel values / video patches / audio features of a sample's decoded media."""
+        images = audios = videos = None
         if media.image:
             assert self.images is not None
             images = self.images.process(media.image)
+        if media.video:
+            assert self.video is not None
+            videos = self.video.process(media.video)
         if media.audio:
             assert self.audio is not None
             audios = self.audio.process(media.audio)
-        return Media(images, audios)
+        return Media(images, audios, videos)
 
     def expand(
         self, ids: list[int], labels, media: DecodedMedia | None, where: str
@@ -193,6 +237,9 @@ class MediaSamples:
         if self.images is not None:
             field = self.fields["image"] or "content"
             ids, labels = self.images.expand(ids, labels, done.image or _NO_IMAGES, where, field)
+        if self.video is not None:
+            field = self.fields["video"] or "content"
+            ids, labels = self.video.expand(ids, labels, done.video or _NO_VIDEO, where, field)
         if self.audio is not None:
             field = self.fields["audio"] or "content"
             ids, labels = self.audio.expand(ids, labels, done.audio or _NO_AUDIO, where, field)
@@ -203,7 +250,7 @@ class MediaSamples:
         if media is None:
             return True
         for kind, inputs in media.kinds():
-            tok = self.images.image_token_id if kind == "image" else self.audio.audio_token_id
+            tok = self._token_ids[kind]
             if sum(1 for t in ids if t == tok) != sum(inputs.num_tokens):
                 return False
         return True
@@ -212,15 +259,22 @@ class MediaSamples:
         """Whether ``cut`` (a prefix of ``full``) still holds every media token of ``full``:
         a sample that lost some cannot be forwarded (the model finds fewer tokens than its
         images and audio give)."""
-        ids = {self.images.image_token_id} if self.images is not None else set()
-        if self.audio is not None:
-            ids.add(self.audio.audio_token_id)
+        ids = set(self._token_ids.values())
         return sum(t in ids for t in cut) == sum(t in ids for t in full)
 
     def report(self, log: logging.Logger, source: str, stats: dict, noun: str, audio_dropped, cut):
         """Add the audio counts to a dataset's ``stats`` and warn on the dataset's ``log`` of the
         ``noun``s (prompts, samples) dropped for audio or ``cut`` (``"max_length=N truncated"``)
         at the length limit, as ``stats`` counts them."""
+        if self.video is not None:
+            stats["video_clipped"] = self.videos_clipped
+            if self.videos_clipped:
+                log.warning(
+                    "%s: clipped %d video(s) to max_video_frames=%d",
+                    source,
+                    self.videos_clipped,
+                    self.video.max_frames,
+                )
         if self.audio is not None:
             stats.update(audio_clipped=self.clipped, audio_dropped=audio_dropped)
             if audio_dropped:

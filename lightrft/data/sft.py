@@ -42,6 +42,7 @@ from lightrft.data.templates import (
     eos_id,
     with_system,
 )
+from lightrft.data.video import OverlongVideo
 from lightrft.data.vision import as_processor
 
 __all__ = ["SFTDataset", "refuse_tool_transcript"]
@@ -103,6 +104,16 @@ class SFTDataset(torch.utils.data.Dataset):
         max_audio_seconds: the longest audio kept (None: the feature extractor's chunk).
         overlong_audio: ``"clip"`` an audio over ``max_audio_seconds`` to it, or ``"drop"`` the
             sample; counted in ``stats`` (``audio_clipped``, ``audio_dropped``).
+        videos_field: the records' video list (each a video file path relative to the data
+            file, or a list of frame images); ``None`` reads videos only from inline video parts.
+            Qwen2-VL / Qwen2.5-VL only; see :mod:`lightrft.data.video`.
+        video_fps: frames sampled per second of video (default 2; frame lists: the rate their
+            frames were taken at). video_num_frames: sample that many frames evenly instead.
+        max_video_frames: the most frames a video gives after sampling (default 32); a longer
+            one is clipped to its first frames (``overlong_video="clip"``, counted in ``stats``
+            as ``video_clipped``) or refused (``"refuse"``), naming the file, line and field.
+        video_min_pixels, video_max_pixels: bounds on each frame's area (default: the image
+            processor's).
     """
 
     def __init__(
@@ -125,6 +136,13 @@ class SFTDataset(torch.utils.data.Dataset):
         audios_field: str | None = "audios",
         max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
         overlong_audio: OverlongAudio = "clip",
+        videos_field: str | None = "videos",
+        video_fps: Annotated[float | None, Bound(gt=0)] = None,
+        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
+        max_video_frames: Annotated[int | None, Bound(ge=1)] = None,
+        overlong_video: OverlongVideo = "clip",
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
     ) -> None:
         check_truncation(truncation)
         if max_length is not None and max_length < 2:
@@ -140,6 +158,15 @@ class SFTDataset(torch.utils.data.Dataset):
             audios_field,
             max_audio_seconds,
             overlong_audio,
+            video={
+                "field": videos_field,
+                "fps": video_fps,
+                "num_frames": video_num_frames,
+                "max_frames": max_video_frames,
+                "overlong": None if overlong_video == "clip" else overlong_video,
+                "min_pixels": video_min_pixels,
+                "max_pixels": video_max_pixels,
+            },
         )
         self.max_length = max_length
         src = open_records(path, records, split)
@@ -205,6 +232,9 @@ class SFTDataset(torch.utils.data.Dataset):
         n_images = sum(len(m.image or ()) for m in self._media if m)
         if n_images:
             self.stats["images"] = n_images
+        n_videos = sum(len(m.video or ()) for m in self._media if m)
+        if n_videos:
+            self.stats["videos"] = n_videos
         if self.media.audio is not None:
             self.stats["audios"] = sum(len(m.audio or ()) for m in self._media if m)
         cut = f"max_length={max_length} truncated"

@@ -43,13 +43,13 @@ def eos_id(tokenizer) -> int:
     return int(tokenizer.eos_token_id)
 
 
-MEDIA_PARTS = ("image", "audio")
+MEDIA_PARTS = ("image", "video", "audio")
 
 
 def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]]:
     """Validate a chat list: each item a dict with a string ``role`` and a ``content`` that is a
     string or a list of HF content parts (``{"type": "text", "text": ...}``,
-    ``{"type": "image", ...}``, ``{"type": "audio", ...}``)."""
+    ``{"type": "image", ...}``, ``{"type": "video", ...}``, ``{"type": "audio", ...}``)."""
     from lightrft.data.io import DataError
 
     if not isinstance(messages, list) or not messages:
@@ -65,15 +65,10 @@ def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 if kind == "text" and isinstance(part.get("text"), str) or kind in MEDIA_PARTS:
                     continue
-                if kind == "video":
-                    raise DataError(
-                        f"{where}: {field}[{j}].content[{k}] is a video part: video input is not "
-                        "supported (LightRFT takes images and audio; give frames as images)"
-                    )
                 raise DataError(
                     f"{where}: {field}[{j}].content[{k}] must be a text part "
-                    '({"type": "text", "text": ...}), an image part ({"type": "image"}) or an '
-                    'audio part ({"type": "audio"})'
+                    '({"type": "text", "text": ...}), an image part ({"type": "image"}), a video '
+                    'part ({"type": "video"}) or an audio part ({"type": "audio"})'
                 )
         elif not isinstance(content, str):
             raise DataError(f"{where}: {field}[{j}] has no string 'content' (or list of parts)")

@@ -269,7 +269,11 @@ class ImageProcessor:
         )
 
 
-_TAGS = {"image": IMAGE_PLACEHOLDER, "audio": "<audio>"}
+def _a(kind: str) -> str:
+    return "an" if kind[0] in "aeiou" else "a"
+
+
+_TAGS = {"image": IMAGE_PLACEHOLDER, "video": "<video>", "audio": "<audio>"}
 
 
 def expand_placeholders(
@@ -310,7 +314,8 @@ def expand_placeholders(
             continue
         if labels is not None and labels[j] != IGNORE_INDEX:
             raise DataError(
-                f"{where}: {field}: an {kind} in an assistant turn; {kind} parts go in user turns"
+                f"{where}: {field}: {_a(kind)} {kind} in an assistant turn; {kind} parts go in "
+                "user turns"
             )
         out_ids.extend([token_id] * counts[k])
         if out_labels is not None:
@@ -320,8 +325,12 @@ def expand_placeholders(
 
 
 # Where an inline part holds its source, per kind (HF content format; Qwen2-Audio's "audio_url").
-_INLINE_KEYS = {"image": ("image", "path", "url"), "audio": ("audio", "path", "url", "audio_url")}
-MEDIA_KINDS = ("image", "audio")
+_INLINE_KEYS = {
+    "image": ("image", "path", "url"),
+    "video": ("video", "path", "url"),
+    "audio": ("audio", "path", "url", "audio_url"),
+}
+MEDIA_KINDS = ("image", "video", "audio")
 
 
 def as_processor(tokenizer_or_processor) -> tuple[Any, Any | None]:
@@ -362,11 +371,12 @@ def record_media(
 ) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
     """The messages with media parts, and the record's raw media per kind in placeholder order.
 
-    ``fields`` maps each kind the model's processor takes (``"image"``, ``"audio"``) to the
+    ``fields`` maps each kind the model's processor takes (``"image"``, ``"video"``,
+    ``"audio"``) to the
     record field holding that kind's list (or None: inline parts only). Media come from that
     field (a list, or one value) or inline in parts (``{"type": "image", "image": ...}``,
-    ``{"type": "audio", "audio": ...}``), not both. String contents are split at the kinds'
-    tags (``<image>``, ``<audio>``) into parts.
+    ``{"type": "video", "video": ...}``, ``{"type": "audio", "audio": ...}``), not both. String
+    contents are split at the kinds' tags (``<image>``, ``<video>``, ``<audio>``) into parts.
 
     Raises:
         DataError: media both in the field and inline, a different number of media than parts,
@@ -387,7 +397,7 @@ def record_media(
             if kind in MEDIA_KINDS and kind not in kinds:
                 takes = " and ".join(f"{k}s" for k in kinds)
                 raise DataError(
-                    f"{where}: an {kind} part, but the model's processor takes {takes} only"
+                    f"{where}: {_a(kind)} {kind} part, but the model's processor takes {takes} only"
                 )
             if kind in kinds:
                 n_parts[kind] += 1

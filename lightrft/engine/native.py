@@ -288,6 +288,8 @@ class NativeEngine:
         self.media_token_ids: dict[str, int] = {}
         if self.is_vision:
             self.media_token_ids["image"] = modality.image_token_id(config)
+            if config.model_type in VIDEO_MODEL_TYPES:
+                self.media_token_ids["video"] = int(config.video_token_id)
         if self.is_audio:
             self.media_token_ids["audio"] = modality.audio_token_id(config)
         # Vision-language models: the image token, the M-RoPE position maker (Qwen-VL). Both:
@@ -535,7 +537,9 @@ class NativeEngine:
             )
         unknown = [k for k in kinds if k not in self.media_token_ids]
         if unknown:
-            takes = " and ".join("images" if k == "image" else k for k in self.media_token_ids)
+            takes = " and ".join(
+                {"image": "images", "video": "videos"}.get(k, k) for k in self.media_token_ids
+            )
             raise ValueError(
                 f"requests[{index}] carries {' and '.join(unknown)}; the native engine takes "
                 f"{takes} only for this model ({self.model.config.model_type})"
@@ -646,11 +650,20 @@ class NativeEngine:
         zero = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         if self.rope is None:
             return pos, zero
-        mm = (tokens == self.image_token_id).int()  # [C, P]
+        from lightrft.kernels.hf import mm_token_types
+
+        mm = mm_token_types(self.model.config, tokens)  # [C, P]: 1 image, 2 video tokens
         images = media.image if media is not None else None
-        grid = None if images is None else images.image_grid_thw.to(tokens.device)
+        video = media.video if media is not None else None
+        kwargs = {}
+        if images is not None:
+            kwargs["image_grid_thw"] = images.image_grid_thw.to(tokens.device)
+        if video is not None:
+            kwargs["video_grid_thw"] = video.video_grid_thw.to(tokens.device)
+            if video.second_per_grid_ts is not None:
+                kwargs["second_per_grid_ts"] = video.second_per_grid_ts.to(tokens.device)
         pos3, deltas = self.rope.get_rope_index(
-            tokens, mm_token_type_ids=mm, image_grid_thw=grid, attention_mask=real.long()
+            tokens, mm_token_type_ids=mm, attention_mask=real.long(), **kwargs
         )
         return pos3, deltas.reshape(-1).to(torch.long)
 
@@ -1210,6 +1223,11 @@ def _check_unsharded(model: nn.Module) -> None:
                 f"NativeEngine needs an unsharded model, but parameter {name!r} is a DTensor; "
                 "build the engine from the HF directory and call sync_weights(model, engine)"
             )
+
+
+# Vision-language models whose videos the native engine places (one run of video tokens per
+# video; Qwen3-VL interleaves frame timestamps and is not among them).
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def _check_supported(config) -> None:

@@ -158,10 +158,10 @@ def sglang_prompt(
             f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
             "give (lightrft.data.media)"
         )
-    if media.audio is not None:
+    if media.audio is not None or media.video is not None:
+        kind = "audio" if media.audio is not None else "video"
         raise ValueError(
-            "SGLangEngine takes images only; for audio-language models use NativeEngine or "
-            "VLLMEngine"
+            f"SGLangEngine takes images only; for {kind} use NativeEngine or VLLMEngine"
         )
     if media.image is None:
         return list(ids), None

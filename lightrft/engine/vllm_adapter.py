@@ -113,6 +113,7 @@ def vllm_prompt(
     media: Media | None,
     image_token_id: int | None,
     audio_token_id: int | None = None,
+    video_token_id: int | None = None,
 ) -> dict[str, Any]:
     """The vLLM ``TokensPrompt`` dict of a request whose prompt ids hold expanded placeholders.
 
@@ -120,7 +121,11 @@ def vllm_prompt(
     of ``num_tokens`` placeholder tokens is collapsed to one (vLLM's processor expands it again,
     with the same image-processor settings, sent as ``mm_processor_kwargs``). Audio becomes
     vLLM's ``(waveform, sampling_rate)`` list under ``multi_modal_data["audio"]``, its
-    placeholder runs collapsed the same way.
+    placeholder runs collapsed the same way. Videos become ``(frames, metadata)`` pairs under
+    ``multi_modal_data["video"]``: the sampled, resized ``[T, H, W, 3]`` uint8 frames the actor
+    saw and their rate (``fps``, every frame kept: ``do_sample_frames`` off), with the frame
+    bounds under ``mm_processor_kwargs["videos_kwargs"]`` so that vLLM's processor places as
+    many video tokens as ours (written to vLLM's documented input forms; not yet run on a GPU).
     """
     prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
     if media is None:
@@ -147,6 +152,28 @@ def vllm_prompt(
         mm["image"] = list(media.image.images)
         if media.image.processor_kwargs:
             prompt["mm_processor_kwargs"] = dict(media.image.processor_kwargs)
+    if media.video is not None:
+        if video_token_id is None:
+            raise ValueError("the request has videos but the model takes no video")
+        video = media.video
+        prompt["prompt_token_ids"] = collapse_placeholders(
+            prompt["prompt_token_ids"], video_token_id, video.num_tokens, kind="video"
+        )
+        mm["video"] = [
+            (
+                frames,
+                {
+                    "fps": fps,
+                    "total_num_frames": len(frames),
+                    "frames_indices": list(range(len(frames))),
+                    "duration": len(frames) / fps,
+                    "video_backend": "lightrft",
+                },
+            )
+            for frames, fps in zip(video.videos, video.fps, strict=True)
+        ]
+        kwargs = prompt.setdefault("mm_processor_kwargs", {})
+        kwargs["videos_kwargs"] = {**video.processor_kwargs, "do_sample_frames": False}
     if mm:
         prompt["multi_modal_data"] = mm
     return prompt
@@ -262,6 +289,11 @@ class VLLMEngine:
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.image_token_id = modality.image_token_id(hf_config) if vlm else None
         self.audio_token_id = modality.audio_token_id(hf_config) if alm else None
+        self.video_token_id = (
+            int(hf_config.video_token_id)
+            if vlm and hf_config.model_type in ("qwen2_vl", "qwen2_5_vl")
+            else None
+        )
         self.suppress_token_ids = modality.media_token_ids(hf_config)
         self._names, self._required = hf_weight_names(hf_config)
         self._asleep: set[str] = set()
@@ -350,7 +382,9 @@ class VLLMEngine:
         return mine
 
     def _prompt(self, ids: list[int], req: Request) -> dict[str, Any]:
-        return vllm_prompt(ids, req.media, self.image_token_id, self.audio_token_id)
+        return vllm_prompt(
+            ids, req.media, self.image_token_id, self.audio_token_id, self.video_token_id
+        )
 
     def _sampling(self, p: SamplingParams, **kwargs: Any) -> dict[str, Any]:
         return vllm_sampling_kwargs(p, suppress_token_ids=self.suppress_token_ids, **kwargs)

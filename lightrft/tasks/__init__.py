@@ -1,5 +1,5 @@
 """The data sets and tiny models that configs' ``prepare`` steps make: synthetic demo tasks
-(arithmetic, multiplication with a calculator, counting boards, tones), converters of public tasks (GSM8K, audio question
+(arithmetic, multiplication with a calculator, counting boards, moving squares, tones), converters of public tasks (GSM8K, audio question
 answering), and tiny randomly initialised HF models.
 
     prepare:
@@ -25,6 +25,7 @@ from lightrft.tasks.calc import (
     write_calc_dataset,
 )
 from lightrft.tasks.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
+from lightrft.tasks.motion import ensure_motion_dataset, write_motion_dataset
 from lightrft.tasks.shapes import (
     ensure_shapes_dataset,
     ensure_shapes_judgments,
@@ -48,6 +49,7 @@ __all__ = [
     "ensure_arith_preferences",
     "ensure_calc_dataset",
     "ensure_gsm8k",
+    "ensure_motion_dataset",
     "ensure_shapes_dataset",
     "ensure_shapes_judgments",
     "ensure_shapes_preferences",
@@ -64,6 +66,7 @@ __all__ = [
     "tone_clip",
     "write_arith_dataset",
     "write_calc_dataset",
+    "write_motion_dataset",
     "write_shapes_dataset",
     "write_tones_dataset",
 ]

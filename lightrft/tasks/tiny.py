@@ -128,15 +128,22 @@ QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|
 LLAVA_IMAGE_TOKEN = "<image>"
 
 
-def _vision_chat_template(image: str, kind: str = "image") -> str:
+def _vision_chat_template(image: str, kind: str = "image", video: str | None = None) -> str:
     """ChatML whose content may be a string or a list of HF content parts; each
-    ``{"type": kind}`` part renders as ``image`` (the processor expands it per image or audio)."""
+    ``{"type": kind}`` part renders as ``image`` (the processor expands it per image or audio),
+    each ``{"type": "video"}`` part as ``video`` when given."""
+    video_part = "" if video is None else "{% elif part['type'] == 'video' %}" + video
     return (
         "{% for message in messages %}"
         "<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}"
-        "{% if part['type'] == '" + kind + "' %}" + image + "{% elif part['type'] == 'text' %}"
+        "{% if part['type'] == '"
+        + kind
+        + "' %}"
+        + image
+        + video_part
+        + "{% elif part['type'] == 'text' %}"
         "{{ part['text'] }}{% endif %}"
         "{% endfor %}{% endif %}"
         "<|im_end|>\n"
@@ -434,7 +441,10 @@ def _tiny_processor(arch: str, tok):
             patch_size=_patch(arch),
         ),
         tokenizer=tok,
-        chat_template=_vision_chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
+        chat_template=_vision_chat_template(
+            "<|vision_start|><|image_pad|><|vision_end|>",
+            video="<|vision_start|><|video_pad|><|vision_end|>",
+        ),
     )
 
 

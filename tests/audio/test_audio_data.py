@@ -270,7 +270,8 @@ def test_audio_part_for_a_vision_model_is_refused(tmp_path, tiny_vlm):
         "completion": "c",
     }
     with pytest.raises(
-        DataError, match="line 1: an audio part, but the model's processor takes images only"
+        DataError,
+        match="line 1: an audio part, but the model's processor takes images and videos only",
     ):
         SFTDataset(load_processor(tiny_vlm("qwen2_vl")), jsonl(tmp_path / "t.jsonl", [rec]))
 

@@ -210,8 +210,7 @@ def test_truncation_that_would_cut_an_image_drops_the_sample(proc):
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "video"}]}], "answer": "a"},
-            r"train\.jsonl line 1: messages\[0\]\.content\[0\] is a video part: video input "
-            "is not supported",
+            r"train\.jsonl line 1: field 'videos': 0 video\(s\) but the messages have 1 video",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "gif"}]}], "answer": "a"},

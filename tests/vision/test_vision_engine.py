@@ -101,7 +101,9 @@ def test_bad_multimodal_requests(tiny_vlm, tiny_model_dir):
     audio = AudioInputs(
         [np.zeros(8, np.float32)], torch.zeros(1, 2, 4), torch.ones(1, 4), [1], 16000
     )
-    with pytest.raises(ValueError, match=r"carries audio; the native engine takes images only"):
+    with pytest.raises(
+        ValueError, match=r"carries audio; the native engine takes images and videos only"
+    ):
         engine.generate([Request(reqs[0].prompt_token_ids, Media(audio=audio))], sp)
     text_engine = NativeEngine(tiny_model_dir, dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="not a vision-language model"):

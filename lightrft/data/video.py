@@ -1,0 +1,461 @@
+"""Video for vision-language samples (Qwen2-VL, Qwen2.5-VL): decode, sample, resize, patch, and
+place video tokens.
+
+A record's videos come from a ``videos`` field (a list of videos; a single path is a list of one)
+or inline in HF content parts (``{"type": "video", "video" | "path" | "url": ...}``); a string
+content may mark where a video goes with ``<video>`` tags. Each video is
+
+- a path to a video file (whatever FFmpeg decodes: mp4, webm, avi, ...), relative to the data
+  file's directory (or absolute), decoded with PyAV (FFmpeg bindings whose wheels bundle
+  FFmpeg; no torchvision, which does not import beside the torch 2.13 CPU wheel);
+- or a list of frame images (paths, base64, PIL images: anything an image part takes), the HF
+  content format's other form, taken as frames at ``video_fps`` frames per second.
+
+Frames are sampled when the dataset is built: at ``video_fps`` frames per second of the video's
+own clock (all frames when the video is slower), or ``video_num_frames`` frames spread evenly
+over the video. More than ``max_video_frames`` sampled frames is a video over the limit: its
+first ``max_video_frames`` are kept (``overlong_video="clip"``, counted in the dataset's stats)
+or the dataset is refused (``"refuse"``), naming the file, line and field, as a missing file, an
+undecodable one and one without frames are.
+
+Each frame is resized (bicubic, aspect kept) to a multiple of ``patch_size * merge_size`` on both
+sides with its area within ``[video_min_pixels, video_max_pixels]`` (default: the image
+processor's bounds), then turned into the model's temporal patches by :func:`video_patches`:
+frames grouped by ``temporal_patch_size`` (the last frame repeated when the count is odd), each
+group cut into ``patch_size`` squares ordered by ``merge_size`` blocks, as the image patches are
+(an image is a video of one frame repeated). ``video_grid_thw`` is ``[t, h, w]`` in patches;
+Qwen2.5-VL also gets ``second_per_grid_ts`` (``temporal_patch_size / fps``) for the time axis of
+its M-RoPE positions.
+
+Per sample, the processed videos travel as one :class:`VideoInputs` in the sample's
+:class:`~lightrft.data.media.Media`, beside its images and audio.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from lightrft.data.io import DataError
+
+__all__ = [
+    "VIDEO_PLACEHOLDER",
+    "DecodedVideo",
+    "OverlongVideo",
+    "VideoInputs",
+    "VideoProcessor",
+    "decode_video",
+    "fit_frame_size",
+    "sample_indices",
+    "video_patches",
+]
+
+VIDEO_PLACEHOLDER = "<video>"
+OverlongVideo = Literal["clip", "refuse"]
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """A video as loaded: its sampled, resized RGB frames ``[T, H, W, 3]`` uint8 and the rate
+    they were sampled at (frames per second)."""
+
+    frames: np.ndarray
+    fps: float
+
+
+def fit_frame_size(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """``(height, width)`` rounded to multiples of ``factor``, rescaled (aspect kept) so that
+    the area lies within ``[min_pixels, max_pixels]`` (the rule of Qwen-VL's processors: a
+    side that rounds to 0 makes the frame grow).
+
+    Raises:
+        ValueError: a side under 1 pixel, or sides more than 200 times apart (the bounds cannot
+            both hold).
+    """
+    if height < 1 or width < 1:
+        raise ValueError(f"a frame must have positive sides, got {height}x{width}")
+    if max(height, width) > 200 * min(height, width):
+        raise ValueError(f"a {width}x{height} frame has sides more than 200 times apart")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / shrink / factor) * factor)
+        w = max(factor, math.floor(width / shrink / factor) * factor)
+    elif h * w < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * grow / factor) * factor
+        w = math.ceil(width * grow / factor) * factor
+    return h, w
+
+
+def sample_indices(
+    count: int, native_fps: float, *, fps: float | None, num_frames: int | None
+) -> tuple[list[int], float]:
+    """Which of ``count`` frames (at ``native_fps``) to keep, and the rate they are at.
+
+    ``fps``: one frame every ``1 / fps`` seconds from the first (every frame when the video is
+    not faster than ``fps``). ``num_frames``: that many frames (at most ``count``) spread
+    evenly from the first to the last.
+    """
+    if count < 1:
+        raise ValueError("no frames to sample")
+    if num_frames is not None:
+        k = min(num_frames, count)
+        idx = [round(j * (count - 1) / (k - 1)) for j in range(k)] if k > 1 else [0]
+        duration = count / native_fps
+        return idx, k / duration
+    assert fps is not None
+    if fps >= native_fps:
+        return list(range(count)), native_fps
+    step = native_fps / fps
+    k = int(math.floor((count - 1) / step + 1e-9)) + 1
+    return [min(count - 1, round(j * step)) for j in range(k)], fps
+
+
+def video_patches(
+    frames: torch.Tensor, *, patch_size: int, merge_size: int, temporal_patch_size: int
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Qwen-VL's flat patches of normalised frames ``[T, C, H, W]`` (H and W multiples of
+    ``patch_size * merge_size``): ``([t * h * w, C * temporal_patch_size * patch_size ** 2],
+    (t, h, w))`` with ``t = ceil(T / temporal_patch_size)`` (the last frame repeated to fill the
+    last group) and ``h, w`` the patch rows and columns.
+
+    Patch order: time group, then ``merge_size x merge_size`` blocks row by row, then the
+    patches inside a block row by row (what the vision tower's merger joins into one token);
+    each patch flattened as ``(channel, frame in group, row, column)``.
+    """
+    n, c, height, width = frames.shape
+    unit = patch_size * merge_size
+    if height % unit or width % unit:
+        raise ValueError(f"frames of {height}x{width} are not multiples of {unit} pixels")
+    if pad := -n % temporal_patch_size:
+        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+    t = frames.shape[0] // temporal_patch_size
+    gh, gw = height // patch_size, width // patch_size
+    x = frames.reshape(
+        t,
+        temporal_patch_size,
+        c,
+        gh // merge_size,
+        merge_size,
+        patch_size,
+        gw // merge_size,
+        merge_size,
+        patch_size,
+    )
+    # -> (t, block row, block col, row in block, col in block, C, frame, patch row, patch col)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * gh * gw, c * temporal_patch_size * patch_size**2), (t, gh, gw)
+
+
+_LOCAL = threading.local()
+
+
+def _reformatter(av):
+    """A per-thread PyAV reformatter: it keeps its swscale context between frames of one size
+    (a frame's own ``to_ndarray(format=...)`` sets one up per frame, 6x slower here)."""
+    if getattr(_LOCAL, "reformatter", None) is None:
+        _LOCAL.reformatter = av.video.reformatter.VideoReformatter()
+    return _LOCAL.reformatter
+
+
+def _read_file(path: Path, where: str, field: str) -> tuple[list[np.ndarray], float]:
+    """All RGB frames of a video file and its frame rate (PyAV)."""
+    try:
+        import av
+    except ImportError:
+        raise DataError(
+            f"{where}: {field}: decoding video files needs PyAV: pip install av (or lightrft's "
+            "'video' extra)"
+        ) from None
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise DataError(f"{where}: {field}: {path} has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            convert = _reformatter(av)
+            frames = [
+                convert.reformat(f, format="rgb24").to_ndarray() for f in container.decode(stream)
+            ]
+    except DataError:
+        raise
+    except Exception as e:  # PyAV raises FFmpegError subclasses, and ValueError for odd input
+        raise DataError(f"{where}: {field}: cannot decode the video file {path} ({e})") from None
+    if not frames:
+        raise DataError(f"{where}: {field}: the video file {path} has no frames")
+    if not rate or float(rate) <= 0:
+        raise DataError(f"{where}: {field}: the video file {path} gives no frame rate")
+    return frames, float(rate)
+
+
+def decode_video(
+    value: Any, *, base_dir: Path | None, frames_fps: float, where: str, field: str
+) -> tuple[list[np.ndarray], float]:
+    """``(RGB frames [H, W, 3] uint8, frame rate)`` of a video file path or a list of frame
+    images (taken at ``frames_fps``).
+
+    Raises:
+        DataError: naming ``where`` (file and line) and ``field`` for a missing file, an
+            undecodable one, a video without frames, or frames of different sizes.
+    """
+    if isinstance(value, dict):
+        value = value.get("path", value.get("video"))
+    if isinstance(value, (list, tuple)):
+        from lightrft.data.vision import decode_image
+
+        if not value:
+            raise DataError(f"{where}: {field}: the video has no frames (an empty frame list)")
+        frames = [
+            np.asarray(decode_image(v, base_dir=base_dir, where=where, field=f"{field}[{k}]"))
+            for k, v in enumerate(value)
+        ]
+        if len({f.shape for f in frames}) > 1:
+            sizes = sorted({f"{f.shape[1]}x{f.shape[0]}" for f in frames})
+            raise DataError(f"{where}: {field}: the frames differ in size ({', '.join(sizes)})")
+        return frames, frames_fps
+    if not isinstance(value, (str, Path)):
+        raise DataError(
+            f"{where}: {field}: expected a video file path or a list of frame images, got "
+            f"{type(value).__name__}"
+        )
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.is_file():
+        raise DataError(f"{where}: {field}: video file not found: {path}")
+    return _read_file(path, where, field)
+
+
+@dataclass
+class VideoInputs:
+    """The processed videos of one sample (or, after :meth:`cat`, of a micro-batch).
+
+    ``videos``: the sampled, resized RGB frames ``[T, H, W, 3]`` uint8 of each video, in
+    placeholder order (what vLLM takes). ``fps``: each video's sampling rate.
+    ``pixel_values_videos``: the flat patches ``[patches, D]``. ``video_grid_thw``:
+    ``[videos, 3]``. ``second_per_grid_ts``: ``[videos]`` seconds per temporal patch (Qwen2.5-VL's
+    time positions) or None (Qwen2-VL). ``num_tokens``: video tokens per video.
+    ``processor_kwargs``: the frame bounds used (vLLM re-processes the frames with them).
+    """
+
+    videos: list[np.ndarray]
+    fps: list[float]
+    pixel_values_videos: torch.Tensor
+    video_grid_thw: torch.Tensor
+    second_per_grid_ts: torch.Tensor | None
+    num_tokens: list[int]
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.videos)
+
+    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments: ``pixel_values_videos``, ``video_grid_thw`` (+
+        ``second_per_grid_ts``)."""
+        out = {
+            "pixel_values_videos": self.pixel_values_videos,
+            "video_grid_thw": self.video_grid_thw,
+        }
+        if self.second_per_grid_ts is not None:
+            out["second_per_grid_ts"] = self.second_per_grid_ts
+        return {k: v.to(device) for k, v in out.items()} if device else out
+
+    @staticmethod
+    def cat(items: Sequence[VideoInputs | None]) -> VideoInputs | None:
+        """The videos of several samples, in order (None entries, samples without video,
+        skipped)."""
+        present = [x for x in items if x is not None and len(x)]
+        if not present:
+            return None
+        if len(present) == 1:
+            return present[0]
+        seconds = [x.second_per_grid_ts for x in present]
+        if any(s is None for s in seconds) and not all(s is None for s in seconds):
+            raise ValueError("cannot batch videos of different processors (time rows mixed)")
+        return VideoInputs(
+            videos=[v for x in present for v in x.videos],
+            fps=[f for x in present for f in x.fps],
+            pixel_values_videos=torch.cat([x.pixel_values_videos for x in present]),
+            video_grid_thw=torch.cat([x.video_grid_thw for x in present]),
+            second_per_grid_ts=None if seconds[0] is None else torch.cat(seconds),  # type: ignore[arg-type]
+            num_tokens=[n for x in present for n in x.num_tokens],
+            processor_kwargs=present[0].processor_kwargs,
+        )
+
+
+def takes_video(processor) -> bool:
+    """Whether a processor places video tokens we can fill: a Qwen2-VL / Qwen2.5-VL processor
+    (a ``video_token`` and a patching image processor). Qwen3-VL, which interleaves frame
+    timestamps with the video tokens, is not among them."""
+    ip = getattr(processor, "image_processor", None)
+    if getattr(processor, "video_token", None) is None or ip is None:
+        return False
+    if not all(hasattr(ip, k) for k in ("temporal_patch_size", "merge_size", "patch_size")):
+        return False
+    return "Qwen3" not in type(processor).__name__
+
+
+class VideoProcessor:
+    """A Qwen-VL processor plus the sampling and size bounds: decodes, samples, resizes and
+    patches a sample's videos and expands the video placeholders of its token ids.
+
+    Args:
+        processor: the model's processor (:func:`takes_video`).
+        fps: frames sampled per second of video (frame lists: the rate their frames were taken
+            at). num_frames: sample this many frames evenly instead (None: by ``fps``).
+        max_frames: the most frames a video may give after sampling.
+        overlong: ``"clip"`` keeps the first ``max_frames`` (counted in :attr:`clipped`),
+            ``"refuse"`` raises a :class:`DataError` naming the file, line and field.
+        min_pixels, max_pixels: bounds on each frame's area (None: the image processor's).
+    """
+
+    def __init__(
+        self,
+        processor,
+        *,
+        fps: float = 2.0,
+        num_frames: int | None = None,
+        max_frames: int = 32,
+        overlong: OverlongVideo = "clip",
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> None:
+        if not takes_video(processor):
+            raise ValueError(
+                f"{type(processor).__name__} takes no video: video input needs a Qwen2-VL or "
+                "Qwen2.5-VL processor"
+            )
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+            raise ValueError(f"video_fps must be a positive number, got {fps!r}")
+        for name, v in (("video_num_frames", num_frames), ("max_video_frames", max_frames)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if max_frames is None:
+            raise ValueError("max_video_frames must be a positive integer, got None")
+        if num_frames is not None and num_frames > max_frames:
+            raise ValueError(f"video_num_frames={num_frames} is over max_video_frames={max_frames}")
+        if overlong not in ("clip", "refuse"):
+            raise ValueError(f"overlong_video must be 'clip' or 'refuse', got {overlong!r}")
+        ip = processor.image_processor
+        self.patch_size = int(ip.patch_size)
+        self.merge_size = int(ip.merge_size)
+        self.temporal_patch_size = int(ip.temporal_patch_size)
+        size = dict(getattr(ip, "size", None) or {})
+        self.min_pixels = int(min_pixels or size.get("shortest_edge") or ip.min_pixels)
+        self.max_pixels = int(max_pixels or size.get("longest_edge") or ip.max_pixels)
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"video_min_pixels ({self.min_pixels}) must be <= video_max_pixels "
+                f"({self.max_pixels})"
+            )
+        self.mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.rescale = float(ip.rescale_factor) if ip.do_rescale else 1.0
+        self.normalize = bool(ip.do_normalize)
+        self.fps, self.num_frames, self.max_frames = float(fps), num_frames, max_frames
+        self.overlong = overlong
+        self.video_token = processor.video_token
+        self.video_token_id = int(processor.video_token_id)
+        # Qwen2.5-VL's forward takes seconds per temporal patch; Qwen2-VL's does not.
+        self.time_positions = "Qwen2_5" in type(processor).__name__
+        self.clipped = 0  # videos clipped to max_frames while loading
+
+    def load(
+        self, values: Sequence[Any], *, base_dir: Path | None, where: str, field: str
+    ) -> list[DecodedVideo]:
+        """Decoded, sampled, resized videos of a record (fails at load, naming file, line and
+        field)."""
+        from PIL import Image
+
+        out = []
+        for j, v in enumerate(values):
+            f = f"{field}[{j}]"
+            frames, rate = decode_video(
+                v, base_dir=base_dir, frames_fps=self.fps, where=where, field=f
+            )
+            idx, fps = sample_indices(len(frames), rate, fps=self.fps, num_frames=self.num_frames)
+            if len(idx) > self.max_frames:
+                if self.overlong == "refuse":
+                    raise DataError(
+                        f"{where}: {f}: the video gives {len(idx)} frames at {fps:g} fps, over "
+                        f"max_video_frames={self.max_frames} (overlong_video='refuse'); "
+                        "lower video_fps, raise max_video_frames or set overlong_video='clip'"
+                    )
+                idx = idx[: self.max_frames]
+                self.clipped += 1
+            h, w = frames[0].shape[:2]
+            try:
+                th, tw = fit_frame_size(
+                    h, w, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels
+                )
+            except ValueError as e:
+                raise DataError(f"{where}: {f}: {e}") from None
+            picked = []
+            for k in idx:
+                img = Image.fromarray(frames[k])
+                if (h, w) != (th, tw):
+                    img = img.resize((tw, th), Image.Resampling.BICUBIC)
+                picked.append(np.asarray(img))
+            out.append(DecodedVideo(np.stack(picked), fps))
+        return out
+
+    def process(self, videos: Sequence[DecodedVideo]) -> VideoInputs:
+        """Patches, grid rows, seconds per temporal patch and video-token counts."""
+        patches, grids, counts = [], [], []
+        for v in videos:
+            x = torch.from_numpy(np.ascontiguousarray(v.frames)).permute(0, 3, 1, 2).float()
+            x = x * self.rescale  # [T, 3, H, W]
+            if self.normalize:
+                x = (x - self.mean) / self.std
+            p, grid = video_patches(
+                x,
+                patch_size=self.patch_size,
+                merge_size=self.merge_size,
+                temporal_patch_size=self.temporal_patch_size,
+            )
+            patches.append(p)
+            grids.append(grid)
+            counts.append(grid[0] * grid[1] * grid[2] // self.merge_size**2)
+        fps = [v.fps for v in videos]
+        seconds = (
+            torch.tensor([self.temporal_patch_size / f for f in fps], dtype=torch.float32)
+            if self.time_positions
+            else None
+        )
+        return VideoInputs(
+            [v.frames for v in videos],
+            fps,
+            torch.cat(patches),
+            torch.tensor(grids, dtype=torch.long),
+            seconds,
+            counts,
+            {"size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}},
+        )
+
+    def expand(
+        self, ids: list[int], labels: list[int] | None, inputs: VideoInputs, where: str, field: str
+    ) -> tuple[list[int], list[int] | None]:
+        """Repeat the k-th video placeholder ``inputs.num_tokens[k]`` times (labels: -100)."""
+        from lightrft.data.vision import expand_placeholders
+
+        return expand_placeholders(
+            ids,
+            labels,
+            token_id=self.video_token_id,
+            token=self.video_token,
+            counts=inputs.num_tokens,
+            kind="video",
+            where=where,
+            field=field,
+        )

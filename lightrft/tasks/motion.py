@@ -1,0 +1,147 @@
+"""A synthetic motion task with verifiable answers, for tiny video demos: which way does the
+square move?
+
+Each video is ``frames`` frames of ``size x size`` pixels, written as an mp4 file with PyAV: a
+square of a random colour on a white background, starting at a random place and moving
+``step`` pixels a frame left, right, up or down. The start position is drawn (uniformly) from the
+places from which every direction stays in the frame, independently of the direction, so the
+first frame says nothing about the answer: the motion does (a late frame's position alone
+hints at it near the borders).
+The question asks for the direction; the answer is one word (``left``, ``right``, ``up``,
+``down``), scored by exact match.
+
+Records (``train.jsonl``, ``test.jsonl``, and ``rl.jsonl`` with ``n_rl > 0``) carry ``prompt``
+(with a ``<video>`` tag), ``videos`` (an mp4 path relative to the data file), ``completion`` (for
+SFT), ``answer`` (for RL verifiers) and ``label``. :func:`ensure_motion_dataset` writes them only
+when absent or made with other settings, so a config can call it on every start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightrft.data.io import made_with, write_jsonl
+from lightrft.tasks.made import META, with_defaults
+
+__all__ = ["DIRECTIONS", "ensure_motion_dataset", "motion_frames", "write_motion_dataset"]
+
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+QUESTION = "<video>Which way does the square move? Answer left, right, up or down."
+_COLOURS = [(220, 30, 30), (30, 170, 60), (40, 70, 220), (230, 200, 20), (140, 50, 170)]
+
+
+def motion_frames(
+    direction: str, *, x: int, y: int, colour, frames: int, size: int, side: int, step: int
+) -> np.ndarray:
+    """``[frames, size, size, 3]`` uint8 frames of a ``side``-pixel square whose top-left corner
+    starts at ``(x, y)`` and moves ``step`` pixels a frame in ``direction``."""
+    dx, dy = DIRECTIONS[direction]
+    out = np.full((frames, size, size, 3), 255, dtype=np.uint8)
+    for k in range(frames):
+        px, py = x + dx * step * k, y + dy * step * k
+        if not (0 <= px <= size - side and 0 <= py <= size - side):
+            raise ValueError(f"the square leaves the frame at frame {k} ({direction} from {x},{y})")
+        out[k, py : py + side, px : px + side] = colour
+    return out
+
+
+def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qscale": "2"}  # near-lossless: the tiny square must stay sharp
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+
+
+def write_motion_dataset(
+    out_dir: str | os.PathLike,
+    *,
+    n_train: int = 2000,
+    n_test: int = 200,
+    n_rl: int = 0,
+    frames: int = 4,
+    size: int = 56,
+    side: int = 14,
+    step: int = 4,
+    fps: int = 4,
+    seed: int = 0,
+) -> Path:
+    """Write ``videos/*.mp4``, ``train.jsonl``, ``test.jsonl``, ``meta.json`` (and ``rl.jsonl``
+    with ``n_rl > 0``); each split draws its own videos from its own seed."""
+    travel = step * (frames - 1)
+    if side < 2 or size < side + 2 * travel + 1:
+        raise ValueError(
+            f"a {side}-pixel square moving {travel} pixels each way needs size >= "
+            f"{side + 2 * travel + 1}, got size={size}"
+        )
+    settings = dict(
+        n_train=n_train,
+        n_test=n_test,
+        n_rl=n_rl,
+        frames=frames,
+        size=size,
+        side=side,
+        step=step,
+        fps=fps,
+        seed=seed,
+    )
+    out = Path(out_dir)
+    (out / "videos").mkdir(parents=True, exist_ok=True)
+    names = sorted(DIRECTIONS)
+    for k, (split, n) in enumerate((("train", n_train), ("test", n_test), ("rl", n_rl))):
+        if split == "rl" and not n:
+            continue
+        rng = random.Random(seed * 3 + k)
+        records = []
+        for j in range(n):
+            direction = rng.choice(names)
+            # Starts from which every direction stays in the frame.
+            x = rng.randint(travel, size - side - travel)
+            y = rng.randint(travel, size - side - travel)
+            video = motion_frames(
+                direction,
+                x=x,
+                y=y,
+                colour=rng.choice(_COLOURS),
+                frames=frames,
+                size=size,
+                side=side,
+                step=step,
+            )
+            name = f"videos/{split}_{j:06d}.mp4"
+            _write_mp4(out / name, video, fps)
+            records.append(
+                {
+                    "prompt": QUESTION,
+                    "videos": [name],
+                    "completion": direction,
+                    "answer": direction,
+                    "label": "motion",
+                }
+            )
+        write_jsonl(out / f"{split}.jsonl", records)
+    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
+    return out
+
+
+def ensure_motion_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
+    """:func:`write_motion_dataset` unless ``out_dir`` already holds it with these settings."""
+    defaults = dict(
+        n_train=2000, n_test=200, n_rl=0, frames=4, size=56, side=14, step=4, fps=4, seed=0
+    )
+    want = with_defaults("ensure_motion_dataset: ", defaults, settings)
+    out = Path(out_dir)
+    if made_with(out, ("train.jsonl", "test.jsonl"), want):
+        return out
+    return write_motion_dataset(out, **want)
