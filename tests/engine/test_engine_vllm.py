@@ -226,7 +226,7 @@ def fake_vllm_engine(native):
     eng = object.__new__(va.VLLMEngine)
     eng.llm, eng._vllm = FakeLLM(native), SimpleNamespace(SamplingParams=SimpleNamespace)
     eng.tp_group, eng.tp_size = None, 1
-    eng.image_token_id = eng.audio_token_id = None
+    eng.image_token_id = eng.audio_token_id = eng.video_token_id = None
     eng.suppress_token_ids = []
     eng.vocab_size, eng.max_model_len = native.vocab_size, native.max_model_len
     eng._asleep, eng._unloaded = set(), set()
