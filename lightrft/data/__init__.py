@@ -27,7 +27,7 @@ from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
-from lightrft.data.video import VideoInputs, VideoProcessor
+from lightrft.data.video import VideoInputs, VideoOptions, VideoProcessor
 from lightrft.data.vision import ImageInputs, ImageProcessor
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "SFTDataset",
     "StepCollator",
     "VideoInputs",
+    "VideoOptions",
     "VideoProcessor",
     "build_dataloader",
     "collate_prompts",

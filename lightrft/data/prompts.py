@@ -14,7 +14,7 @@ from lightrft.data.io import DataError, PathLike, require_field
 from lightrft.data.media import Media
 from lightrft.data.records import MediaSamples, Truncation, check_truncation, open_records
 from lightrft.data.templates import check_messages, encode_prompt, with_system
-from lightrft.data.video import OverlongVideo
+from lightrft.data.video import OverlongVideo, VideoOptions
 from lightrft.data.vision import as_processor
 
 __all__ = ["PromptDataset", "conversation"]
@@ -88,9 +88,9 @@ class PromptDataset(torch.utils.data.Dataset):
         max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
         overlong_audio: OverlongAudio = "clip",
         videos_field: str | None = "videos",
-        video_fps: Annotated[float | None, Bound(gt=0)] = None,
+        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
         video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int | None, Bound(ge=1)] = None,
+        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
         overlong_video: OverlongVideo = "clip",
         video_min_pixels: int | None = None,
         video_max_pixels: int | None = None,
@@ -106,15 +106,15 @@ class PromptDataset(torch.utils.data.Dataset):
             audios_field,
             max_audio_seconds,
             overlong_audio,
-            video={
-                "field": videos_field,
-                "fps": video_fps,
-                "num_frames": video_num_frames,
-                "max_frames": max_video_frames,
-                "overlong": None if overlong_video == "clip" else overlong_video,
-                "min_pixels": video_min_pixels,
-                "max_pixels": video_max_pixels,
-            },
+            videos_field,
+            VideoOptions(
+                video_fps,
+                video_num_frames,
+                max_video_frames,
+                overlong_video,
+                video_min_pixels,
+                video_max_pixels,
+            ),
         )
         self.tokenizer = tokenizer
         self.truncation = truncation

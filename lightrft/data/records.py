@@ -20,7 +20,13 @@ from lightrft.data.audio import AudioInputs, AudioProcessor, OverlongAudio
 from lightrft.data.io import DataError, PathLike, Records, load_records
 from lightrft.data.media import Media
 from lightrft.data.templates import has_parts
-from lightrft.data.video import DecodedVideo, VideoInputs, VideoProcessor, takes_video
+from lightrft.data.video import (
+    DecodedVideo,
+    VideoInputs,
+    VideoOptions,
+    VideoProcessor,
+    takes_video,
+)
 from lightrft.data.vision import ImageInputs, ImageProcessor, record_media
 
 __all__ = [
@@ -76,10 +82,9 @@ class MediaSamples:
 
     Which kinds a dataset takes follows the processor: an ``image_processor`` takes images, a
     Qwen2-VL / Qwen2.5-VL processor videos too (:func:`~lightrft.data.video.takes_video`), a
-    ``feature_extractor`` (Whisper features: Qwen2-Audio) takes audio. ``video``: the
-    :class:`~lightrft.data.video.VideoProcessor` options (``fps``, ``num_frames``,
-    ``max_frames``, ``overlong``, ``min_pixels``, ``max_pixels``) and ``field``, the records'
-    video list.
+    ``feature_extractor`` (Whisper features: Qwen2-Audio) takes audio. ``videos_field``: the
+    records' video list; ``video``: its sampling and size bounds
+    (:class:`~lightrft.data.video.VideoOptions`; None: the defaults).
     """
 
     def __init__(
@@ -91,11 +96,10 @@ class MediaSamples:
         audios_field: str | None = "audios",
         max_audio_seconds: float | None = None,
         overlong_audio: OverlongAudio = "clip",
-        video: dict[str, Any] | None = None,
+        videos_field: str | None = "videos",
+        video: VideoOptions | None = None,
     ) -> None:
-        video = dict(video or {})
-        videos_field = video.pop("field", "videos")
-        video = {k: v for k, v in video.items() if v is not None}
+        video = video or VideoOptions()
         has_images = getattr(processor, "image_processor", None) is not None
         has_audio = getattr(processor, "feature_extractor", None) is not None
         self.images = (
@@ -120,8 +124,8 @@ class MediaSamples:
                 "max_audio_seconds / overlong_audio need an audio-language processor (the "
                 f"dataset was given {'a tokenizer' if processor is None else type(processor).__name__})"
             )
-        self.video = VideoProcessor(processor, **video) if takes_video(processor) else None
-        if self.video is None and video:
+        self.video = VideoProcessor(processor, video) if takes_video(processor) else None
+        if self.video is None and video != VideoOptions():
             raise ValueError(
                 "video options (video_fps, video_num_frames, max_video_frames, ...) need a "
                 "Qwen2-VL or Qwen2.5-VL processor (the dataset was given "

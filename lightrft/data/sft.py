@@ -42,7 +42,7 @@ from lightrft.data.templates import (
     eos_id,
     with_system,
 )
-from lightrft.data.video import OverlongVideo
+from lightrft.data.video import OverlongVideo, VideoOptions
 from lightrft.data.vision import as_processor
 
 __all__ = ["SFTDataset", "refuse_tool_transcript"]
@@ -137,9 +137,9 @@ class SFTDataset(torch.utils.data.Dataset):
         max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
         overlong_audio: OverlongAudio = "clip",
         videos_field: str | None = "videos",
-        video_fps: Annotated[float | None, Bound(gt=0)] = None,
+        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
         video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int | None, Bound(ge=1)] = None,
+        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
         overlong_video: OverlongVideo = "clip",
         video_min_pixels: int | None = None,
         video_max_pixels: int | None = None,
@@ -158,15 +158,15 @@ class SFTDataset(torch.utils.data.Dataset):
             audios_field,
             max_audio_seconds,
             overlong_audio,
-            video={
-                "field": videos_field,
-                "fps": video_fps,
-                "num_frames": video_num_frames,
-                "max_frames": max_video_frames,
-                "overlong": None if overlong_video == "clip" else overlong_video,
-                "min_pixels": video_min_pixels,
-                "max_pixels": video_max_pixels,
-            },
+            videos_field,
+            VideoOptions(
+                video_fps,
+                video_num_frames,
+                max_video_frames,
+                overlong_video,
+                video_min_pixels,
+                video_max_pixels,
+            ),
         )
         self.max_length = max_length
         src = open_records(path, records, split)

@@ -50,6 +50,7 @@ __all__ = [
     "DecodedVideo",
     "OverlongVideo",
     "VideoInputs",
+    "VideoOptions",
     "VideoProcessor",
     "decode_video",
     "fit_frame_size",
@@ -306,54 +307,69 @@ def takes_video(processor) -> bool:
     return "Qwen3" not in type(processor).__name__
 
 
+@dataclass(frozen=True)
+class VideoOptions:
+    """How a dataset samples and sizes its videos: the data section's ``video_fps``,
+    ``video_num_frames``, ``max_video_frames``, ``overlong_video``, ``video_min_pixels`` and
+    ``video_max_pixels``, checked when built (the message names the key).
+
+    fps: frames sampled per second of video (frame lists: the rate their frames were taken at).
+    num_frames: sample this many frames evenly instead (None: by ``fps``). max_frames: the most
+    frames a video may give after sampling. overlong: ``"clip"`` keeps the first ``max_frames``,
+    ``"refuse"`` fails the dataset naming the file, line and field. min_pixels, max_pixels:
+    bounds on each frame's area (None: the image processor's).
+    """
+
+    fps: float = 2.0
+    num_frames: int | None = None
+    max_frames: int = 32
+    overlong: OverlongVideo = "clip"
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    def __post_init__(self) -> None:
+        fps = self.fps
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+            raise ValueError(f"video_fps must be a positive number, got {fps!r}")
+        for name, v in (
+            ("video_num_frames", self.num_frames),
+            ("max_video_frames", self.max_frames),
+        ):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_frames is None:
+            raise ValueError("max_video_frames must be a positive integer, got None")
+        if self.num_frames is not None and self.num_frames > self.max_frames:
+            raise ValueError(
+                f"video_num_frames={self.num_frames} is over max_video_frames={self.max_frames}"
+            )
+        if self.overlong not in ("clip", "refuse"):
+            raise ValueError(f"overlong_video must be 'clip' or 'refuse', got {self.overlong!r}")
+
+
 class VideoProcessor:
     """A Qwen-VL processor plus the sampling and size bounds: decodes, samples, resizes and
     patches a sample's videos and expands the video placeholders of its token ids.
 
     Args:
         processor: the model's processor (:func:`takes_video`).
-        fps: frames sampled per second of video (frame lists: the rate their frames were taken
-            at). num_frames: sample this many frames evenly instead (None: by ``fps``).
-        max_frames: the most frames a video may give after sampling.
-        overlong: ``"clip"`` keeps the first ``max_frames`` (counted in :attr:`clipped`),
-            ``"refuse"`` raises a :class:`DataError` naming the file, line and field.
-        min_pixels, max_pixels: bounds on each frame's area (None: the image processor's).
+        options: the sampling and size bounds (:class:`VideoOptions`; None: the defaults).
     """
 
-    def __init__(
-        self,
-        processor,
-        *,
-        fps: float = 2.0,
-        num_frames: int | None = None,
-        max_frames: int = 32,
-        overlong: OverlongVideo = "clip",
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-    ) -> None:
+    def __init__(self, processor, options: VideoOptions | None = None) -> None:
         if not takes_video(processor):
             raise ValueError(
                 f"{type(processor).__name__} takes no video: video input needs a Qwen2-VL or "
                 "Qwen2.5-VL processor"
             )
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
-            raise ValueError(f"video_fps must be a positive number, got {fps!r}")
-        for name, v in (("video_num_frames", num_frames), ("max_video_frames", max_frames)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if max_frames is None:
-            raise ValueError("max_video_frames must be a positive integer, got None")
-        if num_frames is not None and num_frames > max_frames:
-            raise ValueError(f"video_num_frames={num_frames} is over max_video_frames={max_frames}")
-        if overlong not in ("clip", "refuse"):
-            raise ValueError(f"overlong_video must be 'clip' or 'refuse', got {overlong!r}")
+        options = options or VideoOptions()
         ip = processor.image_processor
         self.patch_size = int(ip.patch_size)
         self.merge_size = int(ip.merge_size)
         self.temporal_patch_size = int(ip.temporal_patch_size)
         size = dict(getattr(ip, "size", None) or {})
-        self.min_pixels = int(min_pixels or size.get("shortest_edge") or ip.min_pixels)
-        self.max_pixels = int(max_pixels or size.get("longest_edge") or ip.max_pixels)
+        self.min_pixels = int(options.min_pixels or size.get("shortest_edge") or ip.min_pixels)
+        self.max_pixels = int(options.max_pixels or size.get("longest_edge") or ip.max_pixels)
         if self.min_pixels > self.max_pixels:
             raise ValueError(
                 f"video_min_pixels ({self.min_pixels}) must be <= video_max_pixels "
@@ -363,8 +379,8 @@ class VideoProcessor:
         self.std = torch.tensor(ip.image_std, dtype=torch.float32).view(1, -1, 1, 1)
         self.rescale = float(ip.rescale_factor) if ip.do_rescale else 1.0
         self.normalize = bool(ip.do_normalize)
-        self.fps, self.num_frames, self.max_frames = float(fps), num_frames, max_frames
-        self.overlong = overlong
+        self.fps, self.num_frames = float(options.fps), options.num_frames
+        self.max_frames, self.overlong = options.max_frames, options.overlong
         self.video_token = processor.video_token
         self.video_token_id = int(processor.video_token_id)
         # Qwen2.5-VL's forward takes seconds per temporal patch; Qwen2-VL's does not.
