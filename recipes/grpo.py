@@ -417,7 +417,10 @@ class GRPORecipe:
             self.link = RolloutLink.connect(TRAINER, ro.generator_timeout_s, ro.generator_timeout_s)
         self._setup_environment()
         self._setup_models()
-        self._setup_engine()
+        if self.opts.rollout.asynchronous:  # the generator holds the only engine
+            self.rollout_engine, self.sampling = None, self.opts.rollout.sampling()
+        else:
+            self._setup_engine()
         self._setup_rewards_and_data()
         self.reward_side = RewardSideMetrics()
         self.partial, self.policy_version = None, 0  # partial rollouts: groups in flight
@@ -438,7 +441,8 @@ class GRPORecipe:
                 self.kl_ctl.load_state_dict(extra["kl_ctl"])
             if self.normalizer is not None:
                 self.normalizer.load_state_dict(extra["reward_norm"])
-            self.strategy.sync_weights(self.rollout_engine.engine)
+            if self.rollout_engine is not None:  # asynchronous: the generator gets them at start
+                self.strategy.sync_weights(self.rollout_engine.engine)
         # The step whose policy was evaluated last (or, asynchronous, is being evaluated).
         self.last_eval = self.eval_history[-1][0] if self.eval_history else None
         if self.opts.rollout.asynchronous:
@@ -680,9 +684,12 @@ class GRPORecipe:
         if o.algorithm.shaping.reward_norm:
             self.normalizer = RunningRewardNormalizer(clip=o.algorithm.shaping.reward_clip)
         self.dataset = config.instantiate(o.dataset, self.processor)
-        limit = getattr(self.rollout_engine.engine, "max_model_len", None) or o.engine.max_model_len
-        if limit and hasattr(self.dataset, "fit_to_engine"):
-            self.dataset.fit_to_engine(limit)
+        # The engine's prompt limit (asynchronous trainers have no engine: their loader never
+        # draws, it only keeps the generator's position).
+        if self.rollout_engine is not None and hasattr(self.dataset, "fit_to_engine"):
+            engine = self.rollout_engine.engine
+            if limit := getattr(engine, "max_model_len", None) or o.engine.max_model_len:
+                self.dataset.fit_to_engine(limit)
         # Asynchronous: one process draws every prompt of a step; the trainers keep the same
         # loader only for its position (checkpointed), which the generator sends with a batch.
         rank, world = (0, 1) if o.rollout.asynchronous else (self.dist.rank, self.dist.world_size)
