@@ -257,8 +257,9 @@ def check_real_lm_head(n, chunk_size):
     assert_grads_close_to_scale(got, ref, rel=1e-4)
 
 
+@pytest.mark.slow  # 11 s on 2 cores; the odd shapes above check the same code in the default suite
 def test_real_vocab_small_batch():
-    """The real vocabulary and hidden size at 256 tokens (3 chunks of 96): the default suite."""
+    """The real vocabulary and hidden size at 256 tokens (3 chunks of 96)."""
     check_real_lm_head(256, chunk_size=96)
 
 

@@ -398,7 +398,8 @@ def test_training_forward_computes_the_lm_head_gradients(tmp_path, assets, monke
         # losses' own tests cover every mode's normaliser); the rest with `-m slow`.
         ("ppo", "seq_mean_token_mean"),
         pytest.param("ppo", "seq_mean_token_sum", marks=pytest.mark.slow),
-        ("ppo", "seq_mean_token_sum_norm"),  # Dr.GRPO: norm_len defaults to max_tokens
+        # Dr.GRPO: norm_len defaults to max_tokens
+        pytest.param("ppo", "seq_mean_token_sum_norm", marks=pytest.mark.slow),
         ("gspo", None),
         pytest.param("gmpo", None, marks=pytest.mark.slow),
         pytest.param("cpgd", None, marks=pytest.mark.slow),

@@ -94,6 +94,7 @@ def _compare(rank: int, world: int, model_dir: str, out: str) -> None:
         assert torch.equal(off["weights"][k], v), k
 
 
+@pytest.mark.slow  # 16 s on 2 cores; the refusals below stay in the default suite
 def test_offload_params_equals_no_offload_on_two_gloo_processes(tiny_model_dir, tmp_path):
     run_distributed(_compare, str(tiny_model_dir), str(tmp_path), world_size=2)
 

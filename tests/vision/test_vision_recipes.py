@@ -169,6 +169,7 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
     assert visual and all(isinstance(p, DTensor) and p.requires_grad for p in visual)
 
 
+@pytest.mark.slow  # 9 s; the VLM GRPO resume trains the tower and runs in the default suite
 def test_vlm_sft_two_processes_train_the_tower(tmp_path):
     cfg = _sft_config(tmp_path, batch_size=4, max_steps=3, eval_dataset=None)
     data = yaml.safe_load(cfg.read_text())
