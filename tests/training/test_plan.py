@@ -236,6 +236,9 @@ def test_cli_plans_a_shipped_config(capsys):
     assert "sequence_parallel 2 (4 data-parallel replicas)" in out and "1/2 of them" in out
     assert main([*argv, "--model-config", config, "sequence_parallel=3"]) == 2
     assert "sequence_parallel=3 does not divide the world size 8" in capsys.readouterr().err
+    # The 7B's 28 / 4 heads: SP 8 divides the world but not the heads (one line, no traceback).
+    assert main([*argv, "--model-config", config, "sequence_parallel=8"]) == 2
+    assert "num_attention_heads=28 and num_key_value_heads=4" in capsys.readouterr().err
     zero3 = ["strategy=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=true"]
     assert main([*argv, "--model-config", config, *zero3]) == 0
     out = capsys.readouterr().out
