@@ -148,8 +148,11 @@ class ModelShape:
             qkv_bias=model_type.startswith("qwen2") or bool(text.get("attention_bias", False)),
             max_positions=int(text.get("max_position_embeddings") or 0),
             sliding_window=bool(text.get("use_sliding_window", False)),
+            # A nested text_config (transformers 5) or a flat config with a tower's section.
             multimodal_type=(
-                str(config.get("model_type") or "") if config.get("text_config") else None
+                str(config.get("model_type") or "")
+                if any(config.get(k) for k in ("text_config", "vision_config", "audio_config"))
+                else None
             ),
         )
 
@@ -417,7 +420,9 @@ def activation_bytes(
     ``b * H * D`` per token and block held). No ``[T, T]`` mask reaches SDPA (causal blocks), so
     K / V are never repeated. A multimodal model embeds the whole row before the decoder's
     pre-hook cuts it (``SequenceShard.trunk_inputs``): the slice is a view of the whole
-    ``[T, hidden]`` embedding, which the first block's norm keeps alive (counted whole)."""
+    ``[T, hidden]`` embedding, counted as held (in fp32 the first block's norm saves that view,
+    keeping the whole row alive; in bf16 it saves an fp32 copy, so there this overcounts a
+    transient of the forward's start; neither measured)."""
     n = sequence_parallel
     if n > 1:
         repeat_kv = False

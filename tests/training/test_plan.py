@@ -334,7 +334,14 @@ def test_sequence_parallel_divides_the_token_terms_and_adds_its_own():
     # The model states do not change: FSDP2 shards over the whole world either way.
     states = [t for t in _phase(p1, "training step").terms if t.name.startswith("actor ")]
     assert states == [t for t in _phase(p2, "training step").terms if t.name.startswith("actor ")]
-    vl = dataclasses.replace(TINY, multimodal_type="qwen2_vl")
+    # A Qwen2-VL config (transformers 5 nests its decoder in text_config; TINY's sizes) is
+    # multimodal, and SP takes it (model type qwen2_vl).
+    text = {"model_type": "qwen2_vl_text", "hidden_size": 64, "num_hidden_layers": 2}
+    text |= {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+    vl = ModelShape.from_hf_config(
+        {"model_type": "qwen2_vl", "vision_config": {}, "text_config": {**text, "vocab_size": 1000}}
+    )
+    assert vl.multimodal_type == "qwen2_vl" and TINY.multimodal_type is None
     whole = plan(dataclasses.replace(two, model=vl)).activations_without_checkpointing
     assert whole - p2.activations_without_checkpointing == 1002 * TINY.hidden * b
     # A 7B at 16k tokens: the targets, SP 2 <= 0.6x and SP 4 <= 0.35x of SP 1.
