@@ -292,7 +292,7 @@ def sp_saved_bytes(model, ids, sp) -> tuple[int, torch.Tensor]:
     return sum(st.nbytes() for st in seen.values()), out
 
 
-def sp_worker(rank: int, world: int, sp_size: int, path: str, queue) -> None:
+def sp_worker(rank: int, world: int, sp_size: int, path: str, tokens: int, queue) -> None:
     import torch.distributed as dist
 
     from lightrft.models.sharded import load_parallel
@@ -304,7 +304,7 @@ def sp_worker(rank: int, world: int, sp_size: int, path: str, queue) -> None:
         sp = Ulysses(group, sp_size, sp_rank)
     # Every rank of an SP group gets the same row; the groups get different rows.
     gen = torch.Generator().manual_seed(1 + rank // sp_size)
-    ids = torch.randint(0, SP_SIZES["vocab_size"], (1, SP_TOKENS), generator=gen)
+    ids = torch.randint(0, SP_SIZES["vocab_size"], (1, tokens), generator=gen)
     model = load_parallel(path, dtype="float32", device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gc.collect()
@@ -329,13 +329,16 @@ def sp_worker(rank: int, world: int, sp_size: int, path: str, queue) -> None:
     queue.put(SPResult(rank, acts, acts_ckpt, rss.peak - rss.start, step_s))
 
 
-def measure_sp(world: int, sp_size: int, path: Path) -> list[SPResult]:
+def measure_sp(world: int, sp_size: int, path: Path, tokens: int = SP_TOKENS) -> list[SPResult]:
+    """Every rank's measurements at ``world`` processes in SP groups of ``sp_size``, one row of
+    ``tokens`` per group (``tokens / sp_size`` must equal no weight dimension: see
+    ``sp_saved_bytes``, which leaves out tensors of a weight's shape)."""
     import torch.multiprocessing as mp
 
     from tests._dist import run_distributed
 
     queue = mp.get_context("spawn").Manager().Queue()
-    run_distributed(sp_worker, sp_size, str(path), queue, world_size=world)
+    run_distributed(sp_worker, sp_size, str(path), tokens, queue, world_size=world)
     return sorted((queue.get() for _ in range(world)), key=lambda r: r.rank)
 
 
@@ -372,16 +375,14 @@ def main_sp(argv: list[str]) -> int:
     return print_sp(runs, path)
 
 
-def sp_predicted(shape: ModelShape, world: int, n: int) -> dict[str, int]:
-    """The planner's per-rank terms for one SP row (fp32, one row of ``SP_TOKENS`` tokens)."""
+def sp_predicted(shape: ModelShape, world: int, n: int, tokens: int = SP_TOKENS) -> dict[str, int]:
+    """The planner's per-rank terms for one SP row (fp32, one row of ``tokens`` tokens)."""
     t = TrainedSetup(master_bytes=4, compute_bytes=4, shard=world)
     terms = {x.name: x.device_bytes for x in model_state_terms(shape, t, "actor")}
     kw = dict(repeat_kv=False, sequence_parallel=n)
-    acts = activation_bytes(shape, SP_TOKENS, 4, ckpt=False, **kw)
-    acts_ck = activation_bytes(shape, SP_TOKENS, 4, ckpt=True, recompute=False, **kw)
-    fused, _ = logprob_bytes(
-        shape, SP_TOKENS, 4, entropy=False, grad_hint=False, sequence_parallel=n
-    )
+    acts = activation_bytes(shape, tokens, 4, ckpt=False, **kw)
+    acts_ck = activation_bytes(shape, tokens, 4, ckpt=True, recompute=False, **kw)
+    fused, _ = logprob_bytes(shape, tokens, 4, entropy=False, grad_hint=False, sequence_parallel=n)
     # The first step's new memory: gradients, AdamW state, activations, the log-prob
     # transient, gathered units (RSS cross-check only, as above).
     step = terms["actor gradients"] + terms["actor optimizer state"] + acts + fused

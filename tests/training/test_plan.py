@@ -381,3 +381,27 @@ def test_sequence_parallel_is_refused_as_the_strategy_refuses_it():
         with pytest.raises(ValueError, match=message):
             plan(dataclasses.replace(base, **change))
     plan(dataclasses.replace(base, sequence_parallel=2))
+
+
+@pytest.mark.slow
+def test_planner_sp_term_within_15_percent_of_two_gloo_ranks():
+    """tests/benchmarks/plan_check.py's SP rows, shortened (2 processes, one 2048-token row, the
+    6M-parameter model): the saved-for-backward bytes per rank at SP 1 and SP 2, with and without
+    checkpointing, within 15% of the planner; SP 2 at most 0.6x of SP 1."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    plan_check = importlib.import_module("plan_check")
+    path = plan_check.make_sp_model()
+    shape = ModelShape.from_file(path / "config.json")
+    measured = {}
+    for n in (1, 2):
+        ranks = plan_check.measure_sp(2, n, path, tokens=2048)
+        predicted = plan_check.sp_predicted(shape, 2, n, tokens=2048)
+        for what in ("acts", "acts_ckpt"):
+            measured[n, what] = max(getattr(r, what) for r in ranks)
+            for r in ranks:
+                assert abs(getattr(r, what) / predicted[what] - 1) <= 0.15, (n, what, r)
+    for what in ("acts", "acts_ckpt"):
+        assert measured[2, what] <= 0.6 * measured[1, what], what
