@@ -348,12 +348,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         inputs = inputs_from_options(
             opts, recipe=recipe, cluster=cluster, device=args.device, model_config=args.model_config
         )
+        result = plan(inputs)
     except UserError as e:
         print(f"lightrft: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # a flag, or a model.path without a local config.json
+    except ValueError as e:  # a flag, a model.path without a local config.json, or a
+        # sequence_parallel the model's heads refuse
         raise UsageError(str(e)) from None
-    print(format_plan(plan(inputs)))
+    print(format_plan(result))
     return 0
 
 

@@ -432,29 +432,79 @@ class StrategyConfig(Section):
         return self
 
     def _check_sequence_parallel(self) -> None:
-        n = self.sequence_parallel
-        if n == 1:
-            return
-        unsupported = {
-            "strategy=deepspeed": self.strategy == "deepspeed",
-            "lora": self.lora is not None,
-            "shard_size / replicate_size (HSDP)": (
-                self.shard_size is not None or self.replicate_size is not None
-            ),
-            f"offload={self.offload}": self.offload != "none",
-        }
-        for what, used in unsupported.items():
-            if used:
-                raise ValueError(
-                    f"sequence_parallel={n} is not supported with {what} yet; set "
-                    "sequence_parallel=1 or remove it"
-                )
-        world = int(os.environ.get("WORLD_SIZE") or 1)
-        if world % n:
+        check_sequence_parallel(
+            self.sequence_parallel,
+            int(os.environ.get("WORLD_SIZE") or 1),
+            deepspeed=self.strategy == "deepspeed",
+            lora=self.lora is not None,
+            hsdp=self.shard_size is not None or self.replicate_size is not None,
+            offload=self.offload,
+        )
+
+
+# The model types Ulysses SP is tested on (tests/models/test_models_ulysses.py,
+# tests/vision/test_vision_ulysses.py): their decoder attention goes through transformers'
+# AttentionInterface after the rotary positions; a multimodal one is cut at its decoder's
+# entry, after the images are merged (lightrft.models.ulysses).
+SEQUENCE_PARALLEL_MODEL_TYPES = ("qwen2", "qwen2_vl")
+
+
+def check_sequence_parallel(
+    n: int,
+    world: int,
+    *,
+    deepspeed: bool = False,
+    lora: bool = False,
+    hsdp: bool = False,
+    offload: str = "none",
+) -> None:
+    """Refuse ``sequence_parallel: n`` with what the strategy cannot combine it with, or a
+    world of ``world`` processes it does not divide (the strategy's rule; the planner's too)."""
+    if n == 1:
+        return
+    unsupported = {
+        "strategy=deepspeed": deepspeed,
+        "lora": lora,
+        "shard_size / replicate_size (HSDP)": hsdp,
+        f"offload={offload}": offload != "none",
+    }
+    for what, used in unsupported.items():
+        if used:
             raise ValueError(
-                f"sequence_parallel={n} does not divide the world size {world} "
-                f"(processes in the run); use a divisor of {world}"
+                f"sequence_parallel={n} is not supported with {what} yet; set "
+                "sequence_parallel=1 or remove it"
             )
+    if world % n:
+        raise ValueError(
+            f"sequence_parallel={n} does not divide the world size {world} "
+            f"(processes in the run); use a divisor of {world}"
+        )
+
+
+def check_sequence_parallel_model(
+    n: int, model_type: str | None, heads: int, kv_heads: int, *, sliding_window: bool = False
+) -> None:
+    """Refuse a model SP cannot split ``n`` ways: its type, its head counts, a sliding window
+    (``lightrft.models.ulysses.check_model`` reads these from an HF config; the planner from
+    its shapes)."""
+    if n == 1:
+        return
+    if model_type not in SEQUENCE_PARALLEL_MODEL_TYPES:
+        raise ValueError(
+            f"sequence_parallel={n} does not support model type {model_type!r} yet "
+            f"(supported: {list(SEQUENCE_PARALLEL_MODEL_TYPES)}); set sequence_parallel=1"
+        )
+    if heads % n or kv_heads % n:
+        raise ValueError(
+            f"sequence_parallel={n} must divide the model's attention heads: it has "
+            f"num_attention_heads={heads} and num_key_value_heads={kv_heads}; choose a divisor "
+            "of both"
+        )
+    if sliding_window:
+        raise ValueError(
+            f"sequence_parallel={n} does not support sliding-window attention "
+            "(use_sliding_window=true in the model config) yet"
+        )
 
 
 # ------------------------------------------------------------------------------ optimizer

@@ -34,37 +34,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightrft.sections import SEQUENCE_PARALLEL_MODEL_TYPES, check_sequence_parallel_model
+
 ATTENTION = "lightrft_ulysses"
-# The model types tested (tests/models/test_models_ulysses.py, tests/vision/test_vision_ulysses.py):
-# their decoder attention goes through transformers' AttentionInterface after the rotary
-# positions; a multimodal one is cut at its decoder's entry, after the images are merged.
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen2_vl")
+SUPPORTED_MODEL_TYPES = SEQUENCE_PARALLEL_MODEL_TYPES
 
 
 def check_model(config: Any, size: int) -> None:
     """Refuse a model SP cannot split ``size`` ways: its type, its head counts, a sliding window.
-    ``config``: the model's HF config."""
+    ``config``: the model's HF config (the rule: ``lightrft.sections``, which the planner
+    shares)."""
     if size == 1:
         return
-    kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"sequence_parallel={size} does not support model type {kind!r} yet "
-            f"(supported: {list(SUPPORTED_MODEL_TYPES)}); set sequence_parallel=1"
-        )
     text = getattr(config, "text_config", None) or config
     heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if heads % size or kv % size:
-        raise ValueError(
-            f"sequence_parallel={size} must divide the model's attention heads: it has "
-            f"num_attention_heads={heads} and num_key_value_heads={kv}; choose a divisor of both"
-        )
-    if getattr(text, "use_sliding_window", False):
-        raise ValueError(
-            f"sequence_parallel={size} does not support sliding-window attention "
-            "(use_sliding_window=true in the model config) yet"
-        )
+    check_sequence_parallel_model(
+        size,
+        getattr(config, "model_type", None),
+        heads,
+        getattr(text, "num_key_value_heads", None) or heads,
+        sliding_window=bool(getattr(text, "use_sliding_window", False)),
+    )
 
 
 def sp_groups(size: int) -> tuple[Any, int]:

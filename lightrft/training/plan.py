@@ -24,8 +24,21 @@ Every term is arithmetic over the decoder's shapes (:class:`ModelShape`) and the
 * the reference model (FSDP2-sharded, frozen), a GAE critic (trained like the actor), reward
   models used as rewards (whole on every rank).
 
-Sequence parallelism is not built, so there is no SP term. Checked against measured CPU runs by
-``tests/benchmarks/plan_check.py`` (docs/strategies.md, "Planning memory").
+* Ulysses sequence parallelism (``sequence_parallel: N``, ``lightrft.models.ulysses``; Jacobs
+  et al. 2023, arXiv:2309.14509): each rank holds a contiguous 1/N of every row (padded to a
+  multiple of N), so the token-proportional terms (activations with and without checkpointing,
+  the log-prob head's transient) are per token of the slice; SP adds, per block, the
+  ``[T / N, H * D]`` output of the all-to-all back (``o_proj`` saves it beside SDPA's output;
+  the whole-row q / k / v / output for ``H / N`` heads are the slice's bytes for all heads), the
+  all-gathered fp32 ``[T]`` log-probs, no K / V repeat (no mask reaches SDPA), no gradient hint,
+  and for a multimodal model the whole row's embedding (it enters whole and is cut at the
+  decoder); the data-parallel replicas are ``world / N`` (GRPO's accumulation test). The SP
+  degree is refused by the rules the strategy and the model loader apply
+  (``lightrft.sections.check_sequence_parallel`` / ``check_sequence_parallel_model``). Not
+  modelled: a vision tower's activations (every rank of the group runs it on the whole row).
+
+Checked against measured CPU runs by ``tests/benchmarks/plan_check.py`` (docs/strategies.md,
+"Planning memory"; its ``sp`` rows for sequence parallelism).
 """
 
 from __future__ import annotations
@@ -96,6 +109,10 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool
     max_positions: int
+    sliding_window: bool = False  # use_sliding_window (refused by sequence parallelism)
+    # The top-level model_type of a multimodal config (its decoder is the text_config): such a
+    # model embeds the whole row (images merged) before sequence parallelism cuts it.
+    multimodal_type: str | None = None
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json") -> ModelShape:
@@ -130,6 +147,13 @@ class ModelShape:
             # Qwen2 has q/k/v biases without a config key; Llama-style configs say so.
             qkv_bias=model_type.startswith("qwen2") or bool(text.get("attention_bias", False)),
             max_positions=int(text.get("max_position_embeddings") or 0),
+            sliding_window=bool(text.get("use_sliding_window", False)),
+            # A nested text_config (transformers 5) or a flat config with a tower's section.
+            multimodal_type=(
+                str(config.get("model_type") or "")
+                if any(config.get(k) for k in ("text_config", "vision_config", "audio_config"))
+                else None
+            ),
         )
 
     @classmethod
@@ -255,6 +279,9 @@ class PlanInputs:
     critic: TrainedSetup | None = None
     reward_models: tuple[RewardModelSetup, ...] = ()
     notes: tuple[str, ...] = ()
+    # Ulysses SP (the strategy's ``sequence_parallel``): each micro-batch's rows split over this
+    # many consecutive ranks; ``tokens_per_micro_batch`` is the whole micro-batch's.
+    sequence_parallel: int = 1
 
 
 # ------------------------------------------------------------------------------ output
@@ -364,6 +391,13 @@ def gathered_bytes(shape: ModelShape, t: TrainedSetup, *, trained: bool) -> int:
     return units * b + grad + staged
 
 
+def sp_local_tokens(tokens: int, sp: int) -> int:
+    """Tokens of one rank's slice: the row padded to a multiple of ``sp``, then cut ``sp`` ways
+    (``lightrft.models.ulysses.Ulysses.shard``; one row: a micro-batch of several rows pads
+    each, which this ignores)."""
+    return -(-tokens // sp)
+
+
 def activation_bytes(
     shape: ModelShape,
     tokens: int,
@@ -372,31 +406,91 @@ def activation_bytes(
     ckpt: bool,
     repeat_kv: bool,
     recompute: bool = True,
+    sequence_parallel: int = 1,
 ) -> int:
-    """Saved-for-backward bytes of one micro-batch of ``tokens`` tokens (decoder + final norm).
-    With checkpointing: every block's input held from forward to backward, plus (``recompute``)
-    one block's full set while backward recomputes it."""
+    """Saved-for-backward bytes of one micro-batch of ``tokens`` tokens (decoder + final norm),
+    per rank. With checkpointing: every block's input held from forward to backward, plus
+    (``recompute``) one block's full set while backward recomputes it.
+
+    ``sequence_parallel`` N > 1 (``lightrft.models.ulysses``): every term is per token of this
+    rank's slice (``tokens / N``, rounded up). Attention between its two all-to-alls holds the
+    whole row's q, k, v, output and log-sum-exp for ``H / N`` heads: per rank the same bytes as
+    the slice's for all heads, so the per-token attention term stands; the all-to-all back
+    writes a new ``[T / N, H * D]`` output that ``o_proj`` saves beside SDPA's own (one more
+    ``b * H * D`` per token and block held). No ``[T, T]`` mask reaches SDPA (causal blocks), so
+    K / V are never repeated. A multimodal model embeds the whole row before the decoder's
+    pre-hook cuts it (``SequenceShard.trunk_inputs``): the slice is a view of the whole
+    ``[T, hidden]`` embedding, counted as held (in fp32 the first block's norm saves that view,
+    keeping the whole row alive; in bf16 it saves an fp32 copy, so there this overcounts a
+    transient of the forward's start; neither measured)."""
+    n = sequence_parallel
+    if n > 1:
+        repeat_kv = False
+    local = sp_local_tokens(tokens, n)
     layer = shape.layer_bytes_per_token(b, repeat_kv=repeat_kv)
     final = shape.norm_bytes_per_token(b)
+    sp_out = b * shape.heads * shape.head_dim if n > 1 else 0  # the all-to-all's output
+    whole = local * n * shape.hidden * b if n > 1 and shape.multimodal_type else 0
     if ckpt:
-        return tokens * (shape.layers * b * shape.hidden + (layer if recompute else 0) + final)
-    return tokens * (shape.layers * layer + final)
+        full = layer + sp_out if recompute else 0
+        return local * (shape.layers * b * shape.hidden + full + final) + whole
+    return local * (shape.layers * (layer + sp_out) + final) + whole
 
 
 def logprob_bytes(
-    shape: ModelShape, tokens: int, b: int, *, entropy: bool, grad_hint: bool
+    shape: ModelShape,
+    tokens: int,
+    b: int,
+    *,
+    entropy: bool,
+    grad_hint: bool,
+    sequence_parallel: int = 1,
 ) -> tuple[int, int]:
     """(fused, naive) transient of the log-prob head over ``tokens`` rows. Fused: the fp32
     ``[chunk, vocab]`` workspace (two with entropy), a compute-dtype scratch when the matmul
     cannot write fp32 (bf16), and with a gradient hint the gradients it keeps from forward to
     backward (hidden [tokens, H] and head weight [V, H], compute dtype). Naive: the
-    ``[tokens, vocab]`` logits, their fp32 upcast and the fp32 log-softmax."""
-    c = fused_chunk_rows(tokens, shape.vocab)
-    fused = c * shape.vocab * (4 * (2 if entropy else 1) + (b if b < 4 else 0))
-    if grad_hint:
-        fused += (tokens + shape.vocab) * shape.hidden * b
-    naive = tokens * shape.vocab * (b + 4 + 4)
+    ``[tokens, vocab]`` logits, their fp32 upcast and the fp32 log-softmax.
+
+    ``sequence_parallel`` N > 1: the head runs on this rank's slice (``tokens / N`` rows; no
+    gradient hint: ``kernels.hf.causal_lm_token_logprobs`` refuses one), and the log-probs (and
+    entropy) are all-gathered into fp32 ``[tokens]`` vectors (``Ulysses.gather``)."""
+    n = sequence_parallel
+    local = sp_local_tokens(tokens, n)
+    gathered = local * n * 4 * (2 if entropy else 1) if n > 1 else 0
+    c = fused_chunk_rows(local, shape.vocab)
+    fused = c * shape.vocab * (4 * (2 if entropy else 1) + (b if b < 4 else 0)) + gathered
+    if grad_hint and n == 1:
+        fused += (local + shape.vocab) * shape.hidden * b
+    naive = local * shape.vocab * (b + 4 + 4) + gathered
     return fused, naive
+
+
+def check_sequence_parallel(p: PlanInputs) -> None:
+    """Refuse the SP degree the strategy and the model refuse (the rules of
+    ``lightrft.sections``, which ``StrategyConfig`` and ``lightrft.models.ulysses`` apply)."""
+    from lightrft.sections import check_sequence_parallel as strategy_rule
+    from lightrft.sections import check_sequence_parallel_model
+
+    n, a, s, world = p.sequence_parallel, p.actor, p.model, p.cluster.world
+    if n < 1:
+        raise ValueError(f"sequence_parallel must be >= 1, got {n}")
+    strategy_rule(
+        n,
+        world,
+        deepspeed=bool(a.zero_stage),
+        lora=a.lora_rank is not None,
+        hsdp=a.shard != world,
+        offload="params" if a.offload_params else "none",
+    )
+    check_sequence_parallel_model(
+        n, s.multimodal_type or s.model_type, s.heads, s.kv_heads, sliding_window=s.sliding_window
+    )
+    if n > 1 and p.critic is not None:  # recipes/grpo.py refuses it too
+        raise ValueError(
+            f"sequence_parallel={n} does not support a GAE critic (estimator=gae) yet; set "
+            "sequence_parallel=1 or another estimator"
+        )
 
 
 def engine_terms(shape: ModelShape, e: EngineSetup, cluster: Cluster) -> tuple[Term, Term]:
@@ -427,16 +521,19 @@ def plan(p: PlanInputs) -> Plan:
     """The per-GPU memory of the rollout, scoring and training phases."""
     s, a, tok = p.model, p.actor, p.tokens_per_micro_batch
     b = a.compute_bytes
+    check_sequence_parallel(p)
+    n = p.sequence_parallel
     states = model_state_terms(s, a, "actor")
     resting = [
         Term(t.name, t.device_bytes if "gradients" not in t.name else 0, t.host_bytes, t.note)
         for t in states
     ]  # between steps the gradients are freed (zero_grad(set_to_none=True))
-    acts_no = activation_bytes(s, tok, b, ckpt=False, repeat_kv=p.repeat_kv)
-    acts_ck = activation_bytes(s, tok, b, ckpt=True, repeat_kv=p.repeat_kv)
+    sp = {"sequence_parallel": n}
+    acts_no = activation_bytes(s, tok, b, ckpt=False, repeat_kv=p.repeat_kv, **sp)
+    acts_ck = activation_bytes(s, tok, b, ckpt=True, repeat_kv=p.repeat_kv, **sp)
     acts = acts_ck if a.activation_checkpointing else acts_no
-    fused, naive = logprob_bytes(s, tok, b, entropy=p.entropy, grad_hint=p.grad_hint)
-    fused_nograd, _ = logprob_bytes(s, tok, b, entropy=False, grad_hint=False)
+    fused, naive = logprob_bytes(s, tok, b, entropy=p.entropy, grad_hint=p.grad_hint, **sp)
+    fused_nograd, _ = logprob_bytes(s, tok, b, entropy=False, grad_hint=False, **sp)
     common: list[Term] = []
     if p.reference:
         ref_shard = Term(
@@ -514,7 +611,8 @@ def plan(p: PlanInputs) -> Plan:
             "activations" + (" (checkpointed)" if a.activation_checkpointing else ""),
             acts,
             0,
-            f"{tok} tokens per micro-batch",
+            f"{tok} tokens per micro-batch"
+            + (f", 1/{n} of them per rank (sequence_parallel)" if n > 1 else ""),
         ),
         Term("log-prob transient (fused)", fused),
     ]
@@ -597,6 +695,11 @@ def format_plan(result: Plan) -> str:
             how += ", offload: params"
     if a.lora_rank:
         how += f", LoRA rank {a.lora_rank}"
+    if p.sequence_parallel > 1:
+        how += (
+            f", sequence_parallel {p.sequence_parallel} ({c.world // p.sequence_parallel} "
+            "data-parallel replicas)"
+        )
     s = p.model
     lines = [
         f"{p.recipe}: {s.model_type} {s.params / 1e9:.2f}B parameters (hidden {s.hidden}, "
@@ -718,9 +821,10 @@ def inputs_from_options(
             activation_checkpointing=m.activation_checkpointing,
             lora_rank=st.lora.rank if st.lora is not None else None,
         )
-    notes = ["no sequence-parallel term: sequence parallelism is not built"]
+    notes: list[str] = []
+    sp = 1 if deepspeed else st.sequence_parallel
     if recipe == "grpo":
-        return _grpo_inputs(opts, shape, actor, cluster, device, notes)
+        return _grpo_inputs(opts, shape, actor, cluster, device, notes, sp)
     data = opts.data
     length = _node_get(data.dataset, "max_length")
     tokens = data.micro_batch_tokens or data.max_tokens_per_row
@@ -742,6 +846,7 @@ def inputs_from_options(
         accumulation=data.gradient_accumulation_steps > 1 or data.micro_batch_tokens is not None,
         repeat_kv=not data.packing,
         notes=tuple(notes),
+        sequence_parallel=sp,
     )
 
 
@@ -752,6 +857,7 @@ def _grpo_inputs(
     cluster: Cluster,
     device: str,
     notes: list[str],
+    sp: int = 1,
 ) -> PlanInputs:
     ro, tr, eng = opts.rollout, opts.train, opts.engine
     prompt = _node_get(opts.dataset, "max_prompt_length")
@@ -812,8 +918,9 @@ def _grpo_inputs(
         cluster,
         actor,
         tokens,
-        # Samples per rank per optimizer step over the micro-batch size.
-        accumulation=(tr.mini_batch_size or ro.prompts_per_step * ro.n) // cluster.world
+        # Samples per data-parallel replica (world / SP ranks; the ranks of an SP group train
+        # on the same rows) per optimizer step over the micro-batch size.
+        accumulation=(tr.mini_batch_size or ro.prompts_per_step * ro.n) // (cluster.world // sp)
         > tr.micro_batch_size
         or tr.micro_batch_tokens is not None,
         repeat_kv=not tr.packing,
@@ -826,4 +933,5 @@ def _grpo_inputs(
         critic=critic,
         reward_models=tuple(rms),
         notes=tuple(notes),
+        sequence_parallel=sp,
     )

@@ -2,6 +2,8 @@
 
     MALLOC_MMAP_THRESHOLD_=1048576 python tests/benchmarks/plan_check.py          # 1, 2, 4 ranks
     MALLOC_MMAP_THRESHOLD_=1048576 python tests/benchmarks/plan_check.py 2        # one world size
+    MALLOC_MMAP_THRESHOLD_=1048576 python tests/benchmarks/plan_check.py sp       # SP rows, 4 and 2
+    python tests/benchmarks/plan_check.py sp --measured /tmp/lightrft_plan_check_sp_N.json
 
 A random Qwen2 (hidden 1024, 10 layers, 16/4 heads, intermediate 2816, vocab 16384, untied head:
 146M parameters, fp32) is written locally once, then each world size loads it with the recipes'
@@ -20,6 +22,17 @@ measures on every rank, exactly:
 
 CPU runs compute in fp32 (FSDP2's bf16 compute is the GPU's), so the planner is asked with
 ``device="cpu"``. Each printed row is measured / predicted.
+
+``sp``: Ulysses sequence parallelism (``lightrft.models.ulysses``) at SP 1, 2 and 4 on 4 gloo
+processes and SP 1 and 2 on 2, one row of 16,384 tokens (one sample) per SP group, through the
+recipes' log-prob funnel (``causal_lm_token_logprobs(..., sequence_parallel=)``: the rank's
+slice, log-probs gathered over the group), on a smaller random Qwen2 (``SP_SIZES``: 6.0M
+parameters, 8/4 heads; the 146M model would hold ~13 GB of activations per rank at 16k
+tokens). Per rank: the bytes saved for backward with and without activation checkpointing (as
+above), the peak RSS over the first training step, and the wall time of a second step (forward,
+backward, AdamW; no hooks). The measurements are saved to a JSON file first, then printed
+against the planner (``activation_bytes`` / ``logprob_bytes`` with ``sequence_parallel=N``)
+with each term's ratio to SP 1 at the same world size.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ from lightrft.training.plan import (  # noqa: E402
     TrainedSetup,
     activation_bytes,
     gathered_bytes,
+    logprob_bytes,
     model_state_terms,
 )
 
@@ -214,7 +228,211 @@ def check(world: int, path: Path) -> list[tuple[str, int, int]]:
     return rows
 
 
+# ------------------------------------------------------------------ sequence parallelism
+
+SP_MODEL_DIR = Path("/tmp/lightrft_plan_check_sp_model")
+# The SP rows' model: the 146M one at 16k tokens holds ~13 GB of activations per rank at SP=1
+# (4 ranks: ~52 GB, more than this machine's 23 GB) and takes minutes per step on 2 cores. This
+# one (8/4 heads: SP 2 and 4 divide both) keeps a 16k-token row's step under a minute.
+SP_SIZES = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=704,
+    vocab_size=6000,  # no weight shape equals a [T / N, ...] activation
+    max_position_embeddings=16384,
+    tie_word_embeddings=False,
+)
+# One row, one sample: causal attention over all of it (PLAN_CHECK_SP_TOKENS: a quick run).
+SP_TOKENS = int(os.environ.get("PLAN_CHECK_SP_TOKENS", 16384))
+
+
+@dataclass
+class SPResult:
+    rank: int
+    acts: int
+    acts_ckpt: int
+    step_rss_delta: int
+    step_s: float  # one training step (forward, backward, AdamW) without the hooks
+
+
+def make_sp_model() -> Path:
+    if (SP_MODEL_DIR / "config.json").is_file():
+        return SP_MODEL_DIR
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**SP_SIZES)).save_pretrained(SP_MODEL_DIR)
+    return SP_MODEL_DIR
+
+
+def _sp_forward(model, ids, sp) -> torch.Tensor:
+    """The recipes' funnel: this rank's slice, log-probs gathered over the SP group."""
+    from lightrft.kernels import causal_lm_token_logprobs
+
+    return causal_lm_token_logprobs(model, ids, sequence_parallel=sp)
+
+
+def sp_saved_bytes(model, ids, sp) -> tuple[int, torch.Tensor]:
+    weight_shapes = set()
+    for p in model.parameters():
+        shape = tuple(p.shape)
+        weight_shapes |= {shape, shape[::-1]}
+    seen: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if tuple(t.shape) not in weight_shapes and not hasattr(t, "to_local"):
+            st = t.untyped_storage()
+            seen.setdefault(st.data_ptr(), st)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _sp_forward(model, ids, sp)
+    return sum(st.nbytes() for st in seen.values()), out
+
+
+def sp_worker(rank: int, world: int, sp_size: int, path: str, tokens: int, queue) -> None:
+    import torch.distributed as dist
+
+    from lightrft.models.sharded import load_parallel
+    from lightrft.models.ulysses import Ulysses, sp_groups
+
+    sp = None
+    if sp_size > 1:
+        group, sp_rank = sp_groups(sp_size)
+        sp = Ulysses(group, sp_size, sp_rank)
+    # Every rank of an SP group gets the same row; the groups get different rows.
+    gen = torch.Generator().manual_seed(1 + rank // sp_size)
+    ids = torch.randint(0, SP_SIZES["vocab_size"], (1, tokens), generator=gen)
+    model = load_parallel(path, dtype="float32", device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gc.collect()
+    with PeakRSS() as rss:
+        acts, out = sp_saved_bytes(model, ids, sp)
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    del out
+    gc.collect()
+    dist.barrier()
+    t0 = time.perf_counter()
+    _sp_forward(model, ids, sp).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    step_s = time.perf_counter() - t0
+    del model, opt
+    gc.collect()
+    model_ck = load_parallel(path, dtype="float32", device="cpu", activation_checkpointing=True)
+    acts_ckpt, out = sp_saved_bytes(model_ck, ids, sp)
+    del out, model_ck
+    queue.put(SPResult(rank, acts, acts_ckpt, rss.peak - rss.start, step_s))
+
+
+def measure_sp(world: int, sp_size: int, path: Path, tokens: int = SP_TOKENS) -> list[SPResult]:
+    """Every rank's measurements at ``world`` processes in SP groups of ``sp_size``, one row of
+    ``tokens`` per group (``tokens / sp_size`` must equal no weight dimension: see
+    ``sp_saved_bytes``, which leaves out tensors of a weight's shape)."""
+    import torch.multiprocessing as mp
+
+    from tests._dist import run_distributed
+
+    queue = mp.get_context("spawn").Manager().Queue()
+    run_distributed(sp_worker, sp_size, str(path), tokens, queue, world_size=world)
+    return sorted((queue.get() for _ in range(world)), key=lambda r: r.rank)
+
+
+def main_sp(argv: list[str]) -> int:
+    """``sp [WORLD ...]``: SP 1, 2, 4 (those dividing the world) per world size (default 4, 2);
+    ``sp --measured FILE``: print a saved run against the planner again."""
+    import json
+
+    path = make_sp_model()
+    if argv[:1] == ["--measured"]:
+        runs = json.loads(Path(argv[1]).read_text())
+    else:
+        worlds = [int(a) for a in argv] or [4, 2]
+        runs = []
+        for world in worlds:
+            for n in (1, 2, 4):
+                if world % n:
+                    continue
+                t0 = time.perf_counter()
+                results = measure_sp(world, n, path)
+                runs.append(
+                    dict(
+                        world=world,
+                        sp=n,
+                        wall_s=time.perf_counter() - t0,
+                        load=os.getloadavg(),
+                        ranks=[r.__dict__ for r in results],
+                    )
+                )
+                print(f"measured world {world} sp {n}: {runs[-1]}", flush=True)
+        out = Path(f"/tmp/lightrft_plan_check_sp_{int(time.time())}.json")
+        out.write_text(json.dumps(runs, indent=1))
+        print(f"saved {out}")
+    return print_sp(runs, path)
+
+
+def sp_predicted(shape: ModelShape, world: int, n: int, tokens: int = SP_TOKENS) -> dict[str, int]:
+    """The planner's per-rank terms for one SP row (fp32, one row of ``tokens`` tokens)."""
+    t = TrainedSetup(master_bytes=4, compute_bytes=4, shard=world)
+    terms = {x.name: x.device_bytes for x in model_state_terms(shape, t, "actor")}
+    kw = dict(repeat_kv=False, sequence_parallel=n)
+    acts = activation_bytes(shape, tokens, 4, ckpt=False, **kw)
+    acts_ck = activation_bytes(shape, tokens, 4, ckpt=True, recompute=False, **kw)
+    fused, _ = logprob_bytes(shape, tokens, 4, entropy=False, grad_hint=False, sequence_parallel=n)
+    # The first step's new memory: gradients, AdamW state, activations, the log-prob
+    # transient, gathered units (RSS cross-check only, as above).
+    step = terms["actor gradients"] + terms["actor optimizer state"] + acts + fused
+    step += gathered_bytes(shape, t, trained=True) if world > 1 else 0
+    return dict(acts=acts, acts_ckpt=acts_ck, step_rss_delta=step)
+
+
+def print_sp(runs: list[dict], path: Path) -> int:
+    """One line per (world, SP degree, term): the worst rank's measured / predicted, and the
+    measured value over SP=1's at the same world size; then the step times."""
+    shape = ModelShape.from_file(path / "config.json")
+    print(
+        f"SP rows: {shape.params / 1e6:.1f}M-parameter Qwen2 ({shape.heads}/{shape.kv_heads} "
+        f"heads), one row of {SP_TOKENS} tokens, fp32; {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'world':>5}{'sp':>4}  {'term':<15}{'measured MiB':>13}{'planned MiB':>12}{'ratio':>7}"
+        f"{'vs sp1':>8}"
+    )
+    bad, base = 0, {}
+    for run in runs:
+        world, n, ranks = run["world"], run["sp"], run["ranks"]
+        predicted = sp_predicted(shape, world, n)
+        for what, pred in predicted.items():
+            vals = [r[what] for r in ranks]
+            measured = max(vals, key=lambda v: abs(v / pred - 1))
+            if n == 1:
+                base[world, what] = max(vals)
+            vs = max(vals) / base[world, what] if (world, what) in base else float("nan")
+            ratio = measured / pred
+            flag = "" if what == "step_rss_delta" or abs(ratio - 1) <= TOLERANCE else "  OVER 15%"
+            bad += bool(flag)
+            print(
+                f"{world:>5}{n:>4}  {what:<15}{measured / 2**20:>13.1f}{pred / 2**20:>12.1f}"
+                f"{ratio:>7.3f}{vs:>8.3f}{flag}"
+            )
+    print(f"{'world':>5}{'sp':>4}  {'step s (max rank)':>18}{'vs sp1':>8}  load average (1, 5, 15)")
+    steps = {}
+    for run in runs:
+        world, n = run["world"], run["sp"]
+        step = max(r["step_s"] for r in run["ranks"])
+        steps.setdefault(world, step)
+        load = ", ".join(f"{x:.2f}" for x in run["load"])
+        print(f"{world:>5}{n:>4}  {step:>18.1f}{step / steps[world]:>8.3f}  {load}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["sp"]:
+        return main_sp(argv[1:])
     worlds = [int(a) for a in argv] or [1, 2, 4]
     path = make_model()
     shape = ModelShape.from_file(path / "config.json")
