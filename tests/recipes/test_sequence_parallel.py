@@ -200,7 +200,9 @@ def test_vlm_sft_sequence_parallel_equals_one_process(tmp_path, monkeypatch, pac
 
     want = load_file(next((t / "one" / "final").glob("*.safetensors")))
     got = load_file(next((t / "sp" / "final").glob("*.safetensors")))
-    assert sorted(want) == sorted(got) and any(k.startswith(("visual.", "model.visual.")) for k in want)
+    assert sorted(want) == sorted(got) and any(
+        k.startswith(("visual.", "model.visual.")) for k in want
+    )
     # AdamW (lr 1e-2) divides by the gradient's own scale: an element whose gradient is near 0
     # moves by a last-bit difference times up to lr. Measured: 1 element of 217k off by more
     # than 1e-5 (padded: 1.8e-5; packed: 2.2e-4), the rest within 1e-5.
