@@ -117,6 +117,33 @@ def test_sft_sequence_parallel_times_data_parallel(tmp_path, assets, monkeypatch
                 )
 
 
+def _compiled_on_ranks(rank: int, world: int, runs: list[tuple[str, str]]) -> None:
+    """``_on_ranks``, then proof that the decoder blocks ran compiled (dynamo made graphs)."""
+    from torch._dynamo.utils import counters
+
+    _on_ranks(rank, world, runs)
+    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+
+
+def test_sft_sequence_parallel_compiled_equals_one_eager_process(tmp_path, assets, monkeypatch):
+    """``model.compile: true`` (each decoder block through inductor) with SP 2 on 2 processes
+    logs the eager 1-process run's losses and gradient norms (padded rows, 2 steps; inductor's
+    CPU build makes this the slowest of these tests)."""
+    a, t = assets, tmp_path
+    over = dict(packing=False, max_steps=2, save_every=100)
+    _one_process(_sft_config(t, a, t / "one", **over), str(t / "rec_one"), monkeypatch)
+    model = {"path": str(a / "model"), "compile": True}
+    sp = _sft_config(t, a, t / "sp", sequence_parallel=2, model=model, **over)
+    run_distributed(_compiled_on_ranks, [(str(sp), str(t / "rec_sp"))])
+    one = read_record(str(t / "rec_one"), 0)
+    assert read_record(str(t / "rec_sp"), 0) == read_record(str(t / "rec_sp"), 1) == one
+    want, got = _rows(t / "one", "train/"), _rows(t / "sp", "train/")
+    assert sorted(want) == sorted(got) == [1, 2]
+    for step in want:
+        for key in ("train/loss", "train/grad_norm"):
+            torch.testing.assert_close(got[step][key], want[step][key], rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------- vision-language
 
 
