@@ -239,3 +239,80 @@ def test_vlm_sft_sequence_parallel_equals_one_process(tmp_path, monkeypatch, pac
         assert float(diff.max()) < 1e-3, key  # a tenth of one step's lr
         off += int((diff > 1e-5).sum())
     assert off <= 4, off
+
+
+class CharReward:
+    """A reward that varies among any samples (the tiny VLM rarely writes a digit, and a step
+    whose rewards are all equal has no policy gradient: AdamW would turn the runs' last-bit
+    noise into whole steps)."""
+
+    def __call__(self, prompts, responses, references, labels):
+        return [sum(map(ord, r)) % 7 / 6 for r in responses]
+
+
+def test_vlm_grpo_sequence_parallel_equals_one_process(tmp_path, monkeypatch):
+    """GRPO on the tiny Qwen2-VL (2 pictures x 4 samples per step, a KL to the frozen reference
+    in the loss, the vision tower trained, packed micro-batches of 4, 2 steps): SP 2 on 2
+    processes logs the 1-process and the plain 2-process runs' rewards, loss, policy and KL
+    terms and gradient norms (1e-5) and eval accuracy. Generation is not sequence-parallel: each
+    rank samples its own share of the step's prompts, exactly the plain 2-process run's."""
+    t = tmp_path
+    prompts = {"_component_": "_recording.RecordingPromptDataset", "max_pixels": 56 * 56}
+
+    def config(out: Path, **over) -> Path:
+        cfg = yaml.safe_load(_vlm_sft_config(t, out).read_text())
+        for key in ("batch_size", "gradient_accumulation_steps", "epochs", "eval_every"):
+            cfg.pop(key)
+        cfg.update(
+            dataset={**prompts, "path": str(t / "data" / "train.jsonl")},
+            eval_dataset={
+                **prompts,
+                "_component_": "lightrft.data.PromptDataset",
+                "path": str(t / "data" / "test.jsonl"),
+            },
+            reward={"_component_": "test_sequence_parallel.CharReward"},
+            rollout={"prompts_per_step": 2, "n": 4, "max_tokens": 4},
+            algorithm={
+                "advantage": {"estimator": "grpo"},
+                "kl": {"coef": 0.1, "placement": "loss"},
+            },
+            train={"micro_batch_size": 4, "ppo_epochs": 1, "packing": True},
+            max_steps=2,
+            eval={"every": 2, "max_tokens": 3},
+            optimizer={"_component_": "torch.optim.AdamW", "lr": 1e-3},
+            **over,
+        )
+        path = t / f"{out.name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    _one_process(config(t / "one"), str(t / "rec_one"), monkeypatch, "grpo")
+    plain, sp = config(t / "two"), config(t / "sp", sequence_parallel=2)
+    runs = [(str(plain), str(t / "rec_two")), (str(sp), str(t / "rec_sp"))]
+    run_distributed(_on_ranks, runs, "grpo")
+    first = read_record(str(t / "rec_one"), 0)
+    assert len(first) == 4  # 2 steps x 2 prompts
+    for rank in range(2):  # one prompt per rank and step: the 1-process step's prompt `rank`
+        got = read_record(str(t / "rec_sp"), rank)
+        assert got == read_record(str(t / "rec_two"), rank) == first[rank::2], rank
+    keys = (
+        "train/loss",
+        "train/policy_loss",
+        "train/kl_loss",
+        "train/grad_norm",
+        "reward/total/mean",
+    )
+    got = _grpo_rows(t / "sp")
+    for name in ("one", "two"):
+        want = _grpo_rows(t / name)
+        assert sorted(want) == sorted(got) == [1, 2]
+        for step in want:
+            for key in keys:
+                torch.testing.assert_close(
+                    got[step][key], want[step][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}"
+                )
+    evals = [
+        {r["step"]: r["eval/accuracy"] for r in read_metrics(t / name) if "eval/accuracy" in r}
+        for name in ("one", "two", "sp")
+    ]
+    assert evals[0] and evals[0] == evals[1] == evals[2]
