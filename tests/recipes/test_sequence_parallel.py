@@ -1,6 +1,7 @@
 """``sequence_parallel: 2`` through the recipes on 2 gloo processes: the SP group reads the
 samples one process reads, and the run's logged losses and gradient norms equal the 1-process
-run's (fp32; not bitwise: the sums run in another order)."""
+run's (fp32; not bitwise: the sums run in another order). Also: 4 processes as 2 replicas x SP
+2 (SFT), the tiny Qwen2-VL (SFT and GRPO), and ``model.compile`` with SP (SFT)."""
 
 from __future__ import annotations
 
