@@ -1,7 +1,7 @@
 """``sequence_parallel: 2`` through the recipes on 2 gloo processes: the SP group reads the
 samples one process reads, and the run's logged losses and gradient norms equal the 1-process
 run's (fp32; not bitwise: the sums run in another order). Also: 4 processes as 2 replicas x SP
-2 (SFT), the tiny Qwen2-VL (SFT and GRPO), and ``model.compile`` with SP (SFT)."""
+2 (SFT and GRPO), the tiny Qwen2-VL (SFT and GRPO), and ``model.compile`` with SP (SFT)."""
 
 from __future__ import annotations
 
@@ -113,6 +113,39 @@ def test_sft_sequence_parallel_times_data_parallel(tmp_path, assets, monkeypatch
         assert sorted(want) == sorted(got) == [1, 2, 3]
         for step in want:
             for key in ("train/loss", "train/grad_norm"):
+                torch.testing.assert_close(
+                    got[step][key], want[step][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}"
+                )
+
+
+def test_grpo_sequence_parallel_times_data_parallel(tmp_path, assets, monkeypatch):
+    """GRPO on 4 processes as 2 replicas x SP 2 (the KL reference, packed micro-batches, 4
+    steps): each rank samples the plain 4-process run's prompts (generation is not
+    sequence-parallel), and the run logs the plain 4-process and the 1-process runs' losses,
+    KL, gradient norms and rewards (1e-5)."""
+    a, t = assets, tmp_path
+    over = dict(save_every=100)
+    _one_process(_grpo_config(t, a, t / "one", **over), str(t / "rec_one"), monkeypatch, "grpo")
+    plain = _grpo_config(t, a, t / "four", **over)
+    sp = _grpo_config(t, a, t / "sp", sequence_parallel=2, **over)
+    runs = [(str(plain), str(t / "rec_four")), (str(sp), str(t / "rec_sp"))]
+    run_distributed(_on_ranks, runs, "grpo", world_size=4)
+    for rank in range(4):
+        got = read_record(str(t / "rec_sp"), rank)
+        assert got and got == read_record(str(t / "rec_four"), rank), rank
+    keys = (
+        "train/loss",
+        "train/policy_loss",
+        "train/kl_loss",
+        "train/grad_norm",
+        "reward/total/mean",
+    )
+    got = _grpo_rows(t / "sp")
+    for name in ("one", "four"):
+        want = _grpo_rows(t / name)
+        assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+        for step in want:
+            for key in keys:
                 torch.testing.assert_close(
                     got[step][key], want[step][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}"
                 )
