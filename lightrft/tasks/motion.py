@@ -2,11 +2,15 @@
 square move?
 
 Each video is ``frames`` frames of ``size x size`` pixels, written as an mp4 file with PyAV: a
-square of a random colour on a white background, starting at a random place and moving
-``step`` pixels a frame left, right, up or down. The start position is drawn (uniformly) from the
-places from which every direction stays in the frame, independently of the direction, so the
-first frame says nothing about the answer: the motion does (a late frame's position alone
-hints at it near the borders).
+square (of one of the first ``n_colours`` palette colours, drawn at random) on a white
+background, starting at a random place and moving ``step`` pixels a frame left, right, up or
+down. The start position is drawn (uniformly) from the places from which every direction stays
+in the frame, independently of the direction, so the first frame says nothing about the answer:
+the motion does (a late frame's position alone hints at it near the borders). With
+``start_grid=g`` the starts are only the places ``start_offset + g * i`` (each axis): the square
+then always starts at the same place within a ``g``-pixel grid (28 px is Qwen2-VL's merged
+token), which is what makes the direction readable from a bag of video tokens (docs/vision.md,
+"Video", has the measurements).
 The question asks for the direction; the answer is one word (``left``, ``right``, ``up``,
 ``down``), scored by exact match.
 
@@ -37,12 +41,22 @@ _COLOURS = [(220, 30, 30), (30, 170, 60), (40, 70, 220), (230, 200, 20), (140, 5
 
 
 def motion_frames(
-    direction: str, *, x: int, y: int, colour, frames: int, size: int, side: int, step: int
+    direction: str,
+    *,
+    x: int,
+    y: int,
+    colour,
+    frames: int,
+    size: int,
+    side: int,
+    step: int,
+    background: int = 255,
 ) -> np.ndarray:
     """``[frames, size, size, 3]`` uint8 frames of a ``side``-pixel square whose top-left corner
-    starts at ``(x, y)`` and moves ``step`` pixels a frame in ``direction``."""
+    starts at ``(x, y)`` and moves ``step`` pixels a frame in ``direction``, on a ``background``
+    grey level (255: white)."""
     dx, dy = DIRECTIONS[direction]
-    out = np.full((frames, size, size, 3), 255, dtype=np.uint8)
+    out = np.full((frames, size, size, 3), background, dtype=np.uint8)
     for k in range(frames):
         px, py = x + dx * step * k, y + dy * step * k
         if not (0 <= px <= size - side and 0 <= py <= size - side):
@@ -75,16 +89,41 @@ def write_motion_dataset(
     side: int = 14,
     step: int = 4,
     fps: int = 4,
+    n_colours: int = 5,
+    start_grid: int = 0,
+    start_offset: int = 0,
+    background: int = 255,
     seed: int = 0,
 ) -> Path:
     """Write ``videos/*.mp4``, ``train.jsonl``, ``test.jsonl``, ``meta.json`` (and ``rl.jsonl``
-    with ``n_rl > 0``); each split draws its own videos from its own seed."""
+    with ``n_rl > 0``); each split draws its own videos from its own seed.
+
+    ``n_colours``: the squares take the first ``n_colours`` colours of the palette (1 to 5).
+    ``start_grid``: 0 draws a start from every place where each direction stays in the frame;
+    ``g > 0`` only from ``start_offset + g * i`` on each axis."""
     travel = step * (frames - 1)
     if side < 2 or size < side + 2 * travel + 1:
         raise ValueError(
             f"a {side}-pixel square moving {travel} pixels each way needs size >= "
             f"{side + 2 * travel + 1}, got size={size}"
         )
+    if not 1 <= n_colours <= len(_COLOURS):
+        raise ValueError(f"n_colours must be 1 to {len(_COLOURS)}, got {n_colours}")
+    if start_grid < 0 or start_offset < 0:
+        raise ValueError(
+            f"start_grid and start_offset must be >= 0, got {start_grid}, {start_offset}"
+        )
+    if start_grid:
+        starts = list(range(start_offset, size - side - travel + 1, start_grid))
+        starts = [s for s in starts if s >= travel]
+    else:
+        starts = list(range(travel, size - side - travel + 1))
+    if not starts:
+        raise ValueError(
+            f"no start on the {start_grid}-pixel grid (offset {start_offset}) keeps a {side}-pixel "
+            f"square moving {travel} pixels each way inside {size} pixels"
+        )
+    colours = _COLOURS[:n_colours]
     settings = dict(
         n_train=n_train,
         n_test=n_test,
@@ -94,6 +133,10 @@ def write_motion_dataset(
         side=side,
         step=step,
         fps=fps,
+        n_colours=n_colours,
+        start_grid=start_grid,
+        start_offset=start_offset,
+        background=background,
         seed=seed,
     )
     out = Path(out_dir)
@@ -107,17 +150,21 @@ def write_motion_dataset(
         for j in range(n):
             direction = rng.choice(names)
             # Starts from which every direction stays in the frame.
-            x = rng.randint(travel, size - side - travel)
-            y = rng.randint(travel, size - side - travel)
+            if start_grid:
+                x, y = rng.choice(starts), rng.choice(starts)
+            else:  # (the draws of the first version: its datasets stay the same)
+                x = rng.randint(travel, size - side - travel)
+                y = rng.randint(travel, size - side - travel)
             video = motion_frames(
                 direction,
                 x=x,
                 y=y,
-                colour=rng.choice(_COLOURS),
+                colour=rng.choice(colours),
                 frames=frames,
                 size=size,
                 side=side,
                 step=step,
+                background=background,
             )
             name = f"videos/{split}_{j:06d}.mp4"
             _write_mp4(out / name, video, fps)
@@ -138,7 +185,19 @@ def write_motion_dataset(
 def ensure_motion_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """:func:`write_motion_dataset` unless ``out_dir`` already holds it with these settings."""
     defaults = dict(
-        n_train=2000, n_test=200, n_rl=0, frames=4, size=56, side=14, step=4, fps=4, seed=0
+        n_train=2000,
+        n_test=200,
+        n_rl=0,
+        frames=4,
+        size=56,
+        side=14,
+        step=4,
+        fps=4,
+        n_colours=5,
+        start_grid=0,
+        start_offset=0,
+        background=255,
+        seed=0,
     )
     want = with_defaults("ensure_motion_dataset: ", defaults, settings)
     out = Path(out_dir)

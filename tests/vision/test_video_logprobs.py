@@ -93,3 +93,40 @@ def test_video_logprobs_match_hf_forward(tiny_vlm, tmp_path, arch, packing):
             # reference differs.
             other = _reference(model, items[0], time_scale=3.0)
             assert (other - _reference(model, items[0])).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_still_video_scores_as_its_image(tiny_vlm, arch):
+    # The video path's diagnosis (docs/vision.md, "Video"): an image given as a frame list of
+    # itself twice (one temporal patch) must give the image's log-probs after the media tokens
+    # (same patches, same M-RoPE positions), so a model trained on either learns the same; a
+    # second frame that differs changes them.
+    path = tiny_vlm(arch)
+    proc, model = load_processor(path), load_vision_model(path)
+    board, other = square((255, 0, 0), (84, 84)), square((0, 0, 255), (84, 84))
+    recs = [
+        {"prompt": "<image>How many?", "completion": "3", "images": [board]},
+        {"prompt": "<video>How many?", "completion": "3", "videos": [[board, board]]},
+        {"prompt": "<video>How many?", "completion": "3", "videos": [[board, other]]},
+    ]
+    ds = SFTDataset(proc, records=recs, video_fps=2.0)
+    items = [ds[i] for i in range(3)]
+    assert items[0]["media"].video is None and items[1]["media"].image is None
+    assert len({len(it["input_ids"]) for it in items}) == 1
+    ids = items[1]["input_ids"].tolist()
+    after = max(i for i, t in enumerate(ids) if t == proc.video_token_id)
+    with torch.no_grad():
+        lp = []
+        for item in items:
+            batch = pack_or_pad_collator(proc.tokenizer, False)([item])
+            lp.append(
+                causal_lm_token_logprobs(
+                    model,
+                    batch["input_ids"],
+                    attention_mask=batch.get("attention_mask"),
+                    position_ids=batch["position_ids"],
+                    media=batch["media"],
+                )[0, after:]
+            )
+    torch.testing.assert_close(lp[1], lp[0], atol=1e-6, rtol=0)
+    assert (lp[2] - lp[0]).abs().max() > 1e-4
