@@ -163,7 +163,7 @@ def _gather_shard0(
     if pads:
         torch._foreach_zero_(pads)
     out = ws.get("out", world * flat.numel(), dtype, device)
-    dist.all_gather_into_tensor(out, flat, group=mesh.get_group())
+    dist.all_gather_single(out, flat, group=mesh.get_group())
     return _Gather(out, world, index, [t.shape for t in tensors], rows, sizes)
 
 
@@ -461,7 +461,7 @@ def _run_gather(g: _GatherPlan, result: list[torch.Tensor | None]) -> None:
     slots, dests, (trim_to, trim_from), results = g.views
     _copy_locals(slots, [p.to_local().reshape(-1) for p in g.params])  # casts too
     out = g.buffers["out"]
-    dist.all_gather_into_tensor(out, g.buffers["flat"], group=g.group)
+    dist.all_gather_single(out, g.buffers["flat"], group=g.group)
     torch.split_with_sizes_copy(out.view(g.world, -1), g.sizes, dim=1, out=dests)
     if trim_to:
         torch._foreach_copy_(trim_to, trim_from)
