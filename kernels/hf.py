@@ -144,7 +144,12 @@ def forward_on_hidden(
         captured["out"] = fn(hidden, head.weight, getattr(head, "bias", None))
 
     def return_it(_mod, _args, _output):
-        return captured.pop("out")
+        # A view (the kernel's reshaped log-probs) would carry FSDP2's pre-backward hook on a
+        # tensor an in-place op could bypass; a copy of these [B, T] values is cheap and exact.
+        out = captured.pop("out")
+        if isinstance(out, tuple):
+            return tuple(t.clone() if t._base is not None else t for t in out)
+        return out.clone() if out._base is not None else out
 
     kwargs = dict(model_kwargs)
     kwargs.setdefault("use_cache", False)
