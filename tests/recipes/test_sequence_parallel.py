@@ -38,6 +38,25 @@ def _rows(out: Path, prefix: str) -> dict[int, dict]:
     }
 
 
+GRPO_KEYS = (
+    "train/loss",
+    "train/policy_loss",
+    "train/kl_loss",
+    "train/grad_norm",
+    "reward/total/mean",
+)
+
+
+def _assert_rows_equal(got: dict, want: dict, steps: list[int], keys, name: str = "") -> None:
+    """Both runs logged exactly ``steps``, and ``keys`` agree at each (1e-5)."""
+    assert sorted(want) == sorted(got) == steps, name
+    for step in steps:
+        for key in keys:
+            torch.testing.assert_close(
+                got[step][key], want[step][key], rtol=1e-5, atol=1e-6, msg=f"{name} {step} {key}"
+            )
+
+
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_sft_sequence_parallel_equals_one_process(tmp_path, assets, monkeypatch, packing):
     a, t = assets, tmp_path
@@ -52,10 +71,7 @@ def test_sft_sequence_parallel_equals_one_process(tmp_path, assets, monkeypatch,
     one = read_record(str(t / "rec_one"), 0)
     assert read_record(str(t / "rec_sp"), 0) == read_record(str(t / "rec_sp"), 1) == one
     want, got = _rows(t / "one", "train/"), _rows(t / "sp", "train/")
-    assert sorted(want) == sorted(got) == [1, 2, 3]
-    for step in want:
-        for key in ("train/loss", "train/grad_norm"):
-            torch.testing.assert_close(got[step][key], want[step][key], rtol=1e-5, atol=1e-6)
+    _assert_rows_equal(got, want, [1, 2, 3], ("train/loss", "train/grad_norm"))
 
 
 def test_grpo_sequence_parallel_equals_one_process_and_two(tmp_path, assets, monkeypatch):
@@ -70,26 +86,9 @@ def test_grpo_sequence_parallel_equals_one_process_and_two(tmp_path, assets, mon
     run_distributed(
         _on_ranks, [(str(plain), str(t / "rec_two")), (str(sp), str(t / "rec_sp"))], "grpo"
     )
-    keys = (
-        "train/loss",
-        "train/policy_loss",
-        "train/kl_loss",
-        "train/grad_norm",
-        "reward/total/mean",
-    )
     got = _grpo_rows(t / "sp")
     for name in ("one", "two"):
-        want = _grpo_rows(t / name)
-        assert sorted(got) == sorted(want) == [1, 2, 3, 4]
-        for step in want:
-            for key in keys:
-                torch.testing.assert_close(
-                    got[step][key],
-                    want[step][key],
-                    rtol=1e-5,
-                    atol=1e-6,
-                    msg=f"{name} {step} {key}",
-                )
+        _assert_rows_equal(got, _grpo_rows(t / name), [1, 2, 3, 4], GRPO_KEYS, name)
 
 
 def test_sft_sequence_parallel_times_data_parallel(tmp_path, assets, monkeypatch):
@@ -109,13 +108,9 @@ def test_sft_sequence_parallel_times_data_parallel(tmp_path, assets, monkeypatch
         assert read_record(str(t / "rec_sp"), rank) == plain[rank // 2], rank
     got = _rows(t / "sp", "train/")
     for name in ("two", "one"):
-        want = _rows(t / name, "train/")
-        assert sorted(want) == sorted(got) == [1, 2, 3]
-        for step in want:
-            for key in ("train/loss", "train/grad_norm"):
-                torch.testing.assert_close(
-                    got[step][key], want[step][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}"
-                )
+        _assert_rows_equal(
+            got, _rows(t / name, "train/"), [1, 2, 3], ("train/loss", "train/grad_norm"), name
+        )
 
 
 def test_grpo_sequence_parallel_times_data_parallel(tmp_path, assets, monkeypatch):
@@ -133,22 +128,9 @@ def test_grpo_sequence_parallel_times_data_parallel(tmp_path, assets, monkeypatc
     for rank in range(4):
         got = read_record(str(t / "rec_sp"), rank)
         assert got and got == read_record(str(t / "rec_four"), rank), rank
-    keys = (
-        "train/loss",
-        "train/policy_loss",
-        "train/kl_loss",
-        "train/grad_norm",
-        "reward/total/mean",
-    )
     got = _grpo_rows(t / "sp")
     for name in ("one", "four"):
-        want = _grpo_rows(t / name)
-        assert sorted(got) == sorted(want) == [1, 2, 3, 4]
-        for step in want:
-            for key in keys:
-                torch.testing.assert_close(
-                    got[step][key], want[step][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}"
-                )
+        _assert_rows_equal(got, _grpo_rows(t / name), [1, 2, 3, 4], GRPO_KEYS, name)
 
 
 def _compiled_on_ranks(rank: int, world: int, runs: list[tuple[str, str]]) -> None:
@@ -172,10 +154,7 @@ def test_sft_sequence_parallel_compiled_equals_one_eager_process(tmp_path, asset
     one = read_record(str(t / "rec_one"), 0)
     assert read_record(str(t / "rec_sp"), 0) == read_record(str(t / "rec_sp"), 1) == one
     want, got = _rows(t / "one", "train/"), _rows(t / "sp", "train/")
-    assert sorted(want) == sorted(got) == [1, 2]
-    for step in want:
-        for key in ("train/loss", "train/grad_norm"):
-            torch.testing.assert_close(got[step][key], want[step][key], rtol=1e-5, atol=1e-6)
+    _assert_rows_equal(got, want, [1, 2], ("train/loss", "train/grad_norm"))
 
 
 # ------------------------------------------------------------------------- vision-language
@@ -249,14 +228,9 @@ def test_vlm_sft_sequence_parallel_equals_one_process(tmp_path, monkeypatch, pac
     assert read_record(str(t / "rec_sp"), 0) == read_record(str(t / "rec_sp"), 1) == first
     for prefix, steps in (("train/", [1, 2, 3]), ("eval/", [0, 2, 3])):
         want, got = _rows(t / "one", prefix), _rows(t / "sp", prefix)
-        assert sorted(want) == sorted(got) == steps, prefix
         keys = [k for k in want[steps[0]] if k.endswith(("loss", "grad_norm"))]
         assert keys, prefix
-        for step in steps:
-            for key in keys:
-                torch.testing.assert_close(
-                    got[step][key], want[step][key], rtol=1e-5, atol=1e-6, msg=f"{step} {key}"
-                )
+        _assert_rows_equal(got, want, steps, keys, prefix)
     from safetensors.torch import load_file
 
     want = load_file(next((t / "one" / "final").glob("*.safetensors")))
@@ -329,22 +303,9 @@ def test_vlm_grpo_sequence_parallel_equals_one_process(tmp_path, monkeypatch):
     for rank in range(2):  # one prompt per rank and step: the 1-process step's prompt `rank`
         got = read_record(str(t / "rec_sp"), rank)
         assert got == read_record(str(t / "rec_two"), rank) == first[rank::2], rank
-    keys = (
-        "train/loss",
-        "train/policy_loss",
-        "train/kl_loss",
-        "train/grad_norm",
-        "reward/total/mean",
-    )
     got = _grpo_rows(t / "sp")
     for name in ("one", "two"):
-        want = _grpo_rows(t / name)
-        assert sorted(want) == sorted(got) == [1, 2]
-        for step in want:
-            for key in keys:
-                torch.testing.assert_close(
-                    got[step][key], want[step][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}"
-                )
+        _assert_rows_equal(got, _grpo_rows(t / name), [1, 2], GRPO_KEYS, name)
     evals = [
         {r["step"]: r["eval/accuracy"] for r in read_metrics(t / name) if "eval/accuracy" in r}
         for name in ("one", "two", "sp")
