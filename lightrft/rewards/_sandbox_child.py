@@ -204,12 +204,17 @@ def _under(path: str, top: str) -> bool:
 
 
 def _python_dirs() -> list[str]:
-    """Directories the interpreter needs: its installation (and a virtual environment's)."""
-    exe = os.path.dirname(os.path.realpath(sys.executable))
-    dirs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    if not any(_under(exe, d) for d in dirs):
-        dirs.add(exe)
-    return sorted(dirs)
+    """Directories the interpreter needs: its installation, and the virtual environment its
+    executable lives in (which ``sys.prefix`` does not name under ``-S``: a venv in ``/home``
+    or ``/tmp`` would otherwise be masked and the exec fail)."""
+    exe = os.path.abspath(sys.executable)
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(exe)]
+    paths.append(os.path.dirname(os.path.realpath(exe)))
+    venv = os.path.dirname(os.path.dirname(exe))
+    if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+        paths.append(venv)
+    dirs = {os.path.realpath(p) for p in paths}
+    return sorted(d for d in dirs if not any(d != o and _under(d, o) for o in dirs))
 
 
 def _setup_mounts(work: str) -> None:

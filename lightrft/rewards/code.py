@@ -14,7 +14,7 @@ launcher's setup; see :func:`_isolation_problem`) the run is **isolated**:
 - a fresh ``/proc`` shows only the sandbox's processes (no parent's ``environ``, no other
   process of the user); ``/tmp``, ``/var/tmp``, ``/root``, ``/home``, ``/run``, ``/dev/shm`` are
   empty private tmpfs; every other mount is read-only (``/`` must be, others where the kernel
-  allows); the working directory is bound back writable, the Python installation read-only;
+  allows); the working directory is bound back writable, the Python installation (and its virtual environment) read-only;
 - no network: the new network namespace has only a loopback device, which is down (with
   ``no_network=False`` the host's network namespace is kept).
 

@@ -3,6 +3,7 @@ a call can fail becoming an error result (never an exception)."""
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -259,15 +260,18 @@ def test_python_tool_is_the_sandbox(py):
     # the same isolation as the code reward: no network, a private /tmp, no writes outside
     code = (
         "import os, socket\n"
-        "print([p for p in os.listdir('/tmp') if not p.startswith('lightrft-code-')])\n"
+        "print(sorted(p for p in os.listdir('/tmp') if not p.startswith('lightrft-code-')))\n"
         "try:\n"
         "    socket.create_connection(('1.1.1.1', 53), timeout=1)\n"
         "    print('network')\n"
         "except OSError:\n"
         "    print('no network')\n"
     )
+    from lightrft.rewards._sandbox_child import _python_dirs  # noqa: PLC2701
     from lightrft.rewards.code import _isolation_problem  # noqa: PLC2701 - skip where not isolated
 
     if _isolation_problem() is not None:
         pytest.skip("no namespaces on this machine")
-    assert py.run({"code": code}).text == "[]\nno network\n"
+    # /tmp holds nothing but the interpreter's own directories (a venv there), read-only
+    python = sorted({Path(d).parts[2] for d in _python_dirs() if Path(d).parts[1:2] == ("tmp",)})
+    assert py.run({"code": code}).text == f"{python}\nno network\n"

@@ -577,3 +577,20 @@ def test_require_isolation_runs_where_isolation_works(isolated):
     fn = "```python\ndef f(x):\n    return x * x + 1\n```"
     refs = [ADD_TESTS, SQUARE_PLUS_ONE]
     assert strict(["q", "q"], ["```python\n" + ADD + "```", fn], refs, [None, None]) == [1.0, 1.0]
+
+
+def test_isolation_works_from_a_virtual_environment_under_a_masked_directory(tmp_path, isolated):
+    """A venv in /tmp (or /home, /root: directories the sandbox masks) runs the sandbox under
+    ``-S``, where ``sys.prefix`` no longer names the venv: its interpreter must stay visible,
+    or every program of such a user runs unisolated."""
+    venv = tmp_path / "venv"
+    if not str(venv).startswith(("/tmp/", "/home/", "/root/")):
+        pytest.skip(f"pytest's tmp_path {tmp_path} is not in a directory the sandbox masks")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    probe = subprocess.run(
+        [str(venv / "bin" / "python"), "-I", "-S", code._CHILD, "probe"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode == 0, probe.stdout + probe.stderr
