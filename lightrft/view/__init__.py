@@ -43,7 +43,7 @@ CURVES: list[tuple[str, list[str]]] = [
 MEDIA_LIMIT = 2 * 2**20  # bytes: a larger media file is named on the page, not embedded
 VIDEO_FRAMES = 16  # a video shown as frames shows at most this many, spread evenly
 FRAME_SIDE = 256  # pixels: frames decoded from a video file are scaled down to this longer side
-# Video files a browser plays (Chromium and Firefox alike), by suffix: the MIME type of the data
+# Video files a browser plays (checked in headless Chromium), by suffix: the MIME type of the data
 # URI and the codecs (PyAV's decoder names) it plays in that container. Another container or
 # codec (.avi, .mkv, .mov, MPEG-4 Part 2 as the motion demo writes, HEVC) is shown as frames.
 PLAYABLE = {
@@ -138,7 +138,7 @@ def _line_offsets(path: Path) -> array:
     return offsets
 
 
-def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, str]]:
+def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, Any]]:
     """The images, audio and videos of the dataset record ``where`` names (``"<file> line
     N"``), read from its ``images`` / ``audios`` / ``videos`` fields (a path or a list;
     ``image`` / ``audio`` / ``video`` too; a video is a file or a list of frame images, as the
@@ -272,7 +272,7 @@ def _video_file(file: Path) -> dict[str, Any]:
             stream = container.streams.video[0]
             codec = stream.codec_context.name
             count = sum(1 for packet in container.demux(stream) if packet.size)
-        if codec in codecs:
+        if mime is not None and codec in codecs:
             return {"uri": _data_uri(file.read_bytes(), mime)}
         wanted = set(_spread(count, VIDEO_FRAMES)) if count else set()
         frames = []
@@ -340,7 +340,7 @@ def load_run(
     rows, bad_metrics = _read_jsonl(metrics_path) if metrics_path.is_file() else ([], 0)
     budget, used, size_cut = max_mib * 2**20, 0, False
     per_step: list[list[dict[str, Any]]] = []
-    media: dict[str, list[dict[str, str]]] = {}
+    media: dict[str, list[dict[str, Any]]] = {}
     cache: dict[Path, Any] = {}
     total_samples = bad_lines = 0
     for step, path in reversed(files[-steps:]):
