@@ -3,7 +3,7 @@
 The page (the template ``page.html`` beside this file: vanilla JS and CSS, nothing fetched)
 shows the run's curves from ``metrics.jsonl`` and pages through the trajectory files
 (``trajectories/step_NNNNNN.jsonl``, GRPO's ``trajectories: true``): prompt (with its record's
-images and audio inline), response tokens coloured by entropy, advantage or the trainer /
+images, audio and videos inline), response tokens coloured by entropy, advantage or the trainer /
 engine probability ratio (``trajectory_tokens: true``), rewards, group, multi-turn turns; filters
 by step, reward and length, and the same prompt at two steps side by side.
 
@@ -15,6 +15,7 @@ stay together), newest first up to ``max_mib`` MiB; the page says what was left 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 import mimetypes
@@ -39,11 +40,25 @@ CURVES: list[tuple[str, list[str]]] = [
     ("response length", ["rollout/response_length/mean"]),
     ("clip fraction", ["train/clip_frac"]),
 ]
-MEDIA_LIMIT = 2 * 2**20  # bytes: a larger image or audio file is named on the page, not embedded
+MEDIA_LIMIT = 2 * 2**20  # bytes: a larger media file is named on the page, not embedded
+VIDEO_FRAMES = 16  # a video shown as frames shows at most this many, spread evenly
+FRAME_SIDE = 256  # pixels: frames decoded from a video file are scaled down to this longer side
+# Video files a browser plays (checked in headless Chromium), by suffix: the MIME type of the data
+# URI and the codecs (PyAV's decoder names) it plays in that container. Another container or
+# codec (.avi, .mkv, .mov, MPEG-4 Part 2 as the motion demo writes, HEVC) is shown as frames.
+PLAYABLE = {
+    ".mp4": ("video/mp4", {"h264", "vp9", "av1", "libdav1d", "libaom-av1"}),
+    ".m4v": ("video/mp4", {"h264", "vp9", "av1", "libdav1d", "libaom-av1"}),
+    ".webm": ("video/webm", {"vp8", "vp9", "av1", "libdav1d", "libaom-av1"}),
+}
 _STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
 # "<file> line N" (JSONL) and "<file> record N" (JSON list), as lightrft.data.io names records.
 _WHERE = re.compile(r"^(?P<path>.+) (?P<kind>line|record) (?P<n>\d+)$")
-_MEDIA_FIELDS = {"image": ("images", "image"), "audio": ("audios", "audio")}
+_MEDIA_FIELDS = {
+    "image": ("images", "image"),
+    "audio": ("audios", "audio"),
+    "video": ("videos", "video"),
+}
 
 
 class ViewError(ValueError):
@@ -123,11 +138,12 @@ def _line_offsets(path: Path) -> array:
     return offsets
 
 
-def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, str]]:
-    """The images and audio of the dataset record ``where`` names (``"<file> line N"``), read
-    from its ``images`` / ``audios`` fields (a path or a list; ``image`` / ``audio`` too) and
-    from image / audio parts of its messages, relative paths from the file's folder. Each is
-    ``{"kind", "name", "uri"}`` (a data URI) or ``{"kind", "name", "missing": why}``."""
+def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, Any]]:
+    """The images, audio and videos of the dataset record ``where`` names (``"<file> line
+    N"``), read from its ``images`` / ``audios`` / ``videos`` fields (a path or a list;
+    ``image`` / ``audio`` / ``video`` too; a video is a file or a list of frame images, as the
+    data loader reads them) and from media parts of its messages, relative paths from the
+    file's folder. Each is what :func:`_media_item` makes."""
     m = _WHERE.match(where or "")
     if m is None:
         return []
@@ -167,21 +183,126 @@ def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, str]]:
             if isinstance(part, dict) and part.get("type") in _MEDIA_FIELDS:
                 kind = part["type"]
                 found += [(kind, part.get(k)) for k in (kind, "path", "url") if part.get(k)][:1]
-    out = []
-    for kind, value in found:
-        if not isinstance(value, str) or not value:
-            continue  # inline bytes or a None slot: nothing to name
-        file = Path(value) if Path(value).is_absolute() else path.parent / value
-        item = {"kind": kind, "name": value}
+    return [item for kind, value in found if (item := _media_item(kind, value, path.parent))]
+
+
+def _data_uri(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def _spread(count: int, k: int) -> list[int]:
+    """``min(k, count)`` indices spread evenly from the first to the last of ``count``."""
+    k = min(k, count)
+    return [round(j * (count - 1) / (k - 1)) for j in range(k)] if k > 1 else [0]
+
+
+def _media_item(kind: str, value: Any, base: Path) -> dict[str, Any] | None:
+    """One medium of a record as the page shows it: ``{"kind", "name"}`` and its data URI
+    (``"uri"``), a video's frames (``"frames"``: ``[{"index", "name", "uri" | "missing"}]``,
+    with a ``"note"`` on what they are), or why it is not shown (``"missing"``). None for what
+    names no file (inline bytes, a None slot)."""
+    if kind == "video" and isinstance(value, dict):  # {"path": ...} as the data loader takes
+        value = value.get("path", value.get("video"))
+    if kind == "video" and isinstance(value, (list, tuple)):
+        return _frame_list(value, base)
+    if not isinstance(value, str) or not value:
+        return None
+    file = Path(value) if Path(value).is_absolute() else base / value
+    item: dict[str, Any] = {"kind": kind, "name": value}
+    try:
         if not file.is_file():
             item["missing"] = "file not found"
         elif file.stat().st_size > MEDIA_LIMIT:
             item["missing"] = f"over {MEDIA_LIMIT // 2**20} MiB, not embedded"
+        elif kind == "video":
+            item.update(_video_file(file))
         else:
             mime = mimetypes.guess_type(file.name)[0] or f"{kind}/*"
-            item["uri"] = f"data:{mime};base64," + base64.b64encode(file.read_bytes()).decode()
-        out.append(item)
-    return out
+            item["uri"] = _data_uri(file.read_bytes(), mime)
+    except OSError as e:
+        item["missing"] = f"unreadable ({e.strerror or e})"
+    return item
+
+
+def _frame_list(frames: list | tuple, base: Path) -> dict[str, Any]:
+    """A video given as frame images: each shown frame embedded as an image is (at most
+    ``VIDEO_FRAMES``, spread evenly)."""
+    names = [f for f in frames if isinstance(f, str)]
+    item: dict[str, Any] = {
+        "kind": "video",
+        "name": f"{len(frames)} frames" + (f" ({names[0]} .. {names[-1]})" if names else ""),
+    }
+    if not frames:
+        item["missing"] = "an empty frame list"
+        return item
+    shown = _spread(len(frames), VIDEO_FRAMES)
+    item["frames"] = []
+    for k in shown:
+        frame = _media_item("image", frames[k], base) or {
+            "name": f"frame {k}",
+            "missing": "inline data, not a file path: not shown",
+        }
+        item["frames"].append({"index": k, **{n: v for n, v in frame.items() if n != "kind"}})
+    if len(shown) < len(frames):
+        item["note"] = f"{len(shown)} of its {len(frames)} frames, spread evenly"
+    return item
+
+
+def _video_file(file: Path) -> dict[str, Any]:
+    """A video file's ``"uri"`` when a browser plays it (:data:`PLAYABLE`, its codec probed
+    with PyAV), else up to ``VIDEO_FRAMES`` of its frames decoded with PyAV (JPEG, at most
+    ``FRAME_SIDE`` pixels a side); ``"missing"`` when it cannot be read."""
+    mime, codecs = PLAYABLE.get(file.suffix.lower(), (None, set()))
+    try:
+        import av
+    except ImportError:
+        if mime is not None:
+            return {
+                "uri": _data_uri(file.read_bytes(), mime),
+                "note": "codec not checked: PyAV is not installed (pip install av)",
+            }
+        return {
+            "missing": f"a {file.suffix or 'suffix-less'} file plays in no browser, and showing "
+            "its frames needs PyAV (pip install av)"
+        }
+    try:
+        with av.open(str(file)) as container:
+            if not container.streams.video:
+                return {"missing": "no video stream"}
+            stream = container.streams.video[0]
+            codec = stream.codec_context.name
+            count = sum(1 for packet in container.demux(stream) if packet.size)
+        if mime is not None and codec in codecs:
+            return {"uri": _data_uri(file.read_bytes(), mime)}
+        wanted = set(_spread(count, VIDEO_FRAMES)) if count else set()
+        frames = []
+        with av.open(str(file)) as container:
+            for k, frame in enumerate(container.decode(video=0)):
+                if k in wanted:
+                    image = frame.to_image()
+                    image.thumbnail((FRAME_SIDE, FRAME_SIDE))
+                    buf = io.BytesIO()
+                    image.save(buf, format="JPEG", quality=85)
+                    frames.append({"index": k, "uri": _data_uri(buf.getvalue(), "image/jpeg")})
+    except Exception as e:  # PyAV raises FFmpegError subclasses, and ValueError for odd input
+        return {"missing": f"cannot decode it ({type(e).__name__}: {e})"}
+    if not frames:
+        return {"missing": "no frames decoded"}
+    where = f"a {file.suffix} file" if file.suffix else "a file without a suffix"
+    shown = f"{len(frames)} of its {count} frames, spread evenly" if len(frames) < count else ""
+    return {
+        "frames": frames,
+        "note": f"{codec} in {where} plays in no browser: its frames"
+        + (f" ({shown})" if shown else ""),
+    }
+
+
+def _media_size(items: list[dict[str, Any]]) -> int:
+    """Characters the items' data URIs add to the page."""
+    return sum(
+        len(m.get("uri", "")) + sum(len(f.get("uri", "")) for f in m.get("frames", []))
+        for m in items
+    )
 
 
 def load_run(
@@ -219,7 +340,7 @@ def load_run(
     rows, bad_metrics = _read_jsonl(metrics_path) if metrics_path.is_file() else ([], 0)
     budget, used, size_cut = max_mib * 2**20, 0, False
     per_step: list[list[dict[str, Any]]] = []
-    media: dict[str, list[dict[str, str]]] = {}
+    media: dict[str, list[dict[str, Any]]] = {}
     cache: dict[Path, Any] = {}
     total_samples = bad_lines = 0
     for step, path in reversed(files[-steps:]):
@@ -237,7 +358,7 @@ def load_run(
             size = len(json.dumps(rec))
             if where and where not in media:
                 media[where] = _record_media(where, cache)
-                size += sum(len(m.get("uri", "")) for m in media[where])
+                size += _media_size(media[where])
             if used + size > budget and (per_step or kept):
                 size_cut = True
                 break

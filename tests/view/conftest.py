@@ -128,3 +128,55 @@ def fake_run(tmp_path: Path) -> Path:
     text = "".join(json.dumps(r) + "\n" for r in rows)
     (run / "metrics.jsonl").write_text(text + '{"step": 4, "reward/to')  # a torn last line
     return run
+
+
+@pytest.fixture
+def video_helpers():
+    """tests/vision/_video_helpers.py (moving squares, PyAV encoding), by its path."""
+    import importlib.util
+
+    pytest.importorskip("av")
+    path = Path(__file__).resolve().parent.parent / "vision" / "_video_helpers.py"
+    spec = importlib.util.spec_from_file_location("_video_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def video_run(fake_run: Path, video_helpers) -> Path:
+    """``fake_run`` whose records have videos: the first a frame list, an H.264 .mp4 (browsers
+    play it) and an MPEG-4 Part 2 .avi (no browser does: shown as frames); the second, in a
+    video part of its messages, a missing file, and an unreadable one in its field."""
+    from PIL import Image
+
+    helpers = video_helpers
+    data = fake_run.parent / "data"
+    frames = helpers.moving_square(6)
+    for k in range(3):
+        Image.fromarray(frames[k]).save(data / f"frame_{k}.png")
+    helpers.write_video(data / "square.mp4", frames, codec="h264")
+    helpers.write_video(data / "square.avi", frames, codec="mpeg4")
+    (data / "broken.webm").write_bytes(b"not a video at all")
+    records = [
+        {
+            "prompt": PROMPTS[0],
+            "answer": "3",
+            "videos": [[f"frame_{k}.png" for k in range(3)], "square.mp4", "square.avi"],
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video", "video": "gone.mp4"},
+                        {"type": "text", "text": PROMPTS[1]},
+                    ],
+                }
+            ],
+            "answer": "7",
+            "video": "broken.webm",
+        },
+    ]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return fake_run

@@ -4,13 +4,15 @@ drives the page itself)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import sys
 
 import pytest
 
 from lightrft import cli
-from lightrft.view import load_run, render_page
+from lightrft.view import MEDIA_LIMIT, load_run, render_page
 
 
 def test_the_page_data_holds_curves_samples_groups_and_media(fake_run):
@@ -69,6 +71,99 @@ def test_the_size_limit_keeps_the_newest_samples_first(fake_run):
     # a limit under one sample still shows the newest one
     tiny = load_run(fake_run, max_mib=1e-6)
     assert [(r["step"], r["index"]) for r in tiny["samples"]] == [(3, 0)]
+
+
+def _videos(data: dict, record: int) -> list[dict]:
+    where = next(s["where"] for s in data["samples"] if s["where"].endswith(f" line {record}"))
+    return [m for m in data["media"][where] if m["kind"] == "video"]
+
+
+def test_a_record_s_videos_are_embedded_as_a_player_or_frames(video_run):
+    data = load_run(video_run)
+    frame_list, mp4, avi = _videos(data, 1)
+    # a frame list: each frame embedded as the image file it is, in order
+    assert frame_list["name"] == "3 frames (frame_0.png .. frame_2.png)"
+    assert [f["index"] for f in frame_list["frames"]] == [0, 1, 2]
+    assert [f["name"] for f in frame_list["frames"]] == [f"frame_{k}.png" for k in range(3)]
+    png = (video_run.parent / "data" / "frame_1.png").read_bytes()
+    assert (
+        frame_list["frames"][1]["uri"] == "data:image/png;base64," + base64.b64encode(png).decode()
+    )
+    # an H.264 .mp4 plays in a browser: the file itself, as a data URI
+    raw = (video_run.parent / "data" / "square.mp4").read_bytes()
+    assert mp4 == {
+        "kind": "video",
+        "name": "square.mp4",
+        "uri": "data:video/mp4;base64," + base64.b64encode(raw).decode(),
+    }
+    # MPEG-4 Part 2 in an .avi plays in none: its decoded frames instead, saying why
+    assert (
+        "uri" not in avi and avi["note"] == "mpeg4 in a .avi file plays in no browser: its frames"
+    )
+    assert [f["index"] for f in avi["frames"]] == list(range(6))
+    assert all(f["uri"].startswith("data:image/jpeg;base64,") for f in avi["frames"])
+    page = render_page(data)
+    assert mp4["uri"] in page and frame_list["frames"][1]["uri"] in page
+    assert avi["frames"][5]["uri"] in page
+
+
+def test_a_long_frame_list_shows_frames_spread_evenly(video_run):
+    data_dir = video_run.parent / "data"
+    rec = {"prompt": "1+2=", "videos": [[f"frame_{k % 3}.png" for k in range(40)]]}
+    (data_dir / "train.jsonl").write_text(json.dumps(rec) + "\n")
+    (video,) = _videos(load_run(video_run), 1)
+    assert video["note"] == "16 of its 40 frames, spread evenly"
+    assert [f["index"] for f in video["frames"]][:4] == [0, 3, 5, 8]
+    assert video["frames"][-1]["index"] == 39
+
+
+def test_a_missing_or_unreadable_video_is_noted(video_run):
+    data = load_run(video_run)
+    broken, gone = _videos(data, 2)  # the record's field, then its messages' video part
+    assert gone == {"kind": "video", "name": "gone.mp4", "missing": "file not found"}
+    assert broken["name"] == "broken.webm"
+    assert broken["missing"].startswith("cannot decode it (InvalidDataError: ")
+    # a frame list with a missing frame shows the others and names the missing one
+    data_dir = video_run.parent / "data"
+    rec = {"prompt": "1+2=", "videos": [["frame_0.png", "no_frame.png"]]}
+    (data_dir / "train.jsonl").write_text(json.dumps(rec) + "\n")
+    (video,) = _videos(load_run(video_run), 1)
+    assert video["frames"][0]["uri"].startswith("data:image/png;base64,")
+    assert video["frames"][1] == {"index": 1, "name": "no_frame.png", "missing": "file not found"}
+
+
+def test_a_video_over_the_size_guard_is_named_not_embedded(video_run):
+    big = video_run.parent / "data" / "square.mp4"
+    with open(big, "ab") as f:  # over the guard: never read, so its bytes do not matter
+        f.write(b"\0" * MEDIA_LIMIT)
+    data = load_run(video_run)
+    assert _videos(data, 1)[1] == {
+        "kind": "video",
+        "name": "square.mp4",
+        "missing": "over 2 MiB, not embedded",
+    }
+    page = render_page(data)
+    assert "data:video/mp4" not in page and len(page) < MEDIA_LIMIT
+
+
+def test_the_size_limit_counts_a_video_s_frames(video_run):
+    full = load_run(video_run)
+    newest = [r for r in full["samples"] if r["step"] == 3]
+    uris = sum(len(m.get("uri", "")) for m in full["media"][newest[0]["where"]])
+    # room for the newest step and its record's data URIs, but not the frames: one sample
+    data = load_run(video_run, max_mib=(sum(len(json.dumps(r)) for r in newest) + uris) / 2**20)
+    assert data["cap"]["size_cut"] is True and len(data["samples"]) == 1
+
+
+def test_without_pyav_a_playable_file_is_embedded_and_another_is_named(video_run, monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)  # import av raises ImportError
+    frame_list, mp4, avi = _videos(load_run(video_run), 1)
+    assert mp4["uri"].startswith("data:video/mp4;base64,")
+    assert mp4["note"] == "codec not checked: PyAV is not installed (pip install av)"
+    assert avi["missing"] == (
+        "a .avi file plays in no browser, and showing its frames needs PyAV (pip install av)"
+    )
+    assert len(frame_list["frames"]) == 3  # image files: no PyAV needed
 
 
 def test_a_run_without_metrics_or_tokens_still_gets_a_page(fake_run):

@@ -1,6 +1,7 @@
 """The ``lightrft view`` page in a real headless browser: it loads with no console error and
 fetches nothing, the colour toggle recolours the tokens, the filters, paging and the step
-comparison work, multi-turn observations and the record's image show.
+comparison work, multi-turn observations and the record's image show, a record's videos play
+or show their frames.
 
 Needs Playwright (``pip install playwright``) and a Chromium it can start: the OS package
 (``apt-get install chromium``) or ``LIGHTRFT_CHROMIUM=/path/to/chrome``; ``playwright install``
@@ -45,11 +46,22 @@ def _browser(playwright):
 
 @pytest.fixture
 def page(fake_run, tmp_path):
+    yield from _open_page(fake_run, tmp_path)
+
+
+@pytest.fixture
+def video_page(video_run, tmp_path):
+    yield from _open_page(video_run, tmp_path)
+
+
+def _open_page(run_dir, tmp_path):
+    """The run's page in headless Chromium; after the test, no console error, page error or
+    request beyond the file itself and its data URIs."""
     from playwright.sync_api import sync_playwright
 
     from lightrft.view import write_view
 
-    out, _ = write_view(fake_run, tmp_path / "page.html")
+    out, _ = write_view(run_dir, tmp_path / "page.html")
     with sync_playwright() as p:
         browser = _browser(p)
         pg = browser.new_page()
@@ -123,6 +135,49 @@ def test_the_same_prompt_at_two_steps_side_by_side(page):
     page.click(".chip >> nth=2")  # another sample of the group: the comparison stays
     assert "sample 2" in page.locator("#main .meta b").inner_text()
     assert page.locator("#compare .sample").count() == 4
+
+
+def test_a_prompt_s_videos_play_or_show_their_frames(video_page):
+    page = video_page
+    main = page.locator("#main")
+    # the H.264 .mp4 as a player the browser decodes (its metadata: the 56x56 frames)
+    video = main.locator("video")
+    assert video.count() == 1 and video.get_attribute("src").startswith("data:video/mp4;base64,")
+    page.wait_for_function("document.querySelector('#main video').readyState >= 2")  # a frame
+    assert video.evaluate("v => [v.error, v.videoWidth, v.videoHeight, v.duration > 0]") == [
+        None,
+        56,
+        56,
+        True,
+    ]
+    # the frame list and the .avi's decoded frames as strips, every frame image decoded
+    strips = main.locator(".frames")
+    assert [strips.nth(i).locator("img").count() for i in range(strips.count())] == [3, 6]
+    sizes = main.locator(".frames img").evaluate_all(
+        "ns => ns.map(n => n.complete && n.naturalWidth)"
+    )
+    assert sizes == [56] * 9
+    assert "mpeg4 in a .avi file plays in no browser: its frames" in main.inner_text()
+    # the other prompt's missing and unreadable files are named
+    page.select_option("#f-step", "2")
+    text = main.inner_text()
+    assert "video gone.mp4: file not found" in text
+    assert "video broken.webm: cannot decode it" in text
+    assert main.locator("video, .frames").count() == 0
+
+
+def test_a_video_the_browser_cannot_play_says_so(video_run, video_helpers, tmp_path, monkeypatch):
+    # Without PyAV an .mp4 is embedded unprobed; this one holds MPEG-4 Part 2, which no
+    # browser decodes: the page says so under the player.
+    helpers = video_helpers
+    helpers.write_video(video_run.parent / "data" / "square.mp4", helpers.moving_square(6))
+    monkeypatch.setitem(sys.modules, "av", None)
+    opened = _open_page(video_run, tmp_path)
+    page = next(opened)
+    page.wait_for_function("document.querySelector('#main video').error !== null")
+    player = page.locator("#main .video", has=page.locator("video"))
+    assert "this browser cannot play the file" in player.inner_text()
+    next(opened, None)  # the checks after the page: no console error, nothing fetched
 
 
 def screenshot(page_html: str, png: str, width: int = 1500, height: int = 860) -> None:
