@@ -1,0 +1,114 @@
+"""Video through preference data: a preference pair with a video encodes as the SFT data does;
+bad videos name the file, line and field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _video_helpers import moving_square, write_video
+
+from lightrft.data import DataError, SFTDataset
+from lightrft.data.preference import PreferenceCollator, PreferenceDataset
+from lightrft.data.templates import IGNORE_INDEX
+from lightrft.models.multimodal import load_processor
+
+QUESTION = "<video>Which way does the square move?"
+# Not the defaults (2 fps): the options must reach the video reader. 56x56 frames stay 56x56.
+VIDEO = {"video_fps": 4.0, "video_max_pixels": 56 * 56}
+
+
+@pytest.fixture
+def clips(tmp_path):
+    """Two 2-second mp4 clips at 8 fps (16 frames of 56x56): a square moving right, and left."""
+    write_video(tmp_path / "right.mp4", moving_square(16, step=2), fps=8)
+    write_video(tmp_path / "left.mp4", moving_square(16, step=2, direction=-1), fps=8)
+    return ["right.mp4", "left.mp4"]
+
+
+def _write(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def _pairs(clips, n: int = 2, rejected: str | None = None) -> list[dict]:
+    names = ["right", "left"]
+    return [
+        {
+            "prompt": QUESTION,
+            "videos": [clips[k % 2]],
+            "chosen": names[k % 2],
+            "rejected": rejected or names[1 - k % 2],
+        }
+        for k in range(n)
+    ]
+
+
+def test_a_preference_pair_with_a_video_encodes_as_the_sft_samples(tiny_vlm, clips, tmp_path):
+    proc = load_processor(tiny_vlm("qwen2_vl"))
+    pairs = PreferenceDataset(proc, _write(tmp_path / "p.jsonl", _pairs(clips, 1)), **VIDEO)
+    sft_records = [
+        {"prompt": QUESTION, "videos": [clips[0]], "completion": answer}
+        for answer in ("right", "left")
+    ]
+    sft = SFTDataset(proc, _write(tmp_path / "s.jsonl", sft_records), **VIDEO)
+    item = pairs[0]
+    for k in range(2):  # chosen, rejected
+        want = sft[k]
+        assert torch.equal(item["sequences"][k], want["input_ids"])
+        # The response starts at the SFT sample's first loss token.
+        assert item["starts"][k] == int((want["labels"] != IGNORE_INDEX).nonzero()[0])
+        got_v, want_v = item["media"].video, want["media"].video
+        assert torch.equal(got_v.pixel_values_videos, want_v.pixel_values_videos)
+        assert torch.equal(got_v.video_grid_thw, want_v.video_grid_thw)
+    # 16 frames at 8 fps sampled at 4 fps: 8 frames, 4 temporal patches of 2x2 merged tokens.
+    video = item["media"].video
+    assert video.video_grid_thw.tolist() == [[4, 4, 4]] and video.fps == [4.0]
+    n_video = sum(video.num_tokens)
+    assert item["sequences"][0].tolist().count(proc.video_token_id) == n_video == 16
+    assert pairs.stats["videos"] == 1 and pairs.stats["video_clipped"] == 0
+    # The defaults sample 2 fps: half the frames.
+    default = PreferenceDataset(proc, _write(tmp_path / "d.jsonl", _pairs(clips, 1)))
+    assert default[0]["media"].video.video_grid_thw[0, 0] == 2
+    # The collator gives each candidate the item's video, in sequence order.
+    batch = PreferenceCollator(proc.tokenizer.pad_token_id)([pairs[0], pairs[0]])
+    assert batch["media"].video.num_tokens == [n_video] * 4
+    clipped = PreferenceDataset(
+        proc, _write(tmp_path / "c.jsonl", _pairs(clips, 1)), **VIDEO, max_video_frames=4
+    )
+    assert clipped.stats["video_clipped"] == 1
+    assert clipped[0]["media"].video.video_grid_thw.tolist() == [[2, 4, 4]]
+
+
+@pytest.mark.parametrize(
+    ("video", "match"),
+    [
+        ("missing.mp4", r"p\.jsonl line 2: videos\[0\]: video file not found: .*missing\.mp4"),
+        ("bad.mp4", r"p\.jsonl line 2: videos\[0\]: cannot decode the video file .*bad\.mp4"),
+        (["gone.png"], r"p\.jsonl line 2: videos\[0\]\[0\]: image file not found"),
+    ],
+)
+def test_a_bad_video_in_a_preference_record_names_file_line_and_field(
+    tiny_vlm, clips, tmp_path, video, match
+):
+    (tmp_path / "bad.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"garbage" * 50)
+    records = _pairs(clips, 2)
+    records[1]["videos"] = [video]
+    path = _write(tmp_path / "p.jsonl", records)
+    with pytest.raises(DataError, match=match):
+        PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), path, **VIDEO)
+
+
+def test_videos_need_a_qwen_vl_processor_and_the_chat_template(tiny_vlm, clips, tmp_path):
+    from lightrft.models import load_tokenizer
+
+    path = _write(tmp_path / "p.jsonl", _pairs(clips, 1))
+    with pytest.raises(DataError, match=r"p\.jsonl line 1: .*'videos' holds videos.*Qwen2-VL"):
+        PreferenceDataset(load_tokenizer(tiny_vlm("qwen2_vl")), path)
+    with pytest.raises(DataError, match=r"line 1: field 'videos': videos need apply_chat_templ"):
+        PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), path, apply_chat_template=False)
+    with pytest.raises(DataError, match=r"line 1: the record has videos, but the dataset"):
+        PreferenceDataset(load_processor(tiny_vlm("llava")), path)
+    with pytest.raises(ValueError, match="video options .* need a Qwen2-VL or Qwen2.5-VL"):
+        PreferenceDataset(load_processor(tiny_vlm("llava")), path, video_fps=4.0)
