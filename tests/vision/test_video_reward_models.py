@@ -1,7 +1,7 @@
 """Video through preference data and the RL-side reward models: a preference pair with a video
 encodes as the SFT data does, trains through recipes/reward_model.py, and is scored in RL from
 the rollout's conversation as in training (RewardModel, the vision judge); bad videos name the
-file, line and field."""
+file, line and field; the reward server refuses video parts by name."""
 
 from __future__ import annotations
 
@@ -196,3 +196,27 @@ def test_a_video_judge_sees_the_conversations_video(tiny_vlm, clips, tmp_path):
     assert out.shape == (2,) and len(judge.last_verdicts) == 2
     with pytest.raises(ValueError, match="video options apply to a local vision-language judge"):
         GenerativeReward(url="http://127.0.0.1:1/v1/completions", fallback=0.0, video_fps=4)
+
+
+def test_the_reward_server_refuses_video_parts_by_name(tiny_vlm, clips, tmp_path):
+    from lightrft.rewards.remote import wire_conversation
+    from lightrft.rewards.server import decode_conversations
+
+    proc = load_processor(tiny_vlm("qwen2_vl"))
+    ds = PromptDataset(
+        proc, _write(tmp_path / "p.jsonl", _pairs(clips, 1)), reference_required=False
+    )
+    chat = conversation(ds[0]["messages"], ds[0]["media"])
+    with pytest.raises(
+        ValueError,
+        match=r"conversations\[3\]\[0\]\.content\[0\]: a video part cannot be sent to a reward "
+        r"server \(the protocol carries images only\): score video prompts in-process",
+    ):
+        wire_conversation(chat, 3)
+    wire = [{"role": "user", "content": [{"type": "video", "video": ["data:image/png;base64,"]}]}]
+    with pytest.raises(
+        ValueError,
+        match=r"'conversations'\[0\]\[0\]\.content\[0\]: a video part is not carried by the "
+        r"reward server \(images only\)",
+    ):
+        decode_conversations([wire], 1)
