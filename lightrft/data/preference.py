@@ -8,17 +8,19 @@ Record format (field names configurable)::
      "margin": float (optional), "head": str (optional),
      "chosen_safe": bool (optional), "rejected_safe": bool | [bool, ...] (optional),
      "images": [...] (optional: vision-language reward models; shown with the prompt),
-     "audios": [...] (optional: audio-language reward models; heard with the prompt)}
+     "audios": [...] (optional: audio-language reward models; heard with the prompt),
+     "videos": [...] (optional: Qwen2-VL / Qwen2.5-VL reward models; shown with the prompt)}
 
 Each (prompt, response) is rendered exactly as :class:`lightrft.rewards.RewardModel` renders it
 when scoring (:func:`render_for_scoring`), so a trained reward model reads the same tokens in RL.
 
 Bad input follows the rules of the other datasets: a missing or mistyped field names the file,
-the line and the field (a missing or undecodable image or audio file too); a rejected response
-identical to the chosen one is dropped and counted (``stats["identical"]``); sequences longer than
+the line and the field (a missing or undecodable image, audio or video file too); a rejected
+response identical to the chosen one is dropped and counted (``stats["identical"]``); sequences longer than
 ``max_length`` are truncated (keep the start) or dropped, as configured, and counted. A pair that
 truncation makes identical, or whose cut would cut media tokens, is dropped too; audio over
-``max_audio_seconds`` is clipped or its record dropped, as configured, and counted.
+``max_audio_seconds`` is clipped or its record dropped, as configured, and counted; a video over
+``max_video_frames`` is clipped (counted) or refused, as configured.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from lightrft.data.records import (
     open_records,
 )
 from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
+from lightrft.data.video import OverlongVideo, VideoOptions
 from lightrft.data.vision import as_processor
 
 __all__ = [
@@ -118,8 +121,8 @@ def response_start(
 def encode_with_media(
     tokenizer, media: MediaSamples, src: Records, i: int, prompt: Prompt | None, responses: list
 ) -> tuple[list[list[int]], list[int], DecodedMedia | None]:
-    """Record ``i``'s candidates for a multimodal model: the token ids of ``prompt`` (its images
-    and audio from the record's media fields or inline in its media parts) followed by each
+    """Record ``i``'s candidates for a multimodal model: the token ids of ``prompt`` (its images,
+    audio and videos from the record's media fields or inline in its media parts) followed by each
     response as the assistant turn, media placeholders expanded; each response's start (its
     first label, after the labels of the prompt's own assistant turns); and the decoded media
     every candidate shares (``None`` without). Preference data and
@@ -175,6 +178,15 @@ class PreferenceDataset(torch.utils.data.Dataset):
             relative to the data file, HF audio values; or inline audio parts of the prompt,
             placed by ``<audio>`` tags), heard with the prompt by every candidate. They need an
             audio-language model's processor as ``tokenizer`` and the chat template.
+        videos_field: the pair's videos (as for :class:`~lightrft.data.SFTDataset`: video file
+            paths relative to the data file, or frame lists; or inline video parts of the
+            prompt, placed by ``<video>`` tags), shown with the prompt to every candidate. They
+            need a Qwen2-VL / Qwen2.5-VL processor as ``tokenizer`` and the chat template.
+        video_fps, video_num_frames, max_video_frames, overlong_video, video_min_pixels,
+            video_max_pixels: how videos are sampled and sized, as in
+            :class:`~lightrft.data.SFTDataset` (the same keys and defaults; one
+            :class:`~lightrft.data.video.VideoOptions`). Give the reward model in RL the same
+            ones (:class:`~lightrft.rewards.RewardModel`), so it sees videos as in training.
         min_pixels, max_pixels: bounds on each image's area (resized keeping aspect ratio).
         max_audio_seconds: the longest audio kept (None: the feature extractor's chunk).
         overlong_audio: ``"clip"`` an audio over ``max_audio_seconds`` to it, or ``"drop"`` the
@@ -205,6 +217,13 @@ class PreferenceDataset(torch.utils.data.Dataset):
         max_pixels: int | None = None,
         max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
         overlong_audio: OverlongAudio = "clip",
+        videos_field: str | None = "videos",
+        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
+        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
+        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
+        overlong_video: OverlongVideo = "clip",
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
         apply_chat_template: bool = True,
         max_length: Annotated[int | None, Bound(ge=1)] = None,
         truncation: Truncation = "truncate",
@@ -219,6 +238,15 @@ class PreferenceDataset(torch.utils.data.Dataset):
             audios_field,
             max_audio_seconds,
             overlong_audio,
+            videos_field,
+            VideoOptions(
+                video_fps,
+                video_num_frames,
+                max_video_frames,
+                overlong_video,
+                video_min_pixels,
+                video_max_pixels,
+            ),
         )
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -232,13 +260,14 @@ class PreferenceDataset(torch.utils.data.Dataset):
         src = open_records(path, records, split)
         self.source = src.name
         self._items: list[dict[str, Any]] = []
-        self._media: list[DecodedMedia | None] = []  # each item's decoded images and audio
+        self._media: list[DecodedMedia | None] = []  # each item's decoded images, audio, videos
         self._origins: list[str] = []
         identical = truncated = dropped = audio_dropped = 0
         # (field, what it holds, the model that reads it), refused with a text tokenizer
         media_fields = (
             (images_field, "images", "a vision-language"),
             (audios_field, "audio", "an audio-language"),
+            (videos_field, "videos", "a Qwen2-VL or Qwen2.5-VL"),
         )
         for i in range(len(src)):
             rec, where = src[i], src.where(i)
@@ -281,7 +310,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
             safe += [_safe_sign(s, where, rejected_safe_field) for s in safe_list]
 
             media = None
-            if self.media.kinds:  # a multimodal processor: images and audio ride the chat path
+            if self.media.kinds:  # a multimodal processor: media ride the chat path
                 try:
                     ids, starts, media = encode_with_media(
                         self.tokenizer, self.media, src, i, prompt, [chosen, *rejected]
@@ -347,6 +376,10 @@ class PreferenceDataset(torch.utils.data.Dataset):
             "truncated": truncated,
             "dropped": dropped,
         }
+        n_videos = sum(len(m.video or ()) for m in self._media if m)
+        if n_videos:
+            self.stats["videos"] = n_videos
+        self.media.report_videos(log, self.source, self.stats)
         if self.media.audio is not None:
             self.stats.update(audio_clipped=self.media.clipped, audio_dropped=audio_dropped)
             if audio_dropped:
@@ -389,7 +422,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         if media is None:
             return self._items[i]
         # Pixel values and audio features on access (a whole dataset's would not fit in
-        # memory); every candidate is shown the same images and hears the same audio.
+        # memory); every candidate is shown the same images and videos and hears the same audio.
         return {**self._items[i], "media": self.media.process(media)}
 
     @property

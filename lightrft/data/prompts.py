@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import torch
@@ -283,7 +283,9 @@ def conversation(
     the k-th image of the item's ``media`` (resized as the actor saw it) under ``"image"``, the
     k-th audio part the k-th audio (decoded, clipped, at the feature extractor's rate) as an HF
     audio value ``{"array", "sampling_rate"}`` under ``"audio"``, the k-th video part the k-th
-    video's sampled frames (PIL images) under ``"video"``: the HF content format that
+    video's sampled frames (PIL images) under ``"video"`` and the rate they were sampled at
+    under ``"fps"`` (a reward model re-samples them at its own ``video_fps``, as its preference
+    data sampled the file): the HF content format that
     preference data reads too. ``None`` for a raw prompt (no messages). Reward functions with
     ``uses_conversations`` get these, so a reward model renders the chat with its own template,
     as in its training."""
@@ -298,21 +300,28 @@ def conversation(
         if audio is not None
         else []
     )
-    movies = iter(
-        [[Image.fromarray(f) for f in v] for v in media.video.videos]
-        if media is not None and media.video is not None
-        else []
-    )
+    video = media.video if media is not None else None
+    rates = iter(video.fps if video is not None else [])
+    movies = iter([[Image.fromarray(f) for f in v] for v in video.videos] if video else [])
     inline = {"image": pictures, "audio": clips, "video": movies}
     out = []
     for m in messages:
         content = m["content"]
         if not isinstance(content, str):
             content = [
-                {**part, part["type"]: next(inline[part["type"]])}
+                _inline(part, next(inline[part["type"]]), rates)
                 if part.get("type") in inline
                 else dict(part)
                 for part in content
             ]
         out.append({**m, "content": content})
+    return out
+
+
+def _inline(part: Mapping[str, Any], value: Any, rates: Iterator[float]) -> dict[str, Any]:
+    """A media part of :func:`conversation` holding its source (a video part its rate too)."""
+    kind = part["type"]
+    out = {**part, kind: value}
+    if kind == "video":
+        out["fps"] = next(rates)
     return out

@@ -266,19 +266,25 @@ class MediaSamples:
         ids = set(self._token_ids.values())
         return sum(t in ids for t in cut) == sum(t in ids for t in full)
 
+    def report_videos(self, log: logging.Logger, source: str, stats: dict) -> None:
+        """Add ``video_clipped`` (datasets with a video processor only) to a dataset's ``stats``
+        and warn of the clipped videos."""
+        if self.video is None:
+            return
+        stats["video_clipped"] = self.videos_clipped
+        if self.videos_clipped:
+            log.warning(
+                "%s: clipped %d video(s) to max_video_frames=%d",
+                source,
+                self.videos_clipped,
+                self.video.max_frames,
+            )
+
     def report(self, log: logging.Logger, source: str, stats: dict, noun: str, audio_dropped, cut):
         """Add the audio counts to a dataset's ``stats`` and warn on the dataset's ``log`` of the
         ``noun``s (prompts, samples) dropped for audio or ``cut`` (``"max_length=N truncated"``)
         at the length limit, as ``stats`` counts them."""
-        if self.video is not None:
-            stats["video_clipped"] = self.videos_clipped
-            if self.videos_clipped:
-                log.warning(
-                    "%s: clipped %d video(s) to max_video_frames=%d",
-                    source,
-                    self.videos_clipped,
-                    self.video.max_frames,
-                )
+        self.report_videos(log, source, stats)
         if self.audio is not None:
             stats.update(audio_clipped=self.clipped, audio_dropped=audio_dropped)
             if audio_dropped:

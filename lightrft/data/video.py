@@ -9,7 +9,8 @@ content may mark where a video goes with ``<video>`` tags. Each video is
   file's directory (or absolute), decoded with PyAV (FFmpeg bindings whose wheels bundle
   FFmpeg; no torchvision, which does not import beside the torch 2.13 CPU wheel);
 - or a list of frame images (paths, base64, PIL images: anything an image part takes), the HF
-  content format's other form, taken as frames at ``video_fps`` frames per second.
+  content format's other form, taken as frames at ``video_fps`` frames per second (an inline
+  part may give their rate as ``"fps"``: ``{"type": "video", "video": [...], "fps": 4}``).
 
 Frames are sampled when the dataset is built: at ``video_fps`` frames per second of the video's
 own clock (all frames when the video is slower), or ``video_num_frames`` frames spread evenly
@@ -204,13 +205,20 @@ def decode_video(
     value: Any, *, base_dir: Path | None, frames_fps: float, where: str, field: str
 ) -> tuple[list[np.ndarray], float]:
     """``(RGB frames [H, W, 3] uint8, frame rate)`` of a video file path or a list of frame
-    images (taken at ``frames_fps``).
+    images (taken at ``frames_fps``, or at the ``fps`` of a ``{"video": frames, "fps": rate}``
+    dict: an inline video part that gives its rate, as
+    :func:`~lightrft.data.prompts.conversation` writes the frames a prompt was sampled to).
 
     Raises:
         DataError: naming ``where`` (file and line) and ``field`` for a missing file, an
             undecodable one, a video without frames, or frames of different sizes.
     """
     if isinstance(value, dict):
+        rate = value.get("fps")
+        if rate is not None:
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+                raise DataError(f"{where}: {field}: fps must be a positive number, got {rate!r}")
+            frames_fps = float(rate)
         value = value.get("path", value.get("video"))
     if isinstance(value, (list, tuple)):
         from lightrft.data.vision import decode_image

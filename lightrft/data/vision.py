@@ -402,6 +402,8 @@ def record_media(
             if kind in kinds:
                 n_parts[kind] += 1
                 src = next((part[k] for k in _INLINE_KEYS[kind] if part.get(k) is not None), None)
+                if src is not None and kind == "video" and part.get("fps") is not None:
+                    src = {"video": src, "fps": part["fps"]}  # a frame list's own rate
                 if src is not None:
                     inline[kind].append(src)
                 part = {"type": kind}

@@ -15,15 +15,15 @@ The judge runs in-process through :class:`lightrft.engine.NativeEngine` (``judge
 directory) or remotely (``url``: an OpenAI-compatible ``/v1/completions`` endpoint, e.g.
 ``vllm serve``). Greedy decoding by default.
 
-A vision-language judge (a local VLM directory) sees the conversation's images: it reads each
-sample's conversation (``uses_conversations``), and its judge prompt is one user turn holding the
-conversation's images (and audio), in order, then the template filled with the conversation's
-text. That turn is rendered, its media processed and its placeholders expanded by the prompt
-datasets' own functions (:class:`~lightrft.data.records.MediaSamples`,
-:func:`~lightrft.data.templates.encode_prompt`), and the engine request carries the
-:class:`~lightrft.data.media.Media`, as an actor's rollout request does. Judgment data whose
-prompt is ``"<image>" + template`` with the board in ``images`` renders to the same tokens
-(:func:`lightrft.tasks.ensure_shapes_judgments`).
+A vision-language judge (a local VLM directory) sees the conversation's images (and a Qwen2-VL /
+Qwen2.5-VL judge its videos): it reads each sample's conversation (``uses_conversations``), and
+its judge prompt is one user turn holding the conversation's images, videos and audio, in order,
+then the template filled with the conversation's text. That turn is rendered, its media
+processed and its placeholders expanded by the prompt datasets' own functions
+(:class:`~lightrft.data.records.MediaSamples`, :func:`~lightrft.data.templates.encode_prompt`),
+and the engine request carries the :class:`~lightrft.data.media.Media`, as an actor's rollout
+request does. Judgment data whose prompt is ``"<image>" + template`` with the board in
+``images`` renders to the same tokens (:func:`lightrft.tasks.ensure_shapes_judgments`).
 
 ``pattern`` may name its groups: ``verdict`` is the verdict (else the first group, or the whole
 match), and ``echo`` the judge's copy of the response it judges (score mode). A judge taught to
@@ -50,10 +50,12 @@ import re
 import urllib.request
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 
+from lightrft.config import Bound
+from lightrft.data.video import OverlongVideo, VideoOptions
 from lightrft.data.vision import MEDIA_KINDS
 from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
 
@@ -109,7 +111,7 @@ def _prompt_text(prompt: Prompt) -> str:
 
 
 def media_parts(conversation: Prompt) -> list[dict[str, Any]]:
-    """The image and audio parts of a conversation, in order."""
+    """The image, video and audio parts of a conversation, in order."""
     if isinstance(conversation, str):
         return []
     return [
@@ -147,6 +149,10 @@ class GenerativeReward:
             verdicts in a row failed to parse; None never refuses.
         min_pixels, max_pixels: a vision-language judge's bounds on each image's area (None
             keeps its processor's own).
+        video_fps, video_num_frames, max_video_frames, overlong_video, video_min_pixels,
+            video_max_pixels: how a Qwen2-VL / Qwen2.5-VL judge samples and sizes the
+            conversations' videos (the prompt datasets' keys and defaults; give the values of
+            the judge's own training data).
 
     A local vision-language judge (``uses_conversations``) needs each sample's conversation
     (``conversations=``, passed by :class:`~lightrft.rewards.CombinedReward` from the recipes),
@@ -179,6 +185,12 @@ class GenerativeReward:
         max_parse_failures: int | None = None,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
+        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
+        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
+        overlong_video: OverlongVideo = "clip",
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
     ) -> None:
         if (judge is None) == (url is None):
             raise ValueError("GenerativeReward: give exactly one of judge (a local dir) or url")
@@ -231,10 +243,21 @@ class GenerativeReward:
         self.chat_template = chat_template
         self.engine = None
         self.media = None  # MediaSamples of a vision- or audio-language judge
+        video = VideoOptions(
+            video_fps,
+            video_num_frames,
+            max_video_frames,
+            overlong_video,
+            video_min_pixels,
+            video_max_pixels,
+        )
         if judge is not None:
-            self._load_local(judge, device, dtype, min_pixels, max_pixels)
-        elif min_pixels is not None or max_pixels is not None:
-            raise ValueError("min_pixels / max_pixels apply to a local vision-language judge")
+            self._load_local(judge, device, dtype, min_pixels, max_pixels, video)
+        elif min_pixels is not None or max_pixels is not None or video != VideoOptions():
+            raise ValueError(
+                "min_pixels / max_pixels and the video options apply to a local "
+                "vision-language judge"
+            )
         self.parse_failures = 0  # running totals
         self.echo_mismatches = 0
         self.judged = 0
@@ -243,7 +266,7 @@ class GenerativeReward:
         self.last_verdicts: list[str] = []  # the judge's texts of the last call, job by job
         self.last_metrics: dict[str, float] = {}
 
-    def _load_local(self, judge, device, dtype, min_pixels, max_pixels) -> None:
+    def _load_local(self, judge, device, dtype, min_pixels, max_pixels, video) -> None:
         from lightrft.engine import NativeEngine
         from lightrft.models.multimodal import checkpoint_is_multimodal
 
@@ -259,20 +282,23 @@ class GenerativeReward:
                 )
             processor = load_processor(judge)
             # Media only from the conversations' parts, bounded as the prompt datasets bound it.
-            self.media = MediaSamples(processor, None, min_pixels, max_pixels, None)
+            self.media = MediaSamples(
+                processor, None, min_pixels, max_pixels, None, videos_field=None, video=video
+            )
             tokenizer = processor.tokenizer
             self.uses_conversations = True
-        elif min_pixels is not None or max_pixels is not None:
+        elif min_pixels is not None or max_pixels is not None or video != VideoOptions():
             raise ValueError(
-                f"min_pixels / max_pixels apply to a vision-language judge; {judge} is text-only"
+                "min_pixels / max_pixels and the video options apply to a vision-language "
+                f"judge; {judge} is text-only"
             )
         self.engine = NativeEngine(judge, tokenizer, device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ generation
 
     def _complete(self, texts: list[str], media: list[list[dict[str, Any]]]) -> list[str]:
-        """The judge's verdict for each judge prompt; ``media``: each one's image and audio
-        parts (a vision-language judge only)."""
+        """The judge's verdict for each judge prompt; ``media``: each one's image, video and
+        audio parts (a vision-language judge only)."""
         if self.media is not None:
             return self._generate(self.media_requests(texts, media))
         if self.engine is not None:

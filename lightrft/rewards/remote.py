@@ -17,7 +17,9 @@ the chats the prompts were rendered from, with their images: each image part is
 actor saw it. PNG because it is lossless (the server's reward model decodes the same pixels, so
 remote and local scores are equal), compresses the flat images of rendered boards and documents
 to a small fraction of their raw size, and a decoder learns an image's size from its header
-before it decodes anything (the server bounds the pixels first). Reward models that read
+before it decodes anything (the server bounds the pixels first). Video and audio parts are not
+carried: the client refuses them before sending, naming the part, and the server answers 400 for
+one (score video or audio prompts in-process). Reward models that read
 conversations (a vision-language reward model or judge) score with the images behind HTTP as
 they do in-process.
 """
@@ -78,7 +80,8 @@ def _png_url(image: Any, where: str) -> str:
 
 def wire_conversation(conversation: Prompt | None, index: int) -> list[dict[str, Any]] | None:
     """A conversation as sent in ``conversations``: its image parts as PNG data URLs (see the
-    module docstring); ``None`` stays ``None``. Audio parts are refused (not carried yet)."""
+    module docstring); ``None`` stays ``None``. Video and audio parts are refused, naming the
+    part (the protocol carries images only)."""
     if conversation is None:
         return None
     if isinstance(conversation, str):
@@ -95,7 +98,9 @@ def wire_conversation(conversation: Prompt | None, index: int) -> list[dict[str,
                     parts.append({"type": "image", "image": _png_url(part.get("image"), where)})
                 elif kind in MEDIA_KINDS:
                     raise ValueError(
-                        f"{where}: a {kind} part cannot be sent to a reward server (images only)"
+                        f"{where}: a {kind} part cannot be sent to a reward server (the protocol "
+                        f"carries images only): score {kind} prompts in-process (RewardModel, or "
+                        "GenerativeReward with a local judge)"
                     )
                 else:
                     parts.append(dict(part))

@@ -23,13 +23,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
 
+from lightrft.config import Bound
 from lightrft.data.media import Media
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
+from lightrft.data.video import OverlongVideo, VideoOptions
 from lightrft.data.vision import MEDIA_KINDS
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, check_lengths
@@ -70,7 +72,7 @@ def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
 
 
 def _has_media(prompt: Prompt) -> bool:
-    """Whether a conversation holds an image or audio part."""
+    """Whether a conversation holds an image, video or audio part."""
     if isinstance(prompt, str):
         return False
     return any(
@@ -212,10 +214,18 @@ class RewardModel:
         scale, bias: returned reward = ``scale * score + bias`` (e.g. to undo an RM's offset).
         min_pixels, max_pixels: bounds on each image's area (a vision-language reward model;
             None keeps its processor's own).
+        video_fps, video_num_frames, max_video_frames, overlong_video, video_min_pixels,
+            video_max_pixels: how a Qwen2-VL / Qwen2.5-VL reward model samples and sizes the
+            videos of the conversations, as :class:`~lightrft.data.PreferenceDataset` takes
+            them (same keys and defaults): give the values its preference data had. A video
+            part holds the frames the prompt dataset sampled and their rate
+            (:func:`~lightrft.data.conversation`); they are re-sampled at ``video_fps`` (or to
+            ``video_num_frames``) and sized to the bounds, as the preference data sampled and
+            sized the video file.
 
     A vision- or audio-language reward model (an export of ``recipes/reward_model.py`` with the
-    ``likelihood`` pooling) needs the conversations: it reads the images and audio in their
-    media parts, renders and expands them exactly as its preference data was
+    ``likelihood`` pooling) needs the conversations: it reads the images, videos and audio in
+    their media parts, renders and expands them exactly as its preference data was
     (:func:`~lightrft.data.preference.encode_with_media`), and refuses a sequence longer than
     ``max_length`` (cutting it would cut media tokens). Audio longer than the feature
     extractor's chunk is clipped to it, as the datasets clip it.
@@ -255,6 +265,12 @@ class RewardModel:
         attn_implementation: str | None = "sdpa",
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
+        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
+        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
+        overlong_video: OverlongVideo = "clip",
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
     ) -> None:
         from lightrft.models.loading import check_local, load_tokenizer
         from lightrft.models.parallel import build_mesh
@@ -267,6 +283,21 @@ class RewardModel:
         from lightrft.models.multimodal import checkpoint_is_multimodal
 
         multimodal = bool(checkpoint_is_multimodal(path))  # vision- or audio-language
+        video = VideoOptions(
+            video_fps,
+            video_num_frames,
+            max_video_frames,
+            overlong_video,
+            video_min_pixels,
+            video_max_pixels,
+        )
+        if not multimodal and (min_pixels is not None or max_pixels is not None):
+            raise ValueError("min_pixels / max_pixels apply to a vision-language reward model")
+        if not multimodal and video != VideoOptions():
+            raise ValueError(
+                "video options (video_fps, video_num_frames, max_video_frames, ...) apply to a "
+                f"Qwen2-VL or Qwen2.5-VL reward model; {path} is text-only"
+            )
         if multimodal and not chat_template:
             raise ValueError(
                 f"{path} is a vision- or audio-language reward model: it needs chat_template=true "
@@ -318,10 +349,11 @@ class RewardModel:
 
             processor = load_processor(path, trust_remote_code=trust_remote_code)
             # Media only from the conversations' parts (no record fields); the audio bound is
-            # the feature extractor's chunk, as in the preference data by default.
-            media = MediaSamples(processor, None, min_pixels, max_pixels, None)
-        elif min_pixels is not None or max_pixels is not None:
-            raise ValueError("min_pixels / max_pixels apply to a vision-language reward model")
+            # the feature extractor's chunk, as in the preference data by default; videos are
+            # sampled and sized as the preference data's options say.
+            media = MediaSamples(
+                processor, None, min_pixels, max_pixels, None, videos_field=None, video=video
+            )
         self._setup(
             net,
             processor.tokenizer
@@ -484,7 +516,7 @@ class RewardModel:
         self, conversations: Sequence[Prompt | None], responses: Sequence[str]
     ) -> tuple[list[list[int]], list[int], list[Any]]:
         """A vision- or audio-language reward model's inputs: each (conversation, response)
-        rendered and its images and audio expanded as in its preference data; the token ids,
+        rendered and its images, videos and audio expanded as in its preference data; the token ids,
         each one's first response token, and its media (a :class:`~lightrft.data.media.Media`,
         or None)."""
         from lightrft.data.io import Records
@@ -506,8 +538,9 @@ class RewardModel:
             if len(ids) > self.max_length:
                 raise ValueError(
                     f"sample {i} has {len(ids)} tokens with its media tokens, over the reward "
-                    f"model's max_length={self.max_length} (cutting it would cut image or audio "
-                    "tokens); raise max_length, or lower max_pixels"
+                    f"model's max_length={self.max_length} (cutting it would cut image, video or "
+                    "audio tokens); raise max_length, or lower max_pixels (video_max_pixels, "
+                    "max_video_frames)"
                 )
             seqs.append(ids)
             starts.append(start)
@@ -642,8 +675,8 @@ class RewardModel:
             for i, p in enumerate(prompts):
                 if _has_media(p):
                     raise ValueError(
-                        f"sample {i}'s prompt has images or audio, which a text reward model "
-                        "cannot see or hear: score it with a vision- or audio-language reward "
-                        "model, or with chat_template=false (the rendered prompt text)"
+                        f"sample {i}'s prompt has images, videos or audio, which a text reward "
+                        "model cannot see or hear: score it with a vision- or audio-language "
+                        "reward model, or with chat_template=false (the rendered prompt text)"
                     )
         return self.score_ids(*self.encode(prompts, responses))

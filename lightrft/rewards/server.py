@@ -7,7 +7,8 @@
 It answers POST requests on any path with the protocol of :mod:`lightrft.rewards.remote`, and
 ``GET /health`` with ``{"status": "ok"}``. Requests are scored one at a time (a lock), since a
 reward model on one device gains nothing from overlapping calls. Every failure gets an HTTP
-error with ``{"error": message}``, never a dropped connection: 400 malformed body, 401 missing or
+error with ``{"error": message}``, never a dropped connection: 400 malformed body (a video or
+audio part of ``conversations`` too: the protocol carries images only), 401 missing or
 wrong token, 408 request (line, headers and body: one deadline) not received within
 ``--read-timeout``, 411 no ``Content-Length``, 413 body over ``--max-body-mb`` or an image of
 ``conversations`` over ``--max-image-pixels`` / ``--max-request-pixels``, 422 the reward
@@ -165,6 +166,11 @@ def decode_conversations(
                     elif kind == "image":
                         img = _decode_png(part.get("image"), at, budget, max_image_pixels)
                         parts.append({"type": "image", "image": img})
+                    elif kind in ("video", "audio"):
+                        raise ValueError(
+                            f"{at}: a {kind} part is not carried by the reward server (images "
+                            f"only); score {kind} prompts in-process"
+                        )
                     else:
                         raise ValueError(
                             f"{at} must be a text part with a string 'text' or an image part "

@@ -164,9 +164,14 @@ def test_chat_reward_model_renders_the_conversation_not_the_rendered_prompt(clas
     assert not RewardModel(str(classifier_dir), chat_template=False).uses_conversations
     image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
     with pytest.raises(
-        ValueError, match="sample 0's prompt has images or audio, which a text reward"
+        ValueError, match="sample 0's prompt has images, videos or audio, which a text reward"
     ):
         rm(["x"], ["y"], conversations=[image])
+    # The image and video options of a vision-language reward model are refused by name.
+    with pytest.raises(ValueError, match="video options .* apply to a Qwen2-VL or Qwen2.5-VL"):
+        RewardModel(str(classifier_dir), video_fps=4.0)
+    with pytest.raises(ValueError, match="min_pixels / max_pixels apply to a vision-language"):
+        RewardModel(str(classifier_dir), min_pixels=100)
 
 
 def test_errors(classifier_dir, value_head_dir, tiny_model_dir):
