@@ -17,11 +17,20 @@ the chats the prompts were rendered from, with their images: each image part is
 actor saw it. PNG because it is lossless (the server's reward model decodes the same pixels, so
 remote and local scores are equal), compresses the flat images of rendered boards and documents
 to a small fraction of their raw size, and a decoder learns an image's size from its header
-before it decodes anything (the server bounds the pixels first). Video and audio parts are not
-carried: the client refuses them before sending, naming the part, and the server answers 400 for
-one (score video or audio prompts in-process). Reward models that read
-conversations (a vision-language reward model or judge) score with the images behind HTTP as
-they do in-process.
+before it decodes anything (the server bounds the pixels first). Each video part is sent as the
+frames it was sampled to, in order, each a PNG data URL like an image, with the rate they were
+sampled at::
+
+    {"type": "video", "video": ["data:image/png;base64,...", ...], "fps": 4.0}
+
+(``fps`` is left out when the part has none; a reward model then takes the frames at its own
+``video_fps``, as in-process). These are the frames of the part as
+:func:`~lightrft.data.conversation` writes it, so the server's reward model re-samples the same
+frames at the same rate. The server bounds each frame as an image and all of a request's frames
+by count (``--max-video-frames``). Audio parts are not carried: the client refuses them before
+sending, naming the part, and the server answers 400 for one (score audio prompts in-process).
+Reward models that read conversations (a vision-language reward model or judge) score with the
+images and videos behind HTTP as they do in-process.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import http.client
 import io
 import json
 import math
+import numbers
 import os
 import socket
 import threading
@@ -63,14 +73,14 @@ def build_query(prompt: Prompt, response: str) -> Any:
     return [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
 
 
-def _png_url(image: Any, where: str) -> str:
+def _png_url(image: Any, where: str, what: str = "an image part") -> str:
     from PIL import Image
 
     if isinstance(image, str) and image.startswith(PNG_DATA_URL):
         return image
     if not isinstance(image, Image.Image):
         raise ValueError(
-            f"{where}: an image part must hold a PIL image (as the prompt datasets give them) "
+            f"{where}: {what} must hold a PIL image (as the prompt datasets give them) "
             f"or a {PNG_DATA_URL}... string to be sent, got {type(image).__name__}"
         )
     buf = io.BytesIO()
@@ -78,10 +88,33 @@ def _png_url(image: Any, where: str) -> str:
     return PNG_DATA_URL + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _wire_video(part: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A video part as sent: its frames as PNG data URLs and its ``fps`` (if it has one)."""
+    frames = part.get("video")
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ValueError(
+            f"{where}: a video part must hold its sampled frames (a non-empty list of PIL "
+            "images, as lightrft.data.conversation gives them) to be sent, got "
+            f"{type(frames).__name__ if frames is not None else 'no frames'}"
+        )
+    out: dict[str, Any] = {
+        "type": "video",
+        "video": [
+            _png_url(f, f"{where}.video[{t}]", "a video frame") for t, f in enumerate(frames)
+        ],
+    }
+    fps = part.get("fps")
+    if fps is not None:
+        if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not 0 < fps < math.inf:
+            raise ValueError(f"{where}: a video part's fps must be a positive number, got {fps!r}")
+        out["fps"] = float(fps)  # a numpy scalar too
+    return out
+
+
 def wire_conversation(conversation: Prompt | None, index: int) -> list[dict[str, Any]] | None:
-    """A conversation as sent in ``conversations``: its image parts as PNG data URLs (see the
-    module docstring); ``None`` stays ``None``. Video and audio parts are refused, naming the
-    part (the protocol carries images only)."""
+    """A conversation as sent in ``conversations``: its image parts and video frames as PNG data
+    URLs (see the module docstring); ``None`` stays ``None``. Audio parts are refused, naming
+    the part (the protocol carries images and video)."""
     if conversation is None:
         return None
     if isinstance(conversation, str):
@@ -96,11 +129,13 @@ def wire_conversation(conversation: Prompt | None, index: int) -> list[dict[str,
                 where = f"conversations[{index}][{j}].content[{k}]"
                 if kind == "image":
                     parts.append({"type": "image", "image": _png_url(part.get("image"), where)})
+                elif kind == "video":
+                    parts.append(_wire_video(part, where))
                 elif kind in MEDIA_KINDS:
                     raise ValueError(
-                        f"{where}: a {kind} part cannot be sent to a reward server (the protocol "
-                        f"carries images only): score {kind} prompts in-process (RewardModel, or "
-                        "GenerativeReward with a local judge)"
+                        f"{where}: an {kind} part cannot be sent to a reward server (the "
+                        f"protocol carries images and video): score {kind} prompts in-process "
+                        "(RewardModel, or GenerativeReward with a local judge)"
                     )
                 else:
                     parts.append(dict(part))
@@ -133,8 +168,9 @@ class RemoteReward:
         token: sent as ``Authorization: Bearer <token>`` (the server's ``--token``); ``None``
             reads the environment variable ``LIGHTRFT_REWARD_TOKEN`` (unset: no header).
 
-    It reads the conversations (``uses_conversations``) and sends them, images as PNG, when the
-    caller gives them (:class:`~lightrft.rewards.CombinedReward` passes the recipe's).
+    It reads the conversations (``uses_conversations``) and sends them, images and video frames
+    as PNG, when the caller gives them (:class:`~lightrft.rewards.CombinedReward` passes the
+    recipe's).
     """
 
     name = "remote"

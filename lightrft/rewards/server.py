@@ -7,14 +7,29 @@
 It answers POST requests on any path with the protocol of :mod:`lightrft.rewards.remote`, and
 ``GET /health`` with ``{"status": "ok"}``. Requests are scored one at a time (a lock), since a
 reward model on one device gains nothing from overlapping calls. Every failure gets an HTTP
-error with ``{"error": message}``, never a dropped connection: 400 malformed body (a video or
-audio part of ``conversations`` too: the protocol carries images only), 401 missing or
-wrong token, 408 request (line, headers and body: one deadline) not received within
-``--read-timeout``, 411 no ``Content-Length``, 413 body over ``--max-body-mb`` or an image of
-``conversations`` over ``--max-image-pixels`` / ``--max-request-pixels``, 422 the reward
+error with ``{"error": message}``, never a dropped connection: 400 malformed body (an entry of
+``conversations`` too, named: ``'conversations'[0][0].content[1].video[3]: ...``; an audio part
+is refused: the protocol carries images and video), 401 missing or wrong token, 408 request
+(line, headers and body: one deadline) not received within ``--read-timeout``, 411 no
+``Content-Length``, 413 body over ``--max-body-mb``, an image or video frame of
+``conversations`` over ``--max-image-pixels`` / ``--max-request-pixels``, or more video frames
+than ``--max-video-frames``, 422 the reward
 function refused the batch as given (:class:`~lightrft.rewards.base.RewardInputError`: a sample
 without its reference answer, code tests that cannot be read), 503 more than ``--max-connections`` open connections, 500 the
 reward function failed.
+
+Media: ``conversations`` carry images and videos as the client sends them
+(:mod:`lightrft.rewards.remote`): an image part ``{"type": "image", "image": "data:image/png;
+base64,..."}``; a video part ``{"type": "video", "video": [frame, ...], "fps": r}``, its
+sampled frames in order, each a PNG data URL, and ``fps`` (optional; a positive number) the rate
+they were sampled at. Every image and every frame is checked from its PNG header before any
+pixel is decoded: one against ``--max-image-pixels``, all of a request's together against
+``--max-request-pixels`` (a frame counts as an image: a long video cannot bring in more pixels
+than images could), and a request's video frames together against ``--max-video-frames``. The
+frames of a video must share one size. The reward function gets each part decoded as it would
+in-process (:func:`~lightrft.data.conversation`): an image part's ``image`` and a video part's
+frames as RGB PIL images, the video's ``fps`` as a float, so a reward model or judge behind the
+server scores as it does in-process.
 
 Floods: a connection has ``--read-timeout`` seconds in all to deliver its request, however it
 trickles; the listen backlog holds :data:`LISTEN_BACKLOG` connections (the standard library's
@@ -54,6 +69,7 @@ __all__ = [
     "LISTEN_BACKLOG",
     "MAX_IMAGE_PIXELS",
     "MAX_REQUEST_PIXELS",
+    "MAX_VIDEO_FRAMES",
     "MediaTooLarge",
     "TOKEN_ENV",
     "VERIFIERS",
@@ -73,7 +89,10 @@ _MAX_LINGERING = 256  # 503'd connections draining at once
 # Bounds on the images of ``conversations``, checked from each PNG's header before it is decoded:
 # a few kilobytes of PNG can announce gigapixels.
 MAX_IMAGE_PIXELS = 4096 * 4096  # one image
-MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS  # all images of one request together
+MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS  # all images and video frames of one request
+# Video frames of one request together (each frame also counts against the pixel bounds): 8
+# conversations of 32 frames, the prompt datasets' default ``max_video_frames``.
+MAX_VIDEO_FRAMES = 256
 
 VERIFIERS = {
     "math": "lightrft.rewards.MathVerifier",
@@ -84,12 +103,16 @@ VERIFIERS = {
 
 
 class MediaTooLarge(ValueError):
-    """An image of a request is over the server's pixel bounds (answered HTTP 413)."""
+    """An image or video of a request is over the server's pixel or frame bounds (answered
+    HTTP 413)."""
 
 
-def _decode_png(url: Any, where: str, budget: list[int], max_image_pixels: int):
-    """The RGB PIL image of a PNG data URL, its size checked against the per-image bound and
-    what is left of the request's (``budget[0]``) before any pixel is decoded."""
+def _decode_png(
+    url: Any, where: str, budget: list[int], max_image_pixels: int, kind: str = "image"
+):
+    """The RGB PIL image of a PNG data URL (an image, or a video ``kind="frame"``), its size
+    checked against the per-image bound and what is left of the request's (``budget[0]``; the
+    request's bound is ``budget[1]``) before any pixel is decoded."""
     import base64
     import binascii
     import io
@@ -97,11 +120,11 @@ def _decode_png(url: Any, where: str, budget: list[int], max_image_pixels: int):
     from PIL import Image
 
     if not isinstance(url, str) or not url.startswith(PNG_DATA_URL):
-        raise ValueError(f"{where}: an image must be a string starting {PNG_DATA_URL!r}")
+        raise ValueError(f"{where}: {_a(kind)} must be a string starting {PNG_DATA_URL!r}")
     try:
         data = base64.b64decode(url[len(PNG_DATA_URL) :], validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError(f"{where}: the image is not valid base64") from None
+        raise ValueError(f"{where}: the {kind} is not valid base64") from None
     try:
         img = Image.open(io.BytesIO(data), formats=["PNG"])  # reads the header only
     except Image.DecompressionBombError as e:
@@ -111,13 +134,13 @@ def _decode_png(url: Any, where: str, budget: list[int], max_image_pixels: int):
     w, h = img.size
     if w * h > max_image_pixels:
         raise MediaTooLarge(
-            f"{where}: image of {w}x{h} = {w * h} pixels is over the server's limit of "
+            f"{where}: {kind} of {w}x{h} = {w * h} pixels is over the server's limit of "
             f"{max_image_pixels} pixels per image (--max-image-pixels)"
         )
     if w * h > budget[0]:
         raise MediaTooLarge(
-            f"{where}: the request's images are over the server's limit of pixels per request "
-            "(--max-request-pixels)"
+            f"{where}: the request's images and video frames are over the server's limit of "
+            f"{budget[1]} pixels per request (--max-request-pixels)"
         )
     budget[0] -= w * h
     try:
@@ -127,22 +150,76 @@ def _decode_png(url: Any, where: str, budget: list[int], max_image_pixels: int):
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def _decode_video(
+    part: dict, where: str, budget: list[int], max_image_pixels: int, max_video_frames: int
+) -> dict[str, Any]:
+    """A video part (``{"type": "video", "video": [PNG data URL, ...], "fps": r}``) with its
+    frames decoded by :func:`_decode_png`, each counted as an image against the pixel bounds
+    and against what is left of the request's ``max_video_frames`` (``budget[2]``)."""
+    import math
+
+    frames, fps = part.get("video"), part.get("fps")
+    if not isinstance(frames, list):
+        raise ValueError(
+            f"{where}.video must be a list of frames (PNG data URLs), got {type(frames).__name__}"
+        )
+    if not frames:
+        raise ValueError(f"{where}.video has no frames (an empty list)")
+    if fps is not None and (
+        isinstance(fps, bool)
+        or not isinstance(fps, (int, float))
+        or not math.isfinite(fps)
+        or fps <= 0
+    ):
+        raise ValueError(
+            f"{where}.fps must be a positive number (the rate the frames were sampled at), "
+            f"got {str(fps)[:40]}"
+        )
+    if len(frames) > budget[2]:
+        raise MediaTooLarge(
+            f"{where}: a video of {len(frames)} frames takes the request over the server's limit "
+            f"of {max_video_frames} video frames per request (--max-video-frames); send fewer "
+            "conversations per request (RemoteReward's batch_size) or sample fewer frames"
+        )
+    budget[2] -= len(frames)
+    out = []
+    for t, url in enumerate(frames):
+        img = _decode_png(url, f"{where}.video[{t}]", budget, max_image_pixels, "frame")
+        if out and img.size != out[0].size:
+            raise ValueError(
+                f"{where}.video[{t}]: frame of {img.size[0]}x{img.size[1]} differs in size from "
+                f"the video's first frame ({out[0].size[0]}x{out[0].size[1]})"
+            )
+        out.append(img)
+    decoded: dict[str, Any] = {"type": "video", "video": out}
+    if fps is not None:
+        decoded["fps"] = float(fps)
+    return decoded
+
+
 def decode_conversations(
     value: Any,
     n: int,
     *,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     max_request_pixels: int = MAX_REQUEST_PIXELS,
+    max_video_frames: int = MAX_VIDEO_FRAMES,
 ) -> list | None:
-    """A request's ``conversations`` (``None`` if absent) with their PNG image parts decoded to
-    PIL images, as a reward function reads them in-process; ``ValueError`` naming the entry, or
-    :class:`MediaTooLarge`, for anything else. Images travel inline only: a path is refused
-    (the server must not read its own files for a client)."""
+    """A request's ``conversations`` (``None`` if absent) with their PNG images and video
+    frames decoded to PIL images, as a reward function reads them in-process (see the module
+    docstring); ``ValueError`` naming the entry, or :class:`MediaTooLarge`, for anything else.
+    Media travel inline only: a path is refused (the server must not read its own files for a
+    client)."""
     if value is None:
         return None
     if not isinstance(value, list) or len(value) != n:
         raise ValueError(f"'conversations' must be a list of {n} entries")
-    budget = [max_request_pixels]
+    # pixels left, the request's pixel limit, video frames left
+    budget = [max_request_pixels, max_request_pixels, max_video_frames]
     out: list = []
     for i, chat in enumerate(value):
         if chat is None:
@@ -166,15 +243,20 @@ def decode_conversations(
                     elif kind == "image":
                         img = _decode_png(part.get("image"), at, budget, max_image_pixels)
                         parts.append({"type": "image", "image": img})
-                    elif kind in ("video", "audio"):
+                    elif kind == "video":
+                        parts.append(
+                            _decode_video(part, at, budget, max_image_pixels, max_video_frames)
+                        )
+                    elif kind == "audio":
                         raise ValueError(
-                            f"{at}: a {kind} part is not carried by the reward server (images "
-                            f"only); score {kind} prompts in-process"
+                            f"{at}: an audio part is not carried by the reward server (images "
+                            "and video only); score audio prompts in-process"
                         )
                     else:
                         raise ValueError(
-                            f"{at} must be a text part with a string 'text' or an image part "
-                            f"(PNG data URL), got {str(part)[:60]}"
+                            f"{at} must be a text part with a string 'text', an image part (PNG "
+                            "data URL) or a video part (a list of PNG data URL frames), got "
+                            f"{str(part)[:60]}"
                         )
                 content = parts
             elif not isinstance(content, str):
@@ -189,9 +271,10 @@ def split_requests(
     *,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     max_request_pixels: int = MAX_REQUEST_PIXELS,
+    max_video_frames: int = MAX_VIDEO_FRAMES,
 ) -> dict[str, list]:
     """The reward-function arguments of a request body, or ``ValueError`` saying what is wrong
-    (:class:`MediaTooLarge` for images over the pixel bounds).
+    (:class:`MediaTooLarge` for media over the pixel or frame bounds).
 
     ``responses`` is used if present; otherwise each response is its query with the prompt
     removed from the front (or the last message's content, for a conversation query).
@@ -255,6 +338,7 @@ def split_requests(
             n,
             max_image_pixels=max_image_pixels,
             max_request_pixels=max_request_pixels,
+            max_video_frames=max_video_frames,
         ),
     }
 
@@ -396,6 +480,7 @@ def make_server(
     max_connections: int = 32,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     max_request_pixels: int = MAX_REQUEST_PIXELS,
+    max_video_frames: int = MAX_VIDEO_FRAMES,
 ) -> ThreadingHTTPServer:
     """An HTTP server (not yet serving) that scores requests with ``reward_fn``.
 
@@ -409,9 +494,11 @@ def make_server(
             headers and body together (a deadline, not per read: a trickling client is cut off);
             past it the client gets HTTP 408 and the connection is closed.
         max_connections: connections served at once; more are answered HTTP 503.
-        max_image_pixels, max_request_pixels: bounds on the images of ``conversations`` (one
-            image; all of a request's), read from each PNG's header before decoding; over them
-            the request is answered HTTP 413.
+        max_image_pixels, max_request_pixels: bounds on the images and video frames of
+            ``conversations`` (one image or frame; all of a request's), read from each PNG's
+            header before decoding; over them the request is answered HTTP 413.
+        max_video_frames: the most video frames of one request (all its video parts); more
+            are answered HTTP 413.
 
     ``conversations`` are passed to a reward function that reads them (``uses_conversations``)
     and dropped for one that does not.
@@ -422,11 +509,13 @@ def make_server(
         or max_connections < 1
         or max_image_pixels < 1
         or max_request_pixels < 1
+        or max_video_frames < 1
     ):
         raise ValueError(
-            "max_body_bytes, max_connections, max_image_pixels and max_request_pixels must be "
-            f">= 1 and read_timeout > 0, got {max_body_bytes}, {max_connections}, "
-            f"{max_image_pixels}, {max_request_pixels}, {read_timeout}"
+            "max_body_bytes, max_connections, max_image_pixels, max_request_pixels and "
+            f"max_video_frames must be >= 1 and read_timeout > 0, got {max_body_bytes}, "
+            f"{max_connections}, {max_image_pixels}, {max_request_pixels}, {max_video_frames}, "
+            f"{read_timeout}"
         )
     reads_conversations = bool(getattr(reward_fn, "uses_conversations", False))
     lock = threading.Lock()
@@ -515,6 +604,7 @@ def make_server(
                         json.loads(body),
                         max_image_pixels=max_image_pixels,
                         max_request_pixels=max_request_pixels,
+                        max_video_frames=max_video_frames,
                     )
                 except RecursionError:
                     raise _HTTPError(400, "bad request: JSON nested too deeply") from None
@@ -576,6 +666,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lightrft.rewards.server",
         description="Serve a LightRFT reward function over HTTP.",
+        epilog="Requests may carry 'conversations' with media: an image part as "
+        '{"type": "image", "image": "data:image/png;base64,..."}, a video part as its sampled '
+        'frames {"type": "video", "video": ["data:image/png;base64,...", ...], "fps": 4.0} '
+        "(fps optional). Each image and frame is bounded from its PNG header before decoding "
+        "(--max-image-pixels, --max-request-pixels), a request's frames by --max-video-frames; "
+        "audio parts are refused (400).",
     )
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--verifier", choices=sorted(VERIFIERS), help="a built-in verifier")
@@ -592,13 +688,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--read-timeout", type=float, default=30.0, help="seconds; then 408")
     parser.add_argument("--max-connections", type=int, default=32, help="more: 503")
     parser.add_argument(
-        "--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, help="one image; more: 413"
+        "--max-image-pixels",
+        type=int,
+        default=MAX_IMAGE_PIXELS,
+        help="pixels of one image or video frame (from its PNG header); more: 413 "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--max-request-pixels",
         type=int,
         default=MAX_REQUEST_PIXELS,
-        help="all images of a request; more: 413",
+        help="pixels of all images and video frames of a request; more: 413 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-video-frames",
+        type=int,
+        default=MAX_VIDEO_FRAMES,
+        help="video frames of a request, all its videos together (each frame also counts "
+        "against the pixel limits); more: 413 (default: %(default)s)",
     )
     parser.add_argument("--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
@@ -624,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_connections=args.max_connections,
             max_image_pixels=args.max_image_pixels,
             max_request_pixels=args.max_request_pixels,
+            max_video_frames=args.max_video_frames,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -1,11 +1,16 @@
 """Video through preference data and the RL-side reward models: a preference pair with a video
 encodes as the SFT data does, trains through recipes/reward_model.py, and is scored in RL from
 the rollout's conversation as in training (RewardModel, the vision judge); bad videos name the
-file, line and field; the reward server refuses video parts by name."""
+file, line and field; behind the reward server (frames as PNG) the reward model and the judge
+score a video conversation as in-process, and the server's frame and pixel bounds, malformed
+video parts and missing auth are answered by name."""
 
 from __future__ import annotations
 
 import json
+import threading
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -198,25 +203,266 @@ def test_a_video_judge_sees_the_conversations_video(tiny_vlm, clips, tmp_path):
         GenerativeReward(url="http://127.0.0.1:1/v1/completions", fallback=0.0, video_fps=4)
 
 
-def test_the_reward_server_refuses_video_parts_by_name(tiny_vlm, clips, tmp_path):
+def _served(reward_fn, **kwargs):
+    """A reference reward server for ``reward_fn`` on 127.0.0.1, serving; and its URL."""
+    from lightrft.rewards.server import make_server
+
+    server = make_server(reward_fn, **kwargs)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/score"
+
+
+def _stop(server) -> None:
+    server.shutdown()
+    server.server_close()
+
+
+def _video_chats(vl_dir, clips, tmp_path):
+    """Prompt texts and conversations of two video prompts (right, left), sampled at 8 fps
+    (every frame) as a GRPO run hands them to its rewards."""
+    records = [{"prompt": QUESTION, "videos": [str(tmp_path / c)]} for c in clips]
+    prompts = PromptDataset(
+        load_processor(vl_dir), records=records, reference_required=False, video_fps=8.0
+    )
+    items = [prompts[k] for k in range(2)]
+    return [it["prompt"] for it in items], [
+        conversation(it["messages"], it["media"]) for it in items
+    ]
+
+
+def test_video_frames_cross_the_wire_frame_for_frame(tiny_vlm, clips, tmp_path):
     from lightrft.rewards.remote import wire_conversation
     from lightrft.rewards.server import decode_conversations
 
-    proc = load_processor(tiny_vlm("qwen2_vl"))
-    ds = PromptDataset(
-        proc, _write(tmp_path / "p.jsonl", _pairs(clips, 1)), reference_required=False
+    _, chats = _video_chats(str(tiny_vlm("qwen2_vl")), clips, tmp_path)
+    wire = json.loads(json.dumps([wire_conversation(c, i) for i, c in enumerate(chats)]))
+    part = wire[0][0]["content"][0]
+    assert sorted(part) == ["fps", "type", "video"] and part["fps"] == 8.0
+    assert len(part["video"]) == 16
+    assert all(f.startswith("data:image/png;base64,") for f in part["video"])
+    back = decode_conversations(wire, 2)
+    for sent, got in zip(chats, back, strict=True):
+        a, b = sent[0]["content"][0], got[0]["content"][0]
+        assert b["type"] == "video" and b["fps"] == a["fps"] == 8.0
+        assert len(b["video"]) == len(a["video"]) == 16
+        for x, y in zip(a["video"], b["video"], strict=True):
+            assert y.mode == "RGB" and x.size == y.size and x.tobytes() == y.tobytes()
+        assert got[0]["content"][1] == sent[0]["content"][1]  # the question's text part
+    # A part without a rate travels without one (the reward model takes its own video_fps).
+    no_rate = [{"role": "user", "content": [{**chats[0][0]["content"][0], "fps": None}]}]
+    assert "fps" not in wire_conversation(no_rate, 0)[0]["content"][0]
+    assert "fps" not in decode_conversations([wire_conversation(no_rate, 0)], 1)[0][0]["content"][0]
+    # A video given as a file path, or without frames, is refused by the client, naming it.
+    for bad in ("clip.mp4", []):
+        chat = [{"role": "user", "content": [{"type": "video", "video": bad}]}]
+        with pytest.raises(
+            ValueError,
+            match=r"conversations\[2\]\[0\]\.content\[0\]: a video part "
+            r"must hold its sampled frames",
+        ):
+            wire_conversation(chat, 2)
+    chat = [{"role": "user", "content": [{"type": "video", "video": [a["video"][0], "x.png"]}]}]
+    with pytest.raises(
+        ValueError, match=r"content\[0\]\.video\[1\]: a video frame must hold a PIL"
+    ):
+        wire_conversation(chat, 0)
+    chat = [{"role": "user", "content": [{"type": "video", "video": a["video"], "fps": 0}]}]
+    with pytest.raises(ValueError, match=r"content\[0\]: a video part's fps must be a positive"):
+        wire_conversation(chat, 0)
+    # Audio is still not carried.
+    chat = [{"role": "user", "content": [{"type": "audio", "audio": {"array": [0.0]}}]}]
+    with pytest.raises(ValueError, match=r"an audio part cannot be sent to a reward server"):
+        wire_conversation(chat, 0)
+
+
+def test_a_video_reward_model_and_judge_behind_the_server_score_as_in_process(
+    tiny_vlm, clips, tmp_path
+):
+    from _vision_helpers import likelihood_reward_model
+
+    from lightrft.rewards import GenerativeReward, RemoteReward, RewardModel
+
+    vl = str(tiny_vlm("qwen2_vl"))
+    texts, chats = _video_chats(vl, clips, tmp_path)
+    responses = ["right", "left", "left", "right"]
+    rm_path = likelihood_reward_model(tiny_vlm("qwen2_vl"), tmp_path / "rm")
+    template = "{prompt}\nAnswer: {response}\nScore:"
+    judge_kwargs = dict(judge=vl, template=template, fallback=-1.0, max_tokens=3, **VIDEO)
+    seen = {}
+
+    def spied(judge):
+        """``judge`` keeping the engine requests it builds in ``seen[judge]``."""
+        build = judge.media_requests
+        seen[judge] = []
+
+        def media_requests(*args, **kwargs):
+            requests = build(*args, **kwargs)
+            seen[judge].extend(requests)
+            return requests
+
+        judge.media_requests = media_requests
+        return judge
+
+    for local, served in [
+        (RewardModel(rm_path, **VIDEO), RewardModel(rm_path, **VIDEO)),
+        (spied(GenerativeReward(**judge_kwargs)), spied(GenerativeReward(**judge_kwargs))),
+    ]:
+        server, url = _served(served, token="s3cret", max_video_frames=32)
+        try:
+            want = torch.as_tensor(local(texts * 2, responses, conversations=chats * 2))
+            # 4 videos of 16 frames: two requests of 32 frames (the server's bound).
+            got = RemoteReward(url, token="s3cret", max_retries=0, batch_size=2)(
+                texts * 2, responses, conversations=chats * 2
+            )
+            torch.testing.assert_close(torch.tensor(got), want.float(), atol=1e-6, rtol=0)
+            if isinstance(local, GenerativeReward):
+                # The served judge's engine requests are the local judge's: the same prompt ids
+                # and the same video patches, sample for sample (and so the same verdicts).
+                assert served.last_verdicts == local.last_verdicts[2:]
+                assert len(seen[served]) == len(seen[local]) == 4
+                for a, b in zip(seen[local], seen[served], strict=True):
+                    assert a.prompt_token_ids == b.prompt_token_ids
+                    assert torch.equal(
+                        a.media.video.pixel_values_videos, b.media.video.pixel_values_videos
+                    )
+                    assert a.media.video.video_grid_thw.tolist() == [[4, 4, 4]]
+                    assert torch.equal(a.media.video.video_grid_thw, b.media.video.video_grid_thw)
+                assert not torch.equal(
+                    seen[local][0].media.video.pixel_values_videos,
+                    seen[local][1].media.video.pixel_values_videos,
+                )
+            else:  # the video reaches the served model: same answer, another clip, another score
+                assert got[0] != got[3] and got[1] != got[2]
+        finally:
+            _stop(server)
+
+
+class _Recorder:
+    """A reward function that keeps the conversations it is given."""
+
+    uses_conversations = True
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, prompts, responses, references, labels, conversations=None):
+        self.calls.append(conversations)
+        return [float(len(r)) for r in responses]
+
+
+def _video(frames, fps=4.0):
+    from lightrft.rewards.remote import wire_conversation
+
+    part = {"type": "video", "video": frames, "fps": fps}
+    return wire_conversation(
+        [{"role": "user", "content": [{"type": "text", "text": "q"}, part]}], 0
     )
-    chat = conversation(ds[0]["messages"], ds[0]["media"])
-    with pytest.raises(
-        ValueError,
-        match=r"conversations\[3\]\[0\]\.content\[0\]: a video part cannot be sent to a reward "
-        r"server \(the protocol carries images only\): score video prompts in-process",
-    ):
-        wire_conversation(chat, 3)
-    wire = [{"role": "user", "content": [{"type": "video", "video": ["data:image/png;base64,"]}]}]
-    with pytest.raises(
-        ValueError,
-        match=r"'conversations'\[0\]\[0\]\.content\[0\]: a video part is not carried by the "
-        r"reward server \(images only\)",
-    ):
-        decode_conversations([wire], 1)
+
+
+def test_the_reward_servers_video_bounds_and_malformed_parts_are_answered_by_name(capsys):
+    from PIL import Image
+
+    from lightrft.rewards import RemoteReward
+    from lightrft.rewards.server import main
+
+    frame = Image.new("RGB", (28, 28), (9, 99, 199))
+    wide = Image.new("RGB", (56, 28), (9, 99, 199))
+    fn = _Recorder()
+    # 784-pixel frames; at most 2 frames' worth of pixels per image, 10 per request, 8 frames.
+    server, url = _served(
+        fn,
+        token="s3cret",
+        max_image_pixels=2 * 784,
+        max_request_pixels=10 * 784,
+        max_video_frames=8,
+    )
+
+    def post(chats, token="s3cret"):
+        body = {"responses": ["r"] * len(chats), "conversations": chats}
+        req = urllib.request.Request(
+            url, json.dumps(body).encode(), {"Authorization": f"Bearer {token}"}
+        )
+        try:
+            urllib.request.urlopen(req, timeout=10)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())["error"]
+        return 200, ""
+
+    def with_part(**fields):
+        return [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "q"}, {"type": "video", **fields}],
+            }
+        ]
+
+    try:
+        ok = _video([frame] * 3)
+        # Frames over the request's bound: 9 frames in one video, or 5 + 5 in two.
+        code, err = post([_video([frame] * 9)])
+        assert code == 413, err
+        assert "'conversations'[0][0].content[1]: a video of 9 frames" in err
+        assert "limit of 8 video frames per request (--max-video-frames)" in err
+        code, err = post([_video([frame] * 5), _video([frame] * 5)])
+        assert code == 413 and "'conversations'[1][0].content[1]: a video of 5 frames" in err
+        # A frame is an image: over the per-image bound, and counted against the request's.
+        big = Image.new("RGB", (56, 56))
+        code, err = post([_video([frame, big])])
+        assert code == 413, err
+        assert "'conversations'[0][0].content[1].video[1]: frame of 56x56 = 3136 pixels" in err
+        assert "limit of 1568 pixels per image (--max-image-pixels)" in err
+        code, err = post([_video([wide] * 4), _video([wide] * 2)])  # 6 frames, 12 frames' pixels
+        assert code == 413, err
+        assert "'conversations'[1][0].content[1].video[1]: the request's images and video " in err
+        assert "limit of 7840 pixels per request (--max-request-pixels)" in err
+        # Malformed parts: 400, naming the entry.
+        url0 = ok[0]["content"][1]["video"][0]
+        for fields, want in [
+            ({"video": url0}, "content[1].video must be a list of frames (PNG data URLs), got str"),
+            ({"video": []}, "content[1].video has no frames"),
+            ({"video": [url0], "fps": 0}, "content[1].fps must be a positive number"),
+            ({"video": [url0], "fps": "4"}, "content[1].fps must be a positive number"),
+            ({"video": [url0], "fps": True}, "content[1].fps must be a positive number"),
+            ({"video": [url0], "fps": float("nan")}, "content[1].fps must be a positive number"),
+            ({"video": [url0, "x.png"]}, "content[1].video[1]: a frame must be a string starting"),
+            (
+                {"video": [url0, "data:image/png;base64,AAAA"]},
+                "content[1].video[1]: not a PNG image",
+            ),
+            (
+                {"video": [url0, _video([wide])[0]["content"][1]["video"][0]]},
+                "content[1].video[1]: frame of 56x28 differs in size from the video's first frame (28x28)",
+            ),
+        ]:
+            code, err = post([with_part(**fields)])
+            assert code == 400 and "'conversations'[0][0]." + want in err, (fields, err)
+        code, err = post([[{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}]])
+        assert code == 400 and "an audio part is not carried by the reward server" in err
+        assert post([ok], token="wrong")[0] == 401
+        assert fn.calls == []  # none of them reached the reward function
+        # A good client is served afterwards, the function getting the frames as in-process.
+        got = RemoteReward(url, token="s3cret", max_retries=0)(
+            ["q", "q"],
+            ["ab", "abc"],
+            conversations=[
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "video", "video": [frame] * 4, "fps": 2.0}],
+                    }
+                ],
+                None,
+            ],
+        )
+        assert got == [2.0, 3.0]
+        (chats,) = fn.calls
+        part = chats[0][0]["content"][0]
+        assert chats[1] is None and part["fps"] == 2.0 and len(part["video"]) == 4
+        assert all(f.tobytes() == frame.tobytes() for f in part["video"])
+    finally:
+        _stop(server)
+    with pytest.raises(ValueError, match="max_video_frames must be >= 1"):
+        _served(fn, max_video_frames=0)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--max-video-frames" in capsys.readouterr().out
