@@ -421,7 +421,9 @@ class GRPORecipe:
             self.rollout_engine, self.sampling = None, self.opts.rollout.sampling()
         else:
             self._setup_engine()
-        self._setup_rewards_and_data()
+        # Asynchronous trainers score nothing: the generator builds the rewards (a reward model
+        # would load here for nothing) and sends the scores under their names.
+        self._setup_rewards_and_data(rewards=not self.opts.rollout.asynchronous)
         self.reward_side = RewardSideMetrics()
         self.partial, self.policy_version = None, 0  # partial rollouts: groups in flight
         self.prompt_queue: list[dict[str, Any]] = []  # drawn prompts not yet in flight
@@ -518,6 +520,7 @@ class GRPORecipe:
         assert 0 <= lag <= self.opts.rollout.max_staleness, (step, msg.version)
         self.epoch = msg.epoch
         self.loader.load_state_dict(msg.loader_state)  # checkpointed: where a resume starts
+        self.reward_names = list(msg.drawn.reward_parts)  # the generator's reward functions
         metrics = {**msg.metrics, "rollout/policy_lag": float(lag)}
         return msg.batch, msg.drawn, metrics
 
@@ -676,9 +679,11 @@ class GRPORecipe:
         if self.environment is not None:
             self.sampling = stop_at_turn_end(self.sampling, self.tokenizer, self.tool_schemas)
 
-    def _setup_rewards_and_data(self) -> None:
+    def _setup_rewards_and_data(self, rewards: bool = True) -> None:
+        """The reward functions (``rewards``; an asynchronous trainer has none, it takes the
+        names with each batch), the reward normaliser, the datasets and the prompt loader."""
         o = self.opts
-        self.reward_fn = build_reward(o.reward)
+        self.reward_fn = build_reward(o.reward) if rewards else None
         self.reward_names = list(getattr(self.reward_fn, "functions", {}) or [])
         self.normalizer = None
         if o.algorithm.shaping.reward_norm:

@@ -28,10 +28,14 @@ REPO = Path(__file__).resolve().parents[2]
 class TextReward:
     """The sum of the response's character codes mod 10, / 10 (varies with any text, so even a
     random model's first step has advantages); on the generating process (launch rank 1),
-    call number ``stop_at`` stops it: ``killed`` (SIGKILL) or ``hung`` (sleeps)."""
+    call number ``stop_at`` stops it: ``killed`` (SIGKILL) or ``hung`` (sleeps). ``built``: a
+    file each process that builds it appends its launch rank to."""
 
-    def __init__(self, how: str | None = None, stop_at: int = 0):
+    def __init__(self, how: str | None = None, stop_at: int = 0, built: str | None = None):
         self.how, self.stop_at, self.calls = how, stop_at, 0
+        if built:
+            with open(built, "a") as f:
+                f.write(os.environ["RANK"] + "\n")
 
     def __call__(self, prompts, responses, references, labels):
         self.calls += 1
@@ -197,6 +201,11 @@ def _rows(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "train/lr" in r}
 
 
+def _reward_norm(out: Path, step: int) -> dict:
+    state = json.loads((out / "checkpoints" / f"step_{step:06d}" / "rank_00000.json").read_text())
+    return state["extra"]["reward_norm"]
+
+
 def _eval_steps(out: Path) -> list[int]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["eval/samples"] == 8 for r in rows if "eval/samples" in r), rows
@@ -213,7 +222,13 @@ def test_async_run_trains_one_step_off_with_the_generating_policys_logprobs(tmp_
     # while the trainer trains on, the last one while it exports.
     evals = {"eval_dataset": {"_component_": "lightrft.data.PromptDataset"}, "eval.every": 2}
     evals["eval_dataset"]["path"] = str(assets / "data" / "test.jsonl")
-    cfg = _config(tmp_path, assets, save_every=2, max_steps=4, **{"algorithm.kl": kl}, **evals)
+    # Running reward normalisation: the generator scores, the trainer normalises (and
+    # checkpoints the normaliser).
+    built = tmp_path / "reward_built.txt"
+    reward = {"_component_": "test_grpo_async.TextReward", "built": str(built)}
+    shaping = {"reward_norm": True}
+    extra = {"algorithm.kl": kl, "algorithm.shaping": shaping, "reward": reward, **evals}
+    cfg = _config(tmp_path, assets, save_every=2, max_steps=4, **extra)
     rc = _finish(_start(cfg, tmp_path), tmp_path)
     log = (tmp_path / "rank0.log").read_text()
     assert rc == [0, 0], log[-3000:]
@@ -229,11 +244,18 @@ def test_async_run_trains_one_step_off_with_the_generating_policys_logprobs(tmp_
     assert rows[3]["train/kl"] > 1e-4, rows[3]
     # The ratio's denominator is that policy: 1 at step 1, not at step 2 (the trainer is a step on).
     assert rows[1]["train/ratio_max"] < 1 + 1e-5 < rows[2]["train/ratio_max"]
+    # Only the generator built the reward; the trainer logs its parts by the generator's names.
+    assert built.read_text() == "1\n"
+    assert all(rows[s]["reward/text_reward/count"] == 8 for s in rows), rows[1]
+    # The checkpoint holds the normaliser after step 4: 4 steps x 8 samples.
+    assert _reward_norm(tmp_path / "out", 4)["count"] == 32
     # Resume from step 4's checkpoint, two steps more: the pipeline refills (lag 0, then 1).
     procs = _start(cfg, tmp_path, "resume=true", "max_steps=6", "resume_override_lr=true")
     assert _finish(procs, tmp_path) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     rows = _rows(tmp_path / "out")
     assert [rows[s]["rollout/policy_lag"] for s in (5, 6)] == [0.0, 1.0]
+    assert built.read_text() == "1\n1\n"
+    assert _reward_norm(tmp_path / "out", 6)["count"] == 48  # resumed, not restarted
     assert _eval_steps(tmp_path / "out") == [0, 2, 4, 6]  # no second start eval on resume
 
 
