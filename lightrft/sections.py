@@ -15,6 +15,7 @@ reads checkpoints and so sits in the training layer.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -479,6 +480,27 @@ def check_sequence_parallel(
             f"sequence_parallel={n} does not divide the world size {world} "
             f"(processes in the run); use a divisor of {world}"
         )
+
+
+def check_sequence_parallel_checkpoint(n: int, path: str | os.PathLike) -> None:
+    """:func:`check_sequence_parallel_model` for the local checkpoint at ``path``, from its
+    ``config.json`` alone (validation: no transformers, no weights); nothing to check without a
+    local ``config.json`` yet (a hub id, or a model a ``prepare`` step writes: the run checks the
+    loaded model's config again)."""
+    cfg = Path(path).expanduser() / "config.json"
+    if n == 1 or not cfg.is_file():
+        return
+    data = json.loads(cfg.read_text())
+    text = data.get("text_config") or data
+    heads = text.get("num_attention_heads") or data.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or data.get("num_key_value_heads") or heads
+    check_sequence_parallel_model(
+        n,
+        data.get("model_type"),
+        int(heads or 0),
+        int(kv_heads or 0),
+        sliding_window=bool(text.get("use_sliding_window", False)),
+    )
 
 
 def check_sequence_parallel_model(

@@ -116,6 +116,7 @@ from lightrft.sections import (
     ScheduleConfig,
     check_model_path,
     check_optimizer,
+    check_sequence_parallel_checkpoint,
 )
 from lightrft.strategy import build_strategy
 from lightrft.training import (
@@ -336,6 +337,7 @@ def _check_media(opts: GRPOConfig, *, prepare=None, loading: bool = False) -> No
     if opts.critic is not None and opts.critic.path != opts.model.path:
         check_model_path(opts.critic.path, "critic.path", prepare=prepare, loading=loading)
     check_towers(opts.model)
+    check_sequence_parallel_checkpoint(opts.strategy.sequence_parallel, opts.model.path)
     if checkpoint_is_multimodal(opts.model.path) and opts.critic is not None:
         vlm = checkpoint_is_vision_language(opts.model.path)
         kind = "a vision-language" if vlm else "an audio-language"

@@ -28,7 +28,12 @@ from lightrft.distributed import all_reduce_sum
 from lightrft.kernels import causal_lm_cross_entropy
 from lightrft.models.multimodal import check_towers, load_processors, set_towers_trainable
 from lightrft.models.sharded import load_parallel
-from lightrft.sections import BatchConfig, PolicyModelConfig, check_model_path
+from lightrft.sections import (
+    BatchConfig,
+    PolicyModelConfig,
+    check_model_path,
+    check_sequence_parallel_checkpoint,
+)
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
 from lightrft.training.export import ExportSpec
@@ -47,6 +52,7 @@ class SFTConfig(TrainingConfig):
         self.optim.lr_scheduler.check_steps(self.data.max_steps)
         check_model_path(self.model.path, prepare=self.run.prepare)
         check_towers(self.model)
+        check_sequence_parallel_checkpoint(self.strategy.sequence_parallel, self.model.path)
         return self
 
     def global_batch(self, world: int) -> int:

@@ -173,3 +173,27 @@ def test_sequence_parallel_refusals(monkeypatch):
         config.model_type = kind
         with pytest.raises(ValueError, match=f"does not support model type '{kind}'"):
             check_model(config, 2)
+
+
+@pytest.mark.parametrize("recipe", ["sft", "grpo"])
+def test_validate_reads_the_head_counts_from_the_checkpoint(tmp_path, monkeypatch, capsys, recipe):
+    """``lightrft validate`` (and the launcher's check before torchrun starts the workers)
+    refuses an SP degree the checkpoint's heads cannot split, from its config.json alone."""
+    import json
+
+    from lightrft import cli
+
+    model = tmp_path / "model"
+    model.mkdir()
+    heads = {"model_type": "qwen2", "num_attention_heads": 8, "num_key_value_heads": 2}
+    (model / "config.json").write_text(json.dumps(heads))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = f"tiny/add_{recipe}"
+    assert cli.main(["validate", config, f"model.path={model}", "sequence_parallel=2"]) == 0
+    assert cli.main(["validate", config, f"model.path={model}", "sequence_parallel=4"]) == 2
+    assert "num_attention_heads=8 and num_key_value_heads=2" in capsys.readouterr().err
+    vlm = {"model_type": "qwen2_vl", "text_config": {**heads, "model_type": "qwen2_vl_text"}}
+    (model / "config.json").write_text(json.dumps(vlm))
+    assert cli.main(["validate", config, f"model.path={model}", "sequence_parallel=4"]) == 2
+    assert "num_attention_heads=8 and num_key_value_heads=2" in capsys.readouterr().err
