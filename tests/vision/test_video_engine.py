@@ -2,6 +2,8 @@
 trainer's, greedy equals HF generate, each group's video is encoded once (one prefill per
 request, copied to its n rows), and a video request to a model without video is refused."""
 
+import importlib.util
+
 import pytest
 import torch
 from _video_helpers import moving_square, write_video
@@ -126,3 +128,41 @@ def test_vllm_prompt_carries_videos_as_frames_with_metadata(tiny_vlm, tmp_path):
     assert videos_kwargs["size"] == {"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16}
     with pytest.raises(ValueError, match="the request has videos but the model takes no video"):
         va.vllm_prompt(req.prompt_token_ids, req.media, proc.image_token_id, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None),
+    reason="needs CUDA and vllm==0.32.0 (the request conversion is checked on CPU above)",
+)
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_vllm_engine_video_on_gpu(tmp_path, arch):
+    """Real vLLM with video requests (a file and a frame list, one beside an image): greedy
+    equals the native engine's, and sampled log-probs equal the trainer path's."""
+    from lightrft.engine import vllm_adapter as va
+    from lightrft.tasks import make_tiny_model
+
+    # head_dim 64: a size every vLLM attention backend supports.
+    path = make_tiny_model(tmp_path / "m", arch=arch, hidden=256, heads=4, kv_heads=2)
+    reqs = _requests(load_processor(path), tmp_path)
+    engine = va.VLLMEngine(
+        path,
+        dtype="float32",
+        gpu_memory_utilization=0.2,
+        enforce_eager=True,
+        seed=0,
+        limit_mm_per_prompt={"image": 1, "video": 1},
+    )
+    native = NativeEngine(path, dtype="float32", device="cuda")
+    greedy = engine.generate(reqs, SamplingParams(temperature=0, max_tokens=8))
+    ref = native.generate(reqs, SamplingParams(temperature=0, max_tokens=8))
+    assert [c.token_ids for c in greedy] == [c.token_ids for c in ref]
+    hf = load_vision_model(path, device="cuda").eval()
+    sampled = engine.generate(reqs, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1))
+    for c in sampled:
+        req = reqs[c.request_index]
+        ids = torch.tensor([c.prompt_token_ids + c.token_ids], device="cuda")
+        with torch.no_grad():
+            lp = causal_lm_token_logprobs(hf, ids, media=req.media)[0]
+        lp = lp[len(c.prompt_token_ids) - 1 :].cpu()
+        assert torch.allclose(torch.tensor(c.logprobs), lp, atol=1e-3)
