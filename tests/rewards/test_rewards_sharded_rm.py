@@ -68,7 +68,9 @@ def _value_head_dir(tiny: str, out) -> str:
 
 
 def _check_sharded(rm: RewardModel, world: int) -> None:
-    """Every parameter is a DTensor and no rank holds a whole weight with more than one row."""
+    """Every parameter is a DTensor and no rank holds a whole weight with more than one row;
+    the vocabulary tables are out of FSDP2's groups (never gathered, :func:`_tables_seen`)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     assert rm.collective
@@ -76,6 +78,43 @@ def _check_sharded(rm: RewardModel, world: int) -> None:
         assert isinstance(p, DTensor), n
         if p.shape[0] >= world:
             assert p.to_local().shape[0] < p.shape[0], n
+    head = rm.net.get_output_embeddings()
+    assert head is None or not isinstance(head, FSDPModule)
+    assert not isinstance(rm.net.base.get_input_embeddings(), FSDPModule)
+
+
+def _rows(vocab: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows [start, stop) of a vocab-row table that rank holds (torch.chunk's split)."""
+    size = -(-vocab // world)
+    return min(rank * size, vocab), min((rank + 1) * size, vocab)
+
+
+def _tables_seen(rm: RewardModel, rank: int) -> dict[str, torch.Tensor]:
+    """Score once and record the input embedding's and the LM head's weight (this rank's part:
+    a plain tensor as the forward reads it) as they are while the model runs. Under FSDP2 the
+    forward sees the whole, gathered tables."""
+    from lightrft.models import reward as reward_mod
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(name, weight):
+        seen[name] = (weight.to_local() if hasattr(weight, "to_local") else weight).clone()
+
+    embedding = rm.net.base.get_input_embeddings()
+    hook = embedding.register_forward_pre_hook(lambda m, a: record("embedding", m.weight))
+    original = reward_mod.likelihood_scores
+
+    def spy(hidden, lm_head, *args):
+        record("lm_head", lm_head.weight)
+        return original(hidden, lm_head, *args)
+
+    reward_mod.likelihood_scores = spy
+    try:
+        rm(PROMPTS[:2], RESPONSES[:2]) if rank == 0 else rm([], [])
+    finally:
+        hook.remove()
+        reward_mod.likelihood_scores = original
+    return seen
 
 
 def _text_worker(rank: int, world: int, attn: str, vhead: str, ref_file: str) -> None:
@@ -140,6 +179,75 @@ def test_sharded_text_reward_models_score_as_the_whole_model(tmp_path, tiny_mode
         assert refs[name]["all"].std() > 1e-3
     torch.save(refs, tmp_path / "refs.pt")
     run_distributed(_text_worker, attn, vhead, str(tmp_path / "refs.pt"))
+
+
+def _odd_vocab_lm(out, *, tie: bool) -> str:
+    """A tiny qwen2 causal LM whose vocabulary (3 rows more than the tiny one's multiple of 16)
+    divides by neither 2 nor 4 ranks, its LM head tied to the embedding or not."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.tasks import make_tiny_model
+
+    path = make_tiny_model(out, layers=2, hidden=64, tie_embeddings=tie)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(2)
+    model.resize_token_embeddings(model.config.vocab_size + 3, mean_resizing=False)
+    assert model.config.vocab_size % 2 and model.config.tie_word_embeddings == tie
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _tables(path: str) -> dict[str, torch.Tensor]:
+    """The input embedding and LM head (the embedding when tied) as the checkpoint stores them."""
+    from safetensors.torch import load_file
+
+    stored = load_file(f"{path}/model.safetensors")
+    emb = stored["model.embed_tokens.weight"]
+    return {"embedding": emb, "lm_head": stored.get("lm_head.weight", emb)}
+
+
+def _vocab_worker(rank: int, world: int, paths: dict, ref_file: str) -> None:
+    refs = torch.load(ref_file)
+    mine = list(range(rank, len(PROMPTS), world))  # 4 and 3, or 2, 2, 2 and 1 samples
+    for name, path in paths.items():
+        rm = RewardModel(path, micro_batch_size=2)
+        _check_sharded(rm, world)
+        # The tables as the forward reads them: this rank's rows of each, never the whole.
+        start, stop = _rows(refs[name]["tables"]["embedding"].shape[0], world, rank)
+        seen = _tables_seen(rm, rank)
+        assert sorted(seen) == ["embedding"] + (["lm_head"] if "likelihood" in name else [])
+        for table, got in seen.items():
+            torch.testing.assert_close(got, refs[name]["tables"][table][start:stop], rtol=0, atol=0)
+        got = rm([PROMPTS[i] for i in mine], [RESPONSES[i] for i in mine])
+        torch.testing.assert_close(got, refs[name]["scores"][mine], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_reward_models_keep_only_their_rows_of_the_vocabulary(tmp_path, world):
+    """On 2 and 4 gloo processes a classifier and two likelihood models (LM head untied and
+    tied), with a vocabulary that divides by neither world size, hold only their rows of the
+    input embedding and LM head while they score (no gathered table), and score as the whole
+    model in one process (fp32, 1e-6)."""
+    from _exports import likelihood_reward_model
+
+    untied = _odd_vocab_lm(tmp_path / "untied", tie=False)
+    tied = _odd_vocab_lm(tmp_path / "tied", tie=True)
+    paths = {
+        "classifier": _attention_export(untied, tmp_path / "classifier"),
+        "likelihood": likelihood_reward_model(untied, tmp_path / "likelihood"),
+        "likelihood_tied": likelihood_reward_model(tied, tmp_path / "likelihood_tied"),
+    }
+    refs = {}
+    for name, path in paths.items():
+        rm = RewardModel(path, micro_batch_size=2)
+        assert not rm.collective
+        refs[name] = {"scores": rm(PROMPTS, RESPONSES), "tables": _tables(path)}
+        assert refs[name]["scores"].std() > 1e-3
+    emb = refs["likelihood_tied"]["tables"]
+    assert emb["embedding"] is emb["lm_head"] and emb["embedding"].shape[0] % world
+    torch.save(refs, tmp_path / "refs.pt")
+    run_distributed(_vocab_worker, paths, str(tmp_path / "refs.pt"), world_size=world)
 
 
 def _chats() -> tuple[list, list[str]]:
