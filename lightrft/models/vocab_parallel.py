@@ -137,7 +137,7 @@ def vocab_parallel_logprobs(
     rows, the local max ``m``, the sum ``s`` of ``exp(z - m)`` and the target's logit (zero
     unless this rank owns it); then ``M = max m``, ``S = sum s exp(m - M)``, and
     ``logp = z_target - M - log S``."""
-    from lightrft.kernels.logprobs import acc_dtype
+    from lightrft.kernels.logprobs import acc_dtype, logit_workspaces, logits_into
 
     every_h, sizes = gather_rows(hidden, rows.group)  # [world, n_max, H]
     every_t, _ = gather_rows(targets, rows.group)  # [world, n_max]
@@ -149,11 +149,11 @@ def vocab_parallel_logprobs(
     sums = torch.zeros(n, dtype=acc, device=h.device)
     picked = torch.zeros(n, dtype=acc, device=h.device)
     chunk = logits_chunk_rows(n, weight.shape[0])
+    # The fused kernel's workspace and logits (fp32 from a low-precision matmul where it can).
+    buf, _, low = logit_workspaces(min(chunk, n), weight.shape[0], h, entropy=False)
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        z = (h[s:e] @ weight.t()).to(acc)  # [c, V_local], the one workspace of the chunk
-        if bias is not None:
-            z += bias.to(acc)
+        z = logits_into(buf[: e - s], h[s:e], weight, bias, 1.0, low)  # [c, V_local]
         inside, local = _mine(rows, t[s:e])
         picked[s:e] = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), 0)
         peak[s:e] = z.amax(dim=1)
