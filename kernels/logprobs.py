@@ -147,7 +147,7 @@ def _probe_fp32_out_mm(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def _logits_into(
+def logits_into(
     out: Tensor,
     h: Tensor,
     weight: Tensor,
@@ -182,7 +182,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _workspaces(
+def logit_workspaces(
     rows: int, vocab: int, like: Tensor, entropy: bool, reuse: Tensor | None = None
 ) -> tuple[Tensor, ...]:
     """Chunk buffers: logits [c, V] (``reuse`` if given), a second one for the entropy, and a
@@ -219,9 +219,9 @@ def _forward(
     ent = torch.empty_like(logp) if want_entropy else None
     if n == 0:
         return logp, ent, None
-    buf, buf2, low = _workspaces(min(chunk, n), vocab, hidden, want_entropy)
+    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, want_entropy)
     for s, e in _chunks(n, chunk):
-        z = _logits_into(buf[: e - s], hidden[s:e], weight, bias, inv_t, low)  # [c, V]
+        z = logits_into(buf[: e - s], hidden[s:e], weight, bias, inv_t, low)  # [c, V]
         # Row-fused in-place log-softmax: each 600 KB row stays in cache for its three passes.
         torch.log_softmax(z, dim=-1, out=z)
         logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
@@ -272,7 +272,7 @@ def chunked_backward(
         grad_logp = torch.zeros(n, dtype=acc, device=dev)
     grad_logp = grad_logp.to(acc)
     with_entropy = grad_ent is not None
-    buf, buf2, low = _workspaces(min(chunk, n), vocab, hidden, with_entropy, reuse=cached)
+    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, with_entropy, reuse=cached)
     chunks = _chunks(n, chunk)
     if cached is not None:
         chunks = chunks[-1:] + chunks[:-1]  # the chunk still in the workspace goes first
@@ -281,7 +281,7 @@ def chunked_backward(
         z = buf[: e - s]  # [c, V]
         have_logp = cached is not None and i == 0
         if not have_logp:
-            _logits_into(z, h_c, weight, bias, inv_t, low)
+            logits_into(z, h_c, weight, bias, inv_t, low)
         g = grad_logp[s:e, None]  # [c, 1]
         if not with_entropy:
             if have_logp:
@@ -409,10 +409,10 @@ def _forward_with_grads(
             if g is not None:
                 g.zero_()
         return _Sweep(logp, ent, hinted, None, (g_h, g_w, g_b))
-    buf, buf2, low = _workspaces(min(chunk, n), vocab, hidden, want_entropy)
+    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, want_entropy)
     for i, (s, e) in enumerate(_chunks(n, chunk)):
         h_c, t_c = hidden[s:e], targets[s:e, None]  # [c, H], [c, 1]
-        z = _logits_into(buf[: e - s], h_c, weight, bias, inv_t, low)  # [c, V]
+        z = logits_into(buf[: e - s], h_c, weight, bias, inv_t, low)  # [c, V]
         torch.log_softmax(z, dim=-1, out=z)
         logp[s:e] = z.gather(1, t_c).squeeze(1)
         p = None

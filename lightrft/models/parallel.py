@@ -72,6 +72,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     shard: bool | None = None,
     offload: bool = False,
+    scoring: bool = False,
 ) -> nn.Module:
     """Prepare ``model`` for training in place and return it.
 
@@ -88,6 +89,14 @@ def parallelize(
     ``offload``: FSDP2's ``CPUOffloadPolicy`` on every group: the sharded parameters (and so
     their gradients and the optimizer state) live in CPU memory, copied to the mesh's device
     for each all-gather; pinned when that device is a GPU. Needs sharding.
+
+    ``scoring``: a frozen, meta-built model that only scores (a reward model over the ranks) is
+    laid out for the least memory per rank: it keeps only its rows of the input embedding and LM
+    head, outside FSDP2's groups, and runs them vocabulary-parallel
+    (:mod:`lightrft.models.vocab_parallel`), so no rank gathers a vocabulary-sized table; and
+    each linear layer of its decoder blocks is an FSDP2 unit of its own, so a rank gathers one
+    weight matrix at a time (more, smaller all-gathers; it has no backward to overlap). Needs
+    sharding over a 1-D ``mesh``.
     """
     layers = decoder_layers(model)
     if activation_checkpointing:
@@ -101,6 +110,8 @@ def parallelize(
     if shard is None:
         shard = dist.is_available() and dist.is_initialized()
     if not shard:
+        if scoring:
+            raise ValueError("scoring lays a model out over the ranks: it needs sharding")
         if offload:
             raise ValueError(
                 "offload=params needs FSDP2 sharding, which needs a process group: launch with "
@@ -137,10 +148,13 @@ def parallelize(
     # before the decoder, so its blocks are gathered and resharded like the decoder's.
     for block in _tower_blocks(model):
         fully_shard(block, **shard_kw, reshard_after_forward=reshard_after_forward)
+    # Scoring: the embedding and LM head keep their rows on each rank, out of FSDP2's groups,
+    # and are never gathered (vocabulary-parallel).
+    ignored = _vocab_parallel(model, mesh) if scoring else set()
     # The input embedding is its own group unless the LM head shares its weight: gathered at
     # the start of forward and resharded at once, instead of held (and all-gathered) together
     # with the root's LM head for the whole forward.
-    embedding, head = _untied_embeddings(model)
+    embedding, head = (None, None) if scoring else _untied_embeddings(model)
     if embedding is not None:
         fully_shard(embedding, **shard_kw, reshard_after_forward=reshard_after_forward)
     frozen = not any(p.requires_grad for p in model.parameters())  # a reference policy
@@ -148,14 +162,36 @@ def parallelize(
         # A trained model's last block is gathered again right away by the root's backward:
         # keep it unsharded. A frozen model has no backward.
         keep = i == len(layers) - 1 and not frozen
+        # Scoring: each linear layer is a unit, the block keeps the rest (its norms).
+        for linear in _linears(layer) if scoring else []:
+            fully_shard(linear, **shard_kw, reshard_after_forward=reshard_after_forward)
         fully_shard(layer, **shard_kw, reshard_after_forward=reshard_after_forward and not keep)
     # A frozen model gathers its untied LM head only for the head's own forward instead of
     # holding it with the root for the whole forward. A trained head stays in the root: the
     # fused log-prob kernel's backward reads its weight after the forward.
     if head is not None and frozen:
         fully_shard(head, **shard_kw, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, **shard_kw, reshard_after_forward=reshard_after_forward)
+    fully_shard(
+        model,
+        **shard_kw,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=ignored or None,
+    )
     return model
+
+
+def _linears(block: nn.Module) -> list[nn.Linear]:
+    return [m for m in block.modules() if isinstance(m, nn.Linear)]
+
+
+def _vocab_parallel(model: nn.Module, mesh) -> set[nn.Parameter]:
+    """Shard ``model``'s vocabulary tables by rows (:func:`~lightrft.models.vocab_parallel.
+    shard_vocab_tables`), for a frozen model only: their forward has no backward."""
+    from lightrft.models.vocab_parallel import shard_vocab_tables
+
+    if any(p.requires_grad for p in model.parameters()):
+        raise ValueError("scoring=True is for frozen models: freeze it in prepare")
+    return shard_vocab_tables(model, mesh)
 
 
 def build_mesh(shard_size: int | None, replicate_size: int | None, device: torch.device | str):

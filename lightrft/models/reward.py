@@ -126,11 +126,9 @@ def likelihood_scores(
     ``hidden [R, T, H]`` are the final hidden states; token ``t`` of a row is predicted from
     ``hidden[:, t - 1]``, so ``scored [R, T]`` must be false on each sequence's first token.
     With ``end_token_id``, the end token's log-probability after each sequence's last token
-    counts as one more scored token (unless that last token is already the end token). Runs the
-    fused kernel (``lightrft.kernels``): no ``[tokens, vocab]`` logits are kept.
+    counts as one more scored token (unless that last token is already the end token). No
+    ``[tokens, vocab]`` logits are kept (:func:`head_logprobs`).
     """
-    from lightrft.kernels import fused_linear_logprobs
-
     R, T, H = hidden.shape
     targets = torch.where(scored[:, 1:], input_ids[:, 1:], -100)  # [R, T-1]
     seg = segment_ids[:, :-1]  # [R, T-1], the sequence each predicting position belongs to
@@ -148,15 +146,28 @@ def likelihood_scores(
             seg.reshape(-1),
         )
     keep = targets != -100
-    logp = fused_linear_logprobs(
-        hidden_rows[keep], lm_head.weight, targets[keep], bias=lm_head.bias
-    )  # [n_scored] fp32
+    logp = head_logprobs(lm_head, hidden_rows[keep], targets[keep])  # [n_scored] fp32
     seg = seg[keep]
     sums = torch.zeros(num_sequences, device=hidden.device).index_add(0, seg, logp)
     counts = torch.zeros(num_sequences, device=hidden.device).index_add(
         0, seg, torch.ones_like(logp)
     )
     return sums / counts.clamp(min=1)  # a sequence with nothing scored scores 0
+
+
+def head_logprobs(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(lm_head(hidden))[i, targets[i]]`` ``[n]`` (fp32): the fused kernel
+    (``lightrft.kernels``), or, for a head sharded by vocabulary rows over the ranks (a sharded
+    reward model), its vocabulary-parallel form, a collective."""
+    from lightrft.kernels import fused_linear_logprobs
+    from lightrft.models.vocab_parallel import vocab_parallel_logprobs, vocab_rows
+
+    rows = vocab_rows(lm_head.weight)
+    if rows is None:
+        return fused_linear_logprobs(hidden, lm_head.weight, targets, bias=lm_head.bias)
+    local = lm_head.weight.to_local().to(hidden.device)  # offload: rows kept in CPU memory
+    bias = None if lm_head.bias is None else lm_head.bias.to_local().to(hidden.device)
+    return vocab_parallel_logprobs(hidden, local, targets, rows, bias)
 
 
 @contextlib.contextmanager
@@ -494,10 +505,14 @@ def load_reward_net_parallel(
     shard: bool | None = None,
     offload: bool = False,
     param_dtype: torch.dtype | None = None,
+    scoring: bool = False,
 ) -> nn.Module:
     """:func:`build_reward_net`, ``prepare`` (LoRA) and ``parallelize``: the reward-model
     recipe's one call, as :func:`~lightrft.models.sharded.load_parallel` is the other recipes'.
     ``param_dtype``: the sharded forward's compute dtype (default: bf16 on an accelerator).
+    ``scoring``: sharded and frozen, laid out to score with the least memory per rank: only its
+    rows of the input embedding and LM head (:mod:`lightrft.models.vocab_parallel`), one weight
+    matrix gathered at a time (:func:`~lightrft.models.parallel.parallelize`).
 
     Under a process group (``shard=None`` and one is initialised, or ``shard=True``) no rank
     holds the whole backbone: the classifier is built on the meta device, sharded, and each rank
@@ -575,6 +590,7 @@ def load_reward_net_parallel(
         mesh=mesh,
         checkpoint=(path, names, converted),
         param_dtype=param_dtype,
+        scoring=scoring,
         **opts,
     )
 
@@ -613,8 +629,10 @@ def load_reward_net(
 
     ``mesh``: shard the model over it with FSDP2 (:func:`load_reward_net_parallel`: built on
     the meta device, each rank reads only its slices; parameters only, no gradients), its
-    forward then a collective every rank of the mesh joins. ``offload``: with a mesh, the
-    shards live in CPU memory and are copied to ``device`` for each all-gather.
+    forward then a collective every rank of the mesh joins, vocabulary-parallel: each rank
+    keeps only its rows of the input embedding and LM head, never gathered
+    (:mod:`lightrft.models.vocab_parallel`). ``offload``: with a mesh, the shards live in CPU
+    memory and are copied to ``device`` for each all-gather.
     """
     meta = read_reward_config(path) or {}
     cfg = (
@@ -654,6 +672,7 @@ def load_reward_net(
             shard=True,
             offload=offload,
             param_dtype=to_dtype(dtype),  # the scores' precision is the model's dtype
+            scoring=True,  # scoring only: no rank gathers a vocabulary-sized table
         )
     return frozen(build_reward_net(path, **spec, device="cpu")).to(device)
 

@@ -287,12 +287,16 @@ def prepare_and_parallelize(
     checkpoint: tuple[str | Path, dict[str, str], set[str]] | None = None,
     offload: bool = False,
     param_dtype: torch.dtype | None = None,
+    scoring: bool = False,
 ) -> nn.Module:
     """Apply ``prepare`` (LoRA, a value head) to ``model`` and :func:`parallelize` it: unsharded,
     or, given the ``checkpoint`` ``(path, names, converted)`` of a meta-built model, sharded on
     ``mesh`` with each rank's slices read from it (:func:`fill_from_safetensors`).
     ``offload``: the shards live in CPU memory (:func:`parallelize`). ``param_dtype``: the
-    sharded forward's compute dtype (default: :func:`default_param_dtype` of ``device``)."""
+    sharded forward's compute dtype (default: :func:`default_param_dtype` of ``device``).
+    ``scoring``: sharded, a frozen model that only scores (a reward model over the ranks) keeps
+    only its rows of the vocabulary tables and gathers one weight matrix at a time
+    (:func:`parallelize`)."""
     model = prepare(model) if prepare is not None else model
     kw = dict(activation_checkpointing=activation_checkpointing, compile=compile, offload=offload)
     if checkpoint is None:
@@ -301,7 +305,14 @@ def prepare_and_parallelize(
     # fully_shard moves buffers and real parameters to the mesh's device (offloaded ones to the
     # CPU); meta ones stay meta.
     param_dtype = param_dtype or default_param_dtype(device)
-    model = parallelize(model, mesh=mesh, param_dtype=param_dtype, shard=True, **kw)
+    model = parallelize(
+        model,
+        mesh=mesh,
+        param_dtype=param_dtype,
+        shard=True,
+        scoring=scoring,
+        **kw,
+    )
     path, names, converted = checkpoint
     # FSDP2 refuses offloaded parameters that are not in CPU memory (it pins them itself).
     where = torch.device("cpu") if offload else device

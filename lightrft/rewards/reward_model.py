@@ -174,6 +174,7 @@ def _value_head_net(
         ),
         offload=offload,
         param_dtype=to_dtype(dtype),
+        scoring=True,  # scoring only: no rank gathers the vocabulary-sized embedding
     )
 
 
@@ -236,7 +237,10 @@ class RewardModel:
 
     Under a process group of several ranks (torchrun) the model is sharded over all of them with
     FSDP2 (parameters only), each rank reading only its slices of the checkpoint, so each
-    reward model costs a rank ``1 / world_size`` of its weights. Scoring is then a collective
+    reward model costs a rank ``1 / world_size`` of its weights; laid out for scoring, it is
+    vocabulary-parallel (each rank keeps its rows of the input embedding and LM head, never
+    gathered: :mod:`lightrft.models.vocab_parallel`) and gathers one weight matrix at a time
+    while it runs. Scoring is then a collective
     (``collective`` is true): every rank calls the model every time, with or without samples of
     its own; the samples of all ranks are gathered, scored in micro-batches the ranks take in
     turn (:func:`collective_plan`), and each rank gets its own scores back. In one process it

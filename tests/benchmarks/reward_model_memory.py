@@ -9,14 +9,16 @@ The models are random Qwen2s written locally (hidden 768, 12 layers, 12 heads, i
 2048, vocab 32000 by default; fp32 safetensors): a one-head classifier (``last`` pooling, 110M
 parameters) and a ``likelihood`` model (the causal LM with its untied LM head, 134M). The
 samples are char-tokenized (ids < 128): with a 32000 vocab one process never touches most of
-its (memory-mapped) input embedding, while a sharded rank all-gathers all of it; a 128-token
-vocab (the layers' 85M parameters per model) measures the sharding of the blocks alone. Each rank
+its (memory-mapped) input embedding, while a sharded rank holds its rows of it (vocabulary-
+parallel: never gathered); a 128-token vocab (the layers' 85M parameters per model) measures
+the sharding of the blocks alone. Each rank
 loads both as :class:`lightrft.rewards.RewardModel` (as a GRPO config builds them), scores 16
 samples of ~120 tokens with each in a :class:`~lightrft.rewards.CombinedReward` (rank r of 4
 gets 16 + 4r samples: unequal counts), and reports, in a fresh interpreter:
 
 - ``base``: its RSS before the reward models load (torch, the Qwen2 model code, the process
   group);
+- ``loaded``: its RSS after they load, before they score, minus ``base`` (the shards);
 - ``peak``: its peak RSS (``ru_maxrss``) after loading and scoring;
 - ``models``: ``peak - base``, what the reward models cost the rank.
 """
@@ -96,8 +98,9 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def score_both(rank: int, vocab: int) -> tuple[float, float]:
-    """Load the two reward models, score this rank's samples; (base, peak) RSS in MiB."""
+def score_both(rank: int, vocab: int) -> tuple[float, float, float]:
+    """Load the two reward models, score this rank's samples; (base, loaded, peak) RSS in MiB
+    (``loaded``: after loading, minus ``base``)."""
     import random
 
     # The model classes' code (~220 MiB of imports) is loaded before the base is read: a
@@ -113,6 +116,7 @@ def score_both(rank: int, vocab: int) -> tuple[float, float]:
             for name in ("classifier", "likelihood")
         }
     )
+    loaded = resident_mib() - base
     rng = random.Random(rank)
     n = 16 + 4 * rank
     words = ["apple", "river", "stone", "lamp", "north", "tiger", "seven", "cloud"]
@@ -120,7 +124,7 @@ def score_both(rank: int, vocab: int) -> tuple[float, float]:
     responses = [" ".join(rng.choices(words, k=8)) for _ in range(n)]
     out = reward(prompts, responses)
     assert out.total.shape == (n,) and torch.isfinite(out.total).all()
-    return base, peak_mib()
+    return base, loaded, peak_mib()
 
 
 def _rank_main(rank: int, world: int, port: int, out: str, vocab: int) -> None:
@@ -130,15 +134,14 @@ def _rank_main(rank: int, world: int, port: int, out: str, vocab: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        base, peak = score_both(rank, vocab)
-        Path(f"{out}.{rank}").write_text(json.dumps([base, peak]))
+        Path(f"{out}.{rank}").write_text(json.dumps(score_both(rank, vocab)))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def run(world: int, vocab: int) -> list[list[float]]:
-    """[base, peak] MiB of each rank."""
+    """[base, loaded, peak] MiB of each rank."""
     if world == 1:  # one plain process: no process group, the models load whole
         torch.set_num_threads(1)
         return [list(score_both(0, vocab))]
@@ -180,13 +183,15 @@ def main() -> None:
         )
         ranks = json.loads(res.stdout.strip().splitlines()[-1])
         after = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        models = [peak - base for base, peak in ranks]
-        peaks = [peak for _, peak in ranks]
+        models = [peak - base for base, _, peak in ranks]
+        loaded = [x for _, x, _ in ranks]
+        peaks = [peak for _, _, peak in ranks]
         if whole is None:
             whole = (max(models), max(peaks))
         print(
             f"{world} process(es): reward models {', '.join(f'{m:.0f}' for m in models)} MiB "
-            f"per rank (worst / 1 process {max(models) / whole[0]:.2f}); peak RSS "
+            f"per rank (worst / 1 process {max(models) / whole[0]:.2f}; loaded, before "
+            f"scoring: {', '.join(f'{x:.0f}' for x in loaded)}); peak RSS "
             f"{', '.join(f'{p:.0f}' for p in peaks)} MiB (worst / 1 process "
             f"{max(peaks) / whole[1]:.2f}); load average {before} -> {after}"
         )

@@ -4,6 +4,7 @@ whole model's in one process, with unequal sample counts per rank and ranks with
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -68,7 +69,9 @@ def _value_head_dir(tiny: str, out) -> str:
 
 
 def _check_sharded(rm: RewardModel, world: int) -> None:
-    """Every parameter is a DTensor and no rank holds a whole weight with more than one row."""
+    """Every parameter is a DTensor and no rank holds a whole weight with more than one row;
+    the vocabulary tables are out of FSDP2's groups (never gathered, :func:`_tables_seen`)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     assert rm.collective
@@ -76,6 +79,43 @@ def _check_sharded(rm: RewardModel, world: int) -> None:
         assert isinstance(p, DTensor), n
         if p.shape[0] >= world:
             assert p.to_local().shape[0] < p.shape[0], n
+    head = rm.net.get_output_embeddings()
+    assert head is None or not isinstance(head, FSDPModule)
+    assert not isinstance(rm.net.base.get_input_embeddings(), FSDPModule)
+
+
+def _rows(vocab: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows [start, stop) of a vocab-row table that rank holds (torch.chunk's split)."""
+    size = -(-vocab // world)
+    return min(rank * size, vocab), min((rank + 1) * size, vocab)
+
+
+def _tables_seen(rm: RewardModel, score: Callable[[RewardModel], object]) -> dict:
+    """Run ``score(rm)`` and record the input embedding's and the LM head's
+    weight (this rank's part: a plain tensor as the forward reads it) as they are while the
+    model runs. Under FSDP2 the forward sees the whole, gathered tables."""
+    from lightrft.models import reward as reward_mod
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(name, weight):
+        seen[name] = (weight.to_local() if hasattr(weight, "to_local") else weight).clone()
+
+    embedding = rm.net.base.get_input_embeddings()
+    hook = embedding.register_forward_pre_hook(lambda m, a: record("embedding", m.weight))
+    original = reward_mod.likelihood_scores
+
+    def spy(hidden, lm_head, *args):
+        record("lm_head", lm_head.weight)
+        return original(hidden, lm_head, *args)
+
+    reward_mod.likelihood_scores = spy
+    try:
+        score(rm)
+    finally:
+        hook.remove()
+        reward_mod.likelihood_scores = original
+    return seen
 
 
 def _text_worker(rank: int, world: int, attn: str, vhead: str, ref_file: str) -> None:
@@ -142,6 +182,79 @@ def test_sharded_text_reward_models_score_as_the_whole_model(tmp_path, tiny_mode
     run_distributed(_text_worker, attn, vhead, str(tmp_path / "refs.pt"))
 
 
+def _odd_vocab_lm(out, *, tie: bool) -> str:
+    """A tiny qwen2 causal LM whose vocabulary (3 rows more than the tiny one's multiple of 16)
+    divides by neither 2 nor 4 ranks, its LM head tied to the embedding or not."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.tasks import make_tiny_model
+
+    path = make_tiny_model(out, layers=2, hidden=64, tie_embeddings=tie)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(2)
+    model.resize_token_embeddings(model.config.vocab_size + 3, mean_resizing=False)
+    assert model.config.vocab_size % 2 and model.config.tie_word_embeddings == tie
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _tables(rm: RewardModel) -> dict[str, torch.Tensor]:
+    """The whole model's input embedding and LM head (likelihood pooling only; the embedding
+    itself when tied)."""
+    head = rm.net.get_output_embeddings()
+    tables = {"embedding": rm.net.base.get_input_embeddings().weight}
+    return tables if head is None else {**tables, "lm_head": head.weight}
+
+
+def _check_rows(seen: dict, tables: dict, rank: int, world: int) -> None:
+    """Each table the forward read is exactly this rank's rows of the whole model's."""
+    assert sorted(seen) == sorted(tables)
+    for name, got in seen.items():
+        start, stop = _rows(tables[name].shape[0], world, rank)
+        torch.testing.assert_close(got, tables[name][start:stop], rtol=0, atol=0)
+
+
+def _vocab_worker(rank: int, world: int, paths: dict, ref_file: str) -> None:
+    refs = torch.load(ref_file)
+    mine = list(range(rank, len(PROMPTS), world))  # 4 and 3, or 2, 2, 2 and 1 samples
+    for name, path in paths.items():
+        rm = RewardModel(path, micro_batch_size=2)
+        _check_sharded(rm, world)
+        # The tables as the forward reads them: this rank's rows of each, never the whole.
+        seen = _tables_seen(rm, lambda m: m(PROMPTS[:2], RESPONSES[:2]) if rank == 0 else m([], []))
+        _check_rows(seen, refs[name]["tables"], rank, world)
+        got = rm([PROMPTS[i] for i in mine], [RESPONSES[i] for i in mine])
+        torch.testing.assert_close(got, refs[name]["scores"][mine], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_reward_models_keep_only_their_rows_of_the_vocabulary(tmp_path, world):
+    """On 2 and 4 gloo processes a classifier and two likelihood models (LM head untied and
+    tied), with a vocabulary that divides by neither world size, hold only their rows of the
+    input embedding and LM head while they score (no gathered table), and score as the whole
+    model in one process (fp32, 1e-6)."""
+    from _exports import likelihood_reward_model
+
+    untied = _odd_vocab_lm(tmp_path / "untied", tie=False)
+    tied = _odd_vocab_lm(tmp_path / "tied", tie=True)
+    paths = {
+        "classifier": _attention_export(untied, tmp_path / "classifier"),
+        "likelihood": likelihood_reward_model(untied, tmp_path / "likelihood"),
+        "likelihood_tied": likelihood_reward_model(tied, tmp_path / "likelihood_tied"),
+    }
+    refs = {}
+    for name, path in paths.items():
+        rm = RewardModel(path, micro_batch_size=2)
+        assert not rm.collective
+        refs[name] = {"scores": rm(PROMPTS, RESPONSES), "tables": _tables(rm)}
+        assert refs[name]["scores"].std() > 1e-3
+    emb = refs["likelihood_tied"]["tables"]
+    assert emb["embedding"] is emb["lm_head"] and emb["embedding"].shape[0] % world
+    torch.save(refs, tmp_path / "refs.pt")
+    run_distributed(_vocab_worker, paths, str(tmp_path / "refs.pt"), world_size=world)
+
+
 def _chats() -> tuple[list, list[str]]:
     """Conversations with a picture each (three colours, two sizes) and one without."""
     from PIL import Image
@@ -161,35 +274,44 @@ def _chats() -> tuple[list, list[str]]:
 
 
 def _vlm_worker(rank: int, world: int, path: str, ref_file: str) -> None:
-    want = torch.load(ref_file)
+    refs = torch.load(ref_file)
+    want = refs["scores"]
     chats, answers = _chats()
-    mine = slice(0, 4) if rank == 0 else slice(4, 5)  # 3 pictures + a text-only chat; 1 picture
+    # 2 ranks: 3 pictures; a picture and the text-only chat. 4: 2, 1, 1 and 1 samples.
+    mine = list(range(rank, len(answers), world))
     rm = RewardModel(path, micro_batch_size=2)
     _check_sharded(rm, world)
-    got = rm(["p"] * len(answers[mine]), answers[mine], conversations=chats[mine])
+    got = rm(["p"] * len(mine), [answers[i] for i in mine], conversations=[chats[i] for i in mine])
     torch.testing.assert_close(got, want[mine], rtol=0, atol=1e-6)
-    # Only rank 1 has samples: rank 0 runs the same forwards (the tower too) with fillers.
-    got = (
-        rm([], [], conversations=[])
-        if rank == 0
-        else rm(["p"], answers[:1], conversations=chats[:1])
-    )
-    torch.testing.assert_close(got, want[:0] if rank == 0 else want[:1], rtol=0, atol=1e-6)
+    # Only the last rank has samples: the others run the same forwards (the tower too) with
+    # fillers; each forward reads only this rank's rows of the embedding and LM head.
+    last = rank == world - 1
+    out: list[torch.Tensor] = []
+
+    def score(m: RewardModel) -> None:
+        n = 1 if last else 0
+        out.append(m(["p"] * n, answers[:n], conversations=chats[:n]))
+
+    _check_rows(_tables_seen(rm, score), refs["tables"], rank, world)
+    torch.testing.assert_close(out[0], want[:1] if last else want[:0], rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
-def test_sharded_vlm_reward_model_scores_as_the_whole_model(tmp_path, tiny_vlm):
-    """A tiny Qwen2-VL likelihood reward model (its vision tower sharded too) on 2 gloo
-    processes with 4 and 1 samples, one of them without a picture: the scores equal the
-    one-process model's (fp32, 1e-6)."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_vlm_reward_model_scores_as_the_whole_model(tmp_path, tiny_vlm, world):
+    """A tiny Qwen2-VL likelihood reward model (its vision tower sharded too) on 2 and 4 gloo
+    processes with unequal sample counts, one sample without a picture, and ranks without
+    samples: the scores equal the one-process model's (fp32, 1e-6), and each rank's forward
+    reads only its rows of the embedding and LM head."""
     from _exports import likelihood_reward_model
 
     path = likelihood_reward_model(tiny_vlm("qwen2_vl"), tmp_path / "rm")
     chats, answers = _chats()
-    want = RewardModel(path, micro_batch_size=2)(["p"] * 5, answers, conversations=chats)
+    whole = RewardModel(path, micro_batch_size=2)
+    want = whole(["p"] * 5, answers, conversations=chats)
     assert len(set(want.tolist())) == 5
-    torch.save(want, tmp_path / "want.pt")
-    run_distributed(_vlm_worker, path, str(tmp_path / "want.pt"))
+    torch.save({"scores": want, "tables": _tables(whole)}, tmp_path / "want.pt")
+    run_distributed(_vlm_worker, path, str(tmp_path / "want.pt"), world_size=world)
 
 
 def test_one_process_loads_whole_and_is_not_collective(tiny_model_dir, tmp_path):
