@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from lightrft.sections import SEQUENCE_PARALLEL_MODEL_TYPES, check_sequence_parallel_model
@@ -75,26 +76,18 @@ def sp_groups(size: int) -> tuple[Any, int]:
 # ------------------------------------------------------------------ collectives with autograd
 
 
-def _all_to_all(x: Tensor, group: Any, scatter_dim: int, gather_dim: int) -> Tensor:
-    n = dist.get_world_size(group)
-    ins = [c.contiguous() for c in x.chunk(n, dim=scatter_dim)]
-    outs = [torch.empty_like(c) for c in ins]
-    dist.all_to_all(outs, ins, group=group)
-    return torch.cat(outs, dim=gather_dim)
+def all_to_all(x: Tensor, group: Any, size: int, scatter_dim: int, gather_dim: int) -> Tensor:
+    """Scatter ``scatter_dim`` of ``x`` over the ``size`` ranks of ``group`` and gather
+    ``gather_dim`` (rank-major); its backward is the reverse all-to-all.
 
-
-class _AllToAll(torch.autograd.Function):
-    """Scatter ``scatter_dim`` over the group, gather ``gather_dim``; backward: the reverse."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Any, scatter_dim: int, gather_dim: int) -> Tensor:
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return _all_to_all(x, group, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+    One functional collective (``all_to_all_single_autograd``): dynamo traces it into the
+    compiled graph (no graph break in a compiled block), inductor waits for it where its
+    result is first read, and eager runs the same op (its autograd is torch's)."""
+    # [.., S, ..] -> [size, .., S / size, ..]: chunk i of the scatter dim goes to rank i.
+    send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
+    recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, group))
+    # [size, .., T, ..]: chunk i came from rank i -> [.., size * T, ..]
+    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -249,15 +242,14 @@ def _ulysses_attention(
 
     if ulysses is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    group = ulysses.sp.group
-    q = _AllToAll.apply(query, group, 1, 2)  # [B, H/N, T_pad, D]
-    k = _AllToAll.apply(key, group, 1, 2)  # [B, KV/N, T_pad, D]
-    v = _AllToAll.apply(value, group, 1, 2)
-    kwargs.pop("is_causal", None)
-    kwargs.pop("sliding_window", None)  # refused by check_model when it is in use
+    group, n = ulysses.sp.group, ulysses.sp.size
+    q = all_to_all(query, group, n, 1, 2)  # [B, H/N, T_pad, D]
+    k = all_to_all(key, group, n, 1, 2)  # [B, KV/N, T_pad, D]
+    v = all_to_all(value, group, n, 1, 2)
+    dropout, scaling = kwargs.get("dropout", 0.0), kwargs.get("scaling")
 
     def causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0]
+        return causal_attention(module, q, k, v, dropout=dropout, scaling=scaling)
 
     if ulysses.bounds is None:
         out = causal(q, k, v)  # [B, T_pad, H/N, D]
@@ -271,8 +263,39 @@ def _ulysses_attention(
             ]
             rows.append(torch.cat(blocks, dim=1))
         out = torch.cat(rows, dim=0)  # [B, T_pad, H/N, D]
-    out = _AllToAll.apply(out.transpose(1, 2), group, 2, 1)  # [B, H, S, D]
+    out = all_to_all(out.transpose(1, 2), group, n, 2, 1)  # [B, H, S, D]
     return out.transpose(1, 2).contiguous(), None  # [B, S, H, D]
+
+
+def causal_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> Tensor:
+    """Causal sdpa, ``query`` ``[B, H, T, D]``, ``key`` / ``value`` ``[B, KV, T, D]`` ->
+    ``[B, T, H, D]``: transformers' sdpa path without a mask (its GQA choice, its layout).
+
+    Not ``sdpa_attention_forward`` itself: it sets ``is_causal = q_length > 1 and ...``, which
+    under ``torch.compile(dynamic=True)`` is a ``SymBool`` for a one-token block (a packed
+    sample or the SP padding), which sdpa refuses (a graph break); causal is exact at any
+    length."""
+    from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
+
+    gqa = {}
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        if use_gqa_in_sdpa(None, key, value):
+            gqa["enable_gqa"] = True
+        else:
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, **gqa
+    )  # [B, H, T, D]
+    return out.transpose(1, 2).contiguous()
 
 
 def enable(model: nn.Module) -> nn.Module:

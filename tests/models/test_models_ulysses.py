@@ -107,14 +107,17 @@ def _body(
     parallelize(model, mesh=build_mesh(None, None, "cpu"), compile=compile)
     mine = batches[rank // sp_size]  # every rank of an SP group gets the same micro-batch
     lp, ce, pg = _loss(model, mine, n_tokens / world, sp)
-    if compile:  # the blocks did run compiled (dynamo captured graphs)
+    if compile:  # the blocks ran compiled, each as whole graphs (the all-to-alls traced)
         from torch._dynamo.utils import counters
 
         assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
     # FSDP2 averages gradients over the world: the gathered term, equal on every SP rank and
     # back-propagated through this rank's slice only, is scaled by the world too.
     (ce + pg).backward()
+    if compile:
+        assert not counters["graph_break"], dict(counters["graph_break"])
     share = torch.tensor(float(ce) / world + float(pg) / sp_size / world)
     dist.all_reduce(share)
     assert abs(float(share) - ref_loss) < 1e-5, (float(share), ref_loss)
@@ -127,6 +130,44 @@ def _body(
         torch.optim.SGD(m.parameters(), lr=0.5).step()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.full_tensor(), ref_params[name], rtol=1e-5, atol=1e-5)
+
+
+def _list_all_to_all(x, scatter_dim: int, gather_dim: int):
+    """The reference: ``dist.all_to_all`` over lists of chunks."""
+    import torch.distributed as dist
+
+    ins = [c.contiguous() for c in x.chunk(dist.get_world_size(), dim=scatter_dim)]
+    outs = [torch.empty_like(c) for c in ins]
+    dist.all_to_all(outs, ins)
+    return torch.cat(outs, dim=gather_dim)
+
+
+def _all_to_all_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from lightrft.models.ulysses import all_to_all
+
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    compiled = torch.compile(all_to_all, fullgraph=True, dynamic=True)  # breaks: an error
+    for fn in (all_to_all, compiled):
+        for t in (5, 7):  # [B, H, T/N, D] -> [B, H/N, T, D] and back; two lengths (dynamic)
+            x = torch.randn(2, 4 * world, t, 3, requires_grad=True)
+            y = fn(x, group, world, 1, 2)
+            assert torch.equal(y, _list_all_to_all(x.detach(), 1, 2))
+            assert torch.equal(fn(y, group, world, 2, 1), x)
+            grad = torch.randn_like(y)
+            y.backward(grad)
+            assert torch.equal(x.grad, _list_all_to_all(grad, 2, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_equals_dist_all_to_all_eager_and_fullgraph(world):
+    """``ulysses.all_to_all`` (a functional collective) moves the same values as
+    ``dist.all_to_all`` over chunk lists, forward and backward, in eager and under
+    ``torch.compile(fullgraph=True, dynamic=True)`` (which raises at a graph break) on gloo."""
+    run_distributed(_all_to_all_body, world_size=world)
 
 
 @pytest.mark.slow
@@ -144,10 +185,11 @@ def test_ulysses_equals_one_process(world, sp_size, kv_heads, packed):
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_ulysses_compiled_blocks_equal_one_process(packed):
     """``model.compile`` with SP: each decoder block compiled (``torch.compile(dynamic=True)``,
-    inductor) around the Ulysses attention, whose gloo all-to-alls dynamo leaves to eager (a
-    graph break); the log-probs, loss, reduced gradients and updated weights still equal one
-    plain eager process (SP 2 on 2 processes, padded and packed rows; inductor's CPU build
-    takes 1.5 min per case)."""
+    inductor) as whole graphs, the Ulysses all-to-alls (functional collectives over gloo)
+    and the packed rows' per-sample attention (a one-token block: the SP padding) traced, no
+    graph break in forward or backward; the log-probs, loss, reduced gradients and updated
+    weights equal one plain eager process (SP 2 on 2 processes, padded and packed rows;
+    inductor's CPU build takes 1.5 min per case)."""
     run_distributed(_body, 2, packed, 2, True, world_size=2)
 
 

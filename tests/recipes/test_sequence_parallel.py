@@ -134,11 +134,13 @@ def test_grpo_sequence_parallel_times_data_parallel(tmp_path, assets, monkeypatc
 
 
 def _compiled_on_ranks(rank: int, world: int, runs: list[tuple[str, str]]) -> None:
-    """``_on_ranks``, then proof that the decoder blocks ran compiled (dynamo made graphs)."""
+    """``_on_ranks``, then proof that the decoder blocks ran compiled (dynamo made graphs),
+    each as whole graphs (no graph break: the all-to-alls traced)."""
     from torch._dynamo.utils import counters
 
     _on_ranks(rank, world, runs)
     assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_sft_sequence_parallel_compiled_equals_one_eager_process(tmp_path, assets, monkeypatch):
