@@ -23,7 +23,8 @@ measures on every rank, exactly:
 CPU runs compute in fp32 (FSDP2's bf16 compute is the GPU's), so the planner is asked with
 ``device="cpu"``. Each printed row is measured / predicted.
 
-``sp``: Ulysses sequence parallelism (``lightrft.models.ulysses``) at SP 1, 2 and 4 on 4 gloo
+``sp`` (``PLAN_CHECK_SP_MODEL=large``, ``PLAN_CHECK_SP_TOKENS``, ``PLAN_CHECK_SP_DEGREES``:
+the 146M model, a shorter row, some degrees only; see below): Ulysses sequence parallelism (``lightrft.models.ulysses``) at SP 1, 2 and 4 on 4 gloo
 processes and SP 1 and 2 on 2, one row of 16,384 tokens (one sample) per SP group, through the
 recipes' log-prob funnel (``causal_lm_token_logprobs(..., sequence_parallel=)``: the rank's
 slice, log-probs gathered over the group), on a smaller random Qwen2 (``SP_SIZES``: 6.0M
@@ -244,8 +245,15 @@ SP_SIZES = dict(
     max_position_embeddings=16384,
     tie_word_embeddings=False,
 )
+# PLAN_CHECK_SP_MODEL=large: the 146M model above instead (16/4 heads), for a shorter row
+# (PLAN_CHECK_SP_TOKENS=3072: no [T / N] equals a weight dimension at SP 1, 2, 4).
+if os.environ.get("PLAN_CHECK_SP_MODEL") == "large":
+    SP_MODEL_DIR = Path("/tmp/lightrft_plan_check_sp_model_large")
+    SP_SIZES = {**SIZES, "max_position_embeddings": 16384}
 # One row, one sample: causal attention over all of it (PLAN_CHECK_SP_TOKENS: a quick run).
 SP_TOKENS = int(os.environ.get("PLAN_CHECK_SP_TOKENS", 16384))
+# PLAN_CHECK_SP_DEGREES=1,2: only these SP degrees (each that divides the world size).
+SP_DEGREES = [int(n) for n in os.environ.get("PLAN_CHECK_SP_DEGREES", "1,2,4").split(",")]
 
 
 @dataclass
@@ -354,7 +362,7 @@ def main_sp(argv: list[str]) -> int:
         worlds = [int(a) for a in argv] or [4, 2]
         runs = []
         for world in worlds:
-            for n in (1, 2, 4):
+            for n in SP_DEGREES:
                 if world % n:
                     continue
                 t0 = time.perf_counter()
