@@ -2,6 +2,7 @@
 (issue 27 item 3): wall time and held-out greedy accuracy of each, one thread per process.
 
     python tests/benchmarks/async_vs_sync.py [--seed 0] [--quick] [--out async_vs_sync.json]
+        [--grpo KEY=VALUE ...]   # a variant: overrides for both GRPO runs
 
 In a scratch directory, through the real CLI: ``lightrft run sft --config tiny/add_sft`` once,
 then from its model
@@ -63,9 +64,17 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="cut data and steps (a smoke check)")
     p.add_argument("--out", help="write the numbers as JSON here")
+    p.add_argument(
+        "--grpo",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for both GRPO runs (a variant of the demo; repeatable)",
+    )
     a = p.parse_args()
     common = ["metrics.tensorboard=false", f"seed={a.seed}"]
     grpo = ["grpo", "--config", "tiny/add_grpo", *common, *(QUICK_GRPO if a.quick else [])]
+    grpo += a.grpo
     with tempfile.TemporaryDirectory() as tmp:
         load_before = _load()
         sft = _lightrft(
@@ -106,6 +115,7 @@ def main() -> int:
                     "load_after": load_after,
                     "seed": a.seed,
                     "quick": a.quick,
+                    "grpo_overrides": a.grpo,
                 },
                 indent=1,
             )
