@@ -330,8 +330,8 @@ def _check_asynchronous(opts: GRPOConfig) -> None:
 
 
 def _check_media(opts: GRPOConfig, *, prepare=None, loading: bool = False) -> None:
-    """The model paths, then the rules for vision- and audio-language actors, from the
-    checkpoint's config.json (cheap; a checkpoint a ``prepare`` step writes is checked again in
+    """The model paths, then the rules for vision- and audio-language actors and for
+    ``sequence_parallel``, from the checkpoint's config.json (cheap; a checkpoint a ``prepare`` step writes is checked again in
     setup, ``loading=True``, before any model loads)."""
     check_model_path(opts.model.path, prepare=prepare, loading=loading)
     if opts.critic is not None and opts.critic.path != opts.model.path:
