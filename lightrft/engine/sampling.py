@@ -70,7 +70,8 @@ def process_logits(
     >= V keep everything. ``top_p``: [A] in (0, 1]; 1 keeps everything. The order (temperature,
     top-k, top-p on the renormalised top-k) is vLLM's and Hugging Face's.
     """
-    scaled = logits / temperature[:, None]  # [A, V]
+    # x / 1 == x bitwise: the common T=1 batch skips a pass over [A, V].
+    scaled = logits if bool((temperature == 1).all()) else logits / temperature[:, None]  # [A, V]
     vocab = scaled.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
@@ -113,16 +114,19 @@ def sample(
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     masked = process_logits(logits, temp, top_k, top_p)  # [A, V]
     logp = masked.log_softmax(dim=-1)  # [A, V]
-    draw_from, pick_from = logp, logits
-    if suppress is not None and suppress.numel():
-        draw_from = logp.index_fill(-1, suppress, float("-inf"))
-        pick_from = logits.index_fill(-1, suppress, float("-inf"))
-    # float64 CDF: resolves tokens far below fp32's 6e-8 steps near 1.
-    cdf = draw_from.double().exp().cumsum(dim=-1)  # [A, V]
+    suppressing = suppress is not None and suppress.numel() > 0
+    # float64 CDF: resolves tokens far below fp32's 6e-8 steps near 1. In place where the
+    # values are the same bits (a fresh [A, V] float64 tensor per op costs page faults on CPU).
+    probs = logp.double()  # [A, V]
+    if suppressing:
+        probs.index_fill_(-1, suppress, float("-inf"))
+    cdf = probs.exp_().cumsum_(dim=-1)  # [A, V]
     target = (u * cdf[:, -1]).unsqueeze(-1)  # [A, 1]
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    drawn = drawn.clamp_(max=logits.shape[-1] - 1)
-    tokens = torch.where(greedy, pick_from.argmax(dim=-1), drawn)  # [A]
+    tokens = drawn.clamp_(max=logits.shape[-1] - 1)  # [A]
+    if bool(greedy.any()):  # the argmax is a pass over [A, V]: only when a row is greedy
+        pick_from = logits.index_fill(-1, suppress, float("-inf")) if suppressing else logits
+        tokens = torch.where(greedy, pick_from.argmax(dim=-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 

@@ -110,3 +110,46 @@ def test_token_logprobs_match_a_naive_reference(top_k, top_p):
             mass += pr
         ref.append(float(torch.log_softmax(row[cut], -1)[cut.index(t)]))
     assert torch.allclose(got, torch.tensor(ref), atol=1e-6)
+
+
+def _reference_sample(logits, temperature, top_k, top_p, u, suppress=None):
+    """The plain form of the draw: fresh tensors, the argmax always taken, the temperature
+    always divided. ``smp.sample`` skips and fuses passes; its tokens must stay these."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / temp[:, None]
+    masked = smp.process_logits(scaled, torch.ones_like(temp), top_k, top_p)
+    logp = masked.log_softmax(dim=-1)
+    draw_from, pick_from = logp, logits
+    if suppress is not None:
+        draw_from = logp.index_fill(-1, suppress, float("-inf"))
+        pick_from = logits.index_fill(-1, suppress, float("-inf"))
+    cdf = draw_from.double().exp().cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    drawn = drawn.clamp(max=logits.shape[-1] - 1)
+    tokens = torch.where(greedy, pick_from.argmax(dim=-1), drawn)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temps", ["ones", "mixed", "greedy_rows"])
+@pytest.mark.parametrize("suppress", [None, [3, 17, 250]])
+def test_sample_gives_the_plain_forms_tokens_bit_for_bit(temps, suppress):
+    g = torch.Generator().manual_seed(7)
+    a, v = 64, 1000
+    logits = torch.randn(a, v, generator=g) * 3
+    temperature = {
+        "ones": torch.ones(a),
+        "mixed": torch.rand(a, generator=g) + 0.3,
+        "greedy_rows": torch.where(torch.arange(a) % 3 == 0, 0.0, 1.0),
+    }[temps]
+    top_k = torch.where(torch.arange(a) % 4 == 1, 20, 0)
+    top_p = torch.where(torch.arange(a) % 5 == 2, 0.9, 1.0)
+    u = torch.rand(a, generator=g, dtype=torch.float64)
+    sup = None if suppress is None else torch.tensor(suppress)
+    tok, lp = smp.sample(logits, temperature, top_k, top_p, u, sup)
+    ref_tok, ref_lp = _reference_sample(logits, temperature, top_k, top_p, u, sup)
+    assert torch.equal(tok, ref_tok)
+    assert torch.equal(lp, ref_lp)
+    if sup is not None:
+        assert not bool(torch.isin(tok, sup).any())
