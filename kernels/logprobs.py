@@ -29,6 +29,7 @@ checking that the gradient autograd delivers is the one the hint gave.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -182,17 +183,51 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Per thread: CPU chunk buffers kept for the next call, {(slot, dtype): flat tensor}.
+_host_scratch = threading.local()
+
+
+def _scratch(slot: int, rows: int, vocab: int, dtype: torch.dtype) -> Tensor:
+    """A ``[rows, vocab]`` CPU buffer that this thread's later calls reuse (grown as needed).
+
+    On CPU a fresh buffer of this size is a fresh ``mmap`` from glibc, unmapped again when it is
+    freed, so every call faulted its hundreds of MiB in again, zero-filled: 17% of the kernel's
+    time at 2,048 x 32k (docs/performance.md, "Freed memory"). CUDA's caching allocator already
+    reuses GPU memory, so only the CPU keeps these; each thread holds at most its largest
+    chunk's buffers (the workspace budget, 256 MiB, per slot) for the life of the process."""
+    store = _host_scratch.__dict__
+    flat = store.get((slot, dtype))
+    if flat is None or flat.numel() < rows * vocab:
+        flat = store[(slot, dtype)] = torch.empty(rows * vocab, dtype=dtype)
+    return flat[: rows * vocab].view(rows, vocab)
+
+
 def logit_workspaces(
-    rows: int, vocab: int, like: Tensor, entropy: bool, reuse: Tensor | None = None
+    rows: int,
+    vocab: int,
+    like: Tensor,
+    entropy: bool,
+    reuse: Tensor | None = None,
+    scratch: bool = False,
 ) -> tuple[Tensor, ...]:
     """Chunk buffers: logits [c, V] (``reuse`` if given), a second one for the entropy, and a
-    low-precision scratch when the matmul cannot write fp32 directly."""
+    low-precision scratch when the matmul cannot write fp32 directly.
+
+    ``scratch``: the buffers live only until the call returns, so on CPU they are this
+    thread's kept buffers (:func:`_scratch`) instead of fresh allocations."""
     acc = acc_dtype(like.dtype)
-    buf = reuse if reuse is not None else torch.empty(rows, vocab, dtype=acc, device=like.device)
-    buf2 = torch.empty_like(buf) if entropy else None
+    keep = scratch and like.device.type == "cpu"
+
+    def new(slot: int, dtype: torch.dtype) -> Tensor:
+        if keep:
+            return _scratch(slot, rows, vocab, dtype)
+        return torch.empty(rows, vocab, dtype=dtype, device=like.device)
+
+    buf = reuse if reuse is not None else new(0, acc)
+    buf2 = new(1, acc) if entropy else None
     low = None
     if like.dtype != acc and not _mm_fp32_out_supported(like):
-        low = torch.empty(rows, vocab, dtype=like.dtype, device=like.device)
+        low = new(2, like.dtype)
     return buf, buf2, low
 
 
@@ -208,18 +243,24 @@ def _forward(
     inv_t: float,
     chunk: int,
     want_entropy: bool,
+    keep_workspace: bool = True,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Log-probs [n] and entropy [n] (fp32/64) of the given (all valid) rows.
 
     Also returns the logits workspace, whose first rows still hold the last chunk's log-softmax:
-    the backward starts with that chunk and skips rebuilding it.
+    the backward starts with that chunk and skips rebuilding it. ``keep_workspace=False`` (no
+    backward follows): the workspace is scratch, and None is returned in its place.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     logp = torch.empty(n, dtype=acc_dtype(hidden.dtype), device=hidden.device)
     ent = torch.empty_like(logp) if want_entropy else None
     if n == 0:
         return logp, ent, None
-    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, want_entropy)
+    rows = min(chunk, n)
+    kept = (
+        torch.empty(rows, vocab, dtype=logp.dtype, device=hidden.device) if keep_workspace else None
+    )
+    buf, buf2, low = logit_workspaces(rows, vocab, hidden, want_entropy, reuse=kept, scratch=True)
     for s, e in _chunks(n, chunk):
         z = logits_into(buf[: e - s], hidden[s:e], weight, bias, inv_t, low)  # [c, V]
         # Row-fused in-place log-softmax: each 600 KB row stays in cache for its three passes.
@@ -228,7 +269,7 @@ def _forward(
         if ent is not None:
             p = torch.exp(z, out=buf2[: e - s])  # [c, V]
             ent[s:e] = -torch.linalg.vecdot(p, z)
-    return logp, ent, buf
+    return logp, ent, kept
 
 
 def chunked_backward(
@@ -272,7 +313,9 @@ def chunked_backward(
         grad_logp = torch.zeros(n, dtype=acc, device=dev)
     grad_logp = grad_logp.to(acc)
     with_entropy = grad_ent is not None
-    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, with_entropy, reuse=cached)
+    buf, buf2, low = logit_workspaces(
+        min(chunk, n), vocab, hidden, with_entropy, reuse=cached, scratch=True
+    )
     chunks = _chunks(n, chunk)
     if cached is not None:
         chunks = chunks[-1:] + chunks[:-1]  # the chunk still in the workspace goes first
@@ -409,7 +452,7 @@ def _forward_with_grads(
             if g is not None:
                 g.zero_()
         return _Sweep(logp, ent, hinted, None, (g_h, g_w, g_b))
-    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, want_entropy)
+    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, want_entropy, scratch=True)
     for i, (s, e) in enumerate(_chunks(n, chunk)):
         h_c, t_c = hidden[s:e], targets[s:e, None]  # [c, H], [c, 1]
         z = logits_into(buf[: e - s], h_c, weight, bias, inv_t, low)  # [c, V]
@@ -485,7 +528,9 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             sweep.grads = _to_input_dtypes(sweep.grads, hidden, weight, bias, idx)
             ctx.sweep, logp_v, ent_v = sweep, sweep.logp, sweep.entropy
         else:
-            logp_v, ent_v, workspace = _forward(h_v, weight, t_v, bias, inv_t, chunk, want_entropy)
+            logp_v, ent_v, workspace = _forward(
+                h_v, weight, t_v, bias, inv_t, chunk, want_entropy, keep_workspace=any(need)
+            )
         logp, ent = logp_v, ent_v
         if idx is not None:
             logp = logp_v.new_zeros(n).index_copy_(0, idx, logp_v)

@@ -140,6 +140,54 @@ def test_frozen_weight_and_frozen_hidden():
     assert weight.grad is not None and weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_calls_between_a_forward_and_its_backward_leave_it_intact(entropy_grad):
+    """Each call's CPU scratch buffers are reused by the next call on the thread; the workspace a
+    forward keeps for its backward is its own. Two grad forwards and a no-grad one (reference
+    log-probs) before one backward must give the naive gradients."""
+    hidden, weight, _, targets, grads = make(40, 16, 257, ignore_every=6)
+    other, _, _, targets2, _ = make(24, 16, 257, seed=3)
+
+    def two_forwards(fn):
+        a = fn(hidden, targets)
+        b = fn(other.detach(), targets2)
+        with torch.no_grad():
+            fn(other.detach().flip(0), targets2)  # overwrites every scratch buffer
+        return a[0] + 0 * b[0].sum(), a[1] + 0 * b[1].sum()
+
+    ref = run(
+        lambda: two_forwards(lambda h, t: naive_logprobs(h, weight, t)),
+        hidden,
+        weight,
+        None,
+        grads,
+        entropy_grad,
+    )
+    got = run(
+        lambda: two_forwards(
+            lambda h, t: fused_linear_logprobs(h, weight, t, chunk_size=16, return_entropy=True)
+        ),
+        hidden,
+        weight,
+        None,
+        grads,
+        entropy_grad,
+    )
+    assert_close_all(got, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_scratch_is_reused_and_kept_workspaces_are_not():
+    from lightrft.kernels.logprobs import logit_workspaces
+
+    like = torch.zeros(2, 4)
+    a = logit_workspaces(8, 100, like, entropy=True, scratch=True)
+    b = logit_workspaces(4, 100, like, entropy=True, scratch=True)  # smaller: a view of the same
+    assert a[0].data_ptr() == b[0].data_ptr() and a[1].data_ptr() == b[1].data_ptr()
+    assert a[0].data_ptr() != a[1].data_ptr()
+    c = logit_workspaces(8, 100, like, entropy=True)
+    assert c[0].data_ptr() not in (a[0].data_ptr(), a[1].data_ptr())
+
+
 def test_all_targets_ignored_gives_zeros_and_zero_grads():
     hidden, weight, _, targets, _ = make(6, 8, 50)
     targets[:] = IGNORE
