@@ -514,14 +514,14 @@ def load_reward_net_parallel(
     rows of the input embedding and LM head (:mod:`lightrft.models.vocab_parallel`), one weight
     matrix gathered at a time (:func:`~lightrft.models.parallel.parallelize`).
 
-    Under a process group (``shard=None`` and one is initialised, or ``shard=True``) no rank
-    holds the whole backbone: the classifier is built on the meta device, sharded, and each rank
-    reads only its slices of the checkpoint. A head the checkpoint lacks (a causal-LM backbone)
-    is created in full on every rank from the same RNG state, as transformers initialises it
+    Sharded (``shard=True``, or ``shard=None`` under
+    :func:`~lightrft.models.parallel.default_sharding`), no rank holds the whole backbone: the
+    classifier is built on the meta device, sharded, and each rank reads only its slices of
+    the checkpoint. A head the checkpoint lacks (a causal-LM backbone) is created in full on
+    every rank from the same RNG state, as transformers initialises it
     (normal, ``initializer_range``); the pooler likewise.
     """
-    import torch.distributed as dist
-
+    from lightrft.models.parallel import default_sharding
     from lightrft.models.sharded import prepare_and_parallelize
 
     opts = dict(
@@ -531,7 +531,7 @@ def load_reward_net_parallel(
         offload=offload,
     )
     if shard is None:
-        shard = dist.is_available() and dist.is_initialized()
+        shard = default_sharding(offload=offload, scoring=scoring)
     if not shard:
         net = build_reward_net(
             path,

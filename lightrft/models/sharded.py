@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightrft.models.loading import check_local, load_model, to_dtype
 from lightrft.models.lora import initial_adapter_value
 from lightrft.models.names import hf_checkpoint_name
-from lightrft.models.parallel import default_param_dtype, parallelize
+from lightrft.models.parallel import default_param_dtype, default_sharding, parallelize
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -338,7 +337,7 @@ def load_parallel(
     the recipes make for every model they train or hold (actor, reference, critic).
 
     ``prepare(model) -> model`` runs before sharding (LoRA, a value head, freezing a tower).
-    Under a process group (``shard=None`` and one is initialised, or ``shard=True``) the
+    Sharded (``shard=True``, or ``shard=None`` under :func:`default_sharding`) the
     parameters are never materialised in full: each rank reads only its shards (module
     docstring). Parameters that ``prepare`` creates on a real device are sharded from that
     value; LoRA adapters it creates on meta (PEFT follows the base layer's device) are
@@ -351,7 +350,7 @@ def load_parallel(
         offload=offload,
     )
     if shard is None:
-        shard = dist.is_available() and dist.is_initialized()
+        shard = default_sharding(offload=offload)
     if not shard:
         model = load_model(
             path,

@@ -203,3 +203,22 @@ def test_checkpoint_reshards_between_two_processes_and_one(two_rank_mesh):
     the fixture's spawn; 2 -> 1 here)."""
     m = two_rank_mesh
     _resume_second_half(0, 1, m["path"], m["two_to_one"], m["expected"])
+
+
+def _one_rank_group_worker(rank: int, world: int, path: str) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightrft.models.parallel import default_sharding, parallelize
+
+    assert dist.get_world_size() == 1
+    assert default_sharding() is False  # FSDP2 over one rank: copies for nothing
+    assert default_sharding(offload=True) and default_sharding(scoring=True)
+    plain = load_parallel(path)  # an asynchronous run's lone trainer loads this way
+    assert not isinstance(plain, FSDPModule)
+    assert not any(type(p).__name__ == "DTensor" for p in plain.parameters())
+    assert isinstance(parallelize(load_parallel(path), shard=True), FSDPModule)  # when asked
+
+
+def test_a_one_rank_group_keeps_plain_tensors(tmp_path):
+    path = make_tiny_model(tmp_path / "m", layers=1, hidden=16, heads=2, kv_heads=1)
+    run_distributed(_one_rank_group_worker, str(path), world_size=1)
