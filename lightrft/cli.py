@@ -27,6 +27,7 @@ import runpy
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 # libgomp (the OpenMP runtime of the torch CPU wheel) spins its idle intra-op threads for a while
 # before sleeping. On a core shared with another busy process that spinning steals the time the
@@ -207,10 +208,36 @@ def _flag_value(args: list[str], *names: str) -> str | None:
     return None
 
 
-def _validate_before_launch(recipe: Path, rest: list[str], torchrun_args: list[str]) -> int:
+# The torchrun flags that choose how a worker starts: given any, `lightrft run` leaves it to them.
+_WORKER_START_FLAGS = {
+    f"--{spelling}"
+    for name in ("start_method", "run_path", "no_python", "module")
+    for spelling in (name, name.replace("_", "-"))
+} | {"-m"}
+
+
+def _worker_start(torchrun_args: list[str], cfg) -> list[str]:
+    """torchrun flags for how the workers start: a CPU run's workers are forks of this launcher
+    (:mod:`lightrft._worker`), which has imported the recipe for its config check, so none
+    imports torch and transformers again; a GPU run's are fresh processes (a fork must not
+    inherit CUDA state), as are any the user's own flags describe."""
+    import torch
+
+    given = {a.split("=", 1)[0] for a in torchrun_args}
+    device = str(cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if given & _WORKER_START_FLAGS or not device.startswith("cpu") or sys.platform != "linux":
+        return []
+    worker = Path(__file__).resolve().parent / "_worker.py"
+    return ["--run-path", "--start-method", "fork", str(worker)]
+
+
+def _validate_before_launch(
+    recipe: Path, rest: list[str], torchrun_args: list[str]
+) -> tuple[int, Any]:
     """Check the config once in the launcher (schema + the recipe's build_options) so a config
     error prints one message and exits 2 instead of failing in every worker. The world size is
-    ``--nnodes x --nproc_per_node`` when both are plain numbers (else the workers check it)."""
+    ``--nnodes x --nproc_per_node`` when both are plain numbers (else the workers check it).
+    Returns the exit status (0: valid) and the loaded config."""
     from lightrft.config import UserError, load, split_argv, validate
 
     nproc = _flag_value(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
@@ -225,13 +252,13 @@ def _validate_before_launch(recipe: Path, rest: list[str], torchrun_args: list[s
         validate(cfg, schema=schema, options=build_options, source=src)
     except UserError as e:  # ConfigError, or a damaged checkpoint a resume check found
         print(f"lightrft: {e}", file=sys.stderr)
-        return 2
+        return 2, None
     finally:
         if old_world is None:
             os.environ.pop("WORLD_SIZE", None)
         else:
             os.environ["WORLD_SIZE"] = old_world
-    return 0
+    return 0, cfg
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -259,12 +286,12 @@ def cmd_run(argv: list[str]) -> int:
         elif a.startswith("--config="):
             rest[j] = "--config=" + str(resolve_config(a.split("=", 1)[1]))
     if torchrun_args:
-        rc = _validate_before_launch(recipe, rest, torchrun_args)
+        rc, cfg = _validate_before_launch(recipe, rest, torchrun_args)
         if rc:
             return rc
         from torch.distributed.run import main as torchrun_main
 
-        torchrun_main([*torchrun_args, str(recipe), *rest])
+        torchrun_main([*torchrun_args, *_worker_start(torchrun_args, cfg), str(recipe), *rest])
         return 0
     old_argv = sys.argv
     sys.argv = [str(recipe), *rest]

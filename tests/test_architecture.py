@@ -128,6 +128,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
         {"lightrft.config", "lightrft.tasks", "lightrft.view", "lightrft.training"},
     ),
     "lightrft.__main__": (12, {"lightrft.cli"}),
+    "lightrft._worker": (12, set()),  # what `lightrft run` forks a CPU worker into
     "lightrft.recipes": (
         12,
         {
