@@ -198,7 +198,10 @@ def _scratch(slot: int, rows: int, vocab: int, dtype: torch.dtype) -> Tensor:
     store = _host_scratch.__dict__
     flat = store.get((slot, dtype))
     if flat is None or flat.numel() < rows * vocab:
-        flat = store[(slot, dtype)] = torch.empty(rows * vocab, dtype=dtype)
+        # A normal tensor even when first asked for under inference_mode (a reward model's or
+        # an eval's scoring): an inference tensor could not be written by a later training call.
+        with torch.inference_mode(False):
+            flat = store[(slot, dtype)] = torch.empty(rows * vocab, dtype=dtype)
     return flat[: rows * vocab].view(rows, vocab)
 
 

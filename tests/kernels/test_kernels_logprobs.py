@@ -176,6 +176,32 @@ def test_calls_between_a_forward_and_its_backward_leave_it_intact(entropy_grad):
     assert_close_all(got, ref, atol=2e-5, rtol=1e-5)
 
 
+def test_scratch_first_made_under_inference_mode_serves_training_calls():
+    """A reward model or an eval scores under inference_mode before the policy trains: the
+    thread's kept buffers must be ordinary tensors that a training call may write."""
+    import threading
+
+    hidden, weight, _, targets, grads = make(30, 16, 129, seed=5)
+    out = {}
+
+    def fresh_thread():  # a thread of its own: no scratch made by the tests before
+        with torch.inference_mode():
+            fused_linear_logprobs(hidden.detach(), weight.detach(), targets, return_entropy=True)
+        out["got"] = run(
+            lambda: fused_linear_logprobs(hidden, weight, targets, return_entropy=True),
+            hidden,
+            weight,
+            None,
+            grads,
+        )
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join()
+    ref = run(lambda: naive_logprobs(hidden, weight, targets), hidden, weight, None, grads)
+    assert_close_all(out["got"], ref, atol=2e-5, rtol=1e-5)
+
+
 def test_cpu_scratch_is_reused_and_kept_workspaces_are_not():
     from lightrft.kernels.logprobs import logit_workspaces
 
