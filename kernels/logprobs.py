@@ -191,7 +191,7 @@ def _scratch(slot: int, rows: int, vocab: int, dtype: torch.dtype) -> Tensor:
     """A ``[rows, vocab]`` CPU buffer that this thread's later calls reuse (grown as needed).
 
     On CPU a fresh buffer of this size is a fresh ``mmap`` from glibc, unmapped again when it is
-    freed, so every call faulted its hundreds of MiB in again, zero-filled: 17% of the kernel's
+    freed, so every call faulted its hundreds of MiB in again, zero-filled: 15% of the kernel's
     time at 2,048 x 32k (docs/performance.md, "Freed memory"). CUDA's caching allocator already
     reuses GPU memory, so only the CPU keeps these; each thread holds at most its largest
     chunk's buffers (the workspace budget, 256 MiB, per slot) for the life of the process."""

@@ -1,7 +1,7 @@
 """`lightrft run --nproc_per_node N` on CPU forks its workers from the launcher, which imported the
-recipe for its config check (lightrft._worker): they start with torch imported, join one
-process group, exit cleanly, and a failing rank fails the launch instead of hanging it. The
-user's own start flags win."""
+recipe for its config check (lightrft._worker): they start with torch imported, with torchrun's
+thread count, each on its own cores, join one process group, exit cleanly, and a failing rank
+fails the launch instead of hanging it. The user's own start flags win."""
 
 import json
 import os
@@ -37,7 +37,8 @@ def recipe_main(cfg):
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
     line = {"rank": rank, "world": dist.get_world_size(), "sum": total.item()}
-    line.update(preloaded=PRELOADED, parent=os.getppid())
+    line.update(preloaded=PRELOADED, threads=torch.get_num_threads())
+    line.update(cores=sorted(os.sched_getaffinity(0)))
     (Path(cfg.out) / f"rank{rank}.json").write_text(json.dumps(line))
     dist.destroy_process_group()
     print(f"rank {rank} done")
@@ -58,7 +59,7 @@ def _launch(
     cfg.write_text(f"device: cpu\nout: {tmp_path}\nfail_rank: {fail_rank}\n")
     cmd = [sys.executable, "-m", "lightrft", "run", "--nproc_per_node", "2", *flags]
     cmd += [str(recipe), "--config", str(cfg)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun's default: 1
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     return proc, ranks
@@ -69,6 +70,11 @@ def test_cpu_workers_are_forks_that_start_imported_and_exit_cleanly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(r["rank"], r["world"], r["sum"]) for r in ranks] == [(0, 2, 1.0), (1, 2, 1.0)]
     assert all(r["preloaded"] for r in ranks)  # no worker imported torch again
+    # torchrun's OMP_NUM_THREADS=1 holds in a fork too (its OpenMP was set up in the launcher).
+    assert [r["threads"] for r in ranks] == [1, 1]
+    if len(os.sched_getaffinity(0)) >= 2:  # each on its own share of the cores
+        assert ranks[0]["cores"] and ranks[1]["cores"]
+        assert not set(ranks[0]["cores"]) & set(ranks[1]["cores"])
     assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout  # unbuffered, kept
 
 
