@@ -17,27 +17,31 @@ _logging.getLogger("torchao").addFilter(_drop_torchao_cpp_notice)
 
 def _map_source_checkout() -> None:
     """From a source checkout (``PYTHONPATH=<checkout>``, or a git worktree beside an editable
-    install of another one), import ``lightrft.recipes`` / ``.kernels`` / ``.configs`` from the
-    checkout's top-level folders, as the wheel and ``pip install -e`` map them
-    (pyproject ``package-dir``); without this they would come from whichever tree was installed."""
+    install of another one), import ``lightrft.recipes`` / ``.configs`` from the checkout's
+    top-level folders, as the wheel and ``pip install -e`` map them (pyproject ``package-dir``);
+    without this they would come from whichever tree was installed.
+
+    Both folders are namespace packages (no ``__init__.py``): a regular package in the repository
+    root would shadow an installed distribution of the same name (torchtune ships a top-level
+    ``recipes``) for any Python started there, and ``lightrft`` is the root's only package."""
     import importlib.abc
-    import importlib.util
+    import importlib.machinery
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     if not (root / "pyproject.toml").is_file():
         return  # an installed wheel: its package-dir mapping is already in place
-    folders = {f"{__name__}.{name}": root / name for name in ("recipes", "kernels", "configs")}
+    folders = {f"{__name__}.{name}": root / name for name in ("recipes", "configs")}
 
     class _CheckoutFinder(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path=None, target=None):
             folder = folders.get(fullname)
-            if folder is None or not (folder / "__init__.py").is_file():
+            if folder is None or not folder.is_dir():
                 return None
-            return importlib.util.spec_from_file_location(
-                fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
-            )
+            spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+            spec.submodule_search_locations = [str(folder)]
+            return spec
 
     sys.meta_path.insert(0, _CheckoutFinder())
 

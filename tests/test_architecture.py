@@ -1,10 +1,10 @@
-"""The layers of docs/architecture.md, enforced: every import of lightrft/, recipes/ and kernels/
+"""The layers of docs/architecture.md, enforced: every import of lightrft/ and recipes/
 (at any depth, inside functions too; relative imports resolved) goes to a lower room that the
 table allows, no two rooms or files import each other in a cycle, and no module imports another
 module's private (``_x``) name.
 
-``recipes`` and ``kernels`` ship as ``lightrft.recipes`` / ``lightrft.kernels`` (pyproject
-``package-dir``), so their modules are named that way here.
+``recipes`` ships as ``lightrft.recipes`` (pyproject ``package-dir``), so its modules are named
+that way here.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
     ),
 }
 PACKAGE_ROOT = "lightrft"
-SOURCES = {"lightrft": "lightrft", "recipes": "lightrft.recipes", "kernels": "lightrft.kernels"}
+SOURCES = {"lightrft": "lightrft", "recipes": "lightrft.recipes"}
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_a_checkout_on_pythonpath_maps_its_own_top_level_folders(tmp_path):
     copy = tmp_path / "checkout"
-    for name in ("lightrft", "kernels", "recipes", "configs"):
+    for name in ("lightrft", "recipes", "configs"):
         shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     probe = (
         "import lightrft.kernels, lightrft.recipes, lightrft.configs\n"
         "from lightrft.cli import recipes_dir, configs_dir\n"
-        "for p in (lightrft.kernels.__file__, lightrft.recipes.__file__, lightrft.configs.__file__,"
+        "for p in (lightrft.kernels.__file__, *lightrft.recipes.__path__, *lightrft.configs.__path__,"
         " recipes_dir(), configs_dir()): print(p)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(copy)}

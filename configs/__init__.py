@@ -1,1 +1,0 @@
-"""Shipped configs (YAML), installed as ``lightrft.configs``; see ``lightrft ls``."""
