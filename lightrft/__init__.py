@@ -5,14 +5,23 @@ import logging as _logging
 __version__ = "0.1.0"
 
 
-def _drop_torchao_cpp_notice(record: _logging.LogRecord) -> bool:
-    # torchtune imports torchao, whose optional C++ kernels are built for another torch version;
-    # LightRFT never calls them, so the notice printed on every command is noise. Only this one
-    # message is dropped: every other torchao warning still shows.
-    return not record.getMessage().startswith("Skipping import of cpp extensions")
+def _drop_torchao_import_notices(record: _logging.LogRecord) -> bool:
+    # PEFT imports torchao (LoRA runs), whose optional C++ / CUDA kernels are built for other
+    # torch versions or GPUs, and whose enums trip a torch deprecation notice aimed at torchao's
+    # own register_constant() calls. LightRFT never calls those kernels, so these notices, printed
+    # on every LoRA command, are noise. Only these messages are dropped: every other torchao or
+    # torch warning still shows.
+    msg = record.getMessage()
+    if record.name == "torchao":
+        return not (
+            msg.startswith("Skipping import of cpp extensions")
+            or (msg.startswith("Failed to load") and "/torchao/" in msg)
+        )
+    return not ("is an Enum subclass and is now natively supported" in msg and "register_constant" in msg)
 
 
-_logging.getLogger("torchao").addFilter(_drop_torchao_cpp_notice)
+_logging.getLogger("torchao").addFilter(_drop_torchao_import_notices)
+_logging.getLogger("torch.utils._pytree").addFilter(_drop_torchao_import_notices)
 
 
 def _map_source_checkout() -> None:

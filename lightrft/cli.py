@@ -1,4 +1,4 @@
-"""The ``lightrft`` command, modelled on torchtune's ``tune``.
+"""The ``lightrft`` command, modelled on torchtune's ``tune`` (``tune run``-style launches).
 
     lightrft ls                                   recipes and their configs
     lightrft cp <recipe|config> <dest>            copy one out to edit it
@@ -42,6 +42,70 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # lightrft.tasks.tiny.CHAT_TEMPLATES' names, spelled out so `--help` does not import torch.
 CHAT_TEMPLATE_NAMES = ("chatml", "tools", "compact_tools")
+
+
+# The torch line pyproject admits (keep the two in step); 2.13 is what vllm 0.32 pins.
+TORCH_RANGE = ((2, 11), (2, 14))
+_TORCH_FIX = "pip install torch==2.13.0"
+_CPU_TORCH_FIX = (
+    "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+)
+
+
+def torch_problem(version: str, cuda: str | None, has_gpu: bool) -> tuple[str, bool] | None:
+    """What is wrong with the installed torch, as ``(one line, fatal)``, or None when it fits:
+    a release outside :data:`TORCH_RANGE` is fatal; a CUDA build on a machine without an NVIDIA
+    GPU runs (on the CPU) but is gigabytes of CUDA for nothing, so it is a notice."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    lo, hi = TORCH_RANGE
+    if m is None or not lo <= (int(m[1]), int(m[2])) < hi:
+        return (
+            f"torch {version} is installed; LightRFT needs torch >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}:"
+            f" {_TORCH_FIX}",
+            True,
+        )
+    if cuda and not has_gpu:
+        return (
+            f"torch {version} is a CUDA {cuda} build but this machine has no NVIDIA GPU (it runs on"
+            f" the CPU); the CPU build is much smaller: {_CPU_TORCH_FIX}",
+            False,
+        )
+    return None
+
+
+def installed_torch() -> tuple[str, str | None] | None:
+    """``(version, CUDA version or None)`` of the installed torch, read from its files without
+    importing it (an import costs seconds and is what a broken install breaks); None if absent."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        version = importlib.metadata.version("torch")
+        spec = importlib.util.find_spec("torch")
+    except (importlib.metadata.PackageNotFoundError, ValueError, ImportError):
+        return None
+    cuda = None
+    if spec is not None and spec.submodule_search_locations:
+        vfile = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+        m = re.search(r"^cuda\b.*?=\s*['\"]([^'\"]+)['\"]", vfile.read_text() if vfile.is_file() else "", re.M)
+        cuda = m[1] if m else None
+    return version, cuda
+
+
+def check_torch() -> None:
+    """At start-up: one line naming the installed torch and the command that fixes it, instead of
+    a traceback from deep inside a kernel. Raises :class:`UsageError` when torch cannot work."""
+    found = installed_torch()
+    if found is None:
+        raise UsageError(f"torch is not installed: {_TORCH_FIX}")
+    has_gpu = Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+    problem = torch_problem(*found, has_gpu=has_gpu)
+    if problem is None:
+        return
+    line, fatal = problem
+    if fatal:
+        raise UsageError(line)
+    print(f"lightrft: note: {line}", file=sys.stderr)
 
 
 class UsageError(Exception):
@@ -501,6 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        check_torch()
         return _dispatch(argv)
     except UsageError as e:
         print(f"lightrft: {e}", file=sys.stderr)

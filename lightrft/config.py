@@ -1,4 +1,4 @@
-"""YAML configs: torchtune-style parsing and ``_component_`` instantiation, checked strictly,
+"""YAML configs: ``tune run``-style parsing and ``_component_`` instantiation, checked strictly,
 read into typed sections.
 
 A recipe declares its config as :class:`Section` s: frozen dataclasses that are their own schema
@@ -26,11 +26,12 @@ The schema a section produces is plain Python::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import functools
+import importlib
 import inspect
+import io
 import os
 import re
 import sys
@@ -110,8 +111,75 @@ class Source:
 # --------------------------------------------------------------------------- loading
 
 
-def _yaml_lines(path: str) -> dict[str, int]:
-    """Map dotted key paths to 1-based line numbers of a YAML file."""
+# A config is a few hundred values; these bounds refuse hostile files (YAML aliases that expand
+# exponentially, nesting that overflows a parser's recursion, integers too long for ``int``)
+# within milliseconds, before anything walks or builds them.
+MAX_VALUES = 100_000  # values once aliases (&a / *a) are expanded
+MAX_DEPTH = 64  # nesting of mappings and lists
+MAX_INT_DIGITS = 100
+
+
+def _read(path: str) -> str:
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the config as UTF-8"
+        ) from None
+
+
+def _compose(text: str, where: str) -> yaml.Node | None:
+    """The YAML node graph of ``text``, refused by name when it breaks a bound above."""
+    try:
+        root = yaml.compose(text)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)") from None
+    if root is not None:
+        _check_size(root, where)
+    return root
+
+
+def _check_size(root: yaml.Node, where: str) -> None:
+    """Each distinct node is visited once (aliases share nodes), so this is linear in the text
+    even where the expanded config would be exponential."""
+    size: dict[int, int] = {}  # id(node) -> values under it, aliases expanded
+    depth: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in size:
+            continue
+        children = [c for kv in node.value for c in kv] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        )
+        if not done:
+            if isinstance(node, yaml.ScalarNode):
+                if node.tag.endswith(":int") and len(node.value.lstrip("+-")) > MAX_INT_DIGITS:
+                    raise ConfigError(
+                        f"{where}:{node.start_mark.line + 1}: an integer of {len(node.value)} "
+                        f"digits (at most {MAX_INT_DIGITS})"
+                    )
+                size[id(node)], depth[id(node)] = 1, 0
+                continue
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in size)
+            continue
+        size[id(node)] = 1 + sum(size[id(c)] for c in children)
+        depth[id(node)] = 1 + max((depth[id(c)] for c in children), default=0)
+        line = node.start_mark.line + 1
+        if depth[id(node)] > MAX_DEPTH:
+            raise ConfigError(f"{where}:{line}: nested {depth[id(node)]} levels deep (at most {MAX_DEPTH})")
+        if size[id(node)] > MAX_VALUES:
+            raise ConfigError(
+                f"{where}:{line}: holds more than {MAX_VALUES:,} values once its aliases (*name) "
+                "are expanded; write the values out or use fewer aliases"
+            )
+
+
+def _yaml_lines(root: yaml.Node | None) -> dict[str, int]:
+    """Map dotted key paths to 1-based line numbers (``root`` passed :func:`_check_size`)."""
     lines: dict[str, int] = {}
 
     def walk(node, prefix: str) -> None:
@@ -126,26 +194,59 @@ def _yaml_lines(path: str) -> dict[str, int]:
                 lines[key] = v.start_mark.line + 1
                 walk(v, key + ".")
 
-    with open(path) as f:
-        walk(yaml.compose(f), "")
+    walk(root, "")
     return lines
+
+
+def _check_override(arg: str) -> None:
+    """An override's key and value within the bounds a file keeps (checked before parsing)."""
+    key, _, value = arg.lstrip("~").partition("=")
+    if key.count(".") >= MAX_DEPTH:
+        raise ConfigError(f"override '{arg[:80]}...': the key is nested deeper than {MAX_DEPTH} levels")
+    level = deepest = 0
+    for ch in value:
+        level += ch in "[{"
+        level -= ch in "]}"
+        deepest = max(deepest, level)
+    if deepest > MAX_DEPTH:
+        raise ConfigError(f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})")
+    try:
+        node = yaml.compose(value) if value else None
+    except (yaml.YAMLError, RecursionError):
+        return  # reported with the override's name by _bad_override_value
+    if node is not None:
+        _check_size(node, f"override of {key}")
+
+
+def _merge_overrides(data: dict, sets: list[str]) -> DictConfig:
+    """Apply ``key=value`` overrides to a config's data, ``tune run``'s rules: the value is YAML
+    (``None`` is null too), and a top-level key whose value is a ``_component_`` section swaps
+    the component (``optimizer=torch.optim.SGD`` sets ``optimizer._component_``)."""
+    dotlist = []
+    for arg in sets:
+        key, value = arg.split("=", 1)
+        node = data.get(key)
+        if isinstance(node, dict) and "_component_" in node:
+            key += "._component_"
+        dotlist.append(f"{key}={'!!null' if value == 'None' else value}")
+    return OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(dotlist))
 
 
 def load(
     path: str | Path, overrides: list[str] | tuple[str, ...] = ()
 ) -> tuple[DictConfig, Source]:
-    """Load a YAML config and apply torchtune-style overrides (``a.b=1``, ``~a.b``).
+    """Load a YAML config and apply ``tune run``-style overrides (``a.b=1``, ``~a.b``).
 
     Returns the merged config and a :class:`Source` for error messages.
     """
-    from torchtune.config._utils import _merge_yaml_and_cli_args
-
     path = str(path)
     if not Path(path).is_file():
         raise ConfigError(f"config file not found: {path}")
+    text = _read(path)
     try:
-        lines = _yaml_lines(path)
-        raw = OmegaConf.load(path)
+        root = _compose(text, path)
+        lines = _yaml_lines(root)
+        raw = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(raw, DictConfig):
@@ -156,23 +257,21 @@ def load(
             raise ConfigError(f"unexpected flag {arg!r}: overrides are key=value or ~key")
         if not arg.startswith("~") and "=" not in arg:
             raise ConfigError(f"override {arg!r} must be key=value (or ~key to remove a key)")
+        _check_override(arg)
         key = arg.lstrip("~").split("=", 1)[0]
         src.overrides[key] = arg
     data = OmegaConf.to_container(raw, resolve=False)
-    # Removals are ours (torchtune refuses to remove a `_component_` section, e.g. ~eval_dataset).
     for arg in overrides:
         if arg.startswith("~"):
             _remove(data, arg[1:].split("=", 1)[0], path)
     sets = [a for a in overrides if not a.startswith("~")]
-    # torchtune's merge cannot index into lists (`prepare.0.out_dir=...`) and turns
-    # `eval_dataset=null` into `eval_dataset._component_=null`: set those after it.
+    # A dotlist cannot index into lists (`prepare.0.out_dir=...`), and `eval_dataset=null` must
+    # drop the whole section rather than set its `_component_`: set those one by one after it.
     in_list = [
         a for a in sets if _through_list(data, a.split("=", 1)[0]) or _nulls_section(data, a)
     ]
     try:
-        cfg = _merge_yaml_and_cli_args(
-            argparse.Namespace(**data), [a for a in sets if a not in in_list]
-        )
+        cfg = _merge_overrides(data, [a for a in sets if a not in in_list])
         for arg in in_list:
             key, value = arg.split("=", 1)
             value = None if value.strip() == "None" else yaml.safe_load(value) if value else None
@@ -239,10 +338,32 @@ def _remove(data: dict, dotpath: str, path: str) -> None:
 
 
 def resolve(dotted: str) -> Any:
-    """The object a dotted path names (``torch.optim.AdamW``), as ``_component_`` resolves it."""
-    from torchtune.config._utils import _get_component_from_path
-
-    return _get_component_from_path(dotted)
+    """The object a dotted path names (``torch.optim.AdamW``), as ``_component_`` resolves it:
+    the longest importable module prefix, then attributes. A path that names nothing raises
+    :class:`ConfigError` saying which part is missing."""
+    parts = dotted.split(".")
+    if not dotted or not all(p.isidentifier() for p in parts):
+        raise ConfigError(f"'{dotted}' is not a dotted import path (e.g. torch.optim.AdamW)")
+    try:
+        obj = importlib.import_module(parts[0])
+    except ImportError as e:
+        raise ConfigError(f"cannot load '{dotted}': {e!r}; is '{parts[0]}' installed?") from None
+    for i, part in enumerate(parts[1:], start=1):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        if not isinstance(obj, types.ModuleType):
+            raise ConfigError(f"cannot load '{dotted}': {'.'.join(parts[:i])} has no '{part}'")
+        try:
+            obj = importlib.import_module(".".join(parts[: i + 1]))
+        except ModuleNotFoundError as e:
+            if e.name != ".".join(parts[: i + 1]):
+                raise  # the module exists and failed importing something of its own
+            raise ConfigError(
+                f"cannot load '{dotted}': '{part}' is neither an attribute nor a submodule of "
+                f"'{'.'.join(parts[:i])}'"
+            ) from None
+    return obj
 
 
 def _type_name(t: Any) -> str:
@@ -442,16 +563,24 @@ def check(cfg: DictConfig, schema: Mapping[str, Any], source: Source | None = No
 
 
 def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
-    """Build the object a ``_component_`` node describes (nested components too).
+    """Build the object a ``_component_`` node describes: ``resolve(node._component_)`` called
+    with the node's other keys (interpolations resolved) as keyword arguments.
 
     Positional ``args`` and keyword ``kwargs`` are supplied by the recipe (e.g. the tokenizer or
-    the model's parameters) and win over the config's keys.
+    the model's parameters) and win over the config's keys. A module in the working directory
+    resolves too (``_component_: my_rewards.score``), as under ``tune run``.
     """
-    from torchtune import config as tt_config
-
     if node is None:
         return None
-    return tt_config.instantiate(node, *args, **kwargs)
+    if not OmegaConf.is_dict(node):
+        raise ConfigError(f"cannot instantiate {type(node).__name__}: a _component_ mapping is needed")
+    container = OmegaConf.to_container(node, resolve=True)
+    if "_component_" not in container:
+        raise ConfigError(f"cannot instantiate {sorted(container)}: the mapping has no _component_")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # appended: the working directory never shadows a package
+    target = resolve(container.pop("_component_"))
+    return target(*args, **{**container, **kwargs})
 
 
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
@@ -486,8 +615,8 @@ def parse(
     cross-field check) and call ``recipe_main(cfg, opts)`` (``recipe_main(cfg)`` without one).
 
     Any :class:`ConfigError` (or ``ValueError`` from ``build_options``) prints one message and
-    exits with status 2 before anything heavy runs. Works under ``lightrft run``, ``torchrun``
-    and torchtune's ``tune run``.
+    exits with status 2 before anything heavy runs. Works under ``lightrft run`` and ``torchrun``
+    (and torchtune's ``tune run`` where torchtune is installed: the recipe reads its own argv).
     """
     if recipe_main is None:
         return functools.partial(parse, schema=schema, options=options)

@@ -5,7 +5,8 @@ it shows), in a directory holding tiny exports at the paths the docs use: a full
 ``outputs/tiny/add_sft/final``, a LoRA run's adapter ``outputs/lora_run/final`` (base
 ``outputs/tiny_lm``) and its ``outputs/lora_run/final_merged``. This is how the LoRA adapter
 export's documented ``PeftModel.from_pretrained`` call was found to raise ``ImportError: Found an
-incompatible version of torchao`` in the environment the README installs.
+incompatible version of torchao`` in the environment the README installed (torchao < 0.16 then);
+the plain PEFT block imports nothing of LightRFT.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def loading_blocks() -> list[tuple[str, str]]:
 def test_every_loading_block_is_run_or_explained():
     runs = {name.split("#")[0] for name, _ in loading_blocks()}
     assert {"strategies.md", "quickstart.md"} <= runs
+    # Issue 40: PEFT's own call on the adapter export, in a block that imports nothing of ours.
+    assert any(
+        "PeftModel.from_pretrained" in block and "lightrft" not in block
+        for _, block in loading_blocks()
+    )
     for doc in DOCS:
         for block in code_blocks(doc.read_text()):
             if LOADS.search(block) and not EXPORT.search(block):

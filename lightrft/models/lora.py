@@ -44,7 +44,6 @@ __all__ = [
     "apply_lora",
     "export_adapter",
     "has_adapters",
-    "ignore_old_torchao",
     "initial_adapter_value",
     "is_adapter_param",
     "is_lora_layer",
@@ -184,45 +183,11 @@ def resolve_targets(model: nn.Module, opts: LoraConfig) -> list[str]:
     return list(opts.targets)
 
 
-def ignore_old_torchao() -> None:
-    """Let PEFT build LoRA layers when torchao < 0.16 is installed (what torchtune 0.6.1 pins).
-
-    PEFT (0.17-0.21) raises ``ImportError: Found an incompatible version of torchao`` from
-    ``is_torchao_available()``, which its LoRA dispatcher calls for *every* adapted layer, so
-    ``get_peft_model`` and ``PeftModel.from_pretrained`` fail even on plain float weights. Its
-    torchao path only serves torchao-quantized base weights, which LightRFT never builds, so
-    PEFT is told torchao is absent. Scoped narrowly: only when torchao < 0.16 is installed, only
-    PEFT's three module-level names of that one function; with torchao absent or >= 0.16 this
-    does nothing. Idempotent. Call it before ``PeftModel.from_pretrained`` in that environment
-    (:func:`load_export` does).
-    """
-    import importlib.metadata
-
-    from packaging.version import Version
-
-    try:
-        old = Version(importlib.metadata.version("torchao")) < Version("0.16")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    if old:
-        import peft.import_utils
-        import peft.tuners.lora.torchao
-        import peft.utils.quantization_utils
-
-        for mod in (peft.import_utils, peft.tuners.lora.torchao, peft.utils.quantization_utils):
-            if hasattr(mod, "is_torchao_available"):
-                mod.is_torchao_available = lambda: False
-
-
-_ignore_old_torchao = ignore_old_torchao  # the name used before it was public
-
-
 def _lora_config(model: nn.Module, opts: LoraConfig, **extra: Any):
     """PEFT's ``LoraConfig`` for ``opts`` on ``model``'s decoder, after checking that every
     ``trained_modules`` name names a module of it."""
     from peft import LoraConfig
 
-    ignore_old_torchao()
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [m for m in opts.trained_modules if m not in names]
     if missing:
@@ -351,8 +316,7 @@ def load_adapter_export(
 
     ``base``: the base model directory; default the ``base_model_name_or_path`` the adapter
     records (the run's ``model.path``, relative to the directory the run started in when it was
-    given relative). Works in the environment LightRFT installs (torchao 0.15, see
-    :func:`ignore_old_torchao`). ``trainable``: keep the adapters trainable (PEFT's
+    given relative). ``trainable``: keep the adapters trainable (PEFT's
     ``is_trainable``); default inference mode.
     """
     import json
@@ -374,7 +338,6 @@ def load_adapter_export(
             )
     from peft import PeftModel
 
-    ignore_old_torchao()
     base_model = load_model(base, dtype=dtype, device=device)
     with warnings.catch_warnings():
         warnings.filterwarnings(
