@@ -3,7 +3,8 @@
     lightrft ls                                   recipes and their configs
     lightrft cp <recipe|config> <dest>            copy one out to edit it
     lightrft cat <config>                         print a config
-    lightrft validate <config> [key=value ...]    schema + the recipe's build_options; loads no model
+    lightrft validate [--nproc_per_node N] [--nnodes N] <config> [key=value ...]
+        schema + the recipe's build_options for that world size; loads no model
     lightrft run [torchrun flags] <recipe|file.py> --config <config|file.yaml> [key=value ...] [~key]
     lightrft view RUN_DIR [--out FILE] [--steps N] [--samples N] [--max-mib M]   a run's page
     lightrft export CHECKPOINT_DIR --out DIR      a checkpoint as the HF directory final/ is
@@ -241,12 +242,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         cfg, src = load(path, args.overrides)
         schema, build_options = load_recipe_checks(resolve_recipe(recipe))
-        validate(cfg, schema=schema, options=build_options, source=src)
+        with launch_world_size(str(args.nproc_per_node), str(args.nnodes)):
+            validate(cfg, schema=schema, options=build_options, source=src)
     except UserError as e:  # ConfigError, or a damaged checkpoint a resume check found
         print(f"lightrft: {e}", file=sys.stderr)
         return 2
-    print(f"{path}: valid config for recipe '{recipe}'")
+    world = args.nproc_per_node * args.nnodes
+    print(f"{path}: valid config for recipe '{recipe}' on {world} process{'es' * (world > 1)}")
     return 0
+
+
+@contextlib.contextmanager
+def launch_world_size(nproc: str, nnodes: str):
+    """``WORLD_SIZE`` as the launch will set it (``--nnodes x --nproc_per_node`` when both are
+    plain numbers), for the rules that depend on it (asynchronous rollout's 2 processes, mesh and
+    sequence-parallel sizes), restored afterwards."""
+    old = os.environ.get("WORLD_SIZE")
+    if nproc.isdigit() and nnodes.isdigit():
+        os.environ["WORLD_SIZE"] = str(int(nproc) * int(nnodes))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = old
 
 
 # torchrun flags that take a value, each in both spellings (--nproc_per_node, --nproc-per-node);
@@ -306,22 +326,15 @@ def _validate_before_launch(
 
     nproc = _flag_value(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
     nnodes = _flag_value(torchrun_args, "--nnodes") or "1"
-    old_world = os.environ.get("WORLD_SIZE")
     try:
         path, overrides = split_argv(rest)
         cfg, src = load(path, overrides)
         schema, build_options = load_recipe_checks(recipe)
-        if nproc.isdigit() and nnodes.isdigit():
-            os.environ["WORLD_SIZE"] = str(int(nproc) * int(nnodes))
-        validate(cfg, schema=schema, options=build_options, source=src)
+        with launch_world_size(nproc, nnodes):
+            validate(cfg, schema=schema, options=build_options, source=src)
     except UserError as e:  # ConfigError, or a damaged checkpoint a resume check found
         print(f"lightrft: {e}", file=sys.stderr)
         return 2, None
-    finally:
-        if old_world is None:
-            os.environ.pop("WORLD_SIZE", None)
-        else:
-            os.environ["WORLD_SIZE"] = old_world
     return 0, cfg
 
 
@@ -475,6 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
     v.add_argument("--recipe", help="recipe name, when the config has no launch comment")
+    # The launch's world size, as `run` takes it: rules such as asynchronous rollout's 2
+    # processes and the mesh and sequence-parallel sizes depend on it.
+    v.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1, metavar="N")
+    v.add_argument("--nnodes", type=int, default=1, metavar="N")
     sub.add_parser("run", help="run a recipe (torchrun flags before the recipe)", add_help=False)
     vw = sub.add_parser(
         "view",

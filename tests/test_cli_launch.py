@@ -90,3 +90,18 @@ def test_the_users_start_method_wins(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["sum"] for r in ranks] == [1.0, 1.0]
     assert not any(r["preloaded"] for r in ranks)  # fresh interpreters: torch imported anew
+
+
+def test_validate_takes_the_world_size_run_would_launch_with(capsys):
+    """Issue 42 item 7: the documented asynchronous command validates at 2 processes and is
+    refused, naming the fix, at 1."""
+    from lightrft.cli import main
+
+    over = ["rollout.asynchronous=true", "algorithm.old_logprobs=engine"]
+    assert main(["validate", "tiny/add_grpo", *over]) == 2
+    assert "--nproc_per_node 2" in capsys.readouterr().err
+    assert main(["validate", "--nproc_per_node", "2", "tiny/add_grpo", *over]) == 0
+    assert "on 2 processes" in capsys.readouterr().out
+    world = os.environ.get("WORLD_SIZE")
+    assert main(["validate", "--nproc-per-node", "1", "--nnodes", "2", "tiny/add_grpo", *over]) == 0
+    assert os.environ.get("WORLD_SIZE") == world  # restored
