@@ -242,13 +242,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         cfg, src = load(path, args.overrides)
         schema, build_options = load_recipe_checks(resolve_recipe(recipe))
-        with launch_world_size(str(args.nproc_per_node), str(args.nnodes)):
+        # No flag: the environment's WORLD_SIZE stands (a shell inside a torchrun job).
+        flags = (args.nproc_per_node, args.nnodes)
+        world = str((args.nproc_per_node or 1) * (args.nnodes or 1))
+        with launch_world_size(world, "1") if flags != (None, None) else contextlib.nullcontext():
             validate(cfg, schema=schema, options=build_options, source=src)
     except UserError as e:  # ConfigError, or a damaged checkpoint a resume check found
         print(f"lightrft: {e}", file=sys.stderr)
         return 2
-    world = args.nproc_per_node * args.nnodes
-    print(f"{path}: valid config for recipe '{recipe}' on {world} process{'es' * (world > 1)}")
+    n = int(world if flags != (None, None) else os.environ.get("WORLD_SIZE") or 1)
+    print(f"{path}: valid config for recipe '{recipe}' on {n} process{'es' * (n > 1)}")
     return 0
 
 
@@ -490,8 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--recipe", help="recipe name, when the config has no launch comment")
     # The launch's world size, as `run` takes it: rules such as asynchronous rollout's 2
     # processes and the mesh and sequence-parallel sizes depend on it.
-    v.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1, metavar="N")
-    v.add_argument("--nnodes", type=int, default=1, metavar="N")
+    v.add_argument("--nproc_per_node", "--nproc-per-node", type=int, metavar="N")
+    v.add_argument("--nnodes", type=int, metavar="N")
     sub.add_parser("run", help="run a recipe (torchrun flags before the recipe)", add_help=False)
     vw = sub.add_parser(
         "view",
