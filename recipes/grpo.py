@@ -207,7 +207,7 @@ class GRPOConfig(TrainingConfig):
         ro = self.rollout
         if ro.asynchronous:  # before the engine's device rule: it names the async key
             _check_asynchronous(self)
-        self.engine.check_device(self.run.device)
+        self.engine.check_device(self.run.device, self.engine.sleep_level)
         alg = self.algorithm.for_rollout(ro.sampling())
         critic = self._critic()
         ev = self.eval

