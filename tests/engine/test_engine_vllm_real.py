@@ -410,7 +410,7 @@ def test_twenty_syncs_keep_logprobs_equal_and_memory_flat(vdir):
         model.train()
         rss.append(_rss_mib())
     # After warm-up, no growth beyond noise (one fp32 copy of this model is ~1.4 MiB).
-    assert max(rss[5:]) - rss[5] < 8, rss
+    assert max(rss[5:]) - rss[5] < 8, rss  # a copy leaked per sync: +21 MiB
 
 
 def vllm_continuation_delta(eng, model, prompt, cont) -> float:
@@ -520,3 +520,149 @@ def test_colocated_engine_sleeps_and_syncs_through_vllm(vdir, prompts):
     after = colocated.generate(prompts, sp)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
     assert max(max_delta(c, model) for c in after) < TOL
+
+
+# ------------------------------------------------------------------ FSDP2 over gloo into vLLM
+
+
+def _fsdp_syncs(rank: int, world: int, model_dir, steps: int, tp: int) -> None:
+    """Every rank: an FSDP2-sharded trainer and its own colocated VLLMEngine (``tp`` ranks per
+    engine); after each AdamW step, sync_weights (DTensor shards, one all-gather per bucket)
+    and compare vLLM's log-probs of a fixed continuation with the sharded trainer's."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lightrft.models import load_causal_lm
+
+    model = load_causal_lm(model_dir)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    eng = va.VLLMEngine(
+        model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=8,
+        tensor_parallel_size=tp,
+    )
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    assert get_tensor_model_parallel_world_size() == tp  # vLLM really shards over tp ranks
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prompt, cont = [5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]
+    seq = torch.tensor([prompt + cont])
+    rss = []
+    for step in range(steps):
+        # Each rank trains on its own data: the ranks' gradients differ, FSDP averages them.
+        logits = model(seq + rank).logits
+        loss = -logits.log_softmax(-1)[0, :-1].mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = sync_weights(model, eng)
+        assert stats.tensors > 0
+        with torch.no_grad():
+            ref = model(seq, use_cache=False).logits[0, len(prompt) - 1 : -1].double()
+        ref = ref.log_softmax(-1).gather(-1, torch.tensor(cont)[:, None])[:, 0]
+        (c,) = eng.generate(
+            [Request(prompt + cont)],
+            SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=True),
+        )
+        got = torch.tensor(c.prompt_logprobs[len(prompt) - 1 :], dtype=torch.float64)
+        delta = float((got - ref).abs().max())
+        assert delta < TOL, (rank, step, delta)
+        rss.append(_rss_mib())
+    # Resident memory rises by ~2 MiB a sync for the first ~14 syncs (measured: allocator
+    # arenas, optimizer state), then wanders within a few MiB: over the last 20 syncs it must
+    # grow by less than 8 MiB (one fp32 copy of this model is ~1.4 MiB: a copy leaked per sync
+    # would add 28 MiB).
+    print(f"rank {rank} RSS MiB per sync: {[round(r, 1) for r in rss]}")
+    assert steps < 35 or max(rss[-20:]) - rss[-20] < 8, rss
+    if tp > 1:
+        # The harness leaves with os._exit (no vLLM shutdown): unlink this job's TP shm files.
+        import glob
+        import os
+
+        torch.distributed.barrier()
+        if rank == 0:
+            for f in glob.glob(f"/dev/shm/*cpushm-{os.environ['MASTER_PORT']}_*"):
+                os.unlink(f)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_sync_into_vllm_twenty_times(vdir, world):
+    """35 steps: log-probs checked after every sync, memory flat over the last 20."""
+    from _dist import run_distributed
+
+    run_distributed(_fsdp_syncs, vdir, 35, 1, world_size=world)
+
+
+def test_tensor_parallel_2_on_2_processes(vdir):
+    """tensor_parallel_size=2: both ranks form one vLLM instance (consecutive ranks), pool
+    their requests, and each loads the full tensors it is synced (vLLM shards them)."""
+    from _dist import run_distributed
+
+    run_distributed(_fsdp_syncs, vdir, 3, 2, world_size=2)
+
+
+def test_qwen2_vl_is_refused_on_cpu_by_name(tmp_path, no_load):
+    """vLLM 0.32's Qwen2-VL imports transformers' torchvision image processor, and the CPU venv
+    cannot hold torchvision: refused with the reason before loading (native engine instead)."""
+    import importlib.util
+
+    from lightrft.tasks import make_tiny_model
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: the refusal does not apply")
+    d = make_tiny_model(tmp_path / "vl", arch="qwen2_vl", layers=2, hidden=128, heads=2)
+    with pytest.raises(ValueError, match=r"qwen2_vl model on vLLM's CPU platform.*torchvision"):
+        va.VLLMEngine(d, dtype="float32")
+
+
+# ------------------------------------------------------------------ recipes with engine: vllm
+
+
+def test_grpo_runs_on_vllm_and_logs_the_mismatch(tmp_path):
+    """Two GRPO steps with engine.backend=vllm on the CPU: the colocated vLLM generates, takes
+    each update through sync_weights, and every step logs rollout/mismatch/* (fp32: ~0)."""
+    from lightrft import cli
+    from lightrft.tasks import ensure_arith_dataset, make_tiny_model
+    from lightrft.training.metrics import read_metrics
+
+    make_tiny_model(
+        tmp_path / "model", layers=2, hidden=128, heads=2, kv_heads=1, max_positions=128
+    )
+    ensure_arith_dataset(tmp_path / "data", n_train=16, n_test=4, digits=1)
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "seed": 0,
+        "device": "cpu",
+        "model": {"path": str(tmp_path / "model")},
+        "dataset": {
+            "_component_": "lightrft.data.PromptDataset",
+            "path": str(tmp_path / "data" / "train.jsonl"),
+        },
+        "reward": {"_component_": "lightrft.rewards.MathVerifier"},
+        "engine": {"backend": "vllm", "max_model_len": 128, "max_num_seqs": 16},
+        "rollout": {"prompts_per_step": 2, "n": 4, "max_tokens": 8},
+        "algorithm": {"advantage": {"estimator": "grpo"}},
+        "train": {"micro_batch_size": 4, "ppo_epochs": 1},
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
+        "max_steps": 2,
+        "metrics": {"tensorboard": False},
+    }
+    import yaml
+
+    path = tmp_path / "grpo.yaml"
+    path.write_text("# lightrft run grpo --config grpo.yaml\n" + yaml.safe_dump(cfg))
+    assert cli.main(["run", "grpo", "--config", str(path)]) == 0
+    rows = [r for r in read_metrics(tmp_path / "out") if "rollout/mismatch/mean_abs_delta" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/mismatch/max_abs_delta"] < TOL, r
+        assert (
+            abs(r["rollout/mismatch/seq_kl"]) < TOL
+            and r["rollout/mismatch/frac_beyond_threshold"] == 0
+        )
