@@ -151,6 +151,34 @@ def _unique_cpu_shm_names() -> None:
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
+def _shutdown(core) -> None:
+    """vLLM's in-process engine shutdown, run when the LLM is collected or at exit: by then a
+    recipe has usually destroyed the process group that vLLM's groups were made from, and
+    vLLM's teardown (``cleanup_dist_env_and_memory``) fails on the dead groups with a traceback
+    ("Invalid process group specified"); nothing is left to free then."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        return
+    try:
+        core.shutdown()
+    except Exception:  # teardown at exit: never fail a finished run
+        pass
+
+
+def _quiet_shutdown_at_exit(llm) -> None:
+    """Replace the in-process client's finalizer (vLLM 0.32 ``InprocClient._finalizer``) by
+    :func:`_shutdown`."""
+    import weakref
+
+    client = getattr(llm.llm_engine, "engine_core", None)
+    finalizer = getattr(client, "_finalizer", None)
+    core = getattr(client, "engine_core", None)
+    if finalizer is None or core is None or finalizer.detach() is None:
+        return
+    client._finalizer = weakref.finalize(client, _shutdown, core)
+
+
 def head_dim(config) -> int:
     """The attention head size of an HF (text) config."""
     text = config.get_text_config()
@@ -461,6 +489,7 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             rng.restore()
         self._vllm = vllm
+        _quiet_shutdown_at_exit(self.llm)
         hf_config = self.llm.llm_engine.model_config.hf_config
         from lightrft.data import modality
 
