@@ -939,7 +939,7 @@ class GRPORecipe:
         need_tokens = o.trajectory_tokens and not (need_old and need_entropy)
         # An external engine's samples: the trainer's log-probs for rollout/mismatch/* (one
         # forward more) when no other pass gives them.
-        need_mismatch = o.engine.backend != "native" and not need_old and not need_tokens
+        need_mismatch = o.engine.backend != "native" and not need_old
         jobs = [
             ("old_logprobs", self.model, need_old or need_entropy),
             ("mismatch", self.model, need_mismatch),
@@ -997,8 +997,6 @@ class GRPORecipe:
         trainer = batch.old_logprobs
         if trainer is None:
             trainer = self.token_stats.pop("mismatch", None)
-        if trainer is None:
-            trainer = self.token_stats.get("logprobs")
         if trainer is None:
             return {}
         return mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
