@@ -38,7 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightrft.config import Section, option, section
+
 __all__ = [
+    "PreferenceLossConfig",
+    "ReferenceConfig",
     "PREFERENCE_LOSSES",
     "PreferenceLoss",
     "check_preference_loss",
@@ -302,3 +306,46 @@ def check_preference_loss(name: str, beta: float, opts: Mapping[str, Any]) -> Pr
     if spec.check is not None:
         spec.check(name, {**spec.defaults, **{k: v for k, v in opts.items() if v is not None}})
     return spec
+
+
+@section
+class ReferenceConfig(Section):
+    """``reference:``: the frozen reference (null section: the start model)."""
+
+    path: str | None = option(None, doc="its checkpoint; null: model.path (LoRA: adapters off)")
+    precompute: bool = option(False, doc="log-probs of the whole data set once, cached")
+
+
+@section
+class PreferenceLossConfig(Section):
+    """``loss:``: the preference loss (PREFERENCE_LOSSES) and its options; unset: its paper's."""
+
+    type: str = option("dpo", doc="dpo, cdpo, rdpo, ipo, simpo, orpo, kto (PREFERENCE_LOSSES)")
+    beta: float = option(0.1, doc="the KL strength / temperature; > 0")
+    label_smoothing: float | None = option(None, doc="cdpo, rdpo, simpo: label noise rate")
+    gamma: float | None = option(None, doc="simpo: the target reward margin")
+    desirable_weight: float | None = option(None, doc="kto: weight of desirable examples")
+    undesirable_weight: float | None = option(None, doc="kto: weight of undesirable examples")
+    length_normalize: bool | None = option(None, doc="mean token log-prob (default: the paper's)")
+    nll_coef: float | None = option(None, ge=0, doc="+ coef * chosen NLL (default: orpo 1, else 0)")
+
+    def options(self) -> dict[str, Any]:
+        """The loss-specific keys (None: unset)."""
+        keys = ("label_smoothing", "gamma", "desirable_weight", "undesirable_weight")
+        return {k: getattr(self, k) for k in keys}
+
+    def check(self, reference: ReferenceConfig | None) -> PreferenceLoss:
+        """Refuse, by key, what this loss cannot use: ``beta <= 0``, options of other losses, a
+        reference for a reference-free loss (SimPO, ORPO), a precomputed reference for KTO."""
+        spec = check_preference_loss(self.type, self.beta, self.options())
+        if not spec.reference and reference is not None:
+            raise ValueError(
+                f"reference: loss.type={self.type} uses no reference model; remove the "
+                "reference section"
+            )
+        if not spec.paired and reference is not None and reference.precompute:
+            raise ValueError(
+                f"reference.precompute: loss.type={self.type} needs the reference on mismatched "
+                "(prompt, response) pairs made per batch; set reference.precompute=false"
+            )
+        return spec
