@@ -31,6 +31,7 @@ from lightrft.algorithms.preference import (
     PreferenceLossConfig,
     ReferenceConfig,
     kto_loss,
+    metric_means,
     preference_metrics,
 )
 from lightrft.config import option, section
@@ -52,9 +53,6 @@ from lightrft.training.preference import (
 from lightrft.training.preference import kto_reference_point as kto_z
 from lightrft.training.preference import sequence_logprobs as seq_logps
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
-
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-           "logps/chosen", "logps/rejected")  # fmt: skip
 
 
 @section
@@ -230,22 +228,21 @@ class DPORecipe:
 
         pol = logps(sums, counts)
         ref = logps(ref_s, ref_c) if ref_s is not None else None
+        des = batch["desirable"][: batch["n_items"]].to(cand.device)  # [B, K]
         if self.spec.paired:
             args = (pol[ci], pol[ri]) + ((ref[ci], ref[ri]) if ref is not None else ())
             loss, rc, rr = self.spec.fn(*args, beta=lo.beta, **kw)
-            loss, n_units = loss.sum(), float(len(ci))
+            stats = preference_metrics(rc, rr, pol[ci], pol[ri])
         else:  # KTO: every candidate is an example; z from the mismatched sequences
-            valid = real >= 0  # [B, K]
-            ex = real[valid]
-            desirable = (torch.arange(real.shape[1], device=real.device) == 0).expand_as(real)
+            ex, good = real[real >= 0], des[real >= 0]
             z = kto_z(pol, ref, cand[batch["n_items"] :])  # all ranks
-            loss, _ = kto_loss(pol[ex], ref[ex], desirable[valid], z, beta=lo.beta, **kw)
-            loss, n_units = loss.sum(), float(len(ex))
-            rc, rr = lo.beta * (pol[ci] - ref[ci]).detach(), lo.beta * (pol[ri] - ref[ri]).detach()
-        chosen = real[:, 0]
-        return {"loss": loss, "units": torch.tensor(n_units), "pairs": torch.tensor(float(len(ci))),
-                "nll": -sums[chosen].sum(), "nll_tokens": counts[chosen].sum().detach(),
-                **preference_metrics(rc, rr, pol[ci], pol[ri])}  # fmt: skip
+            loss, rew = kto_loss(pol[ex], ref[ex], good, z, beta=lo.beta, **kw)
+            stats = preference_metrics(rew[good], rew[~good], pol[ex][good], pol[ex][~good],
+                                       paired=False)  # fmt: skip
+        chosen = real[:, 0][des[:, 0]]  # the NLL's answers: chosen or desirable
+        n_units = float(len(ci)) if self.spec.paired else float((real >= 0).sum())
+        return {"loss": loss.sum(), "units": torch.tensor(n_units), "nll": -sums[chosen].sum(),
+                "nll_tokens": counts[chosen].sum().detach(), **stats}  # fmt: skip
 
     def train_step(self, micro: list, n_real: int) -> tuple[float, float, dict]:
         """One optimizer step: (loss, grad norm, metrics)."""
@@ -256,7 +253,8 @@ class DPORecipe:
             real = b["candidates"][: b["n_items"]]  # [B, K]
             units += float((real[:, 1:] >= 0).sum() if self.spec.paired else (real >= 0).sum())
             seg, scored = b["segment_ids"][:, 1:], b["scored"][:, 1:]  # [R, T-1]
-            chosen_tokens += float(torch.isin(seg[scored], real[:, 0]).sum())
+            chosen = real[:, 0][b["desirable"][: b["n_items"], 0]]
+            chosen_tokens += float(torch.isin(seg[scored], chosen).sum())
         units, chosen_tokens = all_reduce_sum(torch.tensor([units, chosen_tokens])).clamp(min=1)
         world, sums = self.dist.world_size, {}
         for i, b in enumerate(micro):
@@ -269,7 +267,7 @@ class DPORecipe:
         grad_norm = self.strategy.step()
         self.scheduler.step()
         tot = reduce_sums(sums)
-        metrics = {f"train/{k}": tot[k] / max(tot["pairs"], 1.0) for k in METRICS}
+        metrics = metric_means(tot, "train/")
         metrics["train/pref_loss"] = tot["loss"] / max(tot["units"], 1.0)
         metrics["train/nll"] = tot["nll"] / max(tot["nll_tokens"], 1.0)
         return tot["total"], grad_norm, metrics
@@ -316,8 +314,8 @@ class DPORecipe:
             metrics = self.evaluate()
             self.logger.log(self.step, metrics)
             if self.dist.is_main:
-                acc = metrics["eval/rewards/accuracies"]
-                print(f"step {self.step}: eval/rewards/accuracies {acc:.4f}", flush=True)
+                margin = metrics["eval/rewards/margins"]
+                print(f"step {self.step}: eval/rewards/margins {margin:.4f}", flush=True)
         self.last_eval_step = self.step
 
     @torch.no_grad()
@@ -332,7 +330,7 @@ class DPORecipe:
         self.model.train()
         self.cache = self.caches.get("train")
         tot = reduce_sums(sums)
-        out = {f"eval/{k}": tot[k] / max(tot["pairs"], 1.0) for k in METRICS}
+        out = metric_means(tot, "eval/")
         out["eval/loss"] = tot["loss"] / max(tot["units"], 1.0)
         return out
 

@@ -51,6 +51,7 @@ __all__ = [
     "ipo_loss",
     "kto_kl",
     "kto_loss",
+    "metric_means",
     "orpo_loss",
     "preference_metrics",
     "rdpo_loss",
@@ -208,20 +209,47 @@ def kto_loss(
 
 @torch.no_grad()
 def preference_metrics(
-    chosen_rewards: Tensor, rejected_rewards: Tensor, chosen: Tensor, rejected: Tensor
+    chosen_rewards: Tensor,
+    rejected_rewards: Tensor,
+    chosen: Tensor,
+    rejected: Tensor,
+    *,
+    paired: bool = True,
 ) -> dict[str, Tensor]:
-    """Per-pair sums of TRL's metrics (``rewards/chosen``, ``rewards/rejected``,
-    ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``); the
-    recipe divides by the pairs of the step. 0-dim tensors."""
-    margins = chosen_rewards - rejected_rewards  # [B]
-    return {
+    """Sums and counts of TRL's metrics: ``rewards/chosen``, ``rewards/rejected``,
+    ``logps/chosen``, ``logps/rejected`` with ``n/chosen``, ``n/rejected``; for pairs (rows
+    aligned) also ``rewards/margins``, ``rewards/accuracies`` and ``n/pairs``. Unpaired (KTO):
+    the margin is the difference of the means (:func:`metric_means`). 0-dim tensors."""
+    out = {
         "rewards/chosen": chosen_rewards.sum(),
         "rewards/rejected": rejected_rewards.sum(),
-        "rewards/margins": margins.sum(),
-        "rewards/accuracies": (margins > 0).float().sum(),
         "logps/chosen": chosen.detach().sum(),
         "logps/rejected": rejected.detach().sum(),
+        "n/chosen": torch.tensor(float(len(chosen_rewards))),
+        "n/rejected": torch.tensor(float(len(rejected_rewards))),
     }
+    if paired:
+        margins = chosen_rewards - rejected_rewards  # [B]
+        out["rewards/margins"] = margins.sum()
+        out["rewards/accuracies"] = (margins > 0).float().sum()
+        out["n/pairs"] = torch.tensor(float(len(margins)))
+    return out
+
+
+def metric_means(sums: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """``prefix + name``: the means of :func:`preference_metrics`' sums (e.g. summed over
+    micro-batches and ranks); an unpaired margin is ``rewards/chosen - rewards/rejected``."""
+    out = {}
+    for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        out[prefix + name] = sums[name] / max(sums["n/" + name.split("/")[1]], 1.0)
+    if "n/pairs" in sums:
+        for name in ("rewards/margins", "rewards/accuracies"):
+            out[prefix + name] = sums[name] / max(sums["n/pairs"], 1.0)
+    else:
+        out[prefix + "rewards/margins"] = (
+            out[prefix + "rewards/chosen"] - out[prefix + "rewards/rejected"]
+        )
+    return out
 
 
 def _check_smoothing(name: str, opts: Mapping[str, Any], lo_open: bool) -> None:

@@ -52,8 +52,8 @@ class IndexedPreferences(torch.utils.data.Dataset):
 
 
 class PairCollator:
-    """:class:`~lightrft.data.preference.PreferenceCollator` plus ``index [B]`` and
-    ``n_items``; with ``mismatched`` (KTO's reference point) one more sequence per candidate
+    """:class:`~lightrft.data.preference.PreferenceCollator` plus ``index [B]``, ``n_items``
+    and ``desirable [B(+extra), K]`` (a pair's chosen, an unpaired example's label); with ``mismatched`` (KTO's reference point) one more sequence per candidate
     after the items': its prompt with the response of the next item's chosen one (the media of
     its own prompt). Those come as extra rows of ``candidates`` after the first ``n_items``."""
 
@@ -74,6 +74,11 @@ class PairCollator:
             ]
             extra.append({**it, "sequences": seqs})
         batch = self.inner([*items, *extra])
+        des = torch.zeros(batch["candidates"].shape, dtype=torch.bool)  # [B(+extra), K]
+        for b, it in enumerate(items):  # pairs: the chosen; unpaired (KTO): the label
+            flags = it.get("desirable", [True] + [False] * (len(it["sequences"]) - 1))
+            des[b, : len(flags)] = torch.tensor(flags)
+        batch["desirable"] = des
         batch["n_items"] = len(items)
         batch["index"] = torch.tensor([it["index"] for it in items], dtype=torch.long)  # [B]
         return batch

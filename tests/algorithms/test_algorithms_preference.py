@@ -18,6 +18,7 @@ from lightrft.algorithms.preference import (
     ipo_loss,
     kto_kl,
     kto_loss,
+    metric_means,
     orpo_loss,
     preference_metrics,
     rdpo_loss,
@@ -164,16 +165,19 @@ def test_kto_hand_numbers():
     assert z.item() == 0.0 and not z.requires_grad
 
 
-def test_metrics_are_per_pair_sums():
-    m = preference_metrics(
-        torch.tensor([1.0, 0.0]),
-        torch.tensor([0.5, 1.0]),
-        torch.tensor([-1.0, -2.0]),
-        torch.tensor([-3.0, -4.0]),
-    )
+def test_metrics_are_sums_with_counts_and_their_means():
+    t = torch.tensor
+    m = preference_metrics(t([1.0, 0.0]), t([0.5, 1.0]), t([-1.0, -2.0]), t([-3.0, -4.0]))
     assert m["rewards/margins"].item() == pytest.approx(-0.5)
-    assert m["rewards/accuracies"].item() == 1.0
-    assert m["logps/chosen"].item() == -3.0
+    assert m["rewards/accuracies"].item() == 1.0 and m["n/pairs"].item() == 2
+    means = metric_means({k: float(v) for k, v in m.items()}, "train/")
+    assert means["train/rewards/margins"] == pytest.approx(-0.25)
+    assert means["train/rewards/accuracies"] == 0.5 and means["train/logps/chosen"] == -1.5
+    # unpaired (KTO): 2 desirable, 1 undesirable; the margin is the difference of the means
+    u = preference_metrics(t([1.0, 3.0]), t([-1.0]), t([-1.0, -2.0]), t([-3.0]), paired=False)
+    means = metric_means({k: float(v) for k, v in u.items()}, "eval/")
+    assert means["eval/rewards/margins"] == pytest.approx(2.0 - (-1.0))
+    assert "eval/rewards/accuracies" not in means
 
 
 def test_check_refuses_by_name():

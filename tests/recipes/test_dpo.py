@@ -158,8 +158,32 @@ def test_every_loss_trains_and_separates_the_pairs(tmp_path, loss, first):
         )
     assert train[-1]["train/pref_loss"] < train[0]["train/pref_loss"]
     assert train[-1]["train/rewards/margins"] > train[0]["train/rewards/margins"]
-    evals = [r for r in rows if "eval/rewards/accuracies" in r]
-    assert evals[-1]["eval/rewards/accuracies"] == 1.0
+    evals = [r for r in rows if "eval/rewards/margins" in r]
+    assert evals[-1]["eval/rewards/margins"] > evals[0]["eval/rewards/margins"]
+    if loss["type"] != "kto":  # KTO has no pairs to count (TRL logs none either)
+        assert evals[-1]["eval/rewards/accuracies"] == 1.0
+
+
+def test_kto_on_unpaired_rows_and_a_row_without_label_is_refused(tmp_path, capsys):
+    rows = []
+    for p in _pairs(64, 0):
+        rows.append({"prompt": p["prompt"], "completion": p["chosen"], "label": True})
+        rows.append({"prompt": p["prompt"], "completion": p["rejected"], "label": False})
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[::2] + rows[1::2][:40]))
+    ds = {"_component_": "lightrft.data.UnpairedPreferenceDataset", "path": str(data)}
+    out = _run(tmp_path / "k", loss={"type": "kto", "beta": 0.5}, dataset=ds, eval_dataset=ds,
+               max_steps=6, eval_every=6)  # fmt: skip
+    assert any(r.get("data/desirable") == 64 and r.get("data/undesirable") == 40 for r in out)
+    train = [r for r in out if "train/loss" in r]
+    assert train[0]["train/loss"] == pytest.approx(0.5, abs=1e-5)  # 1 - sigmoid(0) at the start
+    assert train[-1]["train/rewards/margins"] > 0.1
+    rows[3].pop("label")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _config(tmp_path / "k2", loss={"type": "kto"}, dataset=ds)
+    assert cli.main(["run", "dpo", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "kto.jsonl line 4: field 'label' must be true (desirable) or false" in err
 
 
 def test_precomputed_reference_gives_the_same_run_and_its_key_catches_changes(tmp_path):
