@@ -151,13 +151,6 @@ class DPORecipe:
         self.use_ref = self.spec.reference
         if self.use_ref and (self.strategy.needs_reference_copy or self.ref_path != m.path):
             self.ref = self._load(self.ref_path, lambda model: model.requires_grad_(False)).eval()
-        self.cache, self.caches = None, {}
-        if self.use_ref and ref is not None and ref.precompute:
-            self.caches["train"] = self._precompute(self.dataset, "train")
-            if self.eval_dataset is not None:
-                self.caches["eval"] = self._precompute(self.eval_dataset, "eval")
-            self.ref = None  # its work is done: free it
-        self.cache = self.caches.get("train")
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(o.optim.optimizer, params)
         self.strategy.setup(self.model, self.optimizer, micro_batch_size=d.batch_size,
@@ -166,6 +159,14 @@ class DPORecipe:
             self.optimizer, warmup_steps=o.optim.lr_scheduler.warmup_steps,
             total_steps=self.total_steps, min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
         )  # fmt: skip
+        # After strategy.setup: under LoRA the reference is the set-up policy, adapters off.
+        self.cache, self.caches = None, {}
+        if self.use_ref and ref is not None and ref.precompute:
+            self.caches["train"] = self._precompute(self.dataset, "train")
+            if self.eval_dataset is not None:
+                self.caches["eval"] = self._precompute(self.eval_dataset, "eval")
+            self.ref = None  # its work is done: free it
+        self.cache = self.caches.get("train")
         self.step, self.epoch, self.last_eval_step = 0, 0, None
         state = self.run.resume(**self._state())
         if state is not None:

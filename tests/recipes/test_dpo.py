@@ -284,10 +284,16 @@ def test_two_gloo_processes_give_the_one_process_first_step_loss(tmp_path):
     assert cli.main(["run", "dpo", "--config", str(cfg1)]) == 0
     cfg2 = _config(two, batch_size=4, **over)  # 4 pairs x 2 accum x 2 ranks = one step of 16
     run_distributed(_first_loss, str(cfg2), str(two))
-    a, b = _train(one / "out")[0], _train(two / "out")[0]
+    # The same on 2 ranks with the reference precomputed (each rank its share, summed).
+    pre = tmp_path / "pre"
+    over["reference"] = {"path": str(ref), "precompute": True}
+    run_distributed(_first_loss, str(_config(pre, batch_size=4, **over)), str(pre))
+    assert (pre / "out" / "reference_logps.train.pt").is_file()
+    a = _train(one / "out")[0]
     assert abs(a["train/loss"] - 0.693147) > 1e-3
-    for k in ("train/loss", "train/rewards/margins", "train/logps/chosen"):
-        assert b[k] == pytest.approx(a[k], abs=1e-5), k
+    for b in (_train(two / "out")[0], _train(pre / "out")[0]):
+        for k in ("train/loss", "train/rewards/margins", "train/logps/chosen"):
+            assert b[k] == pytest.approx(a[k], abs=1e-5), k
 
 
 def test_bad_input_is_refused_by_name_before_models_load(tmp_path, capsys):
@@ -313,3 +319,25 @@ def test_identical_pairs_are_counted_and_skipped(tmp_path):
         p["rejected"] = p["chosen"]
     rows = _run(tmp_path / "same", pairs=pairs, max_steps=1, eval_every=None)
     assert any(r.get("data/identical") == 5 and r.get("data/pairs") == 59 for r in rows)
+
+
+def test_lora_precomputed_reference_is_the_base_model(tmp_path):
+    """Under LoRA the precomputed table comes from the policy with its adapters off: item 0's
+    row equals the base model's summed log-probs and token counts of its pair."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft import config as lconfig
+    from lightrft.training.preference import PairCollator, sequence_logprobs
+
+    over = dict(lora=_LORA, max_steps=1, eval_every=None, reference={"precompute": True})
+    cfg, _ = lconfig.load(str(_config(tmp_path / "lp", **over)))
+    recipe = build_recipe("dpo", cfg)
+    recipe.setup(cfg)
+    recipe.logger.close()
+    table = recipe.caches["train"]
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    batch = PairCollator(recipe.tokenizer.pad_token_id)([recipe.dataset[0]])
+    with torch.no_grad():
+        sums, counts = sequence_logprobs(base, batch, "cpu")
+    torch.testing.assert_close(table[0, :, 0], sums, atol=1e-5, rtol=0)
+    torch.testing.assert_close(table[0, :, 1], counts)
