@@ -60,6 +60,11 @@ from lightrft.algorithms import (
     value_loss,
 )
 from lightrft.algorithms.config import AlgorithmConfig
+from lightrft.algorithms.distillation import (
+    DistillationConfig,
+    check_same_tokenizer,
+    distillation_advantages,
+)
 from lightrft.algorithms.mismatch import mismatch_metrics
 from lightrft.config import Component, Section, option, section
 from lightrft.data import build_dataloader, collate_prompts, conversation, epoch_batches
@@ -81,6 +86,7 @@ from lightrft.kernels import (
     response_grad_hint,
 )
 from lightrft.models.critic import with_value_head
+from lightrft.models.loading import load_tokenizer
 from lightrft.models.multimodal import (
     check_towers,
     checkpoint_is_multimodal,
@@ -197,6 +203,9 @@ class GRPOConfig(TrainingConfig):
     environment: Component | None = option(
         None, doc="multi-turn: builds one Environment per trajectory (ToolEnvironment + tools)"
     )
+    distillation: DistillationConfig | None = option(
+        None, doc="on-policy distillation: a frozen teacher grades every sampled token"
+    )
     CHECKPOINT_MODELS: ClassVar[tuple[str, ...]] = ("model", "policy")
 
     def global_batch(self, world: int) -> int:
@@ -244,6 +253,8 @@ class GRPOConfig(TrainingConfig):
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         _check_partial(opts)
         _check_media(opts, prepare=self.run.prepare)
+        if (d := opts.distillation) is not None:
+            check_model_path(d.path, "distillation.path", prepare=self.run.prepare)
         m = opts.model
         check_environment(opts.environment, m.path, trust_remote_code=m.trust_remote_code)
         return opts
@@ -611,6 +622,12 @@ class GRPORecipe:
         _check_media(o, loading=True)  # the checkpoint exists now, whatever prepare wrote
         self.strategy = build_strategy(o.strategy, self.dist)
         self.strategy.check_model(m.path, trust_remote_code=m.trust_remote_code)
+        if (d := o.distillation) is not None:  # refused before any model loads
+            check_model_path(d.path, "distillation.path", loading=True)
+            rc = m.trust_remote_code
+            check_same_tokenizer(load_tokenizer(m.path, trust_remote_code=rc),
+                                 load_tokenizer(d.path, trust_remote_code=rc))  # fmt: skip
+            self.strategy.check_model(d.path, trust_remote_code=rc)  # fits it like the actor
         self.model = self._load_model(
             m.path,
             self._prepare_actor,
@@ -648,6 +665,10 @@ class GRPORecipe:
             # Frozen before sharding: parallelize then gives its LM head a group of its own.
             self.ref = self._load_model(m.path, lambda model: model.requires_grad_(False))
             self.ref.eval()
+        self.teacher = None  # frozen and sharded like the reference
+        if o.distillation is not None:
+            freeze = lambda model: model.requires_grad_(False)  # noqa: E731
+            self.teacher = self._load_model(o.distillation.path, freeze).eval()
         self.critic = self.critic_opt = self.critic_sched = None
         if (c := o.critic) is not None:
             self.critic = self._load_model(
@@ -944,6 +965,7 @@ class GRPORecipe:
             ("old_logprobs", self.model, need_old or need_entropy),
             ("mismatch", self.model, need_mismatch),
             ("reference", self.ref if self.ref is not None else self.model, alg.kl is not None),
+            ("teacher", self.teacher, self.teacher is not None),
             ("values", self.critic, self.critic is not None),
             ("trajectories", self.model, need_tokens),
         ]
@@ -973,15 +995,15 @@ class GRPORecipe:
                             model, mb, entropy=name == "old_logprobs" and need_entropy
                         )
                         found = {"entropy": ent} if ent is not None else {}
-                        if name == "reference":
-                            found["ref_logprobs"] = lp
+                        if name in ("reference", "teacher"):
+                            found[f"{'ref' if name == 'reference' else name}_logprobs"] = lp
                         elif need_old:
                             found["old_logprobs"] = lp
                     for field, t in found.items():
                         buf = outs.setdefault(field, torch.zeros(batch.response_ids.shape))
                         if idx and self.strategy.writes_shared:  # once per SP group
                             buf[idx, : t.shape[1]] = t.float().cpu()
-            if model is not self.ref:
+            if model is not self.ref and model is not self.teacher:
                 model.train()
             for field, buf in outs.items():
                 if field.startswith("token_"):
@@ -1028,6 +1050,13 @@ class GRPORecipe:
             group_size=self.opts.rollout.n,
             **alg.advantage.options(),
         )  # [B, R]
+        if (d := self.opts.distillation) is not None:  # the teacher grades every sampled token
+            own = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+            task = adv if d.reward_weight else None
+            adv, dm = distillation_advantages(
+                own, batch.teacher_logprobs, mask, task, d.reward_weight
+            )
+            metrics["train/distill/reverse_kl"] = float(dm["reverse_kl"])
         zero = torch.zeros((), dtype=torch.float32)
         batch.advantages = torch.where(mask, adv.float(), zero)
         if returns is not None:

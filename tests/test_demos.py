@@ -1,7 +1,7 @@
 """The README's CPU demos (text, vision, audio, RLHF with text and with images) chain as shipped:
 each config's outputs are where the next one reads them. Run through the CLI in-process in a
 scratch directory with the data sets and step counts cut down (the measured, full-length runs are
-in docs/grpo.md, docs/vision.md, docs/audio.md and docs/reward_models.md)."""
+in docs/grpo.md, docs/vision.md, docs/audio.md, docs/reward_models.md and docs/dpo.md)."""
 
 import json
 
@@ -44,6 +44,19 @@ def test_text_demo_chain(tmp_path, monkeypatch):
     _run("sft", "tiny/add_sft", TEXT_DATA + TRAIN)
     assert (tmp_path / "outputs/tiny/add_sft/final/config.json").is_file()
     _grpo_evaluated(tmp_path, "tiny/add_grpo")
+
+
+def test_dpo_demo_chain(tmp_path, monkeypatch):
+    """SFT, then DPO on the pairs made from the SFT data, then the greedy eval of its export."""
+    monkeypatch.chdir(tmp_path)
+    _run("sft", "tiny/add_sft", TEXT_DATA + TRAIN)
+    _run("dpo", "tiny/add_dpo", TRAIN)
+    rows = _rows(tmp_path / "outputs/tiny/add_dpo/metrics.jsonl")
+    assert any("train/rewards/margins" in r for r in rows)
+    assert any(r.get("data/pairs") == 64 for r in rows)  # one pair per SFT training problem
+    _run("eval", "tiny/add_dpo_eval", ["sampling.max_tokens=4"])
+    summary = json.loads((tmp_path / "outputs/tiny/add_dpo_eval/summary.json").read_text())
+    assert summary["prompts"] == 8 and 0.0 <= summary["pass@1"] <= 1.0  # greedy, held-out
 
 
 def test_vision_demo_chain(tmp_path, monkeypatch):

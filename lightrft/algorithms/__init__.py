@@ -9,13 +9,15 @@
   high-entropy token selection.
 - :mod:`~lightrft.algorithms.kl`: KL estimators (k1, abs, k2, k3, k3+), fixed and adaptive
   coefficient controllers, KL in the reward or in the loss.
+- :mod:`~lightrft.algorithms.preference`: offline preference losses (DPO, cDPO, robust DPO, IPO,
+  SimPO, ORPO, KTO) on sequence log-probs; ``PREFERENCE_LOSSES`` selects them by config name.
 - :mod:`~lightrft.algorithms.shaping`: running reward normalisation, DAPO overlong penalty and
   dynamic sampling.
 
 See docs/algorithms.md for formulas, config keys and papers.
 """
 
-from lightrft.algorithms import advantages, kl, losses, shaping
+from lightrft.algorithms import advantages, kl, losses, preference, shaping
 from lightrft.algorithms.advantages import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -104,6 +106,7 @@ __all__ = [
     "masked_whiten",
     "overlong_penalty",
     "policy_loss",
+    "preference",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "rloo",

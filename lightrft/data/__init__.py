@@ -23,7 +23,11 @@ from lightrft.data.loader import (
     step_batches,
 )
 from lightrft.data.media import Media
-from lightrft.data.preference import PreferenceCollator, PreferenceDataset
+from lightrft.data.preference import (
+    PreferenceCollator,
+    PreferenceDataset,
+    UnpairedPreferenceDataset,
+)
 from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
@@ -43,6 +47,7 @@ __all__ = [
     "PadCollator",
     "PreferenceCollator",
     "PreferenceDataset",
+    "UnpairedPreferenceDataset",
     "PromptDataset",
     "Records",
     "ResumableDataLoader",

@@ -49,6 +49,7 @@ from lightrft.data.vision import as_processor
 __all__ = [
     "PreferenceCollator",
     "PreferenceDataset",
+    "UnpairedPreferenceDataset",
     "encode_with_media",
     "pad_sequences",
     "render_for_scoring",
@@ -587,3 +588,100 @@ class PreferenceCollator:
             # Padding is its own position run, so it never joins the last sequence.
             positions[r, col:] = torch.arange(width - col)
         return {"input_ids": ids, "position_ids": positions, "segment_ids": seg, "scored": scored}
+
+
+class UnpairedPreferenceDataset(torch.utils.data.Dataset):
+    """Unpaired preference data for KTO: one response per record, labelled desirable or not.
+
+    Record: ``{"prompt": str | [messages] (optional), "completion": str | [messages],
+    "label": true | false}``. A record without a boolean label is refused with the file, the line
+    and the field, before any model loads. Items look like :class:`PreferenceDataset`'s with one
+    sequence and ``"desirable": [label]``. Text only (records with media are refused); rendered
+    as :class:`PreferenceDataset` renders a candidate, truncated (kept start) or dropped past
+    ``max_length``.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        path: PathLike | Sequence[PathLike] | None = None,
+        *,
+        split: str | None = None,
+        records: Sequence[Mapping[str, Any]] | None = None,
+        prompt_field: str = "prompt",
+        completion_field: str = "completion",
+        label_field: str = "label",
+        apply_chat_template: bool = True,
+        max_length: Annotated[int | None, Bound(ge=1)] = None,
+        truncation: Truncation = "truncate",
+    ) -> None:
+        check_truncation(truncation)
+        tokenizer, _ = as_processor(tokenizer)
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template: set apply_chat_template=false to score "
+                "prompt + completion as plain text"
+            )
+        self.tokenizer, self.chat_template = tokenizer, apply_chat_template
+        src = open_records(path, records, split)
+        self.source = src.name
+        self._items: list[dict[str, Any]] = []
+        self._origins: list[str] = []
+        truncated = dropped = 0
+        for i in range(len(src)):
+            rec, where = src[i], src.where(i)
+            for field in ("images", "audios", "videos"):
+                if rec.get(field):
+                    raise DataError(f"{where}: field {field!r}: unpaired data is text only")
+            label = rec.get(label_field)
+            if not isinstance(label, bool):
+                raise DataError(
+                    f"{where}: field {label_field!r} must be true (desirable) or false "
+                    f"(undesirable), got {label!r}: KTO needs every row labelled"
+                )
+            prompt = rec.get(prompt_field)
+            if prompt is not None and not isinstance(prompt, (str, list)):
+                raise DataError(
+                    f"{where}: field {prompt_field!r} must be a string or a message list"
+                )
+            if isinstance(prompt, list):
+                prompt = check_messages(prompt, where, prompt_field)
+            completion = PreferenceDataset._check_response(
+                require_field(src, i, completion_field, (str, list)), where, completion_field
+            )
+            text = render_for_scoring(
+                tokenizer, prompt, completion, chat_template=apply_chat_template
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            start = response_start(tokenizer, prompt, ids, chat_template=apply_chat_template)
+            if max_length is not None and len(ids) > max_length:
+                if truncation == "drop" or start >= max_length:
+                    dropped += 1
+                    continue
+                ids, truncated = ids[:max_length], truncated + 1
+            self._items.append(
+                {"sequences": [torch.tensor(ids, dtype=torch.long)], "starts": [start],
+                 "margin": 0.0, "head": None, "safe": [0], "desirable": [label]}
+            )  # fmt: skip
+            self._origins.append(where)
+        if not self._items:
+            raise DataError(f"empty dataset: all {len(src)} records of {self.source} were dropped")
+        n_good = sum(it["desirable"][0] for it in self._items)
+        self.stats: dict[str, int] = {
+            "records": len(src),
+            "pairs": len(self._items),  # examples; the name the recipes log
+            "desirable": n_good,
+            "undesirable": len(self._items) - n_good,
+            "truncated": truncated,
+            "dropped": dropped,
+        }
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._items[i]
+
+    def where(self, i: int) -> str:
+        """The file and line (or row) item ``i`` came from."""
+        return self._origins[i]

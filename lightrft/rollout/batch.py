@@ -29,6 +29,7 @@ _TOKEN_FIELDS = (
     "rollout_logprobs",
     "old_logprobs",
     "ref_logprobs",
+    "teacher_logprobs",
     "values",
     "returns",
     "advantages",
@@ -89,7 +90,8 @@ class RolloutBatch:
         kept: ``[B]`` bool, the sample is in the train batch (dynamic sampling drops groups).
     Filled by the trainer, ``[B, R]`` float32 (None until then, or when the step needs none):
         old_logprobs (the trainer's, before the update; None: exactly on-policy),
-        ref_logprobs (reference model, with a KL), values (critic), returns (value targets),
+        ref_logprobs (reference model, with a KL), teacher_logprobs (on-policy distillation's
+        teacher), values (critic), returns (value targets),
         advantages, entropy (per token, for high-entropy selection), loss_mask (bool: tokens
         the policy loss trains on; None: every response token).
     media: None for a text batch; else one :class:`~lightrft.data.media.Media` per sample (None
@@ -120,6 +122,7 @@ class RolloutBatch:
     kept: Tensor | None = None
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
     advantages: Tensor | None = None

@@ -326,6 +326,7 @@ def ensure_arith_preferences(
     *,
     per_problem: int = 1,
     seed: int = 0,
+    rejected: str = "near_miss",
 ) -> Path:
     """Preference pairs from an arithmetic data set: the correct answer preferred over a near miss.
 
@@ -333,25 +334,39 @@ def ensure_arith_preferences(
     ``out_dir/{train,test}.jsonl`` with ``prompt``, ``chosen`` (the answer), ``rejected`` (a
     :func:`near_miss`, spelled as the source spells answers: reversed-order data gets reversed,
     zero-padded near misses), ``per_problem`` pairs per problem; skipped when already written from
-    the same source and settings.
+    the same source and settings. ``rejected="dropped_carry"``: a sum that carries into a new
+    leading digit gets the sloppy teacher's answer as the rejected one (the carry dropped, as
+    :func:`write_arith_dataset`'s ``dropped_carry`` writes it), the others a near miss.
     """
     src = Path(source_dir)
     if per_problem < 1:
         raise ValueError(f"per_problem must be >= 1, got {per_problem}")
+    if rejected not in ("near_miss", "dropped_carry"):
+        raise ValueError(f"rejected must be 'near_miss' or 'dropped_carry', got {rejected!r}")
     want = {
         "source": str(src.resolve()),
         "source_mtime_ns": _source_stamp(src),
         "per_problem": per_problem,
         "seed": seed,
     }
+    if rejected != "near_miss":  # the key only when set: earlier pairs stay valid
+        want["rejected"] = rejected
     rev = _reversed_answers(src)
+    meta = json.loads((src / META).read_text()) if (src / META).is_file() else {}
+    top = 10 ** int(meta.get("digits", 2))
+
+    def wrong(answer: str, rng: random.Random) -> str:
+        value = int(answer[::-1]) if rev else int(answer)
+        if rejected == "dropped_carry" and value >= top:
+            return str(value - top).zfill(len(answer))[::-1] if rev else str(value - top)
+        return near_miss_text(answer, rng, reversed_order=rev)
 
     def rows(rec: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
         return [
             {
                 "prompt": rec["prompt"],
                 "chosen": rec["answer"],
-                "rejected": near_miss_text(rec["answer"], rng, reversed_order=rev),
+                "rejected": wrong(rec["answer"], rng),
             }
             for _ in range(per_problem)
         ]

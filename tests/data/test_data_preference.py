@@ -175,3 +175,22 @@ def test_arith_preference_pairs_on_reversed_answers_are_spelled_reversed(tmp_pat
         diff = abs(wrong - (int(a) + int(b)))
         swapped = sorted(str(wrong).zfill(3)) == sorted(str(int(a) + int(b)).zfill(3))
         assert diff in (1, 2, 10) or swapped, r
+
+
+def test_arith_pairs_with_the_teachers_dropped_carry_as_the_rejected_answer(tmp_path):
+    src = write_arith_dataset(tmp_path / "add", n_train=200, n_test=10, answer_order="reversed")
+    out = ensure_arith_preferences(tmp_path / "pairs", src, rejected="dropped_carry")
+    rows = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
+    carries = 0
+    for r in rows:
+        a, b = r["prompt"][:-1].split("+")
+        total, wrong = int(a) + int(b), int(r["rejected"][::-1])
+        assert r["chosen"] == str(total).zfill(3)[::-1] and len(r["rejected"]) == 3
+        if total >= 100:  # "49+97=" -> "641" over "640": the sloppy teacher's habit
+            assert wrong == total - 100
+            carries += 1
+        else:
+            assert wrong != total
+    assert 0 < carries < len(rows)
+    with pytest.raises(ValueError, match="rejected must be 'near_miss' or 'dropped_carry'"):
+        ensure_arith_preferences(tmp_path / "other", src, rejected="carry")

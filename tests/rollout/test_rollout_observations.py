@@ -92,7 +92,7 @@ def test_counts_advantages_and_loss_see_assistant_tokens_only():
     b = _batch()
     alg = _algorithm(kl={"coef": 0.1, "estimator": "k3"}, entropy={"coef": 0.01})
     me = SimpleNamespace(
-        opts=SimpleNamespace(algorithm=alg, rollout=SimpleNamespace(n=2)),
+        opts=SimpleNamespace(algorithm=alg, rollout=SimpleNamespace(n=2), distillation=None),
         dist=SimpleNamespace(world_size=1),
         normalizer=None,
         kl_ctl=SimpleNamespace(coef=0.1),
