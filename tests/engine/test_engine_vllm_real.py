@@ -627,11 +627,17 @@ def test_qwen2_vl_is_refused_on_cpu_by_name(tmp_path, no_load):
 def run_cli(*args: str) -> str:
     """``lightrft <args>`` in a process of its own: a recipe owns its process group and its
     engine, whose teardown must not reach the engines this session keeps alive."""
+    import os
     import subprocess
     import sys
 
+    # This session's lone in-process engines set MASTER_PORT to a port their store still holds;
+    # a child that inherited it would fail to bind (EADDRINUSE): it picks its own.
+    launch = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launch}
     out = subprocess.run(
-        [sys.executable, "-m", "lightrft.cli", *args], capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "lightrft.cli", *args],
+        capture_output=True, text=True, timeout=900, env=env,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout
