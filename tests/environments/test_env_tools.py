@@ -1,6 +1,8 @@
 """Tools: schemas, argument validation, the calculator, the sandboxed python tool, and every way
 a call can fail becoming an error result (never an exception)."""
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -222,10 +224,95 @@ def test_calculator_is_exact(expression, value):
     ],
 )
 def test_calculator_refuses_quickly(expression, error):
+    tool = calculator_tool()
     start = time.monotonic()
-    result = calculator_tool().run({"expression": expression})
+    result = tool.run({"expression": expression})
     assert time.monotonic() - start < 0.5
     assert result.error is ErrorKind.tool_exception and error in result.text
+
+
+# Hostile expressions: each is answered or refused in under 100 ms, before any huge number is
+# built (the work holds the GIL, so the tool's timeout thread could never interrupt it).
+HOSTILE_EXPRESSIONS = [
+    "1e999999999",
+    "1e2000000",
+    "1e8000000",
+    "1e-3000000",
+    "-1e-999999999999999999999",
+    "1.5e+0000000000000000000000000000000000000000009999",
+    "2**8000 * 2**7000",  # passed the old 16384-bit bound, then failed str()'s 4300 digits
+    "3**8380",  # 3998 digits: answered in full
+    "1/2**13000",  # a terminating decimal of 13000 places: written p/q
+    "0.5**13000",
+    "(2**13000 + 1) / 2**13000",
+    "1/5**5000",
+    "2**13000 / 3",  # too large for a float: the approximation is a Decimal
+    "-1 ** 10**900",
+    "(1/3)**4000",
+    "9**9**9**9",
+    "1" + "*9" * 499,
+    "+".join(["9" * 8] * 110),
+    "-" * 998 + "1",
+    "(" * 200 + "1" + ")" * 200,
+]
+
+
+@pytest.mark.parametrize("expression", HOSTILE_EXPRESSIONS)
+def test_calculator_bounds_every_expression(expression):
+    start = time.perf_counter()
+    try:
+        text = calculator(expression)
+    except (ValueError, ZeroDivisionError) as e:
+        text = str(e)
+    seconds = time.perf_counter() - start
+    assert seconds < 0.1, f"{expression[:40]!r} took {seconds:.3f} s"
+    assert len(text) < 2 * 4000 + 100
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("1e999999999", "too large (more than 4000 digits)"),
+        ("1e-3000000", "too large (more than 4000 digits)"),
+        ("2**8000 * 2**7000", "too large (more than 4000 digits)"),
+        ("0e99999999999", "0"),
+        ("1_000.5e3", "1000500"),
+        ("0**0", "1"),
+        ("(-1)**-3", "-1"),
+        ("2**13000 / 3", "(about 8.18130111038e+3912)"),
+        ("(2**13000 + 1) / 2**13000", "(about 1)"),
+        ("1/5**50", "0." + "0" * 34 + "1125899906842624"),
+        ("3**8380", str(3**8380)),
+    ],
+)
+def test_calculator_huge_literals_and_results(expression, value):
+    try:
+        text = calculator(expression)
+    except ValueError as e:
+        text = str(e)
+    assert text.endswith(value) if value.startswith("(") else value in text
+
+
+def test_calculator_environment_answers_a_huge_literal_at_once(tmp_path):
+    """The issue's reproduction, in a child process: before the fix it had not returned after
+    90 s (the Fraction of 10**999999999 holds the GIL, so the 2 s timeout never fired)."""
+    script = (
+        "import time\n"
+        "from lightrft.environments import ToolEnvironment, calculator_tool\n"
+        "env = ToolEnvironment([calculator_tool(timeout=2.0)])\n"
+        "t = time.monotonic()\n"
+        's = env.step(\'<tool_call>{"name":"calculator","arguments":'
+        '{"expression":"1e999999999"}}</tool_call>\')\n'
+        "print(round(time.monotonic() - t, 3), s.observation[0]['content'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seconds, text = out.stdout.split(" ", 1)
+    assert float(seconds) < 0.1
+    assert text.strip() == (
+        "Error: tool 'calculator' failed: ValueError: the result is too large "
+        "(more than 4000 digits)"
+    )
 
 
 # The python tool runs each call in the code reward's sandbox: real subprocesses.
