@@ -272,6 +272,7 @@ MAX_EXPRESSION_CHARS = 1000
 # str() under Python's 4300-digit conversion limit.
 MAX_DIGITS = 4000
 MAX_BITS = int(MAX_DIGITS * math.log2(10))  # 13287 bits: no int of this size has > 4000 digits
+MAX_NESTING = 200  # levels of the expression's tree: evaluation recurses once per level
 MAX_DECIMALS = 50  # a terminating decimal with more places is written as p/q (about x)
 
 _BINARY = {
@@ -303,10 +304,19 @@ def calculator(expression: str) -> str:
         tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, RecursionError, MemoryError, ValueError):
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
-    try:
-        return _format(_eval(tree.body, expression))
-    except RecursionError:
-        raise ValueError("the expression is nested too deeply") from None
+    if _nesting(tree.body) > MAX_NESTING:
+        raise ValueError(f"the expression nests deeper than {MAX_NESTING} levels")
+    return _format(_eval(tree.body, expression))
+
+
+def _nesting(root: ast.AST) -> int:
+    """How deep the expression's tree is (iterative: a deep tree must not recurse)."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def _too_large() -> ValueError:

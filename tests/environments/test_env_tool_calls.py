@@ -1,5 +1,6 @@
 """The <tool_call> format: parsing a turn's calls, and probing a chat template for it."""
 
+import gc
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from lightrft.environments import (
     parse_tool_calls,
     tool_call_format,
 )
+
 MAX_CALLS = 16  # lightrft.environments.tool_calls.MAX_CALLS, as docs/environments.md states it
 
 OPEN_CALL = "<tool_call>"
@@ -113,6 +115,7 @@ HOSTILE_TURNS = {
 @pytest.mark.parametrize("name", list(HOSTILE_TURNS))
 def test_hostile_turns_parse_to_malformed_calls_in_bounded_time(name):
     text = HOSTILE_TURNS[name]
+    gc.collect()  # other tests' garbage is not this call's time
     start = time.thread_time()  # CPU time: other tests' left-behind tool threads share the GIL
     calls = parse_tool_calls(text)
     seconds = time.thread_time() - start

@@ -1,6 +1,7 @@
 """Tools: schemas, argument validation, the calculator, the sandboxed python tool, and every way
 a call can fail becoming an error result (never an exception)."""
 
+import gc
 import subprocess
 import sys
 import threading
@@ -259,7 +260,9 @@ HOSTILE_EXPRESSIONS = [
 
 @pytest.mark.parametrize("expression", HOSTILE_EXPRESSIONS)
 def test_calculator_bounds_every_expression(expression):
-    # this thread's CPU time: a spinning tool thread another test left behind shares the GIL
+    # this thread's CPU time: a spinning tool thread another test left behind shares the GIL;
+    # a collection first, so a garbage collection of other tests' objects is not timed
+    gc.collect()
     start = time.thread_time()
     try:
         text = calculator(expression)
