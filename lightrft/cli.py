@@ -319,6 +319,8 @@ def cmd_view(args: argparse.Namespace) -> int:
         f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {len(data['curves'])} charts, "
         f"{cap['shown_samples']} samples of {len(cap['shown_steps'])} steps"
     )
+    if cap["no_trajectories"]:
+        print(cap["no_trajectories"])
     return 0
 
 
