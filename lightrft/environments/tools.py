@@ -437,20 +437,38 @@ except BaseException as e:
 """
 
 
+# Sandboxes running at once in this process, per limit: every python tool built with the same
+# ``max_concurrent`` shares one count (a rollout builds a tool per trajectory, on many threads).
+_SANDBOX_SLOTS: dict[int, threading.BoundedSemaphore] = {}
+_SLOTS_LOCK = threading.Lock()
+
+
+def _sandbox_slots(n: int) -> threading.BoundedSemaphore:
+    with _SLOTS_LOCK:
+        return _SANDBOX_SLOTS.setdefault(n, threading.BoundedSemaphore(n))
+
+
 def python_tool(
     timeout: float = 5.0,
     memory_mb: int = 1024,
     max_output_chars: int = 4096,
     max_processes: int = 16,
     require_isolation: bool = False,
+    max_concurrent: int = 4,
 ) -> Tool:
     """A tool that runs Python code in the code reward's sandbox
     (:class:`lightrft.rewards.code.CodeVerifier`: its own process, the same namespaces and
     limits) and returns what it printed, its traceback included.
 
     A program that raises is a normal result (the model reads the traceback and may fix it);
-    one past ``timeout`` is a ``tool_timeout``.
+    one past ``timeout`` is a ``tool_timeout``. ``memory_mb`` bounds a call, all the processes
+    it starts together, where a memory cgroup can be made (root); else each process. At most
+    ``max_concurrent`` sandboxes run at once in this process, across all python tools with that
+    limit; a call that finds none free within ``timeout`` is a ``tool_timeout``.
     """
+    if max_concurrent < 1:
+        raise ValueError(f"python_tool: max_concurrent must be >= 1, got {max_concurrent}")
+    slots = _sandbox_slots(int(max_concurrent))
     from lightrft.rewards.code import CodeVerifier, TestCase
 
     sandbox = CodeVerifier(
@@ -470,7 +488,14 @@ def python_tool(
         Args:
             code: the Python source code to run.
         """
-        result = sandbox.run(_PYTHON_WRAPPER.format(source=code), TestCase(stdin=""))
+        if not slots.acquire(timeout=timeout):
+            raise ToolTimeout(
+                f"no sandbox was free within {timeout:g} s ({max_concurrent} run at once)"
+            )
+        try:
+            result = sandbox.run(_PYTHON_WRAPPER.format(source=code), TestCase(stdin=""))
+        finally:
+            slots.release()
         if result.status == "timeout":
             raise ToolTimeout(f"the program did not finish within {timeout:g} s")
         out = result.stdout
@@ -480,8 +505,9 @@ def python_tool(
             )
         return out
 
-    # the sandbox kills the program at ``timeout`` + 0.5 s; leave room for its start and clean-up
-    return Tool(python, timeout=timeout + 10.0, max_output_chars=max_output_chars)
+    # the sandbox kills the program at ``timeout`` + 0.5 s, after waiting at most ``timeout`` for
+    # a slot; leave room for its start and clean-up
+    return Tool(python, timeout=2 * timeout + 10.0, max_output_chars=max_output_chars)
 
 
 # The shipped tools by the name their schema gives them (what SFT records may name in ``tools``).

@@ -366,3 +366,57 @@ def test_python_tool_is_the_sandbox(py):
     # /tmp holds nothing but the interpreter's own directories (a venv there), read-only
     python = sorted({Path(d).parts[2] for d in _python_dirs() if Path(d).parts[1:2] == ("tmp",)})
     assert py.run({"code": code}).text == f"{python}\nno network\n"
+
+
+_FORKS = """
+import os, sys
+pids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = b"x" * (100 << 20)  # touched: 100 MiB resident in each child
+        import time; time.sleep(0.5)
+        os._exit(0)
+    pids.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+print("children", codes)
+"""
+
+
+def _memory_cgroups() -> bool:
+    import os
+
+    return os.getuid() == 0 and os.path.isdir("/sys/fs/cgroup/memory")
+
+
+@pytest.mark.skipif(not _memory_cgroups(), reason="needs root and cgroup v1's memory controller")
+def test_python_tool_memory_bounds_the_call_not_each_process():
+    """Before: memory_mb bounded each process, so a call forking 4 children used 4x it."""
+    tool = python_tool(timeout=5.0, memory_mb=256)
+    text = tool.run({"code": _FORKS}).text
+    codes = [int(c) for c in text.split("[", 1)[1].split("]", 1)[0].split(",")]
+    assert len(codes) == 4 and codes.count(0) < 4, text  # 400 MiB do not fit in 256
+
+
+def test_python_tool_caps_sandboxes_at_once():
+    """Before: nothing capped the sandboxes of a rollout's threads. Two calls per tool, three
+    tools, a cap of 2: never more than 2 programs alive at once (each program records when it
+    ran; the windows never overlap three deep)."""
+    tools = [python_tool(timeout=5.0, max_concurrent=2) for _ in range(3)]
+    code = "import time; a = time.time(); time.sleep(0.6); print(a, time.time())"
+    results: list[str] = []
+
+    def call(tool):
+        results.append(tool.run({"code": code}).text)
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in tools for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    windows = [tuple(map(float, r.split())) for r in results]
+    assert len(windows) == 6, results
+    for a, _ in windows:
+        assert sum(1 for s, e in windows if s <= a < e) <= 2, windows
+    with pytest.raises(ValueError, match="max_concurrent must be >= 1"):
+        python_tool(max_concurrent=0)
