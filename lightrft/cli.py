@@ -399,6 +399,8 @@ def cmd_view(args: argparse.Namespace) -> int:
         f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {len(data['curves'])} charts, "
         f"{cap['shown_samples']} samples of {len(cap['shown_steps'])} steps"
     )
+    if cap["no_trajectories"]:
+        print(cap["no_trajectories"])
     return 0
 
 
@@ -406,9 +408,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from lightrft.training.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out)
+        out = export_checkpoint(args.checkpoint, args.out, trust_remote_code=args.trust_remote_code)
     except ValueError as e:  # not a checkpoint, an older one, a missing file: one line
         raise UsageError(str(e)) from None
+    except OSError as e:  # --out under a file, no permission, a full disk: one line
+        raise UsageError(
+            f"--out {args.out}: {e.strerror or e} ({e.filename or args.out})"
+        ) from None
     print(f"exported {args.checkpoint} to {out}")
     return 0
 
@@ -532,6 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a step_N checkpoint directory")
     ex.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    ex.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the base model directory's own code (its config.json auto_map) while "
+        "rebuilding the model; never taken from the checkpoint itself",
+    )
     pl = sub.add_parser(
         "plan",
         help="per-GPU memory of each phase of a run, before renting the GPUs",

@@ -118,7 +118,10 @@ class EvalRecipe:
         o, e = self.opts, self.opts.engine
         check_model_path(o.model.path, loading=True, checkpoint=True)  # whatever prepare wrote
         # A training checkpoint is exported (once, cached) into the directory final/ would be.
-        m = dataclasses.replace(o.model, path=resolve_model_dir(o.model.path))
+        m = dataclasses.replace(
+            o.model,
+            path=resolve_model_dir(o.model.path, trust_remote_code=o.model.trust_remote_code),
+        )
         self.environment, tools = None, None
         if o.environment is not None:  # checked again: a checkpoint prepare wrote exists now
             check_environment(o.environment, m.path, trust_remote_code=m.trust_remote_code)

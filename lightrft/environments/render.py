@@ -9,7 +9,9 @@ observation ids are what the template would have produced between two assistant 
                       minus render(history + [assistant]) up to the assistant's end token
 
 so they hold the template's text after the end token (Qwen's ``"\\n"``), the observation's turn
-and the next assistant turn's generation prompt. The end of the assistant turn is a special
+and the next assistant turn's generation prompt. A tool's output is data: a control token's
+string in it (``</tool_response><|im_end|>\\n<|im_start|>assistant``) is encoded as plain text,
+so it cannot forge a turn in the model's context. The end of the assistant turn is a special
 token, so tokenising the rest separately gives the ids the whole rendering would have there.
 """
 
@@ -51,6 +53,18 @@ def _render(tokenizer: Any, messages: list[Message], tools: ToolsArg, generation
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _probe_reply(tokenizer: Any) -> str:
+    """The assistant content the observation probe renders: with a reasoning block when the
+    template knows ``</think>`` (Qwen3, QwQ). Qwen3 renders the turns after the last user query
+    with their ``<think>`` block only while they are last or carry reasoning, so a plain reply
+    would render differently once an observation follows; a turn sampled in thinking mode
+    carries its reasoning, and renders the same in both places."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, str) and "</think>" in template:
+        return "<think>\nprobe-reasoning-3e1f\n</think>\n\n" + _SENTINEL
+    return _SENTINEL
 
 
 def _where(tokenizer: Any) -> str:
@@ -121,16 +135,68 @@ def observation_ids(
     if tools or any(m.get("role") == "tool" for m in observation_messages):
         require_tool_support(tokenizer)
     end = assistant_end_token(tokenizer, tools)
-    convo = [*_HISTORY, {"role": "assistant", "content": _SENTINEL}]
+    convo = [*_HISTORY, {"role": "assistant", "content": _probe_reply(tokenizer)}]
     before = _render(tokenizer, convo, tools, False)
     prefix = before[: before.rfind(_SENTINEL) + len(_SENTINEL)] + end
-    after = _render(tokenizer, [*convo, *map(dict, observation_messages)], tools, True)
+    messages = [dict(m) for m in observation_messages]
+    forged = _control_text(tokenizer, messages)
+    if forged:  # render placeholders, and encode each content as plain text between them
+        for i in forged:
+            messages[i]["content"] = _placeholder(i)
+    after = _render(tokenizer, [*convo, *messages], tools, True)
     if not after.startswith(prefix):
         raise ValueError(
             f"{_where(tokenizer)} renders the turns before an observation differently once the "
             "observation follows, so observation tokens cannot be appended to sampled ones"
         )
-    return _encode(tokenizer, after[len(prefix) :])
+    rest = after[len(prefix) :]
+    if not forged:
+        return _encode(tokenizer, rest)
+    ids: list[int] = []
+    for i in forged:
+        head, mark, rest = rest.partition(_placeholder(i))
+        if not mark:  # the template changed the content: fall back to defused text
+            text = _defuse(tokenizer, observation_messages[i]["content"])
+            return _encode(tokenizer, after[len(prefix) :].replace(_placeholder(i), text))
+        ids += _encode(tokenizer, head) + _encode_text(
+            tokenizer, observation_messages[i]["content"]
+        )
+    return ids + _encode(tokenizer, rest)
+
+
+def _added_tokens(tokenizer: Any) -> list[str]:
+    """The strings the tokenizer turns into one added (control) token, longest first."""
+    names = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    names |= set(getattr(tokenizer, "all_special_tokens", []))
+    return sorted((n for n in names if n), key=len, reverse=True)
+
+
+def _control_text(tokenizer: Any, messages: list[Message]) -> list[int]:
+    """Which observation messages' text holds a control token's string (``<|im_end|>``): a tool's
+    output is data, and must not open or close turns in the model's context."""
+    tokens = _added_tokens(tokenizer)
+    return [
+        i
+        for i, m in enumerate(messages)
+        if isinstance(m.get("content"), str) and any(t in m["content"] for t in tokens)
+    ]
+
+
+def _placeholder(i: int) -> str:
+    return f"\ue000observation-{i}-7c4d\ue001"  # private-use characters no template writes
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as plain text: a control token's string in it becomes ordinary tokens."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def _defuse(tokenizer: Any, text: str) -> str:
+    """``text`` with a zero-width space after the ``<`` of every control token's string, for a
+    template that transforms contents (so they cannot be encoded apart)."""
+    for token in _added_tokens(tokenizer):
+        text = text.replace(token, token[:1] + "\u200b" + token[1:])
+    return text
 
 
 def initial_prompt_ids(

@@ -11,6 +11,16 @@ and a turn may hold several. :func:`parse_tool_calls` returns them in order, eac
 object, a tag never closed), so that a malformed call becomes an error observation in its place.
 A missing ``arguments`` key means ``{}``; other keys are ignored; ``arguments`` given as a JSON
 *string* is malformed (the format says object, and the model should learn it).
+
+Sampled text is hostile input, so parsing is bounded and never raises: a call body over
+:data:`MAX_CALL_CHARS`, JSON nested deeper than :data:`MAX_DEPTH` or holding an integer past
+Python's 4300-digit limit is a :class:`MalformedCall`, and past :data:`MAX_CALLS` blocks in one
+turn the rest become one :class:`MalformedCall` (none of them runs).
+
+Reasoning is not acting: a ``<tool_call>`` inside ``<think>...</think>`` (Qwen3, QwQ) is a
+draft or a quotation, not a call, and is ignored, as llama.cpp's Hermes parser does. A
+``</think>`` with no ``<think>`` before it (templates whose generation prompt opens the block)
+makes everything before it reasoning; a ``<think>`` never closed, everything after it.
 """
 
 from __future__ import annotations
@@ -24,15 +34,21 @@ from lightrft.environments.base import ErrorKind
 
 __all__ = [
     "HERMES",
+    "MAX_CALLS",
     "MalformedCall",
     "ToolCall",
+    "outside_reasoning",
     "parse_tool_calls",
     "tool_call_format",
 ]
 
 HERMES = "hermes"  # Qwen2.5 / Qwen3 / NousResearch Hermes: <tool_call>{json}</tool_call>
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+MAX_CALLS = 16  # blocks per turn that run; a turn is one assistant message
+MAX_CALL_CHARS = 65536  # characters of one call's body
+MAX_DEPTH = 32  # nesting of JSON arrays and objects in one call
+_THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + ".*?" + re.escape(THINK_CLOSE), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -53,19 +69,72 @@ class MalformedCall:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
-    """Every ``<tool_call>`` block of ``text``, in order (empty: the turn calls no tool)."""
+    """Every ``<tool_call>`` block of ``text`` outside ``<think>`` blocks, in order (empty: the
+    turn calls no tool); at most :data:`MAX_CALLS` plus one :class:`MalformedCall` for the rest.
+    Linear in ``len(text)`` (``str.find``, no backtracking regex); never raises."""
+    text = outside_reasoning(text)
     out: list[ToolCall | MalformedCall] = []
-    for m in _CALL.finditer(text):
-        body, closed = m.group(1), bool(m.group(2))
-        out.append(_parse_one(body) if closed else MalformedCall(body, f"{OPEN} without {CLOSE}"))
+    at = text.find(OPEN)
+    while at >= 0:
+        if len(out) == MAX_CALLS:
+            extra = text.count(OPEN, at)
+            reason = f"more than {MAX_CALLS} tool calls in one turn: the last {extra} were not run"
+            out.append(MalformedCall("", reason))
+            break
+        start = at + len(OPEN)
+        end = text.find(CLOSE, start)
+        if end < 0:
+            out.append(MalformedCall(text[start : start + 200], f"{OPEN} without {CLOSE}"))
+            break
+        out.append(_parse_one(text[start:end]))
+        at = text.find(OPEN, end + len(CLOSE))
     return out
 
 
+def outside_reasoning(text: str) -> str:
+    """``text`` without its ``<think>...</think>`` blocks (module docstring)."""
+    if THINK_OPEN not in text and THINK_CLOSE not in text:
+        return text
+    first_open, first_close = text.find(THINK_OPEN), text.find(THINK_CLOSE)
+    if first_close >= 0 and (first_open < 0 or first_close < first_open):
+        text = text[first_close + len(THINK_CLOSE) :]  # a close first: before it, reasoning
+    # cut an unclosed block off first: then every open has a close after it, and the lazy
+    # pattern below matches each block in one pass (no quadratic retries)
+    last_close = text.rfind(THINK_CLOSE)
+    unclosed = text.find(THINK_OPEN, last_close + len(THINK_CLOSE) if last_close >= 0 else 0)
+    if unclosed >= 0:
+        text = text[:unclosed]
+    return _THINK_BLOCK.sub("", text)
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether parsed JSON nests arrays / objects deeper than :data:`MAX_DEPTH` (iterative,
+    stopping at the first too-deep value)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > MAX_DEPTH:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 def _parse_one(body: str) -> ToolCall | MalformedCall:
+    if len(body) > MAX_CALL_CHARS:
+        return MalformedCall(
+            body[:200], f"the call is longer than {MAX_CALL_CHARS} characters ({len(body)})"
+        )
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
         return MalformedCall(body, f"the call is not valid JSON ({e.msg} at character {e.pos})")
+    except RecursionError:
+        return MalformedCall(body[:200], f"the call nests deeper than {MAX_DEPTH} levels")
+    except ValueError as e:  # an integer past Python's 4300-digit limit
+        return MalformedCall(body[:200], f"the call is not valid JSON ({str(e)[:120]})")
+    if _too_deep(obj):
+        return MalformedCall(body[:200], f"the call nests deeper than {MAX_DEPTH} levels")
     if not isinstance(obj, dict):
         return MalformedCall(body, "the call must be a JSON object with 'name' and 'arguments'")
     name = obj.get("name")

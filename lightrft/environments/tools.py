@@ -24,8 +24,11 @@ sandbox process.
 from __future__ import annotations
 
 import ast
+import decimal
 import json
+import math
 import operator
+import re
 import threading
 import time
 import traceback
@@ -263,8 +266,14 @@ def _check(schema: Mapping[str, Any], v: Any, where: str) -> str | None:
 # ---------------------------------------------------------------------- calculator
 
 MAX_EXPRESSION_CHARS = 1000
-MAX_BITS = 16384  # about 4900 decimal digits: bounds every intermediate value
-MAX_DECIMALS = 20
+# Every value (literal, intermediate and result) is bounded to MAX_DIGITS decimal digits in its
+# numerator and denominator, checked *before* the value is built: the work holds the GIL, so the
+# tool's timeout thread cannot stop a big-number computation once it runs. The bound also keeps
+# str() under Python's 4300-digit conversion limit.
+MAX_DIGITS = 4000
+MAX_BITS = int(MAX_DIGITS * math.log2(10))  # 13287 bits: no int of this size has > 4000 digits
+MAX_NESTING = 200  # levels of the expression's tree: evaluation recurses once per level
+MAX_DECIMALS = 50  # a terminating decimal with more places is written as p/q (about x)
 
 _BINARY = {
     ast.Add: operator.add,
@@ -274,6 +283,10 @@ _BINARY = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
 }
+# a decimal literal as Python writes one: digits, a point, an exponent (underscores allowed)
+_DECIMAL = re.compile(
+    r"(?P<whole>[0-9_]*)(?:\.(?P<frac>[0-9_]*))?(?:[eE](?P<exp>[+-]?[0-9_]+))?", re.ASCII
+)
 
 
 def calculator(expression: str) -> str:
@@ -291,13 +304,50 @@ def calculator(expression: str) -> str:
         tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, RecursionError, MemoryError, ValueError):
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+    if _nesting(tree.body) > MAX_NESTING:
+        raise ValueError(f"the expression nests deeper than {MAX_NESTING} levels")
     return _format(_eval(tree.body, expression))
+
+
+def _nesting(root: ast.AST) -> int:
+    """How deep the expression's tree is (iterative: a deep tree must not recurse)."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+def _too_large() -> ValueError:
+    return ValueError(f"the result is too large (more than {MAX_DIGITS} digits)")
+
+
+def _literal(node: ast.Constant, source: str) -> Fraction:
+    """A literal's exact value, refused before it is built when it has too many digits."""
+    if type(node.value) is int:  # the parser built it already; at most 1000 characters long
+        return _checked(Fraction(node.value))
+    text = ast.get_source_segment(source.strip(), node) or repr(node.value)
+    m = _DECIMAL.fullmatch(text)
+    if m is None:
+        raise ValueError(f"not a decimal number: {text!r}")
+    digits = (m["whole"] + (m["frac"] or "")).replace("_", "").lstrip("0")
+    exp_text = (m["exp"] or "0").replace("_", "")
+    # the value is digits * 10**(exp - places): refuse a huge exponent by its length first
+    if len(exp_text.lstrip("+-").lstrip("0")) > 6:
+        if not digits:
+            return Fraction(0)
+        raise _too_large()
+    shift = int(exp_text) - len((m["frac"] or "").replace("_", ""))
+    if digits and len(digits) + abs(shift) > MAX_DIGITS:
+        raise _too_large()
+    # the literal's own digits: 0.1 is exactly 1/10, not the nearest binary float
+    return Fraction(text.replace("_", ""))
 
 
 def _eval(node: ast.AST, source: str) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        # the literal's own digits: 0.1 is exactly 1/10, not the nearest binary float
-        return Fraction(ast.get_source_segment(source.strip(), node) or repr(node.value))
+        return _literal(node, source)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         x = _eval(node.operand, source)
         return -x if isinstance(node.op, ast.USub) else x
@@ -319,36 +369,48 @@ def _power(a: Fraction, b: Fraction) -> Fraction:
         raise ValueError("only whole-number exponents are supported")
     if a == 0 and b < 0:
         raise ZeroDivisionError("zero to a negative power")
+    if a in (0, 1, -1):  # only the exponent's parity and sign matter: no huge squarings
+        return Fraction(1) if b == 0 else a ** (2 - int(b) % 2)
     bits = max(a.numerator.bit_length(), a.denominator.bit_length())
-    if a not in (0, 1, -1) and bits * abs(b.numerator) > MAX_BITS:
-        raise ValueError(f"the result is too large (more than {MAX_BITS} bits)")
+    # (bits - 1) * |b| is a lower bound of the result's size: refuse before computing it
+    if max(bits - 1, 1) * abs(b.numerator) > MAX_BITS:
+        raise _too_large()
     return a ** int(b)
 
 
 def _checked(x: Fraction) -> Fraction:
     if max(x.numerator.bit_length(), x.denominator.bit_length()) > MAX_BITS:
-        raise ValueError(f"the result is too large (more than {MAX_BITS} bits)")
+        raise _too_large()
     return x
 
 
 def _format(x: Fraction) -> str:
-    """An integer as is; a fraction with a terminating decimal as that decimal; others as
-    ``p/q`` with a rounded decimal beside it."""
+    """An integer as is; a fraction with a short terminating decimal as that decimal; others
+    as ``p/q`` with a rounded decimal beside it."""
     if x.denominator == 1:
         return str(x.numerator)
     d = x.denominator
-    twos = fives = 0
-    while d % 2 == 0:
-        d, twos = d // 2, twos + 1
-    while d % 5 == 0:
+    twos = (d & -d).bit_length() - 1
+    d >>= twos
+    fives = 0
+    while d % 5 == 0 and fives <= MAX_DECIMALS:  # a bounded loop: past the bound, p/q it is
         d, fives = d // 5, fives + 1
-    if d == 1:  # terminates after max(twos, fives) digits
-        places = max(twos, fives)
+    places = max(twos, fives)
+    if d == 1 and places <= MAX_DECIMALS:  # terminates after max(twos, fives) digits
         digits = abs(x.numerator) * 10**places // x.denominator
         sign = "-" if x < 0 else ""
         whole, frac = divmod(digits, 10**places)
-        return f"{sign}{whole}.{frac:0{places}d}"
-    return f"{x.numerator}/{x.denominator} (about {float(x):.12g})"
+        if len(str(whole)) + places <= MAX_DIGITS:
+            return f"{sign}{whole}.{frac:0{places}d}"
+    return f"{x.numerator}/{x.denominator} (about {_approx(x)})"
+
+
+def _approx(x: Fraction) -> str:
+    """``x`` to 12 significant digits; Decimal, since a bounded fraction may overflow a float."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 12
+        value = (decimal.Decimal(x.numerator) / decimal.Decimal(x.denominator)).normalize()
+    return f"{value:.12g}"
 
 
 def calculator_tool(timeout: float = 5.0) -> Tool:
@@ -375,20 +437,38 @@ except BaseException as e:
 """
 
 
+# Sandboxes running at once in this process, per limit: every python tool built with the same
+# ``max_concurrent`` shares one count (a rollout builds a tool per trajectory, on many threads).
+_SANDBOX_SLOTS: dict[int, threading.BoundedSemaphore] = {}
+_SLOTS_LOCK = threading.Lock()
+
+
+def _sandbox_slots(n: int) -> threading.BoundedSemaphore:
+    with _SLOTS_LOCK:
+        return _SANDBOX_SLOTS.setdefault(n, threading.BoundedSemaphore(n))
+
+
 def python_tool(
     timeout: float = 5.0,
     memory_mb: int = 1024,
     max_output_chars: int = 4096,
     max_processes: int = 16,
     require_isolation: bool = False,
+    max_concurrent: int = 4,
 ) -> Tool:
     """A tool that runs Python code in the code reward's sandbox
     (:class:`lightrft.rewards.code.CodeVerifier`: its own process, the same namespaces and
     limits) and returns what it printed, its traceback included.
 
     A program that raises is a normal result (the model reads the traceback and may fix it);
-    one past ``timeout`` is a ``tool_timeout``.
+    one past ``timeout`` is a ``tool_timeout``. ``memory_mb`` bounds a call, all the processes
+    it starts together, where a memory cgroup can be made (root); else each process. At most
+    ``max_concurrent`` sandboxes run at once in this process, across all python tools with that
+    limit; a call that finds none free within ``timeout`` is a ``tool_timeout``.
     """
+    if max_concurrent < 1:
+        raise ValueError(f"python_tool: max_concurrent must be >= 1, got {max_concurrent}")
+    slots = _sandbox_slots(int(max_concurrent))
     from lightrft.rewards.code import CodeVerifier, TestCase
 
     sandbox = CodeVerifier(
@@ -408,7 +488,14 @@ def python_tool(
         Args:
             code: the Python source code to run.
         """
-        result = sandbox.run(_PYTHON_WRAPPER.format(source=code), TestCase(stdin=""))
+        if not slots.acquire(timeout=timeout):
+            raise ToolTimeout(
+                f"no sandbox was free within {timeout:g} s ({max_concurrent} run at once)"
+            )
+        try:
+            result = sandbox.run(_PYTHON_WRAPPER.format(source=code), TestCase(stdin=""))
+        finally:
+            slots.release()
         if result.status == "timeout":
             raise ToolTimeout(f"the program did not finish within {timeout:g} s")
         out = result.stdout
@@ -418,8 +505,9 @@ def python_tool(
             )
         return out
 
-    # the sandbox kills the program at ``timeout`` + 0.5 s; leave room for its start and clean-up
-    return Tool(python, timeout=timeout + 10.0, max_output_chars=max_output_chars)
+    # the sandbox kills the program at ``timeout`` + 0.5 s, after waiting at most ``timeout`` for
+    # a slot; leave room for its start and clean-up
+    return Tool(python, timeout=2 * timeout + 10.0, max_output_chars=max_output_chars)
 
 
 # The shipped tools by the name their schema gives them (what SFT records may name in ``tools``).

@@ -10,9 +10,12 @@ template, the tokenizer) let ``AutoModelForImageTextToText`` and ``AutoProcessor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +64,8 @@ def export_hf(
     ``tokenizer``: the tokenizer, or a vision-language model's processor (anything with
     ``save_pretrained``; the processor writes its image-processor and tokenizer files).
 
-    Collective: call on every rank. Rank 0 writes into ``<out_dir>.tmp`` and renames it to
-    ``out_dir`` only when complete, replacing an older export there, so a crash never leaves a
+    Collective: call on every rank. Rank 0 writes into a new uniquely named directory beside
+    ``out_dir`` (:func:`temp_dir_beside`) and renames it to ``out_dir`` only when complete, replacing an older export there, so a crash never leaves a
     half-written export under the final name. ``dtype`` casts floating-point weights (e.g.
     ``"bfloat16"`` for serving); ``None`` keeps the training dtype. ``tokenizer=None`` skips it.
     """
@@ -93,18 +96,14 @@ def export_hf_state_dict(
     if is_main():
         if cast is not None:
             sd = _cast_floating(sd, cast)
-        tmp = out.with_name(out.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(
-            tmp, state_dict=sd, is_main_process=True, max_shard_size=max_shard_size
-        )
-        if cast is not None:
-            _set_config_dtype(tmp / "config.json", cast)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
+        with writing_dir(out) as tmp:
+            model.save_pretrained(
+                tmp, state_dict=sd, is_main_process=True, max_shard_size=max_shard_size
+            )
+            if cast is not None:
+                _set_config_dtype(tmp / "config.json", cast)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
     barrier()
     return out
 
@@ -131,14 +130,36 @@ def _set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
     config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def temp_dir_beside(target: Path) -> Path:
+    """A new, uniquely named, empty directory beside ``target`` to write an export into before
+    it is renamed to ``target`` (``mkdtemp``: never a path that existed, so nothing of anyone
+    else's, such as a ``<target>.tmp`` of theirs, is reused or deleted)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would make the export private to this user
+    return tmp
+
+
+@contextlib.contextmanager
+def writing_dir(target: Path) -> Iterator[Path]:
+    """A :func:`temp_dir_beside` ``target`` to write into: renamed to ``target`` when the block
+    ends, deleted (it is this call's own) when the block raises."""
+    tmp = temp_dir_beside(target)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, target)
+
+
 def replace_dir(src: Path, dst: Path) -> None:
-    """Move directory ``src`` to ``dst``; an existing ``dst`` is swapped out, then deleted."""
+    """Move directory ``src`` to ``dst``; an existing ``dst`` is first moved into a new
+    uniquely named directory beside it (which is then deleted, with only what was at ``dst``)."""
     old = None
-    if dst.exists():
-        old = dst.with_name(dst.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(dst, old)
+    if dst.exists() or dst.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+        os.replace(dst, old / dst.name)
     os.replace(src, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -277,17 +277,15 @@ def export_adapter(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Pat
     """Write the PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``
     + tokenizer) of a plain or FSDP2-sharded LoRA model; collective, rank 0 writes."""
     from lightrft.distributed import barrier, is_main
-    from lightrft.models.export import replace_dir
+    from lightrft.models.export import writing_dir
 
     out = Path(out_dir)
     sd = _peft_state_dict(model)
     if is_main():
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(tmp, state_dict=sd, save_embedding_layers=False)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
+        with writing_dir(out) as tmp:
+            model.save_pretrained(tmp, state_dict=sd, save_embedding_layers=False)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
     barrier()
     return out
 

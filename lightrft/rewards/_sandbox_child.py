@@ -339,6 +339,11 @@ def main() -> None:
             _write(os.path.join(cfg["cgroup"], "cgroup.procs"), str(os.getpid()))
         except OSError:
             status["missing"].append("cgroup")
+    if cfg.get("memory_cgroup"):  # the run's memory, all its processes together
+        try:
+            _write(os.path.join(cfg["memory_cgroup"], "cgroup.procs"), str(os.getpid()))
+        except OSError:
+            status["missing"].append("memory_cgroup")
     argv = [sys.executable, "-I", "-c", HARNESS, str(cfg["job_fd"]), str(cfg["report_fd"])]
     if cfg["isolate"]:
         _write(cfg["status"], json.dumps(status))

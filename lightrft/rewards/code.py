@@ -70,6 +70,7 @@ MBPP form) give it nothing but its own return values.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -99,6 +100,12 @@ _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _NOBODY = 65534  # the uid and gid of programs when the trainer is root (see _sandbox_child)
 _CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids, then v2
+# where a memory cgroup can be made and the file that bounds it: cgroup v1, then v2 (memory.max
+# exists in a new v2 group only when its parent enables the memory controller)
+_MEMORY_CGROUPS = (
+    ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+    ("/sys/fs/cgroup", "memory.max"),
+)
 _warned: set[str] = set()
 _probe_lock = threading.Lock()
 _probe_result: list[str | None] = []  # filled once: None, or why isolation is unavailable
@@ -254,6 +261,7 @@ class CodeVerifier:
         if isolate and os.getuid() == 0:
             os.chown(work, _NOBODY, _NOBODY)  # isolated root runs the program as nobody
         cgroup = self._make_cgroup()
+        memory_cgroup = self._make_memory_cgroup()
         job_r, job_w = os.pipe()
         feeders = []
         try:
@@ -263,6 +271,7 @@ class CodeVerifier:
                 "output_bytes": self.max_output_bytes,
                 "nproc": self.max_processes if cgroup is None else None,
                 "cgroup": cgroup,
+                "memory_cgroup": memory_cgroup,
                 "no_network": self.no_network,
                 "isolate": isolate,
                 "status": os.path.join(tmp, "status.json"),
@@ -314,6 +323,8 @@ class CodeVerifier:
             shutil.rmtree(tmp, ignore_errors=True)
             if cgroup is not None:
                 self._remove_cgroup(cgroup)
+            if memory_cgroup is not None:
+                self._remove_cgroup(memory_cgroup)
 
     def _isolate(self) -> bool:
         """Whether runs get the namespaces; warns once (or refuses) where they cannot."""
@@ -340,6 +351,34 @@ class CodeVerifier:
             missing = [m for m in missing if m != "network"]
         self._warn_missing(missing)
         return status
+
+    def _make_memory_cgroup(self) -> str | None:
+        """A memory cgroup bounding the whole run (every process it starts together) to
+        ``memory_mb``, where one can be made (root, cgroup v1's memory controller or v2's with
+        ``memory`` enabled); else None, and the bound is ``memory_mb`` per process, so
+        ``memory_mb * max_processes`` per run."""
+        for root, limit in _MEMORY_CGROUPS:
+            if not os.path.isdir(root):
+                continue
+            path = os.path.join(root, f"lightrft-sandbox-mem-{uuid.uuid4().hex[:12]}")
+            try:
+                os.mkdir(path)
+            except OSError:
+                continue
+            try:
+                with open(os.path.join(path, limit), "w") as f:
+                    f.write(str(self.memory_bytes))
+                return path
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+        _warn_once(
+            "memory-cgroup",
+            "CodeVerifier: no memory cgroup could be made (it needs root and the memory "
+            "controller), so memory_mb bounds each process of a run, not the run: a run may use "
+            "memory_mb * max_processes",
+        )
+        return None
 
     def _make_cgroup(self) -> str | None:
         for root in _CGROUP_ROOTS:
@@ -406,7 +445,7 @@ class CodeVerifier:
                 "sandboxed code can use the network. Set no_network=False to silence this",
             )
         for m in missing:
-            if m.startswith("rlimit") or m == "cgroup":
+            if m.startswith("rlimit") or m in ("cgroup", "memory_cgroup"):
                 _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
 
     # ------------------------------------------------------------------ rewards

@@ -282,7 +282,7 @@ class RewardModel:
 
         # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
         # directory its final/ would be: heads, pooling and statistics included.
-        path = resolve_model_dir(path)
+        path = resolve_model_dir(path, trust_remote_code=trust_remote_code)
         check_local(path)
         from lightrft.models.multimodal import checkpoint_is_multimodal
 

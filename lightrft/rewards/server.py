@@ -52,6 +52,7 @@ import argparse
 import hmac
 import io
 import json
+import math
 import os
 import socket
 import threading
@@ -160,7 +161,6 @@ def _decode_video(
     """A video part (``{"type": "video", "video": [PNG data URL, ...], "fps": r}``) with its
     frames decoded by :func:`_decode_png`, each counted as an image against the pixel bounds
     and against what is left of the request's ``max_video_frames`` (``budget[2]``)."""
-    import math
 
     frames, fps = part.get("video"), part.get("fps")
     if not isinstance(frames, list):
@@ -169,12 +169,7 @@ def _decode_video(
         )
     if not frames:
         raise ValueError(f"{where}.video has no frames (an empty list)")
-    if fps is not None and (
-        isinstance(fps, bool)
-        or not isinstance(fps, (int, float))
-        or not math.isfinite(fps)
-        or fps <= 0
-    ):
+    if fps is not None and not _positive_rate(fps):
         raise ValueError(
             f"{where}.fps must be a positive number (the rate the frames were sampled at), "
             f"got {str(fps)[:40]}"
@@ -395,6 +390,18 @@ class _DeadlineReader(io.RawIOBase):
         except TimeoutError:
             self.timed_out = True
             raise
+
+
+def _positive_rate(value: Any) -> bool:
+    """A JSON number that is a positive, finite float (an integer of 400 digits is none: it
+    overflows a float, and must be a 400 like any other bad value, not a dropped connection)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        rate = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(rate) and rate > 0
 
 
 def _lingering_close(sock: socket.socket, seconds: float) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from lightrft.distributed import barrier, is_main
 from lightrft.engine.sync import iter_weight_buckets
-from lightrft.models.export import export_hf, replace_dir
+from lightrft.models.export import export_hf, writing_dir
 from lightrft.models.lora import export_adapter, unwrap_peft
 from lightrft.sections import LoraConfig, is_checkpoint_dir
 
@@ -48,16 +48,14 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
     out = Path(out_dir)
     if main:
         base = unwrap_peft(model)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        base.save_pretrained(tmp, state_dict=sd, is_main_process=True)
-        cfg_file = tmp / "config.json"
-        cfg = json.loads(cfg_file.read_text())
-        cfg.pop("_name_or_path", None)
-        cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
+        with writing_dir(out) as tmp:
+            base.save_pretrained(tmp, state_dict=sd, is_main_process=True)
+            cfg_file = tmp / "config.json"
+            cfg = json.loads(cfg_file.read_text())
+            cfg.pop("_name_or_path", None)
+            cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
     barrier()
     return out
 
@@ -404,7 +402,9 @@ def _load_deepspeed(model: nn.Module, path: Path, name: str) -> None:
             params[k].copy_(v)
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, *, trust_remote_code: bool = False
+) -> Path:
     """Write checkpoint ``checkpoint`` (FSDP2 DCP state saved by any number of ranks, LoRA
     adapters, DeepSpeed ZeRO-1/2/3 files) as the directory the run's ``final/`` would be had the
     run ended at that step, in this one process (``lightrft export``). Returns ``out_dir``.
@@ -412,12 +412,25 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     Bad input (not a checkpoint, an older checkpoint without the export record, another
     version's, a missing file) is a ``ValueError`` naming the path and key, before any model
     loads. Without a process group it needs none; under one it is collective (every rank
-    rebuilds the model, rank 0 writes), as the final export is."""
+    rebuilds the model, rank 0 writes), as the final export is.
+
+    ``trust_remote_code`` comes from the caller (the command line, a config) only, never from
+    the checkpoint: a ``meta.json`` is a file anyone can write, and with it the base directory's
+    ``auto_map`` code would run. A checkpoint whose run trusted remote code is refused, naming
+    the flag, unless the caller trusts it too."""
     from lightrft.models.multimodal import load_processors
     from lightrft.models.reward import set_reward_config
 
     path = Path(checkpoint)
     _meta, spec = read_export_spec(path)
+    if spec.trust_remote_code and not trust_remote_code:
+        raise ValueError(
+            f"{path / 'meta.json'}: the run loaded its base model {spec.base_path()} with "
+            "trust_remote_code=true, and a checkpoint cannot grant that itself; if you trust the "
+            "code in that directory, pass --trust-remote-code to lightrft export (or set "
+            "model.trust_remote_code=true in the config that names the checkpoint)"
+        )
+    spec = dataclasses.replace(spec, trust_remote_code=bool(trust_remote_code))
     out = Path(out_dir)
     if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} lies inside the checkpoint {path}; write it elsewhere")
@@ -428,6 +441,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     for d in dirs if is_main() else []:
         if d.exists() and (not d.is_dir() or any(d.iterdir())):
             raise ValueError(f"--out: {d} exists and is not empty; give a new directory")
+        above = next((a for a in d.absolute().parents if a.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ValueError(f"--out: {above} is a file, not a directory; give a directory path")
     model = build_skeleton(spec)
     if spec.strategy == "deepspeed":
         _load_deepspeed(model, path, spec.model)
@@ -458,12 +474,14 @@ def export_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightrft" / "exports"
 
 
-def resolve_model_dir(path: str | Path) -> str:
+def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> str:
     """``path`` itself, or for a training checkpoint (:func:`is_checkpoint`) its export
     (:func:`export_checkpoint`) in :func:`export_cache_dir`, made once and reused while the
     checkpoint is unchanged (keyed by its absolute path and ``meta.json``). What eval's
     ``model.path`` and :class:`~lightrft.rewards.RewardModel` call. Under a process group it is
-    collective (call it on every rank; the cache must be on a file system they share)."""
+    collective (call it on every rank; the cache must be on a file system they share).
+    ``trust_remote_code``: the caller's (its config's) flag; the checkpoint's own is never
+    trusted (:func:`export_checkpoint`)."""
     import hashlib
 
     from lightrft.distributed import barrier, is_main
@@ -476,7 +494,7 @@ def resolve_model_dir(path: str | Path) -> str:
     out = export_cache_dir() / f"{p.parent.parent.name}-{p.name}-{key}"
     # Rank 0 decides, so every rank takes part in the (collective) export or none does.
     if broadcast_from_rank0(not out.is_dir() if is_main() else None):
-        export_checkpoint(p, out)
+        export_checkpoint(p, out, trust_remote_code=trust_remote_code)
         if is_main():
             print(f"exported checkpoint {p} to {out}", flush=True)
     barrier()

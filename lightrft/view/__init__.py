@@ -41,6 +41,9 @@ CURVES: list[tuple[str, list[str]]] = [
     ("clip fraction", ["train/clip_frac"]),
 ]
 MEDIA_LIMIT = 2 * 2**20  # bytes: a larger media file is named on the page, not embedded
+MAX_LINE_BYTES = 64 * 2**20  # a longer JSONL line is counted unreadable, not parsed
+MAX_FILE_BYTES = 2**30  # a JSONL file is read up to this many bytes
+OUTSIDE = "outside the run and data folders: not embedded"
 VIDEO_FRAMES = 16  # a video shown as frames shows at most this many, spread evenly
 FRAME_SIDE = 256  # pixels: frames decoded from a video file are scaled down to this longer side
 # Video files a browser plays (checked in headless Chromium), by suffix: the MIME type of the data
@@ -78,22 +81,42 @@ def _finite(value: Any) -> Any:
 
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The JSON objects of a file, and how many lines were not one (a running run's last line
-    may be half written)."""
-    rows, bad = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+    may be half written; a line over :data:`MAX_LINE_BYTES`, an integer past Python's 4300
+    digits, nesting past the recursion limit). Only a regular file is read (a link to
+    ``/dev/zero`` is not), and at most :data:`MAX_FILE_BYTES` of it."""
+    rows: list[dict[str, Any]] = []
+    bad = 0
+    if not path.is_file():
+        return rows, 1
+    with open(path, "rb") as f:
+        read = 0
+        while read < MAX_FILE_BYTES:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                break
+            read += len(raw)
+            if len(raw) > MAX_LINE_BYTES:
                 bad += 1
+                while raw and not raw.endswith(b"\n") and read < MAX_FILE_BYTES:
+                    raw = f.readline(MAX_LINE_BYTES)  # skip the rest of the long line
+                    read += len(raw)
                 continue
+            if not raw.strip():
+                continue
+            row = _json_or_none(raw.decode("utf-8", errors="replace"))
             if isinstance(row, dict):
                 rows.append(row)
             else:
                 bad += 1
     return rows, bad
+
+
+def _json_or_none(text: str) -> Any:
+    """``json.loads(text)``, or None for anything that is not JSON Python can hold."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # JSONDecodeError, 4300-digit ints, deep nesting
+        return None
 
 
 def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -138,12 +161,13 @@ def _line_offsets(path: Path) -> array:
     return offsets
 
 
-def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, Any]]:
+def _record_media(where: str, cache: dict[Path, Any], run: Path) -> list[dict[str, Any]]:
     """The images, audio and videos of the dataset record ``where`` names (``"<file> line
     N"``), read from its ``images`` / ``audios`` / ``videos`` fields (a path or a list;
     ``image`` / ``audio`` / ``video`` too; a video is a file or a list of frame images, as the
     data loader reads them) and from media parts of its messages, relative paths from the
-    file's folder. Each is what :func:`_media_item` makes."""
+    file's folder. Each is what :func:`_media_item` makes; only files inside the run folder
+    ``run`` or that data file's folder, links followed, are embedded."""
     m = _WHERE.match(where or "")
     if m is None:
         return []
@@ -155,20 +179,22 @@ def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, Any]]:
             if m["kind"] == "line":
                 cache[path] = _line_offsets(path)
             else:
+                if path.stat().st_size > MAX_FILE_BYTES:
+                    raise OSError("too large")
                 cache[path] = json.loads(path.read_text(encoding="utf-8"))
                 if isinstance(cache[path], dict):
                     cache[path] = cache[path].get("data", [])
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        except (OSError, ValueError, RecursionError):  # also 4300-digit ints, deep nesting
             cache[path] = []
     try:
         n = int(m["n"])
         if m["kind"] == "line":
             with open(path, "rb") as f:
                 f.seek(cache[path][n - 1])
-                rec = json.loads(f.readline().decode("utf-8", errors="replace"))
+                rec = json.loads(f.readline(MAX_LINE_BYTES).decode("utf-8", errors="replace"))
         else:
             rec = cache[path][n]
-    except (IndexError, ValueError, TypeError, OSError):
+    except (IndexError, ValueError, TypeError, OSError, RecursionError):
         return []
     if not isinstance(rec, dict):
         return []
@@ -183,7 +209,8 @@ def _record_media(where: str, cache: dict[Path, Any]) -> list[dict[str, Any]]:
             if isinstance(part, dict) and part.get("type") in _MEDIA_FIELDS:
                 kind = part["type"]
                 found += [(kind, part.get(k)) for k in (kind, "path", "url") if part.get(k)][:1]
-    return [item for kind, value in found if (item := _media_item(kind, value, path.parent))]
+    roots = (run.resolve(), path.parent.resolve())
+    return [item for kind, value in found if (item := _media_item(kind, value, path.parent, roots))]
 
 
 def _data_uri(data: bytes, mime: str) -> str:
@@ -196,35 +223,66 @@ def _spread(count: int, k: int) -> list[int]:
     return [round(j * (count - 1) / (k - 1)) for j in range(k)] if k > 1 else [0]
 
 
-def _media_item(kind: str, value: Any, base: Path) -> dict[str, Any] | None:
+def _media_item(
+    kind: str, value: Any, base: Path, roots: tuple[Path, ...]
+) -> dict[str, Any] | None:
     """One medium of a record as the page shows it: ``{"kind", "name"}`` and its data URI
     (``"uri"``), a video's frames (``"frames"``: ``[{"index", "name", "uri" | "missing"}]``,
     with a ``"note"`` on what they are), or why it is not shown (``"missing"``). None for what
-    names no file (inline bytes, a None slot)."""
+    names no file (inline bytes, a None slot).
+
+    A page is made to be shared, so nothing from outside ``roots`` (the run folder and the data
+    file's folder) is embedded, wherever a path or a link points, and a file must decode as
+    the medium it claims to be (:func:`_looks_like`)."""
     if kind == "video" and isinstance(value, dict):  # {"path": ...} as the data loader takes
         value = value.get("path", value.get("video"))
     if kind == "video" and isinstance(value, (list, tuple)):
-        return _frame_list(value, base)
+        return _frame_list(value, base, roots)
     if not isinstance(value, str) or not value:
         return None
-    file = Path(value) if Path(value).is_absolute() else base / value
-    item: dict[str, Any] = {"kind": kind, "name": value}
+    item: dict[str, Any] = {"kind": kind, "name": value[:300]}
     try:
-        if not file.is_file():
+        file = (Path(value) if Path(value).is_absolute() else base / value).resolve()
+        if not any(file.is_relative_to(root) for root in roots):
+            item["missing"] = OUTSIDE
+        elif not file.is_file():
             item["missing"] = "file not found"
         elif file.stat().st_size > MEDIA_LIMIT:
             item["missing"] = f"over {MEDIA_LIMIT // 2**20} MiB, not embedded"
         elif kind == "video":
             item.update(_video_file(file))
         else:
-            mime = mimetypes.guess_type(file.name)[0] or f"{kind}/*"
-            item["uri"] = _data_uri(file.read_bytes(), mime)
-    except OSError as e:
-        item["missing"] = f"unreadable ({e.strerror or e})"
+            data = file.read_bytes()
+            if not _looks_like(kind, data):
+                item["missing"] = f"not an {kind} file: not embedded"
+            else:
+                mime = mimetypes.guess_type(file.name)[0] or f"{kind}/*"
+                item["uri"] = _data_uri(data, mime)
+    except (OSError, ValueError, RuntimeError) as e:  # a NUL in the name, a link loop
+        item["missing"] = f"unreadable ({getattr(e, 'strerror', None) or e})"
     return item
 
 
-def _frame_list(frames: list | tuple, base: Path) -> dict[str, Any]:
+# The first bytes of the formats a browser shows, by medium ("decode as the claimed medium":
+# a text file named .png is not embedded).
+_MAGIC = {
+    "image": (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM"),
+    "audio": (b"fLaC", b"OggS", b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2", b"\xff\xf1"),
+    "video": (b"\x1aE\xdf\xa3",),  # WebM / Matroska; MP4 is "ftyp" at byte 4
+}
+
+
+def _looks_like(kind: str, data: bytes) -> bool:
+    """Whether ``data`` starts as a file of medium ``kind`` (RIFF: WAVE audio, WEBP image,
+    AVI video; ISO media ``ftyp``: an M4A audio or MP4 video)."""
+    if data.startswith(_MAGIC.get(kind, ())):
+        return True
+    if data[:4] == b"RIFF":
+        return data[8:12] == {"image": b"WEBP", "audio": b"WAVE", "video": b"AVI "}.get(kind)
+    return kind in ("audio", "video") and data[4:8] == b"ftyp"
+
+
+def _frame_list(frames: list | tuple, base: Path, roots: tuple[Path, ...]) -> dict[str, Any]:
     """A video given as frame images: each shown frame embedded as an image is (at most
     ``VIDEO_FRAMES``, spread evenly)."""
     names = [f for f in frames if isinstance(f, str)]
@@ -238,7 +296,7 @@ def _frame_list(frames: list | tuple, base: Path) -> dict[str, Any]:
     shown = _spread(len(frames), VIDEO_FRAMES)
     item["frames"] = []
     for k in shown:
-        frame = _media_item("image", frames[k], base) or {
+        frame = _media_item("image", frames[k], base, roots) or {
             "name": f"frame {k}",
             "missing": "inline data, not a file path: not shown",
         }
@@ -257,6 +315,9 @@ def _video_file(file: Path) -> dict[str, Any]:
         import av
     except ImportError:
         if mime is not None:
+            with open(file, "rb") as f:
+                if not _looks_like("video", f.read(16)):
+                    return {"missing": "not a video file: not embedded"}
             return {
                 "uri": _data_uri(file.read_bytes(), mime),
                 "note": "codec not checked: PyAV is not installed (pip install av)",
@@ -312,9 +373,12 @@ def load_run(
     first ``samples`` lines of each, newest first until the samples and media reach ``max_mib``
     MiB (per-token lines of long responses are large; at least one sample is kept).
 
+    A run saved without trajectories gets its curves and ``cap["no_trajectories"]``, the
+    sentence saying how to save them.
+
     Raises:
-        ViewError: ``run_dir`` is no directory, it holds no trajectory files, or a limit is
-            not positive.
+        ViewError: ``run_dir`` is no directory, it holds neither metrics nor trajectory files,
+            or a limit is not positive.
     """
     run = Path(run_dir)
     if not run.is_dir():
@@ -328,15 +392,18 @@ def load_run(
     files = sorted(
         (int(m[1]), p)
         for p in (folder.iterdir() if folder.is_dir() else [])
-        if (m := _STEP_FILE.match(p.name))
+        if (m := _STEP_FILE.match(p.name)) and p.is_file()  # not a link to /dev/zero
     )
-    if not files:
-        raise ViewError(
-            f"{run} has no saved trajectories ({folder}/step_*.jsonl): the page pages through "
-            "them; run the recipe with `trajectories: true` (and `trajectory_tokens: true` to "
-            "colour the tokens)"
-        )
     metrics_path = run / "metrics.jsonl"
+    no_trajectories = (
+        f"This run saved no trajectories ({folder.name}/step_*.jsonl), so only its curves are "
+        "shown. To page through samples, run the recipe with `trajectories: true` (and "
+        "`trajectory_tokens: true` to colour the tokens)."
+    )
+    if not files and not metrics_path.is_file():
+        raise ViewError(
+            f"{run} has neither metrics.jsonl nor saved trajectories. {no_trajectories}"
+        )
     rows, bad_metrics = _read_jsonl(metrics_path) if metrics_path.is_file() else ([], 0)
     budget, used, size_cut = max_mib * 2**20, 0, False
     per_step: list[list[dict[str, Any]]] = []
@@ -354,10 +421,10 @@ def load_run(
             key = json.dumps([rec.get("where"), rec.get("prompt")])
             rec = dict(_finite(rec), step=rec.get("step", step), index=index)
             rec["group"] = groups.setdefault(key, len(groups))
-            where = rec.get("where") or ""
+            where = rec.get("where") if isinstance(rec.get("where"), str) else ""
             size = len(json.dumps(rec))
             if where and where not in media:
-                media[where] = _record_media(where, cache)
+                media[where] = _record_media(where, cache, run)
                 size += _media_size(media[where])
             if used + size > budget and (per_step or kept):
                 size_cut = True
@@ -379,6 +446,7 @@ def load_run(
         "media": {k: v for k, v in media.items() if v},
         "tokens": any("tokens" in r for r in records),
         "cap": {
+            "no_trajectories": None if files else no_trajectories,
             "steps": steps,
             "samples": samples,
             "max_mib": max_mib,

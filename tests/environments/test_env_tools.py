@@ -1,6 +1,9 @@
 """Tools: schemas, argument validation, the calculator, the sandboxed python tool, and every way
 a call can fail becoming an error result (never an exception)."""
 
+import gc
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -222,10 +225,98 @@ def test_calculator_is_exact(expression, value):
     ],
 )
 def test_calculator_refuses_quickly(expression, error):
+    tool = calculator_tool()
     start = time.monotonic()
-    result = calculator_tool().run({"expression": expression})
+    result = tool.run({"expression": expression})
     assert time.monotonic() - start < 0.5
     assert result.error is ErrorKind.tool_exception and error in result.text
+
+
+# Hostile expressions: each is answered or refused in under 100 ms, before any huge number is
+# built (the work holds the GIL, so the tool's timeout thread could never interrupt it).
+HOSTILE_EXPRESSIONS = [
+    "1e999999999",
+    "1e2000000",
+    "1e8000000",
+    "1e-3000000",
+    "-1e-999999999999999999999",
+    "1.5e+0000000000000000000000000000000000000000009999",
+    "2**8000 * 2**7000",  # passed the old 16384-bit bound, then failed str()'s 4300 digits
+    "3**8380",  # 3998 digits: answered in full
+    "1/2**13000",  # a terminating decimal of 13000 places: written p/q
+    "0.5**13000",
+    "(2**13000 + 1) / 2**13000",
+    "1/5**5000",
+    "2**13000 / 3",  # too large for a float: the approximation is a Decimal
+    "-1 ** 10**900",
+    "(1/3)**4000",
+    "9**9**9**9",
+    "1" + "*9" * 499,
+    "+".join(["9" * 8] * 110),
+    "-" * 998 + "1",
+    "(" * 200 + "1" + ")" * 200,
+]
+
+
+@pytest.mark.parametrize("expression", HOSTILE_EXPRESSIONS)
+def test_calculator_bounds_every_expression(expression):
+    # this thread's CPU time: a spinning tool thread another test left behind shares the GIL;
+    # a collection first, so a garbage collection of other tests' objects is not timed
+    gc.collect()
+    start = time.thread_time()
+    try:
+        text = calculator(expression)
+    except (ValueError, ZeroDivisionError) as e:
+        text = str(e)
+    seconds = time.thread_time() - start
+    assert seconds < 0.1, f"{expression[:40]!r} took {seconds:.3f} s"
+    assert len(text) < 2 * 4000 + 100
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("1e999999999", "too large (more than 4000 digits)"),
+        ("1e-3000000", "too large (more than 4000 digits)"),
+        ("2**8000 * 2**7000", "too large (more than 4000 digits)"),
+        ("0e99999999999", "0"),
+        ("1_000.5e3", "1000500"),
+        ("0**0", "1"),
+        ("(-1)**-3", "-1"),
+        ("2**13000 / 3", "(about 8.18130111038e+3912)"),
+        ("(2**13000 + 1) / 2**13000", "(about 1)"),
+        ("1/5**50", "0." + "0" * 34 + "1125899906842624"),
+        ("3**8380", str(3**8380)),
+    ],
+)
+def test_calculator_huge_literals_and_results(expression, value):
+    try:
+        text = calculator(expression)
+    except ValueError as e:
+        text = str(e)
+    assert text.endswith(value) if value.startswith("(") else value in text
+
+
+def test_calculator_environment_answers_a_huge_literal_at_once(tmp_path):
+    """The issue's reproduction, in a child process: before the fix it had not returned after
+    90 s (the Fraction of 10**999999999 holds the GIL, so the 2 s timeout never fired)."""
+    script = (
+        "import time\n"
+        "from lightrft.environments import ToolEnvironment, calculator_tool\n"
+        "env = ToolEnvironment([calculator_tool(timeout=2.0)])\n"
+        "t = time.monotonic()\n"
+        's = env.step(\'<tool_call>{"name":"calculator","arguments":'
+        '{"expression":"1e999999999"}}</tool_call>\')\n'
+        "print(round(time.monotonic() - t, 3), s.observation[0]['content'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seconds, text = out.stdout.split(" ", 1)
+    assert float(seconds) < 0.1
+    assert text.strip() == (
+        "Error: tool 'calculator' failed: ValueError: the result is too large "
+        "(more than 4000 digits)"
+    )
 
 
 # The python tool runs each call in the code reward's sandbox: real subprocesses.
@@ -275,3 +366,57 @@ def test_python_tool_is_the_sandbox(py):
     # /tmp holds nothing but the interpreter's own directories (a venv there), read-only
     python = sorted({Path(d).parts[2] for d in _python_dirs() if Path(d).parts[1:2] == ("tmp",)})
     assert py.run({"code": code}).text == f"{python}\nno network\n"
+
+
+_FORKS = """
+import os, sys
+pids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = b"x" * (100 << 20)  # touched: 100 MiB resident in each child
+        import time; time.sleep(0.5)
+        os._exit(0)
+    pids.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+print("children", codes)
+"""
+
+
+def _memory_cgroups() -> bool:
+    import os
+
+    return os.getuid() == 0 and os.path.isdir("/sys/fs/cgroup/memory")
+
+
+@pytest.mark.skipif(not _memory_cgroups(), reason="needs root and cgroup v1's memory controller")
+def test_python_tool_memory_bounds_the_call_not_each_process():
+    """Before: memory_mb bounded each process, so a call forking 4 children used 4x it."""
+    tool = python_tool(timeout=5.0, memory_mb=256)
+    text = tool.run({"code": _FORKS}).text
+    codes = [int(c) for c in text.split("[", 1)[1].split("]", 1)[0].split(",")]
+    assert len(codes) == 4 and codes.count(0) < 4, text  # 400 MiB do not fit in 256
+
+
+def test_python_tool_caps_sandboxes_at_once():
+    """Before: nothing capped the sandboxes of a rollout's threads. Two calls per tool, three
+    tools, a cap of 2: never more than 2 programs alive at once (each program records when it
+    ran; the windows never overlap three deep)."""
+    tools = [python_tool(timeout=5.0, max_concurrent=2) for _ in range(3)]
+    code = "import time; a = time.time(); time.sleep(0.6); print(a, time.time())"
+    results: list[str] = []
+
+    def call(tool):
+        results.append(tool.run({"code": code}).text)
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in tools for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    windows = [tuple(map(float, r.split())) for r in results]
+    assert len(windows) == 6, results
+    for a, _ in windows:
+        assert sum(1 for s, e in windows if s <= a < e) <= 2, windows
+    with pytest.raises(ValueError, match="max_concurrent must be >= 1"):
+        python_tool(max_concurrent=0)

@@ -141,6 +141,84 @@ def test_bad_inputs_are_refused_naming_path_and_key(sft_run, tmp_path, capsys):
         check_model_path(str(_step(out, 2)))
 
 
+def _planted_remote_code(sft_run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the step-2 checkpoint whose meta.json says ``trust_remote_code: true`` and
+    names a base directory whose config.json maps AutoConfig to a module that, once imported,
+    creates a marker file. Returns the checkpoint and the marker."""
+    base = tmp_path / "base"
+    shutil.copytree(sft_run / "model", base)
+    marker = tmp_path / "code_ran"
+    (base / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PretrainedConfig\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+    )
+    config = json.loads((base / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"}
+    (base / "config.json").write_text(json.dumps(config))
+    ckpt = tmp_path / "planted" / "step_000002"
+    shutil.copytree(_step(sft_run / "out", 2), ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["export"].update(trust_remote_code=True, path=str(base))
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    return ckpt, marker
+
+
+def test_a_checkpoint_cannot_grant_itself_trust_remote_code(sft_run, tmp_path, capsys, monkeypatch):
+    """Before: export ran the base directory's auto_map code because meta.json said so."""
+    from lightrft.training.export import resolve_model_dir
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setenv("LIGHTRFT_EXPORT_CACHE", str(tmp_path / "cache"))
+    ckpt, marker = _planted_remote_code(sft_run, tmp_path)
+    assert cli.main(["export", str(ckpt), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "trust_remote_code=true, and a checkpoint cannot grant that itself" in err, err
+    assert "--trust-remote-code" in err and str(tmp_path / "base") in err
+    with pytest.raises(ValueError, match="a checkpoint cannot grant that itself"):
+        resolve_model_dir(ckpt)  # eval's model.path, RewardModel
+    assert not marker.exists() and not (tmp_path / "x").exists()
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_export_out_touches_only_what_it_creates(sft_run, tmp_path):
+    """Before: an existing X.tmp/ was deleted, X.old/ too when X was empty, and an X.tmp that
+    is a file or a symlink ended in a raw NotADirectoryError."""
+    ckpt = _step(sft_run / "out", 2)
+    theirs = {}
+    for name in ("x.tmp", "x.old", "x_merged.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "keep.txt").write_text(name)
+        theirs[name] = "dir"
+    (tmp_path / "x").mkdir()  # an empty --out is taken
+    _export(ckpt, tmp_path / "x")
+    assert_same_export(tmp_path / "x", sft_run / "out" / "final")
+    for name in theirs:
+        assert (tmp_path / name / "keep.txt").read_text() == name
+    # A file and a symlink where the old code put its temporary directory.
+    (tmp_path / "y.tmp").write_text("a file of theirs")
+    (tmp_path / "z.tmp").symlink_to(tmp_path / "x.tmp")
+    _export(ckpt, tmp_path / "y")
+    _export(ckpt, tmp_path / "z")
+    assert (tmp_path / "y.tmp").read_text() == "a file of theirs"
+    assert (tmp_path / "z.tmp").is_symlink() and (tmp_path / "x.tmp" / "keep.txt").exists()
+    # Nothing of the command's own is left beside the outputs, and the output is readable.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["x", "x.tmp", "x.old", "x_merged.tmp", "y", "y.tmp", "z", "z.tmp"]
+    )
+    assert (tmp_path / "y").stat().st_mode & 0o777 == 0o755
+
+
+def test_export_out_under_a_file_is_one_line(sft_run, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert (
+        cli.main(["export", str(_step(sft_run / "out", 2)), "--out", str(tmp_path / "file" / "x")])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"--out: {tmp_path / 'file'} is a file, not a dir" in err, err
+
+
 def test_eval_takes_a_checkpoint_and_evaluates_its_export(sft_run, tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTRFT_EXPORT_CACHE", str(tmp_path / "cache"))
     out = sft_run / "out"

@@ -47,15 +47,26 @@ def _ask(port: int, body: dict = GOOD, timeout: float = 5.0) -> tuple[int, dict]
     return int(head.split()[1]), json.loads(payload)
 
 
-def _drip(port: int, first: bytes, rest: bytes, result: dict, every: float = 0.7) -> None:
-    """Send ``first`` at once, then ``rest`` one byte every ``every`` seconds; record when and
-    with what the server ended the connection. ``every`` does not divide the tests' 1 s
-    deadline, so the client is listening, not sending, when the server answers and closes (a
-    byte landing in a closed socket makes the server's kernel reset the connection, and the
-    answer with it)."""
-    start = time.monotonic()
-    answer = b""
+def _drip(
+    port: int,
+    first: bytes,
+    rest: bytes,
+    result: dict,
+    every: float = 0.7,
+    connected: threading.Barrier | None = None,
+) -> None:
+    """Connect (then wait at ``connected``, so that every client holds its connection before
+    any drips: which get a slot and which a 503 no longer depends on when a thread starts under
+    load), send ``first`` at once, then ``rest`` one byte every ``every`` seconds; record when
+    and with what the server ended the connection. ``every`` does not divide the tests' 1 s
+    deadline, so the client is listening, not sending, when the server answers and closes. The
+    answer is read to the end of the stream (not one ``recv``, which may return part of it), and
+    what arrived before a reset is kept."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        if connected is not None:
+            connected.wait(10)
+        start = time.monotonic()
+        answer = b""
         s.sendall(first)
         for byte in rest:
             try:
@@ -64,7 +75,8 @@ def _drip(port: int, first: bytes, rest: bytes, result: dict, every: float = 0.7
                 break
             if select.select([s], [], [], every)[0]:
                 with contextlib.suppress(OSError):
-                    answer = s.recv(65536)
+                    while chunk := s.recv(65536):
+                        answer += chunk
                 break
     result["seconds"] = time.monotonic() - start
     result["answer"] = answer
@@ -83,8 +95,11 @@ def test_slow_headers_are_cut_at_the_read_timeout(where):
     first = data[: data.index(b"\r\n") + 2] if where == "headers" else b""
     with serving(server) as port:
         results = [{} for _ in range(6)]
+        connected = threading.Barrier(6)
         threads = [
-            threading.Thread(target=_drip, args=(port, first, data[len(first) :], r))
+            threading.Thread(
+                target=_drip, args=(port, first, data[len(first) :], r, 0.7, connected)
+            )
             for r in results
         ]
         for t in threads:

@@ -8,6 +8,8 @@ import base64
 import json
 import re
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +50,7 @@ def test_the_cap_keeps_the_last_steps_and_the_first_samples(fake_run):
     assert sorted({s["step"] for s in data["samples"]}) == [2, 3]
     assert len(data["samples"]) == 6
     assert data["cap"] == {
+        "no_trajectories": None,
         "steps": 2,
         "samples": 3,
         "max_mib": 64.0,
@@ -207,7 +210,12 @@ def test_the_command_writes_one_self_contained_file(fake_run, tmp_path, capsys):
     "make,args,message",
     [
         (None, ["--steps", "1"], "run directory not found"),
-        ("empty", [], "has no saved trajectories .*trajectories: true.*trajectory_tokens: true"),
+        (
+            "empty",
+            [],
+            "has neither metrics.jsonl nor saved trajectories.*trajectories: true.*"
+            "trajectory_tokens: true",
+        ),
         ("run", ["--out", "/no/such/folder/page.html"], "folder /no/such/folder does not exist"),
         ("run", ["--steps", "0"], "--steps and --samples must be >= 1 and --max-mib > 0, got 0"),
         ("run", ["--max-mib", "0"], "--max-mib > 0, got 20, 64 and 0.0"),
@@ -218,3 +226,106 @@ def test_command_errors_exit_2_with_one_line(fake_run, tmp_path, capsys, make, a
     assert cli.main(["view", str(target), *args]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
+
+
+# Hostile runs and data: a page is made to be shared, so it never holds bytes from outside the
+# run and data folders, and no line of a run's files ends `view` with a traceback.
+
+
+def _hostile_record(fake_run: Path, record: dict) -> Path:
+    """``record`` appended to the run's data file, and every trajectory row pointing at it."""
+    data = fake_run.parent / "data" / "train.jsonl"
+    with open(data, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    n = len(data.read_text().splitlines())
+    for path in (fake_run / "trajectories").iterdir():
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for r in rows:
+            r["where"] = f"{data} line {n}"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data.parent
+
+
+def _embedded(page: str) -> list[bytes]:
+    return [base64.b64decode(b) for b in re.findall(r"data:[^;\"]+;base64,([A-Za-z0-9+/=]+)", page)]
+
+
+def test_files_outside_the_run_and_data_folders_are_named_not_embedded(fake_run, monkeypatch):
+    """Before: all of these went into view.html as base64, the viewing process's environment
+    (HF_TOKEN) included."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_4c1d")
+    data = fake_run.parent / "data"
+    outside = fake_run.parent / "outside"
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(b"\x89PNG\r\n\x1a\nsecret-bytes-9e2")
+    (data / "link.png").symlink_to(outside / "secret.png")  # a link out of the data folder
+    (data / "passwd_link.wav").symlink_to("/etc/passwd")
+    (data / "text.png").write_text("root:x:0:0:not an image")  # decodes as no image
+    hostile = ["/etc/passwd", "../../../../etc/hostname", "/proc/self/environ", "link.png"]
+    _hostile_record(
+        fake_run,
+        {
+            "prompt": "p",
+            "images": [*hostile, "text.png", "red.png"],
+            "audios": ["passwd_link.wav", "/proc/self/environ"],
+            "videos": ["/etc/passwd", ["/proc/self/environ", "../outside/secret.png"]],
+        },
+    )
+    data_out = load_run(fake_run)
+    (items,) = data_out["media"].values()
+    by_name = {m["name"]: m for m in items}
+    for name in [*hostile, "passwd_link.wav"]:
+        assert by_name[name]["missing"] == "outside the run and data folders: not embedded"
+    assert by_name["text.png"]["missing"] == "not an image file: not embedded"
+    assert "uri" in by_name["red.png"]  # the record's own image still shows
+    frames = next(m for m in items if m["kind"] == "video" and "frames" in m)["frames"]
+    assert all(f["missing"].startswith("outside the run") for f in frames)
+    page = render_page(data_out)
+    blobs = _embedded(page)
+    assert len(blobs) == 1  # red.png, nothing else
+    for blob in blobs:
+        assert (
+            b"root:" not in blob and b"hf_secret_token" not in blob and b"secret-bytes" not in blob
+        )
+    assert "hf_secret_token" not in page and "secret-bytes" not in page
+
+
+def test_a_hostile_where_is_only_a_string(fake_run):
+    path = fake_run / "trajectories" / "step_000001.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    for r, where in zip(rows, ["constructor", "__proto__", {"a": 1}, 7, None], strict=False):
+        r["where"] = where
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_run(fake_run)
+    assert set(data["media"]) <= {
+        r["where"] for r in data["samples"] if isinstance(r["where"], str)
+    }
+
+
+def test_hostile_metrics_and_trajectory_lines_are_counted_not_raised(fake_run, tmp_path):
+    """Before: a 5000-digit integer raised ValueError, a 5000-deep line RecursionError, and a
+    step file linked to /dev/zero read without bound."""
+    with open(fake_run / "metrics.jsonl", "a") as f:
+        f.write('\n{"step": 9, "train/kl": ' + "9" * 5000 + "}\n")
+    with open(fake_run / "trajectories" / "step_000003.jsonl", "a") as f:
+        f.write("[" * 5000 + "]" * 5000 + "\n" + '{"a": ' + "[" * 5000 + "]" * 5000 + "}\n")
+    (fake_run / "trajectories" / "step_000004.jsonl").symlink_to("/dev/zero")
+    start = time.monotonic()
+    data = load_run(fake_run)
+    assert time.monotonic() - start < 5
+    assert data["cap"]["step_files"] == 3  # the link to a device is no step file
+    assert data["cap"]["unreadable_lines"] == 1 + 1 + 2  # the torn line, the int, two deep
+    assert render_page(data)
+
+
+def test_a_run_without_trajectories_shows_its_curves_and_says_how(fake_run, capsys):
+    """Before: refused ("has no saved trajectories")."""
+    import shutil
+
+    shutil.rmtree(fake_run / "trajectories")
+    data = load_run(fake_run)
+    assert data["curves"] and data["samples"] == []
+    assert "trajectories: true" in data["cap"]["no_trajectories"]
+    assert cli.main(["view", str(fake_run)]) == 0
+    out = capsys.readouterr().out
+    assert "0 samples of 0 steps" in out and "run the recipe with `trajectories: true`" in out

@@ -202,3 +202,35 @@ def screenshot(page_html: str, png: str, width: int = 1500, height: int = 860) -
 
 if __name__ == "__main__":
     screenshot(sys.argv[1], sys.argv[2])
+
+
+@pytest.fixture
+def hostile_where_run(fake_run):
+    """Every trajectory row's ``where`` is a name on Object.prototype, or worse."""
+    import json
+
+    for path in (fake_run / "trajectories").iterdir():
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        names = ["constructor", "__proto__", "toString", "hasOwnProperty", "valueOf"]
+        for k, r in enumerate(rows):
+            r["where"] = names[k % len(names)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return fake_run
+
+
+def test_a_hostile_where_breaks_no_script(hostile_where_run, tmp_path):
+    """Before: DATA.media["constructor"] was Object's constructor, and mediaBlock threw."""
+    for pg in _open_page(hostile_where_run, tmp_path):
+        for _ in range(14):  # every sample renders; _open_page asserts no page error
+            pg.click("#next")
+        assert pg.locator("#count").inner_text() == "15 / 15 matching (of 15 embedded)"
+
+
+def test_a_run_without_trajectories_shows_its_curves_in_the_browser(fake_run, tmp_path):
+    import shutil
+
+    shutil.rmtree(fake_run / "trajectories")
+    for pg in _open_page(fake_run, tmp_path):
+        assert pg.locator(".chart").count() == 6
+        assert "trajectories: true" in pg.locator("#cap").inner_text()
+        assert not pg.locator("#pager").is_visible()

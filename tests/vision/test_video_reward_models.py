@@ -424,6 +424,8 @@ def test_the_reward_servers_video_bounds_and_malformed_parts_are_answered_by_nam
             ({"video": [url0], "fps": "4"}, "content[1].fps must be a positive number"),
             ({"video": [url0], "fps": True}, "content[1].fps must be a positive number"),
             ({"video": [url0], "fps": float("nan")}, "content[1].fps must be a positive number"),
+            # a 401-digit integer overflows a float: before, OverflowError dropped the connection
+            ({"video": [url0], "fps": 10**400}, "content[1].fps must be a positive number"),
             ({"video": [url0, "x.png"]}, "content[1].video[1]: a frame must be a string starting"),
             (
                 {"video": [url0, "data:image/png;base64,AAAA"]},

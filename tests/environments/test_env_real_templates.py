@@ -1,0 +1,82 @@
+"""Multi-turn token exactness with the real Qwen3 and Qwen2.5 chat templates (verbatim, see
+templates/README.md) on a byte-level BPE tokenizer: prompt + sampled turns + observation ids
+equal the template's rendering of the whole conversation, and the sampled mask covers exactly
+the assistant turns. Before the fix, Qwen3's first observation raised ("renders the turns before
+an observation differently once the observation follows")."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from lightrft.environments import (
+    ToolEnvironment,
+    calculator_tool,
+    initial_prompt_ids,
+    observation_ids,
+    parse_tool_calls,
+)
+from lightrft.environments.render import transcript_ids
+
+TEMPLATES = Path(__file__).with_name("templates")
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+QUESTION = "What is 12 * 34?"
+
+
+@pytest.fixture(params=["Qwen-Qwen3-0.6B", "Qwen-Qwen2.5-7B-Instruct"])
+def real(bpe_tok, request):
+    tok = copy.deepcopy(bpe_tok)
+    tok.chat_template = (TEMPLATES / f"{request.param}.jinja").read_text()
+    tok.name_or_path = request.param
+    return tok
+
+
+def _replies(tok) -> tuple[str, str]:
+    """The two assistant turns as the model samples them: Qwen3 in thinking mode opens each with
+    its reasoning block (the canonical form its template writes)."""
+    if "Qwen3" in tok.name_or_path:
+        return (
+            "<think>\nI should use the tool.\n</think>\n\n" + CALL,
+            "<think>\nThe tool said 408.\n</think>\n\nThe answer is 408.",
+        )
+    return CALL, "The answer is 408."
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_observation_then_next_turn_equals_the_whole_rendering(real):
+    tools = ToolEnvironment([calculator_tool()]).schemas
+    first, last = _replies(real)
+    user = {"role": "user", "content": QUESTION}
+    observation = [{"role": "tool", "name": "calculator", "content": "408"}]
+    # what a rollout holds: prompt, sampled turn (to <|im_end|>), observation, sampled turn
+    ids = initial_prompt_ids(real, [user], tools)
+    ids += _ids(real, first + "<|im_end|>")
+    obs = observation_ids(real, observation, tools)  # Qwen3: raised before the fix
+    assert real.decode(obs).endswith("<|im_start|>assistant\n")
+    ids += obs + _ids(real, last + "<|im_end|>")
+    conversation = [
+        user,
+        {"role": "assistant", "content": first},
+        *observation,
+        {"role": "assistant", "content": last},
+    ]
+    whole = real.apply_chat_template(conversation, tools=tools, tokenize=False)
+    assert ids == _ids(real, whole.removesuffix("\n"))
+    # transcript_ids (what ToolSFTDataset trains on) agrees, its mask exactly the sampled turns
+    t_ids, sampled = transcript_ids(real, conversation, tools)
+    assert t_ids == ids
+    masked = [i for i, s in zip(t_ids, sampled, strict=True) if s]
+    assert masked == _ids(real, first + "<|im_end|>") + _ids(real, last + "<|im_end|>")
+
+
+def test_a_call_quoted_in_qwen3_reasoning_is_not_run(bpe_tok):
+    tok = copy.deepcopy(bpe_tok)
+    tok.chat_template = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+    text = "<think>\nShould I write " + CALL + "? No, 408 is easy.\n</think>\n\nThe answer is 408."
+    assert parse_tool_calls(text) == []
+    assert ToolEnvironment([calculator_tool()]).step(text).done
