@@ -59,6 +59,15 @@ def test_dpo_demo_chain(tmp_path, monkeypatch):
     assert summary["prompts"] == 8 and 0.0 <= summary["pass@1"] <= 1.0  # greedy, held-out
 
 
+def test_distillation_demo_chain(tmp_path, monkeypatch):
+    """SFT, GRPO (the teacher), then on-policy distillation of the SFT model from it."""
+    monkeypatch.chdir(tmp_path)
+    _run("sft", "tiny/add_sft", TEXT_DATA + TRAIN)
+    _grpo_evaluated(tmp_path, "tiny/add_grpo")
+    rows = _grpo_evaluated(tmp_path, "tiny/add_distill")
+    assert any("train/distill/reverse_kl" in r for r in rows)
+
+
 def test_vision_demo_chain(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _run("sft", "tiny/vision_sft", MEDIA_DATA + TRAIN)
