@@ -423,15 +423,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _planning_for(world: int, device: str):
     """Validate as the recipe would on the planned machine: ``WORLD_SIZE`` is the cluster's and,
     planning for GPUs, CUDA counts as available (the checks of ``device: cuda`` and of CUDA-only
-    engines are about the machine the run will have, not this one)."""
+    engines are about the machine the run will have, not this one, as is what it installs)."""
     import torch
+
+    from lightrft.engine.config import planned_elsewhere
 
     old_world, old_available = os.environ.get("WORLD_SIZE"), torch.cuda.is_available
     os.environ["WORLD_SIZE"] = str(world)
     if device == "cuda":
         torch.cuda.is_available = lambda: True
     try:
-        yield
+        with planned_elsewhere():
+            yield
     finally:
         torch.cuda.is_available = old_available
         if old_world is None:

@@ -5,6 +5,8 @@ RL recipe)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
@@ -12,6 +14,22 @@ from typing import Any, ClassVar, Literal
 from lightrft.config import Section, option, section
 from lightrft.engine.protocol import SamplingParams
 from lightrft.sections import DType
+
+
+# False while `lightrft plan` validates a config for another machine: the packages installed here
+# say nothing about the planned cluster's.
+_HERE = contextvars.ContextVar("lightrft_engine_checks_this_machine", default=True)
+
+
+@contextlib.contextmanager
+def planned_elsewhere():
+    """Within it, ``check_device`` leaves out what only this machine could tell (is vLLM
+    installed); the device rules still apply to the planned device."""
+    token = _HERE.set(False)
+    try:
+        yield
+    finally:
+        _HERE.reset(token)
 
 
 @section
@@ -80,7 +98,7 @@ class EngineConfig(Section):
 
         from lightrft.engine.vllm_adapter import CPU_INSTALL
 
-        if importlib.util.find_spec("vllm") is None:
+        if _HERE.get() and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "engine.backend=vllm but vLLM is not installed: pip install 'lightrft[vllm]' on "
                 f"a CUDA machine, or on CPU: {CPU_INSTALL}; or use engine.backend=native"
