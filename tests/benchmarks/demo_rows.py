@@ -1,4 +1,6 @@
-"""Run the README's CPU demo chains (text, vision, audio, both RLHF chains, and the tool-use chain with its no-tool control) and keep their metric rows, to prove that a refactor
+"""Run the README's CPU demo chains (text, vision, audio, both RLHF chains, the tool-use chain with
+its no-tool control, DPO, distillation, and the text demo's asynchronous and partial-rollout runs)
+and keep their metric rows, to prove that a refactor
 changes no number: every ``train/*``, ``reward/*``, ``eval/*`` (and ``critic/*``, ``data/*``)
 value of every logged row, per run, compared exactly.
 
@@ -35,6 +37,25 @@ CHAINS = {
         ("grpo", "tiny/add_grpo"),
         ("reward_model", "tiny/rlhf_rm"),
         ("grpo", "tiny/rlhf_grpo"),
+        # DPO and distillation (the GRPO model above is the teacher) from the same SFT
+        # model; then the text GRPO demo asynchronous (docs/grpo.md's command) and with partial
+        # rollouts, each into its own directory.
+        ("dpo", "tiny/add_dpo"),
+        ("grpo", "tiny/add_distill"),
+        (
+            "--nproc_per_node 2 grpo",
+            "tiny/add_grpo",
+            "rollout.asynchronous=true",
+            "algorithm.old_logprobs=engine",
+            "output_dir=outputs/tiny/add_grpo_async",
+        ),
+        (
+            "grpo",
+            "tiny/add_grpo",
+            "rollout.partial.token_budget={budget}",
+            "algorithm.old_logprobs=engine",
+            "output_dir=outputs/tiny/add_grpo_partial",
+        ),
     ],
     "vision": [
         ("sft", "tiny/vision_sft"),
@@ -58,6 +79,7 @@ TRAIN = ["max_steps=3", "eval_every=3", "lr_scheduler.warmup_steps=0"]
 QUICK = {
     "sft": TRAIN,
     "reward_model": TRAIN,
+    "dpo": TRAIN,
     "grpo": [
         "max_steps=2",
         "eval.every=1",
@@ -89,7 +111,10 @@ def run(out: str, quick: bool, chains: list[str], seed: int | None = None) -> No
     seconds: dict[str, float] = {}
     for chain in chains:
         with tempfile.TemporaryDirectory() as tmp:
-            for recipe, config, *overrides in CHAINS[chain]:
+            for launch, config, *overrides in CHAINS[chain]:
+                *flags, recipe = launch.split()
+                # a partial-rollout budget that cuts the quick runs' 16 rows as the demo's 256
+                overrides = [o.format(budget=40 if quick else 1000) for o in overrides]
                 extra = ["metrics.tensorboard=false", *overrides]
                 if seed is not None:
                     extra.append(f"seed={seed}")
@@ -103,7 +128,8 @@ def run(out: str, quick: bool, chains: list[str], seed: int | None = None) -> No
                         extra += ["batch_size=8"]
                     if recipe == "sft" and chain == "tool":
                         extra += ["prepare.1.n_sft=64"]
-                cmd = [sys.executable, "-m", "lightrft", "run", recipe, "--config", config, *extra]
+                cmd = [sys.executable, "-m", "lightrft", "run", *flags, recipe, "--config", config]
+                cmd += extra
                 print(f"[{chain}] {' '.join(cmd[2:])}", flush=True)
                 start = time.monotonic()
                 subprocess.run(cmd, cwd=tmp, check=True, env=os.environ.copy())
@@ -111,7 +137,7 @@ def run(out: str, quick: bool, chains: list[str], seed: int | None = None) -> No
                     (o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")),
                     f"outputs/{config}",
                 )
-                name = f"{chain}:{config}" + "".join(f" {o}" for o in overrides)
+                name = f"{chain}:{config}" + "".join(f" {o}" for o in [*flags, *overrides])
                 seconds[name] = round(time.monotonic() - start, 1)
                 result[name] = _rows(Path(tmp) / out_dir / "metrics.jsonl")
             Path(out).write_text(json.dumps({**result, SECONDS: seconds}, indent=1, sort_keys=True))
