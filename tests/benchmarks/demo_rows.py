@@ -53,6 +53,7 @@ CHAINS = {
             "grpo",
             "tiny/add_grpo",
             "rollout.partial.token_budget={budget}",
+            "algorithm.shaping.dynamic_sampling=null",
             "algorithm.old_logprobs=engine",
             "output_dir=outputs/tiny/add_grpo_partial",
         ),
