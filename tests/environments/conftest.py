@@ -59,3 +59,12 @@ def bpe_tok():
     tok.chat_template = QWEN25_TOOL_TEMPLATE
     tok.name_or_path = "tiny-bpe-qwen2.5-tools"
     return tok
+
+
+@pytest.fixture(scope="session")
+def qwen_real_tok():
+    """Qwen's real tokenizer (vocabulary, merges, added tokens; ``qwen_tokenizer.py``), no chat
+    template set."""
+    from qwen_tokenizer import qwen_tokenizer
+
+    return qwen_tokenizer()

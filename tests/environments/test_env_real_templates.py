@@ -1,5 +1,6 @@
 """Multi-turn token exactness with the real Qwen3 and Qwen2.5 chat templates (verbatim, see
-templates/README.md) on a byte-level BPE tokenizer: prompt + sampled turns + observation ids
+templates/README.md), on Qwen's real tokenizer (qwen/README.md) and on a small byte-level BPE
+trained here (its merges span the template's markup): prompt + sampled turns + observation ids
 equal the template's rendering of the whole conversation, and the sampled mask covers exactly
 the assistant turns. Before the fix, Qwen3's first observation raised ("renders the turns before
 an observation differently once the observation follows")."""
@@ -25,11 +26,44 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34
 QUESTION = "What is 12 * 34?"
 
 
-@pytest.fixture(params=["Qwen-Qwen3-0.6B", "Qwen-Qwen2.5-7B-Instruct"])
-def real(bpe_tok, request):
-    tok = copy.deepcopy(bpe_tok)
-    tok.chat_template = (TEMPLATES / f"{request.param}.jinja").read_text()
-    tok.name_or_path = request.param
+# Published Qwen2.5 encodings (token ids printed in public code and issues, e.g. vLLM and
+# transformers users' prompts), which the tokenizer built from Qwen's ranks must reproduce.
+PUBLISHED = {
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n": [
+        151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872, 198,
+    ],
+    "How many r in strawberry.": [4340, 1657, 435, 304, 72600, 13],
+    "What is 2+2?": [3838, 374, 220, 17, 10, 17, 30],
+    "You are a helpful and truthful assistant. You should think step-by-step.": [
+        2610, 525, 264, 10950, 323, 89867, 17847, 13, 1446, 1265, 1744, 3019, 14319, 29208, 13,
+    ],
+    "您好, 请从 1 数到 10000000.": [
+        111308, 11, 220, 14880, 45181, 220, 16, 47685, 26939, 220, 16, 15, 15, 15, 15, 15, 15,
+        15, 13,
+    ],
+}  # fmt: skip
+
+
+def test_the_qwen_tokenizer_gives_published_ids(qwen_real_tok):
+    for text, ids in PUBLISHED.items():
+        assert qwen_real_tok(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert qwen_real_tok.decode(ids) == text
+    assert qwen_real_tok.convert_tokens_to_ids(["<tool_call>", "</think>"]) == [151657, 151668]
+
+
+@pytest.fixture(
+    params=[
+        (template, kind)
+        for template in ("Qwen-Qwen3-0.6B", "Qwen-Qwen2.5-7B-Instruct")
+        for kind in ("qwen", "bpe")
+    ],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
+def real(bpe_tok, qwen_real_tok, request):
+    template, kind = request.param
+    tok = copy.deepcopy(qwen_real_tok if kind == "qwen" else bpe_tok)
+    tok.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    tok.name_or_path = template
     return tok
 
 
