@@ -405,7 +405,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from lightrft.training.export import export_checkpoint
+    from lightrft.export import export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, trust_remote_code=args.trust_remote_code)

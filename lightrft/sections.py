@@ -122,8 +122,8 @@ def check_model_path(
 
     A training checkpoint (``<output_dir>/checkpoints/step_N``) is refused with the
     ``lightrft export`` command that makes a model of it, unless ``checkpoint=True``: the
-    caller exports it itself (:func:`lightrft.training.export.resolve_model_dir`) and checks
-    its export record (:func:`~lightrft.training.export.read_export_spec`).
+    caller exports it itself (:func:`lightrft.export.resolve_model_dir`) and checks
+    its export record (:func:`~lightrft.export.read_export_spec`).
 
     Validation (``loading=False``, ``lightrft validate`` and the start of ``run``) decides only
     on what is on disk now, like :func:`lightrft.models.check_towers`: a file, or a directory

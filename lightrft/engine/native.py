@@ -233,8 +233,8 @@ class NativeEngine:
         seed: int = 0,
         compile: bool = False,
     ) -> None:
-        from lightrft.data import modality
-        from lightrft.kernels.hf import mrope_model
+        from lightrft.models import modality
+        from lightrft.models.forward import mrope_model
         from lightrft.models.loading import load_causal_lm, load_tokenizer, to_dtype
         from lightrft.models.multimodal import load_vision_model
         from lightrft.models.parallel import decoder_layers, default_param_dtype
@@ -650,7 +650,7 @@ class NativeEngine:
         zero = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         if self.rope is None:
             return pos, zero
-        from lightrft.kernels.hf import mm_token_types
+        from lightrft.models.forward import mm_token_types
 
         mm = mm_token_types(self.model.config, tokens)  # [C, P]: 1 image, 2 video tokens
         images = media.image if media is not None else None

@@ -239,7 +239,7 @@ class SGLangEngine:
         sgl = import_sglang()  # first: a missing extra fails before anything loads
         from transformers import AutoConfig
 
-        from lightrft.data import modality
+        from lightrft.models import modality
         from lightrft.models.loading import load_tokenizer, to_dtype
 
         if not torch.cuda.is_available():
@@ -282,7 +282,7 @@ class SGLangEngine:
     def _setup(self, hf_config, max_model_len: int, seed: int) -> None:
         """The state every engine needs, whatever built ``self.llm`` (the tests build it over a
         fake ``sglang.Engine``)."""
-        from lightrft.data import modality
+        from lightrft.models import modality
 
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
         self.max_model_len = max_model_len

@@ -215,7 +215,7 @@ def check_cpu_options(
             "'Sleep mode is not supported on current platform'); leave it unset: sleep and "
             "wake_up then keep the weights and KV cache (VLLMEngine.frees_memory is False)"
         )
-    from lightrft.data.modality import is_multimodal
+    from lightrft.models.modality import is_multimodal
 
     if is_multimodal(config) and importlib.util.find_spec("torchvision") is None:
         # vLLM 0.32's multimodal models (qwen2_vl.py: `from transformers.models.qwen2_vl
@@ -491,7 +491,7 @@ class VLLMEngine:
         self._vllm = vllm
         _quiet_shutdown_at_exit(self.llm)
         hf_config = self.llm.llm_engine.model_config.hf_config
-        from lightrft.data import modality
+        from lightrft.models import modality
 
         vlm = modality.is_vision_language(hf_config)
         alm = modality.is_audio_language(hf_config)

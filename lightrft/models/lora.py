@@ -13,8 +13,8 @@ with its adapters switched off (:func:`adapters_disabled`), so no second copy si
 Weight sync (``lightrft.engine.sync``) merges the adapters into full weights under HF names.
 
 This module owns the LoRA rules every other module asks: which model is a PEFT wrapper
-(:func:`is_peft_model`, :func:`unwrap_peft`; defined in ``lightrft.kernels.hf``, which sits below
-``models`` and needs them) or carries adapters (:func:`has_adapters`), which parameter is an
+(:func:`is_peft_model`, :func:`unwrap_peft`; defined in :mod:`lightrft.models.forward`, which
+needs them and sits below this module) or carries adapters (:func:`has_adapters`), which parameter is an
 adapter's (:func:`is_adapter_param`, :func:`is_lora_matrix`, :func:`is_original_copy`), which
 factors weight sync merges into a base weight (:func:`merged_adapters`), and how a new adapter
 parameter starts (:func:`initial_adapter_value`).
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.kernels.hf import is_peft_model, unwrap_peft
+from lightrft.models.forward import is_peft_model, unwrap_peft
 from lightrft.sections import LoraConfig
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "resolve_targets",
     "unwrap_peft",
 ]
+
 
 # The A / B matrix of a LoRA linear layer's adapter: weight sync merges it into the base weight.
 _LORA_MATRIX = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")

@@ -209,7 +209,7 @@ def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
 
 def media_blocks(model: nn.Module) -> list[nn.Module]:
     """The vision and audio tower blocks of a multimodal model (none for a text model)."""
-    from lightrft.data.modality import is_audio_language, is_vision_language
+    from lightrft.models.modality import is_audio_language, is_vision_language
 
     config = getattr(model, "config", None)
     blocks: list[nn.Module] = []
@@ -225,7 +225,7 @@ def set_towers_trainable(
 ) -> list[str]:
     """Freeze or unfreeze each encoder tower the model has (vision, audio); what recipes call
     with ``model.train_vision_tower`` / ``model.train_audio_tower``."""
-    from lightrft.data.modality import is_audio_language, is_vision_language
+    from lightrft.models.modality import is_audio_language, is_vision_language
 
     config = getattr(model, "config", None)
     names = []
@@ -277,8 +277,8 @@ def load_processors(path: str | Path, *, trust_remote_code: bool = False, config
     """``(processor, tokenizer)`` of a checkpoint, what datasets and exports take: a vision- or
     audio-language model's processor and its tokenizer, or a text model's tokenizer twice.
     ``config``: the loaded model's HF config (else the checkpoint's config.json decides)."""
-    from lightrft.data.modality import is_multimodal
     from lightrft.models.loading import load_tokenizer
+    from lightrft.models.modality import is_multimodal
 
     multimodal = checkpoint_is_multimodal(path) if config is None else is_multimodal(config)
     if multimodal:

@@ -14,7 +14,7 @@ import torch
 
 from lightrft.data.preference import PreferenceCollator
 from lightrft.distributed import all_reduce_sum
-from lightrft.kernels import causal_lm_token_logprobs
+from lightrft.models.forward import causal_lm_token_logprobs
 
 __all__ = [
     "IndexedPreferences",
