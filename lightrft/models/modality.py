@@ -6,16 +6,6 @@ Pure functions of the config object; no transformers import.
 
 from __future__ import annotations
 
-__all__ = [
-    "audio_token_id",
-    "image_token_id",
-    "is_audio_language",
-    "is_multimodal",
-    "is_vision_language",
-    "media_token_ids",
-    "vision_token_ids",
-]
-
 
 def is_vision_language(config) -> bool:
     """Whether an HF config describes a vision-language model (it has a ``vision_config``)."""

@@ -27,23 +27,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = [
-    "audio_blocks",
-    "audio_tower_modules",
-    "checkpoint_is_audio_language",
-    "checkpoint_is_multimodal",
-    "checkpoint_is_vision_language",
-    "media_blocks",
-    "set_audio_trainable",
-    "set_towers_trainable",
-    "load_processor",
-    "load_vision_model",
-    "processor_classes",
-    "set_vision_trainable",
-    "vision_blocks",
-    "vision_tower_modules",
-]
-
 
 def processor_classes() -> dict[str, type]:
     """model_type -> the image-only processor class standing in for the stock one (imports

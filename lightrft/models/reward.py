@@ -40,15 +40,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "POOLINGS",
-    "AttentionPooling",
-    "RewardNet",
-    "build_reward_net",
-    "load_reward_net",
-    "pool_hidden",
-]
-
 POOLINGS = ("last", "mean", "attention", "likelihood")
 CONFIG_KEY = "lightrft_reward"
 _HEAD_NAMES = ("score", "classifier", "v_head", "value_head")

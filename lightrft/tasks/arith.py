@@ -23,17 +23,6 @@ from typing import Any
 from lightrft.data.io import made_with, write_jsonl
 from lightrft.tasks.made import META, derive_splits, with_defaults
 
-__all__ = [
-    "OPS",
-    "arith_records",
-    "ensure_arith_dataset",
-    "ensure_arith_judgments",
-    "ensure_arith_preferences",
-    "near_miss",
-    "near_miss_text",
-    "write_arith_dataset",
-]
-
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
 ANSWER_ORDERS = ("natural", "reversed")

@@ -34,15 +34,6 @@ from typing import Any
 from lightrft.data.io import made_with, write_jsonl
 from lightrft.tasks.made import META, with_defaults
 
-__all__ = [
-    "calc_call",
-    "calc_problems",
-    "calc_transcript",
-    "ensure_calc_dataset",
-    "estimate",
-    "write_calc_dataset",
-]
-
 TOOLS = ["calculator"]
 # The failed first calls of the recovering transcripts: the prompt's "=" copied into the
 # expression, or "x" written for "*". The calculator refuses both (a tool_exception). Calls that

@@ -33,8 +33,6 @@ import numpy as np
 from lightrft.data.io import made_with, write_jsonl
 from lightrft.tasks.made import META, with_defaults
 
-__all__ = ["DIRECTIONS", "ensure_motion_dataset", "motion_frames", "write_motion_dataset"]
-
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 QUESTION = "<video>Which way does the square move? Answer left, right, up or down."
 _COLOURS = [(220, 30, 30), (30, 170, 60), (40, 70, 220), (230, 200, 20), (140, 50, 170)]

@@ -25,16 +25,6 @@ from typing import Any
 from lightrft.data.io import made_with, write_jsonl
 from lightrft.tasks.made import META, derive_splits, with_defaults
 
-__all__ = [
-    "COLOURS",
-    "SHAPES_JUDGE_TEMPLATE",
-    "ensure_shapes_dataset",
-    "ensure_shapes_judgments",
-    "ensure_shapes_preferences",
-    "shapes_records",
-    "write_shapes_dataset",
-]
-
 COLOURS = {
     "red": (220, 30, 30),
     "green": (30, 170, 60),

@@ -38,8 +38,6 @@ import numpy as np
 from lightrft.data.io import made_with, write_jsonl
 from lightrft.tasks.made import META, with_defaults
 
-__all__ = ["ensure_tones_dataset", "tone_band", "tone_clip", "write_tones_dataset"]
-
 SPLITS = ("train", "rl", "test")
 _DEFAULTS = dict(
     n_train=2000,

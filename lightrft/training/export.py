@@ -21,10 +21,9 @@ from torch import nn
 from lightrft.distributed import barrier, is_main
 from lightrft.engine.sync import iter_weight_buckets
 from lightrft.models.export import export_hf, writing_dir
-from lightrft.models.lora import export_adapter, unwrap_peft
+from lightrft.models.forward import unwrap_peft
+from lightrft.models.lora import export_adapter
 from lightrft.sections import LoraConfig
-
-__all__ = ["ExportSpec", "export_merged", "export_trained"]
 
 
 def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:

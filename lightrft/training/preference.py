@@ -16,16 +16,6 @@ from lightrft.data.preference import PreferenceCollator
 from lightrft.distributed import all_reduce_sum
 from lightrft.models.forward import causal_lm_token_logprobs
 
-__all__ = [
-    "IndexedPreferences",
-    "kto_reference_point",
-    "PairCollator",
-    "precompute_reference",
-    "reduce_sums",
-    "reference_cache_key",
-    "sequence_logprobs",
-]
-
 
 class IndexedPreferences(torch.utils.data.Dataset):
     """A :class:`~lightrft.data.PreferenceDataset`'s items with their ``index`` (the row of a
