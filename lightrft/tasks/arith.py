@@ -12,7 +12,6 @@ they are absent or were made with other settings, so configs can call it on ever
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import random
@@ -20,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightrft.data.io import made_with, write_jsonl
-from lightrft.tasks.made import META, derive_splits, with_defaults
+from lightrft.data.io import write_jsonl
+from lightrft.tasks.made import META, derive_splits, ensure_made
 
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
@@ -208,20 +207,10 @@ def _drop_carries(
 
 
 def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
-    """:func:`write_arith_dataset` unless ``out_dir`` already holds it with these settings.
-
-    Takes the same keyword arguments; returns ``out_dir``.
-    """
-    out = Path(out_dir)
-    defaults = {
-        k: p.default
-        for k, p in inspect.signature(write_arith_dataset).parameters.items()
-        if p.kind is p.KEYWORD_ONLY
-    }
-    want = _settings(**with_defaults("ensure_arith_dataset: ", defaults, settings))
-    if made_with(out, ("train.jsonl", "test.jsonl"), want):
-        return out
-    return write_arith_dataset(out, **want)
+    """:func:`write_arith_dataset` unless ``out_dir`` already holds it with these settings."""
+    return ensure_made(
+        write_arith_dataset, out_dir, ("train.jsonl", "test.jsonl"), settings, normalise=_settings
+    )
 
 
 # ------------------------------------------------------------------------------ preference pairs
