@@ -285,13 +285,7 @@ class NativeEngine:
         self.is_vision = modality.is_vision_language(config)
         self.is_audio = modality.is_audio_language(config)
         # Media kinds the model takes, with their placeholder token ids.
-        self.media_token_ids: dict[str, int] = {}
-        if self.is_vision:
-            self.media_token_ids["image"] = modality.image_token_id(config)
-            if config.model_type in VIDEO_MODEL_TYPES:
-                self.media_token_ids["video"] = int(config.video_token_id)
-        if self.is_audio:
-            self.media_token_ids["audio"] = modality.audio_token_id(config)
+        self.media_token_ids = modality.placeholder_ids(config)
         # Vision-language models: the image token, the M-RoPE position maker (Qwen-VL). Both:
         # the tokens only the processor may place, never the sampler.
         self.image_token_id = self.media_token_ids.get("image")
@@ -1223,11 +1217,6 @@ def _check_unsharded(model: nn.Module) -> None:
                 f"NativeEngine needs an unsharded model, but parameter {name!r} is a DTensor; "
                 "build the engine from the HF directory and call sync_weights(model, engine)"
             )
-
-
-# Vision-language models whose videos the native engine places (one run of video tokens per
-# video; Qwen3-VL interleaves frame timestamps and is not among them).
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def _check_supported(config) -> None:

@@ -275,9 +275,7 @@ class SGLangEngine:
         hf_config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self._setup(hf_config, int(self.llm.tokenizer_manager.context_len), seed + rank)
-        self.image_token_id = (
-            modality.image_token_id(hf_config) if modality.is_vision_language(hf_config) else None
-        )
+        self.image_token_id = modality.placeholder_ids(hf_config).get("image")
 
     def _setup(self, hf_config, max_model_len: int, seed: int) -> None:
         """The state every engine needs, whatever built ``self.llm`` (the tests build it over a

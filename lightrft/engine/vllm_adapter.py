@@ -484,17 +484,11 @@ class VLLMEngine:
         hf_config = self.llm.llm_engine.model_config.hf_config
         from lightrft.models import modality
 
-        vlm = modality.is_vision_language(hf_config)
-        alm = modality.is_audio_language(hf_config)
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.image_token_id = modality.image_token_id(hf_config) if vlm else None
-        self.audio_token_id = modality.audio_token_id(hf_config) if alm else None
-        self.video_token_id = (
-            int(hf_config.video_token_id)
-            if vlm and hf_config.model_type in ("qwen2_vl", "qwen2_5_vl")
-            else None
-        )
+        ids = modality.placeholder_ids(hf_config)
+        self.image_token_id, self.audio_token_id = ids.get("image"), ids.get("audio")
+        self.video_token_id = ids.get("video")
         self.suppress_token_ids = modality.media_token_ids(hf_config)
         self._asleep: set[str] = set()
         self._unloaded: set[str] = set()
