@@ -156,38 +156,61 @@ def _base(model: nn.Module) -> nn.Module:
     return getattr(model, getattr(model, "base_model_prefix", "model"), model)
 
 
+# Per tower kind: the attributes of the base model that may hold it, the paths of its blocks.
+_TOWERS = {
+    "vision": (
+        ("visual", "vision_tower", "vision_model"),
+        ("blocks", "vision_model.encoder.layers", "encoder.layers"),
+    ),
+    "audio": (("audio_tower",), ("layers", "encoder.layers")),
+}
+
+
+def _tower_modules(model: nn.Module, kind: str) -> dict[str, nn.Module]:
+    base = _base(model)
+    prefix = getattr(model, "base_model_prefix", "model")
+    for attr in _TOWERS[kind][0]:
+        mod = getattr(base, attr, None)
+        if isinstance(mod, nn.Module):
+            return {f"{prefix}.{attr}": mod}
+    raise ValueError(f"cannot find the {kind} tower of {type(model).__name__}")
+
+
+def _tower_blocks(model: nn.Module, kind: str) -> nn.ModuleList:
+    from lightrft.models.loading import find_module_list
+
+    (tower,) = _tower_modules(model, kind).values()
+    blocks = find_module_list(tower, _TOWERS[kind][1])
+    if blocks is not None:
+        return blocks
+    raise ValueError(f"cannot find the blocks of the {kind} tower {type(tower).__name__}")
+
+
+def _set_tower_trainable(model: nn.Module, kind: str, trainable: bool) -> list[str]:
+    names = []
+    for prefix, tower in _tower_modules(model, kind).items():
+        for name, p in tower.named_parameters():
+            p.requires_grad_(trainable)
+            names.append(f"{prefix}.{name}")
+    return names
+
+
 def audio_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The audio encoder of an audio-language model by qualified name (Qwen2-Audio's
     ``model.audio_tower``; its projector, ``multi_modal_projector``, stays with the LM as
     LLaVA's does)."""
-    base = _base(model)
-    prefix = getattr(model, "base_model_prefix", "model")
-    tower = getattr(base, "audio_tower", None)
-    if isinstance(tower, nn.Module):
-        return {f"{prefix}.audio_tower": tower}
-    raise ValueError(f"cannot find the audio tower of {type(model).__name__}")
+    return _tower_modules(model, "audio")
 
 
 def audio_blocks(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of the audio tower (what FSDP2 shards one by one)."""
-    from lightrft.models.loading import find_module_list
-
-    (tower,) = audio_tower_modules(model).values()
-    blocks = find_module_list(tower, ("layers", "encoder.layers"))
-    if blocks is not None:
-        return blocks
-    raise ValueError(f"cannot find the blocks of the audio tower {type(tower).__name__}")
+    return _tower_blocks(model, "audio")
 
 
 def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
     """Freeze (``trainable=False``, the default) or unfreeze the audio tower in place; as
     :func:`set_vision_trainable`. Returns the names of the parameters set."""
-    names = []
-    for prefix, tower in audio_tower_modules(model).items():
-        for name, p in tower.named_parameters():
-            p.requires_grad_(trainable)
-            names.append(f"{prefix}.{name}")
-    return names
+    return _set_tower_trainable(model, "audio", trainable)
 
 
 def media_blocks(model: nn.Module) -> list[nn.Module]:
@@ -222,24 +245,12 @@ def set_towers_trainable(
 def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The vision encoder of a VLM by qualified name (``model.visual`` for Qwen-VL, which holds
     the patch merger too; ``model.vision_tower`` for LLaVA, whose projector stays with the LM)."""
-    base = _base(model)
-    prefix = getattr(model, "base_model_prefix", "model")
-    for attr in ("visual", "vision_tower", "vision_model"):
-        mod = getattr(base, attr, None)
-        if isinstance(mod, nn.Module):
-            return {f"{prefix}.{attr}": mod}
-    raise ValueError(f"cannot find the vision tower of {type(model).__name__}")
+    return _tower_modules(model, "vision")
 
 
 def vision_blocks(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of the vision tower (what FSDP2 shards one by one)."""
-    from lightrft.models.loading import find_module_list
-
-    (tower,) = vision_tower_modules(model).values()
-    blocks = find_module_list(tower, ("blocks", "vision_model.encoder.layers", "encoder.layers"))
-    if blocks is not None:
-        return blocks
-    raise ValueError(f"cannot find the blocks of the vision tower {type(tower).__name__}")
+    return _tower_blocks(model, "vision")
 
 
 def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
@@ -248,12 +259,7 @@ def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
     Call before building the optimizer and before ``parallelize``. Returns the names of the
     parameters whose ``requires_grad`` is now ``trainable``.
     """
-    names = []
-    for prefix, tower in vision_tower_modules(model).items():
-        for name, p in tower.named_parameters():
-            p.requires_grad_(trainable)
-            names.append(f"{prefix}.{name}")
-    return names
+    return _set_tower_trainable(model, "vision", trainable)
 
 
 def load_processors(path: str | Path, *, trust_remote_code: bool = False, config=None):
