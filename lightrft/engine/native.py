@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
@@ -239,10 +240,8 @@ class NativeEngine:
         from lightrft.models.multimodal import load_vision_model
         from lightrft.models.parallel import decoder_layers, default_param_dtype
 
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        at_least("max_num_seqs", max_num_seqs, 1)
+        at_least("max_prefill_tokens", max_prefill_tokens, 1)
         if max_kv_tokens is not None and max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1 or None, got {max_kv_tokens}")
         if isinstance(model, nn.Module):

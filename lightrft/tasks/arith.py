@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightrft.config import at_least
 from lightrft.data.io import write_jsonl
 from lightrft.tasks.made import META, derive_splits, ensure_made
 
@@ -317,8 +318,7 @@ def ensure_arith_preferences(
     :func:`write_arith_dataset`'s ``dropped_carry`` writes it), the others a near miss.
     """
     src = Path(source_dir)
-    if per_problem < 1:
-        raise ValueError(f"per_problem must be >= 1, got {per_problem}")
+    at_least("per_problem", per_problem, 1)
     if rejected not in ("near_miss", "dropped_carry"):
         raise ValueError(f"rejected must be 'near_miss' or 'dropped_carry', got {rejected!r}")
     want = {

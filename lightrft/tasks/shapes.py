@@ -22,6 +22,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from lightrft.config import at_least
 from lightrft.data.io import write_jsonl
 from lightrft.tasks.made import META, derive_splits, ensure_made
 
@@ -171,8 +172,7 @@ def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
 def _source_counts(src: Path, per_board: int, why_two: str) -> tuple[Path, list[str]]:
     """The counting data set's meta file and its counts (as answers), for the data derived from
     it; ``why_two``: what a single count would leave nothing for."""
-    if per_board < 1:
-        raise ValueError(f"per_board must be >= 1, got {per_board}")
+    at_least("per_board", per_board, 1)
     meta = src / META
     if not meta.is_file():
         raise ValueError(f"no {META} in {src}: write the counting data set first")
