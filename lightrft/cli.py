@@ -88,7 +88,9 @@ def installed_torch() -> tuple[str, str | None] | None:
     cuda = None
     if spec is not None and spec.submodule_search_locations:
         vfile = Path(next(iter(spec.submodule_search_locations))) / "version.py"
-        m = re.search(r"^cuda\b.*?=\s*['\"]([^'\"]+)['\"]", vfile.read_text() if vfile.is_file() else "", re.M)
+        m = re.search(
+            r"^cuda\b.*?=\s*['\"]([^'\"]+)['\"]", vfile.read_text() if vfile.is_file() else "", re.M
+        )
         cuda = m[1] if m else None
     return version, cuda
 
@@ -232,13 +234,19 @@ def load_recipe_checks(recipe_path: Path):
     return module["CONFIG_SCHEMA"], module.get("build_options")
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
-    from lightrft.config import UserError, load, validate
-
+def _config_and_recipe(args: argparse.Namespace) -> tuple[Path, str]:
+    """``--config``'s path and the recipe ``--recipe`` or the config's launch comment names."""
     path = resolve_config(args.config)
     recipe = args.recipe or recipe_of_config(path)
     if recipe is None:
         raise UsageError(f"{path} does not open with `# lightrft run <recipe> ...`; pass --recipe")
+    return path, recipe
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from lightrft.config import UserError, load, validate
+
+    path, recipe = _config_and_recipe(args)
     try:
         cfg, src = load(path, args.overrides)
         schema, build_options = load_recipe_checks(resolve_recipe(recipe))
@@ -405,7 +413,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from lightrft.training.export import export_checkpoint
+    from lightrft.export import export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, trust_remote_code=args.trust_remote_code)
@@ -428,29 +436,21 @@ def _planning_for(world: int, device: str):
 
     from lightrft.engine.config import planned_elsewhere
 
-    old_world, old_available = os.environ.get("WORLD_SIZE"), torch.cuda.is_available
-    os.environ["WORLD_SIZE"] = str(world)
+    old_available = torch.cuda.is_available
     if device == "cuda":
         torch.cuda.is_available = lambda: True
     try:
-        with planned_elsewhere():
+        with launch_world_size(str(world), "1"), planned_elsewhere():
             yield
     finally:
         torch.cuda.is_available = old_available
-        if old_world is None:
-            os.environ.pop("WORLD_SIZE", None)
-        else:
-            os.environ["WORLD_SIZE"] = old_world
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from lightrft.config import UserError, load, validate
     from lightrft.training.plan import Cluster, format_plan, inputs_from_options, parse_size, plan
 
-    path = resolve_config(args.config)
-    recipe = args.recipe or recipe_of_config(path)
-    if recipe is None:
-        raise UsageError(f"{path} does not open with `# lightrft run <recipe> ...`; pass --recipe")
+    path, recipe = _config_and_recipe(args)
     if recipe not in ("grpo", "sft", "reward_model"):
         raise UsageError(
             f"the planner knows the grpo, sft and reward_model recipes, not {recipe!r}"

@@ -45,23 +45,6 @@ from typing import Any, Literal, Union
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = [
-    "Bound",
-    "Component",
-    "ConfigError",
-    "Section",
-    "UserError",
-    "at_least",
-    "check",
-    "option",
-    "section",
-    "instantiate",
-    "load",
-    "parse",
-    "resolve",
-    "validate",
-]
-
 
 class Component:
     """Schema marker: a mapping with a ``_component_`` dotted path and its keyword arguments."""
@@ -135,7 +118,9 @@ def _compose(text: str, where: str) -> yaml.Node | None:
     try:
         root = yaml.compose(text)
     except RecursionError:
-        raise ConfigError(f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)") from None
+        raise ConfigError(
+            f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)"
+        ) from None
     if root is not None:
         _check_size(root, where)
     return root
@@ -151,8 +136,10 @@ def _check_size(root: yaml.Node, where: str) -> None:
         node, done = stack.pop()
         if id(node) in size:
             continue
-        children = [c for kv in node.value for c in kv] if isinstance(node, yaml.MappingNode) else (
-            node.value if isinstance(node, yaml.SequenceNode) else []
+        children = (
+            [c for kv in node.value for c in kv]
+            if isinstance(node, yaml.MappingNode)
+            else (node.value if isinstance(node, yaml.SequenceNode) else [])
         )
         if not done:
             if isinstance(node, yaml.ScalarNode):
@@ -170,7 +157,9 @@ def _check_size(root: yaml.Node, where: str) -> None:
         depth[id(node)] = 1 + max((depth[id(c)] for c in children), default=0)
         line = node.start_mark.line + 1
         if depth[id(node)] > MAX_DEPTH:
-            raise ConfigError(f"{where}:{line}: nested {depth[id(node)]} levels deep (at most {MAX_DEPTH})")
+            raise ConfigError(
+                f"{where}:{line}: nested {depth[id(node)]} levels deep (at most {MAX_DEPTH})"
+            )
         if size[id(node)] > MAX_VALUES:
             raise ConfigError(
                 f"{where}:{line}: holds more than {MAX_VALUES:,} values once its aliases (*name) "
@@ -202,14 +191,18 @@ def _check_override(arg: str) -> None:
     """An override's key and value within the bounds a file keeps (checked before parsing)."""
     key, _, value = arg.lstrip("~").partition("=")
     if key.count(".") >= MAX_DEPTH:
-        raise ConfigError(f"override '{arg[:80]}...': the key is nested deeper than {MAX_DEPTH} levels")
+        raise ConfigError(
+            f"override '{arg[:80]}...': the key is nested deeper than {MAX_DEPTH} levels"
+        )
     level = deepest = 0
     for ch in value:
         level += ch in "[{"
         level -= ch in "]}"
         deepest = max(deepest, level)
     if deepest > MAX_DEPTH:
-        raise ConfigError(f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})")
+        raise ConfigError(
+            f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})"
+        )
     try:
         node = yaml.compose(value) if value else None
     except (yaml.YAMLError, RecursionError):
@@ -573,7 +566,9 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     if node is None:
         return None
     if not OmegaConf.is_dict(node):
-        raise ConfigError(f"cannot instantiate {type(node).__name__}: a _component_ mapping is needed")
+        raise ConfigError(
+            f"cannot instantiate {type(node).__name__}: a _component_ mapping is needed"
+        )
     container = OmegaConf.to_container(node, resolve=True)
     if "_component_" not in container:
         raise ConfigError(f"cannot instantiate {sorted(container)}: the mapping has no _component_")

@@ -21,15 +21,6 @@ from lightrft.engine import Continuation
 from lightrft.environments import Environment, Episode, Episodes, episode_metrics
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
-__all__ = [
-    "EvalRecord",
-    "evaluate_items",
-    "maj_at_k",
-    "mean_at_k",
-    "pass_at_k",
-    "summarize",
-]
-
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021,

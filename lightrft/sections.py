@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.config import Component, ConfigError, Section, option, section
+from lightrft.config import Component, ConfigError, Section, at_least, option, section
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DType = Literal[DTYPE_NAMES]
@@ -122,8 +122,8 @@ def check_model_path(
 
     A training checkpoint (``<output_dir>/checkpoints/step_N``) is refused with the
     ``lightrft export`` command that makes a model of it, unless ``checkpoint=True``: the
-    caller exports it itself (:func:`lightrft.training.export.resolve_model_dir`) and checks
-    its export record (:func:`~lightrft.training.export.read_export_spec`).
+    caller exports it itself (:func:`lightrft.export.resolve_model_dir`) and checks
+    its export record (:func:`~lightrft.export.read_export_spec`).
 
     Validation (``loading=False``, ``lightrft validate`` and the start of ``run``) decides only
     on what is on disk now, like :func:`lightrft.models.check_towers`: a file, or a directory
@@ -246,8 +246,7 @@ class LoraConfig(Section):
             raise ValueError(
                 f"{key}.rank: set the adapter rank (e.g. 8) or remove the {key} section"
             )
-        if self.rank < 1:
-            raise ValueError(f"{key}.rank must be >= 1, got {self.rank}")
+        at_least(f"{key}.rank", self.rank, 1)
         alpha = float(2 * self.rank if self.alpha is None else self.alpha)
         if alpha <= 0:
             raise ValueError(f"{key}.alpha must be > 0, got {alpha}")

@@ -34,10 +34,10 @@ from lightrft.engine import Continuation, Request, SamplingParams
 from lightrft.engine.config import EngineConfig
 from lightrft.environments import build_environment, check_environment, stop_at_turn_end
 from lightrft.evaluation import evaluate_dataset, summarize
+from lightrft.export import is_checkpoint, read_export_spec, resolve_model_dir
 from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward, reward_names
 from lightrft.sections import ModelConfig, RunConfig, check_model_path
-from lightrft.training.export import is_checkpoint, read_export_spec, resolve_model_dir
 from lightrft.training.run import TrainingRun, training_run
 
 

@@ -79,13 +79,9 @@ from lightrft.environments import (
     stop_at_turn_end,
 )
 from lightrft.evaluation import evaluate_dataset, summarize
-from lightrft.kernels import (
-    GradHint,
-    causal_lm_token_logprobs,
-    forward_on_hidden,
-    response_grad_hint,
-)
+from lightrft.kernels import GradHint, response_grad_hint
 from lightrft.models.critic import with_value_head
+from lightrft.models.forward import causal_lm_token_logprobs, forward_on_hidden
 from lightrft.models.loading import load_tokenizer
 from lightrft.models.multimodal import (
     check_towers,

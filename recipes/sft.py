@@ -25,7 +25,7 @@ from lightrft import config
 from lightrft.config import option, section
 from lightrft.data import StepCollator, build_dataloader, pack_or_pad_collator, step_batches
 from lightrft.distributed import all_reduce_sum
-from lightrft.kernels import causal_lm_cross_entropy
+from lightrft.models.forward import causal_lm_cross_entropy
 from lightrft.models.multimodal import check_towers, load_processors, set_towers_trainable
 from lightrft.models.sharded import load_parallel
 from lightrft.sections import (

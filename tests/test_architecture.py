@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
     "lightrft.algorithms": (1, {"lightrft.config"}),
     "lightrft.sections": (1, {"lightrft.config"}),
     "lightrft.data": (1, {"lightrft.config", "lightrft.distributed"}),
-    "lightrft.kernels": (2, {"lightrft.data"}),
+    "lightrft.kernels": (0, set()),
     "lightrft.models": (
         3,
         {
@@ -85,6 +85,15 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.strategy",
         },
     ),
+    "lightrft.export": (
+        6,
+        {
+            "lightrft.distributed",
+            "lightrft.sections",
+            "lightrft.models",
+            "lightrft.training",
+        },
+    ),
     "lightrft.rewards": (
         8,
         {
@@ -94,7 +103,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.kernels",
             "lightrft.models",
             "lightrft.engine",
-            "lightrft.training",
+            "lightrft.export",
         },
     ),
     "lightrft.evaluation": (
@@ -125,7 +134,14 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
     ),
     "lightrft.cli": (
         11,
-        {"lightrft.config", "lightrft.tasks", "lightrft.view", "lightrft.training"},
+        {
+            "lightrft.config",
+            "lightrft.tasks",
+            "lightrft.view",
+            "lightrft.engine",
+            "lightrft.training",
+            "lightrft.export",
+        },
     ),
     "lightrft.__main__": (12, {"lightrft.cli"}),
     "lightrft._worker": (12, set()),  # what `lightrft run` forks a CPU worker into
@@ -142,6 +158,7 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.engine",
             "lightrft.training",
             "lightrft.strategy",
+            "lightrft.export",
             "lightrft.rollout",
             "lightrft.rewards",
             "lightrft.evaluation",
@@ -352,3 +369,30 @@ def doc_table(path: Path = ROOT / "docs" / "architecture.md") -> dict[str, tuple
 
 def test_doc_table_matches():
     assert doc_table() == LAYERS, "docs/architecture.md's table and LAYERS differ"
+
+
+def _named_in_doc(label: str, path: Path = ROOT / "docs" / "architecture.md") -> set[str]:
+    """The names in the parentheses after ``label`` in the layer table, e.g. ``rollout engines
+    (native, vLLM, SGLang)`` -> ``{"native", "vllm", "sglang"}``."""
+    found = re.findall(re.escape(label) + r" \(([^)]*)\)", path.read_text())
+    assert found, f"docs/architecture.md names no {label} (...)"
+    return {n.strip().lower() for n in re.split(r",|\|", found[0]) if n.strip()}
+
+
+def test_doc_names_the_engines_and_modalities_the_code_has():
+    """The page's engines are EngineConfig.backend's choices, its modalities text plus the
+    fields of ``Media`` (lightrft/data/media.py); its diagram names the same engines."""
+    import typing
+
+    from lightrft.engine.config import EngineConfig
+
+    backends = set(typing.get_args(typing.get_type_hints(EngineConfig)["backend"]))
+    assert _named_in_doc("rollout engines") == backends
+    diagram = re.search(
+        r"^\s+4\s+engine\s+(.*)$", (ROOT / "docs" / "architecture.md").read_text(), re.M
+    )
+    assert {n.strip().lower() for n in diagram[1].split(",")[0].split("|")} == backends
+    tree = ast.parse((ROOT / "lightrft" / "data" / "media.py").read_text())
+    media = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Media")
+    kinds = {n.target.id for n in media.body if isinstance(n, ast.AnnAssign)}
+    assert _named_in_doc("datasets of the modalities") == {"text"} | kinds

@@ -21,23 +21,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = [
-    "ESTIMATORS",
-    "GROUP_ESTIMATORS",
-    "Estimator",
-    "check_estimator",
-    "compute_advantages",
-    "cpgd",
-    "dr_grpo",
-    "gae",
-    "grpo",
-    "masked_whiten",
-    "reinforce_pp",
-    "reinforce_pp_baseline",
-    "rloo",
-    "to_token_rewards",
-]
-
 WHITEN_EPS = 1e-8
 
 

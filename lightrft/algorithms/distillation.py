@@ -18,8 +18,6 @@ from torch import Tensor
 
 from lightrft.config import Section, option, section
 
-__all__ = ["DistillationConfig", "check_same_tokenizer", "distillation_advantages"]
-
 
 @section
 class DistillationConfig(Section):

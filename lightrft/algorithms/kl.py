@@ -15,18 +15,6 @@ from torch import Tensor
 from lightrft.algorithms.advantages import to_token_rewards
 from lightrft.algorithms.losses import aggregate
 
-__all__ = [
-    "ALIASES",
-    "KINDS",
-    "KL_CONTROLLERS",
-    "AdaptiveKLController",
-    "FixedKLController",
-    "build_kl_controller",
-    "estimate",
-    "kl_in_loss",
-    "kl_in_reward",
-]
-
 KINDS = ("k1", "abs", "k2", "k3", "k3+")
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 """verl's names for the same estimators."""

@@ -19,22 +19,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = [
-    "AGG_MODES",
-    "OBJECTIVES",
-    "OBJECTIVE_DEFAULTS",
-    "Objective",
-    "check_objective",
-    "TIS_MODES",
-    "aggregate",
-    "entropy_bonus",
-    "entropy_threshold",
-    "high_entropy_mask",
-    "policy_loss",
-    "tis_weights",
-    "value_loss",
-]
-
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 TIS_MODES = ("token", "sequence_mask")
 

@@ -40,24 +40,6 @@ from torch import Tensor
 
 from lightrft.config import Section, option, section
 
-__all__ = [
-    "PreferenceLossConfig",
-    "ReferenceConfig",
-    "PREFERENCE_LOSSES",
-    "PreferenceLoss",
-    "check_preference_loss",
-    "cdpo_loss",
-    "dpo_loss",
-    "ipo_loss",
-    "kto_kl",
-    "kto_loss",
-    "metric_means",
-    "orpo_loss",
-    "preference_metrics",
-    "rdpo_loss",
-    "simpo_loss",
-]
-
 PairLoss = tuple[Tensor, Tensor, Tensor]
 
 

@@ -22,17 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "LOSSES",
-    "bradley_terry_loss",
-    "center_loss",
-    "hps_loss",
-    "log_exp_loss",
-    "pairwise_stats",
-    "preference_loss",
-    "safety_sign_loss",
-]
-
 
 def _rejected(valid: torch.Tensor) -> torch.Tensor:
     """Mask of valid rejected candidates (every column but the first)."""

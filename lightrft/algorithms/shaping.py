@@ -12,14 +12,6 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = [
-    "DynamicSamplingAccumulator",
-    "RunningRewardNormalizer",
-    "clip_rewards",
-    "filter_groups",
-    "overlong_penalty",
-]
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -81,8 +81,8 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
     """
     from transformers import AutoModelForCausalLM
 
-    from lightrft.data.modality import is_multimodal
     from lightrft.models.loading import multimodal_auto_class
+    from lightrft.models.modality import is_multimodal
 
     auto = multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
     with torch.device("meta"):

@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
@@ -233,16 +234,14 @@ class NativeEngine:
         seed: int = 0,
         compile: bool = False,
     ) -> None:
-        from lightrft.data import modality
-        from lightrft.kernels.hf import mrope_model
+        from lightrft.models import modality
+        from lightrft.models.forward import mrope_model
         from lightrft.models.loading import load_causal_lm, load_tokenizer, to_dtype
         from lightrft.models.multimodal import load_vision_model
         from lightrft.models.parallel import decoder_layers, default_param_dtype
 
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        at_least("max_num_seqs", max_num_seqs, 1)
+        at_least("max_prefill_tokens", max_prefill_tokens, 1)
         if max_kv_tokens is not None and max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1 or None, got {max_kv_tokens}")
         if isinstance(model, nn.Module):
@@ -285,13 +284,7 @@ class NativeEngine:
         self.is_vision = modality.is_vision_language(config)
         self.is_audio = modality.is_audio_language(config)
         # Media kinds the model takes, with their placeholder token ids.
-        self.media_token_ids: dict[str, int] = {}
-        if self.is_vision:
-            self.media_token_ids["image"] = modality.image_token_id(config)
-            if config.model_type in VIDEO_MODEL_TYPES:
-                self.media_token_ids["video"] = int(config.video_token_id)
-        if self.is_audio:
-            self.media_token_ids["audio"] = modality.audio_token_id(config)
+        self.media_token_ids = modality.placeholder_ids(config)
         # Vision-language models: the image token, the M-RoPE position maker (Qwen-VL). Both:
         # the tokens only the processor may place, never the sampler.
         self.image_token_id = self.media_token_ids.get("image")
@@ -650,7 +643,7 @@ class NativeEngine:
         zero = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         if self.rope is None:
             return pos, zero
-        from lightrft.kernels.hf import mm_token_types
+        from lightrft.models.forward import mm_token_types
 
         mm = mm_token_types(self.model.config, tokens)  # [C, P]: 1 image, 2 video tokens
         images = media.image if media is not None else None
@@ -1223,11 +1216,6 @@ def _check_unsharded(model: nn.Module) -> None:
                 f"NativeEngine needs an unsharded model, but parameter {name!r} is a DTensor; "
                 "build the engine from the HF directory and call sync_weights(model, engine)"
             )
-
-
-# Vision-language models whose videos the native engine places (one run of video tokens per
-# video; Qwen3-VL interleaves frame timestamps and is not among them).
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def _check_supported(config) -> None:

@@ -239,7 +239,7 @@ class SGLangEngine:
         sgl = import_sglang()  # first: a missing extra fails before anything loads
         from transformers import AutoConfig
 
-        from lightrft.data import modality
+        from lightrft.models import modality
         from lightrft.models.loading import load_tokenizer, to_dtype
 
         if not torch.cuda.is_available():
@@ -275,14 +275,12 @@ class SGLangEngine:
         hf_config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self._setup(hf_config, int(self.llm.tokenizer_manager.context_len), seed + rank)
-        self.image_token_id = (
-            modality.image_token_id(hf_config) if modality.is_vision_language(hf_config) else None
-        )
+        self.image_token_id = modality.placeholder_ids(hf_config).get("image")
 
     def _setup(self, hf_config, max_model_len: int, seed: int) -> None:
         """The state every engine needs, whatever built ``self.llm`` (the tests build it over a
         fake ``sglang.Engine``)."""
-        from lightrft.data import modality
+        from lightrft.models import modality
 
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
         self.max_model_len = max_model_len

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightrft.config import at_least
 from lightrft.distributed import comm_device, full_tensor
 from lightrft.models.lora import (
     LoraFactors,
@@ -264,8 +265,7 @@ def iter_weight_buckets(
     A collective when the model holds DTensors: every rank must drain the iterator. The tensors
     of a bucket may be views into buffers reused for the next bucket: copy what you keep.
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    at_least("bucket_bytes", bucket_bytes, 1)
     ws = _WORKSPACES.setdefault(model, _Workspace())
     for items in _split(plan_weights(model, skip_frozen=skip_frozen), dtype, bucket_bytes):
         yield _full_bucket(items, dtype, ws)
@@ -523,8 +523,7 @@ def sync_weights(
     """
     if dtype is None and engine is not None:
         dtype = getattr(engine, "dtype", None)
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    at_least("bucket_bytes", bucket_bytes, 1)
     plan = _sync_plan(model, engine, dtype, bucket_bytes, skip_frozen)
     for bucket in plan.buckets:
         _sync_bucket(bucket, engine, dtype)

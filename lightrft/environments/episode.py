@@ -29,15 +29,6 @@ from lightrft.environments.base import (
 )
 from lightrft.environments.render import assistant_end_token, initial_prompt_ids, observation_ids
 
-__all__ = [
-    "Episode",
-    "Episodes",
-    "TurnRecord",
-    "build_environment",
-    "episode_metrics",
-    "stop_at_turn_end",
-]
-
 
 @dataclass
 class TurnRecord:

@@ -24,15 +24,6 @@ from lightrft.environments.base import Message
 from lightrft.environments.tool_calls import tool_call_format
 from lightrft.environments.tools import Tool
 
-__all__ = [
-    "assistant_end_token",
-    "assistant_turn_text",
-    "initial_prompt_ids",
-    "observation_ids",
-    "require_tool_support",
-    "transcript_ids",
-]
-
 _SENTINEL = "sentinel-reply-5d2b"
 _HISTORY: list[Message] = [{"role": "user", "content": "question"}]
 

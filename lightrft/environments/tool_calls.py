@@ -32,16 +32,6 @@ from typing import Any
 
 from lightrft.environments.base import ErrorKind
 
-__all__ = [
-    "HERMES",
-    "MAX_CALLS",
-    "MalformedCall",
-    "ToolCall",
-    "outside_reasoning",
-    "parse_tool_calls",
-    "tool_call_format",
-]
-
 HERMES = "hermes"  # Qwen2.5 / Qwen3 / NousResearch Hermes: <tool_call>{json}</tool_call>
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

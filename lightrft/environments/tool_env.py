@@ -11,8 +11,6 @@ from lightrft.environments.base import Environment, ErrorKind, Message, Step
 from lightrft.environments.tool_calls import MalformedCall, ToolCall, parse_tool_calls
 from lightrft.environments.tools import Tool, ToolResult, as_tool
 
-__all__ = ["ToolEnvironment"]
-
 
 class ToolEnvironment(Environment):
     """Answers each assistant turn's tool calls with their results as ``tool`` messages.

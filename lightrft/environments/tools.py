@@ -39,18 +39,6 @@ from typing import Any
 
 from lightrft.environments.base import ErrorKind
 
-__all__ = [
-    "Tool",
-    "ToolResult",
-    "ToolTimeout",
-    "as_tool",
-    "calculator",
-    "calculator_tool",
-    "python_tool",
-    "shipped_tool",
-    "validate_arguments",
-]
-
 
 class ToolTimeout(Exception):
     """Raised by a tool whose own clock ran out (the python tool's sandbox): a ``tool_timeout``."""
@@ -528,9 +516,3 @@ def shipped_tool(name: str) -> Tool:
             f"no shipped tool is named {name!r}; the shipped tools are: {', '.join(SHIPPED_TOOLS)}"
         )
     return SHIPPED_TOOLS[name]()
-
-
-def signature_text(tool: Tool) -> str:
-    """``name(arg: type, ...)``, for error messages that list what exists."""
-    params = tool.schema["function"]["parameters"].get("properties", {})
-    return f"{tool.name}({', '.join(params)})"

@@ -40,8 +40,6 @@ from lightrft.environments.tools import (
     validate_arguments,
 )
 
-__all__ = ["ToolSFTDataset", "check_transcript", "resolve_tools"]
-
 ROLES = ("system", "user", "assistant", "tool")
 SCHEMA_SHAPE = (
     '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}'

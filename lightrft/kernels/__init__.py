@@ -6,13 +6,13 @@ folder as a top-level ``kernels``, which is Hugging Face's kernel-hub package na
 - :func:`fused_linear_cross_entropy`: the SFT loss on hidden states.
 - ``grad_hint`` / :func:`response_grad_hint`: a per-token loss's gradients computed in the
   kernel's forward (the GRPO recipe's training step).
-- :func:`causal_lm_token_logprobs`, :func:`causal_lm_cross_entropy`: next-token log-probs / the
-  SFT loss of an HF causal LM (plain or FSDP2); :func:`forward_on_hidden` for other heads.
+
+The HF forward funnel that runs these kernels inside a model's forward lives in
+:mod:`lightrft.models.forward`.
 
 See docs/kernels.md.
 """
 
-from .hf import causal_lm_cross_entropy, causal_lm_token_logprobs, forward_on_hidden
 from .hints import response_grad_hint
 from .logprobs import (
     BACKENDS,
@@ -26,10 +26,7 @@ from .losses import fused_linear_cross_entropy
 __all__ = [
     "BACKENDS",
     "GradHint",
-    "causal_lm_cross_entropy",
-    "causal_lm_token_logprobs",
     "default_chunk_size",
-    "forward_on_hidden",
     "fused_linear_cross_entropy",
     "fused_linear_logprobs",
     "response_grad_hint",

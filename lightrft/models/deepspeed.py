@@ -118,7 +118,7 @@ def initialize(
     )
     if opts.stage == 3:
         # Our fused LM-head log-probs read lm_head.weight outside lm_head's own forward call
-        # (kernels.hf: in a hook on it, whose result the root returns; a likelihood reward
+        # (models.forward: in a hook on it, whose result the root returns; a likelihood reward
         # model: in the root's forward): registered as the root's external parameter, ZeRO-3
         # keeps it gathered for the whole root forward and routes its gradient back.
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

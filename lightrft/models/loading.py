@@ -111,7 +111,7 @@ def load_model(
     has an ``audio_config`` (Qwen2-Audio): one call for recipes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightrft.data.modality import is_multimodal
+    from lightrft.models.modality import is_multimodal
 
     check_local(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -131,7 +131,7 @@ def multimodal_auto_class(path_or_config, *, trust_remote_code: bool = False):
     model), else ``AutoModelForImageTextToText``."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoModelForMultimodalLM
 
-    from lightrft.data.modality import is_audio_language
+    from lightrft.models.modality import is_audio_language
 
     config = path_or_config
     if isinstance(config, (str, Path)):

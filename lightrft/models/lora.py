@@ -13,9 +13,8 @@ with its adapters switched off (:func:`adapters_disabled`), so no second copy si
 Weight sync (``lightrft.engine.sync``) merges the adapters into full weights under HF names.
 
 This module owns the LoRA rules every other module asks: which model is a PEFT wrapper
-(:func:`is_peft_model`, :func:`unwrap_peft`; defined in ``lightrft.kernels.hf``, which sits below
-``models`` and needs them) or carries adapters (:func:`has_adapters`), which parameter is an
-adapter's (:func:`is_adapter_param`, :func:`is_lora_matrix`, :func:`is_original_copy`), which
+(:func:`lightrft.models.forward.is_peft_model`, which the forward funnel needs too) or carries
+adapters (:func:`has_adapters`), which parameter is an adapter's (:func:`is_adapter_param`, :func:`is_lora_matrix`, :func:`is_original_copy`), which
 factors weight sync merges into a base weight (:func:`merged_adapters`), and how a new adapter
 parameter starts (:func:`initial_adapter_value`).
 """
@@ -34,29 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.kernels.hf import is_peft_model, unwrap_peft
+from lightrft.models.forward import is_peft_model
 from lightrft.sections import LoraConfig
-
-__all__ = [
-    "LoraFactors",
-    "adapters_disabled",
-    "apply_backbone_lora",
-    "apply_lora",
-    "export_adapter",
-    "has_adapters",
-    "initial_adapter_value",
-    "is_adapter_param",
-    "is_lora_layer",
-    "is_lora_matrix",
-    "is_original_copy",
-    "is_peft_model",
-    "load_adapter_export",
-    "load_export",
-    "lora_factors",
-    "merged_adapters",
-    "resolve_targets",
-    "unwrap_peft",
-]
 
 # The A / B matrix of a LoRA linear layer's adapter: weight sync merges it into the base weight.
 _LORA_MATRIX = re.compile(r"\.lora_(A|B)\.[^.]+\.weight$")

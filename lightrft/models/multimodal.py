@@ -27,23 +27,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = [
-    "audio_blocks",
-    "audio_tower_modules",
-    "checkpoint_is_audio_language",
-    "checkpoint_is_multimodal",
-    "checkpoint_is_vision_language",
-    "media_blocks",
-    "set_audio_trainable",
-    "set_towers_trainable",
-    "load_processor",
-    "load_vision_model",
-    "processor_classes",
-    "set_vision_trainable",
-    "vision_blocks",
-    "vision_tower_modules",
-]
-
 
 def processor_classes() -> dict[str, type]:
     """model_type -> the image-only processor class standing in for the stock one (imports
@@ -173,43 +156,66 @@ def _base(model: nn.Module) -> nn.Module:
     return getattr(model, getattr(model, "base_model_prefix", "model"), model)
 
 
-def audio_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The audio encoder of an audio-language model by qualified name (Qwen2-Audio's
-    ``model.audio_tower``; its projector, ``multi_modal_projector``, stays with the LM as
-    LLaVA's does)."""
+# Per tower kind: the attributes of the base model that may hold it, the paths of its blocks.
+_TOWERS = {
+    "vision": (
+        ("visual", "vision_tower", "vision_model"),
+        ("blocks", "vision_model.encoder.layers", "encoder.layers"),
+    ),
+    "audio": (("audio_tower",), ("layers", "encoder.layers")),
+}
+
+
+def _tower_modules(model: nn.Module, kind: str) -> dict[str, nn.Module]:
     base = _base(model)
     prefix = getattr(model, "base_model_prefix", "model")
-    tower = getattr(base, "audio_tower", None)
-    if isinstance(tower, nn.Module):
-        return {f"{prefix}.audio_tower": tower}
-    raise ValueError(f"cannot find the audio tower of {type(model).__name__}")
+    for attr in _TOWERS[kind][0]:
+        mod = getattr(base, attr, None)
+        if isinstance(mod, nn.Module):
+            return {f"{prefix}.{attr}": mod}
+    raise ValueError(f"cannot find the {kind} tower of {type(model).__name__}")
 
 
-def audio_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of the audio tower (what FSDP2 shards one by one)."""
+def _tower_blocks(model: nn.Module, kind: str) -> nn.ModuleList:
     from lightrft.models.loading import find_module_list
 
-    (tower,) = audio_tower_modules(model).values()
-    blocks = find_module_list(tower, ("layers", "encoder.layers"))
+    (tower,) = _tower_modules(model, kind).values()
+    blocks = find_module_list(tower, _TOWERS[kind][1])
     if blocks is not None:
         return blocks
-    raise ValueError(f"cannot find the blocks of the audio tower {type(tower).__name__}")
+    raise ValueError(f"cannot find the blocks of the {kind} tower {type(tower).__name__}")
 
 
-def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
-    """Freeze (``trainable=False``, the default) or unfreeze the audio tower in place; as
-    :func:`set_vision_trainable`. Returns the names of the parameters set."""
+def _set_tower_trainable(model: nn.Module, kind: str, trainable: bool) -> list[str]:
     names = []
-    for prefix, tower in audio_tower_modules(model).items():
+    for prefix, tower in _tower_modules(model, kind).items():
         for name, p in tower.named_parameters():
             p.requires_grad_(trainable)
             names.append(f"{prefix}.{name}")
     return names
 
 
+def audio_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The audio encoder of an audio-language model by qualified name (Qwen2-Audio's
+    ``model.audio_tower``; its projector, ``multi_modal_projector``, stays with the LM as
+    LLaVA's does)."""
+    return _tower_modules(model, "audio")
+
+
+def audio_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of the audio tower (what FSDP2 shards one by one)."""
+    return _tower_blocks(model, "audio")
+
+
+def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
+    """Freeze (``trainable=False``, the default) or unfreeze the audio tower in place; as
+    :func:`set_vision_trainable`. Returns the names of the parameters set."""
+    return _set_tower_trainable(model, "audio", trainable)
+
+
 def media_blocks(model: nn.Module) -> list[nn.Module]:
     """The vision and audio tower blocks of a multimodal model (none for a text model)."""
-    from lightrft.data.modality import is_audio_language, is_vision_language
+    from lightrft.models.modality import is_audio_language, is_vision_language
 
     config = getattr(model, "config", None)
     blocks: list[nn.Module] = []
@@ -225,7 +231,7 @@ def set_towers_trainable(
 ) -> list[str]:
     """Freeze or unfreeze each encoder tower the model has (vision, audio); what recipes call
     with ``model.train_vision_tower`` / ``model.train_audio_tower``."""
-    from lightrft.data.modality import is_audio_language, is_vision_language
+    from lightrft.models.modality import is_audio_language, is_vision_language
 
     config = getattr(model, "config", None)
     names = []
@@ -239,24 +245,12 @@ def set_towers_trainable(
 def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The vision encoder of a VLM by qualified name (``model.visual`` for Qwen-VL, which holds
     the patch merger too; ``model.vision_tower`` for LLaVA, whose projector stays with the LM)."""
-    base = _base(model)
-    prefix = getattr(model, "base_model_prefix", "model")
-    for attr in ("visual", "vision_tower", "vision_model"):
-        mod = getattr(base, attr, None)
-        if isinstance(mod, nn.Module):
-            return {f"{prefix}.{attr}": mod}
-    raise ValueError(f"cannot find the vision tower of {type(model).__name__}")
+    return _tower_modules(model, "vision")
 
 
 def vision_blocks(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of the vision tower (what FSDP2 shards one by one)."""
-    from lightrft.models.loading import find_module_list
-
-    (tower,) = vision_tower_modules(model).values()
-    blocks = find_module_list(tower, ("blocks", "vision_model.encoder.layers", "encoder.layers"))
-    if blocks is not None:
-        return blocks
-    raise ValueError(f"cannot find the blocks of the vision tower {type(tower).__name__}")
+    return _tower_blocks(model, "vision")
 
 
 def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
@@ -265,20 +259,15 @@ def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
     Call before building the optimizer and before ``parallelize``. Returns the names of the
     parameters whose ``requires_grad`` is now ``trainable``.
     """
-    names = []
-    for prefix, tower in vision_tower_modules(model).items():
-        for name, p in tower.named_parameters():
-            p.requires_grad_(trainable)
-            names.append(f"{prefix}.{name}")
-    return names
+    return _set_tower_trainable(model, "vision", trainable)
 
 
 def load_processors(path: str | Path, *, trust_remote_code: bool = False, config=None):
     """``(processor, tokenizer)`` of a checkpoint, what datasets and exports take: a vision- or
     audio-language model's processor and its tokenizer, or a text model's tokenizer twice.
     ``config``: the loaded model's HF config (else the checkpoint's config.json decides)."""
-    from lightrft.data.modality import is_multimodal
     from lightrft.models.loading import load_tokenizer
+    from lightrft.models.modality import is_multimodal
 
     multimodal = checkpoint_is_multimodal(path) if config is None else is_multimodal(config)
     if multimodal:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PEFT_PREFIX", "WRAPPER_PARTS", "hf_checkpoint_name", "hf_name", "strip_wrappers"]
-
 # Inserted by checkpoint_wrapper, torch.compile (module-level compile) and FSDP1.
 WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 PEFT_PREFIX = "base_model.model."

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightrft.kernels.hf import unwrap_peft
+from lightrft.models.forward import unwrap_peft
 from lightrft.models.loading import find_module_list
 from lightrft.sections import mesh_shape
 

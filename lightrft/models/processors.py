@@ -12,13 +12,6 @@ from __future__ import annotations
 
 from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-__all__ = [
-    "PROCESSOR_CLASSES",
-    "Qwen2VLImageOnlyProcessor",
-    "Qwen2_5_VLImageOnlyProcessor",
-    "Qwen3VLImageOnlyProcessor",
-]
-
 
 class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
     """``Qwen2VLProcessor`` without a video processor (images only; needs no torchvision)."""

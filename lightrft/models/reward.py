@@ -40,15 +40,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "POOLINGS",
-    "AttentionPooling",
-    "RewardNet",
-    "build_reward_net",
-    "load_reward_net",
-    "pool_hidden",
-]
-
 POOLINGS = ("last", "mean", "attention", "likelihood")
 CONFIG_KEY = "lightrft_reward"
 _HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
@@ -274,7 +265,7 @@ class RewardNet(nn.Module):
         :class:`~lightrft.data.media.Media` (its sequences' images, in order)."""
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids}
         if media is not None:
-            from lightrft.kernels.hf import media_forward_kwargs
+            from lightrft.models.forward import media_forward_kwargs
 
             kwargs = media_forward_kwargs(self._hf[0], input_ids, media=media, **kwargs)
         out = self.base(

@@ -117,8 +117,8 @@ def _auto_class(config):
     """The class ``load_model`` would pick (causal LM, vision- or audio-language)."""
     from transformers import AutoModelForCausalLM
 
-    from lightrft.data.modality import is_multimodal
     from lightrft.models.loading import multimodal_auto_class
+    from lightrft.models.modality import is_multimodal
 
     return multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
 

@@ -26,18 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = [
-    "VocabParallelEmbedding",
-    "VocabRows",
-    "gather_rows",
-    "logits_chunk_rows",
-    "shard_vocab_tables",
-    "vocab_parallel_logprobs",
-    "vocab_parallel_lookup",
-    "vocab_rows",
-    "vocab_tables",
-]
-
 
 @dataclass(frozen=True)
 class VocabRows:

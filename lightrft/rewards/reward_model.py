@@ -276,9 +276,9 @@ class RewardModel:
         video_min_pixels: int | None = None,
         video_max_pixels: int | None = None,
     ) -> None:
+        from lightrft.export import resolve_model_dir
         from lightrft.models.loading import check_local, load_tokenizer
         from lightrft.models.parallel import build_mesh
-        from lightrft.training.export import resolve_model_dir
 
         # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
         # directory its final/ would be: heads, pooling and statistics included.

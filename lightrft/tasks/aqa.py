@@ -22,8 +22,6 @@ from typing import Any
 
 from lightrft.data.io import DataError, load_records, write_jsonl
 
-__all__ = ["aqa_prompt", "prepare_aqa"]
-
 
 def aqa_prompt(question: str, choices: Sequence[str]) -> str:
     """The user prompt of one question: the audio tag, the question, the options, the format."""

@@ -12,7 +12,6 @@ they are absent or were made with other settings, so configs can call it on ever
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import random
@@ -20,19 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightrft.data.io import made_with, write_jsonl
-from lightrft.tasks.made import META, derive_splits, with_defaults
-
-__all__ = [
-    "OPS",
-    "arith_records",
-    "ensure_arith_dataset",
-    "ensure_arith_judgments",
-    "ensure_arith_preferences",
-    "near_miss",
-    "near_miss_text",
-    "write_arith_dataset",
-]
+from lightrft.config import at_least
+from lightrft.data.io import write_jsonl
+from lightrft.tasks.made import META, derive_splits, ensure_made
 
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
@@ -219,20 +208,10 @@ def _drop_carries(
 
 
 def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
-    """:func:`write_arith_dataset` unless ``out_dir`` already holds it with these settings.
-
-    Takes the same keyword arguments; returns ``out_dir``.
-    """
-    out = Path(out_dir)
-    defaults = {
-        k: p.default
-        for k, p in inspect.signature(write_arith_dataset).parameters.items()
-        if p.kind is p.KEYWORD_ONLY
-    }
-    want = _settings(**with_defaults("ensure_arith_dataset: ", defaults, settings))
-    if made_with(out, ("train.jsonl", "test.jsonl"), want):
-        return out
-    return write_arith_dataset(out, **want)
+    """:func:`write_arith_dataset` unless ``out_dir`` already holds it with these settings."""
+    return ensure_made(
+        write_arith_dataset, out_dir, ("train.jsonl", "test.jsonl"), settings, normalise=_settings
+    )
 
 
 # ------------------------------------------------------------------------------ preference pairs
@@ -339,8 +318,7 @@ def ensure_arith_preferences(
     :func:`write_arith_dataset`'s ``dropped_carry`` writes it), the others a near miss.
     """
     src = Path(source_dir)
-    if per_problem < 1:
-        raise ValueError(f"per_problem must be >= 1, got {per_problem}")
+    at_least("per_problem", per_problem, 1)
     if rejected not in ("near_miss", "dropped_carry"):
         raise ValueError(f"rejected must be 'near_miss' or 'dropped_carry', got {rejected!r}")
     want = {

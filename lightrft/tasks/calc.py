@@ -24,24 +24,14 @@ that calling it pays.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import random
 from pathlib import Path
 from typing import Any
 
-from lightrft.data.io import made_with, write_jsonl
-from lightrft.tasks.made import META, with_defaults
-
-__all__ = [
-    "calc_call",
-    "calc_problems",
-    "calc_transcript",
-    "ensure_calc_dataset",
-    "estimate",
-    "write_calc_dataset",
-]
+from lightrft.data.io import write_jsonl
+from lightrft.tasks.made import META, ensure_made
 
 TOOLS = ["calculator"]
 # The failed first calls of the recovering transcripts: the prompt's "=" copied into the
@@ -197,17 +187,7 @@ def write_calc_dataset(
 
 
 def ensure_calc_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
-    """:func:`write_calc_dataset` unless ``out_dir`` already holds it with these settings.
-
-    Takes the same keyword arguments; returns ``out_dir``.
-    """
-    out = Path(out_dir)
-    defaults = {
-        k: p.default
-        for k, p in inspect.signature(write_calc_dataset).parameters.items()
-        if p.kind is p.KEYWORD_ONLY
-    }
-    want = with_defaults("ensure_calc_dataset: ", defaults, settings)
-    if made_with(out, ("sft.jsonl", "train.jsonl", "test.jsonl"), want):
-        return out
-    return write_calc_dataset(out, **want)
+    """:func:`write_calc_dataset` unless ``out_dir`` already holds it with these settings."""
+    return ensure_made(
+        write_calc_dataset, out_dir, ("sft.jsonl", "train.jsonl", "test.jsonl"), settings
+    )

@@ -34,8 +34,6 @@ from lightrft.data.io import (
     write_jsonl,
 )
 
-__all__ = ["SYSTEM_PROMPT", "convert_gsm8k", "ensure_gsm8k", "main", "prepare_gsm8k"]
-
 SYSTEM_PROMPT = (
     "Solve the math word problem step by step. "
     "End with the final answer, a number only, in \\boxed{}."

@@ -30,10 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from lightrft.data.io import made_with, write_jsonl
-from lightrft.tasks.made import META, with_defaults
-
-__all__ = ["DIRECTIONS", "ensure_motion_dataset", "motion_frames", "write_motion_dataset"]
+from lightrft.data.io import write_jsonl
+from lightrft.tasks.made import META, ensure_made
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 QUESTION = "<video>Which way does the square move? Answer left, right, up or down."
@@ -184,23 +182,4 @@ def write_motion_dataset(
 
 def ensure_motion_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """:func:`write_motion_dataset` unless ``out_dir`` already holds it with these settings."""
-    defaults = dict(
-        n_train=2000,
-        n_test=200,
-        n_rl=0,
-        frames=4,
-        size=56,
-        side=14,
-        step=4,
-        fps=4,
-        n_colours=5,
-        start_grid=0,
-        start_offset=0,
-        background=255,
-        seed=0,
-    )
-    want = with_defaults("ensure_motion_dataset: ", defaults, settings)
-    out = Path(out_dir)
-    if made_with(out, ("train.jsonl", "test.jsonl"), want):
-        return out
-    return write_motion_dataset(out, **want)
+    return ensure_made(write_motion_dataset, out_dir, ("train.jsonl", "test.jsonl"), settings)

@@ -22,18 +22,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from lightrft.data.io import made_with, write_jsonl
-from lightrft.tasks.made import META, derive_splits, with_defaults
-
-__all__ = [
-    "COLOURS",
-    "SHAPES_JUDGE_TEMPLATE",
-    "ensure_shapes_dataset",
-    "ensure_shapes_judgments",
-    "ensure_shapes_preferences",
-    "shapes_records",
-    "write_shapes_dataset",
-]
+from lightrft.config import at_least
+from lightrft.data.io import write_jsonl
+from lightrft.tasks.made import META, derive_splits, ensure_made
 
 COLOURS = {
     "red": (220, 30, 30),
@@ -175,21 +166,13 @@ def write_shapes_dataset(
 
 def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """:func:`write_shapes_dataset` unless ``out_dir`` already holds it with these settings."""
-    defaults = dict(
-        n_train=2000, n_test=200, n_rl=0, grid=3, min_count=1, max_count=5, cell=28, seed=0
-    )
-    want = with_defaults("ensure_shapes_dataset: ", defaults, settings)
-    out = Path(out_dir)
-    if made_with(out, ("train.jsonl", "test.jsonl"), want):
-        return out
-    return write_shapes_dataset(out, **want)
+    return ensure_made(write_shapes_dataset, out_dir, ("train.jsonl", "test.jsonl"), settings)
 
 
 def _source_counts(src: Path, per_board: int, why_two: str) -> tuple[Path, list[str]]:
     """The counting data set's meta file and its counts (as answers), for the data derived from
     it; ``why_two``: what a single count would leave nothing for."""
-    if per_board < 1:
-        raise ValueError(f"per_board must be >= 1, got {per_board}")
+    at_least("per_board", per_board, 1)
     meta = src / META
     if not meta.is_file():
         raise ValueError(f"no {META} in {src}: write the counting data set first")

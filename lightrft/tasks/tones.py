@@ -35,10 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from lightrft.data.io import made_with, write_jsonl
-from lightrft.tasks.made import META, with_defaults
-
-__all__ = ["ensure_tones_dataset", "tone_band", "tone_clip", "write_tones_dataset"]
+from lightrft.data.io import write_jsonl
+from lightrft.tasks.made import META, ensure_made, with_defaults
 
 SPLITS = ("train", "rl", "test")
 _DEFAULTS = dict(
@@ -134,8 +132,6 @@ def write_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
 
 def ensure_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """:func:`write_tones_dataset` unless ``out_dir`` already holds it with these settings."""
-    want = with_defaults("ensure_tones_dataset: ", _DEFAULTS, settings)
-    out = Path(out_dir)
-    if made_with(out, tuple(f"{s}.jsonl" for s in SPLITS), want):
-        return out
-    return write_tones_dataset(out, **want)
+    return ensure_made(
+        write_tones_dataset, out_dir, (f"{s}.jsonl" for s in SPLITS), settings, _DEFAULTS
+    )

@@ -16,7 +16,6 @@ _EXPORTS = {
     "check_resume": "checkpoint",
     "export_merged": "export",
     "export_trained": "export",
-    "export_checkpoint": "export",
     "ExportSpec": "export",
     "MetricLogger": "metrics",
     "ProgressBar": "metrics",

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from lightrft.config import at_least
 from lightrft.distributed import full_tensor
 
 
@@ -33,8 +34,7 @@ def warmup_cosine_lr_ratio(
 
 def check_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
     """Raise a ``ValueError`` naming the bad schedule argument."""
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    at_least("total_steps", total_steps, 1)
     if not 0 <= warmup_steps <= total_steps:
         raise ValueError(
             f"warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}"

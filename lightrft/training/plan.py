@@ -453,7 +453,7 @@ def logprob_bytes(
     ``[tokens, vocab]`` logits, their fp32 upcast and the fp32 log-softmax.
 
     ``sequence_parallel`` N > 1: the head runs on this rank's slice (``tokens / N`` rows; no
-    gradient hint: ``kernels.hf.causal_lm_token_logprobs`` refuses one), and the log-probs (and
+    gradient hint: ``models.forward.causal_lm_token_logprobs`` refuses one), and the log-probs (and
     entropy) are all-gathered into fp32 ``[tokens]`` vectors (``Ulysses.gather``)."""
     n = sequence_parallel
     local = sp_local_tokens(tokens, n)

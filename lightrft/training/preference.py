@@ -14,17 +14,7 @@ import torch
 
 from lightrft.data.preference import PreferenceCollator
 from lightrft.distributed import all_reduce_sum
-from lightrft.kernels import causal_lm_token_logprobs
-
-__all__ = [
-    "IndexedPreferences",
-    "kto_reference_point",
-    "PairCollator",
-    "precompute_reference",
-    "reduce_sums",
-    "reference_cache_key",
-    "sequence_logprobs",
-]
+from lightrft.models.forward import causal_lm_token_logprobs
 
 
 class IndexedPreferences(torch.utils.data.Dataset):

@@ -235,13 +235,3 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         torch.save(obj, buf)
         buf.seek(0)
         super().load_bytes(read_item, buf)
-
-
-__all__ = [
-    "UnsafeCheckpointError",
-    "save_state",
-    "load_state",
-    "read_dcp_metadata",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
-]

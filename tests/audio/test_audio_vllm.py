@@ -4,7 +4,7 @@ import pytest
 from _audio_helpers import tone
 
 from lightrft.data import PromptDataset
-from lightrft.data.modality import media_token_ids
+from lightrft.models.modality import media_token_ids
 from lightrft.engine import SamplingParams
 from lightrft.engine import vllm_adapter as va
 from lightrft.models import load_processor

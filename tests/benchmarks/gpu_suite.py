@@ -218,7 +218,7 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 def train_and_sync_rows(s: Settings, name: str, shape: dict) -> list[Row]:
     """The training row of one shape, then the sync rows from the same FSDP2 model."""
     from lightrft.engine import NativeEngine, sync_weights
-    from lightrft.kernels.hf import causal_lm_token_logprobs
+    from lightrft.models.forward import causal_lm_token_logprobs
     from lightrft.models import parallelize
     from lightrft.models.parallel import default_param_dtype
 
@@ -522,7 +522,7 @@ def offload_rows(s: Settings, work: Path) -> list[Row]:
         losses = []
 
         def step(model=model, opt=opt, x=x, losses=losses) -> None:
-            from lightrft.kernels.hf import causal_lm_token_logprobs
+            from lightrft.models.forward import causal_lm_token_logprobs
 
             loss = -causal_lm_token_logprobs(model, x).mean()
             loss.backward()

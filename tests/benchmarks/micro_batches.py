@@ -29,7 +29,7 @@ import torch
 
 from lightrft.cli import recipes_dir
 from lightrft.data import plan_micro_batches as plan
-from lightrft.kernels.hf import causal_lm_token_logprobs
+from lightrft.models.forward import causal_lm_token_logprobs
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
 

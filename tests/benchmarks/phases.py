@@ -43,7 +43,7 @@ from torch import nn
 
 from lightrft.engine import NativeEngine, Request, SamplingParams
 from lightrft.engine.sync import sync_weights
-from lightrft.kernels.hf import causal_lm_token_logprobs
+from lightrft.models.forward import causal_lm_token_logprobs
 
 
 def make_model(out: Path, tokenizer, args) -> Path:

@@ -277,7 +277,7 @@ def make_sp_model() -> Path:
 
 def _sp_forward(model, ids, sp) -> torch.Tensor:
     """The recipes' funnel: this rank's slice, log-probs gathered over the SP group."""
-    from lightrft.kernels import causal_lm_token_logprobs
+    from lightrft.models.forward import causal_lm_token_logprobs
 
     return causal_lm_token_logprobs(model, ids, sequence_parallel=sp)
 

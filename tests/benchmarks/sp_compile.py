@@ -47,7 +47,7 @@ def _worker(rank: int, port: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from torch._dynamo.utils import counters
 
-    from lightrft.kernels import causal_lm_cross_entropy
+    from lightrft.models.forward import causal_lm_cross_entropy
     from lightrft.models.parallel import build_mesh, parallelize
     from lightrft.models.ulysses import Ulysses, enable, sp_groups
 

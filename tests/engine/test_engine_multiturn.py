@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightrft.engine import NativeEngine, Request, SamplingParams, Turn
-from lightrft.kernels import causal_lm_token_logprobs
+from lightrft.models.forward import causal_lm_token_logprobs
 from lightrft.models import load_causal_lm, load_tokenizer
 
 TEXTS = ["hi", "What is 2 + 2?", "Tell me a story about a cat.", "x"]

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 pytest.importorskip("peft")
 
 from lightrft.engine.sync import iter_weight_buckets  # noqa: E402
-from lightrft.kernels import causal_lm_cross_entropy  # noqa: E402
 from lightrft.models import load_causal_lm, load_tokenizer, parallelize  # noqa: E402
+from lightrft.models.forward import causal_lm_cross_entropy  # noqa: E402
 from lightrft.models.lora import (  # noqa: E402
     adapters_disabled,
     apply_lora,

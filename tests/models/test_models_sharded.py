@@ -63,7 +63,7 @@ def _sharded_worker(rank: int, world: int, tied: str, untied: str, vlm: str, ref
     # single-process ones. A trained model keeps the head in the root group.
     from torch.distributed.fsdp import FSDPModule
 
-    from lightrft.kernels import causal_lm_token_logprobs
+    from lightrft.models.forward import causal_lm_token_logprobs
 
     frozen = load_parallel(untied, prepare=lambda m: m.requires_grad_(False))
     assert isinstance(frozen.get_output_embeddings(), FSDPModule)

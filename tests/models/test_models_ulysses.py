@@ -70,7 +70,7 @@ def _batch(group: int, packed: bool):
 def _loss(model, batch, n_tokens: float, sp=None):
     """A GRPO-like term (weighted log-probs) plus the SFT cross entropy; each normalised by the
     step's token count. Under SP: this rank's share (the log-prob term is gathered whole)."""
-    from lightrft.kernels import causal_lm_cross_entropy, causal_lm_token_logprobs
+    from lightrft.models.forward import causal_lm_cross_entropy, causal_lm_token_logprobs
 
     ids, targets, mask, pos, weights = batch
     kw = dict(targets=targets, attention_mask=mask, position_ids=pos, sequence_parallel=sp)

@@ -64,7 +64,7 @@ def test_export_of_an_fsdp2_checkpoint_equals_final_bitwise(sft_run, tmp_path, c
 
 
 def test_bad_inputs_are_refused_naming_path_and_key(sft_run, tmp_path, capsys):
-    from lightrft.training.export import export_checkpoint
+    from lightrft.export import export_checkpoint
 
     out = sft_run / "out"
 
@@ -166,7 +166,7 @@ def _planted_remote_code(sft_run: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_checkpoint_cannot_grant_itself_trust_remote_code(sft_run, tmp_path, capsys, monkeypatch):
     """Before: export ran the base directory's auto_map code because meta.json said so."""
-    from lightrft.training.export import resolve_model_dir
+    from lightrft.export import resolve_model_dir
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     monkeypatch.setenv("LIGHTRFT_EXPORT_CACHE", str(tmp_path / "cache"))
@@ -245,7 +245,7 @@ def test_eval_takes_a_checkpoint_and_evaluates_its_export(sft_run, tmp_path, mon
     (cached,) = (tmp_path / "cache").iterdir()
     assert_same_export(cached, out / "final")
     # Made once: a second use of the same checkpoint reuses it.
-    from lightrft.training.export import resolve_model_dir
+    from lightrft.export import resolve_model_dir
 
     stamp = (cached / "model.safetensors").stat().st_mtime_ns
     assert resolve_model_dir(_step(out, 2)) == str(cached)
@@ -313,7 +313,7 @@ def test_export_of_a_lora_checkpoint_equals_final_adapter_and_merged(tmp_path):
     assert_same_export(tmp_path / "exp" / "final_merged", out / "final_merged")
 
     # A record whose LoRA config does not build this checkpoint's adapters is refused.
-    from lightrft.training.export import export_checkpoint
+    from lightrft.export import export_checkpoint
 
     for name, edit, match in (
         ("full", lambda e: e.update(lora=None), "holds '.*lora_A.*', which the model rebuilt"),
@@ -340,7 +340,7 @@ def _two_rank_sft(rank: int, world_size: int, cfg_path: str) -> None:
     recipe.train()
     recipe.logger.close()
     # Under the process group, a checkpoint given as a model is exported collectively.
-    from lightrft.training.export import resolve_model_dir
+    from lightrft.export import resolve_model_dir
 
     got = resolve_model_dir(Path(cfg.output_dir) / "checkpoints" / "step_000002")
     assert Path(got).parent == Path(os.environ["LIGHTRFT_EXPORT_CACHE"])

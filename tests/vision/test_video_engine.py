@@ -11,10 +11,10 @@ from _vision_helpers import square
 from PIL import Image
 
 from lightrft.data import PromptDataset
-from lightrft.data.modality import vision_token_ids
+from lightrft.models.modality import vision_token_ids
 from lightrft.engine import NativeEngine, Request, SamplingParams
-from lightrft.kernels import causal_lm_token_logprobs
-from lightrft.kernels.hf import mm_token_types
+from lightrft.models.forward import causal_lm_token_logprobs
+from lightrft.models.forward import mm_token_types
 from lightrft.models.multimodal import load_processor, load_vision_model
 
 

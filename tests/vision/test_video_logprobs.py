@@ -9,7 +9,7 @@ from _vision_helpers import square
 from PIL import Image
 
 from lightrft.data import SFTDataset, pack_or_pad_collator
-from lightrft.kernels import causal_lm_token_logprobs
+from lightrft.models.forward import causal_lm_token_logprobs
 from lightrft.models.multimodal import load_processor, load_vision_model
 
 

@@ -49,7 +49,7 @@ def _config(tmp_path, data: str, model: str, **over) -> str:
 
 
 def test_vlm_sequence_logprobs_are_the_vlm_forward_with_its_images(tiny_vlm, image_files, tmp_path):
-    from lightrft.kernels.hf import media_forward_kwargs
+    from lightrft.models.forward import media_forward_kwargs
     from lightrft.models.loading import load_model
     from lightrft.training.preference import sequence_logprobs
 

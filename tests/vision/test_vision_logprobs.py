@@ -5,7 +5,7 @@ import torch
 from _vision_helpers import square
 
 from lightrft.data import PromptDataset, SFTDataset, pack_or_pad_collator
-from lightrft.kernels import causal_lm_token_logprobs
+from lightrft.models.forward import causal_lm_token_logprobs
 from lightrft.models.multimodal import load_processor, load_vision_model
 
 

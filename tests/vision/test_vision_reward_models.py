@@ -116,7 +116,7 @@ def _score(net, batch) -> torch.Tensor:
 def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_files, tmp_path):
     """The score equals the mean log-prob of the response tokens under the VLM's own forward
     (pixel inputs, M-RoPE positions), padded or packed."""
-    from lightrft.kernels.hf import media_forward_kwargs
+    from lightrft.models.forward import media_forward_kwargs
     from lightrft.models.loading import load_model
     from lightrft.models.reward import build_reward_net
 

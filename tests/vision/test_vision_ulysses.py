@@ -33,7 +33,7 @@ def _batch(proc, packing: bool) -> dict:
 
 
 def _loss(model, batch, n_tokens: float, sp=None):
-    from lightrft.kernels import causal_lm_cross_entropy, causal_lm_token_logprobs
+    from lightrft.models.forward import causal_lm_cross_entropy, causal_lm_token_logprobs
 
     targets = batch["labels"][:, 1:]
     kw = dict(

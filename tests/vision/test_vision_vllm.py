@@ -7,7 +7,7 @@ import torch
 from _vision_helpers import square
 
 from lightrft.data import PromptDataset
-from lightrft.data.modality import vision_token_ids
+from lightrft.models.modality import vision_token_ids
 from lightrft.engine import Request, SamplingParams
 from lightrft.engine import vllm_adapter as va
 from lightrft.models.multimodal import load_processor
@@ -92,7 +92,7 @@ def test_vllm_engine_vision_on_gpu(tmp_path):
     """Greedy equals the native engine's, log-probs equal the trainer path's, and a weight sync
     after a level-2 sleep (vision tower included) restores the same outputs."""
     from lightrft.engine import NativeEngine, sync_weights
-    from lightrft.kernels import causal_lm_token_logprobs
+    from lightrft.models.forward import causal_lm_token_logprobs
     from lightrft.models.multimodal import load_vision_model
     from lightrft.tasks import make_tiny_model
 

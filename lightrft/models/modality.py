@@ -6,16 +6,6 @@ Pure functions of the config object; no transformers import.
 
 from __future__ import annotations
 
-__all__ = [
-    "audio_token_id",
-    "image_token_id",
-    "is_audio_language",
-    "is_multimodal",
-    "is_vision_language",
-    "media_token_ids",
-    "vision_token_ids",
-]
-
 
 def is_vision_language(config) -> bool:
     """Whether an HF config describes a vision-language model (it has a ``vision_config``)."""
@@ -50,6 +40,25 @@ def audio_token_id(config) -> int:
         if value is not None:
             return int(value)
     raise ValueError(f"{type(config).__name__} names no audio token id")
+
+
+# Vision-language models whose videos the engines place (one run of video tokens per video;
+# Qwen3-VL interleaves frame timestamps and is not among them).
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def placeholder_ids(config) -> dict[str, int]:
+    """The media kinds a model takes, each with its placeholder token id: ``image`` (and
+    ``video`` for :data:`VIDEO_MODEL_TYPES`) for a vision-language model, ``audio`` for an
+    audio-language one; empty for a text model."""
+    ids = {}
+    if is_vision_language(config):
+        ids["image"] = image_token_id(config)
+        if config.model_type in VIDEO_MODEL_TYPES:
+            ids["video"] = int(config.video_token_id)
+    if is_audio_language(config):
+        ids["audio"] = audio_token_id(config)
+    return ids
 
 
 def vision_token_ids(config) -> list[int]:

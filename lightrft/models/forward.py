@@ -19,7 +19,6 @@ weight *is* the embedding matrix, and its gradient accumulates into the one para
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -27,18 +26,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .logprobs import Backend, GradHint, fused_linear_logprobs, select_backend
-from .losses import fused_linear_cross_entropy
+from lightrft.kernels.logprobs import Backend, GradHint, fused_linear_logprobs, select_backend
+from lightrft.kernels.losses import fused_linear_cross_entropy
 
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether ``model`` is a PEFT wrapper (possibly FSDP2-sharded: the class changes, the
-    ``peft_config`` attribute stays).
-
-    The one definition of this rule. It lives here, below ``lightrft.models``, because the HF
-    funnel needs it and may not import upwards; :mod:`lightrft.models.lora`, which owns the
-    other LoRA rules, re-exports it and :func:`unwrap_peft`.
-    """
+    ``peft_config`` attribute stays); :mod:`lightrft.models.lora` owns the other LoRA rules."""
     return isinstance(getattr(model, "peft_config", None), dict)
 
 
@@ -47,7 +41,6 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-@functools.cache
 def _accepts(cls: type, name: str) -> bool:
     return name in inspect.signature(cls.forward).parameters
 
@@ -443,7 +436,7 @@ def media_forward_kwargs(
 
     Models without M-RoPE (LLaVA) take ordinary positions, so their packing works as for text.
     """
-    from lightrft.data.modality import is_audio_language, is_vision_language
+    from lightrft.models.modality import is_audio_language, is_vision_language
 
     config, name = getattr(model, "config", None), type(model).__name__
     if media.audio is not None and not is_audio_language(config):
@@ -484,7 +477,7 @@ def media_forward_kwargs(
 def mm_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
     """Qwen-VL's ``mm_token_type_ids`` of ``input_ids``: 1 on image tokens, 2 on video tokens,
     0 elsewhere (int32, the shape of ``input_ids``)."""
-    from lightrft.data.modality import image_token_id
+    from lightrft.models.modality import image_token_id
 
     mm = (input_ids == image_token_id(config)).int()
     video = getattr(config, "video_token_id", None)

@@ -6,12 +6,9 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from lightrft.kernels import (
-    causal_lm_cross_entropy,
-    causal_lm_token_logprobs,
-    fused_linear_logprobs,
-)
+from lightrft.kernels import fused_linear_logprobs
 from lightrft.models import load_causal_lm, parallelize
+from lightrft.models.forward import causal_lm_cross_entropy, causal_lm_token_logprobs
 from lightrft.tasks import make_tiny_model
 
 IGNORE = -100
