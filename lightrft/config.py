@@ -135,7 +135,9 @@ def _compose(text: str, where: str) -> yaml.Node | None:
     try:
         root = yaml.compose(text)
     except RecursionError:
-        raise ConfigError(f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)") from None
+        raise ConfigError(
+            f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)"
+        ) from None
     if root is not None:
         _check_size(root, where)
     return root
@@ -151,8 +153,10 @@ def _check_size(root: yaml.Node, where: str) -> None:
         node, done = stack.pop()
         if id(node) in size:
             continue
-        children = [c for kv in node.value for c in kv] if isinstance(node, yaml.MappingNode) else (
-            node.value if isinstance(node, yaml.SequenceNode) else []
+        children = (
+            [c for kv in node.value for c in kv]
+            if isinstance(node, yaml.MappingNode)
+            else (node.value if isinstance(node, yaml.SequenceNode) else [])
         )
         if not done:
             if isinstance(node, yaml.ScalarNode):
@@ -170,7 +174,9 @@ def _check_size(root: yaml.Node, where: str) -> None:
         depth[id(node)] = 1 + max((depth[id(c)] for c in children), default=0)
         line = node.start_mark.line + 1
         if depth[id(node)] > MAX_DEPTH:
-            raise ConfigError(f"{where}:{line}: nested {depth[id(node)]} levels deep (at most {MAX_DEPTH})")
+            raise ConfigError(
+                f"{where}:{line}: nested {depth[id(node)]} levels deep (at most {MAX_DEPTH})"
+            )
         if size[id(node)] > MAX_VALUES:
             raise ConfigError(
                 f"{where}:{line}: holds more than {MAX_VALUES:,} values once its aliases (*name) "
@@ -202,14 +208,18 @@ def _check_override(arg: str) -> None:
     """An override's key and value within the bounds a file keeps (checked before parsing)."""
     key, _, value = arg.lstrip("~").partition("=")
     if key.count(".") >= MAX_DEPTH:
-        raise ConfigError(f"override '{arg[:80]}...': the key is nested deeper than {MAX_DEPTH} levels")
+        raise ConfigError(
+            f"override '{arg[:80]}...': the key is nested deeper than {MAX_DEPTH} levels"
+        )
     level = deepest = 0
     for ch in value:
         level += ch in "[{"
         level -= ch in "]}"
         deepest = max(deepest, level)
     if deepest > MAX_DEPTH:
-        raise ConfigError(f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})")
+        raise ConfigError(
+            f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})"
+        )
     try:
         node = yaml.compose(value) if value else None
     except (yaml.YAMLError, RecursionError):
@@ -440,9 +450,15 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
                 named = [
                     n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                 ]
+                # A key that moved into a section argument names its new place.
+                moved = [
+                    f"; it moved to '{key}.{n}.{s.moved[arg]}'"
+                    for n, s in _section_args(hints).items()
+                    if arg in getattr(s, "moved", {})
+                ]
                 errors.append(
                     f"{src.where(sub)}: unknown key '{sub}': {target} takes no "
-                    f"argument '{arg}'{_closest(arg, named)}"
+                    f"argument '{arg}'{moved[0] if moved else _closest(arg, named)}"
                 )
             continue
         if isinstance(value, (dict, DictConfig)) and "_component_" in value:
@@ -462,6 +478,15 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
             continue
         p = params[arg]
         t = hints.get(arg, p.annotation)
+        if (sec := _section_type(t)) is not None and isinstance(value, (dict, DictConfig)):
+            before = len(errors)
+            _check(value, sec.schema(), sub, src, errors)
+            if len(errors) == before:
+                try:
+                    sec.read(value, f"{sub}.")
+                except ValueError as e:
+                    errors.append(f"{src.where(sub)}: {e}")
+            continue
         if t is inspect.Parameter.empty and p.default not in (inspect.Parameter.empty, None):
             t = type(p.default)
         if value is not None and not _matches(value, t):
@@ -573,14 +598,24 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     if node is None:
         return None
     if not OmegaConf.is_dict(node):
-        raise ConfigError(f"cannot instantiate {type(node).__name__}: a _component_ mapping is needed")
+        raise ConfigError(
+            f"cannot instantiate {type(node).__name__}: a _component_ mapping is needed"
+        )
     container = OmegaConf.to_container(node, resolve=True)
     if "_component_" not in container:
         raise ConfigError(f"cannot instantiate {sorted(container)}: the mapping has no _component_")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # appended: the working directory never shadows a package
     target = resolve(container.pop("_component_"))
-    return target(*args, **{**container, **kwargs})
+    kwargs = {**container, **kwargs}
+    try:
+        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: no section arguments
+        hints = {}
+    for name, sec in _section_args(hints).items():  # a mapping for a section argument: read it
+        if isinstance(kwargs.get(name), Mapping):
+            kwargs[name] = sec.read(kwargs[name], f"{name}.")
+    return target(*args, **kwargs)
 
 
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
@@ -839,6 +874,12 @@ def _section_type(t: Any) -> type[Section] | None:
         inner = [a for a in typing.get_args(t) if a is not type(None)]
         t = inner[0] if len(inner) == 1 else None
     return t if isinstance(t, type) and issubclass(t, Section) else None
+
+
+def _section_args(hints: Mapping[str, Any]) -> dict[str, type[Section]]:
+    """The arguments of a component whose type is a :class:`Section` (a nested mapping in
+    YAML, checked against the section's schema and read into it)."""
+    return {n: s for n, t in hints.items() if (s := _section_type(t)) is not None}
 
 
 def _is_component_type(t: Any) -> bool:

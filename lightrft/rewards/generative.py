@@ -50,13 +50,12 @@ import re
 import urllib.request
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 
-from lightrft.config import Bound
-from lightrft.data.video import OverlongVideo, VideoOptions
-from lightrft.data.vision import MEDIA_KINDS
+from lightrft.data.media import MEDIA_KINDS, MediaOptions
+from lightrft.data.records import MediaSamples
 from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
 
 __all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "media_parts", "parse_verdict"]
@@ -147,12 +146,10 @@ class GenerativeReward:
             instead of a number; the default pattern then matches these words.
         max_parse_failures: refuse (``ValueError`` with the last verdicts) once this many
             verdicts in a row failed to parse; None never refuses.
-        min_pixels, max_pixels: a vision-language judge's bounds on each image's area (None
-            keeps its processor's own).
-        video_fps, video_num_frames, max_video_frames, overlong_video, video_min_pixels,
-            video_max_pixels: how a Qwen2-VL / Qwen2.5-VL judge samples and sizes the
-            conversations' videos (the prompt datasets' keys and defaults; give the values of
-            the judge's own training data).
+        media: a local vision- or audio-language judge's media options (the ``media``
+            section, :class:`~lightrft.data.media.MediaOptions`: image bounds, how videos are
+            sampled and sized, the audio bound; the prompt datasets' keys and defaults; give
+            those of the judge's own training data).
 
     A local vision-language judge (``uses_conversations``) needs each sample's conversation
     (``conversations=``, passed by :class:`~lightrft.rewards.CombinedReward` from the recipes),
@@ -183,14 +180,7 @@ class GenerativeReward:
         timeout: float = 60.0,
         verdicts: Mapping[str, float] | None = None,
         max_parse_failures: int | None = None,
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
-        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
-        overlong_video: OverlongVideo = "clip",
-        video_min_pixels: int | None = None,
-        video_max_pixels: int | None = None,
+        media: MediaOptions | None = None,
     ) -> None:
         if (judge is None) == (url is None):
             raise ValueError("GenerativeReward: give exactly one of judge (a local dir) or url")
@@ -243,21 +233,10 @@ class GenerativeReward:
         self.chat_template = chat_template
         self.engine = None
         self.media = None  # MediaSamples of a vision- or audio-language judge
-        video = VideoOptions(
-            video_fps,
-            video_num_frames,
-            max_video_frames,
-            overlong_video,
-            video_min_pixels,
-            video_max_pixels,
-        )
         if judge is not None:
-            self._load_local(judge, device, dtype, min_pixels, max_pixels, video)
-        elif min_pixels is not None or max_pixels is not None or video != VideoOptions():
-            raise ValueError(
-                "min_pixels / max_pixels and the video options apply to a local "
-                "vision-language judge"
-            )
+            self._load_local(judge, device, dtype, media)
+        elif media is not None:
+            MediaSamples(None, media, given="a remote judge (url) takes its media as sent")
         self.parse_failures = 0  # running totals
         self.echo_mismatches = 0
         self.judged = 0
@@ -266,32 +245,23 @@ class GenerativeReward:
         self.last_verdicts: list[str] = []  # the judge's texts of the last call, job by job
         self.last_metrics: dict[str, float] = {}
 
-    def _load_local(self, judge, device, dtype, min_pixels, max_pixels, video) -> None:
+    def _load_local(self, judge, device, dtype, options: MediaOptions | None) -> None:
         from lightrft.engine import NativeEngine
-        from lightrft.models.multimodal import checkpoint_is_multimodal
+        from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
 
-        tokenizer = None
-        if checkpoint_is_multimodal(judge):
-            from lightrft.data.records import MediaSamples
-            from lightrft.models.multimodal import load_processor
-
-            if not self.chat_template:
-                raise ValueError(
-                    f"judge {judge} is a vision- or audio-language model: it needs "
-                    "chat_template=true (the chat template places the image and audio tokens)"
-                )
-            processor = load_processor(judge)
-            # Media only from the conversations' parts, bounded as the prompt datasets bound it.
-            self.media = MediaSamples(
-                processor, None, min_pixels, max_pixels, None, videos_field=None, video=video
-            )
-            tokenizer = processor.tokenizer
-            self.uses_conversations = True
-        elif min_pixels is not None or max_pixels is not None or video != VideoOptions():
+        multimodal = checkpoint_is_multimodal(judge)
+        if multimodal and not self.chat_template:
             raise ValueError(
-                "min_pixels / max_pixels and the video options apply to a vision-language "
-                f"judge; {judge} is text-only"
+                f"judge {judge} is a vision- or audio-language model: it needs "
+                "chat_template=true (the chat template places the image and audio tokens)"
             )
+        processor = load_processor(judge) if multimodal else None
+        # Media only from the conversations' parts, bounded as the prompt datasets bound them.
+        media = MediaSamples(processor, options, given=f"judge {judge} is text-only")
+        tokenizer = None
+        if media.kinds:
+            self.media, tokenizer = media, processor.tokenizer
+            self.uses_conversations = True
         self.engine = NativeEngine(judge, tokenizer, device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ generation

@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
-from lightrft.data.vision import MEDIA_KINDS
+from lightrft.data.media import MEDIA_KINDS
 from lightrft.rewards.base import Prompt, RewardError, check_lengths
 
 TOKEN_ENV = "LIGHTRFT_REWARD_TOKEN"  # also read by lightrft.rewards.server

@@ -23,16 +23,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from lightrft.config import Bound
-from lightrft.data.media import Media
+from lightrft.data.media import MEDIA_KINDS, Media, MediaOptions
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
-from lightrft.data.video import OverlongVideo, VideoOptions
-from lightrft.data.vision import MEDIA_KINDS
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, check_lengths
 
@@ -213,16 +210,13 @@ class RewardModel:
         chat_template: render with the tokenizer's chat template.
         padding_side: side on which micro-batches are padded; scores do not depend on it.
         scale, bias: returned reward = ``scale * score + bias`` (e.g. to undo an RM's offset).
-        min_pixels, max_pixels: bounds on each image's area (a vision-language reward model;
-            None keeps its processor's own).
-        video_fps, video_num_frames, max_video_frames, overlong_video, video_min_pixels,
-            video_max_pixels: how a Qwen2-VL / Qwen2.5-VL reward model samples and sizes the
-            videos of the conversations, as :class:`~lightrft.data.PreferenceDataset` takes
-            them (same keys and defaults): give the values its preference data had. A video
-            part holds the frames the prompt dataset sampled and their rate
-            (:func:`~lightrft.data.conversation`); they are re-sampled at ``video_fps`` (or to
-            ``video_num_frames``) and sized to the bounds, as the preference data sampled and
-            sized the video file.
+        media: a vision- or audio-language reward model's media options (the ``media``
+            section, :class:`~lightrft.data.media.MediaOptions`), as its
+            :class:`~lightrft.data.PreferenceDataset` took them (same keys and defaults): give
+            the values its preference data had. A video part holds the frames the prompt
+            dataset sampled and their rate (:func:`~lightrft.data.conversation`); they are
+            re-sampled at ``media.video.fps`` (or to ``num_frames``) and sized to the bounds,
+            as the preference data sampled and sized the video file.
 
     A vision- or audio-language reward model (an export of ``recipes/reward_model.py`` with the
     ``likelihood`` pooling) needs the conversations: it reads the images, videos and audio in
@@ -267,14 +261,7 @@ class RewardModel:
         bias: float = 0.0,
         trust_remote_code: bool = False,
         attn_implementation: str | None = "sdpa",
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
-        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
-        overlong_video: OverlongVideo = "clip",
-        video_min_pixels: int | None = None,
-        video_max_pixels: int | None = None,
+        media: MediaOptions | None = None,
     ) -> None:
         from lightrft.models.loading import check_local, load_tokenizer
         from lightrft.models.parallel import build_mesh
@@ -287,21 +274,15 @@ class RewardModel:
         from lightrft.models.multimodal import checkpoint_is_multimodal
 
         multimodal = bool(checkpoint_is_multimodal(path))  # vision- or audio-language
-        video = VideoOptions(
-            video_fps,
-            video_num_frames,
-            max_video_frames,
-            overlong_video,
-            video_min_pixels,
-            video_max_pixels,
+        from lightrft.data.records import MediaSamples
+        from lightrft.models.multimodal import load_processor
+
+        processor = (
+            load_processor(path, trust_remote_code=trust_remote_code) if multimodal else None
         )
-        if not multimodal and (min_pixels is not None or max_pixels is not None):
-            raise ValueError("min_pixels / max_pixels apply to a vision-language reward model")
-        if not multimodal and video != VideoOptions():
-            raise ValueError(
-                "video options (video_fps, video_num_frames, max_video_frames, ...) apply to a "
-                f"Qwen2-VL or Qwen2.5-VL reward model; {path} is text-only"
-            )
+        # Media only from the conversations' parts, read and bounded as the preference data's
+        # options say (checked here, before the weights load).
+        samples = MediaSamples(processor, media, given=f"{path} is a text-only reward model")
         if multimodal and not chat_template:
             raise ValueError(
                 f"{path} is a vision- or audio-language reward model: it needs chat_template=true "
@@ -341,29 +322,17 @@ class RewardModel:
                 offload=offload,
             )
         stats = ((read_reward_config(path) or {}).get("stats") or {}) if normalize else {}
-        media = None
-        if multimodal:
-            if net.pooling != "likelihood":
-                raise ValueError(
-                    f"{path}: a vision- or audio-language model scores with "
-                    "pooling='likelihood' only (transformers has no classifier class for it)"
-                )
-            from lightrft.data.records import MediaSamples
-            from lightrft.models.multimodal import load_processor
-
-            processor = load_processor(path, trust_remote_code=trust_remote_code)
-            # Media only from the conversations' parts (no record fields); the audio bound is
-            # the feature extractor's chunk, as in the preference data by default; videos are
-            # sampled and sized as the preference data's options say.
-            media = MediaSamples(
-                processor, None, min_pixels, max_pixels, None, videos_field=None, video=video
+        if multimodal and net.pooling != "likelihood":
+            raise ValueError(
+                f"{path}: a vision- or audio-language model scores with "
+                "pooling='likelihood' only (transformers has no classifier class for it)"
             )
         self._setup(
             net,
             processor.tokenizer
-            if media is not None
+            if multimodal
             else load_tokenizer(path, trust_remote_code=trust_remote_code),
-            media=media,
+            media=samples if multimodal else None,
             score_head=score_head,
             stats=stats if normalize else None,
             micro_batch_size=micro_batch_size,
@@ -543,8 +512,8 @@ class RewardModel:
                 raise ValueError(
                     f"sample {i} has {len(ids)} tokens with its media tokens, over the reward "
                     f"model's max_length={self.max_length} (cutting it would cut image, video or "
-                    "audio tokens); raise max_length, or lower max_pixels (video_max_pixels, "
-                    "max_video_frames)"
+                    "audio tokens); raise max_length, or lower media.image.max_pixels "
+                    "(media.video.max_pixels, media.video.max_frames)"
                 )
             seqs.append(ids)
             starts.append(start)

@@ -62,7 +62,7 @@ from contextlib import suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from lightrft.rewards.base import RewardInputError, check_reward_output
+from lightrft.rewards.base import RewardInputError, check_reward_output, instantiate_node
 from lightrft.rewards.remote import PNG_DATA_URL, TOKEN_ENV
 
 __all__ = [
@@ -92,7 +92,7 @@ _MAX_LINGERING = 256  # 503'd connections draining at once
 MAX_IMAGE_PIXELS = 4096 * 4096  # one image
 MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS  # all images and video frames of one request
 # Video frames of one request together (each frame also counts against the pixel bounds): 8
-# conversations of 32 frames, the prompt datasets' default ``max_video_frames``.
+# conversations of 32 frames, the prompt datasets' default ``media.video.max_frames``.
 MAX_VIDEO_FRAMES = 256
 
 VERIFIERS = {
@@ -664,8 +664,8 @@ def load_reward_fn(
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"component {target!r} cannot be imported: {e}") from None
     kwargs = kwargs or {}
-    if inspect.isclass(obj):
-        return obj(**kwargs)
+    if inspect.isclass(obj):  # as a config builds it: a section argument from its mapping
+        return instantiate_node({"_component_": target, **kwargs})
     return functools.partial(obj, **kwargs) if kwargs else obj
 
 

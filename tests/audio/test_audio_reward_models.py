@@ -13,7 +13,10 @@ import yaml
 from _audio_helpers import tone, write
 
 from lightrft.data import DataError, Media, PromptDataset, conversation
+from lightrft.data.audio import AudioOptions
+from lightrft.data.media import MediaOptions
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
+from lightrft.data.vision import ImageOptions
 
 NAMES = ["mid", "high", "low"]  # the pitches of the audio_files fixture: 440, 660, 330 Hz
 
@@ -90,16 +93,24 @@ def test_pairs_with_audio_let_every_candidate_hear_it_and_bad_audio_names_the_li
         records = [*_pairs(audio_files, 1), {**_pairs(audio_files, 1)[0], "audios": [name]}]
         with pytest.raises(DataError, match=rf"q.jsonl line 2: audios\[0\]: {want}"):
             PreferenceDataset(proc, _write(tmp_path / "q.jsonl", records))
-    # Too long: clipped (counted) or, with overlong_audio=drop, the record dropped (counted).
+    # Too long: clipped (counted) or, with media.audio.overlong=drop, the record dropped (counted).
     data = _write(tmp_path / "p.jsonl", _pairs(audio_files, 3))  # 0.5, 0.8 and 0.3 s of audio
-    clipped = PreferenceDataset(proc, data, max_audio_seconds=0.4)
+    clipped = PreferenceDataset(proc, data, media=MediaOptions(audio=AudioOptions(max_seconds=0.4)))
     assert (clipped.stats["audio_clipped"], len(clipped)) == (2, 3)
-    dropped = PreferenceDataset(proc, data, max_audio_seconds=0.4, overlong_audio="drop")
+    dropped = PreferenceDataset(
+        proc, data, media=MediaOptions(audio=AudioOptions(max_seconds=0.4, overlong="drop"))
+    )
     assert (dropped.stats["audio_dropped"], len(dropped)) == (2, 1)
-    with pytest.raises(DataError, match=r"all 3 records .* 3 with audio over max_audio_seconds"):
-        PreferenceDataset(proc, data, max_audio_seconds=0.2, overlong_audio="drop")
+    with pytest.raises(
+        DataError, match=r"all 3 records .* 3 with audio over media.audio.max_seconds"
+    ):
+        PreferenceDataset(
+            proc, data, media=MediaOptions(audio=AudioOptions(max_seconds=0.2, overlong="drop"))
+        )
     # Audio needs an audio-language processor and the chat template (which places its tokens).
-    with pytest.raises(DataError, match=r"p.jsonl line 1: field 'audios' holds audio.*processor"):
+    with pytest.raises(
+        DataError, match=r"p.jsonl line 1: the record has audios.*'audios'.*processor"
+    ):
         PreferenceDataset(tok, data)
     with pytest.raises(DataError, match=r"line 1: .*apply_chat_template=true"):
         PreferenceDataset(proc, data, apply_chat_template=False)
@@ -263,8 +274,8 @@ def test_an_audio_reward_model_in_rl_hears_the_audio_of_each_conversation(
         RewardModel(path, max_length=8)(texts[:1], ["mid"], conversations=chats[:1])
     with pytest.raises(ValueError, match="needs chat_template=true"):
         RewardModel(path, chat_template=False)
-    with pytest.raises(ValueError, match="min_pixels / max_pixels need a vision-language"):
-        RewardModel(path, max_pixels=56 * 56)
+    with pytest.raises(ValueError, match="media.image options need a vision-language"):
+        RewardModel(path, media=MediaOptions(image=ImageOptions(max_pixels=56 * 56)))
 
 
 @pytest.mark.slow  # 2.5-3 min on the 2-core machine
@@ -292,7 +303,10 @@ def test_a_tone_reward_model_learns_to_hear_the_band(tmp_path):
             for r in records
         ]
         _write(data / f"{split}_pairs.jsonl", pairs)  # beside the clips: paths stay relative
-    pairs_of = {"_component_": "lightrft.data.PreferenceDataset", "max_audio_seconds": 1.0}
+    pairs_of = {
+        "_component_": "lightrft.data.PreferenceDataset",
+        "media": {"audio": {"max_seconds": 1.0}},
+    }
     cfg = {
         "output_dir": str(tmp_path / "out"),
         "device": "cpu",

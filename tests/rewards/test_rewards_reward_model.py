@@ -7,6 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from lightrft.data.media import MediaOptions
+from lightrft.data.video import VideoOptions
+from lightrft.data.vision import ImageOptions
 from lightrft.rewards import CombinedReward, RewardModel
 from lightrft.tasks.tiny import char_tokenizer, tiny_config
 
@@ -168,10 +171,10 @@ def test_chat_reward_model_renders_the_conversation_not_the_rendered_prompt(clas
     ):
         rm(["x"], ["y"], conversations=[image])
     # The image and video options of a vision-language reward model are refused by name.
-    with pytest.raises(ValueError, match="video options .* apply to a Qwen2-VL or Qwen2.5-VL"):
-        RewardModel(str(classifier_dir), video_fps=4.0)
-    with pytest.raises(ValueError, match="min_pixels / max_pixels apply to a vision-language"):
-        RewardModel(str(classifier_dir), min_pixels=100)
+    with pytest.raises(ValueError, match="media.video options need a Qwen2-VL or Qwen2.5-VL"):
+        RewardModel(str(classifier_dir), media=MediaOptions(video=VideoOptions(fps=4.0)))
+    with pytest.raises(ValueError, match="media.image options need a vision-language"):
+        RewardModel(str(classifier_dir), media=MediaOptions(image=ImageOptions(min_pixels=100)))
 
 
 def test_errors(classifier_dir, value_head_dir, tiny_model_dir):

@@ -79,7 +79,9 @@ def test_images_need_a_vlm_processor_and_the_chat_template(tiny_vlm, image_files
     from lightrft.models import load_tokenizer
 
     path = _write(tmp_path / "p.jsonl", _pairs(image_files, 2))
-    with pytest.raises(DataError, match=r"p.jsonl line 1: .*'images' holds images.*processor"):
+    with pytest.raises(
+        DataError, match=r"p.jsonl line 1: the record has images.*'images'.*processor"
+    ):
         PreferenceDataset(load_tokenizer(tiny_vlm("qwen2_vl")), path)
     with pytest.raises(DataError, match=r"line 1: .*apply_chat_template=true"):
         PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), path, apply_chat_template=False)
@@ -148,7 +150,9 @@ def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_
     # The images matter: the same tokens with another picture score differently.
     from _vision_helpers import square
 
-    blue = ds.media.images.process([square((0, 0, 255))])  # item 0's size, another colour
+    blue = ds.media.processors["image"].process(
+        [square((0, 0, 255))]
+    )  # item 0's size, another colour
     with torch.no_grad():
         swapped = {**items[0], "media": Media(image=blue)}
         other = _score(net, PreferenceCollator(pad)([swapped, items[1]]))
