@@ -251,9 +251,9 @@ def conversation(
     extractor's rate) as an HF audio value ``{"array", "sampling_rate"}`` under ``"audio"``, a
     video's sampled frames (PIL images) under ``"video"`` and the rate they were sampled at under
     ``"fps"`` (a reward model re-samples them at its own ``media.video.fps``, as its preference
-    data sampled the file): the HF content format that preference data reads too. ``None`` for a raw prompt (no messages). Reward functions with
-    ``uses_conversations`` get these, so a reward model renders the chat with its own template,
-    as in its training."""
+    data sampled the file): the HF content format that preference data reads too. ``None`` for
+    a raw prompt (no messages). Reward functions get these (``Sample.conversation``), so a
+    reward model renders the chat with its own template, as in its training."""
     if messages is None:
         return None
     inline = {kind: iter(inputs.parts()) for kind, inputs in media.kinds()} if media else {}

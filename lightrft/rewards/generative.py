@@ -16,7 +16,7 @@ directory) or remotely (``url``: an OpenAI-compatible ``/v1/completions`` endpoi
 ``vllm serve``). Greedy decoding by default.
 
 A vision-language judge (a local VLM directory) sees the conversation's images (and a Qwen2-VL /
-Qwen2.5-VL judge its videos): it reads each sample's conversation (``uses_conversations``), and
+Qwen2.5-VL judge its videos): it reads each sample's conversation (``Sample.conversation``), and
 its judge prompt is one user turn holding the conversation's images, videos and audio, in order,
 then the template filled with the conversation's text. That turn is rendered, its media
 processed and its placeholders expanded by the prompt datasets' own functions
@@ -56,7 +56,7 @@ import torch
 
 from lightrft.data.media import MEDIA_KINDS, MediaOptions
 from lightrft.data.records import MediaSamples
-from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
+from lightrft.rewards.base import Prompt, RewardInputError, Sample
 
 __all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "media_parts", "parse_verdict"]
 
@@ -151,13 +151,11 @@ class GenerativeReward:
             sampled and sized, the audio bound; the prompt datasets' keys and defaults; give
             those of the judge's own training data).
 
-    A local vision-language judge (``uses_conversations``) needs each sample's conversation
-    (``conversations=``, passed by :class:`~lightrft.rewards.CombinedReward` from the recipes),
-    and the chat template; a text judge scores the prompts as given.
+    A local vision-language judge needs each sample's conversation (``Sample.conversation``, as
+    the recipes give it) and the chat template; a text judge scores the prompts as given.
     """
 
     name = "judge"
-    uses_conversations = False
 
     def __init__(
         self,
@@ -261,7 +259,6 @@ class GenerativeReward:
         tokenizer = None
         if media.kinds:
             self.media, tokenizer = media, processor.tokenizer
-            self.uses_conversations = True
         self.engine = NativeEngine(judge, tokenizer, device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ generation
@@ -365,26 +362,22 @@ class GenerativeReward:
         return 1.0 if first_wins == response_first else 0.0
 
     def judge_prompts(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        conversations: Sequence[Prompt | None] | None = None,
+        self, samples: Sequence[Sample]
     ) -> tuple[list[str], list[list[dict[str, Any]]], list[tuple[int, bool]]]:
         """What the judge is asked: each judge prompt's text, its media parts (a vision- or
         audio-language judge: the conversation's, in order; else none) and its job ``(sample,
         response shown first)``; two jobs per sample with ``both_orders``."""
-        n = len(responses)
-        check_lengths(n, prompts=prompts, references=references, conversations=conversations)
-        refs = list(references) if references is not None else [None] * n
+        refs = [s.reference for s in samples]
+        responses = [s.response for s in samples]
+        prompts: list[Prompt] = [s.prompt for s in samples]
         if self.media is not None:
-            if conversations is None or any(c is None for c in conversations):
+            if any(s.conversation is None for s in samples):
                 raise RewardInputError(
                     "a vision-language judge reads each sample's conversation with its images: "
-                    "pass conversations= (CombinedReward passes the recipe's; a prompt dataset "
-                    "needs apply_chat_template=true)"
+                    "give each sample its conversation (the recipes do; a prompt dataset needs "
+                    "apply_chat_template=true)"
                 )
-            prompts = list(conversations)  # type: ignore[assignment]
+            prompts = [s.conversation for s in samples]  # type: ignore[misc]
         texts: list[str] = []
         media: list[list[dict[str, Any]]] = []
         jobs: list[tuple[int, bool]] = []
@@ -409,16 +402,9 @@ class GenerativeReward:
                 jobs.append((i, first))
         return texts, media, jobs
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-        conversations: Sequence[Prompt | None] | None = None,
-    ) -> torch.Tensor:
-        n = len(responses)
-        texts, media, jobs = self.judge_prompts(prompts, responses, references, conversations)
+    def __call__(self, samples: Sequence[Sample]) -> torch.Tensor:
+        n = len(samples)
+        texts, media, jobs = self.judge_prompts(samples)
         verdicts = self._complete(texts, media) if texts else []
         self.last_verdicts = verdicts
         sums = torch.zeros(n, dtype=torch.float32)  # [B]
@@ -430,7 +416,7 @@ class GenerativeReward:
                 if self.mode == "score"
                 else self._choice_verdict(text, first)
             )
-            if value is not None and self.echo and not self._echoes(text, responses[i]):
+            if value is not None and self.echo and not self._echoes(text, samples[i].response):
                 mismatches += 1
                 value = self.fallback
                 self.failure_streak = 0  # the pattern matched: the judge works

@@ -31,7 +31,7 @@ from torch import nn
 from lightrft.data.media import MEDIA_KINDS, Media, MediaOptions
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
-from lightrft.rewards.base import Prompt, check_lengths
+from lightrft.rewards.base import Prompt, Sample
 
 __all__ = ["RewardModel", "collective_plan", "load_value_head"]
 
@@ -225,9 +225,8 @@ class RewardModel:
     ``max_length`` (cutting it would cut media tokens). Audio longer than the feature
     extractor's chunk is clipped to it, as the datasets clip it.
 
-    With the chat template (``uses_conversations``), a sample is rendered from its conversation
-    when the caller gives one (``conversations=``: the recipes pass each prompt's chat), else
-    from its prompt.
+    With the chat template, a sample is rendered from its conversation when it has one
+    (``Sample.conversation``: the recipes give each prompt's chat), else from its prompt.
 
     Under a process group of several ranks (torchrun) the model is sharded over all of them with
     FSDP2 (parameters only), each rank reading only its slices of the checkpoint, so each
@@ -433,7 +432,6 @@ class RewardModel:
         self.net = net.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.media = media  # MediaSamples of a vision- or audio-language reward model, else None
-        self.uses_conversations = chat_template
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         self.chat_template = chat_template
@@ -621,30 +619,23 @@ class RewardModel:
         raw = (scores[:, self.head_index] - self.mean) / self.std
         return self.scale * raw + self.bias
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-        conversations: Sequence[Prompt | None] | None = None,
-    ) -> torch.Tensor:
-        check_lengths(len(responses), prompts=prompts, conversations=conversations)
-        if not responses:
+    def __call__(self, samples: Sequence[Sample]) -> torch.Tensor:
+        if not samples:
             if self.collective:  # a collective: join the forwards of the ranks that have samples
                 likelihood = self.net.pooling == "likelihood"
                 return self.score_ids([], [] if likelihood else None)
             return torch.empty(0, dtype=torch.float32)
+        responses = [s.response for s in samples]
         if self.media is not None:
-            if conversations is None:
-                raise ValueError(
-                    "a vision- or audio-language reward model scores each sample's conversation "
-                    "with its images and audio: pass conversations= (CombinedReward passes the "
-                    "recipe's)"
-                )
-            return self.score_ids(*self.encode_conversations(conversations, responses))
-        if conversations is not None:  # the chats the prompts were rendered from
-            prompts = [p if c is None else c for p, c in zip(prompts, conversations, strict=True)]
+            return self.score_ids(
+                *self.encode_conversations([s.conversation for s in samples], responses)
+            )
+        prompts = [s.prompt for s in samples]
+        if self.chat_template:  # the chats the prompts were rendered from, where given
+            prompts = [
+                p if s.conversation is None else s.conversation
+                for p, s in zip(prompts, samples, strict=True)
+            ]
             for i, p in enumerate(prompts):
                 if _has_media(p):
                     raise ValueError(

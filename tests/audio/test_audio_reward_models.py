@@ -17,6 +17,7 @@ from lightrft.data.audio import AudioOptions
 from lightrft.data.media import MediaOptions
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.vision import ImageOptions
+from lightrft.rewards import Sample
 
 NAMES = ["mid", "high", "low"]  # the pitches of the audio_files fixture: 440, 660, 330 Hz
 
@@ -204,7 +205,9 @@ def test_reward_model_recipe_trains_an_audio_reward_model_that_scores_rl_convers
     chats = [conversation(prompts[k]["messages"], prompts[k]["media"]) for k in range(3)]
     texts = [prompts[k]["prompt"] for k in range(3)] * 2
     responses = [r["chosen"] for r in records] + [r["rejected"] for r in records]
-    got = RewardModel(str(final), micro_batch_size=4)(texts, responses, conversations=chats * 2)
+    got = RewardModel(str(final), micro_batch_size=4)(
+        Sample.batch(texts, responses, conversations=chats * 2)
+    )
     with torch.no_grad():
         want = _score(
             net, PreferenceCollator(proc.tokenizer.pad_token_id)([pairs[k] for k in range(3)])
@@ -212,7 +215,10 @@ def test_reward_model_recipe_trains_an_audio_reward_model_that_scores_rl_convers
     torch.testing.assert_close(got, want[:, 0].view(3, 2).T.flatten(), atol=1e-5, rtol=1e-5)
     rm = RewardModel(str(final), micro_batch_size=1)
     alone = torch.cat(
-        [rm([texts[k]], [responses[k]], conversations=[(chats * 2)[k]]) for k in range(6)]
+        [
+            rm(Sample.batch([texts[k]], [responses[k]], conversations=[(chats * 2)[k]]))
+            for k in range(6)
+        ]
     )
     torch.testing.assert_close(alone, got, atol=1e-5, rtol=1e-5)
     # A classifier head on an audio-language model has no transformers class: refused.
@@ -241,9 +247,9 @@ def test_an_audio_reward_model_in_rl_hears_the_audio_of_each_conversation(
     items = [prompts[k] for k in range(3)]
     chats = [conversation(it["messages"], it["media"]) for it in items]
     assert chats[0][0]["content"][0]["audio"]["sampling_rate"] == 16000  # the audio, inline
-    reward = CombinedReward({"rm": RewardModel(path), "length": lambda **kw: [1.0] * 3})
+    reward = CombinedReward({"rm": RewardModel(path), "length": lambda samples: [1.0] * 3})
     texts = [it["prompt"] for it in items]
-    out = reward(texts, ["mid"] * 3, conversations=chats)
+    out = reward(Sample.batch(texts, ["mid"] * 3, conversations=chats))
     # Same question, same answer, another tone: another score.
     assert len(set(out.parts["rm"].tolist())) == 3, out.parts["rm"]
     rm = RewardModel(path, micro_batch_size=1)
@@ -267,7 +273,7 @@ def test_an_audio_reward_model_in_rl_hears_the_audio_of_each_conversation(
     torch.testing.assert_close(out.parts["rm"], torch.stack(want), atol=1e-5, rtol=1e-5)
 
     with pytest.raises(ValueError, match="pass conversations="):
-        rm(texts, ["mid"] * 3)
+        rm(Sample.batch(texts, ["mid"] * 3))
     with pytest.raises(ValueError, match="apply_chat_template=true in the prompt dataset"):
         rm(texts[:1], ["mid"], conversations=[None])
     with pytest.raises(ValueError, match=r"sample 0 has \d+ tokens .* max_length=8"):

@@ -256,7 +256,8 @@ class CharReward:
     whose rewards are all equal has no policy gradient: AdamW would turn the runs' last-bit
     noise into whole steps)."""
 
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         return [sum(map(ord, r)) % 7 / 6 for r in responses]
 
 

@@ -23,6 +23,7 @@ from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.templates import IGNORE_INDEX
 from lightrft.data.video import VideoOptions
 from lightrft.models.multimodal import load_processor
+from lightrft.rewards import Sample
 
 QUESTION = "<video>Which way does the square move?"
 # Not the defaults (2 fps): the options must reach the video reader. 56x56 frames stay 56x56.
@@ -181,10 +182,10 @@ def test_reward_model_recipe_trains_on_video_pairs_and_rl_scores_them_as_trained
     # "right"; the samples': (right, "right"), (left, "left"), (right, "left"), (left, "right").
     torch.testing.assert_close(got, want[[0, 2, 1, 3], 0], atol=1e-5, rtol=1e-5)
     # Same question, same answer, another video: another score.
-    swapped = rm(texts, ["right", "right"], conversations=chats)
+    swapped = rm(Sample.batch(texts, ["right", "right"], conversations=chats))
     assert swapped[0] != swapped[1]
     # The reward model reads the videos as its options say: the defaults (2 fps) differ.
-    default = RewardModel(str(final))(texts, ["right"] * 2, conversations=chats)
+    default = RewardModel(str(final))(Sample.batch(texts, ["right"] * 2, conversations=chats))
     assert not torch.allclose(default, swapped)
 
 
@@ -216,7 +217,11 @@ def test_a_video_judge_sees_the_conversations_video(tiny_vlm, clips, tmp_path):
     assert torch.equal(got_v.pixel_values_videos, want_v.pixel_values_videos)
     assert got_v.video_grid_thw.tolist() == want_v.video_grid_thw.tolist() == [[4, 4, 4]]
     # The engine judges the requests with their videos (one verdict a sample).
-    out = judge([p["prompt"] for p in (prompts[0], prompts[1])], ["right"] * 2, conversations=chats)
+    out = judge(
+        Sample.batch(
+            [p["prompt"] for p in (prompts[0], prompts[1])], ["right"] * 2, conversations=chats
+        )
+    )
     assert out.shape == (2,) and len(judge.last_verdicts) == 2
     with pytest.raises(
         ValueError,
@@ -374,7 +379,9 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, prompts, responses, references, labels, conversations=None):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
+        conversations = [s.conversation for s in samples]
         self.calls.append(conversations)
         return [float(len(r)) for r in responses]
 
@@ -473,17 +480,19 @@ def test_the_reward_servers_video_bounds_and_malformed_parts_are_answered_by_nam
         assert fn.calls == []  # none of them reached the reward function
         # A good client is served afterwards, the function getting the frames as in-process.
         got = RemoteReward(url, token="s3cret", max_retries=0)(
-            ["q", "q"],
-            ["ab", "abc"],
-            conversations=[
-                [
-                    {
-                        "role": "user",
-                        "content": [{"type": "video", "video": [frame] * 4, "fps": 2.0}],
-                    }
+            Sample.batch(
+                ["q", "q"],
+                ["ab", "abc"],
+                conversations=[
+                    [
+                        {
+                            "role": "user",
+                            "content": [{"type": "video", "video": [frame] * 4, "fps": 2.0}],
+                        }
+                    ],
+                    None,
                 ],
-                None,
-            ],
+            )
         )
         assert got == [2.0, 3.0]
         (chats,) = fn.calls

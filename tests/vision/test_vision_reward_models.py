@@ -12,6 +12,7 @@ import yaml
 from lightrft.data import DataError, Media, PromptDataset, conversation
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.models.multimodal import load_processor
+from lightrft.rewards import Sample
 
 
 def _pairs(image_files, n: int = 12, rejected: str | None = None) -> list[dict]:
@@ -200,9 +201,11 @@ def test_reward_model_recipe_trains_a_vlm_likelihood_reward_model(tiny_vlm, imag
     chats = [conversation(prompts[k]["messages"], prompts[k]["media"]) for k in range(3)]
     rm = RewardModel(str(final), micro_batch_size=4)
     got = rm(
-        [prompts[k]["prompt"] for k in range(3)] * 2,
-        [r["chosen"] for r in records] + [r["rejected"] for r in records],
-        conversations=chats * 2,
+        Sample.batch(
+            [prompts[k]["prompt"] for k in range(3)] * 2,
+            [r["chosen"] for r in records] + [r["rejected"] for r in records],
+            conversations=chats * 2,
+        )
     )
     with torch.no_grad():
         want = _score(
@@ -232,9 +235,9 @@ def test_a_vlm_reward_model_in_rl_reads_the_images_of_each_conversation(
     prompts = PromptDataset(load_processor(path), data, reference_required=False)
     items = [prompts[k] for k in range(3)]
     chats = [conversation(it["messages"], it["media"]) for it in items]
-    reward = CombinedReward({"rm": RewardModel(path), "length": lambda **kw: [1.0] * 3})
+    reward = CombinedReward({"rm": RewardModel(path), "length": lambda samples: [1.0] * 3})
     texts = [it["prompt"] for it in items]
-    out = reward(texts, ["red"] * 3, conversations=chats)
+    out = reward(Sample.batch(texts, ["red"] * 3, conversations=chats))
     # Same question, same answer, another picture: another score.
     assert len(set(out.parts["rm"].tolist())) == 3, out.parts["rm"]
     alone = RewardModel(path)(texts[:1], ["red"], conversations=chats[:1])
@@ -249,7 +252,7 @@ def test_a_vlm_reward_model_in_rl_reads_the_images_of_each_conversation(
 
     rm = RewardModel(path)
     with pytest.raises(ValueError, match="pass conversations="):
-        rm(texts, ["red"] * 3)
+        rm(Sample.batch(texts, ["red"] * 3))
     with pytest.raises(ValueError, match="apply_chat_template=true in the prompt dataset"):
         rm(texts[:1], ["red"], conversations=[None])
     with pytest.raises(ValueError, match=r"sample 0 has \d+ tokens .* max_length=8"):
