@@ -254,7 +254,10 @@ def test_an_audio_reward_model_in_rl_hears_the_audio_of_each_conversation(
     assert len(set(out.parts["rm"].tolist())) == 3, out.parts["rm"]
     rm = RewardModel(path, micro_batch_size=1)
     alone = torch.cat(
-        [rm(texts[k : k + 1], ["mid"], conversations=chats[k : k + 1]) for k in range(3)]
+        [
+            rm(Sample.batch(texts[k : k + 1], ["mid"], conversations=chats[k : k + 1]))
+            for k in range(3)
+        ]
     )
     torch.testing.assert_close(out.parts["rm"], alone, atol=1e-5, rtol=1e-5)
     # A plain HF forward of the same model on the same inputs: the prompt dataset's ids and
@@ -272,12 +275,12 @@ def test_an_audio_reward_model_in_rl_hears_the_audio_of_each_conversation(
             want.append(logp[len(prompt_ids) - 1 :].mean())
     torch.testing.assert_close(out.parts["rm"], torch.stack(want), atol=1e-5, rtol=1e-5)
 
-    with pytest.raises(ValueError, match="pass conversations="):
+    with pytest.raises(ValueError, match="renders each sample.s conversation"):
         rm(Sample.batch(texts, ["mid"] * 3))
     with pytest.raises(ValueError, match="apply_chat_template=true in the prompt dataset"):
-        rm(texts[:1], ["mid"], conversations=[None])
+        rm(Sample.batch(texts[:1], ["mid"], conversations=[None]))
     with pytest.raises(ValueError, match=r"sample 0 has \d+ tokens .* max_length=8"):
-        RewardModel(path, max_length=8)(texts[:1], ["mid"], conversations=chats[:1])
+        RewardModel(path, max_length=8)(Sample.batch(texts[:1], ["mid"], conversations=chats[:1]))
     with pytest.raises(ValueError, match="needs chat_template=true"):
         RewardModel(path, chat_template=False)
     with pytest.raises(ValueError, match="media.image options need a vision-language"):

@@ -174,7 +174,7 @@ def test_reward_model_recipe_trains_on_video_pairs_and_rl_scores_them_as_trained
     assert chats[0][0]["content"][0]["fps"] == 8.0
     rm = RewardModel(str(final), micro_batch_size=4, **VIDEO)
     texts = [prompts[k]["prompt"] for k in range(2)]
-    got = rm(texts * 2, ["right", "left", "left", "right"], conversations=chats * 2)
+    got = rm(Sample.batch(texts * 2, ["right", "left", "left", "right"], conversations=chats * 2))
     with torch.no_grad():
         batch = PreferenceCollator(proc.tokenizer.pad_token_id)([pairs[0], pairs[1]])
         want = net(num_sequences=4, **{k: batch[k] for k in _FORWARD_KEYS if k in batch})
@@ -343,10 +343,12 @@ def test_a_video_reward_model_and_judge_behind_the_server_score_as_in_process(
     ]:
         server, url = _served(served, token="s3cret", max_video_frames=32)
         try:
-            want = torch.as_tensor(local(texts * 2, responses, conversations=chats * 2))
+            want = torch.as_tensor(
+                local(Sample.batch(texts * 2, responses, conversations=chats * 2))
+            )
             # 4 videos of 16 frames: two requests of 32 frames (the server's bound).
             got = RemoteReward(url, token="s3cret", max_retries=0, batch_size=2)(
-                texts * 2, responses, conversations=chats * 2
+                Sample.batch(texts * 2, responses, conversations=chats * 2)
             )
             torch.testing.assert_close(torch.tensor(got), want.float(), atol=1e-6, rtol=0)
             if isinstance(local, GenerativeReward):

@@ -240,7 +240,7 @@ def test_a_vlm_reward_model_in_rl_reads_the_images_of_each_conversation(
     out = reward(Sample.batch(texts, ["red"] * 3, conversations=chats))
     # Same question, same answer, another picture: another score.
     assert len(set(out.parts["rm"].tolist())) == 3, out.parts["rm"]
-    alone = RewardModel(path)(texts[:1], ["red"], conversations=chats[:1])
+    alone = RewardModel(path)(Sample.batch(texts[:1], ["red"], conversations=chats[:1]))
     torch.testing.assert_close(out.parts["rm"][:1], alone)
     recoloured = [
         {
@@ -248,14 +248,14 @@ def test_a_vlm_reward_model_in_rl_reads_the_images_of_each_conversation(
             "content": [chats[0][0]["content"][0], {"type": "image", "image": square((0, 0, 255))}],
         }
     ]
-    assert RewardModel(path)(texts[:1], ["red"], conversations=[recoloured]) != alone
+    assert RewardModel(path)(Sample.batch(texts[:1], ["red"], conversations=[recoloured])) != alone
 
     rm = RewardModel(path)
-    with pytest.raises(ValueError, match="pass conversations="):
+    with pytest.raises(ValueError, match="renders each sample.s conversation"):
         rm(Sample.batch(texts, ["red"] * 3))
     with pytest.raises(ValueError, match="apply_chat_template=true in the prompt dataset"):
-        rm(texts[:1], ["red"], conversations=[None])
+        rm(Sample.batch(texts[:1], ["red"], conversations=[None]))
     with pytest.raises(ValueError, match=r"sample 0 has \d+ tokens .* max_length=8"):
-        RewardModel(path, max_length=8)(texts[:1], ["red"], conversations=chats[:1])
+        RewardModel(path, max_length=8)(Sample.batch(texts[:1], ["red"], conversations=chats[:1]))
     with pytest.raises(ValueError, match="needs chat_template=true"):
         RewardModel(path, chat_template=False)
