@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from lightrft.rewards import Sample
 from lightrft.rewards.code_asserts import decode, judge, plan_asserts
 
 
