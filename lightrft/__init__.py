@@ -17,7 +17,9 @@ def _drop_torchao_import_notices(record: _logging.LogRecord) -> bool:
             msg.startswith("Skipping import of cpp extensions")
             or (msg.startswith("Failed to load") and "/torchao/" in msg)
         )
-    return not ("is an Enum subclass and is now natively supported" in msg and "register_constant" in msg)
+    return not (
+        "is an Enum subclass and is now natively supported" in msg and "register_constant" in msg
+    )
 
 
 _logging.getLogger("torchao").addFilter(_drop_torchao_import_notices)

@@ -433,9 +433,15 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
                 named = [
                     n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                 ]
+                # A key that moved into a section argument names its new place.
+                moved = [
+                    f"; it moved to '{key}.{n}.{s.moved[arg]}'"
+                    for n, s in _section_args(hints).items()
+                    if arg in getattr(s, "moved", {})
+                ]
                 errors.append(
                     f"{src.where(sub)}: unknown key '{sub}': {target} takes no "
-                    f"argument '{arg}'{_closest(arg, named)}"
+                    f"argument '{arg}'{moved[0] if moved else _closest(arg, named)}"
                 )
             continue
         if isinstance(value, (dict, DictConfig)) and "_component_" in value:
@@ -455,6 +461,15 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
             continue
         p = params[arg]
         t = hints.get(arg, p.annotation)
+        if (sec := _section_type(t)) is not None and isinstance(value, (dict, DictConfig)):
+            before = len(errors)
+            _check(value, sec.schema(), sub, src, errors)
+            if len(errors) == before:
+                try:
+                    sec.read(value, f"{sub}.")
+                except ValueError as e:
+                    errors.append(f"{src.where(sub)}: {e}")
+            continue
         if t is inspect.Parameter.empty and p.default not in (inspect.Parameter.empty, None):
             t = type(p.default)
         if value is not None and not _matches(value, t):
@@ -575,7 +590,15 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # appended: the working directory never shadows a package
     target = resolve(container.pop("_component_"))
-    return target(*args, **{**container, **kwargs})
+    kwargs = {**container, **kwargs}
+    try:
+        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: no section arguments
+        hints = {}
+    for name, sec in _section_args(hints).items():  # a mapping for a section argument: read it
+        if isinstance(kwargs.get(name), Mapping):
+            kwargs[name] = sec.read(kwargs[name], f"{name}.")
+    return target(*args, **kwargs)
 
 
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
@@ -834,6 +857,12 @@ def _section_type(t: Any) -> type[Section] | None:
         inner = [a for a in typing.get_args(t) if a is not type(None)]
         t = inner[0] if len(inner) == 1 else None
     return t if isinstance(t, type) and issubclass(t, Section) else None
+
+
+def _section_args(hints: Mapping[str, Any]) -> dict[str, type[Section]]:
+    """The arguments of a component whose type is a :class:`Section` (a nested mapping in
+    YAML, checked against the section's schema and read into it)."""
+    return {n: s for n, t in hints.items() if (s := _section_type(t)) is not None}
 
 
 def _is_component_type(t: Any) -> bool:

@@ -19,6 +19,7 @@ from lightrft.data.prompts import conversation
 from lightrft.distributed import DistInfo, all_gather_objects
 from lightrft.engine import Continuation
 from lightrft.environments import Environment, Episode, Episodes, episode_metrics
+from lightrft.rewards.base import Sample
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
 
@@ -105,8 +106,8 @@ def evaluate_items(
         generate: ``(prompt token ids, continuation)`` -> completions ordered by (prompt,
             sample), ``n`` each (an engine's ``generate`` with the sampling parameters bound);
             the continuation is None without an environment.
-        reward_fn: a :class:`~lightrft.rewards.CombinedReward` (or anything called as one,
-            conversations included, and returning a ``RewardOutput``).
+        reward_fn: a :class:`~lightrft.rewards.CombinedReward` (or anything called as one on
+            a list of :class:`~lightrft.rewards.Sample` and returning a ``RewardOutput``).
         accuracy: the reward function whose positive reward means "correct" (``None``: the
             total).
         extract: response -> answer for maj@k (``None``: the response's normalised text).
@@ -126,7 +127,7 @@ def evaluate_items(
     completions = generate(prompt_ids, episodes.continuation if episodes else None)
     if not items:
         if getattr(reward_fn, "collective", False):  # a sharded reward model: join its forwards
-            reward_fn([], [], [], [], [])
+            reward_fn([])
         return []
     if len(completions) != n * len(items):
         raise RuntimeError(
@@ -141,13 +142,8 @@ def evaluate_items(
         played = episodes.finish(completions)
         texts = [e.final_text for e in played]
         chats = [e.conversation() for e in played]
-    out = reward_fn(
-        [it["prompt"] for it in rep],
-        texts,
-        [it.get("reference") for it in rep],
-        [it.get("label") for it in rep],
-        chats,
-    )
+    prompts, refs = [it["prompt"] for it in rep], [it.get("reference") for it in rep]
+    out = reward_fn(Sample.batch(prompts, texts, refs, [it.get("label") for it in rep], chats))
     scores = (out.parts[accuracy] if accuracy else out.total).tolist()
     totals = out.total.tolist()
     records = []

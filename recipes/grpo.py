@@ -91,7 +91,7 @@ from lightrft.models.multimodal import (
     set_towers_trainable,
 )
 from lightrft.models.sharded import load_parallel
-from lightrft.rewards import build_reward, reward_names
+from lightrft.rewards import Sample, build_reward, reward_names
 from lightrft.rollout import RolloutBatch
 from lightrft.rollout.engine import ColocatedEngine
 from lightrft.rollout.metrics import (
@@ -769,7 +769,7 @@ class GRPORecipe:
             empty = torch.zeros(0, dtype=torch.float64)
             names = self.reward_names
             return empty, {n: empty for n in names}, {n: empty.bool() for n in names}
-        out = self.reward_fn(prompts, texts, references, labels, conversations)
+        out = self.reward_fn(Sample.batch(prompts, texts, references, labels, conversations))
         out.check_finite(prompts, wheres)
         self.reward_side.add(out)
         return out.as_float64()

@@ -45,7 +45,11 @@ def _lightrft(tmp_path, *args):
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     return subprocess.run(
         [sys.executable, "-m", "lightrft", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -28,7 +28,10 @@ HOSTILE = {
     "aliases": (billion_laughs(), r"more than 100,000 values once its aliases"),
     "not_utf8": ("output_dir: out\nname: \xff\xfe\n", r"not UTF-8 text \(byte 0xff\)"),
     "deep_block": ("a: " + "[" * 5000 + "]" * 5000 + "\n", r"nested"),
-    "deep_mapping": ("".join(f"{'  ' * i}k{i}:\n" for i in range(70)) + "  " * 70 + "v: 1\n", r"nested \d+ levels deep"),
+    "deep_mapping": (
+        "".join(f"{'  ' * i}k{i}:\n" for i in range(70)) + "  " * 70 + "v: 1\n",
+        r"nested \d+ levels deep",
+    ),
     "long_int": ("output_dir: out\nseed: " + "7" * 5000 + "\n", r":2: an integer of 5000 digits"),
 }
 
@@ -49,7 +52,10 @@ def test_a_hostile_file_is_refused_by_name_within_two_seconds(tmp_path, case):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("optimizer.betas=" + "[" * 5000 + "]" * 5000, r"override of optimizer.betas: the value is nested 5000 levels"),
+        (
+            "optimizer.betas=" + "[" * 5000 + "]" * 5000,
+            r"override of optimizer.betas: the value is nested 5000 levels",
+        ),
         ("seed=" + "9" * 5000, r"override of seed:1: an integer of 5000 digits"),
         ("a" + ".a" * 5000 + "=1", r"the key is nested deeper than 64 levels"),
     ],

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 # .ci/lock points this at the candidate lock it is about to write, so the candidate is checked.
@@ -21,7 +22,10 @@ def _name(requirement: str) -> str:
 def _readme_command(marker: str) -> str:
     r = subprocess.run(
         ["bash", "-c", f'. .ci/env.sh && readme_command "{marker}"'],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return r.stdout.strip()
 
@@ -35,7 +39,10 @@ def test_ci_runs_the_readme_test_command_from_the_lock():
 
 def test_the_readme_demo_installs_from_the_lock():
     text = (ROOT / "README.md").read_text()
-    assert "    pip install torch==2.13.0 && pip install -c .ci/constraints.txt -e . && lightrft run sft" in text
+    assert (
+        "    pip install torch==2.13.0 && pip install -c .ci/constraints.txt -e . && lightrft run sft"
+        in text
+    )
 
 
 def test_the_lock_pins_every_dependency_of_pyproject():

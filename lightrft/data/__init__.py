@@ -3,7 +3,7 @@
 See docs/data.md.
 """
 
-from lightrft.data.audio import AudioInputs, AudioProcessor
+from lightrft.data.audio import AudioInputs, AudioOptions, AudioProcessor
 from lightrft.data.collate import (
     PackCollator,
     PackedDataset,
@@ -22,7 +22,7 @@ from lightrft.data.loader import (
     epoch_batches,
     step_batches,
 )
-from lightrft.data.media import Media
+from lightrft.data.media import Media, MediaOptions
 from lightrft.data.preference import (
     PreferenceCollator,
     PreferenceDataset,
@@ -32,16 +32,19 @@ from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
 from lightrft.data.video import VideoInputs, VideoOptions, VideoProcessor
-from lightrft.data.vision import ImageInputs, ImageProcessor
+from lightrft.data.vision import ImageInputs, ImageOptions, ImageProcessor
 
 __all__ = [
     "IGNORE_INDEX",
     "AudioInputs",
+    "AudioOptions",
     "AudioProcessor",
     "DataError",
     "ImageInputs",
+    "ImageOptions",
     "ImageProcessor",
     "Media",
+    "MediaOptions",
     "PackCollator",
     "PackedDataset",
     "PadCollator",

@@ -14,7 +14,8 @@ a string content may mark where audio goes with ``<audio>`` tags. Each audio may
 Files are decoded with ``soundfile``, mixed down to mono and resampled with ``soxr`` to the
 feature extractor's rate (``WhisperFeatureExtractor``: 16 kHz), when the dataset is built: a
 missing or undecodable file fails there, naming the file, line and field. Audio longer than the
-maximum duration is clipped (``overlong_audio="clip"``) or its sample dropped (``"drop"``); both
+maximum duration (``media.audio.max_seconds``) is clipped (``media.audio.overlong="clip"``) or its
+sample dropped (``"drop"``); both
 are counted in the dataset's ``stats``.
 
 Per sample, the processed audio travels as one :class:`AudioInputs` (the counterpart of
@@ -34,11 +35,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from lightrft.config import Section, option, section
 from lightrft.data.io import DataError
 
 __all__ = [
     "AUDIO_PLACEHOLDER",
     "AudioInputs",
+    "AudioOptions",
     "AudioProcessor",
     "OverlongAudio",
     "decode_audio",
@@ -164,6 +167,10 @@ class AudioInputs:
     def __len__(self) -> int:
         return len(self.audios)
 
+    def parts(self) -> list[dict[str, Any]]:
+        """Each audio as the keys of its inline content part (an HF audio value)."""
+        return [{"audio": {"array": w, "sampling_rate": self.sampling_rate}} for w in self.audios]
+
     def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """The model's keyword arguments: ``input_features`` and ``feature_attention_mask``."""
         feats, mask = self.input_features, self.feature_attention_mask
@@ -196,52 +203,65 @@ def encoder_output_lengths(frames: torch.Tensor) -> torch.Tensor:
     return (after_conv - 2) // 2 + 1
 
 
+@section
+class AudioOptions(Section):
+    """How a dataset (or an audio-language reward model or judge) reads and bounds its audio:
+    the ``media.audio`` keys."""
+
+    field: str = option("audios", doc="the records' audio list (absent: inline audio parts)")
+    max_seconds: float | None = option(
+        None, doc="the longest audio kept (null: the feature extractor's chunk, Whisper: 30 s)"
+    )
+    overlong: OverlongAudio = option(
+        "clip", doc="an audio over max_seconds: clip it to them, or drop the sample (counted)"
+    )
+
+    def resolve(self, at: str) -> AudioOptions:
+        v = self.max_seconds
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ValueError(f"{at}max_seconds must be a positive number of seconds, got {v!r}")
+        if self.overlong not in ("clip", "drop"):
+            raise ValueError(f"{at}overlong must be 'clip' or 'drop', got {self.overlong!r}")
+        return self
+
+
 class AudioProcessor:
     """An audio-language processor plus the duration bound: decodes, resamples, bounds and
-    processes a sample's audio and expands the audio placeholders of its token ids.
+    processes a sample's audio (:class:`~lightrft.data.records.MediaSamples` expands its
+    placeholders).
 
     Args:
         processor: the model's processor (``lightrft.models.load_processor``), which holds a
             ``feature_extractor`` and names its ``audio_token``.
-        max_audio_seconds: the longest audio kept; None: the feature extractor's chunk
-            (Whisper: 30 s), past which its features would be cut.
-        overlong_audio: ``"clip"`` keeps the first ``max_audio_seconds``, ``"drop"`` drops the
-            sample.
+        options: :class:`AudioOptions`: the longest audio kept (None: the feature extractor's
+            chunk, Whisper: 30 s, past which its features would be cut) and what becomes of a
+            longer one (``"clip"`` keeps its start, ``"drop"`` drops the sample).
     """
 
-    def __init__(
-        self,
-        processor,
-        *,
-        max_audio_seconds: float | None = None,
-        overlong_audio: OverlongAudio = "clip",
-    ) -> None:
+    kind, tag, inline = "audio", AUDIO_PLACEHOLDER, ("audio", "path", "url", "audio_url")
+    needs = "an audio-language"
+
+    @staticmethod
+    def takes(processor) -> bool:
+        """Whether a model's processor takes audio (a feature extractor: Qwen2-Audio)."""
+        return getattr(processor, "feature_extractor", None) is not None
+
+    def __init__(self, processor, options: AudioOptions) -> None:
         fe = processor.feature_extractor
-        self.processor = processor
         self.feature_extractor = fe
         self.sampling_rate = int(fe.sampling_rate)
         chunk = float(fe.n_samples) / self.sampling_rate
-        if overlong_audio not in ("clip", "drop"):
-            raise ValueError(f"overlong_audio must be 'clip' or 'drop', got {overlong_audio!r}")
-        if max_audio_seconds is not None:
-            if isinstance(max_audio_seconds, bool) or not isinstance(
-                max_audio_seconds, (int, float)
-            ):
-                raise ValueError(
-                    f"max_audio_seconds must be a number of seconds or None, got "
-                    f"{max_audio_seconds!r}"
-                )
-            if not 0 < max_audio_seconds <= chunk:
-                raise ValueError(
-                    f"max_audio_seconds must be in (0, {chunk:g}] (the feature extractor's chunk, "
-                    f"past which it cuts the features), got {max_audio_seconds}"
-                )
-        self.max_seconds = float(max_audio_seconds) if max_audio_seconds is not None else chunk
+        if options.max_seconds is not None and options.max_seconds > chunk:
+            raise ValueError(
+                f"media.audio.max_seconds must be in (0, {chunk:g}] (the feature extractor's "
+                f"chunk, past which it cuts the features), got {options.max_seconds}"
+            )
+        self.max_seconds = float(options.max_seconds or chunk)
         self.max_samples = int(round(self.max_seconds * self.sampling_rate))
-        self.overlong = overlong_audio
-        self.audio_token = processor.audio_token
-        self.audio_token_id = int(processor.audio_token_id)
-        self.clipped = 0  # audio clipped to max_audio_seconds while loading
+        self.overlong = options.overlong
+        self.token = processor.audio_token
+        self.token_id = int(processor.audio_token_id)
+        self.clipped = 0  # audio clipped to max_seconds while loading
         self.min_samples = self._min_samples()
 
     def _min_samples(self) -> int:
@@ -256,7 +276,7 @@ class AudioProcessor:
 
         Raises:
             DataError: a missing, undecodable or too short audio (file, line and field named).
-            AudioTooLong: an audio over the maximum with ``overlong_audio="drop"``.
+            AudioTooLong: an audio over the maximum with ``media.audio.overlong="drop"``.
         """
         out = []
         for j, v in enumerate(values):
@@ -290,20 +310,3 @@ class AudioProcessor:
         mask = out["attention_mask"].long()  # [N, frames]
         counts = [int(n) for n in encoder_output_lengths(mask.sum(-1)).tolist()]
         return AudioInputs(list(audios), out["input_features"], mask, counts, self.sampling_rate)
-
-    def expand(
-        self, ids: list[int], labels: list[int] | None, inputs: AudioInputs, where: str, field: str
-    ) -> tuple[list[int], list[int] | None]:
-        """Repeat the k-th audio placeholder ``inputs.num_tokens[k]`` times (labels: -100)."""
-        from lightrft.data.vision import expand_placeholders
-
-        return expand_placeholders(
-            ids,
-            labels,
-            token_id=self.audio_token_id,
-            token=self.audio_token,
-            counts=inputs.num_tokens,
-            kind="audio",
-            where=where,
-            field=field,
-        )

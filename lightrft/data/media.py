@@ -7,23 +7,31 @@ and its videos (:class:`~lightrft.data.video.VideoInputs`), each in the order of
 per row of a rollout batch, an engine request's ``media`` and a micro-batch's ``media``; the
 forward funnel (:func:`lightrft.kernels.forward_on_hidden`) takes it as ``media=``.
 
-Adding a modality is a field here, its reader in :mod:`lightrft.data.records` and its inputs in
-the model funnel (:func:`lightrft.kernels.hf.media_forward_kwargs`); nothing between them
-changes. Video was added that way.
+:class:`MediaOptions` is the ``media`` section every dataset, reward model and judge takes: one
+sub-section per kind (:class:`~lightrft.data.vision.ImageOptions`,
+:class:`~lightrft.data.audio.AudioOptions`, :class:`~lightrft.data.video.VideoOptions`).
+
+A kind is its module (its inputs, options and processor, which names its placeholder tag, its
+inline part keys and which model processors take it) plus three lines here: a field of
+:class:`Media`, a field of :class:`MediaOptions` and its processor in :data:`PROCESSORS`. The
+datasets' generic path (:class:`~lightrft.data.records.MediaSamples`) finds, loads, processes and
+expands every kind listed there; docs/architecture.md lists the files a new kind touches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
-from lightrft.data.audio import AudioInputs
-from lightrft.data.video import VideoInputs
-from lightrft.data.vision import ImageInputs
+from lightrft.config import Section, option, section
+from lightrft.data.audio import AudioInputs, AudioOptions, AudioProcessor
+from lightrft.data.video import VideoInputs, VideoOptions, VideoProcessor
+from lightrft.data.vision import ImageInputs, ImageOptions, ImageProcessor
 
-__all__ = ["Media", "MediaInputs"]
+__all__ = ["MEDIA_KINDS", "PROCESSORS", "Media", "MediaInputs", "MediaOptions", "as_processor"]
 
 MediaInputs = ImageInputs | AudioInputs | VideoInputs
 
@@ -77,3 +85,65 @@ class Media:
 
 
 _TYPES: dict[str, type] = {"image": ImageInputs, "audio": AudioInputs, "video": VideoInputs}
+
+# Each kind's processor (its ``kind``, ``tag``, ``inline`` keys, ``needs``, ``takes``), in the
+# order a record's media are found, loaded and expanded.
+PROCESSORS = (ImageProcessor, VideoProcessor, AudioProcessor)
+MEDIA_KINDS = tuple(p.kind for p in PROCESSORS)
+
+
+@section
+class MediaOptions(Section):
+    """The ``media`` section of a dataset, reward model or judge: how it reads and bounds each
+    kind of media. A kind's keys other than ``field`` need a model whose processor takes that
+    kind (:meth:`check_model`)."""
+
+    image: ImageOptions = option(default_factory=ImageOptions, doc="images")
+    audio: AudioOptions = option(default_factory=AudioOptions, doc="audio")
+    video: VideoOptions = option(default_factory=VideoOptions, doc="videos")
+
+    # The flat keys this section replaced: ``lightrft validate`` names the new key.
+    moved = {
+        "images_field": "image.field",
+        "min_pixels": "image.min_pixels",
+        "max_pixels": "image.max_pixels",
+        "audios_field": "audio.field",
+        "max_audio_seconds": "audio.max_seconds",
+        "overlong_audio": "audio.overlong",
+        "videos_field": "video.field",
+        "video_fps": "video.fps",
+        "video_num_frames": "video.num_frames",
+        "max_video_frames": "video.max_frames",
+        "overlong_video": "video.overlong",
+        "video_min_pixels": "video.min_pixels",
+        "video_max_pixels": "video.max_pixels",
+    }
+
+    def resolve(self, at: str) -> MediaOptions:
+        for f in fields(self):
+            getattr(self, f.name).resolve(f"{at}{f.name}.")
+        return self
+
+    def check_model(self, processor, given: str) -> None:
+        """Refuse options of a kind the model's ``processor`` (None: a text model) does not
+        take, naming the key and saying what the model is (``given``). The one place this rule
+        is written: datasets, reward models and judges all build their media through
+        :class:`~lightrft.data.records.MediaSamples`, which calls it."""
+        for proc in PROCESSORS:
+            opts = getattr(self, proc.kind)
+            if (
+                not proc.takes(processor)
+                and replace(opts, field=type(opts)().field) != type(opts)()
+            ):
+                raise ValueError(
+                    f"media.{proc.kind} options need {proc.needs} model's processor ({given})"
+                )
+
+
+def as_processor(tokenizer_or_processor) -> tuple[Any, Any | None]:
+    """``(tokenizer, processor or None)`` from what a recipe passes a dataset as its first
+    argument: a tokenizer (text models) or a multimodal processor (one that a kind ``takes``)."""
+    obj = tokenizer_or_processor
+    if hasattr(obj, "tokenizer") and any(p.takes(obj) for p in PROCESSORS):
+        return obj.tokenizer, obj
+    return obj, None

@@ -19,8 +19,8 @@ the line and the field (a missing or undecodable image, audio or video file too)
 response identical to the chosen one is dropped and counted (``stats["identical"]``); sequences longer than
 ``max_length`` are truncated (keep the start) or dropped, as configured, and counted. A pair that
 truncation makes identical, or whose cut would cut media tokens, is dropped too; audio over
-``max_audio_seconds`` is clipped or its record dropped, as configured, and counted; a video over
-``max_video_frames`` is clipped (counted) or refused, as configured.
+``media.audio.max_seconds`` is clipped or its record dropped, as configured, and counted; a video
+over ``media.video.max_frames`` is clipped (counted) or refused, as configured.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Annotated, Any
 import torch
 
 from lightrft.config import Bound
-from lightrft.data.audio import AudioTooLong, OverlongAudio
+from lightrft.data.audio import AudioTooLong
 from lightrft.data.io import DataError, PathLike, Records, require_field
-from lightrft.data.media import Media
+from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import (
     DecodedMedia,
     MediaSamples,
@@ -43,8 +43,6 @@ from lightrft.data.records import (
     open_records,
 )
 from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
-from lightrft.data.video import OverlongVideo, VideoOptions
-from lightrft.data.vision import as_processor
 
 __all__ = [
     "PreferenceCollator",
@@ -131,7 +129,7 @@ def encode_with_media(
     scores what it was trained on.
 
     Raises:
-        AudioTooLong: the record's audio is over the maximum and ``overlong_audio="drop"``.
+        AudioTooLong: the record's audio is over the maximum and ``media.audio.overlong="drop"``.
     """
     where = src.where(i)
     turns, decoded = media.messages(src, i, prompt_turns(prompt))
@@ -170,28 +168,12 @@ class PreferenceDataset(torch.utils.data.Dataset):
         path, split, records: the data, as for :class:`~lightrft.data.SFTDataset`.
         prompt_field, chosen_field, rejected_field, margin_field, head_field: field names.
         chosen_safe_field, rejected_safe_field: safety labels (Safe-RLHF style cost models).
-        images_field: the pair's images (as for :class:`~lightrft.data.SFTDataset`: paths
-            relative to the data file, base64, PIL images; or inline image parts of the prompt),
-            shown with the prompt to every candidate. They need a vision-language model's
-            processor as ``tokenizer`` and the chat template; a text tokenizer refuses them with
-            the file and line.
-        audios_field: the pair's audio (as for :class:`~lightrft.data.SFTDataset`: paths
-            relative to the data file, HF audio values; or inline audio parts of the prompt,
-            placed by ``<audio>`` tags), heard with the prompt by every candidate. They need an
-            audio-language model's processor as ``tokenizer`` and the chat template.
-        videos_field: the pair's videos (as for :class:`~lightrft.data.SFTDataset`: video file
-            paths relative to the data file, or frame lists; or inline video parts of the
-            prompt, placed by ``<video>`` tags), shown with the prompt to every candidate. They
-            need a Qwen2-VL / Qwen2.5-VL processor as ``tokenizer`` and the chat template.
-        video_fps, video_num_frames, max_video_frames, overlong_video, video_min_pixels,
-            video_max_pixels: how videos are sampled and sized, as in
-            :class:`~lightrft.data.SFTDataset` (the same keys and defaults; one
-            :class:`~lightrft.data.video.VideoOptions`). Give the reward model in RL the same
-            ones (:class:`~lightrft.rewards.RewardModel`), so it sees videos as in training.
-        min_pixels, max_pixels: bounds on each image's area (resized keeping aspect ratio).
-        max_audio_seconds: the longest audio kept (None: the feature extractor's chunk).
-        overlong_audio: ``"clip"`` an audio over ``max_audio_seconds`` to it, or ``"drop"`` the
-            record; counted in ``stats`` (``audio_clipped``, ``audio_dropped``).
+        media: the pair's images, audio and videos (:class:`~lightrft.data.media.MediaOptions`,
+            as for :class:`~lightrft.data.SFTDataset`), shown with the prompt to every
+            candidate. They need a model's processor that takes them as ``tokenizer`` and the
+            chat template; a text tokenizer refuses them with the file and line. Give the reward
+            model in RL the same options (:class:`~lightrft.rewards.RewardModel`), so it sees
+            media as in training.
         apply_chat_template: render with the tokenizer's chat template (as the reward model
             will score in RL); ``False`` concatenates prompt and response.
         max_length: longest sequence in tokens; ``None`` for no limit.
@@ -212,43 +194,14 @@ class PreferenceDataset(torch.utils.data.Dataset):
         head_field: str = "head",
         chosen_safe_field: str = "chosen_safe",
         rejected_safe_field: str = "rejected_safe",
-        images_field: str = "images",
-        audios_field: str = "audios",
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
-        overlong_audio: OverlongAudio = "clip",
-        videos_field: str | None = "videos",
-        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
-        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
-        overlong_video: OverlongVideo = "clip",
-        video_min_pixels: int | None = None,
-        video_max_pixels: int | None = None,
+        media: MediaOptions | None = None,
         apply_chat_template: bool = True,
         max_length: Annotated[int | None, Bound(ge=1)] = None,
         truncation: Truncation = "truncate",
     ) -> None:
         check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
-        self.media = MediaSamples(
-            processor,
-            images_field,
-            min_pixels,
-            max_pixels,
-            audios_field,
-            max_audio_seconds,
-            overlong_audio,
-            videos_field,
-            VideoOptions(
-                video_fps,
-                video_num_frames,
-                max_video_frames,
-                overlong_video,
-                video_min_pixels,
-                video_max_pixels,
-            ),
-        )
+        self.media = MediaSamples(processor, media)
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -264,20 +217,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
         self._media: list[DecodedMedia | None] = []  # each item's decoded images, audio, videos
         self._origins: list[str] = []
         identical = truncated = dropped = audio_dropped = 0
-        # (field, what it holds, the model that reads it), refused with a text tokenizer
-        media_fields = (
-            (images_field, "images", "a vision-language"),
-            (audios_field, "audio", "an audio-language"),
-            (videos_field, "videos", "a Qwen2-VL or Qwen2.5-VL"),
-        )
         for i in range(len(src)):
             rec, where = src[i], src.where(i)
-            for field, noun, model in media_fields:
-                if not self.media.kinds and field and rec.get(field):
-                    raise DataError(
-                        f"{where}: field {field!r} holds {noun}, which need {model} model's "
-                        "processor (this dataset was given a text tokenizer)"
-                    )
+            self.media.check_record(src, i)
             if not apply_chat_template:
                 self.media.raw_mode(src, i)  # media tokens need the template
             prompt = rec.get(prompt_field)
@@ -364,7 +306,11 @@ class PreferenceDataset(torch.utils.data.Dataset):
             self._media.append(media)
             self._origins.append(where)
         if not self._items:
-            audio = f", {audio_dropped} with audio over max_audio_seconds" if audio_dropped else ""
+            audio = (
+                f", {audio_dropped} with audio over media.audio.max_seconds"
+                if audio_dropped
+                else ""
+            )
             raise DataError(
                 f"empty dataset: all {len(src)} records of {self.source} were dropped "
                 f"({identical} identical responses, {dropped} too long with max_length="
@@ -377,7 +323,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
             "truncated": truncated,
             "dropped": dropped,
         }
-        n_videos = sum(len(m.video or ()) for m in self._media if m)
+        n_videos = sum(len(m.get("video") or ()) for m in self._media if m)
         if n_videos:
             self.stats["videos"] = n_videos
         self.media.report_videos(log, self.source, self.stats)
@@ -385,7 +331,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
             self.stats.update(audio_clipped=self.media.clipped, audio_dropped=audio_dropped)
             if audio_dropped:
                 log.warning(
-                    "%s: dropped %d records with audio over max_audio_seconds=%g",
+                    "%s: dropped %d records with audio over media.audio.max_seconds=%g",
                     self.source,
                     audio_dropped,
                     self.media.audio.max_seconds,

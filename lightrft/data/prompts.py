@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import torch
 
 from lightrft.config import Bound
-from lightrft.data.audio import AudioTooLong, OverlongAudio
+from lightrft.data.audio import AudioTooLong
 from lightrft.data.io import DataError, PathLike, require_field
-from lightrft.data.media import Media
+from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import MediaSamples, Truncation, check_truncation, open_records
 from lightrft.data.templates import check_messages, encode_prompt, with_system
-from lightrft.data.video import OverlongVideo, VideoOptions
-from lightrft.data.vision import as_processor
 
 __all__ = ["PromptDataset", "conversation"]
 
@@ -57,11 +55,8 @@ class PromptDataset(torch.utils.data.Dataset):
             the last tokens (the end holds the question and the generation prompt; a prompt
             whose images would lose vision tokens is dropped), or ``"error"``, which refuses the
             dataset naming the file and line. Counted in ``stats``.
-        images_field, min_pixels, max_pixels: images, as in :class:`~lightrft.data.SFTDataset`.
-        audios_field, max_audio_seconds, overlong_audio: audio, as in
-            :class:`~lightrft.data.SFTDataset`.
-        videos_field, video_fps, video_num_frames, max_video_frames, overlong_video,
-            video_min_pixels, video_max_pixels: videos, as in :class:`~lightrft.data.SFTDataset`.
+        media: how images, audio and videos are read and bounded (the ``media`` section,
+            :class:`~lightrft.data.media.MediaOptions`), as in :class:`~lightrft.data.SFTDataset`.
     """
 
     def __init__(
@@ -81,41 +76,12 @@ class PromptDataset(torch.utils.data.Dataset):
         apply_chat_template: bool = True,
         max_prompt_length: Annotated[int | None, Bound(ge=1)] = None,
         truncation: Truncation | Literal["error"] = "drop",
-        images_field: str | None = "images",
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        audios_field: str | None = "audios",
-        max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
-        overlong_audio: OverlongAudio = "clip",
-        videos_field: str | None = "videos",
-        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
-        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
-        overlong_video: OverlongVideo = "clip",
-        video_min_pixels: int | None = None,
-        video_max_pixels: int | None = None,
+        media: MediaOptions | None = None,
     ) -> None:
         if truncation != "error":
             check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
-        self.media = MediaSamples(
-            processor,
-            images_field,
-            min_pixels,
-            max_pixels,
-            audios_field,
-            max_audio_seconds,
-            overlong_audio,
-            videos_field,
-            VideoOptions(
-                video_fps,
-                video_num_frames,
-                max_video_frames,
-                overlong_video,
-                video_min_pixels,
-                video_max_pixels,
-            ),
-        )
+        self.media = MediaSamples(processor, media)
         self.tokenizer = tokenizer
         self.truncation = truncation
         if max_prompt_length is not None and max_prompt_length < 1:
@@ -183,7 +149,7 @@ class PromptDataset(torch.utils.data.Dataset):
             raise DataError(
                 f"empty dataset: all {len(src)} prompts of {self.source} are longer than "
                 f"max_prompt_length={max_prompt_length}"
-                + (" (or have audio over max_audio_seconds)" if self.media.audio else "")
+                + (" (or have audio over media.audio.max_seconds)" if self.media.audio else "")
                 + "; raise it or use truncation='truncate'"
             )
         self.stats: dict[str, int] = {
@@ -279,49 +245,25 @@ class PromptDataset(torch.utils.data.Dataset):
 def conversation(
     messages: Sequence[Mapping[str, Any]] | None, media: Media | None = None
 ) -> list[dict] | None:
-    """A prompt item's chat (its ``messages``) with its media inline: the k-th image part holds
-    the k-th image of the item's ``media`` (resized as the actor saw it) under ``"image"``, the
-    k-th audio part the k-th audio (decoded, clipped, at the feature extractor's rate) as an HF
-    audio value ``{"array", "sampling_rate"}`` under ``"audio"``, the k-th video part the k-th
-    video's sampled frames (PIL images) under ``"video"`` and the rate they were sampled at
-    under ``"fps"`` (a reward model re-samples them at its own ``video_fps``, as its preference
-    data sampled the file): the HF content format that
-    preference data reads too. ``None`` for a raw prompt (no messages). Reward functions with
-    ``uses_conversations`` get these, so a reward model renders the chat with its own template,
-    as in its training."""
+    """A prompt item's chat (its ``messages``) with its media inline: the k-th part of a kind
+    holds the k-th item of that kind of the item's ``media`` (each kind's ``parts()``): an image
+    (resized as the actor saw it) under ``"image"``, an audio (decoded, clipped, at the feature
+    extractor's rate) as an HF audio value ``{"array", "sampling_rate"}`` under ``"audio"``, a
+    video's sampled frames (PIL images) under ``"video"`` and the rate they were sampled at under
+    ``"fps"`` (a reward model re-samples them at its own ``media.video.fps``, as its preference
+    data sampled the file): the HF content format that preference data reads too. ``None`` for
+    a raw prompt (no messages). Reward functions get these (``Sample.conversation``), so a
+    reward model renders the chat with its own template, as in its training."""
     if messages is None:
         return None
-    from PIL import Image
-
-    pictures = iter(media.image.images if media is not None and media.image is not None else ())
-    audio = media.audio if media is not None else None
-    clips = iter(
-        [{"array": w, "sampling_rate": audio.sampling_rate} for w in audio.audios]
-        if audio is not None
-        else []
-    )
-    video = media.video if media is not None else None
-    rates = iter(video.fps if video is not None else [])
-    movies = iter([[Image.fromarray(f) for f in v] for v in video.videos] if video else [])
-    inline = {"image": pictures, "audio": clips, "video": movies}
+    inline = {kind: iter(inputs.parts()) for kind, inputs in media.kinds()} if media else {}
     out = []
     for m in messages:
         content = m["content"]
         if not isinstance(content, str):
             content = [
-                _inline(part, next(inline[part["type"]]), rates)
-                if part.get("type") in inline
-                else dict(part)
+                {**part, **next(inline[part["type"]])} if part.get("type") in inline else dict(part)
                 for part in content
             ]
         out.append({**m, "content": content})
-    return out
-
-
-def _inline(part: Mapping[str, Any], value: Any, rates: Iterator[float]) -> dict[str, Any]:
-    """A media part of :func:`conversation` holding its source (a video part its rate too)."""
-    kind = part["type"]
-    out = {**part, kind: value}
-    if kind == "video":
-        out["fps"] = next(rates)
     return out

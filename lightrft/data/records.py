@@ -1,6 +1,7 @@
 """The records-and-media layer the SFT, prompt and preference datasets share: opening records
-(files or an in-memory list), the truncation policy, and a sample's images and audio
-(:class:`MediaSamples` finds, loads, processes and expands them).
+(files or an in-memory list), the truncation policy, and a sample's media (:class:`MediaSamples`
+finds, loads, processes and expands them, one generic path for every kind in
+:data:`~lightrft.data.media.PROCESSORS`).
 
 Reading files lives one level lower, in :mod:`lightrft.data.io`, which the image and audio
 processors import too (for :class:`~lightrft.data.io.DataError`): this module imports those
@@ -11,35 +12,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
-from lightrft.data.audio import AudioInputs, AudioProcessor, OverlongAudio
+from lightrft.data import media as registry
 from lightrft.data.io import DataError, PathLike, Records, load_records
-from lightrft.data.media import Media
-from lightrft.data.templates import has_parts
-from lightrft.data.video import (
-    DecodedVideo,
-    VideoInputs,
-    VideoOptions,
-    VideoProcessor,
-    takes_video,
-)
-from lightrft.data.vision import ImageInputs, ImageProcessor, record_media
+from lightrft.data.media import Media, MediaOptions
+from lightrft.data.templates import IGNORE_INDEX, has_parts
 
 __all__ = [
     "DecodedMedia",
     "MediaSamples",
     "Truncation",
     "check_truncation",
+    "expand_placeholders",
     "open_records",
+    "record_media",
+    "split_tags",
 ]
 
-_NO_IMAGES = ImageInputs([], torch.empty(0), None, [], {})
-_NO_AUDIO = AudioInputs([], torch.empty(0), torch.empty(0), [], 0)
-_NO_VIDEO = VideoInputs([], [], torch.empty(0), torch.empty(0, 3, dtype=torch.long), None, [])
 Truncation = Literal["truncate", "drop"]
 
 
@@ -64,123 +54,80 @@ def open_records(
     return load_records(path, split=split)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
-class DecodedMedia:
-    """A sample's media as loaded (lists of PIL images / waveforms / sampled frames), before
-    processing into :class:`~lightrft.data.media.Media`. A kind the sample does not have is
-    None."""
+# A sample's media as loaded, before processing into a Media: kind -> its decoded items (PIL
+# images, waveforms, sampled videos) in placeholder order; None for a sample without media.
+DecodedMedia = dict[str, list[Any]]
 
-    image: list | None = None
-    audio: list | None = None
-    video: list[DecodedVideo] | None = None
+
+def _kind(name: str):
+    """The processor class of a kind (read from :data:`~lightrft.data.media.PROCESSORS` at each
+    call: the one list of kinds)."""
+    return next(p for p in registry.PROCESSORS if p.kind == name)
+
+
+def _a(kind: str) -> str:
+    return "an" if kind[0] in "aeiou" else "a"
+
+
+def _given(processor) -> str:
+    return (
+        f"the dataset was given {'a tokenizer' if processor is None else type(processor).__name__}"
+    )
 
 
 class MediaSamples:
-    """The media side of a dataset: finds a record's images and audio, loads them (failing at
-    load with file, line and field) and expands the placeholders of its ids. Shared by the SFT
-    and prompt datasets so that images and audio ride the same path as text.
+    """The media side of a dataset (and of a multimodal reward model or judge): finds a record's
+    media of every kind, loads them (failing at load with file, line and field), processes them
+    and expands the placeholders of its ids, one path for all kinds.
 
-    Which kinds a dataset takes follows the processor: an ``image_processor`` takes images, a
-    Qwen2-VL / Qwen2.5-VL processor videos too (:func:`~lightrft.data.video.takes_video`), a
-    ``feature_extractor`` (Whisper features: Qwen2-Audio) takes audio. ``videos_field``: the
-    records' video list; ``video``: its sampling and size bounds
-    (:class:`~lightrft.data.video.VideoOptions`; None: the defaults).
+    Which kinds it takes follows the processor (each kind's ``takes``: an ``image_processor``
+    takes images, a Qwen2-VL / Qwen2.5-VL processor videos too, a ``feature_extractor`` audio);
+    ``options``: the ``media`` section (:class:`~lightrft.data.media.MediaOptions`; None: the
+    defaults), whose options of a kind the processor does not take are refused, naming the
+    key (``given``: what the model is, for that message).
     """
 
-    def __init__(
-        self,
-        processor,
-        images_field: str | None,
-        min_pixels,
-        max_pixels,
-        audios_field: str | None = "audios",
-        max_audio_seconds: float | None = None,
-        overlong_audio: OverlongAudio = "clip",
-        videos_field: str | None = "videos",
-        video: VideoOptions | None = None,
-    ) -> None:
-        video = video or VideoOptions()
-        has_images = getattr(processor, "image_processor", None) is not None
-        has_audio = getattr(processor, "feature_extractor", None) is not None
-        self.images = (
-            ImageProcessor(processor, min_pixels=min_pixels, max_pixels=max_pixels)
-            if has_images
-            else None
-        )
-        if self.images is None and (min_pixels is not None or max_pixels is not None):
-            raise ValueError(
-                "min_pixels / max_pixels need a vision-language processor (the dataset was "
-                f"given {'a tokenizer' if processor is None else type(processor).__name__})"
-            )
-        self.audio = (
-            AudioProcessor(
-                processor, max_audio_seconds=max_audio_seconds, overlong_audio=overlong_audio
-            )
-            if has_audio
-            else None
-        )
-        if self.audio is None and (max_audio_seconds is not None or overlong_audio != "clip"):
-            raise ValueError(
-                "max_audio_seconds / overlong_audio need an audio-language processor (the "
-                f"dataset was given {'a tokenizer' if processor is None else type(processor).__name__})"
-            )
-        self.video = VideoProcessor(processor, video) if takes_video(processor) else None
-        if self.video is None and video != VideoOptions():
-            raise ValueError(
-                "video options (video_fps, video_num_frames, max_video_frames, ...) need a "
-                "Qwen2-VL or Qwen2.5-VL processor (the dataset was given "
-                f"{'a tokenizer' if processor is None else type(processor).__name__})"
-            )
-        self.fields: dict[str, str | None] = {}
-        if self.images is not None:
-            self.fields["image"] = images_field
-        if self.video is not None:
-            self.fields["video"] = videos_field
-        if self.audio is not None:
-            self.fields["audio"] = audios_field
-        self._all_fields = {"image": images_field, "video": videos_field, "audio": audios_field}
-        self._token_ids = {
-            kind: proc.video_token_id if kind == "video" else proc.image_token_id
-            for kind, proc in (("image", self.images), ("video", self.video))
-            if proc is not None
+    def __init__(self, processor, options: MediaOptions | None = None, given: str = "") -> None:
+        options = (options or registry.MediaOptions()).resolve("media.")
+        options.check_model(processor, given or _given(processor))
+        self.processors = {
+            p.kind: p(processor, getattr(options, p.kind))
+            for p in registry.PROCESSORS
+            if p.takes(processor)
         }
-        if self.audio is not None:
-            self._token_ids["audio"] = self.audio.audio_token_id
-        self.kinds = list(self.fields)
+        self.fields = {p.kind: getattr(options, p.kind).field for p in registry.PROCESSORS}
+        self.kinds = list(self.processors)
+        self.audio = self.processors.get("audio")
+        self.video = self.processors.get("video")
 
     @property
     def clipped(self) -> int:
-        """Audio clipped to ``max_audio_seconds`` so far."""
+        """Audio clipped to ``media.audio.max_seconds`` so far."""
         return self.audio.clipped if self.audio is not None else 0
 
-    @property
-    def videos_clipped(self) -> int:
-        """Videos clipped to ``max_video_frames`` so far."""
-        return self.video.clipped if self.video is not None else 0
-
-    def messages(self, src: Records, i: int, msgs: list[dict[str, Any]]):
-        """``(messages with media parts, its DecodedMedia or None)`` of record ``i``.
-
-        Raises:
-            AudioTooLong: the record's audio is over the maximum and ``overlong_audio="drop"``.
-        """
-        where = src.where(i)
-        for kind, field in self._all_fields.items():
-            if kind not in self.fields and field and src[i].get(field):
+    def check_record(self, src: Records, i: int) -> None:
+        """Refuse a record whose field holds media of a kind the model does not take."""
+        for kind, field in self.fields.items():
+            if kind not in self.processors and src[i].get(field):
                 model = (
                     "a tokenizer"
                     if not self.kinds
                     else f"a processor for {' and '.join(k + 's' for k in self.kinds)} only"
                 )
-                need = {
-                    "image": "a vision-language",
-                    "video": "a Qwen2-VL or Qwen2.5-VL",
-                    "audio": "an audio-language",
-                }[kind]
                 raise DataError(
-                    f"{where}: the record has {kind}s, but the dataset was built with {model} "
-                    f"(field {field!r}): {need} model's processor is needed"
+                    f"{src.where(i)}: the record has {kind}s, but the dataset was built with "
+                    f"{model} (field {field!r}): {_kind(kind).needs} model's processor is needed"
                 )
+
+    def messages(self, src: Records, i: int, msgs: list[dict[str, Any]]):
+        """``(messages with media parts, its DecodedMedia or None)`` of record ``i``.
+
+        Raises:
+            AudioTooLong: the record's audio is over the maximum and
+                ``media.audio.overlong="drop"``.
+        """
+        where = src.where(i)
+        self.check_record(src, i)
         if not self.kinds:
             # Text models: "<image>" in a string is just text, but content parts are an error.
             if has_parts(msgs):
@@ -188,29 +135,26 @@ class MediaSamples:
                     f"{where}: content parts (lists) need a multimodal model's processor"
                 )
             return msgs, None
-        msgs, raw = record_media(src[i], msgs, self.fields, where)
+        msgs, raw = record_media(src[i], msgs, {k: self.fields[k] for k in self.kinds}, where)
         if not any(raw.values()):
             return msgs, None
         base = src.base_dir(i)
-        images = audios = videos = None
-        if raw.get("image"):
-            assert self.images is not None
-            field = self.fields["image"] or "content"
-            images = self.images.load(raw["image"], base_dir=base, where=where, field=field)
-        if raw.get("video"):
-            assert self.video is not None
-            field = self.fields["video"] or "content"
-            videos = self.video.load(raw["video"], base_dir=base, where=where, field=field)
-        if raw.get("audio"):
-            assert self.audio is not None
-            field = self.fields["audio"] or "content"
-            audios = self.audio.load(raw["audio"], base_dir=base, where=where, field=field)
-        return msgs, DecodedMedia(images, audios, videos)
+        return msgs, {
+            kind: self.processors[kind].load(
+                values, base_dir=base, where=where, field=self._label(src[i], kind)
+            )
+            for kind, values in raw.items()
+            if values
+        }
+
+    def _label(self, rec: Mapping[str, Any], kind: str) -> str:
+        """Where a record's media of ``kind`` came from, for messages: its field or inline."""
+        return self.fields[kind] if rec.get(self.fields[kind]) else "content"
 
     def raw_mode(self, src: Records, i: int) -> None:
         """Raw (template-free) records cannot place media tokens: refuse their media."""
-        for kind, field in self._all_fields.items():
-            if field and src[i].get(field):
+        for kind, field in self.fields.items():
+            if src[i].get(field):
                 raise DataError(
                     f"{src.where(i)}: field {field!r}: {kind}s need apply_chat_template=true "
                     f"(the chat template places the {kind} tokens)"
@@ -218,17 +162,7 @@ class MediaSamples:
 
     def process(self, media: DecodedMedia) -> Media:
         """Pixel values / video patches / audio features of a sample's decoded media."""
-        images = audios = videos = None
-        if media.image:
-            assert self.images is not None
-            images = self.images.process(media.image)
-        if media.video:
-            assert self.video is not None
-            videos = self.video.process(media.video)
-        if media.audio:
-            assert self.audio is not None
-            audios = self.audio.process(media.audio)
-        return Media(images, audios, videos)
+        return registry.Media(**{k: self.processors[k].process(v) for k, v in media.items() if v})
 
     def expand(
         self, ids: list[int], labels, media: DecodedMedia | None, where: str
@@ -237,16 +171,11 @@ class MediaSamples:
         media of a kind must hold no placeholder of that kind (the forward would find none)."""
         if not self.kinds:
             return ids, labels, None
-        done = self.process(media) if media is not None else Media()
-        if self.images is not None:
-            field = self.fields["image"] or "content"
-            ids, labels = self.images.expand(ids, labels, done.image or _NO_IMAGES, where, field)
-        if self.video is not None:
-            field = self.fields["video"] or "content"
-            ids, labels = self.video.expand(ids, labels, done.video or _NO_VIDEO, where, field)
-        if self.audio is not None:
-            field = self.fields["audio"] or "content"
-            ids, labels = self.audio.expand(ids, labels, done.audio or _NO_AUDIO, where, field)
+        done = self.process(media) if media is not None else registry.Media()
+        for kind, proc in self.processors.items():
+            inputs = getattr(done, kind)
+            counts = inputs.num_tokens if inputs is not None else []
+            ids, labels = expand_placeholders(ids, labels, proc, counts, where, self.fields[kind])
         return ids, labels, done if media is not None else None
 
     def intact(self, ids: list[int], media: Media | None) -> bool:
@@ -254,7 +183,7 @@ class MediaSamples:
         if media is None:
             return True
         for kind, inputs in media.kinds():
-            tok = self._token_ids[kind]
+            tok = self.processors[kind].token_id
             if sum(1 for t in ids if t == tok) != sum(inputs.num_tokens):
                 return False
         return True
@@ -263,7 +192,7 @@ class MediaSamples:
         """Whether ``cut`` (a prefix of ``full``) still holds every media token of ``full``:
         a sample that lost some cannot be forwarded (the model finds fewer tokens than its
         images and audio give)."""
-        ids = set(self._token_ids.values())
+        ids = {p.token_id for p in self.processors.values()}
         return sum(t in ids for t in cut) == sum(t in ids for t in full)
 
     def report_videos(self, log: logging.Logger, source: str, stats: dict) -> None:
@@ -271,12 +200,12 @@ class MediaSamples:
         and warn of the clipped videos."""
         if self.video is None:
             return
-        stats["video_clipped"] = self.videos_clipped
-        if self.videos_clipped:
+        stats["video_clipped"] = self.video.clipped
+        if self.video.clipped:
             log.warning(
-                "%s: clipped %d video(s) to max_video_frames=%d",
+                "%s: clipped %d video(s) to media.video.max_frames=%d",
                 source,
-                self.videos_clipped,
+                self.video.clipped,
                 self.video.max_frames,
             )
 
@@ -288,8 +217,137 @@ class MediaSamples:
         if self.audio is not None:
             stats.update(audio_clipped=self.clipped, audio_dropped=audio_dropped)
             if audio_dropped:
-                why = f"with audio over max_audio_seconds={self.audio.max_seconds:g}"
+                why = f"with audio over media.audio.max_seconds={self.audio.max_seconds:g}"
                 log.warning("%s: dropped %d %s %s", source, audio_dropped, noun, why)
         if stats["truncated"] or stats["dropped"]:
             counts = (stats["truncated"], stats["dropped"], stats["records"])
             log.warning("%s: %s %d and dropped %d of %d %s", source, cut, *counts, noun)
+
+
+def expand_placeholders(
+    ids: list[int], labels: list[int] | None, proc, counts: Sequence[int], where: str, field: str
+) -> tuple[list[int], list[int] | None]:
+    """Repeat the k-th placeholder token of ``proc``'s kind (its ``token_id``) ``counts[k]``
+    times (labels: -100), the layout the model's forward expects for its k-th item of that kind.
+
+    Raises:
+        DataError: the rendered ids hold more or fewer placeholders than there are media items,
+            or a placeholder sits in a trained (assistant) position.
+    """
+    kind, token_id = proc.kind, proc.token_id
+    found = sum(1 for t in ids if t == token_id)
+    if found != len(counts):
+        raise DataError(
+            f"{where}: {field}: {len(counts)} {kind}(s) but the rendered prompt has {found} "
+            f"{kind} placeholder(s) ({proc.token!r}); give one {kind} part "
+            f'({{"type": "{kind}"}}) or {proc.tag} tag per {kind}'
+        )
+    out_ids: list[int] = []
+    out_labels: list[int] | None = [] if labels is not None else None
+    k = 0
+    for j, t in enumerate(ids):
+        if t != token_id:
+            out_ids.append(t)
+            if out_labels is not None:
+                out_labels.append(labels[j])  # type: ignore[index]
+            continue
+        if labels is not None and labels[j] != IGNORE_INDEX:
+            raise DataError(
+                f"{where}: {field}: {_a(kind)} {kind} in an assistant turn; {kind} parts go in "
+                "user turns"
+            )
+        out_ids.extend([token_id] * counts[k])
+        if out_labels is not None:
+            out_labels.extend([IGNORE_INDEX] * counts[k])
+        k += 1
+    return out_ids, out_labels
+
+
+def split_tags(content: Any, names: Sequence[str]) -> list[dict[str, Any]]:
+    """HF content parts of a message: a string becomes text parts split at the tags of the
+    kinds ``names`` (``<image>``, ``<audio>``; each tag a part of its kind); a list is returned as is."""
+    if not isinstance(content, str):
+        return list(content)
+    parts: list[dict[str, Any]] = []
+    text = content
+    while text:
+        hits = [(text.find(_kind(k).tag), k) for k in names if _kind(k).tag in text]
+        if not hits:
+            parts.append({"type": "text", "text": text})
+            break
+        at, kind = min(hits)
+        if at:
+            parts.append({"type": "text", "text": text[:at]})
+        parts.append({"type": kind})
+        text = text[at + len(_kind(kind).tag) :]
+    return parts
+
+
+def record_media(
+    rec: Mapping[str, Any],
+    messages: list[dict[str, Any]],
+    fields: dict[str, str],
+    where: str,
+) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+    """The messages with media parts, and the record's raw media per kind in placeholder order.
+
+    ``fields`` maps each kind the model's processor takes (``"image"``, ``"video"``,
+    ``"audio"``) to the record field holding that kind's list. Media come from that field (a
+    list, or one value) or inline in parts (``{"type": "image", "image": ...}``,
+    ``{"type": "video", "video": ...}``, ``{"type": "audio", "audio": ...}``: each kind's
+    ``inline`` keys), not both. String contents are split at the kinds' tags (``<image>``,
+    ``<video>``, ``<audio>``) into parts.
+
+    Raises:
+        DataError: media both in the field and inline, a different number of media than parts,
+            or a part of a kind the model does not take.
+    """
+    every = [p.kind for p in registry.PROCESSORS]
+    taken = [k for k in every if k in fields]
+    inline: dict[str, list[Any]] = {k: [] for k in taken}
+    n_parts = dict.fromkeys(taken, 0)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str) and not any(_kind(k).tag in content for k in taken):
+            out.append(m)
+            continue
+        parts = []
+        for part in split_tags(content, taken):
+            kind = part.get("type")
+            if kind in every and kind not in taken:
+                takes = " and ".join(f"{k}s" for k in taken)
+                raise DataError(
+                    f"{where}: {_a(kind)} {kind} part, but the model's processor takes {takes} only"
+                )
+            if kind in taken:
+                n_parts[kind] += 1
+                keys = _kind(kind).inline
+                src = next((part[k] for k in keys if part.get(k) is not None), None)
+                if src is not None and kind == "video" and part.get("fps") is not None:
+                    src = {"video": src, "fps": part["fps"]}  # a frame list's own rate
+                if src is not None:
+                    inline[kind].append(src)
+                part = {"type": kind}
+            parts.append(part)
+        out.append({**m, "content": parts})
+    media: dict[str, list[Any]] = {}
+    for kind in taken:
+        field = fields[kind]
+        raw = rec.get(field)
+        if raw is not None and not isinstance(raw, (list, tuple)):
+            raw = [raw]
+        raw = list(raw) if raw is not None else []
+        if raw and inline[kind]:
+            raise DataError(
+                f"{where}: {kind}s both in field {field!r} and inline in {kind} parts; "
+                "give them one way"
+            )
+        found = raw or inline[kind]
+        if len(found) != n_parts[kind]:
+            raise DataError(
+                f"{where}: field {field!r}: {len(found)} {kind}(s) but the messages have "
+                f"{n_parts[kind]} {kind} part(s) (or {_kind(kind).tag} tags); give one per {kind}"
+            )
+        media[kind] = found
+    return out, media

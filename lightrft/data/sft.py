@@ -25,8 +25,9 @@ from typing import Annotated, Any
 import torch
 
 from lightrft.config import Bound
-from lightrft.data.audio import AudioTooLong, OverlongAudio
+from lightrft.data.audio import AudioTooLong
 from lightrft.data.io import DataError, PathLike, Records, require_field
+from lightrft.data.media import MEDIA_KINDS, MediaOptions, as_processor
 from lightrft.data.records import (
     DecodedMedia,
     MediaSamples,
@@ -42,8 +43,6 @@ from lightrft.data.templates import (
     eos_id,
     with_system,
 )
-from lightrft.data.video import OverlongVideo, VideoOptions
-from lightrft.data.vision import as_processor
 
 __all__ = ["SFTDataset", "refuse_tool_transcript"]
 
@@ -96,24 +95,15 @@ class SFTDataset(torch.utils.data.Dataset):
         truncation: ``"truncate"`` keeps the first ``max_length`` tokens (a sample left with no
             loss token, or with an image cut, is dropped), ``"drop"`` drops the sample. Both are
             counted in ``stats``.
-        images_field: the records' image list (paths relative to the data file, base64, PIL
-            images, HF image columns); ``None`` reads images only from inline image parts.
-        min_pixels, max_pixels: bounds on each image's area (resized keeping aspect ratio).
-        audios_field: the records' audio list (paths relative to the data file, HF audio
-            values); ``None`` reads audio only from inline audio parts.
-        max_audio_seconds: the longest audio kept (None: the feature extractor's chunk).
-        overlong_audio: ``"clip"`` an audio over ``max_audio_seconds`` to it, or ``"drop"`` the
-            sample; counted in ``stats`` (``audio_clipped``, ``audio_dropped``).
-        videos_field: the records' video list (each a video file path relative to the data
-            file, or a list of frame images); ``None`` reads videos only from inline video parts.
-            Qwen2-VL / Qwen2.5-VL only; see :mod:`lightrft.data.video`.
-        video_fps: frames sampled per second of video (default 2; frame lists: the rate their
-            frames were taken at). video_num_frames: sample that many frames evenly instead.
-        max_video_frames: the most frames a video gives after sampling (default 32); a longer
-            one is clipped to its first frames (``overlong_video="clip"``, counted in ``stats``
-            as ``video_clipped``) or refused (``"refuse"``), naming the file, line and field.
-        video_min_pixels, video_max_pixels: bounds on each frame's area (default: the image
-            processor's).
+        media: how images, audio and videos are read and bounds on them
+            (:class:`~lightrft.data.media.MediaOptions`, the ``media`` section: ``image``
+            ``field``, ``min_pixels``, ``max_pixels``; ``audio`` ``field``, ``max_seconds``,
+            ``overlong``; ``video`` ``field``, ``fps``, ``num_frames``, ``max_frames``,
+            ``overlong``, ``min_pixels``, ``max_pixels``; see docs/vision.md and docs/audio.md).
+            Media come from the record's field (paths relative to the data file, base64, PIL
+            images, HF image and audio columns, video files or frame lists) or inline parts;
+            options of a kind need a model's processor that takes it. Clipped and dropped media
+            are counted in ``stats`` (``audio_clipped``, ``audio_dropped``, ``video_clipped``).
     """
 
     def __init__(
@@ -130,19 +120,7 @@ class SFTDataset(torch.utils.data.Dataset):
         apply_chat_template: bool = True,
         max_length: Annotated[int | None, Bound(ge=2)] = None,
         truncation: Truncation = "truncate",
-        images_field: str | None = "images",
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        audios_field: str | None = "audios",
-        max_audio_seconds: Annotated[float | None, Bound(gt=0)] = None,
-        overlong_audio: OverlongAudio = "clip",
-        videos_field: str | None = "videos",
-        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
-        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
-        overlong_video: OverlongVideo = "clip",
-        video_min_pixels: int | None = None,
-        video_max_pixels: int | None = None,
+        media: MediaOptions | None = None,
     ) -> None:
         check_truncation(truncation)
         if max_length is not None and max_length < 2:
@@ -150,24 +128,7 @@ class SFTDataset(torch.utils.data.Dataset):
         tokenizer, processor = as_processor(tokenizer)
         eos_id(tokenizer)
         self.tokenizer = tokenizer
-        self.media = MediaSamples(
-            processor,
-            images_field,
-            min_pixels,
-            max_pixels,
-            audios_field,
-            max_audio_seconds,
-            overlong_audio,
-            videos_field,
-            VideoOptions(
-                video_fps,
-                video_num_frames,
-                max_video_frames,
-                overlong_video,
-                video_min_pixels,
-                video_max_pixels,
-            ),
-        )
+        self.media = MediaSamples(processor, media)
         self.max_length = max_length
         src = open_records(path, records, split)
         self.source = src.name
@@ -208,11 +169,15 @@ class SFTDataset(torch.utils.data.Dataset):
             origins.append(src.where(i))
             self._media.append(media)
         if not lengths:
-            audio = f" and overlong_audio={overlong_audio!r}" if self.media.audio else ""
+            audio = (
+                f" and media.audio.overlong={self.media.audio.overlong!r}"
+                if self.media.audio
+                else ""
+            )
             raise DataError(
                 f"empty dataset: max_length={max_length} (truncation={truncation!r}){audio} "
                 f"dropped all {len(src)} records of {self.source}; raise max_length"
-                + (" or max_audio_seconds" if audio else "")
+                + (" or media.audio.max_seconds" if audio else "")
             )
         # Flat int32 storage: one tensor per field instead of millions of Python ints.
         self._ids = torch.cat(ids_chunks)  # [total tokens]
@@ -229,14 +194,10 @@ class SFTDataset(torch.utils.data.Dataset):
             "tokens": int(self._lengths.sum()),
             "loss_tokens": n_loss,
         }
-        n_images = sum(len(m.image or ()) for m in self._media if m)
-        if n_images:
-            self.stats["images"] = n_images
-        n_videos = sum(len(m.video or ()) for m in self._media if m)
-        if n_videos:
-            self.stats["videos"] = n_videos
-        if self.media.audio is not None:
-            self.stats["audios"] = sum(len(m.audio or ()) for m in self._media if m)
+        for kind in MEDIA_KINDS:  # images / videos when some, audios with an audio model
+            n = sum(len(m.get(kind) or ()) for m in self._media if m)
+            if n or (kind == "audio" and self.media.audio is not None):
+                self.stats[f"{kind}s"] = n
         cut = f"max_length={max_length} truncated"
         self.media.report(log, self.source, self.stats, "samples", audio_dropped, cut)
 

@@ -9,18 +9,18 @@ content may mark where a video goes with ``<video>`` tags. Each video is
   file's directory (or absolute), decoded with PyAV (FFmpeg bindings whose wheels bundle
   FFmpeg; no torchvision, which does not import beside the torch 2.13 CPU wheel);
 - or a list of frame images (paths, base64, PIL images: anything an image part takes), the HF
-  content format's other form, taken as frames at ``video_fps`` frames per second (an inline
+  content format's other form, taken as frames at ``media.video.fps`` frames per second (an inline
   part may give their rate as ``"fps"``: ``{"type": "video", "video": [...], "fps": 4}``).
 
-Frames are sampled when the dataset is built: at ``video_fps`` frames per second of the video's
-own clock (all frames when the video is slower), or ``video_num_frames`` frames spread evenly
-over the video. More than ``max_video_frames`` sampled frames is a video over the limit: its
-first ``max_video_frames`` are kept (``overlong_video="clip"``, counted in the dataset's stats)
+Frames are sampled when the dataset is built: at ``media.video.fps`` frames per second of the video's
+own clock (all frames when the video is slower), or ``num_frames`` frames spread evenly
+over the video. More than ``max_frames`` sampled frames is a video over the limit: its
+first ``max_frames`` are kept (``overlong="clip"``, counted in the dataset's stats)
 or the dataset is refused (``"refuse"``), naming the file, line and field, as a missing file, an
 undecodable one and one without frames are.
 
 Each frame is resized (bicubic, aspect kept) to a multiple of ``patch_size * merge_size`` on both
-sides with its area within ``[video_min_pixels, video_max_pixels]`` (default: the image
+sides with its area within ``[min_pixels, max_pixels]`` (default: the image
 processor's bounds), then turned into the model's temporal patches by :func:`video_patches`:
 frames grouped by ``temporal_patch_size`` (the last frame repeated when the count is odd), each
 group cut into ``patch_size`` squares ordered by ``merge_size`` blocks, as the image patches are
@@ -44,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from lightrft.config import Section, option, section
 from lightrft.data.io import DataError
 
 __all__ = [
@@ -269,6 +270,16 @@ class VideoInputs:
     def __len__(self) -> int:
         return len(self.videos)
 
+    def parts(self) -> list[dict[str, Any]]:
+        """Each video as the keys of its inline content part: its sampled frames (PIL images)
+        under ``"video"`` and their rate under ``"fps"``."""
+        from PIL import Image
+
+        return [
+            {"video": [Image.fromarray(f) for f in v], "fps": r}
+            for v, r in zip(self.videos, self.fps, strict=True)
+        ]
+
     def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """The model's keyword arguments: ``pixel_values_videos``, ``video_grid_thw`` (+
         ``second_per_grid_ts``)."""
@@ -303,74 +314,66 @@ class VideoInputs:
         )
 
 
-def takes_video(processor) -> bool:
-    """Whether a processor places video tokens we can fill: a Qwen2-VL / Qwen2.5-VL processor
-    (a ``video_token`` and a patching image processor). Qwen3-VL, which interleaves frame
-    timestamps with the video tokens, is not among them."""
-    ip = getattr(processor, "image_processor", None)
-    if getattr(processor, "video_token", None) is None or ip is None:
-        return False
-    if not all(hasattr(ip, k) for k in ("temporal_patch_size", "merge_size", "patch_size")):
-        return False
-    return "Qwen3" not in type(processor).__name__
+@section
+class VideoOptions(Section):
+    """How a dataset (or a Qwen2-VL / Qwen2.5-VL reward model or judge) samples and sizes its
+    videos: the ``media.video`` keys, checked when read (the message names the key)."""
 
+    field: str = option("videos", doc="the records' video list (absent: inline video parts)")
+    fps: float = option(
+        2.0, doc="frames sampled per second of video (frame lists: the rate they were taken at)"
+    )
+    num_frames: int | None = option(None, doc="sample this many frames evenly instead of by fps")
+    max_frames: int = option(32, doc="the most frames a video may give after sampling")
+    overlong: OverlongVideo = option(
+        "clip", doc="a video over max_frames: keep its first frames (counted), or refuse the data"
+    )
+    min_pixels: int | None = option(None, doc="least area of a frame (null: the image processor's)")
+    max_pixels: int | None = option(None, doc="most area of a frame (null: the image processor's)")
 
-@dataclass(frozen=True)
-class VideoOptions:
-    """How a dataset samples and sizes its videos: the data section's ``video_fps``,
-    ``video_num_frames``, ``max_video_frames``, ``overlong_video``, ``video_min_pixels`` and
-    ``video_max_pixels``, checked when built (the message names the key).
-
-    fps: frames sampled per second of video (frame lists: the rate their frames were taken at).
-    num_frames: sample this many frames evenly instead (None: by ``fps``). max_frames: the most
-    frames a video may give after sampling. overlong: ``"clip"`` keeps the first ``max_frames``,
-    ``"refuse"`` fails the dataset naming the file, line and field. min_pixels, max_pixels:
-    bounds on each frame's area (None: the image processor's).
-    """
-
-    fps: float = 2.0
-    num_frames: int | None = None
-    max_frames: int = 32
-    overlong: OverlongVideo = "clip"
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-
-    def __post_init__(self) -> None:
+    def resolve(self, at: str) -> VideoOptions:
         fps = self.fps
         if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
-            raise ValueError(f"video_fps must be a positive number, got {fps!r}")
-        for name, v in (
-            ("video_num_frames", self.num_frames),
-            ("max_video_frames", self.max_frames),
-        ):
+            raise ValueError(f"{at}fps must be a positive number, got {fps!r}")
+        for name in ("num_frames", "max_frames", "min_pixels", "max_pixels"):
+            v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.max_frames is None:
-            raise ValueError("max_video_frames must be a positive integer, got None")
+                raise ValueError(f"{at}{name} must be a positive integer, got {v!r}")
         if self.num_frames is not None and self.num_frames > self.max_frames:
             raise ValueError(
-                f"video_num_frames={self.num_frames} is over max_video_frames={self.max_frames}"
+                f"{at}num_frames={self.num_frames} is over {at}max_frames={self.max_frames}"
             )
         if self.overlong not in ("clip", "refuse"):
-            raise ValueError(f"overlong_video must be 'clip' or 'refuse', got {self.overlong!r}")
+            raise ValueError(f"{at}overlong must be 'clip' or 'refuse', got {self.overlong!r}")
+        return self
 
 
 class VideoProcessor:
     """A Qwen-VL processor plus the sampling and size bounds: decodes, samples, resizes and
-    patches a sample's videos and expands the video placeholders of its token ids.
+    patches a sample's videos (:class:`~lightrft.data.records.MediaSamples` expands their
+    placeholders).
 
     Args:
-        processor: the model's processor (:func:`takes_video`).
-        options: the sampling and size bounds (:class:`VideoOptions`; None: the defaults).
+        processor: the model's processor (:meth:`takes`).
+        options: the sampling and size bounds (:class:`VideoOptions`).
     """
 
-    def __init__(self, processor, options: VideoOptions | None = None) -> None:
-        if not takes_video(processor):
-            raise ValueError(
-                f"{type(processor).__name__} takes no video: video input needs a Qwen2-VL or "
-                "Qwen2.5-VL processor"
-            )
-        options = options or VideoOptions()
+    kind, tag, inline = "video", VIDEO_PLACEHOLDER, ("video", "path", "url")
+    needs = "a Qwen2-VL or Qwen2.5-VL"
+
+    @staticmethod
+    def takes(processor) -> bool:
+        """Whether a processor places video tokens we can fill: a Qwen2-VL / Qwen2.5-VL
+        processor (a ``video_token`` and a patching image processor). Qwen3-VL, which
+        interleaves frame timestamps with the video tokens, is not among them."""
+        ip = getattr(processor, "image_processor", None)
+        if getattr(processor, "video_token", None) is None or ip is None:
+            return False
+        if not all(hasattr(ip, k) for k in ("temporal_patch_size", "merge_size", "patch_size")):
+            return False
+        return "Qwen3" not in type(processor).__name__
+
+    def __init__(self, processor, options: VideoOptions) -> None:
         ip = processor.image_processor
         self.patch_size = int(ip.patch_size)
         self.merge_size = int(ip.merge_size)
@@ -380,7 +383,7 @@ class VideoProcessor:
         self.max_pixels = int(options.max_pixels or size.get("longest_edge") or ip.max_pixels)
         if self.min_pixels > self.max_pixels:
             raise ValueError(
-                f"video_min_pixels ({self.min_pixels}) must be <= video_max_pixels "
+                f"media.video.min_pixels ({self.min_pixels}) must be <= media.video.max_pixels "
                 f"({self.max_pixels})"
             )
         self.mean = torch.tensor(ip.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
@@ -389,8 +392,8 @@ class VideoProcessor:
         self.normalize = bool(ip.do_normalize)
         self.fps, self.num_frames = float(options.fps), options.num_frames
         self.max_frames, self.overlong = options.max_frames, options.overlong
-        self.video_token = processor.video_token
-        self.video_token_id = int(processor.video_token_id)
+        self.token = processor.video_token
+        self.token_id = int(processor.video_token_id)
         # Qwen2.5-VL's forward takes seconds per temporal patch; Qwen2-VL's does not.
         self.time_positions = "Qwen2_5" in type(processor).__name__
         self.clipped = 0  # videos clipped to max_frames while loading
@@ -413,8 +416,9 @@ class VideoProcessor:
                 if self.overlong == "refuse":
                     raise DataError(
                         f"{where}: {f}: the video gives {len(idx)} frames at {fps:g} fps, over "
-                        f"max_video_frames={self.max_frames} (overlong_video='refuse'); "
-                        "lower video_fps, raise max_video_frames or set overlong_video='clip'"
+                        f"media.video.max_frames={self.max_frames} (media.video.overlong="
+                        "'refuse'); lower media.video.fps, raise media.video.max_frames or set "
+                        "media.video.overlong='clip'"
                     )
                 idx = idx[: self.max_frames]
                 self.clipped += 1
@@ -465,21 +469,4 @@ class VideoProcessor:
             seconds,
             counts,
             {"size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}},
-        )
-
-    def expand(
-        self, ids: list[int], labels: list[int] | None, inputs: VideoInputs, where: str, field: str
-    ) -> tuple[list[int], list[int] | None]:
-        """Repeat the k-th video placeholder ``inputs.num_tokens[k]`` times (labels: -100)."""
-        from lightrft.data.vision import expand_placeholders
-
-        return expand_placeholders(
-            ids,
-            labels,
-            token_id=self.video_token_id,
-            token=self.video_token,
-            counts=inputs.num_tokens,
-            kind="video",
-            where=where,
-            field=field,
         )

@@ -10,10 +10,10 @@ inline in HF content parts (``{"type": "image", "image": ...}``). Each image may
 
 Images are decoded when the dataset is built (a missing file or undecodable image fails there,
 naming the file, line and field), converted to RGB and resized, keeping the aspect ratio, so
-that ``min_pixels <= width * height <= max_pixels``. The model's chat template renders each
+that ``min_pixels <= width * height <= max_pixels`` (``media.image``: :class:`ImageOptions`). The model's chat template renders each
 image part as the model's placeholder (``<|image_pad|>`` for Qwen-VL, ``<image>`` for LLaVA);
-:class:`ImageProcessor` then expands every placeholder token into as many copies as the image
-has vision tokens, which is what the model's forward expects.
+:class:`~lightrft.data.records.MediaSamples` then expands every placeholder token into as many
+copies as the image has vision tokens, which is what the model's forward expects.
 
 Per sample, the processed images travel as one :class:`ImageInputs`: the resized PIL images
 (what vLLM takes), the ``pixel_values`` (Qwen-VL: a flat ``[patches, D]`` tensor; LLaVA:
@@ -34,19 +34,16 @@ from typing import Any
 
 import torch
 
+from lightrft.config import Section, option, section
 from lightrft.data.io import DataError
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
-    "MEDIA_KINDS",
     "ImageInputs",
+    "ImageOptions",
     "ImageProcessor",
-    "content_with_images",
     "decode_image",
-    "expand_placeholders",
     "fit_pixels",
-    "record_media",
-    "split_tags",
 ]
 
 # A string prompt may mark where images go with this tag (the Geo3K / verl convention).
@@ -129,12 +126,6 @@ def fit_pixels(img, min_pixels: int | None, max_pixels: int | None):
     return img.resize(size, _pil().Resampling.BICUBIC)
 
 
-def content_with_images(content: Any) -> list[dict[str, Any]]:
-    """HF content parts of a message: a string becomes text parts split at ``<image>`` tags
-    (each tag an image part); a list of parts is returned as is."""
-    return split_tags(content, ["image"])
-
-
 @dataclass
 class ImageInputs:
     """The processed images of one sample (or, after :meth:`cat`, of a micro-batch).
@@ -153,6 +144,10 @@ class ImageInputs:
 
     def __len__(self) -> int:
         return len(self.images)
+
+    def parts(self) -> list[dict[str, Any]]:
+        """Each image as the keys of its inline content part (``{"image": PIL image}``)."""
+        return [{"image": im} for im in self.images]
 
     def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """The model's keyword arguments: ``pixel_values`` (+ ``image_grid_thw``)."""
@@ -183,36 +178,58 @@ class ImageInputs:
         )
 
 
+@section
+class ImageOptions(Section):
+    """How a dataset (or a vision-language reward model or judge) reads and sizes its images:
+    the ``media.image`` keys."""
+
+    field: str = option("images", doc="the records' image list (absent: inline image parts)")
+    min_pixels: int | None = option(None, doc="least area of an image (null: the processor's)")
+    max_pixels: int | None = option(None, doc="most area of an image (null: the processor's)")
+
+    def resolve(self, at: str) -> ImageOptions:
+        for name in ("min_pixels", "max_pixels"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{at}{name} must be a positive integer or null, got {v!r}")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"{at}min_pixels ({self.min_pixels}) must be <= {at}max_pixels ({self.max_pixels})"
+            )
+        return self
+
+
 class ImageProcessor:
     """A VLM processor plus the pixel bounds: decodes, resizes and processes a sample's images
-    and expands the image placeholders of its token ids.
+    (:class:`~lightrft.data.records.MediaSamples` expands their placeholders).
 
     Args:
         processor: the model's processor (``lightrft.models.load_processor``).
-        min_pixels, max_pixels: bounds on ``width * height`` of every image; None keeps the
-            processor's own (Qwen-VL's image processor still applies its bounds after ours).
+        options: the pixel bounds (:class:`ImageOptions`); None bounds keep the processor's own
+            (Qwen-VL's image processor still applies its bounds after ours).
     """
 
-    def __init__(self, processor, *, min_pixels: int | None = None, max_pixels: int | None = None):
-        if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
-            raise ValueError(f"min_pixels ({min_pixels}) must be <= max_pixels ({max_pixels})")
-        for name, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+    kind, tag, inline = "image", IMAGE_PLACEHOLDER, ("image", "path", "url")
+    needs = "a vision-language"
+
+    @staticmethod
+    def takes(processor) -> bool:
+        """Whether a model's processor takes images (it has an image processor)."""
+        return getattr(processor, "image_processor", None) is not None
+
+    def __init__(self, processor, options: ImageOptions) -> None:
         self.processor = processor
-        self.tokenizer = processor.tokenizer
-        self.min_pixels = min_pixels
-        self.max_pixels = max_pixels
-        self.image_token = processor.image_token
-        self.image_token_id = int(processor.image_token_id)
+        self.min_pixels, self.max_pixels = options.min_pixels, options.max_pixels
+        self.token = processor.image_token
+        self.token_id = int(processor.image_token_id)
         self.kwargs: dict[str, Any] = {}
         ip = processor.image_processor
-        if hasattr(ip, "merge_size") and (min_pixels or max_pixels):
+        if hasattr(ip, "merge_size") and (self.min_pixels or self.max_pixels):
             size = dict(ip.size)
-            if min_pixels:
-                size["shortest_edge"] = min_pixels
-            if max_pixels:
-                size["longest_edge"] = max_pixels
+            if self.min_pixels:
+                size["shortest_edge"] = self.min_pixels
+            if self.max_pixels:
+                size["longest_edge"] = self.max_pixels
             self.kwargs["size"] = size
 
     def load(self, values: Sequence[Any], *, base_dir: Path | None, where: str, field: str):
@@ -252,180 +269,3 @@ class ImageProcessor:
         if getattr(proc, "vision_feature_select_strategy", None) == "default":
             n -= 1
         return n
-
-    def expand(
-        self, ids: list[int], labels: list[int] | None, inputs: ImageInputs, where: str, field: str
-    ) -> tuple[list[int], list[int] | None]:
-        """Repeat the k-th placeholder token ``inputs.num_tokens[k]`` times (labels: -100)."""
-        return expand_placeholders(
-            ids,
-            labels,
-            token_id=self.image_token_id,
-            token=self.image_token,
-            counts=inputs.num_tokens,
-            kind="image",
-            where=where,
-            field=field,
-        )
-
-
-def _a(kind: str) -> str:
-    return "an" if kind[0] in "aeiou" else "a"
-
-
-_TAGS = {"image": IMAGE_PLACEHOLDER, "video": "<video>", "audio": "<audio>"}
-
-
-def expand_placeholders(
-    ids: list[int],
-    labels: list[int] | None,
-    *,
-    token_id: int,
-    token: str,
-    counts: Sequence[int],
-    kind: str,
-    where: str,
-    field: str,
-) -> tuple[list[int], list[int] | None]:
-    """Repeat the k-th ``token_id`` placeholder ``counts[k]`` times (labels: -100), the layout
-    the model's forward expects for its k-th image or audio.
-
-    Raises:
-        DataError: the rendered ids hold more or fewer placeholders than there are media items,
-            or a placeholder sits in a trained (assistant) position.
-    """
-    from lightrft.data.templates import IGNORE_INDEX
-
-    found = sum(1 for t in ids if t == token_id)
-    if found != len(counts):
-        raise DataError(
-            f"{where}: {field}: {len(counts)} {kind}(s) but the rendered prompt has {found} "
-            f"{kind} placeholder(s) ({token!r}); give one {kind} part "
-            f'({{"type": "{kind}"}}) or {_TAGS[kind]} tag per {kind}'
-        )
-    out_ids: list[int] = []
-    out_labels: list[int] | None = [] if labels is not None else None
-    k = 0
-    for j, t in enumerate(ids):
-        if t != token_id:
-            out_ids.append(t)
-            if out_labels is not None:
-                out_labels.append(labels[j])  # type: ignore[index]
-            continue
-        if labels is not None and labels[j] != IGNORE_INDEX:
-            raise DataError(
-                f"{where}: {field}: {_a(kind)} {kind} in an assistant turn; {kind} parts go in "
-                "user turns"
-            )
-        out_ids.extend([token_id] * counts[k])
-        if out_labels is not None:
-            out_labels.extend([IGNORE_INDEX] * counts[k])
-        k += 1
-    return out_ids, out_labels
-
-
-# Where an inline part holds its source, per kind (HF content format; Qwen2-Audio's "audio_url").
-_INLINE_KEYS = {
-    "image": ("image", "path", "url"),
-    "video": ("video", "path", "url"),
-    "audio": ("audio", "path", "url", "audio_url"),
-}
-MEDIA_KINDS = ("image", "video", "audio")
-
-
-def as_processor(tokenizer_or_processor) -> tuple[Any, Any | None]:
-    """``(tokenizer, processor or None)`` from what a recipe passes a dataset as its first
-    argument: a tokenizer (text models) or a multimodal processor (images and/or audio)."""
-    obj = tokenizer_or_processor
-    media = getattr(obj, "image_processor", None) or getattr(obj, "feature_extractor", None)
-    if media is not None and hasattr(obj, "tokenizer"):
-        return obj.tokenizer, obj
-    return obj, None
-
-
-def split_tags(content: Any, kinds: Sequence[str]) -> list[dict[str, Any]]:
-    """HF content parts of a message: a string becomes text parts split at the tags of
-    ``kinds`` (``<image>``, ``<audio>``; each tag a part of its kind); a list is returned as is."""
-    if not isinstance(content, str):
-        return list(content)
-    parts: list[dict[str, Any]] = []
-    text = content
-    while text:
-        hits = [(text.find(_TAGS[k]), k) for k in kinds if _TAGS[k] in text]
-        if not hits:
-            parts.append({"type": "text", "text": text})
-            break
-        at, kind = min(hits)
-        if at:
-            parts.append({"type": "text", "text": text[:at]})
-        parts.append({"type": kind})
-        text = text[at + len(_TAGS[kind]) :]
-    return parts
-
-
-def record_media(
-    rec: dict[str, Any],
-    messages: list[dict[str, Any]],
-    fields: dict[str, str | None],
-    where: str,
-) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
-    """The messages with media parts, and the record's raw media per kind in placeholder order.
-
-    ``fields`` maps each kind the model's processor takes (``"image"``, ``"video"``,
-    ``"audio"``) to the
-    record field holding that kind's list (or None: inline parts only). Media come from that
-    field (a list, or one value) or inline in parts (``{"type": "image", "image": ...}``,
-    ``{"type": "video", "video": ...}``, ``{"type": "audio", "audio": ...}``), not both. String
-    contents are split at the kinds' tags (``<image>``, ``<video>``, ``<audio>``) into parts.
-
-    Raises:
-        DataError: media both in the field and inline, a different number of media than parts,
-            or a part of a kind the model does not take.
-    """
-    kinds = [k for k in MEDIA_KINDS if k in fields]
-    inline: dict[str, list[Any]] = {k: [] for k in kinds}
-    n_parts = dict.fromkeys(kinds, 0)
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        content = m["content"]
-        if isinstance(content, str) and not any(_TAGS[k] in content for k in kinds):
-            out.append(m)
-            continue
-        parts = []
-        for part in split_tags(content, kinds):
-            kind = part.get("type")
-            if kind in MEDIA_KINDS and kind not in kinds:
-                takes = " and ".join(f"{k}s" for k in kinds)
-                raise DataError(
-                    f"{where}: {_a(kind)} {kind} part, but the model's processor takes {takes} only"
-                )
-            if kind in kinds:
-                n_parts[kind] += 1
-                src = next((part[k] for k in _INLINE_KEYS[kind] if part.get(k) is not None), None)
-                if src is not None and kind == "video" and part.get("fps") is not None:
-                    src = {"video": src, "fps": part["fps"]}  # a frame list's own rate
-                if src is not None:
-                    inline[kind].append(src)
-                part = {"type": kind}
-            parts.append(part)
-        out.append({**m, "content": parts})
-    media: dict[str, list[Any]] = {}
-    for kind in kinds:
-        field = fields[kind]
-        raw = rec.get(field) if field else None
-        if raw is not None and not isinstance(raw, (list, tuple)):
-            raw = [raw]
-        raw = list(raw) if raw is not None else []
-        if raw and inline[kind]:
-            raise DataError(
-                f"{where}: {kind}s both in field {field!r} and inline in {kind} parts; "
-                "give them one way"
-            )
-        found = raw or inline[kind]
-        if len(found) != n_parts[kind]:
-            raise DataError(
-                f"{where}: field {field!r}: {len(found)} {kind}(s) but the messages have "
-                f"{n_parts[kind]} {kind} part(s) (or {_TAGS[kind]} tags); give one per {kind}"
-            )
-        media[kind] = found
-    return out, media

@@ -15,7 +15,6 @@ from lightrft.config import Section, option, section
 from lightrft.engine.protocol import SamplingParams
 from lightrft.sections import DType
 
-
 # False while `lightrft plan` validates a config for another machine: the packages installed here
 # say nothing about the planned cluster's.
 _HERE = contextvars.ContextVar("lightrft_engine_checks_this_machine", default=True)

@@ -23,9 +23,9 @@ from typing import Annotated, Any
 from lightrft.config import Bound
 from lightrft.data import DataError, SFTDataset
 from lightrft.data.io import PathLike, Records, require_field
+from lightrft.data.media import as_processor
 from lightrft.data.records import Truncation
 from lightrft.data.templates import IGNORE_INDEX, with_system
-from lightrft.data.vision import as_processor
 from lightrft.environments.render import (
     assistant_turn_text,
     require_tool_support,

@@ -1,12 +1,13 @@
 """Rewards: rule-based verifiers, in-process reward models, remote reward servers, and their
-weighted per-label combination. Each reward function takes ``(prompts, responses, references,
-labels)`` lists and returns one float per sample."""
+weighted per-label combination. Each reward function takes a list of :class:`Sample` s and
+returns one float per sample."""
 
 from lightrft.rewards.base import (
     CombinedReward,
     RewardError,
     RewardFunction,
     RewardOutput,
+    Sample,
     build_reward,
     check_reward_output,
     reward_names,
@@ -39,6 +40,7 @@ __all__ = [
     "RewardFunction",
     "RewardModel",
     "RewardOutput",
+    "Sample",
     "TTRLReward",
     "ThinkFormatReward",
     "answers_match",

@@ -2,25 +2,28 @@
 
 A reward function is any callable
 
-    fn(prompts, responses, references, labels) -> Sequence[float] | torch.Tensor   # [B]
+    fn(samples: Sequence[Sample]) -> Sequence[float] | torch.Tensor   # [B]
 
-called with keyword arguments, one entry per sample in each list. ``prompts`` are strings (or chat
-message lists), ``responses`` strings, ``references`` reference answers (``None`` where a sample
-has none) and ``labels`` task labels such as ``"math"`` (``None`` where unlabelled). Scoring whole
-lists at once lets a reward model batch. Optional attributes:
+that scores a batch of :class:`Sample` s, one reward per sample. A sample is one record: its
+``prompt`` (a string, or chat messages), its ``response`` text and token ids, its ``reference``
+answer (``None`` where it has none), its task ``label`` such as ``"math"`` (``None`` where
+unlabelled), its ``conversation`` (the prompt as the chat it was rendered from, media inline: an
+image part holds its image under ``"image"``; ``None`` for a prompt rendered without a chat
+template) and its ``media``. Scoring whole batches at once lets a reward model batch. Optional
+attributes:
 
 - ``requires_reference = True``: every sample it scores must have a reference; a missing one is
   reported with the sample's index and prompt before the function runs.
 - ``name``: the default name under which :func:`build_reward` logs it.
-- ``uses_conversations = True``: it is also given ``conversations``, each sample's prompt as the
-  chat it was rendered from (HF messages; an image part holds its image under ``"image"``), or
-  ``None`` for a prompt rendered without a chat template. A reward model that renders with its
-  own chat template reads these (and a vision-language one the images in them) rather than the
-  rendered prompt text (see :func:`lightrft.data.prompts.conversation`).
+
+A function written for the interface before samples (``fn(prompts, responses, references,
+labels)``: five parallel lists) is refused when the reward is built, naming it and the change
+(:func:`check_signature`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import re
@@ -32,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from lightrft.config import UserError
+from lightrft.data.media import Media
 
 __all__ = [
     "CombinedReward",
@@ -40,9 +44,10 @@ __all__ = [
     "RewardFunction",
     "RewardInputError",
     "RewardOutput",
+    "Sample",
     "build_reward",
-    "check_lengths",
     "check_reward_output",
+    "check_signature",
     "prompt_preview",
 ]
 
@@ -50,14 +55,51 @@ __all__ = [
 Prompt = str | Sequence[Mapping[str, Any]]
 
 
-class RewardFunction(Protocol):
-    def __call__(
-        self,
+@dataclass(frozen=True)
+class Sample:
+    """One sample at the reward boundary: what every reward function, reward model, judge and
+    remote reward reads (see the module docstring)."""
+
+    prompt: Prompt
+    response: str
+    response_ids: Sequence[int] | None = None
+    reference: str | None = None
+    label: str | None = None
+    conversation: list[dict[str, Any]] | None = None
+    media: Media | None = None
+
+    @staticmethod
+    def batch(
         prompts: Sequence[Prompt],
         responses: Sequence[str],
-        references: Sequence[str | None],
-        labels: Sequence[str | None],
-    ) -> Sequence[float] | torch.Tensor: ...
+        references: Sequence[str | None] | None = None,
+        labels: Sequence[str | None] | None = None,
+        conversations: Sequence[list[dict[str, Any]] | None] | None = None,
+    ) -> list[Sample]:
+        """Samples from parallel lists (the remote wire format's, a recipe's rollout columns);
+        a list not given is None for every sample; lists of different lengths are refused
+        (:class:`RewardInputError`, naming the list)."""
+        n = len(responses)
+        given = dict(prompts=prompts, references=references, labels=labels)
+        for arg, seq in {**given, "conversations": conversations}.items():
+            if seq is not None and len(seq) != n:
+                raise RewardInputError(f"{arg} has {len(seq)} entries but responses has {n}")
+        none = [None] * n
+        return [
+            Sample(p, r, reference=ref, label=lab, conversation=conv)
+            for p, r, ref, lab, conv in zip(
+                prompts,
+                responses,
+                references or none,
+                labels or none,
+                conversations or none,
+                strict=True,
+            )
+        ]
+
+
+class RewardFunction(Protocol):
+    def __call__(self, samples: Sequence[Sample]) -> Sequence[float] | torch.Tensor: ...
 
 
 class RewardError(UserError, RuntimeError):
@@ -76,14 +118,6 @@ def prompt_preview(prompt: Prompt, width: int = 40) -> str:
         prompt = str(prompt[-1].get("content", "")) if prompt else ""
     text = " ".join(prompt.split())
     return repr(text if len(text) <= width else text[:width] + "...")
-
-
-def check_lengths(n: int, **given: Sequence[Any] | None) -> None:
-    """Refuse a batch in which a given list (``None``: not given) does not hold one entry for
-    each of the ``n`` responses; the message names the list."""
-    for arg, seq in given.items():
-        if seq is not None and len(seq) != n:
-            raise RewardInputError(f"{arg} has {len(seq)} entries but responses has {n}")
 
 
 def check_reward_output(
@@ -178,7 +212,7 @@ class RewardOutput:
     # judge's parse failures.
     extra: dict[str, float] = field(default_factory=dict)
 
-    def check_finite(self, prompts: list[str], wheres: list[str | None]) -> None:
+    def check_finite(self, prompts: Sequence[Prompt], wheres: Sequence[str | None]) -> None:
         """Raise naming the first sample whose total is not finite (each function's rewards
         are checked where it is called; this catches the weights and the sum)."""
         bad = (~torch.isfinite(self.total)).nonzero().flatten().tolist()
@@ -282,6 +316,7 @@ class CombinedReward:
                 fn = instantiate_node(fn)
             if not callable(fn):
                 raise ValueError(f"functions.{name} is a {type(fn).__name__}, not callable")
+            check_signature(f"functions.{name}", fn)
             self.functions[str(name)] = fn
         self.weights = {name: 1.0 for name in self.functions}
         for name, w in (weights or {}).items():
@@ -323,30 +358,17 @@ class CombinedReward:
             return self.routes[label]
         return self.routes.get("*")
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-        conversations: Sequence[Prompt | None] | None = None,
-    ) -> RewardOutput:
-        """``conversations``: each sample's prompt as a chat with its images, given to the
-        functions that read it (``uses_conversations``); ``None`` gives them ``None``."""
-        n = len(responses)
-        references = [None] * n if references is None else list(references)
-        labels = [None] * n if labels is None else list(labels)
-        check_lengths(
-            n, prompts=prompts, references=references, labels=labels, conversations=conversations
-        )
+    def __call__(self, samples: Sequence[Sample]) -> RewardOutput:
+        """Every function's rewards of the samples routed to it, weighted and summed."""
+        n = len(samples)
         total = torch.zeros(n, dtype=torch.float32)  # [B]
         members: dict[str, list[int]] = {name: [] for name in self.functions}
-        for i, label in enumerate(labels):
-            names = self.route(label)
+        for i, s in enumerate(samples):
+            names = self.route(s.label)
             if names is None:
                 if self.default_reward is None:
                     raise RewardInputError(
-                        f"sample {i} (prompt {prompt_preview(prompts[i])}) has label {label!r}, "
+                        f"sample {i} (prompt {prompt_preview(s.prompt)}) has label {s.label!r}, "
                         f"which routes to no reward function (routes: {sorted(self.routes or {})})"
                         "; add it to routes, add a '*' route, or set default_reward"
                     )
@@ -362,9 +384,7 @@ class CombinedReward:
             # with no samples of its own: the others' forwards need this rank.
             if idx or getattr(fn, "collective", False):
                 start = time.perf_counter()
-                vals = self._call_one(
-                    name, fn, idx, prompts, responses, references, labels, conversations
-                )
+                vals = self._call_one(name, fn, idx, [samples[i] for i in idx])
                 out.seconds[name] = time.perf_counter() - start
                 part[idx] = vals
                 mask[idx] = True
@@ -383,37 +403,39 @@ class CombinedReward:
         return out
 
     @staticmethod
-    def _call_one(
-        name, fn, idx, prompts, responses, references, labels, conversations
-    ) -> torch.Tensor:
-        sub_prompts = [prompts[i] for i in idx]
-        sub_refs = [references[i] for i in idx]
+    def _call_one(name, fn, idx: list[int], samples: list[Sample]) -> torch.Tensor:
         if getattr(fn, "requires_reference", False):
-            for i, ref in zip(idx, sub_refs, strict=True):
+            for i, s in zip(idx, samples, strict=True):
+                ref = s.reference
                 if ref is None or (isinstance(ref, str) and not ref.strip()):
                     raise RewardInputError(
                         f"reward function {name!r} needs a reference answer, but sample {i} "
-                        f"(label {labels[i]!r}, prompt {prompt_preview(prompts[i])}) has none"
+                        f"(label {s.label!r}, prompt {prompt_preview(s.prompt)}) has none"
                     )
-        kwargs: dict[str, Any] = {}
-        if getattr(fn, "uses_conversations", False):
-            kwargs["conversations"] = (
-                None if conversations is None else [conversations[i] for i in idx]
-            )
         try:
-            out = fn(
-                prompts=sub_prompts,
-                responses=[responses[i] for i in idx],
-                references=sub_refs,
-                labels=[labels[i] for i in idx],
-                **kwargs,
-            )
+            out = fn(samples)
         except Exception as e:
             raise RewardError(
                 f"reward function {name!r} ({type(fn).__name__}) failed on a batch of {len(idx)} "
                 f"samples: {type(e).__name__}: {e}"
             ) from e
-        return check_reward_output(name, out, len(idx), sub_prompts, idx)
+        return check_reward_output(name, out, len(idx), [s.prompt for s in samples], idx)
+
+
+def check_signature(name: str, fn: Callable[..., Any]) -> None:
+    """Refuse a reward function written for the parallel-list interface (parameters
+    ``prompts, responses, references, labels``), naming it and saying how to port it."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    if "responses" in params and "samples" not in params:
+        raise ValueError(
+            f"reward function {name!r} takes (prompts, responses, references, labels): reward "
+            "functions now take one list of lightrft.rewards.Sample; write it as "
+            "`def fn(samples): return [... s.prompt, s.response, s.reference, s.label ...]` "
+            "(docs/reward_models.md#custom-reward-functions)"
+        )
 
 
 def reward_names(node: Any, key: str = "reward") -> list[str]:

@@ -92,7 +92,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightrft.rewards import code_asserts
-from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
+from lightrft.rewards.base import RewardInputError, Sample
 
 __all__ = ["CodeVerifier", "RunResult", "TestCase", "extract_code", "parse_tests"]
 
@@ -469,19 +469,12 @@ class CodeVerifier:
         with ThreadPoolExecutor(self.workers) as ex:
             return list(ex.map(lambda pt: self.run(*pt), jobs))
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[Any],
-        labels: Sequence[str | None] | None = None,
-    ) -> list[float]:
-        check_lengths(len(responses), references=references)
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
         self._isolate()  # refuses before any run where isolation is required but impossible
         jobs, owner = [], []
-        for i, (resp, ref) in enumerate(zip(responses, references, strict=True)):
+        for i, s in enumerate(samples):
             try:
-                tests = parse_tests(ref)
+                tests = parse_tests(s.reference)
                 if self.max_tests is not None:
                     tests = tests[: self.max_tests]
                 for t in tests:
@@ -489,12 +482,12 @@ class CodeVerifier:
                         _plan(t.code)
             except (ValueError, TypeError) as e:
                 raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
-            program = extract_code(resp)
+            program = extract_code(s.response)
             for t in tests:
                 jobs.append((program, t))
                 owner.append(i)
         results = self._run_many(jobs)
-        per_sample: list[list[RunResult]] = [[] for _ in responses]
+        per_sample: list[list[RunResult]] = [[] for _ in samples]
         for i, r in zip(owner, results, strict=True):
             per_sample[i].append(r)
         return [self._reward(rs) for rs in per_sample]

@@ -16,7 +16,7 @@ directory) or remotely (``url``: an OpenAI-compatible ``/v1/completions`` endpoi
 ``vllm serve``). Greedy decoding by default.
 
 A vision-language judge (a local VLM directory) sees the conversation's images (and a Qwen2-VL /
-Qwen2.5-VL judge its videos): it reads each sample's conversation (``uses_conversations``), and
+Qwen2.5-VL judge its videos): it reads each sample's conversation (``Sample.conversation``), and
 its judge prompt is one user turn holding the conversation's images, videos and audio, in order,
 then the template filled with the conversation's text. That turn is rendered, its media
 processed and its placeholders expanded by the prompt datasets' own functions
@@ -50,14 +50,13 @@ import re
 import urllib.request
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 
-from lightrft.config import Bound
-from lightrft.data.video import OverlongVideo, VideoOptions
-from lightrft.data.vision import MEDIA_KINDS
-from lightrft.rewards.base import Prompt, RewardInputError, check_lengths
+from lightrft.data.media import MEDIA_KINDS, MediaOptions
+from lightrft.data.records import MediaSamples
+from lightrft.rewards.base import Prompt, RewardInputError, Sample
 
 __all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "media_parts", "parse_verdict"]
 
@@ -147,20 +146,16 @@ class GenerativeReward:
             instead of a number; the default pattern then matches these words.
         max_parse_failures: refuse (``ValueError`` with the last verdicts) once this many
             verdicts in a row failed to parse; None never refuses.
-        min_pixels, max_pixels: a vision-language judge's bounds on each image's area (None
-            keeps its processor's own).
-        video_fps, video_num_frames, max_video_frames, overlong_video, video_min_pixels,
-            video_max_pixels: how a Qwen2-VL / Qwen2.5-VL judge samples and sizes the
-            conversations' videos (the prompt datasets' keys and defaults; give the values of
-            the judge's own training data).
+        media: a local vision- or audio-language judge's media options (the ``media``
+            section, :class:`~lightrft.data.media.MediaOptions`: image bounds, how videos are
+            sampled and sized, the audio bound; the prompt datasets' keys and defaults; give
+            those of the judge's own training data).
 
-    A local vision-language judge (``uses_conversations``) needs each sample's conversation
-    (``conversations=``, passed by :class:`~lightrft.rewards.CombinedReward` from the recipes),
-    and the chat template; a text judge scores the prompts as given.
+    A local vision-language judge needs each sample's conversation (``Sample.conversation``, as
+    the recipes give it) and the chat template; a text judge scores the prompts as given.
     """
 
     name = "judge"
-    uses_conversations = False
 
     def __init__(
         self,
@@ -183,14 +178,7 @@ class GenerativeReward:
         timeout: float = 60.0,
         verdicts: Mapping[str, float] | None = None,
         max_parse_failures: int | None = None,
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
-        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
-        overlong_video: OverlongVideo = "clip",
-        video_min_pixels: int | None = None,
-        video_max_pixels: int | None = None,
+        media: MediaOptions | None = None,
     ) -> None:
         if (judge is None) == (url is None):
             raise ValueError("GenerativeReward: give exactly one of judge (a local dir) or url")
@@ -243,21 +231,10 @@ class GenerativeReward:
         self.chat_template = chat_template
         self.engine = None
         self.media = None  # MediaSamples of a vision- or audio-language judge
-        video = VideoOptions(
-            video_fps,
-            video_num_frames,
-            max_video_frames,
-            overlong_video,
-            video_min_pixels,
-            video_max_pixels,
-        )
         if judge is not None:
-            self._load_local(judge, device, dtype, min_pixels, max_pixels, video)
-        elif min_pixels is not None or max_pixels is not None or video != VideoOptions():
-            raise ValueError(
-                "min_pixels / max_pixels and the video options apply to a local "
-                "vision-language judge"
-            )
+            self._load_local(judge, device, dtype, media)
+        elif media is not None:
+            MediaSamples(None, media, given="a remote judge (url) takes its media as sent")
         self.parse_failures = 0  # running totals
         self.echo_mismatches = 0
         self.judged = 0
@@ -266,32 +243,22 @@ class GenerativeReward:
         self.last_verdicts: list[str] = []  # the judge's texts of the last call, job by job
         self.last_metrics: dict[str, float] = {}
 
-    def _load_local(self, judge, device, dtype, min_pixels, max_pixels, video) -> None:
+    def _load_local(self, judge, device, dtype, options: MediaOptions | None) -> None:
         from lightrft.engine import NativeEngine
-        from lightrft.models.multimodal import checkpoint_is_multimodal
+        from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
 
-        tokenizer = None
-        if checkpoint_is_multimodal(judge):
-            from lightrft.data.records import MediaSamples
-            from lightrft.models.multimodal import load_processor
-
-            if not self.chat_template:
-                raise ValueError(
-                    f"judge {judge} is a vision- or audio-language model: it needs "
-                    "chat_template=true (the chat template places the image and audio tokens)"
-                )
-            processor = load_processor(judge)
-            # Media only from the conversations' parts, bounded as the prompt datasets bound it.
-            self.media = MediaSamples(
-                processor, None, min_pixels, max_pixels, None, videos_field=None, video=video
-            )
-            tokenizer = processor.tokenizer
-            self.uses_conversations = True
-        elif min_pixels is not None or max_pixels is not None or video != VideoOptions():
+        multimodal = checkpoint_is_multimodal(judge)
+        if multimodal and not self.chat_template:
             raise ValueError(
-                "min_pixels / max_pixels and the video options apply to a vision-language "
-                f"judge; {judge} is text-only"
+                f"judge {judge} is a vision- or audio-language model: it needs "
+                "chat_template=true (the chat template places the image and audio tokens)"
             )
+        processor = load_processor(judge) if multimodal else None
+        # Media only from the conversations' parts, bounded as the prompt datasets bound them.
+        media = MediaSamples(processor, options, given=f"judge {judge} is text-only")
+        tokenizer = None
+        if media.kinds:
+            self.media, tokenizer = media, processor.tokenizer
         self.engine = NativeEngine(judge, tokenizer, device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ generation
@@ -395,26 +362,22 @@ class GenerativeReward:
         return 1.0 if first_wins == response_first else 0.0
 
     def judge_prompts(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        conversations: Sequence[Prompt | None] | None = None,
+        self, samples: Sequence[Sample]
     ) -> tuple[list[str], list[list[dict[str, Any]]], list[tuple[int, bool]]]:
         """What the judge is asked: each judge prompt's text, its media parts (a vision- or
         audio-language judge: the conversation's, in order; else none) and its job ``(sample,
         response shown first)``; two jobs per sample with ``both_orders``."""
-        n = len(responses)
-        check_lengths(n, prompts=prompts, references=references, conversations=conversations)
-        refs = list(references) if references is not None else [None] * n
+        refs = [s.reference for s in samples]
+        responses = [s.response for s in samples]
+        prompts: list[Prompt] = [s.prompt for s in samples]
         if self.media is not None:
-            if conversations is None or any(c is None for c in conversations):
+            if any(s.conversation is None for s in samples):
                 raise RewardInputError(
                     "a vision-language judge reads each sample's conversation with its images: "
-                    "pass conversations= (CombinedReward passes the recipe's; a prompt dataset "
-                    "needs apply_chat_template=true)"
+                    "give each sample its conversation (the recipes do; a prompt dataset needs "
+                    "apply_chat_template=true)"
                 )
-            prompts = list(conversations)  # type: ignore[assignment]
+            prompts = [s.conversation for s in samples]  # type: ignore[misc]
         texts: list[str] = []
         media: list[list[dict[str, Any]]] = []
         jobs: list[tuple[int, bool]] = []
@@ -439,16 +402,9 @@ class GenerativeReward:
                 jobs.append((i, first))
         return texts, media, jobs
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-        conversations: Sequence[Prompt | None] | None = None,
-    ) -> torch.Tensor:
-        n = len(responses)
-        texts, media, jobs = self.judge_prompts(prompts, responses, references, conversations)
+    def __call__(self, samples: Sequence[Sample]) -> torch.Tensor:
+        n = len(samples)
+        texts, media, jobs = self.judge_prompts(samples)
         verdicts = self._complete(texts, media) if texts else []
         self.last_verdicts = verdicts
         sums = torch.zeros(n, dtype=torch.float32)  # [B]
@@ -460,7 +416,7 @@ class GenerativeReward:
                 if self.mode == "score"
                 else self._choice_verdict(text, first)
             )
-            if value is not None and self.echo and not self._echoes(text, responses[i]):
+            if value is not None and self.echo and not self._echoes(text, samples[i].response):
                 mismatches += 1
                 value = self.fallback
                 self.failure_streak = 0  # the pattern matched: the judge works

@@ -24,7 +24,7 @@ sampled at::
     {"type": "video", "video": ["data:image/png;base64,...", ...], "fps": 4.0}
 
 (``fps`` is left out when the part has none; a reward model then takes the frames at its own
-``video_fps``, as in-process). These are the frames of the part as
+``media.video.fps``, as in-process). These are the frames of the part as
 :func:`~lightrft.data.conversation` writes it, so the server's reward model re-samples the same
 frames at the same rate. The server bounds each frame as an image and all of a request's frames
 by count (``--max-video-frames``). Audio parts are not carried: the client refuses them before
@@ -50,8 +50,8 @@ from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
-from lightrft.data.vision import MEDIA_KINDS
-from lightrft.rewards.base import Prompt, RewardError, check_lengths
+from lightrft.data.media import MEDIA_KINDS
+from lightrft.rewards.base import Prompt, RewardError, Sample
 
 TOKEN_ENV = "LIGHTRFT_REWARD_TOKEN"  # also read by lightrft.rewards.server
 
@@ -168,13 +168,12 @@ class RemoteReward:
         token: sent as ``Authorization: Bearer <token>`` (the server's ``--token``); ``None``
             reads the environment variable ``LIGHTRFT_REWARD_TOKEN`` (unset: no header).
 
-    It reads the conversations (``uses_conversations``) and sends them, images and video frames
-    as PNG, when the caller gives them (:class:`~lightrft.rewards.CombinedReward` passes the
-    recipe's).
+    It sends the samples' conversations, images and video frames as PNG, when they have them
+    (the recipes give each prompt's chat). The wire format is the parallel lists above,
+    unchanged: servers written for it keep working.
     """
 
     name = "remote"
-    uses_conversations = True
 
     def __init__(
         self,
@@ -208,22 +207,13 @@ class RemoteReward:
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-        conversations: Sequence[Prompt | None] | None = None,
-    ) -> list[float]:
-        n = len(responses)
-        references = [None] * n if references is None else list(references)
-        labels = [None] * n if labels is None else list(labels)
-        check_lengths(
-            n, prompts=prompts, references=references, labels=labels, conversations=conversations
-        )
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        n = len(samples)
+        prompts = [s.prompt for s in samples]
+        responses = [s.response for s in samples]
+        conversations = [s.conversation for s in samples]
         chats = None
-        if conversations is not None and any(c is not None for c in conversations):
+        if any(c is not None for c in conversations):
             chats = [wire_conversation(c, i) for i, c in enumerate(conversations)]
         step = self.batch_size or max(n, 1)
         rewards: list[float] = []
@@ -235,8 +225,8 @@ class RemoteReward:
                 ],
                 "prompts": list(prompts[sl]),
                 "responses": list(responses[sl]),
-                "references": references[sl],
-                "labels": labels[sl],
+                "references": [s.reference for s in samples[sl]],
+                "labels": [s.label for s in samples[sl]],
             }
             if chats is not None:
                 payload["conversations"] = chats[sl]

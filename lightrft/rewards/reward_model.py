@@ -23,18 +23,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from lightrft.config import Bound
-from lightrft.data.media import Media
+from lightrft.data.media import MEDIA_KINDS, Media, MediaOptions
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
-from lightrft.data.video import OverlongVideo, VideoOptions
-from lightrft.data.vision import MEDIA_KINDS
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
-from lightrft.rewards.base import Prompt, check_lengths
+from lightrft.rewards.base import Prompt, Sample
 
 __all__ = ["RewardModel", "collective_plan", "load_value_head"]
 
@@ -195,8 +192,8 @@ class RewardModel:
     Args:
         path: HF directory (or hub id, for ``classifier``) of the reward model, or a training
             checkpoint of ``recipes/reward_model.py`` (``<output_dir>/checkpoints/step_N``),
-            exported first as ``lightrft export`` does (:func:`lightrft.training.export.
-            resolve_model_dir`: cached, collective under a process group).
+            exported first as ``lightrft export`` does (:func:`lightrft.export.resolve_model_dir`:
+            cached, collective under a process group).
         head: ``"classifier"``, ``"value_head"`` or ``"auto"`` (classifier if ``config.json``
             names a ``*ForSequenceClassification`` architecture).
         value_head_key: tensor name prefix of the value head (``value_head`` layout only).
@@ -213,16 +210,13 @@ class RewardModel:
         chat_template: render with the tokenizer's chat template.
         padding_side: side on which micro-batches are padded; scores do not depend on it.
         scale, bias: returned reward = ``scale * score + bias`` (e.g. to undo an RM's offset).
-        min_pixels, max_pixels: bounds on each image's area (a vision-language reward model;
-            None keeps its processor's own).
-        video_fps, video_num_frames, max_video_frames, overlong_video, video_min_pixels,
-            video_max_pixels: how a Qwen2-VL / Qwen2.5-VL reward model samples and sizes the
-            videos of the conversations, as :class:`~lightrft.data.PreferenceDataset` takes
-            them (same keys and defaults): give the values its preference data had. A video
-            part holds the frames the prompt dataset sampled and their rate
-            (:func:`~lightrft.data.conversation`); they are re-sampled at ``video_fps`` (or to
-            ``video_num_frames``) and sized to the bounds, as the preference data sampled and
-            sized the video file.
+        media: a vision- or audio-language reward model's media options (the ``media``
+            section, :class:`~lightrft.data.media.MediaOptions`), as its
+            :class:`~lightrft.data.PreferenceDataset` took them (same keys and defaults): give
+            the values its preference data had. A video part holds the frames the prompt
+            dataset sampled and their rate (:func:`~lightrft.data.conversation`); they are
+            re-sampled at ``media.video.fps`` (or to ``num_frames``) and sized to the bounds,
+            as the preference data sampled and sized the video file.
 
     A vision- or audio-language reward model (an export of ``recipes/reward_model.py`` with the
     ``likelihood`` pooling) needs the conversations: it reads the images, videos and audio in
@@ -231,9 +225,8 @@ class RewardModel:
     ``max_length`` (cutting it would cut media tokens). Audio longer than the feature
     extractor's chunk is clipped to it, as the datasets clip it.
 
-    With the chat template (``uses_conversations``), a sample is rendered from its conversation
-    when the caller gives one (``conversations=``: the recipes pass each prompt's chat), else
-    from its prompt.
+    With the chat template, a sample is rendered from its conversation when it has one
+    (``Sample.conversation``: the recipes give each prompt's chat), else from its prompt.
 
     Under a process group of several ranks (torchrun) the model is sharded over all of them with
     FSDP2 (parameters only), each rank reading only its slices of the checkpoint, so each
@@ -267,14 +260,7 @@ class RewardModel:
         bias: float = 0.0,
         trust_remote_code: bool = False,
         attn_implementation: str | None = "sdpa",
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        video_fps: Annotated[float, Bound(gt=0)] = 2.0,
-        video_num_frames: Annotated[int | None, Bound(ge=1)] = None,
-        max_video_frames: Annotated[int, Bound(ge=1)] = 32,
-        overlong_video: OverlongVideo = "clip",
-        video_min_pixels: int | None = None,
-        video_max_pixels: int | None = None,
+        media: MediaOptions | None = None,
     ) -> None:
         from lightrft.export import resolve_model_dir
         from lightrft.models.loading import check_local, load_tokenizer
@@ -287,21 +273,15 @@ class RewardModel:
         from lightrft.models.multimodal import checkpoint_is_multimodal
 
         multimodal = bool(checkpoint_is_multimodal(path))  # vision- or audio-language
-        video = VideoOptions(
-            video_fps,
-            video_num_frames,
-            max_video_frames,
-            overlong_video,
-            video_min_pixels,
-            video_max_pixels,
+        from lightrft.data.records import MediaSamples
+        from lightrft.models.multimodal import load_processor
+
+        processor = (
+            load_processor(path, trust_remote_code=trust_remote_code) if multimodal else None
         )
-        if not multimodal and (min_pixels is not None or max_pixels is not None):
-            raise ValueError("min_pixels / max_pixels apply to a vision-language reward model")
-        if not multimodal and video != VideoOptions():
-            raise ValueError(
-                "video options (video_fps, video_num_frames, max_video_frames, ...) apply to a "
-                f"Qwen2-VL or Qwen2.5-VL reward model; {path} is text-only"
-            )
+        # Media only from the conversations' parts, read and bounded as the preference data's
+        # options say (checked here, before the weights load).
+        samples = MediaSamples(processor, media, given=f"{path} is a text-only reward model")
         if multimodal and not chat_template:
             raise ValueError(
                 f"{path} is a vision- or audio-language reward model: it needs chat_template=true "
@@ -341,29 +321,17 @@ class RewardModel:
                 offload=offload,
             )
         stats = ((read_reward_config(path) or {}).get("stats") or {}) if normalize else {}
-        media = None
-        if multimodal:
-            if net.pooling != "likelihood":
-                raise ValueError(
-                    f"{path}: a vision- or audio-language model scores with "
-                    "pooling='likelihood' only (transformers has no classifier class for it)"
-                )
-            from lightrft.data.records import MediaSamples
-            from lightrft.models.multimodal import load_processor
-
-            processor = load_processor(path, trust_remote_code=trust_remote_code)
-            # Media only from the conversations' parts (no record fields); the audio bound is
-            # the feature extractor's chunk, as in the preference data by default; videos are
-            # sampled and sized as the preference data's options say.
-            media = MediaSamples(
-                processor, None, min_pixels, max_pixels, None, videos_field=None, video=video
+        if multimodal and net.pooling != "likelihood":
+            raise ValueError(
+                f"{path}: a vision- or audio-language model scores with "
+                "pooling='likelihood' only (transformers has no classifier class for it)"
             )
         self._setup(
             net,
             processor.tokenizer
-            if media is not None
+            if multimodal
             else load_tokenizer(path, trust_remote_code=trust_remote_code),
-            media=media,
+            media=samples if multimodal else None,
             score_head=score_head,
             stats=stats if normalize else None,
             micro_batch_size=micro_batch_size,
@@ -464,7 +432,6 @@ class RewardModel:
         self.net = net.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.media = media  # MediaSamples of a vision- or audio-language reward model, else None
-        self.uses_conversations = chat_template
         self.micro_batch_size = micro_batch_size
         self.max_length = max_length
         self.chat_template = chat_template
@@ -543,8 +510,8 @@ class RewardModel:
                 raise ValueError(
                     f"sample {i} has {len(ids)} tokens with its media tokens, over the reward "
                     f"model's max_length={self.max_length} (cutting it would cut image, video or "
-                    "audio tokens); raise max_length, or lower max_pixels (video_max_pixels, "
-                    "max_video_frames)"
+                    "audio tokens); raise max_length, or lower media.image.max_pixels "
+                    "(media.video.max_pixels, media.video.max_frames)"
                 )
             seqs.append(ids)
             starts.append(start)
@@ -652,30 +619,23 @@ class RewardModel:
         raw = (scores[:, self.head_index] - self.mean) / self.std
         return self.scale * raw + self.bias
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-        conversations: Sequence[Prompt | None] | None = None,
-    ) -> torch.Tensor:
-        check_lengths(len(responses), prompts=prompts, conversations=conversations)
-        if not responses:
+    def __call__(self, samples: Sequence[Sample]) -> torch.Tensor:
+        if not samples:
             if self.collective:  # a collective: join the forwards of the ranks that have samples
                 likelihood = self.net.pooling == "likelihood"
                 return self.score_ids([], [] if likelihood else None)
             return torch.empty(0, dtype=torch.float32)
+        responses = [s.response for s in samples]
         if self.media is not None:
-            if conversations is None:
-                raise ValueError(
-                    "a vision- or audio-language reward model scores each sample's conversation "
-                    "with its images and audio: pass conversations= (CombinedReward passes the "
-                    "recipe's)"
-                )
-            return self.score_ids(*self.encode_conversations(conversations, responses))
-        if conversations is not None:  # the chats the prompts were rendered from
-            prompts = [p if c is None else c for p, c in zip(prompts, conversations, strict=True)]
+            return self.score_ids(
+                *self.encode_conversations([s.conversation for s in samples], responses)
+            )
+        prompts = [s.prompt for s in samples]
+        if self.chat_template:  # the chats the prompts were rendered from, where given
+            prompts = [
+                p if s.conversation is None else s.conversation
+                for p, s in zip(prompts, samples, strict=True)
+            ]
             for i, p in enumerate(prompts):
                 if _has_media(p):
                     raise ValueError(

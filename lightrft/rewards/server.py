@@ -62,7 +62,13 @@ from contextlib import suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from lightrft.rewards.base import RewardInputError, check_reward_output
+from lightrft.rewards.base import (
+    RewardInputError,
+    Sample,
+    check_reward_output,
+    check_signature,
+    instantiate_node,
+)
 from lightrft.rewards.remote import PNG_DATA_URL, TOKEN_ENV
 
 __all__ = [
@@ -92,7 +98,7 @@ _MAX_LINGERING = 256  # 503'd connections draining at once
 MAX_IMAGE_PIXELS = 4096 * 4096  # one image
 MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS  # all images and video frames of one request
 # Video frames of one request together (each frame also counts against the pixel bounds): 8
-# conversations of 32 frames, the prompt datasets' default ``max_video_frames``.
+# conversations of 32 frames, the prompt datasets' default ``media.video.max_frames``.
 MAX_VIDEO_FRAMES = 256
 
 VERIFIERS = {
@@ -267,8 +273,9 @@ def split_requests(
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     max_request_pixels: int = MAX_REQUEST_PIXELS,
     max_video_frames: int = MAX_VIDEO_FRAMES,
-) -> dict[str, list]:
-    """The reward-function arguments of a request body, or ``ValueError`` saying what is wrong
+) -> list[Sample]:
+    """The samples of a request body (the wire format's parallel lists, one
+    :class:`~lightrft.rewards.Sample` per entry), or ``ValueError`` saying what is wrong
     (:class:`MediaTooLarge` for media over the pixel or frame bounds).
 
     ``responses`` is used if present; otherwise each response is its query with the prompt
@@ -323,19 +330,14 @@ def split_requests(
                 responses.append(q[len(p) :] if isinstance(p, str) and q.startswith(p) else q)
     if not all(isinstance(r, str) for r in responses):
         raise ValueError("'responses' must hold strings")
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "references": args["references"],
-        "labels": args["labels"],
-        "conversations": decode_conversations(
-            data.get("conversations"),
-            n,
-            max_image_pixels=max_image_pixels,
-            max_request_pixels=max_request_pixels,
-            max_video_frames=max_video_frames,
-        ),
-    }
+    conversations = decode_conversations(
+        data.get("conversations"),
+        n,
+        max_image_pixels=max_image_pixels,
+        max_request_pixels=max_request_pixels,
+        max_video_frames=max_video_frames,
+    )
+    return Sample.batch(prompts, responses, args["references"], args["labels"], conversations)
 
 
 class _HTTPError(Exception):
@@ -507,8 +509,9 @@ def make_server(
         max_video_frames: the most video frames of one request (all its video parts); more
             are answered HTTP 413.
 
-    ``conversations`` are passed to a reward function that reads them (``uses_conversations``)
-    and dropped for one that does not.
+    Each request's parallel lists (the wire format, unchanged) become one
+    :class:`~lightrft.rewards.Sample` each, conversations included, and ``reward_fn`` scores the
+    list.
     """
     if (
         max_body_bytes < 1
@@ -524,7 +527,7 @@ def make_server(
             f"{max_connections}, {max_image_pixels}, {max_request_pixels}, {max_video_frames}, "
             f"{read_timeout}"
         )
-    reads_conversations = bool(getattr(reward_fn, "uses_conversations", False))
+    check_signature("the served reward function", reward_fn)
     lock = threading.Lock()
     expected = token.encode() if token else None
 
@@ -607,7 +610,7 @@ def make_server(
                     raise _HTTPError(401, "missing or wrong token (Authorization: Bearer ...)")
                 body = self._read_body()
                 try:
-                    kwargs = split_requests(
+                    samples = split_requests(
                         json.loads(body),
                         max_image_pixels=max_image_pixels,
                         max_request_pixels=max_request_pixels,
@@ -619,16 +622,14 @@ def make_server(
                     raise _HTTPError(413, f"media too large: {e}") from None
                 except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
                     raise _HTTPError(400, f"bad request: {e}") from None
-                if not reads_conversations:
-                    del kwargs["conversations"]
             except _HTTPError as e:
                 self._reply(e.code, {"error": str(e)})
                 return
-            n = len(kwargs["responses"])
             try:
                 with lock:
-                    out = reward_fn(**kwargs)
-                rewards = check_reward_output("server", out, n, kwargs["prompts"]).tolist()
+                    out = reward_fn(samples)
+                prompts = [x.prompt for x in samples]
+                rewards = check_reward_output("server", out, len(samples), prompts).tolist()
             except Exception as e:  # noqa: BLE001 - reported to the client, server keeps serving
                 # The request's fault (no reference answer): 422, which clients do not retry.
                 code = 422 if _caused_by_input(e) else 500
@@ -664,8 +665,8 @@ def load_reward_fn(
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"component {target!r} cannot be imported: {e}") from None
     kwargs = kwargs or {}
-    if inspect.isclass(obj):
-        return obj(**kwargs)
+    if inspect.isclass(obj):  # as a config builds it: a section argument from its mapping
+        return instantiate_node({"_component_": target, **kwargs})
     return functools.partial(obj, **kwargs) if kwargs else obj
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightrft.rewards.base import Prompt, instantiate_node, prompt_preview
+from lightrft.rewards.base import Prompt, Sample, instantiate_node, prompt_preview
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
 __all__ = ["TTRLReward", "split_groups"]
@@ -108,15 +108,8 @@ class TTRLReward:
         key = answer_key(label)
         return [p is not None and answer_key(p) == key for p in preds]
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[Any] | None = None,
-        labels: Sequence[str | None] | None = None,
-    ) -> list[float]:
-        if len(prompts) != len(responses):
-            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        responses = [s.response for s in samples]
         extract_many = getattr(self.verifier, "extract_many", None)  # spreads over workers
         if callable(extract_many):
             answers = list(extract_many(responses))
@@ -125,7 +118,7 @@ class TTRLReward:
         rewards = [self.incorrect] * len(responses)
         self.last_labels = []
         shares = []
-        groups = split_groups(prompts, self.group_size)
+        groups = split_groups([s.prompt for s in samples], self.group_size)
         for g in groups:
             shares.append(majority_vote([answers[i] for i in g])[1] / len(g))
             label = self.pseudo_label([answers[i] for i in g])

@@ -34,7 +34,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from lightrft.rewards.base import Prompt, RewardInputError, check_lengths, prompt_preview
+from lightrft.rewards.base import RewardInputError, Sample, prompt_preview
 from lightrft.rewards.math_answer import (
     EXTRACTORS,
     answers_match,
@@ -71,21 +71,14 @@ def _final_part(response: str, strip_think: bool) -> str:
     return response
 
 
-def _check_references(
-    who: str,
-    prompts: Sequence[Prompt],
-    responses: Sequence[str],
-    references: Sequence[str | None],
-) -> None:
-    """Refuse a batch whose references do not line up with the responses or are missing."""
-    check_lengths(len(responses), references=references)
-    for i, ref in enumerate(references):
-        if ref is None or (isinstance(ref, str) and not ref.strip()):
+def _references(who: str, samples: Sequence[Sample]) -> list[str]:
+    """The samples' references; refuse a batch in which one is missing."""
+    for i, s in enumerate(samples):
+        if s.reference is None or (isinstance(s.reference, str) and not s.reference.strip()):
             raise RewardInputError(
-                f"{who}: sample {i} "
-                f"(prompt {prompt_preview(prompts[i]) if i < len(prompts) else '?'}) "
-                "has no reference answer"
+                f"{who}: sample {i} (prompt {prompt_preview(s.prompt)}) has no reference answer"
             )
+    return [str(s.reference) for s in samples]
 
 
 class MathVerifier:
@@ -276,16 +269,11 @@ class MathVerifier:
         if self._pool is not None:
             self._pool.close()
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None],
-        labels: Sequence[str | None] | None = None,
-    ) -> list[float]:
-        _check_references(type(self).__name__, prompts, responses, references)
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        references = _references(type(self).__name__, samples)
+        responses = [s.response for s in samples]
         if self.extraction == "math_verify":
-            verdicts = self.judge_many(responses, [str(r) for r in references])
+            verdicts = self.judge_many(responses, references)
         else:
             preds = [self.extract(r) for r in responses]
             refs = [self.reference_answer(r) for r in references]
@@ -367,17 +355,11 @@ class _MatchVerifier:
         self.incorrect = float(incorrect)
         self.strip_think = strip_think
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None],
-        labels: Sequence[str | None] | None = None,
-    ) -> list[float]:
-        _check_references(type(self).__name__, prompts, responses, references)
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        references = _references(type(self).__name__, samples)
         return [
-            self.correct if self.matches(r, str(ref)) else self.incorrect
-            for r, ref in zip(responses, references, strict=True)
+            self.correct if self.matches(s.response, ref) else self.incorrect
+            for s, ref in zip(samples, references, strict=True)
         ]
 
 
@@ -513,11 +495,5 @@ class ThinkFormatReward:
             return m is not None and bool(m.group(1).strip()) and "<answer>" not in m.group(1)
         return True
 
-    def __call__(
-        self,
-        prompts: Sequence[Prompt],
-        responses: Sequence[str],
-        references: Sequence[str | None] | None = None,
-        labels: Sequence[str | None] | None = None,
-    ) -> list[float]:
-        return [self.reward if self.is_well_formed(r) else self.penalty for r in responses]
+    def __call__(self, samples: Sequence[Sample]) -> list[float]:
+        return [self.reward if self.is_well_formed(s.response) else self.penalty for s in samples]

@@ -40,7 +40,7 @@ def test_prepared_records_feed_the_shipped_config(tmp_path, audio_processor):
 
     cfg = yaml.safe_load(cli.list_configs()["qwen2_audio/aqa_grpo_7b"].read_text())
     # The tiny extractor cuts at 2 s (the real one at 30 s, as the config says).
-    node = {**cfg["dataset"], "path": str(out), "max_audio_seconds": 2.0}
+    node = {**cfg["dataset"], "path": str(out), "media": {"audio": {"max_seconds": 2.0}}}
     ds = lconfig.instantiate(OmegaConf.create(node), audio_processor)
     assert len(ds) == 2 and ds[1]["reference"] == "rain"
     audios = ds[0]["media"].audio

@@ -8,8 +8,9 @@ import torch
 from _audio_helpers import tone, write
 
 from lightrft.data import DataError, PromptDataset, SFTDataset
-from lightrft.data.audio import AudioInputs, decode_audio
+from lightrft.data.audio import AudioInputs, AudioOptions, decode_audio
 from lightrft.data.collate import PackCollator, PadCollator
+from lightrft.data.media import MediaOptions
 
 AUDIO_TOKEN = "<|AUDIO|>"
 
@@ -120,34 +121,39 @@ def test_max_duration_clips_or_drops_counted(tmp_path, audio_processor):
         {"prompt": "<audio>b", "completion": "2", "audios": [short]},
     ]
     data = jsonl(tmp_path / "d.jsonl", records)
-    clipped = SFTDataset(audio_processor, data, max_audio_seconds=1.0)
+    clipped = SFTDataset(
+        audio_processor, data, media=MediaOptions(audio=AudioOptions(max_seconds=1.0))
+    )
     assert clipped.stats["audio_clipped"] == 1 and clipped.stats["audio_dropped"] == 0
     assert clipped[0]["media"].audio.audios[0].shape == (16000,)
     assert int(clipped[0]["media"].audio.feature_attention_mask.sum()) == 100  # 1 s of 10 ms frames
-    dropped = SFTDataset(audio_processor, data, max_audio_seconds=1.0, overlong_audio="drop")
+    dropped = SFTDataset(
+        audio_processor,
+        data,
+        media=MediaOptions(audio=AudioOptions(max_seconds=1.0, overlong="drop")),
+    )
     assert dropped.stats["audio_dropped"] == 1 and len(dropped) == 1
     prompts = PromptDataset(
         audio_processor,
         data,
         reference_field="completion",
-        max_audio_seconds=1.0,
-        overlong_audio="drop",
+        media=MediaOptions(audio=AudioOptions(max_seconds=1.0, overlong="drop")),
     )
     assert prompts.stats["audio_dropped"] == 1 and prompts.stats["prompts"] == 1
-    with pytest.raises(ValueError, match=r"max_audio_seconds must be in \(0, 2\]"):
-        SFTDataset(audio_processor, data, max_audio_seconds=5)
-    with pytest.raises(ValueError, match="overlong_audio must be 'clip' or 'drop'"):
-        SFTDataset(audio_processor, data, overlong_audio="cut")
+    with pytest.raises(ValueError, match=r"media.audio.max_seconds must be in \(0, 2\]"):
+        SFTDataset(audio_processor, data, media=MediaOptions(audio=AudioOptions(max_seconds=5)))
+    with pytest.raises(ValueError, match="media.audio.overlong must be 'clip' or 'drop'"):
+        SFTDataset(audio_processor, data, media=MediaOptions(audio=AudioOptions(overlong="cut")))
 
 
 def test_audio_options_need_an_audio_processor(tmp_path, tiny_model_dir):
     from lightrft.models import load_tokenizer
 
-    with pytest.raises(ValueError, match="max_audio_seconds / overlong_audio need an audio"):
+    with pytest.raises(ValueError, match="media.audio options need an audio-language"):
         SFTDataset(
             load_tokenizer(tiny_model_dir),
             records=[{"prompt": "a", "completion": "b"}],
-            max_audio_seconds=1.0,
+            media=MediaOptions(audio=AudioOptions(max_seconds=1.0)),
         )
 
 
@@ -332,5 +338,7 @@ def test_hf_datasets_directory_with_an_audio_column(tmp_path, audio_processor):
     )
     arrays.save_to_disk(tmp_path / "arrays")
     for name in ("encoded", "arrays"):
-        ds = PromptDataset(audio_processor, tmp_path / name, audios_field="audio")
+        ds = PromptDataset(
+            audio_processor, tmp_path / name, media=MediaOptions(audio=AudioOptions(field="audio"))
+        )
         assert ds[0]["media"].audio.audios[0].shape == (9600,), name  # 0.6 s at 16 kHz

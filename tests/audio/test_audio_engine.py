@@ -8,8 +8,8 @@ from _audio_helpers import tone
 
 from lightrft.data import ImageInputs, Media, PromptDataset
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
-from lightrft.models.forward import causal_lm_token_logprobs
 from lightrft.models import load_model, load_processor, set_audio_trainable
+from lightrft.models.forward import causal_lm_token_logprobs
 
 
 def _prompts(proc):

@@ -13,9 +13,9 @@ from _dist import run_distributed
 
 from lightrft import cli
 from lightrft.data import SFTDataset, pack_or_pad_collator
-from lightrft.models.modality import media_token_ids
-from lightrft.models.forward import causal_lm_cross_entropy
 from lightrft.models import load_model, load_processor, parallelize, set_towers_trainable
+from lightrft.models.forward import causal_lm_cross_entropy
+from lightrft.models.modality import media_token_ids
 from lightrft.models.multimodal import audio_blocks
 
 

@@ -13,6 +13,8 @@ import yaml
 from _dist import build_recipe, run_distributed
 
 from lightrft import cli
+from lightrft.data.audio import AudioOptions
+from lightrft.data.media import MediaOptions
 from lightrft.training import read_metrics
 
 TOWER = ("audio_tower.", "model.audio_tower.")  # Qwen2-Audio's audio tower (not the projector)
@@ -45,12 +47,12 @@ def _sft_config(tmp: Path, **overrides) -> Path:
         "dataset": {
             "_component_": "lightrft.data.SFTDataset",
             "path": str(tmp / "data" / "train.jsonl"),
-            "max_audio_seconds": 1.0,
+            "media": {"audio": {"max_seconds": 1.0}},
         },
         "eval_dataset": {
             "_component_": "lightrft.data.SFTDataset",
             "path": str(tmp / "data" / "test.jsonl"),
-            "max_audio_seconds": 1.0,
+            "media": {"audio": {"max_seconds": 1.0}},
         },
         "packing": False,
         "batch_size": 8,
@@ -95,7 +97,7 @@ def _eval_loss(model_dir: Path, data: Path) -> float:
 
     model = AutoModelForMultimodalLM.from_pretrained(model_dir, dtype=torch.float32)
     proc = AutoProcessor.from_pretrained(model_dir)
-    items = list(SFTDataset(proc, data, max_audio_seconds=1.0))
+    items = list(SFTDataset(proc, data, media=MediaOptions(audio=AudioOptions(max_seconds=1.0))))
     nll, count = 0.0, 0
     for item in items:
         batch = pack_or_pad_collator(proc.tokenizer)([item])
@@ -199,7 +201,10 @@ def test_train_audio_tower_on_a_text_model_is_refused(tmp_path, capsys):
 def _grpo_config(tmp: Path, assets: Path | None = None, **overrides) -> Path:
     """2 steps of 2 tone-pitch prompts x 4 samples of 4 tokens on the tiny Qwen2-Audio."""
     src = assets or tmp
-    prompts = {"_component_": "lightrft.data.PromptDataset", "max_audio_seconds": 1.0}
+    prompts = {
+        "_component_": "lightrft.data.PromptDataset",
+        "media": {"audio": {"max_seconds": 1.0}},
+    }
     cfg = {
         "output_dir": str(tmp / "out"),
         "seed": 0,
@@ -373,7 +378,12 @@ def test_audio_grpo_against_an_audio_reward_model(tmp_path, alm_assets):
     processor = load_processor(str(alm_assets / "model"))
     data = str(alm_assets / "data" / "train.jsonl")
     # The prompts share their text: a trajectory finds its record (and audio) by file and line.
-    by_where = {it["where"]: it for it in PromptDataset(processor, data, max_audio_seconds=1.0)}
+    by_where = {
+        it["where"]: it
+        for it in PromptDataset(
+            processor, data, media=MediaOptions(audio=AudioOptions(max_seconds=1.0))
+        )
+    }
     items = [by_where[s["where"]] for s in samples]
     alone = RewardModel(rm_path, micro_batch_size=1)(
         [s["prompt"] for s in samples],
@@ -413,7 +423,7 @@ def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(
     prompts = {
         "_component_": "lightrft.data.PromptDataset",
         "path": str(data),
-        "max_audio_seconds": 1.0,
+        "media": {"audio": {"max_seconds": 1.0}},
     }
     cfg = {
         "output_dir": str(tmp_path / "eval"),
@@ -430,7 +440,9 @@ def test_eval_recipe_on_an_audio_model_sends_each_prompt_its_audio(
     rows = [json.loads(x) for x in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     items = list(
         PromptDataset(
-            load_processor(str(alm_assets / "model")), path=str(data), max_audio_seconds=1.0
+            load_processor(str(alm_assets / "model")),
+            path=str(data),
+            media=MediaOptions(audio=AudioOptions(max_seconds=1.0)),
         )
     )
     assert len(seen) == len(items) == len(rows) == 8

@@ -13,7 +13,11 @@ import yaml
 from _audio_helpers import tone, write
 
 from lightrft.data import DataError, Media, PromptDataset, conversation
+from lightrft.data.audio import AudioOptions
+from lightrft.data.media import MediaOptions
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
+from lightrft.data.vision import ImageOptions
+from lightrft.rewards import Sample
 
 NAMES = ["mid", "high", "low"]  # the pitches of the audio_files fixture: 440, 660, 330 Hz
 
@@ -90,16 +94,24 @@ def test_pairs_with_audio_let_every_candidate_hear_it_and_bad_audio_names_the_li
         records = [*_pairs(audio_files, 1), {**_pairs(audio_files, 1)[0], "audios": [name]}]
         with pytest.raises(DataError, match=rf"q.jsonl line 2: audios\[0\]: {want}"):
             PreferenceDataset(proc, _write(tmp_path / "q.jsonl", records))
-    # Too long: clipped (counted) or, with overlong_audio=drop, the record dropped (counted).
+    # Too long: clipped (counted) or, with media.audio.overlong=drop, the record dropped (counted).
     data = _write(tmp_path / "p.jsonl", _pairs(audio_files, 3))  # 0.5, 0.8 and 0.3 s of audio
-    clipped = PreferenceDataset(proc, data, max_audio_seconds=0.4)
+    clipped = PreferenceDataset(proc, data, media=MediaOptions(audio=AudioOptions(max_seconds=0.4)))
     assert (clipped.stats["audio_clipped"], len(clipped)) == (2, 3)
-    dropped = PreferenceDataset(proc, data, max_audio_seconds=0.4, overlong_audio="drop")
+    dropped = PreferenceDataset(
+        proc, data, media=MediaOptions(audio=AudioOptions(max_seconds=0.4, overlong="drop"))
+    )
     assert (dropped.stats["audio_dropped"], len(dropped)) == (2, 1)
-    with pytest.raises(DataError, match=r"all 3 records .* 3 with audio over max_audio_seconds"):
-        PreferenceDataset(proc, data, max_audio_seconds=0.2, overlong_audio="drop")
+    with pytest.raises(
+        DataError, match=r"all 3 records .* 3 with audio over media.audio.max_seconds"
+    ):
+        PreferenceDataset(
+            proc, data, media=MediaOptions(audio=AudioOptions(max_seconds=0.2, overlong="drop"))
+        )
     # Audio needs an audio-language processor and the chat template (which places its tokens).
-    with pytest.raises(DataError, match=r"p.jsonl line 1: field 'audios' holds audio.*processor"):
+    with pytest.raises(
+        DataError, match=r"p.jsonl line 1: the record has audios.*'audios'.*processor"
+    ):
         PreferenceDataset(tok, data)
     with pytest.raises(DataError, match=r"line 1: .*apply_chat_template=true"):
         PreferenceDataset(proc, data, apply_chat_template=False)
@@ -193,7 +205,9 @@ def test_reward_model_recipe_trains_an_audio_reward_model_that_scores_rl_convers
     chats = [conversation(prompts[k]["messages"], prompts[k]["media"]) for k in range(3)]
     texts = [prompts[k]["prompt"] for k in range(3)] * 2
     responses = [r["chosen"] for r in records] + [r["rejected"] for r in records]
-    got = RewardModel(str(final), micro_batch_size=4)(texts, responses, conversations=chats * 2)
+    got = RewardModel(str(final), micro_batch_size=4)(
+        Sample.batch(texts, responses, conversations=chats * 2)
+    )
     with torch.no_grad():
         want = _score(
             net, PreferenceCollator(proc.tokenizer.pad_token_id)([pairs[k] for k in range(3)])
@@ -201,7 +215,10 @@ def test_reward_model_recipe_trains_an_audio_reward_model_that_scores_rl_convers
     torch.testing.assert_close(got, want[:, 0].view(3, 2).T.flatten(), atol=1e-5, rtol=1e-5)
     rm = RewardModel(str(final), micro_batch_size=1)
     alone = torch.cat(
-        [rm([texts[k]], [responses[k]], conversations=[(chats * 2)[k]]) for k in range(6)]
+        [
+            rm(Sample.batch([texts[k]], [responses[k]], conversations=[(chats * 2)[k]]))
+            for k in range(6)
+        ]
     )
     torch.testing.assert_close(alone, got, atol=1e-5, rtol=1e-5)
     # A classifier head on an audio-language model has no transformers class: refused.
@@ -230,14 +247,17 @@ def test_an_audio_reward_model_in_rl_hears_the_audio_of_each_conversation(
     items = [prompts[k] for k in range(3)]
     chats = [conversation(it["messages"], it["media"]) for it in items]
     assert chats[0][0]["content"][0]["audio"]["sampling_rate"] == 16000  # the audio, inline
-    reward = CombinedReward({"rm": RewardModel(path), "length": lambda **kw: [1.0] * 3})
+    reward = CombinedReward({"rm": RewardModel(path), "length": lambda samples: [1.0] * 3})
     texts = [it["prompt"] for it in items]
-    out = reward(texts, ["mid"] * 3, conversations=chats)
+    out = reward(Sample.batch(texts, ["mid"] * 3, conversations=chats))
     # Same question, same answer, another tone: another score.
     assert len(set(out.parts["rm"].tolist())) == 3, out.parts["rm"]
     rm = RewardModel(path, micro_batch_size=1)
     alone = torch.cat(
-        [rm(texts[k : k + 1], ["mid"], conversations=chats[k : k + 1]) for k in range(3)]
+        [
+            rm(Sample.batch(texts[k : k + 1], ["mid"], conversations=chats[k : k + 1]))
+            for k in range(3)
+        ]
     )
     torch.testing.assert_close(out.parts["rm"], alone, atol=1e-5, rtol=1e-5)
     # A plain HF forward of the same model on the same inputs: the prompt dataset's ids and
@@ -255,16 +275,16 @@ def test_an_audio_reward_model_in_rl_hears_the_audio_of_each_conversation(
             want.append(logp[len(prompt_ids) - 1 :].mean())
     torch.testing.assert_close(out.parts["rm"], torch.stack(want), atol=1e-5, rtol=1e-5)
 
-    with pytest.raises(ValueError, match="pass conversations="):
-        rm(texts, ["mid"] * 3)
+    with pytest.raises(ValueError, match="renders each sample.s conversation"):
+        rm(Sample.batch(texts, ["mid"] * 3))
     with pytest.raises(ValueError, match="apply_chat_template=true in the prompt dataset"):
-        rm(texts[:1], ["mid"], conversations=[None])
+        rm(Sample.batch(texts[:1], ["mid"], conversations=[None]))
     with pytest.raises(ValueError, match=r"sample 0 has \d+ tokens .* max_length=8"):
-        RewardModel(path, max_length=8)(texts[:1], ["mid"], conversations=chats[:1])
+        RewardModel(path, max_length=8)(Sample.batch(texts[:1], ["mid"], conversations=chats[:1]))
     with pytest.raises(ValueError, match="needs chat_template=true"):
         RewardModel(path, chat_template=False)
-    with pytest.raises(ValueError, match="min_pixels / max_pixels need a vision-language"):
-        RewardModel(path, max_pixels=56 * 56)
+    with pytest.raises(ValueError, match="media.image options need a vision-language"):
+        RewardModel(path, media=MediaOptions(image=ImageOptions(max_pixels=56 * 56)))
 
 
 @pytest.mark.slow  # 2.5-3 min on the 2-core machine
@@ -292,7 +312,10 @@ def test_a_tone_reward_model_learns_to_hear_the_band(tmp_path):
             for r in records
         ]
         _write(data / f"{split}_pairs.jsonl", pairs)  # beside the clips: paths stay relative
-    pairs_of = {"_component_": "lightrft.data.PreferenceDataset", "max_audio_seconds": 1.0}
+    pairs_of = {
+        "_component_": "lightrft.data.PreferenceDataset",
+        "media": {"audio": {"max_seconds": 1.0}},
+    }
     cfg = {
         "output_dir": str(tmp_path / "out"),
         "device": "cpu",

@@ -4,10 +4,10 @@ import pytest
 from _audio_helpers import tone
 
 from lightrft.data import PromptDataset
-from lightrft.models.modality import media_token_ids
 from lightrft.engine import SamplingParams
 from lightrft.engine import vllm_adapter as va
 from lightrft.models import load_processor
+from lightrft.models.modality import media_token_ids
 
 
 def test_vllm_prompt_collapses_each_audio_run_and_passes_waveforms(audio_processor):

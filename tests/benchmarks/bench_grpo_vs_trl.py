@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from lightrft.rewards import Sample
+
 pytestmark = pytest.mark.benchmark_suite
 
 STEPS = int(os.environ.get("BENCH_GRPO_STEPS", "6"))  # the first is a warm-up
@@ -171,7 +173,7 @@ def run_trl(model: Path, prompts: Path, out: Path) -> dict:
 
     def accuracy(prompts, completions, answer, **kwargs):  # the same verifier as ours
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return verifier(prompts, texts, answer)
+        return verifier(Sample.batch(prompts, texts, references=answer))
 
     class Clock(TrainerCallback):
         def __init__(self):

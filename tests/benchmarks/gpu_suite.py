@@ -435,7 +435,10 @@ def vlm_grpo_row(s: Settings, work: Path) -> Row:
     from lightrft import cli
     from lightrft.training import read_metrics
 
-    prompts = {"_component_": "lightrft.data.PromptDataset", "max_pixels": 56 * 56}
+    prompts = {
+        "_component_": "lightrft.data.PromptDataset",
+        "media": {"image": {"max_pixels": 56 * 56}},
+    }
     data = work / "vlm_data"
     cfg = {
         "output_dir": str(work / "vlm_out"),

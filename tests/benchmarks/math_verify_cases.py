@@ -32,6 +32,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lightrft.rewards import Sample
+
 # Keyword arguments of their ``compare_strings`` helper that change a verdict, with defaults.
 _SETTINGS = {"match_types": ("latex", "expr"), "precision": 6, "strict": True}
 _SETTINGS["allow_set_relation_comp"] = False
@@ -191,10 +193,12 @@ def ours(cases: Sequence[Case], workers: int, timeout: float) -> list[bool]:
     verifier = MathVerifier(workers=workers, timeout=timeout)
     try:
         rewards = verifier(
-            ["q"] * len(cases),
-            [c.pred for c in cases],
-            [c.gold for c in cases],
-            [None] * len(cases),
+            Sample.batch(
+                ["q"] * len(cases),
+                [c.pred for c in cases],
+                references=[c.gold for c in cases],
+                labels=[None] * len(cases),
+            )
         )
     finally:
         verifier.close()

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from lightrft.rewards import Sample
+
 VOCAB = 32000
 SIZES = dict(
     hidden_size=768,
@@ -122,7 +124,7 @@ def score_both(rank: int, vocab: int) -> tuple[float, float, float]:
     words = ["apple", "river", "stone", "lamp", "north", "tiger", "seven", "cloud"]
     prompts = [" ".join(rng.choices(words, k=12)) for _ in range(n)]
     responses = [" ".join(rng.choices(words, k=8)) for _ in range(n)]
-    out = reward(prompts, responses)
+    out = reward(Sample.batch(prompts, responses))
     assert out.total.shape == (n,) and torch.isfinite(out.total).all()
     return base, loaded, peak_mib()
 

@@ -12,14 +12,16 @@ import sys
 
 import torch
 
-from lightrft.data import PromptDataset
+from lightrft.data import MediaOptions, PromptDataset
+from lightrft.data.video import VideoOptions
 from lightrft.models.multimodal import load_processor, load_vision_model
 
 NAMES = ["down", "left", "right", "up"]
 
 
 def features(proc, model, path, n, max_pixels):
-    ds = PromptDataset(proc, path, video_fps=4.0, video_max_pixels=max_pixels)
+    video = VideoOptions(fps=4.0, max_pixels=max_pixels)
+    ds = PromptDataset(proc, path, media=MediaOptions(video=video))
     xs, ys = [], []
     with torch.no_grad():
         for i in range(min(n, len(ds))):

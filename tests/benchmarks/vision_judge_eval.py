@@ -24,7 +24,7 @@ import torch
 from lightrft.data import PromptDataset
 from lightrft.data.prompts import conversation
 from lightrft.models.multimodal import load_processor
-from lightrft.rewards import GenerativeReward
+from lightrft.rewards import GenerativeReward, Sample
 from lightrft.tasks.shapes import SHAPES_JUDGE_TEMPLATE
 
 
@@ -57,7 +57,7 @@ def main() -> None:
             prompts.append(it["prompt"])
             responses.append(str(c))
             right.append(str(c) == it["reference"])
-    out = torch.as_tensor(judge(prompts, responses, conversations=chats))
+    out = torch.as_tensor(judge(Sample.batch(prompts, responses, conversations=chats)))
     is_right = torch.tensor(right)
     acc_right = (out[is_right] == 1.0).float().mean().item()
     acc_wrong = (out[~is_right] == 0.0).float().mean().item()

@@ -7,7 +7,7 @@ import pytest
 from conftest import write_jsonl
 
 from lightrft.data import DataError, PromptDataset
-from lightrft.rewards import GSM8KVerifier, MathVerifier
+from lightrft.rewards import GSM8KVerifier, MathVerifier, Sample
 from lightrft.tasks import ensure_gsm8k, prepare_gsm8k
 from lightrft.tasks.gsm8k import SYSTEM_PROMPT, main
 
@@ -47,10 +47,10 @@ def test_references_and_completions_verify(prepared):
     raw = _read(SRC / "test.jsonl")
     refs = [o["answer"] for o in ours]
     # Our SFT completions are correct answers for the math verifier ...
-    ok = MathVerifier()([None] * len(ours), [o["completion"] for o in ours], refs)
+    ok = MathVerifier()(Sample.batch([""] * len(ours), [o["completion"] for o in ours], refs))
     assert all(v == 1.0 for v in ok)
     # ... and so are the original solutions for the GSM8K verifier against our references.
-    ok = GSM8KVerifier()([None] * len(raw), [r["answer"] for r in raw], refs)
+    ok = GSM8KVerifier()(Sample.batch([""] * len(raw), [r["answer"] for r in raw], refs))
     assert all(v == 1.0 for v in ok)
 
 

@@ -67,7 +67,10 @@ def test_bad_inputs_name_file_line_and_field(tok, tmp_path):
     fails([{"chosen": "a", "rejected": "b", "head": 1}], r"field 'head' must be a string")
     fails([{"chosen": "a", "rejected": "b", "chosen_safe": "yes"}], r"'chosen_safe' must be true")
     fails([{"chosen": "a", "rejected": ["b", "c"], "rejected_safe": [True]}], r"2 rejected")
-    fails([{"chosen": "a", "rejected": "b", "images": ["x.png"]}], r"line 1: field 'images'")
+    fails(
+        [{"chosen": "a", "rejected": "b", "images": ["x.png"]}],
+        r"line 1: the record has images.*field 'images'",
+    )
     fails([{"chosen": [{"role": "user"}], "rejected": "b"}], r"chosen\[0\] has no string 'content'")
     fails([{"chosen": "a", "rejected": "a"}], r"empty dataset.*1 identical")
     (tmp_path / "broken.jsonl").write_text('{"chosen": "a", "rejected": "b"}\n{"chosen": \n')

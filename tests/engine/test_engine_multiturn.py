@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightrft.engine import NativeEngine, Request, SamplingParams, Turn
-from lightrft.models.forward import causal_lm_token_logprobs
 from lightrft.models import load_causal_lm, load_tokenizer
+from lightrft.models.forward import causal_lm_token_logprobs
 
 TEXTS = ["hi", "What is 2 + 2?", "Tell me a story about a cat.", "x"]
 STOPS = [42, 87, 12]  # ids the tiny model emits greedily within a few tokens

@@ -637,7 +637,10 @@ def run_cli(*args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in launch}
     out = subprocess.run(
         [sys.executable, "-m", "lightrft.cli", *args],
-        capture_output=True, text=True, timeout=900, env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout

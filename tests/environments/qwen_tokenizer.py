@@ -36,7 +36,7 @@ def _merge_of(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, 
     """The last merge that makes ``token``: BPE over its bytes with the merges ranked below it."""
     parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
-        pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        pairs = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
         best, i = min(pairs)
         if best >= rank:
             break

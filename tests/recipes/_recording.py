@@ -36,7 +36,8 @@ def read_record(prefix: str, rank: int = 0) -> list[int]:
 class DigitReward:
     """Fraction of the response's characters that are digits (a trivial task with a signal)."""
 
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 

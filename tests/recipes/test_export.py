@@ -21,6 +21,7 @@ from test_reward_model import _config as _rm_config
 from test_sft import _config as _sft_config
 
 from lightrft import cli
+from lightrft.rewards import Sample
 
 
 def _export(ckpt: Path, out: Path) -> Path:
@@ -285,7 +286,7 @@ def test_reward_model_checkpoint_exports_heads_and_scores_in_reward_model(tmp_pa
     prompts, responses = ["apple river?", "stone lamp?"], ["river apple yes", "lamp stone no"]
     want = RewardModel(str(out / "final"), score_head="harmless", normalize=True)
     rm = RewardModel(str(_step(out, 2)), score_head="harmless", normalize=True)
-    assert torch.equal(rm(prompts, responses), want(prompts, responses))
+    assert torch.equal(rm(Sample.batch(prompts, responses)), want(Sample.batch(prompts, responses)))
 
 
 # ------------------------------------------------------------------ slower variants

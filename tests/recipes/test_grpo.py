@@ -33,7 +33,8 @@ def _slow_is_opt_in(request):
 class DigitReward:
     """Fraction of the response's characters that are digits (a trivial task)."""
 
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
@@ -42,7 +43,8 @@ class TwoHeadReward:
     (``last_head_scores``) and a metric of its own (``last_metrics``), as RewardModel and
     GenerativeReward do."""
 
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         a = [float(len(r)) for r in responses]
         self.last_head_scores = {"a": a, "b": [2.0 * x for x in a]}
         self.last_metrics = {"calls": 1.0, "size": float(len(responses))}
@@ -50,12 +52,14 @@ class TwoHeadReward:
 
 
 class NanReward:
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         return [math.nan] * len(responses)
 
 
 class ZeroReward:
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         return [0.0] * len(responses)
 
 

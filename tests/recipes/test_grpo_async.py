@@ -37,7 +37,8 @@ class TextReward:
             with open(built, "a") as f:
                 f.write(os.environ["RANK"] + "\n")
 
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         self.calls += 1
         if self.how and os.environ.get("RANK") == "1" and self.calls == self.stop_at:
             if self.how == "killed":

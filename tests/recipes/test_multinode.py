@@ -49,7 +49,8 @@ HSDP = {"replicate_size": 2, "shard_size": 2, "collective_timeout_s": 300}
 class DigitReward:
     """Fraction of the response's characters that are digits (importable by the config)."""
 
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 

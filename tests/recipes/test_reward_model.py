@@ -14,6 +14,7 @@ from _dist import build_recipe, run_distributed
 from _serial import each
 
 from lightrft import cli
+from lightrft.rewards import Sample
 from lightrft.training import read_metrics
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "seven", "quiet", "lamp", "north", "tiger"]
@@ -123,7 +124,7 @@ def test_learns_evaluates_and_exports_what_reward_model_and_transformers_load(tm
     rm = RewardModel(str(final), micro_batch_size=1)
     prompts = ["apple river?", "stone lamp?", "north tiger?"]
     responses = ["river apple yes", "lamp stone no", "tiger north yes"]
-    scores = rm(prompts, responses)
+    scores = rm(Sample.batch(prompts, responses))
     seqs = rm.tokenize(prompts, responses)
     with torch.no_grad():
         want = torch.stack(
@@ -140,7 +141,9 @@ def test_learns_evaluates_and_exports_what_reward_model_and_transformers_load(tm
     assert torch.allclose(scores, want, atol=1e-6), (scores, want)
     assert scores[0] > scores[1] and scores[2] > scores[1]
     # Normalised with the held-out statistics written into the export.
-    norm = RewardModel(str(final), micro_batch_size=1, normalize=True)(prompts, responses)
+    norm = RewardModel(str(final), micro_batch_size=1, normalize=True)(
+        Sample.batch(prompts, responses)
+    )
     assert torch.allclose(norm, (scores - stats["mean"]) / stats["std"], atol=1e-5)
     # transformers loads the one-head export as its classifier and agrees (no padding involved).
     hf = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
@@ -187,7 +190,7 @@ def test_likelihood_pooling_learns_and_exports_a_causal_lm_that_scores_the_same(
     rm = RewardModel(str(final), chat_template=False, micro_batch_size=2)
     prompts = ["apple river?", "stone lamp?", "north tiger?"]
     responses = ["river apple yes", "lamp stone no", "tiger north yes"]
-    scores = rm(prompts, responses)
+    scores = rm(Sample.batch(prompts, responses))
     # By hand: the mean log-prob of the response's tokens and the EOS, under the trained LM
     # (from the checkpoint) and under transformers' load of the export.
     hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
@@ -316,7 +319,7 @@ def test_two_gloo_processes_shard_learn_and_export_named_heads(two_rank_rm):
     assert meta["heads"] == ["helpful", "cost"] and meta["pooling"] == "attention"
     assert set(meta["stats"]) == {"helpful", "cost"}
     rm = RewardModel(str(final), score_head="cost")
-    scores = rm(["apple river?"], ["river apple no"])
+    scores = rm(Sample.batch(["apple river?"], ["river apple no"]))
     assert set(rm.last_head_scores) == {"helpful", "cost"}
     assert scores[0] == rm.last_head_scores["cost"][0]
 
@@ -429,7 +432,7 @@ def test_lora_learns_checkpoints_adapters_resumes_bitwise_and_exports_merged(tmp
     assert not (final / "adapter_config.json").exists()
     rm = RewardModel(str(final), micro_batch_size=1)
     prompts, responses = ["apple river?", "stone lamp?"], ["river apple yes", "lamp stone no"]
-    scores = rm(prompts, responses)
+    scores = rm(Sample.batch(prompts, responses))
     torch.testing.assert_close(scores, _scores(trained, rm, prompts, responses), atol=1e-5, rtol=0)
     initial = build_reward_net(full / "model", pooling="attention").eval()
     assert not torch.allclose(scores, _scores(initial, rm, prompts, responses))
@@ -478,7 +481,7 @@ def test_lora_on_a_likelihood_reward_model_keeps_the_lm_head_frozen(tmp_path):
     assert meta["pooling"] == "likelihood"
     rm = RewardModel(str(final))
     prompts, responses = ["apple river?"], ["river apple yes"]
-    after = rm(prompts, responses)
+    after = rm(Sample.batch(prompts, responses))
     seqs, starts = rm.encode(prompts, responses)
     with torch.no_grad():
         before = net.eval()(
@@ -493,7 +496,7 @@ def test_lora_on_two_gloo_processes_exports_a_loadable_merged_model(two_rank_rm)
     from lightrft.rewards import RewardModel
 
     final = two_rank_rm["lora"] / "out" / "final"  # _two_ranks checked the rising accuracy
-    scores = RewardModel(str(final))(["apple river?"], ["river apple yes"])
+    scores = RewardModel(str(final))(Sample.batch(["apple river?"], ["river apple yes"]))
     assert torch.isfinite(scores).all()
 
 

@@ -10,6 +10,7 @@ import torch
 from _dist import run_distributed
 from test_reward_model import _config, _two_ranks_metrics
 
+from lightrft.rewards import Sample
 from lightrft.training import read_metrics
 
 pytestmark = pytest.mark.skipif(
@@ -53,7 +54,7 @@ def _fsdp2_and_zero3(tmp_path, score_head=None, *, zero3_worker=_two_ranks_metri
         rows = read_metrics(root / "out")
         runs[name] = [(r["train/loss"], r["train/grad_norm"]) for r in rows if "train/loss" in r]
         rm = RewardModel(str(root / "out" / "final"), score_head=score_head)
-        scores[name] = rm(["apple river?", "sun moon?"], ["river apple no", "a b"])
+        scores[name] = rm(Sample.batch(["apple river?", "sun moon?"], ["river apple no", "a b"]))
     return runs, scores
 
 

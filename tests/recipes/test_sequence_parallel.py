@@ -166,7 +166,7 @@ def _vlm_sft_config(tmp: Path, out: Path, **over) -> Path:
     """SFT on the tiny Qwen2-VL (4 query / 2 KV heads) and the shapes data (32 pictures with
     their counting questions), 3 steps of 8 samples, an eval of the 8 test pictures after
     steps 0 (before training), 2 and 3 (tests/vision/test_vision_recipes.py's run)."""
-    data = {"max_pixels": 56 * 56}
+    data = {"media": {"image": {"max_pixels": 56 * 56}}}
     cfg = {
         "output_dir": str(out),
         "seed": 0,
@@ -256,7 +256,8 @@ class CharReward:
     whose rewards are all equal has no policy gradient: AdamW would turn the runs' last-bit
     noise into whole steps)."""
 
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
         return [sum(map(ord, r)) % 7 / 6 for r in responses]
 
 
@@ -267,7 +268,10 @@ def test_vlm_grpo_sequence_parallel_equals_one_process(tmp_path, monkeypatch):
     terms and gradient norms (1e-5) and eval accuracy. Generation is not sequence-parallel: each
     rank samples its own share of the step's prompts, exactly the plain 2-process run's."""
     t = tmp_path
-    prompts = {"_component_": "_recording.RecordingPromptDataset", "max_pixels": 56 * 56}
+    prompts = {
+        "_component_": "_recording.RecordingPromptDataset",
+        "media": {"image": {"max_pixels": 56 * 56}},
+    }
 
     def config(out: Path, **over) -> Path:
         cfg = yaml.safe_load(_vlm_sft_config(t, out).read_text())

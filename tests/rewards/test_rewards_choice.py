@@ -2,14 +2,12 @@
 
 import pytest
 
-from lightrft.rewards import ChoiceVerifier
+from lightrft.rewards import ChoiceVerifier, Sample
 
 
 def _score(verifier, responses, references):
     n = len(responses)
-    return verifier(
-        prompts=["q"] * n, responses=responses, references=references, labels=[None] * n
-    )
+    return verifier(Sample.batch(["q"] * n, responses, references=references, labels=[None] * n))
 
 
 def test_choice_verifier_reads_the_last_answer_tag():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightrft.rewards import code
+from lightrft.rewards import Sample, code
 from lightrft.rewards.base import RewardInputError
 from lightrft.rewards.code import CodeVerifier, extract_code, parse_tests
 
@@ -25,7 +25,11 @@ def verifier():
 
 
 def _score(v, responses, refs):
-    return v(["q"] * len(responses), responses, refs, [None] * len(responses))
+    return v(
+        Sample.batch(
+            ["q"] * len(responses), responses, references=refs, labels=[None] * len(responses)
+        )
+    )
 
 
 def test_formats_and_rewards(verifier):
@@ -53,7 +57,9 @@ def test_parse_and_extract():
         (["assert __lightrft_report__ == 2"], "reserved name"),
     ):
         with pytest.raises(RewardInputError, match=f"sample 1: bad test cases: .*{why}"):
-            CodeVerifier()(["q", "q"], ["x", "x"], [TESTS, ref], [None, None])
+            CodeVerifier()(
+                Sample.batch(["q", "q"], ["x", "x"], references=[TESTS, ref], labels=[None, None])
+            )
 
 
 def test_correct_programs_pass_every_format(verifier):
@@ -80,7 +86,7 @@ def test_require_isolation_refuses_before_any_run(monkeypatch):
     monkeypatch.setattr(code.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
     strict = CodeVerifier(require_isolation=True)
     with pytest.raises(RuntimeError, match="require_isolation=True.*user namespaces are off"):
-        strict(["q"], [ADD], [TESTS], [None])
+        strict(Sample.batch(["q"], [ADD], references=[TESTS], labels=[None]))
 
 
 def test_fallback_warns_once_and_still_scores(monkeypatch):

@@ -68,7 +68,10 @@ def test_judge_needs_every_site_and_every_report():
     ok = _report([0, [_i(1), _i(2)]], [0, [_i(2), _i(4)]], [1, [["n", None]]])
     assert judge(plan, ok) == (True, "ok")
     assert judge(plan, _report([0, [_i(1), _i(2)]], [1, [["n", None]]]))[0]
-    assert not judge(plan, _report([0, [_i(1), _i(2)]], [0, [_i(2), _i(5)]], [1, [["n", None]]]))[0]
+    assert not judge(
+        plan,
+        _report([0, [_i(1), _i(2)]], [0, [_i(2), _i(5)]], [1, [["n", None]]]),
+    )[0]
     assert judge(plan, _report([0, [_i(1), _i(2)]]))[1] == "the assert on line 3 never ran"
     for bad in (
         b"garbage",

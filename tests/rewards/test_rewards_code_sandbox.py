@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from lightrft.rewards import code
+from lightrft.rewards import Sample, code
 from lightrft.rewards.code import CodeVerifier
 from lightrft.rewards.code import TestCase as Case
 
@@ -39,7 +39,9 @@ class Context:
 
 
 def _score(ctx: Context, program: str, ref) -> float:
-    return ctx.verifier(["q"], ["```python\n" + program + "\n```"], [ref], [None])[0]
+    return ctx.verifier(
+        Sample.batch(["q"], ["```python\n" + program + "\n```"], references=[ref], labels=[None])
+    )[0]
 
 
 def _sandbox_processes(token: str = "") -> set[int]:
@@ -506,6 +508,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import test_rewards_code_sandbox as t
 from lightrft.rewards import code
+from lightrft.rewards import Sample
 assert os.getuid() == 65534
 problem = code._isolation_problem()
 if problem is not None:
@@ -576,7 +579,11 @@ def test_require_isolation_runs_where_isolation_works(isolated):
     strict = CodeVerifier(timeout=2.0, require_isolation=True)
     fn = "```python\ndef f(x):\n    return x * x + 1\n```"
     refs = [ADD_TESTS, SQUARE_PLUS_ONE]
-    assert strict(["q", "q"], ["```python\n" + ADD + "```", fn], refs, [None, None]) == [1.0, 1.0]
+    assert strict(
+        Sample.batch(
+            ["q", "q"], ["```python\n" + ADD + "```", fn], references=refs, labels=[None, None]
+        )
+    ) == [1.0, 1.0]
 
 
 def test_isolation_works_from_a_virtual_environment_under_a_masked_directory(tmp_path, isolated):

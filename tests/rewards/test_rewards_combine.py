@@ -12,6 +12,7 @@ from lightrft.rewards import (
     CombinedReward,
     MathVerifier,
     RewardError,
+    Sample,
     ThinkFormatReward,
     build_reward,
     check_reward_output,
@@ -25,11 +26,16 @@ class Recorder:
         self.calls = []
         self.value = value
 
-    def __call__(self, prompts, responses, references, labels):
+    def __call__(self, samples):
         self.calls.append(
-            dict(prompts=prompts, responses=responses, references=references, labels=labels)
+            dict(
+                prompts=[s.prompt for s in samples],
+                responses=[s.response for s in samples],
+                references=[s.reference for s in samples],
+                labels=[s.label for s in samples],
+            )
         )
-        return [self.value] * len(responses)
+        return [self.value] * len(samples)
 
 
 PROMPTS = ["p0", "p1", "p2", "p3"]
@@ -45,7 +51,7 @@ def test_weights_routes_and_parts():
         weights={"math": 1.0, "format": 0.5, "chat": 2.0},
         routes={"math": ["math", "format"], "chat": ["chat", "format"]},
     )
-    out = fn(PROMPTS, RESPONSES, REFS, LABELS)
+    out = fn(Sample.batch(PROMPTS, RESPONSES, references=REFS, labels=LABELS))
     # math: [1, 0, -, -]; format: [1, 0, 1, 0]; chat: [-, -, .25, .25]
     torch.testing.assert_close(out.total, torch.tensor([1.5, 0.0, 1.0, 0.5]))
     torch.testing.assert_close(out.parts["math"], torch.tensor([1.0, 0.0, 0.0, 0.0]))
@@ -73,7 +79,7 @@ def test_weights_routes_and_parts():
 def test_no_routes_applies_every_function_to_every_sample():
     a, b = Recorder(1.0), Recorder(3.0)
     out = CombinedReward({"a": a, "b": b}, weights={"b": -1.0})(
-        PROMPTS, RESPONSES, labels=["x", None, "y", "z"]
+        Sample.batch(PROMPTS, RESPONSES, labels=["x", None, "y", "z"])
     )
     torch.testing.assert_close(out.total, torch.full((4,), -2.0))
     assert len(a.calls[0]["responses"]) == 4 and a.calls[0]["references"] == [None] * 4
@@ -82,10 +88,10 @@ def test_no_routes_applies_every_function_to_every_sample():
 def test_wildcard_route_and_default_reward():
     a, b = Recorder(1.0), Recorder(2.0)
     fn = CombinedReward({"a": a, "b": b}, routes={"math": ["a"], "*": ["b"]})
-    out = fn(PROMPTS, RESPONSES, labels=["math", "other", None, "math"])
+    out = fn(Sample.batch(PROMPTS, RESPONSES, labels=["math", "other", None, "math"]))
     assert out.total.tolist() == [1.0, 2.0, 2.0, 1.0]
     fn = CombinedReward({"a": a}, routes={"math": ["a"]}, default_reward=-0.5)
-    out = fn(PROMPTS, RESPONSES, labels=["math", "other", None, "math"])
+    out = fn(Sample.batch(PROMPTS, RESPONSES, labels=["math", "other", None, "math"]))
     assert out.total.tolist() == [1.0, -0.5, -0.5, 1.0]
     assert out.applied["a"].tolist() == [True, False, False, True]
 
@@ -93,11 +99,11 @@ def test_wildcard_route_and_default_reward():
 def test_unrouted_label_is_an_error_naming_the_sample():
     fn = CombinedReward({"a": Recorder()}, routes={"math": ["a"]})
     with pytest.raises(ValueError, match=r"sample 2 \(prompt 'p2'\) has label 'maths'.*routes"):
-        fn(PROMPTS, RESPONSES, labels=["math", "math", "maths", "math"])
+        fn(Sample.batch(PROMPTS, RESPONSES, labels=["math", "math", "maths", "math"]))
 
 
 def test_function_that_raises_is_named():
-    def broken(prompts, responses, references, labels):
+    def broken(samples):
         raise KeyError("boom")
 
     fn = CombinedReward({"ok": Recorder(), "judge": broken})
@@ -106,7 +112,7 @@ def test_function_that_raises_is_named():
         match=r"reward function 'judge' \(function\) failed on a batch "
         r"of 4 samples: KeyError: 'boom'",
     ) as info:
-        fn(PROMPTS, RESPONSES)
+        fn(Sample.batch(PROMPTS, RESPONSES))
     assert isinstance(info.value.__cause__, KeyError)
 
 
@@ -132,13 +138,13 @@ def test_function_that_raises_is_named():
     ],
 )
 def test_bad_outputs_fail_naming_the_function(returned, match):
-    fn = CombinedReward({"good": Recorder(), "bad": lambda **kw: returned})
+    fn = CombinedReward({"good": Recorder(), "bad": lambda samples: returned})
     with pytest.raises(RewardError, match=match):
-        fn(PROMPTS, RESPONSES)
+        fn(Sample.batch(PROMPTS, RESPONSES))
 
 
 def test_nan_index_is_the_batch_index_under_routing():
-    def nan_on_second(prompts, responses, references, labels):
+    def nan_on_second(samples):
         return [0.0, float("nan")]
 
     fn = CombinedReward({"a": nan_on_second, "b": Recorder()}, routes={"x": ["a"], "y": ["b"]})
@@ -147,7 +153,7 @@ def test_nan_index_is_the_batch_index_under_routing():
         match=r"'a' returned a non-finite reward \(nan\) for sample 3 "
         r"\(prompt 'p3'\)",
     ):
-        fn(PROMPTS, RESPONSES, labels=["y", "x", "y", "x"])
+        fn(Sample.batch(PROMPTS, RESPONSES, labels=["y", "x", "y", "x"]))
 
 
 def test_good_output_types_are_accepted():
@@ -175,44 +181,49 @@ def test_missing_reference_names_function_and_sample():
         match=r"'math' needs a reference answer, but sample 2 \(label "
         r"'math', prompt .Janet's ducks lay 16 eggs per day",
     ):
-        fn(prompts, RESPONSES, refs, labels)
+        fn(Sample.batch(prompts, RESPONSES, references=refs, labels=labels))
 
 
 def test_input_lengths_are_checked():
     fn = CombinedReward({"a": Recorder()})
     with pytest.raises(ValueError, match="labels has 3 entries but responses has 4"):
-        fn(PROMPTS, RESPONSES, labels=["a"] * 3)
+        fn(Sample.batch(PROMPTS, RESPONSES, labels=["a"] * 3))
     with pytest.raises(ValueError, match="prompts has 2 entries"):
-        fn(PROMPTS[:2], RESPONSES)
+        fn(Sample.batch(PROMPTS[:2], RESPONSES))
 
 
 class ChatReader(Recorder):
-    uses_conversations = True
+    def __call__(self, samples):
+        self.calls.append(
+            dict(
+                prompts=[s.prompt for s in samples], conversations=[s.conversation for s in samples]
+            )
+        )
+        return [self.value] * len(samples)
 
-    def __call__(self, prompts, responses, references, labels, conversations):
-        self.calls.append(dict(prompts=prompts, conversations=conversations))
-        return [self.value] * len(responses)
 
-
-def test_conversations_reach_only_the_functions_that_read_them():
-    """A function with ``uses_conversations`` gets its samples' conversations (routed like the
-    prompts); the others are called as before."""
+def test_each_function_gets_its_routed_samples_whole():
+    """A function gets its routed samples, each with its conversation."""
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     reader, plain = ChatReader(), Recorder()
     fn = CombinedReward(
         {"chat": reader, "plain": plain}, routes={"chat": ["chat"], "math": ["plain"]}
     )
-    fn(PROMPTS, RESPONSES, REFS, LABELS, conversations=chats)
+    fn(Sample.batch(PROMPTS, RESPONSES, references=REFS, labels=LABELS, conversations=chats))
     assert reader.calls == [{"prompts": PROMPTS[2:], "conversations": chats[2:]}]
-    assert plain.calls[0]["prompts"] == PROMPTS[:2]  # no conversations argument
-    fn(PROMPTS, RESPONSES, REFS, LABELS)
-    assert reader.calls[-1]["conversations"] is None
+    assert plain.calls[0]["prompts"] == PROMPTS[:2]
+    fn(Sample.batch(PROMPTS, RESPONSES, references=REFS, labels=LABELS))
+    assert reader.calls[-1]["conversations"] == [None, None]
     with pytest.raises(ValueError, match="conversations has 3 entries but responses has 4"):
-        fn(PROMPTS, RESPONSES, REFS, LABELS, conversations=chats[:3])
+        fn(
+            Sample.batch(
+                PROMPTS, RESPONSES, references=REFS, labels=LABELS, conversations=chats[:3]
+            )
+        )
 
 
 def test_empty_batch():
-    out = CombinedReward({"a": Recorder()})([], [], [], [])
+    out = CombinedReward({"a": Recorder()})(Sample.batch([], [], references=[], labels=[]))
     assert out.total.shape == (0,)
     assert out.metrics()["reward/total/mean"] == 0.0
     assert out.metrics()["reward/a/count"] == 0.0
@@ -234,8 +245,8 @@ def test_constructor_errors():
 
 
 def test_build_reward_wraps_single_functions():
-    def my_judge(prompts, responses, references, labels):
-        return [0.5] * len(responses)
+    def my_judge(samples):
+        return [0.5] * len(samples)
 
     assert list(build_reward(MathVerifier()).functions) == ["math"]
     assert list(build_reward(my_judge).functions) == ["my_judge"]
@@ -244,7 +255,7 @@ def test_build_reward_wraps_single_functions():
     combined = CombinedReward({"a": Recorder()})
     assert build_reward(combined) is combined
     fn = build_reward({"_component_": "lightrft.rewards.GSM8KVerifier", "incorrect": -1.0})
-    out = fn(["q"], ["#### 3"], ["4"])
+    out = fn(Sample.batch(["q"], ["#### 3"], references=["4"]))
     assert list(fn.functions) == ["gsm8k"] and out.total.tolist() == [-1.0]
 
 
@@ -269,10 +280,12 @@ def test_yaml_config_with_nested_components(tmp_path):
     config.check(cfg, {"reward": config.Component}, src)
     fn = build_reward(cfg.reward)
     out = fn(
-        ["q", "q"],
-        [r"<think>t</think> \boxed{2}", r"<think>t</think> \boxed{2}"],
-        ["2", None],
-        ["math", "chat"],
+        Sample.batch(
+            ["q", "q"],
+            [r"<think>t</think> \boxed{2}", r"<think>t</think> \boxed{2}"],
+            references=["2", None],
+            labels=["math", "chat"],
+        )
     )
     assert out.total.tolist() == [1.5, 0.5]
     assert set(out.metrics()) >= {"reward/accuracy/mean", "reward/format/mean"}
@@ -291,3 +304,16 @@ def test_yaml_config_errors_are_caught(tmp_path):
     cfg, src = config.load(path)
     with pytest.raises(config.ConfigError, match="did you mean 'weights'"):
         config.check(cfg, {"reward": config.Component}, src)
+
+
+def test_a_function_of_the_list_interface_is_refused_naming_it():
+    """Custom functions written for ``fn(prompts, responses, references, labels)`` get a clear
+    error when the reward is built, before any step (docs/reward_models.md)."""
+
+    def old(prompts, responses, references, labels):
+        return [0.0] * len(responses)
+
+    with pytest.raises(ValueError, match=r"'functions.old' takes \(prompts, responses.*Sample"):
+        CombinedReward({"old": old})
+    with pytest.raises(ValueError, match=r"'functions.old' takes \(prompts, responses"):
+        build_reward(old)

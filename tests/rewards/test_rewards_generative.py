@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from lightrft.rewards import CombinedReward, GenerativeReward
+from lightrft.rewards import CombinedReward, GenerativeReward, Sample
 from lightrft.rewards.generative import parse_verdict
 
 
@@ -65,11 +65,11 @@ def test_score_mode_counts_parse_failures_and_uses_the_fallback(serve):
         return " 9" if "good" in response else " I cannot judge this."
 
     rm = GenerativeReward(url=serve(judge), fallback=-1.0, scale=0.1)
-    out = rm(["q1", "q2", "q3"], ["good answer", "bad answer", "good too"])
+    out = rm(Sample.batch(["q1", "q2", "q3"], ["good answer", "bad answer", "good too"]))
     assert torch.allclose(out, torch.tensor([0.9, -1.0, 0.9]))
     assert rm.last_metrics == {"parse_failures": 1.0, "parse_failure_rate": 1 / 3}
     assert rm.parse_failures == 1 and rm.judged == 3
-    combined = CombinedReward({"judge": rm})(["q"], ["meh"])
+    combined = CombinedReward({"judge": rm})(Sample.batch(["q"], ["meh"]))
     assert combined.total.tolist() == [-1.0]
     m = combined.metrics()
     assert m["reward/judge/parse_failures"] == 1.0 and m["reward/judge/parse_failure_rate"] == 1.0
@@ -80,9 +80,12 @@ def test_score_mode_counts_parse_failures_and_uses_the_fallback(serve):
 def test_choice_mode_both_orders_cancel_position_bias(serve):
     always_a = serve(lambda prompt: " A")
     biased = GenerativeReward(url=always_a, mode="choice", fallback=0.5)
-    assert biased(["q", "q"], ["x", "y"], references=["r", "r"]).tolist() == [1.0, 1.0]
+    assert biased(Sample.batch(["q", "q"], ["x", "y"], references=["r", "r"])).tolist() == [
+        1.0,
+        1.0,
+    ]
     fair = GenerativeReward(url=always_a, mode="choice", both_orders=True, fallback=0.5)
-    assert fair(["q", "q"], ["x", "y"], references=["r", "r"]).tolist() == [0.5, 0.5]
+    assert fair(Sample.batch(["q", "q"], ["x", "y"], references=["r", "r"])).tolist() == [0.5, 0.5]
 
     def prefers_good(prompt):
         a = prompt.split("A: ")[1].split("\n")[0]
@@ -92,11 +95,11 @@ def test_choice_mode_both_orders_cancel_position_bias(serve):
     judge = GenerativeReward(
         url=serve(prefers_good), mode="choice", both_orders=True, fallback=0.25
     )
-    out = judge(["q"] * 2, ["good one", "plain"], references=["plain ref", "ref"])
+    out = judge(Sample.batch(["q"] * 2, ["good one", "plain"], references=["plain ref", "ref"]))
     assert out.tolist() == [1.0, 0.25]  # wins both orders; both verdicts unparsable
     assert judge.last_metrics["parse_failures"] == 2.0
     with pytest.raises(ValueError, match="no reference"):
-        judge(["q"], ["x"], references=[None])
+        judge(Sample.batch(["q"], ["x"], references=[None]))
 
 
 def test_parse_verdict_reads_the_named_verdict_group():
@@ -122,7 +125,7 @@ def test_an_echo_that_differs_from_the_response_gets_the_fallback(serve):
         fallback=-1.0,
         max_parse_failures=1,  # a mismatch is no parse failure: this must not refuse
     )
-    out = rm(["q"] * 4, ["4", "3", "4.", "44"])
+    out = rm(Sample.batch(["q"] * 4, ["4", "3", "4.", "44"]))
     assert out.tolist() == [1.0, 0.0, -1.0, -1.0]
     assert rm.last_metrics == {
         "parse_failures": 0.0,
@@ -130,7 +133,7 @@ def test_an_echo_that_differs_from_the_response_gets_the_fallback(serve):
         "echo_mismatches": 2.0,
     }
     assert rm.echo_mismatches == 2 and rm.parse_failures == 0
-    m = CombinedReward({"judge": rm})(["q"], ["44"]).metrics()
+    m = CombinedReward({"judge": rm})(Sample.batch(["q"], ["44"])).metrics()
     assert m["reward/judge/echo_mismatches"] == 1.0
     plain = GenerativeReward(
         url=serve(judge),
@@ -138,7 +141,10 @@ def test_an_echo_that_differs_from_the_response_gets_the_fallback(serve):
         verdicts={"yes": 1.0, "no": 0.0},
         fallback=-1.0,
     )
-    assert plain(["q"] * 2, ["4.", "44"]).tolist() == [1.0, 1.0]  # without the echo: paid
+    assert plain(Sample.batch(["q"] * 2, ["4.", "44"])).tolist() == [
+        1.0,
+        1.0,
+    ]  # without the echo: paid
 
 
 def test_config_errors():
@@ -158,7 +164,7 @@ def test_local_judge_through_the_native_engine(tiny_model_dir):
     # A random tiny judge writes no digits it was asked for, or some: every verdict is either
     # parsed or counted as a failure with the fallback, never silently 0.
     rm = GenerativeReward(judge=str(tiny_model_dir), fallback=-5.0, max_tokens=4, device="cpu")
-    out = rm(["2+2?", "3+3?"], ["4", "6"])
+    out = rm(Sample.batch(["2+2?", "3+3?"], ["4", "6"]))
     fails = int(rm.last_metrics["parse_failures"])
     assert out.shape == (2,) and (out == -5.0).sum().item() == fails
     assert rm.judged == 2

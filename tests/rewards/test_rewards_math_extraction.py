@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightrft.rewards import GSM8KVerifier, MathVerifier, TTRLReward
+from lightrft.rewards import GSM8KVerifier, MathVerifier, Sample, TTRLReward
 from lightrft.rewards.math_answer import majority_vote
 
 
@@ -21,7 +21,7 @@ def verifier():
 
 def _score(v, responses, references):
     n = len(responses)
-    return v(prompts=["q"] * n, responses=responses, references=references, labels=[None] * n)
+    return v(Sample.batch(["q"] * n, responses, references=references, labels=[None] * n))
 
 
 # (response, reference, reward): one or two of each form the rules lost, and near misses.
@@ -128,7 +128,7 @@ def test_ttrl_agreement_on_math_verify_answers(verifier):
         "\\boxed{14916}",
         "\\boxed{7}",
     ]
-    out = reward(prompts=["p"] * 3, responses=responses, references=None, labels=None)
+    out = reward(Sample.batch(["p"] * 3, responses, references=None, labels=None))
     assert out == [1.0, 1.0, 0.0]
 
 
@@ -170,10 +170,10 @@ def test_extraction_is_chosen_clearly():
 def test_the_caller_never_imports_math_verify_or_sympy():
     code = (
         "import sys\n"
-        "from lightrft.rewards import MathVerifier\n"
+        "from lightrft.rewards import MathVerifier, Sample\n"
         "v = MathVerifier(timeout=5.0)\n"
-        "scores = v(['q'] * 2, [r'so $$\\frac{1}{2}$$', r'\\boxed{1} and \\boxed{2}'],"
-        " ['0.5', r'\\{1,2\\}'])\n"
+        "scores = v(Sample.batch(['q'] * 2, [r'so $$\\frac{1}{2}$$', r'\\boxed{1} and \\boxed{2}'],"
+        " ['0.5', r'\\{1,2\\}']))\n"
         "answers = v.extract_many([r'\\(\\frac13\\)'])\n"
         "v.close()\n"
         "print(scores, answers, 'math_verify' in sys.modules, 'sympy' in sys.modules)\n"

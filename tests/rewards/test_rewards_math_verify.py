@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from lightrft.rewards import GSM8KVerifier, MathVerifier
+from lightrft.rewards import GSM8KVerifier, MathVerifier, Sample
 from lightrft.rewards.math_equiv import EquivalencePool
 
 
@@ -66,7 +66,9 @@ TABLE = [
 def test_equivalence_table(verifier, pred, gold, equal):
     assert verifier.equivalent(pred, gold) is equal
     # Scored as a response too, through extraction of a boxed answer.
-    reward = verifier(["q"], [f"so \\boxed{{{pred}}}"], [gold], [None])
+    reward = verifier(
+        Sample.batch(["q"], [f"so \\boxed{{{pred}}}"], references=[gold], labels=[None])
+    )
     assert reward == [1.0 if equal else 0.0]
 
 
@@ -99,7 +101,9 @@ def test_plain_numbers_never_reach_sympy():
 def test_gsm8k_verifier_stays_exact():
     v = GSM8KVerifier()
     assert v._pool is None
-    assert v(["q"], [r"#### \sqrt{8}"], [r"2\sqrt{2}"], [None]) == [0.0]
+    assert v(Sample.batch(["q"], [r"#### \sqrt{8}"], references=[r"2\sqrt{2}"], labels=[None])) == [
+        0.0
+    ]
 
 
 ADVERSARIAL = [
@@ -130,7 +134,7 @@ def quick():
 def test_adversarial_answers_finish_within_the_limit(quick, answer):
     responses = [f"\\boxed{{{answer}}}", answer, "\\boxed{" * 20_000 + answer]
     start = time.monotonic()
-    out = quick(["q"] * 3, responses, ["7"] * 3, [None] * 3)
+    out = quick(Sample.batch(["q"] * 3, responses, references=["7"] * 3, labels=[None] * 3))
     # Worst case: each of the 3 pairs uses its full second, plus restarting a killed worker
     # (its sympy import: ~1 s idle, several under load) outside the answers' limits.
     assert time.monotonic() - start < 3 * (1.0 + 10)
@@ -195,7 +199,14 @@ def test_huge_numbers_are_refused_at_once_with_a_reason(cls, answer):
     v = cls(timeout=1.0)
     responses = [f"\\boxed{{{answer}}}", f"The answer is {answer}", f"#### {answer}"]
     start = time.monotonic()
-    out = v(["q"] * 4, responses + [r"\boxed{7}"], ["7", answer, "7", answer], [None] * 4)
+    out = v(
+        Sample.batch(
+            ["q"] * 4,
+            responses + [r"\boxed{7}"],
+            references=["7", answer, "7", answer],
+            labels=[None] * 4,
+        )
+    )
     assert time.monotonic() - start < 1.0
     assert out == [0.0, 0.0, 0.0, 0.0]  # the reference itself is refused too
     assert len(v.last_refusals) == 4 and "(the bound is" in v.last_refusals[0]
@@ -228,7 +239,9 @@ EQUATIONS = [
 def test_an_equation_counts_as_its_right_side_only_after_a_variable(verifier, pred, gold, equal):
     for a, b in ((pred, gold), (gold, pred)):  # both directions
         assert verifier.equivalent(a, b) is equal, (a, b)
-        assert verifier(["q"], [f"\\boxed{{{a}}}"], [b], [None]) == [float(equal)]
+        assert verifier(
+            Sample.batch(["q"], [f"\\boxed{{{a}}}"], references=[b], labels=[None])
+        ) == [float(equal)]
         assert GSM8KVerifier().equivalent(a, b) is equal, (a, b)
 
 

@@ -20,6 +20,7 @@ from lightrft.rewards import (
     RemoteReward,
     RemoteRewardError,
     RewardError,
+    Sample,
 )
 from lightrft.rewards.server import make_server
 
@@ -81,19 +82,25 @@ def fast_client(url, **kw):
 
 def test_happy_path_with_the_reference_server():
     with running(make_server(MathVerifier())) as url:
-        rewards = fast_client(url)(PROMPTS, RESPONSES, REFS, LABELS)
+        rewards = fast_client(url)(Sample.batch(PROMPTS, RESPONSES, references=REFS, labels=LABELS))
     assert rewards == [1.0, 0.0, 1.0]
 
 
 def test_request_fields_and_batching():
     seen = []
 
-    def record(prompts, responses, references, labels):
+    def record(samples):
+        prompts = [s.prompt for s in samples]
+        responses = [s.response for s in samples]
+        references = [s.reference for s in samples]
+        labels = [s.label for s in samples]
         seen.append((prompts, responses, references, labels))
         return [float(len(r)) for r in responses]
 
     with running(make_server(record)) as url:
-        rewards = fast_client(url, batch_size=2)(PROMPTS, RESPONSES, REFS, LABELS)
+        rewards = fast_client(url, batch_size=2)(
+            Sample.batch(PROMPTS, RESPONSES, references=REFS, labels=LABELS)
+        )
     assert rewards == [float(len(r)) for r in RESPONSES]
     assert len(seen) == 2  # 3 samples in requests of at most 2
     assert seen[0] == (PROMPTS[:2], RESPONSES[:2], REFS[:2], LABELS[:2])
@@ -104,7 +111,9 @@ def test_wire_format():
     s = Scripted([ok([1.0, 2.0])])
     conv = [{"role": "user", "content": "Hi"}]
     with running(s.server) as url:
-        assert fast_client(url)(["Q: ", conv], ["a", "b"], None, ["x", None]) == [1.0, 2.0]
+        assert fast_client(url)(
+            Sample.batch(["Q: ", conv], ["a", "b"], references=None, labels=["x", None])
+        ) == [1.0, 2.0]
     body = s.requests[0]
     assert body["queries"] == ["Q: a", conv + [{"role": "assistant", "content": "b"}]]
     assert body["prompts"] == ["Q: ", conv] and body["responses"] == ["a", "b"]
@@ -128,7 +137,7 @@ def test_slow_server_times_out_then_retry_succeeds():
     s = Scripted([(1.5, 200, b'{"rewards": [0.0]}'), ok([7.0])])
     with running(s.server) as url:
         start = time.perf_counter()
-        rewards = fast_client(url, timeout=0.3)(["q"], ["r"])
+        rewards = fast_client(url, timeout=0.3)(Sample.batch(["q"], ["r"]))
         elapsed = time.perf_counter() - start
     assert rewards == [7.0]
     assert len(s.requests) == 2
@@ -144,7 +153,7 @@ def test_slow_server_fails_after_bounded_retries():
             match=rf"{url} failed 2 attempts .*no answer within "
             r"timeout=0.2s",
         ):
-            fast_client(url, timeout=0.2, max_retries=1)(["q"], ["r"])
+            fast_client(url, timeout=0.2, max_retries=1)(Sample.batch(["q"], ["r"]))
         assert time.perf_counter() - start < 2.0
     assert len(s.requests) == 2
 
@@ -156,7 +165,7 @@ def test_server_down_fails_fast_with_a_clear_error():
     url = f"http://127.0.0.1:{port}/get_reward"
     start = time.perf_counter()
     with pytest.raises(RemoteRewardError, match=rf"{url} failed 3 attempts.*ConnectionRefused"):
-        RemoteReward(url, timeout=1.0, max_retries=2, backoff=0.1)(["q"], ["r"])
+        RemoteReward(url, timeout=1.0, max_retries=2, backoff=0.1)(Sample.batch(["q"], ["r"]))
     elapsed = time.perf_counter() - start
     assert 0.3 <= elapsed < 5.0  # two backoffs: 0.1 s + 0.2 s
 
@@ -164,7 +173,7 @@ def test_server_down_fails_fast_with_a_clear_error():
 def test_retryable_http_errors_are_retried():
     s = Scripted([(0.0, 503, b"busy"), (0.0, 500, b"oops"), ok([1.0])])
     with running(s.server) as url:
-        assert fast_client(url)(["q"], ["r"]) == [1.0]
+        assert fast_client(url)(Sample.batch(["q"], ["r"])) == [1.0]
     assert len(s.requests) == 3
 
 
@@ -187,7 +196,7 @@ def test_malformed_answers_fail_at_once_naming_the_url(status, body, match):
     s = Scripted([(0.0, status, body)])
     with running(s.server) as url:
         with pytest.raises(RemoteRewardError, match=rf"reward server {url} .*{match}"):
-            fast_client(url)(["q", "q"], ["a", "b"])
+            fast_client(url)(Sample.batch(["q", "q"], ["a", "b"]))
     assert len(s.requests) == 1  # a malformed answer is not retried
 
 
@@ -196,14 +205,14 @@ def test_remote_error_inside_combined_reward_names_both():
     with running(s.server) as url:
         fn = CombinedReward({"judge": fast_client(url)})
         with pytest.raises(RewardError, match=rf"'judge' \(RemoteReward\).*{url}"):
-            fn(["q"], ["r"])
+            fn(Sample.batch(["q"], ["r"]))
 
 
 def test_reference_server_errors():
-    def broken(prompts, responses, references, labels):
+    def broken(samples):
         raise RuntimeError("model on fire")
 
-    def short(prompts, responses, references, labels):
+    def short(samples):
         return [1.0]
 
     for fn, match in (
@@ -212,7 +221,7 @@ def test_reference_server_errors():
     ):
         with running(make_server(fn)) as url:
             with pytest.raises(RemoteRewardError, match=rf"HTTP 500 .*{match}"):
-                fast_client(url)(["q", "q"], ["a", "b"])
+                fast_client(url)(Sample.batch(["q", "q"], ["a", "b"]))
     with running(make_server(MathVerifier())) as url:
         for body, match in (
             (b"not json", "bad request"),
@@ -236,7 +245,7 @@ def test_client_argument_checks():
     with pytest.raises(ValueError, match="max_retries must be >= 0"):
         RemoteReward("http://x", max_retries=-1)
     with pytest.raises(ValueError, match="references has 1 entries but responses has 2"):
-        RemoteReward("http://x")(["a", "b"], ["a", "b"], ["r"])
+        RemoteReward("http://x")(Sample.batch(["a", "b"], ["a", "b"], references=["r"]))
 
 
 def test_server_command_line():
@@ -252,14 +261,17 @@ def test_server_command_line():
         line = proc.stdout.readline()
         assert line.startswith("serving gsm8k on http://127.0.0.1:"), line
         url = line.split()[-1] + "/get_reward"
-        rewards = fast_client(url)(["q", "q"], ["#### 1,000", "#### 7"], ["1000", "8"])
+        rewards = fast_client(url)(
+            Sample.batch(["q", "q"], ["#### 1,000", "#### 7"], references=["1000", "8"])
+        )
         assert rewards == [1.0, 0.0]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
 
 
-def length_reward(prompts, responses, references, labels, scale=1.0):
+def length_reward(samples, scale=1.0):
+    responses = [s.response for s in samples]
     return [scale * len(r) for r in responses]
 
 
@@ -270,7 +282,7 @@ def test_load_reward_fn():
     assert isinstance(load_reward_fn("format"), ThinkFormatReward)
     assert load_reward_fn("math", kwargs={"incorrect": -1.0}).incorrect == -1.0
     fn = load_reward_fn(component=f"{__name__}.length_reward", kwargs={"scale": 2.0})
-    assert fn(["q"], ["abc"], [None], [None]) == [6.0]
+    assert fn(Sample.batch(["q"], ["abc"], references=[None], labels=[None])) == [6.0]
     assert load_reward_fn(component=f"{__name__}.length_reward") is length_reward
     with pytest.raises(ValueError, match="unknown verifier 'maths'"):
         load_reward_fn("maths")
@@ -301,12 +313,14 @@ def _post(length: int | str, body: bytes, extra: str = "") -> bytes:
 def test_server_token_auth_and_client_token(monkeypatch):
     with running(make_server(MathVerifier(), token="s3cret")) as url:
         with pytest.raises(RemoteRewardError, match="HTTP 401"):
-            fast_client(url)(["q"], [r"\boxed{1}"], ["1"])
+            fast_client(url)(Sample.batch(["q"], [r"\boxed{1}"], references=["1"]))
         with pytest.raises(RemoteRewardError, match="HTTP 401"):
-            fast_client(url, token="wrong")(["q"], [r"\boxed{1}"], ["1"])
-        assert fast_client(url, token="s3cret")(["q"], [r"\boxed{1}"], ["1"]) == [1.0]
+            fast_client(url, token="wrong")(Sample.batch(["q"], [r"\boxed{1}"], references=["1"]))
+        assert fast_client(url, token="s3cret")(
+            Sample.batch(["q"], [r"\boxed{1}"], references=["1"])
+        ) == [1.0]
         monkeypatch.setenv("LIGHTRFT_REWARD_TOKEN", "s3cret")
-        assert fast_client(url)(["q"], [r"\boxed{1}"], ["1"]) == [1.0]
+        assert fast_client(url)(Sample.batch(["q"], [r"\boxed{1}"], references=["1"])) == [1.0]
         with urllib.request.urlopen(url.rsplit("/", 1)[0] + "/health", timeout=5) as r:
             assert r.status == 200  # the health probe needs no token
 
@@ -359,7 +373,7 @@ def test_server_bounds_concurrent_connections():
             for s in idle:
                 s.close()
         time.sleep(0.2)  # closed connections give their slots back
-        assert fast_client(url)(["q"], [r"\boxed{1}"], ["1"]) == [1.0]
+        assert fast_client(url)(Sample.batch(["q"], [r"\boxed{1}"], references=["1"])) == [1.0]
 
 
 @pytest.mark.parametrize(
@@ -428,7 +442,7 @@ def test_remote_timeout_bounds_the_whole_request_against_a_trickling_server():
         with pytest.raises(
             RemoteRewardError, match=r"failed 3 attempts.*no answer within timeout=1.0s"
         ):
-            RemoteReward(url, timeout=1.0, max_retries=2, backoff=0.1)(["q"], ["r"])
+            RemoteReward(url, timeout=1.0, max_retries=2, backoff=0.1)(Sample.batch(["q"], ["r"]))
         elapsed = time.perf_counter() - start
         assert elapsed < 3 * 1.0 + 0.1 + 0.2 + 1.0, elapsed  # the documented bound + slack
     finally:

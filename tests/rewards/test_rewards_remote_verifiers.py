@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from lightrft.rewards import CodeVerifier, MathVerifier, RemoteReward, RemoteRewardError
+from lightrft.rewards import CodeVerifier, MathVerifier, RemoteReward, RemoteRewardError, Sample
 from lightrft.rewards.server import load_reward_fn, make_server
 
 
@@ -24,9 +24,9 @@ def serving(reward_fn):
 
 def _same(local, remote, responses, refs):
     n = len(responses)
-    args = dict(prompts=["q"] * n, responses=responses, references=refs, labels=[None] * n)
-    want = local(**args)
-    got = remote(**args)
+    samples = Sample.batch(["q"] * n, responses, refs)
+    want = local(samples)
+    got = remote(samples)
     assert [float(x) for x in got] == [float(x) for x in want]
     return want
 
@@ -63,5 +63,11 @@ def test_code_verifier_bad_tests_are_the_callers_mistake():
             (["assert f(1) =="], "not valid Python"),
         ):
             with pytest.raises(RemoteRewardError, match=f"HTTP 422 .*sample 1: .*{why}"):
-                remote(["q", "q"], [add, add], [good, bad], [None, None])
-        assert [float(x) for x in remote(["q"], [add], [good], [None])] == [1.0]
+                remote(
+                    Sample.batch(
+                        ["q", "q"], [add, add], references=[good, bad], labels=[None, None]
+                    )
+                )
+        assert [
+            float(x) for x in remote(Sample.batch(["q"], [add], references=[good], labels=[None]))
+        ] == [1.0]

@@ -7,7 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightrft.rewards import CombinedReward, RewardModel
+from lightrft.data.media import MediaOptions
+from lightrft.data.video import VideoOptions
+from lightrft.data.vision import ImageOptions
+from lightrft.rewards import CombinedReward, RewardModel, Sample
 from lightrft.tasks.tiny import char_tokenizer, tiny_config
 
 PROMPTS = ["What is 2+2?", "Name a colour.", "x", "Count to five, slowly please.", "Hi", "?"]
@@ -58,7 +61,7 @@ def test_classifier_scores_match_hf_and_are_batch_invariant(classifier_dir):
 
     rm1 = RewardModel(str(classifier_dir), micro_batch_size=1)
     assert rm1.chat_template and not rm1.backbone.training
-    s1 = rm1(PROMPTS, RESPONSES)
+    s1 = rm1(Sample.batch(PROMPTS, RESPONSES))
     assert s1.shape == (len(PROMPTS),) and s1.dtype == torch.float32 and not s1.requires_grad
     assert s1.std() > 1e-3, "scores of different texts should differ"
     # HF's own pooling on each sequence alone (no padding, so it finds the last token).
@@ -69,7 +72,7 @@ def test_classifier_scores_match_hf_and_are_batch_invariant(classifier_dir):
             torch.testing.assert_close(s1[i], ref, atol=1e-5, rtol=1e-5)
     for mbs, side in ((4, "right"), (4, "left"), (3, "left"), (6, "right")):
         rm = RewardModel(str(classifier_dir), micro_batch_size=mbs, padding_side=side)
-        torch.testing.assert_close(rm(PROMPTS, RESPONSES), s1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rm(Sample.batch(PROMPTS, RESPONSES)), s1, atol=1e-5, rtol=1e-5)
 
 
 def test_render_uses_the_chat_template(classifier_dir):
@@ -93,7 +96,7 @@ def test_truncation_keeps_the_end(classifier_dir):
     full = RewardModel(str(classifier_dir)).tokenize([long_prompt], ["answer"])[0]
     assert ids == full[-16:]
     torch.testing.assert_close(
-        rm([long_prompt, "x"], ["answer", "y"])[0], rm.score_ids([full[-16:]])[0]
+        rm(Sample.batch([long_prompt, "x"], ["answer", "y"]))[0], rm.score_ids([full[-16:]])[0]
     )
 
 
@@ -112,7 +115,7 @@ def test_value_head_layout(value_head_dir):
 
     rm = RewardModel(str(value_head_dir), micro_batch_size=4, padding_side="left")
     assert rm.head.bias is not None
-    scores = rm(PROMPTS, RESPONSES)
+    scores = rm(Sample.batch(PROMPTS, RESPONSES))
     backbone = AutoModel.from_pretrained(value_head_dir).eval()
     w = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -120,7 +123,9 @@ def test_value_head_layout(value_head_dir):
             h = backbone(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]  # [H]
             torch.testing.assert_close(scores[i], (h @ w[0]) + 0.5, atol=1e-5, rtol=1e-5)
     scaled = RewardModel(str(value_head_dir), micro_batch_size=1, scale=2.0, bias=-1.0)
-    torch.testing.assert_close(scaled(PROMPTS, RESPONSES), 2.0 * scores - 1.0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        scaled(Sample.batch(PROMPTS, RESPONSES)), 2.0 * scores - 1.0, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_from_modules_and_no_grad(classifier_dir):
@@ -133,16 +138,16 @@ def test_from_modules_and_no_grad(classifier_dir):
         model.base_model, model.score, load_tokenizer(classifier_dir), micro_batch_size=2
     )
     assert not any(p.requires_grad for p in model.parameters())
-    ref = RewardModel(str(classifier_dir))(PROMPTS, RESPONSES)
-    torch.testing.assert_close(rm(PROMPTS, RESPONSES), ref, atol=1e-5, rtol=1e-5)
+    ref = RewardModel(str(classifier_dir))(Sample.batch(PROMPTS, RESPONSES))
+    torch.testing.assert_close(rm(Sample.batch(PROMPTS, RESPONSES)), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_reward_model_inside_combined_reward(classifier_dir):
     rm = RewardModel(str(classifier_dir), micro_batch_size=2)
     out = CombinedReward(
         {"rm": rm}, weights={"rm": 0.5}, routes={"chat": ["rm"]}, default_reward=0.0
-    )(PROMPTS, RESPONSES, labels=["chat", "math"] * 3)
-    alone = rm(PROMPTS[::2], RESPONSES[::2])
+    )(Sample.batch(PROMPTS, RESPONSES, labels=["chat", "math"] * 3))
+    alone = rm(Sample.batch(PROMPTS[::2], RESPONSES[::2]))
     torch.testing.assert_close(out.total[::2], 0.5 * alone)
     assert out.total[1::2].tolist() == [0.0] * 3
 
@@ -152,26 +157,29 @@ def test_chat_reward_model_renders_the_conversation_not_the_rendered_prompt(clas
     rendered: the prompt text, already rendered by the actor's template, is not wrapped again.
     A raw prompt (conversation None) falls back to its text; a text model refuses images."""
     rm = RewardModel(str(classifier_dir), micro_batch_size=2)
-    assert rm.uses_conversations
     chats = [
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": p}]
         for p in PROMPTS
     ]
     rendered = ["<rendered>" + p for p in PROMPTS]  # stands for the actor's rendered prompt
-    got = rm(rendered, RESPONSES, conversations=chats[:5] + [None])
-    torch.testing.assert_close(got[:5], rm(chats[:5], RESPONSES[:5]))
-    torch.testing.assert_close(got[5:], rm(rendered[5:], RESPONSES[5:]))
-    assert not RewardModel(str(classifier_dir), chat_template=False).uses_conversations
+    got = rm(Sample.batch(rendered, RESPONSES, conversations=chats[:5] + [None]))
+    torch.testing.assert_close(got[:5], rm(Sample.batch(chats[:5], RESPONSES[:5])))
+    torch.testing.assert_close(got[5:], rm(Sample.batch(rendered[5:], RESPONSES[5:])))
+    raw = RewardModel(str(classifier_dir), chat_template=False)  # reads the rendered text
+    torch.testing.assert_close(
+        raw(Sample.batch(rendered[:2], RESPONSES[:2], conversations=chats[:2])),
+        raw(Sample.batch(rendered[:2], RESPONSES[:2])),
+    )
     image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
     with pytest.raises(
         ValueError, match="sample 0's prompt has images, videos or audio, which a text reward"
     ):
-        rm(["x"], ["y"], conversations=[image])
+        rm(Sample.batch(["x"], ["y"], conversations=[image]))
     # The image and video options of a vision-language reward model are refused by name.
-    with pytest.raises(ValueError, match="video options .* apply to a Qwen2-VL or Qwen2.5-VL"):
-        RewardModel(str(classifier_dir), video_fps=4.0)
-    with pytest.raises(ValueError, match="min_pixels / max_pixels apply to a vision-language"):
-        RewardModel(str(classifier_dir), min_pixels=100)
+    with pytest.raises(ValueError, match="media.video options need a Qwen2-VL or Qwen2.5-VL"):
+        RewardModel(str(classifier_dir), media=MediaOptions(video=VideoOptions(fps=4.0)))
+    with pytest.raises(ValueError, match="media.image options need a vision-language"):
+        RewardModel(str(classifier_dir), media=MediaOptions(image=ImageOptions(min_pixels=100)))
 
 
 def test_errors(classifier_dir, value_head_dir, tiny_model_dir):
@@ -190,20 +198,20 @@ def test_errors(classifier_dir, value_head_dir, tiny_model_dir):
         RewardModel("outputs/tiny/rm/final")
     rm = RewardModel(str(classifier_dir))
     with pytest.raises(ValueError, match="prompts has 1 entries but responses has 2"):
-        rm(["a"], ["b", "c"])
-    assert rm([], []).shape == (0,)
+        rm(Sample.batch(["a"], ["b", "c"]))
+    assert rm(Sample.batch([], [])).shape == (0,)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_scores_match_cpu(classifier_dir):
-    cpu = RewardModel(str(classifier_dir), micro_batch_size=4)(PROMPTS, RESPONSES)
+    cpu = RewardModel(str(classifier_dir), micro_batch_size=4)(Sample.batch(PROMPTS, RESPONSES))
     gpu = RewardModel(str(classifier_dir), micro_batch_size=4, device="cuda")
-    scores = gpu(PROMPTS, RESPONSES)
+    scores = gpu(Sample.batch(PROMPTS, RESPONSES))
     assert scores.device.type == "cpu"
     torch.testing.assert_close(scores, cpu, atol=1e-4, rtol=1e-4)
     bf16 = RewardModel(str(classifier_dir), micro_batch_size=4, device="cuda", dtype="bfloat16")
-    torch.testing.assert_close(bf16(PROMPTS, RESPONSES), cpu, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(bf16(Sample.batch(PROMPTS, RESPONSES)), cpu, atol=0.1, rtol=0.05)
 
 
 def test_likelihood_export_scores_the_assistant_turn_batch_invariant_and_cut(
@@ -224,7 +232,7 @@ def test_likelihood_export_scores_the_assistant_turn_batch_invariant_and_cut(
     lm = AutoModelForCausalLM.from_pretrained(tmp_path / "ll", dtype=torch.float32).eval()
     one = RewardModel(str(tmp_path / "ll"), micro_batch_size=1)
     prompts, responses = PROMPTS[:5], RESPONSES[:5]
-    scores = one(prompts, responses)
+    scores = one(Sample.batch(prompts, responses))
     tok = one.tokenizer
     for k, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         head = tok.apply_chat_template(
@@ -236,7 +244,9 @@ def test_likelihood_export_scores_the_assistant_turn_batch_invariant_and_cut(
             logp = lm(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
         torch.testing.assert_close(scores[k], logp[n - 1 :].mean(), atol=1e-5, rtol=1e-5)
     batched = RewardModel(str(tmp_path / "ll"), micro_batch_size=4, padding_side="left")
-    torch.testing.assert_close(batched(prompts, responses), scores, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        batched(Sample.batch(prompts, responses)), scores, atol=1e-5, rtol=1e-5
+    )
     # A cut drops the prompt's start: the response's tokens are the same, in a shorter context.
     cut = RewardModel(str(tmp_path / "ll"), max_length=24)
     (seq,), (start,) = cut.encode([PROMPTS[3]], [RESPONSES[3]])

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from lightrft.rewards import GSM8KVerifier, MathVerifier, RemoteReward, RemoteRewardError
+from lightrft.rewards import GSM8KVerifier, MathVerifier, RemoteReward, RemoteRewardError, Sample
 from lightrft.rewards.server import LISTEN_BACKLOG, make_server
 
 
@@ -87,9 +87,7 @@ def test_slow_headers_are_cut_at_the_read_timeout(where):
     """Issue 28: one header byte every 2 s kept a connection past 30 s with --read-timeout 5,
     and 40 such clients locked good clients out. Scaled down: 0.7 s per byte, timeout 1 s,
     more trickling clients (6) than connection slots (4)."""
-    server = make_server(
-        lambda **kw: [1.0] * len(kw["responses"]), read_timeout=1.0, max_connections=4
-    )
+    server = make_server(lambda samples: [1.0] * len(samples), read_timeout=1.0, max_connections=4)
     data = _request(GOOD)
     # "headers": the request line arrives at once, then the headers drip
     first = data[: data.index(b"\r\n") + 2] if where == "headers" else b""
@@ -171,9 +169,7 @@ def test_a_burst_of_connections_gets_answers_at_once(n=500):
     a good client is served after the burst (about 0.2 s here)."""
     assert LISTEN_BACKLOG >= 128
     _raise_fd_limit(2 * n + 200)
-    server = make_server(
-        lambda **kw: [1.0] * len(kw["responses"]), max_connections=8, read_timeout=5.0
-    )
+    server = make_server(lambda samples: [1.0] * len(samples), max_connections=8, read_timeout=5.0)
     assert server.socket.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
     with serving(server) as port:
         status, took = _burst(port, n, budget=20.0)
@@ -196,11 +192,13 @@ def test_request_caused_verifier_errors_are_4xx_with_the_reason():
         url = f"http://127.0.0.1:{port}/r"
         start = time.monotonic()
         with pytest.raises(RemoteRewardError, match="HTTP 422 .*no reference answer"):
-            RemoteReward(url, timeout=2.0, max_retries=3, backoff=0.5)(["q"], ["4"], [None])
+            RemoteReward(url, timeout=2.0, max_retries=3, backoff=0.5)(
+                Sample.batch(["q"], ["4"], references=[None])
+            )
         assert time.monotonic() - start < 0.5  # not retried: retrying cannot help
         assert _ask(port) == (200, {"rewards": [1.0]})
 
-    def broken(prompts, responses, references, labels):
+    def broken(samples):
         raise ValueError("the model is on fire")  # the function's fault, not the request's
 
     with serving(make_server(broken)) as port:
@@ -237,7 +235,7 @@ def test_a_refused_upload_still_gets_its_answer():
     """A client that keeps sending a body the server refused (413) must still read the 413: the
     server drains after replying (a lingering close) instead of closing on unread bytes, which
     makes the kernel reset the connection and throw the answer away."""
-    server = make_server(lambda **kw: [1.0] * len(kw["responses"]), max_body_bytes=1000)
+    server = make_server(lambda samples: [1.0] * len(samples), max_body_bytes=1000)
     with serving(server) as port:
         for _ in range(5):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:

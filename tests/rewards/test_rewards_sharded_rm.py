@@ -11,7 +11,7 @@ import torch
 from _dist import run_distributed
 from safetensors.torch import save_file
 
-from lightrft.rewards import CombinedReward, RewardModel
+from lightrft.rewards import CombinedReward, RewardModel, Sample
 from lightrft.rewards.reward_model import collective_plan
 
 PROMPTS = ["What is 2+2?", "Name a colour.", "x", "Count to five.", "Hi", "?", "Why?"]
@@ -124,12 +124,14 @@ def _text_worker(rank: int, world: int, attn: str, vhead: str, ref_file: str) ->
     models = {"attn": RewardModel(attn, micro_batch_size=3), "vhead": RewardModel(vhead)}
     for name, rm in models.items():
         _check_sharded(rm, world)
-        got = rm(PROMPTS[mine], RESPONSES[mine])  # 5 and 2 samples
+        got = rm(Sample.batch(PROMPTS[mine], RESPONSES[mine]))  # 5 and 2 samples
         torch.testing.assert_close(got, refs[name]["all"][mine], rtol=0, atol=1e-6)
         for head, scores in rm.last_head_scores.items():
             torch.testing.assert_close(scores, refs[name][head][mine], rtol=0, atol=1e-6)
         # A rank without samples joins the other's forwards (3 and 0 samples).
-        got = rm(PROMPTS[:3], RESPONSES[:3]) if rank == 0 else rm([], [])
+        got = (
+            rm(Sample.batch(PROMPTS[:3], RESPONSES[:3])) if rank == 0 else rm(Sample.batch([], []))
+        )
         want = refs[name]["all"][:3] if rank == 0 else torch.empty(0)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="give the device type only"):
@@ -137,12 +139,12 @@ def _text_worker(rank: int, world: int, attn: str, vhead: str, ref_file: str) ->
     # Through CombinedReward, as the recipes call it: rank 1's samples all route to the
     # length reward, and it still calls the sharded model (with none of its own).
     reward = CombinedReward(
-        {"rm": models["attn"], "len": lambda responses, **_: [float(len(r)) for r in responses]},
+        {"rm": models["attn"], "len": lambda samples: [float(len(s.response)) for s in samples]},
         routes={"judged": ["rm"], "*": ["len"]},
     )
     assert reward.collective
     labels = ["judged"] * SPLIT if rank == 0 else ["plain"] * (len(PROMPTS) - SPLIT)
-    out = reward(PROMPTS[mine], RESPONSES[mine], labels=labels)
+    out = reward(Sample.batch(PROMPTS[mine], RESPONSES[mine], labels=labels))
     want = refs["attn"]["all"][mine] if rank == 0 else torch.zeros(len(PROMPTS) - SPLIT)
     torch.testing.assert_close(out.parts["rm"], want, rtol=0, atol=1e-6)
     assert out.applied["rm"].all() == (rank == 0)
@@ -176,7 +178,7 @@ def test_sharded_text_reward_models_score_as_the_whole_model(tmp_path, tiny_mode
         ("vhead", RewardModel(vhead)),
     ):
         assert not rm.collective  # one process: the whole model
-        refs[name] = {"all": rm(PROMPTS, RESPONSES), **rm.last_head_scores}
+        refs[name] = {"all": rm(Sample.batch(PROMPTS, RESPONSES)), **rm.last_head_scores}
         assert refs[name]["all"].std() > 1e-3
     torch.save(refs, tmp_path / "refs.pt")
     run_distributed(_text_worker, attn, vhead, str(tmp_path / "refs.pt"))
@@ -221,9 +223,16 @@ def _vocab_worker(rank: int, world: int, paths: dict, ref_file: str) -> None:
         rm = RewardModel(path, micro_batch_size=2)
         _check_sharded(rm, world)
         # The tables as the forward reads them: this rank's rows of each, never the whole.
-        seen = _tables_seen(rm, lambda m: m(PROMPTS[:2], RESPONSES[:2]) if rank == 0 else m([], []))
+        seen = _tables_seen(
+            rm,
+            lambda m: (
+                m(Sample.batch(PROMPTS[:2], RESPONSES[:2]))
+                if rank == 0
+                else m(Sample.batch([], []))
+            ),
+        )
         _check_rows(seen, refs[name]["tables"], rank, world)
-        got = rm([PROMPTS[i] for i in mine], [RESPONSES[i] for i in mine])
+        got = rm(Sample.batch([PROMPTS[i] for i in mine], [RESPONSES[i] for i in mine]))
         torch.testing.assert_close(got, refs[name]["scores"][mine], rtol=0, atol=1e-6)
 
 
@@ -247,7 +256,7 @@ def test_sharded_reward_models_keep_only_their_rows_of_the_vocabulary(tmp_path, 
     for name, path in paths.items():
         rm = RewardModel(path, micro_batch_size=2)
         assert not rm.collective
-        refs[name] = {"scores": rm(PROMPTS, RESPONSES), "tables": _tables(rm)}
+        refs[name] = {"scores": rm(Sample.batch(PROMPTS, RESPONSES)), "tables": _tables(rm)}
         assert refs[name]["scores"].std() > 1e-3
     emb = refs["likelihood_tied"]["tables"]
     assert emb["embedding"] is emb["lm_head"] and emb["embedding"].shape[0] % world
@@ -281,7 +290,11 @@ def _vlm_worker(rank: int, world: int, path: str, ref_file: str) -> None:
     mine = list(range(rank, len(answers), world))
     rm = RewardModel(path, micro_batch_size=2)
     _check_sharded(rm, world)
-    got = rm(["p"] * len(mine), [answers[i] for i in mine], conversations=[chats[i] for i in mine])
+    got = rm(
+        Sample.batch(
+            ["p"] * len(mine), [answers[i] for i in mine], conversations=[chats[i] for i in mine]
+        )
+    )
     torch.testing.assert_close(got, want[mine], rtol=0, atol=1e-6)
     # Only the last rank has samples: the others run the same forwards (the tower too) with
     # fillers; each forward reads only this rank's rows of the embedding and LM head.
@@ -318,7 +331,7 @@ def test_one_process_loads_whole_and_is_not_collective(tiny_model_dir, tmp_path)
     rm = RewardModel(_value_head_dir(str(tiny_model_dir), tmp_path / "vh"))
     assert not rm.collective and not CombinedReward({"rm": rm}).collective
     assert not any(type(p).__name__ == "DTensor" for p in rm.net.parameters())
-    assert rm([], []).shape == (0,)
+    assert rm(Sample.batch([], [])).shape == (0,)
 
 
 def _grpo_worker(rank: int, world: int, cfg_path: str) -> None:
@@ -395,6 +408,6 @@ def test_grpo_on_two_processes_rewards_with_the_sharded_model(tmp_path):
     ]
     assert len(lines) == 16  # 2 steps x 2 prompts x 4 samples
     whole = RewardModel(str(rm_dir), chat_template=False)
-    want = whole([r["prompt"] for r in lines], [r["response"] for r in lines])
+    want = whole(Sample.batch([r["prompt"] for r in lines], [r["response"] for r in lines]))
     got = torch.tensor([r["reward_parts"]["rm"] for r in lines])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from lightrft import cli
-from lightrft.rewards import CombinedReward, RemoteReward, RewardModel
+from lightrft.rewards import CombinedReward, RemoteReward, RewardModel, Sample
 
 PROMPTS = ["apple river?", "stone lamp?", "north tiger?", "seven cloud?"]
 RESPONSES = ["river apple yes", "lamp stone no", "tiger north yes", "cloud seven maybe"]
@@ -88,11 +88,11 @@ def test_several_reward_models_in_one_combined_reward(trained):
         routes={"chat": ["helpful", "cost"], "*": ["single"]},
     )
     labels = ["chat", "chat", "other", "chat"]
-    out = combined(PROMPTS, RESPONSES, labels=labels)
+    out = combined(Sample.batch(PROMPTS, RESPONSES, labels=labels))
     chat = [0, 1, 3]
-    want_h = multi([PROMPTS[i] for i in chat], [RESPONSES[i] for i in chat])
-    want_c = cost([PROMPTS[i] for i in chat], [RESPONSES[i] for i in chat])
-    want_s = single([PROMPTS[2]], [RESPONSES[2]])
+    want_h = multi(Sample.batch([PROMPTS[i] for i in chat], [RESPONSES[i] for i in chat]))
+    want_c = cost(Sample.batch([PROMPTS[i] for i in chat], [RESPONSES[i] for i in chat]))
+    want_s = single(Sample.batch([PROMPTS[2]], [RESPONSES[2]]))
     assert torch.allclose(out.total[chat], want_h - 0.5 * want_c, atol=1e-6)
     assert torch.allclose(out.total[2:3], 2.0 * want_s, atol=1e-6)
     # Every head of a multi-head model is logged under its function's name.
@@ -115,10 +115,10 @@ def test_offload_moves_to_the_gpu_only_to_score(trained):
     assert next(offloaded.net.parameters()).device.type == "cpu"
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    scores = offloaded(PROMPTS, RESPONSES)
+    scores = offloaded(Sample.batch(PROMPTS, RESPONSES))
     assert next(offloaded.net.parameters()).device.type == "cpu"
     assert torch.cuda.memory_allocated() <= before
-    assert torch.allclose(scores, plain(PROMPTS, RESPONSES), atol=1e-5)
+    assert torch.allclose(scores, plain(Sample.batch(PROMPTS, RESPONSES)), atol=1e-5)
 
 
 def test_a_served_trained_model_gives_the_in_process_rewards(trained):
@@ -144,9 +144,11 @@ def test_a_served_trained_model_gives_the_in_process_rewards(trained):
         line = proc.stdout.readline()
         assert "on http://127.0.0.1:" in line, line
         remote = RemoteReward(line.split()[-1] + "/get_reward", timeout=60, max_retries=0)
-        served = torch.as_tensor(remote(PROMPTS, RESPONSES, [None] * 4, [None] * 4))
+        served = torch.as_tensor(
+            remote(Sample.batch(PROMPTS, RESPONSES, references=[None] * 4, labels=[None] * 4))
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    local = RewardModel(**kwargs)(PROMPTS, RESPONSES)
+    local = RewardModel(**kwargs)(Sample.batch(PROMPTS, RESPONSES))
     assert torch.equal(served.float(), local), (served, local)

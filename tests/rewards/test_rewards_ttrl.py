@@ -3,7 +3,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from lightrft.rewards import CombinedReward, GSM8KVerifier, MathVerifier, TTRLReward
+from lightrft.rewards import CombinedReward, GSM8KVerifier, MathVerifier, Sample, TTRLReward
 from lightrft.rewards.math_answer import majority_vote
 
 
@@ -16,10 +16,9 @@ def test_majority_vote_groups_equal_values():
 
 def _call(r, prompts, responses):
     return r(
-        prompts=prompts,
-        responses=responses,
-        references=[None] * len(responses),
-        labels=[None] * len(responses),
+        Sample.batch(
+            prompts, responses, references=[None] * len(responses), labels=[None] * len(responses)
+        )
     )
 
 
@@ -61,7 +60,7 @@ def test_layout_errors_name_the_problem():
     with pytest.raises(ValueError, match="sample 1 .* group of sample 0"):
         _call(r, ["a", "b"], ["1", "1"])
     with pytest.raises(ValueError, match="extract"):
-        TTRLReward(verifier=lambda **kw: [0.0])
+        TTRLReward(verifier=lambda samples: [0.0])
     with pytest.raises(ValueError, match="min_vote_share"):
         TTRLReward(GSM8KVerifier(), min_vote_share=1.5)
 
@@ -86,6 +85,6 @@ def test_from_config_inside_a_combined_reward():
 
     reward = build_reward(cfg.reward)
     assert isinstance(reward, CombinedReward)
-    out = reward(["q", "q"], ["#### 3", "#### 3"])  # no references needed
+    out = reward(Sample.batch(["q", "q"], ["#### 3", "#### 3"]))  # no references needed
     assert out.total.tolist() == [1.0, 1.0]
     assert out.extra == {"ttrl/labelled_groups": 1.0, "ttrl/vote_share": 1.0}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightrft.rewards import ExactMatch, GSM8KVerifier, MathVerifier, ThinkFormatReward
+from lightrft.rewards import ExactMatch, GSM8KVerifier, MathVerifier, Sample, ThinkFormatReward
 
 GSM8K_DIR = Path("/work/shared/data/gsm8k")
 
@@ -16,7 +16,7 @@ GSM8K_DIR = Path("/work/shared/data/gsm8k")
 def _score(verifier, responses, references, prompts=None):
     prompts = prompts or ["q"] * len(responses)
     return verifier(
-        prompts=prompts, responses=responses, references=references, labels=[None] * len(responses)
+        Sample.batch(prompts, responses, references=references, labels=[None] * len(responses))
     )
 
 
@@ -62,9 +62,9 @@ def test_missing_reference_names_the_sample():
     with pytest.raises(
         ValueError, match=r"sample 1 \(prompt .Janet's ducks lay 16 eggs.*no reference"
     ):
-        v(prompts=prompts, responses=["4", "9"], references=["4", None], labels=[None, None])
+        v(Sample.batch(prompts, ["4", "9"], references=["4", None], labels=[None, None]))
     with pytest.raises(ValueError, match="sample 0"):
-        v(prompts=prompts[:1], responses=["4"], references=["  "], labels=[None])
+        v(Sample.batch(prompts[:1], ["4"], references=["  "], labels=[None]))
 
 
 def test_exact_match_compares_spellings_not_values():
@@ -76,7 +76,7 @@ def test_exact_match_compares_spellings_not_values():
     assert _score(ExactMatch(strip_think=False), ["<think>x</think>B"], ["B"]) == [0.0]
     with pytest.raises(ValueError, match=r"ExactMatch: sample 1 \(prompt .two.*no reference"):
         ExactMatch()(
-            prompts=["one", "two"], responses=["a", "b"], references=["a", ""], labels=[None] * 2
+            Sample.batch(["one", "two"], ["a", "b"], references=["a", ""], labels=[None] * 2)
         )
 
 
@@ -110,9 +110,9 @@ def test_gsm8k_every_reference_verifies_and_perturbed_fails():
     ]
     v = GSM8KVerifier()
     start = time.perf_counter()
-    as_solution = v(questions, solutions, solutions, [None] * len(rows))
-    as_number = v(questions, solutions, finals, [None] * len(rows))
-    wrong = v(questions, perturbed, solutions, [None] * len(rows))
+    as_solution = v(Sample.batch(questions, solutions, solutions))
+    as_number = v(Sample.batch(questions, solutions, finals))
+    wrong = v(Sample.batch(questions, perturbed, solutions))
     elapsed = time.perf_counter() - start
     bad = [i for i, r in enumerate(as_solution) if r != 1.0]
     assert not bad, f"{len(bad)} reference solutions fail, first: {solutions[bad[0]][-80:]!r}"
@@ -152,19 +152,21 @@ FORMAT_CASES = [
 
 @pytest.mark.parametrize("response, expected", FORMAT_CASES)
 def test_think_format(response, expected):
-    assert ThinkFormatReward()(["q"], [response]) == [expected]
+    assert ThinkFormatReward()(Sample.batch(["q"], [response])) == [expected]
 
 
 def test_think_format_is_computed_on_the_response_only():
     fmt = ThinkFormatReward()
     # The prompt is well formed, the response is not: 0. And the other way round: 1.
-    assert fmt(["<think>plan</think> 3"], ["3"]) == [0.0]
-    assert fmt(["no tags"], ["<think>plan</think> 3"]) == [1.0]
+    assert fmt(Sample.batch(["<think>plan</think> 3"], ["3"])) == [0.0]
+    assert fmt(Sample.batch(["no tags"], ["<think>plan</think> 3"])) == [1.0]
 
 
 def test_think_format_answer_requirements_and_options():
     boxed = ThinkFormatReward(answer="boxed", reward=0.5, penalty=-0.5)
-    assert boxed(["q"] * 2, [r"<think>a</think> \boxed{3}", "<think>a</think> 3"]) == [0.5, -0.5]
+    assert boxed(
+        Sample.batch(["q"] * 2, [r"<think>a</think> \boxed{3}", "<think>a</think> 3"])
+    ) == [0.5, -0.5]
     tag = ThinkFormatReward(answer="tag")
     responses = [
         "<think>a</think><answer>3</answer>",
@@ -172,11 +174,11 @@ def test_think_format_answer_requirements_and_options():
         "<think>a</think><answer> </answer>",
         "<think>a</think> 3",
     ]
-    assert tag(["q"] * 4, responses) == [1.0, 0.0, 0.0, 0.0]
+    assert tag(Sample.batch(["q"] * 4, responses)) == [1.0, 0.0, 0.0, 0.0]
     r1 = ThinkFormatReward(open_tag_in_prompt=True)
-    assert r1(["q"] * 2, ["plan</think> 3", "<think>plan</think> 3"]) == [1.0, 0.0]
+    assert r1(Sample.batch(["q"] * 2, ["plan</think> 3", "<think>plan</think> 3"])) == [1.0, 0.0]
     custom = ThinkFormatReward(tag="reasoning")
-    assert custom(["q"], ["<reasoning>x</reasoning> 1"]) == [1.0]
+    assert custom(Sample.batch(["q"], ["<reasoning>x</reasoning> 1"])) == [1.0]
     with pytest.raises(ValueError, match="tag"):
         ThinkFormatReward(tag="<think>")
     with pytest.raises(ValueError, match="answer"):

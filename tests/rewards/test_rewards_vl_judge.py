@@ -13,7 +13,7 @@ import torch
 from lightrft.data import PromptDataset, SFTDataset
 from lightrft.data.prompts import conversation
 from lightrft.models.multimodal import load_processor
-from lightrft.rewards import CombinedReward, GenerativeReward, RemoteReward
+from lightrft.rewards import CombinedReward, GenerativeReward, RemoteReward, Sample
 from lightrft.rewards.base import RewardInputError
 from lightrft.rewards.generative import media_parts
 from lightrft.rewards.remote import wire_conversation
@@ -66,7 +66,7 @@ def test_judge_prompt_is_the_judgment_datas_prompt(tiny_vlm, arch, boards):
     judge = GenerativeReward(
         judge=vl, template=SHAPES_JUDGE_TEMPLATE, verdicts=VERDICTS, fallback=0.5, max_tokens=2
     )
-    assert judge.uses_conversations
+    assert judge.media is not None  # it reads each sample's conversation
     _, chats = _chats(vl, boards[:1])
     text = SHAPES_JUDGE_TEMPLATE.format(prompt=QUESTION.replace("<image>", ""), response="2")
     (req,) = judge.media_requests([text], [media_parts(chats[0])])
@@ -85,14 +85,16 @@ def test_judge_prompt_is_the_judgment_datas_prompt(tiny_vlm, arch, boards):
 def test_both_orders_with_images_and_counted_failures(vl, boards):
     prompts, chats = _chats(vl, boards)
     judge = GenerativeReward(judge=vl, mode="choice", both_orders=True, fallback=0.25, max_tokens=3)
-    texts, media, jobs = judge.judge_prompts(prompts, ["2", "4"], ["3", "5"], chats)
+    texts, media, jobs = judge.judge_prompts(
+        Sample.batch(prompts, ["2", "4"], references=["3", "5"], conversations=chats)
+    )
     # Two presentation orders per sample, each with that sample's board.
     assert jobs == [(0, True), (0, False), (1, True), (1, False)]
     assert "A: 2\nB: 3" in texts[0] and "A: 3\nB: 2" in texts[1]
     assert [p[0]["image"] for p in media] == [chats[0][0]["content"][0]["image"]] * 2 + [
         chats[1][0]["content"][0]["image"]
     ] * 2
-    out = judge(prompts, ["2", "4"], ["3", "5"], conversations=chats)
+    out = judge(Sample.batch(prompts, ["2", "4"], references=["3", "5"], conversations=chats))
     # Every reward is the mean of the two orders' parsed verdicts (fallback where unparsed),
     # recomputed here from the engine's own completions of the same requests.
     verdicts = judge._generate(judge.media_requests(texts, media))
@@ -105,10 +107,12 @@ def test_both_orders_with_images_and_counted_failures(vl, boards):
         want[i] += (0.25 if got is None else got) / 2
     assert torch.equal(out, want)
     assert judge.last_metrics["parse_failures"] == fails
-    with pytest.raises(RewardInputError, match="conversations="):
-        judge(prompts, ["2", "4"], ["3", "5"])
+    with pytest.raises(RewardInputError, match="give each sample its conversation"):
+        judge(Sample.batch(prompts, ["2", "4"], references=["3", "5"]))
     # Through CombinedReward the recipe's conversations reach the judge.
-    combined = CombinedReward({"judge": judge})(prompts, ["2", "4"], ["3", "5"], None, chats)
+    combined = CombinedReward({"judge": judge})(
+        Sample.batch(prompts, ["2", "4"], references=["3", "5"], labels=None, conversations=chats)
+    )
     assert torch.equal(combined.total, out)
 
 
@@ -122,9 +126,9 @@ def test_max_parse_failures_refuses_a_judge_that_never_matches(vl, boards):
         max_tokens=2,
         max_parse_failures=3,
     )
-    judge(prompts[:1], ["2"], conversations=chats[:1])  # 1 failure in a row: allowed
+    judge(Sample.batch(prompts[:1], ["2"], conversations=chats[:1]))  # 1 failure in a row: allowed
     with pytest.raises(ValueError, match=r"last 3 verdicts did not match .*max_parse_failures"):
-        judge(prompts, ["2", "4"], conversations=chats)
+        judge(Sample.batch(prompts, ["2", "4"], conversations=chats))
 
 
 def test_images_cross_the_wire_pixel_for_pixel(vl, boards):
@@ -151,9 +155,9 @@ def test_remote_judge_with_images_equals_local(vl, boards):
     url = f"http://127.0.0.1:{server.server_address[1]}/judge"
     try:
         responses = ["2", "4", "4", "2"]
-        want = local(prompts * 2, responses, conversations=chats * 2)
+        want = local(Sample.batch(prompts * 2, responses, conversations=chats * 2))
         got = RemoteReward(url, token="s3cret", max_retries=0)(
-            prompts * 2, responses, conversations=chats * 2
+            Sample.batch(prompts * 2, responses, conversations=chats * 2)
         )
         assert got == want.tolist()
         assert served.last_verdicts == local.last_verdicts and len(local.last_verdicts) == 4

@@ -11,8 +11,9 @@ from _video_helpers import moving_square, write_video
 from _vision_helpers import square
 
 from lightrft.data import DataError, PromptDataset, SFTDataset
+from lightrft.data.media import MediaOptions
 from lightrft.data.templates import IGNORE_INDEX
-from lightrft.data.video import fit_frame_size, sample_indices, video_patches
+from lightrft.data.video import VideoOptions, fit_frame_size, sample_indices, video_patches
 from lightrft.models.multimodal import load_processor
 
 
@@ -101,7 +102,7 @@ def test_video_file_and_frame_list_load_sample_resize_and_expand(proc, tmp_path)
             {"prompt": "<image>and this?", "answer": "x", "images": ["still.png"]},
         ],
     )
-    ds = PromptDataset(proc, data, video_fps=2.0)
+    ds = PromptDataset(proc, data, media=MediaOptions(video=VideoOptions(fps=2.0)))
     v = ds[0]["media"].video
     # 8 frames at 4 fps sampled at 2 fps: 4 frames, 70x70 -> 56x56 (multiples of 28): 2
     # temporal patches of 4x4 patches, 2 * 4 * 4 / 2**2 = 8 tokens.
@@ -116,7 +117,9 @@ def test_video_file_and_frame_list_load_sample_resize_and_expand(proc, tmp_path)
     assert v.video_grid_thw.tolist() == [[2, 4, 4]] and v.fps == [2.0]
     np.testing.assert_array_equal(v.videos[0], frames)
     # By count, grown to the minimum area: 84x84 (3x3 merged tokens a temporal patch).
-    again = PromptDataset(proc, data, video_num_frames=8, video_min_pixels=84 * 84)
+    again = PromptDataset(
+        proc, data, media=MediaOptions(video=VideoOptions(num_frames=8, min_pixels=84 * 84))
+    )
     assert again[0]["media"].video.videos[0].shape == (8, 84, 84, 3)
     assert again[0]["media"].video.video_grid_thw.tolist() == [[4, 6, 6]]
     # The frames decoded from an mp4 are the sampled frames (a lossy codec: close, not equal).
@@ -134,7 +137,7 @@ def test_qwen2_5_vl_gets_seconds_per_temporal_patch(tiny_vlm, tmp_path):
     proc = load_processor(tiny_vlm("qwen2_5_vl"))
     write_video(tmp_path / "v.mp4", moving_square(8), fps=8)
     data = _jsonl(tmp_path / "t.jsonl", [{"prompt": "<video>q", "answer": "a", "videos": "v.mp4"}])
-    v = PromptDataset(proc, data, video_fps=4.0)[0]["media"].video
+    v = PromptDataset(proc, data, media=MediaOptions(video=VideoOptions(fps=4.0)))[0]["media"].video
     # 4 fps sampled: a temporal patch of 2 frames spans 0.5 s.
     assert v.fps == [4.0] and v.second_per_grid_ts.tolist() == [0.5]
     assert v.model_inputs()["second_per_grid_ts"].tolist() == [0.5]
@@ -160,15 +163,19 @@ def test_overlong_video_is_clipped_and_counted_or_refused(proc, tmp_path):
     data = _jsonl(
         tmp_path / "t.jsonl", [{"prompt": "<video>q", "answer": "a", "videos": ["long.mp4"]}]
     )
-    ds = PromptDataset(proc, data, video_fps=4.0, max_video_frames=5)
+    ds = PromptDataset(proc, data, media=MediaOptions(video=VideoOptions(fps=4.0, max_frames=5)))
     assert ds.stats["video_clipped"] == 1
     assert ds[0]["media"].video.video_grid_thw.tolist() == [[3, 4, 4]]  # 5 frames -> 3 groups
     with pytest.raises(
         DataError,
         match=r"t\.jsonl line 1: videos\[0\]: the video gives 12 frames at 4 fps, over "
-        r"max_video_frames=5 \(overlong_video='refuse'\)",
+        r"media\.video\.max_frames=5 \(media\.video\.overlong='refuse'\)",
     ):
-        PromptDataset(proc, data, video_fps=4.0, max_video_frames=5, overlong_video="refuse")
+        PromptDataset(
+            proc,
+            data,
+            media=MediaOptions(video=VideoOptions(fps=4.0, max_frames=5, overlong="refuse")),
+        )
 
 
 @pytest.mark.parametrize(
@@ -200,14 +207,18 @@ def test_video_needs_a_qwen_vl_processor_and_matching_parts(tiny_vlm, proc, tmp_
     llava = load_processor(tiny_vlm("llava"))
     with pytest.raises(DataError, match=r"t\.jsonl line 1: the record has videos, but the dataset"):
         PromptDataset(llava, data)
-    with pytest.raises(ValueError, match="video options .* need a Qwen2-VL or Qwen2.5-VL"):
-        PromptDataset(llava, data, video_fps=1.0)
+    with pytest.raises(ValueError, match="media.video options need a Qwen2-VL or Qwen2.5-VL"):
+        PromptDataset(llava, data, media=MediaOptions(video=VideoOptions(fps=1.0)))
     parts = {"messages": [{"role": "user", "content": [{"type": "video"}]}], "answer": "a"}
     data = _jsonl(tmp_path / "p.jsonl", [parts])
     with pytest.raises(DataError, match=r"p\.jsonl line 1: field 'videos': 0 video\(s\) but"):
         PromptDataset(proc, data)
-    with pytest.raises(ValueError, match="video_num_frames=8 is over max_video_frames=4"):
-        PromptDataset(proc, data, video_num_frames=8, max_video_frames=4)
+    with pytest.raises(
+        ValueError, match="media.video.num_frames=8 is over media.video.max_frames=4"
+    ):
+        PromptDataset(
+            proc, data, media=MediaOptions(video=VideoOptions(num_frames=8, max_frames=4))
+        )
 
 
 def test_conversation_puts_each_videos_sampled_frames_in_its_part(proc, tmp_path):
@@ -215,7 +226,7 @@ def test_conversation_puts_each_videos_sampled_frames_in_its_part(proc, tmp_path
 
     write_video(tmp_path / "v.mp4", moving_square(4), fps=4)
     data = _jsonl(tmp_path / "t.jsonl", [{"prompt": "<video>q", "answer": "a", "videos": "v.mp4"}])
-    item = PromptDataset(proc, data, video_fps=2.0)[0]
+    item = PromptDataset(proc, data, media=MediaOptions(video=VideoOptions(fps=2.0)))[0]
     (msg,) = conversation(item["messages"], item["media"])
     part = msg["content"][0]
     assert part["type"] == "video" and len(part["video"]) == 2  # 4 frames at 4 fps, 2 kept

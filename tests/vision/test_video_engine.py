@@ -11,10 +11,11 @@ from _vision_helpers import square
 from PIL import Image
 
 from lightrft.data import PromptDataset
-from lightrft.models.modality import vision_token_ids
+from lightrft.data.media import MediaOptions
+from lightrft.data.video import VideoOptions
 from lightrft.engine import NativeEngine, Request, SamplingParams
-from lightrft.models.forward import causal_lm_token_logprobs
-from lightrft.models.forward import mm_token_types
+from lightrft.models.forward import causal_lm_token_logprobs, mm_token_types
+from lightrft.models.modality import vision_token_ids
 from lightrft.models.multimodal import load_processor, load_vision_model
 
 
@@ -31,7 +32,7 @@ def _requests(proc, tmp_path):
             "videos": [frames],
         },
     ]
-    ds = PromptDataset(proc, records=recs, video_fps=4.0)
+    ds = PromptDataset(proc, records=recs, media=MediaOptions(video=VideoOptions(fps=4.0)))
     return [Request(ds[i]["prompt_ids"], ds[i]["media"]) for i in range(len(ds))]
 
 

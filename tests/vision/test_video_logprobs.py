@@ -9,6 +9,8 @@ from _vision_helpers import square
 from PIL import Image
 
 from lightrft.data import SFTDataset, pack_or_pad_collator
+from lightrft.data.media import MediaOptions
+from lightrft.data.video import VideoOptions
 from lightrft.models.forward import causal_lm_token_logprobs
 from lightrft.models.multimodal import load_processor, load_vision_model
 
@@ -37,7 +39,9 @@ def _samples(proc, tmp_path):
         },
         {"prompt": "No video here.", "completion": "fine"},
     ]
-    return SFTDataset(proc, records=recs, video_fps=4.0)  # 0.5 s per temporal patch
+    return SFTDataset(
+        proc, records=recs, media=MediaOptions(video=VideoOptions(fps=4.0))
+    )  # 0.5 s per temporal patch
 
 
 def _reference(model, item, time_scale=1.0):
@@ -109,7 +113,7 @@ def test_a_still_video_scores_as_its_image(tiny_vlm, arch):
         {"prompt": "<video>How many?", "completion": "3", "videos": [[board, board]]},
         {"prompt": "<video>How many?", "completion": "3", "videos": [[board, other]]},
     ]
-    ds = SFTDataset(proc, records=recs, video_fps=2.0)
+    ds = SFTDataset(proc, records=recs, media=MediaOptions(video=VideoOptions(fps=2.0)))
     items = [ds[i] for i in range(3)]
     assert items[0]["media"].video is None and items[1]["media"].image is None
     assert len({len(it["input_ids"]) for it in items}) == 1

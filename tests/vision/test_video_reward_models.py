@@ -18,13 +18,16 @@ import yaml
 from _video_helpers import moving_square, write_video
 
 from lightrft.data import DataError, PromptDataset, SFTDataset, conversation
+from lightrft.data.media import MediaOptions
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.data.templates import IGNORE_INDEX
+from lightrft.data.video import VideoOptions
 from lightrft.models.multimodal import load_processor
+from lightrft.rewards import Sample
 
 QUESTION = "<video>Which way does the square move?"
 # Not the defaults (2 fps): the options must reach the video reader. 56x56 frames stay 56x56.
-VIDEO = {"video_fps": 4.0, "video_max_pixels": 56 * 56}
+VIDEO = {"media": MediaOptions(video=VideoOptions(fps=4.0, max_pixels=56 * 56))}
 
 
 @pytest.fixture
@@ -83,7 +86,9 @@ def test_a_preference_pair_with_a_video_encodes_as_the_sft_samples(tiny_vlm, cli
     batch = PreferenceCollator(proc.tokenizer.pad_token_id)([pairs[0], pairs[0]])
     assert batch["media"].video.num_tokens == [n_video] * 4
     clipped = PreferenceDataset(
-        proc, _write(tmp_path / "c.jsonl", _pairs(clips, 1)), **VIDEO, max_video_frames=4
+        proc,
+        _write(tmp_path / "c.jsonl", _pairs(clips, 1)),
+        media=MediaOptions(video=VideoOptions(fps=4.0, max_pixels=56 * 56, max_frames=4)),
     )
     assert clipped.stats["video_clipped"] == 1
     assert clipped[0]["media"].video.video_grid_thw.tolist() == [[2, 4, 4]]
@@ -112,14 +117,18 @@ def test_videos_need_a_qwen_vl_processor_and_the_chat_template(tiny_vlm, clips, 
     from lightrft.models import load_tokenizer
 
     path = _write(tmp_path / "p.jsonl", _pairs(clips, 1))
-    with pytest.raises(DataError, match=r"p\.jsonl line 1: .*'videos' holds videos.*Qwen2-VL"):
+    with pytest.raises(
+        DataError, match=r"p\.jsonl line 1: the record has videos.*'videos'.*Qwen2-VL"
+    ):
         PreferenceDataset(load_tokenizer(tiny_vlm("qwen2_vl")), path)
     with pytest.raises(DataError, match=r"line 1: field 'videos': videos need apply_chat_templ"):
         PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), path, apply_chat_template=False)
     with pytest.raises(DataError, match=r"line 1: the record has videos, but the dataset"):
         PreferenceDataset(load_processor(tiny_vlm("llava")), path)
-    with pytest.raises(ValueError, match="video options .* need a Qwen2-VL or Qwen2.5-VL"):
-        PreferenceDataset(load_processor(tiny_vlm("llava")), path, video_fps=4.0)
+    with pytest.raises(ValueError, match="media.video options need a Qwen2-VL or Qwen2.5-VL"):
+        PreferenceDataset(
+            load_processor(tiny_vlm("llava")), path, media=MediaOptions(video=VideoOptions(fps=4.0))
+        )
 
 
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids", "scored", "media")
@@ -137,7 +146,11 @@ def test_reward_model_recipe_trains_on_video_pairs_and_rl_scores_them_as_trained
         "output_dir": str(tmp_path / "out"),
         "device": "cpu",
         "model": {"path": str(tiny_vlm("qwen2_vl")), "pooling": "likelihood"},
-        "dataset": {"_component_": "lightrft.data.PreferenceDataset", "path": data, **VIDEO},
+        "dataset": {
+            "_component_": "lightrft.data.PreferenceDataset",
+            "path": data,
+            "media": {"video": {"fps": 4.0, "max_pixels": 56 * 56}},
+        },
         "batch_size": 2,
         "epochs": 1,
         "max_steps": 2,
@@ -153,13 +166,15 @@ def test_reward_model_recipe_trains_on_video_pairs_and_rl_scores_them_as_trained
     # The rollout's prompts sampled faster (8 fps, every frame) than the reward model's data:
     # each conversation's video part carries its rate, and the reward model re-samples it at
     # its own 4 fps, as its preference data sampled the file.
-    prompts = PromptDataset(proc, data, reference_required=False, video_fps=8.0)
+    prompts = PromptDataset(
+        proc, data, reference_required=False, media=MediaOptions(video=VideoOptions(fps=8.0))
+    )
     assert prompts[0]["media"].video.video_grid_thw[0, 0] == 8  # 16 frames
     chats = [conversation(prompts[k]["messages"], prompts[k]["media"]) for k in range(2)]
     assert chats[0][0]["content"][0]["fps"] == 8.0
     rm = RewardModel(str(final), micro_batch_size=4, **VIDEO)
     texts = [prompts[k]["prompt"] for k in range(2)]
-    got = rm(texts * 2, ["right", "left", "left", "right"], conversations=chats * 2)
+    got = rm(Sample.batch(texts * 2, ["right", "left", "left", "right"], conversations=chats * 2))
     with torch.no_grad():
         batch = PreferenceCollator(proc.tokenizer.pad_token_id)([pairs[0], pairs[1]])
         want = net(num_sequences=4, **{k: batch[k] for k in _FORWARD_KEYS if k in batch})
@@ -167,10 +182,10 @@ def test_reward_model_recipe_trains_on_video_pairs_and_rl_scores_them_as_trained
     # "right"; the samples': (right, "right"), (left, "left"), (right, "left"), (left, "right").
     torch.testing.assert_close(got, want[[0, 2, 1, 3], 0], atol=1e-5, rtol=1e-5)
     # Same question, same answer, another video: another score.
-    swapped = rm(texts, ["right", "right"], conversations=chats)
+    swapped = rm(Sample.batch(texts, ["right", "right"], conversations=chats))
     assert swapped[0] != swapped[1]
     # The reward model reads the videos as its options say: the defaults (2 fps) differ.
-    default = RewardModel(str(final))(texts, ["right"] * 2, conversations=chats)
+    default = RewardModel(str(final))(Sample.batch(texts, ["right"] * 2, conversations=chats))
     assert not torch.allclose(default, swapped)
 
 
@@ -186,7 +201,12 @@ def test_a_video_judge_sees_the_conversations_video(tiny_vlm, clips, tmp_path):
     template = "{prompt}\nAnswer: {response}\nScore:"
     judge = GenerativeReward(judge=vl, template=template, fallback=0.0, max_tokens=2, **VIDEO)
     records = [{"prompt": QUESTION, "videos": [str(tmp_path / c)]} for c in clips]
-    prompts = PromptDataset(proc, records=records, reference_required=False, video_fps=8.0)
+    prompts = PromptDataset(
+        proc,
+        records=records,
+        reference_required=False,
+        media=MediaOptions(video=VideoOptions(fps=8.0)),
+    )
     chats = [conversation(prompts[k]["messages"], prompts[k]["media"]) for k in range(2)]
     text = template.format(prompt=QUESTION.replace("<video>", ""), response="right")
     (req,) = judge.media_requests([text], [media_parts(chats[0])])
@@ -197,10 +217,21 @@ def test_a_video_judge_sees_the_conversations_video(tiny_vlm, clips, tmp_path):
     assert torch.equal(got_v.pixel_values_videos, want_v.pixel_values_videos)
     assert got_v.video_grid_thw.tolist() == want_v.video_grid_thw.tolist() == [[4, 4, 4]]
     # The engine judges the requests with their videos (one verdict a sample).
-    out = judge([p["prompt"] for p in (prompts[0], prompts[1])], ["right"] * 2, conversations=chats)
+    out = judge(
+        Sample.batch(
+            [p["prompt"] for p in (prompts[0], prompts[1])], ["right"] * 2, conversations=chats
+        )
+    )
     assert out.shape == (2,) and len(judge.last_verdicts) == 2
-    with pytest.raises(ValueError, match="video options apply to a local vision-language judge"):
-        GenerativeReward(url="http://127.0.0.1:1/v1/completions", fallback=0.0, video_fps=4)
+    with pytest.raises(
+        ValueError,
+        match="media.video options need a Qwen2-VL or Qwen2.5-VL model.s processor \\(a remote judge",
+    ):
+        GenerativeReward(
+            url="http://127.0.0.1:1/v1/completions",
+            fallback=0.0,
+            media=MediaOptions(video=VideoOptions(fps=4)),
+        )
 
 
 def _served(reward_fn, **kwargs):
@@ -222,7 +253,10 @@ def _video_chats(vl_dir, clips, tmp_path):
     (every frame) as a GRPO run hands them to its rewards."""
     records = [{"prompt": QUESTION, "videos": [str(tmp_path / c)]} for c in clips]
     prompts = PromptDataset(
-        load_processor(vl_dir), records=records, reference_required=False, video_fps=8.0
+        load_processor(vl_dir),
+        records=records,
+        reference_required=False,
+        media=MediaOptions(video=VideoOptions(fps=8.0)),
     )
     items = [prompts[k] for k in range(2)]
     return [it["prompt"] for it in items], [
@@ -248,7 +282,7 @@ def test_video_frames_cross_the_wire_frame_for_frame(tiny_vlm, clips, tmp_path):
         for x, y in zip(a["video"], b["video"], strict=True):
             assert y.mode == "RGB" and x.size == y.size and x.tobytes() == y.tobytes()
         assert got[0]["content"][1] == sent[0]["content"][1]  # the question's text part
-    # A part without a rate travels without one (the reward model takes its own video_fps).
+    # A part without a rate travels without one (the reward model takes its own media.video.fps).
     no_rate = [{"role": "user", "content": [{**chats[0][0]["content"][0], "fps": None}]}]
     assert "fps" not in wire_conversation(no_rate, 0)[0]["content"][0]
     assert "fps" not in decode_conversations([wire_conversation(no_rate, 0)], 1)[0][0]["content"][0]
@@ -309,10 +343,12 @@ def test_a_video_reward_model_and_judge_behind_the_server_score_as_in_process(
     ]:
         server, url = _served(served, token="s3cret", max_video_frames=32)
         try:
-            want = torch.as_tensor(local(texts * 2, responses, conversations=chats * 2))
+            want = torch.as_tensor(
+                local(Sample.batch(texts * 2, responses, conversations=chats * 2))
+            )
             # 4 videos of 16 frames: two requests of 32 frames (the server's bound).
             got = RemoteReward(url, token="s3cret", max_retries=0, batch_size=2)(
-                texts * 2, responses, conversations=chats * 2
+                Sample.batch(texts * 2, responses, conversations=chats * 2)
             )
             torch.testing.assert_close(torch.tensor(got), want.float(), atol=1e-6, rtol=0)
             if isinstance(local, GenerativeReward):
@@ -345,7 +381,9 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, prompts, responses, references, labels, conversations=None):
+    def __call__(self, samples):
+        responses = [s.response for s in samples]
+        conversations = [s.conversation for s in samples]
         self.calls.append(conversations)
         return [float(len(r)) for r in responses]
 
@@ -444,17 +482,19 @@ def test_the_reward_servers_video_bounds_and_malformed_parts_are_answered_by_nam
         assert fn.calls == []  # none of them reached the reward function
         # A good client is served afterwards, the function getting the frames as in-process.
         got = RemoteReward(url, token="s3cret", max_retries=0)(
-            ["q", "q"],
-            ["ab", "abc"],
-            conversations=[
-                [
-                    {
-                        "role": "user",
-                        "content": [{"type": "video", "video": [frame] * 4, "fps": 2.0}],
-                    }
+            Sample.batch(
+                ["q", "q"],
+                ["ab", "abc"],
+                conversations=[
+                    [
+                        {
+                            "role": "user",
+                            "content": [{"type": "video", "video": [frame] * 4, "fps": 2.0}],
+                        }
+                    ],
+                    None,
                 ],
-                None,
-            ],
+            )
         )
         assert got == [2.0, 3.0]
         (chats,) = fn.calls

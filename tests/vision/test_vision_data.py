@@ -17,8 +17,9 @@ from lightrft.data import (
     SFTDataset,
     pack_or_pad_collator,
 )
+from lightrft.data.media import MediaOptions
 from lightrft.data.templates import IGNORE_INDEX
-from lightrft.data.vision import ImageInputs, fit_pixels
+from lightrft.data.vision import ImageInputs, ImageOptions, fit_pixels
 from lightrft.models import load_tokenizer
 from lightrft.models.multimodal import load_processor
 
@@ -125,13 +126,25 @@ def test_pixel_bounds_resize_keeping_aspect(proc):
     img = fit_pixels(square((1, 1, 1), (10, 20)), 28 * 28, None)
     assert img.size[0] * img.size[1] >= 28 * 28
     recs = [{"prompt": "<image>q", "answer": "a", "images": [square((1, 1, 1), (448, 448))]}]
-    small = PromptDataset(proc, records=recs, max_pixels=56 * 56)
+    small = PromptDataset(
+        proc, records=recs, media=MediaOptions(image=ImageOptions(max_pixels=56 * 56))
+    )
     assert small[0]["media"].image.image_grid_thw.tolist() == [[1, 4, 4]]
     assert small[0]["media"].image.images[0].size == (56, 56)
-    with pytest.raises(ValueError, match="min_pixels .* must be <= max_pixels"):
-        PromptDataset(proc, records=recs, min_pixels=10_000, max_pixels=100)
-    with pytest.raises(ValueError, match="need a vision-language processor"):
-        PromptDataset(proc.tokenizer, records=[{"prompt": "q", "answer": "a"}], max_pixels=100)
+    with pytest.raises(
+        ValueError, match="media.image.min_pixels .* must be <= media.image.max_pixels"
+    ):
+        PromptDataset(
+            proc,
+            records=recs,
+            media=MediaOptions(image=ImageOptions(min_pixels=10_000, max_pixels=100)),
+        )
+    with pytest.raises(ValueError, match="media.image options need a vision-language"):
+        PromptDataset(
+            proc.tokenizer,
+            records=[{"prompt": "q", "answer": "a"}],
+            media=MediaOptions(image=ImageOptions(max_pixels=100)),
+        )
 
 
 def test_sft_labels_never_train_vision_tokens_and_collate_packs_images(proc):

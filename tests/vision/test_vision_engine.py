@@ -7,9 +7,9 @@ import torch
 from _vision_helpers import square
 
 from lightrft.data import AudioInputs, Media, PromptDataset
-from lightrft.models.modality import vision_token_ids
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.models.forward import causal_lm_token_logprobs
+from lightrft.models.modality import vision_token_ids
 from lightrft.models.multimodal import load_processor, load_vision_model, set_vision_trainable
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"]

@@ -12,9 +12,9 @@ from _vision_helpers import square
 
 from lightrft import cli
 from lightrft.data import SFTDataset, pack_or_pad_collator
-from lightrft.models.modality import vision_token_ids
-from lightrft.models.forward import causal_lm_cross_entropy
 from lightrft.models import parallelize
+from lightrft.models.forward import causal_lm_cross_entropy
+from lightrft.models.modality import vision_token_ids
 from lightrft.models.multimodal import (
     load_processor,
     load_vision_model,

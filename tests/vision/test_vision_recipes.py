@@ -13,6 +13,8 @@ import yaml
 from _dist import build_recipe, run_distributed
 
 from lightrft import cli
+from lightrft.data.media import MediaOptions
+from lightrft.data.vision import ImageOptions
 from lightrft.training import read_metrics
 
 TOWER = ("visual.", "model.visual.")  # Qwen2-VL's vision tower (patch merger included)
@@ -46,12 +48,12 @@ def _sft_config(tmp: Path, **overrides) -> Path:
         "dataset": {
             "_component_": "lightrft.data.SFTDataset",
             "path": str(tmp / "data" / "train.jsonl"),
-            "max_pixels": 56 * 56,
+            "media": {"image": {"max_pixels": 56 * 56}},
         },
         "eval_dataset": {
             "_component_": "lightrft.data.SFTDataset",
             "path": str(tmp / "data" / "test.jsonl"),
-            "max_pixels": 56 * 56,
+            "media": {"image": {"max_pixels": 56 * 56}},
         },
         "packing": False,
         "batch_size": 8,
@@ -97,7 +99,7 @@ def _eval_loss(model_dir: Path, data: Path) -> float:
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     proc = AutoProcessor.from_pretrained(model_dir)
-    items = list(SFTDataset(proc, data, max_pixels=56 * 56))
+    items = list(SFTDataset(proc, data, media=MediaOptions(image=ImageOptions(max_pixels=56 * 56))))
     nll, count = 0.0, 0
     for item in items:
         batch = pack_or_pad_collator(proc.tokenizer)([item])
@@ -202,7 +204,10 @@ def test_train_vision_tower_on_a_text_model_is_refused(tmp_path, capsys):
 def _grpo_config(tmp: Path, assets: Path | None = None, **overrides) -> Path:
     """2 steps of 2 counting prompts x 4 samples of 4 tokens on the tiny Qwen2-VL."""
     src = assets or tmp
-    prompts = {"_component_": "lightrft.data.PromptDataset", "max_pixels": 56 * 56}
+    prompts = {
+        "_component_": "lightrft.data.PromptDataset",
+        "media": {"image": {"max_pixels": 56 * 56}},
+    }
     cfg = {
         "output_dir": str(tmp / "out"),
         "seed": 0,
@@ -384,7 +389,12 @@ def test_vlm_grpo_against_a_vlm_reward_model(tmp_path, vlm_assets):
     processor = load_processor(str(vlm_assets / "model"))
     data = str(vlm_assets / "data" / "train.jsonl")
     # The prompts share their text: a trajectory finds its record (and picture) by file and line.
-    by_where = {it["where"]: it for it in PromptDataset(processor, data, max_pixels=56 * 56)}
+    by_where = {
+        it["where"]: it
+        for it in PromptDataset(
+            processor, data, media=MediaOptions(image=ImageOptions(max_pixels=56 * 56))
+        )
+    }
     items = [by_where[s["where"]] for s in samples]
     alone = RewardModel(rm_path)(
         [s["prompt"] for s in samples],
@@ -427,7 +437,7 @@ def test_eval_recipe_on_a_vlm_sends_each_prompt_its_images(tmp_path, vlm_assets,
         "dataset": {
             "_component_": "lightrft.data.PromptDataset",
             "path": str(data),
-            "max_pixels": 56 * 56,
+            "media": {"image": {"max_pixels": 56 * 56}},
         },
         "reward": {"_component_": "lightrft.rewards.MathVerifier"},
         "sampling": {"n": 1, "temperature": 0.0, "max_tokens": 6},
@@ -439,7 +449,11 @@ def test_eval_recipe_on_a_vlm_sends_each_prompt_its_images(tmp_path, vlm_assets,
     rows = [json.loads(x) for x in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
 
     processor = load_processor(str(vlm_assets / "model"))
-    items = list(PromptDataset(processor, path=str(data), max_pixels=56 * 56))
+    items = list(
+        PromptDataset(
+            processor, path=str(data), media=MediaOptions(image=ImageOptions(max_pixels=56 * 56))
+        )
+    )
     assert len(seen) == len(items) == len(rows) == 8
     for req, item in zip(seen, items, strict=True):
         assert list(req.prompt_token_ids) == list(item["prompt_ids"])

@@ -12,6 +12,7 @@ import yaml
 from lightrft.data import DataError, Media, PromptDataset, conversation
 from lightrft.data.preference import PreferenceCollator, PreferenceDataset
 from lightrft.models.multimodal import load_processor
+from lightrft.rewards import Sample
 
 
 def _pairs(image_files, n: int = 12, rejected: str | None = None) -> list[dict]:
@@ -79,7 +80,9 @@ def test_images_need_a_vlm_processor_and_the_chat_template(tiny_vlm, image_files
     from lightrft.models import load_tokenizer
 
     path = _write(tmp_path / "p.jsonl", _pairs(image_files, 2))
-    with pytest.raises(DataError, match=r"p.jsonl line 1: .*'images' holds images.*processor"):
+    with pytest.raises(
+        DataError, match=r"p.jsonl line 1: the record has images.*'images'.*processor"
+    ):
         PreferenceDataset(load_tokenizer(tiny_vlm("qwen2_vl")), path)
     with pytest.raises(DataError, match=r"line 1: .*apply_chat_template=true"):
         PreferenceDataset(load_processor(tiny_vlm("qwen2_vl")), path, apply_chat_template=False)
@@ -148,7 +151,9 @@ def test_likelihood_pooling_with_images_is_the_vlm_mean_logprob(tiny_vlm, image_
     # The images matter: the same tokens with another picture score differently.
     from _vision_helpers import square
 
-    blue = ds.media.images.process([square((0, 0, 255))])  # item 0's size, another colour
+    blue = ds.media.processors["image"].process(
+        [square((0, 0, 255))]
+    )  # item 0's size, another colour
     with torch.no_grad():
         swapped = {**items[0], "media": Media(image=blue)}
         other = _score(net, PreferenceCollator(pad)([swapped, items[1]]))
@@ -196,9 +201,11 @@ def test_reward_model_recipe_trains_a_vlm_likelihood_reward_model(tiny_vlm, imag
     chats = [conversation(prompts[k]["messages"], prompts[k]["media"]) for k in range(3)]
     rm = RewardModel(str(final), micro_batch_size=4)
     got = rm(
-        [prompts[k]["prompt"] for k in range(3)] * 2,
-        [r["chosen"] for r in records] + [r["rejected"] for r in records],
-        conversations=chats * 2,
+        Sample.batch(
+            [prompts[k]["prompt"] for k in range(3)] * 2,
+            [r["chosen"] for r in records] + [r["rejected"] for r in records],
+            conversations=chats * 2,
+        )
     )
     with torch.no_grad():
         want = _score(
@@ -228,12 +235,12 @@ def test_a_vlm_reward_model_in_rl_reads_the_images_of_each_conversation(
     prompts = PromptDataset(load_processor(path), data, reference_required=False)
     items = [prompts[k] for k in range(3)]
     chats = [conversation(it["messages"], it["media"]) for it in items]
-    reward = CombinedReward({"rm": RewardModel(path), "length": lambda **kw: [1.0] * 3})
+    reward = CombinedReward({"rm": RewardModel(path), "length": lambda samples: [1.0] * 3})
     texts = [it["prompt"] for it in items]
-    out = reward(texts, ["red"] * 3, conversations=chats)
+    out = reward(Sample.batch(texts, ["red"] * 3, conversations=chats))
     # Same question, same answer, another picture: another score.
     assert len(set(out.parts["rm"].tolist())) == 3, out.parts["rm"]
-    alone = RewardModel(path)(texts[:1], ["red"], conversations=chats[:1])
+    alone = RewardModel(path)(Sample.batch(texts[:1], ["red"], conversations=chats[:1]))
     torch.testing.assert_close(out.parts["rm"][:1], alone)
     recoloured = [
         {
@@ -241,14 +248,14 @@ def test_a_vlm_reward_model_in_rl_reads_the_images_of_each_conversation(
             "content": [chats[0][0]["content"][0], {"type": "image", "image": square((0, 0, 255))}],
         }
     ]
-    assert RewardModel(path)(texts[:1], ["red"], conversations=[recoloured]) != alone
+    assert RewardModel(path)(Sample.batch(texts[:1], ["red"], conversations=[recoloured])) != alone
 
     rm = RewardModel(path)
-    with pytest.raises(ValueError, match="pass conversations="):
-        rm(texts, ["red"] * 3)
+    with pytest.raises(ValueError, match="renders each sample.s conversation"):
+        rm(Sample.batch(texts, ["red"] * 3))
     with pytest.raises(ValueError, match="apply_chat_template=true in the prompt dataset"):
-        rm(texts[:1], ["red"], conversations=[None])
+        rm(Sample.batch(texts[:1], ["red"], conversations=[None]))
     with pytest.raises(ValueError, match=r"sample 0 has \d+ tokens .* max_length=8"):
-        RewardModel(path, max_length=8)(texts[:1], ["red"], conversations=chats[:1])
+        RewardModel(path, max_length=8)(Sample.batch(texts[:1], ["red"], conversations=chats[:1]))
     with pytest.raises(ValueError, match="needs chat_template=true"):
         RewardModel(path, chat_template=False)

@@ -7,9 +7,11 @@ import torch
 from _vision_helpers import square
 
 from lightrft.data import PromptDataset
-from lightrft.models.modality import vision_token_ids
+from lightrft.data.media import MediaOptions
+from lightrft.data.vision import ImageOptions
 from lightrft.engine import Request, SamplingParams
 from lightrft.engine import vllm_adapter as va
+from lightrft.models.modality import vision_token_ids
 from lightrft.models.multimodal import load_processor
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -26,8 +28,7 @@ def _dataset(proc):
             },
             {"prompt": "text only", "answer": "x"},
         ],
-        min_pixels=28 * 28,
-        max_pixels=28 * 28 * 16,
+        media=MediaOptions(image=ImageOptions(min_pixels=28 * 28, max_pixels=28 * 28 * 16)),
     )
 
 
