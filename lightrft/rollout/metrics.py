@@ -105,13 +105,44 @@ def step_metrics(
     out = {"time/step": elapsed}
     for phase in PHASES:
         out[f"time/{phase}"] = phases.get(f"time/{phase}", 0.0)
-    out["perf/rollout_tokens_per_s"] = gen_tokens / max(out["time/rollout"], 1e-9)
+    # Asynchronous: the generating process's own time (``time/generate``), not the wait.
+    gen_time = metrics.get("time/generate", out["time/rollout"])
+    out["perf/rollout_tokens_per_s"] = gen_tokens / max(gen_time, 1e-9)
     if "train/tokens" in metrics:
         train_tokens = metrics.pop("train/tokens")
         out["perf/train_tokens_per_s"] = train_tokens / max(out["time/training"], 1e-9)
     out["perf/tokens_per_s"] = all_tokens / max(elapsed, 1e-9)
     out.update(reduce_metrics(peak_memory(device), "max"))
     return out
+
+
+def update_metrics(
+    reduced: dict[str, float],
+    terms: Sequence[str],
+    grad_norms: list[float],
+    critic_norms: list[float],
+    world: int,
+    sp: int,
+) -> dict[str, float]:
+    """``train/*`` (and ``critic/grad_norm``) of an update from its reduced accumulator
+    (``loss``, ``tokens``, the loss ``terms``, token-weighted means), the gradient norms of its
+    optimizer steps, the world size and the sequence-parallel degree ``sp``."""
+    metrics = {f"train/{k}": v for k, v in reduced.items()}
+    # Each rank's loss is its part of sum / (global count / world): the sum over ranks is
+    # world x the loss of the whole mini-batch (x the SP degree: an SP group's ranks all
+    # compute their micro-batch's loss, from the gathered log-probs).
+    per = world * sp * len(grad_norms)
+    metrics["train/loss"] = reduced["loss"] / per
+    for k in terms:
+        if k in reduced:
+            metrics[f"train/{k}"] = reduced[k] / per
+    metrics["train/tokens"] = reduced["tokens"] / sp
+    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["train/grad_norm_max"] = max(grad_norms)
+    metrics["train/optimizer_steps"] = float(len(grad_norms))
+    if critic_norms:
+        metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
+    return metrics
 
 
 # Decimals kept of each per-token float: a ratio exp(a - b) of two rounded log-probs is off by at
