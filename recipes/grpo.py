@@ -6,8 +6,7 @@
 One step, as data flows (every rank runs the same code):
 
     rollout = source.next(step): prompts -> engine.generate(n per prompt) -> rewards -> overlong
-       penalty -> dynamic sampling (lightrft.rollout: colocated, partial or asynchronous, one
-       typed Rollout whatever the mode)
+       penalty -> dynamic sampling (lightrft.rollout; one typed Rollout whatever the mode)
     -> precompute: reference log-probs (with a KL), old log-probs (trainer, or the engine's with
        truncated importance sampling), critic values (gae only)
     -> advantages(): reward clip / norm, KL in the reward (optional), any estimator
@@ -16,9 +15,8 @@ One step, as data flows (every rank runs the same code):
        big batch
     -> source.publish (weight sync) -> eval, log, trajectories, checkpoint -> export at the end
 
-The file reads top to bottom in that order, after this recipe's config sections; `loss` and
-`advantages` are the places to edit the algorithm. Log-probs never materialise [tokens x vocab]
-logits: the fused linear log-prob kernel works on the final hidden states (lightrft.kernels).
+The file reads top to bottom in that order, after its config sections; edit `loss` and
+`advantages` to change the algorithm. Log-probs never materialise [tokens x vocab] logits.
 
 One self-contained file: copy it (`lightrft cp grpo my_grpo.py`), edit it, run the copy.
 """
@@ -71,7 +69,7 @@ from lightrft.kernels import (
 from lightrft.models.critic import with_value_head
 from lightrft.models.multimodal import load_processors, set_towers_trainable
 from lightrft.models.sharded import load_parallel
-from lightrft.rollout import RolloutBatch
+from lightrft.rollout.batch import Advantages, Precomputed, RolloutBatch, TrainBatch
 from lightrft.rollout.build import (
     HeldOutEvalConfig,
     build_parts,
@@ -181,11 +179,6 @@ class GRPOConfig(TrainingConfig):
         ):
             if schedule is not None:
                 schedule.check_steps(self.max_steps, key)
-        if critic is not None and self.strategy.sequence_parallel > 1:
-            raise ValueError(
-                f"sequence_parallel={self.strategy.sequence_parallel} does not support a GAE "
-                "critic (estimator=gae) yet; set sequence_parallel=1 or another estimator"
-            )
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         check_models(opts, prepare=self.run.prepare)
         m = opts.model
@@ -386,9 +379,11 @@ class GRPORecipe:
         )
 
     @torch.no_grad()
-    def precompute(self, batch: RolloutBatch, timer: PhaseTimer) -> dict[str, float]:
-        """Old log-probs, entropy, reference log-probs and values of every sample, in place;
-        returns the ``rollout/mismatch/*`` metrics.
+    def precompute(
+        self, batch: RolloutBatch, timer: PhaseTimer
+    ) -> tuple[Precomputed, dict[str, float]]:
+        """Old log-probs, entropy, reference log-probs and values of every sample, and the
+        ``rollout/mismatch/*`` metrics.
 
         Each rank computes its shard in micro-batches; a sum over ranks of the zero-filled
         ``[B, R]`` tensors gives every rank the whole batch (advantages and the high-entropy
@@ -403,7 +398,7 @@ class GRPORecipe:
         )
         need_entropy = alg.entropy.top_rho is not None
         # trajectory_tokens: the trainer's log-probs and entropy before the update, for the
-        # trajectory files only. Kept apart from batch.old_logprobs, whose presence changes
+        # trajectory files only. Kept apart from the old log-probs, whose presence changes
         # the loss (None means exactly on-policy), so the switch changes no trained number.
         need_tokens = o.trajectory_tokens and not (need_old and need_entropy)
         # An external engine's samples: the trainer's log-probs for rollout/mismatch/* (one
@@ -419,6 +414,7 @@ class GRPORecipe:
         ]
         micro, dev = self._micro_batches(batch, list(range(len(batch)))), self.dist.device
         self.token_stats: dict[str, torch.Tensor] = {}
+        found_all: dict[str, torch.Tensor] = {}
         for name, model, flag in jobs:
             if not flag:
                 continue
@@ -457,22 +453,24 @@ class GRPORecipe:
                 if field.startswith("token_"):
                     self.token_stats[field[len("token_") :]] = sum_over_ranks(buf)
                 else:
-                    setattr(batch, field, sum_over_ranks(buf))
+                    found_all[field] = sum_over_ranks(buf)
+        pre = Precomputed(**found_all)
         if o.trajectory_tokens and not need_tokens:  # the old log-prob pass had both
-            self.token_stats = {"logprobs": batch.old_logprobs, "entropy": batch.entropy}
+            self.token_stats = {"logprobs": pre.old_logprobs, "entropy": pre.entropy}
         # rollout/mismatch/*: the engine's log-probs against the trainer's pre-update ones,
         # where the step has them (always with an external engine).
-        trainer = batch.old_logprobs
-        trainer = self.token_stats.pop("mismatch", None) if trainer is None else trainer
+        trainer = self.token_stats.pop("mismatch", pre.old_logprobs)
         if trainer is None:
-            return {}
-        return mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
+            return pre, {}
+        return pre, mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
 
     # ------------------------------------------------------------------ advantages
 
-    def advantages(self, batch: RolloutBatch) -> dict[str, float]:
+    def advantages(
+        self, batch: RolloutBatch, pre: Precomputed
+    ) -> tuple[Advantages, dict[str, float]]:
         """Reward clip / normalisation, KL in the reward, then the configured estimator;
-        fills ``batch.advantages`` (and ``returns``, ``loss_mask``)."""
+        ``Advantages`` (and ``returns``, ``loss_mask``) and their metrics."""
         alg, metrics = self.opts.algorithm, {}
         rewards = batch.rewards.float()  # [B]
         if self.normalizer is not None:
@@ -482,8 +480,8 @@ class GRPORecipe:
         mask = batch.response_mask  # [B, R] sampled tokens: observations get no advantage
         token_rewards = None
         if alg.kl is not None and alg.kl.placement == "reward":
-            old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
-            kl = estimate_kl(old, batch.ref_logprobs, alg.kl.estimator)  # [B, R]
+            old = pre.old_logprobs if pre.old_logprobs is not None else batch.rollout_logprobs
+            kl = estimate_kl(old, pre.ref_logprobs, alg.kl.estimator)  # [B, R]
             token_rewards, kl_metrics = kl_in_reward(rewards, kl, mask, self.kl_ctl.coef)
             metrics["train/kl"] = float(kl_metrics["kl"])
         adv, returns = compute_advantages(
@@ -491,29 +489,29 @@ class GRPORecipe:
             mask=mask,
             rewards=rewards,
             token_rewards=token_rewards,
-            values=batch.values,
+            values=pre.values,
             group_size=self.opts.rollout.n,
             **alg.advantage.options(),
         )  # [B, R]
         if (d := self.opts.distillation) is not None:  # the teacher grades every sampled token
-            own = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+            own = pre.old_logprobs if pre.old_logprobs is not None else batch.rollout_logprobs
             task = adv if d.reward_weight else None
             adv, dm = distillation_advantages(
-                own, batch.teacher_logprobs, mask, task, d.reward_weight
+                own, pre.teacher_logprobs, mask, task, d.reward_weight
             )
             metrics["train/distill/reverse_kl"] = float(dm["reverse_kl"])
         zero = torch.zeros((), dtype=torch.float32)
-        batch.advantages = torch.where(mask, adv.float(), zero)
         if returns is not None:
-            batch.returns = torch.where(mask, returns.float(), zero)
+            returns = torch.where(mask, returns.float(), zero)
         valid = adv[mask]
         metrics["train/advantage/mean"] = float(valid.mean()) if valid.numel() else 0.0
         metrics["train/advantage/abs_mean"] = float(valid.abs().mean()) if valid.numel() else 0.0
+        loss_mask = None
         if alg.entropy.top_rho is not None:
-            batch.loss_mask = high_entropy_mask(batch.entropy, mask, alg.entropy.top_rho) & mask
-            frac = batch.loss_mask.sum() / mask.sum().clamp_min(1)
+            loss_mask = high_entropy_mask(pre.entropy, mask, alg.entropy.top_rho) & mask
+            frac = loss_mask.sum() / mask.sum().clamp_min(1)
             metrics["train/high_entropy_frac"] = float(frac)
-        return metrics
+        return Advantages(torch.where(mask, adv.float(), zero), returns, loss_mask), metrics
 
     # ------------------------------------------------------------------ loss
 
@@ -567,9 +565,10 @@ class GRPORecipe:
         return loss, metrics
 
     def _loss_inputs(
-        self, batch: RolloutBatch, idx: list[int], mb: MicroBatch, counts: Counts
+        self, train: TrainBatch, idx: list[int], mb: MicroBatch, counts: Counts
     ) -> LossInputs:
-        """The micro-batch's forward passes and ``[b, R]`` slices of the rollout batch."""
+        """The micro-batch's forward passes and ``[b, R]`` slices of the step's tensors."""
+        batch, pre, adv = train
         alg, dev = self.opts.algorithm, self.dist.device
         mask = mb.mask.to(dev)  # [b, R] sampled response tokens
         width = mask.shape[1]
@@ -581,16 +580,16 @@ class GRPORecipe:
             return None if t is None else t[idx, :width].to(dev)
 
         kl_loss = alg.kl is not None and alg.kl.placement == "loss"
-        old = batch.rollout_logprobs if alg.old_logprobs == "engine" else batch.old_logprobs
+        old = batch.rollout_logprobs if alg.old_logprobs == "engine" else pre.old_logprobs
         data = LossInputs(
             logprobs=zeros,  # the policy's, below
             entropy=None,
             mask=mask,
-            loss_mask=mask if batch.loss_mask is None else rows(batch.loss_mask, fallback=mask),
-            advantages=rows(batch.advantages, fallback=zeros),
+            loss_mask=mask if adv.loss_mask is None else rows(adv.loss_mask, fallback=mask),
+            advantages=rows(adv.advantages, fallback=zeros),
             old_logprobs=rows(old),
             rollout_logprobs=rows(batch.rollout_logprobs) if alg.tis.mode else None,
-            ref_logprobs=rows(batch.ref_logprobs, fallback=zeros) if kl_loss else None,
+            ref_logprobs=rows(pre.ref_logprobs, fallback=zeros) if kl_loss else None,
             values=None,
             old_values=None,
             returns=None,
@@ -610,8 +609,8 @@ class GRPORecipe:
             logprobs=lp,
             entropy=ent,
             values=values,
-            old_values=None if values is None else rows(batch.values, fallback=values.detach()),
-            returns=None if values is None else rows(batch.returns, fallback=values.detach()),
+            old_values=None if values is None else rows(pre.values, fallback=values.detach()),
+            returns=None if values is None else rows(adv.returns, fallback=values.detach()),
         )
 
     def _grad_hint(self, data: LossInputs, counts: Counts, mb: MicroBatch) -> GradHint | None:
@@ -642,9 +641,10 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, batch: RolloutBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
+    def update(self, train: TrainBatch, step: int, timer: PhaseTimer) -> dict[str, float]:
         """ppo_epochs x mini-batches x micro-batches; one optimizer step per mini-batch."""
-        o, n = self.opts, len(batch)
+        o, batch = self.opts, train.batch
+        n = len(batch)
         mbs = min(o.train.mini_batch_size or n, n)
         # The loss terms are each micro-batch's part of the mini-batch's term (normalised by the
         # mini-batch's counts over all ranks, / world): they add up, like ``loss``. A weighted
@@ -665,14 +665,14 @@ class GRPORecipe:
             order = shuffled(n, o.run.seed * 7_919 + step * 131 + epoch, o.train.shuffle)
             for start in range(0, n, mbs):
                 mini = order[start : start + mbs]
-                counts = Counts.of(batch, mini, self.dist.world_size)
+                counts = Counts.of(batch, mini, self.dist.world_size, train.advantages.loss_mask)
                 loss_sum = 0.0
                 # Similar lengths share a micro-batch: less padding, same gradient (the loss is
                 # normalised by the counts of the whole mini-batch).
                 for idx in self._micro_batches(batch, mini):
                     with timer("training"):
                         mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
-                        inputs = self._loss_inputs(batch, idx, mb, counts)
+                        inputs = self._loss_inputs(train, idx, mb, counts)
                         total, metrics = self.loss(inputs, counts)
                         self.strategy.backward(total)
                     loss_sum += float(metrics.pop("actor_loss"))
@@ -751,11 +751,12 @@ class GRPORecipe:
         t0 = time.perf_counter()
         rollout = self.source.next(step, timer)
         batch, metrics = rollout.batch, dict(rollout.metrics)
-        self.token_stats = {}
+        self.token_stats, adv = {}, None
         if len(batch):
-            metrics.update(self.precompute(batch, timer))
-            metrics.update(self.advantages(batch))
-            metrics.update(self.update(batch, step, timer))
+            pre, mismatch = self.precompute(batch, timer)
+            adv, adv_metrics = self.advantages(batch, pre)
+            metrics.update({**mismatch, **adv_metrics})
+            metrics.update(self.update(TrainBatch(batch, pre, adv), step, timer))
         else:  # dynamic sampling found no informative group: no update, no NaN
             metrics["train/skipped"] = 1.0
         self._step_schedules(metrics, len(batch))
@@ -771,6 +772,7 @@ class GRPORecipe:
                     step,
                     rollout.drawn,
                     batch,
+                    advantages=None if adv is None else adv.advantages,
                     decode=self._decode if self.opts.trajectory_tokens else None,
                     token_stats=self.token_stats,
                 )

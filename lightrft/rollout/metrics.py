@@ -195,12 +195,14 @@ def write_trajectories(
     drawn: RolloutBatch,
     batch: RolloutBatch,
     *,
+    advantages: torch.Tensor | None = None,
     decode: Callable[[list[list[int]]], list[str]] | None = None,
     token_stats: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Every drawn sample of ``step`` as one JSON line of ``folder/step_<step>.jsonl``: prompt
     (and its record: file and line), response, rewards, advantage, length, finish reason, and
-    whether it was kept for training (``batch`` holds the kept rows, in order). A multi-turn
+    whether it was kept for training (``batch`` holds the kept rows, in order; ``advantages``
+    theirs, ``[len(batch), R]``). A multi-turn
     sample adds its response ids, their sampled mask and its episode (every turn's sampled ids
     and text, observation messages and ids, reward, tool calls, errors; its stats).
 
@@ -220,9 +222,9 @@ def write_trajectories(
             if drawn.kept[i]:
                 j = next(kept)
                 sampled = batch.response_mask[j, :r].tolist()
-                if batch.advantages is not None and any(sampled):
+                if advantages is not None and any(sampled):
                     # the mean over sampled tokens (observations carry none), summed in order
-                    values = batch.advantages[j, :r].tolist()
+                    values = advantages[j, :r].tolist()
                     mine = [a for a, m in zip(values, sampled, strict=True) if m]
                     advantage = sum(mine) / len(mine)
             record = {
@@ -245,29 +247,28 @@ def write_trajectories(
                 record["sampled_mask"] = drawn.response_mask[i, :r].tolist()
                 record["episode"] = drawn.episodes[i].record()
             if decode is not None:
-                record["tokens"] = _token_record(decode, drawn, batch, i, j, r, token_stats)
+                stats = {**(token_stats or {}), "advantage": advantages}
+                record["tokens"] = _token_record(decode, drawn, i, j, r, stats)
             f.write(json.dumps(record) + "\n")
 
 
 def _token_record(
     decode: Callable[[list[list[int]]], list[str]],
     drawn: RolloutBatch,
-    batch: RolloutBatch,
     i: int,
     j: int | None,
     r: int,
-    stats: dict[str, torch.Tensor] | None,
+    stats: dict[str, torch.Tensor | None],
 ) -> dict[str, list | None]:
     """Sample ``i``'s per-token detail (``j``: its row in ``batch`` when kept; ``r`` tokens)."""
 
     def trainer(t: torch.Tensor | None) -> list[float] | None:
         return None if j is None or t is None else _rounded(t[j, :r].tolist())
 
-    stats = stats or {}
     return {
         "text": token_pieces(decode, drawn.response(i)),
         "engine_logprob": _rounded(drawn.rollout_logprobs[i, :r].tolist()),
         "logprob": trainer(stats.get("logprobs")),
         "entropy": trainer(stats.get("entropy")),
-        "advantage": trainer(batch.advantages),
+        "advantage": trainer(stats.get("advantage")),
     }

@@ -124,10 +124,13 @@ class Counts:
     response: dict[str, float]
 
     @classmethod
-    def of(cls, batch: RolloutBatch, rows: list[int], world: int) -> Counts:
-        """The counts of ``batch``'s ``rows`` (an optimizer step's samples) over ``world`` ranks."""
+    def of(
+        cls, batch: RolloutBatch, rows: list[int], world: int, loss_mask: torch.Tensor | None
+    ) -> Counts:
+        """The counts of ``batch``'s ``rows`` (an optimizer step's samples) over ``world`` ranks;
+        ``loss_mask``: the tokens the policy loss trains on (None: every sampled one)."""
         mask = batch.response_mask[rows]  # [m, R]
-        lmask = mask if batch.loss_mask is None else batch.loss_mask[rows]
+        lmask = mask if loss_mask is None else loss_mask[rows]
         return cls(
             loss={
                 "num_tokens": int(lmask.sum()) / world,

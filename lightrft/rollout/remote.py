@@ -291,13 +291,8 @@ class AsyncSource:
 
     def __init__(self, opts: Any, dist: Any, record_eval: Callable, checkpointer: Any) -> None:
         """``opts``: the run's config (``rollout``, ``run``, ``engine``, ``max_steps``)."""
-        self.opts, self.dist, self.record_eval, self.checkpointer = (
-            opts,
-            dist,
-            record_eval,
-            checkpointer,
-        )
-        self.ro, self.epoch, self.pending, self.link = opts.rollout, 0, 0, None
+        self.opts, self.ro, self.dist, self.record_eval = opts, opts.rollout, dist, record_eval
+        self.checkpointer, self.epoch, self.pending, self.link = checkpointer, 0, 0, None
         if dist.rank == 0:  # first in setup: the generator builds while the trainers load
             timeout = self.ro.generator_timeout_s
             self.link = RolloutLink.connect(TRAINER, timeout, timeout)

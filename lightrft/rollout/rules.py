@@ -109,7 +109,13 @@ def check_models(opts: Any, *, prepare=None, loading: bool = False) -> None:
             check_same_tokenizer(load_tokenizer(opts.model.path, trust_remote_code=rc),
                                  load_tokenizer(d.path, trust_remote_code=rc))  # fmt: skip
     check_towers(opts.model)
-    check_sequence_parallel_checkpoint(opts.strategy.sequence_parallel, opts.model.path)
+    sp = opts.strategy.sequence_parallel
+    if opts.critic is not None and sp > 1:
+        raise ValueError(
+            f"sequence_parallel={sp} does not support a GAE critic (estimator=gae) yet; set "
+            "sequence_parallel=1 or another estimator"
+        )
+    check_sequence_parallel_checkpoint(sp, opts.model.path)
     if checkpoint_is_multimodal(opts.model.path) and opts.critic is not None:
         vlm = checkpoint_is_vision_language(opts.model.path)
         kind = "a vision-language" if vlm else "an audio-language"
