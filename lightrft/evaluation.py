@@ -234,3 +234,46 @@ def summarize(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, flo
 def _mean(values) -> float:
     vals = list(values)
     return math.fsum(vals) / len(vals)
+
+
+class EvalHistory:
+    """A training run's held-out evaluations: ``(step, accuracy, reward)`` of each
+    (``history``, checkpointed), the ``eval/env/*`` means of this process's (printed only), and
+    the run's closing summary lines."""
+
+    def __init__(self, history: Sequence[Sequence[Any]] = ()) -> None:
+        self.history: list[tuple[int, float, float]] = [tuple(e) for e in history]
+        self.env: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def last_step(self) -> int | None:
+        return self.history[-1][0] if self.history else None
+
+    def add(self, step: int, m: Mapping[str, float]) -> None:
+        self.history.append((step, m["eval/accuracy"], m["eval/reward"]))
+        if "eval/env/tool_use_frac" in m:
+            self.env.append((step, {k: v for k, v in m.items() if "/env/" in k}))
+
+    def summary(self, name: str, final: Any) -> list[str]:
+        """First and last accuracy and reward (and held-out tool use, with an environment)."""
+        lines = []
+        if self.history:
+            first, last = self.history[0], self.history[-1]
+            lines.append(
+                f"{name}: eval/accuracy {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} "
+                f"(step {last[0]}); eval/reward {first[2]:.3f} -> {last[2]:.3f}; "
+                f"final model in {final}"
+            )
+        if self.env:
+            (s0, e0), (s1, e1) = self.env[0], self.env[-1]
+            errors = [
+                f"{k.removeprefix('eval/env/errors/')} {e0[k]:.3f} -> {e1[k]:.3f}"
+                for k in sorted(e1)
+                if k.startswith("eval/env/errors/") and (e0.get(k) or e1[k])
+            ]
+            lines.append(
+                f"{name}: held-out tool use (step {s0} -> {s1}): eval/env/tool_use_frac "
+                f"{e0['eval/env/tool_use_frac']:.3f} -> {e1['eval/env/tool_use_frac']:.3f}; "
+                f"errors per episode: {', '.join(errors) or 'none'}"
+            )
+        return lines

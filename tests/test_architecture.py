@@ -74,15 +74,24 @@ LAYERS: dict[str, tuple[int, set[str]]] = {
             "lightrft.training",
         },
     ),
+    # Above rewards, environments and evaluation: a source scores its samples, plays their
+    # episodes and evaluates the policy it generates with.
     "lightrft.rollout": (
-        7,
+        11,
         {
             "lightrft.config",
             "lightrft.distributed",
+            "lightrft.algorithms",
+            "lightrft.sections",
             "lightrft.data",
+            "lightrft.kernels",
+            "lightrft.models",
             "lightrft.engine",
             "lightrft.training",
             "lightrft.strategy",
+            "lightrft.rewards",
+            "lightrft.environments",
+            "lightrft.evaluation",
         },
     ),
     "lightrft.export": (

@@ -73,6 +73,6 @@ def test_a_cuda_build_on_a_cpu_machine_gets_one_note_and_runs(tmp_path):
     _fake_torch(tmp_path / "site", "2.13.0", "12.8")
     r = _lightrft(tmp_path, "ls")
     assert r.returncode == 0, r.stderr
-    notes = [l for l in r.stderr.splitlines() if l.startswith("lightrft: note:")]
+    notes = [line for line in r.stderr.splitlines() if line.startswith("lightrft: note:")]
     assert len(notes) == 1 and "CUDA 12.8 build" in notes[0]
     assert "grpo" in r.stdout

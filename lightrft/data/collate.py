@@ -13,7 +13,7 @@ Every batch also carries ``num_loss_tokens`` (labels != -100), the count a token
 
 Multimodal samples carry ``media`` (:class:`~lightrft.data.media.Media`); a packed row and a
 batch carry the media of their samples joined in token order under the same key, which the forward
-takes as ``media=`` (see :func:`lightrft.kernels.causal_lm_token_logprobs`).
+takes as ``media=`` (see :func:`lightrft.models.forward.causal_lm_token_logprobs`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 and its videos (:class:`~lightrft.data.video.VideoInputs`), each in the order of its placeholder runs in the token ids. The same object is a dataset item's
 ``"media"``, a collated batch's ``"media"`` (its samples' media joined in token order), one entry
 per row of a rollout batch, an engine request's ``media`` and a micro-batch's ``media``; the
-forward funnel (:func:`lightrft.kernels.forward_on_hidden`) takes it as ``media=``.
+forward funnel (:func:`lightrft.models.forward.forward_on_hidden`) takes it as ``media=``.
 
 :class:`MediaOptions` is the ``media`` section every dataset, reward model and judge takes: one
 sub-section per kind (:class:`~lightrft.data.vision.ImageOptions`,

@@ -98,7 +98,7 @@ def check_inputs(
     if _is_dtensor(weight) or _is_dtensor(hidden):
         raise ValueError(
             "hidden/weight is a sharded DTensor (FSDP2): compute inside the root module's "
-            "forward, e.g. with lightrft.kernels.causal_lm_token_logprobs / forward_on_hidden"
+            "forward, e.g. with lightrft.models.forward.causal_lm_token_logprobs / forward_on_hidden"
         )
     if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
         raise ValueError(

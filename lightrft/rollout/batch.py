@@ -1,8 +1,8 @@
 """The typed rollout batch: what one RL step knows about its samples, as padded tensors.
 
-Built once after rollout (one row per sample, groups of ``n`` consecutive rows), moved between
-ranks with tensor collectives, filled by the trainer (old / reference log-probs, values,
-advantages, ...) and cut into micro-batches. Recipes (GRPO today; reward-model and vision recipes
+Built once, complete, after rollout (one row per sample, groups of ``n`` consecutive rows), moved
+between ranks with tensor collectives and cut into micro-batches; what the trainer computes of it
+is its own (:class:`Precomputed`, :class:`Advantages`). Recipes (GRPO today; reward-model and vision recipes
 next) share it, so a field means the same thing everywhere.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,22 +19,17 @@ from torch import Tensor
 if TYPE_CHECKING:
     from lightrft.data.media import Media
 
-__all__ = ["IGNORE", "RolloutBatch", "pad_rows"]
+__all__ = [
+    "IGNORE",
+    "Advantages",
+    "Precomputed",
+    "RolloutBatch",
+    "TrainBatch",
+    "pad_rows",
+]
 
 IGNORE = -100  # target id of positions without a loss
 
-# [B, R] float fields the trainer fills; None until computed (and when the step does not need
-# them: ``old_logprobs`` None means "exactly on-policy", ratio 1).
-_TOKEN_FIELDS = (
-    "rollout_logprobs",
-    "old_logprobs",
-    "ref_logprobs",
-    "teacher_logprobs",
-    "values",
-    "returns",
-    "advantages",
-    "entropy",
-)
 _SAMPLE_FIELDS = ("reward_raw", "rewards", "overlong", "kept")  # [B]
 _META_FIELDS = ("prompts", "references", "labels", "wheres", "texts", "finish_reasons", "groups")
 # Per-sample objects that only some batches have (None: none in the batch): media, episodes.
@@ -88,12 +83,6 @@ class RolloutBatch:
         finish_reasons ("stop" | "length"), groups (a tuple naming the prompt: samples with the
         same group share a prompt; groups are consecutive rows).
         kept: ``[B]`` bool, the sample is in the train batch (dynamic sampling drops groups).
-    Filled by the trainer, ``[B, R]`` float32 (None until then, or when the step needs none):
-        old_logprobs (the trainer's, before the update; None: exactly on-policy),
-        ref_logprobs (reference model, with a KL), teacher_logprobs (on-policy distillation's
-        teacher), values (critic), returns (value targets),
-        advantages, entropy (per token, for high-entropy selection), loss_mask (bool: tokens
-        the policy loss trains on; None: every response token).
     media: None for a text batch; else one :class:`~lightrft.data.media.Media` per sample (None
         for a sample without); a micro-batch's forward takes ``Media.cat`` of its rows', in order.
     episodes: None for a single-turn batch; else one
@@ -120,14 +109,6 @@ class RolloutBatch:
     groups: list[tuple]
     overlong: Tensor | None = None
     kept: Tensor | None = None
-    old_logprobs: Tensor | None = None
-    ref_logprobs: Tensor | None = None
-    teacher_logprobs: Tensor | None = None
-    values: Tensor | None = None
-    returns: Tensor | None = None
-    advantages: Tensor | None = None
-    entropy: Tensor | None = None
-    loss_mask: Tensor | None = None
     media: list[Media | None] | None = None
     episodes: list[Any] | None = None
 
@@ -203,7 +184,7 @@ class RolloutBatch:
         r = max(int(self.response_lens.max()) if len(self) else 0, 1)
         p = max(int(self.prompt_lens.max()) if len(self) else 0, 1)
         self.prompt_ids = self.prompt_ids[:, :p]
-        for name in ("response_ids", "response_mask", "loss_mask", *_TOKEN_FIELDS):
+        for name in ("response_ids", "response_mask", "rollout_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[:, :r])
@@ -261,6 +242,39 @@ class RolloutBatch:
         for name in _PER_SAMPLE:
             fields[name] = _gather_per_sample([m[name] for m in metas], [s[0] for s in sizes])
         return RolloutBatch(**fields)._trim()
+
+
+@dataclasses.dataclass(frozen=True)
+class Precomputed:
+    """What the trainer computes of a step's samples before its update, ``[B, R]`` float32
+    (None when the step needs none): ``old_logprobs`` (the trainer's; None: exactly on-policy,
+    ratio 1), ``ref_logprobs`` (reference model, with a KL), ``teacher_logprobs`` (on-policy
+    distillation's teacher), ``values`` (critic), ``entropy`` (for high-entropy selection)."""
+
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None
+    values: Tensor | None = None
+    entropy: Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Advantages:
+    """A step's advantages, ``[B, R]`` float32, 0 off the sampled tokens; ``returns``: the value
+    targets (gae only); ``loss_mask``: the tokens the policy loss trains on (None: every
+    sampled token)."""
+
+    advantages: Tensor
+    returns: Tensor | None = None
+    loss_mask: Tensor | None = None
+
+
+class TrainBatch(NamedTuple):
+    """What an update reads: the step's samples and what the trainer computed of them."""
+
+    batch: RolloutBatch
+    precomputed: Precomputed
+    advantages: Advantages
 
 
 def _gather_per_sample(parts: list[list | None], rows: list[int]) -> list | None:

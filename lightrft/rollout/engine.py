@@ -11,11 +11,20 @@ the engine kept its weights (a frozen vision tower stays), everything after a re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
+from lightrft.config import option, section
 from lightrft.data.media import Media
+from lightrft.engine.config import EngineConfig
 from lightrft.engine.protocol import Continuation, Request, Resume, SamplingParams
 from lightrft.strategy.base import Strategy
+
+
+@section
+class RolloutEngineConfig(EngineConfig):
+    """``engine:``: the library's engine section, and what the engine frees between rollouts."""
+
+    sleep_level: Literal[0, 1, 2] = option(1, doc="1: free the KV cache, 2: the weights too")
 
 
 class ColocatedEngine:

@@ -105,13 +105,44 @@ def step_metrics(
     out = {"time/step": elapsed}
     for phase in PHASES:
         out[f"time/{phase}"] = phases.get(f"time/{phase}", 0.0)
-    out["perf/rollout_tokens_per_s"] = gen_tokens / max(out["time/rollout"], 1e-9)
+    # Asynchronous: the generating process's own time (``time/generate``), not the wait.
+    gen_time = metrics.get("time/generate", out["time/rollout"])
+    out["perf/rollout_tokens_per_s"] = gen_tokens / max(gen_time, 1e-9)
     if "train/tokens" in metrics:
         train_tokens = metrics.pop("train/tokens")
         out["perf/train_tokens_per_s"] = train_tokens / max(out["time/training"], 1e-9)
     out["perf/tokens_per_s"] = all_tokens / max(elapsed, 1e-9)
     out.update(reduce_metrics(peak_memory(device), "max"))
     return out
+
+
+def update_metrics(
+    reduced: dict[str, float],
+    terms: Sequence[str],
+    grad_norms: list[float],
+    critic_norms: list[float],
+    world: int,
+    sp: int,
+) -> dict[str, float]:
+    """``train/*`` (and ``critic/grad_norm``) of an update from its reduced accumulator
+    (``loss``, ``tokens``, the loss ``terms``, token-weighted means), the gradient norms of its
+    optimizer steps, the world size and the sequence-parallel degree ``sp``."""
+    metrics = {f"train/{k}": v for k, v in reduced.items()}
+    # Each rank's loss is its part of sum / (global count / world): the sum over ranks is
+    # world x the loss of the whole mini-batch (x the SP degree: an SP group's ranks all
+    # compute their micro-batch's loss, from the gathered log-probs).
+    per = world * sp * len(grad_norms)
+    metrics["train/loss"] = reduced["loss"] / per
+    for k in terms:
+        if k in reduced:
+            metrics[f"train/{k}"] = reduced[k] / per
+    metrics["train/tokens"] = reduced["tokens"] / sp
+    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["train/grad_norm_max"] = max(grad_norms)
+    metrics["train/optimizer_steps"] = float(len(grad_norms))
+    if critic_norms:
+        metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms)
+    return metrics
 
 
 # Decimals kept of each per-token float: a ratio exp(a - b) of two rounded log-probs is off by at
@@ -164,12 +195,14 @@ def write_trajectories(
     drawn: RolloutBatch,
     batch: RolloutBatch,
     *,
+    advantages: torch.Tensor | None = None,
     decode: Callable[[list[list[int]]], list[str]] | None = None,
     token_stats: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Every drawn sample of ``step`` as one JSON line of ``folder/step_<step>.jsonl``: prompt
     (and its record: file and line), response, rewards, advantage, length, finish reason, and
-    whether it was kept for training (``batch`` holds the kept rows, in order). A multi-turn
+    whether it was kept for training (``batch`` holds the kept rows, in order; ``advantages``
+    theirs, ``[len(batch), R]``). A multi-turn
     sample adds its response ids, their sampled mask and its episode (every turn's sampled ids
     and text, observation messages and ids, reward, tool calls, errors; its stats).
 
@@ -189,9 +222,9 @@ def write_trajectories(
             if drawn.kept[i]:
                 j = next(kept)
                 sampled = batch.response_mask[j, :r].tolist()
-                if batch.advantages is not None and any(sampled):
+                if advantages is not None and any(sampled):
                     # the mean over sampled tokens (observations carry none), summed in order
-                    values = batch.advantages[j, :r].tolist()
+                    values = advantages[j, :r].tolist()
                     mine = [a for a, m in zip(values, sampled, strict=True) if m]
                     advantage = sum(mine) / len(mine)
             record = {
@@ -214,29 +247,28 @@ def write_trajectories(
                 record["sampled_mask"] = drawn.response_mask[i, :r].tolist()
                 record["episode"] = drawn.episodes[i].record()
             if decode is not None:
-                record["tokens"] = _token_record(decode, drawn, batch, i, j, r, token_stats)
+                stats = {**(token_stats or {}), "advantage": advantages}
+                record["tokens"] = _token_record(decode, drawn, i, j, r, stats)
             f.write(json.dumps(record) + "\n")
 
 
 def _token_record(
     decode: Callable[[list[list[int]]], list[str]],
     drawn: RolloutBatch,
-    batch: RolloutBatch,
     i: int,
     j: int | None,
     r: int,
-    stats: dict[str, torch.Tensor] | None,
+    stats: dict[str, torch.Tensor | None],
 ) -> dict[str, list | None]:
     """Sample ``i``'s per-token detail (``j``: its row in ``batch`` when kept; ``r`` tokens)."""
 
     def trainer(t: torch.Tensor | None) -> list[float] | None:
         return None if j is None or t is None else _rounded(t[j, :r].tolist())
 
-    stats = stats or {}
     return {
         "text": token_pieces(decode, drawn.response(i)),
         "engine_logprob": _rounded(drawn.rollout_logprobs[i, :r].tolist()),
         "logprob": trainer(stats.get("logprobs")),
         "entropy": trainer(stats.get("entropy")),
-        "advantage": trainer(batch.advantages),
+        "advantage": trainer(stats.get("advantage")),
     }

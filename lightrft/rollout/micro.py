@@ -12,12 +12,15 @@ collectives as the others.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from lightrft.data.collate import plan_micro_batches
 from lightrft.data.media import Media
 from lightrft.distributed import DistInfo, all_reduce_max
+from lightrft.models.forward import causal_lm_token_logprobs, forward_on_hidden
 from lightrft.rollout.batch import IGNORE, RolloutBatch
 
 
@@ -57,6 +60,91 @@ class MicroBatch:
         out = full.reshape(-1)[self.index.to(full.device)]
         zero = torch.zeros((), dtype=out.dtype, device=out.device)
         return torch.where(self.mask.to(full.device), out, zero)
+
+    def logprobs(
+        self,
+        model: Any,
+        device: torch.device,
+        *,
+        entropy: bool,
+        entropy_grad: bool = False,
+        **kw: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``model``'s log-prob of each response token (and its entropy, ``entropy``; with a
+        gradient: ``entropy_grad``), ``[b, R]``, from the fused linear log-prob kernel (never
+        ``[tokens x vocab]`` logits); ``kw``: :func:`~lightrft.models.forward.causal_lm_token_logprobs`'s
+        (temperature, grad_hint, sequence_parallel: this rank's slice of the row)."""
+        mb = self.to(device)
+        out = causal_lm_token_logprobs(
+            model, mb.input_ids, targets=mb.targets, attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids, return_entropy=entropy, entropy_grad=entropy_grad,
+            media=mb.media, **kw,
+        )  # fmt: skip
+        return (mb.gather(out[0]), mb.gather(out[1])) if entropy else (mb.gather(out), None)
+
+    def values(self, critic: Any, device: torch.device) -> torch.Tensor:
+        """The value head's value at each response token, ``[b, R]`` float32."""
+
+        def head(hidden, weight, bias):
+            return F.linear(hidden, weight, bias).squeeze(-1).float()  # [rows, L-1]
+
+        mb = self.to(device)
+        out = forward_on_hidden(critic, mb.input_ids, head, attention_mask=mb.attention_mask,
+                                position_ids=mb.position_ids)  # fmt: skip
+        return mb.gather(out)
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch as the loss sees it: ``[b, R]`` response-aligned tensors on the device
+    (``mask``: sampled response tokens, observations of a multi-turn trajectory left out;
+    ``loss_mask``: the tokens the policy loss trains on)."""
+
+    logprobs: torch.Tensor  # current policy, with gradient
+    entropy: torch.Tensor | None  # with gradient only when the entropy bonus is on
+    mask: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: exactly on-policy (ratio 1)
+    rollout_logprobs: torch.Tensor | None  # engine log-probs (TIS only)
+    ref_logprobs: torch.Tensor | None  # reference model (KL in the loss only)
+    values: torch.Tensor | None  # critic, with gradient (gae only)
+    old_values: torch.Tensor | None
+    returns: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Global normalisers of one optimizer step, divided by the world size (gradients are
+    averaged over ranks): ``loss`` counts the policy loss's tokens / sequences, ``response``
+    every sampled response token / sequence (KL, entropy and value terms). Observation tokens
+    of a multi-turn trajectory are in neither: they were not sampled."""
+
+    loss: dict[str, float]
+    response: dict[str, float]
+
+    @classmethod
+    def of(
+        cls, batch: RolloutBatch, rows: list[int], world: int, loss_mask: torch.Tensor | None
+    ) -> Counts:
+        """The counts of ``batch``'s ``rows`` (an optimizer step's samples) over ``world`` ranks;
+        ``loss_mask``: the tokens the policy loss trains on (None: every sampled one)."""
+        mask = batch.response_mask[rows]  # [m, R]
+        lmask = mask if loss_mask is None else loss_mask[rows]
+        return cls(
+            loss={
+                "num_tokens": int(lmask.sum()) / world,
+                "num_seqs": int(lmask.any(dim=1).sum()) / world,
+            },
+            response={"num_tokens": int(mask.sum()) / world, "num_seqs": len(rows) / world},
+        )
+
+
+def shuffled(n: int, seed: int, shuffle: bool = True) -> list[int]:
+    """The order of ``n`` samples in an update: a permutation drawn from ``seed``, or as is."""
+    if not shuffle:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def build_micro_batch(

@@ -15,8 +15,8 @@ so a sample whose tokens come from several versions is corrected token by token.
 Groups: advantages compare the ``n`` samples of a prompt, so a group is trained on only when all
 of its samples have finished: in the step its last sample finishes. Until then its finished
 samples wait beside the unfinished ones. :class:`PartialRollouts` keeps the groups in flight, in
-the order they started (the oldest are continued first), and the recipe tops them up with new
-prompts to ``prompts_per_step`` groups each step.
+the order they started (the oldest are continued first), and :class:`PartialSource` tops them
+up with new prompts to ``prompts_per_step`` groups each step.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import Any
 
 from lightrft.engine.protocol import Completion, Resume, SamplingParams
 from lightrft.rollout.engine import ColocatedEngine
+from lightrft.rollout.source import ColocatedSource, SingleTurn
 
-__all__ = ["Group", "PartialRollouts", "PartialStats", "Sample"]
+__all__ = ["Group", "PartialRollouts", "PartialSource", "PartialStats", "Sample"]
 
 
 @dataclasses.dataclass
@@ -208,3 +209,28 @@ class PartialRollouts:
                 )
                 names.append(g.key)
         return prompts, completions, names
+
+
+class PartialSource(ColocatedSource):
+    """A colocated source under a token budget per step (``rollout.partial.token_budget``, all
+    ranks together): the groups in flight are topped up to this rank's prompts per step with new
+    prompts, generated under the budget, and the groups that finished are the step's samples."""
+
+    def __init__(self, opts: Any, dist: Any, record_eval: Any) -> None:
+        super().__init__(opts, dist, record_eval)
+        self.partial = PartialRollouts(opts.rollout.partial.token_budget // dist.world_size)
+        self.queue: list[dict[str, Any]] = []  # drawn prompts not yet in flight
+
+    def generate(self, step: int, draw: int, timer: Any) -> tuple:
+        added, params = 0, self.request_params(self.per_rank, step, 0)
+        while len(self.partial.groups) < self.per_rank:
+            if not self.queue:
+                self.epoch, batch = next(self.prompts)
+                count = len(batch["prompt_ids"])
+                self.queue += [{k: v[i] for k, v in batch.items()} for i in range(count)]
+            self.partial.add(self.queue.pop(0), params[added], (step, 0, self.dist.rank, added))
+            added += 1
+        with timer("rollout"):
+            done, stats = self.partial.step(self.parts.engine, self.version)
+        prompts, completions, groups = PartialRollouts.completions(done)
+        return prompts, completions, groups, SingleTurn().play(prompts, 1, None)[2], stats.metrics()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -39,7 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightrft.distributed import exit_with_parent
 from lightrft.rollout.batch import RolloutBatch
+from lightrft.rollout.source import Rollout, prompt_loader
+from lightrft.training import PhaseTimer
 
 _PREFIX = "lightrft/async_rollout/"
 TRAINER, GENERATOR = 0, 1  # ranks in the link
@@ -47,20 +51,6 @@ TRAINER, GENERATOR = 0, 1  # ranks in the link
 
 class GeneratorError(RuntimeError):
     """The other side of the rollout link died, hung past the timeout, or broke the protocol."""
-
-
-def generator_rank() -> int:
-    """The launch rank that generates in an asynchronous run: the last one."""
-    return int(os.environ["WORLD_SIZE"]) - 1
-
-
-def leave_trainer_world() -> int:
-    """In a trainer process: shrink the launch's world by the generator (before the default
-    process group is made), so the trainers form a group of their own; returns the launch's
-    world size."""
-    world = int(os.environ["WORLD_SIZE"])
-    os.environ["WORLD_SIZE"] = str(world - 1)
-    return world
 
 
 @dataclass
@@ -277,3 +267,175 @@ class WeightSender:
 
     def reset_prefix_cache(self) -> None:
         self.link.send(_WeightsDone(self.version, self.evaluate), wait=False)
+
+
+def generates_here(rollout: Any) -> bool:
+    """Whether this process only generates: the last launch rank of a ``rollout.asynchronous``
+    run. In its trainers the launch's world shrinks by it (before the default process group is
+    made), so the trainers form a group of their own."""
+    if not rollout.asynchronous:
+        return False
+    world = int(os.environ["WORLD_SIZE"])
+    if int(os.environ["RANK"]) == world - 1:
+        return True
+    os.environ["WORLD_SIZE"] = str(world - 1)
+    return False
+
+
+class AsyncSource:
+    """The trainers' side of one-step-off rollout: each step's samples come from the generating
+    process (trainer rank 0 receives them and broadcasts them to the other trainers), and the
+    published weights go to it. ``loader``: only the generator's position, checkpointed (the
+    trainers draw nothing); ``rollout/policy_lag``: optimizer steps between the policy that
+    sampled a batch and the trained one."""
+
+    def __init__(self, opts: Any, dist: Any, record_eval: Callable, checkpointer: Any) -> None:
+        """``opts``: the run's config (``rollout``, ``run``, ``engine``, ``max_steps``)."""
+        self.opts, self.ro, self.dist, self.record_eval = opts, opts.rollout, dist, record_eval
+        self.checkpointer, self.epoch, self.pending, self.link = checkpointer, 0, 0, None
+        if dist.rank == 0:  # first in setup: the generator builds while the trainers load
+            timeout = self.ro.generator_timeout_s
+            self.link = RolloutLink.connect(TRAINER, timeout, timeout)
+
+    def build(self, strategy: Any, parts: Callable, dataset: Callable[[], Any]) -> None:
+        """No engine and no rewards here (``parts`` is the generator's); the prompts' loader
+        only keeps the generator's position (one process draws every prompt of a step)."""
+        self.strategy = strategy
+        self.loader = prompt_loader(dataset(), self.ro.prompts_per_step, self.opts.run.seed, 0, 1)
+
+    def start(self, step: int, epoch: int, *, evaluate: bool) -> None:
+        """Tell the generator where to start; after a resume it gets the checkpoint's weights
+        first (a resumed run refills the pipeline: its first steps lag 0). ``evaluate``: the
+        generator evaluates the initial policy (it did while the trainers set up)."""
+        self.epoch = epoch
+        if self.link is None:
+            if step:
+                self.strategy.sync_weights(None)  # the gathers of rank 0's send
+            return
+        self.pending = int(evaluate)
+        state = self.loader.state_dict() if step else None
+        self.link.send(Start(step, epoch, state), wait=False)
+        self.sender = WeightSender(self.link, self.opts.engine.dtype)
+        if step:
+            self._send(step, evaluate=False)
+
+    def next(self, step: int, timer: Any) -> Rollout:
+        msg: Generated | None = None
+        with timer("rollout"):  # what the trainers wait for generation: its exposed part
+            if self.link is not None:
+                while msg is None:  # the evaluations sent before it are recorded
+                    msg = self._receive((Generated, Evaluated), f"the samples of step {step}")
+                if msg.step != step:
+                    raise RuntimeError(f"the generator sent step {msg.step}, expected {step}")
+            if self.dist.world_size > 1:
+                box = [msg]
+                dist.broadcast_object_list(box, src=0)
+                msg = box[0]
+        lag = step - 1 - msg.version
+        assert 0 <= lag <= self.ro.max_staleness, (step, msg.version)
+        self.epoch = msg.epoch
+        self.loader.load_state_dict(msg.loader_state)  # checkpointed: where a resume starts
+        return Rollout(msg.batch, msg.drawn, {**msg.metrics, "rollout/policy_lag": float(lag)})
+
+    def publish(self, version: int, *, updated: bool, evaluate: bool) -> None:
+        """The policy after ``version`` steps, when the generator samples from it (it stops at
+        ``max_steps``) or evaluates it, whether or not the step updated it."""
+        if evaluate or version <= self.opts.max_steps - 1 - self.ro.max_staleness:
+            self._send(version, evaluate)
+
+    def _send(self, version: int, evaluate: bool) -> None:
+        """Through the strategy's weight sync (a collective of the trainers; rank 0 sends,
+        without waiting for it to be taken); ``evaluate``: the generator evaluates it and
+        sends the metrics later."""
+        if self.link is None:
+            self.strategy.sync_weights(None)
+            return
+        self.pending += evaluate
+        self.link.flush()  # the previous set was taken: at most one set in flight
+        self.sender.version, self.sender.evaluate = version, evaluate
+        self.strategy.sync_weights(self.sender)
+
+    def _receive(self, kinds: tuple[type, ...], what: str) -> Generated | None:
+        """The generator's next message of ``kinds``; an evaluation is recorded (None
+        returned). A failed generator's error names the checkpoint that is kept."""
+        try:
+            msg = self.link.receive(kinds, what)
+        except GeneratorError as e:
+            last = self.checkpointer.latest()
+            kept = f"the last checkpoint, {last}, is kept" if last else "no checkpoint yet"
+            raise GeneratorError(f"{e} ({kept})") from e
+        if isinstance(msg, Evaluated):
+            self.pending -= 1
+            self.record_eval(msg.step, msg.metrics)
+            return None
+        return msg
+
+    def drain(self) -> None:
+        pass  # evaluations arrive with the batches, and at close
+
+    def close(self) -> None:
+        """Wait for the generator's last evaluations, then say goodbye."""
+        if self.link is not None:
+            while self.pending:
+                self._receive((Evaluated,), "its evaluations")
+            self.link.bye()
+
+
+def serve(
+    build: Callable[[], tuple[Any, Callable[[], dict[str, float]] | None]],
+    *,
+    seed: int,
+    max_steps: int,
+    max_staleness: int,
+    timeout_s: float,
+    join_timeout_s: float,
+    evaluate_initial: bool,
+) -> None:
+    """The generating process: ``build()`` gives a colocated source over its own engine (which
+    never sleeps), with its rewards and prompt loader, and the held-out evaluation; no trainer,
+    no process group but the link. It generates step after step, ``max_staleness`` steps ahead
+    of the trainers: step ``k``'s samples come from the policy after step
+    ``k - 1 - max_staleness``.
+
+    It joins at once and waits for the trainers' prepare steps (which may write the model and
+    data it reads), then sets up while they set up; the waits for the trainers (join, then
+    their setup and resume) are bounded by ``join_timeout_s``, every later wait by
+    ``timeout_s``."""
+    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()  # a torchrun worker: do not outlive the launcher
+    torch.manual_seed(seed)
+    link = RolloutLink.connect(GENERATOR, timeout_s, join_timeout_s)
+    source, evaluate = build()
+    engine = source.parts.engine.engine
+
+    def take_weights(or_bye: bool = False) -> int | None:
+        """Load the trainers' next policy; evaluate it when they ask (it stays loaded until
+        the next set is taken); its version, None at the trainer's goodbye."""
+        got = link.receive_weights(engine, or_bye=or_bye)
+        if got is None:
+            return None
+        if got[1]:  # sent without waiting: it overlaps their training
+            link.send(Evaluated(got[0], evaluate()), wait=False)
+        return got[0]
+
+    if evaluate_initial:  # the initial weights: the checkpoint the engine loaded
+        link.send(Evaluated(0, evaluate()), wait=False)
+    start = link.receive(Start, "the trainer's start", timeout_s=join_timeout_s)
+    if start.loader_state is not None:
+        source.loader.load_state_dict(start.loader_state)
+    source.start(start.step, start.epoch, evaluate=False)
+    version = take_weights() if start.step else start.step
+    for step in range(start.step + 1, max_steps + 1):
+        while version < step - 1 - max_staleness:
+            version = take_weights()
+        timer = PhaseTimer()
+        rollout = source.next(step, timer)
+        metrics = {**rollout.metrics, "time/generate": timer.summary().get("time/rollout", 0.0)}
+        state = source.loader.state_dict()
+        msg = Generated(step, version, rollout.batch, rollout.drawn, metrics, source.epoch, state)
+        link.flush()  # the previous step's batch was taken: at most one in flight
+        link.send(msg, wait=False)  # the next step generates while this one is taken
+    while take_weights(or_bye=True) is not None:  # the final evaluations
+        pass
+    link.flush()
+    link.answer_bye()

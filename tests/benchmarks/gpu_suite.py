@@ -218,8 +218,8 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 def train_and_sync_rows(s: Settings, name: str, shape: dict) -> list[Row]:
     """The training row of one shape, then the sync rows from the same FSDP2 model."""
     from lightrft.engine import NativeEngine, sync_weights
-    from lightrft.models.forward import causal_lm_token_logprobs
     from lightrft.models import parallelize
+    from lightrft.models.forward import causal_lm_token_logprobs
     from lightrft.models.parallel import default_param_dtype
 
     dev = s.device

@@ -1002,7 +1002,7 @@ def _two_rank_grpo_lora(rank: int, world_size: int, cfg_path: str) -> None:
     recipe.train()
     recipe.logger.close()
     # The engine holds the merged weights under HF names.
-    engine = dict(recipe.rollout_engine.engine.model.named_parameters())
+    engine = dict(recipe.source.parts.engine.engine.model.named_parameters())
     merged = {n: t.clone() for b in iter_weight_buckets(recipe.model) for n, t in b}
     assert set(merged) == set(engine)
     for n, t in merged.items():

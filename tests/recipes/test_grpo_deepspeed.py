@@ -33,9 +33,9 @@ def _two_rank_grpo(rank: int, world_size: int, cfg_path: str) -> None:
 
         for params in gathered_modules(recipe.strategy.engine):
             for name, tensor in params:
-                assert torch.equal(recipe.rollout_engine.engine._params[hf_name(name)], tensor), (
-                    name
-                )
+                assert torch.equal(
+                    recipe.source.parts.engine.engine._params[hf_name(name)], tensor
+                ), name
     torch.distributed.barrier()  # both ranks leave together (gloo teardown under load)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -54,7 +55,9 @@ def test_select_trims_and_cat_pads():
 def _gather(rank: int, world_size: int) -> None:
     # Rank 0: 2 samples up to 3 tokens; rank 1: 1 sample of 5 tokens.
     mine = make_batch([[1, 2, 3], [4]], "r0") if rank == 0 else make_batch([[5] * 5], "r1")
-    mine.values = torch.full(mine.response_ids.shape, float(rank))
+    mine = dataclasses.replace(
+        mine, rollout_logprobs=torch.full(mine.response_ids.shape, float(rank))
+    )
     full = mine.all_gather()
     assert full.prompts == ["r00", "r01", "r10"]
     assert full.response_ids.tolist() == [[1, 2, 3, 0, 0], [4, 0, 0, 0, 0], [5] * 5]
@@ -62,7 +65,7 @@ def _gather(rank: int, world_size: int) -> None:
     assert full.reward_applied["acc"].dtype == torch.bool
     assert full.reward_applied["acc"].tolist() == [True, False, True]
     assert full.rewards.dtype == torch.float64 and full.rewards.tolist() == [0.1, 1.1, 0.1]
-    assert full.values[:, 0].tolist() == [0.0, 0.0, 1.0]
+    assert full.rollout_logprobs[:, 0].tolist() == [0.0, 0.0, 1.0]
     assert full.groups == [("r0", 0), ("r0", 0), ("r1", 0)]
 
 

@@ -15,7 +15,8 @@ import torch
 from lightrft.algorithms.config import AlgorithmConfig
 from lightrft.engine import Completion, SamplingParams
 from lightrft.rollout import RolloutBatch
-from lightrft.rollout.micro import build_micro_batch
+from lightrft.rollout.batch import Precomputed
+from lightrft.rollout.micro import Counts, LossInputs, build_micro_batch
 
 GRPO = runpy.run_path(str(Path(__file__).parents[2] / "recipes" / "grpo.py"), run_name="grpo_t")
 SAMPLED = [True, True, False, False, True]
@@ -97,13 +98,13 @@ def test_counts_advantages_and_loss_see_assistant_tokens_only():
         normalizer=None,
         kl_ctl=SimpleNamespace(coef=0.1),
     )
-    counts = GRPO["GRPORecipe"]._counts(me, b, [0, 1])
+    counts = Counts.of(b, [0, 1], me.dist.world_size, None)
     assert counts.loss == {"num_tokens": 5.0, "num_seqs": 2.0}  # 3 + 2 sampled, not 7
     assert counts.response == {"num_tokens": 5.0, "num_seqs": 2.0}
 
-    metrics = GRPO["GRPORecipe"].advantages(me, b)
+    adv, metrics = GRPO["GRPORecipe"].advantages(me, b, Precomputed())
     # dr_grpo: reward - group mean = +0.5 / -0.5 on sampled tokens, 0 on observations.
-    assert b.advantages.tolist() == [[0.5, 0.5, 0.0, 0.0, 0.5], [-0.5, -0.5, 0.0, 0.0, 0.0]]
+    assert adv.advantages.tolist() == [[0.5, 0.5, 0.0, 0.0, 0.5], [-0.5, -0.5, 0.0, 0.0, 0.0]]
     assert math.isclose(metrics["train/advantage/mean"], (3 * 0.5 - 2 * 0.5) / 5, rel_tol=1e-6)
 
     mb = build_micro_batch(b, [0, 1], 0, packing=True)
@@ -111,12 +112,12 @@ def test_counts_advantages_and_loss_see_assistant_tokens_only():
     logprobs = torch.tensor([[-1.0, -2.0, big, big, -3.0], [-1.0, -2.0, big, big, big]])
     ref = torch.tensor([[-2.0, -2.0, -big, -big, -3.0], [-1.0, -2.0, -big, -big, -big]])
     entropy = torch.tensor([[1.0, 1.0, big, big, 1.0], [1.0, 1.0, big, big, big]])
-    inputs = GRPO["LossInputs"](
+    inputs = LossInputs(
         logprobs=logprobs.requires_grad_(),
         entropy=entropy,
         mask=mb.mask,
         loss_mask=mb.mask,
-        advantages=b.advantages,
+        advantages=adv.advantages,
         old_logprobs=None,
         rollout_logprobs=None,
         ref_logprobs=ref,
