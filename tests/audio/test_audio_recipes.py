@@ -356,7 +356,7 @@ def test_audio_grpo_against_an_audio_reward_model(tmp_path, alm_assets):
 
     from lightrft.data import PromptDataset, conversation
     from lightrft.models import load_processor
-    from lightrft.rewards import RewardModel
+    from lightrft.rewards import RewardModel, Sample
 
     rm_path = likelihood_reward_model(alm_assets / "model", tmp_path / "rm")
     reward = {
@@ -386,9 +386,11 @@ def test_audio_grpo_against_an_audio_reward_model(tmp_path, alm_assets):
     }
     items = [by_where[s["where"]] for s in samples]
     alone = RewardModel(rm_path, micro_batch_size=1)(
-        [s["prompt"] for s in samples],
-        [s["response"] for s in samples],
-        conversations=[conversation(it["messages"], it["media"]) for it in items],
+        Sample.batch(
+            [s["prompt"] for s in samples],
+            [s["response"] for s in samples],
+            conversations=[conversation(it["messages"], it["media"]) for it in items],
+        )
     )
     got = torch.tensor([s["reward_parts"]["rm"] for s in samples])
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)

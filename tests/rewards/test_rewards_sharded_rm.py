@@ -303,7 +303,7 @@ def _vlm_worker(rank: int, world: int, path: str, ref_file: str) -> None:
 
     def score(m: RewardModel) -> None:
         n = 1 if last else 0
-        out.append(m(["p"] * n, answers[:n], conversations=chats[:n]))
+        out.append(m(Sample.batch(["p"] * n, answers[:n], conversations=chats[:n])))
 
     _check_rows(_tables_seen(rm, score), refs["tables"], rank, world)
     torch.testing.assert_close(out[0], want[:1] if last else want[:0], rtol=0, atol=1e-6)
@@ -321,7 +321,7 @@ def test_sharded_vlm_reward_model_scores_as_the_whole_model(tmp_path, tiny_vlm, 
     path = likelihood_reward_model(tiny_vlm("qwen2_vl"), tmp_path / "rm")
     chats, answers = _chats()
     whole = RewardModel(path, micro_batch_size=2)
-    want = whole(["p"] * 5, answers, conversations=chats)
+    want = whole(Sample.batch(["p"] * 5, answers, conversations=chats))
     assert len(set(want.tolist())) == 5
     torch.save({"scores": want, "tables": _tables(whole)}, tmp_path / "want.pt")
     run_distributed(_vlm_worker, path, str(tmp_path / "want.pt"), world_size=world)

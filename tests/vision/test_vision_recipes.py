@@ -367,7 +367,7 @@ def test_vlm_grpo_against_a_vlm_reward_model(tmp_path, vlm_assets):
 
     from lightrft.data import PromptDataset, conversation
     from lightrft.models import load_processor
-    from lightrft.rewards import RewardModel
+    from lightrft.rewards import RewardModel, Sample
 
     rm_path = likelihood_reward_model(vlm_assets / "model", tmp_path / "rm")
     reward = {
@@ -397,9 +397,11 @@ def test_vlm_grpo_against_a_vlm_reward_model(tmp_path, vlm_assets):
     }
     items = [by_where[s["where"]] for s in samples]
     alone = RewardModel(rm_path)(
-        [s["prompt"] for s in samples],
-        [s["response"] for s in samples],
-        conversations=[conversation(it["messages"], it["media"]) for it in items],
+        Sample.batch(
+            [s["prompt"] for s in samples],
+            [s["response"] for s in samples],
+            conversations=[conversation(it["messages"], it["media"]) for it in items],
+        )
     )
     got = torch.tensor([s["reward_parts"]["rm"] for s in samples])
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
