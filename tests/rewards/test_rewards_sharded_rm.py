@@ -342,7 +342,7 @@ def _grpo_worker(rank: int, world: int, cfg_path: str) -> None:
     cfg, _ = lconfig.load(cfg_path)
     recipe = build_recipe("grpo", cfg)
     recipe.setup(cfg)
-    assert recipe.reward_fn.collective and recipe.reward_fn.functions["rm"].collective
+    assert (fn := recipe.source.parts.reward_fn).collective and fn.functions["rm"].collective
     recipe.train()
     recipe.logger.close()
 
