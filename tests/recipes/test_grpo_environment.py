@@ -176,6 +176,12 @@ def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, assets)
     kept = [k for k in kept if "seconds" not in k]  # tool latency is wall time
     assert any(k.startswith("env/") for k in kept) and len(kept) > 20
     for key in kept:
+        if key.startswith("rollout/mismatch/"):
+            # The engine's log-probs against the trainer's: float noise (~5e-8) whose summation
+            # order follows the engine's batch, which the tools' return order shapes (threads);
+            # two uninterrupted runs were seen to differ in it too. The sampled tokens do not.
+            assert abs(resumed[3][key] - reference[3][key]) <= 1e-6, key
+            continue
         assert resumed[3][key] == reference[3][key], key
     final_eval = [r for r in rows if "eval/accuracy" in r][-1]
     ref_eval = [r for r in read_metrics(full / "out") if "eval/accuracy" in r][-1]
