@@ -82,8 +82,18 @@ def test_no_root_name_collides_with_an_installed_distribution():
         assert str(ROOT) not in where, f"{name} ({installed[name]}) imports from the repo: {where}"
 
 
+def _installed(dist: str) -> bool:
+    """Whether a distribution is installed (by its metadata: ``find_spec`` would find the
+    repository's own ``kernels/`` folder on a path that holds the root)."""
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 @pytest.mark.skipif(
-    importlib.util.find_spec("kernels") is None,
+    not _installed("kernels"),
     reason="Hugging Face's `kernels` distribution is not installed (transformers < 5.25 does not "
     "require it)",
 )
