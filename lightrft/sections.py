@@ -203,6 +203,11 @@ class ModelConfig(Section):
     )
     dtype: DType = option("float32", doc="parameter dtype")
     trust_remote_code: bool = option(False, doc="let transformers run the checkpoint's code")
+    chat_template_args: dict = option(
+        default_factory=dict,
+        doc="variables every chat-template render passes, e.g. `{enable_thinking: false}` "
+        "(Qwen3's no-think mode); a name the template never reads is refused",
+    )
 
 
 @section

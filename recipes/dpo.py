@@ -99,7 +99,7 @@ class DPORecipe:
         o, m, d = self.opts, self.opts.model, self.opts.data
         check_model_path(m.path, loading=True)
         self.processor, self.tokenizer = load_processors(
-            m.path, trust_remote_code=m.trust_remote_code
+            m.path, trust_remote_code=m.trust_remote_code, template_args=m.chat_template_args
         )
         # Data first: a bad record fails before any model loads.
         raw = config.instantiate(d.dataset, self.processor)

@@ -127,7 +127,9 @@ class EvalRecipe:
             check_environment(o.environment, m.path, trust_remote_code=m.trust_remote_code)
             self.environment = functools.partial(config.instantiate, o.environment)
             tools = build_environment(self.environment).schemas or None
-        processor, self.tokenizer = load_processors(m.path, trust_remote_code=m.trust_remote_code)
+        processor, self.tokenizer = load_processors(
+            m.path, trust_remote_code=m.trust_remote_code, template_args=m.chat_template_args
+        )
         self.dataset = config.instantiate(o.dataset, processor)
         self.reward_fn = build_reward(o.reward)
         names = list(self.reward_fn.functions)

@@ -298,11 +298,9 @@ class GRPORecipe:
             compile=m.compile,
         )
         # A vision- or audio-language actor: datasets take its processor (images / audio +
-        # text), the towers are frozen unless model.train_vision_tower / train_audio_tower;
-        # everything else is the text path.
-        self.processor, self.tokenizer = load_processors(
-            m.path, trust_remote_code=m.trust_remote_code, config=self.model.config
-        )
+        # text); everything else is the text path. Renders pass model.chat_template_args.
+        args = {"trust_remote_code": m.trust_remote_code, "template_args": m.chat_template_args}
+        self.processor, self.tokenizer = load_processors(m.path, config=self.model.config, **args)
         self.pad_id = self.tokenizer.pad_token_id
         # How the trainer scores tokens: at the sampling temperature, on its sequence slice.
         self.lp_kw = {

@@ -132,7 +132,7 @@ class RewardModelRecipe:
         # A vision-language backbone: the datasets take its processor (images + text) and the
         # export saves it; everything else is the text path.
         self.processor, self.tokenizer = load_processors(
-            m.path, trust_remote_code=m.trust_remote_code
+            m.path, trust_remote_code=m.trust_remote_code, template_args=m.chat_template_args
         )
         # Data first: a bad record or an unknown head label fails before the model loads.
         self.dataset = self._dataset(d.dataset)

@@ -86,7 +86,7 @@ class SFTRecipe:
         # audio-language model's datasets take its processor (images / audio + text); the
         # collator and export use the tokenizer / processor the same way for all.
         self.processor, self.tokenizer = load_processors(
-            m.path, trust_remote_code=m.trust_remote_code
+            m.path, trust_remote_code=m.trust_remote_code, template_args=m.chat_template_args
         )
         self.dataset = config.instantiate(d.dataset, self.processor)
         eval_dataset = None

@@ -3,11 +3,17 @@ multimodal checkpoint; finding a module list inside a model."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+from lightrft.config import ConfigError
 
 _GENERIC_TOKENIZERS = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 DTYPES = {
@@ -40,8 +46,45 @@ def check_local(path: str | Path) -> None:
         raise ValueError(f"model path {str(path)!r} does not exist")
 
 
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
-    """The tokenizer (with its chat template) of a local HF directory or hub id.
+# what the library itself passes to every render: a template argument may not set them
+_RENDER_ARGS = {"messages", "conversation", "tools", "documents", "tokenize",
+                "add_generation_prompt", "continue_final_message", "chat_template"}  # fmt: skip
+
+
+def bind_template_args(tokenizer, args: Mapping[str, Any] | None, *, key: str):
+    """Make every chat-template render of ``tokenizer`` pass ``args`` (the template's own
+    variables, e.g. Qwen3's ``enable_thinking: false``): prompts, SFT chats, preference pairs
+    and multi-turn observations all render through ``tokenizer.apply_chat_template``, so they
+    agree. The saved tokenizer is untouched (an export keeps the stock template).
+
+    Raises:
+        ConfigError: naming ``key.<name>``, for a name the library sets itself, or one the
+            template never reads (it would do nothing).
+    """
+    if not args:
+        return tokenizer
+    template = tokenizer.chat_template or ""
+    text = " ".join(template.values()) if isinstance(template, dict) else template
+    for name in args:
+        if name in _RENDER_ARGS:
+            raise ConfigError(f"{key}.{name}: the library sets {name!r} on every render itself")
+        if not re.search(rf"\b{re.escape(str(name))}\b", text):
+            raise ConfigError(
+                f"{key}.{name}: the chat template of {tokenizer.name_or_path!r} never reads "
+                f"{name!r}, so it would do nothing"
+            )
+    tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **args)
+    return tokenizer
+
+
+def load_tokenizer(
+    path: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    template_args: Mapping[str, Any] | None = None,
+):
+    """The tokenizer (with its chat template) of a local HF directory or hub id;
+    ``template_args``: see :func:`bind_template_args` (``model.chat_template_args``).
 
     A directory whose ``tokenizer_config.json`` names the generic fast tokenizer is loaded as
     exactly that, so its ``tokenizer.json`` is used as written.
@@ -57,7 +100,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return tok
+    return bind_template_args(tok, template_args, key="model.chat_template_args")
 
 
 def from_pretrained_dir(

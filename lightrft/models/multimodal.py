@@ -262,18 +262,24 @@ def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
     return _set_tower_trainable(model, "vision", trainable)
 
 
-def load_processors(path: str | Path, *, trust_remote_code: bool = False, config=None):
+def load_processors(
+    path: str | Path, *, trust_remote_code: bool = False, config=None, template_args=None
+):
     """``(processor, tokenizer)`` of a checkpoint, what datasets and exports take: a vision- or
     audio-language model's processor and its tokenizer, or a text model's tokenizer twice.
-    ``config``: the loaded model's HF config (else the checkpoint's config.json decides)."""
-    from lightrft.models.loading import load_tokenizer
+    ``config``: the loaded model's HF config (else the checkpoint's config.json decides);
+    ``template_args``: ``model.chat_template_args``, bound to the tokenizer's renders."""
+    from lightrft.models.loading import bind_template_args, load_tokenizer
     from lightrft.models.modality import is_multimodal
 
     multimodal = checkpoint_is_multimodal(path) if config is None else is_multimodal(config)
     if multimodal:
         processor = load_processor(path, trust_remote_code=trust_remote_code)
-        return processor, processor.tokenizer
-    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+        key = "model.chat_template_args"
+        return processor, bind_template_args(processor.tokenizer, template_args, key=key)
+    tokenizer = load_tokenizer(
+        path, trust_remote_code=trust_remote_code, template_args=template_args
+    )
     return tokenizer, tokenizer
 
 

@@ -188,7 +188,9 @@ def serve_rollouts(opts: Any) -> None:
     dist = DistInfo(0, 1, 0, device)
 
     def source() -> tuple[Any, Callable | None]:
-        processor, tokenizer = load_processors(m.path, trust_remote_code=m.trust_remote_code)
+        processor, tokenizer = load_processors(
+            m.path, trust_remote_code=m.trust_remote_code, template_args=m.chat_template_args
+        )
         parts = build_parts(opts, dist, processor, tokenizer, None, SingleTurn())
         out = colocated(opts, dist, None)
         out.build(None, lambda: parts, lambda: config.instantiate(opts.dataset, processor))

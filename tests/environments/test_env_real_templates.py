@@ -114,3 +114,53 @@ def test_a_call_quoted_in_qwen3_reasoning_is_not_run(bpe_tok):
     text = "<think>\nShould I write " + CALL + "? No, 408 is easy.\n</think>\n\nThe answer is 408."
     assert parse_tool_calls(text) == []
     assert ToolEnvironment([calculator_tool()]).step(text).done
+
+
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+@pytest.fixture(params=["qwen", "bpe"])
+def qwen3_no_think(bpe_tok, qwen_real_tok, request):
+    """Qwen3's template in no-think mode, bound as ``model.chat_template_args`` binds it."""
+    from lightrft.models.loading import bind_template_args
+
+    tok = copy.deepcopy(qwen_real_tok if request.param == "qwen" else bpe_tok)
+    tok.chat_template = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+    tok.name_or_path = "Qwen-Qwen3-0.6B"
+    return bind_template_args(tok, {"enable_thinking": False}, key="model.chat_template_args")
+
+
+def test_qwen3_no_think_trajectory_is_what_the_model_saw(qwen3_no_think):
+    """No-think mode: every generation prompt (the first and each one after an observation)
+    opens with Qwen3's empty reasoning block, and the model samples the answer after it. The
+    trajectory is append-only, so it keeps that block before every sampled turn; a re-rendering
+    of the finished conversation drops it from the turns before the last (the template keeps
+    a turn's block only while it is last or holds reasoning). So the trajectory equals the
+    whole rendering with the block restored before each earlier turn, and nothing else differs;
+    the mask is exactly the sampled turns."""
+    tok = qwen3_no_think
+    tools = ToolEnvironment([calculator_tool()]).schemas
+    user = {"role": "user", "content": QUESTION}
+    observation = [{"role": "tool", "name": "calculator", "content": "408"}]
+    first, last = CALL, "The answer is 408."
+    prompt = initial_prompt_ids(tok, [user], tools)
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n" + EMPTY_THINK)
+    obs = observation_ids(tok, observation, tools)
+    assert tok.decode(obs).endswith("<|im_start|>assistant\n" + EMPTY_THINK)
+    ids = prompt + _ids(tok, first + "<|im_end|>") + obs + _ids(tok, last + "<|im_end|>")
+    conversation = [
+        user,
+        {"role": "assistant", "content": first},
+        *observation,
+        {"role": "assistant", "content": last},
+    ]
+    whole = tok.apply_chat_template(conversation, tools=tools, tokenize=False)
+    head = "<|im_start|>assistant\n"
+    assert whole.count(head + EMPTY_THINK) == 1  # the last turn's only
+    restored = whole.replace(head + first, head + EMPTY_THINK + first, 1)
+    assert ids == _ids(tok, restored.removesuffix("\n"))
+    assert ids != _ids(tok, whole.removesuffix("\n"))
+    t_ids, sampled = transcript_ids(tok, conversation, tools)
+    assert t_ids == ids
+    masked = [i for i, s in zip(t_ids, sampled, strict=True) if s]
+    assert masked == _ids(tok, first + "<|im_end|>") + _ids(tok, last + "<|im_end|>")

@@ -294,6 +294,12 @@ def test_sft_bad_inputs_fail_before_training(tmp_path, capsys):
     assert cli.main(["run", "sft", "--config", str(cfg2)]) == 2  # a user error: one clean line
     err = capsys.readouterr().err
     assert "train.jsonl" in err and "Traceback" not in err, err
+    # A chat-template variable the model's template never reads (the tiny ChatML has no
+    # thinking mode) is refused naming the key, once `prepare` made the model and before the
+    # weights load.
+    assert cli.main(["run", "sft", "--config", str(cfg), "model.chat_template_args.x=1"]) == 2
+    err = capsys.readouterr().err
+    assert "model.chat_template_args.x: the chat template of" in err and "Traceback" not in err
 
 
 def test_cli_ls_cp_validate_and_run_a_copied_recipe(tmp_path, capsys):
