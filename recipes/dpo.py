@@ -37,8 +37,7 @@ from lightrft.algorithms.preference import (
 from lightrft.config import option, section
 from lightrft.data import StepCollator, build_dataloader, step_batches
 from lightrft.distributed import all_reduce_sum
-from lightrft.models.multimodal import check_towers, load_processors, set_towers_trainable
-from lightrft.models.sharded import load_parallel
+from lightrft.models.multimodal import check_towers, load_processors
 from lightrft.sections import BatchConfig, PolicyModelConfig, check_model_path
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
@@ -138,19 +137,14 @@ class DPORecipe:
         self.strategy = build_strategy(o.strategy, self.dist)
         self.strategy.check_model(m.path, trust_remote_code=m.trust_remote_code)
         self.export_spec = ExportSpec.of("causal_lm", m, o.strategy)
-
-        def prepare(model: torch.nn.Module) -> torch.nn.Module:
-            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
-            return self.strategy.adapt(model)
-
-        self.model = self._load(m.path, prepare, trained=True)
+        self.model = self.strategy.load_policy(m)
         ref = o.reference
         self.ref_path = m.path if ref is None or ref.path is None else ref.path
         # LoRA with the start as reference: the policy with its adapters off; else a frozen copy.
         self.ref = None
         self.use_ref = self.spec.reference
         if self.use_ref and (self.strategy.needs_reference_copy or self.ref_path != m.path):
-            self.ref = self._load(self.ref_path, lambda model: model.requires_grad_(False)).eval()
+            self.ref = self.strategy.load_beside(self.ref_path, m)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(o.optim.optimizer, params)
         self.strategy.setup(self.model, self.optimizer, micro_batch_size=d.batch_size,
@@ -172,15 +166,6 @@ class DPORecipe:
         if state is not None:
             self.step, self.epoch = state.step, state.extra["epoch"]
         self.logger = self.run.open_logger(self.step, raw.stats)
-
-    def _load(self, path: str, prepare, *, trained: bool = False) -> torch.nn.Module:
-        m = self.opts.model
-        extra = dict(activation_checkpointing=m.activation_checkpointing, compile=m.compile)
-        return load_parallel(
-            path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code,
-            prepare=prepare, **(extra if trained else {}),
-            **(self.strategy.loading() if trained else self.strategy.frozen_loading()),
-        )  # fmt: skip
 
     @torch.no_grad()
     def ref_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
