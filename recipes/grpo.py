@@ -99,6 +99,7 @@ from lightrft.training import (
     warmup_cosine_scheduler,
 )
 from lightrft.training.export import ExportSpec
+from lightrft.training.plan import check_teacher_fits
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 # ---------------------------------------------------------------------------------- config
@@ -267,6 +268,7 @@ class GRPORecipe:
         self.strategy = build_strategy(o.strategy, self.dist)
         for path in (m.path, *([o.distillation.path] if o.distillation else [])):
             self.strategy.check_model(path, trust_remote_code=m.trust_remote_code)  # it fits
+        check_teacher_fits(o, self.dist.device, self.dist.world_size)  # in memory, as planned
         # Towers trainable as model.train_vision_tower / train_audio_tower say, LoRA adapters;
         # under torchrun each rank reads only its shards (lightrft.models.sharded).
         self.model = self.strategy.load_policy(m)
