@@ -547,10 +547,14 @@ def _is_union(t: Any) -> bool:
     return typing.get_origin(t) in (Union, types.UnionType)
 
 
+class _OptionalSection(dict):
+    """The schema of a section typed ``X | None``: absent or null, or checked when given."""
+
+
 def _optional(schema: Any) -> bool:
     """May the key be absent or null? ``X | None``, or a section whose keys are all optional."""
     if isinstance(schema, Mapping):
-        return all(_optional(sub) for sub in schema.values())
+        return isinstance(schema, _OptionalSection) or all(map(_optional, schema.values()))
     return _is_union(schema) and type(None) in typing.get_args(schema)
 
 
@@ -764,7 +768,7 @@ class Section:
                         raise TypeError(f"{cls.__name__}: keys {sorted(dup)} declared twice")
                     out.update(sub)
                 else:
-                    out[f.name] = sub
+                    out[f.name] = _OptionalSection(sub) if _optional(t) else sub
                 continue
             required = f.default is _MISSING and f.default_factory is _MISSING
             if f.name in out:

@@ -1,6 +1,7 @@
-"""Offline preference optimisation: DPO and its family (cDPO, robust DPO, IPO, SimPO, ORPO, KTO).
+"""Preference optimisation: DPO and its family (cDPO, robust DPO, IPO, SimPO, ORPO, KTO).
 
-    lightrft run dpo --config tiny/add_dpo
+    lightrft run dpo --config tiny/add_dpo            # offline: the pairs of a data set
+    lightrft run dpo --config tiny/add_dpo_online     # online: pairs sampled each step
     lightrft run --nproc_per_node 8 dpo --config <config> loss.type=ipo loss.beta=0.5
 
 Preference pairs (lightrft.data.PreferenceDataset: text, images, audio, video) train the policy
@@ -12,6 +13,10 @@ model's files and the data's tokens. KTO reads a pair as a desirable and an unde
 its reference point from mismatched (prompt, response) pairs. Metrics as TRL names them
 (``rewards/chosen|rejected|margins|accuracies``, ``logps/chosen|rejected``). A rejected response
 identical to the chosen one is dropped and counted by the dataset (``data/identical``).
+With an ``online:`` section (online, iterative DPO) the pairs come from the policy itself: each
+step the rollout engine samples answers to ``dataset``'s prompts, ``online.reward`` scores them
+and each prompt's best answer is paired with its worst (``online/no_pair``: prompts without a
+pair); the trained weights go back to the engine. lightrft.rollout.pairs serves either kind.
 
 One self-contained file: copy it (`lightrft cp dpo my_dpo.py`), edit it, run the copy.
 """
@@ -35,10 +40,9 @@ from lightrft.algorithms.preference import (
     preference_metrics,
 )
 from lightrft.config import option, section
-from lightrft.data import StepCollator, build_dataloader, step_batches
 from lightrft.distributed import all_reduce_sum
-from lightrft.models.multimodal import check_towers, load_processors, set_towers_trainable
-from lightrft.models.sharded import load_parallel
+from lightrft.models.multimodal import check_towers, load_processors
+from lightrft.rollout.pairs import OnlineConfig, open_pairs
 from lightrft.sections import BatchConfig, PolicyModelConfig, check_model_path
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
@@ -63,10 +67,13 @@ class DPOConfig(TrainingConfig):
     loss: PreferenceLossConfig = option(default_factory=PreferenceLossConfig, doc="")
     reference: ReferenceConfig | None = option(None, doc="null: the start model")
     data: BatchConfig = option(flat=True)
+    online: OnlineConfig | None = option(None, doc="null: dataset's pairs; else sampled")
 
     def resolve(self, at: str) -> DPOConfig:
         super().resolve(at)
         self.loss.check(self.reference)  # beta > 0, the loss's options, its reference
+        if self.online is not None:  # online DPO: n >= 2 samples per prompt, ...
+            self.online.check(self)
         if self.strategy.sequence_parallel > 1:
             raise ValueError("strategy.sequence_parallel: the dpo recipe runs without it (1)")
         self.optim.lr_scheduler.check_steps(self.data.max_steps)
@@ -79,6 +86,7 @@ class DPOConfig(TrainingConfig):
 
 
 CONFIG_SCHEMA = DPOConfig.schema()
+SHOWN = ("eval/accuracy", "eval/rewards/margins")  # printed at each evaluation
 build_options = DPOConfig.read
 
 
@@ -101,60 +109,28 @@ class DPORecipe:
         self.processor, self.tokenizer = load_processors(
             m.path, trust_remote_code=m.trust_remote_code, template_args=m.chat_template_args
         )
-        # Data first: a bad record fails before any model loads.
-        raw = config.instantiate(d.dataset, self.processor)
-        eos = None if raw.chat_template else self.tokenizer.eos_token_id
-        self.dataset = IndexedPreferences(raw, eos)
-        self.eval_dataset = None
-        if d.eval_dataset is not None:
-            self.eval_dataset = IndexedPreferences(
-                config.instantiate(d.eval_dataset, self.processor), eos
-            )
-        collate = PairCollator(self.tokenizer.pad_token_id, packing=d.packing,
-                             max_tokens=d.max_tokens_per_row, mismatched=not self.spec.paired)  # fmt: skip
-        accum = d.gradient_accumulation_steps
-        kw = dict(seed=o.run.seed, rank=self.dist.rank, world_size=self.dist.world_size)
-        self.loader = build_dataloader(
-            self.dataset, batch_size=d.batch_size * accum, shuffle=True, drop_last=True,
-            collate_fn=StepCollator(collate, d.batch_size, d.micro_batch_tokens, packing=d.packing,
-                                    length=lambda it: sum(len(s) for s in it["sequences"])),
-            **kw,
-        )  # fmt: skip
-        self.eval_loader = None
-        if self.eval_dataset is not None:
-            self.eval_loader = build_dataloader(self.eval_dataset, batch_size=d.batch_size,
-                                                shuffle=False, drop_last=False,
-                                                collate_fn=collate, **kw)  # fmt: skip
-        if len(self.loader) == 0:
-            raise ValueError(
-                f"dataset {d.dataset._component_} gives {len(raw)} pairs, fewer than one step "
-                f"needs: batch_size={d.batch_size} x gradient_accumulation_steps={accum} on each "
-                f"of {self.dist.world_size} rank(s); lower them, or add data"
-            )
-        self.total_steps = len(self.loader) * d.epochs
-        if d.max_steps is not None:
-            self.total_steps = min(self.total_steps, d.max_steps)
-
+        # Data first: a bad record fails before any model loads (online: prompts, in build).
+        self.pairs = open_pairs(o, self.dist, self.processor, self.tokenizer, self.spec.paired)
         self.strategy = build_strategy(o.strategy, self.dist)
         self.strategy.check_model(m.path, trust_remote_code=m.trust_remote_code)
         self.export_spec = ExportSpec.of("causal_lm", m, o.strategy)
-
-        def prepare(model: torch.nn.Module) -> torch.nn.Module:
-            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
-            return self.strategy.adapt(model)
-
-        self.model = self._load(m.path, prepare, trained=True)
+        self.model = self.strategy.load_policy(m)
         ref = o.reference
         self.ref_path = m.path if ref is None or ref.path is None else ref.path
         # LoRA with the start as reference: the policy with its adapters off; else a frozen copy.
         self.ref = None
         self.use_ref = self.spec.reference
         if self.use_ref and (self.strategy.needs_reference_copy or self.ref_path != m.path):
-            self.ref = self._load(self.ref_path, lambda model: model.requires_grad_(False)).eval()
+            self.ref = self.strategy.load_beside(self.ref_path, m)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(o.optim.optimizer, params)
         self.strategy.setup(self.model, self.optimizer, micro_batch_size=d.batch_size,
-                            accum=accum, clip_grad_norm=o.optim.clip_grad_norm)  # fmt: skip
+                            accum=d.gradient_accumulation_steps,
+                            clip_grad_norm=o.optim.clip_grad_norm)  # fmt: skip
+        self.pairs.build(self.strategy)  # online: the engine beside the policy, the prompts
+        self.total_steps = len(self.pairs.loader) * d.epochs
+        if d.max_steps is not None:
+            self.total_steps = min(self.total_steps, d.max_steps)
         self.scheduler = warmup_cosine_scheduler(
             self.optimizer, warmup_steps=o.optim.lr_scheduler.warmup_steps,
             total_steps=self.total_steps, min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
@@ -162,25 +138,17 @@ class DPORecipe:
         # After strategy.setup: under LoRA the reference is the set-up policy, adapters off.
         self.cache, self.caches = None, {}
         if self.use_ref and ref is not None and ref.precompute:
-            self.caches["train"] = self._precompute(self.dataset, "train")
-            if self.eval_dataset is not None:
-                self.caches["eval"] = self._precompute(self.eval_dataset, "eval")
+            self.caches["train"] = self._precompute(self.pairs.dataset, "train")
+            if self.pairs.eval_dataset is not None:
+                self.caches["eval"] = self._precompute(self.pairs.eval_dataset, "eval")
             self.ref = None  # its work is done: free it
         self.cache = self.caches.get("train")
-        self.step, self.epoch, self.last_eval_step = 0, 0, None
+        self.step, epoch, self.last_eval_step = 0, 0, None
         state = self.run.resume(**self._state())
         if state is not None:
-            self.step, self.epoch = state.step, state.extra["epoch"]
-        self.logger = self.run.open_logger(self.step, raw.stats)
-
-    def _load(self, path: str, prepare, *, trained: bool = False) -> torch.nn.Module:
-        m = self.opts.model
-        extra = dict(activation_checkpointing=m.activation_checkpointing, compile=m.compile)
-        return load_parallel(
-            path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code,
-            prepare=prepare, **(extra if trained else {}),
-            **(self.strategy.loading() if trained else self.strategy.frozen_loading()),
-        )  # fmt: skip
+            self.step, epoch = state.step, state.extra["epoch"]
+        self.pairs.start(self.step, epoch)
+        self.logger = self.run.open_logger(self.step, self.pairs.stats)
 
     @torch.no_grad()
     def ref_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +214,9 @@ class DPORecipe:
                 "nll_tokens": counts[chosen].sum().detach(), **stats}  # fmt: skip
 
     def train_step(self, micro: list, n_real: int) -> tuple[float, float, dict]:
-        """One optimizer step: (loss, grad norm, metrics)."""
+        """One optimizer step: (loss, grad norm, metrics); none where no prompt gave a pair."""
+        if not micro:  # the weights, optimizer and schedule stay as they are
+            return 0.0, 0.0, {"train/skipped": 1.0}
         # Normalise by the pairs (KTO: examples) and chosen tokens of the whole step on all
         # ranks; FSDP averages gradients over ranks, so multiply back by the world size.
         units, chosen_tokens = 0.0, 0.0
@@ -261,10 +231,10 @@ class DPORecipe:
         for i, b in enumerate(micro):
             r = self.losses(b)
             loss = r["loss"] / units + self.nll_coef * r["nll"] / chosen_tokens
-            self.strategy.backward(loss * world * (1.0 if i < n_real else 0.0))
-            if i < n_real:
-                for k, v in {**r, "total": loss}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+            w = 1.0 if i < n_real else 0.0  # copies evening the ranks' counts weigh nothing
+            self.strategy.backward(loss * world * w)
+            for k, v in {**r, "total": loss}.items():  # every rank the same keys: reduced
+                sums[k] = sums.get(k, 0.0) + w * float(v.detach())
         grad_norm = self.strategy.step()
         self.scheduler.step()
         tot = reduce_sums(sums)
@@ -279,18 +249,17 @@ class DPORecipe:
             self._log_eval()
         t0, logged_step = time.perf_counter(), self.step
         reset_peak_memory(self.dist.device)
-        uneven = self.opts.data.micro_batch_tokens is not None
-        batches = step_batches(self.loader, self.epoch, uneven=uneven, device=self.dist.device)
         for step in self.run.steps(self.step, self.total_steps, save=self._save):
-            self.epoch, micro, n_real = next(batches)
-            loss, grad_norm, metrics = self.train_step(micro, n_real)
+            got = self.pairs.next(step)  # offline: the data set's; online: sampled, scored
+            loss, grad_norm, metrics = self.train_step(got.micro, got.n_real)
+            self.pairs.publish(step)  # online: the trained weights into the engine
             self.step = step
             if self.run.should_log(step, self.total_steps):
                 elapsed = time.perf_counter() - t0
                 self.logger.log(step, {
                     "train/loss": loss, "train/grad_norm": grad_norm,
-                    "train/lr": self.scheduler.get_last_lr()[0], "train/epoch": self.epoch,
-                    "time/step": elapsed / (step - logged_step), **metrics,
+                    "train/lr": self.scheduler.get_last_lr()[0], "train/epoch": self.pairs.epoch,
+                    "time/step": elapsed / (step - logged_step), **metrics, **got.metrics,
                     **peak_memory(self.dist.device),
                 })  # fmt: skip
                 t0, logged_step = time.perf_counter(), step
@@ -304,19 +273,20 @@ class DPORecipe:
 
     def _state(self) -> dict:
         return {**self.strategy.checkpoint_state(), "schedulers": self.scheduler,
-                "dataloaders": self.loader}  # fmt: skip
+                "dataloaders": self.pairs.loader}  # fmt: skip
 
     def _save(self) -> None:
-        self.run.save(self.step, **self._state(), extra={"epoch": self.epoch},
+        self.run.save(self.step, **self._state(), extra={"epoch": self.pairs.epoch},
                       export=self.export_spec.to_json())  # fmt: skip
 
     def _log_eval(self) -> None:
-        if self.eval_loader is not None:
-            metrics = self.evaluate()
+        # Online: held-out greedy accuracy of the engine's weights; eval pairs: TRL's metrics.
+        metrics = {**self.pairs.evaluate(), **(self.evaluate() if self.pairs.eval_loader else {})}
+        if metrics:
             self.logger.log(self.step, metrics)
+            shown = [f"{k} {metrics[k]:.4f}" for k in SHOWN if k in metrics]
             if self.dist.is_main:
-                margin = metrics["eval/rewards/margins"]
-                print(f"step {self.step}: eval/rewards/margins {margin:.4f}", flush=True)
+                print(f"step {self.step}: {', '.join(shown)}", flush=True)
         self.last_eval_step = self.step
 
     @torch.no_grad()
@@ -325,7 +295,7 @@ class DPORecipe:
         self.cache = self.caches.get("eval")
         self.model.eval()
         sums: dict[str, float] = {}
-        for b in self.eval_loader:
+        for b in self.pairs.eval_loader:
             for k, v in self.losses(b).items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.model.train()

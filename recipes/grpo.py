@@ -34,7 +34,6 @@ from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
 
 from lightrft import config
 from lightrft.algorithms import (
@@ -67,8 +66,7 @@ from lightrft.kernels import (
     response_grad_hint,
 )
 from lightrft.models.critic import with_value_head
-from lightrft.models.multimodal import load_processors, set_towers_trainable
-from lightrft.models.sharded import load_parallel
+from lightrft.models.multimodal import load_processors
 from lightrft.rollout.batch import Advantages, Precomputed, RolloutBatch, TrainBatch
 from lightrft.rollout.build import (
     HeldOutEvalConfig,
@@ -101,6 +99,7 @@ from lightrft.training import (
     warmup_cosine_scheduler,
 )
 from lightrft.training.export import ExportSpec
+from lightrft.training.plan import check_teacher_fits
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 # ---------------------------------------------------------------------------------- config
@@ -262,21 +261,6 @@ class GRPORecipe:
             self.step, getattr(self.source.loader.dataset, "stats", None)
         )
 
-    def _load_model(self, path: str, prepare=None, *, trained: bool = False, **kw) -> nn.Module:
-        """Load and shard one model (actor, reference, critic): under torchrun each rank builds
-        it on the meta device and reads only its shards (lightrft.models.sharded). The trained
-        actor loads as the strategy says (DeepSpeed: whole, partitioned later)."""
-        m = self.opts.model
-        return load_parallel(
-            path,
-            dtype=m.dtype,
-            device=self.dist.device,
-            trust_remote_code=m.trust_remote_code,
-            prepare=prepare,
-            **kw,
-            **(self.strategy.loading() if trained else self.strategy.frozen_loading()),
-        )
-
     def _setup_models(self) -> None:
         """Actor (+ optimizer, scheduler), the frozen reference (KL only), the critic (gae)."""
         o, m = self.opts, self.opts.model
@@ -284,19 +268,10 @@ class GRPORecipe:
         self.strategy = build_strategy(o.strategy, self.dist)
         for path in (m.path, *([o.distillation.path] if o.distillation else [])):
             self.strategy.check_model(path, trust_remote_code=m.trust_remote_code)  # it fits
-
-        def prepare_actor(model: nn.Module) -> nn.Module:
-            """Before sharding: freeze (or not) the vision / audio towers, add LoRA adapters."""
-            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
-            return self.strategy.adapt(model)
-
-        self.model = self._load_model(
-            m.path,
-            prepare_actor,
-            trained=True,
-            activation_checkpointing=m.activation_checkpointing,
-            compile=m.compile,
-        )
+        check_teacher_fits(o, self.dist.device, self.dist.world_size)  # in memory, as planned
+        # Towers trainable as model.train_vision_tower / train_audio_tower say, LoRA adapters;
+        # under torchrun each rank reads only its shards (lightrft.models.sharded).
+        self.model = self.strategy.load_policy(m)
         # A vision- or audio-language actor: datasets take its processor (images / audio +
         # text); everything else is the text path. Renders pass model.chat_template_args.
         args = {"trust_remote_code": m.trust_remote_code, "template_args": m.chat_template_args}
@@ -334,16 +309,14 @@ class GRPORecipe:
         self.ref = None  # with LoRA the reference is the actor with its adapters off
         if o.algorithm.kl is not None and self.strategy.needs_reference_copy:
             # Frozen before sharding: parallelize then gives its LM head a group of its own.
-            self.ref = self._load_model(m.path, lambda model: model.requires_grad_(False))
-            self.ref.eval()
+            self.ref = self.strategy.load_beside(m.path, m)
         self.teacher = None  # frozen and sharded like the reference
         if o.distillation is not None:
-            freeze = lambda model: model.requires_grad_(False)  # noqa: E731
-            self.teacher = self._load_model(o.distillation.path, freeze).eval()
+            self.teacher = self.strategy.load_beside(o.distillation.path, m)
         self.critic = self.critic_opt = self.critic_sched = None
         if (c := o.critic) is not None:
-            self.critic = self._load_model(
-                c.path, with_value_head, activation_checkpointing=m.activation_checkpointing
+            self.critic = self.strategy.load_beside(
+                c.path, m, with_value_head, activation_checkpointing=m.activation_checkpointing
             )
             self.critic_opt = config.instantiate(c.optimizer, self.critic.parameters())
             self.critic_sched = warmup_cosine_scheduler(

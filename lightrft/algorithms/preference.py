@@ -30,7 +30,7 @@ may add its own entry before its config is read. docs/dpo.md has the formulas an
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -359,3 +359,37 @@ class PreferenceLossConfig(Section):
                 "(prompt, response) pairs made per batch; set reference.precompute=false"
             )
         return spec
+
+
+@section
+class PairRuleConfig(Section):
+    """``online.pairs:``: which of a prompt's scored samples make its pair (online DPO)."""
+
+    min_margin: float = option(0.0, ge=0, doc="the best's reward exceeds the worst's by more")
+
+
+def best_worst_pairs(
+    rewards: Tensor, groups: Sequence[Any], answers: Sequence[Any], min_margin: float = 0.0
+) -> tuple[Tensor, Tensor, int]:
+    """Online DPO's pair rule (OpenRLHF's iterative DPO, best-of-n against worst-of-n): per
+    prompt (a run of equal consecutive ``groups`` keys) its best-rewarded sample over its worst
+    (the first of ties), if their rewards differ by more than ``min_margin`` and their
+    ``answers`` differ. ``(chosen [P], rejected [P])`` row indices, and how many prompts gave
+    no pair."""
+    chosen, rejected, unpaired, start = [], [], 0, 0
+    for end in range(1, len(groups) + 1):
+        if end < len(groups) and groups[end] == groups[start]:
+            continue
+        r = rewards[start:end]
+        best, worst = start + int(r.argmax()), start + int(r.argmin())
+        if float(r.max() - r.min()) > min_margin and answers[best] != answers[worst]:
+            chosen.append(best)
+            rejected.append(worst)
+        else:
+            unpaired += 1
+        start = end
+    return (
+        torch.tensor(chosen, dtype=torch.long),
+        torch.tensor(rejected, dtype=torch.long),
+        unpaired,
+    )

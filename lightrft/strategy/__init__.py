@@ -2,7 +2,7 @@
 checkpointed, synced into the rollout engine and exported, so a recipe never branches on it.
 
     strategy = build_strategy(opts.strategy, run.dist)          # the `strategy:` section
-    model = load_parallel(path, prepare=strategy.adapt, **strategy.loading())
+    model = strategy.load_policy(opts.model)                    # + load_beside(): a reference
     strategy.setup(model, optimizer, micro_batch_size=..., accum=..., clip_grad_norm=...)
     strategy.backward(loss); grad_norm = strategy.step()        # per micro-batch / per step
     run.save(step, **strategy.checkpoint_state(), schedulers=..., dataloaders=...)

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from lightrft.distributed import DistInfo
+from lightrft.models.multimodal import set_towers_trainable
 from lightrft.models.parallel import build_mesh
-from lightrft.sections import StrategyConfig
+from lightrft.models.sharded import load_parallel
+from lightrft.sections import PolicyModelConfig, StrategyConfig
 
 
 class Strategy:
@@ -105,6 +107,29 @@ class Strategy:
     def frozen_loading(self) -> dict[str, Any]:
         """The same for a model beside it (reference, critic): FSDP2-sharded."""
         return {"mesh": self.mesh}
+
+    def load_policy(self, m: PolicyModelConfig) -> nn.Module:
+        """The trained policy of a ``model:`` section, loaded as :meth:`loading` says: its
+        vision / audio towers trainable as the section says, then :meth:`adapt` (LoRA)."""
+
+        def prepare(model: nn.Module) -> nn.Module:
+            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
+            return self.adapt(model)
+
+        return load_parallel(
+            m.path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code,
+            prepare=prepare, activation_checkpointing=m.activation_checkpointing,
+            compile=m.compile, **self.loading(),
+        )  # fmt: skip
+
+    def load_beside(self, path: str, m: PolicyModelConfig, prepare: Any = None, **kw: Any):
+        """A model beside the policy (reference, teacher, critic) in ``m``'s dtype, sharded as
+        :meth:`frozen_loading` says; without ``prepare``: frozen, in eval mode."""
+        model = load_parallel(
+            path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code,
+            prepare=prepare or (lambda x: x.requires_grad_(False)), **kw, **self.frozen_loading(),
+        )  # fmt: skip
+        return model if prepare is not None else model.eval()
 
     def adapt(self, model: nn.Module, apply: Any = None) -> nn.Module:
         """The trained model's last step before sharding: LoRA adapters (``apply``: how to put

@@ -21,7 +21,7 @@ Every term is arithmetic over the decoder's shapes (:class:`ModelShape`) and the
 * the rollout engine: the native engine's weight copy and dense KV cache (rows x slots x
   layers x 2 x kv_heads x head_dim x bytes), or vLLM's ``gpu_memory_utilization`` share of the
   GPU while awake; what each sleep level frees;
-* the reference model (FSDP2-sharded, frozen), a GAE critic (trained like the actor), reward
+* the reference model and a distillation teacher (FSDP2-sharded, frozen), a GAE critic (trained like the actor), reward
   models used as rewards (whole on every rank).
 
 * Ulysses sequence parallelism (``sequence_parallel: N``, ``lightrft.models.ulysses``; Jacobs
@@ -47,7 +47,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -276,6 +276,7 @@ class PlanInputs:
     grad_hint: bool = False  # GRPO: the kernel computes the gradient in forward and keeps it
     engine: EngineSetup | None = None
     reference: bool = False
+    teacher: ModelShape | None = None  # on-policy distillation's (held like the reference)
     critic: TrainedSetup | None = None
     reward_models: tuple[RewardModelSetup, ...] = ()
     notes: tuple[str, ...] = ()
@@ -535,21 +536,11 @@ def plan(p: PlanInputs) -> Plan:
     fused, naive = logprob_bytes(s, tok, b, entropy=p.entropy, grad_hint=p.grad_hint, **sp)
     fused_nograd, _ = logprob_bytes(s, tok, b, entropy=False, grad_hint=False, **sp)
     common: list[Term] = []
-    if p.reference:
-        ref_shard = Term(
-            "reference parameters",
-            math.ceil(s.params * a.master_bytes / a.shard) if not a.zero_stage else 0,
-            0,
-            "frozen, FSDP2-sharded",
-        )
-        if a.zero_stage:  # the reference stays FSDP2 over the world
-            ref_shard = Term(
-                "reference parameters",
-                math.ceil(s.params * a.master_bytes / p.cluster.world),
-                0,
-                "frozen, FSDP2-sharded",
-            )
-        common.append(ref_shard)
+    ranks = p.cluster.world if a.zero_stage else a.shard  # frozen models: FSDP2 over these
+    for name, frozen in (("reference", s if p.reference else None), ("teacher", p.teacher)):
+        if frozen is not None:
+            size = math.ceil(frozen.params * a.master_bytes / ranks)
+            common.append(Term(f"{name} parameters", size, 0, "frozen, FSDP2-sharded"))
     critic_states: list[Term] = []
     if p.critic is not None:
         critic_states = model_state_terms(s, p.critic, "critic")
@@ -930,8 +921,41 @@ def _grpo_inputs(
         engine=engine,
         # With LoRA the reference is the actor with its adapters off: no copy.
         reference=alg.kl is not None and actor.lora_rank is None,
+        teacher=read_shape(d.path, "distillation.path") if (d := opts.distillation) else None,
         critic=critic,
         reward_models=tuple(rms),
         notes=tuple(notes),
         sequence_parallel=sp,
     )
+
+
+def check_teacher_fits(opts: Any, device: Any, world: int) -> None:
+    """Refuse, naming ``distillation.path``, a GRPO config's teacher that does not fit this
+    machine: with it some phase of the planner's estimate exceeds the device's memory (a GPU's
+    total; on CPU the host's, shared by its ranks) and without it none does. A run that is over
+    without the teacher too is left to fail or pass on its own: the estimate is no proof."""
+    if getattr(opts, "distillation", None) is None:
+        return
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    p = inputs_from_options(opts, recipe="grpo", cluster=Cluster(1, world, memory), device=kind)
+    full, without = plan(p), plan(replace(p, teacher=None))
+    over = [ph for ph in full.phases if not full.fits(ph)]
+    if over and all(without.fits(ph) for ph in without.phases):
+        shard = next(t.device_bytes for t in over[0].terms if t.name == "teacher parameters")
+        raise ValueError(
+            f"distillation.path={opts.distillation.path!r}: the teacher does not fit: its "
+            f"frozen FSDP2 shard is {_gib(shard)} per rank ({p.teacher.params:,} parameters in "
+            f"model.dtype over {p.cluster.world if p.actor.zero_stage else p.actor.shard} "
+            f"rank(s)), and with it the {over[0].name} phase needs {_gib(over[0].device_bytes)} "
+            f"of this {kind} device's {_gib(memory)} (without it the run fits; `lightrft plan` "
+            "shows every term): use a smaller teacher, more ranks or a larger shard_size"
+        )

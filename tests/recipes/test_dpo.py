@@ -238,7 +238,7 @@ def test_lora_reference_is_the_base_model_with_adapters_off(tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(OmegaConf.select(cfg, "model.path")).eval()
-    batch = next(iter(recipe.eval_loader))
+    batch = next(iter(recipe.pairs.eval_loader))
     ref_sums, _ = recipe.ref_logps(batch)
     with torch.no_grad():
         base_sums, _ = sequence_logprobs(base, batch, "cpu")
@@ -336,7 +336,7 @@ def test_lora_precomputed_reference_is_the_base_model(tmp_path):
     recipe.logger.close()
     table = recipe.caches["train"]
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
-    batch = PairCollator(recipe.tokenizer.pad_token_id)([recipe.dataset[0]])
+    batch = PairCollator(recipe.tokenizer.pad_token_id)([recipe.pairs.dataset[0]])
     with torch.no_grad():
         sums, counts = sequence_logprobs(base, batch, "cpu")
     torch.testing.assert_close(table[0, :, 0], sums, atol=1e-5, rtol=0)

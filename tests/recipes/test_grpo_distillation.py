@@ -106,3 +106,36 @@ def test_a_distillation_section_without_a_teacher_is_refused(tmp_path, assets, c
     assert "distillation.path: the distillation section needs the teacher's path" in (
         capsys.readouterr().err
     )
+
+
+def test_a_teacher_that_does_not_fit_is_refused_before_models_load(tmp_path, assets):  # noqa: F811
+    """The planner's estimate with the teacher's frozen shard (as the reference's) exceeds this
+    machine's memory while without it the run fits: refused by name, from config.json alone
+    (the teacher here claims 200 layers of width 65,536; no weights are read)."""
+    teacher = _teacher(assets, tmp_path / "teacher")
+    config = json.loads((tmp_path / "teacher" / "config.json").read_text())
+    big = {"hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 200}
+    (tmp_path / "teacher" / "config.json").write_text(json.dumps({**config, **big}))
+    (tmp_path / "teacher" / "model.safetensors").unlink()  # nothing to load
+    cfg = _config(tmp_path, assets, **DISTILL, **{"distillation.path": teacher})
+    with pytest.raises(ValueError, match="distillation.path=.*the teacher does not fit: its froz"):
+        cli.main(["run", "grpo", "--config", str(cfg)])
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_the_planner_holds_the_teacher_like_the_reference(tmp_path, assets):  # noqa: F811
+    """`lightrft plan`'s terms: the teacher's frozen shard, computed as the reference's."""
+    import runpy
+
+    from lightrft import config as lconfig
+    from lightrft.cli import recipes_dir
+    from lightrft.training.plan import Cluster, inputs_from_options, plan
+
+    build_options = runpy.run_path(str(recipes_dir() / "grpo.py"))["build_options"]
+    over = {**DISTILL, "distillation.path": _teacher(assets, tmp_path / "teacher"),
+            "algorithm.kl.coef": 0.1}  # fmt: skip
+    cfg, _ = lconfig.load(_config(tmp_path, assets, **over))
+    p = inputs_from_options(build_options(cfg), recipe="grpo", cluster=Cluster(1, 1, 1 << 40),
+                            device="cpu")  # fmt: skip
+    terms = {t.name: t.device_bytes for t in plan(p).phases[-1].terms}
+    assert terms["teacher parameters"] == terms["reference parameters"] > 0

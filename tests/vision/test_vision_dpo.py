@@ -59,14 +59,14 @@ def test_vlm_sequence_logprobs_are_the_vlm_forward_with_its_images(tiny_vlm, ima
     cfg, _ = lconfig.load(_config(tmp_path, str(data), model))
     recipe = build_recipe("dpo", cfg)
     recipe.setup(cfg)
-    batch = next(iter(recipe.eval_loader))
+    batch = next(iter(recipe.pairs.eval_loader))
     with torch.no_grad():
         sums, counts = sequence_logprobs(recipe.model, batch, "cpu")
     vlm = load_model(model).eval()
     want = []
     with torch.no_grad():
         for i in range(len(batch["index"])):
-            it = recipe.eval_dataset[int(batch["index"][i])]
+            it = recipe.pairs.eval_dataset[int(batch["index"][i])]
             for seq, start in zip(it["sequences"], it["starts"], strict=True):
                 ids = seq[None]
                 kw = media_forward_kwargs(vlm, ids, attention_mask=torch.ones_like(ids),
