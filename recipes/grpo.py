@@ -274,8 +274,12 @@ class GRPORecipe:
         self.model = self.strategy.load_policy(m)
         # A vision- or audio-language actor: datasets take its processor (images / audio +
         # text); everything else is the text path. Renders pass model.chat_template_args.
-        args = {"trust_remote_code": m.trust_remote_code, "template_args": m.chat_template_args}
-        self.processor, self.tokenizer = load_processors(m.path, config=self.model.config, **args)
+        self.processor, self.tokenizer = load_processors(
+            m.path,
+            trust_remote_code=m.trust_remote_code,
+            config=self.model.config,
+            template_args=m.chat_template_args,
+        )
         self.pad_id = self.tokenizer.pad_token_id
         # How the trainer scores tokens: at the sampling temperature, on its sequence slice.
         self.lp_kw = {
