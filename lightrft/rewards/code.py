@@ -357,47 +357,24 @@ class CodeVerifier:
         ``memory_mb``, where one can be made (root, cgroup v1's memory controller or v2's with
         ``memory`` enabled); else None, and the bound is ``memory_mb`` per process, so
         ``memory_mb * max_processes`` per run."""
-        for root, limit in _MEMORY_CGROUPS:
-            if not os.path.isdir(root):
-                continue
-            path = os.path.join(root, f"lightrft-sandbox-mem-{uuid.uuid4().hex[:12]}")
-            try:
-                os.mkdir(path)
-            except OSError:
-                continue
-            try:
-                with open(os.path.join(path, limit), "w") as f:
-                    f.write(str(self.memory_bytes))
-                return path
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.rmdir(path)
-        _warn_once(
-            "memory-cgroup",
-            "CodeVerifier: no memory cgroup could be made (it needs root and the memory "
-            "controller), so memory_mb bounds each process of a run, not the run: a run may use "
-            "memory_mb * max_processes",
-        )
-        return None
+        path = _new_cgroup(_MEMORY_CGROUPS, "lightrft-sandbox-mem", self.memory_bytes)
+        if path is None:
+            _warn_once(
+                "memory-cgroup",
+                "CodeVerifier: no memory cgroup could be made (it needs root and the memory "
+                "controller), so memory_mb bounds each process of a run, not the run: a run may "
+                "use memory_mb * max_processes",
+            )
+        return path
 
     def _make_cgroup(self) -> str | None:
-        for root in _CGROUP_ROOTS:
-            if not os.path.exists(os.path.join(root, "pids.max")) and not os.path.exists(
-                os.path.join(root, "cgroup.procs")
-            ):
-                continue
-            path = os.path.join(root, f"lightrft-sandbox-{uuid.uuid4().hex[:12]}")
-            try:
-                os.mkdir(path)
-            except OSError:
-                continue
-            try:
-                with open(os.path.join(path, "pids.max"), "w") as f:
-                    f.write(str(self.max_processes))
-                return path
-            except OSError:
-                os.rmdir(path)
-        if os.getuid() == 0:
+        roots = [
+            (root, "pids.max")
+            for root in _CGROUP_ROOTS
+            if any(os.path.exists(os.path.join(root, f)) for f in ("pids.max", "cgroup.procs"))
+        ]
+        path = _new_cgroup(roots, "lightrft-sandbox", self.max_processes)
+        if path is None and os.getuid() == 0:
             _warn_once(
                 "nproc",
                 "CodeVerifier: no pids cgroup could be created and RLIMIT_NPROC does not bind "
@@ -405,7 +382,7 @@ class CodeVerifier:
                 "killed at the time limit); run the trainer or the reward server as a non-root "
                 "user",
             )
-        return None
+        return path
 
     @staticmethod
     def _kill_all(pid: int, cgroup: str | None) -> None:
@@ -516,6 +493,25 @@ def _isolation_problem() -> str | None:
                 shutil.rmtree(work, ignore_errors=True)
             _probe_result.append(None if ok else why)
         return _probe_result[0]
+
+
+def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) -> str | None:
+    """A new cgroup ``name-<random>`` under the first ``(root, limit file)`` of ``candidates``
+    where one can be made and bounded (``value`` written to its limit file); else None."""
+    for root, limit in candidates:
+        path = os.path.join(root, f"{name}-{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue  # no such root, or not allowed
+        try:
+            with open(os.path.join(path, limit), "w") as f:
+                f.write(str(value))
+            return path
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+    return None
 
 
 @functools.lru_cache(maxsize=4096)
