@@ -208,29 +208,23 @@ class RemoteReward:
             self.headers["Authorization"] = f"Bearer {token}"
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
-        n = len(samples)
-        prompts = [s.prompt for s in samples]
-        responses = [s.response for s in samples]
-        conversations = [s.conversation for s in samples]
         chats = None
-        if any(c is not None for c in conversations):
-            chats = [wire_conversation(c, i) for i, c in enumerate(conversations)]
-        step = self.batch_size or max(n, 1)
+        if any(s.conversation is not None for s in samples):
+            chats = [wire_conversation(s.conversation, i) for i, s in enumerate(samples)]
+        step = self.batch_size or max(len(samples), 1)
         rewards: list[float] = []
-        for start in range(0, n, step):
-            sl = slice(start, start + step)
+        for start in range(0, len(samples), step):
+            batch = samples[start : start + step]
             payload = {
-                "queries": [
-                    build_query(p, r) for p, r in zip(prompts[sl], responses[sl], strict=True)
-                ],
-                "prompts": list(prompts[sl]),
-                "responses": list(responses[sl]),
-                "references": [s.reference for s in samples[sl]],
-                "labels": [s.label for s in samples[sl]],
+                "queries": [build_query(s.prompt, s.response) for s in batch],
+                "prompts": [s.prompt for s in batch],
+                "responses": [s.response for s in batch],
+                "references": [s.reference for s in batch],
+                "labels": [s.label for s in batch],
             }
             if chats is not None:
-                payload["conversations"] = chats[sl]
-            rewards += self._validate(self._post(payload), len(payload["queries"]))
+                payload["conversations"] = chats[start : start + step]
+            rewards += self._validate(self._post(payload), len(batch))
         return rewards
 
     def _attempt(self, body: bytes) -> tuple[int, str, bytes]:
