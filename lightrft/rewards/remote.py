@@ -73,6 +73,18 @@ def build_query(prompt: Prompt, response: str) -> Any:
     return [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
 
 
+def positive_rate(value: Any) -> bool:
+    """Whether ``value`` is a video's rate: a positive, finite real number (an integer of 400
+    digits is none: it overflows a float, and is refused like any other bad value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        rate = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(rate) and rate > 0
+
+
 def _png_url(image: Any, where: str, what: str = "an image part") -> str:
     from PIL import Image
 
@@ -105,7 +117,7 @@ def _wire_video(part: Mapping[str, Any], where: str) -> dict[str, Any]:
     }
     fps = part.get("fps")
     if fps is not None:
-        if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not 0 < fps < math.inf:
+        if not positive_rate(fps):
             raise ValueError(f"{where}: a video part's fps must be a positive number, got {fps!r}")
         out["fps"] = float(fps)  # a numpy scalar too
     return out
