@@ -321,10 +321,9 @@ class CodeVerifier:
             for t in feeders:
                 t.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
             shutil.rmtree(tmp, ignore_errors=True)
-            if cgroup is not None:
-                self._remove_cgroup(cgroup)
-            if memory_cgroup is not None:
-                self._remove_cgroup(memory_cgroup)
+            for group in (cgroup, memory_cgroup):
+                if group is not None:
+                    self._remove_cgroup(group)
 
     def _isolate(self) -> bool:
         """Whether runs get the namespaces; warns once (or refuses) where they cannot."""
