@@ -338,18 +338,26 @@ class CodeVerifier:
         _warn_once("isolation", _NOT_ISOLATED.format(problem=problem))
         return False
 
-    def _read_status(self, path: Path, isolated: bool) -> dict:
+    @staticmethod
+    def _read_status(path: Path, isolated: bool) -> None:
+        """Raise the launcher's setup error; warn once per limit it could not apply."""
         try:
             status = json.loads(path.read_text())
         except (OSError, ValueError):
-            return {}
+            return
         if status.get("error"):
             raise RuntimeError(f"CodeVerifier: {status['error']}")
         missing = status.get("missing", [])
-        if not isolated:  # the one fallback warning already says the network may be reachable
-            missing = [m for m in missing if m != "network"]
-        self._warn_missing(missing)
-        return status
+        # isolated only: the one fallback warning already says the network may be reachable
+        if isolated and "network" in missing:
+            _warn_once(
+                "network",
+                "CodeVerifier: cannot create a network namespace here (needs CAP_SYS_ADMIN); "
+                "sandboxed code can use the network. Set no_network=False to silence this",
+            )
+        for m in missing:
+            if m.startswith("rlimit") or m in ("cgroup", "memory_cgroup"):
+                _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
 
     def _make_memory_cgroup(self) -> str | None:
         """A memory cgroup bounding the whole run (every process it starts together) to
@@ -413,23 +421,7 @@ class CodeVerifier:
                 time.sleep(0.01)
         _warn_once("cgroup", f"CodeVerifier: could not remove {path}")
 
-    def _warn_missing(self, missing: list[str]) -> None:
-        if "network" in missing:
-            _warn_once(
-                "network",
-                "CodeVerifier: cannot create a network namespace here (needs CAP_SYS_ADMIN); "
-                "sandboxed code can use the network. Set no_network=False to silence this",
-            )
-        for m in missing:
-            if m.startswith("rlimit") or m in ("cgroup", "memory_cgroup"):
-                _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
-
     # ------------------------------------------------------------------ rewards
-
-    def score(self, program: str, tests: Sequence[TestCase]) -> float:
-        """The reward of one program on its tests."""
-        results = self._run_many([(program, t) for t in tests])
-        return self._reward(results)
 
     def _reward(self, results: Sequence[RunResult]) -> float:
         if not results:
