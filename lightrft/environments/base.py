@@ -154,14 +154,12 @@ def check_max_turns(max_turns: Any, owner: str) -> None:
 
 def _check_messages(value: Any, where: str) -> None:
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise TypeError(f"{where} must return a list of message dicts, got {_describe(value)}")
+        raise TypeError(
+            f"{where} must return a list of message dicts, got a {type(value).__name__}"
+        )
     for m in value:
         if not isinstance(m.get("role"), str) or "content" not in m:
             raise TypeError(f"{where} returned a message without a 'role' str or 'content': {m!r}")
-
-
-def _describe(value: Any) -> str:
-    return f"a {type(value).__name__}"
 
 
 def _checked_reset(fn, cls_name: str):
@@ -189,7 +187,7 @@ def _checked_step(fn, cls_name: str):
         finally:
             self.__dict__["stepping"] = False
         if not isinstance(out, Step):
-            raise TypeError(f"{where} must return a Step, got {_describe(out)}")
+            raise TypeError(f"{where} must return a Step, got a {type(out).__name__}")
         _check_messages(out.observation, where + " (Step.observation)")
         bad = [m["role"] for m in out.observation if m["role"] not in OBSERVATION_ROLES]
         if bad:

@@ -148,11 +148,9 @@ def as_tool(tool: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
     """A :class:`Tool` as is; a plain function wrapped with the default limits; a config's
     ``{_component_: ...}`` mapping (the ``environment.tools`` list in YAML) built first."""
     if isinstance(tool, Mapping) and "_component_" in tool:
-        from omegaconf import DictConfig, OmegaConf
+        from lightrft.rewards.base import instantiate_node
 
-        from lightrft.config import instantiate
-
-        tool = instantiate(tool if isinstance(tool, DictConfig) else OmegaConf.create(dict(tool)))
+        tool = instantiate_node(tool)
     return tool if isinstance(tool, Tool) else Tool(tool)
 
 

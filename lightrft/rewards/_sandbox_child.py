@@ -334,16 +334,12 @@ def main() -> None:
         sys.exit(code)
     cfg = json.loads(sys.argv[1])
     status: dict = {"missing": [], "error": None}
-    if cfg.get("cgroup"):
-        try:
-            _write(os.path.join(cfg["cgroup"], "cgroup.procs"), str(os.getpid()))
-        except OSError:
-            status["missing"].append("cgroup")
-    if cfg.get("memory_cgroup"):  # the run's memory, all its processes together
-        try:
-            _write(os.path.join(cfg["memory_cgroup"], "cgroup.procs"), str(os.getpid()))
-        except OSError:
-            status["missing"].append("memory_cgroup")
+    for key in ("cgroup", "memory_cgroup"):  # the run's processes, and its memory, together
+        if cfg.get(key):
+            try:
+                _write(os.path.join(cfg[key], "cgroup.procs"), str(os.getpid()))
+            except OSError:
+                status["missing"].append(key)
     argv = [sys.executable, "-I", "-c", HARNESS, str(cfg["job_fd"]), str(cfg["report_fd"])]
     if cfg["isolate"]:
         _write(cfg["status"], json.dumps(status))

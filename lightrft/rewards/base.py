@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from lightrft.config import UserError
-from lightrft.data.media import Media
+from lightrft.data.media import MEDIA_KINDS, Media
 
 __all__ = [
     "CombinedReward",
@@ -48,6 +48,7 @@ __all__ = [
     "build_reward",
     "check_reward_output",
     "check_signature",
+    "media_parts",
     "prompt_preview",
 ]
 
@@ -118,6 +119,19 @@ def prompt_preview(prompt: Prompt, width: int = 40) -> str:
         prompt = str(prompt[-1].get("content", "")) if prompt else ""
     text = " ".join(prompt.split())
     return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def media_parts(conversation: Prompt) -> list[dict[str, Any]]:
+    """The image, video and audio parts of a conversation, in order (none for a string)."""
+    if isinstance(conversation, str):
+        return []
+    return [
+        dict(part)
+        for m in conversation
+        if not isinstance(m["content"], str)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") in MEDIA_KINDS
+    ]
 
 
 def check_reward_output(
@@ -319,27 +333,8 @@ class CombinedReward:
             check_signature(f"functions.{name}", fn)
             self.functions[str(name)] = fn
         self.weights = {name: 1.0 for name in self.functions}
-        for name, w in (weights or {}).items():
-            if name not in self.functions:
-                raise ValueError(
-                    f"weights.{name}: no reward function named {name!r}; "
-                    f"functions are {sorted(self.functions)}"
-                )
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-                raise ValueError(f"weights.{name} must be a finite number, got {w!r}")
-            self.weights[name] = float(w)
-        self.routes: dict[str, list[str]] | None = None
-        if routes is not None:
-            self.routes = {}
-            for label, names in routes.items():
-                names = [names] if isinstance(names, str) else list(names or [])
-                unknown = [n for n in names if n not in self.functions]
-                if unknown:
-                    raise ValueError(
-                        f"routes.{label}: no reward function named {unknown[0]!r}; "
-                        f"functions are {sorted(self.functions)}"
-                    )
-                self.routes[str(label)] = names
+        self.weights.update(_checked_weights(weights or {}, list(self.functions)))
+        self.routes = None if routes is None else _checked_routes(routes, list(self.functions))
         if default_reward is not None and not math.isfinite(default_reward):
             raise ValueError(f"default_reward must be finite, got {default_reward!r}")
         self.default_reward = default_reward
@@ -446,24 +441,39 @@ def reward_names(node: Any, key: str = "reward") -> list[str]:
     if not isinstance(functions, Mapping):
         return []
     names = [str(n) for n in functions]
-    weights = node.get("weights") or {}
+    _checked_weights(node.get("weights") or {}, names, f"{key}.")
+    _checked_routes(node.get("routes") or {}, names, f"{key}.")
+    return names
+
+
+def _checked_weights(weights: Mapping[str, Any], names: list[str], key: str = "") -> dict:
+    """``weights`` as floats, after refusing one that names no function in ``names`` or is not a
+    finite number (``ValueError`` naming ``{key}weights.<name>``)."""
     for name, w in weights.items():
         if name not in names:
             raise ValueError(
-                f"{key}.weights.{name}: no reward function named {name!r}; "
+                f"{key}weights.{name}: no reward function named {name!r}; "
                 f"functions are {sorted(names)}"
             )
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ValueError(f"{key}.weights.{name} must be a finite number, got {w!r}")
-    for label, route in (node.get("routes") or {}).items():
+            raise ValueError(f"{key}weights.{name} must be a finite number, got {w!r}")
+    return {name: float(w) for name, w in weights.items()}
+
+
+def _checked_routes(routes: Mapping[str, Any], names: list[str], key: str = "") -> dict:
+    """``routes`` as label -> list of names (a single name is a list of one), after refusing a
+    name not in ``names`` (``ValueError`` naming ``{key}routes.<label>``)."""
+    out: dict[str, list[str]] = {}
+    for label, route in routes.items():
         route = [route] if isinstance(route, str) else list(route or [])
         unknown = [n for n in route if n not in names]
         if unknown:
             raise ValueError(
-                f"{key}.routes.{label}: no reward function named {unknown[0]!r}; "
+                f"{key}routes.{label}: no reward function named {unknown[0]!r}; "
                 f"functions are {sorted(names)}"
             )
-    return names
+        out[str(label)] = route
+    return out
 
 
 def build_reward(spec: Any, name: str | None = None) -> CombinedReward:

@@ -321,10 +321,9 @@ class CodeVerifier:
             for t in feeders:
                 t.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
             shutil.rmtree(tmp, ignore_errors=True)
-            if cgroup is not None:
-                self._remove_cgroup(cgroup)
-            if memory_cgroup is not None:
-                self._remove_cgroup(memory_cgroup)
+            for group in (cgroup, memory_cgroup):
+                if group is not None:
+                    self._remove_cgroup(group)
 
     def _isolate(self) -> bool:
         """Whether runs get the namespaces; warns once (or refuses) where they cannot."""
@@ -339,65 +338,50 @@ class CodeVerifier:
         _warn_once("isolation", _NOT_ISOLATED.format(problem=problem))
         return False
 
-    def _read_status(self, path: Path, isolated: bool) -> dict:
+    @staticmethod
+    def _read_status(path: Path, isolated: bool) -> None:
+        """Raise the launcher's setup error; warn once per limit it could not apply."""
         try:
             status = json.loads(path.read_text())
         except (OSError, ValueError):
-            return {}
+            return
         if status.get("error"):
             raise RuntimeError(f"CodeVerifier: {status['error']}")
         missing = status.get("missing", [])
-        if not isolated:  # the one fallback warning already says the network may be reachable
-            missing = [m for m in missing if m != "network"]
-        self._warn_missing(missing)
-        return status
+        # isolated only: the one fallback warning already says the network may be reachable
+        if isolated and "network" in missing:
+            _warn_once(
+                "network",
+                "CodeVerifier: cannot create a network namespace here (needs CAP_SYS_ADMIN); "
+                "sandboxed code can use the network. Set no_network=False to silence this",
+            )
+        for m in missing:
+            if m.startswith("rlimit") or m in ("cgroup", "memory_cgroup"):
+                _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
 
     def _make_memory_cgroup(self) -> str | None:
         """A memory cgroup bounding the whole run (every process it starts together) to
         ``memory_mb``, where one can be made (root, cgroup v1's memory controller or v2's with
         ``memory`` enabled); else None, and the bound is ``memory_mb`` per process, so
         ``memory_mb * max_processes`` per run."""
-        for root, limit in _MEMORY_CGROUPS:
-            if not os.path.isdir(root):
-                continue
-            path = os.path.join(root, f"lightrft-sandbox-mem-{uuid.uuid4().hex[:12]}")
-            try:
-                os.mkdir(path)
-            except OSError:
-                continue
-            try:
-                with open(os.path.join(path, limit), "w") as f:
-                    f.write(str(self.memory_bytes))
-                return path
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.rmdir(path)
-        _warn_once(
-            "memory-cgroup",
-            "CodeVerifier: no memory cgroup could be made (it needs root and the memory "
-            "controller), so memory_mb bounds each process of a run, not the run: a run may use "
-            "memory_mb * max_processes",
-        )
-        return None
+        path = _new_cgroup(_MEMORY_CGROUPS, "lightrft-sandbox-mem", self.memory_bytes)
+        if path is None:
+            _warn_once(
+                "memory-cgroup",
+                "CodeVerifier: no memory cgroup could be made (it needs root and the memory "
+                "controller), so memory_mb bounds each process of a run, not the run: a run may "
+                "use memory_mb * max_processes",
+            )
+        return path
 
     def _make_cgroup(self) -> str | None:
-        for root in _CGROUP_ROOTS:
-            if not os.path.exists(os.path.join(root, "pids.max")) and not os.path.exists(
-                os.path.join(root, "cgroup.procs")
-            ):
-                continue
-            path = os.path.join(root, f"lightrft-sandbox-{uuid.uuid4().hex[:12]}")
-            try:
-                os.mkdir(path)
-            except OSError:
-                continue
-            try:
-                with open(os.path.join(path, "pids.max"), "w") as f:
-                    f.write(str(self.max_processes))
-                return path
-            except OSError:
-                os.rmdir(path)
-        if os.getuid() == 0:
+        roots = [
+            (root, "pids.max")
+            for root in _CGROUP_ROOTS
+            if any(os.path.exists(os.path.join(root, f)) for f in ("pids.max", "cgroup.procs"))
+        ]
+        path = _new_cgroup(roots, "lightrft-sandbox", self.max_processes)
+        if path is None and os.getuid() == 0:
             _warn_once(
                 "nproc",
                 "CodeVerifier: no pids cgroup could be created and RLIMIT_NPROC does not bind "
@@ -405,7 +389,7 @@ class CodeVerifier:
                 "killed at the time limit); run the trainer or the reward server as a non-root "
                 "user",
             )
-        return None
+        return path
 
     @staticmethod
     def _kill_all(pid: int, cgroup: str | None) -> None:
@@ -437,23 +421,7 @@ class CodeVerifier:
                 time.sleep(0.01)
         _warn_once("cgroup", f"CodeVerifier: could not remove {path}")
 
-    def _warn_missing(self, missing: list[str]) -> None:
-        if "network" in missing:
-            _warn_once(
-                "network",
-                "CodeVerifier: cannot create a network namespace here (needs CAP_SYS_ADMIN); "
-                "sandboxed code can use the network. Set no_network=False to silence this",
-            )
-        for m in missing:
-            if m.startswith("rlimit") or m in ("cgroup", "memory_cgroup"):
-                _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
-
     # ------------------------------------------------------------------ rewards
-
-    def score(self, program: str, tests: Sequence[TestCase]) -> float:
-        """The reward of one program on its tests."""
-        results = self._run_many([(program, t) for t in tests])
-        return self._reward(results)
 
     def _reward(self, results: Sequence[RunResult]) -> float:
         if not results:
@@ -516,6 +484,25 @@ def _isolation_problem() -> str | None:
                 shutil.rmtree(work, ignore_errors=True)
             _probe_result.append(None if ok else why)
         return _probe_result[0]
+
+
+def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) -> str | None:
+    """A new cgroup ``name-<random>`` under the first ``(root, limit file)`` of ``candidates``
+    where one can be made and bounded (``value`` written to its limit file); else None."""
+    for root, limit in candidates:
+        path = os.path.join(root, f"{name}-{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue  # no such root, or not allowed
+        try:
+            with open(os.path.join(path, limit), "w") as f:
+                f.write(str(value))
+            return path
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+    return None
 
 
 @functools.lru_cache(maxsize=4096)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,21 +81,39 @@ _CONSUMERS = {
     "dict",
 }
 _KEYWORDS = {"sorted": {"reverse"}, "isclose": {"rel_tol", "abs_tol"}}
-_BINOPS = (
-    ast.Add,
-    ast.Sub,
-    ast.Mult,
-    ast.Div,
-    ast.FloorDiv,
-    ast.Mod,
-    ast.Pow,
-    ast.LShift,
-    ast.RShift,
-    ast.BitOr,
-    ast.BitXor,
-    ast.BitAnd,
-)
-_UNARY = (ast.Not, ast.USub, ast.UAdd, ast.Invert)
+# The operators the parent evaluates, by node type: the splitter keeps these nodes here.
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.LShift: operator.lshift,
+    ast.RShift: operator.rshift,
+    ast.BitOr: operator.or_,
+    ast.BitXor: operator.xor,
+    ast.BitAnd: operator.and_,
+}
+_UNARY = {
+    ast.Not: operator.not_,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+    ast.Invert: operator.invert,
+}
+_COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+}
 _STRUCTURE = (
     ast.Constant,
     ast.Tuple,
@@ -284,9 +303,9 @@ def _split(
         return ast.Compare(rec(node.left), node.ops, [rec(c) for c in node.comparators])
     if isinstance(node, ast.BoolOp):
         return ast.BoolOp(node.op, [rec(v) for v in node.values])
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, _UNARY):
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, tuple(_UNARY)):
         return ast.UnaryOp(node.op, rec(node.operand))
-    if isinstance(node, ast.BinOp) and isinstance(node.op, _BINOPS):
+    if isinstance(node, ast.BinOp) and isinstance(node.op, tuple(_BINOPS)):
         return ast.BinOp(rec(node.left), node.op, rec(node.right))
     if isinstance(node, ast.IfExp):
         return ast.IfExp(rec(node.test), rec(node.body), rec(node.orelse))
@@ -494,14 +513,7 @@ class _Evaluator:
         return v
 
     def _UnaryOp(self, n: ast.UnaryOp) -> Any:
-        v = self.eval(n.operand)
-        ops = {
-            ast.Not: lambda x: not x,
-            ast.USub: lambda x: -x,
-            ast.UAdd: lambda x: +x,
-            ast.Invert: lambda x: ~x,
-        }
-        return ops[type(n.op)](v)
+        return _UNARY[type(n.op)](self.eval(n.operand))
 
     def _IfExp(self, n: ast.IfExp) -> Any:
         return self.eval(n.body) if self.eval(n.test) else self.eval(n.orelse)
@@ -509,29 +521,15 @@ class _Evaluator:
     def _BinOp(self, n: ast.BinOp) -> Any:
         a, b = self.eval(n.left), self.eval(n.right)
         _check_size(n.op, a, b)
-        ops = {
-            ast.Add: lambda: a + b,
-            ast.Sub: lambda: a - b,
-            ast.Mult: lambda: a * b,
-            ast.Div: lambda: a / b,
-            ast.FloorDiv: lambda: a // b,
-            ast.Mod: lambda: a % b,
-            ast.Pow: lambda: a**b,
-            ast.LShift: lambda: a << b,
-            ast.RShift: lambda: a >> b,
-            ast.BitOr: lambda: a | b,
-            ast.BitXor: lambda: a ^ b,
-            ast.BitAnd: lambda: a & b,
-        }
         if isinstance(n.op, ast.Mod) and isinstance(a, (str, bytes)):
             raise _Probe("% formatting")  # formatting could build huge strings
-        return ops[type(n.op)]()
+        return _BINOPS[type(n.op)](a, b)
 
     def _Compare(self, n: ast.Compare) -> bool:
         left = self.eval(n.left)
         for op, c in zip(n.ops, n.comparators, strict=True):
             right = self.eval(c)
-            if not _compare(op, left, right):
+            if not _COMPARE[type(op)](left, right):
                 return False
             left = right
         return True
@@ -595,22 +593,6 @@ class _Evaluator:
 
 def _strict_zip(*columns: Any) -> Any:
     return zip(*columns, strict=True)
-
-
-def _compare(op: ast.cmpop, a: Any, b: Any) -> bool:
-    table = {
-        ast.Eq: lambda: a == b,
-        ast.NotEq: lambda: a != b,
-        ast.Lt: lambda: a < b,
-        ast.LtE: lambda: a <= b,
-        ast.Gt: lambda: a > b,
-        ast.GtE: lambda: a >= b,
-        ast.In: lambda: a in b,
-        ast.NotIn: lambda: a not in b,
-        ast.Is: lambda: a is b,
-        ast.IsNot: lambda: a is not b,
-    }
-    return bool(table[type(op)]())
 
 
 def _check_size(op: ast.operator, a: Any, b: Any) -> None:

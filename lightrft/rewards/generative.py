@@ -54,9 +54,9 @@ from typing import Any, Literal
 
 import torch
 
-from lightrft.data.media import MEDIA_KINDS, MediaOptions
+from lightrft.data.media import MediaOptions
 from lightrft.data.records import MediaSamples
-from lightrft.rewards.base import Prompt, RewardInputError, Sample
+from lightrft.rewards.base import Prompt, RewardInputError, Sample, media_parts
 
 __all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "media_parts", "parse_verdict"]
 
@@ -107,19 +107,6 @@ def _prompt_text(prompt: Prompt) -> str:
     if len(prompt) == 1:
         return _message_text(prompt[0]["content"])
     return "\n".join(f"{m['role']}: {_message_text(m['content'])}" for m in prompt)
-
-
-def media_parts(conversation: Prompt) -> list[dict[str, Any]]:
-    """The image, video and audio parts of a conversation, in order."""
-    if isinstance(conversation, str):
-        return []
-    return [
-        dict(part)
-        for m in conversation
-        if not isinstance(m["content"], str)
-        for part in m["content"]
-        if part.get("type") in MEDIA_KINDS
-    ]
 
 
 class GenerativeReward:

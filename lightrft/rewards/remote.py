@@ -73,6 +73,18 @@ def build_query(prompt: Prompt, response: str) -> Any:
     return [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
 
 
+def positive_rate(value: Any) -> bool:
+    """Whether ``value`` is a video's rate: a positive, finite real number (an integer of 400
+    digits is none: it overflows a float, and is refused like any other bad value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        rate = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(rate) and rate > 0
+
+
 def _png_url(image: Any, where: str, what: str = "an image part") -> str:
     from PIL import Image
 
@@ -105,7 +117,7 @@ def _wire_video(part: Mapping[str, Any], where: str) -> dict[str, Any]:
     }
     fps = part.get("fps")
     if fps is not None:
-        if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not 0 < fps < math.inf:
+        if not positive_rate(fps):
             raise ValueError(f"{where}: a video part's fps must be a positive number, got {fps!r}")
         out["fps"] = float(fps)  # a numpy scalar too
     return out
@@ -208,29 +220,23 @@ class RemoteReward:
             self.headers["Authorization"] = f"Bearer {token}"
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
-        n = len(samples)
-        prompts = [s.prompt for s in samples]
-        responses = [s.response for s in samples]
-        conversations = [s.conversation for s in samples]
         chats = None
-        if any(c is not None for c in conversations):
-            chats = [wire_conversation(c, i) for i, c in enumerate(conversations)]
-        step = self.batch_size or max(n, 1)
+        if any(s.conversation is not None for s in samples):
+            chats = [wire_conversation(s.conversation, i) for i, s in enumerate(samples)]
+        step = self.batch_size or max(len(samples), 1)
         rewards: list[float] = []
-        for start in range(0, n, step):
-            sl = slice(start, start + step)
+        for start in range(0, len(samples), step):
+            batch = samples[start : start + step]
             payload = {
-                "queries": [
-                    build_query(p, r) for p, r in zip(prompts[sl], responses[sl], strict=True)
-                ],
-                "prompts": list(prompts[sl]),
-                "responses": list(responses[sl]),
-                "references": [s.reference for s in samples[sl]],
-                "labels": [s.label for s in samples[sl]],
+                "queries": [build_query(s.prompt, s.response) for s in batch],
+                "prompts": [s.prompt for s in batch],
+                "responses": [s.response for s in batch],
+                "references": [s.reference for s in batch],
+                "labels": [s.label for s in batch],
             }
             if chats is not None:
-                payload["conversations"] = chats[sl]
-            rewards += self._validate(self._post(payload), len(payload["queries"]))
+                payload["conversations"] = chats[start : start + step]
+            rewards += self._validate(self._post(payload), len(batch))
         return rewards
 
     def _attempt(self, body: bytes) -> tuple[int, str, bytes]:

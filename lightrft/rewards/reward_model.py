@@ -20,6 +20,7 @@ give the same scores.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,10 +29,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightrft.data.media import MEDIA_KINDS, Media, MediaOptions
+from lightrft.data.media import Media, MediaOptions
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
-from lightrft.rewards.base import Prompt, Sample
+from lightrft.rewards.base import Prompt, Sample, media_parts
 
 __all__ = ["RewardModel", "collective_plan", "load_value_head"]
 
@@ -66,18 +67,6 @@ def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
         if "bias" in tensors:
             head.bias.copy_(tensors["bias"].reshape(1))
     return head
-
-
-def _has_media(prompt: Prompt) -> bool:
-    """Whether a conversation holds an image, video or audio part."""
-    if isinstance(prompt, str):
-        return False
-    return any(
-        isinstance(part, dict) and part.get("type") in MEDIA_KINDS
-        for m in prompt
-        if not isinstance(m["content"], str)
-        for part in m["content"]
-    )
 
 
 def _detect_head(path: str | Path) -> str:
@@ -262,20 +251,17 @@ class RewardModel:
         attn_implementation: str | None = "sdpa",
         media: MediaOptions | None = None,
     ) -> None:
+        from lightrft.data.records import MediaSamples
         from lightrft.export import resolve_model_dir
         from lightrft.models.loading import check_local, load_tokenizer
+        from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
         from lightrft.models.parallel import build_mesh
 
         # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
         # directory its final/ would be: heads, pooling and statistics included.
         path = resolve_model_dir(path, trust_remote_code=trust_remote_code)
         check_local(path)
-        from lightrft.models.multimodal import checkpoint_is_multimodal
-
         multimodal = bool(checkpoint_is_multimodal(path))  # vision- or audio-language
-        from lightrft.data.records import MediaSamples
-        from lightrft.models.multimodal import load_processor
-
         processor = (
             load_processor(path, trust_remote_code=trust_remote_code) if multimodal else None
         )
@@ -299,28 +285,16 @@ class RewardModel:
                 f"device={device!r}: a reward model sharded over the ranks runs on each rank's "
                 f"own device; give the device type only ({torch.device(device).type!r})"
             )
-        if head == "classifier":
-            net = load_reward_net(
-                path,
-                dtype=dtype,
-                device=device,
-                trust_remote_code=trust_remote_code,
-                attn_implementation=attn_implementation,
-                mesh=mesh,
-                offload=offload,
-            )
-        else:
-            net = _value_head_net(
-                path,
-                value_head_key,
-                dtype=dtype,
-                device=device,
-                trust_remote_code=trust_remote_code,
-                attn_implementation=attn_implementation,
-                mesh=mesh,
-                offload=offload,
-            )
-        stats = ((read_reward_config(path) or {}).get("stats") or {}) if normalize else {}
+        load = functools.partial(
+            load_reward_net if head == "classifier" else _value_head_net,
+            dtype=dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+            mesh=mesh,
+            offload=offload,
+        )
+        net = load(path) if head == "classifier" else load(path, value_head_key)
         if multimodal and net.pooling != "likelihood":
             raise ValueError(
                 f"{path}: a vision- or audio-language model scores with "
@@ -333,7 +307,7 @@ class RewardModel:
             else load_tokenizer(path, trust_remote_code=trust_remote_code),
             media=samples if multimodal else None,
             score_head=score_head,
-            stats=stats if normalize else None,
+            stats=((read_reward_config(path) or {}).get("stats") or {}) if normalize else None,
             micro_batch_size=micro_batch_size,
             max_length=max_length,
             device=device,
@@ -637,7 +611,7 @@ class RewardModel:
                 for p, s in zip(prompts, samples, strict=True)
             ]
             for i, p in enumerate(prompts):
-                if _has_media(p):
+                if media_parts(p):
                     raise ValueError(
                         f"sample {i}'s prompt has images, videos or audio, which a text reward "
                         "model cannot see or hear: score it with a vision- or audio-language "

@@ -49,10 +49,11 @@ TLS (a reverse proxy) and use an ``https://`` URL.
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import hmac
 import io
 import json
-import math
 import os
 import socket
 import threading
@@ -69,7 +70,7 @@ from lightrft.rewards.base import (
     check_signature,
     instantiate_node,
 )
-from lightrft.rewards.remote import PNG_DATA_URL, TOKEN_ENV
+from lightrft.rewards.remote import PNG_DATA_URL, TOKEN_ENV, positive_rate
 
 __all__ = [
     "LINGER_SECONDS",
@@ -120,10 +121,6 @@ def _decode_png(
     """The RGB PIL image of a PNG data URL (an image, or a video ``kind="frame"``), its size
     checked against the per-image bound and what is left of the request's (``budget[0]``; the
     request's bound is ``budget[1]``) before any pixel is decoded."""
-    import base64
-    import binascii
-    import io
-
     from PIL import Image
 
     if not isinstance(url, str) or not url.startswith(PNG_DATA_URL):
@@ -175,7 +172,7 @@ def _decode_video(
         )
     if not frames:
         raise ValueError(f"{where}.video has no frames (an empty list)")
-    if fps is not None and not _positive_rate(fps):
+    if fps is not None and not positive_rate(fps):
         raise ValueError(
             f"{where}.fps must be a positive number (the rate the frames were sampled at), "
             f"got {str(fps)[:40]}"
@@ -392,18 +389,6 @@ class _DeadlineReader(io.RawIOBase):
         except TimeoutError:
             self.timed_out = True
             raise
-
-
-def _positive_rate(value: Any) -> bool:
-    """A JSON number that is a positive, finite float (an integer of 400 digits is none: it
-    overflows a float, and must be a 400 like any other bad value, not a dropped connection)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        rate = float(value)
-    except OverflowError:
-        return False
-    return math.isfinite(rate) and rate > 0
 
 
 def _lingering_close(sock: socket.socket, seconds: float) -> None:

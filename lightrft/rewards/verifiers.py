@@ -195,21 +195,21 @@ class MathVerifier:
         """What math-verify reads of a response: the tail of its final part."""
         return _final_part(response, self.strip_think)[-MAX_RESPONSE_CHARS:]
 
-    def _refused(self, *named: tuple[str, str]) -> bool:
-        """Whether any of the ``(who, text)`` holds a number past the size bound; the reason is
-        recorded in ``last_refusals`` (the first of a call is logged)."""
+    def _refused(self, *named: tuple[str, str], max_chars: int | None = None) -> bool:
+        """Whether any of the ``(who, text)`` is longer than ``max_chars`` or holds a number past
+        the size bound; the reason is kept in ``last_refusals`` (the first of a call is logged)."""
         for who, text in named:
-            why = oversized_number(text)
-            if why:
-                self._record_refusal(f"{who} holds {why}")
-                return True
+            if max_chars is not None and len(text) > max_chars:
+                why = f"{who} of {len(text)} characters (the bound is {max_chars})"
+            elif number := oversized_number(text):
+                why = f"{who} holds {number}"
+            else:
+                continue
+            if not self.last_refusals:
+                log.warning("%s: scored 0 without comparing: %s", type(self).__name__, why)
+            self.last_refusals.append(why)
+            return True
         return False
-
-    def _record_refusal(self, why: str) -> None:
-        """Keep why an answer was scored 0 without comparing; log the first of each call."""
-        if not self.last_refusals:
-            log.warning("%s: scored 0 without comparing: %s", type(self).__name__, why)
-        self.last_refusals.append(why)
 
     @staticmethod
     def reference_answer(reference: str | float | int) -> str:
@@ -217,23 +217,11 @@ class MathVerifier:
         ref = str(reference)
         return extract_answer(ref, ("hashes", "boxed")) or ref.strip()
 
-    def _refusal(self, pred: str, ref: str) -> str | None:
-        """Why this pair is not compared at all (then it is wrong), or ``None``."""
-        for who, ans in (("answer", pred), ("reference", ref)):
-            if len(ans) > MAX_ANSWER_CHARS:
-                return f"{who} of {len(ans)} characters (the bound is {MAX_ANSWER_CHARS})"
-            why = oversized_number(ans)
-            if why:
-                return f"{who} holds {why}"
-        return None
-
     def _fast(self, pred: str | None, ref: str) -> bool | None:
         """The verdict without sympy, or ``None`` if only the symbolic check can tell."""
         if pred is None:
             return False
-        why = self._refusal(pred, ref)
-        if why is not None:
-            self._record_refusal(why)
+        if self._refused(("answer", pred), ("reference", ref), max_chars=MAX_ANSWER_CHARS):
             return False
         if self.extraction == "math_verify":  # `AB = 4` is 4, as math-verify reads it
             mismatch = equation_mismatch(pred, ref)
