@@ -73,16 +73,20 @@ def build_query(prompt: Prompt, response: str) -> Any:
     return [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
 
 
-def positive_rate(value: Any) -> bool:
-    """Whether ``value`` is a video's rate: a positive, finite real number (an integer of 400
-    digits is none: it overflows a float, and is refused like any other bad value)."""
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite real number, not a bool (an integer of 400 digits is none:
+    it overflows a float, and is refused like any other bad value)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
     try:
-        rate = float(value)
+        return math.isfinite(value)
     except OverflowError:
         return False
-    return math.isfinite(rate) and rate > 0
+
+
+def positive_rate(value: Any) -> bool:
+    """Whether ``value`` is a video's rate: a positive :func:`finite_number`."""
+    return finite_number(value) and value > 0
 
 
 def _png_url(image: Any, where: str, what: str = "an image part") -> str:
@@ -315,7 +319,7 @@ class RemoteReward:
                 f"reward server {self.url} returned {len(rewards)} rewards for {n} queries"
             )
         for i, r in enumerate(rewards):
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            if not isinstance(r, (int, float)) or not finite_number(r):
                 raise RemoteRewardError(
                     f"reward server {self.url} returned {r!r} for query {i}; rewards must be "
                     "finite numbers"

@@ -190,6 +190,8 @@ def test_retryable_http_errors_are_retried():
         (200, b'{"rewards": [1.0, Infinity]}', r"returned inf for query 1"),
         (200, b'{"rewards": [1.0, "2"]}', r"returned '2' for query 1"),
         (200, b'{"rewards": [true, 1.0]}', r"returned True for query 0"),
+        # a 400-digit integer overflows a float: refused like any other bad value
+        (200, b'{"rewards": [1.0, 1' + b"0" * 400 + b"]}", r"returned 10+ for query 1"),
     ],
 )
 def test_malformed_answers_fail_at_once_naming_the_url(status, body, match):
