@@ -713,27 +713,22 @@ class NativeEngine:
                 tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
                 ended = bool(done.any())
                 self.stats.sampled_tokens += slots.active
-            if token_budget is not None and self.stats.sampled_tokens >= token_budget:
-                # Active rows end as they would (a stop token, the length limit) or are cut
-                # after the token just sampled.
+            spent = token_budget is not None and self.stats.sampled_tokens >= token_budget
+            going = slots.active  # rows that decode on
+            fresh: list[int] = []  # trajectories admitted this step
+            if ended or spent:
                 done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
                 for i, r in enumerate(slots.rows[: slots.active]):
                     if done_h[i]:
                         run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
-                    else:
+                        going -= 1
+                    elif spent:  # the token budget is spent: cut after the token just sampled
                         run.cut(r, at_h[i] + 1)
+            if spent:
                 for i in queue:  # never admitted: cut before their first token
                     for r in range(first_row[i], first_row[i + 1]):
                         run.cut(r, 0)
                 break
-            going = slots.active  # rows that decode on
-            fresh: list[int] = []  # trajectories admitted this step
-            if ended:
-                done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
-                ended_rows = [(slots.rows[i], i) for i in range(slots.active) if done_h[i]]
-                for r, i in ended_rows:
-                    run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
-                going -= len(ended_rows)
             back = run.collect(block=False)
             new = admit(cap - going - len(run.waiting) - len(back))
             # Wait for an observation only when nothing else can run.

@@ -233,8 +233,7 @@ class ColocatedSource:
         batch = drawn.select(keep)
         metrics = {**stats, **self.reward_side.reduce()}
         metrics.update(rollout_metrics(drawn, batch, self.parts.reward_names))
-        if drawn.episodes is not None:
-            metrics.update(self.parts.turns.metrics(drawn))
+        metrics.update(self.parts.turns.metrics(drawn))  # env/* (multi-turn)
         return Rollout(batch, drawn, metrics)
 
     def publish(self, version: int, *, updated: bool, evaluate: bool) -> None:
