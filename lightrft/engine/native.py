@@ -63,6 +63,7 @@ from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
     Completion,
     Continuation,
+    FinishReason,
     Request,
     SamplingParams,
     Turn,
@@ -723,11 +724,11 @@ class NativeEngine:
                         run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
                         going -= 1
                     elif spent:  # the token budget is spent: cut after the token just sampled
-                        run.cut(r, at_h[i] + 1)
+                        run.finish(r, at_h[i] + 1, "partial")
             if spent:
                 for i in queue:  # never admitted: cut before their first token
                     for r in range(first_row[i], first_row[i + 1]):
-                        run.cut(r, 0)
+                        run.finish(r, 0, "partial")
                 break
             back = run.collect(block=False)
             new = admit(cap - going - len(run.waiting) - len(back))
@@ -1035,7 +1036,6 @@ class NativeEngine:
             text = None
             if params[i].detokenize and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            reason = "partial" if run.cut_rows[r] else "stop" if run.stopped[r] else "length"
             result.append(
                 Completion(
                     request_index=i,
@@ -1044,7 +1044,7 @@ class NativeEngine:
                     prompt_token_ids=prompts[i][: len(prompts[i]) - prior[r]],
                     token_ids=ids,
                     logprobs=lp,
-                    finish_reason=reason,
+                    finish_reason=run.reason[r],
                     text=text,
                     prompt_logprobs=prompt_lp.get(i),
                     sampled_mask=sampled_mask(run.spans[r], n) if multi else None,
@@ -1109,8 +1109,7 @@ class _Trajectories:
         self.start = [0] * rows  # response index where the row's current turn began
         self.observed = [0] * rows  # observation tokens in the row's response
         self.length = [0] * rows  # response length once finished
-        self.stopped = [False] * rows
-        self.cut_rows = [False] * rows  # cut by the call's token budget
+        self.reason: list[FinishReason] = ["length"] * rows  # "partial": cut by a token budget
         self.waiting: dict[int, tuple[Future, Turn]] = {}
 
     def end_turn(
@@ -1121,7 +1120,7 @@ class _Trajectories:
         self.spans[r].append((self.start[r], length))
         turns_left = self.max_turns[r] is None or len(self.spans[r]) < self.max_turns[r]
         if not (stop and self.continuation is not None and turns_left):
-            self.finish(r, length, stop)
+            self.finish(r, length, "stop" if stop else "length")
             return
         ids = out_tok[r, :length].tolist()
         turn = Turn(
@@ -1136,12 +1135,8 @@ class _Trajectories:
         )
         self.waiting[r] = (self.pool.submit(self.continuation, turn), turn)
 
-    def finish(self, r: int, length: int, stop: bool) -> None:
-        self.length[r], self.stopped[r] = length, stop
-
-    def cut(self, r: int, length: int) -> None:
-        """The call's token budget ran out with row ``r`` unfinished at ``length`` tokens."""
-        self.length[r], self.cut_rows[r] = length, True
+    def finish(self, r: int, length: int, reason: FinishReason) -> None:
+        self.length[r], self.reason[r] = length, reason
 
     def collect(self, block: bool) -> list[tuple[int, list[int], int]]:
         """Rows whose observation is ready and fits, as ``(row, ids to feed, response
@@ -1156,7 +1151,7 @@ class _Trajectories:
             obs = self.check(future.result(), turn)
             length = len(turn.response_token_ids)
             if obs is None or len(obs) > turn.max_observation_tokens:
-                self.finish(r, length, obs is None)
+                self.finish(r, length, "stop" if obs is None else "length")
             else:
                 ready.append((r, [turn.token_ids[-1], *obs], length))
         return ready
