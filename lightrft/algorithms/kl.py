@@ -89,11 +89,7 @@ def kl_in_reward(
     else:
         raise ValueError(f"rewards must be [B] or [B, T], got {tuple(rewards.shape)}")
     token_rewards = token_rewards.to(kl.dtype) - coef * kl
-    metrics = {
-        "kl": aggregate(kl, mask, "seq_mean_token_mean"),
-        "kl_coef": torch.tensor(float(coef), device=kl.device),
-    }
-    return token_rewards, metrics
+    return token_rewards, _metrics(kl, mask, coef)
 
 
 def kl_in_loss(
@@ -115,17 +111,38 @@ def kl_in_loss(
         kl, mask, agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
     )
     with torch.no_grad():
-        metrics = {
-            "kl": aggregate(kl.detach(), mask, "seq_mean_token_mean"),
-            "kl_coef": torch.tensor(float(coef), device=kl.device),
-        }
-    return term, metrics
+        return term, _metrics(kl.detach(), mask, coef)
+
+
+def _metrics(kl: Tensor, mask: Tensor, coef: float) -> dict[str, Tensor]:
+    return {
+        "kl": aggregate(kl, mask, "seq_mean_token_mean"),
+        "kl_coef": torch.tensor(float(coef), device=kl.device),
+    }
 
 
 # --------------------------------------------------------------------------- controllers
 
 
-class FixedKLController:
+class _Controller:
+    """What both controllers share: ``value``, and a state that is their float attributes."""
+
+    coef: float
+
+    @property
+    def value(self) -> float:
+        """verl's name for ``coef``."""
+        return self.coef
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        for key in vars(self):
+            setattr(self, key, float(state[key]))
+
+
+class FixedKLController(_Controller):
     """A constant KL coefficient; ``update`` is a no-op."""
 
     def __init__(self, coef: float) -> None:
@@ -133,22 +150,11 @@ class FixedKLController:
             raise ValueError(f"kl coef must be >= 0, got {coef}")
         self.coef = float(coef)
 
-    @property
-    def value(self) -> float:
-        """verl's name for ``coef``."""
-        return self.coef
-
     def update(self, current_kl: float | Tensor, n_steps: int) -> None:
         """Nothing to adapt."""
 
-    def state_dict(self) -> dict[str, float]:
-        return {"coef": self.coef}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.coef = float(state["coef"])
-
-
-class AdaptiveKLController:
+class AdaptiveKLController(_Controller):
     """Proportional KL controller (Ziegler et al. 2019, arXiv:1909.08593, section 2.2).
 
     ``update(current_kl, n_steps)``: ``coef *= 1 + clip(current / target - 1, -0.2, 0.2) *
@@ -168,22 +174,9 @@ class AdaptiveKLController:
         self.target = float(target)
         self.horizon = float(horizon)
 
-    @property
-    def value(self) -> float:
-        """verl's name for ``coef``."""
-        return self.coef
-
     def update(self, current_kl: float | Tensor, n_steps: int) -> None:
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.coef *= 1.0 + error * n_steps / self.horizon
-
-    def state_dict(self) -> dict[str, float]:
-        return {"coef": self.coef, "target": self.target, "horizon": self.horizon}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.coef = float(state["coef"])
-        self.target = float(state["target"])
-        self.horizon = float(state["horizon"])
 
 
 KL_CONTROLLERS = {"fixed": FixedKLController, "adaptive": AdaptiveKLController}

@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -62,6 +63,7 @@ from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
     Completion,
     Continuation,
+    FinishReason,
     Request,
     SamplingParams,
     Turn,
@@ -71,6 +73,7 @@ from lightrft.engine.protocol import (
     check_resumes,
     check_sleep_level,
     check_wake_tags,
+    is_int,
     per_request_params,
     sampled_mask,
 )
@@ -194,10 +197,10 @@ class _RowState:
     max_new: torch.Tensor  # response budget (assistant + observation tokens) of this call
     prior: torch.Tensor  # tokens a resumed row sampled before this call (its Resume)
     stop_ids: torch.Tensor  # [R, S], padded with -1
-    pad: torch.Tensor | None = None  # left padding of the row's prompt
-    delta: torch.Tensor | None = None  # M-RoPE decode offset (0 without)
-    shift: torch.Tensor | None = None  # response index of the next sampled token - step
-    kshift: torch.Tensor | None = None  # tokens sampled so far (its stream counter) - step
+    pad: torch.Tensor  # left padding of the row's prompt (decode position = slot - pad + delta)
+    delta: torch.Tensor  # M-RoPE decode offset (0 without)
+    shift: torch.Tensor  # response index of the next sampled token - step
+    kshift: torch.Tensor  # tokens sampled so far (its stream counter) - step
 
 
 class NativeEngine:
@@ -281,14 +284,11 @@ class NativeEngine:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.lm_head = self.model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
-        self.is_vision = modality.is_vision_language(config)
-        self.is_audio = modality.is_audio_language(config)
         # Media kinds the model takes, with their placeholder token ids.
         self.media_token_ids = modality.placeholder_ids(config)
-        # Vision-language models: the image token, the M-RoPE position maker (Qwen-VL). Both:
-        # the tokens only the processor may place, never the sampler.
-        self.image_token_id = self.media_token_ids.get("image")
-        self.rope = mrope_model(self.model) if self.is_vision else None
+        # Vision-language models: the M-RoPE position maker (Qwen-VL). Multimodal ones: the
+        # tokens only the processor may place, never the sampler.
+        self.rope = mrope_model(self.model) if modality.is_vision_language(config) else None
         self.suppress_ids = (
             torch.tensor(modality.media_token_ids(config), dtype=torch.long, device=self.device)
             if self.media_token_ids
@@ -304,8 +304,7 @@ class NativeEngine:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (prompt + 1 token), got {max_model_len}")
         window = getattr(config, "sliding_window", None)
-        sliding = getattr(config, "use_sliding_window", config.model_type == "mistral")
-        sliding = bool(sliding)
+        sliding = bool(getattr(config, "use_sliding_window", config.model_type == "mistral"))
         if sliding and window is not None and self.max_model_len > window:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's sliding_window={window}; "
@@ -347,7 +346,7 @@ class NativeEngine:
         self._kv_pool = None
         self._kv_awake = False
         if level == 2 and self._weights_awake:
-            for p in self._unique_params():
+            for _, p in self._canonical_items():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._weights_awake = False
             self._weights_version += 1
@@ -375,18 +374,10 @@ class NativeEngine:
         Every name and shape is checked before anything is copied, so a bad batch changes
         nothing.
         """
-        if not self._weights_awake:
-            raise ValueError(
-                "the engine's weights are released (sleep level 2); call "
-                "wake_up(['weights']) before load_weights"
-            )
+        self._check_weights_awake("load_weights")
         params, tensors = [], []
         for name, tensor in weights:
-            param = self._params.get(name)
-            if param is None:
-                close = difflib.get_close_matches(name, list(self._params), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"load_weights: unknown parameter name {name!r}{hint}")
+            param = self._param(name, "load_weights")
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine "
@@ -413,18 +404,10 @@ class NativeEngine:
         one before the next ``generate``. The tensors stay valid while :attr:`weights_version`
         does not change. Unknown names raise, as in :meth:`load_weights`.
         """
-        if not self._weights_awake:
-            raise ValueError(
-                "the engine's weights are released (sleep level 2); call "
-                "wake_up(['weights']) before weight_buffers"
-            )
+        self._check_weights_awake("weight_buffers")
         out = []
         for name in names:
-            param = self._params.get(name)
-            if param is None:
-                close = difflib.get_close_matches(name, list(self._params), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"weight_buffers: unknown parameter name {name!r}{hint}")
+            param = self._param(name, "weight_buffers")
             out.append(param.data)
             self._unloaded.discard(self._canonical[id(param)])
         return out
@@ -433,8 +416,21 @@ class NativeEngine:
         """Nothing to drop: prompt KV states are shared only within one ``generate`` call."""
         return True
 
-    def _unique_params(self) -> list[nn.Parameter]:
-        return [p for _, p in self._canonical_items()]
+    def _check_weights_awake(self, what: str) -> None:
+        if not self._weights_awake:
+            raise ValueError(
+                "the engine's weights are released (sleep level 2); call "
+                f"wake_up(['weights']) before {what}"
+            )
+
+    def _param(self, name: str, what: str) -> nn.Parameter:
+        """The parameter an HF name holds; an unknown name raises, naming the closest one."""
+        param = self._params.get(name)
+        if param is None:
+            close = difflib.get_close_matches(name, list(self._params), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{what}: unknown parameter name {name!r}{hint}")
+        return param
 
     def _canonical_items(self) -> list[tuple[str, nn.Parameter]]:
         return [
@@ -464,13 +460,9 @@ class NativeEngine:
         tags = (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
         check_awake([tag for tag, awake in tags if not awake], self._unloaded)
         if token_budget is not None:
-            if isinstance(token_budget, bool) or not isinstance(token_budget, int):
+            if not is_int(token_budget) or token_budget < 1:
                 raise ValueError(
                     f"token_budget must be an integer >= 1 or None, got {token_budget!r}"
-                )
-            if token_budget < 1:
-                raise ValueError(
-                    f"token_budget must be an integer >= 1 or None, got {token_budget}"
                 )
             if continuation is not None:
                 raise ValueError(
@@ -602,9 +594,7 @@ class NativeEngine:
     def _kv_storage(self, rows: int, length: int) -> torch.Tensor:
         """A [layers, 2, rows, kv_heads, length, head_dim] view of the reusable pool."""
         shape = (self.num_layers, 2, rows, self.kv_heads, length, self.head_dim)
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         if self._kv_pool is None or self._kv_pool.numel() < numel:
             self._kv_pool = None  # free the old pool before allocating the larger one
             # Zeros, not empty: rows of different lengths read slots that they mask out but
@@ -693,14 +683,9 @@ class NativeEngine:
         dev = self.device
         plen, max_new = self._lengths(prompts, params, prior)
         total = plen + max_new
-        state = self._row_state(prompts, params, seeds, requests, prior)
+        state = self._row_state(prompts, params, seeds, requests, prior, plen)
         run.budget = state.max_new.tolist()
         n_rows = state.request.numel()
-        lens = torch.tensor([len(x) for x in prompts], device=dev)
-        state.pad = plen - lens[state.request]  # decode position = slot - pad + delta
-        state.delta = torch.zeros(n_rows, dtype=torch.long, device=dev)
-        state.shift = torch.zeros_like(state.delta)
-        state.kshift = torch.zeros_like(state.delta)
         cache = KVCache(self._kv_storage(cap, total), self.num_layers, cap, total)
         out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
         out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
@@ -729,20 +714,22 @@ class NativeEngine:
                 tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
                 ended = bool(done.any())
                 self.stats.sampled_tokens += slots.active
-            if token_budget is not None and self.stats.sampled_tokens >= token_budget:
-                self._cut(slots, run, done, hit_stop, at, out_tok, out_lp)
-                for i in queue:  # never admitted: cut before their first token
-                    for r in range(first_row[i], first_row[i + 1]):
-                        run.cut(r, 0)
-                break
+            spent = token_budget is not None and self.stats.sampled_tokens >= token_budget
             going = slots.active  # rows that decode on
             fresh: list[int] = []  # trajectories admitted this step
-            if ended:
+            if ended or spent:
                 done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
-                ended_rows = [(slots.rows[i], i) for i in range(slots.active) if done_h[i]]
-                for r, i in ended_rows:
-                    run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
-                going -= len(ended_rows)
+                for i, r in enumerate(slots.rows[: slots.active]):
+                    if done_h[i]:
+                        run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
+                        going -= 1
+                    elif spent:  # the token budget is spent: cut after the token just sampled
+                        run.finish(r, at_h[i] + 1, "partial")
+            if spent:
+                for i in queue:  # never admitted: cut before their first token
+                    for r in range(first_row[i], first_row[i + 1]):
+                        run.finish(r, 0, "partial")
+                break
             back = run.collect(block=False)
             new = admit(cap - going - len(run.waiting) - len(back))
             # Wait for an observation only when nothing else can run.
@@ -815,26 +802,7 @@ class NativeEngine:
             self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
             step += 1
         self.stats.steps = step
-        return self._completions(state, requests, params, prompt_lp, out_tok, out_lp, run)
-
-    @staticmethod
-    def _cut(
-        slots: _Slots,
-        run: _Trajectories,
-        done: torch.Tensor,
-        hit_stop: torch.Tensor,
-        at: torch.Tensor,
-        out_tok: torch.Tensor,
-        out_lp: torch.Tensor,
-    ) -> None:
-        """The token budget ran out at this step: its active rows end as they would (a stop
-        token, the length limit) or are cut after the token just sampled."""
-        done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
-        for i, r in enumerate(slots.rows[: slots.active]):
-            if done_h[i]:
-                run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
-            else:
-                run.cut(r, at_h[i] + 1)
+        return self._completions(state, requests, prompts, params, prompt_lp, out_tok, out_lp, run)
 
     def _prefill_prompts(
         self,
@@ -978,10 +946,11 @@ class NativeEngine:
         seeds: list[int],
         requests: list[Request],
         prior: list[int],
+        plen: int,
     ) -> _RowState:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
         order (a resumed request's one row is its ``Resume.sample_index``: its random
-        stream)."""
+        stream); every prompt ends at slot ``plen``."""
         req, smp_idx = [], []
         for i in range(len(prompts)):
             req += [i] * params[i].n
@@ -1018,6 +987,10 @@ class NativeEngine:
             max_new=vec([self._room(prompts[i], params[i], prior[i]) for i in req], torch.long),
             prior=vec([prior[i] for i in req], torch.long),
             stop_ids=stop_ids.to(dev),
+            pad=vec([plen - len(prompts[i]) for i in req], torch.long),
+            delta=vec([0] * len(req), torch.long),
+            shift=vec([0] * len(req), torch.long),
+            kshift=vec([0] * len(req), torch.long),
         )
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
@@ -1041,6 +1014,7 @@ class NativeEngine:
         self,
         state: _RowState,
         requests: list[Request],
+        prompts: list[list[int]],
         params: list[SamplingParams],
         prompt_lp: dict[int, list[float]],
         out_tok: torch.Tensor,
@@ -1050,7 +1024,7 @@ class NativeEngine:
         """One completion per row, in row order: (request, sample). A resumed row's response
         starts with its ``Resume`` tokens and log-probs."""
         toks, lps = out_tok.tolist(), out_lp.tolist()
-        req, smp_idx = state.request.tolist(), state.sample.tolist()
+        req, smp_idx, prior = state.request.tolist(), state.sample.tolist(), state.prior.tolist()
         multi = run.continuation is not None
         result = []
         for r in range(len(req)):
@@ -1062,15 +1036,15 @@ class NativeEngine:
             text = None
             if params[i].detokenize and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            reason = "partial" if run.cut_rows[r] else "stop" if run.stopped[r] else "length"
             result.append(
                 Completion(
                     request_index=i,
                     sample_index=smp_idx[r],
-                    prompt_token_ids=self._prompt_part(requests[i], params[i]),
+                    # The prompt as the engine kept it (its end, when truncated).
+                    prompt_token_ids=prompts[i][: len(prompts[i]) - prior[r]],
                     token_ids=ids,
                     logprobs=lp,
-                    finish_reason=reason,
+                    finish_reason=run.reason[r],
                     text=text,
                     prompt_logprobs=prompt_lp.get(i),
                     sampled_mask=sampled_mask(run.spans[r], n) if multi else None,
@@ -1078,13 +1052,6 @@ class NativeEngine:
                 )
             )
         return result
-
-    def _prompt_part(self, req: Request, p: SamplingParams) -> list[int]:
-        """The prompt as the engine kept it (its end, when truncated)."""
-        ids = req.prompt_token_ids
-        if len(ids) <= self.max_model_len - 1:
-            return list(ids)
-        return list(ids[-max(1, self.max_model_len - p.max_tokens) :])
 
 
 class _Slots:
@@ -1142,8 +1109,7 @@ class _Trajectories:
         self.start = [0] * rows  # response index where the row's current turn began
         self.observed = [0] * rows  # observation tokens in the row's response
         self.length = [0] * rows  # response length once finished
-        self.stopped = [False] * rows
-        self.cut_rows = [False] * rows  # cut by the call's token budget
+        self.reason: list[FinishReason] = ["length"] * rows  # "partial": cut by a token budget
         self.waiting: dict[int, tuple[Future, Turn]] = {}
 
     def end_turn(
@@ -1154,7 +1120,7 @@ class _Trajectories:
         self.spans[r].append((self.start[r], length))
         turns_left = self.max_turns[r] is None or len(self.spans[r]) < self.max_turns[r]
         if not (stop and self.continuation is not None and turns_left):
-            self.finish(r, length, stop)
+            self.finish(r, length, "stop" if stop else "length")
             return
         ids = out_tok[r, :length].tolist()
         turn = Turn(
@@ -1169,12 +1135,8 @@ class _Trajectories:
         )
         self.waiting[r] = (self.pool.submit(self.continuation, turn), turn)
 
-    def finish(self, r: int, length: int, stop: bool) -> None:
-        self.length[r], self.stopped[r] = length, stop
-
-    def cut(self, r: int, length: int) -> None:
-        """The call's token budget ran out with row ``r`` unfinished at ``length`` tokens."""
-        self.length[r], self.cut_rows[r] = length, True
+    def finish(self, r: int, length: int, reason: FinishReason) -> None:
+        self.length[r], self.reason[r] = length, reason
 
     def collect(self, block: bool) -> list[tuple[int, list[int], int]]:
         """Rows whose observation is ready and fits, as ``(row, ids to feed, response
@@ -1189,7 +1151,7 @@ class _Trajectories:
             obs = self.check(future.result(), turn)
             length = len(turn.response_token_ids)
             if obs is None or len(obs) > turn.max_observation_tokens:
-                self.finish(r, length, obs is None)
+                self.finish(r, length, "stop" if obs is None else "length")
             else:
                 ready.append((r, [turn.token_ids[-1], *obs], length))
         return ready

@@ -98,43 +98,43 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
         _check_temperature("temperature", self.temperature)
         if self.first_token_temperature is not None:
             _check_temperature("first_token_temperature", self.first_token_temperature)
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(
                 f"SamplingParams.top_k must be a positive integer, or 0 / -1 to disable, "
                 f"got {self.top_k!r}"
             )
-        if (
-            isinstance(self.max_tokens, bool)
-            or not isinstance(self.max_tokens, int)
-            or self.max_tokens < 1
-        ):
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(
                 f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}"
             )
         for tok in self.stop_token_ids:
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            if not is_int(tok) or tok < 0:
                 raise ValueError(
                     f"SamplingParams.stop_token_ids must hold non-negative token ids, got {tok!r}"
                 )
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
-        if self.max_turns is not None and (
-            isinstance(self.max_turns, bool)
-            or not isinstance(self.max_turns, int)
-            or self.max_turns < 1
-        ):
+        if self.max_turns is not None and (not is_int(self.max_turns) or self.max_turns < 1):
             raise ValueError(
                 f"SamplingParams.max_turns must be an integer >= 1 or None, got {self.max_turns!r}"
             )
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad_tokens(ids: Sequence[object], vocab_size: int) -> list[object]:
+    """The entries of ``ids`` that are not token ids in ``[0, vocab_size)``, non-integers first."""
+    wrong = [t for t in ids if not is_int(t)]
+    return wrong + [t for t in ids if is_int(t) and not 0 <= t < vocab_size]
 
 
 def _check_temperature(name: str, value: float) -> None:
@@ -267,9 +267,7 @@ def check_requests(requests: Sequence[Request], vocab_size: int) -> None:
         ids = req.prompt_token_ids
         if len(ids) == 0:
             raise ValueError(f"requests[{i}].prompt_token_ids is empty")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
-        bad += [t for t in ids if isinstance(t, int) and not 0 <= t < vocab_size]
-        if bad:
+        if bad := _bad_tokens(ids, vocab_size):
             raise ValueError(
                 f"requests[{i}].prompt_token_ids holds {bad[0]!r}, not a token id in "
                 f"[0, {vocab_size})"
@@ -287,17 +285,13 @@ def check_resumes(
         where = f"requests[{i}].resume"
         if not isinstance(res, Resume):
             raise ValueError(f"{where} is a {type(res).__name__}; pass a Resume")
-        if isinstance(res.sample_index, bool) or not isinstance(res.sample_index, int):
-            raise ValueError(f"{where}.sample_index must be an integer >= 0")
-        if res.sample_index < 0:
+        if not is_int(res.sample_index) or res.sample_index < 0:
             raise ValueError(f"{where}.sample_index must be an integer >= 0")
         if p.n != 1:
             raise ValueError(
                 f"{where}: a resumed request is one sample; its SamplingParams.n is {p.n}"
             )
-        bad = [t for t in res.token_ids if isinstance(t, bool) or not isinstance(t, int)]
-        bad += [t for t in res.token_ids if isinstance(t, int) and not 0 <= t < vocab_size]
-        if bad:
+        if bad := _bad_tokens(res.token_ids, vocab_size):
             raise ValueError(
                 f"{where}.token_ids holds {bad[0]!r}, not a token id in [0, {vocab_size})"
             )
@@ -369,7 +363,7 @@ def check_observation(
         raise ValueError(f"{where} is a {type(obs).__name__}; return a list of token ids or None")
     ids = list(obs)
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+        if not is_int(t) or not 0 <= t < vocab_size:
             raise ValueError(f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
         if t in forbidden:
             raise ValueError(f"{where} holds the media placeholder id {t}; observations are text")

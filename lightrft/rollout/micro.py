@@ -11,6 +11,7 @@ collectives as the others.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,20 +40,8 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The token tensors on ``device`` (media stay where the model's funnel moves them)."""
-
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-
-        return MicroBatch(
-            input_ids=self.input_ids.to(device),
-            position_ids=move(self.position_ids),
-            attention_mask=move(self.attention_mask),
-            targets=self.targets.to(device),
-            index=self.index.to(device),
-            mask=self.mask.to(device),
-            tokens=self.tokens,
-            media=self.media,
-        )
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return dataclasses.replace(self, **moved)
 
     def gather(self, full: torch.Tensor) -> torch.Tensor:
         """``[rows, L-1]`` per-position values -> ``[b, R]`` response values, 0 on padding and
@@ -163,7 +152,7 @@ def build_micro_batch(
         )
     prompts = [batch.prompt(i) for i in idx]
     responses = [batch.response(i) for i in idx]
-    mb = (_packed if packing else _padded)(prompts, responses, pad_id)
+    mb = _layout(prompts, responses, pad_id, packing)
     # Observation tokens stay in the inputs (context) but out of the mask: no loss, no count.
     mb.mask &= batch.response_mask[idx, : mb.mask.shape[1]]
     mb.media = Media.cat([batch.media[i] for i in idx]) if batch.media else None
@@ -171,50 +160,36 @@ def build_micro_batch(
     return mb
 
 
-def _response_layout(responses: list[list[int]]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+def _layout(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int, packing: bool
+) -> MicroBatch:
+    """Packed: one row, samples back to back, positions restarting per sample, no attention
+    mask. Padded: one right-padded row per sample with an attention mask (default positions
+    0..T-1)."""
+    lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    rows, length = (1, sum(lens)) if packing else (len(lens), max(lens))
+    ids = torch.full((rows, length), pad_id, dtype=torch.long)
+    pos = torch.zeros(rows, length, dtype=torch.long)
+    attention_mask = torch.zeros(rows, length, dtype=torch.long)
+    targets = torch.full((rows, length - 1), IGNORE, dtype=torch.long)
     resp = [len(r) for r in responses]
     index = torch.zeros(len(resp), max(resp), dtype=torch.long)  # [b, R]
     mask = torch.zeros(len(resp), max(resp), dtype=torch.bool)  # [b, R]
-    return resp, index, mask
-
-
-def _packed(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> MicroBatch:
-    """One row, samples back to back, positions restarting per sample, no attention mask."""
-    resp, index, mask = _response_layout(responses)
-    total = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    ids = torch.full((1, total), pad_id, dtype=torch.long)
-    pos = torch.zeros(1, total, dtype=torch.long)
-    targets = torch.full((1, total - 1), IGNORE, dtype=torch.long)
     start = 0
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        row = 0 if packing else i
         q = p + r
-        ids[0, start : start + len(q)] = torch.as_tensor(q)
-        pos[0, start : start + len(q)] = torch.arange(len(q))
+        ids[row, start : start + len(q)] = torch.as_tensor(q)
+        pos[row, start : start + len(q)] = torch.arange(len(q))
+        attention_mask[row, : len(q)] = 1
         first = start + len(p) - 1  # position predicting response token 0
         cols = torch.arange(first, first + resp[i])
-        targets[0, cols] = torch.as_tensor(r)
-        index[i, : resp[i]] = cols
+        targets[row, cols] = torch.as_tensor(r)
+        index[i, : resp[i]] = row * (length - 1) + cols
         mask[i, : resp[i]] = True
-        start += len(q)
-    return MicroBatch(ids, pos, None, targets, index, mask)
-
-
-def _padded(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> MicroBatch:
-    """One right-padded row per sample with an attention mask (default positions 0..T-1)."""
-    resp, index, mask = _response_layout(responses)
-    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    ids = torch.full((len(resp), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(len(resp), length, dtype=torch.long)
-    targets = torch.full((len(resp), length - 1), IGNORE, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        q = p + r
-        ids[i, : len(q)] = torch.as_tensor(q)
-        attention_mask[i, : len(q)] = 1
-        first = len(p) - 1
-        cols = torch.arange(first, first + resp[i])
-        targets[i, cols] = torch.as_tensor(r)
-        index[i, : resp[i]] = i * (length - 1) + cols
-        mask[i, : resp[i]] = True
+        start += len(q) if packing else 0
+    if packing:
+        return MicroBatch(ids, pos, None, targets, index, mask)
     return MicroBatch(ids, None, attention_mask, targets, index, mask)
 
 

@@ -233,8 +233,7 @@ class ColocatedSource:
         batch = drawn.select(keep)
         metrics = {**stats, **self.reward_side.reduce()}
         metrics.update(rollout_metrics(drawn, batch, self.parts.reward_names))
-        if drawn.episodes is not None:
-            metrics.update(self.parts.turns.metrics(drawn))
+        metrics.update(self.parts.turns.metrics(drawn))  # env/* (multi-turn)
         return Rollout(batch, drawn, metrics)
 
     def publish(self, version: int, *, updated: bool, evaluate: bool) -> None:
@@ -295,14 +294,7 @@ class ColocatedSource:
         media = prompts.get("media") or [None] * count
         got = answers(completions, [conversation(messages[i], media[i]) for i in rows])
         with timer("scoring"):
-            raw, parts, applied = self.score(
-                meta["prompt"],
-                got.texts,
-                meta["reference"],
-                meta["label"],
-                meta["where"],
-                got.chats,
-            )
+            raw, parts, applied = self.score(meta, got)
             if got.turn_rewards is not None:  # per-turn rewards join the outcome reward
                 raw = raw + torch.tensor(got.turn_rewards, dtype=torch.float64)
             overlong, rewards, ov = None, raw, self.parts.overlong
@@ -324,16 +316,18 @@ class ColocatedSource:
         )
         return batch.all_gather(), stats
 
-    def score(self, prompts, texts, references, labels, wheres, conversations) -> tuple:
+    def score(self, meta: dict[str, list], got: Answers) -> tuple:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
-        python floats the reward functions returned). ``conversations``: each sample's prompt as
-        its chat with its images (:func:`~lightrft.data.conversation`), for reward models."""
+        python floats the reward functions returned). ``meta``: each sample's prompt,
+        reference, label and where; ``got.chats``: its prompt as its chat with its images
+        (:func:`~lightrft.data.conversation`), for reward models."""
         fn, names = self.parts.reward_fn, self.parts.reward_names
-        if not texts and not fn.collective:  # a sharded RM needs every rank
+        if not got.texts and not fn.collective:  # a sharded RM needs every rank
             empty = torch.zeros(0, dtype=torch.float64)
             return empty, {n: empty for n in names}, {n: empty.bool() for n in names}
-        out = fn(Sample.batch(prompts, texts, references, labels, conversations))
-        out.check_finite(prompts, wheres)
+        prompts = meta["prompt"]
+        out = fn(Sample.batch(prompts, got.texts, meta["reference"], meta["label"], got.chats))
+        out.check_finite(prompts, meta["where"])
         self.reward_side.add(out)
         return out.as_float64()
 
