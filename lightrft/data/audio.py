@@ -38,15 +38,6 @@ import torch
 from lightrft.config import Section, option, section
 from lightrft.data.io import DataError
 
-__all__ = [
-    "AUDIO_PLACEHOLDER",
-    "AudioInputs",
-    "AudioOptions",
-    "AudioProcessor",
-    "OverlongAudio",
-    "decode_audio",
-]
-
 # A string prompt may mark where audio goes with this tag (as <image> marks images).
 AUDIO_PLACEHOLDER = "<audio>"
 OverlongAudio = Literal["clip", "drop"]

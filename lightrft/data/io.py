@@ -22,8 +22,6 @@ from typing import Any
 
 from lightrft.config import UserError
 
-__all__ = ["DataError", "Records", "load_records", "made_with", "require_field", "write_jsonl"]
-
 SUFFIXES = (".jsonl", ".json", ".parquet")
 PathLike = str | os.PathLike
 

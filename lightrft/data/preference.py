@@ -44,16 +44,6 @@ from lightrft.data.records import (
 )
 from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
 
-__all__ = [
-    "PreferenceCollator",
-    "PreferenceDataset",
-    "UnpairedPreferenceDataset",
-    "encode_with_media",
-    "pad_sequences",
-    "render_for_scoring",
-    "response_start",
-]
-
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[Mapping[str, Any]]

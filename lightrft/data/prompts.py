@@ -15,8 +15,6 @@ from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import MediaSamples, Truncation, check_truncation, open_records
 from lightrft.data.templates import check_messages, encode_prompt, with_system
 
-__all__ = ["PromptDataset", "conversation"]
-
 log = logging.getLogger(__name__)
 
 

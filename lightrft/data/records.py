@@ -19,17 +19,6 @@ from lightrft.data.io import DataError, PathLike, Records, load_records
 from lightrft.data.media import Media, MediaOptions
 from lightrft.data.templates import IGNORE_INDEX, has_parts
 
-__all__ = [
-    "DecodedMedia",
-    "MediaSamples",
-    "Truncation",
-    "check_truncation",
-    "expand_placeholders",
-    "open_records",
-    "record_media",
-    "split_tags",
-]
-
 Truncation = Literal["truncate", "drop"]
 
 

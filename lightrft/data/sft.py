@@ -44,8 +44,6 @@ from lightrft.data.templates import (
     with_system,
 )
 
-__all__ = ["SFTDataset", "refuse_tool_transcript"]
-
 log = logging.getLogger(__name__)
 
 

@@ -47,19 +47,6 @@ import torch
 from lightrft.config import Section, option, section
 from lightrft.data.io import DataError
 
-__all__ = [
-    "VIDEO_PLACEHOLDER",
-    "DecodedVideo",
-    "OverlongVideo",
-    "VideoInputs",
-    "VideoOptions",
-    "VideoProcessor",
-    "decode_video",
-    "fit_frame_size",
-    "sample_indices",
-    "video_patches",
-]
-
 VIDEO_PLACEHOLDER = "<video>"
 OverlongVideo = Literal["clip", "refuse"]
 

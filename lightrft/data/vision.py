@@ -37,15 +37,6 @@ import torch
 from lightrft.config import Section, option, section
 from lightrft.data.io import DataError
 
-__all__ = [
-    "IMAGE_PLACEHOLDER",
-    "ImageInputs",
-    "ImageOptions",
-    "ImageProcessor",
-    "decode_image",
-    "fit_pixels",
-]
-
 # A string prompt may mark where images go with this tag (the Geo3K / verl convention).
 IMAGE_PLACEHOLDER = "<image>"
 
