@@ -117,9 +117,9 @@ class PromptDataset(torch.utils.data.Dataset):
                 system_prompt=system_prompt,
                 apply_chat_template=apply_chat_template,
             )
-            ids, _, inputs = self.media.expand(ids, None, media, where)
+            ids, _, _ = self.media.expand(ids, None, media, where)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
-                keep = self.media.intact(ids[-max_prompt_length:], inputs)
+                keep = self.media.kept_all(ids, ids[-max_prompt_length:])
                 ids, text = self._over_limit(
                     ids, max_prompt_length, where, "max_prompt_length", keep
                 )
