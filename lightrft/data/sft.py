@@ -128,8 +128,6 @@ class SFTDataset(torch.utils.data.Dataset):
         self.tokenizer = tokenizer
         self.media = MediaSamples(processor, media)
         self.max_length = max_length
-        self._format = (prompt_field, completion_field, messages_field, system_prompt)
-        self._template = apply_chat_template
         src = open_records(path, records, split)
         self.source = src.name
 
@@ -138,7 +136,15 @@ class SFTDataset(torch.utils.data.Dataset):
         truncated = dropped = audio_dropped = 0
         for i in range(len(src)):
             try:
-                ids, labels, media = self._encode(src, i)
+                ids, labels, media = self._encode(
+                    src,
+                    i,
+                    prompt_field=prompt_field,
+                    completion_field=completion_field,
+                    messages_field=messages_field,
+                    system_prompt=system_prompt,
+                    apply_chat_template=apply_chat_template,
+                )
             except AudioTooLong:
                 audio_dropped += 1
                 continue
@@ -193,11 +199,19 @@ class SFTDataset(torch.utils.data.Dataset):
         cut = f"max_length={max_length} truncated"
         self.media.report(log, self.source, self.stats, "samples", audio_dropped, cut)
 
-    def _encode(self, src: Records, i: int) -> tuple[list[int], list[int], DecodedMedia | None]:
+    def _encode(
+        self,
+        src: Records,
+        i: int,
+        *,
+        prompt_field: str,
+        completion_field: str,
+        messages_field: str,
+        system_prompt: str | None,
+        apply_chat_template: bool,
+    ) -> tuple[list[int], list[int], DecodedMedia | None]:
         """Ids and labels of record ``i`` (chat if it has ``messages_field``), and its decoded
         media (None without); media placeholders are not expanded yet."""
-        prompt_field, completion_field, messages_field, system_prompt = self._format
-        apply_chat_template = self._template
         rec, where = src[i], src.where(i)
         if rec.get(messages_field) is not None:
             if not apply_chat_template:
