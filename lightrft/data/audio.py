@@ -30,22 +30,13 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
 from lightrft.config import Section, option, section
-from lightrft.data.io import DataError
-
-__all__ = [
-    "AUDIO_PLACEHOLDER",
-    "AudioInputs",
-    "AudioOptions",
-    "AudioProcessor",
-    "OverlongAudio",
-    "decode_audio",
-]
+from lightrft.data.io import DataError, MediaItems, local_file
 
 # A string prompt may mark where audio goes with this tag (as <image> marks images).
 AUDIO_PLACEHOLDER = "<audio>"
@@ -127,11 +118,7 @@ def decode_audio(
         if value is None:
             raise DataError(f"{where}: {field}: an audio dict needs 'array', 'bytes' or 'path'")
     if isinstance(value, (str, Path)):
-        path = Path(value).expanduser()
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        if not path.is_file():
-            raise DataError(f"{where}: {field}: audio file not found: {path}")
+        path = local_file(value, base_dir, where, field, "audio")
         name = f"file {path} "
         value = path.read_bytes()
     if isinstance(value, np.ndarray):
@@ -149,7 +136,7 @@ def decode_audio(
 
 
 @dataclass
-class AudioInputs:
+class AudioInputs(MediaItems):
     """The processed audio of one sample (or, after :meth:`cat`, of a micro-batch).
 
     ``audios``: mono float32 waveforms at ``sampling_rate``, in placeholder order (what vLLM
@@ -158,42 +145,18 @@ class AudioInputs:
     ``num_tokens``: audio tokens per audio (placeholder copies in the ids).
     """
 
+    kind: ClassVar[str] = "audio"
+    model_keys: ClassVar[tuple[str, ...]] = ("input_features", "feature_attention_mask")
+
     audios: list[np.ndarray]
     input_features: torch.Tensor
     feature_attention_mask: torch.Tensor
     num_tokens: list[int]
     sampling_rate: int
 
-    def __len__(self) -> int:
-        return len(self.audios)
-
     def parts(self) -> list[dict[str, Any]]:
         """Each audio as the keys of its inline content part (an HF audio value)."""
         return [{"audio": {"array": w, "sampling_rate": self.sampling_rate}} for w in self.audios]
-
-    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """The model's keyword arguments: ``input_features`` and ``feature_attention_mask``."""
-        feats, mask = self.input_features, self.feature_attention_mask
-        if device is not None:
-            feats, mask = feats.to(device), mask.to(device)
-        return {"input_features": feats, "feature_attention_mask": mask}
-
-    @staticmethod
-    def cat(items: Sequence[AudioInputs | None]) -> AudioInputs | None:
-        """The audio of several samples, in order (None entries, samples without audio,
-        skipped)."""
-        present = [x for x in items if x is not None and len(x)]
-        if not present:
-            return None
-        if len(present) == 1:
-            return present[0]
-        return AudioInputs(
-            audios=[a for x in present for a in x.audios],
-            input_features=torch.cat([x.input_features for x in present]),
-            feature_attention_mask=torch.cat([x.feature_attention_mask for x in present]),
-            num_tokens=[n for x in present for n in x.num_tokens],
-            sampling_rate=present[0].sampling_rate,
-        )
 
 
 def encoder_output_lengths(frames: torch.Tensor) -> torch.Tensor:

@@ -28,18 +28,6 @@ import torch
 from lightrft.data.media import Media
 from lightrft.data.templates import IGNORE_INDEX
 
-__all__ = [
-    "PackCollator",
-    "PackedDataset",
-    "PadCollator",
-    "collate_prompts",
-    "pack_indices",
-    "StepCollator",
-    "pack_or_pad_collator",
-    "packed_sft_dataset",
-    "plan_micro_batches",
-]
-
 Item = Mapping[str, Any]
 
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
 
 from lightrft.config import UserError
-
-__all__ = ["DataError", "Records", "load_records", "made_with", "require_field", "write_jsonl"]
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 PathLike = str | os.PathLike
@@ -83,6 +84,56 @@ class Records(Sequence[dict[str, Any]]):
             f"{self.name}, {other.name}",
             self._dirs + other._dirs,
         )
+
+
+def local_file(value: str | Path, base_dir: Path | None, where: str, field: str, what: str) -> Path:
+    """The file a record names (``~`` expanded, relative to ``base_dir``, the data file's
+    directory), or a :class:`DataError` naming ``where``, ``field`` and the missing ``what``."""
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.is_file():
+        raise DataError(f"{where}: {field}: {what} file not found: {path}")
+    return path
+
+
+class MediaItems:
+    """Base of a dataclass holding the processed media of one kind of a sample (or, after
+    :meth:`cat`, of a micro-batch): its first field lists the items, ``model_keys`` names the
+    fields the model's forward takes."""
+
+    kind: ClassVar[str]
+    model_keys: ClassVar[tuple[str, ...]]
+
+    def __len__(self) -> int:
+        return len(getattr(self, fields(self)[0].name))  # type: ignore[arg-type]
+
+    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments (``model_keys`` that are set), on ``device``."""
+        out = {k: getattr(self, k) for k in self.model_keys if getattr(self, k) is not None}
+        return {k: v.to(device) for k, v in out.items()} if device else out
+
+    @classmethod
+    def cat(cls, items: Sequence[Any]) -> Any:
+        """The media of several samples, in order (None entries, samples without this kind,
+        skipped): lists and tensors joined, settings taken from the first."""
+        present = [x for x in items if x is not None and len(x)]
+        if len(present) <= 1:
+            return present[0] if present else None
+        joined: dict[str, Any] = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            values = [getattr(x, f.name) for x in present]
+            if isinstance(values[0], list):
+                joined[f.name] = [v for vs in values for v in vs]
+            elif any(isinstance(v, torch.Tensor) for v in values):
+                if any(v is None for v in values):
+                    raise ValueError(
+                        f"cannot batch {cls.kind}s of different processors ({f.name} mixed)"
+                    )
+                joined[f.name] = torch.cat(values)
+            else:
+                joined[f.name] = values[0]
+        return cls(**joined)
 
 
 def require_field(records: Records, i: int, field: str, types: type | tuple[type, ...]) -> Any:

@@ -24,8 +24,6 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from lightrft.distributed import even_micro_batches
 
-__all__ = ["ResumableDataLoader", "build_dataloader"]
-
 _EPOCH = "lightrft_epoch"
 # The saved position's units, so that a resume on another world size can re-derive it.
 _BATCH = "lightrft_batch_size"

@@ -31,8 +31,6 @@ from lightrft.data.audio import AudioInputs, AudioOptions, AudioProcessor
 from lightrft.data.video import VideoInputs, VideoOptions, VideoProcessor
 from lightrft.data.vision import ImageInputs, ImageOptions, ImageProcessor
 
-__all__ = ["MEDIA_KINDS", "PROCESSORS", "Media", "MediaInputs", "MediaOptions", "as_processor"]
-
 MediaInputs = ImageInputs | AudioInputs | VideoInputs
 
 

@@ -44,16 +44,6 @@ from lightrft.data.records import (
 )
 from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
 
-__all__ = [
-    "PreferenceCollator",
-    "PreferenceDataset",
-    "UnpairedPreferenceDataset",
-    "encode_with_media",
-    "pad_sequences",
-    "render_for_scoring",
-    "response_start",
-]
-
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[Mapping[str, Any]]
@@ -150,6 +140,32 @@ def encode_with_media(
     return ids, starts, decoded
 
 
+def _text_or_messages(value: Any, where: str, field: str, optional: bool = False) -> Prompt | None:
+    """A record's prompt or response (``field``): a string or a checked message list (None for
+    an ``optional`` one that is absent), else a :class:`DataError` naming the field."""
+    if isinstance(value, str) or (value is None and optional):
+        return value
+    if isinstance(value, list):
+        return check_messages(value, where, field)
+    raise DataError(
+        f"{where}: field {field!r} must be a string or a message list, got {type(value).__name__}"
+    )
+
+
+def _required(src: Records, i: int, field: str) -> Prompt:
+    """Record ``i``'s response ``field``, which must be there: :func:`_text_or_messages`."""
+    value = require_field(src, i, field, (str, list))
+    return _text_or_messages(value, src.where(i), field)  # type: ignore[return-value]
+
+
+def _need_template(tokenizer, apply_chat_template: bool, what: str) -> None:
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template: set apply_chat_template=false to score "
+            f"prompt + {what} as plain text"
+        )
+
+
 def _is_candidate_list(value: Any) -> bool:
     """``rejected`` given as several candidates (a list of strings or of message lists)."""
     return isinstance(value, list) and bool(value) and not isinstance(value[0], Mapping)
@@ -204,11 +220,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         self.media = MediaSamples(processor, media)
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
-        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the tokenizer has no chat template: set apply_chat_template=false to score "
-                "prompt + response as plain text"
-            )
+        _need_template(tokenizer, apply_chat_template, "response")
         self.tokenizer = tokenizer
         self.chat_template = apply_chat_template
         src = open_records(path, records, split)
@@ -222,18 +234,11 @@ class PreferenceDataset(torch.utils.data.Dataset):
             self.media.check_record(src, i)
             if not apply_chat_template:
                 self.media.raw_mode(src, i)  # media tokens need the template
-            prompt = rec.get(prompt_field)
-            if prompt is not None and not isinstance(prompt, (str, list)):
-                raise DataError(
-                    f"{where}: field {prompt_field!r} must be a string or a message list, got "
-                    f"{type(prompt).__name__}"
-                )
-            if isinstance(prompt, list):
-                prompt = check_messages(prompt, where, prompt_field)
-            chosen = self._response(src, i, chosen_field)
+            prompt = _text_or_messages(rec.get(prompt_field), where, prompt_field, optional=True)
+            chosen = _required(src, i, chosen_field)
             raw_rej = require_field(src, i, rejected_field, (str, list))
             rejected = raw_rej if _is_candidate_list(raw_rej) else [raw_rej]
-            rejected = [self._check_response(r, where, rejected_field) for r in rejected]
+            rejected = [_text_or_messages(r, where, rejected_field) for r in rejected]
             margin = rec.get(margin_field)
             if margin is not None and (
                 isinstance(margin, bool) or not isinstance(margin, (int, float))
@@ -326,16 +331,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         n_videos = sum(len(m.get("video") or ()) for m in self._media if m)
         if n_videos:
             self.stats["videos"] = n_videos
-        self.media.report_videos(log, self.source, self.stats)
-        if self.media.audio is not None:
-            self.stats.update(audio_clipped=self.media.clipped, audio_dropped=audio_dropped)
-            if audio_dropped:
-                log.warning(
-                    "%s: dropped %d records with audio over media.audio.max_seconds=%g",
-                    self.source,
-                    audio_dropped,
-                    self.media.audio.max_seconds,
-                )
+        self.media.report(log, self.source, self.stats, "records", audio_dropped)
         if identical or truncated or dropped:
             log.warning(
                 "%s: dropped %d rejected responses identical to the chosen one; max_length=%s "
@@ -346,20 +342,6 @@ class PreferenceDataset(torch.utils.data.Dataset):
                 truncated,
                 dropped,
             )
-
-    @staticmethod
-    def _check_response(value: Any, where: str, field: str) -> Prompt:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list):
-            return check_messages(value, where, field)
-        raise DataError(
-            f"{where}: field {field!r} must be a string or a message list, got "
-            f"{type(value).__name__}"
-        )
-
-    def _response(self, src: Records, i: int, field: str) -> Prompt:
-        return self._check_response(require_field(src, i, field, (str, list)), src.where(i), field)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -488,7 +470,10 @@ class PreferenceCollator:
                     f"a pair is labelled for head {name!r}; heads are {list(self.heads)}"
                 )
             head.append(0 if name is None else self.heads[name])
-        batch = self._pack(seqs, starts) if self.packing else self._pad(seqs, starts)
+        if self.packing:
+            batch = self._pack(seqs, starts)
+        else:
+            batch = pad_sequences(seqs, self.pad_id, self.padding_side, starts)
         batch.update(
             candidates=candidates,
             safe=safe,
@@ -499,9 +484,6 @@ class PreferenceCollator:
         if joined is not None:
             batch["media"] = joined
         return batch
-
-    def _pad(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:
-        return pad_sequences(seqs, self.pad_id, self.padding_side, starts)
 
     def _pack(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:
         rows: list[list[int]] = [[]]
@@ -563,11 +545,7 @@ class UnpairedPreferenceDataset(torch.utils.data.Dataset):
     ) -> None:
         check_truncation(truncation)
         tokenizer, _ = as_processor(tokenizer)
-        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the tokenizer has no chat template: set apply_chat_template=false to score "
-                "prompt + completion as plain text"
-            )
+        _need_template(tokenizer, apply_chat_template, "completion")
         self.tokenizer, self.chat_template = tokenizer, apply_chat_template
         src = open_records(path, records, split)
         self.source = src.name
@@ -585,16 +563,8 @@ class UnpairedPreferenceDataset(torch.utils.data.Dataset):
                     f"{where}: field {label_field!r} must be true (desirable) or false "
                     f"(undesirable), got {label!r}: KTO needs every row labelled"
                 )
-            prompt = rec.get(prompt_field)
-            if prompt is not None and not isinstance(prompt, (str, list)):
-                raise DataError(
-                    f"{where}: field {prompt_field!r} must be a string or a message list"
-                )
-            if isinstance(prompt, list):
-                prompt = check_messages(prompt, where, prompt_field)
-            completion = PreferenceDataset._check_response(
-                require_field(src, i, completion_field, (str, list)), where, completion_field
-            )
+            prompt = _text_or_messages(rec.get(prompt_field), where, prompt_field, optional=True)
+            completion = _required(src, i, completion_field)
             text = render_for_scoring(
                 tokenizer, prompt, completion, chat_template=apply_chat_template
             )

@@ -15,8 +15,6 @@ from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import MediaSamples, Truncation, check_truncation, open_records
 from lightrft.data.templates import check_messages, encode_prompt, with_system
 
-__all__ = ["PromptDataset", "conversation"]
-
 log = logging.getLogger(__name__)
 
 
@@ -119,9 +117,9 @@ class PromptDataset(torch.utils.data.Dataset):
                 system_prompt=system_prompt,
                 apply_chat_template=apply_chat_template,
             )
-            ids, _, inputs = self.media.expand(ids, None, media, where)
+            ids, _, _ = self.media.expand(ids, None, media, where)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
-                keep = self.media.intact(ids[-max_prompt_length:], inputs)
+                keep = self.media.kept_all(ids, ids[-max_prompt_length:])
                 ids, text = self._over_limit(
                     ids, max_prompt_length, where, "max_prompt_length", keep
                 )

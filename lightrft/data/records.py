@@ -19,17 +19,6 @@ from lightrft.data.io import DataError, PathLike, Records, load_records
 from lightrft.data.media import Media, MediaOptions
 from lightrft.data.templates import IGNORE_INDEX, has_parts
 
-__all__ = [
-    "DecodedMedia",
-    "MediaSamples",
-    "Truncation",
-    "check_truncation",
-    "expand_placeholders",
-    "open_records",
-    "record_media",
-    "split_tags",
-]
-
 Truncation = Literal["truncate", "drop"]
 
 
@@ -99,11 +88,6 @@ class MediaSamples:
         self.kinds = list(self.processors)
         self.audio = self.processors.get("audio")
         self.video = self.processors.get("video")
-
-    @property
-    def clipped(self) -> int:
-        """Audio clipped to ``media.audio.max_seconds`` so far."""
-        return self.audio.clipped if self.audio is not None else 0
 
     def check_record(self, src: Records, i: int) -> None:
         """Refuse a record whose field holds media of a kind the model does not take."""
@@ -178,48 +162,36 @@ class MediaSamples:
             ids, labels = expand_placeholders(ids, labels, proc, counts, where, self.fields[kind])
         return ids, labels, done if media is not None else None
 
-    def intact(self, ids: list[int], media: Media | None) -> bool:
-        """Whether truncated ``ids`` still hold every media token of the sample."""
-        if media is None:
-            return True
-        for kind, inputs in media.kinds():
-            tok = self.processors[kind].token_id
-            if sum(1 for t in ids if t == tok) != sum(inputs.num_tokens):
-                return False
-        return True
-
     def kept_all(self, full: list[int], cut: list[int]) -> bool:
-        """Whether ``cut`` (a prefix of ``full``) still holds every media token of ``full``:
-        a sample that lost some cannot be forwarded (the model finds fewer tokens than its
-        images and audio give)."""
+        """Whether ``cut`` (a truncation of ``full``) still holds every media token of
+        ``full``: a sample that lost some cannot be forwarded (the model finds fewer tokens
+        than its images and audio give)."""
         ids = {p.token_id for p in self.processors.values()}
         return sum(t in ids for t in cut) == sum(t in ids for t in full)
 
-    def report_videos(self, log: logging.Logger, source: str, stats: dict) -> None:
-        """Add ``video_clipped`` (datasets with a video processor only) to a dataset's ``stats``
-        and warn of the clipped videos."""
-        if self.video is None:
-            return
-        stats["video_clipped"] = self.video.clipped
-        if self.video.clipped:
-            log.warning(
-                "%s: clipped %d video(s) to media.video.max_frames=%d",
-                source,
-                self.video.clipped,
-                self.video.max_frames,
-            )
-
-    def report(self, log: logging.Logger, source: str, stats: dict, noun: str, audio_dropped, cut):
-        """Add the audio counts to a dataset's ``stats`` and warn on the dataset's ``log`` of the
-        ``noun``s (prompts, samples) dropped for audio or ``cut`` (``"max_length=N truncated"``)
-        at the length limit, as ``stats`` counts them."""
-        self.report_videos(log, source, stats)
+    def report(
+        self, log: logging.Logger, source: str, stats: dict, noun: str, audio_dropped, cut=None
+    ):
+        """Add the video and audio counts to a dataset's ``stats`` (``video_clipped`` with a
+        video processor, ``audio_clipped`` and ``audio_dropped`` with an audio one) and warn on
+        the dataset's ``log`` of the clipped videos, the ``noun``s (prompts, samples) dropped for
+        audio and, given ``cut`` (``"max_length=N truncated"``), those cut at the length limit,
+        as ``stats`` counts them."""
+        if self.video is not None:
+            stats["video_clipped"] = self.video.clipped
+            if self.video.clipped:
+                log.warning(
+                    "%s: clipped %d video(s) to media.video.max_frames=%d",
+                    source,
+                    self.video.clipped,
+                    self.video.max_frames,
+                )
         if self.audio is not None:
-            stats.update(audio_clipped=self.clipped, audio_dropped=audio_dropped)
+            stats.update(audio_clipped=self.audio.clipped, audio_dropped=audio_dropped)
             if audio_dropped:
                 why = f"with audio over media.audio.max_seconds={self.audio.max_seconds:g}"
                 log.warning("%s: dropped %d %s %s", source, audio_dropped, noun, why)
-        if stats["truncated"] or stats["dropped"]:
+        if cut is not None and (stats["truncated"] or stats["dropped"]):
             counts = (stats["truncated"], stats["dropped"], stats["records"])
             log.warning("%s: %s %d and dropped %d of %d %s", source, cut, *counts, noun)
 

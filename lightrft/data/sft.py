@@ -44,8 +44,6 @@ from lightrft.data.templates import (
     with_system,
 )
 
-__all__ = ["SFTDataset", "refuse_tool_transcript"]
-
 log = logging.getLogger(__name__)
 
 
@@ -150,14 +148,14 @@ class SFTDataset(torch.utils.data.Dataset):
             except AudioTooLong:
                 audio_dropped += 1
                 continue
-            ids, labels, inputs = self.media.expand(ids, labels, media, src.where(i))
+            ids, labels, _ = self.media.expand(ids, labels, media, src.where(i))
             labels[0] = IGNORE_INDEX
             if max_length is not None and len(ids) > max_length:
                 if truncation == "drop":
                     dropped += 1
                     continue
-                ids, labels = ids[:max_length], labels[:max_length]
-                if all(lab == IGNORE_INDEX for lab in labels) or not self.media.intact(ids, inputs):
+                full, ids, labels = ids, ids[:max_length], labels[:max_length]
+                if all(lab == IGNORE_INDEX for lab in labels) or not self.media.kept_all(full, ids):
                     # The prompt alone fills max_length (nothing left to learn), or an image
                     # lost some of its vision tokens (the forward would refuse the sample).
                     dropped += 1

@@ -17,18 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = [
-    "IGNORE_INDEX",
-    "Message",
-    "check_messages",
-    "encode_chat",
-    "encode_prompt",
-    "encode_raw",
-    "eos_id",
-    "has_parts",
-    "with_system",
-]
-
 IGNORE_INDEX = -100
 Message = Mapping[str, Any]
 

@@ -39,26 +39,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
 from lightrft.config import Section, option, section
-from lightrft.data.io import DataError
-
-__all__ = [
-    "VIDEO_PLACEHOLDER",
-    "DecodedVideo",
-    "OverlongVideo",
-    "VideoInputs",
-    "VideoOptions",
-    "VideoProcessor",
-    "decode_video",
-    "fit_frame_size",
-    "sample_indices",
-    "video_patches",
-]
+from lightrft.data.io import DataError, MediaItems, local_file
 
 VIDEO_PLACEHOLDER = "<video>"
 OverlongVideo = Literal["clip", "refuse"]
@@ -239,16 +226,11 @@ def decode_video(
             f"{where}: {field}: expected a video file path or a list of frame images, got "
             f"{type(value).__name__}"
         )
-    path = Path(value).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path
-    if not path.is_file():
-        raise DataError(f"{where}: {field}: video file not found: {path}")
-    return _read_file(path, where, field)
+    return _read_file(local_file(value, base_dir, where, field, "video"), where, field)
 
 
 @dataclass
-class VideoInputs:
+class VideoInputs(MediaItems):
     """The processed videos of one sample (or, after :meth:`cat`, of a micro-batch).
 
     ``videos``: the sampled, resized RGB frames ``[T, H, W, 3]`` uint8 of each video, in
@@ -259,6 +241,13 @@ class VideoInputs:
     ``processor_kwargs``: the frame bounds used (vLLM re-processes the frames with them).
     """
 
+    kind: ClassVar[str] = "video"
+    model_keys: ClassVar[tuple[str, ...]] = (
+        "pixel_values_videos",
+        "video_grid_thw",
+        "second_per_grid_ts",
+    )
+
     videos: list[np.ndarray]
     fps: list[float]
     pixel_values_videos: torch.Tensor
@@ -266,9 +255,6 @@ class VideoInputs:
     second_per_grid_ts: torch.Tensor | None
     num_tokens: list[int]
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.videos)
 
     def parts(self) -> list[dict[str, Any]]:
         """Each video as the keys of its inline content part: its sampled frames (PIL images)
@@ -279,39 +265,6 @@ class VideoInputs:
             {"video": [Image.fromarray(f) for f in v], "fps": r}
             for v, r in zip(self.videos, self.fps, strict=True)
         ]
-
-    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """The model's keyword arguments: ``pixel_values_videos``, ``video_grid_thw`` (+
-        ``second_per_grid_ts``)."""
-        out = {
-            "pixel_values_videos": self.pixel_values_videos,
-            "video_grid_thw": self.video_grid_thw,
-        }
-        if self.second_per_grid_ts is not None:
-            out["second_per_grid_ts"] = self.second_per_grid_ts
-        return {k: v.to(device) for k, v in out.items()} if device else out
-
-    @staticmethod
-    def cat(items: Sequence[VideoInputs | None]) -> VideoInputs | None:
-        """The videos of several samples, in order (None entries, samples without video,
-        skipped)."""
-        present = [x for x in items if x is not None and len(x)]
-        if not present:
-            return None
-        if len(present) == 1:
-            return present[0]
-        seconds = [x.second_per_grid_ts for x in present]
-        if any(s is None for s in seconds) and not all(s is None for s in seconds):
-            raise ValueError("cannot batch videos of different processors (time rows mixed)")
-        return VideoInputs(
-            videos=[v for x in present for v in x.videos],
-            fps=[f for x in present for f in x.fps],
-            pixel_values_videos=torch.cat([x.pixel_values_videos for x in present]),
-            video_grid_thw=torch.cat([x.video_grid_thw for x in present]),
-            second_per_grid_ts=None if seconds[0] is None else torch.cat(seconds),  # type: ignore[arg-type]
-            num_tokens=[n for x in present for n in x.num_tokens],
-            processor_kwargs=present[0].processor_kwargs,
-        )
 
 
 @section

@@ -30,21 +30,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from lightrft.config import Section, option, section
-from lightrft.data.io import DataError
-
-__all__ = [
-    "IMAGE_PLACEHOLDER",
-    "ImageInputs",
-    "ImageOptions",
-    "ImageProcessor",
-    "decode_image",
-    "fit_pixels",
-]
+from lightrft.data.io import DataError, MediaItems
 
 # A string prompt may mark where images go with this tag (the Geo3K / verl convention).
 IMAGE_PLACEHOLDER = "<image>"
@@ -127,7 +118,7 @@ def fit_pixels(img, min_pixels: int | None, max_pixels: int | None):
 
 
 @dataclass
-class ImageInputs:
+class ImageInputs(MediaItems):
     """The processed images of one sample (or, after :meth:`cat`, of a micro-batch).
 
     ``images``: resized RGB PIL images, in placeholder order. ``pixel_values``: Qwen-VL's flat
@@ -136,46 +127,18 @@ class ImageInputs:
     ``processor_kwargs``: the image-processor settings used (vLLM re-processes with them).
     """
 
+    kind: ClassVar[str] = "image"
+    model_keys: ClassVar[tuple[str, ...]] = ("pixel_values", "image_grid_thw")
+
     images: list[Any]
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor | None
     num_tokens: list[int]
     processor_kwargs: dict[str, Any]
 
-    def __len__(self) -> int:
-        return len(self.images)
-
     def parts(self) -> list[dict[str, Any]]:
         """Each image as the keys of its inline content part (``{"image": PIL image}``)."""
         return [{"image": im} for im in self.images]
-
-    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """The model's keyword arguments: ``pixel_values`` (+ ``image_grid_thw``)."""
-        out = {"pixel_values": self.pixel_values.to(device) if device else self.pixel_values}
-        if self.image_grid_thw is not None:
-            out["image_grid_thw"] = (
-                self.image_grid_thw.to(device) if device else self.image_grid_thw
-            )
-        return out
-
-    @staticmethod
-    def cat(items: Sequence[ImageInputs | None]) -> ImageInputs | None:
-        """The images of several samples, in order (None entries, text-only samples, skipped)."""
-        present = [x for x in items if x is not None and len(x)]
-        if not present:
-            return None
-        if len(present) == 1:
-            return present[0]
-        grids = [x.image_grid_thw for x in present]
-        if any(g is None for g in grids) and not all(g is None for g in grids):
-            raise ValueError("cannot batch images of different processors (grid rows mixed)")
-        return ImageInputs(
-            images=[im for x in present for im in x.images],
-            pixel_values=torch.cat([x.pixel_values for x in present]),
-            image_grid_thw=None if grids[0] is None else torch.cat(grids),  # type: ignore[arg-type]
-            num_tokens=[n for x in present for n in x.num_tokens],
-            processor_kwargs=present[0].processor_kwargs,
-        )
 
 
 @section

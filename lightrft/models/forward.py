@@ -41,10 +41,6 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def _accepts(cls: type, name: str) -> bool:
-    return name in inspect.signature(cls.forward).parameters
-
-
 def _trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     get_decoder = getattr(model, "get_decoder", None)
     get_head = getattr(model, "get_output_embeddings", None)
@@ -110,6 +106,8 @@ def forward_on_hidden(
     runs appear in ``input_ids``, row by row); see :func:`media_forward_kwargs` for the
     positions it implies.
     """
+    from torch.distributed.fsdp import FSDPModule
+
     trunk, head = _trunk_and_head(model)
     if media is not None:
         extra = media_forward_kwargs(
@@ -128,7 +126,7 @@ def forward_on_hidden(
         # forward), or in its own group (a frozen model's, gathered only for the head).
         hidden = captured.pop("hidden")  # [B, T, H]
         hidden = hidden if keep_last else hidden[:, :-1]  # [B, T-1, H]
-        if _own_fsdp_group(head) and torch.is_grad_enabled() and hidden.requires_grad:
+        if isinstance(head, FSDPModule) and torch.is_grad_enabled() and hidden.requires_grad:
             raise ValueError(
                 "the LM head is an FSDP2 group of its own (parallelize does that for a model "
                 "without trainable parameters), so its weight is resharded after its forward "
@@ -147,7 +145,7 @@ def forward_on_hidden(
     kwargs = dict(model_kwargs)
     kwargs.setdefault("use_cache", False)
     # A PEFT wrapper's forward takes **kwargs: ask the model it wraps.
-    if _accepts(type(unwrap_peft(model)), "logits_to_keep"):
+    if "logits_to_keep" in inspect.signature(type(unwrap_peft(model)).forward).parameters:
         kwargs.setdefault("logits_to_keep", 1)
     h_trunk = trunk.register_forward_hook(capture_hidden)
     h_inputs = None
@@ -167,12 +165,6 @@ def forward_on_hidden(
             h_inputs.remove()
         h_head.remove()
         h_root.remove()
-
-
-def _own_fsdp_group(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
 
 
 def causal_lm_token_logprobs(

@@ -36,39 +36,34 @@ def processor_classes() -> dict[str, type]:
     return processors.PROCESSOR_CLASSES
 
 
+def _checkpoint_config(path: str | Path) -> dict | None:
+    """The local checkpoint's ``config.json`` (cheap: no transformers import, no weights);
+    None without one (a hub id, or a directory a ``prepare`` step writes later)."""
+    cfg = Path(path) / "config.json"
+    return json.loads(cfg.read_text()) if cfg.is_file() else None
+
+
 def checkpoint_is_multimodal(path: str | Path) -> bool | None:
     """:func:`checkpoint_is_vision_language` for vision or audio (``audio_config``) models."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
+    data = _checkpoint_config(path)
+    if data is None:
         return None
-    data = json.loads(cfg.read_text())
     return data.get("vision_config") is not None or data.get("audio_config") is not None
 
 
 def checkpoint_is_audio_language(path: str | Path) -> bool | None:
     """Whether the local checkpoint at ``path`` is an audio-language model (its config.json
     has an ``audio_config``); None without a local config.json."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return None
-    return json.loads(cfg.read_text()).get("audio_config") is not None
+    data = _checkpoint_config(path)
+    return None if data is None else data.get("audio_config") is not None
 
 
 def checkpoint_is_vision_language(path: str | Path) -> bool | None:
     """Whether the local checkpoint at ``path`` is a vision-language model, from its
-    ``config.json`` alone (cheap: no transformers import, no weights); None when there is no
-    local ``config.json`` yet (a hub id, or a directory a ``prepare`` step writes later)."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return None
-    return json.loads(cfg.read_text()).get("vision_config") is not None
-
-
-def _model_type(path: str | Path) -> str | None:
-    cfg = Path(path) / "config.json"
-    if cfg.is_file():
-        return json.loads(cfg.read_text()).get("model_type")
-    return None
+    ``config.json`` alone (:func:`_checkpoint_config`); None when there is no local
+    ``config.json``."""
+    data = _checkpoint_config(path)
+    return None if data is None else data.get("vision_config") is not None
 
 
 def _processor_class_name(path: str | Path) -> str | None:
@@ -103,7 +98,7 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
             proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (ValueError, ImportError, OSError, TypeError) as e:
             # Without torchvision the stock Qwen-VL processors cannot build their video slot.
-            cls = classes.get(_model_type(path) or "")
+            cls = classes.get((_checkpoint_config(path) or {}).get("model_type") or "")
             if cls is None:
                 raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
         else:
@@ -111,7 +106,7 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
                 proc, "feature_extractor", None
             )
             if not isinstance(proc, ProcessorMixin) or media is None:
-                cls = classes.get(_model_type(path) or "")
+                cls = classes.get((_checkpoint_config(path) or {}).get("model_type") or "")
                 if cls is None:
                     raise ValueError(
                         f"{str(path)!r} has no image processor or audio feature extractor "
@@ -195,13 +190,6 @@ def _set_tower_trainable(model: nn.Module, kind: str, trainable: bool) -> list[s
     return names
 
 
-def audio_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The audio encoder of an audio-language model by qualified name (Qwen2-Audio's
-    ``model.audio_tower``; its projector, ``multi_modal_projector``, stays with the LM as
-    LLaVA's does)."""
-    return _tower_modules(model, "audio")
-
-
 def audio_blocks(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of the audio tower (what FSDP2 shards one by one)."""
     return _tower_blocks(model, "audio")
@@ -213,17 +201,21 @@ def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
     return _set_tower_trainable(model, "audio", trainable)
 
 
-def media_blocks(model: nn.Module) -> list[nn.Module]:
-    """The vision and audio tower blocks of a multimodal model (none for a text model)."""
+def _tower_kinds(model: nn.Module) -> list[str]:
+    """The encoder towers a model has: ``"vision"``, ``"audio"`` (none for a text model)."""
     from lightrft.models.modality import is_audio_language, is_vision_language
 
     config = getattr(model, "config", None)
-    blocks: list[nn.Module] = []
-    if is_vision_language(config):
-        blocks += list(vision_blocks(model))
-    if is_audio_language(config):
-        blocks += list(audio_blocks(model))
-    return blocks
+    return [
+        k
+        for k, has in (("vision", is_vision_language), ("audio", is_audio_language))
+        if has(config)
+    ]
+
+
+def media_blocks(model: nn.Module) -> list[nn.Module]:
+    """The vision and audio tower blocks of a multimodal model (none for a text model)."""
+    return [block for kind in _tower_kinds(model) for block in _tower_blocks(model, kind)]
 
 
 def set_towers_trainable(
@@ -231,21 +223,12 @@ def set_towers_trainable(
 ) -> list[str]:
     """Freeze or unfreeze each encoder tower the model has (vision, audio); what recipes call
     with ``model.train_vision_tower`` / ``model.train_audio_tower``."""
-    from lightrft.models.modality import is_audio_language, is_vision_language
-
-    config = getattr(model, "config", None)
-    names = []
-    if is_vision_language(config):
-        names += set_vision_trainable(model, vision)
-    if is_audio_language(config):
-        names += set_audio_trainable(model, audio)
-    return names
-
-
-def vision_tower_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The vision encoder of a VLM by qualified name (``model.visual`` for Qwen-VL, which holds
-    the patch merger too; ``model.vision_tower`` for LLaVA, whose projector stays with the LM)."""
-    return _tower_modules(model, "vision")
+    trainable = {"vision": vision, "audio": audio}
+    return [
+        name
+        for kind in _tower_kinds(model)
+        for name in _set_tower_trainable(model, kind, trainable[kind])
+    ]
 
 
 def vision_blocks(model: nn.Module) -> nn.ModuleList:

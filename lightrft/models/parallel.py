@@ -34,13 +34,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def _tower_blocks(model: nn.Module) -> list[nn.Module]:
-    """The encoder-tower blocks (vision and audio) FSDP2 shards besides the decoder's."""
-    from lightrft.models.multimodal import media_blocks
-
-    return media_blocks(model)
-
-
 def _untied_embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     """The model's input embedding and LM head, each when it is a module with a weight of its
     own (both ``None`` where the head shares the embedding's weight)."""
@@ -144,10 +137,12 @@ def parallelize(
         )
         policy = CPUOffloadPolicy(pin_memory=on != "cpu")
     shard_kw = dict(mesh=mesh, mp_policy=mp, offload_policy=policy)
+    from lightrft.models.multimodal import media_blocks
+
     # A vision- or audio-language model's tower blocks are sharded one by one too (trained or
     # frozen: a frozen tower costs no gradients but its weights are as large). The tower runs
     # before the decoder, so its blocks are gathered and resharded like the decoder's.
-    for block in _tower_blocks(model):
+    for block in media_blocks(model):
         fully_shard(block, **shard_kw, reshard_after_forward=reshard_after_forward)
     # Scoring: the embedding and LM head keep their rows on each rank, out of FSDP2's groups,
     # and are never gathered (vocabulary-parallel).

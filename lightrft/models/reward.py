@@ -355,6 +355,15 @@ def _check_probe(probe_layer: int | None, n_layers: int | None) -> None:
         )
 
 
+def _labels(heads: Sequence[str]) -> dict[str, Any]:
+    """The HF classifier config's label keys for ``heads``: one output per head."""
+    return dict(
+        num_labels=len(heads),
+        id2label=dict(enumerate(heads)),
+        label2id={h: i for i, h in enumerate(heads)},
+    )
+
+
 def build_reward_net(
     path: str | Path,
     *,
@@ -393,13 +402,7 @@ def build_reward_net(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     hf, info = AutoModelForSequenceClassification.from_pretrained(
-        path,
-        num_labels=len(heads),
-        id2label=dict(enumerate(heads)),
-        label2id={h: i for i, h in enumerate(heads)},
-        ignore_mismatched_sizes=True,
-        output_loading_info=True,
-        **kwargs,
+        path, ignore_mismatched_sizes=True, output_loading_info=True, **_labels(heads), **kwargs
     )
     head_name, _ = _find_head(hf)
     missing = set(info.get("missing_keys", ()))
@@ -521,20 +524,14 @@ def load_reward_net_parallel(
         compile=compile,
         offload=offload,
     )
+    load = dict(
+        dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+    )
     if shard is None:
         shard = default_sharding(offload=offload, scoring=scoring)
     if not shard:
-        net = build_reward_net(
-            path,
-            heads=heads,
-            pooling=pooling,
-            end_token_id=end_token_id,
-            probe_layer=probe_layer,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-        )
+        spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id)
+        net = build_reward_net(path, **spec, probe_layer=probe_layer, device=device, **load)
         return prepare_and_parallelize(net, prepare, **opts)
     from transformers import AutoModelForSequenceClassification
 
@@ -543,27 +540,13 @@ def load_reward_net_parallel(
     _check_pooling(pooling, heads, probe_layer, end_token_id)
     files = SafetensorsIndex.read(path).files
     if pooling == "likelihood":
-        # The class load_model picks: a causal LM, or a vision-language model.
-        hf = build_on_meta(
-            path,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-        )
+        hf = build_on_meta(path, **load)  # the class load_model picks: a causal LM or a VLM
         names, converted = checkpoint_names(hf, list(files))
         net = _likelihood_net(hf, heads=heads, end_token_id=end_token_id)
     else:
         _check_text_only(path, pooling)
-        hf = build_on_meta(
-            path,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-            auto_class=AutoModelForSequenceClassification,
-            num_labels=len(heads),
-            id2label=dict(enumerate(heads)),
-            label2id={h: i for i, h in enumerate(heads)},
-        )
+        classifier = AutoModelForSequenceClassification
+        hf = build_on_meta(path, **load, auto_class=classifier, **_labels(heads))
         names, converted = checkpoint_names(hf, list(files))
         head_name, _ = _find_head(hf)
         new_head = names.get(f"{head_name}.weight") not in files
@@ -625,12 +608,9 @@ def load_reward_net(
     (:mod:`lightrft.models.vocab_parallel`). ``offload``: with a mesh, the shards live in CPU
     memory and are copied to ``device`` for each all-gather.
     """
-    meta = read_reward_config(path) or {}
-    cfg = (
-        json.loads((Path(path) / "config.json").read_text())
-        if Path(path, "config.json").is_file()
-        else {}
-    )
+    config = Path(path) / "config.json"
+    cfg = json.loads(config.read_text()) if config.is_file() else {}
+    meta = cfg.get(CONFIG_KEY) or {}
     heads = meta.get("heads")
     if heads is None:
         labels = cfg.get("id2label") or {}

@@ -349,23 +349,14 @@ def load_parallel(
         compile=compile,
         offload=offload,
     )
+    load = dict(
+        dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+    )
     if shard is None:
         shard = default_sharding(offload=offload)
     if not shard:
-        model = load_model(
-            path,
-            dtype=dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
-        )
-        return prepare_and_parallelize(model, prepare, **opts)
-    model = build_on_meta(
-        path,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-    )
+        return prepare_and_parallelize(load_model(path, device=device, **load), prepare, **opts)
+    model = build_on_meta(path, **load)
     names, converted = checkpoint_names(model, list(SafetensorsIndex.read(path).files))
     return prepare_and_parallelize(
         model, prepare, mesh=mesh, checkpoint=(path, names, converted), **opts

@@ -180,38 +180,20 @@ def tiny_config(
     vocab_size: int,
     *,
     arch: str = "qwen2",
-    layers: int = 2,
-    hidden: int = 64,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int | None = None,
-    max_positions: int = 1024,
-    tie_embeddings: bool = False,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    **sizes: Any,
 ):
+    """A tiny text model's HF config (``sizes``: ``layers``, ``hidden``, ``heads``,
+    ``kv_heads``, ``intermediate``, ``max_positions``, ``tie_embeddings``, as
+    :func:`make_tiny_model` takes them)."""
     from transformers import LlamaConfig, Qwen2Config
 
     if arch not in TEXT_ARCHS:
         raise ValueError(f"arch must be one of {TEXT_ARCHS}, got {arch!r}")
-    if hidden % heads:
-        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be divisible by kv_heads ({kv_heads})")
     cls = Qwen2Config if arch == "qwen2" else LlamaConfig
     return cls(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate or 4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=tie_embeddings,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        bos_token_id=None,
-        rms_norm_eps=1e-6,
+        **_text_config(vocab_size, eos_token_id, pad_token_id, **sizes),
         rope_theta=10000.0,
         initializer_range=0.02,
         use_cache=True,
@@ -269,11 +251,7 @@ def make_tiny_model(
     tok.chat_template = CHAT_TEMPLATES[chat_template]
     vocab_size = -(-len(tok) // 16) * 16
     cfg = tiny_config(
-        vocab_size,
-        arch=arch,
-        **sizes,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        vocab_size, arch=arch, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sizes
     )
     return _save_random(AutoModelForCausalLM, cfg, tok, tok, seed, out)
 
@@ -307,11 +285,25 @@ def _patch(arch: str) -> int:
 
 
 def _text_config(
-    tok, *, layers, hidden, heads, kv_heads, intermediate, max_positions, tie_embeddings
+    vocab_size: int,
+    eos_token_id: int | None,
+    pad_token_id: int | None,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 1024,
+    tie_embeddings: bool = False,
 ) -> dict[str, Any]:
-    """The text model of a tiny multimodal model's HF config, its special ids those of ``tok``."""
+    """The text model of a tiny model's HF config."""
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be divisible by kv_heads ({kv_heads})")
     return {
-        "vocab_size": -(-len(tok) // 16) * 16,
+        "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": intermediate or 4 * hidden,
         "num_hidden_layers": layers,
@@ -319,11 +311,16 @@ def _text_config(
         "num_key_value_heads": kv_heads,
         "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-6,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
         "bos_token_id": None,
         "tie_word_embeddings": tie_embeddings,
     }
+
+
+def _tok_text_config(tok, **sizes: Any) -> dict[str, Any]:
+    """:func:`_text_config` whose vocabulary and special ids are those of ``tok``."""
+    return _text_config(-(-len(tok) // 16) * 16, tok.eos_token_id, tok.pad_token_id, **sizes)
 
 
 def _vlm_config(arch: str, tok, **sizes: Any):
@@ -332,7 +329,7 @@ def _vlm_config(arch: str, tok, **sizes: Any):
 
     hidden, tie_embeddings = sizes["hidden"], sizes["tie_embeddings"]
     head_dim = hidden // sizes["heads"]
-    text = _text_config(tok, **sizes)
+    text = _tok_text_config(tok, **sizes)
     vision_width = 32
     if arch == "llava":
         text["model_type"] = "llama"
@@ -473,7 +470,7 @@ def _audio_config(tok, **sizes: Any):
     tie_embeddings = sizes["tie_embeddings"]
     text = {
         "model_type": "qwen2",
-        **_text_config(tok, **sizes),
+        **_tok_text_config(tok, **sizes),
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }
     width = 32
@@ -501,11 +498,6 @@ def _make_tiny_multimodal(out_dir: str | Path, *, arch: str, seed: int, **sizes:
     """A tiny vision- or audio-language model of ``arch``, saved with its processor."""
     from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM
 
-    if sizes["hidden"] % sizes["heads"] or sizes["heads"] % sizes["kv_heads"]:
-        raise ValueError(
-            f"hidden ({sizes['hidden']}) must be divisible by heads ({sizes['heads']}), and "
-            f"heads by kv_heads ({sizes['kv_heads']})"
-        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if arch in AUDIO_ARCHS:
