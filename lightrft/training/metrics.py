@@ -133,15 +133,12 @@ class MetricLogger:
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in (self._jsonl, self._tb):
+            if sink is not None:
+                sink.close()
         if self._wandb is not None:
             self._wandb.finish()
-            self._wandb = None
+        self._jsonl = self._tb = self._wandb = None
 
     def __enter__(self) -> MetricLogger:
         return self
