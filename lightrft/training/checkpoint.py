@@ -622,8 +622,7 @@ class Checkpointer:
         not reshard: refused.
         """
         path = Path(path)
-        meta_file = path / META
-        if not meta_file.is_file():
+        if not (path / META).is_file():
             raise ValueError(
                 f"{path} is not a complete checkpoint (no {META}); "
                 f"complete ones: {[p.name for p in self.list_checkpoints()]}"
