@@ -768,27 +768,17 @@ def inputs_from_options(
     # FSDP2 computes in bf16 on accelerators (lightrft.models.parallel.default_param_dtype);
     # this project's DeepSpeed path has no mixed precision: it computes in the master dtype.
     compute = master if deepspeed or device == "cpu" else 2
-    if deepspeed:
-        ds = st.deepspeed
-        actor = TrainedSetup(
-            master,
-            compute,
-            world,
-            zero_stage=ds.stage,
-            offload_params=ds.offload_param,
-            offload_optimizer=ds.offload_optimizer,
-            activation_checkpointing=m.activation_checkpointing,
-        )
-    else:
-        _, shard = mesh_shape(st.shard_size, st.replicate_size, world)
-        actor = TrainedSetup(
-            master,
-            compute,
-            shard,
-            offload_params=st.offload == "params",
-            activation_checkpointing=m.activation_checkpointing,
-            lora_rank=st.lora.rank if st.lora is not None else None,
-        )
+    ds = st.deepspeed  # None under FSDP2; the config refuses LoRA, HSDP and offload with it
+    actor = TrainedSetup(
+        master,
+        compute,
+        world if ds else mesh_shape(st.shard_size, st.replicate_size, world)[1],
+        zero_stage=ds.stage if ds else 0,
+        offload_params=ds.offload_param if ds else st.offload == "params",
+        offload_optimizer=ds.offload_optimizer if ds else False,
+        activation_checkpointing=m.activation_checkpointing,
+        lora_rank=st.lora.rank if st.lora is not None else None,
+    )
     notes: list[str] = []
     sp = 1 if deepspeed else st.sequence_parallel
     if recipe == "grpo":
