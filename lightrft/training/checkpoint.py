@@ -429,24 +429,19 @@ class Checkpointer:
         that are not text) is ignored with a warning naming the pointer file."""
         pointer = self.root / LATEST
         if pointer.is_file():
-            target = self._pointed(pointer)
-            if target is not None and (target / META).is_file():
-                return target
+            try:
+                name = pointer.read_bytes().decode("utf-8").strip()
+            except (OSError, UnicodeDecodeError):
+                name = None
+            if name is None or not STEP_DIR.match(name):
+                _warn(
+                    f"{pointer} does not hold a plain step_N name ({name!r}); ignored, the newest "
+                    "complete checkpoint in this directory is used"
+                )
+            elif (self.root / name / META).is_file():
+                return self.root / name
         complete = self.list_checkpoints()
         return complete[-1] if complete else None
-
-    def _pointed(self, pointer: Path) -> Path | None:
-        try:
-            name = pointer.read_bytes().decode("utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            name = None
-        if name is None or not STEP_DIR.match(name):
-            _warn(
-                f"{pointer} does not hold a plain step_N name ({name!r}); ignored, the newest "
-                "complete checkpoint in this directory is used"
-            )
-            return None
-        return self.root / name
 
     def latest_readable(self) -> Path | None:
         """:meth:`latest` when it is readable (:func:`check_readable`), else the newest older
