@@ -180,9 +180,9 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
                 kept.append(json.dumps(row) + "\n")
             elif step <= last_step:
                 kept.append(json.dumps(row) + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    from lightrft.training.safe_state import write_atomic  # (imports DCP: only when resuming)
+
+    write_atomic(path, "".join(kept).encode("utf-8"))
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
