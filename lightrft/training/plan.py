@@ -459,8 +459,6 @@ def check_sequence_parallel(p: PlanInputs) -> None:
     from lightrft.sections import check_sequence_parallel_model
 
     n, a, s, world = p.sequence_parallel, p.actor, p.model, p.cluster.world
-    if n < 1:
-        raise ValueError(f"sequence_parallel must be >= 1, got {n}")
     strategy_rule(
         n,
         world,
