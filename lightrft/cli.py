@@ -28,7 +28,6 @@ import runpy
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 # libgomp (the OpenMP runtime of the torch CPU wheel) spins its idle intra-op threads for a while
 # before sleeping. On a core shared with another busy process that spinning steals the time the
@@ -243,21 +242,29 @@ def _config_and_recipe(args: argparse.Namespace) -> tuple[Path, str]:
     return path, recipe
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
-    from lightrft.config import UserError, load, validate
+def checked_config(recipe: str | Path, argv: list[str], world: contextlib.AbstractContextManager):
+    """``(cfg, options)``: the recipe-style ``argv`` (``--config PATH key=value ...``) loaded and
+    checked as ``recipe`` checks it (schema, then its ``build_options``) under ``world`` (the
+    launch's world size). A config error, or a damaged checkpoint a resume check found, is a
+    :class:`UsageError`: one line and exit status 2 instead of a failure in every worker."""
+    from lightrft.config import UserError, load, split_argv, validate
 
-    path, recipe = _config_and_recipe(args)
     try:
-        cfg, src = load(path, args.overrides)
-        schema, build_options = load_recipe_checks(resolve_recipe(recipe))
-        # No flag: the environment's WORLD_SIZE stands (a shell inside a torchrun job).
-        flags = (args.nproc_per_node, args.nnodes)
-        world = str((args.nproc_per_node or 1) * (args.nnodes or 1))
-        with launch_world_size(world, "1") if flags != (None, None) else contextlib.nullcontext():
-            validate(cfg, schema=schema, options=build_options, source=src)
-    except UserError as e:  # ConfigError, or a damaged checkpoint a resume check found
-        print(f"lightrft: {e}", file=sys.stderr)
-        return 2
+        cfg, src = load(*split_argv(argv))
+        schema, build_options = load_recipe_checks(resolve_recipe(str(recipe)))
+        with world:
+            return cfg, validate(cfg, schema=schema, options=build_options, source=src)
+    except UserError as e:
+        raise UsageError(str(e)) from None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    path, recipe = _config_and_recipe(args)
+    # No flag: the environment's WORLD_SIZE stands (a shell inside a torchrun job).
+    flags = (args.nproc_per_node, args.nnodes)
+    world = str((args.nproc_per_node or 1) * (args.nnodes or 1))
+    context = launch_world_size(world, "1") if flags != (None, None) else contextlib.nullcontext()
+    checked_config(recipe, ["--config", str(path), *args.overrides], context)
     n = int(world if flags != (None, None) else os.environ.get("WORLD_SIZE") or 1)
     print(f"{path}: valid config for recipe '{recipe}' on {n} process{'es' * (n > 1)}")
     return 0
@@ -326,29 +333,6 @@ def _worker_start(torchrun_args: list[str], cfg) -> list[str]:
     return ["--run-path", "--start-method", "fork", str(worker)]
 
 
-def _validate_before_launch(
-    recipe: Path, rest: list[str], torchrun_args: list[str]
-) -> tuple[int, Any]:
-    """Check the config once in the launcher (schema + the recipe's build_options) so a config
-    error prints one message and exits 2 instead of failing in every worker. The world size is
-    ``--nnodes x --nproc_per_node`` when both are plain numbers (else the workers check it).
-    Returns the exit status (0: valid) and the loaded config."""
-    from lightrft.config import UserError, load, split_argv, validate
-
-    nproc = _flag_value(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
-    nnodes = _flag_value(torchrun_args, "--nnodes") or "1"
-    try:
-        path, overrides = split_argv(rest)
-        cfg, src = load(path, overrides)
-        schema, build_options = load_recipe_checks(recipe)
-        with launch_world_size(nproc, nnodes):
-            validate(cfg, schema=schema, options=build_options, source=src)
-    except UserError as e:  # ConfigError, or a damaged checkpoint a resume check found
-        print(f"lightrft: {e}", file=sys.stderr)
-        return 2, None
-    return 0, cfg
-
-
 def cmd_run(argv: list[str]) -> int:
     torchrun_args: list[str] = []
     i = 0
@@ -374,9 +358,11 @@ def cmd_run(argv: list[str]) -> int:
         elif a.startswith("--config="):
             rest[j] = "--config=" + str(resolve_config(a.split("=", 1)[1]))
     if torchrun_args:
-        rc, cfg = _validate_before_launch(recipe, rest, torchrun_args)
-        if rc:
-            return rc
+        # The config checked once in the launcher, for the world size of the launch
+        # (``--nnodes x --nproc_per_node`` when both are plain numbers, else the workers check it).
+        nproc = _flag_value(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
+        nnodes = _flag_value(torchrun_args, "--nnodes") or "1"
+        cfg, _ = checked_config(recipe, rest, launch_world_size(nproc, nnodes))
         from torch.distributed.run import main as torchrun_main
 
         torchrun_main([*torchrun_args, *_worker_start(torchrun_args, cfg), str(recipe), *rest])
@@ -447,7 +433,6 @@ def _planning_for(world: int, device: str):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from lightrft.config import UserError, load, validate
     from lightrft.training.plan import Cluster, format_plan, inputs_from_options, parse_size, plan
 
     path, recipe = _config_and_recipe(args)
@@ -457,17 +442,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     try:
         cluster = Cluster(args.nodes, args.gpus_per_node, parse_size(args.gpu_memory))
-        cfg, src = load(path, args.overrides)
-        schema, build_options = load_recipe_checks(resolve_recipe(recipe))
-        with _planning_for(cluster.world, args.device):
-            opts = validate(cfg, schema=schema, options=build_options, source=src)
+        argv = ["--config", str(path), *args.overrides]
+        _, opts = checked_config(recipe, argv, _planning_for(cluster.world, args.device))
         inputs = inputs_from_options(
             opts, recipe=recipe, cluster=cluster, device=args.device, model_config=args.model_config
         )
         result = plan(inputs)
-    except UserError as e:
-        print(f"lightrft: {e}", file=sys.stderr)
-        return 2
     except ValueError as e:  # a flag, a model.path without a local config.json, or a
         # sequence_parallel the model's heads refuse
         raise UsageError(str(e)) from None
@@ -612,8 +592,6 @@ def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "run":
         return cmd_run(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command in ("validate", "plan"):
-        args.overrides = list(args.overrides)
     return {
         "ls": cmd_ls,
         "cp": cmd_cp,

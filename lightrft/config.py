@@ -258,11 +258,7 @@ def load(
         if arg.startswith("~"):
             _remove(data, arg[1:].split("=", 1)[0], path)
     sets = [a for a in overrides if not a.startswith("~")]
-    # A dotlist cannot index into lists (`prepare.0.out_dir=...`), and `eval_dataset=null` must
-    # drop the whole section rather than set its `_component_`: set those one by one after it.
-    in_list = [
-        a for a in sets if _through_list(data, a.split("=", 1)[0]) or _nulls_section(data, a)
-    ]
+    in_list = [a for a in sets if _set_alone(data, a)]
     try:
         cfg = _merge_overrides(data, [a for a in sets if a not in in_list])
         for arg in in_list:
@@ -292,22 +288,15 @@ def _bad_override_value(sets: list[str]) -> ConfigError:
     return ConfigError(f"overrides {sets}: a value is not valid YAML")
 
 
-def _through_list(data: Any, dotpath: str) -> bool:
-    node = data
-    for k in dotpath.split("."):
-        if isinstance(node, list):
-            return True
-        if not isinstance(node, dict) or k not in node:
-            return False
-        node = node[k]
-    return False
-
-
-def _nulls_section(data: dict, arg: str) -> bool:
-    """Whether ``arg`` sets a whole section (a mapping) to null: ``eval_dataset=null``."""
+def _set_alone(data: dict, arg: str) -> bool:
+    """Whether override ``arg`` is set by itself after the dotlist merge: a dotlist cannot index
+    into lists (``prepare.0.out_dir=...``), and a whole section (a mapping) set to null
+    (``eval_dataset=null``) must drop the section rather than set its ``_component_``."""
     key, value = arg.split("=", 1)
     node: Any = data
     for k in key.split("."):
+        if isinstance(node, list):
+            return True
         if not isinstance(node, dict) or k not in node:
             return False
         node = node[k]

@@ -175,28 +175,18 @@ def evaluate_dataset(
     dist: DistInfo,
     *,
     limit: int | None = None,
-    accuracy: str | None = None,
-    extract: Callable[[str], str | None] | None = None,
-    environment: Callable[[], Environment] | None = None,
-    tokenizer: Any = None,
+    **options: Any,
 ) -> list[EvalRecord]:
     """:func:`evaluate_items` over a dataset split across ranks (collective): each rank takes
     every world_size-th of the first ``limit`` prompts; every rank gets all records, in dataset
     order. ``generate(prompt_ids, items, continuation)``: the items ride along for their
-    media."""
+    media; ``options``: :func:`evaluate_items`' keyword arguments (``accuracy``, ``extract``,
+    ``environment``, ``tokenizer``)."""
     total = len(dataset) if limit is None else min(len(dataset), limit)
     mine = list(range(dist.rank, total, dist.world_size))
     items = [dataset[i] for i in mine]
     records = evaluate_items(
-        items,
-        mine,
-        lambda ids, continuation: generate(ids, items, continuation),
-        reward_fn,
-        n,
-        accuracy=accuracy,
-        extract=extract,
-        environment=environment,
-        tokenizer=tokenizer,
+        items, mine, lambda ids, cont: generate(ids, items, cont), reward_fn, n, **options
     )
     return sorted((r for part in all_gather_objects(records) for r in part), key=lambda r: r.index)
 

@@ -25,12 +25,6 @@ from lightrft.sections import is_checkpoint_dir
 from lightrft.training.export import ExportSpec, export_trained
 
 
-def is_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a training checkpoint directory (``step_N/`` with ``meta.json``)
-    rather than an HF model directory (both hold a ``config.json``)."""
-    return is_checkpoint_dir(path)
-
-
 def read_export_spec(checkpoint: str | Path) -> tuple[dict[str, Any], ExportSpec]:
     """``meta.json`` and the :class:`ExportSpec` of ``checkpoint``, after checking that every
     file the export reads is there; a ``ValueError`` naming the path and the key or file that
@@ -293,7 +287,7 @@ def export_cache_dir() -> Path:
 
 
 def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> str:
-    """``path`` itself, or for a training checkpoint (:func:`is_checkpoint`) its export
+    """``path`` itself, or for a training checkpoint (:func:`~lightrft.sections.is_checkpoint_dir`) its export
     (:func:`export_checkpoint`) in :func:`export_cache_dir`, made once and reused while the
     checkpoint is unchanged (keyed by its absolute path and ``meta.json``). What eval's
     ``model.path`` and :class:`~lightrft.rewards.RewardModel` call. Under a process group it is
@@ -305,7 +299,7 @@ def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> s
     from lightrft.distributed import barrier, is_main
     from lightrft.training.checkpoint import META, broadcast_from_rank0
 
-    if not is_checkpoint(path):
+    if not is_checkpoint_dir(path):
         return str(path)
     p = Path(path).resolve()
     key = hashlib.sha256(str(p).encode() + b"\0" + (p / META).read_bytes()).hexdigest()[:16]

@@ -134,9 +134,15 @@ def check_model_path(
     to the second check. Hub ids (``Qwen/Qwen2.5-0.5B-Instruct``) pass. The second check
     (``loading=True``: after the prepare steps, before any model loads) refuses every local
     path that is not a model directory."""
+    path = str(path)
     try:
-        if not _check_checkpoint(str(path), key, checkpoint):
-            _check_model_path(str(path), key, prepare, loading)
+        if not is_checkpoint_dir(path):
+            _check_model_path(path, key, prepare, loading)
+        elif not checkpoint:
+            raise ValueError(
+                f"{key}={path!r} is a training checkpoint, not a model directory: export it "
+                f"first (lightrft export {path} --out DIR) and give DIR"
+            )
     except ValueError as e:
         if loading:  # during the run: a user error (one line, exit 2), not a traceback
             raise ConfigError(str(e)) from None
@@ -152,19 +158,6 @@ def is_checkpoint_dir(path: str | Path) -> bool:
     return re.match(r"^step_\d+$", p.name) is not None or any(
         (p / f).is_file() for f in (".metadata", "rank_00000.json")
     )
-
-
-def _check_checkpoint(path: str, key: str, allowed: bool) -> bool:
-    """True for a checkpoint the caller exports itself (``allowed``; it checks the checkpoint's
-    export record); a ``ValueError`` naming the export command for one it cannot take."""
-    if not is_checkpoint_dir(path):
-        return False
-    if not allowed:
-        raise ValueError(
-            f"{key}={path!r} is a training checkpoint, not a model directory: export it first "
-            f"(lightrft export {path} --out DIR) and give DIR"
-        )
-    return True
 
 
 def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loading: bool) -> None:
@@ -433,10 +426,6 @@ class StrategyConfig(Section):
         check_offload(self.offload)
         if os.environ.get("WORLD_SIZE"):  # under torchrun: the sizes must fit the launch
             mesh_shape(self.shard_size, self.replicate_size, int(os.environ["WORLD_SIZE"]))
-        self._check_sequence_parallel()
-        return self
-
-    def _check_sequence_parallel(self) -> None:
         check_sequence_parallel(
             self.sequence_parallel,
             int(os.environ.get("WORLD_SIZE") or 1),
@@ -445,6 +434,7 @@ class StrategyConfig(Section):
             hsdp=self.shard_size is not None or self.replicate_size is not None,
             offload=self.offload,
         )
+        return self
 
 
 # The model types Ulysses SP is tested on (tests/models/test_models_ulysses.py,

@@ -34,10 +34,10 @@ from lightrft.engine import Continuation, Request, SamplingParams
 from lightrft.engine.config import EngineConfig
 from lightrft.environments import build_environment, check_environment, stop_at_turn_end
 from lightrft.evaluation import evaluate_dataset, summarize
-from lightrft.export import is_checkpoint, read_export_spec, resolve_model_dir
+from lightrft.export import read_export_spec, resolve_model_dir
 from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward, reward_names
-from lightrft.sections import ModelConfig, RunConfig, check_model_path
+from lightrft.sections import ModelConfig, RunConfig, check_model_path, is_checkpoint_dir
 from lightrft.training.run import TrainingRun, training_run
 
 
@@ -91,7 +91,7 @@ class EvalConfig(Section):
             if val is not None and names and val not in names:
                 raise ValueError(f"{key}={val!r} is not a reward function; they are {names}")
         check_model_path(self.model.path, prepare=self.run.prepare, checkpoint=True)
-        if is_checkpoint(self.model.path):  # its model files are checked once it is exported
+        if is_checkpoint_dir(self.model.path):  # its model files are checked once it is exported
             try:  # what the export needs is there
                 read_export_spec(self.model.path)
             except ValueError as e:

@@ -89,9 +89,7 @@ class SFTRecipe:
             m.path, trust_remote_code=m.trust_remote_code, template_args=m.chat_template_args
         )
         self.dataset = config.instantiate(d.dataset, self.processor)
-        eval_dataset = None
-        if d.eval_dataset is not None:
-            eval_dataset = config.instantiate(d.eval_dataset, self.processor)
+        eval_dataset = config.instantiate(d.eval_dataset, self.processor)  # None without one
 
         def prepare(model: torch.nn.Module) -> torch.nn.Module:
             # Before sharding: freeze (or not) the vision / audio towers, add LoRA adapters.
@@ -126,15 +124,14 @@ class SFTRecipe:
         )
         # One loader batch is one optimizer step's samples on this rank, collated into its
         # micro-batches: batch_size rows each, or by the token budget (shortest first).
+        loader_kw = dict(seed=o.run.seed, rank=data.rank, world_size=data.world_size)
         self.loader = build_dataloader(
             self.dataset,
             batch_size=d.batch_size * accum,
             shuffle=True,
-            seed=o.run.seed,
             collate_fn=StepCollator(collate, d.batch_size, d.micro_batch_tokens, packing=d.packing),
-            rank=data.rank,
-            world_size=data.world_size,
             drop_last=True,
+            **loader_kw,
         )
         self.eval_loader = None
         if eval_dataset is not None:
@@ -142,11 +139,9 @@ class SFTRecipe:
                 eval_dataset,
                 batch_size=d.batch_size,
                 shuffle=False,
-                seed=o.run.seed,
                 collate_fn=collate,
-                rank=data.rank,
-                world_size=data.world_size,
                 drop_last=False,
+                **loader_kw,
             )
         if len(self.loader) == 0:
             raise ValueError(

@@ -4,6 +4,7 @@ models and the interface recipes call."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,16 +26,11 @@ class Strategy:
         self.cfg, self.dist = cfg, dist
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self._mesh, self._mesh_built = None, False
-        self._sp, self._sp_built = None, False
 
-    @property
+    @functools.cached_property
     def mesh(self):
         """The FSDP2 device mesh (None in one process); built on first use."""
-        if not self._mesh_built:
-            self._mesh = build_mesh(self.cfg.shard_size, self.cfg.replicate_size, self.dist.device)
-            self._mesh_built = True
-        return self._mesh
+        return build_mesh(self.cfg.shard_size, self.cfg.replicate_size, self.dist.device)
 
     @property
     def lora(self):
@@ -42,20 +38,18 @@ class Strategy:
 
     # -- sequence parallelism -------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def sequence_parallel(self):
         """This rank's :class:`~lightrft.models.ulysses.Ulysses` SP group (``sequence_parallel:
         N`` > 1), else None; built on first use (collective: every rank asks at once). Pass it
         to the log-prob / loss funnel (``sequence_parallel=``)."""
-        if not self._sp_built:
-            n = self.cfg.sequence_parallel
-            if n > 1:
-                from lightrft.models.ulysses import Ulysses, sp_groups
+        n = self.cfg.sequence_parallel
+        if n == 1:
+            return None
+        from lightrft.models.ulysses import Ulysses, sp_groups
 
-                group, rank = sp_groups(n)
-                self._sp = Ulysses(group, n, rank)
-            self._sp_built = True
-        return self._sp
+        group, rank = sp_groups(n)
+        return Ulysses(group, n, rank)
 
     @property
     def data_dist(self) -> DistInfo:

@@ -142,15 +142,6 @@ def _named(obj: Any, what: str) -> dict[str, Any]:
     return {DEFAULT_NAME: obj}
 
 
-def _unwrap(e: CheckpointException) -> BaseException:
-    """The first rank's own exception inside DCP's ``CheckpointException`` (a BaseException
-    that ``except Exception`` would miss); ``e`` itself when it wraps nothing usable."""
-    for exc, _trace in e.failures.values():
-        if isinstance(exc, (UnsafeCheckpointError, OSError)):
-            return exc
-    return e
-
-
 class CheckpointError(UserError):
     """A checkpoint that cannot be resumed (damaged, from another model, an odd pointer): the
     message names the file or checkpoint and the way out. Not a ``ValueError``, so a config
@@ -263,10 +254,13 @@ def check_readable(path: Path) -> dict[str, Any]:
 
 def _load_failed(path: Path, e: CheckpointException) -> Exception:
     """DCP's wrapped failure as one line: another model's shapes, or a damaged file."""
-    inner = _unwrap(e)
+    # The first rank's own exception inside DCP's ``CheckpointException`` (a BaseException that
+    # ``except Exception`` would miss); ``e`` itself when it wraps nothing usable.
+    failures = [exc for exc, _trace in e.failures.values()]
+    inner = next((x for x in failures if isinstance(x, (UnsafeCheckpointError, OSError))), e)
     if isinstance(inner, UnsafeCheckpointError):
         return inner
-    for exc, _trace in e.failures.values():
+    for exc in failures:
         if "size mismatch" in str(exc).lower():
             return CheckpointError(
                 f"checkpoint {path} is from a different model ({_first_line(exc)}): resume with "
@@ -435,24 +429,19 @@ class Checkpointer:
         that are not text) is ignored with a warning naming the pointer file."""
         pointer = self.root / LATEST
         if pointer.is_file():
-            target = self._pointed(pointer)
-            if target is not None and (target / META).is_file():
-                return target
+            try:
+                name = pointer.read_bytes().decode("utf-8").strip()
+            except (OSError, UnicodeDecodeError):
+                name = None
+            if name is None or not STEP_DIR.match(name):
+                _warn(
+                    f"{pointer} does not hold a plain step_N name ({name!r}); ignored, the newest "
+                    "complete checkpoint in this directory is used"
+                )
+            elif (self.root / name / META).is_file():
+                return self.root / name
         complete = self.list_checkpoints()
         return complete[-1] if complete else None
-
-    def _pointed(self, pointer: Path) -> Path | None:
-        try:
-            name = pointer.read_bytes().decode("utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            name = None
-        if name is None or not STEP_DIR.match(name):
-            _warn(
-                f"{pointer} does not hold a plain step_N name ({name!r}); ignored, the newest "
-                "complete checkpoint in this directory is used"
-            )
-            return None
-        return self.root / name
 
     def latest_readable(self) -> Path | None:
         """:meth:`latest` when it is readable (:func:`check_readable`), else the newest older
@@ -628,8 +617,7 @@ class Checkpointer:
         not reshard: refused.
         """
         path = Path(path)
-        meta_file = path / META
-        if not meta_file.is_file():
+        if not (path / META).is_file():
             raise ValueError(
                 f"{path} is not a complete checkpoint (no {META}); "
                 f"complete ones: {[p.name for p in self.list_checkpoints()]}"
@@ -654,8 +642,18 @@ class Checkpointer:
         rank, world = _rank(), _world_size()
         needs_rank_state = bool(loaders_) or restore_rng
         changes = []
-        if config is not None:
-            changes = self._check_config(path, meta, config, override_lr, needs_rank_state)
+        saved_config = None if config is None else read_saved_config(path)
+        if config is not None and saved_config is None and rank == 0:
+            print(f"resume: {path} holds no config record; config changes are not checked")
+        elif saved_config is not None:
+            changes = check_resume_config(
+                saved_config,
+                json.loads(json.dumps(dict(config), default=str)),  # same normalisation as saved
+                path=path,
+                override_lr=override_lr,
+                saved_world_size=int(meta["world_size"]) if needs_rank_state else None,
+                world_size=world,
+            )
         new_lrs = _base_lrs(optims_)
         saved_world = int(meta["world_size"])
         resharded = saved_world != world
@@ -709,28 +707,6 @@ class Checkpointer:
             world_size=int(meta["world_size"]),
             rng=per_rank["rng"],
             config_changes=changes,
-        )
-
-    @staticmethod
-    def _check_config(
-        path: Path,
-        meta: Mapping[str, Any],
-        config: Mapping[str, Any],
-        override_lr: bool,
-        per_rank: bool,
-    ) -> list[ConfigChange]:
-        saved = read_saved_config(path)
-        if saved is None:
-            if _rank() == 0:
-                print(f"resume: {path} holds no config record; config changes are not checked")
-            return []
-        return check_resume_config(
-            saved,
-            json.loads(json.dumps(dict(config), default=str)),  # same normalisation as saved
-            path=path,
-            override_lr=override_lr,
-            saved_world_size=int(meta["world_size"]) if per_rank else None,
-            world_size=_world_size(),
         )
 
     def load_latest(self, *, required: bool = False, **load: Any) -> CheckpointState | None:

@@ -23,7 +23,7 @@ from lightrft.engine.sync import iter_weight_buckets
 from lightrft.models.export import export_hf, writing_dir
 from lightrft.models.forward import unwrap_peft
 from lightrft.models.lora import export_adapter
-from lightrft.sections import LoraConfig
+from lightrft.sections import STRATEGIES, LoraConfig
 
 
 def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
@@ -80,7 +80,6 @@ def export_trained(
 # A checkpoint as the run's final export (`lightrft export`), on one process
 
 KINDS = ("causal_lm", "reward_net")
-STRATEGIES = ("fsdp2", "deepspeed")
 
 
 @dataclass(frozen=True)

@@ -133,15 +133,12 @@ class MetricLogger:
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in (self._jsonl, self._tb):
+            if sink is not None:
+                sink.close()
         if self._wandb is not None:
             self._wandb.finish()
-            self._wandb = None
+        self._jsonl = self._tb = self._wandb = None
 
     def __enter__(self) -> MetricLogger:
         return self
@@ -183,9 +180,9 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
                 kept.append(json.dumps(row) + "\n")
             elif step <= last_step:
                 kept.append(json.dumps(row) + "\n")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    from lightrft.training.safe_state import write_atomic  # (imports DCP: only when resuming)
+
+    write_atomic(path, "".join(kept).encode("utf-8"))
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -99,14 +99,8 @@ def release_output_dir(path: str | os.PathLike) -> None:
         lock.unlink(missing_ok=True)
 
 
-def previous_run_outputs(path: str | os.PathLike) -> list[str]:
-    """Names of the run outputs (:data:`RUN_OUTPUTS`) present in ``path``."""
-    p = Path(path)
-    return [name for name in RUN_OUTPUTS if (p / name).exists()]
-
-
 def _check_fresh_run(p: Path, *, resume: bool, overwrite: bool) -> None:
-    found = previous_run_outputs(p)
+    found = [name for name in RUN_OUTPUTS if (p / name).exists()]
     if not found or resume:
         return
     if overwrite:

@@ -344,35 +344,21 @@ def model_state_terms(shape: ModelShape, t: TrainedSetup, label: str) -> list[Te
         total += trained
     else:
         trained = total
-    m = t.master_bytes
-    if t.zero_stage:  # DeepSpeed ZeRO: params whole below stage 3, grads whole below stage 2
-        p_div = t.shard if t.zero_stage == 3 else 1
-        g_div = t.shard if t.zero_stage >= 2 else 1
-        params = math.ceil(total * m / p_div)
-        grads = math.ceil(trained * m / g_div)
-        optim = math.ceil(trained * 2 * m / t.shard)
-        p_host = params if t.offload_params else 0
-        o_host = optim if t.offload_optimizer else 0
-        return [
-            Term(f"{label} parameters", params - p_host, p_host, f"ZeRO-{t.zero_stage}"),
-            Term(f"{label} gradients", grads, 0, f"ZeRO-{t.zero_stage}"),
-            Term(f"{label} optimizer state", optim - o_host, o_host, "AdamW: 2 states"),
-        ]
-    params = math.ceil(total * m / t.shard)
-    grads = math.ceil(trained * m / t.shard)
-    optim = math.ceil(trained * 2 * m / t.shard)
-    where = "host (offload: params)" if t.offload_params else f"1/{t.shard} each"
-    if t.offload_params:
-        return [
-            Term(f"{label} parameters", 0, params, where),
-            Term(f"{label} gradients", 0, grads, where),
-            Term(f"{label} optimizer state", 0, optim, "AdamW: 2 states, " + where),
-        ]
-    return [
-        Term(f"{label} parameters", params, 0, where),
-        Term(f"{label} gradients", grads, 0, where),
-        Term(f"{label} optimizer state", optim, 0, "AdamW: 2 states, " + where),
-    ]
+    m, z = t.master_bytes, t.zero_stage
+    if z:  # DeepSpeed ZeRO: params whole below stage 3, grads whole below stage 2
+        ranks = (t.shard if z == 3 else 1, t.shard if z >= 2 else 1, t.shard)
+        host = (t.offload_params, False, t.offload_optimizer)
+        notes = (f"ZeRO-{z}", f"ZeRO-{z}", "AdamW: 2 states")
+    else:  # FSDP2: each split over the shard group; offload: params moves all three to the host
+        where = "host (offload: params)" if t.offload_params else f"1/{t.shard} each"
+        ranks, host = (t.shard,) * 3, (t.offload_params,) * 3
+        notes = (where, where, "AdamW: 2 states, " + where)
+    terms = []
+    names, sizes = ("parameters", "gradients", "optimizer state"), (total, trained, trained * 2)
+    for name, size, r, on_host, note in zip(names, sizes, ranks, host, notes, strict=True):
+        n = math.ceil(size * m / r)
+        terms.append(Term(f"{label} {name}", 0 if on_host else n, n if on_host else 0, note))
+    return terms
 
 
 def gathered_bytes(shape: ModelShape, t: TrainedSetup, *, trained: bool) -> int:
@@ -474,8 +460,6 @@ def check_sequence_parallel(p: PlanInputs) -> None:
     from lightrft.sections import check_sequence_parallel_model
 
     n, a, s, world = p.sequence_parallel, p.actor, p.model, p.cluster.world
-    if n < 1:
-        raise ValueError(f"sequence_parallel must be >= 1, got {n}")
     strategy_rule(
         n,
         world,
@@ -525,10 +509,11 @@ def plan(p: PlanInputs) -> Plan:
     check_sequence_parallel(p)
     n = p.sequence_parallel
     states = model_state_terms(s, a, "actor")
-    resting = [
-        Term(t.name, t.device_bytes if "gradients" not in t.name else 0, t.host_bytes, t.note)
-        for t in states
-    ]  # between steps the gradients are freed (zero_grad(set_to_none=True))
+    critic_states = [] if p.critic is None else model_state_terms(s, p.critic, "critic")
+    resting = [  # between steps the gradients are freed (zero_grad(set_to_none=True))
+        Term(t.name, 0 if "gradients" in t.name else t.device_bytes, t.host_bytes, t.note)
+        for t in [*states, *critic_states]
+    ]
     sp = {"sequence_parallel": n}
     acts_no = activation_bytes(s, tok, b, ckpt=False, repeat_kv=p.repeat_kv, **sp)
     acts_ck = activation_bytes(s, tok, b, ckpt=True, repeat_kv=p.repeat_kv, **sp)
@@ -541,9 +526,6 @@ def plan(p: PlanInputs) -> Plan:
         if frozen is not None:
             size = math.ceil(frozen.params * a.master_bytes / ranks)
             common.append(Term(f"{name} parameters", size, 0, "frozen, FSDP2-sharded"))
-    critic_states: list[Term] = []
-    if p.critic is not None:
-        critic_states = model_state_terms(s, p.critic, "critic")
     for rm in p.reward_models:
         size = rm.shape.params * rm.dtype_bytes
         on_gpu = rm.on_gpu and not rm.offload
@@ -558,15 +540,11 @@ def plan(p: PlanInputs) -> Plan:
     awake = asleep = None
     if p.engine is not None:
         awake, asleep = engine_terms(s, p.engine, p.cluster)
-    critic_resting = [
-        Term(t.name, 0 if "gradients" in t.name else t.device_bytes, t.host_bytes, t.note)
-        for t in critic_states
-    ]
     phases: list[Phase] = []
     if awake is not None:
-        phases.append(Phase("rollout", tuple([*resting, *critic_resting, *common, awake])))
+        phases.append(Phase("rollout", tuple([*resting, *common, awake])))
     gathered_fwd = gathered_bytes(s, a, trained=False)
-    scoring = [*resting, *critic_resting, *common]
+    scoring = [*resting, *common]
     if asleep is not None:
         scoring.append(asleep)
     scoring += [
@@ -582,12 +560,10 @@ def plan(p: PlanInputs) -> Plan:
     train = [*states, *common]
     if not p.accumulation:
         g = next(i for i, t in enumerate(train) if t.name == "actor gradients")
-        grads = train[g]
-        train[g] = Term(
-            grads.name,
-            max(0, grads.device_bytes - acts),
-            grads.host_bytes,
-            "one micro-batch per step: written as its activations free",
+        train[g] = replace(
+            train[g],
+            device_bytes=max(0, train[g].device_bytes - acts),
+            note="one micro-batch per step: written as its activations free",
         )
     if asleep is not None:
         train.append(asleep)
@@ -626,8 +602,9 @@ def plan(p: PlanInputs) -> Plan:
                 f"GPU at tensor_parallel_size={e.tensor_parallel}), with no room for a KV cache"
             )
     result = Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive, blocked=blocked)
-    advice = {ph.name: _advice(result, ph) for ph in phases if not result.fits(ph)}
-    return Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive, advice, blocked)
+    return replace(
+        result, advice={ph.name: _advice(result, ph) for ph in phases if not result.fits(ph)}
+    )
 
 
 def _advice(plan_: Plan, phase: Phase) -> tuple[str, ...]:
@@ -791,27 +768,17 @@ def inputs_from_options(
     # FSDP2 computes in bf16 on accelerators (lightrft.models.parallel.default_param_dtype);
     # this project's DeepSpeed path has no mixed precision: it computes in the master dtype.
     compute = master if deepspeed or device == "cpu" else 2
-    if deepspeed:
-        ds = st.deepspeed
-        actor = TrainedSetup(
-            master,
-            compute,
-            world,
-            zero_stage=ds.stage,
-            offload_params=ds.offload_param,
-            offload_optimizer=ds.offload_optimizer,
-            activation_checkpointing=m.activation_checkpointing,
-        )
-    else:
-        _, shard = mesh_shape(st.shard_size, st.replicate_size, world)
-        actor = TrainedSetup(
-            master,
-            compute,
-            shard,
-            offload_params=st.offload == "params",
-            activation_checkpointing=m.activation_checkpointing,
-            lora_rank=st.lora.rank if st.lora is not None else None,
-        )
+    ds = st.deepspeed  # None under FSDP2; the config refuses LoRA, HSDP and offload with it
+    actor = TrainedSetup(
+        master,
+        compute,
+        world if ds else mesh_shape(st.shard_size, st.replicate_size, world)[1],
+        zero_stage=ds.stage if ds else 0,
+        offload_params=ds.offload_param if ds else st.offload == "params",
+        offload_optimizer=ds.offload_optimizer if ds else False,
+        activation_checkpointing=m.activation_checkpointing,
+        lora_rank=st.lora.rank if st.lora is not None else None,
+    )
     notes: list[str] = []
     sp = 1 if deepspeed else st.sequence_parallel
     if recipe == "grpo":

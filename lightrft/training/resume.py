@@ -150,22 +150,16 @@ def check_resume_config(
     if resharded:
         allowed = (*allowed, *RESHARD_KEYS)
     changes = config_changes(saved, current, allowed=allowed)
-    needs_opt_in = ("lr", "schedule")
-    bad = [
-        c for c in changes if c.kind == "refused" or (c.kind in needs_opt_in and not override_lr)
-    ]
-    lines = [f"  {c}" for c in bad if c.kind == "refused"]
-    lines += [
-        f"  {c} (set resume_override_lr=true to apply the new learning rate)"
-        for c in bad
-        if c.kind == "lr"
-    ]
-    lines += [
-        f"  {c} (the lr_scheduler would be stretched over the new length and the learning rate "
-        "would jump at the resume step; set resume_override_lr=true to accept that)"
-        for c in bad
-        if c.kind == "schedule"
-    ]
+    # What each kind of change that cannot be honoured says (the opt-in ones without the flag).
+    why = {
+        "refused": "",
+        "lr": " (set resume_override_lr=true to apply the new learning rate)",
+        "schedule": " (the lr_scheduler would be stretched over the new length and the learning "
+        "rate would jump at the resume step; set resume_override_lr=true to accept that)",
+    }
+    if override_lr:
+        why = {"refused": ""}
+    lines = [f"  {c}{note}" for kind, note in why.items() for c in changes if c.kind == kind]
     if lines:
         raise ConfigError(
             f"cannot resume from {path}: the config changed in ways the checkpoint cannot "

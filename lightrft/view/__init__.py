@@ -103,20 +103,15 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
                 continue
             if not raw.strip():
                 continue
-            row = _json_or_none(raw.decode("utf-8", errors="replace"))
+            try:
+                row = json.loads(raw.decode("utf-8", errors="replace"))
+            except (ValueError, RecursionError):  # JSONDecodeError, 4300-digit ints, deep nesting
+                row = None
             if isinstance(row, dict):
                 rows.append(row)
             else:
                 bad += 1
     return rows, bad
-
-
-def _json_or_none(text: str) -> Any:
-    """``json.loads(text)``, or None for anything that is not JSON Python can hold."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):  # JSONDecodeError, 4300-digit ints, deep nesting
-        return None
 
 
 def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
