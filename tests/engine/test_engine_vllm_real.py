@@ -693,7 +693,7 @@ def test_qwen2_vl_is_refused_on_cpu_by_name(tmp_path, no_load):
 # ------------------------------------------------------------------ recipes with engine: vllm
 
 
-def run_cli(*args: str) -> str:
+def run_cli(*args: str, cwd=None) -> str:
     """``lightrft <args>`` in a process of its own: a recipe owns its process group and its
     engine, whose teardown must not reach the engines this session keeps alive."""
     import os
@@ -712,6 +712,7 @@ def run_cli(*args: str) -> str:
         text=True,
         timeout=900,
         env=env,
+        cwd=cwd,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout
@@ -850,3 +851,20 @@ def test_asynchronous_grpo_generates_with_vllm_in_its_own_process(tmp_path):
     assert [rows[s]["rollout/policy_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert rows[1]["train/kl"] < 1e-6 and rows[2]["train/kl"] < 1e-6, rows
     assert rows[3]["train/kl"] > 1e-4, rows[3]
+
+
+def test_the_tool_demo_with_vllm_chains_as_shipped(tmp_path):
+    """tiny/tool_sft_vllm -> tool_grpo_vllm -> tool_eval_vllm, cut down: each reads the last's
+    outputs, and vLLM plays the calculator episodes (the full runs: docs/grpo.md)."""
+    import json
+
+    data = ["prepare.1.n_train=64", "prepare.1.n_test=8", "prepare.1.n_sft=64"]
+    sft = ["max_steps=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
+    grpo = ["max_steps=1", "rollout.prompts_per_step=2", "rollout.n=2", *sft[1:]]
+    run_cli("run", "sft", "--config", "tiny/tool_sft_vllm", *data, *sft, cwd=tmp_path)
+    run_cli("run", "grpo", "--config", "tiny/tool_grpo_vllm", *grpo, cwd=tmp_path)
+    run_cli(
+        "run", "eval", "--config", "tiny/tool_eval_vllm", "sampling.n=1", "ks=[1]", cwd=tmp_path
+    )
+    summary = json.loads((tmp_path / "outputs/tiny/tool_eval_vllm/summary.json").read_text())
+    assert summary["prompts"] == 8 and "env/tool_use_frac" in summary
