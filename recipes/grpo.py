@@ -55,7 +55,6 @@ from lightrft.algorithms.distillation import (
     DistillationConfig,
     distillation_advantages,
 )
-from lightrft.algorithms.mismatch import mismatch_metrics
 from lightrft.config import Component, Section, option, section
 from lightrft.distributed import sum_over_ranks
 from lightrft.engine.config import RolloutConfig
@@ -378,7 +377,7 @@ class GRPORecipe:
         need_tokens = o.trajectory_tokens and not (need_old and need_entropy)
         # An external engine's samples: the trainer's log-probs for rollout/mismatch/* (one
         # forward more) when no other pass gives them.
-        need_mismatch = o.engine.backend != "native" and not need_old
+        need_mismatch = (o.engine.backend != "native" or alg.mismatch.is_set()) and not need_old
         jobs = [
             ("old_logprobs", self.model, need_old or need_entropy),
             ("mismatch", self.model, need_mismatch),
@@ -433,11 +432,13 @@ class GRPORecipe:
         if o.trajectory_tokens and not need_tokens:  # the old log-prob pass had both
             self.token_stats = {"logprobs": pre.old_logprobs, "entropy": pre.entropy}
         # rollout/mismatch/*: the engine's log-probs against the trainer's pre-update ones,
-        # where the step has them (always with an external engine).
+        # where the step has them (always with an external engine or algorithm.mismatch), and
+        # the tokens algorithm.mismatch's corrections keep.
         trainer = self.token_stats.pop("mismatch", pre.old_logprobs)
         if trainer is None:
             return pre, {}
-        return pre, mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
+        keep, metrics = alg.mismatch.apply(trainer, batch.rollout_logprobs, batch.response_mask)
+        return dataclasses.replace(pre, keep=keep), metrics
 
     # ------------------------------------------------------------------ advantages
 
@@ -481,11 +482,11 @@ class GRPORecipe:
         valid = adv[mask]
         metrics["train/advantage/mean"] = float(valid.mean()) if valid.numel() else 0.0
         metrics["train/advantage/abs_mean"] = float(valid.abs().mean()) if valid.numel() else 0.0
-        loss_mask = None
+        loss_mask = pre.keep  # algorithm.mismatch's kept tokens (None: all)
         if alg.entropy.top_rho is not None:
-            loss_mask = high_entropy_mask(pre.entropy, mask, alg.entropy.top_rho) & mask
-            frac = loss_mask.sum() / mask.sum().clamp_min(1)
-            metrics["train/high_entropy_frac"] = float(frac)
+            high = high_entropy_mask(pre.entropy, mask, alg.entropy.top_rho) & mask
+            metrics["train/high_entropy_frac"] = float(high.sum() / mask.sum().clamp_min(1))
+            loss_mask = high if loss_mask is None else high & loss_mask
         return Advantages(torch.where(mask, adv.float(), zero), returns, loss_mask), metrics
 
     # ------------------------------------------------------------------ loss

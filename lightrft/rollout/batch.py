@@ -249,13 +249,15 @@ class Precomputed:
     """What the trainer computes of a step's samples before its update, ``[B, R]`` float32
     (None when the step needs none): ``old_logprobs`` (the trainer's; None: exactly on-policy,
     ratio 1), ``ref_logprobs`` (reference model, with a KL), ``teacher_logprobs`` (on-policy
-    distillation's teacher), ``values`` (critic), ``entropy`` (for high-entropy selection)."""
+    distillation's teacher), ``values`` (critic), ``entropy`` (for high-entropy selection),
+    ``keep`` (bool: the tokens ``algorithm.mismatch``'s corrections keep)."""
 
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     teacher_logprobs: Tensor | None = None
     values: Tensor | None = None
     entropy: Tensor | None = None
+    keep: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)

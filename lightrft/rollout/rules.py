@@ -32,13 +32,15 @@ def check_rollout(opts: Any) -> None:
 
 
 def _check_off_policy(opts: Any, key: str, *, engine: str, episodes: str, samples: str):
-    """The rules of every setting that trains on samples the native engine drew under older
-    weights (partial rollouts' carried tokens, asynchronous rollout's batches); ``key`` names the
+    """The rules of every setting that trains on samples an engine drew under older weights
+    (partial rollouts' carried tokens, asynchronous rollout's batches); ``key`` names the
     setting, the other arguments say why each rule holds for it."""
-    if opts.engine.backend != "native":
+    e = opts.engine
+    if e.backend not in ("native", "vllm") or (e.tensor_parallel_size or 1) > 1:
+        got = f"engine.backend={e.backend}, tensor_parallel_size={e.tensor_parallel_size or 1}"
         raise ValueError(
-            f"{key} needs engine.backend=native ({engine}), got engine.backend="
-            f"{opts.engine.backend}: use engine.backend=native"
+            f"{key} needs engine.backend=native or vllm with tensor_parallel_size 1 ({engine}), "
+            f"got {got}"
         )
     if opts.environment is not None:
         raise ValueError(
@@ -61,7 +63,7 @@ def _check_partial(opts: Any) -> None:
     _check_off_policy(
         opts,
         key,
-        engine="the engine that cuts and resumes rows",
+        engine="an engine that cuts and resumes its own rows",
         episodes="a multi-turn row cannot be cut",
         samples="carried tokens were sampled by older weights",
     )
@@ -78,7 +80,7 @@ def _check_asynchronous(opts: Any) -> None:
     _check_off_policy(
         opts,
         key,
-        engine="it generates in a process of its own; the others are colocated only",
+        engine="it generates in one process of its own",
         episodes="the generating process does not play multi-turn episodes",
         samples="it trains on samples of an older policy",
     )

@@ -53,11 +53,11 @@ def test_icepop_masks_tokens_whose_ratio_leaves_the_band():
 
 def test_geometric_rejection_uses_the_geometric_mean_and_the_veto():
     # geometric means: exp((0 - ln2 + ln2) / 3) = 1 and exp((ln3 - ln2) / 2) = sqrt(1.5) = 1.2247
-    tm, kept = geometric_rejection(*_case(), low=0.999, high=1.001, veto=None)
+    tm, kept = geometric_rejection(*_case(), low=0.999, high=1.001, veto=0)
     assert kept.tolist() == [True, False] and tm.tolist() == [[1, 1, 1], [0, 0, 0]]
-    tm, kept = geometric_rejection(*_case(), low=0.9, high=math.sqrt(1.5) + 1e-6, veto=None)
+    tm, kept = geometric_rejection(*_case(), low=0.9, high=math.sqrt(1.5) + 1e-6, veto=0)
     assert kept.tolist() == [True, True] and tm.tolist() == [[1, 1, 1], [1, 1, 0]]
-    tm, kept = geometric_rejection(*_case(), low=0.9, high=math.sqrt(1.5) - 1e-6, veto=None)
+    tm, kept = geometric_rejection(*_case(), low=0.9, high=math.sqrt(1.5) - 1e-6, veto=0)
     assert kept.tolist() == [True, False]
     # veto 0.55: both rows hold a token of ratio 1/2, so both go although their means pass;
     # veto 0.45 is below every ratio
@@ -70,3 +70,19 @@ def test_geometric_rejection_uses_the_geometric_mean_and_the_veto():
     assert kept.tolist() == [True, True]  # nothing sampled: nothing to reject
     with pytest.raises(ValueError, match="veto"):
         geometric_rejection(t, e, mask, veto=1.5)
+
+
+def test_the_algorithm_section_combines_both_and_logs_their_fractions():
+    from omegaconf import OmegaConf
+
+    from lightrft.algorithms.config import MismatchConfig
+
+    node = OmegaConf.create({"icepop": {"low": 0.6, "high": 2.5}, "geometric": {"veto": 0}})
+    cfg = MismatchConfig.read(node, "algorithm.mismatch.")
+    keep, m = cfg.apply(*_case())
+    # icepop keeps [[1, 0, 1], [0, 0, 0]]; geometric (0.999..1.001) keeps row 0 only
+    assert keep.tolist() == [[True, False, True], [False, False, False]]
+    assert m["rollout/mismatch/icepop_masked_frac"] == pytest.approx(3 / 5, abs=1e-6)
+    assert m["rollout/mismatch/geometric_rejected_frac"] == pytest.approx(1 / 2, abs=1e-6)
+    assert m["rollout/mismatch/max_abs_delta"] == pytest.approx(LN3, abs=1e-6)
+    assert MismatchConfig.read(None, "algorithm.mismatch.").apply(*_case())[0] is None

@@ -7,6 +7,7 @@ native engine or a teacher-forced Hugging Face forward in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -212,6 +213,74 @@ def test_seeds_repeat_alone_or_batched_and_differ_between_seeds(engine, prompts)
     assert alone[0].token_ids != alone[1].token_ids  # each sample has its own stream
     other = engine.generate([Request(prompts[1])], SamplingParams(n=2, max_tokens=16, seed=8))
     assert [c.token_ids for c in other] != [c.token_ids for c in alone]
+
+
+def test_seeded_prompts_longer_than_a_step_are_prefilled_whole(vdir):
+    """More prompt tokens than one step takes (max_num_batched_tokens): a chunked prefill would
+    make vLLM 0.32 rewind a seeded row's CPU generator, which it cannot ("CPU Generator does not
+    use offset"); the engine prefills whole prompts on CPU."""
+    eng = build(vdir, max_model_len=256, max_num_batched_tokens=256)
+    reqs = [Request(list(range(3, 103))) for _ in range(8)]  # 800 prompt tokens
+    outs = eng.generate(reqs, SamplingParams(n=2, max_tokens=4, seed=5, ignore_eos=True))
+    assert len(outs) == 16 and all(len(c.token_ids) == 4 for c in outs)
+
+
+# ------------------------------------------------------------------ partial rollouts
+
+
+def _until_done(eng, reqs, sp, budget):
+    """Calls under ``budget`` until every sample finished, resuming the cut ones; the first
+    call's completions and the final ones."""
+    from lightrft.engine.protocol import Resume
+
+    first = eng.generate(reqs, sp, token_budget=budget)
+    done, calls = {(c.request_index, c.sample_index): c for c in first}, 0
+    while (cut := [c for c in done.values() if c.finish_reason == "partial"]) and calls < 50:
+        again = [
+            Request(reqs[c.request_index].prompt_token_ids,
+                    resume=Resume(c.sample_index, c.token_ids, c.logprobs))
+            for c in cut
+        ]  # fmt: skip
+        for c, new in zip(
+            cut, eng.generate(again, dataclasses.replace(sp, n=1), token_budget=budget), strict=True
+        ):
+            done[(c.request_index, c.sample_index)] = dataclasses.replace(
+                new, request_index=c.request_index
+            )
+        calls += 1
+    return first, [done[k] for k in sorted(done)]
+
+
+def test_a_token_budget_cuts_and_resumes_greedy_rows_as_the_native_engine(engine, native, prompts):
+    """Greedy: the rows a budget cuts, where it cuts them, and the responses once resumed to
+    the end, equal the native engine's and the uncut call's."""
+    reqs = [Request(p) for p in prompts + prompts]  # vLLM refuses n > 1 when greedy
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    whole = engine.generate(reqs, sp)
+    (vf, vd), (nf, nd) = (_until_done(e, reqs, sp, budget=20) for e in (engine, native))
+    key = lambda cs: [(c.request_index, c.sample_index, c.token_ids, c.finish_reason) for c in cs]  # noqa: E731
+    assert key(vf) == key(nf)
+    assert sum(c.finish_reason == "partial" for c in vf) == 8  # 8 rows, 2-3 tokens each
+    assert 20 <= sum(len(c.token_ids) for c in vf) < 28
+    assert key(vd) == key(nd) == key(whole)
+    for a, b in zip(vd, whole, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=TOL, rtol=0
+        )
+
+
+def test_a_budget_that_cuts_nothing_draws_the_samples_of_one_call(engine, prompts):
+    """Each sample of a partial call is its own request seeded seed + j, as vLLM seeds the
+    samples of one request: a budget never reached changes no token."""
+    reqs = [Request(p) for p in prompts[:2]]
+    sp = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=11)
+    plain, partial = engine.generate(reqs, sp), engine.generate(reqs, sp, token_budget=10_000)
+    assert [(c.token_ids, c.finish_reason) for c in partial] == [
+        (c.token_ids, c.finish_reason) for c in plain
+    ]
+    assert len({tuple(c.token_ids) for c in plain}) > 1
+    with pytest.raises(ValueError, match="token_budget must be >= 1"):
+        engine.generate(reqs, sp, token_budget=0)
 
 
 def test_prompt_logprobs_equal_the_trainers(engine, hf, prompts):
@@ -624,7 +693,7 @@ def test_qwen2_vl_is_refused_on_cpu_by_name(tmp_path, no_load):
 # ------------------------------------------------------------------ recipes with engine: vllm
 
 
-def run_cli(*args: str) -> str:
+def run_cli(*args: str, cwd=None) -> str:
     """``lightrft <args>`` in a process of its own: a recipe owns its process group and its
     engine, whose teardown must not reach the engines this session keeps alive."""
     import os
@@ -635,12 +704,15 @@ def run_cli(*args: str) -> str:
     # a child that inherited it would fail to bind (EADDRINUSE): it picks its own.
     launch = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in launch}
+    here = os.path.dirname(os.path.abspath(__file__))  # TextReward below, by its module name
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-m", "lightrft.cli", *args],
         capture_output=True,
         text=True,
         timeout=900,
         env=env,
+        cwd=cwd,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout
@@ -681,11 +753,20 @@ def test_eval_recipe_on_vllm_equals_the_native_engine(tmp_path):
     assert len(samples["vllm"]) == 6 and samples["vllm"] == samples["native"]
 
 
-def test_grpo_runs_on_vllm_and_logs_the_mismatch(tmp_path):
-    """Two GRPO steps with engine.backend=vllm on the CPU: the colocated vLLM generates, takes
-    each update through sync_weights, and every step logs rollout/mismatch/* (fp32: ~0)."""
+class TextReward:
+    """The response's character codes summed mod 10, / 10: even a random model's samples
+    differ, so every step has advantages."""
+
+    def __call__(self, samples):
+        return [sum(map(ord, s.response)) % 10 / 10 for s in samples]
+
+
+def grpo_config(tmp_path, **over) -> str:
+    """A two-step GRPO on a head_dim-64 model with engine.backend=vllm; ``over``: top-level
+    sections to replace or add."""
+    import yaml
+
     from lightrft.tasks import ensure_arith_dataset, make_tiny_model
-    from lightrft.training.metrics import read_metrics
 
     make_tiny_model(
         tmp_path / "model", layers=2, hidden=128, heads=2, kv_heads=1, max_positions=128
@@ -700,25 +781,90 @@ def test_grpo_runs_on_vllm_and_logs_the_mismatch(tmp_path):
             "_component_": "lightrft.data.PromptDataset",
             "path": str(tmp_path / "data" / "train.jsonl"),
         },
-        "reward": {"_component_": "lightrft.rewards.MathVerifier"},
+        "reward": {"_component_": "test_engine_vllm_real.TextReward"},
         "engine": {"backend": "vllm", "max_model_len": 128, "max_num_seqs": 16},
         "rollout": {"prompts_per_step": 2, "n": 4, "max_tokens": 8},
         "algorithm": {"advantage": {"estimator": "grpo"}},
-        "train": {"micro_batch_size": 4, "ppo_epochs": 1},
+        "train": {"micro_batch_size": 8, "ppo_epochs": 1},
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
         "max_steps": 2,
         "metrics": {"tensorboard": False},
+        **over,
     }
-    import yaml
-
     path = tmp_path / "grpo.yaml"
     path.write_text("# lightrft run grpo --config grpo.yaml\n" + yaml.safe_dump(cfg))
-    run_cli("run", "grpo", "--config", str(path))
-    rows = [r for r in read_metrics(tmp_path / "out") if "rollout/mismatch/mean_abs_delta" in r]
+    return str(path)
+
+
+def train_rows(out) -> dict[int, dict]:
+    from lightrft.training.metrics import read_metrics
+
+    return {r["step"]: r for r in read_metrics(out) if "train/lr" in r}
+
+
+def test_grpo_runs_on_vllm_and_logs_the_mismatch(tmp_path):
+    """Two GRPO steps with engine.backend=vllm on the CPU: the colocated vLLM generates, takes
+    each update through sync_weights, and every step logs rollout/mismatch/* (fp32: ~0), with
+    IcePop and geometric rejection on, which mask nothing at that mismatch."""
+    mismatch = {"icepop": {}, "geometric": {}}
+    alg = {"advantage": {"estimator": "grpo"}, "mismatch": mismatch}
+    run_cli("run", "grpo", "--config", grpo_config(tmp_path, algorithm=alg))
+    rows = train_rows(tmp_path / "out")
     assert len(rows) == 2
-    for r in rows:
+    for r in rows.values():
         assert r["rollout/mismatch/max_abs_delta"] < TOL, r
         assert (
             abs(r["rollout/mismatch/seq_kl"]) < TOL
             and r["rollout/mismatch/frac_beyond_threshold"] == 0
         )
+        assert r["rollout/mismatch/icepop_masked_frac"] == 0
+        assert r["rollout/mismatch/geometric_rejected_frac"] == 0
+
+
+def test_partial_rollouts_on_vllm_carry_samples_and_train(tmp_path):
+    """rollout.partial on vLLM: 4 rows run at a time and 10 tokens end a step's generation, so
+    the second group starts late, is cut, and finishes at step 2 under the updated weights."""
+    alg = {"advantage": {"estimator": "grpo"}, "old_logprobs": "engine"}
+    rollout = {"prompts_per_step": 2, "n": 4, "max_tokens": 8, "partial": {"token_budget": 10}}
+    engine = {"backend": "vllm", "max_model_len": 128, "max_num_seqs": 4}
+    cfg = grpo_config(tmp_path, algorithm=alg, rollout=rollout, engine=engine)
+    run_cli("run", "grpo", "--config", cfg)
+    rows = train_rows(tmp_path / "out")
+    assert rows[2]["rollout/carried_tokens"] > 0 and rows[2]["rollout/max_version_lag"] == 1
+    assert all(r["rollout/trained_groups"] >= 1 for r in rows.values())
+
+
+def test_asynchronous_grpo_generates_with_vllm_in_its_own_process(tmp_path):
+    """rollout.asynchronous on 2 processes, vLLM in the generating one: steps 1 and 2 are
+    sampled by the initial policy (the k3 KL to it, from vLLM's log-probs, is float noise),
+    step 3 by the policy after step 1, which reached vLLM through the rollout link."""
+    alg = {
+        "advantage": {"estimator": "grpo"},
+        "old_logprobs": "engine",
+        "kl": {"coef": 1e-3, "placement": "reward"},
+    }
+    rollout = {"prompts_per_step": 2, "n": 4, "max_tokens": 8, "asynchronous": True}
+    opt = {"_component_": "torch.optim.AdamW", "lr": 1e-2}
+    cfg = grpo_config(tmp_path, algorithm=alg, rollout=rollout, max_steps=3, optimizer=opt)
+    run_cli("run", "--nproc_per_node", "2", "grpo", "--config", cfg)
+    rows = train_rows(tmp_path / "out")
+    assert [rows[s]["rollout/policy_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert rows[1]["train/kl"] < 1e-6 and rows[2]["train/kl"] < 1e-6, rows
+    assert rows[3]["train/kl"] > 1e-4, rows[3]
+
+
+def test_the_tool_demo_with_vllm_chains_as_shipped(tmp_path):
+    """tiny/tool_sft_vllm -> tool_grpo_vllm -> tool_eval_vllm, cut down: each reads the last's
+    outputs, and vLLM plays the calculator episodes (the full runs: docs/grpo.md)."""
+    import json
+
+    data = ["prepare.1.n_train=64", "prepare.1.n_test=8", "prepare.1.n_sft=64"]
+    sft = ["max_steps=2", "lr_scheduler.warmup_steps=0", "metrics.tensorboard=false"]
+    grpo = ["max_steps=1", "rollout.prompts_per_step=2", "rollout.n=2", *sft[1:]]
+    run_cli("run", "sft", "--config", "tiny/tool_sft_vllm", *data, *sft, cwd=tmp_path)
+    run_cli("run", "grpo", "--config", "tiny/tool_grpo_vllm", *grpo, cwd=tmp_path)
+    run_cli(
+        "run", "eval", "--config", "tiny/tool_eval_vllm", "sampling.n=1", "ks=[1]", cwd=tmp_path
+    )
+    summary = json.loads((tmp_path / "outputs/tiny/tool_eval_vllm/summary.json").read_text())
+    assert summary["prompts"] == 8 and "env/tool_use_frac" in summary

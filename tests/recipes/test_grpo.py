@@ -290,6 +290,49 @@ def test_trajectory_tokens_add_to_the_lines_and_change_no_number(tmp_path, asset
                 assert all(detail[k] is None for k in trained)
 
 
+def test_mismatch_corrections_narrow_the_policy_loss(tmp_path, assets):
+    """algorithm.mismatch: IcePop masks exactly the tokens whose ratio trainer / engine (the
+    trajectory files' ``logprob`` and ``engine_logprob``) leaves its band; bands nothing leaves
+    change no trained number. top_k=2: the engine reports log-probs renormalised over its two
+    tokens, below the trainer's (full distribution), so the ratios spread over (0, 1)."""
+    over = {"rollout.top_k": 2, "trajectories": True, "trajectory_tokens": True, "eval": None}
+
+    def run(name, mismatch):
+        (tmp_path / name).mkdir()
+        rows = _run(tmp_path / name, assets, eval_dataset=None, **over, algorithm=mismatch)
+        return _train_rows(rows)
+
+    def deltas(name, step):
+        lines = (tmp_path / name / "out" / f"trajectories/step_{step:06d}.jsonl").read_text()
+        tokens = [json.loads(line)["tokens"] for line in lines.splitlines()]
+        return [
+            a - b for t in tokens for a, b in zip(t["logprob"], t["engine_logprob"], strict=True)
+        ]
+
+    def trained(row):
+        return {k: v for k, v in row.items() if k.startswith(("train/", "reward/"))}
+
+    alg = {"advantage": {"estimator": "grpo"}}
+    plain = run("plain", alg)
+    wide = {"low": 1e-30, "high": 1e30}
+    both = {"icepop": wide, "geometric": {**wide, "veto": 0}}
+    for step, row in run("wide", {**alg, "mismatch": both}).items():
+        assert trained(row) == trained(plain[step])
+        assert row["rollout/mismatch/icepop_masked_frac"] == 0
+        assert row["rollout/mismatch/geometric_rejected_frac"] == 0
+    d = sorted(deltas("plain", 1))  # equal tokens of a group have equal ratios: find a gap
+    k = min(range(1, len(d)), key=lambda i: (d[i] - d[i - 1] < 1e-3, abs(i - len(d) / 2)))
+    low = math.exp((d[k - 1] + d[k]) / 2)
+    icepop = run("icepop", {**alg, "mismatch": {"icepop": {"low": low, "high": 2.0}}})
+    for step, row in icepop.items():
+        d = deltas("icepop", step)
+        expected = sum(not math.log(low) <= x <= math.log(2) for x in d) / len(d)
+        assert row["rollout/mismatch/icepop_masked_frac"] == pytest.approx(expected, abs=1e-6)
+        assert "rollout/mismatch/geometric_rejected_frac" not in row
+    assert 0.2 < icepop[1]["rollout/mismatch/icepop_masked_frac"] < 0.8
+    assert trained(icepop[1]) != trained(plain[1])
+
+
 def test_kl_in_reward_and_other_objectives(tmp_path, assets):
     for objective, extra in [
         ("gspo", {"algorithm.tis": {"mode": "sequence_mask"}}),
@@ -727,6 +770,21 @@ BAD_CONFIGS = [
         {"rollout.first_token_temperature": 2.0, "algorithm.tis": {"mode": "token"}},
         "first_token_temperature",
     ),
+    (
+        {"rollout.first_token_temperature": 2.0, "algorithm.mismatch": {"icepop": {}}},
+        "algorithm.tis or algorithm.mismatch",
+    ),
+    (
+        {"algorithm.mismatch": {"icepop": {"low": 2.0, "high": 3.0}}},
+        r"algorithm.mismatch.icepop.low < 1 < algorithm.mismatch.icepop.high is needed, got 2.0",
+    ),
+    ({"algorithm.mismatch": {"icepop": {"low": -0.5}}}, "icepop.low must be > 0, got -0.5"),
+    (
+        {"algorithm.mismatch": {"geometric": {"low": 1.01}}},
+        "algorithm.mismatch.geometric.low <= 1 <= algorithm.mismatch.geometric.high",
+    ),
+    ({"algorithm.mismatch": {"geometric": {"veto": 1.0}}}, "geometric.veto must be < 1 "),
+    ({"algorithm.mismatch": {"geometric": {"veto": -1}}}, "geometric.veto must be >= 0"),
     ({"rollout.top_p": 0.9, "algorithm.old_logprobs": "engine"}, "needs untruncated sampling"),
     ({"rollout.top_k": 5, "algorithm.old_logprobs": "engine"}, "needs untruncated sampling"),
     ({"algorithm.entropy": {"top_rho": 1.5}}, "top_rho must be in"),

@@ -107,10 +107,11 @@ REFUSED = [
     ),
     ({"algorithm.old_logprobs": None}, "2", "trains on samples of an older policy"),
     (
-        {"engine": {"backend": "vllm"}},
+        {"engine": {"backend": "vllm", "tensor_parallel_size": 2}},
         "2",
-        "rollout.asynchronous=true needs engine.backend=native (it generates in a process of "
-        "its own; the others are colocated only), got engine.backend=vllm",
+        "rollout.asynchronous=true needs engine.backend=native or vllm with tensor_parallel_size"
+        " 1 (it generates in one process of its own), got engine.backend=vllm, tensor_parallel_"
+        "size=2",
     ),
     (
         {
