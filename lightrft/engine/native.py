@@ -493,7 +493,7 @@ class NativeEngine:
         if continuation is not None:
             pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
         try:
-            run = _Trajectories(params, continuation, pool, self._observation_check)
+            run = _Trajectories(params, requests, continuation, pool, self._observation_check)
             return self._generate_all(
                 prompts, params, seeds, run, rows, requests, prior, token_budget
             )
@@ -951,11 +951,7 @@ class NativeEngine:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
         order (a resumed request's one row is its ``Resume.sample_index``: its random
         stream); every prompt ends at slot ``plen``."""
-        req, smp_idx = [], []
-        for i in range(len(prompts)):
-            req += [i] * params[i].n
-            res = requests[i].resume
-            smp_idx += list(range(params[i].n)) if res is None else [res.sample_index]
+        req, smp_idx = _rows(params, requests)
         per_row = [params[i] for i in req]
         stops = [self._stop_ids(p) for p in per_row]
         width = max(1, max(len(x) for x in stops))
@@ -1088,6 +1084,16 @@ class _Slots:
         self.keep, self.back, self.keep_shift = self.active, 0, self.active_shift
 
 
+def _rows(params: list[SamplingParams], requests: list[Request]) -> tuple[list[int], list[int]]:
+    """Each row's request and sample index, in (request, sample) order: ``n`` rows a request,
+    and a resumed request's one row keeps its ``Resume.sample_index``."""
+    req, smp = [], []
+    for i, (p, r) in enumerate(zip(params, requests, strict=True)):
+        req += [i] * p.n
+        smp += list(range(p.n)) if r.resume is None else [r.resume.sample_index]
+    return req, smp
+
+
 class _Trajectories:
     """Host-side bookkeeping of a call's trajectories: turn spans, where each ended and why,
     and the continuations running on the pool."""
@@ -1095,12 +1101,12 @@ class _Trajectories:
     def __init__(
         self,
         params: list[SamplingParams],
+        requests: list[Request],
         continuation: Continuation | None,
         pool: ThreadPoolExecutor | None,
         check: Callable[[object, Turn], list[int] | None],
     ) -> None:
-        self.request = [i for i, p in enumerate(params) for _ in range(p.n)]
-        self.sample = [j for p in params for j in range(p.n)]
+        self.request, self.sample = _rows(params, requests)
         self.max_turns = [params[i].max_turns for i in self.request]
         self.budget: list[int] = []  # set by the engine: response budget per row
         self.continuation, self.pool, self.check = continuation, pool, check

@@ -135,3 +135,24 @@ def test_bad_budgets_and_resumes_are_refused(tiny_model_dir, prompts, call, mess
     engine = NativeEngine(tiny_model_dir, max_model_len=256)
     with pytest.raises(ValueError, match=message):
         call(engine, prompts[0])
+
+
+def test_a_resumed_row_hands_its_own_sample_index_to_the_continuation(tiny_model_dir, prompts):
+    # A resumed request is one row, sample `Resume.sample_index` of its request: the turn the
+    # continuation sees must say so (an environment keys its episode on it), not sample 0.
+    engine = NativeEngine(tiny_model_dir, max_model_len=256, max_num_seqs=4)
+    first = engine.generate([Request(prompts[1])], SamplingParams(n=3, max_tokens=4, seed=3))[2]
+    seen = []
+
+    def record(turn):
+        seen.append((turn.request_index, turn.sample_index, turn.turn_index))
+        return None
+
+    every_token_stops = list(range(engine.vocab_size))
+    params = SamplingParams(max_tokens=24, seed=3, stop_token_ids=every_token_stops)
+    resume = Resume(first.sample_index, first.token_ids, first.logprobs)
+    out = engine.generate(
+        [Request(prompts[0]), Request(prompts[1], resume=resume)], params, continuation=record
+    )
+    assert [c.sample_index for c in out] == [0, 2]
+    assert sorted(seen) == [(0, 0, 0), (1, 2, 0)]
