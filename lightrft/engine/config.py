@@ -188,33 +188,33 @@ class RolloutConfig(Section):
     def resolve(self, at: str) -> RolloutConfig:
         if not self.temperature > 0:
             raise ValueError(
-                f"rollout.temperature must be > 0 (the trainer scores tokens at the sampling "
+                f"{at}temperature must be > 0 (the trainer scores tokens at the sampling "
                 f"temperature), got {self.temperature}"
             )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.asynchronous and world < 2:
             raise ValueError(
-                "rollout.asynchronous=true generates in a process of its own beside the "
+                f"{at}asynchronous=true generates in a process of its own beside the "
                 f"trainers, but this run has {world} process: launch it with "
                 "`lightrft run --nproc_per_node 2 ...` (the last process generates), or set "
-                "rollout.asynchronous=false"
+                f"{at}asynchronous=false"
             )
         if not self.asynchronous:
             for key in ("max_staleness", "generator_timeout_s"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"rollout.{key} applies to rollout.asynchronous=true only")
+                    raise ValueError(f"{at}{key} applies to {at}asynchronous=true only")
             # Asynchronous: one process draws all the step's prompts, every trainer gets them.
             if self.prompts_per_step % world:
                 raise ValueError(
-                    f"rollout.prompts_per_step={self.prompts_per_step} must be a multiple of the "
+                    f"{at}prompts_per_step={self.prompts_per_step} must be a multiple of the "
                     f"number of processes ({world})"
                 )
         self.sampling().validate()  # SamplingParams' own checks (top_p, top_k, FIRE...)
         budget, rows = self.partial.token_budget, self.prompts_per_step * self.n
         if budget is not None and budget < rows:
             raise ValueError(
-                f"rollout.partial.token_budget={budget} is less than one token per row of a "
-                f"step (rollout.prompts_per_step x rollout.n = {rows}); raise it to >= {rows}"
+                f"{at}partial.token_budget={budget} is less than one token per row of a "
+                f"step ({at}prompts_per_step x {at}n = {rows}); raise it to >= {rows}"
             )
         if self.asynchronous:
             return replace(

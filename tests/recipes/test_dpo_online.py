@@ -191,4 +191,10 @@ def test_bad_online_config_is_refused_by_name_before_models_load(tmp_path, asset
     refused("dataset: online DPO samples its own answers to prompts",
             dataset={"_component_": "lightrft.data.PreferenceDataset"})  # fmt: skip
     refused("loss.beta must be > 0", loss={"beta": 0.0})
+    # The rollout section's own rules name it where it sits: under online.
+    for over, key in (
+        ({"asynchronous": True}, "online.rollout.asynchronous=true generates"),
+        ({"partial": {"token_budget": 3}}, "online.rollout.partial.token_budget=3"),
+    ):
+        refused(key, online={"reward": reward, "rollout": {**rollout, "n": 4, **over}})
     assert not (tmp_path / "bad" / "out" / "checkpoints").exists()
