@@ -42,8 +42,7 @@ def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> T
             f"{name} has {rewards.numel()} entries, not a multiple of group_size={group_size}; "
             "keep every group whole (B = num_prompts * group_size)"
         )
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
+    rewards = _float(rewards)
     if not bool(torch.isfinite(rewards).all()):
         bad = (~torch.isfinite(rewards)).nonzero().flatten()[:8].tolist()
         raise ValueError(f"{name} contain NaN or inf at sample indices {bad}")
