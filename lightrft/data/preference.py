@@ -95,9 +95,8 @@ def response_start(
     elif not chat_template:
         prefix = prompt if isinstance(prompt, str) else ""
     else:
-        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prefix = tokenizer.apply_chat_template(
-            [dict(m) for m in turns], tokenize=False, add_generation_prompt=True
+            prompt_turns(prompt), tokenize=False, add_generation_prompt=True
         )
     head = tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
     n = 0
