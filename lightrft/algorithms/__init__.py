@@ -20,7 +20,6 @@ See docs/algorithms.md for formulas, config keys and papers.
 from lightrft.algorithms import advantages, kl, losses, preference, shaping
 from lightrft.algorithms.advantages import (
     ESTIMATORS,
-    GROUP_ESTIMATORS,
     Estimator,
     check_estimator,
     compute_advantages,
@@ -67,7 +66,6 @@ estimate_kl = kl.estimate
 __all__ = [
     "AGG_MODES",
     "ESTIMATORS",
-    "GROUP_ESTIMATORS",
     "OBJECTIVES",
     "AdaptiveKLController",
     "Estimator",

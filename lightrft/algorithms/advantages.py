@@ -322,9 +322,6 @@ ESTIMATORS: dict[str, Estimator] = {
 }
 """Config name -> :class:`Estimator`. Add an estimator with one entry here."""
 
-GROUP_ESTIMATORS = frozenset(name for name, e in ESTIMATORS.items() if e.group)
-"""Estimators that need ``group_size >= 2`` samples per prompt."""
-
 
 def check_estimator(
     estimator: str, options: Mapping[str, Any] | None = None, *, group_size: int | None = None
