@@ -20,7 +20,6 @@ See docs/algorithms.md for formulas, config keys and papers.
 from lightrft.algorithms import advantages, kl, losses, preference, shaping
 from lightrft.algorithms.advantages import (
     ESTIMATORS,
-    GROUP_ESTIMATORS,
     Estimator,
     check_estimator,
     compute_advantages,
@@ -35,7 +34,6 @@ from lightrft.algorithms.advantages import (
     to_token_rewards,
 )
 from lightrft.algorithms.kl import (
-    KL_CONTROLLERS,
     AdaptiveKLController,
     FixedKLController,
     build_kl_controller,
@@ -44,9 +42,7 @@ from lightrft.algorithms.kl import (
 )
 from lightrft.algorithms.losses import (
     AGG_MODES,
-    OBJECTIVE_DEFAULTS,
     OBJECTIVES,
-    TIS_MODES,
     Objective,
     aggregate,
     check_objective,
@@ -65,18 +61,12 @@ from lightrft.algorithms.shaping import (
     overlong_penalty,
 )
 
-KL_KINDS = kl.KINDS
 estimate_kl = kl.estimate
 
 __all__ = [
     "AGG_MODES",
     "ESTIMATORS",
-    "GROUP_ESTIMATORS",
-    "KL_CONTROLLERS",
-    "KL_KINDS",
     "OBJECTIVES",
-    "OBJECTIVE_DEFAULTS",
-    "TIS_MODES",
     "AdaptiveKLController",
     "Estimator",
     "Objective",

@@ -42,8 +42,7 @@ def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> T
             f"{name} has {rewards.numel()} entries, not a multiple of group_size={group_size}; "
             "keep every group whole (B = num_prompts * group_size)"
         )
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
+    rewards = _float(rewards)
     if not bool(torch.isfinite(rewards).all()):
         bad = (~torch.isfinite(rewards)).nonzero().flatten()[:8].tolist()
         raise ValueError(f"{name} contain NaN or inf at sample indices {bad}")
@@ -322,9 +321,6 @@ ESTIMATORS: dict[str, Estimator] = {
     "gae": Estimator(gae, "value", frozenset({"gamma", "lam"}), group=False),
 }
 """Config name -> :class:`Estimator`. Add an estimator with one entry here."""
-
-GROUP_ESTIMATORS = frozenset(name for name, e in ESTIMATORS.items() if e.group)
-"""Estimators that need ``group_size >= 2`` samples per prompt."""
 
 
 def check_estimator(

@@ -66,8 +66,7 @@ class PolicyLossConfig(Section):
     norm_len: int | None = option(None, ge=1, doc="seq_mean_token_sum_norm's divisor")
 
     def kwargs(self) -> dict[str, Any]:
-        keys = ("objective", "clip_low", "clip_high", "dual_clip", "agg", "norm_len")
-        return {k: getattr(self, k) for k in keys}
+        return dict(vars(self))  # every key is an argument of policy_loss
 
 
 @section

@@ -323,13 +323,6 @@ OBJECTIVES: dict[str, Objective] = {
 """Config name -> :class:`Objective`. Add an objective with one entry here (or, in a copied
 recipe, ``OBJECTIVES["mine"] = Objective(...)`` before the config is parsed)."""
 
-OBJECTIVE_DEFAULTS: dict[str, Mapping[str, float | str]] = {
-    name: spec.defaults for name, spec in OBJECTIVES.items()
-}
-"""The papers' settings per objective (``OBJECTIVES[name].defaults``). ``policy_loss`` uses the
-``agg`` entry when ``agg=None``; the clip ranges are for the recipe's config defaults
-(``policy_loss``'s own are 0.2 / 0.2)."""
-
 
 def check_objective(
     objective: str,

@@ -3,7 +3,7 @@
 See docs/data.md.
 """
 
-from lightrft.data.audio import AudioInputs, AudioOptions, AudioProcessor
+from lightrft.data.audio import AudioInputs, AudioOptions
 from lightrft.data.collate import (
     PackCollator,
     PackedDataset,
@@ -31,18 +31,16 @@ from lightrft.data.preference import (
 from lightrft.data.prompts import PromptDataset, conversation
 from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
-from lightrft.data.video import VideoInputs, VideoOptions, VideoProcessor
-from lightrft.data.vision import ImageInputs, ImageOptions, ImageProcessor
+from lightrft.data.video import VideoInputs, VideoOptions
+from lightrft.data.vision import ImageInputs, ImageOptions
 
 __all__ = [
     "IGNORE_INDEX",
     "AudioInputs",
     "AudioOptions",
-    "AudioProcessor",
     "DataError",
     "ImageInputs",
     "ImageOptions",
-    "ImageProcessor",
     "Media",
     "MediaOptions",
     "PackCollator",
@@ -58,7 +56,6 @@ __all__ = [
     "StepCollator",
     "VideoInputs",
     "VideoOptions",
-    "VideoProcessor",
     "build_dataloader",
     "collate_prompts",
     "conversation",

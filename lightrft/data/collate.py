@@ -219,25 +219,17 @@ class PackCollator:
 
     def __call__(self, items: Sequence[Item]) -> dict[str, Any]:
         rows: list[list[Item]] = [[x] for x in items if "position_ids" in x]
+        samples = [x for x in items if "position_ids" not in x]
+        lengths = [len(x["input_ids"]) for x in samples]
         cap = self.max_tokens
-        open_row: list[Item] = []
-        used = 0
-        for x in items:
-            if "position_ids" in x:
-                continue
-            n = len(x["input_ids"])
+        for n in lengths:
             if cap is not None and n > cap:
                 raise ValueError(
                     f"an item has {n} tokens, more than the collator's max_tokens={cap}: "
                     "raise max_tokens or lower the dataset's max_length"
                 )
-            if cap is not None and used + n > cap and open_row:
-                rows.append(open_row)
-                open_row, used = [], 0
-            open_row.append(x)
-            used += n
-        if open_row:
-            rows.append(open_row)
+        plan = plan_micro_batches(range(len(samples)), lengths, len(samples), cap, packing=True)
+        rows += [[samples[i] for i in row] for row in plan]
         return _rows_to_batch(rows, self.pad_id, self.pad_to_multiple_of)
 
 

@@ -33,6 +33,7 @@ import torch
 
 from lightrft.config import Bound
 from lightrft.data.audio import AudioTooLong
+from lightrft.data.collate import plan_micro_batches
 from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import (
@@ -94,9 +95,8 @@ def response_start(
     elif not chat_template:
         prefix = prompt if isinstance(prompt, str) else ""
     else:
-        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prefix = tokenizer.apply_chat_template(
-            [dict(m) for m in turns], tokenize=False, add_generation_prompt=True
+            prompt_turns(prompt), tokenize=False, add_generation_prompt=True
         )
     head = tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
     n = 0
@@ -486,19 +486,16 @@ class PreferenceCollator:
         return batch
 
     def _pack(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:
-        rows: list[list[int]] = [[]]
-        used = 0
-        for n, s in enumerate(seqs):
-            if self.max_tokens is not None and len(s) > self.max_tokens:
+        lengths = [len(s) for s in seqs]
+        for n in lengths:
+            if self.max_tokens is not None and n > self.max_tokens:
                 raise ValueError(
-                    f"a sequence has {len(s)} tokens, more than max_tokens_per_row="
+                    f"a sequence has {n} tokens, more than max_tokens_per_row="
                     f"{self.max_tokens}: raise it or lower the dataset's max_length"
                 )
-            if self.max_tokens is not None and used + len(s) > self.max_tokens and rows[-1]:
-                rows.append([])
-                used = 0
-            rows[-1].append(n)
-            used += len(s)
+        rows = plan_micro_batches(
+            range(len(seqs)), lengths, len(seqs), self.max_tokens, packing=True
+        )
         width = max(sum(len(seqs[n]) for n in row) for row in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [R, T]
         seg = torch.full((len(rows), width), -1, dtype=torch.long)  # [R, T]

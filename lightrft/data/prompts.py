@@ -127,14 +127,11 @@ class PromptDataset(torch.utils.data.Dataset):
                     dropped += 1
                     continue
                 truncated += 1
-            messages = None
-            if apply_chat_template:
-                chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                messages = with_system(chat, system_prompt)
             item = {
                 "prompt_ids": ids,
                 "prompt": text,
-                "messages": messages,
+                # with the template, ``prompt`` is the chat (media.messages made it a list)
+                "messages": with_system(prompt, system_prompt) if apply_chat_template else None,
                 "reference": reference,
                 "label": label,
                 "index": len(self.items),

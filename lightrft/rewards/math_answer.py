@@ -22,6 +22,7 @@ Two rules keep it safe and honest on hostile answers:
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -464,15 +465,9 @@ def answer_key(ans: str) -> str:
 def majority_vote(answers: Sequence[str | None]) -> tuple[str | None, int]:
     """The most common answer (by :func:`answer_key`) and its vote count; ``None`` answers do
     not vote. Ties go to the answer seen first, so the result does not depend on hashing."""
-    counts: dict[str, int] = {}
-    first: dict[str, str] = {}
-    for a in answers:
-        if a is None:
-            continue
-        k = answer_key(a)
-        counts[k] = counts.get(k, 0) + 1
-        first.setdefault(k, a)
-    if not counts:
+    keyed = [(answer_key(a), a) for a in answers if a is not None]
+    if not keyed:
         return None, 0
-    best = max(counts, key=lambda k: (counts[k], -list(first).index(k)))
-    return first[best], counts[best]
+    # most_common orders equal counts as first encountered
+    best, votes = Counter(k for k, _ in keyed).most_common(1)[0]
+    return next(a for k, a in keyed if k == best), votes
