@@ -98,12 +98,28 @@ def trainer_delta(model, reqs, outs, temperature=1.0) -> float:
 # ------------------------------------------------------------------ images vs native / trainer
 
 
+@pytest.fixture
+def fresh_model_info(tmp_path, monkeypatch):
+    """vLLM inspects a model class in a fresh interpreter unless its model info is cached (in
+    this process, and as a file under ~/.cache/vllm): both emptied, so the inspection runs in
+    that interpreter, where the compatibility step must apply too."""
+    from vllm.model_executor.models import registry
+
+    cache_dir = staticmethod(lambda: tmp_path)
+    monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir", cache_dir)
+    registry._try_inspect_model_cls.cache_clear()
+    yield tmp_path
+    registry._try_inspect_model_cls.cache_clear()
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
-def test_image_requests_greedy_equal_the_native_engine(tmp_path_factory, arch):
+def test_image_requests_greedy_equal_the_native_engine(tmp_path_factory, fresh_model_info, arch):
     """Greedy tokens equal the native engine's on the same tiny VLM, and so do the log-probs
     (vLLM's suppression of the vision ids taken back out: the model's own log-probs)."""
     path = tiny_vlm(tmp_path_factory, arch)
     eng = build(path)
+    # The class was inspected in vLLM's interpreter, which wrote its model info.
+    assert list(fresh_model_info.glob("*ForConditionalGeneration.json"))
     assert eng.on_cpu and eng.video_refused
     reqs = requests(path)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
