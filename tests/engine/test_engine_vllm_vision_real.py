@@ -13,6 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+# no_load, a fixture: fail the test if vLLM starts loading a model (refusals must come first).
+from test_engine_vllm_real import no_load  # noqa: F401
+
 from lightrft.engine import NativeEngine, Request, SamplingParams, sync_weights
 from lightrft.engine import vllm_adapter as va
 
@@ -194,17 +197,6 @@ def test_sync_with_the_vision_tower_changes_outputs_and_matches_the_trainer(vl_d
 # ------------------------------------------------------------------ refused by name
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    """Fail the test if vLLM starts loading a model: refusals must come first."""
-    import vllm
-
-    def refuse(*a, **k):
-        raise AssertionError("vllm.LLM was built: the refusal came too late")
-
-    monkeypatch.setattr(vllm, "LLM", refuse)
-
-
 def test_a_video_request_is_refused_by_name(engine, vl_dir):
     """vLLM processes video with transformers' video processor, which needs torchvision."""
     import numpy as np
@@ -231,7 +223,8 @@ def test_a_video_request_is_refused_by_name(engine, vl_dir):
         ("qwen2_audio", r"Qwen2-Audio takes 30 s Whisper chunks only"),
     ],
 )
-def test_multimodal_models_vllm_cannot_run_here_are_refused_by_name(tmp_path, no_load, arch, why):
+@pytest.mark.usefixtures("no_load")
+def test_multimodal_models_vllm_cannot_run_here_are_refused_by_name(tmp_path, arch, why):
     from lightrft.tasks import make_tiny_model
 
     d = make_tiny_model(tmp_path / arch, arch=arch, layers=2, hidden=128, heads=2, kv_heads=1)
