@@ -45,9 +45,12 @@ backend repacks its linear weights after loading (their parameters lose ``weight
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +153,14 @@ def _unique_cpu_shm_names() -> None:
 
     make_group_name._lightrft = True  # type: ignore[attr-defined]
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
+def cpu_shm_files() -> list[str]:
+    """This job's TP shared-memory files (named by :func:`_unique_cpu_shm_names`), which a rank
+    that leaves without vLLM's teardown leaves behind."""
+    import glob
+
+    return glob.glob(f"/dev/shm/*cpushm-{os.environ.get('MASTER_PORT', '')}_*")
 
 
 def _shutdown(core) -> None:
@@ -256,6 +267,86 @@ def images_without_torchvision(model_type: str) -> None:
     vllm_module = importlib.import_module(f"vllm.model_executor.models.{module}")
     setattr(vllm_module, processor, processor_classes()[model_type])
     getattr(vllm_module, info).get_supported_mm_limits = lambda self: {"image": None}
+
+
+# How often a TP rank checks its peers during generate, and how long it then leaves a failing
+# collective to raise by itself before it ends the process (docs/engine.md, "A failing worker").
+PEER_POLL_S = 0.5
+PEER_GRACE_S = 2.0
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie, dead but not yet reaped by its
+    launcher, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class PeerWatch:
+    """The other ranks of this rank's tensor-parallel group on this host (by PID), watched while
+    it generates. A dead peer leaves this rank in a collective that nothing in Python can end
+    (vLLM's CPU shared-memory all-reduce spins for ever; gloo and NCCL wait their timeouts): a
+    collective that fails by itself is named; one still stuck :data:`PEER_GRACE_S` s after the
+    death ends the process with status 1 (docs/engine.md, "A failing worker")."""
+
+    def __init__(self, group, on_cpu: bool) -> None:
+        import socket
+
+        import torch.distributed as dist
+
+        me = (socket.gethostname(), os.getpid())
+        members: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, me, group=group)  # once, when the engine is built
+        ranks = dist.get_process_group_ranks(group)
+        self.peers = [
+            (rank, pid)
+            for rank, (host, pid) in zip(ranks, members, strict=True)
+            if host == me[0] and pid != me[1]
+        ]
+        self.on_cpu = on_cpu
+
+    def dead(self) -> str:
+        """The dead peers' ranks ("" while all run)."""
+        return ", ".join(str(rank) for rank, pid in self.peers if not _pid_alive(pid))
+
+    @contextlib.contextmanager
+    def during_generate(self):
+        done = threading.Event()
+        threading.Thread(target=self._watch, args=(done,), daemon=True).start()
+        try:
+            yield
+        except RuntimeError as e:  # a failed collective (a refused request is a ValueError)
+            # A killed peer's sockets close a moment before its process is seen gone.
+            deadline = time.monotonic() + PEER_GRACE_S
+            while not (dead := self.dead()):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+            raise RuntimeError(
+                f"VLLMEngine: tensor-parallel peer rank {dead} died during generate "
+                f"({type(e).__name__}: {e}); the step cannot go on without it"
+            ) from e
+        finally:
+            done.set()
+
+    def _watch(self, done: threading.Event) -> None:
+        while not done.wait(PEER_POLL_S):
+            dead = self.dead()
+            if dead and not done.wait(PEER_GRACE_S):
+                why = (
+                    f"VLLMEngine: tensor-parallel peer rank {dead} died during generate: this "
+                    "rank is left in a vLLM collective with it, which cannot be interrupted "
+                    "(its teardown would block too); exiting with status 1\n"
+                )
+                os.write(2, why.encode())  # no lock the stuck thread may hold
+                if self.on_cpu:  # the group's files would block a relaunch on this port
+                    for path in cpu_shm_files():
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
+                os._exit(1)
 
 
 def head_dim(config) -> int:
@@ -559,9 +650,10 @@ class VLLMEngine:
         world = dist.get_world_size() if distributed else 1
         groups = tp_groups(world, tensor_parallel_size)
         self.tp_size = tensor_parallel_size
-        self.tp_group = None
+        self.tp_group, self._peers = None, None
         if tensor_parallel_size > 1:
             self.tp_group, _ = dist.new_subgroups_by_enumeration(groups)
+            self._peers = PeerWatch(self.tp_group, self.on_cpu)
         # external_launcher reads the torchrun variables; a plain single process gets defaults.
         if not distributed and os.environ.get("WORLD_SIZE", "1") != "1":
             # A launched process outside any process group (an asynchronous run's generating
@@ -753,21 +845,21 @@ class VLLMEngine:
                     "VLLMEngine returns prompt_logprobs only at temperature 1 without top-k / "
                     "top-p (vLLM's prompt log-probs are not processed)"
                 )
-        local = len(requests)
-        if self.tp_group is not None:
-            # Every member of a TP group must run the same batch: pool the group's requests.
-            import torch.distributed as dist
+        local, offset = len(requests), 0
+        watch = contextlib.nullcontext() if self._peers is None else self._peers.during_generate()
+        with watch:
+            if self.tp_group is not None:
+                # Every member of a TP group must run the same batch: pool the group's requests.
+                import torch.distributed as dist
 
-            pooled: list[Any] = [None] * self.tp_size
-            dist.all_gather_object(pooled, (requests, params), group=self.tp_group)
-            offset = sum(len(r) for r, _ in pooled[: dist.get_rank(self.tp_group)])
-            requests = [r for rs, _ in pooled for r in rs]
-            params = [p for _, ps in pooled for p in ps]
-        else:
-            offset = 0
-        completions = self._generate_all(requests, params)
-        if continuation is not None:
-            completions = self._continue(requests, params, completions, continuation)
+                pooled: list[Any] = [None] * self.tp_size
+                dist.all_gather_object(pooled, (requests, params), group=self.tp_group)
+                offset = sum(len(r) for r, _ in pooled[: dist.get_rank(self.tp_group)])
+                requests = [r for rs, _ in pooled for r in rs]
+                params = [p for _, ps in pooled for p in ps]
+            completions = self._generate_all(requests, params)
+            if continuation is not None:
+                completions = self._continue(requests, params, completions, continuation)
         mine = [c for c in completions if offset <= c.request_index < offset + local]
         for c in mine:
             c.request_index -= offset

@@ -314,7 +314,14 @@ class ColocatedSource:
             reward_applied=applied,
             episodes=got.episodes,
         )
-        return batch.all_gather(), stats
+        try:
+            return batch.all_gather(), stats
+        except RuntimeError as e:  # gloo / NCCL: a peer that died or hung fails it so
+            raise RuntimeError(
+                f"rollout step {step}: gathering every rank's samples failed ({type(e).__name__}: "
+                f"{e}); a peer rank died or hung (a hung one is waited for collective_timeout_s): "
+                "see its log; the run cannot go on without it"
+            ) from e
 
     def score(self, meta: dict[str, list], got: Answers) -> tuple:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the

@@ -2,7 +2,11 @@
 FakeLLM for sleep mode). The real engine on CPU: test_engine_vllm_real.py, `-m vllm`."""
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +32,67 @@ def test_tensor_parallel_groups_are_consecutive_ranks():
     assert va.tp_groups(3, 1) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must be >= 1 and divide"):
         va.tp_groups(4, 3)
+
+
+def _watch_of(pid: int) -> va.PeerWatch:
+    """A PeerWatch of one peer, rank 1, process ``pid`` (built without a process group)."""
+    watch = object.__new__(va.PeerWatch)
+    watch.peers, watch.on_cpu = [(1, pid)], False
+    return watch
+
+
+def test_a_tensor_parallel_peer_is_dead_once_killed_also_before_it_is_reaped():
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        assert va._pid_alive(p.pid) and _watch_of(p.pid).dead() == ""
+        p.send_signal(signal.SIGKILL)
+        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # exited, still a zombie
+        assert not va._pid_alive(p.pid) and _watch_of(p.pid).dead() == "1"
+    finally:
+        p.kill()
+        p.wait()
+    assert not va._pid_alive(p.pid)
+
+
+def test_a_collective_that_fails_with_a_peer_dead_is_named():
+    p = subprocess.Popen(["true"])
+    p.wait()
+    with pytest.raises(RuntimeError, match=r"^VLLMEngine: tensor-parallel peer rank 1 died during "
+                       r"generate \(RuntimeError: Connection closed by peer"):  # fmt: skip
+        with _watch_of(p.pid).during_generate():
+            raise RuntimeError("Connection closed by peer")
+    with pytest.raises(ValueError, match="^bad request$"):  # not a collective's: unchanged
+        with _watch_of(p.pid).during_generate():
+            raise ValueError("bad request")
+    with pytest.raises(RuntimeError, match="^other$"):  # every peer alive: unchanged
+        with _watch_of(os.getpid()).during_generate():
+            raise RuntimeError("other")
+
+
+def test_a_rank_stuck_with_a_dead_peer_exits_naming_it_within_the_bound():
+    """A call that cannot end (here a sleep; in vLLM, the CPU shared-memory all-reduce) with its
+    peer dead: the process writes the peer and the cause and exits 1, PEER_POLL_S +
+    PEER_GRACE_S after the watch starts."""
+    code = (
+        "import subprocess, time\n"
+        "from lightrft.engine import vllm_adapter as va\n"
+        "p = subprocess.Popen(['true']); p.wait()\n"
+        "w = object.__new__(va.PeerWatch); w.peers, w.on_cpu = [(1, p.pid)], False\n"
+        "print('watching', flush=True)\n"
+        "with w.during_generate():\n"
+        "    time.sleep(120)\n"
+    )
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen([sys.executable, "-c", code], **pipes) as proc:
+        assert proc.stdout.readline() == "watching\n"
+        start = time.monotonic()
+        rc = proc.wait(timeout=60)
+        waited = time.monotonic() - start
+        err = proc.stderr.read()
+    assert rc == 1, err
+    assert "tensor-parallel peer rank 1 died during generate: this rank is left in a vLLM" in err
+    bound = va.PEER_POLL_S + va.PEER_GRACE_S
+    assert bound - 0.1 < waited < bound + 20, waited  # not before the grace, and not much later
 
 
 def test_sampling_params_map_to_vllm_names():
@@ -227,7 +292,7 @@ def fake_vllm_engine(native):
     """A VLLMEngine over :class:`FakeLLM` (built without starting vLLM)."""
     eng = object.__new__(va.VLLMEngine)
     eng.llm, eng._vllm = FakeLLM(native), SimpleNamespace(SamplingParams=SimpleNamespace)
-    eng.tp_group, eng.tp_size = None, 1
+    eng.tp_group, eng._peers, eng.tp_size = None, None, 1
     eng.image_token_id = eng.audio_token_id = eng.video_token_id = None
     eng.suppress_token_ids = []
     eng.vocab_size, eng.max_model_len = native.vocab_size, native.max_model_len

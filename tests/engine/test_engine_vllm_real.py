@@ -18,6 +18,9 @@ from lightrft.engine import vllm_adapter as va
 
 pytestmark = pytest.mark.vllm
 
+# A TP rank whose peer died mid-generate must be gone within this (the watch's own bound is
+# PEER_POLL_S + PEER_GRACE_S = 2.5 s; the rest is slack for a loaded 2-core machine).
+SURVIVOR_BOUND_S = 30
 TOL = 1e-4  # the issue's fp32 agreement bound between vLLM's and the trainer's log-probs
 
 
@@ -651,12 +654,11 @@ def _fsdp_syncs(rank: int, world: int, model_dir, steps: int, tp: int) -> None:
     assert steps < 35 or max(rss[-20:]) - rss[-20] < 8, rss
     if tp > 1:
         # The harness leaves with os._exit (no vLLM shutdown): unlink this job's TP shm files.
-        import glob
         import os
 
         torch.distributed.barrier()
         if rank == 0:
-            for f in glob.glob(f"/dev/shm/*cpushm-{os.environ['MASTER_PORT']}_*"):
+            for f in va.cpu_shm_files():
                 os.unlink(f)
 
 
@@ -674,6 +676,138 @@ def test_tensor_parallel_2_on_2_processes(vdir):
     from _dist import run_distributed
 
     run_distributed(_fsdp_syncs, vdir, 3, 2, world_size=2)
+
+
+def _tp_rank(model_dir: str, marker: str, where: str) -> None:
+    """One rank of a tensor_parallel_size=2 job, started as torchrun starts it (the launch
+    variables in the environment). After one generate with both ranks alive, rank 1 SIGKILLs
+    itself: ``where="forward"``, inside the next generate, in the model's forward between its
+    two layers (rank 0 is then in the second layer's all-reduce, which its dead peer never
+    joins); ``where="pool"``, before it (rank 0 then fails in the pooling of the requests)."""
+    import os
+    import signal
+
+    def die(*_):
+        with open(marker, "w") as f:
+            f.write(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    eng = va.VLLMEngine(
+        model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=8,
+        tensor_parallel_size=2,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    eng.generate([Request([5, 6, 7, 8])], sp)
+    if torch.distributed.get_rank() == 1:
+        if where == "pool":
+            die()
+        calls = []
+
+        def third_step(*_):
+            calls.append(1)
+            if len(calls) == 3:  # the third decode step
+                die()
+
+        eng._model().model.layers[1].register_forward_pre_hook(third_step)
+    eng.generate([Request([5, 6, 7, 8])], sp)
+    print("rank", torch.distributed.get_rank(), "generate returned", flush=True)
+
+
+@pytest.mark.parametrize("where", ["forward", "pool"])
+def test_a_tensor_parallel_peer_killed_mid_generate_ends_the_survivor(vdir, tmp_path, where):
+    """tensor_parallel_size=2 on 2 processes, with no launcher above them to end the survivor
+    (as torchrun's agent would on one host): rank 1 is killed (SIGKILL) during generate; rank 0
+    must exit non-zero within the bound, naming the engine, the dead rank and the cause. In the
+    forward, rank 0 is left in vLLM's CPU shared-memory all-reduce, which polls for ever
+    (before the watch: still busy in it 120 s later): the watch ends the process. In the
+    pooling, gloo raises at once: the error is named."""
+    import glob
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _dist import free_port
+
+    here = Path(__file__).resolve().parent
+    port = free_port()
+    marker = tmp_path / "killed"
+    path = [str(here.parents[1]), str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(path),
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+        }
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        args = (str(vdir), str(marker), where)
+        code = f"from test_engine_vllm_real import _tp_rank; _tp_rank(*{args!r})"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    log0 = lambda: (tmp_path / "rank0.log").read_text()  # noqa: E731
+    try:
+        deadline = time.monotonic() + 600
+        while procs[1].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), ("rank 1 did not die in generate", procs[1].poll(), log0()[-3000:])
+        killed = time.monotonic()
+        try:
+            rc = procs[0].wait(timeout=SURVIVOR_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 still runs {SURVIVOR_BOUND_S} s after its TP peer was killed")
+        waited = time.monotonic() - killed
+        left = glob.glob(f"/dev/shm/*cpushm-{port}_*")  # this job's TP shared-memory files
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        for f in glob.glob(f"/dev/shm/*cpushm-{port}_*"):
+            os.unlink(f)
+    print(f"{where}: rank 0 exited {waited:.1f} s after rank 1 was killed (rc {rc}); left {left}")
+    log = log0()
+    assert rc != 0, log[-3000:]
+    named = "VLLMEngine: tensor-parallel peer rank 1 died during generate"
+    if where == "forward":  # the watch ended the process
+        assert f"{named}: this rank is left in a vLLM collective" in log, log[-3000:]
+        assert not left  # removed, its dead peer's too: a relaunch on this port can start
+    else:  # gloo raised in the pooling: the exception names the peer and gloo's cause
+        assert f"RuntimeError: {named} (" in log, log[-3000:]
+
+
+def test_qwen2_vl_is_refused_on_cpu_by_name(tmp_path, no_load):
+    """vLLM 0.32's Qwen2-VL imports transformers' torchvision image processor, and the CPU venv
+    cannot hold torchvision: refused with the reason before loading (native engine instead)."""
+    import importlib.util
+
+    from lightrft.tasks import make_tiny_model
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: the refusal does not apply")
+    d = make_tiny_model(tmp_path / "vl", arch="qwen2_vl", layers=2, hidden=128, heads=2)
+    with pytest.raises(ValueError, match=r"qwen2_vl model on vLLM's CPU platform.*torchvision"):
+        va.VLLMEngine(d, dtype="float32")
 
 
 # ------------------------------------------------------------------ recipes with engine: vllm

@@ -4,13 +4,15 @@ Two GRPO worker processes, started as torchrun starts them (RANK, WORLD_SIZE, MA
 the environment, no launcher above them to kill the survivor): rank 1 stops inside its reward
 function in step 2 while rank 0 goes on into the step's collectives. Killed (SIGKILL), gloo sees
 the closed connection and rank 0 fails at once; hung (still alive, sleeping), rank 0 fails when
-``collective_timeout_s`` runs out. Either way rank 0 exits non-zero within a bound; without the
-key a hung peer would hold it for torch's default 30 minutes.
+``collective_timeout_s`` runs out. Either way rank 0 exits non-zero within a bound, naming the
+rollout's gather and gloo's cause; without the key a hung peer would hold it for torch's default
+30 minutes.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,6 +140,8 @@ def test_a_dead_or_hung_rank_ends_its_peer_within_the_bound(tmp_path, how):
         _stop_all(procs)
     log = (tmp_path / "rank0.log").read_text()
     assert rc != 0, log[-3000:]
-    assert "Traceback" in log or "Error" in log, log[-3000:]
+    # The step's gather of every rank's samples is where rank 0 waits: named, with gloo's cause.
+    assert re.search(r"rollout step \d+: gathering every rank's samples failed", log), log[-3000:]
+    print(f"rank 0 ended {waited:.1f} s after rank 1 was {how} (rc {rc})")
     if how == "hung":  # it waited for the timeout, not for ever and not a spurious early end
         assert waited >= TIMEOUT_S - 1, (waited, log[-3000:])
