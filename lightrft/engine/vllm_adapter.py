@@ -161,6 +161,22 @@ def _unique_cpu_shm_names() -> None:
 _LIVE: dict[int, int] = {}
 
 
+def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
+    """Refuse, before vLLM loads anything, a second engine of this process whose
+    tensor-parallel size differs from the live ones' (vLLM would assert deep in its start-up:
+    its parallel groups are process-wide, sized by the first engine)."""
+    sizes = sorted(set(_LIVE.values()) - {tensor_parallel_size})
+    if sizes:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size}, but this process already runs a vLLM "
+            f"engine with tensor_parallel_size={sizes[0]}, and vLLM's parallel groups are "
+            "process-wide: give both the same size (a judge beside the policy: the judge's "
+            "engine.tensor_parallel_size equal to the policy's engine.tensor_parallel_size), "
+            "or run the judge on engine.backend=native, or serve it in a process of its own "
+            "(python -m lightrft.rewards.server) and score with lightrft.rewards.RemoteReward"
+        )
+
+
 def _shutdown(core) -> None:
     """vLLM's in-process engine shutdown, run when the LLM is collected or at exit. vLLM's own
     (``EngineCore.shutdown``) ends with ``cleanup_dist_env_and_memory``, which destroys the
@@ -198,22 +214,6 @@ def _quiet_shutdown_at_exit(llm, tensor_parallel_size: int) -> None:
         return
     _LIVE[id(core)] = tensor_parallel_size
     client._finalizer = weakref.finalize(client, _shutdown, core)
-
-
-def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
-    """Refuse, before vLLM loads anything, a second engine of this process whose
-    tensor-parallel size differs from the live ones' (vLLM would assert deep in its start-up:
-    its parallel groups are process-wide, sized by the first engine)."""
-    sizes = sorted(set(_LIVE.values()) - {tensor_parallel_size})
-    if sizes:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size}, but this process already runs a vLLM "
-            f"engine with tensor_parallel_size={sizes[0]}, and vLLM's parallel groups are "
-            "process-wide: give both the same size (a judge beside the policy: the judge's "
-            "engine.tensor_parallel_size equal to the policy's engine.tensor_parallel_size), "
-            "or run the judge on engine.backend=native, or serve it in a process of its own "
-            "(python -m lightrft.rewards.server) and score with lightrft.rewards.RemoteReward"
-        )
 
 
 def head_dim(config) -> int:
