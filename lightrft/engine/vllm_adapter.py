@@ -44,7 +44,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -115,6 +114,8 @@ def import_vllm():
     # Without torchcodec (CPU_INSTALL removes it) vLLM keeps the ImportError of its audio
     # module, whose traceback's frames reach back to whoever first touched vllm.LLM: that
     # engine (and its model) could never be collected. vLLM only chains the error as a cause.
+    import sys
+
     vllm.LLM  # noqa: B018 - vLLM's lazy import, done here
     audio = sys.modules.get("vllm.multimodal.media.audio")
     if (exc := getattr(audio, "_torchcodec_import_exc", None)) is not None:
@@ -128,6 +129,27 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# The engine cores of this process's live VLLMEngines and their tensor-parallel sizes: vLLM's
+# parallel groups are process-wide, made by the first engine and shared by the others.
+_LIVE: dict[int, int] = {}
+
+
+def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
+    """Refuse, before vLLM loads anything, a second engine of this process whose
+    tensor-parallel size differs from the live ones' (vLLM would assert deep in its start-up:
+    its parallel groups are process-wide, sized by the first engine)."""
+    sizes = sorted(set(_LIVE.values()) - {tensor_parallel_size})
+    if sizes:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size}, but this process already runs a vLLM "
+            f"engine with tensor_parallel_size={sizes[0]}, and vLLM's parallel groups are "
+            "process-wide: give both the same size (a judge beside the policy: the judge's "
+            "engine.tensor_parallel_size equal to the policy's engine.tensor_parallel_size), "
+            "or run the judge on engine.backend=native, or serve it in a process of its own "
+            "(python -m lightrft.rewards.server) and score with lightrft.rewards.RemoteReward"
+        )
 
 
 def on_cpu_platform() -> bool:
@@ -154,27 +176,6 @@ def _unique_cpu_shm_names() -> None:
 
     make_group_name._lightrft = True  # type: ignore[attr-defined]
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
-
-
-# The engine cores of this process's live VLLMEngines and their tensor-parallel sizes: vLLM's
-# parallel groups are process-wide, made by the first engine and shared by the others.
-_LIVE: dict[int, int] = {}
-
-
-def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
-    """Refuse, before vLLM loads anything, a second engine of this process whose
-    tensor-parallel size differs from the live ones' (vLLM would assert deep in its start-up:
-    its parallel groups are process-wide, sized by the first engine)."""
-    sizes = sorted(set(_LIVE.values()) - {tensor_parallel_size})
-    if sizes:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size}, but this process already runs a vLLM "
-            f"engine with tensor_parallel_size={sizes[0]}, and vLLM's parallel groups are "
-            "process-wide: give both the same size (a judge beside the policy: the judge's "
-            "engine.tensor_parallel_size equal to the policy's engine.tensor_parallel_size), "
-            "or run the judge on engine.backend=native, or serve it in a process of its own "
-            "(python -m lightrft.rewards.server) and score with lightrft.rewards.RemoteReward"
-        )
 
 
 def _shutdown(core) -> None:
