@@ -15,9 +15,8 @@ The judge runs in-process (``judge``: a local HF directory) on the engine its ``
 chooses (:class:`JudgeEngineConfig`: the native engine by default, or vLLM; built by the same
 factory as the rollout engine, :meth:`~lightrft.engine.config.EngineConfig.build`), or remotely
 (``url``: an OpenAI-compatible ``/v1/completions`` endpoint, e.g. ``vllm serve``). Greedy
-decoding by default. A judge on vLLM beside a policy on vLLM shares the process with it: both
-engines must use the same ``tensor_parallel_size`` (vLLM's parallel groups are process-wide;
-docs/engine.md, "Several engines in one process").
+decoding by default. Beside a policy on vLLM, a judge on vLLM shares its ``tensor_parallel_size``
+(docs/engine.md, "Several engines in one process").
 
 A vision-language judge (a local VLM directory) sees the conversation's images (and a Qwen2-VL /
 Qwen2.5-VL judge its videos): it reads each sample's conversation (``Sample.conversation``), and
@@ -87,12 +86,8 @@ CHOICE_TEMPLATE = (
 
 @section
 class JudgeEngineConfig(EngineConfig):
-    """A local judge's ``engine:`` section: the library's engine section (``backend``: ``native``
-    or ``vllm``; ``dtype``, sizes, each backend's own keys). The engine only generates verdicts,
-    so it never sleeps and no weights are synced into it. A backend other than the native one
-    is checked here, when the config is validated: it takes no ``device`` (it places itself),
-    so its device rules (vLLM installed; on vLLM's CPU platform no ``gpu_memory_utilization``)
-    need nothing else."""
+    """A local judge's ``engine:`` section: the library's engine section, whose device rules a
+    backend other than the native one (it takes no ``device``) meets when the config is read."""
 
     # The judge's former top-level key: ``lightrft validate`` names its new place.
     moved = {"dtype": "dtype"}
