@@ -118,6 +118,15 @@ def import_vllm():
             f"vLLM is installed but cannot import ({e}); on CPU: pip uninstall -y torchvision "
             "torchaudio torchcodec"
         ) from e
+    # Without torchcodec (CPU_INSTALL removes it) vLLM keeps the ImportError of its audio
+    # module, whose traceback's frames reach back to whoever first touched vllm.LLM: that
+    # engine (and its model) could never be collected. vLLM only chains the error as a cause.
+    import sys
+
+    vllm.LLM  # noqa: B018 - vLLM's lazy import, done here
+    audio = sys.modules.get("vllm.multimodal.media.audio")
+    if (exc := getattr(audio, "_torchcodec_import_exc", None)) is not None:
+        exc.__traceback__ = None
     return vllm
 
 
@@ -127,6 +136,27 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# The engine cores of this process's live VLLMEngines and their tensor-parallel sizes: vLLM's
+# parallel groups are process-wide, made by the first engine and shared by the others.
+_LIVE: dict[int, int] = {}
+
+
+def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
+    """Refuse, before vLLM loads anything, a second engine of this process whose
+    tensor-parallel size differs from the live ones' (vLLM would assert deep in its start-up:
+    its parallel groups are process-wide, sized by the first engine)."""
+    sizes = sorted(set(_LIVE.values()) - {tensor_parallel_size})
+    if sizes:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size}, but this process already runs a vLLM "
+            f"engine with tensor_parallel_size={sizes[0]}, and vLLM's parallel groups are "
+            "process-wide: give both the same size (a judge beside the policy: the judge's "
+            "engine.tensor_parallel_size equal to the policy's engine.tensor_parallel_size), "
+            "or run the judge on engine.backend=native, or serve it in a process of its own "
+            "(python -m lightrft.rewards.server) and score with lightrft.rewards.RemoteReward"
+        )
 
 
 def on_cpu_platform() -> bool:
@@ -164,23 +194,33 @@ def cpu_shm_files() -> list[str]:
 
 
 def _shutdown(core) -> None:
-    """vLLM's in-process engine shutdown, run when the LLM is collected or at exit: by then a
-    recipe has usually destroyed the process group that vLLM's groups were made from, and
-    vLLM's teardown (``cleanup_dist_env_and_memory``) fails on the dead groups with a traceback
-    ("Invalid process group specified"); nothing is left to free then."""
+    """vLLM's in-process engine shutdown, run when the LLM is collected or at exit. vLLM's own
+    (``EngineCore.shutdown``) ends with ``cleanup_dist_env_and_memory``, which destroys the
+    process-wide parallel groups (and torch's default process group): while another engine of
+    the process lives (a judge's beside the policy's), this one shuts down without it. By the
+    last one's turn a recipe has usually destroyed the process group that vLLM's groups were
+    made from, and that teardown fails on the dead groups with a traceback ("Invalid process
+    group specified"); nothing is left to free then."""
     import torch.distributed as dist
+    from vllm.v1.engine import core as core_module
 
+    _LIVE.pop(id(core), None)
     if dist.is_available() and not dist.is_initialized():
         return
+    cleanup = core_module.cleanup_dist_env_and_memory
+    if _LIVE:
+        core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
     try:
         core.shutdown()
     except Exception:  # teardown at exit: never fail a finished run
         pass
+    finally:
+        core_module.cleanup_dist_env_and_memory = cleanup
 
 
-def _quiet_shutdown_at_exit(llm) -> None:
+def _quiet_shutdown_at_exit(llm, tensor_parallel_size: int) -> None:
     """Replace the in-process client's finalizer (vLLM 0.32 ``InprocClient._finalizer``) by
-    :func:`_shutdown`."""
+    :func:`_shutdown`, and count the engine live until then."""
     import weakref
 
     client = getattr(llm.llm_engine, "engine_core", None)
@@ -188,6 +228,7 @@ def _quiet_shutdown_at_exit(llm) -> None:
     core = getattr(client, "engine_core", None)
     if finalizer is None or core is None or finalizer.detach() is None:
         return
+    _LIVE[id(core)] = tensor_parallel_size
     client._finalizer = weakref.finalize(client, _shutdown, core)
 
 
@@ -645,6 +686,7 @@ class VLLMEngine:
         # The accepted names are checked in load_weights before anything reaches vLLM.
         self._names, self._required = hf_weight_names(hf_config)
 
+        check_shared_parallel_groups(tensor_parallel_size)
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if distributed else 0
         world = dist.get_world_size() if distributed else 1
@@ -699,7 +741,7 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             rng.restore()
         self._vllm = vllm
-        _quiet_shutdown_at_exit(self.llm)
+        _quiet_shutdown_at_exit(self.llm, tensor_parallel_size)
         hf_config = self.llm.llm_engine.model_config.hf_config
         from lightrft.models import modality
 

@@ -11,9 +11,12 @@ Two verdict kinds (``mode``):
   rewards are averaged, which cancels a judge's position bias (a judge that always says "A" gives
   every response 0.5).
 
-The judge runs in-process through :class:`lightrft.engine.NativeEngine` (``judge``: a local HF
-directory) or remotely (``url``: an OpenAI-compatible ``/v1/completions`` endpoint, e.g.
-``vllm serve``). Greedy decoding by default.
+The judge runs in-process (``judge``: a local HF directory) on the engine its ``engine`` section
+chooses (:class:`JudgeEngineConfig`: the native engine by default, or vLLM; built by the same
+factory as the rollout engine, :meth:`~lightrft.engine.config.EngineConfig.build`), or remotely
+(``url``: an OpenAI-compatible ``/v1/completions`` endpoint, e.g. ``vllm serve``). Greedy
+decoding by default. Beside a policy on vLLM, a judge on vLLM shares its ``tensor_parallel_size``
+(docs/engine.md, "Several engines in one process").
 
 A vision-language judge (a local VLM directory) sees the conversation's images (and a Qwen2-VL /
 Qwen2.5-VL judge its videos): it reads each sample's conversation (``Sample.conversation``), and
@@ -54,11 +57,20 @@ from typing import Any, Literal
 
 import torch
 
+from lightrft.config import section
 from lightrft.data.media import MediaOptions
 from lightrft.data.records import MediaSamples
+from lightrft.engine.config import EngineConfig
 from lightrft.rewards.base import Prompt, RewardInputError, Sample, media_parts
 
-__all__ = ["CHOICE_TEMPLATE", "SCORE_TEMPLATE", "GenerativeReward", "media_parts", "parse_verdict"]
+__all__ = [
+    "CHOICE_TEMPLATE",
+    "SCORE_TEMPLATE",
+    "GenerativeReward",
+    "JudgeEngineConfig",
+    "media_parts",
+    "parse_verdict",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +82,24 @@ CHOICE_TEMPLATE = (
     "Which response answers the question better? Answer A or B.\n"
     "Question: {prompt}\nA: {response_a}\nB: {response_b}\nBetter:"
 )
+
+
+@section
+class JudgeEngineConfig(EngineConfig):
+    """A local judge's ``engine:`` section: the library's engine section, whose device rules a
+    backend other than the native one (it takes no ``device``) meets when the config is read."""
+
+    # The judge's former top-level key: ``lightrft validate`` names its new place.
+    moved = {"dtype": "dtype"}
+
+    def resolve(self, at: str) -> JudgeEngineConfig:
+        try:  # the section's messages say engine.<key>: name where this one is
+            super().resolve(at)
+            if self.backend != "native":
+                self.check_device(None)
+        except ValueError as e:
+            raise ValueError(f"{at.rstrip('.')}: the judge's {e}") from None
+        return self
 
 
 def _last_match(text: str, pattern: re.Pattern[str]) -> re.Match[str] | None:
@@ -114,7 +144,7 @@ class GenerativeReward:
 
     Args:
         fallback: reward of a sample whose verdict cannot be parsed (required).
-        judge: local HF directory of the judge (run by the native engine); or
+        judge: local HF directory of the judge (run in-process on ``engine``); or
         url: an OpenAI-compatible completions endpoint (``http://host:port/v1/completions``).
         model_name: the ``model`` field sent to ``url``.
         mode: ``"score"`` or ``"choice"``.
@@ -127,7 +157,10 @@ class GenerativeReward:
         scale: score mode: reward = ``scale * score``.
         chat_template: local judge: wrap the prompt as a user turn with the judge's template.
         max_tokens, temperature: decoding of the verdict.
-        device, dtype: local judge placement.
+        device: a local judge on the native engine: where it runs (default: CUDA if
+            available); vLLM places its engine itself.
+        engine: a local judge's engine (:class:`JudgeEngineConfig`, the ``engine`` section;
+            default: the native engine; fp32 on CPU, bf16 on CUDA, as every engine).
         timeout: seconds per HTTP request.
         verdicts: score mode: verdict word -> reward value (e.g. ``{"yes": 1.0, "no": 0.0}``),
             instead of a number; the default pattern then matches these words.
@@ -161,7 +194,7 @@ class GenerativeReward:
         max_tokens: int = 16,
         temperature: float = 0.0,
         device: str | None = None,
-        dtype: str | None = None,
+        engine: JudgeEngineConfig | None = None,
         timeout: float = 60.0,
         verdicts: Mapping[str, float] | None = None,
         max_parse_failures: int | None = None,
@@ -217,11 +250,15 @@ class GenerativeReward:
         self.url, self.model_name, self.timeout = url, model_name, timeout
         self.chat_template = chat_template
         self.engine = None
+        self.tokenizer = None
         self.media = None  # MediaSamples of a vision- or audio-language judge
         if judge is not None:
-            self._load_local(judge, device, dtype, media)
-        elif media is not None:
-            MediaSamples(None, media, given="a remote judge (url) takes its media as sent")
+            self._load_local(judge, device, engine or JudgeEngineConfig(), media)
+        else:
+            if engine is not None:
+                raise ValueError("engine: a remote judge (url) runs on its server's engine")
+            if media is not None:
+                MediaSamples(None, media, given="a remote judge (url) takes its media as sent")
         self.parse_failures = 0  # running totals
         self.echo_mismatches = 0
         self.judged = 0
@@ -230,10 +267,18 @@ class GenerativeReward:
         self.last_verdicts: list[str] = []  # the judge's texts of the last call, job by job
         self.last_metrics: dict[str, float] = {}
 
-    def _load_local(self, judge, device, dtype, options: MediaOptions | None) -> None:
-        from lightrft.engine import NativeEngine
+    def _load_local(
+        self, judge, device, engine: JudgeEngineConfig, options: MediaOptions | None
+    ) -> None:
+        from lightrft.models.loading import load_tokenizer
         from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
 
+        if engine.backend != "native" and device is not None:
+            raise ValueError(
+                f"device applies to a judge on engine.backend=native; engine.backend="
+                f"{engine.backend} places the judge itself (remove device)"
+            )
+        engine = engine.resolve("engine.")  # a section built in Python is checked here
         multimodal = checkpoint_is_multimodal(judge)
         if multimodal and not self.chat_template:
             raise ValueError(
@@ -243,10 +288,11 @@ class GenerativeReward:
         processor = load_processor(judge) if multimodal else None
         # Media only from the conversations' parts, bounded as the prompt datasets bound them.
         media = MediaSamples(processor, options, given=f"judge {judge} is text-only")
-        tokenizer = None
         if media.kinds:
-            self.media, tokenizer = media, processor.tokenizer
-        self.engine = NativeEngine(judge, tokenizer, device=device, dtype=dtype)
+            self.media = media
+        self.tokenizer = processor.tokenizer if media.kinds else load_tokenizer(judge)
+        # The rollout engines' factory; a fixed seed, as a judge is greedy by default.
+        self.engine = engine.build(judge, self.tokenizer, device=device, seed=0)
 
     # ------------------------------------------------------------------ generation
 
@@ -281,7 +327,7 @@ class GenerativeReward:
     def _complete_local(self, texts: list[str]) -> list[str]:
         from lightrft.engine.protocol import Request
 
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if self.chat_template:
             texts = [
                 tok.apply_chat_template(
@@ -306,7 +352,7 @@ class GenerativeReward:
         for i, (text, parts) in enumerate(zip(texts, media, strict=True)):
             chat = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
             msgs, decoded = self.media.messages(src, i, chat)
-            _, ids = encode_prompt(self.engine.tokenizer, msgs, apply_chat_template=True)
+            _, ids = encode_prompt(self.tokenizer, msgs, apply_chat_template=True)
             ids, _, inputs = self.media.expand(ids, None, decoded, src.where(i))
             requests.append(Request(ids, inputs))
         return requests
@@ -314,13 +360,12 @@ class GenerativeReward:
     def _generate(self, requests: list) -> list[str]:
         from lightrft.engine.protocol import SamplingParams
 
-        tok = self.engine.tokenizer
-        sampling = SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens)
+        # Verdict texts decoded here, by the judge's tokenizer, whichever engine generated.
+        sampling = SamplingParams(
+            temperature=self.temperature, max_tokens=self.max_tokens, detokenize=False
+        )
         done = self.engine.generate(requests, sampling)
-        return [
-            c.text if c.text is not None else tok.decode(c.token_ids, skip_special_tokens=True)
-            for c in done
-        ]
+        return [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in done]
 
     # ------------------------------------------------------------------ scoring
 
