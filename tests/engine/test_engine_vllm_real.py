@@ -796,20 +796,6 @@ def test_a_tensor_parallel_peer_killed_mid_generate_ends_the_survivor(vdir, tmp_
         assert f"RuntimeError: {named} (" in log, log[-3000:]
 
 
-def test_qwen2_vl_is_refused_on_cpu_by_name(tmp_path, no_load):
-    """vLLM 0.32's Qwen2-VL imports transformers' torchvision image processor, and the CPU venv
-    cannot hold torchvision: refused with the reason before loading (native engine instead)."""
-    import importlib.util
-
-    from lightrft.tasks import make_tiny_model
-
-    if importlib.util.find_spec("torchvision") is not None:
-        pytest.skip("torchvision is installed here: the refusal does not apply")
-    d = make_tiny_model(tmp_path / "vl", arch="qwen2_vl", layers=2, hidden=128, heads=2)
-    with pytest.raises(ValueError, match=r"qwen2_vl model on vLLM's CPU platform.*torchvision"):
-        va.VLLMEngine(d, dtype="float32")
-
-
 # ------------------------------------------------------------------ recipes with engine: vllm
 
 
