@@ -47,11 +47,11 @@ from lightrft.sections import BatchConfig, PolicyModelConfig, check_model_path
 from lightrft.strategy import build_strategy
 from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
 from lightrft.training.export import ExportSpec
+from lightrft.training.metrics import reduce_metrics
 from lightrft.training.preference import (
     IndexedPreferences,
     PairCollator,
     precompute_reference,
-    reduce_sums,
     reference_cache_key,
 )
 from lightrft.training.preference import kto_reference_point as kto_z
@@ -237,7 +237,7 @@ class DPORecipe:
                 sums[k] = sums.get(k, 0.0) + w * float(v.detach())
         grad_norm = self.strategy.step()
         self.scheduler.step()
-        tot = reduce_sums(sums)
+        tot = reduce_metrics(sums, "sum")
         metrics = metric_means(tot, "train/")
         metrics["train/pref_loss"] = tot["loss"] / max(tot["units"], 1.0)
         metrics["train/nll"] = tot["nll"] / max(tot["nll_tokens"], 1.0)
@@ -300,7 +300,7 @@ class DPORecipe:
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.model.train()
         self.cache = self.caches.get("train")
-        tot = reduce_sums(sums)
+        tot = reduce_metrics(sums, "sum")
         out = metric_means(tot, "eval/")
         out["eval/loss"] = tot["loss"] / max(tot["units"], 1.0)
         return out
