@@ -662,7 +662,7 @@ class GRPORecipe:
                         norm = o.critic.clip_grad_norm or None
                         critic_norms.append(optimizer_step(self.critic, self.critic_opt, norm))
                 acc.add("loss", loss_sum)
-        sp = self.strategy.sequence_parallel_size
+        sp = o.strategy.sequence_parallel  # the ranks of one SP group
         return update_metrics(
             acc.reduce(), terms, grad_norms, critic_norms, self.dist.world_size, sp
         )

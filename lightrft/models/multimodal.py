@@ -146,11 +146,6 @@ def load_vision_model(
     )
 
 
-def _base(model: nn.Module) -> nn.Module:
-    """The wrapped base model (``model.model``) of an ``*ForConditionalGeneration``."""
-    return getattr(model, getattr(model, "base_model_prefix", "model"), model)
-
-
 # Per tower kind: the attributes of the base model that may hold it, the paths of its blocks.
 _TOWERS = {
     "vision": (
@@ -161,20 +156,21 @@ _TOWERS = {
 }
 
 
-def _tower_modules(model: nn.Module, kind: str) -> dict[str, nn.Module]:
-    base = _base(model)
+def _tower(model: nn.Module, kind: str) -> tuple[str, nn.Module]:
+    """The ``kind`` tower of an ``*ForConditionalGeneration`` and its name."""
     prefix = getattr(model, "base_model_prefix", "model")
+    base = getattr(model, prefix, model)
     for attr in _TOWERS[kind][0]:
         mod = getattr(base, attr, None)
         if isinstance(mod, nn.Module):
-            return {f"{prefix}.{attr}": mod}
+            return f"{prefix}.{attr}", mod
     raise ValueError(f"cannot find the {kind} tower of {type(model).__name__}")
 
 
 def _tower_blocks(model: nn.Module, kind: str) -> nn.ModuleList:
     from lightrft.models.loading import find_module_list
 
-    (tower,) = _tower_modules(model, kind).values()
+    _, tower = _tower(model, kind)
     blocks = find_module_list(tower, _TOWERS[kind][1])
     if blocks is not None:
         return blocks
@@ -182,17 +178,10 @@ def _tower_blocks(model: nn.Module, kind: str) -> nn.ModuleList:
 
 
 def _set_tower_trainable(model: nn.Module, kind: str, trainable: bool) -> list[str]:
-    names = []
-    for prefix, tower in _tower_modules(model, kind).items():
-        for name, p in tower.named_parameters():
-            p.requires_grad_(trainable)
-            names.append(f"{prefix}.{name}")
-    return names
-
-
-def audio_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of the audio tower (what FSDP2 shards one by one)."""
-    return _tower_blocks(model, "audio")
+    prefix, tower = _tower(model, kind)
+    for p in tower.parameters():
+        p.requires_grad_(trainable)
+    return [f"{prefix}.{name}" for name, _ in tower.named_parameters()]
 
 
 def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
@@ -214,7 +203,8 @@ def _tower_kinds(model: nn.Module) -> list[str]:
 
 
 def media_blocks(model: nn.Module) -> list[nn.Module]:
-    """The vision and audio tower blocks of a multimodal model (none for a text model)."""
+    """The vision and audio tower blocks of a multimodal model (none for a text model): what
+    FSDP2 shards one by one."""
     return [block for kind in _tower_kinds(model) for block in _tower_blocks(model, kind)]
 
 
@@ -229,11 +219,6 @@ def set_towers_trainable(
         for kind in _tower_kinds(model)
         for name in _set_tower_trainable(model, kind, trainable[kind])
     ]
-
-
-def vision_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of the vision tower (what FSDP2 shards one by one)."""
-    return _tower_blocks(model, "vision")
 
 
 def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:

@@ -62,11 +62,6 @@ class Strategy:
         return DistInfo(d.rank // n, d.world_size // n, d.local_rank, d.device)
 
     @property
-    def sequence_parallel_size(self) -> int:
-        """The ranks of one SP group (1 without sequence parallelism)."""
-        return self.cfg.sequence_parallel
-
-    @property
     def writes_shared(self) -> bool:
         """Whether this rank contributes the rows its SP group computed together to a sum
         over ranks (the group's first rank; every rank without SP)."""
