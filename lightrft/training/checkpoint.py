@@ -978,23 +978,22 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def check_resume(output_dir: str | Path, adapted: bool, models: tuple[str, ...]) -> None:
-    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
-    adapters exactly when this run does (``adapted``), for each of ``models`` it holds."""
-    latest = Checkpointer(output_dir).latest_readable()
-    if latest is not None:
-        check_lora_match(read_meta(latest), dict.fromkeys(models, adapted), latest)
-
-
-def check_resume_world(
-    output_dir: str | Path, world: int, global_batch: Callable[[int], int | None]
+def check_resume(
+    output_dir: str | Path,
+    adapted: bool,
+    models: tuple[str, ...],
+    world: int = 1,
+    global_batch: Callable[[int], int | None] | None = None,
 ) -> None:
-    """Before anything loads: the newest checkpoint under ``output_dir``, if saved by another
-    number of ranks than ``world``, can continue on ``world`` (:func:`check_reshardable`, with
-    this run's global batch ``global_batch(world)``)."""
+    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
+    adapters exactly when this run does (``adapted``), for each of ``models`` it holds; saved by
+    another number of ranks than ``world``, it must be able to continue on ``world``
+    (:func:`check_reshardable`, with this run's global batch ``global_batch(world)``)."""
     latest = Checkpointer(output_dir).latest_readable()
     if latest is None:
         return
     meta = read_meta(latest)
+    check_lora_match(meta, dict.fromkeys(models, adapted), latest)
     if int(meta.get("world_size", 1)) != world:
-        check_reshardable(latest, meta, world, global_batch=global_batch(world))
+        batch = global_batch(world) if global_batch is not None else None
+        check_reshardable(latest, meta, world, global_batch=batch)
