@@ -44,7 +44,7 @@ from lightrft.models.multimodal import load_processors
 from lightrft.models.reward import POOLINGS, load_reward_net_parallel, set_reward_config
 from lightrft.sections import BatchConfig, TrainedModelConfig, check_model_path
 from lightrft.strategy import build_strategy
-from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
+from lightrft.training import ProgressBar, lr_scheduler, peak_memory, reset_peak_memory
 from lightrft.training.export import ExportSpec
 from lightrft.training.loaders import step_loaders
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
@@ -194,12 +194,7 @@ class RewardModelRecipe:
             accum=d.gradient_accumulation_steps,
             clip_grad_norm=o.optim.clip_grad_norm,
         )
-        self.scheduler = warmup_cosine_scheduler(
-            self.optimizer,
-            warmup_steps=o.optim.lr_scheduler.warmup_steps,
-            total_steps=self.total_steps,
-            min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
-        )
+        self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         self.step, self.epoch, self.last_eval_step = 0, 0, None
         self.eval_stats: dict[str, dict[str, float]] = {}
         state = self.run.resume(**self._state())

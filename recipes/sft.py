@@ -34,7 +34,7 @@ from lightrft.sections import (
     check_sequence_parallel_checkpoint,
 )
 from lightrft.strategy import build_strategy
-from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
+from lightrft.training import ProgressBar, lr_scheduler, peak_memory, reset_peak_memory
 from lightrft.training.export import ExportSpec
 from lightrft.training.loaders import step_loaders
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
@@ -115,12 +115,7 @@ class SFTRecipe:
         self.total_steps = len(self.loader) * d.epochs
         if d.max_steps is not None:
             self.total_steps = min(self.total_steps, d.max_steps)
-        self.scheduler = warmup_cosine_scheduler(
-            self.optimizer,
-            warmup_steps=o.optim.lr_scheduler.warmup_steps,
-            total_steps=self.total_steps,
-            min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
-        )
+        self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         self.step, self.epoch, self.last_eval_step = 0, 0, None
         state = self.run.resume(**self._state())
         if state is not None:

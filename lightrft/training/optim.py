@@ -66,6 +66,17 @@ def warmup_cosine_scheduler(
     return LambdaLR(optimizer, fn)
 
 
+def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: Any, total_steps: int) -> LambdaLR:
+    """The :func:`warmup_cosine_scheduler` of an ``lr_scheduler:`` section
+    (:class:`~lightrft.sections.ScheduleConfig`) over ``total_steps``."""
+    return warmup_cosine_scheduler(
+        optimizer,
+        warmup_steps=schedule.warmup_steps,
+        total_steps=total_steps,
+        min_lr_ratio=schedule.min_lr_ratio,
+    )
+
+
 def clip_grad_norm(
     parameters: Iterable[torch.nn.Parameter] | torch.nn.Module,
     max_norm: float | None,
