@@ -32,10 +32,6 @@ class Strategy:
         """The FSDP2 device mesh (None in one process); built on first use."""
         return build_mesh(self.cfg.shard_size, self.cfg.replicate_size, self.dist.device)
 
-    @property
-    def lora(self):
-        return self.cfg.lora
-
     # -- sequence parallelism -------------------------------------------------------------
 
     @functools.cached_property
