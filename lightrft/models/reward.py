@@ -389,13 +389,7 @@ def build_reward_net(
 
     check_local(path)
     _check_pooling(pooling, heads, probe_layer, end_token_id)
-    spec = dict(
-        heads=heads,
-        pooling=pooling,
-        end_token_id=end_token_id,
-        probe_layer=probe_layer,
-        dtype=dtype,
-    )
+    spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id, probe_layer=probe_layer)
     if pooling == "likelihood":  # a causal LM, or a vision-language model, as the actor loads
         lm = load_model(
             path,
@@ -403,7 +397,7 @@ def build_reward_net(
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
-        return _reward_net(lm, None, **spec).to(device)
+        return _reward_net(lm, None, **spec, dtype=dtype).to(device)
     _check_text_only(path, pooling)
     kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
@@ -413,7 +407,7 @@ def build_reward_net(
     )
     missing = set(info.get("missing_keys", ()))
     missing |= {k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", ())}
-    return _reward_net(hf, missing.__contains__, **spec).to(device)
+    return _reward_net(hf, missing.__contains__, **spec, dtype=dtype).to(device)
 
 
 def _reward_net(
