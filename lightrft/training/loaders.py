@@ -20,15 +20,11 @@ def step_loaders(
     what: str,
     length: Callable[[Any], int] | None = None,
 ) -> tuple[Any, Any]:
-    """``(loader, eval_loader)`` of a batch section ``d`` (:class:`~lightrft.sections.
-    BatchConfig`) on this rank (``dist``: its data-parallel view).
-
-    One training batch is one optimizer step's items on this rank (``batch_size x
-    gradient_accumulation_steps``, shuffled, the last partial step dropped), collated into its
-    micro-batches by :class:`~lightrft.data.StepCollator`: ``batch_size`` items each, or by the
-    token budget (``length``: an item's tokens). The held-out loader (None without an
-    ``eval_dataset``) gives micro-batches in order. A ``dataset`` shorter than one step is
-    refused, naming it (``what``: its items, e.g. ``"samples"``)."""
+    """``(loader, eval_loader)`` of a batch section ``d`` (:class:`~lightrft.sections.BatchConfig`)
+    on this rank (``dist``: its data-parallel view). A training batch is one optimizer step's
+    items, cut into micro-batches by :class:`~lightrft.data.StepCollator` (``length``: an item's
+    tokens); the held-out loader (None without ``eval_dataset``) gives micro-batches. A
+    ``dataset`` shorter than one step is refused, naming it (``what``: its items)."""
     accum = d.gradient_accumulation_steps
     kw = dict(seed=seed, rank=dist.rank, world_size=dist.world_size)
     loader = build_dataloader(
