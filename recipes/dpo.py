@@ -45,13 +45,13 @@ from lightrft.models.multimodal import check_towers, load_processors
 from lightrft.rollout.pairs import OnlineConfig, open_pairs
 from lightrft.sections import BatchConfig, PolicyModelConfig, check_model_path
 from lightrft.strategy import build_strategy
-from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
+from lightrft.training import ProgressBar, lr_scheduler, peak_memory, reset_peak_memory
 from lightrft.training.export import ExportSpec
+from lightrft.training.metrics import reduce_metrics
 from lightrft.training.preference import (
     IndexedPreferences,
     PairCollator,
     precompute_reference,
-    reduce_sums,
     reference_cache_key,
 )
 from lightrft.training.preference import kto_reference_point as kto_z
@@ -131,10 +131,7 @@ class DPORecipe:
         self.total_steps = len(self.pairs.loader) * d.epochs
         if d.max_steps is not None:
             self.total_steps = min(self.total_steps, d.max_steps)
-        self.scheduler = warmup_cosine_scheduler(
-            self.optimizer, warmup_steps=o.optim.lr_scheduler.warmup_steps,
-            total_steps=self.total_steps, min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
-        )  # fmt: skip
+        self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         # After strategy.setup: under LoRA the reference is the set-up policy, adapters off.
         self.cache, self.caches = None, {}
         if self.use_ref and ref is not None and ref.precompute:
@@ -237,7 +234,7 @@ class DPORecipe:
                 sums[k] = sums.get(k, 0.0) + w * float(v.detach())
         grad_norm = self.strategy.step()
         self.scheduler.step()
-        tot = reduce_sums(sums)
+        tot = reduce_metrics(sums, "sum")
         metrics = metric_means(tot, "train/")
         metrics["train/pref_loss"] = tot["loss"] / max(tot["units"], 1.0)
         metrics["train/nll"] = tot["nll"] / max(tot["nll_tokens"], 1.0)
@@ -300,7 +297,7 @@ class DPORecipe:
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.model.train()
         self.cache = self.caches.get("train")
-        tot = reduce_sums(sums)
+        tot = reduce_metrics(sums, "sum")
         out = metric_means(tot, "eval/")
         out["eval/loss"] = tot["loss"] / max(tot["units"], 1.0)
         return out

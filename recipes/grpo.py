@@ -94,8 +94,8 @@ from lightrft.training import (
     MetricAccumulator,
     PhaseTimer,
     ProgressBar,
+    lr_scheduler,
     optimizer_step,
-    warmup_cosine_scheduler,
 )
 from lightrft.training.export import ExportSpec
 from lightrft.training.plan import check_teacher_fits
@@ -303,12 +303,7 @@ class GRPORecipe:
             clip_grad_norm=o.optim.clip_grad_norm,
         )
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
-        self.scheduler = warmup_cosine_scheduler(
-            self.optimizer,
-            warmup_steps=o.optim.lr_scheduler.warmup_steps,
-            total_steps=o.max_steps,
-            min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
-        )
+        self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, o.max_steps)
         self.ref = None  # with LoRA the reference is the actor with its adapters off
         if o.algorithm.kl is not None and self.strategy.needs_reference_copy:
             # Frozen before sharding: parallelize then gives its LM head a group of its own.
@@ -322,12 +317,7 @@ class GRPORecipe:
                 c.path, m, with_value_head, activation_checkpointing=m.activation_checkpointing
             )
             self.critic_opt = config.instantiate(c.optimizer, self.critic.parameters())
-            self.critic_sched = warmup_cosine_scheduler(
-                self.critic_opt,
-                warmup_steps=c.lr_scheduler.warmup_steps,
-                total_steps=o.max_steps,
-                min_lr_ratio=c.lr_scheduler.min_lr_ratio,
-            )
+            self.critic_sched = lr_scheduler(self.critic_opt, c.lr_scheduler, o.max_steps)
 
     def _state(self) -> dict[str, Any]:
         """What a checkpoint holds: the actor (and its optimizer, as the strategy keeps them),
@@ -662,7 +652,7 @@ class GRPORecipe:
                         norm = o.critic.clip_grad_norm or None
                         critic_norms.append(optimizer_step(self.critic, self.critic_opt, norm))
                 acc.add("loss", loss_sum)
-        sp = self.strategy.sequence_parallel_size
+        sp = o.strategy.sequence_parallel  # the ranks of one SP group
         return update_metrics(
             acc.reduce(), terms, grad_norms, critic_norms, self.dist.world_size, sp
         )

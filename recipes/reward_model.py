@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 from lightrft import config
 from lightrft.algorithms.reward_losses import PreferenceStats, preference_loss, safety_sign_loss
 from lightrft.config import Section, option, section
-from lightrft.data import StepCollator, build_dataloader, step_batches
+from lightrft.data import step_batches
 from lightrft.data.preference import PreferenceCollator
 from lightrft.distributed import all_reduce_sum
 from lightrft.models.lora import apply_backbone_lora
@@ -44,8 +44,9 @@ from lightrft.models.multimodal import load_processors
 from lightrft.models.reward import POOLINGS, load_reward_net_parallel, set_reward_config
 from lightrft.sections import BatchConfig, TrainedModelConfig, check_model_path
 from lightrft.strategy import build_strategy
-from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
+from lightrft.training import ProgressBar, lr_scheduler, peak_memory, reset_peak_memory
 from lightrft.training.export import ExportSpec
+from lightrft.training.loaders import step_loaders
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 
@@ -139,40 +140,19 @@ class RewardModelRecipe:
         collate = PreferenceCollator(
             self.tokenizer.pad_token_id, m.heads, packing=d.packing, max_tokens=d.max_tokens_per_row
         )
-        accum = d.gradient_accumulation_steps
-        loader_kw = dict(seed=o.run.seed, rank=self.dist.rank, world_size=self.dist.world_size)
         # One loader batch is one optimizer step's items on this rank, collated into its
         # micro-batches: batch_size items each, or by the token budget (shortest first).
-        self.loader = build_dataloader(
+        eval_dataset = None if d.eval_dataset is None else self._dataset(d.eval_dataset)
+        self.loader, self.eval_loader = step_loaders(
             self.dataset,
-            batch_size=d.batch_size * accum,
-            collate_fn=StepCollator(
-                collate,
-                d.batch_size,
-                d.micro_batch_tokens,
-                packing=d.packing,
-                length=_item_tokens if d.packing else _item_padded_tokens,
-            ),
-            shuffle=True,
-            drop_last=True,
-            **loader_kw,
+            eval_dataset,
+            collate,
+            d,
+            seed=o.run.seed,
+            dist=self.dist,
+            what="items",
+            length=_item_tokens if d.packing else _item_padded_tokens,
         )
-        self.eval_loader = None
-        if d.eval_dataset is not None:
-            self.eval_loader = build_dataloader(
-                self._dataset(d.eval_dataset),
-                batch_size=d.batch_size,
-                collate_fn=collate,
-                shuffle=False,
-                drop_last=False,
-                **loader_kw,
-            )
-        if len(self.loader) == 0:
-            raise ValueError(
-                f"dataset {d.dataset._component_} gives {len(self.dataset)} items, fewer than "
-                f"one step needs: batch_size={d.batch_size} x gradient_accumulation_steps="
-                f"{accum} on each of {self.dist.world_size} rank(s); lower them, or add data"
-            )
         self.total_steps = len(self.loader) * d.epochs
         if d.max_steps is not None:
             self.total_steps = min(self.total_steps, d.max_steps)
@@ -211,15 +191,10 @@ class RewardModelRecipe:
             self.model,
             self.optimizer,
             micro_batch_size=d.batch_size,
-            accum=accum,
+            accum=d.gradient_accumulation_steps,
             clip_grad_norm=o.optim.clip_grad_norm,
         )
-        self.scheduler = warmup_cosine_scheduler(
-            self.optimizer,
-            warmup_steps=o.optim.lr_scheduler.warmup_steps,
-            total_steps=self.total_steps,
-            min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
-        )
+        self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         self.step, self.epoch, self.last_eval_step = 0, 0, None
         self.eval_stats: dict[str, dict[str, float]] = {}
         state = self.run.resume(**self._state())

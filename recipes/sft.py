@@ -23,11 +23,10 @@ from omegaconf import DictConfig
 
 from lightrft import config
 from lightrft.config import option, section
-from lightrft.data import StepCollator, build_dataloader, pack_or_pad_collator, step_batches
+from lightrft.data import pack_or_pad_collator, step_batches
 from lightrft.distributed import all_reduce_sum
 from lightrft.models.forward import causal_lm_cross_entropy
-from lightrft.models.multimodal import check_towers, load_processors, set_towers_trainable
-from lightrft.models.sharded import load_parallel
+from lightrft.models.multimodal import check_towers, load_processors
 from lightrft.sections import (
     BatchConfig,
     PolicyModelConfig,
@@ -35,8 +34,9 @@ from lightrft.sections import (
     check_sequence_parallel_checkpoint,
 )
 from lightrft.strategy import build_strategy
-from lightrft.training import ProgressBar, peak_memory, reset_peak_memory, warmup_cosine_scheduler
+from lightrft.training import ProgressBar, lr_scheduler, peak_memory, reset_peak_memory
 from lightrft.training.export import ExportSpec
+from lightrft.training.loaders import step_loaders
 from lightrft.training.run import TrainingConfig, TrainingRun, training_run
 
 
@@ -91,31 +91,16 @@ class SFTRecipe:
         self.dataset = config.instantiate(d.dataset, self.processor)
         eval_dataset = config.instantiate(d.eval_dataset, self.processor)  # None without one
 
-        def prepare(model: torch.nn.Module) -> torch.nn.Module:
-            # Before sharding: freeze (or not) the vision / audio towers, add LoRA adapters.
-            set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
-            return self.strategy.adapt(model)
-
-        # Under torchrun each rank builds the model on the meta device and reads only its
-        # shards (lightrft.models.sharded); one process loads it whole.
-        self.model = load_parallel(
-            m.path,
-            dtype=m.dtype,
-            device=self.dist.device,
-            trust_remote_code=m.trust_remote_code,
-            prepare=prepare,
-            activation_checkpointing=m.activation_checkpointing,
-            compile=m.compile,
-            **self.strategy.loading(),
-        )
+        # Towers trainable as model.train_vision_tower / train_audio_tower say, LoRA adapters;
+        # under torchrun each rank reads only its shards (lightrft.models.sharded).
+        self.model = self.strategy.load_policy(m)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(o.optim.optimizer, trainable)
-        accum = d.gradient_accumulation_steps
         self.strategy.setup(
             self.model,
             self.optimizer,
             micro_batch_size=d.batch_size,
-            accum=accum,
+            accum=d.gradient_accumulation_steps,
             clip_grad_norm=o.optim.clip_grad_norm,
         )
 
@@ -124,41 +109,13 @@ class SFTRecipe:
         )
         # One loader batch is one optimizer step's samples on this rank, collated into its
         # micro-batches: batch_size rows each, or by the token budget (shortest first).
-        loader_kw = dict(seed=o.run.seed, rank=data.rank, world_size=data.world_size)
-        self.loader = build_dataloader(
-            self.dataset,
-            batch_size=d.batch_size * accum,
-            shuffle=True,
-            collate_fn=StepCollator(collate, d.batch_size, d.micro_batch_tokens, packing=d.packing),
-            drop_last=True,
-            **loader_kw,
+        self.loader, self.eval_loader = step_loaders(
+            self.dataset, eval_dataset, collate, d, seed=o.run.seed, dist=data, what="samples"
         )
-        self.eval_loader = None
-        if eval_dataset is not None:
-            self.eval_loader = build_dataloader(
-                eval_dataset,
-                batch_size=d.batch_size,
-                shuffle=False,
-                collate_fn=collate,
-                drop_last=False,
-                **loader_kw,
-            )
-        if len(self.loader) == 0:
-            raise ValueError(
-                f"dataset {d.dataset._component_} gives {len(self.dataset)} samples, fewer "
-                f"than one step needs: batch_size={d.batch_size} x "
-                f"gradient_accumulation_steps={accum} on each of {data.world_size} "
-                "data-parallel rank(s); lower them, or add data"
-            )
         self.total_steps = len(self.loader) * d.epochs
         if d.max_steps is not None:
             self.total_steps = min(self.total_steps, d.max_steps)
-        self.scheduler = warmup_cosine_scheduler(
-            self.optimizer,
-            warmup_steps=o.optim.lr_scheduler.warmup_steps,
-            total_steps=self.total_steps,
-            min_lr_ratio=o.optim.lr_scheduler.min_lr_ratio,
-        )
+        self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         self.step, self.epoch, self.last_eval_step = 0, 0, None
         state = self.run.resume(**self._state())
         if state is not None:

@@ -74,13 +74,6 @@ def ds_config(
     return cfg
 
 
-def setup_environment() -> None:
-    """Env DeepSpeed reads at import: the CPU accelerator when no GPU is visible. Call before
-    the first ``import deepspeed``."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -93,7 +86,8 @@ def initialize(
     """Wrap ``model`` and ``optimizer`` (built by the recipe on the trainable parameters) in a
     DeepSpeed engine; returns it. ``engine.module`` is the model (its parameters partitioned under
     ZeRO-3); ``engine.optimizer`` wraps ``optimizer``, whose param groups our scheduler steps."""
-    setup_environment()
+    if not torch.cuda.is_available():  # DeepSpeed reads its accelerator at import
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch.distributed as dist
 

@@ -216,16 +216,8 @@ def causal_lm_token_logprobs(
         if grad_hint is not None:
             raise ValueError("sequence_parallel does not take a grad_hint yet")
         t1 = targets.shape[1]
-        shard, kw = _sp_inputs(
-            model,
-            sequence_parallel,
-            input_ids,
-            targets,
-            attention_mask,
-            position_ids,
-            ignore_index,
-            model_kwargs,
-        )
+        fwd = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
+        shard, kw = _sp_inputs(model, sequence_parallel, input_ids, targets, ignore_index, fwd)
         out = causal_lm_token_logprobs(
             model,
             shard.input_ids,
@@ -319,16 +311,8 @@ def causal_lm_cross_entropy(
     keep_last = bool(model_kwargs.pop("keep_last", False))
     targets = _check_ids(input_ids, targets, keep_last)
     if sequence_parallel is not None:
-        shard, kw = _sp_inputs(
-            model,
-            sequence_parallel,
-            input_ids,
-            targets,
-            attention_mask,
-            position_ids,
-            ignore_index,
-            model_kwargs,
-        )
+        fwd = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
+        shard, kw = _sp_inputs(model, sequence_parallel, input_ids, targets, ignore_index, fwd)
         return causal_lm_cross_entropy(
             model,
             shard.input_ids,
@@ -363,34 +347,25 @@ def causal_lm_cross_entropy(
     )
 
 
-def _sp_inputs(
-    model, sp, input_ids, targets, attention_mask, position_ids, ignore_index, model_kwargs
-):
+def _sp_inputs(model, sp, input_ids, targets, ignore_index, kwargs):
     """This rank's sequence-parallel slice (``input_ids``: what the model gets) and the
-    forward's keyword arguments for it. A text row is cut before the model; a multimodal row
+    forward's keyword arguments for it (``kwargs``: the whole rows', ``attention_mask`` and
+    ``position_ids`` among them). A text row is cut before the model; a multimodal row
     enters whole (padded to a multiple of N), so that the images' features are merged into the
     embeddings and the M-RoPE positions computed over the whole row, and is cut at the decoder
     trunk's entry (:meth:`~lightrft.models.ulysses.SequenceShard.trunk_inputs`)."""
     sp.prepare(model)
+    mask, pos = kwargs.pop("attention_mask"), kwargs.pop("position_ids")
     shard = sp.shard(
-        input_ids,
-        targets,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        ignore_index=ignore_index,
+        input_ids, targets, attention_mask=mask, position_ids=pos, ignore_index=ignore_index
     )
-    if model_kwargs.get("media") is None:
-        kw = {**model_kwargs, "position_ids": shard.position_ids, "ulysses": shard}
-        return shard, {**kw, "keep_last": True}
-    kw = {
-        **model_kwargs,
-        "attention_mask": shard.whole_attention_mask,
-        "position_ids": shard.whole_position_ids,
-        "trunk_inputs": shard.trunk_inputs,
-        "keep_last": True,
-    }
+    kwargs["keep_last"] = True
+    if kwargs.get("media") is None:
+        return shard, {**kwargs, "position_ids": shard.position_ids, "ulysses": shard}
     shard.input_ids = shard.whole_input_ids
-    return shard, kw
+    kwargs["trunk_inputs"] = shard.trunk_inputs
+    mask, pos = shard.whole_attention_mask, shard.whole_position_ids
+    return shard, {**kwargs, "attention_mask": mask, "position_ids": pos}
 
 
 # ------------------------------------------------------------------ media forward kwargs

@@ -254,11 +254,15 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
 def export_adapter(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
     """Write the PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``
     + tokenizer) of a plain or FSDP2-sharded LoRA model; collective, rank 0 writes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     from lightrft.distributed import barrier, is_main
     from lightrft.models.export import writing_dir
 
     out = Path(out_dir)
-    sd = _peft_state_dict(model)
+    # The full state dict under PEFT's own names (collective; rank 0 writes it).
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    sd = get_model_state_dict(model, options=opts)
     if is_main():
         with writing_dir(out) as tmp:
             model.save_pretrained(tmp, state_dict=sd, save_embedding_layers=False)
@@ -266,18 +270,6 @@ def export_adapter(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Pat
                 tokenizer.save_pretrained(tmp)
     barrier()
     return out
-
-
-def _peft_state_dict(model: nn.Module) -> dict:
-    """The full state dict under PEFT's own names (collective; empty on ranks > 0)."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    sd = get_model_state_dict(model, options=opts)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return {}
-    return sd
 
 
 def load_adapter_export(

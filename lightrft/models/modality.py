@@ -24,22 +24,22 @@ def is_multimodal(config) -> bool:
     return is_vision_language(config) or is_audio_language(config)
 
 
-def image_token_id(config) -> int:
-    """The id of the image placeholder token (``image_token_id``, LLaVA's ``image_token_index``)."""
-    for key in ("image_token_id", "image_token_index"):
+def _token_id(config, kind: str) -> int:
+    for key in (f"{kind}_token_id", f"{kind}_token_index"):
         value = getattr(config, key, None)
         if value is not None:
             return int(value)
-    raise ValueError(f"{type(config).__name__} names no image token id")
+    raise ValueError(f"{type(config).__name__} names no {kind} token id")
+
+
+def image_token_id(config) -> int:
+    """The id of the image placeholder token (``image_token_id``, LLaVA's ``image_token_index``)."""
+    return _token_id(config, "image")
 
 
 def audio_token_id(config) -> int:
     """The id of the audio placeholder token (Qwen2-Audio's ``audio_token_index``)."""
-    for key in ("audio_token_id", "audio_token_index"):
-        value = getattr(config, key, None)
-        if value is not None:
-            return int(value)
-    raise ValueError(f"{type(config).__name__} names no audio token id")
+    return _token_id(config, "audio")
 
 
 # Vision-language models whose videos the engines place (one run of video tokens per video;

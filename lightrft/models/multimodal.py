@@ -43,27 +43,28 @@ def _checkpoint_config(path: str | Path) -> dict | None:
     return json.loads(cfg.read_text()) if cfg.is_file() else None
 
 
+def _has_config(path: str | Path, *keys: str) -> bool | None:
+    """Whether the local checkpoint's ``config.json`` has one of the sections ``keys``; None
+    without a local ``config.json`` (:func:`_checkpoint_config`)."""
+    data = _checkpoint_config(path)
+    return None if data is None else any(data.get(k) is not None for k in keys)
+
+
 def checkpoint_is_multimodal(path: str | Path) -> bool | None:
     """:func:`checkpoint_is_vision_language` for vision or audio (``audio_config``) models."""
-    data = _checkpoint_config(path)
-    if data is None:
-        return None
-    return data.get("vision_config") is not None or data.get("audio_config") is not None
+    return _has_config(path, "vision_config", "audio_config")
 
 
 def checkpoint_is_audio_language(path: str | Path) -> bool | None:
     """Whether the local checkpoint at ``path`` is an audio-language model (its config.json
     has an ``audio_config``); None without a local config.json."""
-    data = _checkpoint_config(path)
-    return None if data is None else data.get("audio_config") is not None
+    return _has_config(path, "audio_config")
 
 
 def checkpoint_is_vision_language(path: str | Path) -> bool | None:
     """Whether the local checkpoint at ``path`` is a vision-language model, from its
-    ``config.json`` alone (:func:`_checkpoint_config`); None when there is no local
-    ``config.json``."""
-    data = _checkpoint_config(path)
-    return None if data is None else data.get("vision_config") is not None
+    ``config.json`` alone; None when there is no local ``config.json``."""
+    return _has_config(path, "vision_config")
 
 
 def _processor_class_name(path: str | Path) -> str | None:
@@ -93,28 +94,28 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     check_local(path)
     classes = processor_classes()
     cls = {c.__name__: c for c in classes.values()}.get(_processor_class_name(path) or "")
+    # The image-only stand-in for the checkpoint's model type, if it has one.
+    stand_in = classes.get((_checkpoint_config(path) or {}).get("model_type") or "")
     if cls is None:
         try:
             proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (ValueError, ImportError, OSError, TypeError) as e:
             # Without torchvision the stock Qwen-VL processors cannot build their video slot.
-            cls = classes.get((_checkpoint_config(path) or {}).get("model_type") or "")
-            if cls is None:
+            if stand_in is None:
                 raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
+            cls = stand_in
         else:
             media = getattr(proc, "image_processor", None) or getattr(
                 proc, "feature_extractor", None
             )
             if not isinstance(proc, ProcessorMixin) or media is None:
-                cls = classes.get((_checkpoint_config(path) or {}).get("model_type") or "")
-                if cls is None:
+                if stand_in is None:
                     raise ValueError(
                         f"{str(path)!r} has no image processor or audio feature extractor "
                         f"(AutoProcessor gave {type(proc).__name__}): is it a vision-language or "
                         "audio-language model directory?"
                     )
-            else:
-                cls = None
+                cls = stand_in
     if cls is not None:
         proc = cls.from_pretrained(path)
     tok = proc.tokenizer
@@ -146,11 +147,6 @@ def load_vision_model(
     )
 
 
-def _base(model: nn.Module) -> nn.Module:
-    """The wrapped base model (``model.model``) of an ``*ForConditionalGeneration``."""
-    return getattr(model, getattr(model, "base_model_prefix", "model"), model)
-
-
 # Per tower kind: the attributes of the base model that may hold it, the paths of its blocks.
 _TOWERS = {
     "vision": (
@@ -161,20 +157,21 @@ _TOWERS = {
 }
 
 
-def _tower_modules(model: nn.Module, kind: str) -> dict[str, nn.Module]:
-    base = _base(model)
+def _tower(model: nn.Module, kind: str) -> tuple[str, nn.Module]:
+    """The ``kind`` tower of an ``*ForConditionalGeneration`` and its name."""
     prefix = getattr(model, "base_model_prefix", "model")
+    base = getattr(model, prefix, model)
     for attr in _TOWERS[kind][0]:
         mod = getattr(base, attr, None)
         if isinstance(mod, nn.Module):
-            return {f"{prefix}.{attr}": mod}
+            return f"{prefix}.{attr}", mod
     raise ValueError(f"cannot find the {kind} tower of {type(model).__name__}")
 
 
 def _tower_blocks(model: nn.Module, kind: str) -> nn.ModuleList:
     from lightrft.models.loading import find_module_list
 
-    (tower,) = _tower_modules(model, kind).values()
+    _, tower = _tower(model, kind)
     blocks = find_module_list(tower, _TOWERS[kind][1])
     if blocks is not None:
         return blocks
@@ -182,17 +179,10 @@ def _tower_blocks(model: nn.Module, kind: str) -> nn.ModuleList:
 
 
 def _set_tower_trainable(model: nn.Module, kind: str, trainable: bool) -> list[str]:
-    names = []
-    for prefix, tower in _tower_modules(model, kind).items():
-        for name, p in tower.named_parameters():
-            p.requires_grad_(trainable)
-            names.append(f"{prefix}.{name}")
-    return names
-
-
-def audio_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of the audio tower (what FSDP2 shards one by one)."""
-    return _tower_blocks(model, "audio")
+    prefix, tower = _tower(model, kind)
+    for p in tower.parameters():
+        p.requires_grad_(trainable)
+    return [f"{prefix}.{name}" for name, _ in tower.named_parameters()]
 
 
 def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
@@ -214,7 +204,8 @@ def _tower_kinds(model: nn.Module) -> list[str]:
 
 
 def media_blocks(model: nn.Module) -> list[nn.Module]:
-    """The vision and audio tower blocks of a multimodal model (none for a text model)."""
+    """The vision and audio tower blocks of a multimodal model (none for a text model): what
+    FSDP2 shards one by one."""
     return [block for kind in _tower_kinds(model) for block in _tower_blocks(model, kind)]
 
 
@@ -229,11 +220,6 @@ def set_towers_trainable(
         for kind in _tower_kinds(model)
         for name in _set_tower_trainable(model, kind, trainable[kind])
     ]
-
-
-def vision_blocks(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of the vision tower (what FSDP2 shards one by one)."""
-    return _tower_blocks(model, "vision")
 
 
 def set_vision_trainable(model: nn.Module, trainable: bool) -> list[str]:
@@ -270,13 +256,9 @@ def check_towers(model) -> None:
     """``model.train_vision_tower`` needs a vision-language checkpoint and
     ``model.train_audio_tower`` an audio-language one (read from config.json; a checkpoint that
     a ``prepare`` step writes is checked again before loading). ``model``: the model section."""
-    if model.train_vision_tower and checkpoint_is_vision_language(model.path) is False:
-        raise ValueError(
-            f"model.train_vision_tower=true but {model.path} is not a vision-language model "
-            "(its config.json has no vision_config)"
-        )
-    if model.train_audio_tower and checkpoint_is_audio_language(model.path) is False:
-        raise ValueError(
-            f"model.train_audio_tower=true but {model.path} is not an audio-language model "
-            "(its config.json has no audio_config)"
-        )
+    for kind, train in (("vision", model.train_vision_tower), ("audio", model.train_audio_tower)):
+        if train and _has_config(model.path, f"{kind}_config") is False:
+            raise ValueError(
+                f"model.train_{kind}_tower=true but {model.path} is not a {kind}-language model "
+                f"(its config.json has no {kind}_config)"
+            )

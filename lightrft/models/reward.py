@@ -389,6 +389,7 @@ def build_reward_net(
 
     check_local(path)
     _check_pooling(pooling, heads, probe_layer, end_token_id)
+    spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id, probe_layer=probe_layer)
     if pooling == "likelihood":  # a causal LM, or a vision-language model, as the actor loads
         lm = load_model(
             path,
@@ -396,7 +397,7 @@ def build_reward_net(
             trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation,
         )
-        return _likelihood_net(lm, heads=heads, end_token_id=end_token_id).to(device)
+        return _reward_net(lm, None, **spec, dtype=dtype).to(device)
     _check_text_only(path, pooling)
     kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
@@ -404,40 +405,43 @@ def build_reward_net(
     hf, info = AutoModelForSequenceClassification.from_pretrained(
         path, ignore_mismatched_sizes=True, output_loading_info=True, **_labels(heads), **kwargs
     )
-    head_name, _ = _find_head(hf)
     missing = set(info.get("missing_keys", ()))
     missing |= {k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", ())}
-    net = _reward_net(
-        hf,
-        new_head=f"{head_name}.weight" in missing,
-        heads=heads,
-        pooling=pooling,
-        probe_layer=probe_layer,
-        dtype=dtype,
-    )
-    return net.to(device)
+    return _reward_net(hf, missing.__contains__, **spec, dtype=dtype).to(device)
 
 
 def _reward_net(
     hf: nn.Module,
+    is_new: Callable[[str], bool] | None,
     *,
-    new_head: bool,
     heads: Sequence[str],
     pooling: str,
+    end_token_id: int | None,
     probe_layer: int | None,
     dtype: str | torch.dtype,
 ) -> RewardNet:
-    """Wrap the HF classifier ``hf`` in a :class:`RewardNet`. New parameters (the head when the
-    checkpoint lacks one, ``new_head``; the attention pooler) are drawn from the run's seed in a
+    """Wrap ``hf`` in a :class:`RewardNet`: the HF classifier, or for the ``likelihood`` pooling
+    the causal LM with its own LM head (its parameter names stay the causal LM's: ``model.*``,
+    ``lm_head.*``). New parameters (the classifier's head when the checkpoint lacks it,
+    ``is_new`` of its weight's name; the attention pooler) are drawn from the run's seed in a
     forked RNG, as transformers initialises a head (normal, ``initializer_range``): the same
     values on every rank and in every loading path, whatever was drawn before."""
     from lightrft.models.loading import to_dtype
 
-    _check_probe(probe_layer, getattr(hf.config, "num_hidden_layers", None))
-    head_name, head = _find_head(hf)
+    if pooling == "likelihood":
+        head = hf.get_output_embeddings()
+        head_name = next((n for n, m in hf.named_children() if m is head), None)
+        if head_name is None or not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"{type(hf).__name__} has no linear LM head among its children: pooling="
+                "'likelihood' needs a causal LM"
+            )
+    else:
+        _check_probe(probe_layer, getattr(hf.config, "num_hidden_layers", None))
+        head_name, head = _find_head(hf)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch.initial_seed())
-        if new_head:
+        if is_new is not None and is_new(f"{head_name}.weight"):
             new = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
             nn.init.normal_(new.weight, std=getattr(hf.config, "initializer_range", 0.02))
             if new.bias is not None:
@@ -449,6 +453,7 @@ def _reward_net(
             head,
             heads=heads,
             pooling=pooling,
+            end_token_id=end_token_id,
             probe_layer=probe_layer,
             base_name=hf.base_model_prefix,
             head_name=head_name,
@@ -457,28 +462,6 @@ def _reward_net(
     if net.pooler is not None:
         net.pooler.to(dtype=to_dtype(dtype))
     return net
-
-
-def _likelihood_net(lm: nn.Module, *, heads: Sequence[str], end_token_id: int | None) -> RewardNet:
-    """Wrap the HF causal LM ``lm`` as a ``likelihood`` :class:`RewardNet` (its parameter names
-    stay the causal LM's: ``model.*``, ``lm_head.*``)."""
-    head = lm.get_output_embeddings()
-    head_name = next((n for n, m in lm.named_children() if m is head), None)
-    if head_name is None or not isinstance(head, nn.Linear):
-        raise ValueError(
-            f"{type(lm).__name__} has no linear LM head among its children: pooling="
-            "'likelihood' needs a causal LM"
-        )
-    return RewardNet(
-        getattr(lm, lm.base_model_prefix),
-        head,
-        heads=heads,
-        pooling="likelihood",
-        end_token_id=end_token_id,
-        base_name=lm.base_model_prefix,
-        head_name=head_name,
-        hf_model=lm,
-    )
 
 
 def load_reward_net_parallel(
@@ -527,11 +510,11 @@ def load_reward_net_parallel(
     load = dict(
         dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )
+    spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id, probe_layer=probe_layer)
     if shard is None:
         shard = default_sharding(offload=offload, scoring=scoring)
     if not shard:
-        spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id)
-        net = build_reward_net(path, **spec, probe_layer=probe_layer, device=device, **load)
+        net = build_reward_net(path, **spec, device=device, **load)
         return prepare_and_parallelize(net, prepare, **opts)
     from transformers import AutoModelForSequenceClassification
 
@@ -541,23 +524,12 @@ def load_reward_net_parallel(
     files = SafetensorsIndex.read(path).files
     if pooling == "likelihood":
         hf = build_on_meta(path, **load)  # the class load_model picks: a causal LM or a VLM
-        names, converted = checkpoint_names(hf, list(files))
-        net = _likelihood_net(hf, heads=heads, end_token_id=end_token_id)
     else:
         _check_text_only(path, pooling)
         classifier = AutoModelForSequenceClassification
         hf = build_on_meta(path, **load, auto_class=classifier, **_labels(heads))
-        names, converted = checkpoint_names(hf, list(files))
-        head_name, _ = _find_head(hf)
-        new_head = names.get(f"{head_name}.weight") not in files
-        net = _reward_net(
-            hf,
-            new_head=new_head,
-            heads=heads,
-            pooling=pooling,
-            probe_layer=probe_layer,
-            dtype=dtype,
-        )
+    names, converted = checkpoint_names(hf, list(files))
+    net = _reward_net(hf, lambda name: names.get(name) not in files, **spec, dtype=dtype)
     return prepare_and_parallelize(
         net,
         prepare,

@@ -198,19 +198,6 @@ def _meta_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]:
     return found
 
 
-def _init_new(name: str, full_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """The initial value of a parameter that ``prepare`` added (absent from the checkpoint), in
-    full on every rank from the same RNG state: a LoRA adapter's, as PEFT initialises it
-    (:func:`lightrft.models.lora.initial_adapter_value`)."""
-    value = initial_adapter_value(name, full_shape, dtype)
-    if value is not None:
-        return value
-    raise ValueError(
-        f"parameter {name!r} is neither in the checkpoint nor one lightrft knows how to "
-        "initialise; create new parameters on a real device in `prepare` (not on meta)"
-    )
-
-
 def fill_from_safetensors(
     model: nn.Module,
     path: str | Path,
@@ -247,8 +234,16 @@ def fill_from_safetensors(
                         f"buffer {full!r} of {type(model).__name__} is not in the checkpoint "
                         f"{path}; build it on a real device"
                     )
-                value = _init_new(full, meta.shape, meta.dtype)[region]
-                _local(t).copy_(value)
+                # A parameter ``prepare`` added, in full on every rank from the same RNG
+                # state: a LoRA adapter's, as PEFT initialises it.
+                value = initial_adapter_value(full, meta.shape, meta.dtype)
+                if value is None:
+                    raise ValueError(
+                        f"parameter {full!r} is neither in the checkpoint nor one lightrft knows "
+                        "how to initialise; create new parameters on a real device in `prepare` "
+                        "(not on meta)"
+                    )
+                _local(t).copy_(value[region])
                 initialised.append(full)
                 continue
             by_file.setdefault(index.files[key], []).append((t, key, region))

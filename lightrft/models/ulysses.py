@@ -35,10 +35,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from lightrft.sections import SEQUENCE_PARALLEL_MODEL_TYPES, check_sequence_parallel_model
+from lightrft.sections import check_sequence_parallel_model
 
 ATTENTION = "lightrft_ulysses"
-SUPPORTED_MODEL_TYPES = SEQUENCE_PARALLEL_MODEL_TYPES
 
 
 def check_model(config: Any, size: int) -> None:

@@ -21,6 +21,7 @@ The ranks score different samples (data parallel), so the gathers carry every ra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -190,19 +191,14 @@ def _vocab_sharded(param: nn.Parameter, mesh) -> nn.Parameter:
     return nn.Parameter(full, requires_grad=False)
 
 
-def _replace_param(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
-    """Every module attribute holding ``old`` (a tied weight: several) holds ``new`` instead."""
+def _replace(model: nn.Module, table: str, old: Any, new: Any) -> None:
+    """Every entry of a module's ``table`` (``_parameters``, ``_modules``) holding ``old`` (a tied
+    weight: several) holds ``new`` instead."""
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is old:
-                module._parameters[name] = new
-
-
-def _replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    for module in model.modules():
-        for name, child in list(module._modules.items()):
-            if child is old:
-                module._modules[name] = new
+        entries = getattr(module, table)
+        for name, x in list(entries.items()):
+            if x is old:
+                entries[name] = new
 
 
 def vocab_tables(model: nn.Module) -> tuple[nn.Embedding, nn.Linear | None]:
@@ -241,8 +237,7 @@ def shard_vocab_tables(model: nn.Module, mesh) -> set[nn.Parameter]:
             continue
         if id(old) not in sharded:  # a tied head's weight is the embedding's: sharded once
             sharded[id(old)] = _vocab_sharded(old, mesh)
-            _replace_param(model, old, sharded[id(old)])
-    _replace_module(
-        model, embedding, VocabParallelEmbedding(embedding.weight, embedding.padding_idx)
-    )
+            _replace(model, "_parameters", old, sharded[id(old)])
+    new = VocabParallelEmbedding(embedding.weight, embedding.padding_idx)
+    _replace(model, "_modules", embedding, new)
     return set(sharded.values())

@@ -27,13 +27,14 @@ from lightrft import config
 from lightrft.algorithms.config import ShapingConfig
 from lightrft.algorithms.preference import PairRuleConfig, best_worst_pairs
 from lightrft.config import Component, Section, option, section
-from lightrft.data import StepCollator, build_dataloader, step_batches
+from lightrft.data import StepCollator, step_batches
 from lightrft.distributed import even_micro_batches
 from lightrft.engine.config import RolloutConfig
 from lightrft.rollout.build import HeldOutEvalConfig, build_parts
 from lightrft.rollout.engine import RolloutEngineConfig
 from lightrft.rollout.source import ColocatedSource, SingleTurn
 from lightrft.training import PhaseTimer
+from lightrft.training.loaders import step_loaders
 from lightrft.training.preference import IndexedPreferences, PairCollator
 
 
@@ -121,23 +122,11 @@ class OfflinePairs:
             )
         self.collate = PairCollator(tokenizer.pad_token_id, packing=d.packing,
                                     max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
-        accum, self.uneven = d.gradient_accumulation_steps, d.micro_batch_tokens is not None
-        kw = dict(seed=opts.run.seed, rank=dist.rank, world_size=dist.world_size)
-        self.loader = build_dataloader(
-            self.dataset, batch_size=d.batch_size * accum, shuffle=True, drop_last=True,
-            collate_fn=step_collator(self.collate, d), **kw,
+        self.uneven = d.micro_batch_tokens is not None
+        self.loader, self.eval_loader = step_loaders(
+            self.dataset, self.eval_dataset, self.collate, d, seed=opts.run.seed, dist=dist,
+            what="pairs", length=_pair_tokens,
         )  # fmt: skip
-        self.eval_loader = None
-        if self.eval_dataset is not None:
-            self.eval_loader = build_dataloader(self.eval_dataset, batch_size=d.batch_size,
-                                                shuffle=False, drop_last=False,
-                                                collate_fn=self.collate, **kw)  # fmt: skip
-        if len(self.loader) == 0:
-            raise ValueError(
-                f"dataset {d.dataset._component_} gives {len(raw)} pairs, fewer than one step "
-                f"needs: batch_size={d.batch_size} x gradient_accumulation_steps={accum} on each "
-                f"of {dist.world_size} rank(s); lower them, or add data"
-            )
 
     def build(self, strategy: Any) -> None:
         pass
@@ -157,10 +146,14 @@ class OfflinePairs:
         return {}
 
 
+def _pair_tokens(item: dict[str, Any]) -> int:
+    return sum(len(s) for s in item["sequences"])
+
+
 def step_collator(collate: PairCollator, d: Any) -> StepCollator:
     """A step's items into micro-batches of ``d.batch_size`` (``micro_batch_tokens``)."""
     return StepCollator(collate, d.batch_size, d.micro_batch_tokens, packing=d.packing,
-                        length=lambda it: sum(len(s) for s in it["sequences"]))  # fmt: skip
+                        length=_pair_tokens)  # fmt: skip
 
 
 class OnlinePairs:

@@ -32,10 +32,6 @@ class Strategy:
         """The FSDP2 device mesh (None in one process); built on first use."""
         return build_mesh(self.cfg.shard_size, self.cfg.replicate_size, self.dist.device)
 
-    @property
-    def lora(self):
-        return self.cfg.lora
-
     # -- sequence parallelism -------------------------------------------------------------
 
     @functools.cached_property
@@ -60,11 +56,6 @@ class Strategy:
             return self.dist
         d = self.dist
         return DistInfo(d.rank // n, d.world_size // n, d.local_rank, d.device)
-
-    @property
-    def sequence_parallel_size(self) -> int:
-        """The ranks of one SP group (1 without sequence parallelism)."""
-        return self.cfg.sequence_parallel
 
     @property
     def writes_shared(self) -> bool:

@@ -36,9 +36,9 @@ class FSDP2Strategy(Strategy):
         return {"mesh": self.mesh, "offload": self.offload}
 
     def adapt(self, model, apply=None):
-        if self.lora is None:
+        if self.cfg.lora is None:
             return model
-        return (apply or apply_lora)(model, self.lora)
+        return (apply or apply_lora)(model, self.cfg.lora)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -56,10 +56,10 @@ class FSDP2Strategy(Strategy):
 
     @property
     def needs_reference_copy(self) -> bool:
-        return self.lora is None
+        return self.cfg.lora is None
 
     def sync_weights(self, engine: Any, *, skip_frozen: bool = False) -> None:
         sync_weights(self.model, engine, skip_frozen=skip_frozen)
 
     def export(self, processor: Any, out_dir: str | Path, *, adapter: bool = True) -> Path:
-        return export_trained(self.model, processor, out_dir, self.lora, adapter=adapter)
+        return export_trained(self.model, processor, out_dir, self.cfg.lora, adapter=adapter)

@@ -29,6 +29,7 @@ _EXPORTS = {
     "read_metrics": "metrics",
     "warmup_cosine_lr_ratio": "optim",
     "warmup_cosine_scheduler": "optim",
+    "lr_scheduler": "optim",
     "clip_grad_norm": "optim",
     "cpu_offload_optimizer": "optim",
     "optimizer_step": "optim",

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -282,12 +283,9 @@ def step_dir_name(step: int) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    """The RNG states of python, numpy (when installed), torch CPU and the current CUDA device."""
+    """The RNG states of python, numpy, torch CPU and the current CUDA device."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    with suppress(ImportError):
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
+    state["numpy"] = np.random.get_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -298,10 +296,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        with suppress(ImportError):
-            import numpy as np
-
-            np.random.set_state(state["numpy"])
+        np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -738,10 +733,7 @@ def reseed(seed: int, step: int, rank: int) -> None:
     value = ((seed * 1_000_003 + step) * 1_009 + rank) % 2**63
     random.seed(value)
     torch.manual_seed(value)  # every CUDA device too
-    with suppress(ImportError):
-        import numpy as np
-
-        np.random.seed(value % 2**32)
+    np.random.seed(value % 2**32)
 
 
 def check_reshardable(
@@ -797,11 +789,8 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    with suppress(Exception):
-        import numpy as np
-
-        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return bool(np.array_equal(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
     return a == b
 
 
@@ -978,23 +967,22 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def check_resume(output_dir: str | Path, adapted: bool, models: tuple[str, ...]) -> None:
-    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
-    adapters exactly when this run does (``adapted``), for each of ``models`` it holds."""
-    latest = Checkpointer(output_dir).latest_readable()
-    if latest is not None:
-        check_lora_match(read_meta(latest), dict.fromkeys(models, adapted), latest)
-
-
-def check_resume_world(
-    output_dir: str | Path, world: int, global_batch: Callable[[int], int | None]
+def check_resume(
+    output_dir: str | Path,
+    adapted: bool,
+    models: tuple[str, ...],
+    world: int = 1,
+    global_batch: Callable[[int], int | None] | None = None,
 ) -> None:
-    """Before anything loads: the newest checkpoint under ``output_dir``, if saved by another
-    number of ranks than ``world``, can continue on ``world`` (:func:`check_reshardable`, with
-    this run's global batch ``global_batch(world)``)."""
+    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
+    adapters exactly when this run does (``adapted``), for each of ``models`` it holds; saved by
+    another number of ranks than ``world``, it must be able to continue on ``world``
+    (:func:`check_reshardable`, with this run's global batch ``global_batch(world)``)."""
     latest = Checkpointer(output_dir).latest_readable()
     if latest is None:
         return
     meta = read_meta(latest)
+    check_lora_match(meta, dict.fromkeys(models, adapted), latest)
     if int(meta.get("world_size", 1)) != world:
-        check_reshardable(latest, meta, world, global_batch=global_batch(world))
+        batch = global_batch(world) if global_batch is not None else None
+        check_reshardable(latest, meta, world, global_batch=batch)

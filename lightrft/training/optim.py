@@ -32,17 +32,6 @@ def warmup_cosine_lr_ratio(
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def check_schedule(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
-    """Raise a ``ValueError`` naming the bad schedule argument."""
-    at_least("total_steps", total_steps, 1)
-    if not 0 <= warmup_steps <= total_steps:
-        raise ValueError(
-            f"warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}"
-        )
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-
-
 def warmup_cosine_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
@@ -56,7 +45,13 @@ def warmup_cosine_scheduler(
     optimizer's param groups, so restore both (as :class:`~lightrft.training.Checkpointer` does)
     to continue the schedule exactly.
     """
-    check_schedule(warmup_steps, total_steps, min_lr_ratio)
+    at_least("total_steps", total_steps, 1)
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(
+            f"warmup_steps must be in [0, total_steps={total_steps}], got {warmup_steps}"
+        )
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
     fn = functools.partial(
         warmup_cosine_lr_ratio,
         warmup_steps=warmup_steps,
@@ -64,6 +59,17 @@ def warmup_cosine_scheduler(
         min_lr_ratio=min_lr_ratio,
     )
     return LambdaLR(optimizer, fn)
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: Any, total_steps: int) -> LambdaLR:
+    """The :func:`warmup_cosine_scheduler` of an ``lr_scheduler:`` section
+    (:class:`~lightrft.sections.ScheduleConfig`) over ``total_steps``."""
+    return warmup_cosine_scheduler(
+        optimizer,
+        warmup_steps=schedule.warmup_steps,
+        total_steps=total_steps,
+        min_lr_ratio=schedule.min_lr_ratio,
+    )
 
 
 def clip_grad_norm(

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from lightrft.distributed import is_main
+from lightrft.distributed import all_reduce_max, is_main
 
 
 class Preemption:
@@ -64,16 +64,14 @@ class Preemption:
     def stop_requested(self) -> bool:
         """True when any rank got a signal (collective: call it on every rank at the same
         point of each step)."""
-        local = self.signum is not None
         if not dist.is_initialized():
-            return local
-        backend = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-        flag = torch.tensor([self.signum or 0], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if self.signum is None and flag.item():
-            self.signum = int(flag.item())  # another rank was signalled: exit the same way
-        return bool(flag.item())
+            return self.signum is not None
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        flag = int(all_reduce_max(self.signum or 0, device).item())
+        if self.signum is None and flag:
+            self.signum = flag  # another rank was signalled: exit the same way
+        return bool(flag)
 
     @property
     def exit_code(self) -> int:

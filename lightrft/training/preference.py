@@ -170,10 +170,3 @@ def kto_reference_point(
     )
     total = all_reduce_sum(local, device=policy.device)
     return (total[0] / total[1].clamp(min=1)).clamp(min=0).to(policy.dtype)
-
-
-def reduce_sums(sums: dict[str, float]) -> dict[str, float]:
-    """Each value summed over ranks (one collective, float64; identity in one process)."""
-    keys = sorted(sums)
-    reduced = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
-    return dict(zip(keys, reduced.tolist(), strict=True))

@@ -51,7 +51,6 @@ from lightrft.training.checkpoint import (
     Checkpointer,
     CheckpointState,
     check_resume,
-    check_resume_world,
 )
 from lightrft.training.metrics import MetricLogger
 from lightrft.training.outputs import check_output_dir
@@ -102,14 +101,14 @@ class TrainingConfig(Section):
     CHECKPOINT_MODELS: ClassVar[tuple[str, ...]] = ("model",)
 
     def resolve(self, at: str) -> TrainingConfig:
-        if self.run.resume:  # a LoRA run resumes only from LoRA checkpoints, and the reverse
+        # A LoRA run resumes only from LoRA checkpoints, and the reverse; on another world size
+        # only what reshards. The world the run has: torchrun sets WORLD_SIZE (`lightrft run`
+        # sets it for its check before launching), else one plain process.
+        if self.run.resume:
+            lora, world = self.strategy.lora is not None, int(os.environ.get("WORLD_SIZE") or 1)
             check_resume(
-                self.run.output_dir, self.strategy.lora is not None, self.CHECKPOINT_MODELS
+                self.run.output_dir, lora, self.CHECKPOINT_MODELS, world, self.global_batch
             )
-            # The world the run has (torchrun sets WORLD_SIZE; `lightrft run` sets it for its
-            # check before launching), else one plain process.
-            world = int(os.environ.get("WORLD_SIZE") or 1)
-            check_resume_world(self.run.output_dir, world, self.global_batch)
         return self
 
     def global_batch(self, world: int) -> int | None:

@@ -23,6 +23,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
@@ -62,11 +63,7 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             TAG: "dict",
             "items": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()],
         }
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy ships with torch wheels
-        np = None
-    if np is not None and isinstance(obj, np.ndarray):
+    if isinstance(obj, np.ndarray):
         key = f"t{len(tensors)}"
         # safetensors has no uint32; keep the bytes in a same-width signed dtype and the real one
         # in JSON (numpy's MT19937 state is a uint32 array).
@@ -78,7 +75,7 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         }.get(arr.dtype)
         tensors[key] = torch.from_numpy(arr.view(view) if view is not None else arr.copy())
         return {TAG: "ndarray", "key": key, "dtype": arr.dtype.str}
-    if np is not None and isinstance(obj, np.generic):
+    if isinstance(obj, np.generic):
         return {TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
     raise TypeError(
         f"cannot store a {type(obj).__name__} in checkpoint state: use None, bool, int, float, "
@@ -100,8 +97,6 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return tuple(_decode(x, tensors) for x in obj["items"])
     if tag == "dict":
         return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in obj["items"]}
-    import numpy as np
-
     if tag == "ndarray":
         return tensors[obj["key"]].numpy().view(np.dtype(obj["dtype"])).copy()
     if tag == "npscalar":

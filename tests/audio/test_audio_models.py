@@ -16,7 +16,7 @@ from lightrft.data import SFTDataset, pack_or_pad_collator
 from lightrft.models import load_model, load_processor, parallelize, set_towers_trainable
 from lightrft.models.forward import causal_lm_cross_entropy
 from lightrft.models.modality import media_token_ids
-from lightrft.models.multimodal import audio_blocks
+from lightrft.models.multimodal import media_blocks
 
 
 def test_tiny_audio_lm_is_a_normal_hf_directory(tiny_alm):
@@ -130,7 +130,8 @@ def _fsdp_worker(rank, world, path, expected_loss):
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
-        assert all(isinstance(b, FSDPModule) for b in audio_blocks(model))
+        blocks = media_blocks(model)  # the audio tower's
+        assert blocks and all(isinstance(b, FSDPModule) for b in blocks)
         assert all(isinstance(p, DTensor) for p in model.parameters())
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         loss = _loss(model, _batch(proc))

@@ -18,8 +18,8 @@ from lightrft.models.modality import vision_token_ids
 from lightrft.models.multimodal import (
     load_processor,
     load_vision_model,
+    media_blocks,
     set_vision_trainable,
-    vision_blocks,
 )
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"]
@@ -139,7 +139,8 @@ def _fsdp_step(path, train_vision, expected_loss):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    assert all(isinstance(b, FSDPModule) for b in vision_blocks(model))
+    blocks = media_blocks(model)  # the vision tower's
+    assert blocks and all(isinstance(b, FSDPModule) for b in blocks)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     loss = _loss(model, _batch(proc))
