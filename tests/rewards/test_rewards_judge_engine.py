@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -347,14 +348,15 @@ def test_a_judge_on_vllm_served_in_its_own_process(judge_dir):
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in server.stdout], daemon=True).start()
     try:
-        seen = []
-        while not seen or "serving" not in seen[-1]:
+        # The server's own line (vLLM's log, on the same stream, may say "serving" too).
+        seen, ready = [], re.compile(r"^serving \S+ on (http://\S+)$")
+        while not seen or not ready.match(seen[-1].strip()):
             try:
                 seen.append(lines.get(timeout=600))
             except queue.Empty:
                 pytest.fail("the server did not start within 600 s:\n" + "".join(seen[-40:]))
             assert server.poll() is None or not lines.empty(), "".join(seen[-40:])
-        url = seen[-1].split(" on ")[1].strip()
+        url = ready.match(seen[-1].strip()).group(1)
         assert url.startswith("http://127.0.0.1:")
         got = RemoteReward(url, token="t0k")(_samples())
         assert torch.as_tensor(got).tolist() == want
