@@ -171,12 +171,9 @@ class GRPOConfig(TrainingConfig):
                 "trajectory_tokens: true adds to the trajectory files: set trajectories: true"
             )
         ev = self.eval.resolved(self)
-        for key, schedule in (
-            ("lr_scheduler.", self.optim.lr_scheduler),
-            ("critic.lr_scheduler.", critic.lr_scheduler if critic else None),
-        ):
-            if schedule is not None:
-                schedule.check_steps(self.max_steps, key)
+        self.optim.lr_scheduler.check_steps(self.max_steps)
+        if critic is not None:
+            critic.lr_scheduler.check_steps(self.max_steps, "critic.lr_scheduler.")
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         check_models(opts, prepare=self.run.prepare)
         m = opts.model
