@@ -76,8 +76,8 @@ def cdpo_loss(
 ) -> PairLoss:
     """Conservative DPO: DPO against labels flipped with probability ``label_smoothing``."""
     h, *rewards = _margin(beta, chosen, rejected, ref_chosen, ref_rejected)
-    e, h = label_smoothing, beta * h
-    return (-(1 - e) * F.logsigmoid(h) - e * F.logsigmoid(-h), *rewards)
+    z, e = beta * h, label_smoothing  # [B], the label noise rate
+    return (-(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z), *rewards)
 
 
 def rdpo_loss(
@@ -92,8 +92,8 @@ def rdpo_loss(
     """Robust DPO (Chowdhury et al. 2024): unbiased under label noise rate ``label_smoothing``
     (< 0.5); it can be negative."""
     h, *rewards = _margin(beta, chosen, rejected, ref_chosen, ref_rejected)
-    e, h = label_smoothing, beta * h
-    return ((-(1 - e) * F.logsigmoid(h) + e * F.logsigmoid(-h)) / (1 - 2 * e), *rewards)
+    z, e = beta * h, label_smoothing  # [B], the label noise rate
+    return ((-(1 - e) * F.logsigmoid(z) + e * F.logsigmoid(-z)) / (1 - 2 * e), *rewards)
 
 
 def ipo_loss(
