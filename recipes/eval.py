@@ -21,7 +21,6 @@ code a training recipe can call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import sys
 
@@ -32,11 +31,12 @@ from lightrft.config import Component, Section, option, section
 from lightrft.distributed import barrier
 from lightrft.engine import Continuation, Request, SamplingParams
 from lightrft.engine.config import EngineConfig
-from lightrft.environments import build_environment, check_environment, stop_at_turn_end
+from lightrft.environments import check_environment
 from lightrft.evaluation import evaluate_dataset, summarize
 from lightrft.export import read_export_spec, resolve_model_dir
 from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward, reward_names
+from lightrft.rollout.source import turns_for
 from lightrft.sections import ModelConfig, RunConfig, check_model_path, is_checkpoint_dir
 from lightrft.training.run import TrainingRun, training_run
 
@@ -122,11 +122,9 @@ class EvalRecipe:
             o.model,
             path=resolve_model_dir(o.model.path, trust_remote_code=o.model.trust_remote_code),
         )
-        self.environment, tools = None, None
-        if o.environment is not None:  # checked again: a checkpoint prepare wrote exists now
-            check_environment(o.environment, m.path, trust_remote_code=m.trust_remote_code)
-            self.environment = functools.partial(config.instantiate, o.environment)
-            tools = build_environment(self.environment).schemas or None
+        # The environment: section's episodes (None: single turn), checked again: a checkpoint
+        # prepare wrote exists now.
+        self.turns = turns_for(o.environment, m)
         processor, self.tokenizer = load_processors(
             m.path, trust_remote_code=m.trust_remote_code, template_args=m.chat_template_args
         )
@@ -140,7 +138,7 @@ class EvalRecipe:
             m.path, self.tokenizer, device=self.dist.device, seed=o.run.seed, dtype=m.dtype
         )
         s = o.sampling
-        self.params = SamplingParams(
+        params = SamplingParams(
             n=s.n,
             temperature=s.temperature,
             top_p=s.top_p,
@@ -148,8 +146,7 @@ class EvalRecipe:
             max_tokens=s.max_tokens,
             seed=o.run.seed,
         )
-        if self.environment is not None:
-            self.params = stop_at_turn_end(self.params, self.tokenizer, tools)
+        self.params = self.turns.sampling(params, self.tokenizer)  # multi-turn: stop at turn end
 
     def run(self) -> dict[str, float]:
         def generate(
@@ -169,7 +166,7 @@ class EvalRecipe:
             limit=self.opts.max_prompts,
             accuracy=self.accuracy,
             extract=self.extract,
-            environment=self.environment,
+            environment=self.turns.environment,
             tokenizer=self.tokenizer,
         )
         summary = summarize(records, list(self.opts.ks))

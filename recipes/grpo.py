@@ -171,12 +171,9 @@ class GRPOConfig(TrainingConfig):
                 "trajectory_tokens: true adds to the trajectory files: set trajectories: true"
             )
         ev = self.eval.resolved(self)
-        for key, schedule in (
-            ("lr_scheduler.", self.optim.lr_scheduler),
-            ("critic.lr_scheduler.", critic.lr_scheduler if critic else None),
-        ):
-            if schedule is not None:
-                schedule.check_steps(self.max_steps, key)
+        self.optim.lr_scheduler.check_steps(self.max_steps)
+        if critic is not None:
+            critic.lr_scheduler.check_steps(self.max_steps, "critic.lr_scheduler.")
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         check_models(opts, prepare=self.run.prepare)
         m = opts.model
@@ -549,16 +546,12 @@ class GRPORecipe:
         old = batch.rollout_logprobs if alg.old_logprobs == "engine" else pre.old_logprobs
         data = LossInputs(
             logprobs=zeros,  # the policy's, below
-            entropy=None,
             mask=mask,
             loss_mask=mask if adv.loss_mask is None else rows(adv.loss_mask, fallback=mask),
             advantages=rows(adv.advantages, fallback=zeros),
             old_logprobs=rows(old),
             rollout_logprobs=rows(batch.rollout_logprobs) if alg.tis.mode else None,
             ref_logprobs=rows(pre.ref_logprobs, fallback=zeros) if kl_loss else None,
-            values=None,
-            old_values=None,
-            returns=None,
         )
         # Entropy with a gradient only for the bonus; otherwise a cheap no-grad value to log.
         lp, ent = mb.logprobs(

@@ -45,6 +45,11 @@ def _valid(mask: Tensor, like: Tensor, name: str = "mask") -> Tensor:
     return mask != 0
 
 
+def _check_shape(t: Tensor, like: Tensor, name: str, what: str) -> None:
+    if t.shape != like.shape:
+        raise ValueError(f"{name} shape {tuple(t.shape)} must match {what} {tuple(like.shape)}")
+
+
 def _denominator(value: Number, like: Tensor) -> Tensor | float:
     """A user-given count as a divisor that never divides by zero (0 / tiny = 0, never NaN)."""
     tiny = torch.finfo(like.dtype).tiny
@@ -161,11 +166,7 @@ def tis_weights(
         raise ValueError(f"tis cap must be > 0, got {cap}")
     old = _upcast(old_logprobs)
     valid = _valid(mask, old)
-    if rollout_logprobs.shape != old.shape:
-        raise ValueError(
-            f"rollout_logprobs shape {tuple(rollout_logprobs.shape)} must match log-probs "
-            f"{tuple(old.shape)}"
-        )
+    _check_shape(rollout_logprobs, old, "rollout_logprobs", "log-probs")
     m = valid.to(old.dtype)
     log_ratio = _zero_padding(old - rollout_logprobs.to(old.dtype), valid)
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T], 0 on padding
@@ -434,14 +435,9 @@ def policy_loss(
     if old_logprobs is None:
         old = logprobs.detach()
     else:
-        if old_logprobs.shape != logprobs.shape:
-            raise ValueError(
-                f"old_logprobs shape {tuple(old_logprobs.shape)} must match logprobs "
-                f"{tuple(logprobs.shape)}"
-            )
+        _check_shape(old_logprobs, logprobs, "old_logprobs", "logprobs")
         old = _zero_padding(old_logprobs.detach().to(logprobs.dtype), valid)
     adv = _zero_padding(_expand_advantages(advantages.detach(), logprobs), valid)  # [B, T]
-    m = valid.to(logprobs.dtype)
     log_ratio = (logprobs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
 
     loss_mat, ratio, flags = OBJECTIVES[objective].fn(
@@ -465,7 +461,7 @@ def policy_loss(
             else:
                 capped = valid & (weights == 0)
             metrics["tis_weight_mean"] = _masked_mean(weights, valid)
-            metrics["tis_frac_capped"] = _masked_mean(capped.to(m.dtype), valid)
+            metrics["tis_frac_capped"] = _masked_mean(capped.to(logprobs.dtype), valid)
 
     loss = aggregate(
         loss_mat, mask, agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
@@ -527,10 +523,7 @@ def value_loss(
     values = _upcast(values)
     valid = _valid(mask, values)
     for name, t in (("old_values", old_values), ("returns", returns)):
-        if t.shape != values.shape:
-            raise ValueError(
-                f"{name} shape {tuple(t.shape)} must match values {tuple(values.shape)}"
-            )
+        _check_shape(t, values, name, "values")
     values = _zero_padding(values, valid)
     old = _zero_padding(old_values.detach().to(values.dtype), valid)
     target = _zero_padding(returns.detach().to(values.dtype), valid)

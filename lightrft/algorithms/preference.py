@@ -43,20 +43,13 @@ from lightrft.config import Section, option, section
 PairLoss = tuple[Tensor, Tensor, Tensor]
 
 
-def _logratio_margin(
-    chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor
-) -> Tensor:
-    """``h = (pi_c - ref_c) - (pi_r - ref_r)``. ``[B]``"""
-    return (chosen - ref_chosen) - (rejected - ref_rejected)  # [B]
-
-
-def _implicit_rewards(
+def _margin(
     beta: float, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor
-) -> tuple[Tensor, Tensor]:
-    return (
-        (beta * (chosen - ref_chosen)).detach(),  # [B]
-        (beta * (rejected - ref_rejected)).detach(),  # [B]
-    )
+) -> PairLoss:
+    """``h = (pi_c - ref_c) - (pi_r - ref_r)`` and the implicit rewards ``beta (pi - ref)`` of
+    the chosen and the rejected responses (detached). ``[B]`` each."""
+    c, r = chosen - ref_chosen, rejected - ref_rejected  # [B]
+    return c - r, (beta * c).detach(), (beta * r).detach()
 
 
 def dpo_loss(
@@ -68,9 +61,8 @@ def dpo_loss(
     beta: float = 0.1,
 ) -> PairLoss:
     """DPO (Rafailov et al. 2023): ``-logsigmoid(beta * h)``. ``[B]`` each."""
-    h = _logratio_margin(chosen, rejected, ref_chosen, ref_rejected)  # [B]
-    loss = -F.logsigmoid(beta * h)  # [B]
-    return (loss, *_implicit_rewards(beta, chosen, rejected, ref_chosen, ref_rejected))
+    h, *rewards = _margin(beta, chosen, rejected, ref_chosen, ref_rejected)
+    return (-F.logsigmoid(beta * h), *rewards)
 
 
 def cdpo_loss(
@@ -83,10 +75,9 @@ def cdpo_loss(
     label_smoothing: float = 0.1,
 ) -> PairLoss:
     """Conservative DPO: DPO against labels flipped with probability ``label_smoothing``."""
-    h = beta * _logratio_margin(chosen, rejected, ref_chosen, ref_rejected)  # [B]
-    e = label_smoothing
-    loss = -(1 - e) * F.logsigmoid(h) - e * F.logsigmoid(-h)  # [B]
-    return (loss, *_implicit_rewards(beta, chosen, rejected, ref_chosen, ref_rejected))
+    h, *rewards = _margin(beta, chosen, rejected, ref_chosen, ref_rejected)
+    z, e = beta * h, label_smoothing  # [B], the label noise rate
+    return (-(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z), *rewards)
 
 
 def rdpo_loss(
@@ -100,10 +91,9 @@ def rdpo_loss(
 ) -> PairLoss:
     """Robust DPO (Chowdhury et al. 2024): unbiased under label noise rate ``label_smoothing``
     (< 0.5); it can be negative."""
-    h = beta * _logratio_margin(chosen, rejected, ref_chosen, ref_rejected)  # [B]
-    e = label_smoothing
-    loss = (-(1 - e) * F.logsigmoid(h) + e * F.logsigmoid(-h)) / (1 - 2 * e)  # [B]
-    return (loss, *_implicit_rewards(beta, chosen, rejected, ref_chosen, ref_rejected))
+    h, *rewards = _margin(beta, chosen, rejected, ref_chosen, ref_rejected)
+    z, e = beta * h, label_smoothing  # [B], the label noise rate
+    return ((-(1 - e) * F.logsigmoid(z) + e * F.logsigmoid(-z)) / (1 - 2 * e), *rewards)
 
 
 def ipo_loss(
@@ -115,9 +105,8 @@ def ipo_loss(
     beta: float = 0.1,
 ) -> PairLoss:
     """IPO (Azar et al. 2023): ``(h - 1 / (2 beta))^2``; ``beta`` is the paper's ``tau``."""
-    h = _logratio_margin(chosen, rejected, ref_chosen, ref_rejected)  # [B]
-    loss = (h - 1 / (2 * beta)) ** 2  # [B]
-    return (loss, *_implicit_rewards(beta, chosen, rejected, ref_chosen, ref_rejected))
+    h, *rewards = _margin(beta, chosen, rejected, ref_chosen, ref_rejected)
+    return ((h - 1 / (2 * beta)) ** 2, *rewards)
 
 
 def simpo_loss(

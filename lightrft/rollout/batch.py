@@ -19,18 +19,9 @@ from torch import Tensor
 if TYPE_CHECKING:
     from lightrft.data.media import Media
 
-__all__ = [
-    "IGNORE",
-    "Advantages",
-    "Precomputed",
-    "RolloutBatch",
-    "TrainBatch",
-    "pad_rows",
-]
 
 IGNORE = -100  # target id of positions without a loss
 
-_SAMPLE_FIELDS = ("reward_raw", "rewards", "overlong", "kept")  # [B]
 _META_FIELDS = ("prompts", "references", "labels", "wheres", "texts", "finish_reasons", "groups")
 # Per-sample objects that only some batches have (None: none in the batch): media, episodes.
 _PER_SAMPLE = ("media", "episodes")
@@ -177,8 +168,7 @@ class RolloutBatch:
         fields = {
             f.name: _select(getattr(self, f.name), t, idx_list) for f in dataclasses.fields(self)
         }
-        out = RolloutBatch(**fields)
-        return out._trim()
+        return RolloutBatch(**fields)._trim()
 
     def _trim(self) -> RolloutBatch:
         r = max(int(self.response_lens.max()) if len(self) else 0, 1)

@@ -90,16 +90,16 @@ class LossInputs:
     ``loss_mask``: the tokens the policy loss trains on)."""
 
     logprobs: torch.Tensor  # current policy, with gradient
-    entropy: torch.Tensor | None  # with gradient only when the entropy bonus is on
     mask: torch.Tensor
     loss_mask: torch.Tensor
     advantages: torch.Tensor
-    old_logprobs: torch.Tensor | None  # None: exactly on-policy (ratio 1)
-    rollout_logprobs: torch.Tensor | None  # engine log-probs (TIS only)
-    ref_logprobs: torch.Tensor | None  # reference model (KL in the loss only)
-    values: torch.Tensor | None  # critic, with gradient (gae only)
-    old_values: torch.Tensor | None
-    returns: torch.Tensor | None
+    entropy: torch.Tensor | None = None  # with gradient only when the entropy bonus is on
+    old_logprobs: torch.Tensor | None = None  # None: exactly on-policy (ratio 1)
+    rollout_logprobs: torch.Tensor | None = None  # engine log-probs (TIS only)
+    ref_logprobs: torch.Tensor | None = None  # reference model (KL in the loss only)
+    values: torch.Tensor | None = None  # critic, with gradient (gae only)
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

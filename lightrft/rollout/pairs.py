@@ -150,12 +150,6 @@ def _pair_tokens(item: dict[str, Any]) -> int:
     return sum(len(s) for s in item["sequences"])
 
 
-def step_collator(collate: PairCollator, d: Any) -> StepCollator:
-    """A step's items into micro-batches of ``d.batch_size`` (``micro_batch_tokens``)."""
-    return StepCollator(collate, d.batch_size, d.micro_batch_tokens, packing=d.packing,
-                        length=_pair_tokens)  # fmt: skip
-
-
 class OnlinePairs:
     """Each step's pairs sampled by the policy (module docstring); ``eval_dataset`` holds
     held-out prompts (:meth:`evaluate`: greedy accuracy, as GRPO's ``eval/accuracy``)."""
@@ -174,7 +168,10 @@ class OnlinePairs:
         self.prompts = lambda: config.instantiate(d.dataset, processor)
         self.collate = PairCollator(tokenizer.pad_token_id, packing=d.packing,
                                     max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
-        self.step_collate = step_collator(self.collate, d)
+        # A step's items into micro-batches of data.batch_size (data.micro_batch_tokens).
+        self.step_collate = StepCollator(
+            self.collate, d.batch_size, d.micro_batch_tokens, packing=d.packing, length=_pair_tokens
+        )
 
     def build(self, strategy: Any) -> None:
         self.source.build(strategy, lambda: self.parts(strategy), self.prompts)

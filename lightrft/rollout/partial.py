@@ -29,8 +29,6 @@ from lightrft.engine.protocol import Completion, Resume, SamplingParams
 from lightrft.rollout.engine import ColocatedEngine
 from lightrft.rollout.source import ColocatedSource, SingleTurn
 
-__all__ = ["Group", "PartialRollouts", "PartialSource", "PartialStats", "Sample"]
-
 
 @dataclasses.dataclass
 class Sample:
@@ -100,12 +98,10 @@ class PartialStats:
 class PartialRollouts:
     """The groups in flight between steps (oldest first) and one step's generation.
 
-    ``token_budget``: tokens this rank samples per step.
+    ``token_budget``: tokens this rank samples per step (the engine refuses one below 1).
     """
 
     def __init__(self, token_budget: int) -> None:
-        if token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.token_budget = token_budget
         self.groups: list[Group] = []
 

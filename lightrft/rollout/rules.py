@@ -19,8 +19,6 @@ from lightrft.models.multimodal import (
 )
 from lightrft.sections import check_model_path, check_sequence_parallel_checkpoint
 
-__all__ = ["check_models", "check_rollout"]
-
 
 def check_rollout(opts: Any) -> None:
     """The rules of ``rollout.asynchronous`` and ``rollout.partial`` (asynchronous first: its

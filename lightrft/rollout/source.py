@@ -49,18 +49,6 @@ from lightrft.rollout.engine import ColocatedEngine
 from lightrft.rollout.metrics import RewardSideMetrics, rollout_metrics
 from lightrft.training import PhaseTimer
 
-__all__ = [
-    "Answers",
-    "ColocatedSource",
-    "DynamicSampling",
-    "MultiTurn",
-    "Parts",
-    "Rollout",
-    "RolloutSource",
-    "SingleTurn",
-    "turns_for",
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
