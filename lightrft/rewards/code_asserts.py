@@ -383,6 +383,7 @@ def _split_comprehension(node: ast.expr, values: list[ast.expr]) -> ast.expr | N
 # ---------------------------------------------------------------- values sent as data
 
 _INT = re.compile(r"-?\d+")
+_COLLECTIONS = {"l": list, "t": tuple, "S": set, "F": frozenset}
 
 
 def decode(obj: Any, depth: int = 0) -> Any:
@@ -406,11 +407,10 @@ def decode(obj: Any, depth: int = 0) -> Any:
         return bytes.fromhex(p)
     if tag == "x" and isinstance(p, str):  # not plain data, or it raised: fails where used
         return _Unusable(p)
-    if tag in "ltSF" and isinstance(p, list):
+    if tag in _COLLECTIONS and isinstance(p, list):
         items = [decode(x, depth + 1) for x in p]
-        if any(isinstance(x, _Unusable) for x in items):
-            return next(x for x in items if isinstance(x, _Unusable))
-        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
+        bad = [x for x in items if isinstance(x, _Unusable)]
+        return bad[0] if bad else _COLLECTIONS[tag](items)
     if (
         tag == "d"
         and isinstance(p, list)
