@@ -114,33 +114,6 @@ _COMPARE = {
     ast.Is: operator.is_,
     ast.IsNot: operator.is_not,
 }
-_STRUCTURE = (
-    ast.Constant,
-    ast.Tuple,
-    ast.List,
-    ast.Set,
-    ast.Dict,
-    ast.Compare,
-    ast.BoolOp,
-    ast.GeneratorExp,
-    ast.ListComp,
-    ast.SetComp,
-    ast.comprehension,
-    ast.UnaryOp,
-    ast.BinOp,
-    ast.IfExp,
-    ast.Call,
-    ast.Subscript,
-    ast.Slice,
-    ast.Name,
-    ast.Attribute,
-    ast.keyword,
-    ast.expr_context,
-    ast.cmpop,
-    ast.boolop,
-    ast.unaryop,
-    ast.operator,
-)
 
 
 @dataclass(frozen=True)
@@ -575,6 +548,20 @@ class _Evaluator:
         ):
             raise _Probe("round digits")
         return f(*args, **kwargs)
+
+
+# The nodes the parent evaluates (each has an _Evaluator method) and the parts they are made of:
+# _parent_only keeps an expression here only if it holds nothing else.
+_STRUCTURE = (
+    *(getattr(ast, name[1:]) for name in dir(_Evaluator) if name[1:2].isupper()),
+    ast.comprehension,
+    ast.keyword,
+    ast.expr_context,
+    ast.cmpop,
+    ast.boolop,
+    ast.unaryop,
+    ast.operator,
+)
 
 
 def _strict_zip(*columns: Any) -> Any:
