@@ -28,6 +28,7 @@ import resource
 import signal
 import sys
 from contextlib import suppress
+from ctypes import c_char_p, c_int, c_ulong
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
@@ -148,21 +149,9 @@ _main()
 """
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_char_p,
-]
-_libc.unshare.argtypes = [ctypes.c_int]
-_libc.prctl.argtypes = [
-    ctypes.c_int,
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-]
+_libc.mount.argtypes = [c_char_p, c_char_p, c_char_p, c_ulong, c_char_p]
+_libc.unshare.argtypes = [c_int]
+_libc.prctl.argtypes = [c_int, c_ulong, c_ulong, c_ulong, c_ulong]
 
 
 def _ok(ret: int, what: str) -> None:

@@ -49,15 +49,14 @@ condition. The program and the rewritten test reach the harness through a pipe, 
 So a program that patches ``exec`` or ``compile``, exits early, prints, inspects the stack,
 reads its directory or ``/proc/self/fd/0``, or writes forged reports into the pipe controls at
 most the values it was asked for: the same as hard-coding a function's answers, which only
-passes where it knows them. Values that are not plain data (``None``, ``bool``, ``int``,
-``float``, ``complex``, ``str``, ``bytes``, and lists, tuples, sets, frozensets, dicts of them;
-a subclass counts as its base value) fail the assert: a custom object that claims to equal
-anything is never compared by sandbox code. Comprehensions are iterated here:
-``all(f(x) == x * x for x in range(5))`` sends ``[f(x) for x in range(5)]`` and pairs it with
-this process's own ``range(5)``. The test block runs in its own namespace: the program's
-top-level names (except any that shadow a builtin) and the builtins as they were before the
-program ran, so redefining ``all``, ``range`` or ``builtins.range`` changes nothing; within an
-assert, the test's own variables are read before the program is called.
+passes where it knows them. Values that are not plain data (as :mod:`code_asserts` defines it)
+fail the assert: a custom object that claims to equal anything is never compared by sandbox
+code. Comprehensions are iterated here: ``all(f(x) == x * x for x in range(5))`` sends
+``[f(x) for x in range(5)]`` and pairs it with this process's own ``range(5)``. The test block
+runs in its own namespace: the program's top-level names (except any that shadow a builtin) and
+the builtins as they were before the program ran, so redefining ``all``, ``range`` or
+``builtins.range`` changes nothing; within an assert, the test's own variables are read before
+the program is called.
 
 Residual, by construction: the test block's statements other than the asserts' conditions run
 in the program's process, so what they compute (``expected = [1, 2]`` then
@@ -70,7 +69,6 @@ MBPP form) give it nothing but its own return values.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -99,9 +97,9 @@ __all__ = ["CodeVerifier", "RunResult", "TestCase", "extract_code", "parse_tests
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _NOBODY = 65534  # the uid and gid of programs when the trainer is root (see _sandbox_child)
-_CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids, then v2
-# where a memory cgroup can be made and the file that bounds it: cgroup v1, then v2 (memory.max
-# exists in a new v2 group only when its parent enables the memory controller)
+# where a cgroup can be made and the file that bounds it: cgroup v1, then v2 (pids.max and
+# memory.max exist in a new v2 group only when its parent enables the controller)
+_PIDS_CGROUPS = (("/sys/fs/cgroup/pids", "pids.max"), ("/sys/fs/cgroup", "pids.max"))
 _MEMORY_CGROUPS = (
     ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
     ("/sys/fs/cgroup", "memory.max"),
@@ -265,21 +263,20 @@ class CodeVerifier:
         job_r, job_w = os.pipe()
         feeders = []
         try:
-            settings = {
-                "cpu_seconds": max(1, int(self.timeout + 0.999)),
-                "memory_bytes": self.memory_bytes,
-                "output_bytes": self.max_output_bytes,
-                "nproc": self.max_processes if cgroup is None else None,
-                "cgroup": cgroup,
-                "memory_cgroup": memory_cgroup,
-                "no_network": self.no_network,
-                "isolate": isolate,
-                "status": os.path.join(tmp, "status.json"),
-                "job_fd": job_r,
-                "report_fd": None,
-            }
             with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
-                settings["report_fd"] = frep.fileno()
+                settings = {
+                    "cpu_seconds": max(1, int(self.timeout + 0.999)),
+                    "memory_bytes": self.memory_bytes,
+                    "output_bytes": self.max_output_bytes,
+                    "nproc": self.max_processes if cgroup is None else None,
+                    "cgroup": cgroup,
+                    "memory_cgroup": memory_cgroup,
+                    "no_network": self.no_network,
+                    "isolate": isolate,
+                    "status": os.path.join(tmp, "status.json"),
+                    "job_fd": job_r,
+                    "report_fd": frep.fileno(),
+                }
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", _CHILD, json.dumps(settings)],
                     cwd=work,
@@ -297,11 +294,9 @@ class CodeVerifier:
             job_w = -1
             if plan is None:
                 feeders.append(_feed(proc.stdin.fileno(), (test.stdin or "").encode(), proc.stdin))
-            timed_out = False
             try:
                 code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
             except subprocess.TimeoutExpired:
-                timed_out = True
                 code = None
             self._kill_all(proc.pid, cgroup)
             proc.wait()
@@ -309,7 +304,7 @@ class CodeVerifier:
             out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
             report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
             secs = time.monotonic() - start
-            if timed_out:
+            if code is None:  # timed out
                 return RunResult(False, "timeout", secs)
             ok = _verdict(test, plan, code, out, report, self.max_output_bytes)
             status = "ok" if ok else "wrong" if code == 0 else "error"
@@ -375,12 +370,7 @@ class CodeVerifier:
         return path
 
     def _make_cgroup(self) -> str | None:
-        roots = [
-            (root, "pids.max")
-            for root in _CGROUP_ROOTS
-            if any(os.path.exists(os.path.join(root, f)) for f in ("pids.max", "cgroup.procs"))
-        ]
-        path = _new_cgroup(roots, "lightrft-sandbox", self.max_processes)
+        path = _new_cgroup(_PIDS_CGROUPS, "lightrft-sandbox", self.max_processes)
         if path is None and os.getuid() == 0:
             _warn_once(
                 "nproc",
@@ -490,6 +480,8 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
     """A new cgroup ``name-<random>`` under the first ``(root, limit file)`` of ``candidates``
     where one can be made and bounded (``value`` written to its limit file); else None."""
     for root, limit in candidates:
+        if not os.path.exists(os.path.join(root, "cgroup.procs")):
+            continue  # not a cgroup hierarchy (cgroup v1's /sys/fs/cgroup is a tmpfs)
         path = os.path.join(root, f"{name}-{uuid.uuid4().hex[:12]}")
         try:
             os.mkdir(path)
@@ -500,7 +492,7 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
                 f.write(str(value))
             return path
         except OSError:
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.rmdir(path)
     return None
 

@@ -114,33 +114,6 @@ _COMPARE = {
     ast.Is: operator.is_,
     ast.IsNot: operator.is_not,
 }
-_STRUCTURE = (
-    ast.Constant,
-    ast.Tuple,
-    ast.List,
-    ast.Set,
-    ast.Dict,
-    ast.Compare,
-    ast.BoolOp,
-    ast.GeneratorExp,
-    ast.ListComp,
-    ast.SetComp,
-    ast.comprehension,
-    ast.UnaryOp,
-    ast.BinOp,
-    ast.IfExp,
-    ast.Call,
-    ast.Subscript,
-    ast.Slice,
-    ast.Name,
-    ast.Attribute,
-    ast.keyword,
-    ast.expr_context,
-    ast.cmpop,
-    ast.boolop,
-    ast.unaryop,
-    ast.operator,
-)
 
 
 @dataclass(frozen=True)
@@ -186,15 +159,7 @@ class _Rewriter(ast.NodeTransformer):
         condition = _calls_last(_split(node.test, values), values)
         site = len(self.sites)
         self.sites.append(Site(ast.Expression(condition), len(values), node.lineno))
-        no_args = ast.arguments(
-            posonlyargs=[],
-            args=[],
-            vararg=None,
-            kwonlyargs=[],
-            kw_defaults=[],
-            kwarg=None,
-            defaults=[],
-        )
+        no_args = ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[])
         call = ast.Call(
             ast.Name(REPORT, ast.Load()),
             [ast.Constant(site), *(ast.Lambda(no_args, v) for v in values)],
@@ -241,10 +206,6 @@ def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
         if isinstance(n, ast.Attribute) and not _is_math(n):
             return False
         if isinstance(n, ast.Call) and _safe_func(n) is None:
-            return False
-        if isinstance(n, (ast.Tuple, ast.List, ast.Set)) and any(
-            isinstance(e, ast.Starred) for e in n.elts
-        ):
             return False
         if isinstance(n, ast.comprehension) and (n.is_async or _names(n.target) is None):
             return False
@@ -383,6 +344,7 @@ def _split_comprehension(node: ast.expr, values: list[ast.expr]) -> ast.expr | N
 # ---------------------------------------------------------------- values sent as data
 
 _INT = re.compile(r"-?\d+")
+_COLLECTIONS = {"l": list, "t": tuple, "S": set, "F": frozenset}
 
 
 def decode(obj: Any, depth: int = 0) -> Any:
@@ -406,11 +368,10 @@ def decode(obj: Any, depth: int = 0) -> Any:
         return bytes.fromhex(p)
     if tag == "x" and isinstance(p, str):  # not plain data, or it raised: fails where used
         return _Unusable(p)
-    if tag in "ltSF" and isinstance(p, list):
+    if tag in _COLLECTIONS and isinstance(p, list):
         items = [decode(x, depth + 1) for x in p]
-        if any(isinstance(x, _Unusable) for x in items):
-            return next(x for x in items if isinstance(x, _Unusable))
-        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
+        bad = [x for x in items if isinstance(x, _Unusable)]
+        return bad[0] if bad else _COLLECTIONS[tag](items)
     if (
         tag == "d"
         and isinstance(p, list)
@@ -458,6 +419,12 @@ def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
         return False
 
 
+# What the evaluator builds of a display and of a comprehension (a generator stays lazy, so
+# ``all`` and ``any`` stop at the item where Python's would).
+_DISPLAYS = {ast.Tuple: tuple, ast.List: list, ast.Set: set}
+_COMPREHENDED = {ast.GeneratorExp: iter, ast.ListComp: list, ast.SetComp: set}
+
+
 class _Evaluator:
     """Evaluates a parent-only expression over plain data; raises for anything else."""
 
@@ -490,14 +457,10 @@ class _Evaluator:
             raise _Probe("attribute")
         return _MATH[n.attr]
 
-    def _Tuple(self, n: ast.Tuple) -> tuple:
-        return tuple(self.eval(e) for e in n.elts)
+    def _display(self, n: ast.Tuple | ast.List | ast.Set) -> Any:
+        return _DISPLAYS[type(n)](self.eval(e) for e in n.elts)
 
-    def _List(self, n: ast.List) -> list:
-        return [self.eval(e) for e in n.elts]
-
-    def _Set(self, n: ast.Set) -> set:
-        return {self.eval(e) for e in n.elts}
+    _Tuple = _List = _Set = _display
 
     def _Dict(self, n: ast.Dict) -> dict:
         if any(k is None for k in n.keys):
@@ -541,14 +504,10 @@ class _Evaluator:
         part = lambda e: None if e is None else self.eval(e)  # noqa: E731
         return slice(part(n.lower), part(n.upper), part(n.step))
 
-    def _GeneratorExp(self, n: ast.GeneratorExp) -> Any:
-        return (self.eval(n.elt) for _ in self._iterate(n.generators[0]))
+    def _comprehend(self, n: ast.GeneratorExp | ast.ListComp | ast.SetComp) -> Any:
+        return _COMPREHENDED[type(n)](self.eval(n.elt) for _ in self._iterate(n.generators[0]))
 
-    def _ListComp(self, n: ast.ListComp) -> list:
-        return [self.eval(n.elt) for _ in self._iterate(n.generators[0])]
-
-    def _SetComp(self, n: ast.SetComp) -> set:
-        return {self.eval(n.elt) for _ in self._iterate(n.generators[0])}
+    _GeneratorExp = _ListComp = _SetComp = _comprehend
 
     def _iterate(self, gen: ast.comprehension):
         """Binds the target to each item (that passes the filters) and yields; at most
@@ -589,6 +548,20 @@ class _Evaluator:
         ):
             raise _Probe("round digits")
         return f(*args, **kwargs)
+
+
+# The nodes the parent evaluates (each has an _Evaluator method) and the parts they are made of:
+# _parent_only keeps an expression here only if it holds nothing else.
+_STRUCTURE = (
+    *(getattr(ast, name[1:]) for name in dir(_Evaluator) if name[1:2].isupper()),
+    ast.comprehension,
+    ast.keyword,
+    ast.expr_context,
+    ast.cmpop,
+    ast.boolop,
+    ast.unaryop,
+    ast.operator,
+)
 
 
 def _strict_zip(*columns: Any) -> Any:

@@ -17,7 +17,6 @@ as the pool.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import queue
@@ -35,7 +34,6 @@ from dataclasses import dataclass
 __all__ = [
     "EquivalencePool",
     "Verdict",
-    "extract_response",
     "judge_response",
     "symbolic_equal",
 ]
@@ -85,12 +83,6 @@ def _answer_string(parsed: list) -> str | None:
     return strings[-1] if strings and strings[-1] else None
 
 
-def extract_response(text: str) -> str | None:
-    """The answer math-verify extracts from a response, as its LaTeX string (no time limit: use
-    it only inside a worker)."""
-    return _answer_string(_parse_text(text))
-
-
 def judge_response(text: str, gold: str) -> Verdict:
     """Whether the answer math-verify extracts from ``text`` equals the one it extracts from
     ``gold`` (see :func:`~lightrft.rewards.math_answer.math_verify_reference`), with our
@@ -115,16 +107,13 @@ def judge_response(text: str, gold: str) -> Verdict:
     return Verdict(bool(equal), answer)
 
 
-def _run_request(op: str, args: list) -> Verdict:
-    """One worker request: ``equal`` (two answer strings), ``judge`` (a response and a gold
-    text) or ``extract`` (a response)."""
-    if op == "equal":
-        return Verdict(symbolic_equal(*args))
-    if op == "judge":
-        return judge_response(*args)
-    if op == "extract":
-        return Verdict(False, extract_response(*args))
-    raise ValueError(f"unknown request {op!r}")
+# One worker request by its name (no time limit: run only inside a worker): two answer strings
+# equal, a response's answer equal to a gold text's, or the answer a response commits to.
+_REQUESTS = {
+    "equal": lambda pred, ref: Verdict(symbolic_equal(pred, ref)),
+    "judge": judge_response,
+    "extract": lambda text: Verdict(False, _answer_string(_parse_text(text))),
+}
 
 
 class _Worker:
@@ -147,20 +136,15 @@ class _Worker:
         # Wait for the imports (seconds on a busy machine) outside any answer's time limit.
         line = self._readline(time.monotonic() + _STARTUP_SECONDS)
         if line != b"ready":
-            code = self.proc.poll()
-            if not line and code is None:
+            if line:
+                why = f": {line.decode(errors='replace')}"
+            else:
                 # Its stdout can close before its exit status is in (seen on one busy core):
                 # give a dying worker a moment, so the error says why instead of "timeout".
                 try:
-                    code = self.proc.wait(timeout=5)
+                    why = f": it exited with code {self.proc.wait(timeout=5)}{self._stderr_tail()}"
                 except subprocess.TimeoutExpired:
-                    code = None
-            if line:
-                why = f": {line.decode(errors='replace')}"
-            elif code is not None:
-                why = f": it exited with code {code}{self._stderr_tail()}"
-            else:
-                why = f" in {_STARTUP_SECONDS} s"
+                    why = f" in {_STARTUP_SECONDS} s"
             self.close()
             raise RuntimeError(
                 f"the math-verify worker ({sys.executable} -m lightrft.rewards.math_equiv) did "
@@ -214,8 +198,8 @@ class EquivalencePool:
     """Compare answer pairs with math-verify in ``workers`` processes, each pair given at most
     ``timeout`` seconds (a pair that runs out compares as unequal and its worker is replaced).
 
-    Thread-safe; :meth:`equal_many` spreads a batch over the workers. ``stats`` counts calls,
-    timeouts and worker restarts.
+    Thread-safe; :meth:`equal_many` spreads a batch over the workers. ``stats`` counts calls and
+    timeouts (each replaces its worker: one that missed its deadline or died).
     """
 
     def __init__(self, workers: int = 1, timeout: float = 5.0) -> None:
@@ -230,8 +214,9 @@ class EquivalencePool:
             self._idle.put(None)  # a slot; the process starts on first use
         self._live: set[_Worker] = set()
         self._lock = threading.Lock()
-        self.stats = {"calls": 0, "timeouts": 0, "restarts": 0}
-        atexit.register(_close_at_exit, weakref.ref(self))
+        self.stats = {"calls": 0, "timeouts": 0}
+        # Stops the workers when the pool is collected or the interpreter exits.
+        weakref.finalize(self, _close_workers, self._live, self._lock)
 
     def equal(self, pred: str, ref: str) -> bool:
         """Whether ``pred`` is equivalent to the gold answer ``ref`` (``False`` on timeout)."""
@@ -268,7 +253,6 @@ class EquivalencePool:
                 self.stats["calls"] += 1
                 if verdict is None:
                     self.stats["timeouts"] += 1
-                    self.stats["restarts"] += 1
                     self._live.discard(worker)
             if verdict is None:
                 worker.close()
@@ -300,10 +284,7 @@ class EquivalencePool:
 
     def close(self) -> None:
         """Stop the worker processes (a later call starts new ones)."""
-        with self._lock:
-            live, self._live = self._live, set()
-        for w in live:
-            w.close()
+        _close_workers(self._live, self._lock)
         while True:
             try:
                 self._idle.get_nowait()
@@ -312,21 +293,17 @@ class EquivalencePool:
         for _ in range(self.workers):
             self._idle.put(None)
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - at interpreter shutdown, module globals may be gone
-            pass
 
-
-def _close_at_exit(ref: weakref.ref) -> None:
-    pool = ref()
-    if pool is not None:
-        pool.close()
+def _close_workers(live: set[_Worker], lock: threading.Lock) -> None:
+    with lock:
+        workers = list(live)
+        live.clear()
+    for w in workers:
+        w.close()
 
 
 def _serve() -> None:
-    """Worker loop: a JSON ``[op, args]`` per line in (see :func:`_run_request`), a JSON
+    """Worker loop: a JSON ``[op, args]`` per line in (see :data:`_REQUESTS`), a JSON
     ``[equal, answer]`` per line out."""
     import logging
     import resource
@@ -349,7 +326,7 @@ def _serve() -> None:
     for line in sys.stdin.buffer:
         try:
             op, args = json.loads(line)
-            verdict = _run_request(op, args)
+            verdict = _REQUESTS[op](*args)
         except (Exception, RecursionError, MemoryError):  # noqa: BLE001 - unparseable: unequal
             verdict = Verdict(False)
         out.write(json.dumps([verdict.equal, verdict.answer]).encode() + b"\n")

@@ -41,7 +41,6 @@ from lightrft.rewards.math_answer import (
     equation_mismatch,
     extract_answer,
     extract_boxed,
-    extract_hashes,
     is_equation,
     math_verify_reference,
     normalize_answer,
@@ -291,10 +290,9 @@ class MathVerifier:
         both plain numbers (:func:`~lightrft.rewards.math_answer.plain_number_answer`), else
         ``None``."""
         pred = plain_number_answer(text)
-        # Read as math_verify_reference reads it: a GSM8K `#### N`, else the whole reference
+        # The reference as math-verify gets it: a GSM8K `#### N` boxed, else the whole reference
         # (a solution with several boxes is a set, not its last box).
-        hashes = extract_hashes(reference)
-        ref = plain_number_answer(reference if hashes is None else hashes)
+        ref = plain_number_answer(math_verify_reference(reference))
         if pred is None or ref is None:
             return None
         return answers_match(pred, ref)

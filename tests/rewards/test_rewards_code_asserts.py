@@ -86,7 +86,15 @@ def test_values_are_data_only():
     assert decode(["t", [_i(1), ["f", "nan"], ["s", "a"]]])[2] == "a"
     assert decode(["S", [["y", "ff00"]]]) == {b"\xff\x00"}
     assert decode(["d", [[["t", [_i(1)]], ["c", ["1.0", "-2.5"]]]]]) == {(1,): 1 - 2.5j}
-    for bad in (["i", "1e3"], ["l", "x"], ["zz", None], [1], ["S", [["l", []]]]):
+    for bad in (
+        ["i", "1e3"],
+        ["l", "x"],
+        ["zz", None],
+        [1],
+        ["S", [["l", []]]],
+        ["lt", []],
+        ["", []],
+    ):
         with pytest.raises((ValueError, TypeError)):
             decode(bad)
     # Tuples and lists stay distinct, like Python's own ==.
