@@ -347,22 +347,8 @@ class PreferenceDataset(torch.utils.data.Dataset):
         return len(self._items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        media = self._media[i]
-        if media is None:
-            return self._items[i]
-        # Pixel values and audio features on access (a whole dataset's would not fit in
-        # memory); every candidate is shown the same images and videos and hears the same audio.
-        return {**self._items[i], "media": self.media.process(media)}
-
-    @property
-    def lengths(self) -> list[int]:
-        """Tokens of every item (all its sequences), what packing bins."""
-        return [sum(len(s) for s in it["sequences"]) for it in self._items]
-
-    @property
-    def heads(self) -> list[str | None]:
-        """The head label of every item (``None``: unlabelled)."""
-        return [it["head"] for it in self._items]
+        # Every candidate is shown the same images and videos and hears the same audio.
+        return self.media.with_media(self._items[i], self._media[i])
 
     def where(self, i: int) -> str:
         """The file and line (or row) item ``i`` came from."""

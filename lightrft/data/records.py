@@ -148,6 +148,12 @@ class MediaSamples:
         """Pixel values / video patches / audio features of a sample's decoded media."""
         return registry.Media(**{k: self.processors[k].process(v) for k, v in media.items() if v})
 
+    def with_media(self, item: dict[str, Any], media: DecodedMedia | None) -> dict[str, Any]:
+        """A dataset item with its media processed under ``"media"`` (``item`` itself without
+        media). Datasets process on access: the pixel values and audio features of a whole
+        dataset would not fit in memory."""
+        return item if media is None else {**item, "media": self.process(media)}
+
     def expand(
         self, ids: list[int], labels, media: DecodedMedia | None, where: str
     ) -> tuple[list[int], Any, Media | None]:

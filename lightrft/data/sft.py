@@ -240,16 +240,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         a, b = int(self._offsets[i]), int(self._offsets[i + 1])
-        item: dict[str, Any] = {
-            "input_ids": self._ids[a:b].long(),  # [L]
-            "labels": self._labels[a:b].long(),  # [L]
-        }
-        media = self._media[i]
-        if media is not None:
-            # Processed on access: pixel values (audio features) of a whole dataset would not
-            # fit in memory.
-            item["media"] = self.media.process(media)
-        return item
+        item = {"input_ids": self._ids[a:b].long(), "labels": self._labels[a:b].long()}  # [L]
+        return self.media.with_media(item, self._media[i])
 
     @property
     def lengths(self) -> list[int]:
