@@ -350,6 +350,11 @@ class PreferenceDataset(torch.utils.data.Dataset):
         # Every candidate is shown the same images and videos and hears the same audio.
         return self.media.with_media(self._items[i], self._media[i])
 
+    @property
+    def heads(self) -> list[str | None]:
+        """The head label of every item (``None``: unlabelled)."""
+        return [it["head"] for it in self._items]
+
     def where(self, i: int) -> str:
         """The file and line (or row) item ``i`` came from."""
         return self._origins[i]
