@@ -225,14 +225,10 @@ class AudioProcessor:
         self.token = processor.audio_token
         self.token_id = int(processor.audio_token_id)
         self.clipped = 0  # audio clipped to max_seconds while loading
-        self.min_samples = self._min_samples()
-
-    def _min_samples(self) -> int:
-        hop = int(self.feature_extractor.hop_length)
-        frames = 1
+        frames = 1  # the fewest mel frames that give MIN_AUDIO_TOKENS, then their samples
         while int(encoder_output_lengths(torch.tensor(frames))) < MIN_AUDIO_TOKENS:
             frames += 1
-        return (frames - 1) * hop + 1
+        self.min_samples = (frames - 1) * int(fe.hop_length) + 1
 
     def load(self, values: Sequence[Any], *, base_dir: Path | None, where: str, field: str):
         """Decoded audio of a record at the extractor's rate, clipped to the maximum duration.

@@ -52,6 +52,15 @@ def _positions(item: Item) -> torch.Tensor:
     return torch.arange(len(item["input_ids"]))
 
 
+def _cat(items: Sequence[Item]) -> dict[str, torch.Tensor]:
+    """Items back to back: ``input_ids``, ``labels`` and ``position_ids``, each ``[L]``."""
+    return {
+        "input_ids": torch.cat([_as_long(x["input_ids"]) for x in items]),
+        "labels": torch.cat([_as_long(x["labels"]) for x in items]),
+        "position_ids": torch.cat([_positions(x) for x in items]),
+    }
+
+
 # ------------------------------------------------------------------------------ bin packing
 
 
@@ -106,9 +115,7 @@ class PackedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset, max_tokens: int, *, shuffle: bool = True, seed: int = 0) -> None:
-        lengths = getattr(dataset, "lengths", None)
-        if lengths is None:
-            lengths = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        lengths = dataset.lengths
         too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
         if too_long:
             i = too_long[0]
@@ -133,11 +140,7 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, r: int) -> dict[str, Any]:
         items = [self.dataset[i] for i in self.rows[r]]
-        row = {
-            "input_ids": torch.cat([_as_long(x["input_ids"]) for x in items]),  # [L]
-            "labels": torch.cat([_as_long(x["labels"]) for x in items]),  # [L]
-            "position_ids": torch.cat([_positions(x) for x in items]),  # [L]
-        }
+        row = _cat(items)
         _add_media(row, items)
         return row
 
@@ -169,14 +172,7 @@ def _rows_to_batch(
     rows: list[list[Item]], pad_id: int, pad_to_multiple_of: int | None
 ) -> dict[str, Any]:
     """Concatenate each row's items, right-pad rows to a common length, build the batch."""
-    cat = [
-        (
-            torch.cat([_as_long(x["input_ids"]) for x in row]),
-            torch.cat([_as_long(x["labels"]) for x in row]),
-            torch.cat([_positions(x) for x in row]),
-        )
-        for row in rows
-    ]
+    cat = [tuple(_cat(row).values()) for row in rows]  # (ids, labels, positions) per row
     width = max(len(ids) for ids, _, _ in cat)
     if pad_to_multiple_of:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of

@@ -14,9 +14,11 @@ Every record remembers where it came from (file and line or row), so a missing f
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,7 +27,6 @@ import torch
 
 from lightrft.config import UserError
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
 PathLike = str | os.PathLike
 
 
@@ -65,9 +66,6 @@ class Records(Sequence[dict[str, Any]]):
 
     def __getitem__(self, i):  # type: ignore[override]
         return self._records[i]
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self._records)
 
     def where(self, i: int) -> str:
         """Human-readable location of record ``i``, e.g. ``data/train.jsonl line 12``."""
@@ -265,14 +263,15 @@ def _read_hf_dir(path: Path, split: str | None) -> Records:
     return Records(rows, [f"{name} row {i}" for i in range(len(rows))], name, [path] * len(rows))
 
 
+READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+
+
 def _read_file(path: Path) -> Records:
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    if path.suffix == ".json":
-        return _read_json(path)
-    if path.suffix == ".parquet":
-        return _read_parquet(path)
-    raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {SUFFIXES}")
+    if path.suffix not in READERS:
+        raise DataError(
+            f"{path}: unsupported file type {path.suffix!r}; use one of {tuple(READERS)}"
+        )
+    return READERS[path.suffix](path)
 
 
 def _read_one(path: Path, split: str | None) -> Records:
@@ -288,7 +287,7 @@ def _read_one(path: Path, split: str | None) -> Records:
             f"{path} is a directory but not a saved HF dataset: set split (e.g. 'train') to "
             f"read {path}/<split>.jsonl|.json|.parquet, or point path at a file"
         )
-    for suffix in SUFFIXES:
+    for suffix in READERS:
         candidate = path / f"{split}{suffix}"
         if candidate.is_file():
             return _read_file(candidate)
@@ -309,11 +308,7 @@ def load_records(path: PathLike | Sequence[PathLike], *, split: str | None = Non
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     if not paths:
         raise DataError("path is an empty list: name at least one data file")
-    out: Records | None = None
-    for p in paths:
-        recs = _read_one(Path(p).expanduser(), split)
-        out = recs if out is None else out + recs
-    assert out is not None
+    out = functools.reduce(operator.add, [_read_one(Path(p).expanduser(), split) for p in paths])
     if len(out) == 0:
         shown = ", ".join(str(p) for p in paths)
         where = f" (split {split!r})" if split else ""

@@ -347,17 +347,8 @@ class PreferenceDataset(torch.utils.data.Dataset):
         return len(self._items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        media = self._media[i]
-        if media is None:
-            return self._items[i]
-        # Pixel values and audio features on access (a whole dataset's would not fit in
-        # memory); every candidate is shown the same images and videos and hears the same audio.
-        return {**self._items[i], "media": self.media.process(media)}
-
-    @property
-    def lengths(self) -> list[int]:
-        """Tokens of every item (all its sequences), what packing bins."""
-        return [sum(len(s) for s in it["sequences"]) for it in self._items]
+        # Every candidate is shown the same images and videos and hears the same audio.
+        return self.media.with_media(self._items[i], self._media[i])
 
     @property
     def heads(self) -> list[str | None]:
@@ -425,8 +416,8 @@ class PreferenceCollator:
     Args:
         pad_id: the padding token id.
         heads: head names, in the order of the model's outputs.
-        packing: pack sequences into rows of at most ``max_tokens`` (``None``: one row).
-        padding_side: ``"right"`` or ``"left"`` (padded batches; scores do not depend on it).
+        packing: pack sequences into rows of at most ``max_tokens`` (``None``: one row);
+            otherwise one sequence per row, right-padded.
     """
 
     def __init__(
@@ -436,17 +427,13 @@ class PreferenceCollator:
         *,
         packing: bool = False,
         max_tokens: int | None = None,
-        padding_side: str = "right",
     ) -> None:
         if not packing and max_tokens is not None:
             raise ValueError("max_tokens applies only with packing=true")
-        if padding_side not in ("left", "right"):
-            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         self.pad_id = int(pad_id)
         self.heads = {name: k for k, name in enumerate(heads)}
         self.packing = packing
         self.max_tokens = max_tokens
-        self.padding_side = padding_side
 
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         seqs: list[torch.Tensor] = []
@@ -473,7 +460,7 @@ class PreferenceCollator:
         if self.packing:
             batch = self._pack(seqs, starts)
         else:
-            batch = pad_sequences(seqs, self.pad_id, self.padding_side, starts)
+            batch = pad_sequences(seqs, self.pad_id, starts=starts)
         batch.update(
             candidates=candidates,
             safe=safe,

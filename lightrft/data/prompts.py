@@ -225,12 +225,7 @@ class PromptDataset(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        item = self.items[i]
-        if item.get("media") is None:
-            return item
-        # Processed on access: pixel values (audio features) of a whole dataset would not fit
-        # in memory.
-        return {**item, "media": self.media.process(item["media"])}
+        return self.media.with_media(self.items[i], self.items[i].get("media"))
 
     def where(self, i: int) -> str:
         """The file and line (or row) prompt ``i`` came from."""

@@ -22,10 +22,10 @@ from lightrft.data.templates import IGNORE_INDEX, has_parts
 Truncation = Literal["truncate", "drop"]
 
 
-def check_truncation(truncation: str, name: str = "truncation") -> None:
-    """Raise a ``ValueError`` unless ``truncation`` (option ``name``) is a :data:`Truncation`."""
+def check_truncation(truncation: str) -> None:
+    """Raise a ``ValueError`` unless ``truncation`` is a :data:`Truncation`."""
     if truncation not in ("truncate", "drop"):
-        raise ValueError(f"{name} must be 'truncate' or 'drop', got {truncation!r}")
+        raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
 
 
 def open_records(
@@ -148,6 +148,12 @@ class MediaSamples:
         """Pixel values / video patches / audio features of a sample's decoded media."""
         return registry.Media(**{k: self.processors[k].process(v) for k, v in media.items() if v})
 
+    def with_media(self, item: dict[str, Any], media: DecodedMedia | None) -> dict[str, Any]:
+        """A dataset item with its media processed under ``"media"`` (``item`` itself without
+        media). Datasets process on access: the pixel values and audio features of a whole
+        dataset would not fit in memory."""
+        return item if media is None else {**item, "media": self.process(media)}
+
     def expand(
         self, ids: list[int], labels, media: DecodedMedia | None, where: str
     ) -> tuple[list[int], Any, Media | None]:
@@ -214,25 +220,24 @@ def expand_placeholders(
             f"{kind} placeholder(s) ({proc.token!r}); give one {kind} part "
             f'({{"type": "{kind}"}}) or {proc.tag} tag per {kind}'
         )
+    given = labels if labels is not None else [IGNORE_INDEX] * len(ids)  # a prompt: no labels
     out_ids: list[int] = []
-    out_labels: list[int] | None = [] if labels is not None else None
+    out_labels: list[int] = []
     k = 0
-    for j, t in enumerate(ids):
+    for t, lab in zip(ids, given, strict=True):
         if t != token_id:
             out_ids.append(t)
-            if out_labels is not None:
-                out_labels.append(labels[j])  # type: ignore[index]
+            out_labels.append(lab)
             continue
-        if labels is not None and labels[j] != IGNORE_INDEX:
+        if lab != IGNORE_INDEX:
             raise DataError(
                 f"{where}: {field}: {_a(kind)} {kind} in an assistant turn; {kind} parts go in "
                 "user turns"
             )
         out_ids.extend([token_id] * counts[k])
-        if out_labels is not None:
-            out_labels.extend([IGNORE_INDEX] * counts[k])
+        out_labels.extend([IGNORE_INDEX] * counts[k])
         k += 1
-    return out_ids, out_labels
+    return out_ids, out_labels if labels is not None else None
 
 
 def split_tags(content: Any, names: Sequence[str]) -> list[dict[str, Any]]:

@@ -127,7 +127,9 @@ class SFTDataset(torch.utils.data.Dataset):
         eos_id(tokenizer)
         self.tokenizer = tokenizer
         self.media = MediaSamples(processor, media)
-        self.max_length = max_length
+        self.prompt_field, self.completion_field = prompt_field, completion_field
+        self.messages_field, self.system_prompt = messages_field, system_prompt
+        self.apply_chat_template = apply_chat_template
         src = open_records(path, records, split)
         self.source = src.name
 
@@ -136,15 +138,7 @@ class SFTDataset(torch.utils.data.Dataset):
         truncated = dropped = audio_dropped = 0
         for i in range(len(src)):
             try:
-                ids, labels, media = self._encode(
-                    src,
-                    i,
-                    prompt_field=prompt_field,
-                    completion_field=completion_field,
-                    messages_field=messages_field,
-                    system_prompt=system_prompt,
-                    apply_chat_template=apply_chat_template,
-                )
+                ids, labels, media = self._encode(src, i)
             except AudioTooLong:
                 audio_dropped += 1
                 continue
@@ -199,22 +193,14 @@ class SFTDataset(torch.utils.data.Dataset):
         cut = f"max_length={max_length} truncated"
         self.media.report(log, self.source, self.stats, "samples", audio_dropped, cut)
 
-    def _encode(
-        self,
-        src: Records,
-        i: int,
-        *,
-        prompt_field: str,
-        completion_field: str,
-        messages_field: str,
-        system_prompt: str | None,
-        apply_chat_template: bool,
-    ) -> tuple[list[int], list[int], DecodedMedia | None]:
+    def _encode(self, src: Records, i: int) -> tuple[list[int], list[int], DecodedMedia | None]:
         """Ids and labels of record ``i`` (chat if it has ``messages_field``), and its decoded
         media (None without); media placeholders are not expanded yet."""
         rec, where = src[i], src.where(i)
+        prompt_field, completion_field = self.prompt_field, self.completion_field
+        messages_field, system_prompt = self.messages_field, self.system_prompt
         if rec.get(messages_field) is not None:
-            if not apply_chat_template:
+            if not self.apply_chat_template:
                 raise DataError(
                     f"{where}: chat records ({messages_field!r}) need apply_chat_template=true"
                 )
@@ -233,7 +219,7 @@ class SFTDataset(torch.utils.data.Dataset):
         prompt = require_field(src, i, prompt_field, (str, list))
         completion = require_field(src, i, completion_field, str)
         refuse_tool_transcript(rec, prompt, where)
-        if not apply_chat_template:
+        if not self.apply_chat_template:
             if not isinstance(prompt, str):
                 raise DataError(
                     f"{where}: field {prompt_field!r} is a message list, which needs "
@@ -254,16 +240,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         a, b = int(self._offsets[i]), int(self._offsets[i + 1])
-        item: dict[str, Any] = {
-            "input_ids": self._ids[a:b].long(),  # [L]
-            "labels": self._labels[a:b].long(),  # [L]
-        }
-        media = self._media[i]
-        if media is not None:
-            # Processed on access: pixel values (audio features) of a whole dataset would not
-            # fit in memory.
-            item["media"] = self.media.process(media)
-        return item
+        item = {"input_ids": self._ids[a:b].long(), "labels": self._labels[a:b].long()}  # [L]
+        return self.media.with_media(item, self._media[i])
 
     @property
     def lengths(self) -> list[int]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightrft.data.io import DataError
+
 IGNORE_INDEX = -100
 Message = Mapping[str, Any]
 
@@ -38,8 +40,6 @@ def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]
     """Validate a chat list: each item a dict with a string ``role`` and a ``content`` that is a
     string or a list of HF content parts (``{"type": "text", "text": ...}``,
     ``{"type": "image", ...}``, ``{"type": "video", ...}``, ``{"type": "audio", ...}``)."""
-    from lightrft.data.io import DataError
-
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: field {field!r} must be a non-empty list of messages")
     for j, m in enumerate(messages):
@@ -121,8 +121,6 @@ def encode_chat(tokenizer, messages: Sequence[Message], where: str) -> tuple[lis
         DataError: no assistant turn, or a template that rewrites earlier turns (the rendering of
             a conversation prefix is not a prefix of the full rendering).
     """
-    from lightrft.data.io import DataError
-
     msgs = [dict(m) for m in messages]
     if not any(m["role"] == "assistant" for m in msgs):
         raise DataError(f"{where}: the conversation has no assistant turn to learn from")

@@ -60,34 +60,6 @@ class DecodedVideo:
     fps: float
 
 
-def fit_frame_size(
-    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
-) -> tuple[int, int]:
-    """``(height, width)`` rounded to multiples of ``factor``, rescaled (aspect kept) so that
-    the area lies within ``[min_pixels, max_pixels]`` (the rule of Qwen-VL's processors: a
-    side that rounds to 0 makes the frame grow).
-
-    Raises:
-        ValueError: a side under 1 pixel, or sides more than 200 times apart (the bounds cannot
-            both hold).
-    """
-    if height < 1 or width < 1:
-        raise ValueError(f"a frame must have positive sides, got {height}x{width}")
-    if max(height, width) > 200 * min(height, width):
-        raise ValueError(f"a {width}x{height} frame has sides more than 200 times apart")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if h * w > max_pixels:
-        shrink = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / shrink / factor) * factor)
-        w = max(factor, math.floor(width / shrink / factor) * factor)
-    elif h * w < min_pixels:
-        grow = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * grow / factor) * factor
-        w = math.ceil(width * grow / factor) * factor
-    return h, w
-
-
 def sample_indices(
     count: int, native_fps: float, *, fps: float | None, num_frames: int | None
 ) -> tuple[list[int], float]:
@@ -357,6 +329,7 @@ class VideoProcessor:
         """Decoded, sampled, resized videos of a record (fails at load, naming file, line and
         field)."""
         from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         out = []
         for j, v in enumerate(values):
@@ -376,12 +349,12 @@ class VideoProcessor:
                 idx = idx[: self.max_frames]
                 self.clipped += 1
             h, w = frames[0].shape[:2]
-            try:
-                th, tw = fit_frame_size(
+            try:  # Qwen-VL's own rule: sides multiples of the unit, area within the bounds
+                th, tw = smart_resize(
                     h, w, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels
                 )
-            except ValueError as e:
-                raise DataError(f"{where}: {f}: {e}") from None
+            except (ValueError, ZeroDivisionError) as e:  # sides 200x apart, or a side of 0
+                raise DataError(f"{where}: {f}: cannot size a {w}x{h} frame ({e})") from None
             picked = []
             for k in idx:
                 img = Image.fromarray(frames[k])

@@ -41,12 +41,6 @@ from lightrft.data.io import DataError, MediaItems
 IMAGE_PLACEHOLDER = "<image>"
 
 
-def _pil():
-    from PIL import Image
-
-    return Image
-
-
 def decode_image(value: Any, *, base_dir: Path | None, where: str, field: str):
     """An RGB ``PIL.Image`` from a path, base64 string, bytes, HF image dict or PIL image.
 
@@ -54,7 +48,8 @@ def decode_image(value: Any, *, base_dir: Path | None, where: str, field: str):
         DataError: naming ``where`` (file and line) and ``field`` for a missing file or data
             that is not a decodable image.
     """
-    Image = _pil()
+    from PIL import Image
+
     if isinstance(value, Image.Image):
         img = value
     else:
@@ -114,7 +109,9 @@ def fit_pixels(img, min_pixels: int | None, max_pixels: int | None):
     # floor when shrinking and ceil when growing, so the bound holds after rounding.
     rnd = math.floor if scale < 1 else math.ceil
     size = (max(1, rnd(w * scale)), max(1, rnd(h * scale)))
-    return img.resize(size, _pil().Resampling.BICUBIC)
+    from PIL import Image
+
+    return img.resize(size, Image.Resampling.BICUBIC)
 
 
 @dataclass

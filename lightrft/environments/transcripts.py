@@ -325,18 +325,10 @@ class ToolSFTDataset(SFTDataset):
             truncation=truncation,
         )
 
-    def _encode(
-        self,
-        src: Records,
-        i: int,
-        *,
-        prompt_field: str,
-        completion_field: str,
-        messages_field: str,
-        system_prompt: str | None,
-        apply_chat_template: bool,
-    ) -> tuple[list[int], list[int], None]:
+    def _encode(self, src: Records, i: int) -> tuple[list[int], list[int], None]:
         rec, where = src[i], src.where(i)
+        prompt_field, completion_field = self.prompt_field, self.completion_field
+        messages_field, system_prompt = self.messages_field, self.system_prompt
         if rec.get(messages_field) is not None:
             msgs = rec[messages_field]
             names = (

@@ -13,7 +13,7 @@ from _vision_helpers import square
 from lightrft.data import DataError, PromptDataset, SFTDataset
 from lightrft.data.media import MediaOptions
 from lightrft.data.templates import IGNORE_INDEX
-from lightrft.data.video import VideoOptions, fit_frame_size, sample_indices, video_patches
+from lightrft.data.video import VideoOptions, sample_indices, video_patches
 from lightrft.models.multimodal import load_processor
 
 
@@ -53,16 +53,6 @@ def test_patch_layout_equals_the_image_processors_for_a_still_video(proc):
     assert grid == (2, 4, 6) and p.shape == (2 * 24, 3 * 2 * 14 * 14)
     second = p[24:].view(24, 3, 2, 14, 14)
     torch.testing.assert_close(second[:, :, 0], second[:, :, 1])
-
-
-@pytest.mark.parametrize("hw", [(56, 56), (70, 40), (300, 200), (10, 1000), (20, 20)])
-def test_frame_size_matches_hf_smart_resize(hw):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    lo, hi = 28 * 28, 28 * 28 * 16
-    assert fit_frame_size(*hw, 28, lo, hi) == smart_resize(*hw, 28, lo, hi)
-    h, w = fit_frame_size(*hw, 28, lo, hi)
-    assert lo <= h * w <= hi and h % 28 == 0 == w % 28
 
 
 def test_sampling_by_fps_and_by_count():
@@ -187,10 +177,14 @@ def test_overlong_video_is_clipped_and_counted_or_refused(proc, tmp_path):
         ([], r"line 1: videos\[0\]: the video has no frames \(an empty frame list\)"),
         (["gone.png"], r"line 1: videos\[0\]\[0\]: image file not found"),
         (3, r"line 1: videos\[0\]: expected a video file path or a list of frame images"),
+        (["thin.png"], r"line 1: videos\[0\]: cannot size a 600x2 frame \(absolute aspect ratio"),
     ],
 )
 def test_bad_videos_fail_at_load_naming_file_line_and_field(proc, tmp_path, video, match):
+    from PIL import Image
+
     (tmp_path / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"garbage" * 50)
+    Image.new("RGB", (600, 2)).save(tmp_path / "thin.png")  # sides 300 times apart
     write_video(tmp_path / "empty.avi", moving_square(0))
     data = _jsonl(
         tmp_path / "bad.jsonl",
