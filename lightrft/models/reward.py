@@ -121,21 +121,16 @@ def likelihood_scores(
     ``[tokens, vocab]`` logits are kept (:func:`head_logprobs`).
     """
     R, T, H = hidden.shape
-    targets = torch.where(scored[:, 1:], input_ids[:, 1:], -100)  # [R, T-1]
-    seg = segment_ids[:, :-1]  # [R, T-1], the sequence each predicting position belongs to
+    hidden_rows = hidden[:, :-1].reshape(-1, H)  # [R*(T-1), H]
+    targets = torch.where(scored[:, 1:], input_ids[:, 1:], -100).reshape(-1)  # [R*(T-1)]
+    seg = segment_ids[:, :-1].reshape(-1)  # the sequence each predicting position belongs to
     if end_token_id is not None:
         last = last_positions(segment_ids, num_sequences)  # [N]
         ends_open = input_ids.reshape(-1)[last] != end_token_id  # [N]
         extra = hidden.reshape(R * T, H)[last[ends_open]]  # [n_open, H]
-        hidden_rows = torch.cat([hidden[:, :-1].reshape(-1, H), extra])
-        targets = torch.cat([targets.reshape(-1), torch.full_like(last[ends_open], end_token_id)])
-        seg = torch.cat([seg.reshape(-1), ends_open.nonzero().squeeze(-1)])
-    else:
-        hidden_rows, targets, seg = (
-            hidden[:, :-1].reshape(-1, H),
-            targets.reshape(-1),
-            seg.reshape(-1),
-        )
+        hidden_rows = torch.cat([hidden_rows, extra])
+        targets = torch.cat([targets, torch.full_like(last[ends_open], end_token_id)])
+        seg = torch.cat([seg, ends_open.nonzero().squeeze(-1)])
     keep = targets != -100
     logp = head_logprobs(lm_head, hidden_rows[keep], targets[keep])  # [n_scored] fp32
     seg = seg[keep]
