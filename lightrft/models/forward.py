@@ -104,12 +104,11 @@ def forward_on_hidden(
     from torch.distributed.fsdp import FSDPModule
 
     trunk, head = _trunk_and_head(model)
+    kwargs = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
+    kwargs.setdefault("use_cache", False)
     if media is not None:
-        extra = media_forward_kwargs(
-            model, input_ids, attention_mask=attention_mask, position_ids=position_ids, media=media
-        )
-        attention_mask, position_ids = extra.pop("attention_mask"), extra.pop("position_ids")
-        model_kwargs = {**model_kwargs, **extra}
+        mask_and_positions = dict(attention_mask=attention_mask, position_ids=position_ids)
+        kwargs.update(media_forward_kwargs(model, input_ids, **mask_and_positions, media=media))
     captured: dict[str, Tensor] = {}
 
     def capture_hidden(_mod, _args, output):
@@ -137,29 +136,21 @@ def forward_on_hidden(
             return tuple(t.clone() if t._base is not None else t for t in out)
         return out.clone() if out._base is not None else out
 
-    kwargs = dict(model_kwargs)
-    kwargs.setdefault("use_cache", False)
     # A PEFT wrapper's forward takes **kwargs: ask the model it wraps.
     if "logits_to_keep" in inspect.signature(type(unwrap_peft(model)).forward).parameters:
         kwargs.setdefault("logits_to_keep", 1)
-    h_trunk = trunk.register_forward_hook(capture_hidden)
-    h_inputs = None
+    hooks = [trunk.register_forward_hook(capture_hidden)]
     if trunk_inputs is not None:
-        h_inputs = trunk.register_forward_pre_hook(trunk_inputs, with_kwargs=True)
+        hooks.append(trunk.register_forward_pre_hook(trunk_inputs, with_kwargs=True))
     # prepend=True: before FSDP2's post-forward hooks, so the head's weight is still unsharded
     # and the root's output is ours (FSDP2 registers its pre-backward hook on it).
-    h_head = head.register_forward_hook(compute_in_head, prepend=True)
-    h_root = model.register_forward_hook(return_it, prepend=True)
+    hooks.append(head.register_forward_hook(compute_in_head, prepend=True))
+    hooks.append(model.register_forward_hook(return_it, prepend=True))
     try:
-        return model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-        )
+        return model(input_ids=input_ids, **kwargs)
     finally:
-        h_trunk.remove()
-        if h_inputs is not None:
-            h_inputs.remove()
-        h_head.remove()
-        h_root.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 def causal_lm_token_logprobs(
