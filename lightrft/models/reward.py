@@ -32,13 +32,14 @@ instead of the final, normed hidden state: a probing reward model on a middle la
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightrft.models.multimodal import checkpoint_config, checkpoint_is_multimodal
 
 POOLINGS = ("last", "mean", "attention", "likelihood")
 CONFIG_KEY = "lightrft_reward"
@@ -311,8 +312,6 @@ class RewardNet(nn.Module):
 def _check_text_only(path: str | Path, pooling: str) -> None:
     """A classifier head (``last`` / ``mean`` / ``attention``) needs a text backbone: transformers
     has no sequence-classification class for vision-language models."""
-    from lightrft.models.multimodal import checkpoint_is_multimodal
-
     if checkpoint_is_multimodal(path):
         raise ValueError(
             f"{path} is a vision- or audio-language model: pooling={pooling!r} needs a "
@@ -545,10 +544,7 @@ def set_reward_config(model: nn.Module, block: dict[str, Any]) -> None:
 
 def read_reward_config(path: str | Path) -> dict[str, Any] | None:
     """The ``lightrft_reward`` block of ``path/config.json``, or ``None``."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return None
-    return json.loads(cfg.read_text()).get(CONFIG_KEY)
+    return (checkpoint_config(path) or {}).get(CONFIG_KEY)
 
 
 def load_reward_net(
@@ -575,8 +571,7 @@ def load_reward_net(
     (:mod:`lightrft.models.vocab_parallel`). ``offload``: with a mesh, the shards live in CPU
     memory and are copied to ``device`` for each all-gather.
     """
-    config = Path(path) / "config.json"
-    cfg = json.loads(config.read_text()) if config.is_file() else {}
+    cfg = checkpoint_config(path) or {}
     meta = cfg.get(CONFIG_KEY) or {}
     heads = meta.get("heads")
     if heads is None:
