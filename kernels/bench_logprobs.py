@@ -25,10 +25,9 @@ from lightrft.kernels.benchmarking import (
     DTYPES,
     MODES,
     PROVIDERS,
-    backward_fn,
-    forward_fn,
     make_inputs,
     peak_memory_mib,
+    prepared,
     provider_available,
 )
 
@@ -72,37 +71,18 @@ def test_logprobs(benchmark, config, provider, mode):
     if not provider_available(provider, DEVICE):
         pytest.skip(f"{provider} does not run on {DEVICE} here")
     inp = _inputs(config)
-    fwd, bwd = forward_fn(provider, inp), backward_fn(provider, inp)
     vocab, hidden = CONFIGS[config]
     benchmark.group = f"{config} N={TOKENS} {DTYPE} {mode}"
     benchmark.extra_info.update(
         tokens=TOKENS, vocab=vocab, hidden=hidden, dtype=DTYPE, device=DEVICE, mode=mode
     )
 
-    if mode == "backward":
+    def setup():  # not measured: clears the gradients, makes the forward of a backward
+        return (prepared(provider, mode, inp),), {}
 
-        def setup():
-            inp.zero_grad()
-            out = fwd()
-            _sync()
-            return (out,), {}
-
-        def target(out):
-            bwd(out)
-            _sync()
-
-    else:
-
-        def setup():
-            inp.zero_grad()
-            _sync()
-            return (), {}
-
-        def target():
-            out = fwd()
-            if mode == "fwd+bwd":
-                bwd(out)
-            _sync()
+    def target(call):
+        call()
+        _sync()
 
     benchmark.pedantic(target, setup=setup, rounds=ROUNDS, iterations=1)
     inp.zero_grad()

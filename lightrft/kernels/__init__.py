@@ -14,17 +14,10 @@ See docs/kernels.md.
 """
 
 from .hints import response_grad_hint
-from .logprobs import (
-    BACKENDS,
-    GradHint,
-    default_chunk_size,
-    fused_linear_logprobs,
-    select_backend,
-)
+from .logprobs import GradHint, default_chunk_size, fused_linear_logprobs, select_backend
 from .losses import fused_linear_cross_entropy
 
 __all__ = [
-    "BACKENDS",
     "GradHint",
     "default_chunk_size",
     "fused_linear_cross_entropy",

@@ -152,33 +152,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_once(name: str, mode: str, inp: Inputs) -> float:
-    """Seconds for one ``mode`` call (``backward`` times only the backward of a fresh forward)."""
+def prepared(name: str, mode: str, inp: Inputs) -> Callable[[], Tensor]:
+    """The measured part of one ``mode`` call, ready to run: the backward of a forward made here
+    for ``backward``, else a forward and, for ``fwd+bwd``, its backward. Gradients are cleared
+    first. The call returns the output, which the caller keeps alive until it has measured."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     fwd, bwd = forward_fn(name, inp), backward_fn(name, inp)
-    dev = inp.hidden.device
     inp.zero_grad()
     gc.collect()
-    out = fwd() if mode == "backward" else None
-    _sync(dev)
-    start = time.perf_counter()
-    out = _measured(mode, fwd, bwd, out)
-    _sync(dev)
-    return time.perf_counter() - start
+    made = fwd() if mode == "backward" else None
+    _sync(inp.hidden.device)
 
-
-def _measured(mode: str, fwd: Callable[[], Tensor], bwd: Callable[[Tensor], None], out) -> Tensor:
-    """The measured part of one ``mode`` call: the backward of ``out`` (the forward's output,
-    made beforehand) for ``backward``, else a forward and, for ``fwd+bwd``, its backward. Returns
-    the output, which the caller keeps alive until it has measured."""
-    if mode == "backward":
-        bwd(out)
+    def call() -> Tensor:
+        if made is not None:
+            bwd(made)
+            return made
+        out = fwd()
+        if mode == "fwd+bwd":
+            bwd(out)
         return out
-    out = fwd()
-    if mode == "fwd+bwd":
-        bwd(out)
-    return out
+
+    return call
+
+
+def run_once(name: str, mode: str, inp: Inputs) -> float:
+    """Seconds for one ``mode`` call (``backward`` times only the backward of a fresh forward)."""
+    call = prepared(name, mode, inp)
+    start = time.perf_counter()
+    _out = call()  # kept alive until measured
+    _sync(inp.hidden.device)
+    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,12 +263,8 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    fwd, bwd = forward_fn(name, inp), backward_fn(name, inp)
+    call = prepared(name, mode, inp)
     dev = inp.hidden.device
-    inp.zero_grad()
-    gc.collect()
-    out = fwd() if mode == "backward" else None
-    _sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev) / 2**20
@@ -273,7 +273,7 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
         _reset_cpu_peak()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities, profile_memory=True) as prof:
-        out = _measured(mode, fwd, bwd, out)
+        _out = call()  # kept alive until measured
         _sync(dev)
     peak = (
         torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _status_mib("VmHWM")

@@ -238,6 +238,24 @@ def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
+def _grad_buffers(
+    hidden: Tensor, weight: Tensor, need: tuple[bool, bool, bool]
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradient accumulators (fp32/64) of hidden rows [n, H], weight [V, H] and bias [V], as
+    ``need`` says; written by the first chunk (beta=0), then accumulated in place: no zero fill.
+    With no rows (every target ignored) the weight and bias gradients are zeros."""
+    dev, acc = hidden.device, acc_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    g_h = torch.empty(n, hidden.shape[1], dtype=acc, device=dev) if need[0] else None
+    g_w = torch.empty(weight.shape, dtype=acc, device=dev) if need[1] else None
+    g_b = torch.empty(weight.shape[0], dtype=acc, device=dev) if need[2] else None
+    if n == 0:
+        for g in (g_w, g_b):
+            if g is not None:
+                g.zero_()
+    return g_h, g_w, g_b
+
+
 def _forward(
     hidden: Tensor,
     weight: Tensor,
@@ -305,13 +323,9 @@ def chunked_backward(
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
-    need_h, need_w, need_b = need
-    g_h = torch.empty(n, hidden.shape[1], dtype=acc, device=dev) if need_h else None
-    # Written by the first chunk (beta=0), accumulated in place by the others: no zero fill.
-    g_w = torch.empty(weight.shape, dtype=acc, device=dev) if need_w else None
-    g_b = torch.empty(vocab, dtype=acc, device=dev) if need_b else None
+    g_h, g_w, g_b = _grad_buffers(hidden, weight, need)
     if n == 0:  # every target ignored
-        return g_h, None if g_w is None else g_w.zero_(), None if g_b is None else g_b.zero_()
+        return g_h, g_w, g_b
     if grad_logp is None:
         grad_logp = torch.zeros(n, dtype=acc, device=dev)
     grad_logp = grad_logp.to(acc)
@@ -370,11 +384,13 @@ def _project(
     writes the accumulators (``beta=0``) instead of adding to them."""
     s, e = span
     beta = 0.0 if first else 1.0
-    if d.dtype != weight.dtype and _mm_fp32_out_supported(weight):
-        # CUDA, low-precision weights: round D once to the weight's dtype (as the naive path's
-        # logits gradient is) and run both [c, V] matmuls on tensor cores with fp32 outputs.
-        # An fp32 D.T @ h here ran as a SIMT sgemm: 62% of the kernel's time on an H100.
+    d_low = None
+    if d.dtype != weight.dtype:
+        # Low precision: round D once to the weight's dtype (as the naive path's logits gradient is).
         d_low = low[: d.shape[0]].copy_(d) if low is not None else d.to(weight.dtype)
+    if d_low is not None and _mm_fp32_out_supported(weight):
+        # CUDA: both [c, V] matmuls on tensor cores with fp32 outputs. An fp32 D.T @ h here ran
+        # as a SIMT sgemm: 62% of the kernel's time on an H100.
         if g_h is not None:
             g_h[s:e] = torch.mm(d_low, weight, out_dtype=torch.float32).mul_(r)
         if g_w is not None:
@@ -382,7 +398,7 @@ def _project(
             torch.addmm(g_w, d_low.t(), hr, out_dtype=torch.float32, beta=beta, out=g_w)
     else:
         if g_h is not None:
-            g_h[s:e] = _mm_any(d, weight, low).mul_(r)
+            g_h[s:e] = (d @ weight if d_low is None else (d_low @ weight).to(d.dtype)).mul_(r)
         if g_w is not None:
             g_w.addmm_(d.t(), h_c.to(d.dtype) * r, beta=beta)
     if g_b is not None:
@@ -441,19 +457,12 @@ def _forward_with_grads(
     logits matmul, the hint's upstream gradients from the chunk's log-probs, and the two
     gradient matmuls of :func:`chunked_backward`, so no chunk's logits are built twice."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    dev, acc = hidden.device, acc_dtype(hidden.dtype)
-    need_h, need_w, need_b = need
-    logp = torch.empty(n, dtype=acc, device=dev)
+    logp = torch.empty(n, dtype=acc_dtype(hidden.dtype), device=hidden.device)
     ent = torch.empty_like(logp) if want_entropy else None
     hinted = torch.empty_like(logp)
     hinted_ent: Tensor | None = None
-    g_h = torch.empty(n, hidden.shape[1], dtype=acc, device=dev) if need_h else None
-    g_w = torch.empty(weight.shape, dtype=acc, device=dev) if need_w else None
-    g_b = torch.empty(vocab, dtype=acc, device=dev) if need_b else None
+    g_h, g_w, g_b = _grad_buffers(hidden, weight, need)
     if n == 0:  # every target ignored: zero gradients, the hint is never asked
-        for g in (g_w, g_b):
-            if g is not None:
-                g.zero_()
         return _Sweep(logp, ent, hinted, None, (g_h, g_w, g_b))
     buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, want_entropy, scratch=True)
     for i, (s, e) in enumerate(_chunks(n, chunk)):
@@ -494,17 +503,6 @@ def _agrees(actual: Tensor | None, hinted: Tensor | None) -> bool:
     actual = actual.to(hinted.dtype)
     scale = torch.maximum(actual.abs().amax(), hinted.abs().amax())
     return bool(((actual - hinted).abs() <= _HINT_RTOL * scale).all())
-
-
-def _mm_any(d: Tensor, weight: Tensor, low: Tensor | None) -> Tensor:
-    """``d @ weight`` [c, H] in ``d``'s dtype for ``d`` [c, V] and a weight of any float dtype."""
-    if weight.dtype == d.dtype:
-        return d @ weight
-    # Low precision: round D once to the weight's dtype (as the naive path's logits gradient is).
-    d_low = low[: d.shape[0]].copy_(d) if low is not None else d.to(weight.dtype)
-    if _mm_fp32_out_supported(weight):
-        return torch.mm(d_low, weight, out_dtype=torch.float32)
-    return (d_low @ weight).to(d.dtype)
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):

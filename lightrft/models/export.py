@@ -113,13 +113,9 @@ def _cast_floating(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str,
     done: dict[int, torch.Tensor] = {}
     out = {}
     for k, v in sd.items():
-        if v.is_floating_point():
-            key = id(v)
-            if key not in done:
-                done[key] = v.to(dtype)
-            out[k] = done[key]
-        else:
-            out[k] = v
+        if v.is_floating_point() and id(v) not in done:
+            done[id(v)] = v.to(dtype)
+        out[k] = done.get(id(v), v)
     return out
 
 

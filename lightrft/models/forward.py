@@ -60,13 +60,8 @@ def _trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return trunk, head
 
 
-def _check_ids(input_ids: Tensor, targets: Tensor | None, keep_last: bool = False) -> Tensor:
-    """Validate ``input_ids`` [B, T] and return the next-token targets [B, T-1] (``keep_last``:
-    a sequence-parallel slice, whose targets [B, T] are already shifted)."""
-    if keep_last:  # the targets of a sequence-parallel slice: shifted, [B, T / N]
-        if targets is None or targets.dim() != 2 or targets.shape[0] != input_ids.shape[0]:
-            raise ValueError("a sequence-parallel slice needs its shifted targets, [B, T / N]")
-        return targets
+def _check_ids(input_ids: Tensor, targets: Tensor | None) -> Tensor:
+    """Validate ``input_ids`` [B, T] and return the next-token targets [B, T-1]."""
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(input_ids.shape)}")
     b, t = input_ids.shape
@@ -109,12 +104,11 @@ def forward_on_hidden(
     from torch.distributed.fsdp import FSDPModule
 
     trunk, head = _trunk_and_head(model)
+    kwargs = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
+    kwargs.setdefault("use_cache", False)
     if media is not None:
-        extra = media_forward_kwargs(
-            model, input_ids, attention_mask=attention_mask, position_ids=position_ids, media=media
-        )
-        attention_mask, position_ids = extra.pop("attention_mask"), extra.pop("position_ids")
-        model_kwargs = {**model_kwargs, **extra}
+        mask_and_positions = dict(attention_mask=attention_mask, position_ids=position_ids)
+        kwargs.update(media_forward_kwargs(model, input_ids, **mask_and_positions, media=media))
     captured: dict[str, Tensor] = {}
 
     def capture_hidden(_mod, _args, output):
@@ -142,29 +136,21 @@ def forward_on_hidden(
             return tuple(t.clone() if t._base is not None else t for t in out)
         return out.clone() if out._base is not None else out
 
-    kwargs = dict(model_kwargs)
-    kwargs.setdefault("use_cache", False)
     # A PEFT wrapper's forward takes **kwargs: ask the model it wraps.
     if "logits_to_keep" in inspect.signature(type(unwrap_peft(model)).forward).parameters:
         kwargs.setdefault("logits_to_keep", 1)
-    h_trunk = trunk.register_forward_hook(capture_hidden)
-    h_inputs = None
+    hooks = [trunk.register_forward_hook(capture_hidden)]
     if trunk_inputs is not None:
-        h_inputs = trunk.register_forward_pre_hook(trunk_inputs, with_kwargs=True)
+        hooks.append(trunk.register_forward_pre_hook(trunk_inputs, with_kwargs=True))
     # prepend=True: before FSDP2's post-forward hooks, so the head's weight is still unsharded
     # and the root's output is ours (FSDP2 registers its pre-backward hook on it).
-    h_head = head.register_forward_hook(compute_in_head, prepend=True)
-    h_root = model.register_forward_hook(return_it, prepend=True)
+    hooks.append(head.register_forward_hook(compute_in_head, prepend=True))
+    hooks.append(model.register_forward_hook(return_it, prepend=True))
     try:
-        return model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-        )
+        return model(input_ids=input_ids, **kwargs)
     finally:
-        h_trunk.remove()
-        if h_inputs is not None:
-            h_inputs.remove()
-        h_head.remove()
-        h_root.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 def causal_lm_token_logprobs(
@@ -210,29 +196,15 @@ def causal_lm_token_logprobs(
     Returns:
         fp32 log-probs ``[B, T-1]``, or ``(log-probs, entropy)``.
     """
-    keep_last = bool(model_kwargs.pop("keep_last", False))
-    targets = _check_ids(input_ids, targets, keep_last)
-    if sequence_parallel is not None:
+    targets = _check_ids(input_ids, targets)
+    fwd = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
+    sp = sequence_parallel
+    if sp is not None:
         if grad_hint is not None:
             raise ValueError("sequence_parallel does not take a grad_hint yet")
-        t1 = targets.shape[1]
-        fwd = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
-        shard, kw = _sp_inputs(model, sequence_parallel, input_ids, targets, ignore_index, fwd)
-        out = causal_lm_token_logprobs(
-            model,
-            shard.input_ids,
-            targets=shard.targets,
-            temperature=temperature,
-            return_entropy=return_entropy,
-            entropy_grad=entropy_grad,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            backend=backend,
-            **kw,
-        )
-        if return_entropy:
-            return tuple(sequence_parallel.gather(x, t1) for x in out)
-        return sequence_parallel.gather(out, t1)
+        length = targets.shape[1]
+        shard, fwd = _sp_inputs(model, sp, input_ids, targets, ignore_index, fwd)
+        input_ids, targets = shard.input_ids, shard.targets
     b, t1 = targets.shape
 
     def run(
@@ -243,7 +215,7 @@ def causal_lm_token_logprobs(
         backend: str,
         hint: GradHint | None = grad_hint,
     ):
-        return fused_linear_logprobs(
+        out = fused_linear_logprobs(
             hidden.reshape(b * t1, hidden.shape[-1]),
             weight,
             targets.reshape(-1),
@@ -255,10 +227,11 @@ def causal_lm_token_logprobs(
             backend=backend,
             grad_hint=hint,
         )
+        return tuple(x.view(b, t1) for x in out) if entropy else out.view(b, t1)
 
     def logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None):
         if not return_entropy:
-            return run(hidden, weight, bias, False, backend).view(b, t1)
+            return run(hidden, weight, bias, False, backend)
         chosen = select_backend(hidden, backend=backend, grad_hint=grad_hint is not None)
         if not entropy_grad and chosen == "liger":
             # Log-probs on Liger's kernel (it has no entropy), entropy from a no-grad pass.
@@ -266,21 +239,16 @@ def causal_lm_token_logprobs(
             with torch.no_grad():
                 detached = None if bias is None else bias.detach()
                 _, ent = run(hidden.detach(), weight.detach(), detached, True, "torch", None)
-            return lp.view(b, t1), ent.view(b, t1)
+            return lp, ent
         # One pass: the entropy costs an exp and a dot per row on top of the log-probs; an
         # entropy without gradient leaves the backward as cheap as log-probs alone.
         lp, ent = run(hidden, weight, bias, True, backend)
-        return lp.view(b, t1), (ent if entropy_grad else ent.detach()).view(b, t1)
+        return lp, ent if entropy_grad else ent.detach()
 
-    return forward_on_hidden(
-        model,
-        input_ids,
-        logprobs,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        keep_last=keep_last,
-        **model_kwargs,
-    )
+    out = forward_on_hidden(model, input_ids, logprobs, **fwd)
+    if sp is None:
+        return out
+    return tuple(sp.gather(x, length) for x in out) if return_entropy else sp.gather(out, length)
 
 
 def causal_lm_cross_entropy(
@@ -308,21 +276,12 @@ def causal_lm_cross_entropy(
     the loss, its slice of the positions divided by ``num_tokens`` (default: the scored targets
     of the whole rows); the shares of the SP group sum to the loss.
     """
-    keep_last = bool(model_kwargs.pop("keep_last", False))
-    targets = _check_ids(input_ids, targets, keep_last)
+    targets = _check_ids(input_ids, targets)
+    fwd = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
     if sequence_parallel is not None:
-        fwd = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
-        shard, kw = _sp_inputs(model, sequence_parallel, input_ids, targets, ignore_index, fwd)
-        return causal_lm_cross_entropy(
-            model,
-            shard.input_ids,
-            targets=shard.targets,
-            ignore_index=ignore_index,
-            num_tokens=shard.num_tokens if num_tokens is None else num_tokens,
-            chunk_size=chunk_size,
-            backend=backend,
-            **kw,
-        )
+        shard, fwd = _sp_inputs(model, sequence_parallel, input_ids, targets, ignore_index, fwd)
+        input_ids, targets = shard.input_ids, shard.targets
+        num_tokens = shard.num_tokens if num_tokens is None else num_tokens
 
     def cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return fused_linear_cross_entropy(
@@ -336,21 +295,13 @@ def causal_lm_cross_entropy(
             backend=backend,
         )
 
-    return forward_on_hidden(
-        model,
-        input_ids,
-        cross_entropy,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        keep_last=keep_last,
-        **model_kwargs,
-    )
+    return forward_on_hidden(model, input_ids, cross_entropy, **fwd)
 
 
 def _sp_inputs(model, sp, input_ids, targets, ignore_index, kwargs):
     """This rank's sequence-parallel slice (``input_ids``: what the model gets) and the
-    forward's keyword arguments for it (``kwargs``: the whole rows', ``attention_mask`` and
-    ``position_ids`` among them). A text row is cut before the model; a multimodal row
+    :func:`forward_on_hidden` keyword arguments for it (``kwargs``: the whole rows',
+    ``attention_mask`` and ``position_ids`` among them). A text row is cut before the model; a multimodal row
     enters whole (padded to a multiple of N), so that the images' features are merged into the
     embeddings and the M-RoPE positions computed over the whole row, and is cut at the decoder
     trunk's entry (:meth:`~lightrft.models.ulysses.SequenceShard.trunk_inputs`)."""
@@ -410,7 +361,7 @@ def media_forward_kwargs(
         raise ValueError(f"audio was given but {name} is not an audio-language model")
     if media.image is not None and not is_vision_language(config):
         raise ValueError(f"images were given but {name} is not a vision-language model")
-    video = getattr(media, "video", None)
+    video = media.video
     if video is not None and getattr(config, "video_token_id", None) is None:
         raise ValueError(f"videos were given but {name} takes no video (no video_token_id)")
     kwargs: dict[str, torch.Tensor | None] = {
@@ -479,11 +430,7 @@ def packed_mrope_positions(
             grids: dict[int, torch.Tensor | None] = {1: None, 2: None}
             extra = {}
             for kind in (1, 2):
-                runs = (
-                    int(((mm[1:] == kind) & (mm[:-1] != kind)).sum()) + int(mm[0] == kind)
-                    if e > s
-                    else 0
-                )
+                runs = int(((mm[1:] == kind) & (mm[:-1] != kind)).sum()) + int(mm[0] == kind)
                 if not runs:
                     continue
                 assert rows[kind] is not None, "vision tokens without their grid rows"

@@ -152,20 +152,27 @@ def load_model(
     """A causal LM, or an ``AutoModelForImageTextToText`` model when the checkpoint's config has
     a ``vision_config`` (a vision-language model), or an ``AutoModelForMultimodalLM`` one when it
     has an ``audio_config`` (Qwen2-Audio): one call for recipes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from lightrft.models.modality import is_multimodal
+    from transformers import AutoConfig
 
     check_local(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     return from_pretrained_dir(
-        multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM,
+        model_auto_class(config),
         path,
         dtype=dtype,
         device=device,
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation,
     )
+
+
+def model_auto_class(config):
+    """The auto class :func:`load_model` loads a checkpoint of ``config`` with."""
+    from transformers import AutoModelForCausalLM
+
+    from lightrft.models.modality import is_multimodal
+
+    return multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
 
 
 def multimodal_auto_class(path_or_config, *, trust_remote_code: bool = False):

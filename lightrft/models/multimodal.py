@@ -36,7 +36,7 @@ def processor_classes() -> dict[str, type]:
     return processors.PROCESSOR_CLASSES
 
 
-def _checkpoint_config(path: str | Path) -> dict | None:
+def checkpoint_config(path: str | Path) -> dict | None:
     """The local checkpoint's ``config.json`` (cheap: no transformers import, no weights);
     None without one (a hub id, or a directory a ``prepare`` step writes later)."""
     cfg = Path(path) / "config.json"
@@ -45,8 +45,8 @@ def _checkpoint_config(path: str | Path) -> dict | None:
 
 def _has_config(path: str | Path, *keys: str) -> bool | None:
     """Whether the local checkpoint's ``config.json`` has one of the sections ``keys``; None
-    without a local ``config.json`` (:func:`_checkpoint_config`)."""
-    data = _checkpoint_config(path)
+    without a local ``config.json`` (:func:`checkpoint_config`)."""
+    data = checkpoint_config(path)
     return None if data is None else any(data.get(k) is not None for k in keys)
 
 
@@ -95,7 +95,7 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     classes = processor_classes()
     cls = {c.__name__: c for c in classes.values()}.get(_processor_class_name(path) or "")
     # The image-only stand-in for the checkpoint's model type, if it has one.
-    stand_in = classes.get((_checkpoint_config(path) or {}).get("model_type") or "")
+    stand_in = classes.get((checkpoint_config(path) or {}).get("model_type") or "")
     if cls is None:
         try:
             proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)

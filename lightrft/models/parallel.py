@@ -138,6 +138,7 @@ def parallelize(
         policy = CPUOffloadPolicy(pin_memory=on != "cpu")
     shard_kw = dict(mesh=mesh, mp_policy=mp, offload_policy=policy)
     from lightrft.models.multimodal import media_blocks
+    from lightrft.models.vocab_parallel import shard_vocab_tables
 
     # A vision- or audio-language model's tower blocks are sharded one by one too (trained or
     # frozen: a frozen tower costs no gradients but its weights are as large). The tower runs
@@ -146,7 +147,7 @@ def parallelize(
         fully_shard(block, **shard_kw, reshard_after_forward=reshard_after_forward)
     # Scoring: the embedding and LM head keep their rows on each rank, out of FSDP2's groups,
     # and are never gathered (vocabulary-parallel).
-    ignored = _vocab_parallel(model, mesh) if scoring else set()
+    ignored = shard_vocab_tables(model, mesh) if scoring else set()
     # The input embedding is its own group unless the LM head shares its weight: gathered at
     # the start of forward and resharded at once, instead of held (and all-gathered) together
     # with the root's LM head for the whole forward.
@@ -178,16 +179,6 @@ def parallelize(
 
 def _linears(block: nn.Module) -> list[nn.Linear]:
     return [m for m in block.modules() if isinstance(m, nn.Linear)]
-
-
-def _vocab_parallel(model: nn.Module, mesh) -> set[nn.Parameter]:
-    """Shard ``model``'s vocabulary tables by rows (:func:`~lightrft.models.vocab_parallel.
-    shard_vocab_tables`), for a frozen model only: their forward has no backward."""
-    from lightrft.models.vocab_parallel import shard_vocab_tables
-
-    if any(p.requires_grad for p in model.parameters()):
-        raise ValueError("scoring=True is for frozen models: freeze it in prepare")
-    return shard_vocab_tables(model, mesh)
 
 
 def default_sharding(*, offload: bool = False, scoring: bool = False) -> bool:

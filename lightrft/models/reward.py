@@ -32,13 +32,14 @@ instead of the final, normed hidden state: a probing reward model on a middle la
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightrft.models.multimodal import checkpoint_config, checkpoint_is_multimodal
 
 POOLINGS = ("last", "mean", "attention", "likelihood")
 CONFIG_KEY = "lightrft_reward"
@@ -121,21 +122,16 @@ def likelihood_scores(
     ``[tokens, vocab]`` logits are kept (:func:`head_logprobs`).
     """
     R, T, H = hidden.shape
-    targets = torch.where(scored[:, 1:], input_ids[:, 1:], -100)  # [R, T-1]
-    seg = segment_ids[:, :-1]  # [R, T-1], the sequence each predicting position belongs to
+    hidden_rows = hidden[:, :-1].reshape(-1, H)  # [R*(T-1), H]
+    targets = torch.where(scored[:, 1:], input_ids[:, 1:], -100).reshape(-1)  # [R*(T-1)]
+    seg = segment_ids[:, :-1].reshape(-1)  # the sequence each predicting position belongs to
     if end_token_id is not None:
         last = last_positions(segment_ids, num_sequences)  # [N]
         ends_open = input_ids.reshape(-1)[last] != end_token_id  # [N]
         extra = hidden.reshape(R * T, H)[last[ends_open]]  # [n_open, H]
-        hidden_rows = torch.cat([hidden[:, :-1].reshape(-1, H), extra])
-        targets = torch.cat([targets.reshape(-1), torch.full_like(last[ends_open], end_token_id)])
-        seg = torch.cat([seg.reshape(-1), ends_open.nonzero().squeeze(-1)])
-    else:
-        hidden_rows, targets, seg = (
-            hidden[:, :-1].reshape(-1, H),
-            targets.reshape(-1),
-            seg.reshape(-1),
-        )
+        hidden_rows = torch.cat([hidden_rows, extra])
+        targets = torch.cat([targets, torch.full_like(last[ends_open], end_token_id)])
+        seg = torch.cat([seg, ends_open.nonzero().squeeze(-1)])
     keep = targets != -100
     logp = head_logprobs(lm_head, hidden_rows[keep], targets[keep])  # [n_scored] fp32
     seg = seg[keep]
@@ -316,8 +312,6 @@ class RewardNet(nn.Module):
 def _check_text_only(path: str | Path, pooling: str) -> None:
     """A classifier head (``last`` / ``mean`` / ``attention``) needs a text backbone: transformers
     has no sequence-classification class for vision-language models."""
-    from lightrft.models.multimodal import checkpoint_is_multimodal
-
     if checkpoint_is_multimodal(path):
         raise ValueError(
             f"{path} is a vision- or audio-language model: pooling={pooling!r} needs a "
@@ -550,10 +544,7 @@ def set_reward_config(model: nn.Module, block: dict[str, Any]) -> None:
 
 def read_reward_config(path: str | Path) -> dict[str, Any] | None:
     """The ``lightrft_reward`` block of ``path/config.json``, or ``None``."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return None
-    return json.loads(cfg.read_text()).get(CONFIG_KEY)
+    return (checkpoint_config(path) or {}).get(CONFIG_KEY)
 
 
 def load_reward_net(
@@ -580,8 +571,7 @@ def load_reward_net(
     (:mod:`lightrft.models.vocab_parallel`). ``offload``: with a mesh, the shards live in CPU
     memory and are copied to ``device`` for each all-gather.
     """
-    config = Path(path) / "config.json"
-    cfg = json.loads(config.read_text()) if config.is_file() else {}
+    cfg = checkpoint_config(path) or {}
     meta = cfg.get(CONFIG_KEY) or {}
     heads = meta.get("heads")
     if heads is None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.models.loading import check_local, load_model, to_dtype
+from lightrft.models.loading import check_local, load_model, model_auto_class, to_dtype
 from lightrft.models.lora import initial_adapter_value
 from lightrft.models.names import hf_checkpoint_name
 from lightrft.models.parallel import default_param_dtype, default_sharding, parallelize
@@ -113,16 +113,6 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _auto_class(config):
-    """The class ``load_model`` would pick (causal LM, vision- or audio-language)."""
-    from transformers import AutoModelForCausalLM
-
-    from lightrft.models.loading import multimodal_auto_class
-    from lightrft.models.modality import is_multimodal
-
-    return multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
-
-
 def build_on_meta(
     path: str | Path,
     *,
@@ -146,7 +136,7 @@ def build_on_meta(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with params_on_meta():
-        model = (auto_class or _auto_class(config)).from_config(config, **kwargs)
+        model = (auto_class or model_auto_class(config)).from_config(config, **kwargs)
     if Path(path, "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()

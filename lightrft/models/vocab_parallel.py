@@ -222,12 +222,15 @@ def vocab_tables(model: nn.Module) -> tuple[nn.Embedding, nn.Linear | None]:
 
 
 def shard_vocab_tables(model: nn.Module, mesh) -> set[nn.Parameter]:
-    """Shard the input embedding and the LM head of the meta-built ``model`` by vocabulary rows
-    over the 1-D ``mesh`` (``Shard(0)`` DTensors, on meta until filled; a tied head shares the
-    embedding's) and make the embedding a :class:`VocabParallelEmbedding`. Returns the tables'
-    parameters, for FSDP2's ``ignored_params``: they are never gathered."""
+    """Shard the input embedding and the LM head of the meta-built, frozen ``model`` (their
+    forward has no backward) by vocabulary rows over the 1-D ``mesh`` (``Shard(0)`` DTensors, on
+    meta until filled; a tied head shares the embedding's) and make the embedding a
+    :class:`VocabParallelEmbedding`. Returns the tables' parameters, for FSDP2's
+    ``ignored_params``: they are never gathered."""
     if mesh is None or mesh.ndim != 1:
         raise ValueError("vocabulary-parallel tables are sharded over a 1-D device mesh")
+    if any(p.requires_grad for p in model.parameters()):
+        raise ValueError("scoring=True is for frozen models: freeze it in prepare")
     embedding, head = vocab_tables(model)
     tables = [(embedding, "weight")] + [(head, n) for n in ("weight", "bias") if head is not None]
     sharded: dict[int, nn.Parameter] = {}
