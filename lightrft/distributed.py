@@ -39,7 +39,9 @@ def collective_timeout() -> timedelta | None:
 def init_distributed(device: str | None = None, timeout_s: float | None = None) -> DistInfo:
     """Initialise the default process group when launched by torchrun; otherwise stay single.
 
-    ``device``: "cpu", "cuda" or None (CUDA when available). Backend: nccl on CUDA, gloo on CPU.
+    ``device``: "cpu", "cuda" or None (CUDA when available). Backend: gloo on CPU; on CUDA, nccl
+    for CUDA tensors and gloo for CPU ones (the rollout's row counts and metadata, step metrics),
+    which NCCL alone refuses.
     ``timeout_s``: how long one collective waits for its peers before it raises (a peer that
     died or hangs then ends this rank with an error instead of a wait forever); None keeps
     torch's default (30 min on gloo, 10 min on nccl).
@@ -59,7 +61,7 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         _collective_timeout = timedelta(seconds=timeout_s) if timeout_s else None
         dist.init_process_group(
-            backend="nccl" if dev.type == "cuda" else "gloo",
+            backend="cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo",
             device_id=dev if dev.type == "cuda" else None,
             timeout=_collective_timeout,
         )
