@@ -14,6 +14,7 @@ from _dist import free_port
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
 def test_cuda_group_takes_cpu_and_cuda_tensors(monkeypatch):
     from lightrft.distributed import init_distributed
+    from lightrft.training import reduce_metrics
 
     for key, value in {
         "RANK": "0",
@@ -35,5 +36,8 @@ def test_cuda_group_takes_cpu_and_cuda_tensors(monkeypatch):
         metas = [None]
         dist.all_gather_object(metas, {"prompt": "2+2"})
         assert metas == [{"prompt": "2+2"}]
+        # The backend reads "cpu:gloo,cuda:nccl": the step metrics still reduce on the GPU.
+        assert "nccl" in dist.get_backend()
+        assert reduce_metrics({"train/loss": 0.5}) == {"train/loss": 0.5}
     finally:
         dist.destroy_process_group()

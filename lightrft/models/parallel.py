@@ -227,7 +227,7 @@ def _timeout_override(names: tuple[str, ...]) -> dict | None:
     for name in names:
         opts = (
             dist.ProcessGroupNCCL.Options()
-            if backend == "nccl"
+            if "nccl" in backend  # "cpu:gloo,cuda:nccl" on CUDA: the gloo half ignores them
             else dist.ProcessGroupGloo._Options()
         )
         opts._timeout = timeout

@@ -350,7 +350,7 @@ def reduce_metrics(
     if not dist.is_initialized() or not keys:
         return dict(zip(keys, values, strict=True))
     if device is None:
-        nccl = dist.get_backend() == "nccl"
+        nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
     t = torch.tensor(values, dtype=torch.float64, device=device)  # [num_metrics]
     dist.all_reduce(t, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()))

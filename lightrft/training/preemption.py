@@ -66,7 +66,7 @@ class Preemption:
         point of each step)."""
         if not dist.is_initialized():
             return self.signum is not None
-        nccl = dist.get_backend() == "nccl"
+        nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         flag = int(all_reduce_max(self.signum or 0, device).item())
         if self.signum is None and flag:
