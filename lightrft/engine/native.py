@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from lightrft.config import at_least
 from lightrft.data.media import Media
@@ -947,11 +948,8 @@ class NativeEngine:
         stream); every prompt ends at slot ``plen``."""
         req, smp_idx = _rows(params, requests)
         per_row = [params[i] for i in req]
-        stops = [self._stop_ids(p) for p in per_row]
-        width = max(1, max(len(x) for x in stops))
-        stop_ids = torch.full((len(req), width), -1, dtype=torch.long)
-        for r, x in enumerate(stops):
-            stop_ids[r, : len(x)] = torch.tensor(x, dtype=torch.long)
+        stops = [torch.tensor(self._stop_ids(p), dtype=torch.long) for p in per_row]
+        stop_ids = pad_sequence(stops, batch_first=True, padding_value=-1)  # [R, S]
         dev = self.device
 
         def vec(values, dtype=torch.float32):
