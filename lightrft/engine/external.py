@@ -45,11 +45,10 @@ def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
 
 
 def collapse_placeholders(
-    ids: Sequence[int], image_token_id: int, num_tokens: Sequence[int], kind: str = "image"
+    ids: Sequence[int], token: int, num_tokens: Sequence[int], kind: str = "image"
 ) -> list[int]:
-    """``ids`` with the k-th image's (or audio's) ``num_tokens[k]`` placeholder tokens replaced
-    by one."""
-    token = image_token_id
+    """``ids`` with the k-th image's (or audio's, or video's) run of ``num_tokens[k]``
+    placeholder tokens ``token`` replaced by one."""
     out: list[int] = []
     k = j = 0
     while j < len(ids):

@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -56,6 +57,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from lightrft.config import at_least
 from lightrft.data.media import Media
@@ -218,8 +220,7 @@ class NativeEngine:
     instead of raising.
     ``seed``: the stream from which requests without a seed draw theirs. ``compile``: compile each
     decoder block's MLP with ``torch.compile(dynamic=True)`` (meant for GPUs). After a call,
-    ``stats`` holds its scheduler counters: ``steps``, ``admitted_while_decoding`` (requests
-    that entered rows freed while other rows decoded) and ``max_active_rows``.
+    ``stats`` holds its scheduler counters (:class:`SchedulerStats`).
     """
 
     def __init__(
@@ -261,11 +262,9 @@ class NativeEngine:
         else:
             from transformers import AutoConfig
 
-            load = (
-                load_vision_model
-                if modality.is_multimodal(AutoConfig.from_pretrained(model))
-                else load_causal_lm
-            )
+            hf_config = AutoConfig.from_pretrained(model)
+            _check_supported(hf_config)  # before anything loads
+            load = load_vision_model if modality.is_multimodal(hf_config) else load_causal_lm
             self.model = load(
                 model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
             )
@@ -274,7 +273,6 @@ class NativeEngine:
         self.tokenizer = tokenizer
         self.model.eval().requires_grad_(False)
         config = self.model.config
-        _check_supported(config)
         if getattr(config, "_attn_implementation", None) != "sdpa":
             # Our prepared boolean masks are what the SDPA attention path consumes as-is.
             self.model.set_attn_implementation("sdpa")
@@ -335,8 +333,6 @@ class NativeEngine:
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
         # Per request, during generate(): its media (None without).
         self._media: list[Media | None] = []
-        # Scheduler counters of the last generate(): forward steps, requests admitted while
-        # other rows were decoding, most rows active in one step.
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------- sleep / wake / weights
@@ -689,9 +685,8 @@ class NativeEngine:
         cache = KVCache(self._kv_storage(cap, total), self.num_layers, cap, total)
         out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
         out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
-        first_row = [0]  # trajectory ids of request i: first_row[i] .. first_row[i + 1] - 1
-        for p in params:
-            first_row.append(first_row[-1] + p.n)
+        # Trajectory ids of request i: first_row[i] .. first_row[i + 1] - 1.
+        first_row = [0, *itertools.accumulate(p.n for p in params)]
         queue = deque(range(len(prompts)))
         prompt_lp: dict[int, list[float]] = {}
         self.stats = SchedulerStats()
@@ -953,11 +948,8 @@ class NativeEngine:
         stream); every prompt ends at slot ``plen``."""
         req, smp_idx = _rows(params, requests)
         per_row = [params[i] for i in req]
-        stops = [self._stop_ids(p) for p in per_row]
-        width = max(1, max(len(x) for x in stops))
-        stop_ids = torch.full((len(req), width), -1, dtype=torch.long)
-        for r, x in enumerate(stops):
-            stop_ids[r, : len(x)] = torch.tensor(x, dtype=torch.long)
+        stops = [torch.tensor(self._stop_ids(p), dtype=torch.long) for p in per_row]
+        stop_ids = pad_sequence(stops, batch_first=True, padding_value=-1)  # [R, S]
         dev = self.device
 
         def vec(values, dtype=torch.float32):

@@ -69,7 +69,6 @@ import os
 import random
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,24 +191,6 @@ def sample_from_output(out: dict[str, Any], request: int, sample: int) -> tuple:
             f"SGLang's log-probs of request {request} sample {sample} do not follow its tokens"
         )
     return ids, [float(s[0]) for s in steps], kind, int(meta["prompt_tokens"])
-
-
-@dataclass
-class _Item:
-    """One sample of one request, as an SGLang request; ``base``: the request's seed."""
-
-    request: int
-    sample: int
-    base: int | None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.request, self.sample
-
-    def seed_of(self, turn: int) -> int | None:
-        """Turn ``turn``'s seed: every (sample, turn) its own stream. A FIRE sample's two passes
-        share one, drawn at different positions (SGLang's seeded draws hash the position)."""
-        return turn_seed(self.base, self.sample, turn)
 
 
 class SGLangEngine:
@@ -363,48 +344,49 @@ class SGLangEngine:
         budgets = [self._budget(r, p) for r, p in zip(requests, params, strict=True)]
         if self._updating:  # weights were loaded without reset_prefix_cache: finish the update
             self.reset_prefix_cache()
+        # Every (sample, turn) draws from its own seed (turn_seed); a FIRE sample's two passes
+        # share one, drawn at different positions (SGLang's seeded draws hash the position).
         bases = [self._base_seed(p.seed) for p in params]
-        items = [_Item(i, j, bases[i]) for i, p in enumerate(params) for j in range(p.n)]
+        items = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
         # FIRE: every sample's first token at the hot temperature, then the rest of it.
-        fire = [it for it in items if params[it.request].first_token_temperature is not None]
+        fire = [(i, j) for i, j in items if params[i].first_token_temperature is not None]
         outs = self._run(
-            [prompts[it.request] for it in fire],
-            [self._sampling(params[it.request], 1, it.seed_of(0), first=True) for it in fire],
+            [prompts[i] for i, _ in fire],
+            [self._sampling(params[i], 1, turn_seed(bases[i], j, 0), first=True) for i, j in fire],
         )
         parts: dict[tuple[int, int], list[tuple]] = {
-            it.key: [sample_from_output(o, it.request, it.sample)]
-            for it, o in zip(fire, outs, strict=True)
+            (i, j): [sample_from_output(o, i, j)] for (i, j), o in zip(fire, outs, strict=True)
         }
         rest = [
-            it
-            for it in items
-            if it.key not in parts or (parts[it.key][0][2] != "stop" and budgets[it.request] > 1)
+            (i, j)
+            for i, j in items
+            if (i, j) not in parts or (parts[i, j][0][2] != "stop" and budgets[i] > 1)
         ]
         inputs, sampling = [], []
-        for it in rest:
-            (ids, images), done = prompts[it.request], parts.get(it.key, [])
+        for i, j in rest:
+            (ids, images), done = prompts[i], parts.get((i, j), [])
             first = done[0][0] if done else []
             inputs.append((ids + first, images))
-            left = budgets[it.request] - len(first)
-            sampling.append(self._sampling(params[it.request], left, it.seed_of(0)))
-        for it, o in zip(rest, self._run(inputs, sampling), strict=True):
-            parts.setdefault(it.key, []).append(sample_from_output(o, it.request, it.sample))
+            sampling.append(
+                self._sampling(params[i], budgets[i] - len(first), turn_seed(bases[i], j, 0))
+            )
+        for (i, j), o in zip(rest, self._run(inputs, sampling), strict=True):
+            parts.setdefault((i, j), []).append(sample_from_output(o, i, j))
         completions = []
-        for it in items:
-            (ids, lps, reason, prompt_len), *more = parts[it.key]
-            self._check_prompt_len(requests[it.request], prompt_len, it.request)
+        for i, j in items:
+            (ids, lps, reason, prompt_len), *more = parts[i, j]
+            self._check_prompt_len(requests[i], prompt_len, i)
             for more_ids, more_lps, more_reason, _ in more:
                 ids, lps, reason = ids + more_ids, lps + more_lps, more_reason
-            req = requests[it.request]
             completions.append(
                 Completion(
-                    request_index=it.request,
-                    sample_index=it.sample,
-                    prompt_token_ids=list(req.prompt_token_ids),
+                    request_index=i,
+                    sample_index=j,
+                    prompt_token_ids=list(requests[i].prompt_token_ids),
                     token_ids=ids,
                     logprobs=lps,
                     finish_reason=reason,
-                    text=self._decode(ids) if params[it.request].detokenize else None,
+                    text=self._decode(ids) if params[i].detokenize else None,
                 )
             )
         if continuation is not None:
@@ -498,8 +480,8 @@ class SGLangEngine:
                 c = t.completion
                 req = requests[c.request_index]
                 prompts.append(self._prompt(c.prompt_token_ids + c.token_ids, req))
-                item = _Item(c.request_index, c.sample_index, bases[c.request_index])
-                sampling.append(self._sampling(t.params, t.max_tokens, item.seed_of(len(t.spans))))
+                seed = turn_seed(bases[c.request_index], c.sample_index, len(t.spans))
+                sampling.append(self._sampling(t.params, t.max_tokens, seed))
             outs = self._run(prompts, sampling)
             result = []
             for t, out in zip(going, outs, strict=True):

@@ -104,127 +104,6 @@ def _copy_locals(slots: list[torch.Tensor], local: list[torch.Tensor]) -> None:
         torch._foreach_copy_(slots, local)
 
 
-class _Workspace:
-    """Gather buffers kept between syncs of one model, on CPU only.
-
-    A fresh multi-megabyte CPU allocation is a new mapping whose page faults cost more than the
-    copies into it (measured: about 3x a copy into a reused buffer); CUDA's caching allocator
-    already reuses blocks, so GPU syncs allocate normally and keep nothing.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu":
-            return torch.empty(numel, dtype=dtype, device=device)
-        buf = self.buffers.get((role, dtype))
-        if buf is None or buf.numel() < numel:
-            buf = None  # drop the smaller buffer before allocating its replacement
-            buf = self.buffers[(role, dtype)] = torch.empty(numel, dtype=dtype)
-        return buf[:numel]
-
-
-_WORKSPACES: weakref.WeakKeyDictionary[nn.Module, _Workspace] = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class _Gather:
-    """A finished all-gather: which tensors it carries and how to cut them back out."""
-
-    out: torch.Tensor  # [world * packed]
-    world: int
-    index: list[int]  # positions in the bucket's tensor list
-    shapes: list[torch.Size]
-    rows: list[int]  # padded rows per rank
-    sizes: list[int]  # padded elements per rank
-
-
-@torch.no_grad()
-def _gather_shard0(
-    tensors: list[torch.Tensor], index: list[int], mesh, dtype: torch.dtype, ws: _Workspace
-) -> _Gather:
-    """One all-gather for dim-0-sharded DTensors, cast to ``dtype`` on the way.
-
-    Rank ``r`` holds rows ``[r*c, (r+1)*c)`` of every tensor (``c = ceil(rows / world)``, the
-    ``torch.chunk`` layout of ``Shard(0)``; the last shards may be short or empty): local shards
-    are zero-padded to ``c`` rows and packed into one buffer, so the result is ``[world, packed]``.
-    """
-    import torch.distributed as dist
-
-    world = mesh.size()
-    rows = [-(-t.shape[0] // world) for t in tensors]
-    sizes = [r * math.prod(t.shape[1:]) for r, t in zip(rows, tensors, strict=True)]
-    device = comm_device(tensors[0])
-    flat = ws.get("flat", sum(sizes), dtype, device)
-    local = [t.to_local().reshape(-1) for t in tensors]
-    slots = flat.split(sizes)
-    _copy_locals([s[: x.numel()] for s, x in zip(slots, local, strict=True)], local)  # casts
-    pads = [s[x.numel() :] for s, x in zip(slots, local, strict=True) if s.numel() > x.numel()]
-    if pads:
-        torch._foreach_zero_(pads)
-    out = ws.get("out", world * flat.numel(), dtype, device)
-    dist.all_gather_single(out, flat, group=mesh.get_group())
-    return _Gather(out, world, index, [t.shape for t in tensors], rows, sizes)
-
-
-@torch.no_grad()
-def _unpack_shard0(g: _Gather, result: list[torch.Tensor | None], ws: _Workspace) -> None:
-    # One copy regroups [world, tensor, rows] into [tensor, world, rows]: each full tensor is then
-    # a contiguous slice of one fresh buffer.
-    full = ws.get("full", g.out.numel(), g.out.dtype, g.out.device)
-    dests = [
-        d.view(g.world, size)
-        for d, size in zip(full.split([g.world * s for s in g.sizes]), g.sizes, strict=True)
-    ]
-    torch.split_with_sizes_copy(g.out.view(g.world, -1), g.sizes, dim=1, out=dests)
-    for i, d, shape, rows in zip(g.index, dests, g.shapes, g.rows, strict=True):
-        result[i] = d.view(g.world * rows, *shape[1:])[: shape[0]]
-
-
-@torch.no_grad()
-def _full_bucket(
-    items: list[_Item], dtype: torch.dtype | None, ws: _Workspace
-) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's ``(hf_name, full tensor)`` pairs (a collective: same call on every rank).
-
-    FSDP2 parameters (``Shard(0)`` on a 1-D mesh) travel in one all-gather per (mesh, dtype); a
-    weight with no LoRA to merge is cast to ``dtype`` before it travels (half the bytes for a
-    bf16 engine). Other DTensors fall back to ``DTensor.full_tensor()``.
-    """
-    from torch.distributed.tensor import DTensor
-
-    tensors, wire = [], []
-    for it in items:
-        ts = it.tensors()
-        tensors += ts
-        wire += [dtype if (dtype is not None and not it.loras) else t.dtype for t in ts]
-    result: list[torch.Tensor | None] = [None] * len(tensors)
-    groups: dict[tuple[object, torch.dtype], list[int]] = {}
-    meshes: dict[object, object] = {}
-    for i, t in enumerate(tensors):
-        mesh = _shard0_mesh(t)
-        if mesh is not None:
-            # Keyed by process group: FSDP2 blocks sharded separately share one all-gather.
-            group = mesh.get_group()
-            meshes.setdefault(group, mesh)
-            groups.setdefault((group, wire[i]), []).append(i)
-        elif isinstance(t, DTensor):
-            result[i] = full_tensor(t)
-        else:
-            result[i] = t.detach()
-    for (group, wire_dtype), idx in groups.items():
-        gathered = _gather_shard0([tensors[i] for i in idx], idx, meshes[group], wire_dtype, ws)
-        _unpack_shard0(gathered, result, ws)
-    out, k = [], 0
-    for it in items:
-        n = len(it.tensors())
-        w = _merged(it, result[k : k + n])
-        out.append((it.name, w.to(dtype) if dtype is not None else w))
-        k += n
-    return out
-
-
 @torch.no_grad()
 def _merged(item: _Item, full: list[torch.Tensor]) -> torch.Tensor:
     weight = full[0]
@@ -263,12 +142,13 @@ def iter_weight_buckets(
     """Buckets of ``(hf_name, full tensor)`` cast to ``dtype``, about ``bucket_bytes`` each.
 
     A collective when the model holds DTensors: every rank must drain the iterator. The tensors
-    of a bucket may be views into buffers reused for the next bucket: copy what you keep.
+    of a bucket may be views into its gather buffer: copy what you keep.
     """
     at_least("bucket_bytes", bucket_bytes, 1)
-    ws = _WORKSPACES.setdefault(model, _Workspace())
     for items in _split(plan_weights(model, skip_frozen=skip_frozen), dtype, bucket_bytes):
-        yield _full_bucket(items, dtype, ws)
+        # Planned afresh and not cached: a bucket's buffers go when the next bucket is planned.
+        bucket = _bucket_plan(items, dtype, {})
+        yield _loaded_pairs(bucket, _gather_bucket(bucket), dtype)
 
 
 # ------------------------------------------------------------------------- in place
@@ -351,8 +231,9 @@ def _engine_buffers(items: list[_Item], engine, dtype) -> dict[str, torch.Tensor
 
 
 def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) -> _BucketPlan:
-    """The bucket's gathers in the order :func:`_full_bucket` issues them (so that ranks with and
-    without an engine still line up), with each tensor's destination."""
+    """The bucket's gathers, one per (process group, wire dtype) in tensor order (so that ranks
+    with and without an engine line up), with each tensor's destination. A weight with no LoRA
+    to merge is cast to ``dtype`` before it travels (half the bytes for a bf16 engine)."""
     tensors, wire, owner = [], [], []
     for j, it in enumerate(items):
         ts = it.tensors()
@@ -472,30 +353,38 @@ def _run_gather(g: _GatherPlan, result: list[torch.Tensor | None]) -> None:
 
 
 @torch.no_grad()
-def _sync_bucket(b: _BucketPlan, engine, dtype) -> None:
+def _gather_bucket(b: _BucketPlan) -> list[torch.Tensor | None]:
+    """The bucket's tensors in full (a collective: same call on every rank); None for those
+    written straight into the engine's tensors.
+
+    FSDP2 parameters (``Shard(0)`` on a 1-D mesh) travel in one all-gather per (process group,
+    wire dtype); other DTensors fall back to ``DTensor.full_tensor()``.
+    """
+    from torch.distributed.tensor import DTensor
+
     result: list[torch.Tensor | None] = [None] * len(b.tensors)
     for i in b.others:
         t = b.tensors[i]
-        result[i] = full_tensor(t) if _is_dtensor(t) else t.detach()
+        result[i] = full_tensor(t) if isinstance(t, DTensor) else t.detach()
     for g in b.gathers:
         _run_gather(g, result)
-    if not b.loaded or engine is None:
-        return
+    return result
+
+
+def _loaded_pairs(
+    b: _BucketPlan, full: list[torch.Tensor | None], dtype
+) -> list[tuple[str, torch.Tensor]]:
+    """The ``(hf_name, full weight)`` pairs of the items not written in place, LoRA merged and
+    cast to ``dtype``."""
     starts = [0]
     for it in b.items:
         starts.append(starts[-1] + len(it.tensors()))
     pairs = []
     for j in b.loaded:
         it = b.items[j]
-        w = _merged(it, result[starts[j] : starts[j + 1]])
+        w = _merged(it, full[starts[j] : starts[j + 1]])
         pairs.append((it.name, w.to(dtype) if dtype is not None else w))
-    engine.load_weights(pairs)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    return pairs
 
 
 @dataclass
@@ -526,7 +415,9 @@ def sync_weights(
     at_least("bucket_bytes", bucket_bytes, 1)
     plan = _sync_plan(model, engine, dtype, bucket_bytes, skip_frozen)
     for bucket in plan.buckets:
-        _sync_bucket(bucket, engine, dtype)
+        full = _gather_bucket(bucket)
+        if engine is not None and bucket.loaded:
+            engine.load_weights(_loaded_pairs(bucket, full, dtype))
     if engine is not None:
         engine.reset_prefix_cache()
     return SyncStats(tensors=plan.tensors, bytes=plan.bytes, buckets=len(plan.buckets))

