@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from functools import cache
+from typing import Any, get_args, get_type_hints
 
 import torch
 
@@ -45,7 +46,7 @@ class Media:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value, want = getattr(self, f.name), _TYPES[f.name]
+            value, want = getattr(self, f.name), _inputs_types(type(self))[f.name]
             if value is not None and not isinstance(value, want):
                 raise TypeError(
                     f"Media.{f.name} must be the processed {want.__name__} the datasets give "
@@ -65,7 +66,7 @@ class Media:
         without media, skipped); None when none has any."""
         present = [m for m in items if m is not None]
         joined = Media(
-            **{k: cls.cat([getattr(m, k) for m in present]) for k, cls in _TYPES.items()}
+            **{k: t.cat([getattr(m, k) for m in present]) for k, t in _inputs_types(Media).items()}
         )
         return joined if any(True for _ in joined.kinds()) else None
 
@@ -82,7 +83,15 @@ class Media:
         return out
 
 
-_TYPES: dict[str, type] = {"image": ImageInputs, "audio": AudioInputs, "video": VideoInputs}
+@cache
+def _inputs_types(cls: type) -> dict[str, type]:
+    """Each field of ``cls`` (:class:`Media` or a subclass) and its inputs class, read from the
+    field's annotation (``ImageInputs | None``): the field is the kind's one registration."""
+    hints = get_type_hints(cls)
+    return {
+        f.name: next(t for t in get_args(hints[f.name]) if t is not type(None)) for f in fields(cls)
+    }
+
 
 # Each kind's processor (its ``kind``, ``tag``, ``inline`` keys, ``needs``, ``takes``), in the
 # order a record's media are found, loaded and expanded.

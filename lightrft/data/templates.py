@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightrft.data import media
 from lightrft.data.io import DataError
 
 IGNORE_INDEX = -100
@@ -33,15 +34,13 @@ def eos_id(tokenizer) -> int:
     return int(tokenizer.eos_token_id)
 
 
-MEDIA_PARTS = ("image", "video", "audio")
-
-
 def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]]:
     """Validate a chat list: each item a dict with a string ``role`` and a ``content`` that is a
     string or a list of HF content parts (``{"type": "text", "text": ...}``,
     ``{"type": "image", ...}``, ``{"type": "video", ...}``, ``{"type": "audio", ...}``)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: field {field!r} must be a non-empty list of messages")
+    kinds = [p.kind for p in media.PROCESSORS]  # a part of each kind of media (image, ...)
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise DataError(f"{where}: {field}[{j}] must be an object with role and content")
@@ -51,12 +50,16 @@ def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]
         if isinstance(content, list):
             for k, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind == "text" and isinstance(part.get("text"), str) or kind in MEDIA_PARTS:
+                if kind == "text" and isinstance(part.get("text"), str) or kind in kinds:
                     continue
+                media_parts = [
+                    f'{"an" if name[0] in "aeiou" else "a"} {name} part ({{"type": "{name}"}})'
+                    for name in kinds
+                ]
                 raise DataError(
                     f"{where}: {field}[{j}].content[{k}] must be a text part "
-                    '({"type": "text", "text": ...}), an image part ({"type": "image"}), a video '
-                    'part ({"type": "video"}) or an audio part ({"type": "audio"})'
+                    f'({{"type": "text", "text": ...}}), {", ".join(media_parts[:-1])} or '
+                    f"{media_parts[-1]}"
                 )
         elif not isinstance(content, str):
             raise DataError(f"{where}: {field}[{j}] has no string 'content' (or list of parts)")

@@ -102,7 +102,6 @@ def toy(monkeypatch, tiny_model_dir):
     monkeypatch.setattr(media_module, "Media", ToyMedia)
     monkeypatch.setattr(media_module, "MediaOptions", ToyMediaOptions)
     monkeypatch.setattr(media_module, "PROCESSORS", (*media_module.PROCESSORS, ToyProcessor))
-    monkeypatch.setitem(media_module._TYPES, "toy", ToyInputs)
     tok = load_tokenizer(tiny_model_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<toy>"]})
     tok.chat_template = (
@@ -126,6 +125,11 @@ def test_a_toy_kind_rides_the_datasets_generic_path(toy):
     assert media.model_inputs()["toy_values"].shape == (4, 4)  # what the forward gets
     chat = conversation(item["messages"], media)
     assert [p for p in chat[0]["content"] if p["type"] == "toy"][1] == {"type": "toy", "toy": [8]}
+    # A message list's toy content part is a part like an image's (no table to add it to).
+    parts = [{"type": "toy"}, {"type": "text", "text": "hear"}]
+    msgs = [{"role": "user", "content": parts}]
+    item = PromptDataset(proc, records=[{"messages": msgs, "answer": "a", "toys": [[1]]}])[0]
+    assert item["prompt_ids"].count(tid) == 1 and item["media"].toy.signals == [[1.0]]
     # SFT: no loss on toy tokens; a record with more signals than tags names file and field.
     sft = SFTDataset(proc, records=[{"prompt": "<toy>x", "completion": "y", "toys": [[1, 2]]}])
     assert sft[0]["input_ids"].tolist().count(tid) == 2
