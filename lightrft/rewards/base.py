@@ -37,21 +37,6 @@ import torch
 from lightrft.config import UserError
 from lightrft.data.media import MEDIA_KINDS, Media
 
-__all__ = [
-    "CombinedReward",
-    "Prompt",
-    "RewardError",
-    "RewardFunction",
-    "RewardInputError",
-    "RewardOutput",
-    "Sample",
-    "build_reward",
-    "check_reward_output",
-    "check_signature",
-    "media_parts",
-    "prompt_preview",
-]
-
 # A prompt is its text, or a chat conversation [{"role": ..., "content": ...}, ...].
 Prompt = str | Sequence[Mapping[str, Any]]
 

@@ -63,15 +63,6 @@ from lightrft.data.records import MediaSamples
 from lightrft.engine.config import EngineConfig
 from lightrft.rewards.base import Prompt, RewardInputError, Sample, media_parts
 
-__all__ = [
-    "CHOICE_TEMPLATE",
-    "SCORE_TEMPLATE",
-    "GenerativeReward",
-    "JudgeEngineConfig",
-    "media_parts",
-    "parse_verdict",
-]
-
 log = logging.getLogger(__name__)
 
 SCORE_TEMPLATE = (

@@ -54,9 +54,6 @@ from lightrft.data.media import MEDIA_KINDS
 from lightrft.rewards.base import Prompt, RewardError, Sample
 
 TOKEN_ENV = "LIGHTRFT_REWARD_TOKEN"  # also read by lightrft.rewards.server
-
-__all__ = ["PNG_DATA_URL", "RemoteReward", "RemoteRewardError", "build_query", "wire_conversation"]
-
 PNG_DATA_URL = "data:image/png;base64,"
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}

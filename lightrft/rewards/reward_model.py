@@ -34,8 +34,6 @@ from lightrft.data.preference import pad_sequences, render_for_scoring, response
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, Sample, media_parts
 
-__all__ = ["RewardModel", "collective_plan", "load_value_head"]
-
 
 def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
     """The ``hidden -> 1`` linear head stored as ``{key}.weight`` (and ``{key}.bias``) in the

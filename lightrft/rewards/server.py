@@ -72,22 +72,6 @@ from lightrft.rewards.base import (
 )
 from lightrft.rewards.remote import PNG_DATA_URL, TOKEN_ENV, positive_rate
 
-__all__ = [
-    "LINGER_SECONDS",
-    "LISTEN_BACKLOG",
-    "MAX_IMAGE_PIXELS",
-    "MAX_REQUEST_PIXELS",
-    "MAX_VIDEO_FRAMES",
-    "MediaTooLarge",
-    "TOKEN_ENV",
-    "VERIFIERS",
-    "decode_conversations",
-    "load_reward_fn",
-    "main",
-    "make_server",
-    "split_requests",
-]
-
 # Pending connections the kernel queues for accept() (capped by net.core.somaxconn on Linux).
 LISTEN_BACKLOG = 1024
 # How long a connection is read (and discarded) after its reply, waiting for the client to close.

@@ -13,8 +13,6 @@ from typing import Any
 from lightrft.rewards.base import Prompt, Sample, instantiate_node, prompt_preview
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
-__all__ = ["TTRLReward", "split_groups"]
-
 
 def split_groups(prompts: Sequence[Prompt], group_size: int | None) -> list[range]:
     """Index ranges of the groups: ``group_size`` consecutive samples (which must share their
