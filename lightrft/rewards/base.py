@@ -186,6 +186,17 @@ def check_reward_output(
     return values
 
 
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite real number, not a bool (an integer of 400 digits is none:
+    it overflows a float, and is refused like any other bad value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _is_real(v: Any) -> bool:
     if isinstance(v, torch.Tensor):
         return v.dim() == 0 and not v.dtype.is_complex
@@ -440,7 +451,7 @@ def _checked_weights(weights: Mapping[str, Any], names: list[str], key: str = ""
                 f"{key}weights.{name}: no reward function named {name!r}; "
                 f"functions are {sorted(names)}"
             )
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+        if not finite_number(w):
             raise ValueError(f"{key}weights.{name} must be a finite number, got {w!r}")
     return {name: float(w) for name, w in weights.items()}
 

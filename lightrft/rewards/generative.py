@@ -61,7 +61,7 @@ from lightrft.config import section
 from lightrft.data.media import MediaOptions
 from lightrft.data.records import MediaSamples
 from lightrft.engine.config import EngineConfig
-from lightrft.rewards.base import Prompt, RewardInputError, Sample, media_parts
+from lightrft.rewards.base import Prompt, RewardInputError, Sample, finite_number, media_parts
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class GenerativeReward:
                 raise ValueError("verdicts applies to mode='score' (choice verdicts are choices)")
             if not verdicts or not all(isinstance(k, str) and k for k in verdicts):
                 raise ValueError(f"verdicts must map non-empty words to rewards, got {verdicts!r}")
-            bad = [k for k, v in verdicts.items() if isinstance(v, bool) or not _finite(v)]
+            bad = [k for k, v in verdicts.items() if not finite_number(v)]
             if bad:
                 raise ValueError(f"verdicts.{bad[0]} must be a finite number")
         if max_parse_failures is not None and (
@@ -480,9 +480,3 @@ class GenerativeReward:
                 + ". Check the judge, its template and max_tokens, or the pattern"
             )
         return sums / counts.clamp(min=1)
-
-
-def _finite(v: Any) -> bool:
-    import math
-
-    return isinstance(v, (int, float)) and math.isfinite(v)
