@@ -100,17 +100,15 @@ def _last_match(text: str, pattern: re.Pattern[str]) -> re.Match[str] | None:
     return last
 
 
-def _verdict_of(m: re.Match[str]) -> str:
-    if "verdict" in m.re.groupindex:
-        return m.group("verdict") or ""
-    return m.group(1) if m.groups() else m.group(0)
-
-
 def parse_verdict(text: str, pattern: re.Pattern[str]) -> str | None:
     """The ``verdict`` group (else the first group, else the whole match) of ``pattern``'s last
     match in ``text``; ``None`` if none."""
     m = _last_match(text, pattern)
-    return None if m is None else _verdict_of(m)
+    if m is None:
+        return None
+    if "verdict" in pattern.groupindex:
+        return m.group("verdict") or ""
+    return m.group(1) if m.groups() else m.group(0)
 
 
 def _message_text(content: Any) -> str:
@@ -360,12 +358,19 @@ class GenerativeReward:
 
     # ------------------------------------------------------------------ scoring
 
-    def _score_verdict(self, text: str) -> float | None:
+    def _reward_of(self, text: str, response_first: bool) -> float | None:
+        """The reward a verdict gives (``None``: it does not parse); ``response_first``: choice
+        mode, whether the response was shown first."""
         found = parse_verdict(text, self.pattern)
         if found is None:
             return None
+        found = found.strip()
+        if self.mode == "choice":
+            if found not in self.choices:
+                return None
+            return 1.0 if (found == self.choices[0]) == response_first else 0.0
         if self.verdicts is not None:
-            value = self.verdicts.get(found.strip())
+            value = self.verdicts.get(found)
             return None if value is None else self.scale * value
         try:
             return self.scale * float(found)
@@ -376,13 +381,6 @@ class GenerativeReward:
         """Whether the judge's copy of the response (the ``echo`` group) is the response."""
         m = _last_match(text, self.pattern)
         return m is not None and (m.group("echo") or "").strip() == response.strip()
-
-    def _choice_verdict(self, text: str, response_first: bool) -> float | None:
-        found = parse_verdict(text, self.pattern)
-        if found is None or found.strip() not in self.choices:
-            return None
-        first_wins = found.strip() == self.choices[0]
-        return 1.0 if first_wins == response_first else 0.0
 
     def judge_prompts(
         self, samples: Sequence[Sample]
@@ -434,11 +432,7 @@ class GenerativeReward:
         counts = torch.zeros(n, dtype=torch.float32)  # [B]
         failures, mismatches, example = 0, 0, None
         for (i, first), text in zip(jobs, verdicts, strict=True):
-            value = (
-                self._score_verdict(text)
-                if self.mode == "score"
-                else self._choice_verdict(text, first)
-            )
+            value = self._reward_of(text, first)
             if value is not None and self.echo and not self._echoes(text, samples[i].response):
                 mismatches += 1
                 value = self.fallback
