@@ -235,13 +235,8 @@ class RewardOutput:
     def as_float64(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(total, parts, applied)``: float64 tensors of exactly the python floats the
         functions returned, and the bool masks."""
-
-        def f64(t: torch.Tensor) -> torch.Tensor:
-            return torch.tensor(t.tolist(), dtype=torch.float64)
-
-        parts = {n: f64(p) for n, p in self.parts.items()}
-        applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in self.applied.items()}
-        return f64(self.total), parts, applied
+        parts = {n: p.double() for n, p in self.parts.items()}
+        return self.total.double(), parts, {n: a.clone() for n, a in self.applied.items()}
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """Mean and std of the total and of each function over the samples it scored, and the
@@ -385,10 +380,9 @@ class CombinedReward:
                 heads = getattr(fn, "last_head_scores", None) or {}
                 for head, scores in heads.items() if len(heads) > 1 else ():
                     if len(scores) == len(idx):  # scores of this very call
-                        out.heads[f"{name}/{head}"] = torch.zeros(n).index_put_(
-                            (torch.tensor(idx, dtype=torch.long),),
-                            torch.as_tensor(scores, dtype=torch.float32),
-                        )
+                        head_scores = torch.zeros(n)  # [B]
+                        head_scores[idx] = torch.as_tensor(scores, dtype=torch.float32)
+                        out.heads[f"{name}/{head}"] = head_scores
             out.parts[name] = part
             out.applied[name] = mask
         return out
