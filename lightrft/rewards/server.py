@@ -468,20 +468,17 @@ def make_server(
     :class:`~lightrft.rewards.Sample` each, conversations included, and ``reward_fn`` scores the
     list.
     """
-    if (
-        max_body_bytes < 1
-        or read_timeout <= 0
-        or max_connections < 1
-        or max_image_pixels < 1
-        or max_request_pixels < 1
-        or max_video_frames < 1
+    for key, value in (
+        ("max_body_bytes", max_body_bytes),
+        ("max_connections", max_connections),
+        ("max_image_pixels", max_image_pixels),
+        ("max_request_pixels", max_request_pixels),
+        ("max_video_frames", max_video_frames),
     ):
-        raise ValueError(
-            "max_body_bytes, max_connections, max_image_pixels, max_request_pixels and "
-            f"max_video_frames must be >= 1 and read_timeout > 0, got {max_body_bytes}, "
-            f"{max_connections}, {max_image_pixels}, {max_request_pixels}, {max_video_frames}, "
-            f"{read_timeout}"
-        )
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if read_timeout <= 0:
+        raise ValueError(f"read_timeout must be > 0, got {read_timeout}")
     check_signature("the served reward function", reward_fn)
     bounds = MediaBounds(max_image_pixels, max_request_pixels, max_video_frames)
     lock = threading.Lock()
