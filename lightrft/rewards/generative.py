@@ -388,36 +388,33 @@ class GenerativeReward:
         """What the judge is asked: each judge prompt's text, its media parts (a vision- or
         audio-language judge: the conversation's, in order; else none) and its job ``(sample,
         response shown first)``; two jobs per sample with ``both_orders``."""
-        refs = [s.reference for s in samples]
-        responses = [s.response for s in samples]
-        prompts: list[Prompt] = [s.prompt for s in samples]
-        if self.media is not None:
-            if any(s.conversation is None for s in samples):
-                raise RewardInputError(
-                    "a vision-language judge reads each sample's conversation with its images: "
-                    "give each sample its conversation (the recipes do; a prompt dataset needs "
-                    "apply_chat_template=true)"
-                )
-            prompts = [s.conversation for s in samples]  # type: ignore[misc]
+        if self.media is not None and any(s.conversation is None for s in samples):
+            raise RewardInputError(
+                "a vision-language judge reads each sample's conversation with its images: "
+                "give each sample its conversation (the recipes do; a prompt dataset needs "
+                "apply_chat_template=true)"
+            )
         texts: list[str] = []
         media: list[list[dict[str, Any]]] = []
         jobs: list[tuple[int, bool]] = []
-        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        for i, s in enumerate(samples):
+            p = s.prompt if self.media is None else s.conversation
             q = _prompt_text(p)
             parts = media_parts(p) if self.media is not None else []
+            r, ref = s.response, s.reference
             if self.mode == "score":
-                texts.append(self.template.format(prompt=q, response=r, reference=refs[i] or ""))
+                texts.append(self.template.format(prompt=q, response=r, reference=ref or ""))
                 media.append(parts)
                 jobs.append((i, True))
                 continue
-            if refs[i] is None:
+            if ref is None:
                 raise RewardInputError(
                     f"GenerativeReward(mode='choice') compares each response with its reference "
                     f"response, but sample {i} has no reference"
                 )
             orders = (True, False) if self.both_orders else (True,)
             for first in orders:
-                a, b = (r, refs[i]) if first else (refs[i], r)
+                a, b = (r, ref) if first else (ref, r)
                 texts.append(self.template.format(prompt=q, response_a=a, response_b=b))
                 media.append(parts)
                 jobs.append((i, first))
