@@ -37,21 +37,6 @@ import torch
 from lightrft.config import UserError
 from lightrft.data.media import MEDIA_KINDS, Media
 
-__all__ = [
-    "CombinedReward",
-    "Prompt",
-    "RewardError",
-    "RewardFunction",
-    "RewardInputError",
-    "RewardOutput",
-    "Sample",
-    "build_reward",
-    "check_reward_output",
-    "check_signature",
-    "media_parts",
-    "prompt_preview",
-]
-
 # A prompt is its text, or a chat conversation [{"role": ..., "content": ...}, ...].
 Prompt = str | Sequence[Mapping[str, Any]]
 
@@ -201,6 +186,17 @@ def check_reward_output(
     return values
 
 
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite real number, not a bool (an integer of 400 digits is none:
+    it overflows a float, and is refused like any other bad value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _is_real(v: Any) -> bool:
     if isinstance(v, torch.Tensor):
         return v.dim() == 0 and not v.dtype.is_complex
@@ -239,13 +235,8 @@ class RewardOutput:
     def as_float64(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(total, parts, applied)``: float64 tensors of exactly the python floats the
         functions returned, and the bool masks."""
-
-        def f64(t: torch.Tensor) -> torch.Tensor:
-            return torch.tensor(t.tolist(), dtype=torch.float64)
-
-        parts = {n: f64(p) for n, p in self.parts.items()}
-        applied = {n: torch.tensor([bool(x) for x in a.tolist()]) for n, a in self.applied.items()}
-        return f64(self.total), parts, applied
+        parts = {n: p.double() for n, p in self.parts.items()}
+        return self.total.double(), parts, {n: a.clone() for n, a in self.applied.items()}
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """Mean and std of the total and of each function over the samples it scored, and the
@@ -389,10 +380,9 @@ class CombinedReward:
                 heads = getattr(fn, "last_head_scores", None) or {}
                 for head, scores in heads.items() if len(heads) > 1 else ():
                     if len(scores) == len(idx):  # scores of this very call
-                        out.heads[f"{name}/{head}"] = torch.zeros(n).index_put_(
-                            (torch.tensor(idx, dtype=torch.long),),
-                            torch.as_tensor(scores, dtype=torch.float32),
-                        )
+                        head_scores = torch.zeros(n)  # [B]
+                        head_scores[idx] = torch.as_tensor(scores, dtype=torch.float32)
+                        out.heads[f"{name}/{head}"] = head_scores
             out.parts[name] = part
             out.applied[name] = mask
         return out
@@ -455,7 +445,7 @@ def _checked_weights(weights: Mapping[str, Any], names: list[str], key: str = ""
                 f"{key}weights.{name}: no reward function named {name!r}; "
                 f"functions are {sorted(names)}"
             )
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+        if not finite_number(w):
             raise ValueError(f"{key}weights.{name} must be a finite number, got {w!r}")
     return {name: float(w) for name, w in weights.items()}
 

@@ -61,16 +61,7 @@ from lightrft.config import section
 from lightrft.data.media import MediaOptions
 from lightrft.data.records import MediaSamples
 from lightrft.engine.config import EngineConfig
-from lightrft.rewards.base import Prompt, RewardInputError, Sample, media_parts
-
-__all__ = [
-    "CHOICE_TEMPLATE",
-    "SCORE_TEMPLATE",
-    "GenerativeReward",
-    "JudgeEngineConfig",
-    "media_parts",
-    "parse_verdict",
-]
+from lightrft.rewards.base import Prompt, RewardInputError, Sample, finite_number, media_parts
 
 log = logging.getLogger(__name__)
 
@@ -109,17 +100,15 @@ def _last_match(text: str, pattern: re.Pattern[str]) -> re.Match[str] | None:
     return last
 
 
-def _verdict_of(m: re.Match[str]) -> str:
-    if "verdict" in m.re.groupindex:
-        return m.group("verdict") or ""
-    return m.group(1) if m.groups() else m.group(0)
-
-
 def parse_verdict(text: str, pattern: re.Pattern[str]) -> str | None:
     """The ``verdict`` group (else the first group, else the whole match) of ``pattern``'s last
     match in ``text``; ``None`` if none."""
     m = _last_match(text, pattern)
-    return None if m is None else _verdict_of(m)
+    if m is None:
+        return None
+    if "verdict" in pattern.groupindex:
+        return m.group("verdict") or ""
+    return m.group(1) if m.groups() else m.group(0)
 
 
 def _message_text(content: Any) -> str:
@@ -213,7 +202,7 @@ class GenerativeReward:
                 raise ValueError("verdicts applies to mode='score' (choice verdicts are choices)")
             if not verdicts or not all(isinstance(k, str) and k for k in verdicts):
                 raise ValueError(f"verdicts must map non-empty words to rewards, got {verdicts!r}")
-            bad = [k for k, v in verdicts.items() if isinstance(v, bool) or not _finite(v)]
+            bad = [k for k, v in verdicts.items() if not finite_number(v)]
             if bad:
                 raise ValueError(f"verdicts.{bad[0]} must be a finite number")
         if max_parse_failures is not None and (
@@ -369,12 +358,19 @@ class GenerativeReward:
 
     # ------------------------------------------------------------------ scoring
 
-    def _score_verdict(self, text: str) -> float | None:
+    def _reward_of(self, text: str, response_first: bool) -> float | None:
+        """The reward a verdict gives (``None``: it does not parse); ``response_first``: choice
+        mode, whether the response was shown first."""
         found = parse_verdict(text, self.pattern)
         if found is None:
             return None
+        found = found.strip()
+        if self.mode == "choice":
+            if found not in self.choices:
+                return None
+            return 1.0 if (found == self.choices[0]) == response_first else 0.0
         if self.verdicts is not None:
-            value = self.verdicts.get(found.strip())
+            value = self.verdicts.get(found)
             return None if value is None else self.scale * value
         try:
             return self.scale * float(found)
@@ -386,49 +382,39 @@ class GenerativeReward:
         m = _last_match(text, self.pattern)
         return m is not None and (m.group("echo") or "").strip() == response.strip()
 
-    def _choice_verdict(self, text: str, response_first: bool) -> float | None:
-        found = parse_verdict(text, self.pattern)
-        if found is None or found.strip() not in self.choices:
-            return None
-        first_wins = found.strip() == self.choices[0]
-        return 1.0 if first_wins == response_first else 0.0
-
     def judge_prompts(
         self, samples: Sequence[Sample]
     ) -> tuple[list[str], list[list[dict[str, Any]]], list[tuple[int, bool]]]:
         """What the judge is asked: each judge prompt's text, its media parts (a vision- or
         audio-language judge: the conversation's, in order; else none) and its job ``(sample,
         response shown first)``; two jobs per sample with ``both_orders``."""
-        refs = [s.reference for s in samples]
-        responses = [s.response for s in samples]
-        prompts: list[Prompt] = [s.prompt for s in samples]
-        if self.media is not None:
-            if any(s.conversation is None for s in samples):
-                raise RewardInputError(
-                    "a vision-language judge reads each sample's conversation with its images: "
-                    "give each sample its conversation (the recipes do; a prompt dataset needs "
-                    "apply_chat_template=true)"
-                )
-            prompts = [s.conversation for s in samples]  # type: ignore[misc]
+        if self.media is not None and any(s.conversation is None for s in samples):
+            raise RewardInputError(
+                "a vision-language judge reads each sample's conversation with its images: "
+                "give each sample its conversation (the recipes do; a prompt dataset needs "
+                "apply_chat_template=true)"
+            )
         texts: list[str] = []
         media: list[list[dict[str, Any]]] = []
         jobs: list[tuple[int, bool]] = []
-        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        for i, s in enumerate(samples):
+            p = s.prompt if self.media is None else s.conversation
             q = _prompt_text(p)
             parts = media_parts(p) if self.media is not None else []
+            r, ref = s.response, s.reference
             if self.mode == "score":
-                texts.append(self.template.format(prompt=q, response=r, reference=refs[i] or ""))
+                texts.append(self.template.format(prompt=q, response=r, reference=ref or ""))
                 media.append(parts)
                 jobs.append((i, True))
                 continue
-            if refs[i] is None:
+            if ref is None:
                 raise RewardInputError(
                     f"GenerativeReward(mode='choice') compares each response with its reference "
                     f"response, but sample {i} has no reference"
                 )
             orders = (True, False) if self.both_orders else (True,)
             for first in orders:
-                a, b = (r, refs[i]) if first else (refs[i], r)
+                a, b = (r, ref) if first else (ref, r)
                 texts.append(self.template.format(prompt=q, response_a=a, response_b=b))
                 media.append(parts)
                 jobs.append((i, first))
@@ -443,11 +429,7 @@ class GenerativeReward:
         counts = torch.zeros(n, dtype=torch.float32)  # [B]
         failures, mismatches, example = 0, 0, None
         for (i, first), text in zip(jobs, verdicts, strict=True):
-            value = (
-                self._score_verdict(text)
-                if self.mode == "score"
-                else self._choice_verdict(text, first)
-            )
+            value = self._reward_of(text, first)
             if value is not None and self.echo and not self._echoes(text, samples[i].response):
                 mismatches += 1
                 value = self.fallback
@@ -489,9 +471,3 @@ class GenerativeReward:
                 + ". Check the judge, its template and max_tokens, or the pattern"
             )
         return sums / counts.clamp(min=1)
-
-
-def _finite(v: Any) -> bool:
-    import math
-
-    return isinstance(v, (int, float)) and math.isfinite(v)

@@ -39,8 +39,6 @@ import base64
 import http.client
 import io
 import json
-import math
-import numbers
 import os
 import socket
 import threading
@@ -51,12 +49,9 @@ from contextlib import suppress
 from typing import Any
 
 from lightrft.data.media import MEDIA_KINDS
-from lightrft.rewards.base import Prompt, RewardError, Sample
+from lightrft.rewards.base import Prompt, RewardError, Sample, finite_number
 
 TOKEN_ENV = "LIGHTRFT_REWARD_TOKEN"  # also read by lightrft.rewards.server
-
-__all__ = ["PNG_DATA_URL", "RemoteReward", "RemoteRewardError", "build_query", "wire_conversation"]
-
 PNG_DATA_URL = "data:image/png;base64,"
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -71,17 +66,6 @@ def build_query(prompt: Prompt, response: str) -> Any:
     if isinstance(prompt, str):
         return prompt + response
     return [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
-
-
-def finite_number(value: Any) -> bool:
-    """Whether ``value`` is a finite real number, not a bool (an integer of 400 digits is none:
-    it overflows a float, and is refused like any other bad value)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 def positive_rate(value: Any) -> bool:
@@ -319,7 +303,7 @@ class RemoteReward:
                 f"reward server {self.url} returned {len(rewards)} rewards for {n} queries"
             )
         for i, r in enumerate(rewards):
-            if not isinstance(r, (int, float)) or not finite_number(r):
+            if not finite_number(r):
                 raise RemoteRewardError(
                     f"reward server {self.url} returned {r!r} for query {i}; rewards must be "
                     "finite numbers"

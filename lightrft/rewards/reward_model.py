@@ -34,8 +34,6 @@ from lightrft.data.preference import pad_sequences, render_for_scoring, response
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, Sample, media_parts
 
-__all__ = ["RewardModel", "collective_plan", "load_value_head"]
-
 
 def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
     """The ``hidden -> 1`` linear head stored as ``{key}.weight`` (and ``{key}.bias``) in the
@@ -123,7 +121,7 @@ def _value_head_net(
     the backbone (the ``hidden -> 1`` head is read whole and sharded from that value)."""
     from transformers import AutoModel
 
-    from lightrft.models.loading import to_dtype
+    from lightrft.models.loading import from_pretrained_dir, to_dtype
     from lightrft.models.sharded import (
         SafetensorsIndex,
         build_on_meta,
@@ -132,19 +130,13 @@ def _value_head_net(
     )
 
     head = load_value_head(path, key).to(to_dtype(dtype))
-    if mesh is None:
-        kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
-        if attn_implementation:
-            kwargs["attn_implementation"] = attn_implementation
-        backbone = AutoModel.from_pretrained(path, **kwargs)
-        return RewardNet(backbone, head).requires_grad_(False).to(device)
-    backbone = build_on_meta(
-        path,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-        auto_class=AutoModel,
+    load = dict(
+        dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )
+    if mesh is None:
+        backbone = from_pretrained_dir(AutoModel, path, device="cpu", **load)
+        return RewardNet(backbone, head).requires_grad_(False).to(device)
+    backbone = build_on_meta(path, **load, auto_class=AutoModel)
     names, converted = checkpoint_names(backbone, list(SafetensorsIndex.read(path).files))
     net = RewardNet(backbone, head).requires_grad_(False)
     within = f"{net.base_name}."  # the backbone's names inside the RewardNet
@@ -414,11 +406,6 @@ class RewardModel:
         self.last_head_scores: dict[str, torch.Tensor] = {}
         ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
         self.pad_id = int(next((i for i in ids if i is not None), 0))  # pad, else eos, else 0
-
-    @property
-    def heads(self) -> list[str]:
-        """The model's head names, in output order."""
-        return self.net.heads
 
     @property
     def backbone(self) -> nn.Module:

@@ -60,6 +60,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -71,22 +72,6 @@ from lightrft.rewards.base import (
     instantiate_node,
 )
 from lightrft.rewards.remote import PNG_DATA_URL, TOKEN_ENV, positive_rate
-
-__all__ = [
-    "LINGER_SECONDS",
-    "LISTEN_BACKLOG",
-    "MAX_IMAGE_PIXELS",
-    "MAX_REQUEST_PIXELS",
-    "MAX_VIDEO_FRAMES",
-    "MediaTooLarge",
-    "TOKEN_ENV",
-    "VERIFIERS",
-    "decode_conversations",
-    "load_reward_fn",
-    "main",
-    "make_server",
-    "split_requests",
-]
 
 # Pending connections the kernel queues for accept() (capped by net.core.somaxconn on Linux).
 LISTEN_BACKLOG = 1024
@@ -115,16 +100,33 @@ class MediaTooLarge(ValueError):
     HTTP 413)."""
 
 
-def _decode_png(
-    url: Any, where: str, budget: list[int], max_image_pixels: int, kind: str = "image"
-):
+@dataclass(frozen=True)
+class MediaBounds:
+    """The server's bounds on the images and video frames of one request's ``conversations``."""
+
+    image_pixels: int = MAX_IMAGE_PIXELS  # one image or video frame (--max-image-pixels)
+    request_pixels: int = MAX_REQUEST_PIXELS  # all of them together (--max-request-pixels)
+    video_frames: int = MAX_VIDEO_FRAMES  # all video frames together (--max-video-frames)
+
+
+class _Budget:
+    """What is left of one request's :class:`MediaBounds` while its media are decoded."""
+
+    def __init__(self, bounds: MediaBounds) -> None:
+        self.bounds = bounds
+        self.pixels = bounds.request_pixels
+        self.frames = bounds.video_frames
+
+
+def _decode_png(url: Any, where: str, budget: _Budget, kind: str = "image"):
     """The RGB PIL image of a PNG data URL (an image, or a video ``kind="frame"``), its size
-    checked against the per-image bound and what is left of the request's (``budget[0]``; the
-    request's bound is ``budget[1]``) before any pixel is decoded."""
+    checked against the per-image bound and what is left of the request's before any pixel is
+    decoded."""
     from PIL import Image
 
     if not isinstance(url, str) or not url.startswith(PNG_DATA_URL):
-        raise ValueError(f"{where}: {_a(kind)} must be a string starting {PNG_DATA_URL!r}")
+        what = "an image" if kind == "image" else "a frame"
+        raise ValueError(f"{where}: {what} must be a string starting {PNG_DATA_URL!r}")
     try:
         data = base64.b64decode(url[len(PNG_DATA_URL) :], validate=True)
     except (binascii.Error, ValueError):
@@ -136,17 +138,17 @@ def _decode_png(
     except Exception as e:  # noqa: BLE001 - PIL raises several types for bad data
         raise ValueError(f"{where}: not a PNG image ({type(e).__name__}: {e})") from None
     w, h = img.size
-    if w * h > max_image_pixels:
+    if w * h > budget.bounds.image_pixels:
         raise MediaTooLarge(
             f"{where}: {kind} of {w}x{h} = {w * h} pixels is over the server's limit of "
-            f"{max_image_pixels} pixels per image (--max-image-pixels)"
+            f"{budget.bounds.image_pixels} pixels per image (--max-image-pixels)"
         )
-    if w * h > budget[0]:
+    if w * h > budget.pixels:
         raise MediaTooLarge(
             f"{where}: the request's images and video frames are over the server's limit of "
-            f"{budget[1]} pixels per request (--max-request-pixels)"
+            f"{budget.bounds.request_pixels} pixels per request (--max-request-pixels)"
         )
-    budget[0] -= w * h
+    budget.pixels -= w * h
     try:
         img.load()
     except Exception as e:  # noqa: BLE001
@@ -154,17 +156,10 @@ def _decode_png(
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
-def _a(kind: str) -> str:
-    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
-
-
-def _decode_video(
-    part: dict, where: str, budget: list[int], max_image_pixels: int, max_video_frames: int
-) -> dict[str, Any]:
+def _decode_video(part: dict, where: str, budget: _Budget) -> dict[str, Any]:
     """A video part (``{"type": "video", "video": [PNG data URL, ...], "fps": r}``) with its
     frames decoded by :func:`_decode_png`, each counted as an image against the pixel bounds
-    and against what is left of the request's ``max_video_frames`` (``budget[2]``)."""
-
+    and against what is left of the request's video frames."""
     frames, fps = part.get("video"), part.get("fps")
     if not isinstance(frames, list):
         raise ValueError(
@@ -177,16 +172,17 @@ def _decode_video(
             f"{where}.fps must be a positive number (the rate the frames were sampled at), "
             f"got {str(fps)[:40]}"
         )
-    if len(frames) > budget[2]:
+    if len(frames) > budget.frames:
         raise MediaTooLarge(
             f"{where}: a video of {len(frames)} frames takes the request over the server's limit "
-            f"of {max_video_frames} video frames per request (--max-video-frames); send fewer "
-            "conversations per request (RemoteReward's batch_size) or sample fewer frames"
+            f"of {budget.bounds.video_frames} video frames per request (--max-video-frames); "
+            "send fewer conversations per request (RemoteReward's batch_size) or sample fewer "
+            "frames"
         )
-    budget[2] -= len(frames)
+    budget.frames -= len(frames)
     out = []
     for t, url in enumerate(frames):
-        img = _decode_png(url, f"{where}.video[{t}]", budget, max_image_pixels, "frame")
+        img = _decode_png(url, f"{where}.video[{t}]", budget, "frame")
         if out and img.size != out[0].size:
             raise ValueError(
                 f"{where}.video[{t}]: frame of {img.size[0]}x{img.size[1]} differs in size from "
@@ -199,14 +195,7 @@ def _decode_video(
     return decoded
 
 
-def decode_conversations(
-    value: Any,
-    n: int,
-    *,
-    max_image_pixels: int = MAX_IMAGE_PIXELS,
-    max_request_pixels: int = MAX_REQUEST_PIXELS,
-    max_video_frames: int = MAX_VIDEO_FRAMES,
-) -> list | None:
+def decode_conversations(value: Any, n: int, bounds: MediaBounds = MediaBounds()) -> list | None:
     """A request's ``conversations`` (``None`` if absent) with their PNG images and video
     frames decoded to PIL images, as a reward function reads them in-process (see the module
     docstring); ``ValueError`` naming the entry, or :class:`MediaTooLarge`, for anything else.
@@ -216,8 +205,7 @@ def decode_conversations(
         return None
     if not isinstance(value, list) or len(value) != n:
         raise ValueError(f"'conversations' must be a list of {n} entries")
-    # pixels left, the request's pixel limit, video frames left
-    budget = [max_request_pixels, max_request_pixels, max_video_frames]
+    budget = _Budget(bounds)
     out: list = []
     for i, chat in enumerate(value):
         if chat is None:
@@ -239,12 +227,10 @@ def decode_conversations(
                     if kind == "text" and isinstance(part.get("text"), str):
                         parts.append({"type": "text", "text": part["text"]})
                     elif kind == "image":
-                        img = _decode_png(part.get("image"), at, budget, max_image_pixels)
+                        img = _decode_png(part.get("image"), at, budget)
                         parts.append({"type": "image", "image": img})
                     elif kind == "video":
-                        parts.append(
-                            _decode_video(part, at, budget, max_image_pixels, max_video_frames)
-                        )
+                        parts.append(_decode_video(part, at, budget))
                     elif kind == "audio":
                         raise ValueError(
                             f"{at}: an audio part is not carried by the reward server (images "
@@ -264,13 +250,7 @@ def decode_conversations(
     return out
 
 
-def split_requests(
-    data: Any,
-    *,
-    max_image_pixels: int = MAX_IMAGE_PIXELS,
-    max_request_pixels: int = MAX_REQUEST_PIXELS,
-    max_video_frames: int = MAX_VIDEO_FRAMES,
-) -> list[Sample]:
+def split_requests(data: Any, bounds: MediaBounds = MediaBounds()) -> list[Sample]:
     """The samples of a request body (the wire format's parallel lists, one
     :class:`~lightrft.rewards.Sample` per entry), or ``ValueError`` saying what is wrong
     (:class:`MediaTooLarge` for media over the pixel or frame bounds).
@@ -289,12 +269,10 @@ def split_requests(
     args: dict[str, list] = {}
     for key in ("queries", "prompts", "responses", "references", "labels"):
         val = data.get(key)
-        if val is None:
-            val = [None] * n if key in ("references", "labels") else val
-        elif not isinstance(val, list) or len(val) != n:
+        if val is not None and (not isinstance(val, list) or len(val) != n):
             raise ValueError(f"'{key}' must be a list of {n} entries")
         args[key] = val
-    for i, label in enumerate(args["labels"]):
+    for i, label in enumerate(args["labels"] or []):
         if label is not None and not isinstance(label, str):
             raise ValueError(
                 f"'labels'[{i}] is a {type(label).__name__}; labels must hold strings or null"
@@ -327,13 +305,7 @@ def split_requests(
                 responses.append(q[len(p) :] if isinstance(p, str) and q.startswith(p) else q)
     if not all(isinstance(r, str) for r in responses):
         raise ValueError("'responses' must hold strings")
-    conversations = decode_conversations(
-        data.get("conversations"),
-        n,
-        max_image_pixels=max_image_pixels,
-        max_request_pixels=max_request_pixels,
-        max_video_frames=max_video_frames,
-    )
+    conversations = decode_conversations(data.get("conversations"), n, bounds)
     return Sample.batch(prompts, responses, args["references"], args["labels"], conversations)
 
 
@@ -343,14 +315,12 @@ class _HTTPError(Exception):
         self.code = code
 
 
-_REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
-
-
 def _raw_reply(code: int, message: str) -> bytes:
     """A complete JSON error response, for where the handler's own replies cannot be used."""
     body = json.dumps({"error": message}).encode()
+    reason = BaseHTTPRequestHandler.responses[code][0]
     return (
-        f"HTTP/1.0 {code} {_REASONS[code]}\r\nContent-Type: application/json\r\n"
+        f"HTTP/1.0 {code} {reason}\r\nContent-Type: application/json\r\n"
         f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
@@ -498,21 +468,19 @@ def make_server(
     :class:`~lightrft.rewards.Sample` each, conversations included, and ``reward_fn`` scores the
     list.
     """
-    if (
-        max_body_bytes < 1
-        or read_timeout <= 0
-        or max_connections < 1
-        or max_image_pixels < 1
-        or max_request_pixels < 1
-        or max_video_frames < 1
+    for key, value in (
+        ("max_body_bytes", max_body_bytes),
+        ("max_connections", max_connections),
+        ("max_image_pixels", max_image_pixels),
+        ("max_request_pixels", max_request_pixels),
+        ("max_video_frames", max_video_frames),
     ):
-        raise ValueError(
-            "max_body_bytes, max_connections, max_image_pixels, max_request_pixels and "
-            f"max_video_frames must be >= 1 and read_timeout > 0, got {max_body_bytes}, "
-            f"{max_connections}, {max_image_pixels}, {max_request_pixels}, {max_video_frames}, "
-            f"{read_timeout}"
-        )
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if read_timeout <= 0:
+        raise ValueError(f"read_timeout must be > 0, got {read_timeout}")
     check_signature("the served reward function", reward_fn)
+    bounds = MediaBounds(max_image_pixels, max_request_pixels, max_video_frames)
     lock = threading.Lock()
     expected = token.encode() if token else None
 
@@ -595,12 +563,7 @@ def make_server(
                     raise _HTTPError(401, "missing or wrong token (Authorization: Bearer ...)")
                 body = self._read_body()
                 try:
-                    samples = split_requests(
-                        json.loads(body),
-                        max_image_pixels=max_image_pixels,
-                        max_request_pixels=max_request_pixels,
-                        max_video_frames=max_video_frames,
-                    )
+                    samples = split_requests(json.loads(body), bounds)
                 except RecursionError:
                     raise _HTTPError(400, "bad request: JSON nested too deeply") from None
                 except MediaTooLarge as e:

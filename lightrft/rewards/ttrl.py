@@ -13,8 +13,6 @@ from typing import Any
 from lightrft.rewards.base import Prompt, Sample, instantiate_node, prompt_preview
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
-__all__ = ["TTRLReward", "split_groups"]
-
 
 def split_groups(prompts: Sequence[Prompt], group_size: int | None) -> list[range]:
     """Index ranges of the groups: ``group_size`` consecutive samples (which must share their
@@ -50,7 +48,7 @@ class TTRLReward:
     Args:
         verifier: supplies ``extract(response)`` (the answer; ``extract_many(responses)`` is
             used instead where it has one) and, if it has one,
-            ``equivalent(pred, ref)`` to judge agreement (else answers agree when their
+            ``equivalent_many(preds, refs)`` to judge agreement (else answers agree when their
             :func:`~lightrft.rewards.math_answer.answer_key` is equal). E.g. a
             :class:`~lightrft.rewards.MathVerifier` (a ``_component_`` mapping is instantiated).
         group_size: samples per prompt (``${rollout.n}`` in a GRPO config), checked strictly;
@@ -95,13 +93,6 @@ class TTRLReward:
         # strongly its samples agreed (the majority's share of the group).
         self.last_metrics: dict[str, float] = {}
 
-    def pseudo_label(self, answers: Sequence[str | None]) -> str | None:
-        """The group's majority answer, or ``None`` if it has too small a share."""
-        label, votes = majority_vote(answers)
-        if label is None or votes < self.min_vote_share * len(answers):
-            return None
-        return label
-
     def _agree(self, preds: list[str | None], label: str) -> list[bool]:
         if hasattr(self.verifier, "equivalent_many"):
             return self.verifier.equivalent_many(preds, [label] * len(preds))
@@ -120,12 +111,15 @@ class TTRLReward:
         shares = []
         groups = split_groups([s.prompt for s in samples], self.group_size)
         for g in groups:
-            shares.append(majority_vote([answers[i] for i in g])[1] / len(g))
-            label = self.pseudo_label([answers[i] for i in g])
+            group = [answers[i] for i in g]
+            label, votes = majority_vote(group)
+            shares.append(votes / len(g))
+            if votes < self.min_vote_share * len(g):
+                label = None  # too small a share: no pseudo-label
             self.last_labels.append(label)
             if label is None:
                 continue
-            for i, ok in zip(g, self._agree([answers[i] for i in g], label), strict=True):
+            for i, ok in zip(g, self._agree(group, label), strict=True):
                 rewards[i] = self.correct if ok else self.incorrect
         labelled = sum(label is not None for label in self.last_labels)
         self.last_metrics = {

@@ -102,7 +102,7 @@ def test_both_orders_with_images_and_counted_failures(vl, boards):
     want = torch.zeros(2)
     fails = 0
     for (i, first), v in zip(jobs, verdicts, strict=True):
-        got = judge._choice_verdict(v, first)
+        got = judge._reward_of(v, first)
         fails += got is None
         want[i] += (0.25 if got is None else got) / 2
     assert torch.equal(out, want)
