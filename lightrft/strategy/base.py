@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.distributed import DistInfo
+from lightrft.distributed import DistInfo, all_reduce_sum
 from lightrft.models.multimodal import set_towers_trainable
 from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
@@ -66,8 +66,6 @@ class Strategy:
     def data_sum(self, value: float | torch.Tensor) -> float:
         """The sum over ranks of a value of this rank's samples (a token count), each SP
         group counted once: its ranks hold the same samples (collective)."""
-        from lightrft.distributed import all_reduce_sum
-
         return all_reduce_sum(value, self.dist.device).item() / self.cfg.sequence_parallel
 
     def check_model(self, path: str, *, trust_remote_code: bool = False) -> None:
