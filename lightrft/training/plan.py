@@ -778,10 +778,11 @@ def inputs_from_options(
         activation_checkpointing=m.activation_checkpointing,
         lora_rank=st.lora.rank if st.lora is not None else None,
     )
-    notes: list[str] = []
     sp = 1 if deepspeed else st.sequence_parallel
+    # What every recipe shares; each fills in its micro-batch (and GRPO its other models).
+    common = PlanInputs(recipe, shape, cluster, actor, 0, sequence_parallel=sp)
     if recipe == "grpo":
-        return _grpo_inputs(opts, shape, actor, cluster, device, notes, sp)
+        return _grpo_inputs(opts, common, device)
     data = opts.data
     length = _node_get(data.dataset, "max_length")
     tokens = data.micro_batch_tokens or data.max_tokens_per_row
@@ -793,30 +794,21 @@ def inputs_from_options(
             )
         # A reward-model micro-batch scores a chosen and a rejected response per pair.
         tokens = data.batch_size * int(length) * (2 if recipe == "reward_model" else 1)
-    return PlanInputs(
-        recipe,
-        shape,
-        cluster,
-        actor,
-        int(tokens),
+    return replace(
+        common,
+        tokens_per_micro_batch=int(tokens),
         # A token budget cuts a step into a varying number of micro-batches: assume several.
         accumulation=data.gradient_accumulation_steps > 1 or data.micro_batch_tokens is not None,
         repeat_kv=not data.packing,
-        notes=tuple(notes),
-        sequence_parallel=sp,
     )
 
 
-def _grpo_inputs(
-    opts: Any,
-    shape: ModelShape,
-    actor: TrainedSetup,
-    cluster: Cluster,
-    device: str,
-    notes: list[str],
-    sp: int = 1,
-) -> PlanInputs:
+def _grpo_inputs(opts: Any, common: PlanInputs, device: str) -> PlanInputs:
+    """GRPO's own inputs over ``common`` (the model, cluster, actor and SP degree): the
+    rollout engine, the reference, teacher, critic and reward models, the micro-batch."""
     ro, tr, eng = opts.rollout, opts.train, opts.engine
+    shape, actor, cluster, sp = common.model, common.actor, common.cluster, common.sequence_parallel
+    notes = []
     prompt = _node_get(opts.dataset, "max_prompt_length")
     max_len = eng.max_model_len or shape.max_positions
     if prompt is None:
@@ -869,12 +861,9 @@ def _grpo_inputs(
                 str(node.get("device") or "cpu") != "cpu",
             )
         )
-    return PlanInputs(
-        "grpo",
-        shape,
-        cluster,
-        actor,
-        tokens,
+    return replace(
+        common,
+        tokens_per_micro_batch=tokens,
         # Samples per data-parallel replica (world / SP ranks; the ranks of an SP group train
         # on the same rows) per optimizer step over the micro-batch size.
         accumulation=(tr.mini_batch_size or ro.prompts_per_step * ro.n) // (cluster.world // sp)
@@ -891,7 +880,6 @@ def _grpo_inputs(
         critic=critic,
         reward_models=tuple(rms),
         notes=tuple(notes),
-        sequence_parallel=sp,
     )
 
 
