@@ -706,15 +706,11 @@ def format_plan(result: Plan) -> str:
 # ------------------------------------------------------------------------------ config
 
 
-def _node_get(node: Any, key: str) -> Any:
-    return None if node is None else node.get(key)
-
-
 def _reward_models(node: Any, at: str) -> list[tuple[str, Any]]:
     """``(key, node)`` of every ``lightrft.rewards.RewardModel`` in a reward config tree."""
     found: list[tuple[str, Any]] = []
     if isinstance(node, Mapping) or hasattr(node, "items"):
-        target = str(_node_get(node, "_component_") or "")
+        target = str(node.get("_component_") or "")
         if target.endswith("RewardModel"):
             found.append((at, node))
         for k, v in node.items():
@@ -784,7 +780,7 @@ def inputs_from_options(
     if recipe == "grpo":
         return _grpo_inputs(opts, common, device)
     data = opts.data
-    length = _node_get(data.dataset, "max_length")
+    length = data.dataset.get("max_length")
     tokens = data.micro_batch_tokens or data.max_tokens_per_row
     if tokens is None:
         if length is None:
@@ -809,7 +805,7 @@ def _grpo_inputs(opts: Any, common: PlanInputs, device: str) -> PlanInputs:
     ro, tr, eng = opts.rollout, opts.train, opts.engine
     shape, actor, cluster, sp = common.model, common.actor, common.cluster, common.sequence_parallel
     notes = []
-    prompt = _node_get(opts.dataset, "max_prompt_length")
+    prompt = opts.dataset.get("max_prompt_length")
     max_len = eng.max_model_len or shape.max_positions
     if prompt is None:
         slots = max_len
