@@ -87,10 +87,6 @@ class Strategy:
         trained model."""
         raise NotImplementedError
 
-    def frozen_loading(self) -> dict[str, Any]:
-        """The same for a model beside it (reference, critic): FSDP2-sharded."""
-        return {"mesh": self.mesh}
-
     def load_policy(self, m: PolicyModelConfig) -> nn.Module:
         """The trained policy of a ``model:`` section, loaded as :meth:`loading` says: its
         vision / audio towers trainable as the section says, then :meth:`adapt` (LoRA)."""
@@ -106,11 +102,11 @@ class Strategy:
         )  # fmt: skip
 
     def load_beside(self, path: str, m: PolicyModelConfig, prepare: Any = None, **kw: Any):
-        """A model beside the policy (reference, teacher, critic) in ``m``'s dtype, sharded as
-        :meth:`frozen_loading` says; without ``prepare``: frozen, in eval mode."""
+        """A model beside the policy (reference, teacher, critic) in ``m``'s dtype, FSDP2-sharded
+        over :attr:`mesh` whatever the strategy; without ``prepare``: frozen, in eval mode."""
         model = load_parallel(
             path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code,
-            prepare=prepare or (lambda x: x.requires_grad_(False)), **kw, **self.frozen_loading(),
+            prepare=prepare or (lambda x: x.requires_grad_(False)), **kw, mesh=self.mesh,
         )  # fmt: skip
         return model if prepare is not None else model.eval()
 
