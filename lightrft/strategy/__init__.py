@@ -17,7 +17,7 @@ checkpointed, synced into the rollout engine and exported, so a recipe never bra
   imported only when chosen.
 
 Frozen models beside the trained one (a reference policy, a critic) are always FSDP2-sharded
-(:meth:`Strategy.frozen_loading`). Adding a strategy is one new module with a subclass of
+(:meth:`Strategy.load_beside`). Adding a strategy is one new module with a subclass of
 :class:`Strategy` and a line in :func:`build_strategy`.
 """
 

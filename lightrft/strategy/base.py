@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightrft.distributed import DistInfo
+from lightrft.distributed import DistInfo, all_reduce_sum
 from lightrft.models.multimodal import set_towers_trainable
 from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
@@ -66,8 +66,6 @@ class Strategy:
     def data_sum(self, value: float | torch.Tensor) -> float:
         """The sum over ranks of a value of this rank's samples (a token count), each SP
         group counted once: its ranks hold the same samples (collective)."""
-        from lightrft.distributed import all_reduce_sum
-
         return all_reduce_sum(value, self.dist.device).item() / self.cfg.sequence_parallel
 
     def check_model(self, path: str, *, trust_remote_code: bool = False) -> None:
@@ -89,10 +87,6 @@ class Strategy:
         trained model."""
         raise NotImplementedError
 
-    def frozen_loading(self) -> dict[str, Any]:
-        """The same for a model beside it (reference, critic): FSDP2-sharded."""
-        return {"mesh": self.mesh}
-
     def load_policy(self, m: PolicyModelConfig) -> nn.Module:
         """The trained policy of a ``model:`` section, loaded as :meth:`loading` says: its
         vision / audio towers trainable as the section says, then :meth:`adapt` (LoRA)."""
@@ -108,11 +102,11 @@ class Strategy:
         )  # fmt: skip
 
     def load_beside(self, path: str, m: PolicyModelConfig, prepare: Any = None, **kw: Any):
-        """A model beside the policy (reference, teacher, critic) in ``m``'s dtype, sharded as
-        :meth:`frozen_loading` says; without ``prepare``: frozen, in eval mode."""
+        """A model beside the policy (reference, teacher, critic) in ``m``'s dtype, FSDP2-sharded
+        over :attr:`mesh` whatever the strategy; without ``prepare``: frozen, in eval mode."""
         model = load_parallel(
             path, dtype=m.dtype, device=self.dist.device, trust_remote_code=m.trust_remote_code,
-            prepare=prepare or (lambda x: x.requires_grad_(False)), **kw, **self.frozen_loading(),
+            prepare=prepare or (lambda x: x.requires_grad_(False)), **kw, mesh=self.mesh,
         )  # fmt: skip
         return model if prepare is not None else model.eval()
 

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3 (± CPU offload) for the trained model (``strategy: deepspeed``, the
 ``deepspeed`` extra). The model loads whole on every rank and ``deepspeed.initialize``
 partitions it; the engine owns backward, the optimizer step and the checkpoint of the model and
-its optimizer. Frozen models beside it stay FSDP2 (:meth:`Strategy.frozen_loading`)."""
+its optimizer. Frozen models beside it stay FSDP2 (:meth:`Strategy.load_beside`)."""
 
 from __future__ import annotations
 

@@ -132,15 +132,21 @@ def broadcast_from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-def _named(obj: Any, what: str) -> dict[str, Any]:
-    """``None`` -> {}, a mapping -> a dict, a single object -> ``{"model": obj}``."""
-    if obj is None:
-        return {}
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    if isinstance(obj, (list, tuple)):
-        raise ValueError(f"{what}: pass one object or a dict name -> object, not a {type(obj)}")
-    return {DEFAULT_NAME: obj}
+def _named(**given: Any) -> dict[str, dict[str, Any]]:
+    """Each of ``given`` (``models``, ``optimizers``, ``schedulers``, ``dataloaders``: the
+    objects a checkpoint lists by kind) as a dict name -> object: ``None`` -> {}, a mapping -> a
+    dict, a single object -> ``{"model": obj}``."""
+    named = {}
+    for what, obj in given.items():
+        if obj is None:
+            named[what] = {}
+        elif isinstance(obj, Mapping):
+            named[what] = dict(obj)
+        elif isinstance(obj, (list, tuple)):
+            raise ValueError(f"{what}: pass one object or a dict name -> object, not a {type(obj)}")
+        else:
+            named[what] = {DEFAULT_NAME: obj}
+    return named
 
 
 class CheckpointError(UserError):
@@ -271,11 +277,6 @@ def _load_failed(path: Path, e: CheckpointException) -> Exception:
     return CheckpointError(
         f"checkpoint {path} is damaged and cannot be loaded ({_first_line(inner)})"
     )
-
-
-def step_dir_name(step: int) -> str:
-    """``step_000010`` for step 10 (six digits, more when needed)."""
-    return f"step_{step:06d}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,13 +494,15 @@ class Checkpointer:
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        models_, optims_ = _named(models, "models"), _named(optimizers, "optimizers")
-        scheds_, loaders_ = _named(schedulers, "schedulers"), _named(dataloaders, "dataloaders")
+        given = _named(
+            models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
+        )
+        models_, optims_, scheds_, loaders_ = given.values()
         if not models_:
             raise ValueError("models: pass at least one model to checkpoint")
         app = _app_state(models_, optims_, scheds_)
         rank, world = _rank(), _world_size()
-        final = self.root / step_dir_name(step)
+        final = self.root / f"step_{step:06d}"  # six digits, more when needed
         tmp = final.with_name(final.name + ".tmp")
 
         try:  # every file of the checkpoint into ``tmp`` (collective); ``meta.json`` last
@@ -526,10 +529,7 @@ class Checkpointer:
                     "format": FORMAT,
                     "step": step,
                     "world_size": world,
-                    "models": sorted(models_),
-                    "optimizers": sorted(optims_),
-                    "schedulers": sorted(scheds_),
-                    "dataloaders": sorted(loaders_),
+                    **{what: sorted(objs) for what, objs in given.items()},
                     # Items per batch over all ranks: a resume on another world size must
                     # keep it (checked before anything loads, lightrft.training.run).
                     "global_batches": {
@@ -618,23 +618,22 @@ class Checkpointer:
                 f"complete ones: {[p.name for p in self.list_checkpoints()]}"
             )
         meta = check_readable(path)
-        models_, optims_ = _named(models, "models"), _named(optimizers, "optimizers")
-        scheds_, loaders_ = _named(schedulers, "schedulers"), _named(dataloaders, "dataloaders")
-        _check_strategies(path, meta, models_)
-        for what, given in (
-            ("models", models_),
-            ("optimizers", optims_),
-            ("schedulers", scheds_),
-            ("dataloaders", loaders_),
-        ):
-            missing = sorted(set(given) - set(meta.get(what, [])))
+        given = _named(
+            models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
+        )
+        models_, optims_, scheds_, loaders_ = given.values()
+        check_held_alike(
+            path, meta, "deepspeed", {k: is_deepspeed_engine(m) for k, m in models_.items()}
+        )
+        for what, objs in given.items():
+            missing = sorted(set(objs) - set(meta.get(what, [])))
             if missing:
                 raise ValueError(
                     f"{what} {missing} are not in checkpoint {path} "
                     f"(it holds {what}: {meta.get(what, [])})"
                 )
-        check_lora_match(meta, {k: _is_lora(m) for k, m in models_.items()}, path)
-        rank, world = _rank(), _world_size()
+        check_held_alike(path, meta, "lora", {k: _is_lora(m) for k, m in models_.items()})
+        rank, world, saved_world = _rank(), _world_size(), int(meta["world_size"])
         needs_rank_state = bool(loaders_) or restore_rng
         changes = []
         saved_config = None if config is None else read_saved_config(path)
@@ -646,16 +645,22 @@ class Checkpointer:
                 json.loads(json.dumps(dict(config), default=str)),  # same normalisation as saved
                 path=path,
                 override_lr=override_lr,
-                saved_world_size=int(meta["world_size"]) if needs_rank_state else None,
+                saved_world_size=saved_world if needs_rank_state else None,
                 world_size=world,
             )
         new_lrs = _base_lrs(optims_)
-        saved_world = int(meta["world_size"])
         resharded = saved_world != world
         if resharded:
             check_reshardable(path, meta, world, loaders=loaders_)
 
-        _load_engines(path, _engines(models_))
+        # A DeepSpeed engine's model and optimizer from its own files (collective); the LR
+        # schedule is ours (in DCP), so DeepSpeed's is not loaded.
+        for name, engine in _engines(models_).items():
+            loaded, _ = engine.load_checkpoint(
+                str(path), tag=f"deepspeed.{name}", load_lr_scheduler_states=False
+            )
+            if loaded is None:
+                raise ValueError(f"checkpoint {path}: no DeepSpeed files for model {name!r}")
         app = _app_state(models_, optims_, scheds_)
         # Vet the metadata here too: inside dcp.load the refusal would come back as a
         # stringified AssertionError wrapped in a CheckpointException.
@@ -699,7 +704,7 @@ class Checkpointer:
             step=int(meta["step"]),
             path=path,
             extra=per_rank["extra"],
-            world_size=int(meta["world_size"]),
+            world_size=saved_world,
             rng=per_rank["rng"],
             config_changes=changes,
         )
@@ -823,55 +828,34 @@ def _engines(models: Mapping[str, Any]) -> dict[str, Any]:
     return {name: m for name, m in models.items() if is_deepspeed_engine(m)}
 
 
-def _check_strategies(path: Path, meta: Mapping[str, Any], models: Mapping[str, Any]) -> None:
-    """Refuse to load a model saved by one strategy (FSDP2's DCP state or a DeepSpeed engine's
-    files) into the other, naming the way out."""
-    saved = set(meta.get("deepspeed", []))
-    for name, model in models.items():
-        if name not in meta.get("models", []):
-            continue
-        if is_deepspeed_engine(model) and name not in saved:
-            raise ValueError(
-                f"checkpoint {path} holds model {name!r} as FSDP2 (DCP) state, but this run trains "
-                "it with strategy=deepspeed: resume with strategy=fsdp2"
-            )
-        if not is_deepspeed_engine(model) and name in saved:
-            raise ValueError(
-                f"checkpoint {path} holds model {name!r} as a DeepSpeed engine's files, but this "
-                "run trains it with FSDP2: resume with strategy=deepspeed"
-            )
+# How a model the checkpoint holds may differ from this run: meta.json's key -> what a resume
+# says when this run has it and the checkpoint not, and the reverse.
+_HELD = {
+    "deepspeed": (
+        "holds model {name} as FSDP2 (DCP) state, but this run trains it with strategy=deepspeed: "
+        "resume with strategy=fsdp2",
+        "holds model {name} as a DeepSpeed engine's files, but this run trains it with FSDP2: "
+        "resume with strategy=deepspeed",
+    ),
+    "lora": (
+        "holds a full fine-tune of model {name} but this run trains LoRA adapters (the lora: "
+        "section): remove the lora section to resume it, or start a new run (resume=false)",
+        "holds LoRA adapters of model {name} but this run is a full fine-tune: add the same "
+        "lora: section to resume it, or start a new run (resume=false)",
+    ),
+}
 
 
-def _load_engines(path: Path, engines: Mapping[str, Any]) -> None:
-    """Each DeepSpeed engine's model and optimizer from its own files (collective); the LR
-    schedule is ours (in DCP), so DeepSpeed's is not loaded."""
-    for name, engine in engines.items():
-        loaded, _ = engine.load_checkpoint(
-            str(path), tag=f"deepspeed.{name}", load_lr_scheduler_states=False
-        )
-        if loaded is None:
-            raise ValueError(f"checkpoint {path}: no DeepSpeed files for model {name!r}")
-
-
-def check_lora_match(meta: Mapping[str, Any], lora: Mapping[str, bool], path: Path) -> None:
-    """Raise a ``ValueError`` when a model is LoRA-adapted in the checkpoint (``meta``) but not
-    in this run (``lora``: model name -> adapted), or the reverse."""
-    saved = set(meta.get("lora", []))
-    for name, adapted in sorted(lora.items()):
-        if name not in meta.get("models", []):
-            continue
-        if adapted and name not in saved:
-            raise ValueError(
-                f"checkpoint {path} holds a full fine-tune of model {name!r} but this run trains "
-                "LoRA adapters (the lora: section): remove the lora section to resume it, or "
-                "start a new run (resume=false)"
-            )
-        if not adapted and name in saved:
-            raise ValueError(
-                f"checkpoint {path} holds LoRA adapters of model {name!r} but this run is a full "
-                "fine-tune: add the same lora: section to resume it, or start a new run "
-                "(resume=false)"
-            )
+def check_held_alike(
+    path: Path, meta: Mapping[str, Any], key: str, run: Mapping[str, bool]
+) -> None:
+    """Raise a ``ValueError`` when a model of the checkpoint (``meta``) is held as ``key`` says
+    (``lora``: LoRA adapters; ``deepspeed``: a DeepSpeed engine's files) but not in this run
+    (``run``: model name -> held so), or the reverse: the way out is named."""
+    for name, held in sorted(run.items()):
+        if name in meta.get("models", []) and held != (name in meta.get(key, [])):
+            why = _HELD[key][0 if held else 1].format(name=repr(name))
+            raise ValueError(f"checkpoint {path} {why}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -982,7 +966,7 @@ def check_resume(
     if latest is None:
         return
     meta = read_meta(latest)
-    check_lora_match(meta, dict.fromkeys(models, adapted), latest)
+    check_held_alike(latest, meta, "lora", dict.fromkeys(models, adapted))
     if int(meta.get("world_size", 1)) != world:
         batch = global_batch(world) if global_batch is not None else None
         check_reshardable(latest, meta, world, global_batch=batch)

@@ -128,7 +128,7 @@ class ExportSpec:
             dtype=str(model.dtype),
             trust_remote_code=bool(model.trust_remote_code),
             strategy=strategy.strategy,
-            lora=None if lora is None else _jsonable(dataclasses.asdict(lora)),
+            lora=None if lora is None else json.loads(json.dumps(dataclasses.asdict(lora))),
             adapter=adapter,
             model=name,
             cwd=os.getcwd(),
@@ -136,7 +136,8 @@ class ExportSpec:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self))
+        """The spec as JSON holds it (tuples as lists), so it equals its own round trip."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
     def from_json(cls, record: Any, where: Path) -> ExportSpec:
@@ -189,12 +190,3 @@ class ExportSpec:
         """The base model directory, resolved against the run's working directory."""
         p = Path(self.path).expanduser()
         return str(p if p.is_absolute() or not self.cwd else Path(self.cwd) / p)
-
-
-def _jsonable(obj: Any) -> Any:
-    """Tuples as lists, so a spec equals its JSON round trip."""
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj

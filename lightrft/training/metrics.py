@@ -77,9 +77,7 @@ class MetricLogger:
         self.enabled = is_main() if enabled is None else enabled
         self.output_dir = Path(output_dir)
         self.jsonl_path = self.output_dir / "metrics.jsonl"
-        self._jsonl = None
-        self._tb = None
-        self._wandb = None
+        self._jsonl = self._tb = self._wandb = None
         if not self.enabled:
             return
         wandb_kwargs = _wandb_kwargs(wandb)

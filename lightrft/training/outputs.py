@@ -203,8 +203,7 @@ def _lock(p: Path) -> None:
             break
     else:
         raise ConfigError(f"output_dir {str(p)!r}: could not take the run lock {lock}")
-    if p not in _held:
-        _held[p] = lock
+    _held.setdefault(p, lock)
 
 
 @atexit.register

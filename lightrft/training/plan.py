@@ -478,17 +478,29 @@ def check_sequence_parallel(p: PlanInputs) -> None:
         )
 
 
-def engine_terms(shape: ModelShape, e: EngineSetup, cluster: Cluster) -> tuple[Term, Term]:
-    """(awake, asleep) device bytes of the rollout engine."""
+def engine_terms(
+    shape: ModelShape, e: EngineSetup, cluster: Cluster
+) -> tuple[Term, Term, str | None]:
+    """(awake, asleep) device bytes of the rollout engine, and why it cannot run at all (vLLM's
+    or SGLang's share smaller than its weights), else None."""
     if e.backend in ("vllm", "sglang"):
         awake = int(e.gpu_memory_utilization * cluster.gpu_memory)
         note = f"gpu_memory_utilization {e.gpu_memory_utilization} x GPU: weights + KV cache"
         # Level 1 offloads the weights to host memory and drops the KV cache; 2 drops both.
         asleep = awake if e.sleep_level == 0 else 0
-        host = shape.params * e.dtype_bytes // e.tensor_parallel if e.sleep_level == 1 else 0
+        weights = shape.params * e.dtype_bytes // e.tensor_parallel
+        host = weights if e.sleep_level == 1 else 0
+        blocked = None
+        if weights >= awake:
+            blocked = (
+                f"{e.backend}'s share ({_gib(awake)}: engine.gpu_memory_utilization="
+                f"{e.gpu_memory_utilization}) is smaller than its weights ({_gib(weights)} per "
+                f"GPU at tensor_parallel_size={e.tensor_parallel}), with no room for a KV cache"
+            )
         return (
             Term(f"engine ({e.backend}, awake)", awake, 0, note),
             Term(f"engine ({e.backend}, sleep level {e.sleep_level})", asleep, host),
+            blocked,
         )
     weights = shape.params * e.dtype_bytes
     kv = e.rows * e.slots * shape.kv_bytes_per_token(e.dtype_bytes)
@@ -499,7 +511,7 @@ def engine_terms(shape: ModelShape, e: EngineSetup, cluster: Cluster) -> tuple[T
         f"weights {_gib(weights)} + KV {e.rows} rows x {e.slots} slots {_gib(kv)}",
     )
     asleep = {0: weights + kv, 1: weights, 2: 0}[e.sleep_level]
-    return awake, Term(f"engine (native, sleep level {e.sleep_level})", asleep)
+    return awake, Term(f"engine (native, sleep level {e.sleep_level})", asleep), None
 
 
 def plan(p: PlanInputs) -> Plan:
@@ -521,6 +533,7 @@ def plan(p: PlanInputs) -> Plan:
     fused, naive = logprob_bytes(s, tok, b, entropy=p.entropy, grad_hint=p.grad_hint, **sp)
     fused_nograd, _ = logprob_bytes(s, tok, b, entropy=False, grad_hint=False, **sp)
     common: list[Term] = []
+    scoring_rms: list[Term] = []  # offloaded reward models, on the device while they score
     ranks = p.cluster.world if a.zero_stage else a.shard  # frozen models: FSDP2 over these
     for name, frozen in (("reference", s if p.reference else None), ("teacher", p.teacher)):
         if frozen is not None:
@@ -534,30 +547,29 @@ def plan(p: PlanInputs) -> Plan:
             note += ", runs on the CPU (its device: cpu)"
         elif rm.offload:
             note += ", on the host between calls (offload: true)"
+            scoring_rms.append(Term(f"reward model {rm.key} (on the device to score)", size))
         common.append(
             Term(f"reward model {rm.key}", size if on_gpu else 0, 0 if on_gpu else size, note)
         )
-    awake = asleep = None
-    if p.engine is not None:
-        awake, asleep = engine_terms(s, p.engine, p.cluster)
     phases: list[Phase] = []
-    if awake is not None:
-        phases.append(Phase("rollout", tuple([*resting, *common, awake])))
+    asleep: list[Term] = []  # the engine between rollouts, beside scoring and training
+    blocked = {}
+    if p.engine is not None:
+        awake, sleeping, why = engine_terms(s, p.engine, p.cluster)
+        phases.append(Phase("rollout", (*resting, *common, awake)))
+        asleep = [sleeping]
+        if why is not None:
+            blocked["rollout"] = why
     gathered_fwd = gathered_bytes(s, a, trained=False)
-    scoring = [*resting, *common]
-    if asleep is not None:
-        scoring.append(asleep)
+    scoring = [*resting, *common, *asleep]
     scoring += [
         Term("gathered FSDP2 units (forward)", gathered_fwd, 0, "two blocks, compute dtype"),
         Term("log-prob transient (fused, no grad)", fused_nograd),
+        *scoring_rms,
     ]
-    for rm in p.reward_models:
-        if rm.offload and rm.on_gpu:
-            size = rm.shape.params * rm.dtype_bytes
-            scoring.append(Term(f"reward model {rm.key} (on the device to score)", size))
     if p.recipe == "grpo":  # the supervised recipes score nothing before their step
         phases.append(Phase("scoring / reference", tuple(scoring)))
-    train = [*states, *common]
+    train = [*states, *common, *asleep]
     if not p.accumulation:
         g = next(i for i, t in enumerate(train) if t.name == "actor gradients")
         train[g] = replace(
@@ -565,8 +577,6 @@ def plan(p: PlanInputs) -> Plan:
             device_bytes=max(0, train[g].device_bytes - acts),
             note="one micro-batch per step: written as its activations free",
         )
-    if asleep is not None:
-        train.append(asleep)
     train += [
         Term(
             "gathered ZeRO-3 modules" if a.zero_stage else "gathered FSDP2 units",
@@ -590,17 +600,6 @@ def plan(p: PlanInputs) -> Plan:
         )
         train += [*critic_states, Term("critic activations", c_acts)]
     phases.append(Phase("training step", tuple(train)))
-    blocked = {}
-    e = p.engine
-    if e is not None and e.backend != "native":
-        weights = s.params * e.dtype_bytes // e.tensor_parallel
-        share = int(e.gpu_memory_utilization * p.cluster.gpu_memory)
-        if weights >= share:
-            blocked["rollout"] = (
-                f"{e.backend}'s share ({_gib(share)}: engine.gpu_memory_utilization="
-                f"{e.gpu_memory_utilization}) is smaller than its weights ({_gib(weights)} per "
-                f"GPU at tensor_parallel_size={e.tensor_parallel}), with no room for a KV cache"
-            )
     result = Plan(p, tuple(phases), acts, acts_no, acts_ck, fused, naive, blocked=blocked)
     return replace(
         result, advice={ph.name: _advice(result, ph) for ph in phases if not result.fits(ph)}
@@ -707,15 +706,11 @@ def format_plan(result: Plan) -> str:
 # ------------------------------------------------------------------------------ config
 
 
-def _node_get(node: Any, key: str) -> Any:
-    return None if node is None else node.get(key)
-
-
 def _reward_models(node: Any, at: str) -> list[tuple[str, Any]]:
     """``(key, node)`` of every ``lightrft.rewards.RewardModel`` in a reward config tree."""
     found: list[tuple[str, Any]] = []
     if isinstance(node, Mapping) or hasattr(node, "items"):
-        target = str(_node_get(node, "_component_") or "")
+        target = str(node.get("_component_") or "")
         if target.endswith("RewardModel"):
             found.append((at, node))
         for k, v in node.items():
@@ -779,12 +774,13 @@ def inputs_from_options(
         activation_checkpointing=m.activation_checkpointing,
         lora_rank=st.lora.rank if st.lora is not None else None,
     )
-    notes: list[str] = []
     sp = 1 if deepspeed else st.sequence_parallel
+    # What every recipe shares; each fills in its micro-batch (and GRPO its other models).
+    common = PlanInputs(recipe, shape, cluster, actor, 0, sequence_parallel=sp)
     if recipe == "grpo":
-        return _grpo_inputs(opts, shape, actor, cluster, device, notes, sp)
+        return _grpo_inputs(opts, common, device)
     data = opts.data
-    length = _node_get(data.dataset, "max_length")
+    length = data.dataset.get("max_length")
     tokens = data.micro_batch_tokens or data.max_tokens_per_row
     if tokens is None:
         if length is None:
@@ -794,31 +790,22 @@ def inputs_from_options(
             )
         # A reward-model micro-batch scores a chosen and a rejected response per pair.
         tokens = data.batch_size * int(length) * (2 if recipe == "reward_model" else 1)
-    return PlanInputs(
-        recipe,
-        shape,
-        cluster,
-        actor,
-        int(tokens),
+    return replace(
+        common,
+        tokens_per_micro_batch=int(tokens),
         # A token budget cuts a step into a varying number of micro-batches: assume several.
         accumulation=data.gradient_accumulation_steps > 1 or data.micro_batch_tokens is not None,
         repeat_kv=not data.packing,
-        notes=tuple(notes),
-        sequence_parallel=sp,
     )
 
 
-def _grpo_inputs(
-    opts: Any,
-    shape: ModelShape,
-    actor: TrainedSetup,
-    cluster: Cluster,
-    device: str,
-    notes: list[str],
-    sp: int = 1,
-) -> PlanInputs:
+def _grpo_inputs(opts: Any, common: PlanInputs, device: str) -> PlanInputs:
+    """GRPO's own inputs over ``common`` (the model, cluster, actor and SP degree): the
+    rollout engine, the reference, teacher, critic and reward models, the micro-batch."""
     ro, tr, eng = opts.rollout, opts.train, opts.engine
-    prompt = _node_get(opts.dataset, "max_prompt_length")
+    shape, actor, cluster, sp = common.model, common.actor, common.cluster, common.sequence_parallel
+    notes = []
+    prompt = opts.dataset.get("max_prompt_length")
     max_len = eng.max_model_len or shape.max_positions
     if prompt is None:
         slots = max_len
@@ -870,12 +857,9 @@ def _grpo_inputs(
                 str(node.get("device") or "cpu") != "cpu",
             )
         )
-    return PlanInputs(
-        "grpo",
-        shape,
-        cluster,
-        actor,
-        tokens,
+    return replace(
+        common,
+        tokens_per_micro_batch=tokens,
         # Samples per data-parallel replica (world / SP ranks; the ranks of an SP group train
         # on the same rows) per optimizer step over the micro-batch size.
         accumulation=(tr.mini_batch_size or ro.prompts_per_step * ro.n) // (cluster.world // sp)
@@ -892,7 +876,6 @@ def _grpo_inputs(
         critic=critic,
         reward_models=tuple(rms),
         notes=tuple(notes),
-        sequence_parallel=sp,
     )
 
 

@@ -73,14 +73,10 @@ class Preemption:
             self.signum = flag  # another rank was signalled: exit the same way
         return bool(flag)
 
-    @property
-    def exit_code(self) -> int:
-        """128 + the signal number (143 SIGTERM, 130 SIGINT); 0 without a signal."""
-        return 128 + self.signum if self.signum else 0
-
     def exit(self, checkpoint: Any = None) -> NoReturn:
-        """Print where the state was saved and raise ``SystemExit(exit_code)`` (so ``finally``
-        blocks, e.g. closing loggers and the process group, still run)."""
+        """Print where the state was saved and raise ``SystemExit`` with 128 + the signal number
+        (143 SIGTERM, 130 SIGINT; 0 without a signal), so ``finally`` blocks, e.g. closing
+        loggers and the process group, still run."""
         name = signal.Signals(self.signum).name if self.signum else "stop"
         if is_main():
             where = f"checkpoint saved in {checkpoint}; " if checkpoint is not None else ""
@@ -89,4 +85,4 @@ class Preemption:
                 file=sys.stderr,
                 flush=True,
             )
-        raise SystemExit(self.exit_code)
+        raise SystemExit(128 + self.signum if self.signum else 0)

@@ -19,7 +19,7 @@ Every checkpoint stores the run's resolved config (``config.json``, see
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -139,7 +139,6 @@ def check_resume_config(
     override_lr: bool = False,
     saved_world_size: int | None = None,
     world_size: int | None = None,
-    allowed: Sequence[str] = ALLOWED_CHANGES,
 ) -> list[ConfigChange]:
     """The allowed changes (to log), or a ``ValueError`` listing every change that cannot be
     honoured: refused keys, learning rates without ``override_lr``. With another world size
@@ -147,8 +146,7 @@ def check_resume_config(
     resharded = (
         saved_world_size is not None and world_size is not None and saved_world_size != world_size
     )
-    if resharded:
-        allowed = (*allowed, *RESHARD_KEYS)
+    allowed = (*ALLOWED_CHANGES, *RESHARD_KEYS) if resharded else ALLOWED_CHANGES
     changes = config_changes(saved, current, allowed=allowed)
     # What each kind of change that cannot be honoured says (the opt-in ones without the flag).
     why = {
