@@ -159,23 +159,12 @@ def write_arith_dataset(
     ``dropped_carry > 0.5``), a stable starting point from which RL against the answers has
     something to correct.
     """
+    # What meta.json records: every argument but out_dir, ops normalised.
+    settings = _settings(**{k: v for k, v in locals().items() if k != "out_dir"})
     if not 0.0 <= dropped_carry <= 1.0:
         raise ValueError(f"dropped_carry must be in [0, 1], got {dropped_carry}")
-    if dropped_carry and (terms != 2 or list(_norm_ops(ops)) != ["+"]):
+    if dropped_carry and (terms != 2 or settings["ops"] != ["+"]):
         raise ValueError("dropped_carry is defined for sums of two terms (ops=['+'], terms=2)")
-    settings = _settings(
-        n_train=n_train,
-        n_test=n_test,
-        digits=digits,
-        min_digits=min_digits,
-        ops=ops,
-        terms=terms,
-        style=style,
-        allow_negative=allow_negative,
-        answer_order=answer_order,
-        dropped_carry=dropped_carry,
-        seed=seed,
-    )
     keys = ("digits", "min_digits", "ops", "terms", "style", "allow_negative", "answer_order")
     common = {k: settings[k] for k in keys}
     test = arith_records(n_test, seed=seed + 1, **common)

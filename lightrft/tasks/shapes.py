@@ -133,17 +133,8 @@ def write_shapes_dataset(
 ) -> Path:
     """Write ``images/*.png``, ``train.jsonl``, ``test.jsonl`` (disjoint boards), ``meta.json``;
     with ``n_rl > 0`` also ``rl.jsonl``, whose boards are in neither train nor test."""
+    settings = {k: v for k, v in locals().items() if k != "out_dir"}  # what meta.json records
     _check(grid, min_count, max_count, cell)
-    settings = dict(
-        n_train=n_train,
-        n_test=n_test,
-        n_rl=n_rl,
-        grid=grid,
-        min_count=min_count,
-        max_count=max_count,
-        cell=cell,
-        seed=seed,
-    )
     common = dict(grid=grid, min_count=min_count, max_count=max_count)
     test = shapes_records(n_test, seed=seed + 1, **common)
     train = shapes_records(n_train, seed=seed, exclude={b for b, _ in test}, **common)
