@@ -559,14 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "qwen2_audio"],
         help="a text causal LM, or a vision- or audio-language model written with its processor",
     )
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--hidden", type=int, default=64)
-    t.add_argument("--heads", type=int, default=4)
-    t.add_argument("--kv-heads", type=int, default=2)
-    t.add_argument("--intermediate", type=int, default=None)
-    t.add_argument("--max-positions", type=int, default=1024)
+    # make_tiny_model's sizes and defaults (spelled out: `--help` does not import torch)
+    sizes = {"layers": 2, "hidden": 64, "heads": 4, "kv-heads": 2, "intermediate": None}
+    for name, default in {**sizes, "max-positions": 1024, "seed": 0}.items():
+        t.add_argument(f"--{name}", type=int, default=default)
     t.add_argument("--tie-embeddings", action="store_true")
-    t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--chat-template",
         default="chatml",
