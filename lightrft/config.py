@@ -749,20 +749,18 @@ class Section:
         out: dict[str, Any] = {}
         for f, t in cls._fields():
             section = _section_type(t)
-            if section is not None:
+            if section is None:
+                required = f.default is _MISSING and f.default_factory is _MISSING
+                keys = {f.name: t if required or _optional(t) else t | None}
+            elif f.metadata.get("flat"):
+                keys = section.schema()
+            else:
                 sub = section.schema()
-                if f.metadata.get("flat"):
-                    dup = set(sub) & set(out)
-                    if dup:
-                        raise TypeError(f"{cls.__name__}: keys {sorted(dup)} declared twice")
-                    out.update(sub)
-                else:
-                    out[f.name] = _OptionalSection(sub) if _optional(t) else sub
-                continue
-            required = f.default is _MISSING and f.default_factory is _MISSING
-            if f.name in out:
-                raise TypeError(f"{cls.__name__}: key {f.name!r} declared twice")
-            out[f.name] = t if required or _optional(t) else t | None
+                keys = {f.name: _OptionalSection(sub) if _optional(t) else sub}
+            dup = set(keys) & set(out)
+            if dup:
+                raise TypeError(f"{cls.__name__}: keys {sorted(dup)} declared twice")
+            out.update(keys)
         return out
 
     @classmethod
@@ -773,17 +771,15 @@ class Section:
         values: dict[str, Any] = {}
         for f, t in cls._fields():
             section = _section_type(t)
+            value = None if node is None else node.get(f.name)
             if section is not None:
                 if f.metadata.get("flat"):
                     values[f.name] = section.read(node, at)
-                    continue
-                sub = None if node is None else node.get(f.name)
-                if sub is None and _optional(t):
+                elif value is not None or not _optional(t):
+                    values[f.name] = section.read(value, f"{at}{f.name}.")
+                else:
                     values[f.name] = None
-                    continue
-                values[f.name] = section.read(sub, f"{at}{f.name}.")
                 continue
-            value = None if node is None else node.get(f.name)
             if value is None:
                 if f.default is not _MISSING:
                     value = f.default
