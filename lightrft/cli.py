@@ -38,8 +38,6 @@ from pathlib import Path
 # own OMP_WAIT_POLICY (ACTIVE on a dedicated box) wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # lightrft.tasks.tiny.CHAT_TEMPLATES' names, spelled out so `--help` does not import torch.
 CHAT_TEMPLATE_NAMES = ("chatml", "tools", "compact_tools")
 
@@ -118,22 +116,23 @@ class UsageError(Exception):
 _LAUNCH = re.compile(r"^#\s*(?:lightrft|tune)\s+run\s+(?:--\S+\s+\S+\s+)*(\S+)")
 
 
-def _package_dir(module: str, fallback: Path) -> Path:
-    """Where a data package lives: its import location, else the source checkout."""
+def _package_dir(name: str) -> Path:
+    """Where the data package ``lightrft.<name>`` lives: its import location, else the source
+    checkout's top-level folder."""
     import importlib.util
 
-    spec = importlib.util.find_spec(module)
+    spec = importlib.util.find_spec(f"lightrft.{name}")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
-    return fallback
+    return Path(__file__).resolve().parent.parent / name
 
 
 def recipes_dir() -> Path:
-    return _package_dir("lightrft.recipes", RECIPES_DIR)
+    return _package_dir("recipes")
 
 
 def configs_dir() -> Path:
-    return _package_dir("lightrft.configs", CONFIGS_DIR)
+    return _package_dir("configs")
 
 
 def list_recipes() -> dict[str, Path]:
