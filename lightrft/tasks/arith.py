@@ -240,11 +240,13 @@ def near_miss_text(answer: str, rng: random.Random, *, reversed_order: bool = Fa
             return str(wrong).zfill(width)[::-1]
 
 
-def _source_stamp(src: Path) -> list[int]:
+def _source(src: Path) -> dict[str, Any]:
+    """What derived data records of its arithmetic source: its path and its files' times."""
     for split in ("train", "test"):
         if not (src / f"{split}.jsonl").is_file():
             raise ValueError(f"no {split}.jsonl in {src}: write the arithmetic data set first")
-    return [(src / f"{s}.jsonl").stat().st_mtime_ns for s in ("train", "test")]
+    stamp = [(src / f"{s}.jsonl").stat().st_mtime_ns for s in ("train", "test")]
+    return {"source": str(src.resolve()), "source_mtime_ns": stamp}
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -269,8 +271,7 @@ def ensure_arith_judgments(
     with ``GenerativeReward(mode="choice", template=template)``."""
     src = Path(source_dir)
     want = {
-        "source": str(src.resolve()),
-        "source_mtime_ns": _source_stamp(src),
+        **_source(src),
         "template": template,
         "seed": seed,
         "kind": "judgments",
@@ -310,12 +311,7 @@ def ensure_arith_preferences(
     at_least("per_problem", per_problem, 1)
     if rejected not in ("near_miss", "dropped_carry"):
         raise ValueError(f"rejected must be 'near_miss' or 'dropped_carry', got {rejected!r}")
-    want = {
-        "source": str(src.resolve()),
-        "source_mtime_ns": _source_stamp(src),
-        "per_problem": per_problem,
-        "seed": seed,
-    }
+    want = {**_source(src), "per_problem": per_problem, "seed": seed}
     if rejected != "near_miss":  # the key only when set: earlier pairs stay valid
         want["rejected"] = rejected
     rev = _reversed_answers(src)
