@@ -172,16 +172,14 @@ def _yaml_lines(root: yaml.Node | None) -> dict[str, int]:
     lines: dict[str, int] = {}
 
     def walk(node, prefix: str) -> None:
+        children = []  # (key, the node whose line the key points at, its value)
         if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = f"{prefix}{k.value}"
-                lines[key] = k.start_mark.line + 1
-                walk(v, key + ".")
+            children = [(k.value, k, v) for k, v in node.value]
         elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                key = f"{prefix}{i}"
-                lines[key] = v.start_mark.line + 1
-                walk(v, key + ".")
+            children = [(str(i), v, v) for i, v in enumerate(node.value)]
+        for name, at, value in children:
+            lines[prefix + name] = at.start_mark.line + 1
+            walk(value, f"{prefix}{name}.")
 
     walk(root, "")
     return lines
