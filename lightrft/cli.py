@@ -286,17 +286,17 @@ def launch_world_size(nproc: str, nnodes: str):
             os.environ["WORLD_SIZE"] = old
 
 
-# torchrun flags that take a value, each in both spellings (--nproc_per_node, --nproc-per-node);
-# flags given as --flag=value need no table entry.
-_TORCHRUN_VALUE_FLAGS = {
-    f"--{spelling}"
-    for name in (
-        "nproc_per_node nnodes node_rank rdzv_endpoint rdzv_backend rdzv_id rdzv_conf "
-        "master_addr master_port max_restarts monitor_interval start_method log_dir redirects "
-        "tee local_addr role local_ranks_filter"
-    ).split()
-    for spelling in (name, name.replace("_", "-"))
-}
+def _spellings(names: str) -> set[str]:
+    """Each torchrun flag in ``names`` in both spellings (--nproc_per_node, --nproc-per-node)."""
+    return {f"--{s}" for name in names.split() for s in (name, name.replace("_", "-"))}
+
+
+# torchrun flags that take a value; flags given as --flag=value need no table entry.
+_TORCHRUN_VALUE_FLAGS = _spellings(
+    "nproc_per_node nnodes node_rank rdzv_endpoint rdzv_backend rdzv_id rdzv_conf master_addr "
+    "master_port max_restarts monitor_interval start_method log_dir redirects tee local_addr "
+    "role local_ranks_filter"
+)
 
 
 def _flag_value(args: list[str], *names: str) -> str | None:
@@ -310,11 +310,7 @@ def _flag_value(args: list[str], *names: str) -> str | None:
 
 
 # The torchrun flags that choose how a worker starts: given any, `lightrft run` leaves it to them.
-_WORKER_START_FLAGS = {
-    f"--{spelling}"
-    for name in ("start_method", "run_path", "no_python", "module")
-    for spelling in (name, name.replace("_", "-"))
-} | {"-m"}
+_WORKER_START_FLAGS = _spellings("start_method run_path no_python module") | {"-m"}
 
 
 def _worker_start(torchrun_args: list[str], cfg) -> list[str]:
