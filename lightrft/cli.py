@@ -38,8 +38,6 @@ from pathlib import Path
 # own OMP_WAIT_POLICY (ACTIVE on a dedicated box) wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # lightrft.tasks.tiny.CHAT_TEMPLATES' names, spelled out so `--help` does not import torch.
 CHAT_TEMPLATE_NAMES = ("chatml", "tools", "compact_tools")
 
@@ -118,22 +116,23 @@ class UsageError(Exception):
 _LAUNCH = re.compile(r"^#\s*(?:lightrft|tune)\s+run\s+(?:--\S+\s+\S+\s+)*(\S+)")
 
 
-def _package_dir(module: str, fallback: Path) -> Path:
-    """Where a data package lives: its import location, else the source checkout."""
+def _package_dir(name: str) -> Path:
+    """Where the data package ``lightrft.<name>`` lives: its import location, else the source
+    checkout's top-level folder."""
     import importlib.util
 
-    spec = importlib.util.find_spec(module)
+    spec = importlib.util.find_spec(f"lightrft.{name}")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
-    return fallback
+    return Path(__file__).resolve().parent.parent / name
 
 
 def recipes_dir() -> Path:
-    return _package_dir("lightrft.recipes", RECIPES_DIR)
+    return _package_dir("recipes")
 
 
 def configs_dir() -> Path:
-    return _package_dir("lightrft.configs", CONFIGS_DIR)
+    return _package_dir("configs")
 
 
 def list_recipes() -> dict[str, Path]:
@@ -287,17 +286,17 @@ def launch_world_size(nproc: str, nnodes: str):
             os.environ["WORLD_SIZE"] = old
 
 
-# torchrun flags that take a value, each in both spellings (--nproc_per_node, --nproc-per-node);
-# flags given as --flag=value need no table entry.
-_TORCHRUN_VALUE_FLAGS = {
-    f"--{spelling}"
-    for name in (
-        "nproc_per_node nnodes node_rank rdzv_endpoint rdzv_backend rdzv_id rdzv_conf "
-        "master_addr master_port max_restarts monitor_interval start_method log_dir redirects "
-        "tee local_addr role local_ranks_filter"
-    ).split()
-    for spelling in (name, name.replace("_", "-"))
-}
+def _spellings(names: str) -> set[str]:
+    """Each torchrun flag in ``names`` in both spellings (--nproc_per_node, --nproc-per-node)."""
+    return {f"--{s}" for name in names.split() for s in (name, name.replace("_", "-"))}
+
+
+# torchrun flags that take a value; flags given as --flag=value need no table entry.
+_TORCHRUN_VALUE_FLAGS = _spellings(
+    "nproc_per_node nnodes node_rank rdzv_endpoint rdzv_backend rdzv_id rdzv_conf master_addr "
+    "master_port max_restarts monitor_interval start_method log_dir redirects tee local_addr "
+    "role local_ranks_filter"
+)
 
 
 def _flag_value(args: list[str], *names: str) -> str | None:
@@ -311,11 +310,7 @@ def _flag_value(args: list[str], *names: str) -> str | None:
 
 
 # The torchrun flags that choose how a worker starts: given any, `lightrft run` leaves it to them.
-_WORKER_START_FLAGS = {
-    f"--{spelling}"
-    for name in ("start_method", "run_path", "no_python", "module")
-    for spelling in (name, name.replace("_", "-"))
-} | {"-m"}
+_WORKER_START_FLAGS = _spellings("start_method run_path no_python module") | {"-m"}
 
 
 def _worker_start(torchrun_args: list[str], cfg) -> list[str]:
@@ -559,14 +554,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "qwen2_audio"],
         help="a text causal LM, or a vision- or audio-language model written with its processor",
     )
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--hidden", type=int, default=64)
-    t.add_argument("--heads", type=int, default=4)
-    t.add_argument("--kv-heads", type=int, default=2)
-    t.add_argument("--intermediate", type=int, default=None)
-    t.add_argument("--max-positions", type=int, default=1024)
+    # make_tiny_model's sizes and defaults (spelled out: `--help` does not import torch)
+    sizes = {"layers": 2, "hidden": 64, "heads": 4, "kv-heads": 2, "intermediate": None}
+    for name, default in {**sizes, "max-positions": 1024, "seed": 0}.items():
+        t.add_argument(f"--{name}", type=int, default=default)
     t.add_argument("--tie-embeddings", action="store_true")
-    t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--chat-template",
         default="chatml",

@@ -172,16 +172,14 @@ def _yaml_lines(root: yaml.Node | None) -> dict[str, int]:
     lines: dict[str, int] = {}
 
     def walk(node, prefix: str) -> None:
+        children = []  # (key, the node whose line the key points at, its value)
         if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = f"{prefix}{k.value}"
-                lines[key] = k.start_mark.line + 1
-                walk(v, key + ".")
+            children = [(k.value, k, v) for k, v in node.value]
         elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                key = f"{prefix}{i}"
-                lines[key] = v.start_mark.line + 1
-                walk(v, key + ".")
+            children = [(str(i), v, v) for i, v in enumerate(node.value)]
+        for name, at, value in children:
+            lines[prefix + name] = at.start_mark.line + 1
+            walk(value, f"{prefix}{name}.")
 
     walk(root, "")
     return lines
@@ -749,20 +747,18 @@ class Section:
         out: dict[str, Any] = {}
         for f, t in cls._fields():
             section = _section_type(t)
-            if section is not None:
+            if section is None:
+                required = f.default is _MISSING and f.default_factory is _MISSING
+                keys = {f.name: t if required or _optional(t) else t | None}
+            elif f.metadata.get("flat"):
+                keys = section.schema()
+            else:
                 sub = section.schema()
-                if f.metadata.get("flat"):
-                    dup = set(sub) & set(out)
-                    if dup:
-                        raise TypeError(f"{cls.__name__}: keys {sorted(dup)} declared twice")
-                    out.update(sub)
-                else:
-                    out[f.name] = _OptionalSection(sub) if _optional(t) else sub
-                continue
-            required = f.default is _MISSING and f.default_factory is _MISSING
-            if f.name in out:
-                raise TypeError(f"{cls.__name__}: key {f.name!r} declared twice")
-            out[f.name] = t if required or _optional(t) else t | None
+                keys = {f.name: _OptionalSection(sub) if _optional(t) else sub}
+            dup = set(keys) & set(out)
+            if dup:
+                raise TypeError(f"{cls.__name__}: keys {sorted(dup)} declared twice")
+            out.update(keys)
         return out
 
     @classmethod
@@ -773,17 +769,15 @@ class Section:
         values: dict[str, Any] = {}
         for f, t in cls._fields():
             section = _section_type(t)
+            value = None if node is None else node.get(f.name)
             if section is not None:
                 if f.metadata.get("flat"):
                     values[f.name] = section.read(node, at)
-                    continue
-                sub = None if node is None else node.get(f.name)
-                if sub is None and _optional(t):
+                elif value is not None or not _optional(t):
+                    values[f.name] = section.read(value, f"{at}{f.name}.")
+                else:
                     values[f.name] = None
-                    continue
-                values[f.name] = section.read(sub, f"{at}{f.name}.")
                 continue
-            value = None if node is None else node.get(f.name)
             if value is None:
                 if f.default is not _MISSING:
                     value = f.default

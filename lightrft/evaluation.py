@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from statistics import fmean
 from typing import Any
 
 from lightrft.data.prompts import conversation
@@ -205,13 +206,13 @@ def summarize(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, flo
         raise ValueError(f"k={bad[0]} is not in [1, {n}] (samples per prompt)")
     out: dict[str, float] = {"prompts": float(len(records)), "samples_per_prompt": float(n)}
     for k in ks:
-        out[f"pass@{k}"] = _mean(pass_at_k(n, sum(r.correct[:n]), k) for r in records)
-        out[f"maj@{k}"] = _mean(maj_at_k(r.answers, r.correct, k) for r in records)
-        out[f"mean@{k}"] = _mean(mean_at_k([float(c) for c in r.correct], k) for r in records)
-    out["reward"] = _mean(math.fsum(r.rewards) / len(r.rewards) for r in records)
+        out[f"pass@{k}"] = fmean(pass_at_k(n, sum(r.correct[:n]), k) for r in records)
+        out[f"maj@{k}"] = fmean(maj_at_k(r.answers, r.correct, k) for r in records)
+        out[f"mean@{k}"] = fmean(mean_at_k([float(c) for c in r.correct], k) for r in records)
+    out["reward"] = fmean(fmean(r.rewards) for r in records)
     for name in records[0].parts:
-        out[f"reward/{name}"] = _mean(math.fsum(r.parts[name]) / n for r in records)
-    out["response_length"] = _mean(sum(r.lengths) / len(r.lengths) for r in records)
+        out[f"reward/{name}"] = fmean(math.fsum(r.parts[name]) / n for r in records)
+    out["response_length"] = fmean(sum(r.lengths) / len(r.lengths) for r in records)
     if records[0].episodes is not None:
         played = [e for r in records for e in r.episodes[:n]]
         response = sum(sum(r.lengths[:n]) for r in records)
@@ -219,11 +220,6 @@ def summarize(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, flo
         observed = sum(len(t.observation_ids) for e in played for t in e.turns)
         out.update(episode_metrics(played, response, response - observed))
     return out
-
-
-def _mean(values) -> float:
-    vals = list(values)
-    return math.fsum(vals) / len(vals)
 
 
 class EvalHistory:

@@ -87,14 +87,7 @@ class Episode:
                 for t in self.turns
             ],
             "final_text": self.final_text,
-            "stats": {
-                "turns": s.turns,
-                "tool_calls": s.tool_calls,
-                "errors": {str(k): v for k, v in s.errors.items()},
-                "tool_seconds": s.tool_seconds,
-                "reward": s.reward,
-                "truncated": s.truncated,
-            },
+            "stats": {**dataclasses.asdict(s), "errors": {str(k): v for k, v in s.errors.items()}},
         }
 
 

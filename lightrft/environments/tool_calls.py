@@ -171,14 +171,11 @@ def tool_call_format(tokenizer: Any) -> str:
         )
     except Exception as e:  # a template may raise on a role it does not know
         raise ValueError(f"{where} cannot render a tool conversation: {e}") from None
-    missing = [
-        what
-        for what, ok in (
-            ("does not render the tools it is given", "probe_tool_name_7f3a" in text),
-            ("does not render tool messages", "probe_result_9c1e" in text),
-        )
-        if not ok
-    ]
+    missing = []
+    if "probe_tool_name_7f3a" not in text:
+        missing.append("does not render the tools it is given")
+    if "probe_result_9c1e" not in text:
+        missing.append("does not render tool messages")
     if missing:
         raise ValueError(f"{where} has no tool support: it {' and '.join(missing)}")
     if OPEN in text or OPEN in template:

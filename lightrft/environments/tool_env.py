@@ -86,7 +86,5 @@ class ToolEnvironment(Environment):
             self.stats.tool_seconds.append(result.seconds)
             return result
 
-        if len(calls) == 1:
-            return [one(calls[0])]
         with ThreadPoolExecutor(len(calls), thread_name_prefix="tool-call") as pool:
             return list(pool.map(one, calls))

@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from lightrft.data.io import DataError, load_records, write_jsonl
+from lightrft.data.io import DataError, load_records, require_field, write_jsonl
 
 
 def aqa_prompt(question: str, choices: Sequence[str]) -> str:
@@ -30,15 +29,6 @@ def aqa_prompt(question: str, choices: Sequence[str]) -> str:
         f"<audio>{question.strip()} Options: {options}. "
         "Reply with the chosen option inside <answer></answer>."
     )
-
-
-def _field(rec: dict[str, Any], key: str, where: str, kind: type | tuple[type, ...]) -> Any:
-    if key not in rec or rec[key] is None:
-        raise DataError(f"{where}: missing field {key!r} (the record has: {', '.join(rec)})")
-    value = rec[key]
-    if not isinstance(value, kind):
-        raise DataError(f"{where}: field {key!r} must be {kind}, got {type(value).__name__}")
-    return value
 
 
 def prepare_aqa(
@@ -62,11 +52,11 @@ def prepare_aqa(
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(len(records)):
-        rec, where = dict(records[i]), records.where(i)
-        question = _field(rec, question_field, where, str)
-        choices = _field(rec, choices_field, where, (list, tuple))
-        answer = _field(rec, answer_field, where, str)
-        audio = _field(rec, audio_field, where, str)
+        where = records.where(i)
+        question = require_field(records, i, question_field, str)
+        choices = require_field(records, i, choices_field, (list, tuple))
+        answer = require_field(records, i, answer_field, str)
+        audio = require_field(records, i, audio_field, str)
         if len(choices) < 2:
             raise DataError(f"{where}: field {choices_field!r} needs at least two options")
         if answer not in [str(c) for c in choices]:

@@ -159,23 +159,12 @@ def write_arith_dataset(
     ``dropped_carry > 0.5``), a stable starting point from which RL against the answers has
     something to correct.
     """
+    # What meta.json records: every argument but out_dir, ops normalised.
+    settings = _settings(**{k: v for k, v in locals().items() if k != "out_dir"})
     if not 0.0 <= dropped_carry <= 1.0:
         raise ValueError(f"dropped_carry must be in [0, 1], got {dropped_carry}")
-    if dropped_carry and (terms != 2 or list(_norm_ops(ops)) != ["+"]):
+    if dropped_carry and (terms != 2 or settings["ops"] != ["+"]):
         raise ValueError("dropped_carry is defined for sums of two terms (ops=['+'], terms=2)")
-    settings = _settings(
-        n_train=n_train,
-        n_test=n_test,
-        digits=digits,
-        min_digits=min_digits,
-        ops=ops,
-        terms=terms,
-        style=style,
-        allow_negative=allow_negative,
-        answer_order=answer_order,
-        dropped_carry=dropped_carry,
-        seed=seed,
-    )
     keys = ("digits", "min_digits", "ops", "terms", "style", "allow_negative", "answer_order")
     common = {k: settings[k] for k in keys}
     test = arith_records(n_test, seed=seed + 1, **common)
@@ -193,18 +182,24 @@ def write_arith_dataset(
 def _drop_carries(
     records: list[dict[str, Any]], share: float, top: int, order: str, rng: random.Random
 ) -> list[dict[str, Any]]:
-    """``records`` with ``share`` of those whose sum is at least ``top`` (a carry into a new
-    leading digit) given the completion ``sum - top``, spelled as the answers are."""
+    """``records`` with ``share`` of those whose sum carries into ``top`` given the sloppy
+    teacher's completion (:func:`_dropped_carry`)."""
     out = []
     for rec in records:
-        answer = rec["answer"]
-        value = int(answer[::-1]) if order == "reversed" else int(answer)
-        if value >= top and rng.random() < share:
-            wrong = value - top
-            spelled = str(wrong).zfill(len(answer))[::-1] if order == "reversed" else str(wrong)
-            rec = {**rec, "completion": spelled}
+        sloppy = _dropped_carry(rec["answer"], top, order == "reversed")
+        if sloppy is not None and rng.random() < share:
+            rec = {**rec, "completion": sloppy}
         out.append(rec)
     return out
+
+
+def _dropped_carry(answer: str, top: int, reversed_order: bool) -> str | None:
+    """The answer ``sum - top`` to a sum of at least ``top`` (a carry into a new leading digit
+    dropped), spelled as ``answer`` is; None for a smaller sum."""
+    value = int(answer[::-1]) if reversed_order else int(answer)
+    if value < top:
+        return None
+    return str(value - top).zfill(len(answer))[::-1] if reversed_order else str(value - top)
 
 
 def ensure_arith_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
@@ -233,12 +228,6 @@ def near_miss(answer: int, rng: random.Random) -> int:
             return wrong
 
 
-def _reversed_answers(src: Path) -> bool:
-    """Whether the data set in ``src`` spells answers least-significant digit first."""
-    meta = src / META
-    return meta.is_file() and json.loads(meta.read_text()).get("answer_order") == "reversed"
-
-
 def near_miss_text(answer: str, rng: random.Random, *, reversed_order: bool = False) -> str:
     """:func:`near_miss` of an answer as the data set spells it: for reversed-order answers
     (``"641"`` is 146) the wrong value is spelled the same way, zero-padded to the same width."""
@@ -251,11 +240,15 @@ def near_miss_text(answer: str, rng: random.Random, *, reversed_order: bool = Fa
             return str(wrong).zfill(width)[::-1]
 
 
-def _source_stamp(src: Path) -> list[int]:
+def _source(src: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What derived data records of its arithmetic source (its path and its files' times), and
+    the source's settings (its meta.json; none for data written without one)."""
     for split in ("train", "test"):
         if not (src / f"{split}.jsonl").is_file():
             raise ValueError(f"no {split}.jsonl in {src}: write the arithmetic data set first")
-    return [(src / f"{s}.jsonl").stat().st_mtime_ns for s in ("train", "test")]
+    stamp = [(src / f"{s}.jsonl").stat().st_mtime_ns for s in ("train", "test")]
+    meta = json.loads((src / META).read_text()) if (src / META).is_file() else {}
+    return {"source": str(src.resolve()), "source_mtime_ns": stamp}, meta
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -279,14 +272,9 @@ def ensure_arith_judgments(
     is the verdict, ``A`` or ``B``. Train with the SFT recipe (configs/tiny/judge_sft.yaml); use
     with ``GenerativeReward(mode="choice", template=template)``."""
     src = Path(source_dir)
-    want = {
-        "source": str(src.resolve()),
-        "source_mtime_ns": _source_stamp(src),
-        "template": template,
-        "seed": seed,
-        "kind": "judgments",
-    }
-    rev = _reversed_answers(src)
+    source, meta = _source(src)
+    want = {**source, "template": template, "seed": seed, "kind": "judgments"}
+    rev = meta.get("answer_order") == "reversed"
 
     def rows(rec: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
         answer = rec["answer"]
@@ -321,23 +309,16 @@ def ensure_arith_preferences(
     at_least("per_problem", per_problem, 1)
     if rejected not in ("near_miss", "dropped_carry"):
         raise ValueError(f"rejected must be 'near_miss' or 'dropped_carry', got {rejected!r}")
-    want = {
-        "source": str(src.resolve()),
-        "source_mtime_ns": _source_stamp(src),
-        "per_problem": per_problem,
-        "seed": seed,
-    }
+    source, meta = _source(src)
+    want = {**source, "per_problem": per_problem, "seed": seed}
     if rejected != "near_miss":  # the key only when set: earlier pairs stay valid
         want["rejected"] = rejected
-    rev = _reversed_answers(src)
-    meta = json.loads((src / META).read_text()) if (src / META).is_file() else {}
+    rev = meta.get("answer_order") == "reversed"
     top = 10 ** int(meta.get("digits", 2))
 
     def wrong(answer: str, rng: random.Random) -> str:
-        value = int(answer[::-1]) if rev else int(answer)
-        if rejected == "dropped_carry" and value >= top:
-            return str(value - top).zfill(len(answer))[::-1] if rev else str(value - top)
-        return near_miss_text(answer, rng, reversed_order=rev)
+        sloppy = _dropped_carry(answer, top, rev) if rejected == "dropped_carry" else None
+        return sloppy if sloppy is not None else near_miss_text(answer, rng, reversed_order=rev)
 
     def rows(rec: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
         return [

@@ -147,18 +147,10 @@ def write_calc_dataset(
     (see the module docstring). Of the ``n_sft`` transcripts, ``round(tool_share * n_sft)`` call
     the calculator, and ``round(recover_share * that)`` of those recover from a failed call
     (the failure kinds in turn)."""
+    settings = {k: v for k, v in locals().items() if k != "out_dir"}  # what meta.json records
     for key, share in (("tool_share", tool_share), ("recover_share", recover_share)):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"{key} must be in [0, 1], got {share}")
-    settings = {
-        "n_sft": n_sft,
-        "n_train": n_train,
-        "n_test": n_test,
-        "digits": digits,
-        "tool_share": tool_share,
-        "recover_share": recover_share,
-        "seed": seed,
-    }
     shape = {"digits": digits}
     test = calc_problems(n_test, seed=seed + 1, **shape)
     seen = {p for p, _, _ in test}

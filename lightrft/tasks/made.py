@@ -15,30 +15,23 @@ from lightrft.data.io import load_records, made_with, write_jsonl
 META = "meta.json"
 
 
-def with_defaults(who: str, defaults: Mapping[str, Any], settings: Mapping[str, Any]) -> dict:
-    """``defaults`` updated by ``settings``; a ``ValueError`` (after ``who``) on an unknown key."""
-    unknown = sorted(set(settings) - set(defaults))
-    if unknown:
-        raise ValueError(f"{who}unknown argument {unknown[0]!r}; valid: {sorted(defaults)}")
-    return {**defaults, **settings}
-
-
 def ensure_made(
     write: Callable[..., Path],
     out_dir: str | os.PathLike,
     files: Iterable[str],
     settings: Mapping[str, Any],
-    defaults: Mapping[str, Any] | None = None,
     normalise: Callable[..., dict] = dict,
 ) -> Path:
     """``write(out_dir, **want)`` unless ``out_dir`` already holds ``files`` made with ``want``:
-    ``settings`` over ``defaults`` (default: ``write``'s keyword-only defaults), through
-    ``normalise``. An unknown key is a ``ValueError`` naming ``ensure_<what write writes>``."""
-    if defaults is None:
-        params = inspect.signature(write).parameters.values()
-        defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
-    who = "ensure_" + write.__name__.removeprefix("write_") + ": "
-    want = normalise(**with_defaults(who, defaults, settings))
+    ``settings`` over ``write``'s keyword-only defaults, through ``normalise``. An unknown key is
+    a ``ValueError`` naming ``ensure_<what write writes>``."""
+    params = inspect.signature(write).parameters.values()
+    defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(settings) - set(defaults))
+    if unknown:
+        who = "ensure_" + write.__name__.removeprefix("write_")
+        raise ValueError(f"{who}: unknown argument {unknown[0]!r}; valid: {sorted(defaults)}")
+    want = normalise(**{**defaults, **settings})
     out = Path(out_dir)
     if made_with(out, tuple(files), want):
         return out

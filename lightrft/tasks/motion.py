@@ -99,6 +99,7 @@ def write_motion_dataset(
     ``n_colours``: the squares take the first ``n_colours`` colours of the palette (1 to 5).
     ``start_grid``: 0 draws a start from every place where each direction stays in the frame;
     ``g > 0`` only from ``start_offset + g * i`` on each axis."""
+    settings = {k: v for k, v in locals().items() if k != "out_dir"}  # what meta.json records
     travel = step * (frames - 1)
     if side < 2 or size < side + 2 * travel + 1:
         raise ValueError(
@@ -122,21 +123,6 @@ def write_motion_dataset(
             f"square moving {travel} pixels each way inside {size} pixels"
         )
     colours = _COLOURS[:n_colours]
-    settings = dict(
-        n_train=n_train,
-        n_test=n_test,
-        n_rl=n_rl,
-        frames=frames,
-        size=size,
-        side=side,
-        step=step,
-        fps=fps,
-        n_colours=n_colours,
-        start_grid=start_grid,
-        start_offset=start_offset,
-        background=background,
-        seed=seed,
-    )
     out = Path(out_dir)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     names = sorted(DIRECTIONS)

@@ -133,17 +133,8 @@ def write_shapes_dataset(
 ) -> Path:
     """Write ``images/*.png``, ``train.jsonl``, ``test.jsonl`` (disjoint boards), ``meta.json``;
     with ``n_rl > 0`` also ``rl.jsonl``, whose boards are in neither train nor test."""
+    settings = {k: v for k, v in locals().items() if k != "out_dir"}  # what meta.json records
     _check(grid, min_count, max_count, cell)
-    settings = dict(
-        n_train=n_train,
-        n_test=n_test,
-        n_rl=n_rl,
-        grid=grid,
-        min_count=min_count,
-        max_count=max_count,
-        cell=cell,
-        seed=seed,
-    )
     common = dict(grid=grid, min_count=min_count, max_count=max_count)
     test = shapes_records(n_test, seed=seed + 1, **common)
     train = shapes_records(n_train, seed=seed, exclude={b for b, _ in test}, **common)
@@ -169,9 +160,9 @@ def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     return ensure_made(write_shapes_dataset, out_dir, ("train.jsonl", "test.jsonl"), settings)
 
 
-def _source_counts(src: Path, per_board: int, why_two: str) -> tuple[Path, list[str]]:
-    """The counting data set's meta file and its counts (as answers), for the data derived from
-    it; ``why_two``: what a single count would leave nothing for."""
+def _source_counts(src: Path, per_board: int, why_two: str) -> tuple[dict[str, Any], list[str]]:
+    """What derived data records of its counting source (its path and meta file's time), and
+    the source's counts (as answers); ``why_two``: what a single count would leave nothing for."""
     at_least("per_board", per_board, 1)
     meta = src / META
     if not meta.is_file():
@@ -180,7 +171,7 @@ def _source_counts(src: Path, per_board: int, why_two: str) -> tuple[Path, list[
     counts = [str(c) for c in range(made["min_count"], made["max_count"] + 1)]
     if len(counts) < 2:
         raise ValueError(f"{src} has one count only ({counts[0]}): {why_two}")
-    return meta, counts
+    return {"source": str(src.resolve()), "source_mtime_ns": meta.stat().st_mtime_ns}, counts
 
 
 def ensure_shapes_preferences(
@@ -199,13 +190,8 @@ def ensure_shapes_preferences(
     written from the same source and settings.
     """
     src, out = Path(source_dir), Path(out_dir)
-    meta, counts = _source_counts(src, per_board, "nothing to prefer it over")
-    want = {
-        "source": str(src.resolve()),
-        "source_mtime_ns": meta.stat().st_mtime_ns,
-        "per_board": per_board,
-        "seed": seed,
-    }
+    source, counts = _source_counts(src, per_board, "nothing to prefer it over")
+    want = {**source, "per_board": per_board, "seed": seed}
 
     def rows(rec: dict[str, Any], rng: random.Random) -> list[dict[str, Any]]:
         images = [os.path.relpath(src / path, out) for path in rec["images"]]
@@ -254,10 +240,9 @@ def ensure_shapes_judgments(
     for field in ("{prompt}", "{response}"):
         if field not in template:
             raise ValueError(f"template has no {field} field: {template!r}")
-    meta, counts = _source_counts(src, per_board, "no wrong answer to judge")
+    source, counts = _source_counts(src, per_board, "no wrong answer to judge")
     want = {
-        "source": str(src.resolve()),
-        "source_mtime_ns": meta.stat().st_mtime_ns,
+        **source,
         "template": template,
         "per_board": per_board,
         "seed": seed,

@@ -222,7 +222,14 @@ def make_tiny_model(
     ``chat_template`` names a text model's template (:data:`CHAT_TEMPLATES`): ``"chatml"``,
     ``"tools"`` (Qwen2.5's tool behaviour) or ``"compact_tools"`` (the tools named only).
     """
-    from transformers import AutoModelForCausalLM
+    sizes = {
+        k: v for k, v in locals().items() if k not in ("out_dir", "arch", "chat_template", "seed")
+    }
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForMultimodalLM,
+    )
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -234,26 +241,33 @@ def make_tiny_model(
         raise ValueError(
             f"chat_template={chat_template!r} is for text archs {TEXT_ARCHS}, not {arch!r}"
         )
-    sizes = {
-        "layers": layers,
-        "hidden": hidden,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "intermediate": intermediate,
-        "max_positions": max_positions,
-        "tie_embeddings": tie_embeddings,
-    }
-    if arch in VISION_ARCHS + AUDIO_ARCHS:
-        return _make_tiny_multimodal(out_dir, arch=arch, seed=seed, **sizes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = char_tokenizer()
-    tok.chat_template = CHAT_TEMPLATES[chat_template]
-    vocab_size = -(-len(tok) // 16) * 16
-    cfg = tiny_config(
-        vocab_size, arch=arch, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sizes
-    )
-    return _save_random(AutoModelForCausalLM, cfg, tok, tok, seed, out)
+    if arch in TEXT_ARCHS:
+        tok = char_tokenizer()
+        tok.chat_template = CHAT_TEMPLATES[chat_template]
+        cfg = tiny_config(
+            _padded(tok),
+            arch=arch,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            **sizes,
+        )
+        return _save_random(AutoModelForCausalLM, cfg, tok, tok, seed, out)
+    if arch in AUDIO_ARCHS:
+        tok = char_tokenizer(QWEN_AUDIO_TOKENS)
+        proc, auto = _tiny_audio_processor(tok), AutoModelForMultimodalLM
+    else:
+        tok = char_tokenizer([LLAVA_IMAGE_TOKEN] if arch == "llava" else QWEN_VISION_TOKENS)
+        proc, auto = _tiny_processor(arch, tok), AutoModelForImageTextToText
+    tok.chat_template = proc.chat_template
+    cfg = _audio_config(tok, **sizes) if arch in AUDIO_ARCHS else _vlm_config(arch, tok, **sizes)
+    return _save_random(auto, cfg, tok, proc, seed, out)
+
+
+def _padded(tok) -> int:
+    """The vocabulary size of a model for ``tok``: its length rounded up to a multiple of 16."""
+    return -(-len(tok) // 16) * 16
 
 
 def _save_random(auto, cfg, tok, saver, seed: int, out: Path) -> Path:
@@ -318,9 +332,12 @@ def _text_config(
     }
 
 
-def _tok_text_config(tok, **sizes: Any) -> dict[str, Any]:
-    """:func:`_text_config` whose vocabulary and special ids are those of ``tok``."""
-    return _text_config(-(-len(tok) // 16) * 16, tok.eos_token_id, tok.pad_token_id, **sizes)
+def _tok_text_config(tok, model_type: str | None = None, **sizes: Any) -> dict[str, Any]:
+    """The text model of a tiny multimodal model (``model_type``: the text model's, where the
+    outer config does not imply it), its vocabulary and special ids those of ``tok``."""
+    text = _text_config(_padded(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    return text if model_type is None else {"model_type": model_type, **text}
 
 
 def _vlm_config(arch: str, tok, **sizes: Any):
@@ -329,14 +346,11 @@ def _vlm_config(arch: str, tok, **sizes: Any):
 
     hidden, tie_embeddings = sizes["hidden"], sizes["tie_embeddings"]
     head_dim = hidden // sizes["heads"]
-    text = _tok_text_config(tok, **sizes)
     vision_width = 32
     if arch == "llava":
-        text["model_type"] = "llama"
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
         return AutoConfig.for_model(
             "llava",
-            text_config=text,
+            text_config=_tok_text_config(tok, "llama", **sizes),
             vision_config={
                 "model_type": "clip_vision_model",
                 "hidden_size": vision_width,
@@ -353,15 +367,11 @@ def _vlm_config(arch: str, tok, **sizes: Any):
             image_seq_length=4,
             tie_word_embeddings=tie_embeddings,
         )
+    text = _tok_text_config(tok, **sizes)
     # M-RoPE splits the rotary half-dimension over (time, height, width): the sections must sum
     # to head_dim / 2, else the model's cos/sin do not match q and k.
     half = head_dim // 2
-    section = [half - 2 * (half // 3), half // 3, half // 3]
-    text["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "mrope_section": section,
-    }
+    text["rope_parameters"]["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
     vision = {
         "depth": 2,
         "num_heads": 2,
@@ -393,14 +403,8 @@ def _vlm_config(arch: str, tok, **sizes: Any):
             window_size=2 * 2 * _PATCH,
             fullatt_block_indexes=[1],
         )
-    ids = {
-        name: tok.convert_tokens_to_ids(token)
-        for name, token in zip(
-            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
-            QWEN_VISION_TOKENS,
-            strict=True,
-        )
-    }
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    ids = dict(zip(names, tok.convert_tokens_to_ids(QWEN_VISION_TOKENS), strict=True))
     return AutoConfig.for_model(
         arch, text_config=text, vision_config=vision, tie_word_embeddings=tie_embeddings, **ids
     )
@@ -467,12 +471,6 @@ def _audio_config(tok, **sizes: Any):
     """The HF config of a tiny Qwen2-Audio whose audio token id matches ``tok``."""
     from transformers import AutoConfig
 
-    tie_embeddings = sizes["tie_embeddings"]
-    text = {
-        "model_type": "qwen2",
-        **_tok_text_config(tok, **sizes),
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    }
     width = 32
     frames = AUDIO_CHUNK_SECONDS * 100  # mel frames per chunk (10 ms hop)
     audio = {
@@ -487,28 +485,11 @@ def _audio_config(tok, **sizes: Any):
     }
     return AutoConfig.for_model(
         "qwen2_audio",
-        text_config=text,
+        text_config=_tok_text_config(tok, "qwen2", **sizes),
         audio_config=audio,
         audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"),
-        tie_word_embeddings=tie_embeddings,
+        tie_word_embeddings=sizes["tie_embeddings"],
     )
-
-
-def _make_tiny_multimodal(out_dir: str | Path, *, arch: str, seed: int, **sizes: Any) -> Path:
-    """A tiny vision- or audio-language model of ``arch``, saved with its processor."""
-    from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if arch in AUDIO_ARCHS:
-        tok = char_tokenizer(QWEN_AUDIO_TOKENS)
-        proc, auto = _tiny_audio_processor(tok), AutoModelForMultimodalLM
-    else:
-        tok = char_tokenizer([LLAVA_IMAGE_TOKEN] if arch == "llava" else QWEN_VISION_TOKENS)
-        proc, auto = _tiny_processor(arch, tok), AutoModelForImageTextToText
-    tok.chat_template = proc.chat_template
-    cfg = _audio_config(tok, **sizes) if arch in AUDIO_ARCHS else _vlm_config(arch, tok, **sizes)
-    return _save_random(auto, cfg, tok, proc, seed, out)
 
 
 _SETTINGS_FILE = "lightrft_tiny.json"

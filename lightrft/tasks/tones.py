@@ -36,20 +36,9 @@ from typing import Any
 import numpy as np
 
 from lightrft.data.io import write_jsonl
-from lightrft.tasks.made import META, ensure_made, with_defaults
+from lightrft.tasks.made import META, ensure_made
 
 SPLITS = ("train", "rl", "test")
-_DEFAULTS = dict(
-    n_train=2000,
-    n_rl=2000,
-    n_test=200,
-    bands=4,
-    low_hz=250.0,
-    seconds=1.0,
-    rate=16000,
-    top_heard_lower=0.0,
-    seed=0,
-)
 
 
 def question(bands: int) -> str:
@@ -90,27 +79,39 @@ def tone_clip(rng: np.random.Generator, freq: float, *, seconds: float, rate: in
     return np.clip(clip, -1.0, 1.0)
 
 
-def write_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
+def write_tones_dataset(
+    out_dir: str | os.PathLike,
+    *,
+    n_train: int = 2000,
+    n_rl: int = 2000,
+    n_test: int = 200,
+    bands: int = 4,
+    low_hz: float = 250.0,
+    seconds: float = 1.0,
+    rate: int = 16000,
+    top_heard_lower: float = 0.0,
+    seed: int = 0,
+) -> Path:
     """Write ``audio/*.wav``, ``train.jsonl``, ``rl.jsonl``, ``test.jsonl`` and ``meta.json``."""
+    settings = {k: v for k, v in locals().items() if k != "out_dir"}  # what meta.json records
     import soundfile as sf
 
-    want = with_defaults("", _DEFAULTS, settings)
-    bands, low, rate = int(want["bands"]), float(want["low_hz"]), int(want["rate"])
-    _check(bands, low, want["seconds"], rate)
-    sloppy = float(want["top_heard_lower"])
+    bands, low, rate = int(bands), float(low_hz), int(rate)
+    _check(bands, low, seconds, rate)
+    sloppy = float(top_heard_lower)
     if not 0.0 <= sloppy <= 1.0:
         raise ValueError(f"top_heard_lower must be in [0, 1], got {sloppy}")
     out = Path(out_dir)
     (out / "audio").mkdir(parents=True, exist_ok=True)
     for k, split in enumerate(SPLITS):
-        rng = np.random.default_rng([int(want["seed"]), k])
+        rng = np.random.default_rng([int(seed), k])
         # Its own stream, so the clips are the same whatever the teacher's habit.
-        teacher = np.random.default_rng([int(want["seed"]), k, 1])
+        teacher = np.random.default_rng([int(seed), k, 1])
         records = []
-        for i in range(int(want[f"n_{split}"])):
+        for i in range(int(settings[f"n_{split}"])):
             freq = float(np.exp(rng.uniform(math.log(low), math.log(low * 2**bands))))
             name = f"audio/{split}_{i:06d}.wav"
-            clip = tone_clip(rng, freq, seconds=want["seconds"], rate=rate)
+            clip = tone_clip(rng, freq, seconds=seconds, rate=rate)
             sf.write(out / name, clip, rate, subtype="PCM_16")
             band = tone_band(freq, low, bands)
             answer, said = str(band), band
@@ -126,12 +127,10 @@ def write_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
                 }
             )
         write_jsonl(out / f"{split}.jsonl", records)
-    (out / META).write_text(json.dumps(want, indent=2) + "\n")
+    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
     return out
 
 
 def ensure_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
     """:func:`write_tones_dataset` unless ``out_dir`` already holds it with these settings."""
-    return ensure_made(
-        write_tones_dataset, out_dir, (f"{s}.jsonl" for s in SPLITS), settings, _DEFAULTS
-    )
+    return ensure_made(write_tones_dataset, out_dir, (f"{s}.jsonl" for s in SPLITS), settings)

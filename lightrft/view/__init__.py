@@ -29,16 +29,15 @@ __all__ = ["CURVES", "ViewError", "load_run", "render_page", "write_view"]
 TEMPLATE = Path(__file__).with_name("page.html")
 DATA_MARK = "/*__LIGHTRFT_DATA__*/"
 
-# The curves the page draws, each from the first of its keys the metrics file holds (several
-# names: recipes log the same quantity under different keys). ``reward/<fn>/mean`` and ``eval/*``
-# keys join the reward and eval charts as extra lines.
-CURVES: list[tuple[str, list[str]]] = [
-    ("reward", ["reward/total/mean"]),
-    ("eval accuracy", ["eval/accuracy"]),
-    ("KL to reference", ["train/kl"]),
-    ("entropy", ["train/entropy"]),
-    ("response length", ["rollout/response_length/mean"]),
-    ("clip fraction", ["train/clip_frac"]),
+# The curves the page draws, each from its metrics key; ``reward/<fn>/mean`` and ``eval/reward``
+# join the reward and eval charts as extra lines.
+CURVES: list[tuple[str, str]] = [
+    ("reward", "reward/total/mean"),
+    ("eval accuracy", "eval/accuracy"),
+    ("KL to reference", "train/kl"),
+    ("entropy", "train/entropy"),
+    ("response length", "rollout/response_length/mean"),
+    ("clip fraction", "train/clip_frac"),
 ]
 MEDIA_LIMIT = 2 * 2**20  # bytes: a larger media file is named on the page, not embedded
 MAX_LINE_BYTES = 64 * 2**20  # a longer JSONL line is counted unreadable, not parsed
@@ -119,16 +118,12 @@ def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     line's points ``[step, value]`` in step order (rows without the key skipped)."""
     keys = {k for row in rows for k in row}
     out = []
-    for title, names in CURVES:
-        chosen = [k for k in names if k in keys][:1]
+    for title, name in CURVES:
+        chosen = [name] if name in keys else []
         if title == "reward":
-            chosen += sorted(
-                k
-                for k in keys
-                if re.fullmatch(r"reward/[^/]+/mean", k) and k not in ("reward/total/mean",)
-            )
-        if title == "eval accuracy":
-            chosen += [k for k in ("eval/reward",) if k in keys]
+            chosen += sorted(k for k in keys if re.fullmatch(r"reward/(?!total/)[^/]+/mean", k))
+        if title == "eval accuracy" and "eval/reward" in keys:
+            chosen.append("eval/reward")
         lines = []
         for key in chosen:
             points = [
