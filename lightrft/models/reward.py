@@ -419,7 +419,9 @@ def _reward_net(
     ``lm_head.*``). New parameters (the classifier's head when the checkpoint lacks it,
     ``is_new`` of its weight's name; the attention pooler) are drawn from the run's seed in a
     forked RNG, as transformers initialises a head (normal, ``initializer_range``): the same
-    values on every rank and in every loading path, whatever was drawn before."""
+    values on every rank and in every loading path, whatever was drawn before. The LM head is
+    never new: a tied one is in no checkpoint (it is the input embedding), and replacing it
+    would score with a random head."""
     from lightrft.models.loading import to_dtype
 
     if pooling == "likelihood":
@@ -430,6 +432,7 @@ def _reward_net(
                 f"{type(hf).__name__} has no linear LM head among its children: pooling="
                 "'likelihood' needs a causal LM"
             )
+        is_new = None  # its own LM head: in the checkpoint, or tied to the input embedding
     else:
         _check_probe(probe_layer, getattr(hf.config, "num_hidden_layers", None))
         head_name, head = _find_head(hf)

@@ -124,3 +124,24 @@ def test_likelihood_pooling_refuses_what_it_cannot_score(tiny_model_dir):
     net = build_reward_net(tiny_model_dir, pooling="likelihood")
     with pytest.raises(ValueError, match="needs the scored-token mask"):
         net(num_sequences=1, **pad_sequences([torch.tensor([5, 6, 7])], 0))
+
+
+def test_sharded_likelihood_build_keeps_a_tied_lm_head(tmp_path):
+    """Built on meta for sharding, a likelihood reward model's tied LM head (in no safetensors
+    file) stays the input embedding's weight, on meta, to be sharded with it; it is not taken
+    for a missing head and replaced by a fresh, random one."""
+    from lightrft.models.reward import load_reward_net_parallel
+    from lightrft.tasks import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tied", layers=1, hidden=32, tie_embeddings=True)
+
+    class Seen(Exception):  # stop before sharding: this process has no group
+        pass
+
+    def check(net):
+        head = net.get_output_embeddings()
+        assert head.weight is net.base.get_input_embeddings().weight and head.weight.is_meta
+        raise Seen
+
+    with pytest.raises(Seen):
+        load_reward_net_parallel(path, pooling="likelihood", shard=True, prepare=check)
