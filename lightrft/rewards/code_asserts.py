@@ -18,12 +18,15 @@ needs them: they are never compared by code that runs in the sandbox.
 from __future__ import annotations
 
 import ast
+import copy
+import functools
 import json
 import math
 import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import CodeType, SimpleNamespace
 from typing import Any
 
 __all__ = ["AssertPlan", "Site", "decode", "judge", "plan_asserts"]
@@ -32,6 +35,7 @@ REPORT = "__lightrft_report__"
 _VALUE = "__lightrft_v{}__"
 _INNER = "__lightrft_e{}__"  # a program value of the current item of a judged comprehension
 _ZIP = "__lightrft_zip__"
+_ARITH = "__lightrft_arith__"
 _MAX_DEPTH = 64
 _MAX_ITEMS = 1_000_000  # sequence * int, and other results built here
 _MAX_POW_BITS = 1 << 16
@@ -95,24 +99,6 @@ _BINOPS = {
     ast.BitOr: operator.or_,
     ast.BitXor: operator.xor,
     ast.BitAnd: operator.and_,
-}
-_UNARY = {
-    ast.Not: operator.not_,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-    ast.Invert: operator.invert,
-}
-_COMPARE = {
-    ast.Eq: operator.eq,
-    ast.NotEq: operator.ne,
-    ast.Lt: operator.lt,
-    ast.LtE: operator.le,
-    ast.Gt: operator.gt,
-    ast.GtE: operator.ge,
-    ast.In: lambda a, b: a in b,
-    ast.NotIn: lambda a, b: a not in b,
-    ast.Is: operator.is_,
-    ast.IsNot: operator.is_not,
 }
 
 
@@ -264,7 +250,7 @@ def _split(
         return ast.Compare(rec(node.left), node.ops, [rec(c) for c in node.comparators])
     if isinstance(node, ast.BoolOp):
         return ast.BoolOp(node.op, [rec(v) for v in node.values])
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, tuple(_UNARY)):
+    if isinstance(node, ast.UnaryOp):
         return ast.UnaryOp(node.op, rec(node.operand))
     if isinstance(node, ast.BinOp) and isinstance(node.op, tuple(_BINOPS)):
         return ast.BinOp(rec(node.left), node.op, rec(node.right))
@@ -413,147 +399,100 @@ def judge(plan: AssertPlan, report: bytes) -> tuple[bool, str]:
 
 
 def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
+    """Whether ``condition`` holds for the reported ``values``, evaluated by Python itself: every
+    node of a condition is one of :data:`_STRUCTURE` (:func:`_parent_only` checks the parts kept
+    whole, :func:`_split` builds the rest of them), its names are the safe functions, ``math``,
+    comprehension variables and placeholders (no builtins), so plain data in, plain data out. Each
+    arithmetic operation, ``range`` and ``round`` go through bounds checks (values come from the
+    program); a value that is not plain data is left undefined, so the condition fails where it
+    needs it."""
+    env = {**_ENV, "__builtins__": {}}
+    env.update((_VALUE.format(i), v) for i, v in enumerate(values) if not isinstance(v, _Unusable))
     try:
-        return bool(_Evaluator(values).eval(condition.body))
+        return bool(eval(_compiled(condition), env))  # noqa: S307 - a checked expression
     except Exception:  # an error of the condition (a raising probe, 1/0, a bound) fails it
         return False
 
 
-# What the evaluator builds of a display and of a comprehension (a generator stays lazy, so
-# ``all`` and ``any`` stop at the item where Python's would).
-_DISPLAYS = {ast.Tuple: tuple, ast.List: list, ast.Set: set}
-_COMPREHENDED = {ast.GeneratorExp: iter, ast.ListComp: list, ast.SetComp: set}
+@functools.lru_cache(maxsize=4096)
+def _compiled(condition: ast.Expression) -> CodeType:
+    """``condition`` with each arithmetic operation ``a + b`` rewritten to
+    ``__lightrft_arith__("Add", a, b)``, compiled."""
+
+    class Arith(ast.NodeTransformer):
+        def visit_BinOp(self, n: ast.BinOp) -> ast.Call:
+            op = ast.Constant(type(n.op).__name__)
+            return ast.Call(
+                ast.Name(_ARITH, ast.Load()), [op, *map(self.visit, (n.left, n.right))], []
+            )
+
+    tree = ast.fix_missing_locations(Arith().visit(copy.deepcopy(condition)))
+    return compile(tree, "assert", "eval")
 
 
-class _Evaluator:
-    """Evaluates a parent-only expression over plain data; raises for anything else."""
-
-    def __init__(self, values: Sequence[Any]):
-        self.values = values
-        self.env: dict[str, Any] = {}  # comprehension variables
-
-    def eval(self, n: ast.expr) -> Any:
-        method = getattr(self, "_" + type(n).__name__, None)
-        if method is None:
-            raise _Probe(f"{type(n).__name__} is not evaluated here")
-        return method(n)
-
-    def _Constant(self, n: ast.Constant) -> Any:
-        return n.value
-
-    def _Name(self, n: ast.Name) -> Any:
-        if n.id in self.env:
-            return self.env[n.id]
-        m = re.fullmatch(r"__lightrft_v(\d+)__", n.id)
-        if m:
-            v = self.values[int(m.group(1))]
-            if isinstance(v, _Unusable):
-                raise _Probe(v.why)
-            return v
-        return _SAFE_FUNCS[n.id]
-
-    def _Attribute(self, n: ast.Attribute) -> Any:
-        if not _is_math(n):
-            raise _Probe("attribute")
-        return _MATH[n.attr]
-
-    def _display(self, n: ast.Tuple | ast.List | ast.Set) -> Any:
-        return _DISPLAYS[type(n)](self.eval(e) for e in n.elts)
-
-    _Tuple = _List = _Set = _display
-
-    def _Dict(self, n: ast.Dict) -> dict:
-        if any(k is None for k in n.keys):
-            raise _Probe("** in a dict")
-        return {self.eval(k): self.eval(v) for k, v in zip(n.keys, n.values, strict=True)}
-
-    def _BoolOp(self, n: ast.BoolOp) -> Any:
-        v = None
-        for e in n.values:
-            v = self.eval(e)
-            if isinstance(n.op, ast.And) != bool(v):
-                return v
-        return v
-
-    def _UnaryOp(self, n: ast.UnaryOp) -> Any:
-        return _UNARY[type(n.op)](self.eval(n.operand))
-
-    def _IfExp(self, n: ast.IfExp) -> Any:
-        return self.eval(n.body) if self.eval(n.test) else self.eval(n.orelse)
-
-    def _BinOp(self, n: ast.BinOp) -> Any:
-        a, b = self.eval(n.left), self.eval(n.right)
-        _check_size(n.op, a, b)
-        if isinstance(n.op, ast.Mod) and isinstance(a, (str, bytes)):
-            raise _Probe("% formatting")  # formatting could build huge strings
-        return _BINOPS[type(n.op)](a, b)
-
-    def _Compare(self, n: ast.Compare) -> bool:
-        left = self.eval(n.left)
-        for op, c in zip(n.ops, n.comparators, strict=True):
-            right = self.eval(c)
-            if not _COMPARE[type(op)](left, right):
-                return False
-            left = right
-        return True
-
-    def _Subscript(self, n: ast.Subscript) -> Any:
-        return self.eval(n.value)[self.eval(n.slice)]
-
-    def _Slice(self, n: ast.Slice) -> slice:
-        part = lambda e: None if e is None else self.eval(e)  # noqa: E731
-        return slice(part(n.lower), part(n.upper), part(n.step))
-
-    def _comprehend(self, n: ast.GeneratorExp | ast.ListComp | ast.SetComp) -> Any:
-        return _COMPREHENDED[type(n)](self.eval(n.elt) for _ in self._iterate(n.generators[0]))
-
-    _GeneratorExp = _ListComp = _SetComp = _comprehend
-
-    def _iterate(self, gen: ast.comprehension):
-        """Binds the target to each item (that passes the filters) and yields; at most
-        ``_MAX_ITEMS`` items."""
-        for count, item in enumerate(self.eval(gen.iter)):
-            if count >= _MAX_ITEMS:
-                raise _Probe("too many items")
-            self._bind(gen.target, item)
-            if all(self.eval(c) for c in gen.ifs):
-                yield item
-
-    def _bind(self, target: ast.expr, item: Any) -> None:
-        if isinstance(target, ast.Name):
-            self.env[target.id] = item
-            return
-        parts = list(item)
-        if len(parts) != len(target.elts):
-            raise _Probe("cannot unpack")
-        for t, v in zip(target.elts, parts, strict=True):
-            self._bind(t, v)
-
-    def _Call(self, n: ast.Call) -> Any:
-        if isinstance(n.func, ast.Name) and n.func.id == _ZIP:
-            return _strict_zip(*(self.eval(a) for a in n.args))
-        name = _safe_func(n)
-        if name is None:
-            raise _Probe("call")
-        f = _MATH[name] if _is_math(n.func) else _SAFE_FUNCS[name]
-        args = [self.eval(a) for a in n.args]
-        kwargs = {k.arg: self.eval(k.value) for k in n.keywords}
-        if name == "range" and len(range(*args)) > _MAX_ITEMS:
-            raise _Probe("range too long")
-        if (
-            name == "round"
-            and len(args) == 2
-            and isinstance(args[1], int)
-            and abs(args[1]) > 10_000
-        ):
-            raise _Probe("round digits")
-        return f(*args, **kwargs)
+def _arith(name: str, a: Any, b: Any) -> Any:
+    """``a <op> b`` for the ``ast`` operator ``name``; refuses arithmetic whose result would be
+    huge (values come from the program)."""
+    op = getattr(ast, name)
+    ints = isinstance(a, int) and isinstance(b, int)
+    if op is ast.Pow and ints and abs(a) > 1 and b > 0:
+        if a.bit_length() * b > _MAX_POW_BITS:
+            raise _Probe("power too large")
+    if op is ast.LShift and ints and b > _MAX_POW_BITS:
+        raise _Probe("shift too large")
+    if op is ast.Mult:
+        for seq, k in ((a, b), (b, a)):
+            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int):
+                if len(seq) * k > _MAX_ITEMS:
+                    raise _Probe("repetition too large")
+    if op is ast.Mod and isinstance(a, (str, bytes)):
+        raise _Probe("% formatting")  # formatting could build huge strings
+    return _BINOPS[op](a, b)
 
 
-# The nodes the parent evaluates (each has an _Evaluator method) and the parts they are made of:
-# _parent_only keeps an expression here only if it holds nothing else.
+def _range(*args: int) -> range:
+    r = range(*args)
+    if len(r) > _MAX_ITEMS:
+        raise _Probe("range too long")
+    return r
+
+
+def _round(number: Any, ndigits: int | None = None) -> Any:
+    if isinstance(ndigits, int) and abs(ndigits) > 10_000:
+        raise _Probe("round digits")
+    return round(number, ndigits)
+
+
+# The names a condition may use (a comprehension's variables aside).
+_ENV = {
+    **_SAFE_FUNCS,
+    "range": _range,
+    "round": _round,
+    "math": SimpleNamespace(**_MATH),
+    _ZIP: functools.partial(zip, strict=True),
+    _ARITH: _arith,
+}
+# The nodes a condition is made of: _parent_only keeps an expression here only if it holds nothing
+# else.
 _STRUCTURE = (
-    *(getattr(ast, name[1:]) for name in dir(_Evaluator) if name[1:2].isupper()),
+    ast.Constant,
+    ast.Name,
+    ast.Attribute,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.BoolOp,
+    ast.UnaryOp,
+    ast.IfExp,
+    ast.BinOp,
+    ast.Compare,
+    ast.Subscript,
+    ast.Slice,
+    ast.GeneratorExp,
+    ast.ListComp,
+    ast.SetComp,
+    ast.Call,
     ast.comprehension,
     ast.keyword,
     ast.expr_context,
@@ -562,22 +501,3 @@ _STRUCTURE = (
     ast.unaryop,
     ast.operator,
 )
-
-
-def _strict_zip(*columns: Any) -> Any:
-    return zip(*columns, strict=True)
-
-
-def _check_size(op: ast.operator, a: Any, b: Any) -> None:
-    """Refuse arithmetic whose result would be huge (values come from the program)."""
-    ints = isinstance(a, int) and isinstance(b, int)
-    if isinstance(op, ast.Pow) and ints and abs(a) > 1 and b > 0:
-        if a.bit_length() * b > _MAX_POW_BITS:
-            raise _Probe("power too large")
-    if isinstance(op, ast.LShift) and ints and b > _MAX_POW_BITS:
-        raise _Probe("shift too large")
-    if isinstance(op, ast.Mult):
-        for seq, k in ((a, b), (b, a)):
-            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int):
-                if len(seq) * k > _MAX_ITEMS:
-                    raise _Probe("repetition too large")
