@@ -36,6 +36,7 @@ _VALUE = "__lightrft_v{}__"
 _INNER = "__lightrft_e{}__"  # a program value of the current item of a judged comprehension
 _ZIP = "__lightrft_zip__"
 _ARITH = "__lightrft_arith__"
+_Values = list[tuple[ast.expr, ast.Name]]  # program expressions sent, with their placeholders
 _MAX_DEPTH = 64
 _MAX_ITEMS = 1_000_000  # sequence * int, and other results built here
 _MAX_POW_BITS = 1 << 16
@@ -141,34 +142,22 @@ class _Rewriter(ast.NodeTransformer):
         self.sites: list[Site] = []
 
     def visit_Assert(self, node: ast.Assert) -> ast.stmt:
-        values: list[ast.expr] = []
-        condition = _calls_last(_split(node.test, values), values)
+        values: _Values = []
+        condition = _split(node.test, values)
+        # The values that call nothing (the test's own variables) are read before any call into
+        # the program can change them; their placeholders are numbered to match.
+        values.sort(key=lambda v: any(isinstance(n, ast.Call) for n in ast.walk(v[0])))
+        for i, (_, placeholder) in enumerate(values):
+            placeholder.id = _VALUE.format(i)
         site = len(self.sites)
         self.sites.append(Site(ast.Expression(condition), len(values), node.lineno))
         no_args = ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[])
         call = ast.Call(
             ast.Name(REPORT, ast.Load()),
-            [ast.Constant(site), *(ast.Lambda(no_args, v) for v in values)],
+            [ast.Constant(site), *(ast.Lambda(no_args, v) for v, _ in values)],
             [],
         )
         return ast.copy_location(ast.Expr(call), node)
-
-
-def _calls_last(condition: ast.expr, values: list[ast.expr]) -> ast.expr:
-    """Reorders ``values`` in place so the ones that call nothing (the test's own variables) are
-    read before any call into the program can change them; renames the placeholders to match."""
-    order = sorted(
-        range(len(values)), key=lambda i: any(isinstance(n, ast.Call) for n in ast.walk(values[i]))
-    )
-    new_index = {old: new for new, old in enumerate(order)}
-    values[:] = [values[i] for i in order]
-
-    class Rename(ast.NodeTransformer):
-        def visit_Name(self, n: ast.Name) -> ast.Name:
-            m = re.fullmatch(r"__lightrft_v(\d+)__", n.id)
-            return ast.Name(_VALUE.format(new_index[int(m.group(1))]), n.ctx) if m else n
-
-    return Rename().visit(condition)
 
 
 def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
@@ -237,12 +226,13 @@ def _safe_func(call: ast.Call) -> str | None:
 
 def _split(
     node: ast.expr,
-    values: list[ast.expr],
+    values: _Values,
     bound: frozenset[str] = frozenset(),
     template: str = _VALUE,
 ) -> ast.expr:
-    """``node`` with every program-dependent sub-expression moved to ``values`` (replaced by the
-    placeholder names ``template``); ``bound``: names of comprehension variables here."""
+    """``node`` with every program-dependent sub-expression moved to ``values`` with the
+    placeholder name (``template``) that replaces it; ``bound``: names of comprehension variables
+    here."""
     if _parent_only(node, bound):
         return node
     rec = lambda n: _split(n, values, bound, template)  # noqa: E731
@@ -277,8 +267,14 @@ def _split(
         if name is not None and not whole:
             kws = [ast.keyword(k.arg, rec(k.value)) for k in node.keywords]
             return ast.Call(node.func, [rec(a) for a in node.args], kws)
-    values.append(node)
-    return ast.Name(template.format(len(values) - 1), ast.Load())
+    return _placeholder(values, node, template)
+
+
+def _placeholder(values: _Values, node: ast.expr, template: str = _VALUE) -> ast.Name:
+    """A new placeholder name (``template``) for ``node``, which is appended to ``values``."""
+    name = ast.Name(template.format(len(values)), ast.Load())
+    values.append((node, name))
+    return name
 
 
 _COMPREHENSIONS = (ast.GeneratorExp, ast.ListComp, ast.SetComp)
@@ -291,7 +287,7 @@ def _may_hold_expected(node: ast.expr) -> bool:
     return any(isinstance(n, kinds) for n in ast.walk(node))
 
 
-def _split_comprehension(node: ast.expr, values: list[ast.expr]) -> ast.expr | None:
+def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
     """``all(f(x) == x * x for x in range(5))``: the parent iterates and judges; the sandbox
     computes ``[f(x) for x in range(5)]`` (and ``any(v > 0 for v in f(3))`` sends ``f(3)``).
     ``None`` where the comprehension has another shape (it is then sent whole)."""
@@ -301,24 +297,21 @@ def _split_comprehension(node: ast.expr, values: list[ast.expr]) -> ast.expr | N
     names = _names(gen.target)
     if names is None or gen.is_async or not all(_parent_only(c, names) for c in gen.ifs):
         return None
-    inner: list[ast.expr] = []
+    inner: _Values = []
     elt = _split(node.elt, inner, names, _INNER)
     if not inner:  # the element is the parent's: only the iterable may need the program
         if _parent_only(gen.iter):
             it = gen.iter
         else:  # sent as a list: an iterator or a generator the program returns is data then
-            values.append(ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
-            it = ast.Name(_VALUE.format(len(values) - 1), ast.Load())
+            it = _placeholder(values, ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
         return type(node)(elt, [ast.comprehension(gen.target, it, gen.ifs, 0)])
     if not _parent_only(gen.iter):
         return None
     # Each program part of the element is computed in the sandbox for every item; the parent
     # pairs them with its own items (strictly: another number of items fails).
-    columns = []
-    for part in inner:
-        values.append(ast.ListComp(part, [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)]))
-        columns.append(ast.Name(_VALUE.format(len(values) - 1), ast.Load()))
-    items = ast.ListComp(_load(gen.target), [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)])
+    each = [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)]
+    columns = [_placeholder(values, ast.ListComp(part, each)) for part, _ in inner]
+    items = ast.ListComp(_load(gen.target), each)
     target = ast.Tuple(
         [gen.target, *(ast.Name(_INNER.format(j), ast.Store()) for j in range(len(inner)))],
         ast.Store(),
