@@ -411,20 +411,6 @@ class CodeVerifier:
 
     # ------------------------------------------------------------------ rewards
 
-    def _reward(self, results: Sequence[RunResult]) -> float:
-        if not results:
-            return 0.0
-        passed = sum(r.passed for r in results)
-        if self.mode == "all":
-            return float(passed == len(results))
-        return passed / len(results)
-
-    def _run_many(self, jobs: Sequence[tuple[str, TestCase]]) -> list[RunResult]:
-        if self.workers == 1 or len(jobs) <= 1:
-            return [self.run(p, t) for p, t in jobs]
-        with ThreadPoolExecutor(self.workers) as ex:
-            return list(ex.map(lambda pt: self.run(*pt), jobs))
-
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         self._isolate()  # refuses before any run where isolation is required but impossible
         jobs, owner = [], []
@@ -442,11 +428,17 @@ class CodeVerifier:
             for t in tests:
                 jobs.append((program, t))
                 owner.append(i)
-        results = self._run_many(jobs)
-        per_sample: list[list[RunResult]] = [[] for _ in samples]
+        if self.workers == 1 or len(jobs) <= 1:
+            results = [self.run(p, t) for p, t in jobs]
+        else:
+            with ThreadPoolExecutor(self.workers) as ex:
+                results = list(ex.map(lambda pt: self.run(*pt), jobs))
+        passed: list[list[bool]] = [[] for _ in samples]
         for i, r in zip(owner, results, strict=True):
-            per_sample[i].append(r)
-        return [self._reward(rs) for rs in per_sample]
+            passed[i].append(r.passed)
+        if self.mode == "all":
+            return [float(bool(p) and all(p)) for p in passed]
+        return [sum(p) / len(p) if p else 0.0 for p in passed]
 
 
 def _isolation_problem() -> str | None:
