@@ -6,8 +6,8 @@ name outside a small safe set: ``f(3)``, ``x``, ``obj.attr``) go to the sandbox,
 a ``lambda``; the condition around them, with its expected values, stays here with placeholders.
 ``assert f(3) == 9`` becomes ``__lightrft_report__(0, lambda: f(3))`` in the sandbox and
 ``__lightrft_v0__ == 9`` here. The sandbox reports the values as tagged JSON data
-(:func:`decode`); :func:`judge` evaluates each condition with a restricted evaluator (literals,
-comparisons, arithmetic with size bounds, boolean operators, a few builtins and ``math.isclose``).
+(:func:`decode`); :func:`judge` evaluates each condition, an expression restricted to literals,
+comparisons, arithmetic with size bounds, boolean operators, a few builtins and ``math.isclose``.
 
 Values that are not plain data (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
 ``bytes``, and lists, tuples, sets, frozensets and dicts of them; subclasses count as their base
