@@ -419,6 +419,9 @@ def _compiled(condition: ast.Expression) -> CodeType:
                 ast.Name(_ARITH, ast.Load()), [op, *map(self.visit, (n.left, n.right))], []
             )
 
+    for n in ast.walk(condition.body):  # a check only: _split builds nothing else
+        if not isinstance(n, _STRUCTURE) or (isinstance(n, ast.Attribute) and not _is_math(n)):
+            raise _Probe(f"{type(n).__name__} is not evaluated here")
     tree = ast.fix_missing_locations(Arith().visit(copy.deepcopy(condition)))
     return compile(tree, "assert", "eval")
 
