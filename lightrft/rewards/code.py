@@ -87,7 +87,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from lightrft.rewards import code_asserts
 from lightrft.rewards.base import RewardInputError, Sample
@@ -258,8 +258,26 @@ class CodeVerifier:
         os.mkdir(work, 0o700)
         if isolate and os.getuid() == 0:
             os.chown(work, _NOBODY, _NOBODY)  # isolated root runs the program as nobody
-        cgroup = self._make_cgroup()
-        memory_cgroup = self._make_memory_cgroup()
+        cgroup = _new_cgroup(_PIDS_CGROUPS, "lightrft-sandbox", self.max_processes)
+        if cgroup is None and os.getuid() == 0:
+            _warn_once(
+                "nproc",
+                "CodeVerifier: no pids cgroup could be created and RLIMIT_NPROC does not bind "
+                "root, so sandboxed code may start any number of processes (they are still "
+                "killed at the time limit); run the trainer or the reward server as a non-root "
+                "user",
+            )
+        # A memory cgroup bounds the whole run (every process it starts together) to memory_mb,
+        # where one can be made (root, cgroup v1's memory controller or v2's with `memory`
+        # enabled); else the bound is memory_mb per process, so memory_mb * max_processes per run.
+        memory_cgroup = _new_cgroup(_MEMORY_CGROUPS, "lightrft-sandbox-mem", self.memory_bytes)
+        if memory_cgroup is None:
+            _warn_once(
+                "memory-cgroup",
+                "CodeVerifier: no memory cgroup could be made (it needs root and the memory "
+                "controller), so memory_mb bounds each process of a run, not the run: a run may "
+                "use memory_mb * max_processes",
+            )
         job_r, job_w = os.pipe()
         feeders = []
         try:
@@ -290,10 +308,10 @@ class CodeVerifier:
             os.close(job_r)
             job_r = -1
             job = {"program": program, "test": plan.sandbox_source if plan else None}
-            feeders.append(_feed(job_w, json.dumps(job).encode()))
+            feeders.append(_feed(os.fdopen(job_w, "wb"), json.dumps(job).encode()))
             job_w = -1
             if plan is None:
-                feeders.append(_feed(proc.stdin.fileno(), (test.stdin or "").encode(), proc.stdin))
+                feeders.append(_feed(proc.stdin, (test.stdin or "").encode()))
             try:
                 code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
             except subprocess.TimeoutExpired:
@@ -306,7 +324,14 @@ class CodeVerifier:
             secs = time.monotonic() - start
             if code is None:  # timed out
                 return RunResult(False, "timeout", secs)
-            ok = _verdict(test, plan, code, out, report, self.max_output_bytes)
+            # Passed: exit status 0, and the output matches (stdin/stdout) or every assert was
+            # reported and held (a report over max_output_bytes fails).
+            if code != 0:
+                ok = False
+            elif plan is None:
+                ok = _same_output(out.decode(errors="replace"), test.stdout or "")
+            else:
+                ok = len(report) <= self.max_output_bytes and code_asserts.judge(plan, report)[0]
             status = "ok" if ok else "wrong" if code == 0 else "error"
             return RunResult(ok, status, secs, out.decode(errors="replace"))
         finally:
@@ -354,33 +379,6 @@ class CodeVerifier:
             if m.startswith("rlimit") or m in ("cgroup", "memory_cgroup"):
                 _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
 
-    def _make_memory_cgroup(self) -> str | None:
-        """A memory cgroup bounding the whole run (every process it starts together) to
-        ``memory_mb``, where one can be made (root, cgroup v1's memory controller or v2's with
-        ``memory`` enabled); else None, and the bound is ``memory_mb`` per process, so
-        ``memory_mb * max_processes`` per run."""
-        path = _new_cgroup(_MEMORY_CGROUPS, "lightrft-sandbox-mem", self.memory_bytes)
-        if path is None:
-            _warn_once(
-                "memory-cgroup",
-                "CodeVerifier: no memory cgroup could be made (it needs root and the memory "
-                "controller), so memory_mb bounds each process of a run, not the run: a run may "
-                "use memory_mb * max_processes",
-            )
-        return path
-
-    def _make_cgroup(self) -> str | None:
-        path = _new_cgroup(_PIDS_CGROUPS, "lightrft-sandbox", self.max_processes)
-        if path is None and os.getuid() == 0:
-            _warn_once(
-                "nproc",
-                "CodeVerifier: no pids cgroup could be created and RLIMIT_NPROC does not bind "
-                "root, so sandboxed code may start any number of processes (they are still "
-                "killed at the time limit); run the trainer or the reward server as a non-root "
-                "user",
-            )
-        return path
-
     @staticmethod
     def _kill_all(pid: int, cgroup: str | None) -> None:
         """SIGKILL every process of the run: its cgroup, its process group, its session."""
@@ -413,20 +411,6 @@ class CodeVerifier:
 
     # ------------------------------------------------------------------ rewards
 
-    def _reward(self, results: Sequence[RunResult]) -> float:
-        if not results:
-            return 0.0
-        passed = sum(r.passed for r in results)
-        if self.mode == "all":
-            return float(passed == len(results))
-        return passed / len(results)
-
-    def _run_many(self, jobs: Sequence[tuple[str, TestCase]]) -> list[RunResult]:
-        if self.workers == 1 or len(jobs) <= 1:
-            return [self.run(p, t) for p, t in jobs]
-        with ThreadPoolExecutor(self.workers) as ex:
-            return list(ex.map(lambda pt: self.run(*pt), jobs))
-
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         self._isolate()  # refuses before any run where isolation is required but impossible
         jobs, owner = [], []
@@ -444,11 +428,17 @@ class CodeVerifier:
             for t in tests:
                 jobs.append((program, t))
                 owner.append(i)
-        results = self._run_many(jobs)
-        per_sample: list[list[RunResult]] = [[] for _ in samples]
+        if self.workers == 1 or len(jobs) <= 1:
+            results = [self.run(p, t) for p, t in jobs]
+        else:
+            with ThreadPoolExecutor(self.workers) as ex:
+                results = list(ex.map(lambda pt: self.run(*pt), jobs))
+        passed: list[list[bool]] = [[] for _ in samples]
         for i, r in zip(owner, results, strict=True):
-            per_sample[i].append(r)
-        return [self._reward(rs) for rs in per_sample]
+            passed[i].append(r.passed)
+        if self.mode == "all":
+            return [float(bool(p) and all(p)) for p in passed]
+        return [sum(p) / len(p) if p else 0.0 for p in passed]
 
 
 def _isolation_problem() -> str | None:
@@ -502,41 +492,18 @@ def _plan(code: str) -> code_asserts.AssertPlan:
     return code_asserts.plan_asserts(code)
 
 
-def _feed(fd: int, data: bytes, owner: Any = None) -> threading.Thread:
+def _feed(pipe: BinaryIO, data: bytes) -> threading.Thread:
     """Write ``data`` to a pipe from a thread (the reader may never read), then close it."""
 
     def write() -> None:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view[: 1 << 16]) :]
-        except OSError:
-            pass  # the sandbox exited or was killed without reading everything
-        finally:
-            with suppress(OSError):
-                owner.close() if owner is not None else os.close(fd)
+        # OSError: the sandbox exited or was killed without reading everything (the pipe is
+        # closed all the same)
+        with suppress(OSError), pipe:
+            pipe.write(data)
 
     t = threading.Thread(target=write, daemon=True)
     t.start()
     return t
-
-
-def _verdict(
-    test: TestCase,
-    plan: code_asserts.AssertPlan | None,
-    code: int,
-    out: bytes,
-    report: bytes,
-    max_report: int,
-) -> bool:
-    """Whether a run that ended by itself passed: exit status 0, and the output matches
-    (stdin/stdout) or every assert was reported and held (a report over ``max_report`` bytes
-    fails)."""
-    if code != 0:
-        return False
-    if plan is None:
-        return _same_output(out.decode(errors="replace"), test.stdout or "")
-    return len(report) <= max_report and code_asserts.judge(plan, report)[0]
 
 
 def _read_capped(path: Path, limit: int) -> bytes:

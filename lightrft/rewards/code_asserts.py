@@ -6,8 +6,8 @@ name outside a small safe set: ``f(3)``, ``x``, ``obj.attr``) go to the sandbox,
 a ``lambda``; the condition around them, with its expected values, stays here with placeholders.
 ``assert f(3) == 9`` becomes ``__lightrft_report__(0, lambda: f(3))`` in the sandbox and
 ``__lightrft_v0__ == 9`` here. The sandbox reports the values as tagged JSON data
-(:func:`decode`); :func:`judge` evaluates each condition with a restricted evaluator (literals,
-comparisons, arithmetic with size bounds, boolean operators, a few builtins and ``math.isclose``).
+(:func:`decode`); :func:`judge` evaluates each condition, an expression restricted to literals,
+comparisons, arithmetic with size bounds, boolean operators, a few builtins and ``math.isclose``.
 
 Values that are not plain data (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``,
 ``bytes``, and lists, tuples, sets, frozensets and dicts of them; subclasses count as their base
@@ -18,12 +18,15 @@ needs them: they are never compared by code that runs in the sandbox.
 from __future__ import annotations
 
 import ast
+import copy
+import functools
 import json
 import math
 import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import CodeType, SimpleNamespace
 from typing import Any
 
 __all__ = ["AssertPlan", "Site", "decode", "judge", "plan_asserts"]
@@ -32,6 +35,8 @@ REPORT = "__lightrft_report__"
 _VALUE = "__lightrft_v{}__"
 _INNER = "__lightrft_e{}__"  # a program value of the current item of a judged comprehension
 _ZIP = "__lightrft_zip__"
+_ARITH = "__lightrft_arith__"
+_Values = list[tuple[ast.expr, ast.Name]]  # program expressions sent, with their placeholders
 _MAX_DEPTH = 64
 _MAX_ITEMS = 1_000_000  # sequence * int, and other results built here
 _MAX_POW_BITS = 1 << 16
@@ -96,24 +101,6 @@ _BINOPS = {
     ast.BitXor: operator.xor,
     ast.BitAnd: operator.and_,
 }
-_UNARY = {
-    ast.Not: operator.not_,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-    ast.Invert: operator.invert,
-}
-_COMPARE = {
-    ast.Eq: operator.eq,
-    ast.NotEq: operator.ne,
-    ast.Lt: operator.lt,
-    ast.LtE: operator.le,
-    ast.Gt: operator.gt,
-    ast.GtE: operator.ge,
-    ast.In: lambda a, b: a in b,
-    ast.NotIn: lambda a, b: a not in b,
-    ast.Is: operator.is_,
-    ast.IsNot: operator.is_not,
-}
 
 
 @dataclass(frozen=True)
@@ -155,34 +142,22 @@ class _Rewriter(ast.NodeTransformer):
         self.sites: list[Site] = []
 
     def visit_Assert(self, node: ast.Assert) -> ast.stmt:
-        values: list[ast.expr] = []
-        condition = _calls_last(_split(node.test, values), values)
+        values: _Values = []
+        condition = _split(node.test, values)
+        # The values that call nothing (the test's own variables) are read before any call into
+        # the program can change them; their placeholders are numbered to match.
+        values.sort(key=lambda v: any(isinstance(n, ast.Call) for n in ast.walk(v[0])))
+        for i, (_, placeholder) in enumerate(values):
+            placeholder.id = _VALUE.format(i)
         site = len(self.sites)
         self.sites.append(Site(ast.Expression(condition), len(values), node.lineno))
         no_args = ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[])
         call = ast.Call(
             ast.Name(REPORT, ast.Load()),
-            [ast.Constant(site), *(ast.Lambda(no_args, v) for v in values)],
+            [ast.Constant(site), *(ast.Lambda(no_args, v) for v, _ in values)],
             [],
         )
         return ast.copy_location(ast.Expr(call), node)
-
-
-def _calls_last(condition: ast.expr, values: list[ast.expr]) -> ast.expr:
-    """Reorders ``values`` in place so the ones that call nothing (the test's own variables) are
-    read before any call into the program can change them; renames the placeholders to match."""
-    order = sorted(
-        range(len(values)), key=lambda i: any(isinstance(n, ast.Call) for n in ast.walk(values[i]))
-    )
-    new_index = {old: new for new, old in enumerate(order)}
-    values[:] = [values[i] for i in order]
-
-    class Rename(ast.NodeTransformer):
-        def visit_Name(self, n: ast.Name) -> ast.Name:
-            m = re.fullmatch(r"__lightrft_v(\d+)__", n.id)
-            return ast.Name(_VALUE.format(new_index[int(m.group(1))]), n.ctx) if m else n
-
-    return Rename().visit(condition)
 
 
 def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
@@ -251,12 +226,13 @@ def _safe_func(call: ast.Call) -> str | None:
 
 def _split(
     node: ast.expr,
-    values: list[ast.expr],
+    values: _Values,
     bound: frozenset[str] = frozenset(),
     template: str = _VALUE,
 ) -> ast.expr:
-    """``node`` with every program-dependent sub-expression moved to ``values`` (replaced by the
-    placeholder names ``template``); ``bound``: names of comprehension variables here."""
+    """``node`` with every program-dependent sub-expression moved to ``values`` with the
+    placeholder name (``template``) that replaces it; ``bound``: names of comprehension variables
+    here."""
     if _parent_only(node, bound):
         return node
     rec = lambda n: _split(n, values, bound, template)  # noqa: E731
@@ -264,7 +240,7 @@ def _split(
         return ast.Compare(rec(node.left), node.ops, [rec(c) for c in node.comparators])
     if isinstance(node, ast.BoolOp):
         return ast.BoolOp(node.op, [rec(v) for v in node.values])
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, tuple(_UNARY)):
+    if isinstance(node, ast.UnaryOp):
         return ast.UnaryOp(node.op, rec(node.operand))
     if isinstance(node, ast.BinOp) and isinstance(node.op, tuple(_BINOPS)):
         return ast.BinOp(rec(node.left), node.op, rec(node.right))
@@ -291,8 +267,14 @@ def _split(
         if name is not None and not whole:
             kws = [ast.keyword(k.arg, rec(k.value)) for k in node.keywords]
             return ast.Call(node.func, [rec(a) for a in node.args], kws)
-    values.append(node)
-    return ast.Name(template.format(len(values) - 1), ast.Load())
+    return _placeholder(values, node, template)
+
+
+def _placeholder(values: _Values, node: ast.expr, template: str = _VALUE) -> ast.Name:
+    """A new placeholder name (``template``) for ``node``, which is appended to ``values``."""
+    name = ast.Name(template.format(len(values)), ast.Load())
+    values.append((node, name))
+    return name
 
 
 _COMPREHENSIONS = (ast.GeneratorExp, ast.ListComp, ast.SetComp)
@@ -305,7 +287,7 @@ def _may_hold_expected(node: ast.expr) -> bool:
     return any(isinstance(n, kinds) for n in ast.walk(node))
 
 
-def _split_comprehension(node: ast.expr, values: list[ast.expr]) -> ast.expr | None:
+def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
     """``all(f(x) == x * x for x in range(5))``: the parent iterates and judges; the sandbox
     computes ``[f(x) for x in range(5)]`` (and ``any(v > 0 for v in f(3))`` sends ``f(3)``).
     ``None`` where the comprehension has another shape (it is then sent whole)."""
@@ -315,24 +297,21 @@ def _split_comprehension(node: ast.expr, values: list[ast.expr]) -> ast.expr | N
     names = _names(gen.target)
     if names is None or gen.is_async or not all(_parent_only(c, names) for c in gen.ifs):
         return None
-    inner: list[ast.expr] = []
+    inner: _Values = []
     elt = _split(node.elt, inner, names, _INNER)
     if not inner:  # the element is the parent's: only the iterable may need the program
         if _parent_only(gen.iter):
             it = gen.iter
         else:  # sent as a list: an iterator or a generator the program returns is data then
-            values.append(ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
-            it = ast.Name(_VALUE.format(len(values) - 1), ast.Load())
+            it = _placeholder(values, ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
         return type(node)(elt, [ast.comprehension(gen.target, it, gen.ifs, 0)])
     if not _parent_only(gen.iter):
         return None
     # Each program part of the element is computed in the sandbox for every item; the parent
     # pairs them with its own items (strictly: another number of items fails).
-    columns = []
-    for part in inner:
-        values.append(ast.ListComp(part, [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)]))
-        columns.append(ast.Name(_VALUE.format(len(values) - 1), ast.Load()))
-    items = ast.ListComp(_load(gen.target), [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)])
+    each = [ast.comprehension(gen.target, gen.iter, gen.ifs, 0)]
+    columns = [_placeholder(values, ast.ListComp(part, each)) for part, _ in inner]
+    items = ast.ListComp(_load(gen.target), each)
     target = ast.Tuple(
         [gen.target, *(ast.Name(_INNER.format(j), ast.Store()) for j in range(len(inner)))],
         ast.Store(),
@@ -413,147 +392,101 @@ def judge(plan: AssertPlan, report: bytes) -> tuple[bool, str]:
 
 
 def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
+    """Whether ``condition`` holds for the reported ``values``, evaluated by Python itself: every
+    node of a condition is one of :data:`_STRUCTURE` (:func:`_parent_only` checks the parts kept
+    whole, :func:`_split` builds the rest of them), its names are the safe functions, ``math``,
+    comprehension variables and placeholders (no builtins), so plain data in, plain data out. Each
+    arithmetic operation, ``range`` and ``round`` go through bounds checks (values come from the
+    program); a value that is not plain data is left undefined, so the condition fails where it
+    needs it."""
+    env = {**_ENV, "__builtins__": {}}
+    env.update((_VALUE.format(i), v) for i, v in enumerate(values) if not isinstance(v, _Unusable))
     try:
-        return bool(_Evaluator(values).eval(condition.body))
+        return bool(eval(_compiled(condition), env))  # noqa: S307 - a checked expression
     except Exception:  # an error of the condition (a raising probe, 1/0, a bound) fails it
         return False
 
 
-# What the evaluator builds of a display and of a comprehension (a generator stays lazy, so
-# ``all`` and ``any`` stop at the item where Python's would).
-_DISPLAYS = {ast.Tuple: tuple, ast.List: list, ast.Set: set}
-_COMPREHENDED = {ast.GeneratorExp: iter, ast.ListComp: list, ast.SetComp: set}
+@functools.lru_cache(maxsize=4096)
+def _compiled(condition: ast.Expression) -> CodeType:
+    """``condition`` with each arithmetic operation ``a + b`` rewritten to
+    ``__lightrft_arith__("Add", a, b)``, compiled."""
 
+    class Arith(ast.NodeTransformer):
+        def visit_BinOp(self, n: ast.BinOp) -> ast.Call:
+            op = ast.Constant(type(n.op).__name__)
+            return ast.Call(
+                ast.Name(_ARITH, ast.Load()), [op, *map(self.visit, (n.left, n.right))], []
+            )
 
-class _Evaluator:
-    """Evaluates a parent-only expression over plain data; raises for anything else."""
-
-    def __init__(self, values: Sequence[Any]):
-        self.values = values
-        self.env: dict[str, Any] = {}  # comprehension variables
-
-    def eval(self, n: ast.expr) -> Any:
-        method = getattr(self, "_" + type(n).__name__, None)
-        if method is None:
+    for n in ast.walk(condition.body):  # a check only: _split builds nothing else
+        if not isinstance(n, _STRUCTURE) or (isinstance(n, ast.Attribute) and not _is_math(n)):
             raise _Probe(f"{type(n).__name__} is not evaluated here")
-        return method(n)
-
-    def _Constant(self, n: ast.Constant) -> Any:
-        return n.value
-
-    def _Name(self, n: ast.Name) -> Any:
-        if n.id in self.env:
-            return self.env[n.id]
-        m = re.fullmatch(r"__lightrft_v(\d+)__", n.id)
-        if m:
-            v = self.values[int(m.group(1))]
-            if isinstance(v, _Unusable):
-                raise _Probe(v.why)
-            return v
-        return _SAFE_FUNCS[n.id]
-
-    def _Attribute(self, n: ast.Attribute) -> Any:
-        if not _is_math(n):
-            raise _Probe("attribute")
-        return _MATH[n.attr]
-
-    def _display(self, n: ast.Tuple | ast.List | ast.Set) -> Any:
-        return _DISPLAYS[type(n)](self.eval(e) for e in n.elts)
-
-    _Tuple = _List = _Set = _display
-
-    def _Dict(self, n: ast.Dict) -> dict:
-        if any(k is None for k in n.keys):
-            raise _Probe("** in a dict")
-        return {self.eval(k): self.eval(v) for k, v in zip(n.keys, n.values, strict=True)}
-
-    def _BoolOp(self, n: ast.BoolOp) -> Any:
-        v = None
-        for e in n.values:
-            v = self.eval(e)
-            if isinstance(n.op, ast.And) != bool(v):
-                return v
-        return v
-
-    def _UnaryOp(self, n: ast.UnaryOp) -> Any:
-        return _UNARY[type(n.op)](self.eval(n.operand))
-
-    def _IfExp(self, n: ast.IfExp) -> Any:
-        return self.eval(n.body) if self.eval(n.test) else self.eval(n.orelse)
-
-    def _BinOp(self, n: ast.BinOp) -> Any:
-        a, b = self.eval(n.left), self.eval(n.right)
-        _check_size(n.op, a, b)
-        if isinstance(n.op, ast.Mod) and isinstance(a, (str, bytes)):
-            raise _Probe("% formatting")  # formatting could build huge strings
-        return _BINOPS[type(n.op)](a, b)
-
-    def _Compare(self, n: ast.Compare) -> bool:
-        left = self.eval(n.left)
-        for op, c in zip(n.ops, n.comparators, strict=True):
-            right = self.eval(c)
-            if not _COMPARE[type(op)](left, right):
-                return False
-            left = right
-        return True
-
-    def _Subscript(self, n: ast.Subscript) -> Any:
-        return self.eval(n.value)[self.eval(n.slice)]
-
-    def _Slice(self, n: ast.Slice) -> slice:
-        part = lambda e: None if e is None else self.eval(e)  # noqa: E731
-        return slice(part(n.lower), part(n.upper), part(n.step))
-
-    def _comprehend(self, n: ast.GeneratorExp | ast.ListComp | ast.SetComp) -> Any:
-        return _COMPREHENDED[type(n)](self.eval(n.elt) for _ in self._iterate(n.generators[0]))
-
-    _GeneratorExp = _ListComp = _SetComp = _comprehend
-
-    def _iterate(self, gen: ast.comprehension):
-        """Binds the target to each item (that passes the filters) and yields; at most
-        ``_MAX_ITEMS`` items."""
-        for count, item in enumerate(self.eval(gen.iter)):
-            if count >= _MAX_ITEMS:
-                raise _Probe("too many items")
-            self._bind(gen.target, item)
-            if all(self.eval(c) for c in gen.ifs):
-                yield item
-
-    def _bind(self, target: ast.expr, item: Any) -> None:
-        if isinstance(target, ast.Name):
-            self.env[target.id] = item
-            return
-        parts = list(item)
-        if len(parts) != len(target.elts):
-            raise _Probe("cannot unpack")
-        for t, v in zip(target.elts, parts, strict=True):
-            self._bind(t, v)
-
-    def _Call(self, n: ast.Call) -> Any:
-        if isinstance(n.func, ast.Name) and n.func.id == _ZIP:
-            return _strict_zip(*(self.eval(a) for a in n.args))
-        name = _safe_func(n)
-        if name is None:
-            raise _Probe("call")
-        f = _MATH[name] if _is_math(n.func) else _SAFE_FUNCS[name]
-        args = [self.eval(a) for a in n.args]
-        kwargs = {k.arg: self.eval(k.value) for k in n.keywords}
-        if name == "range" and len(range(*args)) > _MAX_ITEMS:
-            raise _Probe("range too long")
-        if (
-            name == "round"
-            and len(args) == 2
-            and isinstance(args[1], int)
-            and abs(args[1]) > 10_000
-        ):
-            raise _Probe("round digits")
-        return f(*args, **kwargs)
+    tree = ast.fix_missing_locations(Arith().visit(copy.deepcopy(condition)))
+    return compile(tree, "assert", "eval")
 
 
-# The nodes the parent evaluates (each has an _Evaluator method) and the parts they are made of:
-# _parent_only keeps an expression here only if it holds nothing else.
+def _arith(name: str, a: Any, b: Any) -> Any:
+    """``a <op> b`` for the ``ast`` operator ``name``; refuses arithmetic whose result would be
+    huge (values come from the program)."""
+    op = getattr(ast, name)
+    ints = isinstance(a, int) and isinstance(b, int)
+    if op is ast.Pow and ints and abs(a) > 1 and b > 0:
+        if a.bit_length() * b > _MAX_POW_BITS:
+            raise _Probe("power too large")
+    if op is ast.LShift and ints and b > _MAX_POW_BITS:
+        raise _Probe("shift too large")
+    if op is ast.Mult:
+        for seq, k in ((a, b), (b, a)):
+            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int):
+                if len(seq) * k > _MAX_ITEMS:
+                    raise _Probe("repetition too large")
+    if op is ast.Mod and isinstance(a, (str, bytes)):
+        raise _Probe("% formatting")  # formatting could build huge strings
+    return _BINOPS[op](a, b)
+
+
+def _range(*args: int) -> range:
+    r = range(*args)
+    if len(r) > _MAX_ITEMS:
+        raise _Probe("range too long")
+    return r
+
+
+def _round(number: Any, ndigits: int | None = None) -> Any:
+    if isinstance(ndigits, int) and abs(ndigits) > 10_000:
+        raise _Probe("round digits")
+    return round(number, ndigits)
+
+
+# The names a condition may use (a comprehension's variables aside).
+_ENV = {
+    **_SAFE_FUNCS,
+    "range": _range,
+    "round": _round,
+    "math": SimpleNamespace(**_MATH),
+    _ZIP: functools.partial(zip, strict=True),
+    _ARITH: _arith,
+}
+# The nodes a condition is made of: _parent_only keeps an expression here only if it holds nothing
+# else.
 _STRUCTURE = (
-    *(getattr(ast, name[1:]) for name in dir(_Evaluator) if name[1:2].isupper()),
+    ast.Constant,
+    ast.Name,
+    ast.Attribute,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.BoolOp,
+    ast.UnaryOp,
+    ast.IfExp,
+    ast.BinOp,
+    ast.Compare,
+    ast.Subscript,
+    ast.Slice,
+    *_COMPREHENSIONS,
+    ast.Call,
     ast.comprehension,
     ast.keyword,
     ast.expr_context,
@@ -562,22 +495,3 @@ _STRUCTURE = (
     ast.unaryop,
     ast.operator,
 )
-
-
-def _strict_zip(*columns: Any) -> Any:
-    return zip(*columns, strict=True)
-
-
-def _check_size(op: ast.operator, a: Any, b: Any) -> None:
-    """Refuse arithmetic whose result would be huge (values come from the program)."""
-    ints = isinstance(a, int) and isinstance(b, int)
-    if isinstance(op, ast.Pow) and ints and abs(a) > 1 and b > 0:
-        if a.bit_length() * b > _MAX_POW_BITS:
-            raise _Probe("power too large")
-    if isinstance(op, ast.LShift) and ints and b > _MAX_POW_BITS:
-        raise _Probe("shift too large")
-    if isinstance(op, ast.Mult):
-        for seq, k in ((a, b), (b, a)):
-            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int):
-                if len(seq) * k > _MAX_ITEMS:
-                    raise _Probe("repetition too large")

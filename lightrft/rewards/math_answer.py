@@ -269,14 +269,10 @@ def equation_mismatch(pred: str, ref: str) -> bool:
     no top-level ``=`` at all: unequal, whatever math-verify finds (it reads ``100 = 7`` as 7).
     Two answers that both hold an ``=`` (``2x+4y-3=0`` and ``y=-\\frac{1}{2}x+\\frac{3}{4}``)
     are math-verify's to compare."""
-
-    def has_equals(ans: str) -> bool:
-        return len(_split_top(ans, "=")) > 1
-
-    for a, b in ((pred, ref), (ref, pred)):
-        if is_equation(a, labels=True) and not has_equals(b):
-            return True
-    return False
+    return any(
+        is_equation(a, labels=True) and len(_split_top(b, "=")) == 1
+        for a, b in ((pred, ref), (ref, pred))
+    )
 
 
 # --------------------------------------------------------------------------- normalisation
@@ -412,18 +408,7 @@ def _split_tuple(s: str) -> list[str] | None:
     """Top-level elements of ``(a, b)`` / ``[a, b]`` / ``a, b``; ``None`` if not a tuple."""
     if len(s) >= 2 and s[0] + s[-1] in ("()", "[]", "{}"):
         s = s[1:-1]
-    parts, depth, cur = [], 0, []
-    for c in s:
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        if c == "," and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(c)
-    parts.append("".join(cur).strip())
+    parts = [p.strip() for p in _split_top(s, ",")]
     return parts if len(parts) > 1 else None
 
 

@@ -137,3 +137,11 @@ def test_comprehensions_are_judged_here():
     plan = plan_asserts("assert all(g(v) == 1 for v in f(3))")
     assert not judge(plan, _report([0, [["x", "a generator is not plain data"]]]))[0]
     assert not judge(plan_asserts("assert f() in range(10 ** 9)"), _report([0, [_i(3)]]))[0]
+
+
+def test_a_comprehension_of_several_generators_iterates_them_all():
+    # The test's own expression: every generator counts (the second one was once skipped, so a
+    # wrong [0, 1] passed for [0, 0, 1, 1]).
+    plan = plan_asserts("assert f() == [x for x in range(2) for y in range(2)]")
+    assert judge(plan, _report([0, [["l", [_i(0), _i(0), _i(1), _i(1)]]]]))[0]
+    assert not judge(plan, _report([0, [["l", [_i(0), _i(1)]]]]))[0]
