@@ -36,6 +36,7 @@ _VALUE = "__lightrft_v{}__"
 _INNER = "__lightrft_e{}__"  # a program value of the current item of a judged comprehension
 _ZIP = "__lightrft_zip__"
 _ARITH = "__lightrft_arith__"
+_ITEMS = "__lightrft_items__"  # each comprehension's iterable, counted against one budget
 _Values = list[tuple[ast.expr, ast.Name]]  # program expressions sent, with their placeholders
 _MAX_DEPTH = 64
 _MAX_ITEMS = 1_000_000  # sequence * int, and other results built here
@@ -399,7 +400,7 @@ def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
     arithmetic operation, ``range`` and ``round`` go through bounds checks (values come from the
     program); a value that is not plain data is left undefined, so the condition fails where it
     needs it."""
-    env = {**_ENV, "__builtins__": {}}
+    env = {**_ENV, "__builtins__": {}, _ITEMS: _counted([_MAX_ITEMS])}
     env.update((_VALUE.format(i), v) for i, v in enumerate(values) if not isinstance(v, _Unusable))
     try:
         return bool(eval(_compiled(condition), env))  # noqa: S307 - a checked expression
@@ -410,7 +411,8 @@ def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _compiled(condition: ast.Expression) -> CodeType:
     """``condition`` with each arithmetic operation ``a + b`` rewritten to
-    ``__lightrft_arith__("Add", a, b)``, compiled."""
+    ``__lightrft_arith__("Add", a, b)`` and each comprehension's iterable ``it`` to
+    ``__lightrft_items__(it)``, compiled."""
 
     class Arith(ast.NodeTransformer):
         def visit_BinOp(self, n: ast.BinOp) -> ast.Call:
@@ -418,6 +420,11 @@ def _compiled(condition: ast.Expression) -> CodeType:
             return ast.Call(
                 ast.Name(_ARITH, ast.Load()), [op, *map(self.visit, (n.left, n.right))], []
             )
+
+        def visit_comprehension(self, n: ast.comprehension) -> ast.comprehension:
+            self.generic_visit(n)
+            n.iter = ast.Call(ast.Name(_ITEMS, ast.Load()), [n.iter], [])
+            return n
 
     for n in ast.walk(condition.body):  # a check only: _split builds nothing else
         if not isinstance(n, _STRUCTURE) or (isinstance(n, ast.Attribute) and not _is_math(n)):
@@ -444,6 +451,20 @@ def _arith(name: str, a: Any, b: Any) -> Any:
     if op is ast.Mod and isinstance(a, (str, bytes)):
         raise _Probe("% formatting")  # formatting could build huge strings
     return _BINOPS[op](a, b)
+
+
+def _counted(budget: list[int]) -> Any:
+    """An iterable's items, each taken from ``budget`` (one per condition): nested
+    comprehensions multiply their lengths, so each is bounded by the whole, not by itself."""
+
+    def items(iterable: Any) -> Any:
+        for item in iterable:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise _Probe("comprehensions too long")
+            yield item
+
+    return items
 
 
 def _range(*args: int) -> range:
