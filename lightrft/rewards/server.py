@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from lightrft.config import at_least
 from lightrft.rewards.base import (
     RewardInputError,
     Sample,
@@ -475,10 +476,8 @@ def make_server(
         ("max_request_pixels", max_request_pixels),
         ("max_video_frames", max_video_frames),
     ):
-        if value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-    if read_timeout <= 0:
-        raise ValueError(f"read_timeout must be > 0, got {read_timeout}")
+        at_least(key, value, 1)
+    at_least("read_timeout", read_timeout, 0, strict=True)
     check_signature("the served reward function", reward_fn)
     bounds = MediaBounds(max_image_pixels, max_request_pixels, max_video_frames)
     lock = threading.Lock()
@@ -539,17 +538,13 @@ def make_server(
                 raise _HTTPError(
                     413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes"
                 )
-            chunks, got = [], 0
-            while got < length:
-                try:  # the reader keeps to the request's deadline
-                    chunk = self.rfile.read1(min(length - got, 1 << 16))
-                except TimeoutError:
-                    raise _HTTPError(408, f"request not received within {read_timeout}s") from None
-                if not chunk:
-                    raise _HTTPError(400, f"body ended after {got} of {length} bytes")
-                chunks.append(chunk)
-                got += len(chunk)
-            return b"".join(chunks)
+            try:  # the reader keeps to the request's deadline
+                body = self.rfile.read(length)
+            except TimeoutError:
+                raise _HTTPError(408, f"request not received within {read_timeout}s") from None
+            if len(body) < length:
+                raise _HTTPError(400, f"body ended after {len(body)} of {length} bytes")
+            return body
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path.rstrip("/") == "/health":
