@@ -58,12 +58,8 @@ def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
             "set value_head_key to the head's name, or use head='classifier' for a "
             "*ForSequenceClassification checkpoint"
         )
-    weight = tensors["weight"].reshape(1, -1)  # [1, H]
-    head = nn.Linear(weight.shape[1], 1, bias="bias" in tensors)
-    with torch.no_grad():
-        head.weight.copy_(weight)
-        if "bias" in tensors:
-            head.bias.copy_(tensors["bias"].reshape(1))
+    head = nn.Linear(tensors["weight"].numel(), 1, bias="bias" in tensors)  # weight [1, H]
+    head.load_state_dict({k: v.reshape(getattr(head, k).shape) for k, v in tensors.items()})
     return head
 
 
@@ -407,22 +403,11 @@ class RewardModel:
         ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
         self.pad_id = int(next((i for i in ids if i is not None), 0))  # pad, else eos, else 0
 
-    @property
-    def backbone(self) -> nn.Module:
-        return self.net.base
-
-    @property
-    def head(self) -> nn.Module:
-        return self.net.head
-
     def render(self, prompt: Prompt, response: str) -> str:
         """The text the reward model reads for one (prompt, response) pair."""
         return render_for_scoring(
             self.tokenizer, prompt, response, chat_template=self.chat_template
         )
-
-    def tokenize(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[list[int]]:
-        return self.encode(prompts, responses)[0]
 
     def encode(
         self, prompts: Sequence[Prompt], responses: Sequence[str]
