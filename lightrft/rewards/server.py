@@ -273,17 +273,13 @@ def split_requests(data: Any, bounds: MediaBounds = MediaBounds()) -> list[Sampl
         if val is not None and (not isinstance(val, list) or len(val) != n):
             raise ValueError(f"'{key}' must be a list of {n} entries")
         args[key] = val
-    for i, label in enumerate(args["labels"] or []):
-        if label is not None and not isinstance(label, str):
-            raise ValueError(
-                f"'labels'[{i}] is a {type(label).__name__}; labels must hold strings or null"
-            )
-    for i, p in enumerate(args["prompts"] or []):
-        if not isinstance(p, (str, list)):
-            raise ValueError(
-                f"'prompts'[{i}] is a {type(p).__name__}; prompts must hold strings or message "
-                "lists"
-            )
+    for key, types, what in (
+        ("labels", (str, type(None)), "strings or null"),
+        ("prompts", (str, list), "strings or message lists"),
+    ):
+        for i, v in enumerate(args[key] or []):
+            if not isinstance(v, types):
+                raise ValueError(f"'{key}'[{i}] is a {type(v).__name__}; {key} must hold {what}")
     prompts = args["prompts"] or [""] * n
     if responses is None:
         responses = []
@@ -518,12 +514,6 @@ def make_server(
             self.end_headers()
             self.wfile.write(body)
 
-        def _authorized(self) -> bool:
-            if expected is None:
-                return True
-            got = (self.headers.get("Authorization") or "").encode()
-            return hmac.compare_digest(got, b"Bearer " + expected)
-
         def _read_body(self) -> bytes:
             raw = self.headers.get("Content-Length")
             if raw is None:
@@ -554,7 +544,8 @@ def make_server(
 
         def do_POST(self) -> None:  # noqa: N802
             try:
-                if not self._authorized():
+                got = (self.headers.get("Authorization") or "").encode()
+                if expected is not None and not hmac.compare_digest(got, b"Bearer " + expected):
                     raise _HTTPError(401, "missing or wrong token (Authorization: Bearer ...)")
                 body = self._read_body()
                 try:
@@ -690,12 +681,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"serving {args.verifier or args.component} on http://{host}:{port}", flush=True)
     if args.token:
         print("requests must carry 'Authorization: Bearer <token>'", flush=True)
-    try:
+    with server, suppress(KeyboardInterrupt):  # closed on the way out
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
 
 
 if __name__ == "__main__":
