@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightrft.config import at_least
 from lightrft.data.media import Media, MediaOptions
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
@@ -339,10 +340,8 @@ class RewardModel:
         bias: float = 0.0,
         sharded: bool = False,
     ) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {max_length}")
+        at_least("micro_batch_size", micro_batch_size, 1)
+        at_least("max_length", max_length, 2)
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if chat_template and not getattr(tokenizer, "chat_template", None):
