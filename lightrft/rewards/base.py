@@ -30,7 +30,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -82,10 +82,6 @@ class Sample:
                 strict=True,
             )
         ]
-
-
-class RewardFunction(Protocol):
-    def __call__(self, samples: Sequence[Sample]) -> Sequence[float] | torch.Tensor: ...
 
 
 class RewardError(UserError, RuntimeError):
@@ -340,9 +336,7 @@ class CombinedReward:
         """Names of the functions that score a sample with ``label``; ``None`` if unrouted."""
         if self.routes is None:
             return list(self.functions)
-        if label is not None and label in self.routes:
-            return self.routes[label]
-        return self.routes.get("*")
+        return self.routes.get(label, self.routes.get("*"))  # keys are strings: None has none
 
     def __call__(self, samples: Sequence[Sample]) -> RewardOutput:
         """Every function's rewards of the samples routed to it, weighted and summed."""
