@@ -21,7 +21,6 @@ give the same scores.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +31,7 @@ from torch import nn
 from lightrft.config import at_least
 from lightrft.data.media import Media, MediaOptions
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
+from lightrft.models.multimodal import checkpoint_config
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, Sample, media_parts
 
@@ -62,14 +62,6 @@ def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
     head = nn.Linear(tensors["weight"].numel(), 1, bias="bias" in tensors)  # weight [1, H]
     head.load_state_dict({k: v.reshape(getattr(head, k).shape) for k, v in tensors.items()})
     return head
-
-
-def _detect_head(path: str | Path) -> str:
-    cfg = Path(path) / "config.json"
-    archs = (json.loads(cfg.read_text()).get("architectures") or []) if cfg.is_file() else []
-    if any(a.endswith("ForSequenceClassification") for a in archs) or read_reward_config(path):
-        return "classifier"  # an HF classifier, or any export of recipes/reward_model.py
-    return "value_head"
 
 
 def collective_plan(
@@ -262,8 +254,10 @@ class RewardModel:
                 f"{path} is a vision- or audio-language reward model: it needs chat_template=true "
                 "(the chat template places the image and audio tokens, as in its training)"
             )
-        if head == "auto":
-            head = _detect_head(path)
+        if head == "auto":  # an HF classifier, or any export of recipes/reward_model.py
+            archs = (checkpoint_config(path) or {}).get("architectures") or []
+            classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+            head = "classifier" if classifier or read_reward_config(path) else "value_head"
         if head not in ("classifier", "value_head"):
             raise ValueError(f"head must be 'auto', 'classifier' or 'value_head', got {head!r}")
         # Under a process group of several ranks the model is sharded over all of them (FSDP2,
