@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from lightrft.config import at_least, resolve
+from lightrft.config import at_least
 from lightrft.rewards.base import (
     RewardInputError,
     Sample,
@@ -585,6 +585,7 @@ def load_reward_fn(
     or any dotted path; a class is instantiated with ``kwargs``, a plain function is served as
     is (with ``kwargs`` bound to it)."""
     import functools
+    import importlib
     import inspect
 
     if (verifier is None) == (component is None):
@@ -592,9 +593,10 @@ def load_reward_fn(
     if verifier is not None and verifier not in VERIFIERS:
         raise ValueError(f"unknown verifier {verifier!r}; choose from {sorted(VERIFIERS)}")
     target = VERIFIERS[verifier] if verifier is not None else component
-    try:  # as a config's _component_ resolves it
-        obj = resolve(target)
-    except (ImportError, ValueError) as e:
+    module, _, attr = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"component {target!r} cannot be imported: {e}") from None
     kwargs = kwargs or {}
     if inspect.isclass(obj):  # as a config builds it: a section argument from its mapping
