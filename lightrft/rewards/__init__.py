@@ -5,7 +5,6 @@ returns one float per sample."""
 from lightrft.rewards.base import (
     CombinedReward,
     RewardError,
-    RewardFunction,
     RewardOutput,
     Sample,
     build_reward,
@@ -14,7 +13,7 @@ from lightrft.rewards.base import (
 )
 from lightrft.rewards.code import CodeVerifier
 from lightrft.rewards.generative import GenerativeReward
-from lightrft.rewards.math_answer import answers_match, extract_answer, normalize_answer
+from lightrft.rewards.math_answer import answers_match
 from lightrft.rewards.remote import RemoteReward, RemoteRewardError
 from lightrft.rewards.reward_model import RewardModel
 from lightrft.rewards.ttrl import TTRLReward
@@ -37,7 +36,6 @@ __all__ = [
     "RemoteReward",
     "RemoteRewardError",
     "RewardError",
-    "RewardFunction",
     "RewardModel",
     "RewardOutput",
     "Sample",
@@ -46,7 +44,5 @@ __all__ = [
     "answers_match",
     "build_reward",
     "check_reward_output",
-    "extract_answer",
-    "normalize_answer",
     "reward_names",
 ]

@@ -30,7 +30,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -84,10 +84,6 @@ class Sample:
         ]
 
 
-class RewardFunction(Protocol):
-    def __call__(self, samples: Sequence[Sample]) -> Sequence[float] | torch.Tensor: ...
-
-
 class RewardError(UserError, RuntimeError):
     """A reward function failed or returned something unusable; the message names it."""
 
@@ -132,46 +128,39 @@ def check_reward_output(
     rather than broadcast, and a NaN or infinite value is reported with its sample (``index`` maps
     positions in ``out`` to batch indices, ``prompts`` are the scored prompts, for the message).
     """
+
+    def refused(what: str) -> RewardError:
+        return RewardError(f"reward function {name!r} returned {what}")
+
     if isinstance(out, torch.Tensor):
         if out.dim() != 1:
-            raise RewardError(
-                f"reward function {name!r} returned a tensor of shape {tuple(out.shape)}; "
-                f"expected one reward per sample, shape ({n},)"
+            raise refused(
+                f"a tensor of shape {tuple(out.shape)}; expected one reward per sample, shape ({n},)"
             )
         if out.dtype.is_complex:
-            raise RewardError(f"reward function {name!r} returned a {out.dtype} tensor")
+            raise refused(f"a {out.dtype} tensor")
         values = out.detach().to("cpu", torch.float32)
     elif (
         isinstance(out, (str, bytes, Mapping))
         or not isinstance(out, Sequence)
         and not hasattr(out, "__array__")
     ):
-        raise RewardError(
-            f"reward function {name!r} returned {type(out).__name__}; expected a list or 1-D "
-            f"tensor of {n} rewards (a single value is not broadcast)"
+        raise refused(
+            f"{type(out).__name__}; expected a list or 1-D tensor of {n} rewards (a single value "
+            "is not broadcast)"
         )
     else:
         items = out.tolist() if hasattr(out, "tolist") else list(out)
         if not isinstance(items, list):  # a 0-d array
-            raise RewardError(
-                f"reward function {name!r} returned a scalar; expected {n} rewards (a single "
-                "value is not broadcast)"
-            )
+            raise refused(f"a scalar; expected {n} rewards (a single value is not broadcast)")
         if any(isinstance(v, (list, tuple)) for v in items):
-            raise RewardError(
-                f"reward function {name!r} returned nested lists; expected {n} numbers"
-            )
+            raise refused(f"nested lists; expected {n} numbers")
         bad = [i for i, v in enumerate(items) if not _is_real(v)]
         if bad:
-            raise RewardError(
-                f"reward function {name!r} returned a non-number at position {bad[0]}: "
-                f"{items[bad[0]]!r}"
-            )
+            raise refused(f"a non-number at position {bad[0]}: {items[bad[0]]!r}")
         values = torch.tensor([float(v) for v in items], dtype=torch.float32)
     if values.numel() != n:
-        raise RewardError(
-            f"reward function {name!r} returned {values.numel()} rewards for {n} samples"
-        )
+        raise refused(f"{values.numel()} rewards for {n} samples")
     finite = torch.isfinite(values)
     if not bool(finite.all()):
         pos = int((~finite).nonzero()[0])
@@ -179,9 +168,9 @@ def check_reward_output(
         where = f"sample {i}"
         if prompts is not None:
             where += f" (prompt {prompt_preview(prompts[pos])})"
-        raise RewardError(
-            f"reward function {name!r} returned a non-finite reward ({values[pos].item()}) for "
-            f"{where}; {int((~finite).sum())} of {n} rewards are NaN or infinite"
+        raise refused(
+            f"a non-finite reward ({values[pos].item()}) for {where}; "
+            f"{int((~finite).sum())} of {n} rewards are NaN or infinite"
         )
     return values
 
@@ -340,9 +329,7 @@ class CombinedReward:
         """Names of the functions that score a sample with ``label``; ``None`` if unrouted."""
         if self.routes is None:
             return list(self.functions)
-        if label is not None and label in self.routes:
-            return self.routes[label]
-        return self.routes.get("*")
+        return self.routes.get(label, self.routes.get("*"))  # keys are strings: None has none
 
     def __call__(self, samples: Sequence[Sample]) -> RewardOutput:
         """Every function's rewards of the samples routed to it, weighted and summed."""

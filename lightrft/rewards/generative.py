@@ -94,10 +94,8 @@ class JudgeEngineConfig(EngineConfig):
 
 
 def _last_match(text: str, pattern: re.Pattern[str]) -> re.Match[str] | None:
-    last = None
-    for m in pattern.finditer(text):
-        last = m
-    return last
+    matches = list(pattern.finditer(text))
+    return matches[-1] if matches else None
 
 
 def parse_verdict(text: str, pattern: re.Pattern[str]) -> str | None:

@@ -21,7 +21,6 @@ give the same scores.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -29,8 +28,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightrft.config import at_least
 from lightrft.data.media import Media, MediaOptions
 from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
+from lightrft.models.multimodal import checkpoint_config
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, Sample, media_parts
 
@@ -58,21 +59,9 @@ def load_value_head(path: str | Path, key: str = "value_head") -> nn.Linear:
             "set value_head_key to the head's name, or use head='classifier' for a "
             "*ForSequenceClassification checkpoint"
         )
-    weight = tensors["weight"].reshape(1, -1)  # [1, H]
-    head = nn.Linear(weight.shape[1], 1, bias="bias" in tensors)
-    with torch.no_grad():
-        head.weight.copy_(weight)
-        if "bias" in tensors:
-            head.bias.copy_(tensors["bias"].reshape(1))
+    head = nn.Linear(tensors["weight"].numel(), 1, bias="bias" in tensors)  # weight [1, H]
+    head.load_state_dict({k: v.reshape(getattr(head, k).shape) for k, v in tensors.items()})
     return head
-
-
-def _detect_head(path: str | Path) -> str:
-    cfg = Path(path) / "config.json"
-    archs = (json.loads(cfg.read_text()).get("architectures") or []) if cfg.is_file() else []
-    if any(a.endswith("ForSequenceClassification") for a in archs) or read_reward_config(path):
-        return "classifier"  # an HF classifier, or any export of recipes/reward_model.py
-    return "value_head"
 
 
 def collective_plan(
@@ -265,8 +254,10 @@ class RewardModel:
                 f"{path} is a vision- or audio-language reward model: it needs chat_template=true "
                 "(the chat template places the image and audio tokens, as in its training)"
             )
-        if head == "auto":
-            head = _detect_head(path)
+        if head == "auto":  # an HF classifier, or any export of recipes/reward_model.py
+            archs = (checkpoint_config(path) or {}).get("architectures") or []
+            classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+            head = "classifier" if classifier or read_reward_config(path) else "value_head"
         if head not in ("classifier", "value_head"):
             raise ValueError(f"head must be 'auto', 'classifier' or 'value_head', got {head!r}")
         # Under a process group of several ranks the model is sharded over all of them (FSDP2,
@@ -361,10 +352,8 @@ class RewardModel:
         bias: float,
         sharded: bool = False,
     ) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {max_length}")
+        at_least("micro_batch_size", micro_batch_size, 1)
+        at_least("max_length", max_length, 2)
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if chat_template and not getattr(tokenizer, "chat_template", None):
@@ -407,22 +396,11 @@ class RewardModel:
         ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
         self.pad_id = int(next((i for i in ids if i is not None), 0))  # pad, else eos, else 0
 
-    @property
-    def backbone(self) -> nn.Module:
-        return self.net.base
-
-    @property
-    def head(self) -> nn.Module:
-        return self.net.head
-
     def render(self, prompt: Prompt, response: str) -> str:
         """The text the reward model reads for one (prompt, response) pair."""
         return render_for_scoring(
             self.tokenizer, prompt, response, chat_template=self.chat_template
         )
-
-    def tokenize(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[list[int]]:
-        return self.encode(prompts, responses)[0]
 
     def encode(
         self, prompts: Sequence[Prompt], responses: Sequence[str]

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from lightrft.config import at_least
 from lightrft.rewards.base import (
     RewardInputError,
     Sample,
@@ -272,17 +273,13 @@ def split_requests(data: Any, bounds: MediaBounds = MediaBounds()) -> list[Sampl
         if val is not None and (not isinstance(val, list) or len(val) != n):
             raise ValueError(f"'{key}' must be a list of {n} entries")
         args[key] = val
-    for i, label in enumerate(args["labels"] or []):
-        if label is not None and not isinstance(label, str):
-            raise ValueError(
-                f"'labels'[{i}] is a {type(label).__name__}; labels must hold strings or null"
-            )
-    for i, p in enumerate(args["prompts"] or []):
-        if not isinstance(p, (str, list)):
-            raise ValueError(
-                f"'prompts'[{i}] is a {type(p).__name__}; prompts must hold strings or message "
-                "lists"
-            )
+    for key, types, what in (
+        ("labels", (str, type(None)), "strings or null"),
+        ("prompts", (str, list), "strings or message lists"),
+    ):
+        for i, v in enumerate(args[key] or []):
+            if not isinstance(v, types):
+                raise ValueError(f"'{key}'[{i}] is a {type(v).__name__}; {key} must hold {what}")
     prompts = args["prompts"] or [""] * n
     if responses is None:
         responses = []
@@ -475,10 +472,8 @@ def make_server(
         ("max_request_pixels", max_request_pixels),
         ("max_video_frames", max_video_frames),
     ):
-        if value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-    if read_timeout <= 0:
-        raise ValueError(f"read_timeout must be > 0, got {read_timeout}")
+        at_least(key, value, 1)
+    at_least("read_timeout", read_timeout, 0, strict=True)
     check_signature("the served reward function", reward_fn)
     bounds = MediaBounds(max_image_pixels, max_request_pixels, max_video_frames)
     lock = threading.Lock()
@@ -519,12 +514,6 @@ def make_server(
             self.end_headers()
             self.wfile.write(body)
 
-        def _authorized(self) -> bool:
-            if expected is None:
-                return True
-            got = (self.headers.get("Authorization") or "").encode()
-            return hmac.compare_digest(got, b"Bearer " + expected)
-
         def _read_body(self) -> bytes:
             raw = self.headers.get("Content-Length")
             if raw is None:
@@ -539,17 +528,13 @@ def make_server(
                 raise _HTTPError(
                     413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes"
                 )
-            chunks, got = [], 0
-            while got < length:
-                try:  # the reader keeps to the request's deadline
-                    chunk = self.rfile.read1(min(length - got, 1 << 16))
-                except TimeoutError:
-                    raise _HTTPError(408, f"request not received within {read_timeout}s") from None
-                if not chunk:
-                    raise _HTTPError(400, f"body ended after {got} of {length} bytes")
-                chunks.append(chunk)
-                got += len(chunk)
-            return b"".join(chunks)
+            try:  # the reader keeps to the request's deadline
+                body = self.rfile.read(length)
+            except TimeoutError:
+                raise _HTTPError(408, f"request not received within {read_timeout}s") from None
+            if len(body) < length:
+                raise _HTTPError(400, f"body ended after {len(body)} of {length} bytes")
+            return body
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path.rstrip("/") == "/health":
@@ -559,7 +544,8 @@ def make_server(
 
         def do_POST(self) -> None:  # noqa: N802
             try:
-                if not self._authorized():
+                got = (self.headers.get("Authorization") or "").encode()
+                if expected is not None and not hmac.compare_digest(got, b"Bearer " + expected):
                     raise _HTTPError(401, "missing or wrong token (Authorization: Bearer ...)")
                 body = self._read_body()
                 try:
@@ -695,12 +681,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"serving {args.verifier or args.component} on http://{host}:{port}", flush=True)
     if args.token:
         print("requests must carry 'Authorization: Bearer <token>'", flush=True)
-    try:
+    with server, suppress(KeyboardInterrupt):  # closed on the way out
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
 
 
 if __name__ == "__main__":

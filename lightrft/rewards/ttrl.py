@@ -7,9 +7,11 @@ consecutive samples of one prompt; the reward reads the groups from that layout.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightrft.config import at_least
 from lightrft.rewards.base import Prompt, Sample, instantiate_node, prompt_preview
 from lightrft.rewards.math_answer import answer_key, majority_vote
 
@@ -18,13 +20,9 @@ def split_groups(prompts: Sequence[Prompt], group_size: int | None) -> list[rang
     """Index ranges of the groups: ``group_size`` consecutive samples (which must share their
     prompt), or, with ``None``, each run of consecutive samples with the same prompt."""
     n = len(prompts)
-    if group_size is None:
-        groups, start = [], 0
-        for i in range(1, n + 1):
-            if i == n or prompts[i] != prompts[start]:
-                groups.append(range(start, i))
-                start = i
-        return groups
+    if group_size is None:  # runs of equal prompts (compared with ==: a chat is a list)
+        runs = [list(run) for _, run in itertools.groupby(range(n), key=prompts.__getitem__)]
+        return [range(run[0], run[-1] + 1) for run in runs]
     if group_size < 1 or n % group_size:
         raise ValueError(
             f"TTRLReward: {n} samples do not split into groups of group_size={group_size}; "
@@ -79,8 +77,7 @@ class TTRLReward:
             raise ValueError(
                 f"verifier must have an extract(response) method, {type(verifier).__name__} has not"
             )
-        if group_size is not None and group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        at_least("group_size", group_size, 1)
         if not 0.0 <= min_vote_share <= 1.0:
             raise ValueError(f"min_vote_share must be in [0, 1], got {min_vote_share}")
         self.verifier = verifier

@@ -125,7 +125,7 @@ def test_learns_evaluates_and_exports_what_reward_model_and_transformers_load(tm
     prompts = ["apple river?", "stone lamp?", "north tiger?"]
     responses = ["river apple yes", "lamp stone no", "tiger north yes"]
     scores = rm(Sample.batch(prompts, responses))
-    seqs = rm.tokenize(prompts, responses)
+    seqs = rm.encode(prompts, responses)[0]
     with torch.no_grad():
         want = torch.stack(
             [
@@ -379,7 +379,7 @@ _LORA = {"rank": 4, "alpha": 8}
 
 
 def _scores(net, rm, prompts, responses) -> torch.Tensor:
-    seqs = rm.tokenize(prompts, responses)
+    seqs = rm.encode(prompts, responses)[0]
     with torch.no_grad():
         return torch.stack(
             [

@@ -60,14 +60,14 @@ def test_classifier_scores_match_hf_and_are_batch_invariant(classifier_dir):
     from transformers import AutoModelForSequenceClassification
 
     rm1 = RewardModel(str(classifier_dir), micro_batch_size=1)
-    assert rm1.chat_template and not rm1.backbone.training
+    assert rm1.chat_template and not rm1.net.base.training
     s1 = rm1(Sample.batch(PROMPTS, RESPONSES))
     assert s1.shape == (len(PROMPTS),) and s1.dtype == torch.float32 and not s1.requires_grad
     assert s1.std() > 1e-3, "scores of different texts should differ"
     # HF's own pooling on each sequence alone (no padding, so it finds the last token).
     hf = AutoModelForSequenceClassification.from_pretrained(classifier_dir, num_labels=1).eval()
     with torch.no_grad():
-        for i, ids in enumerate(rm1.tokenize(PROMPTS, RESPONSES)):
+        for i, ids in enumerate(rm1.encode(PROMPTS, RESPONSES)[0]):
             ref = hf(input_ids=torch.tensor([ids])).logits[0, 0]
             torch.testing.assert_close(s1[i], ref, atol=1e-5, rtol=1e-5)
     for mbs, side in ((4, "right"), (4, "left"), (3, "left"), (6, "right")):
@@ -91,9 +91,9 @@ def test_render_uses_the_chat_template(classifier_dir):
 def test_truncation_keeps_the_end(classifier_dir):
     rm = RewardModel(str(classifier_dir), max_length=16, micro_batch_size=2)
     long_prompt = "a long prompt " * 10
-    ids = rm.tokenize([long_prompt], ["answer"])[0]
+    ids = rm.encode([long_prompt], ["answer"])[0][0]
     assert len(ids) == 16
-    full = RewardModel(str(classifier_dir)).tokenize([long_prompt], ["answer"])[0]
+    full = RewardModel(str(classifier_dir)).encode([long_prompt], ["answer"])[0][0]
     assert ids == full[-16:]
     torch.testing.assert_close(
         rm(Sample.batch([long_prompt, "x"], ["answer", "y"]))[0], rm.score_ids([full[-16:]])[0]
@@ -105,8 +105,8 @@ def test_sequence_ending_in_pad_token_is_read_at_its_end(classifier_dir):
     rm = RewardModel(str(classifier_dir), micro_batch_size=2)
     seq = [10, 11, 12, rm.pad_id]
     with torch.no_grad():
-        hidden = rm.backbone(input_ids=torch.tensor([seq])).last_hidden_state
-        ref = rm.head(hidden[0, -1])[0]
+        hidden = rm.net.base(input_ids=torch.tensor([seq])).last_hidden_state
+        ref = rm.net.head(hidden[0, -1])[0]
     torch.testing.assert_close(rm.score_ids([seq, [5, 6]])[0], ref, atol=1e-5, rtol=1e-5)
 
 
@@ -114,12 +114,12 @@ def test_value_head_layout(value_head_dir):
     from transformers import AutoModel
 
     rm = RewardModel(str(value_head_dir), micro_batch_size=4, padding_side="left")
-    assert rm.head.bias is not None
+    assert rm.net.head.bias is not None
     scores = rm(Sample.batch(PROMPTS, RESPONSES))
     backbone = AutoModel.from_pretrained(value_head_dir).eval()
     w = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        for i, ids in enumerate(rm.tokenize(PROMPTS, RESPONSES)):
+        for i, ids in enumerate(rm.encode(PROMPTS, RESPONSES)[0]):
             h = backbone(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]  # [H]
             torch.testing.assert_close(scores[i], (h @ w[0]) + 0.5, atol=1e-5, rtol=1e-5)
     scaled = RewardModel(str(value_head_dir), micro_batch_size=1, scale=2.0, bias=-1.0)
@@ -250,5 +250,5 @@ def test_likelihood_export_scores_the_assistant_turn_batch_invariant_and_cut(
     # A cut drops the prompt's start: the response's tokens are the same, in a shorter context.
     cut = RewardModel(str(tmp_path / "ll"), max_length=24)
     (seq,), (start,) = cut.encode([PROMPTS[3]], [RESPONSES[3]])
-    assert seq == cut.tokenize([PROMPTS[3]], [RESPONSES[3]])[0] and len(seq) == 24
+    assert seq == cut.encode([PROMPTS[3]], [RESPONSES[3]])[0][0] and len(seq) == 24
     assert tok.decode(seq[start:]) == RESPONSES[3] + "<|im_end|>\n"
