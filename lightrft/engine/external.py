@@ -2,7 +2,8 @@
 
 - :func:`tp_groups`: the consecutive-rank tensor-parallel groups of colocated engines.
 - :func:`collapse_placeholders`: a media item's expanded placeholder run back to one token, the
-  form both engines' own processors expand again.
+  form both engines' own processors expand again (:func:`collapse_media`: every kind of a
+  request's media).
 - :func:`hf_weight_names`: the HF parameter names ``load_weights`` accepts and those a level-2
   sleep must see reloaded.
 - :class:`RNGState`: the trainer's RNG states, saved before an engine seeds the process's
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightrft.data.media import Media
 from lightrft.engine.protocol import (
     Completion,
     Continuation,
@@ -71,6 +73,33 @@ def collapse_placeholders(
     if k != len(num_tokens):
         raise ValueError(f"the prompt places {k} of its {len(num_tokens)} {kind}s")
     return out
+
+
+# What a request is told when it carries a kind of media the model has no placeholder for.
+NO_PLACEHOLDER = {
+    "audio": "the request has audio but the model is not audio-language",
+    "image": "the request has images but the model is not vision-language",
+    "video": "the request has videos but the model takes no video",
+}
+
+
+def collapse_media(ids: Sequence[int], media: Media, tokens: dict[str, int | None]) -> list[int]:
+    """``ids`` with the placeholder run of every media item collapsed to one token, kind by kind
+    in the order of ``tokens`` (kind -> the model's placeholder id, None: it takes none)."""
+    if not isinstance(media, Media):
+        raise ValueError(
+            f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
+            "give (lightrft.data.media)"
+        )
+    ids = list(ids)
+    for kind, token in tokens.items():
+        value = getattr(media, kind)
+        if value is None:
+            continue
+        if token is None:
+            raise ValueError(NO_PLACEHOLDER[kind])
+        ids = collapse_placeholders(ids, token, value.num_tokens, kind=kind)
+    return ids
 
 
 def hf_weight_names(config) -> tuple[set[str], set[str]]:

@@ -80,7 +80,7 @@ from lightrft.engine.external import (
     RNGState,
     Trajectory,
     check_finish_reason,
-    collapse_placeholders,
+    collapse_media,
     continue_in_rounds,
     hf_weight_names,
     turn_seed,
@@ -152,22 +152,13 @@ def sglang_prompt(
     """``(input_ids, images)`` of a request whose ids hold expanded image placeholders."""
     if media is None:
         return list(ids), None
-    if not isinstance(media, Media):
-        raise ValueError(
-            f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
-            "give (lightrft.data.media)"
-        )
+    collapsed = collapse_media(ids, media, {"image": image_token_id})
     if media.audio is not None or media.video is not None:
         kind = "audio" if media.audio is not None else "video"
         raise ValueError(
             f"SGLangEngine takes images only; for {kind} use NativeEngine or VLLMEngine"
         )
-    if media.image is None:
-        return list(ids), None
-    if image_token_id is None:
-        raise ValueError("the request has images but the model is not vision-language")
-    collapsed = collapse_placeholders(ids, image_token_id, media.image.num_tokens)
-    return collapsed, list(media.image.images)
+    return collapsed, None if media.image is None else list(media.image.images)
 
 
 def sample_from_output(out: dict[str, Any], request: int, sample: int) -> tuple:

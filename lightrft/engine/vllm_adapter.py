@@ -62,12 +62,12 @@ from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
     RNGState,
-    Trajectory,
     check_finish_reason,
-    collapse_placeholders,
+    collapse_media,
     continue_in_rounds,
     hf_weight_names,
     tp_groups,
+    turn_seed,
 )
 from lightrft.engine.protocol import (
     Completion,
@@ -502,35 +502,17 @@ def vllm_prompt(
     prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
     if media is None:
         return prompt
-    if not isinstance(media, Media):
-        raise ValueError(
-            f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
-            "give (lightrft.data.media)"
-        )
+    tokens = {"audio": audio_token_id, "image": image_token_id, "video": video_token_id}
+    prompt["prompt_token_ids"] = collapse_media(ids, media, tokens)
     mm: dict[str, Any] = {}
     if media.audio is not None:
-        if audio_token_id is None:
-            raise ValueError("the request has audio but the model is not audio-language")
-        prompt["prompt_token_ids"] = collapse_placeholders(
-            prompt["prompt_token_ids"], audio_token_id, media.audio.num_tokens, kind="audio"
-        )
         mm["audio"] = [(wave, media.audio.sampling_rate) for wave in media.audio.audios]
     if media.image is not None:
-        if image_token_id is None:
-            raise ValueError("the request has images but the model is not vision-language")
-        prompt["prompt_token_ids"] = collapse_placeholders(
-            prompt["prompt_token_ids"], image_token_id, media.image.num_tokens
-        )
         mm["image"] = list(media.image.images)
         if media.image.processor_kwargs:
             prompt["mm_processor_kwargs"] = dict(media.image.processor_kwargs)
     if media.video is not None:
-        if video_token_id is None:
-            raise ValueError("the request has videos but the model takes no video")
         video = media.video
-        prompt["prompt_token_ids"] = collapse_placeholders(
-            prompt["prompt_token_ids"], video_token_id, video.num_tokens, kind="video"
-        )
         mm["video"] = [
             (
                 frames,
@@ -1019,17 +1001,37 @@ class VLLMEngine:
             [self._bias(params[i], first_token) for i in index],
         )
 
-    def _next_turn(self, out: Any, c: Completion, p: SamplingParams) -> tuple:
-        """``(ids, log-probs, finish reason)`` of the ``n=1`` request that went on with ``c``."""
-        sample = out.outputs[0]
-        ids = list(sample.token_ids)
-        reason = check_finish_reason(sample.finish_reason, "vLLM", c.request_index, c.sample_index)
-        return ids, _sampled_logprobs(ids, sample.logprobs, self._bias(p)), reason
+    def _sample_on(
+        self, requests: list[Request], going: list[tuple[Completion, SamplingParams, int, Any]]
+    ) -> list[tuple[list[int], list[float], str]]:
+        """One ``n=1`` request per ``(completion, params, max_tokens, seed)`` that goes on from
+        its prompt + response so far (the prompt's log-probs were asked on turn 1): the
+        ``(ids, log-probs, finish reason)`` each sampled."""
+        outs = self._llm_generate(
+            [
+                self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
+                for c, *_ in going
+            ],
+            [
+                self._params(p, n=1, max_tokens=m, seed=seed, prompt_logprobs=None)
+                for _, p, m, seed in going
+            ],
+        )
+        result = []
+        for (c, p, *_), out in zip(going, outs, strict=True):
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            reason = check_finish_reason(
+                sample.finish_reason, "vLLM", c.request_index, c.sample_index
+            )
+            result.append((ids, _sampled_logprobs(ids, sample.logprobs, self._bias(p)), reason))
+        return result
 
     def _generate_fire(
         self, requests: list[Request], params: list[SamplingParams], index: list[int]
     ) -> list[Completion]:
-        """FIRE in two passes: n first tokens at the hot temperature, then one continuation each."""
+        """FIRE in two passes: n first tokens at the hot temperature, then one continuation each
+        (a distinct stream per sample: :func:`~lightrft.engine.external.turn_seed`)."""
         firsts = self._generate_batch(requests, params, index, first_token=True)
         todo = [
             c
@@ -1038,24 +1040,16 @@ class VLLMEngine:
         ]
         if not todo:
             return firsts
-        rest_prompts, rest_params = [], []
+        going = []
         for c in todo:
             p = params[c.request_index]
-            # A distinct stream per sample: each continuation is its own n=1 request.
-            seed = None if p.seed is None else p.seed + 1_000_003 * (c.sample_index + 1)
-            rest_params.append(
-                self._params(p, n=1, max_tokens=p.max_tokens - 1, seed=seed, prompt_logprobs=None)
-            )
-            rest_prompts.append(
-                self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
-            )
-        rests = self._llm_generate(rest_prompts, rest_params)
+            going.append((c, p, p.max_tokens - 1, turn_seed(p.seed, c.sample_index, 0)))
         tokenizer = self.llm.get_tokenizer()
-        for c, out in zip(todo, rests, strict=True):
-            p = params[c.request_index]
-            ids, lps, c.finish_reason = self._next_turn(out, c, p)
-            c.token_ids = c.token_ids + ids
-            c.logprobs = c.logprobs + lps
+        for (c, p, *_), (ids, lps, reason) in zip(
+            going, self._sample_on(requests, going), strict=True
+        ):
+            c.token_ids, c.logprobs = c.token_ids + ids, c.logprobs + lps
+            c.finish_reason = reason
             if p.detokenize:
                 c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return firsts
@@ -1068,31 +1062,16 @@ class VLLMEngine:
         continuation: Continuation,
     ) -> list[Completion]:
         """Later turns, in rounds (:func:`~lightrft.engine.external.continue_in_rounds`): each
-        trajectory that goes on is one ``n=1`` request of prompt + response so far (the prompt's
-        log-probs were asked on turn 1)."""
-
-        def sample_round(going: list[Trajectory]) -> list[tuple[list[int], list[float], str]]:
-            prompts, sampling = [], []
-            for t in going:
-                c, p = t.completion, t.params
-                prompts.append(
-                    self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
-                )
-                sampling.append(
-                    self._params(p, n=1, max_tokens=t.max_tokens, seed=t.seed, prompt_logprobs=None)
-                )
-            outs = self._llm_generate(prompts, sampling)
-            return [
-                self._next_turn(o, t.completion, t.params) for t, o in zip(going, outs, strict=True)
-            ]
-
+        trajectory that goes on is one ``n=1`` request of prompt + response so far."""
         tokenizer = self.llm.get_tokenizer()
         return continue_in_rounds(
             firsts,
             params,
             [self._budget(c, params[c.request_index]) for c in firsts],
             continuation,
-            sample_round,
+            lambda going: self._sample_on(
+                requests, [(t.completion, t.params, t.max_tokens, t.seed) for t in going]
+            ),
             vocab_size=self.vocab_size,
             forbidden=set(self.suppress_token_ids),
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
