@@ -6,7 +6,7 @@
   request's media).
 - :func:`hf_weight_names`: the HF parameter names ``load_weights`` accepts and those a level-2
   sleep must see reloaded.
-- :class:`RNGState`: the trainer's RNG states, saved before an engine seeds the process's
+- :func:`kept_rng_state`: the trainer's RNG states, saved before an engine seeds the process's
   generators and restored after.
 - The multi-turn loop of an engine whose ``generate`` blocks until its whole batch is done:
   :func:`continue_in_rounds` over :class:`Trajectory` objects, with :func:`turn_seed` giving
@@ -15,11 +15,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lightrft.data.media import Media
@@ -119,31 +121,18 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
     return accepted, {name for name, _ in model.named_parameters()}
 
 
-class RNGState:
+@contextlib.contextmanager
+def kept_rng_state() -> Iterator[None]:
     """Python, NumPy, CPU and CUDA RNG states, saved before an external engine starts and
     restored after: engines seed the global generators of the process they run in, and the
     trainer's data order and dropout must not change because an engine was built."""
-
-    def __init__(self) -> None:
-        self.python = random.getstate()
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        try:
-            import numpy as np
-
-            self.numpy = np.random.get_state()
-        except ImportError:
-            self.numpy = None
-
-    def restore(self) -> None:
-        random.setstate(self.python)
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.numpy is not None:
-            import numpy as np
-
-            np.random.set_state(self.numpy)
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 def turn_seed(seed: int | None, sample_index: int, turn: int) -> int | None:

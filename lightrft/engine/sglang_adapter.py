@@ -77,12 +77,12 @@ import torch
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
-    RNGState,
     Trajectory,
     check_finish_reason,
     collapse_media,
     continue_in_rounds,
     hf_weight_names,
+    kept_rng_state,
     turn_seed,
 )
 from lightrft.engine.protocol import (
@@ -229,21 +229,20 @@ class SGLangEngine:
         self.deterministic = deterministic
         self.enable_sleep_mode = enable_sleep_mode
         self._weights_backup = bool(engine_kwargs.get("enable_weights_cpu_backup", False))
-        rng = RNGState()
-        self.llm = sgl.Engine(
-            model_path=str(model),
-            tp_size=1,
-            base_gpu_id=gpu,
-            random_seed=seed + rank,
-            dtype=str(self.dtype).removeprefix("torch."),
-            context_length=max_model_len,
-            mem_fraction_static=gpu_memory_utilization,
-            max_running_requests=max_num_seqs,
-            enable_memory_saver=enable_sleep_mode,
-            enable_deterministic_inference=deterministic,
-            **engine_kwargs,
-        )
-        rng.restore()
+        with kept_rng_state():
+            self.llm = sgl.Engine(
+                model_path=str(model),
+                tp_size=1,
+                base_gpu_id=gpu,
+                random_seed=seed + rank,
+                dtype=str(self.dtype).removeprefix("torch."),
+                context_length=max_model_len,
+                mem_fraction_static=gpu_memory_utilization,
+                max_running_requests=max_num_seqs,
+                enable_memory_saver=enable_sleep_mode,
+                enable_deterministic_inference=deterministic,
+                **engine_kwargs,
+            )
         hf_config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self._setup(hf_config, int(self.llm.tokenizer_manager.context_len), seed + rank)

@@ -61,11 +61,11 @@ from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
-    RNGState,
     check_finish_reason,
     collapse_media,
     continue_in_rounds,
     hf_weight_names,
+    kept_rng_state,
     tp_groups,
     turn_seed,
 )
@@ -689,7 +689,6 @@ class VLLMEngine:
         if self.on_cpu and tensor_parallel_size > 1:
             _unique_cpu_shm_names()
         self.enable_sleep_mode = bool(enable_sleep_mode)
-        rng = RNGState()
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         # (cpu_worker.py); the trainer shares the process and keeps its own thread settings.
         set_num_threads = torch.set_num_threads
@@ -699,23 +698,23 @@ class VLLMEngine:
         if kv_cache_memory_bytes is not None:
             memory["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         try:
-            self.llm = vllm.LLM(
-                model=str(model),
-                tensor_parallel_size=tensor_parallel_size,
-                distributed_executor_backend="external_launcher",
-                enable_sleep_mode=self.enable_sleep_mode,
-                seed=seed + rank // tensor_parallel_size,
-                dtype=self.dtype,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                enable_prefix_caching=enable_prefix_caching,
-                logprobs_mode="processed_logprobs",
-                **memory,
-                **llm_kwargs,
-            )
+            with kept_rng_state():
+                self.llm = vllm.LLM(
+                    model=str(model),
+                    tensor_parallel_size=tensor_parallel_size,
+                    distributed_executor_backend="external_launcher",
+                    enable_sleep_mode=self.enable_sleep_mode,
+                    seed=seed + rank // tensor_parallel_size,
+                    dtype=self.dtype,
+                    max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs,
+                    enable_prefix_caching=enable_prefix_caching,
+                    logprobs_mode="processed_logprobs",
+                    **memory,
+                    **llm_kwargs,
+                )
         finally:
             torch.set_num_threads = set_num_threads
-            rng.restore()
         self._vllm = vllm
         _quiet_shutdown_at_exit(self.llm, tensor_parallel_size)
         hf_config = self.llm.llm_engine.model_config.hf_config
