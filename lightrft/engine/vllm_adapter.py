@@ -473,13 +473,6 @@ def vllm_sampling_kwargs(
     return kwargs
 
 
-def suppression_bias(p: SamplingParams, *, first_token: bool = False) -> float:
-    """The logit bias of a suppressed id as vLLM's processed log-probs see it: over the
-    temperature (greedy rows report log-probs at temperature 1)."""
-    t = p.first_token_temperature if first_token else p.temperature
-    return MEDIA_LOGIT_BIAS / (t if t and t > 0 else 1.0)
-
-
 def vllm_prompt(
     ids: Sequence[int],
     media: Media | None,
@@ -536,7 +529,7 @@ def vllm_prompt(
 def _sampled_logprobs(token_ids: Sequence[int], logprobs, bias: float = 0.0) -> list[float]:
     """Per-token log-probs from vLLM's ``CompletionOutput.logprobs`` (one dict per token).
 
-    With suppressed ids (``bias``: :func:`suppression_bias`, their entries beside the sampled
+    With suppressed ids (``bias``: :meth:`VLLMEngine._bias`, their entries beside the sampled
     token's), the log-probs are given back without the suppression, as the native engine and the
     trainer compute them: vLLM's processed log-probs renormalise over the ids the bias leaves,
     so each is lowered by ``log(1 + S)``, ``S`` the suppressed ids' unbiased mass over the rest,
@@ -562,7 +555,7 @@ def completions_from_outputs(
     biases: Sequence[float] | None = None,
 ) -> list[Completion]:
     """Our completions from vLLM ``RequestOutput``s (one per request, ``n`` outputs each);
-    ``biases``: per request, :func:`suppression_bias` where media ids are suppressed."""
+    ``biases``: per request, :meth:`VLLMEngine._bias` where media ids are suppressed."""
     result = []
     biases = [0.0] * len(outputs) if biases is None else biases
     for out, i, prompt, bias in zip(outputs, request_index, prompts, biases, strict=True):
@@ -967,8 +960,11 @@ class VLLMEngine:
         return self._vllm.SamplingParams(**{**kwargs, **overrides})
 
     def _bias(self, p: SamplingParams, first_token: bool = False) -> float:
-        """:func:`suppression_bias` where this model's media ids are suppressed, else 0."""
-        return suppression_bias(p, first_token=first_token) if self.suppress_token_ids else 0.0
+        """The logit bias of a suppressed media id as vLLM's processed log-probs see it: over
+        the temperature (greedy rows report log-probs at temperature 1); 0 where this model's
+        media ids are not suppressed."""
+        t = p.first_token_temperature if first_token else p.temperature
+        return MEDIA_LOGIT_BIAS / (t if t and t > 0 else 1.0) if self.suppress_token_ids else 0.0
 
     def _generate_all(
         self, requests: list[Request], params: list[SamplingParams]
