@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import inspect
 import itertools
 import math
@@ -181,7 +182,8 @@ class SchedulerStats:
 
 @dataclass
 class _RowState:
-    """Per-trajectory state of one ``generate`` (all tensors [R] unless noted).
+    """Per-trajectory state of one ``generate`` (all tensors [R] unless noted; each row's
+    request and sample index are :class:`_Trajectories`' ``request`` and ``sample``).
 
     Response index and sample count of a decoding row grow by one per step, so the loop keeps
     them as offsets from the step counter (``shift``, ``kshift``), set when a row is admitted
@@ -189,8 +191,6 @@ class _RowState:
     bookkeeping on the host.
     """
 
-    request: torch.Tensor  # index into the caller's request list
-    sample: torch.Tensor  # sample index within the request
     seed: torch.Tensor
     temperature: torch.Tensor
     first_temperature: torch.Tensor
@@ -489,7 +489,11 @@ class NativeEngine:
         if continuation is not None:
             pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
         try:
-            run = _Trajectories(params, requests, continuation, pool, self._observation_check)
+            forbidden = () if self.suppress_ids is None else set(self.suppress_ids.tolist())
+            check = functools.partial(
+                check_observation, vocab_size=self.vocab_size, forbidden=forbidden
+            )
+            run = _Trajectories(params, requests, continuation, pool, check)
             return self._generate_all(
                 prompts, params, seeds, run, rows, requests, prior, token_budget
             )
@@ -649,10 +653,6 @@ class NativeEngine:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def _observation_check(self, obs: object, turn: Turn) -> list[int] | None:
-        forbidden = () if self.suppress_ids is None else set(self.suppress_ids.tolist())
-        return check_observation(obs, turn, self.vocab_size, forbidden)
-
     def _generate_all(
         self,
         prompts: list[list[int]],
@@ -679,9 +679,9 @@ class NativeEngine:
         dev = self.device
         plen, max_new = self._lengths(prompts, params, prior)
         total = plen + max_new
-        state = self._row_state(prompts, params, seeds, requests, prior, plen)
+        state = self._row_state(prompts, params, seeds, run, prior, plen)
         run.budget = state.max_new.tolist()
-        n_rows = state.request.numel()
+        n_rows = len(run.request)
         cache = KVCache(self._kv_storage(cap, total), self.num_layers, cap, total)
         out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
         out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
@@ -797,7 +797,7 @@ class NativeEngine:
             self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
             step += 1
         self.stats.steps = step
-        return self._completions(state, requests, prompts, params, prompt_lp, out_tok, out_lp, run)
+        return self._completions(requests, prompts, params, prior, prompt_lp, out_tok, out_lp, run)
 
     def _prefill_prompts(
         self,
@@ -939,14 +939,14 @@ class NativeEngine:
         prompts: list[list[int]],
         params: list[SamplingParams],
         seeds: list[int],
-        requests: list[Request],
+        run: _Trajectories,
         prior: list[int],
         plen: int,
     ) -> _RowState:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
         order (a resumed request's one row is its ``Resume.sample_index``: its random
         stream); every prompt ends at slot ``plen``."""
-        req, smp_idx = _rows(params, requests)
+        req, smp_idx = run.request, run.sample
         per_row = [params[i] for i in req]
         stops = [torch.tensor(self._stop_ids(p), dtype=torch.long) for p in per_row]
         stop_ids = pad_sequence(stops, batch_first=True, padding_value=-1)  # [R, S]
@@ -957,8 +957,6 @@ class NativeEngine:
 
         request_seed = vec([seeds[i] for i in req], torch.long)
         return _RowState(
-            request=vec(req, torch.long),
-            sample=vec(smp_idx, torch.long),
             seed=smp.row_seeds(request_seed, vec(smp_idx, torch.long)),
             temperature=vec([p.temperature for p in per_row]),
             first_temperature=vec(
@@ -1000,10 +998,10 @@ class NativeEngine:
 
     def _completions(
         self,
-        state: _RowState,
         requests: list[Request],
         prompts: list[list[int]],
         params: list[SamplingParams],
+        prior: list[int],
         prompt_lp: dict[int, list[float]],
         out_tok: torch.Tensor,
         out_lp: torch.Tensor,
@@ -1012,7 +1010,7 @@ class NativeEngine:
         """One completion per row, in row order: (request, sample). A resumed row's response
         starts with its ``Resume`` tokens and log-probs."""
         toks, lps = out_tok.tolist(), out_lp.tolist()
-        req, smp_idx, prior = state.request.tolist(), state.sample.tolist(), state.prior.tolist()
+        req, smp_idx = run.request, run.sample
         multi = run.continuation is not None
         result = []
         for r in range(len(req)):
@@ -1029,7 +1027,7 @@ class NativeEngine:
                     request_index=i,
                     sample_index=smp_idx[r],
                     # The prompt as the engine kept it (its end, when truncated).
-                    prompt_token_ids=prompts[i][: len(prompts[i]) - prior[r]],
+                    prompt_token_ids=prompts[i][: len(prompts[i]) - prior[i]],
                     token_ids=ids,
                     logprobs=lp,
                     finish_reason=run.reason[r],
@@ -1076,16 +1074,6 @@ class _Slots:
         self.keep, self.back, self.keep_shift = self.active, 0, self.active_shift
 
 
-def _rows(params: list[SamplingParams], requests: list[Request]) -> tuple[list[int], list[int]]:
-    """Each row's request and sample index, in (request, sample) order: ``n`` rows a request,
-    and a resumed request's one row keeps its ``Resume.sample_index``."""
-    req, smp = [], []
-    for i, (p, r) in enumerate(zip(params, requests, strict=True)):
-        req += [i] * p.n
-        smp += list(range(p.n)) if r.resume is None else [r.resume.sample_index]
-    return req, smp
-
-
 class _Trajectories:
     """Host-side bookkeeping of a call's trajectories: turn spans, where each ended and why,
     and the continuations running on the pool."""
@@ -1098,7 +1086,13 @@ class _Trajectories:
         pool: ThreadPoolExecutor | None,
         check: Callable[[object, Turn], list[int] | None],
     ) -> None:
-        self.request, self.sample = _rows(params, requests)
+        # Each row's request and sample index, in (request, sample) order: ``n`` rows a
+        # request, and a resumed request's one row keeps its ``Resume.sample_index``.
+        self.request: list[int] = []
+        self.sample: list[int] = []
+        for i, (p, r) in enumerate(zip(params, requests, strict=True)):
+            self.request += [i] * p.n
+            self.sample += list(range(p.n)) if r.resume is None else [r.resume.sample_index]
         self.max_turns = [params[i].max_turns for i in self.request]
         self.budget: list[int] = []  # set by the engine: response budget per row
         self.continuation, self.pool, self.check = continuation, pool, check
