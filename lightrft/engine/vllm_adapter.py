@@ -548,6 +548,15 @@ def _sampled_logprobs(token_ids: Sequence[int], logprobs, bias: float = 0.0) -> 
     return result
 
 
+def _sample_of(sample: Any, i: int, j: int, bias: float, finished: bool = True) -> tuple:
+    """``(ids, log-probs, finish reason)`` of one vLLM ``CompletionOutput``, sample ``j`` of
+    request ``i`` (``bias``: as in :func:`_sampled_logprobs`; not ``finished``: cut by a token
+    budget, ``"partial"``)."""
+    ids = list(sample.token_ids)
+    reason = check_finish_reason(sample.finish_reason, "vLLM", i, j) if finished else "partial"
+    return ids, _sampled_logprobs(ids, sample.logprobs, bias) if ids else [], reason
+
+
 def completions_from_outputs(
     outputs: Sequence[Any],
     request_index: Sequence[int],
@@ -567,15 +576,14 @@ def completions_from_outputs(
                 for tok, step in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
             ]
         for sample in out.outputs:
-            reason = check_finish_reason(sample.finish_reason, "vLLM", i, sample.index)
-            ids = list(sample.token_ids)
+            ids, lps, reason = _sample_of(sample, i, sample.index, bias)
             result.append(
                 Completion(
                     request_index=i,
                     sample_index=sample.index,
                     prompt_token_ids=list(prompt),
                     token_ids=ids,
-                    logprobs=_sampled_logprobs(ids, sample.logprobs, bias),
+                    logprobs=lps,
                     finish_reason=reason,
                     text=sample.text if sample.text else None,
                     prompt_logprobs=prompt_lp,
@@ -913,15 +921,13 @@ class VLLMEngine:
             engine.abort_request(cut)
         tokenizer, result = self.llm.get_tokenizer(), []
         for rid, (i, j, ids, lps) in rows.items():
-            sample = latest[rid].outputs[0] if rid in latest else None
-            new = list(sample.token_ids) if sample is not None else []
-            reason = "partial"
-            if rid not in cut:
-                reason = check_finish_reason(sample.finish_reason, "vLLM", i, j)
-            ids = ids + new
-            lps = lps + (
-                _sampled_logprobs(new, sample.logprobs, self._bias(params[i])) if new else []
-            )
+            new, new_lps, reason = ([], [], "partial")
+            if rid in latest:
+                sample = latest[rid].outputs[0]
+                new, new_lps, reason = _sample_of(
+                    sample, i, j, self._bias(params[i]), rid not in cut
+                )
+            ids, lps = ids + new, lps + new_lps
             text = tokenizer.decode(ids, skip_special_tokens=True) if params[i].detokenize else None
             prompt = list(requests[i].prompt_token_ids)
             result.append(Completion(i, j, prompt, ids, lps, reason, text))  # type: ignore[arg-type]
@@ -1012,15 +1018,10 @@ class VLLMEngine:
                 for _, p, m, seed in going
             ],
         )
-        result = []
-        for (c, p, *_), out in zip(going, outs, strict=True):
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
-            reason = check_finish_reason(
-                sample.finish_reason, "vLLM", c.request_index, c.sample_index
-            )
-            result.append((ids, _sampled_logprobs(ids, sample.logprobs, self._bias(p)), reason))
-        return result
+        return [
+            _sample_of(out.outputs[0], c.request_index, c.sample_index, self._bias(p))
+            for (c, p, *_), out in zip(going, outs, strict=True)
+        ]
 
     def _generate_fire(
         self, requests: list[Request], params: list[SamplingParams], index: list[int]
