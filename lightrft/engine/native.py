@@ -134,16 +134,10 @@ class KVCache:
         values[row, :, slot] = value
         return keys[:, :, : self.end], values[:, :, : self.end]
 
-    def expand(self, src_rows: torch.Tensor, length: int, first: int = 0) -> None:
-        """Rows ``first..first+len(src_rows)-1`` become copies of rows ``src_rows`` (first
-        ``length`` slots); the sources are read before anything is written, so the two ranges
-        may overlap."""
-        n = src_rows.numel()
-        self.kv[:, :, first : first + n, :, :length] = self.kv[:, :, src_rows, :, :length]
-
     def reorder(self, src: list[int], length: int) -> None:
         """Row ``i`` becomes old row ``src[i]`` (first ``length`` slots); only rows that change
-        place are copied, and rows whose source is -1 (a newcomer, prefilled next) not at all."""
+        place are copied, and rows whose source is -1 (a newcomer, prefilled next; a row left
+        as it is) not at all. The sources are read before anything is written."""
         moved = [i for i, j in enumerate(src) if i != j and j >= 0]
         if moved:
             dev = self.kv.device
@@ -768,11 +762,9 @@ class NativeEngine:
                     )
                     prompt_lp.update(lp)
                     # The n samples of a prompt start from copies of its prefilled row.
-                    src = torch.repeat_interleave(
-                        torch.arange(len(new), device=dev),
-                        torch.tensor([params[i].n for i in new], device=dev),
-                    )
-                    cache.expand(lo + src, plen, first=lo)
+                    src_rows = [k for k, i in enumerate(new) for _ in range(params[i].n)]
+                    cache.reorder([-1] * lo + [lo + k for k in src_rows], plen)
+                    src = torch.tensor(src_rows, device=dev)
                     state.delta[idx] = delta[src]
                 live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
                 s = _select(state, live)
