@@ -240,8 +240,7 @@ class NativeEngine:
 
         at_least("max_num_seqs", max_num_seqs, 1)
         at_least("max_prefill_tokens", max_prefill_tokens, 1)
-        if max_kv_tokens is not None and max_kv_tokens < 1:
-            raise ValueError(f"max_kv_tokens must be >= 1 or None, got {max_kv_tokens}")
+        at_least("max_kv_tokens", max_kv_tokens, 1)  # None: unbounded
         if isinstance(model, nn.Module):
             src_device = next(model.parameters()).device
             self.device = torch.device(device) if device is not None else src_device
@@ -767,9 +766,9 @@ class NativeEngine:
                     src = torch.tensor(src_rows, device=dev)
                     state.delta[idx] = delta[src]
                 live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
-                s = _select(state, live)
-            else:
-                slots.decode_all()
+                s = _RowState(**{k: v[live] for k, v in vars(state).items()})
+            else:  # nothing changed place: every active row decodes this step
+                slots.keep, slots.back, slots.keep_shift = slots.active, 0, slots.active_shift
             parts = []
             if slots.keep:
                 t = plen + step
@@ -940,7 +939,14 @@ class NativeEngine:
         stream); every prompt ends at slot ``plen``."""
         req, smp_idx = run.request, run.sample
         per_row = [params[i] for i in req]
-        stops = [torch.tensor(self._stop_ids(p), dtype=torch.long) for p in per_row]
+        # A row's stop ids: its own, and the end-of-sequence ids unless it ignores them.
+        stops = [
+            torch.tensor(
+                [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)],
+                dtype=torch.long,
+            )
+            for p in per_row
+        ]
         stop_ids = pad_sequence(stops, batch_first=True, padding_value=-1)  # [R, S]
         dev = self.device
 
@@ -970,12 +976,6 @@ class NativeEngine:
             shift=vec([0] * len(req), torch.long),
             kshift=vec([0] * len(req), torch.long),
         )
-
-    def _stop_ids(self, p: SamplingParams) -> list[int]:
-        ids = list(p.stop_token_ids)
-        if not p.ignore_eos:
-            ids += [t for t in self.eos_token_ids if t not in ids]
-        return ids
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt: list[int], p: SamplingParams
@@ -1061,10 +1061,6 @@ class _Slots:
         self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
         return order
 
-    def decode_all(self) -> None:
-        """Nothing changed place: every active row decodes this step."""
-        self.keep, self.back, self.keep_shift = self.active, 0, self.active_shift
-
 
 class _Trajectories:
     """Host-side bookkeeping of a call's trajectories: turn spans, where each ended and why,
@@ -1147,10 +1143,6 @@ class _Trajectories:
         self.observed[r] += observed
         self.start[r] = length + observed
         return self.start[r] - next_step, sampled - next_step
-
-
-def _select(s: _RowState, keep: torch.Tensor) -> _RowState:
-    return _RowState(**{k: v[keep] for k, v in vars(s).items()})
 
 
 def _check_unsharded(model: nn.Module) -> None:
