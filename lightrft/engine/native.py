@@ -837,11 +837,14 @@ class NativeEngine:
             hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, W, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
-                i = reqs[r]
-                if params[i].prompt_logprobs:
-                    prompt_lp[i] = self._prompt_logprobs(
-                        hidden[r - r0, int(pad[r]) :], prompts[i], params[i]
+                i, p = reqs[r], params[reqs[r]]
+                if p.prompt_logprobs:  # prompt token t + 1 is scored from position t
+                    logits = self._logits(hidden[r - r0, int(pad[r]) : -1])  # [L - 1, V]
+                    targets = torch.tensor(prompts[i][1:], dtype=torch.long, device=dev)
+                    lp = smp.token_logprobs(
+                        logits, targets, p.temperature, max(p.top_k, 0), p.top_p
                     )
+                    prompt_lp[i] = lp.tolist()
         return self._logits(torch.cat(last_hidden)), torch.cat(deltas), prompt_lp
 
     def _sample(
@@ -976,17 +979,6 @@ class NativeEngine:
             shift=vec([0] * len(req), torch.long),
             kshift=vec([0] * len(req), torch.long),
         )
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, prompt: list[int], p: SamplingParams
-    ) -> list[float]:
-        # hidden: [L, H] for the prompt's own tokens; token t+1 is scored from position t.
-        if len(prompt) < 2:
-            return []
-        logits = self._logits(hidden[:-1])  # [L-1, V]
-        targets = torch.tensor(prompt[1:], device=logits.device)
-        lp = smp.token_logprobs(logits, targets, p.temperature, max(p.top_k, 0), p.top_p)
-        return lp.tolist()
 
     def _completions(
         self,
