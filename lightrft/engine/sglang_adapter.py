@@ -473,12 +473,10 @@ class SGLangEngine:
                 seed = turn_seed(bases[c.request_index], c.sample_index, len(t.spans))
                 sampling.append(self._sampling(t.params, t.max_tokens, seed))
             outs = self._run(prompts, sampling)
-            result = []
-            for t, out in zip(going, outs, strict=True):
-                c = t.completion
-                ids, lps, reason, _ = sample_from_output(out, c.request_index, c.sample_index)
-                result.append((ids, lps, reason))
-            return result
+            return [
+                sample_from_output(out, t.completion.request_index, t.completion.sample_index)[:3]
+                for t, out in zip(going, outs, strict=True)
+            ]
 
         return continue_in_rounds(
             firsts,
