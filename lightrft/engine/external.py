@@ -2,10 +2,11 @@
 
 - :func:`tp_groups`: the consecutive-rank tensor-parallel groups of colocated engines.
 - :func:`collapse_placeholders`: a media item's expanded placeholder run back to one token, the
-  form both engines' own processors expand again.
+  form both engines' own processors expand again (:func:`collapse_media`: every kind of a
+  request's media).
 - :func:`hf_weight_names`: the HF parameter names ``load_weights`` accepts and those a level-2
   sleep must see reloaded.
-- :class:`RNGState`: the trainer's RNG states, saved before an engine seeds the process's
+- :func:`kept_rng_state`: the trainer's RNG states, saved before an engine seeds the process's
   generators and restored after.
 - The multi-turn loop of an engine whose ``generate`` blocks until its whole batch is done:
   :func:`continue_in_rounds` over :class:`Trajectory` objects, with :func:`turn_seed` giving
@@ -14,13 +15,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from lightrft.data.media import Media
 from lightrft.engine.protocol import (
     Completion,
     Continuation,
@@ -73,6 +77,33 @@ def collapse_placeholders(
     return out
 
 
+# What a request is told when it carries a kind of media the model has no placeholder for.
+NO_PLACEHOLDER = {
+    "audio": "the request has audio but the model is not audio-language",
+    "image": "the request has images but the model is not vision-language",
+    "video": "the request has videos but the model takes no video",
+}
+
+
+def collapse_media(ids: Sequence[int], media: Media, tokens: dict[str, int | None]) -> list[int]:
+    """``ids`` with the placeholder run of every media item collapsed to one token, kind by kind
+    in the order of ``tokens`` (kind -> the model's placeholder id, None: it takes none)."""
+    if not isinstance(media, Media):
+        raise ValueError(
+            f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
+            "give (lightrft.data.media)"
+        )
+    ids = list(ids)
+    for kind, token in tokens.items():
+        value = getattr(media, kind)
+        if value is None:
+            continue
+        if token is None:
+            raise ValueError(NO_PLACEHOLDER[kind])
+        ids = collapse_placeholders(ids, token, value.num_tokens, kind=kind)
+    return ids
+
+
 def hf_weight_names(config) -> tuple[set[str], set[str]]:
     """``(accepted, required)`` HF parameter names of ``config``'s model (built on meta).
 
@@ -90,31 +121,18 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
     return accepted, {name for name, _ in model.named_parameters()}
 
 
-class RNGState:
+@contextlib.contextmanager
+def kept_rng_state() -> Iterator[None]:
     """Python, NumPy, CPU and CUDA RNG states, saved before an external engine starts and
     restored after: engines seed the global generators of the process they run in, and the
     trainer's data order and dropout must not change because an engine was built."""
-
-    def __init__(self) -> None:
-        self.python = random.getstate()
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        try:
-            import numpy as np
-
-            self.numpy = np.random.get_state()
-        except ImportError:
-            self.numpy = None
-
-    def restore(self) -> None:
-        random.setstate(self.python)
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.numpy is not None:
-            import numpy as np
-
-            np.random.set_state(self.numpy)
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 def turn_seed(seed: int | None, sample_index: int, turn: int) -> int | None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import inspect
 import itertools
 import math
@@ -133,16 +134,10 @@ class KVCache:
         values[row, :, slot] = value
         return keys[:, :, : self.end], values[:, :, : self.end]
 
-    def expand(self, src_rows: torch.Tensor, length: int, first: int = 0) -> None:
-        """Rows ``first..first+len(src_rows)-1`` become copies of rows ``src_rows`` (first
-        ``length`` slots); the sources are read before anything is written, so the two ranges
-        may overlap."""
-        n = src_rows.numel()
-        self.kv[:, :, first : first + n, :, :length] = self.kv[:, :, src_rows, :, :length]
-
     def reorder(self, src: list[int], length: int) -> None:
         """Row ``i`` becomes old row ``src[i]`` (first ``length`` slots); only rows that change
-        place are copied, and rows whose source is -1 (a newcomer, prefilled next) not at all."""
+        place are copied, and rows whose source is -1 (a newcomer, prefilled next; a row left
+        as it is) not at all. The sources are read before anything is written."""
         moved = [i for i, j in enumerate(src) if i != j and j >= 0]
         if moved:
             dev = self.kv.device
@@ -181,7 +176,8 @@ class SchedulerStats:
 
 @dataclass
 class _RowState:
-    """Per-trajectory state of one ``generate`` (all tensors [R] unless noted).
+    """Per-trajectory state of one ``generate`` (all tensors [R] unless noted; each row's
+    request and sample index are :class:`_Trajectories`' ``request`` and ``sample``).
 
     Response index and sample count of a decoding row grow by one per step, so the loop keeps
     them as offsets from the step counter (``shift``, ``kshift``), set when a row is admitted
@@ -189,8 +185,6 @@ class _RowState:
     bookkeeping on the host.
     """
 
-    request: torch.Tensor  # index into the caller's request list
-    sample: torch.Tensor  # sample index within the request
     seed: torch.Tensor
     temperature: torch.Tensor
     first_temperature: torch.Tensor
@@ -246,8 +240,7 @@ class NativeEngine:
 
         at_least("max_num_seqs", max_num_seqs, 1)
         at_least("max_prefill_tokens", max_prefill_tokens, 1)
-        if max_kv_tokens is not None and max_kv_tokens < 1:
-            raise ValueError(f"max_kv_tokens must be >= 1 or None, got {max_kv_tokens}")
+        at_least("max_kv_tokens", max_kv_tokens, 1)  # None: unbounded
         if isinstance(model, nn.Module):
             src_device = next(model.parameters()).device
             self.device = torch.device(device) if device is not None else src_device
@@ -489,7 +482,11 @@ class NativeEngine:
         if continuation is not None:
             pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
         try:
-            run = _Trajectories(params, requests, continuation, pool, self._observation_check)
+            forbidden = () if self.suppress_ids is None else set(self.suppress_ids.tolist())
+            check = functools.partial(
+                check_observation, vocab_size=self.vocab_size, forbidden=forbidden
+            )
+            run = _Trajectories(params, requests, continuation, pool, check)
             return self._generate_all(
                 prompts, params, seeds, run, rows, requests, prior, token_budget
             )
@@ -649,10 +646,6 @@ class NativeEngine:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def _observation_check(self, obs: object, turn: Turn) -> list[int] | None:
-        forbidden = () if self.suppress_ids is None else set(self.suppress_ids.tolist())
-        return check_observation(obs, turn, self.vocab_size, forbidden)
-
     def _generate_all(
         self,
         prompts: list[list[int]],
@@ -679,9 +672,9 @@ class NativeEngine:
         dev = self.device
         plen, max_new = self._lengths(prompts, params, prior)
         total = plen + max_new
-        state = self._row_state(prompts, params, seeds, requests, prior, plen)
+        state = self._row_state(prompts, params, seeds, run, prior, plen)
         run.budget = state.max_new.tolist()
-        n_rows = state.request.numel()
+        n_rows = len(run.request)
         cache = KVCache(self._kv_storage(cap, total), self.num_layers, cap, total)
         out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
         out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
@@ -768,16 +761,14 @@ class NativeEngine:
                     )
                     prompt_lp.update(lp)
                     # The n samples of a prompt start from copies of its prefilled row.
-                    src = torch.repeat_interleave(
-                        torch.arange(len(new), device=dev),
-                        torch.tensor([params[i].n for i in new], device=dev),
-                    )
-                    cache.expand(lo + src, plen, first=lo)
+                    src_rows = [k for k, i in enumerate(new) for _ in range(params[i].n)]
+                    cache.reorder([-1] * lo + [lo + k for k in src_rows], plen)
+                    src = torch.tensor(src_rows, device=dev)
                     state.delta[idx] = delta[src]
                 live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
-                s = _select(state, live)
-            else:
-                slots.decode_all()
+                s = _RowState(**{k: v[live] for k, v in vars(state).items()})
+            else:  # nothing changed place: every active row decodes this step
+                slots.keep, slots.back, slots.keep_shift = slots.active, 0, slots.active_shift
             parts = []
             if slots.keep:
                 t = plen + step
@@ -797,7 +788,7 @@ class NativeEngine:
             self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
             step += 1
         self.stats.steps = step
-        return self._completions(state, requests, prompts, params, prompt_lp, out_tok, out_lp, run)
+        return self._completions(requests, prompts, params, prior, prompt_lp, out_tok, out_lp, run)
 
     def _prefill_prompts(
         self,
@@ -846,11 +837,14 @@ class NativeEngine:
             hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, W, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
-                i = reqs[r]
-                if params[i].prompt_logprobs:
-                    prompt_lp[i] = self._prompt_logprobs(
-                        hidden[r - r0, int(pad[r]) :], prompts[i], params[i]
+                i, p = reqs[r], params[reqs[r]]
+                if p.prompt_logprobs:  # prompt token t + 1 is scored from position t
+                    logits = self._logits(hidden[r - r0, int(pad[r]) : -1])  # [L - 1, V]
+                    targets = torch.tensor(prompts[i][1:], dtype=torch.long, device=dev)
+                    lp = smp.token_logprobs(
+                        logits, targets, p.temperature, max(p.top_k, 0), p.top_p
                     )
+                    prompt_lp[i] = lp.tolist()
         return self._logits(torch.cat(last_hidden)), torch.cat(deltas), prompt_lp
 
     def _sample(
@@ -939,16 +933,23 @@ class NativeEngine:
         prompts: list[list[int]],
         params: list[SamplingParams],
         seeds: list[int],
-        requests: list[Request],
+        run: _Trajectories,
         prior: list[int],
         plen: int,
     ) -> _RowState:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
         order (a resumed request's one row is its ``Resume.sample_index``: its random
         stream); every prompt ends at slot ``plen``."""
-        req, smp_idx = _rows(params, requests)
+        req, smp_idx = run.request, run.sample
         per_row = [params[i] for i in req]
-        stops = [torch.tensor(self._stop_ids(p), dtype=torch.long) for p in per_row]
+        # A row's stop ids: its own, and the end-of-sequence ids unless it ignores them.
+        stops = [
+            torch.tensor(
+                [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)],
+                dtype=torch.long,
+            )
+            for p in per_row
+        ]
         stop_ids = pad_sequence(stops, batch_first=True, padding_value=-1)  # [R, S]
         dev = self.device
 
@@ -957,8 +958,6 @@ class NativeEngine:
 
         request_seed = vec([seeds[i] for i in req], torch.long)
         return _RowState(
-            request=vec(req, torch.long),
-            sample=vec(smp_idx, torch.long),
             seed=smp.row_seeds(request_seed, vec(smp_idx, torch.long)),
             temperature=vec([p.temperature for p in per_row]),
             first_temperature=vec(
@@ -981,29 +980,12 @@ class NativeEngine:
             kshift=vec([0] * len(req), torch.long),
         )
 
-    def _stop_ids(self, p: SamplingParams) -> list[int]:
-        ids = list(p.stop_token_ids)
-        if not p.ignore_eos:
-            ids += [t for t in self.eos_token_ids if t not in ids]
-        return ids
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, prompt: list[int], p: SamplingParams
-    ) -> list[float]:
-        # hidden: [L, H] for the prompt's own tokens; token t+1 is scored from position t.
-        if len(prompt) < 2:
-            return []
-        logits = self._logits(hidden[:-1])  # [L-1, V]
-        targets = torch.tensor(prompt[1:], device=logits.device)
-        lp = smp.token_logprobs(logits, targets, p.temperature, max(p.top_k, 0), p.top_p)
-        return lp.tolist()
-
     def _completions(
         self,
-        state: _RowState,
         requests: list[Request],
         prompts: list[list[int]],
         params: list[SamplingParams],
+        prior: list[int],
         prompt_lp: dict[int, list[float]],
         out_tok: torch.Tensor,
         out_lp: torch.Tensor,
@@ -1012,7 +994,7 @@ class NativeEngine:
         """One completion per row, in row order: (request, sample). A resumed row's response
         starts with its ``Resume`` tokens and log-probs."""
         toks, lps = out_tok.tolist(), out_lp.tolist()
-        req, smp_idx, prior = state.request.tolist(), state.sample.tolist(), state.prior.tolist()
+        req, smp_idx = run.request, run.sample
         multi = run.continuation is not None
         result = []
         for r in range(len(req)):
@@ -1029,7 +1011,7 @@ class NativeEngine:
                     request_index=i,
                     sample_index=smp_idx[r],
                     # The prompt as the engine kept it (its end, when truncated).
-                    prompt_token_ids=prompts[i][: len(prompts[i]) - prior[r]],
+                    prompt_token_ids=prompts[i][: len(prompts[i]) - prior[i]],
                     token_ids=ids,
                     logprobs=lp,
                     finish_reason=run.reason[r],
@@ -1071,20 +1053,6 @@ class _Slots:
         self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
         return order
 
-    def decode_all(self) -> None:
-        """Nothing changed place: every active row decodes this step."""
-        self.keep, self.back, self.keep_shift = self.active, 0, self.active_shift
-
-
-def _rows(params: list[SamplingParams], requests: list[Request]) -> tuple[list[int], list[int]]:
-    """Each row's request and sample index, in (request, sample) order: ``n`` rows a request,
-    and a resumed request's one row keeps its ``Resume.sample_index``."""
-    req, smp = [], []
-    for i, (p, r) in enumerate(zip(params, requests, strict=True)):
-        req += [i] * p.n
-        smp += list(range(p.n)) if r.resume is None else [r.resume.sample_index]
-    return req, smp
-
 
 class _Trajectories:
     """Host-side bookkeeping of a call's trajectories: turn spans, where each ended and why,
@@ -1098,7 +1066,13 @@ class _Trajectories:
         pool: ThreadPoolExecutor | None,
         check: Callable[[object, Turn], list[int] | None],
     ) -> None:
-        self.request, self.sample = _rows(params, requests)
+        # Each row's request and sample index, in (request, sample) order: ``n`` rows a
+        # request, and a resumed request's one row keeps its ``Resume.sample_index``.
+        self.request: list[int] = []
+        self.sample: list[int] = []
+        for i, (p, r) in enumerate(zip(params, requests, strict=True)):
+            self.request += [i] * p.n
+            self.sample += list(range(p.n)) if r.resume is None else [r.resume.sample_index]
         self.max_turns = [params[i].max_turns for i in self.request]
         self.budget: list[int] = []  # set by the engine: response budget per row
         self.continuation, self.pool, self.check = continuation, pool, check
@@ -1161,10 +1135,6 @@ class _Trajectories:
         self.observed[r] += observed
         self.start[r] = length + observed
         return self.start[r] - next_step, sampled - next_step
-
-
-def _select(s: _RowState, keep: torch.Tensor) -> _RowState:
-    return _RowState(**{k: v[keep] for k, v in vars(s).items()})
 
 
 def _check_unsharded(model: nn.Module) -> None:

@@ -98,33 +98,34 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""
-        if not is_int(self.n) or self.n < 1:
-            raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
-        _check_temperature("temperature", self.temperature)
-        if self.first_token_temperature is not None:
-            _check_temperature("first_token_temperature", self.first_token_temperature)
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(
-                f"SamplingParams.top_k must be a positive integer, or 0 / -1 to disable, "
-                f"got {self.top_k!r}"
-            )
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(
-                f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-            )
-        for tok in self.stop_token_ids:
-            if not is_int(tok) or tok < 0:
-                raise ValueError(
-                    f"SamplingParams.stop_token_ids must hold non-negative token ids, got {tok!r}"
-                )
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
-        if self.max_turns is not None and (not is_int(self.max_turns) or self.max_turns < 1):
-            raise ValueError(
-                f"SamplingParams.max_turns must be an integer >= 1 or None, got {self.max_turns!r}"
-            )
+        for name, what, ok in _RULES:
+            values = getattr(self, name)
+            # stop_token_ids: every id is checked, and the bad one named.
+            for value in values if name == "stop_token_ids" else [values]:
+                if not ok(value):
+                    raise ValueError(f"SamplingParams.{name} must {what}, got {value!r}")
+
+
+def _finite_temperature(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+# SamplingParams' fields in checking order: (name, what it must be, the test of a good value).
+_RULES = (
+    ("n", "be an integer >= 1", lambda v: is_int(v) and v >= 1),
+    ("temperature", "be a finite number >= 0", _finite_temperature),
+    (
+        "first_token_temperature",
+        "be a finite number >= 0",
+        lambda v: v is None or _finite_temperature(v),
+    ),
+    ("top_p", "be in (0, 1]", lambda v: isinstance(v, (int, float)) and 0.0 < v <= 1.0),
+    ("top_k", "be a positive integer, or 0 / -1 to disable", lambda v: is_int(v) and v >= -1),
+    ("max_tokens", "be an integer >= 1", lambda v: is_int(v) and v >= 1),
+    ("stop_token_ids", "hold non-negative token ids", lambda t: is_int(t) and t >= 0),
+    ("seed", "be an integer or None", lambda v: v is None or is_int(v)),
+    ("max_turns", "be an integer >= 1 or None", lambda v: v is None or (is_int(v) and v >= 1)),
+)
 
 
 def is_int(value: object) -> bool:
@@ -135,11 +136,6 @@ def _bad_tokens(ids: Sequence[object], vocab_size: int) -> list[object]:
     """The entries of ``ids`` that are not token ids in ``[0, vocab_size)``, non-integers first."""
     wrong = [t for t in ids if not is_int(t)]
     return wrong + [t for t in ids if is_int(t) and not 0 <= t < vocab_size]
-
-
-def _check_temperature(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"SamplingParams.{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass

@@ -38,23 +38,17 @@ def hash_words(first: torch.Tensor, *rest: torch.Tensor | int) -> torch.Tensor:
     return h
 
 
-def split_seed(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The low and high 32-bit words of non-negative int64 seeds."""
-    return seed & _MASK32, (seed >> 32) & _MASK32
-
-
 def row_seeds(request_seed: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
     """A 63-bit seed per sample of a request: ``[R]`` int64 from ``[R]`` seeds and indices."""
-    lo, hi = split_seed(request_seed)
-    a = hash_words(lo, hi, sample_index, 1)
-    b = hash_words(lo, hi, sample_index, 2)
+    hi = request_seed >> 32  # the seed's high word (hash_words keeps the low one of each)
+    a = hash_words(request_seed, hi, sample_index, 1)
+    b = hash_words(request_seed, hi, sample_index, 2)
     return ((a & 0x7FFFFFFF) << 32) | b
 
 
 def uniforms(seed: torch.Tensor, step: int) -> torch.Tensor:
     """One float64 uniform in (0, 1) per row for decoding step ``step``: ``[A]``."""
-    lo, hi = split_seed(seed)
-    h = hash_words(lo, hi, step)
+    h = hash_words(seed, seed >> 32, step)  # the seed's low and high words
     return (h.to(torch.float64) + 0.5) / 4294967296.0
 
 

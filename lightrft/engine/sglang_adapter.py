@@ -77,12 +77,12 @@ import torch
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
-    RNGState,
     Trajectory,
     check_finish_reason,
-    collapse_placeholders,
+    collapse_media,
     continue_in_rounds,
     hf_weight_names,
+    kept_rng_state,
     turn_seed,
 )
 from lightrft.engine.protocol import (
@@ -152,22 +152,13 @@ def sglang_prompt(
     """``(input_ids, images)`` of a request whose ids hold expanded image placeholders."""
     if media is None:
         return list(ids), None
-    if not isinstance(media, Media):
-        raise ValueError(
-            f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
-            "give (lightrft.data.media)"
-        )
+    collapsed = collapse_media(ids, media, {"image": image_token_id})
     if media.audio is not None or media.video is not None:
         kind = "audio" if media.audio is not None else "video"
         raise ValueError(
             f"SGLangEngine takes images only; for {kind} use NativeEngine or VLLMEngine"
         )
-    if media.image is None:
-        return list(ids), None
-    if image_token_id is None:
-        raise ValueError("the request has images but the model is not vision-language")
-    collapsed = collapse_placeholders(ids, image_token_id, media.image.num_tokens)
-    return collapsed, list(media.image.images)
+    return collapsed, None if media.image is None else list(media.image.images)
 
 
 def sample_from_output(out: dict[str, Any], request: int, sample: int) -> tuple:
@@ -238,21 +229,20 @@ class SGLangEngine:
         self.deterministic = deterministic
         self.enable_sleep_mode = enable_sleep_mode
         self._weights_backup = bool(engine_kwargs.get("enable_weights_cpu_backup", False))
-        rng = RNGState()
-        self.llm = sgl.Engine(
-            model_path=str(model),
-            tp_size=1,
-            base_gpu_id=gpu,
-            random_seed=seed + rank,
-            dtype=str(self.dtype).removeprefix("torch."),
-            context_length=max_model_len,
-            mem_fraction_static=gpu_memory_utilization,
-            max_running_requests=max_num_seqs,
-            enable_memory_saver=enable_sleep_mode,
-            enable_deterministic_inference=deterministic,
-            **engine_kwargs,
-        )
-        rng.restore()
+        with kept_rng_state():
+            self.llm = sgl.Engine(
+                model_path=str(model),
+                tp_size=1,
+                base_gpu_id=gpu,
+                random_seed=seed + rank,
+                dtype=str(self.dtype).removeprefix("torch."),
+                context_length=max_model_len,
+                mem_fraction_static=gpu_memory_utilization,
+                max_running_requests=max_num_seqs,
+                enable_memory_saver=enable_sleep_mode,
+                enable_deterministic_inference=deterministic,
+                **engine_kwargs,
+            )
         hf_config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self._setup(hf_config, int(self.llm.tokenizer_manager.context_len), seed + rank)
@@ -483,12 +473,10 @@ class SGLangEngine:
                 seed = turn_seed(bases[c.request_index], c.sample_index, len(t.spans))
                 sampling.append(self._sampling(t.params, t.max_tokens, seed))
             outs = self._run(prompts, sampling)
-            result = []
-            for t, out in zip(going, outs, strict=True):
-                c = t.completion
-                ids, lps, reason, _ = sample_from_output(out, c.request_index, c.sample_index)
-                result.append((ids, lps, reason))
-            return result
+            return [
+                sample_from_output(out, t.completion.request_index, t.completion.sample_index)[:3]
+                for t, out in zip(going, outs, strict=True)
+            ]
 
         return continue_in_rounds(
             firsts,

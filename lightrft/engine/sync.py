@@ -21,6 +21,7 @@ cached until the model's parameters or the engine's storage change.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Iterator
@@ -122,8 +123,7 @@ def _split(items: list[_Item], dtype: torch.dtype | None, bucket_bytes: int) -> 
     buckets: list[list[_Item]] = []
     size = 0
     for it in items:
-        elem = torch.empty((), dtype=dtype).element_size() if dtype else it.param.element_size()
-        nbytes = it.param.numel() * elem
+        nbytes = it.param.numel() * (dtype or it.param.dtype).itemsize
         if not buckets or size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
@@ -300,8 +300,7 @@ def _sync_plan(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: 
     items = plan_weights(model, skip_frozen=skip_frozen)
     buffers = _engine_buffers(items, engine, dtype)
     buckets = [_bucket_plan(b, dtype, buffers) for b in _split(items, dtype, bucket_bytes)]
-    elem = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
-    nbytes = sum(it.param.numel() * (elem or it.param.element_size()) for it in items)
+    nbytes = sum(it.param.numel() * (dtype or it.param.dtype).itemsize for it in items)
     ref = None if engine is None else weakref.ref(engine)
     plans[id(engine)] = plan = _Plan(ref, key, buckets, len(items), nbytes)
     return plan
@@ -376,9 +375,7 @@ def _loaded_pairs(
 ) -> list[tuple[str, torch.Tensor]]:
     """The ``(hf_name, full weight)`` pairs of the items not written in place, LoRA merged and
     cast to ``dtype``."""
-    starts = [0]
-    for it in b.items:
-        starts.append(starts[-1] + len(it.tensors()))
+    starts = [0, *itertools.accumulate(len(it.tensors()) for it in b.items)]
     pairs = []
     for j in b.loaded:
         it = b.items[j]

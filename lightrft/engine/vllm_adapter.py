@@ -61,13 +61,13 @@ from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
-    RNGState,
-    Trajectory,
     check_finish_reason,
-    collapse_placeholders,
+    collapse_media,
     continue_in_rounds,
     hf_weight_names,
+    kept_rng_state,
     tp_groups,
+    turn_seed,
 )
 from lightrft.engine.protocol import (
     Completion,
@@ -473,13 +473,6 @@ def vllm_sampling_kwargs(
     return kwargs
 
 
-def suppression_bias(p: SamplingParams, *, first_token: bool = False) -> float:
-    """The logit bias of a suppressed id as vLLM's processed log-probs see it: over the
-    temperature (greedy rows report log-probs at temperature 1)."""
-    t = p.first_token_temperature if first_token else p.temperature
-    return MEDIA_LOGIT_BIAS / (t if t and t > 0 else 1.0)
-
-
 def vllm_prompt(
     ids: Sequence[int],
     media: Media | None,
@@ -502,35 +495,17 @@ def vllm_prompt(
     prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
     if media is None:
         return prompt
-    if not isinstance(media, Media):
-        raise ValueError(
-            f"a request's media is a {type(media).__name__}; pass the Media the prompt datasets "
-            "give (lightrft.data.media)"
-        )
+    tokens = {"audio": audio_token_id, "image": image_token_id, "video": video_token_id}
+    prompt["prompt_token_ids"] = collapse_media(ids, media, tokens)
     mm: dict[str, Any] = {}
     if media.audio is not None:
-        if audio_token_id is None:
-            raise ValueError("the request has audio but the model is not audio-language")
-        prompt["prompt_token_ids"] = collapse_placeholders(
-            prompt["prompt_token_ids"], audio_token_id, media.audio.num_tokens, kind="audio"
-        )
         mm["audio"] = [(wave, media.audio.sampling_rate) for wave in media.audio.audios]
     if media.image is not None:
-        if image_token_id is None:
-            raise ValueError("the request has images but the model is not vision-language")
-        prompt["prompt_token_ids"] = collapse_placeholders(
-            prompt["prompt_token_ids"], image_token_id, media.image.num_tokens
-        )
         mm["image"] = list(media.image.images)
         if media.image.processor_kwargs:
             prompt["mm_processor_kwargs"] = dict(media.image.processor_kwargs)
     if media.video is not None:
-        if video_token_id is None:
-            raise ValueError("the request has videos but the model takes no video")
         video = media.video
-        prompt["prompt_token_ids"] = collapse_placeholders(
-            prompt["prompt_token_ids"], video_token_id, video.num_tokens, kind="video"
-        )
         mm["video"] = [
             (
                 frames,
@@ -554,7 +529,7 @@ def vllm_prompt(
 def _sampled_logprobs(token_ids: Sequence[int], logprobs, bias: float = 0.0) -> list[float]:
     """Per-token log-probs from vLLM's ``CompletionOutput.logprobs`` (one dict per token).
 
-    With suppressed ids (``bias``: :func:`suppression_bias`, their entries beside the sampled
+    With suppressed ids (``bias``: :meth:`VLLMEngine._bias`, their entries beside the sampled
     token's), the log-probs are given back without the suppression, as the native engine and the
     trainer compute them: vLLM's processed log-probs renormalise over the ids the bias leaves,
     so each is lowered by ``log(1 + S)``, ``S`` the suppressed ids' unbiased mass over the rest,
@@ -573,6 +548,15 @@ def _sampled_logprobs(token_ids: Sequence[int], logprobs, bias: float = 0.0) -> 
     return result
 
 
+def _sample_of(sample: Any, i: int, j: int, bias: float, finished: bool = True) -> tuple:
+    """``(ids, log-probs, finish reason)`` of one vLLM ``CompletionOutput``, sample ``j`` of
+    request ``i`` (``bias``: as in :func:`_sampled_logprobs`; not ``finished``: cut by a token
+    budget, ``"partial"``)."""
+    ids = list(sample.token_ids)
+    reason = check_finish_reason(sample.finish_reason, "vLLM", i, j) if finished else "partial"
+    return ids, _sampled_logprobs(ids, sample.logprobs, bias) if ids else [], reason
+
+
 def completions_from_outputs(
     outputs: Sequence[Any],
     request_index: Sequence[int],
@@ -580,7 +564,7 @@ def completions_from_outputs(
     biases: Sequence[float] | None = None,
 ) -> list[Completion]:
     """Our completions from vLLM ``RequestOutput``s (one per request, ``n`` outputs each);
-    ``biases``: per request, :func:`suppression_bias` where media ids are suppressed."""
+    ``biases``: per request, :meth:`VLLMEngine._bias` where media ids are suppressed."""
     result = []
     biases = [0.0] * len(outputs) if biases is None else biases
     for out, i, prompt, bias in zip(outputs, request_index, prompts, biases, strict=True):
@@ -592,15 +576,14 @@ def completions_from_outputs(
                 for tok, step in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
             ]
         for sample in out.outputs:
-            reason = check_finish_reason(sample.finish_reason, "vLLM", i, sample.index)
-            ids = list(sample.token_ids)
+            ids, lps, reason = _sample_of(sample, i, sample.index, bias)
             result.append(
                 Completion(
                     request_index=i,
                     sample_index=sample.index,
                     prompt_token_ids=list(prompt),
                     token_ids=ids,
-                    logprobs=_sampled_logprobs(ids, sample.logprobs, bias),
+                    logprobs=lps,
                     finish_reason=reason,
                     text=sample.text if sample.text else None,
                     prompt_logprobs=prompt_lp,
@@ -707,7 +690,6 @@ class VLLMEngine:
         if self.on_cpu and tensor_parallel_size > 1:
             _unique_cpu_shm_names()
         self.enable_sleep_mode = bool(enable_sleep_mode)
-        rng = RNGState()
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         # (cpu_worker.py); the trainer shares the process and keeps its own thread settings.
         set_num_threads = torch.set_num_threads
@@ -717,23 +699,23 @@ class VLLMEngine:
         if kv_cache_memory_bytes is not None:
             memory["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         try:
-            self.llm = vllm.LLM(
-                model=str(model),
-                tensor_parallel_size=tensor_parallel_size,
-                distributed_executor_backend="external_launcher",
-                enable_sleep_mode=self.enable_sleep_mode,
-                seed=seed + rank // tensor_parallel_size,
-                dtype=self.dtype,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                enable_prefix_caching=enable_prefix_caching,
-                logprobs_mode="processed_logprobs",
-                **memory,
-                **llm_kwargs,
-            )
+            with kept_rng_state():
+                self.llm = vllm.LLM(
+                    model=str(model),
+                    tensor_parallel_size=tensor_parallel_size,
+                    distributed_executor_backend="external_launcher",
+                    enable_sleep_mode=self.enable_sleep_mode,
+                    seed=seed + rank // tensor_parallel_size,
+                    dtype=self.dtype,
+                    max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs,
+                    enable_prefix_caching=enable_prefix_caching,
+                    logprobs_mode="processed_logprobs",
+                    **memory,
+                    **llm_kwargs,
+                )
         finally:
             torch.set_num_threads = set_num_threads
-            rng.restore()
         self._vllm = vllm
         _quiet_shutdown_at_exit(self.llm, tensor_parallel_size)
         hf_config = self.llm.llm_engine.model_config.hf_config
@@ -939,15 +921,13 @@ class VLLMEngine:
             engine.abort_request(cut)
         tokenizer, result = self.llm.get_tokenizer(), []
         for rid, (i, j, ids, lps) in rows.items():
-            sample = latest[rid].outputs[0] if rid in latest else None
-            new = list(sample.token_ids) if sample is not None else []
-            reason = "partial"
-            if rid not in cut:
-                reason = check_finish_reason(sample.finish_reason, "vLLM", i, j)
-            ids = ids + new
-            lps = lps + (
-                _sampled_logprobs(new, sample.logprobs, self._bias(params[i])) if new else []
-            )
+            new, new_lps, reason = ([], [], "partial")
+            if rid in latest:
+                sample = latest[rid].outputs[0]
+                new, new_lps, reason = _sample_of(
+                    sample, i, j, self._bias(params[i]), rid not in cut
+                )
+            ids, lps = ids + new, lps + new_lps
             text = tokenizer.decode(ids, skip_special_tokens=True) if params[i].detokenize else None
             prompt = list(requests[i].prompt_token_ids)
             result.append(Completion(i, j, prompt, ids, lps, reason, text))  # type: ignore[arg-type]
@@ -986,8 +966,11 @@ class VLLMEngine:
         return self._vllm.SamplingParams(**{**kwargs, **overrides})
 
     def _bias(self, p: SamplingParams, first_token: bool = False) -> float:
-        """:func:`suppression_bias` where this model's media ids are suppressed, else 0."""
-        return suppression_bias(p, first_token=first_token) if self.suppress_token_ids else 0.0
+        """The logit bias of a suppressed media id as vLLM's processed log-probs see it: over
+        the temperature (greedy rows report log-probs at temperature 1); 0 where this model's
+        media ids are not suppressed."""
+        t = p.first_token_temperature if first_token else p.temperature
+        return MEDIA_LOGIT_BIAS / (t if t and t > 0 else 1.0) if self.suppress_token_ids else 0.0
 
     def _generate_all(
         self, requests: list[Request], params: list[SamplingParams]
@@ -1019,17 +1002,32 @@ class VLLMEngine:
             [self._bias(params[i], first_token) for i in index],
         )
 
-    def _next_turn(self, out: Any, c: Completion, p: SamplingParams) -> tuple:
-        """``(ids, log-probs, finish reason)`` of the ``n=1`` request that went on with ``c``."""
-        sample = out.outputs[0]
-        ids = list(sample.token_ids)
-        reason = check_finish_reason(sample.finish_reason, "vLLM", c.request_index, c.sample_index)
-        return ids, _sampled_logprobs(ids, sample.logprobs, self._bias(p)), reason
+    def _sample_on(
+        self, requests: list[Request], going: list[tuple[Completion, SamplingParams, int, Any]]
+    ) -> list[tuple[list[int], list[float], str]]:
+        """One ``n=1`` request per ``(completion, params, max_tokens, seed)`` that goes on from
+        its prompt + response so far (the prompt's log-probs were asked on turn 1): the
+        ``(ids, log-probs, finish reason)`` each sampled."""
+        outs = self._llm_generate(
+            [
+                self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
+                for c, *_ in going
+            ],
+            [
+                self._params(p, n=1, max_tokens=m, seed=seed, prompt_logprobs=None)
+                for _, p, m, seed in going
+            ],
+        )
+        return [
+            _sample_of(out.outputs[0], c.request_index, c.sample_index, self._bias(p))
+            for (c, p, *_), out in zip(going, outs, strict=True)
+        ]
 
     def _generate_fire(
         self, requests: list[Request], params: list[SamplingParams], index: list[int]
     ) -> list[Completion]:
-        """FIRE in two passes: n first tokens at the hot temperature, then one continuation each."""
+        """FIRE in two passes: n first tokens at the hot temperature, then one continuation each
+        (a distinct stream per sample: :func:`~lightrft.engine.external.turn_seed`)."""
         firsts = self._generate_batch(requests, params, index, first_token=True)
         todo = [
             c
@@ -1038,24 +1036,16 @@ class VLLMEngine:
         ]
         if not todo:
             return firsts
-        rest_prompts, rest_params = [], []
+        going = []
         for c in todo:
             p = params[c.request_index]
-            # A distinct stream per sample: each continuation is its own n=1 request.
-            seed = None if p.seed is None else p.seed + 1_000_003 * (c.sample_index + 1)
-            rest_params.append(
-                self._params(p, n=1, max_tokens=p.max_tokens - 1, seed=seed, prompt_logprobs=None)
-            )
-            rest_prompts.append(
-                self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
-            )
-        rests = self._llm_generate(rest_prompts, rest_params)
+            going.append((c, p, p.max_tokens - 1, turn_seed(p.seed, c.sample_index, 0)))
         tokenizer = self.llm.get_tokenizer()
-        for c, out in zip(todo, rests, strict=True):
-            p = params[c.request_index]
-            ids, lps, c.finish_reason = self._next_turn(out, c, p)
-            c.token_ids = c.token_ids + ids
-            c.logprobs = c.logprobs + lps
+        for (c, p, *_), (ids, lps, reason) in zip(
+            going, self._sample_on(requests, going), strict=True
+        ):
+            c.token_ids, c.logprobs = c.token_ids + ids, c.logprobs + lps
+            c.finish_reason = reason
             if p.detokenize:
                 c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return firsts
@@ -1068,31 +1058,16 @@ class VLLMEngine:
         continuation: Continuation,
     ) -> list[Completion]:
         """Later turns, in rounds (:func:`~lightrft.engine.external.continue_in_rounds`): each
-        trajectory that goes on is one ``n=1`` request of prompt + response so far (the prompt's
-        log-probs were asked on turn 1)."""
-
-        def sample_round(going: list[Trajectory]) -> list[tuple[list[int], list[float], str]]:
-            prompts, sampling = [], []
-            for t in going:
-                c, p = t.completion, t.params
-                prompts.append(
-                    self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
-                )
-                sampling.append(
-                    self._params(p, n=1, max_tokens=t.max_tokens, seed=t.seed, prompt_logprobs=None)
-                )
-            outs = self._llm_generate(prompts, sampling)
-            return [
-                self._next_turn(o, t.completion, t.params) for t, o in zip(going, outs, strict=True)
-            ]
-
+        trajectory that goes on is one ``n=1`` request of prompt + response so far."""
         tokenizer = self.llm.get_tokenizer()
         return continue_in_rounds(
             firsts,
             params,
             [self._budget(c, params[c.request_index]) for c in firsts],
             continuation,
-            sample_round,
+            lambda going: self._sample_on(
+                requests, [(t.completion, t.params, t.max_tokens, t.seed) for t in going]
+            ),
             vocab_size=self.vocab_size,
             forbidden=set(self.suppress_token_ids),
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

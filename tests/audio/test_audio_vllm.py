@@ -6,6 +6,7 @@ from _audio_helpers import tone
 from lightrft.data import PromptDataset
 from lightrft.engine import SamplingParams
 from lightrft.engine import vllm_adapter as va
+from lightrft.engine.external import collapse_placeholders
 from lightrft.models import load_processor
 from lightrft.models.modality import media_token_ids
 
@@ -45,7 +46,7 @@ def test_vllm_prompt_collapses_each_audio_run_and_passes_waveforms(audio_process
     with pytest.raises(ValueError, match="the model is not audio-language"):
         va.vllm_prompt(item["prompt_ids"], item["media"], None, None)
     with pytest.raises(ValueError, match="audio 0 needs 12 consecutive audio tokens"):
-        va.collapse_placeholders([5, tok, 5], tok, [12], kind="audio")
+        collapse_placeholders([5, tok, 5], tok, [12], kind="audio")
 
 
 def test_audio_token_gets_logit_bias_and_weight_names_include_the_tower(tiny_alm):

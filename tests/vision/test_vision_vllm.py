@@ -11,6 +11,7 @@ from lightrft.data.media import MediaOptions
 from lightrft.data.vision import ImageOptions
 from lightrft.engine import Request, SamplingParams
 from lightrft.engine import vllm_adapter as va
+from lightrft.engine.external import collapse_placeholders
 from lightrft.models.modality import vision_token_ids
 from lightrft.models.multimodal import load_processor
 
@@ -66,11 +67,11 @@ def test_vllm_prompt_text_only_and_bad_inputs(tiny_vlm):
     with pytest.raises(ValueError, match="the model is not vision-language"):
         va.vllm_prompt(item["prompt_ids"], item["media"], None)
     with pytest.raises(ValueError, match="needs 4 consecutive image tokens"):
-        va.collapse_placeholders([5, 9, 9, 5], 9, [4])
+        collapse_placeholders([5, 9, 9, 5], 9, [4])
     with pytest.raises(ValueError, match="places 1 of its 2 images"):
-        va.collapse_placeholders([5, 9, 5], 9, [1, 1])
+        collapse_placeholders([5, 9, 5], 9, [1, 1])
     with pytest.raises(ValueError, match="more image tokens than its 1 images"):
-        va.collapse_placeholders([9, 5, 9], 9, [1])
+        collapse_placeholders([9, 5, 9], 9, [1])
 
 
 def test_vision_tokens_get_logit_bias_and_weight_names_include_the_tower(tiny_vlm):
