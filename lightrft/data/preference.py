@@ -373,26 +373,40 @@ def pad_sequences(
     pad_id: int,
     side: str = "right",
     starts: Sequence[int] | None = None,
+    rows: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One sequence per row, padded on ``side``: ``input_ids``, ``attention_mask``,
     ``position_ids`` (from the mask, so both sides give the same positions) and ``segment_ids``
     (the row index on real tokens, -1 on padding), each ``[N, T]``; with ``starts`` (each
-    sequence's first response token) also ``scored`` (true on response tokens)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, T]
-    seg = torch.full((len(seqs), width), -1, dtype=torch.long)  # [N, T]
-    scored = torch.zeros((len(seqs), width), dtype=torch.bool)  # [N, T]
-    for n, s in enumerate(seqs):
-        lo = 0 if side == "right" else width - len(s)
-        ids[n, lo : lo + len(s)] = torch.as_tensor(s, dtype=torch.long)
-        seg[n, lo : lo + len(s)] = n
-        if starts is not None:
-            scored[n, lo + starts[n] : lo + len(s)] = True
-    mask = (seg >= 0).long()  # [N, T]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, T], 0 at each first real token
-    out = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "segment_ids": seg}
-    if starts is not None:
-        out["scored"] = scored
+    sequence's first response token) also ``scored`` (true on response tokens).
+
+    With ``rows`` (lists of sequence indices), each row instead holds its sequences back to back
+    (``segment_ids``: the sequence index), positions restarting at 0 for each, right-padded, and
+    no ``attention_mask``: transformers keeps packed sequences apart by their position resets."""
+    packed = rows is not None
+    rows = rows if rows is not None else [[n] for n in range(len(seqs))]
+    width = max(sum(len(seqs[n]) for n in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [R, T]
+    seg = torch.full((len(rows), width), -1, dtype=torch.long)  # [R, T]
+    positions = torch.zeros((len(rows), width), dtype=torch.long)  # [R, T]
+    for r, row in enumerate(rows):
+        col = 0 if side == "right" else width - sum(len(seqs[n]) for n in row)
+        for n in row:
+            L = len(seqs[n])
+            ids[r, col : col + L] = torch.as_tensor(seqs[n], dtype=torch.long)
+            seg[r, col : col + L] = n
+            positions[r, col : col + L] = torch.arange(L)
+            col += L
+        # Padding is its own position run, so it never joins the last sequence.
+        positions[r, col:] = torch.arange(width - col)
+    out = {"input_ids": ids, "position_ids": positions, "segment_ids": seg}
+    if not packed:
+        mask = (seg >= 0).long()  # [N, T]
+        out["attention_mask"] = mask
+        out["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)  # 0 at each first real token
+    if starts is not None:  # a real token at or after its sequence's start
+        first = torch.as_tensor(starts, dtype=torch.long)[seg.clamp(min=0)]  # [R, T]
+        out["scored"] = (seg >= 0) & (positions >= first)
     return out
 
 
@@ -457,10 +471,19 @@ class PreferenceCollator:
                     f"a pair is labelled for head {name!r}; heads are {list(self.heads)}"
                 )
             head.append(0 if name is None else self.heads[name])
+        rows = None
         if self.packing:
-            batch = self._pack(seqs, starts)
-        else:
-            batch = pad_sequences(seqs, self.pad_id, starts=starts)
+            lengths = [len(s) for s in seqs]
+            for n in lengths:
+                if self.max_tokens is not None and n > self.max_tokens:
+                    raise ValueError(
+                        f"a sequence has {n} tokens, more than max_tokens_per_row="
+                        f"{self.max_tokens}: raise it or lower the dataset's max_length"
+                    )
+            rows = plan_micro_batches(
+                range(len(seqs)), lengths, len(seqs), self.max_tokens, packing=True
+            )
+        batch = pad_sequences(seqs, self.pad_id, starts=starts, rows=rows)
         batch.update(
             candidates=candidates,
             safe=safe,
@@ -471,35 +494,6 @@ class PreferenceCollator:
         if joined is not None:
             batch["media"] = joined
         return batch
-
-    def _pack(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:
-        lengths = [len(s) for s in seqs]
-        for n in lengths:
-            if self.max_tokens is not None and n > self.max_tokens:
-                raise ValueError(
-                    f"a sequence has {n} tokens, more than max_tokens_per_row="
-                    f"{self.max_tokens}: raise it or lower the dataset's max_length"
-                )
-        rows = plan_micro_batches(
-            range(len(seqs)), lengths, len(seqs), self.max_tokens, packing=True
-        )
-        width = max(sum(len(seqs[n]) for n in row) for row in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [R, T]
-        seg = torch.full((len(rows), width), -1, dtype=torch.long)  # [R, T]
-        positions = torch.zeros((len(rows), width), dtype=torch.long)  # [R, T]
-        scored = torch.zeros((len(rows), width), dtype=torch.bool)  # [R, T]
-        for r, row in enumerate(rows):
-            col = 0
-            for n in row:
-                L = len(seqs[n])
-                ids[r, col : col + L] = seqs[n]
-                seg[r, col : col + L] = n
-                positions[r, col : col + L] = torch.arange(L)
-                scored[r, col + starts[n] : col + L] = True
-                col += L
-            # Padding is its own position run, so it never joins the last sequence.
-            positions[r, col:] = torch.arange(width - col)
-        return {"input_ids": ids, "position_ids": positions, "segment_ids": seg, "scored": scored}
 
 
 class UnpairedPreferenceDataset(torch.utils.data.Dataset):
