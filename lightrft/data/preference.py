@@ -496,7 +496,7 @@ class PreferenceCollator:
         return batch
 
 
-class UnpairedPreferenceDataset(torch.utils.data.Dataset):
+class UnpairedPreferenceDataset(PreferenceDataset):
     """Unpaired preference data for KTO: one response per record, labelled desirable or not.
 
     Record: ``{"prompt": str | [messages] (optional), "completion": str | [messages],
@@ -504,10 +504,10 @@ class UnpairedPreferenceDataset(torch.utils.data.Dataset):
     and the field, before any model loads. Items look like :class:`PreferenceDataset`'s with one
     sequence and ``"desirable": [label]``. Text only (records with media are refused); rendered
     as :class:`PreferenceDataset` renders a candidate, truncated (kept start) or dropped past
-    ``max_length``.
+    ``max_length``. Its length, ``where`` and ``heads`` are :class:`PreferenceDataset`'s.
     """
 
-    def __init__(
+    def __init__(  # builds its own items (no super().__init__); shares the accessors
         self,
         tokenizer,
         path: PathLike | Sequence[PathLike] | None = None,
@@ -570,12 +570,5 @@ class UnpairedPreferenceDataset(torch.utils.data.Dataset):
             "dropped": dropped,
         }
 
-    def __len__(self) -> int:
-        return len(self._items)
-
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self._items[i]
-
-    def where(self, i: int) -> str:
-        """The file and line (or row) item ``i`` came from."""
-        return self._origins[i]
