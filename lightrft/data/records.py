@@ -17,7 +17,7 @@ from typing import Any, Literal
 from lightrft.data import media as registry
 from lightrft.data.io import DataError, PathLike, Records, load_records
 from lightrft.data.media import Media, MediaOptions
-from lightrft.data.templates import IGNORE_INDEX, has_parts
+from lightrft.data.templates import IGNORE_INDEX
 
 Truncation = Literal["truncate", "drop"]
 
@@ -58,12 +58,6 @@ def _a(kind: str) -> str:
     return "an" if kind[0] in "aeiou" else "a"
 
 
-def _given(processor) -> str:
-    return (
-        f"the dataset was given {'a tokenizer' if processor is None else type(processor).__name__}"
-    )
-
-
 class MediaSamples:
     """The media side of a dataset (and of a multimodal reward model or judge): finds a record's
     media of every kind, loads them (failing at load with file, line and field), processes them
@@ -78,7 +72,8 @@ class MediaSamples:
 
     def __init__(self, processor, options: MediaOptions | None = None, given: str = "") -> None:
         options = (options or registry.MediaOptions()).resolve("media.")
-        options.check_model(processor, given or _given(processor))
+        model = "a tokenizer" if processor is None else type(processor).__name__
+        options.check_model(processor, given or f"the dataset was given {model}")
         self.processors = {
             p.kind: p(processor, getattr(options, p.kind))
             for p in registry.PROCESSORS
@@ -114,7 +109,7 @@ class MediaSamples:
         self.check_record(src, i)
         if not self.kinds:
             # Text models: "<image>" in a string is just text, but content parts are an error.
-            if has_parts(msgs):
+            if any(not isinstance(m["content"], str) for m in msgs):
                 raise DataError(
                     f"{where}: content parts (lists) need a multimodal model's processor"
                 )

@@ -66,11 +66,6 @@ def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]
     return [dict(m) for m in messages]
 
 
-def has_parts(messages: Sequence[Message]) -> bool:
-    """Whether any message's content is a list of content parts (not a plain string)."""
-    return any(not isinstance(m["content"], str) for m in messages)
-
-
 def _tokenize(tokenizer, text: str, *, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
