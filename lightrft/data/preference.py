@@ -331,17 +331,11 @@ class PreferenceDataset(torch.utils.data.Dataset):
         n_videos = sum(len(m.get("video") or ()) for m in self._media if m)
         if n_videos:
             self.stats["videos"] = n_videos
-        self.media.report(log, self.source, self.stats, "records", audio_dropped)
-        if identical or truncated or dropped:
-            log.warning(
-                "%s: dropped %d rejected responses identical to the chosen one; max_length=%s "
-                "truncated %d sequences and dropped %d records",
-                self.source,
-                identical,
-                max_length,
-                truncated,
-                dropped,
-            )
+        if identical:
+            why = "rejected responses identical to the chosen one"
+            log.warning("%s: dropped %d %s", self.source, identical, why)
+        cut = f"max_length={max_length} truncated sequences"
+        self.media.report(log, self.source, self.stats, "records", audio_dropped, cut)
 
     def __len__(self) -> int:
         return len(self._items)
