@@ -166,11 +166,6 @@ def _need_template(tokenizer, apply_chat_template: bool, what: str) -> None:
         )
 
 
-def _is_candidate_list(value: Any) -> bool:
-    """``rejected`` given as several candidates (a list of strings or of message lists)."""
-    return isinstance(value, list) and bool(value) and not isinstance(value[0], Mapping)
-
-
 class PreferenceDataset(torch.utils.data.Dataset):
     """Tokenised preference records.
 
@@ -237,7 +232,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
             prompt = _text_or_messages(rec.get(prompt_field), where, prompt_field, optional=True)
             chosen = _required(src, i, chosen_field)
             raw_rej = require_field(src, i, rejected_field, (str, list))
-            rejected = raw_rej if _is_candidate_list(raw_rej) else [raw_rej]
+            # Several candidates: a list of strings or of message lists (not one message list).
+            many = isinstance(raw_rej, list) and raw_rej and not isinstance(raw_rej[0], Mapping)
+            rejected = raw_rej if many else [raw_rej]
             rejected = [_text_or_messages(r, where, rejected_field) for r in rejected]
             margin = rec.get(margin_field)
             if margin is not None and (
