@@ -117,18 +117,14 @@ class MediaSamples:
         msgs, raw = record_media(src[i], msgs, {k: self.fields[k] for k in self.kinds}, where)
         if not any(raw.values()):
             return msgs, None
+        # Messages name where a kind's media came from: its field, or inline "content" parts.
+        label = {k: f if src[i].get(f) else "content" for k, f in self.fields.items()}
         base = src.base_dir(i)
         return msgs, {
-            kind: self.processors[kind].load(
-                values, base_dir=base, where=where, field=self._label(src[i], kind)
-            )
+            kind: self.processors[kind].load(values, base_dir=base, where=where, field=label[kind])
             for kind, values in raw.items()
             if values
         }
-
-    def _label(self, rec: Mapping[str, Any], kind: str) -> str:
-        """Where a record's media of ``kind`` came from, for messages: its field or inline."""
-        return self.fields[kind] if rec.get(self.fields[kind]) else "content"
 
     def raw_mode(self, src: Records, i: int) -> None:
         """Raw (template-free) records cannot place media tokens: refuse their media."""
@@ -306,10 +302,8 @@ def record_media(
     media: dict[str, list[Any]] = {}
     for kind in taken:
         field = fields[kind]
-        raw = rec.get(field)
-        if raw is not None and not isinstance(raw, (list, tuple)):
-            raw = [raw]
-        raw = list(raw) if raw is not None else []
+        raw = rec.get(field)  # a list, or one value
+        raw = [] if raw is None else list(raw) if isinstance(raw, (list, tuple)) else [raw]
         if raw and inline[kind]:
             raise DataError(
                 f"{where}: {kind}s both in field {field!r} and inline in {kind} parts; "
