@@ -151,9 +151,7 @@ def encode_chat(tokenizer, messages: Sequence[Message], where: str) -> tuple[lis
             add(_render(tokenizer, msgs[:k], generation_prompt=True), loss=False)
             add(_render(tokenizer, msgs[: k + 1], generation_prompt=False), loss=True)
     # End at the last loss token: template text after the final eos is never trained on.
-    last = len(labels) - 1
-    while last >= 0 and labels[last] == IGNORE_INDEX:
-        last -= 1
+    last = max((k for k, lab in enumerate(labels) if lab != IGNORE_INDEX), default=-1)
     if last < 0:  # only possible with empty assistant turns and a template without eos
         raise DataError(f"{where}: the assistant turns render to no tokens")
     ids, labels = ids[: last + 1], labels[: last + 1]
