@@ -11,6 +11,7 @@ processors, so the two cannot be one module without a cycle.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -236,19 +237,9 @@ def split_tags(content: Any, names: Sequence[str]) -> list[dict[str, Any]]:
     kinds ``names`` (``<image>``, ``<audio>``; each tag a part of its kind); a list is returned as is."""
     if not isinstance(content, str):
         return list(content)
-    parts: list[dict[str, Any]] = []
-    text = content
-    while text:
-        hits = [(text.find(_kind(k).tag), k) for k in names if _kind(k).tag in text]
-        if not hits:
-            parts.append({"type": "text", "text": text})
-            break
-        at, kind = min(hits)
-        if at:
-            parts.append({"type": "text", "text": text[:at]})
-        parts.append({"type": kind})
-        text = text[at + len(_kind(kind).tag) :]
-    return parts
+    tags = {_kind(k).tag: k for k in names}
+    pieces = re.split("(" + "|".join(map(re.escape, tags)) + ")", content) if tags else [content]
+    return [{"type": tags[p]} if p in tags else {"type": "text", "text": p} for p in pieces if p]
 
 
 def record_media(
