@@ -43,21 +43,11 @@ from lightrft.data.records import (
     check_truncation,
     open_records,
 )
-from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
+from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat, prompt_turns
 
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[Mapping[str, Any]]
-
-
-def prompt_turns(prompt: Prompt | None) -> list[dict[str, Any]]:
-    """A prompt as chat turns: none for ``None``, one user turn for a string, a copy of a
-    conversation."""
-    if prompt is None:
-        return []
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [dict(m) for m in prompt]
 
 
 def render_for_scoring(

@@ -13,7 +13,7 @@ from lightrft.data.audio import AudioTooLong
 from lightrft.data.io import DataError, PathLike, require_field
 from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import MediaSamples, Truncation, check_truncation, open_records
-from lightrft.data.templates import check_messages, encode_prompt, with_system
+from lightrft.data.templates import check_messages, encode_prompt, prompt_turns, with_system
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,8 @@ class PromptDataset(torch.utils.data.Dataset):
             label = default_label if label is None else str(label)
             media = None
             if apply_chat_template:
-                chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
                 try:
-                    prompt, media = self.media.messages(src, i, chat)
+                    prompt, media = self.media.messages(src, i, prompt_turns(prompt))
                 except AudioTooLong:
                     audio_dropped += 1
                     continue

@@ -76,6 +76,16 @@ def _render(tokenizer, messages: list[dict[str, Any]], *, generation_prompt: boo
     )
 
 
+def prompt_turns(prompt: str | Sequence[Message] | None) -> list[dict[str, Any]]:
+    """A prompt as chat turns: none for ``None``, one user turn for a string, a copy of a
+    conversation."""
+    if prompt is None:
+        return []
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
 def with_system(messages: list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:
     """Prepend a system message unless there is none to add or the chat already has one."""
     if system_prompt is None or (messages and messages[0]["role"] == "system"):
@@ -96,8 +106,8 @@ def encode_prompt(
     prompt and lets the tokenizer add its usual special tokens (e.g. a BOS).
     """
     if apply_chat_template:
-        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = _render(tokenizer, with_system(msgs, system_prompt), generation_prompt=True)
+        msgs = with_system(prompt_turns(prompt), system_prompt)
+        text = _render(tokenizer, msgs, generation_prompt=True)
         return text, _tokenize(tokenizer, text)
     if not isinstance(prompt, str):
         raise ValueError("a prompt given as a list of messages needs apply_chat_template=true")
