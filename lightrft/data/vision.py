@@ -178,12 +178,8 @@ class ImageProcessor:
         self.kwargs: dict[str, Any] = {}
         ip = processor.image_processor
         if hasattr(ip, "merge_size") and (self.min_pixels or self.max_pixels):
-            size = dict(ip.size)
-            if self.min_pixels:
-                size["shortest_edge"] = self.min_pixels
-            if self.max_pixels:
-                size["longest_edge"] = self.max_pixels
-            self.kwargs["size"] = size
+            bounds = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+            self.kwargs["size"] = {**dict(ip.size), **{k: v for k, v in bounds.items() if v}}
 
     def load(self, values: Sequence[Any], *, base_dir: Path | None, where: str, field: str):
         """Decoded, resized images of a record (fails at load, naming file, line and field)."""
