@@ -82,16 +82,6 @@ def _mono(wave: np.ndarray, where: str, field: str) -> np.ndarray:
     return wave
 
 
-def _read_file(data: bytes, where: str, field: str, name: str) -> tuple[np.ndarray, int]:
-    import soundfile as sf
-
-    try:
-        wave, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
-        raise DataError(f"{where}: {field}: cannot decode the audio {name}({e})") from None
-    return wave, int(rate)
-
-
 def decode_audio(
     value: Any, *, sampling_rate: int, base_dir: Path | None, where: str, field: str
 ) -> np.ndarray:
@@ -131,8 +121,13 @@ def decode_audio(
             f"{where}: {field}: expected an audio path, bytes or HF audio dict, got "
             f"{type(value).__name__}"
         )
-    wave, rate = _read_file(bytes(value), where, field, name)
-    return _resample(_mono(wave, where, field), rate, sampling_rate, where, field)
+    import soundfile as sf
+
+    try:
+        wave, rate = sf.read(io.BytesIO(bytes(value)), dtype="float32", always_2d=True)
+    except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
+        raise DataError(f"{where}: {field}: cannot decode the audio {name}({e})") from None
+    return _resample(_mono(wave, where, field), int(rate), sampling_rate, where, field)
 
 
 @dataclass

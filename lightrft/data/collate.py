@@ -31,16 +31,6 @@ from lightrft.data.templates import IGNORE_INDEX
 Item = Mapping[str, Any]
 
 
-def _pad_id(tokenizer_or_id: Any) -> int:
-    if isinstance(tokenizer_or_id, int):
-        return tokenizer_or_id
-    tok = tokenizer_or_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    if pad is None:
-        raise ValueError("the tokenizer has neither pad_token nor eos_token to pad with")
-    return int(pad)
-
-
 def _as_long(x: Any) -> torch.Tensor:
     return x.long() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
 
@@ -271,7 +261,11 @@ def pack_or_pad_collator(
         max_tokens: packing only: tokens per row (``None``: one row per micro-batch).
         pad_to_multiple_of: round the padded length up (e.g. 8 or 64 for tensor cores).
     """
-    pad = _pad_id(tokenizer_or_pad_id)
+    pad = tokenizer_or_pad_id
+    if not isinstance(pad, int):
+        pad = pad.pad_token_id if pad.pad_token_id is not None else pad.eos_token_id
+        if pad is None:
+            raise ValueError("the tokenizer has neither pad_token nor eos_token to pad with")
     if packing:
         return PackCollator(pad, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of)
     if max_tokens is not None:

@@ -237,10 +237,6 @@ def _read_parquet(path: Path) -> Records:
     return Records(rows, origins, str(path), [path.parent] * len(rows))
 
 
-def _is_hf_dir(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-
-
 def _read_hf_dir(path: Path, split: str | None) -> Records:
     import datasets
 
@@ -279,7 +275,7 @@ def _read_one(path: Path, split: str | None) -> Records:
         raise DataError(f"data file not found: {path} (resolved to {path.resolve()})")
     if path.is_file():
         return _read_file(path)
-    if _is_hf_dir(path):
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():  # saved by HF
         return _read_hf_dir(path, split)
     # A folder of per-split files, e.g. gsm8k/{train,test}.jsonl.
     if split is None:

@@ -56,9 +56,7 @@ class ResumableDataLoader(StatefulDataLoader):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        state.pop(_BATCH, None)
-        state.pop(_WORLD, None)
+        state = {k: v for k, v in state_dict.items() if k not in (_BATCH, _WORLD)}
         if _EPOCH in state:
             self.set_epoch(int(state.pop(_EPOCH)))
         super().load_state_dict(state)

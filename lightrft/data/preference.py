@@ -43,21 +43,11 @@ from lightrft.data.records import (
     check_truncation,
     open_records,
 )
-from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat
+from lightrft.data.templates import IGNORE_INDEX, check_messages, encode_chat, prompt_turns
 
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[Mapping[str, Any]]
-
-
-def prompt_turns(prompt: Prompt | None) -> list[dict[str, Any]]:
-    """A prompt as chat turns: none for ``None``, one user turn for a string, a copy of a
-    conversation."""
-    if prompt is None:
-        return []
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [dict(m) for m in prompt]
 
 
 def render_for_scoring(
@@ -166,11 +156,6 @@ def _need_template(tokenizer, apply_chat_template: bool, what: str) -> None:
         )
 
 
-def _is_candidate_list(value: Any) -> bool:
-    """``rejected`` given as several candidates (a list of strings or of message lists)."""
-    return isinstance(value, list) and bool(value) and not isinstance(value[0], Mapping)
-
-
 class PreferenceDataset(torch.utils.data.Dataset):
     """Tokenised preference records.
 
@@ -237,7 +222,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
             prompt = _text_or_messages(rec.get(prompt_field), where, prompt_field, optional=True)
             chosen = _required(src, i, chosen_field)
             raw_rej = require_field(src, i, rejected_field, (str, list))
-            rejected = raw_rej if _is_candidate_list(raw_rej) else [raw_rej]
+            # Several candidates: a list of strings or of message lists (not one message list).
+            many = isinstance(raw_rej, list) and raw_rej and not isinstance(raw_rej[0], Mapping)
+            rejected = raw_rej if many else [raw_rej]
             rejected = [_text_or_messages(r, where, rejected_field) for r in rejected]
             margin = rec.get(margin_field)
             if margin is not None and (
@@ -331,17 +318,11 @@ class PreferenceDataset(torch.utils.data.Dataset):
         n_videos = sum(len(m.get("video") or ()) for m in self._media if m)
         if n_videos:
             self.stats["videos"] = n_videos
-        self.media.report(log, self.source, self.stats, "records", audio_dropped)
-        if identical or truncated or dropped:
-            log.warning(
-                "%s: dropped %d rejected responses identical to the chosen one; max_length=%s "
-                "truncated %d sequences and dropped %d records",
-                self.source,
-                identical,
-                max_length,
-                truncated,
-                dropped,
-            )
+        if identical:
+            why = "rejected responses identical to the chosen one"
+            log.warning("%s: dropped %d %s", self.source, identical, why)
+        cut = f"max_length={max_length} truncated sequences"
+        self.media.report(log, self.source, self.stats, "records", audio_dropped, cut)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -373,26 +354,40 @@ def pad_sequences(
     pad_id: int,
     side: str = "right",
     starts: Sequence[int] | None = None,
+    rows: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One sequence per row, padded on ``side``: ``input_ids``, ``attention_mask``,
     ``position_ids`` (from the mask, so both sides give the same positions) and ``segment_ids``
     (the row index on real tokens, -1 on padding), each ``[N, T]``; with ``starts`` (each
-    sequence's first response token) also ``scored`` (true on response tokens)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, T]
-    seg = torch.full((len(seqs), width), -1, dtype=torch.long)  # [N, T]
-    scored = torch.zeros((len(seqs), width), dtype=torch.bool)  # [N, T]
-    for n, s in enumerate(seqs):
-        lo = 0 if side == "right" else width - len(s)
-        ids[n, lo : lo + len(s)] = torch.as_tensor(s, dtype=torch.long)
-        seg[n, lo : lo + len(s)] = n
-        if starts is not None:
-            scored[n, lo + starts[n] : lo + len(s)] = True
-    mask = (seg >= 0).long()  # [N, T]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, T], 0 at each first real token
-    out = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "segment_ids": seg}
-    if starts is not None:
-        out["scored"] = scored
+    sequence's first response token) also ``scored`` (true on response tokens).
+
+    With ``rows`` (lists of sequence indices), each row instead holds its sequences back to back
+    (``segment_ids``: the sequence index), positions restarting at 0 for each, right-padded, and
+    no ``attention_mask``: transformers keeps packed sequences apart by their position resets."""
+    packed = rows is not None
+    rows = rows if rows is not None else [[n] for n in range(len(seqs))]
+    width = max(sum(len(seqs[n]) for n in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [R, T]
+    seg = torch.full((len(rows), width), -1, dtype=torch.long)  # [R, T]
+    positions = torch.zeros((len(rows), width), dtype=torch.long)  # [R, T]
+    for r, row in enumerate(rows):
+        col = 0 if side == "right" else width - sum(len(seqs[n]) for n in row)
+        for n in row:
+            L = len(seqs[n])
+            ids[r, col : col + L] = torch.as_tensor(seqs[n], dtype=torch.long)
+            seg[r, col : col + L] = n
+            positions[r, col : col + L] = torch.arange(L)
+            col += L
+        # Padding is its own position run, so it never joins the last sequence.
+        positions[r, col:] = torch.arange(width - col)
+    out = {"input_ids": ids, "position_ids": positions, "segment_ids": seg}
+    if not packed:
+        mask = (seg >= 0).long()  # [N, T]
+        out["attention_mask"] = mask
+        out["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)  # 0 at each first real token
+    if starts is not None:  # a real token at or after its sequence's start
+        first = torch.as_tensor(starts, dtype=torch.long)[seg.clamp(min=0)]  # [R, T]
+        out["scored"] = (seg >= 0) & (positions >= first)
     return out
 
 
@@ -457,10 +452,19 @@ class PreferenceCollator:
                     f"a pair is labelled for head {name!r}; heads are {list(self.heads)}"
                 )
             head.append(0 if name is None else self.heads[name])
+        rows = None
         if self.packing:
-            batch = self._pack(seqs, starts)
-        else:
-            batch = pad_sequences(seqs, self.pad_id, starts=starts)
+            lengths = [len(s) for s in seqs]
+            for n in lengths:
+                if self.max_tokens is not None and n > self.max_tokens:
+                    raise ValueError(
+                        f"a sequence has {n} tokens, more than max_tokens_per_row="
+                        f"{self.max_tokens}: raise it or lower the dataset's max_length"
+                    )
+            rows = plan_micro_batches(
+                range(len(seqs)), lengths, len(seqs), self.max_tokens, packing=True
+            )
+        batch = pad_sequences(seqs, self.pad_id, starts=starts, rows=rows)
         batch.update(
             candidates=candidates,
             safe=safe,
@@ -472,37 +476,8 @@ class PreferenceCollator:
             batch["media"] = joined
         return batch
 
-    def _pack(self, seqs: list[torch.Tensor], starts: list[int]) -> dict[str, torch.Tensor]:
-        lengths = [len(s) for s in seqs]
-        for n in lengths:
-            if self.max_tokens is not None and n > self.max_tokens:
-                raise ValueError(
-                    f"a sequence has {n} tokens, more than max_tokens_per_row="
-                    f"{self.max_tokens}: raise it or lower the dataset's max_length"
-                )
-        rows = plan_micro_batches(
-            range(len(seqs)), lengths, len(seqs), self.max_tokens, packing=True
-        )
-        width = max(sum(len(seqs[n]) for n in row) for row in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [R, T]
-        seg = torch.full((len(rows), width), -1, dtype=torch.long)  # [R, T]
-        positions = torch.zeros((len(rows), width), dtype=torch.long)  # [R, T]
-        scored = torch.zeros((len(rows), width), dtype=torch.bool)  # [R, T]
-        for r, row in enumerate(rows):
-            col = 0
-            for n in row:
-                L = len(seqs[n])
-                ids[r, col : col + L] = seqs[n]
-                seg[r, col : col + L] = n
-                positions[r, col : col + L] = torch.arange(L)
-                scored[r, col + starts[n] : col + L] = True
-                col += L
-            # Padding is its own position run, so it never joins the last sequence.
-            positions[r, col:] = torch.arange(width - col)
-        return {"input_ids": ids, "position_ids": positions, "segment_ids": seg, "scored": scored}
 
-
-class UnpairedPreferenceDataset(torch.utils.data.Dataset):
+class UnpairedPreferenceDataset(PreferenceDataset):
     """Unpaired preference data for KTO: one response per record, labelled desirable or not.
 
     Record: ``{"prompt": str | [messages] (optional), "completion": str | [messages],
@@ -510,10 +485,10 @@ class UnpairedPreferenceDataset(torch.utils.data.Dataset):
     and the field, before any model loads. Items look like :class:`PreferenceDataset`'s with one
     sequence and ``"desirable": [label]``. Text only (records with media are refused); rendered
     as :class:`PreferenceDataset` renders a candidate, truncated (kept start) or dropped past
-    ``max_length``.
+    ``max_length``. Its length, ``where`` and ``heads`` are :class:`PreferenceDataset`'s.
     """
 
-    def __init__(
+    def __init__(  # builds its own items (no super().__init__); shares the accessors
         self,
         tokenizer,
         path: PathLike | Sequence[PathLike] | None = None,
@@ -576,12 +551,5 @@ class UnpairedPreferenceDataset(torch.utils.data.Dataset):
             "dropped": dropped,
         }
 
-    def __len__(self) -> int:
-        return len(self._items)
-
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self._items[i]
-
-    def where(self, i: int) -> str:
-        """The file and line (or row) item ``i`` came from."""
-        return self._origins[i]

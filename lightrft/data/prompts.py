@@ -13,7 +13,7 @@ from lightrft.data.audio import AudioTooLong
 from lightrft.data.io import DataError, PathLike, require_field
 from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import MediaSamples, Truncation, check_truncation, open_records
-from lightrft.data.templates import check_messages, encode_prompt, with_system
+from lightrft.data.templates import check_messages, encode_prompt, prompt_turns, with_system
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,8 @@ class PromptDataset(torch.utils.data.Dataset):
             label = default_label if label is None else str(label)
             media = None
             if apply_chat_template:
-                chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
                 try:
-                    prompt, media = self.media.messages(src, i, chat)
+                    prompt, media = self.media.messages(src, i, prompt_turns(prompt))
                 except AudioTooLong:
                     audio_dropped += 1
                     continue
@@ -119,10 +118,7 @@ class PromptDataset(torch.utils.data.Dataset):
             )
             ids, _, _ = self.media.expand(ids, None, media, where)
             if max_prompt_length is not None and len(ids) > max_prompt_length:
-                keep = self.media.kept_all(ids, ids[-max_prompt_length:])
-                ids, text = self._over_limit(
-                    ids, max_prompt_length, where, "max_prompt_length", keep
-                )
+                ids, text = self._over_limit(ids, max_prompt_length, where, "max_prompt_length")
                 if ids is None:
                     dropped += 1
                     continue
@@ -157,17 +153,17 @@ class PromptDataset(torch.utils.data.Dataset):
         self.media.report(log, self.source, self.stats, "prompts", audio_dropped, cut)
 
     def _over_limit(
-        self, ids: list[int], limit: int, where: str, key: str, intact: bool = True
+        self, ids: list[int], limit: int, where: str, key: str
     ) -> tuple[list[int] | None, str]:
         """A too-long prompt under this dataset's ``truncation`` policy: ``(None, "")`` to
         drop it, the kept last ``limit`` tokens and their text, or a :class:`DataError`.
-        ``intact=False``: truncating would cut vision tokens, so the prompt is dropped."""
+        A prompt whose cut would lose media tokens is dropped."""
         if self.truncation == "error":
             raise DataError(
                 f"{where}: the prompt has {len(ids)} tokens, over {key}={limit}; shorten it, "
                 "raise the limit, or set the dataset's truncation to 'drop' or 'truncate'"
             )
-        if self.truncation == "drop" or not intact:
+        if self.truncation == "drop" or not self.media.kept_all(ids, ids[-limit:]):
             return None, ""
         ids = ids[-limit:]
         return ids, self.tokenizer.decode(ids, skip_special_tokens=False)

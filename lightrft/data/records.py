@@ -11,13 +11,14 @@ processors, so the two cannot be one module without a cycle.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from lightrft.data import media as registry
 from lightrft.data.io import DataError, PathLike, Records, load_records
 from lightrft.data.media import Media, MediaOptions
-from lightrft.data.templates import IGNORE_INDEX, has_parts
+from lightrft.data.templates import IGNORE_INDEX
 
 Truncation = Literal["truncate", "drop"]
 
@@ -58,12 +59,6 @@ def _a(kind: str) -> str:
     return "an" if kind[0] in "aeiou" else "a"
 
 
-def _given(processor) -> str:
-    return (
-        f"the dataset was given {'a tokenizer' if processor is None else type(processor).__name__}"
-    )
-
-
 class MediaSamples:
     """The media side of a dataset (and of a multimodal reward model or judge): finds a record's
     media of every kind, loads them (failing at load with file, line and field), processes them
@@ -78,7 +73,8 @@ class MediaSamples:
 
     def __init__(self, processor, options: MediaOptions | None = None, given: str = "") -> None:
         options = (options or registry.MediaOptions()).resolve("media.")
-        options.check_model(processor, given or _given(processor))
+        model = "a tokenizer" if processor is None else type(processor).__name__
+        options.check_model(processor, given or f"the dataset was given {model}")
         self.processors = {
             p.kind: p(processor, getattr(options, p.kind))
             for p in registry.PROCESSORS
@@ -114,7 +110,7 @@ class MediaSamples:
         self.check_record(src, i)
         if not self.kinds:
             # Text models: "<image>" in a string is just text, but content parts are an error.
-            if has_parts(msgs):
+            if any(not isinstance(m["content"], str) for m in msgs):
                 raise DataError(
                     f"{where}: content parts (lists) need a multimodal model's processor"
                 )
@@ -122,18 +118,14 @@ class MediaSamples:
         msgs, raw = record_media(src[i], msgs, {k: self.fields[k] for k in self.kinds}, where)
         if not any(raw.values()):
             return msgs, None
+        # Messages name where a kind's media came from: its field, or inline "content" parts.
+        label = {k: f if src[i].get(f) else "content" for k, f in self.fields.items()}
         base = src.base_dir(i)
         return msgs, {
-            kind: self.processors[kind].load(
-                values, base_dir=base, where=where, field=self._label(src[i], kind)
-            )
+            kind: self.processors[kind].load(values, base_dir=base, where=where, field=label[kind])
             for kind, values in raw.items()
             if values
         }
-
-    def _label(self, rec: Mapping[str, Any], kind: str) -> str:
-        """Where a record's media of ``kind`` came from, for messages: its field or inline."""
-        return self.fields[kind] if rec.get(self.fields[kind]) else "content"
 
     def raw_mode(self, src: Records, i: int) -> None:
         """Raw (template-free) records cannot place media tokens: refuse their media."""
@@ -245,19 +237,9 @@ def split_tags(content: Any, names: Sequence[str]) -> list[dict[str, Any]]:
     kinds ``names`` (``<image>``, ``<audio>``; each tag a part of its kind); a list is returned as is."""
     if not isinstance(content, str):
         return list(content)
-    parts: list[dict[str, Any]] = []
-    text = content
-    while text:
-        hits = [(text.find(_kind(k).tag), k) for k in names if _kind(k).tag in text]
-        if not hits:
-            parts.append({"type": "text", "text": text})
-            break
-        at, kind = min(hits)
-        if at:
-            parts.append({"type": "text", "text": text[:at]})
-        parts.append({"type": kind})
-        text = text[at + len(_kind(kind).tag) :]
-    return parts
+    tags = {_kind(k).tag: k for k in names}
+    pieces = re.split("(" + "|".join(map(re.escape, tags)) + ")", content) if tags else [content]
+    return [{"type": tags[p]} if p in tags else {"type": "text", "text": p} for p in pieces if p]
 
 
 def record_media(
@@ -311,10 +293,8 @@ def record_media(
     media: dict[str, list[Any]] = {}
     for kind in taken:
         field = fields[kind]
-        raw = rec.get(field)
-        if raw is not None and not isinstance(raw, (list, tuple)):
-            raw = [raw]
-        raw = list(raw) if raw is not None else []
+        raw = rec.get(field)  # a list, or one value
+        raw = [] if raw is None else list(raw) if isinstance(raw, (list, tuple)) else [raw]
         if raw and inline[kind]:
             raise DataError(
                 f"{where}: {kind}s both in field {field!r} and inline in {kind} parts; "

@@ -41,6 +41,7 @@ from lightrft.data.templates import (
     encode_chat,
     encode_raw,
     eos_id,
+    prompt_turns,
     with_system,
 )
 
@@ -227,11 +228,9 @@ class SFTDataset(torch.utils.data.Dataset):
                 )
             self.media.raw_mode(src, i)
             return (*encode_raw(self.tokenizer, prompt, completion, system_prompt), None)
-        if isinstance(prompt, str):
-            msgs = [{"role": "user", "content": prompt}]
-        else:
-            msgs = check_messages(prompt, where, prompt_field)
-        msgs, media = self.media.messages(src, i, msgs)
+        if isinstance(prompt, list):
+            prompt = check_messages(prompt, where, prompt_field)
+        msgs, media = self.media.messages(src, i, prompt_turns(prompt))
         msgs = [*with_system(msgs, system_prompt), {"role": "assistant", "content": completion}]
         return (*encode_chat(self.tokenizer, msgs, where), media)
 

@@ -66,11 +66,6 @@ def check_messages(messages: Any, where: str, field: str) -> list[dict[str, Any]
     return [dict(m) for m in messages]
 
 
-def has_parts(messages: Sequence[Message]) -> bool:
-    """Whether any message's content is a list of content parts (not a plain string)."""
-    return any(not isinstance(m["content"], str) for m in messages)
-
-
 def _tokenize(tokenizer, text: str, *, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
@@ -79,6 +74,16 @@ def _render(tokenizer, messages: list[dict[str, Any]], *, generation_prompt: boo
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=generation_prompt
     )
+
+
+def prompt_turns(prompt: str | Sequence[Message] | None) -> list[dict[str, Any]]:
+    """A prompt as chat turns: none for ``None``, one user turn for a string, a copy of a
+    conversation."""
+    if prompt is None:
+        return []
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
 
 
 def with_system(messages: list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:
@@ -101,8 +106,8 @@ def encode_prompt(
     prompt and lets the tokenizer add its usual special tokens (e.g. a BOS).
     """
     if apply_chat_template:
-        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = _render(tokenizer, with_system(msgs, system_prompt), generation_prompt=True)
+        msgs = with_system(prompt_turns(prompt), system_prompt)
+        text = _render(tokenizer, msgs, generation_prompt=True)
         return text, _tokenize(tokenizer, text)
     if not isinstance(prompt, str):
         raise ValueError("a prompt given as a list of messages needs apply_chat_template=true")
@@ -156,9 +161,7 @@ def encode_chat(tokenizer, messages: Sequence[Message], where: str) -> tuple[lis
             add(_render(tokenizer, msgs[:k], generation_prompt=True), loss=False)
             add(_render(tokenizer, msgs[: k + 1], generation_prompt=False), loss=True)
     # End at the last loss token: template text after the final eos is never trained on.
-    last = len(labels) - 1
-    while last >= 0 and labels[last] == IGNORE_INDEX:
-        last -= 1
+    last = max((k for k, lab in enumerate(labels) if lab != IGNORE_INDEX), default=-1)
     if last < 0:  # only possible with empty assistant turns and a template without eos
         raise DataError(f"{where}: the assistant turns render to no tokens")
     ids, labels = ids[: last + 1], labels[: last + 1]

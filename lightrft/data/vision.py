@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from lightrft.config import Section, option, section
-from lightrft.data.io import DataError, MediaItems
+from lightrft.data.io import DataError, MediaItems, local_file
 
 # A string prompt may mark where images go with this tag (the Geo3K / verl convention).
 IMAGE_PLACEHOLDER = "<image>"
@@ -74,21 +74,14 @@ def decode_image(value: Any, *, base_dir: Path | None, where: str, field: str):
 
 
 def _read_image_string(value: str, *, base_dir: Path | None, where: str, field: str) -> bytes:
-    if value.startswith("data:"):
-        _, _, payload = value.partition(",")
-        return _b64(payload, where, field)
-    path = Path(value).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path
-    if path.is_file():
-        return path.read_bytes()
-    # A long string without path separators that is not a file is most likely base64.
-    if len(value) > 64 and "/" not in value[:64].strip("+=") and "." not in value[-8:]:
-        return _b64(value, where, field)
-    raise DataError(f"{where}: {field}: image file not found: {path}")
-
-
-def _b64(payload: str, where: str, field: str) -> bytes:
+    if not value.startswith("data:"):
+        try:
+            return local_file(value, base_dir, where, field, "image").read_bytes()
+        except DataError:
+            # A long string without path separators that is not a file is most likely base64.
+            if len(value) <= 64 or "/" in value[:64].strip("+=") or "." in value[-8:]:
+                raise
+    payload = value.partition(",")[2] if value.startswith("data:") else value
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -185,12 +178,8 @@ class ImageProcessor:
         self.kwargs: dict[str, Any] = {}
         ip = processor.image_processor
         if hasattr(ip, "merge_size") and (self.min_pixels or self.max_pixels):
-            size = dict(ip.size)
-            if self.min_pixels:
-                size["shortest_edge"] = self.min_pixels
-            if self.max_pixels:
-                size["longest_edge"] = self.max_pixels
-            self.kwargs["size"] = size
+            bounds = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+            self.kwargs["size"] = {**dict(ip.size), **{k: v for k, v in bounds.items() if v}}
 
     def load(self, values: Sequence[Any], *, base_dir: Path | None, where: str, field: str):
         """Decoded, resized images of a record (fails at load, naming file, line and field)."""

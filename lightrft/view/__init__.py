@@ -21,6 +21,7 @@ import math
 import mimetypes
 import re
 from array import array
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +68,11 @@ class ViewError(ValueError):
     """A run directory the page cannot be made from; the message says what to change."""
 
 
-def _finite(value: Any) -> Any:
-    """NaN and infinities as None: the page's JSON.parse rejects them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
+def _finite(text: str) -> float | None:
+    """A JSON number as read, None when not finite (``1e999``; ``NaN`` and ``Infinity`` read as
+    None too): the page's JSON.parse rejects them."""
+    value = float(text)
+    return value if math.isfinite(value) else None
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -103,7 +100,8 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
             if not raw.strip():
                 continue
             try:
-                row = json.loads(raw.decode("utf-8", errors="replace"))
+                text = raw.decode("utf-8", errors="replace")
+                row = json.loads(text, parse_float=_finite, parse_constant=lambda _: None)
             except (ValueError, RecursionError):  # JSONDecodeError, 4300-digit ints, deep nesting
                 row = None
             if isinstance(row, dict):
@@ -131,7 +129,6 @@ def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for row in rows
                 if isinstance(row.get(key), (int, float)) and isinstance(row.get("step"), int)
             ]
-            points = [p for p in _finite(points) if p[1] is not None]
             if points:
                 lines.append({"key": key, "points": sorted(points, key=lambda p: p[0])})
         if lines:
@@ -143,12 +140,8 @@ def _line_offsets(path: Path) -> array:
     """Where each line of a file starts, in bytes: a data set of millions of records is
     indexed in one pass without holding its text (lines split at ``\\n``, as the data loader
     numbers them)."""
-    offsets, at = array("q"), 0
     with open(path, "rb") as f:
-        for line in f:
-            offsets.append(at)
-            at += len(line)
-    return offsets
+        return array("q", accumulate(map(len, f), initial=0))[:-1]
 
 
 def _record_media(where: str, cache: dict[Path, Any], run: Path) -> list[dict[str, Any]]:
@@ -409,7 +402,7 @@ def load_run(
             # A group is a prompt's n samples; rows of one group are consecutive and share the
             # prompt's record (``where``) and text.
             key = json.dumps([rec.get("where"), rec.get("prompt")])
-            rec = dict(_finite(rec), step=rec.get("step", step), index=index)
+            rec = dict(rec, step=rec.get("step", step), index=index)
             rec["group"] = groups.setdefault(key, len(groups))
             where = rec.get("where") if isinstance(rec.get("where"), str) else ""
             size = len(json.dumps(rec))

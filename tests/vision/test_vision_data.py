@@ -184,6 +184,13 @@ def test_truncation_that_would_cut_an_image_drops_the_sample(proc):
     ds_kw = dict(records=recs, max_prompt_length=30, truncation="truncate")
     with pytest.raises(DataError, match="empty dataset"):
         PromptDataset(proc, **ds_kw)
+    # The engine's limit too: a cut that would lose vision tokens drops the prompt.
+    ds = PromptDataset(
+        proc,
+        records=[*recs, {"prompt": "<image>q", "answer": "a", "images": [square((1, 1, 1))]}],
+        truncation="truncate",
+    )
+    assert ds.fit_to_engine(31) == 1 and ds.stats["engine_dropped"] == 1 and len(ds) == 1
 
 
 @pytest.mark.parametrize(
