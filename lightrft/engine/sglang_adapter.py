@@ -330,6 +330,8 @@ class SGLangEngine:
         for p in params:
             if p.prompt_logprobs:
                 raise ValueError("SGLangEngine does not return prompt_logprobs; use NativeEngine")
+        if any(r.resume is not None for r in requests):  # it would restart from the prompt
+            raise ValueError("SGLangEngine does not continue a Request.resume; use NativeEngine")
         prompts = [self._prompt(r.prompt_token_ids, r) for r in requests]
         budgets = [self._budget(r, p) for r, p in zip(requests, params, strict=True)]
         if self._updating:  # weights were loaded without reset_prefix_cache: finish the update

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightrft.engine import Request, SamplingParams
+from lightrft.engine import Request, Resume, SamplingParams
 from lightrft.engine import sglang_adapter as sa
 from lightrft.engine.config import EngineConfig
 from lightrft.engine.external import turn_seed
@@ -389,6 +389,9 @@ def test_prompt_logprobs_and_a_differently_expanded_prompt_are_refused(native, p
     engine = fake_sglang_engine(native)
     with pytest.raises(ValueError, match="does not return prompt_logprobs"):
         engine.generate([Request(prompts[0])], SamplingParams(prompt_logprobs=True))
+    resumed = Request(prompts[0], resume=Resume(0, [5], [-1.0]))
+    with pytest.raises(ValueError, match="does not continue a Request.resume"):
+        engine.generate([resumed], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="expanded request 0's prompt to 7 tokens, the dataset"):
         engine._check_prompt_len(Request([1, 2, 3]), 7, 0)
 
