@@ -710,9 +710,7 @@ def option(
     read (``ge``: ``>=``, ``gt``: ``>``). ``flat``: a nested section whose keys sit at this
     level (the top-level keys several sections share, e.g. ``output_dir`` and ``optimizer``)."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "flat": flat}
-    if default_factory is not _MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
 def section(cls: type) -> type:
