@@ -804,13 +804,11 @@ class Section:
     @classmethod
     def doc_table(cls, at: str = "") -> str:
         """A Markdown table of the section's keys: key, type, default, meaning."""
-        rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        for key, t, default, doc in cls._doc_rows(at):
-            rows.append(f"| `{key}` | {t} | {default} | {doc} |")
-        return "\n".join(rows)
+        header = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        return "\n".join(header + cls._doc_rows(at))
 
     @classmethod
-    def _doc_rows(cls, at: str) -> list[tuple[str, str, str, str]]:
+    def _doc_rows(cls, at: str) -> list[str]:
         rows = []
         for f, t in cls._fields():
             section = _section_type(t)
@@ -824,7 +822,7 @@ class Section:
             else:
                 default = "required"
             kind = _type_name(t).replace("|", "or")
-            rows.append((f"{at}{f.name}", kind, default, f.metadata.get("doc", "")))
+            rows.append(f"| `{at}{f.name}` | {kind} | {default} | {f.metadata.get('doc', '')} |")
         return rows
 
 
