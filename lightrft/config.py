@@ -202,11 +202,9 @@ def _check_override(arg: str) -> None:
             f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})"
         )
     try:
-        node = yaml.compose(value) if value else None
-    except (yaml.YAMLError, RecursionError):
+        _compose(value, f"override of {key}")
+    except yaml.YAMLError:
         return  # reported with the override's name by _bad_override_value
-    if node is not None:
-        _check_size(node, f"override of {key}")
 
 
 def _merge_overrides(data: dict, sets: list[str]) -> DictConfig:
