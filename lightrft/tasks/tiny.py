@@ -159,9 +159,7 @@ def char_tokenizer(extra_special: list[str] | tuple[str, ...] = ()):
 
     specials = SPECIAL_TOKENS + list(extra_special)
     chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in chars:
-        vocab[ch] = len(vocab)
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
     # BPE without merges splits text into single characters; Fuse joins them back on decode.
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     core.decoder = decoders.Fuse()
