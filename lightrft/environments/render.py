@@ -30,15 +30,10 @@ _HISTORY: list[Message] = [{"role": "user", "content": "question"}]
 ToolsArg = Sequence[Tool | dict[str, Any]] | None
 
 
-def _schemas(tools: ToolsArg) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    return [t.schema if isinstance(t, Tool) else t for t in tools]
-
-
 def _render(tokenizer: Any, messages: list[Message], tools: ToolsArg, generation: bool) -> str:
+    schemas = [t.schema if isinstance(t, Tool) else t for t in tools] if tools else None
     return tokenizer.apply_chat_template(
-        messages, tools=_schemas(tools), tokenize=False, add_generation_prompt=generation
+        messages, tools=schemas, tokenize=False, add_generation_prompt=generation
     )
 
 
