@@ -592,19 +592,16 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
 
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
     """Split a recipe's argv into the ``--config`` path and the ``key=value`` overrides."""
-    config_path, rest, i = None, [], 0
-    while i < len(argv):
-        a = argv[i]
+    config_path, rest, args = None, [], iter(argv)
+    for a in args:
         if a == "--config":
-            if i + 1 >= len(argv):
+            config_path = next(args, None)
+            if config_path is None:
                 raise ConfigError("--config needs a path")
-            config_path, i = argv[i + 1], i + 2
-            continue
-        if a.startswith("--config="):
+        elif a.startswith("--config="):
             config_path = a.split("=", 1)[1]
         else:
             rest.append(a)
-        i += 1
     if config_path is None:
         raise ConfigError("missing --config <path.yaml>")
     return config_path, rest
