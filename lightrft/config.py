@@ -469,8 +469,6 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
 
 def _bounds(t: Any) -> list[Bound]:
     """The :class:`Bound` s annotated on a parameter type (inside ``X | None`` too)."""
-    if t is None:
-        return []
     if typing.get_origin(t) is typing.Annotated:
         return [m for m in t.__metadata__ if isinstance(m, Bound)] + _bounds(typing.get_args(t)[0])
     if _is_union(t):
