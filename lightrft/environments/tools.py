@@ -202,10 +202,7 @@ def validate_arguments(schema: Mapping[str, Any], arguments: Any) -> str | None:
 
 
 def _json_name(v: Any) -> str:
-    for name, test in _JSON_TYPES.items():
-        if test(v):
-            return name
-    return type(v).__name__
+    return next((name for name, test in _JSON_TYPES.items() if test(v)), type(v).__name__)
 
 
 def _check(schema: Mapping[str, Any], v: Any, where: str) -> str | None:
