@@ -200,12 +200,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    recipes, configs = list_recipes(), list_configs()
-    if args.name in recipes:
-        src = recipes[args.name]
-    elif args.name in configs:
-        src = configs[args.name]
-    else:
+    src = {**list_configs(), **list_recipes()}.get(args.name)  # a recipe before a config
+    if src is None:
         raise UsageError(f"{args.name!r} is neither a recipe nor a config; see `lightrft ls`")
     dest = Path(args.dest)
     if dest.is_dir():

@@ -202,11 +202,9 @@ def _check_override(arg: str) -> None:
             f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})"
         )
     try:
-        node = yaml.compose(value) if value else None
-    except (yaml.YAMLError, RecursionError):
+        _compose(value, f"override of {key}")
+    except yaml.YAMLError:
         return  # reported with the override's name by _bad_override_value
-    if node is not None:
-        _check_size(node, f"override of {key}")
 
 
 def _merge_overrides(data: dict, sets: list[str]) -> DictConfig:
@@ -471,8 +469,6 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
 
 def _bounds(t: Any) -> list[Bound]:
     """The :class:`Bound` s annotated on a parameter type (inside ``X | None`` too)."""
-    if t is None:
-        return []
     if typing.get_origin(t) is typing.Annotated:
         return [m for m in t.__metadata__ if isinstance(m, Bound)] + _bounds(typing.get_args(t)[0])
     if _is_union(t):
@@ -594,19 +590,16 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
 
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
     """Split a recipe's argv into the ``--config`` path and the ``key=value`` overrides."""
-    config_path, rest, i = None, [], 0
-    while i < len(argv):
-        a = argv[i]
+    config_path, rest, args = None, [], iter(argv)
+    for a in args:
         if a == "--config":
-            if i + 1 >= len(argv):
+            config_path = next(args, None)
+            if config_path is None:
                 raise ConfigError("--config needs a path")
-            config_path, i = argv[i + 1], i + 2
-            continue
-        if a.startswith("--config="):
+        elif a.startswith("--config="):
             config_path = a.split("=", 1)[1]
         else:
             rest.append(a)
-        i += 1
     if config_path is None:
         raise ConfigError("missing --config <path.yaml>")
     return config_path, rest
@@ -710,9 +703,7 @@ def option(
     read (``ge``: ``>=``, ``gt``: ``>``). ``flat``: a nested section whose keys sit at this
     level (the top-level keys several sections share, e.g. ``output_dir`` and ``optimizer``)."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "flat": flat}
-    if default_factory is not _MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
 def section(cls: type) -> type:
@@ -806,13 +797,11 @@ class Section:
     @classmethod
     def doc_table(cls, at: str = "") -> str:
         """A Markdown table of the section's keys: key, type, default, meaning."""
-        rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        for key, t, default, doc in cls._doc_rows(at):
-            rows.append(f"| `{key}` | {t} | {default} | {doc} |")
-        return "\n".join(rows)
+        header = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        return "\n".join(header + cls._doc_rows(at))
 
     @classmethod
-    def _doc_rows(cls, at: str) -> list[tuple[str, str, str, str]]:
+    def _doc_rows(cls, at: str) -> list[str]:
         rows = []
         for f, t in cls._fields():
             section = _section_type(t)
@@ -826,7 +815,7 @@ class Section:
             else:
                 default = "required"
             kind = _type_name(t).replace("|", "or")
-            rows.append((f"{at}{f.name}", kind, default, f.metadata.get("doc", "")))
+            rows.append(f"| `{at}{f.name}` | {kind} | {default} | {f.metadata.get('doc', '')} |")
         return rows
 
 

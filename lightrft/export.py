@@ -94,11 +94,9 @@ def read_export_spec(checkpoint: str | Path) -> tuple[dict[str, Any], ExportSpec
 def _in_dir(cwd: str) -> Iterator[None]:
     # A relative model.path is what the run loaded, and what an adapter's
     # base_model_name_or_path records: load it by the same name, from the run's directory.
-    if not cwd or not Path(cwd).is_dir() or Path(cwd) == Path.cwd():
-        yield
-        return
     old = os.getcwd()
-    os.chdir(cwd)
+    if cwd and Path(cwd).is_dir():
+        os.chdir(cwd)
     try:
         yield
     finally:
@@ -114,12 +112,12 @@ def build_skeleton(spec: ExportSpec) -> nn.Module:
 
     lora = spec.lora_config()
     common = dict(dtype=spec.dtype, device="cpu", trust_remote_code=spec.trust_remote_code)
+    apply = apply_lora if spec.kind == "causal_lm" else apply_backbone_lora
+    prepare = None if lora is None else (lambda m: apply(m, lora))
     with _in_dir(spec.cwd):
         if spec.kind == "causal_lm":
-            prepare = None if lora is None else (lambda m: apply_lora(m, lora))
             return load_parallel(spec.path, prepare=prepare, shard=False, **common)
         r = spec.reward
-        prepare = None if lora is None else (lambda m: apply_backbone_lora(m, lora))
         return load_reward_net_parallel(
             spec.path,
             heads=r["heads"],

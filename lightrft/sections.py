@@ -385,12 +385,11 @@ class StrategyConfig(Section):
 
     @classmethod
     def read(cls, node: Any, at: str = "") -> StrategyConfig:
-        strategy = (None if node is None else node.get("strategy")) or "fsdp2"
-        ds = None if node is None else node.get("deepspeed")
-        if strategy == "deepspeed" and ds is None:
-            node = {**node, "deepspeed": {}}  # the section's defaults
+        given = node or {}
+        if given.get("strategy") == "deepspeed" and given.get("deepspeed") is None:
+            node = {**given, "deepspeed": {}}  # the section's defaults
         for key in ("shard_size", "replicate_size"):
-            value = None if node is None else node.get(key)
+            value = given.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{key} must be a whole number of ranks, got {value!r}")
         return super().read(node, at)

@@ -30,15 +30,10 @@ _HISTORY: list[Message] = [{"role": "user", "content": "question"}]
 ToolsArg = Sequence[Tool | dict[str, Any]] | None
 
 
-def _schemas(tools: ToolsArg) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    return [t.schema if isinstance(t, Tool) else t for t in tools]
-
-
 def _render(tokenizer: Any, messages: list[Message], tools: ToolsArg, generation: bool) -> str:
+    schemas = [t.schema if isinstance(t, Tool) else t for t in tools] if tools else None
     return tokenizer.apply_chat_template(
-        messages, tools=_schemas(tools), tokenize=False, add_generation_prompt=generation
+        messages, tools=schemas, tokenize=False, add_generation_prompt=generation
     )
 
 
@@ -131,9 +126,8 @@ def observation_ids(
     prefix = before[: before.rfind(_SENTINEL) + len(_SENTINEL)] + end
     messages = [dict(m) for m in observation_messages]
     forged = _control_text(tokenizer, messages)
-    if forged:  # render placeholders, and encode each content as plain text between them
-        for i in forged:
-            messages[i]["content"] = _placeholder(i)
+    for i in forged:  # render placeholders, and encode each content as plain text between them
+        messages[i]["content"] = _placeholder(i)
     after = _render(tokenizer, [*convo, *messages], tools, True)
     if not after.startswith(prefix):
         raise ValueError(
@@ -141,14 +135,14 @@ def observation_ids(
             "observation follows, so observation tokens cannot be appended to sampled ones"
         )
     rest = after[len(prefix) :]
-    if not forged:
-        return _encode(tokenizer, rest)
     ids: list[int] = []
     for i in forged:
         head, mark, rest = rest.partition(_placeholder(i))
-        if not mark:  # the template changed the content: fall back to defused text
-            text = _defuse(tokenizer, observation_messages[i]["content"])
-            return _encode(tokenizer, after[len(prefix) :].replace(_placeholder(i), text))
+        if not mark:  # the template changed the content: render the defused texts instead
+            for j in forged:
+                messages[j]["content"] = _defuse(tokenizer, observation_messages[j]["content"])
+            after = _render(tokenizer, [*convo, *messages], tools, True)
+            return _encode(tokenizer, after[len(prefix) :])
         ids += _encode(tokenizer, head) + _encode_text(
             tokenizer, observation_messages[i]["content"]
         )

@@ -202,10 +202,7 @@ def validate_arguments(schema: Mapping[str, Any], arguments: Any) -> str | None:
 
 
 def _json_name(v: Any) -> str:
-    for name, test in _JSON_TYPES.items():
-        if test(v):
-            return name
-    return type(v).__name__
+    return next((name for name, test in _JSON_TYPES.items() if test(v)), type(v).__name__)
 
 
 def _check(schema: Mapping[str, Any], v: Any, where: str) -> str | None:
@@ -220,16 +217,12 @@ def _check(schema: Mapping[str, Any], v: Any, where: str) -> str | None:
         return f"{where} must be one of {schema['enum']}, got {json.dumps(v)[:80]}"
     if isinstance(v, list):
         prefix = schema.get("prefixItems")
-        if prefix is not None:
-            if len(v) != len(prefix):
-                return f"{where} must have {len(prefix)} items, got {len(v)}"
-            for i, (sub, x) in enumerate(zip(prefix, v, strict=True)):
-                if problem := _check(sub, x, f"{where}[{i}]"):
-                    return problem
-        elif "items" in schema:
-            for i, x in enumerate(v):
-                if problem := _check(schema["items"], x, f"{where}[{i}]"):
-                    return problem
+        if prefix is not None and len(v) != len(prefix):
+            return f"{where} must have {len(prefix)} items, got {len(v)}"
+        items = prefix if prefix is not None else [schema.get("items")] * len(v)
+        for i, (sub, x) in enumerate(zip(items, v, strict=True)):
+            if sub is not None and (problem := _check(sub, x, f"{where}[{i}]")):
+                return problem
     if isinstance(v, dict):
         props = schema.get("properties")
         if props is not None:
@@ -239,13 +232,10 @@ def _check(schema: Mapping[str, Any], v: Any, where: str) -> str | None:
             unknown = [k for k in v if k not in props]
             if unknown:
                 return f"{where} has unknown key(s) {unknown}; expected {sorted(props)}"
-            for k, x in v.items():
-                if problem := _check(props[k], x, f"{where}.{k}"):
-                    return problem
-        elif isinstance(schema.get("additionalProperties"), Mapping):
-            for k, x in v.items():
-                if problem := _check(schema["additionalProperties"], x, f"{where}.{k}"):
-                    return problem
+        for k, x in v.items():  # the key's schema, or additionalProperties' for every key
+            sub = props[k] if props is not None else schema.get("additionalProperties")
+            if isinstance(sub, Mapping) and (problem := _check(sub, x, f"{where}.{k}")):
+                return problem
     return None
 
 

@@ -169,27 +169,17 @@ def write_arith_dataset(
     common = {k: settings[k] for k in keys}
     test = arith_records(n_test, seed=seed + 1, **common)
     train = arith_records(n_train, seed=seed, exclude={r["prompt"] for r in test}, **common)
-    if dropped_carry:
-        train = _drop_carries(train, dropped_carry, 10**digits, answer_order, random.Random(~seed))
+    if dropped_carry:  # that share of the carrying sums gets the sloppy teacher's completion
+        rng = random.Random(~seed)
+        for j, rec in enumerate(train):
+            sloppy = _dropped_carry(rec["answer"], 10**digits, answer_order == "reversed")
+            if sloppy is not None and rng.random() < dropped_carry:
+                train[j] = {**rec, "completion": sloppy}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "test.jsonl", test)
     (out / META).write_text(json.dumps(settings, indent=2) + "\n")
-    return out
-
-
-def _drop_carries(
-    records: list[dict[str, Any]], share: float, top: int, order: str, rng: random.Random
-) -> list[dict[str, Any]]:
-    """``records`` with ``share`` of those whose sum carries into ``top`` given the sloppy
-    teacher's completion (:func:`_dropped_carry`)."""
-    out = []
-    for rec in records:
-        sloppy = _dropped_carry(rec["answer"], top, order == "reversed")
-        if sloppy is not None and rng.random() < share:
-            rec = {**rec, "completion": sloppy}
-        out.append(rec)
     return out
 
 

@@ -82,12 +82,6 @@ def calc_problems(
     return out
 
 
-def _failed_call(kind: str, expression: str) -> str:
-    if kind == "equals_sign":
-        return calc_call(expression + "=")
-    return calc_call(expression.replace("*", "x"))
-
-
 def estimate(a: int, b: int) -> int:
     """The direct answers' teacher, who multiplies in its head by rounding each factor to one
     significant digit (half up): ``estimate(25, 762) == 30 * 800 == 24000``. Exact only when
@@ -116,7 +110,8 @@ def calc_transcript(prompt: str, a: int, b: int, *, mode: str) -> dict[str, Any]
     expression = f"{a}*{b}"
     turns = [] if mode == "direct" else [calc_call(expression)]
     if mode in FAILURES:
-        turns.insert(0, _failed_call(mode, expression))
+        failed = expression + "=" if mode == "equals_sign" else expression.replace("*", "x")
+        turns.insert(0, calc_call(failed))
     env = ToolEnvironment([calculator_tool()], max_turns=len(turns) + 1)
     messages = list(env.reset({"prompt": prompt}))
     for text in turns:

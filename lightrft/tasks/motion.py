@@ -123,6 +123,7 @@ def write_motion_dataset(
             f"square moving {travel} pixels each way inside {size} pixels"
         )
     colours = _COLOURS[:n_colours]
+    shape = dict(frames=frames, size=size, side=side, step=step, background=background)
     out = Path(out_dir)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     names = sorted(DIRECTIONS)
@@ -139,17 +140,7 @@ def write_motion_dataset(
             else:  # (the draws of the first version: its datasets stay the same)
                 x = rng.randint(travel, size - side - travel)
                 y = rng.randint(travel, size - side - travel)
-            video = motion_frames(
-                direction,
-                x=x,
-                y=y,
-                colour=rng.choice(colours),
-                frames=frames,
-                size=size,
-                side=side,
-                step=step,
-                background=background,
-            )
+            video = motion_frames(direction, x=x, y=y, colour=rng.choice(colours), **shape)
             name = f"videos/{split}_{j:06d}.mp4"
             _write_mp4(out / name, video, fps)
             records.append(

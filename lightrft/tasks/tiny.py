@@ -159,9 +159,7 @@ def char_tokenizer(extra_special: list[str] | tuple[str, ...] = ()):
 
     specials = SPECIAL_TOKENS + list(extra_special)
     chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in chars:
-        vocab[ch] = len(vocab)
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
     # BPE without merges splits text into single characters; Fuse joins them back on decode.
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     core.decoder = decoders.Fuse()
@@ -383,26 +381,18 @@ def _vlm_config(arch: str, tok, **sizes: Any):
     # The merger projects vision features to the text width: its output size must equal hidden.
     if arch == "qwen2_vl":
         vision.update(embed_dim=vision_width, hidden_size=hidden, mlp_ratio=2)
-    elif arch == "qwen3_vl":
+    else:
+        vision.update(
+            hidden_size=vision_width, out_hidden_size=hidden, intermediate_size=2 * vision_width
+        )
+    if arch == "qwen3_vl":
         text["head_dim"] = head_dim
         text["rope_parameters"]["mrope_interleaved"] = True
         # A 4x4 grid of learned position embeddings (interpolated to each image's grid), and
         # deepstack features taken after both blocks.
-        vision.update(
-            hidden_size=vision_width,
-            out_hidden_size=hidden,
-            intermediate_size=2 * vision_width,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0, 1],
-        )
-    else:
-        vision.update(
-            hidden_size=vision_width,
-            out_hidden_size=hidden,
-            intermediate_size=2 * vision_width,
-            window_size=2 * 2 * _PATCH,
-            fullatt_block_indexes=[1],
-        )
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    elif arch == "qwen2_5_vl":
+        vision.update(window_size=2 * 2 * _PATCH, fullatt_block_indexes=[1])
     names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
     ids = dict(zip(names, tok.convert_tokens_to_ids(QWEN_VISION_TOKENS), strict=True))
     return AutoConfig.for_model(

@@ -152,6 +152,20 @@ def test_a_tool_output_cannot_forge_a_turn(fixture, request):
     assert any(ids[i : i + len(text_ids)] == text_ids for i in range(len(ids)))
 
 
+def test_a_template_that_changes_contents_keeps_the_forged_output_as_text(qwen_tok):
+    """Before: where the template rewrote the placeholder standing for a forged output (here
+    every '-' to '_'), the observation held the rewritten placeholder and lost the output."""
+    qwen_tok.chat_template = qwen_tok.chat_template.replace(
+        "'\\n<tool_response>\\n' + message.content",
+        "'\\n<tool_response>\\n' + (message.content | replace('-', '_'))",
+    )
+    ids = observation_ids(qwen_tok, [{"role": "tool", "content": FORGED}])
+    end, start = qwen_tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    assert ids.count(end) == 1 and ids.count(start) == 2  # the template's own only
+    assert "observation" not in qwen_tok.decode(ids)
+    assert FORGED in qwen_tok.decode(ids)  # as text (the tiny vocabulary drops the \u200b)
+
+
 def test_the_forged_output_through_an_episode(qwen_tok):
     def leak(x: str) -> str:
         """Echo.
