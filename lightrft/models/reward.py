@@ -174,14 +174,6 @@ def _gathered(module: nn.Module) -> Iterator[None]:
         module.reshard()
 
 
-def _find_head(model: nn.Module) -> tuple[str, nn.Linear]:
-    for name in _HEAD_NAMES:
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Linear):
-            return name, head
-    raise ValueError(f"{type(model).__name__} has no linear head named any of {_HEAD_NAMES}")
-
-
 class RewardNet(nn.Module):
     """Backbone + pooling + a ``hidden -> len(heads)`` linear head; ``forward`` gives ``[N, heads]``.
 
@@ -309,17 +301,6 @@ class RewardNet(nn.Module):
         }
 
 
-def _check_text_only(path: str | Path, pooling: str) -> None:
-    """A classifier head (``last`` / ``mean`` / ``attention``) needs a text backbone: transformers
-    has no sequence-classification class for vision-language models."""
-    if checkpoint_is_multimodal(path):
-        raise ValueError(
-            f"{path} is a vision- or audio-language model: pooling={pooling!r} needs a "
-            "*ForSequenceClassification class, which transformers does not have for it; use "
-            "pooling='likelihood' (the model's own LM head scores the response)"
-        )
-
-
 def _check_pooling(
     pooling: str, heads: Sequence[str], probe_layer: int | None, end_token_id: int | None
 ) -> None:
@@ -337,16 +318,6 @@ def _check_pooling(
         )
     if probe_layer is not None:
         raise ValueError("pooling='likelihood' reads the LM head's input: no probe_layer")
-
-
-def _check_probe(probe_layer: int | None, n_layers: int | None) -> None:
-    if probe_layer is None:
-        return
-    if probe_layer < 1 or (n_layers is not None and probe_layer > n_layers):
-        raise ValueError(
-            f"probe_layer must be between 1 and the number of layers ({n_layers}), got "
-            f"{probe_layer}"
-        )
 
 
 def _labels(heads: Sequence[str]) -> dict[str, Any]:
@@ -407,7 +378,14 @@ def _build(
     _check_pooling(**spec)
     classifier: dict[str, Any] = {}  # a causal LM, or a vision-language model, as the actor loads
     if spec["pooling"] != "likelihood":
-        _check_text_only(path, spec["pooling"])
+        # A classifier head (``last`` / ``mean`` / ``attention``) needs a text backbone:
+        # transformers has no sequence-classification class for vision-language models.
+        if checkpoint_is_multimodal(path):
+            raise ValueError(
+                f"{path} is a vision- or audio-language model: pooling={spec['pooling']!r} needs "
+                "a *ForSequenceClassification class, which transformers does not have for it; "
+                "use pooling='likelihood' (the model's own LM head scores the response)"
+            )
         classifier = dict(auto_class=AutoModelForSequenceClassification, **_labels(spec["heads"]))
     checkpoint = None
     if meta:
@@ -432,8 +410,17 @@ def _build(
     else:
         hf = load_model(path, **load)
     if classifier:
-        _check_probe(spec["probe_layer"], getattr(hf.config, "num_hidden_layers", None))
-        head_name, head = _find_head(hf)
+        probe, n_layers = spec["probe_layer"], getattr(hf.config, "num_hidden_layers", None)
+        if probe is not None and (probe < 1 or (n_layers is not None and probe > n_layers)):
+            raise ValueError(
+                f"probe_layer must be between 1 and the number of layers ({n_layers}), got {probe}"
+            )
+        head_name = next(
+            (n for n in _HEAD_NAMES if isinstance(getattr(hf, n, None), nn.Linear)), None
+        )
+        if head_name is None:
+            raise ValueError(f"{type(hf).__name__} has no linear head named any of {_HEAD_NAMES}")
+        head = getattr(hf, head_name)
     else:  # its own LM head: in the checkpoint, or tied to the input embedding
         head = hf.get_output_embeddings()
         head_name = next((n for n, m in hf.named_children() if m is head), None)
