@@ -69,19 +69,19 @@ def pool_hidden(
     ``token_logits [R, T]`` are the attention pooling's scores (``pooling="attention"`` only).
     """
     R, T, H = hidden.shape
-    flat = hidden.reshape(R * T, H)  # [R*T, H]
+    if pooling == "last":
+        return hidden.reshape(R * T, H)[last_positions(segment_ids, num_sequences)]  # [N, H]
     seg = segment_ids.reshape(-1)  # [R*T]
     real = seg >= 0
-    pos = torch.arange(R * T, device=hidden.device)[real]  # flat index of each real token
     seg = seg[real]
-    if pooling == "last":
-        return flat[last_positions(segment_ids, num_sequences)]  # [N, H]
+    # Sums in fp32 (fp64 for fp64): a bf16 sum of token states loses their precision, and a
+    # bf16 count stops at 256.
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    rows = hidden.reshape(R * T, H)[real].to(acc)  # [n_real, H]
+    out = torch.zeros(num_sequences, H, dtype=acc, device=hidden.device)
     if pooling == "mean":
-        sums = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
-        sums = sums.index_add(0, seg, flat[pos])  # [N, H]
-        counts = torch.zeros(num_sequences, dtype=hidden.dtype, device=hidden.device)
-        counts = counts.index_add(0, seg, torch.ones_like(seg, dtype=hidden.dtype))  # [N]
-        return sums / counts[:, None]
+        counts = torch.bincount(seg, minlength=num_sequences)  # [N]
+        return (out.index_add(0, seg, rows) / counts[:, None]).to(hidden.dtype)  # [N, H]
     if pooling == "attention":
         assert token_logits is not None, "attention pooling needs token_logits"
         logit = token_logits.reshape(-1)[real].float()  # [n_real]
@@ -89,9 +89,8 @@ def pool_hidden(
         peak = peak.scatter_reduce(0, seg, logit.detach(), reduce="amax")  # [N], for stability
         w = torch.exp(logit - peak[seg])  # [n_real]
         denom = torch.zeros(num_sequences, device=hidden.device).index_add(0, seg, w)  # [N]
-        w = (w / denom[seg]).to(hidden.dtype)
-        out = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
-        return out.index_add(0, seg, flat[pos] * w[:, None])  # [N, H]
+        w = (w / denom[seg]).to(acc)
+        return out.index_add(0, seg, rows * w[:, None]).to(hidden.dtype)  # [N, H]
     raise ValueError(f"pooling must be one of {POOLINGS[:3]}, got {pooling!r}")
 
 
@@ -136,9 +135,7 @@ def likelihood_scores(
     logp = head_logprobs(lm_head, hidden_rows[keep], targets[keep])  # [n_scored] fp32
     seg = seg[keep]
     sums = torch.zeros(num_sequences, device=hidden.device).index_add(0, seg, logp)
-    counts = torch.zeros(num_sequences, device=hidden.device).index_add(
-        0, seg, torch.ones_like(logp)
-    )
+    counts = torch.bincount(seg, minlength=num_sequences)
     return sums / counts.clamp(min=1)  # a sequence with nothing scored scores 0
 
 
