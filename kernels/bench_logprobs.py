@@ -29,6 +29,7 @@ from lightrft.kernels.benchmarking import (
     peak_memory_mib,
     prepared,
     provider_available,
+    sync,
 )
 
 pytestmark = pytest.mark.benchmark_suite
@@ -59,11 +60,6 @@ def _inputs(config: str):
     return _cache[key]
 
 
-def _sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -82,7 +78,7 @@ def test_logprobs(benchmark, config, provider, mode):
 
     def target(call):
         call()
-        _sync()
+        sync(torch.device(DEVICE))
 
     benchmark.pedantic(target, setup=setup, rounds=ROUNDS, iterations=1)
     inp.zero_grad()

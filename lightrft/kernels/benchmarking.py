@@ -147,7 +147,7 @@ def backward_fn(name: str, inp: Inputs) -> Callable[[Tensor], None]:
     return lambda out: out.backward(inp.grad.to(out.dtype))
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -162,7 +162,7 @@ def prepared(name: str, mode: str, inp: Inputs) -> Callable[[], Tensor]:
     inp.zero_grad()
     gc.collect()
     made = fwd() if mode == "backward" else None
-    _sync(inp.hidden.device)
+    sync(inp.hidden.device)
 
     def call() -> Tensor:
         if made is not None:
@@ -181,7 +181,7 @@ def run_once(name: str, mode: str, inp: Inputs) -> float:
     call = prepared(name, mode, inp)
     start = time.perf_counter()
     _out = call()  # kept alive until measured
-    _sync(inp.hidden.device)
+    sync(inp.hidden.device)
     return time.perf_counter() - start
 
 
@@ -249,7 +249,7 @@ def peak_allocated_mib(fn: Callable[[], object], device: str | torch.device = "c
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities, profile_memory=True) as prof:
         fn()
-        _sync(dev)
+        sync(dev)
     return transient_peak_bytes(_allocations(prof, dev), set()) / 2**20
 
 
@@ -274,7 +274,7 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities, profile_memory=True) as prof:
         _out = call()  # kept alive until measured
-        _sync(dev)
+        sync(dev)
     peak = (
         torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _status_mib("VmHWM")
     )
@@ -290,11 +290,7 @@ def peak_memory_mib(
     ``_probe_in_process``). On CPU in a fresh subprocess, so that nothing cached from earlier
     calls hides an allocation."""
     if torch.device(device).type == "cuda":
-        inp = make_inputs(
-            n, vocab, hidden, dtype=DTYPES[dtype], device=device, floor=name == "matmul"
-        )
-        _warm_up(name, device, DTYPES[dtype])
-        return _probe_in_process(name, mode, inp)
+        return _probe(name, mode, n, vocab, hidden, dtype, device)
     cmd = [sys.executable, "-m", "lightrft.kernels.benchmarking", "_probe", name, mode]
     cmd += [str(n), str(vocab), str(hidden), dtype]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
@@ -303,19 +299,22 @@ def peak_memory_mib(
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _probe(name, mode, n, vocab, hidden, dtype: str, device="cpu") -> dict[str, float]:
+    """:func:`_probe_in_process` of one call on inputs made here, after a warm-up."""
+    _warm_up(name, device, DTYPES[dtype])
+    floor = name == "matmul"
+    inp = make_inputs(
+        int(n), int(vocab), int(hidden), dtype=DTYPES[dtype], device=device, floor=floor
+    )
+    return _probe_in_process(name, mode, inp)
+
+
 def _warm_up(name: str, device, dtype: torch.dtype) -> None:
     """Load libraries and initialise thread pools on a tiny shape, outside the measurement."""
     small = make_inputs(64, 512, 32, dtype=dtype, device=device, floor=name == "matmul")
     run_once(name, "fwd+bwd", small)
     del small
     gc.collect()
-
-
-def _probe_main(args: list[str]) -> None:
-    name, mode, n, vocab, hidden, dtype = args
-    _warm_up(name, "cpu", DTYPES[dtype])
-    inp = make_inputs(int(n), int(vocab), int(hidden), dtype=DTYPES[dtype], floor=name == "matmul")
-    print(json.dumps(_probe_in_process(name, mode, inp)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,7 +392,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_probe":
-        _probe_main(argv[1:])
+        print(json.dumps(_probe(*argv[1:])))
         return
     ap = argparse.ArgumentParser(prog="python -m lightrft.kernels.benchmarking")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -64,14 +64,6 @@ def default_chunk_size(n_rows: int, vocab: int) -> int:
     return max(1, min(max(rows, _ROW_MULTIPLE), n_rows))
 
 
-def _is_dtensor(x: Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(x, DTensor)
-
-
 def check_inputs(
     hidden: Tensor,
     weight: Tensor,
@@ -95,11 +87,14 @@ def check_inputs(
         )
     if targets.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"targets must be an integer tensor (int64), got {targets.dtype}")
-    if _is_dtensor(weight) or _is_dtensor(hidden):
-        raise ValueError(
-            "hidden/weight is a sharded DTensor (FSDP2): compute inside the root module's "
-            "forward, e.g. with lightrft.models.forward.causal_lm_token_logprobs / forward_on_hidden"
-        )
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(hidden, DTensor) or isinstance(weight, DTensor):
+            raise ValueError(
+                "hidden/weight is a sharded DTensor (FSDP2): compute inside the root module's "
+                "forward, e.g. with lightrft.models.forward.causal_lm_token_logprobs / forward_on_hidden"
+            )
     if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
         raise ValueError(
             f"hidden and weight must share one floating dtype, got {hidden.dtype} and {weight.dtype}"
@@ -131,9 +126,8 @@ def valid_rows(targets: Tensor, vocab: int, ignore_index: int) -> Tensor | None:
 
 def _mm_fp32_out_supported(x: Tensor) -> bool:
     """Whether ``torch.mm(..., out_dtype=float32)`` runs for low-precision ``x`` (CUDA only)."""
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return _probe_fp32_out_mm(x.device, x.dtype)
+    low = x.dtype in (torch.bfloat16, torch.float16)
+    return x.is_cuda and low and _probe_fp32_out_mm(x.device, x.dtype)
 
 
 @functools.cache

@@ -65,7 +65,7 @@ def export_hf(
     ``save_pretrained``; the processor writes its image-processor and tokenizer files).
 
     Collective: call on every rank. Rank 0 writes into a new uniquely named directory beside
-    ``out_dir`` (:func:`temp_dir_beside`) and renames it to ``out_dir`` only when complete, replacing an older export there, so a crash never leaves a
+    ``out_dir`` (:func:`writing_dir`) and renames it to ``out_dir`` only when complete, replacing an older export there, so a crash never leaves a
     half-written export under the final name. ``dtype`` casts floating-point weights (e.g.
     ``"bfloat16"`` for serving); ``None`` keeps the training dtype. ``tokenizer=None`` skips it.
     """
@@ -126,21 +126,15 @@ def _set_config_dtype(config_file: Path, dtype: torch.dtype) -> None:
     config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def temp_dir_beside(target: Path) -> Path:
-    """A new, uniquely named, empty directory beside ``target`` to write an export into before
-    it is renamed to ``target`` (``mkdtemp``: never a path that existed, so nothing of anyone
-    else's, such as a ``<target>.tmp`` of theirs, is reused or deleted)."""
+@contextlib.contextmanager
+def writing_dir(target: Path) -> Iterator[Path]:
+    """A new, uniquely named, empty directory beside ``target`` to write into: renamed to
+    ``target`` when the block ends, deleted (it is this call's own) when the block raises.
+    (``mkdtemp``: never a path that existed, so nothing of anyone else's, such as a
+    ``<target>.tmp`` of theirs, is reused or deleted.)"""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would make the export private to this user
-    return tmp
-
-
-@contextlib.contextmanager
-def writing_dir(target: Path) -> Iterator[Path]:
-    """A :func:`temp_dir_beside` ``target`` to write into: renamed to ``target`` when the block
-    ends, deleted (it is this call's own) when the block raises."""
-    tmp = temp_dir_beside(target)
     try:
         yield tmp
     except BaseException:

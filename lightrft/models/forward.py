@@ -370,10 +370,8 @@ def media_forward_kwargs(
         **media.model_inputs(input_ids.device),
     }
     images = media.image
-    if images is None and video is None:
-        return kwargs
     rope = mrope_model(model)
-    if rope is None:
+    if rope is None or (images is None and video is None):
         return kwargs
     mm = mm_token_types(model.config, input_ids)  # [B, T]
     kwargs["mm_token_type_ids"] = mm

@@ -85,8 +85,15 @@ class LoraFactors:
     transpose: bool
 
 
-def lora_factors(module: nn.Module, name: str) -> list[LoraFactors]:
-    """The active, unmerged adapters of a PEFT LoRA layer (``name``: its weight, for errors)."""
+def merged_adapters(model: nn.Module, name: str) -> list[LoraFactors]:
+    """The adapters merged into parameter ``name`` of ``model`` when its weights leave it
+    (weight sync, the merged export): the active, unmerged adapters of the LoRA layer whose base
+    weight it is, else []."""
+    if not name.endswith(_BASE_WEIGHT):
+        return []
+    module = model.get_submodule(name[: -len(_BASE_WEIGHT)])
+    if not is_lora_layer(module):
+        return []
     if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
         return []
     if any(getattr(module, "use_dora", {}).values()):
@@ -102,15 +109,6 @@ def lora_factors(module: nn.Module, name: str) -> list[LoraFactors]:
         for ad in adapters
         if ad in module.lora_A
     ]
-
-
-def merged_adapters(model: nn.Module, name: str) -> list[LoraFactors]:
-    """The adapters merged into parameter ``name`` of ``model`` when its weights leave it
-    (weight sync, the merged export): those of the LoRA layer whose base weight it is, else []."""
-    if not name.endswith(_BASE_WEIGHT):
-        return []
-    owner = model.get_submodule(name[: -len(_BASE_WEIGHT)])
-    return lora_factors(owner, name) if is_lora_layer(owner) else []
 
 
 def initial_adapter_value(
@@ -131,23 +129,19 @@ def initial_adapter_value(
 # Building, switching off and exporting adapters
 
 
-def _linear_names(model: nn.Module) -> dict[str, str]:
-    """Full name -> last name part of every ``nn.Linear`` inside the decoder blocks."""
+def resolve_targets(model: nn.Module, opts: LoraConfig) -> list[str]:
+    """The module names LoRA adapts: every decoder linear layer (``auto``) or the configured
+    names, each of which must name at least one linear layer of the decoder."""
     from lightrft.models.parallel import decoder_layers
 
     layers = decoder_layers(model)
     prefix = next(n for n, m in model.named_modules() if m is layers)
-    return {
+    # Full name -> last name part of every ``nn.Linear`` inside the decoder blocks.
+    linears = {
         name: name.rsplit(".", 1)[-1]
         for name, mod in model.named_modules()
         if name.startswith(prefix + ".") and isinstance(mod, nn.Linear)
     }
-
-
-def resolve_targets(model: nn.Module, opts: LoraConfig) -> list[str]:
-    """The module names LoRA adapts: every decoder linear layer (``auto``) or the configured
-    names, each of which must name at least one linear layer of the decoder."""
-    linears = _linear_names(model)
     found = sorted(set(linears.values()))
     if opts.targets is None:
         return found

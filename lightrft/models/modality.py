@@ -61,31 +61,27 @@ def placeholder_ids(config) -> dict[str, int]:
     return ids
 
 
+_VISION_TOKEN_KEYS = (
+    "image_token_id",
+    "image_token_index",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
+
 def vision_token_ids(config) -> list[int]:
     """Token ids that only the processor may place (image/video placeholders, vision markers).
 
     A sampler must never emit them: the next forward would find more placeholders than image
     features (a random tiny Qwen2-VL does sample ``<|image_pad|>``).
     """
-    ids = []
-    for key in (
-        "image_token_id",
-        "image_token_index",
-        "video_token_id",
-        "vision_start_token_id",
-        "vision_end_token_id",
-    ):
-        value = getattr(config, key, None)
-        if value is not None and int(value) not in ids:
-            ids.append(int(value))
-    return ids
+    values = (getattr(config, key, None) for key in _VISION_TOKEN_KEYS)
+    return list(dict.fromkeys(int(v) for v in values if v is not None))
 
 
 def media_token_ids(config) -> list[int]:
     """:func:`vision_token_ids` plus the audio placeholder: ids a sampler must never emit."""
     ids = vision_token_ids(config) if is_vision_language(config) else []
-    if is_audio_language(config):
-        tok = audio_token_id(config)
-        if tok not in ids:
-            ids.append(tok)
-    return ids
+    audio = [audio_token_id(config)] if is_audio_language(config) else []
+    return list(dict.fromkeys(ids + audio))

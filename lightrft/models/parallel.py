@@ -61,8 +61,6 @@ def parallelize(
     activation_checkpointing: bool = False,
     compile: bool = False,
     param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
     shard: bool | None = None,
     offload: bool = False,
     scoring: bool = False,
@@ -125,7 +123,7 @@ def parallelize(
             mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     if param_dtype is None:
         param_dtype = default_param_dtype(next(model.parameters()).device)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     policy = OffloadPolicy()
     if offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -144,7 +142,7 @@ def parallelize(
     # frozen: a frozen tower costs no gradients but its weights are as large). The tower runs
     # before the decoder, so its blocks are gathered and resharded like the decoder's.
     for block in media_blocks(model):
-        fully_shard(block, **shard_kw, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **shard_kw, reshard_after_forward=True)
     # Scoring: the embedding and LM head keep their rows on each rank, out of FSDP2's groups,
     # and are never gathered (vocabulary-parallel).
     ignored = shard_vocab_tables(model, mesh) if scoring else set()
@@ -153,32 +151,23 @@ def parallelize(
     # with the root's LM head for the whole forward.
     embedding, head = (None, None) if scoring else _untied_embeddings(model)
     if embedding is not None:
-        fully_shard(embedding, **shard_kw, reshard_after_forward=reshard_after_forward)
+        fully_shard(embedding, **shard_kw, reshard_after_forward=True)
     frozen = not any(p.requires_grad for p in model.parameters())  # a reference policy
     for i, layer in enumerate(layers):
         # A trained model's last block is gathered again right away by the root's backward:
         # keep it unsharded. A frozen model has no backward.
         keep = i == len(layers) - 1 and not frozen
         # Scoring: each linear layer is a unit, the block keeps the rest (its norms).
-        for linear in _linears(layer) if scoring else []:
-            fully_shard(linear, **shard_kw, reshard_after_forward=reshard_after_forward)
-        fully_shard(layer, **shard_kw, reshard_after_forward=reshard_after_forward and not keep)
+        for linear in [m for m in layer.modules() if isinstance(m, nn.Linear)] if scoring else []:
+            fully_shard(linear, **shard_kw, reshard_after_forward=True)
+        fully_shard(layer, **shard_kw, reshard_after_forward=not keep)
     # A frozen model gathers its untied LM head only for the head's own forward instead of
     # holding it with the root for the whole forward. A trained head stays in the root: the
     # fused log-prob kernel's backward reads its weight after the forward.
     if head is not None and frozen:
-        fully_shard(head, **shard_kw, reshard_after_forward=reshard_after_forward)
-    fully_shard(
-        model,
-        **shard_kw,
-        reshard_after_forward=reshard_after_forward,
-        ignored_params=ignored or None,
-    )
+        fully_shard(head, **shard_kw, reshard_after_forward=True)
+    fully_shard(model, **shard_kw, reshard_after_forward=True, ignored_params=ignored or None)
     return model
-
-
-def _linears(block: nn.Module) -> list[nn.Linear]:
-    return [m for m in block.modules() if isinstance(m, nn.Linear)]
 
 
 def default_sharding(*, offload: bool = False, scoring: bool = False) -> bool:

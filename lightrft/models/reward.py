@@ -69,19 +69,19 @@ def pool_hidden(
     ``token_logits [R, T]`` are the attention pooling's scores (``pooling="attention"`` only).
     """
     R, T, H = hidden.shape
-    flat = hidden.reshape(R * T, H)  # [R*T, H]
+    if pooling == "last":
+        return hidden.reshape(R * T, H)[last_positions(segment_ids, num_sequences)]  # [N, H]
     seg = segment_ids.reshape(-1)  # [R*T]
     real = seg >= 0
-    pos = torch.arange(R * T, device=hidden.device)[real]  # flat index of each real token
     seg = seg[real]
-    if pooling == "last":
-        return flat[last_positions(segment_ids, num_sequences)]  # [N, H]
+    # Sums in fp32 (fp64 for fp64): a bf16 sum of token states loses their precision, and a
+    # bf16 count stops at 256.
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    rows = hidden.reshape(R * T, H)[real].to(acc)  # [n_real, H]
+    out = torch.zeros(num_sequences, H, dtype=acc, device=hidden.device)
     if pooling == "mean":
-        sums = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
-        sums = sums.index_add(0, seg, flat[pos])  # [N, H]
-        counts = torch.zeros(num_sequences, dtype=hidden.dtype, device=hidden.device)
-        counts = counts.index_add(0, seg, torch.ones_like(seg, dtype=hidden.dtype))  # [N]
-        return sums / counts[:, None]
+        counts = torch.bincount(seg, minlength=num_sequences)  # [N]
+        return (out.index_add(0, seg, rows) / counts[:, None]).to(hidden.dtype)  # [N, H]
     if pooling == "attention":
         assert token_logits is not None, "attention pooling needs token_logits"
         logit = token_logits.reshape(-1)[real].float()  # [n_real]
@@ -89,9 +89,8 @@ def pool_hidden(
         peak = peak.scatter_reduce(0, seg, logit.detach(), reduce="amax")  # [N], for stability
         w = torch.exp(logit - peak[seg])  # [n_real]
         denom = torch.zeros(num_sequences, device=hidden.device).index_add(0, seg, w)  # [N]
-        w = (w / denom[seg]).to(hidden.dtype)
-        out = torch.zeros(num_sequences, H, dtype=hidden.dtype, device=hidden.device)
-        return out.index_add(0, seg, flat[pos] * w[:, None])  # [N, H]
+        w = (w / denom[seg]).to(acc)
+        return out.index_add(0, seg, rows * w[:, None]).to(hidden.dtype)  # [N, H]
     raise ValueError(f"pooling must be one of {POOLINGS[:3]}, got {pooling!r}")
 
 
@@ -136,9 +135,7 @@ def likelihood_scores(
     logp = head_logprobs(lm_head, hidden_rows[keep], targets[keep])  # [n_scored] fp32
     seg = seg[keep]
     sums = torch.zeros(num_sequences, device=hidden.device).index_add(0, seg, logp)
-    counts = torch.zeros(num_sequences, device=hidden.device).index_add(
-        0, seg, torch.ones_like(logp)
-    )
+    counts = torch.bincount(seg, minlength=num_sequences)
     return sums / counts.clamp(min=1)  # a sequence with nothing scored scores 0
 
 
@@ -172,14 +169,6 @@ def _gathered(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.reshard()
-
-
-def _find_head(model: nn.Module) -> tuple[str, nn.Linear]:
-    for name in _HEAD_NAMES:
-        head = getattr(model, name, None)
-        if isinstance(head, nn.Linear):
-            return name, head
-    raise ValueError(f"{type(model).__name__} has no linear head named any of {_HEAD_NAMES}")
 
 
 class RewardNet(nn.Module):
@@ -309,17 +298,6 @@ class RewardNet(nn.Module):
         }
 
 
-def _check_text_only(path: str | Path, pooling: str) -> None:
-    """A classifier head (``last`` / ``mean`` / ``attention``) needs a text backbone: transformers
-    has no sequence-classification class for vision-language models."""
-    if checkpoint_is_multimodal(path):
-        raise ValueError(
-            f"{path} is a vision- or audio-language model: pooling={pooling!r} needs a "
-            "*ForSequenceClassification class, which transformers does not have for it; use "
-            "pooling='likelihood' (the model's own LM head scores the response)"
-        )
-
-
 def _check_pooling(
     pooling: str, heads: Sequence[str], probe_layer: int | None, end_token_id: int | None
 ) -> None:
@@ -337,16 +315,6 @@ def _check_pooling(
         )
     if probe_layer is not None:
         raise ValueError("pooling='likelihood' reads the LM head's input: no probe_layer")
-
-
-def _check_probe(probe_layer: int | None, n_layers: int | None) -> None:
-    if probe_layer is None:
-        return
-    if probe_layer < 1 or (n_layers is not None and probe_layer > n_layers):
-        raise ValueError(
-            f"probe_layer must be between 1 and the number of layers ({n_layers}), got "
-            f"{probe_layer}"
-        )
 
 
 def _labels(heads: Sequence[str]) -> dict[str, Any]:
@@ -377,54 +345,80 @@ def build_reward_net(
     caller's ``torch.manual_seed``). ``pooling="likelihood"`` loads the causal LM whole and
     scores with its own LM head (``end_token_id``: see :class:`RewardNet`).
     """
+    spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id, probe_layer=probe_layer)
+    load = dict(
+        dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+    )
+    return _build(path, spec, load, meta=False)[0].to(device)
+
+
+def _build(
+    path: str | Path, spec: dict[str, Any], load: dict[str, Any], *, meta: bool
+) -> tuple[RewardNet, tuple[str | Path, dict[str, str], set[str]] | None]:
+    """The :class:`RewardNet` of ``spec`` (heads, pooling, end token, probe layer) on the HF
+    model at ``path`` (``load``: dtype, remote code, attention), and, built on the meta device
+    (``meta``), the checkpoint ``(path, names, converted)`` each rank reads its slices from.
+
+    It wraps the HF classifier, or for the ``likelihood`` pooling the causal LM with its own LM
+    head (its parameter names stay the causal LM's: ``model.*``, ``lm_head.*``). New parameters
+    (the classifier's head when the checkpoint lacks it; the attention pooler) are drawn from
+    the run's seed in a forked RNG, as transformers initialises a head (normal,
+    ``initializer_range``): the same values on every rank and in every loading path, whatever
+    was drawn before. The LM head is never new: a tied one is in no checkpoint (it is the input
+    embedding), and replacing it would score with a random head."""
     from transformers import AutoModelForSequenceClassification
 
     from lightrft.models.loading import check_local, load_model, to_dtype
+    from lightrft.models.sharded import SafetensorsIndex, build_on_meta, checkpoint_names
 
     check_local(path)
-    _check_pooling(pooling, heads, probe_layer, end_token_id)
-    spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id, probe_layer=probe_layer)
-    if pooling == "likelihood":  # a causal LM, or a vision-language model, as the actor loads
-        lm = load_model(
+    _check_pooling(**spec)
+    classifier: dict[str, Any] = {}  # a causal LM, or a vision-language model, as the actor loads
+    if spec["pooling"] != "likelihood":
+        # A classifier head (``last`` / ``mean`` / ``attention``) needs a text backbone:
+        # transformers has no sequence-classification class for vision-language models.
+        if checkpoint_is_multimodal(path):
+            raise ValueError(
+                f"{path} is a vision- or audio-language model: pooling={spec['pooling']!r} needs "
+                "a *ForSequenceClassification class, which transformers does not have for it; "
+                "use pooling='likelihood' (the model's own LM head scores the response)"
+            )
+        classifier = dict(auto_class=AutoModelForSequenceClassification, **_labels(spec["heads"]))
+    checkpoint = None
+    if meta:
+        files = SafetensorsIndex.read(path).files
+        hf = build_on_meta(path, **load, **classifier)
+        names, converted = checkpoint_names(hf, list(files))
+        checkpoint = (path, names, converted)
+        missing = {name for name in hf.state_dict() if names.get(name) not in files}
+    elif classifier:
+        kwargs = {"dtype": to_dtype(load["dtype"]), "trust_remote_code": load["trust_remote_code"]}
+        if load["attn_implementation"]:
+            kwargs["attn_implementation"] = load["attn_implementation"]
+        hf, info = AutoModelForSequenceClassification.from_pretrained(
             path,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+            **_labels(spec["heads"]),
+            **kwargs,
         )
-        return _reward_net(lm, None, **spec, dtype=dtype).to(device)
-    _check_text_only(path, pooling)
-    kwargs: dict[str, Any] = {"dtype": to_dtype(dtype), "trust_remote_code": trust_remote_code}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    hf, info = AutoModelForSequenceClassification.from_pretrained(
-        path, ignore_mismatched_sizes=True, output_loading_info=True, **_labels(heads), **kwargs
-    )
-    missing = set(info.get("missing_keys", ()))
-    missing |= {k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", ())}
-    return _reward_net(hf, missing.__contains__, **spec, dtype=dtype).to(device)
-
-
-def _reward_net(
-    hf: nn.Module,
-    is_new: Callable[[str], bool] | None,
-    *,
-    heads: Sequence[str],
-    pooling: str,
-    end_token_id: int | None,
-    probe_layer: int | None,
-    dtype: str | torch.dtype,
-) -> RewardNet:
-    """Wrap ``hf`` in a :class:`RewardNet`: the HF classifier, or for the ``likelihood`` pooling
-    the causal LM with its own LM head (its parameter names stay the causal LM's: ``model.*``,
-    ``lm_head.*``). New parameters (the classifier's head when the checkpoint lacks it,
-    ``is_new`` of its weight's name; the attention pooler) are drawn from the run's seed in a
-    forked RNG, as transformers initialises a head (normal, ``initializer_range``): the same
-    values on every rank and in every loading path, whatever was drawn before. The LM head is
-    never new: a tied one is in no checkpoint (it is the input embedding), and replacing it
-    would score with a random head."""
-    from lightrft.models.loading import to_dtype
-
-    if pooling == "likelihood":
+        missing = set(info.get("missing_keys", ()))
+        missing |= {k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", ())}
+    else:
+        hf = load_model(path, **load)
+    if classifier:
+        probe, n_layers = spec["probe_layer"], getattr(hf.config, "num_hidden_layers", None)
+        if probe is not None and (probe < 1 or (n_layers is not None and probe > n_layers)):
+            raise ValueError(
+                f"probe_layer must be between 1 and the number of layers ({n_layers}), got {probe}"
+            )
+        head_name = next(
+            (n for n in _HEAD_NAMES if isinstance(getattr(hf, n, None), nn.Linear)), None
+        )
+        if head_name is None:
+            raise ValueError(f"{type(hf).__name__} has no linear head named any of {_HEAD_NAMES}")
+        head = getattr(hf, head_name)
+    else:  # its own LM head: in the checkpoint, or tied to the input embedding
         head = hf.get_output_embeddings()
         head_name = next((n for n, m in hf.named_children() if m is head), None)
         if head_name is None or not isinstance(head, nn.Linear):
@@ -432,33 +426,28 @@ def _reward_net(
                 f"{type(hf).__name__} has no linear LM head among its children: pooling="
                 "'likelihood' needs a causal LM"
             )
-        is_new = None  # its own LM head: in the checkpoint, or tied to the input embedding
-    else:
-        _check_probe(probe_layer, getattr(hf.config, "num_hidden_layers", None))
-        head_name, head = _find_head(hf)
+    dtype = to_dtype(load["dtype"])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch.initial_seed())
-        if is_new is not None and is_new(f"{head_name}.weight"):
+        if classifier and f"{head_name}.weight" in missing:
             new = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
             nn.init.normal_(new.weight, std=getattr(hf.config, "initializer_range", 0.02))
             if new.bias is not None:
                 nn.init.zeros_(new.bias)
-            head = new.to(dtype=to_dtype(dtype))
+            head = new.to(dtype=dtype)
             setattr(hf, head_name, head)
+        base_name = hf.base_model_prefix
         net = RewardNet(
-            getattr(hf, hf.base_model_prefix),
+            getattr(hf, base_name),
             head,
-            heads=heads,
-            pooling=pooling,
-            end_token_id=end_token_id,
-            probe_layer=probe_layer,
-            base_name=hf.base_model_prefix,
+            **spec,
+            base_name=base_name,
             head_name=head_name,
             hf_model=hf,
         )
     if net.pooler is not None:
-        net.pooler.to(dtype=to_dtype(dtype))
-    return net
+        net.pooler.to(dtype=dtype)
+    return net, checkpoint
 
 
 def load_reward_net_parallel(
@@ -498,43 +487,24 @@ def load_reward_net_parallel(
     from lightrft.models.parallel import default_sharding
     from lightrft.models.sharded import prepare_and_parallelize
 
-    opts = dict(
-        device=device,
-        activation_checkpointing=activation_checkpointing,
-        compile=compile,
-        offload=offload,
-    )
+    spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id, probe_layer=probe_layer)
     load = dict(
         dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )
-    spec = dict(heads=heads, pooling=pooling, end_token_id=end_token_id, probe_layer=probe_layer)
     if shard is None:
         shard = default_sharding(offload=offload, scoring=scoring)
-    if not shard:
-        net = build_reward_net(path, **spec, device=device, **load)
-        return prepare_and_parallelize(net, prepare, **opts)
-    from transformers import AutoModelForSequenceClassification
-
-    from lightrft.models.sharded import SafetensorsIndex, build_on_meta, checkpoint_names
-
-    _check_pooling(pooling, heads, probe_layer, end_token_id)
-    files = SafetensorsIndex.read(path).files
-    if pooling == "likelihood":
-        hf = build_on_meta(path, **load)  # the class load_model picks: a causal LM or a VLM
-    else:
-        _check_text_only(path, pooling)
-        classifier = AutoModelForSequenceClassification
-        hf = build_on_meta(path, **load, auto_class=classifier, **_labels(heads))
-    names, converted = checkpoint_names(hf, list(files))
-    net = _reward_net(hf, lambda name: names.get(name) not in files, **spec, dtype=dtype)
+    net, checkpoint = _build(path, spec, load, meta=shard)
     return prepare_and_parallelize(
-        net,
+        net if shard else net.to(device),
         prepare,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
         mesh=mesh,
-        checkpoint=(path, names, converted),
+        device=device,
+        checkpoint=checkpoint,
+        offload=offload,
         param_dtype=param_dtype,
         scoring=scoring,
-        **opts,
     )
 
 

@@ -160,18 +160,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _materialize(module: nn.Module, kind: str, name: str, device: torch.device) -> torch.Tensor:
-    """Give the meta tensor ``module.<name>`` uninitialised storage on ``device`` (its shard's
-    size for a DTensor), keeping the Python object (FSDP2 and tied weights hold on to it)."""
-    t = getattr(module, name)
-    if kind == "buffer":
-        module._buffers[name] = torch.empty_like(t, device=device)
-        return module._buffers[name]
-    new = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
-    torch.utils.swap_tensors(t, new)
-    return t
-
-
 def _meta_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]:
     """(full name, owning module, attribute, "param" | "buffer") of every meta tensor, each
     object once (a tied weight under its first name)."""
@@ -203,7 +191,6 @@ def fill_from_safetensors(
 
     device = torch.device(device)
     index = SafetensorsIndex.read(path)
-    by_file: dict[str, list[tuple[torch.Tensor, str, tuple[slice, ...]]]] = {}
     initialised = []
     with torch.no_grad():
         for full, module, attr, kind in _meta_tensors(model):
@@ -215,49 +202,51 @@ def fill_from_safetensors(
                     "Re-save the checkpoint with save_pretrained, or train in one process"
                 )
             key = names.get(own)
-            meta = getattr(module, attr)
-            region = _local_region(meta)
-            t = _materialize(module, kind, attr, device)
-            if key is None or key not in index.files:
-                if kind == "buffer":
-                    raise ValueError(
-                        f"buffer {full!r} of {type(model).__name__} is not in the checkpoint "
-                        f"{path}; build it on a real device"
-                    )
-                # A parameter ``prepare`` added, in full on every rank from the same RNG
-                # state: a LoRA adapter's, as PEFT initialises it.
-                value = initial_adapter_value(full, meta.shape, meta.dtype)
-                if value is None:
-                    raise ValueError(
-                        f"parameter {full!r} is neither in the checkpoint nor one lightrft knows "
-                        "how to initialise; create new parameters on a real device in `prepare` "
-                        "(not on meta)"
-                    )
-                _local(t).copy_(value[region])
-                initialised.append(full)
-                continue
-            by_file.setdefault(index.files[key], []).append((t, key, region))
-        for file, items in by_file.items():
-            for t, key, region in items:
+            t = getattr(module, attr)
+            region = _local_region(t)
+            # Uninitialised storage on ``device`` (its shard's size for a DTensor), keeping the
+            # Python object (FSDP2 and tied weights hold on to it).
+            if kind == "buffer":
+                t = module._buffers[attr] = torch.empty_like(t, device=device)
+            else:
+                new = nn.Parameter(
+                    torch.empty_like(t, device=device), requires_grad=t.requires_grad
+                )
+                torch.utils.swap_tensors(t, new)
+            local = _local(t)
+            if key is not None and key in index.files:
+                file = index.root / index.files[key]
                 # One mapping per tensor: the file pages a rank touches count in its RSS until
                 # the file is closed, so a whole-file mapping would add the rank's slice of
                 # every tensor on top of the shards it fills.
-                with safe_open(str(index.root / file), framework="pt") as f:
-                    _copy_slice(f, key, t, region, index.root / file)
+                with safe_open(str(file), framework="pt") as f:
+                    stored = f.get_slice(key)
+                    full_shape = tuple(stored.get_shape())
+                    if full_shape != tuple(t.shape):
+                        raise ValueError(
+                            f"{file}: tensor {key!r} has shape {list(full_shape)} but the model "
+                            f"expects {list(t.shape)} (does config.json match the weights?)"
+                        )
+                    value = stored[region] if region else f.get_tensor(key)
+                    local.copy_(value.to(local.dtype))
+                continue
+            if kind == "buffer":
+                raise ValueError(
+                    f"buffer {full!r} of {type(model).__name__} is not in the checkpoint "
+                    f"{path}; build it on a real device"
+                )
+            # A parameter ``prepare`` added, in full on every rank from the same RNG state: a
+            # LoRA adapter's, as PEFT initialises it.
+            value = initial_adapter_value(full, t.shape, t.dtype)
+            if value is None:
+                raise ValueError(
+                    f"parameter {full!r} is neither in the checkpoint nor one lightrft knows "
+                    "how to initialise; create new parameters on a real device in `prepare` "
+                    "(not on meta)"
+                )
+            local.copy_(value[region])
+            initialised.append(full)
     return initialised
-
-
-def _copy_slice(f, key: str, t: torch.Tensor, region: tuple[slice, ...], file: Path) -> None:
-    local = _local(t)
-    stored = f.get_slice(key)
-    full_shape = tuple(stored.get_shape())
-    if full_shape != tuple(t.shape):
-        raise ValueError(
-            f"{file}: tensor {key!r} has shape {list(full_shape)} but the model expects "
-            f"{list(t.shape)} (does config.json match the weights?)"
-        )
-    value = stored[region] if region else f.get_tensor(key)
-    local.copy_(value.to(local.dtype))
 
 
 def prepare_and_parallelize(

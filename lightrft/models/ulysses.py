@@ -305,7 +305,12 @@ def enable(model: nn.Module) -> nn.Module:
 
     AttentionInterface.register(ATTENTION, _ulysses_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks of a plain forward
-    for config in _configs(model):
+    # Every distinct HF config of the decoder's attention modules.
+    configs = [getattr(m, "config", None) for m in model.modules() if hasattr(m, "q_proj")]
+    configs = list({id(c): c for c in configs if c is not None}.values())
+    if not configs:
+        raise ValueError(f"{type(model).__name__} has no attention module with a q_proj")
+    for config in configs:
         impl = getattr(config, "_attn_implementation", None)
         if impl not in ("sdpa", ATTENTION):
             raise ValueError(
@@ -314,15 +319,3 @@ def enable(model: nn.Module) -> nn.Module:
             )
         config._attn_implementation = ATTENTION
     return model
-
-
-def _configs(model: nn.Module) -> list[Any]:
-    """Every distinct HF config of the decoder's attention modules."""
-    seen: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(module, "q_proj"):
-            seen.setdefault(id(config), config)
-    if not seen:
-        raise ValueError(f"{type(model).__name__} has no attention module with a q_proj")
-    return list(seen.values())

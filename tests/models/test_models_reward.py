@@ -23,6 +23,20 @@ def test_pool_hidden_by_hand():
         pool_hidden(hidden, seg, 3, "max")
 
 
+@pytest.mark.parametrize("pooling", ["mean", "attention"])
+def test_pool_hidden_in_bf16_matches_fp32_over_long_sequences(pooling):
+    # A bf16 running count stops at 256 and a bf16 running sum loses the small terms: one
+    # 300-token sequence of 256 zeros then 44 ones has mean 44 / 300, not 44 / 256.
+    hidden = torch.cat([torch.zeros(256), torch.ones(44)])[None, :, None]  # [1, 300, 1]
+    seg = torch.zeros(1, 300, dtype=torch.long)
+    logits = torch.zeros(1, 300)
+    want = pool_hidden(hidden, seg, 1, pooling, logits)
+    got = pool_hidden(hidden.bfloat16(), seg, 1, pooling, logits)
+    assert got.dtype == torch.bfloat16
+    assert want.item() == pytest.approx(44 / 300)
+    assert got.float().item() == pytest.approx(44 / 300, rel=1e-2)
+
+
 SEQS = [[5, 17, 9, 23, 11, 30, 12], [7, 8], [40, 41, 42, 43], [3]]
 
 
