@@ -167,8 +167,9 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
                 out[name] = out[first[id(p)]]
             else:
                 first[id(p)] = name
+        kept = module.state_dict(keep_vars=True).keys()  # persistent buffers; built once
         for name, buf in module.named_buffers():
-            if name in module.state_dict():
+            if name in kept:
                 out[strip_wrappers(name)] = buf.detach().to("cpu", copy=True)
     return out
 
