@@ -30,9 +30,10 @@ process, and the checkpoints already written stay.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -156,45 +157,37 @@ class RolloutLink:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _failed(self, e: RuntimeError, what: str) -> GeneratorError:
-        return GeneratorError(
-            f"{self.peer} failed while this process waited for {what} (it died, or sent "
-            f"nothing within rollout.generator_timeout_s={self.timeout.total_seconds():g}): "
-            f"{str(e).splitlines()[0]}"
-        )
-
-    def _wait(self, work: Any, what: str, timeout: timedelta | None = None) -> None:
+    @contextlib.contextmanager
+    def _waiting(self, what: str) -> Iterator[None]:
+        """Fail with a :class:`GeneratorError` naming ``what`` this process waited for: a
+        send or receive raises at once when the peer's connection is closed, a wait when it
+        runs past the timeout."""
         try:
-            work.wait(timeout or self.timeout)
+            yield
         except RuntimeError as e:
-            raise self._failed(e, what) from e
+            raise GeneratorError(
+                f"{self.peer} failed while this process waited for {what} (it died, or sent "
+                f"nothing within rollout.generator_timeout_s={self.timeout.total_seconds():g}): "
+                f"{str(e).splitlines()[0]}"
+            ) from e
 
-    def send_tensor(self, t: torch.Tensor, what: str, *, wait: bool) -> None:
+    def send_tensor(self, t: torch.Tensor, what: str) -> None:
+        """Send ``t`` without waiting for it to be taken (:meth:`flush` waits); the tensors
+        stay alive until then."""
         size = torch.tensor([t.numel()], dtype=torch.int64)
-        try:  # a send raises at once when the peer's connection is closed
-            works = [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, t)]
-        except RuntimeError as e:
-            raise self._failed(e, f"{what} to be sent") from e
-        if wait:
-            for w, _ in works:
-                self._wait(w, f"{what} to be received")
-        else:  # the tensors stay alive until flush()
-            self.pending += works
+        with self._waiting(f"{what} to be sent"):
+            self.pending += [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, t)]
 
     def _recv_tensor(self, what: str, timeout: timedelta | None = None) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
-        try:  # a receive raises at once when the peer's connection is closed
-            self._wait(self.group.recv([size], 1 - self.rank, 0), what, timeout)
+        with self._waiting(what):
+            self.group.recv([size], 1 - self.rank, 0).wait(timeout or self.timeout)
             data = torch.empty(int(size), dtype=torch.uint8)
-            self._wait(self.group.recv([data], 1 - self.rank, 0), what)
-        except RuntimeError as e:
-            if isinstance(e, GeneratorError):
-                raise
-            raise self._failed(e, what) from e
+            self.group.recv([data], 1 - self.rank, 0).wait(self.timeout)
         return data
 
-    def send(self, obj: Any, *, wait: bool = True) -> None:
-        self.send_tensor(_pack(obj), type(obj).__name__, wait=wait)
+    def send(self, obj: Any) -> None:
+        self.send_tensor(_pack(obj), type(obj).__name__)
 
     def receive(
         self, kind: type | tuple[type, ...], what: str, timeout_s: float | None = None
@@ -210,8 +203,9 @@ class RolloutLink:
     def flush(self) -> None:
         """Wait until every message sent without waiting has been received."""
         works, self.pending = self.pending, []
-        for w, _ in works:
-            self._wait(w, "its last message to be received")
+        with self._waiting("its last message to be received"):
+            for w, _ in works:
+                w.wait(self.timeout)
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -238,13 +232,15 @@ class RolloutLink:
 
     def bye(self) -> None:
         """Trainer: the run is over (after every batch was received); waits for the answer."""
-        self.flush()
         self.send(_Bye())
+        self.flush()
         self.receive(_Bye, "the generator's goodbye")
 
     def answer_bye(self) -> None:
-        """Generator: answer the trainer's goodbye (:meth:`receive_weights` took it)."""
+        """Generator: answer the trainer's goodbye (:meth:`receive_weights` took it); waits
+        until every message sent was received."""
         self.send(_Bye())
+        self.flush()
 
 
 class WeightSender:
@@ -262,11 +258,11 @@ class WeightSender:
             [n for n, _ in pairs], [tuple(t.shape) for t in tensors], [t.dtype for t in tensors]
         )
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])  # a copy: owned
-        self.link.send(head, wait=False)
-        self.link.send_tensor(flat, "a weight bucket", wait=False)
+        self.link.send(head)
+        self.link.send_tensor(flat, "a weight bucket")
 
     def reset_prefix_cache(self) -> None:
-        self.link.send(_WeightsDone(self.version, self.evaluate), wait=False)
+        self.link.send(_WeightsDone(self.version, self.evaluate))
 
 
 def generates_here(rollout: Any) -> bool:
@@ -314,7 +310,7 @@ class AsyncSource:
             return
         self.pending = int(evaluate)
         state = self.loader.state_dict() if step else None
-        self.link.send(Start(step, epoch, state), wait=False)
+        self.link.send(Start(step, epoch, state))
         self.sender = WeightSender(self.link, self.opts.engine.dtype)
         if step:
             self._send(step, evaluate=False)
@@ -415,11 +411,11 @@ def serve(
         if got is None:
             return None
         if got[1]:  # sent without waiting: it overlaps their training
-            link.send(Evaluated(got[0], evaluate()), wait=False)
+            link.send(Evaluated(got[0], evaluate()))
         return got[0]
 
     if evaluate_initial:  # the initial weights: the checkpoint the engine loaded
-        link.send(Evaluated(0, evaluate()), wait=False)
+        link.send(Evaluated(0, evaluate()))
     start = link.receive(Start, "the trainer's start", timeout_s=join_timeout_s)
     if start.loader_state is not None:
         source.loader.load_state_dict(start.loader_state)
@@ -434,8 +430,7 @@ def serve(
         state = source.loader.state_dict()
         msg = Generated(step, version, rollout.batch, rollout.drawn, metrics, source.epoch, state)
         link.flush()  # the previous step's batch was taken: at most one in flight
-        link.send(msg, wait=False)  # the next step generates while this one is taken
+        link.send(msg)  # the next step generates while this one is taken
     while take_weights(or_bye=True) is not None:  # the final evaluations
         pass
-    link.flush()
     link.answer_bye()
