@@ -13,13 +13,12 @@ import torch
 from torch import Tensor
 
 from lightrft.algorithms.advantages import to_token_rewards
-from lightrft.algorithms.losses import aggregate
+from lightrft.algorithms.losses import LOG_RATIO_CLAMP, _upcast, aggregate
 
 KINDS = ("k1", "abs", "k2", "k3", "k3+")
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 """verl's names for the same estimators."""
 
-_CLAMP_LOG_RATIO = 20.0
 _CLAMP_K3 = 10.0
 
 
@@ -47,8 +46,7 @@ def estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor
             f"ref_logprobs shape {tuple(ref_logprobs.shape)} must match logprobs "
             f"{tuple(logprobs.shape)}"
         )
-    if not logprobs.is_floating_point() or logprobs.dtype in (torch.float16, torch.bfloat16):
-        logprobs = logprobs.float()
+    logprobs = _upcast(logprobs)
     ref = ref_logprobs.to(logprobs.dtype)
     diff = logprobs - ref  # [B, T]
     if kind == "k1":
@@ -58,7 +56,7 @@ def estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor
     k2 = 0.5 * diff.square()
     if kind == "k2":
         return k2
-    d = (ref - logprobs).clamp(-_CLAMP_LOG_RATIO, _CLAMP_LOG_RATIO)
+    d = (ref - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     k3 = (d.exp() - d - 1.0).clamp(-_CLAMP_K3, _CLAMP_K3)
     if kind == "k3":
         return k3

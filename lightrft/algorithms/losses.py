@@ -186,18 +186,20 @@ def _clipped_surrogate(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's pessimistic per-token loss ``max(-A r, -A clip(r))`` with optional dual clip."""
     loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
-    with torch.no_grad():
-        r = ratio.detach()
-        flags = {
-            "low": (adv < 0) & (r < 1.0 - clip_low),
-            "high": (adv > 0) & (r > 1.0 + clip_high),
-        }
+    r = ratio.detach()
+    flags = _clip_flags(adv, r, 1.0 - clip_low, 1.0 + clip_high)
     if dual_clip is not None:
         # Dual clip (Ye et al. 2020, arXiv:1912.09729): a negative-advantage token whose ratio
         # exploded can cost at most -A * c, so one bad sample cannot dominate the batch.
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
         flags["dual"] = (adv < 0) & (r > dual_clip)
     return loss, flags
+
+
+def _clip_flags(adv: Tensor, x: Tensor, low: Number, high: Number) -> dict[str, Tensor]:
+    """Where the lower clip bound binds (A < 0 and ``x < low``) and where the upper one does
+    (A > 0 and ``x > high``); bool ``[B, T]``."""
+    return {"low": (adv < 0) & (x < low), "high": (adv > 0) & (x > high)}
 
 
 def _check_ratio_clip(
@@ -252,12 +254,7 @@ def _gmpo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_cli
     # mean over non-empty sequences) returns the mean of seq_loss over sequences.
     loss_mat = seq_loss.unsqueeze(1) * m  # [B, T]
     ratio = seq_ratio.unsqueeze(1).expand_as(logprobs)
-    with torch.no_grad():
-        flags = {
-            "low": (adv < 0) & (log_ratio < -clip_low),
-            "high": (adv > 0) & (log_ratio > clip_high),
-        }
-    return loss_mat, ratio, flags
+    return loss_mat, ratio, _clip_flags(adv, log_ratio.detach(), -clip_low, clip_high)
 
 
 def _cpgd(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
@@ -266,13 +263,8 @@ def _cpgd(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_cli
     clipped_logp = torch.where(
         adv > 0, torch.minimum(logprobs, upper), torch.maximum(logprobs, lower)
     )
-    loss_mat = -adv * clipped_logp
-    with torch.no_grad():
-        flags = {
-            "low": (adv < 0) & (logprobs < lower),
-            "high": (adv > 0) & (logprobs > upper),
-        }
-    return loss_mat, log_ratio.exp(), flags
+    flags = _clip_flags(adv, logprobs.detach(), lower, upper)
+    return -adv * clipped_logp, log_ratio.exp(), flags
 
 
 @dataclass(frozen=True)
