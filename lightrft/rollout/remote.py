@@ -304,14 +304,11 @@ class AsyncSource:
         first (a resumed run refills the pipeline: its first steps lag 0). ``evaluate``: the
         generator evaluates the initial policy (it did while the trainers set up)."""
         self.epoch = epoch
-        if self.link is None:
-            if step:
-                self.strategy.sync_weights(None)  # the gathers of rank 0's send
-            return
-        self.pending = int(evaluate)
-        state = self.loader.state_dict() if step else None
-        self.link.send(Start(step, epoch, state))
-        self.sender = WeightSender(self.link, self.opts.engine.dtype)
+        if self.link is not None:
+            self.pending = int(evaluate)
+            state = self.loader.state_dict() if step else None
+            self.link.send(Start(step, epoch, state))
+            self.sender = WeightSender(self.link, self.opts.engine.dtype)
         if step:
             self._send(step, evaluate=False)
 
@@ -343,7 +340,7 @@ class AsyncSource:
         """Through the strategy's weight sync (a collective of the trainers; rank 0 sends,
         without waiting for it to be taken); ``evaluate``: the generator evaluates it and
         sends the metrics later."""
-        if self.link is None:
+        if self.link is None:  # the gathers of rank 0's send
             self.strategy.sync_weights(None)
             return
         self.pending += evaluate
