@@ -69,32 +69,6 @@ class Group:
         return any(s.finished or s.token_ids for s in self.samples)
 
 
-@dataclasses.dataclass(frozen=True)
-class PartialStats:
-    """What one step's partial rollouts did, logged as ``rollout/<field>``.
-
-    ``generated_tokens``: tokens sampled this step (the budget, plus less than one per row).
-    ``carried_tokens`` / ``carried_samples``: tokens of the trained samples sampled in earlier
-    steps, and how many trained samples hold some. ``max_policy_versions``: the most policy
-    versions one trained sample's tokens come from (1: all from one). ``max_version_lag``: how
-    many weight updates the oldest trained token is behind the current policy.
-    ``unfinished_samples``: samples cut by the budget this step, continued at the next.
-    ``waiting_groups``: groups carried into the next step. ``trained_groups``: groups that
-    finished this step and are trained on."""
-
-    generated_tokens: int
-    carried_tokens: int
-    carried_samples: int
-    max_policy_versions: int
-    max_version_lag: int
-    unfinished_samples: int
-    waiting_groups: int
-    trained_groups: int
-
-    def metrics(self) -> dict[str, float]:
-        return {f"rollout/{k}": float(v) for k, v in dataclasses.asdict(self).items()}
-
-
 class PartialRollouts:
     """The groups in flight between steps (oldest first) and one step's generation.
 
@@ -113,9 +87,19 @@ class PartialRollouts:
         samples = [Sample(j) for j in range(sampling.n)]
         self.groups.append(Group(prompt, sampling, key, samples))
 
-    def step(self, engine: ColocatedEngine, version: int) -> tuple[list[Group], PartialStats]:
+    def step(self, engine: ColocatedEngine, version: int) -> tuple[list[Group], dict[str, float]]:
         """Generate under the budget with the policy ``version``; the groups that finished
-        (removed from flight, in the order they started) and the step's stats.
+        (removed from flight, in the order they started) and what the step did, logged as
+        ``rollout/<name>``:
+
+        ``generated_tokens``: tokens sampled this step (the budget, plus less than one per row).
+        ``carried_tokens`` / ``carried_samples``: tokens of the trained samples sampled in earlier
+        steps, and how many trained samples hold some. ``max_policy_versions``: the most policy
+        versions one trained sample's tokens come from (1: all from one). ``max_version_lag``: how
+        many weight updates the oldest trained token is behind the current policy.
+        ``unfinished_samples``: samples cut by the budget this step, continued at the next.
+        ``waiting_groups``: groups carried into the next step. ``trained_groups``: groups that
+        finished this step and are trained on.
 
         A step trains on at least one group: when a budget finishes none, generation goes on
         (same weights, another budget) until one finishes."""
@@ -130,17 +114,17 @@ class PartialRollouts:
         self.groups = [g for g in self.groups if not g.finished]
         trained = [s for g in done for s in g.samples]
         lags = [version - min(s.versions, default=version) for s in trained]
-        stats = PartialStats(
-            generated_tokens=generated,
-            carried_tokens=sum(s.carried for s in trained),
-            carried_samples=sum(1 for s in trained if s.carried),
-            max_policy_versions=max((len(set(s.versions)) for s in trained), default=0),
-            max_version_lag=max(lags, default=0),
-            unfinished_samples=unfinished,
-            waiting_groups=len(self.groups),
-            trained_groups=len(done),
-        )
-        return done, stats
+        stats = {
+            "generated_tokens": generated,
+            "carried_tokens": sum(s.carried for s in trained),
+            "carried_samples": sum(1 for s in trained if s.carried),
+            "max_policy_versions": max((len(set(s.versions)) for s in trained), default=0),
+            "max_version_lag": max(lags, default=0),
+            "unfinished_samples": unfinished,
+            "waiting_groups": len(self.groups),
+            "trained_groups": len(done),
+        }
+        return done, {f"rollout/{k}": float(v) for k, v in stats.items()}
 
     def _generate(self, engine: ColocatedEngine, version: int) -> tuple[int, int]:
         """One engine call under the budget over every unfinished sample; returns the tokens
@@ -229,4 +213,4 @@ class PartialSource(ColocatedSource):
         with timer("rollout"):
             done, stats = self.partial.step(self.parts.engine, self.version)
         prompts, completions, groups = PartialRollouts.completions(done)
-        return prompts, completions, groups, SingleTurn().play(prompts, 1, None)[2], stats.metrics()
+        return prompts, completions, groups, SingleTurn().play(prompts, 1, None)[2], stats
