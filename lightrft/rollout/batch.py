@@ -122,19 +122,7 @@ class RolloutBatch:
         ``response_mask``; a single-turn one (None) masks its whole response."""
         rows = [c.request_index for c in completions]
         responses = [list(c.token_ids) for c in completions]
-        lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
-        response_ids = pad_rows(responses, dtype=torch.long)  # [B, R]
-        sampled = [c.sampled_mask for c in completions]
-        mask = torch.arange(response_ids.shape[1]) < lens.unsqueeze(1)  # [B, R]
-        if any(m is not None for m in sampled):
-            mask = pad_rows(
-                [
-                    [True] * len(r) if m is None else m
-                    for m, r in zip(sampled, responses, strict=True)
-                ],
-                dtype=torch.bool,
-                fill=False,
-            )
+        sampled = [c.sampled_mask or [True] * len(c.token_ids) for c in completions]
         meta = {
             f"{k}s": [prompts[k][i] for i in rows]
             for k in ("prompt", "reference", "label", "where")
@@ -142,9 +130,9 @@ class RolloutBatch:
         return cls(
             prompt_ids=pad_rows([list(c.prompt_token_ids) for c in completions], dtype=torch.long),
             prompt_lens=torch.tensor([len(c.prompt_token_ids) for c in completions]),
-            response_ids=response_ids,
-            response_lens=lens,
-            response_mask=mask,
+            response_ids=pad_rows(responses, dtype=torch.long),
+            response_lens=torch.tensor([len(r) for r in responses], dtype=torch.long),
+            response_mask=pad_rows(sampled, dtype=torch.bool, fill=False),
             rollout_logprobs=pad_rows([list(c.logprobs) for c in completions]),
             texts=[c.text or "" for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
