@@ -209,10 +209,13 @@ class RolloutLink:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def receive_weights(self, engine: Any, *, or_bye: bool = False) -> tuple[int, bool] | None:
-        """Load one set of weights (all buckets) into ``engine``; returns its policy version and
-        whether the trainer asks for its evaluation. ``or_bye``: the trainer may say goodbye
-        instead (returns None; answer with :meth:`answer_bye`)."""
+    def receive_weights(
+        self, engine: Any, evaluate: Callable[[], dict[str, float]], *, or_bye: bool = False
+    ) -> int | None:
+        """Load one set of weights (all buckets) into ``engine``; returns its policy version.
+        When the trainer asks, ``evaluate()`` it (it stays loaded until the next set is taken)
+        and send the metrics without waiting: it overlaps their training. ``or_bye``: the
+        trainer may say goodbye instead (returns None; answer with :meth:`answer_bye`)."""
         kinds = (_Bucket, _WeightsDone, _Bye) if or_bye else (_Bucket, _WeightsDone)
         while True:
             head = self.receive(kinds, "the trainer's weights")
@@ -220,7 +223,9 @@ class RolloutLink:
                 return None
             if isinstance(head, _WeightsDone):
                 engine.reset_prefix_cache()
-                return head.version, head.evaluate
+                if head.evaluate:
+                    self.send(Evaluated(head.version, evaluate()))
+                return head.version
             flat = self._recv_tensor("a weight bucket")
             pairs, start = [], 0
             for name, shape, dtype in zip(head.names, head.shapes, head.dtypes, strict=True):
@@ -401,26 +406,16 @@ def serve(
     source, evaluate = build()
     engine = source.parts.engine.engine
 
-    def take_weights(or_bye: bool = False) -> int | None:
-        """Load the trainers' next policy; evaluate it when they ask (it stays loaded until
-        the next set is taken); its version, None at the trainer's goodbye."""
-        got = link.receive_weights(engine, or_bye=or_bye)
-        if got is None:
-            return None
-        if got[1]:  # sent without waiting: it overlaps their training
-            link.send(Evaluated(got[0], evaluate()))
-        return got[0]
-
     if evaluate_initial:  # the initial weights: the checkpoint the engine loaded
         link.send(Evaluated(0, evaluate()))
     start = link.receive(Start, "the trainer's start", timeout_s=join_timeout_s)
     if start.loader_state is not None:
         source.loader.load_state_dict(start.loader_state)
     source.start(start.step, start.epoch, evaluate=False)
-    version = take_weights() if start.step else start.step
+    version = link.receive_weights(engine, evaluate) if start.step else start.step
     for step in range(start.step + 1, max_steps + 1):
         while version < step - 1 - max_staleness:
-            version = take_weights()
+            version = link.receive_weights(engine, evaluate)
         timer = PhaseTimer()
         rollout = source.next(step, timer)
         metrics = {**rollout.metrics, "time/generate": timer.summary().get("time/rollout", 0.0)}
@@ -428,6 +423,6 @@ def serve(
         msg = Generated(step, version, rollout.batch, rollout.drawn, metrics, source.epoch, state)
         link.flush()  # the previous step's batch was taken: at most one in flight
         link.send(msg)  # the next step generates while this one is taken
-    while take_weights(or_bye=True) is not None:  # the final evaluations
+    while link.receive_weights(engine, evaluate, or_bye=True) is not None:  # final evaluations
         pass
     link.answer_bye()
