@@ -78,8 +78,7 @@ def kl_in_reward(
     valid = mask != 0
     if kl.shape != mask.shape:
         raise ValueError(f"kl shape {tuple(kl.shape)} must match mask {tuple(mask.shape)}")
-    kl = kl.detach()
-    kl = torch.where(valid, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
+    kl = torch.where(valid, kl.detach(), 0.0)
     if rewards.ndim == 1:
         token_rewards = to_token_rewards(rewards, mask)
     elif rewards.shape == mask.shape:

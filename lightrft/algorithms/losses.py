@@ -61,7 +61,7 @@ def _denominator(value: Number, like: Tensor) -> Tensor | float:
 
 
 def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
-    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(valid, x, 0.0)
 
 
 def _masked_mean(x: Tensor, valid: Tensor) -> Tensor:
