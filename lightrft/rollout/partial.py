@@ -132,22 +132,18 @@ class PartialRollouts:
 
         A group not yet started is one request of ``n`` samples (one prefill); every
         unfinished sample of a started group is a request of its own that resumes it."""
-        prompt_ids: list[list[int]] = []
-        params: list[SamplingParams] = []
-        resumes: list[Resume | None] = []
-        media: list[Any] = []
         owners: list[tuple[Group, Sample | None]] = []  # None: all of a new group's samples
         for g in self.groups:
-            todo: Sequence[Sample | None] = (
-                [s for s in g.samples if not s.finished] if g.started else [None]
-            )
-            for s in todo:
-                prompt_ids.append(list(g.prompt["prompt_ids"]))
-                media.append(g.prompt.get("media"))
-                one = s is not None
-                params.append(dataclasses.replace(g.sampling, n=1) if one else g.sampling)
-                resumes.append(Resume(s.sample_index, s.token_ids, s.logprobs) if one else None)
-                owners.append((g, s))
+            owners += [(g, s) for s in g.samples if not s.finished] if g.started else [(g, None)]
+        prompt_ids = [list(g.prompt["prompt_ids"]) for g, _ in owners]
+        media = [g.prompt.get("media") for g, _ in owners]
+        params = [
+            g.sampling if s is None else dataclasses.replace(g.sampling, n=1) for g, s in owners
+        ]
+        resumes = [
+            None if s is None else Resume(s.sample_index, s.token_ids, s.logprobs)
+            for _, s in owners
+        ]
         completions = engine.generate(
             prompt_ids, params, media, resumes=resumes, token_budget=self.token_budget
         )
