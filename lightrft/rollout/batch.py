@@ -165,9 +165,7 @@ class RolloutBatch:
         p = max(int(self.prompt_lens.max()) if len(self) else 0, 1)
         self.prompt_ids = self.prompt_ids[:, :p]
         for name in ("response_ids", "response_mask", "rollout_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value[:, :r])
+            setattr(self, name, getattr(self, name)[:, :r])
         return self
 
     @staticmethod
