@@ -381,28 +381,26 @@ class AsyncSource:
 
 def serve(
     build: Callable[[], tuple[Any, Callable[[], dict[str, float]] | None]],
+    opts: Any,
     *,
-    seed: int,
-    max_steps: int,
-    max_staleness: int,
-    timeout_s: float,
-    join_timeout_s: float,
     evaluate_initial: bool,
 ) -> None:
-    """The generating process: ``build()`` gives a colocated source over its own engine (which
-    never sleeps), with its rewards and prompt loader, and the held-out evaluation; no trainer,
-    no process group but the link. It generates step after step, ``max_staleness`` steps ahead
-    of the trainers: step ``k``'s samples come from the policy after step
+    """The generating process of the run's config ``opts`` (``rollout``, ``run``,
+    ``max_steps``): ``build()`` gives a colocated source over its own engine (which never
+    sleeps), with its rewards and prompt loader, and the held-out evaluation; no trainer, no
+    process group but the link. It generates step after step, ``rollout.max_staleness`` steps
+    ahead of the trainers: step ``k``'s samples come from the policy after step
     ``k - 1 - max_staleness``.
 
     It joins at once and waits for the trainers' prepare steps (which may write the model and
     data it reads), then sets up while they set up; the waits for the trainers (join, then
-    their setup and resume) are bounded by ``join_timeout_s``, every later wait by
-    ``timeout_s``."""
+    their setup and resume) are bounded by ``run.collective_timeout_s`` (default 1800 s),
+    every later wait by ``rollout.generator_timeout_s``."""
     if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_parent()  # a torchrun worker: do not outlive the launcher
-    torch.manual_seed(seed)
-    link = RolloutLink.connect(GENERATOR, timeout_s, join_timeout_s)
+    torch.manual_seed(opts.run.seed)
+    ro, join_timeout_s = opts.rollout, opts.run.collective_timeout_s or 1800.0
+    link = RolloutLink.connect(GENERATOR, ro.generator_timeout_s, join_timeout_s)
     source, evaluate = build()
     engine = source.parts.engine.engine
 
@@ -413,8 +411,8 @@ def serve(
         source.loader.load_state_dict(start.loader_state)
     source.start(start.step, start.epoch, evaluate=False)
     version = link.receive_weights(engine, evaluate) if start.step else start.step
-    for step in range(start.step + 1, max_steps + 1):
-        while version < step - 1 - max_staleness:
+    for step in range(start.step + 1, opts.max_steps + 1):
+        while version < step - 1 - ro.max_staleness:
             version = link.receive_weights(engine, evaluate)
         timer = PhaseTimer()
         rollout = source.next(step, timer)
