@@ -181,21 +181,6 @@ def tis_weights(
 # --------------------------------------------------------------------------- policy loss
 
 
-def _clipped_surrogate(
-    ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's pessimistic per-token loss ``max(-A r, -A clip(r))`` with optional dual clip."""
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
-    r = ratio.detach()
-    flags = _clip_flags(adv, r, 1.0 - clip_low, 1.0 + clip_high)
-    if dual_clip is not None:
-        # Dual clip (Ye et al. 2020, arXiv:1912.09729): a negative-advantage token whose ratio
-        # exploded can cost at most -A * c, so one bad sample cannot dominate the batch.
-        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
-        flags["dual"] = (adv < 0) & (r > dual_clip)
-    return loss, flags
-
-
 def _clip_flags(adv: Tensor, x: Tensor, low: Number, high: Number) -> dict[str, Tensor]:
     """Where the lower clip bound binds (A < 0 and ``x < low``) and where the upper one does
     (A > 0 and ``x > high``); bool ``[B, T]``."""
@@ -222,9 +207,18 @@ def _check_gmpo(name: str, clip_low: float, clip_high: float, dual_clip: float |
 
 
 def _ppo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+    """PPO's pessimistic per-token loss ``max(-A r, -A clip(r))`` on ``r = exp(log_ratio)``,
+    with optional dual clip."""
     ratio = log_ratio.exp()
-    loss_mat, flags = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
-    return loss_mat, ratio, flags
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    r = ratio.detach()
+    flags = _clip_flags(adv, r, 1.0 - clip_low, 1.0 + clip_high)
+    if dual_clip is not None:
+        # Dual clip (Ye et al. 2020, arXiv:1912.09729): a negative-advantage token whose ratio
+        # exploded can cost at most -A * c, so one bad sample cannot dominate the batch.
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+        flags["dual"] = (adv < 0) & (r > dual_clip)
+    return loss, ratio, flags
 
 
 def _gspo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
@@ -233,9 +227,9 @@ def _gspo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_cli
         raw = torch.where(valid, logprobs - old, 0.0)
         seq_log_ratio = raw.sum(dim=1, keepdim=True) / n_tok.clamp_min(1.0).unsqueeze(1)
         seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, 1]
-    ratio = (seq_log_ratio + logprobs - logprobs.detach()).exp()  # [B, T], value s
-    loss_mat, flags = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
-    return loss_mat, ratio, flags
+    token_log_ratio = seq_log_ratio + logprobs - logprobs.detach()  # [B, T], value log s
+    clips = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+    return _ppo(logprobs, old, token_log_ratio, adv, valid, **clips)  # clipped like ppo
 
 
 def _gmpo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
