@@ -409,9 +409,8 @@ def policy_loss(
     with importance correction ``tis_weight_mean`` and ``tis_frac_capped`` (tokens truncated at
     the cap, or tokens of dropped sequences).
     """
-    agg = check_objective(
-        objective, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg=agg
-    )
+    clips = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+    agg = check_objective(objective, agg=agg, **clips)
 
     logprobs = _upcast(logprobs)
     valid = _valid(mask, logprobs)
@@ -426,16 +425,7 @@ def policy_loss(
     adv = _zero_padding(_expand_advantages(advantages.detach(), logprobs), valid)  # [B, T]
     log_ratio = (logprobs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
 
-    loss_mat, ratio, flags = OBJECTIVES[objective].fn(
-        logprobs,
-        old,
-        log_ratio,
-        adv,
-        valid,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-    )
+    loss_mat, ratio, flags = OBJECTIVES[objective].fn(logprobs, old, log_ratio, adv, valid, **clips)
 
     metrics: dict[str, Tensor] = {}
     if rollout_logprobs is not None:
