@@ -93,8 +93,7 @@ def to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
             f"got shape {tuple(rewards.shape)}"
         )
     rewards = _float(rewards)
-    t = valid.shape[1]
-    positions = torch.arange(t, device=valid.device).expand_as(valid)  # [B, T]
+    positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)  # [B, T]
     last = torch.where(valid, positions, -1).amax(dim=1)  # [B], -1 when empty
     onehot = positions == last.unsqueeze(1)  # [B, T]
     return torch.where(onehot, rewards.unsqueeze(1), 0.0).to(rewards.dtype)
