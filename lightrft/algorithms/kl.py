@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightrft.algorithms.advantages import to_token_rewards
-from lightrft.algorithms.losses import LOG_RATIO_CLAMP, _upcast, aggregate
+from lightrft.algorithms.losses import LOG_RATIO_CLAMP, aggregate
 
 KINDS = ("k1", "abs", "k2", "k3", "k3+")
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -46,7 +46,8 @@ def estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor
             f"ref_logprobs shape {tuple(ref_logprobs.shape)} must match logprobs "
             f"{tuple(logprobs.shape)}"
         )
-    logprobs = _upcast(logprobs)
+    if not logprobs.is_floating_point() or logprobs.dtype in (torch.float16, torch.bfloat16):
+        logprobs = logprobs.float()
     ref = ref_logprobs.to(logprobs.dtype)
     diff = logprobs - ref  # [B, T]
     if kind == "k1":
