@@ -169,22 +169,20 @@ class PartialRollouts:
         engine completions (``request_index``: the group's place) and each row's group key."""
         keys = list(groups[0].prompt) if groups else []
         prompts = {k: [g.prompt[k] for g in groups] for k in keys}
-        completions, names = [], []
-        for i, g in enumerate(groups):
-            for s in g.samples:
-                completions.append(
-                    Completion(
-                        request_index=i,
-                        sample_index=s.sample_index,
-                        prompt_token_ids=list(g.prompt["prompt_ids"]),
-                        token_ids=s.token_ids,
-                        logprobs=s.logprobs,
-                        finish_reason=s.finish_reason,
-                        text=s.text,
-                    )
-                )
-                names.append(g.key)
-        return prompts, completions, names
+        completions = [
+            Completion(
+                request_index=i,
+                sample_index=s.sample_index,
+                prompt_token_ids=list(g.prompt["prompt_ids"]),
+                token_ids=s.token_ids,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                text=s.text,
+            )
+            for i, g in enumerate(groups)
+            for s in g.samples
+        ]
+        return prompts, completions, [g.key for g in groups for _ in g.samples]
 
 
 class PartialSource(ColocatedSource):
