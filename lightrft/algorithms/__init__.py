@@ -20,8 +20,6 @@ See docs/algorithms.md for formulas, config keys and papers.
 from lightrft.algorithms import advantages, kl, losses, preference, shaping
 from lightrft.algorithms.advantages import (
     ESTIMATORS,
-    Estimator,
-    check_estimator,
     compute_advantages,
     cpgd,
     dr_grpo,
@@ -34,8 +32,6 @@ from lightrft.algorithms.advantages import (
     to_token_rewards,
 )
 from lightrft.algorithms.kl import (
-    AdaptiveKLController,
-    FixedKLController,
     build_kl_controller,
     kl_in_loss,
     kl_in_reward,
@@ -45,7 +41,6 @@ from lightrft.algorithms.losses import (
     OBJECTIVES,
     Objective,
     aggregate,
-    check_objective,
     entropy_bonus,
     entropy_threshold,
     high_entropy_mask,
@@ -67,13 +62,8 @@ __all__ = [
     "AGG_MODES",
     "ESTIMATORS",
     "OBJECTIVES",
-    "AdaptiveKLController",
-    "Estimator",
     "Objective",
-    "check_estimator",
-    "check_objective",
     "DynamicSamplingAccumulator",
-    "FixedKLController",
     "RunningRewardNormalizer",
     "advantages",
     "aggregate",

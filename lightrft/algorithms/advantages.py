@@ -93,8 +93,7 @@ def to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
             f"got shape {tuple(rewards.shape)}"
         )
     rewards = _float(rewards)
-    t = valid.shape[1]
-    positions = torch.arange(t, device=valid.device).expand_as(valid)  # [B, T]
+    positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)  # [B, T]
     last = torch.where(valid, positions, -1).amax(dim=1)  # [B], -1 when empty
     onehot = positions == last.unsqueeze(1)  # [B, T]
     return torch.where(onehot, rewards.unsqueeze(1), 0.0).to(rewards.dtype)
@@ -198,21 +197,6 @@ def cpgd(
 
 
 @torch.no_grad()
-def _discounted_returns(token_rewards: Tensor, valid: Tensor, gamma: float) -> Tensor:
-    """Reverse discounted cumulative sum over valid tokens only; 0 on padding."""
-    b, t = token_rewards.shape
-    returns = torch.zeros_like(token_rewards)
-    running = token_rewards.new_zeros(b)
-    for i in reversed(range(t)):
-        v = valid[:, i]
-        # Padding carries the running return through unchanged, so interior masked tokens
-        # (e.g. tool outputs) do not count as discount steps.
-        running = torch.where(v, token_rewards[:, i] + gamma * running, running)
-        returns[:, i] = torch.where(v, running, 0.0)
-    return returns
-
-
-@torch.no_grad()
 def reinforce_pp(
     token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0
 ) -> tuple[Tensor, Tensor]:
@@ -227,7 +211,9 @@ def reinforce_pp(
     valid = _check_mask(mask, token_rewards)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    returns = _discounted_returns(_float(token_rewards), valid, gamma)
+    token_rewards = _float(token_rewards)
+    # The discounted returns are GAE's raw advantages with no values and lam = 1.
+    returns = _raw_gae(token_rewards, torch.zeros_like(token_rewards), valid, gamma, 1.0)
     return masked_whiten(returns, valid), returns
 
 
@@ -275,19 +261,27 @@ def gae(
         raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
     token_rewards = _float(token_rewards)
     values = values.to(token_rewards.dtype)
-    b, t = token_rewards.shape
-    adv = torch.zeros_like(token_rewards)
-    next_value = token_rewards.new_zeros(b)
-    next_adv = token_rewards.new_zeros(b)
+    adv = _raw_gae(token_rewards, values, valid, gamma, lam)
+    returns = (adv + values) * valid.to(adv.dtype)
+    return masked_whiten(adv, valid), returns
+
+
+def _raw_gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: float) -> Tensor:
+    """GAE's reverse recursion over valid tokens only, before whitening; 0 on padding. Padding
+    carries the running values through unchanged, so interior masked tokens (e.g. tool outputs)
+    do not count as discount steps."""
+    b, t = rewards.shape
+    adv = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(b)
+    next_adv = rewards.new_zeros(b)
     for i in reversed(range(t)):
         v = valid[:, i]
-        delta = token_rewards[:, i] + gamma * next_value - values[:, i]
+        delta = rewards[:, i] + gamma * next_value - values[:, i]
         a = delta + gamma * lam * next_adv
         next_adv = torch.where(v, a, next_adv)
         next_value = torch.where(v, values[:, i], next_value)
         adv[:, i] = torch.where(v, a, 0.0)
-    returns = (adv + values) * valid.to(adv.dtype)
-    return masked_whiten(adv, valid), returns
+    return adv
 
 
 # --------------------------------------------------------------------------- registry

@@ -68,10 +68,9 @@ def distillation_advantages(
     ``student``, ``teacher``: log-probs of the sampled tokens ``[B, R]``; ``mask``: bool
     ``[B, R]``, True on sampled tokens."""
     valid = mask.bool()
-    zero = torch.zeros((), dtype=torch.float32, device=student.device)
-    diff = torch.where(valid, teacher.float() - student.float(), zero)  # [B, R]
+    diff = torch.where(valid, teacher.float() - student.float(), 0.0)  # [B, R]
     adv = diff
     if task_advantages is not None and reward_weight:
-        adv = adv + reward_weight * torch.where(valid, task_advantages.float(), zero)
+        adv = adv + reward_weight * torch.where(valid, task_advantages.float(), 0.0)
     kl = -diff.sum() / valid.sum().clamp(min=1)
     return adv, {"reverse_kl": kl.detach()}

@@ -13,13 +13,12 @@ import torch
 from torch import Tensor
 
 from lightrft.algorithms.advantages import to_token_rewards
-from lightrft.algorithms.losses import aggregate
+from lightrft.algorithms.losses import LOG_RATIO_CLAMP, aggregate
 
 KINDS = ("k1", "abs", "k2", "k3", "k3+")
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 """verl's names for the same estimators."""
 
-_CLAMP_LOG_RATIO = 20.0
 _CLAMP_K3 = 10.0
 
 
@@ -58,7 +57,7 @@ def estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor
     k2 = 0.5 * diff.square()
     if kind == "k2":
         return k2
-    d = (ref - logprobs).clamp(-_CLAMP_LOG_RATIO, _CLAMP_LOG_RATIO)
+    d = (ref - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     k3 = (d.exp() - d - 1.0).clamp(-_CLAMP_K3, _CLAMP_K3)
     if kind == "k3":
         return k3
@@ -80,8 +79,7 @@ def kl_in_reward(
     valid = mask != 0
     if kl.shape != mask.shape:
         raise ValueError(f"kl shape {tuple(kl.shape)} must match mask {tuple(mask.shape)}")
-    kl = kl.detach()
-    kl = torch.where(valid, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
+    kl = torch.where(valid, kl.detach(), 0.0)
     if rewards.ndim == 1:
         token_rewards = to_token_rewards(rewards, mask)
     elif rewards.shape == mask.shape:

@@ -61,7 +61,7 @@ def _denominator(value: Number, like: Tensor) -> Tensor | float:
 
 
 def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
-    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(valid, x, 0.0)
 
 
 def _masked_mean(x: Tensor, valid: Tensor) -> Tensor:
@@ -181,23 +181,10 @@ def tis_weights(
 # --------------------------------------------------------------------------- policy loss
 
 
-def _clipped_surrogate(
-    ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's pessimistic per-token loss ``max(-A r, -A clip(r))`` with optional dual clip."""
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
-    with torch.no_grad():
-        r = ratio.detach()
-        flags = {
-            "low": (adv < 0) & (r < 1.0 - clip_low),
-            "high": (adv > 0) & (r > 1.0 + clip_high),
-        }
-    if dual_clip is not None:
-        # Dual clip (Ye et al. 2020, arXiv:1912.09729): a negative-advantage token whose ratio
-        # exploded can cost at most -A * c, so one bad sample cannot dominate the batch.
-        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
-        flags["dual"] = (adv < 0) & (r > dual_clip)
-    return loss, flags
+def _clip_flags(adv: Tensor, x: Tensor, low: Number, high: Number) -> dict[str, Tensor]:
+    """Where the lower clip bound binds (A < 0 and ``x < low``) and where the upper one does
+    (A > 0 and ``x > high``); bool ``[B, T]``."""
+    return {"low": (adv < 0) & (x < low), "high": (adv > 0) & (x > high)}
 
 
 def _check_ratio_clip(
@@ -220,9 +207,18 @@ def _check_gmpo(name: str, clip_low: float, clip_high: float, dual_clip: float |
 
 
 def _ppo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+    """PPO's pessimistic per-token loss ``max(-A r, -A clip(r))`` on ``r = exp(log_ratio)``,
+    with optional dual clip."""
     ratio = log_ratio.exp()
-    loss_mat, flags = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
-    return loss_mat, ratio, flags
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    r = ratio.detach()
+    flags = _clip_flags(adv, r, 1.0 - clip_low, 1.0 + clip_high)
+    if dual_clip is not None:
+        # Dual clip (Ye et al. 2020, arXiv:1912.09729): a negative-advantage token whose ratio
+        # exploded can cost at most -A * c, so one bad sample cannot dominate the batch.
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+        flags["dual"] = (adv < 0) & (r > dual_clip)
+    return loss, ratio, flags
 
 
 def _gspo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
@@ -231,9 +227,9 @@ def _gspo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_cli
         raw = torch.where(valid, logprobs - old, 0.0)
         seq_log_ratio = raw.sum(dim=1, keepdim=True) / n_tok.clamp_min(1.0).unsqueeze(1)
         seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, 1]
-    ratio = (seq_log_ratio + logprobs - logprobs.detach()).exp()  # [B, T], value s
-    loss_mat, flags = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
-    return loss_mat, ratio, flags
+    token_log_ratio = seq_log_ratio + logprobs - logprobs.detach()  # [B, T], value log s
+    clips = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+    return _ppo(logprobs, old, token_log_ratio, adv, valid, **clips)  # clipped like ppo
 
 
 def _gmpo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
@@ -252,12 +248,7 @@ def _gmpo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_cli
     # mean over non-empty sequences) returns the mean of seq_loss over sequences.
     loss_mat = seq_loss.unsqueeze(1) * m  # [B, T]
     ratio = seq_ratio.unsqueeze(1).expand_as(logprobs)
-    with torch.no_grad():
-        flags = {
-            "low": (adv < 0) & (log_ratio < -clip_low),
-            "high": (adv > 0) & (log_ratio > clip_high),
-        }
-    return loss_mat, ratio, flags
+    return loss_mat, ratio, _clip_flags(adv, log_ratio.detach(), -clip_low, clip_high)
 
 
 def _cpgd(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
@@ -266,13 +257,8 @@ def _cpgd(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_cli
     clipped_logp = torch.where(
         adv > 0, torch.minimum(logprobs, upper), torch.maximum(logprobs, lower)
     )
-    loss_mat = -adv * clipped_logp
-    with torch.no_grad():
-        flags = {
-            "low": (adv < 0) & (logprobs < lower),
-            "high": (adv > 0) & (logprobs > upper),
-        }
-    return loss_mat, log_ratio.exp(), flags
+    flags = _clip_flags(adv, logprobs.detach(), lower, upper)
+    return -adv * clipped_logp, log_ratio.exp(), flags
 
 
 @dataclass(frozen=True)
@@ -423,9 +409,8 @@ def policy_loss(
     with importance correction ``tis_weight_mean`` and ``tis_frac_capped`` (tokens truncated at
     the cap, or tokens of dropped sequences).
     """
-    agg = check_objective(
-        objective, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg=agg
-    )
+    clips = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+    agg = check_objective(objective, agg=agg, **clips)
 
     logprobs = _upcast(logprobs)
     valid = _valid(mask, logprobs)
@@ -440,16 +425,7 @@ def policy_loss(
     adv = _zero_padding(_expand_advantages(advantages.detach(), logprobs), valid)  # [B, T]
     log_ratio = (logprobs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
 
-    loss_mat, ratio, flags = OBJECTIVES[objective].fn(
-        logprobs,
-        old,
-        log_ratio,
-        adv,
-        valid,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-    )
+    loss_mat, ratio, flags = OBJECTIVES[objective].fn(logprobs, old, log_ratio, adv, valid, **clips)
 
     metrics: dict[str, Tensor] = {}
     if rollout_logprobs is not None:

@@ -148,12 +148,6 @@ def orpo_loss(
     return loss, (beta * chosen).detach(), (beta * rejected).detach()
 
 
-def kto_kl(policy: Tensor, ref: Tensor) -> Tensor:
-    """KTO's reference point ``z``: the mean log-ratio of mismatched (prompt, completion) pairs,
-    detached and clamped at 0 (the recipe sums it over ranks before the mean). 0-dim."""
-    return (policy - ref).mean().detach().clamp(min=0)
-
-
 def kto_loss(
     policy: Tensor,
     ref: Tensor,
@@ -167,7 +161,8 @@ def kto_loss(
     """KTO (Ethayarajh et al. 2024) per example ``[N]`` and its implicit rewards ``[N]``.
 
     ``policy``, ``ref``: sequence log-probs ``[N]``; ``desirable``: bool ``[N]``; ``kl``: the
-    reference point (:func:`kto_kl`)."""
+    reference point ``z``, the mean log-ratio of mismatched (prompt, completion) pairs, detached
+    and clamped at 0 (:func:`lightrft.training.preference.kto_reference_point`)."""
     r = policy - ref  # [N]
     want = desirable.bool()
     loss = torch.where(

@@ -23,23 +23,22 @@ import torch
 import torch.nn.functional as F
 
 
-def _rejected(valid: torch.Tensor) -> torch.Tensor:
-    """Mask of valid rejected candidates (every column but the first)."""
+def _rejected_mean(per: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The mean of ``per [B, K]`` over each item's valid rejected candidates (every column but
+    the first). ``[B]``"""
     rej = valid.clone()
     rej[:, 0] = False
-    return rej
+    return (per * rej).sum(-1) / rej.sum(-1).clamp(min=1)
 
 
 def bradley_terry_loss(
     scores: torch.Tensor, valid: torch.Tensor, margin: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``mean_k -logsigmoid(r_0 - r_k - m)`` over each item's valid rejected candidates. ``[B]``"""
-    rej = _rejected(valid)  # [B, K]
     diff = scores[:, :1] - scores  # [B, K], r_c - r_k
     if margin is not None:
         diff = diff - margin[:, None]
-    per = -F.logsigmoid(diff) * rej  # [B, K]
-    return per.sum(-1) / rej.sum(-1).clamp(min=1)  # [B]
+    return _rejected_mean(-F.logsigmoid(diff), valid)
 
 
 def log_exp_loss(
@@ -48,9 +47,7 @@ def log_exp_loss(
     """``mean_k log(1 + exp(r_k - r_0))``: Bradley-Terry without a margin. ``[B]``"""
     if margin is not None and bool((margin != 0).any()):
         raise ValueError("the log_exp loss takes no margin; use bradley_terry for margins")
-    rej = _rejected(valid)  # [B, K]
-    per = F.softplus(scores - scores[:, :1]) * rej  # [B, K], stable log(1 + exp(.))
-    return per.sum(-1) / rej.sum(-1).clamp(min=1)  # [B]
+    return _rejected_mean(F.softplus(scores - scores[:, :1]), valid)  # stable log(1 + exp(.))
 
 
 def hps_loss(
@@ -68,9 +65,7 @@ def hps_loss(
 
 def center_loss(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``mean_k (r_0 + r_k)^2`` over each item's valid rejected candidates. ``[B]``"""
-    rej = _rejected(valid)  # [B, K]
-    per = (scores[:, :1] + scores).pow(2) * rej  # [B, K]
-    return per.sum(-1) / rej.sum(-1).clamp(min=1)  # [B]
+    return _rejected_mean((scores[:, :1] + scores).pow(2), valid)
 
 
 def safety_sign_loss(costs: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
@@ -105,11 +100,9 @@ def preference_loss(
 def pairwise_stats(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per item: the fraction of rejected candidates scored below the chosen one (ties count a
     half) and the mean margin ``r_0 - r_k``. Each ``[B]``."""
-    rej = _rejected(valid)  # [B, K]
     diff = scores[:, :1] - scores  # [B, K]
-    wins = ((diff > 0).float() + 0.5 * (diff == 0).float()) * rej
-    n = rej.sum(-1).clamp(min=1)
-    return wins.sum(-1) / n, (diff * rej).sum(-1) / n
+    wins = (diff > 0).float() + 0.5 * (diff == 0).float()
+    return _rejected_mean(wins, valid), _rejected_mean(diff, valid)
 
 
 class PreferenceStats:

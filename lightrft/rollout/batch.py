@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
+
+from lightrft.distributed import all_gather_objects
 
 if TYPE_CHECKING:
     from lightrft.data.media import Media
@@ -22,7 +25,6 @@ if TYPE_CHECKING:
 
 IGNORE = -100  # target id of positions without a loss
 
-_META_FIELDS = ("prompts", "references", "labels", "wheres", "texts", "finish_reasons", "groups")
 # Per-sample objects that only some batches have (None: none in the batch): media, episodes.
 _PER_SAMPLE = ("media", "episodes")
 # Per-sample media: a list with one Media per row (None for a row without), or None for a text
@@ -120,19 +122,7 @@ class RolloutBatch:
         ``response_mask``; a single-turn one (None) masks its whole response."""
         rows = [c.request_index for c in completions]
         responses = [list(c.token_ids) for c in completions]
-        lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
-        response_ids = pad_rows(responses, dtype=torch.long)  # [B, R]
-        sampled = [c.sampled_mask for c in completions]
-        mask = torch.arange(response_ids.shape[1]) < lens.unsqueeze(1)  # [B, R]
-        if any(m is not None for m in sampled):
-            mask = pad_rows(
-                [
-                    [True] * len(r) if m is None else m
-                    for m, r in zip(sampled, responses, strict=True)
-                ],
-                dtype=torch.bool,
-                fill=False,
-            )
+        sampled = [c.sampled_mask or [True] * len(c.token_ids) for c in completions]
         meta = {
             f"{k}s": [prompts[k][i] for i in rows]
             for k in ("prompt", "reference", "label", "where")
@@ -140,9 +130,9 @@ class RolloutBatch:
         return cls(
             prompt_ids=pad_rows([list(c.prompt_token_ids) for c in completions], dtype=torch.long),
             prompt_lens=torch.tensor([len(c.prompt_token_ids) for c in completions]),
-            response_ids=response_ids,
-            response_lens=lens,
-            response_mask=mask,
+            response_ids=pad_rows(responses, dtype=torch.long),
+            response_lens=torch.tensor([len(r) for r in responses], dtype=torch.long),
+            response_mask=pad_rows(sampled, dtype=torch.bool, fill=False),
             rollout_logprobs=pad_rows([list(c.logprobs) for c in completions]),
             texts=[c.text or "" for c in completions],
             finish_reasons=[c.finish_reason for c in completions],
@@ -175,9 +165,7 @@ class RolloutBatch:
         p = max(int(self.prompt_lens.max()) if len(self) else 0, 1)
         self.prompt_ids = self.prompt_ids[:, :p]
         for name in ("response_ids", "response_mask", "rollout_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value[:, :r])
+            setattr(self, name, getattr(self, name)[:, :r])
         return self
 
     @staticmethod
@@ -203,35 +191,12 @@ class RolloutBatch:
     def all_gather(self) -> RolloutBatch:
         """Every rank's rows, in rank order, on every rank (this batch in one process).
 
-        Tensors travel by ``all_gather`` after padding to the widest rank; the per-sample
-        metadata (strings, a few per sample) and media (PIL images, waveforms and their
-        tensors, different sizes per sample) go through ``all_gather_object``."""
+        Each rank's batch travels whole by ``all_gather_object`` (tensors, the per-sample
+        metadata and media alike) and the parts are joined by :meth:`cat`, padded to the widest
+        rank."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self
-        world = dist.get_world_size()
-        meta = {name: getattr(self, name) for name in (*_META_FIELDS, *_PER_SAMPLE)}
-        metas: list[Any] = [None] * world
-        dist.all_gather_object(metas, meta)
-        sizes = _gather_ints([len(self), self.prompt_ids.shape[1], self.response_ids.shape[1]])
-        widths = {"prompt": max(s[1] for s in sizes), "response": max(s[2] for s in sizes)}
-        rows = max(s[0] for s in sizes)
-        fields: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in _META_FIELDS or f.name in _PER_SAMPLE:
-                continue
-            if isinstance(value, dict):
-                fields[f.name] = {k: _gather_rows(v, rows, None, sizes) for k, v in value.items()}
-            elif value is not None:
-                width = widths["prompt" if f.name == "prompt_ids" else "response"]
-                fields[f.name] = _gather_rows(value, rows, width, sizes)
-            else:
-                fields[f.name] = None
-        for name in _META_FIELDS:
-            fields[name] = [x for m in metas for x in m[name]]
-        for name in _PER_SAMPLE:
-            fields[name] = _gather_per_sample([m[name] for m in metas], [s[0] for s in sizes])
-        return RolloutBatch(**fields)._trim()
+        return RolloutBatch.cat(all_gather_objects(self))._trim()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,36 +242,8 @@ def _gather_per_sample(parts: list[list | None], rows: list[int]) -> list | None
     return [x for p, n in zip(parts, rows, strict=True) for x in ([None] * n if p is None else p)]
 
 
-def _padded(value: Tensor, rows: int, width: int | None) -> Tensor:
-    """``value`` ([n] or [n, w]) zero-padded to ``rows`` (x ``width``); any dtype."""
-    shape = (rows,) if value.dim() == 1 else (rows, width)
-    out = torch.zeros(shape, dtype=value.dtype, device=value.device)
-    if value.dim() == 1:
-        out[: value.shape[0]] = value
-    else:
-        out[: value.shape[0], : value.shape[1]] = value
-    return out
-
-
 def _cat_padded(values: list[Tensor]) -> Tensor:
     if values[0].dim() == 1:
         return torch.cat(values)
     width = max(v.shape[1] for v in values)
-    return torch.cat([_padded(v, v.shape[0], width) for v in values])
-
-
-def _gather_ints(values: list[int]) -> list[list[int]]:
-    t = torch.tensor(values, dtype=torch.long)
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [o.tolist() for o in out]
-
-
-def _gather_rows(value: Tensor, rows: int, width: int | None, sizes: list[list[int]]) -> Tensor:
-    """All ranks' rows of ``value`` (padded to ``rows`` x ``width`` for the collective)."""
-    wire = value.to(torch.uint8) if value.dtype == torch.bool else value  # gloo has no bool
-    full = _padded(wire, rows, width)
-    out = [torch.empty_like(full) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, full)
-    merged = torch.cat([o[: s[0]] for o, s in zip(out, sizes, strict=True)])
-    return merged.to(value.dtype)
+    return torch.cat([F.pad(v, (0, width - v.shape[1])) for v in values])  # zeros on the right

@@ -183,7 +183,7 @@ def serve_rollouts(opts: Any) -> None:
     """The generating process of an asynchronous run (:func:`~lightrft.rollout.remote.serve`):
     its own engine (which never sleeps), rewards and prompts; it evaluates the initial policy
     when the run does."""
-    ro, m = opts.rollout, opts.model
+    m = opts.model
     device = torch.device(opts.run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dist = DistInfo(0, 1, 0, device)
 
@@ -196,12 +196,4 @@ def serve_rollouts(opts: Any) -> None:
         out.build(None, lambda: parts, lambda: config.instantiate(opts.dataset, processor))
         return out, parts.evaluate
 
-    serve(
-        source,
-        seed=opts.run.seed,
-        max_steps=opts.max_steps,
-        max_staleness=ro.max_staleness,
-        timeout_s=ro.generator_timeout_s,
-        join_timeout_s=opts.run.collective_timeout_s or 1800.0,
-        evaluate_initial=evaluates_at_start(opts),
-    )
+    serve(source, opts, evaluate_initial=evaluates_at_start(opts))

@@ -60,11 +60,8 @@ class ColocatedEngine:
         requests = [
             Request(ids, m, r) for ids, m, r in zip(prompt_ids, media, resumes, strict=True)
         ]
-        if token_budget is None:
-            return self.engine.generate(requests, params, continuation=continuation)
-        return self.engine.generate(
-            requests, params, continuation=continuation, token_budget=token_budget
-        )
+        budget = {} if token_budget is None else {"token_budget": token_budget}
+        return self.engine.generate(requests, params, continuation=continuation, **budget)
 
     def sleep(self) -> None:
         """Free the engine's memory for training (nothing at ``sleep_level`` 0)."""

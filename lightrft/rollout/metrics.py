@@ -85,9 +85,8 @@ def rollout_metrics(
     groups: dict[tuple, set] = {}
     for g, r in zip(drawn.groups, drawn.rewards.tolist(), strict=True):
         groups.setdefault(tuple(g), set()).add(r)
-    m["rollout/solved_or_failed_groups_frac"] = sum(len(v) == 1 for v in groups.values()) / len(
-        groups
-    )
+    flat = sum(len(v) == 1 for v in groups.values())
+    m["rollout/solved_or_failed_groups_frac"] = flat / len(groups)
     return m
 
 

@@ -47,8 +47,7 @@ class MicroBatch:
         """``[rows, L-1]`` per-position values -> ``[b, R]`` response values, 0 on padding and
         on observation tokens (as the engine's log-probs are)."""
         out = full.reshape(-1)[self.index.to(full.device)]
-        zero = torch.zeros((), dtype=out.dtype, device=out.device)
-        return torch.where(self.mask.to(full.device), out, zero)
+        return torch.where(self.mask.to(full.device), out, 0.0)
 
     def logprobs(
         self,
@@ -140,16 +139,10 @@ def build_micro_batch(
     batch: RolloutBatch, idx: list[int], pad_id: int, *, packing: bool
 ) -> MicroBatch:
     """The micro-batch of rows ``idx`` of ``batch`` (module docstring)."""
-    if not idx:
-        ids = torch.full((1, 2), pad_id, dtype=torch.long)
-        return MicroBatch(
-            input_ids=ids,
-            position_ids=torch.arange(2).unsqueeze(0),
-            attention_mask=None,
-            targets=ids[:, 1:].clone(),  # one real position keeps the graph connected
-            index=torch.zeros(1, 1, dtype=torch.long),
-            mask=torch.zeros(1, 1, dtype=torch.bool),
-        )
+    if not idx:  # packed [pad] + [pad]: one real position keeps the graph connected
+        mb = _layout([[pad_id]], [[pad_id]], pad_id, packing=True)
+        mb.mask[:] = False
+        return mb
     prompts = [batch.prompt(i) for i in idx]
     responses = [batch.response(i) for i in idx]
     mb = _layout(prompts, responses, pad_id, packing)

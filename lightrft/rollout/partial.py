@@ -69,32 +69,6 @@ class Group:
         return any(s.finished or s.token_ids for s in self.samples)
 
 
-@dataclasses.dataclass(frozen=True)
-class PartialStats:
-    """What one step's partial rollouts did, logged as ``rollout/<field>``.
-
-    ``generated_tokens``: tokens sampled this step (the budget, plus less than one per row).
-    ``carried_tokens`` / ``carried_samples``: tokens of the trained samples sampled in earlier
-    steps, and how many trained samples hold some. ``max_policy_versions``: the most policy
-    versions one trained sample's tokens come from (1: all from one). ``max_version_lag``: how
-    many weight updates the oldest trained token is behind the current policy.
-    ``unfinished_samples``: samples cut by the budget this step, continued at the next.
-    ``waiting_groups``: groups carried into the next step. ``trained_groups``: groups that
-    finished this step and are trained on."""
-
-    generated_tokens: int
-    carried_tokens: int
-    carried_samples: int
-    max_policy_versions: int
-    max_version_lag: int
-    unfinished_samples: int
-    waiting_groups: int
-    trained_groups: int
-
-    def metrics(self) -> dict[str, float]:
-        return {f"rollout/{k}": float(v) for k, v in dataclasses.asdict(self).items()}
-
-
 class PartialRollouts:
     """The groups in flight between steps (oldest first) and one step's generation.
 
@@ -113,9 +87,19 @@ class PartialRollouts:
         samples = [Sample(j) for j in range(sampling.n)]
         self.groups.append(Group(prompt, sampling, key, samples))
 
-    def step(self, engine: ColocatedEngine, version: int) -> tuple[list[Group], PartialStats]:
+    def step(self, engine: ColocatedEngine, version: int) -> tuple[list[Group], dict[str, float]]:
         """Generate under the budget with the policy ``version``; the groups that finished
-        (removed from flight, in the order they started) and the step's stats.
+        (removed from flight, in the order they started) and what the step did, logged as
+        ``rollout/<name>``:
+
+        ``generated_tokens``: tokens sampled this step (the budget, plus less than one per row).
+        ``carried_tokens`` / ``carried_samples``: tokens of the trained samples sampled in earlier
+        steps, and how many trained samples hold some. ``max_policy_versions``: the most policy
+        versions one trained sample's tokens come from (1: all from one). ``max_version_lag``: how
+        many weight updates the oldest trained token is behind the current policy.
+        ``unfinished_samples``: samples cut by the budget this step, continued at the next.
+        ``waiting_groups``: groups carried into the next step. ``trained_groups``: groups that
+        finished this step and are trained on.
 
         A step trains on at least one group: when a budget finishes none, generation goes on
         (same weights, another budget) until one finishes."""
@@ -130,17 +114,17 @@ class PartialRollouts:
         self.groups = [g for g in self.groups if not g.finished]
         trained = [s for g in done for s in g.samples]
         lags = [version - min(s.versions, default=version) for s in trained]
-        stats = PartialStats(
-            generated_tokens=generated,
-            carried_tokens=sum(s.carried for s in trained),
-            carried_samples=sum(1 for s in trained if s.carried),
-            max_policy_versions=max((len(set(s.versions)) for s in trained), default=0),
-            max_version_lag=max(lags, default=0),
-            unfinished_samples=unfinished,
-            waiting_groups=len(self.groups),
-            trained_groups=len(done),
-        )
-        return done, stats
+        stats = {
+            "generated_tokens": generated,
+            "carried_tokens": sum(s.carried for s in trained),
+            "carried_samples": sum(1 for s in trained if s.carried),
+            "max_policy_versions": max((len(set(s.versions)) for s in trained), default=0),
+            "max_version_lag": max(lags, default=0),
+            "unfinished_samples": unfinished,
+            "waiting_groups": len(self.groups),
+            "trained_groups": len(done),
+        }
+        return done, {f"rollout/{k}": float(v) for k, v in stats.items()}
 
     def _generate(self, engine: ColocatedEngine, version: int) -> tuple[int, int]:
         """One engine call under the budget over every unfinished sample; returns the tokens
@@ -148,22 +132,18 @@ class PartialRollouts:
 
         A group not yet started is one request of ``n`` samples (one prefill); every
         unfinished sample of a started group is a request of its own that resumes it."""
-        prompt_ids: list[list[int]] = []
-        params: list[SamplingParams] = []
-        resumes: list[Resume | None] = []
-        media: list[Any] = []
         owners: list[tuple[Group, Sample | None]] = []  # None: all of a new group's samples
         for g in self.groups:
-            todo: Sequence[Sample | None] = (
-                [s for s in g.samples if not s.finished] if g.started else [None]
-            )
-            for s in todo:
-                prompt_ids.append(list(g.prompt["prompt_ids"]))
-                media.append(g.prompt.get("media"))
-                one = s is not None
-                params.append(dataclasses.replace(g.sampling, n=1) if one else g.sampling)
-                resumes.append(Resume(s.sample_index, s.token_ids, s.logprobs) if one else None)
-                owners.append((g, s))
+            owners += [(g, s) for s in g.samples if not s.finished] if g.started else [(g, None)]
+        prompt_ids = [list(g.prompt["prompt_ids"]) for g, _ in owners]
+        media = [g.prompt.get("media") for g, _ in owners]
+        params = [
+            g.sampling if s is None else dataclasses.replace(g.sampling, n=1) for g, s in owners
+        ]
+        resumes = [
+            None if s is None else Resume(s.sample_index, s.token_ids, s.logprobs)
+            for _, s in owners
+        ]
         completions = engine.generate(
             prompt_ids, params, media, resumes=resumes, token_budget=self.token_budget
         )
@@ -189,22 +169,20 @@ class PartialRollouts:
         engine completions (``request_index``: the group's place) and each row's group key."""
         keys = list(groups[0].prompt) if groups else []
         prompts = {k: [g.prompt[k] for g in groups] for k in keys}
-        completions, names = [], []
-        for i, g in enumerate(groups):
-            for s in g.samples:
-                completions.append(
-                    Completion(
-                        request_index=i,
-                        sample_index=s.sample_index,
-                        prompt_token_ids=list(g.prompt["prompt_ids"]),
-                        token_ids=s.token_ids,
-                        logprobs=s.logprobs,
-                        finish_reason=s.finish_reason,
-                        text=s.text,
-                    )
-                )
-                names.append(g.key)
-        return prompts, completions, names
+        completions = [
+            Completion(
+                request_index=i,
+                sample_index=s.sample_index,
+                prompt_token_ids=list(g.prompt["prompt_ids"]),
+                token_ids=s.token_ids,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                text=s.text,
+            )
+            for i, g in enumerate(groups)
+            for s in g.samples
+        ]
+        return prompts, completions, [g.key for g in groups for _ in g.samples]
 
 
 class PartialSource(ColocatedSource):
@@ -229,4 +207,4 @@ class PartialSource(ColocatedSource):
         with timer("rollout"):
             done, stats = self.partial.step(self.parts.engine, self.version)
         prompts, completions, groups = PartialRollouts.completions(done)
-        return prompts, completions, groups, SingleTurn().play(prompts, 1, None)[2], stats.metrics()
+        return prompts, completions, groups, SingleTurn().play(prompts, 1, None)[2], stats

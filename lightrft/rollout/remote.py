@@ -30,9 +30,10 @@ process, and the checkpoints already written stay.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -156,45 +157,37 @@ class RolloutLink:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def _failed(self, e: RuntimeError, what: str) -> GeneratorError:
-        return GeneratorError(
-            f"{self.peer} failed while this process waited for {what} (it died, or sent "
-            f"nothing within rollout.generator_timeout_s={self.timeout.total_seconds():g}): "
-            f"{str(e).splitlines()[0]}"
-        )
-
-    def _wait(self, work: Any, what: str, timeout: timedelta | None = None) -> None:
+    @contextlib.contextmanager
+    def _waiting(self, what: str) -> Iterator[None]:
+        """Fail with a :class:`GeneratorError` naming ``what`` this process waited for: a
+        send or receive raises at once when the peer's connection is closed, a wait when it
+        runs past the timeout."""
         try:
-            work.wait(timeout or self.timeout)
+            yield
         except RuntimeError as e:
-            raise self._failed(e, what) from e
+            raise GeneratorError(
+                f"{self.peer} failed while this process waited for {what} (it died, or sent "
+                f"nothing within rollout.generator_timeout_s={self.timeout.total_seconds():g}): "
+                f"{str(e).splitlines()[0]}"
+            ) from e
 
-    def send_tensor(self, t: torch.Tensor, what: str, *, wait: bool) -> None:
+    def send_tensor(self, t: torch.Tensor, what: str) -> None:
+        """Send ``t`` without waiting for it to be taken (:meth:`flush` waits); the tensors
+        stay alive until then."""
         size = torch.tensor([t.numel()], dtype=torch.int64)
-        try:  # a send raises at once when the peer's connection is closed
-            works = [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, t)]
-        except RuntimeError as e:
-            raise self._failed(e, f"{what} to be sent") from e
-        if wait:
-            for w, _ in works:
-                self._wait(w, f"{what} to be received")
-        else:  # the tensors stay alive until flush()
-            self.pending += works
+        with self._waiting(f"{what} to be sent"):
+            self.pending += [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, t)]
 
     def _recv_tensor(self, what: str, timeout: timedelta | None = None) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
-        try:  # a receive raises at once when the peer's connection is closed
-            self._wait(self.group.recv([size], 1 - self.rank, 0), what, timeout)
+        with self._waiting(what):
+            self.group.recv([size], 1 - self.rank, 0).wait(timeout or self.timeout)
             data = torch.empty(int(size), dtype=torch.uint8)
-            self._wait(self.group.recv([data], 1 - self.rank, 0), what)
-        except RuntimeError as e:
-            if isinstance(e, GeneratorError):
-                raise
-            raise self._failed(e, what) from e
+            self.group.recv([data], 1 - self.rank, 0).wait(self.timeout)
         return data
 
-    def send(self, obj: Any, *, wait: bool = True) -> None:
-        self.send_tensor(_pack(obj), type(obj).__name__, wait=wait)
+    def send(self, obj: Any) -> None:
+        self.send_tensor(_pack(obj), type(obj).__name__)
 
     def receive(
         self, kind: type | tuple[type, ...], what: str, timeout_s: float | None = None
@@ -210,15 +203,19 @@ class RolloutLink:
     def flush(self) -> None:
         """Wait until every message sent without waiting has been received."""
         works, self.pending = self.pending, []
-        for w, _ in works:
-            self._wait(w, "its last message to be received")
+        with self._waiting("its last message to be received"):
+            for w, _ in works:
+                w.wait(self.timeout)
 
     # -- weights ----------------------------------------------------------------------------
 
-    def receive_weights(self, engine: Any, *, or_bye: bool = False) -> tuple[int, bool] | None:
-        """Load one set of weights (all buckets) into ``engine``; returns its policy version and
-        whether the trainer asks for its evaluation. ``or_bye``: the trainer may say goodbye
-        instead (returns None; answer with :meth:`answer_bye`)."""
+    def receive_weights(
+        self, engine: Any, evaluate: Callable[[], dict[str, float]], *, or_bye: bool = False
+    ) -> int | None:
+        """Load one set of weights (all buckets) into ``engine``; returns its policy version.
+        When the trainer asks, ``evaluate()`` it (it stays loaded until the next set is taken)
+        and send the metrics without waiting: it overlaps their training. ``or_bye``: the
+        trainer may say goodbye instead (returns None; answer with :meth:`answer_bye`)."""
         kinds = (_Bucket, _WeightsDone, _Bye) if or_bye else (_Bucket, _WeightsDone)
         while True:
             head = self.receive(kinds, "the trainer's weights")
@@ -226,7 +223,9 @@ class RolloutLink:
                 return None
             if isinstance(head, _WeightsDone):
                 engine.reset_prefix_cache()
-                return head.version, head.evaluate
+                if head.evaluate:
+                    self.send(Evaluated(head.version, evaluate()))
+                return head.version
             flat = self._recv_tensor("a weight bucket")
             pairs, start = [], 0
             for name, shape, dtype in zip(head.names, head.shapes, head.dtypes, strict=True):
@@ -238,13 +237,15 @@ class RolloutLink:
 
     def bye(self) -> None:
         """Trainer: the run is over (after every batch was received); waits for the answer."""
-        self.flush()
         self.send(_Bye())
+        self.flush()
         self.receive(_Bye, "the generator's goodbye")
 
     def answer_bye(self) -> None:
-        """Generator: answer the trainer's goodbye (:meth:`receive_weights` took it)."""
+        """Generator: answer the trainer's goodbye (:meth:`receive_weights` took it); waits
+        until every message sent was received."""
         self.send(_Bye())
+        self.flush()
 
 
 class WeightSender:
@@ -262,11 +263,11 @@ class WeightSender:
             [n for n, _ in pairs], [tuple(t.shape) for t in tensors], [t.dtype for t in tensors]
         )
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])  # a copy: owned
-        self.link.send(head, wait=False)
-        self.link.send_tensor(flat, "a weight bucket", wait=False)
+        self.link.send(head)
+        self.link.send_tensor(flat, "a weight bucket")
 
     def reset_prefix_cache(self) -> None:
-        self.link.send(_WeightsDone(self.version, self.evaluate), wait=False)
+        self.link.send(_WeightsDone(self.version, self.evaluate))
 
 
 def generates_here(rollout: Any) -> bool:
@@ -308,14 +309,11 @@ class AsyncSource:
         first (a resumed run refills the pipeline: its first steps lag 0). ``evaluate``: the
         generator evaluates the initial policy (it did while the trainers set up)."""
         self.epoch = epoch
-        if self.link is None:
-            if step:
-                self.strategy.sync_weights(None)  # the gathers of rank 0's send
-            return
-        self.pending = int(evaluate)
-        state = self.loader.state_dict() if step else None
-        self.link.send(Start(step, epoch, state), wait=False)
-        self.sender = WeightSender(self.link, self.opts.engine.dtype)
+        if self.link is not None:
+            self.pending = int(evaluate)
+            state = self.loader.state_dict() if step else None
+            self.link.send(Start(step, epoch, state))
+            self.sender = WeightSender(self.link, self.opts.engine.dtype)
         if step:
             self._send(step, evaluate=False)
 
@@ -347,7 +345,7 @@ class AsyncSource:
         """Through the strategy's weight sync (a collective of the trainers; rank 0 sends,
         without waiting for it to be taken); ``evaluate``: the generator evaluates it and
         sends the metrics later."""
-        if self.link is None:
+        if self.link is None:  # the gathers of rank 0's send
             self.strategy.sync_weights(None)
             return
         self.pending += evaluate
@@ -383,59 +381,46 @@ class AsyncSource:
 
 def serve(
     build: Callable[[], tuple[Any, Callable[[], dict[str, float]] | None]],
+    opts: Any,
     *,
-    seed: int,
-    max_steps: int,
-    max_staleness: int,
-    timeout_s: float,
-    join_timeout_s: float,
     evaluate_initial: bool,
 ) -> None:
-    """The generating process: ``build()`` gives a colocated source over its own engine (which
-    never sleeps), with its rewards and prompt loader, and the held-out evaluation; no trainer,
-    no process group but the link. It generates step after step, ``max_staleness`` steps ahead
-    of the trainers: step ``k``'s samples come from the policy after step
+    """The generating process of the run's config ``opts`` (``rollout``, ``run``,
+    ``max_steps``): ``build()`` gives a colocated source over its own engine (which never
+    sleeps), with its rewards and prompt loader, and the held-out evaluation; no trainer, no
+    process group but the link. It generates step after step, ``rollout.max_staleness`` steps
+    ahead of the trainers: step ``k``'s samples come from the policy after step
     ``k - 1 - max_staleness``.
 
     It joins at once and waits for the trainers' prepare steps (which may write the model and
     data it reads), then sets up while they set up; the waits for the trainers (join, then
-    their setup and resume) are bounded by ``join_timeout_s``, every later wait by
-    ``timeout_s``."""
+    their setup and resume) are bounded by ``run.collective_timeout_s`` (default 1800 s),
+    every later wait by ``rollout.generator_timeout_s``."""
     if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_parent()  # a torchrun worker: do not outlive the launcher
-    torch.manual_seed(seed)
-    link = RolloutLink.connect(GENERATOR, timeout_s, join_timeout_s)
+    torch.manual_seed(opts.run.seed)
+    ro, join_timeout_s = opts.rollout, opts.run.collective_timeout_s or 1800.0
+    link = RolloutLink.connect(GENERATOR, ro.generator_timeout_s, join_timeout_s)
     source, evaluate = build()
     engine = source.parts.engine.engine
 
-    def take_weights(or_bye: bool = False) -> int | None:
-        """Load the trainers' next policy; evaluate it when they ask (it stays loaded until
-        the next set is taken); its version, None at the trainer's goodbye."""
-        got = link.receive_weights(engine, or_bye=or_bye)
-        if got is None:
-            return None
-        if got[1]:  # sent without waiting: it overlaps their training
-            link.send(Evaluated(got[0], evaluate()), wait=False)
-        return got[0]
-
     if evaluate_initial:  # the initial weights: the checkpoint the engine loaded
-        link.send(Evaluated(0, evaluate()), wait=False)
+        link.send(Evaluated(0, evaluate()))
     start = link.receive(Start, "the trainer's start", timeout_s=join_timeout_s)
     if start.loader_state is not None:
         source.loader.load_state_dict(start.loader_state)
     source.start(start.step, start.epoch, evaluate=False)
-    version = take_weights() if start.step else start.step
-    for step in range(start.step + 1, max_steps + 1):
-        while version < step - 1 - max_staleness:
-            version = take_weights()
+    version = link.receive_weights(engine, evaluate) if start.step else start.step
+    for step in range(start.step + 1, opts.max_steps + 1):
+        while version < step - 1 - ro.max_staleness:
+            version = link.receive_weights(engine, evaluate)
         timer = PhaseTimer()
         rollout = source.next(step, timer)
         metrics = {**rollout.metrics, "time/generate": timer.summary().get("time/rollout", 0.0)}
         state = source.loader.state_dict()
         msg = Generated(step, version, rollout.batch, rollout.drawn, metrics, source.epoch, state)
         link.flush()  # the previous step's batch was taken: at most one in flight
-        link.send(msg, wait=False)  # the next step generates while this one is taken
-    while take_weights(or_bye=True) is not None:  # the final evaluations
+        link.send(msg)  # the next step generates while this one is taken
+    while link.receive_weights(engine, evaluate, or_bye=True) is not None:  # final evaluations
         pass
-    link.flush()
     link.answer_bye()

@@ -20,15 +20,6 @@ from lightrft.models.multimodal import (
 from lightrft.sections import check_model_path, check_sequence_parallel_checkpoint
 
 
-def check_rollout(opts: Any) -> None:
-    """The rules of ``rollout.asynchronous`` and ``rollout.partial`` (asynchronous first: its
-    message names its key before the engine's device rules)."""
-    if opts.rollout.asynchronous:
-        _check_asynchronous(opts)
-    if opts.rollout.partial.token_budget is not None:
-        _check_partial(opts)
-
-
 def _check_off_policy(opts: Any, key: str, *, engine: str, episodes: str, samples: str):
     """The rules of every setting that trains on samples an engine drew under older weights
     (partial rollouts' carried tokens, asynchronous rollout's batches); ``key`` names the
@@ -55,43 +46,43 @@ def _check_off_policy(opts: Any, key: str, *, engine: str, episodes: str, sample
         )
 
 
-def _check_partial(opts: Any) -> None:
-    """Partial rollouts (``rollout.partial.token_budget``) with what they cannot work with."""
-    key = "rollout.partial.token_budget"
-    _check_off_policy(
-        opts,
-        key,
-        engine="an engine that cuts and resumes its own rows",
-        episodes="a multi-turn row cannot be cut",
-        samples="carried tokens were sampled by older weights",
-    )
-    if opts.algorithm.shaping.dynamic:
-        raise ValueError(
-            f"{key} and algorithm.shaping.dynamic_sampling both decide which groups a step "
-            "trains on; use one"
+def check_rollout(opts: Any) -> None:
+    """The rules of ``rollout.asynchronous`` and ``rollout.partial`` (asynchronous first: its
+    message names its key before the engine's device rules)."""
+    ro = opts.rollout
+    if ro.asynchronous:  # what one-step-off rollout cannot run with
+        key = "rollout.asynchronous=true"
+        _check_off_policy(
+            opts,
+            key,
+            engine="it generates in one process of its own",
+            episodes="the generating process does not play multi-turn episodes",
+            samples="it trains on samples of an older policy",
         )
-
-
-def _check_asynchronous(opts: Any) -> None:
-    """What one-step-off rollout (``rollout.asynchronous``) cannot run with."""
-    key = "rollout.asynchronous=true"
-    _check_off_policy(
-        opts,
-        key,
-        engine="it generates in one process of its own",
-        episodes="the generating process does not play multi-turn episodes",
-        samples="it trains on samples of an older policy",
-    )
-    if opts.rollout.partial.token_budget is not None:
-        raise ValueError(
-            f"{key} and rollout.partial.token_budget: the generating process does not carry "
-            "cut rows across steps; use one of them"
+        if ro.partial.token_budget is not None:
+            raise ValueError(
+                f"{key} and rollout.partial.token_budget: the generating process does not "
+                "carry cut rows across steps; use one of them"
+            )
+        if opts.strategy.sequence_parallel > 1:
+            raise ValueError(
+                f"{key} and sequence_parallel={opts.strategy.sequence_parallel}: the sequence-"
+                "parallel groups span every process, and one of them generates; use one of them"
+            )
+    if ro.partial.token_budget is not None:  # what partial rollouts cannot work with
+        key = "rollout.partial.token_budget"
+        _check_off_policy(
+            opts,
+            key,
+            engine="an engine that cuts and resumes its own rows",
+            episodes="a multi-turn row cannot be cut",
+            samples="carried tokens were sampled by older weights",
         )
-    if opts.strategy.sequence_parallel > 1:
-        raise ValueError(
-            f"{key} and sequence_parallel={opts.strategy.sequence_parallel}: the sequence-"
-            "parallel groups span every process, and one of them generates; use one of them"
-        )
+        if opts.algorithm.shaping.dynamic:
+            raise ValueError(
+                f"{key} and algorithm.shaping.dynamic_sampling both decide which groups a step "
+                "trains on; use one"
+            )
 
 
 def check_models(opts: Any, *, prepare=None, loading: bool = False) -> None:

@@ -288,8 +288,7 @@ class ColocatedSource:
             overlong, rewards, ov = None, raw, self.parts.overlong
             if ov.buffer is not None:  # the section is set
                 lengths = [len(c.token_ids) for c in completions]
-                penalty = overlong_penalty(lengths, ov.max_len, ov.buffer, ov.factor)
-                overlong = torch.tensor([float(p) for p in penalty], dtype=torch.float64)
+                overlong = overlong_penalty(lengths, ov.max_len, ov.buffer, ov.factor).double()
                 rewards = raw + overlong  # [B]
         batch = RolloutBatch.from_completions(
             completions,

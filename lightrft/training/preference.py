@@ -160,7 +160,7 @@ def kto_reference_point(
 ) -> torch.Tensor:
     """KTO's ``z`` over all ranks: the mean of ``policy - ref`` (sequence log-probs ``[N]``) of
     the mismatched sequences (``mismatched``: their indices, -1 where none; any shape), detached
-    and clamped at 0 (as :func:`lightrft.algorithms.preference.kto_kl` on one rank). 0-dim."""
+    and clamped at 0. 0-dim."""
     idx = mismatched[mismatched >= 0]
     local = torch.stack(
         [

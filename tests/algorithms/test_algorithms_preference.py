@@ -16,7 +16,6 @@ from lightrft.algorithms.preference import (
     check_preference_loss,
     dpo_loss,
     ipo_loss,
-    kto_kl,
     kto_loss,
     metric_means,
     orpo_loss,
@@ -24,6 +23,7 @@ from lightrft.algorithms.preference import (
     rdpo_loss,
     simpo_loss,
 )
+from lightrft.training.preference import kto_reference_point
 
 # Written by fixtures/make_trl_preference.py with TRL (version and function in each case).
 FIX = json.loads((Path(__file__).parent / "fixtures" / "trl_preference.json").read_text())
@@ -66,7 +66,8 @@ def test_paired_losses_equal_trl(name):
 
 def test_kto_equals_trl():
     k = FIX["kto"]
-    kl = kto_kl(torch.tensor(k["kl_logps"]), torch.tensor(k["ref_kl_logps"]))
+    every = torch.arange(len(k["kl_logps"]))  # all of them are mismatched pairs
+    kl = kto_reference_point(torch.tensor(k["kl_logps"]), torch.tensor(k["ref_kl_logps"]), every)
     assert kl.item() == pytest.approx(k["kl"], abs=1e-6)
     loss, _ = kto_loss(
         torch.tensor(k["logps"]),
@@ -161,7 +162,8 @@ def test_kto_hand_numbers():
     assert loss.tolist() == pytest.approx([2 * (1 - s), 1 - s])
     assert rew.tolist() == pytest.approx([0.5, -0.5])
     # the reference point is clamped at 0 and detached
-    z = kto_kl(torch.tensor([-3.0, -3.0], requires_grad=True), torch.tensor([-1.0, -1.0]))
+    policy = torch.tensor([-3.0, -3.0], requires_grad=True)
+    z = kto_reference_point(policy, torch.tensor([-1.0, -1.0]), torch.tensor([0, 1]))
     assert z.item() == 0.0 and not z.requires_grad
 
 

@@ -118,7 +118,7 @@ def run_partial(colocated, requests, params, args, budget) -> tuple[dict, dict]:
         done, stats = partial.step(colocated, version=len(times))
         times.append(time.perf_counter() - t0)
         decode.append(counting.take())
-        carried.append(stats.carried_tokens)
+        carried.append(stats["rollout/carried_tokens"])
         for g in done:
             for s in g.samples:
                 out[(g.key[0], s.sample_index)] = digest(s.token_ids)
