@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightrft.config import UserError
-from lightrft.distributed import barrier
+from lightrft.distributed import all_gather_objects, barrier, is_main
 from lightrft.models.export import replace_dir
 from lightrft.models.lora import has_adapters
 from lightrft.training.optim import is_deepspeed_engine
@@ -125,11 +125,7 @@ def quiet_single_process() -> Iterator[None]:
 
 def broadcast_from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (identity without a process group)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return all_gather_objects(obj)[0]
 
 
 def _named(**given: Any) -> dict[str, dict[str, Any]]:
@@ -156,7 +152,7 @@ class CheckpointError(UserError):
 
 
 def _warn(message: str) -> None:
-    if _rank() == 0:
+    if is_main():
         print(f"resume: warning: {message}", flush=True)
 
 
@@ -719,7 +715,7 @@ class Checkpointer:
         """
         # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
         # shared file system lag behind one another.
-        path = broadcast_from_rank0(self.latest_readable() if _rank() == 0 else None)
+        path = broadcast_from_rank0(self.latest_readable() if is_main() else None)
         if path is None:
             if required:
                 raise ValueError(

@@ -332,14 +332,18 @@ def reset_peak_memory(device: torch.device | str | None = None) -> None:
 _REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
-def reduce_metrics(
-    metrics: Mapping[str, Any], op: str = "mean", device: torch.device | str | None = None
-) -> dict[str, float]:
+def collective_device() -> torch.device | None:
+    """Where a small reduction runs: the current CUDA device under nccl, else None (CPU)."""
+    nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else None
+
+
+def reduce_metrics(metrics: Mapping[str, Any], op: str = "mean") -> dict[str, float]:
     """All-reduce scalar metrics across ranks in one collective; identity in a single process.
 
     ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. Every rank must pass the same keys
-    (they are sorted, so order does not matter). ``device``: where the reduction runs; default
-    the current CUDA device under nccl, else CPU.
+    (they are sorted, so order does not matter). The reduction runs on
+    :func:`collective_device`.
     """
     if op not in _REDUCE_OPS:
         raise ValueError(f"op must be one of {_REDUCE_OPS}, got {op!r}")
@@ -347,10 +351,7 @@ def reduce_metrics(
     values = [_to_float(k, metrics[k]) for k in keys]
     if not dist.is_initialized() or not keys:
         return dict(zip(keys, values, strict=True))
-    if device is None:
-        nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)  # [num_metrics]
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())  # [num_metrics]
     dist.all_reduce(t, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()))
     if op == "mean":
         t /= dist.get_world_size()
