@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -76,7 +76,6 @@ DEFAULT_NAME = "model"
 FORMAT = 2
 
 
-@runtime_checkable
 class SupportsState(Protocol):
     """Anything with ``state_dict()`` / ``load_state_dict()``: LR schedulers, dataloaders, ..."""
 
