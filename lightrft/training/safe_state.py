@@ -65,14 +65,10 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         }
     if isinstance(obj, np.ndarray):
         key = f"t{len(tensors)}"
-        # safetensors has no uint32; keep the bytes in a same-width signed dtype and the real one
-        # in JSON (numpy's MT19937 state is a uint32 array).
+        # safetensors has no uint32; keep an unsigned array's bytes in the same-width signed
+        # dtype and the real one in JSON (numpy's MT19937 state is a uint32 array).
         arr = np.ascontiguousarray(obj)
-        view = {
-            np.dtype("uint32"): np.int32,
-            np.dtype("uint16"): np.int16,
-            np.dtype("uint64"): np.int64,
-        }.get(arr.dtype)
+        view = f"i{arr.itemsize}" if arr.dtype.kind == "u" else None
         tensors[key] = torch.from_numpy(arr.view(view) if view is not None else arr.copy())
         return {TAG: "ndarray", "key": key, "dtype": arr.dtype.str}
     if isinstance(obj, np.generic):
