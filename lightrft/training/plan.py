@@ -51,15 +51,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from lightrft.sections import DTYPE_NAMES, check_sequence_parallel_model, mesh_shape
+from lightrft.sections import check_sequence_parallel as strategy_rule
+
 GiB = 1 << 30
-DTYPE_BYTES = {
-    "float32": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-}
+# Bytes per element of each dtype name a config may give: fp32 4, bf16 / fp16 2.
+DTYPE_BYTES = {name: 4 if name in ("float32", "fp32") else 2 for name in DTYPE_NAMES}
 # lightrft.kernels.logprobs: the fused kernel's fp32 workspace budget and row multiple.
 _WORKSPACE_ELEMENTS = 1 << 26
 _ROW_MULTIPLE = 64
@@ -456,9 +453,6 @@ def logprob_bytes(
 def check_sequence_parallel(p: PlanInputs) -> None:
     """Refuse the SP degree the strategy and the model refuse (the rules of
     ``lightrft.sections``, which ``StrategyConfig`` and ``lightrft.models.ulysses`` apply)."""
-    from lightrft.sections import check_sequence_parallel as strategy_rule
-    from lightrft.sections import check_sequence_parallel_model
-
     n, a, s, world = p.sequence_parallel, p.actor, p.model, p.cluster.world
     strategy_rule(
         n,
@@ -753,8 +747,6 @@ def inputs_from_options(
 ) -> PlanInputs:
     """The planner's inputs from a recipe's validated config object (``GRPOConfig``,
     ``SFTConfig``, ``RewardModelConfig``: read with ``WORLD_SIZE`` set to the cluster's)."""
-    from lightrft.sections import mesh_shape
-
     m, st = opts.model, opts.strategy
     shape = read_shape(m.path, "model.path", model_config)
     master = dtype_bytes(m.dtype, "model.dtype")
