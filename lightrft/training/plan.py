@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -878,8 +879,6 @@ def check_teacher_fits(opts: Any, device: Any, world: int) -> None:
     without the teacher too is left to fail or pass on its own: the estimate is no proof."""
     if getattr(opts, "distillation", None) is None:
         return
-    import os
-
     import torch
 
     if device.type == "cuda":

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from lightrft.config import UserError
 
@@ -168,9 +169,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.metadata":
-            from torch.distributed.checkpoint import metadata as md
-
-            obj = getattr(md, name, None)
+            obj = getattr(dcp_metadata, name, None)
             if isinstance(obj, type) and obj.__module__ == module:
                 return obj
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -199,13 +198,11 @@ class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` goes through :func:`read_dcp_metadata`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = read_dcp_metadata(f, path)
         if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+            metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
