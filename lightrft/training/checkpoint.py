@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lightrft.config import UserError
+from lightrft.config import UserError, at_least
 from lightrft.distributed import all_gather_objects, barrier, is_main
 from lightrft.models.export import replace_dir
 from lightrft.models.lora import has_adapters
@@ -487,8 +487,7 @@ class Checkpointer:
         ``extra`` (a dict of JSON-able values, tuples, tensors or numpy arrays: epoch, KL controller, reward normaliser, ...) are saved per
         rank, since they may differ between ranks.
         """
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        at_least("step", step, 0)
         given = _named(
             models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
         )

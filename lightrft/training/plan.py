@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from lightrft.config import at_least
 from lightrft.sections import DTYPE_NAMES, check_sequence_parallel_model, mesh_shape
 from lightrft.sections import check_sequence_parallel as strategy_rule
 
@@ -213,11 +214,9 @@ class Cluster:
     gpu_memory: int = 80 * GiB
 
     def __post_init__(self) -> None:
-        for key, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node)):
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if self.gpu_memory <= 0:
-            raise ValueError(f"--gpu-memory must be > 0, got {self.gpu_memory}")
+        at_least("--nodes", self.nodes, 1)
+        at_least("--gpus-per-node", self.gpus_per_node, 1)
+        at_least("--gpu-memory", self.gpu_memory, 0, strict=True)
 
     @property
     def world(self) -> int:
