@@ -388,10 +388,8 @@ class Checkpointer:
         keep_last: int | None = 3,
         every_n_steps: int | None = None,
     ):
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
-        if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
+        at_least("keep_last", keep_last, 1)  # None: keep all
+        at_least("every_n_steps", every_n_steps, 1)
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
         self.every_n_steps = every_n_steps
