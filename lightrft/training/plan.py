@@ -53,15 +53,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightrft.config import at_least
+from lightrft.kernels import default_chunk_size as fused_chunk_rows  # the fused kernel's chunk
 from lightrft.sections import DTYPE_NAMES, check_sequence_parallel_model, mesh_shape
 from lightrft.sections import check_sequence_parallel as strategy_rule
 
 GiB = 1 << 30
 # Bytes per element of each dtype name a config may give: fp32 4, bf16 / fp16 2.
 DTYPE_BYTES = {name: 4 if name in ("float32", "fp32") else 2 for name in DTYPE_NAMES}
-# lightrft.kernels.logprobs: the fused kernel's fp32 workspace budget and row multiple.
-_WORKSPACE_ELEMENTS = 1 << 26
-_ROW_MULTIPLE = 64
 NATIVE_MAX_NUM_SEQS = 512  # NativeEngine's default max_num_seqs
 VLLM_GPU_MEMORY_UTILIZATION = 0.5  # VLLMEngine's default
 
@@ -82,12 +80,6 @@ def parse_size(text: str, key: str = "--gpu-memory") -> int:
     power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
     base = 1024 if "I" in unit or unit == "B" else 1000
     return int(value * base**power)
-
-
-def fused_chunk_rows(n_rows: int, vocab: int) -> int:
-    """Rows per chunk of the fused log-prob kernel (``lightrft.kernels.default_chunk_size``)."""
-    rows = round(_WORKSPACE_ELEMENTS / max(vocab, 1) / _ROW_MULTIPLE) * _ROW_MULTIPLE
-    return max(1, min(max(rows, _ROW_MULTIPLE), n_rows))
 
 
 # ------------------------------------------------------------------------------ model
