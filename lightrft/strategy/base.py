@@ -16,6 +16,7 @@ from lightrft.distributed import DistInfo, all_reduce_sum
 from lightrft.models.multimodal import set_towers_trainable
 from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
+from lightrft.models.ulysses import Ulysses, check_model, sp_groups
 from lightrft.sections import PolicyModelConfig, StrategyConfig
 
 
@@ -42,8 +43,6 @@ class Strategy:
         n = self.cfg.sequence_parallel
         if n == 1:
             return None
-        from lightrft.models.ulysses import Ulysses, sp_groups
-
         group, rank = sp_groups(n)
         return Ulysses(group, n, rank)
 
@@ -74,8 +73,6 @@ class Strategy:
         if self.cfg.sequence_parallel == 1:
             return
         from transformers import AutoConfig
-
-        from lightrft.models.ulysses import check_model
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         check_model(config, self.cfg.sequence_parallel)

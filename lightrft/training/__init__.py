@@ -11,10 +11,7 @@ from typing import Any
 _EXPORTS = {
     "Checkpointer": "checkpoint",
     "CheckpointState": "checkpoint",
-    "rng_state": "checkpoint",
-    "set_rng_state": "checkpoint",
     "check_resume": "checkpoint",
-    "export_merged": "export",
     "export_trained": "export",
     "ExportSpec": "export",
     "MetricLogger": "metrics",
@@ -33,11 +30,9 @@ _EXPORTS = {
     "clip_grad_norm": "optim",
     "cpu_offload_optimizer": "optim",
     "optimizer_step": "optim",
-    "is_deepspeed_engine": "optim",
     "check_output_dir": "outputs",
     "Preemption": "preemption",
     "CheckpointSaveError": "checkpoint",
-    "check_resume_config": "resume",
     "ALLOWED_CHANGES": "resume",
     "release_output_dir": "outputs",
 }

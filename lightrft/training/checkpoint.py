@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lightrft.config import UserError
-from lightrft.distributed import barrier
+from lightrft.config import UserError, at_least
+from lightrft.distributed import all_gather_objects, barrier, is_main
 from lightrft.models.export import replace_dir
 from lightrft.models.lora import has_adapters
 from lightrft.training.optim import is_deepspeed_engine
@@ -76,7 +76,6 @@ DEFAULT_NAME = "model"
 FORMAT = 2
 
 
-@runtime_checkable
 class SupportsState(Protocol):
     """Anything with ``state_dict()`` / ``load_state_dict()``: LR schedulers, dataloaders, ..."""
 
@@ -125,11 +124,7 @@ def quiet_single_process() -> Iterator[None]:
 
 def broadcast_from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (identity without a process group)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return all_gather_objects(obj)[0]
 
 
 def _named(**given: Any) -> dict[str, dict[str, Any]]:
@@ -156,7 +151,7 @@ class CheckpointError(UserError):
 
 
 def _warn(message: str) -> None:
-    if _rank() == 0:
+    if is_main():
         print(f"resume: warning: {message}", flush=True)
 
 
@@ -393,10 +388,8 @@ class Checkpointer:
         keep_last: int | None = 3,
         every_n_steps: int | None = None,
     ):
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
-        if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}")
+        at_least("keep_last", keep_last, 1)  # None: keep all
+        at_least("every_n_steps", every_n_steps, 1)
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
         self.every_n_steps = every_n_steps
@@ -492,8 +485,7 @@ class Checkpointer:
         ``extra`` (a dict of JSON-able values, tuples, tensors or numpy arrays: epoch, KL controller, reward normaliser, ...) are saved per
         rank, since they may differ between ranks.
         """
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        at_least("step", step, 0)
         given = _named(
             models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
         )
@@ -719,7 +711,7 @@ class Checkpointer:
         """
         # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
         # shared file system lag behind one another.
-        path = broadcast_from_rank0(self.latest_readable() if _rank() == 0 else None)
+        path = broadcast_from_rank0(self.latest_readable() if is_main() else None)
         if path is None:
             if required:
                 raise ValueError(

@@ -264,11 +264,10 @@ class PhaseTimer:
             self.totals[name] += time.perf_counter() - start
             self.counts[name] += 1
 
-    def summary(self, prefix: str = "time/", reset: bool = True) -> dict[str, float]:
-        """``{"time/<phase>": seconds}`` accumulated since the last reset."""
-        out = {f"{prefix}{k}": v for k, v in self.totals.items()}
-        if reset:
-            self.reset()
+    def summary(self) -> dict[str, float]:
+        """``{"time/<phase>": seconds}`` accumulated since the last reset, then reset."""
+        out = {f"time/{k}": v for k, v in self.totals.items()}
+        self.reset()
         return out
 
     def reset(self) -> None:
@@ -286,12 +285,11 @@ class Throughput:
     def add(self, tokens: int | float | torch.Tensor) -> None:
         self._tokens += float(tokens)
 
-    def rate(self, reset: bool = True) -> tuple[float, float]:
-        """``(tokens, seconds)`` since the last reset; see :func:`tokens_per_second`."""
+    def rate(self) -> tuple[float, float]:
+        """``(tokens, seconds)`` since the last call; see :func:`tokens_per_second`."""
         now = time.perf_counter()
         out = (self._tokens, now - self._start)
-        if reset:
-            self._tokens, self._start = 0.0, now
+        self._tokens, self._start = 0.0, now
         return out
 
 
@@ -332,14 +330,18 @@ def reset_peak_memory(device: torch.device | str | None = None) -> None:
 _REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
-def reduce_metrics(
-    metrics: Mapping[str, Any], op: str = "mean", device: torch.device | str | None = None
-) -> dict[str, float]:
+def collective_device() -> torch.device | None:
+    """Where a small reduction runs: the current CUDA device under nccl, else None (CPU)."""
+    nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else None
+
+
+def reduce_metrics(metrics: Mapping[str, Any], op: str = "mean") -> dict[str, float]:
     """All-reduce scalar metrics across ranks in one collective; identity in a single process.
 
     ``op``: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``. Every rank must pass the same keys
-    (they are sorted, so order does not matter). ``device``: where the reduction runs; default
-    the current CUDA device under nccl, else CPU.
+    (they are sorted, so order does not matter). The reduction runs on
+    :func:`collective_device`.
     """
     if op not in _REDUCE_OPS:
         raise ValueError(f"op must be one of {_REDUCE_OPS}, got {op!r}")
@@ -347,10 +349,7 @@ def reduce_metrics(
     values = [_to_float(k, metrics[k]) for k in keys]
     if not dist.is_initialized() or not keys:
         return dict(zip(keys, values, strict=True))
-    if device is None:
-        nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)  # [num_metrics]
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())  # [num_metrics]
     dist.all_reduce(t, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()))
     if op == "mean":
         t /= dist.get_world_size()
@@ -362,7 +361,7 @@ class MetricAccumulator:
 
     ``reductions`` maps a name to ``"mean"`` (weighted mean: ``add`` passes the weight, e.g.
     the micro-batch's token count), ``"sum"``, ``"min"`` or ``"max"``; names not listed use
-    ``default``. ``empty`` maps a name to the value reported when nothing with a positive weight
+    ``"mean"``. ``empty`` maps a name to the value reported when nothing with a positive weight
     was added on any rank (default 0.0): the one place that decides what a metric reads when
     ranks ran only padding micro-batches. Every rank must ``add`` the same names (a rank without
     data adds with weight 0) and call :meth:`reduce` (a collective).
@@ -372,21 +371,19 @@ class MetricAccumulator:
         self,
         reductions: Mapping[str, str] | None = None,
         *,
-        default: str = "mean",
         empty: Mapping[str, float] | None = None,
     ):
-        for name, op in {**(reductions or {}), "<default>": default}.items():
+        self.reductions = dict(reductions or {})
+        for name, op in self.reductions.items():
             if op not in _REDUCE_OPS:
                 raise ValueError(f"reduction of {name} must be one of {_REDUCE_OPS}, got {op!r}")
-        self.reductions = dict(reductions or {})
-        self.default = default
         self.empty = dict(empty or {})
         self._sums: dict[str, float] = {}
         self._weights: dict[str, float] = {}
         self._extremes: dict[str, float] = {}
 
     def op(self, name: str) -> str:
-        return self.reductions.get(name, self.default)
+        return self.reductions.get(name, "mean")
 
     def add(self, name: str, value: Any, weight: float = 1.0) -> None:
         """Record ``value`` (a number or 0-d tensor); ``weight`` <= 0 records only the name."""

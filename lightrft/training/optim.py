@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from lightrft.config import at_least
+from lightrft.config import at_least, resolve
 from lightrft.distributed import full_tensor
 
 
@@ -133,8 +133,6 @@ def cpu_offload_optimizer(
           fused: true            # any keyword of the inner optimizer
     """
     from torchao.optim import CPUOffloadOptimizer
-
-    from lightrft.config import resolve
 
     try:
         inner = resolve(optimizer)

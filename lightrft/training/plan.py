@@ -45,24 +45,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from lightrft.config import at_least
+from lightrft.kernels import default_chunk_size as fused_chunk_rows  # the fused kernel's chunk
+from lightrft.sections import DTYPE_NAMES, check_sequence_parallel_model, mesh_shape
+from lightrft.sections import check_sequence_parallel as strategy_rule
+
 GiB = 1 << 30
-DTYPE_BYTES = {
-    "float32": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-}
-# lightrft.kernels.logprobs: the fused kernel's fp32 workspace budget and row multiple.
-_WORKSPACE_ELEMENTS = 1 << 26
-_ROW_MULTIPLE = 64
+# Bytes per element of each dtype name a config may give: fp32 4, bf16 / fp16 2.
+DTYPE_BYTES = {name: 4 if name in ("float32", "fp32") else 2 for name in DTYPE_NAMES}
 NATIVE_MAX_NUM_SEQS = 512  # NativeEngine's default max_num_seqs
 VLLM_GPU_MEMORY_UTILIZATION = 0.5  # VLLMEngine's default
 
@@ -83,12 +80,6 @@ def parse_size(text: str, key: str = "--gpu-memory") -> int:
     power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
     base = 1024 if "I" in unit or unit == "B" else 1000
     return int(value * base**power)
-
-
-def fused_chunk_rows(n_rows: int, vocab: int) -> int:
-    """Rows per chunk of the fused log-prob kernel (``lightrft.kernels.default_chunk_size``)."""
-    rows = round(_WORKSPACE_ELEMENTS / max(vocab, 1) / _ROW_MULTIPLE) * _ROW_MULTIPLE
-    return max(1, min(max(rows, _ROW_MULTIPLE), n_rows))
 
 
 # ------------------------------------------------------------------------------ model
@@ -215,11 +206,9 @@ class Cluster:
     gpu_memory: int = 80 * GiB
 
     def __post_init__(self) -> None:
-        for key, value in (("--nodes", self.nodes), ("--gpus-per-node", self.gpus_per_node)):
-            if value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if self.gpu_memory <= 0:
-            raise ValueError(f"--gpu-memory must be > 0, got {self.gpu_memory}")
+        at_least("--nodes", self.nodes, 1)
+        at_least("--gpus-per-node", self.gpus_per_node, 1)
+        at_least("--gpu-memory", self.gpu_memory, 0, strict=True)
 
     @property
     def world(self) -> int:
@@ -456,9 +445,6 @@ def logprob_bytes(
 def check_sequence_parallel(p: PlanInputs) -> None:
     """Refuse the SP degree the strategy and the model refuse (the rules of
     ``lightrft.sections``, which ``StrategyConfig`` and ``lightrft.models.ulysses`` apply)."""
-    from lightrft.sections import check_sequence_parallel as strategy_rule
-    from lightrft.sections import check_sequence_parallel_model
-
     n, a, s, world = p.sequence_parallel, p.actor, p.model, p.cluster.world
     strategy_rule(
         n,
@@ -753,8 +739,6 @@ def inputs_from_options(
 ) -> PlanInputs:
     """The planner's inputs from a recipe's validated config object (``GRPOConfig``,
     ``SFTConfig``, ``RewardModelConfig``: read with ``WORLD_SIZE`` set to the cluster's)."""
-    from lightrft.sections import mesh_shape
-
     m, st = opts.model, opts.strategy
     shape = read_shape(m.path, "model.path", model_config)
     master = dtype_bytes(m.dtype, "model.dtype")
@@ -886,8 +870,6 @@ def check_teacher_fits(opts: Any, device: Any, world: int) -> None:
     without the teacher too is left to fail or pass on its own: the estimate is no proof."""
     if getattr(opts, "distillation", None) is None:
         return
-    import os
-
     import torch
 
     if device.type == "cuda":

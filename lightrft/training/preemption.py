@@ -23,10 +23,10 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
-import torch
 import torch.distributed as dist
 
 from lightrft.distributed import all_reduce_max, is_main
+from lightrft.training.metrics import collective_device
 
 
 class Preemption:
@@ -66,9 +66,7 @@ class Preemption:
         point of each step)."""
         if not dist.is_initialized():
             return self.signum is not None
-        nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
-        flag = int(all_reduce_max(self.signum or 0, device).item())
+        flag = int(all_reduce_max(self.signum or 0, collective_device()).item())
         if self.signum is None and flag:
             self.signum = flag  # another rank was signalled: exit the same way
         return bool(flag)

@@ -189,20 +189,12 @@ class TrainingRun:
                         save()
                     preempt.exit(self.checkpointer.latest())
 
-    def save(
-        self,
-        step: int,
-        *,
-        extra: Mapping[str, Any] | None = None,
-        export: Mapping[str, Any] | None = None,
-        **state: Any,
-    ) -> Path:
-        """A checkpoint of ``state`` at ``step``, with the run's config beside it; ``export``
+    def save(self, step: int, **state: Any) -> Path:
+        """A checkpoint of ``state`` (:meth:`Checkpointer.save`'s keywords, ``extra`` included)
+        at ``step``, with the run's config beside it; ``export``
         (:meth:`lightrft.training.export.ExportSpec.to_json`) lets ``lightrft export`` turn it
         into the directory the run's ``final/`` would be."""
-        return self.checkpointer.save(
-            step, **state, extra=dict(extra or {}), config=self.config, export=export
-        )
+        return self.checkpointer.save(step, **state, config=self.config)
 
     def close(self, clean: bool) -> None:
         if self.logger is not None:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from lightrft.config import UserError
 
@@ -65,14 +66,10 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         }
     if isinstance(obj, np.ndarray):
         key = f"t{len(tensors)}"
-        # safetensors has no uint32; keep the bytes in a same-width signed dtype and the real one
-        # in JSON (numpy's MT19937 state is a uint32 array).
+        # safetensors has no uint32; keep an unsigned array's bytes in the same-width signed
+        # dtype and the real one in JSON (numpy's MT19937 state is a uint32 array).
         arr = np.ascontiguousarray(obj)
-        view = {
-            np.dtype("uint32"): np.int32,
-            np.dtype("uint16"): np.int16,
-            np.dtype("uint64"): np.int64,
-        }.get(arr.dtype)
+        view = f"i{arr.itemsize}" if arr.dtype.kind == "u" else None
         tensors[key] = torch.from_numpy(arr.view(view) if view is not None else arr.copy())
         return {TAG: "ndarray", "key": key, "dtype": arr.dtype.str}
     if isinstance(obj, np.generic):
@@ -172,9 +169,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.metadata":
-            from torch.distributed.checkpoint import metadata as md
-
-            obj = getattr(md, name, None)
+            obj = getattr(dcp_metadata, name, None)
             if isinstance(obj, type) and obj.__module__ == module:
                 return obj
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -203,13 +198,11 @@ class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` goes through :func:`read_dcp_metadata`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = read_dcp_metadata(f, path)
         if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+            metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
