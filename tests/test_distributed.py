@@ -6,7 +6,6 @@ dispatches each collective by the tensor's device."""
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist import free_port
 
 
