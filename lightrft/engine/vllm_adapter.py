@@ -401,17 +401,20 @@ def cpu_kv_cache_bytes(config, dtype: torch.dtype, max_num_seqs: int, max_model_
 
 
 def check_cpu_options(
-    config,
+    config=None,
     *,
     gpu_memory_utilization: float | None,
-    enable_sleep_mode: bool | None,
+    enable_sleep_mode: bool | None = None,
+    sleep_level: int | None = None,
+    key: str = "",
 ) -> None:
-    """Refuse, before vLLM loads anything, what vLLM's CPU platform cannot do."""
+    """Refuse, before vLLM loads anything, what vLLM's CPU platform cannot do (given the HF
+    ``config``, its model too); ``key``: ``"engine."`` at a config's validate time."""
     if gpu_memory_utilization is not None:
         raise ValueError(
-            "gpu_memory_utilization does not apply to vLLM's CPU platform (there it would "
-            "reserve that fraction of the host's memory); size the KV cache in bytes with "
-            "kv_cache_memory_bytes (engine.kv_cache_memory_bytes) instead"
+            f"{key}gpu_memory_utilization does not apply to vLLM on the CPU (there it would "
+            "reserve that fraction of the host's memory): size the KV cache with "
+            f"{key}kv_cache_memory_bytes (bytes; default: every sequence at full length)"
         )
     if enable_sleep_mode:
         raise ValueError(
@@ -419,6 +422,13 @@ def check_cpu_options(
             "'Sleep mode is not supported on current platform'); leave it unset: sleep and "
             "wake_up then keep the weights and KV cache (VLLMEngine.frees_memory is False)"
         )
+    if sleep_level == 2:
+        raise ValueError(
+            f"{key}sleep_level=2 frees the engine's weights, but vLLM's CPU platform has no "
+            f"sleep mode (nothing would be freed); use {key}sleep_level=1 (a no-op there) or 0"
+        )
+    if config is None:
+        return
     from lightrft.models.modality import is_multimodal
 
     if is_multimodal(config) and not has_torchvision():
