@@ -61,9 +61,9 @@ from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
+    ExternalEngine,
     check_finish_reason,
     collapse_media,
-    continue_in_rounds,
     hf_weight_names,
     kept_rng_state,
     tp_groups,
@@ -74,12 +74,9 @@ from lightrft.engine.protocol import (
     Continuation,
     Request,
     SamplingParams,
-    check_awake,
-    check_requests,
     check_resumes,
     check_sleep_level,
     check_wake_tags,
-    per_request_params,
 )
 
 VLLM_VERSION = "0.32.0"
@@ -602,7 +599,7 @@ def completions_from_outputs(
     return result
 
 
-class VLLMEngine:
+class VLLMEngine(ExternalEngine):
     """A colocated ``vllm.LLM`` (see the module docstring); build it on every rank.
 
     ``model``: an HF directory or hub id. ``tensor_parallel_size``: ranks per vLLM instance
@@ -787,21 +784,9 @@ class VLLMEngine:
         buffers) until :meth:`reset_prefix_cache` or the next ``generate``, then one in-place
         ``reload_weights`` of the model runner takes them all, so a vLLM layer is never
         reprocessed with part of its weights."""
-        if "weights" in self._asleep and self.enable_sleep_mode:
-            raise ValueError(
-                "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
-            )
-        weights = list(weights)
-        unknown = [name for name, _ in weights if name not in self._names]
-        if unknown:
-            import difflib
-
-            near = difflib.get_close_matches(unknown[0], sorted(self._names), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(
-                f"load_weights: unknown parameter name(s) {unknown[:8]}{hint}; the engine's "
-                "model takes Hugging Face names"
-            )
+        weights = self._checked_weights(
+            weights, "weights" in self._asleep and self.enable_sleep_mode
+        )
         if self.on_cpu:
             self._pending += [(name, t.detach().to(self.dtype, copy=True)) for name, t in weights]
         else:
@@ -845,10 +830,9 @@ class VLLMEngine:
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories; with ``token_budget`` or resumed
         requests, partial rollouts (see the module docstring)."""
-        check_awake(sorted(self._asleep), self._unloaded)
+        requests, params = self._checked(requests, sampling)
         if self._pending:
             self.reset_prefix_cache()  # weights loaded without a reset: the cache is stale
-        requests = list(requests)
         partial = token_budget is not None or any(r.resume is not None for r in requests)
         for what, on in (("multi-turn generation (a continuation)", continuation is not None),
                          ("a token_budget or resumed requests", partial)):  # fmt: skip
@@ -860,8 +844,6 @@ class VLLMEngine:
         if partial and continuation is not None:
             raise ValueError("token_budget (partial rollouts) does not take a continuation")
         at_least("token_budget", token_budget, 1)
-        params = per_request_params(sampling, len(requests))
-        check_requests(requests, self.vocab_size)
         check_resumes(requests, params, self.vocab_size)
         if partial:
             if any(p.first_token_temperature is not None for p in params):
@@ -929,7 +911,7 @@ class VLLMEngine:
         cut = [rid for rid in rows if rid not in latest or not latest[rid].finished]
         if cut:
             engine.abort_request(cut)
-        tokenizer, result = self.llm.get_tokenizer(), []
+        result = []
         for rid, (i, j, ids, lps) in rows.items():
             new, new_lps, reason = ([], [], "partial")
             if rid in latest:
@@ -938,7 +920,7 @@ class VLLMEngine:
                     sample, i, j, self._bias(params[i]), rid not in cut
                 )
             ids, lps = ids + new, lps + new_lps
-            text = tokenizer.decode(ids, skip_special_tokens=True) if params[i].detokenize else None
+            text = self._decode(ids) if params[i].detokenize else None
             prompt = list(requests[i].prompt_token_ids)
             result.append(Completion(i, j, prompt, ids, lps, reason, text))  # type: ignore[arg-type]
         return result
@@ -1050,39 +1032,18 @@ class VLLMEngine:
         for c in todo:
             p = params[c.request_index]
             going.append((c, p, p.max_tokens - 1, turn_seed(p.seed, c.sample_index, 0)))
-        tokenizer = self.llm.get_tokenizer()
         for (c, p, *_), (ids, lps, reason) in zip(
             going, self._sample_on(requests, going), strict=True
         ):
             c.token_ids, c.logprobs = c.token_ids + ids, c.logprobs + lps
             c.finish_reason = reason
             if p.detokenize:
-                c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                c.text = self._decode(c.token_ids)
         return firsts
 
-    def _continue(
-        self,
-        requests: list[Request],
-        params: list[SamplingParams],
-        firsts: list[Completion],
-        continuation: Continuation,
-    ) -> list[Completion]:
-        """Later turns, in rounds (:func:`~lightrft.engine.external.continue_in_rounds`): each
-        trajectory that goes on is one ``n=1`` request of prompt + response so far."""
-        tokenizer = self.llm.get_tokenizer()
-        return continue_in_rounds(
-            firsts,
-            params,
-            [self._budget(c, params[c.request_index]) for c in firsts],
-            continuation,
-            lambda going: self._sample_on(
-                requests, [(t.completion, t.params, t.max_tokens, t.seed) for t in going]
-            ),
-            vocab_size=self.vocab_size,
-            forbidden=set(self.suppress_token_ids),
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        )
+    def _decode(self, ids: list[int]) -> str:
+        return self.llm.get_tokenizer().decode(ids, skip_special_tokens=True)
 
-    def _budget(self, c: Completion, p: SamplingParams) -> int:
+    def _budget(self, req: Request, p: SamplingParams) -> int:
         """Response tokens a trajectory may hold: ``max_tokens``, and the model length."""
-        return min(p.max_tokens, self.max_model_len - len(c.prompt_token_ids))
+        return min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
