@@ -301,6 +301,27 @@ class ExternalEngine:
             )
         return weights
 
+    def _fire_rest(
+        self, requests: list[Request], params: list[SamplingParams], firsts: list[Completion]
+    ) -> list[Completion]:
+        """FIRE's second pass over ``firsts`` (their first token sampled hot): each FIRE sample
+        that did not stop goes on as one ``n=1`` request up to its budget, with a distinct
+        stream per sample (:func:`turn_seed`, turn 0)."""
+        going = []
+        for c in firsts:
+            p = params[c.request_index]
+            left = self._budget(requests[c.request_index], p) - len(c.token_ids)
+            if p.first_token_temperature is not None and c.finish_reason != "stop" and left > 0:
+                going.append((c, p, left, turn_seed(p.seed, c.sample_index, 0)))
+        for (c, p, *_), (ids, lps, reason) in zip(
+            going, self._sample_on(requests, going) if going else [], strict=True
+        ):
+            c.token_ids, c.logprobs = c.token_ids + ids, c.logprobs + lps
+            c.finish_reason = reason
+            if p.detokenize:
+                c.text = self._decode(c.token_ids)
+        return firsts
+
     def _continue(
         self,
         requests: list[Request],

@@ -328,38 +328,22 @@ class SGLangEngine(ExternalEngine):
         params = [replace(p, seed=self._base_seed(p.seed)) for p in params]
         items = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
         # FIRE: every sample's first token at the hot temperature, then the rest of it.
-        fire = [(i, j) for i, j in items if params[i].first_token_temperature is not None]
         outs = self._run(
-            [prompts[i] for i, _ in fire],
+            [prompts[i] for i, _ in items],
             [
-                self._sampling(params[i], 1, turn_seed(params[i].seed, j, 0), first=True)
-                for i, j in fire
+                self._sampling(
+                    params[i],
+                    budgets[i],
+                    turn_seed(params[i].seed, j, 0),
+                    first=params[i].first_token_temperature is not None,
+                )
+                for i, j in items
             ],
         )
-        parts: dict[tuple[int, int], list[tuple]] = {
-            (i, j): [sample_from_output(o, i, j)] for (i, j), o in zip(fire, outs, strict=True)
-        }
-        rest = [
-            (i, j)
-            for i, j in items
-            if (i, j) not in parts or (parts[i, j][0][2] != "stop" and budgets[i] > 1)
-        ]
-        inputs, sampling = [], []
-        for i, j in rest:
-            (ids, images), done = prompts[i], parts.get((i, j), [])
-            first = done[0][0] if done else []
-            inputs.append((ids + first, images))
-            sampling.append(
-                self._sampling(params[i], budgets[i] - len(first), turn_seed(params[i].seed, j, 0))
-            )
-        for (i, j), o in zip(rest, self._run(inputs, sampling), strict=True):
-            parts.setdefault((i, j), []).append(sample_from_output(o, i, j))
         completions = []
-        for i, j in items:
-            (ids, lps, reason, prompt_len), *more = parts[i, j]
+        for (i, j), o in zip(items, outs, strict=True):
+            ids, lps, reason, prompt_len = sample_from_output(o, i, j)
             self._check_prompt_len(requests[i], prompt_len, i)
-            for more_ids, more_lps, more_reason, _ in more:
-                ids, lps, reason = ids + more_ids, lps + more_lps, more_reason
             completions.append(
                 Completion(
                     request_index=i,
@@ -371,6 +355,7 @@ class SGLangEngine(ExternalEngine):
                     text=self._decode(ids) if params[i].detokenize else None,
                 )
             )
+        self._fire_rest(requests, params, completions)
         if continuation is not None:
             completions = self._continue(requests, params, completions, continuation)
         return completions

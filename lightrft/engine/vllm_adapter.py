@@ -67,7 +67,6 @@ from lightrft.engine.external import (
     hf_weight_names,
     kept_rng_state,
     tp_groups,
-    turn_seed,
 )
 from lightrft.engine.protocol import (
     Completion,
@@ -970,8 +969,9 @@ class VLLMEngine(ExternalEngine):
         plain = [i for i, p in enumerate(params) if p.first_token_temperature is None]
         fire = [i for i, p in enumerate(params) if p.first_token_temperature is not None]
         result = self._generate_batch(requests, params, plain) if plain else []
-        if fire:
-            result += self._generate_fire(requests, params, fire)
+        if fire:  # FIRE: n first tokens at the hot temperature, then one continuation each
+            firsts = self._generate_batch(requests, params, fire, first_token=True)
+            result += self._fire_rest(requests, params, firsts)
         result.sort(key=lambda c: (c.request_index, c.sample_index))
         return result
 
@@ -1014,32 +1014,6 @@ class VLLMEngine(ExternalEngine):
             _sample_of(out.outputs[0], c.request_index, c.sample_index, self._bias(p))
             for (c, p, *_), out in zip(going, outs, strict=True)
         ]
-
-    def _generate_fire(
-        self, requests: list[Request], params: list[SamplingParams], index: list[int]
-    ) -> list[Completion]:
-        """FIRE in two passes: n first tokens at the hot temperature, then one continuation each
-        (a distinct stream per sample: :func:`~lightrft.engine.external.turn_seed`)."""
-        firsts = self._generate_batch(requests, params, index, first_token=True)
-        todo = [
-            c
-            for c in firsts
-            if c.finish_reason != "stop" and params[c.request_index].max_tokens > 1
-        ]
-        if not todo:
-            return firsts
-        going = []
-        for c in todo:
-            p = params[c.request_index]
-            going.append((c, p, p.max_tokens - 1, turn_seed(p.seed, c.sample_index, 0)))
-        for (c, p, *_), (ids, lps, reason) in zip(
-            going, self._sample_on(requests, going), strict=True
-        ):
-            c.token_ids, c.logprobs = c.token_ids + ids, c.logprobs + lps
-            c.finish_reason = reason
-            if p.detokenize:
-                c.text = self._decode(c.token_ids)
-        return firsts
 
     def _decode(self, ids: list[int]) -> str:
         return self.llm.get_tokenizer().decode(ids, skip_special_tokens=True)
