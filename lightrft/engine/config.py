@@ -101,26 +101,18 @@ class EngineConfig(Section):
             return
         import importlib.util
 
-        from lightrft.engine.vllm_adapter import CPU_INSTALL
+        from lightrft.engine.vllm_adapter import CPU_INSTALL, check_cpu_options
 
         if _HERE.get() and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "engine.backend=vllm but vLLM is not installed: pip install 'lightrft[vllm]' on "
                 f"a CUDA machine, or on CPU: {CPU_INSTALL}; or use engine.backend=native"
             )
-        if not cpu:
-            return
-        if self.gpu_memory_utilization is not None:
-            raise ValueError(
-                "engine.gpu_memory_utilization does not apply to vLLM on the CPU (there it "
-                "would reserve that fraction of the host's memory): size the KV cache with "
-                "engine.kv_cache_memory_bytes (bytes; default: every sequence at full length)"
-            )
-        if sleep_level == 2:
-            raise ValueError(
-                "engine.sleep_level=2 frees the engine's weights, but vLLM's CPU platform has no "
-                "sleep mode (nothing would be freed); use engine.sleep_level=1 (a no-op there) "
-                "or 0"
+        if cpu:
+            check_cpu_options(
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                sleep_level=sleep_level,
+                key="engine.",
             )
 
     def kwargs(self) -> dict[str, Any]:

@@ -11,6 +11,8 @@
 - The multi-turn loop of an engine whose ``generate`` blocks until its whole batch is done:
   :func:`continue_in_rounds` over :class:`Trajectory` objects, with :func:`turn_seed` giving
   every later turn (and every sample of a seeded request) its own reproducible stream.
+- :class:`ExternalEngine`: the base of both adapters, with what their ``generate`` and
+  ``load_weights`` do alike around their backend's calls.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ from lightrft.data.media import Media
 from lightrft.engine.protocol import (
     Completion,
     Continuation,
+    Request,
     SamplingParams,
     Turn,
+    check_awake,
     check_observation,
+    check_requests,
+    per_request_params,
     sampled_mask,
 )
 
@@ -257,3 +263,83 @@ def continue_in_rounds(
         if params[c.request_index].detokenize:
             c.text = decode(c.token_ids)
     return firsts
+
+
+class ExternalEngine:
+    """What ``VLLMEngine`` and ``SGLangEngine`` do alike: a generate call's checks, the names
+    ``load_weights`` takes and the later turns of multi-turn generation. Each adapter gives its
+    backend's calls: ``_sample_on`` (one ``n=1`` request per trajectory that goes on),
+    ``_budget`` (response tokens a sample may hold) and ``_decode``."""
+
+    def _checked(
+        self, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> tuple[list[Request], list[SamplingParams]]:
+        """A generate call's requests and params, checked (awake, ids in the vocabulary)."""
+        check_awake(sorted(self._asleep), self._unloaded)
+        requests = list(requests)
+        params = per_request_params(sampling, len(requests))
+        check_requests(requests, self.vocab_size)
+        return requests, params
+
+    def _checked_weights(self, weights, asleep: bool) -> list[tuple[str, torch.Tensor]]:
+        """``load_weights``' pairs, refused while the weights are ``asleep`` or when a name is
+        not one of the model's (with the closest name)."""
+        if asleep:
+            raise ValueError(
+                "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
+            )
+        weights = list(weights)
+        unknown = [name for name, _ in weights if name not in self._names]
+        if unknown:
+            import difflib
+
+            near = difflib.get_close_matches(unknown[0], sorted(self._names), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(
+                f"load_weights: unknown parameter name(s) {unknown[:8]}{hint}; the engine's "
+                "model takes Hugging Face names"
+            )
+        return weights
+
+    def _fire_rest(
+        self, requests: list[Request], params: list[SamplingParams], firsts: list[Completion]
+    ) -> list[Completion]:
+        """FIRE's second pass over ``firsts`` (their first token sampled hot): each FIRE sample
+        that did not stop goes on as one ``n=1`` request up to its budget, with a distinct
+        stream per sample (:func:`turn_seed`, turn 0)."""
+        going = []
+        for c in firsts:
+            p = params[c.request_index]
+            left = self._budget(requests[c.request_index], p) - len(c.token_ids)
+            if p.first_token_temperature is not None and c.finish_reason != "stop" and left > 0:
+                going.append((c, p, left, turn_seed(p.seed, c.sample_index, 0)))
+        for (c, p, *_), (ids, lps, reason) in zip(
+            going, self._sample_on(requests, going) if going else [], strict=True
+        ):
+            c.token_ids, c.logprobs = c.token_ids + ids, c.logprobs + lps
+            c.finish_reason = reason
+            if p.detokenize:
+                c.text = self._decode(c.token_ids)
+        return firsts
+
+    def _continue(
+        self,
+        requests: list[Request],
+        params: list[SamplingParams],
+        firsts: list[Completion],
+        continuation: Continuation,
+    ) -> list[Completion]:
+        """Later turns, in rounds (:func:`continue_in_rounds`): each trajectory that goes on is
+        one ``n=1`` request of prompt + response so far, with what is left of its budget."""
+        return continue_in_rounds(
+            firsts,
+            params,
+            [self._budget(requests[c.request_index], params[c.request_index]) for c in firsts],
+            continuation,
+            lambda going: self._sample_on(
+                requests, [(t.completion, t.params, t.max_tokens, t.seed) for t in going]
+            ),
+            vocab_size=self.vocab_size,
+            forbidden=set(self.suppress_token_ids),
+            decode=self._decode,
+        )

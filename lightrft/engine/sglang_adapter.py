@@ -69,6 +69,7 @@ import os
 import random
 import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +78,9 @@ import torch
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
-    Trajectory,
+    ExternalEngine,
     check_finish_reason,
     collapse_media,
-    continue_in_rounds,
     hf_weight_names,
     kept_rng_state,
     turn_seed,
@@ -90,11 +90,8 @@ from lightrft.engine.protocol import (
     Continuation,
     Request,
     SamplingParams,
-    check_awake,
-    check_requests,
     check_sleep_level,
     check_wake_tags,
-    per_request_params,
 )
 
 SGLANG_VERSION = "0.5.21"
@@ -184,7 +181,7 @@ def sample_from_output(out: dict[str, Any], request: int, sample: int) -> tuple:
     return ids, [float(s[0]) for s in steps], kind, int(meta["prompt_tokens"])
 
 
-class SGLangEngine:
+class SGLangEngine(ExternalEngine):
     """An ``sglang.Engine`` on this rank's GPU (see the module docstring); build it on every rank.
 
     ``model``: an HF directory or hub id. ``tokenizer``: decodes ``Completion.text`` (default:
@@ -285,14 +282,7 @@ class SGLangEngine:
         self._asleep -= set(todo)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if "weights" in self._asleep:
-            raise ValueError(
-                "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
-            )
-        weights = list(weights)
-        unknown = [name for name, _ in weights if name not in self._names]
-        if unknown:
-            raise ValueError(f"load_weights: unknown parameter name(s) {unknown[:8]}")
+        weights = self._checked_weights(weights, "weights" in self._asleep)
         if not self._updating:
             _check_ok(self.llm.begin_weight_update(), "begin_weight_update")
             self._updating = True
@@ -323,10 +313,7 @@ class SGLangEngine:
     ) -> list[Completion]:
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories (see the module docstring)."""
-        check_awake(sorted(self._asleep), self._unloaded)
-        requests = list(requests)
-        params = per_request_params(sampling, len(requests))
-        check_requests(requests, self.vocab_size)
+        requests, params = self._checked(requests, sampling)
         for p in params:
             if p.prompt_logprobs:
                 raise ValueError("SGLangEngine does not return prompt_logprobs; use NativeEngine")
@@ -338,38 +325,25 @@ class SGLangEngine:
             self.reset_prefix_cache()
         # Every (sample, turn) draws from its own seed (turn_seed); a FIRE sample's two passes
         # share one, drawn at different positions (SGLang's seeded draws hash the position).
-        bases = [self._base_seed(p.seed) for p in params]
+        params = [replace(p, seed=self._base_seed(p.seed)) for p in params]
         items = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
         # FIRE: every sample's first token at the hot temperature, then the rest of it.
-        fire = [(i, j) for i, j in items if params[i].first_token_temperature is not None]
         outs = self._run(
-            [prompts[i] for i, _ in fire],
-            [self._sampling(params[i], 1, turn_seed(bases[i], j, 0), first=True) for i, j in fire],
+            [prompts[i] for i, _ in items],
+            [
+                self._sampling(
+                    params[i],
+                    budgets[i],
+                    turn_seed(params[i].seed, j, 0),
+                    first=params[i].first_token_temperature is not None,
+                )
+                for i, j in items
+            ],
         )
-        parts: dict[tuple[int, int], list[tuple]] = {
-            (i, j): [sample_from_output(o, i, j)] for (i, j), o in zip(fire, outs, strict=True)
-        }
-        rest = [
-            (i, j)
-            for i, j in items
-            if (i, j) not in parts or (parts[i, j][0][2] != "stop" and budgets[i] > 1)
-        ]
-        inputs, sampling = [], []
-        for i, j in rest:
-            (ids, images), done = prompts[i], parts.get((i, j), [])
-            first = done[0][0] if done else []
-            inputs.append((ids + first, images))
-            sampling.append(
-                self._sampling(params[i], budgets[i] - len(first), turn_seed(bases[i], j, 0))
-            )
-        for (i, j), o in zip(rest, self._run(inputs, sampling), strict=True):
-            parts.setdefault((i, j), []).append(sample_from_output(o, i, j))
         completions = []
-        for i, j in items:
-            (ids, lps, reason, prompt_len), *more = parts[i, j]
+        for (i, j), o in zip(items, outs, strict=True):
+            ids, lps, reason, prompt_len = sample_from_output(o, i, j)
             self._check_prompt_len(requests[i], prompt_len, i)
-            for more_ids, more_lps, more_reason, _ in more:
-                ids, lps, reason = ids + more_ids, lps + more_lps, more_reason
             completions.append(
                 Completion(
                     request_index=i,
@@ -381,8 +355,9 @@ class SGLangEngine:
                     text=self._decode(ids) if params[i].detokenize else None,
                 )
             )
+        self._fire_rest(requests, params, completions)
         if continuation is not None:
-            completions = self._continue(requests, params, completions, continuation, bases)
+            completions = self._continue(requests, params, completions, continuation)
         return completions
 
     def _base_seed(self, seed: int | None) -> int | None:
@@ -455,41 +430,22 @@ class SGLangEngine:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _continue(
-        self,
-        requests: list[Request],
-        params: list[SamplingParams],
-        firsts: list[Completion],
-        continuation: Continuation,
-        bases: list[int | None],
-    ) -> list[Completion]:
-        """Later turns, in rounds: each trajectory that goes on is one request of prompt +
-        response so far, with what is left of its budget."""
-
-        def sample_round(going: list[Trajectory]) -> list[tuple[list[int], list[float], str]]:
-            prompts, sampling = [], []
-            for t in going:
-                c = t.completion
-                req = requests[c.request_index]
-                prompts.append(self._prompt(c.prompt_token_ids + c.token_ids, req))
-                seed = turn_seed(bases[c.request_index], c.sample_index, len(t.spans))
-                sampling.append(self._sampling(t.params, t.max_tokens, seed))
-            outs = self._run(prompts, sampling)
-            return [
-                sample_from_output(out, t.completion.request_index, t.completion.sample_index)[:3]
-                for t, out in zip(going, outs, strict=True)
-            ]
-
-        return continue_in_rounds(
-            firsts,
-            params,
-            [self._budget(requests[c.request_index], params[c.request_index]) for c in firsts],
-            continuation,
-            sample_round,
-            vocab_size=self.vocab_size,
-            forbidden=set(self.suppress_token_ids),
-            decode=self._decode,
+    def _sample_on(
+        self, requests: list[Request], going: list[tuple[Completion, SamplingParams, int, Any]]
+    ) -> list[tuple[list[int], list[float], str]]:
+        """One request per ``(completion, params, max_tokens, seed)`` that goes on from its
+        prompt + response so far: the ``(ids, log-probs, finish reason)`` each sampled."""
+        outs = self._run(
+            [
+                self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
+                for c, *_ in going
+            ],
+            [self._sampling(p, m, seed) for _, p, m, seed in going],
         )
+        return [
+            sample_from_output(out, c.request_index, c.sample_index)[:3]
+            for (c, *_), out in zip(going, outs, strict=True)
+        ]
 
 
 def _check_ok(result: Any, what: str) -> None:

@@ -61,25 +61,21 @@ from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
+    ExternalEngine,
     check_finish_reason,
     collapse_media,
-    continue_in_rounds,
     hf_weight_names,
     kept_rng_state,
     tp_groups,
-    turn_seed,
 )
 from lightrft.engine.protocol import (
     Completion,
     Continuation,
     Request,
     SamplingParams,
-    check_awake,
-    check_requests,
     check_resumes,
     check_sleep_level,
     check_wake_tags,
-    per_request_params,
 )
 
 VLLM_VERSION = "0.32.0"
@@ -401,17 +397,20 @@ def cpu_kv_cache_bytes(config, dtype: torch.dtype, max_num_seqs: int, max_model_
 
 
 def check_cpu_options(
-    config,
+    config=None,
     *,
     gpu_memory_utilization: float | None,
-    enable_sleep_mode: bool | None,
+    enable_sleep_mode: bool | None = None,
+    sleep_level: int | None = None,
+    key: str = "",
 ) -> None:
-    """Refuse, before vLLM loads anything, what vLLM's CPU platform cannot do."""
+    """Refuse, before vLLM loads anything, what vLLM's CPU platform cannot do (given the HF
+    ``config``, its model too); ``key``: ``"engine."`` at a config's validate time."""
     if gpu_memory_utilization is not None:
         raise ValueError(
-            "gpu_memory_utilization does not apply to vLLM's CPU platform (there it would "
-            "reserve that fraction of the host's memory); size the KV cache in bytes with "
-            "kv_cache_memory_bytes (engine.kv_cache_memory_bytes) instead"
+            f"{key}gpu_memory_utilization does not apply to vLLM on the CPU (there it would "
+            "reserve that fraction of the host's memory): size the KV cache with "
+            f"{key}kv_cache_memory_bytes (bytes; default: every sequence at full length)"
         )
     if enable_sleep_mode:
         raise ValueError(
@@ -419,6 +418,13 @@ def check_cpu_options(
             "'Sleep mode is not supported on current platform'); leave it unset: sleep and "
             "wake_up then keep the weights and KV cache (VLLMEngine.frees_memory is False)"
         )
+    if sleep_level == 2:
+        raise ValueError(
+            f"{key}sleep_level=2 frees the engine's weights, but vLLM's CPU platform has no "
+            f"sleep mode (nothing would be freed); use {key}sleep_level=1 (a no-op there) or 0"
+        )
+    if config is None:
+        return
     from lightrft.models.modality import is_multimodal
 
     if is_multimodal(config) and not has_torchvision():
@@ -592,7 +598,7 @@ def completions_from_outputs(
     return result
 
 
-class VLLMEngine:
+class VLLMEngine(ExternalEngine):
     """A colocated ``vllm.LLM`` (see the module docstring); build it on every rank.
 
     ``model``: an HF directory or hub id. ``tensor_parallel_size``: ranks per vLLM instance
@@ -777,21 +783,9 @@ class VLLMEngine:
         buffers) until :meth:`reset_prefix_cache` or the next ``generate``, then one in-place
         ``reload_weights`` of the model runner takes them all, so a vLLM layer is never
         reprocessed with part of its weights."""
-        if "weights" in self._asleep and self.enable_sleep_mode:
-            raise ValueError(
-                "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
-            )
-        weights = list(weights)
-        unknown = [name for name, _ in weights if name not in self._names]
-        if unknown:
-            import difflib
-
-            near = difflib.get_close_matches(unknown[0], sorted(self._names), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(
-                f"load_weights: unknown parameter name(s) {unknown[:8]}{hint}; the engine's "
-                "model takes Hugging Face names"
-            )
+        weights = self._checked_weights(
+            weights, "weights" in self._asleep and self.enable_sleep_mode
+        )
         if self.on_cpu:
             self._pending += [(name, t.detach().to(self.dtype, copy=True)) for name, t in weights]
         else:
@@ -835,10 +829,9 @@ class VLLMEngine:
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories; with ``token_budget`` or resumed
         requests, partial rollouts (see the module docstring)."""
-        check_awake(sorted(self._asleep), self._unloaded)
+        requests, params = self._checked(requests, sampling)
         if self._pending:
             self.reset_prefix_cache()  # weights loaded without a reset: the cache is stale
-        requests = list(requests)
         partial = token_budget is not None or any(r.resume is not None for r in requests)
         for what, on in (("multi-turn generation (a continuation)", continuation is not None),
                          ("a token_budget or resumed requests", partial)):  # fmt: skip
@@ -850,8 +843,6 @@ class VLLMEngine:
         if partial and continuation is not None:
             raise ValueError("token_budget (partial rollouts) does not take a continuation")
         at_least("token_budget", token_budget, 1)
-        params = per_request_params(sampling, len(requests))
-        check_requests(requests, self.vocab_size)
         check_resumes(requests, params, self.vocab_size)
         if partial:
             if any(p.first_token_temperature is not None for p in params):
@@ -919,7 +910,7 @@ class VLLMEngine:
         cut = [rid for rid in rows if rid not in latest or not latest[rid].finished]
         if cut:
             engine.abort_request(cut)
-        tokenizer, result = self.llm.get_tokenizer(), []
+        result = []
         for rid, (i, j, ids, lps) in rows.items():
             new, new_lps, reason = ([], [], "partial")
             if rid in latest:
@@ -928,7 +919,7 @@ class VLLMEngine:
                     sample, i, j, self._bias(params[i]), rid not in cut
                 )
             ids, lps = ids + new, lps + new_lps
-            text = tokenizer.decode(ids, skip_special_tokens=True) if params[i].detokenize else None
+            text = self._decode(ids) if params[i].detokenize else None
             prompt = list(requests[i].prompt_token_ids)
             result.append(Completion(i, j, prompt, ids, lps, reason, text))  # type: ignore[arg-type]
         return result
@@ -978,8 +969,9 @@ class VLLMEngine:
         plain = [i for i, p in enumerate(params) if p.first_token_temperature is None]
         fire = [i for i, p in enumerate(params) if p.first_token_temperature is not None]
         result = self._generate_batch(requests, params, plain) if plain else []
-        if fire:
-            result += self._generate_fire(requests, params, fire)
+        if fire:  # FIRE: n first tokens at the hot temperature, then one continuation each
+            firsts = self._generate_batch(requests, params, fire, first_token=True)
+            result += self._fire_rest(requests, params, firsts)
         result.sort(key=lambda c: (c.request_index, c.sample_index))
         return result
 
@@ -1023,56 +1015,9 @@ class VLLMEngine:
             for (c, p, *_), out in zip(going, outs, strict=True)
         ]
 
-    def _generate_fire(
-        self, requests: list[Request], params: list[SamplingParams], index: list[int]
-    ) -> list[Completion]:
-        """FIRE in two passes: n first tokens at the hot temperature, then one continuation each
-        (a distinct stream per sample: :func:`~lightrft.engine.external.turn_seed`)."""
-        firsts = self._generate_batch(requests, params, index, first_token=True)
-        todo = [
-            c
-            for c in firsts
-            if c.finish_reason != "stop" and params[c.request_index].max_tokens > 1
-        ]
-        if not todo:
-            return firsts
-        going = []
-        for c in todo:
-            p = params[c.request_index]
-            going.append((c, p, p.max_tokens - 1, turn_seed(p.seed, c.sample_index, 0)))
-        tokenizer = self.llm.get_tokenizer()
-        for (c, p, *_), (ids, lps, reason) in zip(
-            going, self._sample_on(requests, going), strict=True
-        ):
-            c.token_ids, c.logprobs = c.token_ids + ids, c.logprobs + lps
-            c.finish_reason = reason
-            if p.detokenize:
-                c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        return firsts
+    def _decode(self, ids: list[int]) -> str:
+        return self.llm.get_tokenizer().decode(ids, skip_special_tokens=True)
 
-    def _continue(
-        self,
-        requests: list[Request],
-        params: list[SamplingParams],
-        firsts: list[Completion],
-        continuation: Continuation,
-    ) -> list[Completion]:
-        """Later turns, in rounds (:func:`~lightrft.engine.external.continue_in_rounds`): each
-        trajectory that goes on is one ``n=1`` request of prompt + response so far."""
-        tokenizer = self.llm.get_tokenizer()
-        return continue_in_rounds(
-            firsts,
-            params,
-            [self._budget(c, params[c.request_index]) for c in firsts],
-            continuation,
-            lambda going: self._sample_on(
-                requests, [(t.completion, t.params, t.max_tokens, t.seed) for t in going]
-            ),
-            vocab_size=self.vocab_size,
-            forbidden=set(self.suppress_token_ids),
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        )
-
-    def _budget(self, c: Completion, p: SamplingParams) -> int:
+    def _budget(self, req: Request, p: SamplingParams) -> int:
         """Response tokens a trajectory may hold: ``max_tokens``, and the model length."""
-        return min(p.max_tokens, self.max_model_len - len(c.prompt_token_ids))
+        return min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
