@@ -33,7 +33,7 @@ import torch
 
 from lightrft.config import Bound
 from lightrft.data.audio import AudioTooLong
-from lightrft.data.collate import plan_micro_batches
+from lightrft.data.collate import pack_in_order
 from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import (
@@ -454,16 +454,7 @@ class PreferenceCollator:
             head.append(0 if name is None else self.heads[name])
         rows = None
         if self.packing:
-            lengths = [len(s) for s in seqs]
-            for n in lengths:
-                if self.max_tokens is not None and n > self.max_tokens:
-                    raise ValueError(
-                        f"a sequence has {n} tokens, more than max_tokens_per_row="
-                        f"{self.max_tokens}: raise it or lower the dataset's max_length"
-                    )
-            rows = plan_micro_batches(
-                range(len(seqs)), lengths, len(seqs), self.max_tokens, packing=True
-            )
+            rows = pack_in_order([len(s) for s in seqs], self.max_tokens, "max_tokens_per_row")
         batch = pad_sequences(seqs, self.pad_id, starts=starts, rows=rows)
         batch.update(
             candidates=candidates,
