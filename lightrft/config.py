@@ -778,9 +778,23 @@ class Section:
                 value = tuple(value)
             elif isinstance(value, DictConfig) and not _is_component_type(t):
                 value = OmegaConf.to_container(value, resolve=True)
-            _check_bounds(f"{at}{f.name}", value, f.metadata)
             values[f.name] = value
-        return cls(**values).resolve(at)
+        return cls(**values).checked(at)
+
+    def checked(self, at: str = "") -> Section:
+        """The section checked, then :meth:`resolve`: each key's declared type (a section built
+        in Python skips the schema check), choices (``Literal``) and :func:`option` bounds, with
+        ``at`` (the keys' dotted prefix) in the message. :meth:`read` ends with it; a section
+        built in Python calls it before use (``MediaOptions(...).checked("media.")``)."""
+        for f, t in self._fields():
+            value = getattr(self, f.name)
+            if _section_type(t) is not None or value is None:
+                continue
+            key = f"{at}{f.name}"
+            if not _matches(value, t):
+                raise ValueError(f"{key} expects {_type_name(t)}, got {value!r}")
+            _check_bounds(key, value, f.metadata)
+        return self.resolve(at)
 
     def is_set(self) -> bool:
         """Whether any key of the section has a value (an all-null section counts as absent:
@@ -847,7 +861,7 @@ def _is_component_type(t: Any) -> bool:
 
 def at_least(key: str, value: Any, low: float, *, strict: bool = False) -> None:
     """``value`` (None: unset) must be ``>= low`` (``> low`` if ``strict``); names ``key``."""
-    if value is not None and (value <= low if strict else value < low):
+    if value is not None and not (value > low if strict else value >= low):  # NaN fails too
         raise ValueError(f"{key} must be {'>' if strict else '>='} {low:g}, got {value}")
 
 

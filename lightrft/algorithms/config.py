@@ -27,7 +27,7 @@ from lightrft.algorithms.mismatch import (
     mismatch_metrics,
 )
 from lightrft.algorithms.shaping import overlong_penalty
-from lightrft.config import Section, at_least, option, section
+from lightrft.config import Section, option, section
 
 
 class Sampling(Protocol):
@@ -80,7 +80,7 @@ class TISConfig(Section):
     """``algorithm.tis:``: truncated importance sampling towards the engine's log-probs."""
 
     mode: Literal["token", "sequence_mask"] | None = option(None, doc="unset: off")
-    cap: float | None = option(None, doc="the weight cap; default 2")
+    cap: float | None = option(None, gt=0, doc="the weight cap; default 2")
 
 
 @section
@@ -174,7 +174,7 @@ class DynamicSamplingConfig(Section):
     """``algorithm.shaping.dynamic_sampling:``: draw again until enough informative groups."""
 
     enabled: bool | None = option(None, doc="default: on when the section is set")
-    max_draws: int | None = option(None, doc="draws per step at most (default 10)")
+    max_draws: int | None = option(None, ge=1, doc="draws per step at most (default 10)")
 
     @property
     def draws(self) -> int:
@@ -186,7 +186,7 @@ class ShapingConfig(Section):
     """``algorithm.shaping:``: reward clipping / normalisation, overlong, dynamic sampling."""
 
     reward_norm: bool = option(False, doc="running reward normalisation")
-    reward_clip: float | None = option(None, doc="clip rewards to [-c, c]")
+    reward_clip: float | None = option(None, gt=0, doc="clip rewards to [-c, c]")
     overlong: OverlongConfig = option(default_factory=OverlongConfig, doc="")
     dynamic_sampling: DynamicSamplingConfig = option(default_factory=DynamicSamplingConfig, doc="")
 
@@ -303,7 +303,6 @@ class AlgorithmConfig(Section):
                 "algorithm.tis corrects the engine's log-probs towards the trainer's old "
                 "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
             )
-        at_least("algorithm.tis.cap", tis.cap, 0, strict=True)
         if sampling.first_token_temperature is not None and (
             self.old_logprobs == "engine" or tis.mode is not None or self.mismatch.is_set()
         ):
@@ -332,7 +331,6 @@ class AlgorithmConfig(Section):
 
     def _shaping(self, n: int, max_tokens: int) -> ShapingConfig:
         shaping = self.shaping
-        at_least("algorithm.shaping.reward_clip", shaping.reward_clip, 0, strict=True)
         over = shaping.overlong
         if over.is_set():
             if over.buffer is None:
@@ -354,5 +352,4 @@ class AlgorithmConfig(Section):
             )
         if shaping.dynamic and n < 2:
             raise ValueError("dynamic sampling needs rollout.n >= 2")
-        at_least("algorithm.shaping.dynamic_sampling.max_draws", ds.max_draws, 1)
         return replace(shaping, overlong=over)
