@@ -387,10 +387,6 @@ class StrategyConfig(Section):
         given = node or {}
         if given.get("strategy") == "deepspeed" and given.get("deepspeed") is None:
             node = {**given, "deepspeed": {}}  # the section's defaults
-        for key in ("shard_size", "replicate_size"):
-            value = given.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{key} must be a whole number of ranks, got {value!r}")
         return super().read(node, at)
 
     def resolve(self, at: str) -> StrategyConfig:
