@@ -54,7 +54,7 @@ class Component:
 class Bound:
     """A lower bound on a component's argument, checked by ``lightrft validate`` (and ``run``)
     before anything is built: ``max_length: Annotated[int | None, Bound(ge=2)] = None``. The
-    component still checks the value itself when called from Python."""
+    component checks the same bound when called from Python with :func:`check_args`."""
 
     ge: float | None = None
     gt: float | None = None
@@ -465,6 +465,15 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
                 _check_bounds(sub, value, {"ge": bound.ge, "gt": bound.gt})
             except ValueError as e:
                 errors.append(f"{src.where(sub)}: {e}")
+
+
+def check_args(fn: Callable[..., Any], **args: Any) -> None:
+    """``args`` (name=value) against the :class:`Bound` s annotated on ``fn``'s parameters:
+    the check ``lightrft validate`` runs on a config, for a component called from Python."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    for name, value in args.items():
+        for bound in _bounds(hints.get(name)):
+            _check_bounds(name, value, {"ge": bound.ge, "gt": bound.gt})
 
 
 def _bounds(t: Any) -> list[Bound]:

@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 import torch
 
-from lightrft.config import Bound
+from lightrft.config import Bound, check_args
 from lightrft.data.audio import AudioTooLong
 from lightrft.data.collate import pack_in_order
 from lightrft.data.io import DataError, PathLike, Records, require_field
@@ -203,8 +203,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
         self.media = MediaSamples(processor, media)
-        if max_length is not None and max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        check_args(PreferenceDataset.__init__, max_length=max_length)
         _need_template(tokenizer, apply_chat_template, "response")
         self.tokenizer = tokenizer
         self.chat_template = apply_chat_template
@@ -494,6 +493,7 @@ class UnpairedPreferenceDataset(PreferenceDataset):
         truncation: Truncation = "truncate",
     ) -> None:
         check_truncation(truncation)
+        check_args(UnpairedPreferenceDataset.__init__, max_length=max_length)
         tokenizer, _ = as_processor(tokenizer)
         _need_template(tokenizer, apply_chat_template, "completion")
         self.tokenizer, self.chat_template = tokenizer, apply_chat_template
