@@ -54,7 +54,7 @@ class Component:
 class Bound:
     """A lower bound on a component's argument, checked by ``lightrft validate`` (and ``run``)
     before anything is built: ``max_length: Annotated[int | None, Bound(ge=2)] = None``. The
-    component still checks the value itself when called from Python."""
+    component checks the same bound when called from Python with :func:`check_args`."""
 
     ge: float | None = None
     gt: float | None = None
@@ -467,6 +467,15 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
                 errors.append(f"{src.where(sub)}: {e}")
 
 
+def check_args(fn: Callable[..., Any], **args: Any) -> None:
+    """``args`` (name=value) against the :class:`Bound` s annotated on ``fn``'s parameters:
+    the check ``lightrft validate`` runs on a config, for a component called from Python."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    for name, value in args.items():
+        for bound in _bounds(hints.get(name)):
+            _check_bounds(name, value, {"ge": bound.ge, "gt": bound.gt})
+
+
 def _bounds(t: Any) -> list[Bound]:
     """The :class:`Bound` s annotated on a parameter type (inside ``X | None`` too)."""
     if typing.get_origin(t) is typing.Annotated:
@@ -778,9 +787,23 @@ class Section:
                 value = tuple(value)
             elif isinstance(value, DictConfig) and not _is_component_type(t):
                 value = OmegaConf.to_container(value, resolve=True)
-            _check_bounds(f"{at}{f.name}", value, f.metadata)
             values[f.name] = value
-        return cls(**values).resolve(at)
+        return cls(**values).checked(at)
+
+    def checked(self, at: str = "") -> Section:
+        """The section checked, then :meth:`resolve`: each key's declared type (a section built
+        in Python skips the schema check), choices (``Literal``) and :func:`option` bounds, with
+        ``at`` (the keys' dotted prefix) in the message. :meth:`read` ends with it; a section
+        built in Python calls it before use (``MediaOptions(...).checked("media.")``)."""
+        for f, t in self._fields():
+            value = getattr(self, f.name)
+            if _section_type(t) is not None or value is None:
+                continue
+            key = f"{at}{f.name}"
+            if not _matches(value, t):
+                raise ValueError(f"{key} expects {_type_name(t)}, got {value!r}")
+            _check_bounds(key, value, f.metadata)
+        return self.resolve(at)
 
     def is_set(self) -> bool:
         """Whether any key of the section has a value (an all-null section counts as absent:
@@ -847,7 +870,7 @@ def _is_component_type(t: Any) -> bool:
 
 def at_least(key: str, value: Any, low: float, *, strict: bool = False) -> None:
     """``value`` (None: unset) must be ``>= low`` (``> low`` if ``strict``); names ``key``."""
-    if value is not None and (value <= low if strict else value < low):
+    if value is not None and not (value > low if strict else value >= low):  # NaN fails too
         raise ValueError(f"{key} must be {'>' if strict else '>='} {low:g}, got {value}")
 
 

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.config import Component, ConfigError, Section, at_least, option, section
+from lightrft.config import Component, ConfigError, Section, option, section
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DType = Literal[DTYPE_NAMES]
@@ -227,7 +227,7 @@ class LoraConfig(Section):
     """``lora:``: low-rank adapters instead of a full fine-tune (Hu et al. 2021,
     arXiv:2106.09685). The section switches LoRA on; absent or null: full fine-tune."""
 
-    rank: int | None = option(None, doc="adapter rank (required in the section)")
+    rank: int | None = option(None, ge=1, doc="adapter rank (required in the section)")
     alpha: float | None = option(None, doc="scaling numerator; default `2 * rank`")
     dropout: float = option(0.0, doc="dropout on the adapters' input, in [0, 1)")
     target_modules: str | list[str] = option(
@@ -244,7 +244,6 @@ class LoraConfig(Section):
             raise ValueError(
                 f"{key}.rank: set the adapter rank (e.g. 8) or remove the {key} section"
             )
-        at_least(f"{key}.rank", self.rank, 1)
         alpha = float(2 * self.rank if self.alpha is None else self.alpha)
         if alpha <= 0:
             raise ValueError(f"{key}.alpha must be > 0, got {alpha}")
@@ -388,10 +387,6 @@ class StrategyConfig(Section):
         given = node or {}
         if given.get("strategy") == "deepspeed" and given.get("deepspeed") is None:
             node = {**given, "deepspeed": {}}  # the section's defaults
-        for key in ("shard_size", "replicate_size"):
-            value = given.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{key} must be a whole number of ranks, got {value!r}")
         return super().read(node, at)
 
     def resolve(self, at: str) -> StrategyConfig:
@@ -552,11 +547,9 @@ class OptimConfig(Section):
 
     optimizer: Component = option(doc="e.g. `torch.optim.AdamW` and its arguments")
     lr_scheduler: ScheduleConfig = option(default_factory=ScheduleConfig, doc="")
-    clip_grad_norm: float | None = option(None, doc="clip the global grad norm to this")
+    clip_grad_norm: float | None = option(None, gt=0, doc="clip the global grad norm to this")
 
     def resolve(self, at: str) -> OptimConfig:
-        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
-            raise ValueError(f"clip_grad_norm must be > 0 or null, got {self.clip_grad_norm}")
         check_optimizer(self.optimizer, "optimizer")
         return self
 

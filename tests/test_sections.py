@@ -84,6 +84,32 @@ def test_a_section_is_its_schema():
     assert StrategyConfig.read({"lora": {"rank": 4}}).lora.alpha == 8.0
 
 
+def test_a_section_built_in_python_checks_its_declared_types_and_bounds():
+    from lightrft.data.media import MediaOptions
+    from lightrft.data.video import VideoOptions
+
+    ok = MediaOptions(video=VideoOptions(fps=4.0, num_frames=8))
+    assert ok.checked("media.") == ok
+    bad = [
+        (VideoOptions(fps=0), "media.video.fps must be > 0, got 0"),
+        (VideoOptions(fps=float("nan")), "media.video.fps must be > 0, got nan"),
+        (VideoOptions(fps="4"), "media.video.fps expects float, got '4'"),
+        (VideoOptions(max_frames=True), "media.video.max_frames expects int, got True"),
+        (VideoOptions(min_pixels=0), "media.video.min_pixels must be >= 1, got 0"),
+        (VideoOptions(overlong="cut"), "media.video.overlong expects one of 'clip', 'refuse'"),
+    ]
+    for video, match in bad:
+        with pytest.raises(ValueError, match=re.escape(match)):
+            MediaOptions(video=video).checked("media.")
+    with pytest.raises(ValueError, match="clip_grad_norm must be > 0, got nan"):  # read too
+        OptimConfig.read(
+            {
+                "optimizer": {"_component_": "torch.optim.SGD", "lr": 0.1},
+                "clip_grad_norm": float("nan"),
+            }
+        )
+
+
 # The same mistake in a shared key, in each recipe that uses it: the same message. Base configs
 # are the shipped tiny ones (validate loads nothing, so their data need not exist).
 RECIPES = {"sft": "tiny/add_sft", "reward_model": "tiny/rlhf_rm", "grpo": "tiny/add_grpo"}
@@ -94,7 +120,7 @@ MISTAKES = [
     ("resume=true overwrite=true", "resume=true and overwrite=true contradict each other"),
     ("lr_scheduler.min_lr_ratio=2", "lr_scheduler.min_lr_ratio must be in [0, 1], got 2"),
     ("lr_scheduler.warmup_steps=-1", "lr_scheduler.warmup_steps must be >= 0, got -1"),
-    ("clip_grad_norm=-1.0", "clip_grad_norm must be > 0 or null, got -1.0"),
+    ("clip_grad_norm=-1.0", "clip_grad_norm must be > 0, got -1.0"),
     ("strategy=zero3", "strategy: unknown strategy 'zero3'; choose one of"),
     ("shard_size=0", "shard_size must be >= 1, got 0"),
     ("deepspeed.stage=2", "a deepspeed: section is set but strategy=fsdp2"),

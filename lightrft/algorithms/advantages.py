@@ -318,13 +318,19 @@ ESTIMATORS: dict[str, Estimator] = {
 
 
 def check_estimator(
-    estimator: str, options: Mapping[str, Any] | None = None, *, group_size: int | None = None
+    estimator: str,
+    options: Mapping[str, Any] | None = None,
+    *,
+    group_size: int | None = None,
+    key: str = "",
 ) -> Estimator:
     """Raise ``ValueError`` for an unknown estimator, an option it does not take, or a group it
-    needs and does not have; return its registry entry. Runs on config values, no tensor."""
+    needs and does not have; return its registry entry. Runs on config values, no tensor.
+    ``key``: the config key that names the estimator, put in front of the unknown-name message."""
     if estimator not in ESTIMATORS:
         raise ValueError(
-            f"unknown advantage estimator {estimator!r}; choose one of {list(ESTIMATORS)}"
+            f"{key + ': ' if key else ''}unknown advantage estimator {estimator!r}; "
+            f"choose one of {list(ESTIMATORS)}"
         )
     spec = ESTIMATORS[estimator]
     unknown = set(options or ()) - spec.options

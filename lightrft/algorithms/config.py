@@ -15,13 +15,19 @@ from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
-from lightrft.algorithms.advantages import ESTIMATORS, check_estimator
+from lightrft.algorithms.advantages import check_estimator
 from lightrft.algorithms.kl import KINDS as KL_KINDS
 from lightrft.algorithms.kl import build_kl_controller
-from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective
-from lightrft.algorithms.mismatch import geometric_rejection, icepop_mask, mismatch_metrics
+from lightrft.algorithms.losses import AGG_MODES, check_objective, find_objective
+from lightrft.algorithms.mismatch import (
+    check_geometric,
+    check_icepop,
+    geometric_rejection,
+    icepop_mask,
+    mismatch_metrics,
+)
 from lightrft.algorithms.shaping import overlong_penalty
-from lightrft.config import Section, at_least, option, section
+from lightrft.config import Section, option, section
 
 
 class Sampling(Protocol):
@@ -74,7 +80,7 @@ class TISConfig(Section):
     """``algorithm.tis:``: truncated importance sampling towards the engine's log-probs."""
 
     mode: Literal["token", "sequence_mask"] | None = option(None, doc="unset: off")
-    cap: float | None = option(None, doc="the weight cap; default 2")
+    cap: float | None = option(None, gt=0, doc="the weight cap; default 2")
 
 
 @section
@@ -82,12 +88,11 @@ class IcePopConfig(Section):
     """``algorithm.mismatch.icepop:``: a sampled token whose ratio ``exp(trainer - engine)``
     leaves ``[low, high]`` gets no policy gradient (the section switches it on)."""
 
-    low: float = option(0.5, gt=0, doc="the band's lower bound (< 1)")
-    high: float = option(2.0, gt=0, doc="the band's upper bound (> 1)")
+    low: float = option(0.5, doc="the band's lower bound (< 1)")
+    high: float = option(2.0, doc="the band's upper bound (> 1)")
 
     def resolve(self, at: str) -> IcePopConfig:
-        if not self.low < 1 < self.high:
-            raise ValueError(f"{at}low < 1 < {at}high is needed, got {self.low}, {self.high}")
+        check_icepop(self.low, self.high, at)
         return self
 
 
@@ -97,15 +102,12 @@ class GeometricConfig(Section):
     ``[low, high]``, or one of whose tokens has a ratio below ``veto``, gets no policy gradient
     (the section switches it on)."""
 
-    low: float = option(0.999, gt=0, doc="the band's lower bound (<= 1)")
-    high: float = option(1.001, gt=0, doc="the band's upper bound (>= 1)")
-    veto: float = option(1e-4, ge=0, doc="a token ratio below it rejects its sequence; 0: off")
+    low: float = option(0.999, doc="the band's lower bound (<= 1)")
+    high: float = option(1.001, doc="the band's upper bound (>= 1)")
+    veto: float = option(1e-4, doc="a token ratio below it rejects its sequence; 0: off")
 
     def resolve(self, at: str) -> GeometricConfig:
-        if not self.low <= 1 <= self.high:
-            raise ValueError(f"{at}low <= 1 <= {at}high is needed, got {self.low}, {self.high}")
-        if not self.veto < 1:
-            raise ValueError(f"{at}veto must be < 1 (0: off), got {self.veto}")
+        check_geometric(self.low, self.high, self.veto, at)
         return self
 
 
@@ -172,7 +174,7 @@ class DynamicSamplingConfig(Section):
     """``algorithm.shaping.dynamic_sampling:``: draw again until enough informative groups."""
 
     enabled: bool | None = option(None, doc="default: on when the section is set")
-    max_draws: int | None = option(None, doc="draws per step at most (default 10)")
+    max_draws: int | None = option(None, ge=1, doc="draws per step at most (default 10)")
 
     @property
     def draws(self) -> int:
@@ -184,7 +186,7 @@ class ShapingConfig(Section):
     """``algorithm.shaping:``: reward clipping / normalisation, overlong, dynamic sampling."""
 
     reward_norm: bool = option(False, doc="running reward normalisation")
-    reward_clip: float | None = option(None, doc="clip rewards to [-c, c]")
+    reward_clip: float | None = option(None, gt=0, doc="clip rewards to [-c, c]")
     overlong: OverlongConfig = option(default_factory=OverlongConfig, doc="")
     dynamic_sampling: DynamicSamplingConfig = option(default_factory=DynamicSamplingConfig, doc="")
 
@@ -219,12 +221,12 @@ class AlgorithmConfig(Section):
         """The section checked against the rollout's sampling (group size ``n``,
         ``max_tokens``, FIRE, top-p / top-k) with every default that depends on it filled in."""
         n, max_tokens = sampling.n, sampling.max_tokens
-        if self.advantage.estimator not in ESTIMATORS:
-            raise ValueError(
-                f"algorithm.advantage.estimator: unknown advantage estimator "
-                f"{self.advantage.estimator!r}; choose one of {list(ESTIMATORS)}"
-            )
-        check_estimator(self.advantage.estimator, self.advantage.options(), group_size=n)
+        check_estimator(
+            self.advantage.estimator,
+            self.advantage.options(),
+            group_size=n,
+            key="algorithm.advantage.estimator",
+        )
         self._check_sampling_correction(sampling)
         top_rho = self.entropy.top_rho
         if top_rho is not None and not 0 < top_rho <= 1:
@@ -246,12 +248,7 @@ class AlgorithmConfig(Section):
 
     def _policy_loss(self, max_tokens: int) -> PolicyLossConfig:
         pl = self.policy_loss
-        if pl.objective not in OBJECTIVES:
-            raise ValueError(
-                f"algorithm.policy_loss.objective: unknown policy objective {pl.objective!r}; "
-                f"choose one of {list(OBJECTIVES)}"
-            )
-        defaults = OBJECTIVES[pl.objective].defaults
+        defaults = find_objective(pl.objective, "algorithm.policy_loss.objective").defaults
         agg = pl.agg or defaults["agg"]
         if pl.norm_len is not None and agg != "seq_mean_token_sum_norm":
             raise ValueError(
@@ -306,7 +303,6 @@ class AlgorithmConfig(Section):
                 "algorithm.tis corrects the engine's log-probs towards the trainer's old "
                 "log-probs, so it needs algorithm.old_logprobs=trainer (got engine)"
             )
-        at_least("algorithm.tis.cap", tis.cap, 0, strict=True)
         if sampling.first_token_temperature is not None and (
             self.old_logprobs == "engine" or tis.mode is not None or self.mismatch.is_set()
         ):
@@ -335,7 +331,6 @@ class AlgorithmConfig(Section):
 
     def _shaping(self, n: int, max_tokens: int) -> ShapingConfig:
         shaping = self.shaping
-        at_least("algorithm.shaping.reward_clip", shaping.reward_clip, 0, strict=True)
         over = shaping.overlong
         if over.is_set():
             if over.buffer is None:
@@ -357,5 +352,4 @@ class AlgorithmConfig(Section):
             )
         if shaping.dynamic and n < 2:
             raise ValueError("dynamic sampling needs rollout.n >= 2")
-        at_least("algorithm.shaping.dynamic_sampling.max_draws", ds.max_draws, 1)
         return replace(shaping, overlong=over)

@@ -311,6 +311,17 @@ OBJECTIVES: dict[str, Objective] = {
 recipe, ``OBJECTIVES["mine"] = Objective(...)`` before the config is parsed)."""
 
 
+def find_objective(name: str, key: str = "") -> Objective:
+    """The registry entry of objective ``name``, or ``ValueError`` (``key``: the config key that
+    names it, put in front of the message)."""
+    if name not in OBJECTIVES:
+        raise ValueError(
+            f"{key + ': ' if key else ''}unknown policy objective {name!r}; "
+            f"choose one of {list(OBJECTIVES)}"
+        )
+    return OBJECTIVES[name]
+
+
 def check_objective(
     objective: str,
     *,
@@ -322,11 +333,7 @@ def check_objective(
 ) -> str:
     """Raise ``ValueError`` on settings ``objective`` cannot use; return the aggregation mode
     (``agg``, or the objective's default when None). Runs on config values, no tensor."""
-    if objective not in OBJECTIVES:
-        raise ValueError(
-            f"unknown policy objective {objective!r}; choose one of {list(OBJECTIVES)}"
-        )
-    spec = OBJECTIVES[objective]
+    spec = find_objective(objective)
     agg = spec.defaults["agg"] if agg is None else agg
     if agg not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {agg!r}; choose one of {list(AGG_MODES)}")

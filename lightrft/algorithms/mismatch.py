@@ -28,6 +28,27 @@ import math
 import torch
 from torch import Tensor
 
+from lightrft.config import at_least
+
+
+def check_icepop(low: float, high: float, at: str = "") -> None:
+    """IcePop's band, ``0 < low < 1 < high`` (``at``: the keys' dotted prefix in the message):
+    the one place the rule is written, for :func:`icepop_mask` and the config section."""
+    at_least(f"{at}low", low, 0, strict=True)
+    if not low < 1 < high:
+        raise ValueError(f"{at}low < 1 < {at}high is needed, got {low}, {high}")
+
+
+def check_geometric(low: float, high: float, veto: float, at: str = "") -> None:
+    """Geometric rejection's band, ``0 < low <= 1 <= high``, and ``0 <= veto < 1`` (0: off),
+    for :func:`geometric_rejection` and the config section."""
+    at_least(f"{at}low", low, 0, strict=True)
+    if not low <= 1 <= high:
+        raise ValueError(f"{at}low <= 1 <= {at}high is needed, got {low}, {high}")
+    at_least(f"{at}veto", veto, 0)
+    if not veto < 1:
+        raise ValueError(f"{at}veto must be < 1 (0: off), got {veto}")
+
 
 def _delta(trainer: Tensor, engine: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """``d = trainer - engine`` in float64, 0 where masked out, and the boolean mask."""
@@ -73,8 +94,7 @@ def icepop_mask(
 ) -> Tensor:
     """IcePop two-sided token masking: ``mask_t * 1[low <= exp(d_t) <= high]`` as ``[B, T]``
     float. Multiply the per-token loss by it (the masked tokens give no gradient)."""
-    if not 0 < low < 1 < high:
-        raise ValueError(f"icepop needs 0 < low < 1 < high, got low={low}, high={high}")
+    check_icepop(low, high)
     d, valid = _delta(trainer, engine, mask)
     keep = (d >= math.log(low)) & (d <= math.log(high)) & valid
     return keep.to(trainer.dtype)
@@ -94,10 +114,7 @@ def geometric_rejection(
     a sequence is kept when ``low <= g <= high`` and (``veto > 0``) no token has
     ``exp(d_t) < veto``. Returns ``(token_mask [B, T] float, kept [B] bool)``; a sequence with
     no sampled token is kept (it carries no loss)."""
-    if not 0 < low <= 1 <= high:
-        raise ValueError(f"geometric rejection needs 0 < low <= 1 <= high, got {low}, {high}")
-    if not 0 <= veto < 1:
-        raise ValueError(f"veto must be in [0, 1) (0: off), got {veto}")
+    check_geometric(low, high, veto)
     d, valid = _delta(trainer, engine, mask)
     n = valid.sum(dim=1)  # [B]
     log_g = d.sum(dim=1) / n.clamp_min(1)  # [B] log of the geometric mean ratio

@@ -168,19 +168,13 @@ class AudioOptions(Section):
 
     field: str = option("audios", doc="the records' audio list (absent: inline audio parts)")
     max_seconds: float | None = option(
-        None, doc="the longest audio kept (null: the feature extractor's chunk, Whisper: 30 s)"
+        None,
+        gt=0,
+        doc="the longest audio kept (null: the feature extractor's chunk, Whisper: 30 s)",
     )
     overlong: OverlongAudio = option(
         "clip", doc="an audio over max_seconds: clip it to them, or drop the sample (counted)"
     )
-
-    def resolve(self, at: str) -> AudioOptions:
-        v = self.max_seconds
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-            raise ValueError(f"{at}max_seconds must be a positive number of seconds, got {v!r}")
-        if self.overlong not in ("clip", "drop"):
-            raise ValueError(f"{at}overlong must be 'clip' or 'drop', got {self.overlong!r}")
-        return self
 
 
 class AudioProcessor:

@@ -55,16 +55,31 @@ def _cat(items: Sequence[Item]) -> dict[str, torch.Tensor]:
 
 
 def pack_indices(
-    lengths: Sequence[int], max_tokens: int, *, shuffle: bool = True, seed: int = 0
+    lengths: Sequence[int],
+    max_tokens: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    where: Callable[[int], str] | None = None,
 ) -> list[list[int]]:
     """Group sample indices into rows of at most ``max_tokens`` tokens.
 
     Samples are visited in a seeded random order (or in order) and each goes to the fullest row
     it still fits in (best fit), else opens a new row; rows keep their samples in visit order.
-    Deterministic for given lengths, ``max_tokens`` and ``seed``.
+    Deterministic for given lengths, ``max_tokens`` and ``seed``. A sample longer than
+    ``max_tokens`` is an error that counts them and names the first (``where(i)``: where sample
+    ``i`` comes from, e.g. the dataset's ``where``).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(
+            f"{len(too_long)} samples are longer than max_tokens={max_tokens}, the first is "
+            f"sample {i}{f' ({where(i)})' if where else ''} with {lengths[i]} tokens: raise "
+            "max_tokens or set the dataset's max_length to at most max_tokens"
+        )
     order = list(range(len(lengths)))
     if shuffle:
         random.Random(seed).shuffle(order)
@@ -72,11 +87,6 @@ def pack_indices(
     free: list[tuple[int, int]] = []  # (tokens still free, row id), sorted
     for i in order:
         n = int(lengths[i])
-        if n > max_tokens:
-            raise ValueError(
-                f"sample {i} has {n} tokens, more than max_tokens={max_tokens}: raise max_tokens "
-                "or set the dataset's max_length to at most max_tokens"
-            )
         k = bisect_left(free, (n, -1))
         if k < len(free):
             room, row = free.pop(k)
@@ -106,16 +116,8 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __init__(self, dataset, max_tokens: int, *, shuffle: bool = True, seed: int = 0) -> None:
         lengths = dataset.lengths
-        too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
-        if too_long:
-            i = too_long[0]
-            where = f" ({dataset.where(i)})" if hasattr(dataset, "where") else ""
-            raise ValueError(
-                f"{len(too_long)} samples are longer than max_tokens={max_tokens}, the first is "
-                f"sample {i}{where} with {lengths[i]} tokens: raise max_tokens or set the "
-                "dataset's max_length to at most max_tokens"
-            )
-        self.rows = pack_indices(lengths, max_tokens, shuffle=shuffle, seed=seed)
+        where = getattr(dataset, "where", None)
+        self.rows = pack_indices(lengths, max_tokens, shuffle=shuffle, seed=seed, where=where)
         self.dataset = dataset
         self.max_tokens = max_tokens
         tokens = sum(int(n) for n in lengths)
@@ -207,14 +209,7 @@ class PackCollator:
         rows: list[list[Item]] = [[x] for x in items if "position_ids" in x]
         samples = [x for x in items if "position_ids" not in x]
         lengths = [len(x["input_ids"]) for x in samples]
-        cap = self.max_tokens
-        for n in lengths:
-            if cap is not None and n > cap:
-                raise ValueError(
-                    f"an item has {n} tokens, more than the collator's max_tokens={cap}: "
-                    "raise max_tokens or lower the dataset's max_length"
-                )
-        plan = plan_micro_batches(range(len(samples)), lengths, len(samples), cap, packing=True)
+        plan = pack_in_order(lengths, self.max_tokens, "the collator's max_tokens")
         rows += [[samples[i] for i in row] for row in plan]
         return _rows_to_batch(rows, self.pad_id, self.pad_to_multiple_of)
 
@@ -301,6 +296,19 @@ def plan_micro_batches(
     if cur:
         out.append(cur)
     return out
+
+
+def pack_in_order(lengths: Sequence[int], max_tokens: int | None, key: str) -> list[list[int]]:
+    """Rows of the samples packed in order, a new row opening when the next would pass
+    ``max_tokens`` (None: one row); a sample longer than ``max_tokens`` is an error naming
+    ``key`` (the setting), for :class:`PackCollator` and the preference collator."""
+    for n in lengths:
+        if max_tokens is not None and n > max_tokens:
+            raise ValueError(
+                f"an item has {n} tokens, more than {key}={max_tokens}: raise it or lower the "
+                "dataset's max_length"
+            )
+    return plan_micro_batches(range(len(lengths)), lengths, len(lengths), max_tokens, packing=True)
 
 
 class StepCollator:

@@ -128,7 +128,7 @@ class MediaOptions(Section):
 
     def resolve(self, at: str) -> MediaOptions:
         for f in fields(self):
-            getattr(self, f.name).resolve(f"{at}{f.name}.")
+            getattr(self, f.name).checked(f"{at}{f.name}.")
         return self
 
     def check_model(self, processor, given: str) -> None:

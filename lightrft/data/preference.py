@@ -31,9 +31,9 @@ from typing import Annotated, Any
 
 import torch
 
-from lightrft.config import Bound
+from lightrft.config import Bound, check_args
 from lightrft.data.audio import AudioTooLong
-from lightrft.data.collate import plan_micro_batches
+from lightrft.data.collate import pack_in_order
 from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.media import Media, MediaOptions, as_processor
 from lightrft.data.records import (
@@ -203,8 +203,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         check_truncation(truncation)
         tokenizer, processor = as_processor(tokenizer)
         self.media = MediaSamples(processor, media)
-        if max_length is not None and max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        check_args(PreferenceDataset.__init__, max_length=max_length)
         _need_template(tokenizer, apply_chat_template, "response")
         self.tokenizer = tokenizer
         self.chat_template = apply_chat_template
@@ -454,16 +453,7 @@ class PreferenceCollator:
             head.append(0 if name is None else self.heads[name])
         rows = None
         if self.packing:
-            lengths = [len(s) for s in seqs]
-            for n in lengths:
-                if self.max_tokens is not None and n > self.max_tokens:
-                    raise ValueError(
-                        f"a sequence has {n} tokens, more than max_tokens_per_row="
-                        f"{self.max_tokens}: raise it or lower the dataset's max_length"
-                    )
-            rows = plan_micro_batches(
-                range(len(seqs)), lengths, len(seqs), self.max_tokens, packing=True
-            )
+            rows = pack_in_order([len(s) for s in seqs], self.max_tokens, "max_tokens_per_row")
         batch = pad_sequences(seqs, self.pad_id, starts=starts, rows=rows)
         batch.update(
             candidates=candidates,
@@ -503,6 +493,7 @@ class UnpairedPreferenceDataset(PreferenceDataset):
         truncation: Truncation = "truncate",
     ) -> None:
         check_truncation(truncation)
+        check_args(UnpairedPreferenceDataset.__init__, max_length=max_length)
         tokenizer, _ = as_processor(tokenizer)
         _need_template(tokenizer, apply_chat_template, "completion")
         self.tokenizer, self.chat_template = tokenizer, apply_chat_template

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from lightrft.config import Bound
+from lightrft.config import Bound, check_args
 from lightrft.data.audio import AudioTooLong
 from lightrft.data.io import DataError, PathLike, require_field
 from lightrft.data.media import Media, MediaOptions, as_processor
@@ -82,8 +82,7 @@ class PromptDataset(torch.utils.data.Dataset):
         self.media = MediaSamples(processor, media)
         self.tokenizer = tokenizer
         self.truncation = truncation
-        if max_prompt_length is not None and max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        check_args(PromptDataset.__init__, max_prompt_length=max_prompt_length)
         src = open_records(path, records, split)
         self.source = src.name
         self.items: list[dict[str, Any]] = []

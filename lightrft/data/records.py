@@ -72,7 +72,7 @@ class MediaSamples:
     """
 
     def __init__(self, processor, options: MediaOptions | None = None, given: str = "") -> None:
-        options = (options or registry.MediaOptions()).resolve("media.")
+        options = (options or registry.MediaOptions()).checked("media.")
         model = "a tokenizer" if processor is None else type(processor).__name__
         options.check_model(processor, given or f"the dataset was given {model}")
         self.processors = {

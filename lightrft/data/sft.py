@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 import torch
 
-from lightrft.config import Bound
+from lightrft.config import Bound, check_args
 from lightrft.data.audio import AudioTooLong
 from lightrft.data.io import DataError, PathLike, Records, require_field
 from lightrft.data.media import MEDIA_KINDS, MediaOptions, as_processor
@@ -122,8 +122,7 @@ class SFTDataset(torch.utils.data.Dataset):
         media: MediaOptions | None = None,
     ) -> None:
         check_truncation(truncation)
-        if max_length is not None and max_length < 2:
-            raise ValueError(f"max_length must be >= 2 (a token and its target), got {max_length}")
+        check_args(SFTDataset.__init__, max_length=max_length)  # >= 2: a token and its target
         tokenizer, processor = as_processor(tokenizer)
         eos_id(tokenizer)
         self.tokenizer = tokenizer

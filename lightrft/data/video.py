@@ -246,30 +246,29 @@ class VideoOptions(Section):
 
     field: str = option("videos", doc="the records' video list (absent: inline video parts)")
     fps: float = option(
-        2.0, doc="frames sampled per second of video (frame lists: the rate they were taken at)"
+        2.0,
+        gt=0,
+        doc="frames sampled per second of video (frame lists: the rate they were taken at)",
     )
-    num_frames: int | None = option(None, doc="sample this many frames evenly instead of by fps")
-    max_frames: int = option(32, doc="the most frames a video may give after sampling")
+    num_frames: int | None = option(
+        None, ge=1, doc="sample this many frames evenly instead of by fps"
+    )
+    max_frames: int = option(32, ge=1, doc="the most frames a video may give after sampling")
     overlong: OverlongVideo = option(
         "clip", doc="a video over max_frames: keep its first frames (counted), or refuse the data"
     )
-    min_pixels: int | None = option(None, doc="least area of a frame (null: the image processor's)")
-    max_pixels: int | None = option(None, doc="most area of a frame (null: the image processor's)")
+    min_pixels: int | None = option(
+        None, ge=1, doc="least area of a frame (null: the image processor's)"
+    )
+    max_pixels: int | None = option(
+        None, ge=1, doc="most area of a frame (null: the image processor's)"
+    )
 
     def resolve(self, at: str) -> VideoOptions:
-        fps = self.fps
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
-            raise ValueError(f"{at}fps must be a positive number, got {fps!r}")
-        for name in ("num_frames", "max_frames", "min_pixels", "max_pixels"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{at}{name} must be a positive integer, got {v!r}")
         if self.num_frames is not None and self.num_frames > self.max_frames:
             raise ValueError(
                 f"{at}num_frames={self.num_frames} is over {at}max_frames={self.max_frames}"
             )
-        if self.overlong not in ("clip", "refuse"):
-            raise ValueError(f"{at}overlong must be 'clip' or 'refuse', got {self.overlong!r}")
         return self
 
 

@@ -137,14 +137,12 @@ class ImageOptions(Section):
     the ``media.image`` keys."""
 
     field: str = option("images", doc="the records' image list (absent: inline image parts)")
-    min_pixels: int | None = option(None, doc="least area of an image (null: the processor's)")
-    max_pixels: int | None = option(None, doc="most area of an image (null: the processor's)")
+    min_pixels: int | None = option(
+        None, ge=1, doc="least area of an image (null: the processor's)"
+    )
+    max_pixels: int | None = option(None, ge=1, doc="most area of an image (null: the processor's)")
 
     def resolve(self, at: str) -> ImageOptions:
-        for name in ("min_pixels", "max_pixels"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{at}{name} must be a positive integer or null, got {v!r}")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(
                 f"{at}min_pixels ({self.min_pixels}) must be <= {at}max_pixels ({self.max_pixels})"

@@ -24,15 +24,14 @@ Number = int | float | Tensor
 def _denominator(num_tokens: Number | None, count: int) -> float | Tensor:
     if num_tokens is None:
         return float(max(count, 1))  # all targets ignored: loss 0, not NaN
-    if isinstance(num_tokens, Tensor):
-        if num_tokens.numel() != 1:
-            raise ValueError(f"num_tokens must be a scalar, got shape {tuple(num_tokens.shape)}")
-        if bool(num_tokens <= 0):
-            raise ValueError(f"num_tokens must be > 0, got {num_tokens.item()}")
-        return num_tokens.float()
-    if not num_tokens > 0:
-        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
-    return float(num_tokens)
+    tensor = isinstance(num_tokens, Tensor)
+    if tensor and num_tokens.numel() != 1:
+        raise ValueError(f"num_tokens must be a scalar, got shape {tuple(num_tokens.shape)}")
+    if not num_tokens > 0:  # NaN too
+        raise ValueError(
+            f"num_tokens must be > 0, got {num_tokens.item() if tensor else num_tokens}"
+        )
+    return num_tokens.float() if tensor else float(num_tokens)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):

@@ -265,7 +265,7 @@ class GenerativeReward:
                 f"device applies to a judge on engine.backend=native; engine.backend="
                 f"{engine.backend} places the judge itself (remove device)"
             )
-        engine = engine.resolve("engine.")  # a section built in Python is checked here
+        engine = engine.checked("engine.")  # a section built in Python is checked here
         multimodal = checkpoint_is_multimodal(judge)
         if multimodal and not self.chat_template:
             raise ValueError(

@@ -41,8 +41,7 @@ def _check(digits: int, min_digits: int, terms: int, style: str) -> None:
         raise ValueError(
             f"need 1 <= min_digits <= digits, got min_digits={min_digits}, digits={digits}"
         )
-    if terms < 2:
-        raise ValueError(f"terms must be >= 2, got {terms}")
+    at_least("terms", terms, 2)
     if style not in STYLES:
         raise ValueError(f"style must be one of {list(STYLES)}, got {style!r}")
 
@@ -103,8 +102,7 @@ def arith_records(
         raise ValueError(f"answer_order must be one of {list(ANSWER_ORDERS)}, got {answer_order!r}")
     if answer_order == "reversed" and (allow_negative or ops_ != ("+",)):
         raise ValueError('answer_order="reversed" is defined for additions (ops=["+"]) only')
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    at_least("n", n, 0)
     lo = 0 if min_digits == 1 else 10 ** (min_digits - 1)
     hi = 10**digits - 1
     exclude = exclude or set()

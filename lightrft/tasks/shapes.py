@@ -92,8 +92,7 @@ def shapes_records(
     large counts, which a model then learns as a prior instead of counting.
     """
     _check(grid, min_count, max_count, 28)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    at_least("n", n, 0)
     rng = random.Random(seed)
     exclude = exclude or set()
     out = []

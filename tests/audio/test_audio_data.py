@@ -142,7 +142,9 @@ def test_max_duration_clips_or_drops_counted(tmp_path, audio_processor):
     assert prompts.stats["audio_dropped"] == 1 and prompts.stats["prompts"] == 1
     with pytest.raises(ValueError, match=r"media.audio.max_seconds must be in \(0, 2\]"):
         SFTDataset(audio_processor, data, media=MediaOptions(audio=AudioOptions(max_seconds=5)))
-    with pytest.raises(ValueError, match="media.audio.overlong must be 'clip' or 'drop'"):
+    with pytest.raises(
+        ValueError, match="media.audio.overlong expects one of 'clip', 'drop', got 'cut'"
+    ):
         SFTDataset(audio_processor, data, media=MediaOptions(audio=AudioOptions(overlong="cut")))
 
 

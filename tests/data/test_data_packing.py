@@ -45,7 +45,10 @@ def test_pack_indices_in_order_best_fit():
 
 
 def test_pack_indices_rejects_too_long():
-    with pytest.raises(ValueError, match=r"sample 1 has 11 tokens, more than max_tokens=10"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 samples are longer than max_tokens=10, the first is sample 1 with 11 tokens",
+    ):
         pack_indices([3, 11], 10)
 
 

@@ -118,6 +118,17 @@ def _items():
     ]
 
 
+def test_both_preference_datasets_check_max_length_from_python(tok):
+    from lightrft.data import UnpairedPreferenceDataset
+
+    pair = [{"prompt": "p", "chosen": "a", "rejected": "b"}]
+    with pytest.raises(ValueError, match="max_length must be >= 1, got 0"):
+        PreferenceDataset(tok, records=pair, apply_chat_template=False, max_length=0)
+    row = [{"prompt": "p", "completion": "a", "label": True}]
+    with pytest.raises(ValueError, match="max_length must be >= 1, got 0"):
+        UnpairedPreferenceDataset(tok, records=row, apply_chat_template=False, max_length=0)
+
+
 def test_collator_pads_and_packs_to_the_same_segments():
     pad = PreferenceCollator(0, ["a", "b"])(_items())
     assert pad["candidates"].tolist() == [[0, 1, -1], [2, 3, 4]]

@@ -94,7 +94,10 @@ def test_cross_entropy_all_ignored_is_zero_not_nan():
     assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
 
 
-@pytest.mark.parametrize("bad", [0, -3, torch.tensor(0.0), torch.tensor([1, 2])])
+@pytest.mark.parametrize(
+    "bad",
+    [0, -3, float("nan"), torch.tensor(0.0), torch.tensor(float("nan")), torch.tensor([1, 2])],
+)
 def test_cross_entropy_rejects_bad_num_tokens(bad):
     hidden, weight, _, targets = make((5,), 8, 50)
     with pytest.raises(ValueError, match="num_tokens"):

@@ -51,8 +51,8 @@ def test_mesh_sizes_that_do_not_fit_are_refused(shard, replicate, world, message
     [
         (0, None, "shard_size must be >= 1, got 0"),
         (None, -2, "replicate_size must be >= 1, got -2"),
-        ("4", None, "shard_size must be a whole number of ranks, got '4'"),
-        (2.5, None, "shard_size must be a whole number of ranks, got 2.5"),
+        ("4", None, "shard_size expects int, got '4'"),
+        (2.5, None, "shard_size expects int, got 2.5"),
     ],
 )
 def test_mesh_options_are_checked(shard, replicate, message):
