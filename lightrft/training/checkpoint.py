@@ -556,8 +556,9 @@ class Checkpointer:
         write_atomic(self.root / LATEST, (final.name + "\n").encode())
 
     def _prune(self) -> None:
-        """Rank 0: delete complete checkpoints beyond ``keep_last`` and stale ``.tmp`` dirs."""
-        for pattern in ("step_*.tmp", "step_*.old"):
+        """Rank 0: delete complete checkpoints beyond ``keep_last``, stale ``.tmp`` dirs and the
+        ``.step_N.*.old`` copy a step saved again left when killed while deleting it."""
+        for pattern in ("step_*.tmp", ".step_*.old"):
             for p in self.root.glob(pattern):
                 shutil.rmtree(p, ignore_errors=True)
         if self.keep_last is None:
