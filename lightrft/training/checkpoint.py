@@ -160,13 +160,25 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
+@contextmanager
+def _reading(f: Path) -> Iterator[None]:
+    """Read checkpoint file ``f``: any failure becomes a :class:`CheckpointError` naming it, but a
+    refused format (a planted pickle) is not mere damage and is raised as is."""
+    try:
+        yield
+    except DamagedStateError as e:  # names the file itself
+        raise CheckpointError(str(e)) from None
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # a truncated or garbage file
+        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
+
+
 def _read_json_object(f: Path) -> dict[str, Any]:
     """The JSON object in file ``f``; a :class:`CheckpointError` naming it when it is not UTF-8
     JSON holding an object."""
-    try:
+    with _reading(f):
         obj = json.loads(f.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{f} is damaged (not a JSON object)")
     return obj
@@ -190,67 +202,39 @@ def read_saved_config(path: Path) -> dict[str, Any] | None:
     return _read_json_object(f) if f.is_file() else None
 
 
-def _check_shards(path: Path) -> None:
-    """Every DCP shard named in ``.metadata`` is at least as long as the data it must hold."""
-    md_file = path / ".metadata"
-    try:
-        with open(md_file, "rb") as f:
-            md = read_dcp_metadata(f, md_file)
-    except DamagedStateError as e:
-        raise CheckpointError(f"{md_file} is damaged ({e})") from None
-    except UnsafeCheckpointError:  # a refused object (a planted pickle): not mere damage
-        raise
-    except Exception as e:  # truncated or garbage pickle stream
-        raise CheckpointError(f"{md_file} is damaged ({_first_line(e)})") from None
-    need: dict[str, int] = {}
-    for info in (getattr(md, "storage_data", None) or {}).values():
-        end = info.offset + info.length
-        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
-    for name, end in sorted(need.items()):
-        f = path / name
-        size = f.stat().st_size if f.is_file() else -1
-        if size < end:
-            got = "missing" if size < 0 else f"{size} bytes, {end} needed"
-            raise CheckpointError(f"{f} is damaged (truncated: {got})")
-
-
-def _check_rank_files(path: Path, world_size: int) -> None:
-    for r in range(world_size):
-        stem = path / f"rank_{r:05d}"
-        try:
-            load_state(stem)
-        except DamagedStateError as e:
-            raise CheckpointError(str(e)) from None
-        except UnsafeCheckpointError:  # a refused format (a planted pickle): not mere damage
-            raise
-        except Exception as e:  # e.g. a truncated .safetensors file
-            raise CheckpointError(f"{stem}.safetensors is damaged ({_first_line(e)})") from None
-
-
-def _check_engine_files(path: Path) -> None:
-    """Every DeepSpeed file (``deepspeed.<model>/**/*.pt``, torch.save's zip archives) opens as
-    a zip whose members all lie inside the file: a truncated one has lost its central directory
-    (read from the end, so this costs no full read)."""
-    for f in sorted(path.glob("deepspeed.*/**/*.pt")):
-        try:
-            with zipfile.ZipFile(f) as z:
-                size = f.stat().st_size
-                if any(i.header_offset + i.compress_size > size for i in z.infolist()):
-                    raise zipfile.BadZipFile("a member runs past the end of the file")
-        except (zipfile.BadZipFile, OSError) as e:
-            raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
-
-
 def check_readable(path: Path) -> dict[str, Any]:
     """Read every small file of checkpoint ``path`` and size-check its shards and DeepSpeed
     files before anything is loaded; its ``meta.json`` dict, or a :class:`CheckpointError`
     naming the damaged file."""
     meta = read_meta(path)
     read_saved_config(path)
-    if (path / ".metadata").is_file() or any(path.glob("*.distcp")):
-        _check_shards(path)
-    _check_engine_files(path)
-    _check_rank_files(path, int(meta.get("world_size", 1)))
+    md_file = path / ".metadata"
+    if md_file.is_file() or any(path.glob("*.distcp")):
+        with _reading(md_file), open(md_file, "rb") as f:
+            md = read_dcp_metadata(f, md_file)
+        # Every DCP shard named in ``.metadata`` is at least as long as the data it must hold.
+        need: dict[str, int] = {}
+        for info in (getattr(md, "storage_data", None) or {}).values():
+            end = info.offset + info.length
+            need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+        for name, end in sorted(need.items()):
+            f = path / name
+            size = f.stat().st_size if f.is_file() else -1
+            if size < end:
+                got = "missing" if size < 0 else f"{size} bytes, {end} needed"
+                raise CheckpointError(f"{f} is damaged (truncated: {got})")
+    # Every DeepSpeed file (``deepspeed.<model>/**/*.pt``, torch.save's zip archives) opens as a
+    # zip whose members all lie inside the file: a truncated one has lost its central directory
+    # (read from the end, so this costs no full read).
+    for f in sorted(path.glob("deepspeed.*/**/*.pt")):
+        with _reading(f), zipfile.ZipFile(f) as z:
+            size = f.stat().st_size
+            if any(i.header_offset + i.compress_size > size for i in z.infolist()):
+                raise zipfile.BadZipFile("a member runs past the end of the file")
+    for r in range(int(meta.get("world_size", 1))):
+        stem = path / f"rank_{r:05d}"
+        with _reading(stem.with_name(stem.name + ".safetensors")):
+            load_state(stem)
     return meta
 
 

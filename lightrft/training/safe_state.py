@@ -183,11 +183,11 @@ def read_dcp_metadata(stream: io.BufferedIOBase, where: Any) -> Any:
     """Unpickle a DCP ``.metadata`` stream with only DCP's classes allowed."""
     try:
         return _MetadataUnpickler(stream).load()
-    except EOFError:
-        raise DamagedStateError(f"{where}: checkpoint metadata is truncated") from None
-    except pickle.UnpicklingError as e:
-        if "truncated" in str(e):  # short stream: damage, not a refused object
-            raise DamagedStateError(f"{where}: checkpoint metadata is truncated") from None
+    except (EOFError, pickle.UnpicklingError) as e:
+        if isinstance(e, EOFError) or "truncated" in str(e):  # damage, not a refused object
+            raise DamagedStateError(
+                f"{where} is damaged (checkpoint metadata is truncated)"
+            ) from None
         raise UnsafeCheckpointError(
             f"{where}: refused to load checkpoint metadata ({e}); the file was not written by "
             "torch.distributed.checkpoint or was tampered with"
