@@ -105,12 +105,8 @@ class CheckpointState:
         set_rng_state(self.rng)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 @contextmanager
@@ -422,9 +418,8 @@ class Checkpointer:
         first = self.latest()
         if first is None:
             return None
-        older = [p for p in reversed(self.list_checkpoints()) if p != first]
         problems = []
-        for p in [first, *older]:
+        for p in dict.fromkeys([first, *reversed(self.list_checkpoints())]):  # first, then older
             try:
                 check_readable(p)
             except CheckpointError as e:
@@ -477,7 +472,7 @@ class Checkpointer:
         if not models_:
             raise ValueError("models: pass at least one model to checkpoint")
         app = _app_state(models_, optims_, scheds_)
-        rank, world = _rank(), _world_size()
+        rank, world = _rank_and_world()
         final = self.root / f"step_{step:06d}"  # six digits, more when needed
         tmp = final.with_name(final.name + ".tmp")
 
@@ -610,7 +605,7 @@ class Checkpointer:
                     f"(it holds {what}: {meta.get(what, [])})"
                 )
         check_held_alike(path, meta, "lora", {k: _is_lora(m) for k, m in models_.items()})
-        rank, world, saved_world = _rank(), _world_size(), int(meta["world_size"])
+        (rank, world), saved_world = _rank_and_world(), int(meta["world_size"])
         needs_rank_state = bool(loaders_) or restore_rng
         changes = []
         saved_config = None if config is None else read_saved_config(path)
