@@ -531,7 +531,12 @@ class Checkpointer:
         """Rank 0: rename ``tmp`` to ``final`` (the same step saved again, e.g. after a resume,
         is swapped out, then dropped) and point ``latest`` at it."""
         replace_dir(tmp, final)
-        _fsync_dir(self.root)
+        with suppress(OSError):  # the rename on disk before ``latest`` names it
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         write_atomic(self.root / LATEST, (final.name + "\n").encode())
 
     def _prune(self) -> None:
@@ -911,16 +916,7 @@ def _override_lrs(
 
 
 # ---------------------------------------------------------------------------------------------
-# small file helpers
-
-
-def _fsync_dir(path: Path) -> None:
-    with suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+# the resume check a recipe's config runs before anything loads
 
 
 def check_resume(
