@@ -151,9 +151,10 @@ def _warn(message: str) -> None:
         print(f"resume: warning: {message}", flush=True)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+def _one_line(e: BaseException, *, last: bool = False) -> str:
+    """``e``'s type and the first (or ``last``) line of its message, which may be empty."""
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {lines[-1 if last else 0][:300]}"
 
 
 @contextmanager
@@ -167,7 +168,7 @@ def _reading(f: Path) -> Iterator[None]:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # a truncated or garbage file
-        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
+        raise CheckpointError(f"{f} is damaged ({_one_line(e)})") from None
 
 
 def _read_json_object(f: Path) -> dict[str, Any]:
@@ -245,12 +246,12 @@ def _load_failed(path: Path, e: CheckpointException) -> Exception:
     for exc in failures:
         if "size mismatch" in str(exc).lower():
             return CheckpointError(
-                f"checkpoint {path} is from a different model ({_first_line(exc)}): resume with "
+                f"checkpoint {path} is from a different model ({_one_line(exc)}): resume with "
                 "the model it was trained from, or start a new run (resume=false, another "
                 "output_dir)"
             )
     return CheckpointError(
-        f"checkpoint {path} is damaged and cannot be loaded ({_first_line(inner)})"
+        f"checkpoint {path} is damaged and cannot be loaded ({_one_line(inner)})"
     )
 
 
@@ -872,9 +873,9 @@ def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) ->
     if cause is not None:
         why = f"{os.strerror(cause.errno)} (errno {errno.errorcode.get(cause.errno, cause.errno)})"
     elif free is not None and free < 16 * 2**20:
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}; most likely the disk is full"
+        why = f"{_one_line(e)}; most likely the disk is full"
     else:
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        why = _one_line(e, last=True)
     room = f"; {free / 2**20:.1f} MiB free there now" if free is not None else ""
     keep = f"the last good checkpoint {latest} is intact" if latest else "no earlier checkpoint"
     return CheckpointSaveError(
