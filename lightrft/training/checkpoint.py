@@ -41,13 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lightrft.config import UserError, at_least
 from lightrft.distributed import all_gather_objects, barrier, is_main
@@ -293,7 +287,7 @@ class _ModelState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = [] if optimizer is None else [optimizer]  # none: an empty "optim"
         frozen_out = optimizer is not None
         self.options = StateDictOptions(ignore_frozen_params=frozen_out)
         # The DCP load already failed on any trainable key the checkpoint lacks; the frozen
@@ -301,22 +295,17 @@ class _ModelState:
         self.load_options = StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
 
     def state_dict(self) -> dict[str, Any]:
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.optimizer is None:
-            set_model_state_dict(self.model, state_dict["model"])
-        else:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state_dict["model"],
-                optim_state_dict=state_dict["optim"],
-                options=self.load_options,
-            )
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+            options=self.load_options,
+        )
 
 
 def _app_state(
