@@ -41,13 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from lightrft.config import UserError, at_least
 from lightrft.distributed import all_gather_objects, barrier, is_main
@@ -105,12 +99,8 @@ class CheckpointState:
         set_rng_state(self.rng)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 @contextmanager
@@ -155,18 +145,31 @@ def _warn(message: str) -> None:
         print(f"resume: warning: {message}", flush=True)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+def _one_line(e: BaseException, *, last: bool = False) -> str:
+    """``e``'s type and the first (or ``last``) line of its message, which may be empty."""
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {lines[-1 if last else 0][:300]}"
+
+
+@contextmanager
+def _reading(f: Path) -> Iterator[None]:
+    """Read checkpoint file ``f``: any failure becomes a :class:`CheckpointError` naming it, but a
+    refused format (a planted pickle) is not mere damage and is raised as is."""
+    try:
+        yield
+    except DamagedStateError as e:  # names the file itself
+        raise CheckpointError(str(e)) from None
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # a truncated or garbage file
+        raise CheckpointError(f"{f} is damaged ({_one_line(e)})") from None
 
 
 def _read_json_object(f: Path) -> dict[str, Any]:
     """The JSON object in file ``f``; a :class:`CheckpointError` naming it when it is not UTF-8
     JSON holding an object."""
-    try:
+    with _reading(f):
         obj = json.loads(f.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{f} is damaged (not a JSON object)")
     return obj
@@ -190,67 +193,39 @@ def read_saved_config(path: Path) -> dict[str, Any] | None:
     return _read_json_object(f) if f.is_file() else None
 
 
-def _check_shards(path: Path) -> None:
-    """Every DCP shard named in ``.metadata`` is at least as long as the data it must hold."""
-    md_file = path / ".metadata"
-    try:
-        with open(md_file, "rb") as f:
-            md = read_dcp_metadata(f, md_file)
-    except DamagedStateError as e:
-        raise CheckpointError(f"{md_file} is damaged ({e})") from None
-    except UnsafeCheckpointError:  # a refused object (a planted pickle): not mere damage
-        raise
-    except Exception as e:  # truncated or garbage pickle stream
-        raise CheckpointError(f"{md_file} is damaged ({_first_line(e)})") from None
-    need: dict[str, int] = {}
-    for info in (getattr(md, "storage_data", None) or {}).values():
-        end = info.offset + info.length
-        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
-    for name, end in sorted(need.items()):
-        f = path / name
-        size = f.stat().st_size if f.is_file() else -1
-        if size < end:
-            got = "missing" if size < 0 else f"{size} bytes, {end} needed"
-            raise CheckpointError(f"{f} is damaged (truncated: {got})")
-
-
-def _check_rank_files(path: Path, world_size: int) -> None:
-    for r in range(world_size):
-        stem = path / f"rank_{r:05d}"
-        try:
-            load_state(stem)
-        except DamagedStateError as e:
-            raise CheckpointError(str(e)) from None
-        except UnsafeCheckpointError:  # a refused format (a planted pickle): not mere damage
-            raise
-        except Exception as e:  # e.g. a truncated .safetensors file
-            raise CheckpointError(f"{stem}.safetensors is damaged ({_first_line(e)})") from None
-
-
-def _check_engine_files(path: Path) -> None:
-    """Every DeepSpeed file (``deepspeed.<model>/**/*.pt``, torch.save's zip archives) opens as
-    a zip whose members all lie inside the file: a truncated one has lost its central directory
-    (read from the end, so this costs no full read)."""
-    for f in sorted(path.glob("deepspeed.*/**/*.pt")):
-        try:
-            with zipfile.ZipFile(f) as z:
-                size = f.stat().st_size
-                if any(i.header_offset + i.compress_size > size for i in z.infolist()):
-                    raise zipfile.BadZipFile("a member runs past the end of the file")
-        except (zipfile.BadZipFile, OSError) as e:
-            raise CheckpointError(f"{f} is damaged ({_first_line(e)})") from None
-
-
 def check_readable(path: Path) -> dict[str, Any]:
     """Read every small file of checkpoint ``path`` and size-check its shards and DeepSpeed
     files before anything is loaded; its ``meta.json`` dict, or a :class:`CheckpointError`
     naming the damaged file."""
     meta = read_meta(path)
     read_saved_config(path)
-    if (path / ".metadata").is_file() or any(path.glob("*.distcp")):
-        _check_shards(path)
-    _check_engine_files(path)
-    _check_rank_files(path, int(meta.get("world_size", 1)))
+    md_file = path / ".metadata"
+    if md_file.is_file() or any(path.glob("*.distcp")):
+        with _reading(md_file), open(md_file, "rb") as f:
+            md = read_dcp_metadata(f, md_file)
+        # Every DCP shard named in ``.metadata`` is at least as long as the data it must hold.
+        need: dict[str, int] = {}
+        for info in (getattr(md, "storage_data", None) or {}).values():
+            end = info.offset + info.length
+            need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+        for name, end in sorted(need.items()):
+            f = path / name
+            size = f.stat().st_size if f.is_file() else -1
+            if size < end:
+                got = "missing" if size < 0 else f"{size} bytes, {end} needed"
+                raise CheckpointError(f"{f} is damaged (truncated: {got})")
+    # Every DeepSpeed file (``deepspeed.<model>/**/*.pt``, torch.save's zip archives) opens as a
+    # zip whose members all lie inside the file: a truncated one has lost its central directory
+    # (read from the end, so this costs no full read).
+    for f in sorted(path.glob("deepspeed.*/**/*.pt")):
+        with _reading(f), zipfile.ZipFile(f) as z:
+            size = f.stat().st_size
+            if any(i.header_offset + i.compress_size > size for i in z.infolist()):
+                raise zipfile.BadZipFile("a member runs past the end of the file")
+    for r in range(int(meta.get("world_size", 1))):
+        stem = path / f"rank_{r:05d}"
+        with _reading(stem.with_name(stem.name + ".safetensors")):
+            load_state(stem)
     return meta
 
 
@@ -265,12 +240,12 @@ def _load_failed(path: Path, e: CheckpointException) -> Exception:
     for exc in failures:
         if "size mismatch" in str(exc).lower():
             return CheckpointError(
-                f"checkpoint {path} is from a different model ({_first_line(exc)}): resume with "
+                f"checkpoint {path} is from a different model ({_one_line(exc)}): resume with "
                 "the model it was trained from, or start a new run (resume=false, another "
                 "output_dir)"
             )
     return CheckpointError(
-        f"checkpoint {path} is damaged and cannot be loaded ({_first_line(inner)})"
+        f"checkpoint {path} is damaged and cannot be loaded ({_one_line(inner)})"
     )
 
 
@@ -312,7 +287,7 @@ class _ModelState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = [] if optimizer is None else [optimizer]  # none: an empty "optim"
         frozen_out = optimizer is not None
         self.options = StateDictOptions(ignore_frozen_params=frozen_out)
         # The DCP load already failed on any trainable key the checkpoint lacks; the frozen
@@ -320,22 +295,17 @@ class _ModelState:
         self.load_options = StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
 
     def state_dict(self) -> dict[str, Any]:
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.optimizer is None:
-            set_model_state_dict(self.model, state_dict["model"])
-        else:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state_dict["model"],
-                optim_state_dict=state_dict["optim"],
-                options=self.load_options,
-            )
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+            options=self.load_options,
+        )
 
 
 def _app_state(
@@ -438,9 +408,8 @@ class Checkpointer:
         first = self.latest()
         if first is None:
             return None
-        older = [p for p in reversed(self.list_checkpoints()) if p != first]
         problems = []
-        for p in [first, *older]:
+        for p in dict.fromkeys([first, *reversed(self.list_checkpoints())]):  # first, then older
             try:
                 check_readable(p)
             except CheckpointError as e:
@@ -493,7 +462,7 @@ class Checkpointer:
         if not models_:
             raise ValueError("models: pass at least one model to checkpoint")
         app = _app_state(models_, optims_, scheds_)
-        rank, world = _rank(), _world_size()
+        rank, world = _rank_and_world()
         final = self.root / f"step_{step:06d}"  # six digits, more when needed
         tmp = final.with_name(final.name + ".tmp")
 
@@ -552,12 +521,18 @@ class Checkpointer:
         """Rank 0: rename ``tmp`` to ``final`` (the same step saved again, e.g. after a resume,
         is swapped out, then dropped) and point ``latest`` at it."""
         replace_dir(tmp, final)
-        _fsync_dir(self.root)
+        with suppress(OSError):  # the rename on disk before ``latest`` names it
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         write_atomic(self.root / LATEST, (final.name + "\n").encode())
 
     def _prune(self) -> None:
-        """Rank 0: delete complete checkpoints beyond ``keep_last`` and stale ``.tmp`` dirs."""
-        for pattern in ("step_*.tmp", "step_*.old"):
+        """Rank 0: delete complete checkpoints beyond ``keep_last``, stale ``.tmp`` dirs and the
+        ``.step_N.*.old`` copy a step saved again left when killed while deleting it."""
+        for pattern in ("step_*.tmp", ".step_*.old"):
             for p in self.root.glob(pattern):
                 shutil.rmtree(p, ignore_errors=True)
         if self.keep_last is None:
@@ -625,7 +600,7 @@ class Checkpointer:
                     f"(it holds {what}: {meta.get(what, [])})"
                 )
         check_held_alike(path, meta, "lora", {k: _is_lora(m) for k, m in models_.items()})
-        rank, world, saved_world = _rank(), _world_size(), int(meta["world_size"])
+        (rank, world), saved_world = _rank_and_world(), int(meta["world_size"])
         needs_rank_state = bool(loaders_) or restore_rng
         changes = []
         saved_config = None if config is None else read_saved_config(path)
@@ -887,9 +862,9 @@ def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) ->
     if cause is not None:
         why = f"{os.strerror(cause.errno)} (errno {errno.errorcode.get(cause.errno, cause.errno)})"
     elif free is not None and free < 16 * 2**20:
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}; most likely the disk is full"
+        why = f"{_one_line(e)}; most likely the disk is full"
     else:
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        why = _one_line(e, last=True)
     room = f"; {free / 2**20:.1f} MiB free there now" if free is not None else ""
     keep = f"the last good checkpoint {latest} is intact" if latest else "no earlier checkpoint"
     return CheckpointSaveError(
@@ -931,16 +906,7 @@ def _override_lrs(
 
 
 # ---------------------------------------------------------------------------------------------
-# small file helpers
-
-
-def _fsync_dir(path: Path) -> None:
-    with suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+# the resume check a recipe's config runs before anything loads
 
 
 def check_resume(

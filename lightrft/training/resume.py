@@ -143,9 +143,7 @@ def check_resume_config(
     """The allowed changes (to log), or a ``ValueError`` listing every change that cannot be
     honoured: refused keys, learning rates without ``override_lr``. With another world size
     than the saved one the per-rank batch keys (:data:`RESHARD_KEYS`) may change too."""
-    resharded = (
-        saved_world_size is not None and world_size is not None and saved_world_size != world_size
-    )
+    resharded = None not in (saved_world_size, world_size) and saved_world_size != world_size
     allowed = (*ALLOWED_CHANGES, *RESHARD_KEYS) if resharded else ALLOWED_CHANGES
     changes = config_changes(saved, current, allowed=allowed)
     # What each kind of change that cannot be honoured says (the opt-in ones without the flag).

@@ -38,8 +38,9 @@ class UnsafeCheckpointError(UserError, ValueError):
 
 
 class DamagedStateError(UnsafeCheckpointError):
-    """A per-rank state or DCP metadata file that does not parse (truncated, overwritten):
-    damage, not a refused format, so a resume may fall back to an older checkpoint."""
+    """A per-rank state or DCP metadata file that is missing or does not parse (truncated,
+    overwritten): damage, not a refused format, so a resume may fall back to an older
+    checkpoint."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def load_state(stem: Path) -> Any:
                 "loaded because unpickling can run arbitrary code. Resume from a checkpoint "
                 "written by this version (or start the run again)"
             )
-        raise UnsafeCheckpointError(f"per-rank state {js} is missing")
+        raise DamagedStateError(f"per-rank state {js} is missing")  # e.g. copied in part
     try:
         doc = json.loads(js.read_text())
         tensors = load(st.read_bytes()) if st.is_file() else {}
@@ -183,11 +184,11 @@ def read_dcp_metadata(stream: io.BufferedIOBase, where: Any) -> Any:
     """Unpickle a DCP ``.metadata`` stream with only DCP's classes allowed."""
     try:
         return _MetadataUnpickler(stream).load()
-    except EOFError:
-        raise DamagedStateError(f"{where}: checkpoint metadata is truncated") from None
-    except pickle.UnpicklingError as e:
-        if "truncated" in str(e):  # short stream: damage, not a refused object
-            raise DamagedStateError(f"{where}: checkpoint metadata is truncated") from None
+    except (EOFError, pickle.UnpicklingError) as e:
+        if isinstance(e, EOFError) or "truncated" in str(e):  # damage, not a refused object
+            raise DamagedStateError(
+                f"{where} is damaged (checkpoint metadata is truncated)"
+            ) from None
         raise UnsafeCheckpointError(
             f"{where}: refused to load checkpoint metadata ({e}); the file was not written by "
             "torch.distributed.checkpoint or was tampered with"

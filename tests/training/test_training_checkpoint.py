@@ -211,6 +211,32 @@ def test_keep_last_prunes_oldest(tiny_model_dir, tmp_path):
     assert [p.name for p in ckpt.list_checkpoints()] == ["step_000015", "step_000020"]
 
 
+def test_crash_while_replacing_a_step_leaves_no_hidden_copy(tiny_model_dir, tmp_path, monkeypatch):
+    """Saving a step again moves the old copy aside (``.step_N.*.old``) and deletes it; a kill
+    during that deletion leaves it behind, and the next save must clear it, not keep it forever."""
+    model = load_causal_lm(tiny_model_dir)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, models=model)
+    import shutil
+
+    rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        if str(path).endswith(".old"):
+            raise _Boom("killed while deleting the replaced copy")
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(_Boom):
+        ckpt.save(1, models=model)
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in root.glob(".step_*.old")]  # the debris is really there
+    assert ckpt.latest() == root / "step_000001"
+    ckpt.save(2, models=model)
+    assert not list(root.glob(".step_*.old"))
+
+
 def test_stale_latest_pointer_falls_back_to_newest_complete(tiny_model_dir, tmp_path):
     model = load_causal_lm(tiny_model_dir)
     ckpt = Checkpointer(tmp_path, keep_last=None)

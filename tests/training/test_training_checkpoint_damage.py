@@ -87,6 +87,9 @@ def _damage(step_dir, what):
     if what == "rank_json":
         _truncate(step_dir / "rank_00000.json")
         return step_dir / "rank_00000.json"
+    if what == "rank_missing":  # e.g. a checkpoint copied in part
+        (step_dir / "rank_00000.json").unlink()
+        return step_dir / "rank_00000.json"
     if what == "config":
         (step_dir / "config.json").write_bytes(b'{"a": "\xff\xfe\x00"}\n')
         return step_dir / "config.json"
@@ -106,7 +109,16 @@ def _damage(step_dir, what):
     raise AssertionError(what)
 
 
-WHATS = ["distcp", "safetensors", "rank_json", "config", "meta", "metadata", "deepspeed"]
+WHATS = [
+    "distcp",
+    "safetensors",
+    "rank_json",
+    "rank_missing",
+    "config",
+    "meta",
+    "metadata",
+    "deepspeed",
+]
 
 
 @pytest.mark.parametrize("what", WHATS)

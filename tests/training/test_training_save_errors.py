@@ -76,3 +76,18 @@ def test_real_full_tmpfs(tmp_path):
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
         assert not os.path.ismount(mnt)
+
+
+def test_a_failure_without_a_message_is_still_described(tmp_path, monkeypatch):
+    """A bare ``assert`` (or ``MemoryError()``) inside the writer has an empty message: the save
+    error still names its type instead of failing on it with an IndexError."""
+    import lightrft.training.checkpoint as mod
+
+    def bare(*args, **kwargs):
+        raise AssertionError
+
+    model, opt = _small()
+    monkeypatch.setattr(mod, "save_state", bare)
+    with pytest.raises(CheckpointSaveError, match=r"step_000001.tmp failed: AssertionError"):
+        Checkpointer(tmp_path).save(1, models=model, optimizers=opt)
+    assert not (tmp_path / "checkpoints" / "step_000001.tmp").exists()
