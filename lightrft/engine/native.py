@@ -486,10 +486,8 @@ class NativeEngine:
             check = functools.partial(
                 check_observation, vocab_size=self.vocab_size, forbidden=forbidden
             )
-            run = _Trajectories(params, requests, continuation, pool, check)
-            return self._generate_all(
-                prompts, params, seeds, run, rows, requests, prior, token_budget
-            )
+            run = _Trajectories(requests, params, prompts, prior, seeds, continuation, pool, check)
+            return self._generate_all(run, rows, token_budget)
         finally:
             self._media = []
             if pool is not None:
@@ -647,15 +645,7 @@ class NativeEngine:
         return self.lm_head(hidden).float()
 
     def _generate_all(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        seeds: list[int],
-        run: _Trajectories,
-        cap: int,
-        requests: list[Request],
-        prior: list[int],
-        token_budget: int | None,
+        self, run: _Trajectories, cap: int, token_budget: int | None
     ) -> list[Completion]:
         """Decode every request through ``cap`` cache rows with continuous batching.
 
@@ -670,9 +660,10 @@ class NativeEngine:
         that did not end there, and the requests still queued, are cut (``"partial"``).
         """
         dev = self.device
-        plen, max_new = self._lengths(prompts, params, prior)
+        params = run.params
+        plen, max_new = self._lengths(run.prompts, params, run.prior)
         total = plen + max_new
-        state = self._row_state(prompts, params, seeds, run, prior, plen)
+        state = self._row_state(run, plen)
         run.budget = state.max_new.tolist()
         n_rows = len(run.request)
         cache = KVCache(self._kv_storage(cap, total), self.num_layers, cap, total)
@@ -680,7 +671,7 @@ class NativeEngine:
         out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
         # Trajectory ids of request i: first_row[i] .. first_row[i + 1] - 1.
         first_row = [0, *itertools.accumulate(p.n for p in params)]
-        queue = deque(range(len(prompts)))
+        queue = deque(range(len(params)))
         prompt_lp: dict[int, list[float]] = {}
         self.stats = SchedulerStats()
 
@@ -756,10 +747,7 @@ class NativeEngine:
                     # A resumed row's stream goes on where it stopped (tokens sampled before).
                     state.kshift[idx] = state.prior[idx] - (step + 1)
                     lo = slots.keep + slots.back
-                    new_logits, delta, lp = self._prefill_prompts(
-                        cache, lo, new, prompts, params, plen
-                    )
-                    prompt_lp.update(lp)
+                    new_logits, delta = self._prefill_prompts(cache, lo, new, run, plen, prompt_lp)
                     # The n samples of a prompt start from copies of its prefilled row.
                     src_rows = [k for k, i in enumerate(new) for _ in range(params[i].n)]
                     cache.reorder([-1] * lo + [lo + k for k in src_rows], plen)
@@ -788,22 +776,23 @@ class NativeEngine:
             self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
             step += 1
         self.stats.steps = step
-        return self._completions(requests, prompts, params, prior, prompt_lp, out_tok, out_lp, run)
+        return self._completions(run, prompt_lp, out_tok, out_lp)
 
     def _prefill_prompts(
         self,
         cache: KVCache,
         first: int,
         reqs: list[int],
-        prompts: list[list[int]],
-        params: list[SamplingParams],
+        run: _Trajectories,
         plen: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[float]]]:
+        prompt_lp: dict[int, list[float]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill the prompts of requests ``reqs`` once each into cache rows ``first...``,
         left-padded so that every prompt ends at slot ``plen``, in chunks of at most
-        ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V], the decode
-        position offsets [U] and the asked prompt log-probs."""
+        ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V] and the decode
+        position offsets [U]; the asked prompt log-probs go into ``prompt_lp``."""
         dev = self.device
+        prompts = run.prompts
         lens = torch.tensor([len(prompts[i]) for i in reqs])
         width = int(lens.max())
         off = plen - width  # cache slot of the block's first column
@@ -820,7 +809,6 @@ class NativeEngine:
         # Slots before the block hold another row's leftovers: never attended.
         before = torch.zeros(1, width, off, dtype=torch.bool, device=dev)
         last_hidden, deltas = [], []
-        prompt_lp: dict[int, list[float]] = {}
         chunk = max(1, self.max_prefill_tokens // width)
         for r0 in range(0, u, chunk):
             r1 = min(u, r0 + chunk)
@@ -837,7 +825,7 @@ class NativeEngine:
             hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, W, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
-                i, p = reqs[r], params[reqs[r]]
+                i, p = reqs[r], run.params[reqs[r]]
                 if p.prompt_logprobs:  # prompt token t + 1 is scored from position t
                     logits = self._logits(hidden[r - r0, int(pad[r]) : -1])  # [L - 1, V]
                     targets = torch.tensor(prompts[i][1:], dtype=torch.long, device=dev)
@@ -845,7 +833,7 @@ class NativeEngine:
                         logits, targets, p.temperature, max(p.top_k, 0), p.top_p
                     )
                     prompt_lp[i] = lp.tolist()
-        return self._logits(torch.cat(last_hidden)), torch.cat(deltas), prompt_lp
+        return self._logits(torch.cat(last_hidden)), torch.cat(deltas)
 
     def _sample(
         self,
@@ -928,19 +916,12 @@ class NativeEngine:
             logits.append(self._logits(hidden[torch.arange(b), (n - 1).to(dev)]))
         return torch.cat(logits)
 
-    def _row_state(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        seeds: list[int],
-        run: _Trajectories,
-        prior: list[int],
-        plen: int,
-    ) -> _RowState:
+    def _row_state(self, run: _Trajectories, plen: int) -> _RowState:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
         order (a resumed request's one row is its ``Resume.sample_index``: its random
         stream); every prompt ends at slot ``plen``."""
         req, smp_idx = run.request, run.sample
+        prompts, params, prior = run.prompts, run.params, run.prior
         per_row = [params[i] for i in req]
         # A row's stop ids: its own, and the end-of-sequence ids unless it ignores them.
         stops = [
@@ -956,7 +937,7 @@ class NativeEngine:
         def vec(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        request_seed = vec([seeds[i] for i in req], torch.long)
+        request_seed = vec([run.seeds[i] for i in req], torch.long)
         return _RowState(
             seed=smp.row_seeds(request_seed, vec(smp_idx, torch.long)),
             temperature=vec([p.temperature for p in per_row]),
@@ -982,29 +963,26 @@ class NativeEngine:
 
     def _completions(
         self,
-        requests: list[Request],
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        prior: list[int],
+        run: _Trajectories,
         prompt_lp: dict[int, list[float]],
         out_tok: torch.Tensor,
         out_lp: torch.Tensor,
-        run: _Trajectories,
     ) -> list[Completion]:
         """One completion per row, in row order: (request, sample). A resumed row's response
         starts with its ``Resume`` tokens and log-probs."""
         toks, lps = out_tok.tolist(), out_lp.tolist()
         req, smp_idx = run.request, run.sample
+        prompts, prior = run.prompts, run.prior
         multi = run.continuation is not None
         result = []
         for r in range(len(req)):
             i, n = req[r], run.length[r]
-            res = requests[i].resume
+            res = run.requests[i].resume
             ids, lp = toks[r][:n], lps[r][:n]
             if res is not None:
                 ids, lp = list(res.token_ids) + ids, list(res.logprobs) + lp
             text = None
-            if params[i].detokenize and self.tokenizer is not None:
+            if run.params[i].detokenize and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
             result.append(
                 Completion(
@@ -1055,13 +1033,18 @@ class _Slots:
 
 
 class _Trajectories:
-    """Host-side bookkeeping of a call's trajectories: turn spans, where each ended and why,
-    and the continuations running on the pool."""
+    """A call's requests as the engine runs them (their params, the ids it prefills, the
+    tokens a resumed request sampled before, their seeds) and the host-side bookkeeping of
+    their trajectories: turn spans, where each ended and why, and the continuations running on
+    the pool."""
 
     def __init__(
         self,
-        params: list[SamplingParams],
         requests: list[Request],
+        params: list[SamplingParams],
+        prompts: list[list[int]],
+        prior: list[int],
+        seeds: list[int],
         continuation: Continuation | None,
         pool: ThreadPoolExecutor | None,
         check: Callable[[object, Turn], list[int] | None],
@@ -1073,6 +1056,8 @@ class _Trajectories:
         for i, (p, r) in enumerate(zip(params, requests, strict=True)):
             self.request += [i] * p.n
             self.sample += list(range(p.n)) if r.resume is None else [r.resume.sample_index]
+        self.requests, self.params, self.prompts, self.prior = requests, params, prompts, prior
+        self.seeds = seeds
         self.max_turns = [params[i].max_turns for i in self.request]
         self.budget: list[int] = []  # set by the engine: response budget per row
         self.continuation, self.pool, self.check = continuation, pool, check
