@@ -96,13 +96,10 @@ class KVCache:
     from an observation is longer than its neighbours) and how many slots attention reads.
     """
 
-    def __init__(self, storage: torch.Tensor, layers: int, rows: int, max_len: int) -> None:
+    def __init__(self, storage: torch.Tensor) -> None:
         # storage: [layers, 2, rows, kv_heads, max_len, head_dim], a view into the engine's pool.
-        assert storage.shape[0] == layers and storage.shape[2] >= rows
         self.kv = storage
-        self.max_len = max_len
-        self.rows = slice(0, rows)
-        self.end = 0
+        self.max_len = storage.shape[4]
 
     def at(
         self, rows: slice, slots: torch.Tensor, end: int, real: torch.Tensor | None = None
@@ -477,7 +474,8 @@ class NativeEngine:
         if not requests:
             return []
         prior = [len(x) for x in prefixes]
-        rows = self._cache_rows(prompts, params, prior)
+        plen, max_new = self._lengths(prompts, params, prior)
+        rows = self._cache_rows(params, plen + max_new)
         pool = None
         if continuation is not None:
             pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
@@ -487,7 +485,7 @@ class NativeEngine:
                 check_observation, vocab_size=self.vocab_size, forbidden=forbidden
             )
             run = _Trajectories(requests, params, prompts, prior, seeds, continuation, pool, check)
-            return self._generate_all(run, rows, token_budget)
+            return self._generate_all(run, rows, plen, max_new, token_budget)
         finally:
             self._media = []
             if pool is not None:
@@ -570,16 +568,13 @@ class NativeEngine:
         before, and no further than ``max_model_len``."""
         return min(p.max_tokens - prior, self.max_model_len - len(prompt))
 
-    def _cache_rows(
-        self, prompts: list[list[int]], params: list[SamplingParams], prior: list[int]
-    ) -> int:
+    def _cache_rows(self, params: list[SamplingParams], length: int) -> int:
         """Cache rows of a call: at most ``max_num_seqs`` and, when ``max_kv_tokens`` is set, at
-        most that many token slots (rows x (longest prompt + longest response)); never fewer
-        than the widest request's ``n`` (its samples are admitted together)."""
-        plen, max_new = self._lengths(prompts, params, prior)
+        most that many token slots (rows x ``length``, the longest prompt + longest response);
+        never fewer than the widest request's ``n`` (its samples are admitted together)."""
         rows = min(self.max_num_seqs, sum(p.n for p in params))
         if self.max_kv_tokens is not None:
-            rows = min(rows, self.max_kv_tokens // (plen + max_new))
+            rows = min(rows, self.max_kv_tokens // length)
         return max(rows, max(p.n for p in params))
 
     def _kv_storage(self, rows: int, length: int) -> torch.Tensor:
@@ -645,9 +640,10 @@ class NativeEngine:
         return self.lm_head(hidden).float()
 
     def _generate_all(
-        self, run: _Trajectories, cap: int, token_budget: int | None
+        self, run: _Trajectories, cap: int, plen: int, max_new: int, token_budget: int | None
     ) -> list[Completion]:
-        """Decode every request through ``cap`` cache rows with continuous batching.
+        """Decode every request through ``cap`` cache rows with continuous batching (every
+        prompt ends at slot ``plen``; a row holds ``plen + max_new`` slots, see :meth:`_lengths`).
 
         Each step samples one token per active row and feeds it back; rows that finish free
         their cache rows at once, and the next waiting request (first come, first served) is
@@ -661,12 +657,11 @@ class NativeEngine:
         """
         dev = self.device
         params = run.params
-        plen, max_new = self._lengths(run.prompts, params, run.prior)
         total = plen + max_new
         state = self._row_state(run, plen)
         run.budget = state.max_new.tolist()
         n_rows = len(run.request)
-        cache = KVCache(self._kv_storage(cap, total), self.num_layers, cap, total)
+        cache = KVCache(self._kv_storage(cap, total))
         out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
         out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
         # Trajectory ids of request i: first_row[i] .. first_row[i + 1] - 1.
