@@ -759,12 +759,8 @@ class NativeEngine:
             if back:
                 feeds = {r: (feed, plen + length - 1) for r, feed, length in back}
                 k = slots.keep
-                ids, fed = zip(*(feeds[r] for r in slots.rows[k : k + slots.back]), strict=True)
-                parts.append(
-                    self._prefill_observations(
-                        cache, k, list(ids), list(fed), s.pad[k:], s.delta[k:]
-                    )
-                )
+                rows = [feeds[r] for r in slots.rows[k : k + slots.back]]  # cache-row order
+                parts.append(self._prefill_observations(cache, k, rows, s))
             if fresh:
                 parts.append(new_logits[src])  # [n rows, V]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
@@ -872,41 +868,42 @@ class NativeEngine:
         self,
         cache: KVCache,
         first: int,
-        ids: list[list[int]],
-        fed: list[int],
-        pad: torch.Tensor,
-        delta: torch.Tensor,
+        feeds: list[tuple[list[int], int]],
+        s: _RowState,
     ) -> torch.Tensor:
-        """Feed rows back from an observation (cache rows ``first...``): ``ids[b]`` (the turn's
-        stop token, then the observation) from slot ``fed[b]`` on. Their next-token logits.
+        """Feed rows back from an observation (cache rows ``first...``; ``s``: the active rows'
+        state): row ``b`` feeds ``feeds[b] = (ids, slot)``, the turn's stop token then the
+        observation, from that cache slot on. Their next-token logits.
 
         Only the new ids are computed, against the keys the row already holds: nothing is
         prefilled twice. Queries are right-padded; padding keeps no keys and attends like the
         row's last token, so no softmax row is empty.
         """
         dev = self.device
-        q = max(len(x) for x in ids)
+        q = max(len(x) for x, _ in feeds)
         chunk = max(1, self.max_prefill_tokens // q)
         logits = []
-        for c0 in range(0, len(ids), chunk):
-            part, starts = ids[c0 : c0 + chunk], fed[c0 : c0 + chunk]
+        for c0 in range(0, len(feeds), chunk):
+            part = feeds[c0 : c0 + chunk]
             b = len(part)
             tokens = torch.full((b, q), self.pad_token_id, dtype=torch.long)
-            for k, x in enumerate(part):
+            for k, (x, _) in enumerate(part):
                 tokens[k, : len(x)] = torch.tensor(x)
-            n = torch.tensor([len(x) for x in part])
+            n = torch.tensor([len(x) for x, _ in part])
+            starts = [start for _, start in part]
             real = torch.arange(q)[None, :] < n[:, None]  # [b, q]
             last = torch.tensor(starts) + n - 1  # [b] slot of each row's last new token
             write = torch.tensor(starts)[:, None] + torch.arange(q)  # [b, q]
             query = torch.minimum(write, last[:, None]).to(dev)  # [b, q]
             end = int(last.max()) + 1
             slot = torch.arange(end, device=dev)
-            p, d = pad[c0 : c0 + b], delta[c0 : c0 + b]
+            rows = slice(first + c0, first + c0 + b)
+            p, d = s.pad[rows], s.delta[rows]
             mask = (slot >= p[:, None, None]) & (slot <= query[:, :, None])  # [b, q, end]
             pos = query - p[:, None] + d[:, None]  # [b, q]
             if self.rope is not None:
                 pos = pos[None].expand(3, -1, -1)  # [3, b, q]
-            cache.at(slice(first + c0, first + c0 + b), write.to(dev), end, real)
+            cache.at(rows, write.to(dev), end, real)
             hidden = self._forward(tokens.to(dev), pos, mask[:, None], cache)  # [b, q, H]
             logits.append(self._logits(hidden[torch.arange(b), (n - 1).to(dev)]))
         return torch.cat(logits)
