@@ -188,12 +188,12 @@ class _RowState:
     top_k: torch.Tensor
     top_p: torch.Tensor
     max_new: torch.Tensor  # response budget (assistant + observation tokens) of this call
-    prior: torch.Tensor  # tokens a resumed row sampled before this call (its Resume)
     stop_ids: torch.Tensor  # [R, S], padded with -1
     pad: torch.Tensor  # left padding of the row's prompt (decode position = slot - pad + delta)
     delta: torch.Tensor  # M-RoPE decode offset (0 without)
     shift: torch.Tensor  # response index of the next sampled token - step
-    kshift: torch.Tensor  # tokens sampled so far (its stream counter) - step
+    # tokens sampled so far (its stream counter) - step; before admission, a Resume's tokens
+    kshift: torch.Tensor
 
 
 class NativeEngine:
@@ -740,7 +740,7 @@ class NativeEngine:
                     idx = torch.tensor(fresh, dtype=torch.long, device=dev)
                     state.shift[idx] = -(step + 1)
                     # A resumed row's stream goes on where it stopped (tokens sampled before).
-                    state.kshift[idx] = state.prior[idx] - (step + 1)
+                    state.kshift[idx] -= step + 1
                     lo = slots.keep + slots.back
                     new_logits, delta = self._prefill_prompts(cache, lo, new, run, plen, prompt_lp)
                     # The n samples of a prompt start from copies of its prefilled row.
@@ -945,12 +945,11 @@ class NativeEngine:
             top_p=vec([p.top_p for p in per_row]),
             # Positions left after each row's own prompt bound its response length.
             max_new=vec([self._room(prompts[i], params[i], prior[i]) for i in req], torch.long),
-            prior=vec([prior[i] for i in req], torch.long),
             stop_ids=stop_ids.to(dev),
             pad=vec([plen - len(prompts[i]) for i in req], torch.long),
             delta=vec([0] * len(req), torch.long),
             shift=vec([0] * len(req), torch.long),
-            kshift=vec([0] * len(req), torch.long),
+            kshift=vec([prior[i] for i in req], torch.long),
         )
 
     def _completions(
