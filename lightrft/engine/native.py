@@ -143,24 +143,6 @@ class KVCache:
             self.kv[:, :, dst, :, :length] = self.kv[:, :, src_rows, :, :length]
 
 
-def arrange(slot_rows: list[int], groups: list[list[int]]) -> list[int]:
-    """Old slot of each new slot when the rows of ``groups`` are laid out one group after the
-    other (``slot_rows``: the row each slot holds now); -1 for a row that holds no slot yet.
-
-    A row already inside its group's range stays put; the others fill the holes in the order of
-    their old slots, so a step copies only as many rows as change place.
-    """
-    old = {row: i for i, row in enumerate(slot_rows)}
-    src: list[int] = []
-    for group in groups:
-        lo, hi = len(src), len(src) + len(group)
-        held = [old[r] for r in group if r in old]
-        stay = {i for i in held if lo <= i < hi}
-        movers = iter(sorted(i for i in held if not lo <= i < hi))
-        src += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
-    return src
-
-
 @dataclass
 class SchedulerStats:
     """Counters of the native engine's last ``generate`` call (``engine.stats``)."""
@@ -1011,9 +993,20 @@ class _Slots:
     def rearrange(
         self, keep: list[int], back: list[int], new: list[int], waiting: list[int]
     ) -> list[int]:
-        """Lay the rows out anew; returns the old cache row of each new one (see
-        :func:`arrange`), -1 for the rows of ``new`` (nothing to copy: prefilled next)."""
-        order = arrange(self.rows, [keep, back, new, waiting])
+        """Lay the rows out anew, one group after the other; returns the old cache row of each
+        new one, -1 for the rows of ``new`` (nothing to copy: prefilled next).
+
+        A row already inside its group's range stays put; the others fill the holes in the order
+        of their old slots, so a step copies only as many rows as change place.
+        """
+        old = {row: i for i, row in enumerate(self.rows)}
+        order: list[int] = []
+        for group in (keep, back, new, waiting):
+            lo, hi = len(order), len(order) + len(group)
+            held = [old[r] for r in group if r in old]
+            stay = {i for i in held if lo <= i < hi}
+            movers = iter(sorted(i for i in held if not lo <= i < hi))
+            order += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
         fresh = iter(new)  # only the new rows have no old cache row
         self.rows = [self.rows[j] if j >= 0 else next(fresh) for j in order]
         self.keep, self.back = len(keep), len(back)
