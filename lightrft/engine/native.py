@@ -681,10 +681,7 @@ class NativeEngine:
                         going -= 1
                     elif spent:  # the token budget is spent: cut after the token just sampled
                         run.finish(r, at_h[i] + 1, "partial")
-            if spent:
-                for i in queue:  # never admitted: cut before their first token
-                    for r in range(first_row[i], first_row[i + 1]):
-                        run.finish(r, 0, "partial")
+            if spent:  # requests never admitted stay cut before their first token
                 break
             back = run.collect(block=False)
             new = admit(cap - going - len(run.waiting) - len(back))
@@ -1050,7 +1047,8 @@ class _Trajectories:
         self.start = [0] * rows  # response index where the row's current turn began
         self.observed = [0] * rows  # observation tokens in the row's response
         self.length = [0] * rows  # response length once finished
-        self.reason: list[FinishReason] = ["length"] * rows  # "partial": cut by a token budget
+        # "partial" until the row finishes: what a token budget cuts before admission stays so.
+        self.reason: list[FinishReason] = ["partial"] * rows
         self.waiting: dict[int, tuple[Future, Turn]] = {}
 
     def end_turn(
