@@ -296,6 +296,7 @@ class NativeEngine:
 
         # Every name a checkpoint may use (tied weights appear under both names) -> parameter.
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        # Each parameter's canonical name: its first, as named_parameters() gives it.
         self._canonical = {id(p): n for n, p in reversed(list(self._params.items()))}
         self._shapes = {n: p.shape for n, p in self._params.items()}
         self._kv_pool: torch.Tensor | None = None
@@ -314,7 +315,7 @@ class NativeEngine:
         self._kv_pool = None
         self._kv_awake = False
         if level == 2 and self._weights_awake:
-            for _, p in self._canonical_items():
+            for _, p in self.model.named_parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._weights_awake = False
             self._weights_version += 1
@@ -323,9 +324,9 @@ class NativeEngine:
         """Re-allocate ``["weights"]`` (contents undefined until loaded) and/or ``["kv_cache"]``."""
         tags = check_wake_tags(tags)
         if "weights" in tags and not self._weights_awake:
-            for name, p in self._canonical_items():
+            for name, p in self.model.named_parameters():
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
-            self._unloaded = {name for name, _ in self._canonical_items()}
+            self._unloaded = {name for name, _ in self.model.named_parameters()}
             self._weights_awake = True
             self._weights_version += 1
         if "kv_cache" in tags:
@@ -399,11 +400,6 @@ class NativeEngine:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"{what}: unknown parameter name {name!r}{hint}")
         return param
-
-    def _canonical_items(self) -> list[tuple[str, nn.Parameter]]:
-        return [
-            (self._canonical[id(p)], p) for p in {id(p): p for p in self._params.values()}.values()
-        ]
 
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
