@@ -96,13 +96,10 @@ class KVCache:
     from an observation is longer than its neighbours) and how many slots attention reads.
     """
 
-    def __init__(self, storage: torch.Tensor, layers: int, rows: int, max_len: int) -> None:
+    def __init__(self, storage: torch.Tensor) -> None:
         # storage: [layers, 2, rows, kv_heads, max_len, head_dim], a view into the engine's pool.
-        assert storage.shape[0] == layers and storage.shape[2] >= rows
         self.kv = storage
-        self.max_len = max_len
-        self.rows = slice(0, rows)
-        self.end = 0
+        self.max_len = storage.shape[4]
 
     def at(
         self, rows: slice, slots: torch.Tensor, end: int, real: torch.Tensor | None = None
@@ -146,24 +143,6 @@ class KVCache:
             self.kv[:, :, dst, :, :length] = self.kv[:, :, src_rows, :, :length]
 
 
-def arrange(slot_rows: list[int], groups: list[list[int]]) -> list[int]:
-    """Old slot of each new slot when the rows of ``groups`` are laid out one group after the
-    other (``slot_rows``: the row each slot holds now); -1 for a row that holds no slot yet.
-
-    A row already inside its group's range stays put; the others fill the holes in the order of
-    their old slots, so a step copies only as many rows as change place.
-    """
-    old = {row: i for i, row in enumerate(slot_rows)}
-    src: list[int] = []
-    for group in groups:
-        lo, hi = len(src), len(src) + len(group)
-        held = [old[r] for r in group if r in old]
-        stay = {i for i in held if lo <= i < hi}
-        movers = iter(sorted(i for i in held if not lo <= i < hi))
-        src += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
-    return src
-
-
 @dataclass
 class SchedulerStats:
     """Counters of the native engine's last ``generate`` call (``engine.stats``)."""
@@ -191,12 +170,12 @@ class _RowState:
     top_k: torch.Tensor
     top_p: torch.Tensor
     max_new: torch.Tensor  # response budget (assistant + observation tokens) of this call
-    prior: torch.Tensor  # tokens a resumed row sampled before this call (its Resume)
     stop_ids: torch.Tensor  # [R, S], padded with -1
     pad: torch.Tensor  # left padding of the row's prompt (decode position = slot - pad + delta)
     delta: torch.Tensor  # M-RoPE decode offset (0 without)
     shift: torch.Tensor  # response index of the next sampled token - step
-    kshift: torch.Tensor  # tokens sampled so far (its stream counter) - step
+    # tokens sampled so far (its stream counter) - step; before admission, a Resume's tokens
+    kshift: torch.Tensor
 
 
 class NativeEngine:
@@ -317,6 +296,7 @@ class NativeEngine:
 
         # Every name a checkpoint may use (tied weights appear under both names) -> parameter.
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        # Each parameter's canonical name: its first, as named_parameters() gives it.
         self._canonical = {id(p): n for n, p in reversed(list(self._params.items()))}
         self._shapes = {n: p.shape for n, p in self._params.items()}
         self._kv_pool: torch.Tensor | None = None
@@ -335,7 +315,7 @@ class NativeEngine:
         self._kv_pool = None
         self._kv_awake = False
         if level == 2 and self._weights_awake:
-            for _, p in self._canonical_items():
+            for _, p in self.model.named_parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._weights_awake = False
             self._weights_version += 1
@@ -344,9 +324,9 @@ class NativeEngine:
         """Re-allocate ``["weights"]`` (contents undefined until loaded) and/or ``["kv_cache"]``."""
         tags = check_wake_tags(tags)
         if "weights" in tags and not self._weights_awake:
-            for name, p in self._canonical_items():
+            for name, p in self.model.named_parameters():
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
-            self._unloaded = {name for name, _ in self._canonical_items()}
+            self._unloaded = {name for name, _ in self.model.named_parameters()}
             self._weights_awake = True
             self._weights_version += 1
         if "kv_cache" in tags:
@@ -421,11 +401,6 @@ class NativeEngine:
             raise ValueError(f"{what}: unknown parameter name {name!r}{hint}")
         return param
 
-    def _canonical_items(self) -> list[tuple[str, nn.Parameter]]:
-        return [
-            (self._canonical[id(p)], p) for p in {id(p): p for p in self._params.values()}.values()
-        ]
-
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
     def generate(
@@ -477,7 +452,8 @@ class NativeEngine:
         if not requests:
             return []
         prior = [len(x) for x in prefixes]
-        rows = self._cache_rows(prompts, params, prior)
+        plen, max_new = self._lengths(prompts, params, prior)
+        rows = self._cache_rows(params, plen + max_new)
         pool = None
         if continuation is not None:
             pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
@@ -486,10 +462,8 @@ class NativeEngine:
             check = functools.partial(
                 check_observation, vocab_size=self.vocab_size, forbidden=forbidden
             )
-            run = _Trajectories(params, requests, continuation, pool, check)
-            return self._generate_all(
-                prompts, params, seeds, run, rows, requests, prior, token_budget
-            )
+            run = _Trajectories(requests, params, prompts, prior, seeds, continuation, pool, check)
+            return self._generate_all(run, rows, plen, max_new, token_budget)
         finally:
             self._media = []
             if pool is not None:
@@ -572,16 +546,13 @@ class NativeEngine:
         before, and no further than ``max_model_len``."""
         return min(p.max_tokens - prior, self.max_model_len - len(prompt))
 
-    def _cache_rows(
-        self, prompts: list[list[int]], params: list[SamplingParams], prior: list[int]
-    ) -> int:
+    def _cache_rows(self, params: list[SamplingParams], length: int) -> int:
         """Cache rows of a call: at most ``max_num_seqs`` and, when ``max_kv_tokens`` is set, at
-        most that many token slots (rows x (longest prompt + longest response)); never fewer
-        than the widest request's ``n`` (its samples are admitted together)."""
-        plen, max_new = self._lengths(prompts, params, prior)
+        most that many token slots (rows x ``length``, the longest prompt + longest response);
+        never fewer than the widest request's ``n`` (its samples are admitted together)."""
         rows = min(self.max_num_seqs, sum(p.n for p in params))
         if self.max_kv_tokens is not None:
-            rows = min(rows, self.max_kv_tokens // (plen + max_new))
+            rows = min(rows, self.max_kv_tokens // length)
         return max(rows, max(p.n for p in params))
 
     def _kv_storage(self, rows: int, length: int) -> torch.Tensor:
@@ -647,17 +618,10 @@ class NativeEngine:
         return self.lm_head(hidden).float()
 
     def _generate_all(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        seeds: list[int],
-        run: _Trajectories,
-        cap: int,
-        requests: list[Request],
-        prior: list[int],
-        token_budget: int | None,
+        self, run: _Trajectories, cap: int, plen: int, max_new: int, token_budget: int | None
     ) -> list[Completion]:
-        """Decode every request through ``cap`` cache rows with continuous batching.
+        """Decode every request through ``cap`` cache rows with continuous batching (every
+        prompt ends at slot ``plen``; a row holds ``plen + max_new`` slots, see :meth:`_lengths`).
 
         Each step samples one token per active row and feeds it back; rows that finish free
         their cache rows at once, and the next waiting request (first come, first served) is
@@ -670,17 +634,17 @@ class NativeEngine:
         that did not end there, and the requests still queued, are cut (``"partial"``).
         """
         dev = self.device
-        plen, max_new = self._lengths(prompts, params, prior)
+        params = run.params
         total = plen + max_new
-        state = self._row_state(prompts, params, seeds, run, prior, plen)
+        state = self._row_state(run, plen)
         run.budget = state.max_new.tolist()
         n_rows = len(run.request)
-        cache = KVCache(self._kv_storage(cap, total), self.num_layers, cap, total)
+        cache = KVCache(self._kv_storage(cap, total))
         out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
         out_lp = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
         # Trajectory ids of request i: first_row[i] .. first_row[i + 1] - 1.
         first_row = [0, *itertools.accumulate(p.n for p in params)]
-        queue = deque(range(len(prompts)))
+        queue = deque(range(len(params)))
         prompt_lp: dict[int, list[float]] = {}
         self.stats = SchedulerStats()
 
@@ -713,10 +677,7 @@ class NativeEngine:
                         going -= 1
                     elif spent:  # the token budget is spent: cut after the token just sampled
                         run.finish(r, at_h[i] + 1, "partial")
-            if spent:
-                for i in queue:  # never admitted: cut before their first token
-                    for r in range(first_row[i], first_row[i + 1]):
-                        run.finish(r, 0, "partial")
+            if spent:  # requests never admitted stay cut before their first token
                 break
             back = run.collect(block=False)
             new = admit(cap - going - len(run.waiting) - len(back))
@@ -754,12 +715,9 @@ class NativeEngine:
                     idx = torch.tensor(fresh, dtype=torch.long, device=dev)
                     state.shift[idx] = -(step + 1)
                     # A resumed row's stream goes on where it stopped (tokens sampled before).
-                    state.kshift[idx] = state.prior[idx] - (step + 1)
+                    state.kshift[idx] -= step + 1
                     lo = slots.keep + slots.back
-                    new_logits, delta, lp = self._prefill_prompts(
-                        cache, lo, new, prompts, params, plen
-                    )
-                    prompt_lp.update(lp)
+                    new_logits, delta = self._prefill_prompts(cache, lo, new, run, plen, prompt_lp)
                     # The n samples of a prompt start from copies of its prefilled row.
                     src_rows = [k for k, i in enumerate(new) for _ in range(params[i].n)]
                     cache.reorder([-1] * lo + [lo + k for k in src_rows], plen)
@@ -776,34 +734,31 @@ class NativeEngine:
             if back:
                 feeds = {r: (feed, plen + length - 1) for r, feed, length in back}
                 k = slots.keep
-                ids, fed = zip(*(feeds[r] for r in slots.rows[k : k + slots.back]), strict=True)
-                parts.append(
-                    self._prefill_observations(
-                        cache, k, list(ids), list(fed), s.pad[k:], s.delta[k:]
-                    )
-                )
+                rows = [feeds[r] for r in slots.rows[k : k + slots.back]]  # cache-row order
+                parts.append(self._prefill_observations(cache, k, rows, s))
             if fresh:
                 parts.append(new_logits[src])  # [n rows, V]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
             self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
             step += 1
         self.stats.steps = step
-        return self._completions(requests, prompts, params, prior, prompt_lp, out_tok, out_lp, run)
+        return self._completions(run, prompt_lp, out_tok, out_lp)
 
     def _prefill_prompts(
         self,
         cache: KVCache,
         first: int,
         reqs: list[int],
-        prompts: list[list[int]],
-        params: list[SamplingParams],
+        run: _Trajectories,
         plen: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[float]]]:
+        prompt_lp: dict[int, list[float]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill the prompts of requests ``reqs`` once each into cache rows ``first...``,
         left-padded so that every prompt ends at slot ``plen``, in chunks of at most
-        ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V], the decode
-        position offsets [U] and the asked prompt log-probs."""
+        ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V] and the decode
+        position offsets [U]; the asked prompt log-probs go into ``prompt_lp``."""
         dev = self.device
+        prompts = run.prompts
         lens = torch.tensor([len(prompts[i]) for i in reqs])
         width = int(lens.max())
         off = plen - width  # cache slot of the block's first column
@@ -820,7 +775,6 @@ class NativeEngine:
         # Slots before the block hold another row's leftovers: never attended.
         before = torch.zeros(1, width, off, dtype=torch.bool, device=dev)
         last_hidden, deltas = [], []
-        prompt_lp: dict[int, list[float]] = {}
         chunk = max(1, self.max_prefill_tokens // width)
         for r0 in range(0, u, chunk):
             r1 = min(u, r0 + chunk)
@@ -837,7 +791,7 @@ class NativeEngine:
             hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, W, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
-                i, p = reqs[r], params[reqs[r]]
+                i, p = reqs[r], run.params[reqs[r]]
                 if p.prompt_logprobs:  # prompt token t + 1 is scored from position t
                     logits = self._logits(hidden[r - r0, int(pad[r]) : -1])  # [L - 1, V]
                     targets = torch.tensor(prompts[i][1:], dtype=torch.long, device=dev)
@@ -845,7 +799,7 @@ class NativeEngine:
                         logits, targets, p.temperature, max(p.top_k, 0), p.top_p
                     )
                     prompt_lp[i] = lp.tolist()
-        return self._logits(torch.cat(last_hidden)), torch.cat(deltas), prompt_lp
+        return self._logits(torch.cat(last_hidden)), torch.cat(deltas)
 
     def _sample(
         self,
@@ -889,58 +843,52 @@ class NativeEngine:
         self,
         cache: KVCache,
         first: int,
-        ids: list[list[int]],
-        fed: list[int],
-        pad: torch.Tensor,
-        delta: torch.Tensor,
+        feeds: list[tuple[list[int], int]],
+        s: _RowState,
     ) -> torch.Tensor:
-        """Feed rows back from an observation (cache rows ``first...``): ``ids[b]`` (the turn's
-        stop token, then the observation) from slot ``fed[b]`` on. Their next-token logits.
+        """Feed rows back from an observation (cache rows ``first...``; ``s``: the active rows'
+        state): row ``b`` feeds ``feeds[b] = (ids, slot)``, the turn's stop token then the
+        observation, from that cache slot on. Their next-token logits.
 
         Only the new ids are computed, against the keys the row already holds: nothing is
         prefilled twice. Queries are right-padded; padding keeps no keys and attends like the
         row's last token, so no softmax row is empty.
         """
         dev = self.device
-        q = max(len(x) for x in ids)
+        q = max(len(x) for x, _ in feeds)
         chunk = max(1, self.max_prefill_tokens // q)
         logits = []
-        for c0 in range(0, len(ids), chunk):
-            part, starts = ids[c0 : c0 + chunk], fed[c0 : c0 + chunk]
+        for c0 in range(0, len(feeds), chunk):
+            part = feeds[c0 : c0 + chunk]
             b = len(part)
             tokens = torch.full((b, q), self.pad_token_id, dtype=torch.long)
-            for k, x in enumerate(part):
+            for k, (x, _) in enumerate(part):
                 tokens[k, : len(x)] = torch.tensor(x)
-            n = torch.tensor([len(x) for x in part])
+            n = torch.tensor([len(x) for x, _ in part])
+            starts = [start for _, start in part]
             real = torch.arange(q)[None, :] < n[:, None]  # [b, q]
             last = torch.tensor(starts) + n - 1  # [b] slot of each row's last new token
             write = torch.tensor(starts)[:, None] + torch.arange(q)  # [b, q]
             query = torch.minimum(write, last[:, None]).to(dev)  # [b, q]
             end = int(last.max()) + 1
             slot = torch.arange(end, device=dev)
-            p, d = pad[c0 : c0 + b], delta[c0 : c0 + b]
+            rows = slice(first + c0, first + c0 + b)
+            p, d = s.pad[rows], s.delta[rows]
             mask = (slot >= p[:, None, None]) & (slot <= query[:, :, None])  # [b, q, end]
             pos = query - p[:, None] + d[:, None]  # [b, q]
             if self.rope is not None:
                 pos = pos[None].expand(3, -1, -1)  # [3, b, q]
-            cache.at(slice(first + c0, first + c0 + b), write.to(dev), end, real)
+            cache.at(rows, write.to(dev), end, real)
             hidden = self._forward(tokens.to(dev), pos, mask[:, None], cache)  # [b, q, H]
             logits.append(self._logits(hidden[torch.arange(b), (n - 1).to(dev)]))
         return torch.cat(logits)
 
-    def _row_state(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        seeds: list[int],
-        run: _Trajectories,
-        prior: list[int],
-        plen: int,
-    ) -> _RowState:
+    def _row_state(self, run: _Trajectories, plen: int) -> _RowState:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
         order (a resumed request's one row is its ``Resume.sample_index``: its random
         stream); every prompt ends at slot ``plen``."""
         req, smp_idx = run.request, run.sample
+        prompts, params, prior = run.prompts, run.params, run.prior
         per_row = [params[i] for i in req]
         # A row's stop ids: its own, and the end-of-sequence ids unless it ignores them.
         stops = [
@@ -956,7 +904,7 @@ class NativeEngine:
         def vec(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        request_seed = vec([seeds[i] for i in req], torch.long)
+        request_seed = vec([run.seeds[i] for i in req], torch.long)
         return _RowState(
             seed=smp.row_seeds(request_seed, vec(smp_idx, torch.long)),
             temperature=vec([p.temperature for p in per_row]),
@@ -972,39 +920,35 @@ class NativeEngine:
             top_p=vec([p.top_p for p in per_row]),
             # Positions left after each row's own prompt bound its response length.
             max_new=vec([self._room(prompts[i], params[i], prior[i]) for i in req], torch.long),
-            prior=vec([prior[i] for i in req], torch.long),
             stop_ids=stop_ids.to(dev),
             pad=vec([plen - len(prompts[i]) for i in req], torch.long),
             delta=vec([0] * len(req), torch.long),
             shift=vec([0] * len(req), torch.long),
-            kshift=vec([0] * len(req), torch.long),
+            kshift=vec([prior[i] for i in req], torch.long),
         )
 
     def _completions(
         self,
-        requests: list[Request],
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        prior: list[int],
+        run: _Trajectories,
         prompt_lp: dict[int, list[float]],
         out_tok: torch.Tensor,
         out_lp: torch.Tensor,
-        run: _Trajectories,
     ) -> list[Completion]:
         """One completion per row, in row order: (request, sample). A resumed row's response
         starts with its ``Resume`` tokens and log-probs."""
         toks, lps = out_tok.tolist(), out_lp.tolist()
         req, smp_idx = run.request, run.sample
+        prompts, prior = run.prompts, run.prior
         multi = run.continuation is not None
         result = []
         for r in range(len(req)):
             i, n = req[r], run.length[r]
-            res = requests[i].resume
+            res = run.requests[i].resume
             ids, lp = toks[r][:n], lps[r][:n]
             if res is not None:
                 ids, lp = list(res.token_ids) + ids, list(res.logprobs) + lp
             text = None
-            if params[i].detokenize and self.tokenizer is not None:
+            if run.params[i].detokenize and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
             result.append(
                 Completion(
@@ -1042,9 +986,20 @@ class _Slots:
     def rearrange(
         self, keep: list[int], back: list[int], new: list[int], waiting: list[int]
     ) -> list[int]:
-        """Lay the rows out anew; returns the old cache row of each new one (see
-        :func:`arrange`), -1 for the rows of ``new`` (nothing to copy: prefilled next)."""
-        order = arrange(self.rows, [keep, back, new, waiting])
+        """Lay the rows out anew, one group after the other; returns the old cache row of each
+        new one, -1 for the rows of ``new`` (nothing to copy: prefilled next).
+
+        A row already inside its group's range stays put; the others fill the holes in the order
+        of their old slots, so a step copies only as many rows as change place.
+        """
+        old = {row: i for i, row in enumerate(self.rows)}
+        order: list[int] = []
+        for group in (keep, back, new, waiting):
+            lo, hi = len(order), len(order) + len(group)
+            held = [old[r] for r in group if r in old]
+            stay = {i for i in held if lo <= i < hi}
+            movers = iter(sorted(i for i in held if not lo <= i < hi))
+            order += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
         fresh = iter(new)  # only the new rows have no old cache row
         self.rows = [self.rows[j] if j >= 0 else next(fresh) for j in order]
         self.keep, self.back = len(keep), len(back)
@@ -1055,13 +1010,18 @@ class _Slots:
 
 
 class _Trajectories:
-    """Host-side bookkeeping of a call's trajectories: turn spans, where each ended and why,
-    and the continuations running on the pool."""
+    """A call's requests as the engine runs them (their params, the ids it prefills, the
+    tokens a resumed request sampled before, their seeds) and the host-side bookkeeping of
+    their trajectories: turn spans, where each ended and why, and the continuations running on
+    the pool."""
 
     def __init__(
         self,
-        params: list[SamplingParams],
         requests: list[Request],
+        params: list[SamplingParams],
+        prompts: list[list[int]],
+        prior: list[int],
+        seeds: list[int],
         continuation: Continuation | None,
         pool: ThreadPoolExecutor | None,
         check: Callable[[object, Turn], list[int] | None],
@@ -1073,6 +1033,8 @@ class _Trajectories:
         for i, (p, r) in enumerate(zip(params, requests, strict=True)):
             self.request += [i] * p.n
             self.sample += list(range(p.n)) if r.resume is None else [r.resume.sample_index]
+        self.requests, self.params, self.prompts, self.prior = requests, params, prompts, prior
+        self.seeds = seeds
         self.max_turns = [params[i].max_turns for i in self.request]
         self.budget: list[int] = []  # set by the engine: response budget per row
         self.continuation, self.pool, self.check = continuation, pool, check
@@ -1081,7 +1043,8 @@ class _Trajectories:
         self.start = [0] * rows  # response index where the row's current turn began
         self.observed = [0] * rows  # observation tokens in the row's response
         self.length = [0] * rows  # response length once finished
-        self.reason: list[FinishReason] = ["length"] * rows  # "partial": cut by a token budget
+        # "partial" until the row finishes: what a token budget cuts before admission stays so.
+        self.reason: list[FinishReason] = ["partial"] * rows
         self.waiting: dict[int, tuple[Future, Turn]] = {}
 
     def end_turn(
