@@ -81,9 +81,6 @@ class DPOConfig(TrainingConfig):
         check_towers(self.model)
         return self
 
-    def global_batch(self, world: int) -> int:
-        return self.data.global_batch(world)
-
 
 CONFIG_SCHEMA = DPOConfig.schema()
 SHOWN = ("eval/accuracy", "eval/rewards/margins")  # printed at each evaluation

@@ -110,9 +110,6 @@ class RewardModelConfig(TrainingConfig):
         check_model_path(self.model.path, prepare=self.run.prepare)
         return self
 
-    def global_batch(self, world: int) -> int:
-        return self.data.global_batch(world)  # what a resume on another world size keeps
-
 
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
 CONFIG_SCHEMA = RewardModelConfig.schema()

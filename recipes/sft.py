@@ -55,9 +55,6 @@ class SFTConfig(TrainingConfig):
         check_sequence_parallel_checkpoint(self.strategy.sequence_parallel, self.model.path)
         return self
 
-    def global_batch(self, world: int) -> int:
-        return self.data.global_batch(world)  # what a resume on another world size keeps
-
 
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
 CONFIG_SCHEMA = SFTConfig.schema()
