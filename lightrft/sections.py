@@ -616,3 +616,9 @@ class BatchConfig(Section):
     def global_batch(self, world: int) -> int:
         """Samples one optimizer step reads over ``world`` ranks."""
         return self.batch_size * self.gradient_accumulation_steps * world
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The run's optimizer steps: ``epochs`` passes of ``steps_per_epoch``, cut at
+        ``max_steps``."""
+        total = steps_per_epoch * self.epochs
+        return total if self.max_steps is None else min(total, self.max_steps)

@@ -150,9 +150,7 @@ class RewardModelRecipe:
             what="items",
             length=_item_tokens if d.packing else _item_padded_tokens,
         )
-        self.total_steps = len(self.loader) * d.epochs
-        if d.max_steps is not None:
-            self.total_steps = min(self.total_steps, d.max_steps)
+        self.total_steps = d.total_steps(len(self.loader))
 
         # Under torchrun each rank builds the classifier on the meta device and reads only its
         # shards (FSDP2, HSDP with shard_size / replicate_size); DeepSpeed gets the whole model
