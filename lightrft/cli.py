@@ -295,28 +295,17 @@ _TORCHRUN_VALUE_FLAGS = _spellings(
 )
 
 
-def _flag_value(args: list[str], *names: str) -> str | None:
-    for i, a in enumerate(args):
-        for name in names:
-            if a == name and i + 1 < len(args):
-                return args[i + 1]
-            if a.startswith(name + "="):
-                return a.split("=", 1)[1]
-    return None
-
-
 # The torchrun flags that choose how a worker starts: given any, `lightrft run` leaves it to them.
 _WORKER_START_FLAGS = _spellings("start_method run_path no_python module") | {"-m"}
 
 
-def _worker_start(torchrun_args: list[str], cfg) -> list[str]:
+def _worker_start(given: set[str], cfg) -> list[str]:
     """torchrun flags for how the workers start: a CPU run's workers are forks of this launcher
     (:mod:`lightrft._worker`), which has imported the recipe for its config check, so none
     imports torch and transformers again; a GPU run's are fresh processes (a fork must not
     inherit CUDA state), as are any the user's own flags describe."""
     import torch
 
-    given = {a.split("=", 1)[0] for a in torchrun_args}
     device = str(cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     if given & _WORKER_START_FLAGS or not device.startswith("cpu") or sys.platform != "linux":
         return []
@@ -326,15 +315,19 @@ def _worker_start(torchrun_args: list[str], cfg) -> list[str]:
 
 def cmd_run(argv: list[str]) -> int:
     torchrun_args: list[str] = []
+    given: dict[str, str] = {}  # each torchrun flag (spelled with '-') and its value
     i = 0
     while i < len(argv) and argv[i].startswith("-"):
         flag = argv[i]
+        name, eq, value = flag.partition("=")
         torchrun_args.append(flag)
-        if "=" not in flag and flag in _TORCHRUN_VALUE_FLAGS:
+        if not eq and flag in _TORCHRUN_VALUE_FLAGS:
             if i + 1 >= len(argv):
                 raise UsageError(f"{flag} needs a value")
-            torchrun_args.append(argv[i + 1])
+            value = argv[i + 1]
+            torchrun_args.append(value)
             i += 1
+        given[name.replace("_", "-")] = value
         i += 1
     if i >= len(argv):
         raise UsageError(
@@ -351,12 +344,11 @@ def cmd_run(argv: list[str]) -> int:
     if torchrun_args:
         # The config checked once in the launcher, for the world size of the launch
         # (``--nnodes x --nproc_per_node`` when both are plain numbers, else the workers check it).
-        nproc = _flag_value(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
-        nnodes = _flag_value(torchrun_args, "--nnodes") or "1"
+        nproc, nnodes = given.get("--nproc-per-node") or "1", given.get("--nnodes") or "1"
         cfg, _ = checked_config(recipe, rest, launch_world_size(nproc, nnodes))
         from torch.distributed.run import main as torchrun_main
 
-        torchrun_main([*torchrun_args, *_worker_start(torchrun_args, cfg), str(recipe), *rest])
+        torchrun_main([*torchrun_args, *_worker_start(set(given), cfg), str(recipe), *rest])
         return 0
     old_argv = sys.argv
     sys.argv = [str(recipe), *rest]

@@ -204,21 +204,31 @@ def _check_override(arg: str) -> None:
     try:
         _compose(value, f"override of {key}")
     except yaml.YAMLError:
-        return  # reported with the override's name by _bad_override_value
+        return  # reported with the override's name by _set
 
 
-def _merge_overrides(data: dict, sets: list[str]) -> DictConfig:
-    """Apply ``key=value`` overrides to a config's data, ``tune run``'s rules: the value is YAML
-    (``None`` is null too), and a top-level key whose value is a ``_component_`` section swaps
-    the component (``optimizer=torch.optim.SGD`` sets ``optimizer._component_``)."""
-    dotlist = []
-    for arg in sets:
-        key, value = arg.split("=", 1)
-        node = data.get(key)
-        if isinstance(node, dict) and "_component_" in node:
+def _set(cfg: DictConfig, data: dict, arg: str) -> None:
+    """Apply one ``key=value`` override to ``cfg``, ``tune run``'s rules: the value is YAML as
+    OmegaConf reads it (``1e-5`` is a float; ``None`` is null too), a list index is a key
+    (``prepare.0.out_dir=...``), and a top-level key whose value is a ``_component_`` section
+    swaps the component (``optimizer=torch.optim.SGD`` sets ``optimizer._component_``) unless
+    the value is null (``eval_dataset=null`` drops the whole section)."""
+    key, value = arg.split("=", 1)
+    value = "null" if value.strip() == "None" else value
+    node = data.get(key)
+    if isinstance(node, dict) and "_component_" in node:
+        if value.strip() not in ("null", "Null", "NULL", "~"):
             key += "._component_"
-        dotlist.append(f"{key}={'!!null' if value == 'None' else value}")
-    return OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(dotlist))
+    try:
+        cfg.merge_with_dotlist([f"{key}={value}"])
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(
+            f"override '{arg}': the value of {key} is not valid YAML ({problem}); "
+            "write a list as [0.9, 0.99] and quote a string that holds [ ] { } : #"
+        ) from None
+    except (ValueError, TypeError, KeyError, IndexError) as e:  # OmegaConf's refusals
+        raise ConfigError(f"override '{arg}': {e}") from None
 
 
 def load(
@@ -253,50 +263,11 @@ def load(
     for arg in overrides:
         if arg.startswith("~"):
             _remove(data, arg[1:].split("=", 1)[0], path)
-    sets = [a for a in overrides if not a.startswith("~")]
-    in_list = [a for a in sets if _set_alone(data, a)]
-    try:
-        cfg = _merge_overrides(data, [a for a in sets if a not in in_list])
-        for arg in in_list:
-            key, value = arg.split("=", 1)
-            value = None if value.strip() == "None" else yaml.safe_load(value) if value else None
-            OmegaConf.update(cfg, key, value, merge=True)
-    except yaml.YAMLError:
-        raise _bad_override_value(sets) from None
-    except (ValueError, TypeError, KeyError, IndexError) as e:
-        raise ConfigError(f"overrides {sets}: {e}") from None
+    cfg = OmegaConf.create(data)
+    for arg in overrides:
+        if not arg.startswith("~"):
+            _set(cfg, data, arg)
     return cfg, src
-
-
-def _bad_override_value(sets: list[str]) -> ConfigError:
-    """The error for the first ``key=value`` override whose value is not valid YAML (an
-    unclosed ``[0.9``, a stray ``{``): one line naming the override and the key."""
-    for arg in sets:
-        key, _, value = arg.partition("=")
-        try:
-            yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            return ConfigError(
-                f"override '{arg}': the value of {key} is not valid YAML ({problem}); "
-                "write a list as [0.9, 0.99] and quote a string that holds [ ] { } : #"
-            )
-    return ConfigError(f"overrides {sets}: a value is not valid YAML")
-
-
-def _set_alone(data: dict, arg: str) -> bool:
-    """Whether override ``arg`` is set by itself after the dotlist merge: a dotlist cannot index
-    into lists (``prepare.0.out_dir=...``), and a whole section (a mapping) set to null
-    (``eval_dataset=null``) must drop the section rather than set its ``_component_``."""
-    key, value = arg.split("=", 1)
-    node: Any = data
-    for k in key.split("."):
-        if isinstance(node, list):
-            return True
-        if not isinstance(node, dict) or k not in node:
-            return False
-        node = node[k]
-    return isinstance(node, dict) and value.strip() in ("null", "Null", "NULL", "~", "None")
 
 
 def _remove(data: dict, dotpath: str, path: str) -> None:

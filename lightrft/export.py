@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightrft.distributed import is_main
@@ -200,16 +199,12 @@ def _load_deepspeed(model: nn.Module, path: Path, name: str) -> None:
 
     merged = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=f"deepspeed.{name}")
     merged = {strip_wrappers(k): v for k, v in merged.items()}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    unknown = [k for k in merged if k not in params]
+    unknown = model.load_state_dict(merged, strict=False).unexpected_keys
     if unknown:
         raise ValueError(
             f"{path}: DeepSpeed model {name!r} holds {unknown[0]!r}, which the model rebuilt "
             "from its export record has not (another base model?)"
         )
-    with torch.no_grad():
-        for k, v in merged.items():
-            params[k].copy_(v)
 
 
 def export_checkpoint(

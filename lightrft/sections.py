@@ -228,7 +228,7 @@ class LoraConfig(Section):
     arXiv:2106.09685). The section switches LoRA on; absent or null: full fine-tune."""
 
     rank: int | None = option(None, ge=1, doc="adapter rank (required in the section)")
-    alpha: float | None = option(None, doc="scaling numerator; default `2 * rank`")
+    alpha: float | None = option(None, gt=0, doc="scaling numerator; default `2 * rank`")
     dropout: float = option(0.0, doc="dropout on the adapters' input, in [0, 1)")
     target_modules: str | list[str] = option(
         "auto", doc="`auto` (every linear layer of the decoder blocks) or module names"
@@ -245,8 +245,6 @@ class LoraConfig(Section):
                 f"{key}.rank: set the adapter rank (e.g. 8) or remove the {key} section"
             )
         alpha = float(2 * self.rank if self.alpha is None else self.alpha)
-        if alpha <= 0:
-            raise ValueError(f"{key}.alpha must be > 0, got {alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{key}.dropout must be in [0, 1), got {self.dropout}")
         targets = self.target_modules
@@ -616,3 +614,9 @@ class BatchConfig(Section):
     def global_batch(self, world: int) -> int:
         """Samples one optimizer step reads over ``world`` ranks."""
         return self.batch_size * self.gradient_accumulation_steps * world
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The run's optimizer steps: ``epochs`` passes of ``steps_per_epoch``, cut at
+        ``max_steps``."""
+        total = steps_per_epoch * self.epochs
+        return total if self.max_steps is None else min(total, self.max_steps)

@@ -81,9 +81,6 @@ class DPOConfig(TrainingConfig):
         check_towers(self.model)
         return self
 
-    def global_batch(self, world: int) -> int:
-        return self.data.global_batch(world)
-
 
 CONFIG_SCHEMA = DPOConfig.schema()
 SHOWN = ("eval/accuracy", "eval/rewards/margins")  # printed at each evaluation
@@ -128,9 +125,7 @@ class DPORecipe:
                             accum=d.gradient_accumulation_steps,
                             clip_grad_norm=o.optim.clip_grad_norm)  # fmt: skip
         self.pairs.build(self.strategy)  # online: the engine beside the policy, the prompts
-        self.total_steps = len(self.pairs.loader) * d.epochs
-        if d.max_steps is not None:
-            self.total_steps = min(self.total_steps, d.max_steps)
+        self.total_steps = d.total_steps(len(self.pairs.loader))
         self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         # After strategy.setup: under LoRA the reference is the set-up policy, adapters off.
         self.cache, self.caches = None, {}

@@ -137,15 +137,7 @@ class EvalRecipe:
         self.engine = e.build(
             m.path, self.tokenizer, device=self.dist.device, seed=o.run.seed, dtype=m.dtype
         )
-        s = o.sampling
-        params = SamplingParams(
-            n=s.n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=s.max_tokens,
-            seed=o.run.seed,
-        )
+        params = SamplingParams(**dataclasses.asdict(o.sampling), seed=o.run.seed)  # same names
         self.params = self.turns.sampling(params, self.tokenizer)  # multi-turn: stop at turn end
 
     def run(self) -> dict[str, float]:

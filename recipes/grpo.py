@@ -365,18 +365,22 @@ class GRPORecipe:
         # An external engine's samples: the trainer's log-probs for rollout/mismatch/* (one
         # forward more) when no other pass gives them.
         need_mismatch = (o.engine.backend != "native" or alg.mismatch.is_set()) and not need_old
+        # Each pass: its model, whether it runs, with entropy, and the fields its log-probs and
+        # entropy fill (``token_*``: the trajectory files' and rollout/mismatch/*'s only).
+        ref = self.ref if self.ref is not None else self.model
+        old = "old_logprobs" if need_old else None  # the entropy pass's log-probs: not kept
         jobs = [
-            ("old_logprobs", self.model, need_old or need_entropy),
-            ("mismatch", self.model, need_mismatch),
-            ("reference", self.ref if self.ref is not None else self.model, alg.kl is not None),
-            ("teacher", self.teacher, self.teacher is not None),
-            ("values", self.critic, self.critic is not None),
-            ("trajectories", self.model, need_tokens),
+            ("old_logprobs", self.model, need_old or need_entropy, need_entropy, old, "entropy"),
+            ("mismatch", self.model, need_mismatch, False, "token_mismatch", None),
+            ("reference", ref, alg.kl is not None, False, "ref_logprobs", None),
+            ("teacher", self.teacher, self.teacher is not None, False, "teacher_logprobs", None),
+            ("values", self.critic, self.critic is not None, False, "values", None),
+            ("trajectories", self.model, need_tokens, True, "token_logprobs", "token_entropy"),
         ]
         micro, dev = self._micro_batches(batch, list(range(len(batch)))), self.dist.device
         self.token_stats: dict[str, torch.Tensor] = {}
         found_all: dict[str, torch.Tensor] = {}
-        for name, model, flag in jobs:
+        for name, model, flag, entropy, lp_field, ent_field in jobs:
             if not flag:
                 continue
             model.eval()
@@ -387,24 +391,11 @@ class GRPORecipe:
                 for idx in micro:
                     mb = build_micro_batch(batch, idx, self.pad_id, packing=o.train.packing)
                     if name == "values":
-                        found = {"values": mb.values(self.critic, self.dist.device)}
-                    elif name == "trajectories":
-                        lp, ent = mb.logprobs(model, dev, entropy=True, **self.lp_kw)
-                        found = {"token_logprobs": lp, "token_entropy": ent}
-                    elif name == "mismatch":
-                        lp, _ = mb.logprobs(model, dev, entropy=False, **self.lp_kw)
-                        found = {"token_mismatch": lp}
+                        lp, ent = mb.values(model, dev), None
                     else:
-                        lp, ent = mb.logprobs(
-                            model, dev, entropy=name == "old_logprobs" and need_entropy,
-                            **self.lp_kw,
-                        )  # fmt: skip
-                        found = {"entropy": ent} if ent is not None else {}
-                        if name in ("reference", "teacher"):
-                            found[f"{'ref' if name == 'reference' else name}_logprobs"] = lp
-                        elif need_old:
-                            found["old_logprobs"] = lp
-                    for field, t in found.items():
+                        lp, ent = mb.logprobs(model, dev, entropy=entropy, **self.lp_kw)
+                    found = ((lp_field, lp), (ent_field, ent))
+                    for field, t in ((f, t) for f, t in found if f and t is not None):
                         buf = outs.setdefault(field, torch.zeros(batch.response_ids.shape))
                         if idx and self.strategy.writes_shared:  # once per SP group
                             buf[idx, : t.shape[1]] = t.float().cpu()

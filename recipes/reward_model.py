@@ -110,9 +110,6 @@ class RewardModelConfig(TrainingConfig):
         check_model_path(self.model.path, prepare=self.run.prepare)
         return self
 
-    def global_batch(self, world: int) -> int:
-        return self.data.global_batch(world)  # what a resume on another world size keeps
-
 
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
 CONFIG_SCHEMA = RewardModelConfig.schema()
@@ -153,9 +150,7 @@ class RewardModelRecipe:
             what="items",
             length=_item_tokens if d.packing else _item_padded_tokens,
         )
-        self.total_steps = len(self.loader) * d.epochs
-        if d.max_steps is not None:
-            self.total_steps = min(self.total_steps, d.max_steps)
+        self.total_steps = d.total_steps(len(self.loader))
 
         # Under torchrun each rank builds the classifier on the meta device and reads only its
         # shards (FSDP2, HSDP with shard_size / replicate_size); DeepSpeed gets the whole model

@@ -55,9 +55,6 @@ class SFTConfig(TrainingConfig):
         check_sequence_parallel_checkpoint(self.strategy.sequence_parallel, self.model.path)
         return self
 
-    def global_batch(self, world: int) -> int:
-        return self.data.global_batch(world)  # what a resume on another world size keeps
-
 
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
 CONFIG_SCHEMA = SFTConfig.schema()
@@ -112,9 +109,7 @@ class SFTRecipe:
         self.loader, self.eval_loader = step_loaders(
             self.dataset, eval_dataset, collate, d, seed=o.run.seed, dist=data, what="samples"
         )
-        self.total_steps = len(self.loader) * d.epochs
-        if d.max_steps is not None:
-            self.total_steps = min(self.total_steps, d.max_steps)
+        self.total_steps = d.total_steps(len(self.loader))
         self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         self.step, self.epoch, self.last_eval_step = 0, 0, None
         state = self.run.resume(**self._state())

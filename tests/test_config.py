@@ -53,6 +53,15 @@ def test_valid_config_passes_and_overrides_apply(cfg_file):
     assert isinstance(cfg.optimizer.lr, float)
 
 
+def test_an_override_into_a_list_reads_its_value_as_any_other(tmp_path):
+    """`prepare.0.lr=1e-5` is a float as `optimizer.lr=1e-5` is (it was read by a second YAML
+    loader, which takes `1e-5` for a string)."""
+    p = tmp_path / "c.yaml"
+    p.write_text(YAML + "prepare:\n  - _component_: torch.optim.SGD\n    lr: 0.1\n")
+    cfg, _ = load(p, ["prepare.0.lr=1e-5", "optimizer.lr=1e-5", "prepare.0.momentum=None"])
+    assert cfg.prepare[0].lr == cfg.optimizer.lr == 1e-5 and cfg.prepare[0].momentum is None
+
+
 @pytest.mark.parametrize("null", ["null", "None", "~"])
 def test_null_override_empties_a_whole_section(cfg_file, null):
     """`eval_dataset=null` means no such section (torchtune's merge alone would set only its

@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightrft import config
 from lightrft.config import Section, option, section
 from lightrft.distributed import DistInfo, barrier, destroy, init_distributed
-from lightrft.sections import MetricsConfig, OptimConfig, RunConfig, StrategyConfig
+from lightrft.sections import BatchConfig, MetricsConfig, OptimConfig, RunConfig, StrategyConfig
 from lightrft.training.checkpoint import (
     Checkpointer,
     CheckpointState,
@@ -113,8 +113,10 @@ class TrainingConfig(Section):
 
     def global_batch(self, world: int) -> int | None:
         """Items the training loader reads per step over ``world`` ranks (what a resume on
-        another world size must keep); ``None``: checked only when the loader loads."""
-        return None
+        another world size must keep): a supervised recipe's :class:`BatchConfig` ``data``'s;
+        ``None``: checked only when the loader loads."""
+        data = getattr(self, "data", None)
+        return data.global_batch(world) if isinstance(data, BatchConfig) else None
 
 
 class TrainingRun:

@@ -341,14 +341,6 @@ def _video_file(file: Path) -> dict[str, Any]:
     }
 
 
-def _media_size(items: list[dict[str, Any]]) -> int:
-    """Characters the items' data URIs add to the page."""
-    return sum(
-        len(m.get("uri", "")) + sum(len(f.get("uri", "")) for f in m.get("frames", []))
-        for m in items
-    )
-
-
 def load_run(
     run_dir: str | Path, *, steps: int = 20, samples: int = 64, max_mib: float = 64.0
 ) -> dict[str, Any]:
@@ -408,7 +400,9 @@ def load_run(
             size = len(json.dumps(rec))
             if where and where not in media:
                 media[where] = _record_media(where, cache, run)
-                size += _media_size(media[where])
+                # The characters its media's data URIs (a video's frames' too) add to the page.
+                items = [x for m in media[where] for x in (m, *m.get("frames", ()))]
+                size += sum(len(x.get("uri", "")) for x in items)
             if used + size > budget and (per_step or kept):
                 size_cut = True
                 break
