@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 from lightrft.config import Bound
+from lightrft.data.templates import prompt_turns
 
 Message = dict[str, Any]  # a chat message: {"role": ..., "content": ...}
 OBSERVATION_ROLES = ("tool", "user")
@@ -130,15 +131,13 @@ class Environment:
         message."""
         self.stats = EpisodeStats()
         messages = item.get("messages")
-        if messages is None:
-            prompt = item.get("prompt")
-            if prompt is None:
-                raise ValueError(
-                    f"{type(self).__name__}.reset: the item has neither 'messages' nor 'prompt' "
-                    f"(keys: {sorted(item)})"
-                )
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return [dict(m) for m in messages]
+        prompt = messages if messages is not None else item.get("prompt")
+        if prompt is None:
+            raise ValueError(
+                f"{type(self).__name__}.reset: the item has neither 'messages' nor 'prompt' "
+                f"(keys: {sorted(item)})"
+            )
+        return prompt_turns(prompt)
 
     def step(self, assistant_text: str) -> Step:
         """Answer one assistant turn."""
