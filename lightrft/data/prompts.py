@@ -97,7 +97,14 @@ class PromptDataset(torch.utils.data.Dataset):
                     prompt = check_messages(prompt, where, prompt_field)
             if isinstance(prompt, list) and not apply_chat_template:
                 raise DataError(f"{where}: a message-list prompt needs apply_chat_template=true")
-            reference = self._reference(src, i, reference_field, reference_required)
+            reference = rec.get(reference_field)
+            if reference_required or reference is not None:
+                reference = require_field(src, i, reference_field, (str, int, float))
+                if isinstance(reference, bool):
+                    raise DataError(
+                        f"{where}: field {reference_field!r} must be a string or number, got bool"
+                    )
+                reference = str(reference)
             label = rec.get(label_field) if label_field else None
             label = default_label if label is None else str(label)
             media = None
@@ -199,16 +206,6 @@ class PromptDataset(torch.utils.data.Dataset):
                 dropped,
             )
         return truncated + dropped
-
-    @staticmethod
-    def _reference(src, i: int, field: str, required: bool) -> str | None:
-        rec = src[i]
-        if not required and rec.get(field) is None:
-            return None
-        value = require_field(src, i, field, (str, int, float))
-        if isinstance(value, bool):
-            raise DataError(f"{src.where(i)}: field {field!r} must be a string or number, got bool")
-        return str(value)
 
     def __len__(self) -> int:
         return len(self.items)
