@@ -76,10 +76,6 @@ class EpisodeStats:
     reward: float = 0.0  # sum of the per-turn rewards
     truncated: bool = False
 
-    def count(self, errors: Mapping[ErrorKind, int]) -> None:
-        for kind, n in errors.items():
-            self.errors[kind] = self.errors.get(kind, 0) + n
-
 
 def aggregate_stats(stats: Sequence[EpisodeStats], prefix: str = "env/") -> dict[str, float]:
     """Means over episodes (turns, tool calls, the share of episodes with a tool call, errors
@@ -206,7 +202,8 @@ def _checked_step(fn, cls_name: str):
             raise ValueError(f"{where}: a Step that is not done needs an observation")
         stats = self.__dict__.setdefault("stats", EpisodeStats())
         stats.turns += 1
-        stats.count(out.errors)
+        for kind, n in out.errors.items():
+            stats.errors[kind] = stats.errors.get(kind, 0) + n
         stats.reward += out.reward or 0.0
         if not out.done and stats.turns >= self.max_turns:
             stats.truncated = True  # the budget ends it; the observation is never shown
