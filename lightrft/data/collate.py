@@ -31,23 +31,20 @@ from lightrft.data.templates import IGNORE_INDEX
 Item = Mapping[str, Any]
 
 
-def _as_long(x: Any) -> torch.Tensor:
-    return x.long() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
-
-
-def _positions(item: Item) -> torch.Tensor:
-    """An item's ``position_ids``: its own (a packed row) or 0..L-1 (a single sample)."""
-    if "position_ids" in item:
-        return _as_long(item["position_ids"])
-    return torch.arange(len(item["input_ids"]))
-
-
 def _cat(items: Sequence[Item]) -> dict[str, torch.Tensor]:
-    """Items back to back: ``input_ids``, ``labels`` and ``position_ids``, each ``[L]``."""
+    """Items back to back: ``input_ids``, ``labels`` and ``position_ids`` (a packed row's own,
+    0..L-1 for a single sample), each ``[L]``."""
     return {
-        "input_ids": torch.cat([_as_long(x["input_ids"]) for x in items]),
-        "labels": torch.cat([_as_long(x["labels"]) for x in items]),
-        "position_ids": torch.cat([_positions(x) for x in items]),
+        "input_ids": torch.cat([torch.as_tensor(x["input_ids"], dtype=torch.long) for x in items]),
+        "labels": torch.cat([torch.as_tensor(x["labels"], dtype=torch.long) for x in items]),
+        "position_ids": torch.cat(
+            [
+                torch.as_tensor(x["position_ids"], dtype=torch.long)
+                if "position_ids" in x
+                else torch.arange(len(x["input_ids"]))
+                for x in items
+            ]
+        ),
     }
 
 

@@ -191,10 +191,10 @@ def _read_jsonl(path: Path) -> Records:
     return Records(records, origins, str(path), [path.parent] * len(records))
 
 
-def _decode_file(path: Path) -> str:
+def _read_json(path: Path) -> Records:
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        obj = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         line_start = data.rfind(b"\n", 0, e.start) + 1
         lineno = data.count(b"\n", 0, e.start) + 1
@@ -202,11 +202,6 @@ def _decode_file(path: Path) -> str:
             e.encoding, data[line_start:], e.start - line_start, e.end - line_start, e.reason
         )
         raise _bad_utf8(path, lineno, line_start, e2) from None
-
-
-def _read_json(path: Path) -> Records:
-    try:
-        obj = json.loads(_decode_file(path))
     except json.JSONDecodeError as e:
         raise DataError(
             f"{path} line {e.lineno}: malformed JSON ({e.msg} at column {e.colno}); "

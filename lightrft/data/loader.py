@@ -111,9 +111,9 @@ class ResumableDataLoader(StatefulDataLoader):
                 f"{name}: the saved position ({consumed} items of epoch {epoch}) is not a whole "
                 f"number of this run's batches ({batch} x {new_world} ranks)"
             )
-        state = dict(states[0])
-        state.update(
+        self.load_state_dict(
             {
+                **states[0],
                 "_sampler_iter_state": {
                     "samples_yielded": start,
                     "sampler_state": {"yielded": start},
@@ -124,7 +124,6 @@ class ResumableDataLoader(StatefulDataLoader):
                 _EPOCH: epoch,
             }
         )
-        self.load_state_dict(state)
 
 
 def build_dataloader(

@@ -26,6 +26,7 @@ over ``media.video.max_frames`` is clipped (counted) or refused, as configured.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
@@ -89,12 +90,7 @@ def response_start(
             prompt_turns(prompt), tokenize=False, add_generation_prompt=True
         )
     head = tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
-    n = 0
-    for a, b in zip(head, ids, strict=False):
-        if a != b:
-            break
-        n += 1
-    return max(n, 1)
+    return max(len(os.path.commonprefix([list(head), list(ids)])), 1)
 
 
 def encode_with_media(
@@ -436,21 +432,20 @@ class PreferenceCollator:
         k_max = max(len(it["sequences"]) for it in items)
         candidates = torch.full((len(items), k_max), -1, dtype=torch.long)  # [B, K]
         safe = torch.zeros((len(items), k_max), dtype=torch.long)  # [B, K]
-        for b, it in enumerate(items):
-            for k, s in enumerate(it["sequences"]):
-                candidates[b, k] = len(seqs)
-                safe[b, k] = it["safe"][k]
-                seqs.append(s)
-                starts.append(it["starts"][k])
-                media.append(it.get("media"))
         head = []
-        for it in items:
+        for b, it in enumerate(items):
             name = it["head"]
             if name is not None and name not in self.heads:
                 raise ValueError(
                     f"a pair is labelled for head {name!r}; heads are {list(self.heads)}"
                 )
             head.append(0 if name is None else self.heads[name])
+            for k, s in enumerate(it["sequences"]):
+                candidates[b, k] = len(seqs)
+                safe[b, k] = it["safe"][k]
+                seqs.append(s)
+                starts.append(it["starts"][k])
+                media.append(it.get("media"))
         rows = None
         if self.packing:
             rows = pack_in_order([len(s) for s in seqs], self.max_tokens, "max_tokens_per_row")

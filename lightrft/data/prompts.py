@@ -86,7 +86,7 @@ class PromptDataset(torch.utils.data.Dataset):
         src = open_records(path, records, split)
         self.source = src.name
         self.items: list[dict[str, Any]] = []
-        truncated = dropped = audio_dropped = 0
+        audio_dropped = 0
         for i in range(len(src)):
             rec, where = src[i], src.where(i)
             if rec.get(messages_field) is not None:
@@ -97,7 +97,14 @@ class PromptDataset(torch.utils.data.Dataset):
                     prompt = check_messages(prompt, where, prompt_field)
             if isinstance(prompt, list) and not apply_chat_template:
                 raise DataError(f"{where}: a message-list prompt needs apply_chat_template=true")
-            reference = self._reference(src, i, reference_field, reference_required)
+            reference = rec.get(reference_field)
+            if reference_required or reference is not None:
+                reference = require_field(src, i, reference_field, (str, int, float))
+                if isinstance(reference, bool):
+                    raise DataError(
+                        f"{where}: field {reference_field!r} must be a string or number, got bool"
+                    )
+                reference = str(reference)
             label = rec.get(label_field) if label_field else None
             label = default_label if label is None else str(label)
             media = None
@@ -116,12 +123,6 @@ class PromptDataset(torch.utils.data.Dataset):
                 apply_chat_template=apply_chat_template,
             )
             ids, _, _ = self.media.expand(ids, None, media, where)
-            if max_prompt_length is not None and len(ids) > max_prompt_length:
-                ids, text = self._over_limit(ids, max_prompt_length, where, "max_prompt_length")
-                if ids is None:
-                    dropped += 1
-                    continue
-                truncated += 1
             item = {
                 "prompt_ids": ids,
                 "prompt": text,
@@ -129,12 +130,12 @@ class PromptDataset(torch.utils.data.Dataset):
                 "messages": with_system(prompt, system_prompt) if apply_chat_template else None,
                 "reference": reference,
                 "label": label,
-                "index": len(self.items),
                 "where": where,
             }
             if self.media.kinds:
                 item["media"] = media  # decoded (DecodedMedia), processed in __getitem__
             self.items.append(item)
+        truncated, dropped = self._fit(max_prompt_length, "max_prompt_length")
         if not self.items:
             raise DataError(
                 f"empty dataset: all {len(src)} prompts of {self.source} are longer than "
@@ -151,21 +152,30 @@ class PromptDataset(torch.utils.data.Dataset):
         cut = f"max_prompt_length={max_prompt_length} truncated (left)"
         self.media.report(log, self.source, self.stats, "prompts", audio_dropped, cut)
 
-    def _over_limit(
-        self, ids: list[int], limit: int, where: str, key: str
-    ) -> tuple[list[int] | None, str]:
-        """A too-long prompt under this dataset's ``truncation`` policy: ``(None, "")`` to
-        drop it, the kept last ``limit`` tokens and their text, or a :class:`DataError`.
-        A prompt whose cut would lose media tokens is dropped."""
-        if self.truncation == "error":
-            raise DataError(
-                f"{where}: the prompt has {len(ids)} tokens, over {key}={limit}; shorten it, "
-                "raise the limit, or set the dataset's truncation to 'drop' or 'truncate'"
-            )
-        if self.truncation == "drop" or not self.media.kept_all(ids, ids[-limit:]):
-            return None, ""
-        ids = ids[-limit:]
-        return ids, self.tokenizer.decode(ids, skip_special_tokens=False)
+    def _fit(self, limit: int | None, key: str) -> tuple[int, int]:
+        """Apply ``truncation`` to the prompts over ``limit`` tokens (``key`` names the limit in
+        errors) and re-number ``index``; returns how many were truncated and dropped. A too-long
+        prompt is dropped, cut to its last ``limit`` tokens (and their text), or refused with a
+        :class:`DataError`; a prompt whose cut would lose media tokens is dropped."""
+        kept, truncated, dropped = [], 0, 0
+        for item in self.items:
+            ids = item["prompt_ids"]
+            if limit is not None and len(ids) > limit:
+                if self.truncation == "error":
+                    raise DataError(
+                        f"{item['where']}: the prompt has {len(ids)} tokens, over {key}={limit}; "
+                        "shorten it, raise the limit, or set the dataset's truncation to 'drop' "
+                        "or 'truncate'"
+                    )
+                if self.truncation == "drop" or not self.media.kept_all(ids, ids[-limit:]):
+                    dropped += 1
+                    continue
+                text = self.tokenizer.decode(ids[-limit:], skip_special_tokens=False)
+                item = {**item, "prompt_ids": ids[-limit:], "prompt": text}
+                truncated += 1
+            kept.append({**item, "index": len(kept)})
+        self.items = kept
+        return truncated, dropped
 
     def fit_to_engine(self, max_model_len: int, key: str = "engine.max_model_len") -> int:
         """Apply ``truncation`` to prompts the rollout engine could not take: a prompt needs
@@ -176,23 +186,14 @@ class PromptDataset(torch.utils.data.Dataset):
         limit = max_model_len - 1
         if limit < 1:
             raise ValueError(f"{key} must be >= 2 (a prompt token and a generated one)")
-        kept, truncated, dropped = [], 0, 0
-        for item in self.items:
-            if len(item["prompt_ids"]) > limit:
-                ids, text = self._over_limit(item["prompt_ids"], limit, item["where"], f"{key}-1")
-                if ids is None:
-                    dropped += 1
-                    continue
-                item = {**item, "prompt_ids": ids, "prompt": text}
-                truncated += 1
-            kept.append({**item, "index": len(kept)})
-        if not kept:
+        n = len(self.items)
+        truncated, dropped = self._fit(limit, f"{key}-1")
+        if not self.items:
             raise DataError(
-                f"empty dataset: all {len(self.items)} prompts of {self.source} are longer than "
+                f"empty dataset: all {n} prompts of {self.source} are longer than "
                 f"{key}-1={limit} tokens; raise {key} or use truncation='truncate'"
             )
-        self.items = kept
-        self.stats["prompts"] = len(kept)
+        self.stats["prompts"] = len(self.items)
         self.stats["engine_truncated"] = truncated
         self.stats["engine_dropped"] = dropped
         if truncated or dropped:
@@ -205,16 +206,6 @@ class PromptDataset(torch.utils.data.Dataset):
                 dropped,
             )
         return truncated + dropped
-
-    @staticmethod
-    def _reference(src, i: int, field: str, required: bool) -> str | None:
-        rec = src[i]
-        if not required and rec.get(field) is None:
-            return None
-        value = require_field(src, i, field, (str, int, float))
-        if isinstance(value, bool):
-            raise DataError(f"{src.where(i)}: field {field!r} must be a string or number, got bool")
-        return str(value)
 
     def __len__(self) -> int:
         return len(self.items)

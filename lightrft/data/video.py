@@ -123,14 +123,6 @@ def video_patches(
 _LOCAL = threading.local()
 
 
-def _reformatter(av):
-    """A per-thread PyAV reformatter: it keeps its swscale context between frames of one size
-    (a frame's own ``to_ndarray(format=...)`` sets one up per frame, 6x slower here)."""
-    if getattr(_LOCAL, "reformatter", None) is None:
-        _LOCAL.reformatter = av.video.reformatter.VideoReformatter()
-    return _LOCAL.reformatter
-
-
 def _read_file(path: Path, where: str, field: str) -> tuple[list[np.ndarray], float]:
     """All RGB frames of a video file and its frame rate (PyAV)."""
     try:
@@ -146,7 +138,11 @@ def _read_file(path: Path, where: str, field: str) -> tuple[list[np.ndarray], fl
                 raise DataError(f"{where}: {field}: {path} has no video stream")
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
-            convert = _reformatter(av)
+            # A per-thread PyAV reformatter: it keeps its swscale context between frames of one
+            # size (a frame's own ``to_ndarray(format=...)`` sets one up per frame, 6x slower).
+            if getattr(_LOCAL, "reformatter", None) is None:
+                _LOCAL.reformatter = av.video.reformatter.VideoReformatter()
+            convert = _LOCAL.reformatter
             frames = [
                 convert.reformat(f, format="rgb24").to_ndarray() for f in container.decode(stream)
             ]

@@ -198,11 +198,7 @@ class ImageProcessor:
         if grid is not None:
             merge = int(self.processor.image_processor.merge_size)
             counts = [int(n) for n in (grid.prod(-1) // merge**2).tolist()]
-        else:
-            counts = [self._fixed_count(pixels)] * len(images)
-        return ImageInputs(list(images), pixels, grid, counts, dict(self.kwargs))
-
-    def _fixed_count(self, pixels: torch.Tensor) -> int:
+            return ImageInputs(list(images), pixels, grid, counts, dict(self.kwargs))
         # LLaVA-style: one token per patch (+ CLS unless the 'default' strategy drops it).
         proc = self.processor
         patch = getattr(proc, "patch_size", None)
@@ -215,4 +211,4 @@ class ImageProcessor:
         n = (h // patch) * (w // patch) + int(getattr(proc, "num_additional_image_tokens", 0))
         if getattr(proc, "vision_feature_select_strategy", None) == "default":
             n -= 1
-        return n
+        return ImageInputs(list(images), pixels, grid, [n] * len(images), dict(self.kwargs))

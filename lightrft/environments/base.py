@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 from lightrft.config import Bound
+from lightrft.data.templates import prompt_turns
 
 Message = dict[str, Any]  # a chat message: {"role": ..., "content": ...}
 OBSERVATION_ROLES = ("tool", "user")
@@ -75,10 +76,6 @@ class EpisodeStats:
     reward: float = 0.0  # sum of the per-turn rewards
     truncated: bool = False
 
-    def count(self, errors: Mapping[ErrorKind, int]) -> None:
-        for kind, n in errors.items():
-            self.errors[kind] = self.errors.get(kind, 0) + n
-
 
 def aggregate_stats(stats: Sequence[EpisodeStats], prefix: str = "env/") -> dict[str, float]:
     """Means over episodes (turns, tool calls, the share of episodes with a tool call, errors
@@ -130,15 +127,13 @@ class Environment:
         message."""
         self.stats = EpisodeStats()
         messages = item.get("messages")
-        if messages is None:
-            prompt = item.get("prompt")
-            if prompt is None:
-                raise ValueError(
-                    f"{type(self).__name__}.reset: the item has neither 'messages' nor 'prompt' "
-                    f"(keys: {sorted(item)})"
-                )
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return [dict(m) for m in messages]
+        prompt = messages if messages is not None else item.get("prompt")
+        if prompt is None:
+            raise ValueError(
+                f"{type(self).__name__}.reset: the item has neither 'messages' nor 'prompt' "
+                f"(keys: {sorted(item)})"
+            )
+        return prompt_turns(prompt)
 
     def step(self, assistant_text: str) -> Step:
         """Answer one assistant turn."""
@@ -207,7 +202,8 @@ def _checked_step(fn, cls_name: str):
             raise ValueError(f"{where}: a Step that is not done needs an observation")
         stats = self.__dict__.setdefault("stats", EpisodeStats())
         stats.turns += 1
-        stats.count(out.errors)
+        for kind, n in out.errors.items():
+            stats.errors[kind] = stats.errors.get(kind, 0) + n
         stats.reward += out.reward or 0.0
         if not out.done and stats.turns >= self.max_turns:
             stats.truncated = True  # the budget ends it; the observation is never shown

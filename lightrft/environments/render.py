@@ -37,8 +37,8 @@ def _render(tokenizer: Any, messages: list[Message], tools: ToolsArg, generation
     )
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def _encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False, **kwargs)["input_ids"])
 
 
 def _probe_reply(tokenizer: Any) -> str:
@@ -125,7 +125,14 @@ def observation_ids(
     before = _render(tokenizer, convo, tools, False)
     prefix = before[: before.rfind(_SENTINEL) + len(_SENTINEL)] + end
     messages = [dict(m) for m in observation_messages]
-    forged = _control_text(tokenizer, messages)
+    # The messages whose text holds a control token's string (``<|im_end|>``): a tool's output
+    # is data, and must not open or close turns in the model's context.
+    tokens = _added_tokens(tokenizer)
+    forged = [
+        i
+        for i, m in enumerate(messages)
+        if isinstance(m.get("content"), str) and any(t in m["content"] for t in tokens)
+    ]
     for i in forged:  # render placeholders, and encode each content as plain text between them
         messages[i]["content"] = _placeholder(i)
     after = _render(tokenizer, [*convo, *messages], tools, True)
@@ -143,9 +150,9 @@ def observation_ids(
                 messages[j]["content"] = _defuse(tokenizer, observation_messages[j]["content"])
             after = _render(tokenizer, [*convo, *messages], tools, True)
             return _encode(tokenizer, after[len(prefix) :])
-        ids += _encode(tokenizer, head) + _encode_text(
-            tokenizer, observation_messages[i]["content"]
-        )
+        # the content as plain text: a control token's string in it becomes ordinary tokens
+        text = observation_messages[i]["content"]
+        ids += _encode(tokenizer, head) + _encode(tokenizer, text, split_special_tokens=True)
     return ids + _encode(tokenizer, rest)
 
 
@@ -156,24 +163,8 @@ def _added_tokens(tokenizer: Any) -> list[str]:
     return sorted((n for n in names if n), key=len, reverse=True)
 
 
-def _control_text(tokenizer: Any, messages: list[Message]) -> list[int]:
-    """Which observation messages' text holds a control token's string (``<|im_end|>``): a tool's
-    output is data, and must not open or close turns in the model's context."""
-    tokens = _added_tokens(tokenizer)
-    return [
-        i
-        for i, m in enumerate(messages)
-        if isinstance(m.get("content"), str) and any(t in m["content"] for t in tokens)
-    ]
-
-
 def _placeholder(i: int) -> str:
     return f"\ue000observation-{i}-7c4d\ue001"  # private-use characters no template writes
-
-
-def _encode_text(tokenizer: Any, text: str) -> list[int]:
-    """``text`` as plain text: a control token's string in it becomes ordinary tokens."""
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 def _defuse(tokenizer: Any, text: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
@@ -59,11 +60,9 @@ class ToolEnvironment(Environment):
         if not calls:
             return Step(done=True)
         results = self._run(calls)
-        errors: dict[ErrorKind, int] = {}
+        errors = dict(Counter(r.error for r in results if r.error is not None))
         observation: list[Message] = []
         for call, result in zip(calls, results, strict=True):
-            if result.error is not None:
-                errors[result.error] = errors.get(result.error, 0) + 1
             message: Message = {"role": "tool", "content": result.text}
             if isinstance(call, ToolCall):
                 message["name"] = call.name

@@ -378,15 +378,11 @@ def _format(x: Fraction) -> str:
         whole, frac = divmod(digits, 10**places)
         if len(str(whole)) + places <= MAX_DIGITS:
             return f"{sign}{whole}.{frac:0{places}d}"
-    return f"{x.numerator}/{x.denominator} (about {_approx(x)})"
-
-
-def _approx(x: Fraction) -> str:
-    """``x`` to 12 significant digits; Decimal, since a bounded fraction may overflow a float."""
+    # about x: 12 significant digits; Decimal, since a bounded fraction may overflow a float
     with decimal.localcontext() as ctx:
         ctx.prec = 12
-        value = (decimal.Decimal(x.numerator) / decimal.Decimal(x.denominator)).normalize()
-    return f"{value:.12g}"
+        about = (decimal.Decimal(x.numerator) / decimal.Decimal(x.denominator)).normalize()
+    return f"{x.numerator}/{x.denominator} (about {about:.12g})"
 
 
 def calculator_tool(timeout: float = 5.0) -> Tool:
@@ -419,11 +415,6 @@ _SANDBOX_SLOTS: dict[int, threading.BoundedSemaphore] = {}
 _SLOTS_LOCK = threading.Lock()
 
 
-def _sandbox_slots(n: int) -> threading.BoundedSemaphore:
-    with _SLOTS_LOCK:
-        return _SANDBOX_SLOTS.setdefault(n, threading.BoundedSemaphore(n))
-
-
 def python_tool(
     timeout: float = 5.0,
     memory_mb: int = 1024,
@@ -444,7 +435,9 @@ def python_tool(
     """
     if max_concurrent < 1:
         raise ValueError(f"python_tool: max_concurrent must be >= 1, got {max_concurrent}")
-    slots = _sandbox_slots(int(max_concurrent))
+    n = int(max_concurrent)
+    with _SLOTS_LOCK:
+        slots = _SANDBOX_SLOTS.setdefault(n, threading.BoundedSemaphore(n))
     from lightrft.rewards.code import CodeVerifier, TestCase
 
     sandbox = CodeVerifier(

@@ -183,9 +183,7 @@ def check_transcript(
             msg["content"] = ""  # OpenAI's `content: null` beside tool calls
         if role == "tool" and not isinstance(msg.get("content"), str):
             # A tool's JSON result, shown as the ToolEnvironment shows one (json.dumps).
-            text = as_text(msg.get("content"))
-            if text is not None:
-                msg["content"] = text
+            msg["content"] = as_text(msg.get("content"))
         if not isinstance(msg.get("content"), str):
             raise DataError(f"{at}.content must be a string (tool transcripts are text)")
         if role == "assistant" and k == 0:
