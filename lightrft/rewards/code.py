@@ -189,7 +189,6 @@ class RunResult:
 
     passed: bool
     status: str  # "ok", "wrong", "error", "timeout"
-    seconds: float
     stdout: str = ""
 
 
@@ -252,7 +251,6 @@ class CodeVerifier:
         """Run ``program`` on one test in the sandbox."""
         isolate = self._isolate()
         plan = _plan(test.code) if test.code is not None else None
-        start = time.monotonic()
         tmp = tempfile.mkdtemp(prefix="lightrft-code-")
         work = os.path.join(tmp, "work")  # the program's directory: holds nothing of ours
         os.mkdir(work, 0o700)
@@ -321,9 +319,8 @@ class CodeVerifier:
             self._read_status(Path(tmp, "status.json"), isolate)
             out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
             report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
-            secs = time.monotonic() - start
             if code is None:  # timed out
-                return RunResult(False, "timeout", secs)
+                return RunResult(False, "timeout")
             # Passed: exit status 0, and the output matches (stdin/stdout) or every assert was
             # reported and held (a report over max_output_bytes fails).
             if code != 0:
@@ -333,7 +330,7 @@ class CodeVerifier:
             else:
                 ok = len(report) <= self.max_output_bytes and code_asserts.judge(plan, report)[0]
             status = "ok" if ok else "wrong" if code == 0 else "error"
-            return RunResult(ok, status, secs, out.decode(errors="replace"))
+            return RunResult(ok, status, out.decode(errors="replace"))
         finally:
             for fd in (job_r, job_w):
                 if fd >= 0:
@@ -413,7 +410,7 @@ class CodeVerifier:
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         self._isolate()  # refuses before any run where isolation is required but impossible
-        jobs, owner = [], []
+        programs, cases, owner = [], [], []
         for i, s in enumerate(samples):
             try:
                 tests = parse_tests(s.reference)
@@ -425,14 +422,11 @@ class CodeVerifier:
             except (ValueError, TypeError) as e:
                 raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
             program = extract_code(s.response)
-            for t in tests:
-                jobs.append((program, t))
-                owner.append(i)
-        if self.workers == 1 or len(jobs) <= 1:
-            results = [self.run(p, t) for p, t in jobs]
-        else:
-            with ThreadPoolExecutor(self.workers) as ex:
-                results = list(ex.map(lambda pt: self.run(*pt), jobs))
+            programs += [program] * len(tests)
+            cases += tests
+            owner += [i] * len(tests)
+        with ThreadPoolExecutor(self.workers) as ex:
+            results = list(ex.map(self.run, programs, cases))
         passed: list[list[bool]] = [[] for _ in samples]
         for i, r in zip(owner, results, strict=True):
             passed[i].append(r.passed)
