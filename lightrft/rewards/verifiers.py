@@ -273,12 +273,7 @@ class MathVerifier:
         for plain numbers, else a worker within ``timeout``."""
         self.last_refusals = []
         texts = [self._math_verify_text(r) for r in responses]
-        verdicts: list[bool | None] = []
-        for text, ref in zip(texts, references, strict=True):
-            if self._refused(("response", text), ("reference", ref)):
-                verdicts.append(False)
-            else:
-                verdicts.append(self._fast_response(text, ref))
+        verdicts = [self._fast_response(t, r) for t, r in zip(texts, references, strict=True)]
         todo = [i for i, v in enumerate(verdicts) if v is None]
         pairs = [(texts[i], math_verify_reference(references[i])) for i in todo]
         for i, verdict in zip(todo, self._pool.judge_many(pairs), strict=True):
@@ -286,9 +281,11 @@ class MathVerifier:
         return verdicts
 
     def _fast_response(self, text: str, reference: str) -> bool | None:
-        """The verdict without math-verify when the response's answer and the reference are
-        both plain numbers (:func:`~lightrft.rewards.math_answer.plain_number_answer`), else
-        ``None``."""
+        """The verdict without math-verify: ``False`` for a text or reference past the size bound
+        (:meth:`_refused`), a comparison when the response's answer and the reference are both
+        plain numbers (:func:`~lightrft.rewards.math_answer.plain_number_answer`), else ``None``."""
+        if self._refused(("response", text), ("reference", reference)):
+            return False
         pred = plain_number_answer(text)
         # The reference as math-verify gets it: a GSM8K `#### N` boxed, else the whole reference
         # (a solution with several boxes is a set, not its last box).
