@@ -263,8 +263,6 @@ class EquivalencePool:
 
     def _map(self, fn, items: Sequence) -> list:
         """``fn(*item)`` of each item, up to ``workers`` at a time, in order."""
-        if self.workers == 1 or len(items) <= 1:
-            return [fn(*item) for item in items]
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(self.workers) as ex:
