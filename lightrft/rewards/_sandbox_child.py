@@ -18,7 +18,8 @@ it never runs the program with less isolation than asked. Without ``"isolate"`` 
 (and, where allowed, a new network namespace) apply. What the launcher could not apply goes to
 the JSON status file named in the settings, outside the working directory.
 
-The harness gets the program (and the rewritten assert test) through a pipe, never a file.
+The harness gets the program (and the rewritten assert test) first on its stdin pipe, never
+through a file; what follows is the program's input.
 """
 
 import ctypes
@@ -121,13 +122,12 @@ def _reporter(fd):
 
 def _main():
     import json, os, sys
-    job_fd, report_fd = int(sys.argv[1]), int(sys.argv[2])
-    chunks = []
-    while chunk := os.read(job_fd, 1 << 16):
-        chunks.append(chunk)
-    os.close(job_fd)
-    job = json.loads(b"".join(chunks))
-    del chunks
+    job_bytes, report_fd = int(sys.argv[1]), int(sys.argv[2])
+    data = bytearray()  # the job, read from stdin; the rest of stdin is the program's
+    while len(data) < job_bytes and (chunk := os.read(0, job_bytes - len(data))):
+        data += chunk
+    job = json.loads(data)
+    del data
     import builtins
     clean = dict(builtins.__dict__)  # taken before the program can replace a builtin
     run, build = exec, compile
@@ -329,7 +329,7 @@ def main() -> None:
                 _write(os.path.join(cfg[key], "cgroup.procs"), str(os.getpid()))
             except OSError:
                 status["missing"].append(key)
-    argv = [sys.executable, "-I", "-c", HARNESS, str(cfg["job_fd"]), str(cfg["report_fd"])]
+    argv = [sys.executable, "-I", "-c", HARNESS, str(cfg["job_bytes"]), str(cfg["report_fd"])]
     if cfg["isolate"]:
         _write(cfg["status"], json.dumps(status))
         try:

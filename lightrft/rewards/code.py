@@ -45,7 +45,8 @@ and each ``assert`` rewritten so that the sandbox only computes the sub-expressi
 on the program (``assert f(3) == 9`` sends ``f(3)``; the 9 stays here) and reports their values
 through a pipe as tagged JSON data; this process evaluates each condition itself. A test passes
 when the run exits 0, every assert site reported at least once, and every report satisfied its
-condition. The program and the rewritten test reach the harness through a pipe, never a file.
+condition. The program and the rewritten test reach the harness through its stdin pipe, ahead
+of a stdin test's input, never through a file.
 So a program that patches ``exec`` or ``compile``, exits early, prints, inspects the stack,
 reads its directory or ``/proc/self/fd/0``, or writes forged reports into the pipe controls at
 most the values it was asked for: the same as hard-coding a function's answers, which only
@@ -276,8 +277,10 @@ class CodeVerifier:
                 "controller), so memory_mb bounds each process of a run, not the run: a run may "
                 "use memory_mb * max_processes",
             )
-        job_r, job_w = os.pipe()
-        feeders = []
+        job = {"program": program, "test": plan.sandbox_source if plan else None}
+        job_json = json.dumps(job).encode()  # on stdin, ahead of a stdin test's input
+        stdin = job_json if plan else job_json + (test.stdin or "").encode()
+        feeder = None
         try:
             with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
                 settings = {
@@ -290,26 +293,20 @@ class CodeVerifier:
                     "no_network": self.no_network,
                     "isolate": isolate,
                     "status": os.path.join(tmp, "status.json"),
-                    "job_fd": job_r,
+                    "job_bytes": len(job_json),
                     "report_fd": frep.fileno(),
                 }
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", _CHILD, json.dumps(settings)],
                     cwd=work,
-                    stdin=subprocess.DEVNULL if plan is not None else subprocess.PIPE,
+                    stdin=subprocess.PIPE,
                     stdout=fout,
                     stderr=subprocess.DEVNULL,
                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"},
                     start_new_session=True,  # its own process group and session, to kill
-                    pass_fds=(job_r, frep.fileno()),
+                    pass_fds=(frep.fileno(),),
                 )
-            os.close(job_r)
-            job_r = -1
-            job = {"program": program, "test": plan.sandbox_source if plan else None}
-            feeders.append(_feed(os.fdopen(job_w, "wb"), json.dumps(job).encode()))
-            job_w = -1
-            if plan is None:
-                feeders.append(_feed(proc.stdin, (test.stdin or "").encode()))
+            feeder = _feed(proc.stdin, stdin)
             try:
                 code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
             except subprocess.TimeoutExpired:
@@ -332,11 +329,8 @@ class CodeVerifier:
             status = "ok" if ok else "wrong" if code == 0 else "error"
             return RunResult(ok, status, out.decode(errors="replace"))
         finally:
-            for fd in (job_r, job_w):
-                if fd >= 0:
-                    os.close(fd)
-            for t in feeders:
-                t.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
+            if feeder is not None:
+                feeder.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
             shutil.rmtree(tmp, ignore_errors=True)
             for group in (cgroup, memory_cgroup):
                 if group is not None:
