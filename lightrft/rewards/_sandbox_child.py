@@ -263,21 +263,6 @@ def _apply_limits(limits: list[tuple[int, int, int]], missing: list[str]) -> Non
             missing.append(f"rlimit {what}")
 
 
-def _isolated_child(work: str, as_root: bool, limits) -> None:
-    """In PID 1 of the new namespaces: mounts, then drop privileges and apply the limits."""
-    _setup_mounts(work)
-    if as_root:
-        os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
-    _ok(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
-    _ok(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
-    missing: list[str] = []
-    _apply_limits(limits, missing)
-    if missing:
-        raise OSError(f"could not apply {missing}")
-
-
 def run_isolated(argv: list[str], cfg: dict) -> int:
     """Run ``argv`` as PID 1 of new namespaces; its exit status (125: the setup failed)."""
     uid, gid = os.getuid(), os.getgid()
@@ -295,9 +280,19 @@ def run_isolated(argv: list[str], cfg: dict) -> int:
     err_r, err_w = os.pipe()  # close-on-exec: EOF without data means the exec happened
     pid = os.fork()
     if pid == 0:
-        try:
+        try:  # in PID 1 of the new namespaces: mounts, then drop privileges and apply the limits
             os.close(err_r)
-            _isolated_child(work, as_root, limits)
+            _setup_mounts(work)
+            if as_root:
+                os.setgroups([])
+                os.setresgid(NOBODY, NOBODY, NOBODY)
+                os.setresuid(NOBODY, NOBODY, NOBODY)
+            _ok(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+            _ok(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
+            missing: list[str] = []
+            _apply_limits(limits, missing)
+            if missing:
+                raise OSError(f"could not apply {missing}")
             os.execv(argv[0], argv)
         except BaseException as e:  # noqa: BLE001 - reported to the launcher, never run on
             with suppress(OSError):
