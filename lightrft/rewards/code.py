@@ -313,7 +313,7 @@ class CodeVerifier:
                 code = None
             self._kill_all(proc.pid, cgroup)
             proc.wait()
-            self._read_status(Path(tmp, "status.json"), isolate)
+            self._read_status(Path(tmp, "status.json"))
             out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
             report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
             if code is None:  # timed out
@@ -350,7 +350,7 @@ class CodeVerifier:
         return False
 
     @staticmethod
-    def _read_status(path: Path, isolated: bool) -> None:
+    def _read_status(path: Path) -> None:
         """Raise the launcher's setup error; warn once per limit it could not apply."""
         try:
             status = json.loads(path.read_text())
@@ -358,17 +358,8 @@ class CodeVerifier:
             return
         if status.get("error"):
             raise RuntimeError(f"CodeVerifier: {status['error']}")
-        missing = status.get("missing", [])
-        # isolated only: the one fallback warning already says the network may be reachable
-        if isolated and "network" in missing:
-            _warn_once(
-                "network",
-                "CodeVerifier: cannot create a network namespace here (needs CAP_SYS_ADMIN); "
-                "sandboxed code can use the network. Set no_network=False to silence this",
-            )
-        for m in missing:
-            if m.startswith("rlimit") or m in ("cgroup", "memory_cgroup"):
-                _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
+        for m in status.get("missing", []):
+            _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
 
     @staticmethod
     def _kill_all(pid: int, cgroup: str | None) -> None:
