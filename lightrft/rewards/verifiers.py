@@ -156,9 +156,20 @@ class MathVerifier:
         self.incorrect = float(incorrect)
         self.strip_think = strip_think
         self.symbolic = self.default_symbolic if symbolic is None else bool(symbolic)
-        self.extraction = _resolve_extraction(
-            extraction, self.default_extraction, self.symbolic, extractors is not None
-        )
+        if extraction is None:  # the default of the class docstring, else a clear error
+            extraction = (
+                self.default_extraction if self.symbolic and extractors is None else "rules"
+            )
+        elif extraction not in ("math_verify", "rules"):
+            raise ValueError(f"extraction must be 'math_verify' or 'rules', got {extraction!r}")
+        elif extraction == "math_verify" and not self.symbolic:
+            raise ValueError("extraction='math_verify' runs math-verify, so it needs symbolic=True")
+        elif extraction == "math_verify" and extractors is not None:
+            raise ValueError(
+                "extractors are the rules of extraction='rules'; with extraction='math_verify' "
+                "math-verify finds the answer: pass one or the other"
+            )
+        self.extraction: Extraction = extraction
         self.last_refusals: list[str] = []  # why answers of the last call were refused
         self._pool = None
         if self.symbolic:
@@ -293,24 +304,6 @@ class MathVerifier:
         if pred is None or ref is None:
             return None
         return answers_match(pred, ref)
-
-
-def _resolve_extraction(
-    extraction: str | None, default: Extraction, symbolic: bool, extractors_given: bool
-) -> Extraction:
-    """The extraction a verifier uses (see :class:`MathVerifier`), or a clear error."""
-    if extraction is None:
-        return default if symbolic and not extractors_given else "rules"
-    if extraction not in ("math_verify", "rules"):
-        raise ValueError(f"extraction must be 'math_verify' or 'rules', got {extraction!r}")
-    if extraction == "math_verify" and not symbolic:
-        raise ValueError("extraction='math_verify' runs math-verify, so it needs symbolic=True")
-    if extraction == "math_verify" and extractors_given:
-        raise ValueError(
-            "extractors are the rules of extraction='rules'; with extraction='math_verify' "
-            "math-verify finds the answer: pass one or the other"
-        )
-    return extraction
 
 
 class GSM8KVerifier(MathVerifier):
