@@ -328,12 +328,11 @@ def main() -> None:
     if cfg["isolate"]:
         _write(cfg["status"], json.dumps(status))
         try:
-            code = run_isolated(argv, cfg)
+            os._exit(run_isolated(argv, cfg))  # 0-255, or 128 + the signal that ended it
         except OSError as e:
             status["error"] = str(e)
             _write(cfg["status"], json.dumps(status))
             os._exit(125)
-        os._exit(code if 0 <= code < 256 else 1)
     if cfg.get("no_network"):  # where allowed: the fallback warning says the network may be open
         _libc.unshare(CLONE_NEWNET)
     _apply_limits(_limits(cfg, os.getuid()), status["missing"])
