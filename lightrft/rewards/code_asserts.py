@@ -42,50 +42,14 @@ _MAX_DEPTH = 64
 _MAX_ITEMS = 1_000_000  # sequence * int, and other results built here
 _MAX_POW_BITS = 1 << 16
 
-_SAFE_FUNCS: dict[str, Any] = {
-    f.__name__: f
-    for f in (
-        abs,
-        len,
-        round,
-        sorted,
-        set,
-        list,
-        tuple,
-        sum,
-        min,
-        max,
-        all,
-        any,
-        frozenset,
-        int,
-        float,
-        str,
-        bool,
-        dict,
-        range,
-        zip,
-        enumerate,
-        reversed,
-    )
-}
 _MATH = {"isclose": math.isclose, "inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e}
-# A program-dependent argument of these is sent whole (``list(f(x))``), so an iterator or a
-# generator that the program returns is consumed in the sandbox.
-_CONSUMERS = {
-    "len",
-    "sorted",
-    "set",
-    "list",
-    "tuple",
-    "sum",
-    "min",
-    "max",
-    "all",
-    "any",
-    "frozenset",
-    "dict",
-}
+# The builtins a condition may call, each named once. A program-dependent argument of the
+# consumers is sent whole (``list(f(x))``), so an iterator or a generator that the program
+# returns is consumed in the sandbox.
+_CONSUMING = (len, sorted, set, list, tuple, sum, min, max, all, any, frozenset, dict)
+_NOT_CONSUMING = (abs, round, int, float, str, bool, range, zip, enumerate, reversed)
+_SAFE_FUNCS: dict[str, Any] = {f.__name__: f for f in (*_CONSUMING, *_NOT_CONSUMING)}
+_CONSUMERS = {f.__name__ for f in _CONSUMING}
 _KEYWORDS = {"sorted": {"reverse"}, "isclose": {"rel_tol", "abs_tol"}}
 # The operators whose result can be huge, by node type: each goes through _arith's bounds.
 _GUARDED = {
