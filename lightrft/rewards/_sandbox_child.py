@@ -172,12 +172,9 @@ def _write(path: str, text: str) -> None:
 
 def _mount_points() -> list[str]:
     """Mount points of this mount namespace, parents first."""
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            p = line.split()[4]
-            points.append(p.encode().decode("unicode_escape"))  # \040 for a space
-    return sorted(set(points), key=lambda p: p.count("/"))
+    with open("/proc/self/mountinfo") as f:  # field 5, with \040 for a space
+        points = {line.split()[4].encode().decode("unicode_escape") for line in f}
+    return sorted(points, key=lambda p: p.count("/"))
 
 
 def _mount_flags(path: str) -> int:
