@@ -398,16 +398,13 @@ class CodeVerifier:
         programs, cases, owner = [], [], []
         for i, s in enumerate(samples):
             try:
-                tests = parse_tests(s.reference)
-                if self.max_tests is not None:
-                    tests = tests[: self.max_tests]
+                tests = parse_tests(s.reference)[: self.max_tests]  # None: all
                 for t in tests:
                     if t.code is not None:
                         _plan(t.code)
             except (ValueError, TypeError) as e:
                 raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
-            program = extract_code(s.response)
-            programs += [program] * len(tests)
+            programs += [extract_code(s.response)] * len(tests)
             cases += tests
             owner += [i] * len(tests)
         with ThreadPoolExecutor(self.workers) as ex:
