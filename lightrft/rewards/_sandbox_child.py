@@ -296,9 +296,7 @@ def run_isolated(argv: list[str], cfg: dict) -> int:
                 os.write(err_w, f"{type(e).__name__}: {e}".encode()[:4000])
         os._exit(125)
     os.close(err_w)
-    err = b""
-    while chunk := os.read(err_r, 4096):
-        err += chunk
+    err = os.read(err_r, 4096)  # one write under PIPE_BUF is atomic: one read has all of it
     _, status = os.waitpid(pid, 0)
     if err:
         raise OSError(f"sandbox setup failed: {err.decode(errors='replace')}")

@@ -454,8 +454,7 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
         except OSError:
             continue  # no such root, or not allowed
         try:
-            with open(os.path.join(path, limit), "w") as f:
-                f.write(str(value))
+            Path(path, limit).write_text(str(value))
             return path
         except OSError:
             with suppress(OSError):
