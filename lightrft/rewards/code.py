@@ -70,7 +70,6 @@ MBPP form) give it nothing but its own return values.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -251,7 +250,7 @@ class CodeVerifier:
     def run(self, program: str, test: TestCase) -> RunResult:
         """Run ``program`` on one test in the sandbox."""
         isolate = self._isolate()
-        plan = _plan(test.code) if test.code is not None else None
+        plan = code_asserts.plan_asserts(test.code) if test.code is not None else None
         tmp = tempfile.mkdtemp(prefix="lightrft-code-")
         work = os.path.join(tmp, "work")  # the program's directory: holds nothing of ours
         os.mkdir(work, 0o700)
@@ -401,7 +400,7 @@ class CodeVerifier:
                 tests = parse_tests(s.reference)[: self.max_tests]  # None: all
                 for t in tests:
                     if t.code is not None:
-                        _plan(t.code)
+                        code_asserts.plan_asserts(t.code)
             except (ValueError, TypeError) as e:
                 raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
             programs += [extract_code(s.response)] * len(tests)
@@ -460,11 +459,6 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
             with suppress(OSError):
                 os.rmdir(path)
     return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan(code: str) -> code_asserts.AssertPlan:
-    return code_asserts.plan_asserts(code)
 
 
 def _feed(pipe: BinaryIO, data: bytes) -> threading.Thread:

@@ -81,6 +81,7 @@ class _Probe(Exception):
     """A value the condition needs could not be computed or sent (the assert fails)."""
 
 
+@functools.lru_cache(maxsize=4096)  # a test block's plan, made once: it never changes
 def plan_asserts(source: str) -> AssertPlan:
     """Split a test block; ``ValueError`` naming the line where it is not valid Python."""
     try:
