@@ -18,7 +18,8 @@ it never runs the program with less isolation than asked. Without ``"isolate"`` 
 (and, where allowed, a new network namespace) apply. What the launcher could not apply goes to
 the JSON status file named in the settings, outside the working directory.
 
-The harness gets the program (and the rewritten assert test) through a pipe, never a file.
+The harness gets the program (and the rewritten assert test) first on its stdin pipe, never
+through a file; what follows is the program's input.
 """
 
 import ctypes
@@ -121,13 +122,12 @@ def _reporter(fd):
 
 def _main():
     import json, os, sys
-    job_fd, report_fd = int(sys.argv[1]), int(sys.argv[2])
-    chunks = []
-    while chunk := os.read(job_fd, 1 << 16):
-        chunks.append(chunk)
-    os.close(job_fd)
-    job = json.loads(b"".join(chunks))
-    del chunks
+    job_bytes, report_fd = int(sys.argv[1]), int(sys.argv[2])
+    data = bytearray()  # the job, read from stdin; the rest of stdin is the program's
+    while len(data) < job_bytes and (chunk := os.read(0, job_bytes - len(data))):
+        data += chunk
+    job = json.loads(data)
+    del data
     import builtins
     clean = dict(builtins.__dict__)  # taken before the program can replace a builtin
     run, build = exec, compile
@@ -172,12 +172,9 @@ def _write(path: str, text: str) -> None:
 
 def _mount_points() -> list[str]:
     """Mount points of this mount namespace, parents first."""
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            p = line.split()[4]
-            points.append(p.encode().decode("unicode_escape"))  # \040 for a space
-    return sorted(set(points), key=lambda p: p.count("/"))
+    with open("/proc/self/mountinfo") as f:  # field 5, with \040 for a space
+        points = {line.split()[4].encode().decode("unicode_escape") for line in f}
+    return sorted(points, key=lambda p: p.count("/"))
 
 
 def _mount_flags(path: str) -> int:
@@ -263,21 +260,6 @@ def _apply_limits(limits: list[tuple[int, int, int]], missing: list[str]) -> Non
             missing.append(f"rlimit {what}")
 
 
-def _isolated_child(work: str, as_root: bool, limits) -> None:
-    """In PID 1 of the new namespaces: mounts, then drop privileges and apply the limits."""
-    _setup_mounts(work)
-    if as_root:
-        os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
-    _ok(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
-    _ok(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
-    missing: list[str] = []
-    _apply_limits(limits, missing)
-    if missing:
-        raise OSError(f"could not apply {missing}")
-
-
 def run_isolated(argv: list[str], cfg: dict) -> int:
     """Run ``argv`` as PID 1 of new namespaces; its exit status (125: the setup failed)."""
     uid, gid = os.getuid(), os.getgid()
@@ -295,18 +277,26 @@ def run_isolated(argv: list[str], cfg: dict) -> int:
     err_r, err_w = os.pipe()  # close-on-exec: EOF without data means the exec happened
     pid = os.fork()
     if pid == 0:
-        try:
+        try:  # in PID 1 of the new namespaces: mounts, then drop privileges and apply the limits
             os.close(err_r)
-            _isolated_child(work, as_root, limits)
+            _setup_mounts(work)
+            if as_root:
+                os.setgroups([])
+                os.setresgid(NOBODY, NOBODY, NOBODY)
+                os.setresuid(NOBODY, NOBODY, NOBODY)
+            _ok(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+            _ok(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
+            missing: list[str] = []
+            _apply_limits(limits, missing)
+            if missing:
+                raise OSError(f"could not apply {missing}")
             os.execv(argv[0], argv)
         except BaseException as e:  # noqa: BLE001 - reported to the launcher, never run on
             with suppress(OSError):
                 os.write(err_w, f"{type(e).__name__}: {e}".encode()[:4000])
         os._exit(125)
     os.close(err_w)
-    err = b""
-    while chunk := os.read(err_r, 4096):
-        err += chunk
+    err = os.read(err_r, 4096)  # one write under PIPE_BUF is atomic: one read has all of it
     _, status = os.waitpid(pid, 0)
     if err:
         raise OSError(f"sandbox setup failed: {err.decode(errors='replace')}")
@@ -329,18 +319,17 @@ def main() -> None:
                 _write(os.path.join(cfg[key], "cgroup.procs"), str(os.getpid()))
             except OSError:
                 status["missing"].append(key)
-    argv = [sys.executable, "-I", "-c", HARNESS, str(cfg["job_fd"]), str(cfg["report_fd"])]
+    argv = [sys.executable, "-I", "-c", HARNESS, str(cfg["job_bytes"]), str(cfg["report_fd"])]
     if cfg["isolate"]:
         _write(cfg["status"], json.dumps(status))
         try:
-            code = run_isolated(argv, cfg)
+            os._exit(run_isolated(argv, cfg))  # 0-255, or 128 + the signal that ended it
         except OSError as e:
             status["error"] = str(e)
             _write(cfg["status"], json.dumps(status))
             os._exit(125)
-        os._exit(code if 0 <= code < 256 else 1)
-    if cfg.get("no_network") and _libc.unshare(CLONE_NEWNET) != 0:
-        status["missing"].append("network")
+    if cfg.get("no_network"):  # where allowed: the fallback warning says the network may be open
+        _libc.unshare(CLONE_NEWNET)
     _apply_limits(_limits(cfg, os.getuid()), status["missing"])
     _write(cfg["status"], json.dumps(status))
     os.execv(argv[0], argv)

@@ -45,7 +45,8 @@ and each ``assert`` rewritten so that the sandbox only computes the sub-expressi
 on the program (``assert f(3) == 9`` sends ``f(3)``; the 9 stays here) and reports their values
 through a pipe as tagged JSON data; this process evaluates each condition itself. A test passes
 when the run exits 0, every assert site reported at least once, and every report satisfied its
-condition. The program and the rewritten test reach the harness through a pipe, never a file.
+condition. The program and the rewritten test reach the harness through its stdin pipe, ahead
+of a stdin test's input, never through a file.
 So a program that patches ``exec`` or ``compile``, exits early, prints, inspects the stack,
 reads its directory or ``/proc/self/fd/0``, or writes forged reports into the pipe controls at
 most the values it was asked for: the same as hard-coding a function's answers, which only
@@ -69,7 +70,6 @@ MBPP form) give it nothing but its own return values.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -189,7 +189,6 @@ class RunResult:
 
     passed: bool
     status: str  # "ok", "wrong", "error", "timeout"
-    seconds: float
     stdout: str = ""
 
 
@@ -251,8 +250,7 @@ class CodeVerifier:
     def run(self, program: str, test: TestCase) -> RunResult:
         """Run ``program`` on one test in the sandbox."""
         isolate = self._isolate()
-        plan = _plan(test.code) if test.code is not None else None
-        start = time.monotonic()
+        plan = code_asserts.plan_asserts(test.code) if test.code is not None else None
         tmp = tempfile.mkdtemp(prefix="lightrft-code-")
         work = os.path.join(tmp, "work")  # the program's directory: holds nothing of ours
         os.mkdir(work, 0o700)
@@ -278,8 +276,10 @@ class CodeVerifier:
                 "controller), so memory_mb bounds each process of a run, not the run: a run may "
                 "use memory_mb * max_processes",
             )
-        job_r, job_w = os.pipe()
-        feeders = []
+        job = {"program": program, "test": plan.sandbox_source if plan else None}
+        job_json = json.dumps(job).encode()  # on stdin, ahead of a stdin test's input
+        stdin = job_json if plan else job_json + (test.stdin or "").encode()
+        feeder = None
         try:
             with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
                 settings = {
@@ -292,38 +292,31 @@ class CodeVerifier:
                     "no_network": self.no_network,
                     "isolate": isolate,
                     "status": os.path.join(tmp, "status.json"),
-                    "job_fd": job_r,
+                    "job_bytes": len(job_json),
                     "report_fd": frep.fileno(),
                 }
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", _CHILD, json.dumps(settings)],
                     cwd=work,
-                    stdin=subprocess.DEVNULL if plan is not None else subprocess.PIPE,
+                    stdin=subprocess.PIPE,
                     stdout=fout,
                     stderr=subprocess.DEVNULL,
                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"},
                     start_new_session=True,  # its own process group and session, to kill
-                    pass_fds=(job_r, frep.fileno()),
+                    pass_fds=(frep.fileno(),),
                 )
-            os.close(job_r)
-            job_r = -1
-            job = {"program": program, "test": plan.sandbox_source if plan else None}
-            feeders.append(_feed(os.fdopen(job_w, "wb"), json.dumps(job).encode()))
-            job_w = -1
-            if plan is None:
-                feeders.append(_feed(proc.stdin, (test.stdin or "").encode()))
+            feeder = _feed(proc.stdin, stdin)
             try:
                 code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
             except subprocess.TimeoutExpired:
                 code = None
             self._kill_all(proc.pid, cgroup)
             proc.wait()
-            self._read_status(Path(tmp, "status.json"), isolate)
+            self._read_status(Path(tmp, "status.json"))
             out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
             report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
-            secs = time.monotonic() - start
             if code is None:  # timed out
-                return RunResult(False, "timeout", secs)
+                return RunResult(False, "timeout")
             # Passed: exit status 0, and the output matches (stdin/stdout) or every assert was
             # reported and held (a report over max_output_bytes fails).
             if code != 0:
@@ -333,13 +326,10 @@ class CodeVerifier:
             else:
                 ok = len(report) <= self.max_output_bytes and code_asserts.judge(plan, report)[0]
             status = "ok" if ok else "wrong" if code == 0 else "error"
-            return RunResult(ok, status, secs, out.decode(errors="replace"))
+            return RunResult(ok, status, out.decode(errors="replace"))
         finally:
-            for fd in (job_r, job_w):
-                if fd >= 0:
-                    os.close(fd)
-            for t in feeders:
-                t.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
+            if feeder is not None:
+                feeder.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
             shutil.rmtree(tmp, ignore_errors=True)
             for group in (cgroup, memory_cgroup):
                 if group is not None:
@@ -359,7 +349,7 @@ class CodeVerifier:
         return False
 
     @staticmethod
-    def _read_status(path: Path, isolated: bool) -> None:
+    def _read_status(path: Path) -> None:
         """Raise the launcher's setup error; warn once per limit it could not apply."""
         try:
             status = json.loads(path.read_text())
@@ -367,17 +357,8 @@ class CodeVerifier:
             return
         if status.get("error"):
             raise RuntimeError(f"CodeVerifier: {status['error']}")
-        missing = status.get("missing", [])
-        # isolated only: the one fallback warning already says the network may be reachable
-        if isolated and "network" in missing:
-            _warn_once(
-                "network",
-                "CodeVerifier: cannot create a network namespace here (needs CAP_SYS_ADMIN); "
-                "sandboxed code can use the network. Set no_network=False to silence this",
-            )
-        for m in missing:
-            if m.startswith("rlimit") or m in ("cgroup", "memory_cgroup"):
-                _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
+        for m in status.get("missing", []):
+            _warn_once(m, f"CodeVerifier: could not apply the sandbox limit {m!r}")
 
     @staticmethod
     def _kill_all(pid: int, cgroup: str | None) -> None:
@@ -413,26 +394,20 @@ class CodeVerifier:
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         self._isolate()  # refuses before any run where isolation is required but impossible
-        jobs, owner = [], []
+        programs, cases, owner = [], [], []
         for i, s in enumerate(samples):
             try:
-                tests = parse_tests(s.reference)
-                if self.max_tests is not None:
-                    tests = tests[: self.max_tests]
+                tests = parse_tests(s.reference)[: self.max_tests]  # None: all
                 for t in tests:
                     if t.code is not None:
-                        _plan(t.code)
+                        code_asserts.plan_asserts(t.code)
             except (ValueError, TypeError) as e:
                 raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
-            program = extract_code(s.response)
-            for t in tests:
-                jobs.append((program, t))
-                owner.append(i)
-        if self.workers == 1 or len(jobs) <= 1:
-            results = [self.run(p, t) for p, t in jobs]
-        else:
-            with ThreadPoolExecutor(self.workers) as ex:
-                results = list(ex.map(lambda pt: self.run(*pt), jobs))
+            programs += [extract_code(s.response)] * len(tests)
+            cases += tests
+            owner += [i] * len(tests)
+        with ThreadPoolExecutor(self.workers) as ex:
+            results = list(ex.map(self.run, programs, cases))
         passed: list[list[bool]] = [[] for _ in samples]
         for i, r in zip(owner, results, strict=True):
             passed[i].append(r.passed)
@@ -478,18 +453,12 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
         except OSError:
             continue  # no such root, or not allowed
         try:
-            with open(os.path.join(path, limit), "w") as f:
-                f.write(str(value))
+            Path(path, limit).write_text(str(value))
             return path
         except OSError:
             with suppress(OSError):
                 os.rmdir(path)
     return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan(code: str) -> code_asserts.AssertPlan:
-    return code_asserts.plan_asserts(code)
 
 
 def _feed(pipe: BinaryIO, data: bytes) -> threading.Thread:

@@ -42,65 +42,21 @@ _MAX_DEPTH = 64
 _MAX_ITEMS = 1_000_000  # sequence * int, and other results built here
 _MAX_POW_BITS = 1 << 16
 
-_SAFE_FUNCS: dict[str, Any] = {
-    f.__name__: f
-    for f in (
-        abs,
-        len,
-        round,
-        sorted,
-        set,
-        list,
-        tuple,
-        sum,
-        min,
-        max,
-        all,
-        any,
-        frozenset,
-        int,
-        float,
-        str,
-        bool,
-        dict,
-        range,
-        zip,
-        enumerate,
-        reversed,
-    )
-}
 _MATH = {"isclose": math.isclose, "inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e}
-# A program-dependent argument of these is sent whole (``list(f(x))``), so an iterator or a
-# generator that the program returns is consumed in the sandbox.
-_CONSUMERS = {
-    "len",
-    "sorted",
-    "set",
-    "list",
-    "tuple",
-    "sum",
-    "min",
-    "max",
-    "all",
-    "any",
-    "frozenset",
-    "dict",
-}
+# The builtins a condition may call, each named once. A program-dependent argument of the
+# consumers is sent whole (``list(f(x))``), so an iterator or a generator that the program
+# returns is consumed in the sandbox.
+_CONSUMING = (len, sorted, set, list, tuple, sum, min, max, all, any, frozenset, dict)
+_NOT_CONSUMING = (abs, round, int, float, str, bool, range, zip, enumerate, reversed)
+_SAFE_FUNCS: dict[str, Any] = {f.__name__: f for f in (*_CONSUMING, *_NOT_CONSUMING)}
+_CONSUMERS = {f.__name__ for f in _CONSUMING}
 _KEYWORDS = {"sorted": {"reverse"}, "isclose": {"rel_tol", "abs_tol"}}
-# The operators the parent evaluates, by node type: the splitter keeps these nodes here.
-_BINOPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
+# The operators whose result can be huge, by node type: each goes through _arith's bounds.
+_GUARDED = {
     ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
     ast.LShift: operator.lshift,
-    ast.RShift: operator.rshift,
-    ast.BitOr: operator.or_,
-    ast.BitXor: operator.xor,
-    ast.BitAnd: operator.and_,
 }
 
 
@@ -125,6 +81,7 @@ class _Probe(Exception):
     """A value the condition needs could not be computed or sent (the assert fails)."""
 
 
+@functools.lru_cache(maxsize=4096)  # a test block's plan, made once: it never changes
 def plan_asserts(source: str) -> AssertPlan:
     """Split a test block; ``ValueError`` naming the line where it is not valid Python."""
     try:
@@ -243,7 +200,7 @@ def _split(
         return ast.BoolOp(node.op, [rec(v) for v in node.values])
     if isinstance(node, ast.UnaryOp):
         return ast.UnaryOp(node.op, rec(node.operand))
-    if isinstance(node, ast.BinOp) and isinstance(node.op, tuple(_BINOPS)):
+    if isinstance(node, ast.BinOp) and not isinstance(node.op, ast.MatMult):
         return ast.BinOp(rec(node.left), node.op, rec(node.right))
     if isinstance(node, ast.IfExp):
         return ast.IfExp(rec(node.test), rec(node.body), rec(node.orelse))
@@ -324,7 +281,7 @@ def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
 # ---------------------------------------------------------------- values sent as data
 
 _INT = re.compile(r"-?\d+")
-_COLLECTIONS = {"l": list, "t": tuple, "S": set, "F": frozenset}
+_COLLECTIONS = {"l": list, "t": tuple, "S": set, "F": frozenset, "d": dict}
 
 
 def decode(obj: Any, depth: int = 0) -> Any:
@@ -349,17 +306,10 @@ def decode(obj: Any, depth: int = 0) -> Any:
     if tag == "x" and isinstance(p, str):  # not plain data, or it raised: fails where used
         return _Unusable(p)
     if tag in _COLLECTIONS and isinstance(p, list):
-        items = [decode(x, depth + 1) for x in p]
+        # a dict's items are its [key, value] pairs, each read as a tuple at the dict's depth
+        items = [decode(["t", x], depth) if tag == "d" else decode(x, depth + 1) for x in p]
         bad = [x for x in items if isinstance(x, _Unusable)]
         return bad[0] if bad else _COLLECTIONS[tag](items)
-    if (
-        tag == "d"
-        and isinstance(p, list)
-        and all(isinstance(kv, list) and len(kv) == 2 for kv in p)
-    ):
-        pairs = [(decode(k, depth + 1), decode(v, depth + 1)) for k, v in p]
-        bad = [x for kv in pairs for x in kv if isinstance(x, _Unusable)]
-        return bad[0] if bad else dict(pairs)
     raise ValueError(f"bad tagged value {tag!r}")
 
 
@@ -396,10 +346,10 @@ def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
     """Whether ``condition`` holds for the reported ``values``, evaluated by Python itself: every
     node of a condition is one of :data:`_STRUCTURE` (:func:`_parent_only` checks the parts kept
     whole, :func:`_split` builds the rest of them), its names are the safe functions, ``math``,
-    comprehension variables and placeholders (no builtins), so plain data in, plain data out. Each
-    arithmetic operation, ``range`` and ``round`` go through bounds checks (values come from the
-    program); a value that is not plain data is left undefined, so the condition fails where it
-    needs it."""
+    comprehension variables and placeholders (no builtins), so plain data in, plain data out. The
+    operations that can build a huge result (:data:`_GUARDED`), ``range`` and ``round`` go through
+    bounds checks (values come from the program); a value that is not plain data is left
+    undefined, so the condition fails where it needs it."""
     env = {**_ENV, "__builtins__": {}, _ITEMS: _counted([_MAX_ITEMS])}
     env.update((_VALUE.format(i), v) for i, v in enumerate(values) if not isinstance(v, _Unusable))
     try:
@@ -410,12 +360,14 @@ def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _compiled(condition: ast.Expression) -> CodeType:
-    """``condition`` with each arithmetic operation ``a + b`` rewritten to
-    ``__lightrft_arith__("Add", a, b)`` and each comprehension's iterable ``it`` to
+    """``condition`` with each operation of :data:`_GUARDED` ``a * b`` rewritten to
+    ``__lightrft_arith__("Mult", a, b)`` and each comprehension's iterable ``it`` to
     ``__lightrft_items__(it)``, compiled."""
 
     class Arith(ast.NodeTransformer):
-        def visit_BinOp(self, n: ast.BinOp) -> ast.Call:
+        def visit_BinOp(self, n: ast.BinOp) -> ast.expr:
+            if type(n.op) not in _GUARDED:
+                return self.generic_visit(n)
             op = ast.Constant(type(n.op).__name__)
             return ast.Call(
                 ast.Name(_ARITH, ast.Load()), [op, *map(self.visit, (n.left, n.right))], []
@@ -450,7 +402,7 @@ def _arith(name: str, a: Any, b: Any) -> Any:
                     raise _Probe("repetition too large")
     if op is ast.Mod and isinstance(a, (str, bytes)):
         raise _Probe("% formatting")  # formatting could build huge strings
-    return _BINOPS[op](a, b)
+    return _GUARDED[op](a, b)
 
 
 def _counted(budget: list[int]) -> Any:

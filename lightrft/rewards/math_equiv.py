@@ -108,11 +108,10 @@ def judge_response(text: str, gold: str) -> Verdict:
 
 
 # One worker request by its name (no time limit: run only inside a worker): two answer strings
-# equal, a response's answer equal to a gold text's, or the answer a response commits to.
+# equal, or a response's answer equal to a gold text's (with the answer a response commits to).
 _REQUESTS = {
     "equal": lambda pred, ref: Verdict(symbolic_equal(pred, ref)),
     "judge": judge_response,
-    "extract": lambda text: Verdict(False, _answer_string(_parse_text(text))),
 }
 
 
@@ -234,9 +233,8 @@ class EquivalencePool:
 
     def extract(self, text: str) -> str | None:
         """The answer math-verify extracts from the response ``text`` (``None``: none found, or
-        not within ``timeout``)."""
-        verdict = self._ask("extract", (text,))
-        return None if verdict is None else verdict.answer
+        not within ``timeout``): a :meth:`judge` against no gold answer."""
+        return self.judge(text, "").answer
 
     def _ask(self, op: str, args: Sequence[str]) -> Verdict | None:
         """One request on an idle worker (started if need be), within ``timeout``; ``None`` if
@@ -263,8 +261,6 @@ class EquivalencePool:
 
     def _map(self, fn, items: Sequence) -> list:
         """``fn(*item)`` of each item, up to ``workers`` at a time, in order."""
-        if self.workers == 1 or len(items) <= 1:
-            return [fn(*item) for item in items]
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(self.workers) as ex:

@@ -156,9 +156,20 @@ class MathVerifier:
         self.incorrect = float(incorrect)
         self.strip_think = strip_think
         self.symbolic = self.default_symbolic if symbolic is None else bool(symbolic)
-        self.extraction = _resolve_extraction(
-            extraction, self.default_extraction, self.symbolic, extractors is not None
-        )
+        if extraction is None:  # the default of the class docstring, else a clear error
+            extraction = (
+                self.default_extraction if self.symbolic and extractors is None else "rules"
+            )
+        elif extraction not in ("math_verify", "rules"):
+            raise ValueError(f"extraction must be 'math_verify' or 'rules', got {extraction!r}")
+        elif extraction == "math_verify" and not self.symbolic:
+            raise ValueError("extraction='math_verify' runs math-verify, so it needs symbolic=True")
+        elif extraction == "math_verify" and extractors is not None:
+            raise ValueError(
+                "extractors are the rules of extraction='rules'; with extraction='math_verify' "
+                "math-verify finds the answer: pass one or the other"
+            )
+        self.extraction: Extraction = extraction
         self.last_refusals: list[str] = []  # why answers of the last call were refused
         self._pool = None
         if self.symbolic:
@@ -273,12 +284,7 @@ class MathVerifier:
         for plain numbers, else a worker within ``timeout``."""
         self.last_refusals = []
         texts = [self._math_verify_text(r) for r in responses]
-        verdicts: list[bool | None] = []
-        for text, ref in zip(texts, references, strict=True):
-            if self._refused(("response", text), ("reference", ref)):
-                verdicts.append(False)
-            else:
-                verdicts.append(self._fast_response(text, ref))
+        verdicts = [self._fast_response(t, r) for t, r in zip(texts, references, strict=True)]
         todo = [i for i, v in enumerate(verdicts) if v is None]
         pairs = [(texts[i], math_verify_reference(references[i])) for i in todo]
         for i, verdict in zip(todo, self._pool.judge_many(pairs), strict=True):
@@ -286,9 +292,11 @@ class MathVerifier:
         return verdicts
 
     def _fast_response(self, text: str, reference: str) -> bool | None:
-        """The verdict without math-verify when the response's answer and the reference are
-        both plain numbers (:func:`~lightrft.rewards.math_answer.plain_number_answer`), else
-        ``None``."""
+        """The verdict without math-verify: ``False`` for a text or reference past the size bound
+        (:meth:`_refused`), a comparison when the response's answer and the reference are both
+        plain numbers (:func:`~lightrft.rewards.math_answer.plain_number_answer`), else ``None``."""
+        if self._refused(("response", text), ("reference", reference)):
+            return False
         pred = plain_number_answer(text)
         # The reference as math-verify gets it: a GSM8K `#### N` boxed, else the whole reference
         # (a solution with several boxes is a set, not its last box).
@@ -296,24 +304,6 @@ class MathVerifier:
         if pred is None or ref is None:
             return None
         return answers_match(pred, ref)
-
-
-def _resolve_extraction(
-    extraction: str | None, default: Extraction, symbolic: bool, extractors_given: bool
-) -> Extraction:
-    """The extraction a verifier uses (see :class:`MathVerifier`), or a clear error."""
-    if extraction is None:
-        return default if symbolic and not extractors_given else "rules"
-    if extraction not in ("math_verify", "rules"):
-        raise ValueError(f"extraction must be 'math_verify' or 'rules', got {extraction!r}")
-    if extraction == "math_verify" and not symbolic:
-        raise ValueError("extraction='math_verify' runs math-verify, so it needs symbolic=True")
-    if extraction == "math_verify" and extractors_given:
-        raise ValueError(
-            "extractors are the rules of extraction='rules'; with extraction='math_verify' "
-            "math-verify finds the answer: pass one or the other"
-        )
-    return extraction
 
 
 class GSM8KVerifier(MathVerifier):
