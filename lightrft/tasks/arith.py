@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lightrft.config import at_least
-from lightrft.data.io import write_jsonl
-from lightrft.tasks.made import META, derive_splits, ensure_made
+from lightrft.tasks.made import META, derive_splits, ensure_made, write_made
 
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
@@ -173,12 +172,7 @@ def write_arith_dataset(
             sloppy = _dropped_carry(rec["answer"], 10**digits, answer_order == "reversed")
             if sloppy is not None and rng.random() < dropped_carry:
                 train[j] = {**rec, "completion": sloppy}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "train.jsonl", train)
-    write_jsonl(out / "test.jsonl", test)
-    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
-    return out
+    return write_made(Path(out_dir), [("train", train), ("test", test)], settings)
 
 
 def _dropped_carry(answer: str, top: int, reversed_order: bool) -> str | None:

@@ -17,7 +17,6 @@ it with their default field names. ``N`` has thousands separators removed (``1,0
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -31,15 +30,14 @@ from lightrft.data.io import (
     load_records,
     made_with,
     require_field,
-    write_jsonl,
 )
+from lightrft.tasks.made import write_made
 
 SYSTEM_PROMPT = (
     "Solve the math word problem step by step. "
     "End with the final answer, a number only, in \\boxed{}."
 )
 _CALC = re.compile(r"<<[^>]*>>")
-META = "meta.json"
 
 
 def _record(src: Records, i: int, system_prompt: str) -> dict[str, Any]:
@@ -82,13 +80,9 @@ def prepare_gsm8k(
     """
     converted = {s: convert_gsm8k(load_records(src, split=s), system_prompt) for s in splits}
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {split: out_dir / f"{split}.jsonl" for split in converted}
-    for split, records in converted.items():
-        write_jsonl(written[split], records)
     meta = {"src": str(Path(src).resolve()), "splits": list(splits), "system_prompt": system_prompt}
-    (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
-    return written
+    write_made(out_dir, converted.items(), meta)
+    return {split: out_dir / f"{split}.jsonl" for split in converted}
 
 
 def ensure_gsm8k(

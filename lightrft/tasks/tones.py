@@ -27,7 +27,6 @@ stayed at chance after 300 SFT steps, while this per-tone question is learnt in 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -35,8 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from lightrft.data.io import write_jsonl
-from lightrft.tasks.made import META, ensure_made
+from lightrft.tasks.made import ensure_made, write_made
 
 SPLITS = ("train", "rl", "test")
 
@@ -103,6 +101,7 @@ def write_tones_dataset(
         raise ValueError(f"top_heard_lower must be in [0, 1], got {sloppy}")
     out = Path(out_dir)
     (out / "audio").mkdir(parents=True, exist_ok=True)
+    splits = []
     for k, split in enumerate(SPLITS):
         rng = np.random.default_rng([int(seed), k])
         # Its own stream, so the clips are the same whatever the teacher's habit.
@@ -126,9 +125,8 @@ def write_tones_dataset(
                     "label": "pitch",
                 }
             )
-        write_jsonl(out / f"{split}.jsonl", records)
-    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
-    return out
+        splits.append((split, records))
+    return write_made(out, splits, settings)
 
 
 def ensure_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
