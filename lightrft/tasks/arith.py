@@ -35,16 +35,6 @@ def _norm_ops(ops: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))  # dedupe, keep order
 
 
-def _check(digits: int, min_digits: int, terms: int, style: str) -> None:
-    if not 1 <= min_digits <= digits:
-        raise ValueError(
-            f"need 1 <= min_digits <= digits, got min_digits={min_digits}, digits={digits}"
-        )
-    at_least("terms", terms, 2)
-    if style not in STYLES:
-        raise ValueError(f"style must be one of {list(STYLES)}, got {style!r}")
-
-
 def _evaluate(operands: list[int], operators: list[str]) -> int:
     """Value with the usual precedence (``*`` before ``+``/``-``), left to right otherwise."""
     terms, signs = [operands[0]], [1]
@@ -67,10 +57,6 @@ def _problem(
         if allow_negative or value >= 0:
             expr = "".join(f"{a}{op}" for a, op in zip(operands, operators, strict=False))
             return expr + str(operands[-1]), value
-
-
-def _space(lo: int, hi: int, n_ops: int, terms: int) -> int:
-    return (hi - lo + 1) ** terms * n_ops ** (terms - 1)
 
 
 def arith_records(
@@ -96,7 +82,13 @@ def arith_records(
     people add, and a tiny transformer generalises it to unseen problems.
     """
     ops_ = _norm_ops(ops)
-    _check(digits, min_digits, terms, style)
+    if not 1 <= min_digits <= digits:
+        raise ValueError(
+            f"need 1 <= min_digits <= digits, got min_digits={min_digits}, digits={digits}"
+        )
+    at_least("terms", terms, 2)
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {list(STYLES)}, got {style!r}")
     if answer_order not in ANSWER_ORDERS:
         raise ValueError(f"answer_order must be one of {list(ANSWER_ORDERS)}, got {answer_order!r}")
     if answer_order == "reversed" and (allow_negative or ops_ != ("+",)):
@@ -105,11 +97,12 @@ def arith_records(
     lo = 0 if min_digits == 1 else 10 ** (min_digits - 1)
     hi = 10**digits - 1
     exclude = exclude or set()
-    if n + len(exclude) > _space(lo, hi, len(ops_), terms) // 2:
+    space = (hi - lo + 1) ** terms * len(ops_) ** (terms - 1)
+    if n + len(exclude) > space // 2:
         raise ValueError(
             f"asked for {n} distinct problems (plus {len(exclude)} excluded) but digits={digits}, "
             f"min_digits={min_digits}, terms={terms}, ops={list(ops_)} allow only about "
-            f"{_space(lo, hi, len(ops_), terms)}: ask for fewer or raise digits/terms"
+            f"{space}: ask for fewer or raise digits/terms"
         )
     width = len(str(terms * hi))  # the longest possible sum
     rng = random.Random(seed)
