@@ -62,11 +62,6 @@ def _record(src: Records, i: int, system_prompt: str) -> dict[str, Any]:
     }
 
 
-def convert_gsm8k(src: Records, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, Any]]:
-    """Our records from raw GSM8K records; errors name the file and line."""
-    return [_record(src, i, system_prompt) for i in range(len(src))]
-
-
 def prepare_gsm8k(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -78,7 +73,9 @@ def prepare_gsm8k(
 
     Returns the written file of each split.
     """
-    converted = {s: convert_gsm8k(load_records(src, split=s), system_prompt) for s in splits}
+    # Our records from the raw ones; errors name the file and line.
+    raw = {s: load_records(src, split=s) for s in splits}
+    converted = {s: [_record(r, i, system_prompt) for i in range(len(r))] for s, r in raw.items()}
     out_dir = Path(out)
     meta = {"src": str(Path(src).resolve()), "splits": list(splits), "system_prompt": system_prompt}
     write_made(out_dir, converted.items(), meta)
