@@ -237,8 +237,7 @@ class RolloutLink:
 
     def bye(self) -> None:
         """Trainer: the run is over (after every batch was received); waits for the answer."""
-        self.send(_Bye())
-        self.flush()
+        self.answer_bye()
         self.receive(_Bye, "the generator's goodbye")
 
     def answer_bye(self) -> None:
