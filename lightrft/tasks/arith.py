@@ -47,18 +47,6 @@ def _evaluate(operands: list[int], operators: list[str]) -> int:
     return sum(s * t for s, t in zip(signs, terms, strict=True))
 
 
-def _problem(
-    rng: random.Random, lo: int, hi: int, ops: tuple[str, ...], terms: int, allow_negative: bool
-) -> tuple[str, int]:
-    while True:
-        operands = [rng.randint(lo, hi) for _ in range(terms)]
-        operators = [rng.choice(ops) for _ in range(terms - 1)]
-        value = _evaluate(operands, operators)
-        if allow_negative or value >= 0:
-            expr = "".join(f"{a}{op}" for a, op in zip(operands, operators, strict=False))
-            return expr + str(operands[-1]), value
-
-
 def arith_records(
     n: int,
     *,
@@ -109,7 +97,13 @@ def arith_records(
     seen: set[str] = set(exclude)
     out = []
     while len(out) < n:
-        expr, value = _problem(rng, lo, hi, ops_, terms, allow_negative)
+        operands = [rng.randint(lo, hi) for _ in range(terms)]
+        operators = [rng.choice(ops_) for _ in range(terms - 1)]
+        value = _evaluate(operands, operators)
+        if value < 0 and not allow_negative:
+            continue
+        expr = "".join(f"{a}{op}" for a, op in zip(operands, operators, strict=False))
+        expr += str(operands[-1])
         prompt = f"{expr}=" if style == "equation" else f"What is {expr}?"
         if prompt in seen:
             continue
