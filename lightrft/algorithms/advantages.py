@@ -370,11 +370,9 @@ def compute_advantages(
     group estimators without a return target.
     """
     spec = check_estimator(estimator, options)
-    valid = _check_mask(mask)
+    valid = _check_mask(mask, token_rewards)
     if rewards is None and token_rewards is None:
         raise ValueError("compute_advantages needs rewards [B] or token_rewards [B, T]")
-    if token_rewards is not None:
-        _check_mask(mask, token_rewards)
     fn = spec.fn
     if spec.kind in ("token", "value"):
         if token_rewards is None:

@@ -26,7 +26,7 @@ from lightrft.algorithms.mismatch import (
     icepop_mask,
     mismatch_metrics,
 )
-from lightrft.algorithms.shaping import overlong_penalty
+from lightrft.algorithms.shaping import DynamicSamplingAccumulator, overlong_penalty
 from lightrft.config import Section, option, section
 
 
@@ -350,6 +350,6 @@ class AlgorithmConfig(Section):
                 "algorithm.shaping.dynamic_sampling.max_draws is set but dynamic sampling is "
                 "disabled"
             )
-        if shaping.dynamic and n < 2:
-            raise ValueError("dynamic sampling needs rollout.n >= 2")
+        if shaping.dynamic:
+            DynamicSamplingAccumulator(1, n)  # its group-size rule
         return replace(shaping, overlong=over)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightrft.algorithms.advantages import to_token_rewards
-from lightrft.algorithms.losses import LOG_RATIO_CLAMP, aggregate
+from lightrft.algorithms.losses import LOG_RATIO_CLAMP, aggregate, check_shape, upcast
 
 KINDS = ("k1", "abs", "k2", "k3", "k3+")
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -41,13 +41,8 @@ def estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor
             f"unknown KL estimator {kind!r}; choose one of {list(KINDS)} "
             f"(or the aliases {list(ALIASES)})"
         )
-    if ref_logprobs.shape != logprobs.shape:
-        raise ValueError(
-            f"ref_logprobs shape {tuple(ref_logprobs.shape)} must match logprobs "
-            f"{tuple(logprobs.shape)}"
-        )
-    if not logprobs.is_floating_point() or logprobs.dtype in (torch.float16, torch.bfloat16):
-        logprobs = logprobs.float()
+    check_shape(ref_logprobs, logprobs, "ref_logprobs", "logprobs")
+    logprobs = upcast(logprobs)
     ref = ref_logprobs.to(logprobs.dtype)
     diff = logprobs - ref  # [B, T]
     if kind == "k1":
@@ -77,8 +72,7 @@ def kl_in_reward(
     ``AdaptiveKLController.update``) and ``kl_coef``.
     """
     valid = mask != 0
-    if kl.shape != mask.shape:
-        raise ValueError(f"kl shape {tuple(kl.shape)} must match mask {tuple(mask.shape)}")
+    check_shape(kl, mask, "kl", "mask")
     kl = torch.where(valid, kl.detach(), 0.0)
     if rewards.ndim == 1:
         token_rewards = to_token_rewards(rewards, mask)

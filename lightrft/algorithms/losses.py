@@ -31,7 +31,7 @@ Number = float | int | Tensor
 # --------------------------------------------------------------------------- helpers
 
 
-def _upcast(x: Tensor) -> Tensor:
+def upcast(x: Tensor) -> Tensor:
     """Loss math in at least fp32: ratios of bf16 log-probs are too coarse to clip."""
     return x.float() if x.dtype in _LOW_PRECISION or not x.is_floating_point() else x
 
@@ -45,7 +45,7 @@ def _valid(mask: Tensor, like: Tensor, name: str = "mask") -> Tensor:
     return mask != 0
 
 
-def _check_shape(t: Tensor, like: Tensor, name: str, what: str) -> None:
+def check_shape(t: Tensor, like: Tensor, name: str, what: str) -> None:
     if t.shape != like.shape:
         raise ValueError(f"{name} shape {tuple(t.shape)} must match {what} {tuple(like.shape)}")
 
@@ -164,9 +164,9 @@ def tis_weights(
         raise ValueError(f"tis mode must be one of {list(TIS_MODES)}, got {mode!r}")
     if not cap > 0:
         raise ValueError(f"tis cap must be > 0, got {cap}")
-    old = _upcast(old_logprobs)
+    old = upcast(old_logprobs)
     valid = _valid(mask, old)
-    _check_shape(rollout_logprobs, old, "rollout_logprobs", "log-probs")
+    check_shape(rollout_logprobs, old, "rollout_logprobs", "log-probs")
     m = valid.to(old.dtype)
     log_ratio = _zero_padding(old - rollout_logprobs.to(old.dtype), valid)
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T], 0 on padding
@@ -334,9 +334,7 @@ def check_objective(
     """Raise ``ValueError`` on settings ``objective`` cannot use; return the aggregation mode
     (``agg``, or the objective's default when None). Runs on config values, no tensor."""
     spec = find_objective(objective)
-    agg = spec.defaults["agg"] if agg is None else agg
-    if agg not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode {agg!r}; choose one of {list(AGG_MODES)}")
+    agg = spec.defaults["agg"] if agg is None else agg  # an unknown mode: aggregate's error
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None:
@@ -419,7 +417,7 @@ def policy_loss(
     clips = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
     agg = check_objective(objective, agg=agg, **clips)
 
-    logprobs = _upcast(logprobs)
+    logprobs = upcast(logprobs)
     valid = _valid(mask, logprobs)
     # Zero the padding first: its value never matters, and a NaN there would otherwise come
     # back as a NaN gradient (0 * NaN) through exp and the products below.
@@ -427,7 +425,7 @@ def policy_loss(
     if old_logprobs is None:
         old = logprobs.detach()
     else:
-        _check_shape(old_logprobs, logprobs, "old_logprobs", "logprobs")
+        check_shape(old_logprobs, logprobs, "old_logprobs", "logprobs")
         old = _zero_padding(old_logprobs.detach().to(logprobs.dtype), valid)
     adv = _zero_padding(_expand_advantages(advantages.detach(), logprobs), valid)  # [B, T]
     log_ratio = (logprobs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
@@ -503,10 +501,10 @@ def value_loss(
     gives the plain squared error. Metrics: ``value_clip_frac`` (tokens where the clipped term
     is the larger one), ``value_mean``, ``value_error`` (mean squared error, unclipped).
     """
-    values = _upcast(values)
+    values = upcast(values)
     valid = _valid(mask, values)
     for name, t in (("old_values", old_values), ("returns", returns)):
-        _check_shape(t, values, name, "values")
+        check_shape(t, values, name, "values")
     values = _zero_padding(values, valid)
     old = _zero_padding(old_values.detach().to(values.dtype), valid)
     target = _zero_padding(returns.detach().to(values.dtype), valid)
@@ -551,7 +549,7 @@ def entropy_bonus(
     exploration), as verl's ``entropy_coeff`` and OpenRLHF's ``entropy_loss_coef`` do.
     ``entropy`` is the per-token entropy ``[B, T]`` of the current policy (with grad).
     """
-    entropy = _upcast(entropy)
+    entropy = upcast(entropy)
     valid = _valid(mask, entropy)
     entropy = _zero_padding(entropy, valid)
     term = -coef * aggregate(

@@ -107,16 +107,6 @@ class _Bye:
     pass
 
 
-def _pack(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _unpack(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
-
-
 @dataclass
 class RolloutLink:
     """A two-rank gloo group between trainer rank 0 (link rank 0) and the generator (1)."""
@@ -187,7 +177,10 @@ class RolloutLink:
         return data
 
     def send(self, obj: Any) -> None:
-        self.send_tensor(_pack(obj), type(obj).__name__)
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        self.send_tensor(data, type(obj).__name__)
 
     def receive(
         self, kind: type | tuple[type, ...], what: str, timeout_s: float | None = None
@@ -195,7 +188,8 @@ class RolloutLink:
         """The next message, which must be a ``kind``; ``timeout_s``: this wait's bound (default
         ``rollout.generator_timeout_s``)."""
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        obj = _unpack(self._recv_tensor(what, timeout))
+        data = self._recv_tensor(what, timeout)
+        obj = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
         if not isinstance(obj, kind):
             raise GeneratorError(f"{self.peer} sent {type(obj).__name__} instead of {what}")
         return obj
@@ -237,8 +231,7 @@ class RolloutLink:
 
     def bye(self) -> None:
         """Trainer: the run is over (after every batch was received); waits for the answer."""
-        self.send(_Bye())
-        self.flush()
+        self.answer_bye()
         self.receive(_Bye, "the generator's goodbye")
 
     def answer_bye(self) -> None:

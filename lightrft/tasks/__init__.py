@@ -7,43 +7,28 @@ answering), and tiny randomly initialised HF models.
         out_dir: outputs/data/arith
 """
 
-from lightrft.tasks.aqa import aqa_prompt, prepare_aqa
+from lightrft.tasks.aqa import prepare_aqa
 from lightrft.tasks.arith import (
     arith_records,
     ensure_arith_dataset,
     ensure_arith_judgments,
     ensure_arith_preferences,
     near_miss,
-    near_miss_text,
     write_arith_dataset,
 )
-from lightrft.tasks.calc import (
-    calc_call,
-    calc_problems,
-    calc_transcript,
-    ensure_calc_dataset,
-    write_calc_dataset,
-)
-from lightrft.tasks.gsm8k import convert_gsm8k, ensure_gsm8k, prepare_gsm8k
-from lightrft.tasks.motion import ensure_motion_dataset, write_motion_dataset
+from lightrft.tasks.calc import ensure_calc_dataset, write_calc_dataset
+from lightrft.tasks.gsm8k import ensure_gsm8k, prepare_gsm8k
+from lightrft.tasks.motion import ensure_motion_dataset
 from lightrft.tasks.shapes import (
     ensure_shapes_dataset,
     ensure_shapes_judgments,
     ensure_shapes_preferences,
-    shapes_records,
-    write_shapes_dataset,
 )
-from lightrft.tasks.tiny import char_tokenizer, ensure_tiny_model, make_tiny_model, tiny_config
-from lightrft.tasks.tones import ensure_tones_dataset, tone_band, tone_clip, write_tones_dataset
+from lightrft.tasks.tiny import ensure_tiny_model, make_tiny_model
+from lightrft.tasks.tones import ensure_tones_dataset
 
 __all__ = [
-    "aqa_prompt",
     "arith_records",
-    "calc_call",
-    "calc_problems",
-    "calc_transcript",
-    "char_tokenizer",
-    "convert_gsm8k",
     "ensure_arith_dataset",
     "ensure_arith_judgments",
     "ensure_arith_preferences",
@@ -57,16 +42,8 @@ __all__ = [
     "ensure_tones_dataset",
     "make_tiny_model",
     "near_miss",
-    "near_miss_text",
     "prepare_aqa",
     "prepare_gsm8k",
-    "shapes_records",
-    "tiny_config",
-    "tone_band",
-    "tone_clip",
     "write_arith_dataset",
     "write_calc_dataset",
-    "write_motion_dataset",
-    "write_shapes_dataset",
-    "write_tones_dataset",
 ]

@@ -16,19 +16,9 @@ relative paths are rewritten against the source directory).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 from lightrft.data.io import DataError, load_records, require_field, write_jsonl
-
-
-def aqa_prompt(question: str, choices: Sequence[str]) -> str:
-    """The user prompt of one question: the audio tag, the question, the options, the format."""
-    options = "; ".join(str(c) for c in choices)
-    return (
-        f"<audio>{question.strip()} Options: {options}. "
-        "Reply with the chosen option inside <answer></answer>."
-    )
 
 
 def prepare_aqa(
@@ -66,9 +56,12 @@ def prepare_aqa(
         path = Path(audio)
         if not path.is_absolute():
             path = Path(os.path.relpath(src_dir / path, out.parent.resolve()))
+        # The user prompt: the audio tag, the question, the options, the format.
+        options = "; ".join(str(c) for c in choices)
         rows.append(
             {
-                "prompt": aqa_prompt(question, choices),
+                "prompt": f"<audio>{question.strip()} Options: {options}. "
+                "Reply with the chosen option inside <answer></answer>.",
                 "audios": [str(path)],
                 "answer": answer,
                 "label": "choice",

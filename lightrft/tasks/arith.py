@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lightrft.config import at_least
-from lightrft.data.io import write_jsonl
-from lightrft.tasks.made import META, derive_splits, ensure_made
+from lightrft.tasks.made import META, derive_splits, ensure_made, write_made
 
 OPS = ("+", "-", "*")
 STYLES = ("equation", "question")
@@ -36,16 +35,6 @@ def _norm_ops(ops: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))  # dedupe, keep order
 
 
-def _check(digits: int, min_digits: int, terms: int, style: str) -> None:
-    if not 1 <= min_digits <= digits:
-        raise ValueError(
-            f"need 1 <= min_digits <= digits, got min_digits={min_digits}, digits={digits}"
-        )
-    at_least("terms", terms, 2)
-    if style not in STYLES:
-        raise ValueError(f"style must be one of {list(STYLES)}, got {style!r}")
-
-
 def _evaluate(operands: list[int], operators: list[str]) -> int:
     """Value with the usual precedence (``*`` before ``+``/``-``), left to right otherwise."""
     terms, signs = [operands[0]], [1]
@@ -56,22 +45,6 @@ def _evaluate(operands: list[int], operators: list[str]) -> int:
             terms.append(x)
             signs.append(1 if op == "+" else -1)
     return sum(s * t for s, t in zip(signs, terms, strict=True))
-
-
-def _problem(
-    rng: random.Random, lo: int, hi: int, ops: tuple[str, ...], terms: int, allow_negative: bool
-) -> tuple[str, int]:
-    while True:
-        operands = [rng.randint(lo, hi) for _ in range(terms)]
-        operators = [rng.choice(ops) for _ in range(terms - 1)]
-        value = _evaluate(operands, operators)
-        if allow_negative or value >= 0:
-            expr = "".join(f"{a}{op}" for a, op in zip(operands, operators, strict=False))
-            return expr + str(operands[-1]), value
-
-
-def _space(lo: int, hi: int, n_ops: int, terms: int) -> int:
-    return (hi - lo + 1) ** terms * n_ops ** (terms - 1)
 
 
 def arith_records(
@@ -97,7 +70,13 @@ def arith_records(
     people add, and a tiny transformer generalises it to unseen problems.
     """
     ops_ = _norm_ops(ops)
-    _check(digits, min_digits, terms, style)
+    if not 1 <= min_digits <= digits:
+        raise ValueError(
+            f"need 1 <= min_digits <= digits, got min_digits={min_digits}, digits={digits}"
+        )
+    at_least("terms", terms, 2)
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {list(STYLES)}, got {style!r}")
     if answer_order not in ANSWER_ORDERS:
         raise ValueError(f"answer_order must be one of {list(ANSWER_ORDERS)}, got {answer_order!r}")
     if answer_order == "reversed" and (allow_negative or ops_ != ("+",)):
@@ -106,18 +85,25 @@ def arith_records(
     lo = 0 if min_digits == 1 else 10 ** (min_digits - 1)
     hi = 10**digits - 1
     exclude = exclude or set()
-    if n + len(exclude) > _space(lo, hi, len(ops_), terms) // 2:
+    space = (hi - lo + 1) ** terms * len(ops_) ** (terms - 1)
+    if n + len(exclude) > space // 2:
         raise ValueError(
             f"asked for {n} distinct problems (plus {len(exclude)} excluded) but digits={digits}, "
             f"min_digits={min_digits}, terms={terms}, ops={list(ops_)} allow only about "
-            f"{_space(lo, hi, len(ops_), terms)}: ask for fewer or raise digits/terms"
+            f"{space}: ask for fewer or raise digits/terms"
         )
     width = len(str(terms * hi))  # the longest possible sum
     rng = random.Random(seed)
     seen: set[str] = set(exclude)
     out = []
     while len(out) < n:
-        expr, value = _problem(rng, lo, hi, ops_, terms, allow_negative)
+        operands = [rng.randint(lo, hi) for _ in range(terms)]
+        operators = [rng.choice(ops_) for _ in range(terms - 1)]
+        value = _evaluate(operands, operators)
+        if value < 0 and not allow_negative:
+            continue
+        expr = "".join(f"{a}{op}" for a, op in zip(operands, operators, strict=False))
+        expr += str(operands[-1])
         prompt = f"{expr}=" if style == "equation" else f"What is {expr}?"
         if prompt in seen:
             continue
@@ -173,12 +159,7 @@ def write_arith_dataset(
             sloppy = _dropped_carry(rec["answer"], 10**digits, answer_order == "reversed")
             if sloppy is not None and rng.random() < dropped_carry:
                 train[j] = {**rec, "completion": sloppy}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "train.jsonl", train)
-    write_jsonl(out / "test.jsonl", test)
-    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
-    return out
+    return write_made(Path(out_dir), [("train", train), ("test", test)], settings)
 
 
 def _dropped_carry(answer: str, top: int, reversed_order: bool) -> str | None:

@@ -30,8 +30,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from lightrft.data.io import write_jsonl
-from lightrft.tasks.made import META, ensure_made
+from lightrft.tasks.made import ensure_made, write_made
 
 TOOLS = ["calculator"]
 # The failed first calls of the recovering transcripts: the prompt's "=" copied into the
@@ -160,17 +159,13 @@ def write_calc_dataset(
         + ["direct"] * (n_sft - n_tool)
     )
     random.Random(~seed).shuffle(modes)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(
-        out / "sft.jsonl",
-        [calc_transcript(p, a, b, mode=m) for (p, a, b), m in zip(sft, modes, strict=True)],
-    )
+    splits = [
+        ("sft", [calc_transcript(p, a, b, mode=m) for (p, a, b), m in zip(sft, modes, strict=True)])
+    ]
     for name, problems in (("train", train), ("test", test)):
         rows = [{"prompt": p, "answer": str(a * b), "label": "calc"} for p, a, b in problems]
-        write_jsonl(out / f"{name}.jsonl", rows)
-    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
-    return out
+        splits.append((name, rows))
+    return write_made(Path(out_dir), splits, settings)
 
 
 def ensure_calc_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:

@@ -17,7 +17,6 @@ it with their default field names. ``N`` has thousands separators removed (``1,0
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -31,15 +30,14 @@ from lightrft.data.io import (
     load_records,
     made_with,
     require_field,
-    write_jsonl,
 )
+from lightrft.tasks.made import write_made
 
 SYSTEM_PROMPT = (
     "Solve the math word problem step by step. "
     "End with the final answer, a number only, in \\boxed{}."
 )
 _CALC = re.compile(r"<<[^>]*>>")
-META = "meta.json"
 
 
 def _record(src: Records, i: int, system_prompt: str) -> dict[str, Any]:
@@ -64,11 +62,6 @@ def _record(src: Records, i: int, system_prompt: str) -> dict[str, Any]:
     }
 
 
-def convert_gsm8k(src: Records, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, Any]]:
-    """Our records from raw GSM8K records; errors name the file and line."""
-    return [_record(src, i, system_prompt) for i in range(len(src))]
-
-
 def prepare_gsm8k(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -80,15 +73,13 @@ def prepare_gsm8k(
 
     Returns the written file of each split.
     """
-    converted = {s: convert_gsm8k(load_records(src, split=s), system_prompt) for s in splits}
+    # Our records from the raw ones; errors name the file and line.
+    raw = {s: load_records(src, split=s) for s in splits}
+    converted = {s: [_record(r, i, system_prompt) for i in range(len(r))] for s, r in raw.items()}
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {split: out_dir / f"{split}.jsonl" for split in converted}
-    for split, records in converted.items():
-        write_jsonl(written[split], records)
     meta = {"src": str(Path(src).resolve()), "splits": list(splits), "system_prompt": system_prompt}
-    (out_dir / META).write_text(json.dumps(meta, indent=2) + "\n")
-    return written
+    write_made(out_dir, converted.items(), meta)
+    return {split: out_dir / f"{split}.jsonl" for split in converted}
 
 
 def ensure_gsm8k(

@@ -6,7 +6,7 @@ import inspect
 import json
 import os
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,18 @@ def ensure_made(
     return write(out, **want)
 
 
+def write_made(
+    out: Path, splits: Iterable[tuple[str, Sequence[Mapping[str, Any]]]], settings: Mapping
+) -> Path:
+    """Write each ``(name, records)`` of ``splits`` to ``out/<name>.jsonl``, then a
+    ``meta.json`` recording ``settings`` (what :func:`ensure_made` compares); returns ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, records in splits:
+        write_jsonl(out / f"{name}.jsonl", records)
+    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
+    return out
+
+
 def derive_splits(
     src: Path,
     out: Path,
@@ -50,10 +62,9 @@ def derive_splits(
     ``want``; skipped when ``out`` already holds them made with ``want``."""
     if made_with(out, ("train.jsonl", "test.jsonl"), want):
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    splits = []
     for k, split in enumerate(("train", "test")):
         rng = random.Random(want["seed"] * 2 + k)
         records = read(src / f"{split}.jsonl")
-        write_jsonl(out / f"{split}.jsonl", [row for rec in records for row in rows(rec, rng)])
-    (out / META).write_text(json.dumps(want, indent=2) + "\n")
-    return out
+        splits.append((split, [row for rec in records for row in rows(rec, rng)]))
+    return write_made(out, splits, want)

@@ -22,7 +22,6 @@ when absent or made with other settings, so a config can call it on every start.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
@@ -30,8 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from lightrft.data.io import write_jsonl
-from lightrft.tasks.made import META, ensure_made
+from lightrft.tasks.made import ensure_made, write_made
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 QUESTION = "<video>Which way does the square move? Answer left, right, up or down."
@@ -127,6 +125,7 @@ def write_motion_dataset(
     out = Path(out_dir)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     names = sorted(DIRECTIONS)
+    splits = []
     for k, (split, n) in enumerate((("train", n_train), ("test", n_test), ("rl", n_rl))):
         if split == "rl" and not n:
             continue
@@ -152,9 +151,8 @@ def write_motion_dataset(
                     "label": "motion",
                 }
             )
-        write_jsonl(out / f"{split}.jsonl", records)
-    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
-    return out
+        splits.append((split, records))
+    return write_made(out, splits, settings)
 
 
 def ensure_motion_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightrft.config import at_least
-from lightrft.data.io import write_jsonl
-from lightrft.tasks.made import META, derive_splits, ensure_made
+from lightrft.tasks.made import META, derive_splits, ensure_made, write_made
 
 COLOURS = {
     "red": (220, 30, 30),
@@ -143,15 +142,15 @@ def write_shapes_dataset(
         splits.append(("rl", shapes_records(n_rl, seed=seed + 2, exclude=seen, **common)))
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
+    written = []
     for split, pairs in splits:
         records = []
         for k, (board, rec) in enumerate(pairs):
             name = f"images/{split}_{k:06d}.png"
             draw_board(board, grid, cell).save(out / name)
             records.append({**rec, "images": [name]})
-        write_jsonl(out / f"{split}.jsonl", records)
-    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
-    return out
+        written.append((split, records))
+    return write_made(out, written, settings)
 
 
 def ensure_shapes_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:

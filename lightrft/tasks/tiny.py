@@ -482,15 +482,12 @@ def _audio_config(tok, **sizes: Any):
     )
 
 
-_SETTINGS_FILE = "lightrft_tiny.json"
-
-
 def ensure_tiny_model(out_dir: str | Path, **settings: Any) -> Path:
     """:func:`make_tiny_model` unless ``out_dir`` already holds a tiny model made with these
     settings (recorded in ``lightrft_tiny.json``). Configs call it in ``prepare:`` so that a demo
     runs as it is on a fresh checkout and a rerun or a resume reuses the same model."""
     out = Path(out_dir)
-    record = out / _SETTINGS_FILE
+    record = out / "lightrft_tiny.json"
     try:
         made = json.loads(record.read_text())
     except (OSError, json.JSONDecodeError):

@@ -27,7 +27,6 @@ stayed at chance after 300 SFT steps, while this per-tone question is learnt in 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -35,27 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from lightrft.data.io import write_jsonl
-from lightrft.tasks.made import META, ensure_made
+from lightrft.tasks.made import ensure_made, write_made
 
 SPLITS = ("train", "rl", "test")
-
-
-def question(bands: int) -> str:
-    return f"<audio>How high is the tone? Answer with a number from 1 (low) to {bands} (high)."
-
-
-def _check(bands: int, low_hz: float, seconds: float, rate: int) -> None:
-    if bands < 2:
-        raise ValueError(f"bands must be >= 2, got {bands}")
-    if seconds <= 0 or rate < 1000:
-        raise ValueError(f"need seconds > 0 and rate >= 1000 Hz, got {seconds}, {rate}")
-    top = low_hz * 2**bands
-    if low_hz <= 0 or top >= rate / 2:
-        raise ValueError(
-            f"the top band edge low_hz * 2**bands = {top:g} Hz must be below the Nyquist "
-            f"frequency rate / 2 = {rate / 2:g} Hz (and low_hz > 0)"
-        )
 
 
 def tone_band(freq: float, low_hz: float, bands: int) -> int:
@@ -97,12 +78,23 @@ def write_tones_dataset(
     import soundfile as sf
 
     bands, low, rate = int(bands), float(low_hz), int(rate)
-    _check(bands, low, seconds, rate)
+    if bands < 2:
+        raise ValueError(f"bands must be >= 2, got {bands}")
+    if seconds <= 0 or rate < 1000:
+        raise ValueError(f"need seconds > 0 and rate >= 1000 Hz, got {seconds}, {rate}")
+    top = low * 2**bands
+    if low <= 0 or top >= rate / 2:
+        raise ValueError(
+            f"the top band edge low_hz * 2**bands = {top:g} Hz must be below the Nyquist "
+            f"frequency rate / 2 = {rate / 2:g} Hz (and low_hz > 0)"
+        )
+    question = f"<audio>How high is the tone? Answer with a number from 1 (low) to {bands} (high)."
     sloppy = float(top_heard_lower)
     if not 0.0 <= sloppy <= 1.0:
         raise ValueError(f"top_heard_lower must be in [0, 1], got {sloppy}")
     out = Path(out_dir)
     (out / "audio").mkdir(parents=True, exist_ok=True)
+    splits = []
     for k, split in enumerate(SPLITS):
         rng = np.random.default_rng([int(seed), k])
         # Its own stream, so the clips are the same whatever the teacher's habit.
@@ -119,16 +111,15 @@ def write_tones_dataset(
                 said = bands - 1  # the sloppy teacher's habit (see the module doc)
             records.append(
                 {
-                    "prompt": question(bands),
+                    "prompt": question,
                     "audios": [name],
                     "completion": str(said),
                     "answer": answer,
                     "label": "pitch",
                 }
             )
-        write_jsonl(out / f"{split}.jsonl", records)
-    (out / META).write_text(json.dumps(settings, indent=2) + "\n")
-    return out
+        splits.append((split, records))
+    return write_made(out, splits, settings)
 
 
 def ensure_tones_dataset(out_dir: str | os.PathLike, **settings: Any) -> Path:
