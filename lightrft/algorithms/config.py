@@ -200,7 +200,7 @@ class ShapingConfig(Section):
 class ValueConfig(Section):
     """``algorithm.value:`` (gae only): the critic's value-loss clip."""
 
-    clip: float | None = option(None, doc="default 0.5")
+    clip: float | None = option(None, gt=0, doc="default 0.5; `.inf` turns clipping off")
 
 
 @section

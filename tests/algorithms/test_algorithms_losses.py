@@ -545,3 +545,19 @@ def test_high_entropy_selection_is_batch_quantile():
     assert not high_entropy_mask(ent, torch.zeros(2, 6)).any()
     with pytest.raises(ValueError, match="rho"):
         high_entropy_mask(ent, mask, 0.0)
+
+
+def test_value_clip_inf_is_the_plain_loss_and_the_config_bounds_it():
+    """``algorithm.value.clip: null`` means the default 0.5, so ``.inf`` is how a config turns
+    clipping off: the clipped term then equals the plain one."""
+    from lightrft.algorithms.config import ValueConfig
+
+    v, old, ret = torch.randn(2, 5, dtype=D), torch.randn(2, 5, dtype=D), torch.randn(2, 5, dtype=D)
+    mask = torch.ones(2, 5)
+    plain, _ = value_loss(v, old, ret, mask, clip=None)
+    off, m = value_loss(v, old, ret, mask, clip=ValueConfig.read({"clip": math.inf}).clip)
+    assert torch.equal(off, plain) and m["value_clip_frac"].item() == 0.0
+    assert ValueConfig.read({"clip": None}).clip is None
+    for bad in (0.0, -0.2, math.nan):
+        with pytest.raises(ValueError, match="clip must be > 0"):
+            ValueConfig.read({"clip": bad})
