@@ -452,7 +452,16 @@ class NativeEngine:
         if not requests:
             return []
         prior = [len(x) for x in prefixes]
-        plen, max_new = self._lengths(prompts, params, prior)
+        # Tokens each request may still sample: its max_tokens less what a resumed request
+        # sampled before, and no further than max_model_len.
+        room = [
+            min(p.max_tokens - k, self.max_model_len - len(x))
+            for x, p, k in zip(prompts, params, prior, strict=True)
+        ]
+        # The row layout of the call: every prompt ends at slot plen (the longest prompt, a
+        # resumed response's tokens included), response token a of this call sits at slot
+        # plen + a; rows hold plen + max_new slots.
+        plen, max_new = max(len(x) for x in prompts), max(room)
         rows = self._cache_rows(params, plen + max_new)
         pool = None
         if continuation is not None:
@@ -462,7 +471,9 @@ class NativeEngine:
             check = functools.partial(
                 check_observation, vocab_size=self.vocab_size, forbidden=forbidden
             )
-            run = _Trajectories(requests, params, prompts, prior, seeds, continuation, pool, check)
+            run = _Trajectories(
+                requests, params, prompts, prior, room, seeds, continuation, pool, check
+            )
             return self._generate_all(run, rows, plen, max_new, token_budget)
         finally:
             self._media = []
@@ -530,21 +541,6 @@ class NativeEngine:
             )
         keep = max(1, self.max_model_len - p.max_tokens)
         return list(ids[-keep:])
-
-    def _lengths(
-        self, prompts: list[list[int]], params: list[SamplingParams], prior: list[int]
-    ) -> tuple[int, int]:
-        """The cache row layout of a call: every prompt ends at slot ``plen`` (the longest
-        prompt, a resumed response's tokens included), response token ``a`` of this call sits at
-        slot ``plen + a``; rows hold ``plen + max_new`` slots."""
-        plen = max(len(x) for x in prompts)
-        max_new = max(self._room(x, p, k) for x, p, k in zip(prompts, params, prior, strict=True))
-        return plen, max_new
-
-    def _room(self, prompt: list[int], p: SamplingParams, prior: int) -> int:
-        """Tokens a row may still sample: its ``max_tokens`` less what a resumed row sampled
-        before, and no further than ``max_model_len``."""
-        return min(p.max_tokens - prior, self.max_model_len - len(prompt))
 
     def _cache_rows(self, params: list[SamplingParams], length: int) -> int:
         """Cache rows of a call: at most ``max_num_seqs`` and, when ``max_kv_tokens`` is set, at
@@ -621,7 +617,7 @@ class NativeEngine:
         self, run: _Trajectories, cap: int, plen: int, max_new: int, token_budget: int | None
     ) -> list[Completion]:
         """Decode every request through ``cap`` cache rows with continuous batching (every
-        prompt ends at slot ``plen``; a row holds ``plen + max_new`` slots, see :meth:`_lengths`).
+        prompt ends at slot ``plen``; a row holds ``plen + max_new`` slots, see :meth:`generate`).
 
         Each step samples one token per active row and feeds it back; rows that finish free
         their cache rows at once, and the next waiting request (first come, first served) is
@@ -637,7 +633,6 @@ class NativeEngine:
         params = run.params
         total = plen + max_new
         state = self._row_state(run, plen)
-        run.budget = state.max_new.tolist()
         n_rows = len(run.request)
         cache = KVCache(self._kv_storage(cap, total))
         out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
@@ -919,7 +914,7 @@ class NativeEngine:
             top_k=vec([max(p.top_k, 0) for p in per_row], torch.long),
             top_p=vec([p.top_p for p in per_row]),
             # Positions left after each row's own prompt bound its response length.
-            max_new=vec([self._room(prompts[i], params[i], prior[i]) for i in req], torch.long),
+            max_new=vec(run.budget, torch.long),
             stop_ids=stop_ids.to(dev),
             pad=vec([plen - len(prompts[i]) for i in req], torch.long),
             delta=vec([0] * len(req), torch.long),
@@ -1011,9 +1006,9 @@ class _Slots:
 
 class _Trajectories:
     """A call's requests as the engine runs them (their params, the ids it prefills, the
-    tokens a resumed request sampled before, their seeds) and the host-side bookkeeping of
-    their trajectories: turn spans, where each ended and why, and the continuations running on
-    the pool."""
+    tokens a resumed request sampled before, how many it may still sample, their seeds) and the
+    host-side bookkeeping of their trajectories: turn spans, where each ended and why, and the
+    continuations running on the pool."""
 
     def __init__(
         self,
@@ -1021,6 +1016,7 @@ class _Trajectories:
         params: list[SamplingParams],
         prompts: list[list[int]],
         prior: list[int],
+        room: list[int],
         seeds: list[int],
         continuation: Continuation | None,
         pool: ThreadPoolExecutor | None,
@@ -1036,7 +1032,8 @@ class _Trajectories:
         self.requests, self.params, self.prompts, self.prior = requests, params, prompts, prior
         self.seeds = seeds
         self.max_turns = [params[i].max_turns for i in self.request]
-        self.budget: list[int] = []  # set by the engine: response budget per row
+        # Each row's response budget (assistant + observation tokens) in this call.
+        self.budget = [room[i] for i in self.request]
         self.continuation, self.pool, self.check = continuation, pool, check
         rows = len(self.request)
         self.spans: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
