@@ -656,39 +656,34 @@ class NativeEngine:
         live = tok = logits = None
         step = 0
         while True:
-            ended = False
-            if slots.active:
+            keep = slots.rows[: slots.active]  # the rows that decode on
+            if keep:
                 tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
-                ended = bool(done.any())
-                self.stats.sampled_tokens += slots.active
+                self.stats.sampled_tokens += len(keep)
             spent = token_budget is not None and self.stats.sampled_tokens >= token_budget
-            going = slots.active  # rows that decode on
-            fresh: list[int] = []  # trajectories admitted this step
-            if ended or spent:
+            if keep and (spent or bool(done.any())):
                 done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
-                for i, r in enumerate(slots.rows[: slots.active]):
+                for i, r in enumerate(keep):
                     if done_h[i]:
                         run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
-                        going -= 1
                     elif spent:  # the token budget is spent: cut after the token just sampled
                         run.finish(r, at_h[i] + 1, "partial")
+                keep = [r for i, r in enumerate(keep) if not done_h[i]]
             if spent:  # requests never admitted stay cut before their first token
                 break
             back = run.collect(block=False)
-            new = admit(cap - going - len(run.waiting) - len(back))
+            new = admit(cap - len(keep) - len(run.waiting) - len(back))
             # Wait for an observation only when nothing else can run.
-            while not (going or back or new) and run.waiting:
+            while not (keep or back or new) and run.waiting:
                 back = run.collect(block=True)
                 new = admit(cap - len(run.waiting) - len(back))
-            if not (going or back or new):
+            if not (keep or back or new):
                 assert not queue, "a request was never admitted"
                 break
-            if going and new:
+            if keep and new:
                 self.stats.admitted_while_decoding += len(new)
-            if ended or back or new:
-                keep = slots.rows[: slots.active]
-                if ended:
-                    keep = [r for i, r in enumerate(keep) if not done_h[i]]
+            fresh = [r for i in new for r in range(first_row[i], first_row[i + 1])]
+            if len(keep) < slots.active or back or fresh:
                 for r, feed, length in back:
                     obs = feed[1:]
                     out_tok[r, length : length + len(obs)] = torch.tensor(obs, device=dev)
@@ -699,40 +694,35 @@ class NativeEngine:
                 held = keep + [r for r, _, _ in back] + waiting
                 # No held row has more than plen + step + shift filled slots.
                 copy = min(total, plen + step + max((slots.shift[r] for r in held), default=0))
-                fresh = [r for i in new for r in range(first_row[i], first_row[i + 1])]
                 for r in fresh:  # the first token is sampled at the next step
                     slots.shift[r] = -(step + 1)
                 order = slots.rearrange(keep, [r for r, _, _ in back], fresh, waiting)
                 cache.reorder(order, copy)
-                if slots.keep:
-                    tok = tok[torch.tensor(order[: slots.keep], dtype=torch.long, device=dev)]
+                if keep:
+                    tok = tok[torch.tensor(order[: len(keep)], dtype=torch.long, device=dev)]
                 if fresh:
                     idx = torch.tensor(fresh, dtype=torch.long, device=dev)
                     state.shift[idx] = -(step + 1)
                     # A resumed row's stream goes on where it stopped (tokens sampled before).
                     state.kshift[idx] -= step + 1
-                    lo = slots.keep + slots.back
-                    new_logits, delta = self._prefill_prompts(cache, lo, new, run, plen, prompt_lp)
-                    # The n samples of a prompt start from copies of its prefilled row.
-                    src_rows = [k for k, i in enumerate(new) for _ in range(params[i].n)]
-                    cache.reorder([-1] * lo + [lo + k for k in src_rows], plen)
-                    src = torch.tensor(src_rows, device=dev)
-                    state.delta[idx] = delta[src]
+                    lo = len(keep) + len(back)
+                    new_logits, state.delta[idx] = self._prefill_prompts(
+                        cache, lo, new, run, plen, prompt_lp
+                    )
                 live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
                 s = _RowState(**{k: v[live] for k, v in vars(state).items()})
             else:  # nothing changed place: every active row decodes this step
-                slots.keep, slots.back, slots.keep_shift = slots.active, 0, slots.active_shift
+                slots.keep_shift = slots.active_shift
             parts = []
-            if slots.keep:
-                t = plen + step
-                parts.append(self._decode(cache, tok, s, slots.keep, t, slots.keep_shift))
+            if keep:
+                parts.append(self._decode(cache, tok, s, len(keep), plen + step, slots.keep_shift))
             if back:
                 feeds = {r: (feed, plen + length - 1) for r, feed, length in back}
-                k = slots.keep
-                rows = [feeds[r] for r in slots.rows[k : k + slots.back]]  # cache-row order
+                k = len(keep)
+                rows = [feeds[r] for r in slots.rows[k : k + len(back)]]  # cache-row order
                 parts.append(self._prefill_observations(cache, k, rows, s))
             if fresh:
-                parts.append(new_logits[src])  # [n rows, V]
+                parts.append(new_logits)  # [n rows, V]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
             self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
             step += 1
@@ -750,8 +740,10 @@ class NativeEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill the prompts of requests ``reqs`` once each into cache rows ``first...``,
         left-padded so that every prompt ends at slot ``plen``, in chunks of at most
-        ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V] and the decode
-        position offsets [U]; the asked prompt log-probs go into ``prompt_lp``."""
+        ``max_prefill_tokens`` padded tokens, then copy each prompt's row into the rows of its
+        ``n`` samples (request after request from row ``first`` on). Returns the next-token
+        logits and decode position offsets of those rows ([N, V], [N]); the asked prompt
+        log-probs go into ``prompt_lp``."""
         dev = self.device
         prompts = run.prompts
         lens = torch.tensor([len(prompts[i]) for i in reqs])
@@ -794,7 +786,10 @@ class NativeEngine:
                         logits, targets, p.temperature, max(p.top_k, 0), p.top_p
                     )
                     prompt_lp[i] = lp.tolist()
-        return self._logits(torch.cat(last_hidden)), torch.cat(deltas)
+        src_rows = [k for k, i in enumerate(reqs) for _ in range(run.params[i].n)]
+        cache.reorder([-1] * first + [first + k for k in src_rows], plen)
+        src = torch.tensor(src_rows, device=dev)
+        return self._logits(torch.cat(last_hidden))[src], torch.cat(deltas)[src]
 
     def _sample(
         self,
@@ -974,7 +969,7 @@ class _Slots:
 
     def __init__(self, trajectories: int) -> None:
         self.rows: list[int] = []
-        self.active = self.keep = self.back = 0
+        self.active = 0
         self.shift = [0] * trajectories
         self.keep_shift = self.active_shift = 0
 
@@ -997,7 +992,6 @@ class _Slots:
             order += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
         fresh = iter(new)  # only the new rows have no old cache row
         self.rows = [self.rows[j] if j >= 0 else next(fresh) for j in order]
-        self.keep, self.back = len(keep), len(back)
         self.active = len(keep) + len(back) + len(new)
         self.keep_shift = max((self.shift[r] for r in keep), default=0)
         self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
