@@ -60,7 +60,7 @@ per-request processor settings, so the engine checks that SGLang's expanded prom
 dataset's length and refuses a mismatch. Audio is not supported.
 
 **Multi-turn** uses the same rounds loop as ``VLLMEngine``
-(:func:`~lightrft.engine.external.continue_in_rounds`).
+(:meth:`~lightrft.engine.external.ExternalEngine._continue`).
 """
 
 from __future__ import annotations
