@@ -332,10 +332,6 @@ class NativeEngine:
         if "kv_cache" in tags:
             self._kv_awake = True
 
-    @property
-    def is_sleeping(self) -> bool:
-        return not (self._kv_awake and self._weights_awake)
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(hf_name, full_tensor)`` pairs into the engine (cast to its dtype and device).
