@@ -45,11 +45,13 @@ from lightrft.engine.protocol import (
 MEDIA_LOGIT_BIAS = -100.0
 
 
-def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
-    """Consecutive ranks per tensor-parallel group: ``[[0, 1], [2, 3], ...]`` for ``tp_size=2``."""
+def tp_groups(world_size: int, tp_size: int, key: str = "") -> list[list[int]]:
+    """Consecutive ranks per tensor-parallel group: ``[[0, 1], [2, 3], ...]`` for ``tp_size=2``
+    (``key``: ``"engine."`` when a config is checked)."""
     if tp_size < 1 or world_size % tp_size:
         raise ValueError(
-            f"tensor_parallel_size={tp_size} must be >= 1 and divide the world size {world_size}"
+            f"{key}tensor_parallel_size={tp_size} must be >= 1 and divide the world size "
+            f"{world_size}"
         )
     return [list(range(g * tp_size, (g + 1) * tp_size)) for g in range(world_size // tp_size)]
 
