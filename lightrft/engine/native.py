@@ -647,12 +647,11 @@ class NativeEngine:
                 taken.append(queue.popleft())
             return taken
 
-        slots = _Slots(n_rows)
         s = state  # the active rows' state, in cache-row order (set below)
         live = tok = logits = None
         step = 0
         while True:
-            keep = slots.rows[: slots.active]  # the rows that decode on
+            keep = run.rows[: run.active]  # the rows that decode on
             if keep:
                 tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
                 self.stats.sampled_tokens += len(keep)
@@ -679,20 +678,18 @@ class NativeEngine:
             if keep and new:
                 self.stats.admitted_while_decoding += len(new)
             fresh = [r for i in new for r in range(first_row[i], first_row[i + 1])]
-            if len(keep) < slots.active or back or fresh:
+            if len(keep) < run.active or back or fresh:
                 for r, feed, length in back:
                     obs = feed[1:]
                     out_tok[r, length : length + len(obs)] = torch.tensor(obs, device=dev)
-                    shift, kshift = run.resume(r, length, len(obs), step + 1)
-                    slots.shift[r] = shift
-                    state.shift[r], state.kshift[r] = shift, kshift
-                waiting = [r for r in slots.rows if r in run.waiting]
+                    state.shift[r], state.kshift[r] = run.resume(r, length, len(obs), step + 1)
+                waiting = [r for r in run.rows if r in run.waiting]
                 held = keep + [r for r, _, _ in back] + waiting
                 # No held row has more than plen + step + shift filled slots.
-                copy = min(total, plen + step + max((slots.shift[r] for r in held), default=0))
+                copy = min(total, plen + step + max((run.shift[r] for r in held), default=0))
                 for r in fresh:  # the first token is sampled at the next step
-                    slots.shift[r] = -(step + 1)
-                order = slots.rearrange(keep, [r for r, _, _ in back], fresh, waiting)
+                    run.shift[r] = -(step + 1)
+                order = run.rearrange(keep, [r for r, _, _ in back], fresh, waiting)
                 cache.reorder(order, copy)
                 if keep:
                     tok = tok[torch.tensor(order[: len(keep)], dtype=torch.long, device=dev)]
@@ -705,22 +702,22 @@ class NativeEngine:
                     new_logits, state.delta[idx] = self._prefill_prompts(
                         cache, lo, new, run, plen, prompt_lp
                     )
-                live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
+                live = torch.tensor(run.rows[: run.active], dtype=torch.long, device=dev)
                 s = _RowState(**{k: v[live] for k, v in vars(state).items()})
             else:  # nothing changed place: every active row decodes this step
-                slots.keep_shift = slots.active_shift
+                run.keep_shift = run.active_shift
             parts = []
             if keep:
-                parts.append(self._decode(cache, tok, s, len(keep), plen + step, slots.keep_shift))
+                parts.append(self._decode(cache, tok, s, len(keep), plen + step, run.keep_shift))
             if back:
                 feeds = {r: (feed, plen + length - 1) for r, feed, length in back}
                 k = len(keep)
-                rows = [feeds[r] for r in slots.rows[k : k + len(back)]]  # cache-row order
+                rows = [feeds[r] for r in run.rows[k : k + len(back)]]  # cache-row order
                 parts.append(self._prefill_observations(cache, k, rows, s))
             if fresh:
                 parts.append(new_logits)  # [n rows, V]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
-            self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
+            self.stats.max_active_rows = max(self.stats.max_active_rows, run.active)
             step += 1
         self.stats.steps = step
         return self._completions(run, prompt_lp, out_tok, out_lp)
@@ -954,51 +951,18 @@ class NativeEngine:
         return result
 
 
-class _Slots:
-    """Which trajectory each cache row holds: the active rows first (those decoding on, those
-    back from an observation, then those admitted this step), then the rows waiting on their
-    continuation; the cache rows past those are free.
-
-    ``shift`` is the host copy of each trajectory's ``_RowState.shift``; its maxima bound the
-    cache slots a step reads (``keep_shift``: the rows decoded this step).
-    """
-
-    def __init__(self, trajectories: int) -> None:
-        self.rows: list[int] = []
-        self.active = 0
-        self.shift = [0] * trajectories
-        self.keep_shift = self.active_shift = 0
-
-    def rearrange(
-        self, keep: list[int], back: list[int], new: list[int], waiting: list[int]
-    ) -> list[int]:
-        """Lay the rows out anew, one group after the other; returns the old cache row of each
-        new one, -1 for the rows of ``new`` (nothing to copy: prefilled next).
-
-        A row already inside its group's range stays put; the others fill the holes in the order
-        of their old slots, so a step copies only as many rows as change place.
-        """
-        old = {row: i for i, row in enumerate(self.rows)}
-        order: list[int] = []
-        for group in (keep, back, new, waiting):
-            lo, hi = len(order), len(order) + len(group)
-            held = [old[r] for r in group if r in old]
-            stay = {i for i in held if lo <= i < hi}
-            movers = iter(sorted(i for i in held if not lo <= i < hi))
-            order += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
-        fresh = iter(new)  # only the new rows have no old cache row
-        self.rows = [self.rows[j] if j >= 0 else next(fresh) for j in order]
-        self.active = len(keep) + len(back) + len(new)
-        self.keep_shift = max((self.shift[r] for r in keep), default=0)
-        self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
-        return order
-
-
 class _Trajectories:
     """A call's requests as the engine runs them (their params, the ids it prefills, the
     tokens a resumed request sampled before, how many it may still sample, their seeds) and the
-    host-side bookkeeping of their trajectories: turn spans, where each ended and why, and the
-    continuations running on the pool."""
+    host-side bookkeeping of their trajectories: turn spans, where each ended and why, the
+    continuations running on the pool, and which trajectory each cache row holds.
+
+    The cache rows (``rows``) hold the active rows first (those decoding on, those back from an
+    observation, then those admitted this step), then the rows waiting on their continuation;
+    the cache rows past those are free. ``shift`` is the host copy of each trajectory's
+    ``_RowState.shift``; its maxima bound the cache slots a step reads (``keep_shift``: the rows
+    decoded this step).
+    """
 
     def __init__(
         self,
@@ -1033,6 +997,10 @@ class _Trajectories:
         # "partial" until the row finishes: what a token budget cuts before admission stays so.
         self.reason: list[FinishReason] = ["partial"] * rows
         self.waiting: dict[int, tuple[Future, Turn]] = {}
+        self.rows: list[int] = []  # the trajectory in each cache row
+        self.active = 0
+        self.shift = [0] * rows
+        self.keep_shift = self.active_shift = 0
 
     def end_turn(
         self, r: int, length: int, stop: bool, out_tok: torch.Tensor, out_lp: torch.Tensor
@@ -1084,7 +1052,32 @@ class _Trajectories:
         sampled = length - self.observed[r]
         self.observed[r] += observed
         self.start[r] = length + observed
-        return self.start[r] - next_step, sampled - next_step
+        self.shift[r] = self.start[r] - next_step
+        return self.shift[r], sampled - next_step
+
+    def rearrange(
+        self, keep: list[int], back: list[int], new: list[int], waiting: list[int]
+    ) -> list[int]:
+        """Lay the rows out anew, one group after the other; returns the old cache row of each
+        new one, -1 for the rows of ``new`` (nothing to copy: prefilled next).
+
+        A row already inside its group's range stays put; the others fill the holes in the order
+        of their old slots, so a step copies only as many rows as change place.
+        """
+        old = {row: i for i, row in enumerate(self.rows)}
+        order: list[int] = []
+        for group in (keep, back, new, waiting):
+            lo, hi = len(order), len(order) + len(group)
+            held = [old[r] for r in group if r in old]
+            stay = {i for i in held if lo <= i < hi}
+            movers = iter(sorted(i for i in held if not lo <= i < hi))
+            order += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
+        fresh = iter(new)  # only the new rows have no old cache row
+        self.rows = [self.rows[j] if j >= 0 else next(fresh) for j in order]
+        self.active = len(keep) + len(back) + len(new)
+        self.keep_shift = max((self.shift[r] for r in keep), default=0)
+        self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
+        return order
 
 
 def _check_unsharded(model: nn.Module) -> None:
