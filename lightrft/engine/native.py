@@ -458,7 +458,13 @@ class NativeEngine:
         # resumed response's tokens included), response token a of this call sits at slot
         # plen + a; rows hold plen + max_new slots.
         plen, max_new = max(len(x) for x in prompts), max(room)
-        rows = self._cache_rows(params, plen + max_new)
+        # Cache rows: at most max_num_seqs and, when max_kv_tokens is set, at most that many
+        # token slots (rows x (plen + max_new)); never fewer than the widest request's n (its
+        # samples are admitted together).
+        rows = min(self.max_num_seqs, sum(p.n for p in params))
+        if self.max_kv_tokens is not None:
+            rows = min(rows, self.max_kv_tokens // (plen + max_new))
+        rows = max(rows, max(p.n for p in params))
         pool = None
         if continuation is not None:
             pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
@@ -537,15 +543,6 @@ class NativeEngine:
             )
         keep = max(1, self.max_model_len - p.max_tokens)
         return list(ids[-keep:])
-
-    def _cache_rows(self, params: list[SamplingParams], length: int) -> int:
-        """Cache rows of a call: at most ``max_num_seqs`` and, when ``max_kv_tokens`` is set, at
-        most that many token slots (rows x ``length``, the longest prompt + longest response);
-        never fewer than the widest request's ``n`` (its samples are admitted together)."""
-        rows = min(self.max_num_seqs, sum(p.n for p in params))
-        if self.max_kv_tokens is not None:
-            rows = min(rows, self.max_kv_tokens // length)
-        return max(rows, max(p.n for p in params))
 
     def _kv_storage(self, rows: int, length: int) -> torch.Tensor:
         """A [layers, 2, rows, kv_heads, length, head_dim] view of the reusable pool."""
@@ -1111,11 +1108,6 @@ def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
 
 
 def _pad_id(model: nn.Module, tokenizer, eos: list[int]) -> int:
-    for src in (
-        getattr(tokenizer, "pad_token_id", None),
-        getattr(model.config, "pad_token_id", None),
-        eos[0] if eos else None,
-    ):
-        if src is not None:
-            return int(src)
-    return 0
+    """The tokenizer's pad id, else the model's, else the first end-of-sequence id, else 0."""
+    pads = (getattr(tokenizer, "pad_token_id", None), getattr(model.config, "pad_token_id", None))
+    return next((int(x) for x in (*pads, *eos[:1]) if x is not None), 0)
