@@ -64,6 +64,7 @@ from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
+    WAKE_TAGS,
     Completion,
     Continuation,
     FinishReason,
@@ -300,8 +301,7 @@ class NativeEngine:
         self._canonical = {id(p): n for n, p in reversed(list(self._params.items()))}
         self._shapes = {n: p.shape for n, p in self._params.items()}
         self._kv_pool: torch.Tensor | None = None
-        self._kv_awake = True
-        self._weights_awake = True
+        self._asleep: set[str] = set()  # what sleep released: "weights", "kv_cache"
         self._weights_version = 0  # bumped whenever the weights' storage is replaced
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
         # Per request, during generate(): its media (None without).
@@ -313,24 +313,22 @@ class NativeEngine:
         """Level 1 frees the KV cache; level 2 also frees the weights (reload all of them)."""
         check_sleep_level(level)
         self._kv_pool = None
-        self._kv_awake = False
-        if level == 2 and self._weights_awake:
+        self._asleep.add("kv_cache")
+        if level == 2 and "weights" not in self._asleep:
             for _, p in self.model.named_parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._weights_awake = False
+            self._asleep.add("weights")
             self._weights_version += 1
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``["weights"]`` (contents undefined until loaded) and/or ``["kv_cache"]``."""
         tags = check_wake_tags(tags)
-        if "weights" in tags and not self._weights_awake:
+        if "weights" in tags and "weights" in self._asleep:
             for name, p in self.model.named_parameters():
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
             self._unloaded = {name for name, _ in self.model.named_parameters()}
-            self._weights_awake = True
             self._weights_version += 1
-        if "kv_cache" in tags:
-            self._kv_awake = True
+        self._asleep -= set(tags)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -382,7 +380,7 @@ class NativeEngine:
         return True
 
     def _check_weights_awake(self, what: str) -> None:
-        if not self._weights_awake:
+        if "weights" in self._asleep:
             raise ValueError(
                 "the engine's weights are released (sleep level 2); call "
                 f"wake_up(['weights']) before {what}"
@@ -417,8 +415,7 @@ class NativeEngine:
         of requests not yet admitted, come back ``finish_reason="partial"``; a later call
         continues each with ``Request(prompt, resume=Resume(...))``, re-prefilling its tokens.
         """
-        tags = (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
-        check_awake([tag for tag, awake in tags if not awake], self._unloaded)
+        check_awake([tag for tag in WAKE_TAGS if tag in self._asleep], self._unloaded)
         if token_budget is not None:
             if not is_int(token_budget) or token_budget < 1:
                 raise ValueError(
