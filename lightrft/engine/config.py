@@ -76,13 +76,10 @@ class EngineConfig(Section):
         wrong = sorted(k for k in others if getattr(self, k) is not None)
         if wrong:
             raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={self.backend}")
-        tp = self.tensor_parallel_size
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if tp is not None and (tp < 1 or world % tp):
-            raise ValueError(
-                f"engine.tensor_parallel_size={tp} must be >= 1 and divide the number of "
-                f"processes ({world})"
-            )
+        if self.tensor_parallel_size is not None:  # the rule the engine's groups are made by
+            from lightrft.engine.external import tp_groups
+
+            tp_groups(int(os.environ.get("WORLD_SIZE", "1")), self.tensor_parallel_size, "engine.")
         return self
 
     def check_device(self, device: str | None, sleep_level: int | None = None) -> None:

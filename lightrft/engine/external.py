@@ -9,8 +9,8 @@
 - :func:`kept_rng_state`: the trainer's RNG states, saved before an engine seeds the process's
   generators and restored after.
 - The multi-turn loop of an engine whose ``generate`` blocks until its whole batch is done:
-  :func:`continue_in_rounds` over :class:`Trajectory` objects, with :func:`turn_seed` giving
-  every later turn (and every sample of a seeded request) its own reproducible stream.
+  :meth:`ExternalEngine._continue` over :class:`Trajectory` objects, with :func:`turn_seed`
+  giving every later turn (and every sample of a seeded request) its own reproducible stream.
 - :class:`ExternalEngine`: the base of both adapters, with what their ``generate`` and
   ``load_weights`` do alike around their backend's calls.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,11 +45,13 @@ from lightrft.engine.protocol import (
 MEDIA_LOGIT_BIAS = -100.0
 
 
-def tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
-    """Consecutive ranks per tensor-parallel group: ``[[0, 1], [2, 3], ...]`` for ``tp_size=2``."""
+def tp_groups(world_size: int, tp_size: int, key: str = "") -> list[list[int]]:
+    """Consecutive ranks per tensor-parallel group: ``[[0, 1], [2, 3], ...]`` for ``tp_size=2``
+    (``key``: ``"engine."`` when a config is checked)."""
     if tp_size < 1 or world_size % tp_size:
         raise ValueError(
-            f"tensor_parallel_size={tp_size} must be >= 1 and divide the world size {world_size}"
+            f"{key}tensor_parallel_size={tp_size} must be >= 1 and divide the world size "
+            f"{world_size}"
         )
     return [list(range(g * tp_size, (g + 1) * tp_size)) for g in range(world_size // tp_size)]
 
@@ -218,53 +220,6 @@ class Trajectory:
         return turn_seed(self.params.seed, self.completion.sample_index, len(self.spans))
 
 
-# A round's sampler: one (ids, log-probs, finish reason) per trajectory, sampling its next turn
-# from prompt + response so far (``Trajectory.max_tokens`` / ``.seed`` give its limit and seed).
-RoundSampler = Callable[[list[Trajectory]], list[tuple[list[int], list[float], str]]]
-
-
-def continue_in_rounds(
-    firsts: list[Completion],
-    params: Sequence[SamplingParams],
-    budgets: Sequence[int],
-    continuation: Continuation,
-    sample_round: RoundSampler,
-    *,
-    vocab_size: int,
-    forbidden: set[int],
-    decode: Callable[[list[int]], str],
-) -> list[Completion]:
-    """The later turns of ``firsts`` (first-turn completions, ``budgets[i]`` response tokens
-    each), in rounds: the continuations of every trajectory whose turn stopped run concurrently
-    on a thread pool; those with an observation that fits sample their next turn together in one
-    ``sample_round`` call. Fills in ``sampled_mask``, ``turn_spans`` and (when asked) ``text``."""
-    trajs = [
-        Trajectory(c, b, params[c.request_index]) for c, b in zip(firsts, budgets, strict=True)
-    ]
-    going = [t for t in trajs if t.wants_turn()]
-    with ThreadPoolExecutor(min(max(len(going), 1), 64)) as pool:
-        while going:
-            turns = [t.turn() for t in going]
-            answers = list(pool.map(continuation, turns))
-            going = [
-                t
-                for t, turn, obs in zip(going, turns, answers, strict=True)
-                if t.observe(check_observation(obs, turn, vocab_size, forbidden))
-            ]
-            if not going:
-                break
-            for t, (ids, lps, reason) in zip(going, sample_round(going), strict=True):
-                t.add_turn(ids, lps, reason)
-            going = [t for t in going if t.wants_turn()]
-    for t in trajs:
-        c = t.completion
-        c.sampled_mask = sampled_mask(t.spans, len(c.token_ids))
-        c.turn_spans = t.spans
-        if params[c.request_index].detokenize:
-            c.text = decode(c.token_ids)
-    return firsts
-
-
 class ExternalEngine:
     """What ``VLLMEngine`` and ``SGLangEngine`` do alike: a generate call's checks, the names
     ``load_weights`` takes and the later turns of multi-turn generation. Each adapter gives its
@@ -329,17 +284,38 @@ class ExternalEngine:
         firsts: list[Completion],
         continuation: Continuation,
     ) -> list[Completion]:
-        """Later turns, in rounds (:func:`continue_in_rounds`): each trajectory that goes on is
-        one ``n=1`` request of prompt + response so far, with what is left of its budget."""
-        return continue_in_rounds(
-            firsts,
-            params,
-            [self._budget(requests[c.request_index], params[c.request_index]) for c in firsts],
-            continuation,
-            lambda going: self._sample_on(
-                requests, [(t.completion, t.params, t.max_tokens, t.seed) for t in going]
-            ),
-            vocab_size=self.vocab_size,
-            forbidden=set(self.suppress_token_ids),
-            decode=self._decode,
-        )
+        """The later turns of ``firsts`` (first-turn completions), in rounds: the continuations
+        of every trajectory whose turn stopped run concurrently on a thread pool; those with an
+        observation that fits sample their next turn together in one ``_sample_on`` call, each
+        as one ``n=1`` request of prompt + response so far, with what is left of its budget.
+        Fills in ``sampled_mask``, ``turn_spans`` and (when asked) ``text``."""
+        trajs = []
+        for c in firsts:
+            p = params[c.request_index]
+            trajs.append(Trajectory(c, self._budget(requests[c.request_index], p), p))
+        forbidden = set(self.suppress_token_ids)
+        going = [t for t in trajs if t.wants_turn()]
+        with ThreadPoolExecutor(min(max(len(going), 1), 64)) as pool:
+            while going:
+                turns = [t.turn() for t in going]
+                answers = list(pool.map(continuation, turns))
+                going = [
+                    t
+                    for t, turn, obs in zip(going, turns, answers, strict=True)
+                    if t.observe(check_observation(obs, turn, self.vocab_size, forbidden))
+                ]
+                if not going:
+                    break
+                sampled = self._sample_on(
+                    requests, [(t.completion, t.params, t.max_tokens, t.seed) for t in going]
+                )
+                for t, (ids, lps, reason) in zip(going, sampled, strict=True):
+                    t.add_turn(ids, lps, reason)
+                going = [t for t in going if t.wants_turn()]
+        for t in trajs:
+            c = t.completion
+            c.sampled_mask = sampled_mask(t.spans, len(c.token_ids))
+            c.turn_spans = t.spans
+            if t.params.detokenize:
+                c.text = self._decode(c.token_ids)
+        return firsts

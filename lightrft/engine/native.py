@@ -64,6 +64,7 @@ from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
+    WAKE_TAGS,
     Completion,
     Continuation,
     FinishReason,
@@ -300,8 +301,7 @@ class NativeEngine:
         self._canonical = {id(p): n for n, p in reversed(list(self._params.items()))}
         self._shapes = {n: p.shape for n, p in self._params.items()}
         self._kv_pool: torch.Tensor | None = None
-        self._kv_awake = True
-        self._weights_awake = True
+        self._asleep: set[str] = set()  # what sleep released: "weights", "kv_cache"
         self._weights_version = 0  # bumped whenever the weights' storage is replaced
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
         # Per request, during generate(): its media (None without).
@@ -313,28 +313,22 @@ class NativeEngine:
         """Level 1 frees the KV cache; level 2 also frees the weights (reload all of them)."""
         check_sleep_level(level)
         self._kv_pool = None
-        self._kv_awake = False
-        if level == 2 and self._weights_awake:
+        self._asleep.add("kv_cache")
+        if level == 2 and "weights" not in self._asleep:
             for _, p in self.model.named_parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._weights_awake = False
+            self._asleep.add("weights")
             self._weights_version += 1
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``["weights"]`` (contents undefined until loaded) and/or ``["kv_cache"]``."""
         tags = check_wake_tags(tags)
-        if "weights" in tags and not self._weights_awake:
+        if "weights" in tags and "weights" in self._asleep:
             for name, p in self.model.named_parameters():
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
             self._unloaded = {name for name, _ in self.model.named_parameters()}
-            self._weights_awake = True
             self._weights_version += 1
-        if "kv_cache" in tags:
-            self._kv_awake = True
-
-    @property
-    def is_sleeping(self) -> bool:
-        return not (self._kv_awake and self._weights_awake)
+        self._asleep -= set(tags)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -386,7 +380,7 @@ class NativeEngine:
         return True
 
     def _check_weights_awake(self, what: str) -> None:
-        if not self._weights_awake:
+        if "weights" in self._asleep:
             raise ValueError(
                 "the engine's weights are released (sleep level 2); call "
                 f"wake_up(['weights']) before {what}"
@@ -421,8 +415,7 @@ class NativeEngine:
         of requests not yet admitted, come back ``finish_reason="partial"``; a later call
         continues each with ``Request(prompt, resume=Resume(...))``, re-prefilling its tokens.
         """
-        tags = (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
-        check_awake([tag for tag, awake in tags if not awake], self._unloaded)
+        check_awake([tag for tag in WAKE_TAGS if tag in self._asleep], self._unloaded)
         if token_budget is not None:
             if not is_int(token_budget) or token_budget < 1:
                 raise ValueError(
@@ -452,8 +445,23 @@ class NativeEngine:
         if not requests:
             return []
         prior = [len(x) for x in prefixes]
-        plen, max_new = self._lengths(prompts, params, prior)
-        rows = self._cache_rows(params, plen + max_new)
+        # Tokens each request may still sample: its max_tokens less what a resumed request
+        # sampled before, and no further than max_model_len.
+        room = [
+            min(p.max_tokens - k, self.max_model_len - len(x))
+            for x, p, k in zip(prompts, params, prior, strict=True)
+        ]
+        # The row layout of the call: every prompt ends at slot plen (the longest prompt, a
+        # resumed response's tokens included), response token a of this call sits at slot
+        # plen + a; rows hold plen + max_new slots.
+        plen, max_new = max(len(x) for x in prompts), max(room)
+        # Cache rows: at most max_num_seqs and, when max_kv_tokens is set, at most that many
+        # token slots (rows x (plen + max_new)); never fewer than the widest request's n (its
+        # samples are admitted together).
+        rows = min(self.max_num_seqs, sum(p.n for p in params))
+        if self.max_kv_tokens is not None:
+            rows = min(rows, self.max_kv_tokens // (plen + max_new))
+        rows = max(rows, max(p.n for p in params))
         pool = None
         if continuation is not None:
             pool = ThreadPoolExecutor(min(rows, 64), thread_name_prefix="continuation")
@@ -462,7 +470,9 @@ class NativeEngine:
             check = functools.partial(
                 check_observation, vocab_size=self.vocab_size, forbidden=forbidden
             )
-            run = _Trajectories(requests, params, prompts, prior, seeds, continuation, pool, check)
+            run = _Trajectories(
+                requests, params, prompts, prior, room, seeds, continuation, pool, check
+            )
             return self._generate_all(run, rows, plen, max_new, token_budget)
         finally:
             self._media = []
@@ -531,30 +541,6 @@ class NativeEngine:
         keep = max(1, self.max_model_len - p.max_tokens)
         return list(ids[-keep:])
 
-    def _lengths(
-        self, prompts: list[list[int]], params: list[SamplingParams], prior: list[int]
-    ) -> tuple[int, int]:
-        """The cache row layout of a call: every prompt ends at slot ``plen`` (the longest
-        prompt, a resumed response's tokens included), response token ``a`` of this call sits at
-        slot ``plen + a``; rows hold ``plen + max_new`` slots."""
-        plen = max(len(x) for x in prompts)
-        max_new = max(self._room(x, p, k) for x, p, k in zip(prompts, params, prior, strict=True))
-        return plen, max_new
-
-    def _room(self, prompt: list[int], p: SamplingParams, prior: int) -> int:
-        """Tokens a row may still sample: its ``max_tokens`` less what a resumed row sampled
-        before, and no further than ``max_model_len``."""
-        return min(p.max_tokens - prior, self.max_model_len - len(prompt))
-
-    def _cache_rows(self, params: list[SamplingParams], length: int) -> int:
-        """Cache rows of a call: at most ``max_num_seqs`` and, when ``max_kv_tokens`` is set, at
-        most that many token slots (rows x ``length``, the longest prompt + longest response);
-        never fewer than the widest request's ``n`` (its samples are admitted together)."""
-        rows = min(self.max_num_seqs, sum(p.n for p in params))
-        if self.max_kv_tokens is not None:
-            rows = min(rows, self.max_kv_tokens // length)
-        return max(rows, max(p.n for p in params))
-
     def _kv_storage(self, rows: int, length: int) -> torch.Tensor:
         """A [layers, 2, rows, kv_heads, length, head_dim] view of the reusable pool."""
         shape = (self.num_layers, 2, rows, self.kv_heads, length, self.head_dim)
@@ -621,7 +607,7 @@ class NativeEngine:
         self, run: _Trajectories, cap: int, plen: int, max_new: int, token_budget: int | None
     ) -> list[Completion]:
         """Decode every request through ``cap`` cache rows with continuous batching (every
-        prompt ends at slot ``plen``; a row holds ``plen + max_new`` slots, see :meth:`_lengths`).
+        prompt ends at slot ``plen``; a row holds ``plen + max_new`` slots, see :meth:`generate`).
 
         Each step samples one token per active row and feeds it back; rows that finish free
         their cache rows at once, and the next waiting request (first come, first served) is
@@ -637,7 +623,6 @@ class NativeEngine:
         params = run.params
         total = plen + max_new
         state = self._row_state(run, plen)
-        run.budget = state.max_new.tolist()
         n_rows = len(run.request)
         cache = KVCache(self._kv_storage(cap, total))
         out_tok = torch.full((n_rows, max_new), -1, dtype=torch.long, device=dev)
@@ -656,90 +641,77 @@ class NativeEngine:
                 taken.append(queue.popleft())
             return taken
 
-        slots = _Slots(n_rows)
         s = state  # the active rows' state, in cache-row order (set below)
         live = tok = logits = None
         step = 0
         while True:
-            ended = False
-            if slots.active:
+            keep = run.rows[: run.active]  # the rows that decode on
+            if keep:
                 tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
-                ended = bool(done.any())
-                self.stats.sampled_tokens += slots.active
+                self.stats.sampled_tokens += len(keep)
             spent = token_budget is not None and self.stats.sampled_tokens >= token_budget
-            going = slots.active  # rows that decode on
-            fresh: list[int] = []  # trajectories admitted this step
-            if ended or spent:
+            if keep and (spent or bool(done.any())):
                 done_h, stop_h, at_h = done.tolist(), hit_stop.tolist(), at.tolist()
-                for i, r in enumerate(slots.rows[: slots.active]):
+                for i, r in enumerate(keep):
                     if done_h[i]:
                         run.end_turn(r, at_h[i] + 1, stop_h[i], out_tok, out_lp)
-                        going -= 1
                     elif spent:  # the token budget is spent: cut after the token just sampled
                         run.finish(r, at_h[i] + 1, "partial")
+                keep = [r for i, r in enumerate(keep) if not done_h[i]]
             if spent:  # requests never admitted stay cut before their first token
                 break
             back = run.collect(block=False)
-            new = admit(cap - going - len(run.waiting) - len(back))
+            new = admit(cap - len(keep) - len(run.waiting) - len(back))
             # Wait for an observation only when nothing else can run.
-            while not (going or back or new) and run.waiting:
+            while not (keep or back or new) and run.waiting:
                 back = run.collect(block=True)
                 new = admit(cap - len(run.waiting) - len(back))
-            if not (going or back or new):
+            if not (keep or back or new):
                 assert not queue, "a request was never admitted"
                 break
-            if going and new:
+            if keep and new:
                 self.stats.admitted_while_decoding += len(new)
-            if ended or back or new:
-                keep = slots.rows[: slots.active]
-                if ended:
-                    keep = [r for i, r in enumerate(keep) if not done_h[i]]
+            fresh = [r for i in new for r in range(first_row[i], first_row[i + 1])]
+            if len(keep) < run.active or back or fresh:
                 for r, feed, length in back:
                     obs = feed[1:]
                     out_tok[r, length : length + len(obs)] = torch.tensor(obs, device=dev)
-                    shift, kshift = run.resume(r, length, len(obs), step + 1)
-                    slots.shift[r] = shift
-                    state.shift[r], state.kshift[r] = shift, kshift
-                waiting = [r for r in slots.rows if r in run.waiting]
+                    state.shift[r], state.kshift[r] = run.resume(r, length, len(obs), step + 1)
+                waiting = [r for r in run.rows if r in run.waiting]
                 held = keep + [r for r, _, _ in back] + waiting
                 # No held row has more than plen + step + shift filled slots.
-                copy = min(total, plen + step + max((slots.shift[r] for r in held), default=0))
-                fresh = [r for i in new for r in range(first_row[i], first_row[i + 1])]
+                copy = min(total, plen + step + max((run.shift[r] for r in held), default=0))
                 for r in fresh:  # the first token is sampled at the next step
-                    slots.shift[r] = -(step + 1)
-                order = slots.rearrange(keep, [r for r, _, _ in back], fresh, waiting)
+                    run.shift[r] = -(step + 1)
+                order = run.rearrange(keep, [r for r, _, _ in back], fresh, waiting)
                 cache.reorder(order, copy)
-                if slots.keep:
-                    tok = tok[torch.tensor(order[: slots.keep], dtype=torch.long, device=dev)]
+                if keep:
+                    tok = tok[torch.tensor(order[: len(keep)], dtype=torch.long, device=dev)]
                 if fresh:
                     idx = torch.tensor(fresh, dtype=torch.long, device=dev)
                     state.shift[idx] = -(step + 1)
                     # A resumed row's stream goes on where it stopped (tokens sampled before).
                     state.kshift[idx] -= step + 1
-                    lo = slots.keep + slots.back
-                    new_logits, delta = self._prefill_prompts(cache, lo, new, run, plen, prompt_lp)
-                    # The n samples of a prompt start from copies of its prefilled row.
-                    src_rows = [k for k, i in enumerate(new) for _ in range(params[i].n)]
-                    cache.reorder([-1] * lo + [lo + k for k in src_rows], plen)
-                    src = torch.tensor(src_rows, device=dev)
-                    state.delta[idx] = delta[src]
-                live = torch.tensor(slots.rows[: slots.active], dtype=torch.long, device=dev)
+                    lo = len(keep) + len(back)
+                    new_logits, state.delta[idx] = self._prefill_prompts(
+                        cache, lo, new, run, plen, prompt_lp
+                    )
+                live = torch.tensor(run.rows[: run.active], dtype=torch.long, device=dev)
                 s = _RowState(**{k: v[live] for k, v in vars(state).items()})
             else:  # nothing changed place: every active row decodes this step
-                slots.keep, slots.back, slots.keep_shift = slots.active, 0, slots.active_shift
+                run.keep_shift = run.active_shift
             parts = []
-            if slots.keep:
-                t = plen + step
-                parts.append(self._decode(cache, tok, s, slots.keep, t, slots.keep_shift))
+            if keep:
+                parts.append(self._decode(cache, tok, s, len(keep), plen + step, run.keep_shift))
             if back:
                 feeds = {r: (feed, plen + length - 1) for r, feed, length in back}
-                k = slots.keep
-                rows = [feeds[r] for r in slots.rows[k : k + slots.back]]  # cache-row order
+                k = len(keep)
+                rows = [feeds[r] for r in run.rows[k : k + len(back)]]  # cache-row order
                 parts.append(self._prefill_observations(cache, k, rows, s))
             if fresh:
-                parts.append(new_logits[src])  # [n rows, V]
+                parts.append(new_logits)  # [n rows, V]
             logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [A, V]
-            self.stats.max_active_rows = max(self.stats.max_active_rows, slots.active)
+            self.stats.max_active_rows = max(self.stats.max_active_rows, run.active)
             step += 1
         self.stats.steps = step
         return self._completions(run, prompt_lp, out_tok, out_lp)
@@ -755,8 +727,10 @@ class NativeEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill the prompts of requests ``reqs`` once each into cache rows ``first...``,
         left-padded so that every prompt ends at slot ``plen``, in chunks of at most
-        ``max_prefill_tokens`` padded tokens. Returns the next-token logits [U, V] and the decode
-        position offsets [U]; the asked prompt log-probs go into ``prompt_lp``."""
+        ``max_prefill_tokens`` padded tokens, then copy each prompt's row into the rows of its
+        ``n`` samples (request after request from row ``first`` on). Returns the next-token
+        logits and decode position offsets of those rows ([N, V], [N]); the asked prompt
+        log-probs go into ``prompt_lp``."""
         dev = self.device
         prompts = run.prompts
         lens = torch.tensor([len(prompts[i]) for i in reqs])
@@ -799,7 +773,10 @@ class NativeEngine:
                         logits, targets, p.temperature, max(p.top_k, 0), p.top_p
                     )
                     prompt_lp[i] = lp.tolist()
-        return self._logits(torch.cat(last_hidden)), torch.cat(deltas)
+        src_rows = [k for k, i in enumerate(reqs) for _ in range(run.params[i].n)]
+        cache.reorder([-1] * first + [first + k for k in src_rows], plen)
+        src = torch.tensor(src_rows, device=dev)
+        return self._logits(torch.cat(last_hidden))[src], torch.cat(deltas)[src]
 
     def _sample(
         self,
@@ -919,7 +896,7 @@ class NativeEngine:
             top_k=vec([max(p.top_k, 0) for p in per_row], torch.long),
             top_p=vec([p.top_p for p in per_row]),
             # Positions left after each row's own prompt bound its response length.
-            max_new=vec([self._room(prompts[i], params[i], prior[i]) for i in req], torch.long),
+            max_new=vec(run.budget, torch.long),
             stop_ids=stop_ids.to(dev),
             pad=vec([plen - len(prompts[i]) for i in req], torch.long),
             delta=vec([0] * len(req), torch.long),
@@ -968,52 +945,18 @@ class NativeEngine:
         return result
 
 
-class _Slots:
-    """Which trajectory each cache row holds: the active rows first (those decoding on, those
-    back from an observation, then those admitted this step), then the rows waiting on their
-    continuation; the cache rows past those are free.
-
-    ``shift`` is the host copy of each trajectory's ``_RowState.shift``; its maxima bound the
-    cache slots a step reads (``keep_shift``: the rows decoded this step).
-    """
-
-    def __init__(self, trajectories: int) -> None:
-        self.rows: list[int] = []
-        self.active = self.keep = self.back = 0
-        self.shift = [0] * trajectories
-        self.keep_shift = self.active_shift = 0
-
-    def rearrange(
-        self, keep: list[int], back: list[int], new: list[int], waiting: list[int]
-    ) -> list[int]:
-        """Lay the rows out anew, one group after the other; returns the old cache row of each
-        new one, -1 for the rows of ``new`` (nothing to copy: prefilled next).
-
-        A row already inside its group's range stays put; the others fill the holes in the order
-        of their old slots, so a step copies only as many rows as change place.
-        """
-        old = {row: i for i, row in enumerate(self.rows)}
-        order: list[int] = []
-        for group in (keep, back, new, waiting):
-            lo, hi = len(order), len(order) + len(group)
-            held = [old[r] for r in group if r in old]
-            stay = {i for i in held if lo <= i < hi}
-            movers = iter(sorted(i for i in held if not lo <= i < hi))
-            order += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
-        fresh = iter(new)  # only the new rows have no old cache row
-        self.rows = [self.rows[j] if j >= 0 else next(fresh) for j in order]
-        self.keep, self.back = len(keep), len(back)
-        self.active = len(keep) + len(back) + len(new)
-        self.keep_shift = max((self.shift[r] for r in keep), default=0)
-        self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
-        return order
-
-
 class _Trajectories:
     """A call's requests as the engine runs them (their params, the ids it prefills, the
-    tokens a resumed request sampled before, their seeds) and the host-side bookkeeping of
-    their trajectories: turn spans, where each ended and why, and the continuations running on
-    the pool."""
+    tokens a resumed request sampled before, how many it may still sample, their seeds) and the
+    host-side bookkeeping of their trajectories: turn spans, where each ended and why, the
+    continuations running on the pool, and which trajectory each cache row holds.
+
+    The cache rows (``rows``) hold the active rows first (those decoding on, those back from an
+    observation, then those admitted this step), then the rows waiting on their continuation;
+    the cache rows past those are free. ``shift`` is the host copy of each trajectory's
+    ``_RowState.shift``; its maxima bound the cache slots a step reads (``keep_shift``: the rows
+    decoded this step).
+    """
 
     def __init__(
         self,
@@ -1021,6 +964,7 @@ class _Trajectories:
         params: list[SamplingParams],
         prompts: list[list[int]],
         prior: list[int],
+        room: list[int],
         seeds: list[int],
         continuation: Continuation | None,
         pool: ThreadPoolExecutor | None,
@@ -1036,7 +980,8 @@ class _Trajectories:
         self.requests, self.params, self.prompts, self.prior = requests, params, prompts, prior
         self.seeds = seeds
         self.max_turns = [params[i].max_turns for i in self.request]
-        self.budget: list[int] = []  # set by the engine: response budget per row
+        # Each row's response budget (assistant + observation tokens) in this call.
+        self.budget = [room[i] for i in self.request]
         self.continuation, self.pool, self.check = continuation, pool, check
         rows = len(self.request)
         self.spans: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
@@ -1046,6 +991,10 @@ class _Trajectories:
         # "partial" until the row finishes: what a token budget cuts before admission stays so.
         self.reason: list[FinishReason] = ["partial"] * rows
         self.waiting: dict[int, tuple[Future, Turn]] = {}
+        self.rows: list[int] = []  # the trajectory in each cache row
+        self.active = 0
+        self.shift = [0] * rows
+        self.keep_shift = self.active_shift = 0
 
     def end_turn(
         self, r: int, length: int, stop: bool, out_tok: torch.Tensor, out_lp: torch.Tensor
@@ -1097,7 +1046,32 @@ class _Trajectories:
         sampled = length - self.observed[r]
         self.observed[r] += observed
         self.start[r] = length + observed
-        return self.start[r] - next_step, sampled - next_step
+        self.shift[r] = self.start[r] - next_step
+        return self.shift[r], sampled - next_step
+
+    def rearrange(
+        self, keep: list[int], back: list[int], new: list[int], waiting: list[int]
+    ) -> list[int]:
+        """Lay the rows out anew, one group after the other; returns the old cache row of each
+        new one, -1 for the rows of ``new`` (nothing to copy: prefilled next).
+
+        A row already inside its group's range stays put; the others fill the holes in the order
+        of their old slots, so a step copies only as many rows as change place.
+        """
+        old = {row: i for i, row in enumerate(self.rows)}
+        order: list[int] = []
+        for group in (keep, back, new, waiting):
+            lo, hi = len(order), len(order) + len(group)
+            held = [old[r] for r in group if r in old]
+            stay = {i for i in held if lo <= i < hi}
+            movers = iter(sorted(i for i in held if not lo <= i < hi))
+            order += [i if i in stay else next(movers, -1) for i in range(lo, hi)]
+        fresh = iter(new)  # only the new rows have no old cache row
+        self.rows = [self.rows[j] if j >= 0 else next(fresh) for j in order]
+        self.active = len(keep) + len(back) + len(new)
+        self.keep_shift = max((self.shift[r] for r in keep), default=0)
+        self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
+        return order
 
 
 def _check_unsharded(model: nn.Module) -> None:
@@ -1131,11 +1105,6 @@ def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
 
 
 def _pad_id(model: nn.Module, tokenizer, eos: list[int]) -> int:
-    for src in (
-        getattr(tokenizer, "pad_token_id", None),
-        getattr(model.config, "pad_token_id", None),
-        eos[0] if eos else None,
-    ):
-        if src is not None:
-            return int(src)
-    return 0
+    """The tokenizer's pad id, else the model's, else the first end-of-sequence id, else 0."""
+    pads = (getattr(tokenizer, "pad_token_id", None), getattr(model.config, "pad_token_id", None))
+    return next((int(x) for x in (*pads, *eos[:1]) if x is not None), 0)

@@ -60,7 +60,7 @@ per-request processor settings, so the engine checks that SGLang's expanded prom
 dataset's length and refuses a mismatch. Audio is not supported.
 
 **Multi-turn** uses the same rounds loop as ``VLLMEngine``
-(:func:`~lightrft.engine.external.continue_in_rounds`).
+(:meth:`~lightrft.engine.external.ExternalEngine._continue`).
 """
 
 from __future__ import annotations
@@ -314,9 +314,8 @@ class SGLangEngine(ExternalEngine):
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories (see the module docstring)."""
         requests, params = self._checked(requests, sampling)
-        for p in params:
-            if p.prompt_logprobs:
-                raise ValueError("SGLangEngine does not return prompt_logprobs; use NativeEngine")
+        if any(p.prompt_logprobs for p in params):
+            raise ValueError("SGLangEngine does not return prompt_logprobs; use NativeEngine")
         if any(r.resume is not None for r in requests):  # it would restart from the prompt
             raise ValueError("SGLangEngine does not continue a Request.resume; use NativeEngine")
         prompts = [self._prompt(r.prompt_token_ids, r) for r in requests]

@@ -966,33 +966,21 @@ class VLLMEngine(ExternalEngine):
     def _generate_all(
         self, requests: list[Request], params: list[SamplingParams]
     ) -> list[Completion]:
-        plain = [i for i, p in enumerate(params) if p.first_token_temperature is None]
-        fire = [i for i, p in enumerate(params) if p.first_token_temperature is not None]
-        result = self._generate_batch(requests, params, plain) if plain else []
-        if fire:  # FIRE: n first tokens at the hot temperature, then one continuation each
-            firsts = self._generate_batch(requests, params, fire, first_token=True)
-            result += self._fire_rest(requests, params, firsts)
-        result.sort(key=lambda c: (c.request_index, c.sample_index))
-        return result
-
-    def _generate_batch(
-        self,
-        requests: list[Request],
-        params: list[SamplingParams],
-        index: list[int],
-        first_token: bool = False,
-    ) -> list[Completion]:
-        """One ``LLM.generate`` over requests ``index`` (``first_token``: FIRE's first pass)."""
+        """One ``LLM.generate`` over every request; a FIRE request's (``first_token_temperature``)
+        samples take their first token there, at the hot temperature, then go on in one
+        continuation each (:meth:`_fire_rest`)."""
+        fire = [p.first_token_temperature is not None for p in params]
         outs = self._llm_generate(
-            [self._prompt(requests[i].prompt_token_ids, requests[i]) for i in index],
-            [self._params(params[i], first_token) for i in index],
+            [self._prompt(r.prompt_token_ids, r) for r in requests],
+            [self._params(p, first) for p, first in zip(params, fire, strict=True)],
         )
-        return completions_from_outputs(
+        firsts = completions_from_outputs(
             outs,
-            index,
-            [requests[i].prompt_token_ids for i in index],
-            [self._bias(params[i], first_token) for i in index],
+            range(len(requests)),
+            [r.prompt_token_ids for r in requests],
+            [self._bias(p, first) for p, first in zip(params, fire, strict=True)],
         )
+        return self._fire_rest(requests, params, firsts)
 
     def _sample_on(
         self, requests: list[Request], going: list[tuple[Completion, SamplingParams, int, Any]]

@@ -315,7 +315,7 @@ def test_sleep_level_1_frees_the_kv_cache(tiny_model_dir, prompts):
     before = eng.generate(requests_of(prompts), sp)
     assert eng._kv_pool is not None
     eng.sleep(1)
-    assert eng._kv_pool is None and eng.is_sleeping
+    assert eng._kv_pool is None and eng._asleep == {"kv_cache"}
     with pytest.raises(ValueError, match=r"asleep \(kv_cache released\); call wake_up"):
         eng.generate(requests_of(prompts), sp)
     eng.wake_up(["kv_cache"])

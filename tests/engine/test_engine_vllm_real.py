@@ -310,6 +310,17 @@ def test_fire_first_token_logprob_is_at_its_own_temperature(engine, hf, prompts)
         assert float((torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().max()) < TOL
 
 
+def test_fire_and_plain_requests_in_one_call_equal_them_apart(engine, prompts):
+    fire = SamplingParams(n=2, first_token_temperature=2.0, max_tokens=8, seed=5, ignore_eos=True)
+    plain = SamplingParams(n=2, max_tokens=8, seed=6, ignore_eos=True)
+    both = engine.generate([Request(prompts[0]), Request(prompts[1])], [fire, plain])
+    apart = engine.generate([Request(prompts[0])], fire) + engine.generate(
+        [Request(prompts[1])], plain
+    )
+    assert [(c.request_index, c.sample_index) for c in both] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(c.token_ids, c.logprobs) for c in both] == [(c.token_ids, c.logprobs) for c in apart]
+
+
 def test_text_is_the_detokenised_response(engine, vdir, prompts):
     from lightrft.models import load_tokenizer
 
