@@ -257,8 +257,7 @@ class GenerativeReward:
     def _load_local(
         self, judge, device, engine: JudgeEngineConfig, options: MediaOptions | None
     ) -> None:
-        from lightrft.models.loading import load_tokenizer
-        from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
+        from lightrft.models.multimodal import load_processors
 
         if engine.backend != "native" and device is not None:
             raise ValueError(
@@ -266,18 +265,17 @@ class GenerativeReward:
                 f"{engine.backend} places the judge itself (remove device)"
             )
         engine = engine.checked("engine.")  # a section built in Python is checked here
-        multimodal = checkpoint_is_multimodal(judge)
-        if multimodal and not self.chat_template:
+        # A text model's tokenizer twice, or a vision- or audio-language model's processor.
+        processor, self.tokenizer = load_processors(judge)
+        # Media only from the conversations' parts, bounded as the prompt datasets bound them.
+        media = MediaSamples(processor, options, given=f"judge {judge} is text-only")
+        if media.kinds and not self.chat_template:
             raise ValueError(
                 f"judge {judge} is a vision- or audio-language model: it needs "
                 "chat_template=true (the chat template places the image and audio tokens)"
             )
-        processor = load_processor(judge) if multimodal else None
-        # Media only from the conversations' parts, bounded as the prompt datasets bound them.
-        media = MediaSamples(processor, options, given=f"judge {judge} is text-only")
         if media.kinds:
             self.media = media
-        self.tokenizer = processor.tokenizer if media.kinds else load_tokenizer(judge)
         # The rollout engines' factory; a fixed seed, as a judge is greedy by default.
         self.engine = engine.build(judge, self.tokenizer, device=device, seed=0)
 

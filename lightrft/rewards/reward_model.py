@@ -235,21 +235,20 @@ class RewardModel:
     ) -> None:
         from lightrft.data.records import MediaSamples
         from lightrft.export import resolve_model_dir
-        from lightrft.models.loading import check_local, load_tokenizer
-        from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
+        from lightrft.models.loading import check_local
+        from lightrft.models.multimodal import load_processors
         from lightrft.models.parallel import build_mesh
 
         # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
         # directory its final/ would be: heads, pooling and statistics included.
         path = resolve_model_dir(path, trust_remote_code=trust_remote_code)
         check_local(path)
-        multimodal = bool(checkpoint_is_multimodal(path))  # vision- or audio-language
-        processor = (
-            load_processor(path, trust_remote_code=trust_remote_code) if multimodal else None
-        )
+        # A text model's tokenizer twice, or a vision- or audio-language model's processor.
+        processor, tokenizer = load_processors(path, trust_remote_code=trust_remote_code)
         # Media only from the conversations' parts, read and bounded as the preference data's
         # options say (checked here, before the weights load).
         samples = MediaSamples(processor, media, given=f"{path} is a text-only reward model")
+        multimodal = bool(samples.kinds)  # vision- or audio-language
         if multimodal and not chat_template:
             raise ValueError(
                 f"{path} is a vision- or audio-language reward model: it needs chat_template=true "
@@ -286,9 +285,7 @@ class RewardModel:
             )
         self._setup(
             net,
-            processor.tokenizer
-            if multimodal
-            else load_tokenizer(path, trust_remote_code=trust_remote_code),
+            tokenizer,
             media=samples if multimodal else None,
             score_head=score_head,
             stats=((read_reward_config(path) or {}).get("stats") or {}) if normalize else None,
