@@ -422,7 +422,6 @@ class GenerativeReward:
         verdicts = self._complete(texts, media) if texts else []
         self.last_verdicts = verdicts
         sums = torch.zeros(n, dtype=torch.float32)  # [B]
-        counts = torch.zeros(n, dtype=torch.float32)  # [B]
         failures, mismatches, example = 0, 0, None
         for (i, first), text in zip(jobs, verdicts, strict=True):
             value = self._reward_of(text, first)
@@ -439,7 +438,6 @@ class GenerativeReward:
             else:
                 self.failure_streak = 0
             sums[i] += value
-            counts[i] += 1
         self.parse_failures += failures
         self.judged += len(jobs)
         self.last_metrics = {
@@ -466,4 +464,4 @@ class GenerativeReward:
                 + ", ".join(repr(t[:80]) for t in self._recent_failures)
                 + ". Check the judge, its template and max_tokens, or the pattern"
             )
-        return sums / counts.clamp(min=1)
+        return sums / (2 if self.both_orders else 1)  # each sample's jobs: 2 with both_orders
