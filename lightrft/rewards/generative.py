@@ -395,24 +395,18 @@ class GenerativeReward:
         jobs: list[tuple[int, bool]] = []
         for i, s in enumerate(samples):
             p = s.prompt if self.media is None else s.conversation
-            q = _prompt_text(p)
-            parts = media_parts(p) if self.media is not None else []
             r, ref = s.response, s.reference
-            if self.mode == "score":
-                texts.append(self.template.format(prompt=q, response=r, reference=ref or ""))
-                media.append(parts)
-                jobs.append((i, True))
-                continue
-            if ref is None:
+            if self.mode == "choice" and ref is None:
                 raise RewardInputError(
                     f"GenerativeReward(mode='choice') compares each response with its reference "
                     f"response, but sample {i} has no reference"
                 )
-            orders = (True, False) if self.both_orders else (True,)
-            for first in orders:
+            # Every field of either mode (a template ignores those it does not name).
+            fields = dict(prompt=_prompt_text(p), response=r, reference=ref or "")
+            for first in (True, False) if self.both_orders else (True,):  # both: choice only
                 a, b = (r, ref) if first else (ref, r)
-                texts.append(self.template.format(prompt=q, response_a=a, response_b=b))
-                media.append(parts)
+                texts.append(self.template.format(**fields, response_a=a, response_b=b))
+                media.append(media_parts(p) if self.media is not None else [])
                 jobs.append((i, first))
         return texts, media, jobs
 
