@@ -455,7 +455,6 @@ class RewardModel:
             processed.append(self.media.process(media) if media is not None else None)
         return seqs, starts, processed
 
-    @torch.inference_mode()
     def score_ids(
         self,
         seqs: list[list[int]],
@@ -496,20 +495,21 @@ class RewardModel:
         if self.offload:
             self.net.to(self.device)
         try:
-            for chunk, real in plan[rank::world]:
-                batch = pad_sequences(
-                    [all_seqs[i] for i in chunk],
-                    self.pad_id,
-                    self.padding_side,
-                    None if all_starts is None else [all_starts[i] for i in chunk],
-                )
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                # In row order (None: no sample has media); the forward moves the pixels to the
-                # ids' device.
-                batch["media"] = Media.cat([all_media[i] for i in chunk])
-                out = self.net(num_sequences=len(chunk), **batch).float().cpu()  # [b, heads]
-                if real:  # a filler (a copy of a real sample) only pairs the collectives up
-                    done.append((chunk, out))
+            with torch.inference_mode():
+                for chunk, real in plan[rank::world]:
+                    batch = pad_sequences(
+                        [all_seqs[i] for i in chunk],
+                        self.pad_id,
+                        self.padding_side,
+                        None if all_starts is None else [all_starts[i] for i in chunk],
+                    )
+                    batch = {k: v.to(self.device) for k, v in batch.items()}
+                    # In row order (None: no sample has media); the forward moves the pixels to the
+                    # ids' device.
+                    batch["media"] = Media.cat([all_media[i] for i in chunk])
+                    out = self.net(num_sequences=len(chunk), **batch).float().cpu()  # [b, heads]
+                    if real:  # a filler (a copy of a real sample) only pairs the collectives up
+                        done.append((chunk, out))
         finally:
             if self.offload:
                 self.net.to("cpu")
