@@ -257,8 +257,7 @@ class GenerativeReward:
     def _load_local(
         self, judge, device, engine: JudgeEngineConfig, options: MediaOptions | None
     ) -> None:
-        from lightrft.models.loading import load_tokenizer
-        from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
+        from lightrft.models.multimodal import load_processors
 
         if engine.backend != "native" and device is not None:
             raise ValueError(
@@ -266,18 +265,17 @@ class GenerativeReward:
                 f"{engine.backend} places the judge itself (remove device)"
             )
         engine = engine.checked("engine.")  # a section built in Python is checked here
-        multimodal = checkpoint_is_multimodal(judge)
-        if multimodal and not self.chat_template:
+        # A text model's tokenizer twice, or a vision- or audio-language model's processor.
+        processor, self.tokenizer = load_processors(judge)
+        # Media only from the conversations' parts, bounded as the prompt datasets bound them.
+        media = MediaSamples(processor, options, given=f"judge {judge} is text-only")
+        if media.kinds and not self.chat_template:
             raise ValueError(
                 f"judge {judge} is a vision- or audio-language model: it needs "
                 "chat_template=true (the chat template places the image and audio tokens)"
             )
-        processor = load_processor(judge) if multimodal else None
-        # Media only from the conversations' parts, bounded as the prompt datasets bound them.
-        media = MediaSamples(processor, options, given=f"judge {judge} is text-only")
         if media.kinds:
             self.media = media
-        self.tokenizer = processor.tokenizer if media.kinds else load_tokenizer(judge)
         # The rollout engines' factory; a fixed seed, as a judge is greedy by default.
         self.engine = engine.build(judge, self.tokenizer, device=device, seed=0)
 
@@ -397,24 +395,18 @@ class GenerativeReward:
         jobs: list[tuple[int, bool]] = []
         for i, s in enumerate(samples):
             p = s.prompt if self.media is None else s.conversation
-            q = _prompt_text(p)
-            parts = media_parts(p) if self.media is not None else []
             r, ref = s.response, s.reference
-            if self.mode == "score":
-                texts.append(self.template.format(prompt=q, response=r, reference=ref or ""))
-                media.append(parts)
-                jobs.append((i, True))
-                continue
-            if ref is None:
+            if self.mode == "choice" and ref is None:
                 raise RewardInputError(
                     f"GenerativeReward(mode='choice') compares each response with its reference "
                     f"response, but sample {i} has no reference"
                 )
-            orders = (True, False) if self.both_orders else (True,)
-            for first in orders:
+            # Every field of either mode (a template ignores those it does not name).
+            fields = dict(prompt=_prompt_text(p), response=r, reference=ref or "")
+            for first in (True, False) if self.both_orders else (True,):  # both: choice only
                 a, b = (r, ref) if first else (ref, r)
-                texts.append(self.template.format(prompt=q, response_a=a, response_b=b))
-                media.append(parts)
+                texts.append(self.template.format(**fields, response_a=a, response_b=b))
+                media.append(media_parts(p) if self.media is not None else [])
                 jobs.append((i, first))
         return texts, media, jobs
 
@@ -424,7 +416,6 @@ class GenerativeReward:
         verdicts = self._complete(texts, media) if texts else []
         self.last_verdicts = verdicts
         sums = torch.zeros(n, dtype=torch.float32)  # [B]
-        counts = torch.zeros(n, dtype=torch.float32)  # [B]
         failures, mismatches, example = 0, 0, None
         for (i, first), text in zip(jobs, verdicts, strict=True):
             value = self._reward_of(text, first)
@@ -441,7 +432,6 @@ class GenerativeReward:
             else:
                 self.failure_streak = 0
             sums[i] += value
-            counts[i] += 1
         self.parse_failures += failures
         self.judged += len(jobs)
         self.last_metrics = {
@@ -468,4 +458,4 @@ class GenerativeReward:
                 + ", ".join(repr(t[:80]) for t in self._recent_failures)
                 + ". Check the judge, its template and max_tokens, or the pattern"
             )
-        return sums / counts.clamp(min=1)
+        return sums / (2 if self.both_orders else 1)  # each sample's jobs: 2 with both_orders

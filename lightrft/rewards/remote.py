@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from typing import Any
 
+from lightrft.config import at_least
 from lightrft.data.media import MEDIA_KINDS
 from lightrft.rewards.base import Prompt, RewardError, Sample, finite_number
 
@@ -188,14 +189,11 @@ class RemoteReward:
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        if backoff < 0 or max_backoff < 0:
-            raise ValueError(f"backoff and max_backoff must be >= 0, got {backoff}, {max_backoff}")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 or null, got {batch_size}")
+        at_least("timeout", timeout, 0, strict=True)
+        at_least("max_retries", max_retries, 0)
+        at_least("backoff", backoff, 0)
+        at_least("max_backoff", max_backoff, 0)
+        at_least("batch_size", batch_size, 1)  # None: the whole batch in one request
         self.url = url
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)

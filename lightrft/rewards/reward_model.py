@@ -70,8 +70,9 @@ def collective_plan(
     micro_batch_size: int,
     world_size: int,
 ) -> list[tuple[list[int], bool]]:
-    """The micro-batches of a collective scoring: ``(sample indices, real)``; rank ``r`` runs
-    entries ``r, r + world_size, ...``, so every rank runs the same number of forwards.
+    """The micro-batches of a scoring (a collective one, or in one process ``world_size=1``):
+    ``(sample indices, real)``; rank ``r`` runs entries ``r, r + world_size, ...``, so every rank
+    runs the same number of forwards.
 
     Samples are grouped by the media kinds they carry (``kinds``: e.g. ``()``, ``("image",)``),
     each group sorted by length (``lengths``) and cut into ``micro_batch_size`` chunks, and each
@@ -234,21 +235,20 @@ class RewardModel:
     ) -> None:
         from lightrft.data.records import MediaSamples
         from lightrft.export import resolve_model_dir
-        from lightrft.models.loading import check_local, load_tokenizer
-        from lightrft.models.multimodal import checkpoint_is_multimodal, load_processor
+        from lightrft.models.loading import check_local
+        from lightrft.models.multimodal import load_processors
         from lightrft.models.parallel import build_mesh
 
         # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
         # directory its final/ would be: heads, pooling and statistics included.
         path = resolve_model_dir(path, trust_remote_code=trust_remote_code)
         check_local(path)
-        multimodal = bool(checkpoint_is_multimodal(path))  # vision- or audio-language
-        processor = (
-            load_processor(path, trust_remote_code=trust_remote_code) if multimodal else None
-        )
+        # A text model's tokenizer twice, or a vision- or audio-language model's processor.
+        processor, tokenizer = load_processors(path, trust_remote_code=trust_remote_code)
         # Media only from the conversations' parts, read and bounded as the preference data's
         # options say (checked here, before the weights load).
         samples = MediaSamples(processor, media, given=f"{path} is a text-only reward model")
+        multimodal = bool(samples.kinds)  # vision- or audio-language
         if multimodal and not chat_template:
             raise ValueError(
                 f"{path} is a vision- or audio-language reward model: it needs chat_template=true "
@@ -285,9 +285,7 @@ class RewardModel:
             )
         self._setup(
             net,
-            processor.tokenizer
-            if multimodal
-            else load_tokenizer(path, trust_remote_code=trust_remote_code),
+            tokenizer,
             media=samples if multimodal else None,
             score_head=score_head,
             stats=((read_reward_config(path) or {}).get("stats") or {}) if normalize else None,
@@ -457,16 +455,21 @@ class RewardModel:
             processed.append(self.media.process(media) if media is not None else None)
         return seqs, starts, processed
 
-    @torch.inference_mode()
-    def score_heads(
+    def score_ids(
         self,
         seqs: list[list[int]],
         starts: list[int] | None = None,
         media: Sequence[Media | None] | None = None,
     ) -> torch.Tensor:
-        """Raw scores of every head ``[N, heads]`` (float32, CPU), ``micro_batch_size`` at a
-        time. ``starts``: each sequence's first response token (``likelihood`` pooling only).
-        ``media``: each sequence's :class:`~lightrft.data.media.Media` (or None)."""
+        """Rewards [N] (float32, CPU) of token sequences, ``micro_batch_size`` at a time; every
+        head's raw scores (``[N]`` each) in ``last_head_scores``. ``starts``: each sequence's
+        first response token (``likelihood`` pooling only). ``media``: each sequence's
+        :class:`~lightrft.data.media.Media` (or None).
+
+        The micro-batches are :func:`collective_plan`'s. A sharded model's scoring is a
+        collective of every rank (one with no samples too): the ranks' samples are gathered, the
+        ranks take the planned micro-batches in turn, each rank running as many forwards as
+        every other, and the scores are gathered back; this rank's rows are returned."""
         if any(len(s) == 0 for s in seqs):
             raise ValueError("cannot score an empty token sequence")
         if (starts is None) != (self.net.pooling != "likelihood"):
@@ -474,96 +477,55 @@ class RewardModel:
                 "starts (the response start of each sequence) go with, and only "
                 "with, the likelihood pooling"
             )
+        world, rank = 1, 0
+        parts = [(seqs, starts, None if media is None else list(media))]
         if self.collective:
-            return self._score_collective(seqs, starts, media)
-        scores = torch.empty(len(seqs), len(self.net.heads), dtype=torch.float32)  # [N, heads]
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        if self.offload:
-            self.net.to(self.device)
-        try:
-            for start in range(0, len(order), self.micro_batch_size):
-                chunk = order[start : start + self.micro_batch_size]
-                scores[chunk] = self._forward(chunk, seqs, starts, media)
-        finally:
-            if self.offload:
-                self.net.to("cpu")
-        return scores
+            import torch.distributed as dist
 
-    def _forward(
-        self,
-        chunk: list[int],
-        seqs: list[list[int]],
-        starts: list[int] | None,
-        media: Sequence[Media | None] | None,
-    ) -> torch.Tensor:
-        """Scores ``[len(chunk), heads]`` (float32, CPU) of the sequences ``chunk``, one forward."""
-        batch = pad_sequences(
-            [seqs[i] for i in chunk],
-            self.pad_id,
-            self.padding_side,
-            None if starts is None else [starts[i] for i in chunk],
-        )
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        if media is not None:
-            # In row order; the forward moves the pixels to the ids' device.
-            batch["media"] = Media.cat([media[i] for i in chunk])
-        return self.net(num_sequences=len(chunk), **batch).float().cpu()  # [b, heads]
+            from lightrft.distributed import all_gather_objects
 
-    def _score_collective(
-        self,
-        seqs: list[list[int]],
-        starts: list[int] | None,
-        media: Sequence[Media | None] | None,
-    ) -> torch.Tensor:
-        """:meth:`score_heads` of a sharded model, a collective of every rank (one with no
-        samples too): the ranks' samples are gathered, planned into micro-batches
-        (:func:`collective_plan`) that the ranks take in turn, each rank running as many
-        forwards as every other, and the scores gathered back; this rank's rows are returned."""
-        import torch.distributed as dist
-
-        from lightrft.distributed import all_gather_objects
-
-        world, rank = dist.get_world_size(), dist.get_rank()
-        local = (seqs, starts, None if media is None else list(media))
-        parts = all_gather_objects(local)  # every rank's samples, in rank order
+            world, rank = dist.get_world_size(), dist.get_rank()
+            parts = all_gather_objects(parts[0])  # every rank's samples, in rank order
         all_seqs = [s for p in parts for s in p[0]]
         all_starts = None if starts is None else [x for p in parts for x in p[1]]
         all_media = [m for p in parts for m in (p[2] or [None] * len(p[0]))]
         kinds = [() if m is None else tuple(k for k, _ in m.kinds()) for m in all_media]
-        has_media = any(m is not None for m in all_media)
+        plan = collective_plan([len(s) for s in all_seqs], kinds, self.micro_batch_size, world)
         done: list[tuple[list[int], torch.Tensor]] = []
-        for chunk, real in collective_plan(
-            [len(s) for s in all_seqs], kinds, self.micro_batch_size, world
-        )[rank::world]:
-            out = self._forward(chunk, all_seqs, all_starts, all_media if has_media else None)
-            if real:  # a filler (a copy of a real sample) only pairs the collectives up
-                done.append((chunk, out))
+        if self.offload:
+            self.net.to(self.device)
+        try:
+            with torch.inference_mode():
+                for chunk, real in plan[rank::world]:
+                    batch = pad_sequences(
+                        [all_seqs[i] for i in chunk],
+                        self.pad_id,
+                        self.padding_side,
+                        None if all_starts is None else [all_starts[i] for i in chunk],
+                    )
+                    batch = {k: v.to(self.device) for k, v in batch.items()}
+                    # In row order (None: no sample has media); the forward moves the pixels to the
+                    # ids' device.
+                    batch["media"] = Media.cat([all_media[i] for i in chunk])
+                    out = self.net(num_sequences=len(chunk), **batch).float().cpu()  # [b, heads]
+                    if real:  # a filler (a copy of a real sample) only pairs the collectives up
+                        done.append((chunk, out))
+        finally:
+            if self.offload:
+                self.net.to("cpu")
         scores = torch.empty(len(all_seqs), len(self.net.heads), dtype=torch.float32)
-        for part in all_gather_objects(done):
+        for part in all_gather_objects(done) if self.collective else [done]:
             for chunk, out in part:
                 scores[chunk] = out
         offset = sum(len(p[0]) for p in parts[:rank])
-        return scores[offset : offset + len(seqs)]
-
-    def score_ids(
-        self,
-        seqs: list[list[int]],
-        starts: list[int] | None = None,
-        media: Sequence[Media | None] | None = None,
-    ) -> torch.Tensor:
-        """Rewards [N] (float32, CPU) of token sequences; every head's in ``last_head_scores``.
-        ``starts``, ``media``: see :meth:`score_heads`."""
-        scores = self.score_heads(seqs, starts, media)  # [N, heads]
+        scores = scores[offset : offset + len(seqs)]  # [N, heads]
         self.last_head_scores = {h: scores[:, k] for k, h in enumerate(self.net.heads)}
         raw = (scores[:, self.head_index] - self.mean) / self.std
         return self.scale * raw + self.bias
 
     def __call__(self, samples: Sequence[Sample]) -> torch.Tensor:
-        if not samples:
-            if self.collective:  # a collective: join the forwards of the ranks that have samples
-                likelihood = self.net.pooling == "likelihood"
-                return self.score_ids([], [] if likelihood else None)
-            return torch.empty(0, dtype=torch.float32)
+        if not samples:  # sharded, a collective: join the forwards of the ranks that have samples
+            return self.score_ids([], [] if self.net.pooling == "likelihood" else None)
         responses = [s.response for s in samples]
         if self.media is not None:
             return self.score_ids(
