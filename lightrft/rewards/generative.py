@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import string
 import urllib.request
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -215,10 +216,13 @@ class GenerativeReward:
         self.fallback = float(fallback)
         self.choices = tuple(str(c) for c in choices)
         self.template = template or (SCORE_TEMPLATE if mode == "score" else CHOICE_TEMPLATE)
-        fields = ("{response}",) if mode == "score" else ("{response_a}", "{response_b}")
-        missing = [f for f in fields if f not in self.template]
+        fields = ("response",) if mode == "score" else ("response_a", "response_b")
+        named = {f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None}
+        missing = [f for f in fields if f not in named]
         if missing:
-            raise ValueError(f"template has no {missing[0]} field (mode={mode!r})")
+            raise ValueError(f"template has no {{{missing[0]}}} field (mode={mode!r})")
+        if unknown := sorted(named - {"prompt", "reference", *fields}):
+            raise ValueError(f"template field {{{unknown[0]}}} is not one of mode={mode!r}'s")
         words = self.choices if mode == "choice" else list(self.verdicts or ())
         default = (
             r"\b(" + "|".join(map(re.escape, words)) + r")\b" if words else r"(-?\d+(?:\.\d+)?)"

@@ -154,6 +154,15 @@ def test_config_errors():
         GenerativeReward(url="http://x", fallback=0.0, both_orders=True)
     with pytest.raises(ValueError, match="no {response} field"):
         GenerativeReward(url="http://x", fallback=0.0, template="Rate: {prompt}")
+    # a field of the other mode (or a typo) is refused when the judge is built, not at a step
+    with pytest.raises(
+        ValueError, match=r"template field \{response_b\} is not one of mode='score'"
+    ):
+        GenerativeReward(url="http://x", fallback=0.0, template="{response} vs {response_b}")
+    with pytest.raises(ValueError, match=r"template field \{answer\} is not one of mode='choice'"):
+        GenerativeReward(
+            url="http://x", fallback=0.0, mode="choice", template="{response_a}{response_b}{answer}"
+        )
     with pytest.raises(ValueError, match="not a valid regex"):
         GenerativeReward(url="http://x", fallback=0.0, pattern="(")
     with pytest.raises(ValueError, match="'echo' group applies to mode='score'"):
