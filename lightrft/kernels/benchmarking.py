@@ -71,10 +71,9 @@ def make_inputs(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     floor: bool = False,
-    seed: int = 0,
 ) -> Inputs:
     """Random inputs at the scale of a trained LM head; built in place so no temporary peaks."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(0)
     h = torch.randn(n, hidden, generator=gen).to(device=device, dtype=dtype)
     w = torch.empty(vocab, hidden, dtype=dtype, device=device)
     w.copy_(torch.randn(vocab, hidden, generator=gen).mul_(hidden**-0.5))
@@ -139,14 +138,6 @@ def forward_fn(name: str, inp: Inputs) -> Callable[[], Tensor]:
     raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
 
 
-def backward_fn(name: str, inp: Inputs) -> Callable[[Tensor], None]:
-    """A closure running the backward of the forward's output."""
-    if name == "matmul":
-        assert inp.grad_logits is not None, "make_inputs(floor=True) for the matmul floor"
-        return lambda out: out.backward(inp.grad_logits)
-    return lambda out: out.backward(inp.grad.to(out.dtype))
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -158,19 +149,18 @@ def prepared(name: str, mode: str, inp: Inputs) -> Callable[[], Tensor]:
     first. The call returns the output, which the caller keeps alive until it has measured."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    fwd, bwd = forward_fn(name, inp), backward_fn(name, inp)
+    fwd = forward_fn(name, inp)
+    grad = inp.grad_logits if name == "matmul" else inp.grad  # the floor's: the logits' [N, V]
+    assert grad is not None, "make_inputs(floor=True) for the matmul floor"
     inp.zero_grad()
     gc.collect()
     made = fwd() if mode == "backward" else None
     sync(inp.hidden.device)
 
     def call() -> Tensor:
-        if made is not None:
-            bwd(made)
-            return made
-        out = fwd()
-        if mode == "fwd+bwd":
-            bwd(out)
+        out = made if made is not None else fwd()
+        if mode != "forward":
+            out.backward(grad.to(out.dtype))
         return out
 
     return call
