@@ -240,13 +240,10 @@ def _grad_buffers(
     With no rows (every target ignored) the weight and bias gradients are zeros."""
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
     n = hidden.shape[0]
-    g_h = torch.empty(n, hidden.shape[1], dtype=acc, device=dev) if need[0] else None
-    g_w = torch.empty(weight.shape, dtype=acc, device=dev) if need[1] else None
-    g_b = torch.empty(weight.shape[0], dtype=acc, device=dev) if need[2] else None
-    if n == 0:
-        for g in (g_w, g_b):
-            if g is not None:
-                g.zero_()
+    new = torch.zeros if n == 0 else torch.empty  # no chunk will write them
+    g_h = new(n, hidden.shape[1], dtype=acc, device=dev) if need[0] else None
+    g_w = new(weight.shape, dtype=acc, device=dev) if need[1] else None
+    g_b = new(weight.shape[0], dtype=acc, device=dev) if need[2] else None
     return g_h, g_w, g_b
 
 
