@@ -192,11 +192,16 @@ def _reset_cpu_peak() -> None:
         f.write("5")  # resets VmHWM to the current resident set size (Linux >= 4.0)
 
 
-def _allocations(prof, device: torch.device) -> list[tuple[int, int, int, int]]:
+def _allocations(fn: Callable[[], object], device: torch.device) -> list[tuple[int, int, int, int]]:
     """(time, address, bytes (+alloc / -free), bytes allocated since the start) of the torch
-    allocator events on ``device``, in time order."""
+    allocator events on ``device`` during ``fn()``, in time order (from the profiler's)."""
     from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        _out = fn()  # kept alive until measured
+        sync(device)
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         ev = stack.pop()
@@ -233,14 +238,7 @@ def peak_allocated_mib(fn: Callable[[], object], device: str | torch.device = "c
     """Peak of the torch memory allocated during ``fn()`` above the moment it starts, in MiB
     (from the profiler's allocator events; memory freed during the call counts down). For
     benchmarks outside the kernels too, e.g. the engine's in tests/benchmarks."""
-    from torch.profiler import ProfilerActivity, profile
-
-    dev = torch.device(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
-        fn()
-        sync(dev)
-    return transient_peak_bytes(_allocations(prof, dev), set()) / 2**20
+    return transient_peak_bytes(_allocations(fn, torch.device(device)), set()) / 2**20
 
 
 def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
@@ -251,8 +249,6 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     whole footprint above the moment before the call, returned gradients and non-torch buffers
     (BLAS workspaces) included: resident set on CPU, the caching allocator on CUDA.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     call = prepared(name, mode, inp)
     dev = inp.hidden.device
     if dev.type == "cuda":
@@ -261,15 +257,12 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     else:
         base = _status_mib("VmRSS")
         _reset_cpu_peak()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
-        _out = call()  # kept alive until measured
-        sync(dev)
+    events = _allocations(call, dev)
     peak = (
         torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _status_mib("VmHWM")
     )
     grads = {t.grad.data_ptr() for t in (inp.hidden, inp.weight) if t.grad is not None}
-    transient = transient_peak_bytes(_allocations(prof, dev), grads)
+    transient = transient_peak_bytes(events, grads)
     return {"transient": transient / 2**20, "peak_above_inputs": peak - base}
 
 
