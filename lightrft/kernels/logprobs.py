@@ -222,9 +222,7 @@ def logit_workspaces(
 
     buf = reuse if reuse is not None else new(0, acc)
     buf2 = new(1, acc) if entropy else None
-    low = None
-    if like.dtype != acc and not _mm_fp32_out_supported(like):
-        low = new(2, like.dtype)
+    low = new(2, like.dtype) if like.dtype != acc and not _mm_fp32_out_supported(like) else None
     return buf, buf2, low
 
 
