@@ -205,8 +205,7 @@ def vocab_tables(model: nn.Module) -> tuple[nn.Embedding, nn.Linear | None]:
             f"{type(model).__name__}: vocabulary-parallel scoring needs a plain nn.Embedding "
             f"input embedding, got {type(embedding).__name__}"
         )
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = getattr(model, "get_output_embeddings", lambda: None)()
     if head is not None and not isinstance(head, nn.Linear):
         raise ValueError(
             f"{type(model).__name__}: vocabulary-parallel scoring needs a linear LM head, got "
