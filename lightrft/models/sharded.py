@@ -268,21 +268,19 @@ def prepare_and_parallelize(
     kw = dict(activation_checkpointing=activation_checkpointing, compile=compile, offload=offload)
     if checkpoint is None:
         return parallelize(model, shard=False, **kw)
-    device = torch.device(device)
     # fully_shard moves buffers and real parameters to the mesh's device (offloaded ones to the
     # CPU); meta ones stay meta.
-    param_dtype = param_dtype or default_param_dtype(device)
     model = parallelize(
         model,
         mesh=mesh,
-        param_dtype=param_dtype,
+        param_dtype=param_dtype or default_param_dtype(device),
         shard=True,
         scoring=scoring,
         **kw,
     )
     path, names, converted = checkpoint
     # FSDP2 refuses offloaded parameters that are not in CPU memory (it pins them itself).
-    where = torch.device("cpu") if offload else device
+    where = "cpu" if offload else device
     fill_from_safetensors(model, path, names=names, converted=converted, device=where)
     return model
 
