@@ -71,10 +71,9 @@ def make_inputs(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     floor: bool = False,
-    seed: int = 0,
 ) -> Inputs:
     """Random inputs at the scale of a trained LM head; built in place so no temporary peaks."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(0)
     h = torch.randn(n, hidden, generator=gen).to(device=device, dtype=dtype)
     w = torch.empty(vocab, hidden, dtype=dtype, device=device)
     w.copy_(torch.randn(vocab, hidden, generator=gen).mul_(hidden**-0.5))
@@ -139,14 +138,6 @@ def forward_fn(name: str, inp: Inputs) -> Callable[[], Tensor]:
     raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
 
 
-def backward_fn(name: str, inp: Inputs) -> Callable[[Tensor], None]:
-    """A closure running the backward of the forward's output."""
-    if name == "matmul":
-        assert inp.grad_logits is not None, "make_inputs(floor=True) for the matmul floor"
-        return lambda out: out.backward(inp.grad_logits)
-    return lambda out: out.backward(inp.grad.to(out.dtype))
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -158,19 +149,18 @@ def prepared(name: str, mode: str, inp: Inputs) -> Callable[[], Tensor]:
     first. The call returns the output, which the caller keeps alive until it has measured."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    fwd, bwd = forward_fn(name, inp), backward_fn(name, inp)
+    fwd = forward_fn(name, inp)
+    grad = inp.grad_logits if name == "matmul" else inp.grad  # the floor's: the logits' [N, V]
+    assert grad is not None, "make_inputs(floor=True) for the matmul floor"
     inp.zero_grad()
     gc.collect()
     made = fwd() if mode == "backward" else None
     sync(inp.hidden.device)
 
     def call() -> Tensor:
-        if made is not None:
-            bwd(made)
-            return made
-        out = fwd()
-        if mode == "fwd+bwd":
-            bwd(out)
+        out = made if made is not None else fwd()
+        if mode != "forward":
+            out.backward(grad.to(out.dtype))
         return out
 
     return call
@@ -202,11 +192,16 @@ def _reset_cpu_peak() -> None:
         f.write("5")  # resets VmHWM to the current resident set size (Linux >= 4.0)
 
 
-def _allocations(prof, device: torch.device) -> list[tuple[int, int, int, int]]:
+def _allocations(fn: Callable[[], object], device: torch.device) -> list[tuple[int, int, int, int]]:
     """(time, address, bytes (+alloc / -free), bytes allocated since the start) of the torch
-    allocator events on ``device``, in time order."""
+    allocator events on ``device`` during ``fn()``, in time order (from the profiler's)."""
     from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        _out = fn()  # kept alive until measured
+        sync(device)
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         ev = stack.pop()
@@ -243,14 +238,7 @@ def peak_allocated_mib(fn: Callable[[], object], device: str | torch.device = "c
     """Peak of the torch memory allocated during ``fn()`` above the moment it starts, in MiB
     (from the profiler's allocator events; memory freed during the call counts down). For
     benchmarks outside the kernels too, e.g. the engine's in tests/benchmarks."""
-    from torch.profiler import ProfilerActivity, profile
-
-    dev = torch.device(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
-        fn()
-        sync(dev)
-    return transient_peak_bytes(_allocations(prof, dev), set()) / 2**20
+    return transient_peak_bytes(_allocations(fn, torch.device(device)), set()) / 2**20
 
 
 def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
@@ -261,8 +249,6 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     whole footprint above the moment before the call, returned gradients and non-torch buffers
     (BLAS workspaces) included: resident set on CPU, the caching allocator on CUDA.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     call = prepared(name, mode, inp)
     dev = inp.hidden.device
     if dev.type == "cuda":
@@ -271,15 +257,12 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
     else:
         base = _status_mib("VmRSS")
         _reset_cpu_peak()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
-        _out = call()  # kept alive until measured
-        sync(dev)
+    events = _allocations(call, dev)
     peak = (
         torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _status_mib("VmHWM")
     )
     grads = {t.grad.data_ptr() for t in (inp.hidden, inp.weight) if t.grad is not None}
-    transient = transient_peak_bytes(_allocations(prof, dev), grads)
+    transient = transient_peak_bytes(events, grads)
     return {"transient": transient / 2**20, "peak_above_inputs": peak - base}
 
 

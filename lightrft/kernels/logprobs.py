@@ -58,9 +58,9 @@ _WORKSPACE_ELEMENTS = 1 << 26
 _ROW_MULTIPLE = 64  # BLAS kernels block rows in multiples of 16/32/64
 
 
-def default_chunk_size(n_rows: int, vocab: int) -> int:
-    """Rows per chunk: the workspace budget over V, rounded to a multiple of 64, at most N."""
-    rows = round(_WORKSPACE_ELEMENTS / max(vocab, 1) / _ROW_MULTIPLE) * _ROW_MULTIPLE
+def default_chunk_size(n_rows: int, vocab: int, workspace: int = _WORKSPACE_ELEMENTS) -> int:
+    """Rows per chunk: the ``workspace`` budget over V, rounded to a multiple of 64, at most N."""
+    rows = round(workspace / max(vocab, 1) / _ROW_MULTIPLE) * _ROW_MULTIPLE
     return max(1, min(max(rows, _ROW_MULTIPLE), n_rows))
 
 
@@ -222,9 +222,7 @@ def logit_workspaces(
 
     buf = reuse if reuse is not None else new(0, acc)
     buf2 = new(1, acc) if entropy else None
-    low = None
-    if like.dtype != acc and not _mm_fp32_out_supported(like):
-        low = new(2, like.dtype)
+    low = new(2, like.dtype) if like.dtype != acc and not _mm_fp32_out_supported(like) else None
     return buf, buf2, low
 
 
@@ -240,13 +238,10 @@ def _grad_buffers(
     With no rows (every target ignored) the weight and bias gradients are zeros."""
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
     n = hidden.shape[0]
-    g_h = torch.empty(n, hidden.shape[1], dtype=acc, device=dev) if need[0] else None
-    g_w = torch.empty(weight.shape, dtype=acc, device=dev) if need[1] else None
-    g_b = torch.empty(weight.shape[0], dtype=acc, device=dev) if need[2] else None
-    if n == 0:
-        for g in (g_w, g_b):
-            if g is not None:
-                g.zero_()
+    new = torch.zeros if n == 0 else torch.empty  # no chunk will write them
+    g_h = new(n, hidden.shape[1], dtype=acc, device=dev) if need[0] else None
+    g_w = new(weight.shape, dtype=acc, device=dev) if need[1] else None
+    g_b = new(weight.shape[0], dtype=acc, device=dev) if need[2] else None
     return g_h, g_w, g_b
 
 

@@ -88,9 +88,11 @@ def export_hf_state_dict(
     *,
     dtype: str | torch.dtype | None = None,
     max_shard_size: str | int = "5GB",
+    **save: Any,
 ) -> Path:
     """:func:`export_hf` with the full state dict ``sd`` already gathered (rank 0's; ``{}`` on
-    the others), e.g. by another backend (DeepSpeed ZeRO-3). Collective: call on every rank."""
+    the others), e.g. by another backend (DeepSpeed ZeRO-3). Collective: call on every rank.
+    ``save``: more ``model.save_pretrained`` arguments (a PEFT adapter's)."""
     out = Path(out_dir)
     cast = to_dtype(dtype) if dtype is not None else None
     if is_main():
@@ -98,7 +100,7 @@ def export_hf_state_dict(
             sd = _cast_floating(sd, cast)
         with writing_dir(out) as tmp:
             model.save_pretrained(
-                tmp, state_dict=sd, is_main_process=True, max_shard_size=max_shard_size
+                tmp, state_dict=sd, is_main_process=True, max_shard_size=max_shard_size, **save
             )
             if cast is not None:
                 _set_config_dtype(tmp / "config.json", cast)

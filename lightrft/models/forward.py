@@ -42,10 +42,8 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 
 
 def _trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    get_decoder = getattr(model, "get_decoder", None)
-    get_head = getattr(model, "get_output_embeddings", None)
-    trunk = get_decoder() if callable(get_decoder) else None
-    head = get_head() if callable(get_head) else None
+    trunk = getattr(model, "get_decoder", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
     if trunk is None or trunk is model or head is None or not hasattr(head, "weight"):
         raise ValueError(
             f"{type(model).__name__} is not a Hugging Face causal LM with a decoder trunk "

@@ -175,17 +175,14 @@ def model_auto_class(config):
     return multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
 
 
-def multimodal_auto_class(path_or_config, *, trust_remote_code: bool = False):
-    """The transformers auto class a multimodal checkpoint (or config) loads with:
+def multimodal_auto_class(config):
+    """The transformers auto class a multimodal checkpoint's ``config`` loads with:
     ``AutoModelForMultimodalLM`` for audio-language models (Qwen2-Audio is not an image-text
     model), else ``AutoModelForImageTextToText``."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoModelForMultimodalLM
+    from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM
 
     from lightrft.models.modality import is_audio_language
 
-    config = path_or_config
-    if isinstance(config, (str, Path)):
-        config = AutoConfig.from_pretrained(config, trust_remote_code=trust_remote_code)
     return AutoModelForMultimodalLM if is_audio_language(config) else AutoModelForImageTextToText
 
 

@@ -250,20 +250,12 @@ def export_adapter(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Pat
     + tokenizer) of a plain or FSDP2-sharded LoRA model; collective, rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from lightrft.distributed import barrier, is_main
-    from lightrft.models.export import writing_dir
+    from lightrft.models.export import export_hf_state_dict
 
-    out = Path(out_dir)
     # The full state dict under PEFT's own names (collective; rank 0 writes it).
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     sd = get_model_state_dict(model, options=opts)
-    if is_main():
-        with writing_dir(out) as tmp:
-            model.save_pretrained(tmp, state_dict=sd, save_embedding_layers=False)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-    barrier()
-    return out
+    return export_hf_state_dict(model, sd, tokenizer, out_dir, save_embedding_layers=False)
 
 
 def load_adapter_export(

@@ -134,11 +134,10 @@ def load_vision_model(
 ) -> nn.Module:
     """An ``AutoModelForImageTextToText`` model (vision-language), or an
     ``AutoModelForMultimodalLM`` one (audio-language: Qwen2-Audio), from a local directory or
-    hub id."""
-    from lightrft.models.loading import from_pretrained_dir, multimodal_auto_class
+    hub id: :func:`~lightrft.models.loading.load_model` of a multimodal checkpoint."""
+    from lightrft.models.loading import load_model
 
-    return from_pretrained_dir(
-        multimodal_auto_class(path, trust_remote_code=trust_remote_code),
+    return load_model(
         path,
         dtype=dtype,
         device=device,

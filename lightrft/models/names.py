@@ -30,13 +30,10 @@ def hf_name(name: str) -> str:
     >>> hf_name("base_model.model.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.base_layer.weight")
     'model.layers.0.mlp.up_proj.weight'
     """
-    name = strip_wrappers(name)
-    if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX) :]
+    name = strip_wrappers(name).removeprefix(PEFT_PREFIX)
     name = name.replace(".base_layer.", ".")
     # PEFT `modules_to_save`: the trained copy replaces the original module.
-    name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
-    return name
+    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
 
 
 def hf_checkpoint_name(name: str) -> str:

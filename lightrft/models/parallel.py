@@ -39,8 +39,7 @@ def _untied_embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | 
     own (both ``None`` where the head shares the embedding's weight)."""
 
     def own(getter: str) -> nn.Module | None:
-        get = getattr(model, getter, None)
-        module = get() if callable(get) else None
+        module = getattr(model, getter, lambda: None)()
         return module if isinstance(getattr(module, "weight", None), nn.Parameter) else None
 
     emb, head = own("get_input_embeddings"), own("get_output_embeddings")

@@ -317,15 +317,6 @@ def _check_pooling(
         raise ValueError("pooling='likelihood' reads the LM head's input: no probe_layer")
 
 
-def _labels(heads: Sequence[str]) -> dict[str, Any]:
-    """The HF classifier config's label keys for ``heads``: one output per head."""
-    return dict(
-        num_labels=len(heads),
-        id2label=dict(enumerate(heads)),
-        label2id={h: i for i, h in enumerate(heads)},
-    )
-
-
 def build_reward_net(
     path: str | Path,
     *,
@@ -383,7 +374,13 @@ def _build(
                 "a *ForSequenceClassification class, which transformers does not have for it; "
                 "use pooling='likelihood' (the model's own LM head scores the response)"
             )
-        classifier = dict(auto_class=AutoModelForSequenceClassification, **_labels(spec["heads"]))
+        heads = spec["heads"]  # the HF classifier config's label keys: one output per head
+        labels = dict(
+            num_labels=len(heads),
+            id2label=dict(enumerate(heads)),
+            label2id={h: i for i, h in enumerate(heads)},
+        )
+        classifier = dict(auto_class=AutoModelForSequenceClassification, **labels)
     checkpoint = None
     if meta:
         files = SafetensorsIndex.read(path).files
@@ -399,7 +396,7 @@ def _build(
             path,
             ignore_mismatched_sizes=True,
             output_loading_info=True,
-            **_labels(spec["heads"]),
+            **labels,
             **kwargs,
         )
         missing = set(info.get("missing_keys", ()))

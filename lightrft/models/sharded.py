@@ -142,22 +142,17 @@ def build_on_meta(
     return model.eval()
 
 
-def _local_region(t: torch.Tensor) -> tuple[slice, ...]:
-    """The slice of the full tensor that this rank's shard of ``t`` holds (all of it when plain)."""
+def _local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's shard of ``t`` and the slice of the full tensor it holds (``t`` itself, all of
+    it, when plain)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
-        return tuple(slice(0, n) for n in t.shape)
+        return t, tuple(slice(0, n) for n in t.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def _meta_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]:
@@ -203,7 +198,6 @@ def fill_from_safetensors(
                 )
             key = names.get(own)
             t = getattr(module, attr)
-            region = _local_region(t)
             # Uninitialised storage on ``device`` (its shard's size for a DTensor), keeping the
             # Python object (FSDP2 and tied weights hold on to it).
             if kind == "buffer":
@@ -213,7 +207,7 @@ def fill_from_safetensors(
                     torch.empty_like(t, device=device), requires_grad=t.requires_grad
                 )
                 torch.utils.swap_tensors(t, new)
-            local = _local(t)
+            local, region = _local_region(t)
             if key is not None and key in index.files:
                 file = index.root / index.files[key]
                 # One mapping per tensor: the file pages a rank touches count in its RSS until
@@ -274,21 +268,19 @@ def prepare_and_parallelize(
     kw = dict(activation_checkpointing=activation_checkpointing, compile=compile, offload=offload)
     if checkpoint is None:
         return parallelize(model, shard=False, **kw)
-    device = torch.device(device)
     # fully_shard moves buffers and real parameters to the mesh's device (offloaded ones to the
     # CPU); meta ones stay meta.
-    param_dtype = param_dtype or default_param_dtype(device)
     model = parallelize(
         model,
         mesh=mesh,
-        param_dtype=param_dtype,
+        param_dtype=param_dtype or default_param_dtype(device),
         shard=True,
         scoring=scoring,
         **kw,
     )
     path, names, converted = checkpoint
     # FSDP2 refuses offloaded parameters that are not in CPU memory (it pins them itself).
-    where = torch.device("cpu") if offload else device
+    where = "cpu" if offload else device
     fill_from_safetensors(model, path, names=names, converted=converted, device=where)
     return model
 

@@ -62,14 +62,8 @@ def sp_groups(size: int) -> tuple[Any, int]:
     rank creates every group, as ``dist.new_group`` requires."""
     from lightrft.distributed import collective_timeout
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for start in range(0, world, size):
-        ranks = list(range(start, start + size))
-        group = dist.new_group(ranks, timeout=collective_timeout())
-        if rank in ranks:
-            mine = group
-    return mine, rank % size
+    mine, _ = dist.new_subgroups(size, timeout=collective_timeout())
+    return mine, dist.get_rank() % size
 
 
 # ------------------------------------------------------------------ collectives with autograd
