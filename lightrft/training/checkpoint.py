@@ -424,6 +424,14 @@ class Checkpointer:
             "run (overwrite=true or another output_dir)"
         )
 
+    def none_to_resume(self) -> ValueError:
+        """What ``resume=true`` without a complete checkpoint here raises (the one message)."""
+        return ValueError(
+            f"resume=true but no checkpoint found in {self.root} (no complete step_* directory); "
+            "point output_dir at the run to continue, or start without resume (a run stopped "
+            "before its first checkpoint starts over with overwrite=true)"
+        )
+
     # -- save -------------------------------------------------------------------------------
 
     def save(
@@ -689,11 +697,7 @@ class Checkpointer:
         path = broadcast_from_rank0(self.latest_readable() if is_main() else None)
         if path is None:
             if required:
-                raise ValueError(
-                    f"resume=true but no checkpoint found in {self.root} "
-                    "(no complete step_* directory); start without resume or "
-                    "point output_dir at the run to continue"
-                )
+                raise self.none_to_resume()
             return None
         return self.load(path, **load)
 
@@ -916,13 +920,15 @@ def check_resume(
     world: int = 1,
     global_batch: Callable[[int], int | None] | None = None,
 ) -> None:
-    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
-    adapters exactly when this run does (``adapted``), for each of ``models`` it holds; saved by
-    another number of ranks than ``world``, it must be able to continue on ``world``
-    (:func:`check_reshardable`, with this run's global batch ``global_batch(world)``)."""
-    latest = Checkpointer(output_dir).latest_readable()
+    """Before anything loads (``resume=true``): there must be a checkpoint under ``output_dir``;
+    the newest readable one must train LoRA adapters exactly when this run does (``adapted``),
+    for each of ``models`` it holds; saved by another number of ranks than ``world``, it must be
+    able to continue on ``world`` (:func:`check_reshardable`, with this run's global batch
+    ``global_batch(world)``)."""
+    ckpt = Checkpointer(output_dir)
+    latest = ckpt.latest_readable()
     if latest is None:
-        return
+        raise ckpt.none_to_resume()
     meta = read_meta(latest)
     check_held_alike(latest, meta, "lora", dict.fromkeys(models, adapted))
     if int(meta.get("world_size", 1)) != world:
