@@ -160,17 +160,11 @@ class ModelShape:
         return attention + 3 * h * self.intermediate + 2 * h  # + SwiGLU MLP + two RMSNorms
 
     @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def head_params(self) -> int:
-        """The LM head's own weight (0 when tied to the embedding) and the final norm."""
-        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.hidden
-
-    @property
     def params(self) -> int:
-        return self.layers * self.block_params + self.embedding_params + self.head_params
+        """The blocks, the embedding, the LM head's own weight (0 when tied to the embedding)
+        and the final norm."""
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.layers * self.block_params + self.vocab * self.hidden + head + self.hidden
 
     # activations ---------------------------------------------------------------------
     def norm_bytes_per_token(self, b: int) -> int:
