@@ -299,11 +299,10 @@ def tokens_per_second(tokens: float, seconds: float) -> float:
 def peak_memory(device: torch.device | str | None = None) -> dict[str, float]:
     """Peak memory in GiB: CUDA ``max_memory_allocated`` / ``max_memory_reserved`` on a GPU device,
     else this process's peak resident set size (``getrusage``; it never goes down)."""
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
+    if device is not None and torch.device(device).type == "cuda":
         return {
-            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / GIB,
-            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / GIB,
+            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
         }
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
@@ -313,9 +312,8 @@ def peak_memory(device: torch.device | str | None = None) -> dict[str, float]:
 
 def reset_peak_memory(device: torch.device | str | None = None) -> None:
     """Start a new CUDA peak window (the CPU RSS peak cannot be reset)."""
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 # ---------------------------------------------------------------------------------------------
