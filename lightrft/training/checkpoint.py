@@ -57,6 +57,7 @@ from lightrft.training.safe_state import (
     load_state,
     read_dcp_metadata,
     save_state,
+    stored_alike,
     write_atomic,
 )
 
@@ -758,18 +759,6 @@ def check_reshardable(
                 )
 
 
-def _same(a: Any, b: Any) -> bool:
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(a, b))
-    return a == b
-
-
 def _reshard_rank_state(path: Path, saved_world: int, loaders: Mapping[str, Any]) -> dict:
     """This rank's state from the ``saved_world`` rank files of ``path``: the loaders continue
     from the saved ranks' joint position; ``extra`` is rank 0's, which every rank must share."""
@@ -777,7 +766,7 @@ def _reshard_rank_state(path: Path, saved_world: int, loaders: Mapping[str, Any]
     differ = sorted(
         k
         for k in states[0]["extra"]
-        if not all(_same(states[0]["extra"][k], s["extra"].get(k)) for s in states[1:])
+        if not all(stored_alike(states[0]["extra"][k], s["extra"].get(k)) for s in states[1:])
     )
     if differ or any(s["extra"].keys() != states[0]["extra"].keys() for s in states):
         raise CheckpointError(
