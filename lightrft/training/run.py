@@ -77,11 +77,6 @@ class TrainingRunConfig(RunConfig):
         check_resume_overwrite(self.resume, self.overwrite)
         return self
 
-    def checkpointer(self) -> Checkpointer:
-        return Checkpointer(
-            self.output_dir, keep_last=self.keep_last, every_n_steps=self.save_every
-        )
-
 
 @section
 class TrainingConfig(Section):
@@ -128,7 +123,11 @@ class TrainingRun:
             overwrite=opts.overwrite if training else False,
         )
         self.dist: DistInfo = init_distributed(opts.device, opts.collective_timeout_s)
-        self.checkpointer = opts.checkpointer() if training else None
+        self.checkpointer = (
+            Checkpointer(opts.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every)
+            if training
+            else None
+        )
         self.logger: MetricLogger | None = None
         self.resumed = False
         torch.manual_seed(opts.seed)
