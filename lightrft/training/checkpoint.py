@@ -624,7 +624,11 @@ class Checkpointer:
                 saved_world_size=saved_world if needs_rank_state else None,
                 world_size=world,
             )
-        new_lrs = _base_lrs(optims_)
+        # Each optimizer's configured LR per param group (``initial_lr`` once a scheduler exists).
+        new_lrs = {
+            name: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+            for name, opt in optims_.items()
+        }
         resharded = saved_world != world
         if resharded:
             check_reshardable(path, meta, world, loaders=loaders_)
@@ -868,14 +872,6 @@ def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) ->
 
 # ---------------------------------------------------------------------------------------------
 # learning-rate override on resume
-
-
-def _base_lrs(optims: Mapping[str, torch.optim.Optimizer]) -> dict[str, list[float]]:
-    """Each optimizer's configured LR per param group (``initial_lr`` once a scheduler exists)."""
-    return {
-        name: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
-        for name, opt in optims.items()
-    }
 
 
 def _override_lrs(
