@@ -611,6 +611,7 @@ class Checkpointer:
         check_held_alike(path, meta, "lora", {k: _is_lora(m) for k, m in models_.items()})
         (rank, world), saved_world = _rank_and_world(), int(meta["world_size"])
         needs_rank_state = bool(loaders_) or restore_rng
+        resharded = saved_world != world
         changes = []
         saved_config = None if config is None else read_saved_config(path)
         if config is not None and saved_config is None and rank == 0:
@@ -621,15 +622,13 @@ class Checkpointer:
                 json.loads(json.dumps(dict(config), default=str)),  # same normalisation as saved
                 path=path,
                 override_lr=override_lr,
-                saved_world_size=saved_world if needs_rank_state else None,
-                world_size=world,
+                resharded=resharded and needs_rank_state,
             )
         # Each optimizer's configured LR per param group (``initial_lr`` once a scheduler exists).
         new_lrs = {
             name: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
             for name, opt in optims_.items()
         }
-        resharded = saved_world != world
         if resharded:
             check_reshardable(path, meta, world, loaders=loaders_)
 
