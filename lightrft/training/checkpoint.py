@@ -57,6 +57,7 @@ from lightrft.training.safe_state import (
     load_state,
     read_dcp_metadata,
     save_state,
+    stored_alike,
     write_atomic,
 )
 
@@ -424,6 +425,14 @@ class Checkpointer:
             "run (overwrite=true or another output_dir)"
         )
 
+    def none_to_resume(self) -> ValueError:
+        """What ``resume=true`` without a complete checkpoint here raises (the one message)."""
+        return ValueError(
+            f"resume=true but no checkpoint found in {self.root} (no complete step_* directory); "
+            "point output_dir at the run to continue, or start without resume (a run stopped "
+            "before its first checkpoint starts over with overwrite=true)"
+        )
+
     # -- save -------------------------------------------------------------------------------
 
     def save(
@@ -602,6 +611,7 @@ class Checkpointer:
         check_held_alike(path, meta, "lora", {k: _is_lora(m) for k, m in models_.items()})
         (rank, world), saved_world = _rank_and_world(), int(meta["world_size"])
         needs_rank_state = bool(loaders_) or restore_rng
+        resharded = saved_world != world
         changes = []
         saved_config = None if config is None else read_saved_config(path)
         if config is not None and saved_config is None and rank == 0:
@@ -612,11 +622,13 @@ class Checkpointer:
                 json.loads(json.dumps(dict(config), default=str)),  # same normalisation as saved
                 path=path,
                 override_lr=override_lr,
-                saved_world_size=saved_world if needs_rank_state else None,
-                world_size=world,
+                resharded=resharded and needs_rank_state,
             )
-        new_lrs = _base_lrs(optims_)
-        resharded = saved_world != world
+        # Each optimizer's configured LR per param group (``initial_lr`` once a scheduler exists).
+        new_lrs = {
+            name: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+            for name, opt in optims_.items()
+        }
         if resharded:
             check_reshardable(path, meta, world, loaders=loaders_)
 
@@ -689,11 +701,7 @@ class Checkpointer:
         path = broadcast_from_rank0(self.latest_readable() if is_main() else None)
         if path is None:
             if required:
-                raise ValueError(
-                    f"resume=true but no checkpoint found in {self.root} "
-                    "(no complete step_* directory); start without resume or "
-                    "point output_dir at the run to continue"
-                )
+                raise self.none_to_resume()
             return None
         return self.load(path, **load)
 
@@ -754,18 +762,6 @@ def check_reshardable(
                 )
 
 
-def _same(a: Any, b: Any) -> bool:
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(a, b))
-    return a == b
-
-
 def _reshard_rank_state(path: Path, saved_world: int, loaders: Mapping[str, Any]) -> dict:
     """This rank's state from the ``saved_world`` rank files of ``path``: the loaders continue
     from the saved ranks' joint position; ``extra`` is rank 0's, which every rank must share."""
@@ -773,7 +769,7 @@ def _reshard_rank_state(path: Path, saved_world: int, loaders: Mapping[str, Any]
     differ = sorted(
         k
         for k in states[0]["extra"]
-        if not all(_same(states[0]["extra"][k], s["extra"].get(k)) for s in states[1:])
+        if not all(stored_alike(states[0]["extra"][k], s["extra"].get(k)) for s in states[1:])
     )
     if differ or any(s["extra"].keys() != states[0]["extra"].keys() for s in states):
         raise CheckpointError(
@@ -877,14 +873,6 @@ def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) ->
 # learning-rate override on resume
 
 
-def _base_lrs(optims: Mapping[str, torch.optim.Optimizer]) -> dict[str, list[float]]:
-    """Each optimizer's configured LR per param group (``initial_lr`` once a scheduler exists)."""
-    return {
-        name: [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
-        for name, opt in optims.items()
-    }
-
-
 def _override_lrs(
     optims: Mapping[str, torch.optim.Optimizer],
     scheds: Mapping[str, SupportsState],
@@ -916,13 +904,15 @@ def check_resume(
     world: int = 1,
     global_batch: Callable[[int], int | None] | None = None,
 ) -> None:
-    """Before anything loads: the newest checkpoint under ``output_dir`` must train LoRA
-    adapters exactly when this run does (``adapted``), for each of ``models`` it holds; saved by
-    another number of ranks than ``world``, it must be able to continue on ``world``
-    (:func:`check_reshardable`, with this run's global batch ``global_batch(world)``)."""
-    latest = Checkpointer(output_dir).latest_readable()
+    """Before anything loads (``resume=true``): there must be a checkpoint under ``output_dir``;
+    the newest readable one must train LoRA adapters exactly when this run does (``adapted``),
+    for each of ``models`` it holds; saved by another number of ranks than ``world``, it must be
+    able to continue on ``world`` (:func:`check_reshardable`, with this run's global batch
+    ``global_batch(world)``)."""
+    ckpt = Checkpointer(output_dir)
+    latest = ckpt.latest_readable()
     if latest is None:
-        return
+        raise ckpt.none_to_resume()
     meta = read_meta(latest)
     check_held_alike(latest, meta, "lora", dict.fromkeys(models, adapted))
     if int(meta.get("world_size", 1)) != world:

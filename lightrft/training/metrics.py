@@ -80,9 +80,8 @@ class MetricLogger:
         self._jsonl = self._tb = self._wandb = None
         if not self.enabled:
             return
-        wandb_kwargs = _wandb_kwargs(wandb)
         wandb_mod = None
-        if wandb_kwargs is not None:
+        if wandb is True or isinstance(wandb, Mapping):
             try:
                 import wandb as wandb_mod
             except ImportError:
@@ -91,6 +90,10 @@ class MetricLogger:
                     "`wandb` package is not installed: pip install "
                     "'lightrft[wandb]', or disable wandb"
                 ) from None
+        elif wandb is not None and wandb is not False:
+            raise ValueError(
+                f"wandb must be a bool or a dict of wandb.init arguments, got {wandb!r}"
+            )
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             _truncate_jsonl(self.jsonl_path, resume_step)
@@ -105,6 +108,7 @@ class MetricLogger:
                     "config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```"
                 )
         if wandb_mod is not None:
+            wandb_kwargs = {} if wandb is True else dict(wandb)
             wandb_kwargs.setdefault("dir", str(self.output_dir))
             if config is not None:
                 wandb_kwargs.setdefault("config", dict(config))
@@ -143,16 +147,6 @@ class MetricLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _wandb_kwargs(wandb: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if wandb is None or wandb is False:
-        return None
-    if wandb is True:
-        return {}
-    if isinstance(wandb, Mapping):
-        return dict(wandb)
-    raise ValueError(f"wandb must be a bool or a dict of wandb.init arguments, got {wandb!r}")
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
@@ -305,11 +299,10 @@ def tokens_per_second(tokens: float, seconds: float) -> float:
 def peak_memory(device: torch.device | str | None = None) -> dict[str, float]:
     """Peak memory in GiB: CUDA ``max_memory_allocated`` / ``max_memory_reserved`` on a GPU device,
     else this process's peak resident set size (``getrusage``; it never goes down)."""
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
+    if device is not None and torch.device(device).type == "cuda":
         return {
-            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / GIB,
-            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / GIB,
+            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
         }
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
@@ -319,9 +312,8 @@ def peak_memory(device: torch.device | str | None = None) -> dict[str, float]:
 
 def reset_peak_memory(device: torch.device | str | None = None) -> None:
     """Start a new CUDA peak window (the CPU RSS peak cannot be reset)."""
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 # ---------------------------------------------------------------------------------------------

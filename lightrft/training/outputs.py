@@ -60,11 +60,7 @@ def check_output_dir(
     Other ranks only check writability (the probe file name is unique per process).
     A recipe passes its ``resume`` and ``overwrite`` config keys.
     """
-    if resume and overwrite:
-        raise ConfigError(
-            "resume=true and overwrite=true contradict each other: resume continues the run in "
-            "output_dir, overwrite deletes it"
-        )
+    check_resume_overwrite(resume, overwrite)
     if path is None or str(path).strip() == "":
         raise ConfigError(
             "output_dir is not set: give the run a directory for its checkpoints, "
@@ -90,6 +86,16 @@ def check_output_dir(
         if resume is not None:
             _check_fresh_run(p, resume=resume, overwrite=overwrite)
     return p
+
+
+def check_resume_overwrite(resume: bool | None, overwrite: bool) -> None:
+    """Refuse ``resume=true`` with ``overwrite=true`` (a ``ValueError``): the one place of this
+    rule, which :func:`check_output_dir` and the training config (when it is read) apply."""
+    if resume and overwrite:
+        raise ValueError(
+            "resume=true and overwrite=true contradict each other: resume continues the run in "
+            "output_dir, overwrite deletes it; choose one"
+        )
 
 
 def release_output_dir(path: str | os.PathLike) -> None:

@@ -160,17 +160,11 @@ class ModelShape:
         return attention + 3 * h * self.intermediate + 2 * h  # + SwiGLU MLP + two RMSNorms
 
     @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def head_params(self) -> int:
-        """The LM head's own weight (0 when tied to the embedding) and the final norm."""
-        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.hidden
-
-    @property
     def params(self) -> int:
-        return self.layers * self.block_params + self.embedding_params + self.head_params
+        """The blocks, the embedding, the LM head's own weight (0 when tied to the embedding)
+        and the final norm."""
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.layers * self.block_params + self.vocab * self.hidden + head + self.hidden
 
     # activations ---------------------------------------------------------------------
     def norm_bytes_per_token(self, b: int) -> int:
@@ -612,13 +606,13 @@ def _advice(plan_: Plan, phase: Phase) -> tuple[str, ...]:
             out.append("a larger shard_size (HSDP: shard over more ranks)")
     if p.engine is not None and p.engine.backend == "native" and p.engine.sleep_level < 2:
         out.append("engine sleep_level: 2 (frees the engine's weights between rollouts)")
-    if phase.name in plan_.blocked:
+    if phase.name == "rollout" and p.engine.backend == "native":  # (a rollout has an engine)
+        out.append("engine.max_kv_tokens or max_num_seqs (fewer KV-cache rows)")
+    elif phase.name in plan_.blocked:  # vLLM / SGLang: a share smaller than the weights
         out.append(plan_.blocked[phase.name])
         out.append("a larger engine.gpu_memory_utilization or engine.tensor_parallel_size")
-    elif phase.name == "rollout" and p.engine is not None and p.engine.backend != "native":
+    elif phase.name == "rollout":
         out.append("a smaller engine.gpu_memory_utilization")
-    if phase.name == "rollout" and p.engine is not None and p.engine.backend == "native":
-        out.append("engine.max_kv_tokens or max_num_seqs (fewer KV-cache rows)")
     if phase.name == "training step":
         out.append("a smaller train.micro_batch_size / micro_batch_tokens")
     if over > 0:

@@ -137,13 +137,12 @@ def check_resume_config(
     *,
     path: Any,
     override_lr: bool = False,
-    saved_world_size: int | None = None,
-    world_size: int | None = None,
+    resharded: bool = False,
 ) -> list[ConfigChange]:
     """The allowed changes (to log), or a ``ValueError`` listing every change that cannot be
-    honoured: refused keys, learning rates without ``override_lr``. With another world size
-    than the saved one the per-rank batch keys (:data:`RESHARD_KEYS`) may change too."""
-    resharded = None not in (saved_world_size, world_size) and saved_world_size != world_size
+    honoured: refused keys, learning rates without ``override_lr``. ``resharded`` (a resume on
+    another world size than the saved one): the per-rank batch keys (:data:`RESHARD_KEYS`) may
+    change too."""
     allowed = (*ALLOWED_CHANGES, *RESHARD_KEYS) if resharded else ALLOWED_CHANGES
     changes = config_changes(saved, current, allowed=allowed)
     # What each kind of change that cannot be honoured says (the opt-in ones without the flag).

@@ -9,8 +9,9 @@
 
 :class:`TrainingRunConfig` holds the keys (``output_dir``, ``seed``, ``device``, ``prepare``,
 ``log_every``, ``metrics``, ``save_every``, ``keep_last``, ``resume``, ``overwrite``,
-``resume_override_lr``) and refuses, before anything loads, a resume without a checkpoint and a
-resume that contradicts ``overwrite``. :func:`training_run` then, in this order:
+``resume_override_lr``) and refuses a resume that contradicts ``overwrite``; :class:`TrainingConfig`
+refuses, before anything loads, a resume without a checkpoint or from one it cannot continue
+(:func:`~lightrft.training.checkpoint.check_resume`). :func:`training_run` then, in this order:
 
 1. claims ``output_dir`` (a lock held for the run; a fresh run into a used directory is refused
    unless ``overwrite=true``, which clears it; ``resume=true`` continues it);
@@ -53,7 +54,7 @@ from lightrft.training.checkpoint import (
     check_resume,
 )
 from lightrft.training.metrics import MetricLogger
-from lightrft.training.outputs import check_output_dir
+from lightrft.training.outputs import check_output_dir, check_resume_overwrite
 from lightrft.training.preemption import Preemption
 
 
@@ -73,19 +74,8 @@ class TrainingRunConfig(RunConfig):
 
     def resolve(self, at: str) -> TrainingRunConfig:
         super().resolve(at)
-        if self.resume and self.overwrite:
-            raise ValueError("resume=true and overwrite=true contradict each other; choose one")
-        if self.resume and self.checkpointer().latest() is None:
-            raise ValueError(
-                f"resume=true but no checkpoint found in {self.checkpointer().root}; a run "
-                "stopped before its first checkpoint starts over with overwrite=true"
-            )
+        check_resume_overwrite(self.resume, self.overwrite)
         return self
-
-    def checkpointer(self) -> Checkpointer:
-        return Checkpointer(
-            self.output_dir, keep_last=self.keep_last, every_n_steps=self.save_every
-        )
 
 
 @section
@@ -101,7 +91,8 @@ class TrainingConfig(Section):
     CHECKPOINT_MODELS: ClassVar[tuple[str, ...]] = ("model",)
 
     def resolve(self, at: str) -> TrainingConfig:
-        # A LoRA run resumes only from LoRA checkpoints, and the reverse; on another world size
+        # A resume needs a checkpoint; a LoRA run resumes only from LoRA checkpoints, and the
+        # reverse; on another world size
         # only what reshards. The world the run has: torchrun sets WORLD_SIZE (`lightrft run`
         # sets it for its check before launching), else one plain process.
         if self.run.resume:
@@ -134,7 +125,11 @@ class TrainingRun:
             overwrite=opts.overwrite if training else False,
         )
         self.dist: DistInfo = init_distributed(opts.device, opts.collective_timeout_s)
-        self.checkpointer = opts.checkpointer() if training else None
+        self.checkpointer = (
+            Checkpointer(opts.output_dir, keep_last=opts.keep_last, every_n_steps=opts.save_every)
+            if training
+            else None
+        )
         self.logger: MetricLogger | None = None
         self.resumed = False
         torch.manual_seed(opts.seed)

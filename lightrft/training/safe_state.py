@@ -117,6 +117,13 @@ def save_state(obj: Any, stem: Path) -> None:
         write_atomic(stem.with_name(stem.name + suffix), data)
 
 
+def stored_alike(a: Any, b: Any) -> bool:
+    """Whether :func:`save_state` stores ``a`` and ``b`` alike: the same JSON, the same tensor
+    bytes (a per-rank value that must be the same on every rank)."""
+    ta, tb = {}, {}
+    return _encode(a, ta) == _encode(b, tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old or the new content, never a torn file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -85,8 +85,7 @@ def test_refusal_lists_every_reason():
                 optimizer__lr=1e-3,
             ),
             path="ckpt/step_000010",
-            saved_world_size=2,
-            world_size=1,
+            resharded=True,  # saved by 2 ranks, resumed on 1
         )
     msg = str(info.value)
     assert "cannot resume from ckpt/step_000010" in msg
@@ -100,13 +99,13 @@ def test_per_rank_batch_keys_may_change_with_the_world_size_only():
     """2 ranks x batch_size 4 -> 1 rank x batch_size 8 keeps the global batch (checked against
     the checkpoint's record, lightrft.training.checkpoint.check_reshardable)."""
     saved, current = _cfg(batch_size=4), _cfg(batch_size=8, gradient_accumulation_steps=2)
-    changes = check_resume_config(saved, current, path="ckpt", saved_world_size=2, world_size=1)
+    changes = check_resume_config(saved, current, path="ckpt", resharded=True)  # 2 -> 1
     assert {c.key: c.kind for c in changes} == {
         "batch_size": "allowed",
         "gradient_accumulation_steps": "allowed",
     }
     with pytest.raises(ValueError, match="batch_size: 4 -> 8"):
-        check_resume_config(saved, current, path="ckpt", saved_world_size=2, world_size=2)
+        check_resume_config(saved, current, path="ckpt", resharded=False)  # 2 -> 2
 
 
 def test_checkpoint_saves_config_and_resume_checks_it_before_loading(tmp_path, capsys):
