@@ -117,14 +117,10 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
 
     ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
     """
-    from transformers import AutoModelForCausalLM
+    from lightrft.models.loading import model_auto_class
 
-    from lightrft.models.loading import multimodal_auto_class
-    from lightrft.models.modality import is_multimodal
-
-    auto = multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(config)
+        model = model_auto_class(config).from_config(config)
     accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return accepted, {name for name, _ in model.named_parameters()}
 

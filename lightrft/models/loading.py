@@ -167,22 +167,20 @@ def load_model(
 
 
 def model_auto_class(config):
-    """The auto class :func:`load_model` loads a checkpoint of ``config`` with."""
-    from transformers import AutoModelForCausalLM
+    """The auto class :func:`load_model` loads a checkpoint of ``config`` with:
+    ``AutoModelForCausalLM`` for a text model; for a multimodal one ``AutoModelForMultimodalLM``
+    when it is audio-language (Qwen2-Audio is not an image-text model), else
+    ``AutoModelForImageTextToText``."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForMultimodalLM,
+    )
 
-    from lightrft.models.modality import is_multimodal
+    from lightrft.models.modality import is_audio_language, is_multimodal
 
-    return multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
-
-
-def multimodal_auto_class(config):
-    """The transformers auto class a multimodal checkpoint's ``config`` loads with:
-    ``AutoModelForMultimodalLM`` for audio-language models (Qwen2-Audio is not an image-text
-    model), else ``AutoModelForImageTextToText``."""
-    from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM
-
-    from lightrft.models.modality import is_audio_language
-
+    if not is_multimodal(config):
+        return AutoModelForCausalLM
     return AutoModelForMultimodalLM if is_audio_language(config) else AutoModelForImageTextToText
 
 
