@@ -214,7 +214,7 @@ class NativeEngine:
     ) -> None:
         from lightrft.models import modality
         from lightrft.models.forward import mrope_model
-        from lightrft.models.loading import load_causal_lm, load_tokenizer, to_dtype
+        from lightrft.models.loading import head_dim, load_causal_lm, load_tokenizer, to_dtype
         from lightrft.models.multimodal import load_vision_model
         from lightrft.models.parallel import decoder_layers, default_param_dtype
 
@@ -268,9 +268,7 @@ class NativeEngine:
         config = config.get_text_config()
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+        self.head_dim = head_dim(config)
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (prompt + 1 token), got {max_model_len}")

@@ -379,16 +379,11 @@ class PeerWatch:
                 os._exit(1)
 
 
-def head_dim(config) -> int:
-    """The attention head size of an HF (text) config."""
-    text = config.get_text_config()
-    explicit = getattr(text, "head_dim", None)
-    return int(explicit or text.hidden_size // text.num_attention_heads)
-
-
 def cpu_kv_cache_bytes(config, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
     """The default CPU KV cache: keys and values of ``max_num_seqs`` full-length sequences
     (within :data:`CPU_KV_CACHE_BYTES`), so a tiny model does not take a fraction of the host."""
+    from lightrft.models.loading import head_dim
+
     text = config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim(config) * dtype.itemsize
@@ -425,6 +420,7 @@ def check_cpu_options(
         )
     if config is None:
         return
+    from lightrft.models.loading import head_dim
     from lightrft.models.modality import is_multimodal
 
     if is_multimodal(config) and not has_torchvision():

@@ -184,6 +184,12 @@ def model_auto_class(config):
     return AutoModelForMultimodalLM if is_audio_language(config) else AutoModelForImageTextToText
 
 
+def head_dim(config) -> int:
+    """The attention head size of an HF (text) config."""
+    text = config.get_text_config()
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
 def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
     """The first ``nn.ModuleList`` found at one of the dotted ``paths`` under ``root``."""
     for path in paths:
