@@ -182,7 +182,7 @@ class _RowState:
 class NativeEngine:
     """A colocated rollout engine over an HF causal LM (see the module docstring).
 
-    ``model``: an HF directory (loaded with :func:`lightrft.models.load_causal_lm`) or an
+    ``model``: an HF directory (loaded with :func:`lightrft.models.load_model`) or an
     unsharded HF ``nn.Module``, which is copied. ``tokenizer``: defaults to the directory's; gives
     the end-of-sequence ids and detokenised text. ``dtype``: weights and KV cache (default bf16 on
     CUDA, fp32 on CPU). ``max_model_len``: prompt plus response tokens (default: the model's
@@ -214,8 +214,7 @@ class NativeEngine:
     ) -> None:
         from lightrft.models import modality
         from lightrft.models.forward import mrope_model
-        from lightrft.models.loading import head_dim, load_causal_lm, load_tokenizer, to_dtype
-        from lightrft.models.multimodal import load_vision_model
+        from lightrft.models.loading import head_dim, load_model, load_tokenizer, to_dtype
         from lightrft.models.parallel import decoder_layers, default_param_dtype
 
         at_least("max_num_seqs", max_num_seqs, 1)
@@ -237,8 +236,7 @@ class NativeEngine:
 
             hf_config = AutoConfig.from_pretrained(model)
             _check_supported(hf_config)  # before anything loads
-            load = load_vision_model if modality.is_multimodal(hf_config) else load_causal_lm
-            self.model = load(
+            self.model = load_model(
                 model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
             )
             if tokenizer is None:
