@@ -217,10 +217,10 @@ class Trajectory:
 
 
 class ExternalEngine:
-    """What ``VLLMEngine`` and ``SGLangEngine`` do alike: a generate call's checks, the names
-    ``load_weights`` takes and the later turns of multi-turn generation. Each adapter gives its
-    backend's calls: ``_sample_on`` (one ``n=1`` request per trajectory that goes on),
-    ``_budget`` (response tokens a sample may hold) and ``_decode``."""
+    """What ``VLLMEngine`` and ``SGLangEngine`` do alike: a generate call's checks and the later
+    turns of multi-turn generation (``load_weights`` takes the names of :func:`hf_weight_names`).
+    Each adapter gives its backend's calls: ``_sample_on`` (one ``n=1`` request per trajectory
+    that goes on), ``_budget`` (response tokens a sample may hold) and ``_decode``."""
 
     def _checked(
         self, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
@@ -231,26 +231,6 @@ class ExternalEngine:
         params = per_request_params(sampling, len(requests))
         check_requests(requests, self.vocab_size)
         return requests, params
-
-    def _checked_weights(self, weights, asleep: bool) -> list[tuple[str, torch.Tensor]]:
-        """``load_weights``' pairs, refused while the weights are ``asleep`` or when a name is
-        not one of the model's (with the closest name)."""
-        if asleep:
-            raise ValueError(
-                "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
-            )
-        weights = list(weights)
-        unknown = [name for name, _ in weights if name not in self._names]
-        if unknown:
-            import difflib
-
-            near = difflib.get_close_matches(unknown[0], sorted(self._names), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(
-                f"load_weights: unknown parameter name(s) {unknown[:8]}{hint}; the engine's "
-                "model takes Hugging Face names"
-            )
-        return weights
 
     def _fire_rest(
         self, requests: list[Request], params: list[SamplingParams], firsts: list[Completion]

@@ -45,7 +45,6 @@ log-probs are the model's own (without that mask), the quantity the trainer comp
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import inspect
 import itertools
@@ -77,6 +76,7 @@ from lightrft.engine.protocol import (
     check_resumes,
     check_sleep_level,
     check_wake_tags,
+    check_weight_names,
     is_int,
     per_request_params,
     sampled_mask,
@@ -333,10 +333,12 @@ class NativeEngine:
         Every name and shape is checked before anything is copied, so a bad batch changes
         nothing.
         """
-        self._check_weights_awake("load_weights")
+        weights = list(weights)
+        asleep = "weights" in self._asleep
+        check_weight_names([name for name, _ in weights], self._params, asleep, "load_weights")
         params, tensors = [], []
         for name, tensor in weights:
-            param = self._param(name, "load_weights")
+            param = self._params[name]
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine "
@@ -363,10 +365,10 @@ class NativeEngine:
         one before the next ``generate``. The tensors stay valid while :attr:`weights_version`
         does not change. Unknown names raise, as in :meth:`load_weights`.
         """
-        self._check_weights_awake("weight_buffers")
+        check_weight_names(names, self._params, "weights" in self._asleep, "weight_buffers")
         out = []
         for name in names:
-            param = self._param(name, "weight_buffers")
+            param = self._params[name]
             out.append(param.data)
             self._unloaded.discard(self._canonical[id(param)])
         return out
@@ -374,22 +376,6 @@ class NativeEngine:
     def reset_prefix_cache(self) -> bool:
         """Nothing to drop: prompt KV states are shared only within one ``generate`` call."""
         return True
-
-    def _check_weights_awake(self, what: str) -> None:
-        if "weights" in self._asleep:
-            raise ValueError(
-                "the engine's weights are released (sleep level 2); call "
-                f"wake_up(['weights']) before {what}"
-            )
-
-    def _param(self, name: str, what: str) -> nn.Parameter:
-        """The parameter an HF name holds; an unknown name raises, naming the closest one."""
-        param = self._params.get(name)
-        if param is None:
-            close = difflib.get_close_matches(name, list(self._params), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"{what}: unknown parameter name {name!r}{hint}")
-        return param
 
     # ---------------------------------------------------------------- generation
     @torch.no_grad()

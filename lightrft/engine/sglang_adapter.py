@@ -92,6 +92,7 @@ from lightrft.engine.protocol import (
     SamplingParams,
     check_sleep_level,
     check_wake_tags,
+    check_weight_names,
 )
 
 SGLANG_VERSION = "0.5.21"
@@ -282,7 +283,9 @@ class SGLangEngine(ExternalEngine):
         self._asleep -= set(todo)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        weights = self._checked_weights(weights, "weights" in self._asleep)
+        weights = list(weights)
+        asleep = "weights" in self._asleep
+        check_weight_names([name for name, _ in weights], self._names, asleep, "load_weights")
         if not self._updating:
             _check_ok(self.llm.begin_weight_update(), "begin_weight_update")
             self._updating = True

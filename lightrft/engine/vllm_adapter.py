@@ -76,6 +76,7 @@ from lightrft.engine.protocol import (
     check_resumes,
     check_sleep_level,
     check_wake_tags,
+    check_weight_names,
 )
 
 VLLM_VERSION = "0.32.0"
@@ -779,9 +780,9 @@ class VLLMEngine(ExternalEngine):
         buffers) until :meth:`reset_prefix_cache` or the next ``generate``, then one in-place
         ``reload_weights`` of the model runner takes them all, so a vLLM layer is never
         reprocessed with part of its weights."""
-        weights = self._checked_weights(
-            weights, "weights" in self._asleep and self.enable_sleep_mode
-        )
+        weights = list(weights)
+        asleep = "weights" in self._asleep and self.enable_sleep_mode
+        check_weight_names([name for name, _ in weights], self._names, asleep, "load_weights")
         if self.on_cpu:
             self._pending += [(name, t.detach().to(self.dtype, copy=True)) for name, t in weights]
         else:
