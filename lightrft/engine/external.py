@@ -33,10 +33,7 @@ from lightrft.engine.protocol import (
     Request,
     SamplingParams,
     Turn,
-    check_awake,
     check_observation,
-    check_requests,
-    per_request_params,
     sampled_mask,
 )
 
@@ -217,20 +214,11 @@ class Trajectory:
 
 
 class ExternalEngine:
-    """What ``VLLMEngine`` and ``SGLangEngine`` do alike: a generate call's checks and the later
-    turns of multi-turn generation (``load_weights`` takes the names of :func:`hf_weight_names`).
+    """What ``VLLMEngine`` and ``SGLangEngine`` do alike: FIRE's second pass and the later turns
+    of multi-turn generation (``generate`` checks its call with :func:`checked_call`,
+    ``load_weights`` takes the names of :func:`hf_weight_names`).
     Each adapter gives its backend's calls: ``_sample_on`` (one ``n=1`` request per trajectory
     that goes on), ``_budget`` (response tokens a sample may hold) and ``_decode``."""
-
-    def _checked(
-        self, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
-    ) -> tuple[list[Request], list[SamplingParams]]:
-        """A generate call's requests and params, checked (awake, ids in the vocabulary)."""
-        check_awake(sorted(self._asleep), self._unloaded)
-        requests = list(requests)
-        params = per_request_params(sampling, len(requests))
-        check_requests(requests, self.vocab_size)
-        return requests, params
 
     def _fire_rest(
         self, requests: list[Request], params: list[SamplingParams], firsts: list[Completion]

@@ -63,22 +63,19 @@ from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
-    WAKE_TAGS,
     Completion,
     Continuation,
     FinishReason,
     Request,
     SamplingParams,
     Turn,
-    check_awake,
     check_observation,
-    check_requests,
     check_resumes,
     check_sleep_level,
     check_wake_tags,
     check_weight_names,
+    checked_call,
     is_int,
-    per_request_params,
     sampled_mask,
 )
 
@@ -397,7 +394,7 @@ class NativeEngine:
         of requests not yet admitted, come back ``finish_reason="partial"``; a later call
         continues each with ``Request(prompt, resume=Resume(...))``, re-prefilling its tokens.
         """
-        check_awake([tag for tag in WAKE_TAGS if tag in self._asleep], self._unloaded)
+        requests, params = checked_call(self, requests, sampling)
         if token_budget is not None:
             if not is_int(token_budget) or token_budget < 1:
                 raise ValueError(
@@ -408,9 +405,6 @@ class NativeEngine:
                     "token_budget (partial rollouts) does not take a continuation: a multi-turn "
                     "row waiting on its tools cannot be cut and re-prefilled"
                 )
-        requests = list(requests)
-        params = per_request_params(sampling, len(requests))
-        check_requests(requests, self.vocab_size)
         check_resumes(requests, params, self.vocab_size)
         self._media = [self._request_media(i, r) for i, r in enumerate(requests)]
         prefixes = [[] if r.resume is None else list(r.resume.token_ids) for r in requests]

@@ -319,20 +319,28 @@ def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(tags)
 
 
-def check_awake(asleep: Sequence[str], unloaded: Collection[str]) -> None:
-    """Refuse ``generate`` while memory is released (``asleep``: its tags) or while weights are
-    not loaded since a level-2 sleep (``unloaded``: their names)."""
-    if asleep:
+def checked_call(
+    engine, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
+) -> tuple[list[Request], list[SamplingParams]]:
+    """A ``generate`` call's requests and one ``SamplingParams`` per request, checked: refused
+    while ``engine``'s memory is released (``engine._asleep``: the wake tags its sleep released)
+    or while weights are not loaded since a level-2 sleep (``engine._unloaded``: their names),
+    or with token ids outside ``engine.vocab_size`` (:func:`check_requests`)."""
+    if asleep := [tag for tag in WAKE_TAGS if tag in engine._asleep]:
         raise ValueError(
             f"generate called while the engine is asleep ({', '.join(asleep)} released); "
             "call wake_up() first"
         )
-    if unloaded:
-        missing = sorted(unloaded)
+    if engine._unloaded:
+        missing = sorted(engine._unloaded)
         raise ValueError(
             f"{len(missing)} weight(s) not loaded since the level-2 sleep, e.g. "
             f"{missing[:8]}; send every weight with load_weights (or sync_weights) first"
         )
+    requests = list(requests)
+    params = per_request_params(sampling, len(requests))
+    check_requests(requests, engine.vocab_size)
+    return requests, params
 
 
 def check_weight_names(

@@ -93,6 +93,7 @@ from lightrft.engine.protocol import (
     check_sleep_level,
     check_wake_tags,
     check_weight_names,
+    checked_call,
 )
 
 SGLANG_VERSION = "0.5.21"
@@ -316,7 +317,7 @@ class SGLangEngine(ExternalEngine):
     ) -> list[Completion]:
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories (see the module docstring)."""
-        requests, params = self._checked(requests, sampling)
+        requests, params = checked_call(self, requests, sampling)
         if any(p.prompt_logprobs for p in params):
             raise ValueError("SGLangEngine does not return prompt_logprobs; use NativeEngine")
         if any(r.resume is not None for r in requests):  # it would restart from the prompt

@@ -77,6 +77,7 @@ from lightrft.engine.protocol import (
     check_sleep_level,
     check_wake_tags,
     check_weight_names,
+    checked_call,
 )
 
 VLLM_VERSION = "0.32.0"
@@ -826,7 +827,7 @@ class VLLMEngine(ExternalEngine):
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories; with ``token_budget`` or resumed
         requests, partial rollouts (see the module docstring)."""
-        requests, params = self._checked(requests, sampling)
+        requests, params = checked_call(self, requests, sampling)
         if self._pending:
             self.reset_prefix_cache()  # weights loaded without a reset: the cache is stale
         partial = token_budget is not None or any(r.resume is not None for r in requests)
