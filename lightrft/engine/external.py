@@ -33,10 +33,7 @@ from lightrft.engine.protocol import (
     Request,
     SamplingParams,
     Turn,
-    check_awake,
     check_observation,
-    check_requests,
-    per_request_params,
     sampled_mask,
 )
 
@@ -117,14 +114,10 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
 
     ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
     """
-    from transformers import AutoModelForCausalLM
+    from lightrft.models.loading import model_auto_class
 
-    from lightrft.models.loading import multimodal_auto_class
-    from lightrft.models.modality import is_multimodal
-
-    auto = multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(config)
+        model = model_auto_class(config).from_config(config)
     accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return accepted, {name for name, _ in model.named_parameters()}
 
@@ -221,40 +214,11 @@ class Trajectory:
 
 
 class ExternalEngine:
-    """What ``VLLMEngine`` and ``SGLangEngine`` do alike: a generate call's checks, the names
-    ``load_weights`` takes and the later turns of multi-turn generation. Each adapter gives its
-    backend's calls: ``_sample_on`` (one ``n=1`` request per trajectory that goes on),
-    ``_budget`` (response tokens a sample may hold) and ``_decode``."""
-
-    def _checked(
-        self, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
-    ) -> tuple[list[Request], list[SamplingParams]]:
-        """A generate call's requests and params, checked (awake, ids in the vocabulary)."""
-        check_awake(sorted(self._asleep), self._unloaded)
-        requests = list(requests)
-        params = per_request_params(sampling, len(requests))
-        check_requests(requests, self.vocab_size)
-        return requests, params
-
-    def _checked_weights(self, weights, asleep: bool) -> list[tuple[str, torch.Tensor]]:
-        """``load_weights``' pairs, refused while the weights are ``asleep`` or when a name is
-        not one of the model's (with the closest name)."""
-        if asleep:
-            raise ValueError(
-                "the engine's weights are asleep; call wake_up(['weights']) before load_weights"
-            )
-        weights = list(weights)
-        unknown = [name for name, _ in weights if name not in self._names]
-        if unknown:
-            import difflib
-
-            near = difflib.get_close_matches(unknown[0], sorted(self._names), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(
-                f"load_weights: unknown parameter name(s) {unknown[:8]}{hint}; the engine's "
-                "model takes Hugging Face names"
-            )
-        return weights
+    """What ``VLLMEngine`` and ``SGLangEngine`` do alike: FIRE's second pass and the later turns
+    of multi-turn generation (``generate`` checks its call with :func:`checked_call`,
+    ``load_weights`` takes the names of :func:`hf_weight_names`).
+    Each adapter gives its backend's calls: ``_sample_on`` (one ``n=1`` request per trajectory
+    that goes on), ``_budget`` (response tokens a sample may hold) and ``_decode``."""
 
     def _fire_rest(
         self, requests: list[Request], params: list[SamplingParams], firsts: list[Completion]

@@ -45,7 +45,6 @@ log-probs are the model's own (without that mask), the quantity the trainer comp
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import inspect
 import itertools
@@ -64,21 +63,19 @@ from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine import sampling as smp
 from lightrft.engine.protocol import (
-    WAKE_TAGS,
     Completion,
     Continuation,
     FinishReason,
     Request,
     SamplingParams,
     Turn,
-    check_awake,
     check_observation,
-    check_requests,
     check_resumes,
     check_sleep_level,
     check_wake_tags,
+    check_weight_names,
+    checked_call,
     is_int,
-    per_request_params,
     sampled_mask,
 )
 
@@ -182,7 +179,7 @@ class _RowState:
 class NativeEngine:
     """A colocated rollout engine over an HF causal LM (see the module docstring).
 
-    ``model``: an HF directory (loaded with :func:`lightrft.models.load_causal_lm`) or an
+    ``model``: an HF directory (loaded with :func:`lightrft.models.load_model`) or an
     unsharded HF ``nn.Module``, which is copied. ``tokenizer``: defaults to the directory's; gives
     the end-of-sequence ids and detokenised text. ``dtype``: weights and KV cache (default bf16 on
     CUDA, fp32 on CPU). ``max_model_len``: prompt plus response tokens (default: the model's
@@ -214,8 +211,7 @@ class NativeEngine:
     ) -> None:
         from lightrft.models import modality
         from lightrft.models.forward import mrope_model
-        from lightrft.models.loading import load_causal_lm, load_tokenizer, to_dtype
-        from lightrft.models.multimodal import load_vision_model
+        from lightrft.models.loading import head_dim, load_model, load_tokenizer, to_dtype
         from lightrft.models.parallel import decoder_layers, default_param_dtype
 
         at_least("max_num_seqs", max_num_seqs, 1)
@@ -237,8 +233,7 @@ class NativeEngine:
 
             hf_config = AutoConfig.from_pretrained(model)
             _check_supported(hf_config)  # before anything loads
-            load = load_vision_model if modality.is_multimodal(hf_config) else load_causal_lm
-            self.model = load(
+            self.model = load_model(
                 model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
             )
             if tokenizer is None:
@@ -268,9 +263,7 @@ class NativeEngine:
         config = config.get_text_config()
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+        self.head_dim = head_dim(config)
         self.max_model_len = int(max_model_len or config.max_position_embeddings)
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (prompt + 1 token), got {max_model_len}")
@@ -337,10 +330,12 @@ class NativeEngine:
         Every name and shape is checked before anything is copied, so a bad batch changes
         nothing.
         """
-        self._check_weights_awake("load_weights")
+        weights = list(weights)
+        asleep = "weights" in self._asleep
+        check_weight_names([name for name, _ in weights], self._params, asleep, "load_weights")
         params, tensors = [], []
         for name, tensor in weights:
-            param = self._param(name, "load_weights")
+            param = self._params[name]
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine "
@@ -367,10 +362,10 @@ class NativeEngine:
         one before the next ``generate``. The tensors stay valid while :attr:`weights_version`
         does not change. Unknown names raise, as in :meth:`load_weights`.
         """
-        self._check_weights_awake("weight_buffers")
+        check_weight_names(names, self._params, "weights" in self._asleep, "weight_buffers")
         out = []
         for name in names:
-            param = self._param(name, "weight_buffers")
+            param = self._params[name]
             out.append(param.data)
             self._unloaded.discard(self._canonical[id(param)])
         return out
@@ -378,22 +373,6 @@ class NativeEngine:
     def reset_prefix_cache(self) -> bool:
         """Nothing to drop: prompt KV states are shared only within one ``generate`` call."""
         return True
-
-    def _check_weights_awake(self, what: str) -> None:
-        if "weights" in self._asleep:
-            raise ValueError(
-                "the engine's weights are released (sleep level 2); call "
-                f"wake_up(['weights']) before {what}"
-            )
-
-    def _param(self, name: str, what: str) -> nn.Parameter:
-        """The parameter an HF name holds; an unknown name raises, naming the closest one."""
-        param = self._params.get(name)
-        if param is None:
-            close = difflib.get_close_matches(name, list(self._params), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"{what}: unknown parameter name {name!r}{hint}")
-        return param
 
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
@@ -415,7 +394,7 @@ class NativeEngine:
         of requests not yet admitted, come back ``finish_reason="partial"``; a later call
         continues each with ``Request(prompt, resume=Resume(...))``, re-prefilling its tokens.
         """
-        check_awake([tag for tag in WAKE_TAGS if tag in self._asleep], self._unloaded)
+        requests, params = checked_call(self, requests, sampling)
         if token_budget is not None:
             if not is_int(token_budget) or token_budget < 1:
                 raise ValueError(
@@ -426,9 +405,6 @@ class NativeEngine:
                     "token_budget (partial rollouts) does not take a continuation: a multi-turn "
                     "row waiting on its tools cannot be cut and re-prefilled"
                 )
-        requests = list(requests)
-        params = per_request_params(sampling, len(requests))
-        check_requests(requests, self.vocab_size)
         check_resumes(requests, params, self.vocab_size)
         self._media = [self._request_media(i, r) for i, r in enumerate(requests)]
         prefixes = [[] if r.resume is None else list(r.resume.token_ids) for r in requests]

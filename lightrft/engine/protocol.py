@@ -18,6 +18,7 @@ templates: the ids are appended exactly as given and the sampled ids are never r
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -318,19 +319,48 @@ def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(tags)
 
 
-def check_awake(asleep: Sequence[str], unloaded: Collection[str]) -> None:
-    """Refuse ``generate`` while memory is released (``asleep``: its tags) or while weights are
-    not loaded since a level-2 sleep (``unloaded``: their names)."""
-    if asleep:
+def checked_call(
+    engine, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
+) -> tuple[list[Request], list[SamplingParams]]:
+    """A ``generate`` call's requests and one ``SamplingParams`` per request, checked: refused
+    while ``engine``'s memory is released (``engine._asleep``: the wake tags its sleep released)
+    or while weights are not loaded since a level-2 sleep (``engine._unloaded``: their names),
+    or with token ids outside ``engine.vocab_size`` (:func:`check_requests`)."""
+    if asleep := [tag for tag in WAKE_TAGS if tag in engine._asleep]:
         raise ValueError(
             f"generate called while the engine is asleep ({', '.join(asleep)} released); "
             "call wake_up() first"
         )
-    if unloaded:
-        missing = sorted(unloaded)
+    if engine._unloaded:
+        missing = sorted(engine._unloaded)
         raise ValueError(
             f"{len(missing)} weight(s) not loaded since the level-2 sleep, e.g. "
             f"{missing[:8]}; send every weight with load_weights (or sync_weights) first"
+        )
+    requests = list(requests)
+    params = per_request_params(sampling, len(requests))
+    check_requests(requests, engine.vocab_size)
+    return requests, params
+
+
+def check_weight_names(
+    names: Sequence[str], known: Collection[str], asleep: bool, what: str
+) -> None:
+    """Refuse ``what`` (``load_weights``, ``weight_buffers``) before anything is copied: while
+    the weights are ``asleep`` (released by a level-2 sleep), or for a name that is not one of
+    the model's ``known`` Hugging Face names (the closest one named)."""
+    if asleep:
+        raise ValueError(
+            "the engine's weights are released (sleep level 2); call "
+            f"wake_up(['weights']) before {what}"
+        )
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(
+            f"{what}: unknown parameter name {', '.join(map(repr, unknown[:8]))}{hint}; the "
+            "engine's model takes Hugging Face names"
         )
 
 

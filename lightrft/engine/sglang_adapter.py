@@ -92,6 +92,8 @@ from lightrft.engine.protocol import (
     SamplingParams,
     check_sleep_level,
     check_wake_tags,
+    check_weight_names,
+    checked_call,
 )
 
 SGLANG_VERSION = "0.5.21"
@@ -282,7 +284,9 @@ class SGLangEngine(ExternalEngine):
         self._asleep -= set(todo)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        weights = self._checked_weights(weights, "weights" in self._asleep)
+        weights = list(weights)
+        asleep = "weights" in self._asleep
+        check_weight_names([name for name, _ in weights], self._names, asleep, "load_weights")
         if not self._updating:
             _check_ok(self.llm.begin_weight_update(), "begin_weight_update")
             self._updating = True
@@ -313,7 +317,7 @@ class SGLangEngine(ExternalEngine):
     ) -> list[Completion]:
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories (see the module docstring)."""
-        requests, params = self._checked(requests, sampling)
+        requests, params = checked_call(self, requests, sampling)
         if any(p.prompt_logprobs for p in params):
             raise ValueError("SGLangEngine does not return prompt_logprobs; use NativeEngine")
         if any(r.resume is not None for r in requests):  # it would restart from the prompt

@@ -61,12 +61,8 @@ def plan_weights(model: nn.Module, *, skip_frozen: bool = False) -> list[_Item]:
     they never change, so an engine that already holds them (built from the same checkpoint,
     no level-2 sleep since) need not receive them again, e.g. a frozen vision tower.
     """
-    seen: set[int] = set()
     items = []
-    for name, param in model.named_parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
+    for name, param in model.named_parameters():  # a tied weight once, under its first name
         if is_original_copy(name):
             continue  # PEFT keeps the frozen original next to `modules_to_save`
         if is_lora_matrix(name):

@@ -76,6 +76,8 @@ from lightrft.engine.protocol import (
     check_resumes,
     check_sleep_level,
     check_wake_tags,
+    check_weight_names,
+    checked_call,
 )
 
 VLLM_VERSION = "0.32.0"
@@ -379,16 +381,11 @@ class PeerWatch:
                 os._exit(1)
 
 
-def head_dim(config) -> int:
-    """The attention head size of an HF (text) config."""
-    text = config.get_text_config()
-    explicit = getattr(text, "head_dim", None)
-    return int(explicit or text.hidden_size // text.num_attention_heads)
-
-
 def cpu_kv_cache_bytes(config, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
     """The default CPU KV cache: keys and values of ``max_num_seqs`` full-length sequences
     (within :data:`CPU_KV_CACHE_BYTES`), so a tiny model does not take a fraction of the host."""
+    from lightrft.models.loading import head_dim
+
     text = config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim(config) * dtype.itemsize
@@ -425,6 +422,7 @@ def check_cpu_options(
         )
     if config is None:
         return
+    from lightrft.models.loading import head_dim
     from lightrft.models.modality import is_multimodal
 
     if is_multimodal(config) and not has_torchvision():
@@ -783,9 +781,9 @@ class VLLMEngine(ExternalEngine):
         buffers) until :meth:`reset_prefix_cache` or the next ``generate``, then one in-place
         ``reload_weights`` of the model runner takes them all, so a vLLM layer is never
         reprocessed with part of its weights."""
-        weights = self._checked_weights(
-            weights, "weights" in self._asleep and self.enable_sleep_mode
-        )
+        weights = list(weights)
+        asleep = "weights" in self._asleep and self.enable_sleep_mode
+        check_weight_names([name for name, _ in weights], self._names, asleep, "load_weights")
         if self.on_cpu:
             self._pending += [(name, t.detach().to(self.dtype, copy=True)) for name, t in weights]
         else:
@@ -829,7 +827,7 @@ class VLLMEngine(ExternalEngine):
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories; with ``token_budget`` or resumed
         requests, partial rollouts (see the module docstring)."""
-        requests, params = self._checked(requests, sampling)
+        requests, params = checked_call(self, requests, sampling)
         if self._pending:
             self.reset_prefix_cache()  # weights loaded without a reset: the cache is stale
         partial = token_budget is not None or any(r.resume is not None for r in requests)

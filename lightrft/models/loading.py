@@ -167,23 +167,27 @@ def load_model(
 
 
 def model_auto_class(config):
-    """The auto class :func:`load_model` loads a checkpoint of ``config`` with."""
-    from transformers import AutoModelForCausalLM
+    """The auto class :func:`load_model` loads a checkpoint of ``config`` with:
+    ``AutoModelForCausalLM`` for a text model; for a multimodal one ``AutoModelForMultimodalLM``
+    when it is audio-language (Qwen2-Audio is not an image-text model), else
+    ``AutoModelForImageTextToText``."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForMultimodalLM,
+    )
 
-    from lightrft.models.modality import is_multimodal
+    from lightrft.models.modality import is_audio_language, is_multimodal
 
-    return multimodal_auto_class(config) if is_multimodal(config) else AutoModelForCausalLM
-
-
-def multimodal_auto_class(config):
-    """The transformers auto class a multimodal checkpoint's ``config`` loads with:
-    ``AutoModelForMultimodalLM`` for audio-language models (Qwen2-Audio is not an image-text
-    model), else ``AutoModelForImageTextToText``."""
-    from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM
-
-    from lightrft.models.modality import is_audio_language
-
+    if not is_multimodal(config):
+        return AutoModelForCausalLM
     return AutoModelForMultimodalLM if is_audio_language(config) else AutoModelForImageTextToText
+
+
+def head_dim(config) -> int:
+    """The attention head size of an HF (text) config."""
+    text = config.get_text_config()
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
 
 def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
