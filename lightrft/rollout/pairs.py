@@ -28,6 +28,7 @@ from lightrft.algorithms.config import ShapingConfig
 from lightrft.algorithms.preference import PairRuleConfig, best_worst_pairs
 from lightrft.config import Component, Section, option, section
 from lightrft.data import StepCollator, step_batches
+from lightrft.data.preference import item_tokens
 from lightrft.distributed import even_micro_batches
 from lightrft.engine.config import RolloutConfig
 from lightrft.rollout.build import HeldOutEvalConfig, build_parts
@@ -125,7 +126,7 @@ class OfflinePairs:
         self.uneven = d.micro_batch_tokens is not None
         self.loader, self.eval_loader = step_loaders(
             self.dataset, self.eval_dataset, self.collate, d, seed=opts.run.seed, dist=dist,
-            what="pairs", length=_pair_tokens,
+            what="pairs", length=item_tokens,
         )  # fmt: skip
 
     def build(self, strategy: Any) -> None:
@@ -144,10 +145,6 @@ class OfflinePairs:
 
     def evaluate(self) -> dict[str, float]:
         return {}
-
-
-def _pair_tokens(item: dict[str, Any]) -> int:
-    return sum(len(s) for s in item["sequences"])
 
 
 class OnlinePairs:
@@ -170,7 +167,7 @@ class OnlinePairs:
                                     max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
         # A step's items into micro-batches of data.batch_size (data.micro_batch_tokens).
         self.step_collate = StepCollator(
-            self.collate, d.batch_size, d.micro_batch_tokens, packing=d.packing, length=_pair_tokens
+            self.collate, d.batch_size, d.micro_batch_tokens, packing=d.packing, length=item_tokens
         )
 
     def build(self, strategy: Any) -> None:
