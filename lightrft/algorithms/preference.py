@@ -245,6 +245,11 @@ class PreferenceLoss:
     check: Callable[[str, Mapping[str, Any]], None] | None = None
     defaults: Mapping[str, float] = field(default_factory=dict)
 
+    def kwargs(self, opts: Mapping[str, Any]) -> dict[str, Any]:
+        """The options ``fn`` is called with: ``opts`` where set (``None``: unset) over the
+        paper's ``defaults``."""
+        return {**self.defaults, **{k: v for k, v in opts.items() if v is not None}}
+
 
 PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
     "dpo": PreferenceLoss(dpo_loss),
@@ -298,7 +303,7 @@ def check_preference_loss(name: str, beta: float, opts: Mapping[str, Any]) -> Pr
             f"{list(spec.options) or 'beta only'})"
         )
     if spec.check is not None:
-        spec.check(name, {**spec.defaults, **{k: v for k, v in opts.items() if v is not None}})
+        spec.check(name, spec.kwargs(opts))
     return spec
 
 
