@@ -31,9 +31,9 @@ def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> T
     """Validate ``[B]`` rewards grouped by ``group_size``; return them as a float tensor."""
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
         raise ValueError(
-            f"group_size must be an int >= 2 for a group baseline (got {group_size!r}); "
-            "sample at least 2 responses per prompt (rollout.n >= 2) or use an estimator "
-            "without groups (reinforce_pp, gae)"
+            f"a group baseline needs a group: group_size must be an int >= 2 (got "
+            f"{group_size!r}); sample at least 2 responses per prompt (rollout.n >= 2) or use "
+            "an estimator without groups (reinforce_pp, gae)"
         )
     if rewards.ndim != 1:
         raise ValueError(f"{name} must be 1-D [B], got shape {tuple(rewards.shape)}")
@@ -339,11 +339,8 @@ def check_estimator(
             f"advantage estimator {estimator!r} takes options {sorted(spec.options) or 'none'}, "
             f"got unexpected {sorted(unknown)}"
         )
-    if spec.group and group_size is not None and group_size < 2:
-        raise ValueError(
-            f"advantage estimator {estimator!r} needs a group: set rollout.n >= 2 "
-            f"(got {group_size})"
-        )
+    if spec.group and group_size is not None:
+        _check_rewards(torch.zeros(0), group_size)  # its group-size rule
     return spec
 
 
