@@ -49,6 +49,13 @@ def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> T
     return rewards
 
 
+def _spread(adv: Tensor, valid: Tensor) -> Tensor:
+    """A ``[B]`` advantage on every valid token of its sample, ``[B, T]`` (0 on padding)."""
+    if adv.shape[0] != valid.shape[0]:
+        raise ValueError(f"rewards has {adv.shape[0]} entries but mask has {valid.shape[0]} rows")
+    return adv.unsqueeze(1) * valid.to(adv.dtype)
+
+
 def _check_mask(mask: Tensor, like: Tensor | None = None, name: str = "mask") -> Tensor:
     if mask.ndim != 2:
         raise ValueError(f"{name} must be 2-D [B, T], got shape {tuple(mask.shape)}")
@@ -225,12 +232,7 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int) -> tup
     sample (``returns``), then whiten over all valid tokens of the batch (``advantages``).
     """
     valid = _check_mask(mask)
-    centred = dr_grpo(rewards, group_size)  # [B], validates
-    if centred.shape[0] != valid.shape[0]:
-        raise ValueError(
-            f"rewards has {centred.shape[0]} entries but mask has {valid.shape[0]} rows"
-        )
-    returns = centred.unsqueeze(1) * valid.to(centred.dtype)  # [B, T]
+    returns = _spread(dr_grpo(rewards, group_size), valid)  # [B, T]; dr_grpo validates
     return masked_whiten(returns, valid), returns
 
 
@@ -387,7 +389,4 @@ def compute_advantages(
         scores = (_float(token_rewards) * valid).sum(dim=1)  # [B]
     if spec.kind == "sequence_mask":
         return fn(scores, mask, group_size)
-    adv = fn(scores, group_size, **options)  # [B]
-    if adv.shape[0] != valid.shape[0]:
-        raise ValueError(f"rewards has {adv.shape[0]} entries but mask has {valid.shape[0]} rows")
-    return adv.unsqueeze(1) * valid.to(adv.dtype), None
+    return _spread(fn(scores, group_size, **options), valid), None
