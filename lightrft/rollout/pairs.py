@@ -112,7 +112,7 @@ class OfflinePairs:
     whose batches are a step's micro-batches; refused before any model loads when it gives
     less than one step."""
 
-    def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, paired: bool):
+    def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, collate: PairCollator):
         d, self.dist = opts.data, dist
         raw = config.instantiate(d.dataset, processor)
         self.stats, eos = raw.stats, None if raw.chat_template else tokenizer.eos_token_id
@@ -121,8 +121,7 @@ class OfflinePairs:
             self.eval_dataset = IndexedPreferences(
                 config.instantiate(d.eval_dataset, processor), eos
             )
-        self.collate = PairCollator(tokenizer.pad_token_id, packing=d.packing,
-                                    max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
+        self.collate = collate
         self.uneven = d.micro_batch_tokens is not None
         self.loader, self.eval_loader = step_loaders(
             self.dataset, self.eval_dataset, self.collate, d, seed=opts.run.seed, dist=dist,
@@ -153,7 +152,7 @@ class OnlinePairs:
 
     eval_loader = eval_dataset = None
 
-    def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, paired: bool):
+    def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, collate: PairCollator):
         on, d = opts.online, opts.data
         self.view = SourceOptions(opts.model, opts.run, on.reward, on.rollout, on.engine,
                                   d.eval_dataset)  # fmt: skip
@@ -163,8 +162,7 @@ class OnlinePairs:
         self.parts = lambda strategy: build_parts(self.view, dist, processor, tokenizer,
                                                   strategy, SingleTurn())  # fmt: skip
         self.prompts = lambda: config.instantiate(d.dataset, processor)
-        self.collate = PairCollator(tokenizer.pad_token_id, packing=d.packing,
-                                    max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
+        self.collate = collate
         # A step's items into micro-batches of data.batch_size (data.micro_batch_tokens).
         self.step_collate = StepCollator(
             self.collate, d.batch_size, d.micro_batch_tokens, packing=d.packing, length=item_tokens
@@ -223,5 +221,8 @@ def _pair_item(b: Any, index: int, chosen: int, rejected: int) -> dict[str, Any]
 
 def open_pairs(opts: Any, dist: Any, processor: Any, tokenizer: Any, paired: bool):
     """The pairs of a DPO config: sampled each step (``online:`` set) or from ``dataset``."""
+    d = opts.data
+    collate = PairCollator(tokenizer.pad_token_id, packing=d.packing,
+                           max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
     kind = OfflinePairs if opts.online is None else OnlinePairs
-    return kind(opts, dist, processor, tokenizer, paired)
+    return kind(opts, dist, processor, tokenizer, collate)
