@@ -155,14 +155,9 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
     """RLOO advantage ``r_i - mean of the other G-1 rewards of its group``: ``[B]``.
 
     REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
-    Equals ``G / (G - 1) * (r_i - group mean)``.
+    Equals ``G / (G - 1) * (r_i - group mean)``, which is how it is computed.
     """
-    rewards = _check_rewards(rewards, group_size)
-    groups = rewards.view(-1, group_size)  # [N, G]
-    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # [N, G]
-    adv = groups - others
-    flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # [N, 1]
-    return adv.masked_fill(flat, 0.0).reshape(-1)
+    return dr_grpo(rewards, group_size) * (group_size / (group_size - 1))  # dr_grpo validates
 
 
 @torch.no_grad()
