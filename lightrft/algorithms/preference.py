@@ -29,6 +29,7 @@ may add its own entry before its config is read. docs/dpo.md has the formulas an
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -352,9 +353,8 @@ def best_worst_pairs(
     ``answers`` differ. ``(chosen [P], rejected [P])`` row indices, and how many prompts gave
     no pair."""
     chosen, rejected, unpaired, start = [], [], 0, 0
-    for end in range(1, len(groups) + 1):
-        if end < len(groups) and groups[end] == groups[start]:
-            continue
+    for _, run in itertools.groupby(groups):
+        end = start + len(list(run))
         r = rewards[start:end]
         best, worst = start + int(r.argmax()), start + int(r.argmin())
         if float(r.max() - r.min()) > min_margin and answers[best] != answers[worst]:
