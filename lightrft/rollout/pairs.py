@@ -121,10 +121,9 @@ class OfflinePairs:
             self.eval_dataset = IndexedPreferences(
                 config.instantiate(d.eval_dataset, processor), eos
             )
-        self.collate = collate
         self.uneven = d.micro_batch_tokens is not None
         self.loader, self.eval_loader = step_loaders(
-            self.dataset, self.eval_dataset, self.collate, d, seed=opts.run.seed, dist=dist,
+            self.dataset, self.eval_dataset, collate, d, seed=opts.run.seed, dist=dist,
             what="pairs", length=item_tokens,
         )  # fmt: skip
 
