@@ -94,7 +94,7 @@ class DPORecipe:
         self.cfg, self.opts, self.run, self.dist = cfg, opts, run, run.dist
         lo = opts.loss
         self.spec = PREFERENCE_LOSSES[lo.type]
-        self.kw = {**self.spec.defaults, **{k: v for k, v in lo.options().items() if v is not None}}
+        self.kw = lo.options()  # unset: the paper's defaults in the loss's signature
         self.norm = (
             self.spec.length_normalize if lo.length_normalize is None else lo.length_normalize
         )

@@ -26,6 +26,7 @@ One self-contained file: copy it (`lightrft cp reward_model my_rm.py`), edit it,
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Literal
@@ -37,7 +38,7 @@ from lightrft import config
 from lightrft.algorithms.reward_losses import PreferenceStats, preference_loss, safety_sign_loss
 from lightrft.config import Section, option, section
 from lightrft.data import step_batches
-from lightrft.data.preference import PreferenceCollator
+from lightrft.data.preference import PreferenceCollator, item_tokens
 from lightrft.distributed import all_reduce_sum
 from lightrft.models.lora import apply_backbone_lora
 from lightrft.models.multimodal import load_processors
@@ -148,7 +149,7 @@ class RewardModelRecipe:
             seed=o.run.seed,
             dist=self.dist,
             what="items",
-            length=_item_tokens if d.packing else _item_padded_tokens,
+            length=functools.partial(item_tokens, padded=not d.packing),
         )
         self.total_steps = d.total_steps(len(self.loader))
 
@@ -346,17 +347,6 @@ class RewardModelRecipe:
         self.model.train()
         out, self.eval_stats = stats.metrics(all_reduce_sum(stats.sums))
         return out
-
-
-def _item_tokens(item: dict) -> int:
-    """A preference item's tokens when packed: all its sequences."""
-    return sum(len(s) for s in item["sequences"])
-
-
-def _item_padded_tokens(item: dict) -> int:
-    """A preference item's tokens when padded: its sequences x its longest (per item; the
-    micro-batch's rows are then padded to the longest of all)."""
-    return len(item["sequences"]) * max(len(s) for s in item["sequences"])
 
 
 @config.parse(schema=CONFIG_SCHEMA, options=build_options)

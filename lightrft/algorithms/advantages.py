@@ -31,9 +31,9 @@ def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> T
     """Validate ``[B]`` rewards grouped by ``group_size``; return them as a float tensor."""
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
         raise ValueError(
-            f"group_size must be an int >= 2 for a group baseline (got {group_size!r}); "
-            "sample at least 2 responses per prompt (rollout.n >= 2) or use an estimator "
-            "without groups (reinforce_pp, gae)"
+            f"a group baseline needs a group: group_size must be an int >= 2 (got "
+            f"{group_size!r}); sample at least 2 responses per prompt (rollout.n >= 2) or use "
+            "an estimator without groups (reinforce_pp, gae)"
         )
     if rewards.ndim != 1:
         raise ValueError(f"{name} must be 1-D [B], got shape {tuple(rewards.shape)}")
@@ -47,6 +47,13 @@ def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> T
         bad = (~torch.isfinite(rewards)).nonzero().flatten()[:8].tolist()
         raise ValueError(f"{name} contain NaN or inf at sample indices {bad}")
     return rewards
+
+
+def _spread(adv: Tensor, valid: Tensor) -> Tensor:
+    """A ``[B]`` advantage on every valid token of its sample, ``[B, T]`` (0 on padding)."""
+    if adv.shape[0] != valid.shape[0]:
+        raise ValueError(f"rewards has {adv.shape[0]} entries but mask has {valid.shape[0]} rows")
+    return adv.unsqueeze(1) * valid.to(adv.dtype)
 
 
 def _check_mask(mask: Tensor, like: Tensor | None = None, name: str = "mask") -> Tensor:
@@ -148,14 +155,9 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
     """RLOO advantage ``r_i - mean of the other G-1 rewards of its group``: ``[B]``.
 
     REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
-    Equals ``G / (G - 1) * (r_i - group mean)``.
+    Equals ``G / (G - 1) * (r_i - group mean)``, which is how it is computed.
     """
-    rewards = _check_rewards(rewards, group_size)
-    groups = rewards.view(-1, group_size)  # [N, G]
-    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # [N, G]
-    adv = groups - others
-    flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # [N, 1]
-    return adv.masked_fill(flat, 0.0).reshape(-1)
+    return dr_grpo(rewards, group_size) * (group_size / (group_size - 1))  # dr_grpo validates
 
 
 @torch.no_grad()
@@ -225,12 +227,7 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int) -> tup
     sample (``returns``), then whiten over all valid tokens of the batch (``advantages``).
     """
     valid = _check_mask(mask)
-    centred = dr_grpo(rewards, group_size)  # [B], validates
-    if centred.shape[0] != valid.shape[0]:
-        raise ValueError(
-            f"rewards has {centred.shape[0]} entries but mask has {valid.shape[0]} rows"
-        )
-    returns = centred.unsqueeze(1) * valid.to(centred.dtype)  # [B, T]
+    returns = _spread(dr_grpo(rewards, group_size), valid)  # [B, T]; dr_grpo validates
     return masked_whiten(returns, valid), returns
 
 
@@ -339,11 +336,8 @@ def check_estimator(
             f"advantage estimator {estimator!r} takes options {sorted(spec.options) or 'none'}, "
             f"got unexpected {sorted(unknown)}"
         )
-    if spec.group and group_size is not None and group_size < 2:
-        raise ValueError(
-            f"advantage estimator {estimator!r} needs a group: set rollout.n >= 2 "
-            f"(got {group_size})"
-        )
+    if spec.group and group_size is not None:
+        _check_rewards(torch.zeros(0), group_size)  # its group-size rule
     return spec
 
 
@@ -390,7 +384,4 @@ def compute_advantages(
         scores = (_float(token_rewards) * valid).sum(dim=1)  # [B]
     if spec.kind == "sequence_mask":
         return fn(scores, mask, group_size)
-    adv = fn(scores, group_size, **options)  # [B]
-    if adv.shape[0] != valid.shape[0]:
-        raise ValueError(f"rewards has {adv.shape[0]} entries but mask has {valid.shape[0]} rows")
-    return adv.unsqueeze(1) * valid.to(adv.dtype), None
+    return _spread(fn(scores, group_size, **options), valid), None

@@ -29,9 +29,10 @@ may add its own entry before its config is read. docs/dpo.md has the formulas an
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -219,9 +220,8 @@ def metric_means(sums: Mapping[str, float], prefix: str) -> dict[str, float]:
 
 
 def _check_smoothing(name: str, opts: Mapping[str, Any], lo_open: bool) -> None:
-    e = opts["label_smoothing"]
-    ok = (0 < e if lo_open else 0 <= e) and e < 0.5
-    if not ok:
+    e = opts.get("label_smoothing")  # unset: the paper's default in the loss's signature
+    if e is not None and not ((0 < e if lo_open else 0 <= e) and e < 0.5):
         interval = "(0, 0.5)" if lo_open else "[0, 0.5)"
         raise ValueError(f"loss.label_smoothing must be in {interval} for loss {name!r}, got {e}")
 
@@ -230,11 +230,12 @@ def _check_smoothing(name: str, opts: Mapping[str, Any], lo_open: bool) -> None:
 class PreferenceLoss:
     """One entry of :data:`PREFERENCE_LOSSES`.
 
-    ``fn``: the loss function; ``options``: the ``loss:`` keys it takes besides ``beta``;
-    ``reference``: it needs reference log-probs; ``paired``: it reads pairs (KTO reads single
-    labelled examples); ``length_normalize``: the paper's default (mean token log-prob instead of
-    the sum); ``nll_coef``: the default weight of the chosen answers' NLL; ``check(name, opts)``
-    raises ``ValueError`` on option values the loss cannot use."""
+    ``fn``: the loss function; ``options``: the ``loss:`` keys it takes besides ``beta`` (unset,
+    ``fn``'s signature gives the paper's default); ``reference``: it needs reference log-probs;
+    ``paired``: it reads pairs (KTO reads single labelled examples); ``length_normalize``: the
+    paper's default (mean token log-prob instead of the sum); ``nll_coef``: the default weight of
+    the chosen answers' NLL; ``check(name, opts)`` raises ``ValueError`` on option values the loss
+    cannot use (an unset one is ``None``)."""
 
     fn: Callable[..., Any]
     options: tuple[str, ...] = ()
@@ -243,7 +244,6 @@ class PreferenceLoss:
     length_normalize: bool = False
     nll_coef: float = 0.0
     check: Callable[[str, Mapping[str, Any]], None] | None = None
-    defaults: Mapping[str, float] = field(default_factory=dict)
 
 
 PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
@@ -252,13 +252,11 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
         cdpo_loss,
         ("label_smoothing",),
         check=lambda n, o: _check_smoothing(n, o, lo_open=True),
-        defaults={"label_smoothing": 0.1},
     ),
     "rdpo": PreferenceLoss(
         rdpo_loss,
         ("label_smoothing",),
         check=lambda n, o: _check_smoothing(n, o, lo_open=False),
-        defaults={"label_smoothing": 0.1},
     ),
     "ipo": PreferenceLoss(ipo_loss, length_normalize=True),
     "simpo": PreferenceLoss(
@@ -267,15 +265,9 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
         reference=False,
         length_normalize=True,
         check=lambda n, o: _check_smoothing(n, o, lo_open=False),
-        defaults={"gamma": 0.5, "label_smoothing": 0.0},
     ),
     "orpo": PreferenceLoss(orpo_loss, reference=False, length_normalize=True, nll_coef=1.0),
-    "kto": PreferenceLoss(
-        kto_loss,
-        ("desirable_weight", "undesirable_weight"),
-        paired=False,
-        defaults={"desirable_weight": 1.0, "undesirable_weight": 1.0},
-    ),
+    "kto": PreferenceLoss(kto_loss, ("desirable_weight", "undesirable_weight"), paired=False),
 }
 """Config name -> :class:`PreferenceLoss`. Register a new loss with
 ``PREFERENCE_LOSSES["mine"] = PreferenceLoss(fn, ...)`` before the config is parsed."""
@@ -298,7 +290,7 @@ def check_preference_loss(name: str, beta: float, opts: Mapping[str, Any]) -> Pr
             f"{list(spec.options) or 'beta only'})"
         )
     if spec.check is not None:
-        spec.check(name, {**spec.defaults, **{k: v for k, v in opts.items() if v is not None}})
+        spec.check(name, opts)
     return spec
 
 
@@ -324,9 +316,9 @@ class PreferenceLossConfig(Section):
     nll_coef: float | None = option(None, ge=0, doc="+ coef * chosen NLL (default: orpo 1, else 0)")
 
     def options(self) -> dict[str, Any]:
-        """The loss-specific keys (None: unset)."""
+        """The loss-specific keys the config sets: the loss's arguments besides ``beta``."""
         keys = ("label_smoothing", "gamma", "desirable_weight", "undesirable_weight")
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def check(self, reference: ReferenceConfig | None) -> PreferenceLoss:
         """Refuse, by key, what this loss cannot use: ``beta <= 0``, options of other losses, a
@@ -361,9 +353,8 @@ def best_worst_pairs(
     ``answers`` differ. ``(chosen [P], rejected [P])`` row indices, and how many prompts gave
     no pair."""
     chosen, rejected, unpaired, start = [], [], 0, 0
-    for end in range(1, len(groups) + 1):
-        if end < len(groups) and groups[end] == groups[start]:
-            continue
+    for _, run in itertools.groupby(groups):
+        end = start + len(list(run))
         r = rewards[start:end]
         best, worst = start + int(r.argmax()), start + int(r.argmin())
         if float(r.max() - r.min()) > min_margin and answers[best] != answers[worst]:

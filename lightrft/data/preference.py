@@ -386,6 +386,14 @@ def pad_sequences(
     return out
 
 
+def item_tokens(item: Mapping[str, Any], padded: bool = False) -> int:
+    """A preference item's tokens in a micro-batch: all its sequences when packed; ``padded``,
+    its sequences x its longest (per item; the micro-batch's rows are then padded to the longest
+    of all)."""
+    lens = [len(s) for s in item["sequences"]]
+    return len(lens) * max(lens) if padded else sum(lens)
+
+
 class PreferenceCollator:
     """Flatten a micro-batch of preference items into sequences, padded or packed.
 

@@ -28,6 +28,7 @@ from lightrft.algorithms.config import ShapingConfig
 from lightrft.algorithms.preference import PairRuleConfig, best_worst_pairs
 from lightrft.config import Component, Section, option, section
 from lightrft.data import StepCollator, step_batches
+from lightrft.data.preference import item_tokens
 from lightrft.distributed import even_micro_batches
 from lightrft.engine.config import RolloutConfig
 from lightrft.rollout.build import HeldOutEvalConfig, build_parts
@@ -111,7 +112,7 @@ class OfflinePairs:
     whose batches are a step's micro-batches; refused before any model loads when it gives
     less than one step."""
 
-    def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, paired: bool):
+    def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, collate: PairCollator):
         d, self.dist = opts.data, dist
         raw = config.instantiate(d.dataset, processor)
         self.stats, eos = raw.stats, None if raw.chat_template else tokenizer.eos_token_id
@@ -120,12 +121,10 @@ class OfflinePairs:
             self.eval_dataset = IndexedPreferences(
                 config.instantiate(d.eval_dataset, processor), eos
             )
-        self.collate = PairCollator(tokenizer.pad_token_id, packing=d.packing,
-                                    max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
         self.uneven = d.micro_batch_tokens is not None
         self.loader, self.eval_loader = step_loaders(
-            self.dataset, self.eval_dataset, self.collate, d, seed=opts.run.seed, dist=dist,
-            what="pairs", length=_pair_tokens,
+            self.dataset, self.eval_dataset, collate, d, seed=opts.run.seed, dist=dist,
+            what="pairs", length=item_tokens,
         )  # fmt: skip
 
     def build(self, strategy: Any) -> None:
@@ -146,17 +145,13 @@ class OfflinePairs:
         return {}
 
 
-def _pair_tokens(item: dict[str, Any]) -> int:
-    return sum(len(s) for s in item["sequences"])
-
-
 class OnlinePairs:
     """Each step's pairs sampled by the policy (module docstring); ``eval_dataset`` holds
     held-out prompts (:meth:`evaluate`: greedy accuracy, as GRPO's ``eval/accuracy``)."""
 
     eval_loader = eval_dataset = None
 
-    def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, paired: bool):
+    def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, collate: PairCollator):
         on, d = opts.online, opts.data
         self.view = SourceOptions(opts.model, opts.run, on.reward, on.rollout, on.engine,
                                   d.eval_dataset)  # fmt: skip
@@ -166,11 +161,10 @@ class OnlinePairs:
         self.parts = lambda strategy: build_parts(self.view, dist, processor, tokenizer,
                                                   strategy, SingleTurn())  # fmt: skip
         self.prompts = lambda: config.instantiate(d.dataset, processor)
-        self.collate = PairCollator(tokenizer.pad_token_id, packing=d.packing,
-                                    max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
+        self.collate = collate
         # A step's items into micro-batches of data.batch_size (data.micro_batch_tokens).
         self.step_collate = StepCollator(
-            self.collate, d.batch_size, d.micro_batch_tokens, packing=d.packing, length=_pair_tokens
+            self.collate, d.batch_size, d.micro_batch_tokens, packing=d.packing, length=item_tokens
         )
 
     def build(self, strategy: Any) -> None:
@@ -226,5 +220,8 @@ def _pair_item(b: Any, index: int, chosen: int, rejected: int) -> dict[str, Any]
 
 def open_pairs(opts: Any, dist: Any, processor: Any, tokenizer: Any, paired: bool):
     """The pairs of a DPO config: sampled each step (``online:`` set) or from ``dataset``."""
+    d = opts.data
+    collate = PairCollator(tokenizer.pad_token_id, packing=d.packing,
+                           max_tokens=d.max_tokens_per_row, mismatched=not paired)  # fmt: skip
     kind = OfflinePairs if opts.online is None else OnlinePairs
-    return kind(opts, dist, processor, tokenizer, paired)
+    return kind(opts, dist, processor, tokenizer, collate)

@@ -63,7 +63,7 @@ class PairCollator:
                 torch.cat([s[: it["starts"][k]], answer]) for k, s in enumerate(it["sequences"])
             ]
             extra.append({**it, "sequences": seqs})
-        batch = self.inner([*items, *extra])
+        batch = self.inner([{**it, "head": None} for it in (*items, *extra)])  # DPO: no heads
         des = torch.zeros(batch["candidates"].shape, dtype=torch.bool)  # [B(+extra), K]
         for b, it in enumerate(items):  # pairs: the chosen; unpaired (KTO): the label
             flags = it.get("desirable", [True] + [False] * (len(it["sequences"]) - 1))

@@ -321,6 +321,13 @@ def test_identical_pairs_are_counted_and_skipped(tmp_path):
     assert any(r.get("data/identical") == 5 and r.get("data/pairs") == 59 for r in rows)
 
 
+def test_pairs_labelled_for_a_reward_head_train(tmp_path):
+    # A reward model's multi-head data: DPO reads every pair, whatever head it is labelled for.
+    pairs = [{**p, "head": "helpful"} for p in _pairs(64, 0)]
+    rows = _run(tmp_path / "heads", pairs=pairs, max_steps=1, eval_every=None)
+    assert any("train/loss" in r for r in rows)
+
+
 def test_lora_precomputed_reference_is_the_base_model(tmp_path):
     """Under LoRA the precomputed table comes from the policy with its adapters off: item 0's
     row equals the base model's summed log-probs and token counts of its pair."""
