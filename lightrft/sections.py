@@ -41,6 +41,16 @@ class MetricsConfig(Section):
     wandb: bool | dict = option(False, doc="Weights & Biases: `true`, or `wandb.init` arguments")
 
 
+def require_output_dir(path: str | os.PathLike | None) -> None:
+    """Refuse an unset ``output_dir`` (``None`` or blank): the one rule :class:`RunConfig` and
+    :func:`lightrft.training.outputs.check_output_dir` apply."""
+    if path is None or not str(path).strip():
+        raise ConfigError(
+            "output_dir is not set: give the run a directory for its checkpoints, "
+            "metrics and export (output_dir=...)"
+        )
+
+
 @section
 class RunConfig(Section):
     """Where a run writes, its seed and device, and what runs before anything loads."""
@@ -61,8 +71,7 @@ class RunConfig(Section):
     )
 
     def resolve(self, at: str) -> RunConfig:
-        if not str(self.output_dir).strip():
-            raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
+        require_output_dir(self.output_dir)
         if self.device == "cuda":
             import torch
 
