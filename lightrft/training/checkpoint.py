@@ -176,17 +176,6 @@ def _read_json_object(f: Path) -> dict[str, Any]:
     return obj
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """``path/meta.json`` as a dict with an integer ``step``; a :class:`CheckpointError` naming
-    the file when it is unreadable or not ours."""
-    meta = _read_json_object(path / META)
-    if not isinstance(meta.get("step"), int):
-        raise CheckpointError(
-            f"{path / META} is damaged (not a checkpoint record with an integer step)"
-        )
-    return meta
-
-
 def read_saved_config(path: Path) -> dict[str, Any] | None:
     """``path/config.json`` (None when absent); a :class:`CheckpointError` naming the file when
     it is not UTF-8 JSON."""
@@ -199,7 +188,11 @@ def check_readable(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     files before anything is loaded; its ``meta.json`` dict and every saved rank's state (what
     :meth:`Checkpointer.load` restores, so it is read once), or a :class:`CheckpointError`
     naming the damaged file."""
-    meta = read_meta(path)
+    meta = _read_json_object(path / META)  # a dict with an integer step, or not ours
+    if not isinstance(meta.get("step"), int):
+        raise CheckpointError(
+            f"{path / META} is damaged (not a checkpoint record with an integer step)"
+        )
     read_saved_config(path)
     md_file = path / ".metadata"
     if md_file.is_file() or any(path.glob("*.distcp")):
