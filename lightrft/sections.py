@@ -348,25 +348,6 @@ def mesh_shape(shard_size: int | None, replicate_size: int | None, world: int) -
 OFFLOADS = ("none", "params")
 
 
-def check_offload(offload: str) -> None:
-    """Refuse an ``offload`` value that is not built, naming the key and the way out."""
-    if offload == "optimizer":
-        # FSDP2's only offload policy moves the sharded parameters, their gradients and the
-        # optimizer state together; keeping the parameters on the device with only the
-        # optimizer state on the CPU would need an optimizer of our own around FSDP2's
-        # sharded DTensors (and its own checkpoint format): not built. torchao's
-        # CPUOffloadOptimizer copies gradients before clipping and has no FQN-keyed state
-        # (docs/strategies.md#cpu-offload).
-        raise ValueError(
-            "offload=optimizer is not built: FSDP2 offers no optimizer-only offload (its "
-            "CPUOffloadPolicy keeps parameters, gradients and optimizer state on the CPU "
-            "together); use offload=params, or strategy=deepspeed with "
-            "deepspeed.offload_optimizer=true"
-        )
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload: unknown value {offload!r}; choose one of {list(OFFLOADS)}")
-
-
 @section
 class StrategyConfig(Section):
     """How the trained model is wrapped: FSDP2 (optionally HSDP, optionally with LoRA) or
@@ -424,7 +405,23 @@ class StrategyConfig(Section):
                 f"a deepspeed: section is set but strategy={self.strategy}; set "
                 "strategy=deepspeed or remove the section"
             )
-        check_offload(self.offload)
+        if self.offload == "optimizer":
+            # FSDP2's only offload policy moves the sharded parameters, their gradients and
+            # the optimizer state together; keeping the parameters on the device with only the
+            # optimizer state on the CPU would need an optimizer of our own around FSDP2's
+            # sharded DTensors (and its own checkpoint format): not built. torchao's
+            # CPUOffloadOptimizer copies gradients before clipping and has no FQN-keyed state
+            # (docs/strategies.md#cpu-offload).
+            raise ValueError(
+                "offload=optimizer is not built: FSDP2 offers no optimizer-only offload (its "
+                "CPUOffloadPolicy keeps parameters, gradients and optimizer state on the CPU "
+                "together); use offload=params, or strategy=deepspeed with "
+                "deepspeed.offload_optimizer=true"
+            )
+        if self.offload not in OFFLOADS:  # a value that is not built: the key and the way out
+            raise ValueError(
+                f"offload: unknown value {self.offload!r}; choose one of {list(OFFLOADS)}"
+            )
         if os.environ.get("WORLD_SIZE"):  # under torchrun: the sizes must fit the launch
             mesh_shape(self.shard_size, self.replicate_size, int(os.environ["WORLD_SIZE"]))
         check_sequence_parallel(
