@@ -86,9 +86,9 @@ class RunConfig(Section):
 # -------------------------------------------------------------------------- model paths
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A string that is a local path rather than a hub id (``namespace/name``): absolute, ``./``,
-    ``../``, ``~`` or more parts than a hub id has (the rule of lightrft.models.check_local)."""
+    ``../``, ``~`` or more parts than a hub id has (also lightrft.models.check_local's rule)."""
     p = Path(path)
     return p.is_absolute() or path.startswith((".", "~")) or len(p.parts) > 2
 
@@ -183,7 +183,7 @@ def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loadin
         raise ValueError(f"{key}={path!r} is not a model directory: it has no config.json{hint}")
     if p.exists():
         raise ValueError(f"{key}={path!r} is a file, not a model directory")
-    if not _looks_local(path) or later or (not loading and not p.parent.is_dir()):
+    if not looks_local(path) or later or (not loading and not p.parent.is_dir()):
         return
     import difflib
 
