@@ -44,7 +44,7 @@ def read_export_spec(checkpoint: str | Path) -> tuple[dict[str, Any], ExportSpec
             hint = "; it is already a model directory"
         raise ValueError(f"{path} is not a complete checkpoint: it has no {META}{tmp}{hint}")
     try:
-        meta = check_readable(path)
+        meta, _ = check_readable(path)
     except CheckpointError as e:
         raise ValueError(f"checkpoint {path} cannot be exported: {e}") from None
     fmt = meta.get("format", 1)

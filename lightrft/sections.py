@@ -41,6 +41,16 @@ class MetricsConfig(Section):
     wandb: bool | dict = option(False, doc="Weights & Biases: `true`, or `wandb.init` arguments")
 
 
+def require_output_dir(path: str | os.PathLike | None) -> None:
+    """Refuse an unset ``output_dir`` (``None`` or blank): the one rule :class:`RunConfig` and
+    :func:`lightrft.training.outputs.check_output_dir` apply."""
+    if path is None or not str(path).strip():
+        raise ConfigError(
+            "output_dir is not set: give the run a directory for its checkpoints, "
+            "metrics and export (output_dir=...)"
+        )
+
+
 @section
 class RunConfig(Section):
     """Where a run writes, its seed and device, and what runs before anything loads."""
@@ -61,8 +71,7 @@ class RunConfig(Section):
     )
 
     def resolve(self, at: str) -> RunConfig:
-        if not str(self.output_dir).strip():
-            raise ValueError("output_dir is not set: give the run a directory (output_dir=...)")
+        require_output_dir(self.output_dir)
         if self.device == "cuda":
             import torch
 
@@ -77,9 +86,9 @@ class RunConfig(Section):
 # -------------------------------------------------------------------------- model paths
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A string that is a local path rather than a hub id (``namespace/name``): absolute, ``./``,
-    ``../``, ``~`` or more parts than a hub id has (the rule of lightrft.models.check_local)."""
+    ``../``, ``~`` or more parts than a hub id has (also lightrft.models.check_local's rule)."""
     p = Path(path)
     return p.is_absolute() or path.startswith((".", "~")) or len(p.parts) > 2
 
@@ -174,7 +183,7 @@ def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loadin
         raise ValueError(f"{key}={path!r} is not a model directory: it has no config.json{hint}")
     if p.exists():
         raise ValueError(f"{key}={path!r} is a file, not a model directory")
-    if not _looks_local(path) or later or (not loading and not p.parent.is_dir()):
+    if not looks_local(path) or later or (not loading and not p.parent.is_dir()):
         return
     import difflib
 
@@ -339,25 +348,6 @@ def mesh_shape(shard_size: int | None, replicate_size: int | None, world: int) -
 OFFLOADS = ("none", "params")
 
 
-def check_offload(offload: str) -> None:
-    """Refuse an ``offload`` value that is not built, naming the key and the way out."""
-    if offload == "optimizer":
-        # FSDP2's only offload policy moves the sharded parameters, their gradients and the
-        # optimizer state together; keeping the parameters on the device with only the
-        # optimizer state on the CPU would need an optimizer of our own around FSDP2's
-        # sharded DTensors (and its own checkpoint format): not built. torchao's
-        # CPUOffloadOptimizer copies gradients before clipping and has no FQN-keyed state
-        # (docs/strategies.md#cpu-offload).
-        raise ValueError(
-            "offload=optimizer is not built: FSDP2 offers no optimizer-only offload (its "
-            "CPUOffloadPolicy keeps parameters, gradients and optimizer state on the CPU "
-            "together); use offload=params, or strategy=deepspeed with "
-            "deepspeed.offload_optimizer=true"
-        )
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload: unknown value {offload!r}; choose one of {list(OFFLOADS)}")
-
-
 @section
 class StrategyConfig(Section):
     """How the trained model is wrapped: FSDP2 (optionally HSDP, optionally with LoRA) or
@@ -415,7 +405,23 @@ class StrategyConfig(Section):
                 f"a deepspeed: section is set but strategy={self.strategy}; set "
                 "strategy=deepspeed or remove the section"
             )
-        check_offload(self.offload)
+        if self.offload == "optimizer":
+            # FSDP2's only offload policy moves the sharded parameters, their gradients and
+            # the optimizer state together; keeping the parameters on the device with only the
+            # optimizer state on the CPU would need an optimizer of our own around FSDP2's
+            # sharded DTensors (and its own checkpoint format): not built. torchao's
+            # CPUOffloadOptimizer copies gradients before clipping and has no FQN-keyed state
+            # (docs/strategies.md#cpu-offload).
+            raise ValueError(
+                "offload=optimizer is not built: FSDP2 offers no optimizer-only offload (its "
+                "CPUOffloadPolicy keeps parameters, gradients and optimizer state on the CPU "
+                "together); use offload=params, or strategy=deepspeed with "
+                "deepspeed.offload_optimizer=true"
+            )
+        if self.offload not in OFFLOADS:  # a value that is not built: the key and the way out
+            raise ValueError(
+                f"offload: unknown value {self.offload!r}; choose one of {list(OFFLOADS)}"
+            )
         if os.environ.get("WORLD_SIZE"):  # under torchrun: the sizes must fit the launch
             mesh_shape(self.shard_size, self.replicate_size, int(os.environ["WORLD_SIZE"]))
         check_sequence_parallel(

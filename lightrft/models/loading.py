@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightrft.config import ConfigError
+from lightrft.sections import looks_local
 
 _GENERIC_TOKENIZERS = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 DTYPES = {
@@ -37,12 +38,10 @@ def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def check_local(path: str | Path) -> None:
     """Raise a ``ValueError`` when ``path`` looks like a local path (not a hub id) but does not
     exist."""
-    p = Path(path)
     # A string that looks like a path (absolute, ./, ../, or more parts than a hub id's
     # "namespace/name") but does not exist is a user error, not a hub id: say so instead of
     # letting the hub client time out or reject the id.
-    looks_local = p.is_absolute() or str(path).startswith((".", "~")) or len(p.parts) > 2
-    if looks_local and not p.exists():
+    if looks_local(str(path)) and not Path(path).exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
 
 

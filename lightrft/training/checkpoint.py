@@ -176,17 +176,6 @@ def _read_json_object(f: Path) -> dict[str, Any]:
     return obj
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """``path/meta.json`` as a dict with an integer ``step``; a :class:`CheckpointError` naming
-    the file when it is unreadable or not ours."""
-    meta = _read_json_object(path / META)
-    if not isinstance(meta.get("step"), int):
-        raise CheckpointError(
-            f"{path / META} is damaged (not a checkpoint record with an integer step)"
-        )
-    return meta
-
-
 def read_saved_config(path: Path) -> dict[str, Any] | None:
     """``path/config.json`` (None when absent); a :class:`CheckpointError` naming the file when
     it is not UTF-8 JSON."""
@@ -194,11 +183,16 @@ def read_saved_config(path: Path) -> dict[str, Any] | None:
     return _read_json_object(f) if f.is_file() else None
 
 
-def check_readable(path: Path) -> dict[str, Any]:
+def check_readable(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Read every small file of checkpoint ``path`` and size-check its shards and DeepSpeed
-    files before anything is loaded; its ``meta.json`` dict, or a :class:`CheckpointError`
+    files before anything is loaded; its ``meta.json`` dict and every saved rank's state (what
+    :meth:`Checkpointer.load` restores, so it is read once), or a :class:`CheckpointError`
     naming the damaged file."""
-    meta = read_meta(path)
+    meta = _read_json_object(path / META)  # a dict with an integer step, or not ours
+    if not isinstance(meta.get("step"), int):
+        raise CheckpointError(
+            f"{path / META} is damaged (not a checkpoint record with an integer step)"
+        )
     read_saved_config(path)
     md_file = path / ".metadata"
     if md_file.is_file() or any(path.glob("*.distcp")):
@@ -223,11 +217,12 @@ def check_readable(path: Path) -> dict[str, Any]:
             size = f.stat().st_size
             if any(i.header_offset + i.compress_size > size for i in z.infolist()):
                 raise zipfile.BadZipFile("a member runs past the end of the file")
+    states = []
     for r in range(int(meta.get("world_size", 1))):
         stem = path / f"rank_{r:05d}"
         with _reading(stem.with_name(stem.name + ".safetensors")):
-            load_state(stem)
-    return meta
+            states.append(load_state(stem))
+    return meta, states
 
 
 def _load_failed(path: Path, e: CheckpointException) -> Exception:
@@ -403,23 +398,24 @@ class Checkpointer:
         complete = self.list_checkpoints()
         return complete[-1] if complete else None
 
-    def latest_readable(self) -> Path | None:
+    def latest_readable(self) -> tuple[Path, dict[str, Any], list[dict[str, Any]]] | None:
         """:meth:`latest` when it is readable (:func:`check_readable`), else the newest older
-        complete checkpoint that is; each damaged one skipped is reported. ``None``: none."""
+        complete checkpoint that is, with what :func:`check_readable` read of it; each damaged
+        one skipped is reported. ``None``: none."""
         first = self.latest()
         if first is None:
             return None
         problems = []
         for p in dict.fromkeys([first, *reversed(self.list_checkpoints())]):  # first, then older
             try:
-                check_readable(p)
+                meta, states = check_readable(p)
             except CheckpointError as e:
                 _warn(f"checkpoint {p} is damaged: {e}; skipped")
                 problems.append(str(e))
                 continue
             if p != first:
                 _warn(f"resuming from {p}, the newest complete and readable checkpoint")
-            return p
+            return p, meta, states
         raise CheckpointError(
             f"every checkpoint in {self.root} is damaged (newest: {problems[0]}); start a new "
             "run (overwrite=true or another output_dir)"
@@ -565,6 +561,7 @@ class Checkpointer:
         config: Mapping[str, Any] | None = None,
         override_lr: bool = False,
         seed: int = 0,
+        read: tuple[dict[str, Any], list[dict[str, Any]]] | None = None,
     ) -> CheckpointState:
         """Restore the given objects in place from checkpoint ``path`` (collective).
 
@@ -586,6 +583,9 @@ class Checkpointer:
         the same on every saved rank (it is rank 0's); the RNG states, which were per rank, are
         re-seeded from ``(seed, step, rank)`` (:func:`reseed`). A DeepSpeed engine's files do
         not reshard: refused.
+
+        ``read``: what :func:`check_readable` has already read of ``path`` (:meth:`load_latest`
+        passes rank 0's), so the checkpoint is not read a second time.
         """
         path = Path(path)
         if not (path / META).is_file():
@@ -593,7 +593,7 @@ class Checkpointer:
                 f"{path} is not a complete checkpoint (no {META}); "
                 f"complete ones: {[p.name for p in self.list_checkpoints()]}"
             )
-        meta = check_readable(path)
+        meta, states = read or check_readable(path)
         given = _named(
             models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
         )
@@ -654,12 +654,12 @@ class Checkpointer:
         except CheckpointException as e:
             raise _load_failed(path, e) from None
         if resharded and needs_rank_state:
-            per_rank = _reshard_rank_state(path, saved_world, loaders_)
+            per_rank = _reshard_rank_state(path, states, loaders_)
             if restore_rng:
                 reseed(seed, int(meta["step"]), rank)
                 per_rank["rng"] = rng_state()
         else:
-            per_rank = load_state(path / f"rank_{min(rank, saved_world - 1):05d}")
+            per_rank = states[min(rank, saved_world - 1)]
             for name, loader in loaders_.items():
                 loader.load_state_dict(per_rank["dataloaders"][name])
             if restore_rng:
@@ -698,12 +698,13 @@ class Checkpointer:
         """
         # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
         # shared file system lag behind one another.
-        path = broadcast_from_rank0(self.latest_readable() if is_main() else None)
+        found = self.latest_readable() if is_main() else None
+        path = broadcast_from_rank0(found and found[0])
         if path is None:
             if required:
                 raise self.none_to_resume()
             return None
-        return self.load(path, **load)
+        return self.load(path, read=found and found[1:], **load)
 
 
 def reseed(seed: int, step: int, rank: int) -> None:
@@ -762,10 +763,10 @@ def check_reshardable(
                 )
 
 
-def _reshard_rank_state(path: Path, saved_world: int, loaders: Mapping[str, Any]) -> dict:
-    """This rank's state from the ``saved_world`` rank files of ``path``: the loaders continue
+def _reshard_rank_state(path: Path, states: list[dict], loaders: Mapping[str, Any]) -> dict:
+    """This rank's state from the ``states`` of the saved ranks of ``path``: the loaders continue
     from the saved ranks' joint position; ``extra`` is rank 0's, which every rank must share."""
-    states = [load_state(path / f"rank_{r:05d}") for r in range(saved_world)]
+    saved_world = len(states)
     differ = sorted(
         k
         for k in states[0]["extra"]
@@ -910,10 +911,10 @@ def check_resume(
     able to continue on ``world`` (:func:`check_reshardable`, with this run's global batch
     ``global_batch(world)``)."""
     ckpt = Checkpointer(output_dir)
-    latest = ckpt.latest_readable()
-    if latest is None:
+    found = ckpt.latest_readable()
+    if found is None:
         raise ckpt.none_to_resume()
-    meta = read_meta(latest)
+    latest, meta, _ = found
     check_held_alike(latest, meta, "lora", dict.fromkeys(models, adapted))
     if int(meta.get("world_size", 1)) != world:
         batch = global_batch(world) if global_batch is not None else None

@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import nn
 
-from lightrft.distributed import barrier, is_main
+from lightrft.distributed import is_main
 from lightrft.engine.sync import iter_weight_buckets
-from lightrft.models.export import export_hf, writing_dir
+from lightrft.models.export import export_hf, export_hf_state_dict
 from lightrft.models.forward import unwrap_peft
 from lightrft.models.lora import export_adapter
 from lightrft.sections import STRATEGIES, LoraConfig
@@ -39,19 +39,7 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
     for bucket in iter_weight_buckets(model):
         if main:
             sd.update((name, t.clone()) for name, t in bucket)
-    out = Path(out_dir)
-    if main:
-        base = unwrap_peft(model)
-        with writing_dir(out) as tmp:
-            base.save_pretrained(tmp, state_dict=sd, is_main_process=True)
-            cfg_file = tmp / "config.json"
-            cfg = json.loads(cfg_file.read_text())
-            cfg.pop("_name_or_path", None)
-            cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-    barrier()
-    return out
+    return export_hf_state_dict(unwrap_peft(model), sd, tokenizer, out_dir)
 
 
 def export_trained(

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from lightrft.config import ConfigError
+from lightrft.sections import require_output_dir
 
 LOCK_NAME = ".lightrft.lock"
 # view.html: `lightrft view`'s page of the run, stale once the run is replaced.
@@ -61,11 +62,7 @@ def check_output_dir(
     A recipe passes its ``resume`` and ``overwrite`` config keys.
     """
     check_resume_overwrite(resume, overwrite)
-    if path is None or str(path).strip() == "":
-        raise ConfigError(
-            "output_dir is not set: give the run a directory for its checkpoints, "
-            "metrics and export (output_dir=...)"
-        )
+    require_output_dir(path)
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise ConfigError(f"output_dir {str(p)!r} exists and is not a directory")
