@@ -58,9 +58,9 @@ _WORKSPACE_ELEMENTS = 1 << 26
 _ROW_MULTIPLE = 64  # BLAS kernels block rows in multiples of 16/32/64
 
 
-def default_chunk_size(n_rows: int, vocab: int, workspace: int = _WORKSPACE_ELEMENTS) -> int:
-    """Rows per chunk: the ``workspace`` budget over V, rounded to a multiple of 64, at most N."""
-    rows = round(workspace / max(vocab, 1) / _ROW_MULTIPLE) * _ROW_MULTIPLE
+def default_chunk_size(n_rows: int, vocab: int) -> int:
+    """Rows per chunk: the workspace budget over V, rounded to a multiple of 64, at most N."""
+    rows = round(_WORKSPACE_ELEMENTS / max(vocab, 1) / _ROW_MULTIPLE) * _ROW_MULTIPLE
     return max(1, min(max(rows, _ROW_MULTIPLE), n_rows))
 
 

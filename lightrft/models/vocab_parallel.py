@@ -73,8 +73,15 @@ def gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor
 
 # Elements of a chunk's logits workspace (2 Mi: 8 MiB in fp32): small next to the tables a
 # rank no longer gathers, and some hundreds of rows for a vocabulary slice, enough for the
-# matmul to run near peak. The rows at a time: the fused kernel's rule for this budget.
+# matmul to run near peak.
 LOGITS_WORKSPACE = 1 << 21
+
+
+def logits_chunk_rows(n_rows: int, vocab_rows: int) -> int:
+    """Rows of logits computed at a time: the workspace over the rows of the slice, a multiple
+    of 64 (BLAS blocks), at least 64 and at most ``n_rows`` (and 1)."""
+    rows = LOGITS_WORKSPACE // max(vocab_rows, 1) // 64 * 64
+    return max(1, min(max(rows, 64), n_rows))
 
 
 def _mine(rows: VocabRows, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +126,6 @@ def vocab_parallel_logprobs(
     rows, the local max ``m``, the sum ``s`` of ``exp(z - m)`` and the target's logit (zero
     unless this rank owns it); then ``M = max m``, ``S = sum s exp(m - M)``, and
     ``logp = z_target - M - log S``."""
-    from lightrft.kernels import default_chunk_size
     from lightrft.kernels.logprobs import acc_dtype, logit_workspaces, logits_into
 
     every_h, sizes = gather_rows(hidden, rows.group)  # [world, n_max, H]
@@ -131,7 +137,7 @@ def vocab_parallel_logprobs(
     peak = torch.full((n,), float("-inf"), dtype=acc, device=h.device)
     sums = torch.zeros(n, dtype=acc, device=h.device)
     picked = torch.zeros(n, dtype=acc, device=h.device)
-    chunk = default_chunk_size(n, weight.shape[0], LOGITS_WORKSPACE)
+    chunk = logits_chunk_rows(n, weight.shape[0])
     # The fused kernel's workspace and logits (fp32 from a low-precision matmul where it can).
     buf, _, low = logit_workspaces(min(chunk, n), weight.shape[0], h, entropy=False)
     for s in range(0, n, chunk):

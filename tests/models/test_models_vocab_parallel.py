@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightrft.kernels import default_chunk_size
 from lightrft.models.parallel import parallelize
 from lightrft.models.vocab_parallel import (
     LOGITS_WORKSPACE,
+    logits_chunk_rows,
     shard_vocab_tables,
     vocab_rows,
     vocab_tables,
@@ -18,11 +18,10 @@ from lightrft.models.vocab_parallel import (
 
 
 def test_logits_are_chunked_to_the_workspace_in_multiples_of_64_rows():
-    def logits_chunk_rows(n_rows, vocab_rows):  # what vocab_parallel_logprobs asks
-        return default_chunk_size(n_rows, vocab_rows, LOGITS_WORKSPACE)
-
     assert logits_chunk_rows(1000, 8000) == LOGITS_WORKSPACE // 8000 // 64 * 64 == 256
     assert logits_chunk_rows(10, 8000) == 10  # never more than the rows
+    # rounded down, so a chunk never passes the workspace (the fused kernel rounds to nearest)
+    assert logits_chunk_rows(10**5, 12000) == LOGITS_WORKSPACE // 12000 // 64 * 64 == 128
     assert logits_chunk_rows(10**6, 10**7) == 64  # a huge slice: still 64 rows at a time
     assert logits_chunk_rows(0, 5) == 1  # no rows: one empty chunk size, not zero
 
