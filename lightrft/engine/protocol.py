@@ -347,11 +347,12 @@ def check_weight_names(
     names: Sequence[str], known: Collection[str], asleep: bool, what: str
 ) -> None:
     """Refuse ``what`` (``load_weights``, ``weight_buffers``) before anything is copied: while
-    the weights are ``asleep`` (released by a level-2 sleep), or for a name that is not one of
-    the model's ``known`` Hugging Face names (the closest one named)."""
+    the weights are ``asleep`` (released by a sleep; the native engine releases them at level 2
+    only), or for a name that is not one of the model's ``known`` Hugging Face names (the
+    closest one named)."""
     if asleep:
         raise ValueError(
-            "the engine's weights are released (sleep level 2); call "
+            "the engine's weights are asleep (released by sleep); call "
             f"wake_up(['weights']) before {what}"
         )
     unknown = [name for name in names if name not in known]
