@@ -17,6 +17,8 @@ _EXPORTS = {
     "MetricLogger": "metrics",
     "ProgressBar": "metrics",
     "PhaseTimer": "metrics",
+    "Throughput": "metrics",
+    "tokens_per_second": "metrics",
     "peak_memory": "metrics",
     "reset_peak_memory": "metrics",
     "reduce_metrics": "metrics",

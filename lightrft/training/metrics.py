@@ -1,4 +1,4 @@
-"""Metric logging (JSONL, TensorBoard, optional W&B), progress bar, phase timers, memory.
+"""Metric logging (JSONL, TensorBoard, optional W&B), progress bar, timers, throughput, memory.
 
 Only rank 0 writes; every helper here is a no-op or cheap on other ranks, so recipes call them
 unconditionally. :func:`reduce_metrics` is the one collective: call it on every rank.
@@ -230,7 +230,7 @@ class ProgressBar:
 
 
 # ---------------------------------------------------------------------------------------------
-# Timers
+# Timers and throughput
 
 
 class PhaseTimer:
@@ -267,6 +267,29 @@ class PhaseTimer:
     def reset(self) -> None:
         self.totals.clear()
         self.counts.clear()
+
+
+class Throughput:
+    """Tokens per second between successive :meth:`rate` calls (e.g. once per logged step)."""
+
+    def __init__(self) -> None:
+        self._tokens = 0.0
+        self._start = time.perf_counter()
+
+    def add(self, tokens: int | float | torch.Tensor) -> None:
+        self._tokens += float(tokens)
+
+    def rate(self) -> tuple[float, float]:
+        """``(tokens, seconds)`` since the last call; see :func:`tokens_per_second`."""
+        now = time.perf_counter()
+        out = (self._tokens, now - self._start)
+        self._tokens, self._start = 0.0, now
+        return out
+
+
+def tokens_per_second(tokens: float, seconds: float) -> float:
+    """``tokens / seconds``, 0 when no time passed."""
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------

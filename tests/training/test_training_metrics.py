@@ -1,4 +1,4 @@
-"""MetricLogger sinks, progress bar, timers, peak memory, cross-rank reduction."""
+"""MetricLogger sinks, progress bar, timers, throughput, peak memory, cross-rank reduction."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from lightrft.training.metrics import (
     MetricLogger,
     PhaseTimer,
     ProgressBar,
+    Throughput,
     peak_memory,
     read_metrics,
     reduce_metrics,
+    tokens_per_second,
 )
 
 
@@ -127,7 +129,7 @@ def test_progress_bar(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_timer():
+def test_timer_and_throughput():
     timer = PhaseTimer()
     for _ in range(2):
         with timer("rollout"):
@@ -138,6 +140,15 @@ def test_timer():
     s = timer.summary()
     assert set(s) == {"time/rollout", "time/train"} and s["time/rollout"] >= 0.04
     assert timer.summary() == {}  # reset after summary
+
+    tp = Throughput()
+    tp.add(300)
+    tp.add(torch.tensor(200))
+    time.sleep(0.01)
+    tokens, seconds = tp.rate()
+    assert tokens == 500 and seconds >= 0.01
+    assert tp.rate()[0] == 0
+    assert tokens_per_second(500, 2.0) == 250.0 and tokens_per_second(5, 0.0) == 0.0
 
 
 def test_peak_memory_cpu():
