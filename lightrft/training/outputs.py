@@ -61,7 +61,7 @@ def check_output_dir(
     Other ranks only check writability (the probe file name is unique per process).
     A recipe passes its ``resume`` and ``overwrite`` config keys.
     """
-    check_resume_overwrite(resume, overwrite)
+    check_resume_overwrite(resume, overwrite, ConfigError)  # a UserError: one line, exit 2
     require_output_dir(path)
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
@@ -85,11 +85,14 @@ def check_output_dir(
     return p
 
 
-def check_resume_overwrite(resume: bool | None, overwrite: bool) -> None:
-    """Refuse ``resume=true`` with ``overwrite=true`` (a ``ValueError``): the one place of this
-    rule, which :func:`check_output_dir` and the training config (when it is read) apply."""
+def check_resume_overwrite(
+    resume: bool | None, overwrite: bool, error: type[ValueError] = ValueError
+) -> None:
+    """Refuse ``resume=true`` with ``overwrite=true`` (an ``error``: the config reading adds the
+    key's place to a plain ``ValueError``): the one place of this rule, which
+    :func:`check_output_dir` and the training config (when it is read) apply."""
     if resume and overwrite:
-        raise ValueError(
+        raise error(
             "resume=true and overwrite=true contradict each other: resume continues the run in "
             "output_dir, overwrite deletes it; choose one"
         )

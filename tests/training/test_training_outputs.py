@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from lightrft.config import ConfigError
 from lightrft.training.outputs import check_output_dir, release_output_dir
 
 
@@ -127,7 +128,7 @@ def test_fresh_run_into_a_used_directory_is_refused_unless_overwrite_or_resume(t
     check_output_dir(out, resume=False, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == [".lightrft.lock", "my_notes.txt"]
     check_output_dir(out, resume=False)  # now empty of run outputs: a fresh run may start
-    with pytest.raises(ValueError, match="contradict"):
+    with pytest.raises(ConfigError, match="contradict"):  # a UserError: one line, exit 2
         check_output_dir(out, resume=True, overwrite=True)
     release_output_dir(out)
     assert not (out / ".lightrft.lock").exists()
