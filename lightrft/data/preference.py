@@ -316,7 +316,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         if identical:
             why = "rejected responses identical to the chosen one"
             log.warning("%s: dropped %d %s", self.source, identical, why)
-        cut = f"max_length={max_length} truncated sequences"
+        cut = f"max_length={max_length} truncated (sequences)"
         self.media.report(log, self.source, self.stats, "records", audio_dropped, cut)
 
     def __len__(self) -> int:

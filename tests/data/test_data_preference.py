@@ -78,7 +78,7 @@ def test_bad_inputs_name_file_line_and_field(tok, tmp_path):
         PreferenceDataset(tok, tmp_path / "broken.jsonl")
 
 
-def test_identical_and_overlong_are_counted(tok):
+def test_identical_and_overlong_are_counted(tok, caplog):
     recs = [
         {"prompt": "p", "chosen": "same", "rejected": "same"},  # dropped: identical
         {"prompt": "p", "chosen": "a", "rejected": ["a", "b"]},  # one identical candidate dropped
@@ -88,6 +88,7 @@ def test_identical_and_overlong_are_counted(tok):
     ]
     ds = PreferenceDataset(tok, records=recs, apply_chat_template=False, max_length=20)
     assert ds.stats == {"records": 5, "pairs": 3, "identical": 2, "truncated": 1, "dropped": 1}
+    assert "max_length=20 truncated (sequences) 1 and dropped 1 of 5 records" in caplog.text
     assert len(ds[0]["sequences"]) == 2  # "a" vs "b"
     assert all(len(s) <= 20 for it in ds for s in it["sequences"])
     drop = PreferenceDataset(
