@@ -375,7 +375,9 @@ def _compiled(condition: ast.Expression) -> CodeType:
 
         def visit_comprehension(self, n: ast.comprehension) -> ast.comprehension:
             self.generic_visit(n)
-            n.iter = ast.Call(ast.Name(_ITEMS, ast.Load()), [n.iter], [])
+            paired = isinstance(n.iter, ast.Call) and getattr(n.iter.func, "id", "") == _ZIP
+            if not paired:  # a zip pairs items its first list comprehension already counted
+                n.iter = ast.Call(ast.Name(_ITEMS, ast.Load()), [n.iter], [])
             return n
 
     for n in ast.walk(condition.body):  # a check only: _split builds nothing else

@@ -148,3 +148,13 @@ def test_a_comprehension_of_several_generators_iterates_them_all():
     plan = plan_asserts("assert f() == [x for x in range(2) for y in range(2)]")
     assert judge(plan, _report([0, [["l", [_i(0), _i(0), _i(1), _i(1)]]]]))[0]
     assert not judge(plan, _report([0, [["l", [_i(0), _i(1)]]]]))[0]
+
+
+def test_a_comprehension_judged_per_item_counts_each_item_once(monkeypatch):
+    # Its items are listed once and paired with the program's per-item values: the budget
+    # counts them once, so a budget of 10 judges 6 items (it once counted 12 and refused).
+    monkeypatch.setattr("lightrft.rewards.code_asserts._MAX_ITEMS", 10)
+    plan = plan_asserts("assert all(f(x) == x for x in range(6))")
+    assert judge(plan, _report([0, [["l", [_i(i) for i in range(6)]]]]))[0]
+    plan = plan_asserts("assert all(f(x) == x for x in range(11))")
+    assert not judge(plan, _report([0, [["l", [_i(i) for i in range(11)]]]]))[0]
