@@ -525,6 +525,8 @@ class RewardModel:
 
     def __call__(self, samples: Sequence[Sample]) -> torch.Tensor:
         if not samples:  # sharded, a collective: join the forwards of the ranks that have samples
+            if not self.collective:
+                return torch.empty(0)  # nothing to score, so no offloaded model to move
             return self.score_ids([], [] if self.net.pooling == "likelihood" else None)
         responses = [s.response for s in samples]
         if self.media is not None:
