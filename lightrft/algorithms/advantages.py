@@ -27,14 +27,22 @@ WHITEN_EPS = 1e-8
 # --------------------------------------------------------------------------- helpers
 
 
-def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> Tensor:
-    """Validate ``[B]`` rewards grouped by ``group_size``; return them as a float tensor."""
+_NO_GROUP = "; sample at least 2 responses per prompt or use an estimator without groups"
+
+
+def check_group_size(group_size: Any, what: str, remedy: str = "") -> None:
+    """The one rule for a group (group baselines, dynamic sampling): ``group_size``
+    (``rollout.n``) is an int >= 2; ``what`` names who needs it in the message."""
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
         raise ValueError(
-            f"a group baseline needs a group: group_size must be an int >= 2 (got "
-            f"{group_size!r}); sample at least 2 responses per prompt (rollout.n >= 2) or use "
-            "an estimator without groups (reinforce_pp, gae)"
+            f"{what} needs a group: group_size (rollout.n) must be an int >= 2, got "
+            f"{group_size!r}{remedy}"
         )
+
+
+def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> Tensor:
+    """Validate ``[B]`` rewards grouped by ``group_size``; return them as a float tensor."""
+    check_group_size(group_size, "a group baseline", _NO_GROUP + " (reinforce_pp, gae)")
     if rewards.ndim != 1:
         raise ValueError(f"{name} must be 1-D [B], got shape {tuple(rewards.shape)}")
     if rewards.numel() % group_size != 0:
@@ -337,7 +345,7 @@ def check_estimator(
             f"got unexpected {sorted(unknown)}"
         )
     if spec.group and group_size is not None:
-        _check_rewards(torch.zeros(0), group_size)  # its group-size rule
+        check_group_size(group_size, f"advantage estimator {estimator!r}", _NO_GROUP)
     return spec
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
-from lightrft.algorithms.advantages import check_estimator
+from lightrft.algorithms.advantages import check_estimator, check_group_size
 from lightrft.algorithms.kl import KINDS as KL_KINDS
 from lightrft.algorithms.kl import build_kl_controller
 from lightrft.algorithms.losses import AGG_MODES, check_objective, find_objective
@@ -26,7 +26,7 @@ from lightrft.algorithms.mismatch import (
     icepop_mask,
     mismatch_metrics,
 )
-from lightrft.algorithms.shaping import DynamicSamplingAccumulator, overlong_penalty
+from lightrft.algorithms.shaping import overlong_penalty
 from lightrft.config import Section, option, section
 
 
@@ -351,5 +351,5 @@ class AlgorithmConfig(Section):
                 "disabled"
             )
         if shaping.dynamic:
-            DynamicSamplingAccumulator(1, n)  # its group-size rule
+            check_group_size(n, "dynamic sampling")
         return replace(shaping, overlong=over)

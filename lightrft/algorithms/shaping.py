@@ -12,6 +12,8 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
+from lightrft.algorithms.advantages import check_group_size
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -129,8 +131,7 @@ def filter_groups(metric: Tensor, group_size: int) -> Tensor:
     A group whose ``metric`` (the reward, or e.g. the accuracy) is the same for all its
     samples gives every sample a zero group-relative advantage; it is dropped (False).
     """
-    if not isinstance(group_size, int) or group_size < 2:  # the one place of this rule
-        raise ValueError(f"dynamic sampling needs group_size (rollout.n) >= 2, got {group_size!r}")
+    check_group_size(group_size, "dynamic sampling")
     if metric.ndim != 1 or metric.numel() % group_size != 0:
         raise ValueError(
             f"metric must be [B] with B a multiple of group_size={group_size}, "
@@ -165,7 +166,7 @@ class DynamicSamplingAccumulator(Generic[T]):
     def __init__(self, target_groups: int, group_size: int, *, max_draws: int | None = 10):
         if not isinstance(target_groups, int) or target_groups < 1:
             raise ValueError(f"target_groups must be an int >= 1, got {target_groups!r}")
-        filter_groups(torch.empty(0), group_size)  # its group-size rule
+        check_group_size(group_size, "dynamic sampling")
         self.target_groups = target_groups
         self.group_size = group_size
         self.max_draws = max_draws if max_draws is not None and max_draws > 0 else None
