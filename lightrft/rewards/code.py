@@ -70,6 +70,7 @@ MBPP form) give it nothing but its own return values.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -105,8 +106,6 @@ _MEMORY_CGROUPS = (
     ("/sys/fs/cgroup", "memory.max"),
 )
 _warned: set[str] = set()
-_probe_lock = threading.Lock()
-_probe_result: list[str | None] = []  # filled once: None, or why isolation is unavailable
 _NOT_ISOLATED = (
     "CodeVerifier: sandboxed programs are NOT isolated here ({problem}). Still applied: the time, "
     "CPU, memory, output and process limits, a network namespace where allowed, the verdict "
@@ -416,29 +415,27 @@ class CodeVerifier:
         return [sum(p) / len(p) if p else 0.0 for p in passed]
 
 
+@functools.cache  # once per process
 def _isolation_problem() -> str | None:
-    """``None`` if this machine can run programs in the namespaces (tried once per process by
-    the launcher itself), else why not."""
-    with _probe_lock:
-        if not _probe_result:
-            work = tempfile.mkdtemp(prefix="lightrft-probe-")
-            try:
-                done = subprocess.run(
-                    [sys.executable, "-I", "-S", _CHILD, "probe"],
-                    capture_output=True,
-                    timeout=30,
-                    cwd=work,
-                    env={"PATH": os.environ.get("PATH", "/bin")},
-                )
-                why = (done.stdout + done.stderr).decode(errors="replace").strip()
-                ok = done.returncode == 0
-                why = why or f"exit status {done.returncode}"
-            except (OSError, subprocess.TimeoutExpired) as e:
-                ok, why = False, str(e)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            _probe_result.append(None if ok else why)
-        return _probe_result[0]
+    """``None`` if this machine can run programs in the namespaces (tried by the launcher
+    itself), else why not."""
+    work = tempfile.mkdtemp(prefix="lightrft-probe-")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", _CHILD, "probe"],
+            capture_output=True,
+            timeout=30,
+            cwd=work,
+            env={"PATH": os.environ.get("PATH", "/bin")},
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if done.returncode == 0:
+        return None
+    why = (done.stdout + done.stderr).decode(errors="replace").strip()
+    return why or f"exit status {done.returncode}"
 
 
 def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) -> str | None:

@@ -423,19 +423,17 @@ class GenerativeReward:
         failures, mismatches, example = 0, 0, None
         for (i, first), text in zip(jobs, verdicts, strict=True):
             value = self._reward_of(text, first)
-            if value is not None and self.echo and not self._echoes(text, samples[i].response):
-                mismatches += 1
-                value = self.fallback
-                self.failure_streak = 0  # the pattern matched: the judge works
-            elif value is None:
+            if value is None:
                 failures += 1
                 example = example or text
-                value = self.fallback
                 self.failure_streak += 1
                 self._recent_failures.append(text)
             else:
-                self.failure_streak = 0
-            sums[i] += value
+                self.failure_streak = 0  # the pattern matched: the judge works
+                if self.echo and not self._echoes(text, samples[i].response):
+                    mismatches += 1
+                    value = None
+            sums[i] += self.fallback if value is None else value
         self.parse_failures += failures
         self.judged += len(jobs)
         self.last_metrics = {

@@ -5,7 +5,7 @@ objects and compares them (intervals, sets, tuples, equations, units, percentage
 pool answers three questions: are two answer strings equal (:meth:`EquivalencePool.equal`), does
 a whole response's answer equal a gold answer (:meth:`EquivalencePool.judge`, math-verify's own
 extraction: its LaTeX and expression configs, ``\\boxed{}`` first), and what answer does a
-response commit to (:meth:`EquivalencePool.extract`). Sympy can hang or explode on
+response commit to (a judge against no gold answer, ``""``). Sympy can hang or explode on
 hostile input (``10^{10^{10}}``), and math-verify's own time limit is ``signal.alarm``, which
 only works in the main thread and steals the process's SIGALRM. So comparisons run in a small
 pool of worker processes (``python -m lightrft.rewards.math_equiv``) with math-verify's timeouts
@@ -227,14 +227,10 @@ class EquivalencePool:
     def judge(self, text: str, gold: str) -> Verdict:
         """Whether the answer math-verify extracts from the response ``text`` equals the gold
         answer in ``gold`` (see :func:`judge_response`); unequal, with no answer, on timeout.
-        The caller bounds ``text`` (the worker reads all of it within ``timeout``)."""
+        The caller bounds ``text`` (the worker reads all of it within ``timeout``). Against no
+        gold answer (``gold=""``) it only extracts: the verdict's ``answer`` is the answer."""
         verdict = self._ask("judge", (text, gold))
         return verdict if verdict is not None else Verdict(False)
-
-    def extract(self, text: str) -> str | None:
-        """The answer math-verify extracts from the response ``text`` (``None``: none found, or
-        not within ``timeout``): a :meth:`judge` against no gold answer."""
-        return self.judge(text, "").answer
 
     def _ask(self, op: str, args: Sequence[str]) -> Verdict | None:
         """One request on an idle worker (started if need be), within ``timeout``; ``None`` if
@@ -273,10 +269,6 @@ class EquivalencePool:
     def judge_many(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
         """:meth:`judge` of each ``(text, gold)`` pair, up to ``workers`` at a time."""
         return self._map(self.judge, pairs)
-
-    def extract_many(self, texts: Sequence[str]) -> list[str | None]:
-        """:meth:`extract` of each response text, up to ``workers`` at a time."""
-        return self._map(self.extract, [(t,) for t in texts])
 
     def close(self) -> None:
         """Stop the worker processes (a later call starts new ones)."""

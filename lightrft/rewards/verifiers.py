@@ -48,6 +48,7 @@ from lightrft.rewards.math_answer import (
     parse_number,
     plain_number_answer,
 )
+from lightrft.rewards.math_equiv import Verdict
 
 __all__ = ["ChoiceVerifier", "ExactMatch", "GSM8KVerifier", "MathVerifier", "ThinkFormatReward"]
 
@@ -187,19 +188,7 @@ class MathVerifier:
             return [
                 extract_answer(_final_part(r, self.strip_think), self.extractors) for r in responses
             ]
-        self.last_refusals = []
-        texts = [self._math_verify_text(r) for r in responses]
-        answers: list[str | None] = [None] * len(texts)
-        todo = []
-        for i, text in enumerate(texts):
-            if self._refused(("response", text)):
-                continue
-            answers[i] = plain_number_answer(text)
-            if answers[i] is None:
-                todo.append(i)
-        for i, ans in zip(todo, self._pool.extract_many([texts[i] for i in todo]), strict=True):
-            answers[i] = ans
-        return answers
+        return [v.answer for v in self._read(responses)]
 
     def _math_verify_text(self, response: str) -> str:
         """What math-verify reads of a response: the tail of its final part."""
@@ -271,39 +260,48 @@ class MathVerifier:
         references = _references(type(self).__name__, samples)
         responses = [s.response for s in samples]
         if self.extraction == "math_verify":
-            verdicts = self.judge_many(responses, references)
+            verdicts = [v.equal for v in self._read(responses, references)]
         else:
             preds = [self.extract(r) for r in responses]
             refs = [self.reference_answer(r) for r in references]
             verdicts = self.equivalent_many(preds, refs)
         return [self.correct if ok else self.incorrect for ok in verdicts]
 
-    def judge_many(self, responses: Sequence[str], references: Sequence[str]) -> list[bool]:
-        """Whether each whole response's answer equals its reference, by math-verify's
-        extraction (``extraction="math_verify"``): refused past the size bound, the fast path
-        for plain numbers, else a worker within ``timeout``."""
+    def _read(
+        self, responses: Sequence[str], references: Sequence[str] | None = None
+    ) -> list[Verdict]:
+        """math-verify's reading of each whole response (``extraction="math_verify"``): the
+        answer it extracts and, with ``references``, whether it equals its reference. Refused
+        past the size bound, the fast path for plain numbers, else a worker within ``timeout``."""
         self.last_refusals = []
         texts = [self._math_verify_text(r) for r in responses]
-        verdicts = [self._fast_response(t, r) for t, r in zip(texts, references, strict=True)]
+        refs = [None] * len(texts) if references is None else references
+        verdicts = [self._fast_response(t, r) for t, r in zip(texts, refs, strict=True)]
         todo = [i for i, v in enumerate(verdicts) if v is None]
-        pairs = [(texts[i], math_verify_reference(references[i])) for i in todo]
+        # Against no reference (an empty gold) a worker only extracts the answer.
+        golds = ["" if r is None else math_verify_reference(r) for r in refs]
+        pairs = [(texts[i], golds[i]) for i in todo]
         for i, verdict in zip(todo, self._pool.judge_many(pairs), strict=True):
-            verdicts[i] = verdict.equal
+            verdicts[i] = verdict
         return verdicts
 
-    def _fast_response(self, text: str, reference: str) -> bool | None:
-        """The verdict without math-verify: ``False`` for a text or reference past the size bound
-        (:meth:`_refused`), a comparison when the response's answer and the reference are both
-        plain numbers (:func:`~lightrft.rewards.math_answer.plain_number_answer`), else ``None``."""
-        if self._refused(("response", text), ("reference", reference)):
-            return False
+    def _fast_response(self, text: str, reference: str | None) -> Verdict | None:
+        """The verdict without math-verify: unequal with no answer for a text or reference past
+        the size bound (:meth:`_refused`), the response's answer when it is a plain number
+        (:func:`~lightrft.rewards.math_answer.plain_number_answer`) and, given a reference that
+        is one too, their comparison; else ``None``."""
+        given = [("reference", reference)] if reference is not None else []
+        if self._refused(("response", text), *given):
+            return Verdict(False)
         pred = plain_number_answer(text)
+        if reference is None:  # the answer only
+            return None if pred is None else Verdict(False, pred)
         # The reference as math-verify gets it: a GSM8K `#### N` boxed, else the whole reference
         # (a solution with several boxes is a set, not its last box).
         ref = plain_number_answer(math_verify_reference(reference))
         if pred is None or ref is None:
             return None
-        return answers_match(pred, ref)
+        return Verdict(answers_match(pred, ref), pred)
 
 
 class GSM8KVerifier(MathVerifier):

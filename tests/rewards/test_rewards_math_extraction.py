@@ -215,4 +215,4 @@ def test_the_fast_path_agrees_with_math_verify(verifier, response, reference):
 
     fast = verifier._fast_response(response, reference)
     assert fast is not None  # these are the fast path's
-    assert fast == verifier._pool.judge(response, math_verify_reference(reference)).equal
+    assert fast.equal == verifier._pool.judge(response, math_verify_reference(reference)).equal
