@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.data.templates import IGNORE_INDEX
 
@@ -67,8 +68,7 @@ def pack_indices(
     ``max_tokens`` is an error that counts them and names the first (``where(i)``: where sample
     ``i`` comes from, e.g. the dataset's ``where``).
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    at_least("max_tokens", max_tokens, 1)
     too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
     if too_long:
         i = too_long[0]
@@ -196,8 +196,7 @@ class PackCollator:
     def __init__(
         self, pad_id: int, max_tokens: int | None = None, pad_to_multiple_of: int | None = None
     ) -> None:
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+        at_least("max_tokens", max_tokens, 1)
         self.pad_id = pad_id
         self.max_tokens = max_tokens
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -328,10 +327,8 @@ class StepCollator:
         packing: bool = False,
         length: Callable[[Item], int] | None = None,
     ) -> None:
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+        at_least("max_rows", max_rows, 1)
+        at_least("max_tokens", max_tokens, 1)
         self.collate, self.max_rows, self.max_tokens = collate, max_rows, max_tokens
         self.packing = packing
         self.length = length or (lambda item: len(item["input_ids"]))
