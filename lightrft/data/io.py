@@ -19,7 +19,7 @@ import json
 import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,22 +34,18 @@ class DataError(UserError, ValueError):
     """A problem with the user's data: names the file and the line, record or field."""
 
 
+@dataclass(eq=False, repr=False)  # identity and object repr, not a dump of every record
 class Records(Sequence[dict[str, Any]]):
     """A list of record dicts plus, for each, where it came from (``where(i)``)."""
 
-    def __init__(
-        self,
-        records: list[dict[str, Any]],
-        origins: list[str],
-        name: str,
-        base_dirs: list[Path | None] | None = None,
-    ) -> None:
-        assert len(records) == len(origins)
-        self._records = records
-        self._origins = origins
-        self.name = name  # the source(s), for messages about the whole dataset
-        # Per record: the directory that relative paths in it (e.g. images) are relative to.
-        self._dirs = base_dirs if base_dirs is not None else [None] * len(records)
+    _records: list[dict[str, Any]]
+    _origins: list[str]
+    name: str  # the source(s), for messages about the whole dataset
+    # Per record: the directory that relative paths in it (e.g. images) are relative to.
+    _dirs: list[Path | None]
+
+    def __post_init__(self) -> None:
+        assert len(self._records) == len(self._origins) == len(self._dirs)
 
     @classmethod
     def from_list(cls, records: Sequence[Mapping[str, Any]], name: str = "records") -> Records:
@@ -59,7 +55,7 @@ class Records(Sequence[dict[str, Any]]):
             if not isinstance(rec, Mapping):
                 raise DataError(f"{name}[{i}]: expected an object (dict), got {type(rec).__name__}")
             out.append(dict(rec))
-        return cls(out, [f"{name}[{i}]" for i in range(len(out))], name)
+        return cls(out, [f"{name}[{i}]" for i in range(len(out))], name, [None] * len(out))
 
     def __len__(self) -> int:
         return len(self._records)
