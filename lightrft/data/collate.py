@@ -21,10 +21,12 @@ from __future__ import annotations
 import random
 from bisect import bisect_left, insort
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
 
+from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.data.templates import IGNORE_INDEX
 
@@ -67,8 +69,7 @@ def pack_indices(
     ``max_tokens`` is an error that counts them and names the first (``where(i)``: where sample
     ``i`` comes from, e.g. the dataset's ``where``).
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    at_least("max_tokens", max_tokens, 1)
     too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
     if too_long:
         i = too_long[0]
@@ -183,6 +184,7 @@ def _rows_to_batch(
     return batch
 
 
+@dataclass
 class PackCollator:
     """Pack a micro-batch of samples into rows; already packed rows stay rows of their own.
 
@@ -193,14 +195,12 @@ class PackCollator:
     ``attention_mask``, which is what makes transformers build the per-sample mask.
     """
 
-    def __init__(
-        self, pad_id: int, max_tokens: int | None = None, pad_to_multiple_of: int | None = None
-    ) -> None:
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
-        self.pad_id = pad_id
-        self.max_tokens = max_tokens
-        self.pad_to_multiple_of = pad_to_multiple_of
+    pad_id: int
+    max_tokens: int | None = None
+    pad_to_multiple_of: int | None = None
+
+    def __post_init__(self) -> None:
+        at_least("max_tokens", self.max_tokens, 1)
 
     def __call__(self, items: Sequence[Item]) -> dict[str, Any]:
         rows: list[list[Item]] = [[x] for x in items if "position_ids" in x]
@@ -211,6 +211,7 @@ class PackCollator:
         return _rows_to_batch(rows, self.pad_id, self.pad_to_multiple_of)
 
 
+@dataclass
 class PadCollator:
     """Right-pad samples to the longest one; ``attention_mask`` marks real tokens.
 
@@ -219,9 +220,8 @@ class PadCollator:
     transformers would let their samples attend to each other.
     """
 
-    def __init__(self, pad_id: int, pad_to_multiple_of: int | None = None) -> None:
-        self.pad_id = pad_id
-        self.pad_to_multiple_of = pad_to_multiple_of
+    pad_id: int
+    pad_to_multiple_of: int | None = None
 
     def __call__(self, items: Sequence[Item]) -> dict[str, Any]:
         if any("position_ids" in x for x in items):
@@ -308,6 +308,7 @@ def pack_in_order(lengths: Sequence[int], max_tokens: int | None, key: str) -> l
     return plan_micro_batches(range(len(lengths)), lengths, len(lengths), max_tokens, packing=True)
 
 
+@dataclass
 class StepCollator:
     """Collate one optimizer step's samples into its micro-batches (a list of batches).
 
@@ -319,25 +320,19 @@ class StepCollator:
     sample's model tokens (default: ``len(item["input_ids"])``).
     """
 
-    def __init__(
-        self,
-        collate: Callable[[Sequence[Item]], dict[str, Any]],
-        max_rows: int,
-        max_tokens: int | None = None,
-        *,
-        packing: bool = False,
-        length: Callable[[Item], int] | None = None,
-    ) -> None:
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
-        self.collate, self.max_rows, self.max_tokens = collate, max_rows, max_tokens
-        self.packing = packing
-        self.length = length or (lambda item: len(item["input_ids"]))
+    collate: Callable[[Sequence[Item]], dict[str, Any]]
+    max_rows: int
+    max_tokens: int | None = None
+    _: KW_ONLY
+    packing: bool = False
+    length: Callable[[Item], int] | None = None
+
+    def __post_init__(self) -> None:
+        at_least("max_rows", self.max_rows, 1)
+        at_least("max_tokens", self.max_tokens, 1)
 
     def __call__(self, items: Sequence[Item]) -> list[dict[str, Any]]:
-        lengths = [self.length(x) for x in items]
+        lengths = [self.length(x) if self.length else len(x["input_ids"]) for x in items]
         order = list(range(len(items)))
         if self.max_tokens is not None:
             order.sort(key=lengths.__getitem__)

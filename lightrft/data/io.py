@@ -18,8 +18,8 @@ import functools
 import json
 import operator
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,22 +34,18 @@ class DataError(UserError, ValueError):
     """A problem with the user's data: names the file and the line, record or field."""
 
 
+@dataclass(eq=False, repr=False)  # identity and object repr, not a dump of every record
 class Records(Sequence[dict[str, Any]]):
     """A list of record dicts plus, for each, where it came from (``where(i)``)."""
 
-    def __init__(
-        self,
-        records: list[dict[str, Any]],
-        origins: list[str],
-        name: str,
-        base_dirs: list[Path | None] | None = None,
-    ) -> None:
-        assert len(records) == len(origins)
-        self._records = records
-        self._origins = origins
-        self.name = name  # the source(s), for messages about the whole dataset
-        # Per record: the directory that relative paths in it (e.g. images) are relative to.
-        self._dirs = base_dirs if base_dirs is not None else [None] * len(records)
+    _records: list[dict[str, Any]]
+    _origins: list[str]
+    name: str  # the source(s), for messages about the whole dataset
+    # Per record: the directory that relative paths in it (e.g. images) are relative to.
+    _dirs: list[Path | None]
+
+    def __post_init__(self) -> None:
+        assert len(self._records) == len(self._origins) == len(self._dirs)
 
     @classmethod
     def from_list(cls, records: Sequence[Mapping[str, Any]], name: str = "records") -> Records:
@@ -59,7 +55,7 @@ class Records(Sequence[dict[str, Any]]):
             if not isinstance(rec, Mapping):
                 raise DataError(f"{name}[{i}]: expected an object (dict), got {type(rec).__name__}")
             out.append(dict(rec))
-        return cls(out, [f"{name}[{i}]" for i in range(len(out))], name)
+        return cls(out, [f"{name}[{i}]" for i in range(len(out))], name, [None] * len(out))
 
     def __len__(self) -> int:
         return len(self._records)
@@ -155,12 +151,15 @@ def require_field(records: Records, i: int, field: str, types: type | tuple[type
 # ------------------------------------------------------------------------------ file formats
 
 
-def _bad_utf8(path: Path, lineno: int, line_start: int, e: UnicodeDecodeError) -> DataError:
+def _bad_utf8(
+    path: Path, lineno: int, e: UnicodeDecodeError, line_start: int = 0, base: int = 0
+) -> DataError:
+    """``e`` of bytes at file byte ``base`` that hold line ``lineno`` from byte ``line_start``."""
     bad = e.object[e.start : e.start + 4]
     return DataError(
         f"{path} line {lineno}: not valid UTF-8 ({e.reason}) at byte offset "
-        f"{line_start + e.start} of the file (byte {e.start} of the line: {bad!r}); re-encode "
-        "the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        f"{base + e.start} of the file (byte {e.start - line_start} of the line: {bad!r}); "
+        "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
     )
 
 
@@ -173,7 +172,7 @@ def _read_jsonl(path: Path) -> Records:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise _bad_utf8(path, lineno, start, e) from None
+                raise _bad_utf8(path, lineno, e, base=start) from None
             if not line.strip():
                 continue
             try:
@@ -196,12 +195,8 @@ def _read_json(path: Path) -> Records:
     try:
         obj = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
-        line_start = data.rfind(b"\n", 0, e.start) + 1
         lineno = data.count(b"\n", 0, e.start) + 1
-        e2 = UnicodeDecodeError(
-            e.encoding, data[line_start:], e.start - line_start, e.end - line_start, e.reason
-        )
-        raise _bad_utf8(path, lineno, line_start, e2) from None
+        raise _bad_utf8(path, lineno, e, data.rfind(b"\n", 0, e.start) + 1) from None
     except json.JSONDecodeError as e:
         raise DataError(
             f"{path} line {e.lineno}: malformed JSON ({e.msg} at column {e.colno}); "
@@ -221,15 +216,21 @@ def _read_json(path: Path) -> Records:
     return Records(obj, origins, str(path), [path.parent] * len(obj))
 
 
+def _rows(name: str, to_list: Callable[[], list[dict[str, Any]]], base_dir: Path) -> Records:
+    """The rows ``to_list()`` reads from a parquet table or an HF dataset (``name``)."""
+    try:
+        rows = to_list()
+    except UnicodeDecodeError as e:  # a binary column declared as string
+        raise DataError(f"{name}: a string column holds bytes that are not UTF-8 ({e})") from None
+    return Records(
+        rows, [f"{name} row {i}" for i in range(len(rows))], name, [base_dir] * len(rows)
+    )
+
+
 def _read_parquet(path: Path) -> Records:
     import pyarrow.parquet as pq
 
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except UnicodeDecodeError as e:  # a binary column declared as string
-        raise DataError(f"{path}: a string column holds bytes that are not UTF-8 ({e})") from None
-    origins = [f"{path} row {i}" for i in range(len(rows))]
-    return Records(rows, origins, str(path), [path.parent] * len(rows))
+    return _rows(str(path), pq.read_table(path).to_pylist, path.parent)
 
 
 def _read_hf_dir(path: Path, split: str | None) -> Records:
@@ -247,11 +248,7 @@ def _read_hf_dir(path: Path, split: str | None) -> Records:
         ds, name = ds[split], f"{path}[{split}]"
     elif split is not None and ds.split is not None and str(ds.split) != split:
         raise DataError(f"{path} holds split {str(ds.split)!r}, not the requested {split!r}")
-    try:
-        rows = ds.to_list()
-    except UnicodeDecodeError as e:
-        raise DataError(f"{name}: a string column holds bytes that are not UTF-8 ({e})") from None
-    return Records(rows, [f"{name} row {i}" for i in range(len(rows))], name, [path] * len(rows))
+    return _rows(name, ds.to_list, path)
 
 
 READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}

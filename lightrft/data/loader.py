@@ -22,6 +22,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from lightrft.config import at_least
 from lightrft.distributed import even_micro_batches
 
 _EPOCH = "lightrft_epoch"
@@ -152,14 +153,12 @@ def build_dataloader(
             count, which keeps collective ops (FSDP) in step, and the last batch may be short.
         num_workers: worker processes for loading; 0 loads in the main process.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    at_least("batch_size", batch_size, 1)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(
             f"rank must be in [0, world_size), got rank={rank} world_size={world_size}"
         )
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    at_least("num_workers", num_workers, 0)
     n = len(dataset)  # type: ignore[arg-type]
     if n == 0:
         raise ValueError("the dataset is empty")
