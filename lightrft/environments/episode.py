@@ -34,17 +34,18 @@ from lightrft.environments.render import assistant_end_token, initial_prompt_ids
 class TurnRecord:
     """One assistant turn and the environment's answer to it.
 
-    ``observation_ids`` are the ids appended after the turn; ``dropped``: the observation did
-    not fit the trajectory's token budget (the engine ends the row ``"length"`` without it)."""
+    ``observation_ids`` are the ids appended after the turn; ``observation_dropped``: the
+    observation did not fit the trajectory's token budget (the engine ends the row ``"length"``
+    without it). The fields, in this order, are what a trajectory file keeps of the turn."""
 
     token_ids: list[int]
     text: str
     observation: list[Message] = field(default_factory=list)
     observation_ids: list[int] = field(default_factory=list)
+    observation_dropped: bool = False
     reward: float | None = None
-    errors: dict[str, int] = field(default_factory=dict)
     tool_calls: int = 0
-    dropped: bool = False
+    errors: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Episode:
         and its observation (what a reward model reads, with the final answer as response)."""
         out = [dict(m) for m in self.messages]
         for turn in self.turns:
-            if not turn.observation or turn.dropped:
+            if not turn.observation or turn.observation_dropped:
                 break
             out.append({"role": "assistant", "content": turn.text})
             out.extend(dict(m) for m in turn.observation)
@@ -73,19 +74,7 @@ class Episode:
         s = self.stats
         return {
             "messages": self.messages,
-            "turns": [
-                {
-                    "token_ids": t.token_ids,
-                    "text": t.text,
-                    "observation": t.observation,
-                    "observation_ids": t.observation_ids,
-                    "observation_dropped": t.dropped,
-                    "reward": t.reward,
-                    "tool_calls": t.tool_calls,
-                    "errors": t.errors,
-                }
-                for t in self.turns
-            ],
+            "turns": [dataclasses.asdict(t) for t in self.turns],
             "final_text": self.final_text,
             "stats": {**dataclasses.asdict(s), "errors": {str(k): v for k, v in s.errors.items()}},
         }
@@ -155,7 +144,7 @@ class Episodes:
         with self.lock:
             ids = observation_ids(self.tokenizer, step.observation, env.schemas or None)
         if len(ids) > turn.max_observation_tokens:
-            record.dropped = True  # the engine drops it and ends the row "length"
+            record.observation_dropped = True  # the engine drops it and ends the row "length"
         else:
             record.observation_ids = ids
         return ids
