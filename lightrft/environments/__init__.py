@@ -3,12 +3,12 @@ JSON schemas, the Hermes / Qwen tool-call format, and observation tokens rendere
 chat template, and SFT on tool-use transcripts rendered the same way. See docs/environments.md."""
 
 from lightrft.environments.base import Environment, EpisodeStats, ErrorKind, Step, aggregate_stats
-from lightrft.environments.check import check_environment
 from lightrft.environments.episode import (
     Episode,
     Episodes,
     TurnRecord,
     build_environment,
+    check_environment,
     episode_metrics,
     stop_at_turn_end,
 )
