@@ -3,12 +3,12 @@ JSON schemas, the Hermes / Qwen tool-call format, and observation tokens rendere
 chat template, and SFT on tool-use transcripts rendered the same way. See docs/environments.md."""
 
 from lightrft.environments.base import Environment, EpisodeStats, ErrorKind, Step, aggregate_stats
-from lightrft.environments.check import check_environment
 from lightrft.environments.episode import (
     Episode,
     Episodes,
     TurnRecord,
     build_environment,
+    check_environment,
     episode_metrics,
     stop_at_turn_end,
 )
@@ -17,7 +17,6 @@ from lightrft.environments.render import (
     assistant_turn_text,
     initial_prompt_ids,
     observation_ids,
-    require_tool_support,
     transcript_ids,
 )
 from lightrft.environments.tool_calls import (
@@ -30,7 +29,6 @@ from lightrft.environments.tool_env import ToolEnvironment
 from lightrft.environments.tools import (
     Tool,
     ToolResult,
-    ToolTimeout,
     calculator,
     calculator_tool,
     python_tool,
@@ -51,7 +49,6 @@ __all__ = [
     "ToolEnvironment",
     "ToolResult",
     "ToolSFTDataset",
-    "ToolTimeout",
     "TurnRecord",
     "aggregate_stats",
     "assistant_end_token",
@@ -65,7 +62,6 @@ __all__ = [
     "observation_ids",
     "parse_tool_calls",
     "python_tool",
-    "require_tool_support",
     "shipped_tool",
     "stop_at_turn_end",
     "tool_call_format",

@@ -18,6 +18,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lightrft.engine.protocol import Completion, SamplingParams, Turn
@@ -27,24 +28,31 @@ from lightrft.environments.base import (
     Message,
     aggregate_stats,
 )
-from lightrft.environments.render import assistant_end_token, initial_prompt_ids, observation_ids
+from lightrft.environments.render import (
+    assistant_end_token,
+    initial_prompt_ids,
+    observation_ids,
+    require_tool_support,
+)
+from lightrft.models.multimodal import checkpoint_is_multimodal
 
 
 @dataclass
 class TurnRecord:
     """One assistant turn and the environment's answer to it.
 
-    ``observation_ids`` are the ids appended after the turn; ``dropped``: the observation did
-    not fit the trajectory's token budget (the engine ends the row ``"length"`` without it)."""
+    ``observation_ids`` are the ids appended after the turn; ``observation_dropped``: the
+    observation did not fit the trajectory's token budget (the engine ends the row ``"length"``
+    without it). The fields, in this order, are what a trajectory file keeps of the turn."""
 
     token_ids: list[int]
     text: str
     observation: list[Message] = field(default_factory=list)
     observation_ids: list[int] = field(default_factory=list)
+    observation_dropped: bool = False
     reward: float | None = None
-    errors: dict[str, int] = field(default_factory=dict)
     tool_calls: int = 0
-    dropped: bool = False
+    errors: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,7 +69,7 @@ class Episode:
         and its observation (what a reward model reads, with the final answer as response)."""
         out = [dict(m) for m in self.messages]
         for turn in self.turns:
-            if not turn.observation or turn.dropped:
+            if not turn.observation or turn.observation_dropped:
                 break
             out.append({"role": "assistant", "content": turn.text})
             out.extend(dict(m) for m in turn.observation)
@@ -73,19 +81,7 @@ class Episode:
         s = self.stats
         return {
             "messages": self.messages,
-            "turns": [
-                {
-                    "token_ids": t.token_ids,
-                    "text": t.text,
-                    "observation": t.observation,
-                    "observation_ids": t.observation_ids,
-                    "observation_dropped": t.dropped,
-                    "reward": t.reward,
-                    "tool_calls": t.tool_calls,
-                    "errors": t.errors,
-                }
-                for t in self.turns
-            ],
+            "turns": [dataclasses.asdict(t) for t in self.turns],
             "final_text": self.final_text,
             "stats": {**dataclasses.asdict(s), "errors": {str(k): v for k, v in s.errors.items()}},
         }
@@ -155,7 +151,7 @@ class Episodes:
         with self.lock:
             ids = observation_ids(self.tokenizer, step.observation, env.schemas or None)
         if len(ids) > turn.max_observation_tokens:
-            record.dropped = True  # the engine drops it and ends the row "length"
+            record.observation_dropped = True  # the engine drops it and ends the row "length"
         else:
             record.observation_ids = ids
         return ids
@@ -187,6 +183,38 @@ def build_environment(factory: Callable[[], Any]) -> Environment:
             "lightrft.environments.Environment"
         )
     return env
+
+
+def check_environment(
+    environment: Mapping[str, Any] | None, model_path: str, *, trust_remote_code: bool = False
+) -> None:
+    """The rules of a recipe's ``environment:`` section that need the model, in one function so
+    that the recipes that take the section (GRPO, eval) refuse the same inputs with the same
+    messages: refuse an ``environment:`` section the model at ``model_path`` cannot play: a
+    vision- or audio-language model (multi-turn rollouts take text models), and, when ``tools``
+    are configured, a chat template without tool support or with a tool-call format this
+    library does not parse. Each ``ValueError`` names the key.
+
+    Read from the checkpoint's ``config.json`` and tokenizer, before any model loads; a path
+    without a local ``config.json`` yet (a hub id, or one a ``prepare`` step writes) is not
+    checked, so recipes call this again in setup, once ``prepare`` has run. Unknown keys, a tool
+    that cannot be imported and ``max_turns < 1`` are the component checker's
+    (:mod:`lightrft.config`), which every recipe's schema runs on the section."""
+    if environment is None or not (Path(model_path) / "config.json").exists():
+        return
+    if checkpoint_is_multimodal(model_path):
+        raise ValueError(
+            f"environment: multi-turn rollouts take a text model; {model_path} is "
+            "vision- or audio-language"
+        )
+    if environment.get("tools"):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        try:
+            require_tool_support(tok)
+        except ValueError as e:
+            raise ValueError(f"environment.tools: {e}") from None
 
 
 def stop_at_turn_end(

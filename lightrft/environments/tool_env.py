@@ -38,14 +38,13 @@ class ToolEnvironment(Environment):
         error_penalty: float = 0.0,
     ) -> None:
         super().__init__(max_turns=max_turns)
-        wrapped = [as_tool(t) for t in tools]
-        if not wrapped:
-            raise ValueError("ToolEnvironment: tools is empty; give at least one tool")
         self.tools: dict[str, Tool] = {}
-        for t in wrapped:
+        for t in map(as_tool, tools):
             if t.name in self.tools:
                 raise ValueError(f"ToolEnvironment: two tools are named {t.name!r}")
             self.tools[t.name] = t
+        if not self.tools:
+            raise ValueError("ToolEnvironment: tools is empty; give at least one tool")
         if error_penalty < 0:
             raise ValueError(f"ToolEnvironment: error_penalty must be >= 0, got {error_penalty}")
         self.error_penalty = float(error_penalty)

@@ -220,11 +220,6 @@ def _source(src: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"source": str(src.resolve()), "source_mtime_ns": stamp}, meta
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 # The judge prompt of the arithmetic judgment data; GenerativeReward(template=...) must use it.
 ARITH_JUDGE_TEMPLATE = "{prompt} A={response_a} B={response_b} better:"
 
@@ -253,7 +248,7 @@ def ensure_arith_judgments(
         prompt = template.format(prompt=rec["prompt"], response_a=a, response_b=b)
         return [{"prompt": prompt, "completion": "A" if first else "B"}]
 
-    return derive_splits(src, Path(out_dir), want, rows, read=_read_jsonl)
+    return derive_splits(src, Path(out_dir), want, rows)
 
 
 def ensure_arith_preferences(
@@ -299,4 +294,4 @@ def ensure_arith_preferences(
             for _ in range(per_problem)
         ]
 
-    return derive_splits(src, Path(out_dir), want, rows, read=_read_jsonl)
+    return derive_splits(src, Path(out_dir), want, rows)

@@ -30,6 +30,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from lightrft.config import at_least
 from lightrft.tasks.made import ensure_made, write_made
 
 TOOLS = ["calculator"]
@@ -56,10 +57,8 @@ def calc_problems(
     """``n`` distinct ``(prompt, a, b)`` with ``prompt == f"{a}*{b}="`` (none in ``exclude``),
     deterministic for the arguments: both factors have ``digits`` digits and the product
     ``2 * digits`` (``623*514=``), so every prompt, call and answer has the same length."""
-    if digits < 2:
-        raise ValueError(f"digits must be >= 2, got {digits}")
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    at_least("digits", digits, 2)
+    at_least("n", n, 0)
     lo, hi, floor = 10 ** (digits - 1), 10**digits - 1, 10 ** (2 * digits - 1)
     space = sum(hi - max(lo, -(-floor // a)) + 1 for a in range(lo, hi + 1))
     exclude = exclude or set()

@@ -93,9 +93,8 @@ def ensure_gsm8k(
     out_dir = Path(out)
     splits = [str(s) for s in splits]
     want = {"src": str(Path(src).resolve()), "splits": splits, "system_prompt": system_prompt}
-    if made_with(out_dir, [f"{s}.jsonl" for s in splits], want):
-        return out_dir
-    prepare_gsm8k(src, out_dir, splits=splits, system_prompt=system_prompt)
+    if not made_with(out_dir, [f"{s}.jsonl" for s in splits], want):
+        prepare_gsm8k(src, out_dir, splits=splits, system_prompt=system_prompt)
     return out_dir
 
 

@@ -161,7 +161,7 @@ def test_an_observation_past_the_budget_is_marked_dropped(qwen_tok):
     ids = eps.continuation(_turn(qwen_tok, 0, 0, 0, CALL, [], room=3))
     assert len(ids) > 3  # returned: the engine drops it and ends the row "length"
     record = eps.episodes[0, 0].turns[0]
-    assert record.dropped and record.observation_ids == []
+    assert record.observation_dropped and record.observation_ids == []
 
 
 def test_a_factory_that_builds_no_environment_and_a_reset_that_varies_are_refused(qwen_tok):
