@@ -32,7 +32,6 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -296,6 +295,7 @@ def chunked_backward(
     *,
     logp_out: Tensor | None = None,
     cached: Tensor | None = None,
+    hint: tuple[GradHint, Tensor] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients (fp32/64) of hidden rows [n, H], weight [V, H], bias [V] for the given rows.
 
@@ -307,21 +307,25 @@ def chunked_backward(
     ``grad_h = -(r/T) * (D @ W)``, ``grad_W += D.T @ (-(r/T) * h)``, ``grad_b += D.T @ -(r/T)``.
 
     ``logp_out`` [n]: also write the log-probs (one sweep for a loss whose gradient w.r.t. the
-    log-probs is known up front: cross-entropy). ``cached``: the forward's workspace holding
-    the last chunk's log-softmax, consumed here.
+    log-probs is known up front: cross-entropy), and the entropy into ``entropy`` when given.
+    ``cached``: the forward's workspace holding the last chunk's log-softmax, consumed here.
+
+    ``hint`` ``(grad_hint, rows)`` (with ``logp_out``; ``rows``: the kernel rows of the given
+    ones): the forward's sweep of a :data:`GradHint`. Each chunk's upstream gradients come from
+    the hint on its log-probs (and entropy) and are written into ``grad_logp`` and, where the
+    hint gives one, ``grad_ent`` (zeros elsewhere), so no chunk's logits are built twice.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
     g_h, g_w, g_b = _grad_buffers(hidden, weight, need)
-    if n == 0:  # every target ignored
+    if n == 0:  # every target ignored (a hint is never asked)
         return g_h, g_w, g_b
     if grad_logp is None:
         grad_logp = torch.zeros(n, dtype=acc, device=dev)
     grad_logp = grad_logp.to(acc)
-    with_entropy = grad_ent is not None
-    buf, buf2, low = logit_workspaces(
-        min(chunk, n), vocab, hidden, with_entropy, reuse=cached, scratch=True
-    )
+    # The probabilities get a buffer of their own when the entropy is computed or differentiated.
+    two = grad_ent is not None or (logp_out is not None and entropy is not None)
+    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, two, reuse=cached, scratch=True)
     chunks = _chunks(n, chunk)
     if cached is not None:
         chunks = chunks[-1:] + chunks[:-1]  # the chunk still in the workspace goes first
@@ -331,23 +335,33 @@ def chunked_backward(
         have_logp = cached is not None and i == 0
         if not have_logp:
             logits_into(z, h_c, weight, bias, inv_t, low)
+        p = ge = None
+        if logp_out is not None:
+            torch.log_softmax(z, dim=-1, out=z)
+            logp_out[s:e] = z.gather(1, t_c).squeeze(1)
+            have_logp = True
+            if entropy is not None:
+                p = torch.exp(z, out=buf2[: e - s])  # [c, V]
+                entropy[s:e] = -torch.linalg.vecdot(p, z)
+            if hint is not None:
+                ent_c = None if entropy is None else entropy[s:e]
+                grad_logp[s:e], ge = _call_hint(hint[0], hint[1][s:e], logp_out[s:e], ent_c)
+                if ge is not None:
+                    grad_ent[s:e] = ge
+                    ge = ge[:, None]  # [c, 1]
+        elif grad_ent is not None:
+            ge = grad_ent[s:e, None].to(acc)  # [c, 1]
         g = grad_logp[s:e, None]  # [c, 1]
-        if not with_entropy:
-            if have_logp:
-                z.exp_()
-            elif logp_out is None:
-                torch.softmax(z, dim=-1, out=z)
-            else:
-                torch.log_softmax(z, dim=-1, out=z)
-                logp_out[s:e] = z.gather(1, t_c).squeeze(1)
-                z.exp_()
-            d = z.scatter_add_(1, t_c, torch.full_like(g, -1.0))  # P - onehot
+        if ge is None:
+            if p is None:
+                p = z.exp_() if have_logp else torch.softmax(z, dim=-1, out=z)
+            d = p.scatter_add_(1, t_c, torch.full_like(g, -1.0))  # P - onehot
             r = g * -inv_t  # [c, 1]
         else:
-            if not have_logp:
-                torch.log_softmax(z, dim=-1, out=z)
-            p = torch.exp(z, out=buf2[: e - s])
-            ge = grad_ent[s:e, None].to(acc)  # [c, 1]
+            if p is None:
+                if not have_logp:
+                    torch.log_softmax(z, dim=-1, out=z)
+                p = torch.exp(z, out=buf2[: e - s])
             u = g + ge * entropy[s:e, None]  # [c, 1]
             d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
             r = torch.full_like(g, -inv_t)
@@ -394,17 +408,6 @@ def _project(
         g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
 
 
-@dataclass
-class _Sweep:
-    """What the grad-in-forward sweep leaves for the backward (all over the valid rows)."""
-
-    logp: Tensor  # [n]
-    entropy: Tensor | None  # [n]
-    hinted_logp: Tensor  # [n] d loss / d logp the gradients below were computed with
-    hinted_entropy: Tensor | None  # [n] d loss / d entropy, None when the hint gave none
-    grads: tuple[Tensor | None, Tensor | None, Tensor | None]  # hidden rows, weight, bias
-
-
 def _call_hint(
     hint: GradHint, rows: Tensor, logp: Tensor, ent: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
@@ -428,58 +431,6 @@ def _call_hint(
         raise ValueError("grad_hint returned an entropy gradient but return_entropy is False")
     acc = logp.dtype
     return g.detach().to(acc), None if ge is None else ge.detach().to(acc)
-
-
-def _forward_with_grads(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    rows: Tensor,
-    bias: Tensor | None,
-    inv_t: float,
-    chunk: int,
-    want_entropy: bool,
-    hint: GradHint,
-    need: tuple[bool, bool, bool],
-) -> _Sweep:
-    """Log-probs, entropy and the gradients of the (all valid) rows in one sweep: per chunk one
-    logits matmul, the hint's upstream gradients from the chunk's log-probs, and the two
-    gradient matmuls of :func:`chunked_backward`, so no chunk's logits are built twice."""
-    n, vocab = hidden.shape[0], weight.shape[0]
-    logp = torch.empty(n, dtype=acc_dtype(hidden.dtype), device=hidden.device)
-    ent = torch.empty_like(logp) if want_entropy else None
-    hinted = torch.empty_like(logp)
-    hinted_ent: Tensor | None = None
-    g_h, g_w, g_b = _grad_buffers(hidden, weight, need)
-    if n == 0:  # every target ignored: zero gradients, the hint is never asked
-        return _Sweep(logp, ent, hinted, None, (g_h, g_w, g_b))
-    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, want_entropy, scratch=True)
-    for i, (s, e) in enumerate(_chunks(n, chunk)):
-        h_c, t_c = hidden[s:e], targets[s:e, None]  # [c, H], [c, 1]
-        z = logits_into(buf[: e - s], h_c, weight, bias, inv_t, low)  # [c, V]
-        torch.log_softmax(z, dim=-1, out=z)
-        logp[s:e] = z.gather(1, t_c).squeeze(1)
-        p = None
-        if ent is not None:
-            p = torch.exp(z, out=buf2[: e - s])  # [c, V]
-            ent[s:e] = -torch.linalg.vecdot(p, z)
-        g_c, ge_c = _call_hint(hint, rows[s:e], logp[s:e], None if ent is None else ent[s:e])
-        hinted[s:e] = g_c
-        g = g_c[:, None]  # [c, 1]
-        if ge_c is not None and hinted_ent is None:
-            hinted_ent = torch.zeros_like(logp)  # earlier chunks had no entropy gradient
-        if ge_c is None:
-            # d logp / dz = onehot - p: D = P - onehot, the row factor on the [c, H] side.
-            d = (z.exp_() if p is None else p).scatter_add_(1, t_c, torch.full_like(g, -1.0))
-            r = g * -inv_t
-        else:
-            hinted_ent[s:e] = ge_c
-            ge = ge_c[:, None]
-            u = g + ge * ent[s:e, None]  # [c, 1]
-            d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
-            r = torch.full_like(g, -inv_t)
-        _project(d, r, h_c, weight, low, (s, e), g_h, g_w, g_b, first=i == 0)
-    return _Sweep(logp, ent, hinted, hinted_ent, (g_h, g_w, g_b))
 
 
 def _agrees(actual: Tensor | None, hinted: Tensor | None) -> bool:
@@ -511,12 +462,25 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         ctx.sweep, workspace = None, None
         if hint is not None and any(need):
             rows = idx if idx is not None else torch.arange(n, device=hidden.device)
-            sweep = _forward_with_grads(
-                h_v, weight, t_v, rows, bias, inv_t, chunk, want_entropy, hint, need
+            logp_v = torch.empty(h_v.shape[0], dtype=acc_dtype(hidden.dtype), device=hidden.device)
+            ent_v = torch.empty_like(logp_v) if want_entropy else None
+            # The upstream gradients the hint gives, d loss / d logp and d loss / d entropy.
+            hinted = torch.empty_like(logp_v), None if ent_v is None else torch.zeros_like(logp_v)
+            grads = chunked_backward(
+                h_v,
+                weight,
+                t_v,
+                bias,
+                inv_t,
+                chunk,
+                *hinted,
+                ent_v,
+                need,
+                logp_out=logp_v,
+                hint=(hint, rows),
             )
             # Stored in the inputs' dtypes: no fp32 [V, H] copy survives to the backward.
-            sweep.grads = _to_input_dtypes(sweep.grads, hidden, weight, bias, idx)
-            ctx.sweep, logp_v, ent_v = sweep, sweep.logp, sweep.entropy
+            ctx.sweep = hinted, _to_input_dtypes(grads, hidden, weight, bias, idx)
         else:
             logp_v, ent_v, workspace = _forward(
                 h_v, weight, t_v, bias, inv_t, chunk, want_entropy, keep_workspace=any(need)
@@ -550,15 +514,16 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         else:
             h_v, t_v = hidden, targets
         if sweep is not None:
-            if _agrees(grad_logp, sweep.hinted_logp) and _agrees(grad_ent, sweep.hinted_entropy):
-                return (*sweep.grads[:2], None, sweep.grads[2], None, None, None, None, None)
+            hinted, grads = sweep
+            if _agrees(grad_logp, hinted[0]) and _agrees(grad_ent, hinted[1]):
+                return (*grads[:2], None, grads[2], None, None, None, None, None)
             warnings.warn(
                 "fused_linear_logprobs: the gradient reaching the log-probs differs from the "
                 "one grad_hint gave in the forward; recomputing it exactly (slower). Is the loss "
                 "a per-token function of the log-probs, and the hint that loss's gradient?",
                 stacklevel=2,
             )
-            del sweep
+            del sweep, grads
         g_h, g_w, g_b = chunked_backward(
             h_v,
             weight,
