@@ -244,44 +244,7 @@ def _grad_buffers(
     return g_h, g_w, g_b
 
 
-def _forward(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    bias: Tensor | None,
-    inv_t: float,
-    chunk: int,
-    want_entropy: bool,
-    keep_workspace: bool = True,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Log-probs [n] and entropy [n] (fp32/64) of the given (all valid) rows.
-
-    Also returns the logits workspace, whose first rows still hold the last chunk's log-softmax:
-    the backward starts with that chunk and skips rebuilding it. ``keep_workspace=False`` (no
-    backward follows): the workspace is scratch, and None is returned in its place.
-    """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    logp = torch.empty(n, dtype=acc_dtype(hidden.dtype), device=hidden.device)
-    ent = torch.empty_like(logp) if want_entropy else None
-    if n == 0:
-        return logp, ent, None
-    rows = min(chunk, n)
-    kept = (
-        torch.empty(rows, vocab, dtype=logp.dtype, device=hidden.device) if keep_workspace else None
-    )
-    buf, buf2, low = logit_workspaces(rows, vocab, hidden, want_entropy, reuse=kept, scratch=True)
-    for s, e in _chunks(n, chunk):
-        z = logits_into(buf[: e - s], hidden[s:e], weight, bias, inv_t, low)  # [c, V]
-        # Row-fused in-place log-softmax: each 600 KB row stays in cache for its three passes.
-        torch.log_softmax(z, dim=-1, out=z)
-        logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
-        if ent is not None:
-            p = torch.exp(z, out=buf2[: e - s])  # [c, V]
-            ent[s:e] = -torch.linalg.vecdot(p, z)
-    return logp, ent, kept
-
-
-def chunked_backward(
+def chunked_sweep(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -297,7 +260,9 @@ def chunked_backward(
     cached: Tensor | None = None,
     hint: tuple[GradHint, Tensor] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients (fp32/64) of hidden rows [n, H], weight [V, H], bias [V] for the given rows.
+    """The kernel's one chunk loop over the given (all valid) rows: the forward, the backward, or
+    both in one sweep. Returns the gradients (fp32/64) of hidden rows [n, H], weight [V, H] and
+    bias [V] that ``need`` asks for.
 
     Per chunk, with ``d logp / dz = onehot - p`` and ``d H / dz = -p (log p + H)``, the gradient
     of the scaled logits is ``dz = -r * D`` with ``D = P - onehot`` and ``r = g`` per row (log-probs
@@ -306,9 +271,12 @@ def chunked_backward(
     Both are built in place in the logits workspace, then
     ``grad_h = -(r/T) * (D @ W)``, ``grad_W += D.T @ (-(r/T) * h)``, ``grad_b += D.T @ -(r/T)``.
 
-    ``logp_out`` [n]: also write the log-probs (one sweep for a loss whose gradient w.r.t. the
-    log-probs is known up front: cross-entropy), and the entropy into ``entropy`` when given.
-    ``cached``: the forward's workspace holding the last chunk's log-softmax, consumed here.
+    ``logp_out`` [n]: a forward: write the log-probs, and the entropy into ``entropy`` when
+    given; with gradients, one sweep for a loss whose gradient w.r.t. the log-probs is known up
+    front (cross-entropy, or a ``hint``). ``cached``: in a backward, the forward's workspace
+    holding the last chunk's log-softmax, consumed here (the backward starts with that chunk and
+    skips rebuilding it); in a forward without gradients, a ``[min(chunk, n), V]`` buffer to use
+    as the workspace, which it leaves holding the last chunk's log-softmax.
 
     ``hint`` ``(grad_hint, rows)`` (with ``logp_out``; ``rows``: the kernel rows of the given
     ones): the forward's sweep of a :data:`GradHint`. Each chunk's upstream gradients come from
@@ -327,16 +295,18 @@ def chunked_backward(
     two = grad_ent is not None or (logp_out is not None and entropy is not None)
     buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, two, reuse=cached, scratch=True)
     chunks = _chunks(n, chunk)
-    if cached is not None:
+    backward_cached = cached is not None and logp_out is None
+    if backward_cached:
         chunks = chunks[-1:] + chunks[:-1]  # the chunk still in the workspace goes first
     for i, (s, e) in enumerate(chunks):
         h_c, t_c = hidden[s:e], targets[s:e, None]  # [c, H], [c, 1]
         z = buf[: e - s]  # [c, V]
-        have_logp = cached is not None and i == 0
+        have_logp = backward_cached and i == 0
         if not have_logp:
             logits_into(z, h_c, weight, bias, inv_t, low)
         p = ge = None
         if logp_out is not None:
+            # Row-fused in-place log-softmax: each 600 KB row stays in cache for its three passes.
             torch.log_softmax(z, dim=-1, out=z)
             logp_out[s:e] = z.gather(1, t_c).squeeze(1)
             have_logp = True
@@ -351,6 +321,8 @@ def chunked_backward(
                     ge = ge[:, None]  # [c, 1]
         elif grad_ent is not None:
             ge = grad_ent[s:e, None].to(acc)  # [c, 1]
+        if not any(need):  # the forward alone
+            continue
         g = grad_logp[s:e, None]  # [c, 1]
         if ge is None:
             if p is None:
@@ -459,40 +431,43 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         t_v = targets if idx is None else targets.index_select(0, idx)
         inv_t = 1.0 / float(temperature)
         need = _needed(ctx, bias)
-        ctx.sweep, workspace = None, None
-        if hint is not None and any(need):
+        n_v = h_v.shape[0]
+        logp_v = torch.empty(n_v, dtype=acc_dtype(hidden.dtype), device=hidden.device)
+        ent_v = torch.empty_like(logp_v) if want_entropy else None
+        sweep = hint is not None and any(need)
+        hinted, workspace = (None, None), None
+        if sweep:
             rows = idx if idx is not None else torch.arange(n, device=hidden.device)
-            logp_v = torch.empty(h_v.shape[0], dtype=acc_dtype(hidden.dtype), device=hidden.device)
-            ent_v = torch.empty_like(logp_v) if want_entropy else None
             # The upstream gradients the hint gives, d loss / d logp and d loss / d entropy.
             hinted = torch.empty_like(logp_v), None if ent_v is None else torch.zeros_like(logp_v)
-            grads = chunked_backward(
-                h_v,
-                weight,
-                t_v,
-                bias,
-                inv_t,
-                chunk,
-                *hinted,
-                ent_v,
-                need,
-                logp_out=logp_v,
-                hint=(hint, rows),
-            )
-            # Stored in the inputs' dtypes: no fp32 [V, H] copy survives to the backward.
-            ctx.sweep = hinted, _to_input_dtypes(grads, hidden, weight, bias, idx)
-        else:
-            logp_v, ent_v, workspace = _forward(
-                h_v, weight, t_v, bias, inv_t, chunk, want_entropy, keep_workspace=any(need)
-            )
+        elif any(need) and n_v:
+            # Kept for the backward, which starts with the chunk the forward leaves in it.
+            shape = (min(chunk, n_v), weight.shape[0])
+            workspace = torch.empty(shape, dtype=logp_v.dtype, device=hidden.device)
+        grads = chunked_sweep(
+            h_v,
+            weight,
+            t_v,
+            bias,
+            inv_t,
+            chunk,
+            *hinted,
+            ent_v,
+            need if sweep else (False, False, False),
+            logp_out=logp_v,
+            cached=workspace,
+            hint=(hint, rows) if sweep else None,
+        )
+        # Stored in the inputs' dtypes: no fp32 [V, H] copy survives to the backward.
+        ctx.sweep = (hinted, _to_input_dtypes(grads, hidden, weight, bias, idx)) if sweep else None
         logp, ent = logp_v, ent_v
         if idx is not None:
             logp = logp_v.new_zeros(n).index_copy_(0, idx, logp_v)
             ent = None if ent_v is None else ent_v.new_zeros(n).index_copy_(0, idx, ent_v)
         ctx.save_for_backward(hidden, weight, targets, bias, idx, ent_v)
         ctx.inv_t, ctx.chunk = inv_t, chunk
-        # Only worth holding on to when a backward will follow (not for reference log-probs).
-        ctx.workspace = workspace if any(need) else None
+        # Only held on to when a backward will follow (not for reference log-probs).
+        ctx.workspace = workspace
         ctx.set_materialize_grads(False)
         return logp if ent is None else (logp, ent)
 
@@ -524,7 +499,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 stacklevel=2,
             )
             del sweep, grads
-        g_h, g_w, g_b = chunked_backward(
+        g_h, g_w, g_b = chunked_sweep(
             h_v,
             weight,
             t_v,

@@ -210,14 +210,14 @@ def test_policy_loss_equals_unfused_composition(kwargs, entropy_coef, route, mon
             entropy_grad=bool(entropy_coef),
         )
 
-        sweep = lp_mod.chunked_backward
+        sweep = lp_mod.chunked_sweep
 
         def no_recompute(*args, **kw):
-            if kw.get("hint") is None:  # the forward's sweep passes the hint
+            if kw.get("logp_out") is None:  # a forward writes its log-probs
                 raise AssertionError("the recomputing backward ran")
             return sweep(*args, **kw)
 
-        monkeypatch.setattr(lp_mod, "chunked_backward", no_recompute)
+        monkeypatch.setattr(lp_mod, "chunked_sweep", no_recompute)
 
     def fused():
         kernel_targets = torch.where(mask, targets, torch.full_like(targets, -100))
