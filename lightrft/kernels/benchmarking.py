@@ -187,11 +187,6 @@ def _status_mib(key: str) -> float:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def _reset_cpu_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set size (Linux >= 4.0)
-
-
 def _allocations(fn: Callable[[], object], device: torch.device) -> list[tuple[int, int, int, int]]:
     """(time, address, bytes (+alloc / -free), bytes allocated since the start) of the torch
     allocator events on ``device`` during ``fn()``, in time order (from the profiler's)."""
@@ -256,7 +251,8 @@ def _probe_in_process(name: str, mode: str, inp: Inputs) -> dict[str, float]:
         base = torch.cuda.memory_allocated(dev) / 2**20
     else:
         base = _status_mib("VmRSS")
-        _reset_cpu_peak()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set size (Linux >= 4.0)
     events = _allocations(call, dev)
     peak = (
         torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else _status_mib("VmHWM")

@@ -32,7 +32,6 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -245,44 +244,7 @@ def _grad_buffers(
     return g_h, g_w, g_b
 
 
-def _forward(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    bias: Tensor | None,
-    inv_t: float,
-    chunk: int,
-    want_entropy: bool,
-    keep_workspace: bool = True,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Log-probs [n] and entropy [n] (fp32/64) of the given (all valid) rows.
-
-    Also returns the logits workspace, whose first rows still hold the last chunk's log-softmax:
-    the backward starts with that chunk and skips rebuilding it. ``keep_workspace=False`` (no
-    backward follows): the workspace is scratch, and None is returned in its place.
-    """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    logp = torch.empty(n, dtype=acc_dtype(hidden.dtype), device=hidden.device)
-    ent = torch.empty_like(logp) if want_entropy else None
-    if n == 0:
-        return logp, ent, None
-    rows = min(chunk, n)
-    kept = (
-        torch.empty(rows, vocab, dtype=logp.dtype, device=hidden.device) if keep_workspace else None
-    )
-    buf, buf2, low = logit_workspaces(rows, vocab, hidden, want_entropy, reuse=kept, scratch=True)
-    for s, e in _chunks(n, chunk):
-        z = logits_into(buf[: e - s], hidden[s:e], weight, bias, inv_t, low)  # [c, V]
-        # Row-fused in-place log-softmax: each 600 KB row stays in cache for its three passes.
-        torch.log_softmax(z, dim=-1, out=z)
-        logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
-        if ent is not None:
-            p = torch.exp(z, out=buf2[: e - s])  # [c, V]
-            ent[s:e] = -torch.linalg.vecdot(p, z)
-    return logp, ent, kept
-
-
-def chunked_backward(
+def chunked_sweep(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -296,8 +258,11 @@ def chunked_backward(
     *,
     logp_out: Tensor | None = None,
     cached: Tensor | None = None,
+    hint: tuple[GradHint, Tensor] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients (fp32/64) of hidden rows [n, H], weight [V, H], bias [V] for the given rows.
+    """The kernel's one chunk loop over the given (all valid) rows: the forward, the backward, or
+    both in one sweep. Returns the gradients (fp32/64) of hidden rows [n, H], weight [V, H] and
+    bias [V] that ``need`` asks for.
 
     Per chunk, with ``d logp / dz = onehot - p`` and ``d H / dz = -p (log p + H)``, the gradient
     of the scaled logits is ``dz = -r * D`` with ``D = P - onehot`` and ``r = g`` per row (log-probs
@@ -306,48 +271,69 @@ def chunked_backward(
     Both are built in place in the logits workspace, then
     ``grad_h = -(r/T) * (D @ W)``, ``grad_W += D.T @ (-(r/T) * h)``, ``grad_b += D.T @ -(r/T)``.
 
-    ``logp_out`` [n]: also write the log-probs (one sweep for a loss whose gradient w.r.t. the
-    log-probs is known up front: cross-entropy). ``cached``: the forward's workspace holding
-    the last chunk's log-softmax, consumed here.
+    ``logp_out`` [n]: a forward: write the log-probs, and the entropy into ``entropy`` when
+    given; with gradients, one sweep for a loss whose gradient w.r.t. the log-probs is known up
+    front (cross-entropy, or a ``hint``). ``cached``: in a backward, the forward's workspace
+    holding the last chunk's log-softmax, consumed here (the backward starts with that chunk and
+    skips rebuilding it); in a forward without gradients, a ``[min(chunk, n), V]`` buffer to use
+    as the workspace, which it leaves holding the last chunk's log-softmax.
+
+    ``hint`` ``(grad_hint, rows)`` (with ``logp_out``; ``rows``: the kernel rows of the given
+    ones): the forward's sweep of a :data:`GradHint`. Each chunk's upstream gradients come from
+    the hint on its log-probs (and entropy) and are written into ``grad_logp`` and, where the
+    hint gives one, ``grad_ent`` (zeros elsewhere), so no chunk's logits are built twice.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
     g_h, g_w, g_b = _grad_buffers(hidden, weight, need)
-    if n == 0:  # every target ignored
+    if n == 0:  # every target ignored (a hint is never asked)
         return g_h, g_w, g_b
     if grad_logp is None:
         grad_logp = torch.zeros(n, dtype=acc, device=dev)
     grad_logp = grad_logp.to(acc)
-    with_entropy = grad_ent is not None
-    buf, buf2, low = logit_workspaces(
-        min(chunk, n), vocab, hidden, with_entropy, reuse=cached, scratch=True
-    )
+    # The probabilities get a buffer of their own when the entropy is computed or differentiated.
+    two = grad_ent is not None or (logp_out is not None and entropy is not None)
+    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, two, reuse=cached, scratch=True)
     chunks = _chunks(n, chunk)
-    if cached is not None:
+    backward_cached = cached is not None and logp_out is None
+    if backward_cached:
         chunks = chunks[-1:] + chunks[:-1]  # the chunk still in the workspace goes first
     for i, (s, e) in enumerate(chunks):
         h_c, t_c = hidden[s:e], targets[s:e, None]  # [c, H], [c, 1]
         z = buf[: e - s]  # [c, V]
-        have_logp = cached is not None and i == 0
+        have_logp = backward_cached and i == 0
         if not have_logp:
             logits_into(z, h_c, weight, bias, inv_t, low)
+        p = ge = None
+        if logp_out is not None:
+            # Row-fused in-place log-softmax: each 600 KB row stays in cache for its three passes.
+            torch.log_softmax(z, dim=-1, out=z)
+            logp_out[s:e] = z.gather(1, t_c).squeeze(1)
+            have_logp = True
+            if entropy is not None:
+                p = torch.exp(z, out=buf2[: e - s])  # [c, V]
+                entropy[s:e] = -torch.linalg.vecdot(p, z)
+            if hint is not None:
+                ent_c = None if entropy is None else entropy[s:e]
+                grad_logp[s:e], ge = _call_hint(hint[0], hint[1][s:e], logp_out[s:e], ent_c)
+                if ge is not None:
+                    grad_ent[s:e] = ge
+                    ge = ge[:, None]  # [c, 1]
+        elif grad_ent is not None:
+            ge = grad_ent[s:e, None].to(acc)  # [c, 1]
+        if not any(need):  # the forward alone
+            continue
         g = grad_logp[s:e, None]  # [c, 1]
-        if not with_entropy:
-            if have_logp:
-                z.exp_()
-            elif logp_out is None:
-                torch.softmax(z, dim=-1, out=z)
-            else:
-                torch.log_softmax(z, dim=-1, out=z)
-                logp_out[s:e] = z.gather(1, t_c).squeeze(1)
-                z.exp_()
-            d = z.scatter_add_(1, t_c, torch.full_like(g, -1.0))  # P - onehot
+        if ge is None:
+            if p is None:
+                p = z.exp_() if have_logp else torch.softmax(z, dim=-1, out=z)
+            d = p.scatter_add_(1, t_c, torch.full_like(g, -1.0))  # P - onehot
             r = g * -inv_t  # [c, 1]
         else:
-            if not have_logp:
-                torch.log_softmax(z, dim=-1, out=z)
-            p = torch.exp(z, out=buf2[: e - s])
-            ge = grad_ent[s:e, None].to(acc)  # [c, 1]
+            if p is None:
+                if not have_logp:
+                    torch.log_softmax(z, dim=-1, out=z)
+                p = torch.exp(z, out=buf2[: e - s])
             u = g + ge * entropy[s:e, None]  # [c, 1]
             d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
             r = torch.full_like(g, -inv_t)
@@ -394,17 +380,6 @@ def _project(
         g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
 
 
-@dataclass
-class _Sweep:
-    """What the grad-in-forward sweep leaves for the backward (all over the valid rows)."""
-
-    logp: Tensor  # [n]
-    entropy: Tensor | None  # [n]
-    hinted_logp: Tensor  # [n] d loss / d logp the gradients below were computed with
-    hinted_entropy: Tensor | None  # [n] d loss / d entropy, None when the hint gave none
-    grads: tuple[Tensor | None, Tensor | None, Tensor | None]  # hidden rows, weight, bias
-
-
 def _call_hint(
     hint: GradHint, rows: Tensor, logp: Tensor, ent: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
@@ -428,58 +403,6 @@ def _call_hint(
         raise ValueError("grad_hint returned an entropy gradient but return_entropy is False")
     acc = logp.dtype
     return g.detach().to(acc), None if ge is None else ge.detach().to(acc)
-
-
-def _forward_with_grads(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    rows: Tensor,
-    bias: Tensor | None,
-    inv_t: float,
-    chunk: int,
-    want_entropy: bool,
-    hint: GradHint,
-    need: tuple[bool, bool, bool],
-) -> _Sweep:
-    """Log-probs, entropy and the gradients of the (all valid) rows in one sweep: per chunk one
-    logits matmul, the hint's upstream gradients from the chunk's log-probs, and the two
-    gradient matmuls of :func:`chunked_backward`, so no chunk's logits are built twice."""
-    n, vocab = hidden.shape[0], weight.shape[0]
-    logp = torch.empty(n, dtype=acc_dtype(hidden.dtype), device=hidden.device)
-    ent = torch.empty_like(logp) if want_entropy else None
-    hinted = torch.empty_like(logp)
-    hinted_ent: Tensor | None = None
-    g_h, g_w, g_b = _grad_buffers(hidden, weight, need)
-    if n == 0:  # every target ignored: zero gradients, the hint is never asked
-        return _Sweep(logp, ent, hinted, None, (g_h, g_w, g_b))
-    buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, want_entropy, scratch=True)
-    for i, (s, e) in enumerate(_chunks(n, chunk)):
-        h_c, t_c = hidden[s:e], targets[s:e, None]  # [c, H], [c, 1]
-        z = logits_into(buf[: e - s], h_c, weight, bias, inv_t, low)  # [c, V]
-        torch.log_softmax(z, dim=-1, out=z)
-        logp[s:e] = z.gather(1, t_c).squeeze(1)
-        p = None
-        if ent is not None:
-            p = torch.exp(z, out=buf2[: e - s])  # [c, V]
-            ent[s:e] = -torch.linalg.vecdot(p, z)
-        g_c, ge_c = _call_hint(hint, rows[s:e], logp[s:e], None if ent is None else ent[s:e])
-        hinted[s:e] = g_c
-        g = g_c[:, None]  # [c, 1]
-        if ge_c is not None and hinted_ent is None:
-            hinted_ent = torch.zeros_like(logp)  # earlier chunks had no entropy gradient
-        if ge_c is None:
-            # d logp / dz = onehot - p: D = P - onehot, the row factor on the [c, H] side.
-            d = (z.exp_() if p is None else p).scatter_add_(1, t_c, torch.full_like(g, -1.0))
-            r = g * -inv_t
-        else:
-            hinted_ent[s:e] = ge_c
-            ge = ge_c[:, None]
-            u = g + ge * ent[s:e, None]  # [c, 1]
-            d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
-            r = torch.full_like(g, -inv_t)
-        _project(d, r, h_c, weight, low, (s, e), g_h, g_w, g_b, first=i == 0)
-    return _Sweep(logp, ent, hinted, hinted_ent, (g_h, g_w, g_b))
 
 
 def _agrees(actual: Tensor | None, hinted: Tensor | None) -> bool:
@@ -508,27 +431,43 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         t_v = targets if idx is None else targets.index_select(0, idx)
         inv_t = 1.0 / float(temperature)
         need = _needed(ctx, bias)
-        ctx.sweep, workspace = None, None
-        if hint is not None and any(need):
+        n_v = h_v.shape[0]
+        logp_v = torch.empty(n_v, dtype=acc_dtype(hidden.dtype), device=hidden.device)
+        ent_v = torch.empty_like(logp_v) if want_entropy else None
+        sweep = hint is not None and any(need)
+        hinted, workspace = (None, None), None
+        if sweep:
             rows = idx if idx is not None else torch.arange(n, device=hidden.device)
-            sweep = _forward_with_grads(
-                h_v, weight, t_v, rows, bias, inv_t, chunk, want_entropy, hint, need
-            )
-            # Stored in the inputs' dtypes: no fp32 [V, H] copy survives to the backward.
-            sweep.grads = _to_input_dtypes(sweep.grads, hidden, weight, bias, idx)
-            ctx.sweep, logp_v, ent_v = sweep, sweep.logp, sweep.entropy
-        else:
-            logp_v, ent_v, workspace = _forward(
-                h_v, weight, t_v, bias, inv_t, chunk, want_entropy, keep_workspace=any(need)
-            )
+            # The upstream gradients the hint gives, d loss / d logp and d loss / d entropy.
+            hinted = torch.empty_like(logp_v), None if ent_v is None else torch.zeros_like(logp_v)
+        elif any(need) and n_v:
+            # Kept for the backward, which starts with the chunk the forward leaves in it.
+            shape = (min(chunk, n_v), weight.shape[0])
+            workspace = torch.empty(shape, dtype=logp_v.dtype, device=hidden.device)
+        grads = chunked_sweep(
+            h_v,
+            weight,
+            t_v,
+            bias,
+            inv_t,
+            chunk,
+            *hinted,
+            ent_v,
+            need if sweep else (False, False, False),
+            logp_out=logp_v,
+            cached=workspace,
+            hint=(hint, rows) if sweep else None,
+        )
+        # Stored in the inputs' dtypes: no fp32 [V, H] copy survives to the backward.
+        ctx.sweep = (hinted, _to_input_dtypes(grads, hidden, weight, bias, idx)) if sweep else None
         logp, ent = logp_v, ent_v
         if idx is not None:
             logp = logp_v.new_zeros(n).index_copy_(0, idx, logp_v)
             ent = None if ent_v is None else ent_v.new_zeros(n).index_copy_(0, idx, ent_v)
         ctx.save_for_backward(hidden, weight, targets, bias, idx, ent_v)
         ctx.inv_t, ctx.chunk = inv_t, chunk
-        # Only worth holding on to when a backward will follow (not for reference log-probs).
-        ctx.workspace = workspace if any(need) else None
+        # Only held on to when a backward will follow (not for reference log-probs).
+        ctx.workspace = workspace
         ctx.set_materialize_grads(False)
         return logp if ent is None else (logp, ent)
 
@@ -550,16 +489,17 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         else:
             h_v, t_v = hidden, targets
         if sweep is not None:
-            if _agrees(grad_logp, sweep.hinted_logp) and _agrees(grad_ent, sweep.hinted_entropy):
-                return (*sweep.grads[:2], None, sweep.grads[2], None, None, None, None, None)
+            hinted, grads = sweep
+            if _agrees(grad_logp, hinted[0]) and _agrees(grad_ent, hinted[1]):
+                return (*grads[:2], None, grads[2], None, None, None, None, None)
             warnings.warn(
                 "fused_linear_logprobs: the gradient reaching the log-probs differs from the "
                 "one grad_hint gave in the forward; recomputing it exactly (slower). Is the loss "
                 "a per-token function of the log-probs, and the hint that loss's gradient?",
                 stacklevel=2,
             )
-            del sweep
-        g_h, g_w, g_b = chunked_backward(
+            del sweep, grads
+        g_h, g_w, g_b = chunked_sweep(
             h_v,
             weight,
             t_v,

@@ -10,7 +10,7 @@ from .logprobs import (
     Backend,
     acc_dtype,
     check_inputs,
-    chunked_backward,
+    chunked_sweep,
     default_chunk_size,
     fused_linear_logprobs,
     liger_flce,
@@ -49,7 +49,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         logp = torch.empty(n, dtype=acc, device=hidden.device)
         grad_logp = torch.full((n,), -1.0, dtype=acc, device=hidden.device)
         grad_logp.mul_(scale.to(acc) if isinstance(scale, Tensor) else scale)
-        g_h, g_w, g_b = chunked_backward(
+        g_h, g_w, g_b = chunked_sweep(
             hidden, weight, targets, bias, 1.0, chunk, grad_logp, None, None, need, logp_out=logp
         )
         ctx.save_for_backward(g_h, g_w, g_b)

@@ -167,16 +167,6 @@ def _tower(model: nn.Module, kind: str) -> tuple[str, nn.Module]:
     raise ValueError(f"cannot find the {kind} tower of {type(model).__name__}")
 
 
-def _tower_blocks(model: nn.Module, kind: str) -> nn.ModuleList:
-    from lightrft.models.loading import find_module_list
-
-    _, tower = _tower(model, kind)
-    blocks = find_module_list(tower, _TOWERS[kind][1])
-    if blocks is not None:
-        return blocks
-    raise ValueError(f"cannot find the blocks of the {kind} tower {type(tower).__name__}")
-
-
 def _set_tower_trainable(model: nn.Module, kind: str, trainable: bool) -> list[str]:
     prefix, tower = _tower(model, kind)
     for p in tower.parameters():
@@ -205,7 +195,16 @@ def _tower_kinds(model: nn.Module) -> list[str]:
 def media_blocks(model: nn.Module) -> list[nn.Module]:
     """The vision and audio tower blocks of a multimodal model (none for a text model): what
     FSDP2 shards one by one."""
-    return [block for kind in _tower_kinds(model) for block in _tower_blocks(model, kind)]
+    from lightrft.models.loading import find_module_list
+
+    found = []
+    for kind in _tower_kinds(model):
+        _, tower = _tower(model, kind)
+        blocks = find_module_list(tower, _TOWERS[kind][1])
+        if blocks is None:
+            raise ValueError(f"cannot find the blocks of the {kind} tower {type(tower).__name__}")
+        found += blocks
+    return found
 
 
 def set_towers_trainable(

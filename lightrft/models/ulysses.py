@@ -108,10 +108,10 @@ class SequenceShard:
     through the model's forward as the ``ulysses`` keyword, which reaches the attention
     function (also when activation checkpointing recomputes a block in backward)."""
 
-    def __init__(self, sp: Ulysses, bounds: list[list[int]] | None, length: int, padded: int):
+    def __init__(self, sp: Ulysses, bounds: list[list[int]] | None, padded: int):
         # bounds: per row, the start of each packed sample and the padded length (None: one
         # causal block per row).
-        self.sp, self.bounds, self.length, self.padded = sp, bounds, length, padded
+        self.sp, self.bounds, self.padded = sp, bounds, padded
         self.input_ids: Tensor | None = None  # [B, T_pad / N]
         self.position_ids: Tensor | None = None  # [B, T_pad / N]
         self.targets: Tensor | None = None  # [B, T_pad / N]
@@ -199,7 +199,7 @@ class Ulysses:
                 starts = (row == 0).nonzero().flatten().tolist()
                 starts = starts if starts and starts[0] == 0 else [0, *starts]
                 bounds.append([*starts, padded])
-        shard = SequenceShard(self, bounds, t, padded)
+        shard = SequenceShard(self, bounds, padded)
         shard.input_ids = shard.local(ids)
         shard.position_ids = shard.local(pos)
         shard.targets = shard.local(full_targets)
