@@ -59,6 +59,15 @@ class Bound:
     ge: float | None = None
     gt: float | None = None
 
+    def check(self, key: str, value: Any) -> None:
+        """``value`` (None or a bool: unchecked) within the bound, else a ``ValueError``."""
+        if value is None or isinstance(value, bool):
+            return
+        if self.ge is not None:
+            at_least(key, value, self.ge)
+        if self.gt is not None:
+            at_least(key, value, self.gt, strict=True)
+
 
 class UserError(Exception):
     """A mistake in what the user gave (config, data, output directory, checkpoint, rewards): a
@@ -433,7 +442,7 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
             continue
         for bound in _bounds(extras.get(arg)):
             try:
-                _check_bounds(sub, value, {"ge": bound.ge, "gt": bound.gt})
+                bound.check(sub, value)
             except ValueError as e:
                 errors.append(f"{src.where(sub)}: {e}")
 
@@ -444,7 +453,7 @@ def check_args(fn: Callable[..., Any], **args: Any) -> None:
     hints = typing.get_type_hints(fn, include_extras=True)
     for name, value in args.items():
         for bound in _bounds(hints.get(name)):
-            _check_bounds(name, value, {"ge": bound.ge, "gt": bound.gt})
+            bound.check(name, value)
 
 
 def _bounds(t: Any) -> list[Bound]:
@@ -682,7 +691,7 @@ def option(
     documentation (the docs table of the section is made from it), and a lower bound checked on
     read (``ge``: ``>=``, ``gt``: ``>``). ``flat``: a nested section whose keys sit at this
     level (the top-level keys several sections share, e.g. ``output_dir`` and ``optimizer``)."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "flat": flat}
+    meta = {"doc": doc, "bound": Bound(ge=ge, gt=gt), "flat": flat}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -773,7 +782,7 @@ class Section:
             key = f"{at}{f.name}"
             if not _matches(value, t):
                 raise ValueError(f"{key} expects {_type_name(t)}, got {value!r}")
-            _check_bounds(key, value, f.metadata)
+            f.metadata["bound"].check(key, value)
         return self.resolve(at)
 
     def is_set(self) -> bool:
@@ -843,12 +852,3 @@ def at_least(key: str, value: Any, low: float, *, strict: bool = False) -> None:
     """``value`` (None: unset) must be ``>= low`` (``> low`` if ``strict``); names ``key``."""
     if value is not None and not (value > low if strict else value >= low):  # NaN fails too
         raise ValueError(f"{key} must be {'>' if strict else '>='} {low:g}, got {value}")
-
-
-def _check_bounds(key: str, value: Any, meta: Mapping[str, Any]) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if meta.get("ge") is not None:
-        at_least(key, value, meta["ge"])
-    if meta.get("gt") is not None:
-        at_least(key, value, meta["gt"], strict=True)
