@@ -256,11 +256,10 @@ def checked_config(recipe: str | Path, argv: list[str], world: contextlib.Abstra
 def cmd_validate(args: argparse.Namespace) -> int:
     path, recipe = _config_and_recipe(args)
     # No flag: the environment's WORLD_SIZE stands (a shell inside a torchrun job).
-    flags = (args.nproc_per_node, args.nnodes)
-    world = str((args.nproc_per_node or 1) * (args.nnodes or 1))
-    context = launch_world_size(world, "1") if flags != (None, None) else contextlib.nullcontext()
-    checked_config(recipe, ["--config", str(path), *args.overrides], context)
-    n = int(world if flags != (None, None) else os.environ.get("WORLD_SIZE") or 1)
+    given = (args.nproc_per_node, args.nnodes) != (None, None)
+    world = str((args.nproc_per_node or 1) * (args.nnodes or 1)) if given else ""
+    checked_config(recipe, ["--config", str(path), *args.overrides], launch_world_size(world, "1"))
+    n = int(world or os.environ.get("WORLD_SIZE") or 1)
     print(f"{path}: valid config for recipe '{recipe}' on {n} process{'es' * (n > 1)}")
     return 0
 

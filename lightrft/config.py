@@ -260,7 +260,8 @@ def load(
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
     src = Source(path=path, lines=lines)
-    for arg in overrides:
+    data = OmegaConf.to_container(raw, resolve=False)
+    for arg in overrides:  # removals first, then the values set
         if arg.startswith("--"):
             raise ConfigError(f"unexpected flag {arg!r}: overrides are key=value or ~key")
         if not arg.startswith("~") and "=" not in arg:
@@ -268,8 +269,6 @@ def load(
         _check_override(arg)
         key = arg.lstrip("~").split("=", 1)[0]
         src.overrides[key] = arg
-    data = OmegaConf.to_container(raw, resolve=False)
-    for arg in overrides:
         if arg.startswith("~"):
             _remove(data, arg[1:].split("=", 1)[0], path)
     cfg = OmegaConf.create(data)
