@@ -75,21 +75,16 @@ def installed_torch() -> tuple[str, str | None] | None:
     """``(version, CUDA version or None)`` of the installed torch, read from its files without
     importing it (an import costs seconds and is what a broken install breaks); None if absent."""
     import importlib.metadata
-    import importlib.util
 
     try:
-        version = importlib.metadata.version("torch")
-        spec = importlib.util.find_spec("torch")
-    except (importlib.metadata.PackageNotFoundError, ValueError, ImportError):
+        torch = importlib.metadata.distribution("torch")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    cuda = None
-    if spec is not None and spec.submodule_search_locations:
-        vfile = Path(next(iter(spec.submodule_search_locations))) / "version.py"
-        m = re.search(
-            r"^cuda\b.*?=\s*['\"]([^'\"]+)['\"]", vfile.read_text() if vfile.is_file() else "", re.M
-        )
-        cuda = m[1] if m else None
-    return version, cuda
+    vfile = Path(torch.locate_file("torch/version.py"))
+    m = re.search(
+        r"^cuda\b.*?=\s*['\"]([^'\"]+)['\"]", vfile.read_text() if vfile.is_file() else "", re.M
+    )
+    return torch.version, m[1] if m else None
 
 
 def check_torch() -> None:
