@@ -137,9 +137,11 @@ def _compose(text: str, where: str) -> yaml.Node | None:
 
 def _check_size(root: yaml.Node, where: str) -> None:
     """Each distinct node is visited once (aliases share nodes), so this is linear in the text
-    even where the expanded config would be exponential."""
+    even where the expanded config would be exponential. An alias inside the node it names
+    (``a: &a [1, *a]``) would expand forever: refused."""
     size: dict[int, int] = {}  # id(node) -> values under it, aliases expanded
     depth: dict[int, int] = {}
+    inside: set[int] = set()  # the nodes the walk is in (visited, their children not done)
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
@@ -159,9 +161,16 @@ def _check_size(root: yaml.Node, where: str) -> None:
                     )
                 size[id(node)], depth[id(node)] = 1, 0
                 continue
+            inside.add(id(node))
+            if any(id(c) in inside for c in children):
+                raise ConfigError(
+                    f"{where}:{node.start_mark.line + 1}: an alias (*name) inside the node it "
+                    "names: its value would never end"
+                )
             stack.append((node, True))
             stack.extend((c, False) for c in children if id(c) not in size)
             continue
+        inside.discard(id(node))
         size[id(node)] = 1 + sum(size[id(c)] for c in children)
         depth[id(node)] = 1 + max((depth[id(c)] for c in children), default=0)
         line = node.start_mark.line + 1
