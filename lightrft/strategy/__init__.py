@@ -3,7 +3,7 @@ checkpointed, synced into the rollout engine and exported, so a recipe never bra
 
     strategy = build_strategy(opts.strategy, run.dist)          # the `strategy:` section
     model = strategy.load_policy(opts.model)                    # + load_beside(): a reference
-    strategy.setup(model, optimizer, micro_batch_size=..., accum=..., clip_grad_norm=...)
+    optimizer = strategy.setup(model, opts.optim, micro_batch_size=..., accum=...)
     strategy.backward(loss); grad_norm = strategy.step()        # per micro-batch / per step
     run.save(step, **strategy.checkpoint_state(), schedulers=..., dataloaders=...)
     strategy.sync_weights(engine)                               # the engine gets the weights

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.config import instantiate
 from lightrft.distributed import DistInfo, all_reduce_sum
 from lightrft.models.multimodal import set_towers_trainable
 from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
 from lightrft.models.ulysses import Ulysses, check_model, sp_groups
-from lightrft.sections import PolicyModelConfig, StrategyConfig
+from lightrft.sections import OptimConfig, PolicyModelConfig, StrategyConfig
 
 
 class Strategy:
@@ -115,17 +116,15 @@ class Strategy:
     # -- training -----------------------------------------------------------------------
 
     def setup(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        micro_batch_size: int,
-        accum: int,
-        clip_grad_norm: float | None,
-    ) -> None:
-        """Take the trained model and its optimizer (built on its trainable parameters)."""
-        self.model, self.optimizer, self.clip_grad_norm = model, optimizer, clip_grad_norm
+        self, model: nn.Module, optim: OptimConfig, *, micro_batch_size: int, accum: int
+    ) -> torch.optim.Optimizer:
+        """Take the trained model and build its optimizer (``optim.optimizer`` on its trainable
+        parameters; :meth:`step` clips at ``optim.clip_grad_norm``); returns the optimizer."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.model, self.optimizer = model, instantiate(optim.optimizer, trainable)
+        self.clip_grad_norm = optim.clip_grad_norm
         _ = self.sequence_parallel  # the SP groups: collective, so made here on every rank
+        return self.optimizer
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward; the loss is already normalised for the whole step."""
