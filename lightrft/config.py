@@ -623,8 +623,7 @@ def parse(
     @functools.wraps(recipe_main)
     def wrapper() -> None:
         try:
-            path, overrides = split_argv(sys.argv[1:])
-            cfg, src = load(path, overrides)
+            cfg, src = load(*split_argv(sys.argv[1:]))
             opts = validate(cfg, schema=schema, options=options, source=src)
         except UserError as e:  # a config error, or a damaged checkpoint found by a resume check
             print(f"lightrft: {e}", file=sys.stderr)
@@ -725,16 +724,16 @@ class Section:
     """
 
     @classmethod
-    def _fields(cls) -> list[tuple[dataclasses.Field, Any]]:
+    def _fields(cls) -> list[tuple[dataclasses.Field, Any, type[Section] | None]]:
+        """Each field, its type and the section class it is (None for a plain key)."""
         hints = cls.__dict__.get("_hints") or typing.get_type_hints(cls)
-        return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+        return [(f, hints[f.name], _section_type(hints[f.name])) for f in dataclasses.fields(cls)]
 
     @classmethod
     def schema(cls) -> dict[str, Any]:
         """The strict checker's schema of this section (see :func:`check`)."""
         out: dict[str, Any] = {}
-        for f, t in cls._fields():
-            section = _section_type(t)
+        for f, t, section in cls._fields():
             if section is None:
                 required = f.default is _MISSING and f.default_factory is _MISSING
                 keys = {f.name: t if required or _optional(t) else t | None}
@@ -755,8 +754,7 @@ class Section:
         lists as tuples, bounds checked, then :meth:`resolve`. ``at`` is the dotted prefix of
         the section's keys (``"model."``), used in error messages."""
         values: dict[str, Any] = {}
-        for f, t in cls._fields():
-            section = _section_type(t)
+        for f, t, section in cls._fields():
             value = None if node is None else node.get(f.name)
             if section is not None:
                 if f.metadata.get("flat"):
@@ -783,9 +781,9 @@ class Section:
         in Python skips the schema check), choices (``Literal``) and :func:`option` bounds, with
         ``at`` (the keys' dotted prefix) in the message. :meth:`read` ends with it; a section
         built in Python calls it before use (``MediaOptions(...).checked("media.")``)."""
-        for f, t in self._fields():
+        for f, t, section in self._fields():
             value = getattr(self, f.name)
-            if _section_type(t) is not None or value is None:
+            if section is not None or value is None:
                 continue
             key = f"{at}{f.name}"
             if not _matches(value, t):
@@ -814,8 +812,7 @@ class Section:
     @classmethod
     def _doc_rows(cls, at: str) -> list[str]:
         rows = []
-        for f, t in cls._fields():
-            section = _section_type(t)
+        for f, t, section in cls._fields():
             if section is not None:
                 rows += section._doc_rows(at if f.metadata.get("flat") else f"{at}{f.name}.")
                 continue
