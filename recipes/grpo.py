@@ -249,7 +249,7 @@ class GRPORecipe:
             if self.normalizer is not None:
                 self.normalizer.load_state_dict(extra["reward_norm"])
         # The step whose policy was evaluated last (or is being evaluated).
-        self.last_eval = self.evals.last_step
+        self.last_eval = self.evals.history[-1][0] if self.evals.history else None
         if evaluate := evaluates_at_start(self.opts):
             self.last_eval = 0
         self.source.start(self.step, epoch, evaluate=evaluate)
