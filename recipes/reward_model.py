@@ -302,8 +302,7 @@ class RewardModelRecipe:
         """How this model is exported, at ``final/`` and by ``lightrft export`` from a
         checkpoint: whole (LoRA: merged), the directory RewardModel loads, with its heads,
         pooling and the held-out statistics measured last (``lightrft_reward``)."""
-        net = self.model.module if hasattr(self.model, "module") else self.model
-        reward = net.reward_config(self.eval_stats)
+        reward = self.model.reward_config(self.eval_stats)
         return ExportSpec.of(
             "reward_net", self.opts.model, self.opts.strategy, adapter=False, reward=reward
         )
