@@ -75,21 +75,16 @@ def installed_torch() -> tuple[str, str | None] | None:
     """``(version, CUDA version or None)`` of the installed torch, read from its files without
     importing it (an import costs seconds and is what a broken install breaks); None if absent."""
     import importlib.metadata
-    import importlib.util
 
     try:
-        version = importlib.metadata.version("torch")
-        spec = importlib.util.find_spec("torch")
-    except (importlib.metadata.PackageNotFoundError, ValueError, ImportError):
+        torch = importlib.metadata.distribution("torch")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    cuda = None
-    if spec is not None and spec.submodule_search_locations:
-        vfile = Path(next(iter(spec.submodule_search_locations))) / "version.py"
-        m = re.search(
-            r"^cuda\b.*?=\s*['\"]([^'\"]+)['\"]", vfile.read_text() if vfile.is_file() else "", re.M
-        )
-        cuda = m[1] if m else None
-    return version, cuda
+    vfile = Path(torch.locate_file("torch/version.py"))
+    m = re.search(
+        r"^cuda\b.*?=\s*['\"]([^'\"]+)['\"]", vfile.read_text() if vfile.is_file() else "", re.M
+    )
+    return torch.version, m[1] if m else None
 
 
 def check_torch() -> None:
@@ -256,11 +251,10 @@ def checked_config(recipe: str | Path, argv: list[str], world: contextlib.Abstra
 def cmd_validate(args: argparse.Namespace) -> int:
     path, recipe = _config_and_recipe(args)
     # No flag: the environment's WORLD_SIZE stands (a shell inside a torchrun job).
-    flags = (args.nproc_per_node, args.nnodes)
-    world = str((args.nproc_per_node or 1) * (args.nnodes or 1))
-    context = launch_world_size(world, "1") if flags != (None, None) else contextlib.nullcontext()
-    checked_config(recipe, ["--config", str(path), *args.overrides], context)
-    n = int(world if flags != (None, None) else os.environ.get("WORLD_SIZE") or 1)
+    given = (args.nproc_per_node, args.nnodes) != (None, None)
+    world = str((args.nproc_per_node or 1) * (args.nnodes or 1)) if given else ""
+    checked_config(recipe, ["--config", str(path), *args.overrides], launch_world_size(world, "1"))
+    n = int(world or os.environ.get("WORLD_SIZE") or 1)
     print(f"{path}: valid config for recipe '{recipe}' on {n} process{'es' * (n > 1)}")
     return 0
 

@@ -59,6 +59,15 @@ class Bound:
     ge: float | None = None
     gt: float | None = None
 
+    def check(self, key: str, value: Any) -> None:
+        """``value`` (None or a bool: unchecked) within the bound, else a ``ValueError``."""
+        if value is None or isinstance(value, bool):
+            return
+        if self.ge is not None:
+            at_least(key, value, self.ge)
+        if self.gt is not None:
+            at_least(key, value, self.gt, strict=True)
+
 
 class UserError(Exception):
     """A mistake in what the user gave (config, data, output directory, checkpoint, rewards): a
@@ -128,9 +137,11 @@ def _compose(text: str, where: str) -> yaml.Node | None:
 
 def _check_size(root: yaml.Node, where: str) -> None:
     """Each distinct node is visited once (aliases share nodes), so this is linear in the text
-    even where the expanded config would be exponential."""
+    even where the expanded config would be exponential. An alias inside the node it names
+    (``a: &a [1, *a]``) would expand forever: refused."""
     size: dict[int, int] = {}  # id(node) -> values under it, aliases expanded
     depth: dict[int, int] = {}
+    inside: set[int] = set()  # the nodes the walk is in (visited, their children not done)
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
@@ -150,9 +161,16 @@ def _check_size(root: yaml.Node, where: str) -> None:
                     )
                 size[id(node)], depth[id(node)] = 1, 0
                 continue
+            inside.add(id(node))
+            if any(id(c) in inside for c in children):
+                raise ConfigError(
+                    f"{where}:{node.start_mark.line + 1}: an alias (*name) inside the node it "
+                    "names: its value would never end"
+                )
             stack.append((node, True))
             stack.extend((c, False) for c in children if id(c) not in size)
             continue
+        inside.discard(id(node))
         size[id(node)] = 1 + sum(size[id(c)] for c in children)
         depth[id(node)] = 1 + max((depth[id(c)] for c in children), default=0)
         line = node.start_mark.line + 1
@@ -251,7 +269,8 @@ def load(
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
     src = Source(path=path, lines=lines)
-    for arg in overrides:
+    data = OmegaConf.to_container(raw, resolve=False)
+    for arg in overrides:  # removals first, then the values set
         if arg.startswith("--"):
             raise ConfigError(f"unexpected flag {arg!r}: overrides are key=value or ~key")
         if not arg.startswith("~") and "=" not in arg:
@@ -259,8 +278,6 @@ def load(
         _check_override(arg)
         key = arg.lstrip("~").split("=", 1)[0]
         src.overrides[key] = arg
-    data = OmegaConf.to_container(raw, resolve=False)
-    for arg in overrides:
         if arg.startswith("~"):
             _remove(data, arg[1:].split("=", 1)[0], path)
     cfg = OmegaConf.create(data)
@@ -433,7 +450,7 @@ def _check_component(node: Any, key: str, src: Source, errors: list[str]) -> Non
             continue
         for bound in _bounds(extras.get(arg)):
             try:
-                _check_bounds(sub, value, {"ge": bound.ge, "gt": bound.gt})
+                bound.check(sub, value)
             except ValueError as e:
                 errors.append(f"{src.where(sub)}: {e}")
 
@@ -444,7 +461,7 @@ def check_args(fn: Callable[..., Any], **args: Any) -> None:
     hints = typing.get_type_hints(fn, include_extras=True)
     for name, value in args.items():
         for bound in _bounds(hints.get(name)):
-            _check_bounds(name, value, {"ge": bound.ge, "gt": bound.gt})
+            bound.check(name, value)
 
 
 def _bounds(t: Any) -> list[Bound]:
@@ -606,8 +623,7 @@ def parse(
     @functools.wraps(recipe_main)
     def wrapper() -> None:
         try:
-            path, overrides = split_argv(sys.argv[1:])
-            cfg, src = load(path, overrides)
+            cfg, src = load(*split_argv(sys.argv[1:]))
             opts = validate(cfg, schema=schema, options=options, source=src)
         except UserError as e:  # a config error, or a damaged checkpoint found by a resume check
             print(f"lightrft: {e}", file=sys.stderr)
@@ -682,7 +698,7 @@ def option(
     documentation (the docs table of the section is made from it), and a lower bound checked on
     read (``ge``: ``>=``, ``gt``: ``>``). ``flat``: a nested section whose keys sit at this
     level (the top-level keys several sections share, e.g. ``output_dir`` and ``optimizer``)."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "flat": flat}
+    meta = {"doc": doc, "bound": Bound(ge=ge, gt=gt), "flat": flat}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -708,16 +724,16 @@ class Section:
     """
 
     @classmethod
-    def _fields(cls) -> list[tuple[dataclasses.Field, Any]]:
+    def _fields(cls) -> list[tuple[dataclasses.Field, Any, type[Section] | None]]:
+        """Each field, its type and the section class it is (None for a plain key)."""
         hints = cls.__dict__.get("_hints") or typing.get_type_hints(cls)
-        return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+        return [(f, hints[f.name], _section_type(hints[f.name])) for f in dataclasses.fields(cls)]
 
     @classmethod
     def schema(cls) -> dict[str, Any]:
         """The strict checker's schema of this section (see :func:`check`)."""
         out: dict[str, Any] = {}
-        for f, t in cls._fields():
-            section = _section_type(t)
+        for f, t, section in cls._fields():
             if section is None:
                 required = f.default is _MISSING and f.default_factory is _MISSING
                 keys = {f.name: t if required or _optional(t) else t | None}
@@ -738,8 +754,7 @@ class Section:
         lists as tuples, bounds checked, then :meth:`resolve`. ``at`` is the dotted prefix of
         the section's keys (``"model."``), used in error messages."""
         values: dict[str, Any] = {}
-        for f, t in cls._fields():
-            section = _section_type(t)
+        for f, t, section in cls._fields():
             value = None if node is None else node.get(f.name)
             if section is not None:
                 if f.metadata.get("flat"):
@@ -766,14 +781,14 @@ class Section:
         in Python skips the schema check), choices (``Literal``) and :func:`option` bounds, with
         ``at`` (the keys' dotted prefix) in the message. :meth:`read` ends with it; a section
         built in Python calls it before use (``MediaOptions(...).checked("media.")``)."""
-        for f, t in self._fields():
+        for f, t, section in self._fields():
             value = getattr(self, f.name)
-            if _section_type(t) is not None or value is None:
+            if section is not None or value is None:
                 continue
             key = f"{at}{f.name}"
             if not _matches(value, t):
                 raise ValueError(f"{key} expects {_type_name(t)}, got {value!r}")
-            _check_bounds(key, value, f.metadata)
+            f.metadata["bound"].check(key, value)
         return self.resolve(at)
 
     def is_set(self) -> bool:
@@ -797,8 +812,7 @@ class Section:
     @classmethod
     def _doc_rows(cls, at: str) -> list[str]:
         rows = []
-        for f, t in cls._fields():
-            section = _section_type(t)
+        for f, t, section in cls._fields():
             if section is not None:
                 rows += section._doc_rows(at if f.metadata.get("flat") else f"{at}{f.name}.")
                 continue
@@ -843,12 +857,3 @@ def at_least(key: str, value: Any, low: float, *, strict: bool = False) -> None:
     """``value`` (None: unset) must be ``>= low`` (``> low`` if ``strict``); names ``key``."""
     if value is not None and not (value > low if strict else value >= low):  # NaN fails too
         raise ValueError(f"{key} must be {'>' if strict else '>='} {low:g}, got {value}")
-
-
-def _check_bounds(key: str, value: Any, meta: Mapping[str, Any]) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if meta.get("ge") is not None:
-        at_least(key, value, meta["ge"])
-    if meta.get("gt") is not None:
-        at_least(key, value, meta["gt"], strict=True)

@@ -231,10 +231,6 @@ class EvalHistory:
         self.history: list[tuple[int, float, float]] = [tuple(e) for e in history]
         self.env: list[tuple[int, dict[str, float]]] = []
 
-    @property
-    def last_step(self) -> int | None:
-        return self.history[-1][0] if self.history else None
-
     def add(self, step: int, m: Mapping[str, float]) -> None:
         self.history.append((step, m["eval/accuracy"], m["eval/reward"]))
         if "eval/env/tool_use_frac" in m:

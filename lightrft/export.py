@@ -255,21 +255,10 @@ def export_checkpoint(
     else:
         _load_dcp(model, path, spec.model)
     with _in_dir(spec.cwd):
-        processor, _ = load_processors(
-            spec.path, trust_remote_code=spec.trust_remote_code, config=_hf_config(model)
-        )
+        processor, _ = load_processors(spec.path, trust_remote_code=spec.trust_remote_code)
     if spec.kind == "reward_net":
         set_reward_config(model, spec.reward)
     return export_trained(model, processor, out, spec.lora_config(), adapter=spec.adapter)
-
-
-def _hf_config(model: nn.Module) -> Any:
-    from lightrft.models.forward import unwrap_peft
-
-    net = unwrap_peft(model)
-    if hasattr(net, "_hf") and net._hf:
-        return net._hf[0].config
-    return getattr(net, "config", None)
 
 
 def export_cache_dir() -> Path:
@@ -289,7 +278,7 @@ def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> s
     trusted (:func:`export_checkpoint`)."""
     import hashlib
 
-    from lightrft.distributed import barrier, is_main
+    from lightrft.distributed import barrier
     from lightrft.training.checkpoint import META, broadcast_from_rank0
 
     if not is_checkpoint_dir(path):

@@ -370,14 +370,9 @@ class StrategyConfig(Section):
         "ranks (1: off; FSDP2; Qwen2, Qwen2-VL; see docs/strategies.md)",
     )
 
-    @classmethod
-    def read(cls, node: Any, at: str = "") -> StrategyConfig:
-        given = node or {}
-        if given.get("strategy") == "deepspeed" and given.get("deepspeed") is None:
-            node = {**given, "deepspeed": {}}  # the section's defaults
-        return super().read(node, at)
-
     def resolve(self, at: str) -> StrategyConfig:
+        if self.strategy == "deepspeed" and self.deepspeed is None:  # the section's defaults
+            return replace(self, deepspeed=DeepSpeedConfig().checked("deepspeed.")).resolve(at)
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"strategy: unknown strategy {self.strategy!r}; choose one of {list(STRATEGIES)}"

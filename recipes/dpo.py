@@ -119,11 +119,9 @@ class DPORecipe:
         self.use_ref = self.spec.reference
         if self.use_ref and (self.strategy.needs_reference_copy or self.ref_path != m.path):
             self.ref = self.strategy.load_beside(self.ref_path, m)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = config.instantiate(o.optim.optimizer, params)
-        self.strategy.setup(self.model, self.optimizer, micro_batch_size=d.batch_size,
-                            accum=d.gradient_accumulation_steps,
-                            clip_grad_norm=o.optim.clip_grad_norm)  # fmt: skip
+        self.optimizer = self.strategy.setup(
+            self.model, o.optim, micro_batch_size=d.batch_size, accum=d.gradient_accumulation_steps
+        )
         self.pairs.build(self.strategy)  # online: the engine beside the policy, the prompts
         self.total_steps = d.total_steps(len(self.pairs.loader))
         self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)

@@ -249,7 +249,7 @@ class GRPORecipe:
             if self.normalizer is not None:
                 self.normalizer.load_state_dict(extra["reward_norm"])
         # The step whose policy was evaluated last (or is being evaluated).
-        self.last_eval = self.evals.last_step
+        self.last_eval = self.evals.history[-1][0] if self.evals.history else None
         if evaluate := evaluates_at_start(self.opts):
             self.last_eval = 0
         self.source.start(self.step, epoch, evaluate=evaluate)
@@ -288,16 +288,10 @@ class GRPORecipe:
             skip_special_tokens=False,
             clean_up_tokenization_spaces=False,
         )
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = config.instantiate(o.optim.optimizer, params)
         # The reference and the critic stay FSDP2-sharded whichever the actor's strategy: one
         # backward of the combined loss reaches both, each reduces its own gradients.
-        self.strategy.setup(
-            self.model,
-            self.optimizer,
-            micro_batch_size=o.train.micro_batch_size,
-            accum=1,
-            clip_grad_norm=o.optim.clip_grad_norm,
+        self.optimizer = self.strategy.setup(
+            self.model, o.optim, micro_batch_size=o.train.micro_batch_size, accum=1
         )
         # One scheduler step per RL step (as verl), whatever the number of optimizer steps.
         self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, o.max_steps)

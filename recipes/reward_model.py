@@ -181,14 +181,8 @@ class RewardModelRecipe:
         self.head_sign = torch.tensor(
             [-1.0 if h in m.cost_heads else 1.0 for h in m.heads], device=self.dist.device
         )  # [heads]
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = config.instantiate(o.optim.optimizer, trainable)
-        self.strategy.setup(
-            self.model,
-            self.optimizer,
-            micro_batch_size=d.batch_size,
-            accum=d.gradient_accumulation_steps,
-            clip_grad_norm=o.optim.clip_grad_norm,
+        self.optimizer = self.strategy.setup(
+            self.model, o.optim, micro_batch_size=d.batch_size, accum=d.gradient_accumulation_steps
         )
         self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         self.step, self.epoch, self.last_eval_step = 0, 0, None
@@ -308,8 +302,7 @@ class RewardModelRecipe:
         """How this model is exported, at ``final/`` and by ``lightrft export`` from a
         checkpoint: whole (LoRA: merged), the directory RewardModel loads, with its heads,
         pooling and the held-out statistics measured last (``lightrft_reward``)."""
-        net = self.model.module if hasattr(self.model, "module") else self.model
-        reward = net.reward_config(self.eval_stats)
+        reward = self.model.reward_config(self.eval_stats)
         return ExportSpec.of(
             "reward_net", self.opts.model, self.opts.strategy, adapter=False, reward=reward
         )

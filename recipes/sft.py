@@ -91,14 +91,8 @@ class SFTRecipe:
         # Towers trainable as model.train_vision_tower / train_audio_tower say, LoRA adapters;
         # under torchrun each rank reads only its shards (lightrft.models.sharded).
         self.model = self.strategy.load_policy(m)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = config.instantiate(o.optim.optimizer, trainable)
-        self.strategy.setup(
-            self.model,
-            self.optimizer,
-            micro_batch_size=d.batch_size,
-            accum=d.gradient_accumulation_steps,
-            clip_grad_norm=o.optim.clip_grad_norm,
+        self.optimizer = self.strategy.setup(
+            self.model, o.optim, micro_batch_size=d.batch_size, accum=d.gradient_accumulation_steps
         )
 
         collate = pack_or_pad_collator(

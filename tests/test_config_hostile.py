@@ -33,6 +33,7 @@ HOSTILE = {
         r"nested \d+ levels deep",
     ),
     "long_int": ("output_dir: out\nseed: " + "7" * 5000 + "\n", r":2: an integer of 5000 digits"),
+    "recursive_alias": ("output_dir: out\na: &a [1, {b: *a}]\n", r":2: an alias \(\*name\) inside"),
 }
 
 

@@ -83,7 +83,7 @@ def initialize(
     accum: int,
     clip_grad_norm: float | None,
 ):
-    """Wrap ``model`` and ``optimizer`` (built by the recipe on the trainable parameters) in a
+    """Wrap ``model`` and ``optimizer`` (built by the strategy on the trainable parameters) in a
     DeepSpeed engine; returns it. ``engine.module`` is the model (its parameters partitioned under
     ZeRO-3); ``engine.optimizer`` wraps ``optimizer``, whose param groups our scheduler steps."""
     if not torch.cuda.is_available():  # DeepSpeed reads its accelerator at import

@@ -1,5 +1,7 @@
 """The base of every training strategy (see :mod:`lightrft.strategy`): the mesh for frozen
-models and the interface recipes call."""
+models, the interface recipes call and, as its implementation, the default strategy: FSDP2
+(``fully_shard`` over a DeviceMesh; HSDP with ``shard_size`` / ``replicate_size``; plain tensors
+in one process), optionally with LoRA adapters."""
 
 from __future__ import annotations
 
@@ -12,21 +14,36 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.config import instantiate
 from lightrft.distributed import DistInfo, all_reduce_sum
+from lightrft.engine.sync import sync_weights
+from lightrft.models.lora import adapters_disabled, apply_lora
 from lightrft.models.multimodal import set_towers_trainable
 from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
 from lightrft.models.ulysses import Ulysses, check_model, sp_groups
-from lightrft.sections import PolicyModelConfig, StrategyConfig
+from lightrft.sections import OptimConfig, PolicyModelConfig, StrategyConfig
+from lightrft.training.export import export_trained
+from lightrft.training.optim import optimizer_step
 
 
 class Strategy:
-    """The base of every strategy: the mesh for frozen models and the interface recipes call."""
+    """The base of every strategy (the mesh for frozen models, the interface recipes call) and
+    the default one, FSDP2 (+ LoRA): the trained model is sharded like every other model of the
+    run; ``offload: params`` keeps its shards, gradients and optimizer state in CPU memory."""
 
     def __init__(self, cfg: StrategyConfig, dist: DistInfo):
         self.cfg, self.dist = cfg, dist
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.offload = cfg.offload == "params"
+        if self.offload and not torch.distributed.is_initialized():
+            # Refused before any model loads: FSDP2 (and so its offload) needs a process group.
+            raise ValueError(
+                "offload=params needs FSDP2 sharding, which needs a process group: launch the "
+                "recipe with torchrun (lightrft run --nproc_per_node 1 ... on one device), or "
+                "set offload=none"
+            )
 
     @functools.cached_property
     def mesh(self):
@@ -82,7 +99,7 @@ class Strategy:
     def loading(self) -> dict[str, Any]:
         """Keyword arguments of ``load_parallel`` / ``load_reward_net_parallel`` for the
         trained model."""
-        raise NotImplementedError
+        return {"mesh": self.mesh, "offload": self.offload}
 
     def load_policy(self, m: PolicyModelConfig) -> nn.Module:
         """The trained policy of a ``model:`` section, loaded as :meth:`loading` says: its
@@ -110,54 +127,53 @@ class Strategy:
     def adapt(self, model: nn.Module, apply: Any = None) -> nn.Module:
         """The trained model's last step before sharding: LoRA adapters (``apply``: how to put
         them on this kind of model; default the causal-LM one) when configured."""
-        return model
+        return model if self.cfg.lora is None else (apply or apply_lora)(model, self.cfg.lora)
 
     # -- training -----------------------------------------------------------------------
 
     def setup(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        micro_batch_size: int,
-        accum: int,
-        clip_grad_norm: float | None,
-    ) -> None:
-        """Take the trained model and its optimizer (built on its trainable parameters)."""
-        self.model, self.optimizer, self.clip_grad_norm = model, optimizer, clip_grad_norm
+        self, model: nn.Module, optim: OptimConfig, *, micro_batch_size: int, accum: int
+    ) -> torch.optim.Optimizer:
+        """Take the trained model and build its optimizer (``optim.optimizer`` on its trainable
+        parameters; :meth:`step` clips at ``optim.clip_grad_norm``); returns the optimizer."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.model, self.optimizer = model, instantiate(optim.optimizer, trainable)
+        self.clip_grad_norm = optim.clip_grad_norm
         _ = self.sequence_parallel  # the SP groups: collective, so made here on every rank
+        return self.optimizer
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward; the loss is already normalised for the whole step."""
-        raise NotImplementedError
+        loss.backward()
 
     def step(self) -> float:
         """End the optimizer step: clip, step, zero the gradients; the norm before clipping."""
-        raise NotImplementedError
+        return optimizer_step(self.model, self.optimizer, self.clip_grad_norm)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """``models`` (and ``optimizers``) as :meth:`Checkpointer.save` takes them."""
-        raise NotImplementedError
+        return {"models": self.model, "optimizers": self.optimizer}
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """The trained model as the frozen reference policy (LoRA: adapters off); without
         LoRA a recipe loads a frozen copy (:attr:`needs_reference_copy`)."""
-        yield
+        with adapters_disabled(self.model):  # a no-op for a full model
+            yield
 
     @property
     def needs_reference_copy(self) -> bool:
         """Whether a KL reference needs its own frozen copy of the initial weights."""
-        return True
+        return self.cfg.lora is None
 
     # -- engine and export --------------------------------------------------------------
 
     def sync_weights(self, engine: Any, *, skip_frozen: bool = False) -> None:
         """The trained weights into a rollout engine (collective)."""
-        raise NotImplementedError
+        sync_weights(self.model, engine, skip_frozen=skip_frozen)
 
     def export(self, processor: Any, out_dir: str | Path, *, adapter: bool = True) -> Path:
         """The final HF directory (collective). With LoRA: the adapter directory (and the
         merged model beside it with ``lora.export_merged``), or with ``adapter=False`` the
         merged model alone (what a reward model exports)."""
-        raise NotImplementedError
+        return export_trained(self.model, processor, out_dir, self.cfg.lora, adapter=adapter)

@@ -20,10 +20,13 @@ class DeepSpeedStrategy(Strategy):
     def loading(self) -> dict[str, Any]:
         return {"mesh": None, "shard": False}
 
-    def setup(self, model, optimizer, *, micro_batch_size, accum, clip_grad_norm) -> None:
-        sizes = dict(micro_batch_size=micro_batch_size, accum=accum, clip_grad_norm=clip_grad_norm)
-        super().setup(model, optimizer, **sizes)
-        self.engine = ds.initialize(model, optimizer, self.cfg.deepspeed, **sizes)
+    def setup(self, model, optim, *, micro_batch_size, accum) -> torch.optim.Optimizer:
+        sizes = dict(micro_batch_size=micro_batch_size, accum=accum)
+        optimizer = super().setup(model, optim, **sizes)
+        self.engine = ds.initialize(
+            model, optimizer, self.cfg.deepspeed, **sizes, clip_grad_norm=optim.clip_grad_norm
+        )
+        return optimizer
 
     def backward(self, loss: torch.Tensor) -> None:
         # The loss is already normalised for the whole step: no division by an accumulation

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_distributed
+from omegaconf import OmegaConf
 
 from lightrft.distributed import DistInfo
-from lightrft.sections import StrategyConfig
+from lightrft.sections import OptimConfig, StrategyConfig
 
 
 def _strategy(offload: str, rank: int, world: int):
@@ -42,8 +43,9 @@ def _run(model_dir: str, out: Path, offload: str, rank: int, world: int) -> dict
     def build():
         strategy = _strategy(offload, rank, world)
         model = load_parallel(model_dir, device="cpu", **strategy.loading())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        strategy.setup(model, opt, micro_batch_size=2, accum=1, clip_grad_norm=0.05)
+        adamw = {"_component_": "torch.optim.AdamW", "lr": 1e-2}
+        optim = OptimConfig.read(OmegaConf.create({"optimizer": adamw, "clip_grad_norm": 0.05}))
+        strategy.setup(model, optim, micro_batch_size=2, accum=1)
         return strategy, model
 
     def step(strategy, model, i: int) -> tuple[float, float]:
