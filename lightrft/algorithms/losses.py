@@ -19,6 +19,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightrft.config import at_least
+
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 TIS_MODES = ("token", "sequence_mask")
 
@@ -162,8 +164,7 @@ def tis_weights(
     """
     if mode not in TIS_MODES:
         raise ValueError(f"tis mode must be one of {list(TIS_MODES)}, got {mode!r}")
-    if not cap > 0:
-        raise ValueError(f"tis cap must be > 0, got {cap}")
+    at_least("tis cap", cap, 0, strict=True)
     old = upcast(old_logprobs)
     valid = check_mask(mask, old)
     check_shape(rollout_logprobs, old, "rollout_logprobs", "log-probs")
