@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightrft.algorithms.losses import check_mask
+
 WHITEN_EPS = 1e-8
 
 
@@ -64,17 +66,6 @@ def _spread(adv: Tensor, valid: Tensor) -> Tensor:
     return adv.unsqueeze(1) * valid.to(adv.dtype)
 
 
-def _check_mask(mask: Tensor, like: Tensor | None = None, name: str = "mask") -> Tensor:
-    if mask.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [B, T], got shape {tuple(mask.shape)}")
-    if like is not None and like.shape != mask.shape:
-        raise ValueError(
-            f"{name} shape {tuple(mask.shape)} does not match the [B, T] input "
-            f"shape {tuple(like.shape)}"
-        )
-    return mask != 0
-
-
 def _float(x: Tensor) -> Tensor:
     return x if x.is_floating_point() else x.float()
 
@@ -86,7 +77,7 @@ def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = WHITEN_EPS) -> T
     (``n - 1`` in the denominator). With fewer than 2 valid tokens the variance is taken as 0,
     so a single valid token whitens to 0 and an empty mask gives all zeros (never NaN).
     """
-    valid = _check_mask(mask, values)
+    valid = check_mask(mask, values)
     values = _float(values)
     m = valid.to(values.dtype)  # [B, T]
     n = m.sum()
@@ -101,7 +92,7 @@ def to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
 
     A sequence without valid tokens (zero-length response) gets no reward token at all.
     """
-    valid = _check_mask(mask)
+    valid = check_mask(mask)
     if rewards.ndim != 1 or rewards.shape[0] != valid.shape[0]:
         raise ValueError(
             f"rewards must be [B] with B={valid.shape[0]} (mask rows), "
@@ -218,7 +209,7 @@ def reinforce_pp(
     padding. Put the scalar reward on the last token with :func:`to_token_rewards` and, for KL in
     the reward, subtract ``coef * kl`` per token (:func:`lightrft.algorithms.kl.kl_in_reward`).
     """
-    valid = _check_mask(mask, token_rewards)
+    valid = check_mask(mask, token_rewards)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     token_rewards = _float(token_rewards)
@@ -234,7 +225,7 @@ def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group_size: int) -> tup
     Subtract each group's mean reward, spread the result over every response token of the
     sample (``returns``), then whiten over all valid tokens of the batch (``advantages``).
     """
-    valid = _check_mask(mask)
+    valid = check_mask(mask)
     returns = _spread(dr_grpo(rewards, group_size), valid)  # [B, T]; dr_grpo validates
     return masked_whiten(returns, valid), returns
 
@@ -256,7 +247,7 @@ def gae(
     Returns ``(advantages, returns)``: ``returns = raw advantages + values``, and the advantages
     whitened over all valid tokens of the batch. Both are 0 on padding.
     """
-    valid = _check_mask(mask, token_rewards)
+    valid = check_mask(mask, token_rewards)
     if values.shape != token_rewards.shape:
         raise ValueError(
             f"values shape {tuple(values.shape)} must match token_rewards shape "
@@ -372,7 +363,7 @@ def compute_advantages(
     group estimators without a return target.
     """
     spec = check_estimator(estimator, options)
-    valid = _check_mask(mask, token_rewards)
+    valid = check_mask(mask, token_rewards)
     if rewards is None and token_rewards is None:
         raise ValueError("compute_advantages needs rewards [B] or token_rewards [B, T]")
     fn = spec.fn

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightrft.algorithms.advantages import to_token_rewards
 from lightrft.algorithms.losses import LOG_RATIO_CLAMP, aggregate, check_shape, upcast
+from lightrft.config import at_least
 
 KINDS = ("k1", "abs", "k2", "k3", "k3+")
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -138,8 +139,7 @@ class FixedKLController(_Controller):
     """A constant KL coefficient; ``update`` is a no-op."""
 
     def __init__(self, coef: float) -> None:
-        if not coef >= 0:
-            raise ValueError(f"kl coef must be >= 0, got {coef}")
+        at_least("kl coef", coef, 0)
         self.coef = float(coef)
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> None:
@@ -156,12 +156,9 @@ class AdaptiveKLController(_Controller):
     """
 
     def __init__(self, init_coef: float, target: float, horizon: float) -> None:
-        if not init_coef >= 0:
-            raise ValueError(f"init_coef must be >= 0, got {init_coef}")
-        if not target > 0:
-            raise ValueError(f"target KL must be > 0, got {target}")
-        if not horizon > 0:
-            raise ValueError(f"horizon must be > 0, got {horizon}")
+        at_least("init_coef", init_coef, 0)
+        at_least("target KL", target, 0, strict=True)
+        at_least("horizon", horizon, 0, strict=True)
         self.coef = float(init_coef)
         self.target = float(target)
         self.horizon = float(horizon)

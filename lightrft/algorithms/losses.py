@@ -19,6 +19,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightrft.config import at_least
+
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 TIS_MODES = ("token", "sequence_mask")
 
@@ -36,12 +38,12 @@ def upcast(x: Tensor) -> Tensor:
     return x.float() if x.dtype in _LOW_PRECISION or not x.is_floating_point() else x
 
 
-def _valid(mask: Tensor, like: Tensor, name: str = "mask") -> Tensor:
-    if mask.shape != like.shape or mask.ndim != 2:
-        raise ValueError(
-            f"{name} must be [B, T] with the shape of the loss inputs {tuple(like.shape)}, "
-            f"got {tuple(mask.shape)}"
-        )
+def check_mask(mask: Tensor, like: Tensor | None = None) -> Tensor:
+    """The valid (nonzero) tokens of a ``[B, T]`` mask as bool, refusing another shape than
+    ``like``'s when given (the one mask rule of the losses and the advantage estimators)."""
+    if mask.ndim != 2 or (like is not None and like.shape != mask.shape):
+        want = "" if like is None else f" with the shape of the inputs {tuple(like.shape)}"
+        raise ValueError(f"mask must be [B, T]{want}, got mask shape {tuple(mask.shape)}")
     return mask != 0
 
 
@@ -112,7 +114,7 @@ def aggregate(
     and *sum* (do not average) the micro-batch losses. Under FSDP/DDP, whose gradient reduce
     averages over ``world_size`` ranks, pass ``global_count / world_size``. Empty masks give 0.
     """
-    valid = _valid(mask, loss_mat)
+    valid = check_mask(mask, loss_mat)
     masked = _zero_padding(loss_mat, valid)
     if mode == "token_mean":
         if num_tokens is None:
@@ -162,10 +164,9 @@ def tis_weights(
     """
     if mode not in TIS_MODES:
         raise ValueError(f"tis mode must be one of {list(TIS_MODES)}, got {mode!r}")
-    if not cap > 0:
-        raise ValueError(f"tis cap must be > 0, got {cap}")
+    at_least("tis cap", cap, 0, strict=True)
     old = upcast(old_logprobs)
-    valid = _valid(mask, old)
+    valid = check_mask(mask, old)
     check_shape(rollout_logprobs, old, "rollout_logprobs", "log-probs")
     m = valid.to(old.dtype)
     log_ratio = _zero_padding(old - rollout_logprobs.to(old.dtype), valid)
@@ -418,7 +419,7 @@ def policy_loss(
     agg = check_objective(objective, agg=agg, **clips)
 
     logprobs = upcast(logprobs)
-    valid = _valid(mask, logprobs)
+    valid = check_mask(mask, logprobs)
     # Zero the padding first: its value never matters, and a NaN there would otherwise come
     # back as a NaN gradient (0 * NaN) through exp and the products below.
     logprobs = _zero_padding(logprobs, valid)
@@ -502,7 +503,7 @@ def value_loss(
     is the larger one), ``value_mean``, ``value_error`` (mean squared error, unclipped).
     """
     values = upcast(values)
-    valid = _valid(mask, values)
+    valid = check_mask(mask, values)
     for name, t in (("old_values", old_values), ("returns", returns)):
         check_shape(t, values, name, "values")
     values = _zero_padding(values, valid)
@@ -550,7 +551,7 @@ def entropy_bonus(
     ``entropy`` is the per-token entropy ``[B, T]`` of the current policy (with grad).
     """
     entropy = upcast(entropy)
-    valid = _valid(mask, entropy)
+    valid = check_mask(mask, entropy)
     entropy = _zero_padding(entropy, valid)
     term = -coef * aggregate(
         entropy, mask, agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
@@ -569,7 +570,7 @@ def entropy_threshold(entropy: Tensor, mask: Tensor, rho: float = 0.2) -> Tensor
     """
     if not 0.0 < rho <= 1.0:
         raise ValueError(f"rho must be in (0, 1], the kept fraction of tokens, got {rho}")
-    valid = _valid(mask, entropy)
+    valid = check_mask(mask, entropy)
     values = entropy.detach()[valid].float()  # [n]
     n = values.numel()
     if n == 0:

@@ -70,8 +70,7 @@ def mismatch_metrics(
     the mean over sequences of ``KL(engine || trainer) ~ sum_t (log p_engine - log p_trainer)``,
     and the fraction of tokens whose ``|delta|`` exceeds ``threshold``. Zeros when no token is
     sampled."""
-    if not threshold > 0:
-        raise ValueError(f"threshold must be > 0, got {threshold}")
+    at_least("threshold", threshold, 0, strict=True)
     d, valid = _delta(trainer, engine, mask)
     tokens = int(valid.sum())
     if tokens == 0:

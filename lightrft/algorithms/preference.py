@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightrft.config import Section, option, section
+from lightrft.config import Section, at_least, option, section
 
 PairLoss = tuple[Tensor, Tensor, Tensor]
 
@@ -280,8 +280,7 @@ def check_preference_loss(name: str, beta: float, opts: Mapping[str, Any]) -> Pr
         raise ValueError(
             f"loss.type: unknown preference loss {name!r}; one of {list(PREFERENCE_LOSSES)}"
         )
-    if not beta > 0:
-        raise ValueError(f"loss.beta must be > 0, got {beta}")
+    at_least("loss.beta", beta, 0, strict=True)
     spec = PREFERENCE_LOSSES[name]
     stray = [k for k, v in opts.items() if v is not None and k not in spec.options]
     if stray:

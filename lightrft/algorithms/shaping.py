@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lightrft.algorithms.advantages import check_group_size
+from lightrft.config import at_least
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,7 @@ T = TypeVar("T")
 
 def clip_rewards(rewards: Tensor, clip: float) -> Tensor:
     """Clamp rewards to ``[-clip, clip]``."""
-    if not clip > 0:
-        raise ValueError(f"reward clip must be > 0, got {clip}")
+    at_least("reward clip", clip, 0, strict=True)
     return rewards.clamp(-clip, clip)
 
 
@@ -110,12 +110,10 @@ def overlong_penalty(
     0 for responses up to ``max_len - buffer`` tokens, then linear down to ``-factor`` at
     ``max_len`` (and ``-factor`` beyond). Add it to the task reward.
     """
-    if not max_len > 0:
-        raise ValueError(f"max_len must be > 0, got {max_len}")
+    at_least("max_len", max_len, 0, strict=True)
     if not 0 < buffer <= max_len:
         raise ValueError(f"buffer must be in (0, max_len={max_len}], got {buffer}")
-    if not factor >= 0:
-        raise ValueError(f"overlong penalty factor must be >= 0, got {factor}")
+    at_least("overlong penalty factor", factor, 0)
     lengths = torch.as_tensor(lengths).to(torch.float32)
     start = max_len - buffer
     return -factor * ((lengths - start) / buffer).clamp(0.0, 1.0)

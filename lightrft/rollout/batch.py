@@ -176,9 +176,10 @@ class RolloutBatch:
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(first):
             values = [getattr(b, f.name) for b in batches]
-            if f.name in _PER_SAMPLE:  # a text batch may join a multimodal one
-                fields[f.name] = _gather_per_sample(values, [len(b) for b in batches])
-            elif values[0] is None:
+            if f.name in _PER_SAMPLE and any(v is not None for v in values):
+                # A text batch may join a multimodal one: its rows get None entries.
+                values = [getattr(b, f.name) or [None] * len(b) for b in batches]
+            if values[0] is None:
                 fields[f.name] = None
             elif isinstance(values[0], Tensor):
                 fields[f.name] = _cat_padded(values)
@@ -232,14 +233,6 @@ class TrainBatch(NamedTuple):
     batch: RolloutBatch
     precomputed: Precomputed
     advantages: Advantages
-
-
-def _gather_per_sample(parts: list[list | None], rows: list[int]) -> list | None:
-    """Ranks' per-sample lists joined in rank order; a rank with None (no such inputs) gives
-    ``rows`` Nones, and the result is None when every rank had None."""
-    if all(p is None for p in parts):
-        return None
-    return [x for p, n in zip(parts, rows, strict=True) for x in ([None] * n if p is None else p)]
 
 
 def _cat_padded(values: list[Tensor]) -> Tensor:

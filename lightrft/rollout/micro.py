@@ -167,7 +167,7 @@ def _layout(
     targets = torch.full((rows, length - 1), IGNORE, dtype=torch.long)
     resp = [len(r) for r in responses]
     index = torch.zeros(len(resp), max(resp), dtype=torch.long)  # [b, R]
-    mask = torch.zeros(len(resp), max(resp), dtype=torch.bool)  # [b, R]
+    mask = torch.arange(max(resp)) < torch.tensor(resp).unsqueeze(1)  # [b, R]
     start = 0
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         row = 0 if packing else i
@@ -179,7 +179,6 @@ def _layout(
         cols = torch.arange(first, first + resp[i])
         targets[row, cols] = torch.as_tensor(r)
         index[i, : resp[i]] = row * (length - 1) + cols
-        mask[i, : resp[i]] = True
         start += len(q) if packing else 0
     if packing:
         return MicroBatch(ids, pos, None, targets, index, mask)

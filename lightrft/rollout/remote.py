@@ -34,7 +34,7 @@ import contextlib
 import io
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from lightrft.distributed import exit_with_parent
-from lightrft.rollout.batch import RolloutBatch
 from lightrft.rollout.source import Rollout, prompt_loader
 from lightrft.training import PhaseTimer
 
@@ -66,15 +65,13 @@ class Start:
 
 @dataclass
 class Generated:
-    """Generator -> trainer, once per step: every sample drawn (``drawn``, ``kept`` set), the
-    train batch (``batch``, after dynamic sampling), the generator's metrics, and the policy
-    version whose weights sampled them (the number of optimizer steps they had seen)."""
+    """Generator -> trainer, once per step: the step's :class:`Rollout` (every sample drawn,
+    ``kept`` set, the train batch after dynamic sampling, the generator's metrics), and the
+    policy version whose weights sampled them (the number of optimizer steps they had seen)."""
 
     step: int
     version: int
-    batch: RolloutBatch
-    drawn: RolloutBatch
-    metrics: dict[str, float]
+    rollout: Rollout
     epoch: int
     loader_state: dict[str, Any]
 
@@ -326,7 +323,8 @@ class AsyncSource:
         assert 0 <= lag <= self.ro.max_staleness, (step, msg.version)
         self.epoch = msg.epoch
         self.loader.load_state_dict(msg.loader_state)  # checkpointed: where a resume starts
-        return Rollout(msg.batch, msg.drawn, {**msg.metrics, "rollout/policy_lag": float(lag)})
+        metrics = {**msg.rollout.metrics, "rollout/policy_lag": float(lag)}
+        return replace(msg.rollout, metrics=metrics)
 
     def publish(self, version: int, *, updated: bool, evaluate: bool) -> None:
         """The policy after ``version`` steps, when the generator samples from it (it stops at
@@ -410,8 +408,8 @@ def serve(
         timer = PhaseTimer()
         rollout = source.next(step, timer)
         metrics = {**rollout.metrics, "time/generate": timer.summary().get("time/rollout", 0.0)}
-        state = source.loader.state_dict()
-        msg = Generated(step, version, rollout.batch, rollout.drawn, metrics, source.epoch, state)
+        rollout = replace(rollout, metrics=metrics)
+        msg = Generated(step, version, rollout, source.epoch, source.loader.state_dict())
         link.flush()  # the previous step's batch was taken: at most one in flight
         link.send(msg)  # the next step generates while this one is taken
     while link.receive_weights(engine, evaluate, or_bye=True) is not None:  # final evaluations
