@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -80,6 +79,25 @@ class OnlineConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class _Algorithm:
+    shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceOptions:
+    """What a rollout source reads of a GRPO config, from a DPO config's sections."""
+
+    model: Any
+    run: Any
+    reward: Component
+    rollout: RolloutConfig
+    engine: RolloutEngineConfig
+    eval_dataset: Component | None
+    eval: HeldOutEvalConfig = dataclasses.field(default_factory=HeldOutEvalConfig)
+    algorithm: _Algorithm = dataclasses.field(default_factory=_Algorithm)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPairs:
     """One optimizer step's pairs on this rank: its micro-batches (:class:`PairCollator`
     batches; the first ``n_real`` carry weight; none: no pair on any rank) and metrics."""
@@ -135,17 +153,9 @@ class OnlinePairs:
 
     def __init__(self, opts: Any, dist: Any, processor: Any, tokenizer: Any, collate: PairCollator):
         on, d = opts.online, opts.data
-        # What a rollout source reads of a GRPO config, from the DPO config's sections.
-        self.view = SimpleNamespace(
-            model=opts.model,
-            run=opts.run,
-            reward=on.reward,
-            rollout=on.rollout,
-            engine=on.engine,
-            eval_dataset=d.eval_dataset,
-            algorithm=SimpleNamespace(shaping=ShapingConfig()),
-        )
-        self.view.eval = HeldOutEvalConfig().resolved(self.view)
+        self.view = SourceOptions(opts.model, opts.run, on.reward, on.rollout, on.engine,
+                                  d.eval_dataset)  # fmt: skip
+        self.view = dataclasses.replace(self.view, eval=HeldOutEvalConfig().resolved(self.view))
         self.dist, self.rule, self.timer = dist, on.pairs, PhaseTimer()
         self.source = ColocatedSource(self.view, dist, None)
         self.parts = lambda strategy: build_parts(self.view, dist, processor, tokenizer,
