@@ -153,7 +153,7 @@ class RolloutConfig(Section):
     prompts_per_step: int = option(ge=1, doc="prompts per step, all ranks together")
     n: int = option(ge=1, doc="samples per prompt (the group)")
     max_tokens: int = option(ge=1, doc="response length limit")
-    temperature: float = option(1.0, doc="the trainer scores tokens at this temperature too")
+    temperature: float = option(1.0, gt=0, doc="the trainer scores tokens at this temperature too")
     top_p: float = option(1.0, doc="nucleus sampling")
     top_k: int = option(0, doc="0: off")
     first_token_temperature: float | None = option(None, doc="FIRE: the first token's temperature")
@@ -175,11 +175,6 @@ class RolloutConfig(Section):
     partial: PartialRolloutConfig = option(default_factory=PartialRolloutConfig, doc="")
 
     def resolve(self, at: str) -> RolloutConfig:
-        if not self.temperature > 0:
-            raise ValueError(
-                f"{at}temperature must be > 0 (the trainer scores tokens at the sampling "
-                f"temperature), got {self.temperature}"
-            )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.asynchronous and world < 2:
             raise ValueError(
