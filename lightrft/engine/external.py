@@ -218,7 +218,26 @@ class ExternalEngine:
     of multi-turn generation (``generate`` checks its call with :func:`checked_call`,
     ``load_weights`` takes the names of :func:`hf_weight_names`).
     Each adapter gives its backend's calls: ``_sample_on`` (one ``n=1`` request per trajectory
-    that goes on), ``_budget`` (response tokens a sample may hold) and ``_decode``."""
+    that goes on) and ``_budget`` (response tokens a sample may hold)."""
+
+    def _setup(self, hf_config, max_model_len: int) -> None:
+        """What both adapters keep of the model (its HF ``config``): vocabulary size, length,
+        media placeholder ids (kept out of sampling) and the weight names of
+        :func:`hf_weight_names`; and the protocol's state (nothing asleep or unloaded)."""
+        from lightrft.models import modality
+
+        self.vocab_size = int(hf_config.get_text_config().vocab_size)
+        self.max_model_len = max_model_len
+        ids = modality.placeholder_ids(hf_config)
+        self.image_token_id, self.audio_token_id = ids.get("image"), ids.get("audio")
+        self.video_token_id = ids.get("video")
+        self.suppress_token_ids = modality.media_token_ids(hf_config)
+        self._names, self._required = hf_weight_names(hf_config)
+        self._asleep: set[str] = set()
+        self._unloaded: set[str] = set()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _fire_rest(
         self, requests: list[Request], params: list[SamplingParams], firsts: list[Completion]

@@ -81,7 +81,6 @@ from lightrft.engine.external import (
     ExternalEngine,
     check_finish_reason,
     collapse_media,
-    hf_weight_names,
     kept_rng_state,
     turn_seed,
 )
@@ -210,7 +209,6 @@ class SGLangEngine(ExternalEngine):
         sgl = import_sglang()  # first: a missing extra fails before anything loads
         from transformers import AutoConfig
 
-        from lightrft.models import modality
         from lightrft.models.loading import load_tokenizer, to_dtype
 
         if not torch.cuda.is_available():
@@ -245,19 +243,11 @@ class SGLangEngine(ExternalEngine):
         hf_config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self._setup(hf_config, int(self.llm.tokenizer_manager.context_len), seed + rank)
-        self.image_token_id = modality.placeholder_ids(hf_config).get("image")
 
     def _setup(self, hf_config, max_model_len: int, seed: int) -> None:
         """The state every engine needs, whatever built ``self.llm`` (the tests build it over a
         fake ``sglang.Engine``)."""
-        from lightrft.models import modality
-
-        self.vocab_size = int(hf_config.get_text_config().vocab_size)
-        self.max_model_len = max_model_len
-        self.suppress_token_ids = modality.media_token_ids(hf_config)
-        self._names, self._required = hf_weight_names(hf_config)
-        self._asleep: set[str] = set()
-        self._unloaded: set[str] = set()
+        super()._setup(hf_config, max_model_len)
         self._updating = False  # a weight-update session is open in SGLang
         self._seeds = random.Random(seed)  # seeds of unseeded requests (deterministic mode)
         self._warned_seed = False
@@ -429,9 +419,6 @@ class SGLangEngine(ExternalEngine):
                 f"{len(req.prompt_token_ids)}: its image processor sized the images differently "
                 "(SGLang takes no per-request processor settings)"
             )
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _sample_on(
         self, requests: list[Request], going: list[tuple[Completion, SamplingParams, int, Any]]

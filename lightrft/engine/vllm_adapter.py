@@ -64,7 +64,6 @@ from lightrft.engine.external import (
     ExternalEngine,
     check_finish_reason,
     collapse_media,
-    hf_weight_names,
     kept_rng_state,
     tp_groups,
 )
@@ -664,9 +663,6 @@ class VLLMEngine(ExternalEngine):
             enable_sleep_mode = True if enable_sleep_mode is None else enable_sleep_mode
             if gpu_memory_utilization is None and kv_cache_memory_bytes is None:
                 gpu_memory_utilization = 0.5
-        # The accepted names are checked in load_weights before anything reaches vLLM.
-        self._names, self._required = hf_weight_names(hf_config)
-
         check_shared_parallel_groups(tensor_parallel_size)
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if distributed else 0
@@ -723,18 +719,10 @@ class VLLMEngine(ExternalEngine):
         self._vllm = vllm
         _quiet_shutdown_at_exit(self.llm, tensor_parallel_size)
         hf_config = self.llm.llm_engine.model_config.hf_config
-        from lightrft.models import modality
-
-        self.vocab_size = int(hf_config.get_text_config().vocab_size)
-        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        ids = modality.placeholder_ids(hf_config)
-        self.image_token_id, self.audio_token_id = ids.get("image"), ids.get("audio")
-        self.video_token_id = ids.get("video")
+        self._setup(hf_config, int(self.llm.llm_engine.model_config.max_model_len))
+        self.tokenizer = self.llm.get_tokenizer()
         # Without torchvision vLLM runs a Qwen-VL on images only (images_without_torchvision).
         self.video_refused = self.video_token_id is not None and not has_torchvision()
-        self.suppress_token_ids = modality.media_token_ids(hf_config)
-        self._asleep: set[str] = set()
-        self._unloaded: set[str] = set()
         self._pending: list[tuple[str, torch.Tensor]] = []
         text = hf_config.get_text_config()
         self._tied = bool(getattr(text, "tie_word_embeddings", False)) or bool(
@@ -1000,9 +988,6 @@ class VLLMEngine(ExternalEngine):
             _sample_of(out.outputs[0], c.request_index, c.sample_index, self._bias(p))
             for (c, p, *_), out in zip(going, outs, strict=True)
         ]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.llm.get_tokenizer().decode(ids, skip_special_tokens=True)
 
     def _budget(self, req: Request, p: SamplingParams) -> int:
         """Response tokens a trajectory may hold: ``max_tokens``, and the model length."""
