@@ -218,21 +218,19 @@ class NativeEngine:
         at_least("max_prefill_tokens", max_prefill_tokens, 1)
         at_least("max_kv_tokens", max_kv_tokens, 1)  # None: unbounded
         if isinstance(model, nn.Module):
-            src_device = next(model.parameters()).device
-            self.device = torch.device(device) if device is not None else src_device
-        else:
-            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = to_dtype(dtype) if dtype is not None else default_param_dtype(self.device)
-
-        if isinstance(model, nn.Module):
             _check_supported(model.config)
             _check_unsharded(model)
-            self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
+            default_device = next(model.parameters()).device
         else:
             from transformers import AutoConfig
 
-            hf_config = AutoConfig.from_pretrained(model)
-            _check_supported(hf_config)  # before anything loads
+            _check_supported(AutoConfig.from_pretrained(model))  # before anything loads
+            default_device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device if device is not None else default_device)
+        self.dtype = to_dtype(dtype) if dtype is not None else default_param_dtype(self.device)
+        if isinstance(model, nn.Module):
+            self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
+        else:
             self.model = load_model(
                 model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
             )
