@@ -98,8 +98,10 @@ def import_vllm():
     """``import vllm`` with an actionable error when it is missing or cannot load."""
     try:
         import vllm
-    except ImportError as e:
-        if "torchvision" in str(e) or "torchaudio" in str(e) or "torchcodec" in str(e):
+    except (ImportError, RuntimeError) as e:  # RuntimeError: `torchvision::nms does not exist`
+        if isinstance(e, RuntimeError) or any(
+            name in str(e) for name in ("torchvision", "torchaudio", "torchcodec")
+        ):
             raise ImportError(
                 f"vLLM is installed but cannot import ({e}): PyPI's torchvision / torchaudio / "
                 "torchcodec do not load beside a CPU torch; pip uninstall -y torchvision "
@@ -109,11 +111,6 @@ def import_vllm():
             f"VLLMEngine needs vLLM, which is not installed: pip install 'lightrft[vllm]' "
             f"(vllm=={VLLM_VERSION}, CUDA GPUs) or, on CPU, {CPU_INSTALL}; the native engine "
             "(lightrft.engine.NativeEngine) needs nothing extra"
-        ) from e
-    except RuntimeError as e:  # torchvision's `operator torchvision::nms does not exist`
-        raise ImportError(
-            f"vLLM is installed but cannot import ({e}); on CPU: pip uninstall -y torchvision "
-            "torchaudio torchcodec"
         ) from e
     # Without torchcodec (CPU_INSTALL removes it) vLLM keeps the ImportError of its audio
     # module, whose traceback's frames reach back to whoever first touched vllm.LLM: that
