@@ -52,7 +52,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -295,8 +295,6 @@ class NativeEngine:
         self._asleep: set[str] = set()  # what sleep released: "weights", "kv_cache"
         self._weights_version = 0  # bumped whenever the weights' storage is replaced
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
-        # Per request, during generate(): its media (None without).
-        self._media: list[Media | None] = []
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------- sleep / wake / weights
@@ -404,10 +402,11 @@ class NativeEngine:
                     "row waiting on its tools cannot be cut and re-prefilled"
                 )
         check_resumes(requests, params, self.vocab_size)
-        self._media = [self._request_media(i, r) for i, r in enumerate(requests)]
+        # Each request with its media checked (None without).
+        requests = [replace(r, media=self._request_media(i, r)) for i, r in enumerate(requests)]
         prefixes = [[] if r.resume is None else list(r.resume.token_ids) for r in requests]
         prompts = [
-            self._fit_prompt(i, r.prompt_token_ids, p, prefixes[i])
+            self._fit_prompt(i, r, p, prefixes[i])
             for i, (r, p) in enumerate(zip(requests, params, strict=True))
         ]
         seeds = [
@@ -449,7 +448,6 @@ class NativeEngine:
             )
             return self._generate_all(run, rows, plen, max_new, token_budget)
         finally:
-            self._media = []
             if pool is not None:
                 # A continuation that hangs must not hang generate() once it has failed.
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -491,10 +489,11 @@ class NativeEngine:
         return req.media if kinds else None
 
     def _fit_prompt(
-        self, index: int, ids: list[int], p: SamplingParams, prefix: list[int]
+        self, index: int, req: Request, p: SamplingParams, prefix: list[int]
     ) -> list[int]:
         """The ids the engine prefills: the prompt (kept whole, or its end), then a resumed
         response's tokens."""
+        ids = req.prompt_token_ids
         limit = self.max_model_len - 1  # at least one token must fit after the prompt
         if len(ids) + len(prefix) <= limit:
             return list(ids) + prefix
@@ -504,7 +503,7 @@ class NativeEngine:
                 f"{len(prefix)} more; the engine's max_model_len is {self.max_model_len}: "
                 "nothing is left to sample"
             )
-        if not self.truncate_prompts or self._media[index] is not None:
+        if not self.truncate_prompts or req.media is not None:
             raise ValueError(
                 f"requests[{index}] has {len(ids)} prompt tokens; the engine's max_model_len is "
                 f"{self.max_model_len} (room for at most {limit} prompt tokens). Shorten it, raise "
@@ -730,7 +729,7 @@ class NativeEngine:
             mask = (causal[None] & key_ok[r0:r1, None, :]) | eye  # [C, W, W]
             mask = torch.cat([before.expand(r1 - r0, -1, -1), mask], -1)  # [C, W, plen]
             pos = (col[None, :] - pad[r0:r1, None]).clamp(min=0)  # [C, W]
-            media = Media.cat([self._media[i] for i in reqs[r0:r1]])
+            media = Media.cat([run.requests[i].media for i in reqs[r0:r1]])
             pos, delta = self._prefill_positions(
                 tokens[r0:r1], pos, key_ok[r0:r1], media
             )  # [C, W] or [3, C, W]; [C]
