@@ -324,11 +324,12 @@ class SGLangEngine(ExternalEngine):
         outs = self._run(
             [prompts[i] for i, _ in items],
             [
-                self._sampling(
+                sglang_sampling_params(
                     params[i],
-                    budgets[i],
-                    turn_seed(params[i].seed, j, 0),
-                    first=params[i].first_token_temperature is not None,
+                    max_new_tokens=budgets[i],
+                    seed=turn_seed(params[i].seed, j, 0),
+                    first_token=params[i].first_token_temperature is not None,
+                    suppress_token_ids=self.suppress_token_ids,
                 )
                 for i, j in items
             ],
@@ -371,17 +372,6 @@ class SGLangEngine(ExternalEngine):
 
     def _prompt(self, ids: list[int], req: Request) -> tuple[list[int], list[Any] | None]:
         return sglang_prompt(ids, req.media, self.image_token_id)
-
-    def _sampling(
-        self, p: SamplingParams, max_new_tokens: int, seed: int | None, first: bool = False
-    ) -> dict[str, Any]:
-        return sglang_sampling_params(
-            p,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            first_token=first,
-            suppress_token_ids=self.suppress_token_ids,
-        )
 
     def _run(
         self, prompts: list[tuple[list[int], list[Any] | None]], sampling: list[dict[str, Any]]
@@ -430,7 +420,12 @@ class SGLangEngine(ExternalEngine):
                 self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
                 for c, *_ in going
             ],
-            [self._sampling(p, m, seed) for _, p, m, seed in going],
+            [
+                sglang_sampling_params(
+                    p, max_new_tokens=m, seed=seed, suppress_token_ids=self.suppress_token_ids
+                )
+                for _, p, m, seed in going
+            ],
         )
         return [
             sample_from_output(out, c.request_index, c.sample_index)[:3]
