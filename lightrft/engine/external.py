@@ -36,6 +36,8 @@ from lightrft.engine.protocol import (
     check_observation,
     sampled_mask,
 )
+from lightrft.models import modality
+from lightrft.models.loading import model_auto_class
 
 # The logit bias that keeps a multimodal model's placeholder ids out of sampling: vLLM's floor,
 # and the same value for SGLang (no floor there) so both engines' log-probs carry the same bias.
@@ -114,8 +116,6 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
 
     ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
     """
-    from lightrft.models.loading import model_auto_class
-
     with torch.device("meta"):
         model = model_auto_class(config).from_config(config)
     accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -224,8 +224,6 @@ class ExternalEngine:
         """What both adapters keep of the model (its HF ``config``): vocabulary size, length,
         media placeholder ids (kept out of sampling) and the weight names of
         :func:`hf_weight_names`; and the protocol's state (nothing asleep or unloaded)."""
-        from lightrft.models import modality
-
         self.vocab_size = int(hf_config.get_text_config().vocab_size)
         self.max_model_len = max_model_len
         ids = modality.placeholder_ids(hf_config)

@@ -78,6 +78,10 @@ from lightrft.engine.protocol import (
     is_int,
     sampled_mask,
 )
+from lightrft.models import modality
+from lightrft.models.forward import mm_token_types, mrope_model
+from lightrft.models.loading import head_dim, load_model, load_tokenizer, to_dtype
+from lightrft.models.parallel import decoder_layers, default_param_dtype
 
 TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
@@ -209,11 +213,6 @@ class NativeEngine:
         seed: int = 0,
         compile: bool = False,
     ) -> None:
-        from lightrft.models import modality
-        from lightrft.models.forward import mrope_model
-        from lightrft.models.loading import head_dim, load_model, load_tokenizer, to_dtype
-        from lightrft.models.parallel import decoder_layers, default_param_dtype
-
         at_least("max_num_seqs", max_num_seqs, 1)
         at_least("max_prefill_tokens", max_prefill_tokens, 1)
         at_least("max_kv_tokens", max_kv_tokens, 1)  # None: unbounded
@@ -556,8 +555,6 @@ class NativeEngine:
         zero = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         if self.rope is None:
             return pos, zero
-        from lightrft.models.forward import mm_token_types
-
         mm = mm_token_types(self.model.config, tokens)  # [C, P]: 1 image, 2 video tokens
         images = media.image if media is not None else None
         video = media.video if media is not None else None

