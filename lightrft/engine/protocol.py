@@ -133,10 +133,12 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _bad_tokens(ids: Sequence[object], vocab_size: int) -> list[object]:
-    """The entries of ``ids`` that are not token ids in ``[0, vocab_size)``, non-integers first."""
+def _check_tokens(where: str, ids: Sequence[object], vocab_size: int) -> None:
+    """Refuse ``ids`` (``where``: what holds them) with an entry that is not a token id in
+    ``[0, vocab_size)``, naming the first (non-integers first)."""
     wrong = [t for t in ids if not is_int(t)]
-    return wrong + [t for t in ids if is_int(t) and not 0 <= t < vocab_size]
+    if bad := wrong + [t for t in ids if is_int(t) and not 0 <= t < vocab_size]:
+        raise ValueError(f"{where} holds {bad[0]!r}, not a token id in [0, {vocab_size})")
 
 
 @dataclass
@@ -264,11 +266,7 @@ def check_requests(requests: Sequence[Request], vocab_size: int) -> None:
         ids = req.prompt_token_ids
         if len(ids) == 0:
             raise ValueError(f"requests[{i}].prompt_token_ids is empty")
-        if bad := _bad_tokens(ids, vocab_size):
-            raise ValueError(
-                f"requests[{i}].prompt_token_ids holds {bad[0]!r}, not a token id in "
-                f"[0, {vocab_size})"
-            )
+        _check_tokens(f"requests[{i}].prompt_token_ids", ids, vocab_size)
 
 
 def check_resumes(
@@ -288,10 +286,7 @@ def check_resumes(
             raise ValueError(
                 f"{where}: a resumed request is one sample; its SamplingParams.n is {p.n}"
             )
-        if bad := _bad_tokens(res.token_ids, vocab_size):
-            raise ValueError(
-                f"{where}.token_ids holds {bad[0]!r}, not a token id in [0, {vocab_size})"
-            )
+        _check_tokens(f"{where}.token_ids", res.token_ids, vocab_size)
         if len(res.logprobs) != len(res.token_ids):
             raise ValueError(
                 f"{where} has {len(res.token_ids)} token ids but {len(res.logprobs)} logprobs"
@@ -389,11 +384,11 @@ def check_observation(
     if isinstance(obs, (str, bytes)) or not isinstance(obs, Sequence):
         raise ValueError(f"{where} is a {type(obs).__name__}; return a list of token ids or None")
     ids = list(obs)
-    for t in ids:
-        if not is_int(t) or not 0 <= t < vocab_size:
-            raise ValueError(f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
-        if t in forbidden:
-            raise ValueError(f"{where} holds the media placeholder id {t}; observations are text")
+    _check_tokens(where, ids, vocab_size)
+    if media := [t for t in ids if t in forbidden]:
+        raise ValueError(
+            f"{where} holds the media placeholder id {media[0]}; observations are text"
+        )
     return ids
 
 

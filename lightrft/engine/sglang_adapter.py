@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightrft.data.media import Media
 from lightrft.engine.external import (
@@ -81,7 +82,6 @@ from lightrft.engine.external import (
     ExternalEngine,
     check_finish_reason,
     collapse_media,
-    hf_weight_names,
     kept_rng_state,
     turn_seed,
 )
@@ -95,6 +95,7 @@ from lightrft.engine.protocol import (
     check_weight_names,
     checked_call,
 )
+from lightrft.models.loading import load_tokenizer, to_dtype
 
 SGLANG_VERSION = "0.5.21"
 
@@ -210,9 +211,6 @@ class SGLangEngine(ExternalEngine):
         sgl = import_sglang()  # first: a missing extra fails before anything loads
         from transformers import AutoConfig
 
-        from lightrft.models import modality
-        from lightrft.models.loading import load_tokenizer, to_dtype
-
         if not torch.cuda.is_available():
             raise ValueError("SGLangEngine needs a CUDA GPU; use NativeEngine on CPU")
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"):
@@ -220,8 +218,6 @@ class SGLangEngine(ExternalEngine):
                 "SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return log-probs before the "
                 "temperature, not the sampling distribution's; unset it"
             )
-        import torch.distributed as dist
-
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         gpu = torch.cuda.current_device()  # the trainer's GPU on this rank
         self.dtype = to_dtype(dtype)
@@ -245,19 +241,11 @@ class SGLangEngine(ExternalEngine):
         hf_config = AutoConfig.from_pretrained(str(model))
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self._setup(hf_config, int(self.llm.tokenizer_manager.context_len), seed + rank)
-        self.image_token_id = modality.placeholder_ids(hf_config).get("image")
 
     def _setup(self, hf_config, max_model_len: int, seed: int) -> None:
         """The state every engine needs, whatever built ``self.llm`` (the tests build it over a
         fake ``sglang.Engine``)."""
-        from lightrft.models import modality
-
-        self.vocab_size = int(hf_config.get_text_config().vocab_size)
-        self.max_model_len = max_model_len
-        self.suppress_token_ids = modality.media_token_ids(hf_config)
-        self._names, self._required = hf_weight_names(hf_config)
-        self._asleep: set[str] = set()
-        self._unloaded: set[str] = set()
+        super()._setup(hf_config, max_model_len)
         self._updating = False  # a weight-update session is open in SGLang
         self._seeds = random.Random(seed)  # seeds of unseeded requests (deterministic mode)
         self._warned_seed = False
@@ -334,11 +322,12 @@ class SGLangEngine(ExternalEngine):
         outs = self._run(
             [prompts[i] for i, _ in items],
             [
-                self._sampling(
+                sglang_sampling_params(
                     params[i],
-                    budgets[i],
-                    turn_seed(params[i].seed, j, 0),
-                    first=params[i].first_token_temperature is not None,
+                    max_new_tokens=budgets[i],
+                    seed=turn_seed(params[i].seed, j, 0),
+                    first_token=params[i].first_token_temperature is not None,
+                    suppress_token_ids=self.suppress_token_ids,
                 )
                 for i, j in items
             ],
@@ -382,17 +371,6 @@ class SGLangEngine(ExternalEngine):
     def _prompt(self, ids: list[int], req: Request) -> tuple[list[int], list[Any] | None]:
         return sglang_prompt(ids, req.media, self.image_token_id)
 
-    def _sampling(
-        self, p: SamplingParams, max_new_tokens: int, seed: int | None, first: bool = False
-    ) -> dict[str, Any]:
-        return sglang_sampling_params(
-            p,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            first_token=first,
-            suppress_token_ids=self.suppress_token_ids,
-        )
-
     def _run(
         self, prompts: list[tuple[list[int], list[Any] | None]], sampling: list[dict[str, Any]]
     ) -> list[dict[str, Any]]:
@@ -430,9 +408,6 @@ class SGLangEngine(ExternalEngine):
                 "(SGLang takes no per-request processor settings)"
             )
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def _sample_on(
         self, requests: list[Request], going: list[tuple[Completion, SamplingParams, int, Any]]
     ) -> list[tuple[list[int], list[float], str]]:
@@ -443,7 +418,12 @@ class SGLangEngine(ExternalEngine):
                 self._prompt(c.prompt_token_ids + c.token_ids, requests[c.request_index])
                 for c, *_ in going
             ],
-            [self._sampling(p, m, seed) for _, p, m, seed in going],
+            [
+                sglang_sampling_params(
+                    p, max_new_tokens=m, seed=seed, suppress_token_ids=self.suppress_token_ids
+                )
+                for _, p, m, seed in going
+            ],
         )
         return [
             sample_from_output(out, c.request_index, c.sample_index)[:3]

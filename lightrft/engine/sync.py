@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightrft.config import at_least
@@ -168,7 +169,6 @@ class _GatherPlan:
     device: torch.device
     numels: list[int]  # elements of this rank's shard of each
     sizes: list[int]  # padded elements per rank of each
-    shapes: list[torch.Size]
     direct: list[torch.Tensor | None]
     trim: dict[int, torch.Tensor]  # k -> engine tensor filled from the scratch (uneven rows)
     views: tuple | None = None  # CPU: views over the plan's own buffers, kept between syncs
@@ -272,7 +272,6 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
                 device=comm_device(params[0]),
                 numels=[t.to_local().numel() for t in params],
                 sizes=sizes,
-                shapes=[t.shape for t in params],
                 direct=direct,
                 trim=trim,
             )
@@ -312,7 +311,7 @@ def _views(g: _GatherPlan, bufs: dict[str, torch.Tensor | None]) -> tuple:
         pieces = bufs["scratch"].split([g.world * g.sizes[k] for k in scratch_k])
         for k, piece in zip(scratch_k, pieces, strict=True):
             dests[k] = piece.view(g.world, g.sizes[k])
-            shape = g.shapes[k]
+            shape = g.params[k].shape
             results[k] = piece.view(-1, *shape[1:])[: shape[0]]
     trim = ([g.trim[k] for k in g.trim], [results[k] for k in g.trim])
     return slots, dests, trim, results
@@ -321,8 +320,6 @@ def _views(g: _GatherPlan, bufs: dict[str, torch.Tensor | None]) -> tuple:
 @torch.no_grad()
 def _run_gather(g: _GatherPlan, result: list[torch.Tensor | None]) -> None:
     """Pack this rank's shards, all-gather, regroup into the engine's tensors and the scratch."""
-    import torch.distributed as dist
-
     if g.views is None:
         # CPU: the plan keeps its buffers (a fresh multi-megabyte CPU allocation costs page
         # faults); CUDA: the caching allocator serves them and nothing is held between syncs.

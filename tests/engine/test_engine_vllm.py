@@ -14,6 +14,7 @@ import torch
 
 from lightrft.engine import Request, SamplingParams
 from lightrft.engine import vllm_adapter as va
+from lightrft.engine.external import hf_weight_names
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -166,11 +167,11 @@ def test_completions_from_vllm_outputs():
 def test_hf_weight_names_cover_tied_weights(tiny_model_dir):
     from transformers import AutoConfig
 
-    accepted, required = va.hf_weight_names(AutoConfig.from_pretrained(tiny_model_dir))
+    accepted, required = hf_weight_names(AutoConfig.from_pretrained(tiny_model_dir))
     assert "lm_head.weight" in required and "model.layers.1.mlp.up_proj.weight" in required
     tied = AutoConfig.from_pretrained(tiny_model_dir)
     tied.tie_word_embeddings = True
-    accepted, required = va.hf_weight_names(tied)
+    accepted, required = hf_weight_names(tied)
     assert "lm_head.weight" in accepted and "lm_head.weight" not in required
 
 
@@ -292,6 +293,7 @@ def fake_vllm_engine(native):
     """A VLLMEngine over :class:`FakeLLM` (built without starting vLLM)."""
     eng = object.__new__(va.VLLMEngine)
     eng.llm, eng._vllm = FakeLLM(native), SimpleNamespace(SamplingParams=SimpleNamespace)
+    eng.tokenizer = native.tokenizer
     eng.tp_group, eng._peers, eng.tp_size = None, None, 1
     eng.image_token_id = eng.audio_token_id = eng.video_token_id = None
     eng.suppress_token_ids = []

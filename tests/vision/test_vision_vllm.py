@@ -11,7 +11,7 @@ from lightrft.data.media import MediaOptions
 from lightrft.data.vision import ImageOptions
 from lightrft.engine import Request, SamplingParams
 from lightrft.engine import vllm_adapter as va
-from lightrft.engine.external import collapse_placeholders
+from lightrft.engine.external import collapse_placeholders, hf_weight_names
 from lightrft.models.modality import vision_token_ids
 from lightrft.models.multimodal import load_processor
 
@@ -81,7 +81,7 @@ def test_vision_tokens_get_logit_bias_and_weight_names_include_the_tower(tiny_vl
     kw = va.vllm_sampling_kwargs(SamplingParams(), suppress_token_ids=vision_token_ids(cfg))
     assert kw["logit_bias"] == {t: -100.0 for t in vision_token_ids(cfg)}
     assert "logit_bias" not in va.vllm_sampling_kwargs(SamplingParams())
-    accepted, required = va.hf_weight_names(cfg)
+    accepted, required = hf_weight_names(cfg)
     assert "model.visual.blocks.0.attn.qkv.weight" in required
     assert "model.language_model.layers.0.mlp.up_proj.weight" in required
 
