@@ -76,8 +76,7 @@ class PromptDataset(torch.utils.data.Dataset):
         truncation: Truncation | Literal["error"] = "drop",
         media: MediaOptions | None = None,
     ) -> None:
-        if truncation != "error":
-            check_truncation(truncation)
+        check_truncation(truncation, ("drop", "truncate", "error"))
         tokenizer, processor = as_processor(tokenizer)
         self.media = MediaSamples(processor, media)
         self.tokenizer = tokenizer

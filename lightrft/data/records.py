@@ -23,10 +23,12 @@ from lightrft.data.templates import IGNORE_INDEX
 Truncation = Literal["truncate", "drop"]
 
 
-def check_truncation(truncation: str) -> None:
-    """Raise a ``ValueError`` unless ``truncation`` is a :data:`Truncation`."""
-    if truncation not in ("truncate", "drop"):
-        raise ValueError(f"truncation must be 'truncate' or 'drop', got {truncation!r}")
+def check_truncation(truncation: str, allowed: Sequence[str] = ("truncate", "drop")) -> None:
+    """Raise a ``ValueError`` naming the ``allowed`` values (a :data:`Truncation` unless given)
+    unless ``truncation`` is one of them."""
+    if truncation not in allowed:
+        names = " or ".join(repr(a) for a in allowed)
+        raise ValueError(f"truncation must be {names}, got {truncation!r}")
 
 
 def open_records(

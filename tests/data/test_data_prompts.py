@@ -145,6 +145,9 @@ def test_prompts_checked_against_the_engine_limit_at_load(tmp_path, tok):
     short = len(PromptDataset(tok, records=rows[:1])[0]["prompt_ids"])
     max_model_len = short + 10  # room for the short prompt, not the long one
 
+    # A bad value names the three PromptDataset takes ('error' included), before any reading.
+    with pytest.raises(ValueError, match="truncation must be 'drop' or 'truncate' or 'error'"):
+        PromptDataset(tok, path, truncation="trunc")
     refuse = PromptDataset(tok, path, truncation="error")
     with pytest.raises(
         DataError,
