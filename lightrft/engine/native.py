@@ -75,7 +75,6 @@ from lightrft.engine.protocol import (
     check_wake_tags,
     check_weight_names,
     checked_call,
-    is_int,
     sampled_mask,
 )
 from lightrft.models import modality
@@ -389,17 +388,12 @@ class NativeEngine:
         of requests not yet admitted, come back ``finish_reason="partial"``; a later call
         continues each with ``Request(prompt, resume=Resume(...))``, re-prefilling its tokens.
         """
-        requests, params = checked_call(self, requests, sampling)
-        if token_budget is not None:
-            if not is_int(token_budget) or token_budget < 1:
-                raise ValueError(
-                    f"token_budget must be an integer >= 1 or None, got {token_budget!r}"
-                )
-            if continuation is not None:
-                raise ValueError(
-                    "token_budget (partial rollouts) does not take a continuation: a multi-turn "
-                    "row waiting on its tools cannot be cut and re-prefilled"
-                )
+        requests, params = checked_call(self, requests, sampling, token_budget)
+        if token_budget is not None and continuation is not None:
+            raise ValueError(
+                "token_budget (partial rollouts) does not take a continuation: a multi-turn "
+                "row waiting on its tools cannot be cut and re-prefilled"
+            )
         check_resumes(requests, params, self.vocab_size)
         # Each request with its media checked (None without).
         requests = [replace(r, media=self._request_media(i, r)) for i, r in enumerate(requests)]

@@ -315,12 +315,18 @@ def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
 
 
 def checked_call(
-    engine, requests: Sequence[Request], sampling: SamplingParams | Sequence[SamplingParams]
+    engine,
+    requests: Sequence[Request],
+    sampling: SamplingParams | Sequence[SamplingParams],
+    token_budget: int | None = None,
 ) -> tuple[list[Request], list[SamplingParams]]:
     """A ``generate`` call's requests and one ``SamplingParams`` per request, checked: refused
     while ``engine``'s memory is released (``engine._asleep``: the wake tags its sleep released)
     or while weights are not loaded since a level-2 sleep (``engine._unloaded``: their names),
-    or with token ids outside ``engine.vocab_size`` (:func:`check_requests`)."""
+    with token ids outside ``engine.vocab_size`` (:func:`check_requests`), or with a
+    ``token_budget`` that is not an integer >= 1."""
+    if token_budget is not None and not (is_int(token_budget) and token_budget >= 1):
+        raise ValueError(f"token_budget must be an integer >= 1 or None, got {token_budget!r}")
     if asleep := [tag for tag in WAKE_TAGS if tag in engine._asleep]:
         raise ValueError(
             f"generate called while the engine is asleep ({', '.join(asleep)} released); "

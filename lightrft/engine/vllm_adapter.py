@@ -62,7 +62,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightrft.config import at_least
 from lightrft.data.media import Media
 from lightrft.engine.external import (
     MEDIA_LOGIT_BIAS,
@@ -795,7 +794,7 @@ class VLLMEngine(ExternalEngine):
         """Sample ``n`` completions per request, ordered by (request, sample); with a
         ``continuation``, whole multi-turn trajectories; with ``token_budget`` or resumed
         requests, partial rollouts (see the module docstring)."""
-        requests, params = checked_call(self, requests, sampling)
+        requests, params = checked_call(self, requests, sampling, token_budget)
         if self._pending:
             self.reset_prefix_cache()  # weights loaded without a reset: the cache is stale
         partial = token_budget is not None or any(r.resume is not None for r in requests)
@@ -808,7 +807,6 @@ class VLLMEngine(ExternalEngine):
                 )
         if partial and continuation is not None:
             raise ValueError("token_budget (partial rollouts) does not take a continuation")
-        at_least("token_budget", token_budget, 1)
         check_resumes(requests, params, self.vocab_size)
         if partial:
             if any(p.first_token_temperature is not None for p in params):

@@ -105,6 +105,7 @@ def test_resumed_logprobs_come_from_the_policy_that_sampled_each_token(tiny_mode
     "call, message",
     [
         (lambda e, p: e.generate([Request(p)], sampling(1), token_budget=0), "token_budget"),
+        (lambda e, p: e.generate([Request(p)], sampling(1), token_budget=2.5), "an integer"),
         (
             lambda e, p: e.generate(
                 [Request(p)], sampling(1), continuation=lambda t: None, token_budget=5

@@ -282,8 +282,9 @@ def test_a_budget_that_cuts_nothing_draws_the_samples_of_one_call(engine, prompt
         (c.token_ids, c.finish_reason) for c in plain
     ]
     assert len({tuple(c.token_ids) for c in plain}) > 1
-    with pytest.raises(ValueError, match="token_budget must be >= 1"):
-        engine.generate(reqs, sp, token_budget=0)
+    for bad in (0, 2.5, True):  # one rule for every engine (checked_call)
+        with pytest.raises(ValueError, match="token_budget must be an integer >= 1"):
+            engine.generate(reqs, sp, token_budget=bad)
 
 
 def test_prompt_logprobs_equal_the_trainers(engine, hf, prompts):
