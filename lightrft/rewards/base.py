@@ -222,8 +222,8 @@ class RewardOutput:
             )
 
     def as_float64(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(total, parts, applied)``: float64 tensors of exactly the python floats the
-        functions returned, and the bool masks."""
+        """``(total, parts, applied)``: the float32 rewards widened to float64 tensors (each
+        function's floats were rounded to float32 when checked), and the bool masks."""
         parts = {n: p.double() for n, p in self.parts.items()}
         return self.total.double(), parts, {n: a.clone() for n, a in self.applied.items()}
 

@@ -311,8 +311,8 @@ class ColocatedSource:
             ) from e
 
     def score(self, meta: dict[str, list], got: Answers) -> tuple:
-        """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (exactly the
-        python floats the reward functions returned). ``meta``: each sample's prompt,
+        """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (the reward
+        functions' floats as float32 values, widened). ``meta``: each sample's prompt,
         reference, label and where; ``got.chats``: its prompt as its chat with its images
         (:func:`~lightrft.data.conversation`), for reward models."""
         fn, names = self.parts.reward_fn, self.parts.reward_names
