@@ -201,26 +201,25 @@ class ProgressBar:
         desc: str = "train",
         enabled: bool | None = None,
     ):
-        self.enabled = is_main() if enabled is None else enabled
-        self._bar = None
-        if self.enabled:
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            self._bar = tqdm(
-                total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr
-            )
+        self.enabled = is_main() if enabled is None else enabled
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            dynamic_ncols=True,
+            file=sys.stderr,
+            disable=not self.enabled,
+        )
 
     def update(self, n: int = 1, **postfix: float) -> None:
         """Advance ``n`` steps and show ``postfix`` (e.g. ``loss=0.42, tok_s=1234``)."""
-        if self._bar is None:
-            return
         self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
         self._bar.update(n)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self._bar.close()
 
     def __enter__(self) -> ProgressBar:
         return self
