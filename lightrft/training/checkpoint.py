@@ -118,12 +118,12 @@ def broadcast_from_rank0(obj: Any) -> Any:
     return all_gather_objects(obj)[0]
 
 
-def _named(**given: Any) -> dict[str, dict[str, Any]]:
-    """Each of ``given`` (``models``, ``optimizers``, ``schedulers``, ``dataloaders``: the
-    objects a checkpoint lists by kind) as a dict name -> object: ``None`` -> {}, a mapping -> a
-    dict, a single object -> ``{"model": obj}``."""
+def _named(*given: Any) -> dict[str, dict[str, Any]]:
+    """Each of ``given`` (the ``models``, ``optimizers``, ``schedulers`` and ``dataloaders``: the
+    objects a checkpoint lists by kind) as a dict name -> object under its kind: ``None`` -> {},
+    a mapping -> a dict, a single object -> ``{"model": obj}``."""
     named = {}
-    for what, obj in given.items():
+    for what, obj in zip(("models", "optimizers", "schedulers", "dataloaders"), given, strict=True):
         if obj is None:
             named[what] = {}
         elif isinstance(obj, Mapping):
@@ -368,13 +368,11 @@ class Checkpointer:
 
     def list_checkpoints(self) -> list[Path]:
         """Complete checkpoints (renamed, with ``meta.json``), oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for p in self.root.iterdir():
-            m = STEP_DIR.match(p.name)
-            if m and p.is_dir() and (p / META).is_file():
-                found.append((int(m.group(1)), p))
+        found = [
+            (int(m.group(1)), p)
+            for p in self.root.glob("step_*")
+            if (m := STEP_DIR.match(p.name)) and (p / META).is_file()  # a file in a directory
+        ]
         return [p for _, p in sorted(found)]
 
     def latest(self) -> Path | None:
@@ -460,9 +458,7 @@ class Checkpointer:
         rank, since they may differ between ranks.
         """
         at_least("step", step, 0)
-        given = _named(
-            models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
-        )
+        given = _named(models, optimizers, schedulers, dataloaders)
         models_, optims_, scheds_, loaders_ = given.values()
         if not models_:
             raise ValueError("models: pass at least one model to checkpoint")
@@ -594,9 +590,7 @@ class Checkpointer:
                 f"complete ones: {[p.name for p in self.list_checkpoints()]}"
             )
         meta, states = read or check_readable(path)
-        given = _named(
-            models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
-        )
+        given = _named(models, optimizers, schedulers, dataloaders)
         models_, optims_, scheds_, loaders_ = given.values()
         check_held_alike(
             path, meta, "deepspeed", {k: is_deepspeed_engine(m) for k, m in models_.items()}
