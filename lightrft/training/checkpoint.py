@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from lightrft.config import UserError, at_least
 from lightrft.distributed import all_gather_objects, barrier, is_main
@@ -69,14 +70,6 @@ DEFAULT_NAME = "model"
 # meta.json's "format": 2 added "export" (what rebuilds the trained model on one process for
 # `lightrft export`); checkpoints without the key are format 1.
 FORMAT = 2
-
-
-class SupportsState(Protocol):
-    """Anything with ``state_dict()`` / ``load_state_dict()``: LR schedulers, dataloaders, ..."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
 @dataclass
@@ -307,7 +300,7 @@ class _ModelState:
 def _app_state(
     models: dict[str, nn.Module],
     optimizers: dict[str, torch.optim.Optimizer],
-    schedulers: dict[str, SupportsState],
+    schedulers: dict[str, Stateful],
 ) -> dict[str, Any]:
     unknown = sorted(set(optimizers) - set(models))
     if unknown:
@@ -326,7 +319,7 @@ def _app_state(
             continue
         state[f"model.{name}"] = _ModelState(model, optimizers.get(name))
     for name, sched in schedulers.items():  # the same state on every rank: DCP saves it as is
-        state[f"scheduler.{name}"] = sched  # a DCP ``Stateful`` (SupportsState) itself
+        state[f"scheduler.{name}"] = sched  # a DCP ``Stateful`` itself
     return state
 
 
@@ -435,8 +428,8 @@ class Checkpointer:
         *,
         models: nn.Module | Mapping[str, nn.Module],
         optimizers: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
-        schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
-        dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
+        schedulers: Stateful | Mapping[str, Stateful] | None = None,
+        dataloaders: Stateful | Mapping[str, Stateful] | None = None,
         extra: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
         export: Mapping[str, Any] | None = None,
@@ -551,8 +544,8 @@ class Checkpointer:
         *,
         models: nn.Module | Mapping[str, nn.Module],
         optimizers: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
-        schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
-        dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
+        schedulers: Stateful | Mapping[str, Stateful] | None = None,
+        dataloaders: Stateful | Mapping[str, Stateful] | None = None,
         restore_rng: bool = True,
         config: Mapping[str, Any] | None = None,
         override_lr: bool = False,
@@ -870,7 +863,7 @@ def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) ->
 
 def _override_lrs(
     optims: Mapping[str, torch.optim.Optimizer],
-    scheds: Mapping[str, SupportsState],
+    scheds: Mapping[str, Stateful],
     new: Mapping[str, list[float]],
 ) -> None:
     """Put the configured base LRs back after loading, keeping the schedule's position: each
