@@ -212,9 +212,8 @@ def check_readable(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                 raise zipfile.BadZipFile("a member runs past the end of the file")
     states = []
     for r in range(int(meta.get("world_size", 1))):
-        stem = path / f"rank_{r:05d}"
-        with _reading(stem.with_name(stem.name + ".safetensors")):
-            states.append(load_state(stem))
+        with _reading(path / f"rank_{r:05d}.safetensors"):
+            states.append(load_state(path / f"rank_{r:05d}"))
     return meta, states
 
 

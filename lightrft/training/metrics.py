@@ -163,14 +163,14 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
             if not isinstance(row, dict):
                 continue
             step = row.get("step", 0)
-            if not isinstance(step, int) or isinstance(step, bool):
+            odd = not isinstance(step, int) or isinstance(step, bool)
+            if odd:
                 print(
                     f"resume: warning: {path}:{lineno}: step {step!r} is not an integer; "
                     "the row is kept as it is",
                     flush=True,
                 )
-                kept.append(json.dumps(row) + "\n")
-            elif step <= last_step:
+            if odd or step <= last_step:
                 kept.append(json.dumps(row) + "\n")
     from lightrft.training.safe_state import write_atomic  # (imports DCP: only when resuming)
 
