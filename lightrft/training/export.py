@@ -145,15 +145,12 @@ class ExportSpec:
                 "does not know (a checkpoint of a newer version?)"
             )
         spec = cls(**record)
-        if spec.kind not in KINDS:
-            raise ValueError(
-                f"{where}: 'export.kind' is {spec.kind!r}; this version exports {list(KINDS)}"
-            )
-        if spec.strategy not in STRATEGIES:
-            raise ValueError(
-                f"{where}: 'export.strategy' is {spec.strategy!r}; this version exports "
-                f"checkpoints of {list(STRATEGIES)}"
-            )
+        for key, known, of in (("kind", KINDS, ""), ("strategy", STRATEGIES, "checkpoints of ")):
+            if getattr(spec, key) not in known:
+                raise ValueError(
+                    f"{where}: 'export.{key}' is {getattr(spec, key)!r}; this version exports "
+                    f"{of}{list(known)}"
+                )
         if spec.kind == "reward_net" and not isinstance(spec.reward, dict):
             raise ValueError(f"{where}: 'export.reward' is missing for kind 'reward_net'")
         try:
