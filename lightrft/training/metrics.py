@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from lightrft.distributed import is_main
 
@@ -190,7 +191,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 # Progress bar
 
 
-class ProgressBar:
+class ProgressBar(tqdm):
     """A tqdm bar on rank 0 (nothing elsewhere) showing loss and tokens/s after each step."""
 
     def __init__(
@@ -201,10 +202,8 @@ class ProgressBar:
         desc: str = "train",
         enabled: bool | None = None,
     ):
-        from tqdm.auto import tqdm
-
         self.enabled = is_main() if enabled is None else enabled
-        self._bar = tqdm(
+        super().__init__(
             total=total,
             initial=initial,
             desc=desc,
@@ -215,17 +214,8 @@ class ProgressBar:
 
     def update(self, n: int = 1, **postfix: float) -> None:
         """Advance ``n`` steps and show ``postfix`` (e.g. ``loss=0.42, tok_s=1234``)."""
-        self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
-        self._bar.update(n)
-
-    def close(self) -> None:
-        self._bar.close()
-
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
+        super().update(n)
 
 
 # ---------------------------------------------------------------------------------------------
