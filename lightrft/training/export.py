@@ -162,14 +162,11 @@ class ExportSpec:
     def lora_config(self) -> LoraConfig | None:
         if self.lora is None:
             return None
-        d = dict(self.lora)
-        for key in ("target_modules", "trained_modules"):
-            if isinstance(d.get(key), list):
-                d[key] = tuple(d[key])
         try:
-            return LoraConfig(**d)
+            lora = LoraConfig(**self.lora)
         except TypeError as e:  # a key another version wrote
             raise ValueError(f"'export.lora' is not a lora section of this version: {e}") from None
+        return lora.checked("export.lora.")  # resolved as the run's was: JSON's lists as tuples
 
     def base_path(self) -> str:
         """The base model directory, resolved against the run's working directory."""
