@@ -109,14 +109,13 @@ class ExportSpec:
     ) -> ExportSpec:
         """The spec of a recipe's trained model: ``model`` its ``model:`` section (path, dtype,
         trust_remote_code), ``strategy`` its :class:`~lightrft.sections.StrategyConfig`."""
-        lora = strategy.lora
         return cls(
             kind=kind,
             path=str(model.path),
             dtype=str(model.dtype),
             trust_remote_code=bool(model.trust_remote_code),
             strategy=strategy.strategy,
-            lora=None if lora is None else json.loads(json.dumps(dataclasses.asdict(lora))),
+            lora=None if strategy.lora is None else dataclasses.asdict(strategy.lora),
             adapter=adapter,
             model=name,
             cwd=os.getcwd(),
