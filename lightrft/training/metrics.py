@@ -14,7 +14,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ def _to_float(name: str, value: Any) -> float:
 # Logger
 
 
-class MetricLogger:
+class MetricLogger(AbstractContextManager):  # __enter__ returns the logger
     """Fan scalar metrics out to ``metrics.jsonl``, TensorBoard and (optionally) W&B, on rank 0.
 
     Args:
@@ -138,9 +138,6 @@ class MetricLogger:
         if self._wandb is not None:
             self._wandb.finish()
         self._jsonl = self._tb = self._wandb = None
-
-    def __enter__(self) -> MetricLogger:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
