@@ -277,10 +277,9 @@ class _ModelState:
         self.model = model
         self.optimizers = [] if optimizer is None else [optimizer]  # none: an empty "optim"
         frozen_out = optimizer is not None
-        self.options = StateDictOptions(ignore_frozen_params=frozen_out)
         # The DCP load already failed on any trainable key the checkpoint lacks; the frozen
         # ones are absent on purpose, so the final copy into the model is not strict.
-        self.load_options = StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
+        self.options = StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
@@ -292,7 +291,7 @@ class _ModelState:
             self.optimizers,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optim"],
-            options=self.load_options,
+            options=self.options,
         )
 
 
