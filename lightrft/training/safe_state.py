@@ -95,16 +95,12 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if tag == "tuple":
         return tuple(_decode(x, tensors) for x in obj["items"])
     if tag == "dict":
-        return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in obj["items"]}
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["items"]}
     if tag == "ndarray":
         return tensors[obj["key"]].numpy().view(np.dtype(obj["dtype"])).copy()
     if tag == "npscalar":
         return np.dtype(obj["dtype"]).type(obj["value"])
     raise UnsafeCheckpointError(f"unknown tag {tag!r} in checkpoint state")
-
-
-def _hashable(x: Any) -> Any:
-    return tuple(_hashable(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def save_state(obj: Any, stem: Path) -> None:
