@@ -164,8 +164,7 @@ class DPORecipe:
         m, lora = self.opts.model, self.opts.strategy.lora is not None
         return precompute_reference(
             ds, PairCollator(self.tokenizer.pad_token_id), self.ref_logps,
-            batch_size=self.opts.data.batch_size, rank=self.dist.rank,
-            world_size=self.dist.world_size, is_main=self.dist.is_main,
+            batch_size=self.opts.data.batch_size, dist=self.dist,
             path=self.run.output_dir / f"reference_logps.{name}.pt",
             key=reference_cache_key(self.ref_path, ds, m.dtype, lora),
         )  # fmt: skip

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from lightrft.config import UserError, at_least
 from lightrft.distributed import all_gather_objects, barrier, is_main
@@ -69,14 +70,6 @@ DEFAULT_NAME = "model"
 # meta.json's "format": 2 added "export" (what rebuilds the trained model on one process for
 # `lightrft export`); checkpoints without the key are format 1.
 FORMAT = 2
-
-
-class SupportsState(Protocol):
-    """Anything with ``state_dict()`` / ``load_state_dict()``: LR schedulers, dataloaders, ..."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
 @dataclass
@@ -118,12 +111,12 @@ def broadcast_from_rank0(obj: Any) -> Any:
     return all_gather_objects(obj)[0]
 
 
-def _named(**given: Any) -> dict[str, dict[str, Any]]:
-    """Each of ``given`` (``models``, ``optimizers``, ``schedulers``, ``dataloaders``: the
-    objects a checkpoint lists by kind) as a dict name -> object: ``None`` -> {}, a mapping -> a
-    dict, a single object -> ``{"model": obj}``."""
+def _named(*given: Any) -> dict[str, dict[str, Any]]:
+    """Each of ``given`` (the ``models``, ``optimizers``, ``schedulers`` and ``dataloaders``: the
+    objects a checkpoint lists by kind) as a dict name -> object under its kind: ``None`` -> {},
+    a mapping -> a dict, a single object -> ``{"model": obj}``."""
     named = {}
-    for what, obj in given.items():
+    for what, obj in zip(("models", "optimizers", "schedulers", "dataloaders"), given, strict=True):
         if obj is None:
             named[what] = {}
         elif isinstance(obj, Mapping):
@@ -219,9 +212,8 @@ def check_readable(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                 raise zipfile.BadZipFile("a member runs past the end of the file")
     states = []
     for r in range(int(meta.get("world_size", 1))):
-        stem = path / f"rank_{r:05d}"
-        with _reading(stem.with_name(stem.name + ".safetensors")):
-            states.append(load_state(stem))
+        with _reading(path / f"rank_{r:05d}.safetensors"):
+            states.append(load_state(path / f"rank_{r:05d}"))
     return meta, states
 
 
@@ -285,10 +277,9 @@ class _ModelState:
         self.model = model
         self.optimizers = [] if optimizer is None else [optimizer]  # none: an empty "optim"
         frozen_out = optimizer is not None
-        self.options = StateDictOptions(ignore_frozen_params=frozen_out)
         # The DCP load already failed on any trainable key the checkpoint lacks; the frozen
         # ones are absent on purpose, so the final copy into the model is not strict.
-        self.load_options = StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
+        self.options = StateDictOptions(ignore_frozen_params=frozen_out, strict=not frozen_out)
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
@@ -300,14 +291,14 @@ class _ModelState:
             self.optimizers,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optim"],
-            options=self.load_options,
+            options=self.options,
         )
 
 
 def _app_state(
     models: dict[str, nn.Module],
     optimizers: dict[str, torch.optim.Optimizer],
-    schedulers: dict[str, SupportsState],
+    schedulers: dict[str, Stateful],
 ) -> dict[str, Any]:
     unknown = sorted(set(optimizers) - set(models))
     if unknown:
@@ -326,7 +317,7 @@ def _app_state(
             continue
         state[f"model.{name}"] = _ModelState(model, optimizers.get(name))
     for name, sched in schedulers.items():  # the same state on every rank: DCP saves it as is
-        state[f"scheduler.{name}"] = sched  # a DCP ``Stateful`` (SupportsState) itself
+        state[f"scheduler.{name}"] = sched  # a DCP ``Stateful`` itself
     return state
 
 
@@ -368,13 +359,11 @@ class Checkpointer:
 
     def list_checkpoints(self) -> list[Path]:
         """Complete checkpoints (renamed, with ``meta.json``), oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for p in self.root.iterdir():
-            m = STEP_DIR.match(p.name)
-            if m and p.is_dir() and (p / META).is_file():
-                found.append((int(m.group(1)), p))
+        found = [
+            (int(m.group(1)), p)
+            for p in self.root.glob("step_*")
+            if (m := STEP_DIR.match(p.name)) and (p / META).is_file()  # a file in a directory
+        ]
         return [p for _, p in sorted(found)]
 
     def latest(self) -> Path | None:
@@ -437,8 +426,8 @@ class Checkpointer:
         *,
         models: nn.Module | Mapping[str, nn.Module],
         optimizers: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
-        schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
-        dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
+        schedulers: Stateful | Mapping[str, Stateful] | None = None,
+        dataloaders: Stateful | Mapping[str, Stateful] | None = None,
         extra: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
         export: Mapping[str, Any] | None = None,
@@ -460,9 +449,7 @@ class Checkpointer:
         rank, since they may differ between ranks.
         """
         at_least("step", step, 0)
-        given = _named(
-            models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
-        )
+        given = _named(models, optimizers, schedulers, dataloaders)
         models_, optims_, scheds_, loaders_ = given.values()
         if not models_:
             raise ValueError("models: pass at least one model to checkpoint")
@@ -555,8 +542,8 @@ class Checkpointer:
         *,
         models: nn.Module | Mapping[str, nn.Module],
         optimizers: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
-        schedulers: SupportsState | Mapping[str, SupportsState] | None = None,
-        dataloaders: SupportsState | Mapping[str, SupportsState] | None = None,
+        schedulers: Stateful | Mapping[str, Stateful] | None = None,
+        dataloaders: Stateful | Mapping[str, Stateful] | None = None,
         restore_rng: bool = True,
         config: Mapping[str, Any] | None = None,
         override_lr: bool = False,
@@ -594,9 +581,7 @@ class Checkpointer:
                 f"complete ones: {[p.name for p in self.list_checkpoints()]}"
             )
         meta, states = read or check_readable(path)
-        given = _named(
-            models=models, optimizers=optimizers, schedulers=schedulers, dataloaders=dataloaders
-        )
+        given = _named(models, optimizers, schedulers, dataloaders)
         models_, optims_, scheds_, loaders_ = given.values()
         check_held_alike(
             path, meta, "deepspeed", {k: is_deepspeed_engine(m) for k, m in models_.items()}
@@ -876,7 +861,7 @@ def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) ->
 
 def _override_lrs(
     optims: Mapping[str, torch.optim.Optimizer],
-    scheds: Mapping[str, SupportsState],
+    scheds: Mapping[str, Stateful],
     new: Mapping[str, list[float]],
 ) -> None:
     """Put the configured base LRs back after loading, keeping the schedule's position: each

@@ -109,14 +109,13 @@ class ExportSpec:
     ) -> ExportSpec:
         """The spec of a recipe's trained model: ``model`` its ``model:`` section (path, dtype,
         trust_remote_code), ``strategy`` its :class:`~lightrft.sections.StrategyConfig`."""
-        lora = strategy.lora
         return cls(
             kind=kind,
             path=str(model.path),
             dtype=str(model.dtype),
             trust_remote_code=bool(model.trust_remote_code),
             strategy=strategy.strategy,
-            lora=None if lora is None else json.loads(json.dumps(dataclasses.asdict(lora))),
+            lora=None if strategy.lora is None else dataclasses.asdict(strategy.lora),
             adapter=adapter,
             model=name,
             cwd=os.getcwd(),
@@ -145,15 +144,12 @@ class ExportSpec:
                 "does not know (a checkpoint of a newer version?)"
             )
         spec = cls(**record)
-        if spec.kind not in KINDS:
-            raise ValueError(
-                f"{where}: 'export.kind' is {spec.kind!r}; this version exports {list(KINDS)}"
-            )
-        if spec.strategy not in STRATEGIES:
-            raise ValueError(
-                f"{where}: 'export.strategy' is {spec.strategy!r}; this version exports "
-                f"checkpoints of {list(STRATEGIES)}"
-            )
+        for key, known, of in (("kind", KINDS, ""), ("strategy", STRATEGIES, "checkpoints of ")):
+            if getattr(spec, key) not in known:
+                raise ValueError(
+                    f"{where}: 'export.{key}' is {getattr(spec, key)!r}; this version exports "
+                    f"{of}{list(known)}"
+                )
         if spec.kind == "reward_net" and not isinstance(spec.reward, dict):
             raise ValueError(f"{where}: 'export.reward' is missing for kind 'reward_net'")
         try:
@@ -165,14 +161,11 @@ class ExportSpec:
     def lora_config(self) -> LoraConfig | None:
         if self.lora is None:
             return None
-        d = dict(self.lora)
-        for key in ("target_modules", "trained_modules"):
-            if isinstance(d.get(key), list):
-                d[key] = tuple(d[key])
         try:
-            return LoraConfig(**d)
+            lora = LoraConfig(**self.lora)
         except TypeError as e:  # a key another version wrote
             raise ValueError(f"'export.lora' is not a lora section of this version: {e}") from None
+        return lora.checked("export.lora.")  # resolved as the run's was: JSON's lists as tuples
 
     def base_path(self) -> str:
         """The base model directory, resolved against the run's working directory."""

@@ -14,12 +14,13 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from lightrft.distributed import is_main
 
@@ -45,7 +46,7 @@ def _to_float(name: str, value: Any) -> float:
 # Logger
 
 
-class MetricLogger:
+class MetricLogger(AbstractContextManager):  # __enter__ returns the logger
     """Fan scalar metrics out to ``metrics.jsonl``, TensorBoard and (optionally) W&B, on rank 0.
 
     Args:
@@ -90,10 +91,6 @@ class MetricLogger:
                     "`wandb` package is not installed: pip install "
                     "'lightrft[wandb]', or disable wandb"
                 ) from None
-        elif wandb is not None and wandb is not False:
-            raise ValueError(
-                f"wandb must be a bool or a dict of wandb.init arguments, got {wandb!r}"
-            )
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             _truncate_jsonl(self.jsonl_path, resume_step)
@@ -142,9 +139,6 @@ class MetricLogger:
             self._wandb.finish()
         self._jsonl = self._tb = self._wandb = None
 
-    def __enter__(self) -> MetricLogger:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -163,14 +157,14 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
             if not isinstance(row, dict):
                 continue
             step = row.get("step", 0)
-            if not isinstance(step, int) or isinstance(step, bool):
+            odd = not isinstance(step, int) or isinstance(step, bool)
+            if odd:
                 print(
                     f"resume: warning: {path}:{lineno}: step {step!r} is not an integer; "
                     "the row is kept as it is",
                     flush=True,
                 )
-                kept.append(json.dumps(row) + "\n")
-            elif step <= last_step:
+            if odd or step <= last_step:
                 kept.append(json.dumps(row) + "\n")
     from lightrft.training.safe_state import write_atomic  # (imports DCP: only when resuming)
 
@@ -190,7 +184,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 # Progress bar
 
 
-class ProgressBar:
+class ProgressBar(tqdm):
     """A tqdm bar on rank 0 (nothing elsewhere) showing loss and tokens/s after each step."""
 
     def __init__(
@@ -202,31 +196,19 @@ class ProgressBar:
         enabled: bool | None = None,
     ):
         self.enabled = is_main() if enabled is None else enabled
-        self._bar = None
-        if self.enabled:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(
-                total=total, initial=initial, desc=desc, dynamic_ncols=True, file=sys.stderr
-            )
+        super().__init__(
+            total=total,
+            initial=initial,
+            desc=desc,
+            dynamic_ncols=True,
+            file=sys.stderr,
+            disable=not self.enabled,
+        )
 
     def update(self, n: int = 1, **postfix: float) -> None:
         """Advance ``n`` steps and show ``postfix`` (e.g. ``loss=0.42, tok_s=1234``)."""
-        if self._bar is None:
-            return
-        self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
-        self._bar.update(n)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
+        super().update(n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,11 +134,5 @@ def cpu_offload_optimizer(
     """
     from torchao.optim import CPUOffloadOptimizer
 
-    try:
-        inner = resolve(optimizer)
-    except Exception:  # noqa: BLE001 - any import failure means the path is wrong
-        raise ValueError(
-            f"cpu_offload_optimizer: optimizer={optimizer!r} is not an importable class"
-        ) from None
-
-    return CPUOffloadOptimizer(params, inner, **kwargs)
+    # A wrong path: resolve's ConfigError (a ValueError) names its part, as for a _component_.
+    return CPUOffloadOptimizer(params, resolve(optimizer), **kwargs)

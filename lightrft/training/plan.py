@@ -47,7 +47,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -689,14 +689,12 @@ def format_plan(result: Plan) -> str:
 def _reward_models(node: Any, at: str) -> list[tuple[str, Any]]:
     """``(key, node)`` of every ``lightrft.rewards.RewardModel`` in a reward config tree."""
     found: list[tuple[str, Any]] = []
-    if isinstance(node, Mapping) or hasattr(node, "items"):
-        target = str(node.get("_component_") or "")
-        if target.endswith("RewardModel"):
+    if isinstance(node, Mapping):  # a dict or omegaconf's DictConfig
+        if str(node.get("_component_") or "").endswith("RewardModel"):
             found.append((at, node))
         for k, v in node.items():
-            if k != "_component_":
-                found += _reward_models(v, f"{at}.{k}")
-    elif isinstance(node, (list, tuple)) or type(node).__name__ == "ListConfig":
+            found += _reward_models(v, f"{at}.{k}")
+    elif isinstance(node, Sequence) and not isinstance(node, str):  # or a ListConfig
         for i, v in enumerate(node):
             found += _reward_models(v, f"{at}[{i}]")
     return found

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightrft.data.preference import PreferenceCollator
-from lightrft.distributed import all_reduce_sum
+from lightrft.distributed import DistInfo, all_reduce_sum
 from lightrft.models.forward import causal_lm_token_logprobs
 
 
@@ -120,24 +120,22 @@ def precompute_reference(
     ref_fn: Callable[[dict[str, Any]], tuple[torch.Tensor, torch.Tensor]],
     *,
     batch_size: int,
-    rank: int,
-    world_size: int,
+    dist: DistInfo,
     path: Path,
     key: str,
-    is_main: bool,
 ) -> torch.Tensor:
     """``[items, K, 2]`` (summed log-prob, token count) of every sequence of ``ds`` under the
     reference (``ref_fn(batch) -> (sums, counts)``), read from ``path`` when its key matches.
-    Each rank computes its share in the same number of forwards (FSDP is collective); the shares
-    are summed over ranks; the main rank writes the file."""
+    Each rank of ``dist`` computes its share in the same number of forwards (FSDP is
+    collective); the shares are summed over ranks; the main rank writes the file."""
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         if saved.get("key") == key:
             return saved["table"]
     n = len(ds)
     table = torch.zeros(n, max(len(ds.tokens(i)[0]) for i in range(n)), 2, dtype=torch.float64)
-    mine = list(range(rank, n, world_size))
-    per_rank = -(-n // world_size)
+    mine = list(range(dist.rank, n, dist.world_size))
+    per_rank = -(-n // dist.world_size)
     padded = mine + mine[-1:] * (per_rank - len(mine))
     for lo in range(0, per_rank, batch_size):
         idx = padded[lo : lo + batch_size]
@@ -149,7 +147,7 @@ def precompute_reference(
                 c = c[c >= 0]
                 table[i, : len(c), 0], table[i, : len(c), 1] = sums[c], counts[c]
     table = all_reduce_sum(table).float()
-    if is_main:
+    if dist.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"key": key, "table": table}, path)
     return table

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -94,7 +95,7 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if tag == "tuple":
         return tuple(_decode(x, tensors) for x in obj["items"])
     if tag == "dict":
-        return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in obj["items"]}
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["items"]}
     if tag == "ndarray":
         return tensors[obj["key"]].numpy().view(np.dtype(obj["dtype"])).copy()
     if tag == "npscalar":
@@ -102,17 +103,11 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     raise UnsafeCheckpointError(f"unknown tag {tag!r} in checkpoint state")
 
 
-def _hashable(x: Any) -> Any:
-    return tuple(_hashable(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
 def save_state(obj: Any, stem: Path) -> None:
     """Write ``obj`` to ``<stem>.json`` and ``<stem>.safetensors`` (each atomically)."""
-    from safetensors.torch import save
-
     tensors: dict[str, torch.Tensor] = {}
     doc = json.dumps(_encode(obj, tensors), allow_nan=True)
-    blob = save(tensors)
+    blob = safetensors.torch.save(tensors)
     for suffix, data in ((".safetensors", blob), (".json", doc.encode())):
         write_atomic(stem.with_name(stem.name + suffix), data)
 
@@ -136,8 +131,6 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def load_state(stem: Path) -> Any:
     """Read what :func:`save_state` wrote; never unpickles."""
-    from safetensors.torch import load
-
     js, st = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".safetensors")
     if not js.is_file():
         legacy = stem.with_name(stem.name + ".pt")
@@ -150,7 +143,7 @@ def load_state(stem: Path) -> Any:
         raise DamagedStateError(f"per-rank state {js} is missing")  # e.g. copied in part
     try:
         doc = json.loads(js.read_text())
-        tensors = load(st.read_bytes()) if st.is_file() else {}
+        tensors = safetensors.torch.load(st.read_bytes()) if st.is_file() else {}
         return _decode(doc, tensors)
     except (ValueError, KeyError, TypeError) as e:
         raise DamagedStateError(f"per-rank state {js} is corrupt: {e}") from None
