@@ -91,6 +91,10 @@ class MetricLogger(AbstractContextManager):  # __enter__ returns the logger
                     "`wandb` package is not installed: pip install "
                     "'lightrft[wandb]', or disable wandb"
                 ) from None
+        elif wandb is not None and wandb is not False:
+            raise ValueError(
+                f"wandb must be a bool or a dict of wandb.init arguments, got {wandb!r}"
+            )
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             _truncate_jsonl(self.jsonl_path, resume_step)
