@@ -91,6 +91,9 @@ def test_wandb_optional(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"wandb.*not installed.*lightrft\[wandb\]"):
         MetricLogger(tmp_path, wandb=True)
     MetricLogger(tmp_path, wandb=False).close()  # never needed when off
+    # A project name given as a string would log nowhere: refused, naming the two forms.
+    with pytest.raises(ValueError, match="wandb must be a bool or a dict of wandb.init"):
+        MetricLogger(tmp_path, wandb="lightrft")
 
     calls = []
 
