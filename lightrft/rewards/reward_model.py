@@ -307,16 +307,29 @@ class RewardModel:
         head: nn.Module,
         tokenizer: Any,
         *,
+        micro_batch_size: int = 8,
+        max_length: int = 2048,
         device: str | torch.device | None = None,
-        **options: Any,
+        chat_template: bool = True,
+        padding_side: Literal["left", "right"] = "right",
+        scale: float = 1.0,
+        bias: float = 0.0,
     ) -> RewardModel:
         """A reward model from an already built backbone (returning ``last_hidden_state``), a
-        ``hidden -> 1`` head and a tokenizer, e.g. to share a model object with the recipe.
-        ``options``: the constructor's ``micro_batch_size``, ``max_length``, ``chat_template``,
-        ``padding_side``, ``scale`` and ``bias`` (same defaults)."""
+        ``hidden -> 1`` head and a tokenizer, e.g. to share a model object with the recipe."""
         self = cls.__new__(cls)
         dev = device if device is not None else next(backbone.parameters()).device
-        self._setup(RewardNet(backbone, head), tokenizer, device=dev, **options)
+        self._setup(
+            RewardNet(backbone, head),
+            tokenizer,
+            micro_batch_size=micro_batch_size,
+            max_length=max_length,
+            device=dev,
+            chat_template=chat_template,
+            padding_side=padding_side,
+            scale=scale,
+            bias=bias,
+        )
         return self
 
     def _setup(
@@ -327,14 +340,14 @@ class RewardModel:
         media=None,
         score_head: str | None = None,
         stats: dict[str, dict[str, float]] | None = None,
-        micro_batch_size: int = 8,
-        max_length: int = 2048,
+        micro_batch_size: int,
+        max_length: int,
         device,
         offload: bool = False,
-        chat_template: bool = True,
-        padding_side: str = "right",
-        scale: float = 1.0,
-        bias: float = 0.0,
+        chat_template: bool,
+        padding_side: str,
+        scale: float,
+        bias: float,
         sharded: bool = False,
     ) -> None:
         at_least("micro_batch_size", micro_batch_size, 1)
