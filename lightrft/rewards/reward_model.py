@@ -146,6 +146,21 @@ def _value_head_net(
     )
 
 
+def _check_options(
+    tokenizer, micro_batch_size: int, max_length: int, padding_side: str, chat_template: bool
+) -> None:
+    """Refuse a reward model's bad options before its weights load (named, as passed)."""
+    at_least("micro_batch_size", micro_batch_size, 1)
+    at_least("max_length", max_length, 2)
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the reward model's tokenizer has no chat template; pass "
+            "chat_template=False to score prompt + response as plain text"
+        )
+
+
 class RewardModel:
     """A scalar reward model as a reward function: ``rm(prompts, responses, ...) -> Tensor [B]``.
 
@@ -245,6 +260,7 @@ class RewardModel:
         check_local(path)
         # A text model's tokenizer twice, or a vision- or audio-language model's processor.
         processor, tokenizer = load_processors(path, trust_remote_code=trust_remote_code)
+        _check_options(tokenizer, micro_batch_size, max_length, padding_side, chat_template)
         # Media only from the conversations' parts, read and bounded as the preference data's
         # options say (checked here, before the weights load).
         samples = MediaSamples(processor, media, given=f"{path} is a text-only reward model")
@@ -317,6 +333,7 @@ class RewardModel:
     ) -> RewardModel:
         """A reward model from an already built backbone (returning ``last_hidden_state``), a
         ``hidden -> 1`` head and a tokenizer, e.g. to share a model object with the recipe."""
+        _check_options(tokenizer, micro_batch_size, max_length, padding_side, chat_template)
         self = cls.__new__(cls)
         dev = device if device is not None else next(backbone.parameters()).device
         self._setup(
@@ -350,15 +367,6 @@ class RewardModel:
         bias: float,
         sharded: bool = False,
     ) -> None:
-        at_least("micro_batch_size", micro_batch_size, 1)
-        at_least("max_length", max_length, 2)
-        if padding_side not in ("left", "right"):
-            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-        if chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the reward model's tokenizer has no chat template; pass "
-                "chat_template=False to score prompt + response as plain text"
-            )
         if score_head is None:
             score_head = net.heads[0]
         if score_head not in net.heads:

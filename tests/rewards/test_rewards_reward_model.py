@@ -182,9 +182,23 @@ def test_chat_reward_model_renders_the_conversation_not_the_rendered_prompt(clas
         RewardModel(str(classifier_dir), media=MediaOptions(image=ImageOptions(min_pixels=100)))
 
 
-def test_errors(classifier_dir, value_head_dir, tiny_model_dir):
-    with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
-        RewardModel(str(classifier_dir), micro_batch_size=0)
+def test_errors(classifier_dir, value_head_dir, tiny_model_dir, monkeypatch):
+    # Bad options are refused before any weights load.
+    import lightrft.rewards.reward_model as rm_module
+
+    with monkeypatch.context() as m:
+
+        def no_loading(*args, **kwargs):
+            raise AssertionError("weights loaded before the options were checked")
+
+        m.setattr(rm_module, "load_reward_net", no_loading)
+        for bad, message in [
+            ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
+            ({"max_length": 1}, "max_length must be >= 2"),
+            ({"padding_side": "top"}, "padding_side must be 'left' or 'right'"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                RewardModel(str(classifier_dir), **bad)
     with pytest.raises(ValueError, match="head must be"):
         RewardModel(str(classifier_dir), head="linear")
     with pytest.raises(ValueError, match="no tensor 'value_head.weight'.*value_head_key"):
