@@ -568,8 +568,9 @@ class Checkpointer:
         dataloader continues from the position all saved ranks reached together
         (:meth:`~lightrft.data.loader.ResumableDataLoader.load_resharded`); ``extra`` must be
         the same on every saved rank (it is rank 0's); the RNG states, which were per rank, are
-        re-seeded from ``(seed, step, rank)`` (:func:`reseed`). A DeepSpeed engine's files do
-        not reshard: refused.
+        re-seeded from ``(seed, step, rank)`` (:func:`reseed`). Weights alone (no
+        ``dataloaders``, ``restore_rng=False``) are not checked for that: every rank gets rank
+        0's ``extra``. A DeepSpeed engine's files do not reshard: refused.
 
         ``read``: what :func:`check_readable` has already read of ``path`` (:meth:`load_latest`
         passes rank 0's), so the checkpoint is not read a second time.
@@ -643,8 +644,8 @@ class Checkpointer:
             if restore_rng:
                 reseed(seed, int(meta["step"]), rank)
                 per_rank["rng"] = rng_state()
-        else:
-            per_rank = states[min(rank, saved_world - 1)]
+        else:  # resharded without rank state (weights alone): rank 0's extra, unchecked
+            per_rank = states[0 if resharded else rank]
             for name, loader in loaders_.items():
                 loader.load_state_dict(per_rank["dataloaders"][name])
             if restore_rng:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -393,3 +394,27 @@ def test_cuda_model_and_rng_round_trip(tiny_model_dir, tmp_path):
     for k, v in model.state_dict().items():
         assert v.is_cuda and torch.equal(v, want[k]), k
     assert torch.equal(torch.rand(4, device="cuda"), want_rand)
+
+
+def test_resharded_load_without_rank_state_gives_rank_0s_extra(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Saved by 3 ranks, loaded by rank 1 of 2 with no dataloaders and no RNG (weights alone):
+    ``extra`` is rank 0's on every rank, as the docstring says, not the saved rank 1's."""
+    import lightrft.training.checkpoint as mod
+
+    model, opt, sched = _setup(tiny_model_dir)
+    ckpt = Checkpointer(tmp_path)
+    path = ckpt.save(3, models=model, optimizers=opt, schedulers=sched, extra={"epoch": 1})
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "world_size": 3}))
+    state0 = json.loads((path / "rank_00000.json").read_text())
+    for r in (1, 2):  # what ranks 1 and 2 of the saving run wrote (tensors beside the JSON)
+        (path / f"rank_{r:05d}.json").write_text(json.dumps(state0))
+        shutil.copy(path / "rank_00000.safetensors", path / f"rank_{r:05d}.safetensors")
+    monkeypatch.setattr(mod, "_rank_and_world", lambda: (1, 2))
+    state = ckpt.load(path, models=model, optimizers=opt, schedulers=sched, restore_rng=False)
+    assert state.extra == {"epoch": 1} and state.world_size == 3
+    (path / "rank_00001.json").write_text(json.dumps({**state0, "extra": {"epoch": 2}}))
+    state = ckpt.load(path, models=model, optimizers=opt, schedulers=sched, restore_rng=False)
+    assert state.extra == {"epoch": 1}  # rank 0's (it was the saved rank 1's, epoch 2)
