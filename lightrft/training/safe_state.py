@@ -16,6 +16,7 @@ Two parts:
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
@@ -120,13 +121,29 @@ def stored_alike(a: Any, b: Any) -> bool:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old or the new content, never a torn file."""
+    """Write ``data`` to ``path`` so readers see the old or the new content, never a torn file.
+    The temporary file a killed writer left beside it (``.NAME.PID.tmp``, PID gone) is removed."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = stale.name[len(path.name) + 2 : -4]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load_state(stem: Path) -> Any:

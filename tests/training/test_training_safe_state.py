@@ -117,3 +117,20 @@ def test_planted_object_in_dcp_bytes_entry_is_refused(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="payload"):
         ckpt.load_latest(models=model, optimizers=opt, schedulers=_EvilScheduler(marker))
     assert not marker.exists()
+
+
+def test_write_atomic_removes_a_killed_writers_temporary_file(tmp_path):
+    """A writer killed between its write and its rename leaves ``.NAME.PID.tmp``; the next write
+    of NAME removes it when PID is gone, and leaves a live writer's and other names' alone."""
+    import os
+
+    from lightrft.training.safe_state import write_atomic
+
+    dead = tmp_path / ".latest.4194399.tmp"  # above Linux's largest pid (2^22): no such process
+    live = tmp_path / f".latest.{os.getppid()}.tmp"
+    other = tmp_path / ".meta.json.4194399.tmp"
+    for f in (dead, live, other):
+        f.write_text("step_000002\n")
+    write_atomic(tmp_path / "latest", b"step_000004\n")
+    assert (tmp_path / "latest").read_text() == "step_000004\n"
+    assert not dead.exists() and live.exists() and other.exists()
