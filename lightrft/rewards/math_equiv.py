@@ -208,9 +208,11 @@ class EquivalencePool:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.workers = workers
         self.timeout = float(timeout)
-        self._idle: queue.Queue[_Worker | None] = queue.Queue()
+        # Slots: (a worker, or None until first use, and the close() generation it belongs to).
+        self._idle: queue.Queue[tuple[_Worker | None, int]] = queue.Queue()
+        self._generation = 0
         for _ in range(workers):
-            self._idle.put(None)  # a slot; the process starts on first use
+            self._idle.put((None, 0))
         self._live: set[_Worker] = set()
         self._lock = threading.Lock()
         self.stats = {"calls": 0, "timeouts": 0}
@@ -235,7 +237,7 @@ class EquivalencePool:
     def _ask(self, op: str, args: Sequence[str]) -> Verdict | None:
         """One request on an idle worker (started if need be), within ``timeout``; ``None`` if
         it ran out (the worker is then killed and its slot refilled on next use)."""
-        worker = self._idle.get()
+        worker, generation = self._idle.get()
         try:
             if worker is None:
                 worker = _Worker()
@@ -253,7 +255,12 @@ class EquivalencePool:
                 worker = None
             return verdict
         finally:
-            self._idle.put(worker)
+            with self._lock:  # a close() meanwhile refilled every slot: this one is gone
+                kept = generation == self._generation
+            if kept:
+                self._idle.put((worker, generation))
+            elif worker is not None:
+                worker.close()
 
     def _map(self, fn, items: Sequence) -> list:
         """``fn(*item)`` of each item, up to ``workers`` at a time, in order."""
@@ -271,7 +278,10 @@ class EquivalencePool:
         return self._map(self.judge, pairs)
 
     def close(self) -> None:
-        """Stop the worker processes (a later call starts new ones)."""
+        """Stop the worker processes (a later call starts new ones); a call running meanwhile
+        ends without an answer and gives its slot up."""
+        with self._lock:
+            self._generation += 1
         _close_workers(self._live, self._lock)
         while True:
             try:
@@ -279,7 +289,7 @@ class EquivalencePool:
             except queue.Empty:
                 break
         for _ in range(self.workers):
-            self._idle.put(None)
+            self._idle.put((None, self._generation))
 
 
 def _close_workers(live: set[_Worker], lock: threading.Lock) -> None:

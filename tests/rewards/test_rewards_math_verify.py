@@ -160,6 +160,29 @@ def test_timeout_kills_and_replaces_the_worker():
         pool.close()
 
 
+def test_close_during_a_call_keeps_the_pool_at_its_size():
+    """close() while a call runs: the call ends unequal, and its slot is not handed back on top
+    of the ones close() refilled (the pool kept one slot too many)."""
+    pool = EquivalencePool(workers=1, timeout=30.0)
+    results = []
+    # A comparison sympy works on for the whole timeout: the call is surely running at close().
+    t = threading.Thread(target=lambda: results.append(pool.equal(r"10^{10^{10}}", "1")))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not pool._live and time.monotonic() < deadline:  # the call's worker is up
+        time.sleep(0.01)
+    time.sleep(0.5)
+    start = time.monotonic()
+    pool.close()
+    t.join(30)
+    assert results == [False] and time.monotonic() - start < 10  # stopped, not timed out
+    assert pool._idle.qsize() == 1
+    try:
+        assert pool.equal("2", "2")  # and the pool still works
+    finally:
+        pool.close()
+
+
 def test_runs_in_threads(verifier):
     # math-verify's own timeout uses signal.alarm, which fails outside the main thread; ours not.
     results = []
