@@ -134,7 +134,8 @@ def load_vision_model(
 ) -> nn.Module:
     """An ``AutoModelForImageTextToText`` model (vision-language), or an
     ``AutoModelForMultimodalLM`` one (audio-language: Qwen2-Audio), from a local directory or
-    hub id: :func:`~lightrft.models.loading.load_model` of a multimodal checkpoint."""
+    hub id: :func:`~lightrft.models.loading.load_model` of a multimodal checkpoint (given a
+    text-only checkpoint, it loads the causal LM, as ``load_model`` does)."""
     from lightrft.models.loading import load_model
 
     return load_model(
