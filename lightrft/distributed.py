@@ -165,7 +165,9 @@ def destroy(clean: bool = True) -> None:
 
 
 def all_gather_objects(obj):
-    """Every rank's (small, picklable) ``obj`` in rank order; ``[obj]`` in one process."""
+    """Every rank's picklable ``obj`` in rank order; ``[obj]`` in one process. Pickled whole
+    through the default group (gloo for CPU objects under ``cpu:gloo,cuda:nccl``): a rollout
+    batch of CPU tensors is fine; keep device tensors and model states out of it."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
