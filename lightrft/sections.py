@@ -469,6 +469,16 @@ def check_sequence_parallel(
         )
 
 
+def check_sequence_parallel_critic(n: int, critic: bool) -> None:
+    """Refuse Ulysses sequence parallelism of degree ``n`` beside a GAE ``critic`` (GRPO's
+    config check and the planner both apply it)."""
+    if n > 1 and critic:
+        raise ValueError(
+            f"sequence_parallel={n} does not support a GAE critic (estimator=gae) yet; set "
+            "sequence_parallel=1 or another estimator"
+        )
+
+
 def check_sequence_parallel_checkpoint(n: int, path: str | os.PathLike) -> None:
     """:func:`check_sequence_parallel_model` for the local checkpoint at ``path``, from its
     ``config.json`` alone (validation: no transformers, no weights); nothing to check without a

@@ -17,7 +17,11 @@ from lightrft.models.multimodal import (
     checkpoint_is_multimodal,
     checkpoint_is_vision_language,
 )
-from lightrft.sections import check_model_path, check_sequence_parallel_checkpoint
+from lightrft.sections import (
+    check_model_path,
+    check_sequence_parallel_checkpoint,
+    check_sequence_parallel_critic,
+)
 
 
 def _check_off_policy(opts: Any, key: str, *, engine: str, episodes: str, samples: str):
@@ -101,11 +105,7 @@ def check_models(opts: Any, *, prepare=None, loading: bool = False) -> None:
                                  load_tokenizer(d.path, trust_remote_code=rc))  # fmt: skip
     check_towers(opts.model)
     sp = opts.strategy.sequence_parallel
-    if opts.critic is not None and sp > 1:
-        raise ValueError(
-            f"sequence_parallel={sp} does not support a GAE critic (estimator=gae) yet; set "
-            "sequence_parallel=1 or another estimator"
-        )
+    check_sequence_parallel_critic(sp, opts.critic is not None)
     check_sequence_parallel_checkpoint(sp, opts.model.path)
     if checkpoint_is_multimodal(opts.model.path) and opts.critic is not None:
         vlm = checkpoint_is_vision_language(opts.model.path)

@@ -54,7 +54,12 @@ from typing import Any, Literal
 
 from lightrft.config import at_least
 from lightrft.kernels import default_chunk_size as fused_chunk_rows  # the fused kernel's chunk
-from lightrft.sections import DTYPE_NAMES, check_sequence_parallel_model, mesh_shape
+from lightrft.sections import (
+    DTYPE_NAMES,
+    check_sequence_parallel_critic,
+    check_sequence_parallel_model,
+    mesh_shape,
+)
 from lightrft.sections import check_sequence_parallel as strategy_rule
 
 GiB = 1 << 30
@@ -451,11 +456,7 @@ def check_sequence_parallel(p: PlanInputs) -> None:
     check_sequence_parallel_model(
         n, s.multimodal_type or s.model_type, s.heads, s.kv_heads, sliding_window=s.sliding_window
     )
-    if n > 1 and p.critic is not None:  # recipes/grpo.py refuses it too
-        raise ValueError(
-            f"sequence_parallel={n} does not support a GAE critic (estimator=gae) yet; set "
-            "sequence_parallel=1 or another estimator"
-        )
+    check_sequence_parallel_critic(n, p.critic is not None)
 
 
 def engine_terms(
