@@ -146,21 +146,6 @@ def _value_head_net(
     )
 
 
-def _check_options(
-    tokenizer, micro_batch_size: int, max_length: int, padding_side: str, chat_template: bool
-) -> None:
-    """Refuse a reward model's bad options before its weights load (named, as passed)."""
-    at_least("micro_batch_size", micro_batch_size, 1)
-    at_least("max_length", max_length, 2)
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    if chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the reward model's tokenizer has no chat template; pass "
-            "chat_template=False to score prompt + response as plain text"
-        )
-
-
 class RewardModel:
     """A scalar reward model as a reward function: ``rm(prompts, responses, ...) -> Tensor [B]``.
 
@@ -260,7 +245,9 @@ class RewardModel:
         check_local(path)
         # A text model's tokenizer twice, or a vision- or audio-language model's processor.
         processor, tokenizer = load_processors(path, trust_remote_code=trust_remote_code)
-        _check_options(tokenizer, micro_batch_size, max_length, padding_side, chat_template)
+        self._options(
+            tokenizer, micro_batch_size, max_length, padding_side, chat_template, scale, bias
+        )
         # Media only from the conversations' parts, read and bounded as the preference data's
         # options say (checked here, before the weights load).
         samples = MediaSamples(processor, media, given=f"{path} is a text-only reward model")
@@ -301,18 +288,11 @@ class RewardModel:
             )
         self._setup(
             net,
-            tokenizer,
             media=samples if multimodal else None,
             score_head=score_head,
             stats=((read_reward_config(path) or {}).get("stats") or {}) if normalize else None,
-            micro_batch_size=micro_batch_size,
-            max_length=max_length,
             device=device,
             offload=offload,
-            chat_template=chat_template,
-            padding_side=padding_side,
-            scale=scale,
-            bias=bias,
             sharded=mesh is not None,
         )
 
@@ -333,38 +313,53 @@ class RewardModel:
     ) -> RewardModel:
         """A reward model from an already built backbone (returning ``last_hidden_state``), a
         ``hidden -> 1`` head and a tokenizer, e.g. to share a model object with the recipe."""
-        _check_options(tokenizer, micro_batch_size, max_length, padding_side, chat_template)
         self = cls.__new__(cls)
-        dev = device if device is not None else next(backbone.parameters()).device
-        self._setup(
-            RewardNet(backbone, head),
-            tokenizer,
-            micro_batch_size=micro_batch_size,
-            max_length=max_length,
-            device=dev,
-            chat_template=chat_template,
-            padding_side=padding_side,
-            scale=scale,
-            bias=bias,
+        self._options(
+            tokenizer, micro_batch_size, max_length, padding_side, chat_template, scale, bias
         )
+        dev = device if device is not None else next(backbone.parameters()).device
+        self._setup(RewardNet(backbone, head), device=dev)
         return self
+
+    def _options(
+        self,
+        tokenizer,
+        micro_batch_size: int,
+        max_length: int,
+        padding_side: str,
+        chat_template: bool,
+        scale: float,
+        bias: float,
+    ) -> None:
+        """Refuse a reward model's bad options before its weights load (named, as passed), and
+        keep them."""
+        at_least("micro_batch_size", micro_batch_size, 1)
+        at_least("max_length", max_length, 2)
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the reward model's tokenizer has no chat template; pass "
+                "chat_template=False to score prompt + response as plain text"
+            )
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.max_length = max_length
+        self.chat_template = chat_template
+        self.padding_side = padding_side
+        self.scale, self.bias = float(scale), float(bias)
+        ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+        self.pad_id = int(next((i for i in ids if i is not None), 0))  # pad, else eos, else 0
 
     def _setup(
         self,
         net: RewardNet,
-        tokenizer,
         *,
         media=None,
         score_head: str | None = None,
         stats: dict[str, dict[str, float]] | None = None,
-        micro_batch_size: int,
-        max_length: int,
         device,
         offload: bool = False,
-        chat_template: bool,
-        padding_side: str,
-        scale: float,
-        bias: float,
         sharded: bool = False,
     ) -> None:
         if score_head is None:
@@ -391,16 +386,8 @@ class RewardModel:
         if not sharded:
             net = net.to("cpu" if offload else self.device)
         self.net = net.eval().requires_grad_(False)
-        self.tokenizer = tokenizer
         self.media = media  # MediaSamples of a vision- or audio-language reward model, else None
-        self.micro_batch_size = micro_batch_size
-        self.max_length = max_length
-        self.chat_template = chat_template
-        self.padding_side = padding_side
-        self.scale, self.bias = float(scale), float(bias)
         self.last_head_scores: dict[str, torch.Tensor] = {}
-        ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
-        self.pad_id = int(next((i for i in ids if i is not None), 0))  # pad, else eos, else 0
 
     def render(self, prompt: Prompt, response: str) -> str:
         """The text the reward model reads for one (prompt, response) pair."""
