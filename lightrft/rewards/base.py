@@ -234,18 +234,15 @@ class RewardOutput:
             f"{prefix}/total/mean": self.total.mean().item() if self.total.numel() else 0.0,
             f"{prefix}/total/std": _std(self.total),
         }
-        for name, part in self.parts.items():
-            vals = part[self.applied[name]]
-            if vals.numel():
-                out[f"{prefix}/{name}/mean"] = vals.mean().item()
-                out[f"{prefix}/{name}/std"] = _std(vals)
-            out[f"{prefix}/{name}/count"] = float(vals.numel())
-            out[f"{prefix}/{name}/seconds"] = self.seconds.get(name, 0.0)
-        for key, scores in self.heads.items():
+        # Each function's rewards, then each head's scores ("name/head"), where it scored.
+        for key, scores in {**self.parts, **self.heads}.items():
             vals = scores[self.applied[key.split("/")[0]]]
             if vals.numel():
                 out[f"{prefix}/{key}/mean"] = vals.mean().item()
                 out[f"{prefix}/{key}/std"] = _std(vals)
+            if key in self.parts:
+                out[f"{prefix}/{key}/count"] = float(vals.numel())
+                out[f"{prefix}/{key}/seconds"] = self.seconds.get(key, 0.0)
         out.update({f"{prefix}/{key}": v for key, v in self.extra.items()})
         return out
 
