@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from lightrft.config import UserError
+from lightrft.config import UserError, instantiate
 from lightrft.data.media import MEDIA_KINDS, Media
 
 # A prompt is its text, or a chat conversation [{"role": ..., "content": ...}, ...].
@@ -253,10 +254,6 @@ def _std(x: torch.Tensor) -> float:
 
 def instantiate_node(node: Mapping[str, Any]) -> Any:
     """Build the component a ``_component_`` mapping (a dict or a config node) describes."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from lightrft.config import instantiate
-
     # A DictConfig keeps its parent, so `${...}` interpolations into the rest of the config work.
     return instantiate(node if isinstance(node, DictConfig) else OmegaConf.create(dict(node)))
 

@@ -65,6 +65,7 @@ from lightrft.data.records import MediaSamples
 from lightrft.data.templates import encode_prompt
 from lightrft.engine.config import EngineConfig
 from lightrft.engine.protocol import Request, SamplingParams
+from lightrft.models.multimodal import load_processors
 from lightrft.rewards.base import Prompt, RewardInputError, Sample, finite_number, media_parts
 
 log = logging.getLogger(__name__)
@@ -252,8 +253,6 @@ class GenerativeReward:
             if media is not None:
                 MediaSamples(None, media, given="a remote judge (url) takes its media as sent")
         else:
-            from lightrft.models.multimodal import load_processors
-
             engine = engine or JudgeEngineConfig()
             if engine.backend != "native" and device is not None:
                 raise ValueError(

@@ -26,12 +26,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightrft.config import at_least
+from lightrft.data.io import Records
 from lightrft.data.media import Media, MediaOptions
-from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
-from lightrft.models.multimodal import checkpoint_config
+from lightrft.data.preference import (
+    encode_with_media,
+    pad_sequences,
+    render_for_scoring,
+    response_start,
+)
+from lightrft.data.records import MediaSamples
+from lightrft.distributed import all_gather_objects
+from lightrft.models.loading import check_local, from_pretrained_dir, to_dtype
+from lightrft.models.multimodal import checkpoint_config, load_processors
+from lightrft.models.parallel import build_mesh
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, Sample, media_parts
 
@@ -111,7 +122,6 @@ def _value_head_net(
     the backbone (the ``hidden -> 1`` head is read whole and sharded from that value)."""
     from transformers import AutoModel
 
-    from lightrft.models.loading import from_pretrained_dir, to_dtype
     from lightrft.models.sharded import (
         SafetensorsIndex,
         build_on_meta,
@@ -233,11 +243,7 @@ class RewardModel:
         attn_implementation: str | None = "sdpa",
         media: MediaOptions | None = None,
     ) -> None:
-        from lightrft.data.records import MediaSamples
         from lightrft.export import resolve_model_dir
-        from lightrft.models.loading import check_local
-        from lightrft.models.multimodal import load_processors
-        from lightrft.models.parallel import build_mesh
 
         # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
         # directory its final/ would be: heads, pooling and statistics included.
@@ -422,9 +428,6 @@ class RewardModel:
         rendered and its images, videos and audio expanded as in its preference data; the token ids,
         each one's first response token, and its media (a :class:`~lightrft.data.media.Media`,
         or None)."""
-        from lightrft.data.io import Records
-        from lightrft.data.preference import encode_with_media
-
         if any(c is None for c in conversations):
             raise ValueError(
                 "a vision- or audio-language reward model renders each sample's conversation "
@@ -475,10 +478,6 @@ class RewardModel:
         world, rank = 1, 0
         parts = [(seqs, starts, None if media is None else list(media))]
         if self.collective:
-            import torch.distributed as dist
-
-            from lightrft.distributed import all_gather_objects
-
             world, rank = dist.get_world_size(), dist.get_rank()
             parts = all_gather_objects(parts[0])  # every rank's samples, in rank order
         all_seqs = [s for p in parts for s in p[0]]
