@@ -527,17 +527,16 @@ class RewardModel:
             return self.score_ids(
                 *self.encode_conversations([s.conversation for s in samples], responses)
             )
-        prompts = [s.prompt for s in samples]
-        if self.chat_template:  # the chats the prompts were rendered from, where given
-            prompts = [
-                p if s.conversation is None else s.conversation
-                for p, s in zip(prompts, samples, strict=True)
-            ]
-            for i, p in enumerate(prompts):
-                if media_parts(p):
-                    raise ValueError(
-                        f"sample {i}'s prompt has images, videos or audio, which a text reward "
-                        "model cannot see or hear: score it with a vision- or audio-language "
-                        "reward model, or with chat_template=false (the rendered prompt text)"
-                    )
+        # With the chat template, the chats the prompts were rendered from, where given.
+        prompts = [
+            s.conversation if self.chat_template and s.conversation is not None else s.prompt
+            for s in samples
+        ]
+        for i, p in enumerate(prompts if self.chat_template else ()):
+            if media_parts(p):
+                raise ValueError(
+                    f"sample {i}'s prompt has images, videos or audio, which a text reward "
+                    "model cannot see or hear: score it with a vision- or audio-language "
+                    "reward model, or with chat_template=false (the rendered prompt text)"
+                )
         return self.score_ids(*self.encode(prompts, responses))
