@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from lightrft.config import UserError
+from lightrft.config import UserError, instantiate
 from lightrft.data.media import MEDIA_KINDS, Media
 
 # A prompt is its text, or a chat conversation [{"role": ..., "content": ...}, ...].
@@ -234,18 +235,15 @@ class RewardOutput:
             f"{prefix}/total/mean": self.total.mean().item() if self.total.numel() else 0.0,
             f"{prefix}/total/std": _std(self.total),
         }
-        for name, part in self.parts.items():
-            vals = part[self.applied[name]]
-            if vals.numel():
-                out[f"{prefix}/{name}/mean"] = vals.mean().item()
-                out[f"{prefix}/{name}/std"] = _std(vals)
-            out[f"{prefix}/{name}/count"] = float(vals.numel())
-            out[f"{prefix}/{name}/seconds"] = self.seconds.get(name, 0.0)
-        for key, scores in self.heads.items():
+        # Each function's rewards, then each head's scores ("name/head"), where it scored.
+        for key, scores in {**self.parts, **self.heads}.items():
             vals = scores[self.applied[key.split("/")[0]]]
             if vals.numel():
                 out[f"{prefix}/{key}/mean"] = vals.mean().item()
                 out[f"{prefix}/{key}/std"] = _std(vals)
+            if key in self.parts:
+                out[f"{prefix}/{key}/count"] = float(vals.numel())
+                out[f"{prefix}/{key}/seconds"] = self.seconds.get(key, 0.0)
         out.update({f"{prefix}/{key}": v for key, v in self.extra.items()})
         return out
 
@@ -256,10 +254,6 @@ def _std(x: torch.Tensor) -> float:
 
 def instantiate_node(node: Mapping[str, Any]) -> Any:
     """Build the component a ``_component_`` mapping (a dict or a config node) describes."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from lightrft.config import instantiate
-
     # A DictConfig keeps its parent, so `${...}` interpolations into the rest of the config work.
     return instantiate(node if isinstance(node, DictConfig) else OmegaConf.create(dict(node)))
 

@@ -59,9 +59,13 @@ from typing import Any, Literal
 import torch
 
 from lightrft.config import section
+from lightrft.data.io import Records
 from lightrft.data.media import MediaOptions
 from lightrft.data.records import MediaSamples
+from lightrft.data.templates import encode_prompt
 from lightrft.engine.config import EngineConfig
+from lightrft.engine.protocol import Request, SamplingParams
+from lightrft.models.multimodal import load_processors
 from lightrft.rewards.base import Prompt, RewardInputError, Sample, finite_number, media_parts
 
 log = logging.getLogger(__name__)
@@ -243,13 +247,32 @@ class GenerativeReward:
         self.engine = None
         self.tokenizer = None
         self.media = None  # MediaSamples of a vision- or audio-language judge
-        if judge is not None:
-            self._load_local(judge, device, engine or JudgeEngineConfig(), media)
-        else:
+        if judge is None:
             if engine is not None:
                 raise ValueError("engine: a remote judge (url) runs on its server's engine")
             if media is not None:
                 MediaSamples(None, media, given="a remote judge (url) takes its media as sent")
+        else:
+            engine = engine or JudgeEngineConfig()
+            if engine.backend != "native" and device is not None:
+                raise ValueError(
+                    f"device applies to a judge on engine.backend=native; engine.backend="
+                    f"{engine.backend} places the judge itself (remove device)"
+                )
+            engine = engine.checked("engine.")  # a section built in Python is checked here
+            # A text model's tokenizer twice, or a vision- or audio-language model's processor.
+            processor, self.tokenizer = load_processors(judge)
+            # Media only from the conversations' parts, bounded as the prompt datasets bound them.
+            samples = MediaSamples(processor, media, given=f"judge {judge} is text-only")
+            if samples.kinds and not self.chat_template:
+                raise ValueError(
+                    f"judge {judge} is a vision- or audio-language model: it needs "
+                    "chat_template=true (the chat template places the image and audio tokens)"
+                )
+            if samples.kinds:
+                self.media = samples
+            # The rollout engines' factory; a fixed seed, as a judge is greedy by default.
+            self.engine = engine.build(judge, self.tokenizer, device=device, seed=0)
         self.parse_failures = 0  # running totals
         self.echo_mismatches = 0
         self.judged = 0
@@ -258,83 +281,50 @@ class GenerativeReward:
         self.last_verdicts: list[str] = []  # the judge's texts of the last call, job by job
         self.last_metrics: dict[str, float] = {}
 
-    def _load_local(
-        self, judge, device, engine: JudgeEngineConfig, options: MediaOptions | None
-    ) -> None:
-        from lightrft.models.multimodal import load_processors
-
-        if engine.backend != "native" and device is not None:
-            raise ValueError(
-                f"device applies to a judge on engine.backend=native; engine.backend="
-                f"{engine.backend} places the judge itself (remove device)"
-            )
-        engine = engine.checked("engine.")  # a section built in Python is checked here
-        # A text model's tokenizer twice, or a vision- or audio-language model's processor.
-        processor, self.tokenizer = load_processors(judge)
-        # Media only from the conversations' parts, bounded as the prompt datasets bound them.
-        media = MediaSamples(processor, options, given=f"judge {judge} is text-only")
-        if media.kinds and not self.chat_template:
-            raise ValueError(
-                f"judge {judge} is a vision- or audio-language model: it needs "
-                "chat_template=true (the chat template places the image and audio tokens)"
-            )
-        if media.kinds:
-            self.media = media
-        # The rollout engines' factory; a fixed seed, as a judge is greedy by default.
-        self.engine = engine.build(judge, self.tokenizer, device=device, seed=0)
-
     # ------------------------------------------------------------------ generation
 
     def _complete(self, texts: list[str], media: list[list[dict[str, Any]]]) -> list[str]:
         """The judge's verdict for each judge prompt; ``media``: each one's image, video and
         audio parts (a vision-language judge only)."""
-        if self.media is not None:
-            return self._generate(self.media_requests(texts, media))
-        if self.engine is not None:
-            return self._complete_local(texts)
-        body = json.dumps(
-            {
-                "model": self.model_name,
-                "prompt": texts,
-                "max_tokens": self.max_tokens,
-                "temperature": self.temperature,
-            }
-        ).encode()
-        req = urllib.request.Request(
-            self.url, data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            out = json.loads(resp.read())
-        choices = sorted(out["choices"], key=lambda c: c.get("index", 0))
-        if len(choices) != len(texts):
-            raise ValueError(
-                f"the judge at {self.url} returned {len(choices)} completions for "
-                f"{len(texts)} prompts"
+        if self.engine is None:  # a remote judge
+            body = json.dumps(
+                {
+                    "model": self.model_name,
+                    "prompt": texts,
+                    "max_tokens": self.max_tokens,
+                    "temperature": self.temperature,
+                }
+            ).encode()
+            req = urllib.request.Request(
+                self.url, data=body, headers={"Content-Type": "application/json"}
             )
-        return [c.get("text", "") for c in choices]
-
-    def _complete_local(self, texts: list[str]) -> list[str]:
-        from lightrft.engine.protocol import Request
-
-        tok = self.tokenizer
-        if self.chat_template:
-            texts = [
-                tok.apply_chat_template(
-                    [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                out = json.loads(resp.read())
+            choices = sorted(out["choices"], key=lambda c: c.get("index", 0))
+            if len(choices) != len(texts):
+                raise ValueError(
+                    f"the judge at {self.url} returned {len(choices)} completions for "
+                    f"{len(texts)} prompts"
                 )
-                for t in texts
-            ]
-        ids = tok(texts, add_special_tokens=False)["input_ids"]
-        return self._generate([Request(list(x)) for x in ids])
+            return [c.get("text", "") for c in choices]
+        if self.media is not None:
+            requests = self.media_requests(texts, media)
+        elif self.chat_template:  # each judge prompt one user turn
+            requests = [Request(encode_prompt(self.tokenizer, t)[1]) for t in texts]
+        else:
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            requests = [Request(list(x)) for x in ids]
+        # Verdict texts decoded here, by the judge's tokenizer, whichever engine generated.
+        sampling = SamplingParams(
+            temperature=self.temperature, max_tokens=self.max_tokens, detokenize=False
+        )
+        done = self.engine.generate(requests, sampling)
+        return [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in done]
 
     def media_requests(self, texts: list[str], media: list[list[dict[str, Any]]]) -> list:
         """The engine requests of a vision- or audio-language judge: each judge prompt as one
         user turn, its media parts first, then the text; rendered, processed and expanded as a
         prompt dataset renders an ``"<image>" + text`` record."""
-        from lightrft.data.io import Records
-        from lightrft.data.templates import encode_prompt
-        from lightrft.engine.protocol import Request
-
         assert self.media is not None
         src = Records.from_list([{} for _ in texts], name="judge prompt")
         requests = []
@@ -345,16 +335,6 @@ class GenerativeReward:
             ids, _, inputs = self.media.expand(ids, None, decoded, src.where(i))
             requests.append(Request(ids, inputs))
         return requests
-
-    def _generate(self, requests: list) -> list[str]:
-        from lightrft.engine.protocol import SamplingParams
-
-        # Verdict texts decoded here, by the judge's tokenizer, whichever engine generated.
-        sampling = SamplingParams(
-            temperature=self.temperature, max_tokens=self.max_tokens, detokenize=False
-        )
-        done = self.engine.generate(requests, sampling)
-        return [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in done]
 
     # ------------------------------------------------------------------ scoring
 
@@ -376,11 +356,6 @@ class GenerativeReward:
             return self.scale * float(found)
         except ValueError:
             return None
-
-    def _echoes(self, text: str, response: str) -> bool:
-        """Whether the judge's copy of the response (the ``echo`` group) is the response."""
-        m = _last_match(text, self.pattern)
-        return m is not None and (m.group("echo") or "").strip() == response.strip()
 
     def judge_prompts(
         self, samples: Sequence[Sample]
@@ -430,7 +405,9 @@ class GenerativeReward:
                 self._recent_failures.append(text)
             else:
                 self.failure_streak = 0  # the pattern matched: the judge works
-                if self.echo and not self._echoes(text, samples[i].response):
+                m = _last_match(text, self.pattern)  # not None: the verdict parsed
+                # The judge's copy of the response (the echo group) must be the response.
+                if self.echo and (m.group("echo") or "").strip() != samples[i].response.strip():
                     mismatches += 1
                     value = None
             sums[i] += self.fallback if value is None else value

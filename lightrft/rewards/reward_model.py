@@ -26,12 +26,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightrft.config import at_least
+from lightrft.data.io import Records
 from lightrft.data.media import Media, MediaOptions
-from lightrft.data.preference import pad_sequences, render_for_scoring, response_start
-from lightrft.models.multimodal import checkpoint_config
+from lightrft.data.preference import (
+    encode_with_media,
+    pad_sequences,
+    render_for_scoring,
+    response_start,
+)
+from lightrft.data.records import MediaSamples
+from lightrft.distributed import all_gather_objects
+from lightrft.models.loading import check_local, from_pretrained_dir, to_dtype
+from lightrft.models.multimodal import checkpoint_config, load_processors
+from lightrft.models.parallel import build_mesh
 from lightrft.models.reward import RewardNet, load_reward_net, read_reward_config
 from lightrft.rewards.base import Prompt, Sample, media_parts
 
@@ -111,7 +122,6 @@ def _value_head_net(
     the backbone (the ``hidden -> 1`` head is read whole and sharded from that value)."""
     from transformers import AutoModel
 
-    from lightrft.models.loading import from_pretrained_dir, to_dtype
     from lightrft.models.sharded import (
         SafetensorsIndex,
         build_on_meta,
@@ -144,21 +154,6 @@ def _value_head_net(
         param_dtype=to_dtype(dtype),
         scoring=True,  # scoring only: no rank gathers the vocabulary-sized embedding
     )
-
-
-def _check_options(
-    tokenizer, micro_batch_size: int, max_length: int, padding_side: str, chat_template: bool
-) -> None:
-    """Refuse a reward model's bad options before its weights load (named, as passed)."""
-    at_least("micro_batch_size", micro_batch_size, 1)
-    at_least("max_length", max_length, 2)
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    if chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the reward model's tokenizer has no chat template; pass "
-            "chat_template=False to score prompt + response as plain text"
-        )
 
 
 class RewardModel:
@@ -248,11 +243,7 @@ class RewardModel:
         attn_implementation: str | None = "sdpa",
         media: MediaOptions | None = None,
     ) -> None:
-        from lightrft.data.records import MediaSamples
         from lightrft.export import resolve_model_dir
-        from lightrft.models.loading import check_local
-        from lightrft.models.multimodal import load_processors
-        from lightrft.models.parallel import build_mesh
 
         # A training checkpoint of recipes/reward_model.py is exported (once, cached) into the
         # directory its final/ would be: heads, pooling and statistics included.
@@ -260,7 +251,9 @@ class RewardModel:
         check_local(path)
         # A text model's tokenizer twice, or a vision- or audio-language model's processor.
         processor, tokenizer = load_processors(path, trust_remote_code=trust_remote_code)
-        _check_options(tokenizer, micro_batch_size, max_length, padding_side, chat_template)
+        self._options(
+            tokenizer, micro_batch_size, max_length, padding_side, chat_template, scale, bias
+        )
         # Media only from the conversations' parts, read and bounded as the preference data's
         # options say (checked here, before the weights load).
         samples = MediaSamples(processor, media, given=f"{path} is a text-only reward model")
@@ -301,18 +294,11 @@ class RewardModel:
             )
         self._setup(
             net,
-            tokenizer,
             media=samples if multimodal else None,
             score_head=score_head,
             stats=((read_reward_config(path) or {}).get("stats") or {}) if normalize else None,
-            micro_batch_size=micro_batch_size,
-            max_length=max_length,
             device=device,
             offload=offload,
-            chat_template=chat_template,
-            padding_side=padding_side,
-            scale=scale,
-            bias=bias,
             sharded=mesh is not None,
         )
 
@@ -333,38 +319,53 @@ class RewardModel:
     ) -> RewardModel:
         """A reward model from an already built backbone (returning ``last_hidden_state``), a
         ``hidden -> 1`` head and a tokenizer, e.g. to share a model object with the recipe."""
-        _check_options(tokenizer, micro_batch_size, max_length, padding_side, chat_template)
         self = cls.__new__(cls)
-        dev = device if device is not None else next(backbone.parameters()).device
-        self._setup(
-            RewardNet(backbone, head),
-            tokenizer,
-            micro_batch_size=micro_batch_size,
-            max_length=max_length,
-            device=dev,
-            chat_template=chat_template,
-            padding_side=padding_side,
-            scale=scale,
-            bias=bias,
+        self._options(
+            tokenizer, micro_batch_size, max_length, padding_side, chat_template, scale, bias
         )
+        dev = device if device is not None else next(backbone.parameters()).device
+        self._setup(RewardNet(backbone, head), device=dev)
         return self
+
+    def _options(
+        self,
+        tokenizer,
+        micro_batch_size: int,
+        max_length: int,
+        padding_side: str,
+        chat_template: bool,
+        scale: float,
+        bias: float,
+    ) -> None:
+        """Refuse a reward model's bad options before its weights load (named, as passed), and
+        keep them."""
+        at_least("micro_batch_size", micro_batch_size, 1)
+        at_least("max_length", max_length, 2)
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the reward model's tokenizer has no chat template; pass "
+                "chat_template=False to score prompt + response as plain text"
+            )
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.max_length = max_length
+        self.chat_template = chat_template
+        self.padding_side = padding_side
+        self.scale, self.bias = float(scale), float(bias)
+        ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+        self.pad_id = int(next((i for i in ids if i is not None), 0))  # pad, else eos, else 0
 
     def _setup(
         self,
         net: RewardNet,
-        tokenizer,
         *,
         media=None,
         score_head: str | None = None,
         stats: dict[str, dict[str, float]] | None = None,
-        micro_batch_size: int,
-        max_length: int,
         device,
         offload: bool = False,
-        chat_template: bool,
-        padding_side: str,
-        scale: float,
-        bias: float,
         sharded: bool = False,
     ) -> None:
         if score_head is None:
@@ -391,16 +392,8 @@ class RewardModel:
         if not sharded:
             net = net.to("cpu" if offload else self.device)
         self.net = net.eval().requires_grad_(False)
-        self.tokenizer = tokenizer
         self.media = media  # MediaSamples of a vision- or audio-language reward model, else None
-        self.micro_batch_size = micro_batch_size
-        self.max_length = max_length
-        self.chat_template = chat_template
-        self.padding_side = padding_side
-        self.scale, self.bias = float(scale), float(bias)
         self.last_head_scores: dict[str, torch.Tensor] = {}
-        ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
-        self.pad_id = int(next((i for i in ids if i is not None), 0))  # pad, else eos, else 0
 
     def render(self, prompt: Prompt, response: str) -> str:
         """The text the reward model reads for one (prompt, response) pair."""
@@ -435,9 +428,6 @@ class RewardModel:
         rendered and its images, videos and audio expanded as in its preference data; the token ids,
         each one's first response token, and its media (a :class:`~lightrft.data.media.Media`,
         or None)."""
-        from lightrft.data.io import Records
-        from lightrft.data.preference import encode_with_media
-
         if any(c is None for c in conversations):
             raise ValueError(
                 "a vision- or audio-language reward model renders each sample's conversation "
@@ -488,10 +478,6 @@ class RewardModel:
         world, rank = 1, 0
         parts = [(seqs, starts, None if media is None else list(media))]
         if self.collective:
-            import torch.distributed as dist
-
-            from lightrft.distributed import all_gather_objects
-
             world, rank = dist.get_world_size(), dist.get_rank()
             parts = all_gather_objects(parts[0])  # every rank's samples, in rank order
         all_seqs = [s for p in parts for s in p[0]]
@@ -541,17 +527,16 @@ class RewardModel:
             return self.score_ids(
                 *self.encode_conversations([s.conversation for s in samples], responses)
             )
-        prompts = [s.prompt for s in samples]
-        if self.chat_template:  # the chats the prompts were rendered from, where given
-            prompts = [
-                p if s.conversation is None else s.conversation
-                for p, s in zip(prompts, samples, strict=True)
-            ]
-            for i, p in enumerate(prompts):
-                if media_parts(p):
-                    raise ValueError(
-                        f"sample {i}'s prompt has images, videos or audio, which a text reward "
-                        "model cannot see or hear: score it with a vision- or audio-language "
-                        "reward model, or with chat_template=false (the rendered prompt text)"
-                    )
+        # With the chat template, the chats the prompts were rendered from, where given.
+        prompts = [
+            s.conversation if self.chat_template and s.conversation is not None else s.prompt
+            for s in samples
+        ]
+        for i, p in enumerate(prompts if self.chat_template else ()):
+            if media_parts(p):
+                raise ValueError(
+                    f"sample {i}'s prompt has images, videos or audio, which a text reward "
+                    "model cannot see or hear: score it with a vision- or audio-language "
+                    "reward model, or with chat_template=false (the rendered prompt text)"
+                )
         return self.score_ids(*self.encode(prompts, responses))

@@ -97,7 +97,7 @@ def test_both_orders_with_images_and_counted_failures(vl, boards):
     out = judge(Sample.batch(prompts, ["2", "4"], references=["3", "5"], conversations=chats))
     # Every reward is the mean of the two orders' parsed verdicts (fallback where unparsed),
     # recomputed here from the engine's own completions of the same requests.
-    verdicts = judge._generate(judge.media_requests(texts, media))
+    verdicts = judge._complete(texts, media)
     assert verdicts == judge.last_verdicts
     want = torch.zeros(2)
     fails = 0
