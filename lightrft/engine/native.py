@@ -86,6 +86,7 @@ TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 AUDIO_MODEL_TYPES = ("qwen2_audio",)
 SUPPORTED_MODEL_TYPES = TEXT_MODEL_TYPES + VISION_MODEL_TYPES + AUDIO_MODEL_TYPES
+_GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")  # get_rope_index's
 
 
 class KVCache:
@@ -216,17 +217,29 @@ class NativeEngine:
         at_least("max_prefill_tokens", max_prefill_tokens, 1)
         at_least("max_kv_tokens", max_kv_tokens, 1)  # None: unbounded
         if isinstance(model, nn.Module):
-            _check_supported(model.config)
-            _check_unsharded(model)
-            default_device = next(model.parameters()).device
+            config, default_device = model.config, next(model.parameters()).device
         else:
             from transformers import AutoConfig
 
-            _check_supported(AutoConfig.from_pretrained(model))  # before anything loads
+            config = AutoConfig.from_pretrained(model)  # checked before anything loads
             default_device = "cuda" if torch.cuda.is_available() else "cpu"
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"NativeEngine supports model types {SUPPORTED_MODEL_TYPES}, got "
+                f"{config.model_type!r}; use VLLMEngine for other architectures"
+            )
         self.device = torch.device(device if device is not None else default_device)
         self.dtype = to_dtype(dtype) if dtype is not None else default_param_dtype(self.device)
         if isinstance(model, nn.Module):
+            from torch.distributed.tensor import DTensor
+
+            for name, p in model.named_parameters():
+                if isinstance(p, DTensor):
+                    raise ValueError(
+                        f"NativeEngine needs an unsharded model, but parameter {name!r} is a "
+                        "DTensor; build the engine from the HF directory and call "
+                        "sync_weights(model, engine)"
+                    )
             self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         else:
             self.model = load_model(
@@ -274,8 +287,16 @@ class NativeEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_kv_tokens = max_kv_tokens
         self.truncate_prompts = truncate_prompts
-        self.eos_token_ids = _eos_ids(self.model, tokenizer)
-        self.pad_token_id = _pad_id(self.model, tokenizer, self.eos_token_ids)
+        # End-of-sequence ids: the generation config's, the model's, the tokenizer's (each None,
+        # an id or a list of ids).
+        gen, top = getattr(self.model, "generation_config", None), self.model.config
+        eos = (getattr(gen, "eos_token_id", None), getattr(top, "eos_token_id", None))
+        eos += (getattr(tokenizer, "eos_token_id", None),)
+        ids = [x for e in eos if e is not None for x in ([e] if isinstance(e, int) else e)]
+        self.eos_token_ids = list(dict.fromkeys(ids))
+        # The tokenizer's pad id, else the model's, else the first end-of-sequence id, else 0.
+        pads = (getattr(tokenizer, "pad_token_id", None), getattr(top, "pad_token_id", None))
+        self.pad_token_id = next((int(x) for x in (*pads, *ids[:1]) if x is not None), 0)
         self._seed_rng = torch.Generator().manual_seed(seed)
         if compile:
             # Only the MLPs: pure tensor code with a dynamic row count. Compiling whole blocks
@@ -550,15 +571,9 @@ class NativeEngine:
         if self.rope is None:
             return pos, zero
         mm = mm_token_types(self.model.config, tokens)  # [C, P]: 1 image, 2 video tokens
-        images = media.image if media is not None else None
-        video = media.video if media is not None else None
-        kwargs = {}
-        if images is not None:
-            kwargs["image_grid_thw"] = images.image_grid_thw.to(tokens.device)
-        if video is not None:
-            kwargs["video_grid_thw"] = video.video_grid_thw.to(tokens.device)
-            if video.second_per_grid_ts is not None:
-                kwargs["second_per_grid_ts"] = video.second_per_grid_ts.to(tokens.device)
+        # The images' and videos' grids (and Qwen2.5-VL's second_per_grid_ts), those given.
+        inputs = media.model_inputs() if media is not None else {}
+        kwargs = {k: v.to(tokens.device) for k, v in inputs.items() if k in _GRID_KEYS}
         pos3, deltas = self.rope.get_rope_index(
             tokens, mm_token_type_ids=mm, attention_mask=real.long(), **kwargs
         )
@@ -1036,39 +1051,3 @@ class _Trajectories:
         self.keep_shift = max((self.shift[r] for r in keep), default=0)
         self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
         return order
-
-
-def _check_unsharded(model: nn.Module) -> None:
-    from torch.distributed.tensor import DTensor
-
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            raise ValueError(
-                f"NativeEngine needs an unsharded model, but parameter {name!r} is a DTensor; "
-                "build the engine from the HF directory and call sync_weights(model, engine)"
-            )
-
-
-def _check_supported(config) -> None:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"NativeEngine supports model types {SUPPORTED_MODEL_TYPES}, got "
-            f"{config.model_type!r}; use VLLMEngine for other architectures"
-        )
-
-
-def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
-    ids: list[int] = []
-    gen = getattr(model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
-        if src is not None:
-            ids += [src] if isinstance(src, int) else list(src)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return list(dict.fromkeys(ids))
-
-
-def _pad_id(model: nn.Module, tokenizer, eos: list[int]) -> int:
-    """The tokenizer's pad id, else the model's, else the first end-of-sequence id, else 0."""
-    pads = (getattr(tokenizer, "pad_token_id", None), getattr(model.config, "pad_token_id", None))
-    return next((int(x) for x in (*pads, *eos[:1]) if x is not None), 0)
