@@ -312,7 +312,9 @@ class NativeEngine:
         self._shapes = {n: p.shape for n, p in self._params.items()}
         self._kv_pool: torch.Tensor | None = None
         self._asleep: set[str] = set()  # what sleep released: "weights", "kv_cache"
-        self._weights_version = 0  # bumped whenever the weights' storage is replaced
+        # Changes whenever the weights' storage is replaced (a level-2 sleep, waking the
+        # weights): tensors from weight_buffers are valid while it stays the same.
+        self.weights_version = 0
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
         self.stats = SchedulerStats()
 
@@ -326,7 +328,7 @@ class NativeEngine:
             for _, p in self.model.named_parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._asleep.add("weights")
-            self._weights_version += 1
+            self.weights_version += 1
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``["weights"]`` (contents undefined until loaded) and/or ``["kv_cache"]``."""
@@ -335,7 +337,7 @@ class NativeEngine:
             for name, p in self.model.named_parameters():
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
             self._unloaded = {name for name, _ in self.model.named_parameters()}
-            self._weights_version += 1
+            self.weights_version += 1
         self._asleep -= set(tags)
 
     @torch.no_grad()
@@ -348,26 +350,17 @@ class NativeEngine:
         weights = list(weights)
         asleep = "weights" in self._asleep
         check_weight_names([name for name, _ in weights], self._params, asleep, "load_weights")
-        params, tensors = [], []
-        for name, tensor in weights:
-            param = self._params[name]
+        params, tensors = [self._params[name] for name, _ in weights], []
+        for (name, tensor), param in zip(weights, params, strict=True):
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine "
                     f"expects {tuple(param.shape)}"
                 )
-            params.append(param)
             tensors.append(tensor.to(param.device))
         if params:
             torch._foreach_copy_(params, tensors)  # one batched copy, casting to our dtype
-        for param in params:
-            self._unloaded.discard(self._canonical[id(param)])
-
-    @property
-    def weights_version(self) -> int:
-        """Changes whenever the weights' storage is replaced (a level-2 sleep, waking the weights):
-        tensors from :meth:`weight_buffers` are valid while it stays the same."""
-        return self._weights_version
+        self._unloaded -= {self._canonical[id(param)] for param in params}
 
     def weight_buffers(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The engine's own weight tensors for these HF names, to be written in place.
@@ -378,12 +371,9 @@ class NativeEngine:
         does not change. Unknown names raise, as in :meth:`load_weights`.
         """
         check_weight_names(names, self._params, "weights" in self._asleep, "weight_buffers")
-        out = []
-        for name in names:
-            param = self._params[name]
-            out.append(param.data)
-            self._unloaded.discard(self._canonical[id(param)])
-        return out
+        params = [self._params[name] for name in names]
+        self._unloaded -= {self._canonical[id(param)] for param in params}
+        return [param.data for param in params]
 
     def reset_prefix_cache(self) -> bool:
         """Nothing to drop: prompt KV states are shared only within one ``generate`` call."""
