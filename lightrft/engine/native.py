@@ -616,7 +616,18 @@ class NativeEngine:
         while True:
             keep = run.rows[: run.active]  # the rows that decode on
             if keep:
-                tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
+                # Sample the active rows' next tokens ([A]) and record them at their response
+                # indices. A row's stream is indexed by the tokens it sampled; FIRE's
+                # temperature applies to the trajectory's first token only.
+                first = (step + s.kshift) == 0
+                temp = torch.where(first, s.first_temperature, s.temperature)
+                u = smp.uniforms(s.seed, step + s.kshift)
+                tok, lp = smp.sample(logits, temp, s.top_k, s.top_p, u, self.suppress_ids)
+                at = step + s.shift
+                out_tok[live, at] = tok
+                out_lp[live, at] = lp
+                hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
+                done = hit_stop | (at + 1 >= s.max_new)  # the row's turn ended
                 self.stats.sampled_tokens += len(keep)
             spent = token_budget is not None and self.stats.sampled_tokens >= token_budget
             if keep and (spent or bool(done.any())):
@@ -702,15 +713,15 @@ class NativeEngine:
         log-probs go into ``prompt_lp``."""
         dev = self.device
         prompts = run.prompts
-        lens = torch.tensor([len(prompts[i]) for i in reqs])
-        width = int(lens.max())
+        tokens = pad_sequence(
+            [torch.tensor(prompts[i]) for i in reqs],
+            batch_first=True,
+            padding_value=self.pad_token_id,
+            padding_side="left",
+        ).to(dev)  # [U, W]
+        u, width = tokens.shape
         off = plen - width  # cache slot of the block's first column
-        u = len(reqs)
-        tokens = torch.full((u, width), self.pad_token_id, dtype=torch.long)
-        for r, i in enumerate(reqs):
-            tokens[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-        tokens = tokens.to(dev)
-        pad = (width - lens).to(dev)  # [U] left padding within the block
+        pad = width - torch.tensor([len(prompts[i]) for i in reqs], device=dev)  # [U] left padding
         col = torch.arange(width, device=dev)
         key_ok = col[None, :] >= pad[:, None]  # [U, W] False on left padding
         causal = col[:, None] >= col[None, :]  # [W, W]
@@ -746,27 +757,6 @@ class NativeEngine:
         cache.reorder([-1] * first + [first + k for k in src_rows], plen)
         src = torch.tensor(src_rows, device=dev)
         return self._logits(torch.cat(last_hidden))[src], torch.cat(deltas)[src]
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        s: _RowState,
-        step: int,
-        live: torch.Tensor,
-        out_tok: torch.Tensor,
-        out_lp: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample the active rows' next tokens and record them. Returns the tokens, their
-        response indices, which hit a stop token and which ended their turn (all [A])."""
-        first = (step + s.kshift) == 0  # FIRE: the trajectory's first token only
-        temp = torch.where(first, s.first_temperature, s.temperature)
-        u = smp.uniforms(s.seed, step + s.kshift)  # the row's own stream, by tokens sampled
-        tok, lp = smp.sample(logits, temp, s.top_k, s.top_p, u, self.suppress_ids)  # [A], [A]
-        at = step + s.shift
-        out_tok[live, at] = tok
-        out_lp[live, at] = lp
-        hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
-        return tok, at, hit_stop, hit_stop | (at + 1 >= s.max_new)
 
     def _decode(
         self, cache: KVCache, tok: torch.Tensor, s: _RowState, k: int, t: int, max_shift: int
