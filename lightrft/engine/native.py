@@ -549,26 +549,6 @@ class NativeEngine:
         )
         return out.last_hidden_state
 
-    def _prefill_positions(
-        self, tokens: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, media: Media | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill positions and the per-row decode offset (``rope_deltas``, [C]).
-
-        Text models: ``pos`` ([C, P]) and zeros. M-RoPE models: the model's 3-D positions
-        ([3, C, P]) of the left-padded rows (``real``: [C, P] bool, False on padding).
-        """
-        zero = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
-        if self.rope is None:
-            return pos, zero
-        mm = mm_token_types(self.model.config, tokens)  # [C, P]: 1 image, 2 video tokens
-        # The images' and videos' grids (and Qwen2.5-VL's second_per_grid_ts), those given.
-        inputs = media.model_inputs() if media is not None else {}
-        kwargs = {k: v.to(tokens.device) for k, v in inputs.items() if k in _GRID_KEYS}
-        pos3, deltas = self.rope.get_rope_index(
-            tokens, mm_token_type_ids=mm, attention_mask=real.long(), **kwargs
-        )
-        return pos3, deltas.reshape(-1).to(torch.long)
-
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
@@ -735,14 +715,24 @@ class NativeEngine:
             # Padding queries attend to themselves only, so no softmax row is empty (NaN).
             mask = (causal[None] & key_ok[r0:r1, None, :]) | eye  # [C, W, W]
             mask = torch.cat([before.expand(r1 - r0, -1, -1), mask], -1)  # [C, W, plen]
+            ids = tokens[r0:r1]
             pos = (col[None, :] - pad[r0:r1, None]).clamp(min=0)  # [C, W]
+            delta = torch.zeros(r1 - r0, dtype=torch.long, device=dev)  # [C] decode offsets
             media = Media.cat([run.requests[i].media for i in reqs[r0:r1]])
-            pos, delta = self._prefill_positions(
-                tokens[r0:r1], pos, key_ok[r0:r1], media
-            )  # [C, W] or [3, C, W]; [C]
+            if self.rope is not None:
+                # M-RoPE: the model's 3-D positions ([3, C, W]) of the left-padded rows and each
+                # row's decode offset (its rope_deltas), from the images' and videos' grids (and
+                # Qwen2.5-VL's second_per_grid_ts), those given.
+                inputs = media.model_inputs() if media is not None else {}
+                grids = {k: v.to(dev) for k, v in inputs.items() if k in _GRID_KEYS}
+                mm = mm_token_types(self.model.config, ids)  # 1 image, 2 video tokens
+                pos, delta = self.rope.get_rope_index(
+                    ids, mm_token_type_ids=mm, attention_mask=key_ok[r0:r1].long(), **grids
+                )
+                delta = delta.reshape(-1).to(torch.long)
             deltas.append(delta)
             cache.at(slice(first + r0, first + r1), (off + col).expand(r1 - r0, -1), plen)
-            hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, W, H]
+            hidden = self._forward(ids, pos, mask[:, None], cache, media)  # [C, W, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
                 i, p = reqs[r], run.params[reqs[r]]
