@@ -242,9 +242,7 @@ class NativeEngine:
                     )
             self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         else:
-            self.model = load_model(
-                model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
-            )
+            self.model = load_model(model, dtype=self.dtype, device=self.device)  # SDPA attention
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
@@ -813,9 +811,8 @@ class NativeEngine:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
         order (a resumed request's one row is its ``Resume.sample_index``: its random
         stream); every prompt ends at slot ``plen``."""
-        req, smp_idx = run.request, run.sample
-        prompts, params, prior = run.prompts, run.params, run.prior
-        per_row = [params[i] for i in req]
+        req = run.request
+        per_row = [run.params[i] for i in req]
         # A row's stop ids: its own, and the end-of-sequence ids unless it ignores them.
         stops = [
             torch.tensor(
@@ -831,26 +828,24 @@ class NativeEngine:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         request_seed = vec([run.seeds[i] for i in req], torch.long)
+        # FIRE: each row's first-token temperature (its temperature when not set).
+        fire = [
+            p.temperature if p.first_token_temperature is None else p.first_token_temperature
+            for p in per_row
+        ]
         return _RowState(
-            seed=smp.row_seeds(request_seed, vec(smp_idx, torch.long)),
+            seed=smp.row_seeds(request_seed, vec(run.sample, torch.long)),
             temperature=vec([p.temperature for p in per_row]),
-            first_temperature=vec(
-                [
-                    p.temperature
-                    if p.first_token_temperature is None
-                    else p.first_token_temperature
-                    for p in per_row
-                ]
-            ),
+            first_temperature=vec(fire),
             top_k=vec([max(p.top_k, 0) for p in per_row], torch.long),
             top_p=vec([p.top_p for p in per_row]),
             # Positions left after each row's own prompt bound its response length.
             max_new=vec(run.budget, torch.long),
             stop_ids=stop_ids.to(dev),
-            pad=vec([plen - len(prompts[i]) for i in req], torch.long),
+            pad=vec([plen - len(run.prompts[i]) for i in req], torch.long),
             delta=vec([0] * len(req), torch.long),
             shift=vec([0] * len(req), torch.long),
-            kshift=vec([prior[i] for i in req], torch.long),
+            kshift=vec([run.prior[i] for i in req], torch.long),
         )
 
     def _completions(
@@ -863,12 +858,9 @@ class NativeEngine:
         """One completion per row, in row order: (request, sample). A resumed row's response
         starts with its ``Resume`` tokens and log-probs."""
         toks, lps = out_tok.tolist(), out_lp.tolist()
-        req, smp_idx = run.request, run.sample
-        prompts, prior = run.prompts, run.prior
         multi = run.continuation is not None
         result = []
-        for r in range(len(req)):
-            i, n = req[r], run.length[r]
+        for r, (i, n) in enumerate(zip(run.request, run.length, strict=True)):
             res = run.requests[i].resume
             ids, lp = toks[r][:n], lps[r][:n]
             if res is not None:
@@ -879,9 +871,9 @@ class NativeEngine:
             result.append(
                 Completion(
                     request_index=i,
-                    sample_index=smp_idx[r],
+                    sample_index=run.sample[r],
                     # The prompt as the engine kept it (its end, when truncated).
-                    prompt_token_ids=prompts[i][: len(prompts[i]) - prior[i]],
+                    prompt_token_ids=run.prompts[i][: len(run.prompts[i]) - run.prior[i]],
                     token_ids=ids,
                     logprobs=lp,
                     finish_reason=run.reason[r],
