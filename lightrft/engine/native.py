@@ -547,9 +547,6 @@ class NativeEngine:
         )
         return out.last_hidden_state
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
     def _generate_all(
         self, run: _Trajectories, cap: int, plen: int, max_new: int, token_budget: int | None
     ) -> list[Completion]:
@@ -735,7 +732,7 @@ class NativeEngine:
             for r in range(r0, r1):
                 i, p = reqs[r], run.params[reqs[r]]
                 if p.prompt_logprobs:  # prompt token t + 1 is scored from position t
-                    logits = self._logits(hidden[r - r0, int(pad[r]) : -1])  # [L - 1, V]
+                    logits = self.lm_head(hidden[r - r0, int(pad[r]) : -1]).float()  # [L - 1, V]
                     targets = torch.tensor(prompts[i][1:], dtype=torch.long, device=dev)
                     lp = smp.token_logprobs(
                         logits, targets, p.temperature, max(p.top_k, 0), p.top_p
@@ -744,7 +741,7 @@ class NativeEngine:
         src_rows = [k for k, i in enumerate(reqs) for _ in range(run.params[i].n)]
         cache.reorder([-1] * first + [first + k for k in src_rows], plen)
         src = torch.tensor(src_rows, device=dev)
-        return self._logits(torch.cat(last_hidden))[src], torch.cat(deltas)[src]
+        return self.lm_head(torch.cat(last_hidden)).float()[src], torch.cat(deltas)[src]
 
     def _decode(
         self, cache: KVCache, tok: torch.Tensor, s: _RowState, k: int, t: int, max_shift: int
@@ -761,7 +758,7 @@ class NativeEngine:
         if self.rope is not None:
             pos = pos[None].expand(3, -1, -1)  # [3, k, 1]: text tokens use one position
         hidden = self._forward(tok[:, None], pos, mask[:, None, None], cache)  # [k, 1, H]
-        return self._logits(hidden[:, -1])
+        return self.lm_head(hidden[:, -1]).float()
 
     def _prefill_observations(
         self,
@@ -804,7 +801,7 @@ class NativeEngine:
                 pos = pos[None].expand(3, -1, -1)  # [3, b, q]
             cache.at(rows, write.to(dev), end, real)
             hidden = self._forward(tokens.to(dev), pos, mask[:, None], cache)  # [b, q, H]
-            logits.append(self._logits(hidden[torch.arange(b), (n - 1).to(dev)]))
+            logits.append(self.lm_head(hidden[torch.arange(b), (n - 1).to(dev)]).float())
         return torch.cat(logits)
 
     def _row_state(self, run: _Trajectories, plen: int) -> _RowState:
