@@ -86,6 +86,7 @@ TEXT_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava")
 AUDIO_MODEL_TYPES = ("qwen2_audio",)
 SUPPORTED_MODEL_TYPES = TEXT_MODEL_TYPES + VISION_MODEL_TYPES + AUDIO_MODEL_TYPES
+_GRID_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")  # get_rope_index's
 
 
 class KVCache:
@@ -216,22 +217,32 @@ class NativeEngine:
         at_least("max_prefill_tokens", max_prefill_tokens, 1)
         at_least("max_kv_tokens", max_kv_tokens, 1)  # None: unbounded
         if isinstance(model, nn.Module):
-            _check_supported(model.config)
-            _check_unsharded(model)
-            default_device = next(model.parameters()).device
+            config, default_device = model.config, next(model.parameters()).device
         else:
             from transformers import AutoConfig
 
-            _check_supported(AutoConfig.from_pretrained(model))  # before anything loads
+            config = AutoConfig.from_pretrained(model)  # checked before anything loads
             default_device = "cuda" if torch.cuda.is_available() else "cpu"
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"NativeEngine supports model types {SUPPORTED_MODEL_TYPES}, got "
+                f"{config.model_type!r}; use VLLMEngine for other architectures"
+            )
         self.device = torch.device(device if device is not None else default_device)
         self.dtype = to_dtype(dtype) if dtype is not None else default_param_dtype(self.device)
         if isinstance(model, nn.Module):
+            from torch.distributed.tensor import DTensor
+
+            for name, p in model.named_parameters():
+                if isinstance(p, DTensor):
+                    raise ValueError(
+                        f"NativeEngine needs an unsharded model, but parameter {name!r} is a "
+                        "DTensor; build the engine from the HF directory and call "
+                        "sync_weights(model, engine)"
+                    )
             self.model = copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
         else:
-            self.model = load_model(
-                model, dtype=self.dtype, device=self.device, attn_implementation="sdpa"
-            )
+            self.model = load_model(model, dtype=self.dtype, device=self.device)  # SDPA attention
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
@@ -274,8 +285,16 @@ class NativeEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_kv_tokens = max_kv_tokens
         self.truncate_prompts = truncate_prompts
-        self.eos_token_ids = _eos_ids(self.model, tokenizer)
-        self.pad_token_id = _pad_id(self.model, tokenizer, self.eos_token_ids)
+        # End-of-sequence ids: the generation config's, the model's, the tokenizer's (each None,
+        # an id or a list of ids).
+        gen, top = getattr(self.model, "generation_config", None), self.model.config
+        eos = (getattr(gen, "eos_token_id", None), getattr(top, "eos_token_id", None))
+        eos += (getattr(tokenizer, "eos_token_id", None),)
+        ids = [x for e in eos if e is not None for x in ([e] if isinstance(e, int) else e)]
+        self.eos_token_ids = list(dict.fromkeys(ids))
+        # The tokenizer's pad id, else the model's, else the first end-of-sequence id, else 0.
+        pads = (getattr(tokenizer, "pad_token_id", None), getattr(top, "pad_token_id", None))
+        self.pad_token_id = next((int(x) for x in (*pads, *ids[:1]) if x is not None), 0)
         self._seed_rng = torch.Generator().manual_seed(seed)
         if compile:
             # Only the MLPs: pure tensor code with a dynamic row count. Compiling whole blocks
@@ -291,7 +310,9 @@ class NativeEngine:
         self._shapes = {n: p.shape for n, p in self._params.items()}
         self._kv_pool: torch.Tensor | None = None
         self._asleep: set[str] = set()  # what sleep released: "weights", "kv_cache"
-        self._weights_version = 0  # bumped whenever the weights' storage is replaced
+        # Changes whenever the weights' storage is replaced (a level-2 sleep, waking the
+        # weights): tensors from weight_buffers are valid while it stays the same.
+        self.weights_version = 0
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
         self.stats = SchedulerStats()
 
@@ -305,7 +326,7 @@ class NativeEngine:
             for _, p in self.model.named_parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._asleep.add("weights")
-            self._weights_version += 1
+            self.weights_version += 1
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``["weights"]`` (contents undefined until loaded) and/or ``["kv_cache"]``."""
@@ -314,7 +335,7 @@ class NativeEngine:
             for name, p in self.model.named_parameters():
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
             self._unloaded = {name for name, _ in self.model.named_parameters()}
-            self._weights_version += 1
+            self.weights_version += 1
         self._asleep -= set(tags)
 
     @torch.no_grad()
@@ -327,26 +348,17 @@ class NativeEngine:
         weights = list(weights)
         asleep = "weights" in self._asleep
         check_weight_names([name for name, _ in weights], self._params, asleep, "load_weights")
-        params, tensors = [], []
-        for name, tensor in weights:
-            param = self._params[name]
+        params, tensors = [self._params[name] for name, _ in weights], []
+        for (name, tensor), param in zip(weights, params, strict=True):
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the engine "
                     f"expects {tuple(param.shape)}"
                 )
-            params.append(param)
             tensors.append(tensor.to(param.device))
         if params:
             torch._foreach_copy_(params, tensors)  # one batched copy, casting to our dtype
-        for param in params:
-            self._unloaded.discard(self._canonical[id(param)])
-
-    @property
-    def weights_version(self) -> int:
-        """Changes whenever the weights' storage is replaced (a level-2 sleep, waking the weights):
-        tensors from :meth:`weight_buffers` are valid while it stays the same."""
-        return self._weights_version
+        self._unloaded -= {self._canonical[id(param)] for param in params}
 
     def weight_buffers(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The engine's own weight tensors for these HF names, to be written in place.
@@ -357,12 +369,9 @@ class NativeEngine:
         does not change. Unknown names raise, as in :meth:`load_weights`.
         """
         check_weight_names(names, self._params, "weights" in self._asleep, "weight_buffers")
-        out = []
-        for name in names:
-            param = self._params[name]
-            out.append(param.data)
-            self._unloaded.discard(self._canonical[id(param)])
-        return out
+        params = [self._params[name] for name in names]
+        self._unloaded -= {self._canonical[id(param)] for param in params}
+        return [param.data for param in params]
 
     def reset_prefix_cache(self) -> bool:
         """Nothing to drop: prompt KV states are shared only within one ``generate`` call."""
@@ -538,35 +547,6 @@ class NativeEngine:
         )
         return out.last_hidden_state
 
-    def _prefill_positions(
-        self, tokens: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, media: Media | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill positions and the per-row decode offset (``rope_deltas``, [C]).
-
-        Text models: ``pos`` ([C, P]) and zeros. M-RoPE models: the model's 3-D positions
-        ([3, C, P]) of the left-padded rows (``real``: [C, P] bool, False on padding).
-        """
-        zero = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
-        if self.rope is None:
-            return pos, zero
-        mm = mm_token_types(self.model.config, tokens)  # [C, P]: 1 image, 2 video tokens
-        images = media.image if media is not None else None
-        video = media.video if media is not None else None
-        kwargs = {}
-        if images is not None:
-            kwargs["image_grid_thw"] = images.image_grid_thw.to(tokens.device)
-        if video is not None:
-            kwargs["video_grid_thw"] = video.video_grid_thw.to(tokens.device)
-            if video.second_per_grid_ts is not None:
-                kwargs["second_per_grid_ts"] = video.second_per_grid_ts.to(tokens.device)
-        pos3, deltas = self.rope.get_rope_index(
-            tokens, mm_token_type_ids=mm, attention_mask=real.long(), **kwargs
-        )
-        return pos3, deltas.reshape(-1).to(torch.long)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
     def _generate_all(
         self, run: _Trajectories, cap: int, plen: int, max_new: int, token_budget: int | None
     ) -> list[Completion]:
@@ -611,7 +591,18 @@ class NativeEngine:
         while True:
             keep = run.rows[: run.active]  # the rows that decode on
             if keep:
-                tok, at, hit_stop, done = self._sample(logits, s, step, live, out_tok, out_lp)
+                # Sample the active rows' next tokens ([A]) and record them at their response
+                # indices. A row's stream is indexed by the tokens it sampled; FIRE's
+                # temperature applies to the trajectory's first token only.
+                first = (step + s.kshift) == 0
+                temp = torch.where(first, s.first_temperature, s.temperature)
+                u = smp.uniforms(s.seed, step + s.kshift)
+                tok, lp = smp.sample(logits, temp, s.top_k, s.top_p, u, self.suppress_ids)
+                at = step + s.shift
+                out_tok[live, at] = tok
+                out_lp[live, at] = lp
+                hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
+                done = hit_stop | (at + 1 >= s.max_new)  # the row's turn ended
                 self.stats.sampled_tokens += len(keep)
             spent = token_budget is not None and self.stats.sampled_tokens >= token_budget
             if keep and (spent or bool(done.any())):
@@ -697,15 +688,15 @@ class NativeEngine:
         log-probs go into ``prompt_lp``."""
         dev = self.device
         prompts = run.prompts
-        lens = torch.tensor([len(prompts[i]) for i in reqs])
-        width = int(lens.max())
+        tokens = pad_sequence(
+            [torch.tensor(prompts[i]) for i in reqs],
+            batch_first=True,
+            padding_value=self.pad_token_id,
+            padding_side="left",
+        ).to(dev)  # [U, W]
+        u, width = tokens.shape
         off = plen - width  # cache slot of the block's first column
-        u = len(reqs)
-        tokens = torch.full((u, width), self.pad_token_id, dtype=torch.long)
-        for r, i in enumerate(reqs):
-            tokens[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-        tokens = tokens.to(dev)
-        pad = (width - lens).to(dev)  # [U] left padding within the block
+        pad = width - torch.tensor([len(prompts[i]) for i in reqs], device=dev)  # [U] left padding
         col = torch.arange(width, device=dev)
         key_ok = col[None, :] >= pad[:, None]  # [U, W] False on left padding
         causal = col[:, None] >= col[None, :]  # [W, W]
@@ -719,19 +710,29 @@ class NativeEngine:
             # Padding queries attend to themselves only, so no softmax row is empty (NaN).
             mask = (causal[None] & key_ok[r0:r1, None, :]) | eye  # [C, W, W]
             mask = torch.cat([before.expand(r1 - r0, -1, -1), mask], -1)  # [C, W, plen]
+            ids = tokens[r0:r1]
             pos = (col[None, :] - pad[r0:r1, None]).clamp(min=0)  # [C, W]
+            delta = torch.zeros(r1 - r0, dtype=torch.long, device=dev)  # [C] decode offsets
             media = Media.cat([run.requests[i].media for i in reqs[r0:r1]])
-            pos, delta = self._prefill_positions(
-                tokens[r0:r1], pos, key_ok[r0:r1], media
-            )  # [C, W] or [3, C, W]; [C]
+            if self.rope is not None:
+                # M-RoPE: the model's 3-D positions ([3, C, W]) of the left-padded rows and each
+                # row's decode offset (its rope_deltas), from the images' and videos' grids (and
+                # Qwen2.5-VL's second_per_grid_ts), those given.
+                inputs = media.model_inputs() if media is not None else {}
+                grids = {k: v.to(dev) for k, v in inputs.items() if k in _GRID_KEYS}
+                mm = mm_token_types(self.model.config, ids)  # 1 image, 2 video tokens
+                pos, delta = self.rope.get_rope_index(
+                    ids, mm_token_type_ids=mm, attention_mask=key_ok[r0:r1].long(), **grids
+                )
+                delta = delta.reshape(-1).to(torch.long)
             deltas.append(delta)
             cache.at(slice(first + r0, first + r1), (off + col).expand(r1 - r0, -1), plen)
-            hidden = self._forward(tokens[r0:r1], pos, mask[:, None], cache, media)  # [C, W, H]
+            hidden = self._forward(ids, pos, mask[:, None], cache, media)  # [C, W, H]
             last_hidden.append(hidden[:, -1])
             for r in range(r0, r1):
                 i, p = reqs[r], run.params[reqs[r]]
                 if p.prompt_logprobs:  # prompt token t + 1 is scored from position t
-                    logits = self._logits(hidden[r - r0, int(pad[r]) : -1])  # [L - 1, V]
+                    logits = self.lm_head(hidden[r - r0, int(pad[r]) : -1]).float()  # [L - 1, V]
                     targets = torch.tensor(prompts[i][1:], dtype=torch.long, device=dev)
                     lp = smp.token_logprobs(
                         logits, targets, p.temperature, max(p.top_k, 0), p.top_p
@@ -740,28 +741,7 @@ class NativeEngine:
         src_rows = [k for k, i in enumerate(reqs) for _ in range(run.params[i].n)]
         cache.reorder([-1] * first + [first + k for k in src_rows], plen)
         src = torch.tensor(src_rows, device=dev)
-        return self._logits(torch.cat(last_hidden))[src], torch.cat(deltas)[src]
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        s: _RowState,
-        step: int,
-        live: torch.Tensor,
-        out_tok: torch.Tensor,
-        out_lp: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample the active rows' next tokens and record them. Returns the tokens, their
-        response indices, which hit a stop token and which ended their turn (all [A])."""
-        first = (step + s.kshift) == 0  # FIRE: the trajectory's first token only
-        temp = torch.where(first, s.first_temperature, s.temperature)
-        u = smp.uniforms(s.seed, step + s.kshift)  # the row's own stream, by tokens sampled
-        tok, lp = smp.sample(logits, temp, s.top_k, s.top_p, u, self.suppress_ids)  # [A], [A]
-        at = step + s.shift
-        out_tok[live, at] = tok
-        out_lp[live, at] = lp
-        hit_stop = (tok[:, None] == s.stop_ids).any(-1)  # [A]
-        return tok, at, hit_stop, hit_stop | (at + 1 >= s.max_new)
+        return self.lm_head(torch.cat(last_hidden)).float()[src], torch.cat(deltas)[src]
 
     def _decode(
         self, cache: KVCache, tok: torch.Tensor, s: _RowState, k: int, t: int, max_shift: int
@@ -778,7 +758,7 @@ class NativeEngine:
         if self.rope is not None:
             pos = pos[None].expand(3, -1, -1)  # [3, k, 1]: text tokens use one position
         hidden = self._forward(tok[:, None], pos, mask[:, None, None], cache)  # [k, 1, H]
-        return self._logits(hidden[:, -1])
+        return self.lm_head(hidden[:, -1]).float()
 
     def _prefill_observations(
         self,
@@ -821,16 +801,15 @@ class NativeEngine:
                 pos = pos[None].expand(3, -1, -1)  # [3, b, q]
             cache.at(rows, write.to(dev), end, real)
             hidden = self._forward(tokens.to(dev), pos, mask[:, None], cache)  # [b, q, H]
-            logits.append(self._logits(hidden[torch.arange(b), (n - 1).to(dev)]))
+            logits.append(self.lm_head(hidden[torch.arange(b), (n - 1).to(dev)]).float())
         return torch.cat(logits)
 
     def _row_state(self, run: _Trajectories, plen: int) -> _RowState:
         """Per-trajectory state, one row per sample of every request, in (request, sample)
         order (a resumed request's one row is its ``Resume.sample_index``: its random
         stream); every prompt ends at slot ``plen``."""
-        req, smp_idx = run.request, run.sample
-        prompts, params, prior = run.prompts, run.params, run.prior
-        per_row = [params[i] for i in req]
+        req = run.request
+        per_row = [run.params[i] for i in req]
         # A row's stop ids: its own, and the end-of-sequence ids unless it ignores them.
         stops = [
             torch.tensor(
@@ -846,26 +825,24 @@ class NativeEngine:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         request_seed = vec([run.seeds[i] for i in req], torch.long)
+        # FIRE: each row's first-token temperature (its temperature when not set).
+        fire = [
+            p.temperature if p.first_token_temperature is None else p.first_token_temperature
+            for p in per_row
+        ]
         return _RowState(
-            seed=smp.row_seeds(request_seed, vec(smp_idx, torch.long)),
+            seed=smp.row_seeds(request_seed, vec(run.sample, torch.long)),
             temperature=vec([p.temperature for p in per_row]),
-            first_temperature=vec(
-                [
-                    p.temperature
-                    if p.first_token_temperature is None
-                    else p.first_token_temperature
-                    for p in per_row
-                ]
-            ),
+            first_temperature=vec(fire),
             top_k=vec([max(p.top_k, 0) for p in per_row], torch.long),
             top_p=vec([p.top_p for p in per_row]),
             # Positions left after each row's own prompt bound its response length.
             max_new=vec(run.budget, torch.long),
             stop_ids=stop_ids.to(dev),
-            pad=vec([plen - len(prompts[i]) for i in req], torch.long),
+            pad=vec([plen - len(run.prompts[i]) for i in req], torch.long),
             delta=vec([0] * len(req), torch.long),
             shift=vec([0] * len(req), torch.long),
-            kshift=vec([prior[i] for i in req], torch.long),
+            kshift=vec([run.prior[i] for i in req], torch.long),
         )
 
     def _completions(
@@ -878,12 +855,9 @@ class NativeEngine:
         """One completion per row, in row order: (request, sample). A resumed row's response
         starts with its ``Resume`` tokens and log-probs."""
         toks, lps = out_tok.tolist(), out_lp.tolist()
-        req, smp_idx = run.request, run.sample
-        prompts, prior = run.prompts, run.prior
         multi = run.continuation is not None
         result = []
-        for r in range(len(req)):
-            i, n = req[r], run.length[r]
+        for r, (i, n) in enumerate(zip(run.request, run.length, strict=True)):
             res = run.requests[i].resume
             ids, lp = toks[r][:n], lps[r][:n]
             if res is not None:
@@ -894,9 +868,9 @@ class NativeEngine:
             result.append(
                 Completion(
                     request_index=i,
-                    sample_index=smp_idx[r],
+                    sample_index=run.sample[r],
                     # The prompt as the engine kept it (its end, when truncated).
-                    prompt_token_ids=prompts[i][: len(prompts[i]) - prior[i]],
+                    prompt_token_ids=run.prompts[i][: len(run.prompts[i]) - run.prior[i]],
                     token_ids=ids,
                     logprobs=lp,
                     finish_reason=run.reason[r],
@@ -1036,39 +1010,3 @@ class _Trajectories:
         self.keep_shift = max((self.shift[r] for r in keep), default=0)
         self.active_shift = max((self.shift[r] for r in self.rows[: self.active]), default=0)
         return order
-
-
-def _check_unsharded(model: nn.Module) -> None:
-    from torch.distributed.tensor import DTensor
-
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            raise ValueError(
-                f"NativeEngine needs an unsharded model, but parameter {name!r} is a DTensor; "
-                "build the engine from the HF directory and call sync_weights(model, engine)"
-            )
-
-
-def _check_supported(config) -> None:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"NativeEngine supports model types {SUPPORTED_MODEL_TYPES}, got "
-            f"{config.model_type!r}; use VLLMEngine for other architectures"
-        )
-
-
-def _eos_ids(model: nn.Module, tokenizer) -> list[int]:
-    ids: list[int] = []
-    gen = getattr(model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
-        if src is not None:
-            ids += [src] if isinstance(src, int) else list(src)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return list(dict.fromkeys(ids))
-
-
-def _pad_id(model: nn.Module, tokenizer, eos: list[int]) -> int:
-    """The tokenizer's pad id, else the model's, else the first end-of-sequence id, else 0."""
-    pads = (getattr(tokenizer, "pad_token_id", None), getattr(model.config, "pad_token_id", None))
-    return next((int(x) for x in (*pads, *eos[:1]) if x is not None), 0)

@@ -234,41 +234,6 @@ class Engine(Protocol):
         ...
 
 
-def per_request_params(
-    sampling: SamplingParams | Sequence[SamplingParams], num_requests: int
-) -> list[SamplingParams]:
-    """One validated ``SamplingParams`` per request."""
-    if isinstance(sampling, SamplingParams):
-        params = [sampling] * num_requests
-    else:
-        params = list(sampling)
-        if len(params) != num_requests:
-            raise ValueError(
-                f"got {len(params)} SamplingParams for {num_requests} requests; pass one "
-                "SamplingParams, or one per request"
-            )
-        for p in params:
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling must hold SamplingParams, got {type(p).__name__}")
-    for p in {id(p): p for p in params}.values():
-        p.validate()
-    return params
-
-
-def check_requests(requests: Sequence[Request], vocab_size: int) -> None:
-    """Raise ``ValueError`` for a request that is not a ``Request`` or has bad token ids."""
-    for i, req in enumerate(requests):
-        if not isinstance(req, Request):
-            raise ValueError(
-                f"requests[{i}] is a {type(req).__name__}; wrap token ids as "
-                "Request(prompt_token_ids=[...])"
-            )
-        ids = req.prompt_token_ids
-        if len(ids) == 0:
-            raise ValueError(f"requests[{i}].prompt_token_ids is empty")
-        _check_tokens(f"requests[{i}].prompt_token_ids", ids, vocab_size)
-
-
 def check_resumes(
     requests: Sequence[Request], params: Sequence[SamplingParams], vocab_size: int
 ) -> None:
@@ -320,11 +285,12 @@ def checked_call(
     sampling: SamplingParams | Sequence[SamplingParams],
     token_budget: int | None = None,
 ) -> tuple[list[Request], list[SamplingParams]]:
-    """A ``generate`` call's requests and one ``SamplingParams`` per request, checked: refused
-    while ``engine``'s memory is released (``engine._asleep``: the wake tags its sleep released)
-    or while weights are not loaded since a level-2 sleep (``engine._unloaded``: their names),
-    with token ids outside ``engine.vocab_size`` (:func:`check_requests`), or with a
-    ``token_budget`` that is not an integer >= 1."""
+    """A ``generate`` call's requests and one validated ``SamplingParams`` per request
+    (``sampling``: one for all, or one per request), checked: refused while ``engine``'s memory
+    is released (``engine._asleep``: the wake tags its sleep released) or while weights are not
+    loaded since a level-2 sleep (``engine._unloaded``: their names), for a request that is not a
+    ``Request`` or has token ids outside ``engine.vocab_size``, or with a ``token_budget`` that
+    is not an integer >= 1."""
     if token_budget is not None and not (is_int(token_budget) and token_budget >= 1):
         raise ValueError(f"token_budget must be an integer >= 1 or None, got {token_budget!r}")
     if asleep := [tag for tag in WAKE_TAGS if tag in engine._asleep]:
@@ -339,8 +305,29 @@ def checked_call(
             f"{missing[:8]}; send every weight with load_weights (or sync_weights) first"
         )
     requests = list(requests)
-    params = per_request_params(sampling, len(requests))
-    check_requests(requests, engine.vocab_size)
+    if isinstance(sampling, SamplingParams):
+        params = [sampling] * len(requests)
+    else:
+        params = list(sampling)
+        if len(params) != len(requests):
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(requests)} requests; pass one "
+                "SamplingParams, or one per request"
+            )
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling must hold SamplingParams, got {type(p).__name__}")
+    for p in {id(p): p for p in params}.values():
+        p.validate()
+    for i, req in enumerate(requests):
+        if not isinstance(req, Request):
+            raise ValueError(
+                f"requests[{i}] is a {type(req).__name__}; wrap token ids as "
+                "Request(prompt_token_ids=[...])"
+            )
+        if len(req.prompt_token_ids) == 0:
+            raise ValueError(f"requests[{i}].prompt_token_ids is empty")
+        _check_tokens(f"requests[{i}].prompt_token_ids", req.prompt_token_ids, engine.vocab_size)
     return requests, params
 
 
