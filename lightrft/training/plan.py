@@ -441,24 +441,6 @@ def logprob_bytes(
     return fused, naive
 
 
-def check_sequence_parallel(p: PlanInputs) -> None:
-    """Refuse the SP degree the strategy and the model refuse (the rules of
-    ``lightrft.sections``, which ``StrategyConfig`` and ``lightrft.models.ulysses`` apply)."""
-    n, a, s, world = p.sequence_parallel, p.actor, p.model, p.cluster.world
-    strategy_rule(
-        n,
-        world,
-        deepspeed=bool(a.zero_stage),
-        lora=a.lora_rank is not None,
-        hsdp=a.shard != world,
-        offload="params" if a.offload_params else "none",
-    )
-    check_sequence_parallel_model(
-        n, s.multimodal_type or s.model_type, s.heads, s.kv_heads, sliding_window=s.sliding_window
-    )
-    check_sequence_parallel_critic(n, p.critic is not None)
-
-
 def engine_terms(
     shape: ModelShape, e: EngineSetup, cluster: Cluster
 ) -> tuple[Term, Term, str | None]:
@@ -497,10 +479,22 @@ def engine_terms(
 
 def plan(p: PlanInputs) -> Plan:
     """The per-GPU memory of the rollout, scoring and training phases."""
-    s, a, tok = p.model, p.actor, p.tokens_per_micro_batch
-    b = a.compute_bytes
-    check_sequence_parallel(p)
-    n = p.sequence_parallel
+    s, a, tok, n = p.model, p.actor, p.tokens_per_micro_batch, p.sequence_parallel
+    b, world = a.compute_bytes, p.cluster.world
+    # Refuse the SP degree the strategy and the model refuse (the rules of lightrft.sections,
+    # which StrategyConfig and lightrft.models.ulysses apply).
+    strategy_rule(
+        n,
+        world,
+        deepspeed=bool(a.zero_stage),
+        lora=a.lora_rank is not None,
+        hsdp=a.shard != world,
+        offload="params" if a.offload_params else "none",
+    )
+    check_sequence_parallel_model(
+        n, s.multimodal_type or s.model_type, s.heads, s.kv_heads, sliding_window=s.sliding_window
+    )
+    check_sequence_parallel_critic(n, p.critic is not None)
     states = model_state_terms(s, a, "actor")
     critic_states = [] if p.critic is None else model_state_terms(s, p.critic, "critic")
     resting = [  # between steps the gradients are freed (zero_grad(set_to_none=True))
@@ -515,10 +509,9 @@ def plan(p: PlanInputs) -> Plan:
     fused_nograd, _ = logprob_bytes(s, tok, b, entropy=False, grad_hint=False, **sp)
     common: list[Term] = []
     scoring_rms: list[Term] = []  # offloaded reward models, on the device while they score
-    ranks = p.cluster.world if a.zero_stage else a.shard  # frozen models: FSDP2 over these
     for name, frozen in (("reference", s if p.reference else None), ("teacher", p.teacher)):
-        if frozen is not None:
-            size = math.ceil(frozen.params * a.master_bytes / ranks)
+        if frozen is not None:  # FSDP2 over the actor's shard ranks (the world under ZeRO)
+            size = math.ceil(frozen.params * a.master_bytes / a.shard)
             common.append(Term(f"{name} parameters", size, 0, "frozen, FSDP2-sharded"))
     for rm in p.reward_models:
         size = rm.shape.params * rm.dtype_bytes
@@ -815,12 +808,9 @@ def _grpo_inputs(opts: Any, common: PlanInputs, device: str) -> PlanInputs:
     )
     alg = opts.algorithm
     critic = None
-    if opts.critic is not None:
-        critic = TrainedSetup(
-            actor.master_bytes,
-            actor.compute_bytes,
-            cluster.world if actor.zero_stage else actor.shard,
-            activation_checkpointing=actor.activation_checkpointing,
+    if opts.critic is not None:  # the actor's setup under plain FSDP2, over its shard ranks
+        critic = replace(
+            actor, zero_stage=0, offload_params=False, offload_optimizer=False, lora_rank=None
         )
     rms = []
     for key, node in _reward_models(opts.reward, "reward"):
@@ -879,8 +869,7 @@ def check_teacher_fits(opts: Any, device: Any, world: int) -> None:
         raise ValueError(
             f"distillation.path={opts.distillation.path!r}: the teacher does not fit: its "
             f"frozen FSDP2 shard is {_gib(shard)} per rank ({p.teacher.params:,} parameters in "
-            f"model.dtype over {p.cluster.world if p.actor.zero_stage else p.actor.shard} "
-            f"rank(s)), and with it the {over[0].name} phase needs {_gib(over[0].device_bytes)} "
-            f"of this {kind} device's {_gib(memory)} (without it the run fits; `lightrft plan` "
-            "shows every term): use a smaller teacher, more ranks or a larger shard_size"
+            f"model.dtype over {p.actor.shard} rank(s)), and with it the {over[0].name} phase "
+            f"needs {_gib(over[0].device_bytes)} of this {kind} device's {_gib(memory)} (without "
+            "it the run fits; `lightrft plan` shows every term): use a smaller teacher, more ranks or a larger shard_size"
         )
