@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -207,11 +208,9 @@ def _allocations(fn: Callable[[], object], device: torch.device) -> list[tuple[i
                 events.append((ev.start_time_ns, f.ptr, f.alloc_size))
     # The allocator's own ``total_allocated`` is a process-wide counter on CPU that keeps
     # tensors from earlier profiling sessions freed while no profiler ran: sum the events instead.
-    out, total = [], 0
-    for t, ptr, size in sorted(events):
-        total += size
-        out.append((t, ptr, size, total))
-    return out
+    events.sort()
+    totals = itertools.accumulate(size for _, _, size in events)
+    return [(*event, total) for event, total in zip(events, totals, strict=True)]
 
 
 def transient_peak_bytes(events: list[tuple[int, int, int, int]], grad_ptrs: set[int]) -> int:

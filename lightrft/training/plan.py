@@ -63,17 +63,16 @@ from lightrft.sections import (
 from lightrft.sections import check_sequence_parallel as strategy_rule
 
 GiB = 1 << 30
-# Bytes per element of each dtype name a config may give: fp32 4, bf16 / fp16 2.
-DTYPE_BYTES = {name: 4 if name in ("float32", "fp32") else 2 for name in DTYPE_NAMES}
 NATIVE_MAX_NUM_SEQS = 512  # NativeEngine's default max_num_seqs
 VLLM_GPU_MEMORY_UTILIZATION = 0.5  # VLLMEngine's default
 
 
 def dtype_bytes(name: str, key: str) -> int:
-    """Bytes per element of a config dtype name; a ``ValueError`` naming ``key`` otherwise."""
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"{key}: unknown dtype {name!r}; choose one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
+    """Bytes per element of a config dtype name (fp32 4, bf16 / fp16 2); a ``ValueError``
+    naming ``key`` otherwise."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"{key}: unknown dtype {name!r}; choose one of {sorted(DTYPE_NAMES)}")
+    return 4 if name in ("float32", "fp32") else 2
 
 
 def parse_size(text: str, key: str = "--gpu-memory") -> int:
@@ -322,16 +321,13 @@ class Plan:
 
 def model_state_terms(shape: ModelShape, t: TrainedSetup, label: str) -> list[Term]:
     """Parameters, gradients and AdamW state of a trained model, per rank."""
-    total = shape.params
+    trained = total = shape.params
     if t.lora_rank:
-        h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads, shape.intermediate
-        kvd = kv * shape.head_dim
-        # r x (in + out) per adapted linear: q, k, v, o, gate, up, down.
-        per_block = t.lora_rank * ((h + q) + 2 * (h + kvd) + (q + h) + 2 * (h + i) + (i + h))
-        trained = shape.layers * per_block
+        h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        # r x (in + out) per adapted linear: q, o: h + q; k, v: h + kv; gate, up, down: h + inter.
+        per_block = 2 * (h + q) + 2 * (h + kv) + 3 * (h + shape.intermediate)
+        trained = shape.layers * t.lora_rank * per_block
         total += trained
-    else:
-        trained = total
     m, z = t.master_bytes, t.zero_stage
     if z:  # DeepSpeed ZeRO: params whole below stage 3, grads whole below stage 2
         ranks = (t.shard if z == 3 else 1, t.shard if z >= 2 else 1, t.shard)
@@ -812,18 +808,16 @@ def _grpo_inputs(opts: Any, common: PlanInputs, device: str) -> PlanInputs:
         critic = replace(
             actor, zero_stage=0, offload_params=False, offload_optimizer=False, lora_rank=None
         )
-    rms = []
-    for key, node in _reward_models(opts.reward, "reward"):
-        rm_shape = read_shape(str(node.get("path")), f"{key}.path")
-        rms.append(
-            RewardModelSetup(
-                key,
-                rm_shape,
-                dtype_bytes(str(node.get("dtype") or "float32"), f"{key}.dtype"),
-                bool(node.get("offload") or False),
-                str(node.get("device") or "cpu") != "cpu",
-            )
+    rms = tuple(
+        RewardModelSetup(
+            key,
+            read_shape(str(node.get("path")), f"{key}.path"),
+            dtype_bytes(str(node.get("dtype") or "float32"), f"{key}.dtype"),
+            bool(node.get("offload") or False),
+            str(node.get("device") or "cpu") != "cpu",
         )
+        for key, node in _reward_models(opts.reward, "reward")
+    )
     return replace(
         common,
         tokens_per_micro_batch=tokens,
@@ -841,7 +835,7 @@ def _grpo_inputs(opts: Any, common: PlanInputs, device: str) -> PlanInputs:
         reference=alg.kl is not None and actor.lora_rank is None,
         teacher=read_shape(d.path, "distillation.path") if (d := opts.distillation) else None,
         critic=critic,
-        reward_models=tuple(rms),
+        reward_models=rms,
         notes=tuple(notes),
     )
 
