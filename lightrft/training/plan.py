@@ -725,11 +725,10 @@ def inputs_from_options(
     shape = read_shape(m.path, "model.path", model_config)
     master = dtype_bytes(m.dtype, "model.dtype")
     world = cluster.world
-    deepspeed = st.strategy == "deepspeed"
+    ds = st.deepspeed  # None under FSDP2; the config refuses LoRA, HSDP and offload with it
     # FSDP2 computes in bf16 on accelerators (lightrft.models.parallel.default_param_dtype);
     # this project's DeepSpeed path has no mixed precision: it computes in the master dtype.
-    compute = master if deepspeed or device == "cpu" else 2
-    ds = st.deepspeed  # None under FSDP2; the config refuses LoRA, HSDP and offload with it
+    compute = master if ds or device == "cpu" else 2
     actor = TrainedSetup(
         master,
         compute,
@@ -740,7 +739,7 @@ def inputs_from_options(
         activation_checkpointing=m.activation_checkpointing,
         lora_rank=st.lora.rank if st.lora is not None else None,
     )
-    sp = 1 if deepspeed else st.sequence_parallel
+    sp = 1 if ds else st.sequence_parallel
     # What every recipe shares; each fills in its micro-batch (and GRPO its other models).
     common = PlanInputs(recipe, shape, cluster, actor, 0, sequence_parallel=sp)
     if recipe == "grpo":
