@@ -80,9 +80,7 @@ def make_inputs(
     w.copy_(torch.randn(vocab, hidden, generator=gen).mul_(hidden**-0.5))
     targets = torch.randint(0, vocab, (n,), generator=gen).to(device)
     grad = torch.randn(n, generator=gen).to(device)
-    gz = None
-    if floor:
-        gz = torch.empty(n, vocab, dtype=dtype, device=device).normal_(generator=None)
+    gz = torch.empty(n, vocab, dtype=dtype, device=device).normal_() if floor else None
     return Inputs(h.requires_grad_(), w.requires_grad_(), targets, grad, gz)
 
 
@@ -288,11 +286,10 @@ def _probe(name, mode, n, vocab, hidden, dtype: str, device="cpu") -> dict[str, 
 
 
 def _warm_up(name: str, device, dtype: torch.dtype) -> None:
-    """Load libraries and initialise thread pools on a tiny shape, outside the measurement."""
+    """Load libraries and initialise thread pools on a tiny shape, outside the measurement (whose
+    ``prepared`` collects what is left of it)."""
     small = make_inputs(64, 512, 32, dtype=dtype, device=device, floor=name == "matmul")
     run_once(name, "fwd+bwd", small)
-    del small
-    gc.collect()
 
 
 # ----------------------------------------------------------------------------------------------
