@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -79,9 +80,7 @@ def make_inputs(
     w.copy_(torch.randn(vocab, hidden, generator=gen).mul_(hidden**-0.5))
     targets = torch.randint(0, vocab, (n,), generator=gen).to(device)
     grad = torch.randn(n, generator=gen).to(device)
-    gz = None
-    if floor:
-        gz = torch.empty(n, vocab, dtype=dtype, device=device).normal_(generator=None)
+    gz = torch.empty(n, vocab, dtype=dtype, device=device).normal_() if floor else None
     return Inputs(h.requires_grad_(), w.requires_grad_(), targets, grad, gz)
 
 
@@ -207,11 +206,9 @@ def _allocations(fn: Callable[[], object], device: torch.device) -> list[tuple[i
                 events.append((ev.start_time_ns, f.ptr, f.alloc_size))
     # The allocator's own ``total_allocated`` is a process-wide counter on CPU that keeps
     # tensors from earlier profiling sessions freed while no profiler ran: sum the events instead.
-    out, total = [], 0
-    for t, ptr, size in sorted(events):
-        total += size
-        out.append((t, ptr, size, total))
-    return out
+    events.sort()
+    totals = itertools.accumulate(size for _, _, size in events)
+    return [(*event, total) for event, total in zip(events, totals, strict=True)]
 
 
 def transient_peak_bytes(events: list[tuple[int, int, int, int]], grad_ptrs: set[int]) -> int:
@@ -289,11 +286,10 @@ def _probe(name, mode, n, vocab, hidden, dtype: str, device="cpu") -> dict[str, 
 
 
 def _warm_up(name: str, device, dtype: torch.dtype) -> None:
-    """Load libraries and initialise thread pools on a tiny shape, outside the measurement."""
+    """Load libraries and initialise thread pools on a tiny shape, outside the measurement (whose
+    ``prepared`` collects what is left of it)."""
     small = make_inputs(64, 512, 32, dtype=dtype, device=device, floor=name == "matmul")
     run_once(name, "fwd+bwd", small)
-    del small
-    gc.collect()
 
 
 # ----------------------------------------------------------------------------------------------

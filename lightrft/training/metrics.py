@@ -370,12 +370,9 @@ class MetricAccumulator:
             w = weight if op == "mean" else 1.0
             self._sums[name] = self._sums.get(name, 0.0) + v * w
             self._weights[name] = self._weights.get(name, 0.0) + weight
-        else:
-            fill = math.inf if op == "min" else -math.inf
-            current = self._extremes.get(name, fill)
-            if weight > 0:
-                current = min(current, v) if op == "min" else max(current, v)
-            self._extremes[name] = current
+        else:  # a weight <= 0 leaves the extreme at its fill (+inf for min, -inf for max)
+            pick, fill = (min, math.inf) if op == "min" else (max, -math.inf)
+            self._extremes[name] = pick(self._extremes.get(name, fill), v if weight > 0 else fill)
 
     def reduce(self) -> dict[str, float]:
         """Reduce over ranks (three collectives) and reset: name -> value."""

@@ -63,17 +63,16 @@ from lightrft.sections import (
 from lightrft.sections import check_sequence_parallel as strategy_rule
 
 GiB = 1 << 30
-# Bytes per element of each dtype name a config may give: fp32 4, bf16 / fp16 2.
-DTYPE_BYTES = {name: 4 if name in ("float32", "fp32") else 2 for name in DTYPE_NAMES}
 NATIVE_MAX_NUM_SEQS = 512  # NativeEngine's default max_num_seqs
 VLLM_GPU_MEMORY_UTILIZATION = 0.5  # VLLMEngine's default
 
 
 def dtype_bytes(name: str, key: str) -> int:
-    """Bytes per element of a config dtype name; a ``ValueError`` naming ``key`` otherwise."""
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"{key}: unknown dtype {name!r}; choose one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
+    """Bytes per element of a config dtype name (fp32 4, bf16 / fp16 2); a ``ValueError``
+    naming ``key`` otherwise."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"{key}: unknown dtype {name!r}; choose one of {sorted(DTYPE_NAMES)}")
+    return 4 if name in ("float32", "fp32") else 2
 
 
 def parse_size(text: str, key: str = "--gpu-memory") -> int:
@@ -322,16 +321,13 @@ class Plan:
 
 def model_state_terms(shape: ModelShape, t: TrainedSetup, label: str) -> list[Term]:
     """Parameters, gradients and AdamW state of a trained model, per rank."""
-    total = shape.params
+    trained = total = shape.params
     if t.lora_rank:
-        h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads, shape.intermediate
-        kvd = kv * shape.head_dim
-        # r x (in + out) per adapted linear: q, k, v, o, gate, up, down.
-        per_block = t.lora_rank * ((h + q) + 2 * (h + kvd) + (q + h) + 2 * (h + i) + (i + h))
-        trained = shape.layers * per_block
+        h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        # r x (in + out) per adapted linear: q, o: h + q; k, v: h + kv; gate, up, down: h + inter.
+        per_block = 2 * (h + q) + 2 * (h + kv) + 3 * (h + shape.intermediate)
+        trained = shape.layers * t.lora_rank * per_block
         total += trained
-    else:
-        trained = total
     m, z = t.master_bytes, t.zero_stage
     if z:  # DeepSpeed ZeRO: params whole below stage 3, grads whole below stage 2
         ranks = (t.shard if z == 3 else 1, t.shard if z >= 2 else 1, t.shard)
@@ -441,24 +437,6 @@ def logprob_bytes(
     return fused, naive
 
 
-def check_sequence_parallel(p: PlanInputs) -> None:
-    """Refuse the SP degree the strategy and the model refuse (the rules of
-    ``lightrft.sections``, which ``StrategyConfig`` and ``lightrft.models.ulysses`` apply)."""
-    n, a, s, world = p.sequence_parallel, p.actor, p.model, p.cluster.world
-    strategy_rule(
-        n,
-        world,
-        deepspeed=bool(a.zero_stage),
-        lora=a.lora_rank is not None,
-        hsdp=a.shard != world,
-        offload="params" if a.offload_params else "none",
-    )
-    check_sequence_parallel_model(
-        n, s.multimodal_type or s.model_type, s.heads, s.kv_heads, sliding_window=s.sliding_window
-    )
-    check_sequence_parallel_critic(n, p.critic is not None)
-
-
 def engine_terms(
     shape: ModelShape, e: EngineSetup, cluster: Cluster
 ) -> tuple[Term, Term, str | None]:
@@ -497,10 +475,22 @@ def engine_terms(
 
 def plan(p: PlanInputs) -> Plan:
     """The per-GPU memory of the rollout, scoring and training phases."""
-    s, a, tok = p.model, p.actor, p.tokens_per_micro_batch
-    b = a.compute_bytes
-    check_sequence_parallel(p)
-    n = p.sequence_parallel
+    s, a, tok, n = p.model, p.actor, p.tokens_per_micro_batch, p.sequence_parallel
+    b, world = a.compute_bytes, p.cluster.world
+    # Refuse the SP degree the strategy and the model refuse (the rules of lightrft.sections,
+    # which StrategyConfig and lightrft.models.ulysses apply).
+    strategy_rule(
+        n,
+        world,
+        deepspeed=bool(a.zero_stage),
+        lora=a.lora_rank is not None,
+        hsdp=a.shard != world,
+        offload="params" if a.offload_params else "none",
+    )
+    check_sequence_parallel_model(
+        n, s.multimodal_type or s.model_type, s.heads, s.kv_heads, sliding_window=s.sliding_window
+    )
+    check_sequence_parallel_critic(n, p.critic is not None)
     states = model_state_terms(s, a, "actor")
     critic_states = [] if p.critic is None else model_state_terms(s, p.critic, "critic")
     resting = [  # between steps the gradients are freed (zero_grad(set_to_none=True))
@@ -515,10 +505,9 @@ def plan(p: PlanInputs) -> Plan:
     fused_nograd, _ = logprob_bytes(s, tok, b, entropy=False, grad_hint=False, **sp)
     common: list[Term] = []
     scoring_rms: list[Term] = []  # offloaded reward models, on the device while they score
-    ranks = p.cluster.world if a.zero_stage else a.shard  # frozen models: FSDP2 over these
     for name, frozen in (("reference", s if p.reference else None), ("teacher", p.teacher)):
-        if frozen is not None:
-            size = math.ceil(frozen.params * a.master_bytes / ranks)
+        if frozen is not None:  # FSDP2 over the actor's shard ranks (the world under ZeRO)
+            size = math.ceil(frozen.params * a.master_bytes / a.shard)
             common.append(Term(f"{name} parameters", size, 0, "frozen, FSDP2-sharded"))
     for rm in p.reward_models:
         size = rm.shape.params * rm.dtype_bytes
@@ -736,11 +725,10 @@ def inputs_from_options(
     shape = read_shape(m.path, "model.path", model_config)
     master = dtype_bytes(m.dtype, "model.dtype")
     world = cluster.world
-    deepspeed = st.strategy == "deepspeed"
+    ds = st.deepspeed  # None under FSDP2; the config refuses LoRA, HSDP and offload with it
     # FSDP2 computes in bf16 on accelerators (lightrft.models.parallel.default_param_dtype);
     # this project's DeepSpeed path has no mixed precision: it computes in the master dtype.
-    compute = master if deepspeed or device == "cpu" else 2
-    ds = st.deepspeed  # None under FSDP2; the config refuses LoRA, HSDP and offload with it
+    compute = master if ds or device == "cpu" else 2
     actor = TrainedSetup(
         master,
         compute,
@@ -751,7 +739,7 @@ def inputs_from_options(
         activation_checkpointing=m.activation_checkpointing,
         lora_rank=st.lora.rank if st.lora is not None else None,
     )
-    sp = 1 if deepspeed else st.sequence_parallel
+    sp = 1 if ds else st.sequence_parallel
     # What every recipe shares; each fills in its micro-batch (and GRPO its other models).
     common = PlanInputs(recipe, shape, cluster, actor, 0, sequence_parallel=sp)
     if recipe == "grpo":
@@ -815,25 +803,20 @@ def _grpo_inputs(opts: Any, common: PlanInputs, device: str) -> PlanInputs:
     )
     alg = opts.algorithm
     critic = None
-    if opts.critic is not None:
-        critic = TrainedSetup(
-            actor.master_bytes,
-            actor.compute_bytes,
-            cluster.world if actor.zero_stage else actor.shard,
-            activation_checkpointing=actor.activation_checkpointing,
+    if opts.critic is not None:  # the actor's setup under plain FSDP2, over its shard ranks
+        critic = replace(
+            actor, zero_stage=0, offload_params=False, offload_optimizer=False, lora_rank=None
         )
-    rms = []
-    for key, node in _reward_models(opts.reward, "reward"):
-        rm_shape = read_shape(str(node.get("path")), f"{key}.path")
-        rms.append(
-            RewardModelSetup(
-                key,
-                rm_shape,
-                dtype_bytes(str(node.get("dtype") or "float32"), f"{key}.dtype"),
-                bool(node.get("offload") or False),
-                str(node.get("device") or "cpu") != "cpu",
-            )
+    rms = tuple(
+        RewardModelSetup(
+            key,
+            read_shape(str(node.get("path")), f"{key}.path"),
+            dtype_bytes(str(node.get("dtype") or "float32"), f"{key}.dtype"),
+            bool(node.get("offload") or False),
+            str(node.get("device") or "cpu") != "cpu",
         )
+        for key, node in _reward_models(opts.reward, "reward")
+    )
     return replace(
         common,
         tokens_per_micro_batch=tokens,
@@ -851,7 +834,7 @@ def _grpo_inputs(opts: Any, common: PlanInputs, device: str) -> PlanInputs:
         reference=alg.kl is not None and actor.lora_rank is None,
         teacher=read_shape(d.path, "distillation.path") if (d := opts.distillation) else None,
         critic=critic,
-        reward_models=tuple(rms),
+        reward_models=rms,
         notes=tuple(notes),
     )
 
@@ -879,8 +862,7 @@ def check_teacher_fits(opts: Any, device: Any, world: int) -> None:
         raise ValueError(
             f"distillation.path={opts.distillation.path!r}: the teacher does not fit: its "
             f"frozen FSDP2 shard is {_gib(shard)} per rank ({p.teacher.params:,} parameters in "
-            f"model.dtype over {p.cluster.world if p.actor.zero_stage else p.actor.shard} "
-            f"rank(s)), and with it the {over[0].name} phase needs {_gib(over[0].device_bytes)} "
-            f"of this {kind} device's {_gib(memory)} (without it the run fits; `lightrft plan` "
-            "shows every term): use a smaller teacher, more ranks or a larger shard_size"
+            f"model.dtype over {p.actor.shard} rank(s)), and with it the {over[0].name} phase "
+            f"needs {_gib(over[0].device_bytes)} of this {kind} device's {_gib(memory)} (without "
+            "it the run fits; `lightrft plan` shows every term): use a smaller teacher, more ranks or a larger shard_size"
         )
