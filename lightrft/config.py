@@ -126,63 +126,53 @@ def _compose(text: str, where: str) -> yaml.Node | None:
     """The YAML node graph of ``text``, refused by name when it breaks a bound above."""
     try:
         root = yaml.compose(text)
-    except RecursionError:
+        if root is not None:
+            _check_size(root, where)
+    except RecursionError:  # the parser's, or the size walk's on what it read
         raise ConfigError(
             f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)"
         ) from None
-    if root is not None:
-        _check_size(root, where)
     return root
 
 
 def _check_size(root: yaml.Node, where: str) -> None:
-    """Each distinct node is visited once (aliases share nodes), so this is linear in the text
+    """Each distinct node is sized once (aliases share nodes), so this is linear in the text
     even where the expanded config would be exponential. An alias inside the node it names
     (``a: &a [1, *a]``) would expand forever: refused."""
-    size: dict[int, int] = {}  # id(node) -> values under it, aliases expanded
-    depth: dict[int, int] = {}
-    inside: set[int] = set()  # the nodes the walk is in (visited, their children not done)
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        if id(node) in size:
-            continue
-        children = (
-            [c for kv in node.value for c in kv]
-            if isinstance(node, yaml.MappingNode)
-            else (node.value if isinstance(node, yaml.SequenceNode) else [])
-        )
-        if not done:
-            if isinstance(node, yaml.ScalarNode):
-                if node.tag.endswith(":int") and len(node.value.lstrip("+-")) > MAX_INT_DIGITS:
-                    raise ConfigError(
-                        f"{where}:{node.start_mark.line + 1}: an integer of {len(node.value)} "
-                        f"digits (at most {MAX_INT_DIGITS})"
-                    )
-                size[id(node)], depth[id(node)] = 1, 0
-                continue
-            inside.add(id(node))
-            if any(id(c) in inside for c in children):
-                raise ConfigError(
-                    f"{where}:{node.start_mark.line + 1}: an alias (*name) inside the node it "
-                    "names: its value would never end"
-                )
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if id(c) not in size)
-            continue
-        inside.discard(id(node))
-        size[id(node)] = 1 + sum(size[id(c)] for c in children)
-        depth[id(node)] = 1 + max((depth[id(c)] for c in children), default=0)
+    seen: dict[int, tuple[int, int]] = {}  # id(node) -> (values under it, aliases expanded; height)
+    inside: set[int] = set()  # the nodes the walk is in (their children not done)
+
+    def walk(node: yaml.Node) -> tuple[int, int]:
         line = node.start_mark.line + 1
-        if depth[id(node)] > MAX_DEPTH:
+        if id(node) in inside:
             raise ConfigError(
-                f"{where}:{line}: nested {depth[id(node)]} levels deep (at most {MAX_DEPTH})"
+                f"{where}:{line}: an alias (*name) inside the node it names: its value would "
+                "never end"
             )
-        if size[id(node)] > MAX_VALUES:
+        if id(node) in seen:
+            return seen[id(node)]
+        if isinstance(node, yaml.ScalarNode):
+            if node.tag.endswith(":int") and len(node.value.lstrip("+-")) > MAX_INT_DIGITS:
+                raise ConfigError(
+                    f"{where}:{line}: an integer of {len(node.value)} digits "
+                    f"(at most {MAX_INT_DIGITS})"
+                )
+            return seen.setdefault(id(node), (1, 0))
+        inside.add(id(node))
+        kids = [c for kv in node.value for c in kv] if node.id == "mapping" else node.value
+        sizes = [walk(c) for c in kids]
+        inside.discard(id(node))
+        size, height = 1 + sum(n for n, _ in sizes), 1 + max((h for _, h in sizes), default=0)
+        if height > MAX_DEPTH:
+            raise ConfigError(f"{where}:{line}: nested {height} levels deep (at most {MAX_DEPTH})")
+        if size > MAX_VALUES:
             raise ConfigError(
                 f"{where}:{line}: holds more than {MAX_VALUES:,} values once its aliases (*name) "
                 "are expanded; write the values out or use fewer aliases"
             )
+        return seen.setdefault(id(node), (size, height))
+
+    walk(root)
 
 
 def _yaml_lines(root: yaml.Node | None) -> dict[str, int]:
