@@ -14,6 +14,7 @@ reads checkpoints and so sits in the training layer.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -144,18 +145,33 @@ def check_model_path(
     (``loading=True``: after the prepare steps, before any model loads) refuses every local
     path that is not a model directory."""
     path = str(path)
-    try:
-        if not is_checkpoint_dir(path):
-            _check_model_path(path, key, prepare, loading)
-        elif not checkpoint:
-            raise ValueError(
-                f"{key}={path!r} is a training checkpoint, not a model directory: export it "
-                f"first (lightrft export {path} --out DIR) and give DIR"
-            )
-    except ValueError as e:
-        if loading:  # during the run: a user error (one line, exit 2), not a traceback
-            raise ConfigError(str(e)) from None
-        raise
+    error = ConfigError if loading else ValueError  # during the run: a user error (exit 2)
+    if is_checkpoint_dir(path):
+        if checkpoint:
+            return
+        raise error(
+            f"{key}={path!r} is a training checkpoint, not a model directory: export it "
+            f"first (lightrft export {path} --out DIR) and give DIR"
+        )
+    p = Path(path).expanduser()
+    later = not loading and prepared(path, prepare)
+    if p.is_dir():
+        if later or (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
+            return
+        hint = (
+            f"; it is a training run's directory: use its export, {str(p / 'final')!r}"
+            if (p / "checkpoints").is_dir()
+            else " (give an HF model directory, a hub id or a LightRFT export <output_dir>/final)"
+        )
+        raise error(f"{key}={path!r} is not a model directory: it has no config.json{hint}")
+    if p.exists():
+        raise error(f"{key}={path!r} is a file, not a model directory")
+    if not looks_local(path) or later or (not loading and not p.parent.is_dir()):
+        return
+    siblings = [c.name for c in p.parent.iterdir()] if p.parent.is_dir() else []
+    near = difflib.get_close_matches(p.name, siblings, n=1)
+    hint = f" (did you mean {str(p.parent / near[0])!r}?)" if near else ""
+    raise error(f"{key}={path!r} does not exist{hint}")
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
@@ -167,30 +183,6 @@ def is_checkpoint_dir(path: str | Path) -> bool:
     return re.match(r"^step_\d+$", p.name) is not None or any(
         (p / f).is_file() for f in (".metadata", "rank_00000.json")
     )
-
-
-def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loading: bool) -> None:
-    p = Path(path).expanduser()
-    later = not loading and prepared(path, prepare)
-    if p.is_dir():
-        if later or (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
-            return
-        hint = (
-            f"; it is a training run's directory: use its export, {str(p / 'final')!r}"
-            if (p / "checkpoints").is_dir()
-            else " (give an HF model directory, a hub id or a LightRFT export <output_dir>/final)"
-        )
-        raise ValueError(f"{key}={path!r} is not a model directory: it has no config.json{hint}")
-    if p.exists():
-        raise ValueError(f"{key}={path!r} is a file, not a model directory")
-    if not looks_local(path) or later or (not loading and not p.parent.is_dir()):
-        return
-    import difflib
-
-    siblings = [c.name for c in p.parent.iterdir()] if p.parent.is_dir() else []
-    near = difflib.get_close_matches(p.name, siblings, n=1)
-    hint = f" (did you mean {str(p.parent / near[0])!r}?)" if near else ""
-    raise ValueError(f"{key}={path!r} does not exist{hint}")
 
 
 # ---------------------------------------------------------------------------------- model
