@@ -24,7 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.config import Component, ConfigError, Section, option, section
+from omegaconf import OmegaConf
+
+from lightrft.config import Component, ConfigError, Section, option, resolve, section
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DType = Literal[DTYPE_NAMES]
@@ -574,15 +576,12 @@ def check_optimizer(node: Any, key: str = "optimizer") -> None:
     if not target.startswith("torch.optim."):
         return
     import torch
-    from omegaconf import OmegaConf
-
-    from lightrft.config import instantiate
 
     args = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else dict(node)
-    for arg in _IMPLEMENTATION_KEYS:
+    for arg in ("_component_", *_IMPLEMENTATION_KEYS):
         args.pop(arg, None)
     try:
-        instantiate(OmegaConf.create(args), [torch.nn.Parameter(torch.zeros(1))])
+        resolve(target)([torch.nn.Parameter(torch.zeros(1))], **args)
     except (ValueError, TypeError, RuntimeError) as e:
         raise ValueError(f"{key}: {target} refuses its arguments: {e}") from None
 
