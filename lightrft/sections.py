@@ -320,23 +320,20 @@ def mesh_shape(shard_size: int | None, replicate_size: int | None, world: int) -
     """(replicate, shard) of the FSDP2 device mesh for ``world`` ranks; a ``ValueError`` naming
     the keys when the sizes do not fit."""
     s, r = shard_size, replicate_size
-    if s is None and r is None:
-        return 1, world
-    if s is not None and r is not None:
-        if s * r != world:
-            raise ValueError(
-                f"replicate_size={r} x shard_size={s} = {r * s} ranks, but the run has "
-                f"{world}; set one of them (the other follows) or make the product {world}"
-            )
-        return r, s
-    given, key = (s, "shard_size") if s is not None else (r, "replicate_size")
-    if world % given:
+    if s is not None and r is not None and s * r != world:
         raise ValueError(
-            f"{key}={given} does not divide the world size {world} (processes in the run); "
-            f"use a divisor of {world}"
+            f"replicate_size={r} x shard_size={s} = {r * s} ranks, but the run has "
+            f"{world}; set one of them (the other follows) or make the product {world}"
         )
-    other = world // given
-    return (other, given) if key == "shard_size" else (given, other)
+    for given, key in ((s, "shard_size"), (r, "replicate_size")):
+        if given is not None and world % given:
+            raise ValueError(
+                f"{key}={given} does not divide the world size {world} (processes in the run); "
+                f"use a divisor of {world}"
+            )
+    if s is None:  # the shard size that follows from the replicas (all ranks: plain FSDP2)
+        s = world if r is None else world // r
+    return world // s, s
 
 
 OFFLOADS = ("none", "params")
