@@ -395,18 +395,16 @@ def _planning_for(world: int, device: str):
     """Validate as the recipe would on the planned machine: ``WORLD_SIZE`` is the cluster's and,
     planning for GPUs, CUDA counts as available (the checks of ``device: cuda`` and of CUDA-only
     engines are about the machine the run will have, not this one, as is what it installs)."""
+    from unittest import mock
+
     import torch
 
     from lightrft.engine.config import planned_elsewhere
 
-    old_available = torch.cuda.is_available
-    if device == "cuda":
-        torch.cuda.is_available = lambda: True
-    try:
-        with launch_world_size(str(world), "1"), planned_elsewhere():
+    available = (lambda: True) if device == "cuda" else torch.cuda.is_available
+    with launch_world_size(str(world), "1"), planned_elsewhere():
+        with mock.patch.object(torch.cuda, "is_available", available):
             yield
-    finally:
-        torch.cuda.is_available = old_available
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
