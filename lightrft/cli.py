@@ -344,15 +344,14 @@ def cmd_run(argv: list[str]) -> int:
 
         torchrun_main([*torchrun_args, *_worker_start(set(given), cfg), str(recipe), *rest])
         return 0
-    old_argv = sys.argv
-    sys.argv = [str(recipe), *rest]
+    from unittest import mock
+
     try:
-        runpy.run_path(str(recipe), run_name="__main__")
+        with mock.patch.object(sys, "argv", [str(recipe), *rest]):  # the recipe reads its argv
+            runpy.run_path(str(recipe), run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
             return e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = old_argv
     return 0
 
 
