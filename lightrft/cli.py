@@ -552,27 +552,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         check_torch()
-        return _dispatch(argv)
+        # `run` forwards its arguments untouched (torchrun flags, --config, overrides).
+        if argv and argv[0] == "run":
+            return cmd_run(argv[1:])
+        args = build_parser().parse_args(argv)
+        return globals()[f"cmd_{args.command.replace('-', '_')}"](args)  # cmd_ls ... cmd_tiny_model
     except UsageError as e:
         print(f"lightrft: {e}", file=sys.stderr)
         return 2
-
-
-def _dispatch(argv: list[str]) -> int:
-    # `run` forwards its arguments untouched (torchrun flags, --config, overrides).
-    if argv and argv[0] == "run":
-        return cmd_run(argv[1:])
-    args = build_parser().parse_args(argv)
-    return {
-        "ls": cmd_ls,
-        "cp": cmd_cp,
-        "cat": cmd_cat,
-        "validate": cmd_validate,
-        "view": cmd_view,
-        "export": cmd_export,
-        "plan": cmd_plan,
-        "tiny-model": cmd_tiny_model,
-    }[args.command](args)
 
 
 if __name__ == "__main__":
