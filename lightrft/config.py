@@ -491,14 +491,10 @@ def _check(cfg: Any, schema: Any, key: str, src: Source, errors: list[str]) -> N
             errors.append(f"{src.where(key)}: '{key}' must not be null")
         return
     origin, args = typing.get_origin(schema), typing.get_args(schema)
-    if _is_union(schema):
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            _check(cfg, inner[0], key, src, errors)
-        elif not any(_matches(cfg, a) for a in inner):
-            errors.append(f"{src.where(key)}: '{key}' expects {_type_name(schema)}, got {cfg!r}")
-        return
-    if schema is Component:
+    inner = [a for a in args if a is not type(None)]
+    if _is_union(schema) and len(inner) == 1:  # X | None, not null: X (a union: _matches below)
+        _check(cfg, inner[0], key, src, errors)
+    elif schema is Component:
         _check_component(cfg, key, src, errors)
     elif origin is list:
         if not isinstance(cfg, (list, ListConfig)):
