@@ -94,13 +94,11 @@ def check_torch() -> None:
     if found is None:
         raise UsageError(f"torch is not installed: {_TORCH_FIX}")
     has_gpu = Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
-    problem = torch_problem(*found, has_gpu=has_gpu)
-    if problem is None:
-        return
-    line, fatal = problem
+    line, fatal = torch_problem(*found, has_gpu=has_gpu) or ("", False)
     if fatal:
         raise UsageError(line)
-    print(f"lightrft: note: {line}", file=sys.stderr)
+    if line:
+        print(f"lightrft: note: {line}", file=sys.stderr)
 
 
 class UsageError(Exception):
