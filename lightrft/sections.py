@@ -111,15 +111,12 @@ def _strings(node: Any) -> Iterable[str]:
 def prepared(path: str, prepare: Iterable[Any] | None) -> bool:
     """Whether a ``prepare`` step names ``path`` or a directory above it (as any argument, e.g.
     ``out_dir``): the step may write it, so it need not exist (or be complete) before the run."""
-    target = Path(os.path.abspath(Path(path).expanduser()))
-    for step in prepare or ():
-        for value in _strings(step):
-            if not value.strip():
-                continue
-            named = Path(os.path.abspath(Path(value).expanduser()))
-            if named == target or named in target.parents:
-                return True
-    return False
+
+    def absolute(p: str) -> Path:
+        return Path(os.path.abspath(Path(p).expanduser()))
+
+    named = {absolute(v) for step in prepare or () for v in _strings(step) if v.strip()}
+    return not named.isdisjoint({absolute(path), *absolute(path).parents})
 
 
 def check_model_path(
