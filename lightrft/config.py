@@ -186,6 +186,8 @@ def _yaml_lines(root: yaml.Node | None) -> dict[str, int]:
         elif isinstance(node, yaml.SequenceNode):
             children = [(str(i), v, v) for i, v in enumerate(node.value)]
         for name, at, value in children:
+            if not isinstance(name, str):  # a list or mapping as a key: the loader refuses it
+                continue
             lines[prefix + name] = at.start_mark.line + 1
             walk(value, f"{prefix}{name}.")
 
