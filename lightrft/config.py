@@ -122,27 +122,19 @@ def _read(path: str) -> str:
         ) from None
 
 
-def _compose(text: str, where: str) -> yaml.Node | None:
-    """The YAML node graph of ``text``, refused by name when it breaks a bound above."""
-    try:
-        root = yaml.compose(text)
-        if root is not None:
-            _check_size(root, where)
-    except RecursionError:  # the parser's, or the size walk's on what it read
-        raise ConfigError(
-            f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)"
-        ) from None
-    return root
+def _compose(text: str, where: str) -> dict[str, int]:
+    """The dotted key paths of ``text``'s YAML and their 1-based lines, its node graph refused
+    by name when it breaks a bound above.
 
-
-def _check_size(root: yaml.Node, where: str) -> None:
-    """Each distinct node is sized once (aliases share nodes), so this is linear in the text
-    even where the expanded config would be exponential. An alias inside the node it names
-    (``a: &a [1, *a]``) would expand forever: refused."""
+    Each distinct node is walked once (aliases share nodes), so this is linear in the text even
+    where the expanded config would be exponential; the keys under an alias used twice are
+    mapped at its first use (elsewhere :meth:`Source.where` reads the alias's own line). An
+    alias inside the node it names (``a: &a [1, *a]``) would expand forever: refused."""
+    lines: dict[str, int] = {}
     seen: dict[int, tuple[int, int]] = {}  # id(node) -> (values under it, aliases expanded; height)
     inside: set[int] = set()  # the nodes the walk is in (their children not done)
 
-    def walk(node: yaml.Node) -> tuple[int, int]:
+    def walk(node: yaml.Node, prefix: str) -> tuple[int, int]:
         line = node.start_mark.line + 1
         if id(node) in inside:
             raise ConfigError(
@@ -159,8 +151,15 @@ def _check_size(root: yaml.Node, where: str) -> None:
                 )
             return seen.setdefault(id(node), (1, 0))
         inside.add(id(node))
-        kids = [c for kv in node.value for c in kv] if node.id == "mapping" else node.value
-        sizes = [walk(c) for c in kids]
+        sizes = []
+        for i, item in enumerate(node.value):
+            key, value = item if node.id == "mapping" else (None, item)
+            name = str(i) if key is None else key.value
+            if key is not None:
+                sizes.append(walk(key, prefix))
+            if isinstance(name, str):  # (a list or mapping as a key: the loader refuses it)
+                lines[prefix + name] = (key or value).start_mark.line + 1
+            sizes.append(walk(value, f"{prefix}{name}."))
         inside.discard(id(node))
         size, height = 1 + sum(n for n, _ in sizes), 1 + max((h for _, h in sizes), default=0)
         if height > MAX_DEPTH:
@@ -172,26 +171,14 @@ def _check_size(root: yaml.Node, where: str) -> None:
             )
         return seen.setdefault(id(node), (size, height))
 
-    walk(root)
-
-
-def _yaml_lines(root: yaml.Node | None) -> dict[str, int]:
-    """Map dotted key paths to 1-based line numbers (``root`` passed :func:`_check_size`)."""
-    lines: dict[str, int] = {}
-
-    def walk(node, prefix: str) -> None:
-        children = []  # (key, the node whose line the key points at, its value)
-        if isinstance(node, yaml.MappingNode):
-            children = [(k.value, k, v) for k, v in node.value]
-        elif isinstance(node, yaml.SequenceNode):
-            children = [(str(i), v, v) for i, v in enumerate(node.value)]
-        for name, at, value in children:
-            if not isinstance(name, str):  # a list or mapping as a key: the loader refuses it
-                continue
-            lines[prefix + name] = at.start_mark.line + 1
-            walk(value, f"{prefix}{name}.")
-
-    walk(root, "")
+    try:
+        root = yaml.compose(text)
+        if root is not None:
+            walk(root, "")
+    except RecursionError:  # the parser's, or the walk's on what it read
+        raise ConfigError(
+            f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)"
+        ) from None
     return lines
 
 
@@ -253,8 +240,7 @@ def load(
         raise ConfigError(f"config file not found: {path}")
     text = _read(path)
     try:
-        root = _compose(text, path)
-        lines = _yaml_lines(root)
+        lines = _compose(text, path)
         raw = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
