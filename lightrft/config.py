@@ -32,6 +32,7 @@ import functools
 import importlib
 import inspect
 import io
+import itertools
 import os
 import re
 import sys
@@ -189,11 +190,7 @@ def _check_override(arg: str) -> None:
         raise ConfigError(
             f"override '{arg[:80]}...': the key is nested deeper than {MAX_DEPTH} levels"
         )
-    level = deepest = 0
-    for ch in value:
-        level += ch in "[{"
-        level -= ch in "]}"
-        deepest = max(deepest, level)
+    deepest = max(itertools.accumulate(((c in "[{") - (c in "]}") for c in value), initial=0))
     if deepest > MAX_DEPTH:
         raise ConfigError(
             f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})"
