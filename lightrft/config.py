@@ -315,6 +315,9 @@ def _type_name(t: Any) -> str:
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
+_SCALARS = {type(None): type(None), bool: bool, int: int, float: (int, float), str: str}
+
+
 def _matches(value: Any, t: Any) -> bool:
     """Whether a (YAML / override) value fits a simple annotation; unknown annotations pass."""
     if t is Any or t is inspect.Parameter.empty:
@@ -324,16 +327,8 @@ def _matches(value: Any, t: Any) -> bool:
         return any(_matches(value, a) for a in typing.get_args(t))
     if origin is Literal:
         return value in typing.get_args(t)
-    if t is type(None):
-        return value is None
-    if t is bool:
-        return isinstance(value, bool)
-    if t is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if t is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if t is str:
-        return isinstance(value, str)
+    if t in _SCALARS:  # a bool is no int or float here (YAML's true is not 1)
+        return isinstance(value, _SCALARS[t]) and (t is bool or not isinstance(value, bool))
     if t in (list, tuple) or origin in (list, tuple, typing.Sequence):
         return isinstance(value, (list, tuple, ListConfig))
     if t is dict or origin is dict:
