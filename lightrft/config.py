@@ -701,8 +701,7 @@ class Section:
         out: dict[str, Any] = {}
         for f, t, section in cls._fields():
             if section is None:
-                required = f.default is _MISSING and f.default_factory is _MISSING
-                keys = {f.name: t if required or _optional(t) else t | None}
+                keys = {f.name: t if _default(f) is _MISSING or _optional(t) else t | None}
             elif f.metadata.get("flat"):
                 keys = section.schema()
             else:
@@ -722,19 +721,13 @@ class Section:
         values: dict[str, Any] = {}
         for f, t, section in cls._fields():
             value = None if node is None else node.get(f.name)
-            if section is not None:
+            if section is not None:  # a nested mapping (absent: None if optional), or flat keys
                 if f.metadata.get("flat"):
-                    values[f.name] = section.read(node, at)
+                    value = section.read(node, at)
                 elif value is not None or not _optional(t):
-                    values[f.name] = section.read(value, f"{at}{f.name}.")
-                else:
-                    values[f.name] = None
-                continue
-            if value is None:
-                if f.default is not _MISSING:
-                    value = f.default
-                elif f.default_factory is not _MISSING:
-                    value = f.default_factory()
+                    value = section.read(value, f"{at}{f.name}.")
+            elif value is None and (default := _default(f)) is not _MISSING:
+                value = default
             if isinstance(value, (list, tuple, ListConfig)):
                 value = tuple(value)
             elif isinstance(value, DictConfig) and not _is_component_type(t):
@@ -782,15 +775,18 @@ class Section:
             if section is not None:
                 rows += section._doc_rows(at if f.metadata.get("flat") else f"{at}{f.name}.")
                 continue
-            if f.default is not _MISSING:
-                default = "null" if f.default is None else f"`{_yaml_value(f.default)}`"
-            elif f.default_factory is not _MISSING:
-                default = f"`{_yaml_value(f.default_factory())}`"
-            else:
+            if (default := _default(f)) is _MISSING:
                 default = "required"
+            else:
+                default = "null" if default is None else f"`{_yaml_value(default)}`"
             kind = _type_name(t).replace("|", "or")
             rows.append(f"| `{at}{f.name}` | {kind} | {default} | {f.metadata.get('doc', '')} |")
         return rows
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default (its factory's value), ``dataclasses.MISSING`` for a required key."""
+    return f.default if f.default_factory is _MISSING else f.default_factory()
 
 
 def _yaml_value(value: Any) -> str:
