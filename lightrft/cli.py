@@ -306,18 +306,15 @@ def _worker_start(given: set[str], cfg) -> list[str]:
 
 
 def cmd_run(argv: list[str]) -> int:
-    torchrun_args: list[str] = []
     given: dict[str, str] = {}  # each torchrun flag (spelled with '-') and its value
-    i = 0
+    i = 0  # the torchrun flags and their values are argv[:i]
     while i < len(argv) and argv[i].startswith("-"):
         flag = argv[i]
         name, eq, value = flag.partition("=")
-        torchrun_args.append(flag)
         if not eq and flag in _TORCHRUN_VALUE_FLAGS:
             if i + 1 >= len(argv):
                 raise UsageError(f"{flag} needs a value")
             value = argv[i + 1]
-            torchrun_args.append(value)
             i += 1
         given[name.replace("_", "-")] = value
         i += 1
@@ -333,14 +330,14 @@ def cmd_run(argv: list[str]) -> int:
             rest[j + 1] = str(resolve_config(rest[j + 1]))
         elif a.startswith("--config="):
             rest[j] = "--config=" + str(resolve_config(a.split("=", 1)[1]))
-    if torchrun_args:
+    if i:
         # The config checked once in the launcher, for the world size of the launch
         # (``--nnodes x --nproc_per_node`` when both are plain numbers, else the workers check it).
         nproc, nnodes = given.get("--nproc-per-node") or "1", given.get("--nnodes") or "1"
         cfg, _ = checked_config(recipe, rest, launch_world_size(nproc, nnodes))
         from torch.distributed.run import main as torchrun_main
 
-        torchrun_main([*torchrun_args, *_worker_start(set(given), cfg), str(recipe), *rest])
+        torchrun_main([*argv[:i], *_worker_start(set(given), cfg), str(recipe), *rest])
         return 0
     from unittest import mock
 
