@@ -94,13 +94,11 @@ def check_torch() -> None:
     if found is None:
         raise UsageError(f"torch is not installed: {_TORCH_FIX}")
     has_gpu = Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
-    problem = torch_problem(*found, has_gpu=has_gpu)
-    if problem is None:
-        return
-    line, fatal = problem
+    line, fatal = torch_problem(*found, has_gpu=has_gpu) or ("", False)
     if fatal:
         raise UsageError(line)
-    print(f"lightrft: note: {line}", file=sys.stderr)
+    if line:
+        print(f"lightrft: note: {line}", file=sys.stderr)
 
 
 class UsageError(Exception):
@@ -308,18 +306,15 @@ def _worker_start(given: set[str], cfg) -> list[str]:
 
 
 def cmd_run(argv: list[str]) -> int:
-    torchrun_args: list[str] = []
     given: dict[str, str] = {}  # each torchrun flag (spelled with '-') and its value
-    i = 0
+    i = 0  # the torchrun flags and their values are argv[:i]
     while i < len(argv) and argv[i].startswith("-"):
         flag = argv[i]
         name, eq, value = flag.partition("=")
-        torchrun_args.append(flag)
         if not eq and flag in _TORCHRUN_VALUE_FLAGS:
             if i + 1 >= len(argv):
                 raise UsageError(f"{flag} needs a value")
             value = argv[i + 1]
-            torchrun_args.append(value)
             i += 1
         given[name.replace("_", "-")] = value
         i += 1
@@ -335,24 +330,23 @@ def cmd_run(argv: list[str]) -> int:
             rest[j + 1] = str(resolve_config(rest[j + 1]))
         elif a.startswith("--config="):
             rest[j] = "--config=" + str(resolve_config(a.split("=", 1)[1]))
-    if torchrun_args:
+    if i:
         # The config checked once in the launcher, for the world size of the launch
         # (``--nnodes x --nproc_per_node`` when both are plain numbers, else the workers check it).
         nproc, nnodes = given.get("--nproc-per-node") or "1", given.get("--nnodes") or "1"
         cfg, _ = checked_config(recipe, rest, launch_world_size(nproc, nnodes))
         from torch.distributed.run import main as torchrun_main
 
-        torchrun_main([*torchrun_args, *_worker_start(set(given), cfg), str(recipe), *rest])
+        torchrun_main([*argv[:i], *_worker_start(set(given), cfg), str(recipe), *rest])
         return 0
-    old_argv = sys.argv
-    sys.argv = [str(recipe), *rest]
+    from unittest import mock
+
     try:
-        runpy.run_path(str(recipe), run_name="__main__")
+        with mock.patch.object(sys, "argv", [str(recipe), *rest]):  # the recipe reads its argv
+            runpy.run_path(str(recipe), run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
             return e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = old_argv
     return 0
 
 
@@ -395,18 +389,16 @@ def _planning_for(world: int, device: str):
     """Validate as the recipe would on the planned machine: ``WORLD_SIZE`` is the cluster's and,
     planning for GPUs, CUDA counts as available (the checks of ``device: cuda`` and of CUDA-only
     engines are about the machine the run will have, not this one, as is what it installs)."""
+    from unittest import mock
+
     import torch
 
     from lightrft.engine.config import planned_elsewhere
 
-    old_available = torch.cuda.is_available
-    if device == "cuda":
-        torch.cuda.is_available = lambda: True
-    try:
-        with launch_world_size(str(world), "1"), planned_elsewhere():
+    available = (lambda: True) if device == "cuda" else torch.cuda.is_available
+    with launch_world_size(str(world), "1"), planned_elsewhere():
+        with mock.patch.object(torch.cuda, "is_available", available):
             yield
-    finally:
-        torch.cuda.is_available = old_available
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -555,27 +547,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         check_torch()
-        return _dispatch(argv)
+        # `run` forwards its arguments untouched (torchrun flags, --config, overrides).
+        if argv and argv[0] == "run":
+            return cmd_run(argv[1:])
+        args = build_parser().parse_args(argv)
+        return globals()[f"cmd_{args.command.replace('-', '_')}"](args)  # cmd_ls ... cmd_tiny_model
     except UsageError as e:
         print(f"lightrft: {e}", file=sys.stderr)
         return 2
-
-
-def _dispatch(argv: list[str]) -> int:
-    # `run` forwards its arguments untouched (torchrun flags, --config, overrides).
-    if argv and argv[0] == "run":
-        return cmd_run(argv[1:])
-    args = build_parser().parse_args(argv)
-    return {
-        "ls": cmd_ls,
-        "cp": cmd_cp,
-        "cat": cmd_cat,
-        "validate": cmd_validate,
-        "view": cmd_view,
-        "export": cmd_export,
-        "plan": cmd_plan,
-        "tiny-model": cmd_tiny_model,
-    }[args.command](args)
 
 
 if __name__ == "__main__":

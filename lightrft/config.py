@@ -32,6 +32,7 @@ import functools
 import importlib
 import inspect
 import io
+import itertools
 import os
 import re
 import sys
@@ -122,84 +123,63 @@ def _read(path: str) -> str:
         ) from None
 
 
-def _compose(text: str, where: str) -> yaml.Node | None:
-    """The YAML node graph of ``text``, refused by name when it breaks a bound above."""
-    try:
-        root = yaml.compose(text)
-    except RecursionError:
-        raise ConfigError(
-            f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)"
-        ) from None
-    if root is not None:
-        _check_size(root, where)
-    return root
+def _compose(text: str, where: str) -> dict[str, int]:
+    """The dotted key paths of ``text``'s YAML and their 1-based lines, its node graph refused
+    by name when it breaks a bound above.
 
+    Each distinct node is walked once (aliases share nodes), so this is linear in the text even
+    where the expanded config would be exponential; the keys under an alias used twice are
+    mapped at its first use (elsewhere :meth:`Source.where` reads the alias's own line). An
+    alias inside the node it names (``a: &a [1, *a]``) would expand forever: refused."""
+    lines: dict[str, int] = {}
+    seen: dict[int, tuple[int, int]] = {}  # id(node) -> (values under it, aliases expanded; height)
+    inside: set[int] = set()  # the nodes the walk is in (their children not done)
 
-def _check_size(root: yaml.Node, where: str) -> None:
-    """Each distinct node is visited once (aliases share nodes), so this is linear in the text
-    even where the expanded config would be exponential. An alias inside the node it names
-    (``a: &a [1, *a]``) would expand forever: refused."""
-    size: dict[int, int] = {}  # id(node) -> values under it, aliases expanded
-    depth: dict[int, int] = {}
-    inside: set[int] = set()  # the nodes the walk is in (visited, their children not done)
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        if id(node) in size:
-            continue
-        children = (
-            [c for kv in node.value for c in kv]
-            if isinstance(node, yaml.MappingNode)
-            else (node.value if isinstance(node, yaml.SequenceNode) else [])
-        )
-        if not done:
-            if isinstance(node, yaml.ScalarNode):
-                if node.tag.endswith(":int") and len(node.value.lstrip("+-")) > MAX_INT_DIGITS:
-                    raise ConfigError(
-                        f"{where}:{node.start_mark.line + 1}: an integer of {len(node.value)} "
-                        f"digits (at most {MAX_INT_DIGITS})"
-                    )
-                size[id(node)], depth[id(node)] = 1, 0
-                continue
-            inside.add(id(node))
-            if any(id(c) in inside for c in children):
-                raise ConfigError(
-                    f"{where}:{node.start_mark.line + 1}: an alias (*name) inside the node it "
-                    "names: its value would never end"
-                )
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if id(c) not in size)
-            continue
-        inside.discard(id(node))
-        size[id(node)] = 1 + sum(size[id(c)] for c in children)
-        depth[id(node)] = 1 + max((depth[id(c)] for c in children), default=0)
+    def walk(node: yaml.Node, prefix: str) -> tuple[int, int]:
         line = node.start_mark.line + 1
-        if depth[id(node)] > MAX_DEPTH:
+        if id(node) in inside:
             raise ConfigError(
-                f"{where}:{line}: nested {depth[id(node)]} levels deep (at most {MAX_DEPTH})"
+                f"{where}:{line}: an alias (*name) inside the node it names: its value would "
+                "never end"
             )
-        if size[id(node)] > MAX_VALUES:
+        if id(node) in seen:
+            return seen[id(node)]
+        if isinstance(node, yaml.ScalarNode):
+            if node.tag.endswith(":int") and len(node.value.lstrip("+-")) > MAX_INT_DIGITS:
+                raise ConfigError(
+                    f"{where}:{line}: an integer of {len(node.value)} digits "
+                    f"(at most {MAX_INT_DIGITS})"
+                )
+            return seen.setdefault(id(node), (1, 0))
+        inside.add(id(node))
+        sizes = []
+        for i, item in enumerate(node.value):
+            key, value = item if node.id == "mapping" else (None, item)
+            name = str(i) if key is None else key.value
+            if key is not None:
+                sizes.append(walk(key, prefix))
+            if isinstance(name, str):  # (a list or mapping as a key: the loader refuses it)
+                lines[prefix + name] = (key or value).start_mark.line + 1
+            sizes.append(walk(value, f"{prefix}{name}."))
+        inside.discard(id(node))
+        size, height = 1 + sum(n for n, _ in sizes), 1 + max((h for _, h in sizes), default=0)
+        if height > MAX_DEPTH:
+            raise ConfigError(f"{where}:{line}: nested {height} levels deep (at most {MAX_DEPTH})")
+        if size > MAX_VALUES:
             raise ConfigError(
                 f"{where}:{line}: holds more than {MAX_VALUES:,} values once its aliases (*name) "
                 "are expanded; write the values out or use fewer aliases"
             )
+        return seen.setdefault(id(node), (size, height))
 
-
-def _yaml_lines(root: yaml.Node | None) -> dict[str, int]:
-    """Map dotted key paths to 1-based line numbers (``root`` passed :func:`_check_size`)."""
-    lines: dict[str, int] = {}
-
-    def walk(node, prefix: str) -> None:
-        children = []  # (key, the node whose line the key points at, its value)
-        if isinstance(node, yaml.MappingNode):
-            children = [(k.value, k, v) for k, v in node.value]
-        elif isinstance(node, yaml.SequenceNode):
-            children = [(str(i), v, v) for i, v in enumerate(node.value)]
-        for name, at, value in children:
-            lines[prefix + name] = at.start_mark.line + 1
-            walk(value, f"{prefix}{name}.")
-
-    walk(root, "")
+    try:
+        root = yaml.compose(text)
+        if root is not None:
+            walk(root, "")
+    except RecursionError:  # the parser's, or the walk's on what it read
+        raise ConfigError(
+            f"{where}: nested deeper than YAML can read (at most {MAX_DEPTH} levels)"
+        ) from None
     return lines
 
 
@@ -210,11 +190,7 @@ def _check_override(arg: str) -> None:
         raise ConfigError(
             f"override '{arg[:80]}...': the key is nested deeper than {MAX_DEPTH} levels"
         )
-    level = deepest = 0
-    for ch in value:
-        level += ch in "[{"
-        level -= ch in "]}"
-        deepest = max(deepest, level)
+    deepest = max(itertools.accumulate(((c in "[{") - (c in "]}") for c in value), initial=0))
     if deepest > MAX_DEPTH:
         raise ConfigError(
             f"override of {key}: the value is nested {deepest} levels deep (at most {MAX_DEPTH})"
@@ -261,8 +237,7 @@ def load(
         raise ConfigError(f"config file not found: {path}")
     text = _read(path)
     try:
-        root = _compose(text, path)
-        lines = _yaml_lines(root)
+        lines = _compose(text, path)
         raw = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
@@ -340,6 +315,9 @@ def _type_name(t: Any) -> str:
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
+_SCALARS = {type(None): type(None), bool: bool, int: int, float: (int, float), str: str}
+
+
 def _matches(value: Any, t: Any) -> bool:
     """Whether a (YAML / override) value fits a simple annotation; unknown annotations pass."""
     if t is Any or t is inspect.Parameter.empty:
@@ -349,16 +327,8 @@ def _matches(value: Any, t: Any) -> bool:
         return any(_matches(value, a) for a in typing.get_args(t))
     if origin is Literal:
         return value in typing.get_args(t)
-    if t is type(None):
-        return value is None
-    if t is bool:
-        return isinstance(value, bool)
-    if t is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if t is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if t is str:
-        return isinstance(value, str)
+    if t in _SCALARS:  # a bool is no int or float here (YAML's true is not 1)
+        return isinstance(value, _SCALARS[t]) and (t is bool or not isinstance(value, bool))
     if t in (list, tuple) or origin in (list, tuple, typing.Sequence):
         return isinstance(value, (list, tuple, ListConfig))
     if t is dict or origin is dict:
@@ -501,14 +471,10 @@ def _check(cfg: Any, schema: Any, key: str, src: Source, errors: list[str]) -> N
             errors.append(f"{src.where(key)}: '{key}' must not be null")
         return
     origin, args = typing.get_origin(schema), typing.get_args(schema)
-    if _is_union(schema):
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            _check(cfg, inner[0], key, src, errors)
-        elif not any(_matches(cfg, a) for a in inner):
-            errors.append(f"{src.where(key)}: '{key}' expects {_type_name(schema)}, got {cfg!r}")
-        return
-    if schema is Component:
+    inner = [a for a in args if a is not type(None)]
+    if _is_union(schema) and len(inner) == 1:  # X | None, not null: X (a union: _matches below)
+        _check(cfg, inner[0], key, src, errors)
+    elif schema is Component:
         _check_component(cfg, key, src, errors)
     elif origin is list:
         if not isinstance(cfg, (list, ListConfig)):
@@ -735,8 +701,7 @@ class Section:
         out: dict[str, Any] = {}
         for f, t, section in cls._fields():
             if section is None:
-                required = f.default is _MISSING and f.default_factory is _MISSING
-                keys = {f.name: t if required or _optional(t) else t | None}
+                keys = {f.name: t if _default(f) is _MISSING or _optional(t) else t | None}
             elif f.metadata.get("flat"):
                 keys = section.schema()
             else:
@@ -756,19 +721,13 @@ class Section:
         values: dict[str, Any] = {}
         for f, t, section in cls._fields():
             value = None if node is None else node.get(f.name)
-            if section is not None:
+            if section is not None:  # a nested mapping (absent: None if optional), or flat keys
                 if f.metadata.get("flat"):
-                    values[f.name] = section.read(node, at)
+                    value = section.read(node, at)
                 elif value is not None or not _optional(t):
-                    values[f.name] = section.read(value, f"{at}{f.name}.")
-                else:
-                    values[f.name] = None
-                continue
-            if value is None:
-                if f.default is not _MISSING:
-                    value = f.default
-                elif f.default_factory is not _MISSING:
-                    value = f.default_factory()
+                    value = section.read(value, f"{at}{f.name}.")
+            elif value is None and (default := _default(f)) is not _MISSING:
+                value = default
             if isinstance(value, (list, tuple, ListConfig)):
                 value = tuple(value)
             elif isinstance(value, DictConfig) and not _is_component_type(t):
@@ -816,15 +775,18 @@ class Section:
             if section is not None:
                 rows += section._doc_rows(at if f.metadata.get("flat") else f"{at}{f.name}.")
                 continue
-            if f.default is not _MISSING:
-                default = "null" if f.default is None else f"`{_yaml_value(f.default)}`"
-            elif f.default_factory is not _MISSING:
-                default = f"`{_yaml_value(f.default_factory())}`"
-            else:
+            if (default := _default(f)) is _MISSING:
                 default = "required"
+            else:
+                default = "null" if default is None else f"`{_yaml_value(default)}`"
             kind = _type_name(t).replace("|", "or")
             rows.append(f"| `{at}{f.name}` | {kind} | {default} | {f.metadata.get('doc', '')} |")
         return rows
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default (its factory's value), ``dataclasses.MISSING`` for a required key."""
+    return f.default if f.default_factory is _MISSING else f.default_factory()
 
 
 def _yaml_value(value: Any) -> str:

@@ -14,6 +14,7 @@ reads checkpoints and so sits in the training layer.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -23,7 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from lightrft.config import Component, ConfigError, Section, option, section
+from omegaconf import OmegaConf
+
+from lightrft.config import Component, ConfigError, Section, option, resolve, section
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DType = Literal[DTYPE_NAMES]
@@ -108,15 +111,12 @@ def _strings(node: Any) -> Iterable[str]:
 def prepared(path: str, prepare: Iterable[Any] | None) -> bool:
     """Whether a ``prepare`` step names ``path`` or a directory above it (as any argument, e.g.
     ``out_dir``): the step may write it, so it need not exist (or be complete) before the run."""
-    target = Path(os.path.abspath(Path(path).expanduser()))
-    for step in prepare or ():
-        for value in _strings(step):
-            if not value.strip():
-                continue
-            named = Path(os.path.abspath(Path(value).expanduser()))
-            if named == target or named in target.parents:
-                return True
-    return False
+
+    def absolute(p: str) -> Path:
+        return Path(os.path.abspath(Path(p).expanduser()))
+
+    named = {absolute(v) for step in prepare or () for v in _strings(step) if v.strip()}
+    return not named.isdisjoint({absolute(path), *absolute(path).parents})
 
 
 def check_model_path(
@@ -144,18 +144,33 @@ def check_model_path(
     (``loading=True``: after the prepare steps, before any model loads) refuses every local
     path that is not a model directory."""
     path = str(path)
-    try:
-        if not is_checkpoint_dir(path):
-            _check_model_path(path, key, prepare, loading)
-        elif not checkpoint:
-            raise ValueError(
-                f"{key}={path!r} is a training checkpoint, not a model directory: export it "
-                f"first (lightrft export {path} --out DIR) and give DIR"
-            )
-    except ValueError as e:
-        if loading:  # during the run: a user error (one line, exit 2), not a traceback
-            raise ConfigError(str(e)) from None
-        raise
+    error = ConfigError if loading else ValueError  # during the run: a user error (exit 2)
+    if is_checkpoint_dir(path):
+        if checkpoint:
+            return
+        raise error(
+            f"{key}={path!r} is a training checkpoint, not a model directory: export it "
+            f"first (lightrft export {path} --out DIR) and give DIR"
+        )
+    p = Path(path).expanduser()
+    later = not loading and prepared(path, prepare)
+    if p.is_dir():
+        if later or (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
+            return
+        hint = (
+            f"; it is a training run's directory: use its export, {str(p / 'final')!r}"
+            if (p / "checkpoints").is_dir()
+            else " (give an HF model directory, a hub id or a LightRFT export <output_dir>/final)"
+        )
+        raise error(f"{key}={path!r} is not a model directory: it has no config.json{hint}")
+    if p.exists():
+        raise error(f"{key}={path!r} is a file, not a model directory")
+    if not looks_local(path) or later or (not loading and not p.parent.is_dir()):
+        return
+    siblings = [c.name for c in p.parent.iterdir()] if p.parent.is_dir() else []
+    near = difflib.get_close_matches(p.name, siblings, n=1)
+    hint = f" (did you mean {str(p.parent / near[0])!r}?)" if near else ""
+    raise error(f"{key}={path!r} does not exist{hint}")
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
@@ -167,30 +182,6 @@ def is_checkpoint_dir(path: str | Path) -> bool:
     return re.match(r"^step_\d+$", p.name) is not None or any(
         (p / f).is_file() for f in (".metadata", "rank_00000.json")
     )
-
-
-def _check_model_path(path: str, key: str, prepare: Iterable[Any] | None, loading: bool) -> None:
-    p = Path(path).expanduser()
-    later = not loading and prepared(path, prepare)
-    if p.is_dir():
-        if later or (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
-            return
-        hint = (
-            f"; it is a training run's directory: use its export, {str(p / 'final')!r}"
-            if (p / "checkpoints").is_dir()
-            else " (give an HF model directory, a hub id or a LightRFT export <output_dir>/final)"
-        )
-        raise ValueError(f"{key}={path!r} is not a model directory: it has no config.json{hint}")
-    if p.exists():
-        raise ValueError(f"{key}={path!r} is a file, not a model directory")
-    if not looks_local(path) or later or (not loading and not p.parent.is_dir()):
-        return
-    import difflib
-
-    siblings = [c.name for c in p.parent.iterdir()] if p.parent.is_dir() else []
-    near = difflib.get_close_matches(p.name, siblings, n=1)
-    hint = f" (did you mean {str(p.parent / near[0])!r}?)" if near else ""
-    raise ValueError(f"{key}={path!r} does not exist{hint}")
 
 
 # ---------------------------------------------------------------------------------- model
@@ -326,23 +317,20 @@ def mesh_shape(shard_size: int | None, replicate_size: int | None, world: int) -
     """(replicate, shard) of the FSDP2 device mesh for ``world`` ranks; a ``ValueError`` naming
     the keys when the sizes do not fit."""
     s, r = shard_size, replicate_size
-    if s is None and r is None:
-        return 1, world
-    if s is not None and r is not None:
-        if s * r != world:
-            raise ValueError(
-                f"replicate_size={r} x shard_size={s} = {r * s} ranks, but the run has "
-                f"{world}; set one of them (the other follows) or make the product {world}"
-            )
-        return r, s
-    given, key = (s, "shard_size") if s is not None else (r, "replicate_size")
-    if world % given:
+    if s is not None and r is not None and s * r != world:
         raise ValueError(
-            f"{key}={given} does not divide the world size {world} (processes in the run); "
-            f"use a divisor of {world}"
+            f"replicate_size={r} x shard_size={s} = {r * s} ranks, but the run has "
+            f"{world}; set one of them (the other follows) or make the product {world}"
         )
-    other = world // given
-    return (other, given) if key == "shard_size" else (given, other)
+    for given, key in ((s, "shard_size"), (r, "replicate_size")):
+        if given is not None and world % given:
+            raise ValueError(
+                f"{key}={given} does not divide the world size {world} (processes in the run); "
+                f"use a divisor of {world}"
+            )
+    if s is None:  # the shard size that follows from the replicas (all ranks: plain FSDP2)
+        s = world if r is None else world // r
+    return world // s, s
 
 
 OFFLOADS = ("none", "params")
@@ -582,15 +570,12 @@ def check_optimizer(node: Any, key: str = "optimizer") -> None:
     if not target.startswith("torch.optim."):
         return
     import torch
-    from omegaconf import OmegaConf
-
-    from lightrft.config import instantiate
 
     args = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else dict(node)
-    for arg in _IMPLEMENTATION_KEYS:
+    for arg in ("_component_", *_IMPLEMENTATION_KEYS):
         args.pop(arg, None)
     try:
-        instantiate(OmegaConf.create(args), [torch.nn.Parameter(torch.zeros(1))])
+        resolve(target)([torch.nn.Parameter(torch.zeros(1))], **args)
     except (ValueError, TypeError, RuntimeError) as e:
         raise ValueError(f"{key}: {target} refuses its arguments: {e}") from None
 

@@ -34,6 +34,8 @@ HOSTILE = {
     ),
     "long_int": ("output_dir: out\nseed: " + "7" * 5000 + "\n", r":2: an integer of 5000 digits"),
     "recursive_alias": ("output_dir: out\na: &a [1, {b: *a}]\n", r":2: an alias \(\*name\) inside"),
+    # A list as a key: the loader's own refusal (the line walk raised a TypeError on it).
+    "list_key": ("output_dir: out\n? [a, b]\n: 1\n", r"(?s)invalid YAML: .*unhashable key"),
 }
 
 
