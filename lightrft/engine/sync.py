@@ -232,7 +232,7 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
             others.append(i)
             continue
         groups.setdefault((mesh.get_group(), wire[i]), []).append(i)
-    gathers, written = [], set()
+    gathers = []
     for (group, wire_dtype), idx in groups.items():
         world = dist.get_world_size(group)
         params = [tensors[i] for i in idx]
@@ -241,14 +241,10 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
         direct, trim = [], {}
         for k, (i, size) in enumerate(zip(idx, sizes, strict=True)):
             buf = buffers.get(items[owner[i]].name)
-            if buf is not None and buf.numel() == world * size:
-                direct.append(buf.view(world, size))
-            else:
-                direct.append(None)
-                if buf is not None:
-                    trim[k] = buf
-            if buf is not None:
-                written.add(owner[i])
+            even = buf is not None and buf.numel() == world * size
+            direct.append(buf.view(world, size) if even else None)
+            if buf is not None and not even:
+                trim[k] = buf
         gathers.append(
             _GatherPlan(
                 index=idx,
@@ -263,7 +259,8 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
                 trim=trim,
             )
         )
-    loaded = [j for j in range(len(items)) if j not in written]
+    # An engine buffer is only found for a weight of one Shard(0) tensor: it is in a gather.
+    loaded = [j for j, it in enumerate(items) if it.name not in buffers]
     return _BucketPlan(items, tensors, others, gathers, loaded)
 
 
