@@ -157,7 +157,6 @@ class _GatherPlan:
     world: int
     dtype: torch.dtype
     device: torch.device
-    numels: list[int]  # elements of this rank's shard of each
     sizes: list[int]  # padded elements per rank of each
     direct: list[torch.Tensor | None]
     trim: dict[int, torch.Tensor]  # k -> engine tensor filled from the scratch (uneven rows)
@@ -184,16 +183,6 @@ class _Plan:
 
 # model -> id(engine) -> plan (a plan holds its engine weakly; dead ones are dropped on rebuild).
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[int, _Plan]] = weakref.WeakKeyDictionary()
-
-
-def _plan_key(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: bool) -> tuple:
-    """What a cached plan depends on besides the engine object: the engine's storage, the
-    settings, and every parameter object with its local storage (one cheap pass over the
-    parameters, nothing allocated)."""
-    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
-    storage = tuple((id(t), t.data_ptr(), t.requires_grad) for t in local)
-    version = getattr(engine, "weights_version", None)
-    return (version, dtype, bucket_bytes, skip_frozen, storage)
 
 
 def _engine_buffers(items: list[_Item], engine, dtype) -> dict[str, torch.Tensor]:
@@ -253,7 +242,6 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
                 world=world,
                 dtype=wire_dtype,
                 device=comm_device(params[0]),
-                numels=[t.to_local().numel() for t in params],
                 sizes=sizes,
                 direct=direct,
                 trim=trim,
@@ -265,8 +253,12 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
 
 
 def _sync_plan(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: bool) -> _Plan:
-    """The cached plan of a sync (rebuilt when its key changes)."""
-    key = _plan_key(model, engine, dtype, bucket_bytes, skip_frozen)
+    """The cached plan of a sync, rebuilt when its key changes: what a cached plan depends on
+    besides the engine object, i.e. the engine's storage, the settings, and every parameter
+    object with its local storage (one cheap pass over the parameters, nothing allocated)."""
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    storage = tuple((id(t), t.data_ptr(), t.requires_grad) for t in local)
+    key = (getattr(engine, "weights_version", None), dtype, bucket_bytes, skip_frozen, storage)
     plans = _PLANS.setdefault(model, {})
     plan = plans.get(id(engine))
     target = None if plan is None or plan.engine is None else plan.engine()
@@ -297,7 +289,8 @@ def _run_gather(g: _GatherPlan, result: list[torch.Tensor | None]) -> None:
         scratch_k = [k for k, d in enumerate(g.direct) if d is None]
         pieces = [g.world * g.sizes[k] for k in scratch_k]
         scratch = torch.empty(sum(pieces), dtype=g.dtype, device=g.device)
-        slots = [s[:n] for s, n in zip(flat.split(g.sizes), g.numels, strict=True)]
+        local = [p.to_local() for p in g.params]  # this rank's shard of each
+        slots = [s[: x.numel()] for s, x in zip(flat.split(g.sizes), local, strict=True)]
         dests = list(g.direct)
         results: dict[int, torch.Tensor] = {}
         for k, piece in zip(scratch_k, scratch.split(pieces), strict=True):
