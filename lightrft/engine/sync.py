@@ -190,18 +190,15 @@ def _engine_buffers(items: list[_Item], engine, dtype) -> dict[str, torch.Tensor
     if engine is None or not hasattr(engine, "weight_buffers"):
         return {}
     cands = [it for it in items if not it.loras and _shard0_mesh(it.param) is not None]
-    if not cands:
-        return {}
-    out = {}
-    for it, buf in zip(cands, engine.weight_buffers([it.name for it in cands]), strict=True):
-        if (
-            tuple(buf.shape) == tuple(it.param.shape)
-            and buf.dtype == (dtype or it.param.dtype)
-            and buf.device == comm_device(it.param)
-            and buf.is_contiguous()
-        ):
-            out[it.name] = buf
-    return out
+    bufs = engine.weight_buffers([it.name for it in cands]) if cands else []
+    return {
+        it.name: buf
+        for it, buf in zip(cands, bufs, strict=True)
+        if tuple(buf.shape) == tuple(it.param.shape)
+        and buf.dtype == (dtype or it.param.dtype)
+        and buf.device == comm_device(it.param)
+        and buf.is_contiguous()
+    }
 
 
 def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) -> _BucketPlan:
