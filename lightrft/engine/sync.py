@@ -25,7 +25,7 @@ import itertools
 import math
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -90,16 +90,6 @@ def _shard0_mesh(t: torch.Tensor):
     if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
         return None
     return t.device_mesh
-
-
-def _copy_locals(slots: list[torch.Tensor], local: list[torch.Tensor]) -> None:
-    """Pack local shards into gather slots (casting): one fused copy on one device, one copy
-    per tensor from offloaded CPU shards to the device."""
-    if slots and local and slots[0].device != local[0].device:
-        for s, x in zip(slots, local, strict=True):
-            s.copy_(x, non_blocking=True)
-    else:
-        torch._foreach_copy_(slots, local)
 
 
 @torch.no_grad()
@@ -167,12 +157,10 @@ class _GatherPlan:
     world: int
     dtype: torch.dtype
     device: torch.device
-    numels: list[int]  # elements of this rank's shard of each
     sizes: list[int]  # padded elements per rank of each
     direct: list[torch.Tensor | None]
     trim: dict[int, torch.Tensor]  # k -> engine tensor filled from the scratch (uneven rows)
-    views: tuple | None = None  # CPU: views over the plan's own buffers, kept between syncs
-    buffers: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    views: tuple | None = None  # CPU: the plan's own buffers and views, kept between syncs
 
 
 @dataclass
@@ -197,33 +185,20 @@ class _Plan:
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[int, _Plan]] = weakref.WeakKeyDictionary()
 
 
-def _plan_key(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: bool) -> tuple:
-    """What a cached plan depends on besides the engine object: the engine's storage, the
-    settings, and every parameter object with its local storage (one cheap pass over the
-    parameters, nothing allocated)."""
-    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
-    storage = tuple((id(t), t.data_ptr(), t.requires_grad) for t in local)
-    version = getattr(engine, "weights_version", None)
-    return (version, dtype, bucket_bytes, skip_frozen, storage)
-
-
 def _engine_buffers(items: list[_Item], engine, dtype) -> dict[str, torch.Tensor]:
     """The engine tensors that can take an item's full weight in place, by HF name."""
     if engine is None or not hasattr(engine, "weight_buffers"):
         return {}
     cands = [it for it in items if not it.loras and _shard0_mesh(it.param) is not None]
-    if not cands:
-        return {}
-    out = {}
-    for it, buf in zip(cands, engine.weight_buffers([it.name for it in cands]), strict=True):
-        if (
-            tuple(buf.shape) == tuple(it.param.shape)
-            and buf.dtype == (dtype or it.param.dtype)
-            and buf.device == comm_device(it.param)
-            and buf.is_contiguous()
-        ):
-            out[it.name] = buf
-    return out
+    bufs = engine.weight_buffers([it.name for it in cands]) if cands else []
+    return {
+        it.name: buf
+        for it, buf in zip(cands, bufs, strict=True)
+        if tuple(buf.shape) == tuple(it.param.shape)
+        and buf.dtype == (dtype or it.param.dtype)
+        and buf.device == comm_device(it.param)
+        and buf.is_contiguous()
+    }
 
 
 def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) -> _BucketPlan:
@@ -236,32 +211,26 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
         tensors += ts
         wire += [dtype if (dtype is not None and not it.loras) else t.dtype for t in ts]
         owner += [j] * len(ts)
-    others, groups, meshes = [], {}, {}
+    others, groups = [], {}
     for i, t in enumerate(tensors):
         mesh = _shard0_mesh(t)
         if mesh is None:
             others.append(i)
             continue
-        group = mesh.get_group()
-        meshes.setdefault(group, mesh)
-        groups.setdefault((group, wire[i]), []).append(i)
-    gathers, written = [], set()
+        groups.setdefault((mesh.get_group(), wire[i]), []).append(i)
+    gathers = []
     for (group, wire_dtype), idx in groups.items():
-        world = meshes[group].size()
+        world = dist.get_world_size(group)
         params = [tensors[i] for i in idx]
         rows = [-(-t.shape[0] // world) for t in params]
         sizes = [r * math.prod(t.shape[1:]) for r, t in zip(rows, params, strict=True)]
         direct, trim = [], {}
         for k, (i, size) in enumerate(zip(idx, sizes, strict=True)):
             buf = buffers.get(items[owner[i]].name)
-            if buf is not None and buf.numel() == world * size:
-                direct.append(buf.view(world, size))
-            else:
-                direct.append(None)
-                if buf is not None:
-                    trim[k] = buf
-            if buf is not None:
-                written.add(owner[i])
+            even = buf is not None and buf.numel() == world * size
+            direct.append(buf.view(world, size) if even else None)
+            if buf is not None and not even:
+                trim[k] = buf
         gathers.append(
             _GatherPlan(
                 index=idx,
@@ -270,19 +239,23 @@ def _bucket_plan(items: list[_Item], dtype, buffers: dict[str, torch.Tensor]) ->
                 world=world,
                 dtype=wire_dtype,
                 device=comm_device(params[0]),
-                numels=[t.to_local().numel() for t in params],
                 sizes=sizes,
                 direct=direct,
                 trim=trim,
             )
         )
-    loaded = [j for j in range(len(items)) if j not in written]
+    # An engine buffer is only found for a weight of one Shard(0) tensor: it is in a gather.
+    loaded = [j for j, it in enumerate(items) if it.name not in buffers]
     return _BucketPlan(items, tensors, others, gathers, loaded)
 
 
 def _sync_plan(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: bool) -> _Plan:
-    """The cached plan of a sync (rebuilt when its key changes)."""
-    key = _plan_key(model, engine, dtype, bucket_bytes, skip_frozen)
+    """The cached plan of a sync, rebuilt when its key changes: what a cached plan depends on
+    besides the engine object, i.e. the engine's storage, the settings, and every parameter
+    object with its local storage (one cheap pass over the parameters, nothing allocated)."""
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    storage = tuple((id(t), t.data_ptr(), t.requires_grad) for t in local)
+    key = (getattr(engine, "weights_version", None), dtype, bucket_bytes, skip_frozen, storage)
     plans = _PLANS.setdefault(model, {})
     plan = plans.get(id(engine))
     target = None if plan is None or plan.engine is None else plan.engine()
@@ -301,47 +274,40 @@ def _sync_plan(model: nn.Module, engine, dtype, bucket_bytes: int, skip_frozen: 
     return plan
 
 
-def _views(g: _GatherPlan, bufs: dict[str, torch.Tensor | None]) -> tuple:
-    """Pack slots, regroup destinations, trim pairs and the scratch results of a gather."""
-    slots = [s[:n] for s, n in zip(bufs["flat"].split(g.sizes), g.numels, strict=True)]
-    dests = list(g.direct)
-    scratch_k = [k for k, d in enumerate(g.direct) if d is None]
-    results: dict[int, torch.Tensor] = {}
-    if scratch_k:
-        pieces = bufs["scratch"].split([g.world * g.sizes[k] for k in scratch_k])
-        for k, piece in zip(scratch_k, pieces, strict=True):
-            dests[k] = piece.view(g.world, g.sizes[k])
-            shape = g.params[k].shape
-            results[k] = piece.view(-1, *shape[1:])[: shape[0]]
-    trim = ([g.trim[k] for k in g.trim], [results[k] for k in g.trim])
-    return slots, dests, trim, results
-
-
 @torch.no_grad()
 def _run_gather(g: _GatherPlan, result: list[torch.Tensor | None]) -> None:
     """Pack this rank's shards, all-gather, regroup into the engine's tensors and the scratch."""
     if g.views is None:
         # CPU: the plan keeps its buffers (a fresh multi-megabyte CPU allocation costs page
         # faults); CUDA: the caching allocator serves them and nothing is held between syncs.
-        total = sum(g.sizes)
-        scratch = sum(g.world * s for s, d in zip(g.sizes, g.direct, strict=True) if d is None)
-        g.buffers = {
-            "flat": torch.zeros(total, dtype=g.dtype, device=g.device),
-            "out": torch.empty(g.world * total, dtype=g.dtype, device=g.device),
-            "scratch": torch.empty(scratch, dtype=g.dtype, device=g.device) if scratch else None,
-        }
-        g.views = _views(g, g.buffers)
-    slots, dests, (trim_to, trim_from), results = g.views
-    _copy_locals(slots, [p.to_local().reshape(-1) for p in g.params])  # casts too
-    out = g.buffers["out"]
-    dist.all_gather_single(out, g.buffers["flat"], group=g.group)
+        # Views: pack slots, regroup destinations and the scratch results of the gather.
+        flat = torch.zeros(sum(g.sizes), dtype=g.dtype, device=g.device)
+        out = torch.empty(g.world * flat.numel(), dtype=g.dtype, device=g.device)
+        scratch_k = [k for k, d in enumerate(g.direct) if d is None]
+        pieces = [g.world * g.sizes[k] for k in scratch_k]
+        scratch = torch.empty(sum(pieces), dtype=g.dtype, device=g.device)
+        local = [p.to_local() for p in g.params]  # this rank's shard of each
+        slots = [s[: x.numel()] for s, x in zip(flat.split(g.sizes), local, strict=True)]
+        dests = list(g.direct)
+        results: dict[int, torch.Tensor] = {}
+        for k, piece in zip(scratch_k, scratch.split(pieces), strict=True):
+            dests[k] = piece.view(g.world, g.sizes[k])
+            shape = g.params[k].shape
+            results[k] = piece.view(-1, *shape[1:])[: shape[0]]
+        g.views = (flat, out, slots, dests, results)
+    flat, out, slots, dests, results = g.views
+    # Pack the local shards into the gather slots, casting: one fused copy on one device; from
+    # offloaded CPU shards, foreach's per-tensor fallback copies each to the device.
+    local = [p.to_local().reshape(-1) for p in g.params]
+    torch._foreach_copy_(slots, local, non_blocking=True)
+    dist.all_gather_single(out, flat, group=g.group)
     torch.split_with_sizes_copy(out.view(g.world, -1), g.sizes, dim=1, out=dests)
-    if trim_to:
-        torch._foreach_copy_(trim_to, trim_from)
+    if g.trim:
+        torch._foreach_copy_(list(g.trim.values()), [results[k] for k in g.trim])
     for k, r in results.items():
         result[g.index[k]] = r
     if g.device.type != "cpu":
-        g.views, g.buffers = None, {}
+        g.views = None
 
 
 @torch.no_grad()

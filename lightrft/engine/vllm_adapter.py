@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from lightrft.data.media import Media
 from lightrft.engine.external import (
@@ -127,12 +128,6 @@ def import_vllm():
     if (exc := getattr(audio, "_torchcodec_import_exc", None)) is not None:
         exc.__traceback__ = None
     return vllm
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # The engine cores of this process's live VLLMEngines and their tensor-parallel sizes: vLLM's
@@ -511,8 +506,10 @@ def vllm_prompt(
     return prompt
 
 
-def _sampled_logprobs(token_ids: Sequence[int], logprobs, bias: float = 0.0) -> list[float]:
-    """Per-token log-probs from vLLM's ``CompletionOutput.logprobs`` (one dict per token).
+def _sample_of(sample: Any, i: int, j: int, bias: float, finished: bool = True) -> tuple:
+    """``(ids, log-probs, finish reason)`` of one vLLM ``CompletionOutput``, sample ``j`` of
+    request ``i`` (not ``finished``: cut by a token budget, ``"partial"``). The log-probs are
+    read from its ``logprobs`` (one dict per token).
 
     With suppressed ids (``bias``: :meth:`VLLMEngine._bias`, their entries beside the sampled
     token's), the log-probs are given back without the suppression, as the native engine and the
@@ -521,25 +518,18 @@ def _sampled_logprobs(token_ids: Sequence[int], logprobs, bias: float = 0.0) -> 
     ``sum exp(logprob_v - bias)`` (exact up to ``exp(bias)``; with top-k / top-p, which drop
     the biased ids, nothing is taken back).
     """
-    if logprobs is None:
+    ids = list(sample.token_ids)
+    reason = check_finish_reason(sample.finish_reason, "vLLM", i, j) if finished else "partial"
+    if ids and sample.logprobs is None:
         raise ValueError("vLLM returned no log-probs; SamplingParams(logprobs=0) was expected")
-    result = []
-    for tok, step in zip(token_ids, logprobs, strict=True):
+    lps = []
+    for tok, step in zip(ids, sample.logprobs or [], strict=True):
         lp = float(step[tok].logprob)
         if bias:
             mass = sum(math.exp(x.logprob - bias) for t, x in step.items() if t != tok)
             lp -= math.log1p(mass)
-        result.append(lp)
-    return result
-
-
-def _sample_of(sample: Any, i: int, j: int, bias: float, finished: bool = True) -> tuple:
-    """``(ids, log-probs, finish reason)`` of one vLLM ``CompletionOutput``, sample ``j`` of
-    request ``i`` (``bias``: as in :func:`_sampled_logprobs`; not ``finished``: cut by a token
-    budget, ``"partial"``)."""
-    ids = list(sample.token_ids)
-    reason = check_finish_reason(sample.finish_reason, "vLLM", i, j) if finished else "partial"
-    return ids, _sampled_logprobs(ids, sample.logprobs, bias) if ids else [], reason
+        lps.append(lp)
+    return ids, lps, reason
 
 
 def completions_from_outputs(
@@ -656,13 +646,14 @@ class VLLMEngine(ExternalEngine):
         if not distributed and os.environ.get("WORLD_SIZE", "1") != "1":
             # A launched process outside any process group (an asynchronous run's generating
             # process): a lone vLLM, away from the launch's rendezvous (and torchrun's store).
-            os.environ.update(WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(_free_port()))
-            os.environ.update(RANK="0", LOCAL_RANK="0", TORCHELASTIC_USE_AGENT_STORE="False")
+            os.environ.update(WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+            os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False")
+            os.environ.pop("MASTER_PORT", None)  # a free port, below
         for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world)):
             os.environ.setdefault(key, str(value))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:  # a lone process: any free port (never a fixed one)
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(get_free_port())
         # In-process engine core: the LLM must not fork a process of its own.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
