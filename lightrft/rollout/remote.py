@@ -12,8 +12,8 @@ launch's rendezvous store under its own prefix:
   optimizer steps the generator needs, and after each step that is evaluated. The weights travel
   through the trainer strategy's own weight sync (``Strategy.sync_weights``: full tensors, in
   buckets, under HF names) into :class:`WeightSender`, which stands where an engine would and
-  sends each bucket as one flat buffer; :meth:`RolloutLink.receive_weights` loads it into the
-  generator's engine (``load_weights``).
+  sends each bucket's ``(name, tensor)`` pairs as one message; :meth:`RolloutLink.receive_weights`
+  loads it into the generator's engine (``load_weights``).
 - generator -> trainer: one :class:`Generated` per step: the step's samples with the engine's
   log-probs, which policy version made them, and the prompt loader's position after them; one
   :class:`Evaluated` per held-out evaluation, which the generator runs on the policy of the step
@@ -82,15 +82,6 @@ class Evaluated:
 
     step: int
     metrics: dict[str, float]
-
-
-@dataclass
-class _Bucket:
-    """Header of one weight bucket; its tensors follow as one flat byte buffer."""
-
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    dtypes: list[torch.dtype]
 
 
 @dataclass
@@ -174,10 +165,11 @@ class RolloutLink:
         return data
 
     def send(self, obj: Any) -> None:
+        """Send ``obj`` (pickled by ``torch.save``: tensors travel as their bytes) without
+        waiting for it to be taken."""
         buf = io.BytesIO()
         torch.save(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        self.send_tensor(data, type(obj).__name__)
+        self.send_tensor(torch.frombuffer(buf.getbuffer(), dtype=torch.uint8), type(obj).__name__)
 
     def receive(
         self, kind: type | tuple[type, ...], what: str, timeout_s: float | None = None
@@ -203,28 +195,22 @@ class RolloutLink:
     def receive_weights(
         self, engine: Any, evaluate: Callable[[], dict[str, float]], *, or_bye: bool = False
     ) -> int | None:
-        """Load one set of weights (all buckets) into ``engine``; returns its policy version.
+        """Load one set of weights (all buckets, each a list of ``(name, tensor)`` pairs) into
+        ``engine``; returns its policy version.
         When the trainer asks, ``evaluate()`` it (it stays loaded until the next set is taken)
         and send the metrics without waiting: it overlaps their training. ``or_bye``: the
         trainer may say goodbye instead (returns None; answer with :meth:`answer_bye`)."""
-        kinds = (_Bucket, _WeightsDone, _Bye) if or_bye else (_Bucket, _WeightsDone)
+        kinds = (list, _WeightsDone, _Bye) if or_bye else (list, _WeightsDone)
         while True:
-            head = self.receive(kinds, "the trainer's weights")
-            if isinstance(head, _Bye):
+            msg = self.receive(kinds, "the trainer's weights")
+            if isinstance(msg, _Bye):
                 return None
-            if isinstance(head, _WeightsDone):
+            if isinstance(msg, _WeightsDone):
                 engine.reset_prefix_cache()
-                if head.evaluate:
-                    self.send(Evaluated(head.version, evaluate()))
-                return head.version
-            flat = self._recv_tensor("a weight bucket")
-            pairs, start = [], 0
-            for name, shape, dtype in zip(head.names, head.shapes, head.dtypes, strict=True):
-                n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                # A copy: a slice at an odd offset cannot be viewed as a wider dtype.
-                pairs.append((name, flat[start : start + n].clone().view(dtype).view(shape)))
-                start += n
-            engine.load_weights(pairs)
+                if msg.evaluate:
+                    self.send(Evaluated(msg.version, evaluate()))
+                return msg.version
+            engine.load_weights(msg)
 
     def bye(self) -> None:
         """Trainer: the run is over (after every batch was received); waits for the answer."""
@@ -240,21 +226,16 @@ class RolloutLink:
 
 class WeightSender:
     """Where an engine would stand in ``Strategy.sync_weights`` on trainer rank 0: each bucket of
-    full tensors goes to the generator as one flat buffer, without waiting for it to be taken
-    (the generator takes a set of weights when its staleness bound needs it)."""
+    full tensors goes to the generator as one message of ``(name, tensor)`` pairs (their bytes
+    copied as it is written: the bucket's tensors may be views of a buffer the sync reuses),
+    without waiting for it to be taken (the generator takes a set of weights when its staleness
+    bound needs it)."""
 
     def __init__(self, link: RolloutLink, dtype: torch.dtype | None):
         self.link, self.dtype, self.version, self.evaluate = link, dtype, 0, False
 
     def load_weights(self, pairs: Any) -> None:
-        pairs = list(pairs)
-        tensors = [t.detach().contiguous() for _, t in pairs]
-        head = _Bucket(
-            [n for n, _ in pairs], [tuple(t.shape) for t in tensors], [t.dtype for t in tensors]
-        )
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])  # a copy: owned
-        self.link.send(head)
-        self.link.send_tensor(flat, "a weight bucket")
+        self.link.send([(n, t.detach().cpu()) for n, t in pairs])
 
     def reset_prefix_cache(self) -> None:
         self.link.send(_WeightsDone(self.version, self.evaluate))
