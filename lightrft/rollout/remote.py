@@ -149,35 +149,27 @@ class RolloutLink:
                 f"{str(e).splitlines()[0]}"
             ) from e
 
-    def send_tensor(self, t: torch.Tensor, what: str) -> None:
-        """Send ``t`` without waiting for it to be taken (:meth:`flush` waits); the tensors
-        stay alive until then."""
-        size = torch.tensor([t.numel()], dtype=torch.int64)
-        with self._waiting(f"{what} to be sent"):
-            self.pending += [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, t)]
-
-    def _recv_tensor(self, what: str, timeout: timedelta | None = None) -> torch.Tensor:
-        size = torch.zeros(1, dtype=torch.int64)
-        with self._waiting(what):
-            self.group.recv([size], 1 - self.rank, 0).wait(timeout or self.timeout)
-            data = torch.empty(int(size), dtype=torch.uint8)
-            self.group.recv([data], 1 - self.rank, 0).wait(self.timeout)
-        return data
-
     def send(self, obj: Any) -> None:
         """Send ``obj`` (pickled by ``torch.save``: tensors travel as their bytes) without
-        waiting for it to be taken."""
+        waiting for it to be taken (:meth:`flush` waits); its bytes stay alive until then."""
         buf = io.BytesIO()
         torch.save(obj, buf)
-        self.send_tensor(torch.frombuffer(buf.getbuffer(), dtype=torch.uint8), type(obj).__name__)
+        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        with self._waiting(f"{type(obj).__name__} to be sent"):
+            self.pending += [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, data)]
 
     def receive(
         self, kind: type | tuple[type, ...], what: str, timeout_s: float | None = None
     ) -> Any:
         """The next message, which must be a ``kind``; ``timeout_s``: this wait's bound (default
         ``rollout.generator_timeout_s``)."""
-        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        data = self._recv_tensor(what, timeout)
+        size = torch.zeros(1, dtype=torch.int64)
+        with self._waiting(what):
+            timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
+            self.group.recv([size], 1 - self.rank, 0).wait(timeout)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            self.group.recv([data], 1 - self.rank, 0).wait(self.timeout)
         obj = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
         if not isinstance(obj, kind):
             raise GeneratorError(f"{self.peer} sent {type(obj).__name__} instead of {what}")
