@@ -109,13 +109,13 @@ class MediaBounds:
     video_frames: int = MAX_VIDEO_FRAMES  # all video frames together (--max-video-frames)
 
 
+@dataclass
 class _Budget:
     """What is left of one request's :class:`MediaBounds` while its media are decoded."""
 
-    def __init__(self, bounds: MediaBounds) -> None:
-        self.bounds = bounds
-        self.pixels = bounds.request_pixels
-        self.frames = bounds.video_frames
+    bounds: MediaBounds
+    pixels: int
+    frames: int
 
 
 def _decode_png(url: Any, where: str, budget: _Budget, kind: str = "image"):
@@ -205,7 +205,7 @@ def decode_conversations(value: Any, n: int, bounds: MediaBounds = MediaBounds()
         return None
     if not isinstance(value, list) or len(value) != n:
         raise ValueError(f"'conversations' must be a list of {n} entries")
-    budget = _Budget(bounds)
+    budget = _Budget(bounds, bounds.request_pixels, bounds.video_frames)
     out: list = []
     for i, chat in enumerate(value):
         if chat is None:
@@ -324,28 +324,26 @@ def _raw_reply(code: int, message: str) -> bytes:
 def _caused_by_input(e: BaseException) -> bool:
     """Whether ``e`` is, or was raised from (``raise ... from``), a :class:`RewardInputError`."""
     for _ in range(20):  # a cause chain is short; a cycle must not loop forever
-        if e is None:
-            return False
         if isinstance(e, RewardInputError):
             return True
-        e = e.__cause__
+        e = getattr(e, "__cause__", None)  # None past the chain's end
     return False
 
 
 class _DeadlineReader(io.RawIOBase):
-    """A connection's socket read under one deadline per request (``owner.deadline``): each read
-    waits only for what is left of it, so a client trickling its request line, headers or body
-    a byte at a time is cut off when the deadline passes (a per-read timeout would not)."""
+    """A connection's socket read under one deadline per request (``deadline``, a monotonic time
+    the handler sets as each request begins): each read waits only for what is left of it, so a
+    client trickling its request line, headers or body a byte at a time is cut off when the
+    deadline passes (a per-read timeout would not)."""
 
-    def __init__(self, sock: socket.socket, owner: Any):
-        self.sock, self.owner = sock, owner
-        self.timed_out = False
+    def __init__(self, sock: socket.socket):
+        self.sock, self.deadline, self.timed_out = sock, 0.0, False
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buf: Any) -> int:
-        left = self.owner.deadline - time.monotonic()
+        left = self.deadline - time.monotonic()
         if left <= 0:
             self.timed_out = True
             raise TimeoutError("the request deadline passed")
@@ -476,15 +474,14 @@ def make_server(
 
     class Handler(BaseHTTPRequestHandler):
         timeout = read_timeout  # socket timeout while writing a reply
-        deadline = 0.0  # monotonic time by which the current request must have arrived
 
         def setup(self) -> None:
             super().setup()
-            self._reader = _DeadlineReader(self.connection, self)
+            self._reader = _DeadlineReader(self.connection)
             self.rfile = io.BufferedReader(self._reader)
 
         def handle_one_request(self) -> None:
-            self.deadline = time.monotonic() + read_timeout
+            self._reader.deadline = time.monotonic() + read_timeout
             self._reader.timed_out = self._replied = False
             super().handle_one_request()  # a timeout there closes the connection silently
             if self._reader.timed_out and not self._replied:
