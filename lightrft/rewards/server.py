@@ -510,12 +510,9 @@ def make_server(
             raw = self.headers.get("Content-Length")
             if raw is None:
                 raise _HTTPError(411, "a Content-Length header is required")
-            try:
-                length = int(raw)
-            except ValueError:
-                raise _HTTPError(400, f"bad Content-Length {raw[:40]!r}") from None
-            if length < 0:
-                raise _HTTPError(400, f"bad Content-Length {length}")
+            if not raw.strip().isdecimal():  # 1*DIGIT (RFC 9110): no sign, no underscores
+                raise _HTTPError(400, f"bad Content-Length {raw[:40]!r}")
+            length = int(raw)
             if length > max_body_bytes:
                 raise _HTTPError(
                     413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes"
