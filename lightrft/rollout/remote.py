@@ -11,7 +11,7 @@ launch's rendezvous store under its own prefix:
   prompt loader's position, sent after the trainers' setup), then the policy's weights after the
   optimizer steps the generator needs, and after each step that is evaluated. The weights travel
   through the trainer strategy's own weight sync (``Strategy.sync_weights``: full tensors, in
-  buckets, under HF names) into :class:`WeightSender`, which stands where an engine would and
+  buckets, under HF names) into :class:`AsyncSource`, which stands where an engine would and
   sends each bucket's ``(name, tensor)`` pairs as one message; :meth:`RolloutLink.receive_weights`
   loads it into the generator's engine (``load_weights``).
 - generator -> trainer: one :class:`Generated` per step: the step's samples with the engine's
@@ -216,23 +216,6 @@ class RolloutLink:
         self.flush()
 
 
-class WeightSender:
-    """Where an engine would stand in ``Strategy.sync_weights`` on trainer rank 0: each bucket of
-    full tensors goes to the generator as one message of ``(name, tensor)`` pairs (their bytes
-    copied as it is written: the bucket's tensors may be views of a buffer the sync reuses),
-    without waiting for it to be taken (the generator takes a set of weights when its staleness
-    bound needs it)."""
-
-    def __init__(self, link: RolloutLink, dtype: torch.dtype | None):
-        self.link, self.dtype, self.version, self.evaluate = link, dtype, 0, False
-
-    def load_weights(self, pairs: Any) -> None:
-        self.link.send([(n, t.detach().cpu()) for n, t in pairs])
-
-    def reset_prefix_cache(self) -> None:
-        self.link.send(_WeightsDone(self.version, self.evaluate))
-
-
 def generates_here(rollout: Any) -> bool:
     """Whether this process only generates: the last launch rank of a ``rollout.asynchronous``
     run. In its trainers the launch's world shrinks by it (before the default process group is
@@ -251,12 +234,19 @@ class AsyncSource:
     process (trainer rank 0 receives them and broadcasts them to the other trainers), and the
     published weights go to it. ``loader``: only the generator's position, checkpointed (the
     trainers draw nothing); ``rollout/policy_lag``: optimizer steps between the policy that
-    sampled a batch and the trained one."""
+    sampled a batch and the trained one.
+
+    On trainer rank 0 it stands where an engine would in ``Strategy.sync_weights``
+    (``load_weights``, ``reset_prefix_cache``, ``dtype``): each bucket of full tensors goes to
+    the generator as one message of ``(name, tensor)`` pairs (their bytes copied as it is
+    written: the bucket's tensors may be views of a buffer the sync reuses), without waiting for
+    it to be taken (the generator takes a set of weights when its staleness bound needs it)."""
 
     def __init__(self, opts: Any, dist: Any, record_eval: Callable, checkpointer: Any) -> None:
         """``opts``: the run's config (``rollout``, ``run``, ``engine``, ``max_steps``)."""
         self.opts, self.ro, self.dist, self.record_eval = opts, opts.rollout, dist, record_eval
         self.checkpointer, self.epoch, self.pending, self.link = checkpointer, 0, 0, None
+        self.dtype = opts.engine.dtype  # of the weights the strategy's sync sends
         if dist.rank == 0:  # first in setup: the generator builds while the trainers load
             timeout = self.ro.generator_timeout_s
             self.link = RolloutLink.connect(TRAINER, timeout, timeout)
@@ -276,7 +266,6 @@ class AsyncSource:
             self.pending = int(evaluate)
             state = self.loader.state_dict() if step else None
             self.link.send(Start(step, epoch, state))
-            self.sender = WeightSender(self.link, self.opts.engine.dtype)
         if step:
             self._send(step, evaluate=False)
 
@@ -314,8 +303,14 @@ class AsyncSource:
             return
         self.pending += evaluate
         self.link.flush()  # the previous set was taken: at most one set in flight
-        self.sender.version, self.sender.evaluate = version, evaluate
-        self.strategy.sync_weights(self.sender)
+        self.done = _WeightsDone(version, evaluate)  # sent after the set's last bucket
+        self.strategy.sync_weights(self)
+
+    def load_weights(self, pairs: Any) -> None:
+        self.link.send([(n, t.detach().cpu()) for n, t in pairs])
+
+    def reset_prefix_cache(self) -> None:
+        self.link.send(self.done)
 
     def _receive(self, kinds: tuple[type, ...], what: str) -> Generated | None:
         """The generator's next message of ``kinds``; an evaluation is recorded (None
