@@ -306,9 +306,7 @@ def split_requests(data: Any, bounds: MediaBounds = MediaBounds()) -> list[Sampl
 
 
 class _HTTPError(Exception):
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
+    """An error answer of the handler: ``args`` are its HTTP status code and message."""
 
 
 def _raw_reply(code: int, message: str) -> bytes:
@@ -545,7 +543,7 @@ def make_server(
                 except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
                     raise _HTTPError(400, f"bad request: {e}") from None
             except _HTTPError as e:
-                self._reply(e.code, {"error": str(e)})
+                self._reply(e.args[0], {"error": e.args[1]})
                 return
             try:
                 with lock:
