@@ -480,9 +480,9 @@ def make_server(
 
         def handle_one_request(self) -> None:
             self._reader.deadline = time.monotonic() + read_timeout
-            self._reader.timed_out = self._replied = False
+            self._reader.timed_out = False
             super().handle_one_request()  # a timeout there closes the connection silently
-            if self._reader.timed_out and not self._replied:
+            if self._reader.timed_out:
                 self.close_connection = True
                 with suppress(OSError):
                     self.connection.settimeout(1.0)
@@ -491,7 +491,6 @@ def make_server(
                     )
 
         def _reply(self, code: int, obj: Any) -> None:
-            self._replied = True
             self.connection.settimeout(read_timeout)
             body = json.dumps(obj).encode()
             self.send_response(code)
@@ -542,18 +541,17 @@ def make_server(
                     raise _HTTPError(413, f"media too large: {e}") from None
                 except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
                     raise _HTTPError(400, f"bad request: {e}") from None
+                try:
+                    with lock:
+                        out = reward_fn(samples)
+                    prompts = [x.prompt for x in samples]
+                    rewards = check_reward_output("server", out, len(samples), prompts).tolist()
+                except Exception as e:  # noqa: BLE001 - reported to the client, server keeps serving
+                    # The request's fault (no reference answer): 422, which clients do not retry.
+                    code = 422 if _caused_by_input(e) else 500
+                    raise _HTTPError(code, f"{type(e).__name__}: {e}") from None
             except _HTTPError as e:
                 self._reply(e.args[0], {"error": e.args[1]})
-                return
-            try:
-                with lock:
-                    out = reward_fn(samples)
-                prompts = [x.prompt for x in samples]
-                rewards = check_reward_output("server", out, len(samples), prompts).tolist()
-            except Exception as e:  # noqa: BLE001 - reported to the client, server keeps serving
-                # The request's fault (no reference answer): 422, which clients do not retry.
-                code = 422 if _caused_by_input(e) else 500
-                self._reply(code, {"error": f"{type(e).__name__}: {e}"})
                 return
             self._reply(200, {"rewards": rewards})
 
