@@ -109,13 +109,13 @@ class MediaBounds:
     video_frames: int = MAX_VIDEO_FRAMES  # all video frames together (--max-video-frames)
 
 
+@dataclass
 class _Budget:
     """What is left of one request's :class:`MediaBounds` while its media are decoded."""
 
-    def __init__(self, bounds: MediaBounds) -> None:
-        self.bounds = bounds
-        self.pixels = bounds.request_pixels
-        self.frames = bounds.video_frames
+    bounds: MediaBounds
+    pixels: int
+    frames: int
 
 
 def _decode_png(url: Any, where: str, budget: _Budget, kind: str = "image"):
@@ -205,7 +205,7 @@ def decode_conversations(value: Any, n: int, bounds: MediaBounds = MediaBounds()
         return None
     if not isinstance(value, list) or len(value) != n:
         raise ValueError(f"'conversations' must be a list of {n} entries")
-    budget = _Budget(bounds)
+    budget = _Budget(bounds, bounds.request_pixels, bounds.video_frames)
     out: list = []
     for i, chat in enumerate(value):
         if chat is None:
@@ -306,9 +306,7 @@ def split_requests(data: Any, bounds: MediaBounds = MediaBounds()) -> list[Sampl
 
 
 class _HTTPError(Exception):
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
+    """An error answer of the handler: ``args`` are its HTTP status code and message."""
 
 
 def _raw_reply(code: int, message: str) -> bytes:
@@ -324,28 +322,26 @@ def _raw_reply(code: int, message: str) -> bytes:
 def _caused_by_input(e: BaseException) -> bool:
     """Whether ``e`` is, or was raised from (``raise ... from``), a :class:`RewardInputError`."""
     for _ in range(20):  # a cause chain is short; a cycle must not loop forever
-        if e is None:
-            return False
         if isinstance(e, RewardInputError):
             return True
-        e = e.__cause__
+        e = getattr(e, "__cause__", None)  # None past the chain's end
     return False
 
 
 class _DeadlineReader(io.RawIOBase):
-    """A connection's socket read under one deadline per request (``owner.deadline``): each read
-    waits only for what is left of it, so a client trickling its request line, headers or body
-    a byte at a time is cut off when the deadline passes (a per-read timeout would not)."""
+    """A connection's socket read under one deadline per request (``deadline``, a monotonic time
+    the handler sets as each request begins): each read waits only for what is left of it, so a
+    client trickling its request line, headers or body a byte at a time is cut off when the
+    deadline passes (a per-read timeout would not)."""
 
-    def __init__(self, sock: socket.socket, owner: Any):
-        self.sock, self.owner = sock, owner
-        self.timed_out = False
+    def __init__(self, sock: socket.socket):
+        self.sock, self.deadline, self.timed_out = sock, 0.0, False
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buf: Any) -> int:
-        left = self.owner.deadline - time.monotonic()
+        left = self.deadline - time.monotonic()
         if left <= 0:
             self.timed_out = True
             raise TimeoutError("the request deadline passed")
@@ -367,13 +363,9 @@ def _lingering_close(sock: socket.socket, seconds: float) -> None:
     end = time.monotonic() + seconds
     with suppress(OSError):
         while True:
-            left = end - time.monotonic()
-            if left > 0:
-                sock.settimeout(left)
-            else:
-                sock.setblocking(False)  # empty buffer: BlockingIOError ends the drain
-            chunk = sock.recv(65536)
-            if not chunk:
+            # A timeout of 0 is non-blocking: an empty buffer's BlockingIOError ends the drain.
+            sock.settimeout(max(end - time.monotonic(), 0.0))
+            if not sock.recv(65536):
                 break  # the client closed
     sock.close()
 
@@ -480,18 +472,17 @@ def make_server(
 
     class Handler(BaseHTTPRequestHandler):
         timeout = read_timeout  # socket timeout while writing a reply
-        deadline = 0.0  # monotonic time by which the current request must have arrived
 
         def setup(self) -> None:
             super().setup()
-            self._reader = _DeadlineReader(self.connection, self)
+            self._reader = _DeadlineReader(self.connection)
             self.rfile = io.BufferedReader(self._reader)
 
         def handle_one_request(self) -> None:
-            self.deadline = time.monotonic() + read_timeout
-            self._reader.timed_out = self._replied = False
+            self._reader.deadline = time.monotonic() + read_timeout
+            self._reader.timed_out = False
             super().handle_one_request()  # a timeout there closes the connection silently
-            if self._reader.timed_out and not self._replied:
+            if self._reader.timed_out:
                 self.close_connection = True
                 with suppress(OSError):
                     self.connection.settimeout(1.0)
@@ -500,7 +491,6 @@ def make_server(
                     )
 
         def _reply(self, code: int, obj: Any) -> None:
-            self._replied = True
             self.connection.settimeout(read_timeout)
             body = json.dumps(obj).encode()
             self.send_response(code)
@@ -517,20 +507,16 @@ def make_server(
             raw = self.headers.get("Content-Length")
             if raw is None:
                 raise _HTTPError(411, "a Content-Length header is required")
-            try:
-                length = int(raw)
-            except ValueError:
-                raise _HTTPError(400, f"bad Content-Length {raw[:40]!r}") from None
-            if length < 0:
-                raise _HTTPError(400, f"bad Content-Length {length}")
+            if not raw.strip().isdecimal():  # 1*DIGIT (RFC 9110): no sign, no underscores
+                raise _HTTPError(400, f"bad Content-Length {raw[:40]!r}")
+            length = int(raw)
             if length > max_body_bytes:
                 raise _HTTPError(
                     413, f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes"
                 )
-            try:  # the reader keeps to the request's deadline
-                body = self.rfile.read(length)
-            except TimeoutError:
-                raise _HTTPError(408, f"request not received within {read_timeout}s") from None
+            # The reader keeps to the request's deadline: past it, the TimeoutError ends the
+            # request in handle_one_request, which answers 408.
+            body = self.rfile.read(length)
             if len(body) < length:
                 raise _HTTPError(400, f"body ended after {len(body)} of {length} bytes")
             return body
@@ -555,18 +541,17 @@ def make_server(
                     raise _HTTPError(413, f"media too large: {e}") from None
                 except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
                     raise _HTTPError(400, f"bad request: {e}") from None
+                try:
+                    with lock:
+                        out = reward_fn(samples)
+                    prompts = [x.prompt for x in samples]
+                    rewards = check_reward_output("server", out, len(samples), prompts).tolist()
+                except Exception as e:  # noqa: BLE001 - reported to the client, server keeps serving
+                    # The request's fault (no reference answer): 422, which clients do not retry.
+                    code = 422 if _caused_by_input(e) else 500
+                    raise _HTTPError(code, f"{type(e).__name__}: {e}") from None
             except _HTTPError as e:
-                self._reply(e.code, {"error": str(e)})
-                return
-            try:
-                with lock:
-                    out = reward_fn(samples)
-                prompts = [x.prompt for x in samples]
-                rewards = check_reward_output("server", out, len(samples), prompts).tolist()
-            except Exception as e:  # noqa: BLE001 - reported to the client, server keeps serving
-                # The request's fault (no reference answer): 422, which clients do not retry.
-                code = 422 if _caused_by_input(e) else 500
-                self._reply(code, {"error": f"{type(e).__name__}: {e}"})
+                self._reply(e.args[0], {"error": e.args[1]})
                 return
             self._reply(200, {"rewards": rewards})
 

@@ -138,27 +138,13 @@ def shuffled(n: int, seed: int, shuffle: bool = True) -> list[int]:
 def build_micro_batch(
     batch: RolloutBatch, idx: list[int], pad_id: int, *, packing: bool
 ) -> MicroBatch:
-    """The micro-batch of rows ``idx`` of ``batch`` (module docstring)."""
-    if not idx:  # packed [pad] + [pad]: one real position keeps the graph connected
-        mb = _layout([[pad_id]], [[pad_id]], pad_id, packing=True)
-        mb.mask[:] = False
-        return mb
-    prompts = [batch.prompt(i) for i in idx]
-    responses = [batch.response(i) for i in idx]
-    mb = _layout(prompts, responses, pad_id, packing)
-    # Observation tokens stay in the inputs (context) but out of the mask: no loss, no count.
-    mb.mask &= batch.response_mask[idx, : mb.mask.shape[1]]
-    mb.media = Media.cat([batch.media[i] for i in idx]) if batch.media else None
-    mb.tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    return mb
-
-
-def _layout(
-    prompts: list[list[int]], responses: list[list[int]], pad_id: int, packing: bool
-) -> MicroBatch:
-    """Packed: one row, samples back to back, positions restarting per sample, no attention
-    mask. Padded: one right-padded row per sample with an attention mask (default positions
-    0..T-1)."""
+    """The micro-batch of rows ``idx`` of ``batch`` (module docstring): packed, one row with
+    positions restarting per sample; padded, one right-padded row per sample with an attention
+    mask (default positions 0..T-1). No rows: packed [pad] + [pad], one real position that
+    keeps the graph connected, its mask 0."""
+    prompts = [batch.prompt(i) for i in idx] or [[pad_id]]
+    responses = [batch.response(i) for i in idx] or [[pad_id]]
+    packing = packing or not idx
     lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     rows, length = (1, sum(lens)) if packing else (len(lens), max(lens))
     ids = torch.full((rows, length), pad_id, dtype=torch.long)
@@ -181,8 +167,17 @@ def _layout(
         index[i, : resp[i]] = row * (length - 1) + cols
         start += len(q) if packing else 0
     if packing:
-        return MicroBatch(ids, pos, None, targets, index, mask)
-    return MicroBatch(ids, None, attention_mask, targets, index, mask)
+        mb = MicroBatch(ids, pos, None, targets, index, mask)
+    else:
+        mb = MicroBatch(ids, None, attention_mask, targets, index, mask)
+    if not idx:
+        mb.mask[:] = False
+        return mb
+    # Observation tokens stay in the inputs (context) but out of the mask: no loss, no count.
+    mb.mask &= batch.response_mask[idx, : mb.mask.shape[1]]
+    mb.media = Media.cat([batch.media[i] for i in idx]) if batch.media else None
+    mb.tokens = sum(lens)
+    return mb
 
 
 def rank_micro_batches(

@@ -11,9 +11,9 @@ launch's rendezvous store under its own prefix:
   prompt loader's position, sent after the trainers' setup), then the policy's weights after the
   optimizer steps the generator needs, and after each step that is evaluated. The weights travel
   through the trainer strategy's own weight sync (``Strategy.sync_weights``: full tensors, in
-  buckets, under HF names) into :class:`WeightSender`, which stands where an engine would and
-  sends each bucket as one flat buffer; :meth:`RolloutLink.receive_weights` loads it into the
-  generator's engine (``load_weights``).
+  buckets, under HF names) into :class:`AsyncSource`, which stands where an engine would and
+  sends each bucket's ``(name, tensor)`` pairs as one message; :meth:`RolloutLink.receive_weights`
+  loads it into the generator's engine (``load_weights``).
 - generator -> trainer: one :class:`Generated` per step: the step's samples with the engine's
   log-probs, which policy version made them, and the prompt loader's position after them; one
   :class:`Evaluated` per held-out evaluation, which the generator runs on the policy of the step
@@ -85,15 +85,6 @@ class Evaluated:
 
 
 @dataclass
-class _Bucket:
-    """Header of one weight bucket; its tensors follow as one flat byte buffer."""
-
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    dtypes: list[torch.dtype]
-
-
-@dataclass
 class _WeightsDone:
     version: int
     evaluate: bool  # the generator evaluates this policy on the held-out set
@@ -158,34 +149,27 @@ class RolloutLink:
                 f"{str(e).splitlines()[0]}"
             ) from e
 
-    def send_tensor(self, t: torch.Tensor, what: str) -> None:
-        """Send ``t`` without waiting for it to be taken (:meth:`flush` waits); the tensors
-        stay alive until then."""
-        size = torch.tensor([t.numel()], dtype=torch.int64)
-        with self._waiting(f"{what} to be sent"):
-            self.pending += [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, t)]
-
-    def _recv_tensor(self, what: str, timeout: timedelta | None = None) -> torch.Tensor:
-        size = torch.zeros(1, dtype=torch.int64)
-        with self._waiting(what):
-            self.group.recv([size], 1 - self.rank, 0).wait(timeout or self.timeout)
-            data = torch.empty(int(size), dtype=torch.uint8)
-            self.group.recv([data], 1 - self.rank, 0).wait(self.timeout)
-        return data
-
     def send(self, obj: Any) -> None:
+        """Send ``obj`` (pickled by ``torch.save``: tensors travel as their bytes) without
+        waiting for it to be taken (:meth:`flush` waits); its bytes stay alive until then."""
         buf = io.BytesIO()
         torch.save(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        self.send_tensor(data, type(obj).__name__)
+        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        with self._waiting(f"{type(obj).__name__} to be sent"):
+            self.pending += [(self.group.send([x], 1 - self.rank, 0), x) for x in (size, data)]
 
     def receive(
         self, kind: type | tuple[type, ...], what: str, timeout_s: float | None = None
     ) -> Any:
         """The next message, which must be a ``kind``; ``timeout_s``: this wait's bound (default
         ``rollout.generator_timeout_s``)."""
-        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        data = self._recv_tensor(what, timeout)
+        size = torch.zeros(1, dtype=torch.int64)
+        with self._waiting(what):
+            timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
+            self.group.recv([size], 1 - self.rank, 0).wait(timeout)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            self.group.recv([data], 1 - self.rank, 0).wait(self.timeout)
         obj = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
         if not isinstance(obj, kind):
             raise GeneratorError(f"{self.peer} sent {type(obj).__name__} instead of {what}")
@@ -203,28 +187,22 @@ class RolloutLink:
     def receive_weights(
         self, engine: Any, evaluate: Callable[[], dict[str, float]], *, or_bye: bool = False
     ) -> int | None:
-        """Load one set of weights (all buckets) into ``engine``; returns its policy version.
+        """Load one set of weights (all buckets, each a list of ``(name, tensor)`` pairs) into
+        ``engine``; returns its policy version.
         When the trainer asks, ``evaluate()`` it (it stays loaded until the next set is taken)
         and send the metrics without waiting: it overlaps their training. ``or_bye``: the
         trainer may say goodbye instead (returns None; answer with :meth:`answer_bye`)."""
-        kinds = (_Bucket, _WeightsDone, _Bye) if or_bye else (_Bucket, _WeightsDone)
+        kinds = (list, _WeightsDone, _Bye) if or_bye else (list, _WeightsDone)
         while True:
-            head = self.receive(kinds, "the trainer's weights")
-            if isinstance(head, _Bye):
+            msg = self.receive(kinds, "the trainer's weights")
+            if isinstance(msg, _Bye):
                 return None
-            if isinstance(head, _WeightsDone):
+            if isinstance(msg, _WeightsDone):
                 engine.reset_prefix_cache()
-                if head.evaluate:
-                    self.send(Evaluated(head.version, evaluate()))
-                return head.version
-            flat = self._recv_tensor("a weight bucket")
-            pairs, start = [], 0
-            for name, shape, dtype in zip(head.names, head.shapes, head.dtypes, strict=True):
-                n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                # A copy: a slice at an odd offset cannot be viewed as a wider dtype.
-                pairs.append((name, flat[start : start + n].clone().view(dtype).view(shape)))
-                start += n
-            engine.load_weights(pairs)
+                if msg.evaluate:
+                    self.send(Evaluated(msg.version, evaluate()))
+                return msg.version
+            engine.load_weights(msg)
 
     def bye(self) -> None:
         """Trainer: the run is over (after every batch was received); waits for the answer."""
@@ -236,28 +214,6 @@ class RolloutLink:
         until every message sent was received."""
         self.send(_Bye())
         self.flush()
-
-
-class WeightSender:
-    """Where an engine would stand in ``Strategy.sync_weights`` on trainer rank 0: each bucket of
-    full tensors goes to the generator as one flat buffer, without waiting for it to be taken
-    (the generator takes a set of weights when its staleness bound needs it)."""
-
-    def __init__(self, link: RolloutLink, dtype: torch.dtype | None):
-        self.link, self.dtype, self.version, self.evaluate = link, dtype, 0, False
-
-    def load_weights(self, pairs: Any) -> None:
-        pairs = list(pairs)
-        tensors = [t.detach().contiguous() for _, t in pairs]
-        head = _Bucket(
-            [n for n, _ in pairs], [tuple(t.shape) for t in tensors], [t.dtype for t in tensors]
-        )
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])  # a copy: owned
-        self.link.send(head)
-        self.link.send_tensor(flat, "a weight bucket")
-
-    def reset_prefix_cache(self) -> None:
-        self.link.send(_WeightsDone(self.version, self.evaluate))
 
 
 def generates_here(rollout: Any) -> bool:
@@ -278,12 +234,19 @@ class AsyncSource:
     process (trainer rank 0 receives them and broadcasts them to the other trainers), and the
     published weights go to it. ``loader``: only the generator's position, checkpointed (the
     trainers draw nothing); ``rollout/policy_lag``: optimizer steps between the policy that
-    sampled a batch and the trained one."""
+    sampled a batch and the trained one.
+
+    On trainer rank 0 it stands where an engine would in ``Strategy.sync_weights``
+    (``load_weights``, ``reset_prefix_cache``, ``dtype``): each bucket of full tensors goes to
+    the generator as one message of ``(name, tensor)`` pairs (their bytes copied as it is
+    written: the bucket's tensors may be views of a buffer the sync reuses), without waiting for
+    it to be taken (the generator takes a set of weights when its staleness bound needs it)."""
 
     def __init__(self, opts: Any, dist: Any, record_eval: Callable, checkpointer: Any) -> None:
         """``opts``: the run's config (``rollout``, ``run``, ``engine``, ``max_steps``)."""
         self.opts, self.ro, self.dist, self.record_eval = opts, opts.rollout, dist, record_eval
         self.checkpointer, self.epoch, self.pending, self.link = checkpointer, 0, 0, None
+        self.dtype = opts.engine.dtype  # of the weights the strategy's sync sends
         if dist.rank == 0:  # first in setup: the generator builds while the trainers load
             timeout = self.ro.generator_timeout_s
             self.link = RolloutLink.connect(TRAINER, timeout, timeout)
@@ -303,7 +266,6 @@ class AsyncSource:
             self.pending = int(evaluate)
             state = self.loader.state_dict() if step else None
             self.link.send(Start(step, epoch, state))
-            self.sender = WeightSender(self.link, self.opts.engine.dtype)
         if step:
             self._send(step, evaluate=False)
 
@@ -341,8 +303,14 @@ class AsyncSource:
             return
         self.pending += evaluate
         self.link.flush()  # the previous set was taken: at most one set in flight
-        self.sender.version, self.sender.evaluate = version, evaluate
-        self.strategy.sync_weights(self.sender)
+        self.done = _WeightsDone(version, evaluate)  # sent after the set's last bucket
+        self.strategy.sync_weights(self)
+
+    def load_weights(self, pairs: Any) -> None:
+        self.link.send([(n, t.detach().cpu()) for n, t in pairs])
+
+    def reset_prefix_cache(self) -> None:
+        self.link.send(self.done)
 
     def _receive(self, kinds: tuple[type, ...], what: str) -> Generated | None:
         """The generator's next message of ``kinds``; an evaluation is recorded (None
