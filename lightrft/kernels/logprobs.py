@@ -527,8 +527,7 @@ def liger_available(hidden: Tensor) -> bool:
     """Whether Liger-Kernel's Triton path can run on ``hidden`` (CUDA, Liger and Triton)."""
     if not hidden.is_cuda:
         return False
-    try:
-        import triton  # noqa: F401
+    try:  # Liger's module imports Triton
         from liger_kernel.ops.fused_linear_cross_entropy import (  # noqa: F401
             LigerFusedLinearCrossEntropyFunction,
         )
