@@ -324,47 +324,31 @@ def chunked_sweep(
             u = g + ge * entropy[s:e, None]  # [c, 1]
             d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
             r = torch.full_like(g, -inv_t)
-        _project(d, r, h_c, weight, low, (s, e), g_h, g_w, g_b, first=i == 0)
+        # The chunk's share of the gradients from dz = r * D (D [c, V], r [c, 1]):
+        # g_h[s:e] = r * (D @ W), g_w += D.T @ (r * h), g_b += D.T @ r; the first chunk writes
+        # the accumulators (beta=0) instead of adding to them.
+        beta = 0.0 if i == 0 else 1.0
+        d_low = None
+        if d.dtype != weight.dtype:
+            # Low precision: round D once to the weight's dtype (as the naive path's logits
+            # gradient is).
+            d_low = low[: e - s].copy_(d) if low is not None else d.to(weight.dtype)
+        if d_low is not None and _mm_fp32_out_supported(weight):
+            # CUDA: both [c, V] matmuls on tensor cores with fp32 outputs. An fp32 D.T @ h here
+            # ran as a SIMT sgemm: 62% of the kernel's time on an H100.
+            if g_h is not None:
+                g_h[s:e] = torch.mm(d_low, weight, out_dtype=torch.float32).mul_(r)
+            if g_w is not None:
+                hr = (h_c.to(r.dtype) * r).to(weight.dtype)  # [c, H]
+                torch.addmm(g_w, d_low.t(), hr, out_dtype=torch.float32, beta=beta, out=g_w)
+        else:
+            if g_h is not None:
+                g_h[s:e] = (d @ weight if d_low is None else (d_low @ weight).to(d.dtype)).mul_(r)
+            if g_w is not None:
+                g_w.addmm_(d.t(), h_c.to(d.dtype) * r, beta=beta)
+        if g_b is not None:
+            g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
     return g_h, g_w, g_b
-
-
-def _project(
-    d: Tensor,
-    r: Tensor,
-    h_c: Tensor,
-    weight: Tensor,
-    low: Tensor | None,
-    span: tuple[int, int],
-    g_h: Tensor | None,
-    g_w: Tensor | None,
-    g_b: Tensor | None,
-    *,
-    first: bool,
-) -> None:
-    """One chunk's share of the gradients from ``dz = r * D`` (``D`` [c, V], ``r`` [c, 1]):
-    ``g_h[s:e] = r * (D @ W)``, ``g_w += D.T @ (r * h)``, ``g_b += D.T @ r``; the first chunk
-    writes the accumulators (``beta=0``) instead of adding to them."""
-    s, e = span
-    beta = 0.0 if first else 1.0
-    d_low = None
-    if d.dtype != weight.dtype:
-        # Low precision: round D once to the weight's dtype (as the naive path's logits gradient is).
-        d_low = low[: d.shape[0]].copy_(d) if low is not None else d.to(weight.dtype)
-    if d_low is not None and _mm_fp32_out_supported(weight):
-        # CUDA: both [c, V] matmuls on tensor cores with fp32 outputs. An fp32 D.T @ h here ran
-        # as a SIMT sgemm: 62% of the kernel's time on an H100.
-        if g_h is not None:
-            g_h[s:e] = torch.mm(d_low, weight, out_dtype=torch.float32).mul_(r)
-        if g_w is not None:
-            hr = (h_c.to(r.dtype) * r).to(weight.dtype)  # [c, H]
-            torch.addmm(g_w, d_low.t(), hr, out_dtype=torch.float32, beta=beta, out=g_w)
-    else:
-        if g_h is not None:
-            g_h[s:e] = (d @ weight if d_low is None else (d_low @ weight).to(d.dtype)).mul_(r)
-        if g_w is not None:
-            g_w.addmm_(d.t(), h_c.to(d.dtype) * r, beta=beta)
-    if g_b is not None:
-        g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
 
 
 def _call_hint(
