@@ -225,25 +225,6 @@ def logit_workspaces(
     return buf, buf2, low
 
 
-def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
-
-
-def _grad_buffers(
-    hidden: Tensor, weight: Tensor, need: tuple[bool, bool, bool]
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradient accumulators (fp32/64) of hidden rows [n, H], weight [V, H] and bias [V], as
-    ``need`` says; written by the first chunk (beta=0), then accumulated in place: no zero fill.
-    With no rows (every target ignored) the weight and bias gradients are zeros."""
-    dev, acc = hidden.device, acc_dtype(hidden.dtype)
-    n = hidden.shape[0]
-    new = torch.zeros if n == 0 else torch.empty  # no chunk will write them
-    g_h = new(n, hidden.shape[1], dtype=acc, device=dev) if need[0] else None
-    g_w = new(weight.shape, dtype=acc, device=dev) if need[1] else None
-    g_b = new(weight.shape[0], dtype=acc, device=dev) if need[2] else None
-    return g_h, g_w, g_b
-
-
 def chunked_sweep(
     hidden: Tensor,
     weight: Tensor,
@@ -285,7 +266,13 @@ def chunked_sweep(
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     dev, acc = hidden.device, acc_dtype(hidden.dtype)
-    g_h, g_w, g_b = _grad_buffers(hidden, weight, need)
+    # The gradient accumulators, as ``need`` says: written by the first chunk (beta=0), then
+    # accumulated in place, so no zero fill; with no rows (every target ignored) no chunk writes
+    # them, and the weight and bias gradients are zeros.
+    new = torch.zeros if n == 0 else torch.empty
+    g_h = new(n, hidden.shape[1], dtype=acc, device=dev) if need[0] else None
+    g_w = new(weight.shape, dtype=acc, device=dev) if need[1] else None
+    g_b = new(vocab, dtype=acc, device=dev) if need[2] else None
     if n == 0:  # every target ignored (a hint is never asked)
         return g_h, g_w, g_b
     if grad_logp is None:
@@ -294,7 +281,7 @@ def chunked_sweep(
     # The probabilities get a buffer of their own when the entropy is computed or differentiated.
     two = grad_ent is not None or (logp_out is not None and entropy is not None)
     buf, buf2, low = logit_workspaces(min(chunk, n), vocab, hidden, two, reuse=cached, scratch=True)
-    chunks = _chunks(n, chunk)
+    chunks = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
     backward_cached = cached is not None and logp_out is None
     if backward_cached:
         chunks = chunks[-1:] + chunks[:-1]  # the chunk still in the workspace goes first
@@ -337,47 +324,31 @@ def chunked_sweep(
             u = g + ge * entropy[s:e, None]  # [c, 1]
             d = torch.addcmul(u, z, ge, out=z).mul_(p).scatter_add_(1, t_c, -g)
             r = torch.full_like(g, -inv_t)
-        _project(d, r, h_c, weight, low, (s, e), g_h, g_w, g_b, first=i == 0)
+        # The chunk's share of the gradients from dz = r * D (D [c, V], r [c, 1]):
+        # g_h[s:e] = r * (D @ W), g_w += D.T @ (r * h), g_b += D.T @ r; the first chunk writes
+        # the accumulators (beta=0) instead of adding to them.
+        beta = 0.0 if i == 0 else 1.0
+        d_low = None
+        if d.dtype != weight.dtype:
+            # Low precision: round D once to the weight's dtype (as the naive path's logits
+            # gradient is).
+            d_low = low[: e - s].copy_(d) if low is not None else d.to(weight.dtype)
+        if d_low is not None and _mm_fp32_out_supported(weight):
+            # CUDA: both [c, V] matmuls on tensor cores with fp32 outputs. An fp32 D.T @ h here
+            # ran as a SIMT sgemm: 62% of the kernel's time on an H100.
+            if g_h is not None:
+                g_h[s:e] = torch.mm(d_low, weight, out_dtype=torch.float32).mul_(r)
+            if g_w is not None:
+                hr = (h_c.to(r.dtype) * r).to(weight.dtype)  # [c, H]
+                torch.addmm(g_w, d_low.t(), hr, out_dtype=torch.float32, beta=beta, out=g_w)
+        else:
+            if g_h is not None:
+                g_h[s:e] = (d @ weight if d_low is None else (d_low @ weight).to(d.dtype)).mul_(r)
+            if g_w is not None:
+                g_w.addmm_(d.t(), h_c.to(d.dtype) * r, beta=beta)
+        if g_b is not None:
+            g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
     return g_h, g_w, g_b
-
-
-def _project(
-    d: Tensor,
-    r: Tensor,
-    h_c: Tensor,
-    weight: Tensor,
-    low: Tensor | None,
-    span: tuple[int, int],
-    g_h: Tensor | None,
-    g_w: Tensor | None,
-    g_b: Tensor | None,
-    *,
-    first: bool,
-) -> None:
-    """One chunk's share of the gradients from ``dz = r * D`` (``D`` [c, V], ``r`` [c, 1]):
-    ``g_h[s:e] = r * (D @ W)``, ``g_w += D.T @ (r * h)``, ``g_b += D.T @ r``; the first chunk
-    writes the accumulators (``beta=0``) instead of adding to them."""
-    s, e = span
-    beta = 0.0 if first else 1.0
-    d_low = None
-    if d.dtype != weight.dtype:
-        # Low precision: round D once to the weight's dtype (as the naive path's logits gradient is).
-        d_low = low[: d.shape[0]].copy_(d) if low is not None else d.to(weight.dtype)
-    if d_low is not None and _mm_fp32_out_supported(weight):
-        # CUDA: both [c, V] matmuls on tensor cores with fp32 outputs. An fp32 D.T @ h here ran
-        # as a SIMT sgemm: 62% of the kernel's time on an H100.
-        if g_h is not None:
-            g_h[s:e] = torch.mm(d_low, weight, out_dtype=torch.float32).mul_(r)
-        if g_w is not None:
-            hr = (h_c.to(r.dtype) * r).to(weight.dtype)  # [c, H]
-            torch.addmm(g_w, d_low.t(), hr, out_dtype=torch.float32, beta=beta, out=g_w)
-    else:
-        if g_h is not None:
-            g_h[s:e] = (d @ weight if d_low is None else (d_low @ weight).to(d.dtype)).mul_(r)
-        if g_w is not None:
-            g_w.addmm_(d.t(), h_c.to(d.dtype) * r, beta=beta)
-    if g_b is not None:
-        g_b.addmv_(d.t(), r.squeeze(1), beta=beta)
 
 
 def _call_hint(
@@ -430,7 +401,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         h_v = hidden if idx is None else hidden.index_select(0, idx)  # [n_valid, H]
         t_v = targets if idx is None else targets.index_select(0, idx)
         inv_t = 1.0 / float(temperature)
-        need = _needed(ctx, bias)
+        g = ctx.needs_input_grad  # which of hidden, weight, bias need a gradient
+        need = ctx.need = (g[0], g[1], bias is not None and g[3])
         n_v = h_v.shape[0]
         logp_v = torch.empty(n_v, dtype=acc_dtype(hidden.dtype), device=hidden.device)
         ent_v = torch.empty_like(logp_v) if want_entropy else None
@@ -479,7 +451,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         # Released here so autograd can take the stored gradients over without copying them; a
         # second backward (retain_graph) takes the recomputing path.
         sweep, ctx.sweep = ctx.sweep, None
-        need = _needed(ctx, bias)
+        need = ctx.need
         if (grad_logp is None and grad_ent is None) or not any(need):
             return (None,) * 9
         if idx is not None:
@@ -516,12 +488,6 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         return g_h, g_w, None, g_b, None, None, None, None, None
 
 
-def _needed(ctx, bias: Tensor | None) -> tuple[bool, bool, bool]:
-    """Which of hidden, weight, bias need a gradient."""
-    g = ctx.needs_input_grad
-    return g[0], g[1], bias is not None and g[3]
-
-
 def _to_input_dtypes(
     grads: tuple[Tensor | None, Tensor | None, Tensor | None],
     hidden: Tensor,
@@ -545,8 +511,7 @@ def liger_available(hidden: Tensor) -> bool:
     """Whether Liger-Kernel's Triton path can run on ``hidden`` (CUDA, Liger and Triton)."""
     if not hidden.is_cuda:
         return False
-    try:
-        import triton  # noqa: F401
+    try:  # Liger's module imports Triton
         from liger_kernel.ops.fused_linear_cross_entropy import (  # noqa: F401
             LigerFusedLinearCrossEntropyFunction,
         )

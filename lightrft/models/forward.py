@@ -19,6 +19,7 @@ weight *is* the embedding matrix, and its gradient accumulates into the one para
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -39,23 +40,6 @@ def is_peft_model(model: nn.Module) -> bool:
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The HF model a PEFT wrapper wraps (``get_base_model()``), else ``model`` itself."""
     return model.get_base_model() if is_peft_model(model) else model
-
-
-def _trunk_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    trunk = getattr(model, "get_decoder", lambda: None)()
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if trunk is None or trunk is model or head is None or not hasattr(head, "weight"):
-        raise ValueError(
-            f"{type(model).__name__} is not a Hugging Face causal LM with a decoder trunk "
-            "(get_decoder()) and a linear LM head (get_output_embeddings())"
-        )
-    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    if softcap:
-        raise ValueError(
-            f"{type(model).__name__} soft-caps its logits (final_logit_softcapping={softcap}); "
-            "the fused kernel computes plain log_softmax(h W^T + b) and does not support it"
-        )
-    return trunk, head
 
 
 def _check_ids(input_ids: Tensor, targets: Tensor | None) -> Tensor:
@@ -101,7 +85,19 @@ def forward_on_hidden(
     """
     from torch.distributed.fsdp import FSDPModule
 
-    trunk, head = _trunk_and_head(model)
+    trunk = getattr(model, "get_decoder", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if trunk is None or trunk is model or head is None or not hasattr(head, "weight"):
+        raise ValueError(
+            f"{type(model).__name__} is not a Hugging Face causal LM with a decoder trunk "
+            "(get_decoder()) and a linear LM head (get_output_embeddings())"
+        )
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if softcap:
+        raise ValueError(
+            f"{type(model).__name__} soft-caps its logits (final_logit_softcapping={softcap}); "
+            "the fused kernel computes plain log_softmax(h W^T + b) and does not support it"
+        )
     kwargs = dict(model_kwargs, attention_mask=attention_mask, position_ids=position_ids)
     kwargs.setdefault("use_cache", False)
     if media is not None:
@@ -137,18 +133,15 @@ def forward_on_hidden(
     # A PEFT wrapper's forward takes **kwargs: ask the model it wraps.
     if "logits_to_keep" in inspect.signature(type(unwrap_peft(model)).forward).parameters:
         kwargs.setdefault("logits_to_keep", 1)
-    hooks = [trunk.register_forward_hook(capture_hidden)]
-    if trunk_inputs is not None:
-        hooks.append(trunk.register_forward_pre_hook(trunk_inputs, with_kwargs=True))
-    # prepend=True: before FSDP2's post-forward hooks, so the head's weight is still unsharded
-    # and the root's output is ours (FSDP2 registers its pre-backward hook on it).
-    hooks.append(head.register_forward_hook(compute_in_head, prepend=True))
-    hooks.append(model.register_forward_hook(return_it, prepend=True))
-    try:
+    with contextlib.ExitStack() as hooks:  # each handle removes its hook on exit
+        hooks.enter_context(trunk.register_forward_hook(capture_hidden))
+        if trunk_inputs is not None:
+            hooks.enter_context(trunk.register_forward_pre_hook(trunk_inputs, with_kwargs=True))
+        # prepend=True: before FSDP2's post-forward hooks, so the head's weight is still
+        # unsharded and the root's output is ours (FSDP2 registers its pre-backward hook on it).
+        hooks.enter_context(head.register_forward_hook(compute_in_head, prepend=True))
+        hooks.enter_context(model.register_forward_hook(return_it, prepend=True))
         return model(input_ids=input_ids, **kwargs)
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def causal_lm_token_logprobs(
@@ -205,14 +198,7 @@ def causal_lm_token_logprobs(
         input_ids, targets = shard.input_ids, shard.targets
     b, t1 = targets.shape
 
-    def run(
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        entropy: bool,
-        backend: str,
-        hint: GradHint | None = grad_hint,
-    ):
+    def run(hidden: Tensor, weight: Tensor, bias: Tensor | None, entropy: bool, backend: str):
         out = fused_linear_logprobs(
             hidden.reshape(b * t1, hidden.shape[-1]),
             weight,
@@ -223,7 +209,7 @@ def causal_lm_token_logprobs(
             return_entropy=entropy,
             ignore_index=ignore_index,
             backend=backend,
-            grad_hint=hint,
+            grad_hint=grad_hint,  # ignored under no_grad
         )
         return tuple(x.view(b, t1) for x in out) if entropy else out.view(b, t1)
 
@@ -236,7 +222,7 @@ def causal_lm_token_logprobs(
             lp = run(hidden, weight, bias, False, backend)
             with torch.no_grad():
                 detached = None if bias is None else bias.detach()
-                _, ent = run(hidden.detach(), weight.detach(), detached, True, "torch", None)
+                _, ent = run(hidden.detach(), weight.detach(), detached, True, "torch")
             return lp, ent
         # One pass: the entropy costs an exp and a dot per row on top of the log-probs; an
         # entropy without gradient leaves the backward as cheap as log-probs alone.

@@ -507,9 +507,8 @@ def load_reward_net_parallel(
 
 def set_reward_config(model: nn.Module, block: dict[str, Any]) -> None:
     """Put the ``lightrft_reward`` block (:meth:`RewardNet.reward_config`) into the HF config
-    that the export of ``model`` (a RewardNet, or a DeepSpeed engine around one) writes."""
-    net = model.module if hasattr(model, "module") else model
-    setattr(net._hf[0].config, CONFIG_KEY, block)
+    that the export of ``model`` (a RewardNet, plain or sharded) writes."""
+    setattr(model._hf[0].config, CONFIG_KEY, block)
 
 
 def read_reward_config(path: str | Path) -> dict[str, Any] | None:
