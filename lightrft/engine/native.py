@@ -310,9 +310,7 @@ class NativeEngine:
         self._shapes = {n: p.shape for n, p in self._params.items()}
         self._kv_pool: torch.Tensor | None = None
         self._asleep: set[str] = set()  # what sleep released: "weights", "kv_cache"
-        # Changes whenever the weights' storage is replaced (a level-2 sleep, waking the
-        # weights): tensors from weight_buffers are valid while it stays the same.
-        self.weights_version = 0
+        self._weights_version = 0  # bumped whenever the weights' storage is replaced
         self._unloaded: set[str] = set()  # canonical names not loaded since a level-2 sleep
         self.stats = SchedulerStats()
 
@@ -326,7 +324,7 @@ class NativeEngine:
             for _, p in self.model.named_parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._asleep.add("weights")
-            self.weights_version += 1
+            self._weights_version += 1
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``["weights"]`` (contents undefined until loaded) and/or ``["kv_cache"]``."""
@@ -335,7 +333,7 @@ class NativeEngine:
             for name, p in self.model.named_parameters():
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
             self._unloaded = {name for name, _ in self.model.named_parameters()}
-            self.weights_version += 1
+            self._weights_version += 1
         self._asleep -= set(tags)
 
     @torch.no_grad()
@@ -359,6 +357,12 @@ class NativeEngine:
         if params:
             torch._foreach_copy_(params, tensors)  # one batched copy, casting to our dtype
         self._unloaded -= {self._canonical[id(param)] for param in params}
+
+    @property
+    def weights_version(self) -> int:
+        """Changes whenever the weights' storage is replaced (a level-2 sleep, waking the weights):
+        tensors from :meth:`weight_buffers` are valid while it stays the same."""
+        return self._weights_version
 
     def weight_buffers(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The engine's own weight tensors for these HF names, to be written in place.
