@@ -211,7 +211,7 @@ def test_a_config_without_the_decoder_keys_is_refused(tmp_path):
         ModelShape.from_file(path)
 
 
-def test_cli_plans_a_shipped_config(capsys):
+def test_cli_plans_a_shipped_config(capsys, monkeypatch, tmp_path):
     from lightrft.cli import main
 
     config = str(CONFIGS / "qwen2_5_7b.json")
@@ -243,7 +243,9 @@ def test_cli_plans_a_shipped_config(capsys):
     assert main([*argv, "--model-config", config, *zero3]) == 0
     out = capsys.readouterr().out
     assert "DeepSpeed ZeRO-3 over 8, optimizer offload" in out and "gathered ZeRO-3" in out
-    # A reward model used as a reward is read from its own path, and named when it is missing.
+    # A reward model used as a reward is read from its own path, and named when it is missing
+    # (the path is relative: from an empty folder, so a checkout that ran the demo passes too).
+    monkeypatch.chdir(tmp_path)
     rlhf = ["plan", "--config", "tiny/rlhf_grpo", "--gpus-per-node", "2", "--model-config", config]
     assert main(rlhf) == 2
     assert "reward.functions.rm.path='outputs/tiny/rlhf_rm/final'" in capsys.readouterr().err
