@@ -465,8 +465,8 @@ class Checkpointer:
                     shutil.rmtree(tmp)
                 tmp.mkdir()
             barrier()
-            with quiet_single_process():
-                dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+            with quiet_single_process():  # no process group: DCP saves as one process
+                dcp.save(app, checkpoint_id=tmp)
             for name, engine in _engines(models_).items():  # ZeRO partitions, in DeepSpeed's layout
                 engine.save_checkpoint(str(tmp), tag=f"deepspeed.{name}", save_latest=False)
             per_rank = {
@@ -631,12 +631,7 @@ class Checkpointer:
         # stringified AssertionError wrapped in a CheckpointException.
         try:
             with quiet_single_process():
-                dcp.load(
-                    app,
-                    storage_reader=SafeFileSystemReader(path),
-                    planner=SafeLoadPlanner(),
-                    no_dist=not dist.is_initialized(),
-                )
+                dcp.load(app, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         except CheckpointException as e:
             raise _load_failed(path, e) from None
         if resharded and needs_rank_state:
