@@ -69,12 +69,10 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         }
     if isinstance(obj, np.ndarray):
         key = f"t{len(tensors)}"
-        # safetensors has no uint32; keep an unsigned array's bytes in the same-width signed
-        # dtype and the real one in JSON (numpy's MT19937 state is a uint32 array).
-        arr = np.ascontiguousarray(obj)
-        view = f"i{arr.itemsize}" if arr.dtype.kind == "u" else None
-        tensors[key] = torch.from_numpy(arr.view(view) if view is not None else arr.copy())
-        return {TAG: "ndarray", "key": key, "dtype": arr.dtype.str}
+        # safetensors stores uint16/32/64 as they are (numpy's MT19937 state is a uint32 array);
+        # the dtype in JSON also reads the signed bytes older checkpoints kept them as.
+        tensors[key] = torch.from_numpy(np.array(obj, order="C"))
+        return {TAG: "ndarray", "key": key, "dtype": obj.dtype.str}
     if isinstance(obj, np.generic):
         return {TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
     raise TypeError(
