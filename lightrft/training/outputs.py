@@ -25,6 +25,7 @@ from pathlib import Path
 
 from lightrft.config import ConfigError
 from lightrft.sections import require_output_dir
+from lightrft.training.safe_state import pid_alive
 
 LOCK_NAME = ".lightrft.lock"
 # view.html: `lightrft view`'s page of the run, stale once the run is replaced.
@@ -145,12 +146,8 @@ def _start_time(pid: int) -> str | None:
 
 
 def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:  # exists, owned by someone else
-        return True
     now = _start_time(pid)
     return start is None or now is None or now == start
 

@@ -123,7 +123,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     The temporary file a killed writer left beside it (``.NAME.PID.tmp``, PID gone) is removed."""
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid = stale.name[len(path.name) + 2 : -4]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
@@ -133,7 +133,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs on this machine (one of another user's counts)."""
     try:
         os.kill(pid, 0)
