@@ -170,7 +170,9 @@ def _lock(p: Path) -> None:
     }
     for _ in range(3):
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(lock, "x") as f:  # O_CREAT | O_EXCL: one creator wins
+                json.dump(me, f)
+            break
         except FileExistsError:
             owner = _read_lock(lock)
             if owner.get("pid") == me["pid"] and owner.get("host") == me["host"]:
@@ -200,10 +202,6 @@ def _lock(p: Path) -> None:
                 "checkpoints: wait for it, stop it, or choose another output_dir. If that run "
                 f"is gone (e.g. it ran on another host), delete {lock}"
             ) from None
-        else:
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            break
     else:
         raise ConfigError(f"output_dir {str(p)!r}: could not take the run lock {lock}")
     _held.setdefault(p, lock)
