@@ -106,11 +106,6 @@ def quiet_single_process() -> Iterator[None]:
         yield
 
 
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (identity without a process group)."""
-    return all_gather_objects(obj)[0]
-
-
 def _named(*given: Any) -> dict[str, dict[str, Any]]:
     """Each of ``given`` (the ``models``, ``optimizers``, ``schedulers`` and ``dataloaders``: the
     objects a checkpoint lists by kind) as a dict name -> object under its kind: ``None`` -> {},
@@ -680,7 +675,7 @@ class Checkpointer:
         # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
         # shared file system lag behind one another.
         found = self.latest_readable() if is_main() else None
-        path = broadcast_from_rank0(found and found[0])
+        path = all_gather_objects(found and found[0])[0]  # rank 0's
         if path is None:
             if required:
                 raise self.none_to_resume()
