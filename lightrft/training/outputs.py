@@ -119,10 +119,9 @@ def _check_fresh_run(p: Path, *, resume: bool, overwrite: bool) -> None:
                 target.unlink()
         print(f"overwrite=true: deleted the previous run's {', '.join(found)} in {p}", flush=True)
         return
-    ckpts = sorted((p / "checkpoints").glob("step_*[0-9]")) if (p / "checkpoints").is_dir() else []
     how = (
         "resume=true to continue it from its last checkpoint, "
-        if ckpts
+        if any((p / "checkpoints").glob("step_*[0-9]"))  # none when it is no directory
         else "(it stopped before its first checkpoint, so there is nothing to resume) "
     )
     raise ConfigError(
