@@ -278,8 +278,8 @@ def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> s
     trusted (:func:`export_checkpoint`)."""
     import hashlib
 
-    from lightrft.distributed import barrier
-    from lightrft.training.checkpoint import META, broadcast_from_rank0
+    from lightrft.distributed import all_gather_objects, barrier
+    from lightrft.training.checkpoint import META
 
     if not is_checkpoint_dir(path):
         return str(path)
@@ -287,7 +287,7 @@ def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> s
     key = hashlib.sha256(str(p).encode() + b"\0" + (p / META).read_bytes()).hexdigest()[:16]
     out = export_cache_dir() / f"{p.parent.parent.name}-{p.name}-{key}"
     # Rank 0 decides, so every rank takes part in the (collective) export or none does.
-    if broadcast_from_rank0(not out.is_dir() if is_main() else None):
+    if all_gather_objects(not out.is_dir() if is_main() else None)[0]:  # rank 0's
         export_checkpoint(p, out, trust_remote_code=trust_remote_code)
         if is_main():
             print(f"exported checkpoint {p} to {out}", flush=True)

@@ -106,11 +106,6 @@ def quiet_single_process() -> Iterator[None]:
         yield
 
 
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (identity without a process group)."""
-    return all_gather_objects(obj)[0]
-
-
 def _named(*given: Any) -> dict[str, dict[str, Any]]:
     """Each of ``given`` (the ``models``, ``optimizers``, ``schedulers`` and ``dataloaders``: the
     objects a checkpoint lists by kind) as a dict name -> object under its kind: ``None`` -> {},
@@ -465,8 +460,8 @@ class Checkpointer:
                     shutil.rmtree(tmp)
                 tmp.mkdir()
             barrier()
-            with quiet_single_process():
-                dcp.save(app, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+            with quiet_single_process():  # no process group: DCP saves as one process
+                dcp.save(app, checkpoint_id=tmp)
             for name, engine in _engines(models_).items():  # ZeRO partitions, in DeepSpeed's layout
                 engine.save_checkpoint(str(tmp), tag=f"deepspeed.{name}", save_latest=False)
             per_rank = {
@@ -631,12 +626,7 @@ class Checkpointer:
         # stringified AssertionError wrapped in a CheckpointException.
         try:
             with quiet_single_process():
-                dcp.load(
-                    app,
-                    storage_reader=SafeFileSystemReader(path),
-                    planner=SafeLoadPlanner(),
-                    no_dist=not dist.is_initialized(),
-                )
+                dcp.load(app, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         except CheckpointException as e:
             raise _load_failed(path, e) from None
         if resharded and needs_rank_state:
@@ -685,7 +675,7 @@ class Checkpointer:
         # Rank 0 decides, so every rank loads the same checkpoint even if their views of a
         # shared file system lag behind one another.
         found = self.latest_readable() if is_main() else None
-        path = broadcast_from_rank0(found and found[0])
+        path = all_gather_objects(found and found[0])[0]  # rank 0's
         if path is None:
             if required:
                 raise self.none_to_resume()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from lightrft.config import ConfigError
 from lightrft.sections import require_output_dir
+from lightrft.training.safe_state import pid_alive
 
 LOCK_NAME = ".lightrft.lock"
 # view.html: `lightrft view`'s page of the run, stale once the run is replaced.
@@ -118,10 +119,9 @@ def _check_fresh_run(p: Path, *, resume: bool, overwrite: bool) -> None:
                 target.unlink()
         print(f"overwrite=true: deleted the previous run's {', '.join(found)} in {p}", flush=True)
         return
-    ckpts = sorted((p / "checkpoints").glob("step_*[0-9]")) if (p / "checkpoints").is_dir() else []
     how = (
         "resume=true to continue it from its last checkpoint, "
-        if ckpts
+        if any((p / "checkpoints").glob("step_*[0-9]"))  # none when it is no directory
         else "(it stopped before its first checkpoint, so there is nothing to resume) "
     )
     raise ConfigError(
@@ -145,12 +145,8 @@ def _start_time(pid: int) -> str | None:
 
 
 def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:  # exists, owned by someone else
-        return True
     now = _start_time(pid)
     return start is None or now is None or now == start
 
@@ -173,7 +169,9 @@ def _lock(p: Path) -> None:
     }
     for _ in range(3):
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(lock, "x") as f:  # O_CREAT | O_EXCL: one creator wins
+                json.dump(me, f)
+            break
         except FileExistsError:
             owner = _read_lock(lock)
             if owner.get("pid") == me["pid"] and owner.get("host") == me["host"]:
@@ -203,10 +201,6 @@ def _lock(p: Path) -> None:
                 "checkpoints: wait for it, stop it, or choose another output_dir. If that run "
                 f"is gone (e.g. it ran on another host), delete {lock}"
             ) from None
-        else:
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            break
     else:
         raise ConfigError(f"output_dir {str(p)!r}: could not take the run lock {lock}")
     _held.setdefault(p, lock)

@@ -69,12 +69,10 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
         }
     if isinstance(obj, np.ndarray):
         key = f"t{len(tensors)}"
-        # safetensors has no uint32; keep an unsigned array's bytes in the same-width signed
-        # dtype and the real one in JSON (numpy's MT19937 state is a uint32 array).
-        arr = np.ascontiguousarray(obj)
-        view = f"i{arr.itemsize}" if arr.dtype.kind == "u" else None
-        tensors[key] = torch.from_numpy(arr.view(view) if view is not None else arr.copy())
-        return {TAG: "ndarray", "key": key, "dtype": arr.dtype.str}
+        # safetensors stores uint16/32/64 as they are (numpy's MT19937 state is a uint32 array);
+        # the dtype in JSON also reads the signed bytes older checkpoints kept them as.
+        tensors[key] = torch.from_numpy(np.array(obj, order="C"))
+        return {TAG: "ndarray", "key": key, "dtype": obj.dtype.str}
     if isinstance(obj, np.generic):
         return {TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
     raise TypeError(
@@ -125,7 +123,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     The temporary file a killed writer left beside it (``.NAME.PID.tmp``, PID gone) is removed."""
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid = stale.name[len(path.name) + 2 : -4]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
@@ -135,7 +133,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs on this machine (one of another user's counts)."""
     try:
         os.kill(pid, 0)
