@@ -365,19 +365,12 @@ def _format(x: Fraction) -> str:
     as ``p/q`` with a rounded decimal beside it."""
     if x.denominator == 1:
         return str(x.numerator)
-    d = x.denominator
-    twos = (d & -d).bit_length() - 1
-    d >>= twos
-    fives = 0
-    while d % 5 == 0 and fives <= MAX_DECIMALS:  # a bounded loop: past the bound, p/q it is
-        d, fives = d // 5, fives + 1
-    places = max(twos, fives)
-    if d == 1 and places <= MAX_DECIMALS:  # terminates after max(twos, fives) digits
-        digits = abs(x.numerator) * 10**places // x.denominator
-        sign = "-" if x < 0 else ""
-        whole, frac = divmod(digits, 10**places)
-        if len(str(whole)) + places <= MAX_DIGITS:
-            return f"{sign}{whole}.{frac:0{places}d}"
+    shifted = abs(x) * 10**MAX_DECIMALS
+    if shifted.denominator == 1:  # terminates within MAX_DECIMALS places: its shortest decimal
+        whole, frac = divmod(shifted.numerator, 10**MAX_DECIMALS)
+        places = f"{frac:0{MAX_DECIMALS}d}".rstrip("0")
+        if len(str(whole)) + len(places) <= MAX_DIGITS:
+            return f"{'-' if x < 0 else ''}{whole}.{places}"
     # about x: 12 significant digits; Decimal, since a bounded fraction may overflow a float
     with decimal.localcontext() as ctx:
         ctx.prec = 12
