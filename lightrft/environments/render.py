@@ -227,30 +227,24 @@ def transcript_ids(
             turn, or a template :func:`observation_ids` / :func:`assistant_turn_text` refuses.
     """
     roles = [m.get("role") for m in messages]
-    if "assistant" not in roles:
+    turns = [k for k, role in enumerate(roles) if role == "assistant"]
+    if not turns:
         raise ValueError("transcript_ids: the conversation has no assistant turn")
-    first = roles.index("assistant")
-    if first == 0:
+    if turns[0] == 0:
         raise ValueError("transcript_ids: the conversation starts with an assistant turn")
     if roles[-1] != "assistant":
         raise ValueError("transcript_ids: the conversation does not end with an assistant turn")
-    ids = initial_prompt_ids(tokenizer, messages[:first], tools)
+    ids = initial_prompt_ids(tokenizer, messages[: turns[0]], tools)
     sampled = [False] * len(ids)
     end_id = tokenizer.convert_tokens_to_ids(assistant_end_token(tokenizer, tools))
-    k = first
-    while k < len(messages):
-        turn = _encode(tokenizer, assistant_turn_text(tokenizer, messages[k], tools)) + [end_id]
-        ids += turn
-        sampled += [True] * len(turn)
-        nxt = roles.index("assistant", k + 1) if k + 1 < len(roles) else len(roles)
-        if nxt == k + 1 and nxt < len(roles):
+    for k, nxt in zip(turns, [*turns[1:], len(messages)], strict=True):
+        if nxt == k + 1 < len(messages):
             raise ValueError(
                 f"transcript_ids: messages {k} and {nxt} are assistant turns with no "
                 "observation between them"
             )
-        if nxt > k + 1:
-            obs = observation_ids(tokenizer, messages[k + 1 : nxt], tools)
-            ids += obs
-            sampled += [False] * len(obs)
-        k = nxt
+        turn = _encode(tokenizer, assistant_turn_text(tokenizer, messages[k], tools)) + [end_id]
+        obs = observation_ids(tokenizer, messages[k + 1 : nxt], tools) if nxt > k + 1 else []
+        ids += turn + obs
+        sampled += [True] * len(turn) + [False] * len(obs)
     return ids, sampled
