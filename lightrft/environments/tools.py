@@ -28,7 +28,6 @@ import decimal
 import json
 import math
 import operator
-import re
 import threading
 import time
 import traceback
@@ -259,10 +258,6 @@ _BINARY = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
 }
-# a decimal literal as Python writes one: digits, a point, an exponent (underscores allowed)
-_DECIMAL = re.compile(
-    r"(?P<whole>[0-9_]*)(?:\.(?P<frac>[0-9_]*))?(?:[eE](?P<exp>[+-]?[0-9_]+))?", re.ASCII
-)
 
 
 def calculator(expression: str) -> str:
@@ -304,21 +299,17 @@ def _literal(node: ast.Constant, source: str) -> Fraction:
     if type(node.value) is int:  # the parser built it already; at most 1000 characters long
         return _checked(Fraction(node.value))
     text = ast.get_source_segment(source.strip(), node) or repr(node.value)
-    m = _DECIMAL.fullmatch(text)
-    if m is None:
-        raise ValueError(f"not a decimal number: {text!r}")
-    digits = (m["whole"] + (m["frac"] or "")).replace("_", "").lstrip("0")
-    exp_text = (m["exp"] or "0").replace("_", "")
-    # the value is digits * 10**(exp - places): refuse a huge exponent by its length first
-    if len(exp_text.lstrip("+-").lstrip("0")) > 6:
-        if not digits:
-            return Fraction(0)
-        raise _too_large()
-    shift = int(exp_text) - len((m["frac"] or "").replace("_", ""))
-    if digits and len(digits) + abs(shift) > MAX_DIGITS:
+    mantissa, _, exponent = text.replace("_", "").lower().partition("e")
+    whole, _, frac = mantissa.partition(".")
+    digits = int(whole + frac)  # at most 1000 characters: Python's int() of them is quick
+    if not digits:
+        return Fraction(0)
+    # the value is digits * 10**shift: refuse it by its size before 10**shift is built
+    shift = int(exponent or 0) - len(frac)
+    if len(str(digits)) + abs(shift) > MAX_DIGITS:
         raise _too_large()
     # the literal's own digits: 0.1 is exactly 1/10, not the nearest binary float
-    return Fraction(text.replace("_", ""))
+    return Fraction(digits) * Fraction(10) ** shift
 
 
 def _eval(node: ast.AST, source: str) -> Fraction:
