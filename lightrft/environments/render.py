@@ -126,8 +126,11 @@ def observation_ids(
     prefix = before[: before.rfind(_SENTINEL) + len(_SENTINEL)] + end
     messages = [dict(m) for m in observation_messages]
     # The messages whose text holds a control token's string (``<|im_end|>``): a tool's output
-    # is data, and must not open or close turns in the model's context.
-    tokens = _added_tokens(tokenizer)
+    # is data, and must not open or close turns in the model's context. The strings the
+    # tokenizer turns into one added (control) token, longest first:
+    names = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    names |= set(getattr(tokenizer, "all_special_tokens", []))
+    tokens = sorted((n for n in names if n), key=len, reverse=True)
     forged = [
         i
         for i, m in enumerate(messages)
@@ -145,9 +148,13 @@ def observation_ids(
     ids: list[int] = []
     for i in forged:
         head, mark, rest = rest.partition(_placeholder(i))
-        if not mark:  # the template changed the content: render the defused texts instead
+        if not mark:  # the template changed the content, so it cannot be encoded apart:
+            # render each text with a zero-width space after the ``<`` of each control token in it
             for j in forged:
-                messages[j]["content"] = _defuse(tokenizer, observation_messages[j]["content"])
+                text = observation_messages[j]["content"]
+                for token in tokens:
+                    text = text.replace(token, token[:1] + "\u200b" + token[1:])
+                messages[j]["content"] = text
             after = _render(tokenizer, [*convo, *messages], tools, True)
             return _encode(tokenizer, after[len(prefix) :])
         # the content as plain text: a control token's string in it becomes ordinary tokens
@@ -156,23 +163,8 @@ def observation_ids(
     return ids + _encode(tokenizer, rest)
 
 
-def _added_tokens(tokenizer: Any) -> list[str]:
-    """The strings the tokenizer turns into one added (control) token, longest first."""
-    names = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
-    names |= set(getattr(tokenizer, "all_special_tokens", []))
-    return sorted((n for n in names if n), key=len, reverse=True)
-
-
 def _placeholder(i: int) -> str:
     return f"\ue000observation-{i}-7c4d\ue001"  # private-use characters no template writes
-
-
-def _defuse(tokenizer: Any, text: str) -> str:
-    """``text`` with a zero-width space after the ``<`` of every control token's string, for a
-    template that transforms contents (so they cannot be encoded apart)."""
-    for token in _added_tokens(tokenizer):
-        text = text.replace(token, token[:1] + "\u200b" + token[1:])
-    return text
 
 
 def initial_prompt_ids(
