@@ -122,7 +122,7 @@ class Tool:
             if isinstance(e, ToolTimeout):
                 return done(f"Error: tool {self.name!r}: {e}", ErrorKind.tool_timeout)
             msg = "".join(traceback.format_exception_only(type(e), e)).strip()
-            text = self._bound(f"Error: tool {self.name!r} failed: {msg}")[0]
+            text = self._bound(f"Error: tool {self.name!r} failed: {msg}")
             return done(text, ErrorKind.tool_exception)
         text = as_text(box["value"])
         if text is None:
@@ -130,17 +130,14 @@ class Tool:
             return done(
                 f"Error: tool {self.name!r} returned a {what}, not text", ErrorKind.non_text_result
             )
-        text, cut = self._bound(text)
-        return done(text, ErrorKind.tool_output_truncated if cut else None)
+        cut = len(text) > self.max_output_chars
+        return done(self._bound(text), ErrorKind.tool_output_truncated if cut else None)
 
-    def _bound(self, text: str) -> tuple[str, bool]:
+    def _bound(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
-            return text, False
-        shown = text[: self.max_output_chars]
-        return (
-            f"{shown}\n[output truncated: {len(text)} characters, the first {len(shown)} shown]",
-            True,
-        )
+            return text
+        n = self.max_output_chars
+        return f"{text[:n]}\n[output truncated: {len(text)} characters, the first {n} shown]"
 
 
 def as_tool(tool: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
