@@ -41,18 +41,6 @@ def _encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, **kwargs)["input_ids"])
 
 
-def _probe_reply(tokenizer: Any) -> str:
-    """The assistant content the observation probe renders: with a reasoning block when the
-    template knows ``</think>`` (Qwen3, QwQ). Qwen3 renders the turns after the last user query
-    with their ``<think>`` block only while they are last or carry reasoning, so a plain reply
-    would render differently once an observation follows; a turn sampled in thinking mode
-    carries its reasoning, and renders the same in both places."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, str) and "</think>" in template:
-        return "<think>\nprobe-reasoning-3e1f\n</think>\n\n" + _SENTINEL
-    return _SENTINEL
-
-
 def _where(tokenizer: Any) -> str:
     return f"the chat template of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
 
@@ -121,7 +109,15 @@ def observation_ids(
     if tools or any(m.get("role") == "tool" for m in observation_messages):
         require_tool_support(tokenizer)
     end = assistant_end_token(tokenizer, tools)
-    convo = [*_HISTORY, {"role": "assistant", "content": _probe_reply(tokenizer)}]
+    # The probe's assistant content has a reasoning block when the template knows ``</think>``
+    # (Qwen3, QwQ). Qwen3 renders the turns after the last user query with their ``<think>``
+    # block only while they are last or carry reasoning, so a plain reply would render
+    # differently once an observation follows; a turn sampled in thinking mode carries its
+    # reasoning, and renders the same in both places.
+    template = getattr(tokenizer, "chat_template", None) or ""
+    thinks = isinstance(template, str) and "</think>" in template
+    reply = ("<think>\nprobe-reasoning-3e1f\n</think>\n\n" if thinks else "") + _SENTINEL
+    convo = [*_HISTORY, {"role": "assistant", "content": reply}]
     before = _render(tokenizer, convo, tools, False)
     prefix = before[: before.rfind(_SENTINEL) + len(_SENTINEL)] + end
     messages = [dict(m) for m in observation_messages]
