@@ -110,21 +110,19 @@ class Episodes:
         self.episodes: dict[tuple[int, int], Episode] = {}
         self.prompt_ids: list[list[int]] = []
         for i, item in enumerate(items):
-            first = None
             for j in range(n):
                 env = build_environment(factory)
                 messages = env.reset(item)
-                if first is None:
-                    first = messages
-                elif messages != first:
+                if j and messages != self.episodes[i, 0].messages:
                     raise ValueError(
                         f"{type(env).__name__}.reset gave different first messages for the same "
                         "item: the trajectories of a GRPO group must share their prompt"
                     )
                 self.envs[i, j] = env
                 self.episodes[i, j] = Episode(messages=messages, stats=env.stats)
+            # the group's first messages: each trajectory's are equal to them
             self.prompt_ids.append(
-                initial_prompt_ids(tokenizer, first, self.envs[i, 0].schemas or None)
+                initial_prompt_ids(tokenizer, messages, self.envs[i, 0].schemas or None)
             )
 
     def continuation(self, turn: Turn) -> list[int] | None:

@@ -41,18 +41,6 @@ def _encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, **kwargs)["input_ids"])
 
 
-def _probe_reply(tokenizer: Any) -> str:
-    """The assistant content the observation probe renders: with a reasoning block when the
-    template knows ``</think>`` (Qwen3, QwQ). Qwen3 renders the turns after the last user query
-    with their ``<think>`` block only while they are last or carry reasoning, so a plain reply
-    would render differently once an observation follows; a turn sampled in thinking mode
-    carries its reasoning, and renders the same in both places."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, str) and "</think>" in template:
-        return "<think>\nprobe-reasoning-3e1f\n</think>\n\n" + _SENTINEL
-    return _SENTINEL
-
-
 def _where(tokenizer: Any) -> str:
     return f"the chat template of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
 
@@ -121,13 +109,24 @@ def observation_ids(
     if tools or any(m.get("role") == "tool" for m in observation_messages):
         require_tool_support(tokenizer)
     end = assistant_end_token(tokenizer, tools)
-    convo = [*_HISTORY, {"role": "assistant", "content": _probe_reply(tokenizer)}]
+    # The probe's assistant content has a reasoning block when the template knows ``</think>``
+    # (Qwen3, QwQ). Qwen3 renders the turns after the last user query with their ``<think>``
+    # block only while they are last or carry reasoning, so a plain reply would render
+    # differently once an observation follows; a turn sampled in thinking mode carries its
+    # reasoning, and renders the same in both places.
+    template = getattr(tokenizer, "chat_template", None) or ""
+    thinks = isinstance(template, str) and "</think>" in template
+    reply = ("<think>\nprobe-reasoning-3e1f\n</think>\n\n" if thinks else "") + _SENTINEL
+    convo = [*_HISTORY, {"role": "assistant", "content": reply}]
     before = _render(tokenizer, convo, tools, False)
     prefix = before[: before.rfind(_SENTINEL) + len(_SENTINEL)] + end
     messages = [dict(m) for m in observation_messages]
     # The messages whose text holds a control token's string (``<|im_end|>``): a tool's output
-    # is data, and must not open or close turns in the model's context.
-    tokens = _added_tokens(tokenizer)
+    # is data, and must not open or close turns in the model's context. The strings the
+    # tokenizer turns into one added (control) token, longest first:
+    names = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    names |= set(getattr(tokenizer, "all_special_tokens", []))
+    tokens = sorted((n for n in names if n), key=len, reverse=True)
     forged = [
         i
         for i, m in enumerate(messages)
@@ -145,9 +144,13 @@ def observation_ids(
     ids: list[int] = []
     for i in forged:
         head, mark, rest = rest.partition(_placeholder(i))
-        if not mark:  # the template changed the content: render the defused texts instead
+        if not mark:  # the template changed the content, so it cannot be encoded apart:
+            # render each text with a zero-width space after the ``<`` of each control token in it
             for j in forged:
-                messages[j]["content"] = _defuse(tokenizer, observation_messages[j]["content"])
+                text = observation_messages[j]["content"]
+                for token in tokens:
+                    text = text.replace(token, token[:1] + "\u200b" + token[1:])
+                messages[j]["content"] = text
             after = _render(tokenizer, [*convo, *messages], tools, True)
             return _encode(tokenizer, after[len(prefix) :])
         # the content as plain text: a control token's string in it becomes ordinary tokens
@@ -156,23 +159,8 @@ def observation_ids(
     return ids + _encode(tokenizer, rest)
 
 
-def _added_tokens(tokenizer: Any) -> list[str]:
-    """The strings the tokenizer turns into one added (control) token, longest first."""
-    names = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
-    names |= set(getattr(tokenizer, "all_special_tokens", []))
-    return sorted((n for n in names if n), key=len, reverse=True)
-
-
 def _placeholder(i: int) -> str:
     return f"\ue000observation-{i}-7c4d\ue001"  # private-use characters no template writes
-
-
-def _defuse(tokenizer: Any, text: str) -> str:
-    """``text`` with a zero-width space after the ``<`` of every control token's string, for a
-    template that transforms contents (so they cannot be encoded apart)."""
-    for token in _added_tokens(tokenizer):
-        text = text.replace(token, token[:1] + "\u200b" + token[1:])
-    return text
 
 
 def initial_prompt_ids(
@@ -227,30 +215,24 @@ def transcript_ids(
             turn, or a template :func:`observation_ids` / :func:`assistant_turn_text` refuses.
     """
     roles = [m.get("role") for m in messages]
-    if "assistant" not in roles:
+    turns = [k for k, role in enumerate(roles) if role == "assistant"]
+    if not turns:
         raise ValueError("transcript_ids: the conversation has no assistant turn")
-    first = roles.index("assistant")
-    if first == 0:
+    if turns[0] == 0:
         raise ValueError("transcript_ids: the conversation starts with an assistant turn")
     if roles[-1] != "assistant":
         raise ValueError("transcript_ids: the conversation does not end with an assistant turn")
-    ids = initial_prompt_ids(tokenizer, messages[:first], tools)
+    ids = initial_prompt_ids(tokenizer, messages[: turns[0]], tools)
     sampled = [False] * len(ids)
     end_id = tokenizer.convert_tokens_to_ids(assistant_end_token(tokenizer, tools))
-    k = first
-    while k < len(messages):
-        turn = _encode(tokenizer, assistant_turn_text(tokenizer, messages[k], tools)) + [end_id]
-        ids += turn
-        sampled += [True] * len(turn)
-        nxt = roles.index("assistant", k + 1) if k + 1 < len(roles) else len(roles)
-        if nxt == k + 1 and nxt < len(roles):
+    for k, nxt in zip(turns, [*turns[1:], len(messages)], strict=True):
+        if nxt == k + 1 < len(messages):
             raise ValueError(
                 f"transcript_ids: messages {k} and {nxt} are assistant turns with no "
                 "observation between them"
             )
-        if nxt > k + 1:
-            obs = observation_ids(tokenizer, messages[k + 1 : nxt], tools)
-            ids += obs
-            sampled += [False] * len(obs)
-        k = nxt
+        turn = _encode(tokenizer, assistant_turn_text(tokenizer, messages[k], tools)) + [end_id]
+        obs = observation_ids(tokenizer, messages[k + 1 : nxt], tools) if nxt > k + 1 else []
+        ids += turn + obs
+        sampled += [True] * len(turn) + [False] * len(obs)
     return ids, sampled

@@ -26,7 +26,6 @@ makes everything before it reasoning; a ``<think>`` never closed, everything aft
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,6 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MAX_CALLS = 16  # blocks per turn that run; a turn is one assistant message
 MAX_CALL_CHARS = 65536  # characters of one call's body
 MAX_DEPTH = 32  # nesting of JSON arrays and objects in one call
-_THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + ".*?" + re.escape(THINK_CLOSE), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -83,18 +81,12 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
 
 def outside_reasoning(text: str) -> str:
     """``text`` without its ``<think>...</think>`` blocks (module docstring)."""
-    if THINK_OPEN not in text and THINK_CLOSE not in text:
-        return text
-    first_open, first_close = text.find(THINK_OPEN), text.find(THINK_CLOSE)
-    if first_close >= 0 and (first_open < 0 or first_close < first_open):
-        text = text[first_close + len(THINK_CLOSE) :]  # a close first: before it, reasoning
-    # cut an unclosed block off first: then every open has a close after it, and the lazy
-    # pattern below matches each block in one pass (no quadratic retries)
-    last_close = text.rfind(THINK_CLOSE)
-    unclosed = text.find(THINK_OPEN, last_close + len(THINK_CLOSE) if last_close >= 0 else 0)
-    if unclosed >= 0:
-        text = text[:unclosed]
-    return _THINK_BLOCK.sub("", text)
+    head, *blocks = text.split(THINK_OPEN)
+    if THINK_CLOSE in head:  # a close first: before it, reasoning
+        head = head.partition(THINK_CLOSE)[2]
+    # what follows an open is reasoning up to its first close; with none (an open inside a
+    # block, or one never closed), all of it is
+    return head + "".join(block.partition(THINK_CLOSE)[2] for block in blocks)
 
 
 def _too_deep(value: Any) -> bool:

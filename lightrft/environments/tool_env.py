@@ -58,20 +58,7 @@ class ToolEnvironment(Environment):
         calls = parse_tool_calls(assistant_text)
         if not calls:
             return Step(done=True)
-        results = self._run(calls)
-        errors = dict(Counter(r.error for r in results if r.error is not None))
-        observation: list[Message] = []
-        for call, result in zip(calls, results, strict=True):
-            message: Message = {"role": "tool", "content": result.text}
-            if isinstance(call, ToolCall):
-                message["name"] = call.name
-            observation.append(message)
-        self.stats.tool_calls += len(calls)
-        n_errors = sum(errors.values())
-        reward = -self.error_penalty * n_errors if self.error_penalty and n_errors else None
-        return Step(observation=observation, reward=reward, errors=errors)
 
-    def _run(self, calls: list[ToolCall | MalformedCall]) -> list[ToolResult]:
         def one(call: ToolCall | MalformedCall) -> ToolResult:
             if isinstance(call, MalformedCall):
                 return ToolResult(f"Error: malformed tool call: {call.reason}", call.kind, 0.0)
@@ -85,4 +72,15 @@ class ToolEnvironment(Environment):
             return result
 
         with ThreadPoolExecutor(len(calls), thread_name_prefix="tool-call") as pool:
-            return list(pool.map(one, calls))
+            results = list(pool.map(one, calls))
+        errors = dict(Counter(r.error for r in results if r.error is not None))
+        observation: list[Message] = []
+        for call, result in zip(calls, results, strict=True):
+            message: Message = {"role": "tool", "content": result.text}
+            if isinstance(call, ToolCall):
+                message["name"] = call.name
+            observation.append(message)
+        self.stats.tool_calls += len(calls)
+        n_errors = sum(errors.values())
+        reward = -self.error_penalty * n_errors if self.error_penalty and n_errors else None
+        return Step(observation=observation, reward=reward, errors=errors)

@@ -28,7 +28,6 @@ import decimal
 import json
 import math
 import operator
-import re
 import threading
 import time
 import traceback
@@ -123,7 +122,7 @@ class Tool:
             if isinstance(e, ToolTimeout):
                 return done(f"Error: tool {self.name!r}: {e}", ErrorKind.tool_timeout)
             msg = "".join(traceback.format_exception_only(type(e), e)).strip()
-            text = self._bound(f"Error: tool {self.name!r} failed: {msg}")[0]
+            text = self._bound(f"Error: tool {self.name!r} failed: {msg}")
             return done(text, ErrorKind.tool_exception)
         text = as_text(box["value"])
         if text is None:
@@ -131,17 +130,14 @@ class Tool:
             return done(
                 f"Error: tool {self.name!r} returned a {what}, not text", ErrorKind.non_text_result
             )
-        text, cut = self._bound(text)
-        return done(text, ErrorKind.tool_output_truncated if cut else None)
+        cut = len(text) > self.max_output_chars
+        return done(self._bound(text), ErrorKind.tool_output_truncated if cut else None)
 
-    def _bound(self, text: str) -> tuple[str, bool]:
+    def _bound(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
-            return text, False
-        shown = text[: self.max_output_chars]
-        return (
-            f"{shown}\n[output truncated: {len(text)} characters, the first {len(shown)} shown]",
-            True,
-        )
+            return text
+        n = self.max_output_chars
+        return f"{text[:n]}\n[output truncated: {len(text)} characters, the first {n} shown]"
 
 
 def as_tool(tool: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
@@ -259,10 +255,6 @@ _BINARY = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
 }
-# a decimal literal as Python writes one: digits, a point, an exponent (underscores allowed)
-_DECIMAL = re.compile(
-    r"(?P<whole>[0-9_]*)(?:\.(?P<frac>[0-9_]*))?(?:[eE](?P<exp>[+-]?[0-9_]+))?", re.ASCII
-)
 
 
 def calculator(expression: str) -> str:
@@ -304,21 +296,17 @@ def _literal(node: ast.Constant, source: str) -> Fraction:
     if type(node.value) is int:  # the parser built it already; at most 1000 characters long
         return _checked(Fraction(node.value))
     text = ast.get_source_segment(source.strip(), node) or repr(node.value)
-    m = _DECIMAL.fullmatch(text)
-    if m is None:
-        raise ValueError(f"not a decimal number: {text!r}")
-    digits = (m["whole"] + (m["frac"] or "")).replace("_", "").lstrip("0")
-    exp_text = (m["exp"] or "0").replace("_", "")
-    # the value is digits * 10**(exp - places): refuse a huge exponent by its length first
-    if len(exp_text.lstrip("+-").lstrip("0")) > 6:
-        if not digits:
-            return Fraction(0)
-        raise _too_large()
-    shift = int(exp_text) - len((m["frac"] or "").replace("_", ""))
-    if digits and len(digits) + abs(shift) > MAX_DIGITS:
+    mantissa, _, exponent = text.replace("_", "").lower().partition("e")
+    whole, _, frac = mantissa.partition(".")
+    digits = int(whole + frac)  # at most 1000 characters: Python's int() of them is quick
+    if not digits:
+        return Fraction(0)
+    # the value is digits * 10**shift: refuse it by its size before 10**shift is built
+    shift = int(exponent or 0) - len(frac)
+    if len(str(digits)) + abs(shift) > MAX_DIGITS:
         raise _too_large()
     # the literal's own digits: 0.1 is exactly 1/10, not the nearest binary float
-    return Fraction(text.replace("_", ""))
+    return Fraction(digits) * Fraction(10) ** shift
 
 
 def _eval(node: ast.AST, source: str) -> Fraction:
@@ -365,19 +353,12 @@ def _format(x: Fraction) -> str:
     as ``p/q`` with a rounded decimal beside it."""
     if x.denominator == 1:
         return str(x.numerator)
-    d = x.denominator
-    twos = (d & -d).bit_length() - 1
-    d >>= twos
-    fives = 0
-    while d % 5 == 0 and fives <= MAX_DECIMALS:  # a bounded loop: past the bound, p/q it is
-        d, fives = d // 5, fives + 1
-    places = max(twos, fives)
-    if d == 1 and places <= MAX_DECIMALS:  # terminates after max(twos, fives) digits
-        digits = abs(x.numerator) * 10**places // x.denominator
-        sign = "-" if x < 0 else ""
-        whole, frac = divmod(digits, 10**places)
-        if len(str(whole)) + places <= MAX_DIGITS:
-            return f"{sign}{whole}.{frac:0{places}d}"
+    shifted = abs(x) * 10**MAX_DECIMALS
+    if shifted.denominator == 1:  # terminates within MAX_DECIMALS places: its shortest decimal
+        whole, frac = divmod(shifted.numerator, 10**MAX_DECIMALS)
+        places = f"{frac:0{MAX_DECIMALS}d}".rstrip("0")
+        if len(str(whole)) + len(places) <= MAX_DIGITS:
+            return f"{'-' if x < 0 else ''}{whole}.{places}"
     # about x: 12 significant digits; Decimal, since a bounded fraction may overflow a float
     with decimal.localcontext() as ctx:
         ctx.prec = 12
