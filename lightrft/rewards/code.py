@@ -367,7 +367,11 @@ class CodeVerifier:
             if cgroup is not None:
                 with suppress(OSError):
                     victims |= {int(p) for p in Path(cgroup, "cgroup.procs").read_text().split()}
-            victims |= _session_members(pid)
+            # the processes of its session (children that left the process group)
+            for entry in filter(str.isdigit, os.listdir("/proc")):
+                with suppress(OSError):
+                    if os.getsid(int(entry)) == pid:
+                        victims.add(int(entry))
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
             for v in victims:
@@ -475,22 +479,6 @@ def _feed(pipe: BinaryIO, data: bytes) -> threading.Thread:
 def _read_capped(path: Path, limit: int) -> bytes:
     with open(path, "rb") as f:
         return f.read(limit)
-
-
-def _session_members(sid: int) -> set[int]:
-    """Processes whose session is ``sid`` (children that left the process group)."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if len(fields) > 3 and int(fields[3]) == sid:  # state, ppid, pgrp, session
-            out.add(int(entry))
-    return out
 
 
 def _warn_once(key: str, message: str) -> None:
