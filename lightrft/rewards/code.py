@@ -79,7 +79,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 import warnings
@@ -88,7 +87,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 from lightrft.rewards import code_asserts
 from lightrft.rewards.base import RewardInputError, Sample
@@ -278,7 +277,6 @@ class CodeVerifier:
         job = {"program": program, "test": plan.sandbox_source if plan else None}
         job_json = json.dumps(job).encode()  # on stdin, ahead of a stdin test's input
         stdin = job_json if plan else job_json + (test.stdin or "").encode()
-        feeder = None
         try:
             with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
                 settings = {
@@ -304,13 +302,16 @@ class CodeVerifier:
                     start_new_session=True,  # its own process group and session, to kill
                     pass_fds=(frep.fileno(),),
                 )
-            feeder = _feed(proc.stdin, stdin)
+            # communicate writes stdin from its selector loop, never blocked by a sandbox that does
+            # not read it (one that exits or is killed unread closes the pipe: it stops writing)
             try:
-                code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
+                proc.communicate(stdin, timeout=self.timeout + 0.5)  # + the launcher's start
+                code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = None
             self._kill_all(proc.pid, cgroup)
             proc.wait()
+            proc.stdin.close()
             self._read_status(Path(tmp, "status.json"))
             out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
             report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
@@ -327,8 +328,6 @@ class CodeVerifier:
             status = "ok" if ok else "wrong" if code == 0 else "error"
             return RunResult(ok, status, out.decode(errors="replace"))
         finally:
-            if feeder is not None:
-                feeder.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
             shutil.rmtree(tmp, ignore_errors=True)
             for group in (cgroup, memory_cgroup):
                 if group is not None:
@@ -460,20 +459,6 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
             with suppress(OSError):
                 os.rmdir(path)
     return None
-
-
-def _feed(pipe: BinaryIO, data: bytes) -> threading.Thread:
-    """Write ``data`` to a pipe from a thread (the reader may never read), then close it."""
-
-    def write() -> None:
-        # OSError: the sandbox exited or was killed without reading everything (the pipe is
-        # closed all the same)
-        with suppress(OSError), pipe:
-            pipe.write(data)
-
-    t = threading.Thread(target=write, daemon=True)
-    t.start()
-    return t
 
 
 def _read_capped(path: Path, limit: int) -> bytes:
