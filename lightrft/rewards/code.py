@@ -278,7 +278,8 @@ class CodeVerifier:
         job_json = json.dumps(job).encode()  # on stdin, ahead of a stdin test's input
         stdin = job_json if plan else job_json + (test.stdin or "").encode()
         try:
-            with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
+            # the program's output and its reports, read back capped through the same files
+            with open(Path(tmp, "out"), "w+b") as fout, open(Path(tmp, "report"), "w+b") as frep:
                 settings = {
                     "cpu_seconds": max(1, int(self.timeout + 0.999)),
                     "memory_bytes": self.memory_bytes,
@@ -302,19 +303,19 @@ class CodeVerifier:
                     start_new_session=True,  # its own process group and session, to kill
                     pass_fds=(frep.fileno(),),
                 )
-            # communicate writes stdin from its selector loop, never blocked by a sandbox that does
-            # not read it (one that exits or is killed unread closes the pipe: it stops writing)
-            try:
-                proc.communicate(stdin, timeout=self.timeout + 0.5)  # + the launcher's start
-                code = proc.returncode
-            except subprocess.TimeoutExpired:
-                code = None
-            self._kill_all(proc.pid, cgroup)
-            proc.wait()
-            proc.stdin.close()
-            self._read_status(Path(tmp, "status.json"))
-            out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
-            report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
+                # communicate writes stdin from its selector loop, never blocked by a sandbox that
+                # does not read it (one that exits or is killed unread closes the pipe: it stops)
+                try:
+                    proc.communicate(stdin, timeout=self.timeout + 0.5)  # + the launcher's start
+                    code = proc.returncode
+                except subprocess.TimeoutExpired:
+                    code = None
+                self._kill_all(proc.pid, cgroup)
+                proc.wait()
+                proc.stdin.close()
+                self._read_status(Path(tmp, "status.json"))
+                out = os.pread(fout.fileno(), self.max_output_bytes, 0)
+                report = os.pread(frep.fileno(), self.max_output_bytes + 1, 0)
             if code is None:  # timed out
                 return RunResult(False, "timeout")
             # Passed: exit status 0, and the output matches (stdin/stdout) or every assert was
@@ -459,11 +460,6 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
             with suppress(OSError):
                 os.rmdir(path)
     return None
-
-
-def _read_capped(path: Path, limit: int) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(limit)
 
 
 def _warn_once(key: str, message: str) -> None:
