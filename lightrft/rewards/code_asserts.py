@@ -212,11 +212,14 @@ def _split(
             return split
     if isinstance(node, ast.Call):
         name = _safe_func(node)
+        # A consumer is sent whole with its argument, unless the argument compares or chooses
+        # (where expected values hide): then the function is applied here.
+        hides = (ast.Compare, ast.BoolOp, ast.IfExp, *_COMPREHENSIONS)
         whole = (
             name in _CONSUMERS
             and len(node.args) == 1
             and not node.keywords
-            and not _may_hold_expected(node.args[0])
+            and not any(isinstance(n, hides) for n in ast.walk(node.args[0]))
         )
         if name is not None and not whole:
             kws = [ast.keyword(k.arg, rec(k.value)) for k in node.keywords]
@@ -232,13 +235,6 @@ def _placeholder(values: _Values, node: ast.expr, template: str = _VALUE) -> ast
 
 
 _COMPREHENSIONS = (ast.GeneratorExp, ast.ListComp, ast.SetComp)
-
-
-def _may_hold_expected(node: ast.expr) -> bool:
-    """Whether ``node`` compares or chooses (where expected values hide): then a safe function
-    around it is applied here, not sent whole with it."""
-    kinds = (ast.Compare, ast.BoolOp, ast.IfExp, *_COMPREHENSIONS)
-    return any(isinstance(n, kinds) for n in ast.walk(node))
 
 
 def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
