@@ -306,11 +306,9 @@ def run_isolated(argv: list[str], cfg: dict) -> int:
 def main() -> None:
     if sys.argv[1] == "probe":
         try:
-            code = run_isolated([sys.executable, "-I", "-S", "-c", "pass"], {})
+            sys.exit(run_isolated([sys.executable, "-I", "-S", "-c", "pass"], {}))
         except OSError as e:
-            print(e)
-            sys.exit(1)
-        sys.exit(code)
+            sys.exit(str(e))  # printed (to stderr), exit status 1
     cfg = json.loads(sys.argv[1])
     status: dict = {"missing": [], "error": None}
     for key in ("cgroup", "memory_cgroup"):  # the run's processes, and its memory, together
