@@ -423,19 +423,17 @@ class CodeVerifier:
 def _isolation_problem() -> str | None:
     """``None`` if this machine can run programs in the namespaces (tried by the launcher
     itself), else why not."""
-    work = tempfile.mkdtemp(prefix="lightrft-probe-")
-    try:
-        done = subprocess.run(
-            [sys.executable, "-I", "-S", _CHILD, "probe"],
-            capture_output=True,
-            timeout=30,
-            cwd=work,
-            env={"PATH": os.environ.get("PATH", "/bin")},
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="lightrft-probe-", ignore_cleanup_errors=True) as work:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-I", "-S", _CHILD, "probe"],
+                capture_output=True,
+                timeout=30,
+                cwd=work,
+                env={"PATH": os.environ.get("PATH", "/bin")},
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
     if done.returncode == 0:
         return None
     why = (done.stdout + done.stderr).decode(errors="replace").strip()
