@@ -80,7 +80,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -446,9 +445,8 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
     for root, limit in candidates:
         if not os.path.exists(os.path.join(root, "cgroup.procs")):
             continue  # not a cgroup hierarchy (cgroup v1's /sys/fs/cgroup is a tmpfs)
-        path = os.path.join(root, f"{name}-{uuid.uuid4().hex[:12]}")
         try:
-            os.mkdir(path)
+            path = tempfile.mkdtemp(prefix=f"{name}-", dir=root)
         except OSError:
             continue  # no such root, or not allowed
         try:
