@@ -396,7 +396,7 @@ class CodeVerifier:
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         self._isolate()  # refuses before any run where isolation is required but impossible
-        programs, cases, owner = [], [], []
+        jobs = []  # each sample's program and tests
         for i, s in enumerate(samples):
             try:
                 tests = parse_tests(s.reference)[: self.max_tests]  # None: all
@@ -405,14 +405,10 @@ class CodeVerifier:
                         code_asserts.plan_asserts(t.code)
             except (ValueError, TypeError) as e:
                 raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
-            programs += [extract_code(s.response)] * len(tests)
-            cases += tests
-            owner += [i] * len(tests)
+            jobs.append((extract_code(s.response), tests))
         with ThreadPoolExecutor(self.workers) as ex:
-            results = list(ex.map(self.run, programs, cases))
-        passed: list[list[bool]] = [[] for _ in samples]
-        for i, r in zip(owner, results, strict=True):
-            passed[i].append(r.passed)
+            runs = [[ex.submit(self.run, program, t) for t in tests] for program, tests in jobs]
+        passed = [[r.result().passed for r in sample_runs] for sample_runs in runs]
         if self.mode == "all":
             return [float(bool(p) and all(p)) for p in passed]
         return [sum(p) / len(p) if p else 0.0 for p in passed]
