@@ -252,14 +252,6 @@ def _limits(cfg: dict, owner_uid: int) -> list[tuple[int, int, int]]:
     return limits
 
 
-def _apply_limits(limits: list[tuple[int, int, int]], missing: list[str]) -> None:
-    for what, soft, hard in limits:
-        try:
-            resource.setrlimit(what, (soft, hard))
-        except (ValueError, OSError):
-            missing.append(f"rlimit {what}")
-
-
 def run_isolated(argv: list[str], cfg: dict) -> int:
     """Run ``argv`` as PID 1 of new namespaces; its exit status (125: the setup failed)."""
     uid, gid = os.getuid(), os.getgid()
@@ -286,10 +278,8 @@ def run_isolated(argv: list[str], cfg: dict) -> int:
                 os.setresuid(NOBODY, NOBODY, NOBODY)
             _ok(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
             _ok(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
-            missing: list[str] = []
-            _apply_limits(limits, missing)
-            if missing:
-                raise OSError(f"could not apply {missing}")
+            for what, soft, hard in limits:  # a limit that cannot be set ends the run
+                resource.setrlimit(what, (soft, hard))
             os.execv(argv[0], argv)
         except BaseException as e:  # noqa: BLE001 - reported to the launcher, never run on
             with suppress(OSError):
@@ -306,11 +296,9 @@ def run_isolated(argv: list[str], cfg: dict) -> int:
 def main() -> None:
     if sys.argv[1] == "probe":
         try:
-            code = run_isolated([sys.executable, "-I", "-S", "-c", "pass"], {})
+            sys.exit(run_isolated([sys.executable, "-I", "-S", "-c", "pass"], {}))
         except OSError as e:
-            print(e)
-            sys.exit(1)
-        sys.exit(code)
+            sys.exit(str(e))  # printed (to stderr), exit status 1
     cfg = json.loads(sys.argv[1])
     status: dict = {"missing": [], "error": None}
     for key in ("cgroup", "memory_cgroup"):  # the run's processes, and its memory, together
@@ -330,7 +318,11 @@ def main() -> None:
             os._exit(125)
     if cfg.get("no_network"):  # where allowed: the fallback warning says the network may be open
         _libc.unshare(CLONE_NEWNET)
-    _apply_limits(_limits(cfg, os.getuid()), status["missing"])
+    for what, soft, hard in _limits(cfg, os.getuid()):
+        try:
+            resource.setrlimit(what, (soft, hard))
+        except (ValueError, OSError):
+            status["missing"].append(f"rlimit {what}")
     _write(cfg["status"], json.dumps(status))
     os.execv(argv[0], argv)
 

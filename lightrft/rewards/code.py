@@ -79,16 +79,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 from lightrft.rewards import code_asserts
 from lightrft.rewards.base import RewardInputError, Sample
@@ -278,9 +276,9 @@ class CodeVerifier:
         job = {"program": program, "test": plan.sandbox_source if plan else None}
         job_json = json.dumps(job).encode()  # on stdin, ahead of a stdin test's input
         stdin = job_json if plan else job_json + (test.stdin or "").encode()
-        feeder = None
         try:
-            with open(Path(tmp, "out"), "wb") as fout, open(Path(tmp, "report"), "wb") as frep:
+            # the program's output and its reports, read back capped through the same files
+            with open(Path(tmp, "out"), "w+b") as fout, open(Path(tmp, "report"), "w+b") as frep:
                 settings = {
                     "cpu_seconds": max(1, int(self.timeout + 0.999)),
                     "memory_bytes": self.memory_bytes,
@@ -304,16 +302,19 @@ class CodeVerifier:
                     start_new_session=True,  # its own process group and session, to kill
                     pass_fds=(frep.fileno(),),
                 )
-            feeder = _feed(proc.stdin, stdin)
-            try:
-                code = proc.wait(timeout=self.timeout + 0.5)  # + the launcher's start
-            except subprocess.TimeoutExpired:
-                code = None
-            self._kill_all(proc.pid, cgroup)
-            proc.wait()
-            self._read_status(Path(tmp, "status.json"))
-            out = _read_capped(Path(tmp, "out"), self.max_output_bytes)
-            report = _read_capped(Path(tmp, "report"), self.max_output_bytes + 1)
+                # communicate writes stdin from its selector loop, never blocked by a sandbox that
+                # does not read it (one that exits or is killed unread closes the pipe: it stops)
+                try:
+                    proc.communicate(stdin, timeout=self.timeout + 0.5)  # + the launcher's start
+                    code = proc.returncode
+                except subprocess.TimeoutExpired:
+                    code = None
+                self._kill_all(proc.pid, cgroup)
+                proc.wait()
+                proc.stdin.close()
+                self._read_status(Path(tmp, "status.json"))
+                out = os.pread(fout.fileno(), self.max_output_bytes, 0)
+                report = os.pread(frep.fileno(), self.max_output_bytes + 1, 0)
             if code is None:  # timed out
                 return RunResult(False, "timeout")
             # Passed: exit status 0, and the output matches (stdin/stdout) or every assert was
@@ -327,8 +328,6 @@ class CodeVerifier:
             status = "ok" if ok else "wrong" if code == 0 else "error"
             return RunResult(ok, status, out.decode(errors="replace"))
         finally:
-            if feeder is not None:
-                feeder.join(timeout=1.0)  # only a process that escaped the kill can hold the pipe
             shutil.rmtree(tmp, ignore_errors=True)
             for group in (cgroup, memory_cgroup):
                 if group is not None:
@@ -367,7 +366,11 @@ class CodeVerifier:
             if cgroup is not None:
                 with suppress(OSError):
                     victims |= {int(p) for p in Path(cgroup, "cgroup.procs").read_text().split()}
-            victims |= _session_members(pid)
+            # the processes of its session (children that left the process group)
+            for entry in filter(str.isdigit, os.listdir("/proc")):
+                with suppress(OSError):
+                    if os.getsid(int(entry)) == pid:
+                        victims.add(int(entry))
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
             for v in victims:
@@ -393,7 +396,7 @@ class CodeVerifier:
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         self._isolate()  # refuses before any run where isolation is required but impossible
-        programs, cases, owner = [], [], []
+        jobs = []  # each sample's program and tests
         for i, s in enumerate(samples):
             try:
                 tests = parse_tests(s.reference)[: self.max_tests]  # None: all
@@ -402,14 +405,10 @@ class CodeVerifier:
                         code_asserts.plan_asserts(t.code)
             except (ValueError, TypeError) as e:
                 raise RewardInputError(f"CodeVerifier: sample {i}: bad test cases: {e}") from None
-            programs += [extract_code(s.response)] * len(tests)
-            cases += tests
-            owner += [i] * len(tests)
+            jobs.append((extract_code(s.response), tests))
         with ThreadPoolExecutor(self.workers) as ex:
-            results = list(ex.map(self.run, programs, cases))
-        passed: list[list[bool]] = [[] for _ in samples]
-        for i, r in zip(owner, results, strict=True):
-            passed[i].append(r.passed)
+            runs = [[ex.submit(self.run, program, t) for t in tests] for program, tests in jobs]
+        passed = [[r.result().passed for r in sample_runs] for sample_runs in runs]
         if self.mode == "all":
             return [float(bool(p) and all(p)) for p in passed]
         return [sum(p) / len(p) if p else 0.0 for p in passed]
@@ -419,19 +418,17 @@ class CodeVerifier:
 def _isolation_problem() -> str | None:
     """``None`` if this machine can run programs in the namespaces (tried by the launcher
     itself), else why not."""
-    work = tempfile.mkdtemp(prefix="lightrft-probe-")
-    try:
-        done = subprocess.run(
-            [sys.executable, "-I", "-S", _CHILD, "probe"],
-            capture_output=True,
-            timeout=30,
-            cwd=work,
-            env={"PATH": os.environ.get("PATH", "/bin")},
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="lightrft-probe-", ignore_cleanup_errors=True) as work:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-I", "-S", _CHILD, "probe"],
+                capture_output=True,
+                timeout=30,
+                cwd=work,
+                env={"PATH": os.environ.get("PATH", "/bin")},
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
     if done.returncode == 0:
         return None
     why = (done.stdout + done.stderr).decode(errors="replace").strip()
@@ -444,9 +441,8 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
     for root, limit in candidates:
         if not os.path.exists(os.path.join(root, "cgroup.procs")):
             continue  # not a cgroup hierarchy (cgroup v1's /sys/fs/cgroup is a tmpfs)
-        path = os.path.join(root, f"{name}-{uuid.uuid4().hex[:12]}")
         try:
-            os.mkdir(path)
+            path = tempfile.mkdtemp(prefix=f"{name}-", dir=root)
         except OSError:
             continue  # no such root, or not allowed
         try:
@@ -456,41 +452,6 @@ def _new_cgroup(candidates: Sequence[tuple[str, str]], name: str, value: int) ->
             with suppress(OSError):
                 os.rmdir(path)
     return None
-
-
-def _feed(pipe: BinaryIO, data: bytes) -> threading.Thread:
-    """Write ``data`` to a pipe from a thread (the reader may never read), then close it."""
-
-    def write() -> None:
-        # OSError: the sandbox exited or was killed without reading everything (the pipe is
-        # closed all the same)
-        with suppress(OSError), pipe:
-            pipe.write(data)
-
-    t = threading.Thread(target=write, daemon=True)
-    t.start()
-    return t
-
-
-def _read_capped(path: Path, limit: int) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(limit)
-
-
-def _session_members(sid: int) -> set[int]:
-    """Processes whose session is ``sid`` (children that left the process group)."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if len(fields) > 3 and int(fields[3]) == sid:  # state, ppid, pgrp, session
-            out.add(int(entry))
-    return out
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -77,10 +77,6 @@ class AssertPlan:
     sites: tuple[Site, ...]
 
 
-class _Probe(Exception):
-    """A value the condition needs could not be computed or sent (the assert fails)."""
-
-
 @functools.lru_cache(maxsize=4096)  # a test block's plan, made once: it never changes
 def plan_asserts(source: str) -> AssertPlan:
     """Split a test block; ``ValueError`` naming the line where it is not valid Python."""
@@ -216,11 +212,14 @@ def _split(
             return split
     if isinstance(node, ast.Call):
         name = _safe_func(node)
+        # A consumer is sent whole with its argument, unless the argument compares or chooses
+        # (where expected values hide): then the function is applied here.
+        hides = (ast.Compare, ast.BoolOp, ast.IfExp, *_COMPREHENSIONS)
         whole = (
             name in _CONSUMERS
             and len(node.args) == 1
             and not node.keywords
-            and not _may_hold_expected(node.args[0])
+            and not any(isinstance(n, hides) for n in ast.walk(node.args[0]))
         )
         if name is not None and not whole:
             kws = [ast.keyword(k.arg, rec(k.value)) for k in node.keywords]
@@ -236,13 +235,6 @@ def _placeholder(values: _Values, node: ast.expr, template: str = _VALUE) -> ast
 
 
 _COMPREHENSIONS = (ast.GeneratorExp, ast.ListComp, ast.SetComp)
-
-
-def _may_hold_expected(node: ast.expr) -> bool:
-    """Whether ``node`` compares or chooses (where expected values hide): then a safe function
-    around it is applied here, not sent whole with it."""
-    kinds = (ast.Compare, ast.BoolOp, ast.IfExp, *_COMPREHENSIONS)
-    return any(isinstance(n, kinds) for n in ast.walk(node))
 
 
 def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
@@ -382,7 +374,7 @@ def _compiled(condition: ast.Expression) -> CodeType:
 
     for n in ast.walk(condition.body):  # a check only: _split builds nothing else
         if not isinstance(n, _STRUCTURE) or (isinstance(n, ast.Attribute) and not _is_math(n)):
-            raise _Probe(f"{type(n).__name__} is not evaluated here")
+            raise ValueError(f"{type(n).__name__} is not evaluated here")
     tree = ast.fix_missing_locations(Arith().visit(copy.deepcopy(condition)))
     return compile(tree, "assert", "eval")
 
@@ -394,16 +386,16 @@ def _arith(name: str, a: Any, b: Any) -> Any:
     ints = isinstance(a, int) and isinstance(b, int)
     if op is ast.Pow and ints and abs(a) > 1 and b > 0:
         if a.bit_length() * b > _MAX_POW_BITS:
-            raise _Probe("power too large")
+            raise ValueError("power too large")
     if op is ast.LShift and ints and b > _MAX_POW_BITS:
-        raise _Probe("shift too large")
+        raise ValueError("shift too large")
     if op is ast.Mult:
         for seq, k in ((a, b), (b, a)):
             if isinstance(seq, (str, bytes, list, tuple)) and isinstance(k, int):
                 if len(seq) * k > _MAX_ITEMS:
-                    raise _Probe("repetition too large")
+                    raise ValueError("repetition too large")
     if op is ast.Mod and isinstance(a, (str, bytes)):
-        raise _Probe("% formatting")  # formatting could build huge strings
+        raise ValueError("% formatting")  # formatting could build huge strings
     return _GUARDED[op](a, b)
 
 
@@ -415,7 +407,7 @@ def _counted(budget: list[int]) -> Any:
         for item in iterable:
             budget[0] -= 1
             if budget[0] < 0:
-                raise _Probe("comprehensions too long")
+                raise ValueError("comprehensions too long")
             yield item
 
     return items
@@ -424,13 +416,13 @@ def _counted(budget: list[int]) -> Any:
 def _range(*args: int) -> range:
     r = range(*args)
     if len(r) > _MAX_ITEMS:
-        raise _Probe("range too long")
+        raise ValueError("range too long")
     return r
 
 
 def _round(number: Any, ndigits: int | None = None) -> Any:
     if isinstance(ndigits, int) and abs(ndigits) > 10_000:
-        raise _Probe("round digits")
+        raise ValueError("round digits")
     return round(number, ndigits)
 
 
