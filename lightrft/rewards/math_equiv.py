@@ -208,11 +208,11 @@ class EquivalencePool:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.workers = workers
         self.timeout = float(timeout)
-        # Slots: (a worker, or None until first use, and the close() generation it belongs to).
-        self._idle: queue.Queue[tuple[_Worker | None, int]] = queue.Queue()
-        self._generation = 0
+        # Slots: a worker, or None until first use; a worker close() stopped is no longer live,
+        # and its slot starts a fresh one on next use.
+        self._idle: queue.Queue[_Worker | None] = queue.Queue()
         for _ in range(workers):
-            self._idle.put((None, 0))
+            self._idle.put(None)
         self._live: set[_Worker] = set()
         self._lock = threading.Lock()
         self.stats = {"calls": 0, "timeouts": 0}
@@ -237,8 +237,11 @@ class EquivalencePool:
     def _ask(self, op: str, args: Sequence[str]) -> Verdict | None:
         """One request on an idle worker (started if need be), within ``timeout``; ``None`` if
         it ran out (the worker is then killed and its slot refilled on next use)."""
-        worker, generation = self._idle.get()
+        worker = self._idle.get()
         try:
+            with self._lock:  # a worker close() stopped meanwhile: its slot starts a fresh one
+                if worker not in self._live:
+                    worker = None
             if worker is None:
                 worker = _Worker()
                 with self._lock:
@@ -255,12 +258,7 @@ class EquivalencePool:
                 worker = None
             return verdict
         finally:
-            with self._lock:  # a close() meanwhile refilled every slot: this one is gone
-                kept = generation == self._generation
-            if kept:
-                self._idle.put((worker, generation))
-            elif worker is not None:
-                worker.close()
+            self._idle.put(worker)
 
     def _map(self, fn, items: Sequence) -> list:
         """``fn(*item)`` of each item, up to ``workers`` at a time, in order."""
@@ -279,17 +277,8 @@ class EquivalencePool:
 
     def close(self) -> None:
         """Stop the worker processes (a later call starts new ones); a call running meanwhile
-        ends without an answer and gives its slot up."""
-        with self._lock:
-            self._generation += 1
+        ends without an answer and hands its slot back."""
         _close_workers(self._live, self._lock)
-        while True:
-            try:
-                self._idle.get_nowait()
-            except queue.Empty:
-                break
-        for _ in range(self.workers):
-            self._idle.put((None, self._generation))
 
 
 def _close_workers(live: set[_Worker], lock: threading.Lock) -> None:
