@@ -141,7 +141,10 @@ class _Worker:
                 # Its stdout can close before its exit status is in (seen on one busy core):
                 # give a dying worker a moment, so the error says why instead of "timeout".
                 try:
-                    why = f": it exited with code {self.proc.wait(timeout=5)}{self._stderr_tail()}"
+                    why = f": it exited with code {self.proc.wait(timeout=5)}"
+                    self.stderr.seek(0)
+                    if text := self.stderr.read().decode(errors="replace").strip():
+                        why += f"; its stderr ends: {text[-600:]}"
                 except subprocess.TimeoutExpired:
                     why = f" in {_STARTUP_SECONDS} s"
             self.close()
@@ -149,11 +152,6 @@ class _Worker:
                 f"the math-verify worker ({sys.executable} -m lightrft.rewards.math_equiv) did "
                 f"not start{why} (is math-verify installed? pip install math-verify)"
             )
-
-    def _stderr_tail(self, limit: int = 600) -> str:
-        self.stderr.seek(0)
-        text = self.stderr.read().decode(errors="replace").strip()
-        return f"; its stderr ends: {text[-limit:]}" if text else ""
 
     def _readline(self, deadline: float) -> bytes | None:
         while b"\n" not in self.buf:
