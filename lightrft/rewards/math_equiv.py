@@ -221,20 +221,18 @@ class EquivalencePool:
         """Whether ``pred`` is equivalent to the gold answer ``ref`` (``False`` on timeout)."""
         if len(pred) > MAX_SYMBOLIC_CHARS or len(ref) > MAX_SYMBOLIC_CHARS:
             return False
-        verdict = self._ask("equal", (pred, ref))
-        return verdict is not None and verdict.equal
+        return self._ask("equal", (pred, ref)).equal
 
     def judge(self, text: str, gold: str) -> Verdict:
         """Whether the answer math-verify extracts from the response ``text`` equals the gold
         answer in ``gold`` (see :func:`judge_response`); unequal, with no answer, on timeout.
         The caller bounds ``text`` (the worker reads all of it within ``timeout``). Against no
         gold answer (``gold=""``) it only extracts: the verdict's ``answer`` is the answer."""
-        verdict = self._ask("judge", (text, gold))
-        return verdict if verdict is not None else Verdict(False)
+        return self._ask("judge", (text, gold))
 
-    def _ask(self, op: str, args: Sequence[str]) -> Verdict | None:
-        """One request on an idle worker (started if need be), within ``timeout``; ``None`` if
-        it ran out (the worker is then killed and its slot refilled on next use)."""
+    def _ask(self, op: str, args: Sequence[str]) -> Verdict:
+        """One request on an idle worker (started if need be), within ``timeout``; unequal, with
+        no answer, if it ran out (the worker is then killed and its slot refilled on next use)."""
         worker = self._idle.get()
         try:
             with self._lock:  # a worker close() stopped meanwhile: its slot starts a fresh one
@@ -254,7 +252,7 @@ class EquivalencePool:
             if verdict is None:
                 worker.close()
                 worker = None
-            return verdict
+            return verdict or Verdict(False)
         finally:
             self._idle.put(worker)
 
