@@ -68,19 +68,16 @@ class Verdict:
     answer: str | None = None
 
 
-def _parse_text(text: str) -> list:
-    """math-verify's parse of a whole text: ``\\boxed{}`` first, then its other LaTeX patterns
-    ("the final answer is $...$", display and inline math), then plain expressions."""
+def _parse_text(text: str) -> tuple[list, str | None]:
+    """math-verify's parse of a whole text (``\\boxed{}`` first, then its other LaTeX patterns:
+    "the final answer is $...$", display and inline math; then plain expressions) and the
+    extracted LaTeX string of the result (math-verify puts it last), if any."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
     configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return parse(text, configs, parsing_timeout=None)
-
-
-def _answer_string(parsed: list) -> str | None:
-    """The extracted LaTeX string of a parse result (math-verify puts it last), if any."""
+    parsed = parse(text, configs, parsing_timeout=None)
     strings = [p.strip() for p in parsed if isinstance(p, str)]
-    return strings[-1] if strings and strings[-1] else None
+    return parsed, (strings[-1] if strings and strings[-1] else None)
 
 
 def judge_response(text: str, gold: str) -> Verdict:
@@ -93,10 +90,8 @@ def judge_response(text: str, gold: str) -> Verdict:
 
     from lightrft.rewards.math_answer import equation_mismatch
 
-    guess = _parse_text(text)
-    answer = _answer_string(guess)
-    gold_parsed = _parse_text(gold)
-    gold_answer = _answer_string(gold_parsed)
+    guess, answer = _parse_text(text)
+    gold_parsed, gold_answer = _parse_text(gold)
     if answer is None or gold_answer is None:
         return Verdict(False, answer)
     if equation_mismatch(answer, gold_answer):
