@@ -68,19 +68,16 @@ class Verdict:
     answer: str | None = None
 
 
-def _parse_text(text: str) -> list:
-    """math-verify's parse of a whole text: ``\\boxed{}`` first, then its other LaTeX patterns
-    ("the final answer is $...$", display and inline math), then plain expressions."""
+def _parse_text(text: str) -> tuple[list, str | None]:
+    """math-verify's parse of a whole text (``\\boxed{}`` first, then its other LaTeX patterns:
+    "the final answer is $...$", display and inline math; then plain expressions) and the
+    extracted LaTeX string of the result (math-verify puts it last), if any."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
     configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return parse(text, configs, parsing_timeout=None)
-
-
-def _answer_string(parsed: list) -> str | None:
-    """The extracted LaTeX string of a parse result (math-verify puts it last), if any."""
+    parsed = parse(text, configs, parsing_timeout=None)
     strings = [p.strip() for p in parsed if isinstance(p, str)]
-    return strings[-1] if strings and strings[-1] else None
+    return parsed, (strings[-1] if strings and strings[-1] else None)
 
 
 def judge_response(text: str, gold: str) -> Verdict:
@@ -93,10 +90,8 @@ def judge_response(text: str, gold: str) -> Verdict:
 
     from lightrft.rewards.math_answer import equation_mismatch
 
-    guess = _parse_text(text)
-    answer = _answer_string(guess)
-    gold_parsed = _parse_text(gold)
-    gold_answer = _answer_string(gold_parsed)
+    guess, answer = _parse_text(text)
+    gold_parsed, gold_answer = _parse_text(gold)
     if answer is None or gold_answer is None:
         return Verdict(False, answer)
     if equation_mismatch(answer, gold_answer):
@@ -141,7 +136,10 @@ class _Worker:
                 # Its stdout can close before its exit status is in (seen on one busy core):
                 # give a dying worker a moment, so the error says why instead of "timeout".
                 try:
-                    why = f": it exited with code {self.proc.wait(timeout=5)}{self._stderr_tail()}"
+                    why = f": it exited with code {self.proc.wait(timeout=5)}"
+                    self.stderr.seek(0)
+                    if text := self.stderr.read().decode(errors="replace").strip():
+                        why += f"; its stderr ends: {text[-600:]}"
                 except subprocess.TimeoutExpired:
                     why = f" in {_STARTUP_SECONDS} s"
             self.close()
@@ -149,11 +147,6 @@ class _Worker:
                 f"the math-verify worker ({sys.executable} -m lightrft.rewards.math_equiv) did "
                 f"not start{why} (is math-verify installed? pip install math-verify)"
             )
-
-    def _stderr_tail(self, limit: int = 600) -> str:
-        self.stderr.seek(0)
-        text = self.stderr.read().decode(errors="replace").strip()
-        return f"; its stderr ends: {text[-limit:]}" if text else ""
 
     def _readline(self, deadline: float) -> bytes | None:
         while b"\n" not in self.buf:
@@ -208,11 +201,11 @@ class EquivalencePool:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.workers = workers
         self.timeout = float(timeout)
-        # Slots: (a worker, or None until first use, and the close() generation it belongs to).
-        self._idle: queue.Queue[tuple[_Worker | None, int]] = queue.Queue()
-        self._generation = 0
+        # Slots: a worker, or None until first use; a worker close() stopped is no longer live,
+        # and its slot starts a fresh one on next use.
+        self._idle: queue.Queue[_Worker | None] = queue.Queue()
         for _ in range(workers):
-            self._idle.put((None, 0))
+            self._idle.put(None)
         self._live: set[_Worker] = set()
         self._lock = threading.Lock()
         self.stats = {"calls": 0, "timeouts": 0}
@@ -223,22 +216,23 @@ class EquivalencePool:
         """Whether ``pred`` is equivalent to the gold answer ``ref`` (``False`` on timeout)."""
         if len(pred) > MAX_SYMBOLIC_CHARS or len(ref) > MAX_SYMBOLIC_CHARS:
             return False
-        verdict = self._ask("equal", (pred, ref))
-        return verdict is not None and verdict.equal
+        return self._ask("equal", (pred, ref)).equal
 
     def judge(self, text: str, gold: str) -> Verdict:
         """Whether the answer math-verify extracts from the response ``text`` equals the gold
         answer in ``gold`` (see :func:`judge_response`); unequal, with no answer, on timeout.
         The caller bounds ``text`` (the worker reads all of it within ``timeout``). Against no
         gold answer (``gold=""``) it only extracts: the verdict's ``answer`` is the answer."""
-        verdict = self._ask("judge", (text, gold))
-        return verdict if verdict is not None else Verdict(False)
+        return self._ask("judge", (text, gold))
 
-    def _ask(self, op: str, args: Sequence[str]) -> Verdict | None:
-        """One request on an idle worker (started if need be), within ``timeout``; ``None`` if
-        it ran out (the worker is then killed and its slot refilled on next use)."""
-        worker, generation = self._idle.get()
+    def _ask(self, op: str, args: Sequence[str]) -> Verdict:
+        """One request on an idle worker (started if need be), within ``timeout``; unequal, with
+        no answer, if it ran out (the worker is then killed and its slot refilled on next use)."""
+        worker = self._idle.get()
         try:
+            with self._lock:  # a worker close() stopped meanwhile: its slot starts a fresh one
+                if worker not in self._live:
+                    worker = None
             if worker is None:
                 worker = _Worker()
                 with self._lock:
@@ -253,14 +247,9 @@ class EquivalencePool:
             if verdict is None:
                 worker.close()
                 worker = None
-            return verdict
+            return verdict or Verdict(False)
         finally:
-            with self._lock:  # a close() meanwhile refilled every slot: this one is gone
-                kept = generation == self._generation
-            if kept:
-                self._idle.put((worker, generation))
-            elif worker is not None:
-                worker.close()
+            self._idle.put(worker)
 
     def _map(self, fn, items: Sequence) -> list:
         """``fn(*item)`` of each item, up to ``workers`` at a time, in order."""
@@ -279,17 +268,8 @@ class EquivalencePool:
 
     def close(self) -> None:
         """Stop the worker processes (a later call starts new ones); a call running meanwhile
-        ends without an answer and gives its slot up."""
-        with self._lock:
-            self._generation += 1
+        ends without an answer and hands its slot back."""
         _close_workers(self._live, self._lock)
-        while True:
-            try:
-                self._idle.get_nowait()
-            except queue.Empty:
-                break
-        for _ in range(self.workers):
-            self._idle.put((None, self._generation))
 
 
 def _close_workers(live: set[_Worker], lock: threading.Lock) -> None:

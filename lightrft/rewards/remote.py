@@ -145,6 +145,15 @@ def wire_conversation(conversation: Prompt | None, index: int) -> list[dict[str,
     return out
 
 
+def _expire(conn: http.client.HTTPConnection, expired: threading.Event) -> None:
+    """Mark an attempt expired and shut its socket down, which ends any blocked read."""
+    expired.set()
+    sock = conn.sock
+    if sock is not None:
+        with suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 class RemoteReward:
     """Rewards from an HTTP server, e.g. ``python -m lightrft.rewards.server``.
 
@@ -225,60 +234,43 @@ class RemoteReward:
             rewards += self._validate(self._post(payload), len(batch))
         return rewards
 
-    def _attempt(self, body: bytes) -> tuple[int, str, bytes]:
-        """One POST whose total time is bounded by ``timeout``: a timer shuts the socket down
-        when the time is up, which ends any blocked read (a per-read socket timeout alone lets a
-        trickling server stretch one attempt indefinitely)."""
-        u = urllib.parse.urlsplit(self.url)
-        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-        conn = cls(u.hostname, u.port, timeout=self.timeout)
-        expired = threading.Event()
-
-        def expire() -> None:
-            expired.set()
-            sock = conn.sock
-            if sock is not None:
-                with suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-        timer = threading.Timer(self.timeout, expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-            conn.request("POST", path, body=body, headers=self.headers)
-            resp = conn.getresponse()
-            data = resp.read()
-            if expired.is_set():
-                raise TimeoutError
-            return resp.status, resp.reason, data
-        except (OSError, http.client.HTTPException):
-            if expired.is_set():
-                raise TimeoutError from None
-            raise
-        finally:
-            timer.cancel()
-            conn.close()
-
     def _post(self, payload: Mapping[str, Any]) -> bytes:
         body = json.dumps(payload).encode()
+        u = urllib.parse.urlsplit(self.url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         last = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+            # One POST whose total time is bounded by ``timeout``: a timer shuts the socket down
+            # when the time is up, which ends any blocked read (a per-read socket timeout alone
+            # lets a trickling server stretch one attempt indefinitely).
+            conn = cls(u.hostname, u.port, timeout=self.timeout)
+            expired = threading.Event()
+            timer = threading.Timer(self.timeout, _expire, (conn, expired))
+            timer.daemon = True
+            timer.start()
+            status = None
             try:
-                status, reason, data = self._attempt(body)
+                conn.request("POST", path, body=body, headers=self.headers)
+                resp = conn.getresponse()
+                status, reason, data = resp.status, resp.reason, resp.read()
             except TimeoutError:
-                last = f"no answer within timeout={self.timeout}s"
-                continue
+                expired.set()
             except (OSError, http.client.HTTPException) as e:
                 last = f"{type(e).__name__}: {e}"
-                continue
-            if status == 200:
+            finally:
+                timer.cancel()
+                conn.close()
+            if expired.is_set():
+                last = f"no answer within timeout={self.timeout}s"
+            elif status == 200:
                 return data
-            last = f"HTTP {status} {reason}: {data[:300].decode(errors='replace')}"
-            if status not in _RETRY_STATUS:
-                raise RemoteRewardError(f"reward server {self.url} answered {last}")
+            elif status is not None:
+                last = f"HTTP {status} {reason}: {data[:300].decode(errors='replace')}"
+                if status not in _RETRY_STATUS:
+                    raise RemoteRewardError(f"reward server {self.url} answered {last}")
         raise RemoteRewardError(
             f"reward server {self.url} failed {self.max_retries + 1} attempts "
             f"(timeout={self.timeout}s, max_retries={self.max_retries}); last error: {last}"

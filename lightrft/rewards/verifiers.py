@@ -190,10 +190,6 @@ class MathVerifier:
             ]
         return [v.answer for v in self._read(responses)]
 
-    def _math_verify_text(self, response: str) -> str:
-        """What math-verify reads of a response: the tail of its final part."""
-        return _final_part(response, self.strip_think)[-MAX_RESPONSE_CHARS:]
-
     def _refused(self, *named: tuple[str, str], max_chars: int | None = None) -> bool:
         """Whether any of the ``(who, text)`` is longer than ``max_chars`` or holds a number past
         the size bound; the reason is kept in ``last_refusals`` (the first of a call is logged)."""
@@ -209,12 +205,6 @@ class MathVerifier:
             self.last_refusals.append(why)
             return True
         return False
-
-    @staticmethod
-    def reference_answer(reference: str | float | int) -> str:
-        """The answer of a reference: the ``#### N`` or boxed answer of a solution, else itself."""
-        ref = str(reference)
-        return extract_answer(ref, ("hashes", "boxed")) or ref.strip()
 
     def _fast(self, pred: str | None, ref: str) -> bool | None:
         """The verdict without sympy, or ``None`` if only the symbolic check can tell."""
@@ -262,9 +252,9 @@ class MathVerifier:
         if self.extraction == "math_verify":
             verdicts = [v.equal for v in self._read(responses, references)]
         else:
-            preds = [self.extract(r) for r in responses]
-            refs = [self.reference_answer(r) for r in references]
-            verdicts = self.equivalent_many(preds, refs)
+            # A reference's answer: the `#### N` or boxed answer of a solution, else itself.
+            refs = [extract_answer(r, ("hashes", "boxed")) or r.strip() for r in references]
+            verdicts = self.equivalent_many(self.extract_many(responses), refs)
         return [self.correct if ok else self.incorrect for ok in verdicts]
 
     def _read(
@@ -274,7 +264,8 @@ class MathVerifier:
         answer it extracts and, with ``references``, whether it equals its reference. Refused
         past the size bound, the fast path for plain numbers, else a worker within ``timeout``."""
         self.last_refusals = []
-        texts = [self._math_verify_text(r) for r in responses]
+        # What math-verify reads of a response: the tail of its final part.
+        texts = [_final_part(r, self.strip_think)[-MAX_RESPONSE_CHARS:] for r in responses]
         refs = [None] * len(texts) if references is None else references
         verdicts = [self._fast_response(t, r) for t, r in zip(texts, refs, strict=True)]
         todo = [i for i, v in enumerate(verdicts) if v is None]
