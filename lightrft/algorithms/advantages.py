@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightrft.algorithms.losses import check_mask
+from lightrft.algorithms.losses import check_mask, check_shape, lookup
 
 WHITEN_EPS = 1e-8
 
@@ -248,11 +248,7 @@ def gae(
     whitened over all valid tokens of the batch. Both are 0 on padding.
     """
     valid = check_mask(mask, token_rewards)
-    if values.shape != token_rewards.shape:
-        raise ValueError(
-            f"values shape {tuple(values.shape)} must match token_rewards shape "
-            f"{tuple(token_rewards.shape)}"
-        )
+    check_shape(values, token_rewards, "values", "token_rewards shape")
     if not 0.0 <= gamma <= 1.0 or not 0.0 <= lam <= 1.0:
         raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
     token_rewards = _float(token_rewards)
@@ -323,12 +319,7 @@ def check_estimator(
     """Raise ``ValueError`` for an unknown estimator, an option it does not take, or a group it
     needs and does not have; return its registry entry. Runs on config values, no tensor.
     ``key``: the config key that names the estimator, put in front of the unknown-name message."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"{key + ': ' if key else ''}unknown advantage estimator {estimator!r}; "
-            f"choose one of {list(ESTIMATORS)}"
-        )
-    spec = ESTIMATORS[estimator]
+    spec: Estimator = lookup(ESTIMATORS, estimator, "advantage estimator", key)
     unknown = set(options or ()) - spec.options
     if unknown:
         raise ValueError(

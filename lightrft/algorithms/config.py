@@ -18,7 +18,7 @@ from torch import Tensor
 from lightrft.algorithms.advantages import check_estimator, check_group_size
 from lightrft.algorithms.kl import KINDS as KL_KINDS
 from lightrft.algorithms.kl import build_kl_controller
-from lightrft.algorithms.losses import AGG_MODES, check_objective, find_objective
+from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective, lookup
 from lightrft.algorithms.mismatch import (
     check_geometric,
     check_icepop,
@@ -248,7 +248,8 @@ class AlgorithmConfig(Section):
 
     def _policy_loss(self, max_tokens: int) -> PolicyLossConfig:
         pl = self.policy_loss
-        defaults = find_objective(pl.objective, "algorithm.policy_loss.objective").defaults
+        key = "algorithm.policy_loss.objective"
+        defaults = lookup(OBJECTIVES, pl.objective, "policy objective", key).defaults
         agg = pl.agg or defaults["agg"]
         if pl.norm_len is not None and agg != "seq_mean_token_sum_norm":
             raise ValueError(

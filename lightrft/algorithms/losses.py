@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -69,18 +69,6 @@ def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
 def _masked_mean(x: Tensor, valid: Tensor) -> Tensor:
     m = valid.to(x.dtype)
     return (x * m).sum() / m.sum().clamp_min(1.0)
-
-
-def _expand_advantages(advantages: Tensor, like: Tensor) -> Tensor:
-    adv = advantages.to(like.dtype)
-    if adv.ndim == 1 and adv.shape[0] == like.shape[0]:
-        return adv.unsqueeze(1).expand_as(like)  # [B, T]
-    if adv.shape == like.shape:
-        return adv
-    raise ValueError(
-        f"advantages must be [B] or [B, T] matching log-probs {tuple(like.shape)}, "
-        f"got {tuple(advantages.shape)}"
-    )
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -312,15 +300,15 @@ OBJECTIVES: dict[str, Objective] = {
 recipe, ``OBJECTIVES["mine"] = Objective(...)`` before the config is parsed)."""
 
 
-def find_objective(name: str, key: str = "") -> Objective:
-    """The registry entry of objective ``name``, or ``ValueError`` (``key``: the config key that
-    names it, put in front of the message)."""
-    if name not in OBJECTIVES:
+def lookup(registry: Mapping[str, Any], name: str, what: str, key: str = "") -> Any:
+    """The entry ``name`` of ``registry`` (the objectives, estimators or preference losses), or
+    ``ValueError`` naming ``what`` it is (``key``: the config key that names it, put in front of
+    the message)."""
+    if name not in registry:
         raise ValueError(
-            f"{key + ': ' if key else ''}unknown policy objective {name!r}; "
-            f"choose one of {list(OBJECTIVES)}"
+            f"{key + ': ' if key else ''}unknown {what} {name!r}; choose one of {list(registry)}"
         )
-    return OBJECTIVES[name]
+    return registry[name]
 
 
 def check_objective(
@@ -334,7 +322,7 @@ def check_objective(
 ) -> str:
     """Raise ``ValueError`` on settings ``objective`` cannot use; return the aggregation mode
     (``agg``, or the objective's default when None). Runs on config values, no tensor."""
-    spec = find_objective(objective)
+    spec: Objective = lookup(OBJECTIVES, objective, "policy objective")
     agg = spec.defaults["agg"] if agg is None else agg  # an unknown mode: aggregate's error
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
@@ -428,7 +416,15 @@ def policy_loss(
     else:
         check_shape(old_logprobs, logprobs, "old_logprobs", "logprobs")
         old = _zero_padding(old_logprobs.detach().to(logprobs.dtype), valid)
-    adv = _zero_padding(_expand_advantages(advantages.detach(), logprobs), valid)  # [B, T]
+    adv = advantages.detach().to(logprobs.dtype)
+    if adv.ndim == 1 and adv.shape[0] == logprobs.shape[0]:
+        adv = adv.unsqueeze(1).expand_as(logprobs)  # [B, T]
+    elif adv.shape != logprobs.shape:
+        raise ValueError(
+            f"advantages must be [B] or [B, T] matching log-probs {tuple(logprobs.shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    adv = _zero_padding(adv, valid)  # [B, T]
     log_ratio = (logprobs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
 
     loss_mat, ratio, flags = OBJECTIVES[objective].fn(logprobs, old, log_ratio, adv, valid, **clips)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightrft.algorithms.losses import lookup
 from lightrft.config import Section, at_least, option, section
 
 PairLoss = tuple[Tensor, Tensor, Tensor]
@@ -276,12 +277,8 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 def check_preference_loss(name: str, beta: float, opts: Mapping[str, Any]) -> PreferenceLoss:
     """Raise ``ValueError`` on a loss name or option values the loss cannot use; return its
     entry. ``opts``: the ``loss:`` keys the config sets (``None``: unset)."""
-    if name not in PREFERENCE_LOSSES:
-        raise ValueError(
-            f"loss.type: unknown preference loss {name!r}; one of {list(PREFERENCE_LOSSES)}"
-        )
+    spec: PreferenceLoss = lookup(PREFERENCE_LOSSES, name, "preference loss", "loss.type")
     at_least("loss.beta", beta, 0, strict=True)
-    spec = PREFERENCE_LOSSES[name]
     stray = [k for k, v in opts.items() if v is not None and k not in spec.options]
     if stray:
         raise ValueError(
