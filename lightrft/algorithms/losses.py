@@ -71,6 +71,13 @@ def _masked_mean(x: Tensor, valid: Tensor) -> Tensor:
     return (x * m).sum() / m.sum().clamp_min(1.0)
 
 
+def _masked_extreme(x: Tensor, valid: Tensor, fill: float) -> Tensor:
+    """Min (``fill=inf``) or max (``fill=-inf``) over valid entries; ``fill`` if there are none."""
+    flat = torch.where(valid, x, fill).reshape(-1)
+    flat = torch.cat([flat, flat.new_full((1,), fill)])  # amin/amax reject empty tensors
+    return flat.amin() if fill > 0 else flat.amax()
+
+
 # --------------------------------------------------------------------------- aggregation
 
 
@@ -445,36 +452,26 @@ def policy_loss(
         loss_mat, mask, agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
     )
     with torch.no_grad():
-        metrics.update(_policy_metrics(flags, ratio.detach(), log_ratio.detach(), valid))
+        ratio, log_ratio = ratio.detach(), log_ratio.detach()
+        dtype = ratio.dtype
+        low = _masked_mean(flags["low"].to(dtype), valid)
+        high = _masked_mean(flags["high"].to(dtype), valid)
+        dual = flags.get("dual")
+        any_valid = valid.any()
+        one = torch.ones((), dtype=dtype, device=ratio.device)
+        metrics |= {
+            "clip_frac": low + high,
+            "clip_frac_low": low,
+            "clip_frac_high": high,
+            "clip_frac_dual": _masked_mean(dual.to(dtype), valid)
+            if dual is not None
+            else 0.0 * low,
+            "approx_kl": _masked_mean(log_ratio.exp() - 1.0 - log_ratio, valid),
+            "ratio_mean": torch.where(any_valid, _masked_mean(ratio, valid), one),
+            "ratio_min": torch.where(any_valid, _masked_extreme(ratio, valid, math.inf), one),
+            "ratio_max": torch.where(any_valid, _masked_extreme(ratio, valid, -math.inf), one),
+        }
     return loss, metrics
-
-
-def _masked_extreme(x: Tensor, valid: Tensor, fill: float) -> Tensor:
-    """Min (``fill=inf``) or max (``fill=-inf``) over valid entries; ``fill`` if there are none."""
-    flat = torch.where(valid, x, fill).reshape(-1)
-    flat = torch.cat([flat, flat.new_full((1,), fill)])  # amin/amax reject empty tensors
-    return flat.amin() if fill > 0 else flat.amax()
-
-
-def _policy_metrics(
-    flags: dict[str, Tensor], ratio: Tensor, log_ratio: Tensor, valid: Tensor
-) -> dict[str, Tensor]:
-    dtype = ratio.dtype
-    low = _masked_mean(flags["low"].to(dtype), valid)
-    high = _masked_mean(flags["high"].to(dtype), valid)
-    dual = flags.get("dual")
-    any_valid = valid.any()
-    one = torch.ones((), dtype=dtype, device=ratio.device)
-    return {
-        "clip_frac": low + high,
-        "clip_frac_low": low,
-        "clip_frac_high": high,
-        "clip_frac_dual": _masked_mean(dual.to(dtype), valid) if dual is not None else 0.0 * low,
-        "approx_kl": _masked_mean(log_ratio.exp() - 1.0 - log_ratio, valid),
-        "ratio_mean": torch.where(any_valid, _masked_mean(ratio, valid), one),
-        "ratio_min": torch.where(any_valid, _masked_extreme(ratio, valid, math.inf), one),
-        "ratio_max": torch.where(any_valid, _masked_extreme(ratio, valid, -math.inf), one),
-    }
 
 
 # --------------------------------------------------------------------------- value loss
@@ -505,16 +502,14 @@ def value_loss(
     values = _zero_padding(values, valid)
     old = _zero_padding(old_values.detach().to(values.dtype), valid)
     target = _zero_padding(returns.detach().to(values.dtype), valid)
-    err = (values - target).square()  # [B, T]
     if clip is None:
-        loss_mat = err
-        clipped_frac_flags = torch.zeros_like(valid)
-    else:
-        if not clip > 0:
-            raise ValueError(f"value clip must be > 0 or None, got {clip}")
-        clipped_err = (torch.clamp(values, old - clip, old + clip) - target).square()
-        loss_mat = torch.maximum(err, clipped_err)
-        clipped_frac_flags = clipped_err.detach() > err.detach()
+        clip = math.inf  # clip(v) = v: the max of two equal errors, the plain squared error
+    elif not clip > 0:
+        raise ValueError(f"value clip must be > 0 or None, got {clip}")
+    err = (values - target).square()  # [B, T]
+    clipped_err = (torch.clamp(values, old - clip, old + clip) - target).square()
+    loss_mat = torch.maximum(err, clipped_err)
+    clipped_frac_flags = clipped_err.detach() > err.detach()
     loss = 0.5 * aggregate(
         loss_mat, mask, agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
     )
