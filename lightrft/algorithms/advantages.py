@@ -209,13 +209,10 @@ def reinforce_pp(
     padding. Put the scalar reward on the last token with :func:`to_token_rewards` and, for KL in
     the reward, subtract ``coef * kl`` per token (:func:`lightrft.algorithms.kl.kl_in_reward`).
     """
-    valid = check_mask(mask, token_rewards)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    token_rewards = _float(token_rewards)
-    # The discounted returns are GAE's raw advantages with no values and lam = 1.
-    returns = _raw_gae(token_rewards, torch.zeros_like(token_rewards), valid, gamma, 1.0)
-    return masked_whiten(returns, valid), returns
+    # The discounted returns are GAE's raw advantages (and returns) with no values and lam = 1.
+    return gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma=gamma, lam=1.0)
 
 
 @torch.no_grad()
@@ -253,27 +250,22 @@ def gae(
         raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
     token_rewards = _float(token_rewards)
     values = values.to(token_rewards.dtype)
-    adv = _raw_gae(token_rewards, values, valid, gamma, lam)
-    returns = (adv + values) * valid.to(adv.dtype)
-    return masked_whiten(adv, valid), returns
-
-
-def _raw_gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: float) -> Tensor:
-    """GAE's reverse recursion over valid tokens only, before whitening; 0 on padding. Padding
-    carries the running values through unchanged, so interior masked tokens (e.g. tool outputs)
-    do not count as discount steps."""
-    b, t = rewards.shape
-    adv = torch.zeros_like(rewards)
-    next_value = rewards.new_zeros(b)
-    next_adv = rewards.new_zeros(b)
+    # The reverse recursion over valid tokens only (0 on padding): padding carries the running
+    # values through unchanged, so interior masked tokens (e.g. tool outputs) do not count as
+    # discount steps.
+    b, t = token_rewards.shape
+    adv = torch.zeros_like(token_rewards)
+    next_value = token_rewards.new_zeros(b)
+    next_adv = token_rewards.new_zeros(b)
     for i in reversed(range(t)):
         v = valid[:, i]
-        delta = rewards[:, i] + gamma * next_value - values[:, i]
+        delta = token_rewards[:, i] + gamma * next_value - values[:, i]
         a = delta + gamma * lam * next_adv
         next_adv = torch.where(v, a, next_adv)
         next_value = torch.where(v, values[:, i], next_value)
         adv[:, i] = torch.where(v, a, 0.0)
-    return adv
+    returns = (adv + values) * valid.to(adv.dtype)
+    return masked_whiten(adv, valid), returns
 
 
 # --------------------------------------------------------------------------- registry
