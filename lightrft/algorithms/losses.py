@@ -111,13 +111,10 @@ def aggregate(
     """
     valid = check_mask(mask, loss_mat)
     masked = _zero_padding(loss_mat, valid)
-    if mode == "token_mean":
-        if num_tokens is None:
-            return masked.sum() / valid.sum().clamp_min(1).to(loss_mat.dtype)
-        return masked.sum() / _denominator(num_tokens, loss_mat)
-
     per_seq = valid.sum(dim=1).to(loss_mat.dtype)  # [B] tokens per sequence
-    if mode == "seq_mean_token_mean":
+    if mode == "token_mean":
+        total, count, given = masked.sum(), valid.sum(), num_tokens
+    elif mode == "seq_mean_token_mean":
         seq_loss = masked.sum(dim=1) / per_seq.clamp_min(1.0)  # [B]
     elif mode == "seq_mean_token_sum":
         seq_loss = masked.sum(dim=1)
@@ -128,10 +125,12 @@ def aggregate(
         seq_loss = masked.sum(dim=1) / float(length)
     else:
         raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {list(AGG_MODES)}")
-    # Empty sequences contribute 0 to the sum and are not counted.
-    if num_seqs is None:
-        return seq_loss.sum() / (per_seq > 0).sum().clamp_min(1).to(loss_mat.dtype)
-    return seq_loss.sum() / _denominator(num_seqs, loss_mat)
+    if mode != "token_mean":
+        # Empty sequences contribute 0 to the sum and are not counted.
+        total, count, given = seq_loss.sum(), (per_seq > 0).sum(), num_seqs
+    if given is None:
+        return total / count.clamp_min(1).to(loss_mat.dtype)
+    return total / _denominator(given, loss_mat)
 
 
 # --------------------------------------------------------------------------- importance correction
@@ -441,10 +440,8 @@ def policy_loss(
         weights = tis_weights(old, rollout_logprobs, mask, mode=tis_mode, cap=tis_cap)
         loss_mat = loss_mat * weights
         with torch.no_grad():
-            if tis_mode == "token":
-                capped = valid & (weights >= tis_cap)
-            else:
-                capped = valid & (weights == 0)
+            # Truncated at the cap (token), or of a dropped sequence (sequence_mask).
+            capped = valid & ((weights >= tis_cap) if tis_mode == "token" else (weights == 0))
             metrics["tis_weight_mean"] = _masked_mean(weights, valid)
             metrics["tis_frac_capped"] = _masked_mean(capped.to(logprobs.dtype), valid)
 
