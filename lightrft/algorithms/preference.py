@@ -342,25 +342,20 @@ class PairRuleConfig(Section):
 
 def best_worst_pairs(
     rewards: Tensor, groups: Sequence[Any], answers: Sequence[Any], min_margin: float = 0.0
-) -> tuple[Tensor, Tensor, int]:
+) -> tuple[list[tuple[int, int]], int]:
     """Online DPO's pair rule (OpenRLHF's iterative DPO, best-of-n against worst-of-n): per
     prompt (a run of equal consecutive ``groups`` keys) its best-rewarded sample over its worst
     (the first of ties), if their rewards differ by more than ``min_margin`` and their
-    ``answers`` differ. ``(chosen [P], rejected [P])`` row indices, and how many prompts gave
-    no pair."""
-    chosen, rejected, unpaired, start = [], [], 0, 0
+    ``answers`` differ. The ``(chosen, rejected)`` row indices of each pair, and how many
+    prompts gave no pair."""
+    pairs, unpaired, start = [], 0, 0
     for _, run in itertools.groupby(groups):
         end = start + len(list(run))
         r = rewards[start:end]
         best, worst = start + int(r.argmax()), start + int(r.argmin())
         if float(r.max() - r.min()) > min_margin and answers[best] != answers[worst]:
-            chosen.append(best)
-            rejected.append(worst)
+            pairs.append((best, worst))
         else:
             unpaired += 1
         start = end
-    return (
-        torch.tensor(chosen, dtype=torch.long),
-        torch.tensor(rejected, dtype=torch.long),
-        unpaired,
-    )
+    return pairs, unpaired
