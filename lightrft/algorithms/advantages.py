@@ -181,16 +181,14 @@ def cpgd(
     - ``"std"``: ``w = 1 / (unbiased group std + eps)``, i.e. the GRPO advantage.
     - ``"none"``: ``w = 1``, i.e. the Dr.GRPO advantage.
     """
-    centred = dr_grpo(rewards, group_size)  # validates
-    if weight == "none":
-        return centred
-    if weight == "std":
-        return grpo(rewards, group_size, eps=eps, scale="group")
+    if weight in ("std", "none"):
+        return grpo(rewards, group_size, eps=eps, scale="group" if weight == "std" else "none")
     if weight != "filter":
         raise ValueError(f"weight must be 'filter', 'std' or 'none', got {weight!r}")
-    groups = _float(rewards).view(-1, group_size)  # [N, G]
-    informative = (groups.amax(dim=1) != groups.amin(dim=1)).sum()
-    scale = groups.shape[0] / informative.clamp_min(1).to(centred.dtype)
+    centred = dr_grpo(rewards, group_size)  # validates
+    # A group whose rewards are not all equal has a nonzero centred reward (equal ones give 0).
+    informative = centred.view(-1, group_size).ne(0).any(dim=1).sum()
+    scale = centred.numel() // group_size / informative.clamp_min(1).to(centred.dtype)
     return centred * scale
 
 
