@@ -216,14 +216,13 @@ def _ppo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip
     return loss, ratio, flags
 
 
-def _gspo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+def _gspo(logprobs, old, log_ratio, adv, valid, **clips):
     n_tok = valid.sum(dim=1).to(logprobs.dtype)  # [B]
     with torch.no_grad():
         raw = torch.where(valid, logprobs - old, 0.0)
         seq_log_ratio = raw.sum(dim=1, keepdim=True) / n_tok.clamp_min(1.0).unsqueeze(1)
         seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, 1]
     token_log_ratio = seq_log_ratio + logprobs - logprobs.detach()  # [B, T], value log s
-    clips = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
     return _ppo(logprobs, old, token_log_ratio, adv, valid, **clips)  # clipped like ppo
 
 
