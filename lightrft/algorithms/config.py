@@ -256,17 +256,14 @@ class AlgorithmConfig(Section):
                 f"algorithm.policy_loss.norm_len is used only by agg=seq_mean_token_sum_norm "
                 f"(agg is {agg!r}); remove it"
             )
-        # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so the
-        # loss does not depend on how a step is split into micro-batches.
-        norm_len = pl.norm_len
-        if agg == "seq_mean_token_sum_norm" and norm_len is None:
-            norm_len = max_tokens
         pl = replace(
             pl,
             clip_low=float(defaults["clip_low"] if pl.clip_low is None else pl.clip_low),
             clip_high=float(defaults["clip_high"] if pl.clip_high is None else pl.clip_high),
             agg=agg,
-            norm_len=norm_len,
+            # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so
+            # the loss does not depend on how a step is split into micro-batches.
+            norm_len=pl.norm_len or (max_tokens if agg == "seq_mean_token_sum_norm" else None),
         )
         check_objective(**pl.kwargs())
         return pl
