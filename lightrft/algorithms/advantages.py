@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightrft.algorithms.losses import check_mask
+from lightrft.algorithms.losses import check_mask, check_shape, lookup
 
 WHITEN_EPS = 1e-8
 
@@ -181,16 +181,14 @@ def cpgd(
     - ``"std"``: ``w = 1 / (unbiased group std + eps)``, i.e. the GRPO advantage.
     - ``"none"``: ``w = 1``, i.e. the Dr.GRPO advantage.
     """
-    centred = dr_grpo(rewards, group_size)  # validates
-    if weight == "none":
-        return centred
-    if weight == "std":
-        return grpo(rewards, group_size, eps=eps, scale="group")
+    if weight in ("std", "none"):
+        return grpo(rewards, group_size, eps=eps, scale="group" if weight == "std" else "none")
     if weight != "filter":
         raise ValueError(f"weight must be 'filter', 'std' or 'none', got {weight!r}")
-    groups = _float(rewards).view(-1, group_size)  # [N, G]
-    informative = (groups.amax(dim=1) != groups.amin(dim=1)).sum()
-    scale = groups.shape[0] / informative.clamp_min(1).to(centred.dtype)
+    centred = dr_grpo(rewards, group_size)  # validates
+    # A group whose rewards are not all equal has a nonzero centred reward (equal ones give 0).
+    informative = centred.view(-1, group_size).ne(0).any(dim=1).sum()
+    scale = centred.numel() // group_size / informative.clamp_min(1).to(centred.dtype)
     return centred * scale
 
 
@@ -209,13 +207,10 @@ def reinforce_pp(
     padding. Put the scalar reward on the last token with :func:`to_token_rewards` and, for KL in
     the reward, subtract ``coef * kl`` per token (:func:`lightrft.algorithms.kl.kl_in_reward`).
     """
-    valid = check_mask(mask, token_rewards)
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    token_rewards = _float(token_rewards)
-    # The discounted returns are GAE's raw advantages with no values and lam = 1.
-    returns = _raw_gae(token_rewards, torch.zeros_like(token_rewards), valid, gamma, 1.0)
-    return masked_whiten(returns, valid), returns
+    # The discounted returns are GAE's raw advantages (and returns) with no values and lam = 1.
+    return gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma=gamma, lam=1.0)
 
 
 @torch.no_grad()
@@ -248,36 +243,27 @@ def gae(
     whitened over all valid tokens of the batch. Both are 0 on padding.
     """
     valid = check_mask(mask, token_rewards)
-    if values.shape != token_rewards.shape:
-        raise ValueError(
-            f"values shape {tuple(values.shape)} must match token_rewards shape "
-            f"{tuple(token_rewards.shape)}"
-        )
+    check_shape(values, token_rewards, "values", "token_rewards shape")
     if not 0.0 <= gamma <= 1.0 or not 0.0 <= lam <= 1.0:
         raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
     token_rewards = _float(token_rewards)
     values = values.to(token_rewards.dtype)
-    adv = _raw_gae(token_rewards, values, valid, gamma, lam)
-    returns = (adv + values) * valid.to(adv.dtype)
-    return masked_whiten(adv, valid), returns
-
-
-def _raw_gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: float) -> Tensor:
-    """GAE's reverse recursion over valid tokens only, before whitening; 0 on padding. Padding
-    carries the running values through unchanged, so interior masked tokens (e.g. tool outputs)
-    do not count as discount steps."""
-    b, t = rewards.shape
-    adv = torch.zeros_like(rewards)
-    next_value = rewards.new_zeros(b)
-    next_adv = rewards.new_zeros(b)
+    # The reverse recursion over valid tokens only (0 on padding): padding carries the running
+    # values through unchanged, so interior masked tokens (e.g. tool outputs) do not count as
+    # discount steps.
+    b, t = token_rewards.shape
+    adv = torch.zeros_like(token_rewards)
+    next_value = token_rewards.new_zeros(b)
+    next_adv = token_rewards.new_zeros(b)
     for i in reversed(range(t)):
         v = valid[:, i]
-        delta = rewards[:, i] + gamma * next_value - values[:, i]
+        delta = token_rewards[:, i] + gamma * next_value - values[:, i]
         a = delta + gamma * lam * next_adv
         next_adv = torch.where(v, a, next_adv)
         next_value = torch.where(v, values[:, i], next_value)
         adv[:, i] = torch.where(v, a, 0.0)
-    return adv
+    returns = (adv + values) * valid.to(adv.dtype)
+    return masked_whiten(adv, valid), returns
 
 
 # --------------------------------------------------------------------------- registry
@@ -323,12 +309,7 @@ def check_estimator(
     """Raise ``ValueError`` for an unknown estimator, an option it does not take, or a group it
     needs and does not have; return its registry entry. Runs on config values, no tensor.
     ``key``: the config key that names the estimator, put in front of the unknown-name message."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"{key + ': ' if key else ''}unknown advantage estimator {estimator!r}; "
-            f"choose one of {list(ESTIMATORS)}"
-        )
-    spec = ESTIMATORS[estimator]
+    spec: Estimator = lookup(ESTIMATORS, estimator, "advantage estimator", key)
     unknown = set(options or ()) - spec.options
     if unknown:
         raise ValueError(

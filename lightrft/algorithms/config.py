@@ -18,7 +18,7 @@ from torch import Tensor
 from lightrft.algorithms.advantages import check_estimator, check_group_size
 from lightrft.algorithms.kl import KINDS as KL_KINDS
 from lightrft.algorithms.kl import build_kl_controller
-from lightrft.algorithms.losses import AGG_MODES, check_objective, find_objective
+from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective, lookup
 from lightrft.algorithms.mismatch import (
     check_geometric,
     check_icepop,
@@ -248,24 +248,22 @@ class AlgorithmConfig(Section):
 
     def _policy_loss(self, max_tokens: int) -> PolicyLossConfig:
         pl = self.policy_loss
-        defaults = find_objective(pl.objective, "algorithm.policy_loss.objective").defaults
+        key = "algorithm.policy_loss.objective"
+        defaults = lookup(OBJECTIVES, pl.objective, "policy objective", key).defaults
         agg = pl.agg or defaults["agg"]
         if pl.norm_len is not None and agg != "seq_mean_token_sum_norm":
             raise ValueError(
                 f"algorithm.policy_loss.norm_len is used only by agg=seq_mean_token_sum_norm "
                 f"(agg is {agg!r}); remove it"
             )
-        # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so the
-        # loss does not depend on how a step is split into micro-batches.
-        norm_len = pl.norm_len
-        if agg == "seq_mean_token_sum_norm" and norm_len is None:
-            norm_len = max_tokens
         pl = replace(
             pl,
             clip_low=float(defaults["clip_low"] if pl.clip_low is None else pl.clip_low),
             clip_high=float(defaults["clip_high"] if pl.clip_high is None else pl.clip_high),
             agg=agg,
-            norm_len=norm_len,
+            # Dr.GRPO divides by a constant: the generation budget, not a per-batch length, so
+            # the loss does not depend on how a step is split into micro-batches.
+            norm_len=pl.norm_len or (max_tokens if agg == "seq_mean_token_sum_norm" else None),
         )
         check_objective(**pl.kwargs())
         return pl

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -71,16 +71,11 @@ def _masked_mean(x: Tensor, valid: Tensor) -> Tensor:
     return (x * m).sum() / m.sum().clamp_min(1.0)
 
 
-def _expand_advantages(advantages: Tensor, like: Tensor) -> Tensor:
-    adv = advantages.to(like.dtype)
-    if adv.ndim == 1 and adv.shape[0] == like.shape[0]:
-        return adv.unsqueeze(1).expand_as(like)  # [B, T]
-    if adv.shape == like.shape:
-        return adv
-    raise ValueError(
-        f"advantages must be [B] or [B, T] matching log-probs {tuple(like.shape)}, "
-        f"got {tuple(advantages.shape)}"
-    )
+def _masked_extreme(x: Tensor, valid: Tensor, fill: float) -> Tensor:
+    """Min (``fill=inf``) or max (``fill=-inf``) over valid entries; ``fill`` if there are none."""
+    flat = torch.where(valid, x, fill).reshape(-1)
+    flat = torch.cat([flat, flat.new_full((1,), fill)])  # amin/amax reject empty tensors
+    return flat.amin() if fill > 0 else flat.amax()
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -116,13 +111,10 @@ def aggregate(
     """
     valid = check_mask(mask, loss_mat)
     masked = _zero_padding(loss_mat, valid)
-    if mode == "token_mean":
-        if num_tokens is None:
-            return masked.sum() / valid.sum().clamp_min(1).to(loss_mat.dtype)
-        return masked.sum() / _denominator(num_tokens, loss_mat)
-
     per_seq = valid.sum(dim=1).to(loss_mat.dtype)  # [B] tokens per sequence
-    if mode == "seq_mean_token_mean":
+    if mode == "token_mean":
+        total, count, given = masked.sum(), valid.sum(), num_tokens
+    elif mode == "seq_mean_token_mean":
         seq_loss = masked.sum(dim=1) / per_seq.clamp_min(1.0)  # [B]
     elif mode == "seq_mean_token_sum":
         seq_loss = masked.sum(dim=1)
@@ -133,10 +125,12 @@ def aggregate(
         seq_loss = masked.sum(dim=1) / float(length)
     else:
         raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {list(AGG_MODES)}")
-    # Empty sequences contribute 0 to the sum and are not counted.
-    if num_seqs is None:
-        return seq_loss.sum() / (per_seq > 0).sum().clamp_min(1).to(loss_mat.dtype)
-    return seq_loss.sum() / _denominator(num_seqs, loss_mat)
+    if mode != "token_mean":
+        # Empty sequences contribute 0 to the sum and are not counted.
+        total, count, given = seq_loss.sum(), (per_seq > 0).sum(), num_seqs
+    if given is None:
+        return total / count.clamp_min(1).to(loss_mat.dtype)
+    return total / _denominator(given, loss_mat)
 
 
 # --------------------------------------------------------------------------- importance correction
@@ -222,14 +216,13 @@ def _ppo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip
     return loss, ratio, flags
 
 
-def _gspo(logprobs, old, log_ratio, adv, valid, *, clip_low, clip_high, dual_clip):
+def _gspo(logprobs, old, log_ratio, adv, valid, **clips):
     n_tok = valid.sum(dim=1).to(logprobs.dtype)  # [B]
     with torch.no_grad():
         raw = torch.where(valid, logprobs - old, 0.0)
         seq_log_ratio = raw.sum(dim=1, keepdim=True) / n_tok.clamp_min(1.0).unsqueeze(1)
         seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, 1]
     token_log_ratio = seq_log_ratio + logprobs - logprobs.detach()  # [B, T], value log s
-    clips = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
     return _ppo(logprobs, old, token_log_ratio, adv, valid, **clips)  # clipped like ppo
 
 
@@ -312,15 +305,15 @@ OBJECTIVES: dict[str, Objective] = {
 recipe, ``OBJECTIVES["mine"] = Objective(...)`` before the config is parsed)."""
 
 
-def find_objective(name: str, key: str = "") -> Objective:
-    """The registry entry of objective ``name``, or ``ValueError`` (``key``: the config key that
-    names it, put in front of the message)."""
-    if name not in OBJECTIVES:
+def lookup(registry: Mapping[str, Any], name: str, what: str, key: str = "") -> Any:
+    """The entry ``name`` of ``registry`` (the objectives, estimators or preference losses), or
+    ``ValueError`` naming ``what`` it is (``key``: the config key that names it, put in front of
+    the message)."""
+    if name not in registry:
         raise ValueError(
-            f"{key + ': ' if key else ''}unknown policy objective {name!r}; "
-            f"choose one of {list(OBJECTIVES)}"
+            f"{key + ': ' if key else ''}unknown {what} {name!r}; choose one of {list(registry)}"
         )
-    return OBJECTIVES[name]
+    return registry[name]
 
 
 def check_objective(
@@ -334,7 +327,7 @@ def check_objective(
 ) -> str:
     """Raise ``ValueError`` on settings ``objective`` cannot use; return the aggregation mode
     (``agg``, or the objective's default when None). Runs on config values, no tensor."""
-    spec = find_objective(objective)
+    spec: Objective = lookup(OBJECTIVES, objective, "policy objective")
     agg = spec.defaults["agg"] if agg is None else agg  # an unknown mode: aggregate's error
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
@@ -428,7 +421,15 @@ def policy_loss(
     else:
         check_shape(old_logprobs, logprobs, "old_logprobs", "logprobs")
         old = _zero_padding(old_logprobs.detach().to(logprobs.dtype), valid)
-    adv = _zero_padding(_expand_advantages(advantages.detach(), logprobs), valid)  # [B, T]
+    adv = advantages.detach().to(logprobs.dtype)
+    if adv.ndim == 1 and adv.shape[0] == logprobs.shape[0]:
+        adv = adv.unsqueeze(1).expand_as(logprobs)  # [B, T]
+    elif adv.shape != logprobs.shape:
+        raise ValueError(
+            f"advantages must be [B] or [B, T] matching log-probs {tuple(logprobs.shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    adv = _zero_padding(adv, valid)  # [B, T]
     log_ratio = (logprobs - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
 
     loss_mat, ratio, flags = OBJECTIVES[objective].fn(logprobs, old, log_ratio, adv, valid, **clips)
@@ -438,10 +439,8 @@ def policy_loss(
         weights = tis_weights(old, rollout_logprobs, mask, mode=tis_mode, cap=tis_cap)
         loss_mat = loss_mat * weights
         with torch.no_grad():
-            if tis_mode == "token":
-                capped = valid & (weights >= tis_cap)
-            else:
-                capped = valid & (weights == 0)
+            # Truncated at the cap (token), or of a dropped sequence (sequence_mask).
+            capped = valid & ((weights >= tis_cap) if tis_mode == "token" else (weights == 0))
             metrics["tis_weight_mean"] = _masked_mean(weights, valid)
             metrics["tis_frac_capped"] = _masked_mean(capped.to(logprobs.dtype), valid)
 
@@ -449,36 +448,26 @@ def policy_loss(
         loss_mat, mask, agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
     )
     with torch.no_grad():
-        metrics.update(_policy_metrics(flags, ratio.detach(), log_ratio.detach(), valid))
+        ratio, log_ratio = ratio.detach(), log_ratio.detach()
+        dtype = ratio.dtype
+        low = _masked_mean(flags["low"].to(dtype), valid)
+        high = _masked_mean(flags["high"].to(dtype), valid)
+        dual = flags.get("dual")
+        any_valid = valid.any()
+        one = torch.ones((), dtype=dtype, device=ratio.device)
+        metrics |= {
+            "clip_frac": low + high,
+            "clip_frac_low": low,
+            "clip_frac_high": high,
+            "clip_frac_dual": _masked_mean(dual.to(dtype), valid)
+            if dual is not None
+            else 0.0 * low,
+            "approx_kl": _masked_mean(log_ratio.exp() - 1.0 - log_ratio, valid),
+            "ratio_mean": torch.where(any_valid, _masked_mean(ratio, valid), one),
+            "ratio_min": torch.where(any_valid, _masked_extreme(ratio, valid, math.inf), one),
+            "ratio_max": torch.where(any_valid, _masked_extreme(ratio, valid, -math.inf), one),
+        }
     return loss, metrics
-
-
-def _masked_extreme(x: Tensor, valid: Tensor, fill: float) -> Tensor:
-    """Min (``fill=inf``) or max (``fill=-inf``) over valid entries; ``fill`` if there are none."""
-    flat = torch.where(valid, x, fill).reshape(-1)
-    flat = torch.cat([flat, flat.new_full((1,), fill)])  # amin/amax reject empty tensors
-    return flat.amin() if fill > 0 else flat.amax()
-
-
-def _policy_metrics(
-    flags: dict[str, Tensor], ratio: Tensor, log_ratio: Tensor, valid: Tensor
-) -> dict[str, Tensor]:
-    dtype = ratio.dtype
-    low = _masked_mean(flags["low"].to(dtype), valid)
-    high = _masked_mean(flags["high"].to(dtype), valid)
-    dual = flags.get("dual")
-    any_valid = valid.any()
-    one = torch.ones((), dtype=dtype, device=ratio.device)
-    return {
-        "clip_frac": low + high,
-        "clip_frac_low": low,
-        "clip_frac_high": high,
-        "clip_frac_dual": _masked_mean(dual.to(dtype), valid) if dual is not None else 0.0 * low,
-        "approx_kl": _masked_mean(log_ratio.exp() - 1.0 - log_ratio, valid),
-        "ratio_mean": torch.where(any_valid, _masked_mean(ratio, valid), one),
-        "ratio_min": torch.where(any_valid, _masked_extreme(ratio, valid, math.inf), one),
-        "ratio_max": torch.where(any_valid, _masked_extreme(ratio, valid, -math.inf), one),
-    }
 
 
 # --------------------------------------------------------------------------- value loss
@@ -509,16 +498,14 @@ def value_loss(
     values = _zero_padding(values, valid)
     old = _zero_padding(old_values.detach().to(values.dtype), valid)
     target = _zero_padding(returns.detach().to(values.dtype), valid)
-    err = (values - target).square()  # [B, T]
     if clip is None:
-        loss_mat = err
-        clipped_frac_flags = torch.zeros_like(valid)
-    else:
-        if not clip > 0:
-            raise ValueError(f"value clip must be > 0 or None, got {clip}")
-        clipped_err = (torch.clamp(values, old - clip, old + clip) - target).square()
-        loss_mat = torch.maximum(err, clipped_err)
-        clipped_frac_flags = clipped_err.detach() > err.detach()
+        clip = math.inf  # clip(v) = v: the max of two equal errors, the plain squared error
+    elif not clip > 0:
+        raise ValueError(f"value clip must be > 0 or None, got {clip}")
+    err = (values - target).square()  # [B, T]
+    clipped_err = (torch.clamp(values, old - clip, old + clip) - target).square()
+    loss_mat = torch.maximum(err, clipped_err)
+    clipped_frac_flags = clipped_err.detach() > err.detach()
     loss = 0.5 * aggregate(
         loss_mat, mask, agg, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs
     )

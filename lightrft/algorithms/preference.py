@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightrft.algorithms.losses import lookup
 from lightrft.config import Section, at_least, option, section
 
 PairLoss = tuple[Tensor, Tensor, Tensor]
@@ -276,12 +277,8 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 def check_preference_loss(name: str, beta: float, opts: Mapping[str, Any]) -> PreferenceLoss:
     """Raise ``ValueError`` on a loss name or option values the loss cannot use; return its
     entry. ``opts``: the ``loss:`` keys the config sets (``None``: unset)."""
-    if name not in PREFERENCE_LOSSES:
-        raise ValueError(
-            f"loss.type: unknown preference loss {name!r}; one of {list(PREFERENCE_LOSSES)}"
-        )
+    spec: PreferenceLoss = lookup(PREFERENCE_LOSSES, name, "preference loss", "loss.type")
     at_least("loss.beta", beta, 0, strict=True)
-    spec = PREFERENCE_LOSSES[name]
     stray = [k for k, v in opts.items() if v is not None and k not in spec.options]
     if stray:
         raise ValueError(
@@ -345,25 +342,20 @@ class PairRuleConfig(Section):
 
 def best_worst_pairs(
     rewards: Tensor, groups: Sequence[Any], answers: Sequence[Any], min_margin: float = 0.0
-) -> tuple[Tensor, Tensor, int]:
+) -> tuple[list[tuple[int, int]], int]:
     """Online DPO's pair rule (OpenRLHF's iterative DPO, best-of-n against worst-of-n): per
     prompt (a run of equal consecutive ``groups`` keys) its best-rewarded sample over its worst
     (the first of ties), if their rewards differ by more than ``min_margin`` and their
-    ``answers`` differ. ``(chosen [P], rejected [P])`` row indices, and how many prompts gave
-    no pair."""
-    chosen, rejected, unpaired, start = [], [], 0, 0
+    ``answers`` differ. The ``(chosen, rejected)`` row indices of each pair, and how many
+    prompts gave no pair."""
+    pairs, unpaired, start = [], 0, 0
     for _, run in itertools.groupby(groups):
         end = start + len(list(run))
         r = rewards[start:end]
         best, worst = start + int(r.argmax()), start + int(r.argmin())
         if float(r.max() - r.min()) > min_margin and answers[best] != answers[worst]:
-            chosen.append(best)
-            rejected.append(worst)
+            pairs.append((best, worst))
         else:
             unpaired += 1
         start = end
-    return (
-        torch.tensor(chosen, dtype=torch.long),
-        torch.tensor(rejected, dtype=torch.long),
-        unpaired,
-    )
+    return pairs, unpaired

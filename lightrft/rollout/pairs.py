@@ -184,10 +184,7 @@ class OnlinePairs:
         gathered samples, so they agree on the pairs and on skipping a step without any)."""
         rollout = self.source.next(step, self.timer)
         b = rollout.batch
-        chosen, rejected, unpaired = best_worst_pairs(
-            b.rewards, b.groups, b.texts, self.rule.min_margin
-        )
-        pairs = list(zip(chosen.tolist(), rejected.tolist(), strict=True))
+        pairs, unpaired = best_worst_pairs(b.rewards, b.groups, b.texts, self.rule.min_margin)
         mine = range(self.dist.rank, len(pairs), self.dist.world_size)
         items = [_pair_item(b, i, *pairs[i]) for i in mine]
         n = len(pairs)
