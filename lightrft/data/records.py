@@ -217,20 +217,16 @@ def expand_placeholders(
     given = labels if labels is not None else [IGNORE_INDEX] * len(ids)  # a prompt: no labels
     out_ids: list[int] = []
     out_labels: list[int] = []
-    k = 0
+    copies = iter(counts)  # the k-th placeholder's copies
     for t, lab in zip(ids, given, strict=True):
-        if t != token_id:
-            out_ids.append(t)
-            out_labels.append(lab)
-            continue
-        if lab != IGNORE_INDEX:
+        if t == token_id and lab != IGNORE_INDEX:
             raise DataError(
                 f"{where}: {field}: {_a(kind)} {kind} in an assistant turn; {kind} parts go in "
                 "user turns"
             )
-        out_ids.extend([token_id] * counts[k])
-        out_labels.extend([IGNORE_INDEX] * counts[k])
-        k += 1
+        n = next(copies) if t == token_id else 1
+        out_ids += [t] * n
+        out_labels += [lab] * n
     return out_ids, out_labels if labels is not None else None
 
 
