@@ -60,8 +60,6 @@ def sample_indices(
     not faster than ``fps``). ``num_frames``: that many frames (at most ``count``) spread
     evenly from the first to the last.
     """
-    if count < 1:
-        raise ValueError("no frames to sample")
     if num_frames is not None:
         k = min(num_frames, count)
         idx = [round(j * (count - 1) / (k - 1)) for j in range(k)] if k > 1 else [0]
