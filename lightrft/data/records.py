@@ -230,16 +230,6 @@ def expand_placeholders(
     return out_ids, out_labels if labels is not None else None
 
 
-def split_tags(content: Any, names: Sequence[str]) -> list[dict[str, Any]]:
-    """HF content parts of a message: a string becomes text parts split at the tags of the
-    kinds ``names`` (``<image>``, ``<audio>``; each tag a part of its kind); a list is returned as is."""
-    if not isinstance(content, str):
-        return list(content)
-    tags = {_kind(k).tag: k for k in names}
-    pieces = re.split("(" + "|".join(map(re.escape, tags)) + ")", content) if tags else [content]
-    return [{"type": tags[p]} if p in tags else {"type": "text", "text": p} for p in pieces if p]
-
-
 def record_media(
     rec: Mapping[str, Any],
     messages: list[dict[str, Any]],
@@ -263,14 +253,21 @@ def record_media(
     taken = [k for k in every if k in fields]
     inline: dict[str, list[Any]] = {k: [] for k in taken}
     n_parts = dict.fromkeys(taken, 0)
+    tags = {_kind(k).tag: k for k in taken}
     out: list[dict[str, Any]] = []
     for m in messages:
         content = m["content"]
-        if isinstance(content, str) and not any(_kind(k).tag in content for k in taken):
-            out.append(m)
-            continue
+        if isinstance(content, str):
+            if not any(t in content for t in tags):
+                out.append(m)
+                continue
+            # Text parts split at the kinds' tags, each tag a part of its kind.
+            pieces = re.split("(" + "|".join(map(re.escape, tags)) + ")", content)
+            content = [
+                {"type": tags[p]} if p in tags else {"type": "text", "text": p} for p in pieces if p
+            ]
         parts = []
-        for part in split_tags(content, taken):
+        for part in content:
             kind = part.get("type")
             if kind in every and kind not in taken:
                 takes = " and ".join(f"{k}s" for k in taken)
