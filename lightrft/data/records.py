@@ -153,8 +153,6 @@ class MediaSamples:
     ) -> tuple[list[int], Any, Media | None]:
         """Process the sample's media and expand its placeholders; a multimodal sample without
         media of a kind must hold no placeholder of that kind (the forward would find none)."""
-        if not self.kinds:
-            return ids, labels, None
         done = self.process(media) if media is not None else registry.Media()
         for kind, proc in self.processors.items():
             inputs = getattr(done, kind)
