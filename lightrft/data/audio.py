@@ -51,22 +51,51 @@ class AudioTooLong(Exception):
     """Internal: the sample's audio is over the maximum duration and the policy drops it."""
 
 
-def _resample(wave: np.ndarray, rate: int, target: int, where: str, field: str) -> np.ndarray:
-    if rate == target:
-        return wave
-    if not isinstance(rate, (int, np.integer)) or isinstance(rate, bool) or rate <= 0:
-        raise DataError(f"{where}: {field}: sampling rate must be a positive integer, got {rate!r}")
-    import soxr
+def decode_audio(
+    value: Any, *, sampling_rate: int, base_dir: Path | None, where: str, field: str
+) -> np.ndarray:
+    """Mono float32 samples at ``sampling_rate`` from a path, bytes or HF audio dict.
 
-    try:
-        return soxr.resample(wave, int(rate), int(target)).astype(np.float32, copy=False)
-    except Exception as e:  # soxr raises ValueError / RuntimeError for rates it cannot convert
-        raise DataError(
-            f"{where}: {field}: cannot resample from {rate} Hz to {target} Hz ({e})"
-        ) from None
+    Raises:
+        DataError: naming ``where`` (file and line) and ``field`` for a missing file, data that
+            is not decodable audio, an array without its sampling rate, or a rate that cannot be
+            converted.
+    """
+    if isinstance(value, dict) and value.get("array") is not None:
+        wave, rate = value["array"], value.get("sampling_rate")
+        if rate is None:
+            raise DataError(
+                f"{where}: {field}: an audio array needs its 'sampling_rate' (HF datasets "
+                "Audio values carry one)"
+            )
+    else:
+        name = ""
+        if isinstance(value, dict):
+            data, path = value.get("bytes"), value.get("path")
+            value = data if data is not None else path
+            if value is None:
+                raise DataError(f"{where}: {field}: an audio dict needs 'array', 'bytes' or 'path'")
+        if isinstance(value, (str, Path)):
+            path = local_file(value, base_dir, where, field, "audio")
+            name = f"file {path} "
+            value = path.read_bytes()
+        if isinstance(value, np.ndarray):
+            raise DataError(
+                f"{where}: {field}: a bare audio array has no sampling rate; give "
+                '{"array": ..., "sampling_rate": ...}'
+            )
+        if not isinstance(value, (bytes, bytearray)):
+            raise DataError(
+                f"{where}: {field}: expected an audio path, bytes or HF audio dict, got "
+                f"{type(value).__name__}"
+            )
+        import soundfile as sf
 
-
-def _mono(wave: np.ndarray, where: str, field: str) -> np.ndarray:
+        try:
+            wave, rate = sf.read(io.BytesIO(bytes(value)), dtype="float32", always_2d=True)
+        except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
+            raise DataError(f"{where}: {field}: cannot decode the audio {name}({e})") from None
+        rate = int(rate)
     wave = np.asarray(wave, dtype=np.float32)
     if wave.ndim == 2:  # soundfile's [frames, channels]
         wave = wave.mean(axis=1)
@@ -79,55 +108,18 @@ def _mono(wave: np.ndarray, where: str, field: str) -> np.ndarray:
         raise DataError(f"{where}: {field}: the audio is empty (0 samples)")
     if not np.isfinite(wave).all():
         raise DataError(f"{where}: {field}: the audio holds NaN or infinite samples")
-    return wave
-
-
-def decode_audio(
-    value: Any, *, sampling_rate: int, base_dir: Path | None, where: str, field: str
-) -> np.ndarray:
-    """Mono float32 samples at ``sampling_rate`` from a path, bytes or HF audio dict.
-
-    Raises:
-        DataError: naming ``where`` (file and line) and ``field`` for a missing file, data that
-            is not decodable audio, an array without its sampling rate, or a rate that cannot be
-            converted.
-    """
-    name = ""
-    if isinstance(value, dict):
-        if value.get("array") is not None:
-            rate = value.get("sampling_rate")
-            if rate is None:
-                raise DataError(
-                    f"{where}: {field}: an audio array needs its 'sampling_rate' (HF datasets "
-                    "Audio values carry one)"
-                )
-            wave = _mono(value["array"], where, field)
-            return _resample(wave, rate, sampling_rate, where, field)
-        data, path = value.get("bytes"), value.get("path")
-        value = data if data is not None else path
-        if value is None:
-            raise DataError(f"{where}: {field}: an audio dict needs 'array', 'bytes' or 'path'")
-    if isinstance(value, (str, Path)):
-        path = local_file(value, base_dir, where, field, "audio")
-        name = f"file {path} "
-        value = path.read_bytes()
-    if isinstance(value, np.ndarray):
-        raise DataError(
-            f"{where}: {field}: a bare audio array has no sampling rate; give "
-            '{"array": ..., "sampling_rate": ...}'
-        )
-    if not isinstance(value, (bytes, bytearray)):
-        raise DataError(
-            f"{where}: {field}: expected an audio path, bytes or HF audio dict, got "
-            f"{type(value).__name__}"
-        )
-    import soundfile as sf
+    if rate == sampling_rate:
+        return wave
+    if not isinstance(rate, (int, np.integer)) or isinstance(rate, bool) or rate <= 0:
+        raise DataError(f"{where}: {field}: sampling rate must be a positive integer, got {rate!r}")
+    import soxr
 
     try:
-        wave, rate = sf.read(io.BytesIO(bytes(value)), dtype="float32", always_2d=True)
-    except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
-        raise DataError(f"{where}: {field}: cannot decode the audio {name}({e})") from None
-    return _resample(_mono(wave, where, field), int(rate), sampling_rate, where, field)
+        return soxr.resample(wave, int(rate), int(sampling_rate)).astype(np.float32, copy=False)
+    except Exception as e:  # soxr raises ValueError / RuntimeError for rates it cannot convert
+        raise DataError(
+            f"{where}: {field}: cannot resample from {rate} Hz to {sampling_rate} Hz ({e})"
+        ) from None
 
 
 @dataclass

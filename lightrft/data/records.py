@@ -153,8 +153,6 @@ class MediaSamples:
     ) -> tuple[list[int], Any, Media | None]:
         """Process the sample's media and expand its placeholders; a multimodal sample without
         media of a kind must hold no placeholder of that kind (the forward would find none)."""
-        if not self.kinds:
-            return ids, labels, None
         done = self.process(media) if media is not None else registry.Media()
         for kind, proc in self.processors.items():
             inputs = getattr(done, kind)
@@ -217,31 +215,17 @@ def expand_placeholders(
     given = labels if labels is not None else [IGNORE_INDEX] * len(ids)  # a prompt: no labels
     out_ids: list[int] = []
     out_labels: list[int] = []
-    k = 0
+    copies = iter(counts)  # the k-th placeholder's copies
     for t, lab in zip(ids, given, strict=True):
-        if t != token_id:
-            out_ids.append(t)
-            out_labels.append(lab)
-            continue
-        if lab != IGNORE_INDEX:
+        if t == token_id and lab != IGNORE_INDEX:
             raise DataError(
                 f"{where}: {field}: {_a(kind)} {kind} in an assistant turn; {kind} parts go in "
                 "user turns"
             )
-        out_ids.extend([token_id] * counts[k])
-        out_labels.extend([IGNORE_INDEX] * counts[k])
-        k += 1
+        n = next(copies) if t == token_id else 1
+        out_ids += [t] * n
+        out_labels += [lab] * n
     return out_ids, out_labels if labels is not None else None
-
-
-def split_tags(content: Any, names: Sequence[str]) -> list[dict[str, Any]]:
-    """HF content parts of a message: a string becomes text parts split at the tags of the
-    kinds ``names`` (``<image>``, ``<audio>``; each tag a part of its kind); a list is returned as is."""
-    if not isinstance(content, str):
-        return list(content)
-    tags = {_kind(k).tag: k for k in names}
-    pieces = re.split("(" + "|".join(map(re.escape, tags)) + ")", content) if tags else [content]
-    return [{"type": tags[p]} if p in tags else {"type": "text", "text": p} for p in pieces if p]
 
 
 def record_media(
@@ -267,14 +251,21 @@ def record_media(
     taken = [k for k in every if k in fields]
     inline: dict[str, list[Any]] = {k: [] for k in taken}
     n_parts = dict.fromkeys(taken, 0)
+    tags = {_kind(k).tag: k for k in taken}
     out: list[dict[str, Any]] = []
     for m in messages:
         content = m["content"]
-        if isinstance(content, str) and not any(_kind(k).tag in content for k in taken):
-            out.append(m)
-            continue
+        if isinstance(content, str):
+            if not any(t in content for t in tags):
+                out.append(m)
+                continue
+            # Text parts split at the kinds' tags, each tag a part of its kind.
+            pieces = re.split("(" + "|".join(map(re.escape, tags)) + ")", content)
+            content = [
+                {"type": tags[p]} if p in tags else {"type": "text", "text": p} for p in pieces if p
+            ]
         parts = []
-        for part in split_tags(content, taken):
+        for part in content:
             kind = part.get("type")
             if kind in every and kind not in taken:
                 takes = " and ".join(f"{k}s" for k in taken)

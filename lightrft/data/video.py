@@ -51,15 +51,6 @@ VIDEO_PLACEHOLDER = "<video>"
 OverlongVideo = Literal["clip", "refuse"]
 
 
-@dataclass(frozen=True)
-class DecodedVideo:
-    """A video as loaded: its sampled, resized RGB frames ``[T, H, W, 3]`` uint8 and the rate
-    they were sampled at (frames per second)."""
-
-    frames: np.ndarray
-    fps: float
-
-
 def sample_indices(
     count: int, native_fps: float, *, fps: float | None, num_frames: int | None
 ) -> tuple[list[int], float]:
@@ -69,8 +60,6 @@ def sample_indices(
     not faster than ``fps``). ``num_frames``: that many frames (at most ``count``) spread
     evenly from the first to the last.
     """
-    if count < 1:
-        raise ValueError("no frames to sample")
     if num_frames is not None:
         k = min(num_frames, count)
         idx = [round(j * (count - 1) / (k - 1)) for j in range(k)] if k > 1 else [0]
@@ -123,40 +112,6 @@ def video_patches(
 _LOCAL = threading.local()
 
 
-def _read_file(path: Path, where: str, field: str) -> tuple[list[np.ndarray], float]:
-    """All RGB frames of a video file and its frame rate (PyAV)."""
-    try:
-        import av
-    except ImportError:
-        raise DataError(
-            f"{where}: {field}: decoding video files needs PyAV: pip install av (or lightrft's "
-            "'video' extra)"
-        ) from None
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise DataError(f"{where}: {field}: {path} has no video stream")
-            stream = container.streams.video[0]
-            rate = stream.average_rate or stream.guessed_rate
-            # A per-thread PyAV reformatter: it keeps its swscale context between frames of one
-            # size (a frame's own ``to_ndarray(format=...)`` sets one up per frame, 6x slower).
-            if getattr(_LOCAL, "reformatter", None) is None:
-                _LOCAL.reformatter = av.video.reformatter.VideoReformatter()
-            convert = _LOCAL.reformatter
-            frames = [
-                convert.reformat(f, format="rgb24").to_ndarray() for f in container.decode(stream)
-            ]
-    except DataError:
-        raise
-    except Exception as e:  # PyAV raises FFmpegError subclasses, and ValueError for odd input
-        raise DataError(f"{where}: {field}: cannot decode the video file {path} ({e})") from None
-    if not frames:
-        raise DataError(f"{where}: {field}: the video file {path} has no frames")
-    if not rate or float(rate) <= 0:
-        raise DataError(f"{where}: {field}: the video file {path} gives no frame rate")
-    return frames, float(rate)
-
-
 def decode_video(
     value: Any, *, base_dir: Path | None, frames_fps: float, where: str, field: str
 ) -> tuple[list[np.ndarray], float]:
@@ -194,7 +149,38 @@ def decode_video(
             f"{where}: {field}: expected a video file path or a list of frame images, got "
             f"{type(value).__name__}"
         )
-    return _read_file(local_file(value, base_dir, where, field, "video"), where, field)
+    # A file: all its RGB frames and its frame rate (PyAV).
+    path = local_file(value, base_dir, where, field, "video")
+    try:
+        import av
+    except ImportError:
+        raise DataError(
+            f"{where}: {field}: decoding video files needs PyAV: pip install av (or lightrft's "
+            "'video' extra)"
+        ) from None
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise DataError(f"{where}: {field}: {path} has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            # A per-thread PyAV reformatter: it keeps its swscale context between frames of one
+            # size (a frame's own ``to_ndarray(format=...)`` sets one up per frame, 6x slower).
+            if getattr(_LOCAL, "reformatter", None) is None:
+                _LOCAL.reformatter = av.video.reformatter.VideoReformatter()
+            convert = _LOCAL.reformatter
+            frames = [
+                convert.reformat(f, format="rgb24").to_ndarray() for f in container.decode(stream)
+            ]
+    except DataError:
+        raise
+    except Exception as e:  # PyAV raises FFmpegError subclasses, and ValueError for odd input
+        raise DataError(f"{where}: {field}: cannot decode the video file {path} ({e})") from None
+    if not frames:
+        raise DataError(f"{where}: {field}: the video file {path} has no frames")
+    if not rate or float(rate) <= 0:
+        raise DataError(f"{where}: {field}: the video file {path} gives no frame rate")
+    return frames, float(rate)
 
 
 @dataclass
@@ -320,9 +306,10 @@ class VideoProcessor:
 
     def load(
         self, values: Sequence[Any], *, base_dir: Path | None, where: str, field: str
-    ) -> list[DecodedVideo]:
+    ) -> list[tuple[np.ndarray, float]]:
         """Decoded, sampled, resized videos of a record (fails at load, naming file, line and
-        field)."""
+        field): each video's sampled, resized RGB frames ``[T, H, W, 3]`` uint8 and the rate
+        they were sampled at (frames per second)."""
         from PIL import Image
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -356,14 +343,16 @@ class VideoProcessor:
                 if (h, w) != (th, tw):
                     img = img.resize((tw, th), Image.Resampling.BICUBIC)
                 picked.append(np.asarray(img))
-            out.append(DecodedVideo(np.stack(picked), fps))
+            out.append((np.stack(picked), fps))
         return out
 
-    def process(self, videos: Sequence[DecodedVideo]) -> VideoInputs:
-        """Patches, grid rows, seconds per temporal patch and video-token counts."""
+    def process(self, videos: Sequence[tuple[np.ndarray, float]]) -> VideoInputs:
+        """Patches, grid rows, seconds per temporal patch and video-token counts of loaded
+        ``(frames, fps)`` videos."""
         patches, grids, counts = [], [], []
-        for v in videos:
-            x = torch.from_numpy(np.ascontiguousarray(v.frames)).permute(0, 3, 1, 2).float()
+        frames, fps = map(list, zip(*videos, strict=True))
+        for v in frames:
+            x = torch.from_numpy(np.ascontiguousarray(v)).permute(0, 3, 1, 2).float()
             x = x * self.rescale  # [T, 3, H, W]
             if self.normalize:
                 x = (x - self.mean) / self.std
@@ -376,14 +365,13 @@ class VideoProcessor:
             patches.append(p)
             grids.append(grid)
             counts.append(grid[0] * grid[1] * grid[2] // self.merge_size**2)
-        fps = [v.fps for v in videos]
         seconds = (
             torch.tensor([self.temporal_patch_size / f for f in fps], dtype=torch.float32)
             if self.time_positions
             else None
         )
         return VideoInputs(
-            [v.frames for v in videos],
+            frames,
             fps,
             torch.cat(patches),
             torch.tensor(grids, dtype=torch.long),
