@@ -67,16 +67,6 @@ def checkpoint_is_vision_language(path: str | Path) -> bool | None:
     return _has_config(path, "vision_config")
 
 
-def _processor_class_name(path: str | Path) -> str | None:
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        f = Path(path) / name
-        if f.is_file():
-            found = json.loads(f.read_text()).get("processor_class")
-            if found:
-                return found
-    return None
-
-
 def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     """The processor (image processor + tokenizer + chat template) of a local VLM dir or hub id.
 
@@ -92,32 +82,26 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     from lightrft.models.loading import check_local
 
     check_local(path)
-    classes = processor_classes()
-    cls = {c.__name__: c for c in classes.values()}.get(_processor_class_name(path) or "")
-    # The image-only stand-in for the checkpoint's model type, if it has one.
-    stand_in = classes.get((checkpoint_config(path) or {}).get("model_type") or "")
-    if cls is None:
-        try:
-            proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except (ValueError, ImportError, OSError, TypeError) as e:
-            # Without torchvision the stock Qwen-VL processors cannot build their video slot.
+    # The image-only stand-in for the checkpoint's model type, if it has one. (A directory saved
+    # with one names its class, which AutoProcessor loads once processor_classes registered it.)
+    stand_in = processor_classes().get((checkpoint_config(path) or {}).get("model_type") or "")
+    try:
+        proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, ImportError, OSError, TypeError) as e:
+        # Without torchvision the stock Qwen-VL processors cannot build their video slot.
+        if stand_in is None:
+            raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
+        proc = stand_in.from_pretrained(path)
+    else:
+        media = getattr(proc, "image_processor", None) or getattr(proc, "feature_extractor", None)
+        if not isinstance(proc, ProcessorMixin) or media is None:
             if stand_in is None:
-                raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
-            cls = stand_in
-        else:
-            media = getattr(proc, "image_processor", None) or getattr(
-                proc, "feature_extractor", None
-            )
-            if not isinstance(proc, ProcessorMixin) or media is None:
-                if stand_in is None:
-                    raise ValueError(
-                        f"{str(path)!r} has no image processor or audio feature extractor "
-                        f"(AutoProcessor gave {type(proc).__name__}): is it a vision-language or "
-                        "audio-language model directory?"
-                    )
-                cls = stand_in
-    if cls is not None:
-        proc = cls.from_pretrained(path)
+                raise ValueError(
+                    f"{str(path)!r} has no image processor or audio feature extractor "
+                    f"(AutoProcessor gave {type(proc).__name__}): is it a vision-language or "
+                    "audio-language model directory?"
+                )
+            proc = stand_in.from_pretrained(path)
     tok = proc.tokenizer
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -182,15 +166,10 @@ def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
 
 
 def _tower_kinds(model: nn.Module) -> list[str]:
-    """The encoder towers a model has: ``"vision"``, ``"audio"`` (none for a text model)."""
-    from lightrft.models.modality import is_audio_language, is_vision_language
-
+    """The encoder towers a model has: ``"vision"``, ``"audio"`` (none for a text model), each
+    when its config has a ``<kind>_config`` (as :mod:`lightrft.models.modality` reads it)."""
     config = getattr(model, "config", None)
-    return [
-        k
-        for k, has in (("vision", is_vision_language), ("audio", is_audio_language))
-        if has(config)
-    ]
+    return [k for k in _TOWERS if getattr(config, f"{k}_config", None) is not None]
 
 
 def media_blocks(model: nn.Module) -> list[nn.Module]:
