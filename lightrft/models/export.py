@@ -41,13 +41,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return {}
     sd = {strip_wrappers(k): v for k, v in sd.items()}
     # Gathering returns separate copies of tied parameters: re-alias them to the first name.
-    groups: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(strip_wrappers(name))
-    for names in groups.values():
-        present = [n for n in names if n in sd]
-        for alias in present[1:]:
-            sd[alias] = sd[present[0]]
+        name = strip_wrappers(name)
+        if name in sd:
+            sd[name] = sd[first.setdefault(id(param), name)]
     return sd
 
 
