@@ -163,10 +163,7 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
         first: dict[int, str] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             name = strip_wrappers(name)
-            if id(p) in first:  # a tied name: alias the first copy
-                out[name] = out[first[id(p)]]
-            else:
-                first[id(p)] = name
+            out[name] = out[first.setdefault(id(p), name)]  # a tied name: the first copy
         kept = module.state_dict(keep_vars=True).keys()  # persistent buffers; built once
         for name, buf in module.named_buffers():
             if name in kept:
