@@ -27,6 +27,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightrft.models.loading import (
+    bind_template_args,
+    check_local,
+    find_module_list,
+    load_model,
+    load_tokenizer,
+)
+from lightrft.models.modality import is_multimodal
+
 
 def processor_classes() -> dict[str, type]:
     """model_type -> the image-only processor class standing in for the stock one (imports
@@ -79,8 +88,6 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     """
     from transformers import AutoProcessor, ProcessorMixin
 
-    from lightrft.models.loading import check_local
-
     check_local(path)
     # The image-only stand-in for the checkpoint's model type, if it has one. (A directory saved
     # with one names its class, which AutoProcessor loads once processor_classes registered it.)
@@ -120,8 +127,6 @@ def load_vision_model(
     ``AutoModelForMultimodalLM`` one (audio-language: Qwen2-Audio), from a local directory or
     hub id: :func:`~lightrft.models.loading.load_model` of a multimodal checkpoint (given a
     text-only checkpoint, it loads the causal LM, as ``load_model`` does)."""
-    from lightrft.models.loading import load_model
-
     return load_model(
         path,
         dtype=dtype,
@@ -175,8 +180,6 @@ def _tower_kinds(model: nn.Module) -> list[str]:
 def media_blocks(model: nn.Module) -> list[nn.Module]:
     """The vision and audio tower blocks of a multimodal model (none for a text model): what
     FSDP2 shards one by one."""
-    from lightrft.models.loading import find_module_list
-
     found = []
     for kind in _tower_kinds(model):
         _, tower = _tower(model, kind)
@@ -216,9 +219,6 @@ def load_processors(
     audio-language model's processor and its tokenizer, or a text model's tokenizer twice.
     ``config``: the loaded model's HF config (else the checkpoint's config.json decides);
     ``template_args``: ``model.chat_template_args``, bound to the tokenizer's renders."""
-    from lightrft.models.loading import bind_template_args, load_tokenizer
-    from lightrft.models.modality import is_multimodal
-
     multimodal = checkpoint_is_multimodal(path) if config is None else is_multimodal(config)
     if multimodal:
         processor = load_processor(path, trust_remote_code=trust_remote_code)

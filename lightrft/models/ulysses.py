@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
+from lightrft.distributed import collective_timeout
 from lightrft.sections import check_sequence_parallel_model
 
 ATTENTION = "lightrft_ulysses"
@@ -60,8 +61,6 @@ def check_model(config: Any, size: int) -> None:
 def sp_groups(size: int) -> tuple[Any, int]:
     """This rank's SP group (``size`` consecutive ranks) and its index in it. Collective: every
     rank creates every group, as ``dist.new_group`` requires."""
-    from lightrft.distributed import collective_timeout
-
     mine, _ = dist.new_subgroups(size, timeout=collective_timeout())
     return mine, dist.get_rank() % size
 
