@@ -100,7 +100,16 @@ def export_hf_state_dict(
             model.save_pretrained(
                 tmp, state_dict=sd, is_main_process=True, max_shard_size=max_shard_size, **save
             )
-            _finish_config(tmp / "config.json", cast)
+            # save_pretrained records the dtype of the live (training) parameters; record the
+            # cast one. Transformers 4 also records the directory the model was loaded from: not
+            # the export's. (A PEFT adapter directory has no config.json.)
+            config_file = tmp / "config.json"
+            if config_file.is_file():
+                cfg = json.loads(config_file.read_text())
+                cfg.pop("_name_or_path", None)
+                if cast is not None:
+                    cfg["dtype"] = str(cast).removeprefix("torch.")
+                config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
     barrier()
@@ -116,19 +125,6 @@ def _cast_floating(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str,
             done[id(v)] = v.to(dtype)
         out[k] = done.get(id(v), v)
     return out
-
-
-def _finish_config(config_file: Path, dtype: torch.dtype | None) -> None:
-    # save_pretrained records the dtype of the live (training) parameters; record the cast one.
-    # Transformers 4 also records the directory the model was loaded from: not the export's.
-    # (A PEFT adapter directory has no config.json.)
-    if not config_file.is_file():
-        return
-    cfg = json.loads(config_file.read_text())
-    cfg.pop("_name_or_path", None)
-    if dtype is not None:
-        cfg["dtype"] = str(dtype).removeprefix("torch.")
-    config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager
