@@ -95,7 +95,12 @@ def export_hf_state_dict(
     cast = to_dtype(dtype) if dtype is not None else None
     if is_main():
         if cast is not None:
-            sd = _cast_floating(sd, cast)
+            # Cast floating tensors, keeping tied aliases aliased (one cast per storage).
+            done: dict[int, torch.Tensor] = {}
+            for v in sd.values():
+                if v.is_floating_point() and id(v) not in done:
+                    done[id(v)] = v.to(cast)
+            sd = {k: done.get(id(v), v) for k, v in sd.items()}
         with writing_dir(out) as tmp:
             model.save_pretrained(
                 tmp, state_dict=sd, is_main_process=True, max_shard_size=max_shard_size, **save
@@ -113,17 +118,6 @@ def export_hf_state_dict(
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
     barrier()
-    return out
-
-
-def _cast_floating(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Cast floating tensors, keeping tied aliases aliased (one cast per storage)."""
-    done: dict[int, torch.Tensor] = {}
-    out = {}
-    for k, v in sd.items():
-        if v.is_floating_point() and id(v) not in done:
-            done[id(v)] = v.to(dtype)
-        out[k] = done.get(id(v), v)
     return out
 
 
