@@ -31,6 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.distributed import is_main
+from lightrft.models.export import export_hf_state_dict
+from lightrft.models.names import hf_name, strip_wrappers
 from lightrft.sections import DeepSpeedConfig
 
 
@@ -150,9 +153,6 @@ def gathered_modules(engine: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
 def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     """The full state dict of the engine's module on CPU, HF names (collective: every rank
     gathers ZeRO-3 partitions module by module; rank 0 keeps the copies, others get ``{}``)."""
-    from lightrft.distributed import is_main
-    from lightrft.models.names import strip_wrappers
-
     module = engine.module
     main = is_main()
     out: dict[str, torch.Tensor] = {}
@@ -163,10 +163,7 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
         first: dict[int, str] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             name = strip_wrappers(name)
-            if id(p) in first:  # a tied name: alias the first copy
-                out[name] = out[first[id(p)]]
-            else:
-                first[id(p)] = name
+            out[name] = out[first.setdefault(id(p), name)]  # a tied name: the first copy
         kept = module.state_dict(keep_vars=True).keys()  # persistent buffers; built once
         for name, buf in module.named_buffers():
             if name in kept:
@@ -178,8 +175,6 @@ def sync_weights(engine: Any, rollout: Any) -> None:
     """Copy the trained weights into the rollout engine module by module (collective: call on
     every rank; ``rollout`` may be None on a rank that only takes part in the gathers), then
     reset its prefix cache. The DeepSpeed counterpart of ``lightrft.engine.sync_weights``."""
-    from lightrft.models.names import hf_name
-
     for params in gathered_modules(engine):
         if rollout is not None:
             rollout.load_weights([(hf_name(n), t) for n, t in params])
@@ -189,6 +184,4 @@ def sync_weights(engine: Any, rollout: Any) -> None:
 
 def export_hf_engine(engine: Any, tokenizer: Any, out_dir: str | Path) -> Path:
     """Write the engine's model as an HF directory (collective; rank 0 writes)."""
-    from lightrft.models.export import export_hf_state_dict
-
     return export_hf_state_dict(engine.module, gathered_state_dict(engine), tokenizer, out_dir)

@@ -41,13 +41,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return {}
     sd = {strip_wrappers(k): v for k, v in sd.items()}
     # Gathering returns separate copies of tied parameters: re-alias them to the first name.
-    groups: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(strip_wrappers(name))
-    for names in groups.values():
-        present = [n for n in names if n in sd]
-        for alias in present[1:]:
-            sd[alias] = sd[present[0]]
+        name = strip_wrappers(name)
+        if name in sd:
+            sd[name] = sd[first.setdefault(id(param), name)]
     return sd
 
 
@@ -97,40 +95,30 @@ def export_hf_state_dict(
     cast = to_dtype(dtype) if dtype is not None else None
     if is_main():
         if cast is not None:
-            sd = _cast_floating(sd, cast)
+            # Cast floating tensors, keeping tied aliases aliased (one cast per storage).
+            done: dict[int, torch.Tensor] = {}
+            for v in sd.values():
+                if v.is_floating_point() and id(v) not in done:
+                    done[id(v)] = v.to(cast)
+            sd = {k: done.get(id(v), v) for k, v in sd.items()}
         with writing_dir(out) as tmp:
             model.save_pretrained(
                 tmp, state_dict=sd, is_main_process=True, max_shard_size=max_shard_size, **save
             )
-            _finish_config(tmp / "config.json", cast)
+            # save_pretrained records the dtype of the live (training) parameters; record the
+            # cast one. Transformers 4 also records the directory the model was loaded from: not
+            # the export's. (A PEFT adapter directory has no config.json.)
+            config_file = tmp / "config.json"
+            if config_file.is_file():
+                cfg = json.loads(config_file.read_text())
+                cfg.pop("_name_or_path", None)
+                if cast is not None:
+                    cfg["dtype"] = str(cast).removeprefix("torch.")
+                config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
     barrier()
     return out
-
-
-def _cast_floating(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Cast floating tensors, keeping tied aliases aliased (one cast per storage)."""
-    done: dict[int, torch.Tensor] = {}
-    out = {}
-    for k, v in sd.items():
-        if v.is_floating_point() and id(v) not in done:
-            done[id(v)] = v.to(dtype)
-        out[k] = done.get(id(v), v)
-    return out
-
-
-def _finish_config(config_file: Path, dtype: torch.dtype | None) -> None:
-    # save_pretrained records the dtype of the live (training) parameters; record the cast one.
-    # Transformers 4 also records the directory the model was loaded from: not the export's.
-    # (A PEFT adapter directory has no config.json.)
-    if not config_file.is_file():
-        return
-    cfg = json.loads(config_file.read_text())
-    cfg.pop("_name_or_path", None)
-    if dtype is not None:
-        cfg["dtype"] = str(dtype).removeprefix("torch.")
-    config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager

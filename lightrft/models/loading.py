@@ -192,11 +192,7 @@ def head_dim(config) -> int:
 def find_module_list(root: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
     """The first ``nn.ModuleList`` found at one of the dotted ``paths`` under ``root``."""
     for path in paths:
-        mod = root
-        for part in path.split("."):
-            mod = getattr(mod, part, None)
-            if mod is None:
-                break
+        mod = functools.reduce(lambda m, part: getattr(m, part, None), path.split("."), root)
         if isinstance(mod, nn.ModuleList):
             return mod
     return None

@@ -22,6 +22,7 @@ parameter starts (:func:`initial_adapter_value`).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 import warnings
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from lightrft.models.forward import is_peft_model
+from lightrft.models.loading import load_model
 from lightrft.sections import LoraConfig
 
 # The A / B matrix of a LoRA linear layer's adapter: weight sync merges it into the base weight.
@@ -273,10 +275,6 @@ def load_adapter_export(
     given relative). ``trainable``: keep the adapters trainable (PEFT's
     ``is_trainable``); default inference mode.
     """
-    import json
-
-    from lightrft.models.loading import load_model
-
     path = Path(path)
     cfg_file = path / "adapter_config.json"
     if not cfg_file.is_file():
@@ -312,8 +310,6 @@ def load_export(
     fine-tune, ``final_merged/`` of LoRA) as :func:`lightrft.models.load_model` loads it, or a
     LoRA adapter directory (``final/`` of a LoRA run) as a PEFT model on its base
     (:func:`load_adapter_export`; ``base`` overrides the base model the adapter records)."""
-    from lightrft.models.loading import load_model
-
     path = Path(path)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         return load_adapter_export(path, base, dtype=dtype, device=device)

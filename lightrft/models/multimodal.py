@@ -27,6 +27,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightrft.models.loading import (
+    bind_template_args,
+    check_local,
+    find_module_list,
+    load_model,
+    load_tokenizer,
+)
+from lightrft.models.modality import is_multimodal
+
 
 def processor_classes() -> dict[str, type]:
     """model_type -> the image-only processor class standing in for the stock one (imports
@@ -67,16 +76,6 @@ def checkpoint_is_vision_language(path: str | Path) -> bool | None:
     return _has_config(path, "vision_config")
 
 
-def _processor_class_name(path: str | Path) -> str | None:
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        f = Path(path) / name
-        if f.is_file():
-            found = json.loads(f.read_text()).get("processor_class")
-            if found:
-                return found
-    return None
-
-
 def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     """The processor (image processor + tokenizer + chat template) of a local VLM dir or hub id.
 
@@ -89,35 +88,27 @@ def load_processor(path: str | Path, *, trust_remote_code: bool = False):
     """
     from transformers import AutoProcessor, ProcessorMixin
 
-    from lightrft.models.loading import check_local
-
     check_local(path)
-    classes = processor_classes()
-    cls = {c.__name__: c for c in classes.values()}.get(_processor_class_name(path) or "")
-    # The image-only stand-in for the checkpoint's model type, if it has one.
-    stand_in = classes.get((checkpoint_config(path) or {}).get("model_type") or "")
-    if cls is None:
-        try:
-            proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except (ValueError, ImportError, OSError, TypeError) as e:
-            # Without torchvision the stock Qwen-VL processors cannot build their video slot.
+    # The image-only stand-in for the checkpoint's model type, if it has one. (A directory saved
+    # with one names its class, which AutoProcessor loads once processor_classes registered it.)
+    stand_in = processor_classes().get((checkpoint_config(path) or {}).get("model_type") or "")
+    try:
+        proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, ImportError, OSError, TypeError) as e:
+        # Without torchvision the stock Qwen-VL processors cannot build their video slot.
+        if stand_in is None:
+            raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
+        proc = stand_in.from_pretrained(path)
+    else:
+        media = getattr(proc, "image_processor", None) or getattr(proc, "feature_extractor", None)
+        if not isinstance(proc, ProcessorMixin) or media is None:
             if stand_in is None:
-                raise ValueError(f"cannot load a processor from {str(path)!r}: {e}") from e
-            cls = stand_in
-        else:
-            media = getattr(proc, "image_processor", None) or getattr(
-                proc, "feature_extractor", None
-            )
-            if not isinstance(proc, ProcessorMixin) or media is None:
-                if stand_in is None:
-                    raise ValueError(
-                        f"{str(path)!r} has no image processor or audio feature extractor "
-                        f"(AutoProcessor gave {type(proc).__name__}): is it a vision-language or "
-                        "audio-language model directory?"
-                    )
-                cls = stand_in
-    if cls is not None:
-        proc = cls.from_pretrained(path)
+                raise ValueError(
+                    f"{str(path)!r} has no image processor or audio feature extractor "
+                    f"(AutoProcessor gave {type(proc).__name__}): is it a vision-language or "
+                    "audio-language model directory?"
+                )
+            proc = stand_in.from_pretrained(path)
     tok = proc.tokenizer
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -136,8 +127,6 @@ def load_vision_model(
     ``AutoModelForMultimodalLM`` one (audio-language: Qwen2-Audio), from a local directory or
     hub id: :func:`~lightrft.models.loading.load_model` of a multimodal checkpoint (given a
     text-only checkpoint, it loads the causal LM, as ``load_model`` does)."""
-    from lightrft.models.loading import load_model
-
     return load_model(
         path,
         dtype=dtype,
@@ -182,22 +171,15 @@ def set_audio_trainable(model: nn.Module, trainable: bool) -> list[str]:
 
 
 def _tower_kinds(model: nn.Module) -> list[str]:
-    """The encoder towers a model has: ``"vision"``, ``"audio"`` (none for a text model)."""
-    from lightrft.models.modality import is_audio_language, is_vision_language
-
+    """The encoder towers a model has: ``"vision"``, ``"audio"`` (none for a text model), each
+    when its config has a ``<kind>_config`` (as :mod:`lightrft.models.modality` reads it)."""
     config = getattr(model, "config", None)
-    return [
-        k
-        for k, has in (("vision", is_vision_language), ("audio", is_audio_language))
-        if has(config)
-    ]
+    return [k for k in _TOWERS if getattr(config, f"{k}_config", None) is not None]
 
 
 def media_blocks(model: nn.Module) -> list[nn.Module]:
     """The vision and audio tower blocks of a multimodal model (none for a text model): what
     FSDP2 shards one by one."""
-    from lightrft.models.loading import find_module_list
-
     found = []
     for kind in _tower_kinds(model):
         _, tower = _tower(model, kind)
@@ -237,9 +219,6 @@ def load_processors(
     audio-language model's processor and its tokenizer, or a text model's tokenizer twice.
     ``config``: the loaded model's HF config (else the checkpoint's config.json decides);
     ``template_args``: ``model.chat_template_args``, bound to the tokenizer's renders."""
-    from lightrft.models.loading import bind_template_args, load_tokenizer
-    from lightrft.models.modality import is_multimodal
-
     multimodal = checkpoint_is_multimodal(path) if config is None else is_multimodal(config)
     if multimodal:
         processor = load_processor(path, trust_remote_code=trust_remote_code)

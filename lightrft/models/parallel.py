@@ -6,8 +6,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightrft.distributed import collective_timeout
 from lightrft.models.forward import unwrap_peft
 from lightrft.models.loading import find_module_list
+from lightrft.models.multimodal import media_blocks
+from lightrft.models.vocab_parallel import shard_vocab_tables
 from lightrft.sections import mesh_shape
 
 
@@ -134,9 +137,6 @@ def parallelize(
         )
         policy = CPUOffloadPolicy(pin_memory=on != "cpu")
     shard_kw = dict(mesh=mesh, mp_policy=mp, offload_policy=policy)
-    from lightrft.models.multimodal import media_blocks
-    from lightrft.models.vocab_parallel import shard_vocab_tables
-
     # A vision- or audio-language model's tower blocks are sharded one by one too (trained or
     # frozen: a frozen tower costs no gradients but its weights are as large). The tower runs
     # before the decoder, so its blocks are gathered and resharded like the decoder's.
@@ -205,8 +205,6 @@ def _timeout_override(names: tuple[str, ...]) -> dict | None:
     """HSDP's sub-groups with the default group's ``collective_timeout_s``: torch makes them
     with its own default (30 min on gloo) otherwise, and a peer that died in a gradient
     all-reduce across replicas would hold the others that long."""
-    from lightrft.distributed import collective_timeout
-
     timeout = collective_timeout()
     if timeout is None:
         return None

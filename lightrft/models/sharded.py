@@ -155,22 +155,6 @@ def _local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     return t._local_tensor, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def _meta_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]:
-    """(full name, owning module, attribute, "param" | "buffer") of every meta tensor, each
-    object once (a tied weight under its first name)."""
-    seen: set[int] = set()
-    found = []
-    for mod_name, module in model.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
-            for attr, t in table.items():
-                if t is None or not t.is_meta or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                found.append((prefix + attr, module, attr, kind))
-    return found
-
-
 def fill_from_safetensors(
     model: nn.Module,
     path: str | Path,
@@ -187,8 +171,14 @@ def fill_from_safetensors(
     device = torch.device(device)
     index = SafetensorsIndex.read(path)
     initialised = []
+    # Every meta tensor once (a tied weight under its first name), parameters in module order
+    # (the order adapters draw their initial values in), then buffers.
+    meta = [(n, t, "param") for n, t in model.named_parameters() if t.is_meta]
+    meta += [(n, t, "buffer") for n, t in model.named_buffers() if t.is_meta]
     with torch.no_grad():
-        for full, module, attr, kind in _meta_tensors(model):
+        for full, t, kind in meta:
+            owner, _, attr = full.rpartition(".")
+            module = model.get_submodule(owner)
             own = hf_checkpoint_name(full)
             if own in converted:
                 raise ValueError(
@@ -197,7 +187,6 @@ def fill_from_safetensors(
                     "Re-save the checkpoint with save_pretrained, or train in one process"
                 )
             key = names.get(own)
-            t = getattr(module, attr)
             # Uninitialised storage on ``device`` (its shard's size for a DTensor), keeping the
             # Python object (FSDP2 and tied weights hold on to it).
             if kind == "buffer":

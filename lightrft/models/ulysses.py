@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
+from lightrft.distributed import collective_timeout
 from lightrft.sections import check_sequence_parallel_model
 
 ATTENTION = "lightrft_ulysses"
@@ -60,8 +61,6 @@ def check_model(config: Any, size: int) -> None:
 def sp_groups(size: int) -> tuple[Any, int]:
     """This rank's SP group (``size`` consecutive ranks) and its index in it. Collective: every
     rank creates every group, as ``dist.new_group`` requires."""
-    from lightrft.distributed import collective_timeout
-
     mine, _ = dist.new_subgroups(size, timeout=collective_timeout())
     return mine, dist.get_rank() % size
 
@@ -175,8 +174,8 @@ class Ulysses:
         dev = input_ids.device
         padded = -(-t // self.size) * self.size
         extra = padded - t
-        full_targets = torch.full((b, padded), ignore_index, dtype=targets.dtype, device=dev)
-        full_targets[:, : t - 1] = targets  # [B, T_pad]: position i predicts token i + 1
+        # [B, T_pad]: position i predicts token i + 1
+        full_targets = torch.nn.functional.pad(targets, (0, extra + 1), value=ignore_index)
         ids = torch.nn.functional.pad(input_ids, (0, extra))  # [B, T_pad]
         if attention_mask is not None:
             keep = attention_mask.bool()
@@ -193,12 +192,9 @@ class Ulysses:
             bounds = None
         else:
             pos = torch.cat([position_ids, tail], dim=1)  # [B, T_pad]
-            # Packed rows: one causal block per sample (and one for the SP padding).
-            bounds = []
-            for row in pos:
-                starts = (row == 0).nonzero().flatten().tolist()
-                starts = starts if starts and starts[0] == 0 else [0, *starts]
-                bounds.append([*starts, padded])
+            # Packed rows: one causal block per sample (and one for the SP padding), each from
+            # a position 0 (and the row's start) to the next.
+            bounds = [sorted({0, *(row == 0).nonzero().flatten().tolist(), padded}) for row in pos]
         shard = SequenceShard(self, bounds, padded)
         shard.input_ids = shard.local(ids)
         shard.position_ids = shard.local(pos)

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightrft.kernels.logprobs import acc_dtype, logit_workspaces, logits_into
+
 
 @dataclass(frozen=True)
 class VocabRows:
@@ -126,8 +128,6 @@ def vocab_parallel_logprobs(
     rows, the local max ``m``, the sum ``s`` of ``exp(z - m)`` and the target's logit (zero
     unless this rank owns it); then ``M = max m``, ``S = sum s exp(m - M)``, and
     ``logp = z_target - M - log S``."""
-    from lightrft.kernels.logprobs import acc_dtype, logit_workspaces, logits_into
-
     every_h, sizes = gather_rows(hidden, rows.group)  # [world, n_max, H]
     every_t, _ = gather_rows(targets, rows.group)  # [world, n_max]
     _check_ids(every_t, rows.vocab)  # every rank checks every rank's targets: all raise, or none

@@ -68,8 +68,6 @@ class Strategy:
         """The data-parallel view of this rank: the ranks of one SP group read the same samples,
         so data is split over ``world / sequence_parallel`` replicas (``dist`` without SP)."""
         n = self.cfg.sequence_parallel
-        if n == 1:
-            return self.dist
         d = self.dist
         return DistInfo(d.rank // n, d.world_size // n, d.local_rank, d.device)
 
