@@ -134,14 +134,6 @@ def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _line_offsets(path: Path) -> array:
-    """Where each line of a file starts, in bytes: a data set of millions of records is
-    indexed in one pass without holding its text (lines split at ``\\n``, as the data loader
-    numbers them)."""
-    with open(path, "rb") as f:
-        return array("q", accumulate(map(len, f), initial=0))[:-1]
-
-
 def _record_media(where: str, cache: dict[Path, Any], run: Path) -> list[dict[str, Any]]:
     """The images, audio and videos of the dataset record ``where`` names (``"<file> line
     N"``), read from its ``images`` / ``audios`` / ``videos`` fields (a path or a list;
@@ -158,7 +150,11 @@ def _record_media(where: str, cache: dict[Path, Any], run: Path) -> list[dict[st
     if path not in cache:
         try:
             if m["kind"] == "line":
-                cache[path] = _line_offsets(path)
+                # Where each line starts, in bytes: a data set of millions of records is indexed
+                # in one pass without holding its text (lines split at \n, as the data loader
+                # numbers them).
+                with open(path, "rb") as f:
+                    cache[path] = array("q", accumulate(map(len, f), initial=0))[:-1]
             else:
                 if path.stat().st_size > MAX_FILE_BYTES:
                     raise OSError("too large")
