@@ -368,7 +368,7 @@ def load_run(
         )
     rows, bad_metrics = _read_jsonl(metrics_path) if metrics_path.is_file() else ([], 0)
     budget, used, size_cut = max_mib * 2**20, 0, False
-    per_step: list[list[dict[str, Any]]] = []
+    records: list[dict[str, Any]] = []  # oldest step first
     media: dict[str, list[dict[str, Any]]] = {}
     cache: dict[Path, Any] = {}
     total_samples = bad_lines = 0
@@ -390,17 +390,16 @@ def load_run(
                 # The characters its media's data URIs (a video's frames' too) add to the page.
                 items = [x for m in media[where] for x in (m, *m.get("frames", ()))]
                 size += sum(len(x.get("uri", "")) for x in items)
-            if used + size > budget and (per_step or kept):
+            if used + size > budget and (records or kept):
                 size_cut = True
                 break
             used += size
             kept.append(rec)
         if kept:
-            per_step.append(kept)
+            records[:0] = kept
             total_samples += len(lines)
         if size_cut:
             break
-    records = [rec for step_records in reversed(per_step) for rec in step_records]
     shown = sorted({rec["step"] for rec in records})
     return {
         "run": run.resolve().name,
