@@ -247,17 +247,11 @@ def export_checkpoint(
     return export_trained(model, processor, out, lora, adapter=spec.adapter)
 
 
-def export_cache_dir() -> Path:
-    """Where checkpoints given as a model path are exported: ``$LIGHTRFT_EXPORT_CACHE``, else
-    ``~/.cache/lightrft/exports``."""
-    env = os.environ.get("LIGHTRFT_EXPORT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightrft" / "exports"
-
-
 def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> str:
     """``path`` itself, or for a training checkpoint (:func:`~lightrft.sections.is_checkpoint_dir`) its export
-    (:func:`export_checkpoint`) in :func:`export_cache_dir`, made once and reused while the
-    checkpoint is unchanged (keyed by its absolute path and ``meta.json``). What eval's
+    (:func:`export_checkpoint`) in the export cache (``$LIGHTRFT_EXPORT_CACHE``, else
+    ``~/.cache/lightrft/exports``), made once and reused while the checkpoint is unchanged
+    (keyed by its absolute path and ``meta.json``). What eval's
     ``model.path`` and :class:`~lightrft.rewards.RewardModel` call. Under a process group it is
     collective (call it on every rank; the cache must be on a file system they share).
     ``trust_remote_code``: the caller's (its config's) flag; the checkpoint's own is never
@@ -271,7 +265,9 @@ def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> s
         return str(path)
     p = Path(path).resolve()
     key = hashlib.sha256(str(p).encode() + b"\0" + (p / META).read_bytes()).hexdigest()[:16]
-    out = export_cache_dir() / f"{p.parent.parent.name}-{p.name}-{key}"
+    env = os.environ.get("LIGHTRFT_EXPORT_CACHE")
+    cache = Path(env).expanduser() if env else Path.home() / ".cache" / "lightrft" / "exports"
+    out = cache / f"{p.parent.parent.name}-{p.name}-{key}"
     # Rank 0 decides, so every rank takes part in the (collective) export or none does.
     if broadcast_from_rank0(not out.is_dir() if is_main() else None):
         export_checkpoint(p, out, trust_remote_code=trust_remote_code)
