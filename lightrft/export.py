@@ -10,10 +10,8 @@ room: reward models and eval take a checkpoint through it without importing ``tr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,46 +85,6 @@ def read_export_spec(checkpoint: str | Path) -> tuple[dict[str, Any], ExportSpec
             "weights and the config come from there)"
         )
     return meta, spec
-
-
-@contextlib.contextmanager
-def _in_dir(cwd: str) -> Iterator[None]:
-    # A relative model.path is what the run loaded, and what an adapter's
-    # base_model_name_or_path records: load it by the same name, from the run's directory.
-    old = os.getcwd()
-    if cwd and Path(cwd).is_dir():
-        os.chdir(cwd)
-    try:
-        yield
-    finally:
-        os.chdir(old)
-
-
-def build_skeleton(spec: ExportSpec) -> nn.Module:
-    """The trained model as the run built it before training, whole, on the CPU: the base
-    weights from ``spec.path``, LoRA adapters on it, a reward model's head(s) and pooler."""
-    from lightrft.models.lora import apply_backbone_lora, apply_lora
-    from lightrft.models.reward import load_reward_net_parallel
-    from lightrft.models.sharded import load_parallel
-
-    lora = spec.lora_config()
-    common = dict(dtype=spec.dtype, device="cpu", trust_remote_code=spec.trust_remote_code)
-    apply = apply_lora if spec.kind == "causal_lm" else apply_backbone_lora
-    prepare = None if lora is None else (lambda m: apply(m, lora))
-    with _in_dir(spec.cwd):
-        if spec.kind == "causal_lm":
-            return load_parallel(spec.path, prepare=prepare, shard=False, **common)
-        r = spec.reward
-        return load_reward_net_parallel(
-            spec.path,
-            heads=r["heads"],
-            pooling=r["pooling"],
-            end_token_id=r.get("end_token_id"),
-            probe_layer=r.get("probe_layer"),
-            prepare=prepare,
-            shard=False,
-            **common,
-        )
 
 
 def _load_dcp(model: nn.Module, path: Path, name: str) -> None:
@@ -223,8 +181,10 @@ def export_checkpoint(
     the checkpoint: a ``meta.json`` is a file anyone can write, and with it the base directory's
     ``auto_map`` code would run. A checkpoint whose run trusted remote code is refused, naming
     the flag, unless the caller trusts it too."""
+    from lightrft.models.lora import apply_backbone_lora, apply_lora
     from lightrft.models.multimodal import load_processors
-    from lightrft.models.reward import set_reward_config
+    from lightrft.models.reward import load_reward_net_parallel, set_reward_config
+    from lightrft.models.sharded import load_parallel
 
     path = Path(checkpoint)
     _meta, spec = read_export_spec(path)
@@ -249,29 +209,49 @@ def export_checkpoint(
         above = next((a for a in d.absolute().parents if a.exists()), None)
         if above is not None and not above.is_dir():
             raise ValueError(f"--out: {above} is a file, not a directory; give a directory path")
-    model = build_skeleton(spec)
+    # The trained model as the run built it before training, whole, on the CPU (the base
+    # weights from spec.path, LoRA adapters on it, a reward model's head(s) and pooler), and its
+    # processor. A relative model.path is what the run loaded, and what an adapter's
+    # base_model_name_or_path records: load them by the same name, from the run's directory.
+    lora = spec.lora_config()
+    apply = apply_lora if spec.kind == "causal_lm" else apply_backbone_lora
+    prepare = None if lora is None else (lambda m: apply(m, lora))
+    common = dict(dtype=spec.dtype, device="cpu", trust_remote_code=spec.trust_remote_code)
+    old = os.getcwd()
+    if spec.cwd and Path(spec.cwd).is_dir():
+        os.chdir(spec.cwd)
+    try:
+        if spec.kind == "causal_lm":
+            model = load_parallel(spec.path, prepare=prepare, shard=False, **common)
+        else:
+            r = spec.reward
+            model = load_reward_net_parallel(
+                spec.path,
+                heads=r["heads"],
+                pooling=r["pooling"],
+                end_token_id=r.get("end_token_id"),
+                probe_layer=r.get("probe_layer"),
+                prepare=prepare,
+                shard=False,
+                **common,
+            )
+        processor, _ = load_processors(spec.path, trust_remote_code=spec.trust_remote_code)
+    finally:
+        os.chdir(old)
     if spec.strategy == "deepspeed":
         _load_deepspeed(model, path, spec.model)
     else:
         _load_dcp(model, path, spec.model)
-    with _in_dir(spec.cwd):
-        processor, _ = load_processors(spec.path, trust_remote_code=spec.trust_remote_code)
     if spec.kind == "reward_net":
         set_reward_config(model, spec.reward)
-    return export_trained(model, processor, out, spec.lora_config(), adapter=spec.adapter)
-
-
-def export_cache_dir() -> Path:
-    """Where checkpoints given as a model path are exported: ``$LIGHTRFT_EXPORT_CACHE``, else
-    ``~/.cache/lightrft/exports``."""
-    env = os.environ.get("LIGHTRFT_EXPORT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightrft" / "exports"
+    return export_trained(model, processor, out, lora, adapter=spec.adapter)
 
 
 def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> str:
     """``path`` itself, or for a training checkpoint (:func:`~lightrft.sections.is_checkpoint_dir`) its export
-    (:func:`export_checkpoint`) in :func:`export_cache_dir`, made once and reused while the
-    checkpoint is unchanged (keyed by its absolute path and ``meta.json``). What eval's
+    (:func:`export_checkpoint`) in the export cache (``$LIGHTRFT_EXPORT_CACHE``, else
+    ``~/.cache/lightrft/exports``), made once and reused while the checkpoint is unchanged
+    (keyed by its absolute path and ``meta.json``). What eval's
     ``model.path`` and :class:`~lightrft.rewards.RewardModel` call. Under a process group it is
     collective (call it on every rank; the cache must be on a file system they share).
     ``trust_remote_code``: the caller's (its config's) flag; the checkpoint's own is never
@@ -285,7 +265,9 @@ def resolve_model_dir(path: str | Path, *, trust_remote_code: bool = False) -> s
         return str(path)
     p = Path(path).resolve()
     key = hashlib.sha256(str(p).encode() + b"\0" + (p / META).read_bytes()).hexdigest()[:16]
-    out = export_cache_dir() / f"{p.parent.parent.name}-{p.name}-{key}"
+    env = os.environ.get("LIGHTRFT_EXPORT_CACHE")
+    cache = Path(env).expanduser() if env else Path.home() / ".cache" / "lightrft" / "exports"
+    out = cache / f"{p.parent.parent.name}-{p.name}-{key}"
     # Rank 0 decides, so every rank takes part in the (collective) export or none does.
     if all_gather_objects(not out.is_dir() if is_main() else None)[0]:  # rank 0's
         export_checkpoint(p, out, trust_remote_code=trust_remote_code)

@@ -78,12 +78,10 @@ def _finite(text: str) -> float | None:
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The JSON objects of a file, and how many lines were not one (a running run's last line
     may be half written; a line over :data:`MAX_LINE_BYTES`, an integer past Python's 4300
-    digits, nesting past the recursion limit). Only a regular file is read (a link to
-    ``/dev/zero`` is not), and at most :data:`MAX_FILE_BYTES` of it."""
+    digits, nesting past the recursion limit). Only a regular file is read (its callers check:
+    a link to ``/dev/zero`` is not), and at most :data:`MAX_FILE_BYTES` of it."""
     rows: list[dict[str, Any]] = []
     bad = 0
-    if not path.is_file():
-        return rows, 1
     with open(path, "rb") as f:
         read = 0
         while read < MAX_FILE_BYTES:
@@ -136,14 +134,6 @@ def curves(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _line_offsets(path: Path) -> array:
-    """Where each line of a file starts, in bytes: a data set of millions of records is
-    indexed in one pass without holding its text (lines split at ``\\n``, as the data loader
-    numbers them)."""
-    with open(path, "rb") as f:
-        return array("q", accumulate(map(len, f), initial=0))[:-1]
-
-
 def _record_media(where: str, cache: dict[Path, Any], run: Path) -> list[dict[str, Any]]:
     """The images, audio and videos of the dataset record ``where`` names (``"<file> line
     N"``), read from its ``images`` / ``audios`` / ``videos`` fields (a path or a list;
@@ -160,7 +150,11 @@ def _record_media(where: str, cache: dict[Path, Any], run: Path) -> list[dict[st
     if path not in cache:
         try:
             if m["kind"] == "line":
-                cache[path] = _line_offsets(path)
+                # Where each line starts, in bytes: a data set of millions of records is indexed
+                # in one pass without holding its text (lines split at \n, as the data loader
+                # numbers them).
+                with open(path, "rb") as f:
+                    cache[path] = array("q", accumulate(map(len, f), initial=0))[:-1]
             else:
                 if path.stat().st_size > MAX_FILE_BYTES:
                     raise OSError("too large")
@@ -220,7 +214,24 @@ def _media_item(
     if kind == "video" and isinstance(value, dict):  # {"path": ...} as the data loader takes
         value = value.get("path", value.get("video"))
     if kind == "video" and isinstance(value, (list, tuple)):
-        return _frame_list(value, base, roots)
+        # A video given as frame images: each shown frame embedded as an image is (at most
+        # ``VIDEO_FRAMES``, spread evenly).
+        names = [f for f in value if isinstance(f, str)]
+        name = f"{len(value)} frames" + (f" ({names[0]} .. {names[-1]})" if names else "")
+        if not value:
+            return {"kind": "video", "name": name, "missing": "an empty frame list"}
+        shown = _spread(len(value), VIDEO_FRAMES)
+        frames = []
+        for k in shown:
+            frame = _media_item("image", value[k], base, roots) or {
+                "name": f"frame {k}",
+                "missing": "inline data, not a file path: not shown",
+            }
+            frames.append({"index": k, **{n: v for n, v in frame.items() if n != "kind"}})
+        item = {"kind": "video", "name": name, "frames": frames}
+        if len(shown) < len(value):
+            item["note"] = f"{len(shown)} of its {len(value)} frames, spread evenly"
+        return item
     if not isinstance(value, str) or not value:
         return None
     item: dict[str, Any] = {"kind": kind, "name": value[:300]}
@@ -265,30 +276,6 @@ def _looks_like(kind: str, data: bytes) -> bool:
     return kind in ("audio", "video") and data[4:8] == b"ftyp"
 
 
-def _frame_list(frames: list | tuple, base: Path, roots: tuple[Path, ...]) -> dict[str, Any]:
-    """A video given as frame images: each shown frame embedded as an image is (at most
-    ``VIDEO_FRAMES``, spread evenly)."""
-    names = [f for f in frames if isinstance(f, str)]
-    item: dict[str, Any] = {
-        "kind": "video",
-        "name": f"{len(frames)} frames" + (f" ({names[0]} .. {names[-1]})" if names else ""),
-    }
-    if not frames:
-        item["missing"] = "an empty frame list"
-        return item
-    shown = _spread(len(frames), VIDEO_FRAMES)
-    item["frames"] = []
-    for k in shown:
-        frame = _media_item("image", frames[k], base, roots) or {
-            "name": f"frame {k}",
-            "missing": "inline data, not a file path: not shown",
-        }
-        item["frames"].append({"index": k, **{n: v for n, v in frame.items() if n != "kind"}})
-    if len(shown) < len(frames):
-        item["note"] = f"{len(shown)} of its {len(frames)} frames, spread evenly"
-    return item
-
-
 def _video_file(file: Path) -> dict[str, Any]:
     """A video file's ``"uri"`` when a browser plays it (:data:`PLAYABLE`, its codec probed
     with PyAV), else up to ``VIDEO_FRAMES`` of its frames decoded with PyAV (JPEG, at most
@@ -298,11 +285,11 @@ def _video_file(file: Path) -> dict[str, Any]:
         import av
     except ImportError:
         if mime is not None:
-            with open(file, "rb") as f:
-                if not _looks_like("video", f.read(16)):
-                    return {"missing": "not a video file: not embedded"}
+            data = file.read_bytes()  # at most MEDIA_LIMIT bytes
+            if not _looks_like("video", data):
+                return {"missing": "not a video file: not embedded"}
             return {
-                "uri": _data_uri(file.read_bytes(), mime),
+                "uri": _data_uri(data, mime),
                 "note": "codec not checked: PyAV is not installed (pip install av)",
             }
         return {
@@ -381,7 +368,7 @@ def load_run(
         )
     rows, bad_metrics = _read_jsonl(metrics_path) if metrics_path.is_file() else ([], 0)
     budget, used, size_cut = max_mib * 2**20, 0, False
-    per_step: list[list[dict[str, Any]]] = []
+    records: list[dict[str, Any]] = []  # oldest step first
     media: dict[str, list[dict[str, Any]]] = {}
     cache: dict[Path, Any] = {}
     total_samples = bad_lines = 0
@@ -403,17 +390,16 @@ def load_run(
                 # The characters its media's data URIs (a video's frames' too) add to the page.
                 items = [x for m in media[where] for x in (m, *m.get("frames", ()))]
                 size += sum(len(x.get("uri", "")) for x in items)
-            if used + size > budget and (per_step or kept):
+            if used + size > budget and (records or kept):
                 size_cut = True
                 break
             used += size
             kept.append(rec)
         if kept:
-            per_step.append(kept)
+            records[:0] = kept
             total_samples += len(lines)
         if size_cut:
             break
-    records = [rec for step_records in reversed(per_step) for rec in step_records]
     shown = sorted({rec["step"] for rec in records})
     return {
         "run": run.resolve().name,
