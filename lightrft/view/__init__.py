@@ -166,6 +166,8 @@ def _record_media(where: str, cache: dict[Path, Any], run: Path) -> list[dict[st
     try:
         n = int(m["n"])
         if m["kind"] == "line":
+            if n < 1:  # lines count from 1: line 0 would read the file's last line
+                return []
             with open(path, "rb") as f:
                 f.seek(cache[path][n - 1])
                 rec = json.loads(f.readline(MAX_LINE_BYTES).decode("utf-8", errors="replace"))

@@ -290,6 +290,18 @@ def test_files_outside_the_run_and_data_folders_are_named_not_embedded(fake_run,
     assert "hf_secret_token" not in page and "secret-bytes" not in page
 
 
+def test_line_0_names_no_record(fake_run):
+    """Lines count from 1: ``line 0`` showed the data file's last record's media."""
+    data = _hostile_record(fake_run, {"prompt": "p", "images": ["red.png"]}) / "train.jsonl"
+    assert load_run(fake_run)["media"]  # the record's image, as ``line N`` names it
+    for path in (fake_run / "trajectories").iterdir():
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for r in rows:
+            r["where"] = f"{data} line 0"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_run(fake_run)["media"] == {}
+
+
 def test_a_hostile_where_is_only_a_string(fake_run):
     path = fake_run / "trajectories" / "step_000001.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()]
