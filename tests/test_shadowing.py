@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -61,6 +62,26 @@ def test_the_checker_sees_a_shadowing_package(tmp_path):
     assert root_packages(tmp_path) == {"kernels", "setup"}
 
 
+def _from_root(name: str, path: str | None) -> bool:
+    """Whether ``path`` (an import's origin or package folder) is the repository root's own
+    ``name``: a folder, ``name.py`` or ``name/__init__.py`` in the root. A virtual environment
+    inside the root (``.venv/``) or beside it (``<root>-venv/``) is not."""
+    root = ROOT.resolve()
+    return path is not None and Path(path).resolve() in {
+        root / name,
+        root / f"{name}.py",
+        root / name / "__init__.py",
+    }
+
+
+def test_from_root_names_only_the_roots_own_module():
+    assert _from_root("kernels", str(ROOT / "kernels" / "__init__.py"))
+    assert _from_root("kernels", str(ROOT / "kernels"))  # a namespace package's folder
+    for venv in (ROOT / ".venv", Path(f"{ROOT}-venv")):
+        assert not _from_root("kernels", str(venv / "lib/site-packages/kernels/__init__.py"))
+    assert not _from_root("kernels", None)
+
+
 def test_no_root_name_collides_with_an_installed_distribution():
     """Every top-level module of an installed distribution that also names something in the root
     (a folder or a file) imports as the installed one, from a Python started in the root."""
@@ -70,16 +91,17 @@ def test_no_root_name_collides_with_an_installed_distribution():
     if not clashes:
         pytest.skip(f"no installed distribution has a top-level name among {sorted(names)}")
     probe = (  # find_spec: where the import would come from, without running the module
-        "import importlib.util\n"
+        "import importlib.util, json\n"
         f"for name in {clashes!r}:\n"
         "    s = importlib.util.find_spec(name)\n"
-        "    print(name, s.origin, list(s.submodule_search_locations or []))\n"
+        "    print(json.dumps([name, s.origin, list(s.submodule_search_locations or [])]))\n"
     )
     r = _in_root(probe)
     assert r.returncode == 0, r.stderr[-2000:]
     for line in r.stdout.splitlines():
-        name, where = line.split(" ", 1)
-        assert str(ROOT) not in where, f"{name} ({installed[name]}) imports from the repo: {where}"
+        name, origin, folders = json.loads(line)
+        for where in (origin, *folders):
+            assert not _from_root(name, where), f"{name} ({installed[name]}) imports from {where}"
 
 
 def _installed(dist: str) -> bool:
@@ -104,5 +126,5 @@ def test_transformers_imports_the_kernel_hub_from_the_repository_root():
         "print(kernels.__file__)\n"
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert str(ROOT) not in r.stdout, r.stdout
+    assert not _from_root("kernels", r.stdout.strip()), r.stdout
     assert importlib.metadata.distribution("kernels").locate_file("") != ROOT
