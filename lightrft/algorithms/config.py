@@ -16,8 +16,7 @@ from typing import Any, Literal, Protocol
 from torch import Tensor
 
 from lightrft.algorithms.advantages import check_estimator, check_group_size
-from lightrft.algorithms.kl import KINDS as KL_KINDS
-from lightrft.algorithms.kl import build_kl_controller
+from lightrft.algorithms.kl import ALIASES, KINDS, build_kl_controller
 from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective, lookup
 from lightrft.algorithms.mismatch import (
     check_geometric,
@@ -143,9 +142,7 @@ class KLConfig(Section):
     """``algorithm.kl:``: a KL to the frozen reference (the section switches it on)."""
 
     coef: float | None = option(None, doc="the KL coefficient (> 0)")
-    estimator: Literal[(*KL_KINDS, "kl", "mse", "low_var_kl")] | None = option(
-        None, doc="default k3"
-    )
+    estimator: Literal[(*KINDS, *ALIASES)] | None = option(None, doc="default k3")
     placement: Literal["loss", "reward"] | None = option(None, doc="default loss")
     controller: Literal["fixed", "adaptive"] | None = option(None, doc="default fixed")
     target: float | None = option(None, doc="adaptive only")
