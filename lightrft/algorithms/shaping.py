@@ -42,8 +42,7 @@ class RunningRewardNormalizer:
     """
 
     def __init__(self, *, clip: float | None = None, center: bool = True, eps: float = 1e-8):
-        if clip is not None and not clip > 0:
-            raise ValueError(f"reward clip must be > 0 or None, got {clip}")
+        at_least("reward clip", clip, 0, strict=True)  # None: no clipping
         self.clip = clip
         self.center = center
         self.eps = eps
@@ -196,14 +195,12 @@ class DynamicSamplingAccumulator(Generic[T]):
                 f"got {len(samples)} samples but {metric.numel()} metric values; "
                 "pass one value per sample"
             )
-        keep = filter_groups(metric, self.group_size).tolist()
+        keep = filter_groups(metric, self.group_size)  # [N]
         g = self.group_size
-        for i, kept in enumerate(keep):
-            if kept:
-                self._groups.append(list(samples[i * g : (i + 1) * g]))
+        self._groups += [list(samples[i * g : (i + 1) * g]) for i in keep.nonzero()[:, 0].tolist()]
         self.draws += 1
         self.groups_seen += len(keep)
-        return sum(keep)
+        return int(keep.sum())
 
     def take(self) -> tuple[list[T], dict[str, float]]:
         """Return up to ``target_groups`` groups as one flat list, plus metrics; then reset."""
