@@ -70,9 +70,6 @@ class PolicyLossConfig(Section):
     agg: Literal[AGG_MODES] | None = option(None, doc="how token losses aggregate")
     norm_len: int | None = option(None, ge=1, doc="seq_mean_token_sum_norm's divisor")
 
-    def kwargs(self) -> dict[str, Any]:
-        return dict(vars(self))  # every key is an argument of policy_loss
-
 
 @section
 class TISConfig(Section):
@@ -262,7 +259,7 @@ class AlgorithmConfig(Section):
             # the loss does not depend on how a step is split into micro-batches.
             norm_len=pl.norm_len or (max_tokens if agg == "seq_mean_token_sum_norm" else None),
         )
-        check_objective(**pl.kwargs())
+        check_objective(**vars(pl))  # every key is an argument of policy_loss
         return pl
 
     def _kl(self) -> KLConfig | None:
