@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from lightrft.algorithms.advantages import check_group_size
+from lightrft.algorithms.advantages import check_group_size, check_rewards
 from lightrft.config import at_least
 
 logger = logging.getLogger(__name__)
@@ -129,13 +129,7 @@ def filter_groups(metric: Tensor, group_size: int) -> Tensor:
     samples gives every sample a zero group-relative advantage; it is dropped (False).
     """
     check_group_size(group_size, "dynamic sampling")
-    if metric.ndim != 1 or metric.numel() % group_size != 0:
-        raise ValueError(
-            f"metric must be [B] with B a multiple of group_size={group_size}, "
-            f"got shape {tuple(metric.shape)}"
-        )
-    if metric.is_floating_point() and not bool(torch.isfinite(metric).all()):
-        raise ValueError("dynamic-sampling metric contains NaN or inf")
+    check_rewards(metric, group_size, "metric values")  # [B] in whole groups, finite
     groups = metric.view(-1, group_size)  # [N, G]
     return groups.amax(dim=1) != groups.amin(dim=1)  # [N]
 
