@@ -479,7 +479,7 @@ class GRPORecipe:
             mb.old_logprobs,
             mb.advantages,
             mb.loss_mask,
-            **alg.policy_loss.kwargs(),
+            **vars(alg.policy_loss),  # every key is an argument of policy_loss
             **counts.loss,
             **tis,
         )

@@ -42,7 +42,7 @@ def check_group_size(group_size: Any, what: str, remedy: str = "") -> None:
         )
 
 
-def _check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> Tensor:
+def check_rewards(rewards: Tensor, group_size: int, name: str = "rewards") -> Tensor:
     """Validate ``[B]`` rewards grouped by ``group_size``; return them as a float tensor."""
     check_group_size(group_size, "a group baseline", _NO_GROUP + " (reinforce_pp, gae)")
     if rewards.ndim != 1:
@@ -123,7 +123,7 @@ def grpo(
     (``scale="batch"``; the mean stays per group), or no division at all (``scale="none"``,
     which equals :func:`dr_grpo`). A group of equal rewards gives exactly 0.
     """
-    rewards = _check_rewards(rewards, group_size)
+    rewards = check_rewards(rewards, group_size)
     groups = rewards.view(-1, group_size)  # [N, G]
     centred = groups - groups.mean(dim=1, keepdim=True)  # [N, G]
     if scale == "group":

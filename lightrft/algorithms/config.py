@@ -16,8 +16,7 @@ from typing import Any, Literal, Protocol
 from torch import Tensor
 
 from lightrft.algorithms.advantages import check_estimator, check_group_size
-from lightrft.algorithms.kl import KINDS as KL_KINDS
-from lightrft.algorithms.kl import build_kl_controller
+from lightrft.algorithms.kl import ALIASES, KINDS, build_kl_controller
 from lightrft.algorithms.losses import AGG_MODES, OBJECTIVES, check_objective, lookup
 from lightrft.algorithms.mismatch import (
     check_geometric,
@@ -70,9 +69,6 @@ class PolicyLossConfig(Section):
     dual_clip: float | None = option(None, doc="dual-clip bound (> 1)")
     agg: Literal[AGG_MODES] | None = option(None, doc="how token losses aggregate")
     norm_len: int | None = option(None, ge=1, doc="seq_mean_token_sum_norm's divisor")
-
-    def kwargs(self) -> dict[str, Any]:
-        return dict(vars(self))  # every key is an argument of policy_loss
 
 
 @section
@@ -143,9 +139,7 @@ class KLConfig(Section):
     """``algorithm.kl:``: a KL to the frozen reference (the section switches it on)."""
 
     coef: float | None = option(None, doc="the KL coefficient (> 0)")
-    estimator: Literal[(*KL_KINDS, "kl", "mse", "low_var_kl")] | None = option(
-        None, doc="default k3"
-    )
+    estimator: Literal[(*KINDS, *ALIASES)] | None = option(None, doc="default k3")
     placement: Literal["loss", "reward"] | None = option(None, doc="default loss")
     controller: Literal["fixed", "adaptive"] | None = option(None, doc="default fixed")
     target: float | None = option(None, doc="adaptive only")
@@ -265,7 +259,7 @@ class AlgorithmConfig(Section):
             # the loss does not depend on how a step is split into micro-batches.
             norm_len=pl.norm_len or (max_tokens if agg == "seq_mean_token_sum_norm" else None),
         )
-        check_objective(**pl.kwargs())
+        check_objective(**vars(pl))  # every key is an argument of policy_loss
         return pl
 
     def _kl(self) -> KLConfig | None:

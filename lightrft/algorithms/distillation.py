@@ -68,9 +68,8 @@ def distillation_advantages(
     ``student``, ``teacher``: log-probs of the sampled tokens ``[B, R]``; ``mask``: bool
     ``[B, R]``, True on sampled tokens."""
     valid = mask.bool()
-    diff = torch.where(valid, teacher.float() - student.float(), 0.0)  # [B, R]
-    adv = diff
+    adv = torch.where(valid, teacher.float() - student.float(), 0.0)  # [B, R]
+    kl = -adv.sum() / valid.sum().clamp(min=1)
     if task_advantages is not None and reward_weight:
         adv = adv + reward_weight * torch.where(valid, task_advantages.float(), 0.0)
-    kl = -diff.sum() / valid.sum().clamp(min=1)
     return adv, {"reverse_kl": kl.detach()}

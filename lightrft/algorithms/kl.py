@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightrft.algorithms.advantages import to_token_rewards
-from lightrft.algorithms.losses import LOG_RATIO_CLAMP, aggregate, check_shape, upcast
+from lightrft.algorithms.losses import LOG_RATIO_CLAMP, aggregate, check_shape, lookup, upcast
 from lightrft.config import at_least
 
 KINDS = ("k1", "abs", "k2", "k3", "k3+")
@@ -179,10 +179,8 @@ def build_kl_controller(
     horizon: float | None = None,
 ) -> FixedKLController | AdaptiveKLController:
     """Make the controller named by the config (``fixed`` or ``adaptive``)."""
-    if kind == "fixed":
+    if lookup(KL_CONTROLLERS, kind, "KL controller") is FixedKLController:
         return FixedKLController(coef)
-    if kind == "adaptive":
-        if target is None or horizon is None:
-            raise ValueError("an adaptive KL controller needs target and horizon")
-        return AdaptiveKLController(coef, target, horizon)
-    raise ValueError(f"unknown KL controller {kind!r}; choose one of {list(KL_CONTROLLERS)}")
+    if target is None or horizon is None:
+        raise ValueError("an adaptive KL controller needs target and horizon")
+    return AdaptiveKLController(coef, target, horizon)

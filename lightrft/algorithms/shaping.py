@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from lightrft.algorithms.advantages import check_group_size
+from lightrft.algorithms.advantages import check_group_size, check_rewards
 from lightrft.config import at_least
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ class RunningRewardNormalizer:
     """
 
     def __init__(self, *, clip: float | None = None, center: bool = True, eps: float = 1e-8):
-        if clip is not None and not clip > 0:
-            raise ValueError(f"reward clip must be > 0 or None, got {clip}")
+        at_least("reward clip", clip, 0, strict=True)  # None: no clipping
         self.clip = clip
         self.center = center
         self.eps = eps
@@ -130,13 +129,7 @@ def filter_groups(metric: Tensor, group_size: int) -> Tensor:
     samples gives every sample a zero group-relative advantage; it is dropped (False).
     """
     check_group_size(group_size, "dynamic sampling")
-    if metric.ndim != 1 or metric.numel() % group_size != 0:
-        raise ValueError(
-            f"metric must be [B] with B a multiple of group_size={group_size}, "
-            f"got shape {tuple(metric.shape)}"
-        )
-    if metric.is_floating_point() and not bool(torch.isfinite(metric).all()):
-        raise ValueError("dynamic-sampling metric contains NaN or inf")
+    check_rewards(metric, group_size, "metric values")  # [B] in whole groups, finite
     groups = metric.view(-1, group_size)  # [N, G]
     return groups.amax(dim=1) != groups.amin(dim=1)  # [N]
 
@@ -196,14 +189,12 @@ class DynamicSamplingAccumulator(Generic[T]):
                 f"got {len(samples)} samples but {metric.numel()} metric values; "
                 "pass one value per sample"
             )
-        keep = filter_groups(metric, self.group_size).tolist()
+        keep = filter_groups(metric, self.group_size)  # [N]
         g = self.group_size
-        for i, kept in enumerate(keep):
-            if kept:
-                self._groups.append(list(samples[i * g : (i + 1) * g]))
+        self._groups += [list(samples[i * g : (i + 1) * g]) for i in keep.nonzero()[:, 0].tolist()]
         self.draws += 1
         self.groups_seen += len(keep)
-        return sum(keep)
+        return int(keep.sum())
 
     def take(self) -> tuple[list[T], dict[str, float]]:
         """Return up to ``target_groups`` groups as one flat list, plus metrics; then reset."""
