@@ -58,15 +58,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = []
-        for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
-            if g is None:
-                grads.append(None)
-                continue
-            if not bool(grad_out == 1):
-                g = g * grad_out.to(g.dtype)
-            grads.append(g.to(dtype))
-        g_h, g_w, g_b = grads
+        scaled = not bool(grad_out == 1)  # else the saved gradients are the answer
+        g_h, g_w, g_b = (
+            None if g is None else (g * grad_out.to(g.dtype) if scaled else g).to(dtype)
+            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)
+        )
         return g_h, g_w, None, g_b, None, None
 
 
