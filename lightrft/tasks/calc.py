@@ -140,12 +140,11 @@ def write_calc_dataset(
     for key, share in (("tool_share", tool_share), ("recover_share", recover_share)):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"{key} must be in [0, 1], got {share}")
-    shape = {"digits": digits}
-    test = calc_problems(n_test, seed=seed + 1, **shape)
+    test = calc_problems(n_test, digits=digits, seed=seed + 1)
     seen = {p for p, _, _ in test}
-    train = calc_problems(n_train, seed=seed + 2, exclude=seen, **shape)
+    train = calc_problems(n_train, digits=digits, seed=seed + 2, exclude=seen)
     seen |= {p for p, _, _ in train}
-    sft = calc_problems(n_sft, seed=seed, exclude=seen, **shape)
+    sft = calc_problems(n_sft, digits=digits, seed=seed, exclude=seen)
     n_tool = round(tool_share * n_sft)
     n_recover = round(recover_share * n_tool)
     modes = (
