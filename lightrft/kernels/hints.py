@@ -70,9 +70,8 @@ def response_grad_hint(
         return out.view(shape)
 
     def hint(chunk_rows: Tensor, logp: Tensor, ent: Tensor | None):
-        at = where[chunk_rows.to(where.device)]  # [c]
+        at = where[chunk_rows.to(where.device)].to(logp.device)  # [c]
         have = at >= 0
-        at, have = at.to(logp.device), have.to(logp.device)
         lp = place(logp, at, have).requires_grad_()
         en = None if ent is None else place(ent, at, have)
         wrt = [lp]
@@ -80,14 +79,10 @@ def response_grad_hint(
             if en is None:
                 raise ValueError("entropy_grad=True needs the kernel to compute the entropy")
             wrt.append(en.requires_grad_())
-        value = loss(lp, en)
-        grads = torch.autograd.grad(value, wrt, allow_unused=True)
-        out = []
-        for g in grads:
-            picked = torch.zeros_like(logp)
-            if g is not None:
-                picked[have] = g.reshape(-1)[at[have]].to(logp.dtype)
-            out.append(picked)
+        # An input the loss does not use gets zeros; rows outside the loss get zeros too.
+        grads = torch.autograd.grad(loss(lp, en), wrt, materialize_grads=True)
+        picked = [g.reshape(-1)[at[have]].to(logp.dtype) for g in grads]
+        out = [torch.zeros_like(logp).masked_scatter_(have, p) for p in picked]
         return out[0], (out[1] if entropy_grad else None)
 
     return hint

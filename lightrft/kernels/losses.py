@@ -58,15 +58,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = []
-        for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
-            if g is None:
-                grads.append(None)
-                continue
-            if not bool(grad_out == 1):
-                g = g * grad_out.to(g.dtype)
-            grads.append(g.to(dtype))
-        g_h, g_w, g_b = grads
+        scaled = not bool(grad_out == 1)  # else the saved gradients are the answer
+        g_h, g_w, g_b = (
+            None if g is None else (g * grad_out.to(g.dtype) if scaled else g).to(dtype)
+            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)
+        )
         return g_h, g_w, None, g_b, None, None
 
 
@@ -99,11 +95,7 @@ def fused_linear_cross_entropy(
     """
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     t1 = targets.reshape(-1)  # [N]
-    if t1.shape[0] != h2.shape[0]:
-        raise ValueError(
-            f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} without H"
-        )
-    check_inputs(h2, weight, t1, bias, 1.0, chunk_size)
+    check_inputs(h2, weight, t1, bias, 1.0, chunk_size)  # the rows too: targets must be [N]
     idx = valid_rows(t1, weight.shape[0], ignore_index)
     count = h2.shape[0] if idx is None else idx.numel()
     denom = _denominator(num_tokens, count)

@@ -90,12 +90,6 @@ class TTRLReward:
         # strongly its samples agreed (the majority's share of the group).
         self.last_metrics: dict[str, float] = {}
 
-    def _agree(self, preds: list[str | None], label: str) -> list[bool]:
-        if hasattr(self.verifier, "equivalent_many"):
-            return self.verifier.equivalent_many(preds, [label] * len(preds))
-        key = answer_key(label)
-        return [p is not None and answer_key(p) == key for p in preds]
-
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         responses = [s.response for s in samples]
         extract_many = getattr(self.verifier, "extract_many", None)  # spreads over workers
@@ -116,7 +110,12 @@ class TTRLReward:
             self.last_labels.append(label)
             if label is None:
                 continue
-            for i, ok in zip(g, self._agree(group, label), strict=True):
+            if hasattr(self.verifier, "equivalent_many"):
+                agree = self.verifier.equivalent_many(group, [label] * len(group))
+            else:
+                key = answer_key(label)
+                agree = [p is not None and answer_key(p) == key for p in group]
+            for i, ok in zip(g, agree, strict=True):
                 rewards[i] = self.correct if ok else self.incorrect
         labelled = sum(label is not None for label in self.last_labels)
         self.last_metrics = {

@@ -37,7 +37,6 @@ def prepare_aqa(
             at least two, or an answer that is not one of the options.
     """
     records = load_records(src)
-    src_dir = Path(src).parent if Path(src).is_file() else Path(src)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -55,7 +54,7 @@ def prepare_aqa(
             )
         path = Path(audio)
         if not path.is_absolute():
-            path = Path(os.path.relpath(src_dir / path, out.parent.resolve()))
+            path = Path(os.path.relpath(records.base_dir(i) / path, out.parent.resolve()))
         # The user prompt: the audio tag, the question, the options, the format.
         options = "; ".join(str(c) for c in choices)
         rows.append(

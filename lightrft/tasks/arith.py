@@ -35,18 +35,6 @@ def _norm_ops(ops: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))  # dedupe, keep order
 
 
-def _evaluate(operands: list[int], operators: list[str]) -> int:
-    """Value with the usual precedence (``*`` before ``+``/``-``), left to right otherwise."""
-    terms, signs = [operands[0]], [1]
-    for op, x in zip(operators, operands[1:], strict=True):
-        if op == "*":
-            terms[-1] *= x
-        else:
-            terms.append(x)
-            signs.append(1 if op == "+" else -1)
-    return sum(s * t for s, t in zip(signs, terms, strict=True))
-
-
 def arith_records(
     n: int,
     *,
@@ -99,11 +87,11 @@ def arith_records(
     while len(out) < n:
         operands = [rng.randint(lo, hi) for _ in range(terms)]
         operators = [rng.choice(ops_) for _ in range(terms - 1)]
-        value = _evaluate(operands, operators)
+        expr = "".join(f"{a}{op}" for a, op in zip(operands, [*operators, ""], strict=True))
+        # Integers and + - * only: Python's value, * before + and -, left to right otherwise.
+        value = eval(expr)
         if value < 0 and not allow_negative:
             continue
-        expr = "".join(f"{a}{op}" for a, op in zip(operands, operators, strict=False))
-        expr += str(operands[-1])
         prompt = f"{expr}=" if style == "equation" else f"What is {expr}?"
         if prompt in seen:
             continue

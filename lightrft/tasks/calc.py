@@ -85,9 +85,7 @@ def estimate(a: int, b: int) -> int:
     significant digit (half up): ``estimate(25, 762) == 30 * 800 == 24000``. Exact only when
     rounding changes nothing (``20*300``), and simple enough for a tiny model to learn."""
 
-    def one_digit(x: int) -> int:
-        if x < 10:
-            return x
+    def one_digit(x: int) -> int:  # a one-digit x is its own rounding (unit 1)
         unit = 10 ** (len(str(x)) - 1)
         return (x + unit // 2) // unit * unit
 
@@ -103,8 +101,6 @@ def calc_transcript(prompt: str, a: int, b: int, *, mode: str) -> dict[str, Any]
     """
     from lightrft.environments import ToolEnvironment, calculator_tool
 
-    if mode not in ("direct", "tool", *FAILURES):
-        raise ValueError(f"mode must be 'direct', 'tool' or one of {list(FAILURES)}, got {mode!r}")
     expression = f"{a}*{b}"
     turns = [] if mode == "direct" else [calc_call(expression)]
     if mode in FAILURES:
@@ -144,12 +140,11 @@ def write_calc_dataset(
     for key, share in (("tool_share", tool_share), ("recover_share", recover_share)):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"{key} must be in [0, 1], got {share}")
-    shape = {"digits": digits}
-    test = calc_problems(n_test, seed=seed + 1, **shape)
+    test = calc_problems(n_test, digits=digits, seed=seed + 1)
     seen = {p for p, _, _ in test}
-    train = calc_problems(n_train, seed=seed + 2, exclude=seen, **shape)
+    train = calc_problems(n_train, digits=digits, seed=seed + 2, exclude=seen)
     seen |= {p for p, _, _ in train}
-    sft = calc_problems(n_sft, seed=seed, exclude=seen, **shape)
+    sft = calc_problems(n_sft, digits=digits, seed=seed, exclude=seen)
     n_tool = round(tool_share * n_sft)
     n_recover = round(recover_share * n_tool)
     modes = (

@@ -55,7 +55,6 @@ def derive_splits(
     out: Path,
     want: Mapping[str, Any],
     rows: Callable[[dict[str, Any], random.Random], Iterable[dict[str, Any]]],
-    read: Callable[[Path], Iterable[dict[str, Any]]] = load_records,
 ) -> Path:
     """Write ``out/{train,test}.jsonl``, each record of ``src``'s split giving ``rows(record,
     rng)`` (``rng`` seeded per split from ``want["seed"]``), and a ``meta.json`` recording
@@ -65,6 +64,6 @@ def derive_splits(
     splits = []
     for k, split in enumerate(("train", "test")):
         rng = random.Random(want["seed"] * 2 + k)
-        records = read(src / f"{split}.jsonl")
+        records = load_records(src / f"{split}.jsonl")
         splits.append((split, [row for rec in records for row in rows(rec, rng)]))
     return write_made(out, splits, want)

@@ -110,11 +110,10 @@ def write_motion_dataset(
         raise ValueError(
             f"start_grid and start_offset must be >= 0, got {start_grid}, {start_offset}"
         )
+    # Starts from which every direction stays in the frame (on each axis), on the grid if any.
+    starts = range(travel, size - side - travel + 1)
     if start_grid:
-        starts = list(range(start_offset, size - side - travel + 1, start_grid))
-        starts = [s for s in starts if s >= travel]
-    else:
-        starts = list(range(travel, size - side - travel + 1))
+        starts = [s for s in starts if s >= start_offset and (s - start_offset) % start_grid == 0]
     if not starts:
         raise ValueError(
             f"no start on the {start_grid}-pixel grid (offset {start_offset}) keeps a {side}-pixel "
@@ -133,12 +132,7 @@ def write_motion_dataset(
         records = []
         for j in range(n):
             direction = rng.choice(names)
-            # Starts from which every direction stays in the frame.
-            if start_grid:
-                x, y = rng.choice(starts), rng.choice(starts)
-            else:  # (the draws of the first version: its datasets stay the same)
-                x = rng.randint(travel, size - side - travel)
-                y = rng.randint(travel, size - side - travel)
+            x, y = rng.choice(starts), rng.choice(starts)
             video = motion_frames(direction, x=x, y=y, colour=rng.choice(colours), **shape)
             name = f"videos/{split}_{j:06d}.mp4"
             _write_mp4(out / name, video, fps)

@@ -41,16 +41,6 @@ SHAPES_JUDGE_TEMPLATE = (
 )
 
 
-def _check(grid: int, min_count: int, max_count: int, cell: int) -> None:
-    if grid < 1 or cell < 4:
-        raise ValueError(f"need grid >= 1 and cell >= 4 pixels, got grid={grid}, cell={cell}")
-    if not 0 <= min_count <= max_count <= grid * grid:
-        raise ValueError(
-            f"need 0 <= min_count <= max_count <= grid*grid ({grid * grid}), got "
-            f"min_count={min_count}, max_count={max_count}"
-        )
-
-
 def _board(rng: random.Random, grid: int, count: int) -> tuple:
     """A board with ``count`` squares: one entry per cell, a colour name or None."""
     cells = set(rng.sample(range(grid * grid), count))
@@ -90,7 +80,6 @@ def shapes_records(
     thousands of five-square ones), and drawing distinct boards would skew the answers towards
     large counts, which a model then learns as a prior instead of counting.
     """
-    _check(grid, min_count, max_count, 28)
     at_least("n", n, 0)
     rng = random.Random(seed)
     exclude = exclude or set()
@@ -100,8 +89,7 @@ def shapes_records(
         # The count first, then a board with it outside ``exclude``: rejecting whole draws would
         # favour the counts with more boards left.
         count = rng.randint(min_count, max_count)
-        board = _board(rng, grid, count)
-        while board in exclude:
+        while (board := _board(rng, grid, count)) in exclude:
             tries += 1
             if tries > 50 * (n + 10):
                 raise ValueError(
@@ -109,7 +97,6 @@ def shapes_records(
                     f"(grid={grid}, counts {min_count}..{max_count}): ask for fewer test "
                     "boards or raise grid"
                 )
-            board = _board(rng, grid, count)
         answer = str(count)
         out.append(
             (board, {"prompt": QUESTION, "completion": answer, "answer": answer, "label": "count"})
@@ -132,7 +119,13 @@ def write_shapes_dataset(
     """Write ``images/*.png``, ``train.jsonl``, ``test.jsonl`` (disjoint boards), ``meta.json``;
     with ``n_rl > 0`` also ``rl.jsonl``, whose boards are in neither train nor test."""
     settings = {k: v for k, v in locals().items() if k != "out_dir"}  # what meta.json records
-    _check(grid, min_count, max_count, cell)
+    if grid < 1 or cell < 4:
+        raise ValueError(f"need grid >= 1 and cell >= 4 pixels, got grid={grid}, cell={cell}")
+    if not 0 <= min_count <= max_count <= grid * grid:
+        raise ValueError(
+            f"need 0 <= min_count <= max_count <= grid*grid ({grid * grid}), got "
+            f"min_count={min_count}, max_count={max_count}"
+        )
     common = dict(grid=grid, min_count=min_count, max_count=max_count)
     test = shapes_records(n_test, seed=seed + 1, **common)
     train = shapes_records(n_train, seed=seed, exclude={b for b, _ in test}, **common)
