@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +151,10 @@ class Strategy:
         """``models`` (and ``optimizers``) as :meth:`Checkpointer.save` takes them."""
         return {"models": self.model, "optimizers": self.optimizer}
 
-    @contextlib.contextmanager
-    def reference(self) -> Iterator[None]:
+    def reference(self) -> contextlib.AbstractContextManager:
         """The trained model as the frozen reference policy (LoRA: adapters off); without
         LoRA a recipe loads a frozen copy (:attr:`needs_reference_copy`)."""
-        with adapters_disabled(self.model):  # a no-op for a full model
-            yield
+        return adapters_disabled(self.model)  # a no-op for a full model
 
     @property
     def needs_reference_copy(self) -> bool:
