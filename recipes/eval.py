@@ -182,9 +182,7 @@ def format_table(summary: dict[str, float]) -> str:
     width = max(len(k) for k in summary)
     lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
     for k, v in summary.items():
-        lines.append(
-            f"{k:<{width}}  {v:.4f}" if not float(v).is_integer() else f"{k:<{width}}  {int(v)}"
-        )
+        lines.append(f"{k:<{width}}  {int(v) if float(v).is_integer() else f'{v:.4f}'}")
     return "\n".join(lines)
 
 
