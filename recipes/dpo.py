@@ -116,8 +116,7 @@ class DPORecipe:
         self.ref_path = m.path if ref is None or ref.path is None else ref.path
         # LoRA with the start as reference: the policy with its adapters off; else a frozen copy.
         self.ref = None
-        self.use_ref = self.spec.reference
-        if self.use_ref and (self.strategy.needs_reference_copy or self.ref_path != m.path):
+        if self.spec.reference and (self.strategy.needs_reference_copy or self.ref_path != m.path):
             self.ref = self.strategy.load_beside(self.ref_path, m)
         self.optimizer = self.strategy.setup(
             self.model, o.optim, micro_batch_size=d.batch_size, accum=d.gradient_accumulation_steps
@@ -127,7 +126,7 @@ class DPORecipe:
         self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         # After strategy.setup: under LoRA the reference is the set-up policy, adapters off.
         self.cache, self.caches = None, {}
-        if self.use_ref and ref is not None and ref.precompute:
+        if ref is not None and ref.precompute:  # a reference section: the loss uses one
             self.caches["train"] = self._precompute(self.pairs.dataset, "train")
             if self.pairs.eval_dataset is not None:
                 self.caches["eval"] = self._precompute(self.pairs.eval_dataset, "eval")
@@ -174,7 +173,7 @@ class DPORecipe:
     def losses(self, batch: dict) -> dict[str, torch.Tensor]:
         """Per-batch sums: loss over pairs (or examples), chosen NLL and token count, metrics."""
         sums, counts = seq_logps(self.model, batch, self.dist.device)  # [N] each
-        ref_s, ref_c = self.ref_logps(batch) if self.use_ref else (None, None)
+        ref_s, ref_c = self.ref_logps(batch) if self.spec.reference else (None, None)
         cand = batch["candidates"].to(sums.device)  # [B(+KL), K]
         real = cand[: batch["n_items"]]  # [B, K]
         bi, ki = (real[:, 1:] >= 0).nonzero(as_tuple=True)
