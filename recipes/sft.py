@@ -72,7 +72,6 @@ class SFTRecipe:
     def setup(self, cfg: DictConfig) -> None:
         o, m, d = self.opts, self.opts.model, self.opts.data
         check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
-        check_towers(m)
         self.strategy = build_strategy(o.strategy, self.dist)
         self.strategy.check_model(m.path, trust_remote_code=m.trust_remote_code)
         # The ranks of one sequence-parallel group read the same samples.

@@ -17,7 +17,7 @@ from lightrft.config import instantiate
 from lightrft.distributed import DistInfo, all_reduce_sum
 from lightrft.engine.sync import sync_weights
 from lightrft.models.lora import adapters_disabled, apply_lora
-from lightrft.models.multimodal import set_towers_trainable
+from lightrft.models.multimodal import check_towers, set_towers_trainable
 from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
 from lightrft.models.ulysses import Ulysses, check_model, sp_groups
@@ -100,7 +100,9 @@ class Strategy:
 
     def load_policy(self, m: PolicyModelConfig) -> nn.Module:
         """The trained policy of a ``model:`` section, loaded as :meth:`loading` says: its
-        vision / audio towers trainable as the section says, then :meth:`adapt` (LoRA)."""
+        vision / audio towers trainable as the section says, then :meth:`adapt` (LoRA). A tower
+        the checkpoint lacks is refused first (again: a ``prepare`` step may have written it)."""
+        check_towers(m)
 
         def prepare(model: nn.Module) -> nn.Module:
             set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
