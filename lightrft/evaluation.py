@@ -29,12 +29,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     arXiv:2107.03374): ``1 - C(n-c, k) / C(n, k)``, computed as a stable product."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    prod = 1.0
-    for i in range(n - c + 1, n + 1):
-        prod *= 1.0 - k / i
-    return 1.0 - prod
+    # With n - c < k the product runs through i = k, whose factor is 0: pass@k is 1.
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> float:
