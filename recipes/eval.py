@@ -163,9 +163,8 @@ class EvalRecipe:
         )
         summary = summarize(records, list(self.opts.ks))
         if self.dist.is_main:
-            with open(self.out / "samples.jsonl", "w") as f:
-                for r in records:
-                    f.write(json.dumps(r.to_json(), default=str) + "\n")
+            rows = "".join(json.dumps(r.to_json(), default=str) + "\n" for r in records)
+            (self.out / "samples.jsonl").write_text(rows)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             print(format_table(summary), flush=True)
         barrier()
