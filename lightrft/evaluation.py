@@ -66,7 +66,6 @@ class EvalRecord:
     correct: list[bool]
     lengths: list[int]
     parts: dict[str, list[float]] = field(default_factory=dict)  # reward function -> rewards
-    extra: dict[str, Any] = field(default_factory=dict)
     episodes: list[Episode] | None = None  # with an environment: each sample's episode
 
     def to_json(self) -> dict[str, Any]:
