@@ -130,8 +130,7 @@ class EvalRecipe:
         )
         self.dataset = config.instantiate(o.dataset, processor)
         self.reward_fn = build_reward(o.reward)
-        names = list(self.reward_fn.functions)
-        self.accuracy = o.accuracy_reward or names[0]
+        self.accuracy = o.accuracy_reward or next(iter(self.reward_fn.functions))  # the first
         source = self.reward_fn.functions[o.answer_reward or self.accuracy]
         self.extract = getattr(source, "extract", None)
         self.engine = e.build(
