@@ -21,7 +21,7 @@ from lightrft.distributed import DistInfo, all_gather_objects
 from lightrft.engine import Continuation
 from lightrft.environments import Environment, Episode, Episodes, episode_metrics
 from lightrft.rewards.base import Sample
-from lightrft.rewards.math_answer import answer_key, majority_vote
+from lightrft.rewards.math_answer import majority_vote
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,12 +29,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     arXiv:2107.03374): ``1 - C(n-c, k) / C(n, k)``, computed as a stable product."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    prod = 1.0
-    for i in range(n - c + 1, n + 1):
-        prod *= 1.0 - k / i
-    return 1.0 - prod
+    # With n - c < k the product runs through i = k, whose factor is 0: pass@k is 1.
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> float:
@@ -46,12 +42,8 @@ def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> 
     """
     if not 1 <= k <= len(answers) or len(answers) != len(correct):
         raise ValueError(f"maj@{k} needs k <= {len(answers)} answers and one verdict per answer")
-    label, _ = majority_vote(answers[:k])
-    if label is None:
-        return 0.0
-    key = answer_key(label)
-    first = next(i for i in range(k) if answers[i] is not None and answer_key(answers[i]) == key)
-    return float(bool(correct[first]))
+    label, _ = majority_vote(answers[:k])  # the first answer of the winning key
+    return 0.0 if label is None else float(bool(correct[list(answers).index(label)]))
 
 
 def mean_at_k(values: Sequence[float], k: int) -> float:
@@ -74,7 +66,6 @@ class EvalRecord:
     correct: list[bool]
     lengths: list[int]
     parts: dict[str, list[float]] = field(default_factory=dict)  # reward function -> rewards
-    extra: dict[str, Any] = field(default_factory=dict)
     episodes: list[Episode] | None = None  # with an environment: each sample's episode
 
     def to_json(self) -> dict[str, Any]:
@@ -124,12 +115,9 @@ def evaluate_items(
             raise ValueError("evaluate_items: an environment needs the tokenizer")
         episodes = Episodes(environment, items, n, tokenizer)
         prompt_ids = episodes.prompt_ids
-    # generate() runs even without items: an engine's wake-up can be a collective every rank joins.
+    # generate() and reward_fn() run even without items: an engine's wake-up can be a collective
+    # every rank joins, and so are a sharded reward model's forwards.
     completions = generate(prompt_ids, episodes.continuation if episodes else None)
-    if not items:
-        if getattr(reward_fn, "collective", False):  # a sharded reward model: join its forwards
-            reward_fn([])
-        return []
     if len(completions) != n * len(items):
         raise RuntimeError(
             f"the engine returned {len(completions)} completions for {len(items)} prompts x {n}"

@@ -116,8 +116,7 @@ class DPORecipe:
         self.ref_path = m.path if ref is None or ref.path is None else ref.path
         # LoRA with the start as reference: the policy with its adapters off; else a frozen copy.
         self.ref = None
-        self.use_ref = self.spec.reference
-        if self.use_ref and (self.strategy.needs_reference_copy or self.ref_path != m.path):
+        if self.spec.reference and (self.strategy.needs_reference_copy or self.ref_path != m.path):
             self.ref = self.strategy.load_beside(self.ref_path, m)
         self.optimizer = self.strategy.setup(
             self.model, o.optim, micro_batch_size=d.batch_size, accum=d.gradient_accumulation_steps
@@ -126,13 +125,12 @@ class DPORecipe:
         self.total_steps = d.total_steps(len(self.pairs.loader))
         self.scheduler = lr_scheduler(self.optimizer, o.optim.lr_scheduler, self.total_steps)
         # After strategy.setup: under LoRA the reference is the set-up policy, adapters off.
-        self.cache, self.caches = None, {}
-        if self.use_ref and ref is not None and ref.precompute:
+        self.caches = {}  # split -> the reference's table
+        if ref is not None and ref.precompute:  # a reference section: the loss uses one
             self.caches["train"] = self._precompute(self.pairs.dataset, "train")
             if self.pairs.eval_dataset is not None:
                 self.caches["eval"] = self._precompute(self.pairs.eval_dataset, "eval")
             self.ref = None  # its work is done: free it
-        self.cache = self.caches.get("train")
         self.step, epoch, self.last_eval_step = 0, 0, None
         state = self.run.resume(**self._state())
         if state is not None:
@@ -141,15 +139,15 @@ class DPORecipe:
         self.logger = self.run.open_logger(self.step, self.pairs.stats)
 
     @torch.no_grad()
-    def ref_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def ref_logps(self, batch: dict, split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's ``(sums, counts)`` of every sequence of ``batch``: from the
-        precomputed table of the loader's data set, else a forward of the frozen reference."""
-        if self.cache is not None:
-            cand, dev = batch["candidates"], self.dist.device  # [B, K]
-            sums, counts = torch.zeros(int(cand.max()) + 1), torch.zeros(int(cand.max()) + 1)
-            rows, valid = self.cache[batch["index"]][:, : cand.shape[1]], cand >= 0  # [B, K, 2]
-            sums[cand[valid]], counts[cand[valid]] = rows[..., 0][valid], rows[..., 1][valid]
-            return sums.to(dev), counts.to(dev)
+        precomputed table of its data set's ``split``, else a forward of the frozen reference."""
+        table = self.caches.get(split)
+        if table is not None:
+            cand, valid = batch["candidates"], batch["candidates"] >= 0  # [B, K]
+            out = torch.zeros(int(cand.max()) + 1, 2)  # [N, 2]: each sequence's (sum, count)
+            out[cand[valid]] = table[batch["index"]][:, : cand.shape[1]][valid]  # [B, K, 2] rows
+            return out[:, 0].to(self.dist.device), out[:, 1].to(self.dist.device)
         model = self.ref if self.ref is not None else self.model
         was = model.training
         model.eval()
@@ -171,10 +169,10 @@ class DPORecipe:
 
     # ------------------------------------------------------------------ steps
 
-    def losses(self, batch: dict) -> dict[str, torch.Tensor]:
+    def losses(self, batch: dict, split: str = "train") -> dict[str, torch.Tensor]:
         """Per-batch sums: loss over pairs (or examples), chosen NLL and token count, metrics."""
         sums, counts = seq_logps(self.model, batch, self.dist.device)  # [N] each
-        ref_s, ref_c = self.ref_logps(batch) if self.use_ref else (None, None)
+        ref_s, ref_c = self.ref_logps(batch, split) if self.spec.reference else (None, None)
         cand = batch["candidates"].to(sums.device)  # [B(+KL), K]
         real = cand[: batch["n_items"]]  # [B, K]
         bi, ki = (real[:, 1:] >= 0).nonzero(as_tuple=True)
@@ -281,14 +279,12 @@ class DPORecipe:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """The loss and TRL's metrics on the held-out pairs (reference computed per batch)."""
-        self.cache = self.caches.get("eval")
         self.model.eval()
         sums: dict[str, float] = {}
         for b in self.pairs.eval_loader:
-            for k, v in self.losses(b).items():
+            for k, v in self.losses(b, "eval").items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.model.train()
-        self.cache = self.caches.get("train")
         tot = reduce_metrics(sums, "sum")
         out = metric_means(tot, "eval/")
         out["eval/loss"] = tot["loss"] / max(tot["units"], 1.0)

@@ -130,8 +130,7 @@ class EvalRecipe:
         )
         self.dataset = config.instantiate(o.dataset, processor)
         self.reward_fn = build_reward(o.reward)
-        names = list(self.reward_fn.functions)
-        self.accuracy = o.accuracy_reward or names[0]
+        self.accuracy = o.accuracy_reward or next(iter(self.reward_fn.functions))  # the first
         source = self.reward_fn.functions[o.answer_reward or self.accuracy]
         self.extract = getattr(source, "extract", None)
         self.engine = e.build(
@@ -163,9 +162,8 @@ class EvalRecipe:
         )
         summary = summarize(records, list(self.opts.ks))
         if self.dist.is_main:
-            with open(self.out / "samples.jsonl", "w") as f:
-                for r in records:
-                    f.write(json.dumps(r.to_json(), default=str) + "\n")
+            rows = "".join(json.dumps(r.to_json(), default=str) + "\n" for r in records)
+            (self.out / "samples.jsonl").write_text(rows)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             print(format_table(summary), flush=True)
         barrier()
@@ -182,9 +180,7 @@ def format_table(summary: dict[str, float]) -> str:
     width = max(len(k) for k in summary)
     lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
     for k, v in summary.items():
-        lines.append(
-            f"{k:<{width}}  {v:.4f}" if not float(v).is_integer() else f"{k:<{width}}  {int(v)}"
-        )
+        lines.append(f"{k:<{width}}  {int(v) if float(v).is_integer() else f'{v:.4f}'}")
     return "\n".join(lines)
 
 

@@ -72,13 +72,10 @@ class SFTRecipe:
     def setup(self, cfg: DictConfig) -> None:
         o, m, d = self.opts, self.opts.model, self.opts.data
         check_model_path(m.path, loading=True)  # it exists now, whatever prepare wrote
-        check_towers(m)
         self.strategy = build_strategy(o.strategy, self.dist)
         self.strategy.check_model(m.path, trust_remote_code=m.trust_remote_code)
         # The ranks of one sequence-parallel group read the same samples.
         data = self.strategy.data_dist
-        # What `lightrft export` needs to turn a checkpoint into this run's final/.
-        self.export_spec = ExportSpec.of("causal_lm", m, o.strategy)
         # The data first: a bad record is refused before the model loads. A vision- or
         # audio-language model's datasets take its processor (images / audio + text); the
         # collator and export use the tokenizer / processor the same way for all.
@@ -193,7 +190,8 @@ class SFTRecipe:
             self.step,
             **self._state(),
             extra={"epoch": self.epoch},
-            export=self.export_spec.to_json(),
+            # What `lightrft export` needs to turn this checkpoint into the run's final/.
+            export=ExportSpec.of("causal_lm", self.opts.model, self.opts.strategy).to_json(),
         )
 
     def _log_eval(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from lightrft.config import instantiate
 from lightrft.distributed import DistInfo, all_reduce_sum
 from lightrft.engine.sync import sync_weights
 from lightrft.models.lora import adapters_disabled, apply_lora
-from lightrft.models.multimodal import set_towers_trainable
+from lightrft.models.multimodal import check_towers, set_towers_trainable
 from lightrft.models.parallel import build_mesh
 from lightrft.models.sharded import load_parallel
 from lightrft.models.ulysses import Ulysses, check_model, sp_groups
@@ -101,7 +100,9 @@ class Strategy:
 
     def load_policy(self, m: PolicyModelConfig) -> nn.Module:
         """The trained policy of a ``model:`` section, loaded as :meth:`loading` says: its
-        vision / audio towers trainable as the section says, then :meth:`adapt` (LoRA)."""
+        vision / audio towers trainable as the section says, then :meth:`adapt` (LoRA). A tower
+        the checkpoint lacks is refused first (again: a ``prepare`` step may have written it)."""
+        check_towers(m)
 
         def prepare(model: nn.Module) -> nn.Module:
             set_towers_trainable(model, vision=m.train_vision_tower, audio=m.train_audio_tower)
@@ -152,12 +153,10 @@ class Strategy:
         """``models`` (and ``optimizers``) as :meth:`Checkpointer.save` takes them."""
         return {"models": self.model, "optimizers": self.optimizer}
 
-    @contextlib.contextmanager
-    def reference(self) -> Iterator[None]:
+    def reference(self) -> contextlib.AbstractContextManager:
         """The trained model as the frozen reference policy (LoRA: adapters off); without
         LoRA a recipe loads a frozen copy (:attr:`needs_reference_copy`)."""
-        with adapters_disabled(self.model):  # a no-op for a full model
-            yield
+        return adapters_disabled(self.model)  # a no-op for a full model
 
     @property
     def needs_reference_copy(self) -> bool:
