@@ -91,8 +91,7 @@ def resolve_tools(value: Any, where: str, field: str) -> list[dict[str, Any]] | 
                 )
             schemas.append(dict(tool))
     names = [s["function"]["name"] for s in schemas]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    if twice := sorted({n for n in names if names.count(n) > 1}):
         raise DataError(f"{where}: field {field!r} has two tools named {twice[0]!r}")
     return schemas or None
 
