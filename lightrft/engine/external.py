@@ -63,22 +63,19 @@ def collapse_placeholders(
     out: list[int] = []
     k = j = 0
     while j < len(ids):
-        if ids[j] != token:
-            out.append(ids[j])
-            j += 1
-            continue
-        if k >= len(num_tokens):
-            raise ValueError(
-                f"the prompt has more {kind} tokens than its {len(num_tokens)} {kind}s"
-            )
-        run = list(ids[j : j + num_tokens[k]])
-        if len(run) != num_tokens[k] or any(t != token for t in run):
-            raise ValueError(
-                f"{kind} {k} needs {num_tokens[k]} consecutive {kind} tokens in the prompt"
-            )
-        out.append(token)
-        j += num_tokens[k]
-        k += 1
+        if ids[j] == token:  # the k-th item's run: one token kept, the rest skipped
+            if k >= len(num_tokens):
+                raise ValueError(
+                    f"the prompt has more {kind} tokens than its {len(num_tokens)} {kind}s"
+                )
+            if list(ids[j : j + num_tokens[k]]) != [token] * num_tokens[k]:
+                raise ValueError(
+                    f"{kind} {k} needs {num_tokens[k]} consecutive {kind} tokens in the prompt"
+                )
+            j += num_tokens[k] - 1
+            k += 1
+        out.append(ids[j])
+        j += 1
     if k != len(num_tokens):
         raise ValueError(f"the prompt places {k} of its {len(num_tokens)} {kind}s")
     return out
@@ -202,15 +199,12 @@ class Trajectory:
         c.logprobs = c.logprobs + logprobs
         c.finish_reason = finish_reason  # type: ignore[assignment]
 
-    @property
-    def max_tokens(self) -> int:
-        """The next turn's token limit: what is left of the budget."""
-        return self.budget - len(self.completion.token_ids)
-
-    @property
-    def seed(self) -> int | None:
-        """The next turn's seed."""
-        return turn_seed(self.params.seed, self.completion.sample_index, len(self.spans))
+    def next_turn(self) -> tuple[Completion, SamplingParams, int, int | None]:
+        """The next turn's ``_sample_on`` entry: its token limit (what is left of the budget)
+        and its seed."""
+        c = self.completion
+        seed = turn_seed(self.params.seed, c.sample_index, len(self.spans))
+        return c, self.params, self.budget - len(c.token_ids), seed
 
 
 class ExternalEngine:
@@ -275,9 +269,9 @@ class ExternalEngine:
             p = params[c.request_index]
             trajs.append(Trajectory(c, self._budget(requests[c.request_index], p), p))
         forbidden = set(self.suppress_token_ids)
-        going = [t for t in trajs if t.wants_turn()]
-        with ThreadPoolExecutor(min(max(len(going), 1), 64)) as pool:
-            while going:
+        going = trajs
+        with ThreadPoolExecutor(min(max(len(trajs), 1), 64)) as pool:
+            while going := [t for t in going if t.wants_turn()]:
                 turns = [t.turn() for t in going]
                 answers = list(pool.map(continuation, turns))
                 going = [
@@ -285,14 +279,10 @@ class ExternalEngine:
                     for t, turn, obs in zip(going, turns, answers, strict=True)
                     if t.observe(check_observation(obs, turn, self.vocab_size, forbidden))
                 ]
-                if not going:
-                    break
-                sampled = self._sample_on(
-                    requests, [(t.completion, t.params, t.max_tokens, t.seed) for t in going]
-                )
-                for t, (ids, lps, reason) in zip(going, sampled, strict=True):
-                    t.add_turn(ids, lps, reason)
-                going = [t for t in going if t.wants_turn()]
+                if going:
+                    sampled = self._sample_on(requests, [t.next_turn() for t in going])
+                    for t, (ids, lps, reason) in zip(going, sampled, strict=True):
+                        t.add_turn(ids, lps, reason)
         for t in trajs:
             c = t.completion
             c.sampled_mask = sampled_mask(t.spans, len(c.token_ids))

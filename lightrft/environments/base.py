@@ -110,10 +110,9 @@ class Environment:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "reset" in cls.__dict__:
-            cls.reset = _checked_reset(cls.__dict__["reset"], cls.__name__)
-        if "step" in cls.__dict__:
-            cls.step = _checked_step(cls.__dict__["step"], cls.__name__)
+        for name, checked in (("reset", _checked_reset), ("step", _checked_step)):
+            if name in cls.__dict__:
+                setattr(cls, name, checked(cls.__dict__[name], cls.__name__))
 
     @property
     def schemas(self) -> list[dict[str, Any]]:

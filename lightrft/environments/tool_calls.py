@@ -89,19 +89,6 @@ def outside_reasoning(text: str) -> str:
     return head + "".join(block.partition(THINK_CLOSE)[2] for block in blocks)
 
 
-def _too_deep(value: Any) -> bool:
-    """Whether parsed JSON nests arrays / objects deeper than :data:`MAX_DEPTH` (iterative,
-    stopping at the first too-deep value)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, dict | list):
-            if depth > MAX_DEPTH:
-                return True
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return False
-
-
 def _parse_one(body: str) -> ToolCall | MalformedCall:
     if len(body) > MAX_CALL_CHARS:
         return MalformedCall(
@@ -115,8 +102,15 @@ def _parse_one(body: str) -> ToolCall | MalformedCall:
         return MalformedCall(body[:200], f"the call nests deeper than {MAX_DEPTH} levels")
     except ValueError as e:  # an integer past Python's 4300-digit limit
         return MalformedCall(body[:200], f"the call is not valid JSON ({str(e)[:120]})")
-    if _too_deep(obj):
-        return MalformedCall(body[:200], f"the call nests deeper than {MAX_DEPTH} levels")
+    # JSON that nests arrays / objects deeper than MAX_DEPTH (iterative, stopping at the first
+    # too-deep value)
+    stack = [(obj, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > MAX_DEPTH:
+                return MalformedCall(body[:200], f"the call nests deeper than {MAX_DEPTH} levels")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
     if not isinstance(obj, dict):
         return MalformedCall(body, "the call must be a JSON object with 'name' and 'arguments'")
     name = obj.get("name")

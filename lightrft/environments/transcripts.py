@@ -91,8 +91,7 @@ def resolve_tools(value: Any, where: str, field: str) -> list[dict[str, Any]] | 
                 )
             schemas.append(dict(tool))
     names = [s["function"]["name"] for s in schemas]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    if twice := sorted({n for n in names if names.count(n) > 1}):
         raise DataError(f"{where}: field {field!r} has two tools named {twice[0]!r}")
     return schemas or None
 
@@ -217,7 +216,39 @@ def check_transcript(
                 )
             if "tool_calls" in msg and msg["tool_calls"] is not None:
                 msg["tool_calls"] = _structured_calls(msg["tool_calls"], at)
-            made = unanswered = _count_calls(tokenizer, msg, tools, by_name, at)
+            # The turn's tool calls as the rollout's parser reads its rendered text, each
+            # checked: it parses, names one of ``tools`` and fits its schema (with tools given).
+            try:
+                text = assistant_turn_text(tokenizer, msg, tools)
+            except ValueError as e:
+                raise DataError(f"{at}: {e}") from None
+            calls = parse_tool_calls(text)
+            inline = len(parse_tool_calls(msg["content"]))
+            structured = len(msg.get("tool_calls") or [])
+            if len(calls) != inline + structured:
+                raise DataError(
+                    f"{at}: the chat template renders {len(calls)} tool call(s) of the "
+                    f"{structured} in 'tool_calls' and {inline} in 'content': it does not write "
+                    "tool_calls as <tool_call> blocks"
+                )
+            for j, call in enumerate(calls, 1):
+                if isinstance(call, MalformedCall):
+                    raise DataError(
+                        f"{at}: tool call {j} does not parse: {call.reason}: {call.text[:80]!r}"
+                    )
+                if tools is None:
+                    continue
+                if call.name not in by_name:
+                    raise DataError(
+                        f"{at}: tool call {j} names {call.name!r}, which is not among the "
+                        f"record's tools ({', '.join(by_name)})"
+                    )
+                problem = validate_arguments(
+                    by_name[call.name]["function"].get("parameters", {}), call.arguments
+                )
+                if problem is not None:
+                    raise DataError(f"{at}: tool call {j} ({call.name!r}): {problem}")
+            made = unanswered = len(calls)
             last = k
         out.append(msg)
     if out[-1]["role"] != "assistant":
@@ -226,48 +257,6 @@ def check_transcript(
             "assistant turn: a transcript ends with the assistant's final turn"
         )
     return out
-
-
-def _count_calls(
-    tokenizer: Any,
-    msg: dict[str, Any],
-    tools: list[dict[str, Any]] | None,
-    by_name: Mapping[str, dict[str, Any]],
-    at: str,
-) -> int:
-    """The tool calls of an assistant turn as the rollout's parser reads its rendered text,
-    each checked: it parses, names one of ``tools`` and fits its schema (with tools given)."""
-    try:
-        text = assistant_turn_text(tokenizer, msg, tools)
-    except ValueError as e:
-        raise DataError(f"{at}: {e}") from None
-    calls = parse_tool_calls(text)
-    inline = len(parse_tool_calls(msg["content"]))
-    structured = len(msg.get("tool_calls") or [])
-    if len(calls) != inline + structured:
-        raise DataError(
-            f"{at}: the chat template renders {len(calls)} tool call(s) of the {structured} in "
-            f"'tool_calls' and {inline} in 'content': it does not write tool_calls as "
-            "<tool_call> blocks"
-        )
-    for j, call in enumerate(calls, 1):
-        if isinstance(call, MalformedCall):
-            raise DataError(
-                f"{at}: tool call {j} does not parse: {call.reason}: {call.text[:80]!r}"
-            )
-        if tools is None:
-            continue
-        if call.name not in by_name:
-            raise DataError(
-                f"{at}: tool call {j} names {call.name!r}, which is not among the record's "
-                f"tools ({', '.join(by_name)})"
-            )
-        problem = validate_arguments(
-            by_name[call.name]["function"].get("parameters", {}), call.arguments
-        )
-        if problem is not None:
-            raise DataError(f"{at}: tool call {j} ({call.name!r}): {problem}")
-    return len(calls)
 
 
 class ToolSFTDataset(SFTDataset):
