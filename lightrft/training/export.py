@@ -34,11 +34,8 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
     with adapters injected in place that saves itself (a reward model,
     :func:`lightrft.models.lora.apply_backbone_lora`).
     """
-    main = is_main()
-    sd = {}
-    for bucket in iter_weight_buckets(model):
-        if main:
-            sd.update((name, t.clone()) for name, t in bucket)
+    main = is_main()  # every rank drains the buckets (collective); the main one keeps copies
+    sd = {name: t.clone() for bucket in iter_weight_buckets(model) if main for name, t in bucket}
     return export_hf_state_dict(unwrap_peft(model), sd, tokenizer, out_dir)
 
 
