@@ -71,10 +71,8 @@ def check_output_dir(
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"output_dir {str(p)!r} cannot be created: {e.strerror or e}") from None
-    try:
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".write_probe.", delete=True) as f:
-            f.write(b"ok")
-            f.flush()
+    try:  # a file this process may create there (and removes at once)
+        tempfile.NamedTemporaryFile(dir=p, prefix=".write_probe.").close()
     except OSError as e:
         raise ConfigError(f"output_dir {str(p)!r} is not writable: {e.strerror or e}") from None
     if lock is None:
