@@ -119,8 +119,6 @@ class MetricLogger(AbstractContextManager):  # __enter__ returns the logger
         """Record ``metrics`` (name -> number or 1-element tensor) at ``step``; returns them as
         floats. Tensors are converted on every rank (the conversion may sync a GPU)."""
         values = {k: _to_float(k, v) for k, v in metrics.items()}
-        if not self.enabled:
-            return values
         if self._jsonl is not None:
             # NaN / inf are written as NaN / Infinity, which Python's json and pandas read back.
             row = {"step": int(step), **values}
