@@ -307,8 +307,9 @@ _REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
 def collective_device() -> torch.device | None:
-    """Where a small reduction runs: the current CUDA device under nccl, else None (CPU)."""
-    nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
+    """Where a small reduction runs: the current CUDA device under nccl, else None (CPU; also
+    in one process, whose reductions are the identity)."""
+    nccl = dist.is_initialized() and "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
     return torch.device("cuda", torch.cuda.current_device()) if nccl else None
 
 

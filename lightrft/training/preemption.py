@@ -23,8 +23,6 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
-import torch.distributed as dist
-
 from lightrft.distributed import all_reduce_max, is_main
 from lightrft.training.metrics import collective_device
 
@@ -64,8 +62,6 @@ class Preemption:
     def stop_requested(self) -> bool:
         """True when any rank got a signal (collective: call it on every rank at the same
         point of each step)."""
-        if not dist.is_initialized():
-            return self.signum is not None
         flag = int(all_reduce_max(self.signum or 0, collective_device()).item())
         if self.signum is None and flag:
             self.signum = flag  # another rank was signalled: exit the same way
