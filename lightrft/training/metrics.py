@@ -197,14 +197,13 @@ class ProgressBar(tqdm):
         desc: str = "train",
         enabled: bool | None = None,
     ):
-        self.enabled = is_main() if enabled is None else enabled
         super().__init__(
             total=total,
             initial=initial,
             desc=desc,
             dynamic_ncols=True,
             file=sys.stderr,
-            disable=not self.enabled,
+            disable=not (is_main() if enabled is None else enabled),  # tqdm's own no-op bar
         )
 
     def update(self, n: int = 1, **postfix: float) -> None:
