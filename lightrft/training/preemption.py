@@ -30,15 +30,14 @@ from lightrft.training.metrics import collective_device
 class Preemption:
     """Turn SIGTERM / SIGINT into a graceful stop at the next step boundary (context manager)."""
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
-        self.signals = signals
+    def __init__(self) -> None:
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be installed from the main thread
-        for s in self.signals:
+        for s in (signal.SIGTERM, signal.SIGINT):
             self._old[s] = signal.signal(s, self._handle)
         return self
 
