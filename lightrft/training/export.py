@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ def export_trained(
 KINDS = ("causal_lm", "reward_net")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ExportSpec:
     """What rebuilds a run's trained model on one process and writes it as the run's ``final/``:
     stored in each checkpoint's ``meta.json`` (``"export"``), written by the recipe.
@@ -129,7 +128,7 @@ class ExportSpec:
         the key that is missing or unknown."""
         if not isinstance(record, dict):
             raise ValueError(f"{where}: 'export' is not a JSON object")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = [f.name for f in dataclasses.fields(cls)]
         # Every key is required: a default would guess what another version meant.
         missing = [k for k in fields if k not in record]
         if missing:
