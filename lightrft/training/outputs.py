@@ -39,8 +39,6 @@ RUN_OUTPUTS = (
     "view.html",
 )
 
-_held: dict[Path, Path] = {}  # output dir -> lock file, for this process
-
 
 def check_output_dir(
     path: str | os.PathLike | None,
@@ -99,8 +97,9 @@ def check_resume_overwrite(
 
 def release_output_dir(path: str | os.PathLike) -> None:
     """Drop this process's lock on ``path`` (also done at exit; a no-op when not held)."""
-    lock = _held.pop(Path(path).expanduser(), None)
-    if lock is not None and _read_lock(lock).get("pid") == os.getpid():
+    lock = Path(path).expanduser() / LOCK_NAME
+    owner = _read_lock(lock)
+    if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
         lock.unlink(missing_ok=True)
 
 
@@ -169,6 +168,7 @@ def _lock(p: Path) -> None:
         try:
             with open(lock, "x") as f:  # O_CREAT | O_EXCL: one creator wins
                 json.dump(me, f)
+            atexit.register(release_output_dir, p)  # the lock goes when this process ends
             break
         except FileExistsError:
             owner = _read_lock(lock)
@@ -201,10 +201,3 @@ def _lock(p: Path) -> None:
             ) from None
     else:
         raise ConfigError(f"output_dir {str(p)!r}: could not take the run lock {lock}")
-    _held.setdefault(p, lock)
-
-
-@atexit.register
-def _release_all() -> None:
-    for path in list(_held):
-        release_output_dir(path)
