@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,8 @@ def export_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path
     with adapters injected in place that saves itself (a reward model,
     :func:`lightrft.models.lora.apply_backbone_lora`).
     """
-    main = is_main()
-    sd = {}
-    for bucket in iter_weight_buckets(model):
-        if main:
-            sd.update((name, t.clone()) for name, t in bucket)
+    main = is_main()  # every rank drains the buckets (collective); the main one keeps copies
+    sd = {name: t.clone() for bucket in iter_weight_buckets(model) if main for name, t in bucket}
     return export_hf_state_dict(unwrap_peft(model), sd, tokenizer, out_dir)
 
 
@@ -70,7 +66,7 @@ def export_trained(
 KINDS = ("causal_lm", "reward_net")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ExportSpec:
     """What rebuilds a run's trained model on one process and writes it as the run's ``final/``:
     stored in each checkpoint's ``meta.json`` (``"export"``), written by the recipe.
@@ -132,7 +128,7 @@ class ExportSpec:
         the key that is missing or unknown."""
         if not isinstance(record, dict):
             raise ValueError(f"{where}: 'export' is not a JSON object")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = [f.name for f in dataclasses.fields(cls)]
         # Every key is required: a default would guess what another version meant.
         missing = [k for k in fields if k not in record]
         if missing:

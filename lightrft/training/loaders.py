@@ -30,7 +30,6 @@ def step_loaders(
     loader = build_dataloader(
         dataset,
         batch_size=d.batch_size * accum,
-        shuffle=True,
         collate_fn=StepCollator(
             collate, d.batch_size, d.micro_batch_tokens, packing=d.packing, length=length
         ),
@@ -44,7 +43,6 @@ def step_loaders(
             batch_size=d.batch_size,
             shuffle=False,
             collate_fn=collate,
-            drop_last=False,
             **kw,
         )
     if len(loader) == 0:

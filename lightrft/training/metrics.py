@@ -119,8 +119,6 @@ class MetricLogger(AbstractContextManager):  # __enter__ returns the logger
         """Record ``metrics`` (name -> number or 1-element tensor) at ``step``; returns them as
         floats. Tensors are converted on every rank (the conversion may sync a GPU)."""
         values = {k: _to_float(k, v) for k, v in metrics.items()}
-        if not self.enabled:
-            return values
         if self._jsonl is not None:
             # NaN / inf are written as NaN / Infinity, which Python's json and pandas read back.
             row = {"step": int(step), **values}
@@ -199,14 +197,13 @@ class ProgressBar(tqdm):
         desc: str = "train",
         enabled: bool | None = None,
     ):
-        self.enabled = is_main() if enabled is None else enabled
         super().__init__(
             total=total,
             initial=initial,
             desc=desc,
             dynamic_ncols=True,
             file=sys.stderr,
-            disable=not self.enabled,
+            disable=not (is_main() if enabled is None else enabled),  # tqdm's own no-op bar
         )
 
     def update(self, n: int = 1, **postfix: float) -> None:
@@ -309,8 +306,9 @@ _REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
 def collective_device() -> torch.device | None:
-    """Where a small reduction runs: the current CUDA device under nccl, else None (CPU)."""
-    nccl = "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
+    """Where a small reduction runs: the current CUDA device under nccl, else None (CPU; also
+    in one process, whose reductions are the identity)."""
+    nccl = dist.is_initialized() and "nccl" in dist.get_backend()  # "nccl" or "cpu:gloo,cuda:nccl"
     return torch.device("cuda", torch.cuda.current_device()) if nccl else None
 
 

@@ -39,8 +39,6 @@ RUN_OUTPUTS = (
     "view.html",
 )
 
-_held: dict[Path, Path] = {}  # output dir -> lock file, for this process
-
 
 def check_output_dir(
     path: str | os.PathLike | None,
@@ -71,10 +69,8 @@ def check_output_dir(
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"output_dir {str(p)!r} cannot be created: {e.strerror or e}") from None
-    try:
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".write_probe.", delete=True) as f:
-            f.write(b"ok")
-            f.flush()
+    try:  # a file this process may create there (and removes at once)
+        tempfile.NamedTemporaryFile(dir=p, prefix=".write_probe.").close()
     except OSError as e:
         raise ConfigError(f"output_dir {str(p)!r} is not writable: {e.strerror or e}") from None
     if lock is None:
@@ -101,8 +97,9 @@ def check_resume_overwrite(
 
 def release_output_dir(path: str | os.PathLike) -> None:
     """Drop this process's lock on ``path`` (also done at exit; a no-op when not held)."""
-    lock = _held.pop(Path(path).expanduser(), None)
-    if lock is not None and _read_lock(lock).get("pid") == os.getpid():
+    lock = Path(path).expanduser() / LOCK_NAME
+    owner = _read_lock(lock)
+    if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
         lock.unlink(missing_ok=True)
 
 
@@ -171,6 +168,7 @@ def _lock(p: Path) -> None:
         try:
             with open(lock, "x") as f:  # O_CREAT | O_EXCL: one creator wins
                 json.dump(me, f)
+            atexit.register(release_output_dir, p)  # the lock goes when this process ends
             break
         except FileExistsError:
             owner = _read_lock(lock)
@@ -203,10 +201,3 @@ def _lock(p: Path) -> None:
             ) from None
     else:
         raise ConfigError(f"output_dir {str(p)!r}: could not take the run lock {lock}")
-    _held.setdefault(p, lock)
-
-
-@atexit.register
-def _release_all() -> None:
-    for path in list(_held):
-        release_output_dir(path)

@@ -23,8 +23,6 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
-import torch.distributed as dist
-
 from lightrft.distributed import all_reduce_max, is_main
 from lightrft.training.metrics import collective_device
 
@@ -32,15 +30,14 @@ from lightrft.training.metrics import collective_device
 class Preemption:
     """Turn SIGTERM / SIGINT into a graceful stop at the next step boundary (context manager)."""
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
-        self.signals = signals
+    def __init__(self) -> None:
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be installed from the main thread
-        for s in self.signals:
+        for s in (signal.SIGTERM, signal.SIGINT):
             self._old[s] = signal.signal(s, self._handle)
         return self
 
@@ -64,8 +61,6 @@ class Preemption:
     def stop_requested(self) -> bool:
         """True when any rank got a signal (collective: call it on every rank at the same
         point of each step)."""
-        if not dist.is_initialized():
-            return self.signum is not None
         flag = int(all_reduce_max(self.signum or 0, collective_device()).item())
         if self.signum is None and flag:
             self.signum = flag  # another rank was signalled: exit the same way

@@ -141,11 +141,10 @@ def precompute_reference(
         idx = padded[lo : lo + batch_size]
         batch = collate([ds[i] for i in idx])
         sums, counts = (x.double().cpu() for x in ref_fn(batch))
-        for b, i in enumerate(idx):
-            if lo + b < len(mine):  # the padding repeats an item: count it once
-                c = batch["candidates"][b]
-                c = c[c >= 0]
-                table[i, : len(c), 0], table[i, : len(c), 1] = sums[c], counts[c]
+        for b, i in enumerate(idx[: len(mine) - lo]):  # the padding repeats an item: once
+            c = batch["candidates"][b]
+            c = c[c >= 0]
+            table[i, : len(c), 0], table[i, : len(c), 1] = sums[c], counts[c]
     table = all_reduce_sum(table).float()
     if dist.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)

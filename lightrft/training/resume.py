@@ -62,9 +62,6 @@ RESHARD_KEYS: tuple[str, ...] = ("batch_size", "gradient_accumulation_steps")
 """Per-rank batch keys that may change with the world size: a resume on another world size keeps
 the global batch by scaling them (checked against the checkpoint before anything loads)."""
 
-SCHEDULE_KEYS: tuple[str, ...] = ("max_steps", "epochs")
-"""Keys that set the length of the warmup + cosine LR schedule (unless it is constant)."""
-
 
 @dataclass(frozen=True)
 class ConfigChange:
@@ -95,16 +92,6 @@ def flatten(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _length_sets_lr(key: str, cfg: Mapping[str, Any]) -> bool:
-    """Whether ``key`` (``max_steps``, or ``epochs`` when no ``max_steps`` is set) is the length
-    of a decaying LR schedule: ``lr_scheduler.min_lr_ratio`` (default 0) below 1."""
-    if key not in SCHEDULE_KEYS or (key == "epochs" and cfg.get("max_steps") is not None):
-        return False
-    sched = cfg.get("lr_scheduler")
-    ratio = sched.get("min_lr_ratio") if isinstance(sched, Mapping) else None
-    return (0.0 if ratio is None else float(ratio)) < 1.0
-
-
 def config_changes(
     saved: Mapping[str, Any],
     current: Mapping[str, Any],
@@ -114,12 +101,18 @@ def config_changes(
     """Every differing dotted key, classified (sorted by key)."""
     a, b = flatten(saved), flatten(current)
     patterns = tuple(allowed)
+    # The run's length (max_steps, or epochs when no max_steps is set) is the length of the
+    # warmup + cosine LR schedule, which decays unless lr_scheduler.min_lr_ratio (default 0) is 1.
+    sched = current.get("lr_scheduler")
+    ratio = sched.get("min_lr_ratio") if isinstance(sched, Mapping) else None
+    decays = (0.0 if ratio is None else float(ratio)) < 1.0
+    lengths = ("max_steps",) if current.get("max_steps") is not None else ("max_steps", "epochs")
     changes = []
     for key in sorted(set(a) | set(b)):
         old, new = a.get(key, _MISSING), b.get(key, _MISSING)
         if old == new:
             continue
-        if _length_sets_lr(key, current):
+        if decays and key in lengths:
             kind = "schedule"
         elif any(fnmatch.fnmatchcase(key, p) for p in patterns):
             kind = "allowed"
