@@ -52,18 +52,12 @@ def refuse_tool_transcript(record: Mapping[str, Any], messages: Any, where: str)
     """Refuse a tool-use transcript (a ``tools`` field, a ``tool`` message or ``tool_calls``):
     its tokens must be the multi-turn rollout's, which ``ToolSFTDataset`` renders; this
     dataset's whole-conversation rendering would teach other ones."""
-    why = (
-        "field 'tools'"
-        if record.get("tools")
-        else next(
-            (
-                f"message {j} has {'role tool' if m['role'] == 'tool' else 'tool_calls'}"
-                for j, m in enumerate(messages if isinstance(messages, list) else [])
-                if isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
-            ),
-            None,
-        )
+    tool_messages = (
+        f"message {j} has {'role tool' if m['role'] == 'tool' else 'tool_calls'}"
+        for j, m in enumerate(messages if isinstance(messages, list) else [])
+        if isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
     )
+    why = "field 'tools'" if record.get("tools") else next(tool_messages, None)
     if why is not None:
         raise DataError(
             f"{where}: a tool-use transcript ({why}): train on it with "
