@@ -33,10 +33,11 @@ from lightrft.data.templates import IGNORE_INDEX
 Item = Mapping[str, Any]
 
 
-def _cat(items: Sequence[Item]) -> dict[str, torch.Tensor]:
+def _cat(items: Sequence[Item]) -> dict[str, Any]:
     """Items back to back: ``input_ids``, ``labels`` and ``position_ids`` (a packed row's own,
-    0..L-1 for a single sample), each ``[L]``."""
-    return {
+    0..L-1 for a single sample), each ``[L]``, and ``media``, the items' media joined in order,
+    when any item has some."""
+    out = {
         "input_ids": torch.cat([torch.as_tensor(x["input_ids"], dtype=torch.long) for x in items]),
         "labels": torch.cat([torch.as_tensor(x["labels"], dtype=torch.long) for x in items]),
         "position_ids": torch.cat(
@@ -48,6 +49,8 @@ def _cat(items: Sequence[Item]) -> dict[str, torch.Tensor]:
             ]
         ),
     }
+    media = Media.cat([x.get("media") for x in items])
+    return out if media is None else {**out, "media": media}
 
 
 # ------------------------------------------------------------------------------ bin packing
@@ -129,10 +132,7 @@ class PackedDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, r: int) -> dict[str, Any]:
-        items = [self.dataset[i] for i in self.rows[r]]
-        row = _cat(items)
-        _add_media(row, items)
-        return row
+        return _cat([self.dataset[i] for i in self.rows[r]])
 
 
 def packed_sft_dataset(
@@ -151,37 +151,30 @@ def packed_sft_dataset(
 # ------------------------------------------------------------------------------ collators
 
 
-def _add_media(out: dict[str, Any], items: Sequence[Item]) -> None:
-    """``out["media"]``: the items' media joined in order, when any item has some."""
-    media = Media.cat([x.get("media") for x in items])
-    if media is not None:
-        out["media"] = media
-
-
 def _rows_to_batch(
     rows: list[list[Item]], pad_id: int, pad_to_multiple_of: int | None
 ) -> dict[str, Any]:
     """Concatenate each row's items, right-pad rows to a common length, build the batch."""
-    cat = [tuple(_cat(row).values()) for row in rows]  # (ids, labels, positions) per row
-    width = max(len(ids) for ids, _, _ in cat)
+    cat = [_cat(row) for row in rows]
+    width = max(len(row["input_ids"]) for row in cat)
     if pad_to_multiple_of:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     input_ids = torch.full((len(cat), width), pad_id, dtype=torch.long)  # [R, T]
     labels = torch.full((len(cat), width), IGNORE_INDEX, dtype=torch.long)  # [R, T]
     # Pads form their own sequence (positions 0, 1, ...) so they never join the last sample.
     position_ids = torch.arange(width).repeat(len(cat), 1)  # [R, T]
-    for r, (ids, lab, pos) in enumerate(cat):
-        n = len(ids)
-        input_ids[r, :n], labels[r, :n], position_ids[r, :n] = ids, lab, pos
-        position_ids[r, n:] = torch.arange(width - n)
+    for r, row in enumerate(cat):
+        n = len(row["input_ids"])
+        input_ids[r, :n], labels[r, :n] = row["input_ids"], row["labels"]
+        position_ids[r, :n], position_ids[r, n:] = row["position_ids"], torch.arange(width - n)
     batch = {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
         "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
     }
-    _add_media(batch, [x for row in rows for x in row])
-    return batch
+    media = Media.cat([row.get("media") for row in cat])  # each row's, joined in order
+    return batch if media is None else {**batch, "media": media}
 
 
 @dataclass
