@@ -86,13 +86,10 @@ def fit_pixels(img, min_pixels: int | None, max_pixels: int | None):
     """``img`` resized (aspect kept, bicubic) so that its area is within the pixel bounds."""
     w, h = img.size
     area = w * h
-    scale = 1.0
-    if max_pixels is not None and area > max_pixels:
-        scale = math.sqrt(max_pixels / area)
-    elif min_pixels is not None and area < min_pixels:
-        scale = math.sqrt(min_pixels / area)
-    if scale == 1.0:
+    target = min(max(area, min_pixels or 0), max_pixels or math.inf)  # ImageOptions: min <= max
+    if target == area:
         return img
+    scale = math.sqrt(target / area)
     # floor when shrinking and ceil when growing, so the bound holds after rounding.
     rnd = math.floor if scale < 1 else math.ceil
     size = (max(1, rnd(w * scale)), max(1, rnd(h * scale)))
