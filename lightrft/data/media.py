@@ -75,9 +75,7 @@ class Media:
     ) -> dict[str, torch.Tensor]:
         """Every kind's keyword arguments for the model's forward, on ``device``; floating
         features (pixel values, log-mels) cast to ``dtype`` when given."""
-        out: dict[str, torch.Tensor] = {}
-        for _, inputs in self.kinds():
-            out.update(inputs.model_inputs(device))
+        out = {k: v for _, inputs in self.kinds() for k, v in inputs.model_inputs(device).items()}
         if dtype is not None:
             out = {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
         return out
