@@ -223,11 +223,9 @@ class PadCollator:
                 "(PackCollator) so that samples in a row stay separate"
             )
         batch = _rows_to_batch([[x] for x in items], self.pad_id, self.pad_to_multiple_of)
-        lengths = torch.tensor([len(x["input_ids"]) for x in items])  # [B]
-        width = batch["input_ids"].shape[1]
-        attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # [B, T]
-        batch["attention_mask"] = attention_mask
-        batch["position_ids"] = batch["position_ids"] * attention_mask
+        lengths = torch.tensor([[len(x["input_ids"])] for x in items])  # [B, 1]
+        mask = (torch.arange(batch["input_ids"].shape[1]) < lengths).long()  # [B, T]
+        batch.update(attention_mask=mask, position_ids=batch["position_ids"] * mask)
         return batch
 
 
