@@ -127,7 +127,7 @@ class SFTDataset(torch.utils.data.Dataset):
         src = open_records(path, records, split)
         self.source = src.name
 
-        ids_chunks, label_chunks, lengths, origins = [], [], [], []
+        ids_chunks, label_chunks, origins = [], [], []
         self._media: list[DecodedMedia | None] = []
         truncated = dropped = audio_dropped = 0
         for i in range(len(src)):
@@ -151,10 +151,9 @@ class SFTDataset(torch.utils.data.Dataset):
                 truncated += 1
             ids_chunks.append(torch.tensor(ids, dtype=torch.int32))
             label_chunks.append(torch.tensor(labels, dtype=torch.int32))
-            lengths.append(len(ids))
             origins.append(src.where(i))
             self._media.append(media)
-        if not lengths:
+        if not origins:
             audio = (
                 f" and media.audio.overlong={self.media.audio.overlong!r}"
                 if self.media.audio
@@ -168,17 +167,16 @@ class SFTDataset(torch.utils.data.Dataset):
         # Flat int32 storage: one tensor per field instead of millions of Python ints.
         self._ids = torch.cat(ids_chunks)  # [total tokens]
         self._labels = torch.cat(label_chunks)  # [total tokens]
-        self._lengths = torch.tensor(lengths, dtype=torch.long)  # [N]
-        self._offsets = torch.cat([torch.zeros(1, dtype=torch.long), self._lengths.cumsum(0)])
+        # Sample i is tokens offsets[i]:offsets[i + 1].
+        self._offsets = torch.tensor([0] + [len(c) for c in ids_chunks]).cumsum(0)  # [N + 1]
         self._origins = origins
-        n_loss = int((self._labels != IGNORE_INDEX).sum())
         self.stats: dict[str, int] = {
             "records": len(src),
-            "samples": len(lengths),
+            "samples": len(origins),
             "truncated": truncated,
             "dropped": dropped,
-            "tokens": int(self._lengths.sum()),
-            "loss_tokens": n_loss,
+            "tokens": len(self._ids),
+            "loss_tokens": int((self._labels != IGNORE_INDEX).sum()),
         }
         for kind in MEDIA_KINDS:  # images / videos when some, audios with an audio model
             n = sum(len(m.get(kind) or ()) for m in self._media if m)
@@ -238,7 +236,7 @@ class SFTDataset(torch.utils.data.Dataset):
     @property
     def lengths(self) -> list[int]:
         """Token count of every sample (what packing bins)."""
-        return self._lengths.tolist()
+        return self._offsets.diff().tolist()
 
     def where(self, i: int) -> str:
         """The file and line (or row) sample ``i`` came from."""
