@@ -120,12 +120,10 @@ class PackedDataset(torch.utils.data.Dataset):
         where = getattr(dataset, "where", None)
         self.rows = pack_indices(lengths, max_tokens, shuffle=shuffle, seed=seed, where=where)
         self.dataset = dataset
-        self.max_tokens = max_tokens
-        tokens = sum(int(n) for n in lengths)
         self.stats: dict[str, int | float] = {
             **getattr(dataset, "stats", {}),
             "packed_rows": len(self.rows),
-            "pack_fill": tokens / (len(self.rows) * max_tokens),
+            "pack_fill": sum(lengths) / (len(self.rows) * max_tokens),
         }
 
     def __len__(self) -> int:
