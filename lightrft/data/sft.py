@@ -154,14 +154,11 @@ class SFTDataset(torch.utils.data.Dataset):
             origins.append(src.where(i))
             self._media.append(media)
         if not origins:
-            audio = (
-                f" and media.audio.overlong={self.media.audio.overlong!r}"
-                if self.media.audio
-                else ""
-            )
+            audio = self.media.audio
             raise DataError(
-                f"empty dataset: max_length={max_length} (truncation={truncation!r}){audio} "
-                f"dropped all {len(src)} records of {self.source}; raise max_length"
+                f"empty dataset: max_length={max_length} (truncation={truncation!r})"
+                + (f" and media.audio.overlong={audio.overlong!r}" if audio else "")
+                + f" dropped all {len(src)} records of {self.source}; raise max_length"
                 + (" or media.audio.max_seconds" if audio else "")
             )
         # Flat int32 storage: one tensor per field instead of millions of Python ints.
