@@ -136,10 +136,8 @@ class MediaOptions(Section):
         :class:`~lightrft.data.records.MediaSamples`, which calls it."""
         for proc in PROCESSORS:
             opts = getattr(self, proc.kind)
-            if (
-                not proc.takes(processor)
-                and replace(opts, field=type(opts)().field) != type(opts)()
-            ):
+            default = type(opts)()
+            if not proc.takes(processor) and replace(opts, field=default.field) != default:
                 raise ValueError(
                     f"media.{proc.kind} options need {proc.needs} model's processor ({given})"
                 )
