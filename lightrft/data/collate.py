@@ -272,15 +272,12 @@ def plan_micro_batches(
     longest = total = 0
     for i in rows:
         n = int(lengths[i])
-        if cur:
-            size = total + n if packing else (len(cur) + 1) * max(longest, n)
-            if len(cur) >= max_rows or (max_tokens is not None and size > max_tokens):
-                out.append(cur)
-                cur, longest, total = [], 0, 0
+        size = total + n if packing else (len(cur) + 1) * max(longest, n)
+        if not cur or len(cur) >= max_rows or (max_tokens is not None and size > max_tokens):
+            cur, longest, total = [], 0, 0  # open the next micro-batch (the first at the start)
+            out.append(cur)
         cur.append(i)
         longest, total = max(longest, n), total + n
-    if cur:
-        out.append(cur)
     return out
 
 
