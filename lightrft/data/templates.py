@@ -70,12 +70,6 @@ def _tokenize(tokenizer, text: str, *, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def _render(tokenizer, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
-    )
-
-
 def prompt_turns(prompt: str | Sequence[Message] | None) -> list[dict[str, Any]]:
     """A prompt as chat turns: none for ``None``, one user turn for a string, a copy of a
     conversation."""
@@ -107,7 +101,7 @@ def encode_prompt(
     """
     if apply_chat_template:
         msgs = with_system(prompt_turns(prompt), system_prompt)
-        text = _render(tokenizer, msgs, generation_prompt=True)
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return text, _tokenize(tokenizer, text)
     if not isinstance(prompt, str):
         raise ValueError("a prompt given as a list of messages needs apply_chat_template=true")
@@ -140,7 +134,9 @@ def encode_chat(tokenizer, messages: Sequence[Message], where: str) -> tuple[lis
     for k in (k for k, m in enumerate(msgs) if m["role"] == "assistant"):
         # The conversation up to the turn with the generation prompt (no loss), then with it.
         for loss in (False, True):
-            text = _render(tokenizer, msgs[: k + 1 if loss else k], generation_prompt=not loss)
+            text = tokenizer.apply_chat_template(
+                msgs[: k + 1 if loss else k], tokenize=False, add_generation_prompt=not loss
+            )
             if not text.startswith(done):
                 raise DataError(
                     f"{where}: the chat template renders earlier turns differently once later "
