@@ -165,14 +165,12 @@ def _bad_utf8(
 
 def _read_jsonl(path: Path) -> Records:
     records, origins = [], []
-    offset = 0
     with path.open("rb") as f:  # bytes, so a bad byte is reported by line and offset
         for lineno, raw in enumerate(f, start=1):
-            start, offset = offset, offset + len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise _bad_utf8(path, lineno, e, base=start) from None
+                raise _bad_utf8(path, lineno, e, base=f.tell() - len(raw)) from None
             if not line.strip():
                 continue
             try:
