@@ -319,9 +319,8 @@ class StepCollator:
 
     def __call__(self, items: Sequence[Item]) -> list[dict[str, Any]]:
         lengths = [self.length(x) if self.length else len(x["input_ids"]) for x in items]
-        order = list(range(len(items)))
-        if self.max_tokens is not None:
-            order.sort(key=lengths.__getitem__)
+        # By length under a token budget (a stable sort), else in the loader's order.
+        order = sorted(range(len(items)), key=lengths.__getitem__ if self.max_tokens else None)
         plan = plan_micro_batches(
             order, lengths, self.max_rows, self.max_tokens, packing=self.packing
         )
