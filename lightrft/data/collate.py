@@ -28,6 +28,7 @@ import torch
 
 from lightrft.config import at_least
 from lightrft.data.media import Media
+from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
 
 Item = Mapping[str, Any]
@@ -140,8 +141,6 @@ def packed_sft_dataset(
 
     ``max_length`` defaults to ``max_tokens`` so that every kept sample fits a row.
     """
-    from lightrft.data.sft import SFTDataset
-
     sft_kwargs.setdefault("max_length", max_tokens)
     return PackedDataset(SFTDataset(tokenizer, **sft_kwargs), max_tokens, seed=pack_seed)
 
