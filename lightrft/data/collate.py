@@ -28,15 +28,17 @@ import torch
 
 from lightrft.config import at_least
 from lightrft.data.media import Media
+from lightrft.data.sft import SFTDataset
 from lightrft.data.templates import IGNORE_INDEX
 
 Item = Mapping[str, Any]
 
 
-def _cat(items: Sequence[Item]) -> dict[str, torch.Tensor]:
+def _cat(items: Sequence[Item]) -> dict[str, Any]:
     """Items back to back: ``input_ids``, ``labels`` and ``position_ids`` (a packed row's own,
-    0..L-1 for a single sample), each ``[L]``."""
-    return {
+    0..L-1 for a single sample), each ``[L]``, and ``media``, the items' media joined in order,
+    when any item has some."""
+    out = {
         "input_ids": torch.cat([torch.as_tensor(x["input_ids"], dtype=torch.long) for x in items]),
         "labels": torch.cat([torch.as_tensor(x["labels"], dtype=torch.long) for x in items]),
         "position_ids": torch.cat(
@@ -48,6 +50,8 @@ def _cat(items: Sequence[Item]) -> dict[str, torch.Tensor]:
             ]
         ),
     }
+    media = Media.cat([x.get("media") for x in items])
+    return out if media is None else {**out, "media": media}
 
 
 # ------------------------------------------------------------------------------ bin packing
@@ -117,22 +121,17 @@ class PackedDataset(torch.utils.data.Dataset):
         where = getattr(dataset, "where", None)
         self.rows = pack_indices(lengths, max_tokens, shuffle=shuffle, seed=seed, where=where)
         self.dataset = dataset
-        self.max_tokens = max_tokens
-        tokens = sum(int(n) for n in lengths)
         self.stats: dict[str, int | float] = {
             **getattr(dataset, "stats", {}),
             "packed_rows": len(self.rows),
-            "pack_fill": tokens / (len(self.rows) * max_tokens),
+            "pack_fill": sum(lengths) / (len(self.rows) * max_tokens),
         }
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, r: int) -> dict[str, Any]:
-        items = [self.dataset[i] for i in self.rows[r]]
-        row = _cat(items)
-        _add_media(row, items)
-        return row
+        return _cat([self.dataset[i] for i in self.rows[r]])
 
 
 def packed_sft_dataset(
@@ -142,8 +141,6 @@ def packed_sft_dataset(
 
     ``max_length`` defaults to ``max_tokens`` so that every kept sample fits a row.
     """
-    from lightrft.data.sft import SFTDataset
-
     sft_kwargs.setdefault("max_length", max_tokens)
     return PackedDataset(SFTDataset(tokenizer, **sft_kwargs), max_tokens, seed=pack_seed)
 
@@ -151,37 +148,30 @@ def packed_sft_dataset(
 # ------------------------------------------------------------------------------ collators
 
 
-def _add_media(out: dict[str, Any], items: Sequence[Item]) -> None:
-    """``out["media"]``: the items' media joined in order, when any item has some."""
-    media = Media.cat([x.get("media") for x in items])
-    if media is not None:
-        out["media"] = media
-
-
 def _rows_to_batch(
     rows: list[list[Item]], pad_id: int, pad_to_multiple_of: int | None
 ) -> dict[str, Any]:
     """Concatenate each row's items, right-pad rows to a common length, build the batch."""
-    cat = [tuple(_cat(row).values()) for row in rows]  # (ids, labels, positions) per row
-    width = max(len(ids) for ids, _, _ in cat)
+    cat = [_cat(row) for row in rows]
+    width = max(len(row["input_ids"]) for row in cat)
     if pad_to_multiple_of:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     input_ids = torch.full((len(cat), width), pad_id, dtype=torch.long)  # [R, T]
     labels = torch.full((len(cat), width), IGNORE_INDEX, dtype=torch.long)  # [R, T]
     # Pads form their own sequence (positions 0, 1, ...) so they never join the last sample.
     position_ids = torch.arange(width).repeat(len(cat), 1)  # [R, T]
-    for r, (ids, lab, pos) in enumerate(cat):
-        n = len(ids)
-        input_ids[r, :n], labels[r, :n], position_ids[r, :n] = ids, lab, pos
-        position_ids[r, n:] = torch.arange(width - n)
+    for r, row in enumerate(cat):
+        n = len(row["input_ids"])
+        input_ids[r, :n], labels[r, :n] = row["input_ids"], row["labels"]
+        position_ids[r, :n], position_ids[r, n:] = row["position_ids"], torch.arange(width - n)
     batch = {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
         "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
     }
-    _add_media(batch, [x for row in rows for x in row])
-    return batch
+    media = Media.cat([row.get("media") for row in cat])  # each row's, joined in order
+    return batch if media is None else {**batch, "media": media}
 
 
 @dataclass
@@ -230,11 +220,9 @@ class PadCollator:
                 "(PackCollator) so that samples in a row stay separate"
             )
         batch = _rows_to_batch([[x] for x in items], self.pad_id, self.pad_to_multiple_of)
-        lengths = torch.tensor([len(x["input_ids"]) for x in items])  # [B]
-        width = batch["input_ids"].shape[1]
-        attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # [B, T]
-        batch["attention_mask"] = attention_mask
-        batch["position_ids"] = batch["position_ids"] * attention_mask
+        lengths = torch.tensor([[len(x["input_ids"])] for x in items])  # [B, 1]
+        mask = (torch.arange(batch["input_ids"].shape[1]) < lengths).long()  # [B, T]
+        batch.update(attention_mask=mask, position_ids=batch["position_ids"] * mask)
         return batch
 
 
@@ -283,15 +271,12 @@ def plan_micro_batches(
     longest = total = 0
     for i in rows:
         n = int(lengths[i])
-        if cur:
-            size = total + n if packing else (len(cur) + 1) * max(longest, n)
-            if len(cur) >= max_rows or (max_tokens is not None and size > max_tokens):
-                out.append(cur)
-                cur, longest, total = [], 0, 0
+        size = total + n if packing else (len(cur) + 1) * max(longest, n)
+        if not cur or len(cur) >= max_rows or (max_tokens is not None and size > max_tokens):
+            cur, longest, total = [], 0, 0  # open the next micro-batch (the first at the start)
+            out.append(cur)
         cur.append(i)
         longest, total = max(longest, n), total + n
-    if cur:
-        out.append(cur)
     return out
 
 
@@ -333,9 +318,8 @@ class StepCollator:
 
     def __call__(self, items: Sequence[Item]) -> list[dict[str, Any]]:
         lengths = [self.length(x) if self.length else len(x["input_ids"]) for x in items]
-        order = list(range(len(items)))
-        if self.max_tokens is not None:
-            order.sort(key=lengths.__getitem__)
+        # By length under a token budget (a stable sort), else in the loader's order.
+        order = sorted(range(len(items)), key=lengths.__getitem__ if self.max_tokens else None)
         plan = plan_micro_batches(
             order, lengths, self.max_rows, self.max_tokens, packing=self.packing
         )

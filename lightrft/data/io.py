@@ -165,14 +165,12 @@ def _bad_utf8(
 
 def _read_jsonl(path: Path) -> Records:
     records, origins = [], []
-    offset = 0
     with path.open("rb") as f:  # bytes, so a bad byte is reported by line and offset
         for lineno, raw in enumerate(f, start=1):
-            start, offset = offset, offset + len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise _bad_utf8(path, lineno, e, base=start) from None
+                raise _bad_utf8(path, lineno, e, base=f.tell() - len(raw)) from None
             if not line.strip():
                 continue
             try:
@@ -254,32 +252,29 @@ def _read_hf_dir(path: Path, split: str | None) -> Records:
 READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
 
 
-def _read_file(path: Path) -> Records:
+def _read_one(path: Path, split: str | None) -> Records:
+    if not path.exists():
+        raise DataError(f"data file not found: {path} (resolved to {path.resolve()})")
+    if not path.is_file():
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():  # by HF
+            return _read_hf_dir(path, split)
+        # A folder of per-split files, e.g. gsm8k/{train,test}.jsonl.
+        if split is None:
+            raise DataError(
+                f"{path} is a directory but not a saved HF dataset: set split (e.g. 'train') to "
+                f"read {path}/<split>.jsonl|.json|.parquet, or point path at a file"
+            )
+        found = [f for suffix in READERS if (f := path / f"{split}{suffix}").is_file()]
+        if not found:
+            raise DataError(
+                f"no {split}.jsonl, {split}.json or {split}.parquet in directory {path}"
+            )
+        path = found[0]
     if path.suffix not in READERS:
         raise DataError(
             f"{path}: unsupported file type {path.suffix!r}; use one of {tuple(READERS)}"
         )
     return READERS[path.suffix](path)
-
-
-def _read_one(path: Path, split: str | None) -> Records:
-    if not path.exists():
-        raise DataError(f"data file not found: {path} (resolved to {path.resolve()})")
-    if path.is_file():
-        return _read_file(path)
-    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():  # saved by HF
-        return _read_hf_dir(path, split)
-    # A folder of per-split files, e.g. gsm8k/{train,test}.jsonl.
-    if split is None:
-        raise DataError(
-            f"{path} is a directory but not a saved HF dataset: set split (e.g. 'train') to "
-            f"read {path}/<split>.jsonl|.json|.parquet, or point path at a file"
-        )
-    for suffix in READERS:
-        candidate = path / f"{split}{suffix}"
-        if candidate.is_file():
-            return _read_file(candidate)
-    raise DataError(f"no {split}.jsonl, {split}.json or {split}.parquet in directory {path}")
 
 
 def load_records(path: PathLike | Sequence[PathLike], *, split: str | None = None) -> Records:

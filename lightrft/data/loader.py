@@ -184,7 +184,6 @@ def build_dataloader(
         collate_fn=collate_fn,
         drop_last=drop_last,
         num_workers=num_workers,
-        persistent_workers=False,
     )
 
 

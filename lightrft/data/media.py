@@ -75,9 +75,7 @@ class Media:
     ) -> dict[str, torch.Tensor]:
         """Every kind's keyword arguments for the model's forward, on ``device``; floating
         features (pixel values, log-mels) cast to ``dtype`` when given."""
-        out: dict[str, torch.Tensor] = {}
-        for _, inputs in self.kinds():
-            out.update(inputs.model_inputs(device))
+        out = {k: v for _, inputs in self.kinds() for k, v in inputs.model_inputs(device).items()}
         if dtype is not None:
             out = {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
         return out
@@ -138,10 +136,8 @@ class MediaOptions(Section):
         :class:`~lightrft.data.records.MediaSamples`, which calls it."""
         for proc in PROCESSORS:
             opts = getattr(self, proc.kind)
-            if (
-                not proc.takes(processor)
-                and replace(opts, field=type(opts)().field) != type(opts)()
-            ):
+            default = type(opts)()
+            if not proc.takes(processor) and replace(opts, field=default.field) != default:
                 raise ValueError(
                     f"media.{proc.kind} options need {proc.needs} model's processor ({given})"
                 )

@@ -52,18 +52,12 @@ def refuse_tool_transcript(record: Mapping[str, Any], messages: Any, where: str)
     """Refuse a tool-use transcript (a ``tools`` field, a ``tool`` message or ``tool_calls``):
     its tokens must be the multi-turn rollout's, which ``ToolSFTDataset`` renders; this
     dataset's whole-conversation rendering would teach other ones."""
-    why = (
-        "field 'tools'"
-        if record.get("tools")
-        else next(
-            (
-                f"message {j} has {'role tool' if m['role'] == 'tool' else 'tool_calls'}"
-                for j, m in enumerate(messages if isinstance(messages, list) else [])
-                if isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
-            ),
-            None,
-        )
+    tool_messages = (
+        f"message {j} has {'role tool' if m['role'] == 'tool' else 'tool_calls'}"
+        for j, m in enumerate(messages if isinstance(messages, list) else [])
+        if isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
     )
+    why = "field 'tools'" if record.get("tools") else next(tool_messages, None)
     if why is not None:
         raise DataError(
             f"{where}: a tool-use transcript ({why}): train on it with "
@@ -133,7 +127,7 @@ class SFTDataset(torch.utils.data.Dataset):
         src = open_records(path, records, split)
         self.source = src.name
 
-        ids_chunks, label_chunks, lengths, origins = [], [], [], []
+        ids_chunks, label_chunks, origins = [], [], []
         self._media: list[DecodedMedia | None] = []
         truncated = dropped = audio_dropped = 0
         for i in range(len(src)):
@@ -157,34 +151,29 @@ class SFTDataset(torch.utils.data.Dataset):
                 truncated += 1
             ids_chunks.append(torch.tensor(ids, dtype=torch.int32))
             label_chunks.append(torch.tensor(labels, dtype=torch.int32))
-            lengths.append(len(ids))
             origins.append(src.where(i))
             self._media.append(media)
-        if not lengths:
-            audio = (
-                f" and media.audio.overlong={self.media.audio.overlong!r}"
-                if self.media.audio
-                else ""
-            )
+        if not origins:
+            audio = self.media.audio
             raise DataError(
-                f"empty dataset: max_length={max_length} (truncation={truncation!r}){audio} "
-                f"dropped all {len(src)} records of {self.source}; raise max_length"
+                f"empty dataset: max_length={max_length} (truncation={truncation!r})"
+                + (f" and media.audio.overlong={audio.overlong!r}" if audio else "")
+                + f" dropped all {len(src)} records of {self.source}; raise max_length"
                 + (" or media.audio.max_seconds" if audio else "")
             )
         # Flat int32 storage: one tensor per field instead of millions of Python ints.
         self._ids = torch.cat(ids_chunks)  # [total tokens]
         self._labels = torch.cat(label_chunks)  # [total tokens]
-        self._lengths = torch.tensor(lengths, dtype=torch.long)  # [N]
-        self._offsets = torch.cat([torch.zeros(1, dtype=torch.long), self._lengths.cumsum(0)])
+        # Sample i is tokens offsets[i]:offsets[i + 1].
+        self._offsets = torch.tensor([0] + [len(c) for c in ids_chunks]).cumsum(0)  # [N + 1]
         self._origins = origins
-        n_loss = int((self._labels != IGNORE_INDEX).sum())
         self.stats: dict[str, int] = {
             "records": len(src),
-            "samples": len(lengths),
+            "samples": len(origins),
             "truncated": truncated,
             "dropped": dropped,
-            "tokens": int(self._lengths.sum()),
-            "loss_tokens": n_loss,
+            "tokens": len(self._ids),
+            "loss_tokens": int((self._labels != IGNORE_INDEX).sum()),
         }
         for kind in MEDIA_KINDS:  # images / videos when some, audios with an audio model
             n = sum(len(m.get(kind) or ()) for m in self._media if m)
@@ -244,7 +233,7 @@ class SFTDataset(torch.utils.data.Dataset):
     @property
     def lengths(self) -> list[int]:
         """Token count of every sample (what packing bins)."""
-        return self._lengths.tolist()
+        return self._offsets.diff().tolist()
 
     def where(self, i: int) -> str:
         """The file and line (or row) sample ``i`` came from."""

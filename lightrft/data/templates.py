@@ -70,12 +70,6 @@ def _tokenize(tokenizer, text: str, *, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def _render(tokenizer, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
-    )
-
-
 def prompt_turns(prompt: str | Sequence[Message] | None) -> list[dict[str, Any]]:
     """A prompt as chat turns: none for ``None``, one user turn for a string, a copy of a
     conversation."""
@@ -107,7 +101,7 @@ def encode_prompt(
     """
     if apply_chat_template:
         msgs = with_system(prompt_turns(prompt), system_prompt)
-        text = _render(tokenizer, msgs, generation_prompt=True)
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return text, _tokenize(tokenizer, text)
     if not isinstance(prompt, str):
         raise ValueError("a prompt given as a list of messages needs apply_chat_template=true")
@@ -136,30 +130,25 @@ def encode_chat(tokenizer, messages: Sequence[Message], where: str) -> tuple[lis
     ids: list[int] = []
     labels: list[int] = []
     done = ""  # text rendered (and tokenised) so far
-
-    def add(text: str, loss: bool) -> None:
-        nonlocal done
-        if not text.startswith(done):
-            raise DataError(
-                f"{where}: the chat template renders earlier turns differently once later turns "
-                "are added, so assistant tokens cannot be located; use a template without "
-                "history rewriting or prompt/completion records"
-            )
-        new = _tokenize(tokenizer, text[len(done) :])
-        ids.extend(new)
-        if loss:
-            # No loss on template text that follows the end-of-turn token (e.g. "\n").
-            stop = len(new) - new[::-1].index(eos) if eos in new else len(new)
-            labels.extend(new[:stop] + [IGNORE_INDEX] * (len(new) - stop))
-        else:
-            labels.extend([IGNORE_INDEX] * len(new))
-        done = text
-
     # Turns after the last assistant turn carry no loss and nothing can attend to them: dropped.
-    for k, m in enumerate(msgs):
-        if m["role"] == "assistant":
-            add(_render(tokenizer, msgs[:k], generation_prompt=True), loss=False)
-            add(_render(tokenizer, msgs[: k + 1], generation_prompt=False), loss=True)
+    for k in (k for k, m in enumerate(msgs) if m["role"] == "assistant"):
+        # The conversation up to the turn with the generation prompt (no loss), then with it.
+        for loss in (False, True):
+            text = tokenizer.apply_chat_template(
+                msgs[: k + 1 if loss else k], tokenize=False, add_generation_prompt=not loss
+            )
+            if not text.startswith(done):
+                raise DataError(
+                    f"{where}: the chat template renders earlier turns differently once later "
+                    "turns are added, so assistant tokens cannot be located; use a template "
+                    "without history rewriting or prompt/completion records"
+                )
+            new = _tokenize(tokenizer, text[len(done) :])
+            # No loss on template text that follows the end-of-turn token (e.g. "\n").
+            stop = (len(new) - new[::-1].index(eos) if eos in new else len(new)) if loss else 0
+            ids += new
+            labels += new[:stop] + [IGNORE_INDEX] * (len(new) - stop)
+            done = text
     # End at the last loss token: template text after the final eos is never trained on.
     last = max((k for k, lab in enumerate(labels) if lab != IGNORE_INDEX), default=-1)
     if last < 0:  # only possible with empty assistant turns and a template without eos

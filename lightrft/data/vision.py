@@ -50,55 +50,46 @@ def decode_image(value: Any, *, base_dir: Path | None, where: str, field: str):
     """
     from PIL import Image
 
-    if isinstance(value, Image.Image):
-        img = value
-    else:
-        if isinstance(value, dict):
-            data, path = value.get("bytes"), value.get("path")
-            value = data if data is not None else path
-            if value is None:
-                raise DataError(f"{where}: {field}: an image dict needs 'bytes' or 'path'")
-        if isinstance(value, str):
-            value = _read_image_string(value, base_dir=base_dir, where=where, field=field)
-        if not isinstance(value, (bytes, bytearray)):
-            raise DataError(
-                f"{where}: {field}: expected an image path, base64 string, bytes or PIL image, "
-                f"got {type(value).__name__}"
-            )
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+        value = data if data is not None else path
+        if value is None:
+            raise DataError(f"{where}: {field}: an image dict needs 'bytes' or 'path'")
+    if isinstance(value, str) and not value.startswith("data:"):
         try:
-            img = Image.open(io.BytesIO(value))
-            img.load()
-        except Exception as e:  # PIL raises several types for corrupt data
-            raise DataError(f"{where}: {field}: cannot decode the image ({e})") from None
-    return img.convert("RGB") if img.mode != "RGB" else img
-
-
-def _read_image_string(value: str, *, base_dir: Path | None, where: str, field: str) -> bytes:
-    if not value.startswith("data:"):
-        try:
-            return local_file(value, base_dir, where, field, "image").read_bytes()
+            value = local_file(value, base_dir, where, field, "image").read_bytes()
         except DataError:
             # A long string without path separators that is not a file is most likely base64.
             if len(value) <= 64 or "/" in value[:64].strip("+=") or "." in value[-8:]:
                 raise
-    payload = value.partition(",")[2] if value.startswith("data:") else value
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise DataError(f"{where}: {field}: not a valid base64 image") from None
+    if isinstance(value, str):  # base64, bare or as a data:image/...;base64, URL
+        payload = value.partition(",")[2] if value.startswith("data:") else value
+        try:
+            value = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise DataError(f"{where}: {field}: not a valid base64 image") from None
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = Image.open(io.BytesIO(value))
+            value.load()
+        except Exception as e:  # PIL raises several types for corrupt data
+            raise DataError(f"{where}: {field}: cannot decode the image ({e})") from None
+    if not isinstance(value, Image.Image):
+        raise DataError(
+            f"{where}: {field}: expected an image path, base64 string, bytes or PIL image, "
+            f"got {type(value).__name__}"
+        )
+    return value.convert("RGB") if value.mode != "RGB" else value
 
 
 def fit_pixels(img, min_pixels: int | None, max_pixels: int | None):
     """``img`` resized (aspect kept, bicubic) so that its area is within the pixel bounds."""
     w, h = img.size
     area = w * h
-    scale = 1.0
-    if max_pixels is not None and area > max_pixels:
-        scale = math.sqrt(max_pixels / area)
-    elif min_pixels is not None and area < min_pixels:
-        scale = math.sqrt(min_pixels / area)
-    if scale == 1.0:
+    target = min(max(area, min_pixels or 0), max_pixels or math.inf)  # ImageOptions: min <= max
+    if target == area:
         return img
+    scale = math.sqrt(target / area)
     # floor when shrinking and ceil when growing, so the bound holds after rounding.
     rnd = math.floor if scale < 1 else math.ceil
     size = (max(1, rnd(w * scale)), max(1, rnd(h * scale)))
