@@ -149,6 +149,10 @@ def update_metrics(
 TOKEN_DECIMALS = 4
 
 
+def _rounded(values: torch.Tensor) -> list[float]:
+    return [round(v, TOKEN_DECIMALS) for v in values.tolist()]
+
+
 def token_pieces(
     decode: Callable[[list[list[int]]], list[str]], ids: Sequence[int], window: int = 6
 ) -> list[str]:
@@ -184,10 +188,6 @@ def token_pieces(
     return pieces
 
 
-def _rounded(values: list[float]) -> list[float]:
-    return [round(v, TOKEN_DECIMALS) for v in values]
-
-
 def write_trajectories(
     folder: Path,
     step: int,
@@ -213,6 +213,14 @@ def write_trajectories(
     ``null`` lists for a sample dynamic sampling dropped (the trainer never saw it)."""
     folder.mkdir(exist_ok=True)
     kept = iter(range(len(batch)))
+    # A kept sample's trainer-side per-token values (its row ``j`` in ``batch``); None for a
+    # sample dynamic sampling dropped, or a value not given.
+    token_stats = token_stats or {}
+    trainer = {
+        "logprob": token_stats.get("logprobs"),
+        "entropy": token_stats.get("entropy"),
+        "advantage": advantages,
+    }
     with open(folder / f"step_{step:06d}.jsonl", "w") as f:
         for i in range(len(drawn)):
             r = int(drawn.response_lens[i])
@@ -245,29 +253,13 @@ def write_trajectories(
                 record["response_ids"] = drawn.response(i)
                 record["sampled_mask"] = drawn.response_mask[i, :r].tolist()
                 record["episode"] = drawn.episodes[i].record()
-            if decode is not None:
-                stats = {**(token_stats or {}), "advantage": advantages}
-                record["tokens"] = _token_record(decode, drawn, i, j, r, stats)
+            if decode is not None:  # sample i's per-token detail
+                record["tokens"] = {
+                    "text": token_pieces(decode, drawn.response(i)),
+                    "engine_logprob": _rounded(drawn.rollout_logprobs[i, :r]),
+                    **{
+                        k: None if j is None or t is None else _rounded(t[j, :r])
+                        for k, t in trainer.items()
+                    },
+                }
             f.write(json.dumps(record) + "\n")
-
-
-def _token_record(
-    decode: Callable[[list[list[int]]], list[str]],
-    drawn: RolloutBatch,
-    i: int,
-    j: int | None,
-    r: int,
-    stats: dict[str, torch.Tensor | None],
-) -> dict[str, list | None]:
-    """Sample ``i``'s per-token detail (``j``: its row in ``batch`` when kept; ``r`` tokens)."""
-
-    def trainer(t: torch.Tensor | None) -> list[float] | None:
-        return None if j is None or t is None else _rounded(t[j, :r].tolist())
-
-    return {
-        "text": token_pieces(decode, drawn.response(i)),
-        "engine_logprob": _rounded(drawn.rollout_logprobs[i, :r].tolist()),
-        "logprob": trainer(stats.get("logprobs")),
-        "entropy": trainer(stats.get("entropy")),
-        "advantage": trainer(stats.get("advantage")),
-    }
