@@ -166,8 +166,7 @@ def token_pieces(
     ids = list(ids)
     n = len(ids)
     # One batched call for the common case (every token completes its text).
-    texts = decode([ids[max(0, i - window) : i] for i in range(n)])
-    texts += decode([ids[max(0, i - window) : i + 1] for i in range(n)])
+    texts = decode([ids[max(0, i - window) : i + k] for k in (0, 1) for i in range(n)])
     heads, fulls = texts[:n], texts[n:]
     pieces: list[str] = []
     start = 0  # the first id whose text is not yet in ``pieces``
@@ -228,12 +227,10 @@ def write_trajectories(
             j = None
             if drawn.kept[i]:
                 j = next(kept)
-                sampled = batch.response_mask[j, :r].tolist()
-                if advantages is not None and any(sampled):
+                if advantages is not None:
                     # the mean over sampled tokens (observations carry none), summed in order
-                    values = advantages[j, :r].tolist()
-                    mine = [a for a, m in zip(values, sampled, strict=True) if m]
-                    advantage = sum(mine) / len(mine)
+                    mine = advantages[j, :r][batch.response_mask[j, :r]].tolist()
+                    advantage = sum(mine) / len(mine) if mine else None
             record = {
                 "step": step,
                 "prompt": drawn.prompts[i],
