@@ -176,11 +176,10 @@ class ColocatedSource:
     prompts (``prompts_per_step / world``) and the batch is gathered, so every rank holds it."""
 
     def __init__(self, opts: Any, dist: DistInfo, record_eval: Callable | None) -> None:
-        """``opts``: the run's config (``rollout``, ``run``, ``engine``); ``record_eval(step,
+        """``opts``: the run's config (``rollout``, ``run``); ``record_eval(step,
         metrics)`` takes each evaluation (None in a generating process: it sends them)."""
         self.dist, self.seed, self.record_eval = dist, opts.run.seed, record_eval
         self.per_rank = opts.rollout.prompts_per_step // dist.world_size
-        self.max_model_len = opts.engine.max_model_len
         self.reward_side = RewardSideMetrics()
         self.epoch, self.version, self.due = 0, 0, None
         self.prompts: Iterator | None = None
@@ -191,10 +190,8 @@ class ColocatedSource:
         rank's shard of them."""
         self.parts = parts()
         data = dataset()
-        if hasattr(data, "fit_to_engine"):  # the engine's prompt limit
-            engine = self.parts.engine.engine
-            if limit := getattr(engine, "max_model_len", None) or self.max_model_len:
-                data.fit_to_engine(limit)
+        if hasattr(data, "fit_to_engine"):  # the engine's prompt limit (every engine sets one)
+            data.fit_to_engine(self.parts.engine.engine.max_model_len)
         self.loader = prompt_loader(
             data, self.per_rank, self.seed, self.dist.rank, self.dist.world_size
         )
