@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 IGNORE = -100  # target id of positions without a loss
 
-# Per-sample objects that only some batches have (None: none in the batch): media, episodes.
-_PER_SAMPLE = ("media", "episodes")
 # Per-sample media: a list with one Media per row (None for a row without), or None for a text
 # batch. Not row tensors: Qwen-VL's pixel values are a flat [patches, D] tensor with a different
 # patch count per image, so row indexing would cut patches, not samples.
@@ -176,9 +174,10 @@ class RolloutBatch:
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(first):
             values = [getattr(b, f.name) for b in batches]
-            if f.name in _PER_SAMPLE and any(v is not None for v in values):
-                # A text batch may join a multimodal one: its rows get None entries.
-                values = [getattr(b, f.name) or [None] * len(b) for b in batches]
+            if any(isinstance(v, list) for v in values):
+                # Per-sample objects that only some batches have (None: none in the batch), media
+                # and episodes: a text batch may join a multimodal one, its rows get None entries.
+                values = [v or [None] * len(b) for v, b in zip(values, batches, strict=True)]
             if values[0] is None:
                 fields[f.name] = None
             elif isinstance(values[0], Tensor):
