@@ -40,14 +40,12 @@ def pad_rows(rows: Sequence[Sequence[float]], *, dtype=torch.float32, fill=0) ->
     return out
 
 
-def _select(value: Any, idx: Tensor, idx_list: list[int]) -> Any:
-    if value is None:
-        return None
+def _select(value: Any, idx: Tensor) -> Any:
     if isinstance(value, Tensor):
         return value[idx]
-    if isinstance(value, dict):
-        return {k: _select(v, idx, idx_list) for k, v in value.items()}
-    return [value[i] for i in idx_list]
+    if isinstance(value, dict):  # reward_parts / reward_applied: name -> [B] tensor
+        return {k: v[idx] for k, v in value.items()}
+    return None if value is None else [value[i] for i in idx.tolist()]
 
 
 @dataclasses.dataclass
@@ -151,11 +149,8 @@ class RolloutBatch:
 
     def select(self, idx: Sequence[int]) -> RolloutBatch:
         """The rows ``idx`` (in that order), trimmed to their longest prompt and response."""
-        idx_list = list(idx)
-        t = torch.as_tensor(idx_list, dtype=torch.long)
-        fields = {
-            f.name: _select(getattr(self, f.name), t, idx_list) for f in dataclasses.fields(self)
-        }
+        t = torch.as_tensor(list(idx), dtype=torch.long)
+        fields = {f.name: _select(getattr(self, f.name), t) for f in dataclasses.fields(self)}
         return RolloutBatch(**fields)._trim()
 
     def _trim(self) -> RolloutBatch:
