@@ -311,13 +311,11 @@ class ColocatedSource:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (the reward
         functions' floats as float32 values, widened). ``meta``: each sample's prompt,
         reference, label and where; ``got.chats``: its prompt as its chat with its images
-        (:func:`~lightrft.data.conversation`), for reward models."""
-        fn, names = self.parts.reward_fn, self.parts.reward_names
-        if not got.texts and not fn.collective:  # a sharded RM needs every rank
-            empty = torch.zeros(0, dtype=torch.float64)
-            return empty, {n: empty for n in names}, {n: empty.bool() for n in names}
+        (:func:`~lightrft.data.conversation`), for reward models. Every rank has samples (its
+        ``prompts_per_step / world`` >= 1 prompts; a partial step finishes a group)."""
         prompts = meta["prompt"]
-        out = fn(Sample.batch(prompts, got.texts, meta["reference"], meta["label"], got.chats))
+        samples = Sample.batch(prompts, got.texts, meta["reference"], meta["label"], got.chats)
+        out = self.parts.reward_fn(samples)
         out.check_finite(prompts, meta["where"])
         self.reward_side.add(out)
         return out.as_float64()
