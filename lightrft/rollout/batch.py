@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 IGNORE = -100  # target id of positions without a loss
 
-# Per-sample objects that only some batches have (None: none in the batch): media, episodes.
-_PER_SAMPLE = ("media", "episodes")
 # Per-sample media: a list with one Media per row (None for a row without), or None for a text
 # batch. Not row tensors: Qwen-VL's pixel values are a flat [patches, D] tensor with a different
 # patch count per image, so row indexing would cut patches, not samples.
@@ -42,14 +40,12 @@ def pad_rows(rows: Sequence[Sequence[float]], *, dtype=torch.float32, fill=0) ->
     return out
 
 
-def _select(value: Any, idx: Tensor, idx_list: list[int]) -> Any:
-    if value is None:
-        return None
+def _select(value: Any, idx: Tensor) -> Any:
     if isinstance(value, Tensor):
         return value[idx]
-    if isinstance(value, dict):
-        return {k: _select(v, idx, idx_list) for k, v in value.items()}
-    return [value[i] for i in idx_list]
+    if isinstance(value, dict):  # reward_parts / reward_applied: name -> [B] tensor
+        return {k: v[idx] for k, v in value.items()}
+    return None if value is None else [value[i] for i in idx.tolist()]
 
 
 @dataclasses.dataclass
@@ -153,11 +149,8 @@ class RolloutBatch:
 
     def select(self, idx: Sequence[int]) -> RolloutBatch:
         """The rows ``idx`` (in that order), trimmed to their longest prompt and response."""
-        idx_list = list(idx)
-        t = torch.as_tensor(idx_list, dtype=torch.long)
-        fields = {
-            f.name: _select(getattr(self, f.name), t, idx_list) for f in dataclasses.fields(self)
-        }
+        t = torch.as_tensor(list(idx), dtype=torch.long)
+        fields = {f.name: _select(getattr(self, f.name), t) for f in dataclasses.fields(self)}
         return RolloutBatch(**fields)._trim()
 
     def _trim(self) -> RolloutBatch:
@@ -176,9 +169,10 @@ class RolloutBatch:
         fields: dict[str, Any] = {}
         for f in dataclasses.fields(first):
             values = [getattr(b, f.name) for b in batches]
-            if f.name in _PER_SAMPLE and any(v is not None for v in values):
-                # A text batch may join a multimodal one: its rows get None entries.
-                values = [getattr(b, f.name) or [None] * len(b) for b in batches]
+            if any(isinstance(v, list) for v in values):
+                # Per-sample objects that only some batches have (None: none in the batch), media
+                # and episodes: a text batch may join a multimodal one, its rows get None entries.
+                values = [v or [None] * len(b) for v, b in zip(values, batches, strict=True)]
             if values[0] is None:
                 fields[f.name] = None
             elif isinstance(values[0], Tensor):

@@ -21,7 +21,8 @@ from lightrft.models.multimodal import load_processors
 from lightrft.rewards import build_reward, reward_names
 from lightrft.rollout.engine import ColocatedEngine
 from lightrft.rollout.partial import PartialSource
-from lightrft.rollout.remote import AsyncSource, generates_here, serve
+from lightrft.rollout.remote import AsyncSource, serve
+from lightrft.rollout.remote import generates_here as generates_here  # for the recipe
 from lightrft.rollout.source import (
     ColocatedSource,
     DynamicSampling,
@@ -30,17 +31,6 @@ from lightrft.rollout.source import (
     RolloutSource,
     SingleTurn,
 )
-
-__all__ = [
-    "HeldOutEvalConfig",
-    "build_parts",
-    "evaluate",
-    "evaluates_after",
-    "evaluates_at_start",
-    "generates_here",
-    "open_source",
-    "serve_rollouts",
-]
 
 
 def open_source(opts: Any, dist: Any, *, record_eval: Callable, checkpointer: Any) -> RolloutSource:

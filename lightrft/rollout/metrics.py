@@ -149,6 +149,10 @@ def update_metrics(
 TOKEN_DECIMALS = 4
 
 
+def _rounded(values: torch.Tensor) -> list[float]:
+    return [round(v, TOKEN_DECIMALS) for v in values.tolist()]
+
+
 def token_pieces(
     decode: Callable[[list[list[int]]], list[str]], ids: Sequence[int], window: int = 6
 ) -> list[str]:
@@ -162,8 +166,7 @@ def token_pieces(
     ids = list(ids)
     n = len(ids)
     # One batched call for the common case (every token completes its text).
-    texts = decode([ids[max(0, i - window) : i] for i in range(n)])
-    texts += decode([ids[max(0, i - window) : i + 1] for i in range(n)])
+    texts = decode([ids[max(0, i - window) : i + k] for k in (0, 1) for i in range(n)])
     heads, fulls = texts[:n], texts[n:]
     pieces: list[str] = []
     start = 0  # the first id whose text is not yet in ``pieces``
@@ -182,10 +185,6 @@ def token_pieces(
             pieces.append(decode([ids[start : i + 1]])[0])
         start = i + 1
     return pieces
-
-
-def _rounded(values: list[float]) -> list[float]:
-    return [round(v, TOKEN_DECIMALS) for v in values]
 
 
 def write_trajectories(
@@ -213,6 +212,14 @@ def write_trajectories(
     ``null`` lists for a sample dynamic sampling dropped (the trainer never saw it)."""
     folder.mkdir(exist_ok=True)
     kept = iter(range(len(batch)))
+    # A kept sample's trainer-side per-token values (its row ``j`` in ``batch``); None for a
+    # sample dynamic sampling dropped, or a value not given.
+    token_stats = token_stats or {}
+    trainer = {
+        "logprob": token_stats.get("logprobs"),
+        "entropy": token_stats.get("entropy"),
+        "advantage": advantages,
+    }
     with open(folder / f"step_{step:06d}.jsonl", "w") as f:
         for i in range(len(drawn)):
             r = int(drawn.response_lens[i])
@@ -220,12 +227,10 @@ def write_trajectories(
             j = None
             if drawn.kept[i]:
                 j = next(kept)
-                sampled = batch.response_mask[j, :r].tolist()
-                if advantages is not None and any(sampled):
+                if advantages is not None:
                     # the mean over sampled tokens (observations carry none), summed in order
-                    values = advantages[j, :r].tolist()
-                    mine = [a for a, m in zip(values, sampled, strict=True) if m]
-                    advantage = sum(mine) / len(mine)
+                    mine = advantages[j, :r][batch.response_mask[j, :r]].tolist()
+                    advantage = sum(mine) / len(mine) if mine else None
             record = {
                 "step": step,
                 "prompt": drawn.prompts[i],
@@ -245,29 +250,13 @@ def write_trajectories(
                 record["response_ids"] = drawn.response(i)
                 record["sampled_mask"] = drawn.response_mask[i, :r].tolist()
                 record["episode"] = drawn.episodes[i].record()
-            if decode is not None:
-                stats = {**(token_stats or {}), "advantage": advantages}
-                record["tokens"] = _token_record(decode, drawn, i, j, r, stats)
+            if decode is not None:  # sample i's per-token detail
+                record["tokens"] = {
+                    "text": token_pieces(decode, drawn.response(i)),
+                    "engine_logprob": _rounded(drawn.rollout_logprobs[i, :r]),
+                    **{
+                        k: None if j is None or t is None else _rounded(t[j, :r])
+                        for k, t in trainer.items()
+                    },
+                }
             f.write(json.dumps(record) + "\n")
-
-
-def _token_record(
-    decode: Callable[[list[list[int]]], list[str]],
-    drawn: RolloutBatch,
-    i: int,
-    j: int | None,
-    r: int,
-    stats: dict[str, torch.Tensor | None],
-) -> dict[str, list | None]:
-    """Sample ``i``'s per-token detail (``j``: its row in ``batch`` when kept; ``r`` tokens)."""
-
-    def trainer(t: torch.Tensor | None) -> list[float] | None:
-        return None if j is None or t is None else _rounded(t[j, :r].tolist())
-
-    return {
-        "text": token_pieces(decode, drawn.response(i)),
-        "engine_logprob": _rounded(drawn.rollout_logprobs[i, :r].tolist()),
-        "logprob": trainer(stats.get("logprobs")),
-        "entropy": trainer(stats.get("entropy")),
-        "advantage": trainer(stats.get("advantage")),
-    }

@@ -176,11 +176,10 @@ class ColocatedSource:
     prompts (``prompts_per_step / world``) and the batch is gathered, so every rank holds it."""
 
     def __init__(self, opts: Any, dist: DistInfo, record_eval: Callable | None) -> None:
-        """``opts``: the run's config (``rollout``, ``run``, ``engine``); ``record_eval(step,
+        """``opts``: the run's config (``rollout``, ``run``); ``record_eval(step,
         metrics)`` takes each evaluation (None in a generating process: it sends them)."""
         self.dist, self.seed, self.record_eval = dist, opts.run.seed, record_eval
         self.per_rank = opts.rollout.prompts_per_step // dist.world_size
-        self.max_model_len = opts.engine.max_model_len
         self.reward_side = RewardSideMetrics()
         self.epoch, self.version, self.due = 0, 0, None
         self.prompts: Iterator | None = None
@@ -191,10 +190,8 @@ class ColocatedSource:
         rank's shard of them."""
         self.parts = parts()
         data = dataset()
-        if hasattr(data, "fit_to_engine"):  # the engine's prompt limit
-            engine = self.parts.engine.engine
-            if limit := getattr(engine, "max_model_len", None) or self.max_model_len:
-                data.fit_to_engine(limit)
+        if hasattr(data, "fit_to_engine"):  # the engine's prompt limit (every engine sets one)
+            data.fit_to_engine(self.parts.engine.engine.max_model_len)
         self.loader = prompt_loader(
             data, self.per_rank, self.seed, self.dist.rank, self.dist.world_size
         )
@@ -314,13 +311,11 @@ class ColocatedSource:
         """Rewards of this rank's samples: ``(total [B], parts, applied)``, float64 (the reward
         functions' floats as float32 values, widened). ``meta``: each sample's prompt,
         reference, label and where; ``got.chats``: its prompt as its chat with its images
-        (:func:`~lightrft.data.conversation`), for reward models."""
-        fn, names = self.parts.reward_fn, self.parts.reward_names
-        if not got.texts and not fn.collective:  # a sharded RM needs every rank
-            empty = torch.zeros(0, dtype=torch.float64)
-            return empty, {n: empty for n in names}, {n: empty.bool() for n in names}
+        (:func:`~lightrft.data.conversation`), for reward models. Every rank has samples (its
+        ``prompts_per_step / world`` >= 1 prompts; a partial step finishes a group)."""
         prompts = meta["prompt"]
-        out = fn(Sample.batch(prompts, got.texts, meta["reference"], meta["label"], got.chats))
+        samples = Sample.batch(prompts, got.texts, meta["reference"], meta["label"], got.chats)
+        out = self.parts.reward_fn(samples)
         out.check_finite(prompts, meta["where"])
         self.reward_side.add(out)
         return out.as_float64()
