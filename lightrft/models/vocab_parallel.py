@@ -62,15 +62,14 @@ def vocab_rows(weight: torch.Tensor) -> VocabRows | None:
 def gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int]]:
     """Every rank's ``x [n_r, ...]`` as ``[world, max n_r, ...]`` (zero-padded) and the ``n_r``."""
     world = dist.get_world_size(group)
-    count = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    sizes = [int(c) for c in counts]
+    counts = torch.empty(world, dtype=torch.long, device=x.device)
+    dist.all_gather_into_tensor(counts, counts.new_tensor([x.shape[0]]), group=group)
+    sizes = counts.tolist()
     padded = x.new_zeros((max(sizes), *x.shape[1:]))
     padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return torch.stack(parts), sizes
+    parts = padded.new_empty((world * len(padded), *padded.shape[1:]))  # concatenated on dim 0
+    dist.all_gather_into_tensor(parts, padded, group=group)
+    return parts.view(world, *padded.shape), sizes
 
 
 # Elements of a chunk's logits workspace (2 Mi: 8 MiB in fp32): small next to the tables a
@@ -175,19 +174,15 @@ class VocabParallelEmbedding(nn.Module):
 
 def _vocab_sharded(param: nn.Parameter, mesh) -> nn.Parameter:
     """``param`` (on the meta device, filled later) as a ``Shard(0)`` DTensor over ``mesh``."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     if not param.is_meta:
         raise ValueError(
             "vocabulary-parallel tables are sharded before they are filled: build the model on "
             "the meta device (lightrft.models.sharded.build_on_meta)"
         )
-    shape, _ = compute_local_shape_and_global_offset(param.shape, mesh, [Shard(0)])
-    local = torch.empty(shape, dtype=param.dtype, device="meta")
-    full = DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
-    )
+    # src_data_rank=None: each rank takes its rows of the (meta) table, with no scatter.
+    full = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
     return nn.Parameter(full, requires_grad=False)
 
 
