@@ -13,25 +13,23 @@ from __future__ import annotations
 from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
 
-class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
+class _ImageOnly:
+    """A Qwen-VL processor without a video processor (images only; needs no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen2VLImageOnlyProcessor(_ImageOnly, Qwen2VLProcessor):
     """``Qwen2VLProcessor`` without a video processor (images only; needs no torchvision)."""
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-
-class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
+class Qwen2_5_VLImageOnlyProcessor(_ImageOnly, Qwen2_5_VLProcessor):
     """``Qwen2_5_VLProcessor`` without a video processor (images only; needs no torchvision)."""
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-
-class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
+class Qwen3VLImageOnlyProcessor(_ImageOnly, Qwen3VLProcessor):
     """``Qwen3VLProcessor`` without a video processor (images only; needs no torchvision)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
 # model_type -> the image-only processor that stands in for the stock one.
