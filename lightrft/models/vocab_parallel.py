@@ -133,9 +133,8 @@ def vocab_parallel_logprobs(
     h, t = every_h.flatten(0, 1), every_t.reshape(-1)
     acc = acc_dtype(hidden.dtype)
     n = h.shape[0]
-    peak = torch.full((n,), float("-inf"), dtype=acc, device=h.device)
-    sums = torch.zeros(n, dtype=acc, device=h.device)
-    picked = torch.zeros(n, dtype=acc, device=h.device)
+    # Every row's max, sum of exponentials and target logit, all set chunk by chunk.
+    peak, sums, picked = h.new_zeros((3, n), dtype=acc)
     chunk = logits_chunk_rows(n, weight.shape[0])
     # The fused kernel's workspace and logits (fp32 from a low-precision matmul where it can).
     buf, _, low = logit_workspaces(min(chunk, n), weight.shape[0], h, entropy=False)
@@ -170,20 +169,6 @@ class VocabParallelEmbedding(nn.Module):
         assert rows is not None, "VocabParallelEmbedding holds a vocabulary-sharded weight"
         local = self.weight.to_local().to(input_ids.device)  # offload: rows kept in CPU memory
         return vocab_parallel_lookup(input_ids, local, rows)
-
-
-def _vocab_sharded(param: nn.Parameter, mesh) -> nn.Parameter:
-    """``param`` (on the meta device, filled later) as a ``Shard(0)`` DTensor over ``mesh``."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    if not param.is_meta:
-        raise ValueError(
-            "vocabulary-parallel tables are sharded before they are filled: build the model on "
-            "the meta device (lightrft.models.sharded.build_on_meta)"
-        )
-    # src_data_rank=None: each rank takes its rows of the (meta) table, with no scatter.
-    full = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
-    return nn.Parameter(full, requires_grad=False)
 
 
 def _replace(model: nn.Module, table: str, old: Any, new: Any) -> None:
@@ -225,16 +210,23 @@ def shard_vocab_tables(model: nn.Module, mesh) -> set[nn.Parameter]:
         raise ValueError("vocabulary-parallel tables are sharded over a 1-D device mesh")
     if any(p.requires_grad for p in model.parameters()):
         raise ValueError("scoring=True is for frozen models: freeze it in prepare")
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     embedding, head = vocab_tables(model)
-    tables = [(embedding, "weight")] + [(head, n) for n in ("weight", "bias") if head is not None]
-    sharded: dict[int, nn.Parameter] = {}
-    for module, name in tables:
-        old = getattr(module, name)
-        if old is None:
-            continue
-        if id(old) not in sharded:  # a tied head's weight is the embedding's: sharded once
-            sharded[id(old)] = _vocab_sharded(old, mesh)
-            _replace(model, "_parameters", old, sharded[id(old)])
-    new = VocabParallelEmbedding(embedding.weight, embedding.padding_idx)
-    _replace(model, "_modules", embedding, new)
-    return set(sharded.values())
+    tables = [embedding.weight] + ([head.weight, head.bias] if head is not None else [])
+    sharded: set[nn.Parameter] = set()
+    # dict.fromkeys: a tied head's weight is the embedding's, sharded once.
+    for old in dict.fromkeys(t for t in tables if t is not None):
+        if not old.is_meta:
+            raise ValueError(
+                "vocabulary-parallel tables are sharded before they are filled: build the model "
+                "on the meta device (lightrft.models.sharded.build_on_meta)"
+            )
+        # src_data_rank=None: each rank takes its rows of the (meta) table, with no scatter.
+        rows = distribute_tensor(old.detach(), mesh, [Shard(0)], src_data_rank=None)
+        new = nn.Parameter(rows, requires_grad=False)
+        _replace(model, "_parameters", old, new)
+        sharded.add(new)
+    embedding_module = VocabParallelEmbedding(embedding.weight, embedding.padding_idx)
+    _replace(model, "_modules", embedding, embedding_module)
+    return sharded
