@@ -175,18 +175,16 @@ def default_sharding(*, offload: bool = False, scoring: bool = False) -> bool:
     ``--nproc_per_node 1``) would gain nothing from FSDP2 but its hooks' parameter and gradient
     copies, 11% of that trainer's step on the CPU demo, so it stays plain unless ``offload``
     or ``scoring`` needs FSDP2's layout; without a group nothing is sharded."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return dist.get_world_size() > 1 or offload or scoring
+    return dist.is_initialized() and (dist.get_world_size() > 1 or offload or scoring)
 
 
 def build_mesh(shard_size: int | None, replicate_size: int | None, device: torch.device | str):
     """The device mesh ``parallelize`` shards over: 1-D ``("shard",)`` for plain FSDP, 2-D
     ``("replicate", "shard")`` for HSDP; ``None`` without a process group (one plain process,
     where the sizes must be 1)."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size() if dist.is_initialized() else 1
     replicate, shard = mesh_shape(shard_size, replicate_size, world)
-    if world == 1 or not dist.is_initialized():
+    if world == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
