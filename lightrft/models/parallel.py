@@ -191,29 +191,20 @@ def build_mesh(shard_size: int | None, replicate_size: int | None, device: torch
     device_type = torch.device(device).type
     if replicate == 1:  # the default group itself (with its timeout)
         return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+    # HSDP's sub-groups get the default group's collective_timeout_s: torch makes them with its
+    # own default (30 min on gloo) otherwise, and a peer that died in a gradient all-reduce
+    # across replicas would hold the others that long.
+    names, override, timeout = ("replicate", "shard"), None, collective_timeout()
+    if timeout is not None:
+        backend, override = dist.get_backend(), {}
+        for name in names:
+            opts = (
+                dist.ProcessGroupNCCL.Options()
+                if "nccl" in backend  # "cpu:gloo,cuda:nccl" on CUDA: the gloo half ignores them
+                else dist.ProcessGroupGloo._Options()
+            )
+            opts._timeout = timeout
+            override[name] = (backend, opts)
     return init_device_mesh(
-        device_type,
-        (replicate, shard),
-        mesh_dim_names=("replicate", "shard"),
-        backend_override=_timeout_override(("replicate", "shard")),
+        device_type, (replicate, shard), mesh_dim_names=names, backend_override=override
     )
-
-
-def _timeout_override(names: tuple[str, ...]) -> dict | None:
-    """HSDP's sub-groups with the default group's ``collective_timeout_s``: torch makes them
-    with its own default (30 min on gloo) otherwise, and a peer that died in a gradient
-    all-reduce across replicas would hold the others that long."""
-    timeout = collective_timeout()
-    if timeout is None:
-        return None
-    backend = dist.get_backend()
-    out = {}
-    for name in names:
-        opts = (
-            dist.ProcessGroupNCCL.Options()
-            if "nccl" in backend  # "cpu:gloo,cuda:nccl" on CUDA: the gloo half ignores them
-            else dist.ProcessGroupGloo._Options()
-        )
-        opts._timeout = timeout
-        out[name] = (backend, opts)
-    return out
