@@ -10,7 +10,13 @@ through :func:`lightrft.models.multimodal.processor_classes`).
 
 from __future__ import annotations
 
-from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+from transformers import (
+    CONFIG_MAPPING,
+    AutoProcessor,
+    Qwen2_5_VLProcessor,
+    Qwen2VLProcessor,
+    Qwen3VLProcessor,
+)
 
 
 class _ImageOnly:
@@ -40,14 +46,7 @@ PROCESSOR_CLASSES: dict[str, type] = {
 }
 
 
-def _register() -> None:
-    from transformers import AutoConfig, AutoProcessor
-
-    # exist_ok: re-importing (tests, runpy) must not fail. AutoProcessor resolves the class name
-    # written in processor_config.json against registered classes, so saved dirs load back.
-    for model_type, cls in PROCESSOR_CLASSES.items():
-        config_class = type(AutoConfig.for_model(model_type))
-        AutoProcessor.register(config_class, cls, exist_ok=True)
-
-
-_register()
+# exist_ok: re-importing (tests, runpy) must not fail. AutoProcessor resolves the class name
+# written in processor_config.json against registered classes, so saved dirs load back.
+for _model_type, _cls in PROCESSOR_CLASSES.items():
+    AutoProcessor.register(CONFIG_MAPPING[_model_type], _cls, exist_ok=True)
