@@ -98,7 +98,6 @@ def initialize(
             "strategy=deepspeed needs a process group: launch with torchrun "
             "(lightrft run --nproc_per_node N ...), also for one process"
         )
-    world = dist.get_world_size()
     if dist.get_backend() == "gloo":
         # DeepSpeed's comm layer JIT-compiles a shared-memory all-reduce op (~40-90 s on first
         # use, cached in ~/.cache/torch_extensions) for CPU inference all-reduces; training
@@ -109,7 +108,7 @@ def initialize(
         opts,
         micro_batch_size=micro_batch_size,
         accum=accum,
-        world_size=world,
+        world_size=dist.get_world_size(),
         clip_grad_norm=clip_grad_norm,
     )
     if opts.stage == 3:
