@@ -144,12 +144,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     also for an offloaded shard in CPU memory."""
     from torch.distributed.tensor import DTensor
 
-    dev = comm_device(t)
-    if dev == t.to_local().device:
-        return t.full_tensor()
-    moved = DTensor.from_local(
-        t.to_local().to(dev), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
-    )
+    local = t.to_local().to(comm_device(t))  # the shard itself where it is already there
+    moved = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
     return moved.full_tensor()
 
 

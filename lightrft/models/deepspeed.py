@@ -47,10 +47,9 @@ def ds_config(
 ) -> dict:
     """The DeepSpeed config dict for ``opts`` and the recipe's own settings (pure)."""
     zero: dict[str, Any] = {"stage": opts.stage}
-    if opts.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if opts.offload_param:
-        zero["offload_param"] = {"device": "cpu"}
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(opts, key):
+            zero[key] = {"device": "cpu"}
     if opts.stage == 3:
         # Our export gathers the weights itself (GatheredParameters, module by module): a
         # checkpoint need not consolidate a 16-bit copy on every save.
@@ -99,7 +98,6 @@ def initialize(
             "strategy=deepspeed needs a process group: launch with torchrun "
             "(lightrft run --nproc_per_node N ...), also for one process"
         )
-    world = dist.get_world_size()
     if dist.get_backend() == "gloo":
         # DeepSpeed's comm layer JIT-compiles a shared-memory all-reduce op (~40-90 s on first
         # use, cached in ~/.cache/torch_extensions) for CPU inference all-reduces; training
@@ -110,7 +108,7 @@ def initialize(
         opts,
         micro_batch_size=micro_batch_size,
         accum=accum,
-        world_size=world,
+        world_size=dist.get_world_size(),
         clip_grad_norm=clip_grad_norm,
     )
     if opts.stage == 3:
@@ -118,7 +116,7 @@ def initialize(
         # (models.forward: in a hook on it, whose result the root returns; a likelihood reward
         # model: in the root's forward): registered as the root's external parameter, ZeRO-3
         # keeps it gathered for the whole root forward and routes its gradient back.
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        head = getattr(model, "get_output_embeddings", lambda: None)()
         if head is not None:
             deepspeed.zero.register_external_parameter(model, head.weight)
     engine, _, _, _ = deepspeed.initialize(
@@ -150,9 +148,10 @@ def gathered_modules(engine: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
             yield [(f"{mod_name}.{n}" if mod_name else n, p.detach()) for n, p in params]
 
 
-def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """The full state dict of the engine's module on CPU, HF names (collective: every rank
-    gathers ZeRO-3 partitions module by module; rank 0 keeps the copies, others get ``{}``)."""
+def export_hf_engine(engine: Any, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write the engine's model as an HF directory (collective; rank 0 writes): the full state
+    dict of the engine's module on CPU, HF names (every rank gathers ZeRO-3 partitions module by
+    module; rank 0 keeps the copies, others hand ``{}`` to the writer)."""
     module = engine.module
     main = is_main()
     out: dict[str, torch.Tensor] = {}
@@ -168,7 +167,7 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor]:
         for name, buf in module.named_buffers():
             if name in kept:
                 out[strip_wrappers(name)] = buf.detach().to("cpu", copy=True)
-    return out
+    return export_hf_state_dict(module, out, tokenizer, out_dir)
 
 
 def sync_weights(engine: Any, rollout: Any) -> None:
@@ -180,8 +179,3 @@ def sync_weights(engine: Any, rollout: Any) -> None:
             rollout.load_weights([(hf_name(n), t) for n, t in params])
     if rollout is not None:
         rollout.reset_prefix_cache()
-
-
-def export_hf_engine(engine: Any, tokenizer: Any, out_dir: str | Path) -> Path:
-    """Write the engine's model as an HF directory (collective; rank 0 writes)."""
-    return export_hf_state_dict(engine.module, gathered_state_dict(engine), tokenizer, out_dir)

@@ -260,25 +260,26 @@ def export_adapter(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Pat
     return export_hf_state_dict(model, sd, tokenizer, out_dir, save_embedding_layers=False)
 
 
-def load_adapter_export(
+def load_export(
     path: str | Path,
-    base: str | Path | None = None,
     *,
+    base: str | Path | None = None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
-    trainable: bool = False,
 ):
-    """A LoRA adapter export (``output_dir/final`` of a LoRA run) as a PEFT model on its base.
+    """Any export of a run, in one call, in eval mode: a full HF directory (``final/`` of a full
+    fine-tune, ``final_merged/`` of LoRA) as :func:`lightrft.models.load_model` loads it, or a
+    LoRA adapter directory (``final/`` of a LoRA run: ``adapter_config.json`` and no
+    ``config.json``) as a PEFT model on its base, in inference mode.
 
-    ``base``: the base model directory; default the ``base_model_name_or_path`` the adapter
-    records (the run's ``model.path``, relative to the directory the run started in when it was
-    given relative). ``trainable``: keep the adapters trainable (PEFT's
-    ``is_trainable``); default inference mode.
+    ``base``: the adapter's base model directory; default the ``base_model_name_or_path`` the
+    adapter records (the run's ``model.path``, relative to the directory the run started in when
+    it was given relative).
     """
     path = Path(path)
     cfg_file = path / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path}: no adapter_config.json; not a LoRA adapter export")
+    if not cfg_file.is_file() or (path / "config.json").is_file():
+        return load_model(path, dtype=dtype, device=device).eval()
     if base is None:
         base = json.loads(cfg_file.read_text()).get("base_model_name_or_path")
         if not base:
@@ -295,22 +296,4 @@ def load_adapter_export(
         warnings.filterwarnings(
             "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
         )
-        model = PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
-    return model if trainable else model.eval()
-
-
-def load_export(
-    path: str | Path,
-    *,
-    base: str | Path | None = None,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-):
-    """Any export of a run, in one call, in eval mode: a full HF directory (``final/`` of a full
-    fine-tune, ``final_merged/`` of LoRA) as :func:`lightrft.models.load_model` loads it, or a
-    LoRA adapter directory (``final/`` of a LoRA run) as a PEFT model on its base
-    (:func:`load_adapter_export`; ``base`` overrides the base model the adapter records)."""
-    path = Path(path)
-    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        return load_adapter_export(path, base, dtype=dtype, device=device)
-    return load_model(path, dtype=dtype, device=device).eval()
+        return PeftModel.from_pretrained(base_model, str(path)).eval()

@@ -10,18 +10,17 @@ from __future__ import annotations
 import re
 
 # Inserted by checkpoint_wrapper, torch.compile (module-level compile) and FSDP1.
-WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+_WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 PEFT_PREFIX = "base_model.model."
-# Names that PEFT inserts between the HF model's own names (its copies of trained modules).
-_PEFT_COPIES = re.compile(r"\.(modules_to_save\.[^.]+|original_module)\.")
+# Names that PEFT inserts between the HF model's own names: a LoRA layer's ``base_layer`` and the
+# ``modules_to_save`` copy of a trained module (the trained copy replaces the original module).
+_PEFT_PARTS = re.compile(r"\.(base_layer|modules_to_save\.[^.]+)(?=\.)")
 
 
 def strip_wrappers(name: str) -> str:
     """A parameter's name without the wrapper parts (PEFT's names are kept):
     ``model.layers.0._checkpoint_wrapped_module.mlp...`` -> ``model.layers.0.mlp...``."""
-    for part in WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
+    return _WRAPPER_PARTS.sub("", name)
 
 
 def hf_name(name: str) -> str:
@@ -30,13 +29,10 @@ def hf_name(name: str) -> str:
     >>> hf_name("base_model.model.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.base_layer.weight")
     'model.layers.0.mlp.up_proj.weight'
     """
-    name = strip_wrappers(name).removeprefix(PEFT_PREFIX)
-    name = name.replace(".base_layer.", ".")
-    # PEFT `modules_to_save`: the trained copy replaces the original module.
-    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+    return _PEFT_PARTS.sub("", strip_wrappers(name).removeprefix(PEFT_PREFIX))
 
 
 def hf_checkpoint_name(name: str) -> str:
     """The HF model's own name of a parameter of a wrapped (checkpointed, compiled, PEFT) model,
     for reading its tensor from a checkpoint (PEFT's ``original_module`` copy included)."""
-    return hf_name(_PEFT_COPIES.sub(".", name))
+    return hf_name(name.replace(".original_module.", "."))

@@ -175,47 +175,36 @@ def default_sharding(*, offload: bool = False, scoring: bool = False) -> bool:
     ``--nproc_per_node 1``) would gain nothing from FSDP2 but its hooks' parameter and gradient
     copies, 11% of that trainer's step on the CPU demo, so it stays plain unless ``offload``
     or ``scoring`` needs FSDP2's layout; without a group nothing is sharded."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return dist.get_world_size() > 1 or offload or scoring
+    return dist.is_initialized() and (dist.get_world_size() > 1 or offload or scoring)
 
 
 def build_mesh(shard_size: int | None, replicate_size: int | None, device: torch.device | str):
     """The device mesh ``parallelize`` shards over: 1-D ``("shard",)`` for plain FSDP, 2-D
     ``("replicate", "shard")`` for HSDP; ``None`` without a process group (one plain process,
     where the sizes must be 1)."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size() if dist.is_initialized() else 1
     replicate, shard = mesh_shape(shard_size, replicate_size, world)
-    if world == 1 or not dist.is_initialized():
+    if world == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = torch.device(device).type
     if replicate == 1:  # the default group itself (with its timeout)
         return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+    # HSDP's sub-groups get the default group's collective_timeout_s: torch makes them with its
+    # own default (30 min on gloo) otherwise, and a peer that died in a gradient all-reduce
+    # across replicas would hold the others that long.
+    names, override, timeout = ("replicate", "shard"), None, collective_timeout()
+    if timeout is not None:
+        backend, override = dist.get_backend(), {}
+        for name in names:
+            opts = (
+                dist.ProcessGroupNCCL.Options()
+                if "nccl" in backend  # "cpu:gloo,cuda:nccl" on CUDA: the gloo half ignores them
+                else dist.ProcessGroupGloo._Options()
+            )
+            opts._timeout = timeout
+            override[name] = (backend, opts)
     return init_device_mesh(
-        device_type,
-        (replicate, shard),
-        mesh_dim_names=("replicate", "shard"),
-        backend_override=_timeout_override(("replicate", "shard")),
+        device_type, (replicate, shard), mesh_dim_names=names, backend_override=override
     )
-
-
-def _timeout_override(names: tuple[str, ...]) -> dict | None:
-    """HSDP's sub-groups with the default group's ``collective_timeout_s``: torch makes them
-    with its own default (30 min on gloo) otherwise, and a peer that died in a gradient
-    all-reduce across replicas would hold the others that long."""
-    timeout = collective_timeout()
-    if timeout is None:
-        return None
-    backend = dist.get_backend()
-    out = {}
-    for name in names:
-        opts = (
-            dist.ProcessGroupNCCL.Options()
-            if "nccl" in backend  # "cpu:gloo,cuda:nccl" on CUDA: the gloo half ignores them
-            else dist.ProcessGroupGloo._Options()
-        )
-        opts._timeout = timeout
-        out[name] = (backend, opts)
-    return out

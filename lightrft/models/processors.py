@@ -10,28 +10,32 @@ through :func:`lightrft.models.multimodal.processor_classes`).
 
 from __future__ import annotations
 
-from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+from transformers import (
+    CONFIG_MAPPING,
+    AutoProcessor,
+    Qwen2_5_VLProcessor,
+    Qwen2VLProcessor,
+    Qwen3VLProcessor,
+)
 
 
-class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
+class _ImageOnly:
+    """A Qwen-VL processor without a video processor (images only; needs no torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen2VLImageOnlyProcessor(_ImageOnly, Qwen2VLProcessor):
     """``Qwen2VLProcessor`` without a video processor (images only; needs no torchvision)."""
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-
-class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
+class Qwen2_5_VLImageOnlyProcessor(_ImageOnly, Qwen2_5_VLProcessor):
     """``Qwen2_5_VLProcessor`` without a video processor (images only; needs no torchvision)."""
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-
-class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
+class Qwen3VLImageOnlyProcessor(_ImageOnly, Qwen3VLProcessor):
     """``Qwen3VLProcessor`` without a video processor (images only; needs no torchvision)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
 # model_type -> the image-only processor that stands in for the stock one.
@@ -42,14 +46,7 @@ PROCESSOR_CLASSES: dict[str, type] = {
 }
 
 
-def _register() -> None:
-    from transformers import AutoConfig, AutoProcessor
-
-    # exist_ok: re-importing (tests, runpy) must not fail. AutoProcessor resolves the class name
-    # written in processor_config.json against registered classes, so saved dirs load back.
-    for model_type, cls in PROCESSOR_CLASSES.items():
-        config_class = type(AutoConfig.for_model(model_type))
-        AutoProcessor.register(config_class, cls, exist_ok=True)
-
-
-_register()
+# exist_ok: re-importing (tests, runpy) must not fail. AutoProcessor resolves the class name
+# written in processor_config.json against registered classes, so saved dirs load back.
+for _model_type, _cls in PROCESSOR_CLASSES.items():
+    AutoProcessor.register(CONFIG_MAPPING[_model_type], _cls, exist_ok=True)

@@ -62,15 +62,14 @@ def vocab_rows(weight: torch.Tensor) -> VocabRows | None:
 def gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int]]:
     """Every rank's ``x [n_r, ...]`` as ``[world, max n_r, ...]`` (zero-padded) and the ``n_r``."""
     world = dist.get_world_size(group)
-    count = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    sizes = [int(c) for c in counts]
+    counts = torch.empty(world, dtype=torch.long, device=x.device)
+    dist.all_gather_into_tensor(counts, counts.new_tensor([x.shape[0]]), group=group)
+    sizes = counts.tolist()
     padded = x.new_zeros((max(sizes), *x.shape[1:]))
     padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return torch.stack(parts), sizes
+    parts = padded.new_empty((world * len(padded), *padded.shape[1:]))  # concatenated on dim 0
+    dist.all_gather_into_tensor(parts, padded, group=group)
+    return parts.view(world, *padded.shape), sizes
 
 
 # Elements of a chunk's logits workspace (2 Mi: 8 MiB in fp32): small next to the tables a
@@ -134,9 +133,8 @@ def vocab_parallel_logprobs(
     h, t = every_h.flatten(0, 1), every_t.reshape(-1)
     acc = acc_dtype(hidden.dtype)
     n = h.shape[0]
-    peak = torch.full((n,), float("-inf"), dtype=acc, device=h.device)
-    sums = torch.zeros(n, dtype=acc, device=h.device)
-    picked = torch.zeros(n, dtype=acc, device=h.device)
+    # Every row's max, sum of exponentials and target logit, all set chunk by chunk.
+    peak, sums, picked = h.new_zeros((3, n), dtype=acc)
     chunk = logits_chunk_rows(n, weight.shape[0])
     # The fused kernel's workspace and logits (fp32 from a low-precision matmul where it can).
     buf, _, low = logit_workspaces(min(chunk, n), weight.shape[0], h, entropy=False)
@@ -171,24 +169,6 @@ class VocabParallelEmbedding(nn.Module):
         assert rows is not None, "VocabParallelEmbedding holds a vocabulary-sharded weight"
         local = self.weight.to_local().to(input_ids.device)  # offload: rows kept in CPU memory
         return vocab_parallel_lookup(input_ids, local, rows)
-
-
-def _vocab_sharded(param: nn.Parameter, mesh) -> nn.Parameter:
-    """``param`` (on the meta device, filled later) as a ``Shard(0)`` DTensor over ``mesh``."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not param.is_meta:
-        raise ValueError(
-            "vocabulary-parallel tables are sharded before they are filled: build the model on "
-            "the meta device (lightrft.models.sharded.build_on_meta)"
-        )
-    shape, _ = compute_local_shape_and_global_offset(param.shape, mesh, [Shard(0)])
-    local = torch.empty(shape, dtype=param.dtype, device="meta")
-    full = DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
-    )
-    return nn.Parameter(full, requires_grad=False)
 
 
 def _replace(model: nn.Module, table: str, old: Any, new: Any) -> None:
@@ -230,16 +210,23 @@ def shard_vocab_tables(model: nn.Module, mesh) -> set[nn.Parameter]:
         raise ValueError("vocabulary-parallel tables are sharded over a 1-D device mesh")
     if any(p.requires_grad for p in model.parameters()):
         raise ValueError("scoring=True is for frozen models: freeze it in prepare")
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     embedding, head = vocab_tables(model)
-    tables = [(embedding, "weight")] + [(head, n) for n in ("weight", "bias") if head is not None]
-    sharded: dict[int, nn.Parameter] = {}
-    for module, name in tables:
-        old = getattr(module, name)
-        if old is None:
-            continue
-        if id(old) not in sharded:  # a tied head's weight is the embedding's: sharded once
-            sharded[id(old)] = _vocab_sharded(old, mesh)
-            _replace(model, "_parameters", old, sharded[id(old)])
-    new = VocabParallelEmbedding(embedding.weight, embedding.padding_idx)
-    _replace(model, "_modules", embedding, new)
-    return set(sharded.values())
+    tables = [embedding.weight] + ([head.weight, head.bias] if head is not None else [])
+    sharded: set[nn.Parameter] = set()
+    # dict.fromkeys: a tied head's weight is the embedding's, sharded once.
+    for old in dict.fromkeys(t for t in tables if t is not None):
+        if not old.is_meta:
+            raise ValueError(
+                "vocabulary-parallel tables are sharded before they are filled: build the model "
+                "on the meta device (lightrft.models.sharded.build_on_meta)"
+            )
+        # src_data_rank=None: each rank takes its rows of the (meta) table, with no scatter.
+        rows = distribute_tensor(old.detach(), mesh, [Shard(0)], src_data_rank=None)
+        new = nn.Parameter(rows, requires_grad=False)
+        _replace(model, "_parameters", old, new)
+        sharded.add(new)
+    embedding_module = VocabParallelEmbedding(embedding.weight, embedding.padding_idx)
+    _replace(model, "_modules", embedding, embedding_module)
+    return sharded
