@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # A call that loads a model or an adapter from a directory.
-LOADS = re.compile(r"\b(from_pretrained|load_model|load_export|load_adapter_export)\(|PeftModel")
+LOADS = re.compile(r"\b(from_pretrained|load_model|load_export)\(|PeftModel")
 # ...from an export of a run (``final/``, ``final_merged/``).
 EXPORT = re.compile(r"/final(_merged)?\b")
 # Blocks that call a loader on something that is not an export, and why they are not run here.
