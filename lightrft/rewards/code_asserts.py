@@ -118,13 +118,8 @@ def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
     """Whether the parent can evaluate ``node`` alone: no name the program could define (names
     in ``bound`` and those a comprehension inside binds are the parent's own variables)."""
     math_names = {id(n.value) for n in ast.walk(node) if _is_math(n)}
-    bound = bound | {
-        t.id
-        for c in ast.walk(node)
-        if isinstance(c, ast.comprehension)
-        for t in ast.walk(c.target)
-        if isinstance(t, ast.Name)
-    }
+    generators = [c for c in ast.walk(node) if isinstance(c, ast.comprehension)]
+    bound = bound.union(*(_names(c.target) or () for c in generators))
     for n in ast.walk(node):
         if id(n) in math_names:
             continue
@@ -342,7 +337,7 @@ def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
     operations that can build a huge result (:data:`_GUARDED`), ``range`` and ``round`` go through
     bounds checks (values come from the program); a value that is not plain data is left
     undefined, so the condition fails where it needs it."""
-    env = {**_ENV, "__builtins__": {}, _ITEMS: _counted([_MAX_ITEMS])}
+    env = {**_ENV, "__builtins__": {}, _ITEMS: functools.partial(_counted, [_MAX_ITEMS])}
     env.update((_VALUE.format(i), v) for i, v in enumerate(values) if not isinstance(v, _Unusable))
     try:
         return bool(eval(_compiled(condition), env))  # noqa: S307 - a checked expression
@@ -399,18 +394,14 @@ def _arith(name: str, a: Any, b: Any) -> Any:
     return _GUARDED[op](a, b)
 
 
-def _counted(budget: list[int]) -> Any:
+def _counted(budget: list[int], iterable: Any) -> Any:
     """An iterable's items, each taken from ``budget`` (one per condition): nested
     comprehensions multiply their lengths, so each is bounded by the whole, not by itself."""
-
-    def items(iterable: Any) -> Any:
-        for item in iterable:
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise ValueError("comprehensions too long")
-            yield item
-
-    return items
+    for item in iterable:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError("comprehensions too long")
+        yield item
 
 
 def _range(*args: int) -> range:
