@@ -244,11 +244,9 @@ def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
         return None
     inner: _Values = []
     elt = _split(node.elt, inner, names, _INNER)
-    if not inner:  # the element is the parent's: only the iterable may need the program
-        if _parent_only(gen.iter):
-            it = gen.iter
-        else:  # sent as a list: an iterator or a generator the program returns is data then
-            it = _placeholder(values, ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
+    if not inner:  # only the iterable needs the program (else _split kept it all here): sent
+        # as a list, an iterator or a generator the program returns is data then
+        it = _placeholder(values, ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
         return type(node)(elt, [ast.comprehension(gen.target, it, gen.ifs, 0)])
     if not _parent_only(gen.iter):
         return None
