@@ -138,11 +138,8 @@ def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
 
 def _names(target: ast.expr) -> frozenset[str] | None:
     """The names a comprehension target binds, if it is a name or a flat tuple of names."""
-    if isinstance(target, ast.Name):
-        return frozenset({target.id})
-    if isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
-        return frozenset(e.id for e in target.elts)
-    return None
+    elts = target.elts if isinstance(target, ast.Tuple) else [target]
+    return frozenset(e.id for e in elts) if all(isinstance(e, ast.Name) for e in elts) else None
 
 
 def _load(target: ast.expr) -> ast.expr:
@@ -377,9 +374,8 @@ def _arith(name: str, a: Any, b: Any) -> Any:
     huge (values come from the program)."""
     op = getattr(ast, name)
     ints = isinstance(a, int) and isinstance(b, int)
-    if op is ast.Pow and ints and abs(a) > 1 and b > 0:
-        if a.bit_length() * b > _MAX_POW_BITS:
-            raise ValueError("power too large")
+    if op is ast.Pow and ints and abs(a) > 1 and b > 0 and a.bit_length() * b > _MAX_POW_BITS:
+        raise ValueError("power too large")
     if op is ast.LShift and ints and b > _MAX_POW_BITS:
         raise ValueError("shift too large")
     if op is ast.Mult:
