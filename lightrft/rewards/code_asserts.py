@@ -262,7 +262,16 @@ def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
 
 # ---------------------------------------------------------------- values sent as data
 
+
+@dataclass(frozen=True)
+class _Unusable:
+    why: str
+
+
 _INT = re.compile(r"-?\d+")
+# The tags whose payload is a string, and what each reads from it ("x": not plain data, or it
+# raised: fails where used).
+_FROM_STR = {"i": int, "f": float, "s": str, "y": bytes.fromhex, "x": _Unusable}
 _COLLECTIONS = {"l": list, "t": tuple, "S": set, "F": frozenset, "d": dict}
 
 
@@ -275,29 +284,16 @@ def decode(obj: Any, depth: int = 0) -> Any:
         return None
     if tag == "b" and isinstance(p, bool):
         return p
-    if tag == "i" and isinstance(p, str) and _INT.fullmatch(p):
-        return int(p)
-    if tag == "f" and isinstance(p, str):
-        return float(p)
+    if tag in _FROM_STR and isinstance(p, str) and (tag != "i" or _INT.fullmatch(p)):
+        return _FROM_STR[tag](p)
     if tag == "c" and isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p):
         return complex(float(p[0]), float(p[1]))
-    if tag == "s" and isinstance(p, str):
-        return p
-    if tag == "y" and isinstance(p, str):
-        return bytes.fromhex(p)
-    if tag == "x" and isinstance(p, str):  # not plain data, or it raised: fails where used
-        return _Unusable(p)
     if tag in _COLLECTIONS and isinstance(p, list):
         # a dict's items are its [key, value] pairs, each read as a tuple at the dict's depth
         items = [decode(["t", x], depth) if tag == "d" else decode(x, depth + 1) for x in p]
         bad = [x for x in items if isinstance(x, _Unusable)]
         return bad[0] if bad else _COLLECTIONS[tag](items)
     raise ValueError(f"bad tagged value {tag!r}")
-
-
-@dataclass(frozen=True)
-class _Unusable:
-    why: str
 
 
 def judge(plan: AssertPlan, report: bytes) -> tuple[bool, str]:
