@@ -118,13 +118,8 @@ def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
     """Whether the parent can evaluate ``node`` alone: no name the program could define (names
     in ``bound`` and those a comprehension inside binds are the parent's own variables)."""
     math_names = {id(n.value) for n in ast.walk(node) if _is_math(n)}
-    bound = bound | {
-        t.id
-        for c in ast.walk(node)
-        if isinstance(c, ast.comprehension)
-        for t in ast.walk(c.target)
-        if isinstance(t, ast.Name)
-    }
+    generators = [c for c in ast.walk(node) if isinstance(c, ast.comprehension)]
+    bound = bound.union(*(_names(c.target) or () for c in generators))
     for n in ast.walk(node):
         if id(n) in math_names:
             continue
@@ -143,11 +138,8 @@ def _parent_only(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
 
 def _names(target: ast.expr) -> frozenset[str] | None:
     """The names a comprehension target binds, if it is a name or a flat tuple of names."""
-    if isinstance(target, ast.Name):
-        return frozenset({target.id})
-    if isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
-        return frozenset(e.id for e in target.elts)
-    return None
+    elts = target.elts if isinstance(target, ast.Tuple) else [target]
+    return frozenset(e.id for e in elts) if all(isinstance(e, ast.Name) for e in elts) else None
 
 
 def _load(target: ast.expr) -> ast.expr:
@@ -249,11 +241,9 @@ def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
         return None
     inner: _Values = []
     elt = _split(node.elt, inner, names, _INNER)
-    if not inner:  # the element is the parent's: only the iterable may need the program
-        if _parent_only(gen.iter):
-            it = gen.iter
-        else:  # sent as a list: an iterator or a generator the program returns is data then
-            it = _placeholder(values, ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
+    if not inner:  # only the iterable needs the program (else _split kept it all here): sent
+        # as a list, an iterator or a generator the program returns is data then
+        it = _placeholder(values, ast.Call(ast.Name("list", ast.Load()), [gen.iter], []))
         return type(node)(elt, [ast.comprehension(gen.target, it, gen.ifs, 0)])
     if not _parent_only(gen.iter):
         return None
@@ -272,7 +262,16 @@ def _split_comprehension(node: ast.expr, values: _Values) -> ast.expr | None:
 
 # ---------------------------------------------------------------- values sent as data
 
+
+@dataclass(frozen=True)
+class _Unusable:
+    why: str
+
+
 _INT = re.compile(r"-?\d+")
+# The tags whose payload is a string, and what each reads from it ("x": not plain data, or it
+# raised: fails where used).
+_FROM_STR = {"i": int, "f": float, "s": str, "y": bytes.fromhex, "x": _Unusable}
 _COLLECTIONS = {"l": list, "t": tuple, "S": set, "F": frozenset, "d": dict}
 
 
@@ -285,29 +284,16 @@ def decode(obj: Any, depth: int = 0) -> Any:
         return None
     if tag == "b" and isinstance(p, bool):
         return p
-    if tag == "i" and isinstance(p, str) and _INT.fullmatch(p):
-        return int(p)
-    if tag == "f" and isinstance(p, str):
-        return float(p)
+    if tag in _FROM_STR and isinstance(p, str) and (tag != "i" or _INT.fullmatch(p)):
+        return _FROM_STR[tag](p)
     if tag == "c" and isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p):
         return complex(float(p[0]), float(p[1]))
-    if tag == "s" and isinstance(p, str):
-        return p
-    if tag == "y" and isinstance(p, str):
-        return bytes.fromhex(p)
-    if tag == "x" and isinstance(p, str):  # not plain data, or it raised: fails where used
-        return _Unusable(p)
     if tag in _COLLECTIONS and isinstance(p, list):
         # a dict's items are its [key, value] pairs, each read as a tuple at the dict's depth
         items = [decode(["t", x], depth) if tag == "d" else decode(x, depth + 1) for x in p]
         bad = [x for x in items if isinstance(x, _Unusable)]
         return bad[0] if bad else _COLLECTIONS[tag](items)
     raise ValueError(f"bad tagged value {tag!r}")
-
-
-@dataclass(frozen=True)
-class _Unusable:
-    why: str
 
 
 def judge(plan: AssertPlan, report: bytes) -> tuple[bool, str]:
@@ -342,7 +328,7 @@ def _holds(condition: ast.Expression, values: Sequence[Any]) -> bool:
     operations that can build a huge result (:data:`_GUARDED`), ``range`` and ``round`` go through
     bounds checks (values come from the program); a value that is not plain data is left
     undefined, so the condition fails where it needs it."""
-    env = {**_ENV, "__builtins__": {}, _ITEMS: _counted([_MAX_ITEMS])}
+    env = {**_ENV, "__builtins__": {}, _ITEMS: functools.partial(_counted, [_MAX_ITEMS])}
     env.update((_VALUE.format(i), v) for i, v in enumerate(values) if not isinstance(v, _Unusable))
     try:
         return bool(eval(_compiled(condition), env))  # noqa: S307 - a checked expression
@@ -384,9 +370,8 @@ def _arith(name: str, a: Any, b: Any) -> Any:
     huge (values come from the program)."""
     op = getattr(ast, name)
     ints = isinstance(a, int) and isinstance(b, int)
-    if op is ast.Pow and ints and abs(a) > 1 and b > 0:
-        if a.bit_length() * b > _MAX_POW_BITS:
-            raise ValueError("power too large")
+    if op is ast.Pow and ints and abs(a) > 1 and b > 0 and a.bit_length() * b > _MAX_POW_BITS:
+        raise ValueError("power too large")
     if op is ast.LShift and ints and b > _MAX_POW_BITS:
         raise ValueError("shift too large")
     if op is ast.Mult:
@@ -399,18 +384,14 @@ def _arith(name: str, a: Any, b: Any) -> Any:
     return _GUARDED[op](a, b)
 
 
-def _counted(budget: list[int]) -> Any:
+def _counted(budget: list[int], iterable: Any) -> Any:
     """An iterable's items, each taken from ``budget`` (one per condition): nested
     comprehensions multiply their lengths, so each is bounded by the whole, not by itself."""
-
-    def items(iterable: Any) -> Any:
-        for item in iterable:
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise ValueError("comprehensions too long")
-            yield item
-
-    return items
+    for item in iterable:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError("comprehensions too long")
+        yield item
 
 
 def _range(*args: int) -> range:
