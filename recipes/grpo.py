@@ -372,13 +372,11 @@ class GRPORecipe:
             ("trajectories", self.model, need_tokens, True, "token_logprobs", "token_entropy"),
         ]
         micro, dev = self._micro_batches(batch, list(range(len(batch)))), self.dist.device
-        self.token_stats: dict[str, torch.Tensor] = {}
-        found_all: dict[str, torch.Tensor] = {}
+        outs: dict[str, torch.Tensor] = {}  # each field's [B, R] rows, this rank's filled in
         for name, model, flag, entropy, lp_field, ent_field in jobs:
             if not flag:
                 continue
             model.eval()
-            outs: dict[str, torch.Tensor] = {}
             # The strategy's reference: the frozen base under LoRA, else a no-op.
             reference = self.strategy.reference() if name == "reference" else nullcontext()
             with timer(name), reference:
@@ -395,12 +393,11 @@ class GRPORecipe:
                             buf[idx, : t.shape[1]] = t.float().cpu()
             if model is not self.ref and model is not self.teacher:
                 model.train()
-            for field, buf in outs.items():
-                if field.startswith("token_"):
-                    self.token_stats[field[len("token_") :]] = sum_over_ranks(buf)
-                else:
-                    found_all[field] = sum_over_ranks(buf)
-        pre = Precomputed(**found_all)
+        whole = {field: sum_over_ranks(buf) for field, buf in outs.items()}  # every rank's rows
+        pre = Precomputed(**{k: v for k, v in whole.items() if not k.startswith("token_")})
+        self.token_stats = {
+            k[len("token_") :]: v for k, v in whole.items() if k.startswith("token_")
+        }
         if o.trajectory_tokens and not need_tokens:  # the old log-prob pass had both
             self.token_stats = {"logprobs": pre.old_logprobs, "entropy": pre.entropy}
         # rollout/mismatch/*: the engine's log-probs against the trainer's pre-update ones,
