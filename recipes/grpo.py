@@ -161,10 +161,9 @@ class GRPOConfig(TrainingConfig):
     def resolve(self, at: str) -> GRPOConfig:
         """Every default that depends on another key and every rule across sections."""
         super().resolve(at)
-        ro = self.rollout
         check_rollout(self)  # the modes' rules, before the engine's device rule names its key
         self.engine.check_device(self.run.device, self.engine.sleep_level)
-        alg = self.algorithm.for_rollout(ro.sampling())
+        alg = self.algorithm.for_rollout(self.rollout.sampling())
         critic = self._critic()
         if self.trajectory_tokens and not self.trajectories:
             raise ValueError(
@@ -423,10 +422,10 @@ class GRPORecipe:
         elif alg.shaping.reward_clip is not None:
             rewards = clip_rewards(rewards, alg.shaping.reward_clip)
         mask = batch.response_mask  # [B, R] sampled tokens: observations get no advantage
+        own = pre.old_logprobs if pre.old_logprobs is not None else batch.rollout_logprobs
         token_rewards = None
         if alg.kl is not None and alg.kl.placement == "reward":
-            old = pre.old_logprobs if pre.old_logprobs is not None else batch.rollout_logprobs
-            kl = estimate_kl(old, pre.ref_logprobs, alg.kl.estimator)  # [B, R]
+            kl = estimate_kl(own, pre.ref_logprobs, alg.kl.estimator)  # [B, R]
             token_rewards, kl_metrics = kl_in_reward(rewards, kl, mask, self.kl_ctl.coef)
             metrics["train/kl"] = float(kl_metrics["kl"])
         adv, returns = compute_advantages(
@@ -439,7 +438,6 @@ class GRPORecipe:
             **alg.advantage.options(),
         )  # [B, R]
         if (d := self.opts.distillation) is not None:  # the teacher grades every sampled token
-            own = pre.old_logprobs if pre.old_logprobs is not None else batch.rollout_logprobs
             task = adv if d.reward_weight else None
             adv, dm = distillation_advantages(
                 own, pre.teacher_logprobs, mask, task, d.reward_weight
@@ -665,7 +663,7 @@ class GRPORecipe:
 
     def _finish(self) -> None:
         if self.opts.eval_dataset is not None and self.last_eval != self.step:
-            self.last_eval = self.step  # a generating process evaluates it during the export
+            # A generating process evaluates the last policy during the export.
             self.source.publish(self.step, updated=False, evaluate=True)
             self.source.drain()
         final = self.run.output_dir / "final"
