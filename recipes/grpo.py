@@ -465,10 +465,6 @@ class GRPORecipe:
         critic's value loss. Returns the sum to backpropagate and metrics (``actor_loss``: the
         policy-side total, logged as ``train/loss``)."""
         alg = self.opts.algorithm
-        tis = {}
-        if alg.tis.mode is not None:
-            tis = {"rollout_logprobs": mb.rollout_logprobs, "tis_mode": alg.tis.mode}
-            tis["tis_cap"] = self.opts.algorithm.tis_cap
         loss, pm = policy_loss(
             mb.logprobs,
             mb.old_logprobs,
@@ -476,7 +472,9 @@ class GRPORecipe:
             mb.loss_mask,
             **vars(alg.policy_loss),  # every key is an argument of policy_loss
             **counts.loss,
-            **tis,
+            rollout_logprobs=mb.rollout_logprobs,  # None (no TIS) unless algorithm.tis.mode
+            tis_mode=alg.tis.mode,
+            tis_cap=alg.tis_cap,
         )
         metrics: dict[str, Any] = {"policy_loss": loss.detach(), **pm}
         pl = alg.policy_loss
