@@ -171,8 +171,6 @@ class GRPOConfig(TrainingConfig):
             )
         ev = self.eval.resolved(self)
         self.optim.lr_scheduler.check_steps(self.max_steps)
-        if critic is not None:
-            critic.lr_scheduler.check_steps(self.max_steps, "critic.lr_scheduler.")
         opts = replace(self, algorithm=alg, critic=critic, eval=ev)
         check_models(opts, prepare=self.run.prepare)
         m = opts.model
@@ -193,6 +191,7 @@ class GRPOConfig(TrainingConfig):
                 "estimator=gae needs a critic: add a `critic:` section with its optimizer"
             )
         check_optimizer(critic.optimizer, "critic.optimizer")
+        critic.lr_scheduler.check_steps(self.max_steps, "critic.lr_scheduler.")
         return replace(critic, path=critic.path or self.model.path)
 
 
