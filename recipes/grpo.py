@@ -29,7 +29,6 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -171,7 +170,7 @@ class GRPOConfig(TrainingConfig):
             )
         ev = self.eval.resolved(self)
         self.optim.lr_scheduler.check_steps(self.max_steps)
-        opts = replace(self, algorithm=alg, critic=critic, eval=ev)
+        opts = dataclasses.replace(self, algorithm=alg, critic=critic, eval=ev)
         check_models(opts, prepare=self.run.prepare)
         m = opts.model
         check_environment(opts.environment, m.path, trust_remote_code=m.trust_remote_code)
@@ -192,7 +191,7 @@ class GRPOConfig(TrainingConfig):
             )
         check_optimizer(critic.optimizer, "critic.optimizer")
         critic.lr_scheduler.check_steps(self.max_steps, "critic.lr_scheduler.")
-        return replace(critic, path=critic.path or self.model.path)
+        return dataclasses.replace(critic, path=critic.path or self.model.path)
 
 
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
