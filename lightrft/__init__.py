@@ -35,26 +35,19 @@ def _map_source_checkout() -> None:
     Both folders are namespace packages (no ``__init__.py``): a regular package in the repository
     root would shadow an installed distribution of the same name (torchtune ships a top-level
     ``recipes``) for any Python started there, and ``lightrft`` is the root's only package."""
-    import importlib.abc
     import importlib.machinery
+    import importlib.util
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     if not (root / "pyproject.toml").is_file():
         return  # an installed wheel: its package-dir mapping is already in place
-    folders = {f"{__name__}.{name}": root / name for name in ("recipes", "configs")}
-
-    class _CheckoutFinder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path=None, target=None):
-            folder = folders.get(fullname)
-            if folder is None or not folder.is_dir():
-                return None
-            spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
-            spec.submodule_search_locations = [str(folder)]
-            return spec
-
-    sys.meta_path.insert(0, _CheckoutFinder())
+    for name in ("recipes", "configs"):
+        if (root / name).is_dir():
+            spec = importlib.machinery.ModuleSpec(f"{__name__}.{name}", None, is_package=True)
+            spec.submodule_search_locations = [str(root / name)]
+            globals()[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
 
 
 _map_source_checkout()

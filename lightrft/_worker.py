@@ -43,9 +43,8 @@ def own_cores() -> list[int] | None:
 def run_recipe(recipe: str, *argv: str) -> None:
     # torchrun's own workers run `python -u`: the forked streams are made unbuffered the same way.
     for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            reconfigure(write_through=True)
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=True)
     # A fresh worker's OpenMP runtime reads the OMP_NUM_THREADS torchrun gives it (1 by default);
     # a fork's was set up in the launcher, before that: apply it as a fresh process would.
     threads = os.environ.get("OMP_NUM_THREADS", "")

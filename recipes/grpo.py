@@ -29,7 +29,6 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -161,10 +160,9 @@ class GRPOConfig(TrainingConfig):
     def resolve(self, at: str) -> GRPOConfig:
         """Every default that depends on another key and every rule across sections."""
         super().resolve(at)
-        ro = self.rollout
         check_rollout(self)  # the modes' rules, before the engine's device rule names its key
         self.engine.check_device(self.run.device, self.engine.sleep_level)
-        alg = self.algorithm.for_rollout(ro.sampling())
+        alg = self.algorithm.for_rollout(self.rollout.sampling())
         critic = self._critic()
         if self.trajectory_tokens and not self.trajectories:
             raise ValueError(
@@ -172,9 +170,7 @@ class GRPOConfig(TrainingConfig):
             )
         ev = self.eval.resolved(self)
         self.optim.lr_scheduler.check_steps(self.max_steps)
-        if critic is not None:
-            critic.lr_scheduler.check_steps(self.max_steps, "critic.lr_scheduler.")
-        opts = replace(self, algorithm=alg, critic=critic, eval=ev)
+        opts = dataclasses.replace(self, algorithm=alg, critic=critic, eval=ev)
         check_models(opts, prepare=self.run.prepare)
         m = opts.model
         check_environment(opts.environment, m.path, trust_remote_code=m.trust_remote_code)
@@ -194,7 +190,8 @@ class GRPOConfig(TrainingConfig):
                 "estimator=gae needs a critic: add a `critic:` section with its optimizer"
             )
         check_optimizer(critic.optimizer, "critic.optimizer")
-        return replace(critic, path=critic.path or self.model.path)
+        critic.lr_scheduler.check_steps(self.max_steps, "critic.lr_scheduler.")
+        return dataclasses.replace(critic, path=critic.path or self.model.path)
 
 
 # What `lightrft validate` and `run` check before anything loads (lightrft.config.parse).
@@ -372,13 +369,11 @@ class GRPORecipe:
             ("trajectories", self.model, need_tokens, True, "token_logprobs", "token_entropy"),
         ]
         micro, dev = self._micro_batches(batch, list(range(len(batch)))), self.dist.device
-        self.token_stats: dict[str, torch.Tensor] = {}
-        found_all: dict[str, torch.Tensor] = {}
+        outs: dict[str, torch.Tensor] = {}  # each field's [B, R] rows, this rank's filled in
         for name, model, flag, entropy, lp_field, ent_field in jobs:
             if not flag:
                 continue
             model.eval()
-            outs: dict[str, torch.Tensor] = {}
             # The strategy's reference: the frozen base under LoRA, else a no-op.
             reference = self.strategy.reference() if name == "reference" else nullcontext()
             with timer(name), reference:
@@ -395,12 +390,11 @@ class GRPORecipe:
                             buf[idx, : t.shape[1]] = t.float().cpu()
             if model is not self.ref and model is not self.teacher:
                 model.train()
-            for field, buf in outs.items():
-                if field.startswith("token_"):
-                    self.token_stats[field[len("token_") :]] = sum_over_ranks(buf)
-                else:
-                    found_all[field] = sum_over_ranks(buf)
-        pre = Precomputed(**found_all)
+        whole = {field: sum_over_ranks(buf) for field, buf in outs.items()}  # every rank's rows
+        pre = Precomputed(**{k: v for k, v in whole.items() if not k.startswith("token_")})
+        self.token_stats = {
+            k[len("token_") :]: v for k, v in whole.items() if k.startswith("token_")
+        }
         if o.trajectory_tokens and not need_tokens:  # the old log-prob pass had both
             self.token_stats = {"logprobs": pre.old_logprobs, "entropy": pre.entropy}
         # rollout/mismatch/*: the engine's log-probs against the trainer's pre-update ones,
@@ -426,10 +420,10 @@ class GRPORecipe:
         elif alg.shaping.reward_clip is not None:
             rewards = clip_rewards(rewards, alg.shaping.reward_clip)
         mask = batch.response_mask  # [B, R] sampled tokens: observations get no advantage
+        own = pre.old_logprobs if pre.old_logprobs is not None else batch.rollout_logprobs
         token_rewards = None
         if alg.kl is not None and alg.kl.placement == "reward":
-            old = pre.old_logprobs if pre.old_logprobs is not None else batch.rollout_logprobs
-            kl = estimate_kl(old, pre.ref_logprobs, alg.kl.estimator)  # [B, R]
+            kl = estimate_kl(own, pre.ref_logprobs, alg.kl.estimator)  # [B, R]
             token_rewards, kl_metrics = kl_in_reward(rewards, kl, mask, self.kl_ctl.coef)
             metrics["train/kl"] = float(kl_metrics["kl"])
         adv, returns = compute_advantages(
@@ -442,7 +436,6 @@ class GRPORecipe:
             **alg.advantage.options(),
         )  # [B, R]
         if (d := self.opts.distillation) is not None:  # the teacher grades every sampled token
-            own = pre.old_logprobs if pre.old_logprobs is not None else batch.rollout_logprobs
             task = adv if d.reward_weight else None
             adv, dm = distillation_advantages(
                 own, pre.teacher_logprobs, mask, task, d.reward_weight
@@ -470,10 +463,6 @@ class GRPORecipe:
         critic's value loss. Returns the sum to backpropagate and metrics (``actor_loss``: the
         policy-side total, logged as ``train/loss``)."""
         alg = self.opts.algorithm
-        tis = {}
-        if alg.tis.mode is not None:
-            tis = {"rollout_logprobs": mb.rollout_logprobs, "tis_mode": alg.tis.mode}
-            tis["tis_cap"] = self.opts.algorithm.tis_cap
         loss, pm = policy_loss(
             mb.logprobs,
             mb.old_logprobs,
@@ -481,7 +470,9 @@ class GRPORecipe:
             mb.loss_mask,
             **vars(alg.policy_loss),  # every key is an argument of policy_loss
             **counts.loss,
-            **tis,
+            rollout_logprobs=mb.rollout_logprobs,  # None (no TIS) unless algorithm.tis.mode
+            tis_mode=alg.tis.mode,
+            tis_cap=alg.tis_cap,
         )
         metrics: dict[str, Any] = {"policy_loss": loss.detach(), **pm}
         pl = alg.policy_loss
@@ -668,7 +659,7 @@ class GRPORecipe:
 
     def _finish(self) -> None:
         if self.opts.eval_dataset is not None and self.last_eval != self.step:
-            self.last_eval = self.step  # a generating process evaluates it during the export
+            # A generating process evaluates the last policy during the export.
             self.source.publish(self.step, updated=False, evaluate=True)
             self.source.drain()
         final = self.run.output_dir / "final"
