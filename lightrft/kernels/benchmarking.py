@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .logprobs import fused_linear_logprobs
+from .logprobs import fused_linear_logprobs, liger_available
 
 # (vocab, hidden) of the LM heads of real models.
 CONFIGS: dict[str, tuple[int, int]] = {
@@ -100,8 +100,6 @@ def provider_available(name: str, device: str | torch.device) -> bool:
     if name not in PROVIDERS:
         raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
     if name == "liger":
-        from .logprobs import liger_available
-
         return liger_available(torch.empty(0, device=device))
     if name == "liger-chunked":
         try:
