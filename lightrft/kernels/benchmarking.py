@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .logprobs import fused_linear_logprobs
+from .logprobs import fused_linear_logprobs, liger_available
 
 # (vocab, hidden) of the LM heads of real models.
 CONFIGS: dict[str, tuple[int, int]] = {
@@ -100,8 +100,6 @@ def provider_available(name: str, device: str | torch.device) -> bool:
     if name not in PROVIDERS:
         raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
     if name == "liger":
-        from .logprobs import liger_available
-
         return liger_available(torch.empty(0, device=device))
     if name == "liger-chunked":
         try:
@@ -122,11 +120,9 @@ def forward_fn(name: str, inp: Inputs) -> Callable[[], Tensor]:
         # The upstream gradient is known in the forward (a weighted sum of the log-probs): the
         # gradients are computed there and the backward returns them.
         g = inp.grad.float()
-
-        def hint(rows: Tensor, logp: Tensor, entropy: Tensor | None):
-            return g[rows], None
-
-        return lambda: fused_linear_logprobs(h, w, t, backend="torch", grad_hint=hint)
+        return lambda: fused_linear_logprobs(
+            h, w, t, backend="torch", grad_hint=lambda rows, logp, entropy: (g[rows], None)
+        )
     if name == "liger":
         return lambda: fused_linear_logprobs(h, w, t, backend="liger")
     if name == "liger-chunked":
@@ -218,10 +214,9 @@ def transient_peak_bytes(events: list[tuple[int, int, int, int]], grad_ptrs: set
     as alive from that allocation on.
     """
     last = {ptr: i for i, (_, ptr, size, _) in enumerate(events) if size > 0 and ptr in grad_ptrs}
-    grad_at = {i: events[i][2] for i in last.values()}
-    peak = grads_alive = 0
-    for i, (_, _, _, total) in enumerate(events):
-        grads_alive += grad_at.get(i, 0)
+    starts, peak, grads_alive = set(last.values()), 0, 0
+    for i, (_, _, size, total) in enumerate(events):
+        grads_alive += size if i in starts else 0
         peak = max(peak, total - grads_alive)
     return peak
 
@@ -278,10 +273,8 @@ def peak_memory_mib(
 def _probe(name, mode, n, vocab, hidden, dtype: str, device="cpu") -> dict[str, float]:
     """:func:`_probe_in_process` of one call on inputs made here, after a warm-up."""
     _warm_up(name, device, DTYPES[dtype])
-    floor = name == "matmul"
-    inp = make_inputs(
-        int(n), int(vocab), int(hidden), dtype=DTYPES[dtype], device=device, floor=floor
-    )
+    sizes = int(n), int(vocab), int(hidden)
+    inp = make_inputs(*sizes, dtype=DTYPES[dtype], device=device, floor=name == "matmul")
     return _probe_in_process(name, mode, inp)
 
 
@@ -336,8 +329,7 @@ def compare(
                 )
         if memory:
             mem = peak_memory_mib(p, mode, n, vocab, hidden, dtype, device)
-            row["transient_mib"] = mem["transient"]
-            row["peak_above_inputs_mib"] = mem["peak_above_inputs"]
+            row.update({f"{key}_mib": mib for key, mib in mem.items()})
         out[p] = row
     return out
 

@@ -128,23 +128,19 @@ QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|
 LLAVA_IMAGE_TOKEN = "<image>"
 
 
-def _vision_chat_template(image: str, kind: str = "image", video: str | None = None) -> str:
-    """ChatML whose content may be a string or a list of HF content parts; each
-    ``{"type": kind}`` part renders as ``image`` (the processor expands it per image or audio),
-    each ``{"type": "video"}`` part as ``video`` when given."""
-    video_part = "" if video is None else "{% elif part['type'] == 'video' %}" + video
+def _media_chat_template(**media: str) -> str:
+    """ChatML whose content may be a string or a list of HF content parts; a part whose type is a
+    keyword (``image``, ``video``, ``audio``) renders as that keyword's markup (the processor
+    expands it per image, video or audio), a ``text`` part as its text."""
+    parts = {**media, "text": "{{ part['text'] }}"}
+    cases = "{% el".join(
+        f"if part['type'] == '{kind}' %}}{markup}" for kind, markup in parts.items()
+    )
     return (
         "{% for message in messages %}"
         "<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for part in message['content'] %}"
-        "{% if part['type'] == '"
-        + kind
-        + "' %}"
-        + image
-        + video_part
-        + "{% elif part['type'] == 'text' %}"
-        "{{ part['text'] }}{% endif %}"
+        "{% else %}{% for part in message['content'] %}{% " + cases + "{% endif %}"
         "{% endfor %}{% endif %}"
         "<|im_end|>\n"
         "{% endfor %}"
@@ -185,16 +181,12 @@ def tiny_config(
     """A tiny text model's HF config (``sizes``: ``layers``, ``hidden``, ``heads``,
     ``kv_heads``, ``intermediate``, ``max_positions``, ``tie_embeddings``, as
     :func:`make_tiny_model` takes them)."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import AutoConfig
 
     if arch not in TEXT_ARCHS:
         raise ValueError(f"arch must be one of {TEXT_ARCHS}, got {arch!r}")
-    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
-    return cls(
-        **_text_config(vocab_size, eos_token_id, pad_token_id, **sizes),
-        rope_theta=10000.0,
-        initializer_range=0.02,
-        use_cache=True,
+    return AutoConfig.for_model(
+        arch, **_text_config(vocab_size, eos_token_id, pad_token_id, **sizes)
     )
 
 
@@ -223,11 +215,7 @@ def make_tiny_model(
     sizes = {
         k: v for k, v in locals().items() if k not in ("out_dir", "arch", "chat_template", "seed")
     }
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForMultimodalLM,
-    )
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMultimodalLM
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -244,28 +232,15 @@ def make_tiny_model(
     if arch in TEXT_ARCHS:
         tok = char_tokenizer()
         tok.chat_template = CHAT_TEMPLATES[chat_template]
-        cfg = tiny_config(
-            _padded(tok),
-            arch=arch,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            **sizes,
-        )
+        cfg = AutoConfig.for_model(arch, **_tok_text_config(tok, **sizes))
         return _save_random(AutoModelForCausalLM, cfg, tok, tok, seed, out)
-    if arch in AUDIO_ARCHS:
-        tok = char_tokenizer(QWEN_AUDIO_TOKENS)
-        proc, auto = _tiny_audio_processor(tok), AutoModelForMultimodalLM
+    if arch == "llava":
+        cfg, proc = _tiny_llava(**sizes)
+    elif arch in AUDIO_ARCHS:
+        cfg, proc = _tiny_qwen_audio(**sizes)
     else:
-        tok = char_tokenizer([LLAVA_IMAGE_TOKEN] if arch == "llava" else QWEN_VISION_TOKENS)
-        proc, auto = _tiny_processor(arch, tok), AutoModelForImageTextToText
-    tok.chat_template = proc.chat_template
-    cfg = _audio_config(tok, **sizes) if arch in AUDIO_ARCHS else _vlm_config(arch, tok, **sizes)
-    return _save_random(auto, cfg, tok, proc, seed, out)
-
-
-def _padded(tok) -> int:
-    """The vocabulary size of a model for ``tok``: its length rounded up to a multiple of 16."""
-    return -(-len(tok) // 16) * 16
+        cfg, proc = _tiny_qwen_vl(arch, **sizes)
+    return _save_random(AutoModelForMultimodalLM, cfg, proc.tokenizer, proc, seed, out)
 
 
 def _save_random(auto, cfg, tok, saver, seed: int, out: Path) -> Path:
@@ -290,10 +265,6 @@ def _save_random(auto, cfg, tok, saver, seed: int, out: Path) -> Path:
 # Tiny images: 14-pixel patches (Qwen3-VL: 16) merged 2x2, so a 56x56 image is 16 patches and
 # 4 LLM tokens; at most 16 merged tokens per image.
 _PATCH = 14
-
-
-def _patch(arch: str) -> int:
-    return 16 if arch == "qwen3_vl" else _PATCH
 
 
 def _text_config(
@@ -327,44 +298,80 @@ def _text_config(
         "pad_token_id": pad_token_id,
         "bos_token_id": None,
         "tie_word_embeddings": tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }
 
 
-def _tok_text_config(tok, model_type: str | None = None, **sizes: Any) -> dict[str, Any]:
-    """The text model of a tiny multimodal model (``model_type``: the text model's, where the
-    outer config does not imply it), its vocabulary and special ids those of ``tok``."""
-    text = _text_config(_padded(tok), tok.eos_token_id, tok.pad_token_id, **sizes)
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-    return text if model_type is None else {"model_type": model_type, **text}
+def _tok_text_config(tok, **sizes: Any) -> dict[str, Any]:
+    """The text model of a tiny model whose vocabulary and special ids are those of ``tok``: its
+    vocabulary size is ``tok``'s length rounded up to a multiple of 16."""
+    return _text_config(-(-len(tok) // 16) * 16, tok.eos_token_id, tok.pad_token_id, **sizes)
 
 
-def _vlm_config(arch: str, tok, **sizes: Any):
-    """The HF config of a tiny vision-language model whose special ids match ``tok``."""
+def _tiny_llava(**sizes: Any):
+    """A tiny LLaVA's HF config, its image token id that of its tokenizer, and its processor: PIL
+    image processor, tokenizer and chat template."""
+    from transformers import AutoConfig, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tok = char_tokenizer([LLAVA_IMAGE_TOKEN])
+    size, vision_width = 2 * _PATCH, 32
+    proc = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+        ),
+        tokenizer=tok,
+        patch_size=_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=_media_chat_template(image=LLAVA_IMAGE_TOKEN),
+    )
+    cfg = AutoConfig.for_model(
+        "llava",
+        text_config=_tok_text_config(tok, **sizes),
+        vision_config={
+            "hidden_size": vision_width,
+            "intermediate_size": 2 * vision_width,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": size,
+            "patch_size": _PATCH,
+            "projection_dim": vision_width,
+        },
+        image_token_id=tok.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        image_seq_length=4,
+        tie_word_embeddings=sizes["tie_embeddings"],
+    )
+    return cfg, proc
+
+
+def _tiny_qwen_vl(arch: str, **sizes: Any):
+    """A tiny Qwen-VL's HF config, its special ids those of its tokenizer, and its processor:
+    PIL image processor, tokenizer and chat template."""
     from transformers import AutoConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
-    hidden, tie_embeddings = sizes["hidden"], sizes["tie_embeddings"]
+    from lightrft.models.multimodal import processor_classes
+
+    tok = char_tokenizer(QWEN_VISION_TOKENS)
+    patch = 16 if arch == "qwen3_vl" else _PATCH
+    merged = 2 * patch  # pixels per side of one LLM token
+    proc = processor_classes()[arch](
+        image_processor=Qwen2VLImageProcessorPil(
+            min_pixels=merged * merged, max_pixels=merged * merged * 16, patch_size=patch
+        ),
+        tokenizer=tok,
+        chat_template=_media_chat_template(
+            image="<|vision_start|><|image_pad|><|vision_end|>",
+            video="<|vision_start|><|video_pad|><|vision_end|>",
+        ),
+    )
+    hidden, vision_width = sizes["hidden"], 32
     head_dim = hidden // sizes["heads"]
-    vision_width = 32
-    if arch == "llava":
-        return AutoConfig.for_model(
-            "llava",
-            text_config=_tok_text_config(tok, "llama", **sizes),
-            vision_config={
-                "model_type": "clip_vision_model",
-                "hidden_size": vision_width,
-                "intermediate_size": 2 * vision_width,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "image_size": 2 * _PATCH,
-                "patch_size": _PATCH,
-                "projection_dim": vision_width,
-            },
-            image_token_id=tok.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
-            vision_feature_select_strategy="default",
-            vision_feature_layer=-1,
-            image_seq_length=4,
-            tie_word_embeddings=tie_embeddings,
-        )
     text = _tok_text_config(tok, **sizes)
     # M-RoPE splits the rotary half-dimension over (time, height, width): the sections must sum
     # to head_dim / 2, else the model's cos/sin do not match q and k.
@@ -373,7 +380,7 @@ def _vlm_config(arch: str, tok, **sizes: Any):
     vision = {
         "depth": 2,
         "num_heads": 2,
-        "patch_size": _patch(arch),
+        "patch_size": patch,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
         "in_channels": 3,
@@ -395,54 +402,22 @@ def _vlm_config(arch: str, tok, **sizes: Any):
         vision.update(window_size=2 * 2 * _PATCH, fullatt_block_indexes=[1])
     names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
     ids = dict(zip(names, tok.convert_tokens_to_ids(QWEN_VISION_TOKENS), strict=True))
-    return AutoConfig.for_model(
-        arch, text_config=text, vision_config=vision, tie_word_embeddings=tie_embeddings, **ids
+    cfg = AutoConfig.for_model(
+        arch,
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=sizes["tie_embeddings"],
+        **ids,
     )
+    return cfg, proc
 
 
-def _tiny_processor(arch: str, tok):
-    """The processor of a tiny VLM: PIL image processor, tokenizer and chat template."""
-    from lightrft.models.multimodal import processor_classes
+def _tiny_qwen_audio(**sizes: Any):
+    """A tiny Qwen2-Audio's HF config, its audio token id that of its tokenizer, and its processor
+    over a small ``WhisperFeatureExtractor`` and the tokenizer."""
+    from transformers import AutoConfig, Qwen2AudioProcessor, WhisperFeatureExtractor
 
-    if arch == "llava":
-        from transformers import LlavaProcessor
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-        size = 2 * _PATCH
-        return LlavaProcessor(
-            image_processor=CLIPImageProcessorPil(
-                size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-            ),
-            tokenizer=tok,
-            patch_size=_PATCH,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-            chat_template=_vision_chat_template(LLAVA_IMAGE_TOKEN),
-        )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    cls = processor_classes()[arch]
-    merged = 2 * _patch(arch)  # pixels per side of one LLM token
-    return cls(
-        image_processor=Qwen2VLImageProcessorPil(
-            min_pixels=merged * merged,
-            max_pixels=merged * merged * 16,
-            patch_size=_patch(arch),
-        ),
-        tokenizer=tok,
-        chat_template=_vision_chat_template(
-            "<|vision_start|><|image_pad|><|vision_end|>",
-            video="<|vision_start|><|video_pad|><|vision_end|>",
-        ),
-    )
-
-
-def _tiny_audio_processor(tok):
-    """Qwen2-Audio's processor over a small ``WhisperFeatureExtractor`` and ``tok``."""
-    from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
-
+    tok = char_tokenizer(QWEN_AUDIO_TOKENS)
     fe = WhisperFeatureExtractor(
         feature_size=AUDIO_MELS,
         sampling_rate=AUDIO_RATE,
@@ -450,21 +425,14 @@ def _tiny_audio_processor(tok):
         chunk_length=AUDIO_CHUNK_SECONDS,
         n_fft=400,
     )
-    return Qwen2AudioProcessor(
+    proc = Qwen2AudioProcessor(
         feature_extractor=fe,
         tokenizer=tok,
-        chat_template=_vision_chat_template("".join(QWEN_AUDIO_TOKENS), kind="audio"),
+        chat_template=_media_chat_template(audio="".join(QWEN_AUDIO_TOKENS)),
     )
-
-
-def _audio_config(tok, **sizes: Any):
-    """The HF config of a tiny Qwen2-Audio whose audio token id matches ``tok``."""
-    from transformers import AutoConfig
-
     width = 32
     frames = AUDIO_CHUNK_SECONDS * 100  # mel frames per chunk (10 ms hop)
     audio = {
-        "model_type": "qwen2_audio_encoder",
         "num_mel_bins": AUDIO_MELS,
         "encoder_layers": 2,
         "encoder_attention_heads": 2,
@@ -473,13 +441,14 @@ def _audio_config(tok, **sizes: Any):
         # The encoder's stride-2 convolution halves the frames; it checks that length exactly.
         "max_source_positions": frames // 2,
     }
-    return AutoConfig.for_model(
+    cfg = AutoConfig.for_model(
         "qwen2_audio",
-        text_config=_tok_text_config(tok, "qwen2", **sizes),
+        text_config=_tok_text_config(tok, **sizes),
         audio_config=audio,
         audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"),
         tie_word_embeddings=sizes["tie_embeddings"],
     )
+    return cfg, proc
 
 
 def ensure_tiny_model(out_dir: str | Path, **settings: Any) -> Path:
