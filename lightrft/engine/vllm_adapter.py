@@ -819,7 +819,21 @@ class VLLMEngine(ExternalEngine):
                 offset = sum(len(r) for r, _ in pooled[: dist.get_rank(self.tp_group)])
                 requests = [r for rs, _ in pooled for r in rs]
                 params = [p for _, ps in pooled for p in ps]
-            completions = self._generate_all(requests, params)
+            # One LLM.generate over every request; a FIRE request's (first_token_temperature)
+            # samples take their first token there, at the hot temperature, then go on in one
+            # continuation each (_fire_rest).
+            fire = [p.first_token_temperature is not None for p in params]
+            outs = self._llm_generate(
+                [self._prompt(r.prompt_token_ids, r) for r in requests],
+                [self._params(p, first) for p, first in zip(params, fire, strict=True)],
+            )
+            firsts = completions_from_outputs(
+                outs,
+                range(len(requests)),
+                [r.prompt_token_ids for r in requests],
+                [self._bias(p, first) for p, first in zip(params, fire, strict=True)],
+            )
+            completions = self._fire_rest(requests, params, firsts)
             if continuation is not None:
                 completions = self._continue(requests, params, completions, continuation)
         mine = [c for c in completions if offset <= c.request_index < offset + local]
@@ -915,25 +929,6 @@ class VLLMEngine(ExternalEngine):
         media ids are not suppressed."""
         t = p.first_token_temperature if first_token else p.temperature
         return MEDIA_LOGIT_BIAS / (t if t and t > 0 else 1.0) if self.suppress_token_ids else 0.0
-
-    def _generate_all(
-        self, requests: list[Request], params: list[SamplingParams]
-    ) -> list[Completion]:
-        """One ``LLM.generate`` over every request; a FIRE request's (``first_token_temperature``)
-        samples take their first token there, at the hot temperature, then go on in one
-        continuation each (:meth:`_fire_rest`)."""
-        fire = [p.first_token_temperature is not None for p in params]
-        outs = self._llm_generate(
-            [self._prompt(r.prompt_token_ids, r) for r in requests],
-            [self._params(p, first) for p, first in zip(params, fire, strict=True)],
-        )
-        firsts = completions_from_outputs(
-            outs,
-            range(len(requests)),
-            [r.prompt_token_ids for r in requests],
-            [self._bias(p, first) for p, first in zip(params, fire, strict=True)],
-        )
-        return self._fire_rest(requests, params, firsts)
 
     def _sample_on(
         self, requests: list[Request], going: list[tuple[Completion, SamplingParams, int, Any]]
