@@ -637,7 +637,6 @@ class VLLMEngine(ExternalEngine):
         rank = dist.get_rank() if distributed else 0
         world = dist.get_world_size() if distributed else 1
         groups = tp_groups(world, tensor_parallel_size)
-        self.tp_size = tensor_parallel_size
         self.tp_group, self._peers = None, None
         if tensor_parallel_size > 1:
             self.tp_group, _ = dist.new_subgroups_by_enumeration(groups)
@@ -814,7 +813,7 @@ class VLLMEngine(ExternalEngine):
         with watch:
             if self.tp_group is not None:
                 # Every member of a TP group must run the same batch: pool the group's requests.
-                pooled: list[Any] = [None] * self.tp_size
+                pooled: list[Any] = [None] * dist.get_world_size(self.tp_group)
                 dist.all_gather_object(pooled, (requests, params), group=self.tp_group)
                 offset = sum(len(r) for r, _ in pooled[: dist.get_rank(self.tp_group)])
                 requests = [r for rs, _ in pooled for r in rs]
