@@ -878,12 +878,10 @@ class VLLMEngine(ExternalEngine):
             engine.abort_request(cut)
         result = []
         for rid, (i, j, ids, lps) in rows.items():
-            new, new_lps, reason = ([], [], "partial")
+            new, new_lps, reason = [], [], "partial"
             if rid in latest:
-                sample = latest[rid].outputs[0]
-                new, new_lps, reason = _sample_of(
-                    sample, i, j, self._bias(params[i]), rid not in cut
-                )
+                out = latest[rid].outputs[0]
+                new, new_lps, reason = _sample_of(out, i, j, self._bias(params[i]), rid not in cut)
             ids, lps = ids + new, lps + new_lps
             text = self._decode(ids) if params[i].detokenize else None
             prompt = list(requests[i].prompt_token_ids)
