@@ -46,6 +46,7 @@ backend repacks its linear weights after loading (their parameters lose ``weight
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import importlib.util
 import math
@@ -151,6 +152,7 @@ def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
         )
 
 
+@functools.cache  # once per process
 def _unique_cpu_shm_names() -> None:
     """Tensor parallelism on vLLM 0.32's CPU platform shares memory between the ranks of a
     group through /dev/shm files named from the distributed init method, which
@@ -160,13 +162,10 @@ def _unique_cpu_shm_names() -> None:
     from vllm.distributed.device_communicators import cpu_communicator as cc
 
     original = cc._CPUSHMDistributed.make_group_name
-    if getattr(original, "_lightrft", False):
-        return
 
     def make_group_name(communicator) -> str:
         return f"{original(communicator)}-{os.environ.get('MASTER_PORT', '')}"
 
-    make_group_name._lightrft = True  # type: ignore[attr-defined]
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
