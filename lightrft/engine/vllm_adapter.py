@@ -15,7 +15,7 @@ the resized PIL images under ``multi_modal_data["image"]`` and the image-process
 datasets used under ``mm_processor_kwargs``. Vision tokens are kept out of sampling with
 ``logit_bias`` -100; vLLM's processed log-probs then renormalise over the other ids, so the
 suppressed ids' log-probs come back beside each sampled token's (``logprob_token_ids``) and the
-bias is taken back out (:func:`_sampled_logprobs`): the log-probs are the model's own, as the
+bias is taken back out (:func:`_sample_of`): the log-probs are the model's own, as the
 native engine's and the trainer's. On vLLM's CPU platform, without torchvision, Qwen2-VL and
 Qwen2.5-VL run on images through :func:`images_without_torchvision`; video and the other
 multimodal models are refused by name (:data:`WITHOUT_TORCHVISION_REFUSED`).
