@@ -724,8 +724,7 @@ class VLLMEngine(ExternalEngine):
         self._asleep -= set(tags)
 
     def _worker(self):
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
+        worker = self.llm.llm_engine.model_executor.driver_worker
         return getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
 
     def _model(self) -> torch.nn.Module:
