@@ -611,7 +611,7 @@ class VLLMEngine(ExternalEngine):
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_sleep_mode=enable_sleep_mode,
             )
-            enable_sleep_mode = False
+            self.enable_sleep_mode = False
             images_without_torchvision(hf_config.model_type)
             # A seeded row whose prefill is chunked over steps has its sampled token discarded,
             # and vLLM 0.32 then rewinds its generator with set_offset, which a CPU generator
@@ -628,7 +628,7 @@ class VLLMEngine(ExternalEngine):
                     "this vLLM is a CUDA build and there is no CUDA GPU here; on CPU install "
                     f"vLLM's CPU engine ({CPU_INSTALL}) or use engine.backend=native"
                 )
-            enable_sleep_mode = True if enable_sleep_mode is None else enable_sleep_mode
+            self.enable_sleep_mode = enable_sleep_mode is None or bool(enable_sleep_mode)
             if gpu_memory_utilization is None and kv_cache_memory_bytes is None:
                 gpu_memory_utilization = 0.5
         check_shared_parallel_groups(tensor_parallel_size)
@@ -657,7 +657,6 @@ class VLLMEngine(ExternalEngine):
 
         if self.on_cpu and tensor_parallel_size > 1:
             _unique_cpu_shm_names()
-        self.enable_sleep_mode = bool(enable_sleep_mode)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         # (cpu_worker.py); the trainer shares the process and keeps its own thread settings.
         set_num_threads = torch.set_num_threads
