@@ -15,7 +15,7 @@ the resized PIL images under ``multi_modal_data["image"]`` and the image-process
 datasets used under ``mm_processor_kwargs``. Vision tokens are kept out of sampling with
 ``logit_bias`` -100; vLLM's processed log-probs then renormalise over the other ids, so the
 suppressed ids' log-probs come back beside each sampled token's (``logprob_token_ids``) and the
-bias is taken back out (:func:`_sampled_logprobs`): the log-probs are the model's own, as the
+bias is taken back out (:func:`_sample_of`): the log-probs are the model's own, as the
 native engine's and the trainer's. On vLLM's CPU platform, without torchvision, Qwen2-VL and
 Qwen2.5-VL run on images through :func:`images_without_torchvision`; video and the other
 multimodal models are refused by name (:data:`WITHOUT_TORCHVISION_REFUSED`).
@@ -46,6 +46,7 @@ backend repacks its linear weights after loading (their parameters lose ``weight
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import importlib.util
 import math
@@ -151,6 +152,7 @@ def check_shared_parallel_groups(tensor_parallel_size: int) -> None:
         )
 
 
+@functools.cache  # once per process
 def _unique_cpu_shm_names() -> None:
     """Tensor parallelism on vLLM 0.32's CPU platform shares memory between the ranks of a
     group through /dev/shm files named from the distributed init method, which
@@ -160,13 +162,10 @@ def _unique_cpu_shm_names() -> None:
     from vllm.distributed.device_communicators import cpu_communicator as cc
 
     original = cc._CPUSHMDistributed.make_group_name
-    if getattr(original, "_lightrft", False):
-        return
 
     def make_group_name(communicator) -> str:
         return f"{original(communicator)}-{os.environ.get('MASTER_PORT', '')}"
 
-    make_group_name._lightrft = True  # type: ignore[attr-defined]
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
@@ -612,7 +611,7 @@ class VLLMEngine(ExternalEngine):
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_sleep_mode=enable_sleep_mode,
             )
-            enable_sleep_mode = False
+            self.enable_sleep_mode = False
             images_without_torchvision(hf_config.model_type)
             # A seeded row whose prefill is chunked over steps has its sampled token discarded,
             # and vLLM 0.32 then rewinds its generator with set_offset, which a CPU generator
@@ -629,7 +628,7 @@ class VLLMEngine(ExternalEngine):
                     "this vLLM is a CUDA build and there is no CUDA GPU here; on CPU install "
                     f"vLLM's CPU engine ({CPU_INSTALL}) or use engine.backend=native"
                 )
-            enable_sleep_mode = True if enable_sleep_mode is None else enable_sleep_mode
+            self.enable_sleep_mode = enable_sleep_mode is None or bool(enable_sleep_mode)
             if gpu_memory_utilization is None and kv_cache_memory_bytes is None:
                 gpu_memory_utilization = 0.5
         check_shared_parallel_groups(tensor_parallel_size)
@@ -637,7 +636,6 @@ class VLLMEngine(ExternalEngine):
         rank = dist.get_rank() if distributed else 0
         world = dist.get_world_size() if distributed else 1
         groups = tp_groups(world, tensor_parallel_size)
-        self.tp_size = tensor_parallel_size
         self.tp_group, self._peers = None, None
         if tensor_parallel_size > 1:
             self.tp_group, _ = dist.new_subgroups_by_enumeration(groups)
@@ -659,7 +657,6 @@ class VLLMEngine(ExternalEngine):
 
         if self.on_cpu and tensor_parallel_size > 1:
             _unique_cpu_shm_names()
-        self.enable_sleep_mode = bool(enable_sleep_mode)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         # (cpu_worker.py); the trainer shares the process and keeps its own thread settings.
         set_num_threads = torch.set_num_threads
@@ -726,8 +723,7 @@ class VLLMEngine(ExternalEngine):
         self._asleep -= set(tags)
 
     def _worker(self):
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
+        worker = self.llm.llm_engine.model_executor.driver_worker
         return getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
 
     def _model(self) -> torch.nn.Module:
@@ -814,12 +810,26 @@ class VLLMEngine(ExternalEngine):
         with watch:
             if self.tp_group is not None:
                 # Every member of a TP group must run the same batch: pool the group's requests.
-                pooled: list[Any] = [None] * self.tp_size
+                pooled: list[Any] = [None] * dist.get_world_size(self.tp_group)
                 dist.all_gather_object(pooled, (requests, params), group=self.tp_group)
                 offset = sum(len(r) for r, _ in pooled[: dist.get_rank(self.tp_group)])
                 requests = [r for rs, _ in pooled for r in rs]
                 params = [p for _, ps in pooled for p in ps]
-            completions = self._generate_all(requests, params)
+            # One LLM.generate over every request; a FIRE request's (first_token_temperature)
+            # samples take their first token there, at the hot temperature, then go on in one
+            # continuation each (_fire_rest).
+            fire = [p.first_token_temperature is not None for p in params]
+            outs = self._llm_generate(
+                [self._prompt(r.prompt_token_ids, r) for r in requests],
+                [self._params(p, first) for p, first in zip(params, fire, strict=True)],
+            )
+            firsts = completions_from_outputs(
+                outs,
+                range(len(requests)),
+                [r.prompt_token_ids for r in requests],
+                [self._bias(p, first) for p, first in zip(params, fire, strict=True)],
+            )
+            completions = self._fire_rest(requests, params, firsts)
             if continuation is not None:
                 completions = self._continue(requests, params, completions, continuation)
         mine = [c for c in completions if offset <= c.request_index < offset + local]
@@ -865,12 +875,10 @@ class VLLMEngine(ExternalEngine):
             engine.abort_request(cut)
         result = []
         for rid, (i, j, ids, lps) in rows.items():
-            new, new_lps, reason = ([], [], "partial")
+            new, new_lps, reason = [], [], "partial"
             if rid in latest:
-                sample = latest[rid].outputs[0]
-                new, new_lps, reason = _sample_of(
-                    sample, i, j, self._bias(params[i]), rid not in cut
-                )
+                out = latest[rid].outputs[0]
+                new, new_lps, reason = _sample_of(out, i, j, self._bias(params[i]), rid not in cut)
             ids, lps = ids + new, lps + new_lps
             text = self._decode(ids) if params[i].detokenize else None
             prompt = list(requests[i].prompt_token_ids)
@@ -915,25 +923,6 @@ class VLLMEngine(ExternalEngine):
         media ids are not suppressed."""
         t = p.first_token_temperature if first_token else p.temperature
         return MEDIA_LOGIT_BIAS / (t if t and t > 0 else 1.0) if self.suppress_token_ids else 0.0
-
-    def _generate_all(
-        self, requests: list[Request], params: list[SamplingParams]
-    ) -> list[Completion]:
-        """One ``LLM.generate`` over every request; a FIRE request's (``first_token_temperature``)
-        samples take their first token there, at the hot temperature, then go on in one
-        continuation each (:meth:`_fire_rest`)."""
-        fire = [p.first_token_temperature is not None for p in params]
-        outs = self._llm_generate(
-            [self._prompt(r.prompt_token_ids, r) for r in requests],
-            [self._params(p, first) for p, first in zip(params, fire, strict=True)],
-        )
-        firsts = completions_from_outputs(
-            outs,
-            range(len(requests)),
-            [r.prompt_token_ids for r in requests],
-            [self._bias(p, first) for p, first in zip(params, fire, strict=True)],
-        )
-        return self._fire_rest(requests, params, firsts)
 
     def _sample_on(
         self, requests: list[Request], going: list[tuple[Completion, SamplingParams, int, Any]]
