@@ -81,11 +81,8 @@ def response_start(
     template its turns and the assistant header), at least 1 (the first token has nothing to be
     predicted from). The ``likelihood`` reward pooling scores the tokens from here on.
     """
-    if prompt is None:
-        prefix = ""
-    elif not chat_template:
-        prefix = prompt if isinstance(prompt, str) else ""
-    else:
+    prefix = prompt or ""  # without the template a string, as render_for_scoring requires
+    if prompt is not None and chat_template:
         prefix = tokenizer.apply_chat_template(
             prompt_turns(prompt), tokenize=False, add_generation_prompt=True
         )
