@@ -246,16 +246,19 @@ class PreferenceDataset(torch.utils.data.Dataset):
                 except AudioTooLong:
                     audio_dropped += 1
                     continue
-                keep = [0] + [k for k in range(1, len(ids)) if ids[k] != ids[0]]
-                ids, starts = [ids[k] for k in keep], [starts[k] for k in keep]
             else:
                 texts = [
                     render_for_scoring(tokenizer, prompt, r, chat_template=apply_chat_template)
                     for r in [chosen, *rejected]
                 ]
-                keep = [0] + [k for k in range(1, len(texts)) if texts[k] != texts[0]]
-                ids = tokenizer([texts[k] for k in keep], add_special_tokens=False)["input_ids"]
-                starts = None
+                ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+                starts = [
+                    response_start(tokenizer, prompt, s, chat_template=apply_chat_template)
+                    for s in ids
+                ]
+            # A rejected response the model would read as the chosen one is dropped.
+            keep = [0] + [k for k in range(1, len(ids)) if ids[k] != ids[0]]
+            ids, starts = [ids[k] for k in keep], [starts[k] for k in keep]
             identical += 1 + len(rejected) - len(keep)
             if len(keep) == 1:
                 continue
@@ -274,11 +277,6 @@ class PreferenceDataset(torch.utils.data.Dataset):
                     dropped += 1
                     continue
                 truncated += n_long
-            if starts is None:
-                starts = [
-                    response_start(tokenizer, prompt, s, chat_template=apply_chat_template)
-                    for s in ids
-                ]
             self._items.append(
                 {
                     "sequences": [torch.tensor(s, dtype=torch.long) for s in ids],
