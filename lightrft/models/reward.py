@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightrft.models.loading import check_local, load_model, to_dtype
 from lightrft.models.multimodal import checkpoint_config, checkpoint_is_multimodal
 
 POOLINGS = ("last", "mean", "attention", "likelihood")
@@ -332,7 +333,6 @@ def _build(
     embedding), and replacing it would score with a random head."""
     from transformers import AutoModelForSequenceClassification
 
-    from lightrft.models.loading import check_local, load_model, to_dtype
     from lightrft.models.sharded import SafetensorsIndex, build_on_meta, checkpoint_names
 
     check_local(path)
@@ -530,26 +530,23 @@ def load_reward_net(
     )
 
     def frozen(net: RewardNet) -> RewardNet:
-        # Before sharding: parallelize() shards a model without trainable parameters as a
-        # frozen one (its LM head gathered only for its own forward, every block resharded).
+        # Before sharding: parallelize() lays a model out for scoring only if it has no
+        # trainable parameters (its vocabulary tables' rows kept per rank, never gathered).
         _load_pooler(net, path)
         return net.requires_grad_(False)
 
-    if mesh is not None:
-        from lightrft.models.loading import to_dtype
-
-        return load_reward_net_parallel(
-            path,
-            **spec,
-            device=device,
-            prepare=frozen,
-            mesh=mesh,
-            shard=True,
-            offload=offload,
-            param_dtype=to_dtype(dtype),  # the scores' precision is the model's dtype
-            scoring=True,  # scoring only: no rank gathers a vocabulary-sized table
-        )
-    return frozen(build_reward_net(path, **spec, device="cpu")).to(device)
+    sharded = mesh is not None
+    return load_reward_net_parallel(
+        path,
+        **spec,
+        device=device,
+        prepare=frozen,
+        mesh=mesh,
+        shard=sharded,
+        offload=offload and sharded,  # offload applies with a mesh only
+        param_dtype=to_dtype(dtype),  # sharded, the scores' precision is the model's dtype
+        scoring=sharded,  # sharded, scoring only: no rank gathers a vocabulary-sized table
+    )
 
 
 def _load_pooler(net: RewardNet, path: str | Path) -> None:
