@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from lightrft.config import Bound, check_args
 from lightrft.data.audio import AudioTooLong
@@ -81,11 +82,8 @@ def response_start(
     template its turns and the assistant header), at least 1 (the first token has nothing to be
     predicted from). The ``likelihood`` reward pooling scores the tokens from here on.
     """
-    if prompt is None:
-        prefix = ""
-    elif not chat_template:
-        prefix = prompt if isinstance(prompt, str) else ""
-    else:
+    prefix = prompt or ""  # without the template a string, as render_for_scoring requires
+    if prompt is not None and chat_template:
         prefix = tokenizer.apply_chat_template(
             prompt_turns(prompt), tokenize=False, add_generation_prompt=True
         )
@@ -248,16 +246,19 @@ class PreferenceDataset(torch.utils.data.Dataset):
                 except AudioTooLong:
                     audio_dropped += 1
                     continue
-                keep = [0] + [k for k in range(1, len(ids)) if ids[k] != ids[0]]
-                ids, starts = [ids[k] for k in keep], [starts[k] for k in keep]
             else:
                 texts = [
                     render_for_scoring(tokenizer, prompt, r, chat_template=apply_chat_template)
                     for r in [chosen, *rejected]
                 ]
-                keep = [0] + [k for k in range(1, len(texts)) if texts[k] != texts[0]]
-                ids = tokenizer([texts[k] for k in keep], add_special_tokens=False)["input_ids"]
-                starts = None
+                ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+                starts = [
+                    response_start(tokenizer, prompt, s, chat_template=apply_chat_template)
+                    for s in ids
+                ]
+            # A rejected response the model would read as the chosen one is dropped.
+            keep = [0] + [k for k in range(1, len(ids)) if ids[k] != ids[0]]
+            ids, starts = [ids[k] for k in keep], [starts[k] for k in keep]
             identical += 1 + len(rejected) - len(keep)
             if len(keep) == 1:
                 continue
@@ -276,11 +277,6 @@ class PreferenceDataset(torch.utils.data.Dataset):
                     dropped += 1
                     continue
                 truncated += n_long
-            if starts is None:
-                starts = [
-                    response_start(tokenizer, prompt, s, chat_template=apply_chat_template)
-                    for s in ids
-                ]
             self._items.append(
                 {
                     "sequences": [torch.tensor(s, dtype=torch.long) for s in ids],
@@ -434,37 +430,28 @@ class PreferenceCollator:
         self.max_tokens = max_tokens
 
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        seqs: list[torch.Tensor] = []
-        starts: list[int] = []
-        media: list[Media | None] = []
-        k_max = max(len(it["sequences"]) for it in items)
-        candidates = torch.full((len(items), k_max), -1, dtype=torch.long)  # [B, K]
-        safe = torch.zeros((len(items), k_max), dtype=torch.long)  # [B, K]
-        head = []
-        for b, it in enumerate(items):
-            name = it["head"]
-            if name is not None and name not in self.heads:
+        for it in items:
+            if it["head"] is not None and it["head"] not in self.heads:
                 raise ValueError(
-                    f"a pair is labelled for head {name!r}; heads are {list(self.heads)}"
+                    f"a pair is labelled for head {it['head']!r}; heads are {list(self.heads)}"
                 )
-            head.append(0 if name is None else self.heads[name])
-            for k, s in enumerate(it["sequences"]):
-                candidates[b, k] = len(seqs)
-                safe[b, k] = it["safe"][k]
-                seqs.append(s)
-                starts.append(it["starts"][k])
-                media.append(it.get("media"))
+        seqs = [s for it in items for s in it["sequences"]]
         rows = None
         if self.packing:
             rows = pack_in_order([len(s) for s in seqs], self.max_tokens, "max_tokens_per_row")
+        starts = [x for it in items for x in it["starts"]]
         batch = pad_sequences(seqs, self.pad_id, starts=starts, rows=rows)
+        # An item's sequences are consecutive: their indices, -1 where an item has fewer.
+        indices = torch.arange(len(seqs)).split([len(it["sequences"]) for it in items])
+        safe = [torch.tensor(it["safe"], dtype=torch.long) for it in items]
         batch.update(
-            candidates=candidates,
-            safe=safe,
+            candidates=pad_sequence(list(indices), batch_first=True, padding_value=-1),  # [B, K]
+            safe=pad_sequence(safe, batch_first=True),  # [B, K]
             margin=torch.tensor([float(it["margin"]) for it in items]),  # [B]
-            head=torch.tensor(head, dtype=torch.long),  # [B]
+            head=torch.tensor([self.heads.get(it["head"], 0) for it in items]),  # [B]
         )
-        joined = Media.cat(media)  # in sequence order, as the rows hold them
+        # In sequence order, as the rows hold them.
+        joined = Media.cat([it.get("media") for it in items for _ in it["sequences"]])
         if joined is not None:
             batch["media"] = joined
         return batch

@@ -31,14 +31,14 @@ instead of the final, normed hidden state: a probing reward model on a middle la
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightrft.models.loading import check_local, load_model, to_dtype
 from lightrft.models.multimodal import checkpoint_config, checkpoint_is_multimodal
 
 POOLINGS = ("last", "mean", "attention", "likelihood")
@@ -118,8 +118,13 @@ def likelihood_scores(
     ``hidden[:, t - 1]``, so ``scored [R, T]`` must be false on each sequence's first token.
     With ``end_token_id``, the end token's log-probability after each sequence's last token
     counts as one more scored token (unless that last token is already the end token). No
-    ``[tokens, vocab]`` logits are kept (:func:`head_logprobs`).
+    ``[tokens, vocab]`` logits are kept: the fused kernel (``lightrft.kernels``) gives
+    ``log_softmax(lm_head(h))[target]``, or, for a head sharded by vocabulary rows over the ranks
+    (a sharded reward model), its vocabulary-parallel form, a collective.
     """
+    from lightrft.kernels import fused_linear_logprobs
+    from lightrft.models.vocab_parallel import vocab_parallel_logprobs, vocab_rows
+
     R, T, H = hidden.shape
     hidden_rows = hidden[:, :-1].reshape(-1, H)  # [R*(T-1), H]
     targets = torch.where(scored[:, 1:], input_ids[:, 1:], -100).reshape(-1)  # [R*(T-1)]
@@ -132,43 +137,17 @@ def likelihood_scores(
         targets = torch.cat([targets, torch.full_like(last[ends_open], end_token_id)])
         seg = torch.cat([seg, ends_open.nonzero().squeeze(-1)])
     keep = targets != -100
-    logp = head_logprobs(lm_head, hidden_rows[keep], targets[keep])  # [n_scored] fp32
-    seg = seg[keep]
+    hidden_rows, targets, seg = hidden_rows[keep], targets[keep], seg[keep]
+    rows = vocab_rows(lm_head.weight)
+    if rows is None:
+        logp = fused_linear_logprobs(hidden_rows, lm_head.weight, targets, bias=lm_head.bias)
+    else:
+        local = lm_head.weight.to_local().to(hidden.device)  # offload: rows kept in CPU memory
+        bias = None if lm_head.bias is None else lm_head.bias.to_local().to(hidden.device)
+        logp = vocab_parallel_logprobs(hidden_rows, local, targets, rows, bias)  # [n_scored] fp32
     sums = torch.zeros(num_sequences, device=hidden.device).index_add(0, seg, logp)
     counts = torch.bincount(seg, minlength=num_sequences)
     return sums / counts.clamp(min=1)  # a sequence with nothing scored scores 0
-
-
-def head_logprobs(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(lm_head(hidden))[i, targets[i]]`` ``[n]`` (fp32): the fused kernel
-    (``lightrft.kernels``), or, for a head sharded by vocabulary rows over the ranks (a sharded
-    reward model), its vocabulary-parallel form, a collective."""
-    from lightrft.kernels import fused_linear_logprobs
-    from lightrft.models.vocab_parallel import vocab_parallel_logprobs, vocab_rows
-
-    rows = vocab_rows(lm_head.weight)
-    if rows is None:
-        return fused_linear_logprobs(hidden, lm_head.weight, targets, bias=lm_head.bias)
-    local = lm_head.weight.to_local().to(hidden.device)  # offload: rows kept in CPU memory
-    bias = None if lm_head.bias is None else lm_head.bias.to_local().to(hidden.device)
-    return vocab_parallel_logprobs(hidden, local, targets, rows, bias)
-
-
-@contextlib.contextmanager
-def _gathered(module: nn.Module) -> Iterator[None]:
-    """``module``'s weights whole for the block: a frozen model's LM head is an FSDP2 group of
-    its own (parallelize does that), which its own forward would gather, but the likelihood
-    pooling reads its weight without calling it. A collective; plain modules pass through."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(module, FSDPModule):
-        yield
-        return
-    module.unshard()
-    try:
-        yield
-    finally:
-        module.reshard()
 
 
 class RewardNet(nn.Module):
@@ -267,16 +246,11 @@ class RewardNet(nn.Module):
         if self.pooling == "likelihood":
             if scored is None:
                 raise ValueError("pooling='likelihood' needs the scored-token mask `scored`")
-            with _gathered(self.head):
-                return likelihood_scores(
-                    hidden,
-                    self.head,
-                    input_ids,
-                    segment_ids,
-                    scored,
-                    num_sequences,
-                    self.end_token_id,
-                )[:, None]  # [N, 1]
+            # The head's weight is read, its forward not called: a trained head is in the root's
+            # FSDP2 group (whole in the root's forward), a scoring one's vocabulary-parallel.
+            return likelihood_scores(
+                hidden, self.head, input_ids, segment_ids, scored, num_sequences, self.end_token_id
+            )[:, None]  # [N, 1]
         logits = self.pooler(hidden) if self.pooler is not None else None
         pooled = pool_hidden(hidden, segment_ids, num_sequences, self.pooling, logits)  # [N, H]
         return self.head(pooled)  # [N, heads]
@@ -359,7 +333,6 @@ def _build(
     embedding), and replacing it would score with a random head."""
     from transformers import AutoModelForSequenceClassification
 
-    from lightrft.models.loading import check_local, load_model, to_dtype
     from lightrft.models.sharded import SafetensorsIndex, build_on_meta, checkpoint_names
 
     check_local(path)
@@ -557,26 +530,23 @@ def load_reward_net(
     )
 
     def frozen(net: RewardNet) -> RewardNet:
-        # Before sharding: parallelize() shards a model without trainable parameters as a
-        # frozen one (its LM head gathered only for its own forward, every block resharded).
+        # Before sharding: parallelize() lays a model out for scoring only if it has no
+        # trainable parameters (its vocabulary tables' rows kept per rank, never gathered).
         _load_pooler(net, path)
         return net.requires_grad_(False)
 
-    if mesh is not None:
-        from lightrft.models.loading import to_dtype
-
-        return load_reward_net_parallel(
-            path,
-            **spec,
-            device=device,
-            prepare=frozen,
-            mesh=mesh,
-            shard=True,
-            offload=offload,
-            param_dtype=to_dtype(dtype),  # the scores' precision is the model's dtype
-            scoring=True,  # scoring only: no rank gathers a vocabulary-sized table
-        )
-    return frozen(build_reward_net(path, **spec, device="cpu")).to(device)
+    sharded = mesh is not None
+    return load_reward_net_parallel(
+        path,
+        **spec,
+        device=device,
+        prepare=frozen,
+        mesh=mesh,
+        shard=sharded,
+        offload=offload and sharded,  # offload applies with a mesh only
+        param_dtype=to_dtype(dtype),  # sharded, the scores' precision is the model's dtype
+        scoring=sharded,  # sharded, scoring only: no rank gathers a vocabulary-sized table
+    )
 
 
 def _load_pooler(net: RewardNet, path: str | Path) -> None:
