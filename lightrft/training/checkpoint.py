@@ -186,13 +186,11 @@ def check_readable(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if md_file.is_file() or any(path.glob("*.distcp")):
         with _reading(md_file), open(md_file, "rb") as f:
             md = read_dcp_metadata(f, md_file)
-        # Every DCP shard named in ``.metadata`` is at least as long as the data it must hold.
-        need: dict[str, int] = {}
-        for info in (getattr(md, "storage_data", None) or {}).values():
-            end = info.offset + info.length
-            need[info.relative_path] = max(need.get(info.relative_path, 0), end)
-        for name, end in sorted(need.items()):
-            f = path / name
+        # Every DCP shard named in ``.metadata`` is at least as long as the data it must hold:
+        # by file name, each file's furthest end first (the one a truncated file fails on).
+        storage = (getattr(md, "storage_data", None) or {}).values()
+        for info in sorted(storage, key=lambda i: (i.relative_path, -i.offset - i.length)):
+            f, end = path / info.relative_path, info.offset + info.length
             size = f.stat().st_size if f.is_file() else -1
             if size < end:
                 got = "missing" if size < 0 else f"{size} bytes, {end} needed"
