@@ -628,7 +628,23 @@ class Checkpointer:
         except CheckpointException as e:
             raise _load_failed(path, e) from None
         if resharded and needs_rank_state:
-            per_rank = _reshard_rank_state(path, states, loaders_)
+            # The loaders continue from the saved ranks' joint position; ``extra`` is rank 0's,
+            # which every saved rank must share.
+            extra = states[0]["extra"]
+            differ = sorted(
+                k
+                for k in extra
+                if not all(stored_alike(extra[k], s["extra"].get(k)) for s in states[1:])
+            )
+            if differ or any(s["extra"].keys() != extra.keys() for s in states):
+                raise CheckpointError(
+                    f"checkpoint {path}: the per-rank state {differ or 'keys'} differs between "
+                    f"its {saved_world} ranks, so it cannot be handed to another number of "
+                    f"ranks; resume with {saved_world} process(es)"
+                )
+            for name, loader in loaders_.items():
+                loader.load_resharded([s["dataloaders"][name] for s in states], name)
+            per_rank = {"extra": extra, "rng": {}}
             if restore_rng:
                 reseed(seed, int(meta["step"]), rank)
                 per_rank["rng"] = rng_state()
@@ -735,26 +751,6 @@ def check_reshardable(
                     "A resume on another world size keeps the global batch: scale the per-rank "
                     f"batch (e.g. batch_size or gradient_accumulation_steps) by {saved}/{world}"
                 )
-
-
-def _reshard_rank_state(path: Path, states: list[dict], loaders: Mapping[str, Any]) -> dict:
-    """This rank's state from the ``states`` of the saved ranks of ``path``: the loaders continue
-    from the saved ranks' joint position; ``extra`` is rank 0's, which every rank must share."""
-    saved_world = len(states)
-    differ = sorted(
-        k
-        for k in states[0]["extra"]
-        if not all(stored_alike(states[0]["extra"][k], s["extra"].get(k)) for s in states[1:])
-    )
-    if differ or any(s["extra"].keys() != states[0]["extra"].keys() for s in states):
-        raise CheckpointError(
-            f"checkpoint {path}: the per-rank state {differ or 'keys'} differs between its "
-            f"{saved_world} ranks, so it cannot be handed to another number of ranks; resume "
-            f"with {saved_world} process(es)"
-        )
-    for name, loader in loaders.items():
-        loader.load_resharded([s["dataloaders"][name] for s in states], name)
-    return {"extra": states[0]["extra"], "rng": {}}
 
 
 def _is_lora(model: nn.Module) -> bool:
