@@ -655,7 +655,17 @@ class Checkpointer:
             if restore_rng:
                 set_rng_state(per_rank["rng"])
         if override_lr and any(c.kind in ("lr", "schedule") for c in changes):
-            _override_lrs(optims_, scheds_, new_lrs)
+            # The configured base LRs back, keeping the schedule's position: each group's
+            # current LR is scaled by new_base / saved_base.
+            for name, opt in optims_.items():
+                for i, g in enumerate(opt.param_groups):
+                    saved = g.get("initial_lr", g["lr"])
+                    g["lr"] = new_lrs[name][i] * (g["lr"] / saved if saved else 1.0)
+                    if "initial_lr" in g:
+                        g["initial_lr"] = new_lrs[name][i]
+                if hasattr(sched := scheds_.get(name), "base_lrs"):
+                    sched.base_lrs = list(new_lrs[name])
+                    sched._last_lr = [g["lr"] for g in opt.param_groups]
         barrier()
         if rank == 0:
             for c in changes:
@@ -838,30 +848,6 @@ def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) ->
         f"saving the checkpoint of step {step} into {tmp} failed: {why}{room}. The partial "
         f"directory was removed; {keep}"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# learning-rate override on resume
-
-
-def _override_lrs(
-    optims: Mapping[str, torch.optim.Optimizer],
-    scheds: Mapping[str, Stateful],
-    new: Mapping[str, list[float]],
-) -> None:
-    """Put the configured base LRs back after loading, keeping the schedule's position: each
-    group's current LR is scaled by new_base / saved_base."""
-    for name, opt in optims.items():
-        sched = scheds.get(name)
-        for i, g in enumerate(opt.param_groups):
-            saved = g.get("initial_lr", g["lr"])
-            ratio = g["lr"] / saved if saved else 1.0
-            g["lr"] = new[name][i] * ratio
-            if "initial_lr" in g:
-                g["initial_lr"] = new[name][i]
-        if sched is not None and hasattr(sched, "base_lrs"):
-            sched.base_lrs = list(new[name])
-            sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
 # ---------------------------------------------------------------------------------------------
