@@ -497,35 +497,28 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
             raise _save_failed(tmp, step, self.latest(), e) from None
         if rank == 0:
-            self._commit(tmp, final)
-            self._prune()
+            # Rename ``tmp`` to ``final`` (the same step saved again, e.g. after a resume, is
+            # swapped out, then dropped) and point ``latest`` at it.
+            replace_dir(tmp, final)
+            with suppress(OSError):  # the rename on disk before ``latest`` names it
+                fd = os.open(self.root, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            write_atomic(self.root / LATEST, (final.name + "\n").encode())
+            # Delete stale ``.tmp`` dirs, the ``.step_N.*.old`` copy a step saved again left when
+            # killed while deleting it, and complete checkpoints beyond ``keep_last`` but the
+            # one ``latest`` now names.
+            for pattern in ("step_*.tmp", ".step_*.old"):
+                for p in self.root.glob(pattern):
+                    shutil.rmtree(p, ignore_errors=True)
+            if self.keep_last is not None:
+                for p in self.list_checkpoints()[: -self.keep_last]:
+                    if p != final:
+                        shutil.rmtree(p, ignore_errors=True)
         barrier()
         return final
-
-    def _commit(self, tmp: Path, final: Path) -> None:
-        """Rank 0: rename ``tmp`` to ``final`` (the same step saved again, e.g. after a resume,
-        is swapped out, then dropped) and point ``latest`` at it."""
-        replace_dir(tmp, final)
-        with suppress(OSError):  # the rename on disk before ``latest`` names it
-            fd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        write_atomic(self.root / LATEST, (final.name + "\n").encode())
-
-    def _prune(self) -> None:
-        """Rank 0: delete complete checkpoints beyond ``keep_last``, stale ``.tmp`` dirs and the
-        ``.step_N.*.old`` copy a step saved again left when killed while deleting it."""
-        for pattern in ("step_*.tmp", ".step_*.old"):
-            for p in self.root.glob(pattern):
-                shutil.rmtree(p, ignore_errors=True)
-        if self.keep_last is None:
-            return
-        keep = self.latest()
-        for p in self.list_checkpoints()[: -self.keep_last]:
-            if p != keep:
-                shutil.rmtree(p, ignore_errors=True)
 
     # -- load -------------------------------------------------------------------------------
 
