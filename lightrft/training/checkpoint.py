@@ -154,9 +154,12 @@ def _reading(f: Path) -> Iterator[None]:
         raise CheckpointError(f"{f} is damaged ({_one_line(e)})") from None
 
 
-def _read_json_object(f: Path) -> dict[str, Any]:
-    """The JSON object in file ``f``; a :class:`CheckpointError` naming it when it is not UTF-8
-    JSON holding an object."""
+def _read_json_object(f: Path) -> dict[str, Any] | None:
+    """The JSON object in file ``f`` (None when absent: a checkpoint saved without a config has
+    no ``config.json``); a :class:`CheckpointError` naming it when it is not UTF-8 JSON holding
+    an object."""
+    if not f.is_file():
+        return None
     with _reading(f):
         obj = json.loads(f.read_bytes().decode("utf-8"))
     if not isinstance(obj, dict):
@@ -164,24 +167,17 @@ def _read_json_object(f: Path) -> dict[str, Any]:
     return obj
 
 
-def read_saved_config(path: Path) -> dict[str, Any] | None:
-    """``path/config.json`` (None when absent); a :class:`CheckpointError` naming the file when
-    it is not UTF-8 JSON."""
-    f = path / CONFIG
-    return _read_json_object(f) if f.is_file() else None
-
-
 def check_readable(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Read every small file of checkpoint ``path`` and size-check its shards and DeepSpeed
     files before anything is loaded; its ``meta.json`` dict and every saved rank's state (what
     :meth:`Checkpointer.load` restores, so it is read once), or a :class:`CheckpointError`
     naming the damaged file."""
-    meta = _read_json_object(path / META)  # a dict with an integer step, or not ours
+    meta = _read_json_object(path / META) or {}  # a dict with an integer step, or not ours
     if not isinstance(meta.get("step"), int):
         raise CheckpointError(
             f"{path / META} is damaged (not a checkpoint record with an integer step)"
         )
-    read_saved_config(path)
+    _read_json_object(path / CONFIG)
     md_file = path / ".metadata"
     if md_file.is_file() or any(path.glob("*.distcp")):
         with _reading(md_file), open(md_file, "rb") as f:
@@ -585,7 +581,7 @@ class Checkpointer:
         needs_rank_state = bool(loaders_) or restore_rng
         resharded = saved_world != world
         changes = []
-        saved_config = None if config is None else read_saved_config(path)
+        saved_config = None if config is None else _read_json_object(path / CONFIG)
         if config is not None and saved_config is None and rank == 0:
             print(f"resume: {path} holds no config record; config changes are not checked")
         elif saved_config is not None:
