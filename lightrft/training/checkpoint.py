@@ -154,9 +154,12 @@ def _reading(f: Path) -> Iterator[None]:
         raise CheckpointError(f"{f} is damaged ({_one_line(e)})") from None
 
 
-def _read_json_object(f: Path) -> dict[str, Any]:
-    """The JSON object in file ``f``; a :class:`CheckpointError` naming it when it is not UTF-8
-    JSON holding an object."""
+def _read_json_object(f: Path) -> dict[str, Any] | None:
+    """The JSON object in file ``f`` (None when absent: a checkpoint saved without a config has
+    no ``config.json``); a :class:`CheckpointError` naming it when it is not UTF-8 JSON holding
+    an object."""
+    if not f.is_file():
+        return None
     with _reading(f):
         obj = json.loads(f.read_bytes().decode("utf-8"))
     if not isinstance(obj, dict):
@@ -164,35 +167,26 @@ def _read_json_object(f: Path) -> dict[str, Any]:
     return obj
 
 
-def read_saved_config(path: Path) -> dict[str, Any] | None:
-    """``path/config.json`` (None when absent); a :class:`CheckpointError` naming the file when
-    it is not UTF-8 JSON."""
-    f = path / CONFIG
-    return _read_json_object(f) if f.is_file() else None
-
-
 def check_readable(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Read every small file of checkpoint ``path`` and size-check its shards and DeepSpeed
     files before anything is loaded; its ``meta.json`` dict and every saved rank's state (what
     :meth:`Checkpointer.load` restores, so it is read once), or a :class:`CheckpointError`
     naming the damaged file."""
-    meta = _read_json_object(path / META)  # a dict with an integer step, or not ours
+    meta = _read_json_object(path / META) or {}  # a dict with an integer step, or not ours
     if not isinstance(meta.get("step"), int):
         raise CheckpointError(
             f"{path / META} is damaged (not a checkpoint record with an integer step)"
         )
-    read_saved_config(path)
+    _read_json_object(path / CONFIG)
     md_file = path / ".metadata"
     if md_file.is_file() or any(path.glob("*.distcp")):
         with _reading(md_file), open(md_file, "rb") as f:
             md = read_dcp_metadata(f, md_file)
-        # Every DCP shard named in ``.metadata`` is at least as long as the data it must hold.
-        need: dict[str, int] = {}
-        for info in (getattr(md, "storage_data", None) or {}).values():
-            end = info.offset + info.length
-            need[info.relative_path] = max(need.get(info.relative_path, 0), end)
-        for name, end in sorted(need.items()):
-            f = path / name
+        # Every DCP shard named in ``.metadata`` is at least as long as the data it must hold:
+        # by file name, each file's furthest end first (the one a truncated file fails on).
+        storage = (getattr(md, "storage_data", None) or {}).values()
+        for info in sorted(storage, key=lambda i: (i.relative_path, -i.offset - i.length)):
+            f, end = path / info.relative_path, info.offset + info.length
             size = f.stat().st_size if f.is_file() else -1
             if size < end:
                 got = "missing" if size < 0 else f"{size} bytes, {end} needed"
@@ -499,35 +493,28 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
             raise _save_failed(tmp, step, self.latest(), e) from None
         if rank == 0:
-            self._commit(tmp, final)
-            self._prune()
+            # Rename ``tmp`` to ``final`` (the same step saved again, e.g. after a resume, is
+            # swapped out, then dropped) and point ``latest`` at it.
+            replace_dir(tmp, final)
+            with suppress(OSError):  # the rename on disk before ``latest`` names it
+                fd = os.open(self.root, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            write_atomic(self.root / LATEST, (final.name + "\n").encode())
+            # Delete stale ``.tmp`` dirs, the ``.step_N.*.old`` copy a step saved again left when
+            # killed while deleting it, and complete checkpoints beyond ``keep_last`` but the
+            # one ``latest`` now names.
+            for pattern in ("step_*.tmp", ".step_*.old"):
+                for p in self.root.glob(pattern):
+                    shutil.rmtree(p, ignore_errors=True)
+            if self.keep_last is not None:
+                for p in self.list_checkpoints()[: -self.keep_last]:
+                    if p != final:
+                        shutil.rmtree(p, ignore_errors=True)
         barrier()
         return final
-
-    def _commit(self, tmp: Path, final: Path) -> None:
-        """Rank 0: rename ``tmp`` to ``final`` (the same step saved again, e.g. after a resume,
-        is swapped out, then dropped) and point ``latest`` at it."""
-        replace_dir(tmp, final)
-        with suppress(OSError):  # the rename on disk before ``latest`` names it
-            fd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        write_atomic(self.root / LATEST, (final.name + "\n").encode())
-
-    def _prune(self) -> None:
-        """Rank 0: delete complete checkpoints beyond ``keep_last``, stale ``.tmp`` dirs and the
-        ``.step_N.*.old`` copy a step saved again left when killed while deleting it."""
-        for pattern in ("step_*.tmp", ".step_*.old"):
-            for p in self.root.glob(pattern):
-                shutil.rmtree(p, ignore_errors=True)
-        if self.keep_last is None:
-            return
-        keep = self.latest()
-        for p in self.list_checkpoints()[: -self.keep_last]:
-            if p != keep:
-                shutil.rmtree(p, ignore_errors=True)
 
     # -- load -------------------------------------------------------------------------------
 
@@ -594,7 +581,7 @@ class Checkpointer:
         needs_rank_state = bool(loaders_) or restore_rng
         resharded = saved_world != world
         changes = []
-        saved_config = None if config is None else read_saved_config(path)
+        saved_config = None if config is None else _read_json_object(path / CONFIG)
         if config is not None and saved_config is None and rank == 0:
             print(f"resume: {path} holds no config record; config changes are not checked")
         elif saved_config is not None:
@@ -630,7 +617,23 @@ class Checkpointer:
         except CheckpointException as e:
             raise _load_failed(path, e) from None
         if resharded and needs_rank_state:
-            per_rank = _reshard_rank_state(path, states, loaders_)
+            # The loaders continue from the saved ranks' joint position; ``extra`` is rank 0's,
+            # which every saved rank must share.
+            extra = states[0]["extra"]
+            differ = sorted(
+                k
+                for k in extra
+                if not all(stored_alike(extra[k], s["extra"].get(k)) for s in states[1:])
+            )
+            if differ or any(s["extra"].keys() != extra.keys() for s in states):
+                raise CheckpointError(
+                    f"checkpoint {path}: the per-rank state {differ or 'keys'} differs between "
+                    f"its {saved_world} ranks, so it cannot be handed to another number of "
+                    f"ranks; resume with {saved_world} process(es)"
+                )
+            for name, loader in loaders_.items():
+                loader.load_resharded([s["dataloaders"][name] for s in states], name)
+            per_rank = {"extra": extra, "rng": {}}
             if restore_rng:
                 reseed(seed, int(meta["step"]), rank)
                 per_rank["rng"] = rng_state()
@@ -641,7 +644,17 @@ class Checkpointer:
             if restore_rng:
                 set_rng_state(per_rank["rng"])
         if override_lr and any(c.kind in ("lr", "schedule") for c in changes):
-            _override_lrs(optims_, scheds_, new_lrs)
+            # The configured base LRs back, keeping the schedule's position: each group's
+            # current LR is scaled by new_base / saved_base.
+            for name, opt in optims_.items():
+                for i, g in enumerate(opt.param_groups):
+                    saved = g.get("initial_lr", g["lr"])
+                    g["lr"] = new_lrs[name][i] * (g["lr"] / saved if saved else 1.0)
+                    if "initial_lr" in g:
+                        g["initial_lr"] = new_lrs[name][i]
+                if hasattr(sched := scheds_.get(name), "base_lrs"):
+                    sched.base_lrs = list(new_lrs[name])
+                    sched._last_lr = [g["lr"] for g in opt.param_groups]
         barrier()
         if rank == 0:
             for c in changes:
@@ -739,26 +752,6 @@ def check_reshardable(
                 )
 
 
-def _reshard_rank_state(path: Path, states: list[dict], loaders: Mapping[str, Any]) -> dict:
-    """This rank's state from the ``states`` of the saved ranks of ``path``: the loaders continue
-    from the saved ranks' joint position; ``extra`` is rank 0's, which every rank must share."""
-    saved_world = len(states)
-    differ = sorted(
-        k
-        for k in states[0]["extra"]
-        if not all(stored_alike(states[0]["extra"][k], s["extra"].get(k)) for s in states[1:])
-    )
-    if differ or any(s["extra"].keys() != states[0]["extra"].keys() for s in states):
-        raise CheckpointError(
-            f"checkpoint {path}: the per-rank state {differ or 'keys'} differs between its "
-            f"{saved_world} ranks, so it cannot be handed to another number of ranks; resume "
-            f"with {saved_world} process(es)"
-        )
-    for name, loader in loaders.items():
-        loader.load_resharded([s["dataloaders"][name] for s in states], name)
-    return {"extra": states[0]["extra"], "rng": {}}
-
-
 def _is_lora(model: nn.Module) -> bool:
     """Whether ``model`` (or the module a DeepSpeed engine wraps) trains LoRA adapters."""
     return has_adapters(model.module if is_deepspeed_engine(model) else model)
@@ -844,30 +837,6 @@ def _save_failed(tmp: Path, step: int, latest: Path | None, e: BaseException) ->
         f"saving the checkpoint of step {step} into {tmp} failed: {why}{room}. The partial "
         f"directory was removed; {keep}"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# learning-rate override on resume
-
-
-def _override_lrs(
-    optims: Mapping[str, torch.optim.Optimizer],
-    scheds: Mapping[str, Stateful],
-    new: Mapping[str, list[float]],
-) -> None:
-    """Put the configured base LRs back after loading, keeping the schedule's position: each
-    group's current LR is scaled by new_base / saved_base."""
-    for name, opt in optims.items():
-        sched = scheds.get(name)
-        for i, g in enumerate(opt.param_groups):
-            saved = g.get("initial_lr", g["lr"])
-            ratio = g["lr"] / saved if saved else 1.0
-            g["lr"] = new[name][i] * ratio
-            if "initial_lr" in g:
-                g["initial_lr"] = new[name][i]
-        if sched is not None and hasattr(sched, "base_lrs"):
-            sched.base_lrs = list(new[name])
-            sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
 # ---------------------------------------------------------------------------------------------
