@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from lightrft.rewards.base import RewardInputError, Sample, prompt_preview
@@ -309,16 +310,17 @@ class GSM8KVerifier(MathVerifier):
     default_extraction: Extraction = "rules"  # GSM8K's own `#### N` rules, unchanged
 
 
+@dataclass(eq=False)
 class _MatchVerifier:
     """``correct`` for a response that the subclass's ``matches`` accepts for its reference (the
     reference as a string), else ``incorrect``."""
 
     requires_reference = True
+    correct: float = 1.0
+    incorrect: float = 0.0
 
-    def __init__(self, correct: float, incorrect: float, strip_think: bool) -> None:
-        self.correct = float(correct)
-        self.incorrect = float(incorrect)
-        self.strip_think = strip_think
+    def __post_init__(self) -> None:
+        self.correct, self.incorrect = float(self.correct), float(self.incorrect)
 
     def __call__(self, samples: Sequence[Sample]) -> list[float]:
         references = _references(type(self).__name__, samples)
@@ -328,6 +330,7 @@ class _MatchVerifier:
         ]
 
 
+@dataclass(eq=False)
 class ExactMatch(_MatchVerifier):
     """``correct`` if the response equals the reference string, else ``incorrect``.
 
@@ -338,16 +341,8 @@ class ExactMatch(_MatchVerifier):
     """
 
     name = "exact"
-
-    def __init__(
-        self,
-        correct: float = 1.0,
-        incorrect: float = 0.0,
-        ignore_case: bool = False,
-        strip_think: bool = True,
-    ) -> None:
-        super().__init__(correct, incorrect, strip_think)
-        self.ignore_case = ignore_case
+    ignore_case: bool = False
+    strip_think: bool = True
 
     def _key(self, text: str) -> str:
         text = text.strip()
@@ -367,6 +362,7 @@ def _choice_key(text: str) -> str:
     return text.strip(" \"'`").rstrip(".").strip()
 
 
+@dataclass(eq=False)
 class ChoiceVerifier(_MatchVerifier):
     """``correct`` if the response chooses the reference option, else ``incorrect``.
 
@@ -380,16 +376,8 @@ class ChoiceVerifier(_MatchVerifier):
     """
 
     name = "choice"
-
-    def __init__(
-        self,
-        correct: float = 1.0,
-        incorrect: float = 0.0,
-        require_tag: bool = True,
-        strip_think: bool = True,
-    ) -> None:
-        super().__init__(correct, incorrect, strip_think)
-        self.require_tag = require_tag
+    require_tag: bool = True
+    strip_think: bool = True
 
     def choice(self, response: str) -> str | None:
         """The option a response chose (None: no ``<answer>`` tag where one is required)."""
@@ -404,6 +392,7 @@ class ChoiceVerifier(_MatchVerifier):
         return chosen is not None and _choice_key(chosen) == _choice_key(reference)
 
 
+@dataclass(eq=False)
 class ThinkFormatReward:
     """``reward`` if the response is ``<think>reasoning</think> answer``, else ``penalty``.
 
@@ -424,24 +413,19 @@ class ThinkFormatReward:
     """
 
     name = "format"
+    tag: str = "think"
+    answer: Literal["any", "boxed", "tag"] = "any"
+    open_tag_in_prompt: bool = False
+    reward: float = 1.0
+    penalty: float = 0.0
 
-    def __init__(
-        self,
-        tag: str = "think",
-        answer: Literal["any", "boxed", "tag"] = "any",
-        open_tag_in_prompt: bool = False,
-        reward: float = 1.0,
-        penalty: float = 0.0,
-    ) -> None:
-        if not re.fullmatch(r"[A-Za-z_][\w-]*", tag):
-            raise ValueError(f"tag must be a tag name such as 'think', got {tag!r}")
-        if answer not in ("any", "boxed", "tag"):
-            raise ValueError(f"answer must be 'any', 'boxed' or 'tag', got {answer!r}")
-        self.open, self.close = f"<{tag}>", f"</{tag}>"
-        self.answer = answer
-        self.open_tag_in_prompt = open_tag_in_prompt
-        self.reward = float(reward)
-        self.penalty = float(penalty)
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
+            raise ValueError(f"tag must be a tag name such as 'think', got {self.tag!r}")
+        if self.answer not in ("any", "boxed", "tag"):
+            raise ValueError(f"answer must be 'any', 'boxed' or 'tag', got {self.answer!r}")
+        self.open, self.close = f"<{self.tag}>", f"</{self.tag}>"
+        self.reward, self.penalty = float(self.reward), float(self.penalty)
 
     def is_well_formed(self, response: str) -> bool:
         text = self.open + response if self.open_tag_in_prompt else response.lstrip()
