@@ -310,7 +310,7 @@ def normalize_answer(ans: str) -> str:
 MAX_NUMBER_DIGITS = 1000  # digits in a row (after thousands separators are dropped)
 MAX_NUMBER_EXPONENT = 10_000  # |e| of 1e..., and of a literal power ^{...}
 _LONG_DIGITS = re.compile(rf"\d{{{MAX_NUMBER_DIGITS + 1},}}")
-_EXPONENT = re.compile(r"(?:(?<=\d)[eE]|\^)\s*\{?\s*[+-]?\s*0*(\d+)")
+_EXPONENT = re.compile(r"(?:(?<=\d)\.?[eE]|\^)\s*\{?\s*[+-]?\s*0*(\d+)")  # 1e5, 1.e5, 2^{5}
 
 
 def oversized_number(ans: str) -> str | None:

@@ -222,12 +222,17 @@ def test_oversized_numbers_are_not_numbers():
     from lightrft.rewards.math_answer import (
         MAX_NUMBER_DIGITS,
         MAX_NUMBER_EXPONENT,
+        answer_key,
         oversized_number,
         parse_number,
     )
 
-    for ans in ("1e999999999", "1E-10001", "10^{10001}", "1" * (MAX_NUMBER_DIGITS + 1)):
+    # "1." before the exponent is a decimal too (Fraction reads it): answer_key hung on it.
+    dotted = ("1.e31000000", "1.E12345678901234567890")
+    for ans in ("1e999999999", "1E-10001", "10^{10001}", "1" * (MAX_NUMBER_DIGITS + 1), *dotted):
         assert oversized_number(ans) and parse_number(ans) is None, ans
+    for ans in (*dotted, "11.e31,000,000"):  # separators go before the number is read
+        assert answer_key(ans) == normalize_answer(ans) and not answers_match(ans, "1"), ans
     assert "999999999 (the bound is" in oversized_number("1e999999999")
     assert "(20 digits)" not in oversized_number("1e" + "9" * 5000)  # shown shortened
     for ans in (f"1e{MAX_NUMBER_EXPONENT}", "2^{2023}", "9" * MAX_NUMBER_DIGITS, "6.02e23"):
